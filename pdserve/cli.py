@@ -1,0 +1,53 @@
+"""The ``pdserve`` command: one entry point, one subcommand per component.
+
+Each subcommand lives in the module that owns it; that module exposes
+``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported only
+when their subcommand runs, so ``pdserve render`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "tiny-model": ("pdserve.engine.tiny_model", "write a small random Llama-style model"),
+    "generate": ("pdserve.engine.generate_cli", "generate text with the engine in-process"),
+    "prefill-worker": ("pdserve.prefill_worker.main", "run a prefill worker"),
+    "decode-worker": ("pdserve.decode_worker.main", "run a decode worker"),
+    "router": ("pdserve.router.main", "run the OpenAI-compatible router"),
+    "up": ("pdserve.router.local_mode", "run router + workers locally"),
+    "operator": ("pdserve.operator.main", "run the Kubernetes operator"),
+    "render": ("pdserve.operator.render_cli", "render an LLMService to manifests"),
+    "profile": ("pdserve.planner.profile", "measure per-replica capacities"),
+}
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_module, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text)
+    return parser, sub
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, sub = build_parser()
+    if not argv or argv[0] not in SUBCOMMANDS:
+        parser.parse_args(argv)  # prints usage / error for unknown commands
+        parser.print_help()
+        return 2
+    name = argv[0]
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    command_parser = argparse.ArgumentParser(prog=f"pdserve {name}", description=SUBCOMMANDS[name][1])
+    module.add_arguments(command_parser)
+    args = command_parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

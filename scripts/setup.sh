@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up everything pdserve needs in ./.venv from the repository's own files.
+# torch==2.13.0 goes first: a bare `torch` requirement (or nixl first) pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e '.[dev]'
+if [ -f scripts/install_k8s_tools.sh ]; then
+  bash scripts/install_k8s_tools.sh
+fi
+echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
