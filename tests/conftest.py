@@ -1,0 +1,55 @@
+"""Shared pytest setup: offline Hugging Face, few threads, and the tiny test model.
+
+The environment defaults are set at import time, before any test module imports
+torch or huggingface_hub (both read them once, at import). Values already set in
+the environment win, so ``OMP_NUM_THREADS=4 pytest ...`` still works.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# The machine is shared and small: one compute thread per test process by default.
+for _name, _value in {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "RAYON_NUM_THREADS": "1",  # tokenizers' training / batch encoding pool
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",  # nothing may download models at run time
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+}.items():
+    os.environ.setdefault(_name, _value)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Git-ignored (/.cache/ in .gitignore); shared by test sessions, written atomically.
+MODEL_CACHE = Path(os.environ.get("PDSERVE_TEST_CACHE", REPO_ROOT / ".cache" / "test-models"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads() -> None:
+    """Match torch's intra-op threads to OMP_NUM_THREADS if torch is in use."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The ``tiny`` preset model (seed 0), written once and reused across sessions."""
+    from pdserve.engine.tiny_model import write_tiny_model
+
+    return write_tiny_model(MODEL_CACHE / "tiny-seed0", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path):
+    """The tiny model's tokenizer, loaded once per session through AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
