@@ -1,0 +1,73 @@
+"""Names, labels and ports shared by rendering, reconciliation and status.
+
+Label keys and container ports are contracts (docs/architecture.md): the router
+discovers workers by ``pdserve.io/service`` + ``pdserve.io/role``.
+"""
+
+from __future__ import annotations
+
+GROUP = "pdserve.io"
+VERSION = "v1alpha1"
+PLURAL = "llmservices"
+KIND = "LLMService"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+ROLES = ("router", "prefill", "decode")
+POOL_ROLES = ("prefill", "decode")
+
+HTTP_PORT = 8080  # every container: HTTP (API, /health, /metrics)
+KV_EVENTS_PORT = 8081  # prefill: ZeroMQ PUB of KV events
+SIDE_CHANNEL_PORT = 8082  # both workers: NIXL handshake / lease release
+ROUTER_SERVICE_PORT = 80
+
+MODEL_MOUNT = "/models"
+LABEL_SERVICE = "pdserve.io/service"
+LABEL_ROLE = "pdserve.io/role"
+ANNOTATION_LAST_APPLIED = "pdserve.io/last-applied"
+ANNOTATION_CONFIG_HASH = "pdserve.io/config-hash"
+MANAGED_BY = "pdserve-operator"
+
+
+def labels(name: str, role: str | None = None) -> dict[str, str]:
+    out = {
+        LABEL_SERVICE: name,
+        "app.kubernetes.io/name": "pdserve",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+    if role is not None:
+        out[LABEL_ROLE] = role
+        out["app.kubernetes.io/component"] = role
+    return out
+
+
+def selector(name: str, role: str) -> dict[str, str]:
+    """Pod selector of a Deployment / Service (immutable on Deployments: keep it minimal)."""
+    return {LABEL_SERVICE: name, LABEL_ROLE: role}
+
+
+def deployment_name(name: str, role: str) -> str:
+    return f"{name}-{role}"
+
+
+def router_service_name(name: str) -> str:
+    return name
+
+
+def pool_service_name(name: str, role: str) -> str:
+    return f"{name}-{role}"
+
+
+def router_account_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def config_map_name(name: str) -> str:
+    return f"{name}-config"
+
+
+def endpoint_url(name: str, namespace: str, ingress_host: str = "", tls: bool = False) -> str:
+    """Where clients reach the OpenAI API (the ``/v1`` base URL)."""
+    if ingress_host:
+        return f"{'https' if tls else 'http'}://{ingress_host}/v1"
+    return f"http://{router_service_name(name)}.{namespace}.svc/v1"

@@ -1,0 +1,241 @@
+"""Rendering: one LLMService → the list of its child manifests. A pure function.
+
+The same function feeds the operator (which adopts and applies the children),
+``pdserve render -f llmservice.yaml`` and the tests. No owner references here:
+the operator adds them (``kopf.adopt``) because only it knows the object's uid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from pdserve.operator import naming as n
+from pdserve.operator.render_deployments import pool_deployment, router_deployment
+from pdserve.operator.spec import LLMServiceSpec
+from pdserve.operator.spec_parse import parse_llmservice
+
+Manifest = dict[str, Any]
+
+
+def _meta(spec: LLMServiceSpec, name: str, role: str | None = None) -> dict[str, Any]:
+    return {"name": name, "namespace": spec.namespace, "labels": n.labels(spec.name, role)}
+
+
+def config_data(spec: LLMServiceSpec) -> dict[str, str]:
+    """Environment for every container (envFrom) plus the settings as JSON for humans/planner."""
+    kv, slo = spec.kv_transfer, spec.slo
+    data = {
+        "PDSERVE_SERVICE": spec.name,
+        "PDSERVE_KV_TRANSPORT": kv.transport,
+        "PDSERVE_SLO_TTFT_MS": str(slo.ttft_ms),
+        "PDSERVE_SLO_TPOT_MS": str(slo.tpot_ms),
+    }
+    if kv.ucx_tls:
+        data["UCX_TLS"] = kv.ucx_tls
+    if kv.ucx_net_devices:
+        data["UCX_NET_DEVICES"] = kv.ucx_net_devices
+    settings = {
+        "model": spec.model.served_name,
+        "dtype": spec.model.dtype,
+        "blockSize": spec.model.block_size,
+        "maxModelLen": spec.model.max_model_len,
+        "kvTransport": kv.transport,
+        "slo": {
+            "ttftMs": slo.ttft_ms,
+            "tpotMs": slo.tpot_ms,
+            "targetAttainment": slo.target_attainment,
+        },
+    }
+    data["settings.json"] = json.dumps(settings, sort_keys=True)
+    return data
+
+
+def config_map(spec: LLMServiceSpec) -> Manifest:
+    meta = _meta(spec, n.config_map_name(spec.name))
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": config_data(spec)}
+
+
+def router_rbac(spec: LLMServiceSpec) -> list[Manifest]:
+    """The router's discovery identity: read-only on pods and EndpointSlices in its namespace."""
+    name = n.router_account_name(spec.name)
+    read = ["get", "list", "watch"]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": _meta(spec, name, "router"),
+            "automountServiceAccountToken": True,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(spec, name, "router"),
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": read},
+                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": read},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(spec, name, "router"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": spec.namespace}],
+        },
+    ]
+
+
+def services(spec: LLMServiceSpec) -> list[Manifest]:
+    http = {"name": "http", "port": n.ROUTER_SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}
+    router = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(spec, n.router_service_name(spec.name), "router"),
+        "spec": {
+            "type": spec.router.service_type,
+            "selector": n.selector(spec.name, "router"),
+            "ports": [http],
+        },
+    }
+    out = [router]
+    for role in n.POOL_ROLES:
+        ports = [
+            {"name": "http", "port": n.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+            {
+                "name": "side-channel",
+                "port": n.SIDE_CHANNEL_PORT,
+                "targetPort": "side-channel",
+                "protocol": "TCP",
+            },
+        ]
+        if role == "prefill":
+            ports.append(
+                {
+                    "name": "kv-events",
+                    "port": n.KV_EVENTS_PORT,
+                    "targetPort": "kv-events",
+                    "protocol": "TCP",
+                }
+            )
+        out.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": _meta(spec, n.pool_service_name(spec.name, role), role),
+                "spec": {
+                    "clusterIP": "None",
+                    "selector": n.selector(spec.name, role),
+                    "ports": ports,
+                },
+            }
+        )
+    return out
+
+
+def ingress(spec: LLMServiceSpec) -> list[Manifest]:
+    ing = spec.router.ingress
+    if ing is None:
+        return []
+    backend = {"service": {"name": n.router_service_name(spec.name), "port": {"name": "http"}}}
+    body: dict[str, Any] = {
+        "rules": [
+            {
+                "host": ing.host,
+                "http": {"paths": [{"path": "/", "pathType": "Prefix", "backend": backend}]},
+            }
+        ]
+    }
+    if ing.class_name:
+        body["ingressClassName"] = ing.class_name
+    if ing.tls_secret_name:
+        body["tls"] = [{"hosts": [ing.host], "secretName": ing.tls_secret_name}]
+    meta = _meta(spec, spec.name, "router")
+    if ing.annotations:
+        meta["annotations"] = dict(ing.annotations)
+    return [
+        {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": meta, "spec": body}
+    ]
+
+
+def disruption_budgets(spec: LLMServiceSpec) -> list[Manifest]:
+    return [
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": _meta(spec, n.deployment_name(spec.name, role), role),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": n.selector(spec.name, role)}},
+        }
+        for role in n.ROLES
+    ]
+
+
+def network_policy(spec: LLMServiceSpec) -> list[Manifest]:
+    """Worker ports are reachable only from the router and peer workers of this service."""
+    if not spec.network_policy.enabled:
+        return []
+    ports = [
+        {"protocol": "TCP", "port": p} for p in (n.HTTP_PORT, n.KV_EVENTS_PORT, n.SIDE_CHANNEL_PORT)
+    ]
+    peers = {"podSelector": {"matchLabels": {n.LABEL_SERVICE: spec.name}}}
+    rules: list[dict[str, Any]] = [{"from": [peers], "ports": ports}]
+    if spec.network_policy.metrics_namespaces:
+        ns = {
+            "key": "kubernetes.io/metadata.name",
+            "operator": "In",
+            "values": list(spec.network_policy.metrics_namespaces),
+        }
+        rules.append(
+            {
+                "from": [{"namespaceSelector": {"matchExpressions": [ns]}}],
+                "ports": [{"protocol": "TCP", "port": n.HTTP_PORT}],
+            }
+        )
+    workers = {
+        "matchLabels": {n.LABEL_SERVICE: spec.name},
+        "matchExpressions": [{"key": n.LABEL_ROLE, "operator": "In", "values": list(n.POOL_ROLES)}],
+    }
+    return [
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _meta(spec, f"{spec.name}-workers"),
+            "spec": {"podSelector": workers, "policyTypes": ["Ingress"], "ingress": rules},
+        }
+    ]
+
+
+def config_hash(data: Mapping[str, str]) -> str:
+    return hashlib.sha256(json.dumps(dict(data), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def render_spec(spec: LLMServiceSpec) -> list[Manifest]:
+    """All children of one LLMService, in creation order (config and RBAC before pods)."""
+    cm = config_map(spec)
+    digest = config_hash(cm["data"])
+    return [
+        *router_rbac(spec),
+        cm,
+        *services(spec),
+        *ingress(spec),
+        *disruption_budgets(spec),
+        *network_policy(spec),
+        pool_deployment(spec, spec.prefill, digest),
+        pool_deployment(spec, spec.decode, digest),
+        router_deployment(spec, digest),
+    ]
+
+
+def render(obj: Mapping[str, Any], default_namespace: str = "default") -> list[Manifest]:
+    """Render an LLMService object (as read from YAML or the API); raises SpecError."""
+    return render_spec(parse_llmservice(obj, default_namespace))
+
+
+def optional_children(name: str) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of children that only some specs have: pruned when gone."""
+    return [
+        ("networking.k8s.io/v1", "Ingress", name),
+        ("networking.k8s.io/v1", "NetworkPolicy", f"{name}-workers"),
+    ]

@@ -1,0 +1,193 @@
+"""Deployment manifests: router, prefill pool, decode pool."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pdserve.operator import naming as n
+from pdserve.operator import render_pods as p
+from pdserve.operator.spec import LLMServiceSpec, PoolSpec
+
+_SCRAPE = {
+    "prometheus.io/scrape": "true",
+    "prometheus.io/port": str(n.HTTP_PORT),
+    "prometheus.io/path": "/metrics",
+}
+_ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
+
+
+def _env() -> list[dict[str, Any]]:
+    field = {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    env: list[dict[str, Any]] = [
+        {"name": k, "valueFrom": {"fieldRef": {"fieldPath": v}}} for k, v in field.items()
+    ]
+    # The root filesystem is read-only: caches go to the /tmp emptyDir.
+    env += [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
+    return env
+
+
+def _ports(role: str) -> list[dict[str, Any]]:
+    ports = [{"name": "http", "containerPort": n.HTTP_PORT, "protocol": "TCP"}]
+    if role in n.POOL_ROLES:
+        ports.append(
+            {"name": "side-channel", "containerPort": n.SIDE_CHANNEL_PORT, "protocol": "TCP"}
+        )
+    if role == "prefill":
+        ports.append({"name": "kv-events", "containerPort": n.KV_EVENTS_PORT, "protocol": "TCP"})
+    return ports
+
+
+def pool_resources(spec: LLMServiceSpec, pool: PoolSpec) -> dict[str, Any]:
+    """Requests/limits of a worker: the user's, plus the RDMA device when configured.
+
+    Extended resources (``nvidia.com/gpu``, RDMA) must be equal in requests and limits.
+    """
+    requests = dict(pool.resources.get("requests") or {})
+    limits = dict(pool.resources.get("limits") or {})
+    rdma = spec.kv_transfer.rdma_resource_name
+    if rdma:
+        count = spec.kv_transfer.rdma_resource_count
+        requests[rdma] = count
+        limits[rdma] = count
+    for key, value in limits.items():
+        if "/" in key and key not in requests:
+            requests[key] = value
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _volumes(spec: LLMServiceSpec, role: str, shm_size: str) -> list[dict[str, Any]]:
+    vols = [p.model_volume(spec), {"name": "tmp", "emptyDir": {}}]
+    if role in n.POOL_ROLES:
+        vols.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}})
+    if role == "router" and spec.router.api_key_secret:
+        secret = {"secretName": spec.router.api_key_secret, "defaultMode": 0o440}
+        vols.append({"name": "api-key", "secret": secret})
+    return vols
+
+
+def _mounts(spec: LLMServiceSpec, role: str) -> list[dict[str, Any]]:
+    mounts = [
+        {
+            "name": "model",
+            "mountPath": n.MODEL_MOUNT,
+            "readOnly": spec.model.source.kind != "huggingFace",
+        },
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if role in n.POOL_ROLES:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if role == "router" and spec.router.api_key_secret:
+        mounts.append({"name": "api-key", "mountPath": "/etc/pdserve/api-key", "readOnly": True})
+    return mounts
+
+
+def _container(
+    spec: LLMServiceSpec,
+    role: str,
+    command: list[str],
+    resources: Mapping[str, Any],
+    extra_env: tuple[Mapping[str, Any], ...],
+) -> dict[str, Any]:
+    needs_ipc_lock = role in n.POOL_ROLES and bool(spec.kv_transfer.rdma_resource_name)
+    return {
+        "name": role,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": command,
+        "ports": _ports(role),
+        "env": _env() + [dict(e) for e in extra_env],
+        "envFrom": [{"configMapRef": {"name": n.config_map_name(spec.name)}}],
+        "resources": dict(resources),
+        "volumeMounts": _mounts(spec, role),
+        "securityContext": p.container_security(spec, needs_ipc_lock),
+        **p.probes(),
+    }
+
+
+def _pod_spec(
+    spec: LLMServiceSpec, role: str, container: dict[str, Any], shm_size: str
+) -> dict[str, Any]:
+    is_router = role == "router"
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": is_router,  # only the router talks to the API
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": _volumes(spec, role, shm_size),
+        "terminationGracePeriodSeconds": 30 if is_router else 60,
+    }
+    init = p.download_init_container(spec, tokenizer_only=is_router)
+    if init:  # the API server drops empty lists; keep live and desired comparable
+        pod["initContainers"] = init
+    if is_router:
+        pod["serviceAccountName"] = n.router_account_name(spec.name)
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    return pod
+
+
+def _deployment(
+    spec: LLMServiceSpec, role: str, replicas: int, pod: dict[str, Any], config_hash: str
+) -> dict[str, Any]:
+    annotations = {**_SCRAPE, n.ANNOTATION_CONFIG_HASH: config_hash}
+    # Worker pools use GPUs: roll one pod at a time without a surge pod that needs a spare GPU.
+    rolling = (
+        {"maxSurge": 1, "maxUnavailable": 0}
+        if role == "router"
+        else {"maxSurge": 0, "maxUnavailable": 1}
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": n.deployment_name(spec.name, role),
+            "namespace": spec.namespace,
+            "labels": n.labels(spec.name, role),
+        },
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": n.selector(spec.name, role)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
+            "template": {
+                "metadata": {"labels": n.labels(spec.name, role), "annotations": annotations},
+                "spec": pod,
+            },
+        },
+    }
+
+
+def pool_deployment(spec: LLMServiceSpec, pool: PoolSpec, config_hash: str) -> dict[str, Any]:
+    container = _container(
+        spec, pool.role, p.worker_command(spec, pool), pool_resources(spec, pool), pool.env
+    )
+    pod = _pod_spec(spec, pool.role, container, pool.shm_size)
+    if pool.node_selector:
+        pod["nodeSelector"] = dict(pool.node_selector)
+    if pool.tolerations:
+        pod["tolerations"] = [dict(t) for t in pool.tolerations]
+    if pool.affinity:
+        pod["affinity"] = dict(pool.affinity)
+    return _deployment(spec, pool.role, pool.replicas, pod, config_hash)
+
+
+def router_deployment(spec: LLMServiceSpec, config_hash: str) -> dict[str, Any]:
+    r = spec.router
+    resources = r.resources or _ROUTER_RESOURCES
+    container = _container(spec, "router", p.router_command(spec), resources, ())
+    pod = _pod_spec(spec, "router", container, "")
+    if r.node_selector:
+        pod["nodeSelector"] = dict(r.node_selector)
+    if r.tolerations:
+        pod["tolerations"] = [dict(t) for t in r.tolerations]
+    return _deployment(spec, "router", r.replicas, pod, config_hash)

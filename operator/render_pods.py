@@ -1,0 +1,154 @@
+"""Deployments for the router and the two worker pools (pure functions of the spec).
+
+Command lines follow docs/architecture.md; every container listens on 8080
+(HTTP), 8081 (KV events) and 8082 (side channel).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any
+
+from pdserve.operator import naming as n
+from pdserve.operator.spec import LLMServiceSpec, PoolSpec
+
+_TOKENIZER_FILES = ("*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja")
+_API_KEY_DIR = "/etc/pdserve/api-key"
+_UID = 1000
+
+
+def model_dir(spec: LLMServiceSpec) -> str:
+    src = spec.model.source
+    if src.kind == "pvc":
+        return posixpath.normpath(posixpath.join(n.MODEL_MOUNT, src.path.lstrip("/")))
+    if src.kind == "hostPath":
+        return n.MODEL_MOUNT
+    return f"{n.MODEL_MOUNT}/model"
+
+
+def model_volume(spec: LLMServiceSpec) -> dict[str, Any]:
+    src = spec.model.source
+    if src.kind == "pvc":
+        return {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": src.claim_name, "readOnly": True},
+        }
+    if src.kind == "hostPath":
+        return {"name": "model", "hostPath": {"path": src.path, "type": "Directory"}}
+    return {"name": "model", "emptyDir": {"sizeLimit": src.download_size_limit}}
+
+
+def download_init_container(spec: LLMServiceSpec, tokenizer_only: bool) -> list[dict[str, Any]]:
+    """Init container fetching a Hugging Face model into the emptyDir (router: no weights)."""
+    src = spec.model.source
+    if src.kind != "huggingFace":
+        return []
+    cmd = ["hf", "download", src.hf_id, "--local-dir", model_dir(spec)]
+    if src.revision:
+        cmd += ["--revision", src.revision]
+    if tokenizer_only:
+        cmd += ["--include", *_TOKENIZER_FILES]
+    env = [{"name": "HF_HOME", "value": f"{n.MODEL_MOUNT}/.cache"}]
+    if src.token_secret:
+        ref = {"name": src.token_secret, "key": src.token_key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    return [
+        {
+            "name": "download-model",
+            "image": spec.image,
+            "imagePullPolicy": spec.image_pull_policy,
+            "command": cmd,
+            "env": env,
+            "volumeMounts": [{"name": "model", "mountPath": n.MODEL_MOUNT}, _tmp_mount()],
+            "securityContext": container_security(spec, False),
+            "resources": {
+                "requests": {"cpu": "500m", "memory": "1Gi"},
+                "limits": {"memory": "4Gi"},
+            },
+        }
+    ]
+
+
+def engine_args(spec: LLMServiceSpec, pool: PoolSpec) -> list[str]:
+    m = spec.model
+    args = ["--dtype", m.dtype, "--device", "auto", "--block-size", str(m.block_size)]
+    args += ["--served-model-name", m.served_name]
+    if pool.kv_cache_bytes is not None:
+        args += ["--kv-cache-bytes", str(pool.kv_cache_bytes)]
+    if pool.kv_cache_fraction is not None:
+        args += ["--kv-cache-fraction", str(pool.kv_cache_fraction)]
+    if m.max_model_len is not None:
+        args += ["--max-model-len", str(m.max_model_len)]
+    if pool.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(pool.max_num_seqs)]
+    if pool.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(pool.max_num_batched_tokens)]
+    return args
+
+
+def worker_command(spec: LLMServiceSpec, pool: PoolSpec) -> list[str]:
+    kv = spec.kv_transfer
+    cmd = ["pdserve", f"{pool.role}-worker", "--model", model_dir(spec), "--host", "0.0.0.0"]
+    cmd += ["--port", str(n.HTTP_PORT), "--side-channel-port", str(n.SIDE_CHANNEL_PORT)]
+    cmd += ["--worker-id", "$(POD_NAME)", "--kv-transport", kv.transport]
+    if pool.role == "prefill":
+        cmd += ["--kv-events-port", str(n.KV_EVENTS_PORT), "--lease-seconds", str(kv.lease_seconds)]
+    else:
+        cmd += ["--transfer-timeout", str(kv.transfer_timeout_seconds)]
+        cmd += ["--on-transfer-failure", kv.on_transfer_failure]
+    return cmd + engine_args(spec, pool) + list(pool.extra_args)
+
+
+def router_command(spec: LLMServiceSpec) -> list[str]:
+    r = spec.router
+    cmd = ["pdserve", "router", "--model", model_dir(spec)]
+    cmd += ["--served-model-name", spec.model.served_name, "--host", "0.0.0.0"]
+    cmd += ["--port", str(n.HTTP_PORT), "--discovery", "kubernetes"]
+    cmd += ["--service", spec.name, "--namespace", spec.namespace, "--routing", r.routing]
+    if r.api_key_secret:
+        cmd += ["--api-key-file", f"{_API_KEY_DIR}/{r.api_key_key}"]
+    optional = {
+        "--disagg-threshold": r.disagg_threshold,
+        "--prefix-weight": r.prefix_weight,
+        "--load-weight": r.load_weight,
+        "--max-queue": r.max_queue,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            cmd += [flag, str(value)]
+    return cmd + list(r.extra_args)
+
+
+def container_security(spec: LLMServiceSpec, needs_ipc_lock: bool) -> dict[str, Any]:
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if needs_ipc_lock:  # RDMA memory registration pins pages
+        caps["add"] = ["IPC_LOCK"]
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": caps,
+    }
+
+
+def _tmp_mount() -> dict[str, Any]:
+    return {"name": "tmp", "mountPath": "/tmp"}
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def probes() -> dict[str, Any]:
+    # /health answers 503 until the model is loaded: the startup probe allows 30 minutes
+    # for a large model before liveness starts counting.
+    return {
+        "startupProbe": _probe("/health", 10, 180),
+        "readinessProbe": _probe("/health", 5, 3),
+        "livenessProbe": _probe("/health", 10, 6),
+    }

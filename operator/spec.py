@@ -1,0 +1,150 @@
+"""The LLMService spec as frozen dataclasses.
+
+The CRD (``charts/pdserve/crds/``) validates and defaults the spec on the API
+server; ``parse_spec`` applies the same defaults here so that ``pdserve render``
+works on a file that never went through the API server (a test keeps the two
+sets of defaults equal). Bad input raises ``SpecError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRANSPORTS = ("nixl", "tcp")
+SERVICE_TYPES = ("ClusterIP", "LoadBalancer", "NodePort")
+
+
+class SpecError(ValueError):
+    """An LLMService spec that cannot be rendered; ``field`` is a dotted path like spec.model."""
+
+    def __init__(self, field_path: str, message: str) -> None:
+        super().__init__(f"{field_path}: {message}")
+        self.field = field_path
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "pvc" | "hostPath" | "huggingFace"
+    claim_name: str = ""
+    path: str = ""
+    hf_id: str = ""
+    revision: str = ""
+    token_secret: str = ""
+    token_key: str = "token"
+    download_size_limit: str = "64Gi"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: ModelSource
+    served_name: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    role: str  # "prefill" | "decode"
+    replicas: int = 1
+    min_replicas: int = 1
+    max_replicas: int = 4
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    kv_cache_bytes: int | None = None
+    kv_cache_fraction: float | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    shm_size: str = "2Gi"
+
+    def clamp(self, replicas: int) -> int:
+        return max(self.min_replicas, min(self.max_replicas, replicas))
+
+
+@dataclass(frozen=True)
+class IngressSpec:
+    host: str
+    class_name: str = ""
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    tls_secret_name: str = ""
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    replicas: int = 1
+    service_type: str = "ClusterIP"
+    ingress: IngressSpec | None = None
+    api_key_secret: str = ""
+    api_key_key: str = "api-key"
+    routing: str = "prefix"
+    prefix_weight: float | None = None
+    load_weight: float | None = None
+    disagg_threshold: int | None = None
+    max_queue: int | None = None
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SLOSpec:
+    ttft_ms: int = 1000
+    tpot_ms: int = 100
+    target_attainment: float = 0.9
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool = False
+    interval_seconds: int = 30
+    scale_up_stabilization_seconds: int = 60
+    scale_down_stabilization_seconds: int = 300
+    metrics_url: str = ""
+
+
+@dataclass(frozen=True)
+class KVTransferSpec:
+    transport: str = "nixl"
+    ucx_tls: str = ""
+    ucx_net_devices: str = ""
+    rdma_resource_name: str = ""
+    rdma_resource_count: int = 1
+    lease_seconds: int = 30
+    transfer_timeout_seconds: int = 10
+    on_transfer_failure: str = "recompute"
+
+
+@dataclass(frozen=True)
+class NetworkPolicySpec:
+    enabled: bool = True
+    metrics_namespaces: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LLMServiceSpec:
+    name: str
+    namespace: str
+    model: ModelSpec
+    prefill: PoolSpec
+    decode: PoolSpec
+    router: RouterSpec = RouterSpec()
+    slo: SLOSpec = SLOSpec()
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    kv_transfer: KVTransferSpec = KVTransferSpec()
+    network_policy: NetworkPolicySpec = NetworkPolicySpec()
+    image: str = "ghcr.io/pdserve/pdserve:0.1.0"
+    image_pull_policy: str = "IfNotPresent"
+    image_pull_secrets: tuple[str, ...] = ()
+
+    @property
+    def pools(self) -> tuple[PoolSpec, PoolSpec]:
+        return (self.prefill, self.decode)

@@ -1,0 +1,248 @@
+"""Parse an LLMService object (a dict) into ``LLMServiceSpec``, with the CRD's defaults.
+
+Every error names the field (``spec.prefill.maxReplicas: ...``) because the
+message ends up in the ``Degraded`` condition and in ``pdserve render`` output.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from pdserve.operator.spec import (
+    DTYPES,
+    SERVICE_TYPES,
+    TRANSPORTS,
+    AutoscalingSpec,
+    IngressSpec,
+    KVTransferSpec,
+    LLMServiceSpec,
+    ModelSource,
+    ModelSpec,
+    NetworkPolicySpec,
+    PoolSpec,
+    RouterSpec,
+    SLOSpec,
+    SpecError,
+)
+
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_MAX_NAME = 40  # children append "-prefill" etc.; Service names must stay <= 63
+
+
+class _Reader:
+    """Typed access to one mapping of the spec; ``path`` prefixes every error."""
+
+    def __init__(self, data: Any, path: str) -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise SpecError(path, f"must be an object, got {type(data).__name__}")
+        self.data = data
+        self.path = path
+
+    def sub(self, key: str) -> _Reader:
+        return _Reader(self.data.get(key), f"{self.path}.{key}")
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+        value = self.data.get(key, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) and kind in (int, float, (int, float)):
+            raise SpecError(f"{self.path}.{key}", "must be a number, got a boolean")
+        if not isinstance(value, kind):
+            name = getattr(kind, "__name__", str(kind))
+            raise SpecError(f"{self.path}.{key}", f"must be {name}, got {value!r}")
+        return value
+
+    def number(self, key: str, default: Any = None, *, minimum: float | None = None) -> Any:
+        value = self.get(key, (int, float), default)
+        if value is not None and minimum is not None and value < minimum:
+            raise SpecError(f"{self.path}.{key}", f"must be >= {minimum}, got {value}")
+        return value
+
+    def choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
+        value = self.get(key, str, default)
+        if value not in choices:
+            raise SpecError(f"{self.path}.{key}", f"must be one of {list(choices)}, got {value!r}")
+        return str(value)
+
+    def str_list(self, key: str) -> tuple[str, ...]:
+        items = self.get(key, list, [])
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                raise SpecError(f"{self.path}.{key}[{i}]", f"must be a string, got {item!r}")
+        return tuple(items)
+
+    def obj_list(self, key: str) -> tuple[Mapping[str, Any], ...]:
+        items = self.get(key, list, [])
+        for i, item in enumerate(items):
+            if not isinstance(item, Mapping):
+                raise SpecError(f"{self.path}.{key}[{i}]", "must be an object")
+        return tuple(items)
+
+
+def parse_model(r: _Reader, default_name: str) -> ModelSpec:
+    src = r.sub("source")
+    kinds = [k for k in ("pvc", "hostPath", "huggingFace") if src.data.get(k) is not None]
+    if len(kinds) != 1:
+        raise SpecError(src.path, f"set exactly one of pvc, hostPath, huggingFace (got {kinds})")
+    s = src.sub(kinds[0])
+    if kinds[0] == "pvc":
+        source = ModelSource(
+            "pvc", claim_name=s.get("claimName", str, ""), path=s.get("path", str, "")
+        )
+        if not source.claim_name:
+            raise SpecError(f"{s.path}.claimName", "is required")
+    elif kinds[0] == "hostPath":
+        source = ModelSource("hostPath", path=s.get("path", str, ""))
+        if not source.path.startswith("/"):
+            raise SpecError(f"{s.path}.path", "must be an absolute path")
+    else:
+        token = s.sub("tokenSecret")
+        source = ModelSource(
+            "huggingFace",
+            hf_id=s.get("id", str, ""),
+            revision=s.get("revision", str, ""),
+            token_secret=token.get("name", str, ""),
+            token_key=token.get("key", str, "token"),
+            download_size_limit=str(s.get("downloadSizeLimit", (str, int), "64Gi")),
+        )
+        if not source.hf_id:
+            raise SpecError(f"{s.path}.id", "is required")
+    return ModelSpec(
+        source=source,
+        served_name=r.get("servedName", str, default_name),
+        dtype=r.choice("dtype", DTYPES, "auto"),
+        max_model_len=r.number("maxModelLen", minimum=16),
+        block_size=r.number("blockSize", 16, minimum=1),
+    )
+
+
+def parse_pool(r: _Reader, role: str) -> PoolSpec:
+    pool = PoolSpec(
+        role=role,
+        replicas=r.number("replicas", 1, minimum=0),
+        min_replicas=r.number("minReplicas", 1, minimum=0),
+        max_replicas=r.number("maxReplicas", 4, minimum=1),
+        resources=r.get("resources", Mapping, {}),
+        node_selector=r.get("nodeSelector", Mapping, {}),
+        tolerations=r.obj_list("tolerations"),
+        affinity=r.get("affinity", Mapping, {}),
+        extra_args=r.str_list("extraArgs"),
+        env=r.obj_list("env"),
+        kv_cache_bytes=r.number("kvCacheBytes", minimum=1),
+        kv_cache_fraction=r.number("kvCacheFraction"),
+        max_num_seqs=r.number("maxNumSeqs", minimum=1),
+        max_num_batched_tokens=r.number("maxNumBatchedTokens", minimum=1),
+        shm_size=str(r.get("shmSize", (str, int), "2Gi")),
+    )
+    if pool.max_replicas < pool.min_replicas:
+        raise SpecError(f"{r.path}.maxReplicas", "must be >= minReplicas")
+    if not pool.min_replicas <= pool.replicas <= pool.max_replicas:
+        raise SpecError(f"{r.path}.replicas", "must lie within [minReplicas, maxReplicas]")
+    if pool.kv_cache_bytes is not None and pool.kv_cache_fraction is not None:
+        raise SpecError(r.path, "set at most one of kvCacheBytes and kvCacheFraction")
+    if pool.kv_cache_fraction is not None and not 0 < pool.kv_cache_fraction <= 1:
+        raise SpecError(f"{r.path}.kvCacheFraction", "must lie in (0, 1]")
+    return pool
+
+
+def parse_router(r: _Reader) -> RouterSpec:
+    ingress = None
+    if r.data.get("ingress") is not None:
+        i = r.sub("ingress")
+        ingress = IngressSpec(
+            host=i.get("host", str, ""),
+            class_name=i.get("className", str, ""),
+            annotations=i.get("annotations", Mapping, {}),
+            tls_secret_name=i.get("tlsSecretName", str, ""),
+        )
+        if not ingress.host:
+            raise SpecError(f"{i.path}.host", "is required")
+    key = r.sub("apiKeySecret")
+    return RouterSpec(
+        replicas=r.number("replicas", 1, minimum=1),
+        service_type=r.choice("serviceType", SERVICE_TYPES, "ClusterIP"),
+        ingress=ingress,
+        api_key_secret=key.get("name", str, ""),
+        api_key_key=key.get("key", str, "api-key"),
+        routing=r.choice("routing", ("prefix", "round-robin"), "prefix"),
+        prefix_weight=r.number("prefixWeight", minimum=0),
+        load_weight=r.number("loadWeight", minimum=0),
+        disagg_threshold=r.number("disaggThreshold", minimum=0),
+        max_queue=r.number("maxQueue", minimum=1),
+        resources=r.get("resources", Mapping, {}),
+        node_selector=r.get("nodeSelector", Mapping, {}),
+        tolerations=r.obj_list("tolerations"),
+        extra_args=r.str_list("extraArgs"),
+    )
+
+
+def parse_small_sections(r: _Reader) -> dict[str, Any]:
+    slo, auto, kv, net = (
+        r.sub("slo"),
+        r.sub("autoscaling"),
+        r.sub("kvTransfer"),
+        r.sub("networkPolicy"),
+    )
+    return {
+        "slo": SLOSpec(
+            ttft_ms=slo.number("ttftMs", 1000, minimum=1),
+            tpot_ms=slo.number("tpotMs", 100, minimum=1),
+            target_attainment=slo.number("targetAttainment", 0.9, minimum=0.5),
+        ),
+        "autoscaling": AutoscalingSpec(
+            enabled=auto.get("enabled", bool, False),
+            interval_seconds=auto.number("intervalSeconds", 30, minimum=5),
+            scale_up_stabilization_seconds=auto.number(
+                "scaleUpStabilizationSeconds", 60, minimum=0
+            ),
+            scale_down_stabilization_seconds=auto.number(
+                "scaleDownStabilizationSeconds", 300, minimum=0
+            ),
+            metrics_url=auto.get("metricsUrl", str, ""),
+        ),
+        "kv_transfer": KVTransferSpec(
+            transport=kv.choice("transport", TRANSPORTS, "nixl"),
+            ucx_tls=kv.get("ucxTls", str, ""),
+            ucx_net_devices=kv.get("ucxNetDevices", str, ""),
+            rdma_resource_name=kv.get("rdmaResourceName", str, ""),
+            rdma_resource_count=kv.number("rdmaResourceCount", 1, minimum=1),
+            lease_seconds=kv.number("leaseSeconds", 30, minimum=1),
+            transfer_timeout_seconds=kv.number("transferTimeoutSeconds", 10, minimum=1),
+            on_transfer_failure=kv.choice("onTransferFailure", ("recompute", "fail"), "recompute"),
+        ),
+        "network_policy": NetworkPolicySpec(
+            enabled=net.get("enabled", bool, True),
+            metrics_namespaces=net.str_list("metricsNamespaces"),
+        ),
+    }
+
+
+def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default") -> LLMServiceSpec:
+    """Parse a whole LLMService object (apiVersion, kind, metadata, spec)."""
+    if obj.get("kind", "LLMService") != "LLMService":
+        raise SpecError("kind", f"expected LLMService, got {obj.get('kind')!r}")
+    meta = _Reader(obj.get("metadata"), "metadata")
+    name = meta.get("name", str, "")
+    if not _NAME.match(name) or len(name) > _MAX_NAME:
+        raise SpecError("metadata.name", f"must be a DNS label of at most {_MAX_NAME} characters")
+    r = _Reader(obj.get("spec"), "spec")
+    if r.data.get("model") is None:
+        raise SpecError("spec.model", "is required")
+    return LLMServiceSpec(
+        name=name,
+        namespace=meta.get("namespace", str, default_namespace),
+        model=parse_model(r.sub("model"), name),
+        prefill=parse_pool(r.sub("prefill"), "prefill"),
+        decode=parse_pool(r.sub("decode"), "decode"),
+        router=parse_router(r.sub("router")),
+        image=r.get("image", str, "ghcr.io/pdserve/pdserve:0.1.0"),
+        image_pull_policy=r.choice(
+            "imagePullPolicy", ("Always", "IfNotPresent", "Never"), "IfNotPresent"
+        ),
+        image_pull_secrets=r.str_list("imagePullSecrets"),
+        **parse_small_sections(r),
+    )
