@@ -1,0 +1,96 @@
+"""The planner's output (a decision) and its carried state, both plain dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PoolDecision:
+    role: str  # "prefill" | "decode"
+    current: int
+    desired: int
+    need: float  # replicas the load model asks for, before stability rules
+    remove_unready: int = 0  # of a scale-down, how many are unready pods (removed first)
+    reason: str = ""
+
+    @property
+    def changed(self) -> bool:
+        return self.desired != self.current
+
+
+@dataclass(frozen=True)
+class Decision:
+    time_s: float
+    prefill: PoolDecision
+    decode: PoolDecision
+    details: dict[str, float] = field(default_factory=dict)  # model terms, for status/logs
+
+    @property
+    def reason(self) -> str:
+        return f"prefill: {self.prefill.reason}; decode: {self.decode.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["reason"] = self.reason
+        return body
+
+
+@dataclass(frozen=True)
+class PoolMemory:
+    """What the planner remembers about one pool between decisions."""
+
+    last_target: int | None = None  # what it last set (to detect manual edits)
+    last_scale_s: float | None = None  # when it last changed the count (or saw an edit)
+    last_up_s: float | None = None
+    history: tuple[tuple[float, int], ...] = ()  # (time, recommendation) in the window
+
+
+@dataclass(frozen=True)
+class PlannerState:
+    """Carried from one decision to the next; JSON-safe via to_dict/from_dict."""
+
+    prefill: PoolMemory = field(default_factory=PoolMemory)
+    decode: PoolMemory = field(default_factory=PoolMemory)
+    prefill_correction: float = 1.0  # smoothed observed / predicted prefill time
+    decode_correction: float = 1.0  # smoothed observed / predicted decode step time
+
+    def with_pool(self, role: str, memory: PoolMemory) -> PlannerState:
+        assert role in ("prefill", "decode"), role
+        if role == "prefill":
+            return replace(self, prefill=memory)
+        return replace(self, decode=memory)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, body: Any) -> PlannerState:
+        if not isinstance(body, dict):
+            return cls()
+        try:
+            return cls(
+                prefill=_memory(body.get("prefill")),
+                decode=_memory(body.get("decode")),
+                prefill_correction=float(body.get("prefill_correction", 1.0)),
+                decode_correction=float(body.get("decode_correction", 1.0)),
+            )
+        except (TypeError, ValueError):
+            return cls()  # a corrupt stored state only costs the smoothing history
+
+
+def _memory(body: Any) -> PoolMemory:
+    if not isinstance(body, dict):
+        return PoolMemory()
+    last_target = body.get("last_target")
+    return PoolMemory(
+        last_target=None if last_target is None else int(last_target),
+        last_scale_s=_opt_float(body.get("last_scale_s")),
+        last_up_s=_opt_float(body.get("last_up_s")),
+        history=tuple((float(t), int(n)) for t, n in body.get("history", ())),
+    )
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)

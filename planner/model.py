@@ -1,0 +1,138 @@
+"""The load model: how many replicas each pool needs for this interval's load.
+
+Prefill (per replica, prompt tokens per second, corrected by ``c_p``)::
+
+    S    = c_p * prefill_time(L)                  mean service time of one prompt
+    mu   = saturated_tokens_per_s(L) / c_p        busy-replica throughput
+    rho* = clamp(1 - S / (h_ttft * TTFT), rho_min, rho_max)
+           (the utilisation at which the M/M/1 mean response S / (1 - rho) is h_ttft * TTFT)
+    backlog = max(queue_depth * L, queue_wait * ready * mu)   [queue-wait term]
+    need_prefill = (prompt_rate * (1 - cached) + backlog / drain_s) / (mu * rho*)
+
+Decode (per replica, corrected by ``c_d``; C = mean context)::
+
+    B*   = max batch with step_time(B, C) <= h_tpot * TPOT / c_d
+    need_decode = max((running + waiting) / B*,
+                      output_rate / (B* / (c_d * step_time(B*, C))),
+                      (running + waiting) * C / (kv_target * kv_capacity))
+
+Corrections are EWMAs of observed / predicted latency (prefill: TTFT minus queue
+wait vs ``prefill_time(L)``; decode: TPOT vs ``step_time``), updated only when the
+pool is not overloaded (a growing queue is the backlog term's job, not the model's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.planner.config import PlannerConfig
+from pdserve.planner.snapshot import MetricsSnapshot
+
+FALLBACK_PROMPT_TOKENS = 512.0  # used only when no request arrived this interval
+FALLBACK_OUTPUT_TOKENS = 128.0
+
+
+@dataclass(frozen=True)
+class PrefillNeed:
+    need: float
+    capacity_per_replica: float  # prompt tokens/s at the TTFT SLO
+    target_utilisation: float
+    demand_tokens_per_s: float
+    backlog_tokens: float
+    correction: float
+
+
+@dataclass(frozen=True)
+class DecodeNeed:
+    need: float
+    batch_per_replica: float  # B* at the TPOT SLO
+    tokens_per_replica: float
+    mean_context: float
+    by_sequences: float
+    by_tokens: float
+    by_kv: float
+    correction: float
+
+
+def prefill_need(snap: MetricsSnapshot, cfg: PlannerConfig, correction: float) -> PrefillNeed:
+    prof = cfg.profile.prefill
+    mean_prompt = snap.mean_prompt_tokens * (1.0 - snap.cached_token_fraction)
+    if mean_prompt <= 0:
+        mean_prompt = FALLBACK_PROMPT_TOKENS
+    service = correction * prof.service_time(mean_prompt)
+    mu = prof.saturated_tokens_per_s(mean_prompt) / correction
+    rho = 1.0 - service / (cfg.ttft_headroom * cfg.slo.ttft_s)
+    rho = min(cfg.max_prefill_utilisation, max(cfg.min_prefill_utilisation, rho))
+    demand = snap.prompt_token_rate * (1.0 - snap.cached_token_fraction)
+    backlog = 0.0
+    if cfg.queue_aware:
+        by_depth = snap.prefill_queue_depth * mean_prompt
+        by_wait = snap.prefill_queue_wait_s * snap.prefill.ready * mu
+        backlog = max(by_depth, by_wait)
+    capacity = mu * rho
+    need = (demand + backlog / cfg.queue_drain_s) / capacity
+    return PrefillNeed(need, capacity, rho, demand, backlog, correction)
+
+
+def decode_need(snap: MetricsSnapshot, cfg: PlannerConfig, correction: float) -> DecodeNeed:
+    prof = cfg.profile.decode
+    context = mean_context(snap, cfg)
+    budget = cfg.tpot_headroom * cfg.slo.tpot_s / correction
+    batch = prof.max_batch_at(budget, context)
+    tokens = batch / (correction * prof.step_time(batch, context))
+    seqs = snap.decode_running + snap.decode_waiting
+    by_seqs = seqs / batch
+    by_tokens = snap.output_token_rate / tokens
+    by_kv = seqs * context / (cfg.kv_target_utilisation * prof.kv_capacity_tokens)
+    need = max(by_seqs, by_tokens, by_kv)
+    return DecodeNeed(need, batch, tokens, context, by_seqs, by_tokens, by_kv, correction)
+
+
+def mean_context(snap: MetricsSnapshot, cfg: PlannerConfig) -> float:
+    """Mean tokens of context per decoding sequence: measured from KV use when possible."""
+    kv_total = snap.decode.ready * cfg.profile.decode.kv_capacity_tokens
+    if snap.decode_running > 0 and snap.kv_utilisation > 0 and kv_total > 0:
+        return snap.kv_utilisation * kv_total / snap.decode_running
+    prompt = snap.mean_prompt_tokens or FALLBACK_PROMPT_TOKENS
+    output = snap.mean_output_tokens or FALLBACK_OUTPUT_TOKENS
+    return prompt + output / 2.0
+
+
+def update_corrections(
+    snap: MetricsSnapshot, cfg: PlannerConfig, prefill_c: float, decode_c: float
+) -> tuple[float, float]:
+    """New (prefill, decode) corrections from this interval's observed vs predicted latency."""
+    lo, hi = cfg.correction_bounds
+    a = cfg.correction_alpha
+    ratio = _prefill_ratio(snap, cfg)
+    if ratio is not None:
+        prefill_c = min(hi, max(lo, (1 - a) * prefill_c + a * ratio))
+    ratio = _decode_ratio(snap, cfg)
+    if ratio is not None:
+        decode_c = min(hi, max(lo, (1 - a) * decode_c + a * ratio))
+    return prefill_c, decode_c
+
+
+def _prefill_ratio(snap: MetricsSnapshot, cfg: PlannerConfig) -> float | None:
+    """Observed prefill compute time (TTFT minus queue wait) over the profile's prediction."""
+    if snap.ttft.count < cfg.min_requests_for_correction or snap.prefill.ready == 0:
+        return None
+    prof = cfg.profile.prefill
+    mean_prompt = max(1.0, snap.mean_prompt_tokens * (1.0 - snap.cached_token_fraction))
+    demand = snap.prompt_token_rate * (1.0 - snap.cached_token_fraction)
+    rho = demand / (snap.prefill.ready * prof.saturated_tokens_per_s(mean_prompt))
+    compute = snap.ttft.mean - snap.prefill_queue_wait_s
+    if rho >= cfg.max_prefill_utilisation or compute <= 0:
+        return None  # overloaded: the queue grows, latency says nothing about the model
+    return compute / prof.service_time(mean_prompt)
+
+
+def _decode_ratio(snap: MetricsSnapshot, cfg: PlannerConfig) -> float | None:
+    if snap.tpot.count < cfg.min_requests_for_correction or snap.decode.ready == 0:
+        return None
+    if snap.decode_waiting > 0 or snap.kv_utilisation >= 0.95 or snap.tpot.mean <= 0:
+        return None
+    prof = cfg.profile.decode
+    batch = snap.decode_running / snap.decode.ready
+    predicted = prof.step_time(max(1.0, batch), mean_context(snap, cfg))
+    return snap.tpot.mean / predicted
