@@ -1,0 +1,103 @@
+"""Helpers for the KV transfer tests: small pools, a pair of endpoints, a peer process."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.kv_connector import LoadResult
+from pdserve.transfer.connector import RemoteKVConnector
+from pdserve.transfer.messages import KVHandle
+from pdserve.transfer.pool_server import fill_pool
+from pdserve.transfer.server import KVServer
+
+torch.set_num_threads(1)
+
+TRANSPORTS = ["nixl", "tcp"]
+SHAPE = {"layers": 2, "block_size": 4, "kv_heads": 2, "head_dim": 8}
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def make_pool(num_blocks: int, seed: int | None, dtype: torch.dtype = torch.float32, **shape_kw):
+    s = {**SHAPE, **shape_kw}
+    shape = (s["layers"], 2, num_blocks, s["block_size"], s["kv_heads"], s["head_dim"])
+    pool = torch.zeros(shape, dtype=dtype)
+    return fill_pool(pool, seed) if seed is not None else pool
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def wait_results(conn: RemoteKVConnector, n: int, timeout: float) -> list[LoadResult]:
+    out: list[LoadResult] = []
+    end = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < end:
+        out += conn.poll()
+        time.sleep(0.002)
+    assert len(out) == n, f"got {len(out)} of {n} results within {timeout}s: {out}"
+    return out
+
+
+@dataclass
+class Pair:
+    server: KVServer
+    conn: RemoteKVConnector
+    src: torch.Tensor
+    dst: torch.Tensor
+
+    def handle(self, rid: str, block_ids: list[int], num_tokens: int | None = None,
+               lease: float = 30.0) -> KVHandle:  # fmt: skip
+        bs = self.server.compat.block_size
+        n = num_tokens if num_tokens is not None else len(block_ids) * bs
+        return self.server.make_handle(rid, block_ids, n, [], lease)
+
+
+class PeerProcess:
+    """A real prefill-side process (``pdserve.transfer.pool_server``) on 127.0.0.1."""
+
+    def __init__(self, transport: str, blocks: int, seed: int, **extra: object) -> None:
+        args = [sys.executable, "-m", "pdserve.transfer.pool_server", "--transport", transport]
+        args += ["--blocks", str(blocks), "--seed", str(seed)]
+        for k, v in {**SHAPE, **extra}.items():
+            args += [f"--{k.replace('_', '-')}", str(v)]
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"peer process exited early (rc={self.proc.poll()})"
+        info = json.loads(line)
+        self.agent_name: str = info["agent_name"]
+        self.side_channel: str = info["side_channel"]
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def released(self, timeout: float) -> str:
+        try:
+            return str(json.loads(self._lines.get(timeout=timeout))["released"])
+        except queue.Empty:
+            raise AssertionError("no lease release reported by the peer process") from None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

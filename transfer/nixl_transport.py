@@ -1,0 +1,124 @@
+"""KV transport over NIXL (UCX backend): the decode side pulls with one READ per request.
+
+The whole pool is registered once as a single region. A request becomes one transfer whose
+descriptor list holds ``layers * 2 * runs`` ranges (runs of block ids contiguous on both
+sides, see ``layout.merge_runs``); the remote ranges are computed from the pool geometry the
+prefill side sent in its handshake reply. The READ is one-sided: the prefill side's CPU is
+not involved, and completion is learnt by polling the transfer state. The lease is released
+over the side channel, not by NIXL notification (see docs/kv_transfer.md).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.transfer.base import KVTransport, PeerInfo, ReadOp, State, TransferError
+from pdserve.transfer.layout import descriptors, merge_runs
+from pdserve.transfer.messages import CompatRecord
+
+log = logging.getLogger(__name__)
+
+
+class _NixlOp(ReadOp):
+    def __init__(self, request_id: str, num_bytes: int, handle: object) -> None:
+        super().__init__(request_id, num_bytes)
+        self.handle = handle
+        self.finished = False
+
+
+class NixlTransport(KVTransport):
+    name = "nixl"
+
+    def __init__(self, pool: torch.Tensor, compat: CompatRecord, agent_name: str) -> None:
+        super().__init__(pool, compat, agent_name)
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise TransferError(f"the nixl transport needs the 'nixl' package: {exc}") from exc
+        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        if "UCX" not in self.agent.backends:
+            raise TransferError("NIXL has no UCX backend plugin; use --kv-transport tcp")
+        self._reg = self.agent.register_memory(pool)
+        self._peers: set[str] = set()
+
+    def metadata(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    def add_peer(self, peer: PeerInfo) -> None:
+        if peer.agent_name in self._peers:
+            self.remove_peer(peer.agent_name)
+        name = self.agent.add_remote_agent(peer.metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != peer.agent_name:
+            self.agent.remove_remote_agent(name)
+            raise TransferError(f"peer metadata names agent {name!r}, not {peer.agent_name!r}")
+        self._peers.add(name)
+
+    def remove_peer(self, agent_name: str) -> None:
+        if agent_name in self._peers:
+            self._peers.discard(agent_name)
+            try:
+                self.agent.remove_remote_agent(agent_name)
+            except Exception as exc:  # the peer may be gone already
+                log.debug("remove_remote_agent(%s): %s", agent_name, exc)
+
+    def start_read(
+        self, request_id: str, peer: PeerInfo, remote_ids: list[int], local_ids: list[int]
+    ) -> ReadOp:
+        if peer.agent_name not in self._peers:
+            raise TransferError(f"unknown NIXL peer {peer.agent_name!r}")
+        runs = merge_runs(remote_ids, local_ids)
+        lengths = [n for _, _, n in runs]
+        remote = descriptors(peer.geometry, [s for s, _, _ in runs], lengths)
+        local = descriptors(self.geometry, [d for _, d, _ in runs], lengths)
+        handle = self.agent.initialize_xfer(
+            "READ",
+            self.agent.get_xfer_descs(local, self.geometry.mem_type),
+            self.agent.get_xfer_descs(remote, peer.geometry.mem_type),
+            peer.agent_name,
+        )
+        op = _NixlOp(request_id, self.geometry.request_bytes(len(local_ids)), handle)
+        if self.agent.transfer(handle) == "ERR":
+            op.error = "NIXL could not post the READ"
+            self._finish(op)
+        return op
+
+    def check(self, op: ReadOp) -> State:
+        assert isinstance(op, _NixlOp)
+        if op.finished:
+            return "ERR" if op.error else "DONE"
+        state = self.agent.check_xfer_state(op.handle)
+        if state == "ERR":
+            op.error = "NIXL READ failed (peer gone or memory not readable)"
+        if state != "PROC":
+            self._finish(op)
+        return state  # type: ignore[no-any-return]
+
+    def abort(self, op: ReadOp) -> bool:
+        assert isinstance(op, _NixlOp)
+        if op.finished:
+            return True
+        # Releasing an active transfer asks the backend to cancel it; if it cannot yet, the
+        # handle stays and a later check()/abort() finishes the job.
+        if self._finish(op):
+            return True
+        return self.check(op) != "PROC"
+
+    def _finish(self, op: _NixlOp) -> bool:
+        try:
+            op.handle.release()  # type: ignore[attr-defined]
+        except Exception as exc:
+            log.debug("release of NIXL transfer %s deferred: %s", op.request_id, exc)
+            return False
+        op.finished = True
+        return True
+
+    def close(self) -> None:
+        for name in list(self._peers):
+            self.remove_peer(name)
+        try:
+            self.agent.deregister_memory(self._reg)
+        except Exception as exc:
+            log.debug("deregister_memory: %s", exc)

@@ -1,0 +1,115 @@
+"""KV transport over plain ZeroMQ: the fallback where NIXL is not installed.
+
+The decode side sends ``TcpReadRequest(block_ids)`` to the prefill worker's side channel;
+the prefill side gathers ``pool[:, :, block_ids]`` into one contiguous buffer and replies with
+``TcpReadReply`` plus one raw data frame, which the decode side scatters into its local blocks.
+Each read uses its own DEALER socket, so a dead peer costs one socket, never a wedged one.
+Two copies and a TCP hop make it several times slower than NIXL; it exists for portability.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import zmq
+
+from pdserve.codec import CodecError, decode, encode
+from pdserve.transfer.base import KVTransport, PeerInfo, ReadOp, State, TransferError
+from pdserve.transfer.messages import SideChannelError, TcpReadReply, TcpReadRequest
+
+
+class _TcpOp(ReadOp):
+    def __init__(self, request_id: str, num_bytes: int, sock: zmq.Socket, local_ids: list[int]):
+        super().__init__(request_id, num_bytes)
+        self.sock: zmq.Socket | None = sock
+        self.local_ids = local_ids
+        self.state: State = "PROC"
+
+
+class TcpTransport(KVTransport):
+    name = "tcp"
+
+    def metadata(self) -> bytes:
+        return b""
+
+    # --- prefill side ---------------------------------------------------------------------
+
+    def serve(self, msg: object) -> list[Any] | None:
+        if not isinstance(msg, TcpReadRequest):
+            return None
+        n = self.geometry.num_blocks
+        bad = [b for b in msg.block_ids if not 0 <= b < n]
+        if bad or not msg.block_ids:
+            err = f"block ids {bad[:8]} out of range [0, {n})" if bad else "no block ids"
+            return [encode(SideChannelError(f"tcp read {msg.request_id}: {err}"))]
+        idx = torch.tensor(msg.block_ids, dtype=torch.long, device=self.pool.device)
+        data = self.pool.index_select(2, idx).cpu().contiguous()
+        raw = data.view(torch.uint8).reshape(-1).numpy()
+        return [encode(TcpReadReply(msg.request_id, int(raw.nbytes))), raw]
+
+    # --- decode side ----------------------------------------------------------------------
+
+    def add_peer(self, peer: PeerInfo) -> None:
+        pass  # nothing to set up: every read connects to the peer's side channel
+
+    def remove_peer(self, agent_name: str) -> None:
+        pass
+
+    def start_read(
+        self, request_id: str, peer: PeerInfo, remote_ids: list[int], local_ids: list[int]
+    ) -> ReadOp:
+        sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(peer.side_channel)
+        sock.send_multipart([b"", encode(TcpReadRequest(request_id, list(remote_ids)))])
+        return _TcpOp(request_id, self.geometry.request_bytes(len(local_ids)), sock, local_ids)
+
+    def check(self, op: ReadOp) -> State:
+        assert isinstance(op, _TcpOp)
+        if op.sock is None or not op.sock.poll(0, zmq.POLLIN):
+            return op.state
+        frames = op.sock.recv_multipart(copy=False)
+        try:
+            self._receive(op, frames)
+            op.state = "DONE"
+        except (TransferError, CodecError) as exc:
+            op.error, op.state = str(exc), "ERR"
+        self._close(op)
+        return op.state
+
+    def _receive(self, op: _TcpOp, frames: list[Any]) -> None:
+        if len(frames) < 2:
+            raise TransferError("tcp read: malformed reply")
+        head: object = decode(frames[1].bytes)
+        if isinstance(head, SideChannelError):
+            raise TransferError(head.error)
+        if not isinstance(head, TcpReadReply) or len(frames) != 3:
+            raise TransferError(f"tcp read: unexpected reply {type(head).__name__}")
+        if head.num_bytes != op.num_bytes or len(frames[2].buffer) != op.num_bytes:
+            raise TransferError(f"tcp read: got {head.num_bytes} bytes, expected {op.num_bytes}")
+        shape = list(self.pool.shape)
+        shape[2] = len(op.local_ids)
+        with warnings.catch_warnings():  # the zmq frame is read-only; we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(frames[2].buffer, dtype=torch.uint8)
+        data = raw.view(self.pool.dtype).view(shape).to(self.pool.device)
+        idx = torch.tensor(op.local_ids, dtype=torch.long, device=self.pool.device)
+        self.pool.index_copy_(2, idx, data)
+
+    def abort(self, op: ReadOp) -> bool:
+        assert isinstance(op, _TcpOp)
+        if op.state == "PROC":
+            op.error, op.state = "aborted", "ERR"
+        self._close(op)
+        return True  # the data is only written in check(), on this thread
+
+    @staticmethod
+    def _close(op: _TcpOp) -> None:
+        if op.sock is not None:
+            op.sock.close(linger=0)
+            op.sock = None
+
+    def close(self) -> None:
+        pass
