@@ -1,0 +1,209 @@
+"""Table of metric snapshots -> planner decisions (pure function, no I/O)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+from planner_helpers import T0, config, lat, settled, snap
+
+from pdserve.planner.config import Bounds, Stability
+from pdserve.planner.decision import PlannerState
+from pdserve.planner.plan import plan
+from pdserve.planner.presets import H100_LLAMA3_8B
+
+PREFILL = H100_LLAMA3_8B.prefill
+
+
+def expected_prefill_need(rps: float, prompt: float, backlog_tokens: float = 0.0) -> float:
+    """The documented equation, written out independently of planner/model.py."""
+    service = PREFILL.service_time(prompt)
+    mu = PREFILL.saturated_tokens_per_s(prompt)
+    rho = min(0.85, max(0.1, 1 - service / (0.5 * 1.0)))
+    return (rps * prompt + backlog_tokens / 20.0) / (mu * rho)
+
+
+# (name, snapshot, state, config overrides, expected prefill desired, expected decode desired,
+#  words expected in the prefill reason)
+CASES = [
+    ("steady", snap(rps=150), settled(), {}, 10, 10, "steady"),
+    ("ttft load up x2 limit", snap(rps=600), settled(), {}, 20, 14, "step limited"),
+    ("load up small", snap(rps=190), settled(), {}, 12, 10, "scale up 10->12"),
+    (
+        "queue wait scales prefill",
+        snap(rps=150, prefill_queue_wait_s=5.0, prefill_queue_depth=300),
+        settled(),
+        {},
+        13,
+        10,
+        "queued prompt tokens",
+    ),
+    (
+        "queue-blind ignores the queue",
+        snap(rps=150, prefill_queue_wait_s=5.0, prefill_queue_depth=300),
+        settled(),
+        {"queue_aware": False},
+        10,
+        10,
+        "steady",
+    ),
+    (
+        "pending pods: no scale-up behind them",
+        snap(rps=600, prefill=(20, 12, 5)),
+        settled(prefill=20),
+        {},
+        20,
+        14,
+        "pending",
+    ),
+    ("bounds: max", snap(rps=600), settled(), {"prefill": Bounds(1, 15)}, 15, 14, "scale up"),
+    ("bounds: min", snap(rps=1), settled(), {"prefill": Bounds(8, 15)}, 8, 10, "scale down"),
+    (
+        "outside bounds is clamped",
+        snap(rps=150, prefill=(30, 30, 0)),
+        settled(prefill=30),
+        {"prefill": Bounds(1, 20)},
+        20,
+        10,
+        "outside",
+    ),
+    (
+        "manual edit respected",
+        snap(rps=50, prefill=(14, 14, 0)),
+        settled(prefill=10),
+        {},
+        14,
+        10,
+        "manual edit to 14",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "snapshot", "state", "overrides", "want_p", "want_d", "words"),
+    CASES,
+    ids=[c[0] for c in CASES],
+)
+def test_decision_table(name, snapshot, state, overrides, want_p, want_d, words) -> None:
+    decision, _ = plan(snapshot, state, config(**overrides))
+    assert decision.prefill.desired == want_p, decision.reason
+    assert decision.decode.desired == want_d, decision.reason
+    assert words in decision.prefill.reason, decision.reason
+
+
+def test_prefill_need_follows_the_documented_equation() -> None:
+    decision, _ = plan(snap(rps=150), settled(), config())
+    assert decision.prefill.need == pytest.approx(expected_prefill_need(150, 1000), rel=1e-3)
+    s = snap(rps=150, prefill_queue_wait_s=5.0, prefill_queue_depth=300)
+    decision, _ = plan(s, settled(), config())
+    backlog = max(300 * 1000, 5.0 * 10 * PREFILL.saturated_tokens_per_s(1000))
+    assert decision.details["prefill_backlog_tokens"] == pytest.approx(backlog, rel=1e-3)
+    assert decision.prefill.need == pytest.approx(expected_prefill_need(150, 1000, backlog), 1e-3)
+
+
+def test_decode_scales_on_sequences_tokens_and_kv() -> None:
+    # 10 replicas x 256 seqs max; 4000 running sequences need ~16 replicas by batch size
+    decision, _ = plan(snap(rps=150, decode_running=4000, kv_utilisation=0.5), settled(), config())
+    d = decision.details
+    assert d["decode_need_sequences"] == pytest.approx(4000 / d["decode_batch_per_replica"])
+    assert decision.decode.desired == math.ceil(decision.decode.need) > 10
+    # long contexts: KV, not the batch limit, sets the count
+    s = snap(rps=150, decode_running=1500, kv_utilisation=0.98)
+    decision, _ = plan(s, settled(), config())
+    assert decision.details["decode_need_kv"] > decision.details["decode_need_sequences"]
+    assert decision.decode.desired > 10
+    assert "scale up" in decision.decode.reason
+
+
+def test_scale_down_waits_for_the_window_then_steps() -> None:
+    cfg = config()
+    state = settled()
+    decision, state = plan(snap(t=T0, rps=320), state, cfg)  # busy: recommend 20
+    assert decision.prefill.desired == 20
+    p = d = (20, 20, 0)
+    times = [T0 + 10 * i for i in range(1, 121)]  # then quiet for 20 minutes
+    desired = []
+    for t in times:
+        decision, state = plan(snap(t=t, rps=50, prefill=p, decode=d), state, cfg)
+        p = (decision.prefill.desired, decision.prefill.desired, 0)
+        desired.append((t - T0, decision.prefill.desired, decision.prefill.reason))
+    held = [x for x in desired if x[0] < cfg.stability.scale_down_window_s]
+    assert all(n == 20 for _, n, _ in held), held
+    assert any("window" in why for _, _, why in held)
+    first_down = next(x for x in desired if x[1] < 20)
+    assert first_down[0] >= cfg.stability.scale_down_window_s
+    assert first_down[1] == 15  # at most -25% per decision
+    assert desired[-1][1] == math.ceil(expected_prefill_need(50, 1000))
+
+
+def test_cooldown_blocks_scale_down_after_a_scale_event() -> None:
+    cfg = config(stability=Stability(scale_down_window_s=0.0, scale_down_cooldown_s=120.0))
+    decision, state = plan(snap(t=T0, rps=320), settled(), cfg)
+    assert decision.prefill.desired == 20
+    quiet = snap(t=T0 + 60, rps=50, prefill=(20, 20, 0))
+    decision, state = plan(quiet, state, cfg)
+    assert decision.prefill.desired == 20 and "cooldown" in decision.prefill.reason
+    decision, _ = plan(replace(quiet, time_s=T0 + 130), state, cfg)
+    assert decision.prefill.desired < 20
+
+
+def test_scale_down_removes_unready_pods_first() -> None:
+    s = snap(rps=50, prefill=(20, 14, 6))
+    decision, _ = plan(s, settled(prefill=20), config())
+    assert decision.prefill.desired == 15
+    assert decision.prefill.remove_unready == 5
+    assert "removes 5 unready" in decision.prefill.reason
+
+
+def test_manual_edit_is_respected_until_the_next_decision() -> None:
+    cfg = config()
+    decision, state = plan(snap(rps=50, prefill=(14, 14, 0)), settled(prefill=10), cfg)
+    assert decision.prefill.desired == 14
+    # the next decision plans normally from 14: a surge scales up from there
+    decision, _ = plan(snap(t=T0 + 10, rps=400, prefill=(14, 14, 0)), state, cfg)
+    assert decision.prefill.desired > 14 and "scale up 14->" in decision.prefill.reason
+
+
+def test_no_flapping_under_steady_noisy_load() -> None:
+    cfg = config()
+    state = settled(prefill=10, decode=10)
+    p = d = (10, 10, 0)
+    changes = 0
+    for i in range(200):
+        noise = 1.0 + 0.06 * math.sin(i * 1.7)  # +-6% around a steady load
+        s = snap(t=T0 + 10 * i, rps=160 * noise, prefill=p, decode=d, decode_running=1500 * noise)
+        decision, state = plan(s, state, cfg)
+        changes += decision.prefill.changed + decision.decode.changed
+        p = (decision.prefill.desired,) * 2 + (0,)
+        d = (decision.decode.desired,) * 2 + (0,)
+    assert changes <= 2, changes
+
+
+def test_online_correction_raises_need_when_prefill_is_slower_than_profiled() -> None:
+    cfg = config()
+    service = PREFILL.service_time(1000)
+    s = snap(rps=150, ttft=lat(2.0 * service + 0.01), prefill_queue_wait_s=0.01)
+    state = settled()
+    needs = []
+    for i in range(15):
+        decision, state = plan(replace(s, time_s=T0 + 10 * i), state, cfg)
+        needs.append(decision.prefill.need)
+    assert state.prefill_correction == pytest.approx(2.0, rel=0.02)
+    assert needs[-1] > 2.0 * expected_prefill_need(150, 1000)
+    # decode: TPOT 1.5x the modelled step time
+    s = snap(rps=150, decode_running=1500, kv_utilisation=0.4)
+    predicted = H100_LLAMA3_8B.decode.step_time(150, 0.4 * 10 * 396_728 / 1500)
+    s = replace(s, tpot=lat(1.5 * predicted))
+    for i in range(15):
+        _, state = plan(replace(s, time_s=T0 + 10 * i), state, cfg)
+    assert state.decode_correction == pytest.approx(1.5, rel=0.02)
+
+
+def test_state_round_trips_through_json() -> None:
+    _, state = plan(snap(rps=320, ttft=lat(0.2)), settled(), config())
+    again = PlannerState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert again == state
+    assert PlannerState.from_dict({"prefill": {"history": "garbage"}}) == PlannerState()
+    assert PlannerState.from_dict(None) == PlannerState()
