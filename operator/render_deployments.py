@@ -72,7 +72,7 @@ def _volumes(spec: LLMServiceSpec, role: str, shm_size: str) -> list[dict[str, A
 
 
 def _mounts(spec: LLMServiceSpec, role: str) -> list[dict[str, Any]]:
-    mounts = [
+    mounts: list[dict[str, Any]] = [
         {
             "name": "model",
             "mountPath": n.MODEL_MOUNT,

@@ -48,7 +48,7 @@ def download_init_container(spec: LLMServiceSpec, tokenizer_only: bool) -> list[
         cmd += ["--revision", src.revision]
     if tokenizer_only:
         cmd += ["--include", *_TOKENIZER_FILES]
-    env = [{"name": "HF_HOME", "value": f"{n.MODEL_MOUNT}/.cache"}]
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{n.MODEL_MOUNT}/.cache"}]
     if src.token_secret:
         ref = {"name": src.token_secret, "key": src.token_key}
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})

@@ -1,0 +1,22 @@
+"""Handlers on kopf's default registry, for ``kopf run -m pdserve.operator.kopf_entry``.
+
+``pdserve operator`` is the normal entry point; this module exists for kopf's
+own CLI and for ``kopf.testing.KopfRunner``. The status interval comes from
+``PDSERVE_OPERATOR_STATUS_INTERVAL`` (seconds).
+"""
+
+from __future__ import annotations
+
+import os
+
+import kopf
+
+from pdserve.operator.handlers import OperatorConfig, register
+
+register(
+    kopf.get_default_registry(),
+    OperatorConfig(
+        status_interval=float(os.environ.get("PDSERVE_OPERATOR_STATUS_INTERVAL", "10")),
+        retry_delay=float(os.environ.get("PDSERVE_OPERATOR_RETRY_DELAY", "30")),
+    ),
+)

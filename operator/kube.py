@@ -1,0 +1,169 @@
+"""A small async Kubernetes client for the operator's children (get/create/patch/delete).
+
+kopf handles the LLMService itself; the children are plain REST calls made
+with the same credentials kopf logs in with (``login`` below is also kopf's
+login handler), so both always talk to the same API server as the same user.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+from typing import Any
+
+import aiohttp
+import kopf
+
+logger = logging.getLogger(__name__)
+
+# (apiVersion, kind) -> plural, for every kind the operator reads or writes.
+PLURALS: dict[tuple[str, str], str] = {
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Service"): "services",
+    ("v1", "Secret"): "secrets",
+    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
+    ("apps/v1", "Deployment"): "deployments",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("networking.k8s.io/v1", "Ingress"): "ingresses",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("pdserve.io/v1alpha1", "LLMService"): "llmservices",
+}
+_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+def resource_path(api_version: str, kind: str, namespace: str, name: str = "") -> str:
+    plural = PLURALS.get((api_version, kind))
+    if plural is None:
+        raise KeyError(f"unknown kind {api_version}/{kind}; known: {sorted(PLURALS)}")
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{base}/namespaces/{namespace}/{plural}"
+    return f"{path}/{name}" if name else path
+
+
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """In-cluster service account, else the kubeconfig named by $KUBECONFIG (read at call time)."""
+    if os.path.exists(f"{_SA_DIR}/token") and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"]
+        with open(f"{_SA_DIR}/token", encoding="utf-8") as f:
+            token = f.read().strip()
+        return kopf.ConnectionInfo(
+            server=f"https://{host}:{port}",
+            ca_path=f"{_SA_DIR}/ca.crt",
+            scheme="Bearer",
+            token=token,
+        )
+    import kubernetes.client
+    import kubernetes.config
+
+    cfg = kubernetes.client.Configuration()
+    path = os.environ.get("KUBECONFIG", "~/.kube/config").split(os.pathsep)[0]
+    kubernetes.config.load_kube_config(
+        config_file=os.path.expanduser(path), client_configuration=cfg
+    )
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix(
+        "authorization"
+    )
+    scheme, _sep, token = str(header or "").partition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        username=cfg.username or None,
+        password=cfg.password or None,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )
+
+
+def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
+    if not info.server.startswith("https"):
+        return False
+    ctx = ssl.create_default_context(cafile=info.ca_path)
+    if info.insecure:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    if info.certificate_path:
+        ctx.load_cert_chain(info.certificate_path, info.private_key_path)
+    return ctx
+
+
+class KubeClient:
+    """get/create/patch/delete of namespaced objects; ``None`` from ``get`` means 404."""
+
+    def __init__(self, info: kopf.ConnectionInfo) -> None:
+        self.info = info
+        headers = {"Accept": "application/json"}
+        if info.token:
+            headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
+        auth = aiohttp.BasicAuth(info.username, info.password or "") if info.username else None
+        connector = aiohttp.TCPConnector(ssl=_ssl_context(info))
+        timeout = aiohttp.ClientTimeout(total=30)
+        self.session = aiohttp.ClientSession(
+            headers=headers, auth=auth, connector=connector, timeout=timeout
+        )
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def _call(self, method: str, path: str, body: Any = None, ctype: str = "") -> Any:
+        headers = {"Content-Type": ctype or "application/json"} if body is not None else {}
+        url = self.info.server.rstrip("/") + path
+        async with self.session.request(method, url, json=body, headers=headers) as resp:
+            if resp.status == 404 and method == "GET":
+                return None
+            data = await resp.json(content_type=None) if resp.content_length != 0 else None
+            if resp.status >= 400:
+                message = data.get("message", "") if isinstance(data, dict) else str(data)
+                raise KubeError(resp.status, f"{method} {path}: {message}")
+            return data
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        result: dict | None = await self._call(
+            "GET", resource_path(api_version, kind, namespace, name)
+        )
+        return result
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"])
+        result: dict[str, Any] = await self._call("POST", path, obj)
+        return result
+
+    async def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: dict,
+        *,
+        status: bool = False,
+    ) -> dict[str, Any]:
+        path = resource_path(api_version, kind, namespace, name) + ("/status" if status else "")
+        result: dict[str, Any] = await self._call(
+            "PATCH", path, patch, "application/merge-patch+json"
+        )
+        return result
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete in the background (owners first, children by GC); False if it was already gone."""
+        path = resource_path(api_version, kind, namespace, name)
+        try:
+            await self._call("DELETE", path, {"propagationPolicy": "Background"})
+        except KubeError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True

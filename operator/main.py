@@ -1,0 +1,52 @@
+"""``pdserve operator``: run the LLMService operator (kopf) in this process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import kopf
+
+from pdserve.operator.handlers import OperatorConfig, register
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--namespace", "-n", action="append", default=[], help="watch this namespace (repeatable)"
+    )
+    scope.add_argument(
+        "--all-namespaces", "-A", action="store_true", help="watch the whole cluster"
+    )
+    parser.add_argument("--status-interval", type=float, default=10.0, help="status timer seconds")
+    parser.add_argument("--retry-delay", type=float, default=30.0, help="retry delay when a "
+                        "referenced Secret/PVC is missing")  # fmt: skip
+    parser.add_argument("--health-port", type=int, default=8080, help="liveness endpoint port")
+    parser.add_argument("--peering", default="", help="kopf peering name (default: standalone)")
+    parser.add_argument("--verbose", "-v", action="store_true")
+
+
+def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    register(registry, config)
+    return registry
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.namespace and not args.all_namespaces:
+        print("pdserve operator: pass --namespace NS (repeatable) or --all-namespaces")
+        return 2
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
+    config = OperatorConfig(status_interval=args.status_interval, retry_delay=args.retry_delay)
+    asyncio.run(
+        kopf.operator(
+            registry=build_registry(config),
+            clusterwide=args.all_namespaces,
+            namespaces=list(args.namespace),
+            standalone=not args.peering,
+            peering_name=args.peering or None,
+            liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz",
+        )
+    )
+    return 0

@@ -1,0 +1,85 @@
+"""Checks a schema-valid spec must pass before any child is created or changed.
+
+Each problem names the field, e.g. ``spec.router.apiKeySecret.name: Secret
+"llm-key" not found in namespace "ml"``. A missing object may appear later
+(``retryable``); a spec that fights the operator can only be fixed by editing it.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+
+from pdserve.operator.kube import KubeClient
+from pdserve.operator.spec import LLMServiceSpec
+
+# Flags the operator sets itself; passing them again in extraArgs would break the pod contract.
+MANAGED_FLAGS = (
+    "--model", "--host", "--port", "--side-channel-port", "--kv-events-port", "--worker-id",
+    "--kv-transport", "--discovery", "--service", "--namespace", "--api-key", "--api-key-file",
+    "--served-model-name",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Problem:
+    field: str
+    message: str
+    retryable: bool  # True: a referenced object is missing and may still be created
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+def check_extra_args(spec: LLMServiceSpec) -> list[Problem]:
+    problems = []
+    sections = {"prefill": spec.prefill.extra_args, "decode": spec.decode.extra_args}
+    sections["router"] = spec.router.extra_args
+    for section, args in sections.items():
+        for i, arg in enumerate(args):
+            flag = arg.split("=", 1)[0]
+            if flag in MANAGED_FLAGS:
+                msg = f"{flag} is set by the operator; remove it (use the spec field instead)"
+                problems.append(Problem(f"spec.{section}.extraArgs[{i}]", msg, retryable=False))
+    return problems
+
+
+async def _check_secret_key(
+    client: KubeClient, namespace: str, name: str, key: str, field: str
+) -> list[Problem]:
+    secret = await client.get("v1", "Secret", namespace, name)
+    if secret is None:
+        msg = f'Secret "{name}" not found in namespace "{namespace}"'
+        return [Problem(f"{field}.name", msg, retryable=True)]
+    data = secret.get("data") or {}
+    if key not in data and key not in (secret.get("stringData") or {}):
+        msg = f'Secret "{name}" has no key "{key}" (keys: {sorted(data)})'
+        return [Problem(f"{field}.key", msg, retryable=True)]
+    if key in data and not base64.b64decode(data[key] or "").strip():
+        return [Problem(f"{field}.key", f'Secret "{name}" key "{key}" is empty', retryable=True)]
+    return []
+
+
+async def check_references(client: KubeClient, spec: LLMServiceSpec) -> list[Problem]:
+    ns = spec.namespace
+    problems: list[Problem] = []
+    if spec.router.api_key_secret:
+        field = "spec.router.apiKeySecret"
+        problems += await _check_secret_key(
+            client, ns, spec.router.api_key_secret, spec.router.api_key_key, field
+        )
+    src = spec.model.source
+    if src.kind == "huggingFace" and src.token_secret:
+        field = "spec.model.source.huggingFace.tokenSecret"
+        problems += await _check_secret_key(client, ns, src.token_secret, src.token_key, field)
+    if (
+        src.kind == "pvc"
+        and await client.get("v1", "PersistentVolumeClaim", ns, src.claim_name) is None
+    ):
+        msg = f'PersistentVolumeClaim "{src.claim_name}" not found in namespace "{ns}"'
+        problems.append(Problem("spec.model.source.pvc.claimName", msg, retryable=True))
+    return problems
+
+
+async def preflight(client: KubeClient, spec: LLMServiceSpec) -> list[Problem]:
+    return check_extra_args(spec) + await check_references(client, spec)

@@ -1,0 +1,161 @@
+"""Status of an LLMService: conditions, per-pool replicas, endpoint, autoscaling decision.
+
+Handlers own ``Degraded`` (the spec could not be applied); the status timer
+owns ``Ready``/``Progressing`` and the replica counts, from the Deployments.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.operator import naming as n
+from pdserve.operator.spec import LLMServiceSpec
+
+REASON_INVALID_SPEC = "InvalidSpec"  # set by handlers; only a spec change or fix clears it
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(
+    type_: str, ok: bool, reason: str, message: str, generation: int | None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "type": type_,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": now(),
+    }
+    if generation is not None:
+        out["observedGeneration"] = generation
+    return out
+
+
+def merge_conditions(
+    old: list[Mapping[str, Any]], new: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Replace conditions by type; keep lastTransitionTime when the status did not flip."""
+    by_type = {c["type"]: dict(c) for c in old}
+    for c in new:
+        prev = by_type.get(c["type"])
+        if prev is not None and prev.get("status") == c["status"]:
+            c = {**c, "lastTransitionTime": prev.get("lastTransitionTime", c["lastTransitionTime"])}
+        by_type[c["type"]] = c
+    return [by_type[t] for t in ("Ready", "Progressing", "Degraded") if t in by_type]
+
+
+@dataclass(frozen=True)
+class PoolState:
+    desired: int
+    replicas: int
+    ready: int
+    failed_reason: str = ""  # e.g. ProgressDeadlineExceeded
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready >= self.desired and self.replicas == self.desired
+
+    def as_status(self) -> dict[str, Any]:
+        return {
+            "desiredReplicas": self.desired,
+            "replicas": self.replicas,
+            "readyReplicas": self.ready,
+            "summary": f"{self.ready}/{self.desired}",
+        }
+
+
+def pool_state(deployment: Mapping[str, Any] | None) -> PoolState | None:
+    if deployment is None:
+        return None
+    st = deployment.get("status") or {}
+    failed = ""
+    for c in st.get("conditions") or []:
+        if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
+            failed = "ProgressDeadlineExceeded"
+        if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
+            failed = c.get("reason") or "ReplicaFailure"
+    return PoolState(
+        desired=int(deployment.get("spec", {}).get("replicas", 1)),
+        replicas=int(st.get("updatedReplicas") or 0),
+        ready=int(st.get("readyReplicas") or 0),
+        failed_reason=failed,
+    )
+
+
+def observed_status(
+    spec: LLMServiceSpec,
+    generation: int | None,
+    deployments: Mapping[str, Mapping[str, Any] | None],
+    old_conditions: list[Mapping[str, Any]],
+) -> dict[str, Any]:
+    """The status patch computed from the live Deployments (role -> object or None)."""
+    states = {role: pool_state(deployments.get(role)) for role in n.ROLES}
+    missing = [role for role, s in states.items() if s is None]
+    not_ready = [role for role, s in states.items() if s is not None and not s.is_ready]
+    failed = {
+        role: s.failed_reason for role, s in states.items() if s is not None and s.failed_reason
+    }
+    conds = []
+    if missing:
+        msg = f"Deployments not created: {', '.join(missing)}"
+        conds.append(condition("Ready", False, "ChildrenMissing", msg, generation))
+    elif not_ready:
+        detail = ", ".join(f"{r} {states[r].ready}/{states[r].desired}" for r in not_ready)  # type: ignore[union-attr]
+        conds.append(
+            condition("Ready", False, "ReplicasNotReady", f"waiting for {detail}", generation)
+        )
+    else:
+        conds.append(
+            condition(
+                "Ready", True, "AllReplicasReady", "router and both pools are ready", generation
+            )
+        )
+    busy = bool(missing or not_ready)
+    conds.append(condition("Progressing", busy, "RollingOut" if busy else "Stable", "", generation))
+    degraded_by_spec = any(
+        c.get("type") == "Degraded"
+        and c.get("reason") == REASON_INVALID_SPEC
+        and c.get("status") == "True"
+        for c in old_conditions
+    )
+    if not degraded_by_spec:
+        msg = "; ".join(
+            f"Deployment {n.deployment_name(spec.name, r)}: {why}" for r, why in failed.items()
+        )
+        conds.append(
+            condition(
+                "Degraded",
+                bool(failed),
+                "DeploymentFailed" if failed else "AsExpected",
+                msg,
+                generation,
+            )
+        )
+    ing = spec.router.ingress
+    out: dict[str, Any] = {
+        "conditions": merge_conditions(list(old_conditions), conds),
+        "endpoint": n.endpoint_url(
+            spec.name, spec.namespace, ing.host if ing else "", bool(ing and ing.tls_secret_name)
+        ),
+    }
+    for role, s in states.items():
+        if s is not None:
+            out[role] = s.as_status()
+    return out
+
+
+def autoscaling_decision(prefill: int, decode: int, reason: str) -> dict[str, Any]:
+    """The ``status.autoscaling.lastDecision`` record the autoscaler writes with each scaling."""
+    return {
+        "lastDecision": {
+            "time": now(),
+            "prefillReplicas": prefill,
+            "decodeReplicas": decode,
+            "reason": reason,
+        }
+    }
