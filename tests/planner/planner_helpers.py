@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
 from pdserve.planner.config import SLO, Bounds, PlannerConfig
 from pdserve.planner.decision import PlannerState, PoolMemory
 from pdserve.planner.presets import H100_LLAMA3_8B
@@ -59,3 +61,40 @@ def settled(prefill: int = 10, decode: int = 10, t: float = T0) -> PlannerState:
 
 def lat(mean: float, count: int = 100) -> LatencyStats:
     return LatencyStats(count=count, mean=mean, p50=mean, p90=mean * 1.5, p99=mean * 2)
+
+
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class FakeRouter:
+    """Real prometheus_client metrics under the contract names (router + two workers)."""
+
+    def __init__(self) -> None:
+        self.reg = CollectorRegistry()
+        r = self.reg
+        self.ttft = Histogram("pdserve_router_ttft_seconds", "", buckets=BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_router_tpot_seconds", "", buckets=BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_router_itl_seconds", "", buckets=BUCKETS, registry=r)
+        self.requests = Counter("pdserve_router_requests", "", ["code"], registry=r)
+        self.prompt = Counter("pdserve_router_prompt_tokens", "", registry=r)
+        self.output = Counter("pdserve_router_generation_tokens", "", registry=r)
+        self.depth = Gauge("pdserve_router_queue_depth", "", registry=r)
+        self.wait = Histogram(
+            "pdserve_prefill_queue_wait_seconds", "", ["role"], buckets=BUCKETS, registry=r
+        )
+        self.running = Gauge("pdserve_num_requests_running", "", ["role"], registry=r)
+        self.kv_total = Gauge("pdserve_kv_blocks_total", "", ["role"], registry=r)
+        self.kv_free = Gauge("pdserve_kv_blocks_free", "", ["role"], registry=r)
+        self.hits = Counter("pdserve_prefix_cache_hit_tokens", "", ["role"], registry=r)
+
+    def text(self) -> str:
+        return generate_latest(self.reg).decode()
+
+    def serve_interval(self, n: int, ttft: float, tpot: float, prompt: int, output: int) -> None:
+        """Record ``n`` finished requests of the given latencies and lengths."""
+        for _ in range(n):
+            self.ttft.observe(ttft)
+            self.tpot.observe(tpot)
+            self.requests.labels("200").inc()
+            self.prompt.inc(prompt)
+            self.output.inc(output)

@@ -7,7 +7,7 @@ import json
 import httpx
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from planner_helpers import FakeRouter
 
 from pdserve.planner import histogram
 from pdserve.planner.config import SLO
@@ -17,32 +17,6 @@ from pdserve.planner.snapshot import PoolStatus
 
 SLO_ = SLO(ttft_s=1.0, tpot_s=0.05)
 P, D = PoolStatus(2, 2), PoolStatus(3, 2, 1)
-BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-class FakeRouter:
-    """Real prometheus_client metrics under the contract names (router + two workers)."""
-
-    def __init__(self) -> None:
-        self.reg = CollectorRegistry()
-        r = self.reg
-        self.ttft = Histogram("pdserve_router_ttft_seconds", "", buckets=BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_router_tpot_seconds", "", buckets=BUCKETS, registry=r)
-        self.itl = Histogram("pdserve_router_itl_seconds", "", buckets=BUCKETS, registry=r)
-        self.requests = Counter("pdserve_router_requests", "", ["code"], registry=r)
-        self.prompt = Counter("pdserve_router_prompt_tokens", "", registry=r)
-        self.output = Counter("pdserve_router_generation_tokens", "", registry=r)
-        self.depth = Gauge("pdserve_router_queue_depth", "", registry=r)
-        self.wait = Histogram(
-            "pdserve_prefill_queue_wait_seconds", "", ["role"], buckets=BUCKETS, registry=r
-        )
-        self.running = Gauge("pdserve_num_requests_running", "", ["role"], registry=r)
-        self.kv_total = Gauge("pdserve_kv_blocks_total", "", ["role"], registry=r)
-        self.kv_free = Gauge("pdserve_kv_blocks_free", "", ["role"], registry=r)
-        self.hits = Counter("pdserve_prefix_cache_hit_tokens", "", ["role"], registry=r)
-
-    def text(self) -> str:
-        return generate_latest(self.reg).decode()
 
 
 def test_two_scrapes_give_rates_quantiles_and_attainment() -> None:
