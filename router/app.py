@@ -1,0 +1,112 @@
+"""The router's HTTP app: OpenAI API, health, metrics and the admin worker list.
+
+``create_app(cfg, source)`` builds it; ``pdserve router`` serves it with uvicorn.
+Tests build it around fake workers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import EndpointSource
+from pdserve.router.errors import APIError
+from pdserve.router.runtime import Runtime
+from pdserve.router.serving import serve
+from pdserve.router.tokenizer import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    cfg: RouterConfig, source: EndpointSource, tokenizer: PromptTokenizer | None = None
+) -> FastAPI:
+    tok = tokenizer or PromptTokenizer(cfg.model_dir)
+    holder: dict[str, Runtime] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        rt = Runtime(cfg, source, tok)
+        holder["rt"] = rt
+        app.state.runtime = rt
+        await rt.start()
+        try:
+            yield
+        finally:
+            await rt.close()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    def rt() -> Runtime:
+        return holder["rt"]
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return rt().error(exc)
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return rt().error(APIError(500, f"internal error: {type(exc).__name__}"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(rt(), request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(rt(), request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        rt().check_auth(request)
+        max_len = rt().discovery.snapshot().max_model_len or tok.config_max_len
+        card = {
+            "id": cfg.model_name,
+            "object": "model",
+            "created": rt().created,
+            "owned_by": "pdserve",
+            "root": cfg.model_dir,
+            "max_model_len": max_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        snap = rt().discovery.snapshot()
+        if not snap.decode:
+            return JSONResponse({"status": "no decode worker ready"}, status_code=503)
+        return JSONResponse(
+            {"status": "ok", "prefill": len(snap.prefill), "decode": len(snap.decode)}
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(rt().metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/workers")
+    async def workers(request: Request) -> dict[str, Any]:
+        rt().check_auth(request)
+        return {"workers": [_worker_json(w) for w in rt().discovery.snapshot().workers]}
+
+    return app
+
+
+def _worker_json(w: Any) -> dict[str, Any]:
+    return {
+        "role": w.role,
+        "url": w.url,
+        "worker_id": w.worker_id,
+        "healthy": w.healthy,
+        "kv_blocks_free": w.stats.kv_blocks_free,
+        "kv_blocks_total": w.stats.kv_blocks_total,
+        "running": w.stats.running,
+        "waiting": w.stats.waiting,
+        "inflight": w.inflight,
+    }

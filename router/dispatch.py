@@ -1,0 +1,223 @@
+"""One request's trip through the workers: plan, remote prefill, decode, relay.
+
+    plan ──remote──▶ POST /prefill (retry on the next prefill worker)
+      │                   │ first token → client at once
+      │                   ▼
+      └──local──────▶ POST /generate (retry on the next decode worker while
+                          no decode token has reached the client)
+
+If every prefill worker fails, the request falls back to local prefill. A
+request that ends early (client gone, error) is aborted on the workers it
+touched so their KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from pdserve.engine.hashing import block_hashes
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router import disagg, worker_client
+from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import Discovery
+from pdserve.router.errors import APIError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.routing import NoWorkerAvailable, RoutePlan, plan_route
+from pdserve.router.scoring import RouteRequest
+from pdserve.router.worker_client import WorkerFailed
+
+log = logging.getLogger(__name__)
+MAX_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestState:
+    """Mutable bookkeeping of one request, owned by the dispatcher while it runs."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    start: float = field(default_factory=time.perf_counter)
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    touched: set[str] = field(default_factory=set)  # worker URLs that may hold state
+    status: int = 200  # HTTP status for metrics (499: client went away)
+    recorded: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        discovery: Discovery,
+        index: PrefixIndex,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.discovery = discovery
+        self.index = index
+        self.client = client
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+        self._rr = 0
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def plan(self, ids: list[int]) -> RoutePlan:
+        snap = self.discovery.snapshot()
+        prefix = self.cfg.routing == "prefix"
+        hashes = block_hashes(ids, snap.block_size) if prefix else []
+        req = RouteRequest(len(ids), tuple(hashes), snap.block_size, self.index.match(hashes))
+        try:
+            plan = plan_route(snap, req, self.cfg, self.rng, self._rr)
+        except NoWorkerAvailable as exc:
+            raise APIError(503, f"no worker is ready: {exc}", code="no_worker") from exc
+        self._rr += 1
+        self.metrics.decisions.labels(plan.kind).inc()
+        if plan.kind == disagg.REMOTE_PREFILL:
+            self.metrics.prefix_match.observe(plan.match_ratio(len(ids)))
+            if prefix:  # the next request of this prefix should follow before the event lands
+                self.index.stored(plan.prefill[0].worker_id, hashes)
+        return plan
+
+    async def run(self, rs: RequestState, plan: RoutePlan) -> AsyncGenerator[Delta, None]:
+        try:
+            handle, first_id = None, None
+            if plan.kind == disagg.REMOTE_PREFILL:
+                result = await self._prefill(rs, plan)
+                if result is not None:
+                    rs.cached_tokens = result.num_cached_tokens
+                    yield self._delta(rs, result.text, 1, result.finish_reason)
+                    if result.finish_reason is not None or result.kv_handle is None:
+                        rs.finish_reason = rs.finish_reason or "stop"
+                        return
+                    handle, first_id = result.kv_handle, result.first_token_id
+            async for delta in self._decode(rs, plan, handle, first_id):
+                yield delta
+        finally:
+            if not rs.finished:
+                self._abort_all(rs)
+
+    def _delta(self, rs: RequestState, text: str, n: int, finish: str | None) -> Delta:
+        now = time.perf_counter()
+        if n > 0:
+            if rs.first_token_at is None:
+                rs.first_token_at = now
+                self.metrics.ttft.observe(now - rs.start)
+            elif rs.last_token_at is not None:
+                self.metrics.itl.observe(now - rs.last_token_at)
+            rs.last_token_at = now
+        rs.completion_tokens += n
+        rs.finish_reason = finish
+        return Delta(text, n, finish)
+
+    async def _prefill(
+        self, rs: RequestState, plan: RoutePlan
+    ) -> worker_client.PrefillResult | None:
+        for worker in plan.prefill[:MAX_ATTEMPTS]:
+            url, n = worker.url, len(rs.prompt_ids)
+            rs.touched.add(url)
+            self._track(url, "prefill", n, +1)
+            try:
+                return await worker_client.prefill(
+                    self.client, url, rs.request_id, rs.prompt_ids, rs.sampling,
+                    self.cfg.request_timeout_s,
+                )  # fmt: skip
+            except WorkerFailed as exc:
+                log.warning("request %s: prefill failed on %s: %s", rs.request_id, url, exc)
+                self.discovery.mark_failed(url)
+                self._spawn(worker_client.abort(self.client, url, rs.request_id))
+            finally:
+                self._track(url, "prefill", n, -1)
+        log.warning("request %s: every prefill worker failed; prefilling locally", rs.request_id)
+        return None
+
+    async def _decode(
+        self, rs: RequestState, plan: RoutePlan, handle: dict[str, Any] | None, first: int | None
+    ) -> AsyncIterator[Delta]:
+        payload = {
+            "request_id": rs.request_id,
+            "prompt_token_ids": rs.prompt_ids,
+            "sampling": rs.sampling.to_dict(),
+            "kv_handle": handle,
+            "first_token_id": first,
+        }
+        for worker in plan.decode[:MAX_ATTEMPTS]:
+            url, relayed = worker.url, False
+            rs.touched.add(url)
+            self._track(url, "decode", 0, +1)
+            try:
+                async for msg in worker_client.generate(
+                    self.client, url, payload, self.cfg.request_timeout_s
+                ):
+                    if "error" in msg:
+                        raise WorkerFailed(url, f"worker error: {msg['error']}", down=False)
+                    delta = self._relay(rs, msg)
+                    relayed = relayed or delta.num_tokens > 0 or bool(delta.text)
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+                raise WorkerFailed(url, "stream ended without a finish_reason")
+            except WorkerFailed as exc:
+                log.warning("request %s: decode failed on %s: %s", rs.request_id, url, exc)
+                if exc.down:
+                    self.discovery.mark_failed(url)
+                self._spawn(worker_client.abort(self.client, url, rs.request_id))
+                if relayed:
+                    raise APIError(502, f"decode worker failed mid-stream: {exc}") from exc
+            finally:
+                self._track(url, "decode", 0, -1)
+        raise APIError(503, "no decode worker could serve the request", code="no_worker")
+
+    def _relay(self, rs: RequestState, msg: dict[str, Any]) -> Delta:
+        ids = msg.get("token_ids") or []
+        usage = msg.get("usage")
+        if isinstance(usage, dict) and rs.cached_tokens == 0:
+            rs.cached_tokens = int(usage.get("cached_tokens") or 0)
+        return self._delta(rs, str(msg.get("text") or ""), len(ids), msg.get("finish_reason"))
+
+    def _track(self, url: str, role: str, tokens: int, step: int) -> None:
+        if step > 0:
+            self.discovery.begin(url, tokens)
+            self.metrics.inflight.labels(url, role).inc()
+        else:
+            self.discovery.end(url, tokens)
+            self.metrics.inflight.labels(url, role).dec()
+
+    def _abort_all(self, rs: RequestState) -> None:
+        for url in rs.touched:
+            self._spawn(worker_client.abort(self.client, url, rs.request_id))
+
+    def _spawn(self, coro: Any) -> None:
+        # Aborts run outside the request's task: it may be the one being cancelled.
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,71 @@
+"""Router metrics (names are contracts: see docs/architecture.md).
+
+Each router app owns its own registry so that several apps (tests) can live in
+one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "pdserve_router_ttft_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_router_tpot_seconds",
+            "Mean time per output token after the first, per request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_router_itl_seconds", "Inter-token latency", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "pdserve_router_e2e_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.requests = Counter(
+            "pdserve_router_requests", "Requests by HTTP status code", ["code"], registry=r
+        )
+        self.decisions = Counter(
+            "pdserve_router_routing_decisions",
+            "Routing decisions by kind",
+            ["kind"],
+            registry=r,
+        )
+        self.prefix_match = Histogram(
+            "pdserve_router_prefix_match_ratio",
+            "Share of the prompt cached on the chosen prefill worker",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "pdserve_router_inflight_requests",
+            "Requests in flight per worker",
+            ["worker", "role"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "pdserve_router_queue_depth", "Requests admitted and not finished", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_router_prompt_tokens", "Prompt tokens routed", registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdserve_router_generation_tokens", "Tokens generated", registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,116 @@
+"""The router's live state: everything the HTTP handlers share.
+
+Built at app start-up (it needs the event loop), closed at shutdown.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import Discovery, EndpointSource
+from pdserve.router.dispatch import Dispatcher, RequestState
+from pdserve.router.errors import APIError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prefix_index import KVEventSubscriber, PrefixIndex
+from pdserve.router.tokenizer import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Ticket:
+    """One admitted request's place in the queue; releasing twice is harmless."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt: Runtime | None = rt
+
+    def release(self) -> None:
+        if self._rt is not None:
+            self._rt._release()
+            self._rt = None
+
+
+class Runtime:
+    def __init__(
+        self, cfg: RouterConfig, source: EndpointSource, tokenizer: PromptTokenizer
+    ) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.metrics = RouterMetrics()
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(limits=limits, timeout=cfg.request_timeout_s)
+        self.index = PrefixIndex(cfg.prefix_index_capacity)
+        self.subscriber = KVEventSubscriber(self.index)
+        self.discovery = Discovery(source, self.client, cfg.health_interval_s, self.subscriber)
+        self.dispatcher = Dispatcher(cfg, self.discovery, self.index, self.client, self.metrics)
+        self.active = 0
+        self.created = int(time.time())
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return (self.cfg.model_name, self.cfg.model_dir)
+
+    async def start(self) -> None:
+        await self.discovery.refresh()
+        self.discovery.start()
+
+    async def close(self) -> None:
+        await self.discovery.stop()
+        await self.dispatcher.drain()
+        await self.client.aclose()
+
+    # -- admission ---------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if not self.cfg.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        if not token:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")  # fmt: skip
+        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in self.cfg.api_keys):
+            raise APIError(401, "incorrect API key", code="invalid_api_key")
+
+    def admit(self) -> Ticket:
+        if self.active >= self.cfg.max_queue:
+            raise APIError(
+                429,
+                f"the router's queue is full ({self.cfg.max_queue} requests); retry later",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        self.active += 1
+        self.metrics.queue_depth.set(self.active)
+        return Ticket(self)
+
+    def _release(self) -> None:
+        assert self.active > 0
+        self.active -= 1
+        self.metrics.queue_depth.set(self.active)
+
+    # -- accounting --------------------------------------------------------------------
+    def error(self, err: APIError) -> JSONResponse:
+        self.metrics.requests.labels(str(err.status)).inc()
+        if err.status >= 500:
+            log.warning("request failed (%d): %s", err.status, err.message)
+        return err.response()
+
+    def finish(self, rs: RequestState, code: int) -> None:
+        if rs.recorded:
+            return
+        rs.recorded = True
+        m = self.metrics
+        m.requests.labels(str(code)).inc()
+        m.e2e.observe(time.perf_counter() - rs.start)
+        m.prompt_tokens.inc(len(rs.prompt_ids))
+        m.generation_tokens.inc(rs.completion_tokens)
+        if rs.first_token_at is not None and rs.last_token_at and rs.completion_tokens > 1:
+            tpot = (rs.last_token_at - rs.first_token_at) / (rs.completion_tokens - 1)
+            m.tpot.observe(tpot)

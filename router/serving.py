@@ -1,0 +1,203 @@
+"""Serving one completion / chat completion: parse, admit, dispatch, respond.
+
+Before the first token exists every failure is an HTTP error with OpenAI's
+body; once streaming has started, a failure is an SSE ``error`` event followed
+by ``[DONE]``. A client that goes away cancels the dispatch, which aborts the
+request on its workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.router import responses
+from pdserve.router.dispatch import Delta, RequestState
+from pdserve.router.errors import APIError, invalid
+from pdserve.router.protocol import GenerateRequest, check_model, parse_request
+from pdserve.router.routing import RoutePlan
+from pdserve.router.runtime import Runtime, Ticket
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def guarded(request: Request, aw: Awaitable[T]) -> T:
+    """Await ``aw`` unless the client disconnects first (then cancel it, raise ClientGone)."""
+    work = asyncio.ensure_future(aw)
+    gone = asyncio.create_task(_wait_disconnect(request))
+    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work
+    raise ClientGone
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise invalid(f"request body is not valid JSON: {exc}") from exc
+
+
+def prompt_ids(rt: Runtime, req: GenerateRequest) -> list[int]:
+    if req.chat:
+        assert req.messages is not None
+        return rt.tokenizer.encode_chat(list(req.messages))
+    if req.prompt_token_ids is not None:
+        bad = [t for t in req.prompt_token_ids if t >= rt.tokenizer.vocab_size]
+        if bad:
+            raise invalid(f"token id {bad[0]} is outside the vocabulary", "prompt")
+        return list(req.prompt_token_ids)
+    assert req.prompt_text is not None
+    return rt.tokenizer.encode(req.prompt_text)
+
+
+def fit_context(rt: Runtime, req: GenerateRequest, n: int) -> GenerateRequest:
+    max_len = rt.discovery.snapshot().max_model_len or rt.tokenizer.config_max_len
+    if not max_len:
+        return req
+    field = "messages" if req.chat else "prompt"
+    if n >= max_len:
+        raise invalid(
+            f"this model's maximum context length is {max_len} tokens; the prompt has {n}",
+            field, "context_length_exceeded",
+        )  # fmt: skip
+    room = max_len - n
+    if req.max_tokens_given and req.sampling.max_tokens > room:
+        raise invalid(
+            f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the "
+            f"maximum context length {max_len}",
+            "max_tokens", "context_length_exceeded",
+        )  # fmt: skip
+    if req.sampling.max_tokens > room:
+        return replace(req, sampling=replace(req.sampling, max_tokens=room))
+    return req
+
+
+class _Stream(StreamingResponse):
+    """A streaming response that always runs its clean-up, even if never iterated."""
+
+    def __init__(self, body: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
+
+
+async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    try:
+        rt.check_auth(request)
+        req = parse_request(await read_json(request), chat, rt.cfg.default_max_tokens)
+        check_model(req.model, rt.served_names)
+        ids = prompt_ids(rt, req)
+        req = fit_context(rt, req, len(ids))
+        ticket = rt.admit()
+    except APIError as err:
+        return rt.error(err)
+    streaming = False
+    try:
+        plan = rt.dispatcher.plan(ids)
+        rs = RequestState(rid, ids, req.sampling)
+        response = await _respond(rt, request, req, rs, plan, ticket)
+        streaming = isinstance(response, _Stream)
+        return response
+    except APIError as err:
+        return rt.error(err)
+    finally:
+        if not streaming:
+            ticket.release()
+
+
+async def _respond(
+    rt: Runtime,
+    request: Request,
+    req: GenerateRequest,
+    rs: RequestState,
+    plan: RoutePlan,
+    ticket: Ticket,
+) -> Response:
+    events = rt.dispatcher.run(rs, plan)
+    try:
+        if not req.stream:
+            text, finish = await guarded(request, _collect(events))
+            rt.finish(rs, 200)
+            body = responses.full_response(
+                rs.request_id, req.model, req.chat, text, finish, _usage(rs)
+            )
+            return JSONResponse(body)
+        first = await guarded(request, anext(events))
+    except APIError:
+        await events.aclose()
+        raise
+    except ClientGone:
+        rt.finish(rs, 499)
+        return Response(status_code=499)
+    except StopAsyncIteration:
+        raise APIError(502, "the workers returned no tokens") from None
+
+    async def cleanup() -> None:
+        with contextlib.suppress(Exception):
+            await events.aclose()  # aborts on the workers when unfinished
+        ticket.release()
+        rt.finish(rs, rs.status)
+
+    return _Stream(_sse(req, rs, first, events), cleanup)
+
+
+async def _collect(events: AsyncIterator[Delta]) -> tuple[str, str | None]:
+    parts, finish = [], None
+    async for d in events:
+        parts.append(d.text)
+        finish = d.finish_reason or finish
+    return "".join(parts), finish
+
+
+def _usage(rs: RequestState) -> dict[str, Any]:
+    return responses.usage(len(rs.prompt_ids), rs.completion_tokens, rs.cached_tokens)
+
+
+async def _sse(
+    req: GenerateRequest, rs: RequestState, first: Delta, events: AsyncIterator[Delta]
+) -> AsyncIterator[str]:
+    rid, model, chat = rs.request_id, req.model, req.chat
+    rs.status = 499  # until the stream completes
+    try:
+        if chat:
+            yield responses.chunk(rid, model, chat, role=True)
+        yield responses.chunk(rid, model, chat, first.text, first.finish_reason)
+        async for d in events:
+            yield responses.chunk(rid, model, chat, d.text, d.finish_reason)
+        if req.include_usage:
+            yield responses.chunk(rid, model, chat, use=_usage(rs))
+        rs.status = 200
+        yield responses.DONE
+    except APIError as err:
+        rs.status = err.status
+        yield responses.sse(err.body())
+        yield responses.DONE

@@ -1,0 +1,49 @@
+"""The model's tokenizer on the router side: prompts and chat messages to token ids.
+
+The router tokenizes so that it can hash the prompt's blocks with the same
+function as the workers; the ids it sends are the ids the workers compute on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pdserve.router.errors import invalid
+
+
+class PromptTokenizer:
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoTokenizer
+
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise ValueError(f"model directory {model_dir!r} does not exist")
+        self.tok = AutoTokenizer.from_pretrained(str(path))
+        self.vocab_size = len(self.tok)
+        self.config_max_len = _config_max_len(path)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=True))
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not getattr(self.tok, "chat_template", None):
+            raise invalid("this model has no chat template; use /v1/completions", "messages")
+        try:
+            text = self.tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # template errors (e.g. role order) are the client's input
+            raise invalid(f"messages could not be formatted: {exc}", "messages") from exc
+        assert isinstance(text, str)
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+
+def _config_max_len(path: Path) -> int:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    value = config.get("max_position_embeddings") or 0
+    return int(value) if isinstance(value, int) else 0

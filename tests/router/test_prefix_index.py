@@ -1,0 +1,122 @@
+"""The prefix index: LRU bound, seq gaps, matching, and real ZeroMQ PUB/SUB on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from pdserve.engine.hashing import block_hashes
+from pdserve.router.prefix_index import KVEventSubscriber, KVEventView, PrefixIndex
+
+
+def ev(kind: str, worker: str, seq: int, hashes: list[int]) -> KVEventView:
+    return KVEventView(kind, worker, seq, tuple(hashes))
+
+
+def wire(kind: str, worker: str, seq: int, hashes: list[int]) -> list[bytes]:
+    # The codec form of the engine's KVEvent (docs/architecture.md, "KV events").
+    body = {"type": "kv_event", "kind": kind, "worker_id": worker, "seq": seq,
+            "block_hashes": hashes}  # fmt: skip
+    return [b"kv", json.dumps(body).encode()]
+
+
+def test_match_counts_leading_blocks_per_worker() -> None:
+    idx = PrefixIndex()
+    hashes = block_hashes(list(range(80)), 16)  # 5 blocks
+    idx.apply(ev("stored", "a", 0, hashes[:5]))
+    idx.apply(ev("stored", "b", 0, hashes[:2]))
+    idx.apply(ev("stored", "c", 0, hashes[1:5]))  # no first block: no prefix
+    assert idx.match(hashes) == {"a": 5, "b": 2}
+    idx.apply(ev("removed", "a", 1, hashes[3:4]))
+    assert idx.match(hashes) == {"a": 3, "b": 2}
+    assert idx.match([]) == {}
+
+
+def test_lru_capacity_forgets_least_recently_used() -> None:
+    idx = PrefixIndex(capacity=4)
+    idx.stored("w", [1, 2, 3, 4])
+    assert idx.match([1]) == {"w": 1}  # touches 1
+    idx.stored("w", [5, 6])
+    assert len(idx) == 4
+    assert idx.match([2]) == {} and idx.match([3]) == {}
+    assert idx.match([1]) == {"w": 1} and idx.match([6]) == {"w": 1}
+
+
+def test_seq_gap_drops_only_that_workers_entries() -> None:
+    idx = PrefixIndex()
+    idx.apply(ev("stored", "a", 0, [1, 2]))
+    idx.apply(ev("stored", "b", 0, [1, 2]))
+    idx.apply(ev("stored", "a", 2, [7]))  # seq 1 was lost
+    assert idx.num_gaps == 1
+    assert idx.match([1, 2]) == {"b": 2}
+    assert idx.match([7]) == {"a": 1}  # the event after the gap is applied
+    idx.apply(ev("stored", "a", 3, [1]))  # in order again
+    assert idx.match([1, 2]) == {"a": 1, "b": 2}
+
+
+def test_cleared_event_and_worker_restart() -> None:
+    idx = PrefixIndex()
+    idx.apply(ev("stored", "a", 5, [1, 2]))
+    idx.apply(ev("cleared", "a", 6, []))
+    assert idx.match([1]) == {}
+    idx.apply(ev("stored", "a", 7, [1]))
+    idx.apply(ev("stored", "a", 0, [9]))  # restarted worker: seq starts over → resync
+    assert idx.match([1]) == {} and idx.match([9]) == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"not json", b"[]", b'{"kind": "stored"}', b'{"kind":"moved","worker_id":"a","seq":0}'],
+)
+def test_bad_events_are_refused(data: bytes) -> None:
+    with pytest.raises((ValueError, KeyError)):
+        KVEventView.parse(data)
+
+
+async def _until(cond, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.timeout(30)
+async def test_subscriber_over_real_zmq() -> None:
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    idx = PrefixIndex()
+    sub = KVEventSubscriber(idx, ctx)
+    sub.subscribe(f"tcp://127.0.0.1:{port}", "w1")
+    try:
+        # PUB/SUB drops messages until the subscription has propagated: publish a
+        # probe until one lands, then the real sequence.
+        seq = 0
+        while sub.num_events == 0:
+            await pub.send_multipart(wire("stored", "w1", seq, [100]))
+            seq += 1
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # let any probe still in flight land
+        await pub.send_multipart([b"kv", b"garbage"])
+        await pub.send_multipart([b"other-topic", b"{}"])  # not subscribed: never seen
+        await _until(lambda: sub.num_bad == 1)
+        nxt = idx.last_seq("w1") + 1
+        before = idx.num_gaps
+        hashes = block_hashes(list(range(64)), 16)
+        await pub.send_multipart(wire("stored", "w1", nxt, hashes))
+        await _until(lambda: idx.match(hashes) == {"w1": 4})
+        await pub.send_multipart(wire("removed", "w1", nxt + 1, hashes[2:]))
+        await _until(lambda: idx.match(hashes) == {"w1": 2})
+        await pub.send_multipart(wire("stored", "w1", nxt + 5, [42]))  # gap
+        await _until(lambda: idx.num_gaps > before)
+        assert idx.match(hashes) == {} and idx.match([42]) == {"w1": 1}
+        sub.unsubscribe(f"tcp://127.0.0.1:{port}")
+        assert idx.match([42]) == {}
+    finally:
+        await sub.close()
+        pub.close(linger=0)
+        ctx.term()
