@@ -1,0 +1,94 @@
+"""Fixtures for the Kubernetes tests: the CRD, an emulated API server, the operator.
+
+No cluster can run here: the operator runs for real (kopf, in-process) against
+the kmock emulator (``emulator.ApiServer``). The emulator has no controllers, so
+tests play the Deployment controller by patching Deployment ``status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pathlib
+from collections.abc import AsyncIterator
+
+import kmock
+import kopf
+import pytest
+import yaml
+from k8s_emulator import ApiServer
+from k8s_helpers import NS
+
+from pdserve.operator.handlers import OperatorConfig
+from pdserve.operator.kube import KubeClient
+from pdserve.operator.main import build_registry
+
+
+@pytest.fixture
+async def api_server() -> AsyncIterator[ApiServer]:
+    async with ApiServer() as server, kmock.Server(server):
+        server.resources["pdserve.io/v1alpha1/llmservices"] = kmock.ResourceInfo(
+            kind="LLMService",
+            singular="llmservice",
+            namespaced=True,
+            verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+            subresources={"status"},
+        )
+        # kopf's backbone: it waits for these to be discoverable before it starts watching.
+        read = {"get", "list", "watch"}
+        server.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=read)
+        server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
+            kind="CustomResourceDefinition", namespaced=False, verbs=read
+        )
+        yield server
+
+
+@pytest.fixture
+def kubeconfig(
+    api_server: ApiServer, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """A kubeconfig pointing at the emulator; the operator reads $KUBECONFIG at login time."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "emu", "cluster": {"server": str(api_server.url).rstrip("/")}}],
+        "users": [{"name": "tester", "user": {"token": "test-token"}}],
+        "contexts": [
+            {"name": "emu", "context": {"cluster": "emu", "user": "tester", "namespace": NS}}
+        ],
+        "current-context": "emu",
+    }
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    return str(path)
+
+
+@pytest.fixture
+async def client(api_server: ApiServer) -> AsyncIterator[KubeClient]:
+    info = kopf.ConnectionInfo(server=str(api_server.url).rstrip("/"))
+    c = KubeClient(info)
+    yield c
+    await c.close()
+
+
+@pytest.fixture
+async def operator(kubeconfig: str) -> AsyncIterator[None]:
+    """The real operator (kopf + our handlers) as a task in this event loop."""
+    config = OperatorConfig(status_interval=0.3, retry_delay=0.5)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        kopf.operator(
+            registry=build_registry(config),
+            namespaces=[NS],
+            standalone=True,
+            stop_flag=stop,
+            ready_flag=ready,
+        )
+    )
+    await asyncio.wait_for(ready.wait(), timeout=10)
+    yield
+    stop.set()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(task, timeout=10)
