@@ -1,0 +1,96 @@
+"""A router in front of fake workers, all on 127.0.0.1 in the test's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import StaticSource
+from pdserve.router.tokenizer import PromptTokenizer
+from tests.router.fakes import TOTAL_BLOCKS, FakeState, decode_app, prefill_app, serve
+
+
+@dataclass
+class Cluster:
+    url: str
+    prefill: list[FakeState]
+    decode: list[FakeState]
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    app: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def runtime(self) -> Any:
+        return self.app.state.runtime
+
+    async def settle(self, timeout: float = 5.0) -> None:
+        """Wait until every fake worker holds no lease and no active request."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not self.all_free():
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"KV not freed: {self.leftovers()}")
+            await asyncio.sleep(0.02)
+
+    def all_free(self) -> bool:
+        return all(st.kv_blocks_free == TOTAL_BLOCKS for st in self.prefill + self.decode)
+
+    def leftovers(self) -> dict[str, Any]:
+        return {st.worker_id: (st.leases, st.active) for st in self.prefill + self.decode}
+
+
+@pytest.fixture(scope="session")
+def router_tokenizer(tiny_model_dir: Path) -> PromptTokenizer:
+    return PromptTokenizer(str(tiny_model_dir))
+
+
+@contextlib.asynccontextmanager
+async def start_cluster(
+    tokenizer: PromptTokenizer,
+    model_dir: Path,
+    n_prefill: int = 1,
+    n_decode: int = 1,
+    events: bool = True,
+    **cfg: Any,
+) -> AsyncIterator[Cluster]:
+    ctx = zmq.asyncio.Context()
+    async with contextlib.AsyncExitStack() as stack:
+        prefill, prefill_urls = [], []
+        for i in range(n_prefill):
+            st = FakeState("prefill", f"p{i}")
+            pub = None
+            if events:
+                pub = ctx.socket(zmq.PUB)
+                st.kv_events = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+                stack.callback(pub.close, 0)
+            prefill.append(st)
+            prefill_urls.append(await stack.enter_async_context(serve(prefill_app(st, pub))))
+        decode, decode_urls = [], []
+        for i in range(n_decode):
+            st = FakeState("decode", f"d{i}")
+            decode.append(st)
+            decode_urls.append(await stack.enter_async_context(serve(decode_app(st))))
+        config = RouterConfig(model_dir=str(model_dir), served_model_name="tiny",
+                              health_interval_s=0.2, **cfg)  # fmt: skip
+        app = create_app(config, StaticSource(prefill_urls, decode_urls), tokenizer)
+        url = await stack.enter_async_context(serve(app))
+        yield Cluster(url, prefill, decode, prefill_urls, decode_urls, app)
+    ctx.term()
+
+
+@pytest.fixture
+def cluster_factory(router_tokenizer: PromptTokenizer, tiny_model_dir: Path):
+    def make(**kw: Any):
+        return start_cluster(router_tokenizer, tiny_model_dir, **kw)
+
+    return make

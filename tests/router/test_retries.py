@@ -1,0 +1,173 @@
+"""Retries, failover, health re-admission and client disconnects.
+
+The fake workers (tests/router/fakes.py) stand in for the real workers; they
+fail on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from pdserve.router.discovery import Discovery, StaticSource
+from tests.router.fakes import FakeState, decode_app, free_port
+from tests.router.test_api import LONG, client
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def _until(cond, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def _ids(st: FakeState) -> list[str]:
+    return [r["request_id"] for r in st.requests]
+
+
+async def test_failed_prefill_worker_is_retried_on_another(cluster_factory) -> None:
+    # round-robin: both workers get tried first at some point
+    async with cluster_factory(n_prefill=2, disagg_threshold=16, routing="round-robin") as c:
+        c.prefill[0].fail = "500"
+        for _ in range(4):  # whichever worker is tried first, every request succeeds
+            out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=3)
+            assert out.choices[0].text.startswith("<")
+        assert len(c.prefill[1].requests) == 4
+        assert len(c.prefill[0].requests) >= 1  # it was tried, then left out of rotation
+        await c.settle()
+
+
+async def test_all_prefill_workers_down_falls_back_to_local_prefill(cluster_factory) -> None:
+    async with cluster_factory(n_prefill=2, disagg_threshold=16) as c:
+        for st in c.prefill:
+            st.fail = "500"
+        out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=3)
+        assert out.choices[0].text == " t0 t1 t2"
+        assert c.decode[0].requests[-1]["kv_handle"] is None
+        await c.settle()
+
+
+async def test_prefill_refusal_is_passed_on_not_retried(cluster_factory) -> None:
+    async with cluster_factory(n_prefill=2, disagg_threshold=16) as c:
+        for st in c.prefill:
+            st.fail = "400"
+        async with httpx.AsyncClient(base_url=c.url) as h:
+            resp = await h.post("/v1/completions", json={"model": "tiny", "prompt": LONG})
+        assert resp.status_code == 400 and "injected refusal" in resp.json()["error"]["message"]
+        assert sum(len(st.requests) for st in c.prefill) == 1
+        await c.settle()
+
+
+async def test_decode_failure_before_first_token_is_retried(cluster_factory) -> None:
+    async with cluster_factory(n_decode=2, disagg_threshold=16) as c:
+        c.decode[0].fail = "500"
+        for _ in range(3):
+            out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=4)
+            assert out.choices[0].text.endswith(" t0 t1 t2")
+        assert len(c.decode[1].requests) == 3
+        assert all(r["kv_handle"] for r in c.decode[1].requests)  # same lease, new worker
+        await c.settle()
+
+
+async def test_decode_error_line_before_tokens_is_retried(cluster_factory) -> None:
+    async with cluster_factory(n_decode=2, disagg_threshold=10_000) as c:
+        c.decode[0].fail = "error-line"
+        for _ in range(3):
+            out = await client(c.url).completions.create(model="tiny", prompt="x", max_tokens=2)
+            assert out.choices[0].text == " t0 t1"
+        await c.settle()
+
+
+async def test_decode_crash_mid_stream_ends_with_error_event(cluster_factory) -> None:
+    async with cluster_factory(n_decode=1, disagg_threshold=16) as c:
+        c.decode[0].fail = "mid-stream"
+        stream = await client(c.url).completions.create(
+            model="tiny", prompt=LONG, max_tokens=10, stream=True
+        )
+        got = []
+        with pytest.raises(openai.APIError, match="mid-stream"):
+            async for ch in stream:
+                got.append(ch.choices[0].text)
+        assert got[0].startswith("<") and got[1:] == [" t0", " t1"]
+        rid = _ids(c.decode[0])[0]
+        await _until(lambda: rid in c.decode[0].aborted and rid in c.prefill[0].aborted)
+        await c.settle()
+
+
+async def test_streaming_client_disconnect_aborts_on_workers(cluster_factory) -> None:
+    async with cluster_factory(disagg_threshold=16) as c:
+        c.decode[0].token_delay_s = 0.1
+        body = {"model": "tiny", "prompt": LONG, "max_tokens": 200, "stream": True}
+        async with (
+            httpx.AsyncClient(base_url=c.url, timeout=30) as h,
+            h.stream("POST", "/v1/completions", json=body) as resp,
+        ):
+            lines = resp.aiter_lines()
+            while not (await lines.__anext__()).startswith("data:"):
+                pass
+            await _until(lambda: bool(c.decode[0].active))
+        rid = _ids(c.decode[0])[0]
+        await _until(lambda: rid in c.decode[0].aborted)
+        await c.settle()
+        assert c.runtime.active == 0
+
+
+async def test_non_streaming_client_disconnect_aborts_on_workers(cluster_factory) -> None:
+    async with cluster_factory(disagg_threshold=10_000) as c:
+        c.decode[0].token_delay_s = 0.1
+        async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 200}
+            task = asyncio.create_task(h.post("/v1/completions", json=body))
+            await _until(lambda: bool(c.decode[0].active))
+            task.cancel()
+        rid = _ids(c.decode[0])[0]
+        await _until(lambda: rid in c.decode[0].aborted)
+        await c.settle()
+        await _until(lambda: c.runtime.active == 0)
+
+
+async def test_disconnect_during_prefill_aborts_prefill(cluster_factory) -> None:
+    async with cluster_factory(disagg_threshold=16) as c:
+        c.prefill[0].fail = "hang"
+        async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
+            task = asyncio.create_task(
+                h.post("/v1/completions", json={"model": "tiny", "prompt": LONG, "stream": True})
+            )
+            await _until(lambda: bool(c.prefill[0].requests))
+            task.cancel()
+        rid = _ids(c.prefill[0])[0]
+        await _until(lambda: rid in c.prefill[0].aborted)
+        assert c.decode[0].requests == []
+        await c.settle()
+
+
+async def test_health_checks_drop_and_readmit_workers() -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    async with httpx.AsyncClient() as h:
+        disc = Discovery(StaticSource([], [url]), h, interval_s=0.05)
+        snap = await disc.refresh()
+        assert snap.decode == () and len(snap.workers) == 1 and not snap.workers[0].healthy
+        app = decode_app(FakeState("decode", "d9"))
+        # the fake must listen on the very port discovery knows: serve() picks its own,
+        # so run uvicorn directly here
+        import uvicorn
+
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        task = asyncio.create_task(server.serve())
+        await _until(lambda: server.started)
+        snap = await disc.refresh()
+        assert [w.worker_id for w in snap.decode] == ["d9"] and snap.decode[0].stats.kv_blocks_total
+        disc.mark_failed(url)
+        assert disc.snapshot().decode == ()
+        assert [w.url for w in (await disc.refresh()).decode] == [url]  # re-admitted
+        server.should_exit = True
+        await task
+        assert (await disc.refresh()).decode == ()
