@@ -18,6 +18,18 @@ ROLE_LABEL = "pdserve.io/role"
 WORKER_PORT = 8080
 
 
+NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def current_namespace() -> str:
+    """The pod's own namespace in a cluster, else ``default``."""
+    try:
+        with open(NAMESPACE_FILE) as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
+
+
 def load_core_api() -> Any:
     from kubernetes import client, config
 

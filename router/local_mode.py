@@ -1,0 +1,136 @@
+"""``pdserve up``: router + N prefill + M decode workers as local processes.
+
+Creates the tiny model first when no ``--model`` is given, waits until every
+process is healthy, prints the endpoint and a sample request, and on Ctrl-C or
+SIGTERM stops every process group it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from pdserve.router.processes import ClusterSpec, LocalCluster, Proc
+
+DEFAULT_MODEL_DIR = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="", help="model directory (default: create the tiny model)")
+    p.add_argument("--served-model-name", default="")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--kv-transport", default="nixl", choices=("nixl", "tcp"))
+    p.add_argument("--routing", default="prefix", choices=("prefix", "round-robin"))
+    p.add_argument("--disagg-threshold", type=int, default=None)
+    p.add_argument("--api-key", default="", help="require this bearer key at the router")
+    p.add_argument("--log-dir", default="", help="process logs (default: a temp dir)")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="extra engine argument for every worker (repeatable)")  # fmt: skip
+
+
+def ensure_model(model: str) -> str:
+    if model:
+        if not Path(model).is_dir():
+            raise SystemExit(f"pdserve up: --model {model!r} is not a directory")
+        return model
+    from pdserve.engine.tiny_model import write_tiny_model
+
+    out = DEFAULT_MODEL_DIR / "tiny-seed0"
+    print(f"pdserve up: no --model given; using the tiny model in {out}", flush=True)
+    return str(write_tiny_model(out, preset="tiny", seed=0))
+
+
+def router_args(args: argparse.Namespace) -> list[str]:
+    out = ["--routing", args.routing]
+    if args.disagg_threshold is not None:
+        out += ["--disagg-threshold", str(args.disagg_threshold)]
+    if args.api_key:
+        out += ["--api-key", args.api_key]
+    return out
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.prefill < 0 or args.decode < 1:
+        raise SystemExit("pdserve up: need --decode >= 1 and --prefill >= 0")
+
+
+def run(args: argparse.Namespace) -> int:
+    _validate(args)
+    spec = ClusterSpec(
+        model_dir=ensure_model(args.model), num_prefill=args.prefill, num_decode=args.decode,
+        host=args.host, dtype=args.dtype, kv_transport=args.kv_transport,
+        served_model_name=args.served_model_name, worker_args=tuple(args.worker_arg),
+        log_dir=args.log_dir,
+    )  # fmt: skip
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop["signal"] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    cluster = LocalCluster(spec)
+    try:
+        print(f"pdserve up: starting {spec.num_prefill} prefill + {spec.num_decode} decode "
+              f"workers and the router (logs in {cluster.log_dir})", flush=True)  # fmt: skip
+        cluster.start_workers()
+        router = cluster.start_router(args.port, args=router_args(args))
+        cluster.wait_healthy(args.startup_timeout, on_ready=_progress(len(cluster.procs)))
+        print_ready(router, spec, args.api_key)
+        return _watch(cluster)
+    except KeyboardInterrupt:
+        print("\npdserve up: stopping ...", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        cluster.stop()
+        print("pdserve up: all processes stopped", flush=True)
+
+
+def _progress(total: int):  # -> Callable[[Proc, float], None]
+    count = {"n": 0}
+
+    def ready(proc: Proc, seconds: float) -> None:
+        count["n"] += 1
+        print(f"  [{count['n']}/{total}] {proc.name:<10} ready at {proc.url} ({seconds:.1f}s)",
+              flush=True)  # fmt: skip
+
+    return ready
+
+
+def _watch(cluster: LocalCluster) -> int:
+    """Run until interrupted; a process that dies takes the deployment down with a message."""
+    while True:
+        dead = cluster.dead()
+        if dead:
+            p = dead[0]
+            code = p.popen.returncode if p.popen else "?"
+            print(f"pdserve up: {p.name} exited ({code}); log {p.log_path}:\n{p.log_tail()}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return 1
+        time.sleep(0.5)
+
+
+def print_ready(router: Proc, spec: ClusterSpec, api_key: str) -> None:
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    body = f'{{"model": "{spec.model_name}", "prompt": "Hello, my name is", "max_tokens": 16}}'
+    print(
+        f"\npdserve is up: {router.url}/v1  (model {spec.model_name!r})\n"
+        f"try:\n  curl -s {router.url}/v1/completions -H 'Content-Type: application/json'"
+        f"{auth} -d '{body}'\n"
+        f"workers: curl -s {router.url}/workers{auth}\n"
+        "Ctrl-C stops everything.",
+        flush=True,
+    )

@@ -1,0 +1,95 @@
+"""``pdserve router``: the OpenAI-compatible router, served with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from pdserve.router.config import ROUTING_MODES, RouterConfig
+from pdserve.router.discovery import EndpointSource, StaticSource
+
+API_KEY_ENV = "PDSERVE_API_KEY"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model directory (tokenizer + config)")
+    p.add_argument("--served-model-name", default="", help="name clients use (default: dir name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL",
+                   help="prefill worker URLs")  # fmt: skip
+    p.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
+                   help="decode worker URLs")  # fmt: skip
+    p.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
+    p.add_argument("--service", default="", help="LLMService name (kubernetes discovery)")
+    p.add_argument("--namespace", default="", help="namespace (default: the pod's own)")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default="", help=f"required bearer key (or env {API_KEY_ENV})")
+    keys.add_argument("--api-key-file", default="", help="file with one API key per line")
+    p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
+    p.add_argument("--routing", choices=ROUTING_MODES, default="prefix")
+    p.add_argument("--disagg-threshold", type=int, default=256,
+                   help="uncached prompt tokens below which decode prefills locally")  # fmt: skip
+    p.add_argument("--prefix-weight", type=float, default=2.0)
+    p.add_argument("--load-weight", type=float, default=1.0)
+    p.add_argument("--default-max-tokens", type=int, default=16)
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
+    p.add_argument("--log-level", default="info")
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as exc:
+            raise SystemExit(f"pdserve router: cannot read --api-key-file: {exc}") from exc
+        keys = tuple(k.strip() for k in lines if k.strip() and not k.startswith("#"))
+        if not keys:
+            raise SystemExit(f"pdserve router: {args.api_key_file} holds no API key")
+        return keys
+    key = args.api_key or os.environ.get(API_KEY_ENV, "")
+    return (key,) if key else ()
+
+
+def build_config(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        model_dir=args.model,
+        served_model_name=args.served_model_name,
+        routing=args.routing,
+        disagg_threshold=args.disagg_threshold,
+        prefix_weight=args.prefix_weight,
+        load_weight=args.load_weight,
+        max_queue=args.max_queue,
+        api_keys=api_keys(args),
+        health_interval_s=args.health_interval,
+        default_max_tokens=args.default_max_tokens,
+    )
+
+
+def build_source(args: argparse.Namespace) -> EndpointSource:
+    if args.discovery == "kubernetes":
+        from pdserve.router.discovery_k8s import KubernetesSource, current_namespace
+
+        return KubernetesSource(args.service, args.namespace or current_namespace())
+    if not args.decode:
+        raise SystemExit("pdserve router: static discovery needs at least one --decode URL")
+    return StaticSource(args.prefill, args.decode)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pdserve.router.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        cfg = build_config(args)
+        source = build_source(args)
+        app = create_app(cfg, source)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve router: {exc}") from exc
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                access_log=False)  # fmt: skip
+    return 0

@@ -1,0 +1,205 @@
+"""Local processes of one pdserve deployment: workers and routers on one machine.
+
+Used by ``pdserve up``, the benchmarks and the end-to-end tests. Each process
+runs ``python -m pdserve <subcommand>`` in its own process group, logging to
+its own file; ``stop`` signals every group (SIGTERM, then SIGKILL) so nothing
+is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model_dir: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    dtype: str = "auto"
+    kv_transport: str = "nixl"
+    served_model_name: str = ""
+    worker_args: tuple[str, ...] = ()  # extra engine args for every worker
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    log_dir: str = ""
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).name
+
+
+@dataclass
+class Proc:
+    name: str
+    role: str  # "prefill" | "decode" | "router"
+    url: str
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def port_block_free(host: str, base: int, width: int = 3) -> bool:
+    for port in range(base, base + width):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+def pick_base_port(host: str, start: int, taken: set[int], width: int = 3) -> int:
+    """The first ``start + 10k`` whose ``width`` ports are free and not handed out yet."""
+    base = start
+    while any(p in taken for p in range(base, base + width)) or not port_block_free(
+        host, base, width
+    ):
+        base += 10
+        assert base < 65000, "no free ports"
+    taken.update(range(base, base + width))
+    return base
+
+
+def pdserve_cmd(subcommand: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve", subcommand, *args]
+
+
+@dataclass
+class LocalCluster:
+    spec: ClusterSpec
+    procs: list[Proc] = field(default_factory=list)
+    _ports: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        log_dir = self.spec.log_dir or f"/tmp/pdserve-logs-{os.getpid()}"
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    def urls(self, role: str) -> list[str]:
+        return [p.url for p in self.procs if p.role == role]
+
+    def _common(self, name: str, port: int) -> list[str]:
+        s = self.spec
+        out = ["--model", s.model_dir, "--host", s.host, "--port", str(port), "--worker-id", name,
+               "--kv-transport", s.kv_transport, "--dtype", s.dtype]  # fmt: skip
+        if s.served_model_name:
+            out += ["--served-model-name", s.served_model_name]
+        return out + list(s.worker_args)
+
+    def start_workers(self) -> None:
+        s = self.spec
+        for i in range(s.num_prefill):
+            port = pick_base_port(s.host, 8100, self._ports)
+            argv = pdserve_cmd("prefill-worker", *self._common(f"prefill-{i}", port),
+                               "--kv-events-port", str(port + 1),
+                               "--side-channel-port", str(port + 2), *s.prefill_args)  # fmt: skip
+            self._spawn(Proc(f"prefill-{i}", "prefill", f"http://{s.host}:{port}", argv,
+                             self.log_dir / f"prefill-{i}.log"))  # fmt: skip
+        for j in range(s.num_decode):
+            port = pick_base_port(s.host, 8200, self._ports)
+            argv = pdserve_cmd("decode-worker", *self._common(f"decode-{j}", port),
+                               "--side-channel-port", str(port + 2), *s.decode_args)  # fmt: skip
+            self._spawn(Proc(f"decode-{j}", "decode", f"http://{s.host}:{port}", argv,
+                             self.log_dir / f"decode-{j}.log"))  # fmt: skip
+
+    def start_router(
+        self, port: int = 8000, name: str = "router", args: Sequence[str] = ()
+    ) -> Proc:
+        s = self.spec
+        if port == 0 or not port_block_free(s.host, port, 1):
+            port = pick_base_port(s.host, 8000 if port == 0 else port + 1, self._ports, 1)
+        argv = pdserve_cmd("router", "--model", s.model_dir, "--host", s.host, "--port", str(port),
+                           "--served-model-name", s.model_name)  # fmt: skip
+        if self.urls("prefill"):
+            argv += ["--prefill", *self.urls("prefill")]
+        argv += ["--decode", *self.urls("decode"), *args]
+        proc = Proc(name, "router", f"http://{s.host}:{port}", argv, self.log_dir / f"{name}.log")
+        self._spawn(proc)
+        return proc
+
+    def _spawn(self, proc: Proc) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(proc.log_path, "wb") as log:
+            proc.popen = subprocess.Popen(
+                proc.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, start_new_session=True,  # own process group: stop() kills it whole
+            )  # fmt: skip
+        self.procs.append(proc)
+
+    def dead(self) -> list[Proc]:
+        return [p for p in self.procs if p.popen is not None and p.popen.poll() is not None]
+
+    def wait_healthy(
+        self, timeout: float = 300.0, on_ready: Callable[[Proc, float], None] | None = None
+    ) -> None:
+        """Block until every process answers ``GET /health`` with 200; raise if one dies."""
+        start, pending = time.monotonic(), [p for p in self.procs]
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for proc in list(pending):
+                    if proc.popen is not None and proc.popen.poll() is not None:
+                        raise RuntimeError(
+                            f"{proc.name} exited with code {proc.popen.returncode}; "
+                            f"log {proc.log_path}:\n{proc.log_tail()}"
+                        )
+                    try:
+                        ok = client.get(proc.url + "/health").status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    if ok:
+                        pending.remove(proc)
+                        if on_ready is not None:
+                            on_ready(proc, time.monotonic() - start)
+                if pending and time.monotonic() - start > timeout:
+                    names = ", ".join(p.name for p in pending)
+                    raise TimeoutError(f"not healthy after {timeout:.0f}s: {names}")
+                if pending:
+                    time.sleep(0.25)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process group, wait, SIGKILL stragglers. Safe to call twice."""
+        live = [p for p in self.procs if p.popen is not None and p.popen.poll() is None]
+        for p in reversed(live):  # routers first, then workers
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in live:
+            assert p.popen is not None
+            try:
+                p.popen.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _signal_group(p, signal.SIGKILL)
+                p.popen.wait(5)
+        for p in self.procs:  # children the leader left behind in its group
+            _signal_group(p, signal.SIGKILL)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(proc: Proc, sig: int) -> None:
+    if proc.popen is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.popen.pid, sig)

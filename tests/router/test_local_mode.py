@@ -1,0 +1,92 @@
+"""Process management of ``pdserve up``: groups stopped whole, early deaths reported.
+
+Stand-in processes (small Python one-liners) replace the workers here, because
+these tests are about process groups, not serving; the end-to-end test of
+``pdserve up`` with real workers is in test_e2e.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.router.local_mode import router_args
+from pdserve.router.main import add_arguments as router_add_arguments
+from pdserve.router.processes import ClusterSpec, LocalCluster, Proc, pick_base_port
+
+pytestmark = pytest.mark.timeout(60)
+
+# A leader that starts a grandchild and then sleeps, ignoring nothing: SIGTERM ends it,
+# but the grandchild survives unless the whole group is signalled.
+SPAWNER = (
+    "import subprocess, sys, time\n"
+    "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    "print(c.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0): read its state
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_stop_kills_whole_process_groups(tmp_path: Path) -> None:
+    cluster = LocalCluster(ClusterSpec(model_dir=str(tmp_path), log_dir=str(tmp_path)))
+    proc = Proc("w", "decode", "http://127.0.0.1:1", [sys.executable, "-c", SPAWNER],
+                tmp_path / "w.log")  # fmt: skip
+    cluster._spawn(proc)
+    deadline = time.monotonic() + 20
+    while not proc.log_path.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int(proc.log_path.read_text().split()[0])
+    assert proc.popen is not None and _alive(proc.popen.pid) and _alive(grandchild)
+    cluster.stop(grace_s=5)
+    time.sleep(0.2)
+    assert not _alive(proc.popen.pid)
+    assert not _alive(grandchild), "orphaned grandchild"
+    cluster.stop()  # twice is harmless
+
+
+def test_wait_healthy_reports_a_process_that_died(tmp_path: Path) -> None:
+    cluster = LocalCluster(ClusterSpec(model_dir=str(tmp_path), log_dir=str(tmp_path)))
+    argv = [sys.executable, "-c", "import sys; print('boom: bad flag'); sys.exit(3)"]
+    cluster._spawn(Proc("p", "prefill", "http://127.0.0.1:1", argv, tmp_path / "p.log"))
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 3.*boom: bad flag"):
+        cluster.wait_healthy(timeout=20)
+    cluster.stop()
+
+
+def test_ports_are_distinct_blocks() -> None:
+    taken: set[int] = set()
+    a = pick_base_port("127.0.0.1", 18100, taken)
+    b = pick_base_port("127.0.0.1", 18100, taken)
+    assert b >= a + 10 and {a, a + 1, a + 2, b, b + 1, b + 2} <= taken
+
+
+def test_router_command_line_matches_the_router_parser(tmp_path: Path) -> None:
+    import argparse
+
+    spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=2, log_dir=str(tmp_path))
+    cluster = LocalCluster(spec)
+    cluster.procs += [Proc("p0", "prefill", "http://h:1", [], tmp_path / "x"),
+                      Proc("p1", "prefill", "http://h:2", [], tmp_path / "x"),
+                      Proc("d0", "decode", "http://h:3", [], tmp_path / "x")]  # fmt: skip
+    ns = argparse.Namespace(routing="round-robin", disagg_threshold=5, api_key="k")
+    cluster._spawn = lambda proc: cluster.procs.append(proc)  # type: ignore[method-assign]
+    router = cluster.start_router(0, args=router_args(ns))
+    parser = argparse.ArgumentParser()
+    router_add_arguments(parser)
+    args = parser.parse_args(router.argv[4:])  # after: python -m pdserve router
+    assert args.prefill == ["http://h:1", "http://h:2"] and args.decode == ["http://h:3"]
+    assert (args.routing, args.disagg_threshold, args.api_key) == ("round-robin", 5, "k")
