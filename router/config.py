@@ -24,6 +24,7 @@ class RouterConfig:
     disagg_threshold: int = 256
     prefix_weight: float = 2.0
     load_weight: float = 1.0
+    balance_weight: float = 0.5
     decode_kv_weight: float = 1.0
     decode_load_weight: float = 1.0
     max_queue: int = 256  # requests in flight in the router; beyond it 429
@@ -40,7 +41,13 @@ class RouterConfig:
             raise ValueError("disagg_threshold must be >= 0")
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
-        for name in ("prefix_weight", "load_weight", "decode_kv_weight", "decode_load_weight"):
+        for name in (
+            "prefix_weight",
+            "load_weight",
+            "balance_weight",
+            "decode_kv_weight",
+            "decode_load_weight",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
@@ -54,6 +61,7 @@ class RouterConfig:
             ScorerWeight("prefix-match", self.prefix_weight),
             ScorerWeight("queued-tokens", self.load_weight),
             ScorerWeight("running", self.load_weight),
+            ScorerWeight("cache-balance", self.balance_weight),
         )
 
     @property

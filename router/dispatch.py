@@ -91,7 +91,8 @@ class Dispatcher:
         snap = self.discovery.snapshot()
         prefix = self.cfg.routing == "prefix"
         hashes = block_hashes(ids, snap.block_size) if prefix else []
-        req = RouteRequest(len(ids), tuple(hashes), snap.block_size, self.index.match(hashes))
+        req = RouteRequest(len(ids), tuple(hashes), snap.block_size, self.index.match(hashes),
+                           self.index.held() if prefix else {})  # fmt: skip
         try:
             plan = plan_route(snap, req, self.cfg, self.rng, self._rr)
         except NoWorkerAvailable as exc:

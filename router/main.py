@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="uncached prompt tokens below which decode prefills locally")  # fmt: skip
     p.add_argument("--prefix-weight", type=float, default=2.0)
     p.add_argument("--load-weight", type=float, default=1.0)
+    p.add_argument("--balance-weight", type=float, default=0.5,
+                   help="weight of spreading new prefixes over prefill caches")  # fmt: skip
     p.add_argument("--default-max-tokens", type=int, default=16)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
     p.add_argument("--log-level", default="info")
@@ -61,6 +63,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         disagg_threshold=args.disagg_threshold,
         prefix_weight=args.prefix_weight,
         load_weight=args.load_weight,
+        balance_weight=args.balance_weight,
         max_queue=args.max_queue,
         api_keys=api_keys(args),
         health_interval_s=args.health_interval,

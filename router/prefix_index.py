@@ -57,6 +57,7 @@ class PrefixIndex:
         self.capacity = capacity
         self._holders: OrderedDict[int, set[str]] = OrderedDict()
         self._last_seq: dict[str, int] = {}
+        self._held: dict[str, int] = {}  # worker_id -> block hashes it holds
         self.num_gaps = 0
 
     def __len__(self) -> int:
@@ -69,15 +70,20 @@ class PrefixIndex:
                 self._holders[h] = holders = set()
             else:
                 self._holders.move_to_end(h)
-            holders.add(worker_id)
+            if worker_id not in holders:
+                holders.add(worker_id)
+                self._held[worker_id] = self._held.get(worker_id, 0) + 1
         while len(self._holders) > self.capacity:
-            self._holders.popitem(last=False)
+            _, gone = self._holders.popitem(last=False)
+            for w in gone:
+                self._held[w] -= 1
 
     def removed(self, worker_id: str, hashes: Sequence[int]) -> None:
         for h in hashes:
             holders = self._holders.get(h)
-            if holders is not None:
-                holders.discard(worker_id)
+            if holders is not None and worker_id in holders:
+                holders.remove(worker_id)
+                self._held[worker_id] -= 1
                 if not holders:
                     del self._holders[h]
 
@@ -114,6 +120,10 @@ class PrefixIndex:
             for w in active:
                 out[w] = i + 1
         return out
+
+    def held(self) -> dict[str, int]:
+        """worker_id → how many block hashes the index says it holds."""
+        return {w: n for w, n in self._held.items() if n > 0}
 
     def last_seq(self, worker_id: str) -> int | None:
         return self._last_seq.get(worker_id)

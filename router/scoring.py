@@ -27,6 +27,8 @@ class RouteRequest:
     block_size: int = 16
     # worker_id -> number of leading prompt blocks that worker holds (from the prefix index)
     matched_blocks: Mapping[str, int] = field(default_factory=dict)
+    # worker_id -> blocks the prefix index says the worker caches (any prompt)
+    held_blocks: Mapping[str, int] = field(default_factory=dict)
 
     def matched_tokens(self, worker_id: str) -> int:
         return min(self.matched_blocks.get(worker_id, 0) * self.block_size, self.num_prompt_tokens)
@@ -56,7 +58,12 @@ def get_scorer(name: str) -> Scorer:
 
 def _load_plugins() -> None:
     # Importing a plugin module registers it.
-    from pdserve.router import scorer_kv, scorer_load, scorer_prefix  # noqa: F401
+    from pdserve.router import (  # noqa: F401
+        scorer_balance,
+        scorer_kv,
+        scorer_load,
+        scorer_prefix,
+    )
 
 
 def weighted_score(worker: WorkerView, req: RouteRequest, weights: Sequence[ScorerWeight]) -> float:

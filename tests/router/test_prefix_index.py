@@ -34,6 +34,9 @@ def test_match_counts_leading_blocks_per_worker() -> None:
     idx.apply(ev("removed", "a", 1, hashes[3:4]))
     assert idx.match(hashes) == {"a": 3, "b": 2}
     assert idx.match([]) == {}
+    assert idx.held() == {"a": 4, "b": 2, "c": 4}
+    idx.drop_worker("c")
+    assert idx.held() == {"a": 4, "b": 2}
 
 
 def test_lru_capacity_forgets_least_recently_used() -> None:
@@ -44,6 +47,7 @@ def test_lru_capacity_forgets_least_recently_used() -> None:
     assert len(idx) == 4
     assert idx.match([2]) == {} and idx.match([3]) == {}
     assert idx.match([1]) == {"w": 1} and idx.match([6]) == {"w": 1}
+    assert idx.held() == {"w": 4}
 
 
 def test_seq_gap_drops_only_that_workers_entries() -> None:

@@ -26,9 +26,9 @@ def D(name: str, free: int = 100, total: int = 100, running: int = 0, healthy: b
     return WorkerView(f"http://{name}", "decode", healthy, stats)
 
 
-def REQ(tokens: int, matched: dict[str, int] | None = None) -> RouteRequest:
+def REQ(tokens: int, matched: dict[str, int] | None = None, held=None) -> RouteRequest:
     nblocks = tokens // 16
-    return RouteRequest(tokens, tuple(range(1, nblocks + 1)), 16, matched or {})
+    return RouteRequest(tokens, tuple(range(1, nblocks + 1)), 16, matched or {}, held or {})
 
 
 # (case, workers, request, expected kind, expected first prefill, expected first decode)
@@ -44,6 +44,10 @@ CASES = [
      "remote_prefill", "p2", "d1"),
     ("huge queue beats small match", [P("p1", queued=200_000, running=60), P("p2")],
      REQ(640, {"p1": 4}), "remote_prefill", "p2", "d1"),
+    ("new prefix goes to the emptier cache", [P("p1"), P("p2")], REQ(640, {}, {"p1": 90}),
+     "remote_prefill", "p2", "d1"),
+    ("prefix match beats cache balance", [P("p1"), P("p2")],
+     REQ(640, {"p1": 40}, {"p1": 500, "p2": 10}), "remote_prefill", "p1", "d1"),
     ("decode with more free KV", [P("p1"), D("d1", free=10), D("d2", free=90)], REQ(640),
      "remote_prefill", "p1", "d2"),
     ("decode that cannot fit the prompt is filtered", [D("d1", free=2, running=0),
@@ -114,10 +118,12 @@ def test_disagg_decision(tokens, cached, threshold, have_prefill, kind) -> None:
     assert disagg.decide(tokens, cached, threshold, have_prefill) == kind
 
 
-@pytest.mark.parametrize("name", ["prefix-match", "queued-tokens", "running", "free-kv"])
+@pytest.mark.parametrize(
+    "name", ["prefix-match", "queued-tokens", "running", "free-kv", "cache-balance"]
+)
 @pytest.mark.parametrize("worker", [P("x"), P("x", queued=10**9, running=10**6), D("x", 0, 0)])
 def test_scorers_stay_in_unit_interval(name, worker) -> None:
-    value = get_scorer(name)(worker, REQ(640, {"x": 10**6}))
+    value = get_scorer(name)(worker, REQ(640, {"x": 10**6}, {"x": 10**6, "y": 3}))
     assert 0.0 <= value <= 1.0
 
 
