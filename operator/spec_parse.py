@@ -28,6 +28,7 @@ from pdserve.operator.spec import (
 )
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_RESOURCE_NAME = re.compile(r"^[a-z0-9.-]+/[a-zA-Z0-9_.-]+$")
 _MAX_NAME = 40  # children append "-prefill" etc.; Service names must stay <= 63
 
 
@@ -56,10 +57,19 @@ class _Reader:
             raise SpecError(f"{self.path}.{key}", f"must be {name}, got {value!r}")
         return value
 
-    def number(self, key: str, default: Any = None, *, minimum: float | None = None) -> Any:
+    def number(
+        self,
+        key: str,
+        default: Any = None,
+        *,
+        minimum: float | None = None,
+        maximum: float | None = None,
+    ) -> Any:
         value = self.get(key, (int, float), default)
         if value is not None and minimum is not None and value < minimum:
             raise SpecError(f"{self.path}.{key}", f"must be >= {minimum}, got {value}")
+        if value is not None and maximum is not None and value > maximum:
+            raise SpecError(f"{self.path}.{key}", f"must be <= {maximum}, got {value}")
         return value
 
     def choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
@@ -187,11 +197,15 @@ def parse_small_sections(r: _Reader) -> dict[str, Any]:
         r.sub("kvTransfer"),
         r.sub("networkPolicy"),
     )
+    rdma = kv.get("rdmaResourceName", str, "")
+    if rdma and not _RESOURCE_NAME.match(rdma):
+        msg = f"must be an extended resource name like rdma/hca_shared_devices_a, got {rdma!r}"
+        raise SpecError(f"{kv.path}.rdmaResourceName", msg)
     return {
         "slo": SLOSpec(
             ttft_ms=slo.number("ttftMs", 1000, minimum=1),
             tpot_ms=slo.number("tpotMs", 100, minimum=1),
-            target_attainment=slo.number("targetAttainment", 0.9, minimum=0.5),
+            target_attainment=slo.number("targetAttainment", 0.9, minimum=0.5, maximum=1),
         ),
         "autoscaling": AutoscalingSpec(
             enabled=auto.get("enabled", bool, False),
@@ -208,7 +222,7 @@ def parse_small_sections(r: _Reader) -> dict[str, Any]:
             transport=kv.choice("transport", TRANSPORTS, "nixl"),
             ucx_tls=kv.get("ucxTls", str, ""),
             ucx_net_devices=kv.get("ucxNetDevices", str, ""),
-            rdma_resource_name=kv.get("rdmaResourceName", str, ""),
+            rdma_resource_name=rdma,
             rdma_resource_count=kv.number("rdmaResourceCount", 1, minimum=1),
             lease_seconds=kv.number("leaseSeconds", 30, minimum=1),
             transfer_timeout_seconds=kv.number("transferTimeoutSeconds", 10, minimum=1),

@@ -36,7 +36,9 @@ async def api_server() -> AsyncIterator[ApiServer]:
         )
         # kopf's backbone: it waits for these to be discoverable before it starts watching.
         read = {"get", "list", "watch"}
-        server.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=read)
+        server.resources["v1/namespaces"] = kmock.ResourceInfo(
+            kind="Namespace", namespaced=False, verbs=read
+        )
         server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
             kind="CustomResourceDefinition", namespaced=False, verbs=read
         )

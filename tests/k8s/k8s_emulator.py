@@ -51,13 +51,21 @@ class ApiServer(kmock.KubernetesEmulator):
             return await self._serve_namespaces(raw_request)
         return await super().__call__(raw_request)
 
-    async def _serve_namespaces(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+    async def _serve_namespaces(
+        self, raw_request: aiohttp.web.BaseRequest
+    ) -> aiohttp.web.StreamResponse:
         items = [
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "uid": ns, "resourceVersion": "1"}}
+            {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": ns, "uid": ns, "resourceVersion": "1"},
+            }
             for ns in self.namespaces
         ]
         if raw_request.query.get("watch") != "true":
-            return aiohttp.web.json_response({"kind": "NamespaceList", "metadata": {"resourceVersion": "1"}, "items": items})
+            return aiohttp.web.json_response(
+                {"kind": "NamespaceList", "metadata": {"resourceVersion": "1"}, "items": items}
+            )
         resp = aiohttp.web.StreamResponse()
         await resp.prepare(raw_request)
         for item in items:

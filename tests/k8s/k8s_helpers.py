@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import pathlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import celpy
+import jsonschema
 import pytest
 import yaml
 
@@ -64,3 +67,46 @@ async def simulate_deployment_controller(client: KubeClient, name: str) -> None:
         await client.patch(
             "apps/v1", "Deployment", NS, f"{name}-{role}", {"status": status}, status=True
         )
+
+
+def apply_schema_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Apply ``default``s the way the API server does for a structural schema (in place)."""
+    if isinstance(value, dict) and "properties" in schema:
+        for key, sub in schema["properties"].items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                apply_schema_defaults(sub, value[key])
+    if isinstance(value, list) and "items" in schema:
+        for item in value:
+            apply_schema_defaults(schema["items"], item)
+    return value
+
+
+def cel_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Evaluate every ``x-kubernetes-validations`` CEL rule at its place in ``value`` (celpy)."""
+    env = celpy.Environment()
+    errors = []
+    for rule in schema.get("x-kubernetes-validations", []):
+        program = env.program(env.compile(rule["rule"]))
+        if not program.evaluate({"self": celpy.json_to_cel(value)}):
+            errors.append(f"{path or '<root>'}: {rule.get('message', rule['rule'])}")
+    if isinstance(value, dict):
+        for key, sub in schema.get("properties", {}).items():
+            if key in value:
+                errors += cel_errors(sub, value[key], f"{path}.{key}")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += cel_errors(schema["items"], item, f"{path}[{i}]")
+    return errors
+
+
+def schema_errors(obj: dict[str, Any]) -> list[str]:
+    """What the API server would refuse: OpenAPI v3.0 schema (Draft 4 semantics) + CEL rules."""
+    schema = crd_schema()
+    obj = apply_schema_defaults(schema, copy.deepcopy(obj))
+    validator = jsonschema.Draft4Validator(schema)
+    errors = [
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)
+    ]
+    return errors or cel_errors(schema, obj)

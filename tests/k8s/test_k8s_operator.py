@@ -72,7 +72,9 @@ async def test_create_children_and_ready(operator: None, client: KubeClient) -> 
     uid = owner["metadata"]["uid"]
     for key, child in kids.items():
         refs = child["metadata"].get("ownerReferences", [])
-        assert [(r["kind"], r["name"], r["uid"]) for r in refs] == [("LLMService", "demo", uid)], key
+        assert [(r["kind"], r["name"], r["uid"]) for r in refs] == [("LLMService", "demo", uid)], (
+            key
+        )
         assert refs[0]["controller"] is True and refs[0]["blockOwnerDeletion"] is True
         assert child["metadata"]["labels"]["pdserve.io/service"] == "demo", key
     prefill = kids["Deployment/demo-prefill"]
@@ -88,7 +90,9 @@ async def test_create_children_and_ready(operator: None, client: KubeClient) -> 
     router = kids["Deployment/demo-router"]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert router[:2] == ["pdserve", "router"]
     assert " ".join(router).count("--discovery kubernetes --service demo --namespace default") == 1
-    decode_cmd = kids["Deployment/demo-decode"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    decode_cmd = kids["Deployment/demo-decode"]["spec"]["template"]["spec"]["containers"][0][
+        "command"
+    ]
     assert decode_cmd[:2] == ["pdserve", "decode-worker"]
 
     # Not ready until the Deployment controller (simulated) reports ready replicas.
@@ -99,7 +103,12 @@ async def test_create_children_and_ready(operator: None, client: KubeClient) -> 
     assert llm["status"]["router"]["summary"] == "0/1"
     await simulate_deployment_controller(client, "demo")
     llm = await eventually(lambda: _with_condition(client, "Ready", "True"), what="Ready=True")
-    assert llm["status"]["prefill"] == {"desiredReplicas": 2, "replicas": 2, "readyReplicas": 2, "summary": "2/2"}
+    assert llm["status"]["prefill"] == {
+        "desiredReplicas": 2,
+        "replicas": 2,
+        "readyReplicas": 2,
+        "summary": "2/2",
+    }
     assert llm["status"]["decode"]["summary"] == "2/2"
     assert llm["status"]["endpoint"] == "http://demo.default.svc/v1"
     assert llm["status"]["observedGeneration"] == llm["metadata"]["generation"]
@@ -117,3 +126,116 @@ async def _with_condition(
 async def _with_status(client: KubeClient, pool: str, summary: str) -> dict[str, Any] | None:
     obj = await get_llm(client)
     return obj if obj.get("status", {}).get(pool, {}).get("summary") == summary else None
+
+
+async def versions(client: KubeClient, obj: dict[str, Any]) -> dict[str, str]:
+    kids = await children(client, obj)
+    return {k: v["metadata"]["resourceVersion"] for k, v in kids.items()}
+
+
+async def test_update_patches_only_changed_children(operator: None, client: KubeClient) -> None:
+    obj = gpu_service()
+    await client.create(obj)
+    await wait_children(client, obj)
+    await eventually(lambda: _generation_applied(client), what="generation 1 applied")
+    before = await versions(client, obj)
+
+    await client.patch(*GVK, NS, "demo", {"spec": {"decode": {"replicas": 3}}})
+    await eventually(lambda: _generation_applied(client, 2), what="generation 2 applied")
+    after = await versions(client, obj)
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {"Deployment/demo-decode"}
+    dep = await client.get("apps/v1", "Deployment", NS, "demo-decode")
+    assert dep is not None and dep["spec"]["replicas"] == 3
+
+    # An optional child appears and disappears with its spec field; nothing else is touched.
+    await client.patch(
+        *GVK, NS, "demo", {"spec": {"router": {"ingress": {"host": "llm.example.com"}}}}
+    )
+    ing = await eventually(
+        lambda: client.get("networking.k8s.io/v1", "Ingress", NS, "demo"), what="Ingress"
+    )
+    assert ing["spec"]["rules"][0]["host"] == "llm.example.com"
+    await eventually(lambda: _generation_applied(client, 3), what="generation 3 applied")
+    assert {k for k, v in (await versions(client, obj)).items() if after.get(k, v) != v} == set()
+    llm = await eventually(
+        lambda: _with_endpoint(client, "http://llm.example.com/v1"), what="endpoint"
+    )
+    assert llm["status"]["endpoint"] == "http://llm.example.com/v1"
+    await client.patch(*GVK, NS, "demo", {"spec": {"router": {"ingress": None}}})
+    await eventually(
+        lambda: _absent(client, "networking.k8s.io/v1", "Ingress", "demo"), what="Ingress pruned"
+    )
+
+
+async def test_manual_edits_reverted_autoscaled_replicas_kept(
+    operator: None, client: KubeClient
+) -> None:
+    obj = gpu_service()
+    obj["spec"]["autoscaling"] = {"enabled": True}
+    await client.create(obj)
+    await wait_children(client, obj)
+    await eventually(lambda: _generation_applied(client), what="generation 1 applied")
+    image = "evil.example.com/other:latest"
+    edit = {"spec": {"template": {"spec": {"containers": [{"name": "prefill", "image": image}]}}}}
+    await client.patch("apps/v1", "Deployment", NS, "demo-prefill", edit)
+    await client.patch("apps/v1", "Deployment", NS, "demo-decode", {"spec": {"replicas": 5}})
+    await client.patch("apps/v1", "Deployment", NS, "demo-prefill", {"spec": {"replicas": 40}})
+    cm_edit = {"data": {"PDSERVE_KV_TRANSPORT": "tcp"}}
+    await client.patch("v1", "ConfigMap", NS, "demo-config", cm_edit)
+
+    async def reverted() -> Any:
+        dep = await client.get("apps/v1", "Deployment", NS, "demo-prefill")
+        cm = await client.get("v1", "ConfigMap", NS, "demo-config")
+        assert dep is not None and cm is not None
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        ok = c["image"] == obj["spec"]["image"] and cm["data"]["PDSERVE_KV_TRANSPORT"] == "nixl"
+        return dep if ok else None
+
+    prefill = await eventually(reverted, what="manual edits reverted")
+    assert prefill["spec"]["replicas"] == 4  # autoscaler's 40 clamped to maxReplicas
+    assert prefill["spec"]["template"]["spec"]["containers"][0]["command"][1] == "prefill-worker"
+    decode = await client.get("apps/v1", "Deployment", NS, "demo-decode")
+    assert decode is not None and decode["spec"]["replicas"] == 5  # within [1, 6]: kept
+
+
+async def test_delete_removes_finalizer_and_leaves_only_owned(
+    operator: None, client: KubeClient, api_server: Any
+) -> None:
+    obj = gpu_service()
+    await client.create(obj)
+    await wait_children(client, obj)
+    llm = await eventually(lambda: _finalizer_added(client), what="finalizer")
+    uid = llm["metadata"]["uid"]
+    await client.delete(*GVK, NS, "demo")
+    await eventually(lambda: _absent(client, *GVK, "demo"), what="LLMService gone")
+    # The delete handler took the router off the network first.
+    assert await client.get("apps/v1", "Deployment", NS, "demo-router") is None
+    assert await client.get("v1", "Service", NS, "demo") is None
+    # The emulator has no garbage collector: everything left must be collectable by owner refs.
+    left = [o for (res, _ns, _name), o in api_server.objects.items() if not o.deleted]
+    left = [o for o in left if o["kind"] not in ("LLMService", "Event")]
+    assert left, "the workers' children are left for the garbage collector"
+    for o in left:
+        refs = [r["uid"] for r in o["metadata"].get("ownerReferences", [])]
+        assert refs == [uid], f"{o['kind']}/{o['metadata']['name']} not owned by the LLMService"
+
+
+async def _generation_applied(client: KubeClient, generation: int = 1) -> Any:
+    obj = await get_llm(client)
+    status = obj.get("status", {})
+    return status.get("observedGeneration") == generation == obj["metadata"]["generation"]
+
+
+async def _with_endpoint(client: KubeClient, endpoint: str) -> dict[str, Any] | None:
+    obj = await get_llm(client)
+    return obj if obj.get("status", {}).get("endpoint") == endpoint else None
+
+
+async def _absent(client: KubeClient, api_version: str, kind: str, name: str) -> bool:
+    return await client.get(api_version, kind, NS, name) is None
+
+
+async def _finalizer_added(client: KubeClient) -> dict[str, Any] | None:
+    obj = await get_llm(client)
+    return obj if "pdserve.io/finalizer" in obj["metadata"].get("finalizers", []) else None

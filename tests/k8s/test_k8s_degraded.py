@@ -1,0 +1,128 @@
+"""Schema-valid but unusable specs: Degraded with a message naming the field, no half-built service.
+
+A missing Secret/PVC may still be created (TemporaryError: the operator retries
+and recovers); a spec that fights the operator needs an edit (PermanentError).
+Also: the autoscaler's write path (``scale_pools``) and its refusal when disabled.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+from k8s_helpers import NS, eventually, minimal_llmservice, schema_errors
+
+from pdserve.operator.kube import KubeClient
+from pdserve.operator.render import render
+from pdserve.operator.scaling import ScalingRefused, scale_pools
+
+pytestmark = pytest.mark.timeout(60)
+GVK = ("pdserve.io/v1alpha1", "LLMService")
+
+
+async def degraded(client: KubeClient, name: str) -> dict[str, Any] | None:
+    obj = await client.get(*GVK, NS, name)
+    assert obj is not None
+    for c in obj.get("status", {}).get("conditions", []):
+        if c["type"] == "Degraded" and c["status"] == "True":
+            return dict(c)
+    return None
+
+
+async def existing_children(client: KubeClient, obj: dict[str, Any]) -> list[str]:
+    out = []
+    for m in render(obj):
+        if await client.get(m["apiVersion"], m["kind"], NS, m["metadata"]["name"]) is not None:
+            out.append(f"{m['kind']}/{m['metadata']['name']}")
+    return out
+
+
+CASES = {
+    "missing api-key Secret": (
+        {"router": {"apiKeySecret": {"name": "llm-key"}}},
+        'spec.router.apiKeySecret.name: Secret "llm-key" not found in namespace "default"',
+    ),
+    "missing HF token Secret": (
+        {"model": {"source": {"huggingFace": {"id": "org/model", "tokenSecret": {"name": "hf"}}}}},
+        'spec.model.source.huggingFace.tokenSecret.name: Secret "hf" not found',
+    ),
+    "missing PVC": (
+        {"model": {"source": {"pvc": {"claimName": "weights", "path": "llama"}}}},
+        'spec.model.source.pvc.claimName: PersistentVolumeClaim "weights" not found',
+    ),
+    "operator-managed flag in extraArgs": (
+        {"decode": {"extraArgs": ["--max-num-seqs", "64", "--port=9000"]}},
+        "spec.decode.extraArgs[2]: --port is set by the operator",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_invalid_spec_is_degraded_without_children(
+    case: str, operator: None, client: KubeClient
+) -> None:
+    spec, message = CASES[case]
+    obj = minimal_llmservice("bad", **spec)
+    assert schema_errors(obj) == [], "these specs pass the schema: only the operator can tell"
+    await client.create(obj)
+    cond = await eventually(lambda: degraded(client, "bad"), what="Degraded=True")
+    assert cond["reason"] == "InvalidSpec"
+    assert message in cond["message"]
+    assert await existing_children(client, obj) == []  # no half-built service
+
+
+async def test_missing_secret_recovers_when_created(operator: None, client: KubeClient) -> None:
+    obj = minimal_llmservice("keyed", router={"apiKeySecret": {"name": "llm-key", "key": "token"}})
+    await client.create(obj)
+    await eventually(lambda: degraded(client, "keyed"), what="Degraded=True")
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "llm-key", "namespace": NS},
+        "data": {"token": base64.b64encode(b"s3cret").decode()},
+    }
+    await client.create(secret)
+
+    async def healed() -> Any:
+        return await degraded(client, "keyed") is None and len(
+            await existing_children(client, obj)
+        ) == len(render(obj))
+
+    await eventually(healed, what="children after the Secret appeared")
+    router = await client.get("apps/v1", "Deployment", NS, "keyed-router")
+    assert router is not None
+    cmd = router["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--api-key-file") + 1] == "/etc/pdserve/api-key/token"
+
+
+async def test_scale_pools_seam(operator: None, client: KubeClient) -> None:
+    obj = minimal_llmservice("auto", autoscaling={"enabled": True}, decode={"maxReplicas": 3})
+    await client.create(obj)
+    await eventually(lambda: client.get("apps/v1", "Deployment", NS, "auto-decode"), what="decode")
+    result = await scale_pools(
+        client, NS, "auto", prefill=2, decode=10, reason="ttft p90 above SLO"
+    )
+    assert (result.prefill, result.decode) == (2, 3)  # decode clamped to maxReplicas
+    assert set(result.changed) == {"Deployment/auto-prefill", "Deployment/auto-decode"}
+    llm = await client.get(*GVK, NS, "auto")
+    assert llm is not None
+    decision = llm["status"]["autoscaling"]["lastDecision"]
+    assert decision["prefillReplicas"] == 2 and decision["decodeReplicas"] == 3
+    assert decision["reason"] == "ttft p90 above SLO" and decision["time"].endswith("Z")
+    again = await scale_pools(client, NS, "auto", prefill=2, decode=3, reason="steady")
+    assert again.changed == ()  # only changed Deployments are patched
+
+    await client.patch(*GVK, NS, "auto", {"spec": {"autoscaling": {"enabled": False}}})
+    with pytest.raises(ScalingRefused, match=r"spec.autoscaling.enabled is false"):
+        await scale_pools(client, NS, "auto", prefill=1, decode=1, reason="x")
+    # With autoscaling off the spec wins again: the operator restores spec replicas (1).
+    dep = await eventually(
+        lambda: _replicas(client, "auto-decode", 1), what="spec replicas restored"
+    )
+    assert dep["spec"]["replicas"] == 1
+
+
+async def _replicas(client: KubeClient, name: str, n: int) -> dict[str, Any] | None:
+    dep = await client.get("apps/v1", "Deployment", NS, name)
+    return dep if dep is not None and dep["spec"]["replicas"] == n else None
