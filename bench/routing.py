@@ -1,0 +1,316 @@
+"""Prefix-aware routing vs round-robin, and the router's own overhead, in one run.
+
+Starts 2 prefill + 1 decode real workers (``pdserve.router.processes``) and two
+routers in front of them: one ``--routing prefix``, one ``--routing round-robin``.
+Workload: G groups x R requests sharing a long system prompt (>= 512 tokens) with
+short distinct suffixes, arriving interleaved (g0 g1 ... g7 g0 g1 ...); each
+router gets its own fresh system prompts. The prefill workers' KV cache holds
+about half the groups plus slack, so spreading groups by prefix keeps them
+cached while round-robin makes every worker cycle through all groups (LRU
+thrash). Then the router's overhead: the same short prompts (local prefill)
+through the router vs straight to the decode worker's ``/generate``.
+
+Hit ratio = cached prompt tokens / prompt tokens (from each response's usage).
+The last stdout line is JSON with ``prefix_hit_ratio``, ``rr_hit_ratio``,
+``prefix_ttft_p50_ms``, ``rr_ttft_p50_ms``, ``ttft_p50_speedup``,
+``router_overhead_p50_ms`` and more.
+
+    python bench/routing.py            # small preset, 8 x 16 requests
+    python bench/routing.py --quick    # tiny preset, 4 x 4 requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.router.processes import ClusterSpec, LocalCluster  # noqa: E402
+
+BLOCK = 16
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, few requests")
+    p.add_argument("--model", default="", help="model dir (default: write the preset model)")
+    p.add_argument("--preset", default="small", help="tiny-model preset when --model is unset")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--per-group", type=int, default=16)
+    p.add_argument("--system-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument(
+        "--cache-groups",
+        type=float,
+        default=0.0,
+        help="prefill KV cache size in groups' prefixes (default groups/2 + 1.5)",
+    )
+    p.add_argument("--overhead-requests", type=int, default=60)
+    p.add_argument("--kv-transport", default="nixl", choices=("nixl", "tcp"))
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.groups, args.per_group, args.overhead_requests = "tiny", 4, 4, 16
+    return args
+
+
+def ensure_model(args: argparse.Namespace) -> str:
+    if args.model:
+        return str(args.model)
+    from pdserve.engine.tiny_model import write_tiny_model
+
+    return str(write_tiny_model(ROOT / ".cache" / "models" / f"{args.preset}-seed0", args.preset))
+
+
+def kv_block_bytes(model_dir: str, dtype: str) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    elem = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    return int(cfg["num_hidden_layers"] * 2 * BLOCK * kv_heads * head_dim * elem)
+
+
+def workload(args: argparse.Namespace, vocab: int, seed: int) -> list[tuple[int, list[int]]]:
+    """(group, token ids) in arrival order: interleaved groups, distinct short suffixes."""
+    rng = random.Random(seed)
+    low = 16  # keep clear of the special tokens at the start of the vocabulary
+    systems = [
+        [rng.randrange(low, vocab) for _ in range(args.system_tokens)] for _ in range(args.groups)
+    ]
+    out = []
+    for r in range(args.per_group):
+        for g in range(args.groups):
+            suffix = [rng.randrange(low, vocab) for _ in range(8 + r % 8)]
+            out.append((g, systems[g] + suffix))
+    return out
+
+
+def sampling(max_tokens: int) -> dict[str, Any]:
+    return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+async def via_router(
+    h: httpx.AsyncClient, url: str, model: str, ids: list[int], max_tokens: int
+) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "prompt": ids,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **sampling(max_tokens),
+    }
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    async with h.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(
+                f"router answered {resp.status_code}: {(await resp.aread())[:300]!r}"
+            )
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            if "error" in msg:
+                raise RuntimeError(f"stream error: {msg['error']}")
+            if msg.get("choices") and ttft is None:
+                ttft = time.perf_counter() - t0
+            usage = msg.get("usage") or usage
+    assert ttft is not None and usage is not None
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    return {
+        "ttft": ttft,
+        "e2e": time.perf_counter() - t0,
+        "prompt": usage["prompt_tokens"],
+        "cached": cached,
+        "tokens": usage["completion_tokens"],
+    }
+
+
+async def direct_decode(h: httpx.AsyncClient, url: str, ids: list[int], max_tokens: int) -> dict:
+    body = {
+        "request_id": f"bench-{uuid.uuid4().hex}",
+        "prompt_token_ids": ids,
+        "sampling": SamplingParams(**sampling(max_tokens)).to_dict(),
+        "kv_handle": None,
+        "first_token_id": None,
+    }
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    async with h.stream("POST", url + "/generate", json=body) as resp:
+        assert resp.status_code == 200, resp.status_code
+        async for line in resp.aiter_lines():
+            if not line.strip():
+                continue
+            msg = json.loads(line)
+            assert "error" not in msg, msg
+            if msg.get("token_ids") and ttft is None:
+                ttft = time.perf_counter() - t0
+            tokens += len(msg.get("token_ids") or [])
+    assert ttft is not None
+    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "tokens": tokens}
+
+
+async def run_phase(h, url, model, prompts, args) -> list[dict[str, Any]]:
+    """Send prompts in arrival order with at most ``concurrency`` in flight."""
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def one(g: int, ids: list[int]) -> dict[str, Any]:
+        async with sem:
+            return {"group": g, **await via_router(h, url, model, ids, args.max_tokens)}
+
+    tasks = []
+    for g, ids in prompts:
+        tasks.append(asyncio.create_task(one(g, ids)))
+        await asyncio.sleep(0)  # keep arrival order
+    return list(await asyncio.gather(*tasks))
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(int(q * len(xs)), len(xs) - 1)] * 1000.0
+
+
+async def overhead(h, router_url, decode_url, model, vocab, args) -> dict[str, float]:
+    """Same short prompts (local prefill) through the router and straight to the decode
+    worker, alternating so both see the same load; then throughput at concurrency 8."""
+    rng = random.Random(99)
+    prompts = [[rng.randrange(16, vocab) for _ in range(24)] for _ in range(args.overhead_requests)]
+    via, direct = [], []
+    for ids in prompts:
+        via.append((await via_router(h, router_url, model, ids, args.max_tokens))["ttft"])
+        direct.append((await direct_decode(h, decode_url, ids, args.max_tokens))["ttft"])
+
+    async def throughput(fn) -> float:
+        sem = asyncio.Semaphore(8)
+
+        async def one(ids):
+            async with sem:
+                return (await fn(ids))["tokens"]
+
+        t0 = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(ids) for ids in prompts)))
+        return tokens / (time.perf_counter() - t0)
+
+    n = 16
+    tput_router = await throughput(lambda ids: via_router(h, router_url, model, ids, n))
+    tput_direct = await throughput(lambda ids: direct_decode(h, decode_url, ids, n))
+    return {
+        "router_ttft_p50_ms": pct(via, 0.5),
+        "direct_ttft_p50_ms": pct(direct, 0.5),
+        "router_overhead_p50_ms": pct(via, 0.5) - pct(direct, 0.5),
+        "router_tokens_per_s": tput_router,
+        "direct_tokens_per_s": tput_direct,
+    }
+
+
+def summarize(name: str, results: list[dict[str, Any]]) -> dict[str, float]:
+    ttft = [r["ttft"] for r in results]
+    return {
+        f"{name}_hit_ratio": sum(r["cached"] for r in results) / sum(r["prompt"] for r in results),
+        f"{name}_ttft_p50_ms": pct(ttft, 0.5),
+        f"{name}_ttft_p99_ms": pct(ttft, 0.99),
+        f"{name}_requests": float(len(results)),
+    }
+
+
+def plot(prefix: list[dict], rr: list[dict], summary: dict[str, float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, res in (("prefix-aware", prefix), ("round-robin", rr)):
+        xs = sorted(r["ttft"] * 1000 for r in res)
+        a.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+    a.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT through the router")
+    a.legend()
+    names = ["prefix hit", "rr hit"]
+    b.bar(names, [summary["prefix_hit_ratio"], summary["rr_hit_ratio"]], color=["C0", "C1"])
+    b.set(ylim=(0, 1), title="prefix-cache hit ratio (tokens)")
+    fig.suptitle(
+        f"TTFT p50 speedup {summary['ttft_p50_speedup']:.2f}x, router overhead p50 "
+        f"{summary['router_overhead_p50_ms']:.2f} ms"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+async def measure(
+    cluster: LocalCluster, routers: dict[str, str], model: str, vocab: int, args: argparse.Namespace
+) -> tuple[dict, list, list]:
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as h:
+        for url in routers.values():  # warm up every worker's code paths (not measured)
+            for _, ids in workload(args, vocab, seed=1)[:4]:
+                await via_router(h, url, model, ids[:200], args.max_tokens)
+        prefix = await run_phase(h, routers["prefix"], model, workload(args, vocab, 2), args)
+        rr = await run_phase(h, routers["rr"], model, workload(args, vocab, 3), args)
+        over = await overhead(h, routers["prefix"], cluster.urls("decode")[0], model, vocab, args)
+    summary = {**summarize("prefix", prefix), **summarize("rr", rr), **over}
+    summary["ttft_p50_speedup"] = summary["rr_ttft_p50_ms"] / summary["prefix_ttft_p50_ms"]
+    return summary, prefix, rr
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = ensure_model(args)
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    per_prefix = -(-(args.system_tokens + 16) // BLOCK)
+    cache_groups = args.cache_groups or args.groups / 2 + 1.5
+    cache_bytes = int(per_prefix * cache_groups + 8) * kv_block_bytes(model_dir, args.dtype)
+    spec = ClusterSpec(
+        model_dir=model_dir,
+        num_prefill=2,
+        num_decode=1,
+        dtype=args.dtype,
+        kv_transport=args.kv_transport,
+        served_model_name="bench",
+        prefill_args=("--kv-cache-bytes", str(cache_bytes)),
+        log_dir=str(Path(args.out) / "routing-logs"),
+    )
+    common = ["--disagg-threshold", "64", "--max-queue", "1024"]
+    with LocalCluster(spec) as cluster:
+        cluster.start_workers()
+        routers = {
+            "prefix": cluster.start_router(
+                0, "router-prefix", ["--routing", "prefix", *common]
+            ).url,
+            "rr": cluster.start_router(0, "router-rr", ["--routing", "round-robin", *common]).url,
+        }
+        cluster.wait_healthy(600, on_ready=lambda p, s: print(f"{p.name} ready ({s:.1f}s)"))
+        summary, prefix, rr = asyncio.run(measure(cluster, routers, "bench", vocab, args))
+    summary.update(
+        groups=args.groups,
+        per_group=args.per_group,
+        system_tokens=args.system_tokens,
+        prefill_cache_bytes=cache_bytes,
+        quick=args.quick,
+    )
+    plot(
+        prefix, rr, summary, Path(args.out) / ("routing-quick.png" if args.quick else "routing.png")
+    )
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
