@@ -1,0 +1,82 @@
+{{/* Names and labels shared by the templates. */}}
+
+{{- define "pdserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.operatorName" -}}
+{{- printf "%s-operator" (include "pdserve.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pdserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "pdserve.operatorName" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: pdserve
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "pdserve.operatorSelector" -}}
+app.kubernetes.io/name: pdserve
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{/* The operator's permissions; the same rules go into a ClusterRole or per-namespace Roles. */}}
+{{- define "pdserve.operatorRules" -}}
+- apiGroups: [pdserve.io]
+  resources: [llmservices]
+  verbs: [get, list, watch, patch, update]
+- apiGroups: [pdserve.io]
+  resources: [llmservices/status]
+  verbs: [get, patch, update]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+- apiGroups: [events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+# Children of an LLMService.
+- apiGroups: [""]
+  resources: [serviceaccounts, configmaps, services]
+  verbs: [get, create, patch, delete]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [ingresses, networkpolicies]
+  verbs: [get, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch, delete]
+# Preflight: referenced Secrets and PVCs must exist (get only: no list, no watch).
+- apiGroups: [""]
+  resources: [secrets, persistentvolumeclaims]
+  verbs: [get]
+# The router's Role grants these; RBAC lets the operator grant only what it holds itself.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+{{- end -}}
