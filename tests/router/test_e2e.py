@@ -1,0 +1,124 @@
+"""End to end with the real workers: ``pdserve up`` on loopback, the official client,
+a load of 200 requests at concurrency 50, and every KV block free afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.py"]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not all(p.exists() for p in WORKERS), reason="real workers not built yet"),
+]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def up(tiny_model_dir: Path, tmp_path_factory):
+    """``pdserve up`` as a user runs it; yields (router URL, worker URLs)."""
+    logs = tmp_path_factory.mktemp("up-logs")
+    port = _free_port()
+    argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tiny_model_dir),
+            "--port", str(port), "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
+            "--disagg-threshold", "32", "--log-dir", str(logs),
+            "--worker-arg=--max-model-len", "--worker-arg=1024"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, start_new_session=True)  # fmt: skip
+    lines: list[str] = []
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 600
+    while not any(line.startswith("pdserve is up") for line in lines):
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "pdserve up exited:\n" + "".join(lines)
+        lines.append(line)
+        assert time.monotonic() < deadline, "pdserve up not ready:\n" + "".join(lines)
+    workers = re.findall(r"(?:prefill|decode)-\d+\s+ready at (\S+)", "".join(lines))
+    url = re.search(r"pdserve is up: (\S+)/v1", "".join(lines)).group(1)  # type: ignore[union-attr]
+    yield url, workers, proc
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _all_kv_free(workers: list[str]) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        stats = [httpx.get(w + "/stats", timeout=5).json() for w in workers]
+        if all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats):
+            return
+        assert time.monotonic() < deadline, f"KV not freed: {stats}"
+        time.sleep(0.2)
+
+
+def test_openai_client_against_real_workers(up) -> None:
+    url, workers, _ = up
+    cl = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    model = cl.models.list().data[0].id
+    long_prompt = "Tell me a story about a fox. " * 20
+    out = cl.completions.create(model=model, prompt=long_prompt, max_tokens=8, temperature=0,
+                                ignore_eos=True)  # type: ignore[call-arg]  # fmt: skip
+    assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
+    again = cl.completions.create(model=model, prompt=long_prompt, max_tokens=8, temperature=0)
+    assert again.choices[0].text.startswith(out.choices[0].text[:1])
+    chunks = list(cl.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": long_prompt}], max_tokens=6,
+        stream=True, stream_options={"include_usage": True}, temperature=0,
+    ))  # fmt: skip
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 6
+    short = cl.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert short.choices[0].message.role == "assistant"
+    metrics = httpx.get(url + "/metrics").text
+    assert 'kind="remote_prefill"' in metrics and 'kind="local_prefill"' in metrics
+    _all_kv_free(workers)
+
+
+def test_load_200_requests_at_concurrency_50(up) -> None:
+    url, workers, _ = up
+
+    async def load() -> list[int]:
+        sem = asyncio.Semaphore(50)
+        async with httpx.AsyncClient(base_url=url, timeout=600) as h:
+
+            async def one(i: int) -> int:
+                body = {"model": "tiny-seed0", "prompt": f"request {i}: " + "word " * (i % 60),
+                        "max_tokens": 8}  # fmt: skip
+                async with sem:
+                    r = await h.post("/v1/completions", json=body)
+                    return r.status_code
+
+            return await asyncio.gather(*(one(i) for i in range(200)))
+
+    codes = asyncio.run(load())
+    assert codes == [200] * 200
+    _all_kv_free(workers)
+
+
+def test_sigterm_stops_everything(up) -> None:
+    url, workers, proc = up
+    os.killpg(proc.pid, signal.SIGTERM)  # what Ctrl-C / a service manager sends
+    assert proc.wait(60) == 0
+    for target in [url, *workers]:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(target + "/health", timeout=2)
