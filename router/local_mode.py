@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut clean-up short
+            signal.signal(sig, signal.SIG_IGN)
         cluster.stop()
         print("pdserve up: all processes stopped", flush=True)
 
