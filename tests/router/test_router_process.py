@@ -1,0 +1,63 @@
+"""``pdserve router`` as a real process (uvicorn, CLI parsing, SIGTERM), in front of fakes.
+
+The fake workers (tests/router/fakes.py) stand in for the real workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import zmq
+import zmq.asyncio
+
+from tests.router.fakes import FakeState, decode_app, free_port, prefill_app, serve
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_router_process_serves_and_stops(tiny_model_dir: Path, tmp_path: Path) -> None:
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pst = FakeState("prefill", "p0")
+    pst.kv_events = f"tcp://0.0.0.0:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+    dst = FakeState("decode", "d0")
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("k1\n")
+    async with serve(prefill_app(pst, pub)) as purl, serve(decode_app(dst)) as durl:
+        port = free_port()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pdserve", "router", "--model", str(tiny_model_dir),
+            "--port", str(port), "--prefill", purl, "--decode", durl, "--disagg-threshold", "8",
+            "--api-key-file", str(keyfile), "--health-interval", "0.2", "--log-level", "warning",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with httpx.AsyncClient(base_url=url) as h:
+                for _ in range(300):
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await h.get("/health")).status_code == 200:
+                            break
+                    await asyncio.sleep(0.1)
+                cl = openai.AsyncOpenAI(base_url=url + "/v1", api_key="k1", max_retries=0)
+                model = (await cl.models.list()).data[0].id
+                assert model == tiny_model_dir.name
+                out = await cl.completions.create(model=model, prompt="hello " * 30, max_tokens=3)
+                assert out.choices[0].text.startswith("<")
+                workers = (await h.get("/workers", headers={"Authorization": "Bearer k1"})).json()
+                assert {w["role"] for w in workers["workers"]} == {"prefill", "decode"}
+        finally:
+            proc.terminate()
+            output = (await asyncio.wait_for(proc.communicate(), 30))[0].decode()
+        # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status says why
+        assert proc.returncode in (0, -15), output
+        assert "Traceback" not in output, output
+        assert pst.kv_blocks_free == dst.kv_blocks_free == 1000
+    pub.close(0)
+    ctx.term()
