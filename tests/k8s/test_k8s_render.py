@@ -1,0 +1,182 @@
+"""Pure rendering: the pod contract (ports, probes, volumes, security), children, CLI."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+import yaml
+from k8s_helpers import ROOT, minimal_llmservice
+
+from pdserve.cli import main as pdserve_main
+from pdserve.operator.render import render
+
+GPU_EXAMPLE = ROOT / "examples" / "llmservice-gpu.yaml"
+
+
+def by_key(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {f"{m['kind']}/{m['metadata']['name']}": m for m in manifests}
+
+
+def gpu() -> dict[str, dict[str, Any]]:
+    with open(GPU_EXAMPLE, encoding="utf-8") as f:
+        return by_key(render(yaml.safe_load(f)))
+
+
+def pod(manifests: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    spec: dict[str, Any] = manifests[f"Deployment/{name}"]["spec"]["template"]["spec"]
+    return spec
+
+
+def test_children_set() -> None:
+    keys = set(gpu())
+    name = "llama3-8b"
+    expected = {
+        f"ServiceAccount/{name}-router",
+        f"Role/{name}-router",
+        f"RoleBinding/{name}-router",
+    }
+    expected |= {f"ConfigMap/{name}-config", f"Service/{name}", f"Ingress/{name}"}
+    expected |= {f"Service/{name}-{r}" for r in ("prefill", "decode")}
+    expected |= {f"Deployment/{name}-{r}" for r in ("router", "prefill", "decode")}
+    expected |= {f"PodDisruptionBudget/{name}-{r}" for r in ("router", "prefill", "decode")}
+    expected |= {f"NetworkPolicy/{name}-workers"}
+    assert keys == expected
+
+
+def test_worker_pods_follow_the_contract() -> None:
+    m = gpu()
+    for role in ("prefill", "decode"):
+        spec = pod(m, f"llama3-8b-{role}")
+        c = spec["containers"][0]
+        cmd = c["command"]
+        assert cmd[:2] == ["pdserve", f"{role}-worker"]
+        assert (
+            cmd[cmd.index("--port") + 1] == "8080"
+            and cmd[cmd.index("--side-channel-port") + 1] == "8082"
+        )
+        assert cmd[cmd.index("--model") + 1] == "/models/Meta-Llama-3-8B-Instruct"
+        assert cmd[cmd.index("--kv-transport") + 1] == "nixl"
+        assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+        assert cmd[cmd.index("--worker-id") + 1] == "$(POD_NAME)"
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert c["resources"]["limits"]["rdma/hca_shared_devices_a"] == 1
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["automountServiceAccountToken"] is False
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        mounts = {v["mountPath"]: v["name"] for v in c["volumeMounts"]}
+        assert mounts == {"/models": "model", "/tmp": "tmp", "/dev/shm": "dshm"}
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+        assert vols["model"]["persistentVolumeClaim"] == {
+            "claimName": "model-weights",
+            "readOnly": True,
+        }
+        annotations = m[f"Deployment/llama3-8b-{role}"]["spec"]["template"]["metadata"][
+            "annotations"
+        ]
+        assert (
+            annotations["prometheus.io/scrape"] == "true"
+            and annotations["prometheus.io/port"] == "8080"
+        )
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    prefill = pod(m, "llama3-8b-prefill")["containers"][0]["command"]
+    assert prefill[prefill.index("--kv-events-port") + 1] == "8081"
+    assert "--kv-cache-fraction" in prefill and "--max-num-batched-tokens" in prefill
+    decode = pod(m, "llama3-8b-decode")
+    assert "podAntiAffinity" in decode["affinity"]
+
+
+def test_router_pod_and_services() -> None:
+    m = gpu()
+    spec = pod(m, "llama3-8b-router")
+    cmd = spec["containers"][0]["command"]
+    assert cmd[:2] == ["pdserve", "router"]
+    flags = dict(zip(cmd[2::2], cmd[3::2], strict=False))
+    assert flags["--discovery"] == "kubernetes" and flags["--service"] == "llama3-8b"
+    assert flags["--namespace"] == "llm" and flags["--disagg-threshold"] == "256"
+    assert flags["--api-key-file"] == "/etc/pdserve/api-key/api-key"
+    assert (
+        spec["serviceAccountName"] == "llama3-8b-router"
+        and spec["automountServiceAccountToken"] is True
+    )
+    role = m["Role/llama3-8b-router"]
+    for rule in role["rules"]:
+        assert rule["verbs"] == ["get", "list", "watch"]
+    assert {r for rule in role["rules"] for r in rule["resources"]} == {"pods", "endpointslices"}
+    router_svc = m["Service/llama3-8b"]["spec"]
+    assert (
+        router_svc["ports"][0]["port"] == 80
+        and router_svc["selector"]["pdserve.io/role"] == "router"
+    )
+    for r in ("prefill", "decode"):
+        assert m[f"Service/llama3-8b-{r}"]["spec"]["clusterIP"] == "None"
+    ing = m["Ingress/llama3-8b"]["spec"]
+    assert ing["tls"] == [{"hosts": ["llama.llm.example.com"], "secretName": "llama-tls"}]
+
+
+def test_network_policy_admits_only_this_service() -> None:
+    policy = gpu()["NetworkPolicy/llama3-8b-workers"]["spec"]
+    sel = policy["podSelector"]
+    assert sel["matchExpressions"][0]["values"] == ["prefill", "decode"]
+    peers, metrics = policy["ingress"]
+    assert peers["from"] == [{"podSelector": {"matchLabels": {"pdserve.io/service": "llama3-8b"}}}]
+    assert sorted(p["port"] for p in peers["ports"]) == [8080, 8081, 8082]
+    assert metrics["ports"] == [{"protocol": "TCP", "port": 8080}]
+
+
+def test_huggingface_source_uses_init_container() -> None:
+    obj = minimal_llmservice(
+        model={"source": {"huggingFace": {"id": "org/model", "tokenSecret": {"name": "hf"}}}}
+    )
+    m = by_key(render(obj))
+    worker = pod(m, "demo-prefill")["initContainers"][0]
+    assert (
+        worker["command"][:3] == ["hf", "download", "org/model"]
+        and "--include" not in worker["command"]
+    )
+    env = {e["name"]: e for e in worker["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    router = pod(m, "demo-router")["initContainers"][0]
+    assert "--include" in router["command"]  # the router fetches only tokenizer/config files
+
+
+def test_config_change_rolls_pods() -> None:
+    a = by_key(render(minimal_llmservice()))
+    b = by_key(render(minimal_llmservice(slo={"ttftMs": 250})))
+    key = "pdserve.io/config-hash"
+    for r in ("router", "prefill", "decode"):
+        ha = a[f"Deployment/demo-{r}"]["spec"]["template"]["metadata"]["annotations"][key]
+        hb = b[f"Deployment/demo-{r}"]["spec"]["template"]["metadata"]["annotations"][key]
+        assert ha != hb
+    assert b["ConfigMap/demo-config"]["data"]["PDSERVE_SLO_TTFT_MS"] == "250"
+
+
+def test_render_is_pure_and_deterministic() -> None:
+    obj = minimal_llmservice()
+    before = yaml.safe_dump(obj)
+    assert render(obj) == render(obj)
+    assert yaml.safe_dump(obj) == before
+
+
+def test_render_cli(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert pdserve_main(["render", "-f", str(GPU_EXAMPLE)]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert len(docs) == len(gpu()) and all(d["metadata"]["namespace"] == "llm" for d in docs)
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(minimal_llmservice(prefill={"replicas": 9})))
+    assert pdserve_main(["render", "-f", str(bad)]) == 1
+    assert (
+        "spec.prefill.replicas: must lie within [minReplicas, maxReplicas]"
+        in capsys.readouterr().err
+    )
+    assert pdserve_main(["render", "-f", str(tmp_path / "missing.yaml")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+    bad.write_text("kind: Deployment\nmetadata: {name: x}\n")
+    assert pdserve_main(["render", "-f", str(bad)]) == 1
+    assert "expected LLMService" in capsys.readouterr().err
