@@ -64,6 +64,7 @@ class PlannerConfig:
     max_prefill_utilisation: float = 0.85  # never plan a prefill replica busier than this
     min_prefill_utilisation: float = 0.1
     kv_target_utilisation: float = 0.85  # KV tokens used / KV capacity to plan for
+    decode_batch_utilisation: float = 0.9  # plan batches this far below the limit at the SLO
     queue_aware: bool = True  # False: the queue-blind baseline (no queue-wait term)
     queue_drain_s: float = 20.0  # drain the prefill backlog within this many seconds
     correction_alpha: float = 0.3  # EWMA weight of a new observed/predicted ratio
@@ -75,8 +76,8 @@ class PlannerConfig:
             raise PlannerConfigError("headrooms must be in (0, 1]")
         if not 0 < self.min_prefill_utilisation <= self.max_prefill_utilisation < 1:
             raise PlannerConfigError("need 0 < min_prefill_utilisation <= max < 1")
-        if not 0 < self.kv_target_utilisation <= 1:
-            raise PlannerConfigError("kv_target_utilisation must be in (0, 1]")
+        if not 0 < self.kv_target_utilisation <= 1 or not 0 < self.decode_batch_utilisation <= 1:
+            raise PlannerConfigError("kv_target/decode_batch utilisation must be in (0, 1]")
         if self.queue_drain_s <= 0:
             raise PlannerConfigError("queue_drain_s must be > 0")
         lo, hi = self.correction_bounds

@@ -11,7 +11,7 @@ Prefill (per replica, prompt tokens per second, corrected by ``c_p``)::
 
 Decode (per replica, corrected by ``c_d``; C = mean context)::
 
-    B*   = max batch with step_time(B, C) <= h_tpot * TPOT / c_d
+    B*   = u_batch * (max batch with step_time(B, C) <= h_tpot * TPOT / c_d)
     need_decode = max((running + waiting) / B*,
                       output_rate / (B* / (c_d * step_time(B*, C))),
                       (running + waiting) * C / (kv_target * kv_capacity))
@@ -35,6 +35,7 @@ FALLBACK_OUTPUT_TOKENS = 128.0
 @dataclass(frozen=True)
 class PrefillNeed:
     need: float
+    steady_need: float  # without the backlog term
     capacity_per_replica: float  # prompt tokens/s at the TTFT SLO
     target_utilisation: float
     demand_tokens_per_s: float
@@ -45,6 +46,7 @@ class PrefillNeed:
 @dataclass(frozen=True)
 class DecodeNeed:
     need: float
+    steady_need: float  # without the sequences waiting for a slot
     batch_per_replica: float  # B* at the TPOT SLO
     tokens_per_replica: float
     mean_context: float
@@ -71,21 +73,23 @@ def prefill_need(snap: MetricsSnapshot, cfg: PlannerConfig, correction: float) -
         backlog = max(by_depth, by_wait)
     capacity = mu * rho
     need = (demand + backlog / cfg.queue_drain_s) / capacity
-    return PrefillNeed(need, capacity, rho, demand, backlog, correction)
+    return PrefillNeed(need, demand / capacity, capacity, rho, demand, backlog, correction)
 
 
 def decode_need(snap: MetricsSnapshot, cfg: PlannerConfig, correction: float) -> DecodeNeed:
     prof = cfg.profile.decode
     context = mean_context(snap, cfg)
     budget = cfg.tpot_headroom * cfg.slo.tpot_s / correction
-    batch = prof.max_batch_at(budget, context)
+    batch = prof.max_batch_at(budget, context) * cfg.decode_batch_utilisation
     tokens = batch / (correction * prof.step_time(batch, context))
+    kv_per_replica = cfg.kv_target_utilisation * prof.kv_capacity_tokens
     seqs = snap.decode_running + snap.decode_waiting
     by_seqs = seqs / batch
     by_tokens = snap.output_token_rate / tokens
-    by_kv = seqs * context / (cfg.kv_target_utilisation * prof.kv_capacity_tokens)
+    by_kv = seqs * context / kv_per_replica
     need = max(by_seqs, by_tokens, by_kv)
-    return DecodeNeed(need, batch, tokens, context, by_seqs, by_tokens, by_kv, correction)
+    steady = max(by_tokens, snap.decode_running * max(1 / batch, context / kv_per_replica))
+    return DecodeNeed(need, steady, batch, tokens, context, by_seqs, by_tokens, by_kv, correction)
 
 
 def mean_context(snap: MetricsSnapshot, cfg: PlannerConfig) -> float:

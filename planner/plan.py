@@ -23,16 +23,15 @@ def plan(
     )
     p = prefill_need(snapshot, config, prefill_c)
     d = decode_need(snapshot, config, decode_c)
-    p_dec, p_mem = stabilize(
-        PoolInput(
-            "prefill", p.need, snapshot.prefill, config.prefill, state.prefill, snapshot.time_s
-        ),
-        config.stability,
+    now, stab = snapshot.time_s, config.stability
+    p_in = PoolInput(
+        "prefill", p.need, snapshot.prefill, config.prefill, state.prefill, now, p.steady_need
     )
-    d_dec, d_mem = stabilize(
-        PoolInput("decode", d.need, snapshot.decode, config.decode, state.decode, snapshot.time_s),
-        config.stability,
+    d_in = PoolInput(
+        "decode", d.need, snapshot.decode, config.decode, state.decode, now, d.steady_need
     )
+    p_dec, p_mem = stabilize(p_in, stab)
+    d_dec, d_mem = stabilize(d_in, stab)
     if p.backlog_tokens > 0 and p_dec.desired > p_dec.current:
         p_dec = replace(
             p_dec, reason=p_dec.reason + f" (incl. {p.backlog_tokens:.0f} queued prompt tokens)"

@@ -20,11 +20,12 @@ from pdserve.planner.snapshot import PoolStatus
 @dataclass(frozen=True)
 class PoolInput:
     role: str
-    need: float
+    need: float  # replicas for this interval's load, including any backlog to drain
     status: PoolStatus
     bounds: Bounds
     memory: PoolMemory
     now: float
+    steady_need: float | None = None  # without the transient backlog terms; None: = need
 
 
 def stabilize(inp: PoolInput, stab: Stability) -> tuple[PoolDecision, PoolMemory]:
