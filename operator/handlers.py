@@ -163,17 +163,19 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorC
 
     kopf.on.login(registry=registry)(kube.login)
 
+    # Change handlers return None: kopf would store a return value under status.<handler id>,
+    # which the CRD's structural schema prunes.
     @kopf.on.create(*res, registry=registry)
-    async def created(**kwargs: Any) -> dict[str, Any]:
-        return await reconcile_object(config=config, **_pick(kwargs))
+    async def created(**kwargs: Any) -> None:
+        await reconcile_object(config=config, **_pick(kwargs))
 
     @kopf.on.update(*res, registry=registry)
-    async def updated(**kwargs: Any) -> dict[str, Any]:
-        return await reconcile_object(config=config, **_pick(kwargs))
+    async def updated(**kwargs: Any) -> None:
+        await reconcile_object(config=config, **_pick(kwargs))
 
     @kopf.on.resume(*res, registry=registry)
-    async def resumed(**kwargs: Any) -> dict[str, Any]:
-        return await reconcile_object(config=config, **_pick(kwargs))
+    async def resumed(**kwargs: Any) -> None:
+        await reconcile_object(config=config, **_pick(kwargs))
 
     @kopf.on.delete(*res, registry=registry)
     async def deleted(name: str, namespace: str | None, memo: Any, logger: Any, **_: Any) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pathlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection, Iterator
+from typing import Any
 
 import kmock
 import kopf
@@ -22,6 +23,21 @@ from k8s_helpers import NS
 from pdserve.operator.handlers import OperatorConfig
 from pdserve.operator.kube import KubeClient
 from pdserve.operator.main import build_registry
+
+
+class _ForeignTasks(Collection["asyncio.Task[Any]"]):
+    """Every task not running kopf's own code (tests, the emulator): kopf must not reap them."""
+
+    def __contains__(self, task: object) -> bool:
+        coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+        code = getattr(coro, "cr_code", None)
+        return code is None or "/kopf/" not in code.co_filename
+
+    def __iter__(self) -> Iterator[asyncio.Task[Any]]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
 
 
 @pytest.fixture
@@ -80,15 +96,20 @@ async def operator(kubeconfig: str) -> AsyncIterator[None]:
     """The real operator (kopf + our handlers) as a task in this event loop."""
     config = OperatorConfig(status_interval=0.3, retry_delay=0.5)
     stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(
-        kopf.operator(
+
+    async def run_operator() -> None:
+        # kopf.operator() would wait 5 s at exit for "hung" tasks, counting pytest's own
+        # teardown task among them; run_tasks() with our exclusion list waits for kopf's only.
+        tasks = await kopf.spawn_tasks(
             registry=build_registry(config),
             namespaces=[NS],
             standalone=True,
             stop_flag=stop,
             ready_flag=ready,
         )
-    )
+        await kopf.run_tasks(tasks, ignored=_ForeignTasks())
+
+    task = asyncio.create_task(run_operator())
     await asyncio.wait_for(ready.wait(), timeout=10)
     yield
     stop.set()

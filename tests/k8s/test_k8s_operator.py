@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from k8s_helpers import NS, eventually, minimal_llmservice, simulate_deployment_controller
+from k8s_helpers import (
+    NS,
+    crd_schema,
+    eventually,
+    minimal_llmservice,
+    schema_errors,
+    simulate_deployment_controller,
+)
 
 from pdserve.operator.kube import KubeClient
 from pdserve.operator.render import render
@@ -113,6 +120,10 @@ async def test_create_children_and_ready(operator: None, client: KubeClient) -> 
     assert llm["status"]["endpoint"] == "http://demo.default.svc/v1"
     assert llm["status"]["observedGeneration"] == llm["metadata"]["generation"]
     assert condition(llm, "Degraded")["status"] == "False"
+    # The emulator does not prune: check that status carries only fields the CRD declares.
+    declared = crd_schema()["properties"]["status"]["properties"]
+    assert set(llm["status"]) <= set(declared), set(llm["status"]) - set(declared)
+    assert schema_errors({**llm, "metadata": {"name": "demo"}}) == []
 
 
 async def _with_condition(
