@@ -1,4 +1,5 @@
-"""Smoke test through kopf's own CLI (``kopf run -m pdserve.operator.kopf_entry``) via KopfRunner.
+"""Smoke tests of the shipped entry points: ``kopf run -m pdserve.operator.kopf_entry``
+through kopf's KopfRunner, and ``pdserve operator`` as a real process.
 
 KopfRunner runs the operator in a thread with its own event loop; the emulated
 API server stays in the test's loop, so the test only ever awaits (never blocks).
@@ -7,10 +8,14 @@ API server stays in the test's loop, so the test only ever awaits (never blocks)
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
 from typing import Any
 
+import aiohttp
 import pytest
-from k8s_helpers import NS, eventually, minimal_llmservice, simulate_deployment_controller
+from k8s_helpers import NS, ROOT, eventually, minimal_llmservice, simulate_deployment_controller
 from kopf.testing import KopfRunner
 
 from pdserve.operator.kube import KubeClient
@@ -52,3 +57,42 @@ async def test_kopf_runner_smoke(
     assert runner.exit_code == 0, runner.output
     assert runner.exception is None
     assert "Handler 'register.<locals>.created' succeeded" in runner.output
+
+
+async def test_pdserve_operator_process(kubeconfig: str, client: KubeClient) -> None:
+    """The shipped entry point, ``pdserve operator``, as a real process: reconciles, answers
+    its liveness probe, and stops cleanly on SIGTERM."""
+    port = _free_port()
+    env = {**os.environ, "KUBECONFIG": kubeconfig}
+    proc = await asyncio.create_subprocess_exec(
+        str(ROOT / ".venv" / "bin" / "pdserve"), "operator", "--namespace", NS,
+        "--status-interval", "0.3", "--health-port", str(port),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        await client.create(minimal_llmservice("proc"))
+        await eventually(
+            lambda: client.get("apps/v1", "Deployment", NS, "proc-decode"), 30, "decode"
+        )
+
+        async def healthy() -> bool:
+            try:
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.get(f"http://127.0.0.1:{port}/healthz") as r,
+                ):
+                    return r.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        await eventually(healthy, 30, "liveness endpoint")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=30)
+    assert proc.returncode == 0, out.decode()[-3000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
