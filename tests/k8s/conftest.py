@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pathlib
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import kmock
@@ -91,8 +92,8 @@ async def client(api_server: ApiServer) -> AsyncIterator[KubeClient]:
     await c.close()
 
 
-@pytest.fixture
-async def operator(kubeconfig: str) -> AsyncIterator[None]:
+@contextlib.asynccontextmanager
+async def running_operator() -> AsyncIterator[None]:
     """The real operator (kopf + our handlers) as a task in this event loop."""
     config = OperatorConfig(status_interval=0.3, retry_delay=0.5)
     stop, ready = asyncio.Event(), asyncio.Event()
@@ -111,7 +112,21 @@ async def operator(kubeconfig: str) -> AsyncIterator[None]:
 
     task = asyncio.create_task(run_operator())
     await asyncio.wait_for(ready.wait(), timeout=10)
-    yield
-    stop.set()
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.wait_for(task, timeout=10)
+    try:
+        yield
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=10)
+
+
+@pytest.fixture
+def start_operator(kubeconfig: str) -> Callable[[], AbstractAsyncContextManager[None]]:
+    """For tests that stop and restart the operator themselves."""
+    return running_operator
+
+
+@pytest.fixture
+async def operator(kubeconfig: str) -> AsyncIterator[None]:
+    async with running_operator():
+        yield

@@ -250,3 +250,28 @@ async def _absent(client: KubeClient, api_version: str, kind: str, name: str) ->
 async def _finalizer_added(client: KubeClient) -> dict[str, Any] | None:
     obj = await get_llm(client)
     return obj if "pdserve.io/finalizer" in obj["metadata"].get("finalizers", []) else None
+
+
+async def test_resume_after_restart_is_idempotent(start_operator: Any, client: KubeClient) -> None:
+    obj = gpu_service()
+    async with start_operator():
+        await client.create(obj)
+        await wait_children(client, obj)
+        await eventually(lambda: _generation_applied(client), what="generation 1 applied")
+    before = await versions(client, obj)
+    # While the operator is down: one child drifts, one is deleted by hand.
+    await client.patch("v1", "Service", NS, "demo", {"spec": {"type": "NodePort"}})
+    await client.delete("policy/v1", "PodDisruptionBudget", NS, "demo-decode")
+    drifted = (await versions(client, obj))["Service/demo"]
+    async with start_operator():
+        await wait_children(client, obj)  # resume re-created the missing PDB
+
+        async def service_restored() -> Any:
+            svc = await client.get("v1", "Service", NS, "demo")
+            return svc is not None and svc["spec"]["type"] == "ClusterIP"
+
+        await eventually(service_restored, what="Service type reverted")
+    after = await versions(client, obj)
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {"Service/demo", "PodDisruptionBudget/demo-decode"}
+    assert after["Service/demo"] != drifted
