@@ -87,6 +87,36 @@ def pool_state(deployment: Mapping[str, Any] | None) -> PoolState | None:
     )
 
 
+def _ready_conditions(
+    states: Mapping[str, PoolState | None], gen: int | None
+) -> list[dict[str, Any]]:
+    missing = [role for role, s in states.items() if s is None]
+    waiting = [
+        f"{role} {s.ready}/{s.desired}" for role, s in states.items() if s and not s.is_ready
+    ]
+    if missing:
+        msg = f"Deployments not created: {', '.join(missing)}"
+        ready = condition("Ready", False, "ChildrenMissing", msg, gen)
+    elif waiting:
+        ready = condition(
+            "Ready", False, "ReplicasNotReady", f"waiting for {', '.join(waiting)}", gen
+        )
+    else:
+        ready = condition("Ready", True, "AllReplicasReady", "router and both pools are ready", gen)
+    busy = bool(missing or waiting)
+    return [ready, condition("Progressing", busy, "RollingOut" if busy else "Stable", "", gen)]
+
+
+def _degraded_condition(
+    name: str, states: Mapping[str, PoolState | None], gen: int | None
+) -> dict[str, Any]:
+    failed = {role: s.failed_reason for role, s in states.items() if s and s.failed_reason}
+    msg = "; ".join(f"Deployment {n.deployment_name(name, r)}: {why}" for r, why in failed.items())
+    return condition(
+        "Degraded", bool(failed), "DeploymentFailed" if failed else "AsExpected", msg, gen
+    )
+
+
 def observed_status(
     spec: LLMServiceSpec,
     generation: int | None,
@@ -95,57 +125,22 @@ def observed_status(
 ) -> dict[str, Any]:
     """The status patch computed from the live Deployments (role -> object or None)."""
     states = {role: pool_state(deployments.get(role)) for role in n.ROLES}
-    missing = [role for role, s in states.items() if s is None]
-    not_ready = [role for role, s in states.items() if s is not None and not s.is_ready]
-    failed = {
-        role: s.failed_reason for role, s in states.items() if s is not None and s.failed_reason
-    }
-    conds = []
-    if missing:
-        msg = f"Deployments not created: {', '.join(missing)}"
-        conds.append(condition("Ready", False, "ChildrenMissing", msg, generation))
-    elif not_ready:
-        detail = ", ".join(f"{r} {states[r].ready}/{states[r].desired}" for r in not_ready)  # type: ignore[union-attr]
-        conds.append(
-            condition("Ready", False, "ReplicasNotReady", f"waiting for {detail}", generation)
-        )
-    else:
-        conds.append(
-            condition(
-                "Ready", True, "AllReplicasReady", "router and both pools are ready", generation
-            )
-        )
-    busy = bool(missing or not_ready)
-    conds.append(condition("Progressing", busy, "RollingOut" if busy else "Stable", "", generation))
+    conds = _ready_conditions(states, generation)
     degraded_by_spec = any(
         c.get("type") == "Degraded"
         and c.get("reason") == REASON_INVALID_SPEC
         and c.get("status") == "True"
         for c in old_conditions
     )
-    if not degraded_by_spec:
-        msg = "; ".join(
-            f"Deployment {n.deployment_name(spec.name, r)}: {why}" for r, why in failed.items()
-        )
-        conds.append(
-            condition(
-                "Degraded",
-                bool(failed),
-                "DeploymentFailed" if failed else "AsExpected",
-                msg,
-                generation,
-            )
-        )
+    if not degraded_by_spec:  # the handlers own an InvalidSpec Degraded; only a good spec clears it
+        conds.append(_degraded_condition(spec.name, states, generation))
     ing = spec.router.ingress
+    host, tls = (ing.host, bool(ing.tls_secret_name)) if ing else ("", False)
     out: dict[str, Any] = {
         "conditions": merge_conditions(list(old_conditions), conds),
-        "endpoint": n.endpoint_url(
-            spec.name, spec.namespace, ing.host if ing else "", bool(ing and ing.tls_secret_name)
-        ),
+        "endpoint": n.endpoint_url(spec.name, spec.namespace, host, tls),
     }
-    for role, s in states.items():
-        if s is not None:
-            out[role] = s.as_status()
+    out.update({role: s.as_status() for role, s in states.items() if s is not None})
     return out
 
 
