@@ -63,8 +63,11 @@ class ReadOp:
 class KVTransport(ABC):
     name: ClassVar[str]
 
-    def __init__(self, pool: torch.Tensor, compat: CompatRecord, agent_name: str) -> None:
+    def __init__(
+        self, pool: torch.Tensor, compat: CompatRecord, agent_name: str, initiator: bool = False
+    ) -> None:
         self.pool = pool
+        self.initiator = initiator  # the decode side: it starts reads, nobody reads from it
         self.compat = compat
         self.agent_name = agent_name
         self.geometry = PoolGeometry.of(pool)

@@ -30,6 +30,8 @@ from pdserve.transfer.validation import check_local, check_peer
 
 log = logging.getLogger(__name__)
 
+SPIN_SECONDS = 0.002
+
 
 @dataclass
 class _Load:
@@ -60,7 +62,7 @@ class RemoteKVConnector(KVConnector):
         self.compat = compat
         self.transfer_timeout = transfer_timeout
         self.release_timeout = release_timeout
-        self.transport = make_transport(transport, pool, compat, self.agent_name)
+        self.transport = make_transport(transport, pool, compat, self.agent_name, initiator=True)
         self._num_blocks = PoolGeometry.of(pool).num_blocks
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._done: queue.Queue[LoadResult] = queue.Queue()
@@ -123,16 +125,15 @@ class RemoteKVConnector(KVConnector):
     def close(self) -> None:
         self._inbox.put(("stop", None))
         self._thread.join(timeout=self.transfer_timeout + 5)
-        self._calls.shutdown(wait=False, cancel_futures=True)
+        self._calls.shutdown(wait=False)  # pending lease releases still go out
         self.transport.close()
 
     # --- transfer thread -------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            busy = self._active or self._waiting or self._stopping
             try:
-                kind, arg = self._inbox.get(timeout=0.0005 if busy else 0.05)
+                kind, arg = self._inbox.get(timeout=0.0001 if self._busy() else 0.05)
             except queue.Empty:
                 kind, arg = "", None
             if kind == "stop":
@@ -145,9 +146,21 @@ class RemoteKVConnector(KVConnector):
                 elif kind == "cancel":
                     assert isinstance(arg, str)
                     self._cancel(arg)
-                self._progress()
+                self._spin()
             except Exception:  # the transfer thread must outlive any one bad load
                 log.exception("kv transfer thread")
+
+    def _busy(self) -> bool:
+        return bool(self._active or self._waiting or self._stopping)
+
+    def _spin(self) -> None:
+        """Progress for up to SPIN_SECONDS while reads are active: UCX moves data only inside
+        check() calls here (no progress thread on the initiator), so sleeping between
+        checks would cap the bandwidth; the short inbox wait in between yields the GIL."""
+        end = time.monotonic() + SPIN_SECONDS
+        self._progress()
+        while self._active and time.monotonic() < end:
+            self._progress()
 
     def _admit(self, load: _Load) -> None:
         peer = self._peers.get(load.handle.side_channel)
@@ -294,6 +307,6 @@ class RemoteKVConnector(KVConnector):
 
 
 def _log_release_failure(fut: Future[object]) -> None:
-    exc = fut.exception()
+    exc = None if fut.cancelled() else fut.exception()
     if exc is not None:
         log.warning("lease release failed (the lease will expire instead): %s", exc)

@@ -24,10 +24,11 @@ def transport_class(kind: str) -> type[KVTransport]:
 
 
 def make_transport(
-    kind: str, pool: torch.Tensor, compat: CompatRecord, agent_name: str
+    kind: str, pool: torch.Tensor, compat: CompatRecord, agent_name: str, initiator: bool = False
 ) -> KVTransport:
-    """A transport of ``kind`` bound to ``pool`` (registered once, here)."""
-    return transport_class(kind)(pool, compat, agent_name)
+    """A transport of ``kind`` bound to ``pool`` (registered once, here); ``initiator`` on the
+    decode side (it reads), not on the prefill side (it is read from)."""
+    return transport_class(kind)(pool, compat, agent_name, initiator)
 
 
 def new_agent_name(role: str) -> str:

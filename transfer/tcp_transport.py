@@ -45,9 +45,15 @@ class TcpTransport(KVTransport):
             err = f"block ids {bad[:8]} out of range [0, {n})" if bad else "no block ids"
             return [encode(SideChannelError(f"tcp read {msg.request_id}: {err}"))]
         idx = torch.tensor(msg.block_ids, dtype=torch.long, device=self.pool.device)
-        data = self.pool.index_select(2, idx).cpu().contiguous()
+        data = self._planes().index_select(1, idx).cpu()
         raw = data.view(torch.uint8).reshape(-1).numpy()
         return [encode(TcpReadReply(msg.request_id, int(raw.nbytes))), raw]
+
+    def _planes(self) -> torch.Tensor:
+        """The pool as ``[layers * 2, blocks, block elements]``: index_select/index_copy_ over
+        the middle dim of this view are several times faster than over dim 2 of the 6-d pool."""
+        layers, kv, blocks = self.pool.shape[:3]
+        return self.pool.view(layers * kv, blocks, -1)
 
     # --- decode side ----------------------------------------------------------------------
 
@@ -89,14 +95,14 @@ class TcpTransport(KVTransport):
             raise TransferError(f"tcp read: unexpected reply {type(head).__name__}")
         if head.num_bytes != op.num_bytes or len(frames[2].buffer) != op.num_bytes:
             raise TransferError(f"tcp read: got {head.num_bytes} bytes, expected {op.num_bytes}")
-        shape = list(self.pool.shape)
-        shape[2] = len(op.local_ids)
+        planes = self._planes()
         with warnings.catch_warnings():  # the zmq frame is read-only; we only read it
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(frames[2].buffer, dtype=torch.uint8)
+        shape = (planes.shape[0], len(op.local_ids), planes.shape[2])
         data = raw.view(self.pool.dtype).view(shape).to(self.pool.device)
         idx = torch.tensor(op.local_ids, dtype=torch.long, device=self.pool.device)
-        self.pool.index_copy_(2, idx, data)
+        planes.index_copy_(1, idx, data)
 
     def abort(self, op: ReadOp) -> bool:
         assert isinstance(op, _TcpOp)

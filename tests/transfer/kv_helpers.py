@@ -73,9 +73,12 @@ class PeerProcess:
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
         )
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, f"peer process exited early (rc={self.proc.poll()})"
-        info = json.loads(line)
+        info = None
+        for line in self.proc.stdout:  # NIXL logs to stdout too: skip its lines
+            if line.startswith("{"):
+                info = json.loads(line)
+                break
+        assert info is not None, f"peer process exited early (rc={self.proc.wait()})"
         self.agent_name: str = info["agent_name"]
         self.side_channel: str = info["side_channel"]
         self._lines: queue.Queue[str] = queue.Queue()
@@ -84,7 +87,8 @@ class PeerProcess:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            self._lines.put(line)
+            if line.startswith("{"):
+                self._lines.put(line)
 
     def released(self, timeout: float) -> str:
         try:

@@ -1,0 +1,124 @@
+"""Transfers from a real prefill-side process on 127.0.0.1, and what happens when it dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from kv_helpers import PeerProcess, as_bytes, make_pool, wait_results
+
+from pdserve.transfer.connector import RemoteKVConnector
+from pdserve.transfer.messages import CompatRecord, KVHandle
+
+TIMEOUT = 1.5  # transfer_timeout of these tests; results must come within it (+ slack)
+
+
+def handle_for(peer: PeerProcess, rid: str, block_ids: list[int], transport: str) -> KVHandle:
+    return KVHandle(rid, peer.agent_name, peer.side_channel, block_ids, len(block_ids) * 4 - 1,
+                    [], 4, time.time() + 30, transport)  # fmt: skip
+
+
+def connector(transport: str, blocks: int = 16) -> tuple[RemoteKVConnector, torch.Tensor]:
+    dst = make_pool(blocks, seed=None)
+    conn = RemoteKVConnector(dst, CompatRecord.for_pool(dst, "test-model"), transport,
+                             transfer_timeout=TIMEOUT)  # fmt: skip
+    return conn, dst
+
+
+def test_read_from_peer_process(transport: str) -> None:
+    peer = PeerProcess(transport, blocks=40, seed=11)
+    conn, dst = connector(transport)
+    try:
+        remote, local = [39, 0, 17, 18, 19, 5], [15, 2, 3, 4, 5, 9]
+        conn.start_load("x1", handle_for(peer, "x1", remote, transport), remote, local)
+        (res,) = wait_results(conn, 1, timeout=10)
+        assert res.ok, res.error
+        want = make_pool(40, seed=11)  # the peer filled its pool with the same seed
+        assert torch.equal(as_bytes(dst[:, :, local]), as_bytes(want[:, :, remote]))
+        assert peer.released(timeout=5) == "x1"
+        assert conn.pending() == 0
+    finally:
+        conn.close()
+        peer.close()
+    assert peer.proc.returncode == 0
+
+
+def test_peer_killed_before_the_read(transport: str) -> None:
+    peer = PeerProcess(transport, blocks=8, seed=1)
+    conn, dst = connector(transport)
+    try:
+        conn.start_load("a", handle_for(peer, "a", [1], transport), [1], [0])
+        assert wait_results(conn, 1, timeout=10)[0].ok  # handshake done, peer cached
+        peer.proc.kill()
+        peer.proc.wait()
+        dst.zero_()
+        t0 = time.monotonic()
+        conn.start_load("b", handle_for(peer, "b", [2, 3], transport), [2, 3], [1, 2])
+        (res,) = wait_results(conn, 1, timeout=TIMEOUT + 3)
+        assert not res.ok and res.error, res
+        assert time.monotonic() - t0 < TIMEOUT + 1.0
+        # Next request re-handshakes with the (dead) address and fails in bounded time too.
+        conn.start_load("c", handle_for(peer, "c", [2], transport), [2], [3])
+        (res,) = wait_results(conn, 1, timeout=TIMEOUT + 3)
+        assert not res.ok and ("handshake" in res.error or "side channel" in res.error), res
+        assert conn.pending() == 0
+    finally:
+        conn.close()
+        peer.close()
+
+
+def test_peer_frozen_during_the_read(transport: str) -> None:
+    """SIGSTOP: the peer's process is alive but answers nothing (a hung or swapped-out node)."""
+    peer = PeerProcess(transport, blocks=8, seed=1)
+    conn, _ = connector(transport)
+    try:
+        conn.start_load("a", handle_for(peer, "a", [1], transport), [1], [0])
+        assert wait_results(conn, 1, timeout=10)[0].ok
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        conn.start_load("b", handle_for(peer, "b", [2, 3], transport), [2, 3], [1, 2])
+        (res,) = wait_results(conn, 1, timeout=TIMEOUT + 3)
+        elapsed = time.monotonic() - t0
+        if transport == "tcp":
+            assert not res.ok and "timed out" in res.error
+        # A NIXL READ is one-sided: UCX may finish it from a stopped process's memory; it
+        # must then be correct. Either way the result comes within the timeout.
+        assert elapsed < TIMEOUT + 1.0
+        assert conn.pending() == 0
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+        conn.close()
+        peer.close()
+
+
+@pytest.mark.parametrize("when", ["posted", "in_flight"])
+def test_peer_killed_during_a_large_read(transport: str, when: str) -> None:
+    blocks, head_dim = 2048, 256  # 64 MiB: long enough to be killed mid-read
+    peer = PeerProcess(transport, blocks=blocks, seed=2, head_dim=head_dim)
+    dst = make_pool(blocks, seed=None, head_dim=head_dim)
+    conn = RemoteKVConnector(dst, CompatRecord.for_pool(dst, "test-model"), transport,
+                             transfer_timeout=TIMEOUT)  # fmt: skip
+    try:
+        conn.start_load("a", handle_for(peer, "a", [1], transport), [1], [0])
+        assert wait_results(conn, 1, timeout=10)[0].ok
+        dst.zero_()
+        ids = list(range(blocks))[::-1]
+        conn.start_load("big", handle_for(peer, "big", ids, transport), ids, list(range(blocks)))
+        if when == "in_flight":  # wait until the transfer thread has the read in flight
+            end = time.monotonic() + 2
+            while "big" not in conn._active and time.monotonic() < end:  # test-only peek
+                time.sleep(0.0001)
+        peer.proc.kill()
+        t0 = time.monotonic()
+        (res,) = wait_results(conn, 1, timeout=TIMEOUT + 3)
+        assert time.monotonic() - t0 < TIMEOUT + 1.0
+        if res.ok:  # finished before the kill landed: then it must be whole and exact
+            want = make_pool(blocks, seed=2, head_dim=head_dim)
+            assert torch.equal(as_bytes(dst), as_bytes(want[:, :, ids]))
+        assert conn.pending() == 0
+    finally:
+        conn.close()
+        peer.close()

@@ -1,0 +1,65 @@
+"""Pure pieces: run merging, descriptors, the registry, message round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.codec import CodecError, decode, encode
+from pdserve.transfer.layout import PoolGeometry, descriptors, merge_runs
+from pdserve.transfer.messages import CompatRecord, HandshakeRequest, TcpReadRequest
+from pdserve.transfer.registry import TRANSPORTS, make_transport, transport_class
+
+
+def test_merge_runs_needs_both_sides_consecutive() -> None:
+    assert merge_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
+    assert merge_runs([4, 5, 6], [0, 2, 3]) == [(4, 0, 1), (5, 2, 2)]
+    assert merge_runs([3, 2, 1], [0, 1, 2]) == [(3, 0, 1), (2, 1, 1), (1, 2, 1)]
+    assert merge_runs([], []) == []
+
+
+def test_descriptors_address_every_layer_and_kv() -> None:
+    pool = torch.zeros(3, 2, 10, 4, 2, 8)
+    geo = PoolGeometry.of(pool)
+    assert geo.block_bytes == 4 * 2 * 8 * 4 and geo.num_blocks == 10
+    rows = descriptors(geo, [2, 7], [3, 1])
+    assert rows.shape == (3 * 2 * 2, 3)
+    for i, (layer, kv, start, n) in enumerate(
+        (layer, kv, s, n) for layer in range(3) for kv in range(2) for s, n in [(2, 3), (7, 1)]
+    ):
+        assert rows[i, 0] == pool[layer, kv, start].data_ptr()
+        assert rows[i, 1] == n * geo.block_bytes
+    assert geo.request_bytes(4) == 4 * geo.block_bytes * 2 * 3
+
+
+def test_registry_unknown_key_lists_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown kv transport 'rdma'; valid: \['nixl', 'tcp'\]"):
+        transport_class("rdma")
+    assert sorted(TRANSPORTS) == ["nixl", "tcp"]
+
+
+@pytest.mark.parametrize("kind", sorted(TRANSPORTS))
+def test_registry_binds_pool(kind: str) -> None:
+    pool = torch.zeros(2, 2, 4, 4, 2, 8)
+    t = make_transport(kind, pool, CompatRecord.for_pool(pool, "m"), f"unit-{kind}")
+    try:
+        assert t.name == kind and t.agent_name == f"unit-{kind}"
+        assert t.geometry.base_addr == pool.data_ptr()
+    finally:
+        t.close()
+
+
+def test_compat_for_pool_and_messages_round_trip() -> None:
+    pool = torch.zeros(2, 2, 4, 16, 8, 64, dtype=torch.bfloat16)
+    compat = CompatRecord.for_pool(pool, "m")
+    assert compat == CompatRecord("m", "bfloat16", 16, 2, 8, 64)
+    from dataclasses import asdict
+
+    req = HandshakeRequest("nixl", "a", "bWQ=", asdict(compat))
+    back = decode(encode(req), HandshakeRequest)
+    assert back.compat_record() == compat
+    assert decode(encode(TcpReadRequest("r", [1, 2]))) == TcpReadRequest("r", [1, 2])
+    with pytest.raises(CodecError, match="compat has unknown fields"):
+        decode(encode(HandshakeRequest("nixl", "a", "", {**asdict(compat), "x": 1})))
+    with pytest.raises(CodecError, match="compat"):
+        decode(encode(HandshakeRequest("nixl", "a", "", {"model": "m"})))
