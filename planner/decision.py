@@ -55,6 +55,7 @@ class PlannerState:
     decode: PoolMemory = field(default_factory=PoolMemory)
     prefill_correction: float = 1.0  # smoothed observed / predicted prefill time
     decode_correction: float = 1.0  # smoothed observed / predicted decode step time
+    last_request_rate: float | None = None  # for the load trend
 
     def with_pool(self, role: str, memory: PoolMemory) -> PlannerState:
         assert role in ("prefill", "decode"), role
@@ -75,6 +76,7 @@ class PlannerState:
                 decode=_memory(body.get("decode")),
                 prefill_correction=float(body.get("prefill_correction", 1.0)),
                 decode_correction=float(body.get("decode_correction", 1.0)),
+                last_request_rate=_opt_float(body.get("last_request_rate")),
             )
         except (TypeError, ValueError):
             return cls()  # a corrupt stored state only costs the smoothing history

@@ -7,14 +7,17 @@ Prefill (per replica, prompt tokens per second, corrected by ``c_p``)::
     rho* = clamp(1 - S / (h_ttft * TTFT), rho_min, rho_max)
            (the utilisation at which the M/M/1 mean response S / (1 - rho) is h_ttft * TTFT)
     backlog = max(queue_depth * L, queue_wait * ready * mu)   [queue-wait term]
-    need_prefill = (prompt_rate * (1 - cached) + backlog / drain_s) / (mu * rho*)
+    need_prefill = (prompt_rate * (1 - cached) * g + backlog / drain_s) / (mu * rho*)
+    g = min(max_growth, 1 + rate_slope * lookahead_s / rate)   [trend; 1 unless rising]
 
 Decode (per replica, corrected by ``c_d``; C = mean context)::
 
     B*   = u_batch * (max batch with step_time(B, C) <= h_tpot * TPOT / c_d)
-    need_decode = max((running + waiting) / B*,
+    need_decode = g * max((running + waiting + prefill_queue_depth) / B*,
                       output_rate / (B* / (c_d * step_time(B*, C))),
-                      (running + waiting) * C / (kv_target * kv_capacity))
+                      (running + waiting + prefill_queue_depth) * C / (kv_target * kv_capacity))
+    (the prefill queue counts here because it reaches decode as soon as it drains;
+    without the queue terms, the steady need, which is all the window remembers)
 
 Corrections are EWMAs of observed / predicted latency (prefill: TTFT minus queue
 wait vs ``prefill_time(L)``; decode: TPOT vs ``step_time``), updated only when the
@@ -56,7 +59,21 @@ class DecodeNeed:
     correction: float
 
 
-def prefill_need(snap: MetricsSnapshot, cfg: PlannerConfig, correction: float) -> PrefillNeed:
+def growth(snap: MetricsSnapshot, cfg: PlannerConfig, last_rate: float | None) -> float:
+    """Load expected ``lookahead_s`` from now over load now, from the last interval's rise.
+
+    Only a rise beyond the tolerance counts (noise must not scale anything up).
+    """
+    rate = snap.request_rate
+    if last_rate is None or rate <= last_rate * (1 + cfg.stability.tolerance) or rate <= 0:
+        return 1.0
+    slope = (rate - last_rate) / snap.interval_s
+    return min(cfg.max_growth, 1.0 + slope * cfg.lookahead_s / rate)
+
+
+def prefill_need(
+    snap: MetricsSnapshot, cfg: PlannerConfig, correction: float, grow: float = 1.0
+) -> PrefillNeed:
     prof = cfg.profile.prefill
     mean_prompt = snap.mean_prompt_tokens * (1.0 - snap.cached_token_fraction)
     if mean_prompt <= 0:
@@ -72,11 +89,13 @@ def prefill_need(snap: MetricsSnapshot, cfg: PlannerConfig, correction: float) -
         by_wait = snap.prefill_queue_wait_s * snap.prefill.ready * mu
         backlog = max(by_depth, by_wait)
     capacity = mu * rho
-    need = (demand + backlog / cfg.queue_drain_s) / capacity
+    need = (demand * grow + backlog / cfg.queue_drain_s) / capacity
     return PrefillNeed(need, demand / capacity, capacity, rho, demand, backlog, correction)
 
 
-def decode_need(snap: MetricsSnapshot, cfg: PlannerConfig, correction: float) -> DecodeNeed:
+def decode_need(
+    snap: MetricsSnapshot, cfg: PlannerConfig, correction: float, grow: float = 1.0
+) -> DecodeNeed:
     prof = cfg.profile.decode
     context = mean_context(snap, cfg)
     budget = cfg.tpot_headroom * cfg.slo.tpot_s / correction
@@ -84,10 +103,12 @@ def decode_need(snap: MetricsSnapshot, cfg: PlannerConfig, correction: float) ->
     tokens = batch / (correction * prof.step_time(batch, context))
     kv_per_replica = cfg.kv_target_utilisation * prof.kv_capacity_tokens
     seqs = snap.decode_running + snap.decode_waiting
+    if cfg.queue_aware:  # requests queued for prefill reach decode within the drain horizon
+        seqs += snap.prefill_queue_depth
     by_seqs = seqs / batch
     by_tokens = snap.output_token_rate / tokens
     by_kv = seqs * context / kv_per_replica
-    need = max(by_seqs, by_tokens, by_kv)
+    need = max(by_seqs, by_tokens, by_kv) * grow
     steady = max(by_tokens, snap.decode_running * max(1 / batch, context / kv_per_replica))
     return DecodeNeed(need, steady, batch, tokens, context, by_seqs, by_tokens, by_kv, correction)
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.decision import Decision, PlannerState
-from pdserve.planner.model import decode_need, prefill_need, update_corrections
+from pdserve.planner.model import decode_need, growth, prefill_need, update_corrections
 from pdserve.planner.snapshot import MetricsSnapshot
 from pdserve.planner.stability import PoolInput, stabilize
 
@@ -21,8 +21,9 @@ def plan(
     prefill_c, decode_c = update_corrections(
         snapshot, config, state.prefill_correction, state.decode_correction
     )
-    p = prefill_need(snapshot, config, prefill_c)
-    d = decode_need(snapshot, config, decode_c)
+    grow = growth(snapshot, config, state.last_request_rate)
+    p = prefill_need(snapshot, config, prefill_c, grow)
+    d = decode_need(snapshot, config, decode_c, grow)
     now, stab = snapshot.time_s, config.stability
     p_in = PoolInput(
         "prefill", p.need, snapshot.prefill, config.prefill, state.prefill, now, p.steady_need
@@ -37,6 +38,7 @@ def plan(
             p_dec, reason=p_dec.reason + f" (incl. {p.backlog_tokens:.0f} queued prompt tokens)"
         )
     details = {
+        "load_growth": grow,
         "prefill_need": p.need,
         "prefill_capacity_tokens_per_s": p.capacity_per_replica,
         "prefill_target_utilisation": p.target_utilisation,
@@ -53,5 +55,5 @@ def plan(
         "decode_correction": decode_c,
     }
     decision = Decision(snapshot.time_s, p_dec, d_dec, {k: round(v, 4) for k, v in details.items()})
-    new_state = PlannerState(p_mem, d_mem, prefill_c, decode_c)
+    new_state = PlannerState(p_mem, d_mem, prefill_c, decode_c, snapshot.request_rate)
     return decision, new_state

@@ -22,7 +22,7 @@ def expected_prefill_need(rps: float, prompt: float, backlog_tokens: float = 0.0
     service = PREFILL.service_time(prompt)
     mu = PREFILL.saturated_tokens_per_s(prompt)
     rho = min(0.85, max(0.1, 1 - service / (0.5 * 1.0)))
-    return (rps * prompt + backlog_tokens / 20.0) / (mu * rho)
+    return (rps * prompt + backlog_tokens / 30.0) / (mu * rho)
 
 
 # (name, snapshot, state, config overrides, expected prefill desired, expected decode desired,
@@ -36,8 +36,8 @@ CASES = [
         snap(rps=150, prefill_queue_wait_s=5.0, prefill_queue_depth=300),
         settled(),
         {},
-        13,
-        10,
+        12,
+        12,
         "queued prompt tokens",
     ),
     (
@@ -134,7 +134,7 @@ def test_scale_down_waits_for_the_window_then_steps() -> None:
     assert any("window" in why for _, _, why in held)
     first_down = next(x for x in desired if x[1] < 20)
     assert first_down[0] >= cfg.stability.scale_down_window_s
-    assert first_down[1] == 15  # at most -25% per decision
+    assert first_down[1] == 10  # at most -50% per decision
     assert desired[-1][1] == math.ceil(expected_prefill_need(50, 1000))
 
 
@@ -152,9 +152,9 @@ def test_cooldown_blocks_scale_down_after_a_scale_event() -> None:
 def test_scale_down_removes_unready_pods_first() -> None:
     s = snap(rps=50, prefill=(20, 14, 6))
     decision, _ = plan(s, settled(prefill=20), config())
-    assert decision.prefill.desired == 15
-    assert decision.prefill.remove_unready == 5
-    assert "removes 5 unready" in decision.prefill.reason
+    assert decision.prefill.desired == 10  # at most -50% per decision
+    assert decision.prefill.remove_unready == 6  # all 6 unready go first, then 4 ready
+    assert "removes 6 unready" in decision.prefill.reason
 
 
 def test_manual_edit_is_respected_until_the_next_decision() -> None:
@@ -207,3 +207,14 @@ def test_state_round_trips_through_json() -> None:
     assert again == state
     assert PlannerState.from_dict({"prefill": {"history": "garbage"}}) == PlannerState()
     assert PlannerState.from_dict(None) == PlannerState()
+
+
+def test_rising_load_is_extrapolated_but_noise_is_not() -> None:
+    cfg = config(lookahead_s=30.0)
+    _, state = plan(snap(t=T0, rps=150), settled(), cfg)
+    decision, _ = plan(snap(t=T0 + 10, rps=200), state, cfg)  # +5 req/s per second
+    growth = 1 + (50 / 10) * 30 / 200
+    assert decision.details["load_growth"] == pytest.approx(growth)
+    assert decision.prefill.need == pytest.approx(expected_prefill_need(200, 1000) * growth, 1e-3)
+    decision, _ = plan(snap(t=T0 + 10, rps=160), state, cfg)  # +6.7%: within tolerance
+    assert decision.details["load_growth"] == 1.0

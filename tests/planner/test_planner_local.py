@@ -96,7 +96,7 @@ async def test_ttft_breach_scales_prefill_then_quiet_scales_back() -> None:
         await auto.step()
         pools.start_all()
     assert pools.count["prefill"] == 1
-    assert [n for role, n in pools.calls if role == "prefill"] == [4, 3, 2, 1]
+    assert [n for role, n in pools.calls if role == "prefill"] == [4, 2, 1]
     assert len(auto.decisions) == 19
 
 

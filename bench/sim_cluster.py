@@ -1,0 +1,238 @@
+"""Discrete-time model of a P/D cluster, vectorised with numpy (used by simulate.py).
+
+Each tick (``dt`` seconds) new requests arrive; the prefill pool serves them FIFO
+as a fluid of *work* (busy seconds of one replica: chunk overheads amortised,
+linear and quadratic attention cost), so a request starts when the pool has done
+all work queued ahead of it and completes one unshared prefill later; its KV
+moves to decode in ``bytes / link bandwidth + latency``; the decode pool admits
+it when a sequence slot and KV room are free; every decode step advances each
+running sequence by one token and takes ``step_time(batch, context)`` with the
+batch spread evenly over ready replicas. Pods become ready ``startup_s`` after
+they are added; scale-down removes starting pods first.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdserve.planner.capacity import Profile
+from pdserve.planner.snapshot import LatencyStats, MetricsSnapshot, PoolStatus
+
+
+@dataclass(frozen=True)
+class CostModel:
+    truth: Profile  # the cluster's real costs (the planner gets its own, possibly wrong, profile)
+    kv_bytes_per_token: int
+    link_bytes_per_s: float
+    link_latency_s: float
+    startup_s: float  # pod added -> ready (scheduling, weights load, warm-up)
+
+
+class Pool:
+    """Pods of one role: ready times of every pod that holds an accelerator."""
+
+    def __init__(self, n: int, startup_s: float) -> None:
+        self.ready_at: list[float] = [-1.0] * n  # sorted: pods are added in time order
+        self.startup_s = startup_s
+
+    def ready(self, t: float) -> int:
+        return bisect.bisect_right(self.ready_at, t)
+
+    def status(self, t: float) -> PoolStatus:
+        return PoolStatus(len(self.ready_at), self.ready(t), 0)
+
+    def scale(self, n: int, t: float) -> None:
+        if n > len(self.ready_at):
+            self.ready_at += [t + self.startup_s] * (n - len(self.ready_at))
+        else:
+            del self.ready_at[n:]  # latest-ready (unready) last, removed first
+
+
+@dataclass
+class Interval:
+    """What the cluster saw since the planner last looked."""
+
+    arrived: int = 0
+    prompt_tokens: float = 0.0
+    output_tokens: float = 0.0
+    ttft: list[np.ndarray] = field(default_factory=list)
+    wait: list[np.ndarray] = field(default_factory=list)
+    tpot: list[np.ndarray] = field(default_factory=list)
+
+
+def _stats(parts: list[np.ndarray], target: float) -> LatencyStats:
+    if not parts:
+        return LatencyStats()
+    x = np.concatenate(parts)
+    if x.size == 0:
+        return LatencyStats()
+    p50, p90, p99 = np.percentile(x, [50, 90, 99])
+    return LatencyStats(
+        int(x.size),
+        float(x.mean()),
+        float(p50),
+        float(p90),
+        float(p99),
+        float((x <= target).mean()),
+    )
+
+
+RUN = ("target", "join", "prompt", "first", "arrival", "ok")
+TARGET, JOIN, PROMPT, FIRST, ARRIVAL, OK = range(len(RUN))
+
+
+class Cluster:
+    def __init__(self, cost: CostModel, n_prefill: int, n_decode: int, ttft: float, tpot: float):
+        self.cost, self.ttft_slo, self.tpot_slo = cost, ttft, tpot
+        self.prefill = Pool(n_prefill, cost.startup_s)
+        self.decode = Pool(n_decode, cost.startup_s)
+        self.work_arrived = 0.0  # cumulative prefill work (replica-seconds) that arrived
+        self.work_done = 0.0
+        self.pq: deque[dict[str, np.ndarray]] = deque()  # waiting for prefill, FIFO blocks
+        self.dq: deque[dict[str, np.ndarray]] = deque()  # waiting for a decode slot
+        self.run = np.empty((len(RUN), 0))  # rows: RUN fields, one column per running sequence
+        self.G = 0.0  # decode steps taken so far (every running sequence advances with it)
+        self.ctx_sum = 0.0  # sum over running of (prompt - join); + n * G = total context
+        self.interval = Interval()
+        self.done_arrival: list[np.ndarray] = []  # per finished request: arrival time ...
+        self.done_ok: list[np.ndarray] = []  # ... and whether it met both SLOs
+
+    # -- arrivals and prefill ----------------------------------------------------------------
+    def arrive(self, t: np.ndarray, prompt: np.ndarray, output: np.ndarray) -> None:
+        p = self.cost.truth.prefill
+        work = (p.chunk_overhead_s / p.chunk_tokens + 1 / p.tokens_per_s) * prompt
+        work += p.attention_s_per_token_sq * prompt**2
+        end = self.work_arrived + np.cumsum(work)
+        self.work_arrived = float(end[-1]) if end.size else self.work_arrived
+        service = p.chunk_overhead_s * np.maximum(1, np.ceil(prompt / p.chunk_tokens))
+        service = service + prompt / p.tokens_per_s + p.attention_s_per_token_sq * prompt**2
+        self.pq.append(
+            {"t": t, "start": end - work, "prompt": prompt, "out": output, "service": service}
+        )
+        self.interval.arrived += t.size
+        self.interval.prompt_tokens += float(prompt.sum())
+
+    def _prefill_tick(self, t0: float, dt: float) -> None:
+        ready = self.prefill.ready(t0)
+        before = self.work_done
+        self.work_done = min(self.work_arrived, before + ready * dt)
+        rate = (self.work_done - before) / dt
+        while self.pq:
+            blk = self.pq[0]
+            n = int(np.searchsorted(blk["start"], self.work_done, side="right"))
+            if n == 0:
+                break
+            started = {k: v[:n] for k, v in blk.items()}
+            if n == blk["t"].size:
+                self.pq.popleft()
+            else:
+                self.pq[0] = {k: v[n:] for k, v in blk.items()}
+            when = t0 + (started["start"] - before) / rate if rate > 0 else np.full(n, t0)
+            when = np.maximum(when, started["t"])
+            first = when + started["service"]
+            self.interval.wait.append(when - started["t"])
+            self.interval.ttft.append(first - started["t"])
+            transfer = started["prompt"] * self.cost.kv_bytes_per_token / self.cost.link_bytes_per_s
+            self.dq.append(
+                {**started, "first": first, "ready": first + transfer + self.cost.link_latency_s}
+            )
+
+    # -- decode --------------------------------------------------------------------------------
+    def _admit(self, t: float, ready: int) -> None:
+        d = self.cost.truth.decode
+        seats = ready * d.max_num_seqs - self.run.shape[1]
+        kv_free = 0.95 * ready * d.kv_capacity_tokens - self._context_total()
+        joined = []
+        while self.dq and seats > 0 and kv_free > 0:
+            blk = self.dq[0]
+            ok = blk["ready"] <= t  # admit the leading run of ready requests (FIFO)
+            eligible = ok.size if ok.all() else int(np.argmin(ok))
+            fits = int(np.searchsorted(np.cumsum(blk["prompt"][:eligible]), kv_free, "right"))
+            n = min(eligible, seats, fits)
+            if n == 0:
+                break
+            joined.append({k: v[:n] for k, v in blk.items()})
+            seats -= n
+            kv_free -= float(blk["prompt"][:n].sum())
+            if n == blk["t"].size:
+                self.dq.popleft()
+            else:
+                self.dq[0] = {k: v[n:] for k, v in blk.items()}
+                break
+        if joined:
+            self._join({k: np.concatenate([b[k] for b in joined]) for k in joined[0]})
+
+    def _join(self, b: dict[str, np.ndarray]) -> None:
+        new = np.empty((len(RUN), b["t"].size))
+        new[TARGET] = self.G + np.maximum(b["out"] - 1, 0)
+        new[JOIN] = self.G
+        new[PROMPT] = b["prompt"]
+        new[FIRST] = b["first"]
+        new[ARRIVAL] = b["t"]
+        new[OK] = (b["first"] - b["t"]) <= self.ttft_slo
+        self.run = np.concatenate([self.run, new], axis=1)
+        self.ctx_sum += float((b["prompt"] - self.G).sum())
+
+    def _context_total(self) -> float:
+        return self.ctx_sum + self.run.shape[1] * self.G
+
+    def _decode_tick(self, t0: float, dt: float) -> None:
+        ready = self.decode.ready(t0)
+        self._admit(t0, ready)
+        n = self.run.shape[1]
+        if n == 0 or ready == 0:
+            return
+        step = self.cost.truth.decode.step_time(n / ready, self._context_total() / n)
+        steps = dt / step
+        g0, self.G = self.G, self.G + steps
+        self.interval.output_tokens += steps * n
+        done = self.run[TARGET] <= self.G
+        if not done.any():
+            return
+        fin = self.run[:, done]
+        self.run = self.run[:, ~done]
+        self.ctx_sum -= float((fin[PROMPT] - fin[JOIN]).sum())
+        t_end = t0 + np.clip((fin[TARGET] - g0) / steps, 0, 1) * dt
+        out = fin[TARGET] - fin[JOIN] + 1
+        tpot = np.where(out > 1, (t_end - fin[FIRST]) / np.maximum(out - 1, 1), 0.0)
+        self.interval.tpot.append(tpot[out > 1])
+        self.done_arrival.append(fin[ARRIVAL])
+        self.done_ok.append(((fin[OK] > 0) & (tpot <= self.tpot_slo)).astype(np.int8))
+
+    def tick(self, t0: float, dt: float) -> None:
+        self._prefill_tick(t0, dt)
+        self._decode_tick(t0, dt)
+
+    # -- what the planner sees --------------------------------------------------------------------
+    def snapshot(self, t: float, interval_s: float) -> MetricsSnapshot:
+        iv, self.interval = self.interval, Interval()
+        waiting_prefill = sum(b["t"].size for b in self.pq)
+        # waiting for a decode slot: KV already transferred (not still in prefill or in flight)
+        waiting_decode = sum(int((b["ready"] <= t).sum()) for b in self.dq)
+        ready_d = self.decode.ready(t)
+        kv_total = ready_d * self.cost.truth.decode.kv_capacity_tokens
+        wait = np.concatenate(iv.wait) if iv.wait else np.empty(0)
+        return MetricsSnapshot(
+            time_s=t,
+            interval_s=interval_s,
+            prefill=self.prefill.status(t),
+            decode=self.decode.status(t),
+            ttft=_stats(iv.ttft, self.ttft_slo),
+            tpot=_stats(iv.tpot, self.tpot_slo),
+            request_rate=iv.arrived / interval_s,
+            prompt_token_rate=iv.prompt_tokens / interval_s,
+            output_token_rate=iv.output_tokens / interval_s,
+            prefill_queue_depth=float(waiting_prefill),
+            prefill_queue_wait_s=float(wait.mean()) if wait.size else 0.0,
+            decode_running=float(self.run.shape[1]),
+            decode_waiting=float(waiting_decode),
+            kv_utilisation=min(1.0, self._context_total() / kv_total) if kv_total else 0.0,
+        )
+
+    def unfinished_arrivals(self) -> np.ndarray:
+        parts = [b["t"] for b in self.pq] + [b["t"] for b in self.dq] + [self.run[ARRIVAL]]
+        return np.concatenate(parts) if parts else np.empty(0)

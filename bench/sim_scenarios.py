@@ -1,0 +1,114 @@
+"""Traces, request mixes and cost models for simulate.py."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+from sim_cluster import CostModel
+
+from pdserve.planner.capacity import DecodeProfile, PrefillProfile, Profile, load_profile
+from pdserve.planner.presets import PRESETS
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    duration_s: float
+    load: Callable[[float], float]  # request rate as a fraction of the reference peak
+    long_share: Callable[[float], float]  # fraction of requests with long prompts
+
+
+def scenarios(scale_s: float) -> list[Scenario]:
+    """The three traces; ``scale_s`` stretches time (1.0 = full length)."""
+    day = 7200.0 * scale_s  # one day compressed into two hours: steeper ramps than real
+
+    def diurnal(t: float) -> float:
+        return 0.15 + 0.85 * (0.5 - 0.5 * math.cos(2 * math.pi * t / day))
+
+    b0, b1 = 900.0 * scale_s, 1500.0 * scale_s  # burst: 10x within one minute, held 10 min
+
+    def burst(t: float) -> float:
+        return 0.1 * (1 + 9 * _ramp(t, b0, 60.0) - 9 * _ramp(t, b1, 60.0))
+
+    s0, s1 = 600.0 * scale_s, 1200.0 * scale_s  # long-prompt surge: 30% of prompts ~8k tokens
+
+    def surge(t: float) -> float:
+        return 0.3 * (_ramp(t, s0, 60.0) - _ramp(t, s1, 60.0))
+
+    return [
+        Scenario("diurnal", day, diurnal, lambda t: 0.0),
+        Scenario("burst", 2400.0 * scale_s, burst, lambda t: 0.0),
+        Scenario("long_prompt_surge", 1800.0 * scale_s, lambda t: 0.35, surge),
+    ]
+
+
+def _ramp(t: float, start: float, width: float) -> float:
+    return min(1.0, max(0.0, (t - start) / width))
+
+
+@dataclass(frozen=True)
+class Mix:
+    """Lognormal lengths (mean, sigma of log) clipped to [lo, hi]."""
+
+    prompt: tuple[float, float, int, int] = (1000.0, 0.6, 32, 8192)
+    long_prompt: tuple[float, float, int, int] = (8000.0, 0.4, 2048, 16384)
+    output: tuple[float, float, int, int] = (500.0, 0.7, 2, 2048)
+
+    def sample(
+        self, rng: np.random.Generator, n: int, long_share: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        prompt = _lognormal(rng, n, *self.prompt)
+        if long_share > 0:
+            long = rng.random(n) < long_share
+            prompt[long] = _lognormal(rng, int(long.sum()), *self.long_prompt)
+        return prompt, _lognormal(rng, n, *self.output)
+
+
+def _lognormal(rng: np.random.Generator, n: int, mean: float, sigma: float, lo: int, hi: int):  # type: ignore[no-untyped-def]
+    mu = math.log(mean) - sigma**2 / 2
+    return np.clip(np.round(rng.lognormal(mu, sigma, n)), lo, hi)
+
+
+@dataclass(frozen=True)
+class Setup:
+    planner_profile: Profile  # what the planner believes
+    cost: CostModel  # what the cluster does
+    ttft_s: float
+    tpot_s: float
+
+
+def slower(profile: Profile, factor: float) -> Profile:
+    """The same profile with every time coefficient multiplied by ``factor``."""
+    p, d = profile.prefill, profile.decode
+    return replace(
+        profile,
+        prefill=PrefillProfile(
+            p.chunk_overhead_s * factor,
+            p.tokens_per_s / factor,
+            p.chunk_tokens,
+            p.attention_s_per_token_sq * factor,
+        ),
+        decode=DecodeProfile(
+            d.step_base_s * factor,
+            d.step_per_seq_s * factor,
+            d.step_per_kv_token_s * factor,
+            d.max_num_seqs,
+            d.kv_capacity_tokens,
+        ),
+    )
+
+
+def setup(name: str, truth_factor: float) -> Setup:
+    """``h100-llama3-8b`` | ``cpu-tiny`` | a profile JSON from ``pdserve profile``."""
+    if name == "h100-llama3-8b":
+        profile = PRESETS[name]
+        # 128 KiB of KV per token; 400 Gb/s NIC (ConnectX-7 NDR) at ~80%; 40 s pod start-up
+        cost = CostModel(slower(profile, truth_factor), 131_072, 40e9, 0.001, 40.0)
+        return Setup(profile, cost, ttft_s=2.0, tpot_s=0.05)
+    profile = PRESETS["cpu-tiny"] if name == "cpu-tiny" else load_profile(name)
+    # tiny model: 2 layers x 2 KV heads x 64 dims x fp32 K and V; loopback copy ~5 GB/s
+    cost = CostModel(slower(profile, truth_factor), 2 * 2 * 2 * 64 * 4, 5e9, 0.0005, 10.0)
+    return Setup(profile, cost, ttft_s=3.0, tpot_s=0.2)

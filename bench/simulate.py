@@ -1,0 +1,315 @@
+"""Simulate a P/D cluster under the real planner, a queue-blind planner and static provisioning.
+
+    python bench/simulate.py [--quick] [--cost h100-llama3-8b|cpu-tiny|PROFILE.json]
+
+Runs the diurnal, burst (10x in one minute) and long-prompt-surge traces at 100+
+replicas per pool at peak (``--peak-replicas``), prints a table per scenario and,
+last, ONE JSON line: ``attainment`` and ``queue_blind_attainment`` (share of
+requests within both the TTFT and TPOT SLOs, worst scenario) and
+``replica_hours_saving`` (planner vs static-for-peak, worst scenario), with the
+per-scenario detail under ``scenarios``. Writes bench/out/simulate.png.
+The model and its assumptions: docs/autoscaling.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_cluster import Cluster
+from sim_scenarios import Mix, Scenario, Setup, scenarios, setup
+from tqdm import tqdm
+
+from pdserve.planner.config import SLO, Bounds, PlannerConfig
+from pdserve.planner.decision import PlannerState
+from pdserve.planner.model import decode_need, prefill_need
+from pdserve.planner.plan import plan
+from pdserve.planner.snapshot import MetricsSnapshot, PoolStatus
+
+POLICIES = ("planner", "queue_blind", "static")
+
+
+@dataclass
+class Result:
+    policy: str
+    requests: int = 0
+    within_slo: int = 0
+    replica_hours: float = 0.0
+    timeline: dict[str, list[float]] = field(default_factory=dict)
+    minute_attainment: list[float] = field(default_factory=list)
+
+    @property
+    def attainment(self) -> float:
+        return self.within_slo / self.requests if self.requests else 1.0
+
+
+def steady_need(cfg: PlannerConfig, rate: float, prompt: float, output: float) -> tuple[int, int]:
+    """Replicas the load model asks for at a steady ``rate`` (no queue): static sizing."""
+    running = rate * output * cfg.slo.tpot_s * cfg.tpot_headroom  # Little's law
+    snap = MetricsSnapshot(
+        0.0,
+        1.0,
+        PoolStatus(1, 1),
+        PoolStatus(1, 1),
+        request_rate=rate,
+        prompt_token_rate=rate * prompt,
+        output_token_rate=rate * output,
+        decode_running=running,
+    )
+    p = prefill_need(snap, cfg, 1.0).need
+    d = decode_need(snap, cfg, 1.0).need
+    return math.ceil(p), math.ceil(d)
+
+
+def mean_lengths(mix: Mix, long_share: float) -> tuple[float, float]:
+    prompt, output = mix.sample(np.random.default_rng(123), 200_000, long_share)
+    return float(prompt.mean()), float(output.mean())
+
+
+def run_one(
+    sc: Scenario,
+    policy: str,
+    st: Setup,
+    cfg: PlannerConfig,
+    peak_rate: float,
+    static: tuple[int, int],
+    initial: tuple[int, int],
+    args: argparse.Namespace,
+) -> Result:
+    rng = np.random.default_rng(args.seed)
+    mix = Mix()
+    if policy == "queue_blind":
+        cfg = replace(cfg, queue_aware=False)
+    start = static if policy == "static" else initial
+    cluster = Cluster(st.cost, *start, st.ttft_s, st.tpot_s)
+    state, res = PlannerState(), Result(policy)
+    tl: dict[str, list[float]] = {k: [] for k in ("t", "rate", "prefill", "decode", "ttft_p90")}
+    dt, every = args.dt, max(1, round(args.interval / args.dt))
+    n_ticks = int((sc.duration_s + args.drain) / dt)
+    replica_s = 0.0
+    bar = tqdm(
+        range(n_ticks),
+        desc=f"{sc.name}/{policy}",
+        leave=False,
+        mininterval=1.0,
+        disable=args.no_progress,
+    )
+    for i in bar:
+        t = i * dt
+        if t < sc.duration_s:
+            n = int(rng.poisson(sc.load(t) * peak_rate * dt))
+            if n:
+                prompt, output = mix.sample(rng, n, sc.long_share(t))
+                cluster.arrive(np.sort(t + rng.random(n) * dt), prompt, output)
+        cluster.tick(t, dt)
+        replica_s += (len(cluster.prefill.ready_at) + len(cluster.decode.ready_at)) * dt
+        if (i + 1) % every == 0:
+            snap = cluster.snapshot(t + dt, every * dt)
+            if policy != "static":
+                decision, state = plan(snap, state, cfg)
+                cluster.prefill.scale(decision.prefill.desired, t + dt)
+                cluster.decode.scale(decision.decode.desired, t + dt)
+            for key, value in (
+                ("t", t + dt),
+                ("rate", snap.request_rate),
+                ("prefill", len(cluster.prefill.ready_at)),
+                ("decode", len(cluster.decode.ready_at)),
+                ("ttft_p90", snap.ttft.p90),
+            ):
+                tl[key].append(float(value))
+    return _finish(cluster, res, tl, replica_s, sc.duration_s)
+
+
+def _finish(
+    cluster: Cluster, res: Result, tl: dict[str, list[float]], replica_s: float, duration: float
+) -> Result:
+    arrival = np.concatenate([*cluster.done_arrival, cluster.unfinished_arrivals()])
+    ok = np.concatenate([*cluster.done_ok, np.zeros(cluster.unfinished_arrivals().size, np.int8)])
+    res.requests, res.within_slo = int(arrival.size), int(ok.sum())
+    res.replica_hours = replica_s / 3600.0
+    minute = (arrival // 60).astype(int)
+    bins = int(duration // 60) + 1
+    total = np.bincount(minute, minlength=bins)[:bins]
+    good = np.bincount(minute, weights=ok, minlength=bins)[:bins]
+    res.minute_attainment = [float(g / n) if n else 1.0 for g, n in zip(good, total, strict=True)]
+    res.timeline = tl
+    return res
+
+
+def planner_config(st: Setup, profile_override=None, max_replicas: int = 1000) -> PlannerConfig:  # type: ignore[no-untyped-def]
+    return PlannerConfig(
+        slo=SLO(st.ttft_s, st.tpot_s),
+        profile=profile_override or st.planner_profile,
+        prefill=Bounds(1, max_replicas),
+        decode=Bounds(1, max_replicas),
+        lookahead_s=st.cost.startup_s,
+    )
+
+
+def sizing(sc: Scenario, st: Setup, peak_rate: float) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(static-for-peak counts, sized with the cluster's TRUE costs; initial planner counts)."""
+    truth_cfg = planner_config(st, st.cost.truth)
+    mix, best = Mix(), (0, 0)
+    for t in np.linspace(0, sc.duration_s, 241):
+        prompt, output = (
+            mean_lengths(mix, sc.long_share(float(t)))
+            if sc.long_share(float(t))
+            else mean_lengths(mix, 0.0)
+        )
+        p, d = steady_need(truth_cfg, sc.load(float(t)) * peak_rate, prompt, output)
+        best = (max(best[0], p), max(best[1], d))
+    prompt, output = mean_lengths(mix, sc.long_share(0.0))
+    initial = steady_need(planner_config(st), sc.load(0.0) * peak_rate, prompt, output)
+    return best, initial
+
+
+def reference_peak_rate(st: Setup, replicas: int) -> float:
+    """Request rate at which the normal mix needs ``replicas`` prefill replicas (true costs)."""
+    cfg = planner_config(st, st.cost.truth)
+    prompt, _output = mean_lengths(Mix(), 0.0)
+    snap = MetricsSnapshot(
+        0.0, 1.0, PoolStatus(1, 1), PoolStatus(1, 1), request_rate=1.0, prompt_token_rate=prompt
+    )
+    return replicas / prefill_need(snap, cfg, 1.0).need
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.quick:
+        args.dt = max(args.dt, 0.5)
+    began = time.perf_counter()
+    st = setup(args.cost, args.truth_factor)
+    scale = 0.25 if args.quick else 1.0
+    peak_replicas = args.peak_replicas or (12 if args.quick else 120)
+    peak_rate = reference_peak_rate(st, peak_replicas)
+    results: dict[str, dict[str, Result]] = {}
+    detail: dict[str, dict] = {}
+    chosen = [s for s in scenarios(scale) if not args.scenario or s.name in args.scenario]
+    for sc in chosen:
+        static, initial = sizing(sc, st, peak_rate)
+        cfg = planner_config(st)
+        results[sc.name] = {
+            pol: run_one(sc, pol, st, cfg, peak_rate, static, initial, args) for pol in POLICIES
+        }
+        detail[sc.name] = summarize(results[sc.name], static)
+        print(table(sc.name, detail[sc.name]), file=sys.stderr)
+    if not args.no_plot:
+        path = plot(chosen, results, args.out_dir)
+        print(f"plot: {path}", file=sys.stderr)
+    print(json.dumps(final_json(detail, args, st, peak_rate, time.perf_counter() - began)))
+    return 0
+
+
+def summarize(res: dict[str, Result], static: tuple[int, int]) -> dict:
+    s = res["static"].replica_hours
+    out = {
+        pol: {
+            "attainment": round(r.attainment, 4),
+            "replica_hours": round(r.replica_hours, 2),
+            "requests": r.requests,
+            "peak_prefill": max(r.timeline["prefill"], default=0),
+            "peak_decode": max(r.timeline["decode"], default=0),
+        }
+        for pol, r in res.items()
+    }
+    for pol in ("planner", "queue_blind"):
+        out[pol]["replica_hours_saving"] = round(1 - res[pol].replica_hours / s, 4)
+    out["static_replicas"] = {"prefill": static[0], "decode": static[1]}
+    return out
+
+
+def table(name: str, d: dict) -> str:
+    rows = [f"== {name}: static-for-peak = {d['static_replicas']}"]
+    for pol in POLICIES:
+        r = d[pol]
+        saving = r.get("replica_hours_saving", 0.0)
+        rows.append(
+            f"  {pol:12s} attainment {r['attainment']:.3f}  replica-h {r['replica_hours']:8.1f}"
+            f"  saving {saving:+.1%}  peak P/D {r['peak_prefill']:.0f}/{r['peak_decode']:.0f}"
+        )
+    return "\n".join(rows)
+
+
+def final_json(detail: dict, args: argparse.Namespace, st: Setup, rate: float, secs: float) -> dict:
+    return {
+        "attainment": min(d["planner"]["attainment"] for d in detail.values()),
+        "replica_hours_saving": min(d["planner"]["replica_hours_saving"] for d in detail.values()),
+        "queue_blind_attainment": min(d["queue_blind"]["attainment"] for d in detail.values()),
+        "static_attainment": min(d["static"]["attainment"] for d in detail.values()),
+        "scenarios": detail,
+        "cost_model": args.cost,
+        "slo": {"ttft_s": st.ttft_s, "tpot_s": st.tpot_s},
+        "reference_peak_rps": round(rate, 1),
+        "quick": args.quick,
+        "elapsed_s": round(secs, 1),
+    }
+
+
+def plot(chosen: list[Scenario], results: dict[str, dict[str, Result]], out_dir: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(chosen), 3, figsize=(16, 3.6 * len(chosen)), squeeze=False)
+    styles = {"planner": "-", "queue_blind": "--", "static": ":"}
+    for row, sc in zip(axes, chosen, strict=True):
+        res = results[sc.name]
+        tl = res["planner"].timeline
+        minutes = np.array(tl["t"]) / 60
+        row[0].plot(minutes, tl["rate"], color="black")
+        row[0].set(title=f"{sc.name}: load", xlabel="minute", ylabel="requests/s")
+        for pol, r in res.items():
+            m = np.array(r.timeline["t"]) / 60
+            row[1].plot(m, r.timeline["prefill"], "C0" + styles[pol], label=f"prefill {pol}")
+            row[1].plot(m, r.timeline["decode"], "C1" + styles[pol], label=f"decode {pol}")
+            row[2].plot(
+                r.minute_attainment, "C2" + styles[pol], label=f"{pol} ({r.attainment:.1%})"
+            )
+        row[1].set(title="replicas per pool", xlabel="minute", ylabel="replicas")
+        row[2].set(title="requests within both SLOs", xlabel="minute (arrival)", ylim=(0, 1.05))
+        row[1].legend(fontsize=7)
+        row[2].legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(out_dir) / "simulate.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    return path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="short traces at ~12 replicas (seconds)")
+    ap.add_argument(
+        "--cost",
+        default="h100-llama3-8b",
+        help="h100-llama3-8b | cpu-tiny | a profile JSON from `pdserve profile`",
+    )
+    ap.add_argument(
+        "--truth-factor",
+        type=float,
+        default=1.15,
+        help="the cluster is this much slower than the planner's profile",
+    )
+    ap.add_argument("--peak-replicas", type=int, default=0, help="prefill replicas at the peak")
+    ap.add_argument("--scenario", action="append", help="run only these (repeatable)")
+    ap.add_argument("--dt", type=float, default=0.2, help="simulation tick, seconds")
+    ap.add_argument("--interval", type=float, default=10.0, help="planner interval, seconds")
+    ap.add_argument("--drain", type=float, default=120.0, help="seconds after the trace ends")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"))
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""bench/simulate.py --quick as a subprocess: one JSON line last, a plot, sane numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(180)
+def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/simulate.py",
+            "--quick",
+            "--no-progress",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("attainment", "replica_hours_saving", "queue_blind_attainment"):
+        assert isinstance(result[key], float), key
+    assert 0.0 <= result["attainment"] <= 1.0
+    assert set(result["scenarios"]) == {"diurnal", "burst", "long_prompt_surge"}
+    worst = min(s["planner"]["attainment"] for s in result["scenarios"].values())
+    assert result["attainment"] == worst
+    for name, s in result["scenarios"].items():
+        assert s["static"]["attainment"] > 0.95, name  # provisioned for the peak: the model is sane
+        assert s["planner"]["requests"] == s["static"]["requests"] > 1000, name  # same trace
+    # the diurnal trace is the one that fits in --quick: the planner saves replica-hours there
+    assert result["scenarios"]["diurnal"]["planner"]["replica_hours_saving"] > 0.2
+    assert (tmp_path / "simulate.png").stat().st_size > 10_000
