@@ -62,6 +62,9 @@ class ReadOp:
 
 class KVTransport(ABC):
     name: ClassVar[str]
+    # True if reads progress only inside check() calls, so the caller should call it in a
+    # tight loop while reads are in flight (NIXL without a progress thread).
+    busy_poll: ClassVar[bool] = False
 
     def __init__(
         self, pool: torch.Tensor, compat: CompatRecord, agent_name: str, initiator: bool = False

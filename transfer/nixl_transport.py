@@ -30,6 +30,7 @@ class _NixlOp(ReadOp):
 
 class NixlTransport(KVTransport):
     name = "nixl"
+    busy_poll = True
 
     def __init__(
         self, pool: torch.Tensor, compat: CompatRecord, agent_name: str, initiator: bool = False

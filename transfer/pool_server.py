@@ -57,7 +57,12 @@ def run(args: argparse.Namespace) -> int:
     info = {"agent_name": server.agent_name, "side_channel": server.side_channel}
     print(json.dumps({**info, "num_bytes": pool.numel() * pool.element_size()}), flush=True)
     stdin_closed = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stdin_closed.set()), daemon=True).start()
+
+    def watch_stdin() -> None:
+        sys.stdin.read()
+        stdin_closed.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
     while not stdin_closed.is_set():
         rid = server.wait_released(0.05)
         if rid is not None:

@@ -54,8 +54,9 @@ class Pair:
     src: torch.Tensor
     dst: torch.Tensor
 
-    def handle(self, rid: str, block_ids: list[int], num_tokens: int | None = None,
-               lease: float = 30.0) -> KVHandle:  # fmt: skip
+    def handle(
+        self, rid: str, block_ids: list[int], num_tokens: int | None = None, lease: float = 30.0
+    ) -> KVHandle:
         bs = self.server.compat.block_size
         n = num_tokens if num_tokens is not None else len(block_ids) * bs
         return self.server.make_handle(rid, block_ids, n, [], lease)

@@ -17,14 +17,24 @@ TIMEOUT = 1.5  # transfer_timeout of these tests; results must come within it (+
 
 
 def handle_for(peer: PeerProcess, rid: str, block_ids: list[int], transport: str) -> KVHandle:
-    return KVHandle(rid, peer.agent_name, peer.side_channel, block_ids, len(block_ids) * 4 - 1,
-                    [], 4, time.time() + 30, transport)  # fmt: skip
+    return KVHandle(
+        rid,
+        peer.agent_name,
+        peer.side_channel,
+        block_ids,
+        len(block_ids) * 4 - 1,
+        [],
+        4,
+        time.time() + 30,
+        transport,
+    )
 
 
 def connector(transport: str, blocks: int = 16) -> tuple[RemoteKVConnector, torch.Tensor]:
     dst = make_pool(blocks, seed=None)
-    conn = RemoteKVConnector(dst, CompatRecord.for_pool(dst, "test-model"), transport,
-                             transfer_timeout=TIMEOUT)  # fmt: skip
+    conn = RemoteKVConnector(
+        dst, CompatRecord.for_pool(dst, "test-model"), transport, transfer_timeout=TIMEOUT
+    )
     return conn, dst
 
 
@@ -99,8 +109,9 @@ def test_peer_killed_during_a_large_read(transport: str, when: str) -> None:
     blocks, head_dim = 2048, 256  # 64 MiB: long enough to be killed mid-read
     peer = PeerProcess(transport, blocks=blocks, seed=2, head_dim=head_dim)
     dst = make_pool(blocks, seed=None, head_dim=head_dim)
-    conn = RemoteKVConnector(dst, CompatRecord.for_pool(dst, "test-model"), transport,
-                             transfer_timeout=TIMEOUT)  # fmt: skip
+    conn = RemoteKVConnector(
+        dst, CompatRecord.for_pool(dst, "test-model"), transport, transfer_timeout=TIMEOUT
+    )
     try:
         conn.start_load("a", handle_for(peer, "a", [1], transport), [1], [0])
         assert wait_results(conn, 1, timeout=10)[0].ok

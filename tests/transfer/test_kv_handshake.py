@@ -37,11 +37,13 @@ def test_accepted_reply_describes_the_pool(server: KVServer, transport: str) -> 
     [
         ({"block_size": 8}, ["block_size: 4 != 8"]),
         ({"model": "model-b", "dtype": "bfloat16"}, ["model: 'model-a' != 'model-b'", "dtype"]),
-        ({"num_layers": 3, "num_kv_heads": 4, "head_dim": 16}, ["num_layers", "num_kv_heads",
-                                                                 "head_dim"]),
+        (
+            {"num_layers": 3, "num_kv_heads": 4, "head_dim": 16},
+            ["num_layers", "num_kv_heads", "head_dim"],
+        ),
         ({"kv_layout": "LNKBHD"}, ["kv_layout"]),
     ],
-)  # fmt: skip
+)
 def test_mismatch_refused_naming_fields(server: KVServer, transport: str, change, fields) -> None:
     theirs = dataclasses.replace(server.compat, **change)
     with pytest.raises(IncompatiblePeerError) as info:
@@ -59,8 +61,9 @@ def test_transport_mismatch_refused(server: KVServer, transport: str) -> None:
 
 def test_connector_reports_refusal_and_reads_nothing(server: KVServer, transport: str) -> None:
     dst = make_pool(8, seed=None, block_size=4, head_dim=16)
-    conn = RemoteKVConnector(dst, CompatRecord.for_pool(dst, "model-a"), transport,
-                             transfer_timeout=3)  # fmt: skip
+    conn = RemoteKVConnector(
+        dst, CompatRecord.for_pool(dst, "model-a"), transport, transfer_timeout=3
+    )
     try:
         conn.start_load("r", server.make_handle("r", [1, 2], 8, []), [1, 2], [0, 1])
         (res,) = wait_results(conn, 1, timeout=5)

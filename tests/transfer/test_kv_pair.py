@@ -44,8 +44,9 @@ def test_random_block_maps_are_exact(pair: Pair, seed: int) -> None:
 
 def test_contiguous_and_suffix_reads(pair: Pair) -> None:
     """A contiguous run, and a suffix of the handle's blocks (decode caches the prefix)."""
-    pair.conn.start_load("a", pair.handle("a", list(range(4, 12))), list(range(4, 12)),
-                         list(range(0, 8)))  # fmt: skip
+    pair.conn.start_load(
+        "a", pair.handle("a", list(range(4, 12))), list(range(4, 12)), list(range(0, 8))
+    )
     ids = [3, 9, 10, 11, 17]
     pair.conn.start_load("b", pair.handle("b", ids, 18), ids[2:], [12, 13, 19])
     results = {r.request_id: r for r in wait_results(pair.conn, 2, timeout=5)}
@@ -74,8 +75,12 @@ def test_half_dtypes(transport: str, dtype: torch.dtype) -> None:
 
 def test_many_requests_one_handshake(pair: Pair) -> None:
     for i in range(5):
-        pair.conn.start_load(f"q{i}", pair.handle(f"q{i}", [i * 2, i * 2 + 1]), [i * 2, i * 2 + 1],
-                             [i * 4, i * 4 + 1])  # fmt: skip
+        pair.conn.start_load(
+            f"q{i}",
+            pair.handle(f"q{i}", [i * 2, i * 2 + 1]),
+            [i * 2, i * 2 + 1],
+            [i * 4, i * 4 + 1],
+        )
     results = wait_results(pair.conn, 5, timeout=5)
     assert all(r.ok for r in results), results
     for i in range(5):
@@ -116,9 +121,13 @@ def test_expired_lease_refused_without_contacting_peer(pair: Pair) -> None:
 
 @pytest.mark.parametrize(
     ("remote", "local", "needle"),
-    [([1, 2], [0], "2 remote block ids for 1 local"), ([1, 2], [0, 20], "local block ids [20]"),
-     ([2, 1], [0, 1], "not a suffix"), ([1, 2], [3, 3], "repeat")],
-)  # fmt: skip
+    [
+        ([1, 2], [0], "2 remote block ids for 1 local"),
+        ([1, 2], [0, 20], "local block ids [20]"),
+        ([2, 1], [0, 1], "not a suffix"),
+        ([1, 2], [3, 3], "repeat"),
+    ],
+)
 def test_bad_block_lists_refused(pair: Pair, remote: list[int], local: list[int], needle: str):
     pair.conn.start_load("x", pair.handle("x", [1, 2]), remote, local)
     (res,) = wait_results(pair.conn, 1, timeout=1)
@@ -147,3 +156,21 @@ def test_cancel_reports_the_load(pair: Pair) -> None:
     assert pair.server.wait_released(2) == "c"
     time.sleep(0.05)
     assert pair.conn.poll() == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pools(transport: str) -> None:
+    """GPU pools on both sides (NIXL: VRAM to VRAM); not run on the CPU-only CI machine."""
+    src = make_pool(8, seed=4).cuda()
+    dst = make_pool(8, seed=None).cuda()
+    server = KVServer(src, CompatRecord.for_pool(src, "m"), transport=transport)
+    conn = RemoteKVConnector(dst, CompatRecord.for_pool(dst, "m"), transport, transfer_timeout=5)
+    try:
+        conn.start_load("g", server.make_handle("g", [6, 1, 2], 12, []), [6, 1, 2], [0, 4, 5])
+        (res,) = wait_results(conn, 1, timeout=10)
+        assert res.ok, res.error
+        assert torch.equal(as_bytes(dst[:, :, [0, 4, 5]]), as_bytes(src[:, :, [6, 1, 2]]))
+        assert conn.pending() == 0
+    finally:
+        conn.close()
+        server.close()
