@@ -72,7 +72,9 @@ class SamplingParams:
         known = {k: v for k, v in body.items() if k in cls.__dataclass_fields__}
         unknown = set(body) - set(known)
         if unknown:
-            raise InvalidParameter(sorted(unknown)[0], f"unknown sampling parameter {sorted(unknown)}")
+            raise InvalidParameter(
+                sorted(unknown)[0], f"unknown sampling parameter {sorted(unknown)}"
+            )
         if isinstance(known.get("stop"), str):
             known["stop"] = [known["stop"]]
         if known.get("stop") is None:

@@ -36,14 +36,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser, sub = build_parser()
+    parser, _ = build_parser()
     if not argv or argv[0] not in SUBCOMMANDS:
         parser.parse_args(argv)  # prints usage / error for unknown commands
         parser.print_help()
         return 2
     name = argv[0]
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    command_parser = argparse.ArgumentParser(prog=f"pdserve {name}", description=SUBCOMMANDS[name][1])
+    command_parser = argparse.ArgumentParser(
+        prog=f"pdserve {name}", description=SUBCOMMANDS[name][1]
+    )
     module.add_arguments(command_parser)
     args = command_parser.parse_args(argv[1:])
     return int(module.run(args) or 0)

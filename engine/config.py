@@ -1,0 +1,84 @@
+"""Engine configuration: one frozen dataclass, derived values as properties."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # local HF-format directory
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # explicit KV pool budget; wins over the fraction
+    kv_cache_fraction: float | None = None  # share of free memory for the KV pool
+    max_num_seqs: int = 128  # running requests at most
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    served_model_name: str | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            # bfloat16 where the hardware does it fast; float32 on CPU for exactness.
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.torch_dtype).removeprefix("torch.")
+
+
+def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
+    """The engine flags shared by every command that runs an engine."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", required=True, help="local HF-format model directory")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-bytes", type=int, default=None)
+    g.add_argument("--kv-cache-fraction", type=float, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config_from_args(args) -> EngineConfig:  # type: ignore[no-untyped-def]
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        kv_cache_fraction=args.kv_cache_fraction,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        served_model_name=args.served_model_name,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )

@@ -1,0 +1,92 @@
+"""The KV pool: one contiguous tensor per worker, sized from a memory budget.
+
+Layout ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (k/v on dim 1).
+One tensor means one NIXL registration; a block of one layer's K (or V) is a
+contiguous run of ``block_size * kv_heads * head_dim`` elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Without an explicit budget a CPU worker takes this share of available memory, capped.
+CPU_DEFAULT_FRACTION = 0.1
+CPU_DEFAULT_CAP = 2 << 30
+CUDA_DEFAULT_FRACTION = 0.85
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30
+
+
+def budget_bytes(device: torch.device, explicit: int | None, fraction: float | None) -> int:
+    if explicit is not None:
+        return explicit
+    free = available_bytes(device)
+    if fraction is not None:
+        return int(free * fraction)
+    if device.type == "cuda":
+        return int(free * CUDA_DEFAULT_FRACTION)
+    return min(int(free * CPU_DEFAULT_FRACTION), CPU_DEFAULT_CAP)
+
+
+class KVPool:
+    """Owns the KV tensor. Blocks are handed out by the BlockManager, not here."""
+
+    def __init__(self, shape: KVShape, num_blocks: int, device: torch.device) -> None:
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget too small: one block needs {shape.bytes_per_block} bytes"
+            )
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.tensor = torch.zeros(
+            (
+                shape.num_layers,
+                2,
+                num_blocks,
+                shape.block_size,
+                shape.num_kv_heads,
+                shape.head_dim,
+            ),
+            dtype=shape.dtype,
+            device=device,
+        )
+
+    @classmethod
+    def from_budget(cls, shape: KVShape, budget: int, device: torch.device) -> KVPool:
+        return cls(shape, budget // shape.bytes_per_block, device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer, each ``[num_blocks * block_size, kv_heads, head_dim]``."""
+        kv = self.tensor[layer_idx]
+        s = self.shape
+        flat = (self.num_blocks * s.block_size, s.num_kv_heads, s.head_dim)
+        return kv[0].view(flat), kv[1].view(flat)

@@ -1,0 +1,346 @@
+"""The engine: a step is schedule → execute → update.
+
+Synchronous and single-threaded; :class:`pdserve.engine.async_engine.AsyncEngine`
+runs it on its own thread for servers. Workers use two extra modes:
+
+* ``hold_kv`` (prefill): the request ends after its first token with finish
+  reason ``handoff`` and its blocks stay allocated under a lease until
+  :meth:`release_held`.
+* ``remote_kv`` (decode): the request arrives with a KV handle and the prefill
+  worker's first token; its prompt KV is pulled by the connector.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.detokenizer import TextStream
+from pdserve.engine.hashing import block_hashes, hash_block
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_pool import KVPool, budget_bytes
+from pdserve.engine.model_runner import ModelRunner, ScheduledChunk, model_identity
+from pdserve.engine.request import Request, RequestOutput, RequestStatus
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+HANDOFF = "handoff"
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    loading: int
+    held: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    queued_prompt_tokens: int
+    prefix_cache_hit_tokens: int
+    prompt_tokens: int
+    generation_tokens: int
+    preemptions: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: KVConnector | None = None,
+        recompute_on_load_failure: bool = True,
+    ) -> None:
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+        self.runner = ModelRunner(config)
+        budget = budget_bytes(self.runner.device, config.kv_cache_bytes, config.kv_cache_fraction)
+        self.pool = KVPool.from_budget(self.runner.kv_shape, budget, self.runner.device)
+        self.runner.bind_pool(self.pool)
+        self.blocks = BlockManager(
+            self.pool.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.blocks, connector, recompute_on_load_failure)
+        self.sampler = Sampler(self.runner.device, config.seed)
+        self.max_model_len = min(
+            config.max_model_len or self.runner.max_position_embeddings,
+            self.runner.max_position_embeddings,
+        )
+        self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.hf_config)
+        self.vocab_size = int(self.runner.hf_config.vocab_size)
+        self.model_id = model_identity(config.model)
+        self.served_model_name = config.served_model_name or Path(config.model).name
+        self.requests: dict[str, Request] = {}
+        self.held: dict[str, list[int]] = {}
+        self._text: dict[str, TextStream] = {}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # -- requests --------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        hold_kv: bool = False,
+        remote_kv: Any = None,
+        first_token_id: int | None = None,
+    ) -> None:
+        """Queue a request; raises InvalidParameter for bad input (nothing is queued)."""
+        if request_id in self.requests or request_id in self.held:
+            raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params.validate())
+        req = Request(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
+        text = TextStream(self.tokenizer, req.prompt_token_ids, params.stop)
+        if remote_kv is not None:
+            self._check_handle(req, remote_kv, first_token_id)
+            req.remote_kv = remote_kv
+            req.output_token_ids.append(int(first_token_id))  # type: ignore[arg-type]
+            req.num_preexisting_output = 1
+            text.append(req.output_token_ids)  # the prefill worker already sent its text
+        req.block_hashes = block_hashes(req.all_token_ids, self.config.block_size)
+        self._text[request_id] = text
+        self.requests[request_id] = req
+        self.num_prompt_tokens += req.num_prompt_tokens
+        self.scheduler.add(req)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidParameter("prompt", "prompt must not be empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise InvalidParameter("prompt", f"prompt token ids must be in [0, {self.vocab_size})")
+        if n >= self.max_model_len:
+            raise InvalidParameter(
+                "prompt",
+                f"prompt has {n} tokens; this model's context is {self.max_model_len} tokens",
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidParameter(
+                "max_tokens",
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens",
+            )
+        need = self.blocks.blocks_needed(n + params.max_tokens)
+        if need > self.blocks.num_blocks:
+            raise InvalidParameter(
+                "max_tokens",
+                f"request needs {need} KV blocks but the KV cache holds {self.blocks.num_blocks}",
+            )
+
+    def _check_handle(self, req: Request, handle: Any, first_token_id: int | None) -> None:
+        if first_token_id is None or not 0 <= first_token_id < self.vocab_size:
+            raise InvalidParameter("first_token_id", "a KV handle needs a valid first_token_id")
+        if handle.block_size != self.config.block_size:
+            raise InvalidParameter(
+                "kv_handle",
+                f"kv_handle block size {handle.block_size} != {self.config.block_size}",
+            )
+        if handle.num_tokens != req.num_prompt_tokens:
+            raise InvalidParameter(
+                "kv_handle",
+                f"kv_handle covers {handle.num_tokens} tokens, prompt has {req.num_prompt_tokens}",
+            )
+        expected = block_hashes(req.prompt_token_ids, self.config.block_size)
+        if list(handle.block_hashes) != expected:
+            raise InvalidParameter("kv_handle", "kv_handle block hashes do not match the prompt")
+        if req.params.max_tokens < 2:
+            raise InvalidParameter("max_tokens", "a handed-off request needs max_tokens >= 2")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks (or its held blocks). None if unknown."""
+        if request_id in self.held:
+            self.release_held(request_id)
+            return None
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return self.finish(req, RequestStatus.FINISHED_ABORTED, [], "")
+
+    def release_held(self, request_id: str) -> bool:
+        block_ids = self.held.pop(request_id, None)
+        if block_ids is None:
+            return False
+        self.blocks.free(block_ids)
+        return True
+
+    # -- the step --------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs = self._settle_loads(sched.loaded)
+        if sched.chunks:
+            sampled = [c.request for c in sched.chunks if c.samples]
+            logits = self.runner.execute(sched.chunks)
+            tokens = self.sampler.sample(logits, sampled, [self._banned(r) for r in sampled])
+            outputs += self._update(sched.chunks, tokens)
+        return outputs
+
+    def _update(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
+        outputs = []
+        it = iter(tokens)
+        for chunk in chunks:
+            req = chunk.request
+            req.num_computed_tokens += chunk.num_tokens
+            self._register_blocks(req)
+            if chunk.samples:
+                out = self._append_token(req, next(it))
+                if out is not None:
+                    outputs.append(out)
+        return outputs
+
+    def _append_token(self, req: Request, token: int) -> RequestOutput | None:
+        req.output_token_ids.append(token)
+        self.num_generation_tokens += 1
+        self._extend_hashes(req)
+        p = req.params
+        text = self._text[req.request_id]
+        if token in p.stop_token_ids or (
+            token in self.eos_token_ids
+            and not p.ignore_eos
+            and req.num_output_tokens > p.min_tokens
+        ):
+            return self.finish(req, RequestStatus.FINISHED_STOPPED, [token], text.finish().text)
+        delta = text.append([token])
+        if delta.stop is not None:
+            return self.finish(req, RequestStatus.FINISHED_STOPPED, [token], delta.text)
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            tail = text.finish().text
+            return self.finish(req, RequestStatus.FINISHED_LENGTH, [token], delta.text + tail)
+        if req.hold_kv:
+            return self._handoff(req, token, delta.text)
+        return self._output(req, [token], delta.text, None)
+
+    # -- endings ---------------------------------------------------------------
+    def finish(
+        self, req: Request, status: RequestStatus, token_ids: list[int], text: str, error: str = ""
+    ) -> RequestOutput:
+        req.status, req.error = status, error
+        self.scheduler.remove(req)
+        if req.request_id not in self.scheduler.loading:  # else freed once the load stops
+            self._drop(req)
+        return self._output(req, token_ids, text, status.value)
+
+    def _handoff(self, req: Request, token: int, text: str) -> RequestOutput:
+        req.status = RequestStatus.FINISHED_STOPPED
+        self.scheduler.remove(req)
+        self.held[req.request_id] = req.block_ids
+        req.block_ids = []
+        self._drop(req)
+        out = self._output(req, [token], text, HANDOFF)
+        num_prompt_blocks = self.blocks.blocks_needed(req.num_prompt_tokens)
+        return replace(out, kv_block_ids=self.held[req.request_id][:num_prompt_blocks])
+
+    def _drop(self, req: Request) -> None:
+        if req.block_ids:
+            self.blocks.free(req.block_ids)
+            req.block_ids = []
+        self.requests.pop(req.request_id, None)
+        self._text.pop(req.request_id, None)
+        self.sampler.forget(req.request_id)
+
+    def _settle_loads(self, loaded: list) -> list[RequestOutput]:  # type: ignore[type-arg]
+        outputs = []
+        for req, result in loaded:
+            if req.status.finished:  # aborted while its KV was loading
+                self._drop(req)
+            elif not result.ok and req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                msg = f"KV transfer failed: {result.error}"
+                outputs.append(self.finish(req, RequestStatus.FINISHED_ERROR, [], "", msg))
+            elif result.ok:
+                self._register_blocks(req)
+        return outputs
+
+    def _output(
+        self, req: Request, token_ids: list[int], text: str, finish: str | None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            token_ids=token_ids,
+            text=text,
+            finish_reason=finish,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            error=req.error,
+        )
+
+    # -- blocks and hashes -----------------------------------------------------
+    def _extend_hashes(self, req: Request) -> None:
+        bs = self.config.block_size
+        full = req.num_tokens // bs
+        if full > len(req.block_hashes):
+            parent = req.block_hashes[-1] if req.block_hashes else 0
+            tokens = req.all_token_ids
+            for i in range(len(req.block_hashes), full):
+                parent = hash_block(parent, tokens[i * bs : (i + 1) * bs])
+                req.block_hashes.append(parent)
+
+    def _register_blocks(self, req: Request) -> None:
+        full = min(req.num_computed_tokens // self.config.block_size, len(req.block_hashes))
+        if full > req.num_registered_blocks:
+            self.blocks.register(req.block_ids, req.block_hashes[:full], req.num_registered_blocks)
+            req.num_registered_blocks = full
+
+    def drain_kv_events(self) -> list[tuple[str, list[int]]]:
+        return self.blocks.drain_events()
+
+    def _banned(self, req: Request) -> list[int]:
+        if req.num_output_tokens < req.params.min_tokens and not req.params.ignore_eos:
+            return sorted(self.eos_token_ids | set(req.params.stop_token_ids))
+        return []
+
+    # -- introspection ---------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        queued = sum(r.num_uncomputed_tokens for r in s.waiting) + sum(
+            r.num_uncomputed_tokens for r in s.running if r.is_prefilling
+        )
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            loading=len(s.loading),
+            held=len(self.held),
+            kv_blocks_free=self.blocks.num_free_blocks,
+            kv_blocks_total=self.blocks.num_blocks,
+            queued_prompt_tokens=queued,
+            prefix_cache_hit_tokens=s.num_prefix_hit_tokens,
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
+            preemptions=s.num_preemptions,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion (tests, benchmarks); returns output token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{i}-{id(prompts)}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_work:
+            for out in self.step():
+                results[out.request_id].extend(out.token_ids)
+        return [results[rid] for rid in ids]
+
+
+def _eos_ids(tokenizer: Any, hf_config: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(hf_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(int(x) for x in source)
+    return ids

@@ -1,0 +1,103 @@
+"""One object per request, owned by the scheduler.
+
+``num_computed_tokens`` catches up with ``all_token_ids``: a prompt chunk, a
+decode step and a recompute after preemption are the same operation. Waiting
+for remote KV is one more state.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks, grows with tokens
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_registered_blocks: int = 0  # blocks whose hashes are in the prefix cache
+    num_preemptions: int = 0
+    hold_kv: bool = False  # prefill mode: keep blocks after finishing, under a lease
+    remote_kv: Any = None  # KVHandle to pull before decoding (decode mode)
+    # Tokens already produced elsewhere (the prefill worker's first token): part of
+    # the output but never streamed again.
+    num_preexisting_output: int = 0
+    error: str = ""
+    first_scheduled_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_uncomputed_tokens > 1
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A delta for one request: what happened since the previous output."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str = ""
+    kv_block_ids: list[int] | None = None  # prefill mode: the held blocks, on finish
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_output_tokens,
+            "cached_tokens": self.num_cached_tokens,
+        }

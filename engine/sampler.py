@@ -1,0 +1,73 @@
+"""Per-request sampling over a step's logits.
+
+Greedy rows take the argmax. Other rows apply temperature, top-k and top-p on
+sorted logits, then draw with the exponential-race trick (argmax of p / E with
+E ~ Exp(1)), whose noise comes from the request's own generator: a seeded
+request draws the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.request import Request
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+        self._default = torch.Generator(device=device)
+        self._default.manual_seed(seed)
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request], banned: list[list[int]]
+    ) -> list[int]:
+        """One token per row of ``logits`` ([S, V] float32); ``banned`` ids get -inf."""
+        for row, ids in enumerate(banned):
+            if ids:
+                logits[row, ids] = float("-inf")
+        out = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        if greedy:
+            out[greedy] = logits[greedy].argmax(dim=-1)
+        rest = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if rest:
+            out[rest] = self._sample_random(logits[rest], [requests[i] for i in rest])
+        return [int(t) for t in out.tolist()]
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        dev = logits.device
+        vocab = logits.shape[-1]
+        temps = torch.tensor([r.params.temperature for r in requests], device=dev)
+        logits = logits / temps[:, None]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        top_k = torch.tensor(
+            [r.params.top_k if r.params.top_k > 0 else vocab for r in requests], device=dev
+        )
+        drop = ranks >= top_k[:, None]
+        top_p = torch.tensor([r.params.top_p for r in requests], device=dev)
+        if bool((top_p < 1.0).any()):
+            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            # Drop a token when the tokens ranked above it already reach top_p.
+            drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for row, req in enumerate(requests):
+            noise[row].exponential_(generator=self._generator(req))
+        picked = (probs / noise).argmax(dim=-1)
+        return order.gather(1, picked[:, None]).squeeze(1)
+
+    def _generator(self, req: Request) -> torch.Generator:
+        if req.params.seed is None:
+            return self._default
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(req.params.seed)
+            self._generators[req.request_id] = gen
+        return gen

@@ -1,0 +1,179 @@
+"""Token-budget continuous batching.
+
+Each step the scheduler hands out at most ``max_num_batched_tokens`` tokens:
+running requests first, in arrival order (a decode takes one token, a prefill
+chunk what the budget leaves), then waiting requests, admitted only when blocks
+for their whole prompt are free. When a running request cannot grow, the newest
+running request is preempted (its blocks freed, to be recomputed later). A
+request that arrives with a remote KV handle is admitted into
+``WAITING_FOR_REMOTE_KV``: its blocks are allocated and the connector pulls
+them, while the rest of the batch keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_connector import KVConnector, LoadResult
+from pdserve.engine.model_runner import ScheduledChunk
+from pdserve.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    loaded: list[tuple[Request, LoadResult]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        blocks: BlockManager,
+        connector: KVConnector | None = None,
+        recompute_on_load_failure: bool = True,
+    ) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.connector = connector
+        self.recompute_on_load_failure = recompute_on_load_failure
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}
+        # Keep a little headroom so admissions do not immediately force preemptions.
+        self.watermark_blocks = max(1, blocks.num_blocks // 100)
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.loading)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._collect_loads(out)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    # -- running ---------------------------------------------------------------
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        queue = deque(self.running)
+        self.running = []
+        while queue:
+            req = queue.popleft()
+            n = min(req.num_uncomputed_tokens, budget)
+            if n == 0:
+                self.running.append(req)
+                continue
+            need = req.num_computed_tokens + n
+            while not self.blocks.can_grow(req.block_ids, need):
+                victim = queue.pop() if queue else req
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # preempted itself: nothing smaller is left to run
+            self.blocks.grow(req.block_ids, need)
+            out.chunks.append(ScheduledChunk.of(req, n))
+            self.running.append(req)
+            budget -= n
+        for req in out.preempted:  # newest first, so the oldest ends up in front
+            self.waiting.appendleft(req)
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_registered_blocks = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+
+    # -- waiting ---------------------------------------------------------------
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
+                return
+            req = self.waiting[0]
+            hits = self.blocks.match_prefix(req.block_hashes, req.num_tokens)
+            need = req.num_tokens + 1  # room for the first generated token too
+            if not self.blocks.can_allocate(hits, need) or (
+                self.blocks.num_free_blocks - self.blocks.blocks_needed(need) + len(hits)
+                < self.watermark_blocks
+                and self.running
+            ):
+                return
+            self.waiting.popleft()
+            alloc = self.blocks.allocate(hits, need)
+            req.block_ids = alloc.block_ids
+            req.num_computed_tokens = alloc.num_cached_blocks * self.blocks.block_size
+            req.num_registered_blocks = alloc.num_cached_blocks
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = req.num_computed_tokens
+                self.num_prefix_hit_tokens += req.num_computed_tokens
+            if req.remote_kv is not None:
+                self._start_load(req, alloc.num_cached_blocks)
+                continue
+            req.status = RequestStatus.RUNNING
+            n = min(req.num_uncomputed_tokens, budget)
+            out.chunks.append(ScheduledChunk.of(req, n))
+            self.running.append(req)
+            budget -= n
+
+    # -- remote KV -------------------------------------------------------------
+    def _start_load(self, req: Request, num_cached_blocks: int) -> None:
+        assert self.connector is not None, "remote KV needs a connector"
+        handle = req.remote_kv
+        num_remote = len(handle.block_ids)
+        remote = list(handle.block_ids[num_cached_blocks:num_remote])
+        local = req.block_ids[num_cached_blocks:num_remote]
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.loading[req.request_id] = req
+        self.connector.start_load(req.request_id, handle, remote, local)
+
+    def _collect_loads(self, out: SchedulerOutput) -> None:
+        if self.connector is None or not self.loading:
+            return
+        for result in self.connector.poll():
+            req = self.loading.pop(result.request_id, None)
+            if req is None:
+                continue
+            out.loaded.append((req, result))
+            if req.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+                continue  # aborted while loading; the engine frees it now
+            req.remote_kv, handle = None, req.remote_kv
+            if result.ok:
+                req.num_computed_tokens = handle.num_tokens
+            elif self.recompute_on_load_failure:
+                logger.warning(
+                    "KV load of %s failed (%s): recomputing", req.request_id, result.error
+                )
+            else:
+                continue  # the engine fails the request
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+
+    # -- leaving ---------------------------------------------------------------
+    def remove(self, req: Request) -> None:
+        """Take a finished or aborted request out of every queue (blocks are the caller's)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        elif req.request_id in self.loading and self.connector is not None:
+            # Stays in ``loading`` until the connector reports the transfer stopped.
+            self.connector.cancel(req.request_id)
