@@ -8,6 +8,7 @@ timer → re-apply children (reverts manual edits) and write observed state to s
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,100 +47,102 @@ def _parse(name: str, namespace: str, spec: Any) -> LLMServiceSpec:
     )
 
 
-def _degrade(patch: kopf.Patch, status: Any, field_message: str, generation: int | None) -> None:
-    old = list((status or {}).get("conditions") or [])
-    new = [st.condition("Degraded", True, st.REASON_INVALID_SPEC, field_message, generation)]
+async def _write_status(
+    client: kube.KubeClient, namespace: str, name: str, fresh: Mapping[str, Any] | None,
+    conditions: list[dict[str, Any]], extra: Mapping[str, Any],
+) -> None:  # fmt: skip
+    """Merge ``conditions`` into the *fresh* status and patch it (call under the object's lock).
+
+    Handlers and the timer both write conditions, a list that a merge patch replaces
+    whole: each read-modify-write happens under one per-object lock on a fresh read,
+    so neither overwrites the other's newer condition with a stale copy.
+    """
+    if fresh is None:
+        return
+    old = (fresh.get("status") or {}).get("conditions") or []
+    new = {"conditions": st.merge_conditions(list(old), conditions), **extra}
+    if not reconcile.contains(fresh.get("status") or {}, new):
+        await client.patch(n.API_VERSION, n.KIND, namespace, name, {"status": new}, status=True)
+
+
+async def _degrade(
+    client: kube.KubeClient, namespace: str, name: str, message: str, generation: int | None
+) -> None:
+    fresh = await client.get(n.API_VERSION, n.KIND, namespace, name)
+    old = ((fresh or {}).get("status") or {}).get("conditions") or []
+    new = [st.condition("Degraded", True, st.REASON_INVALID_SPEC, message, generation)]
     if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in old):
-        new.append(st.condition("Ready", False, st.REASON_INVALID_SPEC, field_message, generation))
-    patch.status["conditions"] = st.merge_conditions(old, new)
+        new.append(st.condition("Ready", False, st.REASON_INVALID_SPEC, message, generation))
+    await _write_status(client, namespace, name, fresh, new, {})
 
 
 async def reconcile_object(
-    *,
-    body: Any,
-    spec: Any,
-    name: str,
-    namespace: str,
-    meta: Any,
-    status: Any,
-    memo: Any,
-    patch: kopf.Patch,
-    config: OperatorConfig,
-    logger: Any,
-) -> dict[str, Any]:
+    *, body: Any, spec: Any, name: str, namespace: str, meta: Any, memo: Any,
+    config: OperatorConfig, logger: Any,
+) -> reconcile.ApplyResult:  # fmt: skip
     generation = meta.get("generation")
-    try:
-        svc = _parse(name, namespace, spec)
-    except SpecError as e:
-        _degrade(patch, status, str(e), generation)
-        raise kopf.PermanentError(f"invalid spec: {e}") from e  # only an edit can fix it
     client = _client(memo)
-    problems = await preflight.preflight(client, svc)
-    if problems:
-        message = "; ".join(str(p) for p in problems)
-        _degrade(patch, status, message, generation)
-        if all(p.retryable for p in problems):  # e.g. the Secret is created right after us
-            raise kopf.TemporaryError(message, delay=config.retry_delay)
-        raise kopf.PermanentError(message)
-    children = render.render_spec(svc)
-    kopf.adopt(children, owner=body)
     async with _lock(memo):
-        result = await reconcile.apply_children(client, svc, children)
-        keep = {reconcile.key_of(c) for c in children}
-        pruned = await reconcile.prune_children(
-            client, namespace, meta["uid"], render.optional_children(name), keep
-        )
-    old = list((status or {}).get("conditions") or [])
-    ok = st.condition("Degraded", False, "AsExpected", "spec applied", generation)
-    patch.status["conditions"] = st.merge_conditions(old, [ok])
-    patch.status["observedGeneration"] = generation
-    done = {"created": result.created, "patched": result.patched, "pruned": pruned}
-    logger.info(f"applied: {', '.join(f'{k}={list(v)}' for k, v in done.items())}")
-    return {"created": len(result.created), "patched": len(result.patched), "pruned": len(pruned)}
-
-
-async def observe(
-    *,
-    body: Any,
-    spec: Any,
-    name: str,
-    namespace: str,
-    meta: Any,
-    status: Any,
-    memo: Any,
-    patch: kopf.Patch,
-    logger: Any,
-) -> None:
-    """Timer body: repair drift when the current generation was applied, then write status."""
-    if meta.get("deletionTimestamp"):
-        return
-    try:
-        svc = _parse(name, namespace, spec)
-    except SpecError:
-        return  # Degraded is already reported by the change handler
-    client = _client(memo)
-    status = status or {}
-    applied = status.get("observedGeneration") == meta.get("generation")
-    degraded = any(c.get("reason") == st.REASON_INVALID_SPEC and c.get("status") == "True"
-                   for c in status.get("conditions") or [])  # fmt: skip
-    if applied and not degraded:
+        try:
+            svc = _parse(name, namespace, spec)
+        except SpecError as e:
+            await _degrade(client, namespace, name, str(e), generation)
+            raise kopf.PermanentError(f"invalid spec: {e}") from e  # only an edit can fix it
+        problems = await preflight.preflight(client, svc)
+        if problems:
+            message = "; ".join(str(p) for p in problems)
+            await _degrade(client, namespace, name, message, generation)
+            if all(p.retryable for p in problems):  # e.g. the Secret is created right after us
+                raise kopf.TemporaryError(message, delay=config.retry_delay)
+            raise kopf.PermanentError(message)
         children = render.render_spec(svc)
         kopf.adopt(children, owner=body)
-        async with _lock(memo):
+        result = await reconcile.apply_children(client, svc, children)
+        keep = {reconcile.key_of(c) for c in children}
+        optional = render.optional_children(name)
+        pruned = await reconcile.prune_children(client, namespace, meta["uid"], optional, keep)
+        fresh = await client.get(n.API_VERSION, n.KIND, namespace, name)
+        ok = st.condition("Degraded", False, "AsExpected", "spec applied", generation)
+        await _write_status(
+            client, namespace, name, fresh, [ok], {"observedGeneration": generation}
+        )
+    done = {"created": result.created, "patched": result.patched, "pruned": pruned}
+    logger.info(f"applied: {', '.join(f'{k}={list(v)}' for k, v in done.items())}")
+    return result
+
+
+async def observe(*, body: Any, name: str, namespace: str, memo: Any, logger: Any) -> None:
+    """Timer body: repair drift when the current generation was applied, then write status."""
+    client = _client(memo)
+    async with _lock(memo):
+        fresh = await client.get(n.API_VERSION, n.KIND, namespace, name)
+        if fresh is None or fresh["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            svc = _parse(name, namespace, fresh.get("spec") or {})
+        except SpecError:
+            return  # Degraded is already reported by the change handler
+        status = fresh.get("status") or {}
+        applied = status.get("observedGeneration") == fresh["metadata"].get("generation")
+        degraded = any(c.get("reason") == st.REASON_INVALID_SPEC and c.get("status") == "True"
+                       for c in status.get("conditions") or [])  # fmt: skip
+        if applied and not degraded:
+            children = render.render_spec(svc)
+            kopf.adopt(children, owner=body)
             result = await reconcile.apply_children(client, svc, children)
-        if result.patched or result.created:
-            logger.info(
-                f"reverted drift: created={list(result.created)} patched={list(result.patched)}"
+            if result.patched or result.created:
+                logger.info(f"reverted drift: {list(result.created) + list(result.patched)}")
+        deployments = {
+            role: await client.get(
+                "apps/v1", "Deployment", namespace, n.deployment_name(name, role)
             )
-    deployments = {
-        role: await client.get("apps/v1", "Deployment", namespace, n.deployment_name(name, role))
-        for role in n.ROLES
-    }
-    new = st.observed_status(
-        svc, status.get("observedGeneration"), deployments, status.get("conditions") or []
-    )
-    if not reconcile.contains(status, new):
-        patch.status.update(new)
+            for role in n.ROLES
+        }
+        new = st.observed_status(
+            svc, status.get("observedGeneration"), deployments, status.get("conditions") or []
+        )
+        conditions = new.pop("conditions")
+        await _write_status(client, namespace, name, fresh, conditions, new)
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorConfig()) -> None:
@@ -197,10 +200,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorC
         initial_delay=config.status_interval,
     )
     async def observed(**kwargs: Any) -> None:
-        await observe(**{k: kwargs[k] for k in _KEYS if k != "config"})
+        await observe(**{k: kwargs[k] for k in ("body", "name", "namespace", "memo", "logger")})
 
 
-_KEYS = ("body", "spec", "name", "namespace", "meta", "status", "memo", "patch", "logger")
+_KEYS = ("body", "spec", "name", "namespace", "meta", "memo", "logger")
 
 
 def _pick(kwargs: dict[str, Any]) -> dict[str, Any]:
