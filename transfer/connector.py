@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -53,7 +53,6 @@ class _Load:
     read_started: float = 0.0
     retried_handshake: bool = False
     release_lease: bool = True  # False when the handle names another agent than its peer
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class RemoteKVConnector(KVConnector):

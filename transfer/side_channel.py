@@ -85,7 +85,10 @@ def call(address: str, msg: object, timeout: float) -> object:
     sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(address)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            raise TransferError(f"bad side channel address {address!r}: {exc}") from exc
         sock.send_multipart([b"", encode(msg)])
         if not sock.poll(int(timeout * 1000), zmq.POLLIN):
             raise TransferError(f"no reply from side channel {address} within {timeout:g}s")

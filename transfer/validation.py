@@ -25,6 +25,8 @@ def check_local(
         handle.validate()
     except ValueError as exc:
         return f"bad kv handle: {exc}"
+    if not handle.side_channel.startswith("tcp://"):
+        return f"kv handle side channel {handle.side_channel!r} is not a tcp:// address"
     if handle.transport != transport:
         return f"kv handle is for transport {handle.transport!r}, this worker uses {transport!r}"
     if handle.block_size != block_size:

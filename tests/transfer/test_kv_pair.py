@@ -135,15 +135,20 @@ def test_bad_block_lists_refused(pair: Pair, remote: list[int], local: list[int]
     assert_untouched(pair)
 
 
-def test_wrong_transport_and_not_a_handle(pair: Pair) -> None:
+def test_wrong_transport_bad_address_and_not_a_handle(pair: Pair) -> None:
     from dataclasses import replace
 
     other = "tcp" if pair.conn.transport_name == "nixl" else "nixl"
     pair.conn.start_load("t", replace(pair.handle("t", [1]), transport=other), [1], [0])
     pair.conn.start_load("n", {"agent_name": "x"}, [1], [0])
-    res = {r.request_id: r for r in wait_results(pair.conn, 2, timeout=1)}
+    pair.conn.start_load("a", replace(pair.handle("a", [1]), side_channel="nowhere"), [1], [0])
+    bad_host = replace(pair.handle("h", [1]), side_channel="tcp://no such host:1")
+    pair.conn.start_load("h", bad_host, [1], [0])
+    res = {r.request_id: r for r in wait_results(pair.conn, 4, timeout=2)}
     assert f"is for transport {other!r}" in res["t"].error
     assert "expected a KVHandle, got dict" in res["n"].error
+    assert "side channel 'nowhere' is not a tcp:// address" in res["a"].error
+    assert not res["h"].ok and "no such host" in res["h"].error, res["h"]
     assert_untouched(pair)
 
 
