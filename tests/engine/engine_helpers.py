@@ -1,0 +1,53 @@
+"""Engine test helpers: engine configs on the tiny model, the leak check, the HF reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+
+# The tiny model's block: 4 layers * K/V * 16 tokens * 2 KV heads * 32 dims * 4 bytes.
+TINY_BLOCK_BYTES = 4 * 2 * 16 * 2 * 32 * 4
+
+
+def assert_all_free(target: LLMEngine | BlockManager) -> None:
+    """Every KV block is free again (cached-but-unowned blocks count as free)."""
+    blocks = target.blocks if isinstance(target, LLMEngine) else target
+    assert blocks.num_free_blocks == blocks.num_blocks, (
+        f"{blocks.num_blocks - blocks.num_free_blocks} KV blocks still owned"
+    )
+    assert all(b.ref_count == 0 for b in blocks.blocks)
+    if isinstance(target, LLMEngine):
+        assert not target.requests and not target.held
+        assert not target.scheduler.has_work
+
+
+def tiny_config(model_dir: Path, num_blocks: int = 256, **overrides: Any) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        kv_cache_bytes=num_blocks * TINY_BLOCK_BYTES,
+        **overrides,
+    )
+
+
+def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' own greedy generate, forced to exactly ``max_tokens`` new tokens."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            # No EOS: generation never stops early and EOS is never masked, like ignore_eos.
+            eos_token_id=None,
+            pad_token_id=model.config.pad_token_id,
+        )
+    return [int(t) for t in out[0, len(prompt) :].tolist()]

@@ -1,0 +1,129 @@
+"""Greedy outputs are token-identical to transformers' generate() on the same model.
+
+One prompt set (random prompts of 1–400 tokens plus families sharing long prefixes)
+runs through four engine set-ups: a roomy pool, a pool so small that requests are
+preempted and recomputed, a prefix-cache run where later requests reuse earlier
+requests' blocks, and a tiny token budget where prefill chunks share steps with decodes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from engine_helpers import assert_all_free, hf_greedy
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import ScheduledChunk
+from pdserve.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+Case = tuple[list[int], int]  # prompt, max_tokens
+
+
+def _cases() -> list[Case]:
+    rng = random.Random(1234)
+    vocab = 3000
+    lengths = [1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 399, 400]
+    lengths += [rng.randint(1, 400) for _ in range(14)]
+    cases = [([rng.randrange(3, vocab) for _ in range(n)], rng.randint(1, 64)) for n in lengths]
+    cases[0] = (cases[0][0], 64)  # a one-token prompt that generates the most
+    cases[1] = (cases[1][0], 1)
+    # Families with a shared prefix: the prefix cache serves the common blocks.
+    for prefix_len in (48, 130, 300):
+        prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
+        for suffix_len in (0, 5, 40):
+            suffix = [rng.randrange(3, vocab) for _ in range(suffix_len)]
+            cases.append((prefix + suffix, rng.randint(1, 64)))
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model: Any) -> list[list[int]]:
+    return [hf_greedy(hf_model, prompt, max_tokens) for prompt, max_tokens in CASES]
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _run(engine: LLMEngine, cases: list[Case]) -> list[list[int]]:
+    return engine.generate([p for p, _ in cases], [_params(m) for _, m in cases])
+
+
+def _check(got: list[list[int]], want: list[list[int]]) -> None:
+    pairs = enumerate(zip(got, want, strict=True))
+    bad = [(i, len(CASES[i][0]), g, w) for i, (g, w) in pairs if g != w]
+    assert not bad, f"{len(bad)} of {len(want)} differ; first: {bad[0]}"
+
+
+def test_prompt_set_shape() -> None:
+    assert len(CASES) >= 32
+    assert min(len(p) for p, _ in CASES) == 1 and max(len(p) for p, _ in CASES) == 400
+    assert {m for _, m in CASES} >= {1, 64}
+
+
+def test_roomy_pool(make_engine: Callable[..., LLMEngine], reference: list[list[int]]) -> None:
+    engine = make_engine(num_blocks=1024, enable_prefix_caching=False)
+    _check(_run(engine, CASES), reference)
+    assert engine.stats().preemptions == 0
+    assert_all_free(engine)
+
+
+def test_preemption(make_engine: Callable[..., LLMEngine], reference: list[list[int]]) -> None:
+    # 40 blocks hold 640 tokens; the longest request needs 29 blocks on its own.
+    engine = make_engine(num_blocks=40)
+    _check(_run(engine, CASES), reference)
+    assert engine.stats().preemptions > 0
+    assert_all_free(engine)
+
+
+def test_prefix_cache(make_engine: Callable[..., LLMEngine], reference: list[list[int]]) -> None:
+    engine = make_engine(num_blocks=1024)
+    # One request at a time: each family's later members hit the blocks of the first.
+    _check([_run(engine, [case])[0] for case in CASES], reference)
+    first = engine.stats().prefix_cache_hit_tokens
+    assert first > 0
+    # Again, as one batch: every prompt is in the cache now (all but its last block).
+    _check(_run(engine, CASES), reference)
+    stats = engine.stats()
+    total_prompt = sum(len(p) for p, _ in CASES)
+    assert stats.prefix_cache_hit_tokens > total_prompt // 2
+    assert_all_free(engine)
+
+
+def test_prefix_cache_in_one_batch(
+    make_engine: Callable[..., LLMEngine], reference: list[list[int]]
+) -> None:
+    # All at once under a small budget: later family members are admitted after the
+    # first computed the shared blocks, and hit them mid-batch.
+    engine = make_engine(num_blocks=1024, max_num_batched_tokens=128)
+    _check(_run(engine, CASES), reference)
+    assert engine.stats().prefix_cache_hit_tokens > 0
+    assert_all_free(engine)
+
+
+def test_chunked_prefill_mixed_with_decodes(
+    make_engine: Callable[..., LLMEngine], reference: list[list[int]]
+) -> None:
+    engine = make_engine(num_blocks=1024, max_num_batched_tokens=24, enable_prefix_caching=False)
+    steps: list[list[tuple[int, bool]]] = []  # (tokens, is a decode) per chunk
+    execute = engine.runner.execute
+
+    def recording_execute(chunks: list[ScheduledChunk]) -> Any:
+        steps.append([(c.num_tokens, c.start >= c.request.num_prompt_tokens) for c in chunks])
+        return execute(chunks)
+
+    engine.runner.execute = recording_execute  # type: ignore[method-assign]
+    _check(_run(engine, CASES), reference)
+    assert all(sum(n for n, _ in step) <= 24 for step in steps)
+    mixed = [s for s in steps if any(d for _, d in s) and any(not d and n > 1 for n, d in s)]
+    assert len(mixed) > 10
+    assert any(n < 24 and not d and n > 1 for s in steps for n, d in s)  # a partial chunk
+    assert_all_free(engine)
