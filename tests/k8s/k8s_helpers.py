@@ -44,7 +44,7 @@ def minimal_llmservice(name: str = "demo", **spec: Any) -> dict[str, Any]:
 
 
 async def eventually(
-    check: Callable[[], Awaitable[Any]], timeout: float = 15.0, what: str = "condition"
+    check: Callable[[], Awaitable[Any]], timeout: float = 30.0, what: str = "condition"
 ) -> Any:
     """Poll ``check`` until it returns a truthy value; fail with ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout
