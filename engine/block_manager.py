@@ -43,7 +43,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
-        # (kind, hashes) since the last drain; kind is "stored" or "removed".
+        # (kind, hashes) since the last drain; kind is "stored", "removed" or "cleared".
+        # Recorded only for a consumer (the prefill worker's event publisher).
+        self.record_events = False
         self._events: list[tuple[str, list[int]]] = []
 
     # -- queries ---------------------------------------------------------------
@@ -115,7 +117,7 @@ class BlockManager:
             block.block_hash = h
             self.hash_to_block[h] = block.block_id
             stored.append(h)
-        if stored:
+        if stored and self.record_events:
             self._events.append(("stored", stored))
 
     def drain_events(self) -> list[tuple[str, list[int]]]:
@@ -129,7 +131,8 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash = None
         self.hash_to_block.clear()
-        self._events.append(("cleared", []))
+        if self.record_events:
+            self._events.append(("cleared", []))
         return True
 
     # -- internals -------------------------------------------------------------
@@ -144,7 +147,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             del self.hash_to_block[block.block_hash]
-            self._events.append(("removed", [block.block_hash]))
+            if self.record_events:
+                self._events.append(("removed", [block.block_hash]))
             block.block_hash = None
         block.ref_count = 1
         return block_id

@@ -165,6 +165,10 @@ class LLMEngine:
             return None
         return self.finish(req, RequestStatus.FINISHED_ABORTED, [], "")
 
+    def attach_connector(self, connector: KVConnector) -> None:
+        """Set the decode-side connector; it needs the pool, which exists only now."""
+        self.scheduler.connector = connector
+
     def release_held(self, request_id: str) -> bool:
         block_ids = self.held.pop(request_id, None)
         if block_ids is None:
@@ -274,6 +278,11 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             error=req.error,
+            queue_seconds=(
+                req.first_scheduled_time - req.arrival_time
+                if req.first_scheduled_time is not None and req.num_output_tokens <= 1
+                else None
+            ),
         )
 
     # -- blocks and hashes -----------------------------------------------------

@@ -89,6 +89,7 @@ class RequestOutput:
     num_cached_tokens: int
     error: str = ""
     kv_block_ids: list[int] | None = None  # prefill mode: the held blocks, on finish
+    queue_seconds: float | None = None  # arrival to first schedule, on the first output
 
     @property
     def finished(self) -> bool:

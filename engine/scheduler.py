@@ -13,6 +13,7 @@ them, while the rest of the batch keeps running.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -118,6 +119,8 @@ class Scheduler:
             ):
                 return
             self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             alloc = self.blocks.allocate(hits, need)
             req.block_ids = alloc.block_ids
             req.num_computed_tokens = alloc.num_cached_blocks * self.blocks.block_size

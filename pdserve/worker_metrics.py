@@ -1,0 +1,115 @@
+"""Prometheus metrics of a worker (names are contracts: docs/architecture.md).
+
+Engine gauges and counters are read from the engine's latest stats snapshot at
+scrape time; transfer, lease and queue-wait metrics are recorded as they happen.
+Each worker has its own registry, so tests can run several in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdserve.engine.async_engine import AsyncEngine
+
+disable_created_metrics()  # no *_created series: they double every counter on scrape
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: AsyncEngine, role: str) -> None:
+        self.engine = engine
+        self.role = role
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.engine.stats()
+        gauges = {
+            "pdserve_kv_blocks_total": ("KV blocks in the pool", s.kv_blocks_total),
+            "pdserve_kv_blocks_free": ("KV blocks free (incl. cached, unowned)", s.kv_blocks_free),
+            "pdserve_num_requests_running": ("requests in the running batch", s.running),
+            "pdserve_num_requests_waiting": (
+                "requests waiting (incl. for KV)",
+                s.waiting + s.loading,
+            ),
+            "pdserve_kv_leases_held": ("requests whose KV is held under a lease", s.held),
+            "pdserve_queued_prompt_tokens": (
+                "prompt tokens not yet computed",
+                s.queued_prompt_tokens,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            g = GaugeMetricFamily(name, doc, labels=["role"])
+            g.add_metric([self.role], value)
+            yield g
+        counters = {
+            "pdserve_prefix_cache_hit_tokens": (
+                "prompt tokens served from the prefix cache",
+                s.prefix_cache_hit_tokens,
+            ),
+            "pdserve_prompt_tokens": ("prompt tokens received", s.prompt_tokens),
+            "pdserve_generation_tokens": ("tokens generated", s.generation_tokens),
+            "pdserve_preemptions": ("requests preempted for recompute", s.preemptions),
+        }
+        for name, (doc, value) in counters.items():
+            c = CounterMetricFamily(name, doc, labels=["role"])
+            c.add_metric([self.role], value)
+            yield c
+
+
+class WorkerMetrics:
+    def __init__(self, engine: AsyncEngine, role: str) -> None:
+        self.role = role
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, role))
+        r = self.registry
+        self.transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes",
+            "KV bytes moved between workers",
+            ["role", "transport"],
+            registry=r,
+        )
+        self.transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "time of one request's KV transfer",
+            ["role", "transport"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.transfer_failures = Counter(
+            "pdserve_kv_transfer_failures",
+            "KV transfers that failed",
+            ["role", "transport"],
+            registry=r,
+        )
+        self.lease_expired = Counter(
+            "pdserve_kv_lease_expired",
+            "KV leases that expired before release",
+            ["role"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "pdserve_prefill_queue_wait_seconds",
+            "time from arrival to first schedule",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "pdserve_worker_requests",
+            "requests by outcome",
+            ["role", "outcome"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
