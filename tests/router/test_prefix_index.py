@@ -124,3 +124,11 @@ async def test_subscriber_over_real_zmq() -> None:
         await sub.close()
         pub.close(linger=0)
         ctx.term()
+
+
+def test_parses_the_engines_own_kv_event_codec() -> None:
+    kv_events = pytest.importorskip("pdserve.engine.kv_events")
+    from pdserve.codec import encode
+
+    data = encode(kv_events.KVEvent(kind="removed", worker_id="w7", seq=3, block_hashes=[5, 6]))
+    assert KVEventView.parse(data) == KVEventView("removed", "w7", 3, (5, 6))
