@@ -42,7 +42,11 @@ def stabilize(inp: PoolInput, stab: Stability) -> tuple[PoolDecision, PoolMemory
         )
         why = f"manual edit to {status.current} respected (need {inp.need:.1f})"
         return _decide(inp, status.current, why), mem
-    history = (*_window(mem.history, inp.now, stab.scale_down_window_s), (inp.now, recommendation))
+    # The window remembers steady-state needs only: a backlog-drain or trend boost is
+    # transient and must not hold the pool up for a whole window once it is gone.
+    steady = inp.need if inp.steady_need is None else min(inp.need, inp.steady_need)
+    kept = _window(mem.history, inp.now, stab.scale_down_window_s)
+    history = (*kept, (inp.now, bounds.clamp(math.ceil(steady - 1e-9))))
     mem = replace(mem, history=history)
     if status.current < bounds.min_replicas or status.current > bounds.max_replicas:
         target = bounds.clamp(status.current)

@@ -218,3 +218,13 @@ def test_rising_load_is_extrapolated_but_noise_is_not() -> None:
     assert decision.prefill.need == pytest.approx(expected_prefill_need(200, 1000) * growth, 1e-3)
     decision, _ = plan(snap(t=T0 + 10, rps=160), state, cfg)  # +6.7%: within tolerance
     assert decision.details["load_growth"] == 1.0
+
+
+def test_a_drained_backlog_does_not_hold_the_pool_for_a_window() -> None:
+    cfg = config()
+    queued = snap(t=T0, rps=150, prefill_queue_depth=20_000)  # 20M queued prompt tokens
+    decision, state = plan(queued, settled(), cfg)
+    assert decision.prefill.desired == 20  # x2 step limit
+    quiet = snap(t=T0 + 70, rps=150, prefill=(20, 20, 0))  # queue gone, same steady load
+    decision, _ = plan(quiet, state, cfg)
+    assert decision.prefill.desired == 10, decision.prefill.reason  # after the 60 s cooldown
