@@ -65,13 +65,25 @@ class Pair:
 class PeerProcess:
     """A real prefill-side process (``pdserve.transfer.pool_server``) on 127.0.0.1."""
 
-    def __init__(self, transport: str, blocks: int, seed: int, **extra: object) -> None:
+    def __init__(
+        self,
+        transport: str,
+        blocks: int,
+        seed: int,
+        env: dict[str, str] | None = None,
+        **extra: object,
+    ) -> None:
         args = [sys.executable, "-m", "pdserve.transfer.pool_server", "--transport", transport]
         args += ["--blocks", str(blocks), "--seed", str(seed)]
         for k, v in {**SHAPE, **extra}.items():
             args += [f"--{k.replace('_', '-')}", str(v)]
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
         )
         assert self.proc.stdout is not None
         info = None

@@ -133,3 +133,30 @@ def test_peer_killed_during_a_large_read(transport: str, when: str) -> None:
     finally:
         conn.close()
         peer.close()
+
+
+def test_nixl_read_hung_on_frozen_peer_is_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With UCX limited to TCP the READ needs the peer's progress thread, so a SIGSTOPped
+    peer really hangs it: the connector must time out, abort the transfer and report."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read by UCX when the agents are created
+    peer = PeerProcess("nixl", blocks=8, seed=1, env={"UCX_TLS": "tcp"})
+    conn, dst = connector("nixl")
+    try:
+        conn.start_load("a", handle_for(peer, "a", [1], "nixl"), [1], [0])
+        assert wait_results(conn, 1, timeout=10)[0].ok
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        conn.start_load("b", handle_for(peer, "b", [2, 3], "nixl"), [2, 3], [1, 2])
+        (res,) = wait_results(conn, 1, timeout=3 * TIMEOUT + 3)
+        assert not res.ok and "timed out" in res.error, res
+        assert time.monotonic() - t0 < TIMEOUT + 1.0
+        assert conn.pending() == 0
+        # The aborted READ must not land later, when the peer wakes up: the engine has
+        # been told the blocks are free.
+        os.kill(peer.proc.pid, signal.SIGCONT)
+        time.sleep(0.5)
+        assert not as_bytes(dst[:, :, 1:3]).any()
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+        conn.close()
+        peer.close()
