@@ -1,0 +1,130 @@
+"""Real worker processes on loopback for the worker tests.
+
+Every cluster here is real: ``python -m pdserve prefill-worker`` and
+``decode-worker`` processes, a real model from disk, KV moved over NIXL (or the
+tcp transport). Helpers talk to the workers' internal HTTP API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pdserve.router.processes import ClusterSpec, LocalCluster, Proc
+
+WORKER_ARGS = (
+    "--device", "cpu", "--kv-cache-bytes", "6000000", "--max-num-batched-tokens", "512",
+    "--max-model-len", "1024",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def worker_cluster(
+    model_dir: Path,
+    tmp_path: Path,
+    transport: str = "nixl",
+    prefill_args: tuple[str, ...] = (),
+    decode_args: tuple[str, ...] = (),
+) -> Iterator[LocalCluster]:
+    spec = ClusterSpec(
+        model_dir=str(model_dir),
+        dtype="float32",
+        kv_transport=transport,
+        worker_args=WORKER_ARGS,
+        prefill_args=prefill_args,
+        decode_args=decode_args,
+        log_dir=str(tmp_path / "logs"),
+    )
+    cluster = LocalCluster(spec)
+    try:
+        cluster.start_workers()
+        cluster.wait_healthy(timeout=240)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def proc(cluster: LocalCluster, role: str) -> Proc:
+    return next(p for p in cluster.procs if p.role == role)
+
+
+def kill(p: Proc, sig: int = signal.SIGKILL) -> None:
+    assert p.popen is not None
+    os.killpg(p.popen.pid, sig)
+    if sig == signal.SIGKILL:
+        p.popen.wait(10)
+
+
+def stats(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/stats", timeout=10).json()  # type: ignore[no-any-return]
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def assert_all_free(*urls: str, timeout: float = 15.0) -> None:
+    """Every KV block of every worker is free again (leases released or expired)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snaps = {u: stats(u) for u in urls}
+        if all(
+            s["kv_blocks_free"] == s["kv_blocks_total"] and s["held"] == 0 for s in snaps.values()
+        ):
+            return
+        assert time.monotonic() < deadline, f"KV blocks not all free: {snaps}"
+        time.sleep(0.2)
+
+
+def sampling(max_tokens: int) -> dict[str, Any]:
+    return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+async def prefill(
+    client: httpx.AsyncClient, url: str, rid: str, prompt: list[int], max_tokens: int
+) -> dict[str, Any]:
+    body = {"request_id": rid, "prompt_token_ids": prompt, "sampling": sampling(max_tokens)}
+    resp = await client.post(url + "/prefill", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()  # type: ignore[no-any-return]
+
+
+async def decode(
+    client: httpx.AsyncClient,
+    url: str,
+    rid: str,
+    prompt: list[int],
+    max_tokens: int,
+    handle: dict[str, Any] | None = None,
+    first_token_id: int | None = None,
+) -> tuple[int, list[dict[str, Any]]]:
+    """POST /generate; returns (status, lines) — one line for a non-200 reply."""
+    body: dict[str, Any] = {
+        "request_id": rid, "prompt_token_ids": prompt, "sampling": sampling(max_tokens),
+        "kv_handle": handle, "first_token_id": first_token_id,
+    }  # fmt: skip
+    async with client.stream("POST", url + "/generate", json=body, timeout=60) as resp:
+        if resp.status_code != 200:
+            return resp.status_code, [json.loads(await resp.aread())]
+        return 200, [json.loads(line) async for line in resp.aiter_lines() if line]
+
+
+def tokens_of(lines: list[dict[str, Any]]) -> list[int]:
+    return [t for line in lines for t in line.get("token_ids", [])]
