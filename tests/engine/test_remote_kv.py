@@ -1,0 +1,241 @@
+"""Decode mode: a request arrives with a KV handle and waits in WAITING_FOR_REMOTE_KV.
+
+A prefill engine (``hold_kv``) computes the prompt and holds its blocks; a decode
+engine pulls them through a connector. The connector here is an in-process fake
+that copies blocks between the two pools: it stands in for the NIXL connector of
+``pdserve.transfer`` (tested on its own there), so that these tests can control
+when a load finishes, fails or is cancelled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from engine_helpers import assert_all_free, hf_greedy
+
+from pdserve.engine.hashing import block_hashes
+from pdserve.engine.kv_connector import KVConnector, LoadResult
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.llm_engine import HANDOFF, LLMEngine
+from pdserve.engine.model_runner import ScheduledChunk
+from pdserve.engine.request import RequestOutput, RequestStatus
+from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.transfer.messages import KVHandle
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = [(i * 37) % 2900 + 5 for i in range(70)]  # 4 full blocks and a partial one
+MAX_TOKENS = 12
+
+
+class InProcessConnector(KVConnector):
+    """Copies blocks from ``src`` into ``dst`` when polled (unless told to fail or hold)."""
+
+    def __init__(self, src: KVPool, dst: KVPool) -> None:
+        self.src, self.dst = src, dst
+        self.pending: dict[str, tuple[list[int], list[int]]] = {}
+        self.cancelled: set[str] = set()
+        self.fail = False
+        self.hold = False  # keep every load in flight
+        self.started: list[tuple[str, list[int], list[int]]] = []
+
+    def start_load(
+        self, request_id: str, handle: Any, remote_block_ids: list[int], local_block_ids: list[int]
+    ) -> None:
+        assert len(remote_block_ids) == len(local_block_ids)
+        self.pending[request_id] = (remote_block_ids, local_block_ids)
+        self.started.append((request_id, remote_block_ids, local_block_ids))
+
+    def poll(self) -> list[LoadResult]:
+        if self.hold:
+            return []
+        results = []
+        for rid, (remote, local) in self.pending.items():
+            if rid in self.cancelled:
+                results.append(LoadResult(rid, False, "cancelled"))
+            elif self.fail:
+                results.append(LoadResult(rid, False, "injected failure"))
+            else:
+                self.dst.tensor[:, :, local] = self.src.tensor[:, :, remote]
+                results.append(LoadResult(rid, True))
+        self.pending.clear()
+        return results
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.add(request_id)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model: Any) -> list[int]:
+    return hf_greedy(hf_model, PROMPT, MAX_TOKENS)
+
+
+@pytest.fixture
+def pair(
+    make_engine: Callable[..., LLMEngine],
+) -> tuple[LLMEngine, LLMEngine, InProcessConnector]:
+    prefill, decode = make_engine(num_blocks=64), make_engine(num_blocks=64)
+    connector = InProcessConnector(prefill.pool, decode.pool)
+    decode.attach_connector(connector)
+    return prefill, decode, connector
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _prefill(engine: LLMEngine, rid: str) -> tuple[KVHandle, int]:
+    engine.add_request(rid, PROMPT, _greedy(), hold_kv=True)
+    outs = []
+    while engine.has_work:
+        outs += engine.step()
+    (out,) = outs
+    assert out.finish_reason == HANDOFF and out.kv_block_ids is not None
+    assert len(out.token_ids) == 1 and rid in engine.held
+    handle = KVHandle(
+        request_id=rid,
+        agent_name="prefill",
+        side_channel="inproc",
+        block_ids=out.kv_block_ids,
+        num_tokens=len(PROMPT),
+        block_hashes=block_hashes(PROMPT, engine.config.block_size),
+        block_size=engine.config.block_size,
+        lease_expires_at=time.time() + 60,
+    )
+    handle.validate()
+    return handle, out.token_ids[0]
+
+
+def _record_chunks(engine: LLMEngine) -> list[int]:
+    """Token counts of every chunk the engine's model runs."""
+    sizes: list[int] = []
+    execute = engine.runner.execute
+
+    def recording(chunks: list[ScheduledChunk]) -> Any:
+        sizes.extend(c.num_tokens for c in chunks)
+        return execute(chunks)
+
+    engine.runner.execute = recording  # type: ignore[method-assign]
+    return sizes
+
+
+def _drain(engine: LLMEngine) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    while engine.has_work:
+        outs += engine.step()
+    return outs
+
+
+def _decode(decode: LLMEngine, rid: str, handle: KVHandle, first: int) -> list[RequestOutput]:
+    decode.add_request(rid, PROMPT, _greedy(), remote_kv=handle, first_token_id=first)
+    return _drain(decode)
+
+
+def test_loaded_kv_decodes_like_transformers(pair: Any, reference: list[int]) -> None:
+    prefill, decode, connector = pair
+    handle, first = _prefill(prefill, "a")
+    assert first == reference[0]
+    sizes = _record_chunks(decode)
+    decode.add_request("a", PROMPT, _greedy(), remote_kv=handle, first_token_id=first)
+    decode.step()  # admitted: blocks allocated, load started, nothing computed
+    assert decode.requests["a"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+    assert connector.started == [("a", handle.block_ids, decode.requests["a"].block_ids[:5])]
+    outs = _drain(decode)
+    assert [t for o in outs for t in o.token_ids] == reference[1:]
+    assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == MAX_TOKENS
+    assert set(sizes) == {1}  # only decodes ran here: the prompt came over the "wire"
+    assert prefill.release_held("a")
+    assert_all_free(prefill)
+    assert_all_free(decode)
+
+
+def test_decode_side_prefix_cache_skips_cached_blocks(pair: Any, reference: list[int]) -> None:
+    prefill, decode, connector = pair
+    handle, first = _prefill(prefill, "a")
+    _decode(decode, "a", handle, first)
+    prefill.release_held("a")
+    handle, first = _prefill(prefill, "b")  # the same prompt again
+    outs = _decode(decode, "b", handle, first)
+    assert [t for o in outs for t in o.token_ids] == reference[1:]
+    rid, remote, _local = connector.started[-1]
+    assert rid == "b" and remote == handle.block_ids[4:]  # 4 full blocks were cached
+    assert outs[-1].num_cached_tokens == 64
+    prefill.release_held("b")
+    assert_all_free(prefill)
+    assert_all_free(decode)
+
+
+def test_failed_load_is_recomputed(pair: Any, reference: list[int]) -> None:
+    prefill, decode, connector = pair
+    handle, first = _prefill(prefill, "a")
+    connector.fail = True
+    sizes = _record_chunks(decode)
+    outs = _decode(decode, "a", handle, first)
+    assert [t for o in outs for t in o.token_ids] == reference[1:]
+    assert sizes[0] == len(PROMPT) + 1  # prompt and first token recomputed locally
+    prefill.release_held("a")
+    assert_all_free(prefill)
+    assert_all_free(decode)
+
+
+def test_failed_load_fails_the_request_without_recompute(pair: Any) -> None:
+    prefill, decode, connector = pair
+    decode.scheduler.recompute_on_load_failure = False
+    handle, first = _prefill(prefill, "a")
+    connector.fail = True
+    outs = _decode(decode, "a", handle, first)
+    assert [o.finish_reason for o in outs] == ["error"]
+    assert "injected failure" in outs[0].error
+    prefill.release_held("a")
+    assert_all_free(prefill)
+    assert_all_free(decode)
+
+
+def test_abort_while_loading_frees_blocks_only_after_poll(pair: Any) -> None:
+    prefill, decode, connector = pair
+    handle, first = _prefill(prefill, "a")
+    connector.hold = True
+    decode.add_request("a", PROMPT, _greedy(), remote_kv=handle, first_token_id=first)
+    decode.step()
+    out = decode.abort("a")
+    assert out is not None and out.finish_reason == "abort"
+    assert "a" in connector.cancelled
+    owned = decode.blocks.num_blocks - decode.blocks.num_free_blocks
+    assert owned == 5  # a transfer may still write into them: not free yet
+    decode.step()
+    assert decode.blocks.num_blocks - decode.blocks.num_free_blocks == 5
+    connector.hold = False
+    decode.step()  # the connector reports the cancelled load: now the blocks are free
+    assert not decode.scheduler.loading
+    prefill.release_held("a")
+    assert_all_free(prefill)
+    assert_all_free(decode)
+
+
+def test_bad_handles_are_rejected(pair: Any) -> None:
+    prefill, decode, _ = pair
+    handle, first = _prefill(prefill, "a")
+    cases = [
+        ({"first_token_id": None}, "first_token_id"),
+        ({"first_token_id": 10**6}, "first_token_id"),
+        ({"handle": replace(handle, num_tokens=3)}, "kv_handle"),
+        ({"handle": replace(handle, block_size=32)}, "kv_handle"),
+        ({"handle": replace(handle, block_hashes=[1, 2, 3, 4])}, "kv_handle"),
+    ]
+    for change, field_name in cases:
+        kwargs: dict[str, Any] = {"remote_kv": handle, "first_token_id": first}
+        if "handle" in change:
+            kwargs["remote_kv"] = change["handle"]
+        else:
+            kwargs.update(change)
+        with pytest.raises(InvalidParameter) as err:
+            decode.add_request("x", PROMPT, _greedy(), **kwargs)
+        assert err.value.field == field_name
+    assert not decode.has_work
+    prefill.release_held("a")
+    assert_all_free(prefill)
+    assert_all_free(decode)
