@@ -23,6 +23,7 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    @torch.inference_mode()  # the logits are inference tensors: banning writes into them
     def sample(
         self, logits: torch.Tensor, requests: list[Request], banned: list[list[int]]
     ) -> list[int]:

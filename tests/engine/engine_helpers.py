@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 
 # The tiny model's block: 4 layers * K/V * 16 tokens * 2 KV heads * 32 dims * 4 bytes.
 TINY_BLOCK_BYTES = 4 * 2 * 16 * 2 * 32 * 4
@@ -51,3 +53,29 @@ def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
             pad_token_id=model.config.pad_token_id,
         )
     return [int(t) for t in out[0, len(prompt) :].tolist()]
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_deltas: int = 0
+
+
+def run_requests(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, Result]:
+    """Add every request, step to completion, and gather each request's outputs."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    results = {rid: Result() for rid in requests}
+    while engine.has_work:
+        for out in engine.step():
+            r = results[out.request_id]
+            assert r.finish_reason is None, "output after the finish"
+            r.token_ids += out.token_ids
+            r.text += out.text
+            r.finish_reason = out.finish_reason
+            r.num_deltas += 1
+    return results
