@@ -3,7 +3,8 @@
 Starts 2 prefill + 1 decode real workers (``pdserve.router.processes``) and two
 routers in front of them: one ``--routing prefix``, one ``--routing round-robin``.
 Workload: G groups x R requests sharing a long system prompt (>= 512 tokens) with
-short distinct suffixes, arriving interleaved (g0 g1 ... g7 g0 g1 ...); each
+short distinct suffixes, arriving interleaved (each round has every group once,
+in a shuffled order); each
 router gets its own fresh system prompts. The prefill workers' KV cache holds
 about half the groups plus slack, so spreading groups by prefix keeps them
 cached while round-robin makes every worker cycle through all groups (LRU
@@ -56,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cache-groups",
         type=float,
         default=0.0,
-        help="prefill KV cache size in groups' prefixes (default groups/2 + 1.5)",
+        help="prefill KV cache size in groups' prefixes (default groups/2 + 1)",
     )
     p.add_argument("--overhead-requests", type=int, default=60)
     p.add_argument("--kv-transport", default="nixl", choices=("nixl", "tcp"))
@@ -94,7 +95,9 @@ def workload(args: argparse.Namespace, vocab: int, seed: int) -> list[tuple[int,
     ]
     out = []
     for r in range(args.per_group):
-        for g in range(args.groups):
+        # Every round has each group once, in a fresh order: interleaved, and without the
+        # fixed period that would let round-robin land each group on the same worker.
+        for g in rng.sample(range(args.groups), args.groups):
             suffix = [rng.randrange(low, vocab) for _ in range(8 + r % 8)]
             out.append((g, systems[g] + suffix))
     return out
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = len(AutoTokenizer.from_pretrained(model_dir))
     per_prefix = -(-(args.system_tokens + 16) // BLOCK)
-    cache_groups = args.cache_groups or args.groups / 2 + 1.5
+    cache_groups = args.cache_groups or args.groups / 2 + 1
     cache_bytes = int(per_prefix * cache_groups + 8) * kv_block_bytes(model_dir, args.dtype)
     spec = ClusterSpec(
         model_dir=model_dir,
