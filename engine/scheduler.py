@@ -110,7 +110,10 @@ class Scheduler:
             if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 return
             req = self.waiting[0]
-            hits = self.blocks.match_prefix(req.block_hashes, req.num_tokens)
+            # A remote request always reads its last prompt block, so the load (and the
+            # lease release that comes with it) is never empty.
+            covered = req.num_prompt_tokens if req.remote_kv is not None else req.num_tokens
+            hits = self.blocks.match_prefix(req.block_hashes, covered)
             need = req.num_tokens + 1  # room for the first generated token too
             if not self.blocks.can_allocate(hits, need) or (
                 self.blocks.num_free_blocks - self.blocks.blocks_needed(need) + len(hits)
