@@ -163,7 +163,15 @@ class LocalCluster:
                         )
                     try:
                         ok = client.get(proc.url + "/health").status_code == 200
-                    except httpx.HTTPError:
+                        if ok and proc.role != "router":
+                            # The port is ours only if the worker there is ours (another
+                            # process may have bound it between our check and our bind).
+                            who = client.get(proc.url + "/stats").json().get("worker_id")
+                            if who != proc.name:
+                                raise RuntimeError(
+                                    f"{proc.url} answers as {who!r}, not {proc.name}"
+                                )
+                    except (httpx.HTTPError, ValueError):
                         ok = False
                     if ok:
                         pending.remove(proc)
