@@ -39,8 +39,6 @@ from pdserve.transfer.validation import check_local, check_peer
 
 log = logging.getLogger(__name__)
 
-SPIN_SECONDS = 0.002
-
 
 @dataclass
 class _Load:
@@ -140,8 +138,9 @@ class RemoteKVConnector(KVConnector):
 
     def _run(self) -> None:
         while True:
+            wait = self._wait()
             try:
-                kind, arg = self._inbox.get(timeout=self._wait())
+                kind, arg = self._inbox.get(timeout=wait) if wait else self._inbox.get_nowait()
             except queue.Empty:
                 kind, arg = "", None
             if kind == "stop":
@@ -154,23 +153,20 @@ class RemoteKVConnector(KVConnector):
                 elif kind == "cancel":
                     assert isinstance(arg, str)
                     self._cancel(arg)
-                self._spin()
+                self._progress()
             except Exception:  # the transfer thread must outlive any one bad load
                 log.exception("kv transfer thread")
 
     def _wait(self) -> float:
-        if not (self._active or self._waiting or self._stopping):
-            return 0.05
-        return 0.0001 if self.transport.busy_poll else 0.0005
-
-    def _spin(self) -> None:
-        """Progress for up to SPIN_SECONDS while reads are active: UCX moves data only inside
-        check() calls here (no progress thread on the initiator), so sleeping between
-        checks would cap the bandwidth; the short inbox wait in between yields the GIL."""
-        end = time.monotonic() + SPIN_SECONDS
-        self._progress()
-        while self._active and self.transport.busy_poll and time.monotonic() < end:
-            self._progress()
+        """How long to wait for new work before progressing again. While a NIXL read is in
+        flight: not at all. UCX moves the data only inside check() calls here (no progress
+        thread on the initiator; with cma the copy runs in this thread), so any sleep between
+        checks is lost bandwidth. The GIL's switch interval still lets the engine thread in."""
+        if self._active and self.transport.busy_poll:
+            return 0.0
+        if self._active or self._waiting or self._stopping:
+            return 0.0005
+        return 0.05
 
     def _admit(self, load: _Load) -> None:
         peer = self._peers.get(load.handle.side_channel)
