@@ -1,0 +1,60 @@
+"""``pdserve generate`` as a subprocess on the tiny model."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_helpers import hf_greedy
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _generate(model: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "pdserve.cli", "generate", "--model", str(model), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+
+
+def test_streams_the_greedy_completion(
+    tiny_model_dir: Path, tiny_tokenizer: Any, hf_model: Any
+) -> None:
+    prompt = "def main():\n    return"
+    proc = _generate(
+        tiny_model_dir, "--prompt", prompt, "--max-tokens", "24", "--ignore-eos", "--device", "cpu"
+    )
+    assert proc.returncode == 0, proc.stderr
+    ids = tiny_tokenizer(prompt)["input_ids"]
+    want = tiny_tokenizer.backend_tokenizer.decode(hf_greedy(hf_model, ids, 24))
+    assert proc.stdout == want + "\n"
+    pattern = r"\[length\] prompt_tokens=(\d+) completion_tokens=24 .* tok/s"
+    summary = re.search(pattern, proc.stderr)
+    assert summary is not None, proc.stderr
+    assert int(summary.group(1)) == len(ids)
+
+
+def test_chat_and_sampling_flags(tiny_model_dir: Path) -> None:
+    args = ["--prompt", "hello", "--chat", "--temperature", "0.8", "--seed", "5"]
+    proc = _generate(tiny_model_dir, *args, "--max-tokens", "8", "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() and "completion_tokens=8" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--top-p", "2"], "top_p"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--max-tokens", "5000"], "max_tokens"),
+        (["--dtype", "float32", "--block-size", "3"], "block_size"),
+    ],
+)
+def test_bad_arguments_exit_2(tiny_model_dir: Path, args: list[str], message: str) -> None:
+    proc = _generate(tiny_model_dir, "--prompt", "hi", *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
