@@ -7,11 +7,12 @@ Every load ends in exactly one ``LoadResult`` within ``transfer_timeout`` of ``s
 unless the transport cannot stop a read, in which case its result waits until it has stopped
 (so the engine never frees a block that is still being written), at most another timeout.
 
-Lease release: once a load that reached the transfer thread is over (read done, failed,
-timed out or cancelled) a ``LeaseRelease`` goes to the handle's side channel in the
-background, so the prefill side frees the blocks at once instead of at lease expiry. Not sent
-when the handle names an agent other than the one at its side channel (a stale handle), nor
-for handles refused by the local checks (expired lease, bad ids), which never reach a peer.
+Lease release: once a load that reached the transfer thread is over (read done, cancelled,
+refused by a live peer: incompatible or out-of-range ids) a ``LeaseRelease`` goes to the
+handle's side channel in the background, so the prefill side frees the blocks at once instead
+of at lease expiry. Not sent when the peer looks gone (read error, timeout, no handshake), when
+the handle names an agent other than the one at its side channel (a stale handle), nor for
+handles refused by the local checks (expired lease, bad ids), which never reach a peer.
 
 Measured per load: ``num_bytes`` (all layers, k and v) and ``seconds`` from posting the read to
 its completion (the handshake, paid once per peer, is not included).
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.kv_connector import KVConnector, LoadResult
-from pdserve.transfer.base import PeerInfo, ReadOp
+from pdserve.transfer.base import IncompatiblePeerError, PeerInfo, ReadOp
 from pdserve.transfer.layout import PoolGeometry
 from pdserve.transfer.messages import CompatRecord, HandshakeReply, KVHandle, LeaseRelease
 from pdserve.transfer.registry import make_transport, new_agent_name
@@ -50,7 +51,7 @@ class _Load:
     op: ReadOp | None = None
     read_started: float = 0.0
     retried_handshake: bool = False
-    release_lease: bool = True  # False when the handle names another agent than its peer
+    release_lease: bool = True  # False for a stale handle (other agent) or an unreachable peer
 
 
 class RemoteKVConnector(KVConnector):
@@ -78,7 +79,10 @@ class RemoteKVConnector(KVConnector):
         self._active: dict[str, _Load] = {}  # loads with a read in flight
         self._stopping: dict[str, tuple[_Load, str]] = {}  # aborted reads not yet stopped
         self._pending = 0  # started and not yet reported; engine thread only
-        self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-side-call")
+        # Handshakes and lease releases get separate pools: releases to a dead peer (each up
+        # to release_timeout) must never delay a handshake with a live one.
+        self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
+        self._releases = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-release")
         self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
         self._thread.start()
 
@@ -131,7 +135,8 @@ class RemoteKVConnector(KVConnector):
     def close(self) -> None:
         self._inbox.put(("stop", None))
         self._thread.join(timeout=self.transfer_timeout + 5)
-        self._calls.shutdown(wait=False)  # pending lease releases still go out
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        self._releases.shutdown(wait=False)  # pending lease releases still go out
         self.transport.close()
 
     # --- transfer thread -------------------------------------------------------------------
@@ -207,6 +212,7 @@ class RemoteKVConnector(KVConnector):
             )
         except Exception as exc:
             self._forget_peer(peer.side_channel)
+            load.release_lease = False  # the peer is most likely gone
             self._finish(load, f"request {load.request_id}: could not start the read: {exc}")
             return
         self._active[load.request_id] = load
@@ -223,10 +229,12 @@ class RemoteKVConnector(KVConnector):
             elif state == "ERR":
                 del self._active[rid]
                 self._forget_peer(load.handle.side_channel)
+                load.release_lease = False
                 self._finish(load, f"request {rid}: {load.op.error}")
             elif now > load.deadline:
                 del self._active[rid]
                 self._forget_peer(load.handle.side_channel)
+                load.release_lease = False
                 err = f"KV read timed out after {self.transfer_timeout:g}s (prefill peer gone?)"
                 self._abort(load, f"request {rid}: {err}")
         for rid, load in list(self._waiting.items()):
@@ -234,6 +242,7 @@ class RemoteKVConnector(KVConnector):
                 del self._waiting[rid]
                 t, addr = self.transfer_timeout, load.handle.side_channel
                 err = f"no handshake with {addr} within {t:g}s"
+                load.release_lease = False
                 self._finish(load, f"request {rid}: {err}")
         self._progress_stopping(now)
 
@@ -248,7 +257,8 @@ class RemoteKVConnector(KVConnector):
             try:
                 peer = self._add_peer(address, fut.result())
             except Exception as exc:
-                for ld in waiting:
+                for ld in waiting:  # an incompatible peer is alive: let it free the blocks
+                    ld.release_lease = isinstance(exc, IncompatiblePeerError)
                     self._finish(ld, f"request {ld.request_id}: {exc}")
                 continue
             for ld in waiting:
@@ -302,7 +312,7 @@ class RemoteKVConnector(KVConnector):
         self._done.put(LoadResult(load.request_id, ok, error, num_bytes if ok else 0, seconds))
         if load.release_lease:  # done with the blocks either way: let the prefill side free them
             msg = LeaseRelease(load.handle.request_id, self.agent_name)
-            fut = self._calls.submit(call, load.handle.side_channel, msg, self.release_timeout)
+            fut = self._releases.submit(call, load.handle.side_channel, msg, self.release_timeout)
             fut.add_done_callback(_log_release_failure)
 
     def _shutdown(self) -> None:

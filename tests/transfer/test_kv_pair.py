@@ -100,6 +100,7 @@ def test_unknown_agent_is_refused_and_nothing_read(pair: Pair) -> None:
     assert not res.ok and "unknown agent 'pdserve-prefill-nobody'" in res.error
     assert res.num_bytes == 0
     assert_untouched(pair)
+    assert pair.server.wait_released(0.3) is None  # a stale handle's id is not released
 
 
 def test_out_of_range_remote_blocks_refused(pair: Pair) -> None:
@@ -108,6 +109,7 @@ def test_out_of_range_remote_blocks_refused(pair: Pair) -> None:
     (res,) = wait_results(pair.conn, 1, timeout=5)
     assert not res.ok and "remote block ids [24] out of range" in res.error, res.error
     assert_untouched(pair)
+    assert pair.server.wait_released(2) == "o"
 
 
 def test_expired_lease_refused_without_contacting_peer(pair: Pair) -> None:
