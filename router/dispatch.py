@@ -60,6 +60,7 @@ class RequestState:
     first_token_at: float | None = None
     last_token_at: float | None = None
     touched: set[str] = field(default_factory=set)  # worker URLs that may hold state
+    remote_prefill: bool = False  # a prefill worker computed the prompt
     status: int = 200  # HTTP status for metrics (499: client went away)
     recorded: bool = False
 
@@ -111,6 +112,7 @@ class Dispatcher:
             if plan.kind == disagg.REMOTE_PREFILL:
                 result = await self._prefill(rs, plan)
                 if result is not None:
+                    rs.remote_prefill = True
                     rs.cached_tokens = result.num_cached_tokens
                     yield self._delta(rs, result.text, 1, result.finish_reason)
                     if result.finish_reason is not None or result.kv_handle is None:
@@ -197,7 +199,7 @@ class Dispatcher:
     def _relay(self, rs: RequestState, msg: dict[str, Any]) -> Delta:
         ids = msg.get("token_ids") or []
         usage = msg.get("usage")
-        if isinstance(usage, dict) and rs.cached_tokens == 0:
+        if isinstance(usage, dict) and not rs.remote_prefill:  # else the prefill's count holds
             rs.cached_tokens = int(usage.get("cached_tokens") or 0)
         return self._delta(rs, str(msg.get("text") or ""), len(ids), msg.get("finish_reason"))
 

@@ -167,7 +167,7 @@ async def _stream(st: FakeState, rid: str, n: int) -> AsyncIterator[bytes]:
             line: dict[str, Any] = {"token_ids": [200 + i], "text": f" t{i}",
                                     "finish_reason": "length" if last else None}  # fmt: skip
             if last:
-                line["usage"] = {"prompt_tokens": 0, "completion_tokens": n, "cached_tokens": 0}
+                line["usage"] = {"prompt_tokens": 0, "completion_tokens": n, "cached_tokens": 7}
             yield json.dumps(line).encode() + b"\n"
     finally:
         st.active.pop(rid, None)

@@ -25,6 +25,8 @@ async def test_completion_non_streaming_remote_prefill(cluster_factory) -> None:
         assert out.choices[0].finish_reason == "length"
         assert out.choices[0].text.startswith("<") and out.choices[0].text.endswith(" t3")
         assert out.usage.completion_tokens == 5 and out.usage.prompt_tokens > 32
+        # the prefill worker's cache counts (a miss), not the decode side's
+        assert out.usage.prompt_tokens_details.cached_tokens == 0
         assert out.id.startswith("cmpl-") and out.model == "tiny"
         assert len(c.prefill[0].requests) == 1 and c.decode[0].requests[0]["kv_handle"]
         assert c.decode[0].requests[0]["first_token_id"] is not None
@@ -36,6 +38,7 @@ async def test_completion_short_prompt_goes_straight_to_decode(cluster_factory) 
         out = await client(c.url).completions.create(model="tiny", prompt="hi", max_tokens=3)
         assert out.choices[0].text == " t0 t1 t2"
         assert c.prefill[0].requests == []
+        assert out.usage.prompt_tokens_details.cached_tokens == 7  # the decode worker's count
         assert c.decode[0].requests[0]["kv_handle"] is None
         await c.settle()
 
