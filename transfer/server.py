@@ -47,14 +47,18 @@ class KVServer:
         agent_name: str | None = None,
         on_release: Callable[[str], None] | None = None,
     ) -> None:
+        if host == "0.0.0.0" and advertise_host is None:
+            raise ValueError("KVServer bound to 0.0.0.0 needs advertise_host (the pod/host IP)")
         self.agent_name = agent_name or new_agent_name("prefill")
         self.compat = compat
         self.transport = make_transport(transport, pool, compat, self.agent_name)
         self._on_release = on_release
         self._released: queue.Queue[str] = queue.Queue()
-        if host == "0.0.0.0" and advertise_host is None:
-            raise ValueError("KVServer bound to 0.0.0.0 needs advertise_host (the pod/host IP)")
-        self._server = SideChannelServer(self._handle, host, port, advertise_host)
+        try:
+            self._server = SideChannelServer(self._handle, host, port, advertise_host)
+        except Exception:
+            self.transport.close()
+            raise
         self.side_channel = self._server.address
         self.port = self._server.port
 

@@ -45,10 +45,14 @@ class SideChannelServer:
         self._handler = handler
         self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            raise TransferError(f"cannot bind the KV side channel on {host}:{port}: {exc}") from exc
         self.port = port
         self.address = f"tcp://{advertise_host or host}:{port}"
         self._stop = threading.Event()

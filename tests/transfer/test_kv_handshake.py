@@ -98,3 +98,11 @@ def test_unreachable_side_channel_times_out() -> None:
     with pytest.raises(TransferError, match="no reply from side channel"):
         handshake(f"tcp://127.0.0.1:{port}", "tcp", compat, "d", b"", timeout=0.3)
     assert encode(compat)
+
+
+def test_side_channel_port_in_use_is_a_clear_error(server: KVServer, transport: str) -> None:
+    pool = make_pool(4, seed=None)
+    with pytest.raises(
+        TransferError, match=f"cannot bind the KV side channel on 127.0.0.1:{server.port}"
+    ):
+        KVServer(pool, CompatRecord.for_pool(pool, "m"), transport=transport, port=server.port)
