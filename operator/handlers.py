@@ -3,18 +3,19 @@
 create / update / resume → ``reconcile``: parse, preflight, render, adopt, apply.
 delete → take the router off the network first; owner references collect the rest.
 timer → re-apply children (reverts manual edits) and write observed state to status.
+autoscaler timer (only with spec.autoscaling.enabled) → ``autoscaler.autoscale``.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
-from pdserve.operator import kube, preflight, reconcile, render
+from pdserve.operator import autoscaler, kube, preflight, reconcile, render
 from pdserve.operator import naming as n
 from pdserve.operator import status as st
 from pdserve.operator.spec import LLMServiceSpec, SpecError
@@ -25,6 +26,8 @@ from pdserve.operator.spec_parse import parse_llmservice
 class OperatorConfig:
     status_interval: float = 10.0  # timer period: observed state → status, drift repair
     retry_delay: float = 30.0  # TemporaryError delay when a referenced object is missing
+    autoscale_tick: float = 5.0  # autoscaler timer period; each object plans every intervalSeconds
+    autoscale: autoscaler.AutoscaleSettings = field(default_factory=autoscaler.AutoscaleSettings)
 
 
 def _client(memo: Any) -> kube.KubeClient:
@@ -201,6 +204,21 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorC
     )
     async def observed(**kwargs: Any) -> None:
         await observe(**{k: kwargs[k] for k in ("body", "name", "namespace", "memo", "logger")})
+
+    @kopf.timer(
+        *res,
+        registry=registry,
+        interval=config.autoscale_tick,
+        initial_delay=config.autoscale_tick,
+        field="spec.autoscaling.enabled",
+        value=True,
+    )
+    async def autoscaled(**kwargs: Any) -> None:
+        memo = kwargs["memo"]
+        await autoscaler.autoscale(
+            **{k: kwargs[k] for k in ("body", "name", "namespace", "logger")}, memo=memo,
+            client=_client(memo), lock=_lock(memo), settings=config.autoscale,
+        )  # fmt: skip
 
 
 _KEYS = ("body", "spec", "name", "namespace", "meta", "memo", "logger")

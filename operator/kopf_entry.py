@@ -2,7 +2,9 @@
 
 ``pdserve operator`` is the normal entry point; this module exists for kopf's
 own CLI and for ``kopf.testing.KopfRunner``. The status interval comes from
-``PDSERVE_OPERATOR_STATUS_INTERVAL`` (seconds).
+``PDSERVE_OPERATOR_STATUS_INTERVAL`` (seconds), the autoscaler tick from
+``PDSERVE_OPERATOR_AUTOSCALE_TICK`` and the router metrics URL template from
+``PDSERVE_OPERATOR_ROUTER_METRICS_URL``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 
 import kopf
 
+from pdserve.operator.autoscaler import AutoscaleSettings
 from pdserve.operator.handlers import OperatorConfig, register
 
 register(
@@ -18,5 +21,9 @@ register(
     OperatorConfig(
         status_interval=float(os.environ.get("PDSERVE_OPERATOR_STATUS_INTERVAL", "10")),
         retry_delay=float(os.environ.get("PDSERVE_OPERATOR_RETRY_DELAY", "30")),
+        autoscale_tick=float(os.environ.get("PDSERVE_OPERATOR_AUTOSCALE_TICK", "5")),
+        autoscale=AutoscaleSettings(
+            router_metrics_url=os.environ.get("PDSERVE_OPERATOR_ROUTER_METRICS_URL", "")
+        ),
     ),
 )

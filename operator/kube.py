@@ -11,6 +11,7 @@ import logging
 import os
 import ssl
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import kopf
@@ -23,6 +24,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
     ("v1", "Secret"): "secrets",
+    ("v1", "Pod"): "pods",
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("apps/v1", "Deployment"): "deployments",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
@@ -134,6 +136,19 @@ class KubeClient:
             "GET", resource_path(api_version, kind, namespace, name)
         )
         return result
+
+    async def list(
+        self, api_version: str, kind: str, namespace: str, labels: dict[str, str]
+    ) -> list[dict[str, Any]]:
+        """Objects whose labels include ``labels`` (the selector is also re-checked here)."""
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        path = resource_path(api_version, kind, namespace) + "?labelSelector=" + quote(selector)
+        data = await self._call("GET", path)
+        items = (data.get("items") or []) if isinstance(data, dict) else []
+        want = set(labels.items())
+        return [
+            i for i in items if want <= set(((i.get("metadata") or {}).get("labels") or {}).items())
+        ]
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]

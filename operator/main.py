@@ -8,6 +8,7 @@ import logging
 
 import kopf
 
+from pdserve.operator.autoscaler import AutoscaleSettings
 from pdserve.operator.handlers import OperatorConfig, register
 
 
@@ -22,6 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--status-interval", type=float, default=10.0, help="status timer seconds")
     parser.add_argument("--retry-delay", type=float, default=30.0, help="retry delay when a "
                         "referenced Secret/PVC is missing")  # fmt: skip
+    parser.add_argument("--autoscale-tick", type=float, default=5.0,
+                        help="autoscaler timer seconds (each LLMService plans every "
+                        "spec.autoscaling.intervalSeconds)")  # fmt: skip
+    parser.add_argument("--router-metrics-url", default="",
+                        help="router /metrics URL template with {service} {namespace} {port} "
+                        "(default: the router Service in-cluster)")  # fmt: skip
     parser.add_argument("--health-port", type=int, default=8080, help="liveness endpoint port")
     parser.add_argument("--peering", default="", help="kopf peering name (default: standalone)")
     parser.add_argument("--verbose", "-v", action="store_true")
@@ -38,7 +45,12 @@ def run(args: argparse.Namespace) -> int:
         print("pdserve operator: pass --namespace NS (repeatable) or --all-namespaces")
         return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
-    config = OperatorConfig(status_interval=args.status_interval, retry_delay=args.retry_delay)
+    config = OperatorConfig(
+        status_interval=args.status_interval,
+        retry_delay=args.retry_delay,
+        autoscale_tick=args.autoscale_tick,
+        autoscale=AutoscaleSettings(router_metrics_url=args.router_metrics_url),
+    )
     asyncio.run(
         kopf.operator(
             registry=build_registry(config),

@@ -93,9 +93,9 @@ async def client(api_server: ApiServer) -> AsyncIterator[KubeClient]:
 
 
 @contextlib.asynccontextmanager
-async def running_operator() -> AsyncIterator[None]:
+async def running_operator(config: OperatorConfig | None = None) -> AsyncIterator[None]:
     """The real operator (kopf + our handlers) as a task in this event loop."""
-    config = OperatorConfig(status_interval=0.3, retry_delay=0.5)
+    config = config or OperatorConfig(status_interval=0.3, retry_delay=0.5)
     stop, ready = asyncio.Event(), asyncio.Event()
 
     async def run_operator() -> None:

@@ -1,0 +1,148 @@
+"""What the autoscaler timer reads each interval: planner config, pool counts, metrics.
+
+- config: SLOs and pool bounds from the LLMService spec; the profile from
+  ``spec.autoscaling.profile`` (a preset name) or ``profileConfigMap`` (a ConfigMap
+  whose ``profile.json`` key holds the output of ``pdserve profile``).
+- pools: ``current`` = Deployment ``spec.replicas``, ``ready`` = ``status.readyReplicas``,
+  ``pending`` = the pool's pods that the scheduler could not place (no free GPU).
+- metrics: the router's ``/metrics`` (its Service in-cluster, or the operator's
+  ``router_metrics_url`` template), or a Prometheus HTTP API when ``metricsUrl`` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import httpx
+
+from pdserve.operator import naming as n
+from pdserve.operator.kube import KubeClient
+from pdserve.operator.spec import LLMServiceSpec
+from pdserve.planner.capacity import Profile, ProfileError
+from pdserve.planner.config import SLO, Bounds, PlannerConfig, Stability
+from pdserve.planner.metrics import MetricsError, Scrape, parse_text
+from pdserve.planner.presets import PRESETS
+from pdserve.planner.prometheus_api import PrometheusAPI
+from pdserve.planner.snapshot import MetricsSnapshot, PoolStatus
+
+DEFAULT_PROFILE = "h100-llama3-8b"
+PROFILE_KEY = "profile.json"
+# Where the router serves /metrics inside the cluster: its Service, port 80.
+IN_CLUSTER_METRICS_URL = "http://{service}.{namespace}.svc:{port}/metrics"
+
+
+class InputError(Exception):
+    """An input the autoscaler cannot use this interval (message goes to status)."""
+
+
+class PoolsMissing(InputError):
+    """The pool Deployments do not exist yet (just created): nothing to plan, no alarm."""
+
+
+async def load_profile(client: KubeClient, namespace: str, auto: Mapping[str, Any]) -> Profile:
+    """The profile named by ``spec.autoscaling`` (ConfigMap first, else preset)."""
+    cm_name = auto.get("profileConfigMap") or ""
+    if cm_name:
+        cm = await client.get("v1", "ConfigMap", namespace, str(cm_name))
+        text = ((cm or {}).get("data") or {}).get(PROFILE_KEY)
+        if text is None:
+            raise InputError(f"ConfigMap {namespace}/{cm_name} has no key {PROFILE_KEY!r}")
+        try:
+            return Profile.from_dict(json.loads(text))
+        except (ValueError, ProfileError) as exc:
+            raise InputError(f"ConfigMap {namespace}/{cm_name}: bad profile: {exc}") from exc
+    name = str(auto.get("profile") or DEFAULT_PROFILE)
+    if name not in PRESETS:
+        raise InputError(f"spec.autoscaling.profile {name!r} unknown; known: {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def planner_config(svc: LLMServiceSpec, profile: Profile) -> PlannerConfig:
+    auto = svc.autoscaling
+    window = float(auto.scale_down_stabilization_seconds)
+    stability = replace(
+        Stability(),
+        scale_down_window_s=window,
+        scale_down_cooldown_s=min(60.0, window / 2),
+        scale_up_cooldown_s=float(auto.scale_up_stabilization_seconds),
+    )
+    return PlannerConfig(
+        slo=SLO(svc.slo.ttft_ms / 1000.0, svc.slo.tpot_ms / 1000.0),
+        profile=profile,
+        prefill=Bounds(svc.prefill.min_replicas, svc.prefill.max_replicas),
+        decode=Bounds(svc.decode.min_replicas, svc.decode.max_replicas),
+        stability=stability,
+    )
+
+
+def _unschedulable(pod: Mapping[str, Any]) -> bool:
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    status = pod.get("status") or {}
+    if status.get("phase") not in (None, "Pending"):
+        return False
+    return any(
+        c.get("type") == "PodScheduled" and c.get("status") == "False"
+        for c in status.get("conditions") or []
+    )
+
+
+async def pool_status(client: KubeClient, namespace: str, name: str, role: str) -> PoolStatus:
+    dep = await client.get("apps/v1", "Deployment", namespace, n.deployment_name(name, role))
+    if dep is None:
+        raise PoolsMissing(f"Deployment {namespace}/{n.deployment_name(name, role)} not found")
+    current = int((dep.get("spec") or {}).get("replicas", 1))
+    ready = int((dep.get("status") or {}).get("readyReplicas") or 0)
+    pods = await client.list("v1", "Pod", namespace, n.selector(name, role))
+    pending = sum(1 for p in pods if _unschedulable(p))
+    return PoolStatus(current, min(ready, current), min(pending, current))
+
+
+def router_metrics_url(template: str, name: str, namespace: str) -> str:
+    return (template or IN_CLUSTER_METRICS_URL).format(
+        service=n.router_service_name(name),
+        name=name,
+        namespace=namespace,
+        port=n.ROUTER_SERVICE_PORT,
+    )
+
+
+async def scrape_router(
+    session: aiohttp.ClientSession, url: str, now_s: float, timeout_s: float
+) -> Scrape:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise InputError(f"router metrics {url}: HTTP {resp.status}")
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        raise InputError(f"router metrics {url} unreachable: {exc or type(exc).__name__}") from exc
+    try:
+        return parse_text(text, now_s)
+    except MetricsError as exc:
+        raise InputError(f"router metrics {url}: {exc}") from exc
+
+
+async def prometheus_snapshot(
+    svc: LLMServiceSpec, now_s: float, pools: tuple[PoolStatus, PoolStatus], slo: SLO
+) -> MetricsSnapshot:
+    """One window of the LLMService's series from Prometheus (ServiceMonitor target labels)."""
+    selector = f'namespace="{svc.namespace}",pdserve_io_service="{svc.name}"'
+    window = max(30.0, float(svc.autoscaling.interval_seconds))
+
+    def query() -> MetricsSnapshot:
+        with httpx.Client(timeout=5.0) as http:
+            api = PrometheusAPI(
+                svc.autoscaling.metrics_url, selector=selector, window_s=window, client=http
+            )
+            return api.snapshot(now_s, pools[0], pools[1], slo)
+
+    try:
+        return await asyncio.to_thread(query)
+    except MetricsError as exc:
+        raise InputError(str(exc)) from exc
