@@ -11,6 +11,8 @@ over the side channel, not by NIXL notification (see docs/kv_transfer.md).
 from __future__ import annotations
 
 import logging
+import threading
+from typing import Any
 
 import torch
 
@@ -19,6 +21,37 @@ from pdserve.transfer.layout import descriptors, merge_runs
 from pdserve.transfer.messages import CompatRecord
 
 log = logging.getLogger(__name__)
+
+# Microseconds the target's UCX progress thread sleeps between rounds. The Python API starts it
+# with 0, a busy loop that costs a whole core per idle worker; 100 us costs ~2% and only delays
+# connection wire-up (the data of a READ moves without the target's help on shm/RDMA links).
+PROGRESS_DELAY_US = 100
+_config_lock = threading.Lock()
+
+
+def _make_agent(name: str, progress_thread: bool) -> Any:
+    """A UCX NIXL agent. The target side (prefill) needs UCX's progress thread: it never
+    calls into NIXL while a peer reads from it. The initiator (decode) progresses its reads
+    from check(); a second thread polling the same worker only adds lock contention."""
+    try:
+        from nixl import _api
+    except ImportError as exc:
+        raise TransferError(f"the nixl transport needs the 'nixl' package: {exc}") from exc
+    config = _api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    base = getattr(_api.nixlBind, "nixlAgentConfig", None)
+    if not progress_thread or base is None:
+        return _api.nixl_agent(name, config)
+
+    class _Delayed(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: object) -> None:
+            super().__setattr__(key, PROGRESS_DELAY_US if key == "pthrDelay" else value)
+
+    with _config_lock:  # nixl_agent() builds its native config from this module attribute
+        _api.nixlBind.nixlAgentConfig = _Delayed
+        try:
+            return _api.nixl_agent(name, config)
+        finally:
+            _api.nixlBind.nixlAgentConfig = base
 
 
 class _NixlOp(ReadOp):
@@ -36,15 +69,7 @@ class NixlTransport(KVTransport):
         self, pool: torch.Tensor, compat: CompatRecord, agent_name: str, initiator: bool = False
     ) -> None:
         super().__init__(pool, compat, agent_name, initiator)
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise TransferError(f"the nixl transport needs the 'nixl' package: {exc}") from exc
-        # The target side needs UCX's progress thread (it never calls into NIXL while a peer
-        # reads from it). The initiator progresses its reads from check(): a second thread
-        # polling the same worker only adds lock contention (about 2x slower here).
-        config = nixl_agent_config(enable_prog_thread=not initiator, backends=["UCX"])
-        self.agent = nixl_agent(agent_name, config)
+        self.agent = _make_agent(agent_name, progress_thread=not initiator)
         if "UCX" not in self.agent.backends:
             raise TransferError("NIXL has no UCX backend plugin; use --kv-transport tcp")
         self._reg = self.agent.register_memory(pool)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -63,3 +66,29 @@ def test_compat_for_pool_and_messages_round_trip() -> None:
         decode(encode(HandshakeRequest("nixl", "a", "", {**asdict(compat), "x": 1})))
     with pytest.raises(CodecError, match="compat"):
         decode(encode(HandshakeRequest("nixl", "a", "", {"model": "m"})))
+
+
+def _thread_cpu_ticks() -> dict[str, int]:
+    out = {}
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[task] = int(fields[11]) + int(fields[12])  # utime + stime
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_idle_prefill_agent_does_not_spin() -> None:
+    """NIXL's Python API starts the UCX progress thread as a busy loop; ours sleeps between
+    rounds, so an idle prefill worker does not burn a core."""
+    pool = torch.zeros(2, 2, 4, 4, 2, 8)
+    t = make_transport("nixl", pool, CompatRecord.for_pool(pool, "m"), "unit-idle")
+    try:
+        time.sleep(0.3)
+        before = _thread_cpu_ticks()
+        time.sleep(2.0)
+        after = _thread_cpu_ticks()
+        busiest = max(after[k] - before.get(k, 0) for k in after) / os.sysconf("SC_CLK_TCK")
+        assert busiest < 0.2, f"a thread used {busiest:.2f}s of CPU in 2s while idle"
+    finally:
+        t.close()
