@@ -22,16 +22,14 @@ from pdserve.decode_worker.metered import MeteredConnector
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import engine_config_from_args
 from pdserve.engine.request import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord, KVHandle
 from pdserve.worker_http import (
     BadRequest,
     add_common_routes,
     add_worker_arguments,
-    prompt_of,
+    parse_request,
     read_json,
-    request_id_of,
     worker_id,
 )
 from pdserve.worker_metrics import WorkerMetrics
@@ -67,12 +65,7 @@ class DecodeWorker:
         }
 
     async def generate(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        rid = request_id_of(body)
-        prompt = prompt_of(body)
-        sampling = body.get("sampling") or {}
-        if not isinstance(sampling, dict):
-            raise BadRequest("sampling must be an object", "sampling")
-        params = SamplingParams.from_dict(sampling)
+        rid, prompt, params = parse_request(body)
         kwargs: dict[str, Any] = {}
         if body.get("kv_handle") is not None:
             kwargs["remote_kv"] = self._handle(body["kv_handle"])

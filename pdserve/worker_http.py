@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import add_engine_arguments
-from pdserve.engine.sampling_params import InvalidParameter
+from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -97,6 +97,25 @@ def prompt_of(body: dict[str, Any]) -> list[int]:
     return ids
 
 
+def parse_request(body: dict[str, Any]) -> tuple[str, list[int], SamplingParams]:
+    """The fields every worker request has: id, prompt token ids, sampling parameters."""
+    sampling = body.get("sampling") or {}
+    if not isinstance(sampling, dict):
+        raise BadRequest("sampling must be an object", "sampling")
+    return request_id_of(body), prompt_of(body), SamplingParams.from_dict(sampling)
+
+
+def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
+    """Load the model, then serve until stopped; ``/health`` is up only once loaded."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    worker = worker_cls(args)
+    try:
+        serve(worker.app(), args.host, args.port, args.log_level)
+    finally:
+        worker.close()
+    return 0
+
+
 def add_common_routes(
     app: FastAPI, engine: AsyncEngine, metrics: WorkerMetrics, stats_extra: dict[str, Any]
 ) -> None:
@@ -125,6 +144,7 @@ def add_common_routes(
         return JSONResponse(
             {
                 **stats_extra,
+                "pid": os.getpid(),
                 "model": e.served_model_name,
                 "model_id": e.model_id,
                 "running": s.running,

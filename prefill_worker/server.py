@@ -21,7 +21,6 @@ from pdserve.engine.config import engine_config_from_args
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.llm_engine import HANDOFF
 from pdserve.engine.request import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill_worker.events import KVEventPublisher
 from pdserve.prefill_worker.leases import LeaseManager
 from pdserve.transfer.messages import CompatRecord
@@ -31,9 +30,8 @@ from pdserve.worker_http import (
     add_common_routes,
     advertise_host,
     error_response,
-    prompt_of,
+    parse_request,
     read_json,
-    request_id_of,
     worker_id,
 )
 from pdserve.worker_metrics import WorkerMetrics
@@ -76,12 +74,7 @@ class PrefillWorker:
         }
 
     async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
-        rid = request_id_of(body)
-        prompt = prompt_of(body)
-        sampling = body.get("sampling") or {}
-        if not isinstance(sampling, dict):
-            raise BadRequest("sampling must be an object", "sampling")
-        params = SamplingParams.from_dict(sampling)
+        rid, prompt, params = parse_request(body)
         final: RequestOutput | None = None
         async for out in self.engine.generate(rid, prompt, params, hold_kv=True):
             final = out

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.router.discovery_file import write_workers_file
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -35,6 +37,7 @@ class ClusterSpec:
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     log_dir: str = ""
+    worker_port_base: int = 8100  # prefill workers from here, decode workers from +100
 
     @property
     def model_name(self) -> str:
@@ -87,7 +90,9 @@ def pdserve_cmd(subcommand: str, *args: str) -> list[str]:
 class LocalCluster:
     spec: ClusterSpec
     procs: list[Proc] = field(default_factory=list)
+    workers_file: Path | None = None  # set by start_router(dynamic=True)
     _ports: set[int] = field(default_factory=set)
+    _started: dict[str, int] = field(default_factory=dict)  # workers ever started, per role
 
     def __post_init__(self) -> None:
         log_dir = self.spec.log_dir or f"/tmp/pdserve-logs-{os.getpid()}"
@@ -106,32 +111,66 @@ class LocalCluster:
         return out + list(s.worker_args)
 
     def start_workers(self) -> None:
-        s = self.spec
-        for i in range(s.num_prefill):
-            port = pick_base_port(s.host, 8100, self._ports)
-            argv = pdserve_cmd("prefill-worker", *self._common(f"prefill-{i}", port),
+        for _ in range(self.spec.num_prefill):
+            self.add_worker("prefill")
+        for _ in range(self.spec.num_decode):
+            self.add_worker("decode")
+
+    def add_worker(self, role: str) -> Proc:
+        """Start one more worker (names count up: prefill-0, prefill-1, ...); if the router
+        reads a workers file, it learns about the worker on its next health round."""
+        assert role in ("prefill", "decode"), role
+        s, i = self.spec, self._started.get(role, 0)
+        self._started[role] = i + 1
+        name = f"{role}-{i}"
+        base = s.worker_port_base + (0 if role == "prefill" else 100)
+        port = pick_base_port(s.host, base, self._ports)
+        if role == "prefill":
+            argv = pdserve_cmd("prefill-worker", *self._common(name, port),
                                "--kv-events-port", str(port + 1),
                                "--side-channel-port", str(port + 2), *s.prefill_args)  # fmt: skip
-            self._spawn(Proc(f"prefill-{i}", "prefill", f"http://{s.host}:{port}", argv,
-                             self.log_dir / f"prefill-{i}.log"))  # fmt: skip
-        for j in range(s.num_decode):
-            port = pick_base_port(s.host, 8200, self._ports)
-            argv = pdserve_cmd("decode-worker", *self._common(f"decode-{j}", port),
+        else:
+            argv = pdserve_cmd("decode-worker", *self._common(name, port),
                                "--side-channel-port", str(port + 2), *s.decode_args)  # fmt: skip
-            self._spawn(Proc(f"decode-{j}", "decode", f"http://{s.host}:{port}", argv,
-                             self.log_dir / f"decode-{j}.log"))  # fmt: skip
+        proc = Proc(name, role, f"http://{s.host}:{port}", argv, self.log_dir / f"{name}.log")
+        self._spawn(proc)
+        self._write_workers_file()
+        return proc
+
+    def remove_worker(self, proc: Proc, drain_timeout_s: float = 30.0) -> None:
+        """Take ``proc`` out of the router's workers file, let its requests finish (up to
+        ``drain_timeout_s``), then stop its process group."""
+        assert proc in self.procs and proc.role in ("prefill", "decode"), proc.name
+        self.procs.remove(proc)
+        self._write_workers_file()
+        deadline = time.monotonic() + drain_timeout_s
+        while time.monotonic() < deadline and proc.popen is not None and proc.popen.poll() is None:
+            if _idle(proc.url):
+                break
+            time.sleep(0.25)
+        _stop_procs([proc], grace_s=10.0)
+
+    def _write_workers_file(self) -> None:
+        if self.workers_file is not None:
+            write_workers_file(self.workers_file, self.urls("prefill"), self.urls("decode"))
 
     def start_router(
-        self, port: int = 8000, name: str = "router", args: Sequence[str] = ()
-    ) -> Proc:
+        self, port: int = 8000, name: str = "router", args: Sequence[str] = (),
+        dynamic: bool = False,
+    ) -> Proc:  # fmt: skip
         s = self.spec
         if port == 0 or not port_block_free(s.host, port, 1):
             port = pick_base_port(s.host, 8000 if port == 0 else port + 1, self._ports, 1)
         argv = pdserve_cmd("router", "--model", s.model_dir, "--host", s.host, "--port", str(port),
                            "--served-model-name", s.model_name)  # fmt: skip
-        if self.urls("prefill"):
-            argv += ["--prefill", *self.urls("prefill")]
-        argv += ["--decode", *self.urls("decode"), *args]
+        if dynamic:  # the worker list changes while the router runs: a file it re-reads
+            self.workers_file = self.log_dir / f"{name}-workers.json"
+            self._write_workers_file()
+            argv += ["--workers-file", str(self.workers_file), *args]
+        else:
+            if self.urls("prefill"):
+                argv += ["--prefill", *self.urls("prefill")]
+            argv += ["--decode", *self.urls("decode"), *args]
         proc = Proc(name, "router", f"http://{s.host}:{port}", argv, self.log_dir / f"{name}.log")
         self._spawn(proc)
         return proc
@@ -163,14 +202,12 @@ class LocalCluster:
                         )
                     try:
                         ok = client.get(proc.url + "/health").status_code == 200
-                        if ok and proc.role != "router":
-                            # The port is ours only if the worker there is ours (another
-                            # process may have bound it between our check and our bind).
-                            who = client.get(proc.url + "/stats").json().get("worker_id")
-                            if who != proc.name:
-                                raise RuntimeError(
-                                    f"{proc.url} answers as {who!r}, not {proc.name}"
-                                )
+                        if ok and proc.role != "router" and proc.popen is not None:
+                            # The port is ours only if the process answering is ours: another
+                            # one may have bound it between our port check and our bind.
+                            pid = client.get(proc.url + "/stats").json().get("pid")
+                            if pid != proc.popen.pid:
+                                raise RuntimeError(f"{proc.url} is served by pid {pid}, not ours")
                     except (httpx.HTTPError, ValueError):
                         ok = False
                     if ok:
@@ -185,25 +222,38 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process group, wait, SIGKILL stragglers. Safe to call twice."""
-        live = [p for p in self.procs if p.popen is not None and p.popen.poll() is None]
-        for p in reversed(live):  # routers first, then workers
-            _signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in live:
-            assert p.popen is not None
-            try:
-                p.popen.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                _signal_group(p, signal.SIGKILL)
-                p.popen.wait(5)
-        for p in self.procs:  # children the leader left behind in its group
-            _signal_group(p, signal.SIGKILL)
+        _stop_procs(self.procs, grace_s)
 
     def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _stop_procs(procs: list[Proc], grace_s: float) -> None:
+    live = [p for p in procs if p.popen is not None and p.popen.poll() is None]
+    for p in reversed(live):  # routers first, then workers
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        assert p.popen is not None
+        try:
+            p.popen.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.popen.wait(5)
+    for p in procs:  # children the leader left behind in its group
+        _signal_group(p, signal.SIGKILL)
+
+
+def _idle(url: str) -> bool:
+    """The worker has no request running or waiting (or no longer answers)."""
+    try:
+        stats = httpx.get(url + "/stats", timeout=2.0).json()
+        return not stats.get("running") and not stats.get("waiting")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return True
 
 
 def _signal_group(proc: Proc, sig: int) -> None:
