@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from pdserve.planner.local import add_autoscale_arguments, config_from_args
 from pdserve.router.processes import ClusterSpec, LocalCluster, Proc
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
@@ -27,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--worker-port-base", type=int, default=8100,
+                   help="first prefill worker port (decode: +100; 3 ports per worker)")  # fmt: skip
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--kv-transport", default="nixl", choices=("nixl", "tcp"))
     p.add_argument("--routing", default="prefix", choices=("prefix", "round-robin"))
@@ -36,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra engine argument for every worker (repeatable)")  # fmt: skip
+    p.add_argument("--autoscale", action="store_true",
+                   help="add/remove workers with the SLO planner (see autoscaling.md)")  # fmt: skip
+    add_autoscale_arguments(p)
 
 
 def ensure_model(model: str) -> str:
@@ -62,6 +68,11 @@ def router_args(args: argparse.Namespace) -> list[str]:
 def _validate(args: argparse.Namespace) -> None:
     if args.prefill < 0 or args.decode < 1:
         raise SystemExit("pdserve up: need --decode >= 1 and --prefill >= 0")
+    if args.autoscale:
+        try:
+            config_from_args(args)
+        except ValueError as exc:  # bad profile file, SLO or bounds
+            raise SystemExit(f"pdserve up: --autoscale: {exc}") from exc
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir=ensure_model(args.model), num_prefill=args.prefill, num_decode=args.decode,
         host=args.host, dtype=args.dtype, kv_transport=args.kv_transport,
         served_model_name=args.served_model_name, worker_args=tuple(args.worker_arg),
-        log_dir=args.log_dir,
+        log_dir=args.log_dir, worker_port_base=args.worker_port_base,
     )  # fmt: skip
     stop = {"signal": 0}
 
@@ -84,9 +95,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve up: starting {spec.num_prefill} prefill + {spec.num_decode} decode "
               f"workers and the router (logs in {cluster.log_dir})", flush=True)  # fmt: skip
         cluster.start_workers()
-        router = cluster.start_router(args.port, args=router_args(args))
+        router = cluster.start_router(args.port, args=router_args(args), dynamic=args.autoscale)
         cluster.wait_healthy(args.startup_timeout, on_ready=_progress(len(cluster.procs)))
         print_ready(router, spec, args.api_key)
+        if args.autoscale:
+            from pdserve.router.local_autoscale import run_autoscaled
+
+            return run_autoscaled(cluster, router, args)
         return _watch(cluster)
     except KeyboardInterrupt:
         print("\npdserve up: stopping ...", flush=True)

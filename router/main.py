@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
                    help="decode worker URLs")  # fmt: skip
     p.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
+    p.add_argument("--workers-file", default="",
+                   help='JSON {"prefill": [URL], "decode": [URL]}, re-read on change '
+                   "(static discovery; used by pdserve up --autoscale)")  # fmt: skip
     p.add_argument("--service", default="", help="LLMService name (kubernetes discovery)")
     p.add_argument("--namespace", default="", help="namespace (default: the pod's own)")
     keys = p.add_mutually_exclusive_group()
@@ -76,6 +79,10 @@ def build_source(args: argparse.Namespace) -> EndpointSource:
         from pdserve.router.discovery_k8s import KubernetesSource, current_namespace
 
         return KubernetesSource(args.service, args.namespace or current_namespace())
+    if args.workers_file:
+        from pdserve.router.discovery_file import FileSource
+
+        return FileSource(args.workers_file)
     if not args.decode:
         raise SystemExit("pdserve router: static discovery needs at least one --decode URL")
     return StaticSource(args.prefill, args.decode)

@@ -1,0 +1,128 @@
+"""``pdserve up --autoscale``: the planner adds and removes local worker processes.
+
+``LocalAutoscaling`` joins three loops until stopped: the planner
+(``pdserve.planner.local.LocalAutoscaler``, scraping the router's /metrics), a
+health poll that tells the planner which workers are ready, and a watch that
+ends everything when a worker dies on its own. Scaling goes through
+``LocalCluster.add_worker`` / ``remove_worker``; the router learns the new worker
+list from the workers file it re-reads (``router/discovery_file.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+
+import httpx
+
+from pdserve.planner.config import PlannerConfig
+from pdserve.planner.local import LocalAutoscaler, config_from_args, http_fetcher
+from pdserve.planner.snapshot import PoolStatus
+from pdserve.router.processes import LocalCluster, Proc
+
+ROLES = ("prefill", "decode")
+
+
+class LocalPools:
+    """Pool counts and scale actions over a LocalCluster's worker processes."""
+
+    def __init__(self, cluster: LocalCluster, drain_timeout_s: float = 30.0) -> None:
+        self.cluster = cluster
+        self.drain_timeout_s = drain_timeout_s
+        self.ready: set[str] = set()  # names of workers answering /health
+        self.events: list[str] = []  # what was scaled, for the log and tests
+
+    def workers(self, role: str) -> list[Proc]:
+        return [p for p in self.cluster.procs if p.role == role]
+
+    def status(self) -> tuple[PoolStatus, PoolStatus]:
+        out = []
+        for role in ROLES:
+            procs = self.workers(role)
+            out.append(PoolStatus(len(procs), sum(p.name in self.ready for p in procs)))
+        return out[0], out[1]
+
+    async def scale(self, role: str, n: int) -> None:
+        while len(self.workers(role)) < n:
+            proc = self.cluster.add_worker(role)
+            self._say(f"{role}: started {proc.name} at {proc.url}")
+        while len(self.workers(role)) > n:
+            victim = self._victim(role)
+            self._say(f"{role}: draining and stopping {victim.name}")
+            self.ready.discard(victim.name)
+            await asyncio.to_thread(self.cluster.remove_worker, victim, self.drain_timeout_s)
+
+    def _victim(self, role: str) -> Proc:
+        """The newest unready worker if any (it serves nothing yet), else the newest."""
+        procs = self.workers(role)
+        unready = [p for p in procs if p.name not in self.ready]
+        return (unready or procs)[-1]
+
+    async def poll_health(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while not stop.is_set():
+                for proc in [p for role in ROLES for p in self.workers(role)]:
+                    try:
+                        ok = (await client.get(proc.url + "/health")).status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    if ok and proc.name not in self.ready:
+                        self._say(f"{proc.name} ready")
+                    (self.ready.add if ok else self.ready.discard)(proc.name)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=interval_s)
+
+    def _say(self, message: str) -> None:
+        self.events.append(message)
+        print(f"pdserve up: autoscaler: {message}", flush=True)
+
+
+class LocalAutoscaling:
+    def __init__(
+        self, cluster: LocalCluster, router_url: str, config: PlannerConfig, interval_s: float
+    ) -> None:
+        self.pools = LocalPools(cluster)
+        self.autoscaler = LocalAutoscaler(
+            config,
+            fetch_metrics=http_fetcher(router_url + "/metrics"),
+            pool_status=self.pools.status,
+            scale_prefill=lambda n: self.pools.scale("prefill", n),
+            scale_decode=lambda n: self.pools.scale("decode", n),
+            interval_s=interval_s,
+        )
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Until ``stop`` is set (0) or a process dies on its own (1)."""
+        tasks = [
+            asyncio.create_task(self.autoscaler.run(stop)),
+            asyncio.create_task(self.pools.poll_health(stop)),
+        ]
+        code = 0
+        try:
+            while not stop.is_set():
+                dead = self.pools.cluster.dead()
+                if dead:
+                    p = dead[0]
+                    print(f"pdserve up: {p.name} exited; log {p.log_path}:\n{p.log_tail()}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    code = 1
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=0.5)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return code
+
+
+def run_autoscaled(cluster: LocalCluster, router: Proc, args: argparse.Namespace) -> int:
+    """``pdserve up --autoscale`` after start-up: plan and scale until Ctrl-C."""
+    config = config_from_args(args)
+    scaling = LocalAutoscaling(cluster, router.url, config, args.autoscale_interval)
+    print(f"pdserve up: autoscaling every {args.autoscale_interval:g}s (SLO TTFT "
+          f"{args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms; prefill "
+          f"{args.prefill_min}-{args.prefill_max}, decode {args.decode_min}-{args.decode_max})",
+          flush=True)  # fmt: skip
+    return asyncio.run(scaling.run(asyncio.Event()))
