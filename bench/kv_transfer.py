@@ -156,7 +156,8 @@ def plot(path: str, result: dict[str, float], title: str) -> None:
     bars = ax.bar(names, values, color=["#2a9d8f", "#e76f51", "#8d99ae"])
     ax.bar_label(bars, [f"{v:.2f} GB/s" for v in values])
     ax.set_ylabel("GB/s")
-    ax.set_title(title, fontsize=10)
+    ratios = f"NIXL = {result['nixl_vs_memcpy']:.2f}x torch copy, {result['nixl_vs_tcp']:.1f}x tcp"
+    ax.set_title(f"{title}\n{ratios}", fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
