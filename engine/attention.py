@@ -4,8 +4,15 @@ transformers runs the model's own code (projections, rotary embeddings, MLPs)
 and calls this function for attention. It writes the step's new K/V into the
 pool at ``slot_mapping`` and attends over each sequence's blocks:
 
-* decodes (one query token each) in one batched call over padded block tables;
-* prefill chunks one call each, causal with the chunk's offset into its context.
+* decodes (one query token each) in a few batched calls, one per group of
+  similar context lengths, over block tables padded to the group's longest;
+* a prefill chunk that starts its request attends to its own new K/V (no
+  gather); a later chunk (chunked prefill, prefix-cache hit) gathers its
+  context blocks, causal with the chunk's offset into its context.
+
+Gathers index whole blocks (``[num_blocks, block_size, kv_heads, head_dim]``
+rows), and grouped-query heads are folded into the query length, so K/V are
+never expanded per query head.
 
 The step's metadata reaches this function through a thread-local set by the
 model runner, so several engines can run in one process on their own threads.
@@ -29,17 +36,29 @@ ATTN_IMPLEMENTATION = "pdserve_paged"
 class PrefillChunk:
     start: int  # offset of the chunk's first token in the flattened step
     num_tokens: int  # query tokens of the chunk
-    context_slots: torch.Tensor  # [ctx] slots of all tokens up to the chunk's end
-    causal_mask: torch.Tensor | None  # [q, ctx] bool, None when the chunk is the whole context
+    # Context blocks up to the chunk's end, and the context length; None when the
+    # chunk is its request's whole context so far (its own K/V are the context).
+    block_table: torch.Tensor | None = None  # [blocks]
+    context_len: int = 0
+    causal_mask: torch.Tensor | None = None  # [q, ctx] bool, with block_table
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [S] positions of the decode tokens in the step
+    block_table: torch.Tensor  # [S, W] padded with block 0
+    mask: torch.Tensor  # [S, 1, 1, W * block_size] bool: slot holds context
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
-    decode_rows: torch.Tensor | None  # [S] positions of decode tokens in the step
-    decode_slots: torch.Tensor | None  # [S, C] padded context slots
-    decode_mask: torch.Tensor | None  # [S, 1, 1, C] bool
+    decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    # Reused gather targets, [blocks, block_size, kv_heads, head_dim] each, as large as
+    # the largest gather of the step: a fresh tensor per gather costs page faults.
+    k_buffer: torch.Tensor | None = None
+    v_buffer: torch.Tensor | None = None
 
 
 class _Current(threading.local):
@@ -63,35 +82,74 @@ def paged_attention(
     pool, meta = CURRENT.pool, CURRENT.meta
     assert pool is not None and meta is not None, "paged attention called outside a step"
     k_cache, v_cache = pool.layer(module.layer_idx)  # type: ignore[arg-type]
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+    k_cache.index_copy_(0, meta.slot_mapping, k_new)
+    v_cache.index_copy_(0, meta.slot_mapping, v_new)
+    bs = pool.shape.block_size
+    k_blocks = k_cache.view(-1, bs, *k_cache.shape[1:])  # [num_blocks, bs, Hkv, D]
+    v_blocks = v_cache.view(-1, bs, *v_cache.shape[1:])
+
+    def gather(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = table.flatten()
+        return _gather(k_blocks, flat, meta.k_buffer), _gather(v_blocks, flat, meta.v_buffer)
 
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.empty_like(q)
-    if meta.decode_rows is not None:
-        assert meta.decode_slots is not None
-        qd = q[meta.decode_rows].unsqueeze(2)  # [S, Hq, 1, D]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [S, Hkv, C, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True
-        )
-        out[meta.decode_rows] = od.squeeze(2)
+    for group in meta.decodes:
+        k, v = gather(group.block_table)
+        out[group.rows] = _decode(q[group.rows], k, v, group, scaling)
     for chunk in meta.prefills:
-        qp = q[chunk.start : chunk.start + chunk.num_tokens].transpose(0, 1).unsqueeze(0)
-        kp = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
-        vp = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
-        op = F.scaled_dot_product_attention(
-            qp,
-            kp,
-            vp,
-            attn_mask=chunk.causal_mask,
-            is_causal=chunk.causal_mask is None,
-            scale=scaling,
-            enable_gqa=True,
-        )
-        out[chunk.start : chunk.start + chunk.num_tokens] = op[0].transpose(0, 1)
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        if chunk.block_table is None:
+            k, v = k_new[rows], v_new[rows]
+        else:
+            k, v = gather(chunk.block_table)
+            k = k.flatten(0, 1)[: chunk.context_len]
+            v = v.flatten(0, 1)[: chunk.context_len]
+        out[rows] = _prefill(q[rows], k, v, chunk.causal_mask, scaling)
     return out.unsqueeze(0), None
+
+
+def _gather(blocks: torch.Tensor, ids: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+    if buffer is None:
+        return blocks.index_select(0, ids)
+    return torch.index_select(blocks, 0, ids, out=buffer[: ids.numel()])
+
+
+def _decode(
+    q: torch.Tensor,  # [S, Hq, D]
+    k: torch.Tensor,  # [S * W, block_size, Hkv, D], the group's blocks in table order
+    v: torch.Tensor,
+    group: DecodeGroup,
+    scaling: float | None,
+) -> torch.Tensor:
+    s, hq, d = q.shape
+    hkv = k.shape[2]
+    # Query heads sharing a KV head become that head's query "positions": [S, Hkv, G, D].
+    qg = q.view(s, hkv, hq // hkv, d)
+    k = k.view(s, -1, hkv, d).transpose(1, 2)  # [S, Hkv, C, D]
+    v = v.view(s, -1, hkv, d).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scaling)
+    return o.reshape(s, hq, d)
+
+
+def _prefill(
+    q: torch.Tensor,  # [n, Hq, D]
+    k: torch.Tensor,  # [ctx, Hkv, D]
+    v: torch.Tensor,
+    causal_mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=causal_mask,
+        is_causal=causal_mask is None,
+        scale=scaling,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

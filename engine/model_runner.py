@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -19,11 +20,16 @@ from pdserve.engine.attention import (
     ATTN_IMPLEMENTATION,
     CURRENT,
     AttentionMetadata,
+    DecodeGroup,
     PrefillChunk,
 )
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_pool import KVPool, KVShape
 from pdserve.engine.request import Request
+
+# A decode joins the current group while its context has at least this share of the
+# group's longest context (in blocks): at most 1 - share of a group's slots are padding.
+DECODE_GROUP_SHARE = 0.6
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class ModelRunner:
         )
         self.max_position_embeddings: int = hf.max_position_embeddings
         self.pool: KVPool | None = None
+        self._gather_buffer: torch.Tensor | None = None
 
     @property
     def kv_shape(self) -> KVShape:
@@ -107,59 +114,112 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
+        blocks: list[int] = []  # the block of each token
         rows: list[int] = []
         bs = self.block_size
         for c in chunks:
-            req, start = c.request, c.start
-            tokens = req.all_token_ids
-            for p in range(start, start + c.num_tokens):
-                ids.append(tokens[p])
-                pos.append(p)
-                slots.append(req.block_ids[p // bs] * bs + p % bs)
+            req, start, end = c.request, c.start, c.start + c.num_tokens
+            if c.num_tokens == 1:
+                ids.append(_token_at(req, start))
+                pos.append(start)
+                blocks.append(req.block_ids[start // bs])
+            else:
+                ids.extend(_tokens(req, start, end))
+                pos.extend(range(start, end))
+                first = start // bs
+                table = np.asarray(req.block_ids[first : (end - 1) // bs + 1], dtype=np.int64)
+                offset = start - first * bs
+                blocks.extend(np.repeat(table, bs)[offset : offset + c.num_tokens].tolist())
             if c.samples:
                 rows.append(len(ids) - 1)
         dev = self.device
+        positions = torch.tensor(pos, dtype=torch.long)
+        slots = torch.tensor(blocks, dtype=torch.long) * bs + positions % bs
         return (
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
-            torch.tensor(slots, dtype=torch.long, device=dev),
-            torch.tensor(rows, dtype=torch.long, device=dev),
+            torch.tensor(ids, dtype=torch.long).to(dev),
+            positions.to(dev),
+            slots.to(dev),
+            torch.tensor(rows, dtype=torch.long).to(dev),
         )
 
     def _metadata(self, chunks: list[ScheduledChunk], slots: torch.Tensor) -> AttentionMetadata:
         bs, dev = self.block_size, self.device
-        offs = torch.arange(bs, device=dev)
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        decodes: list[tuple[int, list[int], int]] = []  # (row, blocks, context length)
         prefills: list[PrefillChunk] = []
         row = 0
         for c in chunks:
             req, start, n = c.request, c.start, c.num_tokens
             ctx = start + n
-            nblocks = -(-ctx // bs)
             if n == 1:
-                decode_rows.append(row)
-                decode_tables.append(req.block_ids[:nblocks])
-                decode_lens.append(ctx)
+                decodes.append((row, req.block_ids[: -(-ctx // bs)], ctx))
+            elif start == 0:  # the chunk is the whole context: attend to its own K/V
+                prefills.append(PrefillChunk(row, n))
             else:
-                table = torch.tensor(req.block_ids[:nblocks], dtype=torch.long, device=dev)
-                ctx_slots = (table[:, None] * bs + offs).flatten()[:ctx]
-                mask = None
-                if start > 0:
-                    q_pos = torch.arange(start, ctx, device=dev)[:, None]
-                    mask = torch.arange(ctx, device=dev)[None, :] <= q_pos
-                prefills.append(PrefillChunk(row, n, ctx_slots, mask))
+                table = torch.tensor(req.block_ids[: -(-ctx // bs)], dtype=torch.long)
+                q_pos = torch.arange(start, ctx)[:, None]
+                mask = torch.arange(ctx)[None, :] <= q_pos
+                prefills.append(PrefillChunk(row, n, table.to(dev), ctx, mask.to(dev)))
             row += n
-        meta = AttentionMetadata(slots, None, None, None, prefills)
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            table = torch.tensor(padded, dtype=torch.long, device=dev)
-            meta.decode_slots = (table[:, :, None] * bs + offs).flatten(1)
-            lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-            mask = torch.arange(width * bs, device=dev)[None, :] < lens[:, None]
-            meta.decode_mask = mask[:, None, None, :]
-            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
-        return meta
+        groups = self._decode_groups(decodes)
+        gathered = [g.block_table.numel() for g in groups]
+        gathered += [c.block_table.numel() for c in prefills if c.block_table is not None]
+        k_buffer, v_buffer = self._buffers(max(gathered, default=0))
+        return AttentionMetadata(slots, groups, prefills, k_buffer, v_buffer)
+
+    def _buffers(self, num_blocks: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Gather buffers of at least ``num_blocks`` blocks, kept across steps."""
+        if num_blocks == 0:
+            return None, None
+        if self._gather_buffer is None or self._gather_buffer.shape[1] < num_blocks:
+            size = max(
+                num_blocks, 2 * (0 if self._gather_buffer is None else self._gather_buffer.shape[1])
+            )
+            s = self.kv_shape
+            self._gather_buffer = torch.empty(
+                (2, size, s.block_size, s.num_kv_heads, s.head_dim),
+                dtype=self.dtype,
+                device=self.device,
+            )
+        return self._gather_buffer[0], self._gather_buffer[1]
+
+    def _decode_groups(self, decodes: list[tuple[int, list[int], int]]) -> list[DecodeGroup]:
+        """Decodes in groups of similar length, so padding to the longest wastes little."""
+        groups: list[DecodeGroup] = []
+        decodes = sorted(decodes, key=lambda d: len(d[1]), reverse=True)
+        i = 0
+        while i < len(decodes):
+            width = len(decodes[i][1])
+            j = i + 1
+            while j < len(decodes) and len(decodes[j][1]) >= width * DECODE_GROUP_SHARE:
+                j += 1
+            groups.append(self._decode_group(decodes[i:j], width))
+            i = j
+        return groups
+
+    def _decode_group(self, members: list[tuple[int, list[int], int]], width: int) -> DecodeGroup:
+        table = np.zeros((len(members), width), dtype=np.int64)
+        for k, (_row, blocks, _ctx) in enumerate(members):
+            table[k, : len(blocks)] = blocks
+        lens = torch.tensor([ctx for _, _, ctx in members], dtype=torch.long)
+        mask = torch.arange(width * self.block_size)[None, :] < lens[:, None]
+        dev = self.device
+        return DecodeGroup(
+            rows=torch.tensor([r for r, _, _ in members], dtype=torch.long).to(dev),
+            block_table=torch.from_numpy(table).to(dev),
+            mask=mask[:, None, None, :].to(dev),
+        )
+
+
+def _tokens(req: Request, start: int, end: int) -> list[int]:
+    """``req.all_token_ids[start:end]`` without concatenating the whole sequence."""
+    prompt, n = req.prompt_token_ids, req.num_prompt_tokens
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return req.output_token_ids[start - n : end - n]
+    return prompt[start:] + req.output_token_ids[: end - n]
+
+
+def _token_at(req: Request, p: int) -> int:
+    n = req.num_prompt_tokens
+    return req.prompt_token_ids[p] if p < n else req.output_token_ids[p - n]
