@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.kv_connector import KVConnector, LoadResult
-from pdserve.transfer.base import IncompatiblePeerError, PeerInfo, ReadOp
+from pdserve.transfer.base import IncompatiblePeerError, PeerInfo, ReadOp, State
 from pdserve.transfer.layout import PoolGeometry
 from pdserve.transfer.messages import CompatRecord, HandshakeReply, KVHandle, LeaseRelease
 from pdserve.transfer.registry import make_transport, new_agent_name
@@ -222,7 +222,7 @@ class RemoteKVConnector(KVConnector):
         now = time.monotonic()
         for rid, load in list(self._active.items()):
             assert load.op is not None
-            state = self.transport.check(load.op)
+            state = self._check(load.op)
             if state == "DONE":
                 del self._active[rid]
                 self._finish(load, "", load.op.num_bytes, time.monotonic() - load.read_started)
@@ -245,6 +245,14 @@ class RemoteKVConnector(KVConnector):
                 load.release_lease = False
                 self._finish(load, f"request {rid}: {err}")
         self._progress_stopping(now)
+
+    def _check(self, op: ReadOp) -> State:
+        try:
+            return self.transport.check(op)
+        except Exception as exc:  # a transport error ends this read, never the thread
+            self._try_abort(op)
+            op.error = f"transfer check failed: {exc}"
+            return "ERR"
 
     def _progress_handshakes(self) -> None:
         for address, fut in list(self._handshakes.items()):
@@ -292,16 +300,23 @@ class RemoteKVConnector(KVConnector):
 
     def _abort(self, load: _Load, error: str) -> None:
         assert load.op is not None
-        if self.transport.abort(load.op):
+        if self._try_abort(load.op):
             self._finish(load, error)
         else:
             load.deadline = time.monotonic() + self.transfer_timeout
             self._stopping[load.request_id] = (load, error)
 
+    def _try_abort(self, op: ReadOp) -> bool:
+        try:
+            return self.transport.abort(op)
+        except Exception as exc:
+            log.warning("abort of KV read %s: %s", op.request_id, exc)
+            return False
+
     def _progress_stopping(self, now: float) -> None:
         for rid, (load, error) in list(self._stopping.items()):
             assert load.op is not None
-            if self.transport.abort(load.op) or now > load.deadline:
+            if self._try_abort(load.op) or now > load.deadline:
                 if now > load.deadline:
                     log.error("KV read %s could not be stopped; reporting it anyway", rid)
                 del self._stopping[rid]
