@@ -1,0 +1,223 @@
+"""``pdserve up --autoscale`` on loopback: a load step makes the planner add a decode worker,
+and TTFT/TPOT return under the SLO once it serves.
+
+Everything is real: ``pdserve up`` as a user runs it (router + worker processes,
+the tiny model), the planner scraping the router's /metrics, the router learning
+the new worker from its workers file, streaming requests from an HTTP client.
+Capacity is made scarce on purpose so that one more worker is a real fix on a
+small shared machine: each decode worker runs at most 2 sequences at a time
+(``--max-num-seqs 2``), so with 4 concurrent streams half of them wait for a slot
+(TTFT ~ the length of a whole request); with 2 workers nobody waits. Short prompts
+are prefilled by the decode worker itself (below the router's disaggregation
+threshold), so the decode pool carries both SLOs and no prefill pool is needed.
+Routing is round-robin: the default load scorer (``running``, scale 8) is too soft
+for 4-slot workers and sometimes puts 5 of the 6 streams on one worker, which
+would measure the router's balancing rather than the added capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(480)
+
+SLO_TTFT_MS = 700.0
+SLO_TPOT_MS = 150.0
+OUTPUT_TOKENS = 96
+CLIENTS = 6
+PROMPT = "The quick brown fox jumps over the lazy dog and keeps on running"
+
+# Per-replica costs for the planner, as `pdserve profile` would store them; the decode batch
+# limit is the workers' --max-num-seqs. Step times are rough: the online correction (observed
+# over predicted TPOT) adapts them to this machine.
+PROFILE = {
+    "version": 1,
+    "model": "tiny (float32)",
+    "hardware": "CPU, 1 thread per worker",
+    "prefill": {"chunk_overhead_s": 0.01, "tokens_per_s": 2000.0, "chunk_tokens": 512},
+    "decode": {
+        "step_base_s": 0.01,
+        "step_per_seq_s": 0.002,
+        "step_per_kv_token_s": 0.0,
+        "max_num_seqs": 4,
+        "kv_capacity_tokens": 4096,
+    },
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Up:
+    """``pdserve up`` in its own session; its stdout collected by a thread."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)  # fmt: skip
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = re.search(pattern, self.text)
+            if found:
+                return found
+            assert self.proc.poll() is None, f"pdserve up exited:\n{self.text}"
+            time.sleep(0.2)
+        raise AssertionError(f"no {pattern!r} within {timeout}s:\n{self.text}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # it stops its workers itself
+            try:
+                return self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.wait(10)
+
+
+async def one_request(client: httpx.AsyncClient, url: str) -> tuple[float, float, float]:
+    """(start, TTFT, TPOT) of one streamed completion of exactly OUTPUT_TOKENS tokens."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": OUTPUT_TOKENS, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    start = time.monotonic()
+    first = last = 0.0
+    async with client.stream("POST", url + "/v1/completions", json=body) as reply:
+        assert reply.status_code == 200, await reply.aread()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                last = time.monotonic()
+                first = first or last
+    assert first > 0, "no token streamed"
+    return start, first - start, (last - first) / (OUTPUT_TOKENS - 1)
+
+
+async def closed_loop(url: str, clients: int, until: float, out: list[tuple]) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+
+        async def user() -> None:
+            while time.monotonic() < until:
+                out.append(await one_request(client, url))
+
+        await asyncio.gather(*(user() for _ in range(clients)))
+
+
+def p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def all_kv_free(urls: list[str], timeout: float = 30.0) -> None:
+    """Every worker's KV pool is free again (cancelled streams are aborted at the workers)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = [httpx.get(u + "/stats", timeout=5).json() for u in urls]
+        if all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats):
+            return
+        assert time.monotonic() < deadline, f"KV not freed: {stats}"
+        time.sleep(0.2)
+
+
+def workers(url: str) -> list[dict[str, Any]]:
+    return list(httpx.get(url + "/workers", timeout=5).json()["workers"])
+
+
+async def test_load_step_adds_a_decode_worker_and_slo_recovers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    port = _free_port()
+    argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tiny_model_dir),
+            "--port", str(port), "--served-model-name", "tiny", "--prefill", "0", "--decode", "1",
+            "--kv-transport", "tcp", "--routing", "round-robin",
+            "--worker-port-base", str(20000 + port % 20000),
+            "--log-dir", str(tmp_path / "logs"),
+            "--worker-arg=--device", "--worker-arg=cpu", "--worker-arg=--max-model-len",
+            "--worker-arg=512", "--worker-arg=--kv-cache-bytes", "--worker-arg=6000000",
+            "--worker-arg=--max-num-seqs", "--worker-arg=4",
+            "--autoscale", "--profile", str(profile), "--autoscale-interval", "2",
+            "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS),
+            "--prefill-min", "0", "--prefill-max", "0", "--decode-min", "1", "--decode-max", "2",
+            "--scale-down-window", "600"]  # fmt: skip
+    up = Up(argv)
+    try:
+        url = up.wait_for(r"pdserve is up: (\S+)/v1", 300).group(1)
+        up.wait_for(r"autoscaling every", 10)
+        await asyncio.sleep(5)  # idle: two intervals, nothing to scale
+        assert "started decode-1" not in up.text
+        assert [w["worker_id"] for w in workers(url)] == ["decode-0"]
+
+        # The load step: 4 concurrent streams against 2 decode slots.
+        results: list[tuple] = []
+        step_at = time.monotonic()
+        load = asyncio.create_task(closed_loop(url, CLIENTS, step_at + 240, results))
+        await asyncio.to_thread(up.wait_for, r"started decode-1", 90)
+        started_at = time.monotonic()
+        await asyncio.to_thread(up.wait_for, r"decode-1 ready", 180)
+
+        async def routed() -> None:  # the router has the new worker in rotation
+            while not any(w["worker_id"] == "decode-1" and w["healthy"] for w in workers(url)):
+                await asyncio.sleep(0.5)
+
+        await asyncio.wait_for(routed(), 30)
+        await asyncio.sleep(5)  # the new worker's first steps are slow (warm-up)
+        ready_at = time.monotonic()
+        before = [r for r in results if r[0] < started_at]
+        settle = len(results)
+        while len(results) < settle + 40 and not load.done():  # 40 requests on 2 workers
+            await asyncio.sleep(0.5)
+        if load.done():
+            load.result()  # a failed request fails the test with its own error
+        after = [r for r in results[settle:] if r[0] >= ready_at]
+        load.cancel()
+        await asyncio.gather(load, return_exceptions=True)
+
+        print("TTFTs after", sorted(round(r[1] * 1000) for r in after))
+        ttft_before = p90([r[1] for r in before]) * 1000
+        ttft_after = p90([r[1] for r in after]) * 1000
+        tpot_after = p90([r[2] for r in after]) * 1000
+        print(f"scale-up after {started_at - step_at:.1f}s; worker ready after "
+              f"{ready_at - started_at:.1f}s; p90 TTFT before {ttft_before:.0f} ms "
+              f"({len(before)} requests), after {ttft_after:.0f} ms, p90 TPOT after "
+              f"{tpot_after:.0f} ms ({len(after)} requests)")  # fmt: skip
+        assert ttft_before > SLO_TTFT_MS, "the load step did not breach the TTFT SLO"
+        assert len(after) >= 20
+        assert ttft_after < SLO_TTFT_MS and tpot_after < SLO_TPOT_MS
+        served = {w["worker_id"]: w for w in workers(url)}
+        assert set(served) == {"decode-0", "decode-1"}
+        await asyncio.to_thread(all_kv_free, [w["url"] for w in served.values()])
+    finally:
+        code = up.stop()
+    assert code == 0, up.text
+    assert "all processes stopped" in up.text
