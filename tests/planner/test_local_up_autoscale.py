@@ -221,3 +221,24 @@ async def test_load_step_adds_a_decode_worker_and_slo_recovers(
         code = up.stop()
     assert code == 0, up.text
     assert "all processes stopped" in up.text
+
+
+async def test_workers_file_is_reread_on_change_and_bad_files_are_refused(tmp_path: Path) -> None:
+    from pdserve.router.discovery_file import FileSource, write_workers_file
+
+    path = tmp_path / "workers.json"
+    write_workers_file(path, [], ["http://127.0.0.1:8200"])
+    source = FileSource(path)
+    assert [(e.url, e.role) for e in await source.list()] == [("http://127.0.0.1:8200", "decode")]
+    time.sleep(0.02)  # a new mtime
+    write_workers_file(path, ["127.0.0.1:8100"], ["http://127.0.0.1:8200", "http://127.0.0.1:8210"])
+    got = [(e.url, e.role) for e in await source.list()]
+    assert got == [("http://127.0.0.1:8100", "prefill"), ("http://127.0.0.1:8200", "decode"),
+                   ("http://127.0.0.1:8210", "decode")]  # fmt: skip
+    time.sleep(0.02)
+    path.write_text('{"decode": "http://x"}')
+    with pytest.raises(ValueError, match=r"workers file .*'decode' must be a list of URLs"):
+        await source.list()  # the router's discovery keeps the last good list meanwhile
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=r"workers file .*workers.json"):
+        FileSource(path)  # at start-up: refused with the file's name
