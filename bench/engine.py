@@ -54,7 +54,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512])
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 256])
     p.add_argument("--batch", type=int, default=16, help="baseline static batch size")
-    p.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
+    # One thread by default: on a shared, oversubscribed host, OpenMP threads wait on each
+    # other at every op and both runs slow down many times over. Pass more on a quiet host.
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)

@@ -30,6 +30,9 @@ from pdserve.engine.request import Request
 # A decode joins the current group while its context has at least this share of the
 # group's longest context (in blocks): at most 1 - share of a group's slots are padding.
 DECODE_GROUP_SHARE = 0.6
+# Small groups keep each gather in cache until attention reads it back; one gather
+# for a whole large batch goes to memory and back, which costs more than the calls saved.
+DECODE_GROUP_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,11 @@ class ModelRunner:
         while i < len(decodes):
             width = len(decodes[i][1])
             j = i + 1
-            while j < len(decodes) and len(decodes[j][1]) >= width * DECODE_GROUP_SHARE:
+            while (
+                j < len(decodes)
+                and j - i < DECODE_GROUP_ROWS
+                and len(decodes[j][1]) >= width * DECODE_GROUP_SHARE
+            ):
                 j += 1
             groups.append(self._decode_group(decodes[i:j], width))
             i = j
