@@ -3,13 +3,16 @@
 # torch==2.13.0 goes first: a bare `torch` requirement (or nixl first) pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+  # From outside the checkout: with the repo root on sys.path, its operator/ folder would
+  # shadow the standard library's `operator` module while `-m venv` starts up.
+  (cd / && "$PY" -m venv "$ROOT/.venv")
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e '.[dev]'
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q "torch==2.13.0"
+.venv/bin/pip install -q -e '.[dev]'
 if [ -f scripts/install_k8s_tools.sh ]; then
   bash scripts/install_k8s_tools.sh
 fi
