@@ -95,6 +95,7 @@ def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
 @dataclass
 class Run:
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's CPU time: robust to other load on the host
     forward_seconds: float = 0.0
     steps: int = 0
     kv_waste: float = 0.0
@@ -130,7 +131,7 @@ def run_ours(engine: LLMEngine, work: Workload) -> Run:
     peak = (0, 0)
     done = 0
     bar = tqdm(total=work.output_tokens, desc="ours", unit="tok", file=sys.stderr)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for i, (prompt, p) in enumerate(zip(work.prompts, params, strict=True)):
         engine.add_request(f"b{i}", prompt, p)
     while engine.has_work:
@@ -144,6 +145,7 @@ def run_ours(engine: LLMEngine, work: Workload) -> Run:
         run.steps += 1
         run.timeline.append((time.perf_counter() - start, done))
     run.seconds = time.perf_counter() - start
+    run.cpu_seconds = time.process_time() - cpu_start
     bar.close()
     del model.forward  # back to the class's forward
     assert done == work.output_tokens, (done, work.output_tokens)
@@ -157,7 +159,7 @@ def run_baseline(model: Any, pad_id: int, work: Workload, batch: int, device: st
     order = list(range(len(work.prompts)))
     batches = [order[i : i + batch] for i in range(0, len(order), batch)]
     done = 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for idx in tqdm(batches, desc="transformers", unit="batch", file=sys.stderr):
         width = max(len(work.prompts[i]) for i in idx)
         ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
@@ -182,6 +184,7 @@ def run_baseline(model: Any, pad_id: int, work: Workload, batch: int, device: st
         run.steps += new
         run.timeline.append((time.perf_counter() - start, done))
     run.seconds = time.perf_counter() - start
+    run.cpu_seconds = time.process_time() - cpu_start
     return run
 
 
@@ -254,12 +257,18 @@ def main() -> int:
     pad_id = int(engine.tokenizer.pad_token_id)
     hf_model = engine.runner.model
     del engine
-    base = Run(seconds=float("nan"))
+    base = Run(seconds=float("nan"), cpu_seconds=float("nan"))
     if not args.skip_baseline:
         base = run_baseline(_hf_model(model_dir, args), pad_id, work, args.batch, args.device)
     result["baseline_tok_s"] = work.output_tokens / base.seconds
     result["ratio"] = result["ours_tok_s"] / result["baseline_tok_s"]
     result["baseline_s"] = base.seconds
+    # The same figures over CPU time (one thread: the work done, whatever else runs here).
+    result["ours_cpu_tok_s"] = work.output_tokens / ours.cpu_seconds
+    result["baseline_cpu_tok_s"] = (
+        work.output_tokens / base.cpu_seconds if base.cpu_seconds else float("nan")
+    )
+    result["ratio_cpu"] = result["ours_cpu_tok_s"] / result["baseline_cpu_tok_s"]
     del hf_model
     result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
     for k, v in result.items():
