@@ -200,7 +200,9 @@ def plot(path: str, ours: Run, base: Run, result: dict[str, Any], title: str) ->
     bars = ax1.bar(names, values, color=["#2a9d8f", "#8d99ae"])
     ax1.bar_label(bars, [f"{v:.0f} tok/s" for v in values])
     ax1.set_ylabel("output tokens / s")
-    ax1.set_title(f"{result['ratio']:.2f}x", fontsize=10)
+    ax1.set_title(
+        f"{result['ratio']:.2f}x wall clock, {result['ratio_cpu']:.2f}x CPU time", fontsize=10
+    )
     for run, name, color in (
         (ours, "pdserve engine", "#2a9d8f"),
         (base, "transformers", "#8d99ae"),
@@ -277,7 +279,7 @@ def main() -> int:
         title = (
             f"{args.requests} requests (prompts {args.prompt_len[0]}–{args.prompt_len[1]}, "
             f"outputs {args.output_len[0]}–{args.output_len[1]} tokens), {args.preset} model, "
-            f"{args.dtype}, {args.threads} threads"
+            f"{args.dtype}, {args.threads} thread{'s' if args.threads > 1 else ''}"
         )
         plot(args.plot, ours, base, result, title)
     print(json.dumps({**result, "requests": args.requests, "quick": args.quick}))

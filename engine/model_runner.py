@@ -30,9 +30,11 @@ from pdserve.engine.request import Request
 # A decode joins the current group while its context has at least this share of the
 # group's longest context (in blocks): at most 1 - share of a group's slots are padding.
 DECODE_GROUP_SHARE = 0.6
-# Small groups keep each gather in cache until attention reads it back; one gather
-# for a whole large batch goes to memory and back, which costs more than the calls saved.
-DECODE_GROUP_ROWS = 8
+# On CPU, small groups keep each gather in cache until attention reads it back; one
+# gather for a whole large batch goes to memory and back, which costs more than the
+# calls saved. A GPU wants few, large calls.
+DECODE_GROUP_ROWS = {"cpu": 8}
+DECODE_GROUP_ROWS_DEFAULT = 256
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class ModelRunner:
         )
         self.max_position_embeddings: int = hf.max_position_embeddings
         self.pool: KVPool | None = None
+        self.decode_group_rows = DECODE_GROUP_ROWS.get(self.device.type, DECODE_GROUP_ROWS_DEFAULT)
         self._gather_buffer: torch.Tensor | None = None
 
     @property
@@ -173,10 +176,9 @@ class ModelRunner:
         """Gather buffers of at least ``num_blocks`` blocks, kept across steps."""
         if num_blocks == 0:
             return None, None
-        if self._gather_buffer is None or self._gather_buffer.shape[1] < num_blocks:
-            size = max(
-                num_blocks, 2 * (0 if self._gather_buffer is None else self._gather_buffer.shape[1])
-            )
+        old = self._gather_buffer
+        if old is None or old.shape[1] < num_blocks:
+            size = num_blocks if old is None else max(num_blocks, 2 * old.shape[1])
             s = self.kv_shape
             self._gather_buffer = torch.empty(
                 (2, size, s.block_size, s.num_kv_heads, s.head_dim),
@@ -195,7 +197,7 @@ class ModelRunner:
             j = i + 1
             while (
                 j < len(decodes)
-                and j - i < DECODE_GROUP_ROWS
+                and j - i < self.decode_group_rows
                 and len(decodes[j][1]) >= width * DECODE_GROUP_SHARE
             ):
                 j += 1

@@ -1,9 +1,9 @@
 """Per-request sampling over a step's logits.
 
-Greedy rows take the argmax. Other rows apply temperature, top-k and top-p on
-sorted logits, then draw with the exponential-race trick (argmax of p / E with
-E ~ Exp(1)), whose noise comes from the request's own generator: a seeded
-request draws the same tokens whatever else shares its batch.
+Greedy rows take the argmax. Other rows apply temperature, top-k and top-p (on
+sorted logits, only when set), then draw with the exponential-race trick (argmax
+of p / E with E ~ Exp(1) per token id), whose noise comes from the request's own
+generator: a seeded request draws the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -42,26 +42,33 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         dev = logits.device
-        vocab = logits.shape[-1]
         temps = torch.tensor([r.params.temperature for r in requests], device=dev)
-        logits = logits / temps[:, None]
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=dev)[None, :]
-        top_k = torch.tensor(
-            [r.params.top_k if r.params.top_k > 0 else vocab for r in requests], device=dev
-        )
-        drop = ranks >= top_k[:, None]
-        top_p = torch.tensor([r.params.top_p for r in requests], device=dev)
-        if bool((top_p < 1.0).any()):
-            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            # Drop a token when the tokens ranked above it already reach top_p.
-            drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        probs = self._filtered_probs(logits / temps[:, None], requests)
+        # Noise indexed by token id, not by rank: logits that differ in the last bits
+        # (another batch, another kernel) may swap ranks but never reshuffle the noise.
         noise = torch.empty_like(probs)
         for row, req in enumerate(requests):
             noise[row].exponential_(generator=self._generator(req))
-        picked = (probs / noise).argmax(dim=-1)
-        return order.gather(1, picked[:, None]).squeeze(1)
+        return (probs / noise).argmax(dim=-1)
+
+    def _filtered_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Softmax after top-k and top-p, in vocabulary order."""
+        vocab = logits.shape[-1]
+        top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in requests]
+        top_p = [r.params.top_p for r in requests]
+        if min(top_k) >= vocab and min(top_p) >= 1.0:
+            return logits.softmax(dim=-1)
+        dev = logits.device
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        drop = ranks >= torch.tensor(top_k, device=dev)[:, None]
+        p = torch.tensor(top_p, device=dev)
+        if bool((p < 1.0).any()):
+            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            # Drop a token when the tokens ranked above it already reach top_p.
+            drop |= (probs.cumsum(dim=-1) - probs) >= p[:, None]
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        return torch.zeros_like(probs).scatter_(1, order, probs)
 
     def _generator(self, req: Request) -> torch.Generator:
         if req.params.seed is None:
