@@ -36,6 +36,8 @@ def test_streams_the_greedy_completion(
     summary = re.search(pattern, proc.stderr)
     assert summary is not None, proc.stderr
     assert int(summary.group(1)) == len(ids)
+    free = re.search(r"kv_blocks_free=(\d+)/(\d+)", proc.stderr)
+    assert free is not None and free.group(1) == free.group(2)  # nothing leaked
 
 
 def test_chat_and_sampling_flags(tiny_model_dir: Path) -> None:
@@ -43,6 +45,8 @@ def test_chat_and_sampling_flags(tiny_model_dir: Path) -> None:
     proc = _generate(tiny_model_dir, *args, "--max-tokens", "8", "--ignore-eos")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() and "completion_tokens=8" in proc.stderr
+    free = re.search(r"kv_blocks_free=(\d+)/(\d+)", proc.stderr)
+    assert free is not None and free.group(1) == free.group(2)
 
 
 @pytest.mark.parametrize(
