@@ -176,16 +176,17 @@ class ModelRunner:
         """Gather buffers of at least ``num_blocks`` blocks, kept across steps."""
         if num_blocks == 0:
             return None, None
-        old = self._gather_buffer
-        if old is None or old.shape[1] < num_blocks:
-            size = num_blocks if old is None else max(num_blocks, 2 * old.shape[1])
+        buf = self._gather_buffer
+        if buf is None or buf.shape[1] < num_blocks:
+            size = num_blocks if buf is None else max(num_blocks, 2 * buf.shape[1])
             s = self.kv_shape
-            self._gather_buffer = torch.empty(
+            buf = torch.empty(
                 (2, size, s.block_size, s.num_kv_heads, s.head_dim),
                 dtype=self.dtype,
                 device=self.device,
             )
-        return self._gather_buffer[0], self._gather_buffer[1]
+            self._gather_buffer = buf
+        return buf[0], buf[1]
 
     def _decode_groups(self, decodes: list[tuple[int, list[int], int]]) -> list[DecodeGroup]:
         """Decodes in groups of similar length, so padding to the longest wastes little."""
