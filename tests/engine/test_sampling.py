@@ -31,10 +31,14 @@ def engine(make_engine: Callable[..., LLMEngine]) -> LLMEngine:
 
 
 def test_seeded_sampling_ignores_batch_mates(engine: LLMEngine) -> None:
-    alone = run_requests(engine, {"s": (PROMPTS[0], sp(seed=7))})["s"].token_ids
+    # Batch-mates change the step's shapes, so the logits differ in their last bits;
+    # the draws must not (the noise belongs to token ids, not to logit ranks).
+    seeded = {f"s{i}": (p, sp(seed=7 + i, max_tokens=48)) for i, p in enumerate(PROMPTS)}
+    alone = {rid: run_requests(engine, {rid: req})[rid].token_ids for rid, req in seeded.items()}
     mates = {f"m{i}": (p, sp(seed=None if i % 2 else 100 + i)) for i, p in enumerate(PROMPTS)}
-    batch = run_requests(engine, {"s": (PROMPTS[0], sp(seed=7)), **mates})
-    assert batch["s"].token_ids == alone
+    batch = run_requests(engine, {**seeded, **mates})
+    assert {rid: batch[rid].token_ids for rid in seeded} == alone
+    alone = alone["s0"][:24]
     # A seed of its own per request: a different seed, different tokens.
     other = run_requests(engine, {"o": (PROMPTS[0], sp(seed=8))})["o"].token_ids
     assert other != alone
@@ -83,6 +87,19 @@ def test_sampled_distribution(params: SamplingParams, expected: list[float]) -> 
         freq = counts[token] / n
         sigma = math.sqrt(max(p * (1 - p), 1e-9) / n)
         assert abs(freq - p) < 5 * sigma + 1e-3, (token, freq, p)
+
+
+def test_seeded_draws_survive_last_bit_logit_changes() -> None:
+    # Near-flat logits: a 1e-6 change reorders the ranks of almost every token. A draw
+    # keyed to token ids stays put; one keyed to ranks would land elsewhere.
+    logits = torch.zeros(32, 1000)
+    nudged = logits + 1e-6 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
+    picks = []
+    for rows in (logits, nudged):
+        reqs = [Request(f"r{i}", [1], sp(seed=i)) for i in range(len(rows))]
+        picks.append(Sampler(torch.device("cpu")).sample(rows.clone(), reqs, [[]] * len(reqs)))
+    assert picks[0] == picks[1]
+    assert len(set(picks[0])) > 20  # and the draws do differ between seeds
 
 
 def test_banned_tokens_are_never_drawn() -> None:
