@@ -133,7 +133,8 @@ class LLMEngine:
         if need > self.blocks.num_blocks:
             raise InvalidParameter(
                 "max_tokens",
-                f"prompt + max_tokens need {need} KV blocks; the KV cache holds {self.blocks.num_blocks}",
+                f"prompt + max_tokens need {need} KV blocks; "
+                f"the KV cache holds {self.blocks.num_blocks}",
             )
 
     def _check_handle(self, req: Request, handle: Any, first_token_id: int | None) -> None:
