@@ -99,14 +99,14 @@ class LLMEngine:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params.validate())
         req = Request(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
+        req.block_hashes = block_hashes(req.prompt_token_ids, self.config.block_size)
         text = TextStream(self.tokenizer, req.prompt_token_ids, params.stop)
         if remote_kv is not None:
             self._check_handle(req, remote_kv, first_token_id)
             req.remote_kv = remote_kv
             req.output_token_ids.append(int(first_token_id))  # type: ignore[arg-type]
-            req.num_preexisting_output = 1
+            self._extend_hashes(req)
             text.append(req.output_token_ids)  # the prefill worker already sent its text
-        req.block_hashes = block_hashes(req.all_token_ids, self.config.block_size)
         self._text[request_id] = text
         self.requests[request_id] = req
         self.num_prompt_tokens += req.num_prompt_tokens
@@ -150,8 +150,7 @@ class LLMEngine:
                 "kv_handle",
                 f"kv_handle covers {handle.num_tokens} tokens, prompt has {req.num_prompt_tokens}",
             )
-        expected = block_hashes(req.prompt_token_ids, self.config.block_size)
-        if list(handle.block_hashes) != expected:
+        if list(handle.block_hashes) != req.block_hashes:  # the prompt's, computed on add
             raise InvalidParameter("kv_handle", "kv_handle block hashes do not match the prompt")
         if req.params.max_tokens < 2:
             raise InvalidParameter("max_tokens", "a handed-off request needs max_tokens >= 2")
@@ -245,7 +244,12 @@ class LLMEngine:
         self._drop(req)
         out = self._output(req, [token], text, HANDOFF)
         num_prompt_blocks = self.blocks.blocks_needed(req.num_prompt_tokens)
-        return replace(out, kv_block_ids=self.held[req.request_id][:num_prompt_blocks])
+        num_full_blocks = req.num_prompt_tokens // self.config.block_size
+        return replace(
+            out,
+            kv_block_ids=self.held[req.request_id][:num_prompt_blocks],
+            kv_block_hashes=req.block_hashes[:num_full_blocks],
+        )
 
     def _drop(self, req: Request) -> None:
         if req.block_ids:

@@ -45,9 +45,6 @@ class Request:
     num_preemptions: int = 0
     hold_kv: bool = False  # prefill mode: keep blocks after finishing, under a lease
     remote_kv: Any = None  # KVHandle to pull before decoding (decode mode)
-    # Tokens already produced elsewhere (the prefill worker's first token): part of
-    # the output but never streamed again.
-    num_preexisting_output: int = 0
     error: str = ""
     first_scheduled_time: float | None = None
 
@@ -89,6 +86,7 @@ class RequestOutput:
     num_cached_tokens: int
     error: str = ""
     kv_block_ids: list[int] | None = None  # prefill mode: the held blocks, on finish
+    kv_block_hashes: list[int] | None = None  # prefill mode: hashes of the full prompt blocks
     queue_seconds: float | None = None  # arrival to first schedule, on the first output
 
     @property

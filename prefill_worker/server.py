@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse
 from pdserve.codec import to_dict
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import engine_config_from_args
-from pdserve.engine.hashing import block_hashes
 from pdserve.engine.llm_engine import HANDOFF
 from pdserve.engine.request import RequestOutput
 from pdserve.prefill_worker.events import KVEventPublisher
@@ -86,12 +85,12 @@ class PrefillWorker:
             raise BadRequest(final.error or f"request {final.finish_reason}", status=503)
         handle = None
         if final.finish_reason == HANDOFF:
-            assert final.kv_block_ids is not None
+            assert final.kv_block_ids is not None and final.kv_block_hashes is not None
             handle = self.kv.make_handle(
                 rid,
                 final.kv_block_ids,
                 len(prompt),
-                block_hashes(prompt, self.engine.engine.config.block_size),
+                final.kv_block_hashes,
                 self.args.lease_seconds,
             )
         return {
