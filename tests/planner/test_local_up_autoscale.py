@@ -5,9 +5,11 @@ Everything is real: ``pdserve up`` as a user runs it (router + worker processes,
 the tiny model), the planner scraping the router's /metrics, the router learning
 the new worker from its workers file, streaming requests from an HTTP client.
 Capacity is made scarce on purpose so that one more worker is a real fix on a
-small shared machine: each decode worker runs at most 2 sequences at a time
-(``--max-num-seqs 2``), so with 4 concurrent streams half of them wait for a slot
-(TTFT ~ the length of a whole request); with 2 workers nobody waits. Short prompts
+small shared machine: each decode worker runs at most 4 sequences at a time
+(``--max-num-seqs 4``), so with 6 concurrent streams two of them wait for a slot
+(TTFT ~ a fraction of a whole request); with 2 workers nobody waits. The length of
+the load step's requests is calibrated from one idle request so that waiting for
+a slot breaches the TTFT SLO on a fast machine as on a slow one. Short prompts
 are prefilled by the decode worker itself (below the router's disaggregation
 threshold), so the decode pool carries both SLOs and no prefill pool is needed.
 Routing is round-robin: the default load scorer (``running``, scale 8) is too soft
@@ -37,7 +39,8 @@ pytestmark = pytest.mark.timeout(480)
 
 SLO_TTFT_MS = 700.0
 SLO_TPOT_MS = 150.0
-OUTPUT_TOKENS = 96
+CALIBRATION_TOKENS = 96
+MAX_OUTPUT_TOKENS = 960  # the prompt and this fit --max-model-len 1024
 CLIENTS = 6
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps on running"
 
@@ -54,7 +57,7 @@ PROFILE = {
         "step_per_seq_s": 0.002,
         "step_per_kv_token_s": 0.0,
         "max_num_seqs": 4,
-        "kv_capacity_tokens": 4096,
+        "kv_capacity_tokens": 5859,
     },
 }
 
@@ -103,9 +106,11 @@ class Up:
         return self.proc.wait(10)
 
 
-async def one_request(client: httpx.AsyncClient, url: str) -> tuple[float, float, float]:
-    """(start, TTFT, TPOT) of one streamed completion of exactly OUTPUT_TOKENS tokens."""
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": OUTPUT_TOKENS, "stream": True,
+async def one_request(
+    client: httpx.AsyncClient, url: str, tokens: int
+) -> tuple[float, float, float]:
+    """(start, TTFT, TPOT) of one streamed completion of exactly ``tokens`` tokens."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": tokens, "stream": True,
             "ignore_eos": True, "temperature": 0}  # fmt: skip
     start = time.monotonic()
     first = last = 0.0
@@ -119,15 +124,25 @@ async def one_request(client: httpx.AsyncClient, url: str) -> tuple[float, float
                 last = time.monotonic()
                 first = first or last
     assert first > 0, "no token streamed"
-    return start, first - start, (last - first) / (OUTPUT_TOKENS - 1)
+    return start, first - start, (last - first) / (tokens - 1)
 
 
-async def closed_loop(url: str, clients: int, until: float, out: list[tuple]) -> None:
-    async with httpx.AsyncClient(timeout=60) as client:
+def load_step_tokens(idle_tpot_s: float) -> int:
+    """Output length at which a request runs ~3 TTFT SLOs at the idle speed of this machine.
+
+    A stream that waits for a slot waits for (part of) a running request, so its TTFT scales
+    with the request's length; at batch 4 each step is slower than idle, which only adds margin.
+    """
+    tokens = int(3 * SLO_TTFT_MS / 1000 / max(idle_tpot_s, 1e-4))
+    return max(CALIBRATION_TOKENS, min(MAX_OUTPUT_TOKENS, tokens))
+
+
+async def closed_loop(url: str, clients: int, tokens: int, until: float, out: list[tuple]) -> None:
+    async with httpx.AsyncClient(timeout=120) as client:
 
         async def user() -> None:
             while time.monotonic() < until:
-                out.append(await one_request(client, url))
+                out.append(await one_request(client, url, tokens))
 
         await asyncio.gather(*(user() for _ in range(clients)))
 
@@ -164,7 +179,7 @@ async def test_load_step_adds_a_decode_worker_and_slo_recovers(
             "--worker-port-base", str(20000 + port % 20000),
             "--log-dir", str(tmp_path / "logs"),
             "--worker-arg=--device", "--worker-arg=cpu", "--worker-arg=--max-model-len",
-            "--worker-arg=512", "--worker-arg=--kv-cache-bytes", "--worker-arg=6000000",
+            "--worker-arg=1024", "--worker-arg=--kv-cache-bytes", "--worker-arg=12000000",
             "--worker-arg=--max-num-seqs", "--worker-arg=4",
             "--autoscale", "--profile", str(profile), "--autoscale-interval", "2",
             "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS),
@@ -178,10 +193,15 @@ async def test_load_step_adds_a_decode_worker_and_slo_recovers(
         assert "started decode-1" not in up.text
         assert [w["worker_id"] for w in workers(url)] == ["decode-0"]
 
-        # The load step: 4 concurrent streams against 2 decode slots.
+        async with httpx.AsyncClient(timeout=60) as client:  # calibration, and a warm-up
+            idle = [await one_request(client, url, CALIBRATION_TOKENS) for _ in range(2)]
+        tokens = load_step_tokens(idle[-1][2])
+        print(f"idle TPOT {idle[-1][2] * 1000:.1f} ms -> load step of {tokens}-token requests")
+
+        # The load step: 6 concurrent streams against 4 decode slots.
         results: list[tuple] = []
         step_at = time.monotonic()
-        load = asyncio.create_task(closed_loop(url, CLIENTS, step_at + 240, results))
+        load = asyncio.create_task(closed_loop(url, CLIENTS, tokens, step_at + 300, results))
         await asyncio.to_thread(up.wait_for, r"started decode-1", 90)
         started_at = time.monotonic()
         await asyncio.to_thread(up.wait_for, r"decode-1 ready", 180)
@@ -195,7 +215,7 @@ async def test_load_step_adds_a_decode_worker_and_slo_recovers(
         ready_at = time.monotonic()
         before = [r for r in results if r[0] < started_at]
         settle = len(results)
-        while len(results) < settle + 40 and not load.done():  # 40 requests on 2 workers
+        while len(results) < settle + 30 and not load.done():  # 30 requests on 2 workers
             await asyncio.sleep(0.5)
         if load.done():
             load.result()  # a failed request fails the test with its own error
@@ -212,7 +232,7 @@ async def test_load_step_adds_a_decode_worker_and_slo_recovers(
               f"({len(before)} requests), after {ttft_after:.0f} ms, p90 TPOT after "
               f"{tpot_after:.0f} ms ({len(after)} requests)")  # fmt: skip
         assert ttft_before > SLO_TTFT_MS, "the load step did not breach the TTFT SLO"
-        assert len(after) >= 20
+        assert len(after) >= 15
         assert ttft_after < SLO_TTFT_MS and tpot_after < SLO_TPOT_MS
         served = {w["worker_id"]: w for w in workers(url)}
         assert set(served) == {"decode-0", "decode-1"}
