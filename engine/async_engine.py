@@ -86,6 +86,8 @@ class AsyncEngine:
         try:
             while not finished:
                 out = await stream.get()
+                while not out.finished and not stream.empty():  # fell behind: one delta
+                    out = out.then(stream.get_nowait())
                 finished = out.finished
                 yield out
         finally:

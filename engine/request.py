@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -100,3 +100,19 @@ class RequestOutput:
             "completion_tokens": self.num_output_tokens,
             "cached_tokens": self.num_cached_tokens,
         }
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This delta and the ``later`` one of the same request as a single delta.
+
+        A stream consumer that fell behind the engine sends one message for all the
+        steps it missed instead of one per token.
+        """
+        assert later.request_id == self.request_id and not self.finished
+        return replace(
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            queue_seconds=self.queue_seconds
+            if self.queue_seconds is not None
+            else later.queue_seconds,
+        )

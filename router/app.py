@@ -24,6 +24,33 @@ from pdserve.router.tokenizer import PromptTokenizer
 log = logging.getLogger(__name__)
 
 
+HOT_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+
+
+class RouterApp(FastAPI):
+    """FastAPI with a direct lane for the two hot endpoints.
+
+    POST /v1/completions and /v1/chat/completions skip FastAPI's middleware and
+    routing layers: about 1 ms less TTFT per request on a loaded CPU (measured with
+    ``bench/routing.py``, see docs/router.md). ``serve`` turns every API error into
+    OpenAI's body itself; anything else becomes a logged 500, as FastAPI would.
+    Every other path and method goes through FastAPI as usual.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        chat = HOT_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        rt: Runtime | None = getattr(self.state, "runtime", None)
+        if chat is None or scope.get("method") != "POST" or rt is None:
+            await super().__call__(scope, receive, send)
+            return
+        try:
+            response = await serve(rt, Request(scope, receive), chat)
+        except Exception as exc:
+            log.exception("internal error on %s", scope["path"])
+            response = rt.error(APIError(500, f"internal error: {type(exc).__name__}"))
+        await response(scope, receive, send)
+
+
 def create_app(
     cfg: RouterConfig, source: EndpointSource, tokenizer: PromptTokenizer | None = None
 ) -> FastAPI:
@@ -41,7 +68,7 @@ def create_app(
         finally:
             await rt.close()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = RouterApp(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     def rt() -> Runtime:
         return holder["rt"]

@@ -17,10 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 
 from pdserve.router.prefix_index import KVEventSubscriber
 from pdserve.router.snapshot import Snapshot, WorkerStats, WorkerView
+from pdserve.router.worker_client import TRANSPORT_ERRORS, get_json
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class Discovery:
     def __init__(
         self,
         source: EndpointSource,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         interval_s: float = 1.0,
         subscriber: KVEventSubscriber | None = None,
     ) -> None:
@@ -133,12 +134,11 @@ class Discovery:
 
     async def _check(self, ep: Endpoint) -> WorkerView:
         try:
-            health = await self.client.get(ep.url + "/health", timeout=2.0)
-            stats = await self.client.get(ep.url + "/stats", timeout=2.0)
-            ok = health.status_code == 200 and stats.status_code == 200
-            body = stats.json() if ok else {}
-            ws = WorkerStats.from_json(body if isinstance(body, dict) else {})
-        except (httpx.HTTPError, ValueError) as exc:
+            health, _ = await get_json(self.client, ep.url + "/health", 2.0)
+            status, body = await get_json(self.client, ep.url + "/stats", 2.0)
+            ok = health == 200 and status == 200 and isinstance(body, dict)
+            ws = WorkerStats.from_json(body if ok else {})
+        except (*TRANSPORT_ERRORS, ValueError) as exc:
             log.debug("health check of %s failed: %s", ep.url, exc)
             ok, ws = False, self._views.get(ep.url, WorkerView(ep.url, ep.role)).stats
         return WorkerView(ep.url, ep.role, healthy=ok, stats=ws)

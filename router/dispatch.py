@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
@@ -75,7 +75,7 @@ class Dispatcher:
         cfg: RouterConfig,
         discovery: Discovery,
         index: PrefixIndex,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         metrics: RouterMetrics,
         rng: random.Random | None = None,
     ) -> None:
@@ -177,13 +177,15 @@ class Dispatcher:
                 async for msg in worker_client.generate(
                     self.client, url, payload, self.cfg.request_timeout_s
                 ):
+                    if rs.finished:  # read on to the end: the connection goes back to the pool
+                        continue
                     if "error" in msg:
                         raise WorkerFailed(url, f"worker error: {msg['error']}", down=False)
                     delta = self._relay(rs, msg)
                     relayed = relayed or delta.num_tokens > 0 or bool(delta.text)
                     yield delta
-                    if delta.finish_reason is not None:
-                        return
+                if rs.finished:
+                    return
                 raise WorkerFailed(url, "stream ended without a finish_reason")
             except WorkerFailed as exc:
                 log.warning("request %s: decode failed on %s: %s", rs.request_id, url, exc)

@@ -89,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
         stop["signal"] = signum
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and then neither
+    # Ctrl-C in a foreground group nor `kill -INT` would stop `up` and its workers.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     cluster = LocalCluster(spec)
     try:
         print(f"pdserve up: starting {spec.num_prefill} prefill + {spec.num_decode} decode "

@@ -9,10 +9,10 @@ import hmac
 import logging
 import time
 
-import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from pdserve.router import worker_client
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery, EndpointSource
 from pdserve.router.dispatch import Dispatcher, RequestState
@@ -43,8 +43,7 @@ class Runtime:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics()
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self.client = httpx.AsyncClient(limits=limits, timeout=cfg.request_timeout_s)
+        self.client = worker_client.new_session()
         self.index = PrefixIndex(cfg.prefix_index_capacity)
         self.subscriber = KVEventSubscriber(self.index)
         self.discovery = Discovery(source, self.client, cfg.health_interval_s, self.subscriber)
@@ -63,7 +62,7 @@ class Runtime:
     async def close(self) -> None:
         await self.discovery.stop()
         await self.dispatcher.drain()
-        await self.client.aclose()
+        await self.client.close()
 
     # -- admission ---------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:

@@ -50,7 +50,8 @@ def register_scorer(name: str) -> Callable[[Scorer], Scorer]:
 
 
 def get_scorer(name: str) -> Scorer:
-    _load_plugins()
+    if name not in _SCORERS:
+        _load_plugins()
     if name not in _SCORERS:
         raise ValueError(f"unknown scorer {name!r}; valid: {sorted(_SCORERS)}")
     return _SCORERS[name]

@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdserve.router import responses
 from pdserve.router.dispatch import Delta, RequestState
@@ -33,9 +33,13 @@ class ClientGone(Exception):
     pass
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _wait_disconnect_asgi(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _wait_disconnect(request: Request) -> None:
+    await _wait_disconnect_asgi(request.receive)
 
 
 async def guarded(request: Request, aw: Awaitable[T]) -> T:
@@ -95,18 +99,40 @@ def fit_context(rt: Runtime, req: GenerateRequest, n: int) -> GenerateRequest:
     return req
 
 
-class _Stream(StreamingResponse):
-    """A streaming response that always runs its clean-up, even if never iterated."""
+class _Stream(Response):
+    """Server-sent events written straight to the ASGI channel; ``cleanup`` always runs.
+
+    Leaner than Starlette's StreamingResponse (no anyio task group per response: about
+    1 ms less per request on a loaded CPU, see docs/router.md). The body is pumped in
+    its own task, cancelled when the client goes away.
+    """
+
+    media_type = "text/event-stream"
 
     def __init__(self, body: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(body, media_type="text/event-stream")
+        super().__init__(media_type=self.media_type)
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self._body = body
         self._cleanup = cleanup
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        pump = asyncio.create_task(self._pump(send))
+        gone = asyncio.create_task(_wait_disconnect_asgi(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for task in (pump, gone):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await pump  # a send to a client that went away may raise OSError
             await self._cleanup()
+
+    async def _pump(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})  # fmt: skip
+        async for text in self._body:
+            await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def serve(rt: Runtime, request: Request, chat: bool) -> Response:

@@ -51,7 +51,9 @@ async def test_completion_streaming_with_usage(cluster_factory) -> None:
         )  # fmt: skip
         chunks = [ch async for ch in stream]
         texts = [ch.choices[0].text for ch in chunks if ch.choices]
-        assert texts[0].startswith("<") and texts[1:] == [" t0", " t1", " t2"]
+        # the prefill's token first, on its own; decode tokens that arrive together may
+        # share a chunk (the router catches up instead of paying per token)
+        assert texts[0].startswith("<") and "".join(texts[1:]) == " t0 t1 t2" and all(texts)
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
         await c.settle()
@@ -85,7 +87,8 @@ async def test_chat_remote_prefill_streams_first_token(cluster_factory) -> None:
             model="tiny", messages=[{"role": "user", "content": LONG}], max_tokens=3, stream=True
         )
         contents = [ch.choices[0].delta.content async for ch in stream if ch.choices]
-        assert contents[1].startswith("<") and contents[2:4] == [" t0", " t1"]
+        assert contents[1].startswith("<") and "".join(contents[2:]) == " t0 t1"
+        assert all(contents[1:])
         await c.settle()
 
 

@@ -1,0 +1,97 @@
+"""The router's hop to a decode worker's NDJSON stream, against a real aiohttp server on
+loopback that writes its lines in chosen bursts, pausing between them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from pdserve.router.worker_client import (
+    MAX_LINE_BYTES,
+    WorkerFailed,
+    generate,
+    merge_lines,
+    new_session,
+)
+
+
+def tok(i: int, finish: str | None = None) -> dict[str, Any]:
+    return {"token_ids": [i], "text": f" t{i}", "finish_reason": finish}
+
+
+def test_merge_lines_joins_token_runs_and_stops_at_finish_and_errors() -> None:
+    err = {"error": {"message": "boom"}}
+    merged = merge_lines([tok(0), tok(1), tok(2, "length"), tok(3)])
+    assert merged == [{"token_ids": [0, 1, 2], "text": " t0 t1 t2", "finish_reason": "length"},
+                      tok(3)]  # fmt: skip
+    assert merge_lines([tok(0), err, tok(1)]) == [tok(0), err, tok(1)]
+    assert merge_lines([]) == []
+
+
+async def serve_bursts(bursts: list[bytes]) -> AsyncIterator[str]:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for i, burst in enumerate(bursts):
+            if i:
+                await asyncio.sleep(0.2)  # the reader drains each burst before the next
+            await resp.write(burst)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+async def collect(bursts: list[bytes]) -> list[dict[str, Any]]:
+    gen = serve_bursts(bursts)
+    url = await anext(gen)
+    try:
+        async with new_session() as session:
+            return [m async for m in generate(session, url, {}, timeout=10)]
+    finally:
+        await gen.aclose()
+
+
+def lines(*msgs: dict[str, Any]) -> bytes:
+    return b"".join(json.dumps(m).encode() + b"\n" for m in msgs)
+
+
+async def test_lines_split_across_reads_and_a_last_line_without_newline() -> None:
+    raw = lines(tok(0), tok(1)) + json.dumps(tok(2, "stop")).encode()
+    got = await collect([raw[:5], raw[5:40], raw[40:]])  # cuts inside lines
+    assert "".join(m["text"] for m in got) == " t0 t1 t2"
+    assert [i for m in got for i in m["token_ids"]] == [0, 1, 2]
+    assert got[-1]["finish_reason"] == "stop"
+
+
+async def test_a_burst_of_lines_becomes_one_message() -> None:
+    got = await collect([lines(tok(0)), lines(tok(1), tok(2), tok(3, "length"))])
+    assert got[0] == tok(0)
+    assert got[1] == {"token_ids": [1, 2, 3], "text": " t1 t2 t3", "finish_reason": "length"}
+
+
+@pytest.mark.parametrize(
+    ("bursts", "match"),
+    [
+        ([b"{not json}\n"], "bad stream line"),
+        ([b"[1, 2]\n"], "bad stream line"),
+        ([b'{"token_ids": 5}\n'], "bad stream line"),
+        ([b"x" * (MAX_LINE_BYTES + 10)], "stream line over"),
+    ],
+)
+async def test_broken_streams_fail_the_worker(bursts: list[bytes], match: str) -> None:
+    with pytest.raises(WorkerFailed, match=match):
+        await collect(bursts)
