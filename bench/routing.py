@@ -300,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
             "rr": cluster.start_router(0, "router-rr", ["--routing", "round-robin", *common]).url,
         }
         cluster.wait_healthy(600, on_ready=lambda p, s: print(f"{p.name} ready ({s:.1f}s)"))
+        for proc in cluster.procs:
+            if proc.role == "router":
+                cluster.wait_routed(proc)
         summary, prefix, rr = asyncio.run(measure(cluster, routers, "bench", vocab, args))
     summary.update(
         groups=args.groups,

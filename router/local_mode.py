@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.start_workers()
         router = cluster.start_router(args.port, args=router_args(args), dynamic=args.autoscale)
         cluster.wait_healthy(args.startup_timeout, on_ready=_progress(len(cluster.procs)))
+        cluster.wait_routed(router, api_key=args.api_key)
         print_ready(router, spec, args.api_key)
         if args.autoscale:
             from pdserve.router.local_autoscale import run_autoscaled

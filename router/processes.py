@@ -220,6 +220,29 @@ class LocalCluster:
                 if pending:
                     time.sleep(0.25)
 
+    def wait_routed(self, router: Proc, timeout: float = 30.0, api_key: str = "") -> None:
+        """Block until ``router`` lists every worker process as healthy (``GET /workers``).
+
+        A router that answers ``/health`` may not have polled every worker yet; until
+        it has, it routes around the ones it has not seen (a prefill worker, say).
+        """
+        want = {p.url for p in self.procs if p.role in ("prefill", "decode")}
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0, headers=headers) as client:
+            while True:
+                try:
+                    listed = client.get(router.url + "/workers").json()["workers"]
+                    seen = {w["url"] for w in listed if w.get("healthy")}
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    seen = set()
+                if want <= seen:
+                    return
+                if time.monotonic() > deadline:
+                    missing = ", ".join(sorted(want - seen))
+                    raise TimeoutError(f"{router.name} does not route to {missing} yet")
+                time.sleep(0.1)
+
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process group, wait, SIGKILL stragglers. Safe to call twice."""
         _stop_procs(self.procs, grace_s)
