@@ -23,6 +23,7 @@ class EngineConfig:
     served_model_name: str | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    cpu_threads: int | None = None  # torch intra-op threads (CPU); None: torch's default
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -31,6 +32,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
 
@@ -66,6 +69,9 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads for CPU compute (default: torch's, all cores); give "
+                   "each worker on a shared machine its share")  # fmt: skip
 
 
 def engine_config_from_args(args) -> EngineConfig:  # type: ignore[no-untyped-def]
@@ -81,4 +87,5 @@ def engine_config_from_args(args) -> EngineConfig:  # type: ignore[no-untyped-de
         max_model_len=args.max_model_len,
         served_model_name=args.served_model_name,
         enable_prefix_caching=not args.no_prefix_caching,
+        cpu_threads=args.cpu_threads,
     )

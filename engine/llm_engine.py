@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import AutoTokenizer
 
 from pdserve.engine.block_manager import BlockManager
@@ -59,6 +60,8 @@ class LLMEngine:
         recompute_on_load_failure: bool = True,
     ) -> None:
         self.config = config
+        if config.cpu_threads is not None:  # process-wide: one engine per worker process
+            torch.set_num_threads(config.cpu_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         self.runner = ModelRunner(config)
         budget = budget_bytes(self.runner.device, config.kv_cache_bytes, config.kv_cache_fraction)

@@ -38,6 +38,15 @@ class ClusterSpec:
     decode_args: tuple[str, ...] = ()
     log_dir: str = ""
     worker_port_base: int = 8100  # prefill workers from here, decode workers from +100
+    cpu_threads: int = 0  # torch threads per worker; 0: the machine's cores shared out
+
+    def threads_per_worker(self) -> int:
+        """Cores over workers (at least 1): N workers with all cores each oversubscribe the
+        CPU, and OpenMP threads that spin waiting for a core slow everyone down."""
+        if self.cpu_threads > 0:
+            return self.cpu_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return max(1, (cores or 1) // max(1, self.num_prefill + self.num_decode))
 
     @property
     def model_name(self) -> str:
@@ -108,6 +117,7 @@ class LocalCluster:
                "--kv-transport", s.kv_transport, "--dtype", s.dtype]  # fmt: skip
         if s.served_model_name:
             out += ["--served-model-name", s.served_model_name]
+        out += ["--cpu-threads", str(s.threads_per_worker())]  # a worker arg may override it
         return out + list(s.worker_args)
 
     def start_workers(self) -> None:

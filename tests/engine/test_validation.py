@@ -106,3 +106,10 @@ def test_request_larger_than_the_pool(make_engine: Callable[..., LLMEngine]) -> 
     res = run_requests(small, {"ok": ([5] * 40, SamplingParams(max_tokens=24, ignore_eos=True))})
     assert len(res["ok"].token_ids) == 24
     assert_all_free(small)
+
+
+def test_engine_config_refuses_zero_cpu_threads(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    from pdserve.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="cpu_threads must be at least 1"):
+        EngineConfig(model=str(tiny_model_dir), cpu_threads=0)

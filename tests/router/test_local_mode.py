@@ -90,3 +90,23 @@ def test_router_command_line_matches_the_router_parser(tmp_path: Path) -> None:
     args = parser.parse_args(router.argv[4:])  # after: python -m pdserve router
     assert args.prefill == ["http://h:1", "http://h:2"] and args.decode == ["http://h:3"]
     assert (args.routing, args.disagg_threshold, args.api_key) == ("round-robin", 5, "k")
+
+
+def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(tmp_path: Path) -> None:
+    import argparse
+
+    from pdserve.engine.config import add_engine_arguments
+
+    cores = len(os.sched_getaffinity(0))
+    spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=1, num_decode=1, log_dir=str(tmp_path))
+    assert spec.threads_per_worker() == max(1, cores // 2)
+    spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=2, num_decode=3, cpu_threads=3,
+                       log_dir=str(tmp_path), worker_args=("--cpu-threads", "4"))  # fmt: skip
+    assert spec.threads_per_worker() == 3
+    cluster = LocalCluster(spec)
+    cluster._spawn = lambda proc: cluster.procs.append(proc)  # type: ignore[method-assign]
+    worker = cluster.add_worker("decode")
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args, _ = parser.parse_known_args(worker.argv[4:])  # after: python -m pdserve decode-worker
+    assert args.cpu_threads == 4  # the user's --worker-arg comes last
