@@ -109,27 +109,37 @@ class _Stream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self, head: str, body: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]]
+    ) -> None:
         super().__init__(media_type=self.media_type)
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self._head = head  # the chunks ready now (the first token): sent before any task starts
         self._body = body
         self._cleanup = cleanup
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        pump = asyncio.create_task(self._pump(send))
-        gone = asyncio.create_task(_wait_disconnect_asgi(receive))
+        pump = gone = None
         try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})  # fmt: skip
+            await send({"type": "http.response.body", "body": self._head.encode(),
+                        "more_body": True})  # fmt: skip
+            pump = asyncio.create_task(self._pump(send))
+            gone = asyncio.create_task(_wait_disconnect_asgi(receive))
             await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except OSError:  # the client went away while the head was written
+            pass
         finally:
             for task in (pump, gone):
-                task.cancel()
+                if task is not None:
+                    task.cancel()
             with contextlib.suppress(asyncio.CancelledError, OSError):
-                await pump  # a send to a client that went away may raise OSError
+                if pump is not None:
+                    await pump  # a send to a client that went away may raise OSError
             await self._cleanup()
 
     async def _pump(self, send: Any) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})  # fmt: skip
         async for text in self._body:
             await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -193,7 +203,7 @@ async def _respond(
         ticket.release()
         rt.finish(rs, rs.status)
 
-    return _Stream(_sse(req, rs, first, events), cleanup)
+    return _Stream(_sse_head(req, rs, first), _sse_rest(req, rs, events), cleanup)
 
 
 async def _collect(events: AsyncIterator[Delta]) -> tuple[str, str | None]:
@@ -208,15 +218,19 @@ def _usage(rs: RequestState) -> dict[str, Any]:
     return responses.usage(len(rs.prompt_ids), rs.completion_tokens, rs.cached_tokens)
 
 
-async def _sse(
-    req: GenerateRequest, rs: RequestState, first: Delta, events: AsyncIterator[Delta]
-) -> AsyncIterator[str]:
+def _sse_head(req: GenerateRequest, rs: RequestState, first: Delta) -> str:
+    """The stream's first chunks: the role (chat) and the first token."""
     rid, model, chat = rs.request_id, req.model, req.chat
     rs.status = 499  # until the stream completes
+    role = responses.chunk(rid, model, chat, role=True) if chat else ""
+    return role + responses.chunk(rid, model, chat, first.text, first.finish_reason)
+
+
+async def _sse_rest(
+    req: GenerateRequest, rs: RequestState, events: AsyncIterator[Delta]
+) -> AsyncIterator[str]:
+    rid, model, chat = rs.request_id, req.model, req.chat
     try:
-        if chat:
-            yield responses.chunk(rid, model, chat, role=True)
-        yield responses.chunk(rid, model, chat, first.text, first.finish_reason)
         async for d in events:
             yield responses.chunk(rid, model, chat, d.text, d.finish_reason)
         if req.include_usage:
