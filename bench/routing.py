@@ -5,16 +5,18 @@ routers in front of them: one ``--routing prefix``, one ``--routing round-robin`
 Workload: G groups x R requests sharing a long system prompt (>= 512 tokens) with
 short distinct suffixes, arriving interleaved (each round has every group once,
 in a shuffled order); each
-router gets its own fresh system prompts. The prefill workers' KV cache holds
-about half the groups plus slack, so spreading groups by prefix keeps them
-cached while round-robin makes every worker cycle through all groups (LRU
+router gets its own fresh system prompts. Each prefill worker's KV cache holds
+half the groups' prefixes (plus a few blocks for suffixes), so the two caches
+together hold the working set once: spreading groups by prefix keeps every group
+cached, while round-robin makes every worker cycle through all groups (LRU
 thrash). Then the router's overhead: the same short prompts (local prefill)
-through the router vs straight to the decode worker's ``/generate``.
+through the router vs straight to the decode worker's ``/generate``, and through a
+bare proxy (``bench/bare_proxy.py``) as the floor any extra hop costs.
 
 Hit ratio = cached prompt tokens / prompt tokens (from each response's usage).
 The last stdout line is JSON with ``prefix_hit_ratio``, ``rr_hit_ratio``,
 ``prefix_ttft_p50_ms``, ``rr_ttft_p50_ms``, ``ttft_p50_speedup``,
-``router_overhead_p50_ms`` and more.
+``router_overhead_p50_ms``, ``proxy_overhead_p50_ms`` and more.
 
     python bench/routing.py            # small preset, 8 x 16 requests
     python bench/routing.py --quick    # tiny preset, 4 x 4 requests
@@ -24,11 +26,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
+import socket
+import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cache-groups",
         type=float,
         default=0.0,
-        help="prefill KV cache size in groups' prefixes (default groups/2 + 1)",
+        help="prefill KV cache size in groups' prefixes (default groups/2)",
     )
     p.add_argument("--overhead-requests", type=int, default=60)
     p.add_argument("--kv-transport", default="nixl", choices=("nixl", "tcp"))
@@ -183,20 +189,44 @@ async def run_phase(h, url, model, prompts, args) -> list[dict[str, Any]]:
     return list(await asyncio.gather(*tasks))
 
 
+@contextlib.contextmanager
+def bare_proxy(worker_url: str) -> Iterator[str]:
+    """bench/bare_proxy.py in front of ``worker_url``, for as long as the block runs."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [sys.executable, str(ROOT / "bench" / "bare_proxy.py"), worker_url, str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "bare proxy did not start"
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(int(q * len(xs)), len(xs) - 1)] * 1000.0
 
 
-async def overhead(h, router_url, decode_url, model, vocab, args) -> dict[str, float]:
-    """Same short prompts (local prefill) through the router and straight to the decode
-    worker, alternating so both see the same load; then throughput at concurrency 8."""
+async def overhead(h, router_url, decode_url, proxy_url, model, vocab, args) -> dict[str, float]:
+    """Same short prompts (local prefill) through the router, straight to the decode worker
+    and through a bare proxy (bench/bare_proxy.py: the cost of the extra hop alone), in
+    turn so all three see the same load; then throughput at concurrency 8."""
     rng = random.Random(99)
     prompts = [[rng.randrange(16, vocab) for _ in range(24)] for _ in range(args.overhead_requests)]
-    via, direct = [], []
+    via, direct, proxied = [], [], []
     for ids in prompts:
         via.append((await via_router(h, router_url, model, ids, args.max_tokens))["ttft"])
         direct.append((await direct_decode(h, decode_url, ids, args.max_tokens))["ttft"])
+        proxied.append((await direct_decode(h, proxy_url, ids, args.max_tokens))["ttft"])
 
     async def throughput(fn) -> float:
         sem = asyncio.Semaphore(8)
@@ -216,6 +246,8 @@ async def overhead(h, router_url, decode_url, model, vocab, args) -> dict[str, f
         "router_ttft_p50_ms": pct(via, 0.5),
         "direct_ttft_p50_ms": pct(direct, 0.5),
         "router_overhead_p50_ms": pct(via, 0.5) - pct(direct, 0.5),
+        "proxy_ttft_p50_ms": pct(proxied, 0.5),
+        "proxy_overhead_p50_ms": pct(proxied, 0.5) - pct(direct, 0.5),
         "router_tokens_per_s": tput_router,
         "direct_tokens_per_s": tput_direct,
     }
@@ -248,7 +280,8 @@ def plot(prefix: list[dict], rr: list[dict], summary: dict[str, float], path: Pa
     b.set(ylim=(0, 1), title="prefix-cache hit ratio (tokens)")
     fig.suptitle(
         f"TTFT p50 speedup {summary['ttft_p50_speedup']:.2f}x, router overhead p50 "
-        f"{summary['router_overhead_p50_ms']:.2f} ms"
+        f"{summary['router_overhead_p50_ms']:.2f} ms (bare proxy "
+        f"{summary['proxy_overhead_p50_ms']:.2f} ms)"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -256,7 +289,12 @@ def plot(prefix: list[dict], rr: list[dict], summary: dict[str, float], path: Pa
 
 
 async def measure(
-    cluster: LocalCluster, routers: dict[str, str], model: str, vocab: int, args: argparse.Namespace
+    cluster: LocalCluster,
+    routers: dict[str, str],
+    proxy_url: str,
+    model: str,
+    vocab: int,
+    args: argparse.Namespace,
 ) -> tuple[dict, list, list]:
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(timeout=600, limits=limits) as h:
@@ -265,7 +303,8 @@ async def measure(
                 await via_router(h, url, model, ids[:200], args.max_tokens)
         prefix = await run_phase(h, routers["prefix"], model, workload(args, vocab, 2), args)
         rr = await run_phase(h, routers["rr"], model, workload(args, vocab, 3), args)
-        over = await overhead(h, routers["prefix"], cluster.urls("decode")[0], model, vocab, args)
+        over = await overhead(h, routers["prefix"], cluster.urls("decode")[0], proxy_url,
+                              model, vocab, args)  # fmt: skip
     summary = {**summarize("prefix", prefix), **summarize("rr", rr), **over}
     summary["ttft_p50_speedup"] = summary["rr_ttft_p50_ms"] / summary["prefix_ttft_p50_ms"]
     return summary, prefix, rr
@@ -278,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = len(AutoTokenizer.from_pretrained(model_dir))
     per_prefix = -(-(args.system_tokens + 16) // BLOCK)
-    cache_groups = args.cache_groups or args.groups / 2 + 1
+    cache_groups = args.cache_groups or args.groups / 2
     cache_bytes = int(per_prefix * cache_groups + 8) * kv_block_bytes(model_dir, args.dtype)
     spec = ClusterSpec(
         model_dir=model_dir,
@@ -303,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         for proc in cluster.procs:
             if proc.role == "router":
                 cluster.wait_routed(proc)
-        summary, prefix, rr = asyncio.run(measure(cluster, routers, "bench", vocab, args))
+        with bare_proxy(cluster.urls("decode")[0]) as proxy_url:
+            summary, prefix, rr = asyncio.run(
+                measure(cluster, routers, proxy_url, "bench", vocab, args)
+            )
     summary.update(
         groups=args.groups,
         per_group=args.per_group,

@@ -24,7 +24,7 @@ def test_routing_bench_quick(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("prefix_hit_ratio", "rr_hit_ratio", "prefix_ttft_p50_ms", "rr_ttft_p50_ms",
-                "ttft_p50_speedup", "router_overhead_p50_ms"):  # fmt: skip
+                "ttft_p50_speedup", "router_overhead_p50_ms", "proxy_overhead_p50_ms"):  # fmt: skip
         assert isinstance(result[key], (int, float)), key
     assert result["prefix_requests"] == result["rr_requests"] == 16
     # 4 groups x 4 requests: only each group's first request may miss
