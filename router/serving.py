@@ -102,9 +102,9 @@ def fit_context(rt: Runtime, req: GenerateRequest, n: int) -> GenerateRequest:
 class _Stream(Response):
     """Server-sent events written straight to the ASGI channel; ``cleanup`` always runs.
 
-    Leaner than Starlette's StreamingResponse (no anyio task group per response: about
-    1 ms less per request on a loaded CPU, see docs/router.md). The body is pumped in
-    its own task, cancelled when the client goes away.
+    Leaner than Starlette's StreamingResponse (no anyio task group per response, see
+    docs/router.md): the head goes out at once, then the body is pumped in its own
+    task, cancelled when the client goes away.
     """
 
     media_type = "text/event-stream"
