@@ -243,6 +243,63 @@ async def test_load_step_adds_a_decode_worker_and_slo_recovers(
     assert "all processes stopped" in up.text
 
 
+async def test_quiet_load_removes_the_extra_worker_and_no_request_fails(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Scale-down under light load: the planner drains and stops decode-1 while a client keeps
+    streaming; every request succeeds, the router stops listing the worker, its process
+    exits, and the remaining worker's KV pool is free."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    port = _free_port()
+    argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tiny_model_dir),
+            "--port", str(port), "--served-model-name", "tiny", "--prefill", "0", "--decode", "2",
+            "--kv-transport", "tcp", "--routing", "round-robin",
+            "--worker-port-base", str(20000 + port % 20000), "--log-dir", str(tmp_path / "logs"),
+            "--worker-arg=--device", "--worker-arg=cpu", "--worker-arg=--max-num-seqs",
+            "--worker-arg=4", "--worker-arg=--kv-cache-bytes", "--worker-arg=6000000",
+            "--autoscale", "--profile", str(profile), "--autoscale-interval", "1",
+            "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS),
+            "--prefill-min", "0", "--prefill-max", "0", "--decode-min", "1", "--decode-max", "2",
+            "--scale-down-window", "4"]  # fmt: skip
+    up = Up(argv)
+    try:
+        url = up.wait_for(r"pdserve is up: (\S+)/v1", 300).group(1)
+        before = {w["worker_id"]: w["url"] for w in workers(url)}
+        assert set(before) == {"decode-0", "decode-1"}
+        results: list[tuple] = []
+        load = asyncio.create_task(closed_loop(url, 1, 16, time.monotonic() + 120, results))
+        await asyncio.to_thread(up.wait_for, r"draining and stopping decode-1", 60)
+        stopping_at = len(results)
+
+        async def dropped() -> None:  # the router no longer lists decode-1
+            while any(w["worker_id"] == "decode-1" for w in workers(url)):
+                await asyncio.sleep(0.2)
+
+        await asyncio.wait_for(dropped(), 30)
+        while len(results) < stopping_at + 10 and not load.done():  # served by decode-0 alone
+            await asyncio.sleep(0.2)
+        if load.done():
+            load.result()  # a failed request fails the test with its own error
+        load.cancel()
+        await asyncio.gather(load, return_exceptions=True)
+        assert len(results) >= stopping_at + 10
+        deadline = time.monotonic() + 30
+        while True:  # the process is gone: its port no longer answers
+            try:
+                httpx.get(before["decode-1"] + "/health", timeout=1)
+            except httpx.HTTPError:
+                break
+            assert time.monotonic() < deadline, "decode-1 still answers after its scale-down"
+            await asyncio.sleep(0.5)
+        assert [w["worker_id"] for w in workers(url)] == ["decode-0"]
+        await asyncio.to_thread(all_kv_free, [before["decode-0"]])
+        assert "started decode-2" not in up.text  # no flapping back up under the light load
+    finally:
+        code = up.stop()
+    assert code == 0, up.text
+
+
 async def test_workers_file_is_reread_on_change_and_bad_files_are_refused(tmp_path: Path) -> None:
     from pdserve.router.discovery_file import FileSource, write_workers_file
 
