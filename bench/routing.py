@@ -9,9 +9,11 @@ router gets its own fresh system prompts. Each prefill worker's KV cache holds
 half the groups' prefixes (plus a few blocks for suffixes), so the two caches
 together hold the working set once: spreading groups by prefix keeps every group
 cached, while round-robin makes every worker cycle through all groups (LRU
-thrash). Then the router's overhead: the same short prompts (local prefill)
-through the router vs straight to the decode worker's ``/generate``, and through a
-bare proxy (``bench/bare_proxy.py``) as the floor any extra hop costs.
+thrash). Then the router's overhead: short prompts (local prefill) through the
+router vs straight to the decode worker's ``/generate``, and through a bare proxy
+(``bench/bare_proxy.py``) as the floor any extra hop costs; each path gets its own
+prompts of the same length (a prompt sent twice would hit the prefix cache the second
+time and flatter whichever path went second).
 
 Hit ratio = cached prompt tokens / prompt tokens (from each response's usage).
 The last stdout line is JSON with ``prefix_hit_ratio``, ``rr_hit_ratio``,
@@ -221,12 +223,17 @@ async def overhead(h, router_url, decode_url, proxy_url, model, vocab, args) -> 
     and through a bare proxy (bench/bare_proxy.py: the cost of the extra hop alone), in
     turn so all three see the same load; then throughput at concurrency 8."""
     rng = random.Random(99)
-    prompts = [[rng.randrange(16, vocab) for _ in range(24)] for _ in range(args.overhead_requests)]
+
+    def fresh() -> list[list[int]]:  # every path its own prompts: none hits another's cache
+        return [
+            [rng.randrange(16, vocab) for _ in range(24)] for _ in range(args.overhead_requests)
+        ]
+
     via, direct, proxied = [], [], []
-    for ids in prompts:
-        via.append((await via_router(h, router_url, model, ids, args.max_tokens))["ttft"])
-        direct.append((await direct_decode(h, decode_url, ids, args.max_tokens))["ttft"])
-        proxied.append((await direct_decode(h, proxy_url, ids, args.max_tokens))["ttft"])
+    for a, b, c in zip(fresh(), fresh(), fresh(), strict=True):
+        via.append((await via_router(h, router_url, model, a, args.max_tokens))["ttft"])
+        direct.append((await direct_decode(h, decode_url, b, args.max_tokens))["ttft"])
+        proxied.append((await direct_decode(h, proxy_url, c, args.max_tokens))["ttft"])
 
     async def throughput(fn) -> float:
         sem = asyncio.Semaphore(8)
@@ -236,7 +243,7 @@ async def overhead(h, router_url, decode_url, proxy_url, model, vocab, args) -> 
                 return (await fn(ids))["tokens"]
 
         t0 = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(ids) for ids in prompts)))
+        tokens = sum(await asyncio.gather(*(one(ids) for ids in fresh())))
         return tokens / (time.perf_counter() - t0)
 
     n = 16
