@@ -34,13 +34,13 @@ def test_merge_lines_joins_token_runs_and_stops_at_finish_and_errors() -> None:
     assert merge_lines([]) == []
 
 
-async def serve_bursts(bursts: list[bytes]) -> AsyncIterator[str]:
+async def serve_bursts(bursts: list[bytes], pause_s: float = 0.2) -> AsyncIterator[str]:
     async def handler(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()
         await resp.prepare(request)
         for i, burst in enumerate(bursts):
             if i:
-                await asyncio.sleep(0.2)  # the reader drains each burst before the next
+                await asyncio.sleep(pause_s)  # the reader drains each burst before the next
             await resp.write(burst)
         await resp.write_eof()
         return resp
@@ -55,12 +55,14 @@ async def serve_bursts(bursts: list[bytes]) -> AsyncIterator[str]:
         await server.close()
 
 
-async def collect(bursts: list[bytes]) -> list[dict[str, Any]]:
-    gen = serve_bursts(bursts)
+async def collect(
+    bursts: list[bytes], pause_s: float = 0.2, timeout: float = 10.0
+) -> list[dict[str, Any]]:
+    gen = serve_bursts(bursts, pause_s)
     url = await anext(gen)
     try:
         async with new_session() as session:
-            return [m async for m in generate(session, url, {}, timeout=10)]
+            return [m async for m in generate(session, url, {}, timeout=timeout)]
     finally:
         await gen.aclose()
 
@@ -95,3 +97,11 @@ async def test_a_burst_of_lines_becomes_one_message() -> None:
 async def test_broken_streams_fail_the_worker(bursts: list[bytes], match: str) -> None:
     with pytest.raises(WorkerFailed, match=match):
         await collect(bursts)
+
+
+async def test_the_timeout_is_per_read_not_for_the_whole_stream() -> None:
+    bursts = [lines(tok(i)) for i in range(5)] + [lines(tok(5, "length"))]
+    got = await collect(bursts, pause_s=0.2, timeout=0.6)  # 1 s in all, never 0.6 s idle
+    assert [i for m in got for i in m["token_ids"]] == list(range(6))
+    with pytest.raises(WorkerFailed, match="generate failed"):
+        await collect([lines(tok(0)), lines(tok(1, "length"))], pause_s=1.5, timeout=0.5)
