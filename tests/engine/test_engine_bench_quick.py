@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.loopback import run_bench
 
 
 @pytest.mark.timeout(240)
 def test_bench_quick(tmp_path: Path) -> None:
     plot = tmp_path / "engine.png"
-    out = subprocess.run(
-        [sys.executable, "bench/engine.py", "--quick", "--threads", "1", "--plot", str(plot)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_bench("engine.py", "--quick", "--threads", "1", "--plot", str(plot), timeout=200)
     for key in ("ours_tok_s", "baseline_tok_s", "ratio"):
         assert isinstance(result[key], float) and result[key] > 0, (key, result)
     for key in ("overhead_share", "kv_waste"):

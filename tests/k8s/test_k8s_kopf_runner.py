@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 from typing import Any
 
 import aiohttp
@@ -19,6 +18,7 @@ from k8s_helpers import NS, ROOT, eventually, minimal_llmservice, simulate_deplo
 from kopf.testing import KopfRunner
 
 from pdserve.operator.kube import KubeClient
+from tests.loopback import free_port
 
 pytestmark = pytest.mark.timeout(90)
 GVK = ("pdserve.io/v1alpha1", "LLMService")
@@ -62,7 +62,7 @@ async def test_kopf_runner_smoke(
 async def test_pdserve_operator_process(kubeconfig: str, client: KubeClient) -> None:
     """The shipped entry point, ``pdserve operator``, as a real process: reconciles, answers
     its liveness probe, and stops cleanly on SIGTERM."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "KUBECONFIG": kubeconfig}
     proc = await asyncio.create_subprocess_exec(
         str(ROOT / ".venv" / "bin" / "pdserve"), "operator", "--namespace", NS,
@@ -90,9 +90,3 @@ async def test_pdserve_operator_process(kubeconfig: str, client: KubeClient) -> 
         proc.send_signal(signal.SIGTERM)
         out, _ = await asyncio.wait_for(proc.communicate(), timeout=30)
     assert proc.returncode == 0, out.decode()[-3000:]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.loopback import all_kv_free, free_port
 
 pytestmark = pytest.mark.timeout(480)
 
@@ -62,10 +63,23 @@ PROFILE = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def autoscaled_up(
+    model: Path, tmp_path: Path, decode: int, interval: str, window: str, engine: list[str]
+) -> list[str]:
+    """``pdserve up --autoscale`` as the tests run it: a decode-only pool of 1..2 CPU workers
+    (tcp, round-robin) under the test's SLOs and profile; ``engine``: more worker flags."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    port = free_port()
+    return [sys.executable, "-m", "pdserve", "up", "--model", str(model),
+            "--port", str(port), "--served-model-name", "tiny", "--prefill", "0",
+            "--decode", str(decode), "--kv-transport", "tcp", "--routing", "round-robin",
+            "--worker-port-base", str(20000 + port % 20000), "--log-dir", str(tmp_path / "logs"),
+            *(f"--worker-arg={a}" for a in ["--device", "cpu", "--max-num-seqs", "4", *engine]),
+            "--autoscale", "--profile", str(profile), "--autoscale-interval", interval,
+            "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS),
+            "--prefill-min", "0", "--prefill-max", "0", "--decode-min", "1", "--decode-max", "2",
+            "--scale-down-window", window]  # fmt: skip
 
 
 class Up:
@@ -152,17 +166,6 @@ def p90(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
-def all_kv_free(urls: list[str], timeout: float = 30.0) -> None:
-    """Every worker's KV pool is free again (cancelled streams are aborted at the workers)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = [httpx.get(u + "/stats", timeout=5).json() for u in urls]
-        if all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats):
-            return
-        assert time.monotonic() < deadline, f"KV not freed: {stats}"
-        time.sleep(0.2)
-
-
 def workers(url: str) -> list[dict[str, Any]]:
     return list(httpx.get(url + "/workers", timeout=5).json()["workers"])
 
@@ -170,22 +173,8 @@ def workers(url: str) -> list[dict[str, Any]]:
 async def test_load_step_adds_a_decode_worker_and_slo_recovers(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(PROFILE))
-    port = _free_port()
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tiny_model_dir),
-            "--port", str(port), "--served-model-name", "tiny", "--prefill", "0", "--decode", "1",
-            "--kv-transport", "tcp", "--routing", "round-robin",
-            "--worker-port-base", str(20000 + port % 20000),
-            "--log-dir", str(tmp_path / "logs"),
-            "--worker-arg=--device", "--worker-arg=cpu", "--worker-arg=--max-model-len",
-            "--worker-arg=1024", "--worker-arg=--kv-cache-bytes", "--worker-arg=12000000",
-            "--worker-arg=--max-num-seqs", "--worker-arg=4",
-            "--autoscale", "--profile", str(profile), "--autoscale-interval", "2",
-            "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS),
-            "--prefill-min", "0", "--prefill-max", "0", "--decode-min", "1", "--decode-max", "2",
-            "--scale-down-window", "600"]  # fmt: skip
-    up = Up(argv)
+    engine = ["--max-model-len", "1024", "--kv-cache-bytes", "12000000"]
+    up = Up(autoscaled_up(tiny_model_dir, tmp_path, 1, "2", "600", engine))
     try:
         url = up.wait_for(r"pdserve is up: (\S+)/v1", 300).group(1)
         up.wait_for(r"autoscaling every", 10)
@@ -249,20 +238,7 @@ async def test_quiet_load_removes_the_extra_worker_and_no_request_fails(
     """Scale-down under light load: the planner drains and stops decode-1 while a client keeps
     streaming; every request succeeds, the router stops listing the worker, its process
     exits, and the remaining worker's KV pool is free."""
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(PROFILE))
-    port = _free_port()
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tiny_model_dir),
-            "--port", str(port), "--served-model-name", "tiny", "--prefill", "0", "--decode", "2",
-            "--kv-transport", "tcp", "--routing", "round-robin",
-            "--worker-port-base", str(20000 + port % 20000), "--log-dir", str(tmp_path / "logs"),
-            "--worker-arg=--device", "--worker-arg=cpu", "--worker-arg=--max-num-seqs",
-            "--worker-arg=4", "--worker-arg=--kv-cache-bytes", "--worker-arg=6000000",
-            "--autoscale", "--profile", str(profile), "--autoscale-interval", "1",
-            "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS),
-            "--prefill-min", "0", "--prefill-max", "0", "--decode-min", "1", "--decode-max", "2",
-            "--scale-down-window", "4"]  # fmt: skip
-    up = Up(argv)
+    up = Up(autoscaled_up(tiny_model_dir, tmp_path, 2, "1", "4", ["--kv-cache-bytes", "6000000"]))
     try:
         url = up.wait_for(r"pdserve is up: (\S+)/v1", 300).group(1)
         before = {w["worker_id"]: w["url"] for w in workers(url)}

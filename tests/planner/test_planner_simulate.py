@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.loopback import run_bench
 
 
 @pytest.mark.timeout(180)
 def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "bench/simulate.py",
-            "--quick",
-            "--no-progress",
-            "--out-dir",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    args = ("--quick", "--no-progress", "--out-dir", str(tmp_path))
+    result = run_bench("simulate.py", *args, timeout=170)
     for key in ("attainment", "replica_hours_saving", "queue_blind_attainment"):
         assert isinstance(result[key], float), key
     assert 0.0 <= result["attainment"] <= 1.0

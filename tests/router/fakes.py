@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve.codec import to_dict
 from pdserve.engine.hashing import block_hashes
 from pdserve.transfer.messages import KVHandle
+from tests.loopback import free_port
 
 BLOCK = 16
 TOTAL_BLOCKS = 1000
@@ -171,12 +171,6 @@ async def _stream(st: FakeState, rid: str, n: int) -> AsyncIterator[bytes]:
             yield json.dumps(line).encode() + b"\n"
     finally:
         st.active.pop(rid, None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.asynccontextmanager

@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.loopback import ROOT, all_kv_free, free_port
+
 WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.py"]
 
 pytestmark = [
@@ -24,14 +25,6 @@ pytestmark = [
     pytest.mark.timeout(900),
     pytest.mark.skipif(not all(p.exists() for p in WORKERS), reason="real workers not built yet"),
 ]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ignore_sigint() -> None:
@@ -42,7 +35,7 @@ def _ignore_sigint() -> None:
 def up(tiny_model_dir: Path, tmp_path_factory):
     """``pdserve up`` as a user runs it; yields (router URL, worker URLs)."""
     logs = tmp_path_factory.mktemp("up-logs")
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tiny_model_dir),
             "--port", str(port), "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
             "--disagg-threshold", "32", "--log-dir", str(logs),
@@ -65,16 +58,6 @@ def up(tiny_model_dir: Path, tmp_path_factory):
     yield url, workers, proc
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _all_kv_free(workers: list[str]) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        stats = [httpx.get(w + "/stats", timeout=5).json() for w in workers]
-        if all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats):
-            return
-        assert time.monotonic() < deadline, f"KV not freed: {stats}"
-        time.sleep(0.2)
 
 
 def test_openai_client_against_real_workers(up) -> None:
@@ -100,7 +83,7 @@ def test_openai_client_against_real_workers(up) -> None:
     assert short.choices[0].message.role == "assistant"
     metrics = httpx.get(url + "/metrics").text
     assert 'kind="remote_prefill"' in metrics and 'kind="local_prefill"' in metrics
-    _all_kv_free(workers)
+    all_kv_free(workers)
 
 
 def test_load_200_requests_at_concurrency_50(up) -> None:
@@ -121,7 +104,7 @@ def test_load_200_requests_at_concurrency_50(up) -> None:
 
     codes = asyncio.run(load())
     assert codes == [200] * 200
-    _all_kv_free(workers)
+    all_kv_free(workers)
 
 
 def test_sigint_stops_everything(up) -> None:

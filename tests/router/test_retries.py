@@ -14,7 +14,8 @@ import pytest
 
 from pdserve.router.discovery import Discovery, StaticSource
 from pdserve.router.worker_client import new_session
-from tests.router.fakes import FakeState, decode_app, free_port
+from tests.loopback import free_port
+from tests.router.fakes import FakeState, decode_app
 from tests.router.test_api import LONG, client
 
 pytestmark = pytest.mark.timeout(60)

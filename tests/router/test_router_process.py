@@ -16,7 +16,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tests.router.fakes import FakeState, decode_app, free_port, prefill_app, serve
+from tests.loopback import free_port
+from tests.router.fakes import FakeState, decode_app, prefill_app, serve
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,0 +1,41 @@
+"""Helpers shared by the tests that run real services on loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def all_kv_free(urls: list[str], timeout: float = 30.0) -> None:
+    """Every worker's KV pool is free again (cancelled streams are aborted at the workers)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = [httpx.get(u + "/stats", timeout=5).json() for u in urls]
+        if all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats):
+            return
+        assert time.monotonic() < deadline, f"KV not freed: {stats}"
+        time.sleep(0.2)
+
+
+def run_bench(script: str, *args: str, timeout: float) -> dict[str, Any]:
+    """``python bench/SCRIPT ARGS`` from the repository root: it must exit 0; returns the
+    JSON of its last stdout line (every benchmark prints its result there)."""
+    out = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
