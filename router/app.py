@@ -6,7 +6,6 @@ Tests build it around fake workers.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,9 +19,6 @@ from pdserve.router.errors import APIError
 from pdserve.router.runtime import Runtime
 from pdserve.router.serving import serve
 from pdserve.router.tokenizer import PromptTokenizer
-
-log = logging.getLogger(__name__)
-
 
 HOT_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 
@@ -46,8 +42,7 @@ class RouterApp(FastAPI):
         try:
             response = await serve(rt, Request(scope, receive), chat)
         except Exception as exc:
-            log.exception("internal error on %s", scope["path"])
-            response = rt.error(APIError(500, f"internal error: {type(exc).__name__}"))
+            response = rt.internal_error(scope["path"], exc)
         await response(scope, receive, send)
 
 
@@ -79,8 +74,7 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error on %s", request.url.path)
-        return rt().error(APIError(500, f"internal error: {type(exc).__name__}"))
+        return rt().internal_error(request.url.path, exc)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

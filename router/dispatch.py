@@ -33,6 +33,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.routing import NoWorkerAvailable, RoutePlan, plan_route
 from pdserve.router.scoring import RouteRequest
+from pdserve.router.snapshot import Snapshot
 from pdserve.router.worker_client import WorkerFailed
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,7 @@ class Dispatcher:
         self._rr = 0
         self._background: set[asyncio.Task[Any]] = set()
 
-    def plan(self, ids: list[int]) -> RoutePlan:
-        snap = self.discovery.snapshot()
+    def plan(self, ids: list[int], snap: Snapshot) -> RoutePlan:
         prefix = self.cfg.routing == "prefix"
         hashes = block_hashes(ids, snap.block_size) if prefix else []
         req = RouteRequest(len(ids), tuple(hashes), snap.block_size, self.index.match(hashes),

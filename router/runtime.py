@@ -101,6 +101,11 @@ class Runtime:
             log.warning("request failed (%d): %s", err.status, err.message)
         return err.response()
 
+    def internal_error(self, path: str, exc: Exception) -> JSONResponse:
+        """An unexpected exception while serving ``path``: logged, answered with a 500."""
+        log.error("internal error on %s", path, exc_info=exc)
+        return self.error(APIError(500, f"internal error: {type(exc).__name__}"))
+
     def finish(self, rs: RequestState, code: int) -> None:
         if rs.recorded:
             return

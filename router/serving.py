@@ -25,6 +25,7 @@ from pdserve.router.errors import APIError, invalid
 from pdserve.router.protocol import GenerateRequest, check_model, parse_request
 from pdserve.router.routing import RoutePlan
 from pdserve.router.runtime import Runtime, Ticket
+from pdserve.router.snapshot import Snapshot
 
 T = TypeVar("T")
 
@@ -77,8 +78,8 @@ def prompt_ids(rt: Runtime, req: GenerateRequest) -> list[int]:
     return rt.tokenizer.encode(req.prompt_text)
 
 
-def fit_context(rt: Runtime, req: GenerateRequest, n: int) -> GenerateRequest:
-    max_len = rt.discovery.snapshot().max_model_len or rt.tokenizer.config_max_len
+def fit_context(rt: Runtime, snap: Snapshot, req: GenerateRequest, n: int) -> GenerateRequest:
+    max_len = snap.max_model_len or rt.tokenizer.config_max_len
     if not max_len:
         return req
     field = "messages" if req.chat else "prompt"
@@ -152,13 +153,14 @@ async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
         req = parse_request(await read_json(request), chat, rt.cfg.default_max_tokens)
         check_model(req.model, rt.served_names)
         ids = prompt_ids(rt, req)
-        req = fit_context(rt, req, len(ids))
+        snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
+        req = fit_context(rt, snap, req, len(ids))
         ticket = rt.admit()
     except APIError as err:
         return rt.error(err)
     streaming = False
     try:
-        plan = rt.dispatcher.plan(ids)
+        plan = rt.dispatcher.plan(ids, snap)
         rs = RequestState(rid, ids, req.sampling)
         response = await _respond(rt, request, req, rs, plan, ticket)
         streaming = isinstance(response, _Stream)
