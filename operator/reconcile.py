@@ -119,7 +119,12 @@ def plan_patch(live: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str,
 def keep_autoscaled_replicas(
     spec: LLMServiceSpec, desired: dict[str, Any], live: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    """While autoscaling is on, a pool keeps the autoscaler's replica count (clamped to bounds)."""
+    """While autoscaling is on, a pool keeps the autoscaler's replica count (clamped to bounds).
+
+    A count within bounds is left out of the desired object, so a drift repair never writes
+    back the count it read: a scale (by the autoscaler or a person) that lands between our
+    read and our patch would otherwise be lost.
+    """
     if desired["kind"] != "Deployment" or not spec.autoscaling.enabled:
         return desired
     role = desired["metadata"]["labels"].get(n.LABEL_ROLE)
@@ -127,9 +132,11 @@ def keep_autoscaled_replicas(
     if pool is None:
         return desired
     current = (live or {}).get("spec", {}).get("replicas")
-    chosen = pool.clamp(current) if isinstance(current, int) else pool.replicas
     out = copy.deepcopy(desired)
-    out["spec"]["replicas"] = chosen
+    if isinstance(current, int) and pool.clamp(current) == current:
+        out["spec"].pop("replicas", None)
+        return out
+    out["spec"]["replicas"] = pool.clamp(current) if isinstance(current, int) else pool.replicas
     return out
 
 

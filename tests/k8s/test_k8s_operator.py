@@ -201,9 +201,11 @@ async def test_manual_edits_reverted_autoscaled_replicas_kept(
         assert dep is not None and cm is not None
         c = dep["spec"]["template"]["spec"]["containers"][0]
         ok = c["image"] == obj["spec"]["image"] and cm["data"]["PDSERVE_KV_TRANSPORT"] == "nixl"
-        return dep if ok else None
+        # The image may be reverted by an earlier repair than the one that sees the 40 and
+        # clamps it (each edit is its own write), so the wait covers the clamp as well.
+        return dep if ok and dep["spec"]["replicas"] == 4 else None
 
-    prefill = await eventually(reverted, what="manual edits reverted")
+    prefill = await eventually(reverted, what="manual edits reverted, replicas clamped")
     assert prefill["spec"]["replicas"] == 4  # autoscaler's 40 clamped to maxReplicas
     assert prefill["spec"]["template"]["spec"]["containers"][0]["command"][1] == "prefill-worker"
     decode = await client.get("apps/v1", "Deployment", NS, "demo-decode")
