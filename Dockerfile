@@ -25,6 +25,7 @@ COPY decode_worker/ decode_worker/
 COPY router/ router/
 COPY operator/ operator/
 COPY planner/ planner/
+COPY local/ local/
 RUN pip install . && pdserve --help >/dev/null
 
 FROM python:${PYTHON_VERSION}-slim

@@ -1,6 +1,6 @@
 """Prefix-aware routing vs round-robin, and the router's own overhead, in one run.
 
-Starts 2 prefill + 1 decode real workers (``pdserve.router.processes``) and two
+Starts 2 prefill + 1 decode real workers (``pdserve.local.processes``) and two
 routers in front of them: one ``--routing prefix``, one ``--routing round-robin``.
 Workload: G groups x R requests sharing a long system prompt (>= 512 tokens) with
 short distinct suffixes, arriving interleaved (each round has every group once,
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.router.processes import ClusterSpec, LocalCluster  # noqa: E402
+from pdserve.local.processes import ClusterSpec, LocalCluster  # noqa: E402
 
 BLOCK = 16
 

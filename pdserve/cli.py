@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prefill-worker": ("pdserve.prefill_worker.main", "run a prefill worker"),
     "decode-worker": ("pdserve.decode_worker.main", "run a decode worker"),
     "router": ("pdserve.router.main", "run the OpenAI-compatible router"),
-    "up": ("pdserve.router.local_mode", "run router + workers locally"),
+    "up": ("pdserve.local.up", "run router + workers locally"),
     "operator": ("pdserve.operator.main", "run the Kubernetes operator"),
     "render": ("pdserve.operator.render_cli", "render an LLMService to manifests"),
     "profile": ("pdserve.planner.profile", "measure per-replica capacities"),

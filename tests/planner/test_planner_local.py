@@ -1,6 +1,6 @@
 """The local-mode autoscaler loop, with fake pools and scale callbacks.
 
-The router and worker processes belong to ``pdserve up`` (router/local_mode.py);
+The router and worker processes belong to ``pdserve up`` (local/up.py);
 here the metrics come from real prometheus_client metrics under the contract
 names, served over loopback HTTP in the last test, and the "pools" are counters
 that the scale callbacks move.
@@ -15,7 +15,7 @@ import pytest
 from planner_helpers import FakeRouter
 from prometheus_client import start_http_server
 
-from pdserve.planner.local import (
+from pdserve.local.planner_loop import (
     LocalAutoscaler,
     add_autoscale_arguments,
     config_from_args,

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from pdserve.router.processes import ClusterSpec, LocalCluster, Proc
+from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
 
 WORKER_ARGS = (
     "--device", "cpu", "--kv-cache-bytes", "6000000", "--max-num-batched-tokens", "512",

@@ -1,7 +1,7 @@
 """``pdserve up --autoscale``: the planner adds and removes local worker processes.
 
 ``LocalAutoscaling`` joins three loops until stopped: the planner
-(``pdserve.planner.local.LocalAutoscaler``, scraping the router's /metrics), a
+(``pdserve.local.planner_loop.LocalAutoscaler``, scraping the router's /metrics), a
 health poll that tells the planner which workers are ready, and a watch that
 ends everything when a worker dies on its own. Scaling goes through
 ``LocalCluster.add_worker`` / ``remove_worker``; the router learns the new worker
@@ -17,10 +17,10 @@ import sys
 
 import httpx
 
+from pdserve.local.planner_loop import LocalAutoscaler, config_from_args, http_fetcher
+from pdserve.local.processes import LocalCluster, Proc
 from pdserve.planner.config import PlannerConfig
-from pdserve.planner.local import LocalAutoscaler, config_from_args, http_fetcher
 from pdserve.planner.snapshot import PoolStatus
-from pdserve.router.processes import LocalCluster, Proc
 
 ROLES = ("prefill", "decode")
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.router.local_mode import router_args
+from pdserve.local.processes import ClusterSpec, LocalCluster, Proc, pick_base_port
+from pdserve.local.up import router_args
 from pdserve.router.main import add_arguments as router_add_arguments
-from pdserve.router.processes import ClusterSpec, LocalCluster, Proc, pick_base_port
 
 pytestmark = pytest.mark.timeout(60)
 

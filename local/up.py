@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from pdserve.planner.local import add_autoscale_arguments, config_from_args
-from pdserve.router.processes import ClusterSpec, LocalCluster, Proc
+from pdserve.local.planner_loop import add_autoscale_arguments, config_from_args
+from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
 
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.wait_routed(router, api_key=args.api_key)
         print_ready(router, spec, args.api_key)
         if args.autoscale:
-            from pdserve.router.local_autoscale import run_autoscaled
+            from pdserve.local.autoscale import run_autoscaled
 
             return run_autoscaled(cluster, router, args)
         return _watch(cluster)
