@@ -41,6 +41,9 @@ def make_app(target: str) -> Any:
             if not msg.get("more_body"):
                 break
         headers = {"content-type": "application/json"}
+        secret = dict(scope["headers"]).get(b"x-pdserve-secret")  # passed on, like the router
+        if secret is not None:
+            headers["x-pdserve-secret"] = secret.decode()
         async with session.post(target + scope["path"], data=body, headers=headers) as resp:
             await send({"type": "http.response.start", "status": resp.status,
                         "headers": [(b"content-type", b"application/x-ndjson")]})  # fmt: skip

@@ -31,6 +31,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pdserve.codec import from_dict  # noqa: E402
 from pdserve.transfer.connector import RemoteKVConnector  # noqa: E402
 from pdserve.transfer.messages import CompatRecord, KVHandle  # noqa: E402
 from pdserve.transfer.pool_server import DTYPES, fill_pool  # noqa: E402
@@ -78,11 +79,26 @@ class Peer:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, cwd=ROOT)  # fmt: skip
         assert self.proc.stdout is not None
+        self.info = self._line("{")
+        if self.info is None:
+            raise RuntimeError(f"pool_server exited early (rc={self.proc.wait()})")
+
+    def _line(self, prefix: str) -> dict | None:
+        assert self.proc.stdout is not None
         for line in self.proc.stdout:  # skip NIXL's log lines
-            if line.startswith("{"):
-                self.info = json.loads(line)
-                return
-        raise RuntimeError(f"pool_server exited early (rc={self.proc.wait()})")
+            if line.startswith(prefix):
+                return json.loads(line)
+        return None
+
+    def handle(self, rid: str, block_ids: list[int], num_tokens: int) -> KVHandle:
+        """A lease the peer starts on ``block_ids`` (claimed and ended by each load)."""
+        assert self.proc.stdin is not None
+        cmd = {"hold": rid, "block_ids": block_ids, "num_tokens": num_tokens}
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        reply = self._line('{"handle"')
+        assert reply is not None, "pool_server exited"
+        return from_dict(reply["handle"], KVHandle)
 
     def close(self) -> None:
         assert self.proc.stdin is not None
@@ -99,9 +115,7 @@ def run_transport(args, transport, dst, expected, remote, local, num_bytes) -> f
         for i in tqdm(range(args.iters + 1), desc=f"{transport:>6}", file=sys.stderr):
             dst.zero_()
             rid = f"{transport}-{i}"
-            handle = KVHandle(rid, peer.info["agent_name"], peer.info["side_channel"], remote,
-                              len(remote) * args.block_size, [], args.block_size,
-                              time.time() + 300, transport)  # fmt: skip
+            handle = peer.handle(rid, remote, len(remote) * args.block_size)
             t0 = time.perf_counter()
             conn.start_load(rid, handle, remote, local)
             res = []

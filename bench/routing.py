@@ -45,8 +45,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pdserve.codec import decode, encode  # noqa: E402
+from pdserve.contract import GenerateRequest, TokenDelta  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.local.processes import ClusterSpec, LocalCluster  # noqa: E402
+from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES  # noqa: E402
 
 BLOCK = 16
 
@@ -68,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prefill KV cache size in groups' prefixes (default groups/2)",
     )
     p.add_argument("--overhead-requests", type=int, default=60)
-    p.add_argument("--kv-transport", default="nixl", choices=("nixl", "tcp"))
+    p.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
     args = p.parse_args(argv)
@@ -153,25 +156,19 @@ async def via_router(
 
 
 async def direct_decode(h: httpx.AsyncClient, url: str, ids: list[int], max_tokens: int) -> dict:
-    body = {
-        "request_id": f"bench-{uuid.uuid4().hex}",
-        "prompt_token_ids": ids,
-        "sampling": SamplingParams(**sampling(max_tokens)).to_dict(),
-        "kv_handle": None,
-        "first_token_id": None,
-    }
+    req = GenerateRequest(f"bench-{uuid.uuid4().hex}", ids, SamplingParams(**sampling(max_tokens)))
     t0 = time.perf_counter()
     ttft, tokens = None, 0
-    async with h.stream("POST", url + "/generate", json=body) as resp:
+    async with h.stream("POST", url + "/generate", content=encode(req)) as resp:
         assert resp.status_code == 200, resp.status_code
         async for line in resp.aiter_lines():
             if not line.strip():
                 continue
-            msg = json.loads(line)
-            assert "error" not in msg, msg
-            if msg.get("token_ids") and ttft is None:
+            msg = decode(line, TokenDelta)
+            assert msg.error is None, msg
+            if msg.token_ids and ttft is None:
                 ttft = time.perf_counter() - t0
-            tokens += len(msg.get("token_ids") or [])
+            tokens += len(msg.token_ids)
     assert ttft is not None
     return {"ttft": ttft, "e2e": time.perf_counter() - t0, "tokens": tokens}
 
@@ -304,7 +301,8 @@ async def measure(
     args: argparse.Namespace,
 ) -> tuple[dict, list, list]:
     limits = httpx.Limits(max_connections=64)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as h:
+    # The service secret goes to the router too (it ignores it): one client for all paths.
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=cluster.headers) as h:
         for url in routers.values():  # warm up every worker's code paths (not measured)
             for _, ids in workload(args, vocab, seed=1)[:4]:
                 await via_router(h, url, model, ids[:200], args.max_tokens)

@@ -11,6 +11,7 @@ from pdserve.worker_metrics import WorkerMetrics
 class MeteredConnector(KVConnector):
     def __init__(self, inner: Any, metrics: WorkerMetrics, transport: str) -> None:
         self.inner = inner
+        self.transport_name = transport
         self.bytes = metrics.transfer_bytes.labels(metrics.role, transport)
         self.seconds = metrics.transfer_seconds.labels(metrics.role, transport)
         self.failures = metrics.transfer_failures.labels(metrics.role, transport)
@@ -32,6 +33,9 @@ class MeteredConnector(KVConnector):
 
     def cancel(self, request_id: str) -> None:
         self.inner.cancel(request_id)
+
+    def unquarantined(self) -> list[str]:
+        return self.inner.unquarantined()  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self.inner.close()

@@ -9,7 +9,6 @@ Without a handle the worker prefills locally. Output is streamed as NDJSON.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,19 +16,19 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from pdserve.codec import CodecError, from_dict
+from pdserve.codec import encode
+from pdserve.contract import GenerateRequest, TokenDelta, Usage, WorkerError
 from pdserve.decode_worker.metered import MeteredConnector
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import engine_config_from_args
 from pdserve.engine.request import RequestOutput
 from pdserve.transfer.connector import RemoteKVConnector
-from pdserve.transfer.messages import CompatRecord, KVHandle
+from pdserve.transfer.messages import CompatRecord
+from pdserve.transfer.registry import DEFAULT_TRANSFER_TIMEOUT
 from pdserve.worker_http import (
-    BadRequest,
     add_common_routes,
     add_worker_arguments,
-    parse_request,
-    read_json,
+    read_message,
     worker_id,
 )
 from pdserve.worker_metrics import WorkerMetrics
@@ -57,39 +56,20 @@ class DecodeWorker:
         self.connector = MeteredConnector(remote, self.metrics, remote.transport_name)
         e.attach_connector(self.connector)
 
-    def stats_extra(self) -> dict[str, Any]:
+    def identity(self) -> dict[str, Any]:
         return {
             "role": ROLE,
             "worker_id": self.worker_id,
             "kv_transport": self.args.kv_transport,
         }
 
-    async def generate(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        rid, prompt, params = parse_request(body)
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[bytes]:
         kwargs: dict[str, Any] = {}
-        if body.get("kv_handle") is not None:
-            kwargs["remote_kv"] = self._handle(body["kv_handle"])
-            kwargs["first_token_id"] = body.get("first_token_id")
-            if not isinstance(kwargs["first_token_id"], int):
-                raise BadRequest("a kv_handle needs an integer first_token_id", "first_token_id")
-        outputs = self.engine.generate(rid, prompt, params, **kwargs)
+        if req.kv_handle is not None:  # checked by the engine (KVHandle.problem)
+            kwargs = {"remote_kv": req.kv_handle, "first_token_id": req.first_token_id}
+        outputs = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling, **kwargs)
         first = await anext(outputs)  # validation errors surface here, before any byte is sent
         return self._lines(first, outputs)
-
-    def _handle(self, body: Any) -> KVHandle:
-        if not isinstance(body, dict):
-            raise BadRequest("kv_handle must be an object", "kv_handle")
-        try:
-            handle = from_dict(body, KVHandle)
-        except CodecError as exc:
-            raise BadRequest(f"invalid kv_handle: {exc}", "kv_handle") from exc
-        if handle.transport != self.args.kv_transport:
-            raise BadRequest(
-                f"kv_handle is for transport {handle.transport!r}; this worker uses "
-                f"{self.args.kv_transport!r}",
-                "kv_handle",
-            )
-        return handle
 
     async def _lines(
         self, first: RequestOutput, rest: AsyncIterator[RequestOutput]
@@ -104,33 +84,20 @@ class DecodeWorker:
 
     @staticmethod
     def _line(out: RequestOutput) -> bytes:
-        body: dict[str, Any]
         if out.finish_reason == "error":
-            body = {
-                "error": {
-                    "message": out.error,
-                    "type": "server_error",
-                    "param": None,
-                    "code": "kv_transfer_failed",
-                }
-            }
+            delta = TokenDelta(error=WorkerError(out.error, code="kv_transfer_failed"))
         else:
-            body = {
-                "token_ids": out.token_ids,
-                "text": out.text,
-                "finish_reason": out.finish_reason,
-            }
-            if out.finished:
-                body["usage"] = out.usage
-        return (json.dumps(body) + "\n").encode()
+            usage = Usage(**out.usage) if out.finished else None
+            delta = TokenDelta(out.token_ids, out.text, out.finish_reason, usage)
+        return encode(delta) + b"\n"
 
     def app(self) -> FastAPI:
         app = FastAPI(title="pdserve decode worker")
-        add_common_routes(app, self.engine, self.metrics, self.stats_extra())
+        add_common_routes(app, self.engine, self.metrics, self.identity())
 
         @app.post("/generate")
         async def generate(request: Request) -> StreamingResponse:
-            lines = await self.generate(await read_json(request))
+            lines = await self.generate(await read_message(request, GenerateRequest))
             return StreamingResponse(lines, media_type="application/x-ndjson")
 
         return app
@@ -143,7 +110,12 @@ class DecodeWorker:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_arguments(parser, default_port=8200)
     g = parser.add_argument_group("decode")
-    g.add_argument("--transfer-timeout", type=float, default=10.0, help="seconds per KV read")
+    g.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=DEFAULT_TRANSFER_TIMEOUT,
+        help="seconds per KV load (claim, read, confirm)",
+    )
     g.add_argument(
         "--on-transfer-failure",
         default="recompute",

@@ -4,8 +4,8 @@ Synchronous and single-threaded; :class:`pdserve.engine.async_engine.AsyncEngine
 runs it on its own thread for servers. Workers use two extra modes:
 
 * ``hold_kv`` (prefill): the request ends after its first token with finish
-  reason ``handoff`` and its blocks stay allocated under a lease until
-  :meth:`release_held`.
+  reason ``handoff``; its blocks go to the KV holder (``attach_holder``; by default
+  an in-process one), which owns them, the lease and the handle until the hold ends.
 * ``remote_kv`` (decode): the request arrives with a KV handle and the prefill
   worker's first token; its prompt KV is pulled by the connector.
 """
@@ -13,18 +13,20 @@ runs it on its own thread for servers. Workers use two extra modes:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer
 
+from pdserve.contract import EngineStats as EngineStats
+from pdserve.contract import KVHandle
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import TextStream
 from pdserve.engine.hashing import block_hashes, hash_block
-from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_connector import HeldBlocks, KVConnector, KVHolder
 from pdserve.engine.kv_pool import KVPool, budget_bytes
 from pdserve.engine.model_runner import ModelRunner, ScheduledChunk, model_identity
 from pdserve.engine.request import Request, RequestOutput, RequestStatus
@@ -35,21 +37,6 @@ from pdserve.engine.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 HANDOFF = "handoff"
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    running: int
-    waiting: int
-    loading: int
-    held: int
-    kv_blocks_free: int
-    kv_blocks_total: int
-    queued_prompt_tokens: int
-    prefix_cache_hit_tokens: int
-    prompt_tokens: int
-    generation_tokens: int
-    preemptions: int
 
 
 class LLMEngine:
@@ -81,7 +68,8 @@ class LLMEngine:
         self.model_id = model_identity(config.model)
         self.served_model_name = config.served_model_name or Path(config.model).name
         self.requests: dict[str, Request] = {}
-        self.held: dict[str, list[int]] = {}
+        self.holder: KVHolder = HeldBlocks()
+        self.quarantined: dict[str, list[int]] = {}  # blocks a read may still write
         self._text: dict[str, TextStream] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -143,18 +131,17 @@ class LLMEngine:
     def _check_handle(self, req: Request, handle: Any, first_token_id: int | None) -> None:
         if first_token_id is None or not 0 <= first_token_id < self.vocab_size:
             raise InvalidParameter("first_token_id", "a KV handle needs a valid first_token_id")
-        if handle.block_size != self.config.block_size:
-            raise InvalidParameter(
-                "kv_handle",
-                f"kv_handle block size {handle.block_size} != {self.config.block_size}",
-            )
+        if not isinstance(handle, KVHandle):
+            raise InvalidParameter("kv_handle", f"expected a KVHandle, got {type(handle)}")
         if handle.num_tokens != req.num_prompt_tokens:
             raise InvalidParameter(
                 "kv_handle",
                 f"kv_handle covers {handle.num_tokens} tokens, prompt has {req.num_prompt_tokens}",
             )
-        if list(handle.block_hashes) != req.block_hashes:  # the prompt's, computed on add
-            raise InvalidParameter("kv_handle", "kv_handle block hashes do not match the prompt")
+        transport = getattr(self.scheduler.connector, "transport_name", None)
+        err = handle.problem(transport, self.config.block_size, req.block_hashes)
+        if err:
+            raise InvalidParameter("kv_handle", err)
         if req.params.max_tokens < 2:
             raise InvalidParameter("max_tokens", "a handed-off request needs max_tokens >= 2")
 
@@ -172,12 +159,28 @@ class LLMEngine:
         """Set the decode-side connector; it needs the pool, which exists only now."""
         self.scheduler.connector = connector
 
+    def attach_holder(self, holder: KVHolder) -> None:
+        """Set the prefill-side holder (before any request is handed off)."""
+        assert not self.held, "requests are held already"
+        self.holder = holder
+
+    @property
+    def held(self) -> set[str]:
+        return self.holder.held_ids()
+
     def release_held(self, request_id: str) -> bool:
-        block_ids = self.held.pop(request_id, None)
-        if block_ids is None:
-            return False
-        self.blocks.free(block_ids)
-        return True
+        released = self.holder.release(request_id)
+        self.free_released()
+        return released
+
+    def free_released(self) -> None:
+        """Take back the blocks of ended holds and of reads that stopped (engine thread;
+        every step, and from an idle hook so leases end while nothing runs)."""
+        for block_ids in self.holder.freed():
+            self.blocks.free(block_ids)
+        connector = self.scheduler.connector
+        for rid in connector.unquarantined() if connector is not None else []:
+            self.blocks.free(self.quarantined.pop(rid, []))
 
     # -- the step --------------------------------------------------------------
     @property
@@ -185,6 +188,7 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
+        self.free_released()
         sched = self.scheduler.schedule()
         outputs = self._settle_loads(sched.loaded)
         if sched.chunks:
@@ -242,16 +246,17 @@ class LLMEngine:
     def _handoff(self, req: Request, token: int, text: str) -> RequestOutput:
         req.status = RequestStatus.FINISHED_STOPPED
         self.scheduler.remove(req)
-        self.held[req.request_id] = req.block_ids
-        req.block_ids = []
+        block_ids, req.block_ids = req.block_ids, []
+        num_prompt_blocks = self.blocks.blocks_needed(req.num_prompt_tokens)
+        hashes = req.block_hashes[: req.num_prompt_tokens // self.config.block_size]
+        handle = self.holder.hold(req.request_id, block_ids, req.num_prompt_tokens, hashes)
         self._drop(req)
         out = self._output(req, [token], text, HANDOFF)
-        num_prompt_blocks = self.blocks.blocks_needed(req.num_prompt_tokens)
-        num_full_blocks = req.num_prompt_tokens // self.config.block_size
         return replace(
             out,
-            kv_block_ids=self.held[req.request_id][:num_prompt_blocks],
-            kv_block_hashes=req.block_hashes[:num_full_blocks],
+            kv_block_ids=block_ids[:num_prompt_blocks],
+            kv_block_hashes=hashes,
+            kv_handle=handle,
         )
 
     def _drop(self, req: Request) -> None:
@@ -265,7 +270,14 @@ class LLMEngine:
     def _settle_loads(self, loaded: list) -> list[RequestOutput]:  # type: ignore[type-arg]
         outputs = []
         for req, result in loaded:
-            if req.status.finished:  # aborted while its KV was loading
+            if result.quarantined:  # the read may still write these blocks: keep them
+                self.quarantined[req.request_id], req.block_ids = req.block_ids, []
+                if not req.status.finished:
+                    msg = f"KV transfer failed and could not be stopped: {result.error}"
+                    outputs.append(self.finish(req, RequestStatus.FINISHED_ERROR, [], "", msg))
+                else:
+                    self._drop(req)
+            elif req.status.finished:  # aborted while its KV was loading
                 self._drop(req)
             elif not result.ok and req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
                 msg = f"KV transfer failed: {result.error}"

@@ -87,6 +87,7 @@ class RequestOutput:
     error: str = ""
     kv_block_ids: list[int] | None = None  # prefill mode: the held blocks, on finish
     kv_block_hashes: list[int] | None = None  # prefill mode: hashes of the full prompt blocks
+    kv_handle: Any = None  # prefill mode: what the KV holder returned for the held blocks
     queue_seconds: float | None = None  # arrival to first schedule, on the first output
 
     @property

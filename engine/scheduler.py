@@ -162,6 +162,8 @@ class Scheduler:
             if req.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
                 continue  # aborted while loading; the engine frees it now
             req.remote_kv, handle = None, req.remote_kv
+            if result.quarantined:
+                continue  # its blocks may still be written: the engine fails the request
             if result.ok:
                 req.num_computed_tokens = handle.num_tokens
             elif self.recompute_on_load_failure:

@@ -3,13 +3,15 @@
 Used by ``pdserve up``, the benchmarks and the end-to-end tests. Each process
 runs ``python -m pdserve <subcommand>`` in its own process group, logging to
 its own file; ``stop`` signals every group (SIGTERM, then SIGKILL) so nothing
-is left behind.
+is left behind. Every process gets the deployment's service secret
+(``PDSERVE_SERVICE_SECRET``): the spec's, the caller's environment's, or a new one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -21,6 +23,9 @@ from pathlib import Path
 
 import httpx
 
+from pdserve import env
+from pdserve.codec import from_dict
+from pdserve.contract import WorkerStats
 from pdserve.router.discovery_file import write_workers_file
 
 
@@ -39,6 +44,7 @@ class ClusterSpec:
     log_dir: str = ""
     worker_port_base: int = 8100  # prefill workers from here, decode workers from +100
     cpu_threads: int = 0  # torch threads per worker; 0: the machine's cores shared out
+    secret: str = ""  # the service secret; "": $PDSERVE_SERVICE_SECRET or a new one
 
     def threads_per_worker(self) -> int:
         """Cores over workers (at least 1): N workers with all cores each oversubscribe the
@@ -104,9 +110,16 @@ class LocalCluster:
     _started: dict[str, int] = field(default_factory=dict)  # workers ever started, per role
 
     def __post_init__(self) -> None:
+        # One per deployment: the spec's, the environment's (to pin it), else a new one.
+        self.secret = self.spec.secret or env.get(env.SERVICE_SECRET) or secrets.token_hex(32)
         log_dir = self.spec.log_dir or f"/tmp/pdserve-logs-{os.getpid()}"
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a caller of the workers' internal API sends (the service secret)."""
+        return {env.SECRET_HEADER: self.secret}
 
     def urls(self, role: str) -> list[str]:
         return [p.url for p in self.procs if p.role == role]
@@ -155,7 +168,7 @@ class LocalCluster:
         self._write_workers_file()
         deadline = time.monotonic() + drain_timeout_s
         while time.monotonic() < deadline and proc.popen is not None and proc.popen.poll() is None:
-            if _idle(proc.url):
+            if _idle(proc.url, self.headers):
                 break
             time.sleep(0.25)
         _stop_procs([proc], grace_s=10.0)
@@ -186,11 +199,11 @@ class LocalCluster:
         return proc
 
     def _spawn(self, proc: Proc) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        environ = dict(os.environ, PYTHONUNBUFFERED="1", **{env.SERVICE_SECRET: self.secret})
         with open(proc.log_path, "wb") as log:
             proc.popen = subprocess.Popen(
                 proc.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, start_new_session=True,  # own process group: stop() kills it whole
+                env=environ, start_new_session=True,  # own process group: stop() kills it whole
             )  # fmt: skip
         self.procs.append(proc)
 
@@ -202,7 +215,7 @@ class LocalCluster:
     ) -> None:
         """Block until every process answers ``GET /health`` with 200; raise if one dies."""
         start, pending = time.monotonic(), [p for p in self.procs]
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, headers=self.headers) as client:
             while pending:
                 for proc in list(pending):
                     if proc.popen is not None and proc.popen.poll() is not None:
@@ -215,10 +228,11 @@ class LocalCluster:
                         if ok and proc.role != "router" and proc.popen is not None:
                             # The port is ours only if the process answering is ours: another
                             # one may have bound it between our port check and our bind.
-                            pid = client.get(proc.url + "/stats").json().get("pid")
+                            stats = client.get(proc.url + "/stats").json()
+                            pid = from_dict(stats, WorkerStats).pid
                             if pid != proc.popen.pid:
                                 raise RuntimeError(f"{proc.url} is served by pid {pid}, not ours")
-                    except (httpx.HTTPError, ValueError):
+                    except (httpx.HTTPError, ValueError):  # CodecError is a ValueError
                         ok = False
                     if ok:
                         pending.remove(proc)
@@ -280,12 +294,12 @@ def _stop_procs(procs: list[Proc], grace_s: float) -> None:
         _signal_group(p, signal.SIGKILL)
 
 
-def _idle(url: str) -> bool:
-    """The worker has no request running or waiting (or no longer answers)."""
+def _idle(url: str, headers: dict[str, str]) -> bool:
+    """The worker has no request running, waiting or loading (or no longer answers)."""
     try:
-        stats = httpx.get(url + "/stats", timeout=2.0).json()
-        return not stats.get("running") and not stats.get("waiting")
-    except (httpx.HTTPError, ValueError, AttributeError):
+        s = from_dict(httpx.get(url + "/stats", timeout=2.0, headers=headers).json(), WorkerStats)
+        return not (s.running or s.waiting or s.loading)
+    except (httpx.HTTPError, ValueError):
         return True
 
 

@@ -3,23 +3,37 @@
 Messages are frozen dataclasses registered under a type name with
 :func:`message`. ``encode`` writes JSON with a ``"type"`` field; ``decode``
 dispatches on it and raises :class:`CodecError` for an unknown type or a body
-that does not fit the dataclass. Bytes fields are not supported: payloads that
-are bytes (NIXL agent metadata) are carried base64-encoded as ``str``.
+that does not fit the dataclass: unknown or missing fields, and fields whose
+JSON type does not match the annotation (``int``, ``float``, ``str``, ``bool``,
+``list[...]``, ``dict[...]``, ``X | None``). A field annotated with another
+dataclass is nested: a registered message by its codec form, any other dataclass
+by its own ``to_dict`` / ``from_dict`` (so the sampling parameters ride inside a
+worker message without the codec knowing their fields). Bytes fields are not
+supported: payloads that are bytes (NIXL agent metadata) are carried base64-encoded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 _REGISTRY: dict[str, type] = {}
+_HINTS: dict[type, dict[str, Any]] = {}
 
 
 class CodecError(ValueError):
-    """A message could not be decoded: unknown type, bad JSON or bad fields."""
+    """A message could not be decoded: unknown type, bad JSON or bad fields.
+
+    ``field`` names the offending field when there is one (OpenAI's ``param``)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def message(name: str):  # type: ignore[no-untyped-def]
@@ -38,25 +52,38 @@ def message(name: str):  # type: ignore[no-untyped-def]
 def to_dict(msg: Any) -> dict[str, Any]:
     name = getattr(type(msg), "_message_type", None)
     assert name is not None, f"{type(msg).__name__} is not a registered message"
-    body = dataclasses.asdict(msg)
+    body = {f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
     body["type"] = name
     return body
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if hasattr(type(value), "_message_type"):
+            return to_dict(value)
+        own = getattr(value, "to_dict", None)
+        return own() if own is not None else dataclasses.asdict(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def from_dict(body: dict[str, Any], expected: type[T] | None = None) -> T:
     if not isinstance(body, dict) or "type" not in body:
         raise CodecError("message has no 'type' field")
     name = body["type"]
-    cls = _REGISTRY.get(name)
+    cls = _REGISTRY.get(name) if isinstance(name, str) else None
     if cls is None:
         raise CodecError(f"unknown message type {name!r}; known: {sorted(_REGISTRY)}")
     if expected is not None and cls is not expected:
         raise CodecError(f"expected a {expected.__name__}, got {name!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in body.items() if k != "type"}
-    unknown = set(kwargs) - set(fields)
+    hints = _hints(cls)
+    unknown = set(kwargs) - set(hints)
     if unknown:
-        raise CodecError(f"{name}: unknown fields {sorted(unknown)}")
+        raise CodecError(f"{name}: unknown fields {sorted(unknown)}", sorted(unknown)[0])
+    for key, value in kwargs.items():
+        kwargs[key] = _field(name, key, value, hints[key])
     try:
         msg = cls(**kwargs)
     except TypeError as exc:  # missing required fields
@@ -66,8 +93,62 @@ def from_dict(body: dict[str, Any], expected: type[T] | None = None) -> T:
         try:
             validate()
         except (TypeError, ValueError) as exc:
-            raise CodecError(f"{name}: {exc}") from exc
+            raise CodecError(f"{name}: {exc}", getattr(exc, "field", None)) from exc
     return msg  # type: ignore[no-any-return]
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return _HINTS[cls]
+
+
+def _field(name: str, key: str, value: Any, hint: Any) -> Any:
+    try:
+        return _convert(value, hint)
+    except CodecError as exc:
+        raise CodecError(f"{name}.{key}: {exc}", exc.field or key) from exc
+    except (TypeError, ValueError) as exc:  # a nested from_dict refused the value
+        raise CodecError(f"{name}.{key}: {exc}", getattr(exc, "field", None) or key) from exc
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    """``value`` checked against ``hint``; nested dataclasses built from their dicts."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0]) if len(inner) == 1 else value
+    if origin is list:
+        _need(isinstance(value, list), "a list", value)
+        return [_convert(v, args[0]) for v in value] if args else value
+    if origin is dict or hint is dict:
+        _need(isinstance(value, dict), "an object", value)
+        return value
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        _need(isinstance(value, dict), "an object", value)
+        if hasattr(hint, "_message_type"):
+            return from_dict({"type": hint._message_type, **value}, hint)
+        own = getattr(hint, "from_dict", None)
+        return own(value) if own is not None else hint(**value)
+    if hint is bool:
+        _need(isinstance(value, bool), "a boolean", value)
+    elif hint is int:
+        _need(isinstance(value, int) and not isinstance(value, bool), "an integer", value)
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _need(ok, "a number", value)
+        return float(value)
+    elif hint is str:
+        _need(isinstance(value, str), "a string", value)
+    return value
+
+
+def _need(ok: bool, what: str, value: Any) -> None:
+    if not ok:
+        raise CodecError(f"must be {what}, got {type(value).__name__}")
 
 
 def encode(msg: Any) -> bytes:
@@ -77,6 +158,6 @@ def encode(msg: Any) -> bytes:
 def decode(data: bytes | str, expected: type[T] | None = None) -> T:
     try:
         body = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CodecError(f"not a JSON message: {exc}") from exc
     return from_dict(body, expected)

@@ -1,26 +1,36 @@
-"""What both worker servers share: flags, errors, and the common routes.
+"""What both worker servers share: flags, errors, authentication and the common routes.
 
-Routes every worker has: ``/health``, ``/metrics``, ``/stats``, ``/abort``.
-Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+Routes every worker has: ``/livez``, ``/health``, ``/metrics``, ``/stats``, ``/abort``.
+Bodies are the typed messages of :mod:`pdserve.contract`. Errors use OpenAI's body
+``{"error": {"message", "type", "param", "code"}}``. With ``PDSERVE_SERVICE_SECRET`` set,
+every route but ``/livez``, ``/health`` and ``/metrics`` needs it in ``X-PDServe-Secret``
+(401 otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
+import hmac
 import logging
 import os
 import socket
-import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve import env
+from pdserve.codec import CodecError, decode, to_dict
+from pdserve.contract import AbortReply, RequestRef, WorkerStats
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import add_engine_arguments
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.engine.sampling_params import InvalidParameter
+from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 from pdserve.worker_metrics import WorkerMetrics
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +51,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     g.add_argument("--port", type=int, default=default_port, help="HTTP port")
     g.add_argument(
         "--advertise-host",
-        default=os.environ.get("PDSERVE_ADVERTISE_HOST") or None,
+        default=env.get(env.ADVERTISE_HOST) or None,
         help="address peers use to reach this worker (default: --host, or the pod IP)",
     )
     g.add_argument("--side-channel-port", type=int, default=None, help="default: port + 2")
     g.add_argument("--worker-id", default=None, help="default: ROLE-HOST-PORT")
-    g.add_argument("--kv-transport", default="nixl", choices=["nixl", "tcp"])
+    g.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
     g.add_argument("--log-level", default="info")
 
 
@@ -70,39 +80,39 @@ def error_response(
     return JSONResponse(body, status_code=status)
 
 
-async def read_json(request: Request) -> dict[str, Any]:
+async def read_message(request: Request, cls: type[T]) -> T:
+    """The body as a typed message of ``cls``; a 400 naming the field if it is not one."""
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise BadRequest(f"request body over {MAX_BODY_BYTES} bytes", status=413)
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"malformed JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
+        return decode(raw, cls)
+    except CodecError as exc:
+        raise BadRequest(str(exc), exc.field) from exc
 
 
-def request_id_of(body: dict[str, Any]) -> str:
-    rid = body.get("request_id") or f"req-{uuid.uuid4().hex}"
-    if not isinstance(rid, str) or len(rid) > 256:
-        raise BadRequest("request_id must be a string of at most 256 characters", "request_id")
-    return rid
+def reply(msg: Any) -> JSONResponse:
+    return JSONResponse(to_dict(msg))
 
 
-def prompt_of(body: dict[str, Any]) -> list[int]:
-    ids = body.get("prompt_token_ids")
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise BadRequest("prompt_token_ids must be a list of integers", "prompt_token_ids")
-    return ids
+class SecretCheck:
+    """ASGI middleware: the service secret on every route but the open ones (pure ASGI,
+    so streamed responses pass through untouched)."""
 
+    OPEN = frozenset({"/livez", "/health", "/metrics"})
 
-def parse_request(body: dict[str, Any]) -> tuple[str, list[int], SamplingParams]:
-    """The fields every worker request has: id, prompt token ids, sampling parameters."""
-    sampling = body.get("sampling") or {}
-    if not isinstance(sampling, dict):
-        raise BadRequest("sampling must be an object", "sampling")
-    return request_id_of(body), prompt_of(body), SamplingParams.from_dict(sampling)
+    def __init__(self, app: ASGIApp, secret: str) -> None:
+        self.app = app
+        self.secret = secret.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.OPEN:
+            given = dict(scope["headers"]).get(env.SECRET_HEADER.lower().encode(), b"")
+            if not hmac.compare_digest(given, self.secret):
+                msg = f"missing or wrong {env.SECRET_HEADER} (this is an internal endpoint)"
+                await error_response(401, msg, code="unauthorized")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
@@ -117,8 +127,13 @@ def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
 
 
 def add_common_routes(
-    app: FastAPI, engine: AsyncEngine, metrics: WorkerMetrics, stats_extra: dict[str, Any]
+    app: FastAPI, engine: AsyncEngine, metrics: WorkerMetrics, identity: dict[str, Any]
 ) -> None:
+    """``identity``: the ``WorkerStats`` fields that say who the worker is."""
+    secret = env.service_secret(f"the {identity.get('role', '')} worker")
+    if secret:
+        app.add_middleware(SecretCheck, secret=secret)
+
     @app.exception_handler(BadRequest)
     async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
         return error_response(exc.status, str(exc), exc.param)
@@ -126,6 +141,10 @@ def add_common_routes(
     @app.exception_handler(InvalidParameter)
     async def _invalid(_: Request, exc: InvalidParameter) -> JSONResponse:
         return error_response(400, str(exc), exc.field)
+
+    @app.get("/livez")
+    async def livez() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -137,37 +156,26 @@ def add_common_routes(
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    e = engine.engine
+    fixed = {
+        **identity,
+        "pid": os.getpid(),
+        "model": e.served_model_name,
+        "model_id": e.model_id,
+        "block_size": e.config.block_size,
+        "max_model_len": e.max_model_len,
+    }
+
     @app.get("/stats")
     async def stats() -> JSONResponse:
-        s = engine.stats()
-        e = engine.engine
-        return JSONResponse(
-            {
-                **stats_extra,
-                "pid": os.getpid(),
-                "model": e.served_model_name,
-                "model_id": e.model_id,
-                "running": s.running,
-                "waiting": s.waiting + s.loading,
-                "held": s.held,
-                "kv_blocks_free": s.kv_blocks_free,
-                "kv_blocks_total": s.kv_blocks_total,
-                "queued_prompt_tokens": s.queued_prompt_tokens,
-                "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
-                "block_size": e.config.block_size,
-                "max_model_len": e.max_model_len,
-            }
-        )
+        return reply(WorkerStats(**dataclasses.asdict(engine.stats()), **fixed))
 
     @app.post("/abort")
     async def abort(request: Request) -> JSONResponse:
-        body = await read_json(request)
-        rid = body.get("request_id")
-        if not isinstance(rid, str):
-            raise BadRequest("request_id must be a string", "request_id")
+        rid = (await read_message(request, RequestRef)).request_id
         known = await engine.call(lambda e: rid in e.requests or rid in e.held)
         engine.abort(rid)
-        return JSONResponse({"aborted": bool(known)})
+        return reply(AbortReply(bool(known)))
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str) -> None:

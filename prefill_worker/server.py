@@ -1,9 +1,9 @@
 """The prefill worker: computes prompts, returns the first token and a KV handle.
 
-router ──POST /prefill──▶ engine (hold_kv) ──handoff──▶ blocks held under a lease
+router ──POST /prefill──▶ engine (hold_kv) ──handoff──▶ KVServer: blocks under a lease
                                                           │
-decode worker ◀── KV handle ◀── response ◀────────────────┘
-decode worker ──NIXL READ──▶ pool; ──release (side channel)──▶ lease freed
+decode worker ◀── KV handle ◀── PrefillReply ◀────────────┘
+decode worker ──claim, NIXL READ, done (side channel)──▶ lease ended, blocks freed
 """
 
 from __future__ import annotations
@@ -15,22 +15,21 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from pdserve.codec import to_dict
+from pdserve.contract import PrefillReply, PrefillRequest, ReleaseReply, RequestRef, Usage
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import engine_config_from_args
-from pdserve.engine.llm_engine import HANDOFF
+from pdserve.engine.llm_engine import HANDOFF, LLMEngine
 from pdserve.engine.request import RequestOutput
 from pdserve.prefill_worker.events import KVEventPublisher
-from pdserve.prefill_worker.leases import LeaseManager
 from pdserve.transfer.messages import CompatRecord
+from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS
 from pdserve.transfer.server import KVServer
 from pdserve.worker_http import (
     BadRequest,
     add_common_routes,
     advertise_host,
-    error_response,
-    parse_request,
-    read_json,
+    read_message,
+    reply,
     worker_id,
 )
 from pdserve.worker_metrics import WorkerMetrics
@@ -48,7 +47,6 @@ class PrefillWorker:
         e = self.engine.engine
         e.blocks.record_events = True
         self.metrics = WorkerMetrics(self.engine, ROLE)
-        self.leases = LeaseManager(args.lease_seconds, self.metrics.lease_expired.labels(ROLE).inc)
         events_port = args.kv_events_port or args.port + 1
         self.events = KVEventPublisher(f"tcp://{args.host}:{events_port}", self.worker_id)
         self.events_address = f"tcp://{host}:{events_port}"
@@ -59,11 +57,14 @@ class PrefillWorker:
             host=args.host,
             port=args.side_channel_port or args.port + 2,
             advertise_host=host,
-            on_release=self.leases.release,
+            lease_seconds=args.lease_seconds,
+            on_expired=lambda _: self.metrics.lease_expired.labels(ROLE).inc(),
         )
-        self.engine.hooks += [self.leases.hook, self.events.hook]
+        e.attach_holder(self.kv)
+        # Leases end on the side-channel thread; their blocks are freed on the engine's.
+        self.engine.hooks += [LLMEngine.free_released, self.events.hook]
 
-    def stats_extra(self) -> dict[str, Any]:
+    def identity(self) -> dict[str, Any]:
         return {
             "role": ROLE,
             "worker_id": self.worker_id,
@@ -72,10 +73,10 @@ class PrefillWorker:
             "kv_transport": self.kv.transport_name,
         }
 
-    async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
-        rid, prompt, params = parse_request(body)
+    async def prefill(self, req: PrefillRequest) -> PrefillReply:
+        rid, prompt = req.request_id, req.prompt_token_ids
         final: RequestOutput | None = None
-        async for out in self.engine.generate(rid, prompt, params, hold_kv=True):
+        async for out in self.engine.generate(rid, prompt, req.sampling, hold_kv=True):
             final = out
         assert final is not None and final.finished
         if final.queue_seconds is not None:
@@ -83,44 +84,31 @@ class PrefillWorker:
         self.metrics.requests.labels(ROLE, final.finish_reason).inc()
         if final.finish_reason in ("error", "abort"):
             raise BadRequest(final.error or f"request {final.finish_reason}", status=503)
-        handle = None
-        if final.finish_reason == HANDOFF:
-            assert final.kv_block_ids is not None and final.kv_block_hashes is not None
-            handle = self.kv.make_handle(
-                rid,
-                final.kv_block_ids,
-                len(prompt),
-                final.kv_block_hashes,
-                self.args.lease_seconds,
-            )
-        return {
-            "request_id": rid,
-            "first_token_id": final.token_ids[0],
-            "text": final.text,
-            "finish_reason": None if handle is not None else final.finish_reason,
-            "kv_handle": to_dict(handle) if handle is not None else None,
-            "num_cached_tokens": final.num_cached_tokens,
-            "prompt_tokens": final.num_prompt_tokens,
-            "usage": final.usage,
-        }
+        handle = final.kv_handle if final.finish_reason == HANDOFF else None
+        return PrefillReply(
+            request_id=rid,
+            first_token_id=final.token_ids[0],
+            text=final.text,
+            finish_reason=None if handle is not None else final.finish_reason,
+            kv_handle=handle,
+            num_cached_tokens=final.num_cached_tokens,
+            prompt_tokens=final.num_prompt_tokens,
+            usage=Usage(**final.usage),
+        )
 
     def app(self) -> FastAPI:
         app = FastAPI(title="pdserve prefill worker")
-        add_common_routes(app, self.engine, self.metrics, self.stats_extra())
+        add_common_routes(app, self.engine, self.metrics, self.identity())
 
         @app.post("/prefill")
         async def prefill(request: Request) -> JSONResponse:
-            return JSONResponse(await self.prefill(await read_json(request)))
+            return reply(await self.prefill(await read_message(request, PrefillRequest)))
 
         @app.post("/release")
         async def release(request: Request) -> JSONResponse:
-            body = await read_json(request)
-            rid = body.get("request_id")
-            if not isinstance(rid, str):
-                return error_response(400, "request_id must be a string", "request_id")
-            held = await self.engine.call(lambda e: rid in e.held)
-            self.leases.release(rid)
-            return JSONResponse({"released": bool(held)})
+            """HTTP fallback of the side channel's done: end a lease now."""
+            rid = (await read_message(request, RequestRef)).request_id
+            return reply(ReleaseReply(self.kv.release(rid)))
 
         return app
 
@@ -136,4 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_arguments(parser, default_port=8100)
     g = parser.add_argument_group("prefill")
     g.add_argument("--kv-events-port", type=int, default=None, help="default: port + 1")
-    g.add_argument("--lease-seconds", type=float, default=30.0)
+    g.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=DEFAULT_LEASE_SECONDS,
+        help="how long handed-off KV is held unclaimed, and once claimed (one clock, here)",
+    )

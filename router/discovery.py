@@ -19,9 +19,10 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from pdserve.contract import CONTRACT_VERSION
 from pdserve.router.prefix_index import KVEventSubscriber
 from pdserve.router.snapshot import Snapshot, WorkerStats, WorkerView
-from pdserve.router.worker_client import TRANSPORT_ERRORS, get_json
+from pdserve.router.worker_client import TRANSPORT_ERRORS, get_json, get_message
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +136,9 @@ class Discovery:
     async def _check(self, ep: Endpoint) -> WorkerView:
         try:
             health, _ = await get_json(self.client, ep.url + "/health", 2.0)
-            status, body = await get_json(self.client, ep.url + "/stats", 2.0)
-            ok = health == 200 and status == 200 and isinstance(body, dict)
-            ws = WorkerStats.from_json(body if ok else {})
+            _, stats = await get_message(self.client, ep.url + "/stats", WorkerStats, 2.0)
+            ok = health == 200 and stats is not None and _same_contract(ep.url, stats)
+            ws = stats if ok and stats is not None else WorkerStats()
         except (*TRANSPORT_ERRORS, ValueError) as exc:
             log.debug("health check of %s failed: %s", ep.url, exc)
             ok, ws = False, self._views.get(ep.url, WorkerView(ep.url, ep.role)).stats
@@ -172,3 +173,13 @@ class Discovery:
             self._task = None
         if self.subscriber is not None:
             await self.subscriber.close()
+
+
+def _same_contract(url: str, stats: WorkerStats) -> bool:
+    """The router's half of the contract's version handshake: a worker that speaks another
+    version stays out of rotation (rolling upgrades bump the version on purpose)."""
+    if stats.version != CONTRACT_VERSION:
+        log.warning("worker %s speaks contract v%s, this router v%s: not routing there",
+                    url, stats.version, CONTRACT_VERSION)  # fmt: skip
+        return False
+    return True

@@ -4,7 +4,8 @@
       │                   │ first token → client at once
       │                   ▼
       └──local──────▶ POST /generate (retry on the next decode worker while
-                          no decode token has reached the client)
+                          no decode token has reached the client; a KV handle is
+                          single-use, so a retry first prefills again for a new one)
 
 If every prefill worker fails, the request falls back to local prefill. A
 request that ends early (client gone, error) is aborted on the workers it
@@ -18,11 +19,12 @@ import logging
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
 
+from pdserve.contract import GenerateRequest, KVHandle, PrefillReply, PrefillRequest, TokenDelta
 from pdserve.engine.hashing import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import disagg, worker_client
@@ -138,18 +140,16 @@ class Dispatcher:
         rs.finish_reason = finish
         return Delta(text, n, finish)
 
-    async def _prefill(
-        self, rs: RequestState, plan: RoutePlan
-    ) -> worker_client.PrefillResult | None:
+    async def _prefill(self, rs: RequestState, plan: RoutePlan) -> PrefillReply | None:
+        req = PrefillRequest(rs.request_id, rs.prompt_ids, rs.sampling)
         for worker in plan.prefill[:MAX_ATTEMPTS]:
             url, n = worker.url, len(rs.prompt_ids)
             rs.touched.add(url)
             self._track(url, "prefill", n, +1)
             try:
                 return await worker_client.prefill(
-                    self.client, url, rs.request_id, rs.prompt_ids, rs.sampling,
-                    self.cfg.request_timeout_s,
-                )  # fmt: skip
+                    self.client, url, req, self.cfg.request_timeout_s
+                )
             except WorkerFailed as exc:
                 log.warning("request %s: prefill failed on %s: %s", rs.request_id, url, exc)
                 self.discovery.mark_failed(url)
@@ -160,27 +160,23 @@ class Dispatcher:
         return None
 
     async def _decode(
-        self, rs: RequestState, plan: RoutePlan, handle: dict[str, Any] | None, first: int | None
+        self, rs: RequestState, plan: RoutePlan, handle: KVHandle | None, first: int | None
     ) -> AsyncIterator[Delta]:
-        payload = {
-            "request_id": rs.request_id,
-            "prompt_token_ids": rs.prompt_ids,
-            "sampling": rs.sampling.to_dict(),
-            "kv_handle": handle,
-            "first_token_id": first,
-        }
-        for worker in plan.decode[:MAX_ATTEMPTS]:
+        req = GenerateRequest(rs.request_id, rs.prompt_ids, rs.sampling, handle, first)
+        for attempt, worker in enumerate(plan.decode[:MAX_ATTEMPTS]):
             url, relayed = worker.url, False
+            if attempt and req.kv_handle is not None:
+                req = await self._fresh_handle(rs, plan, req)
             rs.touched.add(url)
             self._track(url, "decode", 0, +1)
             try:
                 async for msg in worker_client.generate(
-                    self.client, url, payload, self.cfg.request_timeout_s
+                    self.client, url, req, self.cfg.request_timeout_s
                 ):
                     if rs.finished:  # read on to the end: the connection goes back to the pool
                         continue
-                    if "error" in msg:
-                        raise WorkerFailed(url, f"worker error: {msg['error']}", down=False)
+                    if msg.error is not None:
+                        raise WorkerFailed(url, f"worker error: {msg.error.message}", down=False)
                     delta = self._relay(rs, msg)
                     relayed = relayed or delta.num_tokens > 0 or bool(delta.text)
                     yield delta
@@ -198,12 +194,24 @@ class Dispatcher:
                 self._track(url, "decode", 0, -1)
         raise APIError(503, "no decode worker could serve the request", code="no_worker")
 
-    def _relay(self, rs: RequestState, msg: dict[str, Any]) -> Delta:
-        ids = msg.get("token_ids") or []
-        usage = msg.get("usage")
-        if isinstance(usage, dict) and not rs.remote_prefill:  # else the prefill's count holds
-            rs.cached_tokens = int(usage.get("cached_tokens") or 0)
-        return self._delta(rs, str(msg.get("text") or ""), len(ids), msg.get("finish_reason"))
+    async def _fresh_handle(
+        self, rs: RequestState, plan: RoutePlan, req: GenerateRequest
+    ) -> GenerateRequest:
+        """The last decode worker may have claimed the handle (single-use): end the old
+        lease and prefill again for a new one; the first token already sent stays. Without
+        one the next decode worker recomputes the prompt when its claim is refused."""
+        for worker in plan.prefill:
+            if worker.url in rs.touched:  # awaited: the worker frees the id before reuse
+                await worker_client.abort(self.client, worker.url, rs.request_id)
+        fresh = await self._prefill(rs, plan)
+        if fresh is None or fresh.kv_handle is None:
+            return req
+        return replace(req, kv_handle=fresh.kv_handle)
+
+    def _relay(self, rs: RequestState, msg: TokenDelta) -> Delta:
+        if msg.usage is not None and not rs.remote_prefill:  # else the prefill's count holds
+            rs.cached_tokens = msg.usage.cached_tokens
+        return self._delta(rs, msg.text, len(msg.token_ids), msg.finish_reason)
 
     def _track(self, url: str, role: str, tokens: int, step: int) -> None:
         if step > 0:

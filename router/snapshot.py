@@ -8,42 +8,10 @@ and can be tested from a table of snapshots without any server.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from pdserve.contract import WorkerStats as WorkerStats  # what a worker's GET /stats says
 
 ROLES = ("prefill", "decode")
-
-
-@dataclass(frozen=True)
-class WorkerStats:
-    """The fields of a worker's ``GET /stats`` that routing uses."""
-
-    worker_id: str = ""
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_free: int = 0
-    kv_blocks_total: int = 0
-    queued_prompt_tokens: int = 0
-    block_size: int = 16
-    max_model_len: int = 0
-    kv_events: str = ""  # ZeroMQ address of a prefill worker's KV events; "" on decode
-
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> WorkerStats:
-        def num(key: str, default: int = 0) -> int:
-            value = body.get(key, default)
-            return int(value) if isinstance(value, (int, float)) else default
-
-        return cls(
-            worker_id=str(body.get("worker_id") or ""),
-            running=num("running"),
-            waiting=num("waiting"),
-            kv_blocks_free=num("kv_blocks_free"),
-            kv_blocks_total=num("kv_blocks_total"),
-            queued_prompt_tokens=num("queued_prompt_tokens"),
-            block_size=num("block_size", 16) or 16,
-            max_model_len=num("max_model_len"),
-            kv_events=str(body.get("kv_events") or ""),
-        )
 
 
 @dataclass(frozen=True)
@@ -71,7 +39,8 @@ class WorkerView:
 
     @property
     def running(self) -> int:
-        return max(self.stats.running + self.stats.waiting, self.inflight)
+        s = self.stats
+        return max(s.running + s.waiting + s.loading, self.inflight)
 
     @property
     def kv_free_fraction(self) -> float:

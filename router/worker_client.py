@@ -1,4 +1,5 @@
-"""Calls from the router to the workers' internal HTTP API (docs/architecture.md).
+"""Calls from the router to the workers' internal HTTP API: the typed messages of
+:mod:`pdserve.contract`, sent with the service secret.
 
 The hop runs on aiohttp, on connections kept alive: together with reading every
 stream to its end (so connections go back to the pool) this took about 4 ms off
@@ -11,13 +12,24 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve import env
+from pdserve.codec import CodecError, decode, encode, from_dict
+from pdserve.contract import (
+    AbortReply,
+    GenerateRequest,
+    PrefillReply,
+    PrefillRequest,
+    RequestRef,
+    TokenDelta,
+)
 from pdserve.router.errors import APIError, from_worker_body
+
+T = TypeVar("T")
+JSON = {"content-type": "application/json"}
 
 log = logging.getLogger(__name__)
 
@@ -31,24 +43,17 @@ class WorkerFailed(Exception):
         self.down = down  # the worker itself looks broken (not just this request)
 
 
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token_id: int
-    text: str
-    finish_reason: str | None
-    kv_handle: dict[str, Any] | None
-    num_cached_tokens: int
-    prompt_tokens: int
-
-
 # Connection failures, timeouts and broken bodies: the worker did not answer usefully.
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
-def new_session() -> aiohttp.ClientSession:
-    """The router's one connection pool to its workers (unbounded, kept alive)."""
+def new_session(secret: str | None = None) -> aiohttp.ClientSession:
+    """The router's one connection pool to its workers (unbounded, kept alive); every call
+    carries the service secret (``PDSERVE_SERVICE_SECRET`` unless given)."""
+    secret = env.service_secret("the router") if secret is None else secret
+    headers = {env.SECRET_HEADER: secret} if secret else {}
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
-    return aiohttp.ClientSession(connector=connector, raise_for_status=False)
+    return aiohttp.ClientSession(connector=connector, raise_for_status=False, headers=headers)
 
 
 def _timeout(seconds: float) -> aiohttp.ClientTimeout:
@@ -77,51 +82,52 @@ async def get_json(session: aiohttp.ClientSession, url: str, timeout: float) -> 
         return resp.status, _decode_json(await resp.read())
 
 
-async def prefill(
-    client: aiohttp.ClientSession,
-    url: str,
-    request_id: str,
-    ids: list[int],
-    sampling: SamplingParams,
-    timeout: float,
-) -> PrefillResult:
-    payload = {"request_id": request_id, "prompt_token_ids": ids, "sampling": sampling.to_dict()}
+async def get_message(
+    session: aiohttp.ClientSession, url: str, cls: type[T], timeout: float
+) -> tuple[int, T | None]:
+    """(status, the typed body, or None when not 200 or not a ``cls``)."""
+    status, body = await get_json(session, url, timeout)
     try:
-        async with client.post(url + "/prefill", json=payload, timeout=_timeout(timeout)) as resp:
+        return status, from_dict(body, cls) if status == 200 else None
+    except CodecError as exc:
+        log.warning("bad reply from %s: %s", url, exc)
+        return status, None
+
+
+async def prefill(
+    client: aiohttp.ClientSession, url: str, req: PrefillRequest, timeout: float
+) -> PrefillReply:
+    try:
+        async with client.post(
+            url + "/prefill", data=encode(req), headers=JSON, timeout=_timeout(timeout)
+        ) as resp:
             status, raw = resp.status, await resp.read()
     except TRANSPORT_ERRORS as exc:
         raise WorkerFailed(url, f"prefill failed: {exc!r}") from exc
-    body = _decode_json(raw)
-    if status == 200 and not isinstance(body, dict):
-        raise WorkerFailed(url, f"bad prefill reply: {raw[:80]!r}")
-    _raise_for(url, status, body)
+    if status != 200:
+        _raise_for(url, status, _decode_json(raw))
     try:
-        return PrefillResult(
-            first_token_id=int(body["first_token_id"]),
-            text=str(body.get("text") or ""),
-            finish_reason=body.get("finish_reason"),
-            kv_handle=body.get("kv_handle"),
-            num_cached_tokens=int(body.get("num_cached_tokens") or 0),
-            prompt_tokens=int(body.get("prompt_tokens") or len(ids)),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise WorkerFailed(url, f"bad prefill reply: {exc!r}") from exc
+        return decode(raw, PrefillReply)
+    except CodecError as exc:
+        raise WorkerFailed(url, f"bad prefill reply: {exc}") from exc
 
 
 MAX_LINE_BYTES = 1 << 20  # one NDJSON line from a worker; more is a broken stream
 
 
 async def generate(
-    client: aiohttp.ClientSession, url: str, payload: dict[str, Any], timeout: float
-) -> AsyncIterator[dict[str, Any]]:
+    client: aiohttp.ClientSession, url: str, req: GenerateRequest, timeout: float
+) -> AsyncIterator[TokenDelta]:
     """Messages of the decode worker's NDJSON stream. Raises :class:`WorkerFailed` when the
-    stream cannot start or breaks; an ``{"error": ...}`` line is yielded as is.
+    stream cannot start or breaks; a delta with an ``error`` is yielded as is.
 
     Lines that arrived together are merged into one message (see :func:`merge_lines`),
     so a router that falls behind its workers catches up instead of paying per token.
     """
     try:
-        async with client.post(url + "/generate", json=payload, timeout=_timeout(timeout)) as resp:
+        async with client.post(
+            url + "/generate", data=encode(req), headers=JSON, timeout=_timeout(timeout)
+        ) as resp:
             if resp.status != 200:
                 _raise_for(url, resp.status, _decode_json(await resp.read()))
                 raise WorkerFailed(url, f"HTTP {resp.status}")
@@ -138,41 +144,35 @@ async def generate(
         raise WorkerFailed(url, f"generate failed: {exc!r}") from exc
 
 
-def _message(url: str, line: bytes) -> dict[str, Any]:
+def _message(url: str, line: bytes) -> TokenDelta:
     try:
-        msg = json.loads(line)
-    except ValueError as exc:
-        raise WorkerFailed(url, f"bad stream line {line[:80]!r}") from exc
-    if not isinstance(msg, dict) or not isinstance(msg.get("token_ids", []), list):
-        raise WorkerFailed(url, f"bad stream line {line[:80]!r}")
-    return msg
+        return decode(line, TokenDelta)
+    except CodecError as exc:
+        raise WorkerFailed(url, f"bad stream line {line[:80]!r}: {exc}") from exc
 
 
-def merge_lines(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def merge_lines(msgs: list[TokenDelta]) -> list[TokenDelta]:
     """Consecutive token messages as one: ids and text joined, the last one's other fields.
 
     A message that finishes the stream, or carries an error, ends a run.
     """
-    out: list[dict[str, Any]] = []
+    out: list[TokenDelta] = []
     for msg in msgs:
-        prev = out[-1] if out else None
-        if prev is None or "error" in prev or "error" in msg or prev.get("finish_reason"):
+        if not out or out[-1].ends_run or msg.error is not None:
             out.append(msg)
-            continue
-        out[-1] = {
-            **msg,
-            "token_ids": (prev.get("token_ids") or []) + (msg.get("token_ids") or []),
-            "text": str(prev.get("text") or "") + str(msg.get("text") or ""),
-        }
+        else:
+            out[-1] = out[-1].then(msg)
     return out
 
 
 async def abort(client: aiohttp.ClientSession, url: str, request_id: str) -> bool:
+    body = encode(RequestRef(request_id))
     try:
-        body = {"request_id": request_id}
-        async with client.post(url + "/abort", json=body, timeout=_timeout(5.0)) as resp:
-            return bool(_decode_json(await resp.read()).get("aborted"))
-    except (*TRANSPORT_ERRORS, AttributeError) as exc:
+        async with client.post(
+            url + "/abort", data=body, headers=JSON, timeout=_timeout(5.0)
+        ) as resp:
+            return decode(await resp.read(), AbortReply).aborted
+    except (*TRANSPORT_ERRORS, CodecError) as exc:
         log.warning("abort of %s on %s failed: %s", request_id, url, exc)
         return False
 

@@ -21,6 +21,9 @@ for _name, _value in {
     "HF_HUB_OFFLINE": "1",  # nothing may download models at run time
     "TRANSFORMERS_OFFLINE": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
+    # Every router, worker and `pdserve up` a test starts shares this service secret, so
+    # the suite runs authenticated; helpers send it (tests/loopback.py: secret_headers).
+    "PDSERVE_SERVICE_SECRET": "pdserve-tests-secret",
 }.items():
     os.environ.setdefault(_name, _value)
 

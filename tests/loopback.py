@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -12,7 +13,14 @@ from typing import Any
 
 import httpx
 
+from pdserve.env import SECRET_HEADER, SERVICE_SECRET
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def secret_headers() -> dict[str, str]:
+    """The service secret every process started by the tests shares (tests/conftest.py)."""
+    return {SECRET_HEADER: os.environ[SERVICE_SECRET]}
 
 
 def free_port() -> int:
@@ -25,7 +33,7 @@ def all_kv_free(urls: list[str], timeout: float = 30.0) -> None:
     """Every worker's KV pool is free again (cancelled streams are aborted at the workers)."""
     deadline = time.monotonic() + timeout
     while True:
-        stats = [httpx.get(u + "/stats", timeout=5).json() for u in urls]
+        stats = [httpx.get(u + "/stats", timeout=5, headers=secret_headers()).json() for u in urls]
         if all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats):
             return
         assert time.monotonic() < deadline, f"KV not freed: {stats}"

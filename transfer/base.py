@@ -33,6 +33,10 @@ class TransferError(RuntimeError):
     """A transfer could not be set up or failed."""
 
 
+class PeerUnreachable(TransferError):
+    """The peer did not answer within the deadline: it looks gone (or frozen)."""
+
+
 class IncompatiblePeerError(TransferError):
     """The prefill side refused the handshake; ``mismatches`` names the differing fields."""
 
@@ -51,6 +55,15 @@ class PeerInfo:
     geometry: PoolGeometry
 
 
+@dataclass(frozen=True)
+class LeaseRef:
+    """The claimed lease a read belongs to (the tcp transport names it to the peer)."""
+
+    request_id: str
+    nonce: str
+    agent_name: str  # the claiming (reading) agent
+
+
 class ReadOp:
     """One in-flight read of a request's blocks; transports subclass it."""
 
@@ -67,9 +80,15 @@ class KVTransport(ABC):
     busy_poll: ClassVar[bool] = False
 
     def __init__(
-        self, pool: torch.Tensor, compat: CompatRecord, agent_name: str, initiator: bool = False
+        self,
+        pool: torch.Tensor,
+        compat: CompatRecord,
+        agent_name: str,
+        initiator: bool = False,
+        secret: str = "",
     ) -> None:
         self.pool = pool
+        self.secret = secret  # the service secret, for transports that talk on the side channel
         self.initiator = initiator  # the decode side: it starts reads, nobody reads from it
         self.compat = compat
         self.agent_name = agent_name
@@ -93,9 +112,10 @@ class KVTransport(ABC):
 
     @abstractmethod
     def start_read(
-        self, request_id: str, peer: PeerInfo, remote_ids: list[int], local_ids: list[int]
+        self, lease: LeaseRef, peer: PeerInfo, remote_ids: list[int], local_ids: list[int]
     ) -> ReadOp:
-        """Start one read of ``remote_ids`` of ``peer`` into ``local_ids``; never blocks long."""
+        """Start one read of ``remote_ids`` of ``peer`` into ``local_ids``; never blocks long.
+        ``lease`` names the claimed lease the blocks belong to."""
 
     @abstractmethod
     def check(self, op: ReadOp) -> State:

@@ -1,18 +1,21 @@
 """The decode side of the KV hand-off: ``KVConnector`` over a registry transport.
 
 The engine thread only queues work (``start_load``, ``cancel``) and drains results
-(``poll``); a transfer thread does everything that waits: handshakes (run in a small pool so a
-dead peer cannot stall other peers), one read per request, deadlines and lease releases.
-Every load ends in exactly one ``LoadResult`` within ``transfer_timeout`` of ``start_load``,
-unless the transport cannot stop a read, in which case its result waits until it has stopped
-(so the engine never frees a block that is still being written), at most another timeout.
+(``poll``, ``unquarantined``); a transfer thread does everything that waits. One load:
 
-Lease release: once a load that reached the transfer thread is over (read done, cancelled,
-refused by a live peer: incompatible or out-of-range ids) a ``LeaseRelease`` goes to the
-handle's side channel in the background, so the prefill side frees the blocks at once instead
-of at lease expiry. Not sent when the peer looks gone (read error, timeout, no handshake), when
-the handle names an agent other than the one at its side channel (a stale handle), nor for
-handles refused by the local checks (expired lease, bad ids), which never reach a peer.
+    handshake (once per peer) ─▶ claim the lease ─▶ READ ─▶ done: the peer confirms the
+    lease held the blocks throughout ─▶ LoadResult(ok)
+
+Side-channel calls (handshake, claim, done) run in a small pool so a dead peer cannot stall
+the others. Every load ends in exactly one ``LoadResult`` within ``transfer_timeout`` of
+``start_load``. A read that fails or times out is aborted first; if the transport cannot
+confirm the abort, the result says ``quarantined``: the engine keeps the local blocks out of
+use until ``unquarantined`` names the request (the transport reported the read ended).
+
+A claimed lease is always ended: ``LeaseDone(ok)`` after the READ (answered with
+``intact``), else ``LeaseDone(ok=False)`` in the background, unless the peer looks gone (read
+error, timeout), where the lease times out on the prefill side instead. A claim that is
+refused (handle replayed, lease expired) fails the load before any byte moves.
 
 Measured per load: ``num_bytes`` (all layers, k and v) and ``seconds`` from posting the read to
 its completion (the handshake, paid once per peer, is not included).
@@ -31,10 +34,18 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.kv_connector import KVConnector, LoadResult
-from pdserve.transfer.base import IncompatiblePeerError, PeerInfo, ReadOp, State
+from pdserve.env import service_secret
+from pdserve.transfer.base import LeaseRef, PeerInfo, PeerUnreachable, ReadOp, State
 from pdserve.transfer.layout import PoolGeometry
-from pdserve.transfer.messages import CompatRecord, HandshakeReply, KVHandle, LeaseRelease
-from pdserve.transfer.registry import make_transport, new_agent_name
+from pdserve.transfer.messages import (
+    CompatRecord,
+    HandshakeReply,
+    KVHandle,
+    LeaseClaim,
+    LeaseDone,
+    LeaseDoneAck,
+)
+from pdserve.transfer.registry import DEFAULT_TRANSFER_TIMEOUT, make_transport, new_agent_name
 from pdserve.transfer.side_channel import call, handshake
 from pdserve.transfer.validation import check_local, check_peer
 
@@ -51,7 +62,12 @@ class _Load:
     op: ReadOp | None = None
     read_started: float = 0.0
     retried_handshake: bool = False
-    release_lease: bool = True  # False for a stale handle (other agent) or an unreachable peer
+    claimed: bool = False  # the peer granted our claim: we must end the lease
+    cancelled: bool = False
+    release_lease: bool = True  # False once the peer looks gone
+    step: Future[object] | None = None  # the side-channel call in flight (claim or done)
+    num_bytes: int = 0
+    seconds: float = 0.0
 
 
 class RemoteKVConnector(KVConnector):
@@ -61,23 +77,29 @@ class RemoteKVConnector(KVConnector):
         compat: CompatRecord,
         transport: str = "nixl",
         agent_name: str | None = None,
-        transfer_timeout: float = 10.0,
+        transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
         release_timeout: float = 2.0,
+        secret: str | None = None,
     ) -> None:
         assert transfer_timeout > 0
         self.agent_name = agent_name or new_agent_name("decode")
         self.compat = compat
         self.transfer_timeout = transfer_timeout
         self.release_timeout = release_timeout
-        self.transport = make_transport(transport, pool, compat, self.agent_name, initiator=True)
+        self.secret = service_secret("the KV connector") if secret is None else secret
+        self.transport = make_transport(
+            transport, pool, compat, self.agent_name, initiator=True, secret=self.secret
+        )
         self._num_blocks = PoolGeometry.of(pool).num_blocks
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._done: queue.Queue[LoadResult] = queue.Queue()
         self._peers: dict[str, PeerInfo] = {}  # by side-channel address
         self._handshakes: dict[str, Future[HandshakeReply]] = {}
         self._waiting: dict[str, _Load] = {}  # loads waiting for their peer's handshake
+        self._calling: dict[str, _Load] = {}  # loads waiting for a claim or done reply
         self._active: dict[str, _Load] = {}  # loads with a read in flight
-        self._stopping: dict[str, tuple[_Load, str]] = {}  # aborted reads not yet stopped
+        self._stopping: dict[str, _Load] = {}  # quarantined: aborted reads not yet stopped
+        self._lifted: queue.Queue[str] = queue.Queue()  # quarantines lifted
         self._pending = 0  # started and not yet reported; engine thread only
         # Handshakes and lease releases get separate pools: releases to a dead peer (each up
         # to release_timeout) must never delay a handshake with a live one.
@@ -128,6 +150,16 @@ class RemoteKVConnector(KVConnector):
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
 
+    def unquarantined(self) -> list[str]:
+        out = []
+        while not self._lifted.empty():
+            out.append(self._lifted.get_nowait())
+        return out
+
+    def quarantined(self) -> int:
+        """Reads reported failed that may still write their blocks (any thread, approximate)."""
+        return len(self._stopping)
+
     def pending(self) -> int:
         """Loads started and not yet returned by ``poll`` (0 when nothing is in flight)."""
         return self._pending
@@ -169,7 +201,7 @@ class RemoteKVConnector(KVConnector):
         checks is lost bandwidth. The GIL's switch interval still lets the engine thread in."""
         if self._active and self.transport.busy_poll:
             return 0.0
-        if self._active or self._waiting or self._stopping:
+        if self._active or self._waiting or self._stopping or self._calling:
             return 0.0005
         return 0.05
 
@@ -191,6 +223,7 @@ class RemoteKVConnector(KVConnector):
                 self.agent_name,
                 self.transport.metadata(),
                 self.transfer_timeout,
+                self.secret,
             )
 
     def _start(self, load: _Load, peer: PeerInfo) -> None:
@@ -202,14 +235,32 @@ class RemoteKVConnector(KVConnector):
             self._admit(load)
             return
         if err:
-            load.release_lease = load.handle.agent_name == peer.agent_name
             self._finish(load, f"request {load.request_id}: {err}")
             return
+        h = load.handle
+        self._call(load, LeaseClaim(h.request_id, h.nonce, self.agent_name))
+
+    def _call(self, load: _Load, msg: object) -> None:
+        addr = load.handle.side_channel
+        load.step = self._calls.submit(call, addr, msg, self.transfer_timeout, self.secret)
+        self._calling[load.request_id] = load
+
+    def _gone(self, load: _Load, error: str) -> None:
+        """The peer did not answer: forget it (the next load re-handshakes); its lease
+        times out there."""
+        self._forget_peer(load.handle.side_channel)
+        load.release_lease = False
+        self._finish(load, error)
+
+    def _read(self, load: _Load) -> None:
+        peer = self._peers.get(load.handle.side_channel)
+        if peer is None:  # forgotten meanwhile (another read from it failed)
+            self._finish(load, f"request {load.request_id}: the KV peer went away")
+            return
+        lease = LeaseRef(load.handle.request_id, load.handle.nonce, self.agent_name)
         try:
             load.read_started = time.monotonic()
-            load.op = self.transport.start_read(
-                load.request_id, peer, load.remote_ids, load.local_ids
-            )
+            load.op = self.transport.start_read(lease, peer, load.remote_ids, load.local_ids)
         except Exception as exc:
             self._forget_peer(peer.side_channel)
             load.release_lease = False  # the peer is most likely gone
@@ -225,7 +276,10 @@ class RemoteKVConnector(KVConnector):
             state = self._check(load.op)
             if state == "DONE":
                 del self._active[rid]
-                self._finish(load, "", load.op.num_bytes, time.monotonic() - load.read_started)
+                load.num_bytes = load.op.num_bytes
+                load.seconds = time.monotonic() - load.read_started
+                h = load.handle
+                self._call(load, LeaseDone(h.request_id, h.nonce, self.agent_name, True))
             elif state == "ERR":
                 del self._active[rid]
                 self._forget_peer(load.handle.side_channel)
@@ -244,7 +298,41 @@ class RemoteKVConnector(KVConnector):
                 err = f"no handshake with {addr} within {t:g}s"
                 load.release_lease = False
                 self._finish(load, f"request {rid}: {err}")
-        self._progress_stopping(now)
+        self._progress_calls(now)
+        self._progress_stopping()
+
+    def _progress_calls(self, now: float) -> None:
+        """Claims granted start their read; confirmed dones end their load."""
+        for rid, load in list(self._calling.items()):
+            assert load.step is not None
+            if not load.step.done() and now <= load.deadline:
+                continue
+            del self._calling[rid]
+            if not load.step.done():
+                addr, t = load.handle.side_channel, self.transfer_timeout
+                self._gone(load, f"request {rid}: no reply from side channel {addr} within {t:g}s")
+                continue
+            try:
+                reply = load.step.result()
+            except PeerUnreachable as exc:
+                self._gone(load, f"request {rid}: {exc}")
+                continue
+            except Exception as exc:  # refused (replayed handle, expired lease)
+                self._finish(load, f"request {rid}: {exc}")
+                continue
+            if not load.claimed:
+                load.claimed = True
+                if load.cancelled:
+                    self._finish(load, f"request {rid}: cancelled")
+                else:
+                    self._read(load)
+            elif isinstance(reply, LeaseDoneAck) and reply.intact:
+                load.claimed = False  # the done ended the lease
+                self._finish(load, "", load.num_bytes, load.seconds)
+            else:
+                load.claimed = False
+                err = getattr(reply, "error", "") or "the peer did not confirm the read"
+                self._finish(load, f"request {rid}: {err}; its blocks are not used")
 
     def _check(self, op: ReadOp) -> State:
         try:
@@ -265,8 +353,7 @@ class RemoteKVConnector(KVConnector):
             try:
                 peer = self._add_peer(address, fut.result())
             except Exception as exc:
-                for ld in waiting:  # an incompatible peer is alive: let it free the blocks
-                    ld.release_lease = isinstance(exc, IncompatiblePeerError)
+                for ld in waiting:  # never claimed: the lease times out on the peer
                     self._finish(ld, f"request {ld.request_id}: {exc}")
                 continue
             for ld in waiting:
@@ -297,14 +384,17 @@ class RemoteKVConnector(KVConnector):
             self._finish(self._waiting.pop(rid), f"request {rid}: cancelled")
         elif rid in self._active:
             self._abort(self._active.pop(rid), f"request {rid}: cancelled")
+        elif rid in self._calling:  # ends when its call returns
+            self._calling[rid].cancelled = True
 
     def _abort(self, load: _Load, error: str) -> None:
         assert load.op is not None
         if self._try_abort(load.op):
             self._finish(load, error)
-        else:
-            load.deadline = time.monotonic() + self.transfer_timeout
-            self._stopping[load.request_id] = (load, error)
+        else:  # it may still write the local blocks: report it, keep them out of use
+            log.error("KV read %s could not be stopped; its blocks are quarantined", load.op)
+            self._stopping[load.request_id] = load
+            self._finish(load, f"{error} (the read could not be stopped)", quarantined=True)
 
     def _try_abort(self, op: ReadOp) -> bool:
         try:
@@ -313,21 +403,32 @@ class RemoteKVConnector(KVConnector):
             log.warning("abort of KV read %s: %s", op.request_id, exc)
             return False
 
-    def _progress_stopping(self, now: float) -> None:
-        for rid, (load, error) in list(self._stopping.items()):
+    def _progress_stopping(self) -> None:
+        """Quarantines end only when the transport says the read stopped, never by a timer."""
+        for rid, load in list(self._stopping.items()):
             assert load.op is not None
-            if self._try_abort(load.op) or now > load.deadline:
-                if now > load.deadline:
-                    log.error("KV read %s could not be stopped; reporting it anyway", rid)
+            if self._try_abort(load.op):
+                log.warning("quarantined KV read %s stopped; its blocks are free again", rid)
                 del self._stopping[rid]
-                self._finish(load, error)
+                self._lifted.put(rid)
 
-    def _finish(self, load: _Load, error: str, num_bytes: int = 0, seconds: float = 0.0) -> None:
+    def _finish(
+        self,
+        load: _Load,
+        error: str,
+        num_bytes: int = 0,
+        seconds: float = 0.0,
+        quarantined: bool = False,
+    ) -> None:
         ok = not error
-        self._done.put(LoadResult(load.request_id, ok, error, num_bytes if ok else 0, seconds))
-        if load.release_lease:  # done with the blocks either way: let the prefill side free them
-            msg = LeaseRelease(load.handle.request_id, self.agent_name)
-            fut = self._releases.submit(call, load.handle.side_channel, msg, self.release_timeout)
+        res = LoadResult(load.request_id, ok, error, num_bytes if ok else 0, seconds, quarantined)
+        self._done.put(res)
+        if load.claimed and load.release_lease:  # we hold the lease: let the peer free it now
+            h = load.handle
+            msg = LeaseDone(h.request_id, h.nonce, self.agent_name, False)
+            fut = self._releases.submit(
+                call, h.side_channel, msg, self.release_timeout, self.secret
+            )
             fut.add_done_callback(_log_release_failure)
 
     def _shutdown(self) -> None:
@@ -335,6 +436,8 @@ class RemoteKVConnector(KVConnector):
             self._abort(self._active.pop(rid), f"request {rid}: connector closed")
         for rid in list(self._waiting):
             self._finish(self._waiting.pop(rid), f"request {rid}: connector closed")
+        for rid in list(self._calling):
+            self._finish(self._calling.pop(rid), f"request {rid}: connector closed")
 
 
 def _log_release_failure(fut: Future[object]) -> None:

@@ -1,7 +1,8 @@
 """Messages of the KV hand-off between prefill and decode workers.
 
-``KVHandle`` is what a prefill worker returns with the first token: everything a
-decode worker needs to pull the prompt's KV blocks and to release the lease.
+``KVHandle`` (defined in :mod:`pdserve.contract`, re-exported here) is what a prefill
+worker returns with the first token: everything a decode worker needs to claim the lease,
+pull the prompt's KV blocks and end the lease.
 ``CompatRecord`` is exchanged at handshake; peers whose records differ in any
 field are refused with an error naming the fields.
 """
@@ -12,8 +13,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pdserve.codec import message
-
-KV_HANDLE_VERSION = 1
+from pdserve.contract import CONTRACT_VERSION
+from pdserve.contract import KVHandle as KVHandle
 
 
 @message("compat")
@@ -47,59 +48,9 @@ class CompatRecord:
         return out
 
 
-@message("kv_handle")
-@dataclass(frozen=True)
-class KVHandle:
-    """A lease on a prompt's KV blocks held by one prefill worker."""
-
-    request_id: str  # the lease id; the decode side releases by this id
-    agent_name: str  # the prefill worker's NIXL agent (or tcp peer) name
-    side_channel: str  # ZeroMQ address of the prefill worker's side channel (handshake, release)
-    block_ids: list[int]  # block ids in the prefill worker's KV pool, in prompt order
-    num_tokens: int  # prompt tokens whose KV the blocks hold
-    block_hashes: list[int]  # chained hashes of the full blocks (len == num_tokens // block_size)
-    block_size: int
-    lease_expires_at: float  # wall clock (time.time()) when the prefill side frees the blocks
-    transport: str = "nixl"
-    version: int = KV_HANDLE_VERSION
-    extra: dict[str, str] = field(default_factory=dict)
-
-    def validate(self) -> None:
-        if self.version != KV_HANDLE_VERSION:
-            raise ValueError(f"kv_handle version {self.version} != {KV_HANDLE_VERSION}")
-        if self.num_tokens <= 0:
-            raise ValueError("kv_handle.num_tokens must be positive")
-        if self.block_size <= 0:
-            raise ValueError("kv_handle.block_size must be positive")
-        need = -(-self.num_tokens // self.block_size)
-        if len(self.block_ids) != need:
-            raise ValueError(
-                f"kv_handle has {len(self.block_ids)} block ids for {self.num_tokens} tokens "
-                f"(block size {self.block_size} needs {need})"
-            )
-        if any((not isinstance(b, int)) or b < 0 for b in self.block_ids):
-            raise ValueError("kv_handle.block_ids must be non-negative integers")
-        if len(self.block_hashes) > len(self.block_ids):
-            raise ValueError("kv_handle has more block hashes than blocks")
-
-
 # --- side channel (prefill worker's ZMQ ROUTER; see docs/kv_transfer.md) ---------------------
 
-SIDE_CHANNEL_VERSION = 1
-
-
-def compat_from_dict(body: object) -> CompatRecord:
-    """A CompatRecord from its plain-dict form (as nested in a handshake), with a clear error."""
-    if not isinstance(body, dict):
-        raise ValueError("compat must be an object")
-    names = {f.name for f in fields(CompatRecord)}
-    unknown = set(body) - names - {"type"}
-    if unknown:
-        raise ValueError(f"compat has unknown fields {sorted(unknown)}")
-    try:
-        return CompatRecord(**{k: v for k, v in body.items() if k != "type"})
-    except TypeError as exc:
-        raise ValueError(f"compat: {exc}") from exc
+SIDE_CHANNEL_VERSION = CONTRACT_VERSION
 
 
 @message("kv_hello")
@@ -110,14 +61,8 @@ class HandshakeRequest:
     transport: str  # "nixl" | "tcp"; must match the prefill side's
     agent_name: str
     agent_metadata: str  # base64 of the transport's metadata (NIXL agent metadata; "" for tcp)
-    compat: dict[str, object]  # CompatRecord as a plain dict
+    compat: CompatRecord
     version: int = SIDE_CHANNEL_VERSION
-
-    def validate(self) -> None:
-        compat_from_dict(self.compat)
-
-    def compat_record(self) -> CompatRecord:
-        return compat_from_dict(self.compat)
 
 
 @message("kv_hello_ok")
@@ -145,19 +90,45 @@ class HandshakeRefused:
     version: int = SIDE_CHANNEL_VERSION
 
 
-@message("kv_release")
+@message("kv_claim")
 @dataclass(frozen=True)
-class LeaseRelease:
-    """Decode → prefill: done with the blocks of ``request_id`` (read finished or abandoned)."""
+class LeaseClaim:
+    """Decode → prefill, before the READ: these blocks are mine now (single use)."""
 
     request_id: str
-    agent_name: str  # the releasing decode agent, for logs
+    nonce: str  # the handle's; a lease is claimed at most once
+    agent_name: str  # the claiming decode agent: it must have passed the handshake
 
 
-@message("kv_release_ok")
+@message("kv_claimed")
 @dataclass(frozen=True)
-class LeaseReleaseAck:
+class LeaseClaimed:
+    """Prefill → decode: claimed; the blocks stay until done/failed or ``ttl_s`` passes."""
+
     request_id: str
+    ttl_s: float
+
+
+@message("kv_done")
+@dataclass(frozen=True)
+class LeaseDone:
+    """Decode → prefill: the read is over (``ok``: it completed; else failed/abandoned)."""
+
+    request_id: str
+    nonce: str
+    agent_name: str
+    ok: bool
+
+
+@message("kv_done_ack")
+@dataclass(frozen=True)
+class LeaseDoneAck:
+    """Prefill → decode: ``intact`` is True only if the claimed lease held the blocks from
+    the claim until this message: only then may the decode side use what it read."""
+
+    request_id: str
+    intact: bool
+    error: str = ""
 
 
 @message("kv_tcp_read")
@@ -166,6 +137,8 @@ class TcpReadRequest:
     """Decode → prefill (tcp transport only): send me these blocks, all layers, k and v."""
 
     request_id: str
+    nonce: str  # the claimed lease's: only its blocks are served
+    agent_name: str  # the agent that claimed it
     block_ids: list[int]
 
 

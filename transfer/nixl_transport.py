@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pdserve.transfer.base import KVTransport, PeerInfo, ReadOp, State, TransferError
+from pdserve.transfer.base import KVTransport, LeaseRef, PeerInfo, ReadOp, State, TransferError
 from pdserve.transfer.layout import descriptors, merge_runs
 from pdserve.transfer.messages import CompatRecord
 
@@ -66,9 +66,14 @@ class NixlTransport(KVTransport):
     busy_poll = True
 
     def __init__(
-        self, pool: torch.Tensor, compat: CompatRecord, agent_name: str, initiator: bool = False
+        self,
+        pool: torch.Tensor,
+        compat: CompatRecord,
+        agent_name: str,
+        initiator: bool = False,
+        secret: str = "",
     ) -> None:
-        super().__init__(pool, compat, agent_name, initiator)
+        super().__init__(pool, compat, agent_name, initiator, secret)
         self.agent = _make_agent(agent_name, progress_thread=not initiator)
         if "UCX" not in self.agent.backends:
             raise TransferError("NIXL has no UCX backend plugin; use --kv-transport tcp")
@@ -97,7 +102,7 @@ class NixlTransport(KVTransport):
                 log.debug("remove_remote_agent(%s): %s", agent_name, exc)
 
     def start_read(
-        self, request_id: str, peer: PeerInfo, remote_ids: list[int], local_ids: list[int]
+        self, lease: LeaseRef, peer: PeerInfo, remote_ids: list[int], local_ids: list[int]
     ) -> ReadOp:
         if peer.agent_name not in self._peers:
             raise TransferError(f"unknown NIXL peer {peer.agent_name!r}")
@@ -111,7 +116,7 @@ class NixlTransport(KVTransport):
             self.agent.get_xfer_descs(remote, peer.geometry.mem_type),
             peer.agent_name,
         )
-        op = _NixlOp(request_id, self.geometry.request_bytes(len(local_ids)), handle)
+        op = _NixlOp(lease.request_id, self.geometry.request_bytes(len(local_ids)), handle)
         if self.agent.transfer(handle) == "ERR":
             op.error = "NIXL could not post the READ"
             self._finish(op)

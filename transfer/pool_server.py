@@ -3,7 +3,8 @@
 ``python -m pdserve.transfer.pool_server --transport nixl --blocks 64 ...`` fills a pool with
 deterministic bytes (``fill_pool``), starts a ``KVServer`` on 127.0.0.1 (free port), prints one
 JSON line ``{"agent_name", "side_channel", "num_bytes"}``, then one ``{"released": id}`` line per
-lease release, and exits when its stdin closes.
+ended lease. Each stdin line ``{"hold": id, "block_ids": [...], "num_tokens": n}`` starts a
+lease and is answered with ``{"handle": <KVHandle codec form>}``. Exits when stdin closes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 
 import torch
 
+from pdserve.codec import to_dict
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.server import KVServer
 
@@ -46,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="test-model")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lease-seconds", type=float, default=30.0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,13 +56,16 @@ def run(args: argparse.Namespace) -> int:
     pool = torch.empty(pool_shape(args), dtype=DTYPES[args.dtype], device=args.device)
     fill_pool(pool, args.seed)
     compat = CompatRecord.for_pool(pool, args.model)
-    server = KVServer(pool, compat, transport=args.transport)
+    server = KVServer(pool, compat, transport=args.transport, lease_seconds=args.lease_seconds)
     info = {"agent_name": server.agent_name, "side_channel": server.side_channel}
     print(json.dumps({**info, "num_bytes": pool.numel() * pool.element_size()}), flush=True)
     stdin_closed = threading.Event()
 
     def watch_stdin() -> None:
-        sys.stdin.read()
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            handle = server.make_handle(cmd["hold"], cmd["block_ids"], cmd["num_tokens"], [])
+            print(json.dumps({"handle": to_dict(handle)}), flush=True)
         stdin_closed.set()
 
     threading.Thread(target=watch_stdin, daemon=True).start()

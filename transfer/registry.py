@@ -1,34 +1,51 @@
-"""``--kv-transport`` key → transport class. Imports are lazy so ``tcp`` works without NIXL."""
+"""``--kv-transport`` key → transport class, and the KV hand-off's defaults.
+
+Torch-free (classes are imported on use), so the router, the operator, ``pdserve up`` and
+the benchmarks take their choices from here: ``TRANSPORT_NAMES`` is what every
+``--kv-transport`` flag, the operator's spec and the CRD enum accept (a test checks the
+CRD). The ``tcp`` transport works without NIXL installed.
+"""
 
 from __future__ import annotations
 
 import importlib
 import uuid
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from pdserve.transfer.base import KVTransport
-from pdserve.transfer.messages import CompatRecord
+    from pdserve.transfer.base import KVTransport
+    from pdserve.transfer.messages import CompatRecord
 
 TRANSPORTS: dict[str, tuple[str, str]] = {
     "nixl": ("pdserve.transfer.nixl_transport", "NixlTransport"),
     "tcp": ("pdserve.transfer.tcp_transport", "TcpTransport"),
 }
+TRANSPORT_NAMES: tuple[str, ...] = tuple(sorted(TRANSPORTS))
+DEFAULT_TRANSPORT = "nixl"
+DEFAULT_LEASE_SECONDS = 30.0  # how long a prefill worker holds handed-off KV
+DEFAULT_TRANSFER_TIMEOUT = 10.0  # seconds a decode worker gives one KV read
 
 
 def transport_class(kind: str) -> type[KVTransport]:
     if kind not in TRANSPORTS:
-        raise ValueError(f"unknown kv transport {kind!r}; valid: {sorted(TRANSPORTS)}")
+        raise ValueError(f"unknown kv transport {kind!r}; valid: {list(TRANSPORT_NAMES)}")
     module, cls = TRANSPORTS[kind]
     return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
 
 def make_transport(
-    kind: str, pool: torch.Tensor, compat: CompatRecord, agent_name: str, initiator: bool = False
+    kind: str,
+    pool: torch.Tensor,
+    compat: CompatRecord,
+    agent_name: str,
+    initiator: bool = False,
+    secret: str = "",
 ) -> KVTransport:
     """A transport of ``kind`` bound to ``pool`` (registered once, here); ``initiator`` on the
     decode side (it reads), not on the prefill side (it is read from)."""
-    return transport_class(kind)(pool, compat, agent_name, initiator)
+    return transport_class(kind)(pool, compat, agent_name, initiator, secret)
 
 
 def new_agent_name(role: str) -> str:

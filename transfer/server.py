@@ -1,41 +1,49 @@
-"""The prefill side of the KV hand-off: a transport plus the side channel that serves it.
+"""The prefill side of the KV hand-off: the engine's ``KVHolder`` over a transport.
 
-The prefill worker starts one ``KVServer`` with its KV pool at start-up. It answers
-handshakes (refusing incompatible peers), serves tcp reads, and delivers lease releases:
-to ``on_release(request_id)`` if given (called on the side-channel thread — keep it short
-and thread-safe), else into a queue drained with ``released()``. Leases themselves (which
-blocks, when they expire) stay with the worker's lease manager.
+The prefill worker attaches one ``KVServer`` to its engine (``engine.attach_holder``).
+It owns, in one object, what the decode side's ``RemoteKVConnector`` mirrors: the
+blocks of handed-off requests, their leases (``transfer/leases.py``: the one lease clock)
+and the side channel that serves them — handshakes (refusing incompatible peers and
+peers without the service secret), lease claims and dones, and tcp reads of claimed
+blocks only. Side-channel requests arrive on its thread; ``hold``/``freed`` run on the
+engine thread (docs/kv_transfer.md).
 """
 
 from __future__ import annotations
 
 import base64
 import logging
-import queue
-import time
+import secrets
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from pdserve.codec import encode
+from pdserve.engine.kv_connector import KVHolder
+from pdserve.env import service_secret
+from pdserve.transfer.leases import LeaseTable
 from pdserve.transfer.messages import (
     CompatRecord,
     HandshakeRefused,
     HandshakeReply,
     HandshakeRequest,
     KVHandle,
-    LeaseRelease,
-    LeaseReleaseAck,
+    LeaseClaim,
+    LeaseClaimed,
+    LeaseDone,
+    LeaseDoneAck,
     SideChannelError,
+    TcpReadRequest,
 )
-from pdserve.transfer.registry import make_transport, new_agent_name
+from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS, make_transport, new_agent_name
 from pdserve.transfer.side_channel import SideChannelServer, answer_handshake
 
 log = logging.getLogger(__name__)
 
 
-class KVServer:
+class KVServer(KVHolder):
     def __init__(
         self,
         pool: torch.Tensor,
@@ -45,17 +53,25 @@ class KVServer:
         port: int = 0,
         advertise_host: str | None = None,
         agent_name: str | None = None,
-        on_release: Callable[[str], None] | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        on_expired: Callable[[str], None] | None = None,
+        secret: str | None = None,
     ) -> None:
         if host == "0.0.0.0" and advertise_host is None:
             raise ValueError("KVServer bound to 0.0.0.0 needs advertise_host (the pod/host IP)")
         self.agent_name = agent_name or new_agent_name("prefill")
         self.compat = compat
-        self.transport = make_transport(transport, pool, compat, self.agent_name)
-        self._on_release = on_release
-        self._released: queue.Queue[str] = queue.Queue()
+        self.secret = service_secret("the KV side channel") if secret is None else secret
+        self.transport = make_transport(
+            transport, pool, compat, self.agent_name, secret=self.secret
+        )
+        self.leases = LeaseTable(lease_seconds, on_expired)
+        self._peers: set[str] = set()  # decode agents that passed the handshake
+        self._peers_lock = threading.Lock()
         try:
-            self._server = SideChannelServer(self._handle, host, port, advertise_host)
+            self._server = SideChannelServer(
+                self._handle, host, port, advertise_host, secret=self.secret
+            )
         except Exception:
             self.transport.close()
             raise
@@ -66,15 +82,34 @@ class KVServer:
     def transport_name(self) -> str:
         return self.transport.name
 
+    # --- KVHolder (engine thread) ----------------------------------------------------------
+
+    def hold(
+        self, request_id: str, block_ids: list[int], num_tokens: int, block_hashes: list[int]
+    ) -> KVHandle:
+        n = -(-num_tokens // self.compat.block_size)
+        return self.make_handle(request_id, block_ids[:n], num_tokens, block_hashes, held=block_ids)
+
+    def release(self, request_id: str) -> bool:
+        return self.leases.end(request_id)
+
+    def freed(self) -> list[list[int]]:
+        return [blocks for _, blocks in self.leases.ended()]
+
+    def held_ids(self) -> set[str]:
+        return self.leases.held_ids()
+
     def make_handle(
         self,
         request_id: str,
         block_ids: list[int],
         num_tokens: int,
         block_hashes: list[int],
-        lease_seconds: float = 30.0,
+        lease_seconds: float | None = None,
+        held: list[int] | None = None,
     ) -> KVHandle:
-        """The handle returned with the first token; the worker starts the lease."""
+        """Start a lease on ``held`` (default ``block_ids``) and return its handle."""
+        ttl = self.leases.ttl_s if lease_seconds is None else lease_seconds
         handle = KVHandle(
             request_id=request_id,
             agent_name=self.agent_name,
@@ -83,48 +118,65 @@ class KVServer:
             num_tokens=num_tokens,
             block_hashes=list(block_hashes),
             block_size=self.compat.block_size,
-            lease_expires_at=time.time() + lease_seconds,
+            nonce=secrets.token_hex(16),
+            lease_ttl_s=ttl,
             transport=self.transport.name,
         )
         handle.validate()
+        self.leases.add(request_id, handle.nonce, held if held is not None else block_ids, ttl)
         return handle
 
     def released(self) -> list[str]:
-        """Request ids whose lease the decode side released since the last call."""
-        out = []
-        while True:
-            try:
-                out.append(self._released.get_nowait())
-            except queue.Empty:
-                return out
+        """Request ids whose lease ended since the last call (tools that hold no engine)."""
+        return [rid for rid, _ in self.leases.ended()]
 
     def wait_released(self, timeout: float) -> str | None:
-        """Block up to ``timeout`` s for the next released request id (tests, tools)."""
-        try:
-            return self._released.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        """Block up to ``timeout`` s for the next ended lease's request id (tests, tools)."""
+        ended = self.leases.wait_ended(timeout)
+        return ended[0] if ended is not None else None
+
+    # --- side channel (its thread) ---------------------------------------------------------
 
     def _handle(self, msg: object) -> list[Any]:
         if isinstance(msg, HandshakeRequest):
             return [encode(self._handshake(msg))]
-        if isinstance(msg, LeaseRelease):
-            if self._on_release is not None:
-                self._on_release(msg.request_id)
-            else:
-                self._released.put(msg.request_id)
-            return [encode(LeaseReleaseAck(msg.request_id))]
-        frames = self.transport.serve(msg)
-        if frames is None:
-            err = f"{type(msg).__name__} is not served by a {self.transport.name} side channel"
+        if isinstance(msg, LeaseClaim):
+            return [encode(self._claim(msg))]
+        if isinstance(msg, LeaseDone):
+            intact = self.leases.done(msg.request_id, msg.nonce, msg.agent_name, msg.ok)
+            err = "" if intact else "the lease ended before the read was confirmed"
+            return [encode(LeaseDoneAck(msg.request_id, intact, err if msg.ok else ""))]
+        if isinstance(msg, TcpReadRequest):
+            return self._tcp_read(msg)
+        err = f"{type(msg).__name__} is not served by a {self.transport.name} side channel"
+        return [encode(SideChannelError(err))]
+
+    def _claim(self, msg: LeaseClaim) -> LeaseClaimed | SideChannelError:
+        with self._peers_lock:
+            known = msg.agent_name in self._peers
+        if not known:
+            return SideChannelError(f"agent {msg.agent_name!r} has not passed the handshake")
+        err = self.leases.claim(msg.request_id, msg.nonce, msg.agent_name)
+        if err:
+            log.warning("refused a lease claim by %s: %s", msg.agent_name, err)
+            return SideChannelError(err)
+        return LeaseClaimed(msg.request_id, self.leases.ttl_s)
+
+    def _tcp_read(self, msg: TcpReadRequest) -> list[Any]:
+        """Serve only blocks of a lease this agent claimed: never arbitrary ids."""
+        claimed = self.leases.claimed_blocks(msg.request_id, msg.nonce, msg.agent_name)
+        if claimed is None or not set(msg.block_ids) <= set(claimed):
+            err = f"tcp read {msg.request_id}: not blocks of a claimed lease"
             return [encode(SideChannelError(err))]
-        return frames
+        return self.transport.serve(msg) or [encode(SideChannelError("not served"))]
 
     def _handshake(self, req: HandshakeRequest) -> HandshakeReply | HandshakeRefused:
         mismatches = answer_handshake(req, self.compat, self.transport.name)
         if mismatches:
             log.warning("refused KV peer %s: %s", req.agent_name, "; ".join(mismatches))
             return HandshakeRefused("incompatible KV peers (prefill != decode)", mismatches)
+        with self._peers_lock:
+            self._peers.add(req.agent_name)
         geo = self.transport.geometry
         return HandshakeReply(
             transport=self.transport.name,

@@ -1,14 +1,21 @@
 """The prefill worker's side channel: a ZeroMQ ROUTER that answers handshakes, lease
-releases and (tcp transport) block reads; plus the decode side's client calls.
+claims and dones and (tcp transport) block reads; plus the decode side's client calls.
 
-Frames are ``[identity, b"", codec message, *extra frames]`` on the server and
-``[b"", codec message, *extra]`` on the client's DEALER socket. Every client call uses a
-fresh socket with a deadline, so a dead or wedged peer costs a timeout, never a hang.
+A request is ``[b"", message, mac]`` (the DEALER's frames; the ROUTER sees the peer's
+identity first); a reply is ``[b"", message, mac, *extra frames]``. With a service secret
+(``PDSERVE_SERVICE_SECRET``) ``mac`` is HMAC-SHA256 under it: of the request message, and of
+request + reply messages for a reply, so a reply answers this very request. A request with
+a wrong mac is refused; a reply with a wrong mac is not believed: the decode side reads KV
+only from peers that proved the secret. The extra frames (tcp block data) are not MACed.
+Without a secret the macs are empty and not checked. Every client call uses a fresh socket
+with a deadline, so a dead or wedged peer costs a timeout, never a hang.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import logging
 import threading
 from collections.abc import Callable
@@ -17,7 +24,7 @@ from typing import Any
 import zmq
 
 from pdserve.codec import CodecError, decode, encode
-from pdserve.transfer.base import IncompatiblePeerError, TransferError
+from pdserve.transfer.base import IncompatiblePeerError, PeerUnreachable, TransferError
 from pdserve.transfer.messages import (
     SIDE_CHANNEL_VERSION,
     CompatRecord,
@@ -32,6 +39,36 @@ log = logging.getLogger(__name__)
 Handler = Callable[[object], list[Any]]
 
 
+def mac(secret: str, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of ``parts`` (length-prefixed) under ``secret``; b"" without one."""
+    if not secret:
+        return b""
+    h = hmac.new(secret.encode(), digestmod=hashlib.sha256)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "big"))
+        h.update(part)
+    return h.digest()
+
+
+def request_frames(msg: object, secret: str) -> tuple[bytes, list[bytes]]:
+    """(the encoded message, the frames a DEALER sends for it)."""
+    payload = encode(msg)
+    return payload, [b"", payload, mac(secret, payload)]
+
+
+def open_reply(frames: list[Any], request: bytes, secret: str, address: str) -> list[Any]:
+    """``[message, *extra]`` of a reply (frames as received, b"" first) whose mac checks."""
+    raw = [bytes(f.buffer) if hasattr(f, "buffer") else bytes(f) for f in frames[:3]]
+    if len(raw) < 3:
+        raise TransferError(f"malformed reply from side channel {address}")
+    if not hmac.compare_digest(raw[2], mac(secret, request, raw[1])):
+        raise TransferError(
+            f"side channel {address} did not prove the service secret (PDSERVE_SERVICE_SECRET): "
+            f"its reply is not trusted: {raw[1][:120]!r}"
+        )
+    return [raw[1], *frames[3:]]
+
+
 class SideChannelServer:
     """ROUTER socket served by one daemon thread; ``handler(msg)`` returns the reply frames."""
 
@@ -41,8 +78,10 @@ class SideChannelServer:
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
+        secret: str = "",
     ) -> None:
         self._handler = handler
+        self._secret = secret
         self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -66,11 +105,17 @@ class SideChannelServer:
             frames = self._sock.recv_multipart()
             if len(frames) < 3:
                 continue  # not one of ours; nobody to answer sensibly
-            reply = self._answer(frames[2])
-            self._sock.send_multipart([frames[0], b"", *reply], copy=False)
+            payload, given = frames[2], frames[3] if len(frames) > 3 else b""
+            head, *extra = self._answer(payload, given)
+            tag = mac(self._secret, payload, bytes(head))
+            self._sock.send_multipart([frames[0], b"", head, tag, *extra], copy=False)
         self._sock.close(linger=0)
 
-    def _answer(self, payload: bytes) -> list[Any]:
+    def _answer(self, payload: bytes, given: bytes) -> list[Any]:
+        if not hmac.compare_digest(given, mac(self._secret, payload)):
+            log.warning("side channel: refused a request without the service secret")
+            err = "unauthenticated: the request does not carry the service secret's mac"
+            return [encode(SideChannelError(err))]
         try:
             return self._handler(decode(payload))
         except CodecError as exc:
@@ -84,7 +129,7 @@ class SideChannelServer:
         self._thread.join(timeout=5)
 
 
-def call(address: str, msg: object, timeout: float) -> object:
+def call(address: str, msg: object, timeout: float, secret: str) -> object:
     """Send ``msg`` to a side channel and return the decoded reply, or raise TransferError."""
     sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -93,14 +138,19 @@ def call(address: str, msg: object, timeout: float) -> object:
             sock.connect(address)
         except zmq.ZMQError as exc:
             raise TransferError(f"bad side channel address {address!r}: {exc}") from exc
-        sock.send_multipart([b"", encode(msg)])
+        payload, frames = request_frames(msg, secret)
+        sock.send_multipart(frames)
         if not sock.poll(int(timeout * 1000), zmq.POLLIN):
-            raise TransferError(f"no reply from side channel {address} within {timeout:g}s")
-        frames = sock.recv_multipart()
+            raise PeerUnreachable(f"no reply from side channel {address} within {timeout:g}s")
+        head = open_reply(sock.recv_multipart(), payload, secret, address)[0]
     finally:
         sock.close(linger=0)
+    return decode_reply(head, address)
+
+
+def decode_reply(head: bytes, address: str) -> object:
     try:
-        reply: object = decode(frames[-1])
+        reply: object = decode(head)
     except CodecError as exc:
         raise TransferError(f"bad reply from side channel {address}: {exc}") from exc
     if isinstance(reply, SideChannelError):
@@ -115,7 +165,7 @@ def answer_handshake(req: HandshakeRequest, compat: CompatRecord, transport: str
         out.append(f"version: {SIDE_CHANNEL_VERSION!r} != {req.version!r}")
     if req.transport != transport:
         out.append(f"transport: {transport!r} != {req.transport!r}")
-    return out + compat.mismatches(req.compat_record())
+    return out + compat.mismatches(req.compat)
 
 
 def handshake(
@@ -125,15 +175,16 @@ def handshake(
     agent_name: str,
     metadata: bytes,
     timeout: float,
+    secret: str,
 ) -> HandshakeReply:
     """Decode side: introduce ourselves; raise IncompatiblePeerError if refused."""
     req = HandshakeRequest(
         transport=transport,
         agent_name=agent_name,
         agent_metadata=base64.b64encode(metadata).decode(),
-        compat=_plain(compat),
+        compat=compat,
     )
-    reply = call(address, req, timeout)
+    reply = call(address, req, timeout, secret)
     if isinstance(reply, HandshakeRefused):
         fields = ", ".join(reply.mismatches) or reply.error
         raise IncompatiblePeerError(
@@ -142,9 +193,3 @@ def handshake(
     if not isinstance(reply, HandshakeReply):
         raise TransferError(f"unexpected handshake reply {type(reply).__name__} from {address}")
     return reply
-
-
-def _plain(compat: CompatRecord) -> dict[str, object]:
-    from dataclasses import asdict
-
-    return asdict(compat)

@@ -1,7 +1,9 @@
 """KV transport over plain ZeroMQ: the fallback where NIXL is not installed.
 
-The decode side sends ``TcpReadRequest(block_ids)`` to the prefill worker's side channel;
-the prefill side gathers ``pool[:, :, block_ids]`` into one contiguous buffer and replies with
+The decode side sends ``TcpReadRequest(lease, block_ids)`` to the prefill worker's side
+channel (signed like every side-channel request); the prefill side serves only blocks of a
+lease that agent claimed (``KVServer``), at most ``MAX_READ_BYTES`` and never a block twice,
+gathers ``pool[:, :, block_ids]`` into one contiguous buffer and replies with
 ``TcpReadReply`` plus one raw data frame, which the decode side scatters into its local blocks.
 Each read uses its own DEALER socket, so a dead peer costs one socket, never a wedged one.
 Two copies and a TCP hop make it several times slower than NIXL; it exists for portability.
@@ -16,13 +18,19 @@ import torch
 import zmq
 
 from pdserve.codec import CodecError, decode, encode
-from pdserve.transfer.base import KVTransport, PeerInfo, ReadOp, State, TransferError
+from pdserve.transfer.base import KVTransport, LeaseRef, PeerInfo, ReadOp, State, TransferError
 from pdserve.transfer.messages import SideChannelError, TcpReadReply, TcpReadRequest
+from pdserve.transfer.side_channel import open_reply, request_frames
+
+MAX_READ_BYTES = 4 << 30  # one tcp read's reply; a larger request is refused
 
 
 class _TcpOp(ReadOp):
-    def __init__(self, request_id: str, num_bytes: int, sock: zmq.Socket, local_ids: list[int]):
+    def __init__(
+        self, request_id: str, num_bytes: int, sock: zmq.Socket, local_ids: list[int], sent: bytes
+    ):
         super().__init__(request_id, num_bytes)
+        self.sent = sent  # the request message: the reply's mac covers it
         self.sock: zmq.Socket | None = sock
         self.local_ids = local_ids
         self.state: State = "PROC"
@@ -39,15 +47,22 @@ class TcpTransport(KVTransport):
     def serve(self, msg: object) -> list[Any] | None:
         if not isinstance(msg, TcpReadRequest):
             return None
-        n = self.geometry.num_blocks
-        bad = [b for b in msg.block_ids if not 0 <= b < n]
-        if bad or not msg.block_ids:
-            err = f"block ids {bad[:8]} out of range [0, {n})" if bad else "no block ids"
+        err = self._refusal(msg.block_ids)
+        if err:
             return [encode(SideChannelError(f"tcp read {msg.request_id}: {err}"))]
         idx = torch.tensor(msg.block_ids, dtype=torch.long, device=self.pool.device)
         data = self._planes().index_select(1, idx).cpu()
         raw = data.view(torch.uint8).reshape(-1).numpy()
         return [encode(TcpReadReply(msg.request_id, int(raw.nbytes))), raw]
+
+    def _refusal(self, ids: list[int]) -> str:
+        n = self.geometry.num_blocks
+        if not ids or len(ids) > n or len(set(ids)) != len(ids):
+            return f"{len(ids)} block ids: need 1 to {n}, none repeated"
+        if self.geometry.request_bytes(len(ids)) > MAX_READ_BYTES:
+            return f"{len(ids)} blocks are over {MAX_READ_BYTES} bytes"
+        bad = [b for b in ids if not 0 <= b < n]
+        return f"block ids {bad[:8]} out of range [0, {n})" if bad else ""
 
     def _planes(self) -> torch.Tensor:
         """The pool as ``[layers * 2, blocks, block elements]``: index_select/index_copy_ over
@@ -64,13 +79,16 @@ class TcpTransport(KVTransport):
         pass
 
     def start_read(
-        self, request_id: str, peer: PeerInfo, remote_ids: list[int], local_ids: list[int]
+        self, lease: LeaseRef, peer: PeerInfo, remote_ids: list[int], local_ids: list[int]
     ) -> ReadOp:
         sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(peer.side_channel)
-        sock.send_multipart([b"", encode(TcpReadRequest(request_id, list(remote_ids)))])
-        return _TcpOp(request_id, self.geometry.request_bytes(len(local_ids)), sock, local_ids)
+        req = TcpReadRequest(lease.request_id, lease.nonce, lease.agent_name, list(remote_ids))
+        sent, frames = request_frames(req, self.secret)
+        sock.send_multipart(frames)
+        num_bytes = self.geometry.request_bytes(len(local_ids))
+        return _TcpOp(lease.request_id, num_bytes, sock, local_ids, sent)
 
     def check(self, op: ReadOp) -> State:
         assert isinstance(op, _TcpOp)
@@ -78,7 +96,7 @@ class TcpTransport(KVTransport):
             return op.state
         frames = op.sock.recv_multipart(copy=False)
         try:
-            self._receive(op, frames)
+            self._receive(op, open_reply(frames, op.sent, self.secret, "tcp read"))
             op.state = "DONE"
         except (TransferError, CodecError) as exc:
             op.error, op.state = str(exc), "ERR"
@@ -86,19 +104,17 @@ class TcpTransport(KVTransport):
         return op.state
 
     def _receive(self, op: _TcpOp, frames: list[Any]) -> None:
-        if len(frames) < 2:
-            raise TransferError("tcp read: malformed reply")
-        head: object = decode(frames[1].bytes)
+        head: object = decode(frames[0])
         if isinstance(head, SideChannelError):
             raise TransferError(head.error)
-        if not isinstance(head, TcpReadReply) or len(frames) != 3:
+        if not isinstance(head, TcpReadReply) or len(frames) != 2:
             raise TransferError(f"tcp read: unexpected reply {type(head).__name__}")
-        if head.num_bytes != op.num_bytes or len(frames[2].buffer) != op.num_bytes:
+        if head.num_bytes != op.num_bytes or len(frames[1].buffer) != op.num_bytes:
             raise TransferError(f"tcp read: got {head.num_bytes} bytes, expected {op.num_bytes}")
         planes = self._planes()
         with warnings.catch_warnings():  # the zmq frame is read-only; we only read it
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(frames[2].buffer, dtype=torch.uint8)
+            raw = torch.frombuffer(frames[1].buffer, dtype=torch.uint8)
         shape = (planes.shape[0], len(op.local_ids), planes.shape[2])
         data = raw.view(self.pool.dtype).view(shape).to(self.pool.device)
         idx = torch.tensor(op.local_ids, dtype=torch.long, device=self.pool.device)

@@ -1,10 +1,10 @@
-"""Checks on a KV handle before anything is read: a bad handle is refused with a clear
-error and no byte moves. Local checks run on the engine thread in ``start_load``; checks
-that need the peer's pool (agent name, remote block range) run after the handshake."""
+"""Checks before anything is read: a bad handle is refused with a clear error and no byte
+moves. The handle's own checks are ``KVHandle.problem`` (one place, shared with the engine);
+here: the block id lists of one load (engine thread, in ``start_load``) and what needs the
+peer's pool (agent name, remote block range), after the handshake. Whether the lease is
+still held is the prefill side's to say, when the decode side claims it."""
 
 from __future__ import annotations
-
-import time
 
 from pdserve.transfer.base import PeerInfo
 from pdserve.transfer.messages import KVHandle
@@ -21,19 +21,9 @@ def check_local(
     """An error message, or "" if the request may go to the peer."""
     if not isinstance(handle, KVHandle):
         return f"expected a KVHandle, got {type(handle).__name__}"
-    try:
-        handle.validate()
-    except ValueError as exc:
-        return f"bad kv handle: {exc}"
-    if not handle.side_channel.startswith("tcp://"):
-        return f"kv handle side channel {handle.side_channel!r} is not a tcp:// address"
-    if handle.transport != transport:
-        return f"kv handle is for transport {handle.transport!r}, this worker uses {transport!r}"
-    if handle.block_size != block_size:
-        return f"kv handle block size {handle.block_size} != local block size {block_size}"
-    left = handle.lease_expires_at - time.time()
-    if left <= 0:
-        return f"kv handle lease expired {-left:.1f}s ago (the prefill side freed the blocks)"
+    err = handle.problem(transport, block_size, None)
+    if err:
+        return err
     if not remote_ids or len(remote_ids) != len(local_ids):
         return f"{len(remote_ids)} remote block ids for {len(local_ids)} local block ids"
     n = len(remote_ids)

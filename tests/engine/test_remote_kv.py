@@ -9,7 +9,6 @@ when a load finishes, fails or is cancelled.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -40,6 +39,8 @@ class InProcessConnector(KVConnector):
         self.pending: dict[str, tuple[list[int], list[int]]] = {}
         self.cancelled: set[str] = set()
         self.fail = False
+        self.quarantine = False  # report loads as failed reads that could not be stopped
+        self.lifted: list[str] = []  # quarantines the next unquarantined() lifts
         self.hold = False  # keep every load in flight
         self.started: list[tuple[str, list[int], list[int]]] = []
 
@@ -57,6 +58,8 @@ class InProcessConnector(KVConnector):
         for rid, (remote, local) in self.pending.items():
             if rid in self.cancelled:
                 results.append(LoadResult(rid, False, "cancelled"))
+            elif self.quarantine:
+                results.append(LoadResult(rid, False, "injected stuck read", quarantined=True))
             elif self.fail:
                 results.append(LoadResult(rid, False, "injected failure"))
             else:
@@ -67,6 +70,10 @@ class InProcessConnector(KVConnector):
 
     def cancel(self, request_id: str) -> None:
         self.cancelled.add(request_id)
+
+    def unquarantined(self) -> list[str]:
+        out, self.lifted = self.lifted, []
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +106,13 @@ def _prefill(engine: LLMEngine, rid: str) -> tuple[KVHandle, int]:
     handle = KVHandle(
         request_id=rid,
         agent_name="prefill",
-        side_channel="inproc",
+        side_channel="tcp://inproc:1",
         block_ids=out.kv_block_ids,
         num_tokens=len(PROMPT),
         block_hashes=block_hashes(PROMPT, engine.config.block_size),
         block_size=engine.config.block_size,
-        lease_expires_at=time.time() + 60,
+        nonce="n",
+        lease_ttl_s=60,
     )
     handle.validate()
     return handle, out.token_ids[0]
@@ -236,6 +244,28 @@ def test_bad_handles_are_rejected(pair: Any) -> None:
             decode.add_request("x", PROMPT, _greedy(), **kwargs)
         assert err.value.field == field_name
     assert not decode.has_work
+    prefill.release_held("a")
+    assert_all_free(prefill)
+    assert_all_free(decode)
+
+
+def test_quarantined_blocks_stay_owned_until_the_read_stops(pair: Any) -> None:
+    """A read the transport could not stop may still write its blocks: the request fails,
+    the blocks stay owned (never reused, never cached) until the connector lifts them."""
+    prefill, decode, connector = pair
+    handle, first = _prefill(prefill, "a")
+    connector.quarantine = True
+    outs = _decode(decode, "a", handle, first)
+    assert [o.finish_reason for o in outs] == ["error"]
+    assert "could not be stopped" in outs[0].error
+    assert decode.blocks.num_blocks - decode.blocks.num_free_blocks == 5
+    assert not decode.requests and list(decode.quarantined) == ["a"]
+    assert decode.blocks.match_prefix(block_hashes(PROMPT, 16), len(PROMPT)) == []  # not cached
+    decode.free_released()
+    assert decode.blocks.num_blocks - decode.blocks.num_free_blocks == 5  # not lifted yet
+    connector.lifted.append("a")
+    decode.free_released()
+    assert not decode.quarantined
     prefill.release_held("a")
     assert_all_free(prefill)
     assert_all_free(decode)

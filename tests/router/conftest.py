@@ -13,11 +13,18 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from pdserve.env import SERVICE_SECRET
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import StaticSource
 from pdserve.router.tokenizer import PromptTokenizer
-from tests.router.fakes import TOTAL_BLOCKS, FakeState, decode_app, prefill_app, serve
+from tests.router.fakes import SECRET, TOTAL_BLOCKS, FakeState, decode_app, prefill_app, serve
+
+
+@pytest.fixture(autouse=True)
+def service_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router under test sends the fakes' secret (read when its session is made)."""
+    monkeypatch.setenv(SERVICE_SECRET, SECRET)
 
 
 @dataclass

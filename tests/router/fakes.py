@@ -1,7 +1,8 @@
 """Fake prefill and decode workers that follow docs/architecture.md's worker HTTP API.
 
 They stand in for the real workers (prefill_worker/, decode_worker/) in the
-router's API tests: they speak the same JSON, stream NDJSON, publish real KV
+router's API tests: they speak the same typed messages (``pdserve.contract``), stream
+NDJSON, check the service secret (``SECRET``), publish real KV
 events over ZeroMQ, hold "leases" and "KV blocks" as counters so every test can
 check that everything is freed at the end, and fail on demand.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,10 +24,25 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pdserve.codec import to_dict
+from pdserve.codec import decode, encode, to_dict
+from pdserve.contract import (
+    AbortReply,
+    GenerateRequest,
+    KVHandle,
+    PrefillReply,
+    PrefillRequest,
+    ReleaseReply,
+    RequestRef,
+    TokenDelta,
+    Usage,
+    WorkerError,
+    WorkerStats,
+)
 from pdserve.engine.hashing import block_hashes
-from pdserve.transfer.messages import KVHandle
+from pdserve.env import SECRET_HEADER
 from tests.loopback import free_port
+
+SECRET = "router-tests-secret"  # conftest sets PDSERVE_SERVICE_SECRET to it for the router
 
 BLOCK = 16
 TOTAL_BLOCKS = 1000
@@ -41,7 +58,7 @@ class FakeState:
     kv_events: str = ""
     leases: dict[str, int] = field(default_factory=dict)  # request_id -> blocks
     active: dict[str, int] = field(default_factory=dict)  # decode: request_id -> blocks
-    requests: list[dict[str, Any]] = field(default_factory=list)
+    requests: list[Any] = field(default_factory=list)  # PrefillRequest | GenerateRequest
     aborted: list[str] = field(default_factory=list)
     cached: set[int] = field(default_factory=set)
     seq: int = 0
@@ -52,12 +69,11 @@ class FakeState:
 
 
 def _stats(st: FakeState) -> dict[str, Any]:
-    return {
-        "role": st.role, "worker_id": st.worker_id, "model": "tiny", "running": len(st.active),
-        "waiting": 0, "kv_blocks_free": st.kv_blocks_free, "kv_blocks_total": TOTAL_BLOCKS,
-        "queued_prompt_tokens": 0, "prefix_cache_hit_tokens": 0, "kv_events": st.kv_events,
-        "block_size": BLOCK, "max_model_len": MAX_MODEL_LEN,
-    }  # fmt: skip
+    return to_dict(WorkerStats(
+        role=st.role, worker_id=st.worker_id, model="tiny", running=len(st.active),
+        kv_blocks_free=st.kv_blocks_free, kv_blocks_total=TOTAL_BLOCKS, kv_events=st.kv_events,
+        block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
+    ))  # fmt: skip
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -67,6 +83,12 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def _common(app: FastAPI, st: FakeState) -> None:
+    @app.middleware("http")
+    async def secret(request: Request, call_next: Any) -> Any:
+        if request.url.path != "/health" and request.headers.get(SECRET_HEADER) != SECRET:
+            return _error(401, "no service secret")
+        return await call_next(request)
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -76,11 +98,11 @@ def _common(app: FastAPI, st: FakeState) -> None:
         return _stats(st)
 
     @app.post("/abort")
-    async def abort(request: Request) -> dict[str, bool]:
-        rid = (await request.json())["request_id"]
+    async def abort(request: Request) -> dict[str, Any]:
+        rid = decode(await request.body(), RequestRef).request_id
         st.aborted.append(rid)
         found = st.leases.pop(rid, None) is not None or st.active.pop(rid, None) is not None
-        return {"aborted": found}
+        return to_dict(AbortReply(found))
 
 
 def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI:
@@ -88,21 +110,23 @@ def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI
     _common(app, st)
 
     @app.post("/release")
-    async def release(request: Request) -> dict[str, bool]:
-        return {"released": st.leases.pop((await request.json())["request_id"], None) is not None}
+    async def release(request: Request) -> dict[str, Any]:
+        rid = decode(await request.body(), RequestRef).request_id
+        return to_dict(ReleaseReply(st.leases.pop(rid, None) is not None))
 
     @app.post("/prefill")
     async def prefill(request: Request) -> Any:
-        body = await request.json()
+        body = decode(await request.body(), PrefillRequest)
         st.requests.append(body)
         if st.fail == "500":
             return _error(500, "injected failure")
         if st.fail == "400":
             return _error(400, "injected refusal")
-        ids, rid = body["prompt_token_ids"], body["request_id"]
-        while st.fail == "hang" and rid not in st.aborted:  # until the router aborts it
+        ids, rid = body.prompt_token_ids, body.request_id
+        before = len(st.aborted)  # aborts of this rid before now are of an earlier prefill
+        while st.fail == "hang" and rid not in st.aborted[before:]:  # until the router aborts
             await asyncio.sleep(0.02)
-        if rid in st.aborted:  # like a real worker: an aborted prefill keeps no blocks
+        if rid in st.aborted[before:]:  # like a real worker: an aborted prefill keeps no blocks
             return _error(400, "aborted")
         hashes = block_hashes(ids, BLOCK)
         cached = next((i for i, h in enumerate(hashes) if h not in st.cached), len(hashes))
@@ -113,19 +137,21 @@ def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI
             st.seq += 1
             await pub.send_multipart([b"kv", json.dumps(ev).encode()])
         first = 100 + sum(ids) % 50
-        done = body["sampling"]["max_tokens"] == 1
+        done = body.sampling.max_tokens == 1
         handle = None
         if not done:
             nblocks = -(-len(ids) // BLOCK)
             st.leases[rid] = nblocks
-            handle = to_dict(KVHandle(
-                request_id=rid, agent_name=st.worker_id, side_channel=str(request.base_url),
+            handle = KVHandle(
+                request_id=rid, agent_name=st.worker_id,
+                side_channel="tcp://" + str(request.base_url).split("://")[1],
                 block_ids=list(range(nblocks)), num_tokens=len(ids), block_hashes=hashes,
-                block_size=BLOCK, lease_expires_at=1e12, transport="tcp",
-            ))  # fmt: skip
-        return {"request_id": rid, "first_token_id": first, "text": f"<{first}>",
-                "finish_reason": "length" if done else None, "kv_handle": handle,
-                "num_cached_tokens": cached * BLOCK, "prompt_tokens": len(ids)}  # fmt: skip
+                block_size=BLOCK, nonce=uuid.uuid4().hex, lease_ttl_s=30,
+                transport="tcp",
+            )  # fmt: skip
+        return to_dict(PrefillReply(
+            rid, first, f"<{first}>", "length" if done else None, handle, cached * BLOCK, len(ids),
+        ))  # fmt: skip
 
     return app
 
@@ -136,17 +162,17 @@ def decode_app(st: FakeState) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
-        body = await request.json()
+        body = decode(await request.body(), GenerateRequest)
         st.requests.append(body)
         if st.fail == "500":
             return _error(500, "injected failure")
-        rid, handle = body["request_id"], body.get("kv_handle")
-        n = body["sampling"]["max_tokens"] - (1 if handle else 0)
-        st.active[rid] = -(-len(body["prompt_token_ids"]) // BLOCK)
-        if handle:  # "read" the blocks, then release the prefill worker's lease
-            async with httpx.AsyncClient() as c:
-                await c.post(handle["side_channel"].rstrip("/") + "/release",
-                             json={"request_id": handle["request_id"]})  # fmt: skip
+        rid, handle = body.request_id, body.kv_handle
+        n = body.sampling.max_tokens - (1 if handle else 0)
+        st.active[rid] = -(-len(body.prompt_token_ids) // BLOCK)
+        if handle:  # "read" the blocks, then end the prefill worker's lease
+            url = "http://" + handle.side_channel.removeprefix("tcp://").rstrip("/")
+            async with httpx.AsyncClient(headers={SECRET_HEADER: SECRET}) as c:
+                await c.post(url + "/release", content=encode(RequestRef(handle.request_id)))
         return StreamingResponse(_stream(st, rid, n), media_type="application/x-ndjson")
 
     return app
@@ -158,17 +184,15 @@ async def _stream(st: FakeState, rid: str, n: int) -> AsyncIterator[bytes]:
             if rid not in st.active:  # aborted
                 return
             if st.fail == "error-line":
-                yield json.dumps({"error": {"message": "injected"}}).encode() + b"\n"
+                yield encode(TokenDelta(error=WorkerError("injected"))) + b"\n"
                 return
             if st.fail == "mid-stream" and i == 2:
                 raise RuntimeError("injected crash mid-stream")
             await asyncio.sleep(st.token_delay_s)
             last = i == n - 1
-            line: dict[str, Any] = {"token_ids": [200 + i], "text": f" t{i}",
-                                    "finish_reason": "length" if last else None}  # fmt: skip
-            if last:
-                line["usage"] = {"prompt_tokens": 0, "completion_tokens": n, "cached_tokens": 7}
-            yield json.dumps(line).encode() + b"\n"
+            usage = Usage(0, n, 7) if last else None
+            line = TokenDelta([200 + i], f" t{i}", "length" if last else None, usage)
+            yield encode(line) + b"\n"
     finally:
         st.active.pop(rid, None)
 

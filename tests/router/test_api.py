@@ -28,8 +28,8 @@ async def test_completion_non_streaming_remote_prefill(cluster_factory) -> None:
         # the prefill worker's cache counts (a miss), not the decode side's
         assert out.usage.prompt_tokens_details.cached_tokens == 0
         assert out.id.startswith("cmpl-") and out.model == "tiny"
-        assert len(c.prefill[0].requests) == 1 and c.decode[0].requests[0]["kv_handle"]
-        assert c.decode[0].requests[0]["first_token_id"] is not None
+        assert len(c.prefill[0].requests) == 1 and c.decode[0].requests[0].kv_handle
+        assert c.decode[0].requests[0].first_token_id is not None
         await c.settle()
 
 
@@ -39,7 +39,7 @@ async def test_completion_short_prompt_goes_straight_to_decode(cluster_factory) 
         assert out.choices[0].text == " t0 t1 t2"
         assert c.prefill[0].requests == []
         assert out.usage.prompt_tokens_details.cached_tokens == 7  # the decode worker's count
-        assert c.decode[0].requests[0]["kv_handle"] is None
+        assert c.decode[0].requests[0].kv_handle is None
         await c.settle()
 
 
@@ -68,7 +68,7 @@ async def test_chat_non_streaming_and_streaming(cluster_factory) -> None:
         assert out.choices[0].message.content == " t0 t1 t2"
         assert out.object == "chat.completion" and out.usage.total_tokens > 3
         # the router applied the model's chat template before tokenizing
-        ids = c.decode[0].requests[0]["prompt_token_ids"]
+        ids = c.decode[0].requests[0].prompt_token_ids
         text = c.runtime.tokenizer.tok.decode(ids)
         assert "<|im_start|>assistant" in text and "hello" in text
         stream = await cl.chat.completions.create(
@@ -99,7 +99,7 @@ async def test_token_id_prompt_and_max_tokens_one(cluster_factory) -> None:
         )
         assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 1
         assert c.decode[0].requests == []  # finished at prefill, no decode needed
-        assert c.prefill[0].requests[0]["prompt_token_ids"] == list(range(5, 60))
+        assert c.prefill[0].requests[0].prompt_token_ids == list(range(5, 60))
         await c.settle()
 
 

@@ -31,7 +31,7 @@ async def _run_groups(c, per_group: int = 4) -> tuple[dict[int, set[str]], int]:
     where: dict[int, set[str]] = defaultdict(set)
     for st in c.prefill:
         for req in st.requests:
-            ids = req["prompt_token_ids"]
+            ids = req.prompt_token_ids
             g = next(i for i, s in enumerate(GROUPS)
                      if ids[:40] == c.runtime.tokenizer.encode(s)[:40])  # fmt: skip
             where[g].add(st.worker_id)

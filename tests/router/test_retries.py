@@ -29,7 +29,7 @@ async def _until(cond, timeout: float = 5.0) -> None:
 
 
 def _ids(st: FakeState) -> list[str]:
-    return [r["request_id"] for r in st.requests]
+    return [r.request_id for r in st.requests]
 
 
 async def test_failed_prefill_worker_is_retried_on_another(cluster_factory) -> None:
@@ -50,7 +50,7 @@ async def test_all_prefill_workers_down_falls_back_to_local_prefill(cluster_fact
             st.fail = "500"
         out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=3)
         assert out.choices[0].text == " t0 t1 t2"
-        assert c.decode[0].requests[-1]["kv_handle"] is None
+        assert c.decode[0].requests[-1].kv_handle is None
         await c.settle()
 
 
@@ -72,7 +72,15 @@ async def test_decode_failure_before_first_token_is_retried(cluster_factory) -> 
             out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=4)
             assert out.choices[0].text.endswith(" t0 t1 t2")
         assert len(c.decode[1].requests) == 3
-        assert all(r["kv_handle"] for r in c.decode[1].requests)  # same lease, new worker
+        assert all(r.kv_handle for r in c.decode[1].requests)
+        # A handle is single-use: the retry carries a fresh one, from a second prefill
+        # (after the first lease was ended), and the first token already sent stays.
+        tried = c.decode[0].requests[0]
+        retry = next(r for r in c.decode[1].requests if r.request_id == tried.request_id)
+        assert retry.kv_handle.nonce != tried.kv_handle.nonce
+        assert retry.first_token_id == tried.first_token_id
+        assert [r.request_id for r in c.prefill[0].requests].count(tried.request_id) == 2
+        assert tried.request_id in c.prefill[0].aborted
         await c.settle()
 
 

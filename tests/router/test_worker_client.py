@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from pdserve.codec import to_dict
+from pdserve.contract import GenerateRequest, TokenDelta, WorkerError
 from pdserve.router.worker_client import (
     MAX_LINE_BYTES,
     WorkerFailed,
@@ -21,15 +22,14 @@ from pdserve.router.worker_client import (
 )
 
 
-def tok(i: int, finish: str | None = None) -> dict[str, Any]:
-    return {"token_ids": [i], "text": f" t{i}", "finish_reason": finish}
+def tok(i: int, finish: str | None = None) -> TokenDelta:
+    return TokenDelta([i], f" t{i}", finish)
 
 
 def test_merge_lines_joins_token_runs_and_stops_at_finish_and_errors() -> None:
-    err = {"error": {"message": "boom"}}
+    err = TokenDelta(error=WorkerError("boom"))
     merged = merge_lines([tok(0), tok(1), tok(2, "length"), tok(3)])
-    assert merged == [{"token_ids": [0, 1, 2], "text": " t0 t1 t2", "finish_reason": "length"},
-                      tok(3)]  # fmt: skip
+    assert merged == [TokenDelta([0, 1, 2], " t0 t1 t2", "length"), tok(3)]
     assert merge_lines([tok(0), err, tok(1)]) == [tok(0), err, tok(1)]
     assert merge_lines([]) == []
 
@@ -57,32 +57,33 @@ async def serve_bursts(bursts: list[bytes], pause_s: float = 0.2) -> AsyncIterat
 
 async def collect(
     bursts: list[bytes], pause_s: float = 0.2, timeout: float = 10.0
-) -> list[dict[str, Any]]:
+) -> list[TokenDelta]:
     gen = serve_bursts(bursts, pause_s)
     url = await anext(gen)
     try:
         async with new_session() as session:
-            return [m async for m in generate(session, url, {}, timeout=timeout)]
+            req = GenerateRequest("r", [1])
+            return [m async for m in generate(session, url, req, timeout=timeout)]
     finally:
         await gen.aclose()
 
 
-def lines(*msgs: dict[str, Any]) -> bytes:
-    return b"".join(json.dumps(m).encode() + b"\n" for m in msgs)
+def lines(*msgs: TokenDelta) -> bytes:
+    return b"".join(json.dumps(to_dict(m)).encode() + b"\n" for m in msgs)
 
 
 async def test_lines_split_across_reads_and_a_last_line_without_newline() -> None:
-    raw = lines(tok(0), tok(1)) + json.dumps(tok(2, "stop")).encode()
+    raw = lines(tok(0), tok(1)) + json.dumps(to_dict(tok(2, "stop"))).encode()
     got = await collect([raw[:5], raw[5:40], raw[40:]])  # cuts inside lines
-    assert "".join(m["text"] for m in got) == " t0 t1 t2"
-    assert [i for m in got for i in m["token_ids"]] == [0, 1, 2]
-    assert got[-1]["finish_reason"] == "stop"
+    assert "".join(m.text for m in got) == " t0 t1 t2"
+    assert [i for m in got for i in m.token_ids] == [0, 1, 2]
+    assert got[-1].finish_reason == "stop"
 
 
 async def test_a_burst_of_lines_becomes_one_message() -> None:
     got = await collect([lines(tok(0)), lines(tok(1), tok(2), tok(3, "length"))])
     assert got[0] == tok(0)
-    assert got[1] == {"token_ids": [1, 2, 3], "text": " t1 t2 t3", "finish_reason": "length"}
+    assert got[1] == TokenDelta([1, 2, 3], " t1 t2 t3", "length")
 
 
 @pytest.mark.parametrize(
@@ -90,7 +91,8 @@ async def test_a_burst_of_lines_becomes_one_message() -> None:
     [
         ([b"{not json}\n"], "bad stream line"),
         ([b"[1, 2]\n"], "bad stream line"),
-        ([b'{"token_ids": 5}\n'], "bad stream line"),
+        ([b'{"type": "token_delta", "token_ids": 5}\n'], "bad stream line"),
+        ([b'{"token_ids": [5]}\n'], "bad stream line"),  # not a typed message
         ([b"x" * (MAX_LINE_BYTES + 10)], "stream line over"),
     ],
 )
@@ -102,6 +104,6 @@ async def test_broken_streams_fail_the_worker(bursts: list[bytes], match: str) -
 async def test_the_timeout_is_per_read_not_for_the_whole_stream() -> None:
     bursts = [lines(tok(i)) for i in range(5)] + [lines(tok(5, "length"))]
     got = await collect(bursts, pause_s=0.2, timeout=0.6)  # 1 s in all, never 0.6 s idle
-    assert [i for m in got for i in m["token_ids"]] == list(range(6))
+    assert [i for m in got for i in m.token_ids] == list(range(6))
     with pytest.raises(WorkerFailed, match="generate failed"):
         await collect([lines(tok(0)), lines(tok(1, "length"))], pause_s=1.5, timeout=0.5)

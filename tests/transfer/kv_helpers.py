@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.codec import from_dict
 from pdserve.engine.kv_connector import LoadResult
 from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import KVHandle
@@ -95,13 +96,24 @@ class PeerProcess:
         self.agent_name: str = info["agent_name"]
         self.side_channel: str = info["side_channel"]
         self._lines: queue.Queue[str] = queue.Queue()
+        self._handles: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if line.startswith("{"):
+            if line.startswith('{"handle"'):
+                self._handles.put(line)
+            elif line.startswith("{"):
                 self._lines.put(line)
+
+    def handle(self, rid: str, block_ids: list[int], num_tokens: int) -> KVHandle:
+        """A lease on ``block_ids`` started by the peer process, and its handle."""
+        assert self.proc.stdin is not None
+        cmd = {"hold": rid, "block_ids": block_ids, "num_tokens": num_tokens}
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return from_dict(json.loads(self._handles.get(timeout=10))["handle"], KVHandle)
 
     def released(self, timeout: float) -> str:
         try:

@@ -17,17 +17,20 @@ TIMEOUT = 1.5  # transfer_timeout of these tests; results must come within it (+
 
 
 def handle_for(peer: PeerProcess, rid: str, block_ids: list[int], transport: str) -> KVHandle:
-    return KVHandle(
-        rid,
-        peer.agent_name,
-        peer.side_channel,
-        block_ids,
-        len(block_ids) * 4 - 1,
-        [],
-        4,
-        time.time() + 30,
-        transport,
-    )
+    handle = peer.handle(rid, block_ids, len(block_ids) * 4 - 1)  # a lease the peer holds
+    assert handle.transport == transport
+    return handle
+
+
+def freeze_peer_when_read_starts(conn: RemoteKVConnector, peer: PeerProcess, mp) -> None:  # type: ignore[no-untyped-def]
+    """SIGSTOP the peer right after it granted the claim, as the READ is posted."""
+    real = conn.transport.start_read
+
+    def start_read(*args):  # type: ignore[no-untyped-def]
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        return real(*args)
+
+    mp.setattr(conn.transport, "start_read", start_read)
 
 
 def connector(transport: str, blocks: int = 16) -> tuple[RemoteKVConnector, torch.Tensor]:
@@ -62,16 +65,17 @@ def test_peer_killed_before_the_read(transport: str) -> None:
     try:
         conn.start_load("a", handle_for(peer, "a", [1], transport), [1], [0])
         assert wait_results(conn, 1, timeout=10)[0].ok  # handshake done, peer cached
+        hb, hc = handle_for(peer, "b", [2, 3], transport), handle_for(peer, "c", [2], transport)
         peer.proc.kill()
         peer.proc.wait()
         dst.zero_()
         t0 = time.monotonic()
-        conn.start_load("b", handle_for(peer, "b", [2, 3], transport), [2, 3], [1, 2])
+        conn.start_load("b", hb, [2, 3], [1, 2])
         (res,) = wait_results(conn, 1, timeout=TIMEOUT + 3)
         assert not res.ok and res.error, res
         assert time.monotonic() - t0 < TIMEOUT + 1.0
         # Next request re-handshakes with the (dead) address and fails in bounded time too.
-        conn.start_load("c", handle_for(peer, "c", [2], transport), [2], [3])
+        conn.start_load("c", hc, [2], [3])
         (res,) = wait_results(conn, 1, timeout=TIMEOUT + 3)
         assert not res.ok and ("handshake" in res.error or "side channel" in res.error), res
         assert conn.pending() == 0
@@ -80,14 +84,14 @@ def test_peer_killed_before_the_read(transport: str) -> None:
         peer.close()
 
 
-def test_peer_frozen_during_the_read(transport: str) -> None:
+def test_peer_frozen_during_the_read(transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGSTOP: the peer's process is alive but answers nothing (a hung or swapped-out node)."""
     peer = PeerProcess(transport, blocks=8, seed=1)
     conn, _ = connector(transport)
     try:
         conn.start_load("a", handle_for(peer, "a", [1], transport), [1], [0])
         assert wait_results(conn, 1, timeout=10)[0].ok
-        os.kill(peer.proc.pid, signal.SIGSTOP)
+        freeze_peer_when_read_starts(conn, peer, monkeypatch)
         t0 = time.monotonic()
         conn.start_load("b", handle_for(peer, "b", [2, 3], transport), [2, 3], [1, 2])
         (res,) = wait_results(conn, 1, timeout=TIMEOUT + 3)
@@ -144,7 +148,7 @@ def test_nixl_read_hung_on_frozen_peer_is_aborted(monkeypatch: pytest.MonkeyPatc
     try:
         conn.start_load("a", handle_for(peer, "a", [1], "nixl"), [1], [0])
         assert wait_results(conn, 1, timeout=10)[0].ok
-        os.kill(peer.proc.pid, signal.SIGSTOP)
+        freeze_peer_when_read_starts(conn, peer, monkeypatch)
         t0 = time.monotonic()
         conn.start_load("b", handle_for(peer, "b", [2, 3], "nixl"), [2, 3], [1, 2])
         (res,) = wait_results(conn, 1, timeout=3 * TIMEOUT + 3)

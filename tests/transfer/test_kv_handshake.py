@@ -11,7 +11,7 @@ from kv_helpers import as_bytes, make_pool, wait_results
 from pdserve.codec import encode
 from pdserve.transfer.base import IncompatiblePeerError, TransferError
 from pdserve.transfer.connector import RemoteKVConnector
-from pdserve.transfer.messages import CompatRecord, HandshakeReply, LeaseRelease
+from pdserve.transfer.messages import CompatRecord, HandshakeReply, LeaseClaim
 from pdserve.transfer.server import KVServer
 from pdserve.transfer.side_channel import call, handshake
 
@@ -25,7 +25,7 @@ def server(transport: str):
 
 
 def test_accepted_reply_describes_the_pool(server: KVServer, transport: str) -> None:
-    reply = handshake(server.side_channel, transport, server.compat, "d", b"", timeout=2)
+    reply = handshake(server.side_channel, transport, server.compat, "d", b"", timeout=2, secret="")
     assert isinstance(reply, HandshakeReply)
     assert reply.agent_name == server.agent_name and reply.num_blocks == 8
     assert reply.mem_type == "DRAM" and reply.base_addr == server.transport.geometry.base_addr
@@ -47,7 +47,7 @@ def test_accepted_reply_describes_the_pool(server: KVServer, transport: str) -> 
 def test_mismatch_refused_naming_fields(server: KVServer, transport: str, change, fields) -> None:
     theirs = dataclasses.replace(server.compat, **change)
     with pytest.raises(IncompatiblePeerError) as info:
-        handshake(server.side_channel, transport, theirs, "d", b"", timeout=2)
+        handshake(server.side_channel, transport, theirs, "d", b"", timeout=2, secret="")
     for name in fields:
         assert name in str(info.value)
     assert len(info.value.mismatches) == len(change)
@@ -56,7 +56,7 @@ def test_mismatch_refused_naming_fields(server: KVServer, transport: str, change
 def test_transport_mismatch_refused(server: KVServer, transport: str) -> None:
     other = "tcp" if transport == "nixl" else "nixl"
     with pytest.raises(IncompatiblePeerError, match=f"transport: '{transport}' != '{other}'"):
-        handshake(server.side_channel, other, server.compat, "d", b"", timeout=2)
+        handshake(server.side_channel, other, server.compat, "d", b"", timeout=2, secret="")
 
 
 def test_connector_reports_refusal_and_reads_nothing(server: KVServer, transport: str) -> None:
@@ -69,7 +69,8 @@ def test_connector_reports_refusal_and_reads_nothing(server: KVServer, transport
         (res,) = wait_results(conn, 1, timeout=5)
         assert not res.ok and "refused the KV handshake: head_dim: 8 != 16" in res.error
         assert not as_bytes(dst).any()
-        assert server.wait_released(2) == "r"  # the live peer may free the blocks at once
+        # Never claimed: the lease stays until it times out on the prefill side.
+        assert server.wait_released(0.3) is None and "r" in server.held_ids()
     finally:
         conn.close()
 
@@ -80,14 +81,22 @@ def test_garbage_and_unserved_messages_get_errors(server: KVServer, transport: s
     sock.connect(server.side_channel)
     sock.send_multipart([b"", b"not json"])
     assert sock.poll(2000)
-    assert b"bad side-channel message" in sock.recv_multipart()[-1]
+    assert b"bad side-channel message" in sock.recv_multipart()[1]  # [b"", reply, mac]
     sock.close()
     # A reply message sent as a request is answered with an error, not a crash.
     with pytest.raises(TransferError, match="not served by a"):
-        call(server.side_channel, HandshakeReply(transport, "x", "", 1, "DRAM", 0, 0), timeout=2)
-    # ...and the side channel still works afterwards.
-    assert call(server.side_channel, LeaseRelease("r1", "d"), timeout=2) is not None
-    assert server.wait_released(1) == "r1"
+        call(
+            server.side_channel,
+            HandshakeReply(transport, "x", "", 1, "DRAM", 0, 0),
+            timeout=2,
+            secret="",
+        )
+    # ...and the side channel still works afterwards: a claim from an agent that never
+    # passed the handshake is refused by name.
+    server.make_handle("r1", [1], 4, [])
+    with pytest.raises(TransferError, match="'d' has not passed the handshake"):
+        call(server.side_channel, LeaseClaim("r1", "n", "d"), timeout=2, secret="")
+    assert server.release("r1") and server.wait_released(1) == "r1"
 
 
 def test_unreachable_side_channel_times_out() -> None:
@@ -96,7 +105,7 @@ def test_unreachable_side_channel_times_out() -> None:
     ctx_sock.close()  # nobody listens there now
     compat = CompatRecord("m", "float32", 4, 2, 2, 8)
     with pytest.raises(TransferError, match="no reply from side channel"):
-        handshake(f"tcp://127.0.0.1:{port}", "tcp", compat, "d", b"", timeout=0.3)
+        handshake(f"tcp://127.0.0.1:{port}", "tcp", compat, "d", b"", timeout=0.3, secret="")
     assert encode(compat)
 
 

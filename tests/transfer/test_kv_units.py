@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from pdserve.codec import CodecError, decode, encode
+from pdserve.codec import CodecError, decode, encode, from_dict, to_dict
 from pdserve.transfer.layout import PoolGeometry, descriptors, merge_runs
 from pdserve.transfer.messages import CompatRecord, HandshakeRequest, TcpReadRequest
 from pdserve.transfer.registry import TRANSPORTS, make_transport, transport_class
@@ -56,16 +56,20 @@ def test_compat_for_pool_and_messages_round_trip() -> None:
     pool = torch.zeros(2, 2, 4, 16, 8, 64, dtype=torch.bfloat16)
     compat = CompatRecord.for_pool(pool, "m")
     assert compat == CompatRecord("m", "bfloat16", 16, 2, 8, 64)
-    from dataclasses import asdict
-
-    req = HandshakeRequest("nixl", "a", "bWQ=", asdict(compat))
+    req = HandshakeRequest("nixl", "a", "bWQ=", compat)
     back = decode(encode(req), HandshakeRequest)
-    assert back.compat_record() == compat
-    assert decode(encode(TcpReadRequest("r", [1, 2]))) == TcpReadRequest("r", [1, 2])
-    with pytest.raises(CodecError, match="compat has unknown fields"):
-        decode(encode(HandshakeRequest("nixl", "a", "", {**asdict(compat), "x": 1})))
+    assert back.compat == compat
+    tcp = TcpReadRequest("r", "n", "a", [1, 2])
+    assert decode(encode(tcp)) == tcp
+    body = to_dict(req)
+    with pytest.raises(CodecError, match="unknown fields") as info:
+        from_dict({**body, "compat": {**body["compat"], "x": 1}})
+    assert info.value.field == "x"
     with pytest.raises(CodecError, match="compat"):
-        decode(encode(HandshakeRequest("nixl", "a", "", {"model": "m"})))
+        from_dict({**body, "compat": {"model": "m"}})
+    with pytest.raises(CodecError, match=r"kv_tcp_read\.block_ids: must be a list") as info:
+        from_dict({**to_dict(tcp), "block_ids": 3})
+    assert info.value.field == "block_ids"
 
 
 def _thread_cpu_ticks() -> dict[str, int]:

@@ -11,17 +11,22 @@ from pathlib import Path
 import httpx
 import pytest
 from worker_helpers import (
+    HEADERS,
+    abort,
     assert_all_free,
     decode,
     kill,
     metric,
     prefill,
     proc,
+    sampling,
     stats,
     tokens_of,
     worker_cluster,
 )
 
+from pdserve.codec import to_dict
+from pdserve.contract import GenerateRequest
 from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
@@ -75,7 +80,7 @@ def test_prefill_killed_before_read(
                 reference, PROMPT, 12
             )
         else:
-            assert "error" in lines[-1] and "KV transfer failed" in lines[-1]["error"]["message"]
+            assert "KV transfer failed" in lines[-1]["error"]["message"]
         assert metric(d.url, "pdserve_kv_transfer_failures_total") == 1
         assert_all_free(d.url)
 
@@ -90,7 +95,7 @@ def test_bad_handles_are_refused(tiny_model_dir: Path, tmp_path: Path, reference
                 r = await prefill(client, p, "good", PROMPT, 6)
                 handle, first = r["kv_handle"], r["first_token_id"]
                 cases = {
-                    "expired": ({**handle, "lease_expires_at": time.time() - 5}, "expired"),
+                    "forged nonce": ({**handle, "nonce": "forged"}, "no lease 'good' to claim"),
                     "out of range": (
                         {**handle, "block_ids": [10**6 + i for i in range(5)]},
                         "out of range",
@@ -100,7 +105,7 @@ def test_bad_handles_are_refused(tiny_model_dir: Path, tmp_path: Path, reference
                 for i, (name, (bad, words)) in enumerate(cases.items()):
                     status, lines = await decode(client, d, f"bad-{i}", PROMPT, 6, bad, first)
                     assert status == 200, (name, lines)
-                    assert len(lines) == 1 and "error" in lines[0], (name, lines)
+                    assert len(lines) == 1 and lines[0]["error"], (name, lines)
                     assert words in lines[0]["error"]["message"], (name, lines)
                 # Refused before admission: malformed, wrong hashes, missing first token.
                 malformed = {k: v for k, v in handle.items() if k != "num_tokens"}
@@ -114,6 +119,9 @@ def test_bad_handles_are_refused(tiny_model_dir: Path, tmp_path: Path, reference
                 # The good handle still works after all that, and nothing bad was read.
                 status, lines = await decode(client, d, "good", PROMPT, 6, handle, first)
                 assert [first, *tokens_of(lines)] == expected_tokens(reference, PROMPT, 6)
+                # A handle is single-use: replayed, its claim is refused and nothing is read.
+                status, lines = await decode(client, d, "replay", PROMPT, 6, handle, first)
+                assert status == 200 and "already claimed" in lines[0]["error"]["message"]
 
         asyncio.run(run())
         assert_all_free(p, d)
@@ -136,7 +144,7 @@ def test_incompatible_peers_are_refused(
             async with httpx.AsyncClient() as client:
                 r = await prefill(client, p, "x", PROMPT, 6)
                 got = await decode(client, d, "x", PROMPT, 6, r["kv_handle"], r["first_token_id"])
-                await client.post(p + "/abort", json={"request_id": "x"})
+                await abort(client, p, "x")
                 return got
 
         got_status, lines = asyncio.run(run())
@@ -162,10 +170,10 @@ def test_decode_keeps_streaming_while_a_transfer_hangs(
                 arrivals: list[float] = []
 
                 async def long_stream() -> None:
-                    body = {"request_id": "long", "prompt_token_ids": long_prompt,
-                            "sampling": {"max_tokens": 400, "temperature": 0.0,
-                                         "ignore_eos": True}}  # fmt: skip
-                    async with client.stream("POST", d + "/generate", json=body) as resp:
+                    body = to_dict(GenerateRequest("long", long_prompt, sampling(400)))
+                    async with client.stream(
+                        "POST", d + "/generate", json=body, headers=HEADERS
+                    ) as resp:
                         async for line in resp.aiter_lines():
                             if line:
                                 arrivals.append(time.monotonic())

@@ -18,7 +18,14 @@ from typing import Any
 
 import httpx
 
+from pdserve.codec import to_dict
+from pdserve.contract import GenerateRequest, PrefillRequest, RequestRef
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.env import SECRET_HEADER
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
+
+SECRET = "worker-tests-secret"  # the clusters' service secret: every internal call sends it
+HEADERS = {SECRET_HEADER: SECRET}
 
 WORKER_ARGS = (
     "--device", "cpu", "--kv-cache-bytes", "6000000", "--max-num-batched-tokens", "512",
@@ -42,6 +49,7 @@ def worker_cluster(
         prefill_args=prefill_args,
         decode_args=decode_args,
         log_dir=str(tmp_path / "logs"),
+        secret=SECRET,
     )
     cluster = LocalCluster(spec)
     try:
@@ -64,14 +72,14 @@ def kill(p: Proc, sig: int = signal.SIGKILL) -> None:
 
 
 def stats(url: str) -> dict[str, Any]:
-    return httpx.get(url + "/stats", timeout=10).json()  # type: ignore[no-any-return]
+    return httpx.get(url + "/stats", timeout=10, headers=HEADERS).json()  # type: ignore[no-any-return]
 
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", timeout=10).text  # open: no secret needed
     total = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -93,15 +101,22 @@ def assert_all_free(*urls: str, timeout: float = 15.0) -> None:
         time.sleep(0.2)
 
 
-def sampling(max_tokens: int) -> dict[str, Any]:
-    return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+def sampling(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def abort(client: httpx.AsyncClient, url: str, rid: str) -> bool:
+    body = to_dict(RequestRef(rid))
+    resp = await client.post(url + "/abort", json=body, headers=HEADERS, timeout=10)
+    return bool(resp.json()["aborted"])
 
 
 async def prefill(
     client: httpx.AsyncClient, url: str, rid: str, prompt: list[int], max_tokens: int
 ) -> dict[str, Any]:
-    body = {"request_id": rid, "prompt_token_ids": prompt, "sampling": sampling(max_tokens)}
-    resp = await client.post(url + "/prefill", json=body, timeout=60)
+    """The reply's codec form (a dict, so tests can forge handles from it)."""
+    body = to_dict(PrefillRequest(rid, prompt, sampling(max_tokens)))
+    resp = await client.post(url + "/prefill", json=body, headers=HEADERS, timeout=60)
     assert resp.status_code == 200, resp.text
     return resp.json()  # type: ignore[no-any-return]
 
@@ -115,12 +130,13 @@ async def decode(
     handle: dict[str, Any] | None = None,
     first_token_id: int | None = None,
 ) -> tuple[int, list[dict[str, Any]]]:
-    """POST /generate; returns (status, lines) — one line for a non-200 reply."""
-    body: dict[str, Any] = {
-        "request_id": rid, "prompt_token_ids": prompt, "sampling": sampling(max_tokens),
-        "kv_handle": handle, "first_token_id": first_token_id,
-    }  # fmt: skip
-    async with client.stream("POST", url + "/generate", json=body, timeout=60) as resp:
+    """POST /generate; returns (status, lines) — one line for a non-200 reply. ``handle``
+    in its codec form, forged or not, is sent as given."""
+    body = to_dict(GenerateRequest(rid, prompt, sampling(max_tokens)))
+    body.update(kv_handle=handle, first_token_id=first_token_id)
+    async with client.stream(
+        "POST", url + "/generate", json=body, headers=HEADERS, timeout=60
+    ) as resp:
         if resp.status_code != 200:
             return resp.status_code, [json.loads(await resp.aread())]
         return 200, [json.loads(line) async for line in resp.aiter_lines() if line]

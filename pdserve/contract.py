@@ -1,0 +1,236 @@
+"""The router ↔ worker contract: every message of the workers' internal HTTP API.
+
+One typed message per body, all through :mod:`pdserve.codec` (JSON with a ``"type"``
+field); nothing else builds or parses a worker message as a dict.
+
+=====================  =================  ==========================================
+route                  worker             request → reply
+=====================  =================  ==========================================
+``POST /prefill``      prefill            :class:`PrefillRequest` → :class:`PrefillReply`
+``POST /generate``     decode             :class:`GenerateRequest` → NDJSON, one
+                                          :class:`TokenDelta` per line
+``GET /stats``         both               :class:`WorkerStats`
+``POST /abort``        both               :class:`RequestRef` → :class:`AbortReply`
+``POST /release``      prefill            :class:`RequestRef` → :class:`ReleaseReply`
+=====================  =================  ==========================================
+
+``CONTRACT_VERSION`` is in every ``WorkerStats`` (the router keeps a worker of another
+version out of rotation) and in the KV side channel's handshake (``transfer/messages.py``).
+Errors stay OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` with HTTP
+4xx (the request is wrong: not retried) or 5xx (the worker failed: retried elsewhere).
+
+The sampling parameters are a typed field passed through whole: a new sampling option
+is added to :class:`~pdserve.engine.sampling_params.SamplingParams` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from pdserve.codec import message
+from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+
+CONTRACT_VERSION = 2
+
+
+@message("kv_handle")
+@dataclass(frozen=True)
+class KVHandle:
+    """A single-use lease on a prompt's KV blocks held by one prefill worker.
+
+    The lease's clock runs on the prefill side only; ``lease_ttl_s`` says how long the
+    prefill side keeps the blocks unclaimed (information for logs and tests, not a wall
+    time to compare across hosts). The decode side claims the lease with ``nonce`` over
+    the side channel before it reads (docs/kv_transfer.md); a second claim is refused."""
+
+    request_id: str  # the lease id
+    agent_name: str  # the prefill worker's NIXL agent (or tcp peer) name
+    side_channel: str  # ZeroMQ address of the prefill worker's side channel
+    block_ids: list[int]  # block ids in the prefill worker's KV pool, in prompt order
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+    block_hashes: list[int]  # chained hashes of the full blocks (len == num_tokens // block_size)
+    block_size: int
+    nonce: str  # single-use claim token
+    lease_ttl_s: float  # how long the prefill side keeps the blocks unclaimed
+    transport: str = "nixl"
+    version: int = CONTRACT_VERSION
+
+    def validate(self) -> None:
+        if self.version != CONTRACT_VERSION:
+            raise ValueError(f"kv_handle version {self.version} != {CONTRACT_VERSION}")
+        if self.num_tokens <= 0 or self.block_size <= 0:
+            raise ValueError("kv_handle.num_tokens and block_size must be positive")
+        need = -(-self.num_tokens // self.block_size)
+        if len(self.block_ids) != need:
+            raise ValueError(
+                f"kv_handle has {len(self.block_ids)} block ids for {self.num_tokens} tokens "
+                f"(block size {self.block_size} needs {need})"
+            )
+        if any((not isinstance(b, int)) or b < 0 for b in self.block_ids):
+            raise ValueError("kv_handle.block_ids must be non-negative integers")
+        if len(self.block_hashes) > self.num_tokens // self.block_size:
+            raise ValueError("kv_handle has more block hashes than full blocks")
+        if not self.nonce:
+            raise ValueError("kv_handle.nonce must not be empty")
+        if not self.side_channel.startswith("tcp://"):
+            raise ValueError(f"kv_handle side channel {self.side_channel!r} is not tcp://")
+
+    def problem(
+        self, transport: str | None, block_size: int, prompt_hashes: list[int] | None
+    ) -> str:
+        """Every check a decode worker makes before it claims: "" or what is wrong.
+
+        ``transport`` / ``prompt_hashes``: this worker's transport and the block hashes of
+        the prompt the handle came with (None: not known here). One place, so the engine
+        and the connector agree."""
+        try:
+            self.validate()
+        except ValueError as exc:
+            return f"bad kv handle: {exc}"
+        if transport is not None and self.transport != transport:
+            return f"kv handle is for transport {self.transport!r}, this worker uses {transport!r}"
+        if self.block_size != block_size:
+            return f"kv handle block size {self.block_size} != local block size {block_size}"
+        if prompt_hashes is not None and list(self.block_hashes) != prompt_hashes:
+            return "kv handle block hashes do not match the prompt"
+        return ""
+
+
+@message("usage")
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@message("worker_error")
+@dataclass(frozen=True)
+class WorkerError:
+    """OpenAI's error object, as a worker sends it in a stream line."""
+
+    message: str
+    type: str = "server_error"
+    param: str | None = None
+    code: str | None = None
+
+
+@message("prefill_request")
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@message("prefill_reply")
+@dataclass(frozen=True)
+class PrefillReply:
+    """The first token; ``kv_handle`` is None when the request already finished."""
+
+    request_id: str
+    first_token_id: int
+    text: str
+    finish_reason: str | None
+    kv_handle: KVHandle | None
+    num_cached_tokens: int
+    prompt_tokens: int
+    usage: Usage | None = None
+
+
+@message("generate_request")
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Decode this prompt; with ``kv_handle`` its KV comes from a prefill worker and
+    ``first_token_id`` is the token that worker sampled (already sent to the client)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    kv_handle: KVHandle | None = None
+    first_token_id: int | None = None
+
+    def validate(self) -> None:
+        if self.kv_handle is not None and self.first_token_id is None:
+            raise InvalidParameter("first_token_id", "a kv_handle needs an integer first_token_id")
+
+
+@message("token_delta")
+@dataclass(frozen=True)
+class TokenDelta:
+    """One NDJSON line of a decode worker's stream; ``usage`` on the last one. A line with
+    ``error`` ends the stream: the request failed on that worker."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: WorkerError | None = None
+
+    def then(self, later: TokenDelta) -> TokenDelta:
+        """This delta and a ``later`` one as one message (a reader that fell behind)."""
+        ids, text = self.token_ids + later.token_ids, self.text + later.text
+        return replace(later, token_ids=ids, text=text)
+
+    @property
+    def ends_run(self) -> bool:
+        return self.error is not None or self.finish_reason is not None
+
+
+@message("engine_stats")
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's counters (``LLMEngine.stats``); the first fields of ``WorkerStats``."""
+
+    running: int = 0
+    waiting: int = 0
+    loading: int = 0  # waiting for remote KV
+    held: int = 0  # prefill: requests whose KV is held under a lease
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    queued_prompt_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+
+
+@message("worker_stats")
+@dataclass(frozen=True)
+class WorkerStats(EngineStats):
+    """``GET /stats``: the engine's counters plus who the worker is. Also what routing
+    reads (``router/snapshot.py``), with these defaults for a worker not yet polled."""
+
+    role: str = ""
+    worker_id: str = ""
+    pid: int = 0
+    model: str = ""
+    model_id: str = ""
+    block_size: int = 16
+    max_model_len: int = 0
+    kv_transport: str = ""
+    kv_events: str = ""  # prefill: ZeroMQ address of its KV events
+    side_channel: str = ""  # prefill: ZeroMQ address of its KV side channel
+    version: int = CONTRACT_VERSION
+
+
+@message("request_ref")
+@dataclass(frozen=True)
+class RequestRef:
+    request_id: str
+
+    def validate(self) -> None:
+        if len(self.request_id) > 256:
+            raise ValueError("request_id must be at most 256 characters")
+
+
+@message("abort_reply")
+@dataclass(frozen=True)
+class AbortReply:
+    aborted: bool
+
+
+@message("release_reply")
+@dataclass(frozen=True)
+class ReleaseReply:
+    released: bool

@@ -1,0 +1,61 @@
+"""Every ``PDSERVE_*`` environment variable, read in one place.
+
+Each is read when asked for (not at import), so tests and ``pdserve up`` can set them per
+process. Kubernetes-provided variables (``POD_IP``, ``KUBERNETES_SERVICE_*``) are read
+where they are used; they are not ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SERVICE_SECRET = "PDSERVE_SERVICE_SECRET"  # router ↔ workers and the KV side channel
+SECRET_HEADER = "X-PDServe-Secret"  # the HTTP header that carries it
+API_KEY = "PDSERVE_API_KEY"  # the router's client-facing key
+ADVERTISE_HOST = "PDSERVE_ADVERTISE_HOST"  # the address peers use to reach a worker
+CACHE = "PDSERVE_CACHE"  # where `pdserve up` keeps downloaded models
+SERVICE = "PDSERVE_SERVICE"  # the LLMService name (set by the operator)
+KV_TRANSPORT = "PDSERVE_KV_TRANSPORT"  # set by the operator, for logs and tools
+SLO_TTFT_MS = "PDSERVE_SLO_TTFT_MS"
+SLO_TPOT_MS = "PDSERVE_SLO_TPOT_MS"
+OPERATOR_STATUS_INTERVAL = "PDSERVE_OPERATOR_STATUS_INTERVAL"
+OPERATOR_RETRY_DELAY = "PDSERVE_OPERATOR_RETRY_DELAY"
+OPERATOR_AUTOSCALE_TICK = "PDSERVE_OPERATOR_AUTOSCALE_TICK"
+OPERATOR_ROUTER_METRICS_URL = "PDSERVE_OPERATOR_ROUTER_METRICS_URL"
+
+_warned: set[str] = set()
+
+
+def get(name: str, default: str = "") -> str:
+    return os.environ.get(name) or default
+
+
+def get_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def service_secret(role: str = "") -> str:
+    """The service's shared secret; "" (and one warning per process) when unset."""
+    secret = os.environ.get(SERVICE_SECRET, "")
+    if not secret and SERVICE_SECRET not in _warned:
+        _warned.add(SERVICE_SECRET)
+        log.warning(
+            "%s is not set: %s accepts unauthenticated internal requests and KV peers",
+            SERVICE_SECRET,
+            role or "this process",
+        )
+    return secret
+
+
+def cache_dir() -> Path:
+    return Path(get(CACHE) or Path.home() / ".cache" / "pdserve")
