@@ -8,17 +8,18 @@ SIGTERM stops every process group it started.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
 from pathlib import Path
 from types import FrameType
 
+from pdserve import env
 from pdserve.local.planner_loop import add_autoscale_arguments, config_from_args
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
+from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 
-DEFAULT_MODEL_DIR = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+DEFAULT_MODEL_DIR = env.cache_dir()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-port-base", type=int, default=8100,
                    help="first prefill worker port (decode: +100; 3 ports per worker)")  # fmt: skip
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--kv-transport", default="nixl", choices=("nixl", "tcp"))
+    p.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
     p.add_argument("--routing", default="prefix", choices=("prefix", "round-robin"))
     p.add_argument("--disagg-threshold", type=int, default=None)
     p.add_argument("--api-key", default="", help="require this bearer key at the router")

@@ -9,21 +9,18 @@ own CLI and for ``kopf.testing.KopfRunner``. The status interval comes from
 
 from __future__ import annotations
 
-import os
-
 import kopf
 
+from pdserve import env
 from pdserve.operator.autoscaler import AutoscaleSettings
 from pdserve.operator.handlers import OperatorConfig, register
 
 register(
     kopf.get_default_registry(),
     OperatorConfig(
-        status_interval=float(os.environ.get("PDSERVE_OPERATOR_STATUS_INTERVAL", "10")),
-        retry_delay=float(os.environ.get("PDSERVE_OPERATOR_RETRY_DELAY", "30")),
-        autoscale_tick=float(os.environ.get("PDSERVE_OPERATOR_AUTOSCALE_TICK", "5")),
-        autoscale=AutoscaleSettings(
-            router_metrics_url=os.environ.get("PDSERVE_OPERATOR_ROUTER_METRICS_URL", "")
-        ),
+        status_interval=env.get_float(env.OPERATOR_STATUS_INTERVAL, 10),
+        retry_delay=env.get_float(env.OPERATOR_RETRY_DELAY, 30),
+        autoscale_tick=env.get_float(env.OPERATOR_AUTOSCALE_TICK, 5),
+        autoscale=AutoscaleSettings(router_metrics_url=env.get(env.OPERATOR_ROUTER_METRICS_URL)),
     ),
 )

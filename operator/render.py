@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from pdserve import env
 from pdserve.operator import naming as n
 from pdserve.operator.render_deployments import pool_deployment, router_deployment
 from pdserve.operator.spec import LLMServiceSpec
@@ -28,10 +29,10 @@ def config_data(spec: LLMServiceSpec) -> dict[str, str]:
     """Environment for every container (envFrom) plus the settings as JSON for humans/planner."""
     kv, slo = spec.kv_transfer, spec.slo
     data = {
-        "PDSERVE_SERVICE": spec.name,
-        "PDSERVE_KV_TRANSPORT": kv.transport,
-        "PDSERVE_SLO_TTFT_MS": str(slo.ttft_ms),
-        "PDSERVE_SLO_TPOT_MS": str(slo.tpot_ms),
+        env.SERVICE: spec.name,
+        env.KV_TRANSPORT: kv.transport,
+        env.SLO_TTFT_MS: str(slo.ttft_ms),
+        env.SLO_TPOT_MS: str(slo.tpot_ms),
     }
     if kv.ucx_tls:
         data["UCX_TLS"] = kv.ucx_tls

@@ -12,8 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.transfer.registry import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_TRANSFER_TIMEOUT,
+    DEFAULT_TRANSPORT,
+    TRANSPORT_NAMES,
+)
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TRANSPORTS = ("nixl", "tcp")
+# The kv transports the CRD accepts: the registry's keys (a test checks the CRD's enum).
+TRANSPORTS = TRANSPORT_NAMES
 SERVICE_TYPES = ("ClusterIP", "LoadBalancer", "NodePort")
 
 
@@ -113,13 +121,13 @@ class AutoscalingSpec:
 
 @dataclass(frozen=True)
 class KVTransferSpec:
-    transport: str = "nixl"
+    transport: str = DEFAULT_TRANSPORT
     ucx_tls: str = ""
     ucx_net_devices: str = ""
     rdma_resource_name: str = ""
     rdma_resource_count: int = 1
-    lease_seconds: int = 30
-    transfer_timeout_seconds: int = 10
+    lease_seconds: int = int(DEFAULT_LEASE_SECONDS)
+    transfer_timeout_seconds: int = int(DEFAULT_TRANSFER_TIMEOUT)
     on_transfer_failure: str = "recompute"
 
 

@@ -219,13 +219,15 @@ def parse_small_sections(r: _Reader) -> dict[str, Any]:
             metrics_url=auto.get("metricsUrl", str, ""),
         ),
         "kv_transfer": KVTransferSpec(
-            transport=kv.choice("transport", TRANSPORTS, "nixl"),
+            transport=kv.choice("transport", TRANSPORTS, KVTransferSpec.transport),
             ucx_tls=kv.get("ucxTls", str, ""),
             ucx_net_devices=kv.get("ucxNetDevices", str, ""),
             rdma_resource_name=rdma,
             rdma_resource_count=kv.number("rdmaResourceCount", 1, minimum=1),
-            lease_seconds=kv.number("leaseSeconds", 30, minimum=1),
-            transfer_timeout_seconds=kv.number("transferTimeoutSeconds", 10, minimum=1),
+            lease_seconds=kv.number("leaseSeconds", KVTransferSpec.lease_seconds, minimum=1),
+            transfer_timeout_seconds=kv.number(
+                "transferTimeoutSeconds", KVTransferSpec.transfer_timeout_seconds, minimum=1
+            ),
             on_transfer_failure=kv.choice("onTransferFailure", ("recompute", "fail"), "recompute"),
         ),
         "network_policy": NetworkPolicySpec(

@@ -73,7 +73,7 @@ class KVHandle:
         if not self.nonce:
             raise ValueError("kv_handle.nonce must not be empty")
         if not self.side_channel.startswith("tcp://"):
-            raise ValueError(f"kv_handle side channel {self.side_channel!r} is not tcp://")
+            raise ValueError(f"side channel {self.side_channel!r} is not a tcp:// address")
 
     def problem(
         self, transport: str | None, block_size: int, prompt_hashes: list[int] | None

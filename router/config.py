@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-ROUTING_MODES = ("prefix", "round-robin")
+PICKERS = ("max-score", "round-robin")  # best weighted score, or rotation (a baseline)
+ROUTING_MODES = ("prefix", "round-robin")  # the older --routing: max-score | round-robin
+
+# Short names of ``--scorer NAME=WEIGHT`` for scorers that share one weight; any scorer's
+# registry name (router/scorer_*.py) works as well.
+SCORER_GROUPS: dict[str, tuple[str, ...]] = {
+    "prefix": ("prefix-match",),
+    "load": ("queued-tokens", "running"),
+    "balance": ("cache-balance",),
+    "kv": ("free-kv",),
+}
+PREFILL_SCORERS = (("prefix", 2.0), ("load", 1.0), ("balance", 0.5))
+DECODE_SCORERS = (("kv", 1.0), ("running", 1.0))
 
 
 @dataclass(frozen=True)
@@ -15,18 +28,44 @@ class ScorerWeight:
     weight: float
 
 
+def parse_scorer(text: str) -> tuple[str, float]:
+    """``NAME=WEIGHT`` (a ``--scorer`` value) → (name, weight), with a clear error."""
+    name, sep, weight = text.partition("=")
+    try:
+        value = float(weight) if sep else -1.0
+    except ValueError:
+        value = -1.0
+    if not name or value < 0:
+        raise ValueError(f"scorer {text!r}: expected NAME=WEIGHT with a weight >= 0")
+    return name, value
+
+
+def expand(pairs: Sequence[tuple[str, float]]) -> tuple[ScorerWeight, ...]:
+    """Named weights → one ``ScorerWeight`` per registry scorer (groups expanded; a later
+    pair for the same scorer wins), checking every name against the scorer registry."""
+    from pdserve.router.scoring import get_scorer  # the registry imports this module
+
+    out: dict[str, float] = {}
+    for name, weight in pairs:
+        for scorer in SCORER_GROUPS.get(name, (name,)):
+            try:
+                get_scorer(scorer)
+            except ValueError as exc:
+                raise ValueError(f"{exc}; or a group: {sorted(SCORER_GROUPS)}") from None
+            out[scorer] = weight
+    return tuple(ScorerWeight(n, w) for n, w in out.items())
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     model_dir: str
     served_model_name: str = ""
-    routing: str = "prefix"  # "prefix" | "round-robin"
+    routing: str = "prefix"  # older name of the picker: "prefix" (max-score) | "round-robin"
+    picker: str = "max-score"  # PICKERS
     # Prompts whose uncached part is shorter than this go straight to a decode worker.
     disagg_threshold: int = 256
-    prefix_weight: float = 2.0
-    load_weight: float = 1.0
-    balance_weight: float = 0.5
-    decode_kv_weight: float = 1.0
-    decode_load_weight: float = 1.0
+    scorers: tuple[tuple[str, float], ...] = PREFILL_SCORERS  # prefill (name, weight) pairs
+    decode_scorer_weights: tuple[tuple[str, float], ...] = DECODE_SCORERS
     max_queue: int = 256  # requests in flight in the router; beyond it 429
     api_keys: tuple[str, ...] = ()
     health_interval_s: float = 1.0
@@ -37,19 +76,18 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_MODES:
             raise ValueError(f"unknown routing mode {self.routing!r}; valid: {list(ROUTING_MODES)}")
+        if self.routing == "round-robin":  # the older flag picks the picker
+            object.__setattr__(self, "picker", "round-robin")
+        if self.picker not in PICKERS:
+            raise ValueError(f"unknown picker {self.picker!r}; valid: {list(PICKERS)}")
         if self.disagg_threshold < 0:
             raise ValueError("disagg_threshold must be >= 0")
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
-        for name in (
-            "prefix_weight",
-            "load_weight",
-            "balance_weight",
-            "decode_kv_weight",
-            "decode_load_weight",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+        for _, weight in (*self.scorers, *self.decode_scorer_weights):
+            if weight < 0:
+                raise ValueError("scorer weights must be >= 0")
+        self.prefill_scorers, self.decode_scorers  # noqa: B018 - unknown names fail here
 
     @property
     def model_name(self) -> str:
@@ -57,16 +95,15 @@ class RouterConfig:
 
     @property
     def prefill_scorers(self) -> tuple[ScorerWeight, ...]:
-        return (
-            ScorerWeight("prefix-match", self.prefix_weight),
-            ScorerWeight("queued-tokens", self.load_weight),
-            ScorerWeight("running", self.load_weight),
-            ScorerWeight("cache-balance", self.balance_weight),
-        )
+        return expand(self.scorers)
 
     @property
     def decode_scorers(self) -> tuple[ScorerWeight, ...]:
-        return (
-            ScorerWeight("free-kv", self.decode_kv_weight),
-            ScorerWeight("running", self.decode_load_weight),
+        return expand(self.decode_scorer_weights)
+
+    @property
+    def uses_prefix(self) -> bool:
+        """Whether routing reads the prefix index (block hashes are computed for it)."""
+        return self.picker == "max-score" and any(
+            s.name == "prefix-match" and s.weight > 0 for s in self.prefill_scorers
         )

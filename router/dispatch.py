@@ -92,7 +92,7 @@ class Dispatcher:
         self._background: set[asyncio.Task[Any]] = set()
 
     def plan(self, ids: list[int], snap: Snapshot) -> RoutePlan:
-        prefix = self.cfg.routing == "prefix"
+        prefix = self.cfg.uses_prefix
         hashes = block_hashes(ids, snap.block_size) if prefix else []
         req = RouteRequest(len(ids), tuple(hashes), snap.block_size, self.index.match(hashes),
                            self.index.held() if prefix else {})  # fmt: skip

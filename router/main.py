@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from pathlib import Path
 
-from pdserve.router.config import ROUTING_MODES, RouterConfig
+from pdserve import env
+from pdserve.router.config import (
+    DECODE_SCORERS,
+    PICKERS,
+    PREFILL_SCORERS,
+    ROUTING_MODES,
+    RouterConfig,
+    parse_scorer,
+)
 from pdserve.router.discovery import EndpointSource, StaticSource
 
-API_KEY_ENV = "PDSERVE_API_KEY"
+API_KEY_ENV = env.API_KEY
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,13 +39,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     keys.add_argument("--api-key", default="", help=f"required bearer key (or env {API_KEY_ENV})")
     keys.add_argument("--api-key-file", default="", help="file with one API key per line")
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
-    p.add_argument("--routing", choices=ROUTING_MODES, default="prefix")
+    p.add_argument("--picker", choices=PICKERS, default="max-score")
+    p.add_argument("--routing", choices=ROUTING_MODES, default="prefix",
+                   help="older form of --picker: prefix = max-score")  # fmt: skip
     p.add_argument("--disagg-threshold", type=int, default=256,
                    help="uncached prompt tokens below which decode prefills locally")  # fmt: skip
-    p.add_argument("--prefix-weight", type=float, default=2.0)
-    p.add_argument("--load-weight", type=float, default=1.0)
-    p.add_argument("--balance-weight", type=float, default=0.5,
-                   help="weight of spreading new prefixes over prefill caches")  # fmt: skip
+    pairs = ", ".join(f"{n}={w:g}" for n, w in PREFILL_SCORERS)
+    p.add_argument("--scorer", action="append", type=_scorer, default=[], metavar="NAME=WEIGHT",
+                   help=f"a prefill scorer and its weight, repeated (default {pairs})")  # fmt: skip
+    pairs = ", ".join(f"{n}={w:g}" for n, w in DECODE_SCORERS)
+    p.add_argument("--decode-scorer", action="append", type=_scorer, default=[],
+                   metavar="NAME=WEIGHT", help=f"a decode scorer (default {pairs})")  # fmt: skip
+    for name in ("prefix", "load", "balance"):  # older flags: --scorer NAME=W
+        p.add_argument(f"--{name}-weight", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--default-max-tokens", type=int, default=16)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
     p.add_argument("--log-level", default="info")
@@ -54,8 +67,25 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
         if not keys:
             raise SystemExit(f"pdserve router: {args.api_key_file} holds no API key")
         return keys
-    key = args.api_key or os.environ.get(API_KEY_ENV, "")
+    key = args.api_key or env.get(API_KEY_ENV)
     return (key,) if key else ()
+
+
+def _scorer(text: str) -> tuple[str, float]:
+    try:
+        return parse_scorer(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def prefill_scorers(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
+    """--scorer pairs (or the defaults), then the older --NAME-weight flags on top."""
+    pairs = list(args.scorer) or list(PREFILL_SCORERS)
+    for name in ("prefix", "load", "balance"):
+        weight = getattr(args, f"{name}_weight")
+        if weight is not None:
+            pairs.append((name, weight))
+    return tuple(pairs)
 
 
 def build_config(args: argparse.Namespace) -> RouterConfig:
@@ -63,10 +93,10 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         model_dir=args.model,
         served_model_name=args.served_model_name,
         routing=args.routing,
+        picker=args.picker,
         disagg_threshold=args.disagg_threshold,
-        prefix_weight=args.prefix_weight,
-        load_weight=args.load_weight,
-        balance_weight=args.balance_weight,
+        scorers=prefill_scorers(args),
+        decode_scorer_weights=tuple(args.decode_scorer) or DECODE_SCORERS,
         max_queue=args.max_queue,
         api_keys=api_keys(args),
         health_interval_s=args.health_interval,

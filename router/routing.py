@@ -42,7 +42,7 @@ def _rotate(workers: Sequence[WorkerView], counter: int) -> list[WorkerView]:
 def rank_decode(
     snap: Snapshot, req: RouteRequest, cfg: RouterConfig, rng: random.Random, rr_counter: int = 0
 ) -> list[WorkerView]:
-    if cfg.routing == "round-robin":
+    if cfg.picker == "round-robin":
         return _rotate(snap.decode, rr_counter)
     return rank(snap.decode, req, cfg.decode_scorers, rng, filters=(fits_kv,))
 
@@ -50,7 +50,7 @@ def rank_decode(
 def rank_prefill(
     snap: Snapshot, req: RouteRequest, cfg: RouterConfig, rng: random.Random, rr_counter: int = 0
 ) -> list[WorkerView]:
-    if cfg.routing == "round-robin":
+    if cfg.picker == "round-robin":
         return _rotate(snap.prefill, rr_counter)
     return rank(snap.prefill, req, cfg.prefill_scorers, rng)
 

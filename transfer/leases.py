@@ -21,6 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ class LeaseTable:
         self.clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
+        self._used: OrderedDict[str, str] = OrderedDict()  # recent ended leases: nonce → why
         self._ended: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
 
     def add(self, request_id: str, nonce: str, block_ids: list[int], ttl_s: float) -> None:
@@ -59,6 +61,8 @@ class LeaseTable:
         """ "" if ``agent`` now holds the lease, else why not."""
         with self._lock:
             lease = self._live(request_id)
+            if lease is None and nonce in self._used:
+                return f"lease {request_id!r} {self._used[nonce]}"
             if lease is None or lease.nonce != nonce:
                 return f"no lease {request_id!r} to claim (expired, ended or never made)"
             if lease.claimed_by:
@@ -132,10 +136,13 @@ class LeaseTable:
         return lease
 
     def _expire(self, lease: Lease) -> None:
-        self._end(lease)
+        self._end(lease, "expired (the prefill side freed its blocks)")
         if self.on_expired is not None:
             self.on_expired(lease.request_id)
 
-    def _end(self, lease: Lease) -> None:
+    def _end(self, lease: Lease, why: str = "already ended (a kv handle is single-use)") -> None:
         del self._leases[lease.request_id]
+        self._used[lease.nonce] = why  # bounded: only for a clearer refusal
+        if len(self._used) > 10_000:
+            self._used.popitem(last=False)
         self._ended.put((lease.request_id, lease.block_ids))

@@ -18,6 +18,7 @@ import torch
 
 from pdserve.codec import to_dict
 from pdserve.transfer.messages import CompatRecord
+from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS
 from pdserve.transfer.server import KVServer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="test-model")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--lease-seconds", type=float, default=30.0)
+    p.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -93,3 +93,24 @@ def test_cli_config_and_api_keys(tmp_path, monkeypatch) -> None:
         build_source(_parse("--model", "/m"))
     with pytest.raises(SystemExit, match="cannot read"):
         build_config(_parse("--model", "/m", "--api-key-file", str(tmp_path / "missing")))
+
+
+def test_scorers_are_name_weight_pairs_and_round_robin_is_a_picker() -> None:
+    cfg = build_config(_parse("--model", "/m", "--scorer", "prefix=2", "--scorer", "load=1"))
+    assert [(s.name, s.weight) for s in cfg.prefill_scorers] == [
+        ("prefix-match", 2.0), ("queued-tokens", 1.0), ("running", 1.0)]  # fmt: skip
+    assert cfg.picker == "max-score" and cfg.uses_prefix
+    cfg = build_config(_parse("--model", "/m", "--scorer", "running=3", "--decode-scorer", "kv=2"))
+    assert [(s.name, s.weight) for s in cfg.decode_scorers] == [("free-kv", 2.0)]
+    assert not cfg.uses_prefix  # no prefix scorer: no block hashes, no index lookups
+    # The older flags still work: --routing round-robin picks the round-robin picker, and
+    # --prefix-weight is --scorer prefix=W on top of the defaults.
+    cfg = build_config(_parse("--model", "/m", "--routing", "round-robin"))
+    assert cfg.picker == "round-robin" and not cfg.uses_prefix
+    assert build_config(_parse("--model", "/m", "--picker", "round-robin")).picker == "round-robin"
+    cfg = build_config(_parse("--model", "/m", "--prefix-weight", "5"))
+    assert ("prefix-match", 5.0) in [(s.name, s.weight) for s in cfg.prefill_scorers]
+    with pytest.raises(ValueError, match=r"unknown scorer .typo.; valid: .*or a group"):
+        build_config(_parse("--model", "/m", "--scorer", "typo=1"))
+    with pytest.raises(SystemExit):
+        _parse("--model", "/m", "--scorer", "prefix")  # no weight: argparse refuses it

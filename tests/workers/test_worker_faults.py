@@ -92,6 +92,10 @@ def test_bad_handles_are_refused(tiny_model_dir: Path, tmp_path: Path, reference
 
         async def run() -> None:
             async with httpx.AsyncClient() as client:
+                # Internal routes need the service secret; the liveness probe does not.
+                assert (await client.get(p + "/stats")).status_code == 401
+                assert (await client.post(d + "/generate", json={})).status_code == 401
+                assert (await client.get(d + "/livez")).status_code == 200
                 r = await prefill(client, p, "good", PROMPT, 6)
                 handle, first = r["kv_handle"], r["first_token_id"]
                 cases = {
@@ -121,7 +125,7 @@ def test_bad_handles_are_refused(tiny_model_dir: Path, tmp_path: Path, reference
                 assert [first, *tokens_of(lines)] == expected_tokens(reference, PROMPT, 6)
                 # A handle is single-use: replayed, its claim is refused and nothing is read.
                 status, lines = await decode(client, d, "replay", PROMPT, 6, handle, first)
-                assert status == 200 and "already claimed" in lines[0]["error"]["message"]
+                assert status == 200 and "single-use" in lines[0]["error"]["message"], lines
 
         asyncio.run(run())
         assert_all_free(p, d)

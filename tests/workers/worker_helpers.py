@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import time
 from collections.abc import Iterator
@@ -50,6 +51,8 @@ def worker_cluster(
         decode_args=decode_args,
         log_dir=str(tmp_path / "logs"),
         secret=SECRET,
+        # Away from the default 8100 that other suites on this machine start at the same time.
+        worker_port_base=random.randrange(20000, 40000, 1000),
     )
     cluster = LocalCluster(spec)
     try:
