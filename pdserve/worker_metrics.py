@@ -69,27 +69,17 @@ class _EngineCollector(Collector):
 class WorkerMetrics:
     def __init__(self, engine: AsyncEngine, role: str) -> None:
         self.role = role
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, role))
-        r = self.registry
+        self.registry = r = CollectorRegistry()
+        r.register(_EngineCollector(engine, role))
+        transfer = ["role", "transport"]
         self.transfer_bytes = Counter(
-            "pdserve_kv_transfer_bytes",
-            "KV bytes moved between workers",
-            ["role", "transport"],
-            registry=r,
+            "pdserve_kv_transfer_bytes", "KV bytes moved between workers", transfer, registry=r
         )
-        self.transfer_seconds = Histogram(
-            "pdserve_kv_transfer_seconds",
-            "time of one request's KV transfer",
-            ["role", "transport"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.transfer_seconds = self._histogram(
+            "pdserve_kv_transfer_seconds", "time of one request's KV transfer", transfer
         )
         self.transfer_failures = Counter(
-            "pdserve_kv_transfer_failures",
-            "KV transfers that failed",
-            ["role", "transport"],
-            registry=r,
+            "pdserve_kv_transfer_failures", "KV transfers that failed", transfer, registry=r
         )
         self.lease_expired = Counter(
             "pdserve_kv_lease_expired",
@@ -97,19 +87,15 @@ class WorkerMetrics:
             ["role"],
             registry=r,
         )
-        self.queue_wait = Histogram(
-            "pdserve_prefill_queue_wait_seconds",
-            "time from arrival to first schedule",
-            ["role"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.queue_wait = self._histogram(
+            "pdserve_prefill_queue_wait_seconds", "time from arrival to first schedule", ["role"]
         )
         self.requests = Counter(
-            "pdserve_worker_requests",
-            "requests by outcome",
-            ["role", "outcome"],
-            registry=r,
+            "pdserve_worker_requests", "requests by outcome", ["role", "outcome"], registry=r
         )
+
+    def _histogram(self, name: str, doc: str, labels: list[str]) -> Histogram:
+        return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

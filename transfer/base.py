@@ -1,7 +1,7 @@
 """The transport interface: one object per worker, bound to its KV pool.
 
 A transport moves blocks between two KV pools of compatible workers. Both sides
-create one at start-up with their pool tensor (``transfer.registry.make_transport``):
+create one at start-up with their pool tensor (``transfer.registry.transport_class``):
 
 * prefill side: ``metadata()`` is published in handshake replies; ``serve()`` answers
   transport-specific side-channel requests (the tcp transport's reads). Called from the
@@ -93,6 +93,10 @@ class KVTransport(ABC):
         self.compat = compat
         self.agent_name = agent_name
         self.geometry = PoolGeometry.of(pool)
+        self.open()
+
+    def open(self) -> None:  # noqa: B027 - a hook: most transports need nothing more
+        """Set up what the transport needs beyond the pool (called once, by ``__init__``)."""
 
     @abstractmethod
     def metadata(self) -> bytes:

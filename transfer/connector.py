@@ -45,7 +45,7 @@ from pdserve.transfer.messages import (
     LeaseDone,
     LeaseDoneAck,
 )
-from pdserve.transfer.registry import DEFAULT_TRANSFER_TIMEOUT, make_transport, new_agent_name
+from pdserve.transfer.registry import DEFAULT_TRANSFER_TIMEOUT, new_agent_name, transport_class
 from pdserve.transfer.side_channel import call, handshake
 from pdserve.transfer.validation import check_local, check_peer
 
@@ -87,9 +87,8 @@ class RemoteKVConnector(KVConnector):
         self.transfer_timeout = transfer_timeout
         self.release_timeout = release_timeout
         self.secret = service_secret("the KV connector") if secret is None else secret
-        self.transport = make_transport(
-            transport, pool, compat, self.agent_name, initiator=True, secret=self.secret
-        )
+        kind = transport_class(transport)
+        self.transport = kind(pool, compat, self.agent_name, initiator=True, secret=self.secret)
         self._num_blocks = PoolGeometry.of(pool).num_blocks
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._done: queue.Queue[LoadResult] = queue.Queue()

@@ -14,11 +14,8 @@ import logging
 import threading
 from typing import Any
 
-import torch
-
 from pdserve.transfer.base import KVTransport, LeaseRef, PeerInfo, ReadOp, State, TransferError
 from pdserve.transfer.layout import descriptors, merge_runs
-from pdserve.transfer.messages import CompatRecord
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +62,11 @@ class NixlTransport(KVTransport):
     name = "nixl"
     busy_poll = True
 
-    def __init__(
-        self,
-        pool: torch.Tensor,
-        compat: CompatRecord,
-        agent_name: str,
-        initiator: bool = False,
-        secret: str = "",
-    ) -> None:
-        super().__init__(pool, compat, agent_name, initiator, secret)
-        self.agent = _make_agent(agent_name, progress_thread=not initiator)
+    def open(self) -> None:
+        self.agent = _make_agent(self.agent_name, progress_thread=not self.initiator)
         if "UCX" not in self.agent.backends:
             raise TransferError("NIXL has no UCX backend plugin; use --kv-transport tcp")
-        self._reg = self.agent.register_memory(pool)
+        self._reg = self.agent.register_memory(self.pool)
         self._peers: set[str] = set()
 
     def metadata(self) -> bytes:

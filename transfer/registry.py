@@ -13,10 +13,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
-
     from pdserve.transfer.base import KVTransport
-    from pdserve.transfer.messages import CompatRecord
 
 TRANSPORTS: dict[str, tuple[str, str]] = {
     "nixl": ("pdserve.transfer.nixl_transport", "NixlTransport"),
@@ -29,23 +26,13 @@ DEFAULT_TRANSFER_TIMEOUT = 10.0  # seconds a decode worker gives one KV read
 
 
 def transport_class(kind: str) -> type[KVTransport]:
+    """The class of ``kind``; an instance is bound to one pool (registered once, then):
+    ``transport_class(kind)(pool, compat, agent_name, initiator, secret)``, where
+    ``initiator`` is the decode side (it reads), not the prefill side (it is read from)."""
     if kind not in TRANSPORTS:
         raise ValueError(f"unknown kv transport {kind!r}; valid: {list(TRANSPORT_NAMES)}")
     module, cls = TRANSPORTS[kind]
     return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
-
-
-def make_transport(
-    kind: str,
-    pool: torch.Tensor,
-    compat: CompatRecord,
-    agent_name: str,
-    initiator: bool = False,
-    secret: str = "",
-) -> KVTransport:
-    """A transport of ``kind`` bound to ``pool`` (registered once, here); ``initiator`` on the
-    decode side (it reads), not on the prefill side (it is read from)."""
-    return transport_class(kind)(pool, compat, agent_name, initiator, secret)
 
 
 def new_agent_name(role: str) -> str:

@@ -37,7 +37,7 @@ from pdserve.transfer.messages import (
     SideChannelError,
     TcpReadRequest,
 )
-from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS, make_transport, new_agent_name
+from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS, new_agent_name, transport_class
 from pdserve.transfer.side_channel import SideChannelServer, answer_handshake
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ class KVServer(KVHolder):
         self.agent_name = agent_name or new_agent_name("prefill")
         self.compat = compat
         self.secret = service_secret("the KV side channel") if secret is None else secret
-        self.transport = make_transport(
-            transport, pool, compat, self.agent_name, secret=self.secret
+        self.transport = transport_class(transport)(
+            pool, compat, self.agent_name, secret=self.secret
         )
         self.leases = LeaseTable(lease_seconds, on_expired)
         self._peers: set[str] = set()  # decode agents that passed the handshake

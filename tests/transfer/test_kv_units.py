@@ -11,7 +11,7 @@ import torch
 from pdserve.codec import CodecError, decode, encode, from_dict, to_dict
 from pdserve.transfer.layout import PoolGeometry, descriptors, merge_runs
 from pdserve.transfer.messages import CompatRecord, HandshakeRequest, TcpReadRequest
-from pdserve.transfer.registry import TRANSPORTS, make_transport, transport_class
+from pdserve.transfer.registry import TRANSPORTS, transport_class
 
 
 def test_merge_runs_needs_both_sides_consecutive() -> None:
@@ -44,7 +44,7 @@ def test_registry_unknown_key_lists_valid_ones() -> None:
 @pytest.mark.parametrize("kind", sorted(TRANSPORTS))
 def test_registry_binds_pool(kind: str) -> None:
     pool = torch.zeros(2, 2, 4, 4, 2, 8)
-    t = make_transport(kind, pool, CompatRecord.for_pool(pool, "m"), f"unit-{kind}")
+    t = transport_class(kind)(pool, CompatRecord.for_pool(pool, "m"), f"unit-{kind}")
     try:
         assert t.name == kind and t.agent_name == f"unit-{kind}"
         assert t.geometry.base_addr == pool.data_ptr()
@@ -86,7 +86,7 @@ def test_idle_prefill_agent_does_not_spin() -> None:
     """NIXL's Python API starts the UCX progress thread as a busy loop; ours sleeps between
     rounds, so an idle prefill worker does not burn a core."""
     pool = torch.zeros(2, 2, 4, 4, 2, 8)
-    t = make_transport("nixl", pool, CompatRecord.for_pool(pool, "m"), "unit-idle")
+    t = transport_class("nixl")(pool, CompatRecord.for_pool(pool, "m"), "unit-idle")
     try:
         time.sleep(0.3)
         before = _thread_cpu_ticks()
