@@ -22,6 +22,7 @@ COPY engine/ engine/
 COPY transfer/ transfer/
 COPY prefill_worker/ prefill_worker/
 COPY decode_worker/ decode_worker/
+COPY worker/ worker/
 COPY router/ router/
 COPY operator/ operator/
 COPY planner/ planner/

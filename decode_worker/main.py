@@ -6,7 +6,7 @@ import argparse
 
 from pdserve.decode_worker.server import DecodeWorker
 from pdserve.decode_worker.server import add_arguments as add_arguments
-from pdserve.worker_http import run_worker
+from pdserve.worker.http import run_worker
 
 
 def run(args: argparse.Namespace) -> int:

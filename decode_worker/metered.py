@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.engine.kv_connector import KVConnector, LoadResult
-from pdserve.worker_metrics import WorkerMetrics
+from pdserve.worker.metrics import WorkerMetrics
 
 
 class MeteredConnector(KVConnector):

@@ -25,13 +25,13 @@ from pdserve.engine.request import RequestOutput
 from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.registry import DEFAULT_TRANSFER_TIMEOUT
-from pdserve.worker_http import (
+from pdserve.worker.http import (
     add_common_routes,
     add_worker_arguments,
     read_message,
     worker_id,
 )
-from pdserve.worker_metrics import WorkerMetrics
+from pdserve.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 ROLE = "decode"

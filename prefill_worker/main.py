@@ -6,7 +6,7 @@ import argparse
 
 from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.prefill_worker.server import add_arguments as add_arguments
-from pdserve.worker_http import run_worker
+from pdserve.worker.http import run_worker
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ from pdserve.prefill_worker.events import KVEventPublisher
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS
 from pdserve.transfer.server import KVServer
-from pdserve.worker_http import (
+from pdserve.worker.http import (
     BadRequest,
     add_common_routes,
     advertise_host,
@@ -32,7 +32,7 @@ from pdserve.worker_http import (
     reply,
     worker_id,
 )
-from pdserve.worker_metrics import WorkerMetrics
+from pdserve.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 ROLE = "prefill"
@@ -119,7 +119,7 @@ class PrefillWorker:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pdserve.worker_http import add_worker_arguments
+    from pdserve.worker.http import add_worker_arguments
 
     add_worker_arguments(parser, default_port=8100)
     g = parser.add_argument_group("prefill")

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from pdserve.codec import to_dict
 from pdserve.contract import GenerateRequest, RequestRef
 from pdserve.env import SECRET_HEADER
-from pdserve.worker_http import BadRequest, SecretCheck, error_response, read_message, reply
+from pdserve.worker.http import BadRequest, SecretCheck, error_response, read_message, reply
 
 
 def app() -> FastAPI:

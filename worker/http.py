@@ -28,7 +28,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import add_engine_arguments
 from pdserve.engine.sampling_params import InvalidParameter
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
-from pdserve.worker_metrics import WorkerMetrics
+from pdserve.worker.metrics import WorkerMetrics
 
 T = TypeVar("T")
 
