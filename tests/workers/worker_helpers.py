@@ -51,8 +51,9 @@ def worker_cluster(
         decode_args=decode_args,
         log_dir=str(tmp_path / "logs"),
         secret=SECRET,
-        # Away from the default 8100 that other suites on this machine start at the same time.
-        worker_port_base=random.randrange(20000, 40000, 1000),
+        # Away from the default 8100 that other suites on this machine start at the same time,
+        # and below the ephemeral range (32768+) where UCX and clients take their ports.
+        worker_port_base=random.randrange(10000, 30000, 1000),
     )
     cluster = LocalCluster(spec)
     try:
