@@ -3,11 +3,12 @@
 The router tokenizes so that it can hash the prompt's blocks with the same
 function as the workers; the ids it sends are the ids the workers compute on.
 
-It runs on the router's tokenizer threads (``Runtime.prepare``). The Rust
-tokenizer's ``encode`` holds the GIL for the whole text (3 s for 1 M characters
-here: every stream of the router would stall), its ``encode_batch`` releases it;
-so text goes through ``encode_batch`` of one, checked at start-up to give the
-same ids as ``encode``.
+It runs on the router's tokenizer threads (``serving.prepare``). That helps only
+because transformers' ``encode`` goes through the Rust ``encode_batch``, which
+releases the GIL; the backend's own ``encode`` holds it for the whole text (2.3 s
+for 560 k characters here, every stream of the router stalled meanwhile), so do
+not call ``backend_tokenizer.encode`` here. tests/router/test_edge_limits.py
+measures the streams' gaps while a large prompt is tokenized.
 """
 
 from __future__ import annotations
@@ -29,11 +30,8 @@ class PromptTokenizer:
         self.tok = AutoTokenizer.from_pretrained(str(path))
         self.vocab_size = len(self.tok)
         self.config_max_len = _config_max_len(path)
-        self._batch = _batch_encoder(self.tok)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self._batch is not None:
-            return list(self._batch([text], add_special_tokens=add_special_tokens)[0].ids)
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -47,23 +45,6 @@ class PromptTokenizer:
             raise invalid(f"messages could not be formatted: {exc}", "messages") from exc
         assert isinstance(text, str)
         return self.encode(text, add_special_tokens=False)
-
-
-PROBE = " Hello, world!\n  Ünïcödé 😀 text\t and\r\n 123 <s> </s> the end "
-
-
-def _batch_encoder(tok: Any) -> Any:
-    """The backend's ``encode_batch`` if it gives the same ids as ``tok.encode``."""
-    backend = getattr(tok, "backend_tokenizer", None)
-    batch = getattr(backend, "encode_batch", None)
-    if batch is None:
-        return None
-    for special in (True, False):
-        if batch([PROBE], add_special_tokens=special)[0].ids != tok.encode(
-            PROBE, add_special_tokens=special
-        ):
-            return None
-    return batch
 
 
 def _config_max_len(path: Path) -> int:
