@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.local.processes import ClusterSpec, LocalCluster
+from tests.loopback import free_port
 
 KEYS = ("tenant-a-key", "tenant-b-key")
 WORKER_ARGS = (
@@ -43,13 +44,13 @@ def deployment(
     spec = ClusterSpec(
         model_dir=str(tiny_model_dir), dtype="float32", worker_args=WORKER_ARGS,
         kv_transport=os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"), log_dir=str(logs),
-        worker_port_base=9100,
+        worker_port_base=20_000 + os.getpid() % 2000 * 10,  # apart from parallel sessions
     )  # fmt: skip
     cluster = LocalCluster(spec)
     try:
         cluster.start_workers()
         router = cluster.start_router(
-            port=0, args=("--api-key-file", str(keys), "--disagg-threshold", "32",
+            port=free_port(), args=("--api-key-file", str(keys), "--disagg-threshold", "32",
                           "--health-interval", "0.2"),
         )  # fmt: skip
         cluster.wait_healthy(timeout=300)
