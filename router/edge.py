@@ -67,6 +67,8 @@ def parse_json(raw: bytes) -> Any:
 def check_tree(body: Any, check_text: bool = True) -> None:
     """Depth at most ``MAX_JSON_DEPTH``; every string and key valid Unicode (when
     ``check_text``). A 400 names the top-level field the problem sits in."""
+    if not isinstance(body, (dict, list)):
+        return  # a bare scalar: parse_request refuses it, it is never read
     stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
     while stack:
         node, depth, field = stack.pop()
