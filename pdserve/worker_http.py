@@ -7,7 +7,6 @@ Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
@@ -21,6 +20,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import add_engine_arguments
 from pdserve.engine.request import REQUEST_FAILED, RequestFailed
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams, valid_text
+from pdserve.jsonguard import BadJSON, loads_checked
 from pdserve.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -80,11 +80,9 @@ async def read_json(request: Request) -> dict[str, Any]:
     if len(raw) > MAX_BODY_BYTES:
         raise BadRequest(f"request body over {MAX_BODY_BYTES} bytes", status=413)
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"malformed JSON: {exc}") from exc
-    except RecursionError:
-        raise BadRequest("JSON nested too deeply") from None
+        body = loads_checked(raw)
+    except BadJSON as exc:
+        raise BadRequest(str(exc), exc.field) from exc
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
