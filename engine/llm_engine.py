@@ -260,13 +260,14 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
-    def _fail_request(self, req: Request, exc: Exception) -> RequestOutput | None:
+    def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
         """End ``req`` alone with an error; the rest of the batch goes on."""
         logger.error("request %s failed in the step", req.request_id, exc_info=exc)
-        if req.status.finished and req.request_id not in self.requests:
-            return None  # it had already ended (its output was lost with the exception)
         req.error_code = REQUEST_FAILED
         msg = f"request failed: {type(exc).__name__}: {exc}"[:500]
+        if req.request_id not in self.requests:  # it had ended; its output was lost
+            req.status, req.error = RequestStatus.FINISHED_ERROR, msg
+            return self._output(req, [], "", RequestStatus.FINISHED_ERROR.value)
         return self.finish(req, RequestStatus.FINISHED_ERROR, [], "", msg)
 
     def _append_token(self, req: Request, token: int) -> RequestOutput | None:

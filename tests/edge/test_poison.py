@@ -113,3 +113,21 @@ async def test_bad_unicode_and_deep_json_are_400(deployment) -> None:
         _error(await h.post("/v1/completions", content=body, headers=headers), 400, "metadata")
         ok = {"model": dep.model, "prompt": "héllo ✓ 😀", "max_tokens": 2}
         assert (await h.post("/v1/completions", json=ok, headers=dep.headers())).status_code == 200
+
+
+def test_decode_worker_marks_request_faults_in_its_stream() -> None:
+    """The error line the router reads to tell a request fault from a worker fault."""
+    from pdserve.decode_worker.server import DecodeWorker
+    from pdserve.engine.request import REQUEST_FAILED, RequestOutput
+    from pdserve.router.errors import APIError
+    from pdserve.router.worker_client import WorkerFailed, stream_error
+
+    def line(code: str) -> dict[str, Any]:
+        out = RequestOutput("r", [], "", "error", 3, 1, 0, error="boom", error_code=code)
+        return dict(json.loads(DecodeWorker._line(out))["error"])
+
+    fault, worker = line(REQUEST_FAILED), line("")
+    assert fault["code"] == REQUEST_FAILED and worker["code"] == "kv_transfer_failed"
+    err = stream_error("http://w", fault)
+    assert isinstance(err, APIError) and err.status == 422 and err.code == REQUEST_FAILED
+    assert isinstance(stream_error("http://w", worker), WorkerFailed)
