@@ -164,3 +164,28 @@ async def test_request_faults_are_never_retried(cluster_factory) -> None:
             assert r.status_code == 422 and r.json()["error"]["code"] == "request_failed"
             assert sum(len(st.requests) for st in c.decode) == 1
         await c.settle()
+
+
+def test_token_buckets_refill_and_say_when() -> None:
+    from pdserve.router.errors import APIError
+    from pdserve.router.ratelimit import RateLimiter
+
+    now = [0.0]
+    rl = RateLimiter(rpm=60, tpm=600, clock=lambda: now[0])  # 1 request, 10 tokens a second
+    for _ in range(60):
+        rl.take_request("a")
+    with pytest.raises(APIError) as err:
+        rl.take_request("a")
+    assert err.value.status == 429 and err.value.headers["Retry-After"] == "1"
+    rl.take_request("b")  # another client has its own bucket
+    now[0] = 1.0
+    rl.take_request("a")  # one second refilled one request
+    rl.take_tokens("a", 600)
+    with pytest.raises(APIError) as err:
+        rl.take_tokens("a", 55)
+    assert err.value.headers["Retry-After"] == "6"  # 55 tokens at 10 a second
+    now[0] = 7.0
+    rl.take_tokens("a", 55)
+    with pytest.raises(APIError) as err:
+        rl.take_tokens("a", 601)  # never fits: a request larger than the limit
+    assert "limit is 600 tokens" in err.value.message
