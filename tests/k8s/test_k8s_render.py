@@ -66,8 +66,9 @@ def test_worker_pods_follow_the_contract() -> None:
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["automountServiceAccountToken"] is False
-        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-            assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        for probe in ("livenessProbe", "startupProbe"):  # the process, not its readiness
+            assert c[probe]["httpGet"] == {"path": "/livez", "port": "http"}
         mounts = {v["mountPath"]: v["name"] for v in c["volumeMounts"]}
         assert mounts == {"/models": "model", "/tmp": "tmp", "/dev/shm": "dshm"}
         vols = {v["name"]: v for v in spec["volumes"]}
@@ -96,6 +97,11 @@ def test_router_pod_and_services() -> None:
     spec = pod(m, "llama3-8b-router")
     cmd = spec["containers"][0]["command"]
     assert cmd[:2] == ["pdserve", "router"]
+    probes = {k: spec["containers"][0][k]["httpGet"]["path"] for k in ("livenessProbe",
+              "readinessProbe", "startupProbe")}  # fmt: skip
+    # A 1-replica decode rollout makes /health 503: that must not restart the router.
+    assert probes == {"livenessProbe": "/livez", "readinessProbe": "/health",
+                      "startupProbe": "/livez"}  # fmt: skip
     flags = dict(zip(cmd[2::2], cmd[3::2], strict=False))
     assert flags["--discovery"] == "kubernetes" and flags["--service"] == "llama3-8b"
     assert flags["--namespace"] == "llm" and flags["--disagg-threshold"] == "256"
