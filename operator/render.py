@@ -201,7 +201,7 @@ def network_policy(spec: LLMServiceSpec) -> list[Manifest]:
         {
             "apiVersion": "networking.k8s.io/v1",
             "kind": "NetworkPolicy",
-            "metadata": _meta(spec, f"{spec.name}-workers"),
+            "metadata": _meta(spec, n.network_policy_name(spec.name)),
             "spec": {"podSelector": workers, "policyTypes": ["Ingress"], "ingress": rules},
         }
     ]
@@ -237,5 +237,5 @@ def optional_children(name: str) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of children that only some specs have: pruned when gone."""
     return [
         ("networking.k8s.io/v1", "Ingress", name),
-        ("networking.k8s.io/v1", "NetworkPolicy", f"{name}-workers"),
+        ("networking.k8s.io/v1", "NetworkPolicy", n.network_policy_name(name)),
     ]

@@ -17,11 +17,14 @@ _SCRAPE = {
 _ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
 
 
-def _env() -> list[dict[str, Any]]:
+def _env(spec: LLMServiceSpec) -> list[dict[str, Any]]:
     field = {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
     env: list[dict[str, Any]] = [
         {"name": k, "valueFrom": {"fieldRef": {"fieldPath": v}}} for k, v in field.items()
     ]
+    # Workers accept requests and KV reads only from holders of the service's shared secret.
+    ref = {"name": n.service_secret_name(spec.name), "key": n.SECRET_KEY}
+    env.append({"name": "PDSERVE_SERVICE_SECRET", "valueFrom": {"secretKeyRef": ref}})
     # The root filesystem is read-only: caches go to the /tmp emptyDir.
     env += [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
     return env
@@ -101,7 +104,7 @@ def _container(
         "imagePullPolicy": spec.image_pull_policy,
         "command": command,
         "ports": _ports(role),
-        "env": _env() + [dict(e) for e in extra_env],
+        "env": _env(spec) + [dict(e) for e in extra_env],
         "envFrom": [{"configMapRef": {"name": n.config_map_name(spec.name)}}],
         "resources": dict(resources),
         "volumeMounts": _mounts(spec, role),

@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from pdserve.operator import naming as n
 from pdserve.operator.spec import (
     DTYPES,
     SERVICE_TYPES,
@@ -27,7 +28,7 @@ from pdserve.operator.spec import (
     SpecError,
 )
 
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # DNS-1035: Service names start a-z
 _RESOURCE_NAME = re.compile(r"^[a-z0-9.-]+/[a-zA-Z0-9_.-]+$")
 _MAX_NAME = 40  # children append "-prefill" etc.; Service names must stay <= 63
 
@@ -242,7 +243,11 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
     meta = _Reader(obj.get("metadata"), "metadata")
     name = meta.get("name", str, "")
     if not _NAME.match(name) or len(name) > _MAX_NAME:
-        raise SpecError("metadata.name", f"must be a DNS label of at most {_MAX_NAME} characters")
+        msg = f"must be a DNS-1035 label (a-z first) of at most {_MAX_NAME} characters"
+        raise SpecError("metadata.name", f"{msg}, got {name!r}")
+    if n.reserved_suffix(name):
+        msg = f"must not end in -{n.reserved_suffix(name)} (children use that suffix)"
+        raise SpecError("metadata.name", f"{msg}, got {name!r}")
     r = _Reader(obj.get("spec"), "spec")
     if r.data.get("model") is None:
         raise SpecError("spec.model", "is required")

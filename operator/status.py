@@ -15,6 +15,10 @@ from pdserve.operator import naming as n
 from pdserve.operator.spec import LLMServiceSpec
 
 REASON_INVALID_SPEC = "InvalidSpec"  # set by handlers; only a spec change or fix clears it
+REASON_FOREIGN_CHILD = "ForeignChild"  # a child's name is held by an object we do not own
+REASON_CHILD_REJECTED = "ChildRejected"  # the API server refused a child (422)
+# Degraded reasons the change handlers own: the status sync never clears them.
+HANDLER_REASONS = (REASON_INVALID_SPEC, REASON_FOREIGN_CHILD, REASON_CHILD_REJECTED)
 
 
 def now() -> str:
@@ -128,7 +132,7 @@ def observed_status(
     conds = _ready_conditions(states, generation)
     degraded_by_spec = any(
         c.get("type") == "Degraded"
-        and c.get("reason") == REASON_INVALID_SPEC
+        and c.get("reason") in HANDLER_REASONS
         and c.get("status") == "True"
         for c in old_conditions
     )
