@@ -31,6 +31,7 @@ class OperatorConfig:
     retry_delay: float = 30.0  # TemporaryError delay when a referenced object is missing
     autoscale_tick: float = 5.0  # autoscaler loop period; each object plans every intervalSeconds
     debounce: float = 0.2  # a burst of watch events on one object becomes one sync
+    default_image: str = ""  # for LLMServices without spec.image ("": render.DEFAULT_IMAGE)
     autoscale: autoscaler.AutoscaleSettings = field(default_factory=autoscaler.AutoscaleSettings)
 
 
@@ -66,10 +67,12 @@ async def _degrade(
     await sync.write_status(client, memo.cache, fresh, new, {})
 
 
-async def _apply(memo: Any, body: Any, svc: LLMServiceSpec) -> reconcile.ApplyResult:
+async def _apply(
+    memo: Any, body: Any, svc: LLMServiceSpec, default_image: str
+) -> reconcile.ApplyResult:
     client, cache = _client(memo), memo.cache
     await secrets.ensure_service_secret(client, svc, body)
-    children = render.render_spec(svc)
+    children = render.render_spec(svc, default_image)
     kopf.adopt(children, owner=body)
 
     async def cached(c: Any) -> dict[str, Any] | None:
@@ -98,7 +101,7 @@ async def reconcile_object(
                 raise kopf.TemporaryError(message, delay=config.retry_delay)
             raise kopf.PermanentError(message)
         try:
-            result = await _apply(memo, body, svc)
+            result = await _apply(memo, body, svc, config.default_image)
         except reconcile.ForeignChild as e:  # its owner may delete it: retry
             await _degrade(memo, namespace, name, str(e), generation, st.REASON_FOREIGN_CHILD)
             raise kopf.TemporaryError(str(e), delay=config.retry_delay) from e
@@ -149,7 +152,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorC
         settings.posting.level = 20  # INFO and above become Kubernetes Events
         memo.client = kube.KubeClient(kube.login(), login_fn=kube.login)
         memo.cache = Cache()
-        memo.syncer = sync.Syncer(memo.client, memo.cache, config.debounce)
+        memo.syncer = sync.Syncer(memo.client, memo.cache, config.debounce, config.default_image)
         memo.loops = []
 
     @kopf.on.cleanup(registry=registry)

@@ -7,6 +7,7 @@ the operator adds them (``kopf.adopt``) because only it knows the object's uid.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from pdserve.operator.spec import LLMServiceSpec
 from pdserve.operator.spec_parse import parse_llmservice
 
 Manifest = dict[str, Any]
+DEFAULT_IMAGE = "ghcr.io/pdserve/pdserve:0.1.0"  # the operator passes its own (--default-image)
 
 
 def _meta(spec: LLMServiceSpec, name: str, role: str | None = None) -> dict[str, Any]:
@@ -211,8 +213,15 @@ def config_hash(data: Mapping[str, str]) -> str:
     return hashlib.sha256(json.dumps(dict(data), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def render_spec(spec: LLMServiceSpec) -> list[Manifest]:
-    """All children of one LLMService, in creation order (config and RBAC before pods)."""
+def render_spec(spec: LLMServiceSpec, default_image: str = "") -> list[Manifest]:
+    """All children of one LLMService, in creation order (config and RBAC before pods).
+
+    An unset ``spec.image`` becomes ``default_image`` here, at render time, never in the
+    stored object: upgrading the operator (its chart) rolls every LLMService that does
+    not pin an image onto the new one.
+    """
+    if not spec.image:
+        spec = dataclasses.replace(spec, image=default_image or DEFAULT_IMAGE)
     cm = config_map(spec)
     digest = config_hash(cm["data"])
     return [
@@ -228,9 +237,11 @@ def render_spec(spec: LLMServiceSpec) -> list[Manifest]:
     ]
 
 
-def render(obj: Mapping[str, Any], default_namespace: str = "default") -> list[Manifest]:
+def render(
+    obj: Mapping[str, Any], default_namespace: str = "default", default_image: str = ""
+) -> list[Manifest]:
     """Render an LLMService object (as read from YAML or the API); raises SpecError."""
-    return render_spec(parse_llmservice(obj, default_namespace))
+    return render_spec(parse_llmservice(obj, default_namespace), default_image)
 
 
 def optional_children(name: str) -> list[tuple[str, str, str]]:

@@ -141,7 +141,7 @@ class LLMServiceSpec:
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     kv_transfer: KVTransferSpec = KVTransferSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
-    image: str = "ghcr.io/pdserve/pdserve:0.1.0"
+    image: str = ""  # "": the operator's default image (render.DEFAULT_IMAGE or --default-image)
     image_pull_policy: str = "IfNotPresent"
     image_pull_secrets: tuple[str, ...] = ()
 

@@ -27,6 +27,12 @@ from pdserve.operator.spec import (
     SLOSpec,
     SpecError,
 )
+from pdserve.operator.spec_checks import (
+    check_affinity,
+    check_quantity,
+    check_resources,
+    check_tolerations,
+)
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # DNS-1035: Service names start a-z
 _RESOURCE_NAME = re.compile(r"^[a-z0-9.-]+/[a-zA-Z0-9_.-]+$")
@@ -122,6 +128,7 @@ def parse_model(r: _Reader, default_name: str) -> ModelSpec:
         )
         if not source.hf_id:
             raise SpecError(f"{s.path}.id", "is required")
+        check_quantity(f"{s.path}.downloadSizeLimit", s.data.get("downloadSizeLimit", "64Gi"))
     return ModelSpec(
         source=source,
         served_name=r.get("servedName", str, default_name),
@@ -149,6 +156,10 @@ def parse_pool(r: _Reader, role: str) -> PoolSpec:
         max_num_batched_tokens=r.number("maxNumBatchedTokens", minimum=1),
         shm_size=str(r.get("shmSize", (str, int), "2Gi")),
     )
+    check_resources(f"{r.path}.resources", pool.resources)
+    check_quantity(f"{r.path}.shmSize", r.data.get("shmSize", "2Gi"))
+    check_tolerations(f"{r.path}.tolerations", pool.tolerations)
+    check_affinity(f"{r.path}.affinity", pool.affinity)
     if pool.max_replicas < pool.min_replicas:
         raise SpecError(f"{r.path}.maxReplicas", "must be >= minReplicas")
     if not pool.min_replicas <= pool.replicas <= pool.max_replicas:
@@ -173,6 +184,8 @@ def parse_router(r: _Reader) -> RouterSpec:
         if not ingress.host:
             raise SpecError(f"{i.path}.host", "is required")
     key = r.sub("apiKeySecret")
+    check_resources(f"{r.path}.resources", r.get("resources", Mapping, {}))
+    check_tolerations(f"{r.path}.tolerations", r.obj_list("tolerations"))
     return RouterSpec(
         replicas=r.number("replicas", 1, minimum=1),
         service_type=r.choice("serviceType", SERVICE_TYPES, "ClusterIP"),
@@ -258,7 +271,7 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
         prefill=parse_pool(r.sub("prefill"), "prefill"),
         decode=parse_pool(r.sub("decode"), "decode"),
         router=parse_router(r.sub("router")),
-        image=r.get("image", str, "ghcr.io/pdserve/pdserve:0.1.0"),
+        image=r.get("image", str, ""),  # "": the operator's default, resolved at render time
         image_pull_policy=r.choice(
             "imagePullPolicy", ("Always", "IfNotPresent", "Never"), "IfNotPresent"
         ),

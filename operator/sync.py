@@ -57,7 +57,7 @@ def handler_owns_degraded(status: Mapping[str, Any]) -> bool:
                for c in status.get("conditions") or [])  # fmt: skip
 
 
-async def sync_service(client: KubeClient, cache: Cache, key: Key) -> None:
+async def sync_service(client: KubeClient, cache: Cache, key: Key, default_image: str = "") -> None:
     body = cache.services.get(key)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
@@ -69,7 +69,7 @@ async def sync_service(client: KubeClient, cache: Cache, key: Key) -> None:
     status = body.get("status") or {}
     applied = status.get("observedGeneration") == body["metadata"].get("generation")
     if applied and not handler_owns_degraded(status):
-        children = render.render_spec(svc)
+        children = render.render_spec(svc, default_image)
         kopf.adopt(children, owner=cast(kopf.Body, body))  # the raw watched body
 
         async def cached(c: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -97,8 +97,11 @@ async def sync_service(client: KubeClient, cache: Cache, key: Key) -> None:
 class Syncer:
     """Debounced, per-object-serialised ``sync_service`` runs."""
 
-    def __init__(self, client: KubeClient, cache: Cache, debounce: float = 0.2) -> None:
+    def __init__(
+        self, client: KubeClient, cache: Cache, debounce: float = 0.2, default_image: str = ""
+    ) -> None:
         self.client, self.cache, self.debounce = client, cache, debounce
+        self.default_image = default_image
         self.locks: dict[Key, asyncio.Lock] = {}
         self.pending: set[Key] = set()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -119,7 +122,7 @@ class Syncer:
         self.pending.discard(key)
         try:
             async with self.lock(key):
-                await sync_service(self.client, self.cache, key)
+                await sync_service(self.client, self.cache, key, self.default_image)
         except Exception as e:
             logger.warning(f"sync of {key[0]}/{key[1]} failed: {e}")
 
