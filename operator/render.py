@@ -29,12 +29,7 @@ def _meta(spec: LLMServiceSpec, name: str, role: str | None = None) -> dict[str,
 def config_data(spec: LLMServiceSpec) -> dict[str, str]:
     """Environment for every container (envFrom) plus the settings as JSON for humans/planner."""
     kv, slo = spec.kv_transfer, spec.slo
-    data = {
-        "PDSERVE_SERVICE": spec.name,
-        "PDSERVE_KV_TRANSPORT": kv.transport,
-        "PDSERVE_SLO_TTFT_MS": str(slo.ttft_ms),
-        "PDSERVE_SLO_TPOT_MS": str(slo.tpot_ms),
-    }
+    data = {"PDSERVE_SERVICE": spec.name, "PDSERVE_KV_TRANSPORT": kv.transport}
     if kv.ucx_tls:
         data["UCX_TLS"] = kv.ucx_tls
     if kv.ucx_net_devices:
@@ -163,6 +158,12 @@ def ingress(spec: LLMServiceSpec) -> list[Manifest]:
 
 
 def disruption_budgets(spec: LLMServiceSpec) -> list[Manifest]:
+    """One PDB per Deployment with more than one replica: for a single pod a budget either
+    blocks every node drain (minAvailable 1) or protects nothing (maxUnavailable 1)."""
+    counts = {"router": spec.router.replicas, "prefill": spec.prefill.replicas,
+              "decode": spec.decode.replicas}  # fmt: skip
+    if spec.autoscaling.enabled:  # the count moves; at one pod maxUnavailable 1 is harmless
+        counts.update(prefill=spec.prefill.max_replicas, decode=spec.decode.max_replicas)
     return [
         {
             "apiVersion": "policy/v1",
@@ -171,6 +172,7 @@ def disruption_budgets(spec: LLMServiceSpec) -> list[Manifest]:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": n.selector(spec.name, role)}},
         }
         for role in n.ROLES
+        if counts[role] > 1
     ]
 
 
@@ -210,7 +212,11 @@ def network_policy(spec: LLMServiceSpec) -> list[Manifest]:
 
 
 def config_hash(data: Mapping[str, str]) -> str:
-    return hashlib.sha256(json.dumps(dict(data), sort_keys=True).encode()).hexdigest()[:16]
+    """Hash of what pods read from the ConfigMap (its environment variables), so that a
+    change there rolls the pods. ``settings.json`` is for people and the planner only:
+    an SLO edit must not roll every GPU pod."""
+    env = {k: v for k, v in data.items() if k.replace("_", "").isalnum()}
+    return hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def render_spec(spec: LLMServiceSpec, default_image: str = "") -> list[Manifest]:
@@ -249,4 +255,5 @@ def optional_children(name: str) -> list[tuple[str, str, str]]:
     return [
         ("networking.k8s.io/v1", "Ingress", name),
         ("networking.k8s.io/v1", "NetworkPolicy", n.network_policy_name(name)),
+        *(("policy/v1", "PodDisruptionBudget", n.deployment_name(name, r)) for r in n.ROLES),
     ]

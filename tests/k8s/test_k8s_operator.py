@@ -104,7 +104,7 @@ async def test_create_children_and_ready(operator: None, client: KubeClient) -> 
 
     # Not ready until the Deployment controller (simulated) reports ready replicas.
     llm = await eventually(
-        lambda: _with_condition(client, "Ready", "False", "ReplicasNotReady"), what="not ready"
+        lambda: _with_condition(client, "Ready", "False", "NotServing"), what="not ready"
     )
     assert llm["status"]["prefill"]["summary"] == "0/2"
     assert llm["status"]["router"]["summary"] == "0/1"

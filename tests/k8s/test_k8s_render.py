@@ -151,15 +151,42 @@ def test_huggingface_source_uses_init_container() -> None:
     assert "--include" in router["command"]  # the router fetches only tokenizer/config files
 
 
-def test_config_change_rolls_pods() -> None:
-    a = by_key(render(minimal_llmservice()))
-    b = by_key(render(minimal_llmservice(slo={"ttftMs": 250})))
+def _templates(obj: dict[str, Any]) -> dict[str, Any]:
+    m = by_key(render(obj))
+    return {
+        r: m[f"Deployment/demo-{r}"]["spec"]["template"] for r in ("router", "prefill", "decode")
+    }
+
+
+def test_only_what_pods_read_rolls_pods() -> None:
+    base = _templates(minimal_llmservice())
+    # No pod reads the SLOs (the planner reads spec): an SLO edit must not roll GPU pods.
+    slo = minimal_llmservice(slo={"ttftMs": 250})
+    assert _templates(slo) == base
+    assert '"ttftMs": 250' in by_key(render(slo))["ConfigMap/demo-config"]["data"]["settings.json"]
+    # UCX reads UCX_TLS from the environment: that change must roll the workers.
+    ucx = _templates(minimal_llmservice(kvTransfer={"ucxTls": "tcp"}))
     key = "pdserve.io/config-hash"
     for r in ("router", "prefill", "decode"):
-        ha = a[f"Deployment/demo-{r}"]["spec"]["template"]["metadata"]["annotations"][key]
-        hb = b[f"Deployment/demo-{r}"]["spec"]["template"]["metadata"]["annotations"][key]
-        assert ha != hb
-    assert b["ConfigMap/demo-config"]["data"]["PDSERVE_SLO_TTFT_MS"] == "250"
+        assert ucx[r]["metadata"]["annotations"][key] != base[r]["metadata"]["annotations"][key]
+
+
+def test_rollouts_surge_first_and_decode_drains() -> None:
+    m = by_key(render(minimal_llmservice()))
+    for r, grace in (("router", 600), ("prefill", 120), ("decode", 600)):
+        dep = m[f"Deployment/demo-{r}"]["spec"]
+        assert dep["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}, r
+        assert dep["progressDeadlineSeconds"] >= 1800 + 600  # past the startup probe's 30 min
+        pod = dep["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == grace
+        pre = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre[0] == "sleep" and 0 < int(pre[1]) < grace  # leave the Endpoints first
+    # A budget only where it means something: 1-replica pools (the default) get none.
+    assert [k for k in m if k.startswith("PodDisruptionBudget/")] == []
+    two = by_key(render(minimal_llmservice(decode={"replicas": 2})))
+    assert [k for k in two if k.startswith("PodDisruptionBudget/")] == [
+        "PodDisruptionBudget/demo-decode"
+    ]
 
 
 def test_render_is_pure_and_deterministic() -> None:
