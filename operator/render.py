@@ -34,6 +34,8 @@ def config_data(spec: LLMServiceSpec) -> dict[str, str]:
         data["UCX_TLS"] = kv.ucx_tls
     if kv.ucx_net_devices:
         data["UCX_NET_DEVICES"] = kv.ucx_net_devices
+    if kv.transport == "nixl":
+        data["UCX_TCP_PORT_RANGE"] = f"{kv.ucx_tcp_port_start}-{kv.ucx_tcp_port_end}"
     settings = {
         "model": spec.model.served_name,
         "dtype": spec.model.dtype,
@@ -180,9 +182,13 @@ def network_policy(spec: LLMServiceSpec) -> list[Manifest]:
     """Worker ports are reachable only from the router and peer workers of this service."""
     if not spec.network_policy.enabled:
         return []
-    ports = [
+    ports: list[dict[str, Any]] = [
         {"protocol": "TCP", "port": p} for p in (n.HTTP_PORT, n.KV_EVENTS_PORT, n.SIDE_CHANNEL_PORT)
     ]
+    kv = spec.kv_transfer
+    if kv.transport == "nixl":  # exactly the pinned UCX_TCP_PORT_RANGE, nothing ephemeral
+        ports.append({"protocol": "TCP", "port": kv.ucx_tcp_port_start,
+                      "endPort": kv.ucx_tcp_port_end})  # fmt: skip
     peers = {"podSelector": {"matchLabels": {n.LABEL_SERVICE: spec.name}}}
     rules: list[dict[str, Any]] = [{"from": [peers], "ports": ports}]
     if spec.network_policy.metrics_namespaces:

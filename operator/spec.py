@@ -116,6 +116,10 @@ class KVTransferSpec:
     transport: str = "nixl"
     ucx_tls: str = ""
     ucx_net_devices: str = ""
+    # UCX over TCP listens on ephemeral ports unless pinned: pinned, the NetworkPolicy can
+    # open exactly these (a default-deny CNI would otherwise time out every KV read).
+    ucx_tcp_port_start: int = 20000
+    ucx_tcp_port_end: int = 20031
     rdma_resource_name: str = ""
     rdma_resource_count: int = 1
     lease_seconds: int = 30

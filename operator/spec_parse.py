@@ -215,6 +215,11 @@ def parse_small_sections(r: _Reader) -> dict[str, Any]:
     if rdma and not _RESOURCE_NAME.match(rdma):
         msg = f"must be an extended resource name like rdma/hca_shared_devices_a, got {rdma!r}"
         raise SpecError(f"{kv.path}.rdmaResourceName", msg)
+    ports = kv.sub("ucxTcpPortRange")
+    start = ports.number("start", 20000, minimum=1024, maximum=65535)
+    end = ports.number("end", 20031, minimum=1024, maximum=65535)
+    if end < start:
+        raise SpecError(f"{ports.path}.end", f"must be >= start ({start}), got {end}")
     return {
         "slo": SLOSpec(
             ttft_ms=slo.number("ttftMs", 1000, minimum=1),
@@ -236,6 +241,8 @@ def parse_small_sections(r: _Reader) -> dict[str, Any]:
             transport=kv.choice("transport", TRANSPORTS, "nixl"),
             ucx_tls=kv.get("ucxTls", str, ""),
             ucx_net_devices=kv.get("ucxNetDevices", str, ""),
+            ucx_tcp_port_start=start,
+            ucx_tcp_port_end=end,
             rdma_resource_name=rdma,
             rdma_resource_count=kv.number("rdmaResourceCount", 1, minimum=1),
             lease_seconds=kv.number("leaseSeconds", 30, minimum=1),

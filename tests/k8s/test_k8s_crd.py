@@ -39,6 +39,10 @@ AFFINITY_BAD_OP = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecut
 
 INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "name starts with a digit": (named("3b-chat"), "DNS-1035"),
+    "UCX port range reversed": (
+        with_spec(kvTransfer={"ucxTcpPortRange": {"start": 21000, "end": 20000}}),
+        "end must be >= start",
+    ),
     "name with a child suffix": (named("chat-prefill"), "must not end in"),
     "cpu is not a quantity": (
         with_spec(prefill={"resources": {"requests": {"cpu": "lots"}}}),

@@ -131,7 +131,14 @@ def test_network_policy_admits_only_this_service() -> None:
     assert sel["matchExpressions"][0]["values"] == ["prefill", "decode"]
     peers, metrics = policy["ingress"]
     assert peers["from"] == [{"podSelector": {"matchLabels": {"pdserve.io/service": "llama3-8b"}}}]
-    assert sorted(p["port"] for p in peers["ports"]) == [8080, 8081, 8082]
+    assert sorted(p["port"] for p in peers["ports"]) == [8080, 8081, 8082, 20000]
+    # NIXL's UCX listens only inside its pinned range, and exactly that range is open.
+    ucx = next(p for p in peers["ports"] if p["port"] == 20000)
+    assert ucx == {"protocol": "TCP", "port": 20000, "endPort": 20031}
+    env = gpu()["ConfigMap/llama3-8b-config"]["data"]
+    assert env["UCX_TCP_PORT_RANGE"] == "20000-20031"
+    tcp = by_key(render(minimal_llmservice(kvTransfer={"transport": "tcp"})))
+    assert "UCX_TCP_PORT_RANGE" not in tcp["ConfigMap/demo-config"]["data"]
     assert metrics["ports"] == [{"protocol": "TCP", "port": 8080}]
 
 

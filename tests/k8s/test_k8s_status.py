@@ -16,8 +16,12 @@ def dep(
     replicas: int, ready: int, conditions: list[dict[str, Any]] | None = None,
     updated: int | None = None, total: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    status = {"updatedReplicas": replicas if updated is None else updated, "readyReplicas": ready,
-              "replicas": replicas if total is None else total, "conditions": conditions or []}  # fmt: skip
+    status = {
+        "updatedReplicas": replicas if updated is None else updated,
+        "readyReplicas": ready,
+        "replicas": replicas if total is None else total,
+        "conditions": conditions or [],
+    }
     return {"spec": {"replicas": replicas}, "status": status}
 
 
