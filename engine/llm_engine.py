@@ -132,6 +132,10 @@ class LLMEngine:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.max_model_len} tokens",
             )
+        if any(t >= self.vocab_size for t in params.logit_bias):
+            raise InvalidParameter(
+                "logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size})"
+            )
         need = self.blocks.blocks_needed(n + params.max_tokens)
         if need > self.blocks.num_blocks:
             raise InvalidParameter(

@@ -20,7 +20,6 @@ UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("echo", (None, False)),
     ("best_of", (None, 1)),
     ("suffix", (None, "")),
-    ("logit_bias", (None, {})),
     ("tools", (None, [])),
 )
 
@@ -122,11 +121,28 @@ def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
             stop=stop,
             ignore_eos=get("ignore_eos", False),
             min_tokens=get("min_tokens", 0),
+            presence_penalty=get("presence_penalty", 0.0),
+            frequency_penalty=get("frequency_penalty", 0.0),
+            repetition_penalty=get("repetition_penalty", 1.0),
+            min_p=get("min_p", 0.0),
+            logit_bias=_logit_bias(get("logit_bias", {})),
         ).validate()
     except InvalidParameter as exc:
         raise invalid(str(exc), exc.field) from exc
     except TypeError as exc:  # e.g. an unhashable where a number belongs
         raise invalid(f"bad sampling parameter: {exc}") from exc
+
+
+def _logit_bias(bias: Any) -> Any:
+    """OpenAI sends token ids as JSON object keys, i.e. strings."""
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias must map token ids to numbers", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()) and not isinstance(key, int):
+            raise invalid(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
