@@ -26,6 +26,7 @@ from pdserve.engine.detokenizer import TextStream
 from pdserve.engine.hashing import block_hashes, hash_block
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.kv_pool import KVPool, budget_bytes
+from pdserve.engine.logprobs import StepLogprobs, TokenLogprobs
 from pdserve.engine.model_runner import ModelRunner, ScheduledChunk, model_identity
 from pdserve.engine.request import Request, RequestOutput, RequestStatus
 from pdserve.engine.sampler import Sampler
@@ -194,21 +195,28 @@ class LLMEngine:
         if sched.chunks:
             sampled = [c.request for c in sched.chunks if c.samples]
             logits = self.runner.execute(sched.chunks)
+            raw = StepLogprobs(logits, sampled)  # before the sampler edits the logits
             tokens = self.sampler.sample(logits, sampled, [self._banned(r) for r in sampled])
-            outputs += self._update(sched.chunks, tokens)
+            outputs += self._update(sched.chunks, tokens, raw.of(tokens))
         return outputs
 
-    def _update(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
+    def _update(
+        self,
+        chunks: list[ScheduledChunk],
+        tokens: list[int],
+        logprobs: list[TokenLogprobs | None],
+    ) -> list[RequestOutput]:
         outputs = []
-        it = iter(tokens)
+        it = iter(zip(tokens, logprobs, strict=True))
         for chunk in chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_tokens
             self._register_blocks(req)
             if chunk.samples:
-                out = self._append_token(req, next(it))
+                token, lp = next(it)
+                out = self._append_token(req, token)
                 if out is not None:
-                    outputs.append(out)
+                    outputs.append(out if lp is None else replace(out, logprobs=[lp]))
         return outputs
 
     def _append_token(self, req: Request, token: int) -> RequestOutput | None:

@@ -15,8 +15,6 @@ from pdserve.router.errors import APIError, invalid
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted only at their "off" values: (field, values meaning off).
 UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
-    ("logprobs", (None, False, 0)),
-    ("top_logprobs", (None, 0)),
     ("echo", (None, False)),
     ("best_of", (None, 1)),
     ("suffix", (None, "")),
@@ -36,6 +34,7 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[dict[str, Any], ...] | None = None
     user: str | None = None
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
 
 
 def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateRequest:
@@ -53,9 +52,12 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("user must be a string", "user")
+    as_ids = body.get("return_tokens_as_token_ids", False)
+    if not isinstance(as_ids, bool):
+        raise invalid("return_tokens_as_token_ids must be a boolean", "return_tokens_as_token_ids")
     stream, include_usage = _stream_flags(body)
     max_tokens = _max_tokens(body, chat)
-    sampling = _sampling(body, max_tokens if max_tokens is not None else default_max_tokens)
+    sampling = _sampling(body, max_tokens if max_tokens is not None else default_max_tokens, chat)
     common: dict[str, Any] = dict(
         model=model,
         sampling=sampling,
@@ -63,9 +65,10 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
         stream=stream,
         include_usage=include_usage,
         user=user,
+        tokens_as_ids=as_ids,
     )
     if chat:
-        return GenerateRequest(chat=True, messages=_messages(body.get("messages")), **common)
+        return GenerateRequest(chat=True, messages=parse_messages(body.get("messages")), **common)
     text, ids = _prompt(body.get("prompt"))
     return GenerateRequest(chat=False, prompt_text=text, prompt_token_ids=ids, **common)
 
@@ -103,7 +106,7 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
     return None
 
 
-def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
+def _sampling(body: dict[str, Any], max_tokens: int, chat: bool) -> SamplingParams:
     def get(name: str, default: Any) -> Any:
         value = body.get(name)
         return default if value is None else value
@@ -126,11 +129,33 @@ def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
             repetition_penalty=get("repetition_penalty", 1.0),
             min_p=get("min_p", 0.0),
             logit_bias=_logit_bias(get("logit_bias", {})),
+            logprobs=_logprobs(body, chat),
         ).validate()
     except InvalidParameter as exc:
         raise invalid(str(exc), exc.field) from exc
     except TypeError as exc:  # e.g. an unhashable where a number belongs
         raise invalid(f"bad sampling parameter: {exc}") from exc
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """The number of top logprobs per token, None when off (chat: logprobs + top_logprobs)."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    if not chat:
+        if value is None or value is False:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20:
+            raise invalid("logprobs must be an integer in [0, 20]", "logprobs")
+        if top is not None:
+            raise invalid("top_logprobs is a chat parameter; use logprobs", "top_logprobs")
+        return value
+    if value is not None and not isinstance(value, bool):
+        raise invalid("logprobs must be a boolean", "logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+            raise invalid("top_logprobs must be an integer in [0, 20]", "top_logprobs")
+        if not value:
+            raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    return (top or 0) if value else None
 
 
 def _logit_bias(bias: Any) -> Any:
@@ -161,7 +186,7 @@ def _prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
     raise invalid("prompt is required: a string or a list of token ids", "prompt")
 
 
-def _messages(messages: Any) -> tuple[dict[str, Any], ...]:
+def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages is required: a non-empty list", "messages")
     out = []
