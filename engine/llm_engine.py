@@ -32,6 +32,7 @@ from pdserve.engine.request import Request, RequestOutput, RequestStatus
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class LLMEngine:
         )
         self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.hf_config)
         self.vocab_size = int(self.runner.hf_config.vocab_size)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.model_id = model_identity(config.model)
         self.served_model_name = config.served_model_name or Path(config.model).name
         self.requests: dict[str, Request] = {}
@@ -111,6 +113,8 @@ class LLMEngine:
             req.output_token_ids.append(int(first_token_id))  # type: ignore[arg-type]
             self._extend_hashes(req)
             text.append(req.output_token_ids)  # the prefill worker already sent its text
+        if params.structured is not None:  # replays the prefill worker's first token
+            req.grammar = self.grammars.matcher(params.structured, req.output_token_ids)
         self._text[request_id] = text
         self.requests[request_id] = req
         self.num_prompt_tokens += req.num_prompt_tokens
@@ -196,6 +200,7 @@ class LLMEngine:
             sampled = [c.request for c in sched.chunks if c.samples]
             logits = self.runner.execute(sched.chunks)
             raw = StepLogprobs(logits, sampled)  # before the sampler edits the logits
+            self.grammars.apply(logits, sampled)
             tokens = self.sampler.sample(logits, sampled, [self._banned(r) for r in sampled])
             outputs += self._update(sched.chunks, tokens, raw.of(tokens))
         return outputs
@@ -220,6 +225,9 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, req: Request, token: int) -> RequestOutput | None:
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            msg = f"token {token} broke the request's grammar"  # only if the mask was not applied
+            return self.finish(req, RequestStatus.FINISHED_ERROR, [], "", msg)
         req.output_token_ids.append(token)
         self.num_generation_tokens += 1
         self._extend_hashes(req)

@@ -46,6 +46,7 @@ class Request:
     hold_kv: bool = False  # prefill mode: keep blocks after finishing, under a lease
     remote_kv: Any = None  # KVHandle to pull before decoding (decode mode)
     error: str = ""
+    grammar: Any = None  # xgrammar matcher of a structured-output request (engine/structured.py)
     first_scheduled_time: float | None = None
 
     @property

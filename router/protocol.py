@@ -11,6 +11,7 @@ from typing import Any
 
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.router.errors import APIError, invalid
+from pdserve.router.structured_request import structured_spec
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted only at their "off" values: (field, values meaning off).
@@ -130,6 +131,7 @@ def _sampling(body: dict[str, Any], max_tokens: int, chat: bool) -> SamplingPara
             min_p=get("min_p", 0.0),
             logit_bias=_logit_bias(get("logit_bias", {})),
             logprobs=_logprobs(body, chat),
+            structured=structured_spec(body),
         ).validate()
     except InvalidParameter as exc:
         raise invalid(str(exc), exc.field) from exc
