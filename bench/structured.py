@@ -7,8 +7,8 @@ both runs produce the same tokens per request in the same batch shapes: the diff
 is the grammar's cost (mask fill per row, one batched mask apply, token accept). Rounds
 alternate the two so that load from other processes falls on both alike; the best
 round of each is reported, by this process's CPU time (one thread: robust to other
-load on a shared host; wall-clock figures are printed beside). Grammars are compiled (and cached) before timing, as the
-workers do off the engine thread. The last stdout line is JSON:
+load on a shared host; wall-clock figures are printed beside). Grammars are compiled
+(and cached) before timing, as the workers do off the engine thread. The last stdout line is JSON:
 ``{"free_tok_s", "constrained_tok_s", "ratio", ...}``.
 
     python bench/structured.py            # 64 requests on the small model
