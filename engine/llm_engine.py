@@ -26,6 +26,7 @@ from pdserve.engine.detokenizer import TextStream
 from pdserve.engine.hashing import block_hashes, hash_block, salt_root
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.kv_pool import KVPool, budget_bytes
+from pdserve.engine.logprobs import StepLogprobs
 from pdserve.engine.model_runner import ModelRunner, ScheduledChunk, model_identity
 from pdserve.engine.request import (
     REQUEST_FAILED,
@@ -37,6 +38,7 @@ from pdserve.engine.request import (
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class LLMEngine:
         )
         self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.hf_config)
         self.vocab_size = int(self.runner.hf_config.vocab_size)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.model_id = model_identity(config.model)
         self.served_model_name = config.served_model_name or Path(config.model).name
         self.requests: dict[str, Request] = {}
@@ -117,6 +120,8 @@ class LLMEngine:
                 req.output_token_ids.append(int(first_token_id))  # type: ignore[arg-type]
                 self._extend_hashes(req)
                 text.append(req.output_token_ids)  # the prefill worker already sent its text
+            if params.structured is not None:  # replays the prefill worker's first token
+                req.grammar = self.grammars.matcher(params.structured, req.output_token_ids)
         except InvalidParameter:
             raise
         except Exception as exc:  # this request's own state cannot be built: it alone fails
@@ -156,6 +161,10 @@ class LLMEngine:
                 "max_tokens",
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.max_model_len} tokens",
+            )
+        if any(t >= self.vocab_size for t in params.logit_bias):
+            raise InvalidParameter(
+                "logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size})"
             )
         need = self.blocks.blocks_needed(n + params.max_tokens)
         if need > self.blocks.num_blocks:
@@ -215,41 +224,53 @@ class LLMEngine:
         if sched.chunks:
             sampled = [c.request for c in sched.chunks if c.samples]
             logits = self.runner.execute(sched.chunks)
+            raw = StepLogprobs(logits, sampled)  # before the sampler edits the logits
             tokens = self._sample(logits, sampled)
-            outputs += self._update(sched.chunks, tokens)
+            outputs += self._update(sched.chunks, tokens, raw)
         return outputs
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | Exception]:
         """One token per request, or the exception that its own sampling raised.
 
-        The batch is sampled at once; if that fails, row by row, so that a request
-        whose values break the sampler fails alone (a seeded neighbour's draw of this
-        one step may then differ from a solo run: its generator moved on once).
+        The batch is sampled at once (grammar masks, then the sampler); if that
+        fails, row by row from the logits as they came from the model, so that a
+        request whose values break the sampler fails alone (a seeded neighbour's
+        draw of this one step may then differ from a solo run).
         """
+        # Biases and penalties edit the logits in place: keep the model's for a retry.
+        edits = any(r.params.has_penalties or r.params.logit_bias for r in reqs)
+        pristine = logits.clone() if edits else logits
         try:
+            self.grammars.apply(logits, reqs)
             return list(self.sampler.sample(logits, reqs, [self._banned(r) for r in reqs]))
         except Exception:
             logger.exception("batched sampling failed; sampling request by request")
         out: list[int | Exception] = []
         for i, req in enumerate(reqs):
             try:
-                out += self.sampler.sample(logits[i : i + 1], [req], [self._banned(req)])
+                row = pristine[i : i + 1].clone() if edits else logits[i : i + 1]
+                self.grammars.apply(row, [req])
+                out += self.sampler.sample(row, [req], [self._banned(req)])
             except Exception as exc:
                 out.append(exc)
         return out
 
     def _update(
-        self, chunks: list[ScheduledChunk], tokens: list[int | Exception]
+        self,
+        chunks: list[ScheduledChunk],
+        tokens: list[int | Exception],
+        raw: StepLogprobs,
     ) -> list[RequestOutput]:
         outputs = []
-        it = iter(tokens)
+        logprobs = raw.of([t if isinstance(t, int) else 0 for t in tokens])  # 0: a failed row
+        it = iter(zip(tokens, logprobs, strict=True))
         for chunk in chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_tokens
             self._register_blocks(req)
             if not chunk.samples:
                 continue
-            token = next(it)
+            token, lp = next(it)
             try:  # stop handling, detokenization: this request's own work
                 if isinstance(token, Exception):
                     raise token
@@ -257,7 +278,7 @@ class LLMEngine:
             except Exception as exc:
                 out = self._fail_request(req, exc)
             if out is not None:
-                outputs.append(out)
+                outputs.append(out if lp is None else replace(out, logprobs=[lp]))
         return outputs
 
     def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
@@ -271,6 +292,9 @@ class LLMEngine:
         return self.finish(req, RequestStatus.FINISHED_ERROR, [], "", msg)
 
     def _append_token(self, req: Request, token: int) -> RequestOutput | None:
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            msg = f"token {token} broke the request's grammar"  # only if the mask was not applied
+            return self.finish(req, RequestStatus.FINISHED_ERROR, [], "", msg)
         req.output_token_ids.append(token)
         self.num_generation_tokens += 1
         self._extend_hashes(req)

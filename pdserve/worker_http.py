@@ -158,6 +158,10 @@ def add_common_routes(
     async def _failed(_: Request, exc: RequestFailed) -> JSONResponse:
         return error_response(422, str(exc), None, REQUEST_FAILED)
 
+    @app.get("/livez")
+    async def livez() -> JSONResponse:
+        return JSONResponse({"status": "alive"})  # liveness: the process; readiness: /health
+
     @app.get("/health")
     async def health() -> JSONResponse:
         if not engine.alive:
