@@ -34,6 +34,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("pdserve.io/v1alpha1", "LLMService"): "llmservices",
+    ("kopf.dev/v1", "KopfPeering"): "kopfpeerings",  # HA: the chart creates one per namespace
 }
 _SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 

@@ -53,6 +53,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
+# kopf peering (HA): replicas register in the KopfPeering of each watched namespace.
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [get, list, watch, patch]
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create, patch]
