@@ -13,7 +13,8 @@ subclass adds, as a real API server does:
 - one built-in validation, as an example of what only the API server knows: a Deployment
   whose ``nodeSelector`` holds an invalid label value is refused with a 422 and the
   API server's message;
-- a count of requests by (method, path kind) in ``requests`` (for bench/operator_load.py).
+- a count of requests by (method, watch?) in ``requests`` and by (User-Agent product,
+  method, watch?) in ``by_agent`` (bench/operator_load.py counts the operator's).
 Still missing (the tests account for it): garbage collection, CRD schema validation.
 """
 
@@ -54,10 +55,15 @@ class ApiServer(kmock.KubernetesEmulator):
     requests: collections.Counter[tuple[str, bool]] = attrs.field(
         factory=collections.Counter, init=False
     )
+    by_agent: collections.Counter[tuple[str, str, bool]] = attrs.field(
+        factory=collections.Counter, init=False
+    )
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         watch = raw_request.query.get("watch") == "true"
         self.requests[(raw_request.method, watch)] += 1
+        agent = raw_request.headers.get("User-Agent", "").split("/")[0]
+        self.by_agent[(agent, raw_request.method, watch)] += 1
         if raw_request.method == "GET" and raw_request.path.rstrip("/") == "/api/v1/namespaces":
             return await self._serve_namespaces(raw_request)
         return await super().__call__(raw_request)
