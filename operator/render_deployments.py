@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve.operator import naming as n
+from pdserve.operator import pod_template as pt
 from pdserve.operator import render_pods as p
 from pdserve.operator.spec import LLMServiceSpec, PoolSpec
 
@@ -149,8 +150,9 @@ def _pod_spec(
 
 
 def _deployment(
-    spec: LLMServiceSpec, role: str, replicas: int, pod: dict[str, Any], config_hash: str
-) -> dict[str, Any]:
+    spec: LLMServiceSpec, role: str, replicas: int, pod: dict[str, Any], config_hash: str,
+    override: Mapping[str, Any],
+) -> dict[str, Any]:  # fmt: skip
     annotations = {**_SCRAPE, n.ANNOTATION_CONFIG_HASH: config_hash}
     # Surge first, everywhere: a new pod must be ready before an old one goes, or a
     # 1-replica pool has an outage per rollout. Without a spare GPU the rollout waits
@@ -171,10 +173,13 @@ def _deployment(
             # image pull and a download) is a rollout stuck, and the service Degraded.
             "progressDeadlineSeconds": _PROGRESS_DEADLINE_S,
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
-            "template": {
-                "metadata": {"labels": n.labels(spec.name, role), "annotations": annotations},
-                "spec": pod,
-            },
+            "template": pt.apply(
+                {
+                    "metadata": {"labels": n.labels(spec.name, role), "annotations": annotations},
+                    "spec": pod,
+                },
+                override,
+            ),
         },
     }
 
@@ -190,7 +195,7 @@ def pool_deployment(spec: LLMServiceSpec, pool: PoolSpec, config_hash: str) -> d
         pod["tolerations"] = [dict(t) for t in pool.tolerations]
     if pool.affinity:
         pod["affinity"] = dict(pool.affinity)
-    return _deployment(spec, pool.role, pool.replicas, pod, config_hash)
+    return _deployment(spec, pool.role, pool.replicas, pod, config_hash, pool.pod_template)
 
 
 def router_deployment(spec: LLMServiceSpec, config_hash: str) -> dict[str, Any]:
@@ -202,4 +207,4 @@ def router_deployment(spec: LLMServiceSpec, config_hash: str) -> dict[str, Any]:
         pod["nodeSelector"] = dict(r.node_selector)
     if r.tolerations:
         pod["tolerations"] = [dict(t) for t in r.tolerations]
-    return _deployment(spec, "router", r.replicas, pod, config_hash)
+    return _deployment(spec, "router", r.replicas, pod, config_hash, r.pod_template)

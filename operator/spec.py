@@ -64,6 +64,7 @@ class PoolSpec:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     shm_size: str = "2Gi"
+    pod_template: Mapping[str, Any] = field(default_factory=dict)  # merged over the pod
 
     def clamp(self, replicas: int) -> int:
         return max(self.min_replicas, min(self.max_replicas, replicas))
@@ -93,6 +94,7 @@ class RouterSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     extra_args: tuple[str, ...] = ()
+    pod_template: Mapping[str, Any] = field(default_factory=dict)  # merged over the pod
 
 
 @dataclass(frozen=True)

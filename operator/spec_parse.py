@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve.operator import naming as n
+from pdserve.operator import pod_template as pt
 from pdserve.operator.spec import (
     DTYPES,
     SERVICE_TYPES,
@@ -155,7 +156,9 @@ def parse_pool(r: _Reader, role: str) -> PoolSpec:
         max_num_seqs=r.number("maxNumSeqs", minimum=1),
         max_num_batched_tokens=r.number("maxNumBatchedTokens", minimum=1),
         shm_size=str(r.get("shmSize", (str, int), "2Gi")),
+        pod_template=r.get("podTemplate", Mapping, {}),
     )
+    pt.check(f"{r.path}.podTemplate", pool.pod_template)
     check_resources(f"{r.path}.resources", pool.resources)
     check_quantity(f"{r.path}.shmSize", r.data.get("shmSize", "2Gi"))
     check_tolerations(f"{r.path}.tolerations", pool.tolerations)
@@ -201,7 +204,14 @@ def parse_router(r: _Reader) -> RouterSpec:
         node_selector=r.get("nodeSelector", Mapping, {}),
         tolerations=r.obj_list("tolerations"),
         extra_args=r.str_list("extraArgs"),
+        pod_template=_pod_template(r),
     )
+
+
+def _pod_template(r: _Reader) -> Mapping[str, Any]:
+    template: Mapping[str, Any] = r.get("podTemplate", Mapping, {})
+    pt.check(f"{r.path}.podTemplate", template)
+    return template
 
 
 def parse_small_sections(r: _Reader) -> dict[str, Any]:
