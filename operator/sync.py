@@ -124,7 +124,7 @@ class Syncer:
             async with self.lock(key):
                 await sync_service(self.client, self.cache, key, self.default_image)
         except Exception as e:
-            logger.warning(f"sync of {key[0]}/{key[1]} failed: {e}")
+            logger.warning(f"sync of {key[0]}/{key[1]} failed: {e!r}")
 
     async def resync_forever(self, interval: float) -> None:
         """A safety net for lost events; from the cache, so it costs no requests when idle."""
