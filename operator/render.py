@@ -143,7 +143,8 @@ def ingress(spec: LLMServiceSpec) -> list[Manifest]:
         "rules": [
             {
                 "host": ing.host,
-                "http": {"paths": [{"path": "/", "pathType": "Prefix", "backend": backend}]},
+                # Only the OpenAI API: the router's /metrics, /workers and probes stay inside.
+                "http": {"paths": [{"path": "/v1", "pathType": "Prefix", "backend": backend}]},
             }
         ]
     }

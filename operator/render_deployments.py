@@ -105,7 +105,7 @@ def _container(
     resources: Mapping[str, Any],
     extra_env: tuple[Mapping[str, Any], ...],
 ) -> dict[str, Any]:
-    needs_ipc_lock = role in n.POOL_ROLES and bool(spec.kv_transfer.rdma_resource_name)
+    needs_ipc_lock = role in n.POOL_ROLES and spec.kv_transfer.ipc_lock
     return {
         "name": role,
         "image": spec.image,

@@ -65,6 +65,8 @@ class PoolSpec:
     max_num_batched_tokens: int | None = None
     shm_size: str = "2Gi"
     pod_template: Mapping[str, Any] = field(default_factory=dict)  # merged over the pod
+    # An HPA / KEDA scales this pool's Deployment: the operator keeps its replica count.
+    external_scaling: bool = False
 
     def clamp(self, replicas: int) -> int:
         return max(self.min_replicas, min(self.max_replicas, replicas))
@@ -124,6 +126,9 @@ class KVTransferSpec:
     ucx_tcp_port_end: int = 20031
     rdma_resource_name: str = ""
     rdma_resource_count: int = 1
+    # IPC_LOCK lets RDMA pin registered memory; PodSecurity "restricted" refuses it, so it
+    # is an explicit opt-in rather than implied by an RDMA resource.
+    ipc_lock: bool = False
     lease_seconds: int = 30
     transfer_timeout_seconds: int = 10
     on_transfer_failure: str = "recompute"

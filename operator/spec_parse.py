@@ -157,6 +157,7 @@ def parse_pool(r: _Reader, role: str) -> PoolSpec:
         max_num_batched_tokens=r.number("maxNumBatchedTokens", minimum=1),
         shm_size=str(r.get("shmSize", (str, int), "2Gi")),
         pod_template=r.get("podTemplate", Mapping, {}),
+        external_scaling=r.get("externalScaling", bool, False),
     )
     pt.check(f"{r.path}.podTemplate", pool.pod_template)
     check_resources(f"{r.path}.resources", pool.resources)
@@ -255,6 +256,7 @@ def parse_small_sections(r: _Reader) -> dict[str, Any]:
             ucx_tcp_port_end=end,
             rdma_resource_name=rdma,
             rdma_resource_count=kv.number("rdmaResourceCount", 1, minimum=1),
+            ipc_lock=kv.get("ipcLock", bool, False),
             lease_seconds=kv.number("leaseSeconds", 30, minimum=1),
             transfer_timeout_seconds=kv.number("transferTimeoutSeconds", 10, minimum=1),
             on_transfer_failure=kv.choice("onTransferFailure", ("recompute", "fail"), "recompute"),
@@ -281,7 +283,7 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
     r = _Reader(obj.get("spec"), "spec")
     if r.data.get("model") is None:
         raise SpecError("spec.model", "is required")
-    return LLMServiceSpec(
+    svc = LLMServiceSpec(
         name=name,
         namespace=meta.get("namespace", str, default_namespace),
         model=parse_model(r.sub("model"), name),
@@ -295,3 +297,19 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
         image_pull_secrets=r.str_list("imagePullSecrets"),
         **parse_small_sections(r),
     )
+    check_autoscaling(svc)
+    return svc
+
+
+def check_autoscaling(svc: LLMServiceSpec) -> None:
+    """Refuse autoscaling inputs that would be wrong rather than merely missing."""
+    auto = svc.autoscaling
+    if auto.enabled and svc.router.replicas > 1 and not auto.metrics_url:
+        # Scraping the router Service reaches one random pod per interval: counters of
+        # different pods would be diffed. Prometheus sums every router pod's series.
+        raise SpecError("spec.autoscaling.metricsUrl", "is required (a Prometheus URL) "
+                        "when spec.router.replicas > 1")  # fmt: skip
+    for pool in svc.pools:
+        if auto.enabled and pool.external_scaling:
+            raise SpecError(f"spec.{pool.role}.externalScaling",
+                            "cannot be true while spec.autoscaling.enabled is true")  # fmt: skip

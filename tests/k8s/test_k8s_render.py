@@ -10,7 +10,9 @@ import yaml
 from k8s_helpers import ROOT, minimal_llmservice
 
 from pdserve.cli import main as pdserve_main
+from pdserve.operator.reconcile import keep_autoscaled_replicas
 from pdserve.operator.render import render
+from pdserve.operator.spec_parse import parse_llmservice
 
 GPU_EXAMPLE = ROOT / "examples" / "llmservice-gpu.yaml"
 
@@ -123,6 +125,28 @@ def test_router_pod_and_services() -> None:
         assert m[f"Service/llama3-8b-{r}"]["spec"]["clusterIP"] == "None"
     ing = m["Ingress/llama3-8b"]["spec"]
     assert ing["tls"] == [{"hosts": ["llama.llm.example.com"], "secretName": "llama-tls"}]
+    # Only the OpenAI API is exposed, never the router's /metrics or /workers.
+    assert [p["path"] for p in ing["rules"][0]["http"]["paths"]] == ["/v1"]
+
+
+def test_ipc_lock_is_an_rdma_opt_in() -> None:
+    """IPC_LOCK fails PodSecurity "restricted": only with kvTransfer.ipcLock, never implied."""
+    rdma = {"rdmaResourceName": "rdma/hca_shared_devices_a"}
+    locked = {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    cases = (
+        ({}, {"drop": ["ALL"]}),
+        (rdma, {"drop": ["ALL"]}),
+        ({**rdma, "ipcLock": True}, locked),
+    )
+    for kv, caps in cases:
+        m = by_key(render(minimal_llmservice(kvTransfer=kv)))
+        for role in ("prefill", "decode"):
+            assert (
+                pod(m, f"demo-{role}")["containers"][0]["securityContext"]["capabilities"] == caps
+            )
+        assert (
+            "add" not in pod(m, "demo-router")["containers"][0]["securityContext"]["capabilities"]
+        )
 
 
 def test_network_policy_admits_only_this_service() -> None:
@@ -220,3 +244,16 @@ def test_render_cli(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) 
     bad.write_text("kind: Deployment\nmetadata: {name: x}\n")
     assert pdserve_main(["render", "-f", str(bad)]) == 1
     assert "expected LLMService" in capsys.readouterr().err
+
+
+def test_external_scaling_keeps_the_hpa_replica_count() -> None:
+    """With externalScaling an HPA / KEDA drives the pool's Deployment (its scale subresource):
+    drift repair keeps the count it finds, clamped to the pool's bounds; other pools do not."""
+    obj = minimal_llmservice(decode={"externalScaling": True, "maxReplicas": 6})
+    svc = parse_llmservice(obj)
+    m = by_key(render(obj))
+    decode, prefill = m["Deployment/demo-decode"], m["Deployment/demo-prefill"]
+    live = {"spec": {"replicas": 5}}
+    assert "replicas" not in keep_autoscaled_replicas(svc, decode, live)["spec"]
+    assert keep_autoscaled_replicas(svc, decode, {"spec": {"replicas": 9}})["spec"]["replicas"] == 6
+    assert keep_autoscaled_replicas(svc, prefill, live)["spec"]["replicas"] == 1
