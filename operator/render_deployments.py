@@ -87,7 +87,10 @@ def _mounts(spec: LLMServiceSpec, role: str) -> list[dict[str, Any]]:
         {
             "name": "model",
             "mountPath": n.MODEL_MOUNT,
-            "readOnly": spec.model.source.kind != "huggingFace",
+            # Only an emptyDir download is written by the pod itself (its init container);
+            # a shared cache is filled by init containers and read by everyone.
+            "readOnly": spec.model.source.kind != "huggingFace"
+            or bool(spec.model.source.cache_claim),
         },
         {"name": "tmp", "mountPath": "/tmp"},
     ]
@@ -114,12 +117,18 @@ def _container(
         "ports": _ports(role),
         "env": _env(spec) + [dict(e) for e in extra_env],
         "envFrom": [{"configMapRef": {"name": n.config_map_name(spec.name)}}],
-        "resources": dict(resources),
+        "resources": _with_ephemeral_storage(resources, p.ephemeral_storage_request(spec, role)),
         "volumeMounts": _mounts(spec, role),
         "securityContext": p.container_security(spec, needs_ipc_lock),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_PAUSE_S)]}}},
         **p.probes(),
     }
+
+
+def _with_ephemeral_storage(resources: Mapping[str, Any], request: str) -> dict[str, Any]:
+    out = {k: dict(v) for k, v in resources.items()}
+    out.setdefault("requests", {}).setdefault("ephemeral-storage", request)  # the user's wins
+    return out
 
 
 def _pod_spec(

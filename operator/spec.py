@@ -36,6 +36,7 @@ class ModelSource:
     token_secret: str = ""
     token_key: str = "token"
     download_size_limit: str = "64Gi"
+    cache_claim: str = ""  # a ReadWriteMany PVC shared by every pod: one download, not one per pod
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,7 @@ def parse_model(r: _Reader, default_name: str) -> ModelSpec:
             token_secret=token.get("name", str, ""),
             token_key=token.get("key", str, "token"),
             download_size_limit=str(s.get("downloadSizeLimit", (str, int), "64Gi")),
+            cache_claim=s.sub("cache").get("claimName", str, ""),
         )
         if not source.hf_id:
             raise SpecError(f"{s.path}.id", "is required")

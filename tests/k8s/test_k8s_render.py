@@ -257,3 +257,28 @@ def test_external_scaling_keeps_the_hpa_replica_count() -> None:
     assert "replicas" not in keep_autoscaled_replicas(svc, decode, live)["spec"]
     assert keep_autoscaled_replicas(svc, decode, {"spec": {"replicas": 9}})["spec"]["replicas"] == 6
     assert keep_autoscaled_replicas(svc, prefill, live)["spec"]["replicas"] == 1
+
+
+def test_shared_model_cache_and_ephemeral_storage() -> None:
+    hf = {"huggingFace": {"id": "org/model", "revision": "v2", "downloadSizeLimit": "20Gi"}}
+    plain = by_key(render(minimal_llmservice(model={"source": hf})))
+    # Per-pod download: the emptyDir is requested as ephemeral storage (router: tokenizer only).
+    for role, size in (("prefill", "20Gi"), ("decode", "20Gi"), ("router", "1Gi")):
+        c = pod(plain, f"demo-{role}")["containers"][0]
+        assert c["resources"]["requests"]["ephemeral-storage"] == size, role
+    cached_src = {"huggingFace": {**hf["huggingFace"], "cache": {"claimName": "hf-cache"}}}
+    cached = by_key(render(minimal_llmservice(model={"source": cached_src})))
+    for role in ("prefill", "decode", "router"):
+        spec = pod(cached, f"demo-{role}")
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["model"] == {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": "hf-cache"},
+        }
+        init = spec["initContainers"][0]["command"]
+        assert init[init.index("--local-dir") + 1] == "/models/org--model@v2"
+        main = spec["containers"][0]
+        assert {m["name"]: m.get("readOnly") for m in main["volumeMounts"]}["model"] is True
+        assert main["resources"]["requests"]["ephemeral-storage"] == "1Gi"
+    cmd = pod(cached, "demo-decode")["containers"][0]["command"]
+    assert cmd[cmd.index("--model") + 1] == "/models/org--model@v2"
