@@ -32,6 +32,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("pdserve.io/v1alpha1", "LLMService"): "llmservices",
     ("kopf.dev/v1", "KopfPeering"): "kopfpeerings",  # HA: the chart creates one per namespace

@@ -19,6 +19,7 @@ from pdserve.operator.spec import LLMServiceSpec
 from pdserve.operator.spec_parse import parse_llmservice
 
 Manifest = dict[str, Any]
+HTTP_ROUTE_API = "gateway.networking.k8s.io/v1"
 DEFAULT_IMAGE = "ghcr.io/pdserve/pdserve:0.1.0"  # the operator passes its own (--default-image)
 
 
@@ -160,6 +161,23 @@ def ingress(spec: LLMServiceSpec) -> list[Manifest]:
     ]
 
 
+def http_route(spec: LLMServiceSpec) -> list[Manifest]:
+    """An optional Gateway API HTTPRoute to the router: only the OpenAI API (``/v1``)."""
+    r = spec.router
+    if not r.http_route_parents:
+        return []
+    backend = {"name": n.router_service_name(spec.name), "port": n.ROUTER_SERVICE_PORT}
+    body: dict[str, Any] = {
+        "parentRefs": [dict(p) for p in r.http_route_parents],
+        "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}],
+                   "backendRefs": [backend]}],
+    }  # fmt: skip
+    if r.http_route_hostnames:
+        body["hostnames"] = list(r.http_route_hostnames)
+    meta = _meta(spec, spec.name, "router")
+    return [{"apiVersion": HTTP_ROUTE_API, "kind": "HTTPRoute", "metadata": meta, "spec": body}]
+
+
 def disruption_budgets(spec: LLMServiceSpec) -> list[Manifest]:
     """One PDB per Deployment with more than one replica: for a single pod a budget either
     blocks every node drain (minAvailable 1) or protects nothing (maxUnavailable 1)."""
@@ -242,6 +260,7 @@ def render_spec(spec: LLMServiceSpec, default_image: str = "") -> list[Manifest]
         cm,
         *services(spec),
         *ingress(spec),
+        *http_route(spec),
         *disruption_budgets(spec),
         *network_policy(spec),
         pool_deployment(spec, spec.prefill, digest),
@@ -261,6 +280,7 @@ def optional_children(name: str) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of children that only some specs have: pruned when gone."""
     return [
         ("networking.k8s.io/v1", "Ingress", name),
+        (HTTP_ROUTE_API, "HTTPRoute", name),
         ("networking.k8s.io/v1", "NetworkPolicy", n.network_policy_name(name)),
         *(("policy/v1", "PodDisruptionBudget", n.deployment_name(name, r)) for r in n.ROLES),
     ]

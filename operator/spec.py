@@ -98,6 +98,9 @@ class RouterSpec:
     tolerations: tuple[Mapping[str, Any], ...] = ()
     extra_args: tuple[str, ...] = ()
     pod_template: Mapping[str, Any] = field(default_factory=dict)  # merged over the pod
+    # Gateway API: parentRefs (Gateways) and hostnames of an HTTPRoute to the router.
+    http_route_parents: tuple[Mapping[str, Any], ...] = ()
+    http_route_hostnames: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

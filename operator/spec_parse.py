@@ -207,6 +207,8 @@ def parse_router(r: _Reader) -> RouterSpec:
         tolerations=r.obj_list("tolerations"),
         extra_args=r.str_list("extraArgs"),
         pod_template=_pod_template(r),
+        http_route_parents=r.sub("httpRoute").obj_list("parentRefs"),
+        http_route_hostnames=r.sub("httpRoute").str_list("hostnames"),
     )
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_helpers import ROOT, minimal_llmservice
+from k8s_helpers import ROOT, minimal_llmservice, schema_errors
 
 from pdserve.cli import main as pdserve_main
 from pdserve.operator.reconcile import keep_autoscaled_replicas
@@ -282,3 +282,17 @@ def test_shared_model_cache_and_ephemeral_storage() -> None:
         assert main["resources"]["requests"]["ephemeral-storage"] == "1Gi"
     cmd = pod(cached, "demo-decode")["containers"][0]["command"]
     assert cmd[cmd.index("--model") + 1] == "/models/org--model@v2"
+
+
+def test_optional_gateway_api_http_route() -> None:
+    route = {"parentRefs": [{"name": "public", "namespace": "gateways"}],
+             "hostnames": ["llm.example.com"]}  # fmt: skip
+    obj = minimal_llmservice(router={"httpRoute": route})
+    assert schema_errors(obj) == []
+    r = by_key(render(obj))["HTTPRoute/demo"]
+    assert r["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert r["spec"]["parentRefs"] == [{"name": "public", "namespace": "gateways"}]
+    rule = r["spec"]["rules"][0]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    assert rule["backendRefs"] == [{"name": "demo", "port": 80}]
+    assert "HTTPRoute/demo" not in by_key(render(minimal_llmservice()))

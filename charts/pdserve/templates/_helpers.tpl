@@ -76,6 +76,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
+# An optional Gateway API HTTPRoute (spec.router.httpRoute); applied on change, not watched.
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [get, create, patch, delete]
 # Secrets: get (preflight of referenced ones; the per-service secret) and create (that one
 # secret). Never list or watch: the operator must not read every Secret it is not told of.
 - apiGroups: [""]
