@@ -150,7 +150,7 @@ def planner_config(st: Setup, profile_override=None, max_replicas: int = 1000) -
         profile=profile_override or st.planner_profile,
         prefill=Bounds(1, max_replicas),
         decode=Bounds(1, max_replicas),
-        lookahead_s=st.cost.startup_s,
+        startup_s=st.cost.startup_s,
     )
 
 
@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         static, initial = sizing(sc, st, peak_rate)
         cfg = planner_config(st)
         results[sc.name] = {
-            pol: run_one(sc, pol, st, cfg, peak_rate, static, initial, args) for pol in POLICIES
+            pol: run_one(sc, pol, st, cfg, peak_rate, static, initial, args)
+            for pol in POLICIES
+            if pol in args.policies or pol == "static"
         }
         detail[sc.name] = summarize(results[sc.name], static)
         print(table(sc.name, detail[sc.name]), file=sys.stderr)
@@ -220,7 +222,7 @@ def summarize(res: dict[str, Result], static: tuple[int, int]) -> dict:
         }
         for pol, r in res.items()
     }
-    for pol in ("planner", "queue_blind"):
+    for pol in [p for p in ("planner", "queue_blind") if p in res]:
         out[pol]["replica_hours_saving"] = round(1 - res[pol].replica_hours / s, 4)
     out["static_replicas"] = {"prefill": static[0], "decode": static[1]}
     return out
@@ -228,7 +230,7 @@ def summarize(res: dict[str, Result], static: tuple[int, int]) -> dict:
 
 def table(name: str, d: dict) -> str:
     rows = [f"== {name}: static-for-peak = {d['static_replicas']}"]
-    for pol in POLICIES:
+    for pol in [p for p in POLICIES if p in d]:
         r = d[pol]
         saving = r.get("replica_hours_saving", 0.0)
         rows.append(
@@ -242,7 +244,10 @@ def final_json(detail: dict, args: argparse.Namespace, st: Setup, rate: float, s
     return {
         "attainment": min(d["planner"]["attainment"] for d in detail.values()),
         "replica_hours_saving": min(d["planner"]["replica_hours_saving"] for d in detail.values()),
-        "queue_blind_attainment": min(d["queue_blind"]["attainment"] for d in detail.values()),
+        "queue_blind_attainment": min(
+            (d["queue_blind"]["attainment"] for d in detail.values() if "queue_blind" in d),
+            default=None,
+        ),
         "static_attainment": min(d["static"]["attainment"] for d in detail.values()),
         "scenarios": detail,
         "cost_model": args.cost,
@@ -305,6 +310,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--interval", type=float, default=10.0, help="planner interval, seconds")
     ap.add_argument("--drain", type=float, default=120.0, help="seconds after the trace ends")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--policies", default=",".join(POLICIES), help="comma-separated subset (static always runs)"
+    )
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"))
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-progress", action="store_true")

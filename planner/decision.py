@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from pdserve.planner.forecast import Forecast
+
 
 @dataclass(frozen=True)
 class PoolDecision:
@@ -45,6 +47,7 @@ class PoolMemory:
     last_scale_s: float | None = None  # when it last changed the count (or saw an edit)
     last_up_s: float | None = None
     history: tuple[tuple[float, int], ...] = ()  # (time, recommendation) in the window
+    etas: tuple[float, ...] = ()  # expected ready times of the pods it started (not yet ready)
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class PlannerState:
     decode: PoolMemory = field(default_factory=PoolMemory)
     prefill_correction: float = 1.0  # smoothed observed / predicted prefill time
     decode_correction: float = 1.0  # smoothed observed / predicted decode step time
-    last_request_rate: float | None = None  # for the load trend
+    forecast: Forecast = field(default_factory=Forecast)  # load trend and seasonality
 
     def with_pool(self, role: str, memory: PoolMemory) -> PlannerState:
         assert role in ("prefill", "decode"), role
@@ -64,7 +67,9 @@ class PlannerState:
         return replace(self, decode=memory)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        body = asdict(self)
+        body["forecast"] = self.forecast.to_dict()
+        return body
 
     @classmethod
     def from_dict(cls, body: Any) -> PlannerState:
@@ -76,7 +81,7 @@ class PlannerState:
                 decode=_memory(body.get("decode")),
                 prefill_correction=float(body.get("prefill_correction", 1.0)),
                 decode_correction=float(body.get("decode_correction", 1.0)),
-                last_request_rate=_opt_float(body.get("last_request_rate")),
+                forecast=Forecast.from_dict(body.get("forecast")),
             )
         except (TypeError, ValueError):
             return cls()  # a corrupt stored state only costs the smoothing history
@@ -91,6 +96,7 @@ def _memory(body: Any) -> PoolMemory:
         last_scale_s=_opt_float(body.get("last_scale_s")),
         last_up_s=_opt_float(body.get("last_up_s")),
         history=tuple((float(t), int(n)) for t, n in body.get("history", ())),
+        etas=tuple(float(t) for t in body.get("etas", ())),
     )
 
 
