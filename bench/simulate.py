@@ -28,7 +28,7 @@ from sim_cluster import Cluster
 from sim_scenarios import Mix, Scenario, Setup, scenarios, setup
 from tqdm import tqdm
 
-from pdserve.planner.config import SLO, Bounds, PlannerConfig
+from pdserve.planner.config import SLO, Bounds, PlannerConfig, Stability
 from pdserve.planner.decision import PlannerState
 from pdserve.planner.model import decode_need, prefill_need
 from pdserve.planner.plan import plan
@@ -151,6 +151,10 @@ def planner_config(st: Setup, profile_override=None, max_replicas: int = 1000) -
         prefill=Bounds(1, max_replicas),
         decode=Bounds(1, max_replicas),
         startup_s=st.cost.startup_s,
+        # a backlog is sized for once (at the pods' ready time), so it can be drained fast;
+        # the forecast floor guards scale-down, so the window can be short
+        queue_drain_s=15.0,
+        stability=Stability(scale_down_window_s=120.0, scale_down_cooldown_s=60.0),
     )
 
 
@@ -307,7 +311,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--peak-replicas", type=int, default=0, help="prefill replicas at the peak")
     ap.add_argument("--scenario", action="append", help="run only these (repeatable)")
     ap.add_argument("--dt", type=float, default=0.2, help="simulation tick, seconds")
-    ap.add_argument("--interval", type=float, default=10.0, help="planner interval, seconds")
+    ap.add_argument("--interval", type=float, default=5.0, help="planner interval, seconds")
     ap.add_argument("--drain", type=float, default=120.0, help="seconds after the trace ends")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

@@ -139,6 +139,12 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-max", type=int, default=4)
     g.add_argument("--autoscale-interval", type=float, default=5.0, help="seconds")
     g.add_argument("--scale-down-window", type=float, default=60.0, help="seconds")
+    g.add_argument(
+        "--worker-startup",
+        type=float,
+        default=15.0,
+        help="seconds from starting a worker to its first request (the planner sizes for then)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> PlannerConfig:
@@ -153,4 +159,5 @@ def config_from_args(args: argparse.Namespace) -> PlannerConfig:
             Stability(), scale_down_window_s=window, scale_down_cooldown_s=window / 2
         ),
         min_requests_for_correction=5,
+        startup_s=args.worker_startup,
     )

@@ -56,7 +56,11 @@ def etas_for(etas: tuple[float, ...], status: PoolStatus, now: float, startup_s:
     keep the newest ``status.starting``; a starting pod the planner did not order
     (a manual edit, a restart) is assumed half-way through its start-up.
     """
-    known = sorted(e for e in etas if e > now - startup_s)[-status.starting :] if status.starting else []
+    known = (
+        sorted(e for e in etas if e > now - startup_s)[-status.starting :]
+        if status.starting
+        else []
+    )
     missing = status.starting - len(known)
     out = [now + startup_s / 2] * missing + [max(e, now) for e in known]
     return tuple(sorted(out))
@@ -81,14 +85,23 @@ def prefill_ahead(
     for i in range(math.ceil(horizon / STEP_S)):
         t = i * STEP_S
         serving = snap.prefill.ready + sum(1 for e in etas if e <= snap.time_s + t)
-        arrivals = fc.prompt_rate.at(t, fcfg) * uncached
+        arrivals = fc.prompt_demand_at(t, fcfg) * uncached
         q = max(0.0, q + (arrivals - serving * mu) * STEP_S) if cfg.queue_aware else 0.0
-    demand_t = fc.prompt_rate.at(horizon, fcfg) * uncached
+    demand_t = fc.prompt_demand_at(horizon, fcfg) * uncached
     need = demand_t / (mu * rho) + q / (mu * cfg.queue_drain_s)
-    peak = fc.prompt_rate.peak(horizon + snap.interval_s, fcfg) * uncached
+    peak = fc.prompt_peak(horizon + snap.interval_s, fcfg) * uncached
     steady = snap.prompt_token_rate * uncached / (mu * rho)
     return PrefillAhead(
-        need, steady, peak / (mu * rho), mu, rho, snap.prompt_token_rate * uncached, demand_t, queue, q, mean_prompt
+        need,
+        steady,
+        peak / (mu * rho),
+        mu,
+        rho,
+        snap.prompt_token_rate * uncached,
+        demand_t,
+        queue,
+        q,
+        mean_prompt,
     )
 
 
@@ -106,7 +119,7 @@ def decode_ahead(
     queued = max(p.queue_now, p.queue_at_ready) / p.mean_prompt
     d = decode_need(snap, cfg, correction, grow, queued, fc.output_demand_at(horizon, fcfg))
     # the window remembers demand, not a burst of generated tokens from a drained backlog
-    demand_now = fc.request_rate.level * fc.output_per_request if fc.output_per_request else None
+    demand_now = level * fc.output_per_request if fc.output_per_request else None
     now = decode_need(snap, cfg, correction, 1.0, 0.0, demand_now)
     out_peak = max(fc.output_demand_at(peak_h * i / 8, fcfg) for i in range(9))
     floor = decode_need(snap, cfg, correction, max(peak, 1.0), 0.0, out_peak).steady_need

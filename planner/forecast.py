@@ -22,14 +22,18 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-TOKEN_NOISE = 1.5  # relative noise of a token sum over that of the request count
 UNSEEN = -1.0  # a seasonal bin with no observation yet (JSON has no NaN)
+BASE_ALPHA = 0.5
+BASE_SIGMA = math.sqrt(1 + BASE_ALPHA / (2 - BASE_ALPHA))  # std of (value - base) / sigma
+LAST_SIGMA = math.sqrt(
+    2.0
+)  # std of (value - last value) / sigma  # a seasonal bin with no observation yet (JSON has no NaN)
 
 
 @dataclass(frozen=True)
 class ForecastConfig:
     tolerance: float = 0.1  # relative change treated as noise ...
-    noise_z: float = 4.0  # ... or this many Poisson standard deviations of the interval's count
+    noise_z: float = 4.0  # ... or this many standard deviations of the change (see observe)
     fall_smoothing: float = 0.5  # EWMA weight of a new slope when the load falls
     max_growth: float = 4.0  # forecast at most x4 / at least /4 of the level
     season_s: float = 86_400.0
@@ -44,17 +48,39 @@ class Series:
     time_s: float | None = None  # end of the last interval
     interval_s: float = 0.0
     season: tuple[float, ...] = ()
+    noise: float = 0.0  # dispersion: typical deviation from ``base`` over the Poisson one
+    base: float = 0.0  # EWMA of the values: what a change is measured against
+    rising: bool = False  # the last interval rose beyond the noise
 
     def observe(
-        self, t: float, value: float, interval_s: float, cfg: ForecastConfig, count: float
+        self,
+        t: float,
+        value: float,
+        interval_s: float,
+        cfg: ForecastConfig,
+        count: float,
+        confirm: bool = False,
     ) -> Series:
-        """``count``: requests behind this interval's value (sets the noise threshold)."""
+        """``count``: requests behind this interval's value (sets the noise threshold);
+        ``confirm``: a rise counts only on its second interval (token sums: heavy tails)."""
         season = _season_update(self.season, t, value, cfg)
         if self.level is None or self.time_s is None or t <= self.time_s:
-            return Series(value, 0.0, t, interval_s, season)
+            return Series(value, 0.0, t, interval_s, season, 0.0, value)
+        base = self.base if self.base > 0 else self.level
         raw = (value - self.level) / (t - self.time_s)
-        noise = max(cfg.tolerance, cfg.noise_z / math.sqrt(max(count, 1.0)))
-        if abs(value - self.level) <= noise * max(self.level, 1e-9):
+        # A Poisson count's relative std is 1/sqrt(count); a token sum varies more (the
+        # length mix): ``noise`` learns that dispersion factor (>= 1) while the load is flat.
+        sigma = max(1.0, self.noise) / math.sqrt(max(count, 1.0))
+        rel_base = (value - base) / max(base, 1e-9)
+        rel_last = (value - self.level) / max(self.level, 1e-9)
+        rising = (
+            rel_base > max(cfg.tolerance, cfg.noise_z * BASE_SIGMA * sigma)
+            and rel_last > 2 * LAST_SIGMA * sigma
+        )
+        # learn from every interval, an outlier capped (a real step must not teach it much)
+        z = min(abs(rel_base) / sigma, 1.5 * cfg.noise_z * BASE_SIGMA) / BASE_SIGMA
+        noise = math.sqrt(0.8 * max(self.noise, 1.0) ** 2 + 0.2 * z**2)
+        if raw > 0 and (not rising or (confirm and not self.rising)):
             raw = 0.0
         if raw >= self.slope:
             slope = raw  # a rise is believed at once: waiting costs a pod start-up
@@ -62,7 +88,8 @@ class Series:
             slope = (1 - cfg.fall_smoothing) * self.slope + cfg.fall_smoothing * raw
         if raw <= 0 < slope:
             slope = 0.0  # the rise has stopped: do not keep extrapolating it
-        return Series(value, slope, t, interval_s, season)
+        base = (1 - BASE_ALPHA) * base + BASE_ALPHA * value
+        return Series(value, slope, t, interval_s, season, noise, base, rising)
 
     def at(self, horizon_s: float, cfg: ForecastConfig) -> float:
         """Forecast of the value ``horizon_s`` after the last observation."""
@@ -96,12 +123,13 @@ class Forecast:
         rate = self.request_rate.observe(t, r, interval_s, cfg, n)
         per_request = self.output_per_request
         if r > 0 and rate.slope == 0 and self.request_rate.slope == 0:
-            per_request = o / r if per_request <= 0 else 0.7 * per_request + 0.3 * o / r
+            # slow, and an outlier (a drained backlog reaching decode) capped at 2x
+            sample = o / r if per_request <= 0 else min(o / r, 2 * per_request)
+            per_request = sample if per_request <= 0 else 0.9 * per_request + 0.1 * sample
         return Forecast(
             rate,
-            # a sum of lognormal lengths is noisier than a count: fewer effective samples
-            self.prompt_rate.observe(t, p, interval_s, cfg, n / TOKEN_NOISE**2),
-            self.output_rate.observe(t, o, interval_s, cfg, n / TOKEN_NOISE**2),
+            self.prompt_rate.observe(t, p, interval_s, cfg, n, confirm=True),
+            self.output_rate.observe(t, o, interval_s, cfg, n, confirm=True),
             per_request,
         )
 
@@ -114,6 +142,17 @@ class Forecast:
         by_rate = self.request_rate.at(horizon_s, cfg) * self.output_per_request
         return max(self.output_rate.level or 0.0, by_rate)
 
+    def prompt_demand_at(self, horizon_s: float, cfg: ForecastConfig) -> float:
+        """Prompt tokens/s ``horizon_s`` ahead: the prompt-token forecast, or the request
+        forecast at today's tokens per request if that is higher (a rise in requests shows
+        with less noise than a rise in tokens)."""
+        level, tokens = self.request_rate.level, self.prompt_rate.level
+        by_rate = self.request_rate.at(horizon_s, cfg) * tokens / level if level and tokens else 0.0
+        return max(self.prompt_rate.at(horizon_s, cfg), by_rate)
+
+    def prompt_peak(self, horizon_s: float, cfg: ForecastConfig, steps: int = 8) -> float:
+        return max(self.prompt_demand_at(horizon_s * i / steps, cfg) for i in range(steps + 1))
+
     def to_dict(self) -> dict[str, Any]:
         body: dict[str, Any] = {k: _series_dict(getattr(self, k)) for k in SERIES}
         body["output_per_request"] = self.output_per_request
@@ -124,7 +163,8 @@ class Forecast:
         if not isinstance(body, dict):
             return cls()
         per_request = float(body.get("output_per_request", 0.0))
-        return cls(*(_series(body.get(k)) for k in SERIES), per_request)
+        rate, prompt, output = (_series(body.get(k)) for k in SERIES)
+        return cls(rate, prompt, output, per_request)
 
 
 SERIES = ("request_rate", "prompt_rate", "output_rate")
@@ -160,6 +200,9 @@ def _series_dict(s: Series) -> dict[str, Any]:
         "time_s": s.time_s,
         "interval_s": s.interval_s,
         "season": list(s.season),
+        "noise": s.noise,
+        "base": s.base,
+        "rising": s.rising,
     }
 
 
@@ -177,4 +220,7 @@ def _series(body: Any) -> Series:
         time_s=None if t is None else float(t),
         interval_s=float(body.get("interval_s", 0.0)),
         season=season,
+        noise=float(body.get("noise", 0.0)),
+        base=float(body.get("base", 0.0)),
+        rising=bool(body.get("rising", False)),
     )

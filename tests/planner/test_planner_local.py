@@ -86,7 +86,7 @@ async def test_ttft_breach_scales_prefill_then_quiet_scales_back() -> None:
     decision = await auto.step()
     assert decision is not None and decision.prefill.desired == 4  # max of --prefill-max 4
     assert ("prefill", 4) in pools.calls
-    assert "queued prompt tokens" in decision.prefill.reason
+    assert "prompt tokens forecast queued" in decision.prefill.reason
     pools.start_all()
     # quiet: after the window the prefill pool shrinks, one step at a time
     router.depth.set(0)
