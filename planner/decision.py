@@ -28,10 +28,14 @@ class Decision:
     prefill: PoolDecision
     decode: PoolDecision
     details: dict[str, float] = field(default_factory=dict)  # model terms, for status/logs
+    mode: str = "disaggregated"  # or "colocated": no prefill pool, decode workers prefill
+    mix_reason: str = ""  # why this mode (goodput per replica of both)
 
     @property
     def reason(self) -> str:
-        return f"prefill: {self.prefill.reason}; decode: {self.decode.reason}"
+        return (
+            f"prefill: {self.prefill.reason}; decode: {self.decode.reason}; mix: {self.mix_reason}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         body = asdict(self)
@@ -59,6 +63,7 @@ class PlannerState:
     prefill_correction: float = 1.0  # smoothed observed / predicted prefill time
     decode_correction: float = 1.0  # smoothed observed / predicted decode step time
     forecast: Forecast = field(default_factory=Forecast)  # load trend and seasonality
+    mode: str = "disaggregated"  # the P:D decision in force (see mix.py)
 
     def with_pool(self, role: str, memory: PoolMemory) -> PlannerState:
         assert role in ("prefill", "decode"), role
@@ -82,6 +87,7 @@ class PlannerState:
                 prefill_correction=float(body.get("prefill_correction", 1.0)),
                 decode_correction=float(body.get("decode_correction", 1.0)),
                 forecast=Forecast.from_dict(body.get("forecast")),
+                mode=str(body.get("mode", "disaggregated")),
             )
         except (TypeError, ValueError):
             return cls()  # a corrupt stored state only costs the smoothing history

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pdserve.planner.ahead import decode_ahead, etas_for, prefill_ahead
+from pdserve.planner.ahead import DecodeAhead, PrefillAhead, decode_ahead, etas_for, prefill_ahead
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.decision import Decision, PlannerState, PoolDecision, PoolMemory
-from pdserve.planner.model import update_corrections
+from pdserve.planner.forecast import Forecast
+from pdserve.planner.mix import COLOCATED, decide_mode
+from pdserve.planner.model import FALLBACK_OUTPUT_TOKENS, update_corrections
 from pdserve.planner.snapshot import MetricsSnapshot
 from pdserve.planner.stability import PoolInput, stabilize
 
@@ -31,6 +33,9 @@ def plan(
     d_etas = etas_for(state.decode.etas, s.decode, now, config.startup_s)
     p = prefill_ahead(s, config, prefill_c, fc, p_etas)
     da = decode_ahead(s, config, decode_c, fc, p)
+    choice, mode, mix_why = decide_mode(config, p.mean_prompt, _mean_output(s, fc), state.mode)
+    if mode == COLOCATED:
+        p, da = _colocated(p, da, fc, config, choice.colocated_goodput)
     d = da.need
     p_in = PoolInput(
         "prefill", p.need, s.prefill, config.prefill, replace(state.prefill, etas=p_etas), now,
@@ -71,8 +76,33 @@ def plan(
         "decode_starting": float(len(d_etas)),
         "decode_correction": decode_c,
     }
-    decision = Decision(now, p_dec, d_dec, {k: round(v, 4) for k, v in details.items()})
-    return decision, PlannerState(p_mem, d_mem, prefill_c, decode_c, fc)
+    details["mix_prefill_share"] = choice.prefill_share
+    details["mix_disagg_goodput_per_replica"] = choice.disagg_goodput
+    details["mix_colocated_goodput_per_replica"] = choice.colocated_goodput
+    rounded = {k: round(v, 4) for k, v in details.items()}
+    decision = Decision(now, p_dec, d_dec, rounded, mode, mix_why)
+    return decision, PlannerState(p_mem, d_mem, prefill_c, decode_c, fc, mode)
+
+
+def _mean_output(s: MetricsSnapshot, fc: Forecast) -> float:
+    return fc.output_per_request or s.mean_output_tokens or FALLBACK_OUTPUT_TOKENS
+
+
+def _colocated(
+    p: PrefillAhead, da: DecodeAhead, fc: Forecast, cfg: PlannerConfig, goodput: float
+) -> tuple[PrefillAhead, DecodeAhead]:
+    """No prefill pool: the decode pool serves the whole request rate at the colocated
+    goodput per replica, plus the prefill queue forecast for when new pods are ready."""
+    h = cfg.startup_s
+    rate_t = fc.request_rate.at(h, cfg.forecast)
+    peak = fc.request_rate.peak(h, cfg.forecast)
+    queue = p.queue_at_ready / (p.tokens_per_replica_s * cfg.queue_drain_s)
+    need = max(da.need.need, rate_t / goodput + queue)
+    now = (fc.request_rate.level or 0.0) / goodput
+    da = DecodeAhead(
+        replace(da.need, need=need), max(da.steady_need, now), max(da.floor, peak / goodput)
+    )
+    return replace(p, need=0.0, steady_need=0.0, floor=0.0), da
 
 
 def _started(dec: PoolDecision, mem: PoolMemory, eta: float) -> PoolMemory:
