@@ -164,7 +164,8 @@ async def test_slo_breaches_scale_the_right_pool_and_quiet_scales_down(
         assert plan["details"]["prefill_demand_tokens_per_s"] == pytest.approx(40_000, rel=0.15)
         assert auto["planner"]["state"]["prefill"]["last_target"] == 4
         # the P:D split and why (prefill minReplicas 1 here: colocation is never applied)
-        assert auto["mix"]["mode"] == "disaggregated" and "req/s per replica" in auto["mix"]["reason"]
+        assert auto["mix"]["mode"] == "disaggregated"
+        assert "req/s per replica" in auto["mix"]["reason"]
         assert_status_valid(a)
         b = (await llm(client, "tpot"))["status"]["autoscaling"]["lastDecision"]
         assert "decode: scale up 1->" in b["reason"]
