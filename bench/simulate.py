@@ -4,10 +4,11 @@
 
 Runs the diurnal, burst (10x in one minute) and long-prompt-surge traces at 100+
 replicas per pool at peak (``--peak-replicas``), prints a table per scenario and,
-last, ONE JSON line: ``attainment`` and ``queue_blind_attainment`` (share of
+last, ONE JSON line: ``attainment_min`` and ``queue_blind_attainment`` (share of
 requests within both the TTFT and TPOT SLOs, worst scenario) and
-``replica_hours_saving`` (planner vs static-for-peak, worst scenario), with the
-per-scenario detail under ``scenarios``. Writes bench/out/simulate.png.
+``replica_hours_saving_min`` (planner vs static-for-peak, worst scenario), with the
+per-scenario detail under ``scenarios``; then the P:D split (``sim_mix.py``):
+``disagg_goodput_ratio`` and ``colocated_chosen_short``. Writes bench/out/simulate.png.
 The model and its assumptions: docs/autoscaling.md.
 """
 
@@ -25,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_cluster import Cluster
+from sim_mix import mix_section
 from sim_scenarios import Mix, Scenario, Setup, scenarios, setup
 from tqdm import tqdm
 
@@ -210,7 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plot:
         path = plot(chosen, results, args.out_dir)
         print(f"plot: {path}", file=sys.stderr)
-    print(json.dumps(final_json(detail, args, st, peak_rate, time.perf_counter() - began)))
+    mix = {} if args.no_mix else mix_section(args.quick)
+    for case in mix.get("cases", []):
+        print(f"== {case['name']}: goodput/replica {case['goodput_per_replica']} -> "
+              f"planner: {case['planner_reason']}", file=sys.stderr)  # fmt: skip
+    out = final_json(detail, args, st, peak_rate, time.perf_counter() - began)
+    print(json.dumps({**out, **mix}))
     return 0
 
 
@@ -245,9 +252,13 @@ def table(name: str, d: dict) -> str:
 
 
 def final_json(detail: dict, args: argparse.Namespace, st: Setup, rate: float, secs: float) -> dict:
+    attainment = min(d["planner"]["attainment"] for d in detail.values())
+    saving = min(d["planner"]["replica_hours_saving"] for d in detail.values())
     return {
-        "attainment": min(d["planner"]["attainment"] for d in detail.values()),
-        "replica_hours_saving": min(d["planner"]["replica_hours_saving"] for d in detail.values()),
+        "attainment_min": attainment,
+        "replica_hours_saving_min": saving,
+        "attainment": attainment,
+        "replica_hours_saving": saving,
         "queue_blind_attainment": min(
             (d["queue_blind"]["attainment"] for d in detail.values() if "queue_blind" in d),
             default=None,
@@ -320,6 +331,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"))
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-mix", action="store_true", help="skip the P:D split measurement")
     return ap.parse_args(argv)
 
 
