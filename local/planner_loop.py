@@ -82,6 +82,9 @@ class LocalAutoscaler:
         prefill, decode = self._pools()
         snap = snapshot_from_scrapes(prev, scrape, prefill, decode, self.config.slo)
         decision, self.state = plan(snap, self.state, self.config)
+        if not self.decisions or self.decisions[-1].mode != decision.mode:
+            # the P:D split in force: colocated runs no prefill worker (needs --prefill-min 0)
+            print(f"pdserve up: autoscaler: mix {decision.mode}: {decision.mix_reason}", flush=True)
         self.decisions.append(decision)
         for pool in (decision.prefill, decision.decode):
             if pool.changed:
