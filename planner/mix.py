@@ -91,11 +91,16 @@ def colocated_goodput(cfg: PlannerConfig, prompt: float, output: float) -> float
     return lo
 
 
-def choose_mix(cfg: PlannerConfig, prompt: float, output: float) -> MixChoice:
+def choose_mix(cfg: PlannerConfig, prompt: float, output: float, rate: float = 0.0) -> MixChoice:
+    """``rate`` > 0: compare whole replicas at that rate (a prefill pool is at least one
+    replica, which is what makes colocation pay for small services)."""
     r_p, r_d = disagg_rates(cfg, prompt, output)
     g_dis = r_p * r_d / (r_p + r_d) if r_p > 0 and r_d > 0 else 0.0
     share = r_d / (r_p + r_d) if r_p + r_d > 0 else 0.5
     g_col = colocated_goodput(cfg, prompt, output)
+    if rate > 0 and g_dis > 0 and g_col > 0:
+        g_dis = rate / (math.ceil(rate / r_p) + math.ceil(rate / r_d))
+        g_col = rate / math.ceil(rate / g_col)
     load = f"prompt {prompt:.0f}, output {output:.0f} tokens"
     if g_col >= g_dis:
         why = (
@@ -114,11 +119,11 @@ SWITCH_MARGIN = 0.05  # the other mode must be this much better to switch (no fl
 
 
 def decide_mode(
-    cfg: PlannerConfig, prompt: float, output: float, current: str
+    cfg: PlannerConfig, prompt: float, output: float, current: str, rate: float = 0.0
 ) -> tuple[MixChoice, str, str]:
     """(the comparison, the mode to run, why). Colocation needs a prefill pool that may be
     empty (``prefill.min_replicas == 0``); a switch needs a clear win."""
-    choice = choose_mix(cfg, prompt, output)
+    choice = choose_mix(cfg, prompt, output, rate)
     mode, why = choice.mode, choice.reason
     if mode == COLOCATED and cfg.prefill.min_replicas > 0:
         return choice, DISAGGREGATED, why + "; not applied: prefill minReplicas > 0"

@@ -33,7 +33,9 @@ def plan(
     d_etas = etas_for(state.decode.etas, s.decode, now, config.startup_s)
     p = prefill_ahead(s, config, prefill_c, fc, p_etas)
     da = decode_ahead(s, config, decode_c, fc, p)
-    choice, mode, mix_why = decide_mode(config, p.mean_prompt, _mean_output(s, fc), state.mode)
+    rate = fc.request_rate.at(config.startup_s, config.forecast)
+    out = _mean_output(s, fc)
+    choice, mode, mix_why = decide_mode(config, p.mean_prompt, out, state.mode, rate)
     if mode == COLOCATED:
         p, da = _colocated(p, da, fc, config, choice.colocated_goodput)
     d = da.need
