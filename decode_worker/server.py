@@ -21,7 +21,7 @@ from pdserve.contract import GenerateRequest, TokenDelta, Usage, WorkerError
 from pdserve.decode_worker.metered import MeteredConnector
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import engine_config_from_args
-from pdserve.engine.request import RequestOutput
+from pdserve.engine.request import REQUEST_FAILED, RequestOutput
 from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.registry import DEFAULT_TRANSFER_TIMEOUT
@@ -64,9 +64,9 @@ class DecodeWorker:
         }
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[bytes]:
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"cache_salt": req.cache_salt}
         if req.kv_handle is not None:  # checked by the engine (KVHandle.problem)
-            kwargs = {"remote_kv": req.kv_handle, "first_token_id": req.first_token_id}
+            kwargs.update(remote_kv=req.kv_handle, first_token_id=req.first_token_id)
         outputs = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling, **kwargs)
         first = await anext(outputs)  # validation errors surface here, before any byte is sent
         return self._lines(first, outputs)
@@ -85,10 +85,16 @@ class DecodeWorker:
     @staticmethod
     def _line(out: RequestOutput) -> bytes:
         if out.finish_reason == "error":
-            delta = TokenDelta(error=WorkerError(out.error, code="kv_transfer_failed"))
+            # request_failed: this request alone failed (the router does not retry it)
+            request_fault = out.error_code == REQUEST_FAILED
+            kind = "invalid_request_error" if request_fault else "server_error"
+            error = WorkerError(out.error, kind, None, out.error_code or "kv_transfer_failed")
+            delta = TokenDelta(error=error)
         else:
             usage = Usage(**out.usage) if out.finished else None
-            delta = TokenDelta(out.token_ids, out.text, out.finish_reason, usage)
+            delta = TokenDelta(
+                out.token_ids, out.text, out.finish_reason, usage, None, out.logprobs
+            )
         return encode(delta) + b"\n"
 
     def app(self) -> FastAPI:

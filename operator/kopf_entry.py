@@ -21,6 +21,7 @@ register(
         status_interval=env.get_float(env.OPERATOR_STATUS_INTERVAL, 10),
         retry_delay=env.get_float(env.OPERATOR_RETRY_DELAY, 30),
         autoscale_tick=env.get_float(env.OPERATOR_AUTOSCALE_TICK, 5),
+        default_image=env.get(env.DEFAULT_IMAGE),
         autoscale=AutoscaleSettings(router_metrics_url=env.get(env.OPERATOR_ROUTER_METRICS_URL)),
     ),
 )

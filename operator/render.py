@@ -7,6 +7,7 @@ the operator adds them (``kopf.adopt``) because only it knows the object's uid.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -19,6 +20,8 @@ from pdserve.operator.spec import LLMServiceSpec
 from pdserve.operator.spec_parse import parse_llmservice
 
 Manifest = dict[str, Any]
+HTTP_ROUTE_API = "gateway.networking.k8s.io/v1"
+DEFAULT_IMAGE = "ghcr.io/pdserve/pdserve:0.1.0"  # the operator passes its own (--default-image)
 
 
 def _meta(spec: LLMServiceSpec, name: str, role: str | None = None) -> dict[str, Any]:
@@ -28,16 +31,13 @@ def _meta(spec: LLMServiceSpec, name: str, role: str | None = None) -> dict[str,
 def config_data(spec: LLMServiceSpec) -> dict[str, str]:
     """Environment for every container (envFrom) plus the settings as JSON for humans/planner."""
     kv, slo = spec.kv_transfer, spec.slo
-    data = {
-        env.SERVICE: spec.name,
-        env.KV_TRANSPORT: kv.transport,
-        env.SLO_TTFT_MS: str(slo.ttft_ms),
-        env.SLO_TPOT_MS: str(slo.tpot_ms),
-    }
+    data = {env.SERVICE: spec.name, env.KV_TRANSPORT: kv.transport}
     if kv.ucx_tls:
         data["UCX_TLS"] = kv.ucx_tls
     if kv.ucx_net_devices:
         data["UCX_NET_DEVICES"] = kv.ucx_net_devices
+    if kv.transport == "nixl":
+        data["UCX_TCP_PORT_RANGE"] = f"{kv.ucx_tcp_port_start}-{kv.ucx_tcp_port_end}"
     settings = {
         "model": spec.model.served_name,
         "dtype": spec.model.dtype,
@@ -145,7 +145,8 @@ def ingress(spec: LLMServiceSpec) -> list[Manifest]:
         "rules": [
             {
                 "host": ing.host,
-                "http": {"paths": [{"path": "/", "pathType": "Prefix", "backend": backend}]},
+                # Only the OpenAI API: the router's /metrics, /workers and probes stay inside.
+                "http": {"paths": [{"path": "/v1", "pathType": "Prefix", "backend": backend}]},
             }
         ]
     }
@@ -161,7 +162,30 @@ def ingress(spec: LLMServiceSpec) -> list[Manifest]:
     ]
 
 
+def http_route(spec: LLMServiceSpec) -> list[Manifest]:
+    """An optional Gateway API HTTPRoute to the router: only the OpenAI API (``/v1``)."""
+    r = spec.router
+    if not r.http_route_parents:
+        return []
+    backend = {"name": n.router_service_name(spec.name), "port": n.ROUTER_SERVICE_PORT}
+    body: dict[str, Any] = {
+        "parentRefs": [dict(p) for p in r.http_route_parents],
+        "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}],
+                   "backendRefs": [backend]}],
+    }  # fmt: skip
+    if r.http_route_hostnames:
+        body["hostnames"] = list(r.http_route_hostnames)
+    meta = _meta(spec, spec.name, "router")
+    return [{"apiVersion": HTTP_ROUTE_API, "kind": "HTTPRoute", "metadata": meta, "spec": body}]
+
+
 def disruption_budgets(spec: LLMServiceSpec) -> list[Manifest]:
+    """One PDB per Deployment with more than one replica: for a single pod a budget either
+    blocks every node drain (minAvailable 1) or protects nothing (maxUnavailable 1)."""
+    counts = {"router": spec.router.replicas, "prefill": spec.prefill.replicas,
+              "decode": spec.decode.replicas}  # fmt: skip
+    if spec.autoscaling.enabled:  # the count moves; at one pod maxUnavailable 1 is harmless
+        counts.update(prefill=spec.prefill.max_replicas, decode=spec.decode.max_replicas)
     return [
         {
             "apiVersion": "policy/v1",
@@ -170,6 +194,7 @@ def disruption_budgets(spec: LLMServiceSpec) -> list[Manifest]:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": n.selector(spec.name, role)}},
         }
         for role in n.ROLES
+        if counts[role] > 1
     ]
 
 
@@ -177,9 +202,13 @@ def network_policy(spec: LLMServiceSpec) -> list[Manifest]:
     """Worker ports are reachable only from the router and peer workers of this service."""
     if not spec.network_policy.enabled:
         return []
-    ports = [
+    ports: list[dict[str, Any]] = [
         {"protocol": "TCP", "port": p} for p in (n.HTTP_PORT, n.KV_EVENTS_PORT, n.SIDE_CHANNEL_PORT)
     ]
+    kv = spec.kv_transfer
+    if kv.transport == "nixl":  # exactly the pinned UCX_TCP_PORT_RANGE, nothing ephemeral
+        ports.append({"protocol": "TCP", "port": kv.ucx_tcp_port_start,
+                      "endPort": kv.ucx_tcp_port_end})  # fmt: skip
     peers = {"podSelector": {"matchLabels": {n.LABEL_SERVICE: spec.name}}}
     rules: list[dict[str, Any]] = [{"from": [peers], "ports": ports}]
     if spec.network_policy.metrics_namespaces:
@@ -202,18 +231,29 @@ def network_policy(spec: LLMServiceSpec) -> list[Manifest]:
         {
             "apiVersion": "networking.k8s.io/v1",
             "kind": "NetworkPolicy",
-            "metadata": _meta(spec, f"{spec.name}-workers"),
+            "metadata": _meta(spec, n.network_policy_name(spec.name)),
             "spec": {"podSelector": workers, "policyTypes": ["Ingress"], "ingress": rules},
         }
     ]
 
 
 def config_hash(data: Mapping[str, str]) -> str:
-    return hashlib.sha256(json.dumps(dict(data), sort_keys=True).encode()).hexdigest()[:16]
+    """Hash of what pods read from the ConfigMap (its environment variables), so that a
+    change there rolls the pods. ``settings.json`` is for people and the planner only:
+    an SLO edit must not roll every GPU pod."""
+    env = {k: v for k, v in data.items() if k.replace("_", "").isalnum()}
+    return hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def render_spec(spec: LLMServiceSpec) -> list[Manifest]:
-    """All children of one LLMService, in creation order (config and RBAC before pods)."""
+def render_spec(spec: LLMServiceSpec, default_image: str = "") -> list[Manifest]:
+    """All children of one LLMService, in creation order (config and RBAC before pods).
+
+    An unset ``spec.image`` becomes ``default_image`` here, at render time, never in the
+    stored object: upgrading the operator (its chart) rolls every LLMService that does
+    not pin an image onto the new one.
+    """
+    if not spec.image:
+        spec = dataclasses.replace(spec, image=default_image or DEFAULT_IMAGE)
     cm = config_map(spec)
     digest = config_hash(cm["data"])
     return [
@@ -221,6 +261,7 @@ def render_spec(spec: LLMServiceSpec) -> list[Manifest]:
         cm,
         *services(spec),
         *ingress(spec),
+        *http_route(spec),
         *disruption_budgets(spec),
         *network_policy(spec),
         pool_deployment(spec, spec.prefill, digest),
@@ -229,14 +270,18 @@ def render_spec(spec: LLMServiceSpec) -> list[Manifest]:
     ]
 
 
-def render(obj: Mapping[str, Any], default_namespace: str = "default") -> list[Manifest]:
+def render(
+    obj: Mapping[str, Any], default_namespace: str = "default", default_image: str = ""
+) -> list[Manifest]:
     """Render an LLMService object (as read from YAML or the API); raises SpecError."""
-    return render_spec(parse_llmservice(obj, default_namespace))
+    return render_spec(parse_llmservice(obj, default_namespace), default_image)
 
 
 def optional_children(name: str) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of children that only some specs have: pruned when gone."""
     return [
         ("networking.k8s.io/v1", "Ingress", name),
-        ("networking.k8s.io/v1", "NetworkPolicy", f"{name}-workers"),
+        (HTTP_ROUTE_API, "HTTPRoute", name),
+        ("networking.k8s.io/v1", "NetworkPolicy", n.network_policy_name(name)),
+        *(("policy/v1", "PodDisruptionBudget", n.deployment_name(name, r)) for r in n.ROLES),
     ]

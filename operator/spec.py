@@ -44,6 +44,7 @@ class ModelSource:
     token_secret: str = ""
     token_key: str = "token"
     download_size_limit: str = "64Gi"
+    cache_claim: str = ""  # a ReadWriteMany PVC shared by every pod: one download, not one per pod
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ class PoolSpec:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     shm_size: str = "2Gi"
+    pod_template: Mapping[str, Any] = field(default_factory=dict)  # merged over the pod
+    # An HPA / KEDA scales this pool's Deployment: the operator keeps its replica count.
+    external_scaling: bool = False
 
     def clamp(self, replicas: int) -> int:
         return max(self.min_replicas, min(self.max_replicas, replicas))
@@ -101,6 +105,10 @@ class RouterSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     extra_args: tuple[str, ...] = ()
+    pod_template: Mapping[str, Any] = field(default_factory=dict)  # merged over the pod
+    # Gateway API: parentRefs (Gateways) and hostnames of an HTTPRoute to the router.
+    http_route_parents: tuple[Mapping[str, Any], ...] = ()
+    http_route_hostnames: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,8 +132,15 @@ class KVTransferSpec:
     transport: str = DEFAULT_TRANSPORT
     ucx_tls: str = ""
     ucx_net_devices: str = ""
+    # UCX over TCP listens on ephemeral ports unless pinned: pinned, the NetworkPolicy can
+    # open exactly these (a default-deny CNI would otherwise time out every KV read).
+    ucx_tcp_port_start: int = 20000
+    ucx_tcp_port_end: int = 20031
     rdma_resource_name: str = ""
     rdma_resource_count: int = 1
+    # IPC_LOCK lets RDMA pin registered memory; PodSecurity "restricted" refuses it, so it
+    # is an explicit opt-in rather than implied by an RDMA resource.
+    ipc_lock: bool = False
     lease_seconds: int = int(DEFAULT_LEASE_SECONDS)
     transfer_timeout_seconds: int = int(DEFAULT_TRANSFER_TIMEOUT)
     on_transfer_failure: str = "recompute"
@@ -149,7 +164,7 @@ class LLMServiceSpec:
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     kv_transfer: KVTransferSpec = KVTransferSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
-    image: str = "ghcr.io/pdserve/pdserve:0.1.0"
+    image: str = ""  # "": the operator's default image (render.DEFAULT_IMAGE or --default-image)
     image_pull_policy: str = "IfNotPresent"
     image_pull_secrets: tuple[str, ...] = ()
 

@@ -26,11 +26,32 @@ is added to :class:`~pdserve.engine.sampling_params.SamplingParams` only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pdserve.codec import message
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.engine.sampling_params import InvalidParameter, SamplingParams, valid_text
 
 CONTRACT_VERSION = 2
+MAX_CACHE_SALT_CHARS = 1024
+MAX_REQUEST_ID_CHARS = 256
+
+
+def _check_ids(request_id: str, cache_salt: str | None) -> None:
+    """The request id and the prefix-cache salt (the router's tenant salt and the client's
+    ``cache_salt``, which enters the block hashes: engine/hashing.py)."""
+    if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise InvalidParameter(
+            "request_id", "request_id must be a printable string of at most 256 characters"
+        )
+    if not valid_text(request_id):
+        raise InvalidParameter("request_id", "request_id is not valid Unicode")
+    if cache_salt is not None and (
+        not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS or not valid_text(cache_salt)
+    ):
+        raise InvalidParameter(
+            "cache_salt",
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+        )
 
 
 @message("kv_handle")
@@ -121,6 +142,10 @@ class PrefillRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None
+
+    def validate(self) -> None:
+        _check_ids(self.request_id, self.cache_salt)
 
 
 @message("prefill_reply")
@@ -136,6 +161,7 @@ class PrefillReply:
     num_cached_tokens: int
     prompt_tokens: int
     usage: Usage | None = None
+    logprobs: list[Any] | None = None  # the first token's, when the request asked
 
 
 @message("generate_request")
@@ -149,8 +175,10 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     kv_handle: KVHandle | None = None
     first_token_id: int | None = None
+    cache_salt: str | None = None
 
     def validate(self) -> None:
+        _check_ids(self.request_id, self.cache_salt)
         if self.kv_handle is not None and self.first_token_id is None:
             raise InvalidParameter("first_token_id", "a kv_handle needs an integer first_token_id")
 
@@ -159,18 +187,23 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class TokenDelta:
     """One NDJSON line of a decode worker's stream; ``usage`` on the last one. A line with
-    ``error`` ends the stream: the request failed on that worker."""
+    ``error`` ends the stream: the request failed on that worker (``code``
+    ``request_failed``: this request alone, not to be retried elsewhere)."""
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     usage: Usage | None = None
     error: WorkerError | None = None
+    logprobs: list[Any] | None = None  # per token, when the request asked
 
     def then(self, later: TokenDelta) -> TokenDelta:
         """This delta and a ``later`` one as one message (a reader that fell behind)."""
         ids, text = self.token_ids + later.token_ids, self.text + later.text
-        return replace(later, token_ids=ids, text=text)
+        lps = None
+        if self.logprobs is not None or later.logprobs is not None:
+            lps = (self.logprobs or []) + (later.logprobs or [])
+        return replace(later, token_ids=ids, text=text, logprobs=lps)
 
     @property
     def ends_run(self) -> bool:
@@ -220,8 +253,7 @@ class RequestRef:
     request_id: str
 
     def validate(self) -> None:
-        if len(self.request_id) > 256:
-            raise ValueError("request_id must be at most 256 characters")
+        _check_ids(self.request_id, None)
 
 
 @message("abort_reply")

@@ -20,12 +20,13 @@ ADVERTISE_HOST = "PDSERVE_ADVERTISE_HOST"  # the address peers use to reach a wo
 CACHE = "PDSERVE_CACHE"  # where `pdserve up` keeps downloaded models
 SERVICE = "PDSERVE_SERVICE"  # the LLMService name (set by the operator)
 KV_TRANSPORT = "PDSERVE_KV_TRANSPORT"  # set by the operator, for logs and tools
-SLO_TTFT_MS = "PDSERVE_SLO_TTFT_MS"
-SLO_TPOT_MS = "PDSERVE_SLO_TPOT_MS"
+KERNEL_CACHE = "PDSERVE_KERNEL_CACHE"  # where the CPU attention kernel is compiled to
+CPU_KERNEL = "PDSERVE_CPU_KERNEL"  # "0": never build or use the CPU attention kernel
 OPERATOR_STATUS_INTERVAL = "PDSERVE_OPERATOR_STATUS_INTERVAL"
 OPERATOR_RETRY_DELAY = "PDSERVE_OPERATOR_RETRY_DELAY"
 OPERATOR_AUTOSCALE_TICK = "PDSERVE_OPERATOR_AUTOSCALE_TICK"
 OPERATOR_ROUTER_METRICS_URL = "PDSERVE_OPERATOR_ROUTER_METRICS_URL"
+DEFAULT_IMAGE = "PDSERVE_DEFAULT_IMAGE"  # the operator's image for pods that name none
 
 _warned: set[str] = set()
 

@@ -19,7 +19,7 @@ from pdserve.contract import PrefillReply, PrefillRequest, ReleaseReply, Request
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import engine_config_from_args
 from pdserve.engine.llm_engine import HANDOFF, LLMEngine
-from pdserve.engine.request import RequestOutput
+from pdserve.engine.request import REQUEST_FAILED, RequestOutput
 from pdserve.prefill_worker.events import KVEventPublisher
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS
@@ -76,12 +76,17 @@ class PrefillWorker:
     async def prefill(self, req: PrefillRequest) -> PrefillReply:
         rid, prompt = req.request_id, req.prompt_token_ids
         final: RequestOutput | None = None
-        async for out in self.engine.generate(rid, prompt, req.sampling, hold_kv=True):
+        salt = req.cache_salt
+        async for out in self.engine.generate(
+            rid, prompt, req.sampling, hold_kv=True, cache_salt=salt
+        ):
             final = out
         assert final is not None and final.finished
         if final.queue_seconds is not None:
             self.metrics.queue_wait.labels(ROLE).observe(final.queue_seconds)
         self.metrics.requests.labels(ROLE, final.finish_reason).inc()
+        if final.error_code == REQUEST_FAILED:  # this request alone: the router must not retry
+            raise BadRequest(final.error, status=422, code=REQUEST_FAILED)
         if final.finish_reason in ("error", "abort"):
             raise BadRequest(final.error or f"request {final.finish_reason}", status=503)
         handle = final.kv_handle if final.finish_reason == HANDOFF else None
@@ -94,6 +99,7 @@ class PrefillWorker:
             num_cached_tokens=final.num_cached_tokens,
             prompt_tokens=final.num_prompt_tokens,
             usage=Usage(**final.usage),
+            logprobs=final.logprobs,  # the first token's, when the request asked
         )
 
     def app(self) -> FastAPI:

@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.contract import GenerateRequest, KVHandle, PrefillReply, PrefillRequest, TokenDelta
-from pdserve.engine.hashing import block_hashes
+from pdserve.engine.hashing import block_hashes, salt_root
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import disagg, worker_client
 from pdserve.router.config import RouterConfig
@@ -47,6 +47,8 @@ class Delta:
     text: str
     num_tokens: int
     finish_reason: str | None = None
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[Any, ...] | None = None  # per token: (logprob, [(id, logprob)])
 
 
 @dataclass
@@ -66,6 +68,7 @@ class RequestState:
     remote_prefill: bool = False  # a prefill worker computed the prompt
     status: int = 200  # HTTP status for metrics (499: client went away)
     recorded: bool = False
+    cache_salt: str | None = None  # enters the block hashes on every worker (hashing.py)
 
     @property
     def finished(self) -> bool:
@@ -91,9 +94,9 @@ class Dispatcher:
         self._rr = 0
         self._background: set[asyncio.Task[Any]] = set()
 
-    def plan(self, ids: list[int], snap: Snapshot) -> RoutePlan:
+    def plan(self, ids: list[int], snap: Snapshot, cache_salt: str | None = None) -> RoutePlan:
         prefix = self.cfg.uses_prefix
-        hashes = block_hashes(ids, snap.block_size) if prefix else []
+        hashes = block_hashes(ids, snap.block_size, salt_root(cache_salt)) if prefix else []
         req = RouteRequest(len(ids), tuple(hashes), snap.block_size, self.index.match(hashes),
                            self.index.held() if prefix else {})  # fmt: skip
         try:
@@ -116,7 +119,10 @@ class Dispatcher:
                 if result is not None:
                     rs.remote_prefill = True
                     rs.cached_tokens = result.num_cached_tokens
-                    yield self._delta(rs, result.text, 1, result.finish_reason)
+                    yield self._delta(
+                        rs, result.text, 1, result.finish_reason,
+                        (result.first_token_id,), result.logprobs,
+                    )  # fmt: skip
                     if result.finish_reason is not None or result.kv_handle is None:
                         rs.finish_reason = rs.finish_reason or "stop"
                         return
@@ -127,7 +133,15 @@ class Dispatcher:
             if not rs.finished:
                 self._abort_all(rs)
 
-    def _delta(self, rs: RequestState, text: str, n: int, finish: str | None) -> Delta:
+    def _delta(
+        self,
+        rs: RequestState,
+        text: str,
+        n: int,
+        finish: str | None,
+        ids: tuple[int, ...] = (),
+        logprobs: list[Any] | None = None,
+    ) -> Delta:
         now = time.perf_counter()
         if n > 0:
             if rs.first_token_at is None:
@@ -138,10 +152,10 @@ class Dispatcher:
             rs.last_token_at = now
         rs.completion_tokens += n
         rs.finish_reason = finish
-        return Delta(text, n, finish)
+        return Delta(text, n, finish, ids, tuple(logprobs) if logprobs is not None else None)
 
     async def _prefill(self, rs: RequestState, plan: RoutePlan) -> PrefillReply | None:
-        req = PrefillRequest(rs.request_id, rs.prompt_ids, rs.sampling)
+        req = PrefillRequest(rs.request_id, rs.prompt_ids, rs.sampling, rs.cache_salt)
         for worker in plan.prefill[:MAX_ATTEMPTS]:
             url, n = worker.url, len(rs.prompt_ids)
             rs.touched.add(url)
@@ -162,7 +176,9 @@ class Dispatcher:
     async def _decode(
         self, rs: RequestState, plan: RoutePlan, handle: KVHandle | None, first: int | None
     ) -> AsyncIterator[Delta]:
-        req = GenerateRequest(rs.request_id, rs.prompt_ids, rs.sampling, handle, first)
+        req = GenerateRequest(
+            rs.request_id, rs.prompt_ids, rs.sampling, handle, first, rs.cache_salt
+        )
         for attempt, worker in enumerate(plan.decode[:MAX_ATTEMPTS]):
             url, relayed = worker.url, False
             if attempt and req.kv_handle is not None:
@@ -176,7 +192,7 @@ class Dispatcher:
                     if rs.finished:  # read on to the end: the connection goes back to the pool
                         continue
                     if msg.error is not None:
-                        raise WorkerFailed(url, f"worker error: {msg.error.message}", down=False)
+                        raise worker_client.stream_error(url, msg.error)
                     delta = self._relay(rs, msg)
                     relayed = relayed or delta.num_tokens > 0 or bool(delta.text)
                     yield delta
@@ -211,7 +227,8 @@ class Dispatcher:
     def _relay(self, rs: RequestState, msg: TokenDelta) -> Delta:
         if msg.usage is not None and not rs.remote_prefill:  # else the prefill's count holds
             rs.cached_tokens = msg.usage.cached_tokens
-        return self._delta(rs, msg.text, len(msg.token_ids), msg.finish_reason)
+        ids = msg.token_ids
+        return self._delta(rs, msg.text, len(ids), msg.finish_reason, tuple(ids), msg.logprobs)
 
     def _track(self, url: str, role: str, tokens: int, step: int) -> None:
         if step > 0:

@@ -25,7 +25,9 @@ from pdserve.contract import (
     PrefillRequest,
     RequestRef,
     TokenDelta,
+    WorkerError,
 )
+from pdserve.engine.request import REQUEST_FAILED
 from pdserve.router.errors import APIError, from_worker_body
 
 T = TypeVar("T")
@@ -142,6 +144,17 @@ async def generate(
                 yield _message(url, rest)
     except TRANSPORT_ERRORS as exc:
         raise WorkerFailed(url, f"generate failed: {exc!r}") from exc
+
+
+def stream_error(url: str, error: WorkerError) -> Exception:
+    """The error of a decode stream's line: a request fault (code ``request_failed``) goes
+    to the client as is and is never retried elsewhere; any other error is the worker's
+    (``WorkerFailed``: the dispatcher may try another)."""
+    if error.code == REQUEST_FAILED:
+        body = {"error": {"message": error.message, "type": error.type, "param": error.param,
+                          "code": error.code}}  # fmt: skip
+        return from_worker_body(422, body, "the request failed on the worker")
+    return WorkerFailed(url, f"worker error: {error.message}", down=False)
 
 
 def _message(url: str, line: bytes) -> TokenDelta:

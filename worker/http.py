@@ -22,11 +22,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve import env
-from pdserve.codec import CodecError, decode, to_dict
+from pdserve.codec import CodecError, from_dict, to_dict
 from pdserve.contract import AbortReply, RequestRef, WorkerStats
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import add_engine_arguments
+from pdserve.engine.request import REQUEST_FAILED, RequestFailed
 from pdserve.engine.sampling_params import InvalidParameter
+from pdserve.jsonguard import BadJSON, loads_checked
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 from pdserve.worker.metrics import WorkerMetrics
 
@@ -38,10 +40,13 @@ MAX_BODY_BYTES = 64 << 20
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.param = param
         self.status = status
+        self.code = code
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -86,7 +91,11 @@ async def read_message(request: Request, cls: type[T]) -> T:
     if len(raw) > MAX_BODY_BYTES:
         raise BadRequest(f"request body over {MAX_BODY_BYTES} bytes", status=413)
     try:
-        return decode(raw, cls)
+        body = loads_checked(raw)  # depth-limited (pdserve/jsonguard.py)
+    except BadJSON as exc:
+        raise BadRequest(str(exc), exc.field) from exc
+    try:
+        return from_dict(body, cls)
     except CodecError as exc:
         raise BadRequest(str(exc), exc.field) from exc
 
@@ -136,15 +145,19 @@ def add_common_routes(
 
     @app.exception_handler(BadRequest)
     async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        return error_response(exc.status, str(exc), exc.param)
+        return error_response(exc.status, str(exc), exc.param, exc.code)
 
     @app.exception_handler(InvalidParameter)
     async def _invalid(_: Request, exc: InvalidParameter) -> JSONResponse:
         return error_response(400, str(exc), exc.field)
 
+    @app.exception_handler(RequestFailed)
+    async def _failed(_: Request, exc: RequestFailed) -> JSONResponse:
+        return error_response(422, str(exc), None, REQUEST_FAILED)
+
     @app.get("/livez")
     async def livez() -> JSONResponse:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "alive"})  # liveness: the process; readiness: /health
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -21,12 +21,13 @@ import yaml
 from k8s_emulator import ApiServer
 from k8s_helpers import NS
 
+from pdserve.operator.cache import WATCHED
 from pdserve.operator.handlers import OperatorConfig
 from pdserve.operator.kube import KubeClient
 from pdserve.operator.main import build_registry
 
 
-class _ForeignTasks(Collection["asyncio.Task[Any]"]):
+class ForeignTasks(Collection["asyncio.Task[Any]"]):
     """Every task not running kopf's own code (tests, the emulator): kopf must not reap them."""
 
     def __contains__(self, task: object) -> bool:
@@ -51,6 +52,17 @@ async def api_server() -> AsyncIterator[ApiServer]:
             verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             subresources={"status"},
         )
+        # The children the operator watches (cache.WATCHED): kopf discovers them first.
+        for w in WATCHED:
+            server.resources[f"{w.api_version}/{w.plural}"] = kmock.ResourceInfo(
+                kind=w.kind, namespaced=True,
+                verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+            )  # fmt: skip
+        # kopf's peering (HA): one KopfPeering per watched namespace, status = the peers.
+        server.resources["kopf.dev/v1/kopfpeerings"] = kmock.ResourceInfo(
+            kind="KopfPeering", namespaced=True,
+            verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+        )  # fmt: skip
         # kopf's backbone: it waits for these to be discoverable before it starts watching.
         read = {"get", "list", "watch"}
         server.resources["v1/namespaces"] = kmock.ResourceInfo(
@@ -93,9 +105,12 @@ async def client(api_server: ApiServer) -> AsyncIterator[KubeClient]:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(config: OperatorConfig | None = None) -> AsyncIterator[None]:
-    """The real operator (kopf + our handlers) as a task in this event loop."""
-    config = config or OperatorConfig(status_interval=0.3, retry_delay=0.5)
+async def running_operator(
+    config: OperatorConfig | None = None, peering: str = "", priority: int = 0
+) -> AsyncIterator[None]:
+    """The real operator (kopf + our handlers) as a task in this event loop; with ``peering``
+    one of several replicas (the highest ``priority`` is active, the others stand by)."""
+    config = config or OperatorConfig(status_interval=0.3, retry_delay=0.5, debounce=0.05)
     stop, ready = asyncio.Event(), asyncio.Event()
 
     async def run_operator() -> None:
@@ -104,11 +119,13 @@ async def running_operator(config: OperatorConfig | None = None) -> AsyncIterato
         tasks = await kopf.spawn_tasks(
             registry=build_registry(config),
             namespaces=[NS],
-            standalone=True,
+            standalone=not peering,
+            peering_name=peering or None,
+            priority=priority,
             stop_flag=stop,
             ready_flag=ready,
         )
-        await kopf.run_tasks(tasks, ignored=_ForeignTasks())
+        await kopf.run_tasks(tasks, ignored=ForeignTasks())
 
     task = asyncio.create_task(run_operator())
     await asyncio.wait_for(ready.wait(), timeout=10)

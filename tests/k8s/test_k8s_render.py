@@ -7,10 +7,12 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_helpers import ROOT, minimal_llmservice
+from k8s_helpers import ROOT, minimal_llmservice, schema_errors
 
 from pdserve.cli import main as pdserve_main
+from pdserve.operator.reconcile import keep_autoscaled_replicas
 from pdserve.operator.render import render
+from pdserve.operator.spec_parse import parse_llmservice
 
 GPU_EXAMPLE = ROOT / "examples" / "llmservice-gpu.yaml"
 
@@ -66,8 +68,9 @@ def test_worker_pods_follow_the_contract() -> None:
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["automountServiceAccountToken"] is False
-        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-            assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        for probe in ("livenessProbe", "startupProbe"):  # the process, not its readiness
+            assert c[probe]["httpGet"] == {"path": "/livez", "port": "http"}
         mounts = {v["mountPath"]: v["name"] for v in c["volumeMounts"]}
         assert mounts == {"/models": "model", "/tmp": "tmp", "/dev/shm": "dshm"}
         vols = {v["name"]: v for v in spec["volumes"]}
@@ -96,6 +99,11 @@ def test_router_pod_and_services() -> None:
     spec = pod(m, "llama3-8b-router")
     cmd = spec["containers"][0]["command"]
     assert cmd[:2] == ["pdserve", "router"]
+    probes = {k: spec["containers"][0][k]["httpGet"]["path"] for k in ("livenessProbe",
+              "readinessProbe", "startupProbe")}  # fmt: skip
+    # A 1-replica decode rollout makes /health 503: that must not restart the router.
+    assert probes == {"livenessProbe": "/livez", "readinessProbe": "/health",
+                      "startupProbe": "/livez"}  # fmt: skip
     flags = dict(zip(cmd[2::2], cmd[3::2], strict=False))
     assert flags["--discovery"] == "kubernetes" and flags["--service"] == "llama3-8b"
     assert flags["--namespace"] == "llm" and flags["--disagg-threshold"] == "256"
@@ -117,6 +125,28 @@ def test_router_pod_and_services() -> None:
         assert m[f"Service/llama3-8b-{r}"]["spec"]["clusterIP"] == "None"
     ing = m["Ingress/llama3-8b"]["spec"]
     assert ing["tls"] == [{"hosts": ["llama.llm.example.com"], "secretName": "llama-tls"}]
+    # Only the OpenAI API is exposed, never the router's /metrics or /workers.
+    assert [p["path"] for p in ing["rules"][0]["http"]["paths"]] == ["/v1"]
+
+
+def test_ipc_lock_is_an_rdma_opt_in() -> None:
+    """IPC_LOCK fails PodSecurity "restricted": only with kvTransfer.ipcLock, never implied."""
+    rdma = {"rdmaResourceName": "rdma/hca_shared_devices_a"}
+    locked = {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    cases = (
+        ({}, {"drop": ["ALL"]}),
+        (rdma, {"drop": ["ALL"]}),
+        ({**rdma, "ipcLock": True}, locked),
+    )
+    for kv, caps in cases:
+        m = by_key(render(minimal_llmservice(kvTransfer=kv)))
+        for role in ("prefill", "decode"):
+            assert (
+                pod(m, f"demo-{role}")["containers"][0]["securityContext"]["capabilities"] == caps
+            )
+        assert (
+            "add" not in pod(m, "demo-router")["containers"][0]["securityContext"]["capabilities"]
+        )
 
 
 def test_network_policy_admits_only_this_service() -> None:
@@ -125,7 +155,14 @@ def test_network_policy_admits_only_this_service() -> None:
     assert sel["matchExpressions"][0]["values"] == ["prefill", "decode"]
     peers, metrics = policy["ingress"]
     assert peers["from"] == [{"podSelector": {"matchLabels": {"pdserve.io/service": "llama3-8b"}}}]
-    assert sorted(p["port"] for p in peers["ports"]) == [8080, 8081, 8082]
+    assert sorted(p["port"] for p in peers["ports"]) == [8080, 8081, 8082, 20000]
+    # NIXL's UCX listens only inside its pinned range, and exactly that range is open.
+    ucx = next(p for p in peers["ports"] if p["port"] == 20000)
+    assert ucx == {"protocol": "TCP", "port": 20000, "endPort": 20031}
+    env = gpu()["ConfigMap/llama3-8b-config"]["data"]
+    assert env["UCX_TCP_PORT_RANGE"] == "20000-20031"
+    tcp = by_key(render(minimal_llmservice(kvTransfer={"transport": "tcp"})))
+    assert "UCX_TCP_PORT_RANGE" not in tcp["ConfigMap/demo-config"]["data"]
     assert metrics["ports"] == [{"protocol": "TCP", "port": 8080}]
 
 
@@ -145,15 +182,42 @@ def test_huggingface_source_uses_init_container() -> None:
     assert "--include" in router["command"]  # the router fetches only tokenizer/config files
 
 
-def test_config_change_rolls_pods() -> None:
-    a = by_key(render(minimal_llmservice()))
-    b = by_key(render(minimal_llmservice(slo={"ttftMs": 250})))
+def _templates(obj: dict[str, Any]) -> dict[str, Any]:
+    m = by_key(render(obj))
+    return {
+        r: m[f"Deployment/demo-{r}"]["spec"]["template"] for r in ("router", "prefill", "decode")
+    }
+
+
+def test_only_what_pods_read_rolls_pods() -> None:
+    base = _templates(minimal_llmservice())
+    # No pod reads the SLOs (the planner reads spec): an SLO edit must not roll GPU pods.
+    slo = minimal_llmservice(slo={"ttftMs": 250})
+    assert _templates(slo) == base
+    assert '"ttftMs": 250' in by_key(render(slo))["ConfigMap/demo-config"]["data"]["settings.json"]
+    # UCX reads UCX_TLS from the environment: that change must roll the workers.
+    ucx = _templates(minimal_llmservice(kvTransfer={"ucxTls": "tcp"}))
     key = "pdserve.io/config-hash"
     for r in ("router", "prefill", "decode"):
-        ha = a[f"Deployment/demo-{r}"]["spec"]["template"]["metadata"]["annotations"][key]
-        hb = b[f"Deployment/demo-{r}"]["spec"]["template"]["metadata"]["annotations"][key]
-        assert ha != hb
-    assert b["ConfigMap/demo-config"]["data"]["PDSERVE_SLO_TTFT_MS"] == "250"
+        assert ucx[r]["metadata"]["annotations"][key] != base[r]["metadata"]["annotations"][key]
+
+
+def test_rollouts_surge_first_and_decode_drains() -> None:
+    m = by_key(render(minimal_llmservice()))
+    for r, grace in (("router", 600), ("prefill", 120), ("decode", 600)):
+        dep = m[f"Deployment/demo-{r}"]["spec"]
+        assert dep["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}, r
+        assert dep["progressDeadlineSeconds"] >= 1800 + 600  # past the startup probe's 30 min
+        pod = dep["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == grace
+        pre = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre[0] == "sleep" and 0 < int(pre[1]) < grace  # leave the Endpoints first
+    # A budget only where it means something: 1-replica pools (the default) get none.
+    assert [k for k in m if k.startswith("PodDisruptionBudget/")] == []
+    two = by_key(render(minimal_llmservice(decode={"replicas": 2})))
+    assert [k for k in two if k.startswith("PodDisruptionBudget/")] == [
+        "PodDisruptionBudget/demo-decode"
+    ]
 
 
 def test_render_is_pure_and_deterministic() -> None:
@@ -180,3 +244,55 @@ def test_render_cli(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) 
     bad.write_text("kind: Deployment\nmetadata: {name: x}\n")
     assert pdserve_main(["render", "-f", str(bad)]) == 1
     assert "expected LLMService" in capsys.readouterr().err
+
+
+def test_external_scaling_keeps_the_hpa_replica_count() -> None:
+    """With externalScaling an HPA / KEDA drives the pool's Deployment (its scale subresource):
+    drift repair keeps the count it finds, clamped to the pool's bounds; other pools do not."""
+    obj = minimal_llmservice(decode={"externalScaling": True, "maxReplicas": 6})
+    svc = parse_llmservice(obj)
+    m = by_key(render(obj))
+    decode, prefill = m["Deployment/demo-decode"], m["Deployment/demo-prefill"]
+    live = {"spec": {"replicas": 5}}
+    assert "replicas" not in keep_autoscaled_replicas(svc, decode, live)["spec"]
+    assert keep_autoscaled_replicas(svc, decode, {"spec": {"replicas": 9}})["spec"]["replicas"] == 6
+    assert keep_autoscaled_replicas(svc, prefill, live)["spec"]["replicas"] == 1
+
+
+def test_shared_model_cache_and_ephemeral_storage() -> None:
+    hf = {"huggingFace": {"id": "org/model", "revision": "v2", "downloadSizeLimit": "20Gi"}}
+    plain = by_key(render(minimal_llmservice(model={"source": hf})))
+    # Per-pod download: the emptyDir is requested as ephemeral storage (router: tokenizer only).
+    for role, size in (("prefill", "20Gi"), ("decode", "20Gi"), ("router", "1Gi")):
+        c = pod(plain, f"demo-{role}")["containers"][0]
+        assert c["resources"]["requests"]["ephemeral-storage"] == size, role
+    cached_src = {"huggingFace": {**hf["huggingFace"], "cache": {"claimName": "hf-cache"}}}
+    cached = by_key(render(minimal_llmservice(model={"source": cached_src})))
+    for role in ("prefill", "decode", "router"):
+        spec = pod(cached, f"demo-{role}")
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["model"] == {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": "hf-cache"},
+        }
+        init = spec["initContainers"][0]["command"]
+        assert init[init.index("--local-dir") + 1] == "/models/org--model@v2"
+        main = spec["containers"][0]
+        assert {m["name"]: m.get("readOnly") for m in main["volumeMounts"]}["model"] is True
+        assert main["resources"]["requests"]["ephemeral-storage"] == "1Gi"
+    cmd = pod(cached, "demo-decode")["containers"][0]["command"]
+    assert cmd[cmd.index("--model") + 1] == "/models/org--model@v2"
+
+
+def test_optional_gateway_api_http_route() -> None:
+    route = {"parentRefs": [{"name": "public", "namespace": "gateways"}],
+             "hostnames": ["llm.example.com"]}  # fmt: skip
+    obj = minimal_llmservice(router={"httpRoute": route})
+    assert schema_errors(obj) == []
+    r = by_key(render(obj))["HTTPRoute/demo"]
+    assert r["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert r["spec"]["parentRefs"] == [{"name": "public", "namespace": "gateways"}]
+    rule = r["spec"]["rules"][0]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    assert rule["backendRefs"] == [{"name": "demo", "port": 80}]
+    assert "HTTPRoute/demo" not in by_key(render(minimal_llmservice()))

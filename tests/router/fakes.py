@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -39,10 +40,12 @@ from pdserve.contract import (
     WorkerStats,
 )
 from pdserve.engine.hashing import block_hashes
-from pdserve.env import SECRET_HEADER
+from pdserve.env import SECRET_HEADER, SERVICE_SECRET
 from tests.loopback import free_port
 
-SECRET = "router-tests-secret"  # conftest sets PDSERVE_SERVICE_SECRET to it for the router
+# The suite's service secret (tests/conftest.py): the router under test reads it from the
+# environment, as every real process does, and the fakes require it.
+SECRET = os.environ[SERVICE_SECRET]
 
 BLOCK = 16
 TOTAL_BLOCKS = 1000
@@ -53,7 +56,7 @@ MAX_MODEL_LEN = 2048
 class FakeState:
     role: str
     worker_id: str
-    fail: str = ""  # "" | "500" | "400" | "mid-stream" | "error-line" | "hang"
+    fail: str = ""  # "" | "500" | "400" | "mid-stream" | "error-line" | "hang" | "request-fault"
     token_delay_s: float = 0.0
     kv_events: str = ""
     leases: dict[str, int] = field(default_factory=dict)  # request_id -> blocks
@@ -76,9 +79,9 @@ def _stats(st: FakeState) -> dict[str, Any]:
     ))  # fmt: skip
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                      "code": None}}  # fmt: skip
+                      "code": code}}  # fmt: skip
     return JSONResponse(body, status_code=status)
 
 
@@ -122,6 +125,8 @@ def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI
             return _error(500, "injected failure")
         if st.fail == "400":
             return _error(400, "injected refusal")
+        if st.fail == "request-fault":  # the request alone failed (worker_http, code 422)
+            return _error(422, "request failed: injected", "request_failed")
         ids, rid = body.prompt_token_ids, body.request_id
         before = len(st.aborted)  # aborts of this rid before now are of an earlier prefill
         while st.fail == "hang" and rid not in st.aborted[before:]:  # until the router aborts
@@ -185,6 +190,10 @@ async def _stream(st: FakeState, rid: str, n: int) -> AsyncIterator[bytes]:
                 return
             if st.fail == "error-line":
                 yield encode(TokenDelta(error=WorkerError("injected"))) + b"\n"
+                return
+            if st.fail == "request-fault":  # before any token: the router must not retry
+                err = WorkerError("request failed: injected", code="request_failed")
+                yield encode(TokenDelta(error=err)) + b"\n"
                 return
             if st.fail == "mid-stream" and i == 2:
                 raise RuntimeError("injected crash mid-stream")
