@@ -118,6 +118,13 @@ def _prefill(engine: LLMEngine, rid: str) -> tuple[KVHandle, int]:
     return handle, out.token_ids[0]
 
 
+def _all_freed(prefill: LLMEngine, decode: LLMEngine, rid: str) -> None:
+    """The prefill side ends its hold; then every block on both sides is free."""
+    assert prefill.release_held(rid)
+    assert_all_free(prefill)
+    assert_all_free(decode)
+
+
 def _record_chunks(engine: LLMEngine) -> list[int]:
     """Token counts of every chunk the engine's model runs."""
     sizes: list[int] = []
@@ -185,9 +192,7 @@ def test_failed_load_is_recomputed(pair: Any, reference: list[int]) -> None:
     outs = _decode(decode, "a", handle, first)
     assert [t for o in outs for t in o.token_ids] == reference[1:]
     assert sizes[0] == len(PROMPT) + 1  # prompt and first token recomputed locally
-    prefill.release_held("a")
-    assert_all_free(prefill)
-    assert_all_free(decode)
+    _all_freed(prefill, decode, "a")
 
 
 def test_failed_load_fails_the_request_without_recompute(pair: Any) -> None:
@@ -198,9 +203,7 @@ def test_failed_load_fails_the_request_without_recompute(pair: Any) -> None:
     outs = _decode(decode, "a", handle, first)
     assert [o.finish_reason for o in outs] == ["error"]
     assert "injected failure" in outs[0].error
-    prefill.release_held("a")
-    assert_all_free(prefill)
-    assert_all_free(decode)
+    _all_freed(prefill, decode, "a")
 
 
 def test_abort_while_loading_frees_blocks_only_after_poll(pair: Any) -> None:
@@ -219,9 +222,7 @@ def test_abort_while_loading_frees_blocks_only_after_poll(pair: Any) -> None:
     connector.hold = False
     decode.step()  # the connector reports the cancelled load: now the blocks are free
     assert not decode.scheduler.loading
-    prefill.release_held("a")
-    assert_all_free(prefill)
-    assert_all_free(decode)
+    _all_freed(prefill, decode, "a")
 
 
 def test_bad_handles_are_rejected(pair: Any) -> None:
@@ -244,9 +245,7 @@ def test_bad_handles_are_rejected(pair: Any) -> None:
             decode.add_request("x", PROMPT, _greedy(), **kwargs)
         assert err.value.field == field_name
     assert not decode.has_work
-    prefill.release_held("a")
-    assert_all_free(prefill)
-    assert_all_free(decode)
+    _all_freed(prefill, decode, "a")
 
 
 def test_quarantined_blocks_stay_owned_until_the_read_stops(pair: Any) -> None:
@@ -266,6 +265,4 @@ def test_quarantined_blocks_stay_owned_until_the_read_stops(pair: Any) -> None:
     connector.lifted.append("a")
     decode.free_released()
     assert not decode.quarantined
-    prefill.release_held("a")
-    assert_all_free(prefill)
-    assert_all_free(decode)
+    _all_freed(prefill, decode, "a")

@@ -16,7 +16,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import uvicorn
@@ -46,6 +46,7 @@ from tests.loopback import free_port
 # The suite's service secret (tests/conftest.py): the router under test reads it from the
 # environment, as every real process does, and the fakes require it.
 SECRET = os.environ[SERVICE_SECRET]
+T = TypeVar("T")
 
 BLOCK = 16
 TOTAL_BLOCKS = 1000
@@ -85,6 +86,13 @@ def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
+async def _receive(st: FakeState, request: Request, cls: type[T]) -> tuple[T, Any]:
+    """The typed body, recorded; and the injected 500, if this worker is set to fail."""
+    body = decode(await request.body(), cls)
+    st.requests.append(body)
+    return body, _error(500, "injected failure") if st.fail == "500" else None
+
+
 def _common(app: FastAPI, st: FakeState) -> None:
     @app.middleware("http")
     async def secret(request: Request, call_next: Any) -> Any:
@@ -119,10 +127,9 @@ def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI
 
     @app.post("/prefill")
     async def prefill(request: Request) -> Any:
-        body = decode(await request.body(), PrefillRequest)
-        st.requests.append(body)
-        if st.fail == "500":
-            return _error(500, "injected failure")
+        body, failed = await _receive(st, request, PrefillRequest)
+        if failed is not None:
+            return failed
         if st.fail == "400":
             return _error(400, "injected refusal")
         if st.fail == "request-fault":  # the request alone failed (worker_http, code 422)
@@ -167,10 +174,9 @@ def decode_app(st: FakeState) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
-        body = decode(await request.body(), GenerateRequest)
-        st.requests.append(body)
-        if st.fail == "500":
-            return _error(500, "injected failure")
+        body, failed = await _receive(st, request, GenerateRequest)
+        if failed is not None:
+            return failed
         rid, handle = body.request_id, body.kv_handle
         n = body.sampling.max_tokens - (1 if handle else 0)
         st.active[rid] = -(-len(body.prompt_token_ids) // BLOCK)
