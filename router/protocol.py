@@ -6,12 +6,13 @@ sampling parameters are checked by the engine's own ``SamplingParams.validate``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.router.errors import APIError, invalid
 from pdserve.router.structured_request import structured_spec
+from pdserve.router.tools import ToolConfig, grammar_spec, parse_tools
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted only at their "off" values: (field, values meaning off).
@@ -19,7 +20,6 @@ UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("echo", (None, False)),
     ("best_of", (None, 1)),
     ("suffix", (None, "")),
-    ("tools", (None, [])),
 )
 
 
@@ -36,6 +36,7 @@ class GenerateRequest:
     messages: tuple[dict[str, Any], ...] | None = None
     user: str | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
+    tools: ToolConfig | None = None  # chat: tools that may be called (router/tools.py)
 
 
 def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateRequest:
@@ -69,9 +70,33 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
         tokens_as_ids=as_ids,
     )
     if chat:
-        return GenerateRequest(chat=True, messages=parse_messages(body.get("messages")), **common)
+        tools = parse_tools(body)
+        common["sampling"] = _with_tools(sampling, tools)
+        messages = parse_messages(body.get("messages"))
+        return GenerateRequest(chat=True, messages=messages, tools=tools, **common)
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) is not None:
+            raise invalid(f"{name} is a chat completions parameter", name)
     text, ids = _prompt(body.get("prompt"))
     return GenerateRequest(chat=False, prompt_text=text, prompt_token_ids=ids, **common)
+
+
+def _with_tools(sampling: SamplingParams, tools: ToolConfig | None) -> SamplingParams:
+    """A required / named tool_choice constrains the reply to a valid call."""
+    if tools is None:
+        return sampling
+    if sampling.logprobs is not None:
+        raise invalid("logprobs cannot be combined with tools", "logprobs")
+    spec = grammar_spec(tools)
+    if spec is None:
+        return sampling
+    if sampling.structured is not None:
+        raise invalid(f"tool_choice {tools.choice!r} cannot be combined with "
+                      f"{sampling.structured['param']}", "tool_choice")  # fmt: skip
+    try:
+        return replace(sampling, structured=spec).validate()
+    except InvalidParameter as exc:
+        raise invalid(str(exc), exc.field) from exc
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -198,8 +223,37 @@ def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role must be one of {list(CHAT_ROLES)}", "messages")
-        out.append({"role": role, "content": _content(m.get("content"), i)})
+        msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), i)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise invalid(f"messages[{i}]: a tool message needs tool_call_id", "messages")
+            msg["tool_call_id"] = call_id
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
     return tuple(out)
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    def bad() -> APIError:
+        return invalid(f"messages[{i}].tool_calls: each needs id and function "
+                       "{name, arguments (a string)}", "messages")  # fmt: skip
+
+    if not isinstance(calls, list):
+        raise bad()
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad()
+        if not isinstance(fn.get("arguments", ""), str) or not isinstance(c.get("id", ""), str):
+            raise bad()
+        function = {"name": fn["name"], "arguments": fn.get("arguments", "")}
+        out.append({"id": c.get("id", ""), "type": "function", "function": function})
+    return out
 
 
 def _content(content: Any, i: int) -> str:

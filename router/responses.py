@@ -42,13 +42,18 @@ def full_response(
     finish: str | None,
     use: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
+    message: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``message`` replaces the chat message built from ``text`` (tool calls)."""
+    choice = _choice(chat, text, finish, False, logprobs)
+    if message is not None:
+        choice["message"] = message
     return {
         "id": rid,
         "object": _object(chat, False),
         "created": int(time.time()),
         "model": model,
-        "choices": [_choice(chat, text, finish, False, logprobs)],
+        "choices": [choice],
         "usage": use,
     }
 
@@ -77,6 +82,18 @@ def chunk(
         body["choices"] = [_choice(chat, text, finish, True, logprobs)]
     if use is not None:
         body["usage"] = use
+    return sse(body)
+
+
+def delta_chunk(rid: str, model: str, delta: dict[str, Any], finish: str | None = None) -> str:
+    """A chat chunk with a given ``delta`` (tool-call deltas, or {} with the finish)."""
+    body = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
     return sse(body)
 
 

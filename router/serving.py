@@ -27,6 +27,8 @@ from pdserve.router.protocol import GenerateRequest, check_model, parse_request
 from pdserve.router.routing import RoutePlan
 from pdserve.router.runtime import Runtime, Ticket
 from pdserve.router.snapshot import Snapshot
+from pdserve.router.tool_output import ToolOutput
+from pdserve.router.tools import chat_inputs
 
 T = TypeVar("T")
 
@@ -69,7 +71,8 @@ async def read_json(request: Request) -> Any:
 def prompt_ids(rt: Runtime, req: GenerateRequest) -> list[int]:
     if req.chat:
         assert req.messages is not None
-        return rt.tokenizer.encode_chat(list(req.messages))
+        messages, tools = chat_inputs(rt.tokenizer.tok, list(req.messages), req.tools)
+        return rt.tokenizer.encode_chat(messages, tools=tools)
     if req.prompt_token_ids is not None:
         bad = [t for t in req.prompt_token_ids if t >= rt.tokenizer.vocab_size]
         if bad:
@@ -187,9 +190,12 @@ async def _respond(
             text, finish, ids, lps = await guarded(request, _collect(events))
             rt.finish(rs, 200)
             fmt = _formatter(rt, req)
+            message = None
+            if req.tools is not None:
+                message, finish = ToolOutput(req.tools).message(text, finish)
             body = responses.full_response(
                 rs.request_id, req.model, req.chat, text, finish, _usage(rs),
-                fmt.format(ids, lps) if fmt is not None else None,
+                fmt.format(ids, lps) if fmt is not None else None, message,
             )  # fmt: skip
             return JSONResponse(body)
         first = await guarded(request, anext(events))
@@ -208,8 +214,8 @@ async def _respond(
         ticket.release()
         rt.finish(rs, rs.status)
 
-    fmt = _formatter(rt, req)
-    return _Stream(_sse_head(req, rs, first, fmt), _sse_rest(req, rs, events, fmt), cleanup)
+    out = _Chunks(req, rs, _formatter(rt, req))
+    return _Stream(_sse_head(req, rs, first, out), _sse_rest(req, rs, events, out), cleanup)
 
 
 def _formatter(rt: Runtime, req: GenerateRequest) -> LogprobsFormatter | None:
@@ -244,28 +250,49 @@ def _usage(rs: RequestState) -> dict[str, Any]:
     return responses.usage(len(rs.prompt_ids), rs.completion_tokens, rs.cached_tokens)
 
 
-def _sse_head(
-    req: GenerateRequest, rs: RequestState, first: Delta, fmt: LogprobsFormatter | None
-) -> str:
+class _Chunks:
+    """SSE text for each delta of one stream: text and logprobs, or tool-call deltas."""
+
+    def __init__(
+        self, req: GenerateRequest, rs: RequestState, fmt: LogprobsFormatter | None
+    ) -> None:
+        self.rid, self.model, self.chat = rs.request_id, req.model, req.chat
+        self.fmt = fmt
+        self.tools = ToolOutput(req.tools) if req.tools is not None else None
+
+    def __call__(self, d: Delta) -> str:
+        if self.tools is None:
+            lps = _delta_logprobs(self.fmt, d)
+            return responses.chunk(
+                self.rid, self.model, self.chat, d.text, d.finish_reason, logprobs=lps
+            )
+        deltas, finish = self.tools.feed(d.text), None
+        if d.finish_reason is not None:
+            more, finish = self.tools.finish(d.finish_reason)
+            deltas += more
+        out = "".join(responses.delta_chunk(self.rid, self.model, x) for x in deltas)
+        if finish is not None:
+            out += responses.delta_chunk(self.rid, self.model, {}, finish)
+        return out
+
+
+def _sse_head(req: GenerateRequest, rs: RequestState, first: Delta, out: _Chunks) -> str:
     """The stream's first chunks: the role (chat) and the first token."""
     rid, model, chat = rs.request_id, req.model, req.chat
     rs.status = 499  # until the stream completes
     role = responses.chunk(rid, model, chat, role=True) if chat else ""
-    lps = _delta_logprobs(fmt, first)
-    return role + responses.chunk(rid, model, chat, first.text, first.finish_reason, logprobs=lps)
+    return role + out(first)
 
 
 async def _sse_rest(
-    req: GenerateRequest,
-    rs: RequestState,
-    events: AsyncIterator[Delta],
-    fmt: LogprobsFormatter | None,
+    req: GenerateRequest, rs: RequestState, events: AsyncIterator[Delta], out: _Chunks
 ) -> AsyncIterator[str]:
     rid, model, chat = rs.request_id, req.model, req.chat
     try:
         async for d in events:
-            lps = _delta_logprobs(fmt, d)
-            yield responses.chunk(rid, model, chat, d.text, d.finish_reason, logprobs=lps)
+            text = out(d)
+            if text:
+                yield text
         if req.include_usage:
             yield responses.chunk(rid, model, chat, use=_usage(rs))
         rs.status = 200
