@@ -11,6 +11,7 @@ from typing import Any
 
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.router.errors import APIError, invalid
+from pdserve.router.fields import check_fields
 from pdserve.router.structured_request import structured_spec
 from pdserve.router.tools import ToolConfig, grammar_spec, parse_tools
 
@@ -45,6 +46,7 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model is required (a string)", "model")
+    check_fields(body, chat)
     for name, off in UNSUPPORTED:
         if name in body and body[name] not in off:
             raise invalid(f"{name} is not supported by this server", name)
@@ -150,6 +152,7 @@ def _sampling(body: dict[str, Any], max_tokens: int, chat: bool) -> SamplingPara
             stop=stop,
             ignore_eos=get("ignore_eos", False),
             min_tokens=get("min_tokens", 0),
+            stop_token_ids=get("stop_token_ids", []),
             presence_penalty=get("presence_penalty", 0.0),
             frequency_penalty=get("frequency_penalty", 0.0),
             repetition_penalty=get("repetition_penalty", 1.0),
