@@ -109,6 +109,12 @@ def create_app(
         }
         return {"object": "list", "data": [card]}
 
+    @app.get("/livez")
+    async def livez() -> JSONResponse:
+        # Liveness is the process itself: /health (readiness) is 503 while no decode worker
+        # is ready, and failing liveness on that would restart the router, losing its index.
+        return JSONResponse({"status": "alive"})
+
     @app.get("/health")
     async def health() -> JSONResponse:
         snap = rt().discovery.snapshot()
