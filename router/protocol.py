@@ -19,7 +19,6 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted only at their "off" values: (field, values meaning off).
 UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("echo", (None, False)),
-    ("best_of", (None, 1)),
     ("suffix", (None, "")),
 )
 
@@ -38,6 +37,7 @@ class GenerateRequest:
     user: str | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
     tools: ToolConfig | None = None  # chat: tools that may be called (router/tools.py)
+    n: int = 1  # choices (router/choices.py)
 
 
 def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateRequest:
@@ -50,9 +50,7 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
     for name, off in UNSUPPORTED:
         if name in body and body[name] not in off:
             raise invalid(f"{name} is not supported by this server", name)
-    n = body.get("n", 1)
-    if n is not None and n != 1:
-        raise invalid(f"only n=1 is supported, got {n!r}", "n")
+    n = _n(body)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("user must be a string", "user")
@@ -70,6 +68,7 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
         include_usage=include_usage,
         user=user,
         tokens_as_ids=as_ids,
+        n=n,
     )
     if chat:
         tools = parse_tools(body)
@@ -81,6 +80,20 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
             raise invalid(f"{name} is a chat completions parameter", name)
     text, ids = _prompt(body.get("prompt"))
     return GenerateRequest(chat=False, prompt_text=text, prompt_token_ids=ids, **common)
+
+
+MAX_N = 16
+
+
+def _n(body: dict[str, Any]) -> int:
+    n = body.get("n")
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise invalid(f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:  # best_of == n: every candidate is returned
+        raise invalid("best_of is supported only equal to n", "best_of")
+    return n
 
 
 def _with_tools(sampling: SamplingParams, tools: ToolConfig | None) -> SamplingParams:

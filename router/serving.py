@@ -166,7 +166,8 @@ async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
     try:
         plan = rt.dispatcher.plan(ids, snap)
         rs = RequestState(rid, ids, req.sampling)
-        response = await _respond(rt, request, req, rs, plan, ticket)
+        respond = _respond if req.n == 1 else _respond_n
+        response = await respond(rt, request, req, rs, plan, ticket)
         streaming = isinstance(response, _Stream)
         return response
     except APIError as err:
@@ -218,6 +219,12 @@ async def _respond(
     return _Stream(_sse_head(req, rs, first, out), _sse_rest(req, rs, events, out), cleanup)
 
 
+async def _respond_n(*args: Any) -> Response:
+    from pdserve.router.serving_n import respond_n  # it builds on this module
+
+    return await respond_n(*args)
+
+
 def _formatter(rt: Runtime, req: GenerateRequest) -> LogprobsFormatter | None:
     if req.sampling.logprobs is None:
         return None
@@ -254,25 +261,30 @@ class _Chunks:
     """SSE text for each delta of one stream: text and logprobs, or tool-call deltas."""
 
     def __init__(
-        self, req: GenerateRequest, rs: RequestState, fmt: LogprobsFormatter | None
+        self,
+        req: GenerateRequest,
+        rs: RequestState,
+        fmt: LogprobsFormatter | None,
+        index: int = 0,
     ) -> None:
         self.rid, self.model, self.chat = rs.request_id, req.model, req.chat
+        self.index = index
         self.fmt = fmt
         self.tools = ToolOutput(req.tools) if req.tools is not None else None
 
     def __call__(self, d: Delta) -> str:
         if self.tools is None:
             lps = _delta_logprobs(self.fmt, d)
-            return responses.chunk(
-                self.rid, self.model, self.chat, d.text, d.finish_reason, logprobs=lps
-            )
+            return responses.chunk(self.rid, self.model, self.chat, d.text, d.finish_reason,
+                                   logprobs=lps, index=self.index)  # fmt: skip
         deltas, finish = self.tools.feed(d.text), None
         if d.finish_reason is not None:
             more, finish = self.tools.finish(d.finish_reason)
             deltas += more
-        out = "".join(responses.delta_chunk(self.rid, self.model, x) for x in deltas)
+        rid, model, i = self.rid, self.model, self.index
+        out = "".join(responses.delta_chunk(rid, model, x, index=i) for x in deltas)
         if finish is not None:
-            out += responses.delta_chunk(self.rid, self.model, {}, finish)
+            out += responses.delta_chunk(rid, model, {}, finish, index=i)
         return out
 
 

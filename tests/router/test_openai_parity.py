@@ -139,6 +139,7 @@ def test_each_penalty_changes_greedy_output(client: openai.OpenAI) -> None:
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"echo": True}, "echo"),
         ({"best_of": 3}, "best_of"),
+        ({"n": 17}, "n"),
     ],
 )
 def test_bad_fields_are_refused_by_name(up: Up, body: dict[str, Any], param: str) -> None:
@@ -150,6 +151,47 @@ def test_bad_fields_are_refused_by_name(up: Up, body: dict[str, Any], param: str
     r = httpx.post(up.url + path, json=req, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def _prefills(up: Up) -> float:
+    text = httpx.get(up.workers[0] + "/metrics").text  # workers[0]: the prefill worker
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("pdserve_worker_requests_total") and 'role="prefill"' in line
+    )
+
+
+def _decode_hits(up: Up) -> int:
+    return int(httpx.get(up.workers[1] + "/stats").json()["prefix_cache_hit_tokens"])
+
+
+def test_n_choices_share_one_prefill(client: openai.OpenAI, up: Up) -> None:
+    prompt = [0, *range(900, 940)]  # 41 tokens: 2 full blocks of 16, fresh to every cache
+    prefills, hits = _prefills(up), _decode_hits(up)
+    out = client.completions.create(model="tiny-seed0", prompt=prompt, max_tokens=8, n=4,
+        temperature=1.0, seed=11, extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert len({c.text for c in out.choices}) > 1  # each choice samples on its own
+    assert out.usage.completion_tokens == 32 and out.usage.prompt_tokens == 41
+    assert _prefills(up) == prefills + 1  # one prefill for the four choices
+    assert _decode_hits(up) - hits >= 3 * 32  # choices 1-3 reuse the transferred blocks
+    # Streamed chat: every choice's chunks carry its index; each finishes once.
+    stream = client.chat.completions.create(model="tiny-seed0", n=3, max_tokens=5,
+        messages=[{"role": "user", "content": LONG_TEXT}], stream=True, temperature=1.0,
+        extra_body={"ignore_eos": True}, stream_options={"include_usage": True})  # fmt: skip
+    text: dict[int, str] = {}
+    finished: list[int] = []
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished.append(c.index)
+    assert sorted(finished) == [0, 1, 2] and set(text) == {0, 1, 2}
+    assert usage is not None and usage.completion_tokens == 15
+    all_kv_free(up.workers)
 
 
 def test_tokenize_and_detokenize(up: Up, tiny_tokenizer: Any) -> None:
