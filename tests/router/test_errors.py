@@ -35,7 +35,7 @@ BAD_PARAMS = [
     ({"stop": [""]}, "stop"),
     ({"stop": 7}, "stop"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"logprobs": 21}, "logprobs"),
