@@ -18,11 +18,11 @@ COMMON = frozenset({
     "repetition_penalty", "logit_bias", "logprobs", "n", "stream", "stream_options", "user",
     "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
-    "return_tokens_as_token_ids", "best_of", "echo", "suffix",
+    "return_tokens_as_token_ids",
 })  # fmt: skip
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                  "parallel_tool_calls"}  # fmt: skip
-COMPLETIONS = COMMON | {"prompt"}
+COMPLETIONS = COMMON | {"prompt", "best_of", "echo", "suffix"}
 # Accepted, with no effect on the output (bookkeeping fields of OpenAI's platform).
 NO_EFFECT = frozenset({"metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
 # Accepted only at these values.

@@ -37,7 +37,9 @@ class GenerateRequest:
     user: str | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
     tools: ToolConfig | None = None  # chat: tools that may be called (router/tools.py)
-    n: int = 1  # choices (router/choices.py)
+    n: int = 1  # choices returned (router/choices.py)
+    best_of: int = 1  # choices generated; the n with the highest logprob sum are returned
+    hide_logprobs: bool = False  # logprobs computed for best_of only, not asked for
 
 
 def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateRequest:
@@ -50,7 +52,7 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
     for name, off in UNSUPPORTED:
         if name in body and body[name] not in off:
             raise invalid(f"{name} is not supported by this server", name)
-    n = _n(body)
+    n, best_of = _n(body)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("user must be a string", "user")
@@ -69,6 +71,7 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
         user=user,
         tokens_as_ids=as_ids,
         n=n,
+        best_of=best_of,
     )
     if chat:
         tools = parse_tools(body)
@@ -79,21 +82,26 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
         if body.get(name) is not None:
             raise invalid(f"{name} is a chat completions parameter", name)
     text, ids = _prompt(body.get("prompt"))
+    if best_of > n and sampling.logprobs is None:  # ranking needs each token's logprob
+        common.update(sampling=replace(sampling, logprobs=0), hide_logprobs=True)
     return GenerateRequest(chat=False, prompt_text=text, prompt_token_ids=ids, **common)
 
 
 MAX_N = 16
 
 
-def _n(body: dict[str, Any]) -> int:
+def _n(body: dict[str, Any]) -> tuple[int, int]:
     n = body.get("n")
     n = 1 if n is None else n
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
         raise invalid(f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
     best_of = body.get("best_of")
-    if best_of is not None and best_of != n:  # best_of == n: every candidate is returned
-        raise invalid("best_of is supported only equal to n", "best_of")
-    return n
+    best_of = n if best_of is None else best_of
+    if isinstance(best_of, bool) or not isinstance(best_of, int) or not n <= best_of <= MAX_N:
+        raise invalid(f"best_of must be an integer in [n, {MAX_N}], got {best_of!r}", "best_of")
+    if best_of > n and body.get("stream"):
+        raise invalid("best_of > n cannot be streamed", "best_of")
+    return n, best_of
 
 
 def _with_tools(sampling: SamplingParams, tools: ToolConfig | None) -> SamplingParams:

@@ -166,7 +166,7 @@ async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
     try:
         plan = rt.dispatcher.plan(ids, snap)
         rs = RequestState(rid, ids, req.sampling)
-        respond = _respond if req.n == 1 else _respond_n
+        respond = _respond if req.best_of == 1 else _respond_n
         response = await respond(rt, request, req, rs, plan, ticket)
         streaming = isinstance(response, _Stream)
         return response
@@ -226,7 +226,7 @@ async def _respond_n(*args: Any) -> Response:
 
 
 def _formatter(rt: Runtime, req: GenerateRequest) -> LogprobsFormatter | None:
-    if req.sampling.logprobs is None:
+    if req.sampling.logprobs is None or req.hide_logprobs:
         return None
     return LogprobsFormatter(rt.tokenizer.tok, req.chat, req.tokens_as_ids)
 

@@ -33,11 +33,11 @@ async def respond_n(
     ticket: Ticket,
 ) -> Response:
     """n > 1 choices (router/choices.py); each stream chunk carries its choice's index."""
-    ch = Choices(rt.dispatcher, rs, plan, req.n)
+    ch = Choices(rt.dispatcher, rs, plan, req.best_of)
     events = ch.events()
     try:
         if not req.stream:
-            per = await guarded(request, _collect_n(events, req.n))
+            per = await guarded(request, _collect_n(events, req.best_of))
             rt.finish(rs, 200)
             return JSONResponse(_whole_n(rt, req, rs, ch, per))
         first = await guarded(request, anext(events))
@@ -71,11 +71,22 @@ async def _collect_n(events: AsyncIterator[tuple[int, Delta]], n: int) -> list[l
     return per
 
 
+def _best(per: list[list[Delta]], n: int) -> list[list[Delta]]:
+    """best_of: the n candidates with the highest sum of token logprobs, best first."""
+    if len(per) == n:
+        return per
+
+    def score(deltas: list[Delta]) -> float:
+        return sum(lp[0] for d in deltas for lp in d.logprobs or ())
+
+    return sorted(per, key=score, reverse=True)[:n]
+
+
 def _whole_n(
     rt: Runtime, req: GenerateRequest, rs: RequestState, ch: Choices, per: list[list[Delta]]
 ) -> dict[str, Any]:
     choices = []
-    for i, deltas in enumerate(per):
+    for i, deltas in enumerate(_best(per, req.n)):
         text = "".join(d.text for d in deltas)
         finish = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
         fmt, message = _formatter(rt, req), None

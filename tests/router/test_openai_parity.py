@@ -138,7 +138,8 @@ def test_each_penalty_changes_greedy_output(client: openai.OpenAI) -> None:
         ({"logprobs": 21}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"echo": True}, "echo"),
-        ({"best_of": 3}, "best_of"),
+        ({"best_of": 17}, "best_of"),
+        ({"best_of": 2, "stream": True}, "best_of"),
         ({"n": 17}, "n"),
     ],
 )
@@ -192,6 +193,16 @@ def test_n_choices_share_one_prefill(client: openai.OpenAI, up: Up) -> None:
     assert sorted(finished) == [0, 1, 2] and set(text) == {0, 1, 2}
     assert usage is not None and usage.completion_tokens == 15
     all_kv_free(up.workers)
+
+
+def test_best_of_returns_the_most_likely(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="tiny-seed0", prompt=PROMPT_IDS, max_tokens=6,
+        temperature=1.0, seed=21, extra_body={"ignore_eos": True})  # fmt: skip
+    every = client.completions.create(n=3, logprobs=0, **kw).choices  # the same 3 candidates
+    sums = {c.text: sum(c.logprobs.token_logprobs) for c in every}
+    best = client.completions.create(n=1, best_of=3, **kw).choices
+    assert len(best) == 1 and best[0].logprobs is None  # not asked for: not shown
+    assert best[0].text == max(sums, key=lambda t: sums[t])
 
 
 def test_tokenize_and_detokenize(up: Up, tiny_tokenizer: Any) -> None:
