@@ -214,6 +214,10 @@ def test_tokenize_and_detokenize(up: Up, tiny_tokenizer: Any) -> None:
     messages = [{"role": "user", "content": "hi"}]
     r = httpx.post(up.url + "/tokenize", json={"model": "tiny-seed0", "messages": messages})
     assert r.json()["tokens"] == _chat_ids(tiny_tokenizer, messages)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with_tools = httpx.post(up.url + "/tokenize",
+                            json={"messages": messages, "tools": tools}).json()  # fmt: skip
+    assert with_tools["count"] > r.json()["count"]  # the default tools prompt is counted
     r = httpx.post(up.url + "/detokenize", json={"model": "tiny-seed0", "tokens": body["tokens"]})
     assert r.status_code == 200 and r.json() == {"prompt": tiny_tokenizer.decode(body["tokens"])}
     bad = httpx.post(up.url + "/detokenize", json={"model": "tiny-seed0", "tokens": [10**7]})
