@@ -18,7 +18,7 @@ COMMON = frozenset({
     "repetition_penalty", "logit_bias", "logprobs", "n", "stream", "stream_options", "user",
     "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
-    "return_tokens_as_token_ids",
+    "return_tokens_as_token_ids", "cache_salt",
 })  # fmt: skip
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                  "parallel_tool_calls"}  # fmt: skip

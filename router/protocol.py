@@ -35,6 +35,7 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[dict[str, Any], ...] | None = None
     user: str | None = None
+    cache_salt: str | None = None  # the client's prefix-cache salt (vLLM's field)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
     tools: ToolConfig | None = None  # chat: tools that may be called (router/tools.py)
     n: int = 1  # choices returned (router/choices.py)
@@ -69,6 +70,7 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
         stream=stream,
         include_usage=include_usage,
         user=user,
+        cache_salt=_cache_salt(body.get("cache_salt")),
         tokens_as_ids=as_ids,
         n=n,
         best_of=best_of,
@@ -120,6 +122,18 @@ def _with_tools(sampling: SamplingParams, tools: ToolConfig | None) -> SamplingP
         return replace(sampling, structured=spec).validate()
     except InvalidParameter as exc:
         raise invalid(str(exc), exc.field) from exc
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _cache_salt(salt: Any) -> str | None:
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise invalid(f"cache_salt must be a non-empty string of at most "
+                      f"{MAX_CACHE_SALT_CHARS} characters", "cache_salt")  # fmt: skip
+    return salt
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
