@@ -18,6 +18,17 @@ class InvalidParameter(ValueError):
         self.field = field_name
 
 
+# Ranges of the values that reach torch and the engine: beyond them they overflow a C
+# integer in the middle of a batch step (a seed is a uint64 or an int64 to torch).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_TOKENS = 2**31 - 1
+MAX_TOP_K = 2**31 - 1  # larger than any vocabulary: the same as no top-k
+MAX_STOP = 16
+MAX_STOP_CHARS = 256  # the stop checker holds back up to this many characters per token
+MAX_STOP_TOKEN_IDS = 256
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -29,40 +40,68 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    # OpenAI's penalties and biases (engine/penalties.py applies them, batched).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's: >1 discourages tokens of prompt and output
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Top log-probabilities per generated token (0: the chosen token's only); None: off.
+    logprobs: int | None = None
+    # Structured output spec (engine/structured.py), e.g. {"type": "json_schema", ...}.
+    structured: dict[str, Any] | None = None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, sampling is greedy in all but rounding (and logits / T overflows).
+        return self.temperature < GREEDY_BELOW
 
-    def validate(self) -> SamplingParams:
-        def need(cond: bool, name: str, msg: str) -> None:
-            if not cond:
-                raise InvalidParameter(name, f"{name} {msg}")
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
-        need(_is_int(self.max_tokens), "max_tokens", "must be an integer")
-        need(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
-        need(_is_num(self.temperature), "temperature", "must be a number")
-        need(
-            0.0 <= self.temperature <= 100.0,
-            "temperature",
-            f"must be in [0, 100], got {self.temperature}",
-        )
-        need(_is_num(self.top_p), "top_p", "must be a number")
-        need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        need(_is_int(self.top_k), "top_k", "must be an integer")
-        need(self.top_k >= -1, "top_k", f"must be -1, 0 or positive, got {self.top_k}")
-        need(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
-        need(isinstance(self.stop, list), "stop", "must be a string or a list of strings")
-        need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        need(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
-        need(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids",
-            "must be non-negative integers",
-        )
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Range-check every field (the engine sees nothing unchecked); ``vocab_size``,
+        when known, bounds ``stop_token_ids`` and ``logit_bias``. Raises InvalidParameter."""
+        _check_counts(self)
+        _check_floats(self)
+        _check_stops(self, vocab_size)
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
-        need(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        self._validate_extras(need)
+        if vocab_size is not None and isinstance(self.logit_bias, dict):
+            need(all(k < vocab_size for k in self.logit_bias), "logit_bias",
+                 f"keys must be token ids below the vocabulary size {vocab_size}")  # fmt: skip
         return self
+
+    def _validate_extras(self, need: Any) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            need(_is_num(value), name, "must be a number")
+            need(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        rep = self.repetition_penalty
+        need(_is_num(rep), "repetition_penalty", "must be a number")
+        need(0.0 < rep <= 10.0, "repetition_penalty", f"must be in (0, 10], got {rep}")
+        need(_is_num(self.min_p), "min_p", "must be a number")
+        need(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        bias = self.logit_bias
+        need(isinstance(bias, dict), "logit_bias", "must map token ids to numbers")
+        need(len(bias) <= 1024, "logit_bias", "may hold at most 1024 entries")
+        need(all(_is_int(k) and k >= 0 for k in bias), "logit_bias", "keys must be token ids")
+        need(
+            all(_is_num(v) and -100.0 <= v <= 100.0 for v in bias.values()),
+            "logit_bias",
+            "values must be numbers in [-100, 100]",
+        )
+        lp = self.logprobs
+        need(lp is None or (_is_int(lp) and 0 <= lp <= 20), "logprobs", "must be in [0, 20]")
+        spec = self.structured
+        need(spec is None or isinstance(spec, dict), "structured", "must be an object")
+        if spec is not None:
+            param = str(spec.get("param") or "structured")
+            need(not self.ignore_eos, param, "cannot be combined with ignore_eos")
+            need(self.min_tokens == 0, param, "cannot be combined with min_tokens")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,7 +118,63 @@ class SamplingParams:
             known["stop"] = [known["stop"]]
         if known.get("stop") is None:
             known.pop("stop", None)
+        if isinstance(known.get("logit_bias"), dict):  # JSON object keys are strings
+            known["logit_bias"] = _int_keys(known["logit_bias"])
         return cls(**known).validate()
+
+
+def need(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise InvalidParameter(name, f"{name} {msg}")
+
+
+def _check_counts(p: SamplingParams) -> None:
+    for name in ("max_tokens", "min_tokens"):
+        value = getattr(p, name)
+        need(_is_int(value), name, "must be an integer")
+        need(value <= MAX_TOKENS, name, f"must be at most {MAX_TOKENS}, got {value}")
+    need(p.max_tokens >= 1, "max_tokens", f"must be at least 1, got {p.max_tokens}")
+    need(p.min_tokens >= 0, "min_tokens", f"must be >= 0, got {p.min_tokens}")
+    need(p.min_tokens <= p.max_tokens, "min_tokens",
+         f"({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})")  # fmt: skip
+    need(_is_int(p.top_k), "top_k", "must be an integer")
+    need(-1 <= p.top_k <= MAX_TOP_K, "top_k", f"must be -1, 0 or in [1, {MAX_TOP_K}]")
+    if p.seed is not None:
+        need(_is_int(p.seed), "seed", "must be an integer")
+        need(SEED_MIN <= p.seed <= SEED_MAX, "seed", f"must be in [{SEED_MIN}, {SEED_MAX}]")
+
+
+def _check_floats(p: SamplingParams) -> None:
+    need(_is_num(p.temperature), "temperature", "must be a number")
+    need(0.0 <= p.temperature <= 100.0, "temperature", f"must be in [0, 100], got {p.temperature}")
+    need(_is_num(p.top_p), "top_p", "must be a number")
+    need(0.0 < p.top_p <= 1.0, "top_p", f"must be in (0, 1], got {p.top_p}")
+
+
+def _check_stops(p: SamplingParams, vocab_size: int | None) -> None:
+    need(isinstance(p.stop, list), "stop", "must be a string or a list of strings")
+    need(len(p.stop) <= MAX_STOP, "stop", f"may hold at most {MAX_STOP} strings")
+    need(all(isinstance(s, str) and s for s in p.stop), "stop", "must be non-empty strings")
+    need(all(len(s) <= MAX_STOP_CHARS for s in p.stop), "stop",
+         f"strings may be at most {MAX_STOP_CHARS} characters long")  # fmt: skip
+    need(all(valid_text(s) for s in p.stop), "stop", "must be valid Unicode (no lone surrogates)")
+    ids = p.stop_token_ids
+    need(isinstance(ids, list) and len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+         f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")  # fmt: skip
+    need(all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids", "must be non-negative integers")
+    if vocab_size is not None:
+        need(all(t < vocab_size for t in ids), "stop_token_ids",
+             f"must be token ids below the vocabulary size {vocab_size}")  # fmt: skip
+
+
+def valid_text(s: str) -> bool:
+    """True when ``s`` is encodable Unicode: a lone surrogate (JSON lets ``\\ud800``
+    through) breaks tokenizers and every UTF-8 writer downstream."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_int(x: object) -> bool:
@@ -88,3 +183,15 @@ def _is_int(x: object) -> bool:
 
 def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _int_keys(bias: dict[Any, Any]) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except (TypeError, ValueError):
+            raise InvalidParameter(
+                "logit_bias", f"logit_bias key {key!r} is not a token id"
+            ) from None
+    return out

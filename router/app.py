@@ -17,7 +17,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import EndpointSource
 from pdserve.router.errors import APIError
 from pdserve.router.runtime import Runtime
-from pdserve.router.serving import serve
+from pdserve.router.serving import read_json, serve
+from pdserve.router.tokenize_api import detokenize, tokenize
 from pdserve.router.tokenizer import PromptTokenizer
 
 HOT_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
@@ -83,6 +84,16 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serve(rt(), request, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        rt().check_auth(request)
+        return await rt().off_loop(tokenize, rt(), await read_json(rt(), request))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        rt().check_auth(request)
+        return await rt().off_loop(detokenize, rt(), await read_json(rt(), request))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.engine.hashing import block_hashes
+from pdserve.engine.hashing import block_hashes, salt_root
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import disagg, worker_client
 from pdserve.router.config import RouterConfig
@@ -45,6 +45,8 @@ class Delta:
     text: str
     num_tokens: int
     finish_reason: str | None = None
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[Any, ...] | None = None  # per token: (logprob, [(id, logprob)])
 
 
 @dataclass
@@ -64,6 +66,7 @@ class RequestState:
     remote_prefill: bool = False  # a prefill worker computed the prompt
     status: int = 200  # HTTP status for metrics (499: client went away)
     recorded: bool = False
+    cache_salt: str | None = None  # enters the block hashes on every worker (hashing.py)
 
     @property
     def finished(self) -> bool:
@@ -89,9 +92,9 @@ class Dispatcher:
         self._rr = 0
         self._background: set[asyncio.Task[Any]] = set()
 
-    def plan(self, ids: list[int], snap: Snapshot) -> RoutePlan:
+    def plan(self, ids: list[int], snap: Snapshot, cache_salt: str | None = None) -> RoutePlan:
         prefix = self.cfg.routing == "prefix"
-        hashes = block_hashes(ids, snap.block_size) if prefix else []
+        hashes = block_hashes(ids, snap.block_size, salt_root(cache_salt)) if prefix else []
         req = RouteRequest(len(ids), tuple(hashes), snap.block_size, self.index.match(hashes),
                            self.index.held() if prefix else {})  # fmt: skip
         try:
@@ -114,7 +117,10 @@ class Dispatcher:
                 if result is not None:
                     rs.remote_prefill = True
                     rs.cached_tokens = result.num_cached_tokens
-                    yield self._delta(rs, result.text, 1, result.finish_reason)
+                    yield self._delta(
+                        rs, result.text, 1, result.finish_reason,
+                        (result.first_token_id,), result.logprobs,
+                    )  # fmt: skip
                     if result.finish_reason is not None or result.kv_handle is None:
                         rs.finish_reason = rs.finish_reason or "stop"
                         return
@@ -125,7 +131,15 @@ class Dispatcher:
             if not rs.finished:
                 self._abort_all(rs)
 
-    def _delta(self, rs: RequestState, text: str, n: int, finish: str | None) -> Delta:
+    def _delta(
+        self,
+        rs: RequestState,
+        text: str,
+        n: int,
+        finish: str | None,
+        ids: tuple[int, ...] = (),
+        logprobs: list[Any] | None = None,
+    ) -> Delta:
         now = time.perf_counter()
         if n > 0:
             if rs.first_token_at is None:
@@ -136,7 +150,7 @@ class Dispatcher:
             rs.last_token_at = now
         rs.completion_tokens += n
         rs.finish_reason = finish
-        return Delta(text, n, finish)
+        return Delta(text, n, finish, ids, tuple(logprobs) if logprobs is not None else None)
 
     async def _prefill(
         self, rs: RequestState, plan: RoutePlan
@@ -148,7 +162,7 @@ class Dispatcher:
             try:
                 return await worker_client.prefill(
                     self.client, url, rs.request_id, rs.prompt_ids, rs.sampling,
-                    self.cfg.request_timeout_s,
+                    self.cfg.request_timeout_s, cache_salt=rs.cache_salt,
                 )  # fmt: skip
             except WorkerFailed as exc:
                 log.warning("request %s: prefill failed on %s: %s", rs.request_id, url, exc)
@@ -169,6 +183,8 @@ class Dispatcher:
             "kv_handle": handle,
             "first_token_id": first,
         }
+        if rs.cache_salt is not None:
+            payload["cache_salt"] = rs.cache_salt
         for worker in plan.decode[:MAX_ATTEMPTS]:
             url, relayed = worker.url, False
             rs.touched.add(url)
@@ -180,7 +196,7 @@ class Dispatcher:
                     if rs.finished:  # read on to the end: the connection goes back to the pool
                         continue
                     if "error" in msg:
-                        raise WorkerFailed(url, f"worker error: {msg['error']}", down=False)
+                        raise worker_client.stream_error(url, msg["error"])
                     delta = self._relay(rs, msg)
                     relayed = relayed or delta.num_tokens > 0 or bool(delta.text)
                     yield delta
@@ -203,7 +219,11 @@ class Dispatcher:
         usage = msg.get("usage")
         if isinstance(usage, dict) and not rs.remote_prefill:  # else the prefill's count holds
             rs.cached_tokens = int(usage.get("cached_tokens") or 0)
-        return self._delta(rs, str(msg.get("text") or ""), len(ids), msg.get("finish_reason"))
+        lps = msg.get("logprobs")
+        return self._delta(
+            rs, str(msg.get("text") or ""), len(ids), msg.get("finish_reason"),
+            tuple(ids), lps if isinstance(lps, list) else None,
+        )  # fmt: skip
 
     def _track(self, url: str, role: str, tokens: int, step: int) -> None:
         if step > 0:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -19,9 +18,11 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.router import responses
+from pdserve.engine.sampling_params import InvalidParameter
+from pdserve.router import edge, responses
 from pdserve.router.dispatch import Delta, RequestState
 from pdserve.router.errors import APIError, invalid
+from pdserve.router.logprobs_format import LogprobsFormatter
 from pdserve.router.protocol import GenerateRequest, check_model, parse_request
 from pdserve.router.routing import RoutePlan
 from pdserve.router.runtime import Runtime, Ticket
@@ -57,12 +58,23 @@ async def guarded(request: Request, aw: Awaitable[T]) -> T:
     raise ClientGone
 
 
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
+async def read_json(rt: Runtime, request: Request) -> Any:
+    """A JSON body under the edge limits (size, depth, Unicode), decoded off the loop."""
+    raw = await edge.read_body(request, rt.cfg.max_body_bytes)
+    return await rt.off_loop(edge.parse_json, raw)
+
+
+def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[GenerateRequest, list[int]]:
+    """Body bytes to a checked request and its prompt ids. CPU-bound (JSON, the chat
+    template, the tokenizer): runs on a tokenizer thread, after admission."""
+    req = parse_request(edge.parse_json(raw), chat, rt.cfg.default_max_tokens)
+    check_model(req.model, rt.served_names)
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise invalid(f"request body is not valid JSON: {exc}") from exc
+        req.sampling.validate(rt.tokenizer.vocab_size)
+    except InvalidParameter as exc:
+        raise invalid(str(exc), exc.field) from exc
+    edge.check_text_length(req, rt.cfg.max_prompt_chars)
+    return req, prompt_ids(rt, req)
 
 
 def prompt_ids(rt: Runtime, req: GenerateRequest) -> list[int]:
@@ -149,19 +161,22 @@ class _Stream(Response):
 async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     try:
-        rt.check_auth(request)
-        req = parse_request(await read_json(request), chat, rt.cfg.default_max_tokens)
-        check_model(req.model, rt.served_names)
-        ids = prompt_ids(rt, req)
-        snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
-        req = fit_context(rt, snap, req, len(ids))
-        ticket = rt.admit()
+        key = rt.check_auth(request)
+        client = rt.client_of(request, key)
+        rt.limiter.take_request(client)
+        ticket = rt.admit()  # before the body is read or parsed: --max-queue bounds that work
     except APIError as err:
         return rt.error(err)
     streaming = False
     try:
-        plan = rt.dispatcher.plan(ids, snap)
-        rs = RequestState(rid, ids, req.sampling)
+        raw = await edge.read_body(request, rt.cfg.max_body_bytes)
+        req, ids = await rt.off_loop(prepare, rt, raw, chat)
+        snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
+        req = fit_context(rt, snap, req, len(ids))
+        rt.limiter.take_tokens(client, len(ids) + req.sampling.max_tokens)
+        salt = rt.cache_salt(key, req.cache_salt)
+        plan = rt.dispatcher.plan(ids, snap, salt)
+        rs = RequestState(rid, ids, req.sampling, cache_salt=salt)
         response = await _respond(rt, request, req, rs, plan, ticket)
         streaming = isinstance(response, _Stream)
         return response
@@ -183,11 +198,13 @@ async def _respond(
     events = rt.dispatcher.run(rs, plan)
     try:
         if not req.stream:
-            text, finish = await guarded(request, _collect(events))
+            text, finish, ids, lps = await guarded(request, _collect(events))
             rt.finish(rs, 200)
+            fmt = _formatter(rt, req)
             body = responses.full_response(
-                rs.request_id, req.model, req.chat, text, finish, _usage(rs)
-            )
+                rs.request_id, req.model, req.chat, text, finish, _usage(rs),
+                fmt.format(ids, lps) if fmt is not None else None,
+            )  # fmt: skip
             return JSONResponse(body)
         first = await guarded(request, anext(events))
     except APIError:
@@ -205,36 +222,64 @@ async def _respond(
         ticket.release()
         rt.finish(rs, rs.status)
 
-    return _Stream(_sse_head(req, rs, first), _sse_rest(req, rs, events), cleanup)
+    fmt = _formatter(rt, req)
+    return _Stream(_sse_head(req, rs, first, fmt), _sse_rest(req, rs, events, fmt), cleanup)
 
 
-async def _collect(events: AsyncIterator[Delta]) -> tuple[str, str | None]:
+def _formatter(rt: Runtime, req: GenerateRequest) -> LogprobsFormatter | None:
+    if req.sampling.logprobs is None:
+        return None
+    return LogprobsFormatter(rt.tokenizer.tok, req.chat, req.tokens_as_ids)
+
+
+def _delta_logprobs(fmt: LogprobsFormatter | None, d: Delta) -> dict[str, Any] | None:
+    if fmt is None:
+        return None
+    if d.logprobs is None and d.token_ids:
+        raise APIError(502, "a worker sent tokens without the logprobs asked for")
+    return fmt.format(d.token_ids, d.logprobs or ())
+
+
+async def _collect(
+    events: AsyncIterator[Delta],
+) -> tuple[str, str | None, list[int], list[Any]]:
     parts, finish = [], None
+    ids: list[int] = []
+    lps: list[Any] = []
     async for d in events:
         parts.append(d.text)
         finish = d.finish_reason or finish
-    return "".join(parts), finish
+        ids.extend(d.token_ids)
+        lps.extend(d.logprobs or ())
+    return "".join(parts), finish, ids, lps
 
 
 def _usage(rs: RequestState) -> dict[str, Any]:
     return responses.usage(len(rs.prompt_ids), rs.completion_tokens, rs.cached_tokens)
 
 
-def _sse_head(req: GenerateRequest, rs: RequestState, first: Delta) -> str:
+def _sse_head(
+    req: GenerateRequest, rs: RequestState, first: Delta, fmt: LogprobsFormatter | None
+) -> str:
     """The stream's first chunks: the role (chat) and the first token."""
     rid, model, chat = rs.request_id, req.model, req.chat
     rs.status = 499  # until the stream completes
     role = responses.chunk(rid, model, chat, role=True) if chat else ""
-    return role + responses.chunk(rid, model, chat, first.text, first.finish_reason)
+    lps = _delta_logprobs(fmt, first)
+    return role + responses.chunk(rid, model, chat, first.text, first.finish_reason, logprobs=lps)
 
 
 async def _sse_rest(
-    req: GenerateRequest, rs: RequestState, events: AsyncIterator[Delta]
+    req: GenerateRequest,
+    rs: RequestState,
+    events: AsyncIterator[Delta],
+    fmt: LogprobsFormatter | None,
 ) -> AsyncIterator[str]:
     rid, model, chat = rs.request_id, req.model, req.chat
     try:
         async for d in events:
-            yield responses.chunk(rid, model, chat, d.text, d.finish_reason)
+            lps = _delta_logprobs(fmt, d)
+            yield responses.chunk(rid, model, chat, d.text, d.finish_reason, logprobs=lps)
         if req.include_usage:
             yield responses.chunk(rid, model, chat, use=_usage(rs))
         rs.status = 200

@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.engine.request import REQUEST_FAILED
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.errors import APIError, from_worker_body
 
@@ -39,6 +40,7 @@ class PrefillResult:
     kv_handle: dict[str, Any] | None
     num_cached_tokens: int
     prompt_tokens: int
+    logprobs: list[Any] | None = None  # the first token's, when asked for
 
 
 # Connection failures, timeouts and broken bodies: the worker did not answer usefully.
@@ -84,8 +86,15 @@ async def prefill(
     ids: list[int],
     sampling: SamplingParams,
     timeout: float,
+    cache_salt: str | None = None,
 ) -> PrefillResult:
-    payload = {"request_id": request_id, "prompt_token_ids": ids, "sampling": sampling.to_dict()}
+    payload: dict[str, Any] = {
+        "request_id": request_id,
+        "prompt_token_ids": ids,
+        "sampling": sampling.to_dict(),
+    }
+    if cache_salt is not None:
+        payload["cache_salt"] = cache_salt
     try:
         async with client.post(url + "/prefill", json=payload, timeout=_timeout(timeout)) as resp:
             status, raw = resp.status, await resp.read()
@@ -103,9 +112,16 @@ async def prefill(
             kv_handle=body.get("kv_handle"),
             num_cached_tokens=int(body.get("num_cached_tokens") or 0),
             prompt_tokens=int(body.get("prompt_tokens") or len(ids)),
+            logprobs=_list_or_none(body.get("logprobs")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise WorkerFailed(url, f"bad prefill reply: {exc!r}") from exc
+
+
+def _list_or_none(value: Any) -> list[Any] | None:
+    if value is None or isinstance(value, list):
+        return value
+    raise TypeError(f"logprobs must be a list, got {type(value).__name__}")
 
 
 MAX_LINE_BYTES = 1 << 20  # one NDJSON line from a worker; more is a broken stream
@@ -138,6 +154,15 @@ async def generate(
         raise WorkerFailed(url, f"generate failed: {exc!r}") from exc
 
 
+def stream_error(url: str, error: Any) -> Exception:
+    """An ``{"error": ...}`` line of a decode stream: a request fault (code
+    ``request_failed``) goes to the client as is and is never retried elsewhere; any
+    other error is the worker's (``WorkerFailed``: the dispatcher may try another)."""
+    if isinstance(error, dict) and error.get("code") == REQUEST_FAILED:
+        return from_worker_body(422, {"error": error}, "the request failed on the worker")
+    return WorkerFailed(url, f"worker error: {error}", down=False)
+
+
 def _message(url: str, line: bytes) -> dict[str, Any]:
     try:
         msg = json.loads(line)
@@ -164,6 +189,8 @@ def merge_lines(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "token_ids": (prev.get("token_ids") or []) + (msg.get("token_ids") or []),
             "text": str(prev.get("text") or "") + str(msg.get("text") or ""),
         }
+        if "logprobs" in prev or "logprobs" in msg:
+            out[-1]["logprobs"] = (prev.get("logprobs") or []) + (msg.get("logprobs") or [])
     return out
 
 
