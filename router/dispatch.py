@@ -64,6 +64,7 @@ class RequestState:
     last_token_at: float | None = None
     touched: set[str] = field(default_factory=set)  # worker URLs that may hold state
     remote_prefill: bool = False  # a prefill worker computed the prompt
+    decode_worker: Any = None  # the WorkerView whose stream reached the client, once one did
     status: int = 200  # HTTP status for metrics (499: client went away)
     recorded: bool = False
     cache_salt: str | None = None  # enters the block hashes on every worker (hashing.py)
@@ -199,6 +200,7 @@ class Dispatcher:
                         raise worker_client.stream_error(url, msg["error"])
                     delta = self._relay(rs, msg)
                     relayed = relayed or delta.num_tokens > 0 or bool(delta.text)
+                    rs.decode_worker = rs.decode_worker or worker
                     yield delta
                 if rs.finished:
                     return

@@ -101,7 +101,9 @@ def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(tmp_path: Path)
 
     cores = len(os.sched_getaffinity(0))
     spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=1, num_decode=1, log_dir=str(tmp_path))
-    assert spec.threads_per_worker() == max(1, cores // 2)
+    assert spec.threads_per_worker() == max(1, (cores - 1) // 2)  # a core kept for streaming
+    colocated = ClusterSpec(model_dir=str(tmp_path), num_prefill=0, log_dir=str(tmp_path))
+    assert colocated.threads_per_worker() == max(1, cores - 1)
     spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=2, num_decode=3, cpu_threads=3,
                        log_dir=str(tmp_path), worker_args=("--cpu-threads", "4"))  # fmt: skip
     assert spec.threads_per_worker() == 3
