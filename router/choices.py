@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any
 
+from pdserve.engine.sampling_params import SEED_MAX, SEED_MIN
 from pdserve.router import disagg
 from pdserve.router.dispatch import Delta, Dispatcher, RequestState
 from pdserve.router.routing import RoutePlan
@@ -65,9 +66,11 @@ class Choices:
         plan = RoutePlan(disagg.LOCAL_PREFILL, (), tuple(decode), 0)
         for i in range(1, self.n):
             sampling = rs0.sampling
-            if sampling.seed is not None:
-                sampling = replace(sampling, seed=sampling.seed + i)
-            self.states.append(RequestState(f"{rs0.request_id}-{i}", rs0.prompt_ids, sampling))
+            if sampling.seed is not None:  # wraps within the 64-bit range torch accepts
+                span = SEED_MAX - SEED_MIN + 1
+                sampling = replace(sampling, seed=(sampling.seed + i - SEED_MIN) % span + SEED_MIN)
+            self.states.append(RequestState(f"{rs0.request_id}-{i}", rs0.prompt_ids, sampling,
+                                            cache_salt=rs0.cache_salt))  # fmt: skip
             tasks.append(asyncio.create_task(self._pump(i, plan, queue)))
         return self.n - 1
 

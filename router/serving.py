@@ -176,7 +176,7 @@ async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
         req, ids = await rt.off_loop(prepare, rt, raw, chat)
         snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
         req = fit_context(rt, snap, req, len(ids))
-        rt.limiter.take_tokens(client, len(ids) + req.sampling.max_tokens)
+        rt.limiter.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
         salt = rt.cache_salt(key, req.cache_salt)
         plan = rt.dispatcher.plan(ids, snap, salt)
         rs = RequestState(rid, ids, req.sampling, cache_salt=salt)

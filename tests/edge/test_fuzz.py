@@ -57,10 +57,20 @@ FIELDS = {
     "n": mostly(st.just(1)),
     "stream": mostly(st.booleans()),
     "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
-    "logprobs": mostly(st.sampled_from([None, False, 0])),
+    "logprobs": mostly(st.sampled_from([None, False, True, 0, 2])),
     "echo": mostly(st.sampled_from([None, False])),
     "user": mostly(texts),
     "cache_salt": mostly(texts),
+    # issue 12's fields: penalties, biases, log-probabilities, structured outputs
+    "presence_penalty": mostly(st.floats(-2, 2)),
+    "frequency_penalty": mostly(st.floats(-2, 2)),
+    "repetition_penalty": mostly(st.floats(0.5, 2)),
+    "min_p": mostly(st.floats(0, 1)),
+    "logit_bias": mostly(
+        st.dictionaries(st.integers(0, 70_000).map(str), st.floats(-100, 100), max_size=3)
+    ),
+    "top_logprobs": mostly(st.integers(0, 5)),
+    "response_format": mostly(st.sampled_from([{"type": "text"}, {"type": "json_object"}])),
 }
 roles = mostly(st.sampled_from(["system", "user", "assistant"]))
 parts = st.lists(st.fixed_dictionaries({"type": mostly(st.just("text")), "text": texts}),

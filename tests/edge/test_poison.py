@@ -137,3 +137,16 @@ def test_decode_worker_marks_request_faults_in_its_stream() -> None:
     err = stream_error("http://w", fault)
     assert isinstance(err, APIError) and err.status == 422 and err.code == REQUEST_FAILED
     assert isinstance(stream_error("http://w", worker), WorkerFailed)
+
+
+async def test_n_choices_at_the_edge_of_the_seed_range(deployment) -> None:
+    """n > 1 gives choice i the seed + i: it wraps inside the 64-bit range."""
+    dep = deployment
+    async with httpx.AsyncClient(base_url=dep.url, timeout=60) as h:
+        for seed in (2**64 - 1, -(2**63)):
+            body = {"model": dep.model, "prompt": "edge of the range", "max_tokens": 3,
+                    "n": 3, "seed": seed, "temperature": 1.0}  # fmt: skip
+            r = await h.post("/v1/completions", json=body, headers=dep.headers())
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"]) == 3
+    all_kv_free(list(dep.workers))
