@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.engine.hashing import block_hashes
+from pdserve.engine.hashing import block_hashes, salt_root
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import disagg, worker_client
 from pdserve.router.config import RouterConfig
@@ -64,8 +64,10 @@ class RequestState:
     last_token_at: float | None = None
     touched: set[str] = field(default_factory=set)  # worker URLs that may hold state
     remote_prefill: bool = False  # a prefill worker computed the prompt
+    decode_worker: Any = None  # the WorkerView whose stream reached the client, once one did
     status: int = 200  # HTTP status for metrics (499: client went away)
     recorded: bool = False
+    cache_salt: str | None = None  # enters the block hashes on every worker (hashing.py)
 
     @property
     def finished(self) -> bool:
@@ -91,9 +93,9 @@ class Dispatcher:
         self._rr = 0
         self._background: set[asyncio.Task[Any]] = set()
 
-    def plan(self, ids: list[int], snap: Snapshot) -> RoutePlan:
+    def plan(self, ids: list[int], snap: Snapshot, cache_salt: str | None = None) -> RoutePlan:
         prefix = self.cfg.routing == "prefix"
-        hashes = block_hashes(ids, snap.block_size) if prefix else []
+        hashes = block_hashes(ids, snap.block_size, salt_root(cache_salt)) if prefix else []
         req = RouteRequest(len(ids), tuple(hashes), snap.block_size, self.index.match(hashes),
                            self.index.held() if prefix else {})  # fmt: skip
         try:
@@ -161,7 +163,7 @@ class Dispatcher:
             try:
                 return await worker_client.prefill(
                     self.client, url, rs.request_id, rs.prompt_ids, rs.sampling,
-                    self.cfg.request_timeout_s,
+                    self.cfg.request_timeout_s, cache_salt=rs.cache_salt,
                 )  # fmt: skip
             except WorkerFailed as exc:
                 log.warning("request %s: prefill failed on %s: %s", rs.request_id, url, exc)
@@ -182,6 +184,8 @@ class Dispatcher:
             "kv_handle": handle,
             "first_token_id": first,
         }
+        if rs.cache_salt is not None:
+            payload["cache_salt"] = rs.cache_salt
         for worker in plan.decode[:MAX_ATTEMPTS]:
             url, relayed = worker.url, False
             rs.touched.add(url)
@@ -193,9 +197,10 @@ class Dispatcher:
                     if rs.finished:  # read on to the end: the connection goes back to the pool
                         continue
                     if "error" in msg:
-                        raise WorkerFailed(url, f"worker error: {msg['error']}", down=False)
+                        raise worker_client.stream_error(url, msg["error"])
                     delta = self._relay(rs, msg)
                     relayed = relayed or delta.num_tokens > 0 or bool(delta.text)
+                    rs.decode_worker = rs.decode_worker or worker
                     yield delta
                 if rs.finished:
                     return

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -19,7 +18,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.router import responses
+from pdserve.engine.sampling_params import InvalidParameter
+from pdserve.router import edge, responses
 from pdserve.router.dispatch import Delta, RequestState
 from pdserve.router.errors import APIError, invalid
 from pdserve.router.logprobs_format import LogprobsFormatter
@@ -27,6 +27,8 @@ from pdserve.router.protocol import GenerateRequest, check_model, parse_request
 from pdserve.router.routing import RoutePlan
 from pdserve.router.runtime import Runtime, Ticket
 from pdserve.router.snapshot import Snapshot
+from pdserve.router.tool_output import ToolOutput
+from pdserve.router.tools import chat_inputs
 
 T = TypeVar("T")
 
@@ -58,18 +60,30 @@ async def guarded(request: Request, aw: Awaitable[T]) -> T:
     raise ClientGone
 
 
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
+async def read_json(rt: Runtime, request: Request) -> Any:
+    """A JSON body under the edge limits (size, depth, Unicode), decoded off the loop."""
+    raw = await edge.read_body(request, rt.cfg.max_body_bytes)
+    return await rt.off_loop(edge.parse_json, raw)
+
+
+def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[GenerateRequest, list[int]]:
+    """Body bytes to a checked request and its prompt ids. CPU-bound (JSON, the chat
+    template, the tokenizer): runs on a tokenizer thread, after admission."""
+    req = parse_request(edge.parse_json(raw), chat, rt.cfg.default_max_tokens)
+    check_model(req.model, rt.served_names)
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise invalid(f"request body is not valid JSON: {exc}") from exc
+        req.sampling.validate(rt.tokenizer.vocab_size)
+    except InvalidParameter as exc:
+        raise invalid(str(exc), exc.field) from exc
+    edge.check_text_length(req, rt.cfg.max_prompt_chars)
+    return req, prompt_ids(rt, req)
 
 
 def prompt_ids(rt: Runtime, req: GenerateRequest) -> list[int]:
     if req.chat:
         assert req.messages is not None
-        return rt.tokenizer.encode_chat(list(req.messages))
+        messages, tools = chat_inputs(rt.tokenizer.tok, list(req.messages), req.tools)
+        return rt.tokenizer.encode_chat(messages, tools=tools)
     if req.prompt_token_ids is not None:
         bad = [t for t in req.prompt_token_ids if t >= rt.tokenizer.vocab_size]
         if bad:
@@ -150,20 +164,24 @@ class _Stream(Response):
 async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     try:
-        rt.check_auth(request)
-        req = parse_request(await read_json(request), chat, rt.cfg.default_max_tokens)
-        check_model(req.model, rt.served_names)
-        ids = prompt_ids(rt, req)
-        snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
-        req = fit_context(rt, snap, req, len(ids))
-        ticket = rt.admit()
+        key = rt.check_auth(request)
+        client = rt.client_of(request, key)
+        rt.limiter.take_request(client)
+        ticket = rt.admit()  # before the body is read or parsed: --max-queue bounds that work
     except APIError as err:
         return rt.error(err)
     streaming = False
     try:
-        plan = rt.dispatcher.plan(ids, snap)
-        rs = RequestState(rid, ids, req.sampling)
-        response = await _respond(rt, request, req, rs, plan, ticket)
+        raw = await edge.read_body(request, rt.cfg.max_body_bytes)
+        req, ids = await rt.off_loop(prepare, rt, raw, chat)
+        snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
+        req = fit_context(rt, snap, req, len(ids))
+        rt.limiter.take_tokens(client, len(ids) + req.sampling.max_tokens)
+        salt = rt.cache_salt(key, req.cache_salt)
+        plan = rt.dispatcher.plan(ids, snap, salt)
+        rs = RequestState(rid, ids, req.sampling, cache_salt=salt)
+        respond = _respond if req.best_of == 1 else _respond_n
+        response = await respond(rt, request, req, rs, plan, ticket)
         streaming = isinstance(response, _Stream)
         return response
     except APIError as err:
@@ -187,9 +205,12 @@ async def _respond(
             text, finish, ids, lps = await guarded(request, _collect(events))
             rt.finish(rs, 200)
             fmt = _formatter(rt, req)
+            message = None
+            if req.tools is not None:
+                message, finish = ToolOutput(req.tools).message(text, finish)
             body = responses.full_response(
                 rs.request_id, req.model, req.chat, text, finish, _usage(rs),
-                fmt.format(ids, lps) if fmt is not None else None,
+                fmt.format(ids, lps) if fmt is not None else None, message,
             )  # fmt: skip
             return JSONResponse(body)
         first = await guarded(request, anext(events))
@@ -208,12 +229,18 @@ async def _respond(
         ticket.release()
         rt.finish(rs, rs.status)
 
-    fmt = _formatter(rt, req)
-    return _Stream(_sse_head(req, rs, first, fmt), _sse_rest(req, rs, events, fmt), cleanup)
+    out = _Chunks(req, rs, _formatter(rt, req))
+    return _Stream(_sse_head(req, rs, first, out), _sse_rest(req, rs, events, out), cleanup)
+
+
+async def _respond_n(*args: Any) -> Response:
+    from pdserve.router.serving_n import respond_n  # it builds on this module
+
+    return await respond_n(*args)
 
 
 def _formatter(rt: Runtime, req: GenerateRequest) -> LogprobsFormatter | None:
-    if req.sampling.logprobs is None:
+    if req.sampling.logprobs is None or req.hide_logprobs:
         return None
     return LogprobsFormatter(rt.tokenizer.tok, req.chat, req.tokens_as_ids)
 
@@ -244,28 +271,54 @@ def _usage(rs: RequestState) -> dict[str, Any]:
     return responses.usage(len(rs.prompt_ids), rs.completion_tokens, rs.cached_tokens)
 
 
-def _sse_head(
-    req: GenerateRequest, rs: RequestState, first: Delta, fmt: LogprobsFormatter | None
-) -> str:
+class _Chunks:
+    """SSE text for each delta of one stream: text and logprobs, or tool-call deltas."""
+
+    def __init__(
+        self,
+        req: GenerateRequest,
+        rs: RequestState,
+        fmt: LogprobsFormatter | None,
+        index: int = 0,
+    ) -> None:
+        self.rid, self.model, self.chat = rs.request_id, req.model, req.chat
+        self.index = index
+        self.fmt = fmt
+        self.tools = ToolOutput(req.tools) if req.tools is not None else None
+
+    def __call__(self, d: Delta) -> str:
+        if self.tools is None:
+            lps = _delta_logprobs(self.fmt, d)
+            return responses.chunk(self.rid, self.model, self.chat, d.text, d.finish_reason,
+                                   logprobs=lps, index=self.index)  # fmt: skip
+        deltas, finish = self.tools.feed(d.text), None
+        if d.finish_reason is not None:
+            more, finish = self.tools.finish(d.finish_reason)
+            deltas += more
+        rid, model, i = self.rid, self.model, self.index
+        out = "".join(responses.delta_chunk(rid, model, x, index=i) for x in deltas)
+        if finish is not None:
+            out += responses.delta_chunk(rid, model, {}, finish, index=i)
+        return out
+
+
+def _sse_head(req: GenerateRequest, rs: RequestState, first: Delta, out: _Chunks) -> str:
     """The stream's first chunks: the role (chat) and the first token."""
     rid, model, chat = rs.request_id, req.model, req.chat
     rs.status = 499  # until the stream completes
     role = responses.chunk(rid, model, chat, role=True) if chat else ""
-    lps = _delta_logprobs(fmt, first)
-    return role + responses.chunk(rid, model, chat, first.text, first.finish_reason, logprobs=lps)
+    return role + out(first)
 
 
 async def _sse_rest(
-    req: GenerateRequest,
-    rs: RequestState,
-    events: AsyncIterator[Delta],
-    fmt: LogprobsFormatter | None,
+    req: GenerateRequest, rs: RequestState, events: AsyncIterator[Delta], out: _Chunks
 ) -> AsyncIterator[str]:
     rid, model, chat = rs.request_id, req.model, req.chat
     try:
         async for d in events:
-            lps = _delta_logprobs(fmt, d)
-            yield responses.chunk(rid, model, chat, d.text, d.finish_reason, logprobs=lps)
+            text = out(d)
+            if text:
+                yield text
         if req.include_usage:
             yield responses.chunk(rid, model, chat, use=_usage(rs))
         rs.status = 200
