@@ -72,6 +72,10 @@ class DecodeWorker:
             kwargs["first_token_id"] = body.get("first_token_id")
             if not isinstance(kwargs["first_token_id"], int):
                 raise BadRequest("a kv_handle needs an integer first_token_id", "first_token_id")
+        elif body.get("resume_token_ids"):  # a stream migrated off a worker that died
+            kwargs["resume_token_ids"] = body["resume_token_ids"]
+            if not isinstance(kwargs["resume_token_ids"], list):
+                raise BadRequest("resume_token_ids must be a list", "resume_token_ids")
         outputs = self.engine.generate(rid, prompt, params, **kwargs)
         first = await anext(outputs)  # validation errors surface here, before any byte is sent
         return self._lines(first, outputs)

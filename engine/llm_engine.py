@@ -96,8 +96,15 @@ class LLMEngine:
         hold_kv: bool = False,
         remote_kv: Any = None,
         first_token_id: int | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> None:
-        """Queue a request; raises InvalidParameter for bad input (nothing is queued)."""
+        """Queue a request; raises InvalidParameter for bad input (nothing is queued).
+
+        ``resume_token_ids``: output tokens this request already produced (and sent)
+        elsewhere, as when the router migrates a stream off a dead decode worker. They
+        count as outputs (max_tokens, min_tokens, stop strings); their KV is recomputed
+        here like a preempted request's, and their text is not sent again.
+        """
         if request_id in self.requests or request_id in self.held:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params.validate())
@@ -110,6 +117,11 @@ class LLMEngine:
             req.output_token_ids.append(int(first_token_id))  # type: ignore[arg-type]
             self._extend_hashes(req)
             text.append(req.output_token_ids)  # the prefill worker already sent its text
+        elif resume_token_ids:
+            self._check_resume(req, resume_token_ids)
+            req.output_token_ids.extend(int(t) for t in resume_token_ids)
+            self._extend_hashes(req)
+            text.append(req.output_token_ids)  # already sent by the worker that died
         self._text[request_id] = text
         self.requests[request_id] = req
         self.num_prompt_tokens += req.num_prompt_tokens
@@ -157,6 +169,14 @@ class LLMEngine:
             raise InvalidParameter("kv_handle", "kv_handle block hashes do not match the prompt")
         if req.params.max_tokens < 2:
             raise InvalidParameter("max_tokens", "a handed-off request needs max_tokens >= 2")
+
+    def _check_resume(self, req: Request, ids: list[int]) -> None:
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise InvalidParameter(
+                "resume_token_ids", f"resume token ids must be in [0, {self.vocab_size})"
+            )
+        if len(ids) >= req.params.max_tokens:
+            raise InvalidParameter("resume_token_ids", "resume_token_ids reach max_tokens")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks (or its held blocks). None if unknown."""

@@ -4,9 +4,15 @@
       │                   │ first token → client at once
       │                   ▼
       └──local──────▶ POST /generate (retry on the next decode worker while
-                          no decode token has reached the client)
+                          no decode token has reached the client; after that,
+                          migrate: prompt + tokens sent go to the next one)
 
 If every prefill worker fails, the request falls back to local prefill. A
+decode worker that dies mid-stream (connection reset, EOF before the final
+line, timeout) costs the client nothing: the stream moves to the next decode
+worker with ``resume_token_ids`` = every token already sent, which that worker
+recomputes and continues from (docs/router.md, "Stream migration"). A request
+fault (4xx, or an error line: "this request failed") is never migrated. A
 request that ends early (client gone, error) is aborted on the workers it
 touched so their KV blocks are freed.
 """
@@ -56,6 +62,8 @@ class RequestState:
     sampling: SamplingParams
     start: float = field(default_factory=time.perf_counter)
     completion_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)  # every token sent to the client
+    migrations: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
     first_token_at: float | None = None
@@ -114,6 +122,7 @@ class Dispatcher:
                 if result is not None:
                     rs.remote_prefill = True
                     rs.cached_tokens = result.num_cached_tokens
+                    rs.output_ids.append(result.first_token_id)
                     yield self._delta(rs, result.text, 1, result.finish_reason)
                     if result.finish_reason is not None or result.kv_handle is None:
                         rs.finish_reason = rs.finish_reason or "stop"
@@ -169,39 +178,67 @@ class Dispatcher:
             "kv_handle": handle,
             "first_token_id": first,
         }
+        relayed = False  # a decode token reached the client: from now on, migrate
         for worker in plan.decode[:MAX_ATTEMPTS]:
-            url, relayed = worker.url, False
+            url = worker.url
+            if relayed:
+                payload = self._migrate(rs, payload, url)
             rs.touched.add(url)
             self._track(url, "decode", 0, +1)
             try:
-                async for msg in worker_client.generate(
-                    self.client, url, payload, self.cfg.request_timeout_s
-                ):
-                    if rs.finished:  # read on to the end: the connection goes back to the pool
-                        continue
-                    if "error" in msg:
-                        raise WorkerFailed(url, f"worker error: {msg['error']}", down=False)
-                    delta = self._relay(rs, msg)
+                async for delta in self._stream(rs, url, payload):
                     relayed = relayed or delta.num_tokens > 0 or bool(delta.text)
                     yield delta
-                if rs.finished:
-                    return
-                raise WorkerFailed(url, "stream ended without a finish_reason")
+                return
             except WorkerFailed as exc:
                 log.warning("request %s: decode failed on %s: %s", rs.request_id, url, exc)
                 if exc.down:
                     self.discovery.mark_failed(url)
                 self._spawn(worker_client.abort(self.client, url, rs.request_id))
-                if relayed:
+                if relayed and not exc.down:  # the worker says this request failed
                     raise APIError(502, f"decode worker failed mid-stream: {exc}") from exc
             finally:
                 self._track(url, "decode", 0, -1)
+        if relayed:
+            raise APIError(502, "decode worker failed mid-stream and no other could take over")
         raise APIError(503, "no decode worker could serve the request", code="no_worker")
+
+    async def _stream(
+        self, rs: RequestState, url: str, payload: dict[str, Any]
+    ) -> AsyncIterator[Delta]:
+        """One decode worker's deltas; raises WorkerFailed when its stream breaks."""
+        try:
+            async for msg in worker_client.generate(
+                self.client, url, payload, self.cfg.request_timeout_s
+            ):
+                if rs.finished:  # read on to the end: the connection goes back to the pool
+                    continue
+                if "error" in msg:
+                    raise WorkerFailed(url, f"worker error: {msg['error']}", down=False)
+                yield self._relay(rs, msg)
+        except WorkerFailed:
+            if rs.finished:  # the final line arrived: a break after it costs nothing
+                return
+            raise
+        if not rs.finished:
+            raise WorkerFailed(url, "stream ended without a finish_reason")
+
+    def _migrate(self, rs: RequestState, payload: dict[str, Any], url: str) -> dict[str, Any]:
+        """The payload that continues ``rs`` on ``url``: no KV handle (its lease belonged to
+        the first worker); the worker recomputes prompt + sent tokens and goes on."""
+        rs.migrations += 1
+        self.metrics.migrated.inc()
+        log.warning("request %s: migrating to %s after %d tokens", rs.request_id, url,
+                    len(rs.output_ids))  # fmt: skip
+        return {**payload, "kv_handle": None, "first_token_id": None,
+                "resume_token_ids": list(rs.output_ids)}  # fmt: skip
 
     def _relay(self, rs: RequestState, msg: dict[str, Any]) -> Delta:
         ids = msg.get("token_ids") or []
+        rs.output_ids.extend(int(t) for t in ids)
         usage = msg.get("usage")
-        if isinstance(usage, dict) and not rs.remote_prefill:  # else the prefill's count holds
+        # The prefill's count holds; after a migration the count covers the resumed tokens.
+        if isinstance(usage, dict) and not rs.remote_prefill and not rs.migrations:
             rs.cached_tokens = int(usage.get("cached_tokens") or 0)
         return self._delta(rs, str(msg.get("text") or ""), len(ids), msg.get("finish_reason"))
 

@@ -1,0 +1,52 @@
+"""Resuming a request from tokens it already produced elsewhere (stream migration).
+
+The router migrates a stream off a decode worker that died by sending the prompt
+and the tokens already sent as ``resume_token_ids``: the engine must continue
+exactly as the uninterrupted request would have, and send no text twice.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import assert_all_free
+
+from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = [(i * 53) % 2900 + 7 for i in range(40)]
+
+
+def _run_one(engine, rid, prompt, params, **kw):
+    """(token ids, text deltas one per output, finish reason) of one request run alone."""
+    engine.add_request(rid, prompt, params, **kw)
+    ids, texts, finish = [], [], None
+    while engine.has_work:
+        for out in engine.step():
+            ids += out.token_ids
+            texts.append(out.text)
+            finish = out.finish_reason
+    return ids, texts, finish
+
+
+@pytest.mark.parametrize("cut", [1, 5, 13])
+def test_resume_continues_token_for_token_and_text_for_text(make_engine, cut: int) -> None:
+    engine = make_engine()
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    full_ids, full_texts, finish = _run_one(engine, "a", PROMPT, params)
+    assert len(full_ids) == len(full_texts) == 20 and finish == "length"
+    sent_text = "".join(full_texts[:cut])  # what the worker that died had sent
+    ids, texts, finish = _run_one(engine, "b", PROMPT, params, resume_token_ids=full_ids[:cut])
+    assert full_ids[:cut] + ids == full_ids
+    assert finish == "length"
+    assert sent_text + "".join(texts) == "".join(full_texts)
+    assert_all_free(engine)
+
+
+def test_resume_counts_toward_min_tokens_and_rejects_bad_ids(make_engine) -> None:
+    engine = make_engine()
+    with pytest.raises(InvalidParameter, match="resume"):
+        engine.add_request("x", PROMPT, SamplingParams(max_tokens=3), resume_token_ids=[1, 2, 3])
+    with pytest.raises(InvalidParameter, match="resume"):
+        engine.add_request("y", PROMPT, SamplingParams(max_tokens=9), resume_token_ids=[10**9])
+    assert_all_free(engine)
