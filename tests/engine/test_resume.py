@@ -50,3 +50,18 @@ def test_resume_counts_toward_min_tokens_and_rejects_bad_ids(make_engine) -> Non
     with pytest.raises(InvalidParameter, match="resume"):
         engine.add_request("y", PROMPT, SamplingParams(max_tokens=9), resume_token_ids=[10**9])
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("cut", [1, 7])
+def test_seeded_resume_draws_what_the_uninterrupted_run_drew(make_engine, cut: int) -> None:
+    # The sampler seeds each draw from (seed, output position), not from a generator
+    # that lived on the worker that died: the continuation is the same sample.
+    engine = make_engine()
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    full_ids, _, _ = _run_one(engine, "a", PROMPT, params)
+    ids, _, _ = _run_one(engine, "b", PROMPT, params, resume_token_ids=full_ids[:cut])
+    assert full_ids[:cut] + ids == full_ids
+    other, _, _ = _run_one(engine, "c", PROMPT, SamplingParams(
+        max_tokens=16, temperature=1.0, top_p=0.9, seed=1235, ignore_eos=True))  # fmt: skip
+    assert other != full_ids
+    assert_all_free(engine)
