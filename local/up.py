@@ -1,8 +1,10 @@
 """``pdserve up``: router + N prefill + M decode workers as local processes.
 
 Creates the tiny model first when no ``--model`` is given, waits until every
-process is healthy, prints the endpoint and a sample request, and on Ctrl-C or
-SIGTERM stops every process group it started.
+process is healthy, prints the endpoint and a sample request, then supervises:
+a process that dies is restarted with back-off (local/supervise.py) while the
+router serves from the survivors. Only Ctrl-C or SIGTERM stops it, and then it
+stops every process group it started.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import argparse
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from types import FrameType
 
 from pdserve.local.planner_loop import add_autoscale_arguments, config_from_args
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
+from pdserve.local.supervise import Supervisor
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
 
@@ -132,16 +134,9 @@ def _progress(total: int):  # -> Callable[[Proc, float], None]
 
 
 def _watch(cluster: LocalCluster) -> int:
-    """Run until interrupted; a process that dies takes the deployment down with a message."""
-    while True:
-        dead = cluster.dead()
-        if dead:
-            p = dead[0]
-            code = p.popen.returncode if p.popen else "?"
-            print(f"pdserve up: {p.name} exited ({code}); log {p.log_path}:\n{p.log_tail()}",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            return 1
-        time.sleep(0.5)
+    """Run until interrupted, restarting any process that dies (local/supervise.py)."""
+    Supervisor(cluster).run_forever()
+    return 0
 
 
 def print_ready(router: Proc, spec: ClusterSpec, api_key: str) -> None:
