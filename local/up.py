@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", default="prefix", choices=("prefix", "round-robin"))
     p.add_argument("--disagg-threshold", type=int, default=None)
     p.add_argument("--api-key", default="", help="require this bearer key at the router")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="router: requests in flight before 429 (default: the router's)")  # fmt: skip
     p.add_argument("--log-dir", default="", help="process logs (default: a temp dir)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
@@ -64,6 +66,8 @@ def router_args(args: argparse.Namespace) -> list[str]:
         out += ["--disagg-threshold", str(args.disagg_threshold)]
     if args.api_key:
         out += ["--api-key", args.api_key]
+    if getattr(args, "max_queue", None) is not None:
+        out += ["--max-queue", str(args.max_queue)]
     return out
 
 

@@ -54,7 +54,7 @@ def _read_output(up: Up) -> None:
 def up(tiny_model_dir: Path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("up-resilience")
     argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tiny_model_dir),
-            "--port", str(free_port()), "--prefill", "1", "--decode", "2",
+            "--port", str(free_port()), "--prefill", "1", "--decode", "3",
             "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
             "--routing", "round-robin", "--disagg-threshold", "32", "--log-dir", str(logs),
             "--worker-port-base", str(20000 + free_port() % 20000),
@@ -97,12 +97,16 @@ def _kill_busy(urls: list[str], timeout: float = 30.0) -> str:
     raise AssertionError("no worker was busy")
 
 
-def _all_back(up: Up, timeout: float = 120.0) -> None:
-    """Every worker is healthy again in the router's view (restarted by up)."""
+def _all_back(up: Up, timeout: float = 120.0, decode: int = 0) -> None:
+    """Every worker (or: the prefill workers and ``decode`` decode workers) is healthy in
+    the router's view again (restarted by up)."""
     deadline = time.monotonic() + timeout
     while True:
         listed = httpx.get(up.url + "/workers", timeout=5).json()["workers"]
-        if sum(1 for w in listed if w["healthy"]) == len(up.workers):
+        healthy = {w["url"] for w in listed if w["healthy"]}
+        if set(up.urls("prefill")) <= healthy and (
+            len(healthy & set(up.urls("decode"))) >= (decode or len(up.urls("decode")))
+        ):
             return
         assert up.proc.poll() is None, "pdserve up exited:\n" + "".join(up.lines[-30:])
         assert time.monotonic() < deadline, f"not back: {listed}"
@@ -141,7 +145,7 @@ def _migrated(up: Up) -> float:
     ids=["greedy-remote-prefill", "greedy-local-prefill", "seeded"],
 )
 def test_stream_survives_kill_of_its_decode_worker(up: Up, prompt: str, sampling: dict) -> None:
-    _all_back(up)
+    _all_back(up, decode=2)  # one to kill, one to take over; the third may be restarting
     before = _migrated(up)
     ref = httpx.post(up.url + "/v1/completions", json=_body(prompt, **sampling), timeout=120)
     assert ref.status_code == 200
@@ -153,7 +157,7 @@ def test_stream_survives_kill_of_its_decode_worker(up: Up, prompt: str, sampling
 
 
 def test_non_streamed_request_survives_kill_of_its_decode_worker(up: Up) -> None:
-    _all_back(up)
+    _all_back(up, decode=2)
     body = _body(LONG)
     ref = httpx.post(up.url + "/v1/completions", json=body, timeout=120).json()
     out: dict[str, Any] = {}
