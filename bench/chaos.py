@@ -89,8 +89,9 @@ def prompt(rng: random.Random, words: int) -> str:
 async def phase_bad_inputs(h: httpx.AsyncClient, model: str, chars: int) -> dict[str, Any]:
     cases = bad_inputs(model, huge_prompt_chars=chars)
     results = await asyncio.gather(*(cc.raw(h, path, body) for _, path, body in cases))
-    bad = [f"{name}:{r.status}" for (name, _, _), r in zip(cases, results) if r.server_error]
-    accepted = [name for (name, _, _), r in zip(cases, results) if r.status == 200]
+    pairs = list(zip(cases, results, strict=True))
+    bad = [f"{name}:{r.status}" for (name, _, _), r in pairs if r.server_error]
+    accepted = [name for (name, _, _), r in pairs if r.status == 200]
     return {"bad_input_cases": len(cases), "bad_input_5xx": len(bad),
             "bad_input_5xx_cases": bad, "bad_input_accepted": accepted}  # fmt: skip
 
@@ -108,8 +109,8 @@ async def phase_poison(h: httpx.AsyncClient, model: str, n: int) -> dict[str, An
     poison = poison_bodies(model)
     answers = await asyncio.gather(*(cc.stream(h, "/v1/completions", b) for _, b in poison))
     done = await asyncio.gather(*streams)
-    return {"poisoned_streams": sum(not r.ok(48) for r in done),
-            "poison_5xx": [name for (name, _), r in zip(poison, answers) if r.server_error]}  # fmt: skip
+    failed = [name for (name, _), r in zip(poison, answers, strict=True) if r.server_error]
+    return {"poisoned_streams": sum(not r.ok(48) for r in done), "poison_5xx": failed}
 
 
 async def phase_storm(h: httpx.AsyncClient, model: str, n: int) -> dict[str, Any]:
@@ -164,7 +165,7 @@ async def phase_soak(h: httpx.AsyncClient, model: str, n: int, conc: int) -> dic
             return await coro  # type: ignore[no-any-return]
 
     results = await asyncio.gather(*(one(c) for c, _, _ in plans))
-    errors = [r for r, (_, cancel, n) in zip(results, plans)
+    errors = [r for r, (_, cancel, n) in zip(results, plans, strict=True)
               if (not r.cancelled and not r.ok(n)) or r.server_error]  # fmt: skip
     return {"soak_requests": n, "soak_errors": len(errors),
             "soak_cancelled": sum(r.cancelled for r in results),
@@ -241,7 +242,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     keys = ["bad_input_5xx", "poisoned_streams", "leaked_blocks", "soak_errors",
-            "decode_kill_failed_streams", "prefill_kill_failed_requests", "migrated_streams"]  # fmt: skip
+            "decode_kill_failed_streams", "prefill_kill_failed_requests",
+            "migrated_streams"]  # fmt: skip
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     a.barh(keys, [result[k] for k in keys], color=["C3"] * 6 + ["C2"])
     a.set_title("chaos figures (goal: 0, migrated >= 1)")

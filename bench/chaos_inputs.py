@@ -44,7 +44,7 @@ def bad_inputs(model: str, huge_prompt_chars: int) -> list[tuple[str, str, bytes
             "deep_json_in_field",
             COMPLETIONS,
             b'{"model": "m", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
-        ),  # fmt: skip
+        ),
         ("huge_prompt", COMPLETIONS, c(prompt="word " * (huge_prompt_chars // 5))),
         ("unknown_model", COMPLETIONS, _completion("no-such-model")),
         ("missing_model", COMPLETIONS, _j({"prompt": "hi"})),
@@ -59,7 +59,7 @@ def bad_inputs(model: str, huge_prompt_chars: int) -> list[tuple[str, str, bytes
             "temperature_nan",
             COMPLETIONS,
             b'{"model": "' + model.encode() + b'", "prompt": "hi", "temperature": NaN}',
-        ),  # fmt: skip
+        ),
         ("top_p_zero", COMPLETIONS, c(top_p=0)),
         ("top_p_big", COMPLETIONS, c(top_p=2)),
         ("top_k_string", COMPLETIONS, c(top_k="x")),
@@ -85,12 +85,12 @@ def bad_inputs(model: str, huge_prompt_chars: int) -> list[tuple[str, str, bytes
             "chat_content_number",
             CHAT,
             _j({"model": model, "messages": [{"role": "user", "content": 5}]}),
-        ),  # fmt: skip
+        ),
         (
             "chat_lone_surrogate",
             CHAT,
             _j({"model": model, "messages": [{"role": "user", "content": "\udfff"}]}),
-        ),  # fmt: skip
+        ),
     ]
     return cases
 

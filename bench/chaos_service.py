@@ -33,9 +33,10 @@ class Service:
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self, timeout: float = 300.0) -> None:
-        env = dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, cwd=ROOT, start_new_session=True, env=env)  # fmt: skip
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+            start_new_session=True,  # its own group: SIGTERM reaches up, as Ctrl-C would
+        )  # fmt: skip
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + timeout
         while not any(x.startswith("pdserve is up") for x in self.lines):

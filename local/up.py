@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disagg-threshold", type=int, default=None)
     p.add_argument("--api-key", default="", help="require this bearer key at the router")
     p.add_argument("--max-queue", type=int, default=None,
-                   help="router: requests in flight before 429 (default: the router's)")  # fmt: skip
+                   help="router: requests in flight before 429")  # fmt: skip
     p.add_argument("--log-dir", default="", help="process logs (default: a temp dir)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
