@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.huge_prompt_chars, args.restart_wait_s = 4_000_000, 120.0
     if args.quick:
         args.soak, args.kill_streams = 120, 8
-        args.huge_prompt_chars, args.restart_wait_s = 1_000_000, 45.0
+        args.huge_prompt_chars, args.restart_wait_s = 1_000_000, 90.0
     return args
 
 

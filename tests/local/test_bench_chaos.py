@@ -34,7 +34,7 @@ def test_chaos_recovery_figures(chaos: dict[str, Any]) -> None:
     assert chaos["prefill_killed"] and chaos["prefill_kill_failed_requests"] == 0
     assert chaos["storm_5xx"] == chaos["overload_5xx"] == 0
     assert chaos["overload_429"] > 0 and chaos["overload_429_without_retry_after"] == 0
-    assert chaos["workers_back"] and chaos["up_running"] and chaos["up_exit_code"] == 0
+    assert chaos["workers_back"] and chaos["up_running"] and chaos["up_exit_code"] == 0, chaos
     assert chaos["leaked_blocks"] == 0 and chaos["workers_checked"] == 4
 
 

@@ -84,13 +84,21 @@ def _stats(url: str) -> dict[str, Any]:
     return dict(httpx.get(url + "/stats", timeout=5).json())
 
 
+def _stats_or_none(url: str) -> dict[str, Any] | None:
+    try:  # a worker restarting after an earlier kill does not answer yet
+        return _stats(url)
+    except httpx.HTTPError:
+        return None
+
+
 def _kill_busy(urls: list[str], timeout: float = 30.0) -> str:
     """``kill -9`` the worker among ``urls`` that is running a request; returns its URL."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for url in urls:
-            s = _stats(url)
-            if s["running"] or s["waiting"] or s.get("held"):  # held: KV under a lease
+            s = _stats_or_none(url)
+            # held: the prefill worker keeps the KV under a lease for a decode worker
+            if s is not None and (s["running"] or s["waiting"] or s.get("held")):
                 os.kill(int(s["pid"]), signal.SIGKILL)
                 return url
         time.sleep(0.005)
