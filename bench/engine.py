@@ -10,7 +10,9 @@ uniform 16–256, ignore_eos) run through
 on the ``small`` preset model, same dtype and threads. Output tokens/s counts the
 tokens the requests asked for (the same total for both). Also measured on ours: the
 share of wall time outside the model forward (scheduling, input building, sampling,
-detokenization, bookkeeping) and the KV waste at peak (allocated slots not holding a
+detokenization, bookkeeping), the shares of attention (with its KV writes and, on the
+gather path, the copies of pool blocks, also reported apart) and of the rest of the
+forward (matmuls, norms, rotary embeddings), and the KV waste at peak (allocated slots not holding a
 computed token / allocated slots, at the step with the most blocks allocated).
 The last stdout line is JSON: ``{"ours_tok_s", "baseline_tok_s", "ratio",
 "overhead_share", "kv_waste", ...}``.
@@ -62,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention", default="auto", choices=["auto", "gather"],
+                   help="auto: the CPU kernel where it builds; gather: the reference")  # fmt: skip
     p.add_argument("--skip-baseline", action="store_true", help="profile ours only")
     p.add_argument("--plot", default=str(ROOT / "bench" / "out" / "engine.png"))
     args = p.parse_args()
@@ -97,6 +101,8 @@ class Run:
     seconds: float = 0.0
     cpu_seconds: float = 0.0  # this process's CPU time: robust to other load on the host
     forward_seconds: float = 0.0
+    attention_seconds: float = 0.0  # inside forward: paged attention, KV writes and copies
+    kv_copy_seconds: float = 0.0  # inside attention: gathers of pool blocks (gather path)
     steps: int = 0
     kv_waste: float = 0.0
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (s, output tokens)
@@ -113,6 +119,38 @@ def _timed(fn: Any, run: Run) -> Any:
     return wrapper
 
 
+def _time_attention(run: Run) -> Any:
+    """Time attention (and the gather path's KV copies) inside the forward; returns an undo."""
+    from transformers import AttentionInterface
+
+    from pdserve.engine import attention
+
+    fn, gather = attention.paged_attention, attention._gather
+
+    def timed_attention(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            run.attention_seconds += time.perf_counter() - t0
+
+    def timed_gather(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return gather(*a, **kw)
+        finally:
+            run.kv_copy_seconds += time.perf_counter() - t0
+
+    AttentionInterface.register(attention.ATTN_IMPLEMENTATION, timed_attention)
+    attention._gather = timed_gather  # type: ignore[assignment]
+
+    def undo() -> None:
+        AttentionInterface.register(attention.ATTN_IMPLEMENTATION, fn)
+        attention._gather = gather  # type: ignore[assignment]
+
+    return undo
+
+
 def _kv_usage(engine: LLMEngine) -> tuple[int, int]:
     """(allocated slots, slots holding a computed token) over the owned blocks."""
     bs = engine.config.block_size
@@ -125,6 +163,7 @@ def run_ours(engine: LLMEngine, work: Workload) -> Run:
     run = Run()
     model = engine.runner.model
     model.forward = _timed(model.forward, run)  # type: ignore[method-assign]
+    undo = _time_attention(run)
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens
     ]
@@ -148,6 +187,7 @@ def run_ours(engine: LLMEngine, work: Workload) -> Run:
     run.cpu_seconds = time.process_time() - cpu_start
     bar.close()
     del model.forward  # back to the class's forward
+    undo()
     assert done == work.output_tokens, (done, work.output_tokens)
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "KV blocks leaked"
     run.kv_waste = 1 - peak[1] / peak[0] if peak[0] else 0.0
@@ -239,6 +279,8 @@ def main() -> int:
         enable_prefix_caching=False,  # random prompts share nothing; keep the runs alike
     )
     engine = LLMEngine(config)
+    if args.attention == "gather":
+        engine.runner.use_kernel = False
     work = make_workload(args, engine.vocab_size)
     print(
         f"{args.requests} requests, {sum(map(len, work.prompts))} prompt tokens, "
@@ -251,6 +293,12 @@ def main() -> int:
     result: dict[str, Any] = {
         "ours_tok_s": work.output_tokens / ours.seconds,
         "overhead_share": 1 - ours.forward_seconds / ours.seconds,
+        # Inside the forward: attention with its KV writes (and copies), then the rest
+        # (matmuls, norms, rotary embeddings).
+        "attention_share": ours.attention_seconds / ours.seconds,
+        "kv_copy_share": ours.kv_copy_seconds / ours.seconds,
+        "matmul_rest_share": (ours.forward_seconds - ours.attention_seconds) / ours.seconds,
+        "attention_path": "kernel" if engine.runner.use_kernel else "gather",
         "kv_waste": ours.kv_waste,
         "ours_s": ours.seconds,
         "ours_steps": ours.steps,

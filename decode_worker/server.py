@@ -124,6 +124,8 @@ class DecodeWorker:
                 "text": out.text,
                 "finish_reason": out.finish_reason,
             }
+            if out.logprobs is not None:
+                body["logprobs"] = out.logprobs
             if out.finished:
                 body["usage"] = out.usage
         return (json.dumps(body) + "\n").encode()

@@ -81,6 +81,8 @@ class AsyncEngine:
             engine.add_request(request_id, prompt_token_ids, params, **kwargs)
             self._streams[request_id] = (loop, stream)
 
+        if params.structured is not None:  # compile off the engine thread (then cached)
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured)
         await self.call(add)
         finished = False
         try:

@@ -4,10 +4,13 @@ transformers runs the model's own code (projections, rotary embeddings, MLPs)
 and calls this function for attention. It writes the step's new K/V into the
 pool at ``slot_mapping`` and attends over each sequence's blocks:
 
-* decodes (one query token each) in a few batched calls, one per group of
-  similar context lengths, over block tables padded to the group's longest;
-* a prefill chunk that starts its request attends to its own new K/V (no
-  gather); a later chunk (chunked prefill, prefix-cache hit) gathers its
+* on CPU (the kernel path), every token that attends to context in the pool —
+  decodes and continuing prefill chunks alike — goes to one call of the C++
+  kernel (``paged_attention.cpp``) per layer, which reads the blocks in place;
+  a prefill chunk that starts its request attends to its own new K/V with SDPA;
+* elsewhere (CUDA, or no compiler; also the tests' reference), the gather path:
+  decodes in a few batched calls, one per group of similar context lengths, over
+  block tables padded to the group's longest; a continuing chunk gathers its
   context blocks, causal with the chunk's offset into its context.
 
 Gathers index whole blocks (``[num_blocks, block_size, kv_heads, head_dim]``
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from pdserve.engine import cpu_kernel
 from pdserve.engine.kv_pool import KVPool
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
@@ -51,6 +55,17 @@ class DecodeGroup:
 
 
 @dataclass
+class KernelTokens:
+    """The step's tokens for the CPU kernel: each attends to its request's first
+    ``ctx`` positions, whose blocks are row ``table`` of ``tables``."""
+
+    rows: torch.Tensor  # [n] int32, the tokens' rows in the step
+    table: torch.Tensor  # [n] int32
+    ctx: torch.Tensor  # [n] int32
+    tables: torch.Tensor  # [requests, W] int32, padded with block 0
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
     decodes: list[DecodeGroup]
@@ -59,6 +74,7 @@ class AttentionMetadata:
     # the largest gather of the step: a fresh tensor per gather costs page faults.
     k_buffer: torch.Tensor | None = None
     v_buffer: torch.Tensor | None = None
+    kernel: KernelTokens | None = None  # the CPU kernel's tokens (then decodes is empty)
 
 
 class _Current(threading.local):
@@ -94,7 +110,9 @@ def paged_attention(
         return _gather(k_blocks, flat, meta.k_buffer), _gather(v_blocks, flat, meta.v_buffer)
 
     q = query[0].transpose(0, 1)  # [T, Hq, D]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if meta.kernel is not None:
+        _run_kernel(q, k_cache, v_cache, out, meta.kernel, bs, scaling)
     for group in meta.decodes:
         k, v = gather(group.block_table)
         out[group.rows] = _decode(q[group.rows], k, v, group, scaling)
@@ -108,6 +126,31 @@ def paged_attention(
             v = v.flatten(0, 1)[: chunk.context_len]
         out[rows] = _prefill(q[rows], k, v, chunk.causal_mask, scaling)
     return out.unsqueeze(0), None
+
+
+def _run_kernel(
+    q: torch.Tensor,  # [T, Hq, D], any strides over T and heads
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,
+    out: torch.Tensor,  # [T, Hq, D] contiguous
+    tokens: KernelTokens,
+    block_size: int,
+    scaling: float | None,
+) -> None:
+    lib = cpu_kernel.load()
+    assert lib is not None, "kernel metadata built without the kernel"
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    _t, hq, d = q.shape
+    rc = lib.pdserve_paged_attention(
+        cpu_kernel.DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        tokens.tables.data_ptr(), tokens.tables.shape[1], tokens.rows.data_ptr(),
+        tokens.table.data_ptr(), tokens.ctx.data_ptr(), tokens.rows.numel(), hq,
+        k_cache.shape[1], d, block_size, d**-0.5 if scaling is None else scaling,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    assert rc == 0, f"paged attention kernel failed ({rc})"
 
 
 def _gather(blocks: torch.Tensor, ids: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:

@@ -26,11 +26,13 @@ from pdserve.engine.detokenizer import TextStream
 from pdserve.engine.hashing import block_hashes, hash_block
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.kv_pool import KVPool, budget_bytes
+from pdserve.engine.logprobs import StepLogprobs, TokenLogprobs
 from pdserve.engine.model_runner import ModelRunner, ScheduledChunk, model_identity
 from pdserve.engine.request import Request, RequestOutput, RequestStatus
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ class LLMEngine:
         )
         self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.hf_config)
         self.vocab_size = int(self.runner.hf_config.vocab_size)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.model_id = model_identity(config.model)
         self.served_model_name = config.served_model_name or Path(config.model).name
         self.requests: dict[str, Request] = {}
@@ -122,6 +125,8 @@ class LLMEngine:
             req.output_token_ids.extend(int(t) for t in resume_token_ids)
             self._extend_hashes(req)
             text.append(req.output_token_ids)  # already sent by the worker that died
+        if params.structured is not None:  # replays the first token, or the resumed ones
+            req.grammar = self.grammars.matcher(params.structured, req.output_token_ids)
         self._text[request_id] = text
         self.requests[request_id] = req
         self.num_prompt_tokens += req.num_prompt_tokens
@@ -143,6 +148,10 @@ class LLMEngine:
                 "max_tokens",
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.max_model_len} tokens",
+            )
+        if any(t >= self.vocab_size for t in params.logit_bias):
+            raise InvalidParameter(
+                "logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size})"
             )
         need = self.blocks.blocks_needed(n + params.max_tokens)
         if need > self.blocks.num_blocks:
@@ -210,24 +219,35 @@ class LLMEngine:
         if sched.chunks:
             sampled = [c.request for c in sched.chunks if c.samples]
             logits = self.runner.execute(sched.chunks)
+            raw = StepLogprobs(logits, sampled)  # before the sampler edits the logits
+            self.grammars.apply(logits, sampled)
             tokens = self.sampler.sample(logits, sampled, [self._banned(r) for r in sampled])
-            outputs += self._update(sched.chunks, tokens)
+            outputs += self._update(sched.chunks, tokens, raw.of(tokens))
         return outputs
 
-    def _update(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
+    def _update(
+        self,
+        chunks: list[ScheduledChunk],
+        tokens: list[int],
+        logprobs: list[TokenLogprobs | None],
+    ) -> list[RequestOutput]:
         outputs = []
-        it = iter(tokens)
+        it = iter(zip(tokens, logprobs, strict=True))
         for chunk in chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_tokens
             self._register_blocks(req)
             if chunk.samples:
-                out = self._append_token(req, next(it))
+                token, lp = next(it)
+                out = self._append_token(req, token)
                 if out is not None:
-                    outputs.append(out)
+                    outputs.append(out if lp is None else replace(out, logprobs=[lp]))
         return outputs
 
     def _append_token(self, req: Request, token: int) -> RequestOutput | None:
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            msg = f"token {token} broke the request's grammar"  # only if the mask was not applied
+            return self.finish(req, RequestStatus.FINISHED_ERROR, [], "", msg)
         req.output_token_ids.append(token)
         self.num_generation_tokens += 1
         self._extend_hashes(req)

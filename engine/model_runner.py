@@ -16,11 +16,13 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from pdserve.engine import cpu_kernel
 from pdserve.engine.attention import (
     ATTN_IMPLEMENTATION,
     CURRENT,
     AttentionMetadata,
     DecodeGroup,
+    KernelTokens,
     PrefillChunk,
 )
 from pdserve.engine.config import EngineConfig
@@ -87,6 +89,15 @@ class ModelRunner:
         self.pool: KVPool | None = None
         self.decode_group_rows = DECODE_GROUP_ROWS.get(self.device.type, DECODE_GROUP_ROWS_DEFAULT)
         self._gather_buffer: torch.Tensor | None = None
+        # The CPU kernel reads the pool in place; the gather path is CUDA's and the
+        # tests' reference (set False to use it).
+        self.use_kernel = (
+            self.device.type == "cpu"
+            and cpu_kernel.supports(
+                self.dtype, hf.num_attention_heads, self.num_kv_heads, self.head_dim
+            )
+            and cpu_kernel.load() is not None
+        )
 
     @property
     def kv_shape(self) -> KVShape:
@@ -149,6 +160,8 @@ class ModelRunner:
         )
 
     def _metadata(self, chunks: list[ScheduledChunk], slots: torch.Tensor) -> AttentionMetadata:
+        if self.use_kernel:
+            return self._kernel_metadata(chunks, slots)
         bs, dev = self.block_size, self.device
         decodes: list[tuple[int, list[int], int]] = []  # (row, blocks, context length)
         prefills: list[PrefillChunk] = []
@@ -171,6 +184,39 @@ class ModelRunner:
         gathered += [c.block_table.numel() for c in prefills if c.block_table is not None]
         k_buffer, v_buffer = self._buffers(max(gathered, default=0))
         return AttentionMetadata(slots, groups, prefills, k_buffer, v_buffer)
+
+    def _kernel_metadata(
+        self, chunks: list[ScheduledChunk], slots: torch.Tensor
+    ) -> AttentionMetadata:
+        """Fresh prefill chunks for SDPA; every other token for the kernel, in one batch."""
+        bs = self.block_size
+        prefills: list[PrefillChunk] = []
+        rows: list[np.ndarray] = []
+        ctxs: list[np.ndarray] = []
+        tables: list[list[int]] = []
+        row = 0
+        for c in chunks:
+            start, n = c.start, c.num_tokens
+            if start == 0 and n > 1:  # the chunk is the whole context: its own K/V
+                prefills.append(PrefillChunk(row, n))
+            else:
+                rows.append(np.arange(row, row + n, dtype=np.int32))
+                ctxs.append(np.arange(start + 1, start + n + 1, dtype=np.int32))
+                tables.append(c.request.block_ids[: -(-(start + n) // bs)])
+            row += n
+        if not rows:
+            return AttentionMetadata(slots, [], prefills)
+        table = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+        for i, blocks in enumerate(tables):
+            table[i, : len(blocks)] = blocks
+        owner = np.repeat(np.arange(len(rows), dtype=np.int32), [len(r) for r in rows])
+        kernel = KernelTokens(
+            rows=torch.from_numpy(np.concatenate(rows)),
+            table=torch.from_numpy(owner),
+            ctx=torch.from_numpy(np.concatenate(ctxs)),
+            tables=torch.from_numpy(table),
+        )
+        return AttentionMetadata(slots, [], prefills, kernel=kernel)
 
     def _buffers(self, num_blocks: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Gather buffers of at least ``num_blocks`` blocks, kept across steps."""

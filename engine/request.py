@@ -46,6 +46,7 @@ class Request:
     hold_kv: bool = False  # prefill mode: keep blocks after finishing, under a lease
     remote_kv: Any = None  # KVHandle to pull before decoding (decode mode)
     error: str = ""
+    grammar: Any = None  # xgrammar matcher of a structured-output request (engine/structured.py)
     first_scheduled_time: float | None = None
 
     @property
@@ -88,6 +89,8 @@ class RequestOutput:
     kv_block_ids: list[int] | None = None  # prefill mode: the held blocks, on finish
     kv_block_hashes: list[int] | None = None  # prefill mode: hashes of the full prompt blocks
     queue_seconds: float | None = None  # arrival to first schedule, on the first output
+    # One (logprob, top [(id, logprob)]) per token id, when the request asked for logprobs.
+    logprobs: list[Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -112,7 +115,14 @@ class RequestOutput:
             later,
             token_ids=self.token_ids + later.token_ids,
             text=self.text + later.text,
+            logprobs=_joined(self.logprobs, later.logprobs),
             queue_seconds=self.queue_seconds
             if self.queue_seconds is not None
             else later.queue_seconds,
         )
+
+
+def _joined(a: list[Any] | None, b: list[Any] | None) -> list[Any] | None:
+    if a is None and b is None:
+        return None
+    return (a or []) + (b or [])

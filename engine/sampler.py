@@ -1,7 +1,8 @@
 """Per-request sampling over a step's logits.
 
-Greedy rows take the argmax. Other rows apply temperature, top-k and top-p (on
-sorted logits, only when set), then draw with the exponential-race trick (argmax
+Logit biases and penalties come first, batched (engine/penalties.py). Greedy
+rows then take the argmax. Other rows apply temperature, top-k and top-p (on
+sorted logits, only when set) and min-p, then draw with the exponential-race trick (argmax
 of p / E with E ~ Exp(1) per token id), whose noise comes from the request's own
 generator: a seeded request draws the same tokens whatever else shares its batch.
 A seeded generator is re-seeded from (seed, output position) before each draw, so
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.penalties import apply_logit_bias, apply_penalties
 from pdserve.engine.request import Request
 
 
@@ -35,6 +37,8 @@ class Sampler:
         for row, ids in enumerate(banned):
             if ids:
                 logits[row, ids] = float("-inf")
+        apply_logit_bias(logits, requests)
+        apply_penalties(logits, requests)
         out = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         if greedy:
@@ -56,7 +60,16 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
     def _filtered_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Softmax after top-k and top-p, in vocabulary order."""
+        """Softmax after top-k, top-p and min-p, in vocabulary order (not renormalised:
+        the exponential race only compares ratios)."""
+        probs = self._top_k_top_p(logits, requests)
+        min_p = [r.params.min_p for r in requests]
+        if max(min_p) > 0.0:
+            floor = torch.tensor(min_p, device=probs.device)[:, None] * probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        return probs
+
+    def _top_k_top_p(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         vocab = logits.shape[-1]
         top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in requests]
         top_p = [r.params.top_p for r in requests]

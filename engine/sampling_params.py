@@ -29,10 +29,26 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    # OpenAI's penalties and biases (engine/penalties.py applies them, batched).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's: >1 discourages tokens of prompt and output
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Top log-probabilities per generated token (0: the chosen token's only); None: off.
+    logprobs: int | None = None
+    # Structured output spec (engine/structured.py), e.g. {"type": "json_schema", ...}.
+    structured: dict[str, Any] | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     def validate(self) -> SamplingParams:
         def need(cond: bool, name: str, msg: str) -> None:
@@ -62,7 +78,36 @@ class SamplingParams:
         )
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         need(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        self._validate_extras(need)
         return self
+
+    def _validate_extras(self, need: Any) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            need(_is_num(value), name, "must be a number")
+            need(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        rep = self.repetition_penalty
+        need(_is_num(rep), "repetition_penalty", "must be a number")
+        need(0.0 < rep <= 10.0, "repetition_penalty", f"must be in (0, 10], got {rep}")
+        need(_is_num(self.min_p), "min_p", "must be a number")
+        need(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        bias = self.logit_bias
+        need(isinstance(bias, dict), "logit_bias", "must map token ids to numbers")
+        need(len(bias) <= 1024, "logit_bias", "may hold at most 1024 entries")
+        need(all(_is_int(k) and k >= 0 for k in bias), "logit_bias", "keys must be token ids")
+        need(
+            all(_is_num(v) and -100.0 <= v <= 100.0 for v in bias.values()),
+            "logit_bias",
+            "values must be numbers in [-100, 100]",
+        )
+        lp = self.logprobs
+        need(lp is None or (_is_int(lp) and 0 <= lp <= 20), "logprobs", "must be in [0, 20]")
+        spec = self.structured
+        need(spec is None or isinstance(spec, dict), "structured", "must be an object")
+        if spec is not None:
+            param = str(spec.get("param") or "structured")
+            need(not self.ignore_eos, param, "cannot be combined with ignore_eos")
+            need(self.min_tokens == 0, param, "cannot be combined with min_tokens")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,6 +124,8 @@ class SamplingParams:
             known["stop"] = [known["stop"]]
         if known.get("stop") is None:
             known.pop("stop", None)
+        if isinstance(known.get("logit_bias"), dict):  # JSON object keys are strings
+            known["logit_bias"] = _int_keys(known["logit_bias"])
         return cls(**known).validate()
 
 
@@ -88,3 +135,15 @@ def _is_int(x: object) -> bool:
 
 def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _int_keys(bias: dict[Any, Any]) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except (TypeError, ValueError):
+            raise InvalidParameter(
+                "logit_bias", f"logit_bias key {key!r} is not a token id"
+            ) from None
+    return out

@@ -22,6 +22,7 @@ register(
         status_interval=float(os.environ.get("PDSERVE_OPERATOR_STATUS_INTERVAL", "10")),
         retry_delay=float(os.environ.get("PDSERVE_OPERATOR_RETRY_DELAY", "30")),
         autoscale_tick=float(os.environ.get("PDSERVE_OPERATOR_AUTOSCALE_TICK", "5")),
+        default_image=os.environ.get("PDSERVE_DEFAULT_IMAGE", ""),
         autoscale=AutoscaleSettings(
             router_metrics_url=os.environ.get("PDSERVE_OPERATOR_ROUTER_METRICS_URL", "")
         ),

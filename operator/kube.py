@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+import time
 from typing import Any
 from urllib.parse import quote
 
@@ -38,9 +39,10 @@ _SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 class KubeError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, server_message: str = "") -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+        self.server_message = server_message or message  # the API server's own words
 
 
 def resource_path(api_version: str, kind: str, namespace: str, name: str = "") -> str:
@@ -104,8 +106,20 @@ def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
 class KubeClient:
     """get/create/patch/delete of namespaced objects; ``None`` from ``get`` means 404."""
 
-    def __init__(self, info: kopf.ConnectionInfo) -> None:
+    def __init__(
+        self, info: kopf.ConnectionInfo, login_fn: Any = None, refresh_s: float = 60.0
+    ) -> None:
+        # With ``login_fn`` the credentials follow kopf's: bound service-account tokens
+        # expire (an hour by default) and the kubelet rewrites the token file, so the
+        # client logs in again every ``refresh_s`` and once after a 401.
+        self.login_fn, self.refresh_s = login_fn, refresh_s
+        self.logins = 0
+        self._open(info)
+
+    def _open(self, info: kopf.ConnectionInfo) -> None:
         self.info = info
+        self.logged_in_at = time.monotonic()
+        self.logins += 1
         headers = {"Accept": "application/json"}
         if info.token:
             headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
@@ -116,10 +130,33 @@ class KubeClient:
             headers=headers, auth=auth, connector=connector, timeout=timeout
         )
 
+    async def _relogin(self, force: bool) -> None:
+        if self.login_fn is None:
+            return
+        if not force and time.monotonic() - self.logged_in_at < self.refresh_s:
+            return
+        info = self.login_fn()
+        if info == self.info and not force:
+            self.logged_in_at = time.monotonic()
+            return
+        old = self.session
+        self._open(info)
+        await old.close()
+
     async def close(self) -> None:
         await self.session.close()
 
     async def _call(self, method: str, path: str, body: Any = None, ctype: str = "") -> Any:
+        await self._relogin(force=False)
+        try:
+            return await self._request(method, path, body, ctype)
+        except KubeError as e:
+            if e.status != 401 or self.login_fn is None:
+                raise
+        await self._relogin(force=True)  # the token expired before our refresh: once more
+        return await self._request(method, path, body, ctype)
+
+    async def _request(self, method: str, path: str, body: Any, ctype: str) -> Any:
         headers = {"Content-Type": ctype or "application/json"} if body is not None else {}
         url = self.info.server.rstrip("/") + path
         async with self.session.request(method, url, json=body, headers=headers) as resp:
@@ -128,7 +165,7 @@ class KubeClient:
             data = await resp.json(content_type=None) if resp.content_length != 0 else None
             if resp.status >= 400:
                 message = data.get("message", "") if isinstance(data, dict) else str(data)
-                raise KubeError(resp.status, f"{method} {path}: {message}")
+                raise KubeError(resp.status, f"{method} {path}: {message}", message)
             return data
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 import kopf
 
@@ -20,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scope.add_argument(
         "--all-namespaces", "-A", action="store_true", help="watch the whole cluster"
     )
-    parser.add_argument("--status-interval", type=float, default=10.0, help="status timer seconds")
+    parser.add_argument("--status-interval", type=float, default=60.0,
+                        help="seconds between resyncs from the watch cache (a safety net; "
+                        "status and drift repair follow watch events)")  # fmt: skip
     parser.add_argument("--retry-delay", type=float, default=30.0, help="retry delay when a "
                         "referenced Secret/PVC is missing")  # fmt: skip
     parser.add_argument("--autoscale-tick", type=float, default=5.0,
@@ -31,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the router Service in-cluster)")  # fmt: skip
     parser.add_argument("--health-port", type=int, default=8080, help="liveness endpoint port")
     parser.add_argument("--peering", default="", help="kopf peering name (default: standalone)")
+    parser.add_argument("--default-image", default=os.environ.get("PDSERVE_DEFAULT_IMAGE", ""),
+                        help="image for LLMServices without spec.image (resolved at render "
+                        "time; the chart passes its own image)")  # fmt: skip
     parser.add_argument("--verbose", "-v", action="store_true")
 
 
@@ -49,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         status_interval=args.status_interval,
         retry_delay=args.retry_delay,
         autoscale_tick=args.autoscale_tick,
+        default_image=args.default_image,
         autoscale=AutoscaleSettings(router_metrics_url=args.router_metrics_url),
     )
     asyncio.run(

@@ -46,6 +46,25 @@ def selector(name: str, role: str) -> dict[str, str]:
     return {LABEL_SERVICE: name, LABEL_ROLE: role}
 
 
+# Every child is named ``<name>`` or ``<name>-<suffix>``. An LLMService may not itself end
+# in ``-<suffix>`` (the CRD and the parser refuse it): then ``chat`` and ``chat-prefill``
+# can never render the same child name, and the two reconcilers cannot fight over it.
+RESERVED_SUFFIXES = ("router", "prefill", "decode", "config", "workers", "secret")
+SECRET_KEY = "secret"  # the key of the per-service Secret (env PDSERVE_SERVICE_SECRET)
+
+
+def reserved_suffix(name: str) -> str:
+    return next((s for s in RESERVED_SUFFIXES if name.endswith(f"-{s}")), "")
+
+
+def service_secret_name(name: str) -> str:
+    return f"{name}-secret"
+
+
+def network_policy_name(name: str) -> str:
+    return f"{name}-workers"
+
+
 def deployment_name(name: str, role: str) -> str:
     return f"{name}-{role}"
 

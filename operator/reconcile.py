@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.operator import naming as n
-from pdserve.operator.kube import KubeClient
+from pdserve.operator.kube import KubeClient, KubeError
 from pdserve.operator.spec import LLMServiceSpec
 
 
@@ -140,29 +140,91 @@ def keep_autoscaled_replicas(
     return out
 
 
+class ForeignChild(Exception):
+    """A child's name is taken by an object this LLMService does not control."""
+
+    def __init__(self, key: str, live: Mapping[str, Any]) -> None:
+        owners = [f"{o.get('kind')}/{o.get('name')}" for o in
+                  live.get("metadata", {}).get("ownerReferences") or []]  # fmt: skip
+        by = f"owned by {', '.join(owners)}" if owners else "not owned by any LLMService"
+        super().__init__(f"{key} already exists and is {by}; delete or rename it")
+        self.key = key
+
+
+class ChildRejected(Exception):
+    """The API server refused a rendered child (HTTP 422): only a spec edit can fix it."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key} refused by the API server: {message}")
+        self.key = key
+
+
+Lookup = Callable[[Mapping[str, Any]], Awaitable[Mapping[str, Any] | None]]
+
+
+def controlled_by(live: Mapping[str, Any], owner_uid: str) -> bool:
+    refs = live.get("metadata", {}).get("ownerReferences") or []
+    return any(r.get("uid") == owner_uid and r.get("controller") for r in refs)
+
+
+async def _get(client: KubeClient, child: Mapping[str, Any]) -> dict[str, Any] | None:
+    meta = child["metadata"]
+    return await client.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+
+
+async def _write(
+    client: KubeClient, child: Mapping[str, Any], live: Mapping[str, Any] | None,
+    patch: dict[str, Any] | None,
+) -> None:  # fmt: skip
+    meta = child["metadata"]
+    try:
+        if live is None:
+            await client.create(patch or {})
+        elif patch is not None:
+            await client.patch(
+                child["apiVersion"], child["kind"], meta["namespace"], meta["name"], patch
+            )
+    except KubeError as e:
+        if e.status == 422:
+            raise ChildRejected(key_of(child), e.server_message) from e
+        raise
+
+
 async def apply_children(
-    client: KubeClient, spec: LLMServiceSpec, children: list[dict[str, Any]]
-) -> ApplyResult:
-    """Create or patch each child in order; children must already carry owner references."""
+    client: KubeClient, spec: LLMServiceSpec, children: list[dict[str, Any]],
+    lookup: Lookup | None = None,
+) -> ApplyResult:  # fmt: skip
+    """Create or patch each child in order; children must already carry owner references.
+
+    ``lookup`` gives the live object (the watch cache); by default it is a GET. A create
+    that finds the name taken (409: the cache lagged) reads the object and patches it.
+    Raises ``ForeignChild`` for a name held by an object we do not control (never taken
+    over, as controller-runtime does) and ``ChildRejected`` for a 422.
+    """
     created: list[str] = []
     patched: list[str] = []
     unchanged: list[str] = []
     for child in children:
-        meta = child["metadata"]
-        live = await client.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
-        desired = keep_autoscaled_replicas(spec, child, live)
+        owner_uid = child["metadata"]["ownerReferences"][0]["uid"]
+        live = await (lookup or (lambda c: _get(client, c)))(child)
+        for _attempt in range(2):
+            if live is not None and not controlled_by(live, owner_uid):
+                raise ForeignChild(key_of(child), live)
+            desired = keep_autoscaled_replicas(spec, child, live)
+            patch = with_last_applied(desired) if live is None else plan_patch(live, desired)
+            try:
+                await _write(client, child, live, patch)
+                break
+            except KubeError as e:
+                if e.status != 409 or live is not None:
+                    raise
+                live = await _get(client, child)  # created meanwhile, or not ours
         if live is None:
-            await client.create(with_last_applied(desired))
             created.append(key_of(child))
-            continue
-        patch = plan_patch(live, desired)
-        if patch is None:
+        elif patch is None:
             unchanged.append(key_of(child))
-            continue
-        await client.patch(
-            child["apiVersion"], child["kind"], meta["namespace"], meta["name"], patch
-        )
-        patched.append(key_of(child))
+        else:
+            patched.append(key_of(child))
     return ApplyResult(tuple(created), tuple(patched), tuple(unchanged))
 
 

@@ -7,6 +7,7 @@ the operator adds them (``kopf.adopt``) because only it knows the object's uid.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from pdserve.operator.spec import LLMServiceSpec
 from pdserve.operator.spec_parse import parse_llmservice
 
 Manifest = dict[str, Any]
+DEFAULT_IMAGE = "ghcr.io/pdserve/pdserve:0.1.0"  # the operator passes its own (--default-image)
 
 
 def _meta(spec: LLMServiceSpec, name: str, role: str | None = None) -> dict[str, Any]:
@@ -27,16 +29,13 @@ def _meta(spec: LLMServiceSpec, name: str, role: str | None = None) -> dict[str,
 def config_data(spec: LLMServiceSpec) -> dict[str, str]:
     """Environment for every container (envFrom) plus the settings as JSON for humans/planner."""
     kv, slo = spec.kv_transfer, spec.slo
-    data = {
-        "PDSERVE_SERVICE": spec.name,
-        "PDSERVE_KV_TRANSPORT": kv.transport,
-        "PDSERVE_SLO_TTFT_MS": str(slo.ttft_ms),
-        "PDSERVE_SLO_TPOT_MS": str(slo.tpot_ms),
-    }
+    data = {"PDSERVE_SERVICE": spec.name, "PDSERVE_KV_TRANSPORT": kv.transport}
     if kv.ucx_tls:
         data["UCX_TLS"] = kv.ucx_tls
     if kv.ucx_net_devices:
         data["UCX_NET_DEVICES"] = kv.ucx_net_devices
+    if kv.transport == "nixl":
+        data["UCX_TCP_PORT_RANGE"] = f"{kv.ucx_tcp_port_start}-{kv.ucx_tcp_port_end}"
     settings = {
         "model": spec.model.served_name,
         "dtype": spec.model.dtype,
@@ -161,6 +160,12 @@ def ingress(spec: LLMServiceSpec) -> list[Manifest]:
 
 
 def disruption_budgets(spec: LLMServiceSpec) -> list[Manifest]:
+    """One PDB per Deployment with more than one replica: for a single pod a budget either
+    blocks every node drain (minAvailable 1) or protects nothing (maxUnavailable 1)."""
+    counts = {"router": spec.router.replicas, "prefill": spec.prefill.replicas,
+              "decode": spec.decode.replicas}  # fmt: skip
+    if spec.autoscaling.enabled:  # the count moves; at one pod maxUnavailable 1 is harmless
+        counts.update(prefill=spec.prefill.max_replicas, decode=spec.decode.max_replicas)
     return [
         {
             "apiVersion": "policy/v1",
@@ -169,6 +174,7 @@ def disruption_budgets(spec: LLMServiceSpec) -> list[Manifest]:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": n.selector(spec.name, role)}},
         }
         for role in n.ROLES
+        if counts[role] > 1
     ]
 
 
@@ -176,9 +182,13 @@ def network_policy(spec: LLMServiceSpec) -> list[Manifest]:
     """Worker ports are reachable only from the router and peer workers of this service."""
     if not spec.network_policy.enabled:
         return []
-    ports = [
+    ports: list[dict[str, Any]] = [
         {"protocol": "TCP", "port": p} for p in (n.HTTP_PORT, n.KV_EVENTS_PORT, n.SIDE_CHANNEL_PORT)
     ]
+    kv = spec.kv_transfer
+    if kv.transport == "nixl":  # exactly the pinned UCX_TCP_PORT_RANGE, nothing ephemeral
+        ports.append({"protocol": "TCP", "port": kv.ucx_tcp_port_start,
+                      "endPort": kv.ucx_tcp_port_end})  # fmt: skip
     peers = {"podSelector": {"matchLabels": {n.LABEL_SERVICE: spec.name}}}
     rules: list[dict[str, Any]] = [{"from": [peers], "ports": ports}]
     if spec.network_policy.metrics_namespaces:
@@ -201,18 +211,29 @@ def network_policy(spec: LLMServiceSpec) -> list[Manifest]:
         {
             "apiVersion": "networking.k8s.io/v1",
             "kind": "NetworkPolicy",
-            "metadata": _meta(spec, f"{spec.name}-workers"),
+            "metadata": _meta(spec, n.network_policy_name(spec.name)),
             "spec": {"podSelector": workers, "policyTypes": ["Ingress"], "ingress": rules},
         }
     ]
 
 
 def config_hash(data: Mapping[str, str]) -> str:
-    return hashlib.sha256(json.dumps(dict(data), sort_keys=True).encode()).hexdigest()[:16]
+    """Hash of what pods read from the ConfigMap (its environment variables), so that a
+    change there rolls the pods. ``settings.json`` is for people and the planner only:
+    an SLO edit must not roll every GPU pod."""
+    env = {k: v for k, v in data.items() if k.replace("_", "").isalnum()}
+    return hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def render_spec(spec: LLMServiceSpec) -> list[Manifest]:
-    """All children of one LLMService, in creation order (config and RBAC before pods)."""
+def render_spec(spec: LLMServiceSpec, default_image: str = "") -> list[Manifest]:
+    """All children of one LLMService, in creation order (config and RBAC before pods).
+
+    An unset ``spec.image`` becomes ``default_image`` here, at render time, never in the
+    stored object: upgrading the operator (its chart) rolls every LLMService that does
+    not pin an image onto the new one.
+    """
+    if not spec.image:
+        spec = dataclasses.replace(spec, image=default_image or DEFAULT_IMAGE)
     cm = config_map(spec)
     digest = config_hash(cm["data"])
     return [
@@ -228,14 +249,17 @@ def render_spec(spec: LLMServiceSpec) -> list[Manifest]:
     ]
 
 
-def render(obj: Mapping[str, Any], default_namespace: str = "default") -> list[Manifest]:
+def render(
+    obj: Mapping[str, Any], default_namespace: str = "default", default_image: str = ""
+) -> list[Manifest]:
     """Render an LLMService object (as read from YAML or the API); raises SpecError."""
-    return render_spec(parse_llmservice(obj, default_namespace))
+    return render_spec(parse_llmservice(obj, default_namespace), default_image)
 
 
 def optional_children(name: str) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of children that only some specs have: pruned when gone."""
     return [
         ("networking.k8s.io/v1", "Ingress", name),
-        ("networking.k8s.io/v1", "NetworkPolicy", f"{name}-workers"),
+        ("networking.k8s.io/v1", "NetworkPolicy", n.network_policy_name(name)),
+        *(("policy/v1", "PodDisruptionBudget", n.deployment_name(name, r)) for r in n.ROLES),
     ]

@@ -14,14 +14,24 @@ _SCRAPE = {
     "prometheus.io/port": str(n.HTTP_PORT),
     "prometheus.io/path": "/metrics",
 }
+_PROGRESS_DEADLINE_S = 3600
+# Draining on termination: the preStop pause lets the EndpointSlice (and so the router's
+# discovery) drop the pod before SIGTERM; then the server stops accepting and lets its
+# streams finish. Router and decode carry whole generations, so their grace period is
+# sized for long ones; prefill requests end with the first token.
+PRESTOP_PAUSE_S = 10
+GRACE_PERIOD_S = {"router": 600, "prefill": 120, "decode": 600}
 _ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
 
 
-def _env() -> list[dict[str, Any]]:
+def _env(spec: LLMServiceSpec) -> list[dict[str, Any]]:
     field = {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
     env: list[dict[str, Any]] = [
         {"name": k, "valueFrom": {"fieldRef": {"fieldPath": v}}} for k, v in field.items()
     ]
+    # Workers accept requests and KV reads only from holders of the service's shared secret.
+    ref = {"name": n.service_secret_name(spec.name), "key": n.SECRET_KEY}
+    env.append({"name": "PDSERVE_SERVICE_SECRET", "valueFrom": {"secretKeyRef": ref}})
     # The root filesystem is read-only: caches go to the /tmp emptyDir.
     env += [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
     return env
@@ -101,11 +111,12 @@ def _container(
         "imagePullPolicy": spec.image_pull_policy,
         "command": command,
         "ports": _ports(role),
-        "env": _env() + [dict(e) for e in extra_env],
+        "env": _env(spec) + [dict(e) for e in extra_env],
         "envFrom": [{"configMapRef": {"name": n.config_map_name(spec.name)}}],
         "resources": dict(resources),
         "volumeMounts": _mounts(spec, role),
         "securityContext": p.container_security(spec, needs_ipc_lock),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_PAUSE_S)]}}},
         **p.probes(),
     }
 
@@ -125,7 +136,7 @@ def _pod_spec(
         },
         "containers": [container],
         "volumes": _volumes(spec, role, shm_size),
-        "terminationGracePeriodSeconds": 30 if is_router else 60,
+        "terminationGracePeriodSeconds": GRACE_PERIOD_S[role],
     }
     init = p.download_init_container(spec, tokenizer_only=is_router)
     if init:  # the API server drops empty lists; keep live and desired comparable
@@ -141,12 +152,10 @@ def _deployment(
     spec: LLMServiceSpec, role: str, replicas: int, pod: dict[str, Any], config_hash: str
 ) -> dict[str, Any]:
     annotations = {**_SCRAPE, n.ANNOTATION_CONFIG_HASH: config_hash}
-    # Worker pools use GPUs: roll one pod at a time without a surge pod that needs a spare GPU.
-    rolling = (
-        {"maxSurge": 1, "maxUnavailable": 0}
-        if role == "router"
-        else {"maxSurge": 0, "maxUnavailable": 1}
-    )
+    # Surge first, everywhere: a new pod must be ready before an old one goes, or a
+    # 1-replica pool has an outage per rollout. Without a spare GPU the rollout waits
+    # (Progressing) instead of taking capacity away.
+    rolling = {"maxSurge": 1, "maxUnavailable": 0}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -158,6 +167,9 @@ def _deployment(
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": n.selector(spec.name, role)},
+            # A model load may take the startup probe's 30 minutes: only past that (plus an
+            # image pull and a download) is a rollout stuck, and the service Degraded.
+            "progressDeadlineSeconds": _PROGRESS_DEADLINE_S,
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
             "template": {
                 "metadata": {"labels": n.labels(spec.name, role), "annotations": annotations},

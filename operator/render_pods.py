@@ -145,10 +145,12 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 
 def probes() -> dict[str, Any]:
-    # /health answers 503 until the model is loaded: the startup probe allows 30 minutes
-    # for a large model before liveness starts counting.
+    # Readiness (/health) = can serve: 503 until the model is loaded, and on the router while
+    # no decode worker is ready. Liveness (/livez) = the process answers: a decode rollout
+    # must never restart the router (losing its prefix index). The startup probe allows
+    # 30 minutes for a large model to load before liveness starts counting.
     return {
-        "startupProbe": _probe("/health", 10, 180),
+        "startupProbe": _probe("/livez", 10, 180),
         "readinessProbe": _probe("/health", 5, 3),
-        "livenessProbe": _probe("/health", 10, 6),
+        "livenessProbe": _probe("/livez", 10, 6),
     }

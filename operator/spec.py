@@ -116,6 +116,10 @@ class KVTransferSpec:
     transport: str = "nixl"
     ucx_tls: str = ""
     ucx_net_devices: str = ""
+    # UCX over TCP listens on ephemeral ports unless pinned: pinned, the NetworkPolicy can
+    # open exactly these (a default-deny CNI would otherwise time out every KV read).
+    ucx_tcp_port_start: int = 20000
+    ucx_tcp_port_end: int = 20031
     rdma_resource_name: str = ""
     rdma_resource_count: int = 1
     lease_seconds: int = 30
@@ -141,7 +145,7 @@ class LLMServiceSpec:
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     kv_transfer: KVTransferSpec = KVTransferSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
-    image: str = "ghcr.io/pdserve/pdserve:0.1.0"
+    image: str = ""  # "": the operator's default image (render.DEFAULT_IMAGE or --default-image)
     image_pull_policy: str = "IfNotPresent"
     image_pull_secrets: tuple[str, ...] = ()
 

@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from pdserve.operator import naming as n
 from pdserve.operator.spec import (
     DTYPES,
     SERVICE_TYPES,
@@ -26,8 +27,14 @@ from pdserve.operator.spec import (
     SLOSpec,
     SpecError,
 )
+from pdserve.operator.spec_checks import (
+    check_affinity,
+    check_quantity,
+    check_resources,
+    check_tolerations,
+)
 
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # DNS-1035: Service names start a-z
 _RESOURCE_NAME = re.compile(r"^[a-z0-9.-]+/[a-zA-Z0-9_.-]+$")
 _MAX_NAME = 40  # children append "-prefill" etc.; Service names must stay <= 63
 
@@ -121,6 +128,7 @@ def parse_model(r: _Reader, default_name: str) -> ModelSpec:
         )
         if not source.hf_id:
             raise SpecError(f"{s.path}.id", "is required")
+        check_quantity(f"{s.path}.downloadSizeLimit", s.data.get("downloadSizeLimit", "64Gi"))
     return ModelSpec(
         source=source,
         served_name=r.get("servedName", str, default_name),
@@ -148,6 +156,10 @@ def parse_pool(r: _Reader, role: str) -> PoolSpec:
         max_num_batched_tokens=r.number("maxNumBatchedTokens", minimum=1),
         shm_size=str(r.get("shmSize", (str, int), "2Gi")),
     )
+    check_resources(f"{r.path}.resources", pool.resources)
+    check_quantity(f"{r.path}.shmSize", r.data.get("shmSize", "2Gi"))
+    check_tolerations(f"{r.path}.tolerations", pool.tolerations)
+    check_affinity(f"{r.path}.affinity", pool.affinity)
     if pool.max_replicas < pool.min_replicas:
         raise SpecError(f"{r.path}.maxReplicas", "must be >= minReplicas")
     if not pool.min_replicas <= pool.replicas <= pool.max_replicas:
@@ -172,6 +184,8 @@ def parse_router(r: _Reader) -> RouterSpec:
         if not ingress.host:
             raise SpecError(f"{i.path}.host", "is required")
     key = r.sub("apiKeySecret")
+    check_resources(f"{r.path}.resources", r.get("resources", Mapping, {}))
+    check_tolerations(f"{r.path}.tolerations", r.obj_list("tolerations"))
     return RouterSpec(
         replicas=r.number("replicas", 1, minimum=1),
         service_type=r.choice("serviceType", SERVICE_TYPES, "ClusterIP"),
@@ -201,6 +215,11 @@ def parse_small_sections(r: _Reader) -> dict[str, Any]:
     if rdma and not _RESOURCE_NAME.match(rdma):
         msg = f"must be an extended resource name like rdma/hca_shared_devices_a, got {rdma!r}"
         raise SpecError(f"{kv.path}.rdmaResourceName", msg)
+    ports = kv.sub("ucxTcpPortRange")
+    start = ports.number("start", 20000, minimum=1024, maximum=65535)
+    end = ports.number("end", 20031, minimum=1024, maximum=65535)
+    if end < start:
+        raise SpecError(f"{ports.path}.end", f"must be >= start ({start}), got {end}")
     return {
         "slo": SLOSpec(
             ttft_ms=slo.number("ttftMs", 1000, minimum=1),
@@ -222,6 +241,8 @@ def parse_small_sections(r: _Reader) -> dict[str, Any]:
             transport=kv.choice("transport", TRANSPORTS, "nixl"),
             ucx_tls=kv.get("ucxTls", str, ""),
             ucx_net_devices=kv.get("ucxNetDevices", str, ""),
+            ucx_tcp_port_start=start,
+            ucx_tcp_port_end=end,
             rdma_resource_name=rdma,
             rdma_resource_count=kv.number("rdmaResourceCount", 1, minimum=1),
             lease_seconds=kv.number("leaseSeconds", 30, minimum=1),
@@ -242,7 +263,11 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
     meta = _Reader(obj.get("metadata"), "metadata")
     name = meta.get("name", str, "")
     if not _NAME.match(name) or len(name) > _MAX_NAME:
-        raise SpecError("metadata.name", f"must be a DNS label of at most {_MAX_NAME} characters")
+        msg = f"must be a DNS-1035 label (a-z first) of at most {_MAX_NAME} characters"
+        raise SpecError("metadata.name", f"{msg}, got {name!r}")
+    if n.reserved_suffix(name):
+        msg = f"must not end in -{n.reserved_suffix(name)} (children use that suffix)"
+        raise SpecError("metadata.name", f"{msg}, got {name!r}")
     r = _Reader(obj.get("spec"), "spec")
     if r.data.get("model") is None:
         raise SpecError("spec.model", "is required")
@@ -253,7 +278,7 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
         prefill=parse_pool(r.sub("prefill"), "prefill"),
         decode=parse_pool(r.sub("decode"), "decode"),
         router=parse_router(r.sub("router")),
-        image=r.get("image", str, "ghcr.io/pdserve/pdserve:0.1.0"),
+        image=r.get("image", str, ""),  # "": the operator's default, resolved at render time
         image_pull_policy=r.choice(
             "imagePullPolicy", ("Always", "IfNotPresent", "Never"), "IfNotPresent"
         ),

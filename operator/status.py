@@ -15,6 +15,10 @@ from pdserve.operator import naming as n
 from pdserve.operator.spec import LLMServiceSpec
 
 REASON_INVALID_SPEC = "InvalidSpec"  # set by handlers; only a spec change or fix clears it
+REASON_FOREIGN_CHILD = "ForeignChild"  # a child's name is held by an object we do not own
+REASON_CHILD_REJECTED = "ChildRejected"  # the API server refused a child (422)
+# Degraded reasons the change handlers own: the status sync never clears them.
+HANDLER_REASONS = (REASON_INVALID_SPEC, REASON_FOREIGN_CHILD, REASON_CHILD_REJECTED)
 
 
 def now() -> str:
@@ -52,13 +56,18 @@ def merge_conditions(
 @dataclass(frozen=True)
 class PoolState:
     desired: int
-    replicas: int
+    replicas: int  # updated to the current template
     ready: int
+    total: int = 0  # all pods, old and new (above desired while a rollout surges)
     failed_reason: str = ""  # e.g. ProgressDeadlineExceeded
 
     @property
-    def is_ready(self) -> bool:
-        return self.ready >= self.desired and self.replicas == self.desired
+    def is_serving(self) -> bool:
+        return self.ready >= 1
+
+    @property
+    def is_settled(self) -> bool:
+        return self.ready >= self.desired and self.replicas == self.desired >= self.total
 
     def as_status(self) -> dict[str, Any]:
         return {
@@ -83,6 +92,7 @@ def pool_state(deployment: Mapping[str, Any] | None) -> PoolState | None:
         desired=int(deployment.get("spec", {}).get("replicas", 1)),
         replicas=int(st.get("updatedReplicas") or 0),
         ready=int(st.get("readyReplicas") or 0),
+        total=int(st.get("replicas") or 0),
         failed_reason=failed,
     )
 
@@ -90,21 +100,28 @@ def pool_state(deployment: Mapping[str, Any] | None) -> PoolState | None:
 def _ready_conditions(
     states: Mapping[str, PoolState | None], gen: int | None
 ) -> list[dict[str, Any]]:
+    """Ready = the service answers: the router and at least one replica of each pool serve.
+
+    A scale-up or a rolling update leaves Ready alone (it only sets Progressing): a
+    client that waits for Ready must not see it flip while capacity is being added.
+    """
     missing = [role for role, s in states.items() if s is None]
-    waiting = [
-        f"{role} {s.ready}/{s.desired}" for role, s in states.items() if s and not s.is_ready
-    ]
+    idle = [role for role, s in states.items() if s and not s.is_serving]
+    moving = [f"{role} {s.ready}/{s.desired}" for role, s in states.items()
+              if s and not s.is_settled]  # fmt: skip
     if missing:
         msg = f"Deployments not created: {', '.join(missing)}"
         ready = condition("Ready", False, "ChildrenMissing", msg, gen)
-    elif waiting:
-        ready = condition(
-            "Ready", False, "ReplicasNotReady", f"waiting for {', '.join(waiting)}", gen
-        )
+    elif idle:
+        msg = f"no ready replica in: {', '.join(idle)}"
+        ready = condition("Ready", False, "NotServing", msg, gen)
     else:
-        ready = condition("Ready", True, "AllReplicasReady", "router and both pools are ready", gen)
-    busy = bool(missing or waiting)
-    return [ready, condition("Progressing", busy, "RollingOut" if busy else "Stable", "", gen)]
+        msg = "the router and every pool have a ready replica"
+        ready = condition("Ready", True, "Serving", msg, gen)
+    busy = bool(missing or moving)
+    why = f"rolling out or scaling: {', '.join(moving)}" if moving else ""
+    progressing = condition("Progressing", busy, "RollingOut" if busy else "Stable", why, gen)
+    return [ready, progressing]
 
 
 def _degraded_condition(
@@ -128,7 +145,7 @@ def observed_status(
     conds = _ready_conditions(states, generation)
     degraded_by_spec = any(
         c.get("type") == "Degraded"
-        and c.get("reason") == REASON_INVALID_SPEC
+        and c.get("reason") in HANDLER_REASONS
         and c.get("status") == "True"
         for c in old_conditions
     )

@@ -127,6 +127,10 @@ def add_common_routes(
     async def _invalid(_: Request, exc: InvalidParameter) -> JSONResponse:
         return error_response(400, str(exc), exc.field)
 
+    @app.get("/livez")
+    async def livez() -> JSONResponse:
+        return JSONResponse({"status": "alive"})  # liveness: the process; readiness: /health
+
     @app.get("/health")
     async def health() -> JSONResponse:
         if not engine.alive:

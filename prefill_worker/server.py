@@ -102,6 +102,7 @@ class PrefillWorker:
             "num_cached_tokens": final.num_cached_tokens,
             "prompt_tokens": final.num_prompt_tokens,
             "usage": final.usage,
+            "logprobs": final.logprobs,  # the first token's, when the request asked
         }
 
     def app(self) -> FastAPI:

@@ -17,7 +17,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import EndpointSource
 from pdserve.router.errors import APIError
 from pdserve.router.runtime import Runtime
-from pdserve.router.serving import serve
+from pdserve.router.serving import read_json, serve
+from pdserve.router.tokenize_api import detokenize, tokenize
 from pdserve.router.tokenizer import PromptTokenizer
 
 HOT_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
@@ -84,6 +85,16 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await serve(rt(), request, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        rt().check_auth(request)
+        return tokenize(rt(), await read_json(request))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        rt().check_auth(request)
+        return detokenize(rt(), await read_json(request))
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         rt().check_auth(request)
@@ -97,6 +108,12 @@ def create_app(
             "max_model_len": max_len,
         }
         return {"object": "list", "data": [card]}
+
+    @app.get("/livez")
+    async def livez() -> JSONResponse:
+        # Liveness is the process itself: /health (readiness) is 503 while no decode worker
+        # is ready, and failing liveness on that would restart the router, losing its index.
+        return JSONResponse({"status": "alive"})
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -51,6 +51,8 @@ class Delta:
     text: str
     num_tokens: int
     finish_reason: str | None = None
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[Any, ...] | None = None  # per token: (logprob, [(id, logprob)])
 
 
 @dataclass
@@ -123,7 +125,10 @@ class Dispatcher:
                     rs.remote_prefill = True
                     rs.cached_tokens = result.num_cached_tokens
                     rs.output_ids.append(result.first_token_id)
-                    yield self._delta(rs, result.text, 1, result.finish_reason)
+                    yield self._delta(
+                        rs, result.text, 1, result.finish_reason,
+                        (result.first_token_id,), result.logprobs,
+                    )  # fmt: skip
                     if result.finish_reason is not None or result.kv_handle is None:
                         rs.finish_reason = rs.finish_reason or "stop"
                         return
@@ -134,7 +139,15 @@ class Dispatcher:
             if not rs.finished:
                 self._abort_all(rs)
 
-    def _delta(self, rs: RequestState, text: str, n: int, finish: str | None) -> Delta:
+    def _delta(
+        self,
+        rs: RequestState,
+        text: str,
+        n: int,
+        finish: str | None,
+        ids: tuple[int, ...] = (),
+        logprobs: list[Any] | None = None,
+    ) -> Delta:
         now = time.perf_counter()
         if n > 0:
             if rs.first_token_at is None:
@@ -145,7 +158,7 @@ class Dispatcher:
             rs.last_token_at = now
         rs.completion_tokens += n
         rs.finish_reason = finish
-        return Delta(text, n, finish)
+        return Delta(text, n, finish, ids, tuple(logprobs) if logprobs is not None else None)
 
     async def _prefill(
         self, rs: RequestState, plan: RoutePlan
@@ -240,7 +253,11 @@ class Dispatcher:
         # The prefill's count holds; after a migration the count covers the resumed tokens.
         if isinstance(usage, dict) and not rs.remote_prefill and not rs.migrations:
             rs.cached_tokens = int(usage.get("cached_tokens") or 0)
-        return self._delta(rs, str(msg.get("text") or ""), len(ids), msg.get("finish_reason"))
+        lps = msg.get("logprobs")
+        return self._delta(
+            rs, str(msg.get("text") or ""), len(ids), msg.get("finish_reason"),
+            tuple(ids), lps if isinstance(lps, list) else None,
+        )  # fmt: skip
 
     def _track(self, url: str, role: str, tokens: int, step: int) -> None:
         if step > 0:

@@ -11,16 +11,14 @@ from typing import Any
 
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.router.errors import APIError, invalid
+from pdserve.router.structured_request import structured_spec
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted only at their "off" values: (field, values meaning off).
 UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
-    ("logprobs", (None, False, 0)),
-    ("top_logprobs", (None, 0)),
     ("echo", (None, False)),
     ("best_of", (None, 1)),
     ("suffix", (None, "")),
-    ("logit_bias", (None, {})),
     ("tools", (None, [])),
 )
 
@@ -37,6 +35,7 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[dict[str, Any], ...] | None = None
     user: str | None = None
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
 
 
 def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateRequest:
@@ -54,9 +53,12 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("user must be a string", "user")
+    as_ids = body.get("return_tokens_as_token_ids", False)
+    if not isinstance(as_ids, bool):
+        raise invalid("return_tokens_as_token_ids must be a boolean", "return_tokens_as_token_ids")
     stream, include_usage = _stream_flags(body)
     max_tokens = _max_tokens(body, chat)
-    sampling = _sampling(body, max_tokens if max_tokens is not None else default_max_tokens)
+    sampling = _sampling(body, max_tokens if max_tokens is not None else default_max_tokens, chat)
     common: dict[str, Any] = dict(
         model=model,
         sampling=sampling,
@@ -64,9 +66,10 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
         stream=stream,
         include_usage=include_usage,
         user=user,
+        tokens_as_ids=as_ids,
     )
     if chat:
-        return GenerateRequest(chat=True, messages=_messages(body.get("messages")), **common)
+        return GenerateRequest(chat=True, messages=parse_messages(body.get("messages")), **common)
     text, ids = _prompt(body.get("prompt"))
     return GenerateRequest(chat=False, prompt_text=text, prompt_token_ids=ids, **common)
 
@@ -104,7 +107,7 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
     return None
 
 
-def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
+def _sampling(body: dict[str, Any], max_tokens: int, chat: bool) -> SamplingParams:
     def get(name: str, default: Any) -> Any:
         value = body.get(name)
         return default if value is None else value
@@ -122,11 +125,51 @@ def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
             stop=stop,
             ignore_eos=get("ignore_eos", False),
             min_tokens=get("min_tokens", 0),
+            presence_penalty=get("presence_penalty", 0.0),
+            frequency_penalty=get("frequency_penalty", 0.0),
+            repetition_penalty=get("repetition_penalty", 1.0),
+            min_p=get("min_p", 0.0),
+            logit_bias=_logit_bias(get("logit_bias", {})),
+            logprobs=_logprobs(body, chat),
+            structured=structured_spec(body),
         ).validate()
     except InvalidParameter as exc:
         raise invalid(str(exc), exc.field) from exc
     except TypeError as exc:  # e.g. an unhashable where a number belongs
         raise invalid(f"bad sampling parameter: {exc}") from exc
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """The number of top logprobs per token, None when off (chat: logprobs + top_logprobs)."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    if not chat:
+        if value is None or value is False:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20:
+            raise invalid("logprobs must be an integer in [0, 20]", "logprobs")
+        if top is not None:
+            raise invalid("top_logprobs is a chat parameter; use logprobs", "top_logprobs")
+        return value
+    if value is not None and not isinstance(value, bool):
+        raise invalid("logprobs must be a boolean", "logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+            raise invalid("top_logprobs must be an integer in [0, 20]", "top_logprobs")
+        if not value:
+            raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    return (top or 0) if value else None
+
+
+def _logit_bias(bias: Any) -> Any:
+    """OpenAI sends token ids as JSON object keys, i.e. strings."""
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias must map token ids to numbers", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()) and not isinstance(key, int):
+            raise invalid(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
@@ -145,7 +188,7 @@ def _prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
     raise invalid("prompt is required: a string or a list of token ids", "prompt")
 
 
-def _messages(messages: Any) -> tuple[dict[str, Any], ...]:
+def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages is required: a non-empty list", "messages")
     out = []

@@ -16,14 +16,16 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
-def _choice(chat: bool, text: str, finish: str | None, stream: bool) -> dict[str, Any]:
+def _choice(
+    chat: bool, text: str, finish: str | None, stream: bool, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
     if not chat:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     key = "delta" if stream else "message"
     content: dict[str, Any] = (
         {"content": text} if stream else {"role": "assistant", "content": text}
     )
-    return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+    return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
 
 
 def _object(chat: bool, stream: bool) -> str:
@@ -33,14 +35,20 @@ def _object(chat: bool, stream: bool) -> str:
 
 
 def full_response(
-    rid: str, model: str, chat: bool, text: str, finish: str | None, use: dict[str, Any]
+    rid: str,
+    model: str,
+    chat: bool,
+    text: str,
+    finish: str | None,
+    use: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
         "object": _object(chat, False),
         "created": int(time.time()),
         "model": model,
-        "choices": [_choice(chat, text, finish, stream=False)],
+        "choices": [_choice(chat, text, finish, False, logprobs)],
         "usage": use,
     }
 
@@ -53,6 +61,7 @@ def chunk(
     finish: str | None = None,
     use: dict[str, Any] | None = None,
     role: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> str:
     body: dict[str, Any] = {
         "id": rid,
@@ -65,7 +74,7 @@ def chunk(
         body["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}]  # fmt: skip
     elif text is not None:
-        body["choices"] = [_choice(chat, text, finish, stream=True)]
+        body["choices"] = [_choice(chat, text, finish, True, logprobs)]
     if use is not None:
         body["usage"] = use
     return sse(body)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.router import responses
 from pdserve.router.dispatch import Delta, RequestState
 from pdserve.router.errors import APIError, invalid
+from pdserve.router.logprobs_format import LogprobsFormatter
 from pdserve.router.protocol import GenerateRequest, check_model, parse_request
 from pdserve.router.routing import RoutePlan
 from pdserve.router.runtime import Runtime, Ticket
@@ -183,11 +184,13 @@ async def _respond(
     events = rt.dispatcher.run(rs, plan)
     try:
         if not req.stream:
-            text, finish = await guarded(request, _collect(events))
+            text, finish, ids, lps = await guarded(request, _collect(events))
             rt.finish(rs, 200)
+            fmt = _formatter(rt, req)
             body = responses.full_response(
-                rs.request_id, req.model, req.chat, text, finish, _usage(rs)
-            )
+                rs.request_id, req.model, req.chat, text, finish, _usage(rs),
+                fmt.format(ids, lps) if fmt is not None else None,
+            )  # fmt: skip
             return JSONResponse(body)
         first = await guarded(request, anext(events))
     except APIError:
@@ -205,36 +208,64 @@ async def _respond(
         ticket.release()
         rt.finish(rs, rs.status)
 
-    return _Stream(_sse_head(req, rs, first), _sse_rest(req, rs, events), cleanup)
+    fmt = _formatter(rt, req)
+    return _Stream(_sse_head(req, rs, first, fmt), _sse_rest(req, rs, events, fmt), cleanup)
 
 
-async def _collect(events: AsyncIterator[Delta]) -> tuple[str, str | None]:
+def _formatter(rt: Runtime, req: GenerateRequest) -> LogprobsFormatter | None:
+    if req.sampling.logprobs is None:
+        return None
+    return LogprobsFormatter(rt.tokenizer.tok, req.chat, req.tokens_as_ids)
+
+
+def _delta_logprobs(fmt: LogprobsFormatter | None, d: Delta) -> dict[str, Any] | None:
+    if fmt is None:
+        return None
+    if d.logprobs is None and d.token_ids:
+        raise APIError(502, "a worker sent tokens without the logprobs asked for")
+    return fmt.format(d.token_ids, d.logprobs or ())
+
+
+async def _collect(
+    events: AsyncIterator[Delta],
+) -> tuple[str, str | None, list[int], list[Any]]:
     parts, finish = [], None
+    ids: list[int] = []
+    lps: list[Any] = []
     async for d in events:
         parts.append(d.text)
         finish = d.finish_reason or finish
-    return "".join(parts), finish
+        ids.extend(d.token_ids)
+        lps.extend(d.logprobs or ())
+    return "".join(parts), finish, ids, lps
 
 
 def _usage(rs: RequestState) -> dict[str, Any]:
     return responses.usage(len(rs.prompt_ids), rs.completion_tokens, rs.cached_tokens)
 
 
-def _sse_head(req: GenerateRequest, rs: RequestState, first: Delta) -> str:
+def _sse_head(
+    req: GenerateRequest, rs: RequestState, first: Delta, fmt: LogprobsFormatter | None
+) -> str:
     """The stream's first chunks: the role (chat) and the first token."""
     rid, model, chat = rs.request_id, req.model, req.chat
     rs.status = 499  # until the stream completes
     role = responses.chunk(rid, model, chat, role=True) if chat else ""
-    return role + responses.chunk(rid, model, chat, first.text, first.finish_reason)
+    lps = _delta_logprobs(fmt, first)
+    return role + responses.chunk(rid, model, chat, first.text, first.finish_reason, logprobs=lps)
 
 
 async def _sse_rest(
-    req: GenerateRequest, rs: RequestState, events: AsyncIterator[Delta]
+    req: GenerateRequest,
+    rs: RequestState,
+    events: AsyncIterator[Delta],
+    fmt: LogprobsFormatter | None,
 ) -> AsyncIterator[str]:
     rid, model, chat = rs.request_id, req.model, req.chat
     try:
         async for d in events:
-            yield responses.chunk(rid, model, chat, d.text, d.finish_reason)
+            lps = _delta_logprobs(fmt, d)
+            yield responses.chunk(rid, model, chat, d.text, d.finish_reason, logprobs=lps)
         if req.include_usage:
             yield responses.chunk(rid, model, chat, use=_usage(rs))
         rs.status = 200

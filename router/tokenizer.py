@@ -27,12 +27,14 @@ class PromptTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=True))
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         if not getattr(self.tok, "chat_template", None):
             raise invalid("this model has no chat template; use /v1/completions", "messages")
         try:
             text = self.tok.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as exc:  # template errors (e.g. role order) are the client's input
             raise invalid(f"messages could not be formatted: {exc}", "messages") from exc

@@ -39,6 +39,7 @@ class PrefillResult:
     kv_handle: dict[str, Any] | None
     num_cached_tokens: int
     prompt_tokens: int
+    logprobs: list[Any] | None = None  # the first token's, when asked for
 
 
 # Connection failures, timeouts and broken bodies: the worker did not answer usefully.
@@ -103,9 +104,16 @@ async def prefill(
             kv_handle=body.get("kv_handle"),
             num_cached_tokens=int(body.get("num_cached_tokens") or 0),
             prompt_tokens=int(body.get("prompt_tokens") or len(ids)),
+            logprobs=_list_or_none(body.get("logprobs")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise WorkerFailed(url, f"bad prefill reply: {exc!r}") from exc
+
+
+def _list_or_none(value: Any) -> list[Any] | None:
+    if value is None or isinstance(value, list):
+        return value
+    raise TypeError(f"logprobs must be a list, got {type(value).__name__}")
 
 
 MAX_LINE_BYTES = 1 << 20  # one NDJSON line from a worker; more is a broken stream
@@ -164,6 +172,8 @@ def merge_lines(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "token_ids": (prev.get("token_ids") or []) + (msg.get("token_ids") or []),
             "text": str(prev.get("text") or "") + str(msg.get("text") or ""),
         }
+        if "logprobs" in prev or "logprobs" in msg:
+            out[-1]["logprobs"] = (prev.get("logprobs") or []) + (msg.get("logprobs") or [])
     return out
 
 

@@ -1,7 +1,8 @@
 """Greedy outputs are token-identical to transformers' generate() on the same model.
 
 One prompt set (random prompts of 1–400 tokens plus families sharing long prefixes)
-runs through four engine set-ups: a roomy pool, a pool so small that requests are
+runs through four engine set-ups (on CPU with the paged-attention kernel; the
+first also with the gather path): a roomy pool, a pool so small that requests are
 preempted and recomputed, a prefix-cache run where later requests reuse earlier
 requests' blocks, and a tiny token budget where prefill chunks share steps with decodes.
 """
@@ -69,8 +70,15 @@ def test_prompt_set_shape() -> None:
     assert {m for _, m in CASES} >= {1, 64}
 
 
-def test_roomy_pool(make_engine: Callable[..., LLMEngine], reference: list[list[int]]) -> None:
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "gather"])
+def test_roomy_pool(
+    make_engine: Callable[..., LLMEngine], reference: list[list[int]], kernel: bool
+) -> None:
     engine = make_engine(num_blocks=1024, enable_prefix_caching=False)
+    # The CPU kernel is the default here (a compiler is present); the gather path is
+    # CUDA's and the reference.
+    assert engine.runner.use_kernel
+    engine.runner.use_kernel = kernel
     _check(_run(engine, CASES), reference)
     assert engine.stats().preemptions == 0
     assert_all_free(engine)

@@ -21,6 +21,7 @@ import yaml
 from k8s_emulator import ApiServer
 from k8s_helpers import NS
 
+from pdserve.operator.cache import WATCHED
 from pdserve.operator.handlers import OperatorConfig
 from pdserve.operator.kube import KubeClient
 from pdserve.operator.main import build_registry
@@ -51,6 +52,12 @@ async def api_server() -> AsyncIterator[ApiServer]:
             verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             subresources={"status"},
         )
+        # The children the operator watches (cache.WATCHED): kopf discovers them first.
+        for w in WATCHED:
+            server.resources[f"{w.api_version}/{w.plural}"] = kmock.ResourceInfo(
+                kind=w.kind, namespaced=True,
+                verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+            )  # fmt: skip
         # kopf's backbone: it waits for these to be discoverable before it starts watching.
         read = {"get", "list", "watch"}
         server.resources["v1/namespaces"] = kmock.ResourceInfo(
@@ -95,7 +102,7 @@ async def client(api_server: ApiServer) -> AsyncIterator[KubeClient]:
 @contextlib.asynccontextmanager
 async def running_operator(config: OperatorConfig | None = None) -> AsyncIterator[None]:
     """The real operator (kopf + our handlers) as a task in this event loop."""
-    config = config or OperatorConfig(status_interval=0.3, retry_delay=0.5)
+    config = config or OperatorConfig(status_interval=0.3, retry_delay=0.5, debounce=0.05)
     stop, ready = asyncio.Event(), asyncio.Event()
 
     async def run_operator() -> None:

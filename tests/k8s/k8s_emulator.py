@@ -9,16 +9,22 @@ subclass adds, as a real API server does:
 - JSON patch (kopf's finalizer updates) with the ``test`` op → HTTP 422 on conflict;
 - status-subresource semantics: ``/status`` patches change only ``status``,
   main-resource patches never change ``status``;
-- ``GET /api/v1/namespaces`` (list and watch), which kmock 0.8 cannot parse.
-Still missing (the tests account for it): garbage collection, schema validation.
+- ``GET /api/v1/namespaces`` (list and watch), which kmock 0.8 cannot parse;
+- one built-in validation, as an example of what only the API server knows: a Deployment
+  whose ``nodeSelector`` holds an invalid label value is refused with a 422 and the
+  API server's message;
+- a count of requests by (method, path kind) in ``requests`` (for bench/operator_load.py).
+Still missing (the tests account for it): garbage collection, CRD schema validation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import itertools
 import json
+import re
 import uuid
 from typing import Any
 
@@ -45,8 +51,13 @@ def merge_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 class ApiServer(kmock.KubernetesEmulator):
     _versions: Any = attrs.field(factory=lambda: itertools.count(1000), init=False)
     namespaces: tuple[str, ...] = ("default",)
+    requests: collections.Counter[tuple[str, bool]] = attrs.field(
+        factory=collections.Counter, init=False
+    )
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        watch = raw_request.query.get("watch") == "true"
+        self.requests[(raw_request.method, watch)] += 1
         if raw_request.method == "GET" and raw_request.path.rstrip("/") == "/api/v1/namespaces":
             return await self._serve_namespaces(raw_request)
         return await super().__call__(raw_request)
@@ -76,6 +87,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _handle(self, request: kmock.Request) -> Any:
         if request.resource is not None and request.action == kmock.action.CREATE:
+            _validate(request.data)
             self._on_create(request.data)
         elif (
             request.resource is not None and request.action == kmock.action.UPDATE and request.name
@@ -133,3 +145,22 @@ def _patched(base: Any, patch: Any) -> Any:
         else:
             out[k] = _patched(base.get(k), v)
     return out
+
+
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def _validate(obj: Any) -> None:
+    """The API server's own validation of a built-in kind (one rule, enough to get a 422)."""
+    if not isinstance(obj, dict) or obj.get("kind") != "Deployment":
+        return
+    selector = obj.get("spec", {}).get("template", {}).get("spec", {}).get("nodeSelector") or {}
+    for value in selector.values():
+        if not _LABEL_VALUE.match(str(value)) or len(str(value)) > 63:
+            name = obj.get("metadata", {}).get("name")
+            message = (
+                f'Deployment.apps "{name}" is invalid: spec.template.spec.nodeSelector: '
+                f'Invalid value: "{value}": a valid label must be an empty string or consist '
+                "of alphanumeric characters, '-', '_' or '.'"
+            )
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=message)

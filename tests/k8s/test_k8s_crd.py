@@ -30,7 +30,34 @@ def with_spec(**changes: Any) -> dict[str, Any]:
     return obj
 
 
+def named(name: str) -> dict[str, Any]:
+    return minimal_llmservice(name)
+
+
+NEAR = {"nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Near"}]}]}
+AFFINITY_BAD_OP = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": NEAR}}
+
 INVALID: dict[str, tuple[dict[str, Any], str]] = {
+    "name starts with a digit": (named("3b-chat"), "DNS-1035"),
+    "UCX port range reversed": (
+        with_spec(kvTransfer={"ucxTcpPortRange": {"start": 21000, "end": 20000}}),
+        "end must be >= start",
+    ),
+    "name with a child suffix": (named("chat-prefill"), "must not end in"),
+    "cpu is not a quantity": (
+        with_spec(prefill={"resources": {"requests": {"cpu": "lots"}}}),
+        "'lots' is not valid",
+    ),
+    "shm size is not a quantity": (with_spec(decode={"shmSize": "big"}), "'big' is not valid"),
+    "toleration operator": (
+        with_spec(decode={"tolerations": [{"key": "gpu", "operator": "Maybe"}]}),
+        "'Maybe' is not one of",
+    ),
+    "router toleration effect": (
+        with_spec(router={"tolerations": [{"key": "gpu", "effect": "Never"}]}),
+        "'Never' is not one of",
+    ),
+    "affinity operator": (with_spec(prefill={"affinity": AFFINITY_BAD_OP}), "'Near' is not one of"),
     "no model": (
         {**minimal_llmservice(), "spec": {"image": "x"}},
         "'model' is a required property",

@@ -66,8 +66,9 @@ def test_worker_pods_follow_the_contract() -> None:
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["automountServiceAccountToken"] is False
-        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-            assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        for probe in ("livenessProbe", "startupProbe"):  # the process, not its readiness
+            assert c[probe]["httpGet"] == {"path": "/livez", "port": "http"}
         mounts = {v["mountPath"]: v["name"] for v in c["volumeMounts"]}
         assert mounts == {"/models": "model", "/tmp": "tmp", "/dev/shm": "dshm"}
         vols = {v["name"]: v for v in spec["volumes"]}
@@ -96,6 +97,11 @@ def test_router_pod_and_services() -> None:
     spec = pod(m, "llama3-8b-router")
     cmd = spec["containers"][0]["command"]
     assert cmd[:2] == ["pdserve", "router"]
+    probes = {k: spec["containers"][0][k]["httpGet"]["path"] for k in ("livenessProbe",
+              "readinessProbe", "startupProbe")}  # fmt: skip
+    # A 1-replica decode rollout makes /health 503: that must not restart the router.
+    assert probes == {"livenessProbe": "/livez", "readinessProbe": "/health",
+                      "startupProbe": "/livez"}  # fmt: skip
     flags = dict(zip(cmd[2::2], cmd[3::2], strict=False))
     assert flags["--discovery"] == "kubernetes" and flags["--service"] == "llama3-8b"
     assert flags["--namespace"] == "llm" and flags["--disagg-threshold"] == "256"
@@ -125,7 +131,14 @@ def test_network_policy_admits_only_this_service() -> None:
     assert sel["matchExpressions"][0]["values"] == ["prefill", "decode"]
     peers, metrics = policy["ingress"]
     assert peers["from"] == [{"podSelector": {"matchLabels": {"pdserve.io/service": "llama3-8b"}}}]
-    assert sorted(p["port"] for p in peers["ports"]) == [8080, 8081, 8082]
+    assert sorted(p["port"] for p in peers["ports"]) == [8080, 8081, 8082, 20000]
+    # NIXL's UCX listens only inside its pinned range, and exactly that range is open.
+    ucx = next(p for p in peers["ports"] if p["port"] == 20000)
+    assert ucx == {"protocol": "TCP", "port": 20000, "endPort": 20031}
+    env = gpu()["ConfigMap/llama3-8b-config"]["data"]
+    assert env["UCX_TCP_PORT_RANGE"] == "20000-20031"
+    tcp = by_key(render(minimal_llmservice(kvTransfer={"transport": "tcp"})))
+    assert "UCX_TCP_PORT_RANGE" not in tcp["ConfigMap/demo-config"]["data"]
     assert metrics["ports"] == [{"protocol": "TCP", "port": 8080}]
 
 
@@ -145,15 +158,42 @@ def test_huggingface_source_uses_init_container() -> None:
     assert "--include" in router["command"]  # the router fetches only tokenizer/config files
 
 
-def test_config_change_rolls_pods() -> None:
-    a = by_key(render(minimal_llmservice()))
-    b = by_key(render(minimal_llmservice(slo={"ttftMs": 250})))
+def _templates(obj: dict[str, Any]) -> dict[str, Any]:
+    m = by_key(render(obj))
+    return {
+        r: m[f"Deployment/demo-{r}"]["spec"]["template"] for r in ("router", "prefill", "decode")
+    }
+
+
+def test_only_what_pods_read_rolls_pods() -> None:
+    base = _templates(minimal_llmservice())
+    # No pod reads the SLOs (the planner reads spec): an SLO edit must not roll GPU pods.
+    slo = minimal_llmservice(slo={"ttftMs": 250})
+    assert _templates(slo) == base
+    assert '"ttftMs": 250' in by_key(render(slo))["ConfigMap/demo-config"]["data"]["settings.json"]
+    # UCX reads UCX_TLS from the environment: that change must roll the workers.
+    ucx = _templates(minimal_llmservice(kvTransfer={"ucxTls": "tcp"}))
     key = "pdserve.io/config-hash"
     for r in ("router", "prefill", "decode"):
-        ha = a[f"Deployment/demo-{r}"]["spec"]["template"]["metadata"]["annotations"][key]
-        hb = b[f"Deployment/demo-{r}"]["spec"]["template"]["metadata"]["annotations"][key]
-        assert ha != hb
-    assert b["ConfigMap/demo-config"]["data"]["PDSERVE_SLO_TTFT_MS"] == "250"
+        assert ucx[r]["metadata"]["annotations"][key] != base[r]["metadata"]["annotations"][key]
+
+
+def test_rollouts_surge_first_and_decode_drains() -> None:
+    m = by_key(render(minimal_llmservice()))
+    for r, grace in (("router", 600), ("prefill", 120), ("decode", 600)):
+        dep = m[f"Deployment/demo-{r}"]["spec"]
+        assert dep["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}, r
+        assert dep["progressDeadlineSeconds"] >= 1800 + 600  # past the startup probe's 30 min
+        pod = dep["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == grace
+        pre = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre[0] == "sleep" and 0 < int(pre[1]) < grace  # leave the Endpoints first
+    # A budget only where it means something: 1-replica pools (the default) get none.
+    assert [k for k in m if k.startswith("PodDisruptionBudget/")] == []
+    two = by_key(render(minimal_llmservice(decode={"replicas": 2})))
+    assert [k for k in two if k.startswith("PodDisruptionBudget/")] == [
+        "PodDisruptionBudget/demo-decode"
+    ]
 
 
 def test_render_is_pure_and_deterministic() -> None:

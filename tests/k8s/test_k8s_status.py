@@ -13,9 +13,15 @@ SPEC = parse_llmservice(minimal_llmservice())
 
 
 def dep(
-    replicas: int, ready: int, conditions: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
-    status = {"updatedReplicas": replicas, "readyReplicas": ready, "conditions": conditions or []}
+    replicas: int, ready: int, conditions: list[dict[str, Any]] | None = None,
+    updated: int | None = None, total: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    status = {
+        "updatedReplicas": replicas if updated is None else updated,
+        "readyReplicas": ready,
+        "replicas": replicas if total is None else total,
+        "conditions": conditions or [],
+    }
     return {"spec": {"replicas": replicas}, "status": status}
 
 
@@ -25,21 +31,36 @@ def conds(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 def test_ready_when_all_pools_ready() -> None:
     s = observed_status(
-        SPEC, 1, {"router": dep(1, 1), "prefill": dep(2, 2), "decode": dep(0, 0)}, []
+        SPEC, 1, {"router": dep(1, 1), "prefill": dep(2, 2), "decode": dep(1, 1)}, []
     )
-    assert conds(s)["Ready"] == ("True", "AllReplicasReady")
+    assert conds(s)["Ready"] == ("True", "Serving")
+    assert conds(s)["Progressing"] == ("False", "Stable")
     assert conds(s)["Degraded"] == ("False", "AsExpected")
-    assert s["prefill"]["summary"] == "2/2" and s["decode"]["summary"] == "0/0"
+    assert s["prefill"]["summary"] == "2/2" and s["decode"]["summary"] == "1/1"
+
+
+def test_ready_means_serving_not_all_replicas() -> None:
+    """A scale-up (1 of 2 ready) or a surge rollout keeps Ready and sets Progressing."""
+    scaling = {"router": dep(1, 1), "prefill": dep(2, 1), "decode": dep(1, 1)}
+    s = observed_status(SPEC, 1, scaling, [])
+    assert conds(s)["Ready"] == ("True", "Serving")
+    progressing = next(c for c in s["conditions"] if c["type"] == "Progressing")
+    assert progressing["status"] == "True" and "prefill 1/2" in progressing["message"]
+    rolling = {"router": dep(1, 1), "prefill": dep(1, 1), "decode": dep(1, 1, updated=1, total=2)}
+    assert conds(observed_status(SPEC, 1, rolling, [])) == {
+        "Ready": ("True", "Serving"), "Progressing": ("True", "RollingOut"),
+        "Degraded": ("False", "AsExpected"),
+    }  # fmt: skip
 
 
 def test_not_ready_names_the_pool() -> None:
     s = observed_status(SPEC, 1, {"router": dep(1, 1), "prefill": dep(2, 1), "decode": None}, [])
     assert conds(s)["Ready"] == ("False", "ChildrenMissing")
     s = observed_status(
-        SPEC, 1, {"router": dep(1, 1), "prefill": dep(2, 1), "decode": dep(1, 1)}, []
+        SPEC, 1, {"router": dep(1, 1), "prefill": dep(2, 1), "decode": dep(1, 0)}, []
     )
     ready = next(c for c in s["conditions"] if c["type"] == "Ready")
-    assert ready["reason"] == "ReplicasNotReady" and "prefill 1/2" in ready["message"]
+    assert ready["reason"] == "NotServing" and ready["message"] == "no ready replica in: decode"
     assert conds(s)["Progressing"] == ("True", "RollingOut")
 
 

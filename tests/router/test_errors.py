@@ -133,3 +133,4 @@ async def test_no_ready_worker_is_503(cluster_factory) -> None:
         body = err(await h.post("/v1/completions", json=OK), 503)
         assert body["type"] == "service_unavailable"
         assert (await h.get("/health")).status_code == 503
+        assert (await h.get("/livez")).status_code == 200  # not ready, but alive: no restart

@@ -84,6 +84,7 @@ def test_bad_handles_are_refused(tiny_model_dir: Path, tmp_path: Path, reference
     decode_args = ("--on-transfer-failure", "fail")
     with worker_cluster(tiny_model_dir, tmp_path, decode_args=decode_args) as c:
         p, d = proc(c, "prefill").url, proc(c, "decode").url
+        assert [httpx.get(u + "/livez", timeout=5).status_code for u in (p, d)] == [200, 200]
 
         async def run() -> None:
             async with httpx.AsyncClient() as client:

@@ -1,0 +1,97 @@
+"""Builds and loads the CPU paged-attention kernel (``paged_attention.cpp``).
+
+The kernel is plain C++ with OpenMP and no torch headers, so it compiles in about
+a second; it is built on first use with the host's compiler (``-march=native``) into
+a cache directory keyed by the source's hash, and loaded with ctypes. Where no
+compiler is found (or ``PDSERVE_CPU_KERNEL=0``), :func:`load` returns None and
+attention falls back to the gather path.
+
+OpenMP: the library links libgomp by soname; torch has loaded its own copy already,
+so both share one OpenMP runtime and one thread pool (no oversubscription).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "pdserve" / "kernels"
+    return Path(os.environ.get("PDSERVE_KERNEL_CACHE", default))
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(cxx: str) -> Path:
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cxx, *FLAGS]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"paged_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile next to the target and rename: concurrent builders never see half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cxx, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True
+        )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, or None where it cannot be built here."""
+    if os.environ.get("PDSERVE_CPU_KERNEL", "1") == "0":
+        return None
+    cxx = _compiler()
+    if cxx is None:
+        logger.warning("no C++ compiler found: CPU attention uses the slower gather path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cxx)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("CPU attention kernel failed to build (%s); using the gather path", detail)
+        return None
+    fn = lib.pdserve_paged_attention
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr]
+    fn.argtypes += [i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel handles this model (its fixed limits: G <= 8, D <= 256)."""
+    return (
+        dtype in DTYPE_CODES
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= 8
+        and head_dim <= 256
+    )

@@ -1,0 +1,142 @@
+"""Structured outputs with xgrammar: grammars compiled once, token masks per step.
+
+A request's ``SamplingParams.structured`` spec is one of::
+
+    {"type": "json_object"}                      any JSON object
+    {"type": "json_schema", "schema": {...}}     a JSON schema
+    {"type": "regex", "regex": "..."}            a regular expression
+    {"type": "choice", "choice": ["a", "b"]}     exactly one of the strings
+    {"type": "grammar", "grammar": "root ::= ..."}  an xgrammar EBNF grammar
+
+plus ``"param"``: the OpenAI field it came from, named in errors. Why xgrammar
+(not llguidance / outlines-core): see docs/router.md.
+
+Compilation is slow (ms to s) and runs off the engine thread: the async engine
+calls :meth:`Grammars.compile` in a worker thread first; the engine's own call
+then hits the cache. Matchers are per request; the step's masks are filled into
+one bitmask and applied to all constrained rows in one call. A request resumed
+elsewhere (the decode worker after the hand-off) rebuilds its matcher by
+replaying the tokens already generated.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import InvalidParameter
+
+CACHE_SIZE = 256
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# xgrammar 0.2's rule for length-bounded strings lets raw control characters in, which
+# JSON forbids (json.loads rejects them): narrow it to what its plain strings allow.
+_LOOSE_CHARS = '[^\\"\\\\\\r\\n]'
+_JSON_CHARS = '[^\\"\\\\\\0-\\x1f]'
+
+
+def _xgr() -> Any:
+    import xgrammar  # imported on first use: a worker that never constrains never loads it
+
+    return xgrammar
+
+
+class Grammars:
+    """Per engine: the tokenizer's xgrammar view, a compiled-grammar cache, the bitmask."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self._compiler: Any = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # cache misses (tests: compiled once per schema)
+
+    def _get_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgr()
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def compile(self, spec: dict[str, Any]) -> Any:
+        """The compiled grammar of ``spec`` (cached); InvalidParameter if it cannot be."""
+        key = json.dumps({k: v for k, v in spec.items() if k != "param"}, sort_keys=True)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        param = str(spec.get("param") or "structured")
+        try:
+            compiled = _compile(self._get_compiler(), spec)
+        except InvalidParameter:
+            raise
+        except Exception as exc:  # xgrammar's errors: an unsupported or broken schema
+            raise InvalidParameter(param, f"{param} is not supported: {exc}") from None
+        with self._lock:
+            self._cache[key] = compiled
+            self.num_compiled += 1
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, spec: dict[str, Any], replay: list[int]) -> Any:
+        """A matcher at the state after ``replay`` (tokens already generated)."""
+        m = _xgr().GrammarMatcher(self.compile(spec))
+        for token in replay:
+            if not m.accept_token(token):
+                raise InvalidParameter(
+                    "first_token_id", f"token {token} is not allowed by the request's grammar"
+                )
+        return m
+
+    @torch.inference_mode()
+    def apply(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Mask, in place, every token each constrained row's grammar forbids now."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return
+        xgr = _xgr()
+        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
+        for row in rows:
+            requests[row].grammar.fill_next_token_bitmask(bitmask, row)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+
+def _compile(compiler: Any, spec: dict[str, Any]) -> Any:
+    kind = spec.get("type")
+    param = str(spec.get("param") or "structured")
+    if kind == "json_object":
+        return _compile_json(compiler, {"type": "object"})
+    if kind == "json_schema":
+        schema = spec.get("schema")
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidParameter(param, f"{param}: the JSON schema must be an object")
+        return _compile_json(compiler, schema)
+    if kind == "regex" and isinstance(spec.get("regex"), str):
+        return compiler.compile_regex(spec["regex"])
+    if kind == "choice" and _strings(spec.get("choice")):
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec["choice"])
+        return compiler.compile_grammar(f"root ::= {alternatives}")
+    if kind == "grammar" and isinstance(spec.get("grammar"), str):
+        return compiler.compile_grammar(spec["grammar"])
+    raise InvalidParameter(param, f"{param}: unknown or malformed structured output {kind!r}")
+
+
+def _compile_json(compiler: Any, schema: Any) -> Any:
+    # Compact JSON (no free whitespace): a sampling model cannot pad its output forever.
+    grammar = _xgr().Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    return compiler.compile_grammar(str(grammar).replace(_LOOSE_CHARS, _JSON_CHARS))
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value)

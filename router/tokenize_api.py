@@ -1,0 +1,63 @@
+"""``POST /tokenize`` and ``POST /detokenize`` with vLLM's request and response shapes.
+
+/tokenize takes a completions-style ``prompt`` (``add_special_tokens``, default true)
+or a chat-style ``messages`` (``add_generation_prompt``, default true) and answers
+``{"count", "max_model_len", "tokens", "token_strs"}``; /detokenize takes
+``{"tokens"}`` and answers ``{"prompt"}``. ``model`` is optional, checked if given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.router.errors import invalid
+from pdserve.router.protocol import check_model, parse_messages
+from pdserve.router.runtime import Runtime
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(f"{name} must be a boolean", name)
+    return value
+
+
+def _check(rt: Runtime, body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+    if body.get("model") is not None:
+        check_model(body["model"], rt.served_names)
+    return body
+
+
+def tokenize(rt: Runtime, body: Any) -> dict[str, Any]:
+    body = _check(rt, body)
+    tok = rt.tokenizer
+    if "messages" in body:
+        gen = _flag(body, "add_generation_prompt", True)
+        ids = tok.encode_chat(list(parse_messages(body["messages"])), add_generation_prompt=gen)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise invalid("prompt (a string) or messages is required", "prompt")
+        ids = list(
+            tok.tok.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
+        )
+    strs = tok.tok.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
+    max_len = rt.discovery.snapshot().max_model_len or tok.config_max_len
+    return {"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(rt: Runtime, body: Any) -> dict[str, Any]:
+    body = _check(rt, body)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
+        raise invalid("tokens must be a list of token ids", "tokens")
+    bad = [t for t in ids if not 0 <= t < rt.tokenizer.vocab_size]
+    if bad:
+        raise invalid(f"token id {bad[0]} is outside the vocabulary", "tokens")
+    return {"prompt": rt.tokenizer.tok.decode(ids)}

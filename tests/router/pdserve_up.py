@@ -1,0 +1,62 @@
+"""``pdserve up`` (1 prefill + 1 decode, float32) on loopback for the conformance tests.
+
+One cluster per test module: start it in a module-scoped fixture with :func:`run_up`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.loopback import ROOT, free_port
+
+# Prompts at least this long (in tokens) are prefilled on the prefill worker: the tests'
+# prompts are longer, so every request crosses the P/D hand-off.
+DISAGG_THRESHOLD = 8
+
+
+@dataclass
+class Up:
+    url: str  # router base URL (no /v1)
+    workers: list[str]  # worker base URLs
+    proc: subprocess.Popen[str]
+
+
+@contextlib.contextmanager
+def run_up(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[Up]:
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve", "up", "--model", str(model_dir),
+            "--port", str(port), "--dtype", "float32",
+            "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
+            "--disagg-threshold", str(DISAGG_THRESHOLD), "--log-dir", str(log_dir),
+            "--worker-arg=--max-model-len", "--worker-arg=1024", *extra]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, start_new_session=True)  # fmt: skip
+    try:
+        lines: list[str] = []
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 600
+        while not any(line.startswith("pdserve is up") for line in lines):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "pdserve up exited:\n" + "".join(lines)
+            lines.append(line)
+            assert time.monotonic() < deadline, "pdserve up not ready:\n" + "".join(lines)
+        text = "".join(lines)
+        workers = re.findall(r"(?:prefill|decode)-\d+\s+ready at (\S+)", text)
+        url = re.search(r"pdserve is up: (\S+)/v1", text).group(1)  # type: ignore[union-attr]
+        yield Up(url, workers, proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
