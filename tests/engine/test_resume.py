@@ -65,3 +65,24 @@ def test_seeded_resume_draws_what_the_uninterrupted_run_drew(make_engine, cut: i
         max_tokens=16, temperature=1.0, top_p=0.9, seed=1235, ignore_eos=True))  # fmt: skip
     assert other != full_ids
     assert_all_free(engine)
+
+
+def test_structured_resume_replays_the_grammar(make_engine) -> None:
+    # A migrated json_schema stream: the new worker's matcher starts after the resumed
+    # tokens, so the continuation is the uninterrupted run's (seeded) and still valid JSON.
+    import json
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    spec = {"type": "json_schema", "schema": schema, "param": "response_format"}
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured=spec)
+    engine = make_engine()
+    full_ids, full_texts, finish = _run_one(engine, "a", PROMPT, params)
+    assert finish == "stop" and len(full_ids) > 3
+    json.loads("".join(full_texts))
+    ids, texts, _ = _run_one(engine, "b", PROMPT, params, resume_token_ids=full_ids[:3])
+    assert full_ids[:3] + ids == full_ids
+    assert "".join(full_texts[:3]) + "".join(texts) == "".join(full_texts)
+    with pytest.raises(InvalidParameter):  # tokens the grammar forbids are refused
+        engine.add_request("c", PROMPT, params, resume_token_ids=[PROMPT[5]] * 3)
+    assert_all_free(engine)
