@@ -4,10 +4,11 @@
 
 Runs the diurnal, burst (10x in one minute) and long-prompt-surge traces at 100+
 replicas per pool at peak (``--peak-replicas``), prints a table per scenario and,
-last, ONE JSON line: ``attainment`` and ``queue_blind_attainment`` (share of
+last, ONE JSON line: ``attainment_min`` and ``queue_blind_attainment`` (share of
 requests within both the TTFT and TPOT SLOs, worst scenario) and
-``replica_hours_saving`` (planner vs static-for-peak, worst scenario), with the
-per-scenario detail under ``scenarios``. Writes bench/out/simulate.png.
+``replica_hours_saving_min`` (planner vs static-for-peak, worst scenario), with the
+per-scenario detail under ``scenarios``; then the P:D split (``sim_mix.py``):
+``disagg_goodput_ratio`` and ``colocated_chosen_short``. Writes bench/out/simulate.png.
 The model and its assumptions: docs/autoscaling.md.
 """
 
@@ -25,10 +26,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_cluster import Cluster
+from sim_mix import mix_section
 from sim_scenarios import Mix, Scenario, Setup, scenarios, setup
 from tqdm import tqdm
 
-from pdserve.planner.config import SLO, Bounds, PlannerConfig
+from pdserve.planner.config import SLO, Bounds, PlannerConfig, Stability
 from pdserve.planner.decision import PlannerState
 from pdserve.planner.model import decode_need, prefill_need
 from pdserve.planner.plan import plan
@@ -150,7 +152,11 @@ def planner_config(st: Setup, profile_override=None, max_replicas: int = 1000) -
         profile=profile_override or st.planner_profile,
         prefill=Bounds(1, max_replicas),
         decode=Bounds(1, max_replicas),
-        lookahead_s=st.cost.startup_s,
+        startup_s=st.cost.startup_s,
+        # a backlog is sized for once (at the pods' ready time), so it can be drained fast;
+        # the forecast floor guards scale-down, so the window can be short
+        queue_drain_s=15.0,
+        stability=Stability(scale_down_window_s=120.0, scale_down_cooldown_s=60.0),
     )
 
 
@@ -197,14 +203,21 @@ def main(argv: list[str] | None = None) -> int:
         static, initial = sizing(sc, st, peak_rate)
         cfg = planner_config(st)
         results[sc.name] = {
-            pol: run_one(sc, pol, st, cfg, peak_rate, static, initial, args) for pol in POLICIES
+            pol: run_one(sc, pol, st, cfg, peak_rate, static, initial, args)
+            for pol in POLICIES
+            if pol in args.policies or pol == "static"
         }
         detail[sc.name] = summarize(results[sc.name], static)
         print(table(sc.name, detail[sc.name]), file=sys.stderr)
     if not args.no_plot:
         path = plot(chosen, results, args.out_dir)
         print(f"plot: {path}", file=sys.stderr)
-    print(json.dumps(final_json(detail, args, st, peak_rate, time.perf_counter() - began)))
+    mix = {} if args.no_mix else mix_section(args.quick)
+    for case in mix.get("cases", []):
+        print(f"== {case['name']}: goodput/replica {case['goodput_per_replica']} -> "
+              f"planner: {case['planner_reason']}", file=sys.stderr)  # fmt: skip
+    out = final_json(detail, args, st, peak_rate, time.perf_counter() - began)
+    print(json.dumps({**out, **mix}))
     return 0
 
 
@@ -220,7 +233,7 @@ def summarize(res: dict[str, Result], static: tuple[int, int]) -> dict:
         }
         for pol, r in res.items()
     }
-    for pol in ("planner", "queue_blind"):
+    for pol in [p for p in ("planner", "queue_blind") if p in res]:
         out[pol]["replica_hours_saving"] = round(1 - res[pol].replica_hours / s, 4)
     out["static_replicas"] = {"prefill": static[0], "decode": static[1]}
     return out
@@ -228,7 +241,7 @@ def summarize(res: dict[str, Result], static: tuple[int, int]) -> dict:
 
 def table(name: str, d: dict) -> str:
     rows = [f"== {name}: static-for-peak = {d['static_replicas']}"]
-    for pol in POLICIES:
+    for pol in [p for p in POLICIES if p in d]:
         r = d[pol]
         saving = r.get("replica_hours_saving", 0.0)
         rows.append(
@@ -239,10 +252,17 @@ def table(name: str, d: dict) -> str:
 
 
 def final_json(detail: dict, args: argparse.Namespace, st: Setup, rate: float, secs: float) -> dict:
+    attainment = min(d["planner"]["attainment"] for d in detail.values())
+    saving = min(d["planner"]["replica_hours_saving"] for d in detail.values())
     return {
-        "attainment": min(d["planner"]["attainment"] for d in detail.values()),
-        "replica_hours_saving": min(d["planner"]["replica_hours_saving"] for d in detail.values()),
-        "queue_blind_attainment": min(d["queue_blind"]["attainment"] for d in detail.values()),
+        "attainment_min": attainment,
+        "replica_hours_saving_min": saving,
+        "attainment": attainment,
+        "replica_hours_saving": saving,
+        "queue_blind_attainment": min(
+            (d["queue_blind"]["attainment"] for d in detail.values() if "queue_blind" in d),
+            default=None,
+        ),
         "static_attainment": min(d["static"]["attainment"] for d in detail.values()),
         "scenarios": detail,
         "cost_model": args.cost,
@@ -302,12 +322,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--peak-replicas", type=int, default=0, help="prefill replicas at the peak")
     ap.add_argument("--scenario", action="append", help="run only these (repeatable)")
     ap.add_argument("--dt", type=float, default=0.2, help="simulation tick, seconds")
-    ap.add_argument("--interval", type=float, default=10.0, help="planner interval, seconds")
+    ap.add_argument("--interval", type=float, default=5.0, help="planner interval, seconds")
     ap.add_argument("--drain", type=float, default=120.0, help="seconds after the trace ends")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--policies", default=",".join(POLICIES), help="comma-separated subset (static always runs)"
+    )
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"))
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-mix", action="store_true", help="skip the P:D split measurement")
     return ap.parse_args(argv)
 
 

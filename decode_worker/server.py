@@ -21,13 +21,14 @@ from pdserve.codec import CodecError, from_dict
 from pdserve.decode_worker.metered import MeteredConnector
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import engine_config_from_args
-from pdserve.engine.request import RequestOutput
+from pdserve.engine.request import REQUEST_FAILED, RequestOutput
 from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord, KVHandle
 from pdserve.worker_http import (
     BadRequest,
     add_common_routes,
     add_worker_arguments,
+    cache_salt_of,
     parse_request,
     read_json,
     worker_id,
@@ -66,7 +67,7 @@ class DecodeWorker:
 
     async def generate(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
         rid, prompt, params = parse_request(body)
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"cache_salt": cache_salt_of(body)}
         if body.get("kv_handle") is not None:
             kwargs["remote_kv"] = self._handle(body["kv_handle"])
             kwargs["first_token_id"] = body.get("first_token_id")
@@ -110,12 +111,14 @@ class DecodeWorker:
     def _line(out: RequestOutput) -> bytes:
         body: dict[str, Any]
         if out.finish_reason == "error":
+            # request_failed: this request alone failed (the router does not retry it)
+            request_fault = out.error_code == REQUEST_FAILED
             body = {
                 "error": {
                     "message": out.error,
-                    "type": "server_error",
+                    "type": "invalid_request_error" if request_fault else "server_error",
                     "param": None,
-                    "code": "kv_transfer_failed",
+                    "code": out.error_code or "kv_transfer_failed",
                 }
             }
         else:

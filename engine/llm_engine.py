@@ -23,12 +23,18 @@ from transformers import AutoTokenizer
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import TextStream
-from pdserve.engine.hashing import block_hashes, hash_block
+from pdserve.engine.hashing import block_hashes, hash_block, salt_root
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.kv_pool import KVPool, budget_bytes
-from pdserve.engine.logprobs import StepLogprobs, TokenLogprobs
+from pdserve.engine.logprobs import StepLogprobs
 from pdserve.engine.model_runner import ModelRunner, ScheduledChunk, model_identity
-from pdserve.engine.request import Request, RequestOutput, RequestStatus
+from pdserve.engine.request import (
+    REQUEST_FAILED,
+    Request,
+    RequestFailed,
+    RequestOutput,
+    RequestStatus,
+)
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -100,8 +106,10 @@ class LLMEngine:
         remote_kv: Any = None,
         first_token_id: int | None = None,
         resume_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queue a request; raises InvalidParameter for bad input (nothing is queued).
+        """Queue a request; raises InvalidParameter for bad input, RequestFailed when
+        building its state fails otherwise (nothing is queued either way).
 
         ``resume_token_ids``: output tokens this request already produced (and sent)
         elsewhere, as when the router migrates a stream off a dead decode worker. They
@@ -110,27 +118,43 @@ class LLMEngine:
         """
         if request_id in self.requests or request_id in self.held:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
-        self.validate(prompt_token_ids, params.validate())
-        req = Request(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
-        req.block_hashes = block_hashes(req.prompt_token_ids, self.config.block_size)
-        text = TextStream(self.tokenizer, req.prompt_token_ids, params.stop)
-        if remote_kv is not None:
-            self._check_handle(req, remote_kv, first_token_id)
-            req.remote_kv = remote_kv
-            req.output_token_ids.append(int(first_token_id))  # type: ignore[arg-type]
-            self._extend_hashes(req)
-            text.append(req.output_token_ids)  # the prefill worker already sent its text
-        elif resume_token_ids:
-            self._check_resume(req, resume_token_ids)
-            req.output_token_ids.extend(int(t) for t in resume_token_ids)
-            self._extend_hashes(req)
-            text.append(req.output_token_ids)  # already sent by the worker that died
-        if params.structured is not None:  # replays the first token, or the resumed ones
-            req.grammar = self.grammars.matcher(params.structured, req.output_token_ids)
+        self.validate(prompt_token_ids, params.validate(self.vocab_size))
+        try:
+            req, text = self._build(request_id, prompt_token_ids, params, hold_kv, cache_salt)
+            if remote_kv is not None:
+                self._check_handle(req, remote_kv, first_token_id)
+                req.remote_kv = remote_kv
+                req.output_token_ids.append(int(first_token_id))  # type: ignore[arg-type]
+            elif resume_token_ids:
+                self._check_resume(req, resume_token_ids)
+                req.output_token_ids.extend(int(t) for t in resume_token_ids)
+            if req.output_token_ids:  # already sent by the prefill worker / the worker that died
+                self._extend_hashes(req)
+                text.append(req.output_token_ids)
+            if params.structured is not None:  # replays the first token, or the resumed ones
+                req.grammar = self.grammars.matcher(params.structured, req.output_token_ids)
+        except InvalidParameter:
+            raise
+        except Exception as exc:  # this request's own state cannot be built: it alone fails
+            logger.exception("request %s could not be added", request_id)
+            raise RequestFailed(f"request could not be started: {type(exc).__name__}") from exc
         self._text[request_id] = text
         self.requests[request_id] = req
         self.num_prompt_tokens += req.num_prompt_tokens
         self.scheduler.add(req)
+
+    def _build(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hold_kv: bool,
+        cache_salt: str | None,
+    ) -> tuple[Request, TextStream]:
+        req = Request(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
+        req.hash_root = salt_root(cache_salt)
+        req.block_hashes = block_hashes(req.prompt_token_ids, self.config.block_size, req.hash_root)
+        return req, TextStream(self.tokenizer, req.prompt_token_ids, params.stop)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_token_ids)
@@ -220,29 +244,71 @@ class LLMEngine:
             sampled = [c.request for c in sched.chunks if c.samples]
             logits = self.runner.execute(sched.chunks)
             raw = StepLogprobs(logits, sampled)  # before the sampler edits the logits
-            self.grammars.apply(logits, sampled)
-            tokens = self.sampler.sample(logits, sampled, [self._banned(r) for r in sampled])
-            outputs += self._update(sched.chunks, tokens, raw.of(tokens))
+            tokens = self._sample(logits, sampled)
+            outputs += self._update(sched.chunks, tokens, raw)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | Exception]:
+        """One token per request, or the exception that its own sampling raised.
+
+        The batch is sampled at once (grammar masks, then the sampler); if that
+        fails, row by row from the logits as they came from the model, so that a
+        request whose values break the sampler fails alone (a seeded neighbour's
+        draw of this one step may then differ from a solo run).
+        """
+        # Biases and penalties edit the logits in place: keep the model's for a retry.
+        edits = any(r.params.has_penalties or r.params.logit_bias for r in reqs)
+        pristine = logits.clone() if edits else logits
+        try:
+            self.grammars.apply(logits, reqs)
+            return list(self.sampler.sample(logits, reqs, [self._banned(r) for r in reqs]))
+        except Exception:
+            logger.exception("batched sampling failed; sampling request by request")
+        out: list[int | Exception] = []
+        for i, req in enumerate(reqs):
+            try:
+                row = pristine[i : i + 1].clone() if edits else logits[i : i + 1]
+                self.grammars.apply(row, [req])
+                out += self.sampler.sample(row, [req], [self._banned(req)])
+            except Exception as exc:
+                out.append(exc)
+        return out
 
     def _update(
         self,
         chunks: list[ScheduledChunk],
-        tokens: list[int],
-        logprobs: list[TokenLogprobs | None],
+        tokens: list[int | Exception],
+        raw: StepLogprobs,
     ) -> list[RequestOutput]:
         outputs = []
+        logprobs = raw.of([t if isinstance(t, int) else 0 for t in tokens])  # 0: a failed row
         it = iter(zip(tokens, logprobs, strict=True))
         for chunk in chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_tokens
             self._register_blocks(req)
-            if chunk.samples:
-                token, lp = next(it)
+            if not chunk.samples:
+                continue
+            token, lp = next(it)
+            try:  # stop handling, detokenization: this request's own work
+                if isinstance(token, Exception):
+                    raise token
                 out = self._append_token(req, token)
-                if out is not None:
-                    outputs.append(out if lp is None else replace(out, logprobs=[lp]))
+            except Exception as exc:
+                out = self._fail_request(req, exc)
+            if out is not None:
+                outputs.append(out if lp is None else replace(out, logprobs=[lp]))
         return outputs
+
+    def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
+        """End ``req`` alone with an error; the rest of the batch goes on."""
+        logger.error("request %s failed in the step", req.request_id, exc_info=exc)
+        req.error_code = REQUEST_FAILED
+        msg = f"request failed: {type(exc).__name__}: {exc}"[:500]
+        if req.request_id not in self.requests:  # it had ended; its output was lost
+            req.status, req.error = RequestStatus.FINISHED_ERROR, msg
+            return self._output(req, [], "", RequestStatus.FINISHED_ERROR.value)
+        return self.finish(req, RequestStatus.FINISHED_ERROR, [], "", msg)
 
     def _append_token(self, req: Request, token: int) -> RequestOutput | None:
         if req.grammar is not None and not req.grammar.accept_token(token):
@@ -326,6 +392,7 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             error=req.error,
+            error_code=req.error_code,
             queue_seconds=(
                 req.first_scheduled_time - req.arrival_time
                 if req.first_scheduled_time is not None and req.num_output_tokens <= 1
@@ -338,7 +405,7 @@ class LLMEngine:
         bs = self.config.block_size
         full = req.num_tokens // bs
         if full > len(req.block_hashes):
-            parent = req.block_hashes[-1] if req.block_hashes else 0
+            parent = req.block_hashes[-1] if req.block_hashes else req.hash_root
             tokens = req.all_token_ids
             for i in range(len(req.block_hashes), full):
                 parent = hash_block(parent, tokens[i * bs : (i + 1) * bs])

@@ -15,6 +15,17 @@ from typing import Any
 from pdserve.engine.sampling_params import SamplingParams
 
 
+class RequestFailed(Exception):
+    """This request (not the worker) failed: its own state could not be built or stepped.
+
+    Workers answer it as a request fault (HTTP 422, code ``request_failed``), which the
+    router passes to its client and never retries on another worker.
+    """
+
+
+REQUEST_FAILED = "request_failed"  # RequestOutput.error_code of a per-request fault
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
@@ -46,8 +57,10 @@ class Request:
     hold_kv: bool = False  # prefill mode: keep blocks after finishing, under a lease
     remote_kv: Any = None  # KVHandle to pull before decoding (decode mode)
     error: str = ""
+    error_code: str = ""  # with FINISHED_ERROR: REQUEST_FAILED, or empty (a worker fault)
     grammar: Any = None  # xgrammar matcher of a structured-output request (engine/structured.py)
     first_scheduled_time: float | None = None
+    hash_root: int = 0  # the parent of block 0's hash: the cache salt's root, see hashing.py
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -86,6 +99,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     error: str = ""
+    error_code: str = ""  # REQUEST_FAILED when this request alone failed (see RequestFailed)
     kv_block_ids: list[int] | None = None  # prefill mode: the held blocks, on finish
     kv_block_hashes: list[int] | None = None  # prefill mode: hashes of the full prompt blocks
     queue_seconds: float | None = None  # arrival to first schedule, on the first output

@@ -18,6 +18,17 @@ class InvalidParameter(ValueError):
         self.field = field_name
 
 
+# Ranges of the values that reach torch and the engine: beyond them they overflow a C
+# integer in the middle of a batch step (a seed is a uint64 or an int64 to torch).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_TOKENS = 2**31 - 1
+MAX_TOP_K = 2**31 - 1  # larger than any vocabulary: the same as no top-k
+MAX_STOP = 16
+MAX_STOP_CHARS = 256  # the stop checker holds back up to this many characters per token
+MAX_STOP_TOKEN_IDS = 256
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -42,7 +53,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, sampling is greedy in all but rounding (and logits / T overflows).
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
@@ -50,35 +62,17 @@ class SamplingParams:
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )
 
-    def validate(self) -> SamplingParams:
-        def need(cond: bool, name: str, msg: str) -> None:
-            if not cond:
-                raise InvalidParameter(name, f"{name} {msg}")
-
-        need(_is_int(self.max_tokens), "max_tokens", "must be an integer")
-        need(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
-        need(_is_num(self.temperature), "temperature", "must be a number")
-        need(
-            0.0 <= self.temperature <= 100.0,
-            "temperature",
-            f"must be in [0, 100], got {self.temperature}",
-        )
-        need(_is_num(self.top_p), "top_p", "must be a number")
-        need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        need(_is_int(self.top_k), "top_k", "must be an integer")
-        need(self.top_k >= -1, "top_k", f"must be -1, 0 or positive, got {self.top_k}")
-        need(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
-        need(isinstance(self.stop, list), "stop", "must be a string or a list of strings")
-        need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        need(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
-        need(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids",
-            "must be non-negative integers",
-        )
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Range-check every field (the engine sees nothing unchecked); ``vocab_size``,
+        when known, bounds ``stop_token_ids`` and ``logit_bias``. Raises InvalidParameter."""
+        _check_counts(self)
+        _check_floats(self)
+        _check_stops(self, vocab_size)
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
-        need(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
         self._validate_extras(need)
+        if vocab_size is not None and isinstance(self.logit_bias, dict):
+            need(all(k < vocab_size for k in self.logit_bias), "logit_bias",
+                 f"keys must be token ids below the vocabulary size {vocab_size}")  # fmt: skip
         return self
 
     def _validate_extras(self, need: Any) -> None:
@@ -127,6 +121,60 @@ class SamplingParams:
         if isinstance(known.get("logit_bias"), dict):  # JSON object keys are strings
             known["logit_bias"] = _int_keys(known["logit_bias"])
         return cls(**known).validate()
+
+
+def need(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise InvalidParameter(name, f"{name} {msg}")
+
+
+def _check_counts(p: SamplingParams) -> None:
+    for name in ("max_tokens", "min_tokens"):
+        value = getattr(p, name)
+        need(_is_int(value), name, "must be an integer")
+        need(value <= MAX_TOKENS, name, f"must be at most {MAX_TOKENS}, got {value}")
+    need(p.max_tokens >= 1, "max_tokens", f"must be at least 1, got {p.max_tokens}")
+    need(p.min_tokens >= 0, "min_tokens", f"must be >= 0, got {p.min_tokens}")
+    need(p.min_tokens <= p.max_tokens, "min_tokens",
+         f"({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})")  # fmt: skip
+    need(_is_int(p.top_k), "top_k", "must be an integer")
+    need(-1 <= p.top_k <= MAX_TOP_K, "top_k", f"must be -1, 0 or in [1, {MAX_TOP_K}]")
+    if p.seed is not None:
+        need(_is_int(p.seed), "seed", "must be an integer")
+        need(SEED_MIN <= p.seed <= SEED_MAX, "seed", f"must be in [{SEED_MIN}, {SEED_MAX}]")
+
+
+def _check_floats(p: SamplingParams) -> None:
+    need(_is_num(p.temperature), "temperature", "must be a number")
+    need(0.0 <= p.temperature <= 100.0, "temperature", f"must be in [0, 100], got {p.temperature}")
+    need(_is_num(p.top_p), "top_p", "must be a number")
+    need(0.0 < p.top_p <= 1.0, "top_p", f"must be in (0, 1], got {p.top_p}")
+
+
+def _check_stops(p: SamplingParams, vocab_size: int | None) -> None:
+    need(isinstance(p.stop, list), "stop", "must be a string or a list of strings")
+    need(len(p.stop) <= MAX_STOP, "stop", f"may hold at most {MAX_STOP} strings")
+    need(all(isinstance(s, str) and s for s in p.stop), "stop", "must be non-empty strings")
+    need(all(len(s) <= MAX_STOP_CHARS for s in p.stop), "stop",
+         f"strings may be at most {MAX_STOP_CHARS} characters long")  # fmt: skip
+    need(all(valid_text(s) for s in p.stop), "stop", "must be valid Unicode (no lone surrogates)")
+    ids = p.stop_token_ids
+    need(isinstance(ids, list) and len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+         f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")  # fmt: skip
+    need(all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids", "must be non-negative integers")
+    if vocab_size is not None:
+        need(all(t < vocab_size for t in ids), "stop_token_ids",
+             f"must be token ids below the vocabulary size {vocab_size}")  # fmt: skip
+
+
+def valid_text(s: str) -> bool:
+    """True when ``s`` is encodable Unicode: a lone surrogate (JSON lets ``\\ud800``
+    through) breaks tokenizers and every UTF-8 writer downstream."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_int(x: object) -> bool:

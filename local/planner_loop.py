@@ -82,6 +82,9 @@ class LocalAutoscaler:
         prefill, decode = self._pools()
         snap = snapshot_from_scrapes(prev, scrape, prefill, decode, self.config.slo)
         decision, self.state = plan(snap, self.state, self.config)
+        if not self.decisions or self.decisions[-1].mode != decision.mode:
+            # the P:D split in force: colocated runs no prefill worker (needs --prefill-min 0)
+            print(f"pdserve up: autoscaler: mix {decision.mode}: {decision.mix_reason}", flush=True)
         self.decisions.append(decision)
         for pool in (decision.prefill, decision.decode):
             if pool.changed:
@@ -139,6 +142,12 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-max", type=int, default=4)
     g.add_argument("--autoscale-interval", type=float, default=5.0, help="seconds")
     g.add_argument("--scale-down-window", type=float, default=60.0, help="seconds")
+    g.add_argument(
+        "--worker-startup",
+        type=float,
+        default=15.0,
+        help="seconds from starting a worker to its first request (the planner sizes for then)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> PlannerConfig:
@@ -153,4 +162,5 @@ def config_from_args(args: argparse.Namespace) -> PlannerConfig:
             Stability(), scale_down_window_s=window, scale_down_cooldown_s=window / 2
         ),
         min_requests_for_correction=5,
+        startup_s=args.worker_startup,
     )

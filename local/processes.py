@@ -41,12 +41,14 @@ class ClusterSpec:
     cpu_threads: int = 0  # torch threads per worker; 0: the machine's cores shared out
 
     def threads_per_worker(self) -> int:
-        """Cores over workers (at least 1): N workers with all cores each oversubscribe the
-        CPU, and OpenMP threads that spin waiting for a core slow everyone down."""
+        """Cores over workers (at least 1), one core kept for the router, the workers' HTTP
+        loops and detokenization: N workers with all cores each oversubscribe the CPU, and
+        an OpenMP thread preempted by the streaming path stalls every op's barrier (vLLM's
+        CPU build keeps a core from compute the same way)."""
         if self.cpu_threads > 0:
             return self.cpu_threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return max(1, (cores or 1) // max(1, self.num_prefill + self.num_decode))
+        return max(1, ((cores or 1) - 1) // max(1, self.num_prefill + self.num_decode))
 
     @property
     def model_name(self) -> str:

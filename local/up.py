@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra engine argument for every worker (repeatable)")  # fmt: skip
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="extra router argument, e.g. --router-arg=--rate-limit-rpm=60")  # fmt: skip
     p.add_argument("--autoscale", action="store_true",
                    help="add/remove workers with the SLO planner (see autoscaling.md)")  # fmt: skip
     add_autoscale_arguments(p)
@@ -68,7 +70,7 @@ def router_args(args: argparse.Namespace) -> list[str]:
         out += ["--api-key", args.api_key]
     if getattr(args, "max_queue", None) is not None:
         out += ["--max-queue", str(args.max_queue)]
-    return out
+    return out + list(args.router_arg)
 
 
 def _validate(args: argparse.Namespace) -> None:

@@ -9,6 +9,9 @@ record why:
 - ``status.autoscaling.lastDecision``: the last scaling (time, replicas, reason);
 - ``status.autoscaling.planner``: the carried planner state and this interval's plan
   (the state survives an operator restart through it);
+- ``status.autoscaling.mix``: the prefill:decode split in force (``disaggregated`` or
+  ``colocated``: no prefill pool, decode workers prefill locally) and why (goodput per
+  replica of both; colocation needs the prefill pool's ``minReplicas: 0``);
 - ``status.autoscaling.active`` / ``message`` / ``metricsSource`` /
   ``lastEvaluationTime``: whether the last interval could plan, and if not, why
   (e.g. the router is not reachable: no decision is made, nothing is scaled);
@@ -144,9 +147,10 @@ async def _apply(
                 logger.info(f"autoscaler: not scaling: {exc}")
                 return
         planner = {"state": _json_safe(state.to_dict()), "lastPlan": _json_safe(decision.to_dict())}
+        mix = {"mode": decision.mode, "reason": decision.mix_reason}  # which P:D split, and why
         await _record(
             client, svc, {"active": True, "message": decision.reason,
-                          "metricsSource": source, "planner": planner},
+                          "metricsSource": source, "planner": planner, "mix": mix},
         )  # fmt: skip
     if changed:
         message = "; ".join(f"{p.role} {p.current}->{p.desired}: {p.reason}" for p in changed)

@@ -46,6 +46,9 @@ WATCHED = (
 )
 
 
+WATCHED_KINDS = frozenset(w.kind for w in WATCHED)
+
+
 def _newer(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
     """False when ``new`` is an older resourceVersion than ``old`` (a late watch event).
 

@@ -32,6 +32,7 @@ class OperatorConfig:
     autoscale_tick: float = 5.0  # autoscaler loop period; each object plans every intervalSeconds
     debounce: float = 0.2  # a burst of watch events on one object becomes one sync
     default_image: str = ""  # for LLMServices without spec.image ("": render.DEFAULT_IMAGE)
+    peering_lifetime: int = 15  # seconds a silent active replica blocks the standbys
     autoscale: autoscaler.AutoscaleSettings = field(default_factory=autoscaler.AutoscaleSettings)
 
 
@@ -115,7 +116,10 @@ async def reconcile_object(
         ok = st.condition("Degraded", False, "AsExpected", "spec applied", generation)
         await sync.write_status(client, memo.cache, fresh, [ok], {"observedGeneration": generation})
     done = {"created": result.created, "patched": result.patched, "pruned": pruned}
-    logger.info(f"applied: {', '.join(f'{k}={list(v)}' for k, v in done.items())}")
+    message = f"applied: {', '.join(f'{k}={list(v)}' for k, v in done.items())}"
+    logger.info(message)
+    if result.created or result.patched or pruned:
+        kopf.info(body, reason="Applied", message=message)
     return result
 
 
@@ -149,7 +153,13 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorC
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=n.GROUP, key="last-handled-configuration"
         )
-        settings.posting.level = 20  # INFO and above become Kubernetes Events
+        # Only warnings become Kubernetes Events by logging (kopf logs every watch event
+        # handler's success at INFO: posting those would cost a request per child event);
+        # handlers post what people need to see with kopf.info / kopf.warn.
+        settings.posting.level = logging.WARNING
+        # A standby takes over when the active replica's peering record expires (a crash) or
+        # is removed (a clean stop, at once): 15 s rather than kopf's 60.
+        settings.peering.lifetime = config.peering_lifetime
         memo.client = kube.KubeClient(kube.login(), login_fn=kube.login)
         memo.cache = Cache()
         memo.syncer = sync.Syncer(memo.client, memo.cache, config.debounce, config.default_image)

@@ -32,10 +32,13 @@ PLURALS: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("pdserve.io/v1alpha1", "LLMService"): "llmservices",
+    ("kopf.dev/v1", "KopfPeering"): "kopfpeerings",  # HA: the chart creates one per namespace
 }
 _SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+USER_AGENT = "pdserve-operator"  # audit logs (and bench/operator_load.py) tell our requests apart
 
 
 class KubeError(Exception):
@@ -120,7 +123,7 @@ class KubeClient:
         self.info = info
         self.logged_in_at = time.monotonic()
         self.logins += 1
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
         if info.token:
             headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
         auth = aiohttp.BasicAuth(info.username, info.password or "") if info.username else None

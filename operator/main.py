@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import random
 
 import kopf
 
@@ -34,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the router Service in-cluster)")  # fmt: skip
     parser.add_argument("--health-port", type=int, default=8080, help="liveness endpoint port")
     parser.add_argument("--peering", default="", help="kopf peering name (default: standalone)")
+    parser.add_argument("--priority", type=int, default=None,
+                        help="peering priority; default: random, so that replicas never tie "
+                        "(kopf pauses every replica of a tied top priority)")  # fmt: skip
     parser.add_argument("--default-image", default=os.environ.get("PDSERVE_DEFAULT_IMAGE", ""),
                         help="image for LLMServices without spec.image (resolved at render "
                         "time; the chart passes its own image)")  # fmt: skip
@@ -65,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
             namespaces=list(args.namespace),
             standalone=not args.peering,
             peering_name=args.peering or None,
+            priority=args.priority if args.priority is not None else random.randint(1, 2**30),
             liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz",
         )
     )

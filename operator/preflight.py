@@ -72,6 +72,10 @@ async def check_references(client: KubeClient, spec: LLMServiceSpec) -> list[Pro
     if src.kind == "huggingFace" and src.token_secret:
         field = "spec.model.source.huggingFace.tokenSecret"
         problems += await _check_secret_key(client, ns, src.token_secret, src.token_key, field)
+    cache = src.cache_claim if src.kind == "huggingFace" else ""
+    if cache and await client.get("v1", "PersistentVolumeClaim", ns, cache) is None:
+        msg = f'PersistentVolumeClaim "{cache}" not found in namespace "{ns}"'
+        problems.append(Problem("spec.model.source.huggingFace.cache.claimName", msg, True))
     if (
         src.kind == "pvc"
         and await client.get("v1", "PersistentVolumeClaim", ns, src.claim_name) is None

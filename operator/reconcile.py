@@ -125,11 +125,11 @@ def keep_autoscaled_replicas(
     back the count it read: a scale (by the autoscaler or a person) that lands between our
     read and our patch would otherwise be lost.
     """
-    if desired["kind"] != "Deployment" or not spec.autoscaling.enabled:
+    if desired["kind"] != "Deployment":
         return desired
     role = desired["metadata"]["labels"].get(n.LABEL_ROLE)
     pool = {"prefill": spec.prefill, "decode": spec.decode}.get(role or "")
-    if pool is None:
+    if pool is None or not (spec.autoscaling.enabled or pool.external_scaling):
         return desired
     current = (live or {}).get("spec", {}).get("replicas")
     out = copy.deepcopy(desired)

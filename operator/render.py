@@ -19,6 +19,7 @@ from pdserve.operator.spec import LLMServiceSpec
 from pdserve.operator.spec_parse import parse_llmservice
 
 Manifest = dict[str, Any]
+HTTP_ROUTE_API = "gateway.networking.k8s.io/v1"
 DEFAULT_IMAGE = "ghcr.io/pdserve/pdserve:0.1.0"  # the operator passes its own (--default-image)
 
 
@@ -143,7 +144,8 @@ def ingress(spec: LLMServiceSpec) -> list[Manifest]:
         "rules": [
             {
                 "host": ing.host,
-                "http": {"paths": [{"path": "/", "pathType": "Prefix", "backend": backend}]},
+                # Only the OpenAI API: the router's /metrics, /workers and probes stay inside.
+                "http": {"paths": [{"path": "/v1", "pathType": "Prefix", "backend": backend}]},
             }
         ]
     }
@@ -157,6 +159,23 @@ def ingress(spec: LLMServiceSpec) -> list[Manifest]:
     return [
         {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": meta, "spec": body}
     ]
+
+
+def http_route(spec: LLMServiceSpec) -> list[Manifest]:
+    """An optional Gateway API HTTPRoute to the router: only the OpenAI API (``/v1``)."""
+    r = spec.router
+    if not r.http_route_parents:
+        return []
+    backend = {"name": n.router_service_name(spec.name), "port": n.ROUTER_SERVICE_PORT}
+    body: dict[str, Any] = {
+        "parentRefs": [dict(p) for p in r.http_route_parents],
+        "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}],
+                   "backendRefs": [backend]}],
+    }  # fmt: skip
+    if r.http_route_hostnames:
+        body["hostnames"] = list(r.http_route_hostnames)
+    meta = _meta(spec, spec.name, "router")
+    return [{"apiVersion": HTTP_ROUTE_API, "kind": "HTTPRoute", "metadata": meta, "spec": body}]
 
 
 def disruption_budgets(spec: LLMServiceSpec) -> list[Manifest]:
@@ -241,6 +260,7 @@ def render_spec(spec: LLMServiceSpec, default_image: str = "") -> list[Manifest]
         cm,
         *services(spec),
         *ingress(spec),
+        *http_route(spec),
         *disruption_budgets(spec),
         *network_policy(spec),
         pool_deployment(spec, spec.prefill, digest),
@@ -260,6 +280,7 @@ def optional_children(name: str) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of children that only some specs have: pruned when gone."""
     return [
         ("networking.k8s.io/v1", "Ingress", name),
+        (HTTP_ROUTE_API, "HTTPRoute", name),
         ("networking.k8s.io/v1", "NetworkPolicy", n.network_policy_name(name)),
         *(("policy/v1", "PodDisruptionBudget", n.deployment_name(name, r)) for r in n.ROLES),
     ]

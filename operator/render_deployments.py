@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve.operator import naming as n
+from pdserve.operator import pod_template as pt
 from pdserve.operator import render_pods as p
 from pdserve.operator.spec import LLMServiceSpec, PoolSpec
 
@@ -86,7 +87,10 @@ def _mounts(spec: LLMServiceSpec, role: str) -> list[dict[str, Any]]:
         {
             "name": "model",
             "mountPath": n.MODEL_MOUNT,
-            "readOnly": spec.model.source.kind != "huggingFace",
+            # Only an emptyDir download is written by the pod itself (its init container);
+            # a shared cache is filled by init containers and read by everyone.
+            "readOnly": spec.model.source.kind != "huggingFace"
+            or bool(spec.model.source.cache_claim),
         },
         {"name": "tmp", "mountPath": "/tmp"},
     ]
@@ -104,7 +108,7 @@ def _container(
     resources: Mapping[str, Any],
     extra_env: tuple[Mapping[str, Any], ...],
 ) -> dict[str, Any]:
-    needs_ipc_lock = role in n.POOL_ROLES and bool(spec.kv_transfer.rdma_resource_name)
+    needs_ipc_lock = role in n.POOL_ROLES and spec.kv_transfer.ipc_lock
     return {
         "name": role,
         "image": spec.image,
@@ -113,12 +117,18 @@ def _container(
         "ports": _ports(role),
         "env": _env(spec) + [dict(e) for e in extra_env],
         "envFrom": [{"configMapRef": {"name": n.config_map_name(spec.name)}}],
-        "resources": dict(resources),
+        "resources": _with_ephemeral_storage(resources, p.ephemeral_storage_request(spec, role)),
         "volumeMounts": _mounts(spec, role),
         "securityContext": p.container_security(spec, needs_ipc_lock),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_PAUSE_S)]}}},
         **p.probes(),
     }
+
+
+def _with_ephemeral_storage(resources: Mapping[str, Any], request: str) -> dict[str, Any]:
+    out = {k: dict(v) for k, v in resources.items()}
+    out.setdefault("requests", {}).setdefault("ephemeral-storage", request)  # the user's wins
+    return out
 
 
 def _pod_spec(
@@ -149,8 +159,9 @@ def _pod_spec(
 
 
 def _deployment(
-    spec: LLMServiceSpec, role: str, replicas: int, pod: dict[str, Any], config_hash: str
-) -> dict[str, Any]:
+    spec: LLMServiceSpec, role: str, replicas: int, pod: dict[str, Any], config_hash: str,
+    override: Mapping[str, Any],
+) -> dict[str, Any]:  # fmt: skip
     annotations = {**_SCRAPE, n.ANNOTATION_CONFIG_HASH: config_hash}
     # Surge first, everywhere: a new pod must be ready before an old one goes, or a
     # 1-replica pool has an outage per rollout. Without a spare GPU the rollout waits
@@ -171,10 +182,13 @@ def _deployment(
             # image pull and a download) is a rollout stuck, and the service Degraded.
             "progressDeadlineSeconds": _PROGRESS_DEADLINE_S,
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
-            "template": {
-                "metadata": {"labels": n.labels(spec.name, role), "annotations": annotations},
-                "spec": pod,
-            },
+            "template": pt.apply(
+                {
+                    "metadata": {"labels": n.labels(spec.name, role), "annotations": annotations},
+                    "spec": pod,
+                },
+                override,
+            ),
         },
     }
 
@@ -190,7 +204,7 @@ def pool_deployment(spec: LLMServiceSpec, pool: PoolSpec, config_hash: str) -> d
         pod["tolerations"] = [dict(t) for t in pool.tolerations]
     if pool.affinity:
         pod["affinity"] = dict(pool.affinity)
-    return _deployment(spec, pool.role, pool.replicas, pod, config_hash)
+    return _deployment(spec, pool.role, pool.replicas, pod, config_hash, pool.pod_template)
 
 
 def router_deployment(spec: LLMServiceSpec, config_hash: str) -> dict[str, Any]:
@@ -202,4 +216,4 @@ def router_deployment(spec: LLMServiceSpec, config_hash: str) -> dict[str, Any]:
         pod["nodeSelector"] = dict(r.node_selector)
     if r.tolerations:
         pod["tolerations"] = [dict(t) for t in r.tolerations]
-    return _deployment(spec, "router", r.replicas, pod, config_hash)
+    return _deployment(spec, "router", r.replicas, pod, config_hash, r.pod_template)

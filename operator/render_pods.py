@@ -23,6 +23,9 @@ def model_dir(spec: LLMServiceSpec) -> str:
         return posixpath.normpath(posixpath.join(n.MODEL_MOUNT, src.path.lstrip("/")))
     if src.kind == "hostPath":
         return n.MODEL_MOUNT
+    if src.cache_claim:  # one directory per model and revision in the shared cache
+        rev = f"@{src.revision}" if src.revision else ""
+        return f"{n.MODEL_MOUNT}/{src.hf_id.replace('/', '--')}{rev}"
     return f"{n.MODEL_MOUNT}/model"
 
 
@@ -35,7 +38,20 @@ def model_volume(spec: LLMServiceSpec) -> dict[str, Any]:
         }
     if src.kind == "hostPath":
         return {"name": "model", "hostPath": {"path": src.path, "type": "Directory"}}
+    if src.cache_claim:  # the init container fills it once; later pods find the files there
+        return {"name": "model", "persistentVolumeClaim": {"claimName": src.cache_claim}}
     return {"name": "model", "emptyDir": {"sizeLimit": src.download_size_limit}}
+
+
+def ephemeral_storage_request(spec: LLMServiceSpec, role: str) -> str:
+    """What a pod writes to node-local disk: the model download (emptyDir) or nothing big.
+
+    Without a request the scheduler places a 16 GB download on a node with 2 GB free and
+    the kubelet evicts the pod; the router fetches only tokenizer files."""
+    src = spec.model.source
+    if src.kind != "huggingFace" or src.cache_claim:
+        return "1Gi"
+    return "1Gi" if role == "router" else src.download_size_limit
 
 
 def download_init_container(spec: LLMServiceSpec, tokenizer_only: bool) -> list[dict[str, Any]]:

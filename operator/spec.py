@@ -36,6 +36,7 @@ class ModelSource:
     token_secret: str = ""
     token_key: str = "token"
     download_size_limit: str = "64Gi"
+    cache_claim: str = ""  # a ReadWriteMany PVC shared by every pod: one download, not one per pod
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class PoolSpec:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     shm_size: str = "2Gi"
+    pod_template: Mapping[str, Any] = field(default_factory=dict)  # merged over the pod
+    # An HPA / KEDA scales this pool's Deployment: the operator keeps its replica count.
+    external_scaling: bool = False
 
     def clamp(self, replicas: int) -> int:
         return max(self.min_replicas, min(self.max_replicas, replicas))
@@ -93,6 +97,10 @@ class RouterSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     extra_args: tuple[str, ...] = ()
+    pod_template: Mapping[str, Any] = field(default_factory=dict)  # merged over the pod
+    # Gateway API: parentRefs (Gateways) and hostnames of an HTTPRoute to the router.
+    http_route_parents: tuple[Mapping[str, Any], ...] = ()
+    http_route_hostnames: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,9 @@ class KVTransferSpec:
     ucx_tcp_port_end: int = 20031
     rdma_resource_name: str = ""
     rdma_resource_count: int = 1
+    # IPC_LOCK lets RDMA pin registered memory; PodSecurity "restricted" refuses it, so it
+    # is an explicit opt-in rather than implied by an RDMA resource.
+    ipc_lock: bool = False
     lease_seconds: int = 30
     transfer_timeout_seconds: int = 10
     on_transfer_failure: str = "recompute"

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve.operator import naming as n
+from pdserve.operator import pod_template as pt
 from pdserve.operator.spec import (
     DTYPES,
     SERVICE_TYPES,
@@ -125,6 +126,7 @@ def parse_model(r: _Reader, default_name: str) -> ModelSpec:
             token_secret=token.get("name", str, ""),
             token_key=token.get("key", str, "token"),
             download_size_limit=str(s.get("downloadSizeLimit", (str, int), "64Gi")),
+            cache_claim=s.sub("cache").get("claimName", str, ""),
         )
         if not source.hf_id:
             raise SpecError(f"{s.path}.id", "is required")
@@ -155,7 +157,10 @@ def parse_pool(r: _Reader, role: str) -> PoolSpec:
         max_num_seqs=r.number("maxNumSeqs", minimum=1),
         max_num_batched_tokens=r.number("maxNumBatchedTokens", minimum=1),
         shm_size=str(r.get("shmSize", (str, int), "2Gi")),
+        pod_template=r.get("podTemplate", Mapping, {}),
+        external_scaling=r.get("externalScaling", bool, False),
     )
+    pt.check(f"{r.path}.podTemplate", pool.pod_template)
     check_resources(f"{r.path}.resources", pool.resources)
     check_quantity(f"{r.path}.shmSize", r.data.get("shmSize", "2Gi"))
     check_tolerations(f"{r.path}.tolerations", pool.tolerations)
@@ -201,7 +206,16 @@ def parse_router(r: _Reader) -> RouterSpec:
         node_selector=r.get("nodeSelector", Mapping, {}),
         tolerations=r.obj_list("tolerations"),
         extra_args=r.str_list("extraArgs"),
+        pod_template=_pod_template(r),
+        http_route_parents=r.sub("httpRoute").obj_list("parentRefs"),
+        http_route_hostnames=r.sub("httpRoute").str_list("hostnames"),
     )
+
+
+def _pod_template(r: _Reader) -> Mapping[str, Any]:
+    template: Mapping[str, Any] = r.get("podTemplate", Mapping, {})
+    pt.check(f"{r.path}.podTemplate", template)
+    return template
 
 
 def parse_small_sections(r: _Reader) -> dict[str, Any]:
@@ -245,6 +259,7 @@ def parse_small_sections(r: _Reader) -> dict[str, Any]:
             ucx_tcp_port_end=end,
             rdma_resource_name=rdma,
             rdma_resource_count=kv.number("rdmaResourceCount", 1, minimum=1),
+            ipc_lock=kv.get("ipcLock", bool, False),
             lease_seconds=kv.number("leaseSeconds", 30, minimum=1),
             transfer_timeout_seconds=kv.number("transferTimeoutSeconds", 10, minimum=1),
             on_transfer_failure=kv.choice("onTransferFailure", ("recompute", "fail"), "recompute"),
@@ -271,7 +286,7 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
     r = _Reader(obj.get("spec"), "spec")
     if r.data.get("model") is None:
         raise SpecError("spec.model", "is required")
-    return LLMServiceSpec(
+    svc = LLMServiceSpec(
         name=name,
         namespace=meta.get("namespace", str, default_namespace),
         model=parse_model(r.sub("model"), name),
@@ -285,3 +300,19 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
         image_pull_secrets=r.str_list("imagePullSecrets"),
         **parse_small_sections(r),
     )
+    check_autoscaling(svc)
+    return svc
+
+
+def check_autoscaling(svc: LLMServiceSpec) -> None:
+    """Refuse autoscaling inputs that would be wrong rather than merely missing."""
+    auto = svc.autoscaling
+    if auto.enabled and svc.router.replicas > 1 and not auto.metrics_url:
+        # Scraping the router Service reaches one random pod per interval: counters of
+        # different pods would be diffed. Prometheus sums every router pod's series.
+        raise SpecError("spec.autoscaling.metricsUrl", "is required (a Prometheus URL) "
+                        "when spec.router.replicas > 1")  # fmt: skip
+    for pool in svc.pools:
+        if auto.enabled and pool.external_scaling:
+            raise SpecError(f"spec.{pool.role}.externalScaling",
+                            "cannot be true while spec.autoscaling.enabled is true")  # fmt: skip

@@ -19,7 +19,7 @@ import kopf
 from pdserve.operator import naming as n
 from pdserve.operator import reconcile, render
 from pdserve.operator import status as st
-from pdserve.operator.cache import Cache, Key
+from pdserve.operator.cache import WATCHED_KINDS, Cache, Key
 from pdserve.operator.kube import KubeClient
 from pdserve.operator.spec import SpecError
 from pdserve.operator.spec_parse import parse_llmservice
@@ -69,7 +69,9 @@ async def sync_service(client: KubeClient, cache: Cache, key: Key, default_image
     status = body.get("status") or {}
     applied = status.get("observedGeneration") == body["metadata"].get("generation")
     if applied and not handler_owns_degraded(status):
-        children = render.render_spec(svc, default_image)
+        # Drift repair covers the watched kinds (an optional HTTPRoute is applied on change only:
+        # the Gateway API CRDs may not exist, and it is not in the cache).
+        children = [c for c in render.render_spec(svc, default_image) if c["kind"] in WATCHED_KINDS]
         kopf.adopt(children, owner=cast(kopf.Body, body))  # the raw watched body
 
         async def cached(c: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -124,7 +126,7 @@ class Syncer:
             async with self.lock(key):
                 await sync_service(self.client, self.cache, key, self.default_image)
         except Exception as e:
-            logger.warning(f"sync of {key[0]}/{key[1]} failed: {e}")
+            logger.warning(f"sync of {key[0]}/{key[1]} failed: {e!r}")
 
     async def resync_forever(self, interval: float) -> None:
         """A safety net for lost events; from the cache, so it costs no requests when idle."""

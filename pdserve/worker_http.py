@@ -7,7 +7,6 @@ Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
@@ -19,19 +18,25 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import add_engine_arguments
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.engine.request import REQUEST_FAILED, RequestFailed
+from pdserve.engine.sampling_params import InvalidParameter, SamplingParams, valid_text
+from pdserve.jsonguard import BadJSON, loads_checked
 from pdserve.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.param = param
         self.status = status
+        self.code = code
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -75,9 +80,9 @@ async def read_json(request: Request) -> dict[str, Any]:
     if len(raw) > MAX_BODY_BYTES:
         raise BadRequest(f"request body over {MAX_BODY_BYTES} bytes", status=413)
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"malformed JSON: {exc}") from exc
+        body = loads_checked(raw)
+    except BadJSON as exc:
+        raise BadRequest(str(exc), exc.field) from exc
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
@@ -85,14 +90,36 @@ async def read_json(request: Request) -> dict[str, Any]:
 
 def request_id_of(body: dict[str, Any]) -> str:
     rid = body.get("request_id") or f"req-{uuid.uuid4().hex}"
-    if not isinstance(rid, str) or len(rid) > 256:
-        raise BadRequest("request_id must be a string of at most 256 characters", "request_id")
+    if not isinstance(rid, str) or len(rid) > 256 or not rid.isprintable() or not valid_text(rid):
+        raise BadRequest(
+            "request_id must be a printable string of at most 256 characters", "request_id"
+        )
     return rid
+
+
+def cache_salt_of(body: dict[str, Any]) -> str | None:
+    """The request's prefix-cache salt (the router's tenant salt and the client's
+    ``cache_salt``), or None: it enters the block hashes (engine/hashing.py)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if (
+        not isinstance(salt, str)
+        or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS
+        or not valid_text(salt)
+    ):
+        raise BadRequest(
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+            "cache_salt",
+        )
+    return salt
 
 
 def prompt_of(body: dict[str, Any]) -> list[int]:
     ids = body.get("prompt_token_ids")
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
         raise BadRequest("prompt_token_ids must be a list of integers", "prompt_token_ids")
     return ids
 
@@ -121,11 +148,15 @@ def add_common_routes(
 ) -> None:
     @app.exception_handler(BadRequest)
     async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        return error_response(exc.status, str(exc), exc.param)
+        return error_response(exc.status, str(exc), exc.param, exc.code)
 
     @app.exception_handler(InvalidParameter)
     async def _invalid(_: Request, exc: InvalidParameter) -> JSONResponse:
         return error_response(400, str(exc), exc.field)
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(_: Request, exc: RequestFailed) -> JSONResponse:
+        return error_response(422, str(exc), None, REQUEST_FAILED)
 
     @app.get("/livez")
     async def livez() -> JSONResponse:

@@ -33,6 +33,7 @@ class PrefillProfile:
     tokens_per_s: float  # marginal prompt-token throughput of one replica
     chunk_tokens: int  # token budget of one step (--max-num-batched-tokens)
     attention_s_per_token_sq: float = 0.0  # quadratic attention cost
+    source: str = ""  # where these numbers come from (measured how / published where)
 
     def service_time(self, prompt_tokens: float) -> float:
         """Seconds to prefill one prompt alone on an idle replica."""
@@ -60,6 +61,7 @@ class DecodeProfile:
     step_per_kv_token_s: float  # per context token attended (KV read)
     max_num_seqs: int  # engine batch limit (--max-num-seqs)
     kv_capacity_tokens: int  # KV pool size of one replica, in tokens
+    source: str = ""  # where these numbers come from
 
     def step_time(self, batch: float, mean_context: float) -> float:
         return (
@@ -84,6 +86,7 @@ class Profile:
     prefill: PrefillProfile
     decode: DecodeProfile
     version: int = PROFILE_VERSION
+    source: str = ""  # e.g. "measured: pdserve profile ... on <host>, <date>" or "estimate: ..."
 
     def __post_init__(self) -> None:
         p, d = self.prefill, self.decode
@@ -113,6 +116,7 @@ class Profile:
             hardware=str(body.get("hardware", "")),
             prefill=_section(PrefillProfile, body, "prefill"),
             decode=_section(DecodeProfile, body, "decode"),
+            source=str(body.get("source", "")),
         )
 
 
@@ -136,6 +140,11 @@ def _section(cls: type, body: dict[str, Any], name: str) -> Any:
                 raise ProfileError(f"profile.{name}: missing field '{key}'")
             continue
         value = section[key]
+        if f.type == "str":
+            if not isinstance(value, str):
+                raise ProfileError(f"profile.{name}.{key} must be a string, got {value!r}")
+            values[key] = value
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ProfileError(f"profile.{name}.{key} must be a number, got {value!r}")
         values[key] = int(value) if f.type == "int" else float(value)

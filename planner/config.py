@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.planner.capacity import Profile
+from pdserve.planner.forecast import ForecastConfig
 
 
 class PlannerConfigError(ValueError):
@@ -45,7 +46,7 @@ class Stability:
     scale_down_cooldown_s: float = 60.0  # no scale-down this soon after any scale event
     scale_up_cooldown_s: float = 0.0  # no scale-up this soon after a scale-up
     tolerance: float = 0.1  # ignore changes of less than this fraction of current
-    max_up_factor: float = 2.0  # at most x2 per decision ...
+    max_up_factor: float = 4.0  # at most x4 per decision ...
     min_up_step: int = 4  # ... or +4, whichever is larger
     max_down_step_fraction: float = 0.5  # at most -50% per decision (at least -1)
 
@@ -67,10 +68,10 @@ class PlannerConfig:
     decode_batch_utilisation: float = 0.9  # plan batches this far below the limit at the SLO
     queue_aware: bool = True  # False: the queue-blind baseline (no queue-wait term)
     queue_drain_s: float = 30.0  # drain the prefill backlog within this many seconds
-    # a rising load is extrapolated this far ahead (about a pod's start-up time), at most
-    # by max_growth; 0 turns the trend term off
-    lookahead_s: float = 30.0
-    max_growth: float = 3.0
+    # a pod ordered now serves this much later (scheduling, image, weights, warm-up): the
+    # pools are sized for then, and pods already starting are credited from their ETA
+    startup_s: float = 30.0
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
     correction_alpha: float = 0.3  # EWMA weight of a new observed/predicted ratio
     correction_bounds: tuple[float, float] = (0.5, 4.0)
     min_requests_for_correction: int = 20  # per interval, else keep the old factor
@@ -84,8 +85,8 @@ class PlannerConfig:
             raise PlannerConfigError("kv_target/decode_batch utilisation must be in (0, 1]")
         if self.queue_drain_s <= 0:
             raise PlannerConfigError("queue_drain_s must be > 0")
-        if self.lookahead_s < 0 or self.max_growth < 1:
-            raise PlannerConfigError("need lookahead_s >= 0 and max_growth >= 1")
+        if self.startup_s < 0 or self.forecast.max_growth < 1:
+            raise PlannerConfigError("need startup_s >= 0 and forecast.max_growth >= 1")
         lo, hi = self.correction_bounds
         if not 0 < lo <= 1 <= hi:
             raise PlannerConfigError("correction_bounds must satisfy 0 < lo <= 1 <= hi")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from pdserve.planner.forecast import Forecast
+
 
 @dataclass(frozen=True)
 class PoolDecision:
@@ -26,10 +28,14 @@ class Decision:
     prefill: PoolDecision
     decode: PoolDecision
     details: dict[str, float] = field(default_factory=dict)  # model terms, for status/logs
+    mode: str = "disaggregated"  # or "colocated": no prefill pool, decode workers prefill
+    mix_reason: str = ""  # why this mode (goodput per replica of both)
 
     @property
     def reason(self) -> str:
-        return f"prefill: {self.prefill.reason}; decode: {self.decode.reason}"
+        return (
+            f"prefill: {self.prefill.reason}; decode: {self.decode.reason}; mix: {self.mix_reason}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         body = asdict(self)
@@ -45,6 +51,7 @@ class PoolMemory:
     last_scale_s: float | None = None  # when it last changed the count (or saw an edit)
     last_up_s: float | None = None
     history: tuple[tuple[float, int], ...] = ()  # (time, recommendation) in the window
+    etas: tuple[float, ...] = ()  # expected ready times of the pods it started (not yet ready)
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,8 @@ class PlannerState:
     decode: PoolMemory = field(default_factory=PoolMemory)
     prefill_correction: float = 1.0  # smoothed observed / predicted prefill time
     decode_correction: float = 1.0  # smoothed observed / predicted decode step time
-    last_request_rate: float | None = None  # for the load trend
+    forecast: Forecast = field(default_factory=Forecast)  # load trend and seasonality
+    mode: str = "disaggregated"  # the P:D decision in force (see mix.py)
 
     def with_pool(self, role: str, memory: PoolMemory) -> PlannerState:
         assert role in ("prefill", "decode"), role
@@ -64,7 +72,9 @@ class PlannerState:
         return replace(self, decode=memory)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        body = asdict(self)
+        body["forecast"] = self.forecast.to_dict()
+        return body
 
     @classmethod
     def from_dict(cls, body: Any) -> PlannerState:
@@ -76,7 +86,8 @@ class PlannerState:
                 decode=_memory(body.get("decode")),
                 prefill_correction=float(body.get("prefill_correction", 1.0)),
                 decode_correction=float(body.get("decode_correction", 1.0)),
-                last_request_rate=_opt_float(body.get("last_request_rate")),
+                forecast=Forecast.from_dict(body.get("forecast")),
+                mode=str(body.get("mode", "disaggregated")),
             )
         except (TypeError, ValueError):
             return cls()  # a corrupt stored state only costs the smoothing history
@@ -91,6 +102,7 @@ def _memory(body: Any) -> PoolMemory:
         last_scale_s=_opt_float(body.get("last_scale_s")),
         last_up_s=_opt_float(body.get("last_up_s")),
         history=tuple((float(t), int(n)) for t, n in body.get("history", ())),
+        etas=tuple(float(t) for t in body.get("etas", ())),
     )
 
 

@@ -8,7 +8,8 @@ Prefill (per replica, prompt tokens per second, corrected by ``c_p``)::
            (the utilisation at which the M/M/1 mean response S / (1 - rho) is h_ttft * TTFT)
     backlog = max(queue_depth * L, queue_wait * ready * mu)   [queue-wait term]
     need_prefill = (prompt_rate * (1 - cached) * g + backlog / drain_s) / (mu * rho*)
-    g = min(max_growth, 1 + rate_slope * lookahead_s / rate)   [trend; 1 unless rising]
+    (g: forecast growth; the planner itself sizes for the moment new pods are
+    ready, in ``ahead.py``; this form is the steady-state sizing used by tools)
 
 Decode (per replica, corrected by ``c_d``; C = mean context)::
 
@@ -59,21 +60,10 @@ class DecodeNeed:
     correction: float
 
 
-def growth(snap: MetricsSnapshot, cfg: PlannerConfig, last_rate: float | None) -> float:
-    """Load expected ``lookahead_s`` from now over load now, from the last interval's rise.
-
-    Only a rise beyond the tolerance counts (noise must not scale anything up).
-    """
-    rate = snap.request_rate
-    if last_rate is None or rate <= last_rate * (1 + cfg.stability.tolerance) or rate <= 0:
-        return 1.0
-    slope = (rate - last_rate) / snap.interval_s
-    return min(cfg.max_growth, 1.0 + slope * cfg.lookahead_s / rate)
-
-
-def prefill_need(
-    snap: MetricsSnapshot, cfg: PlannerConfig, correction: float, grow: float = 1.0
-) -> PrefillNeed:
+def prefill_rates(
+    snap: MetricsSnapshot, cfg: PlannerConfig, correction: float
+) -> tuple[float, float, float]:
+    """(mean uncached prompt L, saturated tokens/s mu, target utilisation rho*) of one replica."""
     prof = cfg.profile.prefill
     mean_prompt = snap.mean_prompt_tokens * (1.0 - snap.cached_token_fraction)
     if mean_prompt <= 0:
@@ -82,6 +72,13 @@ def prefill_need(
     mu = prof.saturated_tokens_per_s(mean_prompt) / correction
     rho = 1.0 - service / (cfg.ttft_headroom * cfg.slo.ttft_s)
     rho = min(cfg.max_prefill_utilisation, max(cfg.min_prefill_utilisation, rho))
+    return mean_prompt, mu, rho
+
+
+def prefill_need(
+    snap: MetricsSnapshot, cfg: PlannerConfig, correction: float, grow: float = 1.0
+) -> PrefillNeed:
+    mean_prompt, mu, rho = prefill_rates(snap, cfg, correction)
     demand = snap.prompt_token_rate * (1.0 - snap.cached_token_fraction)
     backlog = 0.0
     if cfg.queue_aware:
@@ -94,8 +91,15 @@ def prefill_need(
 
 
 def decode_need(
-    snap: MetricsSnapshot, cfg: PlannerConfig, correction: float, grow: float = 1.0
+    snap: MetricsSnapshot,
+    cfg: PlannerConfig,
+    correction: float,
+    grow: float = 1.0,
+    queued_requests: float | None = None,
+    output_rate: float | None = None,
 ) -> DecodeNeed:
+    """``queued_requests``: prefill queue that reaches decode soon (default: the depth now);
+    ``output_rate``: output tokens/s to plan for (default: generated now x ``grow``)."""
     prof = cfg.profile.decode
     context = mean_context(snap, cfg)
     budget = cfg.tpot_headroom * cfg.slo.tpot_s / correction
@@ -103,13 +107,16 @@ def decode_need(
     tokens = batch / (correction * prof.step_time(batch, context))
     kv_per_replica = cfg.kv_target_utilisation * prof.kv_capacity_tokens
     seqs = snap.decode_running + snap.decode_waiting
+    running = snap.decode_running * grow
+    seqs = running + snap.decode_waiting
     if cfg.queue_aware:  # requests queued for prefill reach decode within the drain horizon
-        seqs += snap.prefill_queue_depth
+        seqs += snap.prefill_queue_depth if queued_requests is None else queued_requests
     by_seqs = seqs / batch
-    by_tokens = snap.output_token_rate / tokens
+    out = snap.output_token_rate * grow if output_rate is None else output_rate
+    by_tokens = out / tokens
     by_kv = seqs * context / kv_per_replica
-    need = max(by_seqs, by_tokens, by_kv) * grow
-    steady = max(by_tokens, snap.decode_running * max(1 / batch, context / kv_per_replica))
+    need = max(by_seqs, by_tokens, by_kv)
+    steady = max(by_tokens, running * max(1 / batch, context / kv_per_replica))
     return DecodeNeed(need, steady, batch, tokens, context, by_seqs, by_tokens, by_kv, correction)
 
 

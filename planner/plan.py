@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pdserve.planner.ahead import DecodeAhead, PrefillAhead, decode_ahead, etas_for, prefill_ahead
 from pdserve.planner.config import PlannerConfig
-from pdserve.planner.decision import Decision, PlannerState
-from pdserve.planner.model import decode_need, growth, prefill_need, update_corrections
+from pdserve.planner.decision import Decision, PlannerState, PoolDecision, PoolMemory
+from pdserve.planner.forecast import Forecast
+from pdserve.planner.mix import COLOCATED, decide_mode
+from pdserve.planner.model import FALLBACK_OUTPUT_TOKENS, update_corrections
 from pdserve.planner.snapshot import MetricsSnapshot
 from pdserve.planner.stability import PoolInput, stabilize
 
@@ -18,32 +21,52 @@ def plan(
 
     Pure: same inputs, same outputs; nothing is read from clocks or the network.
     """
+    s, now = snapshot, snapshot.time_s
     prefill_c, decode_c = update_corrections(
-        snapshot, config, state.prefill_correction, state.decode_correction
+        s, config, state.prefill_correction, state.decode_correction
     )
-    grow = growth(snapshot, config, state.last_request_rate)
-    p = prefill_need(snapshot, config, prefill_c, grow)
-    d = decode_need(snapshot, config, decode_c, grow)
-    now, stab = snapshot.time_s, config.stability
+    fc = state.forecast.observe(
+        now, s.interval_s, (s.request_rate, s.prompt_token_rate, s.output_token_rate),
+        config.forecast,
+    )  # fmt: skip
+    p_etas = etas_for(state.prefill.etas, s.prefill, now, config.startup_s)
+    d_etas = etas_for(state.decode.etas, s.decode, now, config.startup_s)
+    p = prefill_ahead(s, config, prefill_c, fc, p_etas)
+    da = decode_ahead(s, config, decode_c, fc, p)
+    rate = fc.request_rate.at(config.startup_s, config.forecast)
+    out = _mean_output(s, fc)
+    choice, mode, mix_why = decide_mode(config, p.mean_prompt, out, state.mode, rate)
+    if mode == COLOCATED:
+        p, da = _colocated(p, da, fc, config, choice.colocated_goodput)
+    d = da.need
     p_in = PoolInput(
-        "prefill", p.need, snapshot.prefill, config.prefill, state.prefill, now, p.steady_need
-    )
+        "prefill", p.need, s.prefill, config.prefill, replace(state.prefill, etas=p_etas), now,
+        p.steady_need, p.floor,
+    )  # fmt: skip
     d_in = PoolInput(
-        "decode", d.need, snapshot.decode, config.decode, state.decode, now, d.steady_need
-    )
-    p_dec, p_mem = stabilize(p_in, stab)
-    d_dec, d_mem = stabilize(d_in, stab)
-    if p.backlog_tokens > 0 and p_dec.desired > p_dec.current:
+        "decode", d.need, s.decode, config.decode, replace(state.decode, etas=d_etas), now,
+        da.steady_need, da.floor,
+    )  # fmt: skip
+    p_dec, p_mem = stabilize(p_in, config.stability)
+    d_dec, d_mem = stabilize(d_in, config.stability)
+    p_mem = _started(p_dec, p_mem, now + config.startup_s)
+    d_mem = _started(d_dec, d_mem, now + config.startup_s)
+    if p.queue_at_ready > 0 and p_dec.desired > p_dec.current:
         p_dec = replace(
-            p_dec, reason=p_dec.reason + f" (incl. {p.backlog_tokens:.0f} queued prompt tokens)"
+            p_dec,
+            reason=p_dec.reason + f" (incl. {p.queue_at_ready:.0f} prompt tokens forecast queued "
+            f"in {config.startup_s:.0f}s, {p.queue_now:.0f} now)",
         )
     details = {
-        "load_growth": grow,
+        "forecast_request_rate": fc.request_rate.at(config.startup_s, config.forecast),
         "prefill_need": p.need,
-        "prefill_capacity_tokens_per_s": p.capacity_per_replica,
+        "prefill_tokens_per_replica_s": p.tokens_per_replica_s,
         "prefill_target_utilisation": p.target_utilisation,
-        "prefill_demand_tokens_per_s": p.demand_tokens_per_s,
-        "prefill_backlog_tokens": p.backlog_tokens,
+        "prefill_demand_tokens_per_s": p.demand_now,
+        "prefill_demand_at_ready": p.demand_at_ready,
+        "prefill_backlog_tokens": p.queue_now,
+        "prefill_queue_at_ready": p.queue_at_ready,
+        "prefill_starting": float(len(p_etas)),
         "prefill_correction": prefill_c,
         "decode_need": d.need,
         "decode_batch_per_replica": d.batch_per_replica,
@@ -52,8 +75,44 @@ def plan(
         "decode_need_sequences": d.by_sequences,
         "decode_need_tokens": d.by_tokens,
         "decode_need_kv": d.by_kv,
+        "decode_starting": float(len(d_etas)),
         "decode_correction": decode_c,
     }
-    decision = Decision(snapshot.time_s, p_dec, d_dec, {k: round(v, 4) for k, v in details.items()})
-    new_state = PlannerState(p_mem, d_mem, prefill_c, decode_c, snapshot.request_rate)
-    return decision, new_state
+    details["mix_prefill_share"] = choice.prefill_share
+    details["mix_disagg_goodput_per_replica"] = choice.disagg_goodput
+    details["mix_colocated_goodput_per_replica"] = choice.colocated_goodput
+    rounded = {k: round(v, 4) for k, v in details.items()}
+    decision = Decision(now, p_dec, d_dec, rounded, mode, mix_why)
+    return decision, PlannerState(p_mem, d_mem, prefill_c, decode_c, fc, mode)
+
+
+def _mean_output(s: MetricsSnapshot, fc: Forecast) -> float:
+    return fc.output_per_request or s.mean_output_tokens or FALLBACK_OUTPUT_TOKENS
+
+
+def _colocated(
+    p: PrefillAhead, da: DecodeAhead, fc: Forecast, cfg: PlannerConfig, goodput: float
+) -> tuple[PrefillAhead, DecodeAhead]:
+    """No prefill pool: the decode pool serves the whole request rate at the colocated
+    goodput per replica, plus the prefill queue forecast for when new pods are ready."""
+    h = cfg.startup_s
+    rate_t = fc.request_rate.at(h, cfg.forecast)
+    peak = fc.request_rate.peak(h, cfg.forecast)
+    queue = p.queue_at_ready / (p.tokens_per_replica_s * cfg.queue_drain_s)
+    need = max(da.need.need, rate_t / goodput + queue)
+    now = (fc.request_rate.level or 0.0) / goodput
+    da = DecodeAhead(
+        replace(da.need, need=need), max(da.steady_need, now), max(da.floor, peak / goodput)
+    )
+    return replace(p, need=0.0, steady_need=0.0, floor=0.0), da
+
+
+def _started(dec: PoolDecision, mem: PoolMemory, eta: float) -> PoolMemory:
+    """Remember when the pods this decision adds should be ready; a scale-down drops the
+    newest ETAs first (unready pods are removed first)."""
+    etas = mem.etas
+    if dec.desired > dec.current:
+        etas = etas + (eta,) * (dec.desired - dec.current)
+    elif dec.desired < dec.current:
+        etas = etas[: max(0, len(etas) - (dec.current - dec.desired))]
+    return replace(mem, etas=etas)

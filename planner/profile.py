@@ -12,8 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+import platform
 import sys
 import time
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -44,6 +47,7 @@ def measure(
     model: str = "",
     hardware: str = "",
     repeats: int = 3,
+    source: str = "",
 ) -> Profile:
     """Time the probe over a grid and fit the profile's coefficients."""
     if not prompt_lengths or not batches or not contexts or repeats < 1:
@@ -59,7 +63,10 @@ def measure(
             step_times.append(min(probe.decode_step_seconds(b, c) for _ in range(repeats)))
     prefill = fit_prefill(lengths, times, probe.chunk_tokens)
     decode = fit_decode(grid, step_times, probe.max_num_seqs, probe.kv_capacity_tokens)
-    return Profile(model=model, hardware=hardware, prefill=prefill, decode=decode)
+    grid_text = f"prompts {prompt_lengths}, batches {batches} x contexts {contexts}"
+    prefill = replace(prefill, source=f"{source}; fit to prefill times of {prompt_lengths}")
+    decode = replace(decode, source=f"{source}; fit to step times of {grid_text}")
+    return Profile(model=model, hardware=hardware, prefill=prefill, decode=decode, source=source)
 
 
 def fit_prefill(lengths: list[int], seconds: list[float], chunk_tokens: int) -> PrefillProfile:
@@ -86,7 +93,13 @@ def fit_decode(
         "step_per_kv_token_s": [float(b * c) for b, c in grid],
     }
     coef = _nonnegative_fit(columns, seconds, keep="step_base_s")
-    return DecodeProfile(max_num_seqs=max_num_seqs, kv_capacity_tokens=kv_tokens, **coef)
+    return DecodeProfile(
+        step_base_s=coef["step_base_s"],
+        step_per_seq_s=coef["step_per_seq_s"],
+        step_per_kv_token_s=coef["step_per_kv_token_s"],
+        max_num_seqs=max_num_seqs,
+        kv_capacity_tokens=kv_tokens,
+    )
 
 
 def _nonnegative_fit(
@@ -165,6 +178,12 @@ class EngineProbe:
         )
 
 
+def measured_source(hardware: str, repeats: int) -> str:
+    when = time.strftime("%Y-%m-%d", time.gmtime())
+    where = hardware or f"{platform.machine()}, {os.cpu_count()} CPUs"
+    return f"measured: pdserve profile on {platform.node()} ({where}), {when}, best of {repeats}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pdserve.engine.config import add_engine_arguments
 
@@ -192,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
             model=engine.served_model_name,
             hardware=args.hardware,
             repeats=args.repeats,
+            source=measured_source(args.hardware, args.repeats),
         )
     except (ValueError, RuntimeError) as exc:
         print(f"pdserve profile: {exc}", file=sys.stderr)

@@ -4,7 +4,8 @@ In order: manual edits are adopted; the need is clamped to the bounds; scale-up
 is immediate (limited per step) unless pods are pending for lack of
 accelerators; scale-down goes to the largest recommendation of the
 stabilization window, only after the cooldown and beyond the tolerance, and
-removes unready pods first.
+removes unready pods first; never below the forecast's need for the next
+start-up time (``PoolInput.floor``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class PoolInput:
     memory: PoolMemory
     now: float
     steady_need: float | None = None  # without the transient backlog terms; None: = need
+    floor: float = 0.0  # a scale-down never goes below this (what the forecast needs next)
 
 
 def stabilize(inp: PoolInput, stab: Stability) -> tuple[PoolDecision, PoolMemory]:
@@ -102,8 +104,12 @@ def _scale_down(
         return _decide(inp, current, f"need {inp.need:.1f} within tolerance"), _hold(
             mem, inp.status
         )
+    floor = math.ceil(inp.floor - 1e-9)
+    if floor >= current:
+        why = f"need {inp.need:.1f}; scale-down held: the forecast needs {inp.floor:.1f} next"
+        return _decide(inp, current, why), _hold(mem, inp.status)
     step = max(1, math.floor(current * stab.max_down_step_fraction))
-    target = max(stabilized, current - step)
+    target = max(stabilized, current - step, floor)
     return _apply(inp, mem, target, f"scale down {current}->{target}: need {inp.need:.1f}")
 
 

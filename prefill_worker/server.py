@@ -19,7 +19,7 @@ from pdserve.codec import to_dict
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import engine_config_from_args
 from pdserve.engine.llm_engine import HANDOFF
-from pdserve.engine.request import RequestOutput
+from pdserve.engine.request import REQUEST_FAILED, RequestOutput
 from pdserve.prefill_worker.events import KVEventPublisher
 from pdserve.prefill_worker.leases import LeaseManager
 from pdserve.transfer.messages import CompatRecord
@@ -28,6 +28,7 @@ from pdserve.worker_http import (
     BadRequest,
     add_common_routes,
     advertise_host,
+    cache_salt_of,
     error_response,
     parse_request,
     read_json,
@@ -75,12 +76,15 @@ class PrefillWorker:
     async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
         rid, prompt, params = parse_request(body)
         final: RequestOutput | None = None
-        async for out in self.engine.generate(rid, prompt, params, hold_kv=True):
+        salt = cache_salt_of(body)
+        async for out in self.engine.generate(rid, prompt, params, hold_kv=True, cache_salt=salt):
             final = out
         assert final is not None and final.finished
         if final.queue_seconds is not None:
             self.metrics.queue_wait.labels(ROLE).observe(final.queue_seconds)
         self.metrics.requests.labels(ROLE, final.finish_reason).inc()
+        if final.error_code == REQUEST_FAILED:  # this request alone: the router must not retry
+            raise BadRequest(final.error, status=422, code=REQUEST_FAILED)
         if final.finish_reason in ("error", "abort"):
             raise BadRequest(final.error or f"request {final.finish_reason}", status=503)
         handle = None

@@ -88,12 +88,12 @@ def create_app(
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict[str, Any]:
         rt().check_auth(request)
-        return tokenize(rt(), await read_json(request))
+        return await rt().off_loop(tokenize, rt(), await read_json(rt(), request))
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> dict[str, Any]:
         rt().check_auth(request)
-        return detokenize(rt(), await read_json(request))
+        return await rt().off_loop(detokenize, rt(), await read_json(rt(), request))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROUTING_MODES = ("prefix", "round-robin")
+CACHE_ISOLATION = ("api-key", "none")  # a prefix-cache salt per API key, or one shared cache
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,13 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     prefix_index_capacity: int = 1_000_000  # block hashes remembered, all workers together
     default_max_tokens: int = 16
+    # Limits at the edge (router/edge.py, router/ratelimit.py); see docs/router.md.
+    max_body_bytes: int = 8 << 20
+    max_prompt_chars: int = 1 << 20
+    tokenizer_threads: int = 2
+    rate_limit_rpm: int = 0  # requests per minute per API key; 0: no limit
+    rate_limit_tpm: int = 0  # prompt + max_tokens per minute per API key; 0: no limit
+    cache_isolation: str = "api-key"
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_MODES:
@@ -41,6 +49,13 @@ class RouterConfig:
             raise ValueError("disagg_threshold must be >= 0")
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
+        if self.cache_isolation not in CACHE_ISOLATION:
+            raise ValueError(f"cache_isolation must be one of {list(CACHE_ISOLATION)}")
+        for name in ("max_body_bytes", "max_prompt_chars", "tokenizer_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.rate_limit_rpm < 0 or self.rate_limit_tpm < 0:
+            raise ValueError("rate limits must be >= 0 (0: no limit)")
         for name in (
             "prefix_weight",
             "load_weight",

@@ -12,7 +12,7 @@ decode worker that dies mid-stream (connection reset, EOF before the final
 line, timeout) costs the client nothing: the stream moves to the next decode
 worker with ``resume_token_ids`` = every token already sent, which that worker
 recomputes and continues from (docs/router.md, "Stream migration"). A request
-fault (4xx, or an error line: "this request failed") is never migrated. A
+fault (4xx, or an error line with code ``request_failed``) is never migrated. A
 request that ends early (client gone, error) is aborted on the workers it
 touched so their KV blocks are freed.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.engine.hashing import block_hashes
+from pdserve.engine.hashing import block_hashes, salt_root
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import disagg, worker_client
 from pdserve.router.config import RouterConfig
@@ -74,6 +74,7 @@ class RequestState:
     remote_prefill: bool = False  # a prefill worker computed the prompt
     status: int = 200  # HTTP status for metrics (499: client went away)
     recorded: bool = False
+    cache_salt: str | None = None  # enters the block hashes on every worker (hashing.py)
 
     @property
     def finished(self) -> bool:
@@ -99,9 +100,9 @@ class Dispatcher:
         self._rr = 0
         self._background: set[asyncio.Task[Any]] = set()
 
-    def plan(self, ids: list[int], snap: Snapshot) -> RoutePlan:
+    def plan(self, ids: list[int], snap: Snapshot, cache_salt: str | None = None) -> RoutePlan:
         prefix = self.cfg.routing == "prefix"
-        hashes = block_hashes(ids, snap.block_size) if prefix else []
+        hashes = block_hashes(ids, snap.block_size, salt_root(cache_salt)) if prefix else []
         req = RouteRequest(len(ids), tuple(hashes), snap.block_size, self.index.match(hashes),
                            self.index.held() if prefix else {})  # fmt: skip
         try:
@@ -170,7 +171,7 @@ class Dispatcher:
             try:
                 return await worker_client.prefill(
                     self.client, url, rs.request_id, rs.prompt_ids, rs.sampling,
-                    self.cfg.request_timeout_s,
+                    self.cfg.request_timeout_s, cache_salt=rs.cache_salt,
                 )  # fmt: skip
             except WorkerFailed as exc:
                 log.warning("request %s: prefill failed on %s: %s", rs.request_id, url, exc)
@@ -191,6 +192,8 @@ class Dispatcher:
             "kv_handle": handle,
             "first_token_id": first,
         }
+        if rs.cache_salt is not None:
+            payload["cache_salt"] = rs.cache_salt
         relayed = False  # a decode token reached the client: from now on, migrate
         for worker in plan.decode[:MAX_ATTEMPTS]:
             url = worker.url
@@ -208,8 +211,6 @@ class Dispatcher:
                 if exc.down:
                     self.discovery.mark_failed(url)
                 self._spawn(worker_client.abort(self.client, url, rs.request_id))
-                if relayed and not exc.down:  # the worker says this request failed
-                    raise APIError(502, f"decode worker failed mid-stream: {exc}") from exc
             finally:
                 self._track(url, "decode", 0, -1)
         if relayed:
@@ -226,8 +227,8 @@ class Dispatcher:
             ):
                 if rs.finished:  # read on to the end: the connection goes back to the pool
                     continue
-                if "error" in msg:
-                    raise WorkerFailed(url, f"worker error: {msg['error']}", down=False)
+                if "error" in msg:  # request_failed: an APIError, never moved elsewhere
+                    raise worker_client.stream_error(url, msg["error"])
                 yield self._relay(rs, msg)
         except WorkerFailed:
             if rs.finished:  # the final line arrived: a break after it costs nothing

@@ -10,6 +10,8 @@ _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     502: "server_error",

@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from pdserve.router.config import ROUTING_MODES, RouterConfig
+from pdserve.router.config import CACHE_ISOLATION, ROUTING_MODES, RouterConfig
 from pdserve.router.discovery import EndpointSource, StaticSource
 
 API_KEY_ENV = "PDSERVE_API_KEY"
@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     keys.add_argument("--api-key", default="", help=f"required bearer key (or env {API_KEY_ENV})")
     keys.add_argument("--api-key-file", default="", help="file with one API key per line")
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
+    add_limit_arguments(p)
     p.add_argument("--routing", choices=ROUTING_MODES, default="prefix")
     p.add_argument("--disagg-threshold", type=int, default=256,
                    help="uncached prompt tokens below which decode prefills locally")  # fmt: skip
@@ -42,6 +43,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int, default=16)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
     p.add_argument("--log-level", default="info")
+
+
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("limits at the edge (docs/router.md)")
+    g.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                   help="largest request body; larger is a 413 (default 8 MiB)")  # fmt: skip
+    g.add_argument("--max-prompt-chars", type=int, default=1 << 20,
+                   help="longest prompt text (all messages together) to tokenize")  # fmt: skip
+    g.add_argument("--tokenizer-threads", type=int, default=2,
+                   help="threads that parse and tokenize requests off the event loop")  # fmt: skip
+    g.add_argument("--rate-limit-rpm", type=int, default=0,
+                   help="requests per minute per API key (0: no limit); beyond it 429")  # fmt: skip
+    g.add_argument("--rate-limit-tpm", type=int, default=0,
+                   help="prompt + max_tokens per minute per API key (0: no limit)")  # fmt: skip
+    g.add_argument("--cache-isolation", choices=CACHE_ISOLATION, default="api-key",
+                   help="api-key: each API key has its own prefix cache (cached_tokens reveal "
+                   "nothing across keys); none: one cache shared by all")  # fmt: skip
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -71,6 +89,12 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         api_keys=api_keys(args),
         health_interval_s=args.health_interval,
         default_max_tokens=args.default_max_tokens,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+        tokenizer_threads=args.tokenizer_threads,
+        rate_limit_rpm=args.rate_limit_rpm,
+        rate_limit_tpm=args.rate_limit_tpm,
+        cache_isolation=args.cache_isolation,
     )
 
 

@@ -35,6 +35,7 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[dict[str, Any], ...] | None = None
     user: str | None = None
+    cache_salt: str | None = None  # the client's prefix-cache salt (vLLM's field)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
 
 
@@ -48,7 +49,7 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
         if name in body and body[name] not in off:
             raise invalid(f"{name} is not supported by this server", name)
     n = body.get("n", 1)
-    if n is not None and n != 1:
+    if n is not None and (type(n) is not int or n != 1):
         raise invalid(f"only n=1 is supported, got {n!r}", "n")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
@@ -66,12 +67,25 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
         stream=stream,
         include_usage=include_usage,
         user=user,
+        cache_salt=_cache_salt(body.get("cache_salt")),
         tokens_as_ids=as_ids,
     )
     if chat:
         return GenerateRequest(chat=True, messages=parse_messages(body.get("messages")), **common)
     text, ids = _prompt(body.get("prompt"))
     return GenerateRequest(chat=False, prompt_text=text, prompt_token_ids=ids, **common)
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _cache_salt(salt: Any) -> str | None:
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise invalid(f"cache_salt must be a non-empty string of at most "
+                      f"{MAX_CACHE_SALT_CHARS} characters", "cache_salt")  # fmt: skip
+    return salt
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:

@@ -5,9 +5,14 @@ Built at app start-up (it needs the event loop), closed at shutdown.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import hmac
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -19,9 +24,11 @@ from pdserve.router.dispatch import Dispatcher, RequestState
 from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefix_index import KVEventSubscriber, PrefixIndex
+from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Ticket:
@@ -50,6 +57,9 @@ class Runtime:
         self.dispatcher = Dispatcher(cfg, self.discovery, self.index, self.client, self.metrics)
         self.active = 0
         self.created = int(time.time())
+        self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm)
+        # Parsing, chat templates and tokenizing: CPU work kept off the event loop.
+        self.pool = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pdserve-tok")
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -63,11 +73,17 @@ class Runtime:
         await self.discovery.stop()
         await self.dispatcher.drain()
         await self.client.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on a tokenizer thread; its exceptions are raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # -- admission ---------------------------------------------------------------------
-    def check_auth(self, request: Request) -> None:
+    def check_auth(self, request: Request) -> str:
+        """The caller's API key ("" when no keys are configured); 401 without a valid one."""
         if not self.cfg.api_keys:
-            return
+            return ""
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         token = token.strip() if scheme.lower() == "bearer" else ""
@@ -76,6 +92,24 @@ class Runtime:
                            code="invalid_api_key")  # fmt: skip
         if not any(hmac.compare_digest(token.encode(), k.encode()) for k in self.cfg.api_keys):
             raise APIError(401, "incorrect API key", code="invalid_api_key")
+        return token
+
+    @staticmethod
+    def client_of(request: Request, key: str) -> str:
+        """Who rate limits count against: the API key, else the peer's address."""
+        if key:
+            return "key:" + key
+        return "addr:" + (request.client.host if request.client else "")
+
+    def cache_salt(self, key: str, requested: str | None) -> str | None:
+        """The prefix-cache salt sent with the request: the API key's own (a digest,
+        never the key) unless ``--cache-isolation none``, and the client's cache_salt."""
+        parts = []
+        if key and self.cfg.cache_isolation == "api-key":
+            parts.append("k:" + hashlib.sha256(key.encode()).hexdigest()[:32])
+        if requested:
+            parts.append("r:" + requested)
+        return "|".join(parts) or None
 
     def admit(self) -> Ticket:
         if self.active >= self.cfg.max_queue:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -19,7 +18,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.router import responses
+from pdserve.engine.sampling_params import InvalidParameter
+from pdserve.router import edge, responses
 from pdserve.router.dispatch import Delta, RequestState
 from pdserve.router.errors import APIError, invalid
 from pdserve.router.logprobs_format import LogprobsFormatter
@@ -58,12 +58,23 @@ async def guarded(request: Request, aw: Awaitable[T]) -> T:
     raise ClientGone
 
 
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
+async def read_json(rt: Runtime, request: Request) -> Any:
+    """A JSON body under the edge limits (size, depth, Unicode), decoded off the loop."""
+    raw = await edge.read_body(request, rt.cfg.max_body_bytes)
+    return await rt.off_loop(edge.parse_json, raw)
+
+
+def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[GenerateRequest, list[int]]:
+    """Body bytes to a checked request and its prompt ids. CPU-bound (JSON, the chat
+    template, the tokenizer): runs on a tokenizer thread, after admission."""
+    req = parse_request(edge.parse_json(raw), chat, rt.cfg.default_max_tokens)
+    check_model(req.model, rt.served_names)
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise invalid(f"request body is not valid JSON: {exc}") from exc
+        req.sampling.validate(rt.tokenizer.vocab_size)
+    except InvalidParameter as exc:
+        raise invalid(str(exc), exc.field) from exc
+    edge.check_text_length(req, rt.cfg.max_prompt_chars)
+    return req, prompt_ids(rt, req)
 
 
 def prompt_ids(rt: Runtime, req: GenerateRequest) -> list[int]:
@@ -150,19 +161,22 @@ class _Stream(Response):
 async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     try:
-        rt.check_auth(request)
-        req = parse_request(await read_json(request), chat, rt.cfg.default_max_tokens)
-        check_model(req.model, rt.served_names)
-        ids = prompt_ids(rt, req)
-        snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
-        req = fit_context(rt, snap, req, len(ids))
-        ticket = rt.admit()
+        key = rt.check_auth(request)
+        client = rt.client_of(request, key)
+        rt.limiter.take_request(client)
+        ticket = rt.admit()  # before the body is read or parsed: --max-queue bounds that work
     except APIError as err:
         return rt.error(err)
     streaming = False
     try:
-        plan = rt.dispatcher.plan(ids, snap)
-        rs = RequestState(rid, ids, req.sampling)
+        raw = await edge.read_body(request, rt.cfg.max_body_bytes)
+        req, ids = await rt.off_loop(prepare, rt, raw, chat)
+        snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
+        req = fit_context(rt, snap, req, len(ids))
+        rt.limiter.take_tokens(client, len(ids) + req.sampling.max_tokens)
+        salt = rt.cache_salt(key, req.cache_salt)
+        plan = rt.dispatcher.plan(ids, snap, salt)
+        rs = RequestState(rid, ids, req.sampling, cache_salt=salt)
         response = await _respond(rt, request, req, rs, plan, ticket)
         streaming = isinstance(response, _Stream)
         return response

@@ -2,6 +2,13 @@
 
 The router tokenizes so that it can hash the prompt's blocks with the same
 function as the workers; the ids it sends are the ids the workers compute on.
+
+It runs on the router's tokenizer threads (``serving.prepare``). That helps only
+because transformers' ``encode`` goes through the Rust ``encode_batch``, which
+releases the GIL; the backend's own ``encode`` holds it for the whole text (2.3 s
+for 560 k characters here, every stream of the router stalled meanwhile), so do
+not call ``backend_tokenizer.encode`` here. tests/router/test_edge_limits.py
+measures the streams' gaps while a large prompt is tokenized.
 """
 
 from __future__ import annotations
@@ -24,8 +31,8 @@ class PromptTokenizer:
         self.vocab_size = len(self.tok)
         self.config_max_len = _config_max_len(path)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
@@ -39,7 +46,7 @@ class PromptTokenizer:
         except Exception as exc:  # template errors (e.g. role order) are the client's input
             raise invalid(f"messages could not be formatted: {exc}", "messages") from exc
         assert isinstance(text, str)
-        return list(self.tok.encode(text, add_special_tokens=False))
+        return self.encode(text, add_special_tokens=False)
 
 
 def _config_max_len(path: Path) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.engine.request import REQUEST_FAILED
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.errors import APIError, from_worker_body
 
@@ -85,8 +86,15 @@ async def prefill(
     ids: list[int],
     sampling: SamplingParams,
     timeout: float,
+    cache_salt: str | None = None,
 ) -> PrefillResult:
-    payload = {"request_id": request_id, "prompt_token_ids": ids, "sampling": sampling.to_dict()}
+    payload: dict[str, Any] = {
+        "request_id": request_id,
+        "prompt_token_ids": ids,
+        "sampling": sampling.to_dict(),
+    }
+    if cache_salt is not None:
+        payload["cache_salt"] = cache_salt
     try:
         async with client.post(url + "/prefill", json=payload, timeout=_timeout(timeout)) as resp:
             status, raw = resp.status, await resp.read()
@@ -144,6 +152,15 @@ async def generate(
                 yield _message(url, rest)
     except TRANSPORT_ERRORS as exc:
         raise WorkerFailed(url, f"generate failed: {exc!r}") from exc
+
+
+def stream_error(url: str, error: Any) -> Exception:
+    """An ``{"error": ...}`` line of a decode stream: a request fault (code
+    ``request_failed``) goes to the client as is and is never retried elsewhere; any
+    other error is the worker's (``WorkerFailed``: the dispatcher may try another)."""
+    if isinstance(error, dict) and error.get("code") == REQUEST_FAILED:
+        return from_worker_body(422, {"error": error}, "the request failed on the worker")
+    return WorkerFailed(url, f"worker error: {error}", down=False)
 
 
 def _message(url: str, line: bytes) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from pdserve.operator.kube import KubeClient
 from pdserve.operator.main import build_registry
 
 
-class _ForeignTasks(Collection["asyncio.Task[Any]"]):
+class ForeignTasks(Collection["asyncio.Task[Any]"]):
     """Every task not running kopf's own code (tests, the emulator): kopf must not reap them."""
 
     def __contains__(self, task: object) -> bool:
@@ -58,6 +58,11 @@ async def api_server() -> AsyncIterator[ApiServer]:
                 kind=w.kind, namespaced=True,
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             )  # fmt: skip
+        # kopf's peering (HA): one KopfPeering per watched namespace, status = the peers.
+        server.resources["kopf.dev/v1/kopfpeerings"] = kmock.ResourceInfo(
+            kind="KopfPeering", namespaced=True,
+            verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+        )  # fmt: skip
         # kopf's backbone: it waits for these to be discoverable before it starts watching.
         read = {"get", "list", "watch"}
         server.resources["v1/namespaces"] = kmock.ResourceInfo(
@@ -100,8 +105,11 @@ async def client(api_server: ApiServer) -> AsyncIterator[KubeClient]:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(config: OperatorConfig | None = None) -> AsyncIterator[None]:
-    """The real operator (kopf + our handlers) as a task in this event loop."""
+async def running_operator(
+    config: OperatorConfig | None = None, peering: str = "", priority: int = 0
+) -> AsyncIterator[None]:
+    """The real operator (kopf + our handlers) as a task in this event loop; with ``peering``
+    one of several replicas (the highest ``priority`` is active, the others stand by)."""
     config = config or OperatorConfig(status_interval=0.3, retry_delay=0.5, debounce=0.05)
     stop, ready = asyncio.Event(), asyncio.Event()
 
@@ -111,11 +119,13 @@ async def running_operator(config: OperatorConfig | None = None) -> AsyncIterato
         tasks = await kopf.spawn_tasks(
             registry=build_registry(config),
             namespaces=[NS],
-            standalone=True,
+            standalone=not peering,
+            peering_name=peering or None,
+            priority=priority,
             stop_flag=stop,
             ready_flag=ready,
         )
-        await kopf.run_tasks(tasks, ignored=_ForeignTasks())
+        await kopf.run_tasks(tasks, ignored=ForeignTasks())
 
     task = asyncio.create_task(run_operator())
     await asyncio.wait_for(ready.wait(), timeout=10)

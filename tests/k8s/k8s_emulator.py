@@ -8,12 +8,13 @@ subclass adds, as a real API server does:
 - a new resourceVersion on every patch; generation + 1 when ``spec`` changes;
 - JSON patch (kopf's finalizer updates) with the ``test`` op → HTTP 422 on conflict;
 - status-subresource semantics: ``/status`` patches change only ``status``,
-  main-resource patches never change ``status``;
+  main-resource patches never change ``status`` (of kinds that have the subresource);
 - ``GET /api/v1/namespaces`` (list and watch), which kmock 0.8 cannot parse;
 - one built-in validation, as an example of what only the API server knows: a Deployment
   whose ``nodeSelector`` holds an invalid label value is refused with a 422 and the
   API server's message;
-- a count of requests by (method, path kind) in ``requests`` (for bench/operator_load.py).
+- a count of requests by (method, watch?) in ``requests`` and by (User-Agent product,
+  method, watch?) in ``by_agent`` (bench/operator_load.py counts the operator's).
 Still missing (the tests account for it): garbage collection, CRD schema validation.
 """
 
@@ -54,10 +55,15 @@ class ApiServer(kmock.KubernetesEmulator):
     requests: collections.Counter[tuple[str, bool]] = attrs.field(
         factory=collections.Counter, init=False
     )
+    by_agent: collections.Counter[tuple[str, str, bool]] = attrs.field(
+        factory=collections.Counter, init=False
+    )
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         watch = raw_request.query.get("watch") == "true"
         self.requests[(raw_request.method, watch)] += 1
+        agent = raw_request.headers.get("User-Agent", "").split("/")[0]
+        self.by_agent[(agent, raw_request.method, watch)] += 1
         if raw_request.method == "GET" and raw_request.path.rstrip("/") == "/api/v1/namespaces":
             return await self._serve_namespaces(raw_request)
         return await super().__call__(raw_request)
@@ -106,6 +112,10 @@ class ApiServer(kmock.KubernetesEmulator):
         now = datetime.datetime.now(datetime.timezone.utc)
         meta["creationTimestamp"] = now.strftime("%Y-%m-%dT%H:%M:%SZ")
 
+    def _has_status_subresource(self, resource: Any) -> bool:
+        # Without a status subresource (kopf's peering CRDs) status is part of the object.
+        return resource in self.resources and "status" in self.resources[resource].subresources
+
     def _on_patch(self, request: kmock.Request) -> dict[str, Any]:
         key = (request.resource, request.namespace, request.name)
         if key not in self.objects or self.objects[key].deleted:
@@ -123,7 +133,7 @@ class ApiServer(kmock.KubernetesEmulator):
             )
         if request.subresource == "status":
             data = {"status": data.get("status")} if "status" in data else {}
-        else:
+        elif self._has_status_subresource(request.resource):
             data = {k: v for k, v in data.items() if k != "status"}
         meta = data.setdefault("metadata", {}) or {}
         data["metadata"] = meta

@@ -39,6 +39,14 @@ AFFINITY_BAD_OP = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecut
 
 INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "name starts with a digit": (named("3b-chat"), "DNS-1035"),
+    "autoscaling two routers without Prometheus": (
+        with_spec(autoscaling={"enabled": True}, router={"replicas": 2}),
+        "needs autoscaling.metricsUrl",
+    ),
+    "external scaling with autoscaling": (
+        with_spec(autoscaling={"enabled": True}, decode={"externalScaling": True}),
+        "externalScaling cannot be true",
+    ),
     "UCX port range reversed": (
         with_spec(kvTransfer={"ucxTcpPortRange": {"start": 21000, "end": 20000}}),
         "end must be >= start",

@@ -51,6 +51,10 @@ CASES = {
         {"model": {"source": {"pvc": {"claimName": "weights", "path": "llama"}}}},
         'spec.model.source.pvc.claimName: PersistentVolumeClaim "weights" not found',
     ),
+    "missing model cache PVC": (
+        {"model": {"source": {"huggingFace": {"id": "org/m", "cache": {"claimName": "hf"}}}}},
+        'spec.model.source.huggingFace.cache.claimName: PersistentVolumeClaim "hf" not found',
+    ),
     "operator-managed flag in extraArgs": (
         {"decode": {"extraArgs": ["--max-num-seqs", "64", "--port=9000"]}},
         "spec.decode.extraArgs[2]: --port is set by the operator",

@@ -68,6 +68,9 @@ def validate_builtin(doc: dict[str, Any]) -> None:
 def validate_doc(doc: dict[str, Any]) -> None:
     if doc["kind"] == "LLMService":
         assert schema_errors(doc) == [], doc["metadata"]["name"]
+    elif doc["kind"] in ("KopfPeering", "ClusterKopfPeering"):
+        # kopf's peering objects: no spec; kopf writes the peers into status.
+        assert doc["apiVersion"] == "kopf.dev/v1" and set(doc) == {"apiVersion", "kind", "metadata"}
     elif doc["kind"] == "ServiceMonitor":
         # No schema ships for Prometheus Operator CRDs: check the fields we rely on.
         assert doc["apiVersion"] == "monitoring.coreos.com/v1"
@@ -102,20 +105,37 @@ def test_helm_template_validates(values: pathlib.Path | None, kube_version: str)
 
 def test_chart_crd_is_the_operator_crd() -> None:
     docs = helm_template(None, KUBE_VERSIONS[-1])
-    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"
+            and d["metadata"]["name"] == "llmservices.pdserve.io"]  # fmt: skip
     with open(CHART / "crds" / "llmservices.pdserve.io.yaml", encoding="utf-8") as f:
         assert crds == [yaml.safe_load(f)]
 
 
 def test_values_schema_refuses_bad_values() -> None:
     for bad in (
-        "operator.replicas=2",
+        "operator.replicas=0",
         "image.pullPolicy=Sometimes",
         "operator.watchNamespaces[0]=Bad_NS",
     ):
         args = [tool("helm"), "template", "rel", str(CHART), "--set", bad]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
         assert proc.returncode != 0 and "values don't meet the specifications" in proc.stderr, bad
+
+
+def test_operator_is_highly_available_with_peering() -> None:
+    for values, kind in ((None, "ClusterKopfPeering"), ("namespaced-values.yaml", "KopfPeering")):
+        docs = helm_template(CHART / "ci" / values if values else None, KUBE_VERSIONS[-1])
+        op = next(d for d in docs if d["kind"] == "Deployment")
+        assert op["spec"]["replicas"] >= 2 and op["spec"]["strategy"]["type"] == "RollingUpdate"
+        cmd = op["spec"]["template"]["spec"]["containers"][0]["command"]
+        peering = next(c.split("=", 1)[1] for c in cmd if c.startswith("--peering="))
+        objs = [d for d in docs if d["kind"] == kind]
+        assert objs and all(d["metadata"]["name"] == peering for d in objs)
+        rules = [r for d in docs if d["kind"] in ("Role", "ClusterRole") for r in d["rules"]]
+        plural = kind.lower() + "s"
+        assert any(plural in r["resources"] and "patch" in r["verbs"] for r in rules), kind
+        crds = {d["metadata"]["name"] for d in docs if d["kind"] == "CustomResourceDefinition"}
+        assert {"kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"} <= crds
 
 
 def test_namespaced_mode_has_no_cluster_wide_write_access() -> None:

@@ -7,10 +7,12 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_helpers import ROOT, minimal_llmservice
+from k8s_helpers import ROOT, minimal_llmservice, schema_errors
 
 from pdserve.cli import main as pdserve_main
+from pdserve.operator.reconcile import keep_autoscaled_replicas
 from pdserve.operator.render import render
+from pdserve.operator.spec_parse import parse_llmservice
 
 GPU_EXAMPLE = ROOT / "examples" / "llmservice-gpu.yaml"
 
@@ -123,6 +125,28 @@ def test_router_pod_and_services() -> None:
         assert m[f"Service/llama3-8b-{r}"]["spec"]["clusterIP"] == "None"
     ing = m["Ingress/llama3-8b"]["spec"]
     assert ing["tls"] == [{"hosts": ["llama.llm.example.com"], "secretName": "llama-tls"}]
+    # Only the OpenAI API is exposed, never the router's /metrics or /workers.
+    assert [p["path"] for p in ing["rules"][0]["http"]["paths"]] == ["/v1"]
+
+
+def test_ipc_lock_is_an_rdma_opt_in() -> None:
+    """IPC_LOCK fails PodSecurity "restricted": only with kvTransfer.ipcLock, never implied."""
+    rdma = {"rdmaResourceName": "rdma/hca_shared_devices_a"}
+    locked = {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    cases = (
+        ({}, {"drop": ["ALL"]}),
+        (rdma, {"drop": ["ALL"]}),
+        ({**rdma, "ipcLock": True}, locked),
+    )
+    for kv, caps in cases:
+        m = by_key(render(minimal_llmservice(kvTransfer=kv)))
+        for role in ("prefill", "decode"):
+            assert (
+                pod(m, f"demo-{role}")["containers"][0]["securityContext"]["capabilities"] == caps
+            )
+        assert (
+            "add" not in pod(m, "demo-router")["containers"][0]["securityContext"]["capabilities"]
+        )
 
 
 def test_network_policy_admits_only_this_service() -> None:
@@ -220,3 +244,55 @@ def test_render_cli(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) 
     bad.write_text("kind: Deployment\nmetadata: {name: x}\n")
     assert pdserve_main(["render", "-f", str(bad)]) == 1
     assert "expected LLMService" in capsys.readouterr().err
+
+
+def test_external_scaling_keeps_the_hpa_replica_count() -> None:
+    """With externalScaling an HPA / KEDA drives the pool's Deployment (its scale subresource):
+    drift repair keeps the count it finds, clamped to the pool's bounds; other pools do not."""
+    obj = minimal_llmservice(decode={"externalScaling": True, "maxReplicas": 6})
+    svc = parse_llmservice(obj)
+    m = by_key(render(obj))
+    decode, prefill = m["Deployment/demo-decode"], m["Deployment/demo-prefill"]
+    live = {"spec": {"replicas": 5}}
+    assert "replicas" not in keep_autoscaled_replicas(svc, decode, live)["spec"]
+    assert keep_autoscaled_replicas(svc, decode, {"spec": {"replicas": 9}})["spec"]["replicas"] == 6
+    assert keep_autoscaled_replicas(svc, prefill, live)["spec"]["replicas"] == 1
+
+
+def test_shared_model_cache_and_ephemeral_storage() -> None:
+    hf = {"huggingFace": {"id": "org/model", "revision": "v2", "downloadSizeLimit": "20Gi"}}
+    plain = by_key(render(minimal_llmservice(model={"source": hf})))
+    # Per-pod download: the emptyDir is requested as ephemeral storage (router: tokenizer only).
+    for role, size in (("prefill", "20Gi"), ("decode", "20Gi"), ("router", "1Gi")):
+        c = pod(plain, f"demo-{role}")["containers"][0]
+        assert c["resources"]["requests"]["ephemeral-storage"] == size, role
+    cached_src = {"huggingFace": {**hf["huggingFace"], "cache": {"claimName": "hf-cache"}}}
+    cached = by_key(render(minimal_llmservice(model={"source": cached_src})))
+    for role in ("prefill", "decode", "router"):
+        spec = pod(cached, f"demo-{role}")
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["model"] == {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": "hf-cache"},
+        }
+        init = spec["initContainers"][0]["command"]
+        assert init[init.index("--local-dir") + 1] == "/models/org--model@v2"
+        main = spec["containers"][0]
+        assert {m["name"]: m.get("readOnly") for m in main["volumeMounts"]}["model"] is True
+        assert main["resources"]["requests"]["ephemeral-storage"] == "1Gi"
+    cmd = pod(cached, "demo-decode")["containers"][0]["command"]
+    assert cmd[cmd.index("--model") + 1] == "/models/org--model@v2"
+
+
+def test_optional_gateway_api_http_route() -> None:
+    route = {"parentRefs": [{"name": "public", "namespace": "gateways"}],
+             "hostnames": ["llm.example.com"]}  # fmt: skip
+    obj = minimal_llmservice(router={"httpRoute": route})
+    assert schema_errors(obj) == []
+    r = by_key(render(obj))["HTTPRoute/demo"]
+    assert r["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert r["spec"]["parentRefs"] == [{"name": "public", "namespace": "gateways"}]
+    rule = r["spec"]["rules"][0]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    assert rule["backendRefs"] == [{"name": "demo", "port": 80}]
+    assert "HTTPRoute/demo" not in by_key(render(minimal_llmservice()))

@@ -82,7 +82,8 @@ def test_router_command_line_matches_the_router_parser(tmp_path: Path) -> None:
     cluster.procs += [Proc("p0", "prefill", "http://h:1", [], tmp_path / "x"),
                       Proc("p1", "prefill", "http://h:2", [], tmp_path / "x"),
                       Proc("d0", "decode", "http://h:3", [], tmp_path / "x")]  # fmt: skip
-    ns = argparse.Namespace(routing="round-robin", disagg_threshold=5, api_key="k")
+    ns = argparse.Namespace(routing="round-robin", disagg_threshold=5, api_key="k",
+                            router_arg=["--rate-limit-rpm=60"])  # fmt: skip
     cluster._spawn = lambda proc: cluster.procs.append(proc)  # type: ignore[method-assign]
     router = cluster.start_router(0, args=router_args(ns))
     parser = argparse.ArgumentParser()
@@ -90,6 +91,7 @@ def test_router_command_line_matches_the_router_parser(tmp_path: Path) -> None:
     args = parser.parse_args(router.argv[4:])  # after: python -m pdserve router
     assert args.prefill == ["http://h:1", "http://h:2"] and args.decode == ["http://h:3"]
     assert (args.routing, args.disagg_threshold, args.api_key) == ("round-robin", 5, "k")
+    assert args.rate_limit_rpm == 60  # --router-arg reaches the router
 
 
 def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(tmp_path: Path) -> None:
@@ -99,7 +101,9 @@ def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(tmp_path: Path)
 
     cores = len(os.sched_getaffinity(0))
     spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=1, num_decode=1, log_dir=str(tmp_path))
-    assert spec.threads_per_worker() == max(1, cores // 2)
+    assert spec.threads_per_worker() == max(1, (cores - 1) // 2)  # a core kept for streaming
+    colocated = ClusterSpec(model_dir=str(tmp_path), num_prefill=0, log_dir=str(tmp_path))
+    assert colocated.threads_per_worker() == max(1, cores - 1)
     spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=2, num_decode=3, cpu_threads=3,
                        log_dir=str(tmp_path), worker_args=("--cpu-threads", "4"))  # fmt: skip
     assert spec.threads_per_worker() == 3

@@ -86,7 +86,7 @@ async def test_ttft_breach_scales_prefill_then_quiet_scales_back() -> None:
     decision = await auto.step()
     assert decision is not None and decision.prefill.desired == 4  # max of --prefill-max 4
     assert ("prefill", 4) in pools.calls
-    assert "queued prompt tokens" in decision.prefill.reason
+    assert "prompt tokens forecast queued" in decision.prefill.reason
     pools.start_all()
     # quiet: after the window the prefill pool shrinks, one step at a time
     router.depth.set(0)
@@ -158,3 +158,33 @@ async def test_run_loop_over_loopback_http() -> None:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+async def test_short_prompts_run_colocated_when_the_prefill_pool_may_be_empty(capsys) -> None:
+    """--prefill-min 0: short prompts with a loose TPOT stop the prefill workers (the router
+    prefills on decode workers when it has none); the mix and why are printed."""
+    router, pools, clock = FakeRouter(), FakePools(), Clock()
+
+    async def fetch() -> str:
+        return router.text()
+
+    flags = ("--prefill-min", "0", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500",
+             "--scale-down-window", "5")  # fmt: skip
+    auto = LocalAutoscaler(
+        make_config(*flags),
+        fetch_metrics=fetch,
+        pool_status=pools.status,
+        scale_prefill=pools.scaler("prefill"),
+        scale_decode=pools.scaler("decode"),
+        interval_s=5.0,
+        clock=clock,
+    )
+    assert await auto.step() is None
+    for i in range(1, 6):
+        clock.t = 10.0 * i
+        router.serve_interval(10, ttft=0.1, tpot=0.02, prompt=16, output=64)
+        decision = await auto.step()
+    assert decision is not None and decision.mode == "colocated", decision.mix_reason
+    assert ("prefill", 0) in pools.calls and pools.count["prefill"] == 0
+    assert pools.count["decode"] >= 1
+    assert "pdserve up: autoscaler: mix colocated" in capsys.readouterr().out

@@ -97,3 +97,23 @@ def test_engine_probe_on_the_tiny_model(tiny_model_dir) -> None:
     assert profile.decode.kv_capacity_tokens == engine.blocks.num_blocks * 16
     assert not engine.has_work and not engine.requests
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # KV pool free again
+
+
+def test_profile_source_is_kept_beside_the_numbers(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    save_profile(H100_LLAMA3_8B, path)
+    body = json.loads(path.read_text())
+    assert body["source"].startswith("estimate")  # published figures, assumed efficiencies
+    assert "datasheet" in body["prefill"]["source"] and "model card" in body["decode"]["source"]
+    assert load_profile(path) == H100_LLAMA3_8B
+    body["prefill"]["source"] = 3
+    path.write_text(json.dumps(body))
+    with pytest.raises(ProfileError, match=r"prefill\.source must be a string"):
+        load_profile(path)
+
+
+def test_measured_profile_says_it_was_measured() -> None:
+    got = measure(FakeProbe(H100_LLAMA3_8B), [256, 1024, 4096], [1, 32], [512, 2048],
+                  source="measured: test")  # fmt: skip
+    assert got.source == "measured: test"
+    assert got.prefill.source.startswith("measured: test; fit to prefill times")

@@ -36,7 +36,8 @@ MAX_MODEL_LEN = 2048
 class FakeState:
     role: str
     worker_id: str
-    fail: str = ""  # "" | "500" | "400" | "mid-stream" | "error-line" | "error-mid" | "hang"
+    # "" | "500" | "400" | "mid-stream" | "error-line" | "hang" | "request-fault" | "error-mid"
+    fail: str = ""
     token_delay_s: float = 0.0
     kv_events: str = ""
     leases: dict[str, int] = field(default_factory=dict)  # request_id -> blocks
@@ -60,9 +61,9 @@ def _stats(st: FakeState) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                      "code": None}}  # fmt: skip
+                      "code": code}}  # fmt: skip
     return JSONResponse(body, status_code=status)
 
 
@@ -99,6 +100,8 @@ def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI
             return _error(500, "injected failure")
         if st.fail == "400":
             return _error(400, "injected refusal")
+        if st.fail == "request-fault":  # the request alone failed (worker_http, code 422)
+            return _error(422, "request failed: injected", "request_failed")
         ids, rid = body["prompt_token_ids"], body["request_id"]
         while st.fail == "hang" and rid not in st.aborted:  # until the router aborts it
             await asyncio.sleep(0.02)
@@ -163,8 +166,10 @@ async def _stream(st: FakeState, rid: str, n: int, start: int = 0) -> AsyncItera
             if st.fail == "error-line":
                 yield json.dumps({"error": {"message": "injected"}}).encode() + b"\n"
                 return
-            if st.fail == "error-mid" and i == start + 2:  # "this request failed"
-                yield json.dumps({"error": {"message": "injected request fault"}}).encode() + b"\n"
+            if st.fail == "request-fault" or (st.fail == "error-mid" and i == start + 2):
+                # "this request failed": the router must neither retry nor migrate it
+                err = {"message": "request failed: injected", "code": "request_failed"}
+                yield json.dumps({"error": err}).encode() + b"\n"
                 return
             if st.fail == "mid-stream" and i == start + 2:
                 raise RuntimeError("injected crash mid-stream")

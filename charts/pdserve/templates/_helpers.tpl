@@ -53,6 +53,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
+# kopf peering (HA): replicas register in the KopfPeering of each watched namespace.
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [get, list, watch, patch]
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create, patch]
@@ -72,6 +76,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
+# An optional Gateway API HTTPRoute (spec.router.httpRoute); applied on change, not watched.
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [get, create, patch, delete]
 # Secrets: get (preflight of referenced ones; the per-service secret) and create (that one
 # secret). Never list or watch: the operator must not read every Secret it is not told of.
 - apiGroups: [""]

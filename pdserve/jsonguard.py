@@ -1,0 +1,60 @@
+"""JSON request bodies decoded safely: one function for the router and the workers.
+
+``json.loads`` accepts what the rest of the service cannot take: nesting deep
+enough to raise RecursionError, and lone UTF-16 surrogates (``"\\ud800"``) that
+make tokenizers and every UTF-8 writer downstream raise. ``loads_checked``
+refuses both with :class:`BadJSON`, naming the top-level field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pdserve.engine.sampling_params import valid_text
+
+MAX_JSON_DEPTH = 32  # OpenAI bodies need 5 (messages -> parts -> part); 32 is generous
+# A lone surrogate can only come from a \uD800-\uDFFF escape: raw UTF-8 cannot encode one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class BadJSON(ValueError):
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def loads_checked(raw: bytes) -> Any:
+    """Decode ``raw``; raise BadJSON for invalid JSON, too deep nesting or a lone
+    surrogate. CPU-bound on large bodies: the router calls it off its event loop."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise BadJSON(f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadJSON(f"request body is not valid JSON: {exc}") from exc
+    check_tree(body, check_text=_SURROGATE_ESCAPE.search(raw) is not None)
+    return body
+
+
+def check_tree(body: Any, check_text: bool = True) -> None:
+    """Depth at most ``MAX_JSON_DEPTH``; every string and key valid Unicode (when
+    ``check_text``). The error names the top-level field the problem sits in."""
+    if not isinstance(body, (dict, list)):
+        return  # a bare scalar: the caller refuses it, it is never read
+    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
+    while stack:
+        node, depth, field = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadJSON(f"request body is nested deeper than {MAX_JSON_DEPTH} levels", field)
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            where = field if field is not None or not isinstance(key, str) else key
+            if check_text and isinstance(key, str) and not valid_text(key):
+                raise BadJSON("a key holds invalid Unicode (a lone surrogate)", where)
+            if isinstance(value, (dict, list)):
+                stack.append((value, depth + 1, where))
+            elif check_text and isinstance(value, str) and not valid_text(value):
+                raise BadJSON(f"{where or 'the body'} holds invalid Unicode (a lone surrogate)",
+                              where)  # fmt: skip

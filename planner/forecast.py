@@ -1,0 +1,226 @@
+"""Short-horizon load forecast: last level + damped trend, and daily seasonality.
+
+Three series are forecast the same way: the request rate and the prompt and
+output token rates (so a change of prompt length is forecast, not only a change
+of rate). Each interval's observation is the *mean* over the interval, which lags
+the rate at its end by half an interval; the trend term makes up for that too::
+
+    forecast(h) = level + max(slope * (h + interval / 2),  season[t + h] - season[t])
+                  clamped to [level / max_growth, level * max_growth]
+
+``slope`` follows a rise at once (a burst is scaled for one interval after it
+starts) and a fall with smoothing; a change within the tolerance is noise and
+counts as flat. ``season`` holds an EWMA of the level per bin of ``season_s``
+(default one day); a bin is used only once it has been seen, so the seasonal
+term starts working on the second day. Plain numpy-free arithmetic: the state is
+a handful of floats, carried in ``PlannerState`` and JSON-safe.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+UNSEEN = -1.0  # a seasonal bin with no observation yet (JSON has no NaN)
+BASE_ALPHA = 0.5
+BASE_SIGMA = math.sqrt(1 + BASE_ALPHA / (2 - BASE_ALPHA))  # std of (value - base) / sigma
+LAST_SIGMA = math.sqrt(
+    2.0
+)  # std of (value - last value) / sigma  # a seasonal bin with no observation yet (JSON has no NaN)
+
+
+@dataclass(frozen=True)
+class ForecastConfig:
+    tolerance: float = 0.1  # relative change treated as noise ...
+    noise_z: float = 4.0  # ... or this many standard deviations of the change (see observe)
+    fall_smoothing: float = 0.5  # EWMA weight of a new slope when the load falls
+    max_growth: float = 4.0  # forecast at most x4 / at least /4 of the level
+    season_s: float = 86_400.0
+    season_bins: int = 48
+    season_alpha: float = 0.5  # EWMA weight of a new level in its seasonal bin
+
+
+@dataclass(frozen=True)
+class Series:
+    level: float | None = None  # last interval's mean
+    slope: float = 0.0  # per second
+    time_s: float | None = None  # end of the last interval
+    interval_s: float = 0.0
+    season: tuple[float, ...] = ()
+    noise: float = 0.0  # dispersion: typical deviation from ``base`` over the Poisson one
+    base: float = 0.0  # EWMA of the values: what a change is measured against
+    rising: bool = False  # the last interval rose beyond the noise
+
+    def observe(
+        self,
+        t: float,
+        value: float,
+        interval_s: float,
+        cfg: ForecastConfig,
+        count: float,
+        confirm: bool = False,
+    ) -> Series:
+        """``count``: requests behind this interval's value (sets the noise threshold);
+        ``confirm``: a rise counts only on its second interval (token sums: heavy tails)."""
+        season = _season_update(self.season, t, value, cfg)
+        if self.level is None or self.time_s is None or t <= self.time_s:
+            return Series(value, 0.0, t, interval_s, season, 0.0, value)
+        base = self.base if self.base > 0 else self.level
+        raw = (value - self.level) / (t - self.time_s)
+        # A Poisson count's relative std is 1/sqrt(count); a token sum varies more (the
+        # length mix): ``noise`` learns that dispersion factor (>= 1) while the load is flat.
+        sigma = max(1.0, self.noise) / math.sqrt(max(count, 1.0))
+        rel_base = (value - base) / max(base, 1e-9)
+        rel_last = (value - self.level) / max(self.level, 1e-9)
+        rising = (
+            rel_base > max(cfg.tolerance, cfg.noise_z * BASE_SIGMA * sigma)
+            and rel_last > 2 * LAST_SIGMA * sigma
+        )
+        # learn from every interval, an outlier capped (a real step must not teach it much)
+        z = min(abs(rel_base) / sigma, 1.5 * cfg.noise_z * BASE_SIGMA) / BASE_SIGMA
+        noise = math.sqrt(0.8 * max(self.noise, 1.0) ** 2 + 0.2 * z**2)
+        if raw > 0 and (not rising or (confirm and not self.rising)):
+            raw = 0.0
+        if raw >= self.slope:
+            slope = raw  # a rise is believed at once: waiting costs a pod start-up
+        else:
+            slope = (1 - cfg.fall_smoothing) * self.slope + cfg.fall_smoothing * raw
+        if raw <= 0 < slope:
+            slope = 0.0  # the rise has stopped: do not keep extrapolating it
+        base = (1 - BASE_ALPHA) * base + BASE_ALPHA * value
+        return Series(value, slope, t, interval_s, season, noise, base, rising)
+
+    def at(self, horizon_s: float, cfg: ForecastConfig) -> float:
+        """Forecast of the value ``horizon_s`` after the last observation."""
+        if self.level is None or self.time_s is None:
+            return 0.0
+        level = self.level
+        trend = self.slope * (horizon_s + self.interval_s / 2)
+        seasonal = _season_delta(self.season, self.time_s, horizon_s, cfg)
+        value = level + (trend if seasonal is None else max(trend, seasonal))
+        return max(level / cfg.max_growth, min(level * cfg.max_growth, value), 0.0)
+
+    def peak(self, horizon_s: float, cfg: ForecastConfig, steps: int = 8) -> float:
+        """Largest forecast over [0, horizon_s]."""
+        return max(self.at(horizon_s * i / steps, cfg) for i in range(steps + 1))
+
+
+@dataclass(frozen=True)
+class Forecast:
+    request_rate: Series = field(default_factory=Series)
+    prompt_rate: Series = field(default_factory=Series)
+    output_rate: Series = field(default_factory=Series)  # generated tokens/s (lags demand)
+    # output tokens per request, learnt while the load is flat (generated / arrived is
+    # biased while it changes); output demand = request rate x this
+    output_per_request: float = 0.0
+
+    def observe(
+        self, t: float, interval_s: float, values: tuple[float, float, float], cfg: ForecastConfig
+    ) -> Forecast:
+        r, p, o = values
+        n = r * interval_s
+        rate = self.request_rate.observe(t, r, interval_s, cfg, n)
+        per_request = self.output_per_request
+        if r > 0 and rate.slope == 0 and self.request_rate.slope == 0:
+            # slow, and an outlier (a drained backlog reaching decode) capped at 2x
+            sample = o / r if per_request <= 0 else min(o / r, 2 * per_request)
+            per_request = sample if per_request <= 0 else 0.9 * per_request + 0.1 * sample
+        return Forecast(
+            rate,
+            self.prompt_rate.observe(t, p, interval_s, cfg, n, confirm=True),
+            self.output_rate.observe(t, o, interval_s, cfg, n, confirm=True),
+            per_request,
+        )
+
+    def output_demand_at(self, horizon_s: float, cfg: ForecastConfig) -> float:
+        """Output tokens/s to serve ``horizon_s`` ahead: the forecast request rate times the
+        learnt tokens per request. Generated tokens are not extrapolated: they come in
+        bursts when a prefill backlog reaches decode, and that is not demand growth."""
+        if self.output_per_request <= 0:
+            return self.output_rate.at(horizon_s, cfg)
+        by_rate = self.request_rate.at(horizon_s, cfg) * self.output_per_request
+        return max(self.output_rate.level or 0.0, by_rate)
+
+    def prompt_demand_at(self, horizon_s: float, cfg: ForecastConfig) -> float:
+        """Prompt tokens/s ``horizon_s`` ahead: the prompt-token forecast, or the request
+        forecast at today's tokens per request if that is higher (a rise in requests shows
+        with less noise than a rise in tokens)."""
+        level, tokens = self.request_rate.level, self.prompt_rate.level
+        by_rate = self.request_rate.at(horizon_s, cfg) * tokens / level if level and tokens else 0.0
+        return max(self.prompt_rate.at(horizon_s, cfg), by_rate)
+
+    def prompt_peak(self, horizon_s: float, cfg: ForecastConfig, steps: int = 8) -> float:
+        return max(self.prompt_demand_at(horizon_s * i / steps, cfg) for i in range(steps + 1))
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {k: _series_dict(getattr(self, k)) for k in SERIES}
+        body["output_per_request"] = self.output_per_request
+        return body
+
+    @classmethod
+    def from_dict(cls, body: Any) -> Forecast:
+        if not isinstance(body, dict):
+            return cls()
+        per_request = float(body.get("output_per_request", 0.0))
+        rate, prompt, output = (_series(body.get(k)) for k in SERIES)
+        return cls(rate, prompt, output, per_request)
+
+
+SERIES = ("request_rate", "prompt_rate", "output_rate")
+
+
+def _bin(t: float, cfg: ForecastConfig) -> int:
+    return int((t % cfg.season_s) / cfg.season_s * cfg.season_bins) % cfg.season_bins
+
+
+def _season_update(season: tuple[float, ...], t: float, value: float, cfg: ForecastConfig):  # type: ignore[no-untyped-def]
+    bins = list(season) if len(season) == cfg.season_bins else [UNSEEN] * cfg.season_bins
+    i = _bin(t, cfg)
+    old = bins[i]
+    bins[i] = value if old == UNSEEN else (1 - cfg.season_alpha) * old + cfg.season_alpha * value
+    return tuple(bins)
+
+
+def _season_delta(
+    season: tuple[float, ...], t: float, horizon_s: float, cfg: ForecastConfig
+) -> float | None:
+    if len(season) != cfg.season_bins:
+        return None
+    now, then = season[_bin(t, cfg)], season[_bin(t + horizon_s, cfg)]
+    if now == UNSEEN or then == UNSEEN:
+        return None
+    return then - now
+
+
+def _series_dict(s: Series) -> dict[str, Any]:
+    return {
+        "level": s.level,
+        "slope": s.slope,
+        "time_s": s.time_s,
+        "interval_s": s.interval_s,
+        "season": list(s.season),
+        "noise": s.noise,
+        "base": s.base,
+        "rising": s.rising,
+    }
+
+
+def _series(body: Any) -> Series:
+    if not isinstance(body, dict):
+        return Series()
+    level, t = body.get("level"), body.get("time_s")
+    season = tuple(float(x) for x in body.get("season", ()))
+    if not all(math.isfinite(x) for x in season):
+        season = ()
+    return replace(
+        Series(),
+        level=None if level is None else float(level),
+        slope=float(body.get("slope", 0.0)),
+        time_s=None if t is None else float(t),
+        interval_s=float(body.get("interval_s", 0.0)),
+        season=season,
+        noise=float(body.get("noise", 0.0)),
+        base=float(body.get("base", 0.0)),
+        rising=bool(body.get("rising", False)),
+    )

@@ -1,0 +1,65 @@
+"""Limits at the router's edge, applied before anything costly happens.
+
+* the body is read up to ``--max-body-bytes`` (413 without reading the rest);
+* JSON nested deeper than 32 levels or holding invalid Unicode (a lone
+  surrogate such as ``"\\ud800"``, which JSON lets through) is a 400 naming the
+  top-level field it sits in (``pdserve.jsonguard``, shared with the workers);
+* prompt text longer than ``--max-prompt-chars`` is a 400 before it is tokenized.
+
+Parsing, these checks and tokenization run on the runtime's tokenizer threads
+(``serving.prepare``), never on the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from pdserve.jsonguard import BadJSON, loads_checked
+from pdserve.router.errors import APIError, invalid
+from pdserve.router.protocol import GenerateRequest
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes: a larger one is refused as soon as its
+    Content-Length says so, or as soon as the bytes read pass the limit."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise invalid("Content-Length is not a number")
+        if int(length) > limit:
+            raise too_large(limit)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(499, "the client closed the request", code="client_closed") from None
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> Any:
+    """Decode and check a request body (CPU-bound: call it off the event loop)."""
+    try:
+        return loads_checked(raw)
+    except BadJSON as exc:
+        raise invalid(str(exc), exc.field) from exc
+
+
+def check_text_length(req: GenerateRequest, limit: int) -> None:
+    """Bound the text handed to the tokenizer (its time grows with the text)."""
+    if req.messages is not None:
+        size, field = sum(len(m["content"]) for m in req.messages), "messages"
+    else:
+        size, field = len(req.prompt_text or ""), "prompt"
+    if size > limit:
+        raise invalid(f"{field} holds {size} characters; at most {limit} are accepted", field,
+                      "context_length_exceeded")  # fmt: skip

@@ -1,0 +1,82 @@
+"""Per-client rate limits: requests and tokens per minute, as token buckets.
+
+A client is its API key (or, with no keys configured, its address). Each has two
+buckets that refill continuously at limit/60 per second up to one minute's worth:
+a request takes 1 from the first when it arrives and ``prompt + max_tokens``
+tokens from the second once its prompt is tokenized (the worst case, as OpenAI
+counts ``max_tokens`` against its limit). An empty bucket is a 429 whose
+``Retry-After`` says when enough will have refilled.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.router.errors import APIError
+
+MAX_CLIENTS = 10_000  # buckets kept; beyond it the full (idle) ones are dropped
+
+
+@dataclass
+class Bucket:
+    capacity: float
+    level: float
+    stamp: float
+
+    def take(self, n: float, now: float) -> float:
+        """Take ``n`` if there is as much; else 0 is taken and the seconds until there
+        will be are returned (``inf`` when ``n`` is more than the bucket ever holds)."""
+        rate = self.capacity / 60.0
+        self.level = min(self.capacity, self.level + (now - self.stamp) * rate)
+        self.stamp = now
+        if n <= self.level:
+            self.level -= n
+            return 0.0
+        if n > self.capacity:
+            return math.inf
+        return (n - self.level) / rate
+
+
+class RateLimiter:
+    def __init__(self, rpm: int, tpm: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rpm, self.tpm, self.clock = rpm, tpm, clock
+        self._buckets: dict[tuple[str, str], Bucket] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.rpm > 0 or self.tpm > 0
+
+    def take_request(self, client: str) -> None:
+        if self.rpm > 0:
+            self._take(client, "requests", self.rpm, 1)
+
+    def take_tokens(self, client: str, n: int) -> None:
+        if self.tpm > 0:
+            self._take(client, "tokens", self.tpm, n)
+
+    def _take(self, client: str, kind: str, limit: int, n: int) -> None:
+        now = self.clock()
+        bucket = self._buckets.get((client, kind))
+        if bucket is None:
+            self._prune(now)
+            bucket = self._buckets[(client, kind)] = Bucket(float(limit), float(limit), now)
+        wait = bucket.take(n, now)
+        if wait == 0.0:
+            return
+        if math.isinf(wait):
+            raise APIError(429, f"this request needs {n} {kind}; the limit is {limit} {kind} "
+                           "per minute (prompt + max_tokens count as tokens)",
+                           code="rate_limit_exceeded", headers={"Retry-After": "60"})  # fmt: skip
+        raise APIError(429, f"rate limit of {limit} {kind} per minute reached; retry in "
+                       f"{math.ceil(wait)} s", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(math.ceil(wait))})  # fmt: skip
+
+    def _prune(self, now: float) -> None:
+        if len(self._buckets) < MAX_CLIENTS:
+            return
+        for key, b in list(self._buckets.items()):
+            if b.level + (now - b.stamp) * b.capacity / 60.0 >= b.capacity:
+                del self._buckets[key]  # full again: forgetting it changes nothing

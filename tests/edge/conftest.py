@@ -1,0 +1,61 @@
+"""One real deployment for the edge tests: a router process in front of a real prefill
+worker and a real decode worker on loopback (tiny model from disk, KV over NIXL).
+
+The router knows two API keys (two tenants) so the cache-isolation test can compare
+them; the other tests send tenant A's key.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pdserve.local.processes import ClusterSpec, LocalCluster
+from tests.loopback import free_port
+
+KEYS = ("tenant-a-key", "tenant-b-key")
+WORKER_ARGS = (
+    "--device", "cpu", "--kv-cache-bytes", "6000000", "--max-num-batched-tokens", "512",
+    "--max-model-len", "1024", "--cpu-threads", "1",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Deployment:
+    url: str  # the router
+    workers: tuple[str, ...]
+    model: str
+
+    def headers(self, tenant: int = 0) -> dict[str, str]:
+        return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
+@pytest.fixture(scope="session")
+def deployment(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    logs = tmp_path_factory.mktemp("edge-logs")
+    keys = logs / "keys.txt"
+    keys.write_text("\n".join(KEYS) + "\n")
+    spec = ClusterSpec(
+        model_dir=str(tiny_model_dir), dtype="float32", worker_args=WORKER_ARGS,
+        kv_transport=os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"), log_dir=str(logs),
+        worker_port_base=20_000 + os.getpid() % 2000 * 10,  # apart from parallel sessions
+    )  # fmt: skip
+    cluster = LocalCluster(spec)
+    try:
+        cluster.start_workers()
+        router = cluster.start_router(
+            port=free_port(), args=("--api-key-file", str(keys), "--disagg-threshold", "32",
+                          "--health-interval", "0.2"),
+        )  # fmt: skip
+        cluster.wait_healthy(timeout=300)
+        cluster.wait_routed(router, api_key=KEYS[0])
+        workers = tuple(cluster.urls("prefill") + cluster.urls("decode"))
+        yield Deployment(router.url, workers, spec.model_name)
+    finally:
+        cluster.stop()

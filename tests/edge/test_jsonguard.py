@@ -1,0 +1,36 @@
+"""pdserve.jsonguard: the JSON decoding both the router and the workers use."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.jsonguard import MAX_JSON_DEPTH, BadJSON, loads_checked
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, None),  # RecursionError inside json.loads
+        (b'{"a": ' + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}", "a"),
+        (b'{"prompt": "a\\ud800b"}', "prompt"),
+        (b'{"m": [{"content": "x\\uDFFFy"}]}', "m"),
+        (b'{"k\\udbff": 1}', "k\\udbff"),
+        (b"\xff\xfe{}", None),
+        (b'{"a": 1', None),
+    ],
+)
+def test_refused(raw: bytes, field: str | None) -> None:
+    with pytest.raises(BadJSON) as err:
+        loads_checked(raw)
+    assert str(err.value)
+    if field is not None and "\\" not in field:
+        assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"null", b"5", b'"s"', b'{"a": ' + b"[" * 31 + b"]" * 31 + b"}",
+     '{"t": "héllo 😀 \\ud83d\\ude00"}'.encode()],  # a surrogate *pair* is one character
+)  # fmt: skip
+def test_accepted(raw: bytes) -> None:
+    loads_checked(raw)

@@ -1,0 +1,96 @@
+"""High availability: two operator replicas with kopf peering against the emulator.
+
+The replica with the higher priority is active, the other stands by (kopf pauses it).
+Each replica renders a different default image, so the children show who reconciled
+them. Stopping the active one hands over within seconds: the standby resumes, repairs
+the children to its own rendering and handles new objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import kopf
+import pytest
+from k8s_helpers import NS, eventually, minimal_llmservice
+
+from pdserve.operator.handlers import OperatorConfig
+from pdserve.operator.kube import KubeClient
+from pdserve.operator.main import build_registry
+
+pytestmark = pytest.mark.timeout(90)
+PEERING = "pdserve"
+
+
+def config(image: str) -> OperatorConfig:
+    return OperatorConfig(
+        status_interval=0.3, retry_delay=0.5, debounce=0.05, default_image=image,
+        peering_lifetime=5,
+    )  # fmt: skip
+
+
+async def router_image(client: KubeClient, name: str) -> str:
+    dep = await client.get("apps/v1", "Deployment", NS, f"{name}-router")
+    return str(dep["spec"]["template"]["spec"]["containers"][0]["image"]) if dep else ""
+
+
+async def peers(client: KubeClient) -> dict[str, Any]:
+    obj = await client.get("kopf.dev/v1", "KopfPeering", NS, PEERING)
+    return dict((obj or {}).get("status") or {})
+
+
+class Replica:
+    """One operator replica in its own thread and event loop, as in its own pod: kopf reaps
+    every kopf task of its loop at exit, so two replicas cannot share one loop."""
+
+    def __init__(self, image: str, priority: int) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(config(image), priority))
+
+    def _run(self, cfg: OperatorConfig, priority: int) -> None:
+        asyncio.run(kopf.operator(
+            registry=build_registry(cfg), namespaces=[NS], standalone=False,
+            peering_name=PEERING, priority=priority, stop_flag=self.stop,
+        ))  # fmt: skip
+
+    def __enter__(self) -> Replica:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.stop.set()
+        self.thread.join(timeout=20)
+
+
+async def test_standby_takes_over_when_the_active_replica_stops(
+    kubeconfig: str, client: KubeClient
+) -> None:
+    peering = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+               "metadata": {"name": PEERING, "namespace": NS}}  # fmt: skip
+    await client.create(peering)
+    with Replica("active:1", priority=20) as active, Replica("standby:1", priority=10):
+        await eventually(lambda: _count(peers(client), 2), 15, "both replicas registered")
+        await client.create(minimal_llmservice("one"))
+        await eventually(lambda: _is(router_image(client, "one"), "active:1"), 20, "active")
+        await asyncio.sleep(1.0)
+        assert await router_image(client, "one") == "active:1"  # the standby stays idle
+        await asyncio.to_thread(active.__exit__)  # the active replica's pod stops
+        started = time.monotonic()
+        await eventually(
+            lambda: _is(router_image(client, "one"), "standby:1"), 15, "standby took over"
+        )
+        takeover_s = time.monotonic() - started
+        await client.create(minimal_llmservice("two"))
+        await eventually(lambda: _is(router_image(client, "two"), "standby:1"), 15, "new object")
+    assert takeover_s < 10, f"takeover took {takeover_s:.1f}s"
+
+
+async def _count(peers_coro: Any, n: int) -> bool:
+    return len(await peers_coro) >= n
+
+
+async def _is(value_coro: Any, expected: str) -> bool:
+    return bool(await value_coro == expected)

@@ -1,0 +1,95 @@
+"""The short-horizon load forecast: trend, noise, daily seasonality, JSON state."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pdserve.planner.forecast import Forecast, ForecastConfig, Series
+
+CFG = ForecastConfig()
+
+
+def feed(values: list[float], interval: float = 10.0, t0: float = 0.0) -> Series:
+    s = Series()
+    for i, v in enumerate(values):
+        s = s.observe(t0 + interval * (i + 1), v, interval, CFG, count=v * interval)
+    return s
+
+
+def test_poisson_noise_is_not_a_trend() -> None:
+    rng = np.random.default_rng(1)
+    s, false_rises = Series(), 0
+    for i in range(300):
+        v = rng.poisson(50 * 10) / 10  # 50 req/s counted over 10 s
+        s = s.observe(10.0 * (i + 1), v, 10.0, CFG, count=v * 10)
+        false_rises += s.slope > 0
+    assert false_rises <= 3, false_rises
+    assert s.at(60.0, CFG) == pytest.approx(s.level)
+
+
+def test_a_ramp_is_forecast_from_its_first_interval() -> None:
+    s = feed([100.0] * 10 + [150.0])  # +5 req/s per second
+    assert s.slope == pytest.approx(5.0)
+    # the interval mean lags the rate at its end by half an interval
+    assert s.at(30.0, CFG) == pytest.approx(150 + 5 * (30 + 5))
+    assert s.at(1000.0, CFG) == 150 * CFG.max_growth  # bounded
+    flat = s.observe(120.0, 151.0, 10.0, CFG, count=1510)
+    assert flat.slope == 0.0  # the rise stopped: no more extrapolation
+
+
+def test_token_series_needs_two_rising_intervals() -> None:
+    f = Forecast()
+    for i in range(10):
+        f = f.observe(10.0 * (i + 1), 10.0, (100.0, 1e5, 5e4), CFG)
+    once = f.observe(110.0, 10.0, (100.0, 2e5, 5e4), CFG)  # prompt tokens double, requests flat
+    assert once.prompt_rate.slope == 0.0  # heavy-tailed sums: one interval may be an outlier
+    twice = once.observe(120.0, 10.0, (100.0, 3e5, 5e4), CFG)
+    assert twice.prompt_rate.slope > 0
+    assert twice.prompt_demand_at(30.0, CFG) > 3e5
+
+
+def test_daily_seasonality_anticipates_the_morning_ramp() -> None:
+    day = 86_400.0
+
+    def rate(t: float) -> float:  # a smooth day: 100 at night, 500 at noon
+        return 300 - 200 * math.cos(2 * math.pi * t / day)
+
+    interval = 600.0
+    s = Series()
+    t = interval
+    while t < 2 * day:
+        s = s.observe(t, rate(t - interval / 2), interval, CFG, count=1e9)
+        t += interval
+    # the second morning: the trend alone sees the last rise; the season knows the next hour
+    now = 2 * day + 6 * 3600.0
+    s = s.observe(now, rate(now - interval / 2), interval, CFG, count=1e9)
+    ahead = s.at(3600.0, CFG)
+    assert ahead == pytest.approx(rate(now + 3600.0), rel=0.1)
+    assert ahead > s.level
+
+
+def test_output_demand_follows_requests_not_a_burst_of_generated_tokens() -> None:
+    f = Forecast()
+    for i in range(10):
+        f = f.observe(10.0 * (i + 1), 10.0, (100.0, 1e5, 5e4), CFG)
+    assert f.output_per_request == pytest.approx(500.0)
+    f = f.observe(110.0, 10.0, (100.0, 1e5, 2e5), CFG)  # a drained backlog reaches decode
+    assert f.output_demand_at(30.0, CFG) == pytest.approx(2e5)  # now, not extrapolated
+    f = f.observe(120.0, 10.0, (100.0, 1e5, 5e4), CFG)
+    assert f.output_demand_at(30.0, CFG) == pytest.approx(5e4, rel=0.15)  # barely moved
+
+
+def test_state_round_trips_through_json() -> None:
+    f = Forecast()
+    for i in range(5):
+        f = f.observe(10.0 * (i + 1), 10.0, (100.0 + 20 * i, 1e5, 5e4), CFG)
+    again = Forecast.from_dict(json.loads(json.dumps(f.to_dict())))
+    assert again == f
+    assert (
+        Forecast.from_dict({"request_rate": {"season": [float("nan")]}}).request_rate.season == ()
+    )
+    assert Forecast.from_dict("garbage") == Forecast()
