@@ -15,11 +15,13 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import kopf
 
 from pdserve.operator import autoscaler, kube, preflight, reconcile, render, secrets, sync
 from pdserve.operator import naming as n
 from pdserve.operator import status as st
+from pdserve.operator import transfer_health as th
 from pdserve.operator.cache import WATCHED, Cache
 from pdserve.operator.spec import LLMServiceSpec, SpecError
 from pdserve.operator.spec_parse import parse_llmservice
@@ -33,6 +35,12 @@ class OperatorConfig:
     debounce: float = 0.2  # a burst of watch events on one object becomes one sync
     default_image: str = ""  # for LLMServices without spec.image ("": render.DEFAULT_IMAGE)
     peering_lifetime: int = 15  # seconds a silent active replica blocks the standbys
+    # KV-transfer fallback check (transfer_health): period (0: off), share, floor, and a
+    # /metrics URL template ({service}, {namespace}) instead of the decode pods' DNS.
+    transfer_check_interval: float = 60.0
+    transfer_failure_share: float = 0.05
+    transfer_min_failures: int = 5
+    decode_metrics_url: str = ""
     autoscale: autoscaler.AutoscaleSettings = field(default_factory=autoscaler.AutoscaleSettings)
 
 
@@ -143,6 +151,39 @@ async def autoscale_forever(memo: Any, config: OperatorConfig) -> None:
                 logger.warning(f"autoscaler: {key[0]}/{key[1]}: {e}")
 
 
+async def transfer_health_forever(memo: Any, config: OperatorConfig) -> None:
+    """Every interval, a Warning Event on each LLMService whose decode pods recompute often."""
+    logger = logging.getLogger("pdserve.operator.transfer_health")
+    previous: dict[Any, th.Counts] = {}
+    async with aiohttp.ClientSession() as session:
+        while True:
+            await asyncio.sleep(config.transfer_check_interval)
+            try:
+                await _check_transfers(memo, config, session, previous, logger)
+            except Exception as e:  # one bad scrape must not end the loop
+                logger.warning(f"KV transfer check failed: {e!r}")
+
+
+async def _check_transfers(
+    memo: Any, config: OperatorConfig, session: aiohttp.ClientSession,
+    previous: dict[Any, th.Counts], logger: Any,
+) -> None:  # fmt: skip
+    for key, body in list(memo.cache.services.items()):
+        if ((body.get("spec") or {}).get("kvTransfer") or {}).get("transport") == "tcp":
+            continue
+        if config.decode_metrics_url:
+            urls = [config.decode_metrics_url.format(service=key[1], namespace=key[0])]
+        else:
+            urls = await th.decode_urls(key[1], key[0])()
+        now = await th.scrape(session, urls)
+        before, previous[key] = previous.get(key), now
+        message = th.assess(now - before, config.transfer_failure_share,
+                                    config.transfer_min_failures) if before else ""  # fmt: skip
+        if message:
+            logger.warning(f"{key[0]}/{key[1]}: {message}")
+            kopf.warn(body, reason="KVTransferFallback", message=message)
+
+
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorConfig()) -> None:
     """Register all LLMService handlers on ``registry`` (kopf's default one for ``kopf run``)."""
     res = (n.GROUP, n.VERSION, n.PLURAL)
@@ -197,6 +238,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorC
                 asyncio.create_task(memo.syncer.resync_forever(config.status_interval)),
                 asyncio.create_task(autoscale_forever(memo, config)),
             ]
+            if config.transfer_check_interval > 0:
+                memo.loops.append(asyncio.create_task(transfer_health_forever(memo, config)))
         key = memo.cache.put_service(body, deleted=event.get("type") == "DELETED")
         if event.get("type") != "DELETED":
             memo.syncer.poke(key)

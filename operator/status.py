@@ -106,7 +106,10 @@ def _ready_conditions(
     client that waits for Ready must not see it flip while capacity is being added.
     """
     missing = [role for role, s in states.items() if s is None]
-    idle = [role for role, s in states.items() if s and not s.is_serving]
+    # A prefill pool scaled to 0 (the planner colocates: decode workers prefill locally)
+    # does not stop the service from serving.
+    idle = [role for role, s in states.items()
+            if s and not s.is_serving and not (role == "prefill" and s.desired == 0)]  # fmt: skip
     moving = [f"{role} {s.ready}/{s.desired}" for role, s in states.items()
               if s and not s.is_settled]  # fmt: skip
     if missing:

@@ -67,8 +67,15 @@ def etas_for(etas: tuple[float, ...], status: PoolStatus, now: float, startup_s:
 
 
 def prefill_ahead(
-    snap: MetricsSnapshot, cfg: PlannerConfig, correction: float, fc: Forecast, etas: tuple
+    snap: MetricsSnapshot,
+    cfg: PlannerConfig,
+    correction: float,
+    fc: Forecast,
+    etas: tuple,
+    serving_now: int | None = None,
 ) -> PrefillAhead:
+    """``serving_now``/``etas``: the replicas that prefill (the decode pool's when there
+    is no prefill pool: decode workers prefill locally); default the prefill pool's."""
     mean_prompt, mu, rho = prefill_rates(snap, cfg, correction)
     uncached = 1.0 - snap.cached_token_fraction
     horizon = cfg.startup_s
@@ -84,7 +91,8 @@ def prefill_ahead(
     q = queue
     for i in range(math.ceil(horizon / STEP_S)):
         t = i * STEP_S
-        serving = snap.prefill.ready + sum(1 for e in etas if e <= snap.time_s + t)
+        ready = snap.prefill.ready if serving_now is None else serving_now
+        serving = ready + sum(1 for e in etas if e <= snap.time_s + t)
         arrivals = fc.prompt_demand_at(t, fcfg) * uncached
         q = max(0.0, q + (arrivals - serving * mu) * STEP_S) if cfg.queue_aware else 0.0
     demand_t = fc.prompt_demand_at(horizon, fcfg) * uncached

@@ -125,6 +125,8 @@ def decide_mode(
     empty (``prefill.min_replicas == 0``); a switch needs a clear win."""
     choice = choose_mix(cfg, prompt, output, rate)
     mode, why = choice.mode, choice.reason
+    if cfg.prefill.max_replicas == 0:
+        return choice, COLOCATED, "colocated: no prefill pool allowed (prefill maxReplicas 0)"
     if mode == COLOCATED and cfg.prefill.min_replicas > 0:
         return choice, DISAGGREGATED, why + "; not applied: prefill minReplicas > 0"
     if mode != current and current in (COLOCATED, DISAGGREGATED):

@@ -31,7 +31,10 @@ def plan(
     )  # fmt: skip
     p_etas = etas_for(state.prefill.etas, s.prefill, now, config.startup_s)
     d_etas = etas_for(state.decode.etas, s.decode, now, config.startup_s)
-    p = prefill_ahead(s, config, prefill_c, fc, p_etas)
+    if s.prefill.current == 0:  # no prefill pool: the decode workers prefill locally
+        p = prefill_ahead(s, config, prefill_c, fc, d_etas, s.decode.ready)
+    else:
+        p = prefill_ahead(s, config, prefill_c, fc, p_etas)
     da = decode_ahead(s, config, decode_c, fc, p)
     rate = fc.request_rate.at(config.startup_s, config.forecast)
     out = _mean_output(s, fc)

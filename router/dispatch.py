@@ -72,6 +72,7 @@ class RequestState:
     last_token_at: float | None = None
     touched: set[str] = field(default_factory=set)  # worker URLs that may hold state
     remote_prefill: bool = False  # a prefill worker computed the prompt
+    decode_worker: Any = None  # the WorkerView whose stream reached the client, once one did
     status: int = 200  # HTTP status for metrics (499: client went away)
     recorded: bool = False
     cache_salt: str | None = None  # enters the block hashes on every worker (hashing.py)
@@ -204,6 +205,7 @@ class Dispatcher:
             try:
                 async for delta in self._stream(rs, url, payload):
                     relayed = relayed or delta.num_tokens > 0 or bool(delta.text)
+                    rs.decode_worker = rs.decode_worker or worker
                     yield delta
                 return
             except WorkerFailed as exc:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pdserve.router.errors import APIError
+
 
 class LogprobsFormatter:
     """Per request: keeps the running ``text_offset`` of completions across chunks."""
@@ -28,7 +30,7 @@ class LogprobsFormatter:
 
     def format(self, ids: Sequence[int], logprobs: Sequence[Any]) -> dict[str, Any]:
         if len(ids) != len(logprobs):  # a worker bug; never misattribute a logprob
-            raise ValueError(f"{len(ids)} tokens but {len(logprobs)} logprobs")
+            raise APIError(502, f"a worker sent {len(ids)} tokens but {len(logprobs)} logprobs")
         return self._chat(ids, logprobs) if self.chat else self._completion(ids, logprobs)
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:

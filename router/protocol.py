@@ -6,20 +6,20 @@ sampling parameters are checked by the engine's own ``SamplingParams.validate``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.router.errors import APIError, invalid
+from pdserve.router.fields import check_fields
 from pdserve.router.structured_request import structured_spec
+from pdserve.router.tools import ToolConfig, grammar_spec, parse_tools
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted only at their "off" values: (field, values meaning off).
 UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("echo", (None, False)),
-    ("best_of", (None, 1)),
     ("suffix", (None, "")),
-    ("tools", (None, [])),
 )
 
 
@@ -37,6 +37,10 @@ class GenerateRequest:
     user: str | None = None
     cache_salt: str | None = None  # the client's prefix-cache salt (vLLM's field)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
+    tools: ToolConfig | None = None  # chat: tools that may be called (router/tools.py)
+    n: int = 1  # choices returned (router/choices.py)
+    best_of: int = 1  # choices generated; the n with the highest logprob sum are returned
+    hide_logprobs: bool = False  # logprobs computed for best_of only, not asked for
 
 
 def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateRequest:
@@ -45,12 +49,11 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model is required (a string)", "model")
+    check_fields(body, chat)
     for name, off in UNSUPPORTED:
         if name in body and body[name] not in off:
             raise invalid(f"{name} is not supported by this server", name)
-    n = body.get("n", 1)
-    if n is not None and (type(n) is not int or n != 1):
-        raise invalid(f"only n=1 is supported, got {n!r}", "n")
+    n, best_of = _n(body)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("user must be a string", "user")
@@ -69,11 +72,56 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
         user=user,
         cache_salt=_cache_salt(body.get("cache_salt")),
         tokens_as_ids=as_ids,
+        n=n,
+        best_of=best_of,
     )
     if chat:
-        return GenerateRequest(chat=True, messages=parse_messages(body.get("messages")), **common)
+        tools = parse_tools(body)
+        common["sampling"] = _with_tools(sampling, tools)
+        messages = parse_messages(body.get("messages"))
+        return GenerateRequest(chat=True, messages=messages, tools=tools, **common)
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) is not None:
+            raise invalid(f"{name} is a chat completions parameter", name)
     text, ids = _prompt(body.get("prompt"))
+    if best_of > n and sampling.logprobs is None:  # ranking needs each token's logprob
+        common.update(sampling=replace(sampling, logprobs=0), hide_logprobs=True)
     return GenerateRequest(chat=False, prompt_text=text, prompt_token_ids=ids, **common)
+
+
+MAX_N = 16
+
+
+def _n(body: dict[str, Any]) -> tuple[int, int]:
+    n = body.get("n")
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise invalid(f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
+    best_of = body.get("best_of")
+    best_of = n if best_of is None else best_of
+    if isinstance(best_of, bool) or not isinstance(best_of, int) or not n <= best_of <= MAX_N:
+        raise invalid(f"best_of must be an integer in [n, {MAX_N}], got {best_of!r}", "best_of")
+    if best_of > n and body.get("stream"):
+        raise invalid("best_of > n cannot be streamed", "best_of")
+    return n, best_of
+
+
+def _with_tools(sampling: SamplingParams, tools: ToolConfig | None) -> SamplingParams:
+    """A required / named tool_choice constrains the reply to a valid call."""
+    if tools is None:
+        return sampling
+    if sampling.logprobs is not None:
+        raise invalid("logprobs cannot be combined with tools", "logprobs")
+    spec = grammar_spec(tools)
+    if spec is None:
+        return sampling
+    if sampling.structured is not None:
+        raise invalid(f"tool_choice {tools.choice!r} cannot be combined with "
+                      f"{sampling.structured['param']}", "tool_choice")  # fmt: skip
+    try:
+        return replace(sampling, structured=spec).validate()
+    except InvalidParameter as exc:
+        raise invalid(str(exc), exc.field) from exc
 
 
 MAX_CACHE_SALT_CHARS = 256
@@ -139,6 +187,7 @@ def _sampling(body: dict[str, Any], max_tokens: int, chat: bool) -> SamplingPara
             stop=stop,
             ignore_eos=get("ignore_eos", False),
             min_tokens=get("min_tokens", 0),
+            stop_token_ids=get("stop_token_ids", []),
             presence_penalty=get("presence_penalty", 0.0),
             frequency_penalty=get("frequency_penalty", 0.0),
             repetition_penalty=get("repetition_penalty", 1.0),
@@ -212,8 +261,37 @@ def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role must be one of {list(CHAT_ROLES)}", "messages")
-        out.append({"role": role, "content": _content(m.get("content"), i)})
+        msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), i)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise invalid(f"messages[{i}]: a tool message needs tool_call_id", "messages")
+            msg["tool_call_id"] = call_id
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
     return tuple(out)
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    def bad() -> APIError:
+        return invalid(f"messages[{i}].tool_calls: each needs id and function "
+                       "{name, arguments (a string)}", "messages")  # fmt: skip
+
+    if not isinstance(calls, list):
+        raise bad()
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad()
+        if not isinstance(fn.get("arguments", ""), str) or not isinstance(c.get("id", ""), str):
+            raise bad()
+        function = {"name": fn["name"], "arguments": fn.get("arguments", "")}
+        out.append({"id": c.get("id", ""), "type": "function", "function": function})
+    return out
 
 
 def _content(content: Any, i: int) -> str:

@@ -17,15 +17,35 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 
 def _choice(
-    chat: bool, text: str, finish: str | None, stream: bool, logprobs: dict[str, Any] | None
+    chat: bool,
+    text: str,
+    finish: str | None,
+    stream: bool,
+    logprobs: dict[str, Any] | None,
+    index: int = 0,
 ) -> dict[str, Any]:
     if not chat:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     key = "delta" if stream else "message"
     content: dict[str, Any] = (
         {"content": text} if stream else {"role": "assistant", "content": text}
     )
-    return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, key: content, "logprobs": logprobs, "finish_reason": finish}
+
+
+def choice(
+    index: int,
+    chat: bool,
+    text: str,
+    finish: str | None,
+    logprobs: dict[str, Any] | None = None,
+    message: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One choice of a whole response; ``message`` replaces the chat message (tool calls)."""
+    out = _choice(chat, text, finish, False, logprobs, index)
+    if message is not None:
+        out["message"] = message
+    return out
 
 
 def _object(chat: bool, stream: bool) -> str:
@@ -42,13 +62,19 @@ def full_response(
     finish: str | None,
     use: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
+    message: dict[str, Any] | None = None,
+    choices: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """``message`` replaces the chat message built from ``text`` (tool calls); ``choices``
+    replaces the one choice (n > 1)."""
+    if choices is None:
+        choices = [choice(0, chat, text, finish, logprobs, message)]
     return {
         "id": rid,
         "object": _object(chat, False),
         "created": int(time.time()),
         "model": model,
-        "choices": [_choice(chat, text, finish, False, logprobs)],
+        "choices": choices,
         "usage": use,
     }
 
@@ -62,6 +88,7 @@ def chunk(
     use: dict[str, Any] | None = None,
     role: bool = False,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> str:
     body: dict[str, Any] = {
         "id": rid,
@@ -71,12 +98,26 @@ def chunk(
         "choices": [],
     }
     if role:
-        body["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""},
+        body["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}]  # fmt: skip
     elif text is not None:
-        body["choices"] = [_choice(chat, text, finish, True, logprobs)]
+        body["choices"] = [_choice(chat, text, finish, True, logprobs, index)]
     if use is not None:
         body["usage"] = use
+    return sse(body)
+
+
+def delta_chunk(
+    rid: str, model: str, delta: dict[str, Any], finish: str | None = None, index: int = 0
+) -> str:
+    """A chat chunk with a given ``delta`` (tool-call deltas, or {} with the finish)."""
+    body = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
     return sse(body)
 
 

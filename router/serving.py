@@ -27,6 +27,8 @@ from pdserve.router.protocol import GenerateRequest, check_model, parse_request
 from pdserve.router.routing import RoutePlan
 from pdserve.router.runtime import Runtime, Ticket
 from pdserve.router.snapshot import Snapshot
+from pdserve.router.tool_output import ToolOutput
+from pdserve.router.tools import chat_inputs
 
 T = TypeVar("T")
 
@@ -80,7 +82,8 @@ def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[GenerateRequest, list[
 def prompt_ids(rt: Runtime, req: GenerateRequest) -> list[int]:
     if req.chat:
         assert req.messages is not None
-        return rt.tokenizer.encode_chat(list(req.messages))
+        messages, tools = chat_inputs(rt.tokenizer.tok, list(req.messages), req.tools)
+        return rt.tokenizer.encode_chat(messages, tools=tools)
     if req.prompt_token_ids is not None:
         bad = [t for t in req.prompt_token_ids if t >= rt.tokenizer.vocab_size]
         if bad:
@@ -177,7 +180,8 @@ async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
         salt = rt.cache_salt(key, req.cache_salt)
         plan = rt.dispatcher.plan(ids, snap, salt)
         rs = RequestState(rid, ids, req.sampling, cache_salt=salt)
-        response = await _respond(rt, request, req, rs, plan, ticket)
+        respond = _respond if req.best_of == 1 else _respond_n
+        response = await respond(rt, request, req, rs, plan, ticket)
         streaming = isinstance(response, _Stream)
         return response
     except APIError as err:
@@ -201,9 +205,12 @@ async def _respond(
             text, finish, ids, lps = await guarded(request, _collect(events))
             rt.finish(rs, 200)
             fmt = _formatter(rt, req)
+            message = None
+            if req.tools is not None:
+                message, finish = ToolOutput(req.tools).message(text, finish)
             body = responses.full_response(
                 rs.request_id, req.model, req.chat, text, finish, _usage(rs),
-                fmt.format(ids, lps) if fmt is not None else None,
+                fmt.format(ids, lps) if fmt is not None else None, message,
             )  # fmt: skip
             return JSONResponse(body)
         first = await guarded(request, anext(events))
@@ -222,12 +229,18 @@ async def _respond(
         ticket.release()
         rt.finish(rs, rs.status)
 
-    fmt = _formatter(rt, req)
-    return _Stream(_sse_head(req, rs, first, fmt), _sse_rest(req, rs, events, fmt), cleanup)
+    out = _Chunks(req, rs, _formatter(rt, req))
+    return _Stream(_sse_head(req, rs, first, out), _sse_rest(req, rs, events, out), cleanup)
+
+
+async def _respond_n(*args: Any) -> Response:
+    from pdserve.router.serving_n import respond_n  # it builds on this module
+
+    return await respond_n(*args)
 
 
 def _formatter(rt: Runtime, req: GenerateRequest) -> LogprobsFormatter | None:
-    if req.sampling.logprobs is None:
+    if req.sampling.logprobs is None or req.hide_logprobs:
         return None
     return LogprobsFormatter(rt.tokenizer.tok, req.chat, req.tokens_as_ids)
 
@@ -258,28 +271,54 @@ def _usage(rs: RequestState) -> dict[str, Any]:
     return responses.usage(len(rs.prompt_ids), rs.completion_tokens, rs.cached_tokens)
 
 
-def _sse_head(
-    req: GenerateRequest, rs: RequestState, first: Delta, fmt: LogprobsFormatter | None
-) -> str:
+class _Chunks:
+    """SSE text for each delta of one stream: text and logprobs, or tool-call deltas."""
+
+    def __init__(
+        self,
+        req: GenerateRequest,
+        rs: RequestState,
+        fmt: LogprobsFormatter | None,
+        index: int = 0,
+    ) -> None:
+        self.rid, self.model, self.chat = rs.request_id, req.model, req.chat
+        self.index = index
+        self.fmt = fmt
+        self.tools = ToolOutput(req.tools) if req.tools is not None else None
+
+    def __call__(self, d: Delta) -> str:
+        if self.tools is None:
+            lps = _delta_logprobs(self.fmt, d)
+            return responses.chunk(self.rid, self.model, self.chat, d.text, d.finish_reason,
+                                   logprobs=lps, index=self.index)  # fmt: skip
+        deltas, finish = self.tools.feed(d.text), None
+        if d.finish_reason is not None:
+            more, finish = self.tools.finish(d.finish_reason)
+            deltas += more
+        rid, model, i = self.rid, self.model, self.index
+        out = "".join(responses.delta_chunk(rid, model, x, index=i) for x in deltas)
+        if finish is not None:
+            out += responses.delta_chunk(rid, model, {}, finish, index=i)
+        return out
+
+
+def _sse_head(req: GenerateRequest, rs: RequestState, first: Delta, out: _Chunks) -> str:
     """The stream's first chunks: the role (chat) and the first token."""
     rid, model, chat = rs.request_id, req.model, req.chat
     rs.status = 499  # until the stream completes
     role = responses.chunk(rid, model, chat, role=True) if chat else ""
-    lps = _delta_logprobs(fmt, first)
-    return role + responses.chunk(rid, model, chat, first.text, first.finish_reason, logprobs=lps)
+    return role + out(first)
 
 
 async def _sse_rest(
-    req: GenerateRequest,
-    rs: RequestState,
-    events: AsyncIterator[Delta],
-    fmt: LogprobsFormatter | None,
+    req: GenerateRequest, rs: RequestState, events: AsyncIterator[Delta], out: _Chunks
 ) -> AsyncIterator[str]:
     rid, model, chat = rs.request_id, req.model, req.chat
     try:
         async for d in events:
-            lps = _delta_logprobs(fmt, d)
-            yield responses.chunk(rid, model, chat, d.text, d.finish_reason, logprobs=lps)
+            text = out(d)
+            if text:
+                yield text
         if req.include_usage:
             yield responses.chunk(rid, model, chat, use=_usage(rs))
         rs.status = 200

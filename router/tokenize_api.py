@@ -3,7 +3,9 @@
 /tokenize takes a completions-style ``prompt`` (``add_special_tokens``, default true)
 or a chat-style ``messages`` (``add_generation_prompt``, default true) and answers
 ``{"count", "max_model_len", "tokens", "token_strs"}``; /detokenize takes
-``{"tokens"}`` and answers ``{"prompt"}``. ``model`` is optional, checked if given.
+``{"tokens"}`` and answers ``{"prompt"}``. Chat input may carry ``tools`` (and
+``tool_choice``): they are rendered as a chat completion would render them.
+``model`` is optional, checked if given.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 from pdserve.router.errors import invalid
 from pdserve.router.protocol import check_model, parse_messages
 from pdserve.router.runtime import Runtime
+from pdserve.router.tools import chat_inputs, parse_tools
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -37,7 +40,9 @@ def tokenize(rt: Runtime, body: Any) -> dict[str, Any]:
     tok = rt.tokenizer
     if "messages" in body:
         gen = _flag(body, "add_generation_prompt", True)
-        ids = tok.encode_chat(list(parse_messages(body["messages"])), add_generation_prompt=gen)
+        messages, tools = chat_inputs(tok.tok, list(parse_messages(body["messages"])),
+                                      parse_tools(body))  # fmt: skip
+        ids = tok.encode_chat(messages, add_generation_prompt=gen, tools=tools)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

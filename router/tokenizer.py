@@ -35,13 +35,19 @@ class PromptTokenizer:
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if not getattr(self.tok, "chat_template", None):
             raise invalid("this model has no chat template; use /v1/completions", "messages")
         try:
             text = self.tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                tools=tools,  # type: ignore[arg-type]
             )
         except Exception as exc:  # template errors (e.g. role order) are the client's input
             raise invalid(f"messages could not be formatted: {exc}", "messages") from exc

@@ -25,9 +25,11 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = {f"ok{i}": [7 + i, 300 + i, 301, 302, 303] for i in range(4)}
 
 
-def _run(engine: LLMEngine, poison: Callable[[LLMEngine], None]) -> dict[str, RequestOutput]:
+def _run(
+    engine: LLMEngine, poison: Callable[[LLMEngine], None], params: SamplingParams = GREEDY
+) -> dict[str, RequestOutput]:
     for rid, prompt in PROMPTS.items():
-        engine.add_request(rid, prompt, GREEDY)
+        engine.add_request(rid, prompt, params)
     engine.add_request("poison", [5, 6, 7, 8], SamplingParams(max_tokens=12, temperature=0.8))
     poison(engine)
     finals: dict[str, RequestOutput] = {}
@@ -40,8 +42,8 @@ def _run(engine: LLMEngine, poison: Callable[[LLMEngine], None]) -> dict[str, Re
     return finals
 
 
-def _expected(engine: LLMEngine) -> dict[str, list[int]]:
-    return dict(zip(PROMPTS, engine.generate(list(PROMPTS.values()), GREEDY), strict=True))
+def _expected(engine: LLMEngine, params: SamplingParams = GREEDY) -> dict[str, list[int]]:
+    return dict(zip(PROMPTS, engine.generate(list(PROMPTS.values()), params), strict=True))
 
 
 def _set_params(**bad: Any) -> Callable[[LLMEngine], None]:
@@ -81,6 +83,21 @@ def test_poison_fails_alone(
     assert {rid: (o.finish_reason, o.token_ids) for rid, o in finals.items()} == {
         rid: ("length", ids) for rid, ids in expected.items()
     }
+    assert_all_free(engine)
+
+
+def test_neighbours_penalties_are_applied_once_in_the_retry(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """Biases and penalties edit the logits in place: the row-by-row retry after a
+    failed batch starts again from the model's logits, not from edited ones."""
+    engine = make_engine()
+    params = replace(GREEDY, presence_penalty=1.5, repetition_penalty=1.3,
+                     logit_bias={301: 5.0, 7: -3.0})  # fmt: skip
+    expected = _expected(engine, params)
+    finals = _run(engine, _set_params(seed=2**64 + 1), params)
+    assert finals.pop("poison").error_code == REQUEST_FAILED
+    assert {rid: o.token_ids for rid, o in finals.items()} == expected
     assert_all_free(engine)
 
 

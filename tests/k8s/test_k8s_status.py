@@ -53,6 +53,13 @@ def test_ready_means_serving_not_all_replicas() -> None:
     }  # fmt: skip
 
 
+def test_colocated_prefill_at_zero_still_serves() -> None:
+    deps = {"router": dep(1, 1), "prefill": dep(0, 0), "decode": dep(2, 2)}
+    assert conds(observed_status(SPEC, 1, deps, []))["Ready"] == ("True", "Serving")
+    deps["decode"] = dep(2, 0)
+    assert conds(observed_status(SPEC, 1, deps, []))["Ready"] == ("False", "NotServing")
+
+
 def test_not_ready_names_the_pool() -> None:
     s = observed_status(SPEC, 1, {"router": dep(1, 1), "prefill": dep(2, 1), "decode": None}, [])
     assert conds(s)["Ready"] == ("False", "ChildrenMissing")

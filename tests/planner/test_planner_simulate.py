@@ -9,10 +9,10 @@ import pytest
 from tests.loopback import run_bench
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:
     args = ("--quick", "--no-progress", "--out-dir", str(tmp_path))
-    result = run_bench("simulate.py", *args, timeout=290)
+    result = run_bench("simulate.py", *args, timeout=590)  # ~30 s of CPU; slower when shared
     for key in ("attainment_min", "replica_hours_saving_min", "queue_blind_attainment"):
         assert isinstance(result[key], float), key
     assert 0.0 <= result["attainment_min"] <= 1.0

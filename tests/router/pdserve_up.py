@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
 import subprocess
@@ -37,6 +38,8 @@ def run_up(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[Up]:
             "--port", str(port), "--dtype", "float32",
             "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
             "--disagg-threshold", str(DISAGG_THRESHOLD), "--log-dir", str(log_dir),
+            # Away from the default 8100/8200 that other loopback tests start from.
+            "--worker-port-base", str(random.randrange(20000, 40000, 200)),
             "--worker-arg=--max-model-len", "--worker-arg=1024", *extra]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, start_new_session=True)  # fmt: skip

@@ -138,7 +138,9 @@ def test_each_penalty_changes_greedy_output(client: openai.OpenAI) -> None:
         ({"logprobs": 21}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"echo": True}, "echo"),
-        ({"best_of": 3}, "best_of"),
+        ({"best_of": 17}, "best_of"),
+        ({"best_of": 2, "stream": True}, "best_of"),
+        ({"n": 17}, "n"),
     ],
 )
 def test_bad_fields_are_refused_by_name(up: Up, body: dict[str, Any], param: str) -> None:
@@ -152,6 +154,57 @@ def test_bad_fields_are_refused_by_name(up: Up, body: dict[str, Any], param: str
     assert r.json()["error"]["param"] == param, r.text
 
 
+def _prefills(up: Up) -> float:
+    text = httpx.get(up.workers[0] + "/metrics").text  # workers[0]: the prefill worker
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("pdserve_worker_requests_total") and 'role="prefill"' in line
+    )
+
+
+def _decode_hits(up: Up) -> int:
+    return int(httpx.get(up.workers[1] + "/stats").json()["prefix_cache_hit_tokens"])
+
+
+def test_n_choices_share_one_prefill(client: openai.OpenAI, up: Up) -> None:
+    prompt = [0, *range(900, 940)]  # 41 tokens: 2 full blocks of 16, fresh to every cache
+    prefills, hits = _prefills(up), _decode_hits(up)
+    out = client.completions.create(model="tiny-seed0", prompt=prompt, max_tokens=8, n=4,
+        temperature=1.0, seed=11, extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert len({c.text for c in out.choices}) > 1  # each choice samples on its own
+    assert out.usage.completion_tokens == 32 and out.usage.prompt_tokens == 41
+    assert _prefills(up) == prefills + 1  # one prefill for the four choices
+    assert _decode_hits(up) - hits >= 3 * 32  # choices 1-3 reuse the transferred blocks
+    # Streamed chat: every choice's chunks carry its index; each finishes once.
+    stream = client.chat.completions.create(model="tiny-seed0", n=3, max_tokens=5,
+        messages=[{"role": "user", "content": LONG_TEXT}], stream=True, temperature=1.0,
+        extra_body={"ignore_eos": True}, stream_options={"include_usage": True})  # fmt: skip
+    text: dict[int, str] = {}
+    finished: list[int] = []
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished.append(c.index)
+    assert sorted(finished) == [0, 1, 2] and set(text) == {0, 1, 2}
+    assert usage is not None and usage.completion_tokens == 15
+    all_kv_free(up.workers)
+
+
+def test_best_of_returns_the_most_likely(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="tiny-seed0", prompt=PROMPT_IDS, max_tokens=6,
+        temperature=1.0, seed=21, extra_body={"ignore_eos": True})  # fmt: skip
+    every = client.completions.create(n=3, logprobs=0, **kw).choices  # the same 3 candidates
+    sums = {c.text: sum(c.logprobs.token_logprobs) for c in every}
+    best = client.completions.create(n=1, best_of=3, **kw).choices
+    assert len(best) == 1 and best[0].logprobs is None  # not asked for: not shown
+    assert best[0].text == max(sums, key=lambda t: sums[t])
+
+
 def test_tokenize_and_detokenize(up: Up, tiny_tokenizer: Any) -> None:
     r = httpx.post(up.url + "/tokenize", json={"model": "tiny-seed0", "prompt": LONG_TEXT})
     body = r.json()
@@ -161,6 +214,10 @@ def test_tokenize_and_detokenize(up: Up, tiny_tokenizer: Any) -> None:
     messages = [{"role": "user", "content": "hi"}]
     r = httpx.post(up.url + "/tokenize", json={"model": "tiny-seed0", "messages": messages})
     assert r.json()["tokens"] == _chat_ids(tiny_tokenizer, messages)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with_tools = httpx.post(up.url + "/tokenize",
+                            json={"messages": messages, "tools": tools}).json()  # fmt: skip
+    assert with_tools["count"] > r.json()["count"]  # the default tools prompt is counted
     r = httpx.post(up.url + "/detokenize", json={"model": "tiny-seed0", "tokens": body["tokens"]})
     assert r.status_code == 200 and r.json() == {"prompt": tiny_tokenizer.decode(body["tokens"])}
     bad = httpx.post(up.url + "/detokenize", json={"model": "tiny-seed0", "tokens": [10**7]})

@@ -1,0 +1,38 @@
+"""Every request field is honoured or refused, and docs/router.md lists each one."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pdserve.router.errors import APIError
+from pdserve.router.fields import CHAT, COMPLETIONS, NO_EFFECT, ONLY, check_fields
+from tests.loopback import ROOT
+
+
+def _documented() -> set[str]:
+    text = (ROOT / "docs" / "router.md").read_text()
+    table = text.split("### Request fields", 1)[1].split("\n\n**", 1)[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    return {name.split(".")[0] for row in rows for name in re.findall(r"`([^`]+)`", row)}
+
+
+def test_docs_table_lists_every_field() -> None:
+    missing = (CHAT | COMPLETIONS | NO_EFFECT | set(ONLY)) - _documented()
+    assert not missing, f"docs/router.md's field table misses {sorted(missing)}"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "chat"),
+    [("functions", [], True), ("audio", {}, True), ("tools", [], False), ("store", True, True),
+     ("modalities", ["audio"], True), ("top_logprobs", 1, False), ("whatever", 1, False)],
+)  # fmt: skip
+def test_unknown_or_unsupported_fields_are_refused(field: str, value: object, chat: bool) -> None:
+    with pytest.raises(APIError) as err:
+        check_fields({field: value}, chat)
+    assert err.value.body()["error"]["param"] == field
+
+
+def test_no_effect_fields_pass() -> None:
+    check_fields({"metadata": {"a": "b"}, "store": False, "modalities": ["text"]}, True)
