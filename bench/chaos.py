@@ -185,16 +185,24 @@ async def phase_kill_decode(h: httpx.AsyncClient, svc: Service, model: str, n: i
 
 
 async def phase_kill_prefill(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
-    rng, tasks = random.Random(6), []
-    for i in range(n):  # long prompts: remote prefill
-        body = _greedy(model, prompt(rng, rng.randint(60, 200)), 8)
-        tasks.append(asyncio.ensure_future(
-            cc.stream(h, "/v1/completions", body) if i % 2 else cc.post(h, "/v1/completions", body)
-        ))  # fmt: skip
-    victim = await _kill_busiest(svc.urls("prefill"), tasks)
-    done = await asyncio.gather(*tasks)
-    return {"prefill_killed": victim, "prefill_kill_requests": n,
-            "prefill_kill_failed_requests": sum(not r.ok(8) for r in done)}  # fmt: skip
+    """``n`` clients send long-prompt requests back to back (remote prefill, each one short,
+    so a burst may end before the kill) until the kill is done and each sent 2 more."""
+    rng, results, killed = random.Random(6), [], asyncio.Event()
+
+    async def client(i: int) -> None:
+        after = 0
+        while after < 2:
+            body = _greedy(model, prompt(rng, rng.randint(60, 200)), 8)
+            call = cc.stream if i % 2 else cc.post
+            results.append(await call(h, "/v1/completions", body))
+            after += killed.is_set()
+
+    clients = [asyncio.ensure_future(client(i)) for i in range(n)]
+    victim = await _kill_busiest(svc.urls("prefill"), clients)
+    killed.set()
+    await asyncio.gather(*clients)
+    return {"prefill_killed": victim, "prefill_kill_requests": len(results),
+            "prefill_kill_failed_requests": sum(not r.ok(8) for r in results)}  # fmt: skip
 
 
 async def _kill_busiest(urls: list[str], tasks: list[asyncio.Future[Any]]) -> str:
