@@ -154,7 +154,7 @@ async def _apply(
         )  # fmt: skip
     if changed:
         message = "; ".join(f"{p.role} {p.current}->{p.desired}: {p.reason}" for p in changed)
-        kopf.info(body, reason="Autoscaled", message=message)
+        kopf.event(body, type="Normal", reason="Autoscaled", message=message)
         logger.debug(f"autoscaler: {message}")
 
 

@@ -127,7 +127,7 @@ async def reconcile_object(
     message = f"applied: {', '.join(f'{k}={list(v)}' for k, v in done.items())}"
     logger.info(message)
     if result.created or result.patched or pruned:
-        kopf.info(body, reason="Applied", message=message)
+        kopf.event(body, type="Normal", reason="Applied", message=message)
     return result
 
 
@@ -196,7 +196,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorC
         )
         # Only warnings become Kubernetes Events by logging (kopf logs every watch event
         # handler's success at INFO: posting those would cost a request per child event);
-        # handlers post what people need to see with kopf.info / kopf.warn.
+        # handlers post what people need to see with kopf.event / kopf.warn (not kopf.info:
+        # it is filtered by this level too).
         settings.posting.level = logging.WARNING
         # A standby takes over when the active replica's peering record expires (a crash) or
         # is removed (a clean stop, at once): 15 s rather than kopf's 60.
