@@ -67,6 +67,8 @@ class DecodeWorker:
         kwargs: dict[str, Any] = {"cache_salt": req.cache_salt}
         if req.kv_handle is not None:  # checked by the engine (KVHandle.problem)
             kwargs.update(remote_kv=req.kv_handle, first_token_id=req.first_token_id)
+        elif req.resume_token_ids:  # a stream migrated off a worker that died
+            kwargs["resume_token_ids"] = req.resume_token_ids
         outputs = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling, **kwargs)
         first = await anext(outputs)  # validation errors surface here, before any byte is sent
         return self._lines(first, outputs)

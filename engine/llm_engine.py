@@ -93,10 +93,17 @@ class LLMEngine:
         hold_kv: bool = False,
         remote_kv: Any = None,
         first_token_id: int | None = None,
+        resume_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
     ) -> None:
         """Queue a request; raises InvalidParameter for bad input, RequestFailed when
-        building its state fails otherwise (nothing is queued either way)."""
+        building its state fails otherwise (nothing is queued either way).
+
+        ``resume_token_ids``: output tokens this request already produced (and sent)
+        elsewhere, as when the router migrates a stream off a dead decode worker. They
+        count as outputs (max_tokens, min_tokens, stop strings); their KV is recomputed
+        here like a preempted request's, and their text is not sent again.
+        """
         if request_id in self.requests or request_id in self.held:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params.validate(self.vocab_size))
@@ -106,9 +113,13 @@ class LLMEngine:
                 self._check_handle(req, remote_kv, first_token_id)
                 req.remote_kv = remote_kv
                 req.output_token_ids.append(int(first_token_id))  # type: ignore[arg-type]
+            elif resume_token_ids:
+                self._check_resume(req, resume_token_ids)
+                req.output_token_ids.extend(int(t) for t in resume_token_ids)
+            if req.output_token_ids:  # already sent by the prefill worker / the worker that died
                 self._extend_hashes(req)
-                text.append(req.output_token_ids)  # the prefill worker already sent its text
-            if params.structured is not None:  # replays the prefill worker's first token
+                text.append(req.output_token_ids)
+            if params.structured is not None:  # replays the first token, or the resumed ones
                 req.grammar = self.grammars.matcher(params.structured, req.output_token_ids)
         except InvalidParameter:
             raise
@@ -178,6 +189,14 @@ class LLMEngine:
             raise InvalidParameter("kv_handle", err)
         if req.params.max_tokens < 2:
             raise InvalidParameter("max_tokens", "a handed-off request needs max_tokens >= 2")
+
+    def _check_resume(self, req: Request, ids: list[int]) -> None:
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise InvalidParameter(
+                "resume_token_ids", f"resume token ids must be in [0, {self.vocab_size})"
+            )
+        if len(ids) >= req.params.max_tokens:
+            raise InvalidParameter("resume_token_ids", "resume_token_ids reach max_tokens")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks (or its held blocks). None if unknown."""

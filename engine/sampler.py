@@ -5,6 +5,10 @@ rows then take the argmax. Other rows apply temperature, top-k and top-p (on
 sorted logits, only when set) and min-p, then draw with the exponential-race trick (argmax
 of p / E with E ~ Exp(1) per token id), whose noise comes from the request's own
 generator: a seeded request draws the same tokens whatever else shares its batch.
+A seeded generator is re-seeded from (seed, output position) before each draw, so
+the draw for the n-th output token is the same on whichever worker makes it: a
+prefill worker's first token and the decode worker's next, a request recomputed
+after preemption, or a stream migrated to another decode worker mid-way.
 """
 
 from __future__ import annotations
@@ -89,6 +93,11 @@ class Sampler:
         gen = self._generators.get(req.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(req.params.seed)
             self._generators[req.request_id] = gen
+        gen.manual_seed(position_seed(req.params.seed, req.num_output_tokens))
         return gen
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 64-bit seed for the draw of output token ``position`` (an LCG-style mix)."""
+    return (seed * 6364136223846793005 + (position + 1) * 1442695040888963407) % (1 << 64)

@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import sys
 
 import httpx
 
 from pdserve.local.planner_loop import LocalAutoscaler, config_from_args, http_fetcher
 from pdserve.local.processes import LocalCluster, Proc
+from pdserve.local.supervise import Supervisor
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.snapshot import PoolStatus
 
@@ -94,21 +94,16 @@ class LocalAutoscaling:
         )
 
     async def run(self, stop: asyncio.Event) -> int:
-        """Until ``stop`` is set (0) or a process dies on its own (1)."""
+        """Until ``stop`` is set; a process that dies is restarted (local/supervise.py)."""
         tasks = [
             asyncio.create_task(self.autoscaler.run(stop)),
             asyncio.create_task(self.pools.poll_health(stop)),
         ]
         code = 0
+        supervisor = Supervisor(self.pools.cluster)
         try:
             while not stop.is_set():
-                dead = self.pools.cluster.dead()
-                if dead:
-                    p = dead[0]
-                    print(f"pdserve up: {p.name} exited; log {p.log_path}:\n{p.log_tail()}",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                    code = 1
-                    break
+                supervisor.tick()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=0.5)
         finally:

@@ -200,14 +200,22 @@ class LocalCluster:
         self._spawn(proc)
         return proc
 
-    def _spawn(self, proc: Proc) -> None:
+    def _spawn(self, proc: Proc, mode: str = "wb") -> None:
         environ = dict(os.environ, PYTHONUNBUFFERED="1", **{env.SERVICE_SECRET: self.secret})
-        with open(proc.log_path, "wb") as log:
+        with open(proc.log_path, mode) as log:
             proc.popen = subprocess.Popen(
                 proc.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=environ, start_new_session=True,  # own process group: stop() kills it whole
             )  # fmt: skip
-        self.procs.append(proc)
+        if proc not in self.procs:
+            self.procs.append(proc)
+
+    def restart(self, proc: Proc) -> None:
+        """Start ``proc`` again in place (same ports and arguments; its log is appended to)
+        after it exited; whatever its group left behind is killed first."""
+        assert proc in self.procs and proc.popen is not None and proc.popen.poll() is not None
+        _signal_group(proc, signal.SIGKILL)
+        self._spawn(proc, mode="ab")
 
     def dead(self) -> list[Proc]:
         return [p for p in self.procs if p.popen is not None and p.popen.poll() is not None]

@@ -1,8 +1,10 @@
 """``pdserve up``: router + N prefill + M decode workers as local processes.
 
 Creates the tiny model first when no ``--model`` is given, waits until every
-process is healthy, prints the endpoint and a sample request, and on Ctrl-C or
-SIGTERM stops every process group it started.
+process is healthy, prints the endpoint and a sample request, then supervises:
+a process that dies is restarted with back-off (local/supervise.py) while the
+router serves from the survivors. Only Ctrl-C or SIGTERM stops it, and then it
+stops every process group it started.
 """
 
 from __future__ import annotations
@@ -10,13 +12,13 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import time
 from pathlib import Path
 from types import FrameType
 
 from pdserve import env
 from pdserve.local.planner_loop import add_autoscale_arguments, config_from_args
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
+from pdserve.local.supervise import Supervisor
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 
 DEFAULT_MODEL_DIR = env.cache_dir()
@@ -36,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", default="prefix", choices=("prefix", "round-robin"))
     p.add_argument("--disagg-threshold", type=int, default=None)
     p.add_argument("--api-key", default="", help="require this bearer key at the router")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="router: requests in flight before 429")  # fmt: skip
     p.add_argument("--log-dir", default="", help="process logs (default: a temp dir)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
@@ -65,6 +69,8 @@ def router_args(args: argparse.Namespace) -> list[str]:
         out += ["--disagg-threshold", str(args.disagg_threshold)]
     if args.api_key:
         out += ["--api-key", args.api_key]
+    if getattr(args, "max_queue", None) is not None:
+        out += ["--max-queue", str(args.max_queue)]
     return out + list(args.router_arg)
 
 
@@ -135,16 +141,9 @@ def _progress(total: int):  # -> Callable[[Proc, float], None]
 
 
 def _watch(cluster: LocalCluster) -> int:
-    """Run until interrupted; a process that dies takes the deployment down with a message."""
-    while True:
-        dead = cluster.dead()
-        if dead:
-            p = dead[0]
-            code = p.popen.returncode if p.popen else "?"
-            print(f"pdserve up: {p.name} exited ({code}); log {p.log_path}:\n{p.log_tail()}",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            return 1
-        time.sleep(0.5)
+    """Run until interrupted, restarting any process that dies (local/supervise.py)."""
+    Supervisor(cluster).run_forever()
+    return 0
 
 
 def print_ready(router: Proc, spec: ClusterSpec, api_key: str) -> None:

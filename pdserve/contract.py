@@ -176,11 +176,16 @@ class GenerateRequest:
     kv_handle: KVHandle | None = None
     first_token_id: int | None = None
     cache_salt: str | None = None
+    # A stream migrated off a decode worker that died: every output token already sent
+    # (recomputed here, counted as output, not repeated). Never with a kv_handle.
+    resume_token_ids: list[int] | None = None
 
     def validate(self) -> None:
         _check_ids(self.request_id, self.cache_salt)
         if self.kv_handle is not None and self.first_token_id is None:
             raise InvalidParameter("first_token_id", "a kv_handle needs an integer first_token_id")
+        if self.kv_handle is not None and self.resume_token_ids:
+            raise InvalidParameter("resume_token_ids", "resume_token_ids come without a kv_handle")
 
 
 @message("token_delta")

@@ -5,9 +5,16 @@
       │                   ▼
       └──local──────▶ POST /generate (retry on the next decode worker while
                           no decode token has reached the client; a KV handle is
-                          single-use, so a retry first prefills again for a new one)
+                          single-use, so a retry first prefills again for a new one;
+                          after a token was sent, migrate: prompt + tokens sent go
+                          to the next one)
 
 If every prefill worker fails, the request falls back to local prefill. A
+decode worker that dies mid-stream (connection reset, EOF before the final
+line, timeout) costs the client nothing: the stream moves to the next decode
+worker with ``resume_token_ids`` = every token already sent, which that worker
+recomputes and continues from (docs/router.md, "Stream migration"). A request
+fault (4xx, or an error line with code ``request_failed``) is never migrated. A
 request that ends early (client gone, error) is aborted on the workers it
 touched so their KV blocks are freed.
 """
@@ -60,6 +67,8 @@ class RequestState:
     sampling: SamplingParams
     start: float = field(default_factory=time.perf_counter)
     completion_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)  # every token sent to the client
+    migrations: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
     first_token_at: float | None = None
@@ -120,6 +129,7 @@ class Dispatcher:
                 if result is not None:
                     rs.remote_prefill = True
                     rs.cached_tokens = result.num_cached_tokens
+                    rs.output_ids.append(result.first_token_id)
                     yield self._delta(
                         rs, result.text, 1, result.finish_reason,
                         (result.first_token_id,), result.logprobs,
@@ -180,36 +190,30 @@ class Dispatcher:
         req = GenerateRequest(
             rs.request_id, rs.prompt_ids, rs.sampling, handle, first, rs.cache_salt
         )
+        relayed = False  # a decode token reached the client: from now on, migrate
         for attempt, worker in enumerate(plan.decode[:MAX_ATTEMPTS]):
-            url, relayed = worker.url, False
-            if attempt and req.kv_handle is not None:
+            url = worker.url
+            if relayed:
+                req = self._migrate(rs, req, url)
+            elif attempt and req.kv_handle is not None:
                 req = await self._fresh_handle(rs, plan, req)
             rs.touched.add(url)
             self._track(url, "decode", 0, +1)
             try:
-                async for msg in worker_client.generate(
-                    self.client, url, req, self.cfg.request_timeout_s
-                ):
-                    if rs.finished:  # read on to the end: the connection goes back to the pool
-                        continue
-                    if msg.error is not None:
-                        raise worker_client.stream_error(url, msg.error)
-                    delta = self._relay(rs, msg)
+                async for delta in self._stream(rs, url, req):
                     relayed = relayed or delta.num_tokens > 0 or bool(delta.text)
                     rs.decode_worker = rs.decode_worker or worker
                     yield delta
-                if rs.finished:
-                    return
-                raise WorkerFailed(url, "stream ended without a finish_reason")
+                return
             except WorkerFailed as exc:
                 log.warning("request %s: decode failed on %s: %s", rs.request_id, url, exc)
                 if exc.down:
                     self.discovery.mark_failed(url)
                 self._spawn(worker_client.abort(self.client, url, rs.request_id))
-                if relayed:
-                    raise APIError(502, f"decode worker failed mid-stream: {exc}") from exc
             finally:
                 self._track(url, "decode", 0, -1)
+        if relayed:
+            raise APIError(502, "decode worker failed mid-stream and no other could take over")
         raise APIError(503, "no decode worker could serve the request", code="no_worker")
 
     async def _fresh_handle(
@@ -226,10 +230,43 @@ class Dispatcher:
             return req
         return replace(req, kv_handle=fresh.kv_handle)
 
+    async def _stream(
+        self, rs: RequestState, url: str, req: GenerateRequest
+    ) -> AsyncIterator[Delta]:
+        """One decode worker's deltas; raises WorkerFailed when its stream breaks."""
+        try:
+            async for msg in worker_client.generate(
+                self.client, url, req, self.cfg.request_timeout_s
+            ):
+                if rs.finished:  # read on to the end: the connection goes back to the pool
+                    continue
+                if msg.error is not None:  # request_failed: an APIError, never moved elsewhere
+                    raise worker_client.stream_error(url, msg.error)
+                yield self._relay(rs, msg)
+        except WorkerFailed:
+            if rs.finished:  # the final line arrived: a break after it costs nothing
+                return
+            raise
+        if not rs.finished:
+            raise WorkerFailed(url, "stream ended without a finish_reason")
+
+    def _migrate(self, rs: RequestState, req: GenerateRequest, url: str) -> GenerateRequest:
+        """The request that continues ``rs`` on ``url``: no KV handle (its lease belonged to
+        the first worker); the worker recomputes prompt + sent tokens and goes on."""
+        rs.migrations += 1
+        self.metrics.migrated.inc()
+        log.warning("request %s: migrating to %s after %d tokens", rs.request_id, url,
+                    len(rs.output_ids))  # fmt: skip
+        return replace(
+            req, kv_handle=None, first_token_id=None, resume_token_ids=list(rs.output_ids)
+        )
+
     def _relay(self, rs: RequestState, msg: TokenDelta) -> Delta:
-        if msg.usage is not None and not rs.remote_prefill:  # else the prefill's count holds
-            rs.cached_tokens = msg.usage.cached_tokens
         ids = msg.token_ids
+        rs.output_ids.extend(int(t) for t in ids)
+        # The prefill's count holds; after a migration the count covers the resumed tokens.
+        if msg.usage is not None and not rs.remote_prefill and not rs.migrations:
+            rs.cached_tokens = msg.usage.cached_tokens
         return self._delta(rs, msg.text, len(ids), msg.finish_reason, tuple(ids), msg.logprobs)
 
     def _track(self, url: str, role: str, tokens: int, step: int) -> None:

@@ -76,5 +76,11 @@ class RouterMetrics:
             "pdserve_router_generation_tokens", "Tokens generated", registry=r
         )
 
+        self.migrated = Counter(
+            "pdserve_router_migrated_streams",
+            "Requests moved to another decode worker after theirs died mid-stream",
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -57,7 +57,8 @@ MAX_MODEL_LEN = 2048
 class FakeState:
     role: str
     worker_id: str
-    fail: str = ""  # "" | "500" | "400" | "mid-stream" | "error-line" | "hang" | "request-fault"
+    # "" | "500" | "400" | "mid-stream" | "error-line" | "hang" | "request-fault" | "error-mid"
+    fail: str = ""
     token_delay_s: float = 0.0
     kv_events: str = ""
     leases: dict[str, int] = field(default_factory=dict)  # request_id -> blocks
@@ -178,30 +179,34 @@ def decode_app(st: FakeState) -> FastAPI:
         if failed is not None:
             return failed
         rid, handle = body.request_id, body.kv_handle
-        n = body.sampling.max_tokens - (1 if handle else 0)
+        resume = body.resume_token_ids or []  # a migrated stream: go on from there
+        from_prefill = bool(handle) or any(t < 200 for t in resume)  # "<first>" ids are < 200
+        n = body.sampling.max_tokens - (1 if from_prefill else 0)
+        start = sum(1 for t in resume if t >= 200)
         st.active[rid] = -(-len(body.prompt_token_ids) // BLOCK)
         if handle:  # "read" the blocks, then end the prefill worker's lease
             url = "http://" + handle.side_channel.removeprefix("tcp://").rstrip("/")
             async with httpx.AsyncClient(headers={SECRET_HEADER: SECRET}) as c:
                 await c.post(url + "/release", content=encode(RequestRef(handle.request_id)))
-        return StreamingResponse(_stream(st, rid, n), media_type="application/x-ndjson")
+        return StreamingResponse(_stream(st, rid, n, start), media_type="application/x-ndjson")
 
     return app
 
 
-async def _stream(st: FakeState, rid: str, n: int) -> AsyncIterator[bytes]:
+async def _stream(st: FakeState, rid: str, n: int, start: int = 0) -> AsyncIterator[bytes]:
     try:
-        for i in range(n):
+        for i in range(start, n):
             if rid not in st.active:  # aborted
                 return
             if st.fail == "error-line":
                 yield encode(TokenDelta(error=WorkerError("injected"))) + b"\n"
                 return
-            if st.fail == "request-fault":  # before any token: the router must not retry
+            if st.fail == "request-fault" or (st.fail == "error-mid" and i == start + 2):
+                # "this request failed": the router must neither retry nor migrate it
                 err = WorkerError("request failed: injected", code="request_failed")
                 yield encode(TokenDelta(error=err)) + b"\n"
                 return
-            if st.fail == "mid-stream" and i == 2:
+            if st.fail == "mid-stream" and i == start + 2:
                 raise RuntimeError("injected crash mid-stream")
             await asyncio.sleep(st.token_delay_s)
             last = i == n - 1

@@ -1,0 +1,292 @@
+"""Chaos against ``pdserve up --prefill 2 --decode 2`` on the tiny model (issue 9).
+
+Phases, in order, against one running service:
+
+1. bad-input battery: malformed JSON, huge prompt, unknown model, invalid sampling
+   values, bad Unicode, deep JSON ... (bench/chaos_inputs.py): every answer must be a 4xx;
+2. poison isolation: poison requests sent among concurrent greedy streams, which must
+   all complete;
+3. disconnect storm: streams and requests dropped by their clients mid-way;
+4. overload beyond ``--max-queue``: 429 with Retry-After, never a 5xx;
+5. soak: mixed requests (stream / not, chat / completions, sampling on / off), 10%
+   cancelled by their clients;
+6. ``kill -9`` of the busiest decode worker under streaming load (streams migrate), then
+   of the busiest prefill worker under load (retry / local prefill);
+7. every KV pool free at the end, and ``up`` still running and stopping cleanly.
+
+Prints one JSON line (last); the goals are 0 for every failure count and
+``migrated_streams`` >= 1. Writes a PNG to bench/out/.
+
+    python bench/chaos.py            # soak of 1,000 requests
+    python bench/chaos.py --quick    # the same phases, fewer requests (< ~90 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import chaos_client as cc
+import httpx
+from chaos_inputs import bad_inputs, poison_bodies
+from chaos_service import ROOT, Service, busiest, counter, kill9, leaked_blocks, wait_all_healthy
+
+WORDS = [
+    "the",
+    "fox",
+    "crow",
+    "river",
+    "stone",
+    "light",
+    "quick",
+    "brown",
+    "lazy",
+    "dog",
+    "jumps",
+    "over",
+    "under",
+    "story",
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer requests (a test runs this)")
+    p.add_argument("--model", default="", help="model dir (default: write the tiny model)")
+    p.add_argument("--soak", type=int, default=1000, help="soak requests")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-queue", type=int, default=16)
+    p.add_argument("--kill-streams", type=int, default=12, help="streams in flight at a kill")
+    p.add_argument("--kv-transport", default="nixl", choices=("nixl", "tcp"))
+    p.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    args = p.parse_args(argv)
+    args.huge_prompt_chars, args.restart_wait_s = 4_000_000, 120.0
+    if args.quick:
+        args.soak, args.kill_streams = 120, 8
+        args.huge_prompt_chars, args.restart_wait_s = 1_000_000, 90.0
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def phase_bad_inputs(h: httpx.AsyncClient, model: str, chars: int) -> dict[str, Any]:
+    cases = bad_inputs(model, huge_prompt_chars=chars)
+    results = await asyncio.gather(*(cc.raw(h, path, body) for _, path, body in cases))
+    pairs = list(zip(cases, results, strict=True))
+    bad = [f"{name}:{r.status}" for (name, _, _), r in pairs if r.server_error]
+    accepted = [name for (name, _, _), r in pairs if r.status == 200]
+    return {"bad_input_cases": len(cases), "bad_input_5xx": len(bad),
+            "bad_input_5xx_cases": bad, "bad_input_accepted": accepted}  # fmt: skip
+
+
+def _greedy(model: str, text: str, n: int) -> dict[str, Any]:
+    return {"model": model, "prompt": text, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+
+
+async def phase_poison(h: httpx.AsyncClient, model: str, n: int) -> dict[str, Any]:
+    rng = random.Random(1)
+    streams = [asyncio.ensure_future(cc.stream(h, "/v1/completions",
+               _greedy(model, prompt(rng, 8 + 6 * i), 48))) for i in range(n)]  # fmt: skip
+    await asyncio.sleep(0.3)  # the streams are in the batch
+    poison = poison_bodies(model)
+    answers = await asyncio.gather(*(cc.stream(h, "/v1/completions", b) for _, b in poison))
+    done = await asyncio.gather(*streams)
+    failed = [name for (name, _), r in zip(poison, answers, strict=True) if r.server_error]
+    return {"poisoned_streams": sum(not r.ok(48) for r in done), "poison_5xx": failed}
+
+
+async def phase_storm(h: httpx.AsyncClient, model: str, n: int) -> dict[str, Any]:
+    rng, tasks = random.Random(2), []
+    for i in range(n):
+        body = _greedy(model, prompt(rng, rng.randint(3, 60)), 64)
+        if i % 2:
+            tasks.append(cc.stream(h, "/v1/completions", body, cancel_after=rng.randint(0, 3)))
+        else:
+            tasks.append(cc.post(h, "/v1/completions", body, cancel_after_s=rng.uniform(0, 0.3)))
+    results = await asyncio.gather(*tasks)
+    return {"storm_requests": n, "storm_5xx": sum(r.server_error for r in results)}
+
+
+async def phase_overload(h: httpx.AsyncClient, model: str, n: int) -> dict[str, Any]:
+    rng = random.Random(3)
+    bodies = [_greedy(model, prompt(rng, 10), 32) for _ in range(n)]
+    results = await asyncio.gather(*(cc.post(h, "/v1/completions", b) for b in bodies))
+    shed = [r for r in results if r.status == 429]
+    return {"overload_requests": n, "overload_429": len(shed),
+            "overload_429_without_retry_after": sum(not r.retry_after for r in shed),
+            "overload_5xx": sum(r.server_error for r in results),
+            "overload_other_failures": sum(r.status not in (200, 429) or (r.status == 200
+                                           and not r.ok()) for r in results)}  # fmt: skip
+
+
+def _soak_request(h: httpx.AsyncClient, model: str, rng: random.Random) -> tuple[Any, bool, int]:
+    chat, streamed, sampled = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5
+    n = rng.randint(2, 16)
+    text = prompt(rng, rng.randint(2, 50))
+    body: dict[str, Any] = {"model": model, "max_tokens": n, "ignore_eos": True,
+                            "temperature": 0.8 if sampled else 0}  # fmt: skip
+    if sampled and rng.random() < 0.5:
+        body["seed"] = rng.randint(0, 2**31)
+    if chat:
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    cancel = rng.random() < 0.1
+    if streamed:
+        return cc.stream(h, path, body, rng.randint(0, 3) if cancel else None), cancel, n
+    return cc.post(h, path, body, rng.uniform(0.0, 0.2) if cancel else None), cancel, n
+
+
+async def phase_soak(h: httpx.AsyncClient, model: str, n: int, conc: int) -> dict[str, Any]:
+    rng, sem = random.Random(4), asyncio.Semaphore(conc)
+    plans = [_soak_request(h, model, rng) for _ in range(n)]
+
+    async def one(coro: Any) -> cc.Result:
+        async with sem:
+            return await coro  # type: ignore[no-any-return]
+
+    results = await asyncio.gather(*(one(c) for c, _, _ in plans))
+    errors = [r for r, (_, cancel, n) in zip(results, plans, strict=True)
+              if (not r.cancelled and not r.ok(n)) or r.server_error]  # fmt: skip
+    return {"soak_requests": n, "soak_errors": len(errors),
+            "soak_cancelled": sum(r.cancelled for r in results),
+            "soak_error_samples": [f"{r.status} {r.error[:80]}" for r in errors[:5]]}  # fmt: skip
+
+
+async def phase_kill_decode(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
+    rng, before = random.Random(5), counter(svc.url, "pdserve_router_migrated_streams_total")
+    streams = [asyncio.ensure_future(cc.stream(h, "/v1/completions",
+               _greedy(model, prompt(rng, rng.randint(3, 40)), 96))) for _ in range(n)]  # fmt: skip
+    victim = await _kill_busiest(svc.urls("decode"), streams)
+    done = await asyncio.gather(*streams)
+    migrated = counter(svc.url, "pdserve_router_migrated_streams_total") - before
+    return {"decode_killed": victim, "decode_kill_streams": n,
+            "decode_kill_failed_streams": sum(not r.ok(96) for r in done),
+            "migrated_streams": int(migrated)}  # fmt: skip
+
+
+async def phase_kill_prefill(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
+    """``n`` clients send long-prompt requests back to back (remote prefill, each one short,
+    so a burst may end before the kill) until the kill is done and each sent 2 more."""
+    rng, results, killed = random.Random(6), [], asyncio.Event()
+
+    async def client(i: int) -> None:
+        after = 0
+        while after < 2:
+            body = _greedy(model, prompt(rng, rng.randint(60, 200)), 8)
+            call = cc.stream if i % 2 else cc.post
+            results.append(await call(h, "/v1/completions", body))
+            after += killed.is_set()
+
+    clients = [asyncio.ensure_future(client(i)) for i in range(n)]
+    victim = await _kill_busiest(svc.urls("prefill"), clients)
+    killed.set()
+    await asyncio.gather(*clients)
+    return {"prefill_killed": victim, "prefill_kill_requests": len(results),
+            "prefill_kill_failed_requests": sum(not r.ok(8) for r in results)}  # fmt: skip
+
+
+async def _kill_busiest(urls: list[str], tasks: list[asyncio.Future[Any]]) -> str:
+    """``kill -9`` the busiest of ``urls`` once it has work ("" if none ever had)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(t.done() for t in tasks):
+        found = await asyncio.to_thread(busiest, urls)
+        if found is not None:
+            await asyncio.sleep(0.05)  # some tokens are out: the kill is mid-stream
+            return found[0] if await asyncio.to_thread(kill9, found[0]) else ""
+        await asyncio.sleep(0.01)
+    return ""
+
+
+async def run_phases(svc: Service, args: argparse.Namespace, model: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    timings: dict[str, float] = {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+    async with httpx.AsyncClient(base_url=svc.url, timeout=300, limits=limits) as h:
+        phases = [
+            ("bad_input", phase_bad_inputs(h, model, args.huge_prompt_chars)),
+            ("poison", phase_poison(h, model, args.concurrency)),
+            ("storm", phase_storm(h, model, 4 * args.concurrency)),
+            ("overload", phase_overload(h, model, 4 * args.max_queue)),
+            ("soak", phase_soak(h, model, args.soak, args.concurrency)),
+            ("kill_decode", phase_kill_decode(h, svc, model, args.kill_streams)),
+            ("kill_prefill", phase_kill_prefill(h, svc, model, args.kill_streams)),
+        ]
+        for name, coro in phases:
+            t0 = time.perf_counter()
+            out.update(await coro)
+            timings[name] = round(time.perf_counter() - t0, 2)
+            print(f"chaos: {name} done in {timings[name]} s", file=sys.stderr, flush=True)
+    out["workers_back"] = await asyncio.to_thread(wait_all_healthy, svc, args.restart_wait_s)
+    out["leaked_blocks"], out["workers_checked"] = leaked_blocks(svc, 30.0)
+    out["up_running"] = svc.running
+    out["phase_seconds"] = timings
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["bad_input_5xx", "poisoned_streams", "leaked_blocks", "soak_errors",
+            "decode_kill_failed_streams", "prefill_kill_failed_requests",
+            "migrated_streams"]  # fmt: skip
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    a.barh(keys, [result[k] for k in keys], color=["C3"] * 6 + ["C2"])
+    a.set_title("chaos figures (goal: 0, migrated >= 1)")
+    secs = result["phase_seconds"]
+    b.barh(list(secs), list(secs.values()))
+    b.set_title("phase wall time (s)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from pdserve.engine.tiny_model import write_tiny_model
+
+    model = args.model or str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
+    logs = tempfile.mkdtemp(prefix="pdserve-chaos-")
+    svc = Service(model, logs, args.port or free_port(), 20000 + free_port() % 20000,
+                  "--prefill", "2", "--decode", "2", "--kv-transport", args.kv_transport,
+                  "--disagg-threshold", "32", "--max-queue", str(args.max_queue),
+                  "--worker-arg=--max-model-len", "--worker-arg=1024")  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        svc.start()
+        startup_s = round(time.perf_counter() - t0, 1)
+        result = asyncio.run(run_phases(svc, args, Path(model).name))
+        result["startup_s"] = startup_s
+    finally:
+        code = svc.stop()
+    result.update(up_exit_code=code, quick=args.quick, wall_s=round(time.perf_counter() - t0, 1),
+                  logs=logs)  # fmt: skip
+    plot(result, Path(args.out) / f"chaos{'-quick' if args.quick else ''}.png")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

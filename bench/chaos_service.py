@@ -1,0 +1,133 @@
+"""The service under test of bench/chaos.py: ``pdserve up`` as a user runs it.
+
+Started as a subprocess (its own process group), read for its "ready at" lines,
+stopped with SIGTERM as Ctrl-C would; ``kill9`` kills one worker the way an OOM
+killer or a failed node does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Service:
+    def __init__(self, model: str, log_dir: str, port: int, port_base: int, *extra: str) -> None:
+        self.argv = [sys.executable, "-m", "pdserve", "up", "--model", model,
+                     "--port", str(port), "--worker-port-base", str(port_base),
+                     "--log-dir", log_dir, *extra]  # fmt: skip
+        self.lines: list[str] = []
+        self.url = ""
+        self.workers: dict[str, str] = {}  # name -> URL
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 300.0) -> None:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+            start_new_session=True,  # its own group: SIGTERM reaches up, as Ctrl-C would
+        )  # fmt: skip
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not any(x.startswith("pdserve is up") for x in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("pdserve up did not start:\n" + "".join(self.lines[-40:]))
+            time.sleep(0.1)
+        text = "".join(self.lines)
+        self.workers = dict(re.findall(r"((?:prefill|decode)-\d+)\s+ready at (\S+)", text))
+        self.url = re.search(r"pdserve is up: (\S+)/v1", text).group(1)  # type: ignore[union-attr]
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def urls(self, role: str) -> list[str]:
+        return [u for n, u in self.workers.items() if n.startswith(role)]
+
+    def stop(self) -> int:
+        """SIGTERM (as Ctrl-C); returns up's exit code (-9 if it had to be killed)."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+            return -9
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def stats(url: str) -> dict[str, Any] | None:
+    try:
+        return dict(httpx.get(url + "/stats", timeout=5).json())
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def busiest(urls: list[str]) -> tuple[str, dict[str, Any]] | None:
+    """The worker with the most requests on it (running, waiting, or KV under a lease)."""
+    best = None
+    for url in urls:
+        s = stats(url)
+        if s is None:
+            continue
+        load = s["running"] + s["waiting"] + s.get("held", 0)
+        if load and (best is None or load > best[0]):
+            best = (load, url, s)
+    return None if best is None else (best[1], best[2])
+
+
+def kill9(url: str) -> bool:
+    s = stats(url)
+    if s is None:
+        return False
+    os.kill(int(s["pid"]), signal.SIGKILL)
+    return True
+
+
+def counter(url: str, name: str) -> float:
+    """A Prometheus counter's value on ``url``/metrics (0 when absent)."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_all_healthy(svc: Service, timeout: float) -> bool:
+    """Every worker healthy in the router's view (killed ones restarted by up)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            listed = httpx.get(svc.url + "/workers", timeout=5).json()["workers"]
+            if sum(1 for w in listed if w["healthy"]) == len(svc.workers):
+                return True
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def leaked_blocks(svc: Service, timeout: float) -> tuple[int, int]:
+    """(KV blocks still owned after ``timeout`` s of quiet, workers that answered)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        all_stats = [s for s in (stats(u) for u in svc.workers.values()) if s is not None]
+        leaked = sum(s["kv_blocks_total"] - s["kv_blocks_free"] for s in all_stats)
+        if leaked == 0 or time.monotonic() > deadline:
+            return leaked, len(all_stats)
+        time.sleep(0.25)

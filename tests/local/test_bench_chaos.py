@@ -1,0 +1,43 @@
+"""``python bench/chaos.py --quick`` runs, and its recovery figures meet the issue's goals.
+
+The isolation figures (bad input answered with a 5xx, streams poisoned by another
+client's request) measure the edge's range checks and the engine's per-request fault
+isolation (issue 9 points 1-2); the recovery figures measure migration, retries and
+supervision (points 5-6).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.loopback import run_bench
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def chaos(tiny_model_dir: Path, tmp_path_factory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("chaos")
+    result = run_bench("chaos.py", "--quick", "--model", str(tiny_model_dir), "--out", str(out),
+                       timeout=580)  # fmt: skip
+    assert (out / "chaos-quick.png").stat().st_size > 0
+    return result
+
+
+def test_chaos_recovery_figures(chaos: dict[str, Any]) -> None:
+    assert chaos["soak_errors"] == 0, chaos["soak_error_samples"]
+    assert chaos["decode_killed"] and chaos["decode_kill_failed_streams"] == 0
+    assert chaos["migrated_streams"] >= 1
+    assert chaos["prefill_killed"] and chaos["prefill_kill_failed_requests"] == 0
+    assert chaos["storm_5xx"] == chaos["overload_5xx"] == 0
+    assert chaos["overload_429"] > 0 and chaos["overload_429_without_retry_after"] == 0
+    assert chaos["workers_back"] and chaos["up_running"] and chaos["up_exit_code"] == 0, chaos
+    assert chaos["leaked_blocks"] == 0 and chaos["workers_checked"] == 4
+
+
+def test_chaos_isolation_figures(chaos: dict[str, Any]) -> None:
+    assert chaos["bad_input_5xx"] == 0, chaos["bad_input_5xx_cases"]
+    assert chaos["poisoned_streams"] == 0, chaos["poison_5xx"]

@@ -1,0 +1,222 @@
+"""Worker death under ``pdserve up`` with the real workers on loopback, by ``kill -9``.
+
+- a stream (and a non-streamed request) whose decode worker is killed mid-way moves to
+  the other decode worker; the client's text equals an uninterrupted run's, greedy and
+  seeded;
+- a prefill worker killed under load costs no request (local prefill takes over);
+- ``up`` keeps running, restarts the dead worker in place, and it serves again;
+- every KV pool is free at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.loopback import ROOT, all_kv_free, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+LONG = "Tell me a story about a fox and a crow. " * 8  # remote prefill (threshold 32)
+MAX_TOKENS = 300
+
+
+@dataclass
+class Up:
+    url: str
+    proc: subprocess.Popen[str]
+    workers: dict[str, str]  # name -> URL
+    lines: list[str] = field(default_factory=list)
+
+    def urls(self, role: str) -> list[str]:
+        return [u for n, u in self.workers.items() if n.startswith(role)]
+
+
+def _read_output(up: Up) -> None:
+    assert up.proc.stdout is not None
+    for line in up.proc.stdout:
+        up.lines.append(line)
+
+
+@pytest.fixture(scope="module")
+def up(tiny_model_dir: Path, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("up-resilience")
+    argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tiny_model_dir),
+            "--port", str(free_port()), "--prefill", "1", "--decode", "3",
+            "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
+            "--routing", "round-robin", "--disagg-threshold", "32", "--log-dir", str(logs),
+            "--worker-port-base", str(20000 + free_port() % 20000),
+            "--worker-arg=--max-model-len", "--worker-arg=1024"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, start_new_session=True)  # fmt: skip
+    it = Up("", proc, {})
+    threading.Thread(target=_read_output, args=(it,), daemon=True).start()
+    deadline = time.monotonic() + 300
+    while not any(x.startswith("pdserve is up") for x in it.lines):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(it.lines)
+        time.sleep(0.1)
+    text = "".join(it.lines)
+    it.workers = dict(re.findall(r"((?:prefill|decode)-\d+)\s+ready at (\S+)", text))
+    it.url = re.search(r"pdserve is up: (\S+)/v1", text).group(1)  # type: ignore[union-attr]
+    yield it
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(60) == 0, "".join(it.lines[-30:])
+
+
+def _body(prompt: str, **kw: Any) -> dict[str, Any]:
+    return {"model": "tiny-seed0", "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "temperature": 0, **kw}  # fmt: skip
+
+
+def _stats(url: str) -> dict[str, Any]:
+    return dict(httpx.get(url + "/stats", timeout=5).json())
+
+
+def _stats_or_none(url: str) -> dict[str, Any] | None:
+    try:  # a worker restarting after an earlier kill does not answer yet
+        return _stats(url)
+    except httpx.HTTPError:
+        return None
+
+
+def _kill_busy(urls: list[str], timeout: float = 30.0) -> str:
+    """``kill -9`` the worker among ``urls`` that is running a request; returns its URL."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for url in urls:
+            s = _stats_or_none(url)
+            # held: the prefill worker keeps the KV under a lease for a decode worker
+            if s is not None and (s["running"] or s["waiting"] or s.get("held")):
+                os.kill(int(s["pid"]), signal.SIGKILL)
+                return url
+        time.sleep(0.005)
+    raise AssertionError("no worker was busy")
+
+
+def _all_back(up: Up, timeout: float = 120.0, decode: int = 0) -> None:
+    """Every worker (or: the prefill workers and ``decode`` decode workers) is healthy in
+    the router's view again (restarted by up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        listed = httpx.get(up.url + "/workers", timeout=5).json()["workers"]
+        healthy = {w["url"] for w in listed if w["healthy"]}
+        if set(up.urls("prefill")) <= healthy and (
+            len(healthy & set(up.urls("decode"))) >= (decode or len(up.urls("decode")))
+        ):
+            return
+        assert up.proc.poll() is None, "pdserve up exited:\n" + "".join(up.lines[-30:])
+        assert time.monotonic() < deadline, f"not back: {listed}"
+        time.sleep(0.2)
+
+
+def _stream_text(up: Up, body: dict[str, Any], kill_after: int | None) -> tuple[str, int]:
+    """The streamed text and completion tokens; kills the serving decode worker after
+    ``kill_after`` chunks."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    text, usage, n = [], 0, 0
+    with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+            text += [c["text"] for c in chunk.get("choices", [])]
+            n += 1
+            if n == kill_after:
+                _kill_busy(up.urls("decode"))
+    return "".join(text), usage
+
+
+def _migrated(up: Up) -> float:
+    metrics = httpx.get(up.url + "/metrics", timeout=5).text
+    return float(re.search(r"^pdserve_router_migrated_streams_total (\S+)", metrics, re.M)[1])  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    "prompt,sampling",
+    [(LONG, {}), ("Once upon a time", {}), (LONG, {"temperature": 0.9, "seed": 11})],
+    ids=["greedy-remote-prefill", "greedy-local-prefill", "seeded"],
+)
+def test_stream_survives_kill_of_its_decode_worker(up: Up, prompt: str, sampling: dict) -> None:
+    _all_back(up, decode=2)  # one to kill, one to take over; the third may be restarting
+    before = _migrated(up)
+    ref = httpx.post(up.url + "/v1/completions", json=_body(prompt, **sampling), timeout=120)
+    assert ref.status_code == 200
+    ref_text = ref.json()["choices"][0]["text"]
+    text, tokens = _stream_text(up, _body(prompt, **sampling), kill_after=20)
+    assert tokens == MAX_TOKENS
+    assert text == ref_text  # no token repeated, none missing, same choices
+    assert _migrated(up) == before + 1
+
+
+def test_non_streamed_request_survives_kill_of_its_decode_worker(up: Up) -> None:
+    _all_back(up, decode=2)
+    body = _body(LONG)
+    ref = httpx.post(up.url + "/v1/completions", json=body, timeout=120).json()
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.update(
+        r=httpx.post(up.url + "/v1/completions", json=body, timeout=120)))  # fmt: skip
+    t.start()
+    _kill_busy(up.urls("decode"))
+    t.join(120)
+    assert out["r"].status_code == 200, out["r"].text
+    got = out["r"].json()
+    assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert got["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_prefill_worker_killed_under_load_costs_no_request(up: Up) -> None:
+    _all_back(up)
+    codes: list[int] = []
+
+    def one(i: int) -> None:
+        body = _body(f"request {i}: " + LONG, max_tokens=8)
+        codes.append(httpx.post(up.url + "/v1/completions", json=body, timeout=120).status_code)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    _kill_busy(up.urls("prefill"))
+    for t in threads:
+        t.join(120)
+    assert codes == [200] * 24
+
+
+def test_up_restarts_the_dead_worker_and_it_serves_again(up: Up) -> None:
+    _all_back(up)
+    victim = up.urls("decode")[0]
+    pid = _stats(victim)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    # the survivors serve meanwhile (the router has not even noticed yet)
+    for i in range(6):
+        r = httpx.post(up.url + "/v1/completions", json=_body(f"{i} hi", max_tokens=4), timeout=60)
+        assert r.status_code == 200, r.text
+    _all_back(up)
+    assert _stats(victim)["pid"] != pid and up.proc.poll() is None
+    assert any("restarted decode-" in x for x in up.lines)
+
+    def served() -> float:
+        m = httpx.get(victim + "/metrics", timeout=5).text
+        return sum(float(x.split()[-1]) for x in m.splitlines()
+                   if x.startswith("pdserve_worker_requests_total"))  # fmt: skip
+
+    for i in range(6):  # round-robin: the restarted worker gets its share
+        r = httpx.post(up.url + "/v1/completions", json=_body(f"{i} ho", max_tokens=4), timeout=60)
+        assert r.status_code == 200, r.text
+    assert served() >= 2
+    all_kv_free(list(up.workers.values()))

@@ -1,0 +1,88 @@
+"""Stream migration against fake workers: a decode worker that breaks mid-stream hands
+the request to the next one with every token already sent; a request fault is not moved.
+
+The fakes (tests/router/fakes.py) continue a resumed request from where the
+``resume_token_ids`` leave it, so the client's text shows a repeated or missing
+token at once. The same with real workers and ``kill -9``: test_migration_e2e.py.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.router.test_api import LONG, client
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _first(c) -> int:
+    """Index of the decode worker that round-robin routing tries first (sorted by URL)."""
+    return c.decode_urls.index(sorted(c.decode_urls)[0])
+
+
+async def _migrated(c) -> float:
+    async with httpx.AsyncClient() as h:  # the router runs in this event loop
+        text = (await h.get(c.url + "/metrics")).text
+    line = next(x for x in text.splitlines() if x.startswith("pdserve_router_migrated_streams"))
+    return float(line.split()[-1])
+
+
+@pytest.mark.parametrize("threshold", [16, 10_000])  # remote prefill, local prefill
+async def test_stream_moves_to_another_decode_worker(cluster_factory, threshold: int) -> None:
+    async with cluster_factory(n_decode=2, disagg_threshold=threshold, routing="round-robin") as c:
+        dead = _first(c)
+        c.decode[dead].fail = "mid-stream"
+        stream = await client(c.url).completions.create(
+            model="tiny", prompt=LONG, max_tokens=10, stream=True
+        )
+        text = "".join([ch.choices[0].text async for ch in stream])
+        remote = threshold == 16
+        want = " ".join(f"t{i}" for i in range(9 if remote else 10))
+        assert text.endswith(" " + want) and (text.startswith("<") == remote)
+        survivor = c.decode[1 - dead].requests[-1]
+        assert survivor.kv_handle is None and len(survivor.resume_token_ids or []) == 2 + remote
+        assert await _migrated(c) == 1
+        await c.settle()
+
+
+async def test_non_streaming_request_moves_too(cluster_factory) -> None:
+    async with cluster_factory(n_decode=2, disagg_threshold=10_000, routing="round-robin") as c:
+        c.decode[_first(c)].fail = "mid-stream"
+        out = await client(c.url).completions.create(model="tiny", prompt="hi", max_tokens=6)
+        assert out.choices[0].text == " t0 t1 t2 t3 t4 t5"
+        assert out.usage.completion_tokens == 6 and out.choices[0].finish_reason == "length"
+        assert await _migrated(c) == 1
+        await c.settle()
+
+
+async def test_request_fault_mid_stream_is_not_migrated(cluster_factory) -> None:
+    async with cluster_factory(n_decode=2, disagg_threshold=10_000, routing="round-robin") as c:
+        first = _first(c)
+        c.decode[first].fail = "error-mid"
+        stream = await client(c.url).completions.create(
+            model="tiny", prompt="hi", max_tokens=10, stream=True
+        )
+        got = []
+        with pytest.raises(openai.APIError, match="request failed: injected"):
+            async for ch in stream:
+                got.append(ch.choices[0].text)
+        assert "".join(got) == " t0 t1"
+        assert c.decode[1 - first].requests == [] and await _migrated(c) == 0
+        await c.settle()
+
+
+async def test_no_survivor_ends_the_stream_with_an_error(cluster_factory) -> None:
+    async with cluster_factory(n_decode=2, disagg_threshold=10_000) as c:
+        for st in c.decode:
+            st.fail = "mid-stream"
+        stream = await client(c.url).completions.create(
+            model="tiny", prompt="hi", max_tokens=10, stream=True
+        )
+        got = []
+        with pytest.raises(openai.APIError, match="no other could take over"):
+            async for ch in stream:
+                got.append(ch.choices[0].text)
+        assert "".join(got) == " t0 t1 t2 t3"  # two tokens from each worker, none twice
+        await c.settle()
