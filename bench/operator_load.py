@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -153,32 +153,18 @@ async def run(n: int, window_s: float) -> dict[str, Any]:
             return await measure(server, url, n, window_s)
 
 
-def start_operator(
-    config: OperatorConfig,
-) -> tuple[threading.Thread, threading.Event, threading.Event]:
-    """The operator in its own thread and event loop (as in its own pod): the emulator's
-    loop stays responsive to it and to the bench's own requests."""
-    stop, ready = threading.Event(), threading.Event()
-
-    def run_operator() -> None:
-        asyncio.run(kopf.operator(
-            registry=build_registry(config), namespaces=[NS], standalone=True,
-            stop_flag=stop, ready_flag=ready,
-        ))  # fmt: skip
-
-    thread = threading.Thread(target=run_operator, daemon=True)
-    thread.start()
-    return thread, ready, stop
-
-
 async def measure(server: ApiServer, url: str, n: int, window_s: float) -> dict[str, Any]:
     config = OperatorConfig(status_interval=60.0, retry_delay=5.0)
-    thread, ready, stop = start_operator(config)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(kopf.operator(
+        registry=build_registry(config), namespaces=[NS], standalone=True,
+        stop_flag=stop, ready_flag=ready,
+    ))  # fmt: skip
     client = KubeClient(kopf.ConnectionInfo(server=url))
     client.session.headers["User-Agent"] = "bench"
     client.session._timeout = aiohttp.ClientTimeout(total=300)  # the emulator may lag
     try:
-        await asyncio.to_thread(ready.wait, 60)
+        await asyncio.wait_for(ready.wait(), 60)
         objs = [llmservice(i) for i in range(n)]
         created: dict[str, float] = {}
         latency: dict[str, float] = {}
@@ -199,7 +185,8 @@ async def measure(server: ApiServer, url: str, n: int, window_s: float) -> dict[
     finally:
         await client.close()
         stop.set()
-        await asyncio.to_thread(thread.join, 30)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 30)
     lat = sorted(latency.values())
     per_minute = during / n / minutes
     plot(lat, per_minute, ROOT / "bench" / "out" / "operator_load.png")

@@ -132,23 +132,36 @@ async def reconcile_object(
 
 
 async def autoscale_forever(memo: Any, config: OperatorConfig) -> None:
-    """Every tick, one planner step per LLMService with autoscaling on (one loop, no timers)."""
+    """One autoscaler task per LLMService with autoscaling on (what a kopf timer was, without
+    the finalizer a timer needs); a task ends when its object goes or turns autoscaling off."""
+    tasks: dict[Any, asyncio.Task[None]] = {}
+    try:
+        while True:
+            for key, body in list(memo.cache.services.items()):
+                on = ((body.get("spec") or {}).get("autoscaling") or {}).get("enabled")
+                if on and (key not in tasks or tasks[key].done()):
+                    tasks[key] = asyncio.create_task(_autoscale_one(memo, config, key))
+            await asyncio.sleep(config.autoscale_tick)
+    finally:
+        for task in tasks.values():
+            task.cancel()
+
+
+async def _autoscale_one(memo: Any, config: OperatorConfig, key: Any) -> None:
     logger = logging.getLogger("pdserve.operator.autoscaler")
-    memos: dict[Any, Any] = {}
+    own_memo = types.SimpleNamespace()  # the planner's state between intervals
     while True:
+        body = memo.cache.services.get(key)
+        if not body or not ((body.get("spec") or {}).get("autoscaling") or {}).get("enabled"):
+            return
+        try:
+            await autoscaler.autoscale(
+                body=body, name=key[1], namespace=key[0], logger=logger, memo=own_memo,
+                client=_client(memo), lock=_lock(memo, *key), settings=config.autoscale,
+            )  # fmt: skip
+        except Exception as e:  # one interval's failure must not stop the next
+            logger.warning(f"autoscaler: {key[0]}/{key[1]}: {e!r}")
         await asyncio.sleep(config.autoscale_tick)
-        for key, body in list(memo.cache.services.items()):
-            if not ((body.get("spec") or {}).get("autoscaling") or {}).get("enabled"):
-                memos.pop(key, None)
-                continue
-            try:
-                await autoscaler.autoscale(
-                    body=body, name=key[1], namespace=key[0], logger=logger,
-                    memo=memos.setdefault(key, types.SimpleNamespace()), client=_client(memo),
-                    lock=_lock(memo, *key), settings=config.autoscale,
-                )  # fmt: skip
-            except Exception as e:
-                logger.warning(f"autoscaler: {key[0]}/{key[1]}: {e}")
 
 
 async def transfer_health_forever(memo: Any, config: OperatorConfig) -> None:
@@ -184,6 +197,13 @@ async def _check_transfers(
             kopf.warn(body, reason="KVTransferFallback", message=message)
 
 
+def _skip_watch_handler_events(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    if "Handler 'watch-" in message or "service_event" in message:
+        record.k8s_skip = True  # kopf's poster skips records marked so
+    return True
+
+
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorConfig()) -> None:
     """Register all LLMService handlers on ``registry`` (kopf's default one for ``kopf run``)."""
     res = (n.GROUP, n.VERSION, n.PLURAL)
@@ -194,11 +214,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorC
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=n.GROUP, key="last-handled-configuration"
         )
-        # Only warnings become Kubernetes Events by logging (kopf logs every watch event
-        # handler's success at INFO: posting those would cost a request per child event);
-        # handlers post what people need to see with kopf.event / kopf.warn (not kopf.info:
-        # it is filtered by this level too).
-        settings.posting.level = logging.WARNING
+        settings.posting.level = logging.INFO  # INFO and above become Kubernetes Events
+        # ... except kopf's "Handler succeeded" for the watch-event handlers: one Event (an
+        # API request) per watch event would undo the point of watching.
+        logging.getLogger("kopf.objects").addFilter(_skip_watch_handler_events)
         # A standby takes over when the active replica's peering record expires (a crash) or
         # is removed (a clean stop, at once): 15 s rather than kopf's 60.
         settings.peering.lifetime = config.peering_lifetime
