@@ -63,20 +63,30 @@ class Clock:
         return self.t
 
 
-async def test_ttft_breach_scales_prefill_then_quiet_scales_back() -> None:
+def fake_autoscaler(
+    *flags: str,
+) -> tuple[LocalAutoscaler, FakeRouter, FakePools, Clock]:
+    """An autoscaler over a fake router and pools, on a clock the test moves."""
     router, pools, clock = FakeRouter(), FakePools(), Clock()
 
     async def fetch() -> str:
         return router.text()
 
     auto = LocalAutoscaler(
-        make_config("--slo-ttft-ms", "1000", "--slo-tpot-ms", "200", "--scale-down-window", "30"),
+        make_config(*flags),
         fetch_metrics=fetch,
         pool_status=pools.status,
         scale_prefill=pools.scaler("prefill"),
         scale_decode=pools.scaler("decode"),
         interval_s=5.0,
         clock=clock,
+    )
+    return auto, router, pools, clock
+
+
+async def test_ttft_breach_scales_prefill_then_quiet_scales_back() -> None:
+    auto, router, pools, clock = fake_autoscaler(
+        "--slo-ttft-ms", "1000", "--slo-tpot-ms", "200", "--scale-down-window", "30"
     )
     assert await auto.step() is None  # first scrape: nothing to compare with
     # 10 s of 6 req/s with 2000-token prompts: 12k prompt tok/s >> one CPU prefill worker
@@ -163,22 +173,9 @@ async def test_run_loop_over_loopback_http() -> None:
 async def test_short_prompts_run_colocated_when_the_prefill_pool_may_be_empty(capsys) -> None:
     """--prefill-min 0: short prompts with a loose TPOT stop the prefill workers (the router
     prefills on decode workers when it has none); the mix and why are printed."""
-    router, pools, clock = FakeRouter(), FakePools(), Clock()
-
-    async def fetch() -> str:
-        return router.text()
-
     flags = ("--prefill-min", "0", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500",
              "--scale-down-window", "5")  # fmt: skip
-    auto = LocalAutoscaler(
-        make_config(*flags),
-        fetch_metrics=fetch,
-        pool_status=pools.status,
-        scale_prefill=pools.scaler("prefill"),
-        scale_decode=pools.scaler("decode"),
-        interval_s=5.0,
-        clock=clock,
-    )
+    auto, router, pools, clock = fake_autoscaler(*flags)
     assert await auto.step() is None
     for i in range(1, 6):
         clock.t = 10.0 * i
