@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -47,3 +48,20 @@ def run_bench(script: str, *args: str, timeout: float) -> dict[str, Any]:
                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def wait_until_up(proc: subprocess.Popen[str], timeout: float = 600) -> tuple[str, list[str]]:
+    """Read ``pdserve up``'s output until its banner: the router URL (no /v1) and the
+    worker URLs it printed; fails the test with the output if it exits or is too slow."""
+    lines: list[str] = []
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while not any(line.startswith("pdserve is up") for line in lines):
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "pdserve up exited:\n" + "".join(lines)
+        lines.append(line)
+        assert time.monotonic() < deadline, "pdserve up not ready:\n" + "".join(lines)
+    text = "".join(lines)
+    workers = re.findall(r"(?:prefill|decode)-\d+\s+ready at (\S+)", text)
+    url = re.search(r"pdserve is up: (\S+)/v1", text).group(1)  # type: ignore[union-attr]
+    return url, workers

@@ -8,16 +8,14 @@ report per-point latencies, output tok/s and the peer ratio.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.loopback import ROOT, free_port, run_bench
+from tests.loopback import ROOT, free_port, run_bench, wait_until_up
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -27,15 +25,7 @@ def _start_peer(model: Path, port: int) -> tuple[subprocess.Popen, str]:  # type
             "--port", str(port), "--worker-port-base", str(port + 100)]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, start_new_session=True)  # fmt: skip
-    lines: list[str] = []
-    deadline = time.monotonic() + 300
-    assert proc.stdout is not None
-    while not any(line.startswith("pdserve is up") for line in lines):
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, "peer exited:\n" + "".join(lines)
-        assert time.monotonic() < deadline, "peer not ready:\n" + "".join(lines)
-        lines.append(line)
-    return proc, re.search(r"pdserve is up: (\S+)/v1", "".join(lines)).group(1)  # type: ignore[union-attr]
+    return proc, wait_until_up(proc, 300)[0]
 
 
 def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -8,16 +8,14 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.loopback import ROOT, free_port
+from tests.loopback import ROOT, free_port, wait_until_up
 
 # Prompts at least this long (in tokens) are prefilled on the prefill worker: the tests'
 # prompts are longer, so every request crosses the P/D hand-off.
@@ -44,17 +42,7 @@ def run_up(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[Up]:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, start_new_session=True)  # fmt: skip
     try:
-        lines: list[str] = []
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 600
-        while not any(line.startswith("pdserve is up") for line in lines):
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "pdserve up exited:\n" + "".join(lines)
-            lines.append(line)
-            assert time.monotonic() < deadline, "pdserve up not ready:\n" + "".join(lines)
-        text = "".join(lines)
-        workers = re.findall(r"(?:prefill|decode)-\d+\s+ready at (\S+)", text)
-        url = re.search(r"pdserve is up: (\S+)/v1", text).group(1)  # type: ignore[union-attr]
+        url, workers = wait_until_up(proc)
         yield Up(url, workers, proc)
     finally:
         if proc.poll() is None:

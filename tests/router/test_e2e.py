@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.loopback import ROOT, all_kv_free, free_port
+from tests.loopback import ROOT, all_kv_free, free_port, wait_until_up
 
 WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.py"]
 
@@ -45,16 +43,7 @@ def up(tiny_model_dir: Path, tmp_path_factory):
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         start_new_session=True, preexec_fn=_ignore_sigint,
     )  # fmt: skip
-    lines: list[str] = []
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 600
-    while not any(line.startswith("pdserve is up") for line in lines):
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, "pdserve up exited:\n" + "".join(lines)
-        lines.append(line)
-        assert time.monotonic() < deadline, "pdserve up not ready:\n" + "".join(lines)
-    workers = re.findall(r"(?:prefill|decode)-\d+\s+ready at (\S+)", "".join(lines))
-    url = re.search(r"pdserve is up: (\S+)/v1", "".join(lines)).group(1)  # type: ignore[union-attr]
+    url, workers = wait_until_up(proc)
     yield url, workers, proc
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
