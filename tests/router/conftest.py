@@ -20,6 +20,9 @@ from pdserve.router.discovery import StaticSource
 from pdserve.router.tokenizer import PromptTokenizer
 from tests.router.fakes import SECRET, TOTAL_BLOCKS, FakeState, decode_app, prefill_app, serve
 
+# The pdserve-up cluster fixtures (up, client) for the modules that run real workers.
+from tests.router.pdserve_up import client, up  # noqa: F401
+
 
 @pytest.fixture(autouse=True)
 def service_secret(monkeypatch: pytest.MonkeyPatch) -> None:

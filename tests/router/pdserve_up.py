@@ -1,6 +1,8 @@
 """``pdserve up`` (1 prefill + 1 decode, float32) on loopback for the conformance tests.
 
-One cluster per test module: start it in a module-scoped fixture with :func:`run_up`.
+One cluster per test module: the module-scoped fixtures ``up`` (the cluster) and ``client``
+(an OpenAI client on it), which tests/router/conftest.py offers every router test module;
+:func:`run_up` for a module that needs other flags.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.loopback import ROOT, free_port, wait_until_up
+import openai
+import pytest
+
+from tests.loopback import ROOT, all_kv_free, free_port, wait_until_up
 
 # Prompts at least this long (in tokens) are prefilled on the prefill worker: the tests'
 # prompts are longer, so every request crosses the P/D hand-off.
@@ -51,3 +56,15 @@ def run_up(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[Up]:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    with run_up(tiny_model_dir, tmp_path_factory.mktemp("up-logs")) as cluster:
+        yield cluster
+        all_kv_free(cluster.workers)  # after the module's last test, too
+
+
+@pytest.fixture(scope="module")
+def client(up: Up) -> openai.OpenAI:
+    return openai.OpenAI(base_url=up.url + "/v1", api_key="none", max_retries=0, timeout=300)

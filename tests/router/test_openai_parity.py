@@ -5,7 +5,6 @@ naming the field. Every prompt is long enough to cross the P/D hand-off."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,24 +14,12 @@ import pytest
 import torch
 
 from tests.loopback import all_kv_free
-from tests.router.pdserve_up import Up, run_up
+from tests.router.pdserve_up import Up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPT_IDS = [0, *range(400, 440)]  # 41 tokens: remote prefill
 LONG_TEXT = "Tell me a story about a fox and a crow. " * 4
-
-
-@pytest.fixture(scope="module")
-def up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    with run_up(tiny_model_dir, tmp_path_factory.mktemp("up-logs")) as cluster:
-        yield cluster
-        all_kv_free(cluster.workers)  # after the module's last test, too
-
-
-@pytest.fixture(scope="module")
-def client(up: Up) -> openai.OpenAI:
-    return openai.OpenAI(base_url=up.url + "/v1", api_key="none", max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +19,7 @@ import openai
 import pytest
 
 from tests.loopback import all_kv_free
-from tests.router.pdserve_up import Up, run_up
+from tests.router.pdserve_up import Up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -66,18 +64,6 @@ SCHEMAS: list[dict[str, Any]] = [
             "required": ["id", "kind", "tags"]},
     },
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    with run_up(tiny_model_dir, tmp_path_factory.mktemp("up-logs")) as cluster:
-        yield cluster
-        all_kv_free(cluster.workers)
-
-
-@pytest.fixture(scope="module")
-def client(up: Up) -> openai.OpenAI:
-    return openai.OpenAI(base_url=up.url + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
 def _schema_format(i: int, strict: bool) -> dict[str, Any]:

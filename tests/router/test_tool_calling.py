@@ -4,16 +4,11 @@ named ``tool_choice``, streamed and not, valid JSON for their schemas from a ran
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
-
-from tests.loopback import all_kv_free
-from tests.router.pdserve_up import Up, run_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -33,18 +28,6 @@ TOOLS: list[Any] = [
     for n, p in FUNCTIONS.items()
 ]
 MESSAGES: list[Any] = [{"role": "user", "content": "What is the weather in Oslo this week?"}]
-
-
-@pytest.fixture(scope="module")
-def up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    with run_up(tiny_model_dir, tmp_path_factory.mktemp("up-logs")) as cluster:
-        yield cluster
-        all_kv_free(cluster.workers)
-
-
-@pytest.fixture(scope="module")
-def client(up: Up) -> openai.OpenAI:
-    return openai.OpenAI(base_url=up.url + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
 def _check(calls: list[tuple[str, str]], parallel: bool = True) -> None:
