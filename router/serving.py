@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -31,6 +31,8 @@ from pdserve.router.tool_output import ToolOutput
 from pdserve.router.tools import chat_inputs
 
 T = TypeVar("T")
+E = TypeVar("E")  # an event: a Delta, or (choice index, Delta)
+C = TypeVar("C")  # all of a request's events, collected
 
 
 class ClientGone(Exception):
@@ -200,19 +202,43 @@ async def _respond(
     ticket: Ticket,
 ) -> Response:
     events = rt.dispatcher.run(rs, plan)
+
+    def whole(got: tuple[str, str | None, list[int], list[Any]]) -> dict[str, Any]:
+        text, finish, ids, lps = got
+        fmt = _formatter(rt, req)
+        message = None
+        if req.tools is not None:
+            message, finish = ToolOutput(req.tools).message(text, finish)
+        return responses.full_response(
+            rs.request_id, req.model, req.chat, text, finish, _usage(rs),
+            fmt.format(ids, lps) if fmt is not None else None, message,
+        )  # fmt: skip
+
+    def stream(first: Delta) -> tuple[str, AsyncIterator[str]]:
+        out = _Chunks(req, rs, _formatter(rt, req))
+        return _sse_head(req, rs, first, out), _sse_rest(req, rs, events, out)
+
+    return await answer(rt, request, req, rs, ticket, events, _collect, whole, stream)
+
+
+async def answer(
+    rt: Runtime,
+    request: Request,
+    req: GenerateRequest,
+    rs: RequestState,
+    ticket: Ticket,
+    events: AsyncGenerator[E, None],
+    collect: Callable[[AsyncGenerator[E, None]], Awaitable[C]],
+    whole: Callable[[C], dict[str, Any]],
+    stream: Callable[[E], tuple[str, AsyncIterator[str]]],
+) -> Response:
+    """Answer from ``events`` (one choice's or n choices'): whole, or streamed once the first
+    event is in, so that a failure before it is still an HTTP error with a status."""
     try:
         if not req.stream:
-            text, finish, ids, lps = await guarded(request, _collect(events))
+            got = await guarded(request, collect(events))
             rt.finish(rs, 200)
-            fmt = _formatter(rt, req)
-            message = None
-            if req.tools is not None:
-                message, finish = ToolOutput(req.tools).message(text, finish)
-            body = responses.full_response(
-                rs.request_id, req.model, req.chat, text, finish, _usage(rs),
-                fmt.format(ids, lps) if fmt is not None else None, message,
-            )  # fmt: skip
-            return JSONResponse(body)
+            return JSONResponse(whole(got))
         first = await guarded(request, anext(events))
     except APIError:
         await events.aclose()
@@ -229,8 +255,8 @@ async def _respond(
         ticket.release()
         rt.finish(rs, rs.status)
 
-    out = _Chunks(req, rs, _formatter(rt, req))
-    return _Stream(_sse_head(req, rs, first, out), _sse_rest(req, rs, events, out), cleanup)
+    head, rest = stream(first)
+    return _Stream(head, rest, cleanup)
 
 
 async def _respond_n(*args: Any) -> Response:

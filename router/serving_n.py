@@ -6,12 +6,11 @@ chunk of a stream carries its choice's ``index``, and the choices' chunks interl
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pdserve.router import responses
 from pdserve.router.choices import Choices
@@ -20,7 +19,7 @@ from pdserve.router.errors import APIError
 from pdserve.router.protocol import GenerateRequest
 from pdserve.router.routing import RoutePlan
 from pdserve.router.runtime import Runtime, Ticket
-from pdserve.router.serving import ClientGone, _Chunks, _formatter, _Stream, guarded
+from pdserve.router.serving import _Chunks, _formatter, answer
 from pdserve.router.tool_output import ToolOutput
 
 
@@ -35,33 +34,18 @@ async def respond_n(
     """n > 1 choices (router/choices.py); each stream chunk carries its choice's index."""
     ch = Choices(rt.dispatcher, rs, plan, req.best_of)
     events = ch.events()
-    try:
-        if not req.stream:
-            per = await guarded(request, _collect_n(events, req.best_of))
-            rt.finish(rs, 200)
-            return JSONResponse(_whole_n(rt, req, rs, ch, per))
-        first = await guarded(request, anext(events))
-    except APIError:
-        await events.aclose()
-        raise
-    except ClientGone:
-        rt.finish(rs, 499)
-        return Response(status_code=499)
-    except StopAsyncIteration:
-        raise APIError(502, "the workers returned no tokens") from None
 
-    async def cleanup() -> None:
-        with contextlib.suppress(Exception):
-            await events.aclose()
-        ticket.release()
-        rt.finish(rs, rs.status)
+    def stream(first: tuple[int, Delta]) -> tuple[str, AsyncIterator[str]]:
+        outs = [_Chunks(req, rs, _formatter(rt, req), i) for i in range(req.n)]
+        rs.status = 499  # until the stream completes
+        head = "".join(responses.chunk(rs.request_id, req.model, True, role=True, index=i)
+                       for i in range(req.n)) if req.chat else ""  # fmt: skip
+        return head + outs[first[0]](first[1]), _sse_rest_n(req, rs, ch, events, outs)
 
-    outs = [_Chunks(req, rs, _formatter(rt, req), i) for i in range(req.n)]
-    rs.status = 499  # until the stream completes
-    head = "".join(responses.chunk(rs.request_id, req.model, True, role=True, index=i)
-                   for i in range(req.n)) if req.chat else ""  # fmt: skip
-    return _Stream(head + outs[first[0]](first[1]), _sse_rest_n(req, rs, ch, events, outs),
-                   cleanup)  # fmt: skip
+    return await answer(
+        rt, request, req, rs, ticket, events, lambda e: _collect_n(e, req.best_of),
+        lambda per: _whole_n(rt, req, rs, ch, per), stream,
+    )  # fmt: skip
 
 
 async def _collect_n(events: AsyncIterator[tuple[int, Delta]], n: int) -> list[list[Delta]]:
