@@ -29,6 +29,19 @@ async def _migrated(c) -> float:
     return float(line.split()[-1])
 
 
+async def _text_before_error(c, match: str) -> str:
+    """Stream a short completion that must end in an error matching ``match``; the text
+    the client got before it."""
+    stream = await client(c.url).completions.create(
+        model="tiny", prompt="hi", max_tokens=10, stream=True
+    )
+    got = []
+    with pytest.raises(openai.APIError, match=match):
+        async for ch in stream:
+            got.append(ch.choices[0].text)
+    return "".join(got)
+
+
 @pytest.mark.parametrize("threshold", [16, 10_000])  # remote prefill, local prefill
 async def test_stream_moves_to_another_decode_worker(cluster_factory, threshold: int) -> None:
     async with cluster_factory(n_decode=2, disagg_threshold=threshold, routing="round-robin") as c:
@@ -61,14 +74,7 @@ async def test_request_fault_mid_stream_is_not_migrated(cluster_factory) -> None
     async with cluster_factory(n_decode=2, disagg_threshold=10_000, routing="round-robin") as c:
         first = _first(c)
         c.decode[first].fail = "error-mid"
-        stream = await client(c.url).completions.create(
-            model="tiny", prompt="hi", max_tokens=10, stream=True
-        )
-        got = []
-        with pytest.raises(openai.APIError, match="request failed: injected"):
-            async for ch in stream:
-                got.append(ch.choices[0].text)
-        assert "".join(got) == " t0 t1"
+        assert await _text_before_error(c, "request failed: injected") == " t0 t1"
         assert c.decode[1 - first].requests == [] and await _migrated(c) == 0
         await c.settle()
 
@@ -77,12 +83,6 @@ async def test_no_survivor_ends_the_stream_with_an_error(cluster_factory) -> Non
     async with cluster_factory(n_decode=2, disagg_threshold=10_000) as c:
         for st in c.decode:
             st.fail = "mid-stream"
-        stream = await client(c.url).completions.create(
-            model="tiny", prompt="hi", max_tokens=10, stream=True
-        )
-        got = []
-        with pytest.raises(openai.APIError, match="no other could take over"):
-            async for ch in stream:
-                got.append(ch.choices[0].text)
-        assert "".join(got) == " t0 t1 t2 t3"  # two tokens from each worker, none twice
+        got = await _text_before_error(c, "no other could take over")
+        assert got == " t0 t1 t2 t3"  # two tokens from each worker, none twice
         await c.settle()
