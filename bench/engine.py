@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import figures  # bench/figures.py, beside this script
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -229,10 +231,7 @@ def run_baseline(model: Any, pad_id: int, work: Workload, batch: int, device: st
 
 
 def plot(path: str, ours: Run, base: Run, result: dict[str, Any], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1, 2]})
     names = ["pdserve engine", "transformers\nstatic batches"]
@@ -259,10 +258,7 @@ def plot(path: str, ours: Run, base: Run, result: dict[str, Any], title: str) ->
         fontsize=10,
     )
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figures.save(fig, path, dpi=120)
 
 
 def main() -> int:

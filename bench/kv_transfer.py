@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import figures  # bench/figures.py, beside this script
 import torch
 from tqdm import tqdm
 
@@ -159,10 +160,7 @@ def run_memcpy(args, expected, remote, num_bytes) -> float:
 
 
 def plot(path: str, result: dict[str, float], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     names = ["NIXL (2 processes)", "tcp transport (2 processes)", "torch copy (1 process)"]
     values = [result["nixl_gbps"], result["tcp_gbps"], result["memcpy_gbps"]]
@@ -172,10 +170,7 @@ def plot(path: str, result: dict[str, float], title: str) -> None:
     ax.set_ylabel("GB/s")
     ratios = f"NIXL = {result['nixl_vs_memcpy']:.2f}x torch copy, {result['nixl_vs_tcp']:.1f}x tcp"
     ax.set_title(f"{title}\n{ratios}", fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figures.save(fig, path, dpi=120)
 
 
 def main() -> int:

@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import figures  # bench/figures.py, beside this script
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -268,10 +269,7 @@ def summarize(name: str, results: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def plot(prefix: list[dict], rr: list[dict], summary: dict[str, float], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for name, res in (("prefix-aware", prefix), ("round-robin", rr)):
@@ -287,9 +285,7 @@ def plot(prefix: list[dict], rr: list[dict], summary: dict[str, float], path: Pa
         f"{summary['router_overhead_p50_ms']:.2f} ms (bare proxy "
         f"{summary['proxy_overhead_p50_ms']:.2f} ms)"
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    figures.save(fig, path, dpi=100)
 
 
 async def measure(

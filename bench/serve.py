@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import figures  # bench/figures.py, beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -133,10 +135,7 @@ def ratios(results: dict[str, list[dict[str, Any]]], peer: str) -> dict[str, flo
 
 
 def plot(path: str, results: dict[str, list[dict[str, Any]]], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for name, points in results.items():
@@ -150,10 +149,7 @@ def plot(path: str, results: dict[str, list[dict[str, Any]]], title: str) -> Non
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figures.save(fig, path, dpi=110)
 
 
 def main() -> int:

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import figures  # bench/figures.py, beside this script
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -79,19 +81,14 @@ def run(
 
 
 def plot(path: str, result: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 4))
     ax.bar(["free", "json_schema"], [result["free_tok_s"], result["constrained_tok_s"]],
            color=["#888", "#2a7"])  # fmt: skip
     ax.set_ylabel("output tokens per CPU second")
     ax.set_title(f"structured outputs: {result['ratio']:.2f}x of free ({result['preset']})")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    figures.save(fig, path, dpi=100)
 
 
 def main() -> int:
