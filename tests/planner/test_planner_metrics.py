@@ -60,32 +60,34 @@ def test_two_scrapes_give_rates_quantiles_and_attainment() -> None:
     assert s.kv_utilisation == pytest.approx(0.75)
 
 
-RECORDED_1 = """\
+def recorded_router(ttft: tuple[int, int, int], ttft_sum: float, ok: int) -> str:
+    """A router's /metrics as scraped: the TTFT histogram (cumulative counts at 0.5 s, 1 s
+    and +Inf) and the count of 200 responses."""
+    le_half, le_one, count = ttft
+    return f"""\
 # TYPE pdserve_router_ttft_seconds histogram
-pdserve_router_ttft_seconds_bucket{le="0.5"} 10
-pdserve_router_ttft_seconds_bucket{le="1.0"} 20
-pdserve_router_ttft_seconds_bucket{le="+Inf"} 20
-pdserve_router_ttft_seconds_count 20
-pdserve_router_ttft_seconds_sum 10.0
+pdserve_router_ttft_seconds_bucket{{le="0.5"}} {le_half}
+pdserve_router_ttft_seconds_bucket{{le="1.0"}} {le_one}
+pdserve_router_ttft_seconds_bucket{{le="+Inf"}} {count}
+pdserve_router_ttft_seconds_count {count}
+pdserve_router_ttft_seconds_sum {ttft_sum}
 # TYPE pdserve_router_requests_total counter
-pdserve_router_requests_total{code="200"} 1000
+pdserve_router_requests_total{{code="200"}} {ok}
+"""
+
+
+RECORDED_1 = (
+    recorded_router((10, 20, 20), 10.0, 1000)
+    + """\
 # TYPE pdserve_router_inflight_requests gauge
 pdserve_router_inflight_requests{worker="d0",role="decode"} 4
 pdserve_router_inflight_requests{worker="d1",role="decode"} 6
 pdserve_router_inflight_requests{worker="p0",role="prefill"} 9
 """
+)
 
 # the router restarted: counters went back down (a reset, not a negative rate)
-RECORDED_2 = """\
-# TYPE pdserve_router_ttft_seconds histogram
-pdserve_router_ttft_seconds_bucket{le="0.5"} 2
-pdserve_router_ttft_seconds_bucket{le="1.0"} 3
-pdserve_router_ttft_seconds_bucket{le="+Inf"} 4
-pdserve_router_ttft_seconds_count 4
-pdserve_router_ttft_seconds_sum 4.0
-# TYPE pdserve_router_requests_total counter
-pdserve_router_requests_total{code="200"} 30
-"""
+RECORDED_2 = recorded_router((2, 3, 4), 4.0, 30)
 
 
 def test_recorded_text_with_counter_reset_and_router_inflight_fallback() -> None:
