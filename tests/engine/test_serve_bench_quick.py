@@ -25,7 +25,9 @@ def _start_peer(model: Path, port: int) -> tuple[subprocess.Popen, str]:  # type
             "--port", str(port), "--worker-port-base", str(port + 100)]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, start_new_session=True)  # fmt: skip
-    return proc, wait_until_up(proc, 300)[0]
+    url, workers = wait_until_up(proc, 300)
+    assert len(workers) == 1, workers  # --prefill 0: one decode worker
+    return proc, url
 
 
 def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -89,6 +89,7 @@ async def test_ttft_breach_scales_prefill_then_quiet_scales_back() -> None:
         "--slo-ttft-ms", "1000", "--slo-tpot-ms", "200", "--scale-down-window", "30"
     )
     assert await auto.step() is None  # first scrape: nothing to compare with
+    assert pools.calls == []
     # 10 s of 6 req/s with 2000-token prompts: 12k prompt tok/s >> one CPU prefill worker
     clock.t = 10.0
     router.serve_interval(60, ttft=4.0, tpot=0.05, prompt=2000, output=20)
@@ -176,7 +177,8 @@ async def test_short_prompts_run_colocated_when_the_prefill_pool_may_be_empty(ca
     flags = ("--prefill-min", "0", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500",
              "--scale-down-window", "5")  # fmt: skip
     auto, router, pools, clock = fake_autoscaler(*flags)
-    assert await auto.step() is None
+    assert await auto.step() is None  # first scrape: nothing to compare with
+    assert pools.calls == []
     for i in range(1, 6):
         clock.t = 10.0 * i
         router.serve_interval(10, ttft=0.1, tpot=0.02, prompt=16, output=64)

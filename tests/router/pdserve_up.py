@@ -61,6 +61,7 @@ def run_up(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[Up]:
 @pytest.fixture(scope="module")
 def up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     with run_up(tiny_model_dir, tmp_path_factory.mktemp("up-logs")) as cluster:
+        assert len(cluster.workers) == 2, cluster.workers  # one prefill, one decode
         yield cluster
         all_kv_free(cluster.workers)  # after the module's last test, too
 

@@ -44,6 +44,7 @@ def up(tiny_model_dir: Path, tmp_path_factory):
         start_new_session=True, preexec_fn=_ignore_sigint,
     )  # fmt: skip
     url, workers = wait_until_up(proc)
+    assert len(workers) == 2, workers  # the default: one prefill, one decode worker
     yield url, workers, proc
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -85,4 +85,5 @@ async def test_no_survivor_ends_the_stream_with_an_error(cluster_factory) -> Non
             st.fail = "mid-stream"
         got = await _text_before_error(c, "no other could take over")
         assert got == " t0 t1 t2 t3"  # two tokens from each worker, none twice
+        assert await _migrated(c) == 1  # moved once; the second failure had nowhere to go
         await c.settle()
