@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from tests.loopback import all_kv_free
+from tests.loopback import all_kv_free, secret_headers
 from tests.router.pdserve_up import Up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -151,7 +151,8 @@ def _prefills(up: Up) -> float:
 
 
 def _decode_hits(up: Up) -> int:
-    return int(httpx.get(up.workers[1] + "/stats").json()["prefix_cache_hit_tokens"])
+    stats = httpx.get(up.workers[1] + "/stats", headers=secret_headers())  # an internal route
+    return int(stats.json()["prefix_cache_hit_tokens"])
 
 
 def test_n_choices_share_one_prefill(client: openai.OpenAI, up: Up) -> None:
