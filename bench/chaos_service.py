@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,7 +20,13 @@ from typing import Any
 
 import httpx
 
+from pdserve import env
+
 ROOT = Path(__file__).resolve().parent.parent
+# The service secret of the deployment under test: the environment's, else one for this run
+# (given to `pdserve up`, sent with every internal request the bench makes to a worker).
+SECRET = os.environ.get(env.SERVICE_SECRET) or secrets.token_hex(16)
+HEADERS = {env.SECRET_HEADER: SECRET}
 
 
 class Service:
@@ -35,6 +42,7 @@ class Service:
     def start(self, timeout: float = 300.0) -> None:
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+            env={**os.environ, env.SERVICE_SECRET: SECRET},
             start_new_session=True,  # its own group: SIGTERM reaches up, as Ctrl-C would
         )  # fmt: skip
         threading.Thread(target=self._read, daemon=True).start()
@@ -75,7 +83,7 @@ class Service:
 
 def stats(url: str) -> dict[str, Any] | None:
     try:
-        return dict(httpx.get(url + "/stats", timeout=5).json())
+        return dict(httpx.get(url + "/stats", timeout=5, headers=HEADERS).json())
     except (httpx.HTTPError, ValueError):
         return None
 

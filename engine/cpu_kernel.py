@@ -29,7 +29,12 @@ from pdserve import env
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# Not -ffast-math: linking a shared library with it pulls in crtfastmath.o, which sets
+# flush-to-zero / denormals-are-zero for the whole process on load (torch's numerics and
+# every other library's change with it). The reassociation the kernel's reductions need
+# to vectorise is asked for alone.
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+         "-fassociative-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # fmt: skip
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 

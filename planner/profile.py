@@ -105,16 +105,22 @@ def fit_decode(
 def _nonnegative_fit(
     columns: dict[str, list[float]], y: list[float], keep: str
 ) -> dict[str, float]:
-    """Least squares; drop the most negative coefficient and refit until none is negative."""
+    """Least squares; drop the most negative coefficient and refit until none is negative.
+    When ``keep`` itself comes out non-positive (a curve so steep that a higher-order term
+    takes all of it, e.g. attention over a long prefill), the last other column in
+    ``columns`` order (the highest order) is dropped and the fit is tried again."""
     active = list(columns)
     while True:
         a = np.array([columns[k] for k in active], dtype=float).T
         sol, *_ = np.linalg.lstsq(a, np.array(y, dtype=float), rcond=None)
         coef = dict(zip(active, (float(x) for x in sol), strict=True))
         worst = min((k for k in active if k != keep), key=coef.__getitem__, default=None)
-        if worst is None or coef[worst] >= 0:
+        if worst is not None and coef[worst] < 0:
+            active.remove(worst)
+        elif coef[keep] <= 0 and worst is not None:
+            active.remove([k for k in active if k != keep][-1])
+        else:
             break
-        active.remove(worst)
     if coef[keep] <= 0:
         raise ValueError(f"measurements give a non-positive {keep}: too noisy to fit")
     return {k: max(0.0, coef.get(k, 0.0)) for k in columns}

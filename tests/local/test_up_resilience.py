@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.loopback import ROOT, all_kv_free, free_port
+from tests.loopback import ROOT, all_kv_free, free_port, secret_headers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -81,7 +81,7 @@ def _body(prompt: str, **kw: Any) -> dict[str, Any]:
 
 
 def _stats(url: str) -> dict[str, Any]:
-    return dict(httpx.get(url + "/stats", timeout=5).json())
+    return dict(httpx.get(url + "/stats", timeout=5, headers=secret_headers()).json())
 
 
 def _stats_or_none(url: str) -> dict[str, Any] | None:

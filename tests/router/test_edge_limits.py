@@ -119,8 +119,9 @@ async def test_rate_limits_per_api_key(cluster_factory) -> None:
 
 
 async def test_huge_request_does_not_stall_other_streams(cluster_factory) -> None:
-    """A 220,000-character prompt is parsed and tokenized (about a second here) while
-    four streams go on: their inter-token gaps stay small, the loop never stalls."""
+    """An 880,000-character prompt (under --max-prompt-chars) is parsed and tokenized
+    (one to a few seconds, by the machine) while four streams go on: their inter-token
+    gaps stay small, the loop never stalls."""
     cfg = {"max_prompt_chars": 1 << 20, "disagg_threshold": 10_000}
     async with cluster_factory(**cfg) as c, httpx.AsyncClient(base_url=c.url, timeout=60) as h:
         c.decode[0].token_delay_s = 0.02
@@ -139,7 +140,7 @@ async def test_huge_request_does_not_stall_other_streams(cluster_factory) -> Non
         streams = [asyncio.create_task(stream()) for _ in range(4)]
         await asyncio.sleep(0.3)
         t0 = time.perf_counter()
-        big = await h.post("/v1/completions", json={**OK, "prompt": "fox jumps. " * 20_000})
+        big = await h.post("/v1/completions", json={**OK, "prompt": "fox jumps. " * 80_000})
         heavy = time.perf_counter() - t0
         await asyncio.gather(*streams)
     assert big.status_code == 400 and big.json()["error"]["code"] == "context_length_exceeded"

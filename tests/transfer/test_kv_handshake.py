@@ -8,12 +8,20 @@ import pytest
 import zmq
 from kv_helpers import as_bytes, make_pool, wait_results
 
+from pdserve import env
 from pdserve.codec import encode
 from pdserve.transfer.base import IncompatiblePeerError, TransferError
 from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord, HandshakeReply, LeaseClaim
 from pdserve.transfer.server import KVServer
 from pdserve.transfer.side_channel import call, handshake
+
+
+@pytest.fixture(autouse=True)
+def _no_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compatibility, not authentication (that is tests/transfer/test_kv_auth.py): both ends
+    of every handshake here run without the suite's service secret."""
+    monkeypatch.delenv(env.SERVICE_SECRET, raising=False)
 
 
 @pytest.fixture
