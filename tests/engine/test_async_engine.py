@@ -53,7 +53,8 @@ async def test_concurrent_streams_match_transformers(engine: AsyncEngine, hf_mod
         assert [t for o in outs for t in o.token_ids] == hf_greedy(hf_model, prompt, n)
         assert len(outs) > n // 2  # streamed as the engine steps (a lagging reader merges)
         assert all(o.token_ids for o in outs)
-        assert [o.finished for o in outs] == [False] * (n - 1) + [True]
+        # only the last output is final (a lagging reader gets merged deltas: fewer than n)
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         final = outs[-1]
         assert final.finish_reason == "length"
         assert final.usage == {
