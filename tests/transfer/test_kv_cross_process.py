@@ -152,9 +152,14 @@ def test_nixl_read_hung_on_frozen_peer_is_aborted(monkeypatch: pytest.MonkeyPatc
         t0 = time.monotonic()
         conn.start_load("b", handle_for(peer, "b", [2, 3], "nixl"), [2, 3], [1, 2])
         (res,) = wait_results(conn, 1, timeout=3 * TIMEOUT + 3)
-        assert not res.ok and "timed out" in res.error, res
+        assert not res.ok, res
         assert time.monotonic() - t0 < TIMEOUT + 1.0
         assert conn.pending() == 0
+        if "no reply from side channel" in res.error:
+            # A race of the test's own: UCX finished the READ before the stop took hold. The
+            # frozen peer cannot confirm it intact (LeaseDone gets no reply): still a failure.
+            return
+        assert "timed out" in res.error, res
         # The aborted READ must not land later, when the peer wakes up: the engine has
         # been told the blocks are free.
         os.kill(peer.proc.pid, signal.SIGCONT)
