@@ -141,8 +141,18 @@ def test_bad_fields_are_refused_by_name(up: Up, body: dict[str, Any], param: str
     assert r.json()["error"]["param"] == param, r.text
 
 
+def _stats(up: Up, role: str) -> dict[str, Any]:
+    """The /stats (an internal route) of the one worker of ``role``: up.workers lists them
+    in the order they became ready, which is not fixed."""
+    for url in up.workers:
+        stats = httpx.get(url + "/stats", headers=secret_headers()).json()
+        if stats["role"] == role:
+            return {"url": url, **stats}
+    raise AssertionError(f"no {role} worker in {up.workers}")
+
+
 def _prefills(up: Up) -> float:
-    text = httpx.get(up.workers[0] + "/metrics").text  # workers[0]: the prefill worker
+    text = httpx.get(_stats(up, "prefill")["url"] + "/metrics").text
     return sum(
         float(line.split()[-1])
         for line in text.splitlines()
@@ -151,8 +161,7 @@ def _prefills(up: Up) -> float:
 
 
 def _decode_hits(up: Up) -> int:
-    stats = httpx.get(up.workers[1] + "/stats", headers=secret_headers())  # an internal route
-    return int(stats.json()["prefix_cache_hit_tokens"])
+    return int(_stats(up, "decode")["prefix_cache_hit_tokens"])
 
 
 def test_n_choices_share_one_prefill(client: openai.OpenAI, up: Up) -> None:
