@@ -9,13 +9,13 @@ every route but ``/livez``, ``/health`` and ``/metrics`` needs it in ``X-PDServe
 
 from __future__ import annotations
 
-import sys
 import argparse
 import dataclasses
 import hmac
 import logging
 import os
 import socket
+import sys
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
