@@ -49,10 +49,6 @@ def cache_dir() -> Path:
 
 def compile_model(model: torch.nn.Module) -> Callable[..., Any]:
     """The model's forward, compiled with dynamic shapes; caches on disk."""
-    if os.environ.get("PDSERVE_COMPILE_FREEZE") == "1":  # experiment: prepacked weights
-        import torch._inductor.config as inductor_config
-
-        inductor_config.freezing = True
     return torch.compile(model, dynamic=True)  # type: ignore[return-value]
 
 
