@@ -104,15 +104,31 @@ def paged_attention(
     return _attend(query, key, value, layer, scale), None
 
 
-@torch.library.custom_op("pdserve::paged_attention", mutates_args=())
+# Registered through torch.library's low-level API rather than ``custom_op``: the latter
+# checks its outputs for aliasing in Python on every call (four calls a step per layer).
+_LIB = torch.library.Library("pdserve", "DEF")
+_LIB.define(
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scaling) -> Tensor"
+)
+
+
 def paged_attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float
 ) -> torch.Tensor:
     """:func:`paged_attention` as an operator the compiler keeps whole ([1, T, Hq, D])."""
+    return torch.ops.pdserve.paged_attention(query, key, value, layer, scaling)
+
+
+def _attend_op(  # looks _attend up per call, so a profiler may wrap it
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float
+) -> torch.Tensor:
     return _attend(query, key, value, layer, scaling)
 
 
-@paged_attention_op.register_fake
+_LIB.impl("paged_attention", _attend_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("pdserve::paged_attention")
 def _(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float
 ) -> torch.Tensor:
