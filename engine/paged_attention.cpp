@@ -60,132 +60,187 @@ struct Args {
   float scale;
 };
 
-// One item's state: the scaled queries, the online-softmax running max / sum and the
-// unnormalised output, for its G heads.
-template <class S, int G>
-struct State {
+template <typename T>
+const T* zero_row() {  // stands in for the rows past the context in a partial tile
+  alignas(64) static const T zeros[kMaxD] = {};
+  return zeros;
+}
+
+// One work item: the scaled queries, the online-softmax state and the unnormalised
+// output of the G query heads of one (token, KV head), held as vectors of the head dim.
+// G and C (vectors per head dim) are compile-time for the common shapes, so that the
+// loops unroll and the state stays in registers; 0 means "at run time".
+template <typename T, class S, int G, int C>
+struct Item {
   using V = typename S::V;
-  alignas(64) float q[G][kMaxD];
-  alignas(64) float acc[G][kMaxD];
-  float max[G];
-  V sum[G];  // lane-wise running sums, added up once at the end
+  static constexpr int W = S::W, GM = G ? G : kMaxG, CM = C ? C : kMaxD / W;
+  int ng, nc;
+  V q[GM][CM], acc[GM][CM], sum[GM];  // sum: lane-wise running sums of the weights
+  float max[GM];
+  const T* kp[W];  // the tile's rows
+  const T* vp[W];
+
+  int heads() const { return G ? G : ng; }
+  int chunks() const { return C ? C : nc; }
+
+  // s[g] lane j = q[g] . k[j]: per position a vector of partial products, reduced in
+  // groups of four and then for the whole tile (S::group4 / S::combine) by shuffles.
+  void scores(int n, V (&s)[GM]) const {
+    if constexpr (W % 4 == 0) {
+      V grp[GM][W / 4];
+      for (int i = 0; i < W / 4; ++i) {
+        V part[GM][4];
+        for (int m = 0; m < 4; ++m) {
+          const T* kr = kp[S::group_pos(i, m)];
+          for (int g = 0; g < heads(); ++g) part[g][m] = S::zero();
+          for (int c = 0; c < chunks(); ++c) {
+            const V kv = S::load(kr + c * W);
+            for (int g = 0; g < heads(); ++g) part[g][m] = S::fma(q[g][c], kv, part[g][m]);
+          }
+        }
+        for (int g = 0; g < heads(); ++g) grp[g][i] = S::group4(part[g]);
+      }
+      for (int g = 0; g < heads(); ++g) s[g] = S::combine(grp[g]);
+    } else {
+      for (int g = 0; g < heads(); ++g) {
+        V part[W];
+        for (int j = 0; j < W; ++j) {
+          part[j] = S::zero();
+          for (int c = 0; c < chunks(); ++c) part[j] = S::fma(q[g][c], S::load(kp[j] + c * W), part[j]);
+        }
+        s[g] = S::transpose_sum(part);
+      }
+    }
+    if (n < W)
+      for (int g = 0; g < heads(); ++g) {
+        alignas(64) float buf[W];
+        S::store(buf, s[g]);
+        std::fill(buf + n, buf + W, kNegInf);
+        s[g] = S::load(buf);
+      }
+  }
+
+  // Folds the tile (n <= W rows; the rest point at zero rows) into the state.
+  void fold(int n) {
+    V s[GM];
+    scores(n, s);
+    alignas(64) float p[GM][W];
+    for (int g = 0; g < heads(); ++g) {
+      const float m = S::hmax(s[g]);
+      if (m > max[g]) {  // rescale what came before to the new max
+        const V f = S::set1(Lanes<1>::exp_lane(max[g] - m));
+        sum[g] = S::mul(sum[g], f);
+        for (int c = 0; c < chunks(); ++c) acc[g][c] = S::mul(acc[g][c], f);
+        max[g] = m;
+      }
+      const V e = S::exp(S::sub(s[g], S::set1(max[g])));
+      sum[g] = S::add(sum[g], e);
+      S::store(p[g], e);
+    }
+    for (int j = 0; j < W; ++j) {
+      V vv[CM];
+      for (int c = 0; c < chunks(); ++c) vv[c] = S::load(vp[j] + c * W);
+      for (int g = 0; g < heads(); ++g) {
+        const V pg = S::set1(p[g][j]);
+        for (int c = 0; c < chunks(); ++c) acc[g][c] = S::fma(pg, vv[c], acc[g][c]);
+      }
+    }
+  }
 };
 
-// The tile's scores, s[g] lane j = q[g] . k[j], masked to -inf beyond n.
-template <class S, int G, typename T>
-void tile_scores(const State<S, G>& st, const T* const* kp, int n, int d,
-                 typename S::V (&s)[G]) {
-  using V = typename S::V;
-  constexpr int W = S::W;
-  V part[G][W];
-  for (int j = 0; j < W; ++j) {
-    for (int g = 0; g < G; ++g) part[g][j] = S::zero();
-    if (j >= n) continue;
-    for (int c = 0; c < d; c += W) {
-      const V kv = S::load(kp[j] + c);
-      for (int g = 0; g < G; ++g) part[g][j] = S::fma(S::load(st.q[g] + c), kv, part[g][j]);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    s[g] = S::transpose_sum(part[g]);
-    if (n < W) {
-      alignas(64) float buf[W];
-      S::store(buf, s[g]);
-      std::fill(buf + n, buf + W, kNegInf);
-      s[g] = S::load(buf);
-    }
+// Blocks are scattered over the pool, and the hardware prefetchers stop at page
+// boundaries (a block is about a page): row o of the next block is asked for when row
+// o of this one is queued, one block ahead.
+template <typename T>
+inline void prefetch_row(const T* k, const T* v, int64_t at, int d) {
+  constexpr int kLine = 64 / sizeof(T);
+  for (int e = 0; e < d; e += kLine) {
+    __builtin_prefetch(k + at + e);
+    __builtin_prefetch(v + at + e);
   }
 }
 
-// Folds a tile of n <= W positions (rows kp / vp) into the item's state.
-template <class S, int G, typename T>
-void tile(State<S, G>& st, const T* const* kp, const T* const* vp, int n, int d) {
-  using V = typename S::V;
-  constexpr int W = S::W;
-  V s[G];
-  tile_scores<S, G, T>(st, kp, n, d, s);
-  alignas(64) float p[G][W];
-  for (int g = 0; g < G; ++g) {
-    const float m = S::hmax(s[g]);
-    if (m > st.max[g]) {  // rescale what came before to the new max
-      const float f = Lanes<1>::exp_lane(st.max[g] - m);
-      st.sum[g] = S::mul(st.sum[g], S::set1(f));
-      for (int c = 0; c < d; c += W) S::store(st.acc[g] + c, S::mul(S::load(st.acc[g] + c), S::set1(f)));
-      st.max[g] = m;
-    }
-    const V e = S::exp(S::sub(s[g], S::set1(st.max[g])));
-    st.sum[g] = S::add(st.sum[g], e);
-    S::store(p[g], e);
-  }
-  for (int c = 0; c < d; c += W) {
-    V o[G];
-    for (int g = 0; g < G; ++g) o[g] = S::load(st.acc[g] + c);
-    for (int j = 0; j < n; ++j) {
-      const V vv = S::load(vp[j] + c);
-      for (int g = 0; g < G; ++g) o[g] = S::fma(S::set1(p[g][j]), vv, o[g]);
-    }
-    for (int g = 0; g < G; ++g) S::store(st.acc[g] + c, o[g]);
-  }
-}
-
-template <typename T, class S, int G>
+template <typename T, class S, int G, int C>
 void one_item(const Args& a, int64_t item) {
+  using I = Item<T, S, G, C>;
   constexpr int W = S::W;
   const int i = static_cast<int>(item / a.hkv), h = static_cast<int>(item % a.hkv);
   const int d = a.head_dim, bs = a.block_size, ctx = a.tok_ctx[i], row = a.tok_row[i];
   const int32_t* table = a.tables + static_cast<int64_t>(a.tok_table[i]) * a.table_width;
-  const T* q = static_cast<const T*>(a.q);
   const T* k = static_cast<const T*>(a.k);
   const T* v = static_cast<const T*>(a.v);
-  State<S, G> st;
-  for (int g = 0; g < G; ++g) {
-    const T* qg = q + row * a.q_stride_t + (h * G + g) * a.q_stride_h;
-    for (int e = 0; e < d; ++e) st.q[g][e] = load1(qg + e) * a.scale;
-    std::fill(st.acc[g], st.acc[g] + d, 0.0f);
-    st.max[g] = kNegInf;
-    st.sum[g] = S::zero();
+  I it;
+  it.ng = a.hq / a.hkv;
+  it.nc = d / W;
+  alignas(64) float buf[kMaxD];
+  for (int g = 0; g < it.heads(); ++g) {
+    const T* qg = static_cast<const T*>(a.q) + row * a.q_stride_t + (h * it.heads() + g) * a.q_stride_h;
+    for (int e = 0; e < d; ++e) buf[e] = load1(qg + e) * a.scale;
+    for (int c = 0; c < it.chunks(); ++c) {
+      it.q[g][c] = S::load(buf + c * W);
+      it.acc[g][c] = S::zero();
+    }
+    it.max[g] = kNegInf;
+    it.sum[g] = S::zero();
   }
   const int64_t stride = static_cast<int64_t>(a.hkv) * d;  // between slots, one head
-  const T* kp[W];
-  const T* vp[W];
+  const int64_t block_stride = bs * stride;
   int n = 0;
   for (int b = 0, j = 0; j < ctx; ++b) {
-    const int64_t base = static_cast<int64_t>(table[b]) * bs * stride + h * d;
+    const int64_t base = table[b] * block_stride + h * d;
+    const int next_rows = std::min(bs, ctx - j - bs);
+    const int64_t next = next_rows > 0 ? table[b + 1] * block_stride + h * d : 0;
     for (int o = 0, end = std::min(bs, ctx - j); o < end; ++o, ++j) {
-      kp[n] = k + base + o * stride;
-      vp[n] = v + base + o * stride;
+      if (o < next_rows) prefetch_row(k, v, next + o * stride, d);
+      it.kp[n] = k + base + o * stride;
+      it.vp[n] = v + base + o * stride;
       if (++n == W) {
-        tile<S, G, T>(st, kp, vp, n, d);
+        it.fold(W);
         n = 0;
       }
     }
   }
-  if (n > 0) tile<S, G, T>(st, kp, vp, n, d);
-  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(row) * a.hq + h * G) * d;
-  for (int g = 0; g < G; ++g) {
-    const float inv = 1.0f / S::hsum(st.sum[g]);
-    for (int e = 0; e < d; ++e) store1(out + g * d + e, st.acc[g][e] * inv);
+  if (n > 0) {
+    for (int j = n; j < W; ++j) it.kp[j] = it.vp[j] = zero_row<T>();
+    it.fold(n);
+  }
+  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(row) * a.hq + h * it.heads()) * d;
+  for (int g = 0; g < it.heads(); ++g) {
+    const auto inv = S::set1(1.0f / S::hsum(it.sum[g]));
+    for (int c = 0; c < it.chunks(); ++c) S::store(buf + c * W, S::mul(it.acc[g][c], inv));
+    for (int e = 0; e < d; ++e) store1(out + g * d + e, buf[e]);
   }
 }
 
-template <typename T, class S, int G>
+template <typename T, class S, int G, int C>
 void run_items(const Args& a, int num_threads) {
   const int64_t items = static_cast<int64_t>(a.num_tokens) * a.hkv;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4)
-  for (int64_t item = 0; item < items; ++item) one_item<T, S, G>(a, item);
+  for (int64_t item = 0; item < items; ++item) one_item<T, S, G, C>(a, item);
+}
+
+template <typename T, class S, int G>
+void run_chunks(const Args& a, int num_threads) {
+  switch (a.head_dim / S::W) {  // head dims of 2, 4, 8 vectors compiled as such
+    case 2: return run_items<T, S, G, 2>(a, num_threads);
+    case 4: return run_items<T, S, G, 4>(a, num_threads);
+    case 8: return run_items<T, S, G, 8>(a, num_threads);
+    default: return run_items<T, S, G, 0>(a, num_threads);
+  }
 }
 
 template <typename T, class S>
 void run_isa(const Args& a, int num_threads) {
-  switch (a.hq / a.hkv) {
-    case 1: return run_items<T, S, 1>(a, num_threads);
-    case 2: return run_items<T, S, 2>(a, num_threads);
-    case 3: return run_items<T, S, 3>(a, num_threads);
-    case 4: return run_items<T, S, 4>(a, num_threads);
-    case 5: return run_items<T, S, 5>(a, num_threads);
-    case 6: return run_items<T, S, 6>(a, num_threads);
-    case 7: return run_items<T, S, 7>(a, num_threads);
-    default: return run_items<T, S, kMaxG>(a, num_threads);
+  if constexpr (S::W < 8) {  // the portable path: one instance
+    run_items<T, S, 0, 0>(a, num_threads);
+  } else {
+    switch (a.hq / a.hkv) {  // G of 1, 2, 4, 8 compiled as such
+      case 1: return run_chunks<T, S, 1>(a, num_threads);
+      case 2: return run_chunks<T, S, 2>(a, num_threads);
+      case 4: return run_chunks<T, S, 4>(a, num_threads);
+      case 8: return run_chunks<T, S, 8>(a, num_threads);
+      default: return run_items<T, S, 0, 0>(a, num_threads);
+    }
   }
 }
 

@@ -112,6 +112,10 @@ struct Lanes {
     for (int j = 0; j < N; ++j) r.x[j] = hsum(v[j]);
     return r;
   }
+  // The grouped form of transpose_sum (see Avx512), for N == 4: one group.
+  static int group_pos(int, int m) { return m; }
+  static V group4(const V* p) { return transpose_sum(p); }
+  static V combine(const V* g) { return g[0]; }
 };
 
 #ifdef PDSERVE_HAVE_AVX512
@@ -150,21 +154,22 @@ struct Avx512 {
     const V res = _mm512_maskz_mov_ps(keep, mul(y, _mm512_castsi512_ps(e)));
     return _mm512_mask_mov_ps(res, nan, x);
   }
-  // Lane j: the sum of v[j]'s lanes. Four rounds, each halving the vectors by adding
-  // pairs of shuffled halves (256-bit, 128-bit, 64-bit, 32-bit); the inputs are taken in
-  // a 4x4-transposed order so that the result comes out in natural order.
-  static V transpose_sum(const V* v) {
-    V a[8], b[4], c[2];
-    for (int i = 0; i < 8; ++i) {
-      const V x = v[4 * ((2 * i) % 4) + (2 * i) / 4], y = v[4 * ((2 * i + 1) % 4) + (2 * i + 1) / 4];
-      a[i] = add(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
-    }
-    for (int i = 0; i < 4; ++i)
-      b[i] = add(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                 _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; ++i)
-      c[i] = add(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
-    return add(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
+  // A transpose-add: lane j of the result is the sum of the lanes of vector j of 16,
+  // in four rounds that each halve the vectors by adding pairs of shuffled halves
+  // (256-bit, 128-bit, then 32-bit lanes twice). The first two rounds run per group of
+  // four vectors as soon as they are computed (group i holds positions i, 4+i, 8+i,
+  // 12+i: that order makes the result come out in natural order), the last two over
+  // the four groups.
+  static int group_pos(int i, int m) { return 4 * m + i; }
+  static V group4(const V* p) {
+    const V a0 = add(_mm512_shuffle_f32x4(p[0], p[1], 0x44), _mm512_shuffle_f32x4(p[0], p[1], 0xEE));
+    const V a1 = add(_mm512_shuffle_f32x4(p[2], p[3], 0x44), _mm512_shuffle_f32x4(p[2], p[3], 0xEE));
+    return add(_mm512_shuffle_f32x4(a0, a1, 0x88), _mm512_shuffle_f32x4(a0, a1, 0xDD));
+  }
+  static V combine(const V* g) {
+    const V c0 = add(_mm512_unpacklo_ps(g[0], g[1]), _mm512_unpackhi_ps(g[0], g[1]));
+    const V c1 = add(_mm512_unpacklo_ps(g[2], g[3]), _mm512_unpackhi_ps(g[2], g[3]));
+    return add(_mm512_shuffle_ps(c0, c1, 0x44), _mm512_shuffle_ps(c0, c1, 0xEE));
   }
 };
 #endif
@@ -213,11 +218,14 @@ struct Avx2 {
     const V res = _mm256_and_ps(keep, mul(y, _mm256_castsi256_ps(e)));
     return _mm256_blendv_ps(res, x, nan);
   }
-  static V transpose_sum(const V* v) {  // lane j: the sum of v[j]'s lanes
-    const V t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-    const V t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-    const V u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return add(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  // Transpose-add (lane j: the sum of vector j's lanes) by horizontal adds: positions
+  // 4i..4i+3 form group i; the two groups' halves are added at the end.
+  static int group_pos(int i, int m) { return 4 * i + m; }
+  static V group4(const V* p) {
+    return _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
+  }
+  static V combine(const V* g) {
+    return add(_mm256_permute2f128_ps(g[0], g[1], 0x20), _mm256_permute2f128_ps(g[0], g[1], 0x31));
   }
 };
 #endif
