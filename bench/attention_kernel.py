@@ -43,6 +43,8 @@ from pdserve.engine import cpu_kernel  # noqa: E402
 SHAPES = {"tiny": (4, 2, 32), "small": (8, 4, 64)}  # query heads, KV heads, head dim
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 BS = 16
+# The flags the old kernel was built with (its reductions vectorise by reassociation).
+FLAGS_V1 = [*cpu_kernel.FLAGS, "-fno-signed-zeros", "-fassociative-math"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -176,13 +178,15 @@ def main() -> None:
     cxx = cpu_kernel._compiler()
     new = cpu_kernel.load()
     assert cxx is not None and new is not None, "no C++ compiler: nothing to time"
-    old = ctypes.CDLL(str(cpu_kernel.build(cxx, ROOT / "bench" / "paged_attention_v1.cpp", [])))
+    v1 = ROOT / "bench" / "paged_attention_v1.cpp"
+    old = ctypes.CDLL(str(cpu_kernel.build(cxx, v1, [], FLAGS_V1)))
     cpu_kernel.declare(old)
     rows = []
     print(f"{'case':<22}{'old µs':>10}{'ref µs':>10}{'new µs':>10}{'vs old':>8}{'vs ref':>8}")
     for spec in cases(args.quick):
         c = make_case(*spec)
-        t = measure(c, {"old": kernel_fn(old, c), "ref": reference_fn(c), "new": kernel_fn(new, c)}, args)
+        impls = {"old": kernel_fn(old, c), "ref": reference_fn(c), "new": kernel_fn(new, c)}
+        t = measure(c, impls, args)
         row = {"case": c.name, **t, "vs_old": t["old"] / t["new"], "vs_ref": t["ref"] / t["new"]}
         rows.append(row)
         print(f"{c.name:<22}{t['old']:>10.1f}{t['ref']:>10.1f}{t['new']:>10.1f}"

@@ -32,10 +32,11 @@ SOURCE = Path(__file__).with_name("paged_attention.cpp")
 HEADERS = [Path(__file__).with_name("paged_attention_simd.h")]  # part of the cache key
 # Not -ffast-math: linking a shared library with it pulls in crtfastmath.o, which sets
 # flush-to-zero / denormals-are-zero for the whole process on load (torch's numerics and
-# every other library's change with it). The reassociation the kernel's reductions need
-# to vectorise is asked for alone.
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-         "-fassociative-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # fmt: skip
+# every other library's change with it). Nor -fassociative-math: the kernel's vector code
+# is written out (intrinsics, or lane-wise loops), and its exp depends on the order of its
+# range reduction (x - n*ln2_hi - n*ln2_lo), which reassociation would undo.
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
+         "-shared", "-fPIC", "-std=c++17"]  # fmt: skip
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -51,11 +52,13 @@ def _compiler() -> str | None:
     return None
 
 
-def build(cxx: str, source: Path = SOURCE, headers: list[Path] = HEADERS) -> Path:
+def build(
+    cxx: str, source: Path = SOURCE, headers: list[Path] = HEADERS, flags: list[str] = FLAGS
+) -> Path:
     """The compiled library of ``source`` (cached by the hash of its text, its headers',
     the compiler and the flags); bench/attention_kernel.py builds the old kernel with it."""
     src = b"".join(p.read_bytes() for p in [source, *headers])
-    key = hashlib.sha256(src + " ".join([cxx, *FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([cxx, *flags]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
@@ -65,7 +68,7 @@ def build(cxx: str, source: Path = SOURCE, headers: list[Path] = HEADERS) -> Pat
     os.close(fd)
     try:
         subprocess.run(
-            [cxx, *FLAGS, str(source), "-o", tmp], check=True, capture_output=True, text=True
+            [cxx, *flags, str(source), "-o", tmp], check=True, capture_output=True, text=True
         )
         os.replace(tmp, target)
     finally:
