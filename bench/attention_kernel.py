@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny preset, 16 x 256 only")
     p.add_argument("--min-time", type=float, default=0.15, help="CPU seconds per timing")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--plot", default=str(ROOT / "bench" / "out" / "attention_kernel.png"))
     args = p.parse_args()
     if args.quick:

@@ -13,10 +13,12 @@
 //   softmax: online over tiles (running max and sum per head; the accumulator is
 //           rescaled only when the max grows), with a vectorised exp;
 //   values:  acc[g] += p[g][j] * v[j], the accumulator held in vector registers.
-// Every item runs the same code whatever the thread count, so the output is bitwise
-// independent of it. Compiled at run time by pdserve/engine/cpu_kernel.py
-// (-O3 -march=native, never -ffast-math): the vector paths are chosen at compile time
-// by the host's ISA, with a portable scalar path (Lanes) for everything else.
+// The next block's rows are prefetched while a block is processed (blocks are scattered,
+// and the hardware prefetchers stop at page boundaries). Every item runs the same code
+// whatever the thread count, so the output is bitwise independent of it.
+// Compiled at run time by pdserve/engine/cpu_kernel.py (-O3 -march=native; no
+// -ffast-math, no -fassociative-math, see there): AVX-512 and AVX2 paths where the host
+// has them, a portable one (Lanes) for everything else; paged_attention_simd.h.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
