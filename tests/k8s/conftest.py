@@ -58,6 +58,11 @@ async def api_server() -> AsyncIterator[ApiServer]:
                 kind=w.kind, namespaced=True,
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             )  # fmt: skip
+        # The router's discovery watches these (resourceVersion semantics: k8s_history.py).
+        server.resources["discovery.k8s.io/v1/endpointslices"] = kmock.ResourceInfo(
+            kind="EndpointSlice", namespaced=True,
+            verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+        )  # fmt: skip
         # kopf's peering (HA): one KopfPeering per watched namespace, status = the peers.
         server.resources["kopf.dev/v1/kopfpeerings"] = kmock.ResourceInfo(
             kind="KopfPeering", namespaced=True,
