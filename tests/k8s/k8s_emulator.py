@@ -104,7 +104,7 @@ class ApiServer(kmock.KubernetesEmulator):
         it again (``request in payload._source``): quadratic, minutes per request after
         some 10,000 requests (bench/operator_load.py's 100 objects never finished). Forget
         the served ones; requests still in flight (open watches) stay."""
-        if len(self._requests) < 512:
+        if len(self._requests) < len(self._inflight) + 32:
             return
 
         def live(requests: list[Any]) -> list[Any]:
