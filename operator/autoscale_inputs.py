@@ -99,8 +99,9 @@ def _unschedulable(pod: Mapping[str, Any]) -> bool:
 async def pool_status(
     client: KubeClient, namespace: str, name: str, role: str, cached: Cached | None = None
 ) -> PoolStatus:
-    """``cached`` (namespace, kind, name; ``Cache.child``) reads the operator's watch cache instead of a GET;
-    pods are listed only while some pod of the pool is not ready (none can be pending else)."""
+    """``cached`` (namespace, kind, name; ``Cache.child``) reads the operator's watch cache
+    instead of a GET; pods are listed only while some pod of the pool is not ready (none can
+    be pending else)."""
     dep_name = n.deployment_name(name, role)
     if cached is not None:
         dep = cached(namespace, "Deployment", dep_name)

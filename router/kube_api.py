@@ -14,6 +14,7 @@ import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 USER_AGENT = "pdserve-router"
@@ -51,9 +52,11 @@ def from_kubeconfig() -> ApiAccess:
     from kubernetes import client, config
 
     cfg = client.Configuration()
-    config.load_kube_config(client_configuration=cfg)
-    token = (cfg.api_key or {}).get("authorization", "")
-    token = token.removeprefix("Bearer ").strip()
+    # $KUBECONFIG as it is now (the client reads it once, at import)
+    config.load_kube_config(os.environ.get("KUBECONFIG") or None, client_configuration=cfg)
+    # The client's auth settings (its key name changed between releases): "Bearer <token>".
+    auth: dict[str, Any] = cfg.auth_settings().get("BearerToken") or {}
+    token = str(auth.get("value") or "").removeprefix("Bearer ").strip()
     ctx: ssl.SSLContext | bool = True
     if cfg.host.startswith("https"):
         if not cfg.verify_ssl:

@@ -138,6 +138,10 @@ class ApiServer(kmock.KubernetesEmulator):
         return resp
 
     async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and request.name and _is_apply(request):
+            response = self._server_side_apply(request)
+            if response is not None:
+                return response
         if request.resource is not None and request.action == kmock.action.CREATE:
             _validate(request.data)
             self._on_create(request.data)
@@ -157,6 +161,32 @@ class ApiServer(kmock.KubernetesEmulator):
         meta["generation"] = 1
         now = datetime.datetime.now(datetime.timezone.utc)
         meta["creationTimestamp"] = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def _server_side_apply(self, request: kmock.Request) -> Any:
+        """A PATCH of type ``application/apply-patch+yaml``: creates a missing object, merges
+        into an existing one (approximately: fields another manager owns are not tracked),
+        and with ``dryRun=All`` answers the result without storing it. Returns a response
+        for dry runs; otherwise turns the request into the CREATE or merge PATCH it amounts to."""
+        if not request.params.get("fieldManager"):
+            message = "PatchOptions.meta.k8s.io is invalid: fieldManager is required for apply"
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=message)
+        key = (request.resource, request.namespace, request.name)
+        exists = key in self.objects and not self.objects[key].deleted
+        current = dict(self.objects[key].raw) if exists else None
+        if current is None:
+            data = copy.deepcopy(request.data)
+            data.setdefault("metadata", {}).setdefault("name", request.name)
+            if request.params.get("dryRun") == "All":
+                self._on_create(data)
+                return aiohttp.web.json_response(data, status=201)
+            object.__setattr__(request, "action", kmock.action.CREATE)
+            object.__setattr__(request, "data", data)
+            return None
+        merged = _patched(current, request.data)
+        if request.params.get("dryRun") == "All":
+            return aiohttp.web.json_response(merged)
+        object.__setattr__(request, "data", merge_diff(current, merged))
+        return None
 
     def _has_status_subresource(self, resource: Any) -> bool:
         # Without a status subresource (kopf's peering CRDs) status is part of the object.
@@ -255,6 +285,11 @@ class _Recorder:
             obj.setdefault("metadata", {})["resourceVersion"] = str(self.server.next_rv())
             event = {"type": "DELETED", "object": obj}
         await self.history.put(rv_of(event["object"]), event)
+
+
+def _is_apply(request: kmock.Request) -> bool:
+    ctype = next((v for k, v in request.headers.items() if k.lower() == "content-type"), "")
+    return request.method == "PATCH" and ctype.startswith("application/apply-patch")
 
 
 def _patched(base: Any, patch: Any) -> Any:

@@ -218,3 +218,20 @@ async def test_discovery_drops_a_terminating_decode_worker_at_the_watch_event(
                 disc.end(url_a)  # its stream finished normally
             finally:
                 await disc.stop()
+
+
+async def test_source_reaches_the_api_through_the_kubeconfig(
+    api_server: ApiServer, slices: Slices, kubeconfig: str
+) -> None:
+    """Outside a pod the router reads $KUBECONFIG (its server and bearer token)."""
+    from pdserve.router.kube_api import load_access
+
+    access = load_access()
+    assert access.base_url == str(api_server.url).rstrip("/")
+    assert access.headers()["Authorization"] == "Bearer test-token"
+    await slices.put(endpoint_slice("chat-decode-a", "chat-decode", ep("10.0.0.1")))
+    src = KubernetesSource("chat", NS)  # the default access: load_access()
+    try:
+        assert await urls(src) == [("decode", "http://10.0.0.1:8080")]
+    finally:
+        await src.close()
