@@ -55,7 +55,7 @@ def from_kubeconfig() -> ApiAccess:
     # $KUBECONFIG as it is now (the client reads it once, at import)
     config.load_kube_config(os.environ.get("KUBECONFIG") or None, client_configuration=cfg)
     # The client's auth settings (its key name changed between releases): "Bearer <token>".
-    auth: dict[str, Any] = cfg.auth_settings().get("BearerToken") or {}
+    auth: Any = cfg.auth_settings().get("BearerToken") or {}
     token = str(auth.get("value") or "").removeprefix("Bearer ").strip()
     ctx: ssl.SSLContext | bool = True
     if cfg.host.startswith("https"):
