@@ -96,7 +96,7 @@ class KubernetesSource(EndpointSource):
     async def list(self) -> list[Endpoint]:
         """The watched state; no API request (the first call starts the watch and waits a
         little for its LIST, so that the router's first health round has workers)."""
-        if self._task is None:
+        if self._task is None or self._task.done():
             self._task = asyncio.create_task(self.watch.run())
         if not self.watch.synced.is_set():
             with contextlib.suppress(asyncio.TimeoutError):

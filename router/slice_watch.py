@@ -72,6 +72,8 @@ class SliceWatch:
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ApiError,
                         ValueError, KeyError) as exc:  # fmt: skip
                     log.warning("EndpointSlice watch failed: %r; retrying in %.1fs", exc, delay)
+                except Exception:  # a bug must not end discovery: the router would go stale
+                    log.exception("EndpointSlice watch failed; retrying in %.1fs", delay)
                 await asyncio.sleep(delay * random.uniform(0.8, 1.2))
                 delay = min(delay * 2, self.backoff_s[1])
 

@@ -109,3 +109,18 @@ def test_scorers_are_name_weight_pairs_and_round_robin_is_a_picker() -> None:
         build_config(_parse("--model", "/m", "--scorer", "typo=1"))
     with pytest.raises(SystemExit):
         _parse("--model", "/m", "--scorer", "prefix")  # no weight: argparse refuses it
+
+
+def test_in_cluster_token_is_read_again_as_the_kubelet_rotates_it(tmp_path, monkeypatch) -> None:
+    """Bound service-account tokens expire: the router re-reads the projected token file."""
+    from pdserve.router import kube_api
+
+    token = tmp_path / "token"
+    token.write_text("first\n")
+    access = kube_api.ApiAccess("https://k8s:443", token_file=str(token))
+    assert access.headers()["Authorization"] == "Bearer first"
+    token.write_text("second\n")
+    assert access.headers()["Authorization"] == "Bearer first"  # cached for TOKEN_TTL_S
+    monkeypatch.setattr(kube_api, "TOKEN_TTL_S", 0.0)
+    assert access.headers()["Authorization"] == "Bearer second"
+    assert access.headers()["User-Agent"] == "pdserve-router"
