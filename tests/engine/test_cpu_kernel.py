@@ -8,6 +8,8 @@ grouped-query heads, on one thread and two.
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import random
 
 import pytest
@@ -150,7 +152,30 @@ def _reference(q, k, v, tables, ctx, block_size: int) -> torch.Tensor:  # type: 
 def test_kernel_matches_float64(
     hq: int, hkv: int, d: int, dtype: torch.dtype, block_size: int
 ) -> None:
-    lib = cpu_kernel.load()
+    _check_float64(cpu_kernel.load(), hq, hkv, d, dtype, block_size)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction sets")
+@pytest.mark.parametrize("arch", ["haswell", "x86-64"])
+def test_kernel_other_hosts(arch: str) -> None:
+    """The kernel as built on an AVX2-only host (haswell: no AVX-512) and on a bare
+    x86-64 one (the portable lanes only), checked the same way: every shape, both dtypes."""
+    cxx = cpu_kernel._compiler()
+    assert cxx is not None
+    flags = [f"-march={arch}" if f == "-march=native" else f for f in cpu_kernel.FLAGS]
+    lib = ctypes.CDLL(str(cpu_kernel.build(cxx, flags=flags)))
+    cpu_kernel.declare(lib)
+    widths = {d: lib.pdserve_kernel_width(d) for _hq, _hkv, d in SHAPES}
+    assert max(widths.values()) == (8 if arch == "haswell" else 4), widths
+    for hq, hkv, d in SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            _check_float64(lib, hq, hkv, d, dtype, 16)
+    built = [width for width in (16, 8, 4, 1) if _check_exp(lib, width)]
+    assert built == ([8, 4, 1] if arch == "haswell" else [4, 1])
+
+
+def _check_float64(lib, hq: int, hkv: int, d: int, dtype: torch.dtype, block_size: int) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(hq * 1000 + d * 10 + block_size)
     ctx = CTX
     width = -(-max(ctx) // block_size)
@@ -184,8 +209,14 @@ def test_kernel_exp_accuracy(width: int) -> None:
     is normal), 0 below it (exp(x) < 1.2e-38 there: absolute error smaller than that)
     and for -inf, NaN for NaN. Dense over [-87.33, 0] (what the softmax feeds it) and
     some way above."""
-    lib = cpu_kernel.load()
-    np = pytest.importorskip("numpy")
+    if not _check_exp(cpu_kernel.load(), width):
+        pytest.skip(f"no {width}-lane path built on this host")
+
+
+def _check_exp(lib, width: int) -> bool:  # type: ignore[no-untyped-def]
+    """False where the build has no path of that width."""
+    import numpy as np
+
     x = np.concatenate([
         np.linspace(-87.33, 0.0, 1_000_003, dtype=np.float32),
         np.linspace(0.0, 80.0, 10_001, dtype=np.float32),
@@ -194,7 +225,7 @@ def test_kernel_exp_accuracy(width: int) -> None:
     y = np.empty_like(x)
     rc = lib.pdserve_kernel_exp(width, x.ctypes.data, y.ctypes.data, x.size)
     if rc != 0:
-        pytest.skip(f"no {width}-lane path built on this host")
+        return False
     exact = np.exp(x.astype(np.float64))
     ulps = np.abs(y - exact) / np.spacing(exact.astype(np.float32))
     assert ulps.max() <= 2.0, (ulps.max(), x[ulps.argmax()])
@@ -204,3 +235,4 @@ def test_kernel_exp_accuracy(width: int) -> None:
     lib.pdserve_kernel_exp(width, special.ctypes.data, out.ctypes.data, special.size)
     assert (out[:-1] == 0.0).all() and np.isnan(out[-1])
     assert (np.exp(low.astype(np.float64)) < 1.2e-38).all()
+    return True
