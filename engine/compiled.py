@@ -50,6 +50,7 @@ def cache_dir() -> Path:
 def compile_model(model: torch.nn.Module) -> Callable[..., Any]:
     """The model's forward, compiled with dynamic shapes; caches on disk."""
     transpose_linear_weights(model)
+    _clean_probe_path()
     return torch.compile(model, dynamic=True)  # type: ignore[return-value]
 
 
@@ -79,6 +80,18 @@ def warm_up(engine: LLMEngine) -> float:
         )
     engine.forget_warm_up()
     return time.perf_counter() - start
+
+
+def _clean_probe_path() -> None:
+    """Inductor checks the CPU's vector ISA in a child Python whose PYTHONPATH is this
+    process's sys.path. Run from a pdserve checkout, that path holds the repository root,
+    whose operator/ shadows the standard library's: the child dies, the ISA reads as
+    absent, and cached vectorised kernels then fail to build. The child gets the path
+    without such entries."""
+    if "TORCH_CUSTOM_PYTHONPATH" in os.environ:
+        return
+    keep = [p for p in sys.path if not (Path(p or ".") / "operator").is_dir()]
+    os.environ["TORCH_CUSTOM_PYTHONPATH"] = os.pathsep.join(keep)
 
 
 def transpose_linear_weights(model: torch.nn.Module) -> int:
