@@ -31,9 +31,11 @@ COPY charts/pdserve/crds/ charts/pdserve/crds/
 RUN pip install . && pdserve --help >/dev/null
 
 FROM python:${PYTHON_VERSION}-slim
-# libnuma: UCX (NIXL's backend) loads it at run time; tini reaps children and forwards signals.
+# libnuma: UCX (NIXL's backend) loads it at run time; tini reaps children and forwards signals;
+# g++ (and libgomp with it): the CPU attention kernel and torch.compile's CPU code are built
+# on the node at first start (without it workers fall back to the gather path and eager).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends libnuma1 tini ca-certificates \
+    && apt-get install -y --no-install-recommends libnuma1 tini ca-certificates g++ \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 1000 pdserve \
     && useradd --uid 1000 --gid 1000 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin pdserve

@@ -69,15 +69,22 @@ def warm_up(engine: LLMEngine) -> float:
         file=sys.stderr,
         flush=True,
     )
-    for i, (label, prompts, max_tokens) in enumerate(WARM_UP, 1):
-        t = time.perf_counter()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        engine.generate(prompts, params)
-        print(
-            f"  [{i}/{len(WARM_UP)}] {label}: {time.perf_counter() - t:.1f}s",
-            file=sys.stderr,
-            flush=True,
-        )
+    try:
+        for i, (label, prompts, max_tokens) in enumerate(WARM_UP, 1):
+            t = time.perf_counter()
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            engine.generate(prompts, params)
+            print(
+                f"  [{i}/{len(WARM_UP)}] {label}: {time.perf_counter() - t:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+    except Exception:  # no compiler, no Triton, an inductor bug: serve eager
+        logger.exception("torch.compile failed; this worker runs the eager forward")
+        for request_id in list(engine.requests):
+            engine.abort(request_id)
+        engine.runner.forward = engine.runner.model
+        engine.runner.compiled = False
     engine.forget_warm_up()
     return time.perf_counter() - start
 

@@ -7,11 +7,17 @@ test_fidelity.py::test_compiled_forward.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from engine_helpers import assert_all_free
 
 from pdserve.engine.config import add_engine_arguments, engine_config_from_args
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.local.processes import ClusterSpec, LocalCluster
 
 
@@ -43,3 +49,28 @@ def test_up_passes_enforce_eager_to_every_worker(tmp_path: Path) -> None:
                        worker_args=up.worker_args(args), log_dir=str(tmp_path))  # fmt: skip
     assert "--enforce-eager" in LocalCluster(spec)._common("decode-0", 8900)
     assert up.worker_args(parser.parse_args(["--model", str(tmp_path)])) == ()
+
+
+def test_failed_compile_falls_back_to_eager(
+    make_engine: Callable[..., LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No compiler or an inductor bug must cost speed, not the worker."""
+    from pdserve.engine import compiled, model_runner
+
+    def broken(model: torch.nn.Module) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("inductor: no C++ compiler found")
+
+        return forward
+
+    monkeypatch.setattr(model_runner.compiled, "compile_model", broken)
+    assert model_runner.compiled is compiled
+    engine = make_engine(num_blocks=64, compile=True)
+    assert not engine.runner.compiled and engine.runner.forward is engine.runner.model
+    assert_all_free(engine)
+    assert not engine.requests and engine.stats().prompt_tokens == 0
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    eager = make_engine(num_blocks=64)
+    prompts = [[5, 6, 7, 8], [9] * 20]
+    assert engine.generate(prompts, params) == eager.generate(prompts, params)
+    assert_all_free(engine)
