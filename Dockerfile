@@ -27,6 +27,7 @@ COPY router/ router/
 COPY operator/ operator/
 COPY planner/ planner/
 COPY local/ local/
+COPY charts/pdserve/crds/ charts/pdserve/crds/
 RUN pip install . && pdserve --help >/dev/null
 
 FROM python:${PYTHON_VERSION}-slim

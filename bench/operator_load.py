@@ -10,12 +10,16 @@ operator settles. Measured:
   or ``pdserve-operator``; long-lived watch streams not counted) during a steady-state
   window, per LLMService and minute. Goal: <= 2. The operator is watch-driven: an idle
   fleet should cost (almost) nothing; the polling design it replaced sent ~19 GETs per
-  object every 10 s (~114 per object-minute).
+  object every 10 s (~114 per object-minute, computed: that code is gone);
+- ``router_requests_per_replica_minute`` vs ``baseline_router_requests_per_replica_minute``:
+  side by side in the same window, ``--routers`` router discovery sources (the router's
+  real EndpointSlice watch, ``router/discovery_k8s.py``) and as many of the design it
+  replaced (a pod LIST by label every second), each on its own LLMService's pools.
 
 The emulator is tests/k8s/k8s_emulator.py (PyPI ``kmock``); a plot goes to bench/out/.
 
-    python bench/operator_load.py            # 100 LLMServices, 60 s steady window
-    python bench/operator_load.py --quick    # 5 LLMServices, 5 s window
+    python bench/operator_load.py            # 100 LLMServices, 10 + 10 routers, 60 s window
+    python bench/operator_load.py --quick    # 5 LLMServices, 2 + 2 routers, 5 s window
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ import kmock  # noqa: E402
 import kopf  # noqa: E402
 import yaml  # noqa: E402
 from k8s_emulator import ApiServer  # noqa: E402
+from router_discovery_load import (  # noqa: E402
+    BASELINE_AGENT,
+    WATCH_AGENT,
+    requests_of,
+    routers,
+    write_world,
+)
 
 from pdserve.operator.cache import WATCHED  # noqa: E402
 from pdserve.operator.handlers import OperatorConfig  # noqa: E402
@@ -61,6 +72,10 @@ def declare(server: ApiServer) -> None:
         server.resources[f"{w.api_version}/{w.plural}"] = kmock.ResourceInfo(
             kind=w.kind, namespaced=True, verbs=ALL_VERBS
         )
+    server.resources["discovery.k8s.io/v1/endpointslices"] = kmock.ResourceInfo(
+        kind="EndpointSlice", namespaced=True, verbs=ALL_VERBS
+    )
+    server.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True, verbs=ALL_VERBS)
     read = {"get", "list", "watch"}
     server.resources["v1/namespaces"] = kmock.ResourceInfo(
         kind="Namespace", namespaced=False, verbs=read
@@ -77,11 +92,6 @@ def llmservice(i: int) -> dict[str, Any]:
         "metadata": {"name": f"svc{i:03d}", "namespace": NS},
         "spec": {"model": {"source": {"hostPath": {"path": "/models/tiny"}}}},
     }
-
-
-def operator_requests(server: ApiServer) -> int:
-    return sum(c for (agent, _m, watch), c in server.by_agent.items()
-               if agent in OPERATOR_AGENTS and not watch)  # fmt: skip
 
 
 def children_done(server: ApiServer, expected: dict[str, set[tuple[str, str]]]) -> set[str]:
@@ -117,26 +127,33 @@ async def mark_ready(client: KubeClient, names: list[str]) -> None:
                                status=True)  # fmt: skip
 
 
-def plot(latency: list[float], per_minute: float, path: Path) -> None:
+def plot(latency: list[float], result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 4))
     a.hist(latency, bins=30)
     a.set_xlabel("create -> all children exist (s)")
     a.set_ylabel("LLMServices")
-    b.bar(["watch-driven (measured)", "polling (replaced, ~19 GETs/10 s)"], [per_minute, 114.0])
+    a.set_title(f"{result['llmservices']} LLMServices, waves of {BATCH}")
+    b.bar(["watch-driven\n(measured)", "polling, replaced\n(computed: 19 GETs/10 s)"],
+          [result["api_requests_per_object_minute"], 114.0])  # fmt: skip
     b.axhline(2.0, color="red", linestyle="--", label="goal <= 2")
-    b.set_ylabel("API requests per object-minute (steady)")
+    b.set_ylabel("operator API requests per object-minute")
     b.legend()
+    c.bar(["EndpointSlice watch", "pod LIST every 1 s"],
+          [result["router_requests_per_replica_minute"],
+           result["baseline_router_requests_per_replica_minute"]])  # fmt: skip
+    c.set_ylabel("router API requests per replica-minute")
+    c.set_title(f"{result['routers']} routers each, same window (measured)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
 
 
-async def run(n: int, window_s: float) -> dict[str, Any]:
+async def run(n: int, window_s: float, n_routers: int, png: Path) -> dict[str, Any]:
     async with ApiServer() as server, kmock.Server(server):
         declare(server)
         url = str(server.url).rstrip("/")
@@ -150,10 +167,57 @@ async def run(n: int, window_s: float) -> dict[str, Any]:
             }))  # fmt: skip
             os.environ["KUBECONFIG"] = str(kubeconfig)
             os.environ.pop("KUBERNETES_SERVICE_HOST", None)
-            return await measure(server, url, n, window_s)
+            return await measure(server, url, n, window_s, n_routers, png)
 
 
-async def measure(server: ApiServer, url: str, n: int, window_s: float) -> dict[str, Any]:
+async def create_fleet(server: ApiServer, client: KubeClient, n: int) -> dict[str, float]:
+    """Create ``n`` LLMServices in waves; seconds from each one's creation to its children."""
+    objs = [llmservice(i) for i in range(n)]
+    created: dict[str, float] = {}
+    latency: dict[str, float] = {}
+    # Arrivals in waves of BATCH (the emulator is one Python process: 100 objects at
+    # once = 1,200 child creates in one burst, which it serves slower than any cluster).
+    for start in range(0, n, BATCH):
+        wave = objs[start : start + BATCH]
+        for obj in wave:
+            created[obj["metadata"]["name"]] = time.monotonic()
+            await client.create(obj)
+        latency |= await wait_applied(server, wave, created, timeout=300)
+    await mark_ready(client, list(created))
+    return latency
+
+
+async def steady(
+    server: ApiServer, url: str, names: list[str], n_routers: int, window_s: float
+) -> dict[str, Any]:
+    """Requests during ``window_s`` of an idle fleet: the operator's and the routers'."""
+    watched, polled = names[:n_routers], names[n_routers : 2 * n_routers]
+    await write_world(url, watched + polled)
+    agents = (OPERATOR_AGENTS, (WATCH_AGENT,), (BASELINE_AGENT,))
+    async with routers(url, watched, polled) as endpoints:
+        assert endpoints == 2 * len(watched), f"watchers found {endpoints} workers"
+        before, started = (
+            [sum(requests_of(server, a) for a in ag) for ag in agents],
+            time.monotonic(),
+        )
+        await asyncio.sleep(window_s)
+        after = [sum(requests_of(server, a) for a in ag) for ag in agents]
+    minutes = (time.monotonic() - started) / 60
+    operator, watch, poll = (b - a for a, b in zip(before, after, strict=True))
+    per_router = max(len(watched), 1) * minutes
+    return {
+        "steady_window_s": window_s,
+        "steady_operator_requests": operator,
+        "api_requests_per_object_minute": round(operator / len(names) / minutes, 3),
+        "routers": len(watched),
+        "router_requests_per_replica_minute": round(watch / per_router, 3),
+        "baseline_router_requests_per_replica_minute": round(poll / per_router, 3),
+    }
+
+
+async def measure(
+    server: ApiServer, url: str, n: int, window_s: float, n_routers: int, png: Path
+) -> dict[str, Any]:
     config = OperatorConfig(status_interval=60.0, retry_delay=5.0)
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(kopf.operator(
@@ -165,51 +229,39 @@ async def measure(server: ApiServer, url: str, n: int, window_s: float) -> dict[
     client.session._timeout = aiohttp.ClientTimeout(total=300)  # the emulator may lag
     try:
         await asyncio.wait_for(ready.wait(), 60)
-        objs = [llmservice(i) for i in range(n)]
-        created: dict[str, float] = {}
-        latency: dict[str, float] = {}
-        # Arrivals in waves of BATCH (the emulator is one Python process: 100 objects at
-        # once = 1,200 child creates in one burst, which it serves slower than any cluster).
-        for start in range(0, n, BATCH):
-            wave = objs[start : start + BATCH]
-            for obj in wave:
-                created[obj["metadata"]["name"]] = time.monotonic()
-                await client.create(obj)
-            latency |= await wait_applied(server, wave, created, timeout=300)
-        await mark_ready(client, list(created))
+        latency = await create_fleet(server, client, n)
         await asyncio.sleep(3.0 + n / 20)  # status settles (Ready=True written once per object)
-        before, started = operator_requests(server), time.monotonic()
-        await asyncio.sleep(window_s)
-        during = operator_requests(server) - before
-        minutes = (time.monotonic() - started) / 60
+        result = await steady(server, url, sorted(latency), min(n_routers, n // 2), window_s)
     finally:
         await client.close()
         stop.set()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 30)
     lat = sorted(latency.values())
-    per_minute = during / n / minutes
-    plot(lat, per_minute, ROOT / "bench" / "out" / "operator_load.png")
-    return {
-        "llmservices": n,
-        "steady_window_s": window_s,
-        "steady_operator_requests": during,
-        "api_requests_per_object_minute": round(per_minute, 3),
+    result = {
+        "llmservices": n, **result,
         "apply_to_children_p50_s": round(statistics.median(lat), 3),
         "apply_to_children_p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3),
-        "goal_met": per_minute <= 2.0,
-    }
+        "goal_met": result["api_requests_per_object_minute"] <= 2.0,
+    }  # fmt: skip
+    plot(lat, result, png)
+    return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="5 objects, 5 s window")
+    parser.add_argument("--quick", action="store_true", help="5 objects, 2 + 2 routers, 5 s")
     parser.add_argument("--objects", type=int, default=None)
+    parser.add_argument("--routers", type=int, default=None,
+                        help="routers of each kind (watch / baseline poll)")  # fmt: skip
     parser.add_argument("--window", type=float, default=None, help="steady-state seconds")
     args = parser.parse_args()
     n = args.objects or (5 if args.quick else 100)
     window = args.window or (5.0 if args.quick else 60.0)
-    result = asyncio.run(run(n, window))
+    n_routers = args.routers if args.routers is not None else (2 if args.quick else 10)
+    # --quick (the test suite) must not overwrite the full run's figure
+    png = ROOT / "bench" / "out" / f"operator_load{'-quick' if args.quick else ''}.png"
+    result = asyncio.run(run(n, window, n_routers, png))
     print(json.dumps(result))
     return 0 if result["goal_met"] else 1
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +34,10 @@ DEFAULT_PROFILE = "h100-llama3-8b"
 PROFILE_KEY = "profile.json"
 # Where the router serves /metrics inside the cluster: its Service, port 80.
 IN_CLUSTER_METRICS_URL = "http://{service}.{namespace}.svc:{port}/metrics"
+
+
+# (namespace, kind, name) -> the object as the operator's watch cache holds it, or None.
+Cached = Callable[[str, str, str], "dict[str, Any] | None"]
 
 
 class InputError(Exception):
@@ -92,14 +96,26 @@ def _unschedulable(pod: Mapping[str, Any]) -> bool:
     )
 
 
-async def pool_status(client: KubeClient, namespace: str, name: str, role: str) -> PoolStatus:
-    dep = await client.get("apps/v1", "Deployment", namespace, n.deployment_name(name, role))
+async def pool_status(
+    client: KubeClient, namespace: str, name: str, role: str, cached: Cached | None = None
+) -> PoolStatus:
+    """``cached`` (namespace, kind, name; ``Cache.child``) reads the operator's watch cache
+    instead of a GET; pods are listed only while some pod of the pool is not ready (none can
+    be pending else)."""
+    dep_name = n.deployment_name(name, role)
+    if cached is not None:
+        dep = cached(namespace, "Deployment", dep_name)
+    else:
+        dep = await client.get("apps/v1", "Deployment", namespace, dep_name)
     if dep is None:
-        raise PoolsMissing(f"Deployment {namespace}/{n.deployment_name(name, role)} not found")
+        raise PoolsMissing(f"Deployment {namespace}/{dep_name} not found")
     current = int((dep.get("spec") or {}).get("replicas", 1))
-    ready = int((dep.get("status") or {}).get("readyReplicas") or 0)
-    pods = await client.list("v1", "Pod", namespace, n.selector(name, role))
-    pending = sum(1 for p in pods if _unschedulable(p))
+    status = dep.get("status") or {}
+    ready = int(status.get("readyReplicas") or 0)
+    pending = 0
+    if max(current, int(status.get("replicas") or 0)) > ready:
+        pods = await client.list("v1", "Pod", namespace, n.selector(name, role))
+        pending = sum(1 for p in pods if _unschedulable(p))
     return PoolStatus(current, min(ready, current), min(pending, current))
 
 

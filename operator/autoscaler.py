@@ -72,10 +72,12 @@ def _autoscaler_memo(memo: Any) -> AutoscalerMemo:
 async def autoscale(
     *, body: Any, name: str, namespace: str, memo: Any, client: KubeClient,
     lock: asyncio.Lock, settings: AutoscaleSettings, logger: Any,
+    cached: inputs.Cached | None = None,
 ) -> None:  # fmt: skip
     """Timer body (called every tick); runs one planner interval when one is due."""
     am = _autoscaler_memo(memo)
-    fresh = await client.get(n.API_VERSION, n.KIND, namespace, name)
+    # ``body`` is the watch cache's copy (handlers.py): no GET per tick per object.
+    fresh = body
     if fresh is None or fresh["metadata"].get("deletionTimestamp"):
         return
     try:
@@ -94,8 +96,8 @@ async def autoscale(
     try:
         config = inputs.planner_config(svc, await inputs.load_profile(client, namespace, raw_auto))
         pools = (
-            await inputs.pool_status(client, namespace, name, "prefill"),
-            await inputs.pool_status(client, namespace, name, "decode"),
+            await inputs.pool_status(client, namespace, name, "prefill", cached),
+            await inputs.pool_status(client, namespace, name, "decode", cached),
         )
         snap, source = await _snapshot(svc, am, settings, now, pools, config.slo)
     except inputs.PoolsMissing:

@@ -158,6 +158,7 @@ async def _autoscale_one(memo: Any, config: OperatorConfig, key: Any) -> None:
             await autoscaler.autoscale(
                 body=body, name=key[1], namespace=key[0], logger=logger, memo=own_memo,
                 client=_client(memo), lock=_lock(memo, *key), settings=config.autoscale,
+                cached=memo.cache.child,
             )  # fmt: skip
         except Exception as e:  # one interval's failure must not stop the next
             logger.warning(f"autoscaler: {key[0]}/{key[1]}: {e!r}")

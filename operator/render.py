@@ -60,7 +60,8 @@ def config_map(spec: LLMServiceSpec) -> Manifest:
 
 
 def router_rbac(spec: LLMServiceSpec) -> list[Manifest]:
-    """The router's discovery identity: read-only on pods and EndpointSlices in its namespace."""
+    """The router's discovery identity: it watches the EndpointSlices of its pool Services
+    (``router/discovery_k8s.py``), read-only, in its namespace; nothing else."""
     name = n.router_account_name(spec.name)
     read = ["get", "list", "watch"]
     return [
@@ -75,7 +76,6 @@ def router_rbac(spec: LLMServiceSpec) -> list[Manifest]:
             "kind": "Role",
             "metadata": _meta(spec, name, "router"),
             "rules": [
-                {"apiGroups": [""], "resources": ["pods"], "verbs": read},
                 {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": read},
             ],
         },

@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("pdserve.local.up", "run router + workers locally"),
     "operator": ("pdserve.operator.main", "run the Kubernetes operator"),
     "render": ("pdserve.operator.render_cli", "render an LLMService to manifests"),
+    "crds": ("pdserve.operator.crds_cli", "server-side apply pdserve's CRDs (upgrades)"),
     "profile": ("pdserve.planner.profile", "measure per-replica capacities"),
 }
 

@@ -1,7 +1,7 @@
 """Worker discovery and health: publishes immutable snapshots for routing.
 
-A source lists endpoints (a static list in local mode, Kubernetes pods in a
-cluster); a background loop checks each one's ``/health`` and ``/stats``,
+A source lists endpoints (a static list in local mode, watched EndpointSlices in
+a cluster); a background loop checks each one's ``/health`` and ``/stats``,
 drops dead workers from routing and re-admits them when they answer again,
 and keeps the prefix index subscribed to every healthy prefill worker's KV
 events. ``snapshot()`` merges the last poll with the router's in-flight counts.
@@ -37,6 +37,14 @@ class EndpointSource(ABC):
     @abstractmethod
     async def list(self) -> list[Endpoint]:
         """Current endpoints; called once per health round."""
+
+    async def changed(self) -> None:
+        """Returns when the endpoints may have changed (a watch event): the health loop
+        then runs a round at once instead of at its next tick. Default: never."""
+        await asyncio.Event().wait()
+
+    async def close(self) -> None:  # noqa: B027 (optional hook: most sources run nothing)
+        """Stop whatever the source runs in the background (a watch)."""
 
 
 class StaticSource(EndpointSource):
@@ -159,7 +167,8 @@ class Discovery:
                 await self.refresh()
             except Exception:
                 log.exception("discovery round failed")
-            await asyncio.sleep(self.interval_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.source.changed(), self.interval_s)
 
     def start(self) -> None:
         if self._task is None:
@@ -171,6 +180,7 @@ class Discovery:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self.source.close()
         if self.subscriber is not None:
             await self.subscriber.close()
 

@@ -1,23 +1,30 @@
-"""Kubernetes endpoint source: ready pods of one LLMService by label.
+"""Kubernetes endpoint source: the EndpointSlices of an LLMService's two pool Services.
 
-Pods carry ``pdserve.io/service=<name>`` and ``pdserve.io/role=prefill|decode``
-(docs/architecture.md); every worker container listens on HTTP 8080. Uses the
-official ``kubernetes`` client with in-cluster config (or kubeconfig outside a
-cluster); its blocking calls run in a thread.
+The operator renders one headless Service per pool (``<name>-prefill``, ``<name>-decode``,
+``operator/naming.py``); the EndpointSlice controller keeps their slices, labelled
+``kubernetes.io/service-name``, in step with the pods. The router watches them
+(``slice_watch.py``: no polling) and routes to an endpoint only while its conditions say
+so: ``ready`` (nil counts as ready, as the API documents) and not ``terminating``. A
+terminating decode pod therefore gets no new request the moment its pod starts to stop,
+while the streams it already serves run on (they hold their own connections; the pod's
+preStop pause and grace period let them finish, ``operator/render_deployments.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from pdserve.operator import naming
 from pdserve.router.discovery import Endpoint, EndpointSource
+from pdserve.router.kube_api import ApiAccess, load_access
+from pdserve.router.slice_watch import SliceWatch
 
-SERVICE_LABEL = "pdserve.io/service"
-ROLE_LABEL = "pdserve.io/role"
-WORKER_PORT = 8080
-
-
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+WORKER_PORT = naming.HTTP_PORT
+PORT_NAME = "http"
 NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
@@ -30,54 +37,79 @@ def current_namespace() -> str:
         return "default"
 
 
-def load_core_api() -> Any:
-    from kubernetes import client, config
-
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.CoreV1Api()
+def pool_roles(service: str) -> dict[str, str]:
+    """Pool Service name -> role, for one LLMService."""
+    return {naming.pool_service_name(service, role): role for role in naming.POOL_ROLES}
 
 
-def pod_is_ready(pod: Any) -> bool:
-    status = pod.status
-    if status is None or status.phase != "Running" or not status.pod_ip:
-        return False
-    if pod.metadata.deletion_timestamp is not None:
-        return False
-    return any(c.type == "Ready" and c.status == "True" for c in status.conditions or [])
+def routable(endpoint: Mapping[str, Any]) -> bool:
+    conditions = endpoint.get("conditions") or {}
+    return conditions.get("ready") is not False and not conditions.get("terminating")
 
 
-def endpoints_from_pods(pods: list[Any], port: int = WORKER_PORT) -> list[Endpoint]:
-    out = []
-    for pod in pods:
-        role = (pod.metadata.labels or {}).get(ROLE_LABEL)
-        if role in ("prefill", "decode") and pod_is_ready(pod):
-            out.append(Endpoint(f"http://{pod.status.pod_ip}:{port}", role))
+def _port(slice_: Mapping[str, Any], default: int) -> int:
+    for p in slice_.get("ports") or []:
+        if p.get("name") == PORT_NAME and p.get("port"):
+            return int(p["port"])
+    return default
+
+
+def endpoints_from_slices(
+    slices: Iterable[Mapping[str, Any]], roles: Mapping[str, str], default_port: int = WORKER_PORT
+) -> list[Endpoint]:
+    """The routable workers in ``slices``; a pod listed by two slices (mid-rebalance) once."""
+    out: set[Endpoint] = set()
+    for s in slices:
+        labels = (s.get("metadata") or {}).get("labels") or {}
+        role = roles.get(str(labels.get(SERVICE_NAME_LABEL, "")))
+        if role is None:
+            continue
+        port, ipv6 = _port(s, default_port), s.get("addressType") == "IPv6"
+        for ep in s.get("endpoints") or []:
+            addresses = ep.get("addresses") or []
+            if addresses and routable(ep):
+                host = f"[{addresses[0]}]" if ipv6 else addresses[0]
+                out.add(Endpoint(f"http://{host}:{port}", role))
     return sorted(out, key=lambda e: (e.role, e.url))
 
 
 class KubernetesSource(EndpointSource):
     def __init__(
-        self, service: str, namespace: str, port: int = WORKER_PORT, core_api: Any = None
-    ) -> None:
+        self, service: str, namespace: str, port: int = WORKER_PORT,
+        access: Callable[[], ApiAccess] = load_access, watch_timeout_s: float = 300.0,
+        backoff_s: tuple[float, float] = (0.5, 30.0), first_sync_s: float = 5.0,
+    ) -> None:  # fmt: skip
         if not service:
             raise ValueError("--discovery kubernetes needs --service NAME")
-        self.service = service
-        self.namespace = namespace
-        self.port = port
-        self._api = core_api
+        self.service, self.namespace, self.port = service, namespace, port
+        self.roles = pool_roles(service)
+        self.first_sync_s = first_sync_s
+        self._changed = asyncio.Event()
+        self.watch = SliceWatch(access, namespace, self.selector, self._changed.set,
+                                watch_timeout_s, backoff_s)  # fmt: skip
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def selector(self) -> str:
-        return f"{SERVICE_LABEL}={self.service},{ROLE_LABEL} in (prefill,decode)"
-
-    def _list_sync(self) -> list[Endpoint]:
-        if self._api is None:
-            self._api = load_core_api()
-        pods = self._api.list_namespaced_pod(self.namespace, label_selector=self.selector)
-        return endpoints_from_pods(list(pods.items), self.port)
+        return f"{SERVICE_NAME_LABEL} in ({','.join(sorted(self.roles))})"
 
     async def list(self) -> list[Endpoint]:
-        return await asyncio.to_thread(self._list_sync)
+        """The watched state; no API request (the first call starts the watch and waits a
+        little for its LIST, so that the router's first health round has workers)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self.watch.run())
+        if not self.watch.synced.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.watch.synced.wait(), self.first_sync_s)
+        return endpoints_from_slices(self.watch.slices.values(), self.roles, self.port)
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+        self._changed.clear()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

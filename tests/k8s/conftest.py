@@ -14,12 +14,14 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+import aiohttp
 import kmock
 import kopf
 import pytest
 import yaml
 from k8s_emulator import ApiServer
 from k8s_helpers import NS
+from k8s_slices import Slices
 
 from pdserve.operator.cache import WATCHED
 from pdserve.operator.handlers import OperatorConfig
@@ -58,6 +60,11 @@ async def api_server() -> AsyncIterator[ApiServer]:
                 kind=w.kind, namespaced=True,
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             )  # fmt: skip
+        # The router's discovery watches these (resourceVersion semantics: k8s_history.py).
+        server.resources["discovery.k8s.io/v1/endpointslices"] = kmock.ResourceInfo(
+            kind="EndpointSlice", namespaced=True,
+            verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+        )  # fmt: skip
         # kopf's peering (HA): one KopfPeering per watched namespace, status = the peers.
         server.resources["kopf.dev/v1/kopfpeerings"] = kmock.ResourceInfo(
             kind="KopfPeering", namespaced=True,
@@ -147,3 +154,9 @@ def start_operator(kubeconfig: str) -> Callable[[], AbstractAsyncContextManager[
 async def operator(kubeconfig: str) -> AsyncIterator[None]:
     async with running_operator():
         yield
+
+
+@pytest.fixture
+async def slices(api_server: ApiServer) -> AsyncIterator[Slices]:
+    async with aiohttp.ClientSession(headers={"User-Agent": "controller"}) as session:
+        yield Slices(api_server, session)

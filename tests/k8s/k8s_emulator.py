@@ -14,7 +14,12 @@ subclass adds, as a real API server does:
   whose ``nodeSelector`` holds an invalid label value is refused with a 422 and the
   API server's message;
 - a count of requests by (method, watch?) in ``requests`` and by (User-Agent product,
-  method, watch?) in ``by_agent`` (bench/operator_load.py counts the operator's).
+  method, watch?) in ``by_agent`` (bench/operator_load.py counts the operator's);
+- for the kinds in ``versioned`` (EndpointSlices), list/watch at a resourceVersion, label
+  selectors, watch timeouts and 410 Gone (``k8s_history.py``);
+- a bounded request log (kmock's grows for ever and makes each request cost O(all served));
+- ``outage``: while set to an HTTP status, every request is answered with it (an API
+  server that is down or overloaded).
 Still missing (the tests account for it): garbage collection, CRD schema validation.
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import datetime
 import itertools
 import json
@@ -33,6 +39,7 @@ import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
+from k8s_history import History, matches, rv_of, watch_from
 
 
 def merge_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -58,15 +65,54 @@ class ApiServer(kmock.KubernetesEmulator):
     by_agent: collections.Counter[tuple[str, str, bool]] = attrs.field(
         factory=collections.Counter, init=False
     )
+    versioned: frozenset[str] = frozenset({"endpointslices"})
+    histories: dict[str, History] = attrs.field(factory=dict, init=False)
+    outage: int = 0
+    rv: int = attrs.field(default=999, init=False)
+    _inflight: set[Any] = attrs.field(factory=set, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._buses = _Buses(self)
+
+    def next_rv(self) -> int:
+        self.rv = next(self._versions)
+        return self.rv
+
+    def history(self, plural: str) -> History:
+        return self.histories.setdefault(plural, History())
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         watch = raw_request.query.get("watch") == "true"
         self.requests[(raw_request.method, watch)] += 1
         agent = raw_request.headers.get("User-Agent", "").split("/")[0]
         self.by_agent[(agent, raw_request.method, watch)] += 1
+        if self.outage:
+            status = {"kind": "Status", "code": self.outage, "message": "emulated outage"}
+            return aiohttp.web.json_response(status, status=self.outage)
         if raw_request.method == "GET" and raw_request.path.rstrip("/") == "/api/v1/namespaces":
             return await self._serve_namespaces(raw_request)
-        return await super().__call__(raw_request)
+        self._inflight.add(id(raw_request))
+        try:
+            return await super().__call__(raw_request)
+        finally:
+            self._inflight.discard(id(raw_request))
+            self._forget_served()
+
+    def _forget_served(self) -> None:
+        """kmock keeps every request it served and, for each new one, scans them all to find
+        it again (``request in payload._source``): quadratic, minutes per request after
+        some 10,000 requests (bench/operator_load.py's 100 objects never finished). Forget
+        the served ones; requests still in flight (open watches) stay."""
+        if len(self._requests) < len(self._inflight) + 32:
+            return
+
+        def live(requests: list[Any]) -> list[Any]:
+            return [r for r in requests if id(r._raw_request) in self._inflight]
+
+        self._requests[:] = live(self._requests)
+        for payload in self._payloads:
+            payload._requests[:] = live(payload._requests)
 
     async def _serve_namespaces(
         self, raw_request: aiohttp.web.BaseRequest
@@ -92,6 +138,10 @@ class ApiServer(kmock.KubernetesEmulator):
         return resp
 
     async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and request.name and _is_apply(request):
+            response = self._server_side_apply(request)
+            if response is not None:
+                return response
         if request.resource is not None and request.action == kmock.action.CREATE:
             _validate(request.data)
             self._on_create(request.data)
@@ -107,10 +157,36 @@ class ApiServer(kmock.KubernetesEmulator):
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         meta["uid"] = str(uuid.uuid4())
-        meta["resourceVersion"] = str(next(self._versions))
+        meta["resourceVersion"] = str(self.next_rv())
         meta["generation"] = 1
         now = datetime.datetime.now(datetime.timezone.utc)
         meta["creationTimestamp"] = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def _server_side_apply(self, request: kmock.Request) -> Any:
+        """A PATCH of type ``application/apply-patch+yaml``: creates a missing object, merges
+        into an existing one (approximately: fields another manager owns are not tracked),
+        and with ``dryRun=All`` answers the result without storing it. Returns a response
+        for dry runs; otherwise turns the request into the CREATE or merge PATCH it amounts to."""
+        if not request.params.get("fieldManager"):
+            message = "PatchOptions.meta.k8s.io is invalid: fieldManager is required for apply"
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=message)
+        key = (request.resource, request.namespace, request.name)
+        exists = key in self.objects and not self.objects[key].deleted
+        current = dict(self.objects[key].raw) if exists else None
+        if current is None:
+            data = copy.deepcopy(request.data)
+            data.setdefault("metadata", {}).setdefault("name", request.name)
+            if request.params.get("dryRun") == "All":
+                self._on_create(data)
+                return aiohttp.web.json_response(data, status=201)
+            object.__setattr__(request, "action", kmock.action.CREATE)
+            object.__setattr__(request, "data", data)
+            return None
+        merged = _patched(current, request.data)
+        if request.params.get("dryRun") == "All":
+            return aiohttp.web.json_response(merged)
+        object.__setattr__(request, "data", merge_diff(current, merged))
+        return None
 
     def _has_status_subresource(self, resource: Any) -> bool:
         # Without a status subresource (kopf's peering CRDs) status is part of the object.
@@ -137,12 +213,83 @@ class ApiServer(kmock.KubernetesEmulator):
             data = {k: v for k, v in data.items() if k != "status"}
         meta = data.setdefault("metadata", {}) or {}
         data["metadata"] = meta
-        meta["resourceVersion"] = str(next(self._versions))
+        meta["resourceVersion"] = str(self.next_rv())
         if "spec" in data and merge_diff(
             current.get("spec") or {}, _patched(current.get("spec"), data["spec"])
         ):
             meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
         return data
+
+    # -- resourceVersion semantics for ``versioned`` kinds (k8s_history.py) ----------------
+    def _is_versioned(self, request: kmock.Request) -> bool:
+        return request.resource is not None and request.resource.plural in self.versioned
+
+    def _current(self, request: kmock.Request) -> list[dict[str, Any]]:
+        selector = request.params.get("labelSelector", "")
+        return [o.raw for (res, _ns, _n), o in self._objects.items()
+                if res == request.resource and not o.deleted
+                and matches(o.raw, request.namespace, selector)]  # fmt: skip
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        if not self._is_versioned(request):
+            return await super()._serve_list(request)
+        async with self._lock:  # objects and history change together under this lock
+            items = self._current(request)
+            rv = self.history(request.resource.plural).last
+        return {"metadata": {"resourceVersion": str(rv)}, "items": items}
+
+    async def _serve_watch(self, request: kmock.Request) -> Any:
+        if not self._is_versioned(request):
+            async for item in super()._serve_watch(request):
+                yield item
+            return
+        history = self.history(request.resource.plural)
+        params = request.params
+        since = params.get("resourceVersion", "")
+        timeout_s = float(params.get("timeoutSeconds") or 3600)
+        if not since.isdigit() or since == "0":  # "any version": the current state first
+            yield b""
+            async with self._lock:
+                items, since = self._current(request), str(history.last)
+            for item in items:
+                yield {"type": "ADDED", "object": item}
+        stream = watch_from(history, int(since), request.namespace,
+                            params.get("labelSelector", ""), timeout_s)  # fmt: skip
+        async for item in stream:
+            yield item
+
+
+class _Buses(dict[Any, Any]):
+    """kmock's per-resource event buses; for ``versioned`` kinds, the watch history instead."""
+
+    def __init__(self, server: ApiServer) -> None:
+        super().__init__()
+        self.server = server
+
+    def __missing__(self, resource: Any) -> Any:
+        if resource.plural in self.server.versioned:
+            bus: Any = _Recorder(self.server, self.server.history(resource.plural))
+        else:
+            bus = kmock.Bus()
+        self[resource] = bus
+        return bus
+
+
+class _Recorder:
+    def __init__(self, server: ApiServer, history: History) -> None:
+        self.server, self.history = server, history
+
+    async def put(self, event: dict[str, Any]) -> None:
+        if event["type"] == "DELETED":  # a deletion is a new version, as in etcd
+            obj = copy.deepcopy(event["object"])
+            obj.setdefault("metadata", {})["resourceVersion"] = str(self.server.next_rv())
+            event = {"type": "DELETED", "object": obj}
+        await self.history.put(rv_of(event["object"]), event)
+
+
+def _is_apply(request: kmock.Request) -> bool:
+    ctype = next((v for k, v in request.headers.items() if k.lower() == "content-type"), "")
+    return request.method == "PATCH" and ctype.startswith("application/apply-patch")
 
 
 def _patched(base: Any, patch: Any) -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 import kmock
 import pytest
 from autoscaler_standin import Load, RecordedRouter, serve_routers
+from k8s_emulator import ApiServer
 from k8s_helpers import NS, eventually, minimal_llmservice, schema_errors
 
 from pdserve.operator.autoscaler import AutoscaleSettings
@@ -275,3 +276,25 @@ async def test_pool_status_counts_unschedulable_pods_as_pending(client: KubeClie
     await client.create(pod("d-nogpu", "decode", scheduled=False))  # other pool: not counted
     status = await pool_status(client, NS, "gpu", "prefill")
     assert (status.current, status.ready, status.pending, status.starting) == (4, 1, 2, 1)
+
+
+async def test_pool_status_reads_the_watch_cache_and_lists_pods_only_when_some_unready(
+    api_server: ApiServer, client: KubeClient
+) -> None:
+    from pdserve.operator.autoscale_inputs import pool_status
+
+    dep: dict[str, Any] = {"spec": {"replicas": 2}, "status": {"replicas": 2, "readyReplicas": 2}}
+
+    def cached(namespace: str, kind: str, name: str) -> dict[str, Any] | None:
+        return dep if (namespace, kind, name) == (NS, "Deployment", "gpu-prefill") else None
+
+    before = sum(api_server.requests.values())
+    status = await pool_status(client, NS, "gpu", "prefill", cached)
+    assert (status.current, status.ready, status.pending) == (2, 2, 0)
+    assert sum(api_server.requests.values()) == before  # steady: no request at all
+    dep["status"]["readyReplicas"] = 1
+    await client.create(pod("p-nogpu", "prefill", scheduled=False))
+    before = sum(api_server.requests.values())
+    status = await pool_status(client, NS, "gpu", "prefill", cached)
+    assert (status.current, status.ready, status.pending) == (2, 1, 1)
+    assert sum(api_server.requests.values()) == before + 1  # one pod LIST

@@ -199,3 +199,49 @@ def test_dockerfile_copies_every_package_folder() -> None:
     for folder in folders:
         assert f"COPY {folder}/ {folder}/" in dockerfile, folder
     assert 'ENTRYPOINT ["/usr/bin/tini", "--", "pdserve"]' in dockerfile
+
+
+def test_crd_upgrade_hook_is_opt_in_least_privilege_and_runs_crds_apply() -> None:
+    assert not [d for d in helm_template(None, KUBE_VERSIONS[-1])
+                if "helm.sh/hook" in d["metadata"].get("annotations", {})]  # fmt: skip
+    docs = helm_template(CHART / "ci" / "crd-upgrade-values.yaml", KUBE_VERSIONS[-1])
+    hooks = {d["kind"]: d for d in docs if "helm.sh/hook" in d["metadata"].get("annotations", {})}
+    assert set(hooks) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Job"}
+    for d in hooks.values():
+        notes = d["metadata"]["annotations"]
+        assert notes["helm.sh/hook"] == "pre-install,pre-upgrade"
+        assert "before-hook-creation" in notes["helm.sh/hook-delete-policy"]
+    weight = {k: int(d["metadata"]["annotations"]["helm.sh/hook-weight"]) for k, d in hooks.items()}
+    assert weight["Job"] > max(w for k, w in weight.items() if k != "Job")  # RBAC first
+    crd_names = sorted(
+        d["metadata"]["name"] for d in docs if d["kind"] == "CustomResourceDefinition"
+    )
+    rules = hooks["ClusterRole"]["rules"]
+    assert [(r["verbs"], sorted(r.get("resourceNames", []))) for r in rules] == [
+        (["get", "patch"], crd_names), (["create"], [])]  # fmt: skip
+    assert all(r["resources"] == ["customresourcedefinitions"] for r in rules)
+    sa = hooks["ServiceAccount"]["metadata"]["name"]
+    binding = hooks["ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == hooks["ClusterRole"]["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa,
+                                    "namespace": "pdserve-system"}]  # fmt: skip
+    pod = hooks["Job"]["spec"]["template"]["spec"]
+    operator = next(d for d in docs if d["kind"] == "Deployment")
+    op_container = operator["spec"]["template"]["spec"]["containers"][0]
+    (container,) = pod["containers"]
+    assert container["command"] == ["pdserve", "crds", "apply"]
+    assert container["image"] == op_container["image"]  # the release's (operator) image
+    assert pod["serviceAccountName"] == sa and pod["restartPolicy"] == "Never"
+    assert pod["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    for d in hooks.values():
+        validate_builtin(d)
+
+
+def test_packaged_crds_are_the_charts() -> None:
+    """`pdserve crds apply` applies pdserve/crds: the chart's crds/ folder (pyproject maps it)."""
+    from pdserve.operator.crds_cli import PACKAGED
+
+    assert PACKAGED.resolve() == (CHART / "crds").resolve()
+    assert '"pdserve.crds" = "charts/pdserve/crds"' in (ROOT / "pyproject.toml").read_text()
+    assert "COPY charts/pdserve/crds/ charts/pdserve/crds/" in (ROOT / "Dockerfile").read_text()

@@ -13,6 +13,7 @@ from pdserve.cli import main as pdserve_main
 from pdserve.operator.reconcile import keep_autoscaled_replicas
 from pdserve.operator.render import render
 from pdserve.operator.spec_parse import parse_llmservice
+from pdserve.router.discovery_k8s import pool_roles
 
 GPU_EXAMPLE = ROOT / "examples" / "llmservice-gpu.yaml"
 
@@ -115,7 +116,12 @@ def test_router_pod_and_services() -> None:
     role = m["Role/llama3-8b-router"]
     for rule in role["rules"]:
         assert rule["verbs"] == ["get", "list", "watch"]
-    assert {r for rule in role["rules"] for r in rule["resources"]} == {"pods", "endpointslices"}
+    # EndpointSlices only: the router watches its pool Services' slices, never lists pods.
+    assert [(r["apiGroups"], r["resources"]) for r in role["rules"]] == [
+        (["discovery.k8s.io"], ["endpointslices"])]  # fmt: skip
+    headless = {k.split("/")[1] for k, v in m.items()
+                if k.startswith("Service/") and v["spec"].get("clusterIP") == "None"}  # fmt: skip
+    assert set(pool_roles("llama3-8b")) == headless  # what the router's watch selects
     router_svc = m["Service/llama3-8b"]["spec"]
     assert (
         router_svc["ports"][0]["port"] == 80

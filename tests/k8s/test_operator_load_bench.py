@@ -1,4 +1,5 @@
-"""``bench/operator_load.py --quick``: the watch-driven operator is idle when the fleet is."""
+"""``bench/operator_load.py --quick``: the watch-driven operator and routers are idle when the
+fleet is."""
 
 from __future__ import annotations
 
@@ -16,3 +17,8 @@ def test_operator_load_quick() -> None:
     assert result["api_requests_per_object_minute"] <= 2.0
     assert result["goal_met"] is True
     assert 0 < result["apply_to_children_p50_s"] <= result["apply_to_children_p99_s"] < 60
+    # The routers' discovery, side by side: the watch costs nothing at steady state, the
+    # pod LIST it replaced one request per second per router.
+    assert result["routers"] == 2
+    assert result["router_requests_per_replica_minute"] == 0.0
+    assert result["baseline_router_requests_per_replica_minute"] > 20

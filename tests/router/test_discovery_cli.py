@@ -1,51 +1,46 @@
-"""Kubernetes endpoint listing, URL handling and the router's command line."""
+"""Kubernetes endpoints from EndpointSlices, URL handling and the router's command line."""
 
 from __future__ import annotations
 
 import argparse
-from datetime import datetime, timezone
 
 import pytest
-from kubernetes.client import V1ObjectMeta, V1Pod, V1PodCondition, V1PodList, V1PodStatus
 
 from pdserve.router.discovery import events_address, normalize_url
-from pdserve.router.discovery_k8s import KubernetesSource, endpoints_from_pods
+from pdserve.router.discovery_k8s import KubernetesSource, endpoints_from_slices, pool_roles
 from pdserve.router.main import add_arguments, build_config, build_source
 
 
-def pod(name: str, role: str, ip: str, ready: bool = True, deleting: bool = False) -> V1Pod:
-    labels = {"pdserve.io/service": "llm", "pdserve.io/role": role}
-    gone = datetime.now(timezone.utc) if deleting else None
-    meta = V1ObjectMeta(name=name, labels=labels, deletion_timestamp=gone)
-    cond = V1PodCondition(type="Ready", status="True" if ready else "False")
-    return V1Pod(metadata=meta, status=V1PodStatus(phase="Running", pod_ip=ip, conditions=[cond]))
+def slice_(service: str, *endpoints: tuple[str, dict[str, bool]], port: int = 8080,
+           family: str = "IPv4") -> dict:  # fmt: skip
+    return {"metadata": {"labels": {"kubernetes.io/service-name": service}},
+            "addressType": family, "ports": [{"name": "http", "port": port}],
+            "endpoints": [{"addresses": [ip], "conditions": c} for ip, c in endpoints]}  # fmt: skip
 
 
-def test_endpoints_from_ready_pods_only() -> None:
-    pods = [pod("a", "prefill", "10.0.0.1"), pod("b", "decode", "10.0.0.2"),
-            pod("c", "decode", "10.0.0.3", ready=False), pod("d", "router", "10.0.0.4"),
-            pod("e", "prefill", "10.0.0.5", deleting=True)]  # fmt: skip
-    eps = endpoints_from_pods(pods)
-    assert [(e.role, e.url) for e in eps] == [
+def test_endpoints_from_slices_by_conditions() -> None:
+    roles = pool_roles("llm")
+    assert roles == {"llm-prefill": "prefill", "llm-decode": "decode"}
+    slices = [
+        slice_("llm-decode", ("10.0.0.2", {"ready": True}), ("10.0.0.3", {"ready": False}),
+               ("10.0.0.6", {"ready": False, "serving": True, "terminating": True}),
+               ("10.0.0.7", {})),  # nil ready: the API says to treat it as ready
+        slice_("llm-prefill", ("10.0.0.1", {"ready": True}), port=9000),
+        slice_("llm-decode", ("10.0.0.2", {"ready": True})),  # the same pod in two slices
+        slice_("llm", ("10.0.0.4", {"ready": True})),  # the router's own Service
+        slice_("llm-decode", ("fd00::5", {"ready": True}), family="IPv6"),
+    ]  # fmt: skip
+    assert [(e.role, e.url) for e in endpoints_from_slices(slices, roles)] == [
         ("decode", "http://10.0.0.2:8080"),
-        ("prefill", "http://10.0.0.1:8080"),
+        ("decode", "http://10.0.0.7:8080"),
+        ("decode", "http://[fd00::5]:8080"),
+        ("prefill", "http://10.0.0.1:9000"),
     ]
 
 
-async def test_kubernetes_source_lists_by_label_selector() -> None:
-    class CoreV1:  # stands in for kubernetes.client.CoreV1Api: no API server here
-        def __init__(self) -> None:
-            self.calls: list[tuple[str, str]] = []
-
-        def list_namespaced_pod(self, namespace: str, label_selector: str) -> V1PodList:
-            self.calls.append((namespace, label_selector))
-            return V1PodList(items=[pod("a", "decode", "10.1.1.1")])
-
-    api = CoreV1()
-    src = KubernetesSource("llm", "ns1", core_api=api)
-    eps = await src.list()
-    assert [e.url for e in eps] == ["http://10.1.1.1:8080"]
-    assert api.calls == [("ns1", "pdserve.io/service=llm,pdserve.io/role in (prefill,decode)")]
+def test_kubernetes_source_selects_the_pool_services() -> None:
+    src = KubernetesSource("llm", "ns1")
+    assert src.selector == "kubernetes.io/service-name in (llm-decode,llm-prefill)"
     with pytest.raises(ValueError, match="--service"):
         KubernetesSource("", "ns")
 
@@ -114,3 +109,18 @@ def test_scorers_are_name_weight_pairs_and_round_robin_is_a_picker() -> None:
         build_config(_parse("--model", "/m", "--scorer", "typo=1"))
     with pytest.raises(SystemExit):
         _parse("--model", "/m", "--scorer", "prefix")  # no weight: argparse refuses it
+
+
+def test_in_cluster_token_is_read_again_as_the_kubelet_rotates_it(tmp_path, monkeypatch) -> None:
+    """Bound service-account tokens expire: the router re-reads the projected token file."""
+    from pdserve.router import kube_api
+
+    token = tmp_path / "token"
+    token.write_text("first\n")
+    access = kube_api.ApiAccess("https://k8s:443", token_file=str(token))
+    assert access.headers()["Authorization"] == "Bearer first"
+    token.write_text("second\n")
+    assert access.headers()["Authorization"] == "Bearer first"  # cached for TOKEN_TTL_S
+    monkeypatch.setattr(kube_api, "TOKEN_TTL_S", 0.0)
+    assert access.headers()["Authorization"] == "Bearer second"
+    assert access.headers()["User-Agent"] == "pdserve-router"

@@ -88,10 +88,12 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
   verbs: [get]
-# The router's Role grants these; RBAC lets the operator grant only what it holds itself.
+# Pods: the autoscaler counts a pool's unschedulable pods (list, by label).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch]
+  verbs: [list]
+# The router's Role grants these (its EndpointSlice watch); RBAC lets the operator grant only
+# what it holds itself.
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]
   verbs: [get, list, watch]
