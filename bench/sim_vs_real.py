@@ -164,7 +164,7 @@ def report(args, trace, real: RealRun, sim: SimReplay, startup, before, after) -
         "sim_vs_real_ttft_p90_error": error(s["ttft_p90_s"], r["ttft_p90_s"]),
         "sim_vs_real_ttft_p50_error": error(s["ttft_p50_s"], r["ttft_p50_s"]),
         "sim_vs_real_replica_s_error": error(s["replica_s"], r["replica_s"]),
-        "real": {**r, "failed": real.failed, "peak_workers": real.peak},
+        "real": {**r, "failed": real.failed, "errors": real.errors, "peak_workers": real.peak},
         "sim": s,
         "trace": {
             "requests": int(trace.arrival.size),

@@ -39,6 +39,7 @@ class RealRun:
     startup_s: float | None = None
     failed: int = 0
     peak: int = 0
+    errors: list[str] = field(default_factory=list)  # the first few failures, as raised
 
 
 class Up:
@@ -104,7 +105,7 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], out:
     return first
 
 
-async def _replay(url: str, trace: Trace, seed: int) -> tuple[list[float], int, float]:
+async def _replay(url: str, trace: Trace, seed: int) -> tuple[list[float], list[str], float]:
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(10, 3000, int(n)).tolist() for n in trace.prompt]
     timeout = aiohttp.ClientTimeout(total=300)
@@ -119,19 +120,22 @@ async def _replay(url: str, trace: Trace, seed: int) -> tuple[list[float], int, 
             *(at(i) for i in range(trace.arrival.size)), return_exceptions=True
         )
     ttft = [g for g in got if isinstance(g, float)]
-    return ttft, len(got) - len(ttft), t0
+    errors = [f"{type(g).__name__}: {g}"[:200] for g in got if not isinstance(g, float)]
+    return ttft, errors, t0
 
 
 def run_real(flags: list[str], port: int, trace: Trace, drain_s: float, work: Path) -> RealRun:
     up = Up(flags, work / "up.log")
     try:
         up.wait_for("autoscaling every", timeout=300)
-        ttft, failed, t0 = asyncio.run(_replay(f"http://127.0.0.1:{port}", trace, 1))
+        ttft, errors, t0 = asyncio.run(_replay(f"http://127.0.0.1:{port}", trace, 1))
         time.sleep(max(0.0, t0 + trace.duration_s + drain_s - time.monotonic()))
         end = time.monotonic()
     finally:
         up.stop()
-    return _account(up.lines, up.launched, t0, end, np.array(ttft), failed)
+    run = _account(up.lines, up.launched, t0, end, np.array(ttft), len(errors))
+    run.errors = errors[:5]
+    return run
 
 
 def _account(lines, launched: float, t0: float, end: float, ttft, failed) -> RealRun:  # type: ignore[no-untyped-def]

@@ -26,7 +26,7 @@ def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
     result = run_bench("sim_vs_real.py", *args, timeout=290)
     real, sim, n = result["real"], result["sim"], result["trace"]["requests"]
     assert n > 20
-    assert real["failed"] == 0 and real["requests"] == n
+    assert real["failed"] == 0 and real["requests"] == n, real["errors"]
     assert sim["requests"] == n  # every request of the trace got its first token in the sim
     for side in (real, sim):
         for key in ("ttft_p50_s", "ttft_p90_s", "replica_s"):
