@@ -98,6 +98,7 @@ class Cluster:
         self.G = 0.0  # decode steps taken so far (every running sequence advances with it)
         self.ctx_sum = 0.0  # sum over running of (prompt - join); + n * G = total context
         self.interval = Interval()
+        self.admitted_at = -1.0  # time of the last decode admission
         self.done_arrival: list[np.ndarray] = []  # per finished request: arrival time ...
         self.done_ok: list[np.ndarray] = []  # ... and whether it met both SLOs
 
@@ -183,6 +184,7 @@ class Cluster:
     def _decode_tick(self, t0: float, dt: float) -> None:
         ready = self.decode.ready(t0)
         self._admit(t0, ready)
+        self.admitted_at = t0
         n = self.run.shape[1]
         if n == 0 or ready == 0:
             return
@@ -211,8 +213,10 @@ class Cluster:
     def snapshot(self, t: float, interval_s: float) -> MetricsSnapshot:
         iv, self.interval = self.interval, Interval()
         waiting_prefill = sum(b["t"].size for b in self.pq)
-        # waiting for a decode slot: KV already transferred (not still in prefill or in flight)
-        waiting_decode = sum(int((b["ready"] <= t).sum()) for b in self.dq)
+        # waiting for a decode slot: KV transferred by the last admission and still not
+        # admitted (one that arrived since waits only for the next tick, as an engine's
+        # next step would take it: not a full pool)
+        waiting_decode = sum(int((b["ready"] <= self.admitted_at).sum()) for b in self.dq)
         ready_d = self.decode.ready(t)
         kv_total = ready_d * self.cost.truth.decode.kv_capacity_tokens
         wait = np.concatenate(iv.wait) if iv.wait else np.empty(0)

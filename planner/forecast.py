@@ -18,6 +18,7 @@ a handful of floats, carried in ``PlannerState`` and JSON-safe.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -25,9 +26,9 @@ from typing import Any
 UNSEEN = -1.0  # a seasonal bin with no observation yet (JSON has no NaN)
 BASE_ALPHA = 0.5
 BASE_SIGMA = math.sqrt(1 + BASE_ALPHA / (2 - BASE_ALPHA))  # std of (value - base) / sigma
-LAST_SIGMA = math.sqrt(
-    2.0
-)  # std of (value - last value) / sigma  # a seasonal bin with no observation yet (JSON has no NaN)
+LAST_SIGMA = math.sqrt(2.0)  # std of (value - last value) / sigma
+SECOND_SIGMA = math.sqrt(6.0)  # std of (v - 2 v1 + v2) / sigma
+RECENT = 4  # values kept for the fitted slope (a sustained ramp within the per-step noise)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Series:
     noise: float = 0.0  # dispersion: typical deviation from ``base`` over the Poisson one
     base: float = 0.0  # EWMA of the values: what a change is measured against
     rising: bool = False  # the last interval rose beyond the noise
+    recent: tuple[float, ...] = ()  # the last RECENT values, oldest first
 
     def observe(
         self,
@@ -65,7 +67,7 @@ class Series:
         ``confirm``: a rise counts only on its second interval (token sums: heavy tails)."""
         season = _season_update(self.season, t, value, cfg)
         if self.level is None or self.time_s is None or t <= self.time_s:
-            return Series(value, 0.0, t, interval_s, season, 0.0, value)
+            return Series(value, 0.0, t, interval_s, season, 0.0, value, recent=(value,))
         base = self.base if self.base > 0 else self.level
         raw = (value - self.level) / (t - self.time_s)
         # A Poisson count's relative std is 1/sqrt(count); a token sum varies more (the
@@ -73,15 +75,30 @@ class Series:
         sigma = max(1.0, self.noise) / math.sqrt(max(count, 1.0))
         rel_base = (value - base) / max(base, 1e-9)
         rel_last = (value - self.level) / max(self.level, 1e-9)
-        rising = (
+        step_rise = (
             rel_base > max(cfg.tolerance, cfg.noise_z * BASE_SIGMA * sigma)
             and rel_last > 2 * LAST_SIGMA * sigma
         )
+        recent = (*self.recent, value)[-RECENT:]
+        fit = _sustained_slope(recent, t - self.time_s, sigma * base, cfg)
+        steps = [b - a for a, b in itertools.pairwise(recent)][-(2 if confirm else 1) :]
+        if min(steps, default=0.0) < LAST_SIGMA * sigma * base:
+            fit = 0.0  # the last step (token sums: two) did not rise: not a ramp, or it stopped
         # learn from every interval, an outlier capped (a real step must not teach it much)
-        z = min(abs(rel_base) / sigma, 1.5 * cfg.noise_z * BASE_SIGMA) / BASE_SIGMA
+        # in Poisson units; from the second difference once there are three values (zero
+        # on a linear ramp, so a ramp is not learnt as noise), else from the base
+        poisson = 1.0 / math.sqrt(max(count, 1.0))
+        if len(self.recent) >= 2:
+            second = (value - 2 * self.recent[-1] + self.recent[-2]) / max(base, 1e-9)
+            dev, unit = abs(second), SECOND_SIGMA
+        else:
+            dev, unit = abs(rel_base), BASE_SIGMA
+        z = min(dev / poisson, 1.5 * cfg.noise_z * unit * max(self.noise, 1.0)) / unit
         noise = math.sqrt(0.8 * max(self.noise, 1.0) ** 2 + 0.2 * z**2)
-        if raw > 0 and (not rising or (confirm and not self.rising)):
+        if raw > 0 and (not step_rise or (confirm and not self.rising)):
             raw = 0.0
+        raw = max(raw, fit)  # a ramp each of whose steps hides in the noise
+        rising = step_rise or fit > 0
         if raw >= self.slope:
             slope = raw  # a rise is believed at once: waiting costs a pod start-up
         else:
@@ -89,7 +106,7 @@ class Series:
         if raw <= 0 < slope:
             slope = 0.0  # the rise has stopped: do not keep extrapolating it
         base = (1 - BASE_ALPHA) * base + BASE_ALPHA * value
-        return Series(value, slope, t, interval_s, season, noise, base, rising)
+        return Series(value, slope, t, interval_s, season, noise, base, rising, recent)
 
     def at(self, horizon_s: float, cfg: ForecastConfig) -> float:
         """Forecast of the value ``horizon_s`` after the last observation."""
@@ -170,6 +187,25 @@ class Forecast:
 SERIES = ("request_rate", "prompt_rate", "output_rate")
 
 
+def _sustained_slope(
+    values: tuple[float, ...], step_s: float, sigma: float, cfg: ForecastConfig
+) -> float:
+    """Least-squares slope (per second) of the last values, equally spaced ``step_s``
+    apart, if it is ``noise_z`` standard errors above zero (each value's noise
+    ``sigma``), else 0: a ramp of 15% per interval under 5% noise per value is seen on
+    its third interval although no single step stands out."""
+    n = len(values)
+    if n < 3 or step_s <= 0:
+        return 0.0
+    xs = [i - (n - 1) / 2 for i in range(n)]
+    sxx = sum(x * x for x in xs)
+    slope = sum(x * v for x, v in zip(xs, values, strict=True)) / sxx
+    stderr = sigma / math.sqrt(sxx)
+    if slope <= 0 or slope < cfg.noise_z * stderr:
+        return 0.0
+    return slope / step_s
+
+
 def _bin(t: float, cfg: ForecastConfig) -> int:
     return int((t % cfg.season_s) / cfg.season_s * cfg.season_bins) % cfg.season_bins
 
@@ -203,6 +239,7 @@ def _series_dict(s: Series) -> dict[str, Any]:
         "noise": s.noise,
         "base": s.base,
         "rising": s.rising,
+        "recent": list(s.recent),
     }
 
 
@@ -223,4 +260,5 @@ def _series(body: Any) -> Series:
         noise=float(body.get("noise", 0.0)),
         base=float(body.get("base", 0.0)),
         rising=bool(body.get("rising", False)),
+        recent=tuple(float(x) for x in body.get("recent", ()))[-RECENT:],
     )

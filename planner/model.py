@@ -160,11 +160,23 @@ def _prefill_ratio(snap: MetricsSnapshot, cfg: PlannerConfig) -> float | None:
 
 
 def _decode_ratio(snap: MetricsSnapshot, cfg: PlannerConfig) -> float | None:
+    """Observed decode step time over the profile's prediction at the running batch.
+
+    Normally from TPOT. With sequences waiting for a slot (or KV full) TPOT includes
+    that wait, so the step time comes from throughput instead: every running sequence
+    gains one token per step, so step = running / output tokens/s. A saturated pool is
+    exactly when the correction matters most, so it must not stop learning there."""
     if snap.tpot.count < cfg.min_requests_for_correction or snap.decode.ready == 0:
         return None
-    if snap.decode_waiting > 0 or snap.kv_utilisation >= 0.95 or snap.tpot.mean <= 0:
+    if snap.decode_running <= 0:
         return None
     prof = cfg.profile.decode
     batch = snap.decode_running / snap.decode.ready
     predicted = prof.step_time(max(1.0, batch), mean_context(snap, cfg))
+    if snap.decode_waiting > 0 or snap.kv_utilisation >= 0.95:
+        if snap.output_token_rate <= 0:
+            return None
+        return snap.decode_running / snap.output_token_rate / predicted
+    if snap.tpot.mean <= 0:
+        return None
     return snap.tpot.mean / predicted

@@ -52,6 +52,9 @@ def measure(
     """Time the probe over a grid and fit the profile's coefficients."""
     if not prompt_lengths or not batches or not contexts or repeats < 1:
         raise ValueError("need at least one prompt length, batch, context and repeat")
+    # the first calls pay one-time costs (kernel load, allocator growth): not a cost per step
+    probe.prefill_seconds(prompt_lengths[0])
+    probe.decode_step_seconds(batches[0], contexts[0])
     lengths, times = [], []
     for n in prompt_lengths:
         lengths.append(n)

@@ -122,6 +122,7 @@ class Dispatcher:
         return plan
 
     async def run(self, rs: RequestState, plan: RoutePlan) -> AsyncGenerator[Delta, None]:
+        self.metrics.prefill_queue_depth.inc()  # until the first token (or the end)
         try:
             handle, first_id = None, None
             if plan.kind == disagg.REMOTE_PREFILL:
@@ -141,6 +142,8 @@ class Dispatcher:
             async for delta in self._decode(rs, plan, handle, first_id):
                 yield delta
         finally:
+            if rs.first_token_at is None:
+                self.metrics.prefill_queue_depth.dec()
             if not rs.finished:
                 self._abort_all(rs)
 
@@ -158,6 +161,7 @@ class Dispatcher:
             if rs.first_token_at is None:
                 rs.first_token_at = now
                 self.metrics.ttft.observe(now - rs.start)
+                self.metrics.prefill_queue_depth.dec()
             elif rs.last_token_at is not None:
                 self.metrics.itl.observe(now - rs.last_token_at)
             rs.last_token_at = now

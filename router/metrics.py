@@ -69,6 +69,12 @@ class RouterMetrics:
         self.queue_depth = Gauge(
             "pdserve_router_queue_depth", "Requests admitted and not finished", registry=r
         )
+        # what the planner sizes the prefill pool for (queue_depth also counts decoding ones)
+        self.prefill_queue_depth = Gauge(
+            "pdserve_router_prefill_queue_depth",
+            "Requests dispatched whose first token has not come back (waiting for or in prefill)",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "pdserve_router_prompt_tokens", "Prompt tokens routed", registry=r
         )

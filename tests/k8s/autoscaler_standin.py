@@ -57,6 +57,8 @@ class RecordedRouter:
             m.prompt_tokens.inc(ld.prompt_tokens)
             m.generation_tokens.inc(ld.output_tokens)
         m.queue_depth.set(ld.queue_depth)
+        # admitted and not yet decoding: before their first token (the planner's prefill queue)
+        m.prefill_queue_depth.set(max(0, ld.queue_depth - ld.decode_inflight))
         m.inflight.labels(worker="http://decode-0:8080", role="decode").set(ld.decode_inflight)
 
     def render(self, now: float | None = None) -> str:

@@ -52,6 +52,29 @@ def test_token_series_needs_two_rising_intervals() -> None:
     assert twice.prompt_demand_at(30.0, CFG) > 3e5
 
 
+def test_a_ramp_within_the_per_step_noise_is_seen_by_its_fitted_slope() -> None:
+    """Prompt tokens of a long-prompt surge: +10% of the level per interval while one
+    interval's sum varies by ~4% (no single step clears the step rule's 4 sigma): the
+    fitted slope over the last intervals is believed by the ramp's fourth interval;
+    flat noise is not a ramp."""
+    rng = np.random.default_rng(3)
+    flat, false_rises = Forecast(), 0
+    for i in range(200):
+        tokens = 7e5 * (1 + 0.04 * rng.standard_normal())
+        flat = flat.observe(5.0 * (i + 1), 5.0, (600.0, tokens, 3e5), CFG)
+        false_rises += flat.prompt_rate.slope > 0
+    assert false_rises <= 4, false_rises
+    f, seen = flat, None
+    for k in range(1, 9):
+        tokens = 7e5 * (1 + 0.10 * k) * (1 + 0.04 * rng.standard_normal())
+        f = f.observe(5.0 * (200 + k), 5.0, (600.0, tokens, 3e5), CFG)
+        if seen is None and f.prompt_rate.slope > 0:
+            seen = k
+            ahead = f.prompt_demand_at(40.0, CFG) / (f.prompt_rate.level or 1.0)
+    assert seen is not None and seen <= 4, seen
+    assert ahead > 1.3  # 40 s ahead at ~+10% per 5 s (less the fit's noise)
+
+
 def test_daily_seasonality_anticipates_the_morning_ramp() -> None:
     day = 86_400.0
 

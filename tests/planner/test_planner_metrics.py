@@ -60,6 +60,18 @@ def test_two_scrapes_give_rates_quantiles_and_attainment() -> None:
     assert s.kv_utilisation == pytest.approx(0.75)
 
 
+def test_prefill_queue_is_the_routers_prefill_gauge_when_it_has_one() -> None:
+    """The router's pdserve_router_prefill_queue_depth (requests before their first token)
+    is the prefill queue; without it (an older router), every admitted request plus the
+    prefill workers' waiting ones."""
+    old = 'pdserve_router_queue_depth 30\npdserve_num_requests_waiting{role="prefill"} 4\n'
+    new = old + "pdserve_router_prefill_queue_depth 6\n"
+    for text, depth in ((old, 34), (new, 6)):
+        scrape = parse_text(text, time_s=10.0)
+        s = snapshot_from_scrapes(parse_text("", time_s=0.0), scrape, P, D, SLO_)
+        assert s.prefill_queue_depth == depth
+
+
 def recorded_router(ttft: tuple[int, int, int], ttft_sum: float, ok: int) -> str:
     """A router's /metrics as scraped: the TTFT histogram (cumulative counts at 0.5 s, 1 s
     and +Inf) and the count of 200 responses."""

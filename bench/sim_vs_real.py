@@ -1,0 +1,236 @@
+"""The same trace against ``pdserve up --autoscale`` on this machine and in the simulator.
+
+    python bench/sim_vs_real.py [--quick] [--profile FILE]
+
+A step trace (low rate, a few times higher, low again; prompts ~256 tokens, outputs
+~16) is replayed in real time against ``pdserve up --autoscale`` (tiny model, CPU,
+1 prefill + 1 decode worker to start, each pool 1..2, every prompt prefilled
+remotely), then in the simulated cluster (sim_replay.py) on the profile's costs with
+the planner built by the same ``config_from_args`` from the same flags and the
+worker start-up time observed in the real run. The profile is measured first with
+``pdserve profile`` (same machine, same moment) unless ``--profile`` names one.
+Prints TTFT p50/p90 and replica-seconds of both and, last, one JSON line with
+``sim_vs_real_ttft_p90_error`` = |sim - real| / real (goal <= 0.25). The machine's
+load average is printed too: other jobs on the 2 shared cores slow the real side only.
+Writes bench/out/sim_vs_real.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_replay import SimReplay, Trace, replay
+from sim_vs_real_up import RealRun, run_real
+
+from pdserve.local.planner_loop import config_from_args
+from pdserve.local.up import add_arguments as up_arguments
+
+INTERVAL_S = 2.0
+
+
+def up_flags(args: argparse.Namespace, profile: str, port: int) -> list[str]:
+    return [
+        "--model",
+        args.model,
+        "--served-model-name",
+        "tiny",
+        "--port",
+        str(port),
+        "--worker-port-base",
+        str(21000 + port % 20000),
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--kv-transport",
+        "tcp",
+        "--disagg-threshold",
+        "0",
+        "--routing",
+        "round-robin",
+        "--worker-arg=--device",
+        "--worker-arg=cpu",
+        "--autoscale",
+        "--profile",
+        profile,
+        "--autoscale-interval",
+        str(INTERVAL_S),
+        "--slo-ttft-ms",
+        str(args.slo_ttft_ms),
+        "--slo-tpot-ms",
+        str(args.slo_tpot_ms),
+        "--prefill-min",
+        "1",
+        "--prefill-max",
+        "2",
+        "--decode-min",
+        "1",
+        "--decode-max",
+        "2",
+        "--scale-down-window",
+        "10",
+        "--worker-startup",
+        str(args.worker_startup),
+    ]
+
+
+def measure_profile(model: str, out: str, quick: bool) -> None:
+    lengths, batches = ("64,256,512", "1,4") if quick else ("64,128,256,512,1024", "1,4,8")
+    # one torch thread: what `pdserve up` gives each worker on this 2-core machine
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "profile",
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--cpu-threads",
+        "1",
+        "--out",
+        out,
+        "--prompt-lengths",
+        lengths,
+        "--batches",
+        batches,
+        "--contexts",
+        "64,128",
+        "--repeats",
+        "1" if quick else "2",
+        "--hardware",
+        f"CPU, 1 torch thread, load average {os.getloadavg()[0]:.1f}",
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+
+
+def stats(ttft: np.ndarray, replica_s: float) -> dict:
+    p50, p90 = np.percentile(ttft, [50, 90]) if ttft.size else (float("nan"),) * 2
+    return {
+        "ttft_p50_s": round(float(p50), 4),
+        "ttft_p90_s": round(float(p90), 4),
+        "replica_s": round(replica_s, 1),
+        "requests": int(ttft.size),
+    }
+
+
+def error(sim: float, real: float) -> float:
+    return round(abs(sim - real) / real, 4) if real > 0 else float("inf")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="sim-vs-real-"))
+    profile = args.profile or str(work / "profile.json")
+    if not args.profile:
+        measure_profile(args.model, profile, args.quick)
+    phases = (4.0, 10.0, 4.0) if args.quick else (30.0, 90.0, 30.0)
+    drain = 5.0 if args.quick else args.drain
+    trace = Trace.step(args.low, args.high, phases, args.seed)
+    port = 18000 + os.getpid() % 1000
+    flags = up_flags(args, profile, port)
+    real = run_real(flags, port, trace, drain, work)
+    parser = argparse.ArgumentParser()
+    up_arguments(parser)
+    cfg = config_from_args(parser.parse_args(flags))
+    startup = real.startup_s if real.startup_s is not None else args.worker_startup
+    sim = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain)
+    out = report(args, trace, real, sim, startup, load_before, os.getloadavg())
+    if not args.no_plot:
+        print(f"plot: {plot(real, sim, args.out_dir)}", file=sys.stderr)
+    print(json.dumps(out))
+    return 0
+
+
+def report(args, trace, real: RealRun, sim: SimReplay, startup, before, after) -> dict:  # type: ignore[no-untyped-def]
+    r, s = stats(real.ttft, real.replica_s), stats(sim.ttft, sim.replica_s)
+    for name, d in (("real", r), ("sim", s)):
+        print(
+            f"{name:4s} TTFT p50 {d['ttft_p50_s']:.3f} s  p90 {d['ttft_p90_s']:.3f} s  "
+            f"replica-s {d['replica_s']:.0f}  requests {d['requests']}",
+            file=sys.stderr,
+        )
+    return {
+        "sim_vs_real_ttft_p90_error": error(s["ttft_p90_s"], r["ttft_p90_s"]),
+        "sim_vs_real_ttft_p50_error": error(s["ttft_p50_s"], r["ttft_p50_s"]),
+        "sim_vs_real_replica_s_error": error(s["replica_s"], r["replica_s"]),
+        "real": {**r, "failed": real.failed, "errors": real.errors, "peak_workers": real.peak},
+        "sim": s,
+        "trace": {
+            "requests": int(trace.arrival.size),
+            "low_rps": args.low,
+            "high_rps": args.high,
+            "duration_s": trace.duration_s,
+        },
+        "worker_startup_observed_s": None if real.startup_s is None else round(startup, 2),
+        "load_average_before_after": [round(before[0], 2), round(after[0], 2)],
+        "quick": args.quick,
+    }
+
+
+def plot(real: RealRun, sim: SimReplay, out_dir: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    a.step(real.times, real.workers, where="post", label="real: workers")
+    a.plot(
+        sim.timeline["t"],
+        np.add(sim.timeline["prefill"], sim.timeline["decode"]),
+        label="sim: replicas",
+    )
+    a.set(xlabel="s", ylabel="workers (both pools)", title="replicas over time")
+    a.legend()
+    for name, x in (("real", real.ttft), ("sim", sim.ttft)):
+        b.plot(np.sort(x), np.linspace(0, 1, x.size), label=name)
+    b.set(xlabel="TTFT (s)", ylabel="share of requests", title="TTFT distribution")
+    b.legend()
+    fig.tight_layout()
+    path = Path(out_dir) / "sim_vs_real.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    return path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="an 18 s trace; give --profile to skip measuring (the suite does)",
+    )
+    ap.add_argument(
+        "--model",
+        default=os.environ.get("PDSERVE_TINY_MODEL", ""),
+        help="model directory (default: $PDSERVE_TINY_MODEL)",
+    )
+    ap.add_argument("--profile", default="", help="profile JSON (default: measure one now)")
+    ap.add_argument("--low", type=float, default=2.0, help="requests/s before and after")
+    ap.add_argument("--high", type=float, default=12.0, help="requests/s in the step")
+    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=500.0)
+    ap.add_argument("--worker-startup", type=float, default=8.0, help="the planner's start-up")
+    ap.add_argument("--drain", type=float, default=20.0, help="seconds after the trace")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"))
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    if not args.model:
+        ap.error("--model (or $PDSERVE_TINY_MODEL) is required: `pdserve tiny-model DIR`")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

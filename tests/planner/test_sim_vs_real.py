@@ -1,0 +1,38 @@
+"""bench/sim_vs_real.py --quick: the same short trace against ``pdserve up --autoscale`` (real
+processes on loopback, the tiny model) and in the simulator; one JSON line last, a plot.
+
+The quick trace is too short for the agreement figure to mean anything on a shared
+2-core machine (start-up takes most of it), so this checks the path, not the 25% goal:
+every request of the trace is answered on both sides, TTFTs and replica-seconds are
+positive and finite, and the simulated cluster saw the same requests.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.loopback import run_bench
+
+PROFILE = Path(__file__).resolve().parents[2] / "bench/profiles/cpu-tiny-1thread.json"
+
+
+@pytest.mark.timeout(300)
+def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
+    args = ("--quick", "--model", str(tiny_model_dir), "--profile", str(PROFILE),
+            "--out-dir", str(tmp_path))  # fmt: skip
+    result = run_bench("sim_vs_real.py", *args, timeout=290)
+    real, sim, n = result["real"], result["sim"], result["trace"]["requests"]
+    assert n > 20
+    assert real["failed"] == 0 and real["requests"] == n, real["errors"]
+    assert sim["requests"] == n  # every request of the trace got its first token in the sim
+    for side in (real, sim):
+        for key in ("ttft_p50_s", "ttft_p90_s", "replica_s"):
+            assert 0 < side[key] < math.inf, (side, key)
+        assert side["ttft_p50_s"] <= side["ttft_p90_s"]
+    assert real["replica_s"] >= 2 * result["trace"]["duration_s"] * 0.9  # 2 workers at least
+    assert result["sim_vs_real_ttft_p90_error"] >= 0
+    assert len(result["load_average_before_after"]) == 2
+    assert (tmp_path / "sim_vs_real.png").stat().st_size > 0
