@@ -74,7 +74,8 @@ async def one_stream(
 ) -> tuple[str, int]:
     """(the streamed text, completion tokens from the usage chunk) of one completion."""
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "stream": True,
-            "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "temperature": 0.0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     parts, tokens, done, buf = [], 0, False, b""
     async with http.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
@@ -172,7 +173,8 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     print(f"streamed texts identical: {res['outputs_identical']}")
     out = {"baseline_commit": res["baseline_commit"], "ours_commit": res["ours_commit"],
            "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-           "tokens_per_tree": res["tokens_per_tree"], "outputs_identical": res["outputs_identical"]}  # fmt: skip
+           "tokens_per_tree": res["tokens_per_tree"],
+           "outputs_identical": res["outputs_identical"]}  # fmt: skip
     out.update({f"baseline_{k}": round(v, 4) for k, v in b.items()})
     out.update({f"ours_{k}": round(v, 4) for k, v in o.items()})
     out.update({f"ratio_{k}": round(v, 3) for k, v in ratios.items()})

@@ -263,7 +263,7 @@ class Dispatcher:
 
     def _relay(self, rs: RequestState, msg: TokenDelta) -> Delta:
         ids = msg.token_ids
-        rs.output_ids.extend(int(t) for t in ids)
+        rs.output_ids.extend(ids)  # ints: the line decoder checked each
         # The prefill's count holds; after a migration the count covers the resumed tokens.
         if msg.usage is not None and not rs.remote_prefill and not rs.migrations:
             rs.cached_tokens = msg.usage.cached_tokens
