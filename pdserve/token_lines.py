@@ -30,6 +30,8 @@ assert tuple(f.name for f in dataclasses.fields(Usage)) == (
 ), "update token_lines"
 _KEYS = frozenset((*FIELDS, "type"))
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators) builds one
+# json.loads' own parser (C), without its wrappers; typeshed does not list the attribute.
+_SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def encode_line(
@@ -56,10 +58,9 @@ def encode_line(
 
 def decode_line(line: bytes) -> TokenDelta:
     """``codec.decode(line, TokenDelta)``: the same message, or the same CodecError."""
-    try:
-        body = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        return decode(line, TokenDelta)  # raises the codec's CodecError
+    body = _object(line)
+    if body is None:
+        return decode(line, TokenDelta)  # the codec's answer, or its CodecError
     if type(body) is dict and body.keys() == _KEYS and body["type"] == "token_delta":
         ids, text, finish = body["token_ids"], body["text"], body["finish_reason"]
         lps = body["logprobs"]
@@ -74,3 +75,16 @@ def decode_line(line: bytes) -> TokenDelta:
         ):
             return TokenDelta(ids, text, finish, None, None, lps)
     return from_dict(body, TokenDelta)
+
+
+def _object(line: bytes) -> Any:
+    """What ``json.loads(line)`` returns for a line that is exactly one JSON object (as the
+    worker writes them: UTF-8, no surrounding space), else None (then the codec decides)."""
+    if line[:1] != b"{" or line[-1:] != b"}":
+        return None
+    try:
+        text = line.decode()
+        body, end = _SCAN(text, 0)
+    except (UnicodeDecodeError, StopIteration, ValueError, RecursionError):
+        return None
+    return body if end == len(text) else None

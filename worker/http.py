@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import hmac
 import logging
 import os
@@ -140,6 +141,11 @@ def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
     """Load the model, then serve until stopped; ``/health`` is up only once loaded."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     worker = worker_cls(args)
+    # The model, torch and the engine's tables stay alive for good: keep them out of the
+    # collector's full passes, which walked them all, on whichever thread allocated
+    # (the HTTP loop or the engine).
+    gc.collect()
+    gc.freeze()
     try:
         serve(worker.app(), args.host, args.port, args.log_level)
     finally:
