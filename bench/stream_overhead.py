@@ -142,10 +142,7 @@ def run(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
     ours_tree, ours_commit = code_tree(ROOT, str(ROOT), work / "trees")
     acc: dict[str, dict[str, Any]] = {"baseline": {}, "ours": {}}
     same = True
-    with (
-        pdserve_up("baseline", base_tree, model, work) as base,
-        pdserve_up("ours", ours_tree, model, work) as ours,
-    ):
+    with pdserve_up({"baseline": base_tree, "ours": ours_tree}, model, work) as (base, ours):
         if base.engine_tid is None or ours.engine_tid is None:
             print("warning: engine thread not found; worker_http includes it", flush=True)
         for up in (base, ours):  # warm-up, not counted

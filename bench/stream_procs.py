@@ -73,8 +73,26 @@ def _supports(tree: Path, flag: str) -> bool:
 
 
 @contextlib.contextmanager
-def pdserve_up(label: str, tree: Path, model: str, log_dir: Path) -> Iterator[Up]:
-    """``pdserve up --prefill 0`` running ``tree``'s code, until the block exits."""
+def pdserve_up(trees: dict[str, Path], model: str, log_dir: Path) -> Iterator[list[Up]]:
+    """One ``pdserve up --prefill 0`` per (label, tree), all starting at once, until the
+    block exits."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for label, tree in trees.items():
+            procs.append(_start(label, tree, model, log_dir))
+        ups = []
+        for label, proc in zip(trees, procs, strict=True):
+            url = _wait_banner(proc)
+            router, worker = _children(proc.pid)
+            ups.append(Up(label, url, Path(model).name, router, worker,
+                          engine_thread(worker), proc))  # fmt: skip
+        yield ups
+    finally:
+        for proc in procs:
+            _stop(proc)
+
+
+def _start(label: str, tree: Path, model: str, log_dir: Path) -> subprocess.Popen[str]:
     port, base = _free_port(), random.randrange(20000, 40000, 200)
     argv = [sys.executable, "-m", "pdserve", "up", "--prefill", "0", "--model", model,
             "--port", str(port), "--worker-port-base", str(base), "--dtype", "float32",
@@ -83,20 +101,18 @@ def pdserve_up(label: str, tree: Path, model: str, log_dir: Path) -> Iterator[Up
         argv.append("--worker-arg=--enforce-eager")
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cwd = tempfile.mkdtemp(prefix="stream-overhead-")  # outside any checkout
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=cwd, start_new_session=True)  # fmt: skip
-    try:
-        url = _wait_banner(proc)
-        router, worker = _children(proc.pid)
-        yield Up(label, url, Path(model).name, router, worker, engine_thread(worker), proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _free_port() -> int:
