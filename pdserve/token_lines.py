@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from json.encoder import encode_basestring_ascii as _string
 from typing import Any
 
 from pdserve.codec import decode, encode, from_dict
@@ -29,6 +30,7 @@ assert tuple(f.name for f in dataclasses.fields(Usage)) == (
     "cached_tokens",
 ), "update token_lines"
 _KEYS = frozenset((*FIELDS, "type"))
+_TAIL = '"usage":null,"error":null,"logprobs":null,"type":"token_delta"}\n'
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators) builds one
 # json.loads' own parser (C), without its wrappers; typeshed does not list the attribute.
 _SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
@@ -43,6 +45,17 @@ def encode_line(
 ) -> bytes:
     """``codec.encode(TokenDelta(token_ids, text, finish_reason, usage, None, logprobs))``
     plus the newline, byte for byte."""
+    if (
+        usage is None
+        and logprobs is None
+        and type(text) is str
+        and (finish_reason is None or type(finish_reason) is str)
+        and all(type(t) is int for t in token_ids)
+    ):  # the line of nearly every token: formatted, as json writes ints, strings and null
+        fin = "null" if finish_reason is None else _string(finish_reason)
+        ids = ",".join(map(str, token_ids))
+        return (f'{{"token_ids":[{ids}],"text":{_string(text)},"finish_reason":{fin},'
+                f'{_TAIL}').encode()  # fmt: skip
     use = None
     if usage is not None:
         use = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
