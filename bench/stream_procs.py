@@ -27,29 +27,29 @@ ENGINE_THREAD = "pdserve-engine"  # AsyncEngine's thread name
 
 
 def code_tree(repo: Path, source: str, work: Path) -> tuple[Path, str]:
-    """(a directory to put on PYTHONPATH, the commit it runs) for ``source``: a checkout
-    directory, or a git ref of ``repo`` exported with ``git archive``."""
+    """(a directory to put on PYTHONPATH, the commit it runs) for ``source``: a directory
+    holding a ``pdserve`` package (a checkout, or a symlink farm like /work/wt-path/X),
+    or a git ref of ``repo`` exported with ``git archive``."""
     out = work / re.sub(r"[^A-Za-z0-9_.-]", "_", source)
     out.mkdir(parents=True, exist_ok=True)
     if Path(source).is_dir():
-        checkout = Path(source).resolve()
+        checkout = (Path(source) / "pdserve").resolve().parent  # the checkout it lives in
         (out / "pdserve").symlink_to(checkout / "pdserve")
-    else:
-        checkout = out / "src"
-        checkout.mkdir()
-        archive = subprocess.run(["git", "-C", str(repo), "archive", source],
-                                 check=True, capture_output=True).stdout  # fmt: skip
-        subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
-        (out / "pdserve").symlink_to(checkout / "pdserve")
-    return out, _commit(repo if not Path(source).is_dir() else checkout, source)
+        return out, _commit(checkout, "HEAD", dirty_check=True)
+    checkout = out / "src"
+    checkout.mkdir()
+    archive = subprocess.run(["git", "-C", str(repo), "archive", source],
+                             check=True, capture_output=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
+    (out / "pdserve").symlink_to(checkout / "pdserve")
+    return out, _commit(repo, source, dirty_check=False)
 
 
-def _commit(repo: Path, ref: str) -> str:
-    rev = ref if not Path(ref).is_dir() else "HEAD"
+def _commit(repo: Path, rev: str, dirty_check: bool) -> str:
     got = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", rev],
                          capture_output=True, text=True)  # fmt: skip
     dirty = ""
-    if Path(ref).is_dir():
+    if dirty_check:  # tracked files changed since the commit
         status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "-uno"],
                                 capture_output=True, text=True)  # fmt: skip
         dirty = "+dirty" if status.stdout.strip() else ""
