@@ -171,8 +171,7 @@ class AsyncEngine:
             logger.exception("engine step failed; failing the running requests")
             self._fail_all(f"engine error: {exc}")
             return
-        for out in outputs:
-            self._deliver(out)
+        self._deliver_all(outputs)
 
     def _run_hooks(self) -> None:
         for hook in self.hooks:
@@ -182,16 +181,25 @@ class AsyncEngine:
                 logger.exception("engine hook %s failed", getattr(hook, "__name__", hook))
 
     def _deliver(self, out: RequestOutput) -> None:
-        target = self._streams.get(out.request_id)
-        if target is None:
-            return
-        if out.finished:
-            del self._streams[out.request_id]
-        loop, stream = target
-        try:
-            loop.call_soon_threadsafe(stream.put_nowait, out)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening
-            self.engine.abort(out.request_id)
+        self._deliver_all([out])
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over with one wake-up per event loop, not one per
+        request (each wake-up is a write to the loop's self-pipe and a GIL hand-off)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[Any, RequestOutput]]] = {}
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            batches.setdefault(target[0], []).append((target[1], out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                for _stream, out in items:
+                    self.engine.abort(out.request_id)
 
     def _abort(self, engine: LLMEngine, request_id: str) -> None:
         out = engine.abort(request_id)
@@ -205,6 +213,11 @@ class AsyncEngine:
                 continue
             out = self.engine.finish(req, RequestStatus.FINISHED_ERROR, [], "", message)
             self._deliver(out)
+
+
+def _put_all(items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.put_nowait(out)
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

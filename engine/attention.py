@@ -95,9 +95,53 @@ def paged_attention(
     dropout: float = 0.0,
     **_: object,
 ) -> tuple[torch.Tensor, None]:
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    if torch.compiler.is_compiling():
+        # Under torch.compile the step's metadata is not a graph input: the op is
+        # opaque to the compiler and reads it from the thread-local at run time.
+        return paged_attention_op(query, key, value, layer, scale), None
+    return _attend(query, key, value, layer, scale), None
+
+
+# Registered through torch.library's low-level API rather than ``custom_op``: the latter
+# checks its outputs for aliasing in Python on every call (four calls a step per layer).
+_LIB = torch.library.Library("pdserve", "DEF")
+_LIB.define(
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scaling) -> Tensor"
+)
+
+
+def paged_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float
+) -> torch.Tensor:
+    """:func:`paged_attention` as an operator the compiler keeps whole ([1, T, Hq, D])."""
+    return torch.ops.pdserve.paged_attention(query, key, value, layer, scaling)
+
+
+def _attend_op(  # looks _attend up per call, so a profiler may wrap it
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float
+) -> torch.Tensor:
+    return _attend(query, key, value, layer, scaling)
+
+
+_LIB.impl("paged_attention", _attend_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("pdserve::paged_attention")
+def _(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float
+) -> torch.Tensor:
+    _b, hq, t, d = query.shape
+    return query.new_empty((1, t, hq, d))
+
+
+def _attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float
+) -> torch.Tensor:
     pool, meta = CURRENT.pool, CURRENT.meta
     assert pool is not None and meta is not None, "paged attention called outside a step"
-    k_cache, v_cache = pool.layer(module.layer_idx)  # type: ignore[arg-type]
+    k_cache, v_cache = pool.layer(layer)
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
     k_cache.index_copy_(0, meta.slot_mapping, k_new)
     v_cache.index_copy_(0, meta.slot_mapping, v_new)
@@ -125,7 +169,7 @@ def paged_attention(
             k = k.flatten(0, 1)[: chunk.context_len]
             v = v.flatten(0, 1)[: chunk.context_len]
         out[rows] = _prefill(q[rows], k, v, chunk.causal_mask, scaling)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def _run_kernel(

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve import env
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -24,6 +26,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     cpu_threads: int | None = None  # torch intra-op threads (CPU); None: torch's default
+    compile: bool = False  # torch.compile the forward (workers: on unless --enforce-eager)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -72,6 +75,9 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads for CPU compute (default: torch's, all cores); give "
                    "each worker on a shared machine its share")  # fmt: skip
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run the model's eager forward: no torch.compile at start-up "
+                   "(also PDSERVE_ENFORCE_EAGER=1)")  # fmt: skip
 
 
 def engine_config_from_args(args) -> EngineConfig:  # type: ignore[no-untyped-def]
@@ -88,4 +94,5 @@ def engine_config_from_args(args) -> EngineConfig:  # type: ignore[no-untyped-de
         served_model_name=args.served_model_name,
         enable_prefix_caching=not args.no_prefix_caching,
         cpu_threads=args.cpu_threads,
+        compile=not (args.enforce_eager or env.eager_forced()),
     )

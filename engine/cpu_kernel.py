@@ -29,12 +29,14 @@ from pdserve import env
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
+HEADERS = [Path(__file__).with_name("paged_attention_simd.h")]  # part of the cache key
 # Not -ffast-math: linking a shared library with it pulls in crtfastmath.o, which sets
 # flush-to-zero / denormals-are-zero for the whole process on load (torch's numerics and
-# every other library's change with it). The reassociation the kernel's reductions need
-# to vectorise is asked for alone.
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-         "-fassociative-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # fmt: skip
+# every other library's change with it). Nor -fassociative-math: the kernel's vector code
+# is written out (intrinsics, or lane-wise loops), and its exp depends on the order of its
+# range reduction (x - n*ln2_hi - n*ln2_lo), which reassociation would undo.
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
+         "-shared", "-fPIC", "-std=c++17"]  # fmt: skip
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -50,10 +52,14 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cxx: str) -> Path:
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cxx, *FLAGS]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_attention-{key}.so"
+def build(
+    cxx: str, source: Path = SOURCE, headers: list[Path] = HEADERS, flags: list[str] = FLAGS
+) -> Path:
+    """The compiled library of ``source`` (cached by the hash of its text, its headers',
+    the compiler and the flags); bench/attention_kernel.py builds the old kernel with it."""
+    src = b"".join(p.read_bytes() for p in [source, *headers])
+    key = hashlib.sha256(src + " ".join([cxx, *flags]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +68,7 @@ def _build(cxx: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [cxx, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True
+            [cxx, *flags, str(source), "-o", tmp], check=True, capture_output=True, text=True
         )
         os.replace(tmp, target)
     finally:
@@ -81,17 +87,26 @@ def load() -> ctypes.CDLL | None:
         logger.warning("no C++ compiler found: CPU attention uses the slower gather path")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cxx)))
+        lib = ctypes.CDLL(str(build(cxx)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("CPU attention kernel failed to build (%s); using the gather path", detail)
         return None
+    declare(lib)
+    return lib
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """Argument types of the kernel's entry points (any build of the kernel has the first)."""
     fn = lib.pdserve_paged_attention
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr]
     fn.argtypes += [i32, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = ctypes.c_int
-    return lib
+    if hasattr(lib, "pdserve_kernel_width"):
+        lib.pdserve_kernel_width.argtypes, lib.pdserve_kernel_width.restype = [i32], i32
+        lib.pdserve_kernel_exp.argtypes = [i32, ptr, ptr, i64]
+        lib.pdserve_kernel_exp.restype = i32
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

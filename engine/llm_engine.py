@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 
 from pdserve.contract import EngineStats as EngineStats
 from pdserve.contract import KVHandle
+from pdserve.engine import compiled
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import TextStream
@@ -82,6 +83,15 @@ class LLMEngine:
         self._text: dict[str, TextStream] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.compile_seconds = compiled.warm_up(self) if config.compile else 0.0
+
+    def forget_warm_up(self) -> None:
+        """Start-up generations leave no trace: counters, prefix cache, KV events."""
+        assert not self.has_work and self.blocks.num_free_blocks == self.blocks.num_blocks
+        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.scheduler.num_preemptions = self.scheduler.num_prefix_hit_tokens = 0
+        self.blocks.reset_prefix_cache()
+        self.blocks.drain_events()
 
     # -- requests --------------------------------------------------------------
     def add_request(

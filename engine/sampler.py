@@ -34,6 +34,8 @@ class Sampler:
         self, logits: torch.Tensor, requests: list[Request], banned: list[list[int]]
     ) -> list[int]:
         """One token per row of ``logits`` ([S, V] float32); ``banned`` ids get -inf."""
+        if not any(banned) and all(_plain_greedy(r) for r in requests):
+            return [int(t) for t in logits.argmax(dim=-1).tolist()]  # the common batch
         for row, ids in enumerate(banned):
             if ids:
                 logits[row, ids] = float("-inf")
@@ -96,6 +98,11 @@ class Sampler:
             self._generators[req.request_id] = gen
         gen.manual_seed(position_seed(req.params.seed, req.num_output_tokens))
         return gen
+
+
+def _plain_greedy(req: Request) -> bool:
+    p = req.params
+    return p.greedy and not p.logit_bias and not p.has_penalties
 
 
 def position_seed(seed: int, position: int) -> int:

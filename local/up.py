@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="router: requests in flight before 429")  # fmt: skip
     p.add_argument("--log-dir", default="", help="process logs (default: a temp dir)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="workers run the eager forward (no torch.compile at start-up)")  # fmt: skip
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra engine argument for every worker (repeatable)")  # fmt: skip
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
@@ -61,6 +63,10 @@ def ensure_model(model: str) -> str:
     out = DEFAULT_MODEL_DIR / "tiny-seed0"
     print(f"pdserve up: no --model given; using the tiny model in {out}", flush=True)
     return str(write_tiny_model(out, preset="tiny", seed=0))
+
+
+def worker_args(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(["--enforce-eager"] * args.enforce_eager + args.worker_arg)
 
 
 def router_args(args: argparse.Namespace) -> list[str]:
@@ -89,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     spec = ClusterSpec(
         model_dir=ensure_model(args.model), num_prefill=args.prefill, num_decode=args.decode,
         host=args.host, dtype=args.dtype, kv_transport=args.kv_transport,
-        served_model_name=args.served_model_name, worker_args=tuple(args.worker_arg),
+        served_model_name=args.served_model_name, worker_args=worker_args(args),
         log_dir=args.log_dir, worker_port_base=args.worker_port_base,
     )  # fmt: skip
     stop = {"signal": 0}
@@ -106,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(f"pdserve up: starting {spec.num_prefill} prefill + {spec.num_decode} decode "
               f"workers and the router (logs in {cluster.log_dir})", flush=True)  # fmt: skip
+        if "--enforce-eager" not in spec.worker_args and not env.eager_forced():
+            print("pdserve up: workers compile the model forward before they report ready "
+                  "(a minute or more on the first start; cached after; --enforce-eager "
+                  "skips it)", flush=True)  # fmt: skip
         cluster.start_workers()
         router = cluster.start_router(args.port, args=router_args(args), dynamic=args.autoscale)
         cluster.wait_healthy(args.startup_timeout, on_ready=_progress(len(cluster.procs)))

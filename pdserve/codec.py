@@ -24,6 +24,8 @@ T = TypeVar("T")
 
 _REGISTRY: dict[str, type] = {}
 _HINTS: dict[type, dict[str, Any]] = {}
+_FIELDS: dict[type, tuple[str, ...]] = {}  # field names per class: one token per message
+_SHAPES: dict[Any, tuple[Any, tuple[Any, ...]]] = {}  # hint -> (origin, args)
 
 
 class CodecError(ValueError):
@@ -52,12 +54,18 @@ def message(name: str):  # type: ignore[no-untyped-def]
 def to_dict(msg: Any) -> dict[str, Any]:
     name = getattr(type(msg), "_message_type", None)
     assert name is not None, f"{type(msg).__name__} is not a registered message"
-    body = {f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+    cls = type(msg)
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(msg))
+    body = {n: _plain(getattr(msg, n)) for n in names}
     body["type"] = name
     return body
 
 
 def _plain(value: Any) -> Any:
+    if value is None or type(value) in _SCALARS:
+        return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         if hasattr(type(value), "_message_type"):
             return to_dict(value)
@@ -66,6 +74,9 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list):
         return [_plain(v) for v in value]
     return value
+
+
+_SCALARS = frozenset({int, float, str, bool})
 
 
 def from_dict(body: dict[str, Any], expected: type[T] | None = None) -> T:
@@ -115,7 +126,10 @@ def _field(name: str, key: str, value: Any, hint: Any) -> Any:
 
 def _convert(value: Any, hint: Any) -> Any:
     """``value`` checked against ``hint``; nested dataclasses built from their dicts."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    shape = _SHAPES.get(hint)
+    if shape is None:
+        shape = _SHAPES[hint] = (typing.get_origin(hint), typing.get_args(hint))
+    origin, args = shape
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None

@@ -22,6 +22,8 @@ SERVICE = "PDSERVE_SERVICE"  # the LLMService name (set by the operator)
 KV_TRANSPORT = "PDSERVE_KV_TRANSPORT"  # set by the operator, for logs and tools
 KERNEL_CACHE = "PDSERVE_KERNEL_CACHE"  # where the CPU attention kernel is compiled to
 CPU_KERNEL = "PDSERVE_CPU_KERNEL"  # "0": never build or use the CPU attention kernel
+ENFORCE_EAGER = "PDSERVE_ENFORCE_EAGER"  # "1": workers skip torch.compile (--enforce-eager)
+COMPILE_CACHE = "PDSERVE_COMPILE_CACHE"  # where inductor keeps compiled graphs
 OPERATOR_STATUS_INTERVAL = "PDSERVE_OPERATOR_STATUS_INTERVAL"
 OPERATOR_RETRY_DELAY = "PDSERVE_OPERATOR_RETRY_DELAY"
 OPERATOR_AUTOSCALE_TICK = "PDSERVE_OPERATOR_AUTOSCALE_TICK"
@@ -43,6 +45,11 @@ def get_float(name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def eager_forced() -> bool:
+    """``PDSERVE_ENFORCE_EAGER`` set (and not "0"): workers skip torch.compile."""
+    return get(ENFORCE_EAGER) not in ("", "0")
 
 
 def service_secret(role: str = "") -> str:

@@ -24,6 +24,10 @@ for _name, _value in {
     # Every router, worker and `pdserve up` a test starts shares this service secret, so
     # the suite runs authenticated; helpers send it (tests/loopback.py: secret_headers).
     "PDSERVE_SERVICE_SECRET": "pdserve-tests-secret",
+    # Workers the suite starts run the eager forward: a compile per worker start would
+    # cost seconds each. tests/engine/test_fidelity.py and test_compiled_worker.py run
+    # the compiled path.
+    "PDSERVE_ENFORCE_EAGER": "1",
 }.items():
     os.environ.setdefault(_name, _value)
 

@@ -16,6 +16,7 @@ import hmac
 import logging
 import os
 import socket
+import sys
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -137,9 +138,16 @@ class SecretCheck:
         await self.app(scope, receive, send)
 
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
     """Load the model, then serve until stopped; ``/health`` is up only once loaded."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    # The engine thread needs the GIL back after every torch op; while the HTTP loop
+    # runs Python it waits up to the switch interval (5 ms by default: most of a decode
+    # step on a small model). A short interval bounds that convoy.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     worker = worker_cls(args)
     # The model, torch and the engine's tables stay alive for good: keep them out of the
     # collector's full passes, which walked them all, on whichever thread allocated

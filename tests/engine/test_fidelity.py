@@ -135,3 +135,48 @@ def test_chunked_prefill_mixed_with_decodes(
     assert len(mixed) > 10
     assert any(n < 24 and not d and n > 1 for s in steps for n, d in s)  # a partial chunk
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("budget", [2048, 24], ids=["roomy", "chunked"])
+def test_compiled_forward(
+    make_engine: Callable[..., LLMEngine],
+    reference: list[list[int]],
+    hf_model: Any,
+    budget: int,
+) -> None:
+    from torch._dynamo.utils import counters
+
+    engine = make_engine(
+        num_blocks=1024, max_num_batched_tokens=budget, enable_prefix_caching=False, compile=True
+    )
+    assert engine.runner.compiled and engine.compile_seconds > 0
+    stats = engine.stats()  # the warm-up generations left nothing behind
+    assert (stats.prompt_tokens, stats.generation_tokens) == (0, 0)
+    assert_all_free(engine)
+    graphs = counters["stats"]["unique_graphs"]
+    got = _run(engine, CASES)
+    # Inductor fuses norms and reductions in its own order, so logits differ from eager
+    # in the last bits: a greedy choice may flip where the reference's top two logits
+    # (nearly) tie, and nowhere else.
+    bad = [i for i, (g, w) in enumerate(zip(got, reference, strict=True)) if g != w]
+    assert len(bad) <= 2, f"{len(bad)} of {len(CASES)} differ"
+    for i in bad:
+        gap = _divergence_gap(hf_model, CASES[i][0], reference[i], got[i])
+        assert gap < 1e-3, f"case {i} diverges where the reference's top-2 gap is {gap}"
+    # The warm-up compiled every variant a step can need: serving never compiles.
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert engine.stats().prompt_tokens == sum(len(p) for p, _ in CASES)
+    assert_all_free(engine)
+
+
+def _divergence_gap(hf_model: Any, prompt: list[int], want: list[int], got: list[int]) -> float:
+    """The reference model's top-2 logit gap where ``got`` first leaves ``want``; the
+    token chosen there must be one of those two."""
+    import torch
+
+    k = next(i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w)
+    with torch.inference_mode():
+        logits = hf_model(input_ids=torch.tensor([prompt + want[:k]])).logits[0, -1]
+    top = logits.float().topk(2)
+    assert got[k] in top.indices.tolist(), (k, got[k], top)
+    return float(top.values[0] - top.values[1])
