@@ -14,20 +14,24 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 
+from pdserve import env
 from pdserve.codec import encode
 from pdserve.contract import GenerateRequest, TokenDelta, Usage, WorkerError
 from pdserve.decode_worker.metered import MeteredConnector
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import engine_config_from_args
 from pdserve.engine.request import REQUEST_FAILED, RequestOutput
+from pdserve.token_lines import encode_line
 from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.registry import DEFAULT_TRANSFER_TIMEOUT
+from pdserve.worker.direct import DirectApp, LineStream
 from pdserve.worker.http import (
     add_common_routes,
     add_worker_arguments,
+    known_error,
     read_message,
     worker_id,
 )
@@ -91,23 +95,22 @@ class DecodeWorker:
             request_fault = out.error_code == REQUEST_FAILED
             kind = "invalid_request_error" if request_fault else "server_error"
             error = WorkerError(out.error, kind, None, out.error_code or "kv_transfer_failed")
-            delta = TokenDelta(error=error)
-        else:
-            usage = Usage(**out.usage) if out.finished else None
-            delta = TokenDelta(
-                out.token_ids, out.text, out.finish_reason, usage, None, out.logprobs
-            )
-        return encode(delta) + b"\n"
+            return encode(TokenDelta(error=error)) + b"\n"
+        usage = Usage(**out.usage) if out.finished else None
+        return encode_line(out.token_ids, out.text, out.finish_reason, usage, out.logprobs)
 
     def app(self) -> FastAPI:
-        app = FastAPI(title="pdserve decode worker")
+        # The stream goes out through the direct lane (worker/direct.py): one send per
+        # line, nothing between it and the server.
+        secret = env.service_secret("the decode worker")
+        app = DirectApp(secret, known_error, title="pdserve decode worker")
         add_common_routes(app, self.engine, self.metrics, self.identity())
 
-        @app.post("/generate")
-        async def generate(request: Request) -> StreamingResponse:
+        async def generate(request: Request) -> Response:
             lines = await self.generate(await read_message(request, GenerateRequest))
-            return StreamingResponse(lines, media_type="application/x-ndjson")
+            return LineStream(lines, media_type="application/x-ndjson")
 
+        app.add_direct("POST", "/generate", generate)
         return app
 
     def close(self) -> None:

@@ -311,12 +311,11 @@ class _Chunks:
         self.index = index
         self.fmt = fmt
         self.tools = ToolOutput(req.tools) if req.tools is not None else None
+        self.text = responses.TextChunks(self.rid, self.model, self.chat, index)
 
     def __call__(self, d: Delta) -> str:
         if self.tools is None:
-            lps = _delta_logprobs(self.fmt, d)
-            return responses.chunk(self.rid, self.model, self.chat, d.text, d.finish_reason,
-                                   logprobs=lps, index=self.index)  # fmt: skip
+            return self.text(d.text, d.finish_reason, _delta_logprobs(self.fmt, d))
         deltas, finish = self.tools.feed(d.text), None
         if d.finish_reason is not None:
             more, finish = self.tools.finish(d.finish_reason)

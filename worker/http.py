@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import hmac
 import logging
 import os
@@ -101,6 +102,18 @@ async def read_message(request: Request, cls: type[T]) -> T:
         raise BadRequest(str(exc), exc.field) from exc
 
 
+def known_error(exc: Exception) -> JSONResponse | None:
+    """The OpenAI error body for a request error (None: not one): the app's exception
+    handlers and the direct lane (worker/direct.py) answer with it."""
+    if isinstance(exc, BadRequest):
+        return error_response(exc.status, str(exc), exc.param, exc.code)
+    if isinstance(exc, InvalidParameter):
+        return error_response(400, str(exc), exc.field)
+    if isinstance(exc, RequestFailed):
+        return error_response(422, str(exc), None, REQUEST_FAILED)
+    return None
+
+
 def reply(msg: Any) -> JSONResponse:
     return JSONResponse(to_dict(msg))
 
@@ -136,6 +149,11 @@ def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
     # step on a small model). A short interval bounds that convoy.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     worker = worker_cls(args)
+    # The model, torch and the engine's tables stay alive for good: keep them out of the
+    # collector's full passes, which walked them all, on whichever thread allocated
+    # (the HTTP loop or the engine).
+    gc.collect()
+    gc.freeze()
     try:
         serve(worker.app(), args.host, args.port, args.log_level)
     finally:
@@ -151,17 +169,13 @@ def add_common_routes(
     if secret:
         app.add_middleware(SecretCheck, secret=secret)
 
-    @app.exception_handler(BadRequest)
-    async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        return error_response(exc.status, str(exc), exc.param, exc.code)
+    async def _known(_: Request, exc: Exception) -> JSONResponse:
+        response = known_error(exc)
+        assert response is not None
+        return response
 
-    @app.exception_handler(InvalidParameter)
-    async def _invalid(_: Request, exc: InvalidParameter) -> JSONResponse:
-        return error_response(400, str(exc), exc.field)
-
-    @app.exception_handler(RequestFailed)
-    async def _failed(_: Request, exc: RequestFailed) -> JSONResponse:
-        return error_response(422, str(exc), None, REQUEST_FAILED)
+    for cls in (BadRequest, InvalidParameter, RequestFailed):
+        app.add_exception_handler(cls, _known)
 
     @app.get("/livez")
     async def livez() -> JSONResponse:

@@ -1,0 +1,177 @@
+"""The processes ``bench/stream_overhead.py`` measures: one ``pdserve up --prefill 0`` per code
+tree, its router and decode worker found by pid, and their CPU time read from /proc.
+
+A code tree is a directory holding a ``pdserve`` package (a symlink to a checkout's); the
+cluster runs with ``PYTHONPATH`` = that directory and its working directory outside any
+checkout, so exactly that tree's code is imported (never the repository root, whose
+``operator/`` would shadow the standard library).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+TICK = os.sysconf("SC_CLK_TCK")  # /proc/*/stat times are in these
+ENGINE_THREAD = "pdserve-engine"  # AsyncEngine's thread name
+
+
+def code_tree(repo: Path, source: str, work: Path) -> tuple[Path, str]:
+    """(a directory to put on PYTHONPATH, the commit it runs) for ``source``: a directory
+    holding a ``pdserve`` package (a checkout, or a symlink farm like /work/wt-path/X),
+    or a git ref of ``repo`` exported with ``git archive``."""
+    out = work / re.sub(r"[^A-Za-z0-9_.-]", "_", source)
+    out.mkdir(parents=True, exist_ok=True)
+    if Path(source).is_dir():
+        checkout = (Path(source) / "pdserve").resolve().parent  # the checkout it lives in
+        (out / "pdserve").symlink_to(checkout / "pdserve")
+        return out, _commit(checkout, "HEAD", dirty_check=True)
+    checkout = out / "src"
+    checkout.mkdir()
+    archive = subprocess.run(["git", "-C", str(repo), "archive", source],
+                             check=True, capture_output=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
+    (out / "pdserve").symlink_to(checkout / "pdserve")
+    return out, _commit(repo, source, dirty_check=False)
+
+
+def _commit(repo: Path, rev: str, dirty_check: bool) -> str:
+    got = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", rev],
+                         capture_output=True, text=True)  # fmt: skip
+    dirty = ""
+    if dirty_check:  # tracked files changed since the commit
+        status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "-uno"],
+                                capture_output=True, text=True)  # fmt: skip
+        dirty = "+dirty" if status.stdout.strip() else ""
+    return (got.stdout.strip() or "unknown") + dirty
+
+
+@dataclass
+class Up:
+    label: str
+    url: str
+    model: str  # the served model name
+    router_pid: int
+    worker_pid: int
+    engine_tid: int | None
+    proc: subprocess.Popen[str]
+
+
+def _supports(tree: Path, flag: str) -> bool:
+    engine = (tree / "pdserve" / "engine").resolve()
+    return any(flag in p.read_text(errors="ignore") for p in engine.glob("*.py"))
+
+
+@contextlib.contextmanager
+def pdserve_up(trees: dict[str, Path], model: str, log_dir: Path) -> Iterator[list[Up]]:
+    """One ``pdserve up --prefill 0`` per (label, tree), all starting at once, until the
+    block exits."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for label, tree in trees.items():
+            procs.append(_start(label, tree, model, log_dir))
+        ups = []
+        for label, proc in zip(trees, procs, strict=True):
+            url = _wait_banner(proc)
+            router, worker = _children(proc.pid)
+            ups.append(Up(label, url, Path(model).name, router, worker,
+                          engine_thread(worker), proc))  # fmt: skip
+        yield ups
+    finally:
+        for proc in procs:
+            _stop(proc)
+
+
+def _start(label: str, tree: Path, model: str, log_dir: Path) -> subprocess.Popen[str]:
+    port, base = _free_port(), random.randrange(20000, 40000, 200)
+    argv = [sys.executable, "-m", "pdserve", "up", "--prefill", "0", "--model", model,
+            "--port", str(port), "--worker-port-base", str(base), "--dtype", "float32",
+            "--log-dir", str(log_dir / label)]  # fmt: skip
+    if _supports(tree, '"--enforce-eager"'):  # no compile: the HTTP path is what we measure
+        argv.append("--worker-arg=--enforce-eager")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cwd = tempfile.mkdtemp(prefix="stream-overhead-")  # outside any checkout
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=cwd, start_new_session=True)  # fmt: skip
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_banner(proc: subprocess.Popen[str], timeout: float = 600.0) -> str:
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not any(line.startswith("pdserve is up") for line in lines):
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise RuntimeError("pdserve up exited:\n" + "".join(lines))
+        lines.append(line)
+        if time.monotonic() > deadline:
+            raise RuntimeError("pdserve up not ready:\n" + "".join(lines))
+    found = re.search(r"pdserve is up: (\S+)/v1", "".join(lines))
+    assert found is not None
+    return found.group(1)
+
+
+def _children(pid: int) -> tuple[int, int]:
+    """(router pid, decode worker pid) among ``pdserve up``'s children."""
+    router = worker = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            if b"router" in cmd:
+                router = int(child)
+            elif b"decode-worker" in cmd:
+                worker = int(child)
+    assert router and worker, f"router {router}, decode worker {worker} under pid {pid}"
+    return router, worker
+
+
+def engine_thread(pid: int) -> int | None:
+    """The tid of the engine thread: by its OS name when set, else from ``py-spy dump``
+    (Python 3.11 does not name OS threads); None when neither can tell."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        if (task / "comm").read_text().strip() == ENGINE_THREAD:
+            return int(task.name)
+    spy = Path(sys.executable).with_name("py-spy")
+    try:
+        out = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True,
+                             text=True, timeout=30).stdout  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(rf'^Thread (\d+) \(\w+\): "{ENGINE_THREAD}"', out, re.M)
+    return int(found.group(1)) if found else None
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """utime + stime of a process (all its threads), or of one of its threads."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # fields 14, 15 of stat(5)

@@ -1,0 +1,103 @@
+"""The decode stream's NDJSON lines, the one message sent per token: exact fast forms of
+:func:`pdserve.codec.encode` / :func:`pdserve.codec.decode` for :class:`TokenDelta`.
+
+The general codec walks the dataclass's fields and checks every annotation on every call
+(about 20 µs a line each way here); a stream line has one fixed shape, so this module
+writes it from a dict literal with one cached JSON encoder, and reads it with a handful
+of type checks. The bytes written and the messages read are those of the codec (the
+tests compare both on random messages); anything off the common shape (an error, a
+nested usage on decode, a bad line) goes through the codec itself, so its errors stay
+the codec's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from json.encoder import encode_basestring_ascii as _string
+from typing import Any
+
+from pdserve.codec import decode, encode, from_dict
+from pdserve.contract import TokenDelta, Usage
+
+# The codec writes a message's fields in declaration order, then "type": this module
+# writes the same literal order, so a new TokenDelta field must be added here too.
+FIELDS = ("token_ids", "text", "finish_reason", "usage", "error", "logprobs")
+assert tuple(f.name for f in dataclasses.fields(TokenDelta)) == FIELDS, "update token_lines"
+assert tuple(f.name for f in dataclasses.fields(Usage)) == (
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+), "update token_lines"
+_KEYS = frozenset((*FIELDS, "type"))
+_TAIL = '"usage":null,"error":null,"logprobs":null,"type":"token_delta"}\n'
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators) builds one
+# json.loads' own parser (C), without its wrappers; typeshed does not list the attribute.
+_SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def encode_line(
+    token_ids: list[int],
+    text: str,
+    finish_reason: str | None = None,
+    usage: Usage | None = None,
+    logprobs: list[Any] | None = None,
+) -> bytes:
+    """``codec.encode(TokenDelta(token_ids, text, finish_reason, usage, None, logprobs))``
+    plus the newline, byte for byte."""
+    if (
+        usage is None
+        and logprobs is None
+        and type(text) is str
+        and (finish_reason is None or type(finish_reason) is str)
+        and all(type(t) is int for t in token_ids)
+    ):  # the line of nearly every token: formatted, as json writes ints, strings and null
+        fin = "null" if finish_reason is None else _string(finish_reason)
+        ids = ",".join(map(str, token_ids))
+        return (f'{{"token_ids":[{ids}],"text":{_string(text)},"finish_reason":{fin},'
+                f'{_TAIL}').encode()  # fmt: skip
+    use = None
+    if usage is not None:
+        use = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+               "cached_tokens": usage.cached_tokens, "type": "usage"}  # fmt: skip
+    body = {"token_ids": token_ids, "text": text, "finish_reason": finish_reason, "usage": use,
+            "error": None, "logprobs": logprobs, "type": "token_delta"}  # fmt: skip
+    try:
+        return (_ENCODER.encode(body) + "\n").encode()
+    except TypeError:  # a value JSON cannot write as is (a dataclass in logprobs): the codec
+        delta = TokenDelta(token_ids, text, finish_reason, usage, None, logprobs)
+        return encode(delta) + b"\n"
+
+
+def decode_line(line: bytes) -> TokenDelta:
+    """``codec.decode(line, TokenDelta)``: the same message, or the same CodecError."""
+    body = _object(line)
+    if body is None:
+        return decode(line, TokenDelta)  # the codec's answer, or its CodecError
+    if type(body) is dict and body.keys() == _KEYS and body["type"] == "token_delta":
+        ids, text, finish = body["token_ids"], body["text"], body["finish_reason"]
+        lps = body["logprobs"]
+        if (
+            body["usage"] is None
+            and body["error"] is None
+            and type(ids) is list
+            and all(type(t) is int for t in ids)
+            and type(text) is str
+            and (finish is None or type(finish) is str)
+            and (lps is None or type(lps) is list)
+        ):
+            return TokenDelta(ids, text, finish, None, None, lps)
+    return from_dict(body, TokenDelta)
+
+
+def _object(line: bytes) -> Any:
+    """What ``json.loads(line)`` returns for a line that is exactly one JSON object (as the
+    worker writes them: UTF-8, no surrounding space), else None (then the codec decides)."""
+    if line[:1] != b"{" or line[-1:] != b"}":
+        return None
+    try:
+        text = line.decode()
+        body, end = _SCAN(text, 0)
+    except (UnicodeDecodeError, StopIteration, ValueError, RecursionError):
+        return None
+    return body if end == len(text) else None

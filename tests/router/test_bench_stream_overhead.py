@@ -1,0 +1,29 @@
+"""``bench/stream_overhead.py --quick`` end to end: two real ``pdserve up --prefill 0``
+clusters (HEAD's code exported with git archive, and this checkout), CPU per streamed
+token from /proc, one JSON line, a plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.loopback import run_bench
+
+PARTS = ("router", "worker", "worker_http", "engine", "stream_path")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_stream_overhead_bench_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
+    result = run_bench("stream_overhead.py", "--quick", "--baseline", "HEAD", "--out",
+                       str(tmp_path), "--model", str(tiny_model_dir), timeout=380)  # fmt: skip
+    assert result["tokens_per_tree"] == 2 * 16 * 32  # 2 rounds of 16 streams x 32 tokens
+    assert result["outputs_identical"] is True  # same prompts, greedy: same texts
+    for tree in ("baseline", "ours"):
+        for part in PARTS:
+            assert result[f"{tree}_{part}_cpu_s_per_1k"] >= 0, (tree, part)
+        assert result[f"{tree}_router_cpu_s_per_1k"] > 0  # the router did work for them
+        assert result[f"{tree}_engine_cpu_s_per_1k"] > 0  # the engine thread was found
+    assert result["ratio_stream_path_cpu_s_per_1k"] > 0
+    assert (tmp_path / "stream_overhead-quick.png").stat().st_size > 0

@@ -1,0 +1,93 @@
+"""The decode stream's fast line codec (pdserve/token_lines.py) against the general codec:
+the same bytes out, the same messages in, the same errors for bad lines.
+
+Hypothesis draws the messages (wild text, ids, finish reasons, nested logprobs, usage)
+and, for decoding, also lines that are not messages at all or break one field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.codec import CodecError, decode, encode, to_dict
+from pdserve.contract import TokenDelta, Usage, WorkerError
+from pdserve.token_lines import decode_line, encode_line
+
+texts = st.text(st.characters(), max_size=12)
+ids = st.lists(st.integers(-(2**63), 2**63), max_size=4)
+finishes = st.one_of(st.none(), st.sampled_from(["stop", "length", "abort"]), texts)
+floats = st.floats(allow_nan=True, allow_infinity=True)
+top = st.lists(st.tuples(st.integers(0, 10**6), floats), max_size=3)
+logprobs = st.one_of(st.none(), st.lists(st.tuples(floats, top), max_size=3))
+usages = st.one_of(st.none(), st.builds(Usage, *(st.integers(0, 10**9),) * 3))
+deltas = st.builds(TokenDelta, ids, texts, finishes, usages, st.none(), logprobs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(deltas)
+def test_encode_line_writes_the_codecs_bytes(d: TokenDelta) -> None:
+    line = encode_line(d.token_ids, d.text, d.finish_reason, d.usage, d.logprobs)
+    assert line == encode(d) + b"\n"
+
+
+def same(a: TokenDelta, b: TokenDelta) -> bool:
+    # by their encoding: a NaN logprob is never == another NaN
+    return type(a) is type(b) is TokenDelta and encode(a) == encode(b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(deltas)
+def test_decode_line_reads_the_codecs_message(d: TokenDelta) -> None:
+    line = encode(d)
+    assert same(decode_line(line), decode(line, TokenDelta))
+    spaced = json.dumps(to_dict(d)).encode()  # another writer's spacing reads the same
+    assert same(decode_line(spaced), decode(spaced, TokenDelta))
+
+
+def same_outcome(line: bytes) -> None:
+    """decode_line and codec.decode agree: equal messages, or CodecErrors alike."""
+    try:
+        want: Any = encode(decode(line, TokenDelta))
+    except CodecError as exc:
+        want = (str(exc), exc.field)
+    try:
+        got: Any = encode(decode_line(line))
+    except CodecError as exc:
+        got = (str(exc), exc.field)
+    assert got == want
+
+
+junk = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), floats, texts),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
+    max_leaves=6,
+)
+FIELDS = ["token_ids", "text", "finish_reason", "usage", "error", "logprobs", "type", "extra"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(deltas, st.sampled_from(FIELDS), junk, st.booleans())
+def test_a_broken_field_fails_as_in_the_codec(
+    d: TokenDelta, key: str, value: Any, drop: bool
+) -> None:
+    body = to_dict(d)
+    if drop:
+        body.pop(key, None)
+    else:
+        body[key] = value
+    same_outcome(json.dumps(body).encode())
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"", b"{not json}", b"[1, 2]", b"null", b'"x"', b"\xff\xfe", b"[" * 5000 + b"]" * 5000,
+     b'{"type": "token_delta", "token_ids": [true]}', b'{"token_ids": [5]}',
+     encode(TokenDelta(error=WorkerError("boom", code="request_failed"))),
+     encode(TokenDelta([1], "x", "stop", Usage(3, 1, 0)))],
+)  # fmt: skip
+def test_odd_lines_fail_or_pass_as_in_the_codec(line: bytes) -> None:
+    same_outcome(line)
