@@ -78,7 +78,6 @@ class ModelRunner:
             local_files_only=True,
         )
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
-        self.compiled = config.compile
         self.forward = compiled.compile_model(self.model) if config.compile else self.model
         hf = self.model.config
         self.hf_config = hf
@@ -100,6 +99,14 @@ class ModelRunner:
             )
             and cpu_kernel.load() is not None
         )
+
+    @property
+    def compiled(self) -> bool:
+        return self.forward is not self.model
+
+    def use_eager(self) -> None:
+        """Run the model's own forward from now on (a compile that failed)."""
+        self.forward = self.model
 
     @property
     def kv_shape(self) -> KVShape:

@@ -24,7 +24,6 @@ T = TypeVar("T")
 
 _REGISTRY: dict[str, type] = {}
 _HINTS: dict[type, dict[str, Any]] = {}
-_FIELDS: dict[type, tuple[str, ...]] = {}  # field names per class: one token per message
 _SHAPES: dict[Any, tuple[Any, tuple[Any, ...]]] = {}  # hint -> (origin, args)
 
 
@@ -54,11 +53,8 @@ def message(name: str):  # type: ignore[no-untyped-def]
 def to_dict(msg: Any) -> dict[str, Any]:
     name = getattr(type(msg), "_message_type", None)
     assert name is not None, f"{type(msg).__name__} is not a registered message"
-    cls = type(msg)
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(msg))
-    body = {n: _plain(getattr(msg, n)) for n in names}
+    # The cached hints name the fields in order: no dataclasses.fields() per message.
+    body = {n: _plain(getattr(msg, n)) for n in _hints(type(msg))}
     body["type"] = name
     return body
 
