@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.llm_engine import EngineStats, LLMEngine
+from pdserve.engine.os_thread import name_os_thread
 from pdserve.engine.request import RequestOutput, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -132,6 +133,7 @@ class AsyncEngine:
 
     # -- engine thread ---------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread()  # "pdserve-engine" in top -H and /proc, for profiling and benches
         last_hooks = 0.0
         while not self._stop:
             self._drain_commands()

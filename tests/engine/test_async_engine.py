@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -179,3 +181,12 @@ async def test_stats_and_call(engine: AsyncEngine) -> None:
     with pytest.raises(ZeroDivisionError):
         await engine.call(lambda e: 1 // 0)
     await _all_free(engine)
+
+
+async def test_engine_thread_is_named_at_os_level(engine: AsyncEngine) -> None:
+    """bench/stream_overhead.py finds the engine thread in /proc by this name (CI has no
+    ptrace for py-spy)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("prctl is Linux's")
+    tid = await engine.call(lambda e: threading.get_native_id())
+    assert Path(f"/proc/self/task/{tid}/comm").read_text().strip() == "pdserve-engine"
