@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+from sim_host import Host, speed
 
 from pdserve.planner.capacity import Profile
 from pdserve.planner.snapshot import LatencyStats, MetricsSnapshot, PoolStatus
@@ -30,6 +31,7 @@ class CostModel:
     link_bytes_per_s: float
     link_latency_s: float
     startup_s: float  # pod added -> ready (scheduling, weights load, warm-up)
+    host: Host | None = None  # replicas sharing one machine's cores (a local replay); None: own
 
 
 class Pool:
@@ -101,6 +103,9 @@ class Cluster:
         self.admitted_at = -1.0  # time of the last decode admission
         self.done_arrival: list[np.ndarray] = []  # per finished request: arrival time ...
         self.done_ok: list[np.ndarray] = []  # ... and whether it met both SLOs
+        self.speed_p = self.speed_d = 1.0  # this tick's engine speeds (host model)
+        self.rate = 0.0  # arrivals per second, smoothed over ~1 s (host model)
+        self.arrived_tick = 0
 
     # -- arrivals and prefill ----------------------------------------------------------------
     def arrive(self, t: np.ndarray, prompt: np.ndarray, output: np.ndarray) -> None:
@@ -115,12 +120,13 @@ class Cluster:
             {"t": t, "start": end - work, "prompt": prompt, "out": output, "service": service}
         )
         self.interval.arrived += t.size
+        self.arrived_tick += t.size
         self.interval.prompt_tokens += float(prompt.sum())
 
     def _prefill_tick(self, t0: float, dt: float) -> None:
         ready = self.prefill.ready(t0)
         before = self.work_done
-        self.work_done = min(self.work_arrived, before + ready * dt)
+        self.work_done = min(self.work_arrived, before + ready * dt * self.speed_p)
         rate = (self.work_done - before) / dt
         while self.pq:
             blk = self.pq[0]
@@ -134,7 +140,9 @@ class Cluster:
                 self.pq[0] = {k: v[n:] for k, v in blk.items()}
             when = t0 + (started["start"] - before) / rate if rate > 0 else np.full(n, t0)
             when = np.maximum(when, started["t"])
-            first = when + started["service"]
+            first = when + started["service"] / self.speed_p
+            if self.cost.host is not None:  # the serving path beside the engine
+                first = first + self.cost.host.path_s
             self.interval.wait.append(when - started["t"])
             self.interval.ttft.append(first - started["t"])
             transfer = started["prompt"] * self.cost.kv_bytes_per_token / self.cost.link_bytes_per_s
@@ -188,7 +196,7 @@ class Cluster:
         n = self.run.shape[1]
         if n == 0 or ready == 0:
             return
-        step = self.cost.truth.decode.step_time(n / ready, self._context_total() / n)
+        step = self.cost.truth.decode.step_time(n / ready, self._context_total() / n) / self.speed_d
         steps = dt / step
         g0, self.G = self.G, self.G + steps
         self.interval.output_tokens += steps * n
@@ -206,8 +214,25 @@ class Cluster:
         self.done_ok.append(((fin[OK] > 0) & (tpot <= self.tpot_slo)).astype(np.int8))
 
     def tick(self, t0: float, dt: float) -> None:
+        if self.cost.host is not None:
+            self._share_host(t0, dt)
         self._prefill_tick(t0, dt)
         self._decode_tick(t0, dt)
+
+    def _share_host(self, t0: float, dt: float) -> None:
+        """This tick's engine speeds on the shared host (sim_host.py)."""
+        host = self.cost.host
+        assert host is not None
+        self.rate += (self.arrived_tick / dt - self.rate) * min(1.0, dt)
+        self.arrived_tick = 0
+        n_p, n_d = self.prefill.ready(t0), self.decode.ready(t0)
+        backlog = (self.work_arrived - self.work_done) / dt  # replica-seconds per second
+        want_p = min(1.0, backlog / n_p) if n_p else 0.0
+        busy_d = min(n_d, self.run.shape[1])  # a decode engine with sequences loops
+        engines = [want_p] * n_p * (want_p > 0) + [1.0] * busy_d
+        starting = len(self.prefill.ready_at) + len(self.decode.ready_at) - n_p - n_d
+        cpu = host.cpu(t0, engines, starting, self.rate)
+        self.speed_p, self.speed_d = speed(want_p, cpu), speed(1.0, cpu)
 
     # -- what the planner sees --------------------------------------------------------------------
     def snapshot(self, t: float, interval_s: float) -> MetricsSnapshot:

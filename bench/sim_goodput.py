@@ -11,8 +11,11 @@ chunk stretches the decode step of every sequence on that replica.
 - decode replica: ``step_time(B, mean context)``; admits sequences whose KV has arrived
   (``prompt * kv_bytes / link + latency`` after the first token), up to ``max_num_seqs``.
 - colocated replica (no prefill pool; decode workers prefill locally): each step carries
-  the decode batch and up to ``chunk_tokens`` of prefill; its time is the decode step plus
-  the chunk's token and attention cost (the step's fixed cost is paid once).
+  the decode batch and ``chunk_tokens`` minus one token per running sequence of prefill
+  (the engine's scheduler: one token budget per step, running sequences first); its
+  time is the decode step plus the chunk's token and attention cost (the step's fixed
+  cost is paid once), so a long prompt's chunk stalls every running sequence on that
+  replica for the chunk's time, as a real mixed step does.
 Requests go to the replica with the least queued work (the router is load-aware).
 """
 
@@ -99,7 +102,11 @@ class StepSim:
         if batch:
             ctx = float(np.mean([r.prompt + r.made for r in batch]))
             dt += d.step_time(len(batch), ctx)
-        budget, chunk = p.chunk_tokens if rep.kind != "decode" else 0, []
+        # the engine's token budget (max_num_batched_tokens) covers the step's decode
+        # tokens too: running sequences take one each first, prefill chunks what is left
+        # (engine/scheduler.py: _schedule_running, then _admit_waiting with the rest)
+        budget = p.chunk_tokens - len(batch) if rep.kind != "decode" else 0
+        chunk: list[tuple[Req, int]] = []
         for r in rep.pq:
             if budget <= 0:
                 break

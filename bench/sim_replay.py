@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from sim_cluster import Cluster, CostModel
+from sim_host import Host
 
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.decision import PlannerState
@@ -63,12 +64,14 @@ def replay(
     interval_s: float,
     drain_s: float,
     dt: float = 0.05,
+    host: Host | None = None,
 ) -> SimReplay:
     """The trace through the simulated cluster; the truth is the planner's own profile
-    (both from ``pdserve profile`` on this machine)."""
+    (both from ``pdserve profile`` on this machine), on ``host``'s shared cores if given."""
     cost = CostModel(
-        cfg.profile, TINY_KV_BYTES_PER_TOKEN, LOOPBACK_BYTES_PER_S, LOOPBACK_LATENCY_S, startup_s
-    )
+        cfg.profile, TINY_KV_BYTES_PER_TOKEN, LOOPBACK_BYTES_PER_S, LOOPBACK_LATENCY_S, startup_s,
+        host,
+    )  # fmt: skip
     cluster = Cluster(cost, *start, cfg.slo.ttft_s, cfg.slo.tpot_s)
     state = PlannerState()
     every = max(1, round(interval_s / dt))

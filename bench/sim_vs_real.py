@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_replay import SimReplay, Trace, replay
+from sim_vs_real_host import describe, measure_host
 from sim_vs_real_up import RealRun, run_real
 
 from pdserve.local.planner_loop import config_from_args
@@ -97,6 +98,8 @@ def measure_profile(model: str, out: str, quick: bool) -> None:
         "cpu",
         "--cpu-threads",
         "1",
+        "--clock",  # the engine thread's CPU time: the host model adds the waiting for a core
+        "cpu",
         "--out",
         out,
         "--prompt-lengths",
@@ -144,8 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     up_arguments(parser)
     cfg = config_from_args(parser.parse_args(flags))
     startup = real.startup_s if real.startup_s is not None else args.worker_startup
-    sim = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain)
+    dump = json.loads((work / "real.json").read_text())
+    end = trace.duration_s + drain
+    host = measure_host(dump, cfg.profile, int(trace.arrival.size), end)
+    sim = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=host)
     out = report(args, trace, real, sim, startup, load_before, os.getloadavg())
+    out["host"] = describe(host)
+    own = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain)  # a core per replica
+    out["sim_own_cores"] = stats(own.ttft, own.replica_s)
     if not args.no_plot:
         print(f"plot: {plot(real, sim, args.out_dir)}", file=sys.stderr)
     print(json.dumps(out))
@@ -164,7 +173,14 @@ def report(args, trace, real: RealRun, sim: SimReplay, startup, before, after) -
         "sim_vs_real_ttft_p90_error": error(s["ttft_p90_s"], r["ttft_p90_s"]),
         "sim_vs_real_ttft_p50_error": error(s["ttft_p50_s"], r["ttft_p50_s"]),
         "sim_vs_real_replica_s_error": error(s["replica_s"], r["replica_s"]),
-        "real": {**r, "failed": real.failed, "errors": real.errors, "peak_workers": real.peak},
+        "real": {
+            **r,
+            "failed": real.failed,
+            "errors": real.errors,
+            "peak_workers": real.peak,
+            "cpu_s": {k: round(v, 2) for k, v in real.cpu.items()},
+            "ready_cpu_s": [round(x, 2) for x in real.ready_cpu_s],
+        },
         "sim": s,
         "trace": {
             "requests": int(trace.arrival.size),

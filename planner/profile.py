@@ -132,8 +132,9 @@ def _nonnegative_fit(
 class EngineProbe:
     """Times the real engine (``pdserve.engine.llm_engine.LLMEngine``) in-process."""
 
-    def __init__(self, engine: Any, seed: int = 0) -> None:
+    def __init__(self, engine: Any, seed: int = 0, clock: Any = time.perf_counter) -> None:
         self.engine = engine
+        self.clock = clock  # perf_counter: wall time; thread_time: this thread's CPU time
         self.chunk_tokens = engine.config.max_num_batched_tokens
         self.max_num_seqs = engine.config.max_num_seqs
         self.kv_capacity_tokens = engine.blocks.num_blocks * engine.config.block_size
@@ -156,19 +157,19 @@ class EngineProbe:
     def prefill_seconds(self, prompt_tokens: int) -> float:
         """Time to the first token of one prompt (prefill plus one sample), then abort it."""
         rid = self._add(prompt_tokens, 2)
-        start = time.perf_counter()
+        start = self.clock()
         self._step_until([rid], math.ceil(prompt_tokens / self.chunk_tokens))
-        elapsed = time.perf_counter() - start
+        elapsed = self.clock() - start
         self.engine.abort(rid)
         return elapsed
 
     def decode_step_seconds(self, batch: int, context_tokens: int, steps: int = 4) -> float:
         ids = [self._add(context_tokens, steps + 8) for _ in range(batch)]
         self._step_until(ids, math.ceil(batch * context_tokens / self.chunk_tokens))
-        start = time.perf_counter()
+        start = self.clock()
         for _ in range(steps):
             self.engine.step()
-        elapsed = (time.perf_counter() - start) / steps
+        elapsed = (self.clock() - start) / steps
         for r in ids:
             self.engine.abort(r)
         return elapsed
@@ -203,14 +204,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=_ints, default=[64, 256])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--hardware", default="", help="free text stored in the profile")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: elapsed time (default); cpu: the engine thread's CPU time, i.e. the "
+        "cost without waiting for a busy core (needs --cpu-threads 1: the model then runs on "
+        "that thread), for a simulator that shares the cores itself (bench/sim_host.py)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.engine.config import engine_config_from_args
     from pdserve.engine.llm_engine import LLMEngine
 
+    if args.clock == "cpu" and args.cpu_threads != 1:
+        print("pdserve profile: --clock cpu needs --cpu-threads 1 (the CPU time of other "
+              "torch threads is not counted)", file=sys.stderr)  # fmt: skip
+        return 2
     engine = LLMEngine(engine_config_from_args(args))
-    probe = EngineProbe(engine)
+    probe = EngineProbe(
+        engine, clock=time.thread_time if args.clock == "cpu" else time.perf_counter
+    )
     try:
         profile = measure(
             probe,
@@ -220,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
             model=engine.served_model_name,
             hardware=args.hardware,
             repeats=args.repeats,
-            source=measured_source(args.hardware, args.repeats),
+            source=measured_source(args.hardware, args.repeats)
+            + ("; engine thread CPU time, not wall time" if args.clock == "cpu" else ""),
         )
     except (ValueError, RuntimeError) as exc:
         print(f"pdserve profile: {exc}", file=sys.stderr)

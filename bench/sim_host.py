@@ -1,0 +1,85 @@
+"""The machine a local replay runs on, as the simulated cluster shares it (sim_vs_real.py).
+
+On a GPU cluster each replica has its own accelerator, and the profile's per-replica
+costs are the whole story. ``pdserve up`` on this machine runs every worker, the
+router, ``pdserve up`` itself and the load client on the same few cores, next to other
+people's jobs, so a worker's engine runs only as fast as its share of a core. The host
+model gives the simulated cluster that share, from measurement only
+(sim_vs_real_host.py builds it from /proc, sim_vs_real_cpu.py):
+
+- ``cores``: ``len(os.sched_getaffinity(0))``;
+- ``background``: the cores other jobs used, per 2 s of the replay (/proc/stat busy
+  time minus our processes'): they run at nice 0 or 10 like ours, so what they took
+  they would have taken from the simulated workers too;
+- ``other_s_per_request``: CPU seconds per request of everything but the engine
+  threads (router, ``pdserve up``, the client, the workers' HTTP, streaming and KV
+  transfer threads);
+- ``startup_cores``: what a starting worker uses (model load, warm-up): its CPU until
+  ready over its start-up time;
+- ``path_s``: the serving path's latency beside the engine's prefill (HTTP hops client
+  -> router -> prefill worker -> router -> client), from single requests on the idle
+  service just before the trace: TTFT minus the profile's ``prefill_time``.
+
+Each tick, the cores the background left are shared by our runnable threads (Linux's
+CFS, equal nice levels: max-min fair shares, ``fair_level``); a thread that needs less
+than the fair share gets what it needs, so the non-engine work (a few ms of CPU per
+request over several processes) and the path's latency are not stretched, while an
+engine that needs more (a decode loop with sequences, a backlogged prefill) runs at the
+fair share: its steps take 1/share longer. The engine's costs come from a profile of the
+engine thread's CPU time (``pdserve profile --clock cpu``), so waiting for a core is
+counted once, here, and not also in the profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+Group = tuple[float, float, float]  # (threads, the share of a core each wants, weight)
+
+
+def fair_level(groups: list[Group], cores: float) -> float:
+    """CPU per unit of weight, L, with sum(n * min(want, L * weight)) = cores (inf when
+    every want fits): weighted max-min fairness, what CFS converges to."""
+    if sum(n * want for n, want, _ in groups) <= cores:
+        return float("inf")
+    lo, hi = 0.0, max(want / weight for _, want, weight in groups if weight > 0)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        got = sum(n * min(want, mid * weight) for n, want, weight in groups)
+        lo, hi = (mid, hi) if got < cores else (lo, mid)
+    return lo
+
+
+def speed(want: float, cpu: float) -> float:
+    """How fast an engine runs given ``cpu`` (its share of a core): one that needs less
+    runs whenever it is runnable, one that needs more is always runnable and gets it."""
+    return 1.0 if want <= cpu else min(1.0, cpu)
+
+
+@dataclass(frozen=True)
+class Host:
+    cores: float
+    background_t: np.ndarray  # trace clock of each background measurement (sorted)
+    background: np.ndarray  # cores other jobs used from that time on
+    other_s_per_request: float
+    path_s: float  # constant: a hop's few ms of CPU stay under the fair share
+    startup_cores: float
+    other_procs: int = 3  # router, pdserve up, client: non-engine work spreads over them
+
+    def background_at(self, t: float) -> float:
+        if self.background.size == 0:
+            return 0.0
+        i = max(0, int(np.searchsorted(self.background_t, t, side="right")) - 1)
+        return float(self.background[i])
+
+    def cpu(self, t: float, engines: list[float], starting: int, request_rate: float) -> float:
+        """The CPU (share of a core) each of our runnable threads gets at ``t`` at most;
+        ``engines``: the share each engine with work would use alone (1: always runnable)."""
+        free = max(self.cores - self.background_at(t), 0.05 * self.cores)
+        other = request_rate * self.other_s_per_request
+        groups: list[Group] = [(1.0, want, 1.0) for want in engines]
+        groups.append((float(starting), min(1.0, self.startup_cores), 1.0))
+        groups.append((float(self.other_procs), other / self.other_procs, 1.0))
+        return min(1.0, fair_level(groups, free))

@@ -1,0 +1,98 @@
+"""The host model's inputs (sim_host.py), from what the real replay measured (sim_vs_real.py).
+
+``dump`` is what sim_vs_real_up.py wrote beside the run (``real.json``): /proc CPU
+samples of every process on the trace clock (the first from ``pdserve up``'s launch),
+the autoscaler's log lines and the idle probe's TTFTs. Nothing here looks at the
+replay's latencies: the inputs are CPU seconds, the core count and the idle probe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+
+import numpy as np
+from sim_host import Host
+
+from pdserve.planner.capacity import Profile
+
+READY = re.compile(r"autoscaler: (\S+) ready")
+FRONT = ("router", "up", "client")  # the rest of our processes are workers
+
+
+def cores() -> float:
+    if hasattr(os, "sched_getaffinity"):  # the cores this process may run on
+        return float(len(os.sched_getaffinity(0)))
+    return float(os.cpu_count() or 1)
+
+
+def _ready_times(log: list) -> dict[str, float]:
+    out = {}
+    for t, line in log:
+        m = READY.search(line)
+        if m:
+            out.setdefault(m.group(1), float(t))
+    return out
+
+
+def _deltas(samples: list[dict]) -> list[tuple[float, float, dict[str, float]]]:
+    """(start, length, CPU seconds per process and 'machine') of each sampling period; a
+    process that vanished counts 0 (its exit loses its last CPU; clipped at 0)."""
+    out = []
+    for a, b in itertools.pairwise(samples):
+        d = {k: max(0.0, b[k] - a.get(k, b[k])) for k in b if k != "t"}
+        out.append((a["t"], b["t"] - a["t"], d))
+    return out
+
+
+def _background(dump: dict, end_s: float, window_s: float = 2.0) -> tuple[np.ndarray, ...]:
+    """Cores the other jobs used (machine busy minus our processes), per ``window_s``."""
+    edges = np.arange(0.0, end_s + window_s, window_s)
+    used, span = np.zeros(edges.size), np.zeros(edges.size)
+    for t, dt, d in _deltas(dump["cpu"]):
+        if 0 <= t < end_s:
+            i = int(t // window_s)
+            ours = sum(v for k, v in d.items() if "/" not in k and k != "machine")
+            used[i] += max(0.0, d["machine"] - ours)
+            span[i] += dt
+    keep = span > 0
+    return edges[keep], used[keep] / span[keep]
+
+
+def measure_host(dump: dict, profile: Profile, requests: int, end_s: float) -> Host:
+    from sim_vs_real_up import PROBE_LENGTHS  # the idle probe's prompt lengths
+
+    ready = _ready_times(dump["log"])
+    startup_cpu, startup_s, other = 0.0, 0.0, 0.0
+    for t, dt, d in _deltas(dump["cpu"]):
+        for w in (k for k in d if "/" not in k and k not in (*FRONT, "machine")):
+            if t < ready.get(w, float("inf")):  # starting: model load, warm-up
+                startup_cpu += d[w]
+                startup_s += dt
+            elif 0 <= t < end_s:  # serving: all but the engine thread
+                other += max(0.0, d[w] - d.get(w + "/engine", 0.0))
+        if 0 <= t < end_s:
+            other += sum(d.get(k, 0.0) for k in FRONT)
+    probe = zip(dump["probe"], PROBE_LENGTHS, strict=False)
+    path = [x - profile.prefill.service_time(n) for x, n in probe]
+    t, bg = _background(dump, end_s)
+    return Host(
+        cores=cores(),
+        background_t=t,
+        background=bg,
+        other_s_per_request=other / max(requests, 1),
+        path_s=max(0.0, float(np.median(path))) if path else 0.0,
+        startup_cores=startup_cpu / startup_s if startup_s > 0 else 0.0,
+    )
+
+
+def describe(host: Host) -> dict:
+    bg = host.background
+    return {
+        "cores": host.cores,
+        "background_cores_mean": round(float(bg.mean()), 3) if bg.size else 0.0,
+        "other_cpu_ms_per_request": round(host.other_s_per_request * 1e3, 2),
+        "path_ms": round(host.path_s * 1e3, 1),
+        "startup_cores": round(host.startup_cores, 3),
+    }
