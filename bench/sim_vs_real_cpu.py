@@ -109,7 +109,7 @@ class CpuSampler:
         children: dict[int, list[int]] = {}
         for pid, parent in _ppid_map().items():
             children.setdefault(parent, []).append(pid)
-        todo, procs = [self.root], {}
+        todo, procs = [self.root], dict[str, float]()
         while todo:  # the process tree under `pdserve up`
             pid = todo.pop()
             todo += children.get(pid, [])

@@ -28,7 +28,7 @@ def cores() -> float:
 
 
 def _ready_times(log: list) -> dict[str, float]:
-    out = {}
+    out: dict[str, float] = {}
     for t, line in log:
         m = READY.search(line)
         if m:
@@ -76,10 +76,10 @@ def measure_host(dump: dict, profile: Profile, requests: int, end_s: float) -> H
             other += sum(d.get(k, 0.0) for k in FRONT)
     probe = zip(dump["probe"], PROBE_LENGTHS, strict=False)
     path = [x - profile.prefill.service_time(n) for x, n in probe]
-    t, bg = _background(dump, end_s)
+    bg_t, bg = _background(dump, end_s)
     return Host(
         cores=cores(),
-        background_t=t,
+        background_t=bg_t,
         background=bg,
         other_s_per_request=other / max(requests, 1),
         path_s=max(0.0, float(np.median(path))) if path else 0.0,

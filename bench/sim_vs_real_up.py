@@ -180,9 +180,6 @@ def _dump(path: Path, run: RealRun, samples: list[Sample], lines, t0: float) -> 
             {"t": round(s.t - t0, 2), "machine": s.machine_s, "client": s.client_s, **s.procs}
             for s in samples
         ],
-        "others": [
-            (round(s.t - t0, 2), s.others_runnable, round(s.others_weight, 1)) for s in samples
-        ],
         "nice": {"up": run.nice_up, "client": nice_of(os.getpid())},
         "log": [(round(w - t0, 2), line.rstrip()) for w, line in lines if "autoscaler" in line],
     }

@@ -16,7 +16,7 @@ import pytest
 
 from tests.loopback import run_bench
 
-PROFILE = Path(__file__).resolve().parents[2] / "bench/profiles/cpu-tiny-1thread.json"
+PROFILE = Path(__file__).resolve().parents[2] / "bench/profiles/cpu-tiny-1thread-cputime.json"
 
 
 @pytest.mark.timeout(300)
