@@ -117,3 +117,27 @@ def test_measured_profile_says_it_was_measured() -> None:
                   source="measured: test")  # fmt: skip
     assert got.source == "measured: test"
     assert got.prefill.source.startswith("measured: test; fit to prefill times")
+
+
+def test_cpu_clock_times_the_engine_thread_and_needs_one_torch_thread(tiny_model_dir) -> None:
+    """``--clock cpu``: the calling thread's CPU time (the model runs on it with one torch
+    thread); CPU time never exceeds wall time, and more torch threads are refused."""
+    import argparse
+    import time
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.planner.profile import add_arguments, run
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args(["--model", str(tiny_model_dir), "--out", "x.json", "--clock", "cpu"])
+    assert run(args) == 2  # no --cpu-threads 1: refused before loading anything
+    # (not cpu_threads=1 here: torch's thread count is process-wide, other tests share it)
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_bytes=16 << 20)
+    )
+    cpu, wall = EngineProbe(engine, clock=time.thread_time), EngineProbe(engine)
+    cpu.prefill_seconds(64)  # warm-up
+    assert 0 < cpu.prefill_seconds(256) <= wall.prefill_seconds(256) * 1.5
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
