@@ -168,6 +168,8 @@ def test_eos_ignore_eos_and_min_tokens(engine: LLMEngine) -> None:
     assert eos not in held.token_ids[: first + 3]  # banned until min_tokens are out
     assert held.token_ids[:first] == full[:first]
     assert_all_free(engine)
+
+
 def test_argmax_rows_is_torch_argmax() -> None:
     """The numpy-backed row argmax picks what torch.argmax picks: the first maximum,
     ties, -inf rows, NaN (counted as the maximum) and a non-contiguous view included."""
