@@ -9,6 +9,9 @@ remotely), then in the simulated cluster (sim_replay.py) on the profile's costs 
 the planner built by the same ``config_from_args`` from the same flags and the
 worker start-up time observed in the real run. The profile is measured first with
 ``pdserve profile`` (same machine, same moment) unless ``--profile`` names one.
+The simulated cluster shares this machine's cores the way the real processes do (the
+host model, sim_host.py, built from /proc measurements of the real run by
+sim_vs_real_host.py; ``sim_own_cores`` is the same replay with a core per replica).
 Prints TTFT p50/p90 and replica-seconds of both and, last, one JSON line with
 ``sim_vs_real_ttft_p90_error`` = |sim - real| / real (goal <= 0.25). The machine's
 load average is printed too: other jobs on the 2 shared cores slow the real side only.
@@ -179,7 +182,6 @@ def report(args, trace, real: RealRun, sim: SimReplay, startup, before, after) -
             "errors": real.errors,
             "peak_workers": real.peak,
             "cpu_s": {k: round(v, 2) for k, v in real.cpu.items()},
-            "ready_cpu_s": [round(x, 2) for x in real.ready_cpu_s],
         },
         "sim": s,
         "trace": {

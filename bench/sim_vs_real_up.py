@@ -46,7 +46,6 @@ class RealRun:
     peak: int = 0
     errors: list[str] = field(default_factory=list)  # the first few failures, as raised
     cpu: dict[str, float] = field(default_factory=dict)  # CPU s per process over the trace
-    ready_cpu_s: list[float] = field(default_factory=list)  # a new worker's CPU until ready
     ttft_all: np.ndarray = field(default_factory=lambda: np.empty(0))  # trace order, nan: failed
     probe: list[float] = field(default_factory=list)  # idle TTFTs of PROBE_LENGTHS
     nice_up: int = 0  # niceness of `pdserve up` and so of every worker and the router
@@ -166,7 +165,6 @@ def run_real(flags: list[str], port: int, trace: Trace, drain_s: float, work: Pa
     run.errors = errors[:5]
     run.ttft_all, run.probe, run.nice_up = every, probe, nice_up
     run.cpu = cpu_between(sampler.samples, t0, end)
-    run.ready_cpu_s = _ready_cpu(up.lines, sampler.samples, t0)
     _dump(work / "real.json", run, sampler.samples, up.lines, t0)
     return run
 
@@ -184,19 +182,6 @@ def _dump(path: Path, run: RealRun, samples: list[Sample], lines, t0: float) -> 
         "log": [(round(w - t0, 2), line.rstrip()) for w, line in lines if "autoscaler" in line],
     }
     path.write_text(json.dumps(data))
-
-
-def _ready_cpu(lines, samples: list[Sample], t0: float) -> list[float]:  # type: ignore[no-untyped-def]
-    """CPU seconds each worker started during the trace spent from its start to ``ready``
-    (model load, warm-up): the first sample after its ready line."""
-    out = []
-    for when, line in lines:
-        m = EVENT.search(line)
-        if m and m.group(3) and when >= t0:
-            after = [s for s in samples if s.t >= when and m.group(3) in s.procs]
-            if after:
-                out.append(after[0].procs[m.group(3)])
-    return out
 
 
 def _account(lines, launched: float, t0: float, end: float, ttft, failed) -> RealRun:  # type: ignore[no-untyped-def]

@@ -10,6 +10,7 @@ positive and finite, and the simulated cluster saw the same requests.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -39,4 +40,8 @@ def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert real["replica_s"] >= 2 * result["trace"]["duration_s"] * 0.9  # 2 workers at least
     assert result["sim_vs_real_ttft_p90_error"] >= 0
     assert len(result["load_average_before_after"]) == 2
+    host = result["host"]  # the simulated cluster shares this machine's cores (sim_host.py)
+    assert host["cores"] == len(os.sched_getaffinity(0))
+    assert host["other_cpu_ms_per_request"] > 0  # the router and the client used some CPU
+    assert 0 <= host["background_cores_mean"] <= host["cores"]
     assert (tmp_path / "sim_vs_real.png").stat().st_size > 0
