@@ -62,7 +62,7 @@ class LocalPools:
                 self.cluster.remove_worker, victim, self.drain_timeout_s, self.listed
             )
             if not drained:
-                self._say(f"{victim.name} still busy after {self.drain_timeout_s:g}s; stopped")
+                self._say(f"{victim.name} not drained in {self.drain_timeout_s:g}s; stopped anyway")
 
     def _victim(self, role: str) -> Proc:
         """The newest unready worker if any (it serves nothing yet), else the newest."""
