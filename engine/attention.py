@@ -146,6 +146,12 @@ def _attend(
     k_cache.index_copy_(0, meta.slot_mapping, k_new)
     v_cache.index_copy_(0, meta.slot_mapping, v_new)
     bs = pool.shape.block_size
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if meta.kernel is not None:
+        _run_kernel(q, k_cache, v_cache, out, meta.kernel, bs, scaling)
+        if not meta.prefills:  # a step of decodes and continuing chunks: done
+            return out.unsqueeze(0)
     k_blocks = k_cache.view(-1, bs, *k_cache.shape[1:])  # [num_blocks, bs, Hkv, D]
     v_blocks = v_cache.view(-1, bs, *v_cache.shape[1:])
 
@@ -153,10 +159,6 @@ def _attend(
         flat = table.flatten()
         return _gather(k_blocks, flat, meta.k_buffer), _gather(v_blocks, flat, meta.v_buffer)
 
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if meta.kernel is not None:
-        _run_kernel(q, k_cache, v_cache, out, meta.kernel, bs, scaling)
     for group in meta.decodes:
         k, v = gather(group.block_table)
         out[group.rows] = _decode(q[group.rows], k, v, group, scaling)

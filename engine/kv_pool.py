@@ -75,6 +75,9 @@ class KVPool:
             dtype=shape.dtype,
             device=device,
         )
+        flat = (num_blocks * shape.block_size, shape.num_kv_heads, shape.head_dim)
+        # Views made once: attention asks for them per layer per step (5 ops each).
+        self._layers = [(kv[0].view(flat), kv[1].view(flat)) for kv in self.tensor]
 
     @classmethod
     def from_budget(cls, shape: KVShape, budget: int, device: torch.device) -> KVPool:
@@ -86,7 +89,4 @@ class KVPool:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, each ``[num_blocks * block_size, kv_heads, head_dim]``."""
-        kv = self.tensor[layer_idx]
-        s = self.shape
-        flat = (self.num_blocks * s.block_size, s.num_kv_heads, s.head_dim)
-        return kv[0].view(flat), kv[1].view(flat)
+        return self._layers[layer_idx]

@@ -146,10 +146,15 @@ def test_compiled_forward(
 ) -> None:
     from torch._dynamo.utils import counters
 
+    from pdserve.engine import compiled
+
     engine = make_engine(
         num_blocks=1024, max_num_batched_tokens=budget, enable_prefix_caching=False, compile=True
     )
     assert engine.runner.compiled and engine.compile_seconds > 0
+    # One compiled model in the process: steps check only the guards that pick a variant
+    # (the first parametrisation); a second model turns full guard checks back on.
+    assert _trimmed_guards() == (compiled._models_compiled == 1)
     stats = engine.stats()  # the warm-up generations left nothing behind
     assert (stats.prompt_tokens, stats.generation_tokens) == (0, 0)
     assert_all_free(engine)
@@ -167,6 +172,12 @@ def test_compiled_forward(
     assert counters["stats"]["unique_graphs"] == graphs
     assert engine.stats().prompt_tokens == sum(len(p) for p, _ in CASES)
     assert_all_free(engine)
+
+
+def _trimmed_guards() -> bool:
+    from torch._dynamo import eval_frame
+
+    return bool(eval_frame._is_skip_guard_eval_unsafe_stance())
 
 
 def _divergence_gap(hf_model: Any, prompt: list[int], want: list[int], got: list[int]) -> float:

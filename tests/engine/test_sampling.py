@@ -13,7 +13,7 @@ from engine_helpers import assert_all_free, run_requests
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, argmax_rows
 from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -168,3 +168,17 @@ def test_eos_ignore_eos_and_min_tokens(engine: LLMEngine) -> None:
     assert eos not in held.token_ids[: first + 3]  # banned until min_tokens are out
     assert held.token_ids[:first] == full[:first]
     assert_all_free(engine)
+
+
+def test_argmax_rows_is_torch_argmax() -> None:
+    """The numpy-backed row argmax picks what torch.argmax picks: the first maximum,
+    ties, -inf rows, NaN (counted as the maximum) and a non-contiguous view included."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 300, generator=gen)
+    x[1, 7] = x[1, 200] = 50.0  # a tie: the first one
+    x[2] = float("-inf")  # every id banned
+    x[3, 5], x[3, 9] = float("nan"), 1e9  # NaN wins, as in torch
+    x[4, :] = 0.0  # all equal
+    for t in (x, x[:, ::2], x.double()):
+        assert argmax_rows(t).tolist() == t.argmax(dim=-1).tolist()
+    assert argmax_rows(x).dtype == torch.int64
