@@ -93,7 +93,7 @@ def pdserve_up(trees: dict[str, Path], model: str, log_dir: Path) -> Iterator[li
 
 
 def _start(label: str, tree: Path, model: str, log_dir: Path) -> subprocess.Popen[str]:
-    port, base = _free_port(), random.randrange(20000, 40000, 200)
+    port, base = _free_port(), random.randrange(20000, 32000, 200)
     argv = [sys.executable, "-m", "pdserve", "up", "--prefill", "0", "--model", model,
             "--port", str(port), "--worker-port-base", str(base), "--dtype", "float32",
             "--log-dir", str(log_dir / label)]  # fmt: skip

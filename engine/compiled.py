@@ -64,6 +64,11 @@ def compile_model(model: torch.nn.Module) -> Callable[..., Any]:
     _models_compiled += 1
     if _models_compiled > 1:  # one code object caches every model's graphs: check all
         torch.compiler.set_stance("default", skip_guard_eval_unsafe=False)
+    # ... and counts them against one recompile limit (8 by default), past which dynamo
+    # silently runs eager: leave room for every model's variants.
+    dynamo_config = torch._dynamo.config
+    need = len(WARM_UP) * _models_compiled + 2
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, need)
     transpose_linear_weights(model)
     _clean_probe_path()
     # A C++ wrapper calls the step's ~40 kernels instead of generated Python: measured

@@ -5,7 +5,9 @@
 health poll that tells the planner which workers are ready, and a watch that
 ends everything when a worker dies on its own. Scaling goes through
 ``LocalCluster.add_worker`` / ``remove_worker``; the router learns the new worker
-list from the workers file it re-reads (``router/discovery_file.py``).
+list from the workers file it re-reads (``router/discovery_file.py``). A worker is
+stopped only once the router no longer lists it and it owes no request
+(``local/drain.py``): a planned scale-down costs no client anything.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 
 import httpx
 
+from pdserve.local.drain import Listed, router_lists
 from pdserve.local.planner_loop import LocalAutoscaler, config_from_args, http_fetcher
 from pdserve.local.processes import LocalCluster, Proc
 from pdserve.local.supervise import Supervisor
@@ -28,9 +31,12 @@ ROLES = ("prefill", "decode")
 class LocalPools:
     """Pool counts and scale actions over a LocalCluster's worker processes."""
 
-    def __init__(self, cluster: LocalCluster, drain_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, cluster: LocalCluster, drain_timeout_s: float = 30.0, listed: Listed | None = None
+    ) -> None:
         self.cluster = cluster
         self.drain_timeout_s = drain_timeout_s
+        self.listed = listed  # whether the router still lists a URL (local/drain.py)
         self.ready: set[str] = set()  # names of workers answering /health
         self.events: list[str] = []  # what was scaled, for the log and tests
 
@@ -52,7 +58,11 @@ class LocalPools:
             victim = self._victim(role)
             self._say(f"{role}: draining and stopping {victim.name}")
             self.ready.discard(victim.name)
-            await asyncio.to_thread(self.cluster.remove_worker, victim, self.drain_timeout_s)
+            drained = await asyncio.to_thread(
+                self.cluster.remove_worker, victim, self.drain_timeout_s, self.listed
+            )
+            if not drained:
+                self._say(f"{victim.name} not drained in {self.drain_timeout_s:g}s; stopped anyway")
 
     def _victim(self, role: str) -> Proc:
         """The newest unready worker if any (it serves nothing yet), else the newest."""
@@ -81,9 +91,14 @@ class LocalPools:
 
 class LocalAutoscaling:
     def __init__(
-        self, cluster: LocalCluster, router_url: str, config: PlannerConfig, interval_s: float
+        self,
+        cluster: LocalCluster,
+        router_url: str,
+        config: PlannerConfig,
+        interval_s: float,
+        api_key: str = "",
     ) -> None:
-        self.pools = LocalPools(cluster)
+        self.pools = LocalPools(cluster, listed=router_lists(router_url, api_key))
         self.autoscaler = LocalAutoscaler(
             config,
             fetch_metrics=http_fetcher(router_url + "/metrics"),
@@ -115,7 +130,9 @@ class LocalAutoscaling:
 def run_autoscaled(cluster: LocalCluster, router: Proc, args: argparse.Namespace) -> int:
     """``pdserve up --autoscale`` after start-up: plan and scale until Ctrl-C."""
     config = config_from_args(args)
-    scaling = LocalAutoscaling(cluster, router.url, config, args.autoscale_interval)
+    scaling = LocalAutoscaling(
+        cluster, router.url, config, args.autoscale_interval, api_key=args.api_key
+    )
     print(f"pdserve up: autoscaling every {args.autoscale_interval:g}s (SLO TTFT "
           f"{args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms; prefill "
           f"{args.prefill_min}-{args.prefill_max}, decode {args.decode_min}-{args.decode_max})",

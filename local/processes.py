@@ -26,6 +26,8 @@ import httpx
 from pdserve import env
 from pdserve.codec import from_dict
 from pdserve.contract import WorkerStats
+from pdserve.local import drain
+from pdserve.local.drain import Listed
 from pdserve.router.discovery_file import write_workers_file
 
 
@@ -162,18 +164,26 @@ class LocalCluster:
         self._write_workers_file()
         return proc
 
-    def remove_worker(self, proc: Proc, drain_timeout_s: float = 30.0) -> None:
-        """Take ``proc`` out of the router's workers file, let its requests finish (up to
-        ``drain_timeout_s``), then stop its process group."""
+    def remove_worker(
+        self, proc: Proc, drain_timeout_s: float = 30.0, listed: Listed | None = None
+    ) -> bool:
+        """Take ``proc`` out of the router's workers file, wait until the router no longer
+        routes to it (``listed``: whether the router still lists a URL; see local/drain.py)
+        and it owes no request, up to ``drain_timeout_s`` in all, then stop its process
+        group. Returns whether it drained in time (it is stopped either way)."""
         assert proc in self.procs and proc.role in ("prefill", "decode"), proc.name
         self.procs.remove(proc)
-        self._write_workers_file()
-        deadline = time.monotonic() + drain_timeout_s
-        while time.monotonic() < deadline and proc.popen is not None and proc.popen.poll() is None:
-            if _idle(proc.url, self.headers):
-                break
-            time.sleep(0.25)
-        _stop_procs([proc], grace_s=10.0)
+        try:  # whatever happens, the process must not outlive its place in self.procs
+            self._write_workers_file()
+            deadline = time.monotonic() + drain_timeout_s
+
+            def alive() -> bool:
+                return proc.popen is not None and proc.popen.poll() is None
+
+            unrouted = listed is None or drain.wait_unrouted(proc.url, listed, deadline, alive)
+            return unrouted and drain.wait_idle(proc.url, self.headers, deadline, alive)
+        finally:
+            _stop_procs([proc], grace_s=10.0)
 
     def _write_workers_file(self) -> None:
         if self.workers_file is not None:
@@ -302,15 +312,6 @@ def _stop_procs(procs: list[Proc], grace_s: float) -> None:
             p.popen.wait(5)
     for p in procs:  # children the leader left behind in its group
         _signal_group(p, signal.SIGKILL)
-
-
-def _idle(url: str, headers: dict[str, str]) -> bool:
-    """The worker has no request running, waiting or loading (or no longer answers)."""
-    try:
-        s = from_dict(httpx.get(url + "/stats", timeout=2.0, headers=headers).json(), WorkerStats)
-        return not (s.running or s.waiting or s.loading)
-    except (httpx.HTTPError, ValueError):
-        return True
 
 
 def _signal_group(proc: Proc, sig: int) -> None:

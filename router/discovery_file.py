@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,9 @@ def read_workers_file(path: str | Path) -> list[Endpoint]:
 
 
 def write_workers_file(path: str | Path, prefill: list[str], decode: list[str]) -> None:
-    """Replace the file atomically, so the router never reads half of it."""
-    tmp = Path(f"{path}.tmp")
+    """Replace the file atomically, so the router never reads half of it. The temporary
+    file is the writer thread's own: two writers at once never rename each other's."""
+    tmp = Path(f"{path}.{os.getpid()}-{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps({"prefill": prefill, "decode": decode}) + "\n")
     os.replace(tmp, path)
 

@@ -183,6 +183,7 @@ class Dispatcher:
                 )
             except WorkerFailed as exc:
                 log.warning("request %s: prefill failed on %s: %s", rs.request_id, url, exc)
+                self.metrics.worker_failures.labels("prefill").inc()
                 self.discovery.mark_failed(url)
                 self._spawn(worker_client.abort(self.client, url, rs.request_id))
             finally:
@@ -213,6 +214,7 @@ class Dispatcher:
                 return
             except WorkerFailed as exc:
                 log.warning("request %s: decode failed on %s: %s", rs.request_id, url, exc)
+                self.metrics.worker_failures.labels("decode").inc()
                 if exc.down:
                     self.discovery.mark_failed(url)
                 self._spawn(worker_client.abort(self.client, url, rs.request_id))

@@ -19,6 +19,12 @@ from pdserve.router.config import (
 from pdserve.router.discovery import EndpointSource, StaticSource
 
 API_KEY_ENV = env.API_KEY
+# Seconds an idle client connection stays open. uvicorn's default, 5 s, equals httpx's
+# pool expiry (the OpenAI SDK's) and is below aiohttp's 15 s: a client reused connections
+# the router was closing at that moment and the request failed ("Server disconnected":
+# 3 of 160 requests of a client pausing ~5 s between bursts, here). Longer than common client pools
+# (Go's 90 s) and load balancers' idle timeouts (60 s), so the client side gives up first.
+CLIENT_KEEP_ALIVE_S = 120
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}-weight", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--default-max-tokens", type=int, default=16)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
+    p.add_argument("--keep-alive-timeout", type=int, default=CLIENT_KEEP_ALIVE_S,
+                   help="seconds an idle client connection stays open (longer than clients "
+                        "and load balancers keep theirs: docs/router.md)")  # fmt: skip
     p.add_argument("--log-level", default="info")
 
 
@@ -155,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(cfg, source)
     except ValueError as exc:
         raise SystemExit(f"pdserve router: {exc}") from exc
+    if args.keep_alive_timeout < 1:
+        raise SystemExit("pdserve router: --keep-alive-timeout must be at least 1 second")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                access_log=False)  # fmt: skip
+                access_log=False, timeout_keep_alive=args.keep_alive_timeout)  # fmt: skip
     return 0

@@ -82,6 +82,14 @@ class RouterMetrics:
             "pdserve_router_generation_tokens", "Tokens generated", registry=r
         )
 
+        # every worker call that failed as the worker's fault (then retried, migrated or
+        # failed); a planned scale-down must add none (tests/local/test_scale_under_load.py)
+        self.worker_failures = Counter(
+            "pdserve_router_worker_failures",
+            "Calls to a worker that failed (connection, timeout, 5xx, broken stream)",
+            ["role"],
+            registry=r,
+        )
         self.migrated = Counter(
             "pdserve_router_migrated_streams",
             "Requests moved to another decode worker after theirs died mid-stream",

@@ -50,12 +50,19 @@ class WorkerFailed(Exception):
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
+# How long an idle connection to a worker stays in the pool. Shorter than the workers' own
+# idle timeout (worker/http.py: KEEP_ALIVE_S) on purpose: a connection the worker closes
+# while the router reuses it fails the request ("Can not write request body", a reset),
+# and that race is only excluded when the client side always gives up first.
+POOL_KEEPALIVE_S = 60.0
+
+
 def new_session(secret: str | None = None) -> aiohttp.ClientSession:
     """The router's one connection pool to its workers (unbounded, kept alive); every call
     carries the service secret (``PDSERVE_SERVICE_SECRET`` unless given)."""
     secret = env.service_secret("the router") if secret is None else secret
     headers = {env.SECRET_HEADER: secret} if secret else {}
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=POOL_KEEPALIVE_S)
     return aiohttp.ClientSession(connector=connector, raise_for_status=False, headers=headers)
 
 

@@ -213,7 +213,15 @@ def add_common_routes(
         return reply(AbortReply(bool(known)))
 
 
+# Seconds an idle keep-alive connection stays open. uvicorn's default (5 s) is far below
+# the router's pool (router/worker_client.py: POOL_KEEPALIVE_S, 60 s): the worker closed
+# connections the router was just reusing, and when load fell (as before a scale-down)
+# requests failed on healthy workers. The server must outlast its client.
+KEEP_ALIVE_S = 120
+
+
 def serve(app: FastAPI, host: str, port: int, log_level: str) -> None:
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
+                timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip

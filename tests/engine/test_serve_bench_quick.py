@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(400)
 
 def _start_peer(model: Path, port: int) -> tuple[subprocess.Popen, str]:  # type: ignore[type-arg]
     argv = [sys.executable, "-m", "pdserve", "up", "--model", str(model), "--prefill", "0",
-            "--port", str(port), "--worker-port-base", str(port + 100)]  # fmt: skip
+            "--port", str(port), "--worker-port-base", str(20000 + port % 10000)]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, start_new_session=True)  # fmt: skip
     url, workers = wait_until_up(proc, 300)

@@ -57,7 +57,7 @@ def up(tiny_model_dir: Path, tmp_path_factory):
             "--port", str(free_port()), "--prefill", "1", "--decode", "3",
             "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
             "--routing", "round-robin", "--disagg-threshold", "32", "--log-dir", str(logs),
-            "--worker-port-base", str(20000 + free_port() % 20000),
+            "--worker-port-base", str(20000 + free_port() % 10000),
             "--worker-arg=--max-model-len", "--worker-arg=1024"]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, start_new_session=True)  # fmt: skip

@@ -70,11 +70,11 @@ def autoscaled_up(
     (tcp, round-robin) under the test's SLOs and profile; ``engine``: more worker flags."""
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(PROFILE))
-    port = free_port()
+    port = free_port()  # workers from 20000-30199: below Linux's ephemeral ports (32768+)
     return [sys.executable, "-m", "pdserve", "up", "--model", str(model),
             "--port", str(port), "--served-model-name", "tiny", "--prefill", "0",
             "--decode", str(decode), "--kv-transport", "tcp", "--routing", "round-robin",
-            "--worker-port-base", str(20000 + port % 20000), "--log-dir", str(tmp_path / "logs"),
+            "--worker-port-base", str(20000 + port % 10000), "--log-dir", str(tmp_path / "logs"),
             *(f"--worker-arg={a}" for a in ["--device", "cpu", "--max-num-seqs", "4", *engine]),
             "--autoscale", "--profile", str(profile), "--autoscale-interval", interval,
             "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS),

@@ -42,7 +42,7 @@ def run_up(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[Up]:
             "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
             "--disagg-threshold", str(DISAGG_THRESHOLD), "--log-dir", str(log_dir),
             # Away from the default 8100/8200 that other loopback tests start from.
-            "--worker-port-base", str(random.randrange(20000, 40000, 200)),
+            "--worker-port-base", str(random.randrange(20000, 32000, 200)),
             "--worker-arg=--max-model-len", "--worker-arg=1024", *extra]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, start_new_session=True)  # fmt: skip

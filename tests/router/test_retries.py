@@ -68,10 +68,15 @@ async def test_prefill_refusal_is_passed_on_not_retried(cluster_factory) -> None
 async def test_decode_failure_before_first_token_is_retried(cluster_factory) -> None:
     async with cluster_factory(n_decode=2, disagg_threshold=16) as c:
         c.decode[0].fail = "500"
-        for _ in range(3):
+        # Both decode workers idle: the picker breaks the tie either way, so send until the
+        # failing one has been tried (each try costs it a health mark; bounded).
+        sent = 0
+        while not c.decode[0].requests and sent < 20:
             out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=4)
             assert out.choices[0].text.endswith(" t0 t1 t2")
-        assert len(c.decode[1].requests) == 3
+            sent += 1
+        assert c.decode[0].requests, f"the failing decode worker was never tried in {sent}"
+        assert len(c.decode[1].requests) == sent  # every request was served there
         assert all(r.kv_handle for r in c.decode[1].requests)
         # A handle is single-use: the retry carries a fresh one, from a second prefill
         # (after the first lease was ended), and the first token already sent stays.

@@ -107,3 +107,15 @@ async def test_the_timeout_is_per_read_not_for_the_whole_stream() -> None:
     assert [i for m in got for i in m.token_ids] == list(range(6))
     with pytest.raises(WorkerFailed, match="generate failed"):
         await collect([lines(tok(0)), lines(tok(1, "length"))], pause_s=1.5, timeout=0.5)
+
+
+def test_each_server_keeps_idle_connections_longer_than_its_clients() -> None:
+    """A server that closes an idle connection first races its client reusing it: the
+    request fails (tests/local/test_scale_under_load.py checks the processes)."""
+    from pdserve.router.main import CLIENT_KEEP_ALIVE_S
+    from pdserve.router.worker_client import POOL_KEEPALIVE_S
+    from pdserve.worker.http import KEEP_ALIVE_S
+
+    assert KEEP_ALIVE_S > POOL_KEEPALIVE_S + 30  # workers outlast the router's pool
+    # the router outlasts httpx (5 s, the OpenAI SDK), aiohttp (15 s), Go (90 s) pools
+    assert CLIENT_KEEP_ALIVE_S > 90
