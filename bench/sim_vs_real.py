@@ -50,7 +50,7 @@ def up_flags(args: argparse.Namespace, profile: str, port: int) -> list[str]:
         "--port",
         str(port),
         "--worker-port-base",
-        str(21000 + port % 20000),
+        str(21000 + port % 10000),  # below the ephemeral ports (32768+)
         "--prefill",
         "1",
         "--decode",
