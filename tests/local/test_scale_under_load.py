@@ -125,9 +125,7 @@ async def scenario(cluster: LocalCluster, router_url: str) -> None:
         # long streams, started last: round-robin spreads them over both decode workers
         rng = random.Random(7)
         long = [asyncio.create_task(completion(client, rng, 120)) for _ in range(4)]
-        await asyncio.sleep(0.5)
-        victim = httpx.get(cluster.urls("decode")[1] + "/stats", headers=secret_headers())
-        assert victim.json()["running"] > 0  # it is stopped while it streams
+        await streaming_on(cluster.urls("decode")[1])  # it is stopped while it streams
         await pools.scale("prefill", 1)  # the newest go: prefill-1, then decode-1
         await pools.scale("decode", 1)
         assert [p.name for p in cluster.procs if p.role != "router"] == ["prefill-0", "decode-0"]
@@ -136,6 +134,18 @@ async def scenario(cluster: LocalCluster, router_url: str) -> None:
         await load.finish()
     assert load.errors == [], load.errors
     assert load.ok > 20, load.ok
+
+
+async def streaming_on(url: str, timeout: float = 30.0) -> None:
+    """Until the worker at ``url`` runs a request (a loaded machine takes a while to get
+    a long stream through prefill and KV transfer to it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = httpx.get(url + "/stats", headers=secret_headers()).json()
+        if stats["running"] > 0:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no request running on {url} after {timeout:g}s")
 
 
 async def routed(client: httpx.AsyncClient, cluster: LocalCluster) -> None:

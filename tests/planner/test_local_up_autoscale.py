@@ -151,12 +151,18 @@ def load_step_tokens(idle_tpot_s: float) -> int:
     return max(CALIBRATION_TOKENS, min(MAX_OUTPUT_TOKENS, tokens))
 
 
-async def closed_loop(url: str, clients: int, tokens: int, until: float, out: list[tuple]) -> None:
+async def closed_loop(
+    url: str, clients: int, tokens: int, until: float, out: list[tuple], pace_s: float = 0.0
+) -> None:
+    """``clients`` users, each sending its next request when the last one ends, and no
+    sooner than ``pace_s`` after it started."""
     async with httpx.AsyncClient(timeout=120) as client:
 
         async def user() -> None:
             while time.monotonic() < until:
+                start = time.monotonic()
                 out.append(await one_request(client, url, tokens))
+                await asyncio.sleep(max(0.0, start + pace_s - time.monotonic()))
 
         await asyncio.gather(*(user() for _ in range(clients)))
 
@@ -244,7 +250,10 @@ async def test_quiet_load_removes_the_extra_worker_and_no_request_fails(
         before = {w["worker_id"]: w["url"] for w in workers(url)}
         assert set(before) == {"decode-0", "decode-1"}
         results: list[tuple] = []
-        load = asyncio.create_task(closed_loop(url, 1, 16, time.monotonic() + 120, results))
+        # Light on any machine: one request at a time, at most 2 a second (a closed loop with
+        # no pause ran 18 a second on a quiet machine, which the profile says needs both).
+        until = time.monotonic() + 120
+        load = asyncio.create_task(closed_loop(url, 1, 16, until, results, pace_s=0.5))
         await asyncio.to_thread(up.wait_for, r"draining and stopping decode-1", 60)
         stopping_at = len(results)
 
