@@ -176,7 +176,9 @@ async def phase_kill_decode(h: httpx.AsyncClient, svc: Service, model: str, n: i
     rng, before = random.Random(5), counter(svc.url, "pdserve_router_migrated_streams_total")
     streams = [asyncio.ensure_future(cc.stream(h, "/v1/completions",
                _greedy(model, prompt(rng, rng.randint(3, 40)), 96))) for _ in range(n)]  # fmt: skip
-    victim = await _kill_busiest(svc.urls("decode"), streams)
+    # Streams that are decoding, not waiting for their KV: killed then, they must migrate
+    # (a waiting one is merely retried, and a kill that finds only those shows no migration).
+    victim = await _kill_busiest(svc.urls("decode"), streams, counts=("running",))
     done = await asyncio.gather(*streams)
     migrated = counter(svc.url, "pdserve_router_migrated_streams_total") - before
     return {"decode_killed": victim, "decode_kill_streams": n,
@@ -205,11 +207,14 @@ async def phase_kill_prefill(h: httpx.AsyncClient, svc: Service, model: str, n: 
             "prefill_kill_failed_requests": sum(not r.ok(8) for r in results)}  # fmt: skip
 
 
-async def _kill_busiest(urls: list[str], tasks: list[asyncio.Future[Any]]) -> str:
-    """``kill -9`` the busiest of ``urls`` once it has work ("" if none ever had)."""
+async def _kill_busiest(
+    urls: list[str], tasks: list[asyncio.Future[Any]], counts: tuple[str, ...] | None = None
+) -> str:
+    """``kill -9`` the busiest of ``urls`` once it has work ("" if none ever had);
+    ``counts``: which of its requests count (chaos_service.busiest)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(t.done() for t in tasks):
-        found = await asyncio.to_thread(busiest, urls)
+        found = await asyncio.to_thread(busiest, urls, *([counts] if counts else []))
         if found is not None:
             await asyncio.sleep(0.05)  # some tokens are out: the kill is mid-stream
             return found[0] if await asyncio.to_thread(kill9, found[0]) else ""

@@ -88,14 +88,17 @@ def stats(url: str) -> dict[str, Any] | None:
         return None
 
 
-def busiest(urls: list[str]) -> tuple[str, dict[str, Any]] | None:
-    """The worker with the most requests on it (running, waiting, or KV under a lease)."""
+def busiest(
+    urls: list[str], counts: tuple[str, ...] = ("running", "waiting", "held")
+) -> tuple[str, dict[str, Any]] | None:
+    """The worker with the most requests on it: by default running, waiting, or KV under
+    a lease; ``counts`` names which of those count."""
     best = None
     for url in urls:
         s = stats(url)
         if s is None:
             continue
-        load = s["running"] + s["waiting"] + s.get("held", 0)
+        load = sum(s.get(field, 0) for field in counts)
         if load and (best is None or load > best[0]):
             best = (load, url, s)
     return None if best is None else (best[1], best[2])
