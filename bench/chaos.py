@@ -37,7 +37,16 @@ from typing import Any
 import chaos_client as cc
 import httpx
 from chaos_inputs import bad_inputs, poison_bodies
-from chaos_service import ROOT, Service, busiest, counter, kill9, leaked_blocks, wait_all_healthy
+from chaos_service import (
+    ROOT,
+    Service,
+    busiest,
+    counter,
+    kill9,
+    leaked_blocks,
+    stats,
+    wait_all_healthy,
+)
 
 WORDS = [
     "the",
@@ -178,7 +187,7 @@ async def phase_kill_decode(h: httpx.AsyncClient, svc: Service, model: str, n: i
                _greedy(model, prompt(rng, rng.randint(3, 40)), 96))) for _ in range(n)]  # fmt: skip
     # Streams that are decoding, not waiting for their KV: killed then, they must migrate
     # (a waiting one is merely retried, and a kill that finds only those shows no migration).
-    victim = await _kill_busiest(svc.urls("decode"), streams, counts=("running",))
+    victim = await _kill_busiest(svc.urls("decode"), streams, ("running",), min_new_tokens=24)
     done = await asyncio.gather(*streams)
     migrated = counter(svc.url, "pdserve_router_migrated_streams_total") - before
     return {"decode_killed": victim, "decode_kill_streams": n,
@@ -208,18 +217,33 @@ async def phase_kill_prefill(h: httpx.AsyncClient, svc: Service, model: str, n: 
 
 
 async def _kill_busiest(
-    urls: list[str], tasks: list[asyncio.Future[Any]], counts: tuple[str, ...] | None = None
+    urls: list[str],
+    tasks: list[asyncio.Future[Any]],
+    counts: tuple[str, ...] | None = None,
+    min_new_tokens: int = 0,
 ) -> str:
     """``kill -9`` the busiest of ``urls`` once it has work ("" if none ever had);
-    ``counts``: which of its requests count (chaos_service.busiest)."""
+    ``counts``: which of its requests count (chaos_service.busiest); ``min_new_tokens``:
+    first let it generate that many more tokens (its streams are then under way)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(t.done() for t in tasks):
         found = await asyncio.to_thread(busiest, urls, *([counts] if counts else []))
         if found is not None:
+            url, seen = found
+            await _until_generated(url, seen.get("generation_tokens", 0) + min_new_tokens)
             await asyncio.sleep(0.05)  # some tokens are out: the kill is mid-stream
-            return found[0] if await asyncio.to_thread(kill9, found[0]) else ""
+            return url if await asyncio.to_thread(kill9, url) else ""
         await asyncio.sleep(0.01)
     return ""
+
+
+async def _until_generated(url: str, tokens: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = await asyncio.to_thread(stats, url)
+        if now is None or now.get("generation_tokens", 0) >= tokens:
+            return
+        await asyncio.sleep(0.01)
 
 
 async def run_phases(svc: Service, args: argparse.Namespace, model: str) -> dict[str, Any]:
