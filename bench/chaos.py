@@ -181,17 +181,22 @@ async def phase_soak(h: httpx.AsyncClient, model: str, n: int, conc: int) -> dic
             "soak_error_samples": [f"{r.status} {r.error[:80]}" for r in errors[:5]]}  # fmt: skip
 
 
+# Long enough that a victim's streams are still under way when it dies (96-token streams on
+# the tiny model could all end in the moment between the victim's pick and its kill).
+KILL_TOKENS = 320
+
+
 async def phase_kill_decode(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
     rng, before = random.Random(5), counter(svc.url, "pdserve_router_migrated_streams_total")
-    streams = [asyncio.ensure_future(cc.stream(h, "/v1/completions",
-               _greedy(model, prompt(rng, rng.randint(3, 40)), 96))) for _ in range(n)]  # fmt: skip
+    bodies = [_greedy(model, prompt(rng, rng.randint(3, 40)), KILL_TOKENS) for _ in range(n)]
+    streams = [asyncio.ensure_future(cc.stream(h, "/v1/completions", b)) for b in bodies]
     # Streams that are decoding, not waiting for their KV: killed then, they must migrate
     # (a waiting one is merely retried, and a kill that finds only those shows no migration).
     victim = await _kill_busiest(svc.urls("decode"), streams, ("running",), min_new_tokens=24)
     done = await asyncio.gather(*streams)
     migrated = counter(svc.url, "pdserve_router_migrated_streams_total") - before
     return {"decode_killed": victim, "decode_kill_streams": n,
-            "decode_kill_failed_streams": sum(not r.ok(96) for r in done),
+            "decode_kill_failed_streams": sum(not r.ok(KILL_TOKENS) for r in done),
             "migrated_streams": int(migrated)}  # fmt: skip
 
 
