@@ -224,7 +224,7 @@ async def phase_kill_prefill(h: httpx.AsyncClient, svc: Service, model: str, n: 
 async def _kill_busiest(
     urls: list[str],
     tasks: list[asyncio.Future[Any]],
-    counts: tuple[str, ...] | None = None,
+    counts: tuple[str, ...] = ("running", "waiting", "held"),
     min_new_tokens: int = 0,
 ) -> str:
     """``kill -9`` the busiest of ``urls`` once it has work ("" if none ever had);
@@ -232,7 +232,7 @@ async def _kill_busiest(
     first let it generate that many more tokens (its streams are then under way)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(t.done() for t in tasks):
-        found = await asyncio.to_thread(busiest, urls, *([counts] if counts else []))
+        found = await asyncio.to_thread(busiest, urls, counts)
         if found is not None:
             url, seen = found
             await _until_generated(url, seen.get("generation_tokens", 0) + min_new_tokens)
