@@ -9,7 +9,7 @@ PlannerConfig that ``pdserve up --autoscale`` built from the same flags.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from sim_cluster import Cluster, CostModel
@@ -67,7 +67,13 @@ def replay(
     host: Host | None = None,
 ) -> SimReplay:
     """The trace through the simulated cluster; the truth is the planner's own profile
-    (both from ``pdserve profile`` on this machine), on ``host``'s shared cores if given."""
+    (both from ``pdserve profile`` on this machine), on ``host``'s shared cores if given.
+
+    The planner's ``startup_s`` is the pods' ``startup_s``: ``pdserve up``'s planner uses
+    the start-up it timed on its own workers (local/autoscale.py, planner/startup.py), and
+    every simulated pod, the first two included, takes ``startup_s``, so the same rule
+    learns exactly that here."""
+    cfg = replace(cfg, startup_s=startup_s)
     cost = CostModel(
         cfg.profile, TINY_KV_BYTES_PER_TOKEN, LOOPBACK_BYTES_PER_S, LOOPBACK_LATENCY_S, startup_s,
         host,

@@ -6,8 +6,11 @@ A step trace (low rate, a few times higher, low again; prompts ~256 tokens, outp
 ~16) is replayed in real time against ``pdserve up --autoscale`` (tiny model, CPU,
 1 prefill + 1 decode worker to start, each pool 1..2, every prompt prefilled
 remotely), then in the simulated cluster (sim_replay.py) on the profile's costs with
-the planner built by the same ``config_from_args`` from the same flags and the
-worker start-up time observed in the real run. The profile is measured first with
+the planner built by the same ``config_from_args`` from the same flags. Start-up is
+measured, not assumed, on both sides: ``pdserve up`` times each worker from spawn to
+/health 200 and its planner sizes for the mean (``--worker-startup`` is only the prior
+until the first two workers are ready); the simulated pods take that measured time and
+the simulated planner plans with it. The profile is measured first with
 ``pdserve profile`` (same machine, same moment) unless ``--profile`` names one.
 The simulated cluster shares this machine's cores the way the real processes do (the
 host model, sim_host.py, built from /proc measurements of the real run by
@@ -191,6 +194,7 @@ def report(args, trace, real: RealRun, sim: SimReplay, startup, before, after) -
             "duration_s": trace.duration_s,
         },
         "worker_startup_observed_s": None if real.startup_s is None else round(startup, 2),
+        "worker_startup_source": real.startup_source or "none observed: --worker-startup",
         "load_average_before_after": [round(before[0], 2), round(after[0], 2)],
         "quick": args.quick,
     }

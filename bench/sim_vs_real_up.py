@@ -33,6 +33,7 @@ PROBE_LENGTHS = (64, 256, 512, 64, 256, 512, 64, 256, 512)
 EVENT = re.compile(
     r"autoscaler: (?:\w+: )?(started|draining and stopping) (\S+)|autoscaler: (\S+) ready"
 )
+TIMED = re.compile(r"autoscaler: \S+ ready after ([0-9.]+)s")  # the pools' own timing
 
 
 @dataclass
@@ -42,6 +43,7 @@ class RealRun:
     times: list[float] = field(default_factory=list)  # worker count changes (trace clock)
     workers: list[int] = field(default_factory=list)
     startup_s: float | None = None
+    startup_source: str = ""
     failed: int = 0
     peak: int = 0
     errors: list[str] = field(default_factory=list)  # the first few failures, as raised
@@ -186,11 +188,15 @@ def _dump(path: Path, run: RealRun, samples: list[Sample], lines, t0: float) -> 
 
 def _account(lines, launched: float, t0: float, end: float, ttft, failed) -> RealRun:  # type: ignore[no-untyped-def]
     """Worker-seconds over [t0, end] from the log's start/stop events (2 at t0); start-up
-    times from ``started`` (the first two workers: from launch) to ``ready``."""
+    times as ``pdserve up`` timed them (spawn to /health 200: what its planner learns),
+    else from ``started`` (the first two workers: from launch) to ``ready`` in the log."""
     run = RealRun(ttft, 0.0, [0.0], [2], failed=failed, peak=2)
     started: dict[str, float] = {"prefill-0": launched, "decode-0": launched}
-    startups = []
+    startups, timed = [], []
     for when, line in lines:
+        t = TIMED.search(line)
+        if t and when <= end:
+            timed.append(float(t.group(1)))
         m = EVENT.search(line)
         if not m or when > end:
             continue
@@ -208,5 +214,10 @@ def _account(lines, launched: float, t0: float, end: float, ttft, failed) -> Rea
     edges = [*run.times, end - t0]
     spans = zip(run.workers, edges, edges[1:], strict=False)  # edges: one more than workers
     run.replica_s = float(sum(n * (b - a) for n, a, b in spans))
-    run.startup_s = float(np.mean(startups)) if startups else None
+    if timed:
+        run.startup_s = float(np.mean(timed))
+        run.startup_source = f"pdserve up's pools: spawn to /health 200, mean of {len(timed)}"
+    elif startups:
+        run.startup_s = float(np.mean(startups))
+        run.startup_source = f"log: started (or launch) to ready, mean of {len(startups)}"
     return run

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import time
 
 import httpx
 
@@ -24,6 +25,7 @@ from pdserve.local.processes import LocalCluster, Proc
 from pdserve.local.supervise import Supervisor
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.snapshot import PoolStatus
+from pdserve.planner.startup import StartupEstimate
 
 ROLES = ("prefill", "decode")
 
@@ -32,12 +34,18 @@ class LocalPools:
     """Pool counts and scale actions over a LocalCluster's worker processes."""
 
     def __init__(
-        self, cluster: LocalCluster, drain_timeout_s: float = 30.0, listed: Listed | None = None
+        self,
+        cluster: LocalCluster,
+        drain_timeout_s: float = 30.0,
+        listed: Listed | None = None,
+        startup: StartupEstimate | None = None,
     ) -> None:
         self.cluster = cluster
         self.drain_timeout_s = drain_timeout_s
         self.listed = listed  # whether the router still lists a URL (local/drain.py)
         self.ready: set[str] = set()  # names of workers answering /health
+        self.startup = startup or StartupEstimate(0.0)  # learned: spawn -> first /health 200
+        self._timed: dict[str, float] = {}  # worker name -> the spawn its start-up was timed from
         self.events: list[str] = []  # what was scaled, for the log and tests
 
     def workers(self, role: str) -> list[Proc]:
@@ -57,6 +65,8 @@ class LocalPools:
         while len(self.workers(role)) > n:
             victim = self._victim(role)
             self._say(f"{role}: draining and stopping {victim.name}")
+            if self._timed.get(victim.name) != victim.spawned_at:  # never ready: a lower bound
+                self.startup.stopped_unready(role, time.monotonic() - victim.spawned_at)
             self.ready.discard(victim.name)
             drained = await asyncio.to_thread(
                 self.cluster.remove_worker, victim, self.drain_timeout_s, self.listed
@@ -79,10 +89,19 @@ class LocalPools:
                     except httpx.HTTPError:
                         ok = False
                     if ok and proc.name not in self.ready:
-                        self._say(f"{proc.name} ready")
+                        self._say(f"{proc.name} ready{self._timing(proc)}")
                     (self.ready.add if ok else self.ready.discard)(proc.name)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=interval_s)
+
+    def _timing(self, proc: Proc) -> str:
+        """Its first ready after a spawn is one start-up observed (a restart spawns anew)."""
+        if not proc.spawned_at or self._timed.get(proc.name) == proc.spawned_at:
+            return ""  # not spawned by us, or ready again after a failed poll
+        self._timed[proc.name] = proc.spawned_at
+        took = time.monotonic() - proc.spawned_at
+        self.startup.observe(proc.role, took)
+        return f" after {took:.1f}s ({self.startup.describe()})"
 
     def _say(self, message: str) -> None:
         self.events.append(message)
@@ -98,7 +117,9 @@ class LocalAutoscaling:
         interval_s: float,
         api_key: str = "",
     ) -> None:
-        self.pools = LocalPools(cluster, listed=router_lists(router_url, api_key))
+        # the planner's start-up: --worker-startup until the pools have timed their workers
+        startup = StartupEstimate(config.startup_s)
+        self.pools = LocalPools(cluster, listed=router_lists(router_url, api_key), startup=startup)
         self.autoscaler = LocalAutoscaler(
             config,
             fetch_metrics=http_fetcher(router_url + "/metrics"),
@@ -106,6 +127,7 @@ class LocalAutoscaling:
             scale_prefill=lambda n: self.pools.scale("prefill", n),
             scale_decode=lambda n: self.pools.scale("decode", n),
             interval_s=interval_s,
+            startup_s=startup.planner_startup_s,
         )
 
     async def run(self, stop: asyncio.Event) -> int:

@@ -59,6 +59,7 @@ class LocalAutoscaler:
         scale_decode: ScaleFn,
         interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        startup_s: Callable[[], float] | None = None,
     ) -> None:
         assert interval_s > 0, interval_s
         self.config = config
@@ -68,6 +69,9 @@ class LocalAutoscaler:
         self._fetch, self._pools, self._clock = fetch_metrics, pool_status, clock
         self._scale = {"prefill": scale_prefill, "decode": scale_decode}
         self._prev: Scrape | None = None
+        # the start-up measured so far (local/autoscale.py times every worker it starts);
+        # None: the configured startup_s
+        self._startup_s = startup_s
 
     async def step(self) -> Decision | None:
         """One interval: scrape, plan, scale. Returns the decision (None on the first scrape)."""
@@ -81,7 +85,10 @@ class LocalAutoscaler:
             return None
         prefill, decode = self._pools()
         snap = snapshot_from_scrapes(prev, scrape, prefill, decode, self.config.slo)
-        decision, self.state = plan(snap, self.state, self.config)
+        config = self.config
+        if self._startup_s is not None:
+            config = replace(config, startup_s=self._startup_s())
+        decision, self.state = plan(snap, self.state, config)
         if not self.decisions or self.decisions[-1].mode != decision.mode:
             # the P:D split in force: colocated runs no prefill worker (needs --prefill-min 0)
             print(f"pdserve up: autoscaler: mix {decision.mode}: {decision.mix_reason}", flush=True)
@@ -146,7 +153,8 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-startup",
         type=float,
         default=15.0,
-        help="seconds from starting a worker to its first request (the planner sizes for then)",
+        help="seconds from starting a worker to its first request (the planner sizes for then); "
+        "a prior: the planner then uses the mean start-up it measured (spawn to /health 200)",
     )
 
 

@@ -71,6 +71,7 @@ class Proc:
     argv: list[str]
     log_path: Path
     popen: subprocess.Popen[bytes] | None = None
+    spawned_at: float = 0.0  # time.monotonic() of the last spawn (the planner learns start-up)
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -217,6 +218,7 @@ class LocalCluster:
                 proc.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=environ, start_new_session=True,  # own process group: stop() kills it whole
             )  # fmt: skip
+        proc.spawned_at = time.monotonic()
         if proc not in self.procs:
             self.procs.append(proc)
 

@@ -62,6 +62,7 @@ def plan(
         )
     details = {
         "forecast_request_rate": fc.request_rate.at(config.startup_s, config.forecast),
+        "startup_s": config.startup_s,  # the horizon: configured, or measured (startup.py)
         "prefill_need": p.need,
         "prefill_tokens_per_replica_s": p.tokens_per_replica_s,
         "prefill_target_utilisation": p.target_utilisation,
