@@ -38,6 +38,9 @@ def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert real["replica_s"] >= 2 * result["trace"]["duration_s"] * 0.9  # 2 workers at least
     assert result["sim_vs_real_ttft_p90_error"] >= 0
     assert len(result["load_average_before_after"]) == 2
+    # both sides plan with the start-up pdserve up measured on its own workers
+    assert result["worker_startup_source"].startswith("pdserve up's pools"), result
+    assert result["worker_startup_observed_s"] > 0
     host = result["host"]  # the simulated cluster shares this machine's cores (sim_host.py)
     assert host["cores"] == len(os.sched_getaffinity(0))
     assert host["other_cpu_ms_per_request"] > 0  # the router and the client used some CPU
