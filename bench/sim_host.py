@@ -32,11 +32,38 @@ counted once, here, and not also in the profile.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 Group = tuple[float, float, float]  # (threads, the share of a core each wants, weight)
+HOG = 0.5  # another job's process that used this much of a core was always runnable
+
+
+def nice_weight(nice: int) -> float:
+    """CFS's load weight of a nice level (1024 at 0, x1.25 per level: 15 at 19)."""
+    return 1024.0 / 1.25**nice
+
+
+def job_groups(cores_used: float, nice: int, our_nice: int, hog: bool = False) -> list[Group]:
+    """Another job's process as CFS sees it, from what it used over a window beside our
+    processes at ``our_nice``: ``cores_used`` of CPU ran on that many threads. One of
+    higher priority than ours took what it wanted (we could not squeeze it): it wants
+    what it took. One of equal or lower priority that is a ``hog`` (runnable all the
+    time: see ``is_hog``) took what the others left it: it wants a whole core per
+    thread, and takes its fair share from the simulated workers as from the real ones."""
+    threads = max(1, math.ceil(cores_used - 0.2))
+    each = cores_used / threads
+    squeezed = nice >= our_nice and (hog or each >= HOG)
+    return [(float(threads), 1.0 if squeezed else each, nice_weight(nice))]
+
+
+def is_hog(used_per_window: list[float]) -> bool:
+    """A process that used at least ``HOG`` of a core in most windows it ran in is CPU-bound
+    (a benchmark, a simulation): where it used less, it was squeezed, not idle."""
+    busy = sum(u >= HOG for u in used_per_window)
+    return busy > 0 and busy >= len(used_per_window) / 2
 
 
 def fair_level(groups: list[Group], cores: float) -> float:
@@ -67,19 +94,29 @@ class Host:
     path_s: float  # constant: a hop's few ms of CPU stay under the fair share
     startup_cores: float
     other_procs: int = 3  # router, pdserve up, client: non-engine work spreads over them
+    # the other jobs as CFS groups per background window (job_groups); empty: they are a
+    # fixed load taken off the top (``background``)
+    background_groups: tuple[tuple[Group, ...], ...] = ()
+    nice: int = 0  # of our processes
+
+    def _window(self, t: float) -> int:
+        return max(0, int(np.searchsorted(self.background_t, t, side="right")) - 1)
 
     def background_at(self, t: float) -> float:
         if self.background.size == 0:
             return 0.0
-        i = max(0, int(np.searchsorted(self.background_t, t, side="right")) - 1)
-        return float(self.background[i])
+        return float(self.background[self._window(t)])
 
     def cpu(self, t: float, engines: list[float], starting: int, request_rate: float) -> float:
         """The CPU (share of a core) each of our runnable threads gets at ``t`` at most;
         ``engines``: the share each engine with work would use alone (1: always runnable)."""
-        free = max(self.cores - self.background_at(t), 0.05 * self.cores)
+        w = nice_weight(self.nice)
         other = request_rate * self.other_s_per_request
-        groups: list[Group] = [(1.0, want, 1.0) for want in engines]
-        groups.append((float(starting), min(1.0, self.startup_cores), 1.0))
-        groups.append((float(self.other_procs), other / self.other_procs, 1.0))
-        return min(1.0, fair_level(groups, free))
+        groups: list[Group] = [(1.0, want, w) for want in engines]
+        groups.append((float(starting), min(1.0, self.startup_cores), w))
+        groups.append((float(self.other_procs), other / self.other_procs, w))
+        if self.background_groups:  # the other jobs compete by weight, as CFS has them
+            jobs = self.background_groups[self._window(t)] if self.background_t.size else ()
+            return min(1.0, w * fair_level([*groups, *jobs], self.cores))
+        free = max(self.cores - self.background_at(t), 0.05 * self.cores)
+        return min(1.0, w * fair_level(groups, free))

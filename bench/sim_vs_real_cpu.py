@@ -41,14 +41,16 @@ def _engine_cpu(pid: int) -> float:
     return total
 
 
-def _ppid_map() -> dict[int, int]:
+def _proc_table() -> dict[int, tuple[int, float, int]]:
+    """pid -> (parent pid, CPU seconds so far, nice) of every process on the machine."""
     out = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
                 raw = Path(entry.path, "stat").read_text()
-                out[int(entry.name)] = int(raw[raw.rindex(")") + 2 :].split()[1])
-            except (OSError, ValueError):
+                f = raw[raw.rindex(")") + 2 :].split()
+                out[int(entry.name)] = (int(f[1]), (int(f[11]) + int(f[12])) / TICK, int(f[16]))
+            except (OSError, ValueError, IndexError):
                 continue
     return out
 
@@ -85,6 +87,9 @@ class Sample:
     machine_s: float
     client_s: float
     procs: dict[str, float]  # role name -> cumulative CPU seconds
+    # the other jobs: pid -> (CPU seconds since the previous sample, nice), busy ones only;
+    # the host model shares the cores with them by CFS weight (sim_host.py)
+    others: dict[int, tuple[float, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,6 +98,7 @@ class CpuSampler:
     period_s: float = 0.5
     samples: list[Sample] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _last: dict[int, float] = field(default_factory=dict)  # other jobs' CPU at the last sample
 
     def start(self) -> CpuSampler:
         threading.Thread(target=self._loop, daemon=True).start()
@@ -107,11 +113,13 @@ class CpuSampler:
 
     def sample(self) -> Sample:
         children: dict[int, list[int]] = {}
-        for pid, parent in _ppid_map().items():
+        table = _proc_table()
+        for pid, (parent, _, _) in table.items():
             children.setdefault(parent, []).append(pid)
-        todo, procs = [self.root], dict[str, float]()
+        todo, procs, ours = [self.root], dict[str, float](), {os.getpid()}
         while todo:  # the process tree under `pdserve up`
             pid = todo.pop()
+            ours.add(pid)
             todo += children.get(pid, [])
             role = _role(pid)
             if role is not None:
@@ -122,7 +130,14 @@ class CpuSampler:
                 except (OSError, ValueError):
                     continue
         client = sum(os.times()[:2])
-        return Sample(time.monotonic(), machine_busy_s(), client, procs)
+        others = {}
+        for pid, (_, cpu, nice) in table.items():
+            if pid not in ours:
+                used = cpu - self._last.get(pid, cpu)  # a new process: counted from now
+                self._last[pid] = cpu
+                if used > 0:
+                    others[pid] = (used, nice)
+        return Sample(time.monotonic(), machine_busy_s(), client, procs, others)
 
 
 def cpu_between(samples: list[Sample], t0: float, t1: float) -> dict[str, float]:

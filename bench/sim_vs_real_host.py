@@ -9,11 +9,12 @@ replay's latencies: the inputs are CPU seconds, the core count and the idle prob
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 
 import numpy as np
-from sim_host import Host
+from sim_host import Host, is_hog, job_groups
 
 from pdserve.planner.capacity import Profile
 
@@ -60,6 +61,36 @@ def _background(dump: dict, end_s: float, window_s: float = 2.0) -> tuple[np.nda
     return edges[keep], used[keep] / span[keep]
 
 
+def _jobs(dump: dict, end_s: float, our_nice: int, window_s: float = 2.0) -> tuple[tuple, ...]:
+    """The other jobs' processes as CFS groups (sim_host.job_groups), per ``window_s`` of
+    the trace, on the windows ``_background`` keeps (those with a sampling period)."""
+    edges = np.arange(0.0, end_s + window_s, window_s)
+    used: list[dict[int, float]] = [{} for _ in edges]
+    nice: dict[int, int] = {}
+    span = np.zeros(edges.size)
+    for (t, _), (t_next, procs) in itertools.pairwise(dump.get("others", [])):
+        if 0 <= t < end_s:  # sample k holds the CPU since sample k-1: this period's
+            i = int(t // window_s)
+            span[i] += t_next - t
+            for pid, cpu, n in procs:
+                used[i][pid] = used[i].get(pid, 0.0) + cpu
+                nice[pid] = n
+    kept = np.flatnonzero(span > 0)
+    per_pid: dict[int, list[float]] = {}
+    for i in kept:
+        for pid, c in used[i].items():
+            per_pid.setdefault(pid, []).append(c / span[i])
+    hogs = {pid for pid, u in per_pid.items() if is_hog(u)}
+    return tuple(
+        tuple(
+            g
+            for pid, c in used[i].items()
+            for g in job_groups(c / span[i], nice[pid], our_nice, pid in hogs)
+        )
+        for i in kept
+    )
+
+
 def measure_host(dump: dict, profile: Profile, requests: int, end_s: float) -> Host:
     from sim_vs_real_up import PROBE_LENGTHS  # the idle probe's prompt lengths
 
@@ -77,6 +108,8 @@ def measure_host(dump: dict, profile: Profile, requests: int, end_s: float) -> H
     probe = zip(dump["probe"], PROBE_LENGTHS, strict=False)
     path = [x - profile.prefill.service_time(n) for x, n in probe]
     bg_t, bg = _background(dump, end_s)
+    nice = int(dump.get("nice", {}).get("up", 0))
+    jobs = _jobs(dump, end_s, nice)  # the same sampling periods: the same windows
     return Host(
         cores=cores(),
         background_t=bg_t,
@@ -84,7 +117,21 @@ def measure_host(dump: dict, profile: Profile, requests: int, end_s: float) -> H
         other_s_per_request=other / max(requests, 1),
         path_s=max(0.0, float(np.median(path))) if path else 0.0,
         startup_cores=startup_cpu / startup_s if startup_s > 0 else 0.0,
+        background_groups=jobs if len(jobs) == bg_t.size else (),
+        nice=nice,
     )
+
+
+def _hogs(host: Host) -> dict[str, float]:
+    """The other jobs' always-runnable threads per window (mean), by nice level."""
+    out: dict[str, float] = {}
+    for window in host.background_groups:
+        for threads, want, weight in window:
+            if want >= 1.0:
+                nice = str(round(math.log(1024.0 / weight, 1.25)))
+                out[nice] = out.get(nice, 0.0) + threads
+    n = max(len(host.background_groups), 1)
+    return {k: round(v / n, 2) for k, v in sorted(out.items())}
 
 
 def describe(host: Host) -> dict:
@@ -95,4 +142,6 @@ def describe(host: Host) -> dict:
         "other_cpu_ms_per_request": round(host.other_s_per_request * 1e3, 2),
         "path_ms": round(host.path_s * 1e3, 1),
         "startup_cores": round(host.startup_cores, 3),
+        "nice": host.nice,
+        "background_hogs_by_nice": _hogs(host),  # CFS groups the simulated workers meet
     }

@@ -180,6 +180,11 @@ def _dump(path: Path, run: RealRun, samples: list[Sample], lines, t0: float) -> 
             {"t": round(s.t - t0, 2), "machine": s.machine_s, "client": s.client_s, **s.procs}
             for s in samples
         ],
+        # the other jobs, per sample: [pid, CPU s since the previous sample, nice]
+        "others": [
+            [round(s.t - t0, 2), [[pid, round(c, 3), n] for pid, (c, n) in s.others.items()]]
+            for s in samples
+        ],
         "nice": {"up": run.nice_up, "client": nice_of(os.getpid())},
         "log": [(round(w - t0, 2), line.rstrip()) for w, line in lines if "autoscaler" in line],
     }
