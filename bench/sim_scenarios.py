@@ -105,10 +105,21 @@ def setup(name: str, truth_factor: float) -> Setup:
     """``h100-llama3-8b`` | ``cpu-tiny`` | a profile JSON from ``pdserve profile``."""
     if name == "h100-llama3-8b":
         profile = PRESETS[name]
-        # 128 KiB of KV per token; 400 Gb/s NIC (ConnectX-7 NDR) at ~80%; 40 s pod start-up
-        cost = CostModel(slower(profile, truth_factor), 131_072, 40e9, 0.001, 40.0)
+        # 128 KiB of KV per token; 400 Gb/s NIC (ConnectX-7 NDR) at ~80%; the pod start-up
+        # is the profile's (40 s, its startup_source says how it was arrived at)
+        cost = CostModel(
+            slower(profile, truth_factor), 131_072, 40e9, 0.001, startup_of(profile, 40.0)
+        )
         return Setup(profile, cost, ttft_s=2.0, tpot_s=0.05)
     profile = PRESETS["cpu-tiny"] if name == "cpu-tiny" else load_profile(name)
     # tiny model: 2 layers x 2 KV heads x 64 dims x fp32 K and V; loopback copy ~5 GB/s
-    cost = CostModel(slower(profile, truth_factor), 2 * 2 * 2 * 64 * 4, 5e9, 0.0005, 10.0)
+    cost = CostModel(
+        slower(profile, truth_factor), 2 * 2 * 2 * 64 * 4, 5e9, 0.0005, startup_of(profile, 10.0)
+    )
     return Setup(profile, cost, ttft_s=3.0, tpot_s=0.2)
+
+
+def startup_of(profile: Profile, default_s: float) -> float:
+    """The pod start-up the simulated cluster uses: the profile's (measured by ``pdserve
+    profile``, or stated with its source), else ``default_s`` (an assumption)."""
+    return default_s if profile.startup_s is None else profile.startup_s

@@ -266,6 +266,8 @@ def final_json(detail: dict, args: argparse.Namespace, st: Setup, rate: float, s
         "static_attainment": min(d["static"]["attainment"] for d in detail.values()),
         "scenarios": detail,
         "cost_model": args.cost,
+        "startup_s": st.cost.startup_s,  # pods and planner alike
+        "startup_source": st.planner_profile.startup_source or "assumed (the profile has none)",
         "slo": {"ttft_s": st.ttft_s, "tpot_s": st.tpot_s},
         "reference_peak_rps": round(rate, 1),
         "quick": args.quick,

@@ -87,9 +87,14 @@ class Profile:
     decode: DecodeProfile
     version: int = PROFILE_VERSION
     source: str = ""  # e.g. "measured: pdserve profile ... on <host>, <date>" or "estimate: ..."
+    # a new replica's time to serve (the simulator's pod start-up), and where it comes from;
+    # None: not given (the simulator then uses its own default and says so)
+    startup_s: float | None = None
+    startup_source: str = ""
 
     def __post_init__(self) -> None:
         p, d = self.prefill, self.decode
+        _need(self.startup_s is None or self.startup_s >= 0, "startup_s must be >= 0")
         _need(p.tokens_per_s > 0, "prefill.tokens_per_s must be > 0")
         _need(p.chunk_tokens > 0, "prefill.chunk_tokens must be > 0")
         _need(p.chunk_overhead_s >= 0, "prefill.chunk_overhead_s must be >= 0")
@@ -117,7 +122,17 @@ class Profile:
             prefill=_section(PrefillProfile, body, "prefill"),
             decode=_section(DecodeProfile, body, "decode"),
             source=str(body.get("source", "")),
+            startup_s=_opt_seconds(body.get("startup_s")),
+            startup_source=str(body.get("startup_source", "")),
         )
+
+
+def _opt_seconds(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"profile.startup_s must be a number, got {value!r}")
+    return float(value)
 
 
 def _need(cond: bool, message: str) -> None:

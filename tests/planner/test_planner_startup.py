@@ -12,7 +12,11 @@ in for the worker: starting a real one takes most of a minute here).
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +26,9 @@ from test_planner_local import fake_autoscaler
 
 from pdserve.local.autoscale import LocalPools
 from pdserve.local.processes import Proc
+from pdserve.planner.capacity import ProfileError, load_profile, save_profile
 from pdserve.planner.plan import plan
+from pdserve.planner.presets import CPU_TINY, H100_LLAMA3_8B
 from pdserve.planner.startup import StartupEstimate
 
 
@@ -132,3 +138,38 @@ async def test_pools_time_each_worker_from_spawn_to_health(tmp_path: Path) -> No
     await pools.scale("decode", 0)  # stopped while still loading at 55 s
     assert pools.startup.estimate("decode") >= 55.0
     assert pools.startup.planner_startup_s() >= 55.0
+
+
+def test_a_profile_carries_its_startup_and_where_it_comes_from(tmp_path: Path) -> None:
+    """The simulated cluster's pod start-up comes from the profile, with its source."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from sim_scenarios import setup
+
+    assert H100_LLAMA3_8B.startup_s == 40.0
+    assert H100_LLAMA3_8B.startup_source.startswith("assumed:")
+    assert setup("h100-llama3-8b", 1.15).cost.startup_s == 40.0
+    measured = replace(CPU_TINY, startup_s=33.5, startup_source="measured: a test")
+    path = tmp_path / "p.json"
+    save_profile(measured, path)
+    assert load_profile(path) == measured  # round trip
+    assert setup(str(path), 1.0).cost.startup_s == 33.5
+    save_profile(CPU_TINY, path)  # none given: the simulator's stated default
+    assert load_profile(path).startup_s is None and setup(str(path), 1.0).cost.startup_s == 10.0
+    body = json.loads(path.read_text())
+    for bad in (-1.0, "40", True):
+        path.write_text(json.dumps({**body, "startup_s": bad}))
+        with pytest.raises(ProfileError, match="startup_s"):
+            load_profile(path)
+
+
+@pytest.mark.timeout(180)
+def test_pdserve_profile_measures_the_startup(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    grid = ["--prompt-lengths", "32,64,128", "--batches", "1,2", "--contexts", "32,64"]
+    engine = ["--model", str(tiny_model_dir), "--device", "cpu", "--enforce-eager"]
+    cmd = [sys.executable, "-m", "pdserve", "profile", *engine, *grid, "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=170)
+    prof = load_profile(out)
+    assert prof.startup_s is not None and 0 < prof.startup_s < 170
+    assert prof.startup_source.startswith("measured: pdserve profile on ")
+    assert "process start to engine ready" in prof.startup_source
