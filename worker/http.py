@@ -26,12 +26,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pdserve import env
 from pdserve.codec import CodecError, from_dict, to_dict
 from pdserve.contract import AbortReply, RequestRef, WorkerStats
-from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import add_engine_arguments
 from pdserve.engine.request import REQUEST_FAILED, RequestFailed
 from pdserve.engine.sampling_params import InvalidParameter
 from pdserve.jsonguard import BadJSON, loads_checked
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
+from pdserve.worker.core_client import EngineClient
 from pdserve.worker.metrics import WorkerMetrics
 
 T = TypeVar("T")
@@ -162,7 +162,7 @@ def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
 
 
 def add_common_routes(
-    app: FastAPI, engine: AsyncEngine, metrics: WorkerMetrics, identity: dict[str, Any]
+    app: FastAPI, engine: EngineClient, metrics: WorkerMetrics, identity: dict[str, Any]
 ) -> None:
     """``identity``: the ``WorkerStats`` fields that say who the worker is."""
     secret = env.service_secret(f"the {identity.get('role', '')} worker")
@@ -189,16 +189,18 @@ def add_common_routes(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        # The core's families (KV transfers, leases) are disjoint from the front end's.
+        core = await engine.query("metrics") if engine.alive else b""
+        return Response(metrics.render() + core, media_type="text/plain; version=0.0.4")
 
-    e = engine.engine
+    info = engine.info
     fixed = {
         **identity,
         "pid": os.getpid(),
-        "model": e.served_model_name,
-        "model_id": e.model_id,
-        "block_size": e.config.block_size,
-        "max_model_len": e.max_model_len,
+        "model": info["model"],
+        "model_id": info["model_id"],
+        "block_size": info["block_size"],
+        "max_model_len": info["max_model_len"],
     }
 
     @app.get("/stats")
@@ -208,7 +210,7 @@ def add_common_routes(
     @app.post("/abort")
     async def abort(request: Request) -> JSONResponse:
         rid = (await read_message(request, RequestRef)).request_id
-        known = await engine.call(lambda e: rid in e.requests or rid in e.held)
+        known = await engine.query("known", rid)
         engine.abort(rid)
         return reply(AbortReply(bool(known)))
 
