@@ -14,8 +14,9 @@ first; ``abort``; ``stats`` (the latest counters the core sent); ``alive``; and
 
 If the core dies, every open stream ends with an error output (a worker fault: the
 router migrates it), pending queries raise :class:`EngineDeadError`, ``alive`` turns
-false and ``/health`` answers 503. If this process dies, the kernel kills the core
-(``PR_SET_PDEATHSIG``, set by core_main).
+false, ``/health`` answers 503 and ``on_death`` runs (the worker then exits, so that
+its supervisor, kubelet or ``pdserve up``, starts it again). If this process dies, the
+kernel kills the core (``PR_SET_PDEATHSIG``, set by core_main).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,8 @@ class EngineClient:
         self.info: dict[str, Any] = self._await_ready()
         self._stats = EngineStats()
         self._dead: str | None = None
+        self.crashed: str | None = None  # why the core died, if it did on its own
+        self.on_death: Callable[[], None] | None = None  # called once it has (any thread)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Item]]] = {}
         self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._ids = itertools.count()
@@ -215,12 +218,14 @@ class EngineClient:
 
     def _core_died(self, reason: str) -> None:
         logger.error("%s: failing its %d streams", reason, len(self._streams))
-        self._dead = reason
+        self._dead = self.crashed = reason
         for request_id in list(self._streams):
             self._deliver_one(request_id, _error_output(request_id, reason))
         for query_id in list(self._replies):
             loop, fut = self._replies.pop(query_id)
             loop.call_soon_threadsafe(_resolve, fut, EngineDeadError(reason))
+        if self.on_death is not None:
+            self.on_death()
 
 
 def _error_output(request_id: str, reason: str) -> RequestOutput:

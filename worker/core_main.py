@@ -27,6 +27,7 @@ from pdserve.engine.core_loop import CoreLoop, Hook, Query
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.os_thread import name_os_thread
 
+GIL_SWITCH_INTERVAL_S = 0.0005
 ENGINE_NAME = "pdserve-engine"  # the core's OS thread name (benches find it by this)
 _PR_SET_PDEATHSIG = 1
 
@@ -90,6 +91,9 @@ def main(argv: list[str]) -> int:
     gc.collect()
     gc.freeze()
     name_os_thread(ENGINE_NAME)
+    # The step takes the GIL back after every torch op; the core's other threads (KV
+    # transfers, the lease side channel) hold it for up to the switch interval each time.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     loop = CoreLoop(core.engine, commands, results, core.hooks, core.queries)
     try:
         loop.run()
