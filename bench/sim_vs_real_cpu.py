@@ -70,6 +70,14 @@ def _role(pid: int) -> str | None:
     return None  # nice, a compiler child, ...: not ours to name
 
 
+def _is_core(pid: int) -> bool:
+    """A worker's engine core (its child process): counted as the worker's."""
+    try:
+        return b"pdserve.worker.core_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def machine_busy_s() -> float:
     """Busy CPU seconds of the whole machine since boot (all but idle and iowait)."""
     vals = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
@@ -116,17 +124,20 @@ class CpuSampler:
         table = _proc_table()
         for pid, (parent, _, _) in table.items():
             children.setdefault(parent, []).append(pid)
-        todo, procs, ours = [self.root], dict[str, float](), {os.getpid()}
+        todo: list[tuple[int, str | None]] = [(self.root, None)]
+        procs: dict[str, float] = {}
+        ours = {os.getpid()}  # the client and the process tree under `pdserve up`
         while todo:  # the process tree under `pdserve up`
-            pid = todo.pop()
+            pid, parent_role = todo.pop()
             ours.add(pid)
-            todo += children.get(pid, [])
-            role = _role(pid)
+            role = _role(pid) or (parent_role if _is_core(pid) else None)
+            todo += [(child, role) for child in children.get(pid, [])]
             if role is not None:
                 try:
                     procs[role] = procs.get(role, 0.0) + _proc_cpu(pid)
                     if role not in ("up", "router"):
-                        procs[role + "/engine"] = _engine_cpu(pid)
+                        key = role + "/engine"
+                        procs[key] = procs.get(key, 0.0) + _engine_cpu(pid)
                 except (OSError, ValueError):
                     continue
         client = sum(os.times()[:2])

@@ -31,7 +31,7 @@ from typing import Any
 
 import aiohttp
 import figures  # bench/figures.py, beside this script
-from stream_procs import Up, code_tree, cpu_seconds, pdserve_up
+from stream_procs import Up, code_tree, cpu_seconds, pdserve_up, tree_cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("router", "worker", "worker_http", "engine")
@@ -111,8 +111,8 @@ async def load(up: Up, args: argparse.Namespace, ids: list[list[int]]) -> tuple[
 
 
 def snapshot(up: Up) -> dict[str, float]:
-    worker = cpu_seconds(up.worker_pid)
-    engine = cpu_seconds(up.worker_pid, up.engine_tid) if up.engine_tid else 0.0
+    worker = tree_cpu_seconds(up.worker_pid)  # the HTTP process and its engine core
+    engine = cpu_seconds(*up.engine) if up.engine else 0.0
     return {"router": cpu_seconds(up.router_pid), "worker": worker,
             "worker_http": worker - engine, "engine": engine}  # fmt: skip
 
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
     acc: dict[str, dict[str, Any]] = {"baseline": {}, "ours": {}}
     same = True
     with pdserve_up({"baseline": base_tree, "ours": ours_tree}, model, work) as (base, ours):
-        if base.engine_tid is None or ours.engine_tid is None:
+        if base.engine is None or ours.engine is None:
             print("warning: engine thread not found; worker_http includes it", flush=True)
         for up in (base, ours):  # warm-up, not counted
             asyncio.run(load(up, args, prompts(args, 999)[: args.concurrency]))

@@ -63,7 +63,7 @@ class Up:
     model: str  # the served model name
     router_pid: int
     worker_pid: int
-    engine_tid: int | None
+    engine: tuple[int, int] | None  # (pid, tid) of the engine thread
     proc: subprocess.Popen[str]
 
 
@@ -153,20 +153,43 @@ def _children(pid: int) -> tuple[int, int]:
     return router, worker
 
 
-def engine_thread(pid: int) -> int | None:
-    """The tid of the engine thread: by its OS name when set, else from ``py-spy dump``
-    (Python 3.11 does not name OS threads); None when neither can tell."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        if (task / "comm").read_text().strip() == ENGINE_THREAD:
-            return int(task.name)
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process under it (a worker's engine core is its child)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").iterdir():
+            with contextlib.suppress(OSError):
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def engine_thread(pid: int) -> tuple[int, int] | None:
+    """(pid, tid) of the engine thread in ``pid`` or a child (the engine core process):
+    by its OS name when set, else from ``py-spy dump`` (Python 3.11 does not name OS
+    threads); None when neither can tell."""
+    procs = descendants(pid)
+    for p in procs:
+        for task in Path(f"/proc/{p}/task").iterdir():
+            if (task / "comm").read_text().strip() == ENGINE_THREAD:
+                return p, int(task.name)
     spy = Path(sys.executable).with_name("py-spy")
-    try:
-        out = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True,
-                             text=True, timeout=30).stdout  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    found = re.search(rf'^Thread (\d+) \(\w+\): "{ENGINE_THREAD}"', out, re.M)
-    return int(found.group(1)) if found else None
+    for p in procs:
+        try:
+            out = subprocess.run([str(spy), "dump", "--pid", str(p)], capture_output=True,
+                                 text=True, timeout=30).stdout  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        found = re.search(rf'^Thread (\d+) \(\w+\): "{ENGINE_THREAD}"', out, re.M)
+        if found:
+            return p, int(found.group(1))
+    return None
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and the processes under it."""
+    return sum(cpu_seconds(p) for p in descendants(pid))
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float:

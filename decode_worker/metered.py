@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.engine.kv_connector import KVConnector, LoadResult
-from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.metrics import CoreMetrics
 
 
 class MeteredConnector(KVConnector):
-    def __init__(self, inner: Any, metrics: WorkerMetrics, transport: str) -> None:
+    def __init__(self, inner: Any, metrics: CoreMetrics, transport: str) -> None:
         self.inner = inner
         self.transport_name = transport
         self.bytes = metrics.transfer_bytes.labels(metrics.role, transport)

@@ -19,14 +19,10 @@ from fastapi.responses import Response
 from pdserve import env
 from pdserve.codec import encode
 from pdserve.contract import GenerateRequest, TokenDelta, Usage, WorkerError
-from pdserve.decode_worker.metered import MeteredConnector
-from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.config import engine_config_from_args
 from pdserve.engine.request import REQUEST_FAILED, RequestOutput
 from pdserve.token_lines import encode_line
-from pdserve.transfer.connector import RemoteKVConnector
-from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.registry import DEFAULT_TRANSFER_TIMEOUT
+from pdserve.worker.core_client import EngineClient
 from pdserve.worker.direct import DirectApp, LineStream
 from pdserve.worker.http import (
     add_common_routes,
@@ -45,20 +41,9 @@ class DecodeWorker:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.worker_id = worker_id(args, ROLE)
-        self.engine = AsyncEngine(
-            engine_config_from_args(args),
-            recompute_on_load_failure=args.on_transfer_failure == "recompute",
-        )
-        e = self.engine.engine
+        # The engine and its KV connector run in a child process (decode_worker/core.py).
+        self.engine = EngineClient(ROLE, args)
         self.metrics = WorkerMetrics(self.engine, ROLE)
-        remote = RemoteKVConnector(
-            e.pool.tensor,
-            CompatRecord.for_pool(e.pool.tensor, e.model_id),
-            transport=args.kv_transport,
-            transfer_timeout=args.transfer_timeout,
-        )
-        self.connector = MeteredConnector(remote, self.metrics, remote.transport_name)
-        e.attach_connector(self.connector)
 
     def identity(self) -> dict[str, Any]:
         return {
@@ -115,7 +100,6 @@ class DecodeWorker:
 
     def close(self) -> None:
         self.engine.shutdown()
-        self.connector.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,18 +16,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdserve.contract import PrefillReply, PrefillRequest, ReleaseReply, RequestRef, Usage
-from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.config import engine_config_from_args
-from pdserve.engine.llm_engine import HANDOFF, LLMEngine
+from pdserve.engine.llm_engine import HANDOFF
 from pdserve.engine.request import REQUEST_FAILED, RequestOutput
-from pdserve.prefill_worker.events import KVEventPublisher
-from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS
-from pdserve.transfer.server import KVServer
+from pdserve.worker.core_client import EngineClient
 from pdserve.worker.http import (
     BadRequest,
     add_common_routes,
-    advertise_host,
     read_message,
     reply,
     worker_id,
@@ -42,35 +37,18 @@ class PrefillWorker:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.worker_id = worker_id(args, ROLE)
-        host = advertise_host(args)
-        self.engine = AsyncEngine(engine_config_from_args(args))
-        e = self.engine.engine
-        e.blocks.record_events = True
+        # The engine, the KV lease server and the KV event publisher run in a child
+        # process (prefill_worker/core.py).
+        self.engine = EngineClient(ROLE, args)
         self.metrics = WorkerMetrics(self.engine, ROLE)
-        events_port = args.kv_events_port or args.port + 1
-        self.events = KVEventPublisher(f"tcp://{args.host}:{events_port}", self.worker_id)
-        self.events_address = f"tcp://{host}:{events_port}"
-        self.kv = KVServer(
-            e.pool.tensor,
-            CompatRecord.for_pool(e.pool.tensor, e.model_id),
-            transport=args.kv_transport,
-            host=args.host,
-            port=args.side_channel_port or args.port + 2,
-            advertise_host=host,
-            lease_seconds=args.lease_seconds,
-            on_expired=lambda _: self.metrics.lease_expired.labels(ROLE).inc(),
-        )
-        e.attach_holder(self.kv)
-        # Leases end on the side-channel thread; their blocks are freed on the engine's.
-        self.engine.hooks += [LLMEngine.free_released, self.events.hook]
 
     def identity(self) -> dict[str, Any]:
         return {
             "role": ROLE,
             "worker_id": self.worker_id,
-            "kv_events": self.events_address,
-            "side_channel": self.kv.side_channel,
-            "kv_transport": self.kv.transport_name,
+            "kv_events": self.engine.info["kv_events"],
+            "side_channel": self.engine.info["side_channel"],
+            "kv_transport": self.engine.info["kv_transport"],
         }
 
     async def prefill(self, req: PrefillRequest) -> PrefillReply:
@@ -114,14 +92,12 @@ class PrefillWorker:
         async def release(request: Request) -> JSONResponse:
             """HTTP fallback of the side channel's done: end a lease now."""
             rid = (await read_message(request, RequestRef)).request_id
-            return reply(ReleaseReply(self.kv.release(rid)))
+            return reply(ReleaseReply(bool(await self.engine.query("release", rid))))
 
         return app
 
     def close(self) -> None:
         self.engine.shutdown()
-        self.kv.close()
-        self.events.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -26,12 +27,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pdserve import env
 from pdserve.codec import CodecError, from_dict, to_dict
 from pdserve.contract import AbortReply, RequestRef, WorkerStats
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import EngineDeadError
 from pdserve.engine.config import add_engine_arguments
 from pdserve.engine.request import REQUEST_FAILED, RequestFailed
 from pdserve.engine.sampling_params import InvalidParameter
 from pdserve.jsonguard import BadJSON, loads_checked
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
+from pdserve.worker.core_client import EngineClient
 from pdserve.worker.metrics import WorkerMetrics
 
 T = TypeVar("T")
@@ -111,6 +113,8 @@ def known_error(exc: Exception) -> JSONResponse | None:
         return error_response(400, str(exc), exc.field)
     if isinstance(exc, RequestFailed):
         return error_response(422, str(exc), None, REQUEST_FAILED)
+    if isinstance(exc, EngineDeadError):  # a worker fault: the router tries another
+        return error_response(503, str(exc), None, "engine_dead")
     return None
 
 
@@ -139,14 +143,15 @@ class SecretCheck:
 
 
 GIL_SWITCH_INTERVAL_S = 0.0005
+CORE_DEATH_GRACE_S = 2.0  # the failed streams' last lines go out, then the worker exits
 
 
 def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
     """Load the model, then serve until stopped; ``/health`` is up only once loaded."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    # The engine thread needs the GIL back after every torch op; while the HTTP loop
-    # runs Python it waits up to the switch interval (5 ms by default: most of a decode
-    # step on a small model). A short interval bounds that convoy.
+    # The thread that receives the engine core's outputs waits for the GIL while the
+    # HTTP loop runs Python: up to the switch interval (5 ms by default, most of a
+    # decode step on a small model) before a step's tokens move on. A short one bounds it.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     worker = worker_cls(args)
     # The model, torch and the engine's tables stay alive for good: keep them out of the
@@ -154,15 +159,24 @@ def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
     # (the HTTP loop or the engine).
     gc.collect()
     gc.freeze()
+    http = server(worker.app(), args.host, args.port, args.log_level)
+    # A worker whose engine core died cannot serve again: it ends its streams with an
+    # error (the router migrates them), then exits for its supervisor to restart it.
+    worker.engine.on_death = lambda: threading.Timer(
+        CORE_DEATH_GRACE_S, setattr, (http, "should_exit", True)
+    ).start()
     try:
-        serve(worker.app(), args.host, args.port, args.log_level)
+        http.run()
     finally:
         worker.close()
+    if worker.engine.crashed:
+        logger.error("exiting: %s", worker.engine.crashed)
+        return 1
     return 0
 
 
 def add_common_routes(
-    app: FastAPI, engine: AsyncEngine, metrics: WorkerMetrics, identity: dict[str, Any]
+    app: FastAPI, engine: EngineClient, metrics: WorkerMetrics, identity: dict[str, Any]
 ) -> None:
     """``identity``: the ``WorkerStats`` fields that say who the worker is."""
     secret = env.service_secret(f"the {identity.get('role', '')} worker")
@@ -174,7 +188,7 @@ def add_common_routes(
         assert response is not None
         return response
 
-    for cls in (BadRequest, InvalidParameter, RequestFailed):
+    for cls in (BadRequest, InvalidParameter, RequestFailed, EngineDeadError):
         app.add_exception_handler(cls, _known)
 
     @app.get("/livez")
@@ -189,16 +203,18 @@ def add_common_routes(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        # The core's families (KV transfers, leases) are disjoint from the front end's.
+        core = await engine.query("metrics") if engine.alive else b""
+        return Response(metrics.render() + core, media_type="text/plain; version=0.0.4")
 
-    e = engine.engine
+    info = engine.info
     fixed = {
         **identity,
         "pid": os.getpid(),
-        "model": e.served_model_name,
-        "model_id": e.model_id,
-        "block_size": e.config.block_size,
-        "max_model_len": e.max_model_len,
+        "model": info["model"],
+        "model_id": info["model_id"],
+        "block_size": info["block_size"],
+        "max_model_len": info["max_model_len"],
     }
 
     @app.get("/stats")
@@ -208,7 +224,7 @@ def add_common_routes(
     @app.post("/abort")
     async def abort(request: Request) -> JSONResponse:
         rid = (await read_message(request, RequestRef)).request_id
-        known = await engine.call(lambda e: rid in e.requests or rid in e.held)
+        known = await engine.query("known", rid)
         engine.abort(rid)
         return reply(AbortReply(bool(known)))
 
@@ -220,8 +236,15 @@ def add_common_routes(
 KEEP_ALIVE_S = 120
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str) -> None:
+def server(app: FastAPI, host: str, port: int, log_level: str) -> Any:
+    """The uvicorn server of ``app`` (``.run()`` serves; ``.should_exit = True`` ends it
+    gracefully from any thread)."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
-                timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip
+    return uvicorn.Server(config)
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str) -> None:
+    server(app, host, port, log_level).run()

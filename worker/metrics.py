@@ -1,13 +1,17 @@
 """Prometheus metrics of a worker (names are contracts: docs/architecture.md).
 
-Engine gauges and counters are read from the engine's latest stats snapshot at
-scrape time; transfer, lease and queue-wait metrics are recorded as they happen.
-Each worker has its own registry, so tests can run several in one process.
+A worker is two processes (worker/core_client.py), and each records what happens in
+it: the front end (:class:`WorkerMetrics`) the engine's gauges and counters, read from
+the latest stats snapshot the core sent at scrape time, and requests by outcome and
+queue wait; the engine core (:class:`CoreMetrics`) KV transfers and lease expiries. The
+families are disjoint, so ``/metrics`` is the two renders one after the other. Each
+has its own registry, so tests can run several in one process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,15 +23,19 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.contract import EngineStats
 
 disable_created_metrics()  # no *_created series: they double every counter on scrape
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
+class StatsSource(Protocol):
+    def stats(self) -> EngineStats: ...
+
+
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine, role: str) -> None:
+    def __init__(self, engine: StatsSource, role: str) -> None:
         self.engine = engine
         self.role = role
 
@@ -66,17 +74,40 @@ class _EngineCollector(Collector):
             yield c
 
 
+def _histogram(name: str, doc: str, labels: list[str], r: CollectorRegistry) -> Histogram:
+    return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=r)
+
+
 class WorkerMetrics:
-    def __init__(self, engine: AsyncEngine, role: str) -> None:
+    """The front end's metrics (the HTTP process)."""
+
+    def __init__(self, engine: StatsSource, role: str) -> None:
         self.role = role
         self.registry = r = CollectorRegistry()
         r.register(_EngineCollector(engine, role))
+        self.queue_wait = _histogram(
+            "pdserve_prefill_queue_wait_seconds", "time from arrival to first schedule", ["role"], r
+        )
+        self.requests = Counter(
+            "pdserve_worker_requests", "requests by outcome", ["role", "outcome"], registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class CoreMetrics:
+    """The engine core's metrics (its process): KV transfers and leases."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.registry = r = CollectorRegistry()
         transfer = ["role", "transport"]
         self.transfer_bytes = Counter(
             "pdserve_kv_transfer_bytes", "KV bytes moved between workers", transfer, registry=r
         )
-        self.transfer_seconds = self._histogram(
-            "pdserve_kv_transfer_seconds", "time of one request's KV transfer", transfer
+        self.transfer_seconds = _histogram(
+            "pdserve_kv_transfer_seconds", "time of one request's KV transfer", transfer, r
         )
         self.transfer_failures = Counter(
             "pdserve_kv_transfer_failures", "KV transfers that failed", transfer, registry=r
@@ -87,15 +118,6 @@ class WorkerMetrics:
             ["role"],
             registry=r,
         )
-        self.queue_wait = self._histogram(
-            "pdserve_prefill_queue_wait_seconds", "time from arrival to first schedule", ["role"]
-        )
-        self.requests = Counter(
-            "pdserve_worker_requests", "requests by outcome", ["role", "outcome"], registry=r
-        )
-
-    def _histogram(self, name: str, doc: str, labels: list[str]) -> Histogram:
-        return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,57 @@
+"""The decode worker's engine core (its own process, worker/core_main.py): the engine
+and the KV connector that pulls prompts' blocks from prefill workers into its pool."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from pdserve.decode_worker.metered import MeteredConnector
+from pdserve.engine.config import engine_config_from_args
+from pdserve.engine.core_loop import Hook, Query
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.transfer.connector import RemoteKVConnector
+from pdserve.transfer.messages import CompatRecord
+from pdserve.worker.metrics import CoreMetrics
+
+ROLE = "decode"
+
+
+class DecodeCore:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.engine = e = LLMEngine(
+            engine_config_from_args(args),
+            recompute_on_load_failure=args.on_transfer_failure == "recompute",
+        )
+        self.metrics = CoreMetrics(ROLE)
+        remote = RemoteKVConnector(
+            e.pool.tensor,
+            CompatRecord.for_pool(e.pool.tensor, e.model_id),
+            transport=args.kv_transport,
+            transfer_timeout=args.transfer_timeout,
+        )
+        self.connector = MeteredConnector(remote, self.metrics, remote.transport_name)
+        e.attach_connector(self.connector)
+        self.hooks: list[Hook] = []
+        self.queries: dict[str, Query] = {
+            "known": lambda rid: rid in e.requests or rid in e.held,
+            "metrics": self.metrics.render,
+        }
+
+    def info(self) -> dict[str, Any]:
+        return engine_info(self.engine)
+
+    def close(self) -> None:
+        self.connector.close()
+
+
+def engine_info(e: LLMEngine) -> dict[str, Any]:
+    """What the front end reports about the engine (``/stats``' fixed fields)."""
+    return {
+        "model": e.served_model_name,
+        "model_id": e.model_id,
+        "block_size": e.config.block_size,
+        "max_model_len": e.max_model_len,
+        "core_pid": os.getpid(),
+    }

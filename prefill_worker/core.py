@@ -1,0 +1,61 @@
+"""The prefill worker's engine core (its own process, worker/core_main.py): the engine
+holding handed-off KV, the lease server decode workers read it from, and the KV event
+publisher the router's prefix index follows."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pdserve.decode_worker.core import engine_info
+from pdserve.engine.config import engine_config_from_args
+from pdserve.engine.core_loop import Hook, Query
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.prefill_worker.events import KVEventPublisher
+from pdserve.transfer.messages import CompatRecord
+from pdserve.transfer.server import KVServer
+from pdserve.worker.http import advertise_host, worker_id
+from pdserve.worker.metrics import CoreMetrics
+
+ROLE = "prefill"
+
+
+class PrefillCore:
+    def __init__(self, args: argparse.Namespace) -> None:
+        host = advertise_host(args)
+        self.engine = e = LLMEngine(engine_config_from_args(args))
+        e.blocks.record_events = True
+        self.metrics = CoreMetrics(ROLE)
+        events_port = args.kv_events_port or args.port + 1
+        self.events = KVEventPublisher(f"tcp://{args.host}:{events_port}", worker_id(args, ROLE))
+        self.events_address = f"tcp://{host}:{events_port}"
+        self.kv = KVServer(
+            e.pool.tensor,
+            CompatRecord.for_pool(e.pool.tensor, e.model_id),
+            transport=args.kv_transport,
+            host=args.host,
+            port=args.side_channel_port or args.port + 2,
+            advertise_host=host,
+            lease_seconds=args.lease_seconds,
+            on_expired=lambda _: self.metrics.lease_expired.labels(ROLE).inc(),
+        )
+        e.attach_holder(self.kv)
+        # Leases end on the side-channel thread; their blocks are freed on the engine's.
+        self.hooks: list[Hook] = [LLMEngine.free_released, self.events.hook]
+        self.queries: dict[str, Query] = {
+            "known": lambda rid: rid in e.requests or rid in e.held,
+            "release": self.kv.release,
+            "metrics": self.metrics.render,
+        }
+
+    def info(self) -> dict[str, Any]:
+        return {
+            **engine_info(self.engine),
+            "kv_events": self.events_address,
+            "side_channel": self.kv.side_channel,
+            "kv_transport": self.kv.transport_name,
+        }
+
+    def close(self) -> None:
+        self.kv.close()
+        self.events.close()

@@ -1,0 +1,107 @@
+"""The engine core's process: ``python -m pdserve.worker.core_main COMMANDS RESULTS``.
+
+Started by :class:`~pdserve.worker.core_client.EngineClient`, never by hand. It
+connects to the front end's two sockets, reads ``("init", role, args)``, builds the
+role's core (the engine and what touches its KV pool: decode_worker/core.py,
+prefill_worker/core.py), answers ``("ready", info)`` (or ``("failed", traceback)``) and
+runs :class:`~pdserve.engine.core_loop.CoreLoop` until told to stop. It dies with its
+front end (``PR_SET_PDEATHSIG``): an orphaned core would hold its ports and memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import logging
+import os
+import pickle
+import signal
+import sys
+import traceback
+from typing import Any, Protocol
+
+import zmq
+
+from pdserve.engine.core_loop import CoreLoop, Hook, Query
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.os_thread import name_os_thread
+
+GIL_SWITCH_INTERVAL_S = 0.0005
+ENGINE_NAME = "pdserve-engine"  # the core's OS thread name (benches find it by this)
+_PR_SET_PDEATHSIG = 1
+
+
+class WorkerCore(Protocol):
+    engine: LLMEngine
+    hooks: list[Hook]
+    queries: dict[str, Query]
+
+    def info(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+def build_core(role: str, args: Any) -> WorkerCore:
+    if role == "decode":
+        from pdserve.decode_worker.core import DecodeCore
+
+        return DecodeCore(args)
+    if role == "prefill":
+        from pdserve.prefill_worker.core import PrefillCore
+
+        return PrefillCore(args)
+    raise ValueError(f"unknown worker role {role!r}")
+
+
+def die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when the thread that started it exits."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    die_with_parent(os.getppid())
+    # The front end decides when this ends ("stop", or its death): a Ctrl-C or a
+    # SIGTERM to the process group must not cut a step short under open streams.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    results = ctx.socket(zmq.PUSH)
+    for sock, addr in ((commands, argv[0]), (results, argv[1])):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(addr)
+    kind, role, args = pickle.loads(commands.recv())
+    assert kind == "init", kind
+    level = str(getattr(args, "log_level", "info")).upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
+    try:
+        core = build_core(role, args)
+    except BaseException:
+        results.send(pickle.dumps(("failed", traceback.format_exc())))
+        return 1
+    results.send(pickle.dumps(("ready", core.info())))
+    # The model, torch and the engine's tables stay alive for good: keep them out of
+    # the collector's full passes.
+    gc.collect()
+    gc.freeze()
+    name_os_thread(ENGINE_NAME)
+    # The step takes the GIL back after every torch op; the core's other threads (KV
+    # transfers, the lease side channel) hold it for up to the switch interval each time.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    loop = CoreLoop(core.engine, commands, results, core.hooks, core.queries)
+    try:
+        loop.run()
+    finally:
+        core.close()
+        ctx.destroy(linger=0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
