@@ -24,6 +24,7 @@ Writes bench/out/sim_vs_real.png.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -132,6 +133,16 @@ def stats(ttft: np.ndarray, replica_s: float) -> dict:
     }
 
 
+def added(sim: SimReplay) -> int:
+    """Pods the simulated planner started (both pools), from the replica timeline."""
+    tl = sim.timeline
+    return sum(
+        max(0, int(b) - int(a))
+        for pool in ("prefill", "decode")
+        for a, b in itertools.pairwise(tl[pool])
+    )
+
+
 def error(sim: float, real: float) -> float:
     return round(abs(sim - real) / real, 4) if real > 0 else float("inf")
 
@@ -184,9 +195,10 @@ def report(args, trace, real: RealRun, sim: SimReplay, startup, before, after) -
             "failed": real.failed,
             "errors": real.errors,
             "peak_workers": real.peak,
+            "workers_added": sum(b > a for a, b in itertools.pairwise(real.workers)),
             "cpu_s": {k: round(v, 2) for k, v in real.cpu.items()},
         },
-        "sim": s,
+        "sim": {**s, "replicas_added": added(sim)},
         "trace": {
             "requests": int(trace.arrival.size),
             "low_rps": args.low,

@@ -41,6 +41,7 @@ def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
     # both sides plan with the start-up pdserve up measured on its own workers
     assert result["worker_startup_source"].startswith("pdserve up's pools"), result
     assert result["worker_startup_observed_s"] > 0
+    assert real["workers_added"] >= 0 and sim["replicas_added"] >= 0  # scale events, both
     host = result["host"]  # the simulated cluster shares this machine's cores (sim_host.py)
     assert host["cores"] == len(os.sched_getaffinity(0))
     assert host["other_cpu_ms_per_request"] > 0  # the router and the client used some CPU
