@@ -59,3 +59,18 @@ def test_sim_mixed_step_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert r["measured_ms"] >= 0.7 * max(r["decode_alone_ms"], r["chunk_alone_ms"]), r
         assert np.isfinite(r["additive_error"]) and np.isfinite(r["rule_on_timed_parts_error"])
     assert (tmp_path / "sim_mixed_step.png").stat().st_size > 0
+
+
+def test_the_fluid_ceiling_of_the_long_prompt_scenario() -> None:
+    """sim_mix.fluid_ceiling: what the best P:D mix can gain over colocation from mean
+    rates, when chunked prefill costs a colocated replica exactly the prompts' prefill."""
+    from sim_mix import fluid_ceiling
+
+    from pdserve.planner.presets import H100_LLAMA3_8B as H100
+
+    got = fluid_ceiling(H100, 8000, 500, 0.012)  # simulate.py's long prompts, 12 ms TPOT
+    assert got == pytest.approx(1.65, abs=0.01)
+    x = 0.012 / (0.012 - H100.decode.step_base_s)  # T / (T - a): the bound
+    assert got < fluid_ceiling(H100, 8000, 150, 0.012) < fluid_ceiling(H100, 8000, 5, 0.012) < x
+    assert fluid_ceiling(H100, 8000, 5, 0.012) == pytest.approx(x, rel=0.02)
+    assert fluid_ceiling(H100, 8000, 500, 0.005) == float("inf")  # TPOT under one step
