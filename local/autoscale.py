@@ -65,7 +65,8 @@ class LocalPools:
         while len(self.workers(role)) > n:
             victim = self._victim(role)
             self._say(f"{role}: draining and stopping {victim.name}")
-            if self._timed.get(victim.name) != victim.spawned_at:  # never ready: a lower bound
+            if victim.spawned_at and self._timed.get(victim.name) != victim.spawned_at:
+                # stopped before it was ever ready: its age is a lower bound of the start-up
                 self.startup.stopped_unready(role, time.monotonic() - victim.spawned_at)
             self.ready.discard(victim.name)
             drained = await asyncio.to_thread(
