@@ -15,6 +15,7 @@ import asyncio
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from datetime import datetime
 from typing import Any
 
 import aiohttp
@@ -96,12 +97,40 @@ def _unschedulable(pod: Mapping[str, Any]) -> bool:
     )
 
 
+def _time(stamp: Any) -> float | None:
+    try:
+        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def pod_startups(pods: list[Mapping[str, Any]]) -> list[tuple[str, float]]:
+    """(uid, seconds from creation to Ready) of the pods that are ready and never
+    restarted (a restart's Ready is not a start-up from creation): what the planner's
+    start-up estimate learns from (planner/startup.py)."""
+    out = []
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        if any(c.get("restartCount", 0) for c in status.get("containerStatuses") or []):
+            continue
+        ready = [
+            c.get("lastTransitionTime")
+            for c in status.get("conditions") or []
+            if c.get("type") == "Ready" and c.get("status") == "True"
+        ]
+        start, end = _time(meta.get("creationTimestamp")), _time(ready[0]) if ready else None
+        if meta.get("uid") and start is not None and end is not None and end >= start:
+            out.append((str(meta["uid"]), end - start))
+    return out
+
+
 async def pool_status(
-    client: KubeClient, namespace: str, name: str, role: str, cached: Cached | None = None
-) -> PoolStatus:
+    client: KubeClient, namespace: str, name: str, role: str, cached: Cached | None = None,
+    on_pods: Callable[[list[Any]], None] | None = None,
+) -> PoolStatus:  # fmt: skip
     """``cached`` (namespace, kind, name; ``Cache.child``) reads the operator's watch cache
     instead of a GET; pods are listed only while some pod of the pool is not ready (none can
-    be pending else)."""
+    be pending else); ``on_pods`` sees them when they are (the start-up estimate)."""
     dep_name = n.deployment_name(name, role)
     if cached is not None:
         dep = cached(namespace, "Deployment", dep_name)
@@ -116,6 +145,8 @@ async def pool_status(
     if max(current, int(status.get("replicas") or 0)) > ready:
         pods = await client.list("v1", "Pod", namespace, n.selector(name, role))
         pending = sum(1 for p in pods if _unschedulable(p))
+        if on_pods is not None:
+            on_pods(pods)
     return PoolStatus(current, min(ready, current), min(pending, current))
 
 

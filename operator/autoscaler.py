@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -41,6 +42,7 @@ from pdserve.planner.decision import Decision, PlannerState
 from pdserve.planner.metrics import Scrape, snapshot_from_scrapes
 from pdserve.planner.plan import plan
 from pdserve.planner.snapshot import MetricsSnapshot, PoolStatus
+from pdserve.planner.startup import StartupEstimate
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,20 @@ class AutoscalerMemo:
     state: PlannerState | None = None  # None: restore from status (operator restarted)
     last_run_s: float | None = None
     inputs_ok: bool = True  # for a Warning Event only when inputs become unavailable
+    # the pools' start-up, learned from their pods (creation to Ready); the planner sizes
+    # for it instead of the default startup_s once a pod has been timed
+    startup: StartupEstimate | None = None
+    timed: set[str] = field(default_factory=set)  # pod uids already counted
+
+    def learn(self, role: str) -> Callable[[list[Any]], None]:
+        def seen(pods: list[Any]) -> None:
+            assert self.startup is not None
+            for uid, seconds in inputs.pod_startups(pods):
+                if uid not in self.timed:
+                    self.timed.add(uid)
+                    self.startup.observe(role, seconds)
+
+        return seen
 
 
 def _autoscaler_memo(memo: Any) -> AutoscalerMemo:
@@ -95,10 +111,14 @@ async def autoscale(
     raw_auto = (fresh.get("spec") or {}).get("autoscaling") or {}
     try:
         config = inputs.planner_config(svc, await inputs.load_profile(client, namespace, raw_auto))
+        am.startup = am.startup or StartupEstimate(config.startup_s)
         pools = (
-            await inputs.pool_status(client, namespace, name, "prefill", cached),
-            await inputs.pool_status(client, namespace, name, "decode", cached),
+            await inputs.pool_status(
+                client, namespace, name, "prefill", cached, am.learn("prefill")
+            ),
+            await inputs.pool_status(client, namespace, name, "decode", cached, am.learn("decode")),
         )
+        config = replace(config, startup_s=am.startup.planner_startup_s())
         snap, source = await _snapshot(svc, am, settings, now, pools, config.slo)
     except inputs.PoolsMissing:
         am.last_run_s = None  # not created yet: try again next tick, quietly

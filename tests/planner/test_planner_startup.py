@@ -173,3 +173,34 @@ def test_pdserve_profile_measures_the_startup(tiny_model_dir: Path, tmp_path: Pa
     assert prof.startup_s is not None and 0 < prof.startup_s < 170
     assert prof.startup_source.startswith("measured: pdserve profile on ")
     assert "process start to engine ready" in prof.startup_source
+
+
+def _pod(uid: str, created: str, ready_at: str | None, restarts: int = 0) -> dict:
+    conditions = [{"type": "Ready", "status": "True", "lastTransitionTime": ready_at}]
+    return {
+        "metadata": {"uid": uid, "creationTimestamp": created},
+        "status": {
+            "conditions": conditions if ready_at else [{"type": "Ready", "status": "False"}],
+            "containerStatuses": [{"restartCount": restarts}],
+        },
+    }
+
+
+def test_the_operator_times_pods_from_creation_to_ready() -> None:
+    """operator/autoscale_inputs.pod_startups and the autoscaler memo that learns from it
+    (the pods a pool listing returns; plain dicts as the API server sends them)."""
+    from pdserve.operator.autoscale_inputs import pod_startups
+    from pdserve.operator.autoscaler import AutoscalerMemo
+
+    pods = [
+        _pod("a", "2026-12-01T04:00:00Z", "2026-12-01T04:00:41Z"),
+        _pod("b", "2026-12-01T04:00:00Z", "2026-12-01T04:05:00Z", restarts=1),  # a restart
+        _pod("c", "2026-12-01T04:00:10Z", None),  # still starting
+        _pod("d", "not a time", "2026-12-01T04:00:41Z"),
+    ]
+    assert pod_startups(pods) == [("a", 41.0)]
+    am = AutoscalerMemo(startup=StartupEstimate(30.0))
+    am.learn("decode")(pods)
+    am.learn("decode")(pods)  # listed again next interval: counted once
+    assert am.startup is not None and am.startup.observed("decode") == 1
+    assert am.startup.planner_startup_s() == 41.0
