@@ -1,6 +1,7 @@
 """The same trace against ``pdserve up --autoscale`` on this machine and in the simulator.
 
-    python bench/sim_vs_real.py [--quick] [--profile FILE]
+    python bench/sim_vs_real.py [--quick] [--profile FILE] [--work-dir DIR]
+    python bench/sim_vs_real.py --replay DIR   # the simulated side again, on a recorded run
 
 A step trace (low rate, a few times higher, low again; prompts ~256 tokens, outputs
 ~16) is replayed in real time against ``pdserve up --autoscale`` (tiny model, CPU,
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sim_vs_real_record as record
 from sim_replay import SimReplay, Trace, replay
 from sim_vs_real_host import describe, measure_host
 from sim_vs_real_up import RealRun, run_real
@@ -150,16 +152,23 @@ def error(sim: float, real: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_before = os.getloadavg()
-    work = Path(tempfile.mkdtemp(prefix="sim-vs-real-"))
-    profile = args.profile or str(work / "profile.json")
-    if not args.profile:
-        measure_profile(args.model, profile, args.quick)
+    if args.replay:  # the simulated side only, on a recorded run (sim_vs_real_record.py)
+        work = Path(args.replay)
+        real, profile = record.load(work, args), str(work / "profile.json")
+    else:
+        work = Path(args.work_dir or tempfile.mkdtemp(prefix="sim-vs-real-"))
+        work.mkdir(parents=True, exist_ok=True)
+        profile = args.profile or str(work / "profile.json")
+        if not args.profile:
+            measure_profile(args.model, profile, args.quick)
     phases = (4.0, 10.0, 4.0) if args.quick else (30.0, 90.0, 30.0)
     drain = 5.0 if args.quick else args.drain
     trace = Trace.step(args.low, args.high, phases, args.seed)
     port = 18000 + os.getpid() % 1000
     flags = up_flags(args, profile, port)
-    real = run_real(flags, port, trace, drain, work)
+    if not args.replay:
+        real = run_real(flags, port, trace, drain, work)
+        record.save(work, args, real, profile)
     parser = argparse.ArgumentParser()
     up_arguments(parser)
     cfg = config_from_args(parser.parse_args(flags))
@@ -172,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     out["host"] = describe(host)
     own = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain)  # a core per replica
     out["sim_own_cores"] = stats(own.ttft, own.replica_s)
+    out["recording"] = str(work)  # `--replay` it to re-run the simulated side
     if not args.no_plot:
         print(f"plot: {plot(real, sim, args.out_dir)}", file=sys.stderr)
     print(json.dumps(out))
@@ -260,7 +270,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"))
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument(
+        "--work-dir", default="", help="where the run is recorded (default: a temp dir)"
+    )
+    ap.add_argument("--replay", default="", help="a recorded run's directory: re-run the sim only")
     args = ap.parse_args(argv)
+    if args.replay:
+        return args  # the recording holds the model and the trace
     if not args.model:
         ap.error("--model (or $PDSERVE_TINY_MODEL) is required: `pdserve tiny-model DIR`")
     return args

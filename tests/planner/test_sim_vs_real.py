@@ -22,8 +22,9 @@ PROFILE = Path(__file__).resolve().parents[2] / "bench/profiles/cpu-tiny-1thread
 
 @pytest.mark.timeout(300)
 def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
+    rec = tmp_path / "recording"
     args = ("--quick", "--model", str(tiny_model_dir), "--profile", str(PROFILE),
-            "--out-dir", str(tmp_path))  # fmt: skip
+            "--out-dir", str(tmp_path), "--work-dir", str(rec))  # fmt: skip
     result = run_bench("sim_vs_real.py", *args, timeout=290)
     real, sim, n = result["real"], result["sim"], result["trace"]["requests"]
     assert n > 20
@@ -47,3 +48,7 @@ def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert host["other_cpu_ms_per_request"] > 0  # the router and the client used some CPU
     assert 0 <= host["background_cores_mean"] <= host["cores"]
     assert (tmp_path / "sim_vs_real.png").stat().st_size > 0
+    # the recorded run gives the same simulated side again, without pdserve up
+    again = run_bench("sim_vs_real.py", "--replay", str(rec), "--no-plot", timeout=120)
+    for key in ("sim", "real", "sim_vs_real_ttft_p90_error", "host", "trace"):
+        assert again[key] == result[key], key
