@@ -8,7 +8,7 @@ model gives the simulated cluster that share, from measurement only
 (sim_vs_real_host.py builds it from /proc, sim_vs_real_cpu.py):
 
 - ``cores``: ``len(os.sched_getaffinity(0))``;
-- ``background``: the cores other jobs used, per 2 s of the replay (/proc/stat busy
+- ``background``: the cores other jobs used, per 0.5 s of the replay (/proc/stat busy
   time minus our processes'): they run at nice 0 or 10 like ours, so what they took
   they would have taken from the simulated workers too;
 - ``other_s_per_request``: CPU seconds per request of everything but the engine

@@ -19,6 +19,10 @@ from sim_host import Host, is_hog, job_groups
 from pdserve.planner.capacity import Profile
 
 READY = re.compile(r"autoscaler: (\S+) ready")
+# the other jobs per sampling period (CpuSampler's 0.5 s), not averaged over longer: they
+# come in bursts, and a nice-19 engine waits whenever one is runnable on its core (2 s
+# windows gave the 04:33 recording's engine 0.24 of a core where /proc says 0.10)
+WINDOW_S = 0.5
 FRONT = ("router", "up", "client")  # the rest of our processes are workers
 
 
@@ -47,7 +51,7 @@ def _deltas(samples: list[dict]) -> list[tuple[float, float, dict[str, float]]]:
     return out
 
 
-def _background(dump: dict, end_s: float, window_s: float = 2.0) -> tuple[np.ndarray, ...]:
+def _background(dump: dict, end_s: float, window_s: float = WINDOW_S) -> tuple[np.ndarray, ...]:
     """Cores the other jobs used (machine busy minus our processes), per ``window_s``."""
     edges = np.arange(0.0, end_s + window_s, window_s)
     used, span = np.zeros(edges.size), np.zeros(edges.size)
@@ -61,7 +65,7 @@ def _background(dump: dict, end_s: float, window_s: float = 2.0) -> tuple[np.nda
     return edges[keep], used[keep] / span[keep]
 
 
-def _jobs(dump: dict, end_s: float, our_nice: int, window_s: float = 2.0) -> tuple[tuple, ...]:
+def _jobs(dump: dict, end_s: float, our_nice: int, window_s: float = WINDOW_S) -> tuple[tuple, ...]:
     """The other jobs' processes as CFS groups (sim_host.job_groups), per ``window_s`` of
     the trace, on the windows ``_background`` keeps (those with a sampling period)."""
     edges = np.arange(0.0, end_s + window_s, window_s)

@@ -59,7 +59,7 @@ def test_jobs_from_a_recording_keep_a_cpu_bound_job_a_hog_where_it_was_squeezed(
     for k in range(1, 13):
         got = 0.05 if k > 8 else 0.45  # CPU seconds per 0.5 s period
         others.append([k * 0.5, [[7, got, 19], [8, 0.1, 0]]])
-    jobs = _jobs({"others": others}, 6.0, our_nice=19)
+    jobs = _jobs({"others": others}, 6.0, our_nice=19, window_s=2.0)
     assert len(jobs) == 3  # three 2-second windows
     for window in jobs:
         by_weight = {w: (n, want) for n, want, w in window}
