@@ -59,11 +59,12 @@ def job_groups(cores_used: float, nice: int, our_nice: int, hog: bool = False) -
     return [(float(threads), 1.0 if squeezed else each, nice_weight(nice))]
 
 
-def is_hog(used_per_window: list[float]) -> bool:
-    """A process that used at least ``HOG`` of a core in most windows it ran in is CPU-bound
-    (a benchmark, a simulation): where it used less, it was squeezed, not idle."""
-    busy = sum(u >= HOG for u in used_per_window)
-    return busy > 0 and busy >= len(used_per_window) / 2
+def is_hog(used_per_window: list[float], windows: int) -> bool:
+    """A process that ran in nearly every one of the ``windows`` sampling periods and
+    used on average at least half of ``HOG`` per period it ran in is CPU-bound (a
+    benchmark, a simulation): where it used less, it was squeezed, not idle."""
+    ran = len(used_per_window)
+    return ran >= 0.8 * windows and sum(used_per_window) / max(ran, 1) >= HOG / 2
 
 
 def fair_level(groups: list[Group], cores: float) -> float:

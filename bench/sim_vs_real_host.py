@@ -84,7 +84,7 @@ def _jobs(dump: dict, end_s: float, our_nice: int, window_s: float = WINDOW_S) -
     for i in kept:
         for pid, c in used[i].items():
             per_pid.setdefault(pid, []).append(c / span[i])
-    hogs = {pid for pid, u in per_pid.items() if is_hog(u)}
+    hogs = {pid for pid, u in per_pid.items() if is_hog(u, kept.size)}
     return tuple(
         tuple(
             g
@@ -115,7 +115,7 @@ def measure_host(dump: dict, profile: Profile, requests: int, end_s: float) -> H
     nice = int(dump.get("nice", {}).get("up", 0))
     jobs = _jobs(dump, end_s, nice)  # the same sampling periods: the same windows
     return Host(
-        cores=cores(),
+        cores=float(dump.get("cores") or cores()),  # the recorded machine's, when replayed
         background_t=bg_t,
         background=bg,
         other_s_per_request=other / max(requests, 1),

@@ -186,6 +186,7 @@ def _dump(path: Path, run: RealRun, samples: list[Sample], lines, t0: float) -> 
             for s in samples
         ],
         "nice": {"up": run.nice_up, "client": nice_of(os.getpid())},
+        "cores": len(os.sched_getaffinity(0)),  # what the processes could run on
         "log": [(round(w - t0, 2), line.rstrip()) for w, line in lines if "autoscaler" in line],
     }
     path.write_text(json.dumps(data))

@@ -34,7 +34,9 @@ def test_cfs_weights_and_how_a_job_is_read() -> None:
     assert job_groups(0.2, 19, 19, hog=True)[0][1] == 1.0
     assert job_groups(0.2, 19, 19)[0][1] == pytest.approx(0.2)  # a light job: what it took
     assert job_groups(1.7, 10, 19)[0][:2] == (2.0, 0.85)  # two threads
-    assert is_hog([0.9, 0.95, 0.3]) and not is_hog([0.1, 0.6, 0.2]) and not is_hog([])
+    # ran in nearly every period, a quarter of a core or more on average: CPU-bound
+    assert is_hog([0.9, 0.95, 0.1], 3) and not is_hog([0.1, 0.3, 0.2], 3)
+    assert not is_hog([0.9, 0.9], 10) and not is_hog([], 3)  # came and went: not a hog
 
 
 def test_a_job_of_our_priority_shares_and_one_above_it_does_not() -> None:
@@ -54,7 +56,7 @@ def test_a_job_of_our_priority_shares_and_one_above_it_does_not() -> None:
 
 def test_jobs_from_a_recording_keep_a_cpu_bound_job_a_hog_where_it_was_squeezed() -> None:
     # samples every 0.5 s for 6 s; pid 7 (nice 19) ran flat out but got only 0.1 of a core
-    # in the last window; pid 8 (nice 0) used 0.2 of a core throughout
+    # in the last window; pid 8 (nice 0) used 0.2 of a core throughout (2 s windows here)
     others = [[0.0, []]]
     for k in range(1, 13):
         got = 0.05 if k > 8 else 0.45  # CPU seconds per 0.5 s period
