@@ -174,7 +174,7 @@ def run_real(flags: list[str], port: int, trace: Trace, drain_s: float, work: Pa
 def _dump(path: Path, run: RealRun, samples: list[Sample], lines, t0: float) -> None:  # type: ignore[no-untyped-def]
     """Everything measured, on the trace clock, for a closer look than the JSON line."""
     data = {
-        "ttft": [None if np.isnan(x) else round(float(x), 4) for x in run.ttft_all],
+        "ttft": [None if np.isnan(x) else float(x) for x in run.ttft_all],  # unrounded: --replay
         "probe": run.probe,
         "cpu": [
             {"t": round(s.t - t0, 2), "machine": s.machine_s, "client": s.client_s, **s.procs}
