@@ -154,9 +154,8 @@ def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
     # decode step on a small model) before a step's tokens move on. A short one bounds it.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     worker = worker_cls(args)
-    # The model, torch and the engine's tables stay alive for good: keep them out of the
-    # collector's full passes, which walked them all, on whichever thread allocated
-    # (the HTTP loop or the engine).
+    # Torch's and the app's objects stay alive for good: keep them out of the collector's
+    # full passes (the engine core does the same for the model: worker/core_main.py).
     gc.collect()
     gc.freeze()
     http = server(worker.app(), args.host, args.port, args.log_level)
@@ -244,7 +243,3 @@ def server(app: FastAPI, host: str, port: int, log_level: str) -> Any:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip
     return uvicorn.Server(config)
-
-
-def serve(app: FastAPI, host: str, port: int, log_level: str) -> None:
-    server(app, host, port, log_level).run()
