@@ -176,32 +176,13 @@ class AsyncEngine:
         self._deliver_all(outputs)
 
     def _run_hooks(self) -> None:
-        for hook in self.hooks:
-            try:
-                hook(self.engine)
-            except Exception:
-                logger.exception("engine hook %s failed", getattr(hook, "__name__", hook))
+        run_hooks(self.hooks, self.engine)
 
     def _deliver(self, out: RequestOutput) -> None:
         self._deliver_all([out])
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs over with one wake-up per event loop, not one per
-        request (each wake-up is a write to the loop's self-pipe and a GIL hand-off)."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[Any, RequestOutput]]] = {}
-        for out in outputs:
-            target = self._streams.get(out.request_id)
-            if target is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            batches.setdefault(target[0], []).append((target[1], out))
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the caller's loop is closed: nobody is listening
-                for _stream, out in items:
-                    self.engine.abort(out.request_id)
+        hand_over(self._streams, outputs, self.engine.abort)
 
     def _abort(self, engine: LLMEngine, request_id: str) -> None:
         out = engine.abort(request_id)
@@ -217,9 +198,42 @@ class AsyncEngine:
             self._deliver(out)
 
 
-def _put_all(items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:
-    for stream, out in items:
-        stream.put_nowait(out)
+def run_hooks(hooks: list[Hook], engine: LLMEngine) -> None:
+    """Each hook on the engine's thread; a failing hook is logged, the others still run."""
+    for hook in hooks:
+        try:
+            hook(engine)
+        except Exception:
+            logger.exception("engine hook %s failed", getattr(hook, "__name__", hook))
+
+
+Streams = dict[str, tuple[asyncio.AbstractEventLoop, "asyncio.Queue[Any]"]]
+
+
+def hand_over(streams: Streams, outputs: list[RequestOutput], abort: Callable[[str], Any]) -> None:
+    """Hand outputs to their streams with one wake-up per event loop, not one per request
+    (each wake-up is a write to the loop's self-pipe and a GIL hand-off). A finished
+    request's stream is forgotten; ``abort`` ends a request whose caller's loop has closed
+    (nobody is listening)."""
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any]]] = {}
+    for out in outputs:
+        target = streams.get(out.request_id)
+        if target is None:
+            continue
+        if out.finished:
+            del streams[out.request_id]
+        batches.setdefault(target[0], []).append((target[1], out))
+    for loop, items in batches.items():
+        try:
+            loop.call_soon_threadsafe(put_all, items)
+        except RuntimeError:  # the caller's loop is closed
+            for _stream, item in items:
+                abort(item.request_id)
+
+
+def put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for stream, item in items:
+        stream.put_nowait(item)
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

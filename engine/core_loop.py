@@ -30,6 +30,7 @@ from typing import Any
 
 import zmq
 
+from pdserve.engine.async_engine import run_hooks
 from pdserve.engine.llm_engine import EngineStats, LLMEngine
 from pdserve.engine.request import RequestFailed, RequestOutput, RequestStatus
 from pdserve.engine.sampling_params import InvalidParameter
@@ -156,11 +157,7 @@ class CoreLoop:
             self._send_outputs(outputs)
 
     def _run_hooks(self) -> None:
-        for hook in self.hooks:
-            try:
-                hook(self.engine)
-            except Exception:
-                logger.exception("engine hook %s failed", getattr(hook, "__name__", hook))
+        run_hooks(self.hooks, self.engine)
 
     def _wait(self) -> None:
         if self._compiling:

@@ -37,7 +37,7 @@ from typing import Any
 
 import zmq
 
-from pdserve.engine.async_engine import EngineDeadError
+from pdserve.engine.async_engine import EngineDeadError, hand_over, put_all
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.request import RequestFailed, RequestOutput
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
@@ -195,26 +195,12 @@ class EngineClient:
                 target[0].call_soon_threadsafe(_resolve, target[1], result)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """One wake-up per event loop for a step's outputs, not one per request."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Item], Item]]] = {}
-        for out in outputs:
-            target = self._streams.get(out.request_id)
-            if target is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            batches.setdefault(target[0], []).append((target[1], out))
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the caller's loop is closed: nobody is listening
-                for _stream, item in items:
-                    self.abort(getattr(item, "request_id", ""))
+        hand_over(self._streams, outputs, self.abort)  # type: ignore[arg-type]
 
     def _deliver_one(self, request_id: str, item: Item) -> None:
         target = self._streams.pop(request_id, None)
         if target is not None:
-            target[0].call_soon_threadsafe(_put_all, [(target[1], item)])
+            target[0].call_soon_threadsafe(put_all, [(target[1], item)])
 
     def _core_died(self, reason: str) -> None:
         logger.error("%s: failing its %d streams", reason, len(self._streams))
@@ -230,11 +216,6 @@ class EngineClient:
 
 def _error_output(request_id: str, reason: str) -> RequestOutput:
     return RequestOutput(request_id, [], "", "error", 0, 0, 0, error=reason)
-
-
-def _put_all(items: list[tuple[asyncio.Queue[Item], Item]]) -> None:
-    for stream, item in items:
-        stream.put_nowait(item)
 
 
 def _resolve(fut: asyncio.Future[Any], result: Any) -> None:
