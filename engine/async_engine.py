@@ -12,11 +12,12 @@ expire leases and apply lease releases, all without locking the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from pdserve.engine.config import EngineConfig
@@ -85,17 +86,9 @@ class AsyncEngine:
         if params.structured is not None:  # compile off the engine thread (then cached)
             await asyncio.to_thread(self.engine.grammars.compile, params.structured)
         await self.call(add)
-        finished = False
-        try:
-            while not finished:
-                out = await stream.get()
-                while not out.finished and not stream.empty():  # fell behind: one delta
-                    out = out.then(stream.get_nowait())
-                finished = out.finished
+        async with contextlib.aclosing(follow(stream, request_id, self.abort)) as outputs:
+            async for out in outputs:
                 yield out
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self.submit(lambda e: self._abort(e, request_id))
@@ -167,13 +160,7 @@ class AsyncEngine:
                 logger.exception("engine command failed")
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            logger.exception("engine step failed; failing the running requests")
-            self._fail_all(f"engine error: {exc}")
-            return
-        self._deliver_all(outputs)
+        self._deliver_all(step_or_fail(self.engine))
 
     def _run_hooks(self) -> None:
         run_hooks(self.hooks, self.engine)
@@ -190,12 +177,47 @@ class AsyncEngine:
             self._deliver(out)
 
     def _fail_all(self, message: str) -> None:
-        for request_id in list(self.engine.requests):
-            req = self.engine.requests[request_id]
-            if req.status.finished:
-                continue
-            out = self.engine.finish(req, RequestStatus.FINISHED_ERROR, [], "", message)
-            self._deliver(out)
+        self._deliver_all(fail_all(self.engine, message))
+
+
+async def follow(
+    stream: asyncio.Queue[Any], request_id: str, abort: Callable[[str], Any]
+) -> AsyncGenerator[RequestOutput, None]:
+    """A request's output deltas from its stream until it finishes. Deltas a slow reader
+    fell behind on come as one; an exception in the stream (the request was refused) is
+    raised; leaving the iteration early aborts the request."""
+    finished = False
+    try:
+        while not finished:
+            out = await stream.get()
+            if isinstance(out, Exception):
+                finished = True  # refused: nothing to abort
+                raise out
+            while not out.finished and not stream.empty():  # fell behind: one delta
+                out = out.then(stream.get_nowait())
+            finished = out.finished
+            yield out
+    finally:
+        if not finished:
+            abort(request_id)
+
+
+def step_or_fail(engine: LLMEngine) -> list[RequestOutput]:
+    """One engine step's outputs; if the step raises, every unfinished request fails."""
+    try:
+        return engine.step()
+    except Exception as exc:
+        logger.exception("engine step failed; failing the running requests")
+        return fail_all(engine, f"engine error: {exc}")
+
+
+def fail_all(engine: LLMEngine, message: str) -> list[RequestOutput]:
+    """Finish every unfinished request with an error; their final outputs."""
+    return [
+        engine.finish(req, RequestStatus.FINISHED_ERROR, [], "", message)
+        for req in list(engine.requests.values())
+        if not req.status.finished
+    ]
 
 
 def run_hooks(hooks: list[Hook], engine: LLMEngine) -> None:

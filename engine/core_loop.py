@@ -30,9 +30,9 @@ from typing import Any
 
 import zmq
 
-from pdserve.engine.async_engine import run_hooks
+from pdserve.engine.async_engine import fail_all, run_hooks, step_or_fail
 from pdserve.engine.llm_engine import EngineStats, LLMEngine
-from pdserve.engine.request import RequestFailed, RequestOutput, RequestStatus
+from pdserve.engine.request import RequestFailed, RequestOutput
 from pdserve.engine.sampling_params import InvalidParameter
 
 logger = logging.getLogger(__name__)
@@ -147,12 +147,7 @@ class CoreLoop:
 
     # -- the engine --------------------------------------------------------------
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            logger.exception("engine step failed; failing the running requests")
-            self._fail_all(f"engine error: {exc}")
-            return
+        outputs = step_or_fail(self.engine)
         if outputs:
             self._send_outputs(outputs)
 
@@ -171,12 +166,9 @@ class CoreLoop:
         self._poller.poll(max(1, round(timeout * 1000)))
 
     def _fail_all(self, message: str) -> None:
-        outs = []
-        for req in list(self.engine.requests.values()):
-            if not req.status.finished:
-                outs.append(self.engine.finish(req, RequestStatus.FINISHED_ERROR, [], "", message))
-        if outs:
-            self._send_outputs(outs)
+        outputs = fail_all(self.engine, message)
+        if outputs:
+            self._send_outputs(outputs)
 
     # -- results -----------------------------------------------------------------
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:

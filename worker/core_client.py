@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import logging
 import pickle
@@ -37,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from pdserve.engine.async_engine import EngineDeadError, hand_over, put_all
+from pdserve.engine.async_engine import EngineDeadError, follow, hand_over, put_all
 from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.request import RequestFailed, RequestOutput
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
@@ -90,20 +91,9 @@ class EngineClient:
         stream: asyncio.Queue[Item] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._send(("add", request_id, prompt_token_ids, params, kwargs))
-        finished = False
-        try:
-            while not finished:
-                out = await stream.get()
-                if isinstance(out, Exception):
-                    finished = True  # refused: nothing to abort
-                    raise out
-                while not out.finished and not stream.empty():  # fell behind: one delta
-                    out = out.then(stream.get_nowait())  # type: ignore[arg-type]
-                finished = out.finished
+        async with contextlib.aclosing(follow(stream, request_id, self.abort)) as outputs:
+            async for out in outputs:
                 yield out
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         if self.alive:
