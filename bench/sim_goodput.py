@@ -22,6 +22,7 @@ Requests go to the replica with the least queued work (the router is load-aware)
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -107,7 +108,10 @@ class StepSim:
         # (engine/scheduler.py: _schedule_running, then _admit_waiting with the rest)
         budget = p.chunk_tokens - len(batch) if rep.kind != "decode" else 0
         chunk: list[tuple[Req, int]] = []
-        for r in rep.pq:
+        # a colocated engine's max_num_seqs counts the prompts it is prefilling too: one
+        # beyond it waits (in TTFT) instead of joining the batch (engine/scheduler.py)
+        room = d.max_num_seqs - len(batch) if rep.kind == "colocated" else len(rep.pq)
+        for r in itertools.islice(rep.pq, max(room, 0)):
             if budget <= 0:
                 break
             n = min(budget, r.prompt - r.done)

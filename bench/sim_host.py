@@ -20,6 +20,14 @@ model gives the simulated cluster that share, from measurement only
   -> router -> prefill worker -> router -> client), from single requests on the idle
   service just before the trace: TTFT minus the profile's ``prefill_time``.
 
+Under autogroup scheduling (``kernel.sched_autogroup_enabled``, on here) CFS is two
+levels deep: every session is one group, weighted by its autogroup's nice
+(``/proc/PID/autogroup``), and a process's own nice only ranks it inside its session.
+So another job competes with our workers as its whole session (its processes' wants
+summed, at its autogroup's weight: ``autogroup_entities``), and our workers (each in its
+own session: ``pdserve up`` starts them so) at their autogroups' weight; a process of the
+root group (kernel threads) competes by itself at its own nice.
+
 Each tick, the cores the background left are shared by our runnable threads (Linux's
 CFS, equal nice levels: max-min fair shares, ``fair_level``); a thread that needs less
 than the fair share gets what it needs, so the non-engine work (a few ms of CPU per
@@ -67,6 +75,25 @@ def is_hog(used_per_window: list[float], windows: int) -> bool:
     return ran >= 0.8 * windows and sum(used_per_window) / max(ran, 1) >= HOG / 2
 
 
+def autogroup_entities(
+    procs: list[tuple[int, float, int, int, int, bool]], our_nice: int
+) -> list[Group]:
+    """Other jobs in one window as CFS's top level sees them under autogroup: one entity
+    per session (``(1, what its processes want summed, its autogroup's weight)``), and
+    one per process of the root group (autogroup id 0, by its own nice). ``procs``:
+    ``(pid, cores used, nice, autogroup id, autogroup nice, hog)``; whether a process was
+    squeezed (``job_groups``) is judged by its session's priority against ours."""
+    want: dict[tuple[int, int], float] = {}
+    weight: dict[tuple[int, int], float] = {}
+    for pid, used, nice, group, group_nice, hog in procs:
+        key = (group, 0) if group else (0, pid)
+        top = group_nice if group else nice
+        for threads, each, _ in job_groups(used, top, our_nice, hog):
+            want[key] = want.get(key, 0.0) + threads * each
+        weight[key] = nice_weight(top)
+    return [(1.0, want[k], weight[k]) for k in want]
+
+
 def fair_level(groups: list[Group], cores: float) -> float:
     """CPU per unit of weight, L, with sum(n * min(want, L * weight)) = cores (inf when
     every want fits): weighted max-min fairness, what CFS converges to."""
@@ -99,6 +126,10 @@ class Host:
     # fixed load taken off the top (``background``)
     background_groups: tuple[tuple[Group, ...], ...] = ()
     nice: int = 0  # of our processes
+    # per background window, the CFS weight our processes compete with at the top level:
+    # under autogroup scheduling, that of their autogroups' nice (each worker is its own
+    # session, so its own group); empty: their processes' nice (no autogroup)
+    our_weights: tuple[float, ...] = ()
 
     def _window(self, t: float) -> int:
         return max(0, int(np.searchsorted(self.background_t, t, side="right")) - 1)
@@ -111,7 +142,7 @@ class Host:
     def cpu(self, t: float, engines: list[float], starting: int, request_rate: float) -> float:
         """The CPU (share of a core) each of our runnable threads gets at ``t`` at most;
         ``engines``: the share each engine with work would use alone (1: always runnable)."""
-        w = nice_weight(self.nice)
+        w = self.our_weights[self._window(t)] if self.our_weights else nice_weight(self.nice)
         other = request_rate * self.other_s_per_request
         groups: list[Group] = [(1.0, want, w) for want in engines]
         groups.append((float(starting), min(1.0, self.startup_cores), w))

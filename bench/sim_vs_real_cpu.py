@@ -19,18 +19,18 @@ from pathlib import Path
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _proc_cpu(pid: int) -> float:
+def _proc_cpu(pid: int, proc: str = "/proc") -> float:
     """utime + stime of ``pid`` in seconds (fields 14 and 15 of /proc/PID/stat)."""
-    raw = Path(f"/proc/{pid}/stat").read_text()
+    raw = Path(proc, str(pid), "stat").read_text()
     fields = raw[raw.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def _engine_cpu(pid: int) -> float:
+def _engine_cpu(pid: int, proc: str = "/proc") -> float:
     """CPU seconds of the worker's engine thread (it names itself ``pdserve-engine``; with
     one torch thread the model runs on it), so the rest is HTTP, streaming and KV transfer."""
     total = 0.0
-    for task in os.scandir(f"/proc/{pid}/task"):
+    for task in os.scandir(Path(proc, str(pid), "task")):
         try:
             if Path(task.path, "comm").read_text().strip() == "pdserve-engine":
                 raw = Path(task.path, "stat").read_text()
@@ -41,23 +41,47 @@ def _engine_cpu(pid: int) -> float:
     return total
 
 
-def _proc_table() -> dict[int, tuple[int, float, int]]:
-    """pid -> (parent pid, CPU seconds so far, nice) of every process on the machine."""
+Autogroup = tuple[int, int]  # (autogroup id, its nice); id 0: the root group
+
+
+def autogroup_of(pid: int, proc: str = "/proc") -> Autogroup:
+    """The autogroup ``pid`` is scheduled in (``/proc/PID/autogroup``, e.g.
+    ``/autogroup-3371 nice 19``). With ``kernel.sched_autogroup_enabled`` every session
+    is one CFS group at the top level, weighted by this nice, not by its processes' nice
+    (sim_host.py). A process in the root group (kernel threads, init's session; the
+    file is empty) is ``(0, its own nice)``: it competes there by itself."""
+    text = Path(proc, str(pid), "autogroup").read_text().split()
+    if len(text) >= 3 and text[0].startswith("/autogroup-") and text[1] == "nice":
+        return int(text[0].removeprefix("/autogroup-")), int(text[2])
+    return 0, nice_of(pid, proc)
+
+
+def autogroup_enabled(proc: str = "/proc") -> bool:
+    try:
+        return Path(proc, "sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def _proc_table(proc: str = "/proc") -> dict[int, tuple[int, float, int, Autogroup]]:
+    """pid -> (parent pid, CPU seconds so far, nice, autogroup) of every process."""
     out = {}
-    for entry in os.scandir("/proc"):
+    for entry in os.scandir(proc):
         if entry.name.isdigit():
             try:
                 raw = Path(entry.path, "stat").read_text()
                 f = raw[raw.rindex(")") + 2 :].split()
-                out[int(entry.name)] = (int(f[1]), (int(f[11]) + int(f[12])) / TICK, int(f[16]))
+                cpu = (int(f[11]) + int(f[12])) / TICK
+                group = autogroup_of(int(entry.name), proc)
+                out[int(entry.name)] = (int(f[1]), cpu, int(f[16]), group)
             except (OSError, ValueError, IndexError):
                 continue
     return out
 
 
-def _role(pid: int) -> str | None:
+def _role(pid: int, proc: str = "/proc") -> str | None:
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        argv = Path(proc, str(pid), "cmdline").read_bytes().split(b"\0")
     except OSError:
         return None
     args = [a.decode(errors="replace") for a in argv]
@@ -70,22 +94,22 @@ def _role(pid: int) -> str | None:
     return None  # nice, a compiler child, ...: not ours to name
 
 
-def _is_core(pid: int) -> bool:
+def _is_core(pid: int, proc: str = "/proc") -> bool:
     """A worker's engine core (its child process): counted as the worker's."""
     try:
-        return b"pdserve.worker.core_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"pdserve.worker.core_main" in Path(proc, str(pid), "cmdline").read_bytes()
     except OSError:
         return False
 
 
-def machine_busy_s() -> float:
+def machine_busy_s(proc: str = "/proc") -> float:
     """Busy CPU seconds of the whole machine since boot (all but idle and iowait)."""
-    vals = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    vals = [int(v) for v in Path(proc, "stat").read_text().split("\n")[0].split()[1:]]
     return (sum(vals[:8]) - vals[3] - vals[4]) / TICK
 
 
-def nice_of(pid: int) -> int:
-    raw = Path(f"/proc/{pid}/stat").read_text()
+def nice_of(pid: int, proc: str = "/proc") -> int:
+    raw = Path(proc, str(pid), "stat").read_text()
     return int(raw[raw.rindex(")") + 2 :].split()[16])
 
 
@@ -95,15 +119,21 @@ class Sample:
     machine_s: float
     client_s: float
     procs: dict[str, float]  # role name -> cumulative CPU seconds
-    # the other jobs: pid -> (CPU seconds since the previous sample, nice), busy ones only;
-    # the host model shares the cores with them by CFS weight (sim_host.py)
-    others: dict[int, tuple[float, int]] = field(default_factory=dict)
+    # the other jobs: pid -> (CPU seconds since the previous sample, nice, autogroup id,
+    # autogroup nice), busy ones only; the host model shares the cores with them by CFS
+    # weight (sim_host.py)
+    others: dict[int, tuple[float, int, int, int]] = field(default_factory=dict)
+    groups: dict[str, int] = field(default_factory=dict)  # our role -> its autogroup's nice
 
 
 @dataclass
 class CpuSampler:
     root: int  # pid of `pdserve up`
     period_s: float = 0.5
+    proc: str = "/proc"  # a synthetic tree in tests
+    # lower our processes' autogroups to their nice (``nice -n 19`` means nothing to the
+    # other sessions otherwise: sim_host.py); False leaves them as the kernel made them
+    polite: bool = True
     samples: list[Sample] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _last: dict[int, float] = field(default_factory=dict)  # other jobs' CPU at the last sample
@@ -120,35 +150,56 @@ class CpuSampler:
             self.samples.append(self.sample())
 
     def sample(self) -> Sample:
-        children: dict[int, list[int]] = {}
-        table = _proc_table()
-        for pid, (parent, _, _) in table.items():
-            children.setdefault(parent, []).append(pid)
-        todo: list[tuple[int, str | None]] = [(self.root, None)]
-        procs: dict[str, float] = {}
-        ours = {os.getpid()}  # the client and the process tree under `pdserve up`
-        while todo:  # the process tree under `pdserve up`
-            pid, parent_role = todo.pop()
-            ours.add(pid)
-            role = _role(pid) or (parent_role if _is_core(pid) else None)
-            todo += [(child, role) for child in children.get(pid, [])]
-            if role is not None:
-                try:
-                    procs[role] = procs.get(role, 0.0) + _proc_cpu(pid)
-                    if role not in ("up", "router"):
-                        key = role + "/engine"
-                        procs[key] = procs.get(key, 0.0) + _engine_cpu(pid)
-                except (OSError, ValueError):
-                    continue
+        table = _proc_table(self.proc)
+        procs, groups, ours = self._ours(table)
         client = sum(os.times()[:2])
         others = {}
-        for pid, (_, cpu, nice) in table.items():
+        for pid, (_, cpu, nice, (group, group_nice)) in table.items():
             if pid not in ours:
                 used = cpu - self._last.get(pid, cpu)  # a new process: counted from now
                 self._last[pid] = cpu
                 if used > 0:
-                    others[pid] = (used, nice)
-        return Sample(time.monotonic(), machine_busy_s(), client, procs, others)
+                    others[pid] = (used, nice, group, group_nice)
+        busy = machine_busy_s(self.proc)
+        return Sample(time.monotonic(), busy, client, procs, others, groups)
+
+    def _ours(self, table: dict) -> tuple[dict[str, float], dict[str, int], set[int]]:
+        """CPU per role and each role's autogroup nice, over the tree under `pdserve up`."""
+        children: dict[int, list[int]] = {}
+        for pid, row in table.items():
+            children.setdefault(row[0], []).append(pid)
+        todo: list[tuple[int, str | None]] = [(self.root, None)]
+        procs: dict[str, float] = {}
+        groups: dict[str, int] = {}
+        ours = {os.getpid()}  # the client and the process tree under `pdserve up`
+        while todo:
+            pid, parent_role = todo.pop()
+            ours.add(pid)
+            role = _role(pid, self.proc) or (parent_role if _is_core(pid, self.proc) else None)
+            todo += [(child, role) for child in children.get(pid, [])]
+            if role is None or pid not in table:
+                continue
+            _, _, nice, (group, group_nice) = table[pid]
+            if self.polite and group and group_nice < nice:
+                group_nice = _lower_autogroup(pid, nice, group_nice, self.proc)
+            groups.setdefault(role, group_nice)
+            try:
+                procs[role] = procs.get(role, 0.0) + _proc_cpu(pid, self.proc)
+                if role not in ("up", "router"):
+                    key = role + "/engine"
+                    procs[key] = procs.get(key, 0.0) + _engine_cpu(pid, self.proc)
+            except (OSError, ValueError):
+                continue
+        return procs, groups, ours
+
+
+def _lower_autogroup(pid: int, nice: int, now: int, proc: str) -> int:
+    """Set ``pid``'s autogroup to its own nice (root may; else it stays as it was)."""
+    try:
+        Path(proc, str(pid), "autogroup").write_text(str(nice))
+        return nice
+    except OSError:
+        return now
 
 
 def cpu_between(samples: list[Sample], t0: float, t1: float) -> dict[str, float]:

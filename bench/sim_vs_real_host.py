@@ -14,7 +14,7 @@ import os
 import re
 
 import numpy as np
-from sim_host import Host, is_hog, job_groups
+from sim_host import Host, autogroup_entities, is_hog, job_groups, nice_weight
 
 from pdserve.planner.capacity import Profile
 
@@ -65,34 +65,67 @@ def _background(dump: dict, end_s: float, window_s: float = WINDOW_S) -> tuple[n
     return edges[keep], used[keep] / span[keep]
 
 
-def _jobs(dump: dict, end_s: float, our_nice: int, window_s: float = WINDOW_S) -> tuple[tuple, ...]:
+def _jobs(
+    dump: dict, end_s: float, our_nice: int, window_s: float = WINDOW_S, ours: tuple = ()
+) -> tuple[tuple, ...]:
     """The other jobs' processes as CFS groups (sim_host.job_groups), per ``window_s`` of
-    the trace, on the windows ``_background`` keeps (those with a sampling period)."""
+    the trace, on the windows ``_background`` keeps (those with a sampling period). With
+    ``ours`` (our autogroups' nice per kept window: ``_our_groups``) the recording's
+    autogroups are used: one CFS entity per session (sim_host.autogroup_entities)."""
     edges = np.arange(0.0, end_s + window_s, window_s)
     used: list[dict[int, float]] = [{} for _ in edges]
-    nice: dict[int, int] = {}
+    about: dict[int, tuple[int, ...]] = {}  # pid -> (nice[, autogroup id, autogroup nice])
     span = np.zeros(edges.size)
     for (t, _), (t_next, procs) in itertools.pairwise(dump.get("others", [])):
         if 0 <= t < end_s:  # sample k holds the CPU since sample k-1: this period's
             i = int(t // window_s)
             span[i] += t_next - t
-            for pid, cpu, n in procs:
+            for pid, cpu, *rest in procs:
                 used[i][pid] = used[i].get(pid, 0.0) + cpu
-                nice[pid] = n
+                about[pid] = tuple(rest)
     kept = np.flatnonzero(span > 0)
     per_pid: dict[int, list[float]] = {}
     for i in kept:
         for pid, c in used[i].items():
             per_pid.setdefault(pid, []).append(c / span[i])
     hogs = {pid for pid, u in per_pid.items() if is_hog(u, kept.size)}
+    if ours:
+        return tuple(
+            tuple(autogroup_entities(
+                [(pid, c / span[i], *about[pid], pid in hogs) for pid, c in used[i].items()],
+                our,
+            ))
+            for i, our in zip(kept, ours, strict=True)
+        )  # fmt: skip
     return tuple(
         tuple(
             g
             for pid, c in used[i].items()
-            for g in job_groups(c / span[i], nice[pid], our_nice, pid in hogs)
+            for g in job_groups(c / span[i], about[pid][0], our_nice, pid in hogs)
         )
         for i in kept
     )
+
+
+def _our_groups(dump: dict, kept_t: np.ndarray, window_s: float = WINDOW_S) -> tuple[int, ...]:
+    """Our workers' autogroup nice per kept window (the most common among the workers
+    sampled in it; the one before where none was), or () when the recording has no
+    autogroups (older ones) or the kernel did not schedule by them."""
+    samples = dump.get("groups")
+    others = dump.get("others", [])
+    complete = all(len(p) == 5 for _, procs in others for p in procs)
+    if not dump.get("autogroup") or not samples or not complete:
+        return ()
+    per_window: dict[int, list[int]] = {}
+    for t, roles in samples:
+        workers = [n for role, n in roles.items() if role not in FRONT]
+        per_window.setdefault(int(t // window_s), []).extend(workers)
+    out, last = [], int(dump.get("nice", {}).get("up", 0))
+    for t in kept_t:
+        seen = per_window.get(round(t / window_s), [])
+        last = max(set(seen), key=seen.count) if seen else last
+        out.append(last)
+    return tuple(out)
 
 
 def measure_host(dump: dict, profile: Profile, requests: int, end_s: float) -> Host:
@@ -113,7 +146,8 @@ def measure_host(dump: dict, profile: Profile, requests: int, end_s: float) -> H
     path = [x - profile.prefill.service_time(n) for x, n in probe]
     bg_t, bg = _background(dump, end_s)
     nice = int(dump.get("nice", {}).get("up", 0))
-    jobs = _jobs(dump, end_s, nice)  # the same sampling periods: the same windows
+    ours = _our_groups(dump, bg_t)
+    jobs = _jobs(dump, end_s, nice, ours=ours)  # the same sampling periods: the same windows
     return Host(
         cores=float(dump.get("cores") or cores()),  # the recorded machine's, when replayed
         background_t=bg_t,
@@ -123,6 +157,7 @@ def measure_host(dump: dict, profile: Profile, requests: int, end_s: float) -> H
         startup_cores=startup_cpu / startup_s if startup_s > 0 else 0.0,
         background_groups=jobs if len(jobs) == bg_t.size else (),
         nice=nice,
+        our_weights=tuple(nice_weight(n) for n in ours) if len(jobs) == bg_t.size else (),
     )
 
 
@@ -131,9 +166,9 @@ def _hogs(host: Host) -> dict[str, float]:
     out: dict[str, float] = {}
     for window in host.background_groups:
         for threads, want, weight in window:
-            if want >= 1.0:
+            if want >= 1.0:  # (under autogroup: a session, its cores wanted)
                 nice = str(round(math.log(1024.0 / weight, 1.25)))
-                out[nice] = out.get(nice, 0.0) + threads
+                out[nice] = out.get(nice, 0.0) + threads * want
     n = max(len(host.background_groups), 1)
     return {k: round(v / n, 2) for k, v in sorted(out.items())}
 
@@ -147,5 +182,9 @@ def describe(host: Host) -> dict:
         "path_ms": round(host.path_s * 1e3, 1),
         "startup_cores": round(host.startup_cores, 3),
         "nice": host.nice,
+        # our autogroups' weight, mean over the trace (None: by process nice, no autogroup)
+        "autogroup_weight": round(float(np.mean(host.our_weights)), 1)
+        if host.our_weights
+        else None,
         "background_hogs_by_nice": _hogs(host),  # CFS groups the simulated workers meet
     }

@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 from sim_replay import Trace
-from sim_vs_real_cpu import CpuSampler, Sample, cpu_between, nice_of
+from sim_vs_real_cpu import CpuSampler, Sample, autogroup_enabled, cpu_between, nice_of
 
 # one request at a time on the idle service before the trace: the serving path's own
 # latency (HTTP hops client -> router -> prefill worker -> router -> client) beside the
@@ -180,11 +180,19 @@ def _dump(path: Path, run: RealRun, samples: list[Sample], lines, t0: float) -> 
             {"t": round(s.t - t0, 2), "machine": s.machine_s, "client": s.client_s, **s.procs}
             for s in samples
         ],
-        # the other jobs, per sample: [pid, CPU s since the previous sample, nice]
+        # the other jobs, per sample: [pid, CPU s since the previous sample, nice,
+        # autogroup id, autogroup nice]
         "others": [
-            [round(s.t - t0, 2), [[pid, round(c, 3), n] for pid, (c, n) in s.others.items()]]
+            [
+                round(s.t - t0, 2),
+                [[pid, round(c, 3), *rest] for pid, (c, *rest) in s.others.items()],
+            ]
             for s in samples
         ],
+        # our processes' autogroup nice per sample (role -> nice), and whether the kernel
+        # schedules by autogroup at all (sim_host.py)
+        "groups": [[round(s.t - t0, 2), s.groups] for s in samples],
+        "autogroup": autogroup_enabled(),
         "nice": {"up": run.nice_up, "client": nice_of(os.getpid())},
         "cores": len(os.sched_getaffinity(0)),  # what the processes could run on
         "log": [(round(w - t0, 2), line.rstrip()) for w, line in lines if "autoscaler" in line],
