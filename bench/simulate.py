@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_cluster import Cluster
 from sim_mix import mix_section
+from sim_mix_sweep import plot_curve
 from sim_scenarios import Mix, Scenario, Setup, scenarios, setup
 from tqdm import tqdm
 
@@ -216,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     for case in mix.get("cases", []):
         print(f"== {case['name']}: goodput/replica {case['goodput_per_replica']} -> "
               f"planner: {case['planner_reason']}", file=sys.stderr)  # fmt: skip
+    for row in mix.get("disagg_goodput_curve", []):
+        print(f"   TPOT {row['tpot_ms']} ms ({row['step_multiple']}x a step): ratio "
+              f"{row['ratio']} (ceiling {row['fluid_ceiling']})", file=sys.stderr)  # fmt: skip
+    if mix and not args.no_plot:
+        where = str(Path(args.out_dir) / "simulate_tpot.png")
+        multiple = mix["disagg_goodput_tpot_step_multiple"]
+        print(f"plot: {plot_curve(mix['disagg_goodput_curve'], multiple, where)}", file=sys.stderr)
     out = final_json(detail, args, st, peak_rate, time.perf_counter() - began)
     print(json.dumps({**out, **mix}))
     return 0

@@ -21,6 +21,15 @@ def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:
     assert isinstance(result["disagg_goodput_ratio"], float)
     assert result["colocated_chosen_short"] is True
     assert result["planner_disaggregates_long_strict"] is True
+    # the ratio against the TPOT's strictness: a measured point and the fluid ceiling each
+    curve = result["disagg_goodput_curve"]
+    assert [r["step_multiple"] for r in curve] == [1.2, 1.6]
+    assert curve[0]["fluid_ceiling"] > curve[1]["fluid_ceiling"] > 1.0  # looser: less to gain
+    assert curve[1]["tpot_ms"] / curve[0]["tpot_ms"] == pytest.approx(1.6 / 1.2, rel=0.01)
+    assert all(r["colocated"] > 0 and r["disagg"] > 0 for r in curve)
+    assert result["disagg_goodput_tpot_s"] == 0.012
+    assert 1.5 < result["disagg_goodput_tpot_step_multiple"] < 1.7
+    assert (tmp_path / "simulate_tpot.png").stat().st_size > 5_000
     assert set(result["scenarios"]) == {"diurnal", "burst", "long_prompt_surge"}
     worst = min(s["planner"]["attainment"] for s in result["scenarios"].values())
     assert result["attainment"] == worst
