@@ -90,6 +90,9 @@ def up_flags(args: argparse.Namespace, profile: str, port: int) -> list[str]:
         "10",
         "--worker-startup",
         str(args.worker_startup),
+        # recordings made before the hold existed replay as they ran: without it
+        "--unready-hold",
+        str(getattr(args, "unready_hold", 0.0)),
     ]
 
 
@@ -267,6 +270,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--slo-tpot-ms", type=float, default=500.0)
     ap.add_argument("--worker-startup", type=float, default=8.0, help="the planner's start-up")
     ap.add_argument("--drain", type=float, default=20.0, help="seconds after the trace")
+    ap.add_argument(
+        "--unready-hold", type=float, default=30.0, help="the planner's hold for starting workers"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"))
     ap.add_argument("--no-plot", action="store_true")

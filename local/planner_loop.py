@@ -150,6 +150,13 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--autoscale-interval", type=float, default=5.0, help="seconds")
     g.add_argument("--scale-down-window", type=float, default=60.0, help="seconds")
     g.add_argument(
+        "--unready-hold",
+        type=float,
+        default=30.0,
+        help="seconds the need must stay below the worker count before a scale-down "
+        "cancels a worker still starting (0: no hold)",
+    )
+    g.add_argument(
         "--worker-startup",
         type=float,
         default=15.0,
@@ -167,7 +174,10 @@ def config_from_args(args: argparse.Namespace) -> PlannerConfig:
         prefill=Bounds(args.prefill_min, args.prefill_max),
         decode=Bounds(args.decode_min, args.decode_max),
         stability=replace(
-            Stability(), scale_down_window_s=window, scale_down_cooldown_s=window / 2
+            Stability(),
+            scale_down_window_s=window,
+            scale_down_cooldown_s=window / 2,
+            unready_hold_s=args.unready_hold,
         ),
         min_requests_for_correction=5,
         startup_s=args.worker_startup,

@@ -49,6 +49,10 @@ class Stability:
     max_up_factor: float = 4.0  # at most x4 per decision ...
     min_up_step: int = 4  # ... or +4, whichever is larger
     max_down_step_fraction: float = 0.5  # at most -50% per decision (at least -1)
+    # hysteresis for pods still starting: a scale-down that would cancel one waits until
+    # the need (the forecast for their ready time) has stayed below the count this long,
+    # so one interval's dip does not undo an order placed seconds before (0: no hold)
+    unready_hold_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ class PoolMemory:
     last_up_s: float | None = None
     history: tuple[tuple[float, int], ...] = ()  # (time, recommendation) in the window
     etas: tuple[float, ...] = ()  # expected ready times of the pods it started (not yet ready)
+    below_since: float | None = None  # since when the need has stayed below the count
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ def _memory(body: Any) -> PoolMemory:
         last_up_s=_opt_float(body.get("last_up_s")),
         history=tuple((float(t), int(n)) for t, n in body.get("history", ())),
         etas=tuple(float(t) for t in body.get("etas", ())),
+        below_since=_opt_float(body.get("below_since")),
     )
 
 

@@ -5,7 +5,8 @@ is immediate (limited per step) unless pods are pending for lack of
 accelerators; scale-down goes to the largest recommendation of the
 stabilization window, only after the cooldown and beyond the tolerance, and
 removes unready pods first; never below the forecast's need for the next
-start-up time (``PoolInput.floor``).
+start-up time (``PoolInput.floor``); and a scale-down that would cancel a pod still
+starting waits until the need has stayed below the count for ``unready_hold_s``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def stabilize(inp: PoolInput, stab: Stability) -> tuple[PoolDecision, PoolMemory
     steady = inp.need if inp.steady_need is None else min(inp.need, inp.steady_need)
     kept = _window(mem.history, inp.now, stab.scale_down_window_s)
     history = (*kept, (inp.now, bounds.clamp(math.ceil(steady - 1e-9))))
-    mem = replace(mem, history=history)
+    below = recommendation < status.current
+    since = (mem.below_since if mem.below_since is not None else inp.now) if below else None
+    mem = replace(mem, history=history, below_since=since)
     if status.current < bounds.min_replicas or status.current > bounds.max_replicas:
         target = bounds.clamp(status.current)
         why = f"{status.current} is outside [{bounds.min_replicas}, {bounds.max_replicas}]"
@@ -104,6 +107,9 @@ def _scale_down(
         return _decide(inp, current, f"need {inp.need:.1f} within tolerance"), _hold(
             mem, inp.status
         )
+    held = _unready_held(inp, mem, stab)
+    if held:
+        return _decide(inp, current, held), _hold(mem, inp.status)
     floor = math.ceil(inp.floor - 1e-9)
     if floor >= current:
         why = f"need {inp.need:.1f}; scale-down held: the forecast needs {inp.floor:.1f} next"
@@ -111,6 +117,20 @@ def _scale_down(
     step = max(1, math.floor(current * stab.max_down_step_fraction))
     target = max(stabilized, current - step, floor)
     return _apply(inp, mem, target, f"scale down {current}->{target}: need {inp.need:.1f}")
+
+
+def _unready_held(inp: PoolInput, mem: PoolMemory, stab: Stability) -> str:
+    """Why a scale-down is held for the pods still starting ("" if it is not): it would
+    remove them first, and the need has not yet stayed below the count for the hold."""
+    if inp.status.unready == 0 or stab.unready_hold_s <= 0 or mem.below_since is None:
+        return ""
+    below_s = inp.now - mem.below_since
+    if below_s >= stab.unready_hold_s:
+        return ""
+    return (
+        f"need {inp.need:.1f}; scale-down held: {inp.status.unready} pod(s) still starting, "
+        f"need below the count for {below_s:.0f}s of {stab.unready_hold_s:.0f}s"
+    )
 
 
 def _apply(
