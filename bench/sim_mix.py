@@ -1,8 +1,8 @@
 """The P:D split, measured step by step and chosen by the planner (used by simulate.py).
 
-Two loads on the same 4 replicas (H100 / Llama-3-8B profile):
-- long prompts (lognormal mean 8000) with a strict TPOT and TTFT 2 s: every mix 0:4
-  (colocated) .. 3:1 is measured; ``disagg_goodput_ratio`` = best disaggregated mix /
+Two loads on the same 8 replicas (H100 / Llama-3-8B profile):
+- long prompts (lognormal mean 8000) with a strict TPOT and TTFT 2 s: the mixes 0:8
+  (colocated) and 1:7 .. 4:4 are measured; ``disagg_goodput_ratio`` = best disaggregated mix /
   colocated, colocation at its best token budget per step (sim_mix_sweep.CHUNKS).
   The headline TPOT is 12 ms: 1.6x one decode step at the mean context (7.4 ms), where
   the TPOT, not the KV memory, limits a decode replica's batch (to ~11 such sequences
@@ -14,9 +14,10 @@ Two loads on the same 4 replicas (H100 / Llama-3-8B profile):
 
 Each goodput is a bisection over the rate on one seed's arrivals; one seed of 60 s
 (~150 requests counted at the goodput rate) moved the ratio by +-0.5 between runs, so
-the full run measures 240 s per point (short prompts: 60 s, ~10k requests) on 3 seeds and
+the full run measures 240 s per point (short prompts: 30 s, ~10k requests) on 3 seeds and
 reports the ratio per seed and its minimum; the curve is one seed of 120 s per point
-(``--quick``: one seed of 20 s, two TPOTs, a smoke test of the path, not a figure).
+(``--quick``: one seed of 15 s, short prompts 2 s, the curve at two TPOTs over 10 s: a
+smoke test of the path, not a figure).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 from sim_mix_sweep import (
     CHUNKS,
+    PREFILL_COUNTS,
     PROFILE,
     REPLICAS,
     colocated_best,
@@ -44,10 +46,10 @@ HEADLINE_TPOT_S = 0.012
 
 def _case(name: str, lengths: tuple, slo: SLO, hi: float, quick: bool, full_s: float,
           chunks: tuple[int, ...]) -> dict:  # fmt: skip
-    run = (20.0, 5, (0,), hi) if quick else (full_s, 8, SEEDS_FULL, hi)
+    run = (full_s / 16, 5, (0,), hi) if quick else (full_s, 9, SEEDS_FULL, hi)
     chunk, colocated, per_chunk = colocated_best(lengths, slo, run, chunks)
     per_seed = {f"0:{REPLICAS}": colocated}
-    for p in range(1, REPLICAS):
+    for p in PREFILL_COUNTS:
         per_seed[f"{p}:{REPLICAS - p}"] = per_replica(PROFILE, (p, REPLICAS - p), lengths, slo, run)
     measured = {k: round(float(np.mean(v)), 3) for k, v in per_seed.items()}  # per replica
     best_mix = max((k for k in measured if not k.startswith("0:")), key=measured.__getitem__)
@@ -84,12 +86,12 @@ def mix_section(quick: bool) -> dict:
         _lognormal(rng, 20_000, 256, 0.6, 16, 2048),
         _lognormal(rng, 20_000, 200, 0.7, 2, 1024),
     )
-    # 240 s: ~600 long-prompt requests per point at the goodput rate; 60 s of short
+    # 240 s: ~1,000 long-prompt requests per point at the goodput rate; 30 s of short
     # prompts is already ~10k requests per point
     chunks = (8192,) if quick else CHUNKS
-    strict = _case("long_prompts_strict_tpot", long, SLO(2.0, HEADLINE_TPOT_S), 8.0, quick,
+    strict = _case("long_prompts_strict_tpot", long, SLO(2.0, HEADLINE_TPOT_S), 16.0, quick,
                    240.0, chunks)  # fmt: skip
-    loose = _case("short_prompts_loose_tpot", short, SLO(1.0, 0.1), 400.0, quick, 60.0,
+    loose = _case("short_prompts_loose_tpot", short, SLO(1.0, 0.1), 800.0, quick, 30.0,
                   (PROFILE.prefill.chunk_tokens,))  # fmt: skip
     mean = (float(long[0].mean()), float(long[1].mean()))
     curve = tpot_sweep(long, 2.0, quick)
