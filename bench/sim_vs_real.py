@@ -184,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     out["host"] = describe(host)
     own = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain)  # a core per replica
     out["sim_own_cores"] = stats(own.ttft, own.replica_s)
+    if host.our_weights:  # the sessions counted: what the per-process model would say
+        flat = measure_host(dump, cfg.profile, int(trace.arrival.size), end, autogroup=False)
+        sim_flat = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=flat)
+        flat_stats = stats(sim_flat.ttft, sim_flat.replica_s)
+        flat_stats["ttft_p90_error"] = error(flat_stats["ttft_p90_s"], out["real"]["ttft_p90_s"])
+        out["sim_per_process_nice"] = flat_stats
     out["recording"] = str(work)  # `--replay` it to re-run the simulated side
     if not args.no_plot:
         print(f"plot: {plot(real, sim, args.out_dir)}", file=sys.stderr)

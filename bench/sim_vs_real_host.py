@@ -128,7 +128,11 @@ def _our_groups(dump: dict, kept_t: np.ndarray, window_s: float = WINDOW_S) -> t
     return tuple(out)
 
 
-def measure_host(dump: dict, profile: Profile, requests: int, end_s: float) -> Host:
+def measure_host(
+    dump: dict, profile: Profile, requests: int, end_s: float, autogroup: bool = True
+) -> Host:
+    """``autogroup=False``: the per-process model even where the recording has autogroups
+    (sim_vs_real.py reports both, to show what the sessions change)."""
     from sim_vs_real_up import PROBE_LENGTHS  # the idle probe's prompt lengths
 
     ready = _ready_times(dump["log"])
@@ -146,7 +150,7 @@ def measure_host(dump: dict, profile: Profile, requests: int, end_s: float) -> H
     path = [x - profile.prefill.service_time(n) for x, n in probe]
     bg_t, bg = _background(dump, end_s)
     nice = int(dump.get("nice", {}).get("up", 0))
-    ours = _our_groups(dump, bg_t)
+    ours = _our_groups(dump, bg_t) if autogroup else ()
     jobs = _jobs(dump, end_s, nice, ours=ours)  # the same sampling periods: the same windows
     return Host(
         cores=float(dump.get("cores") or cores()),  # the recorded machine's, when replayed
