@@ -8,7 +8,9 @@ last, ONE JSON line: ``attainment_min`` and ``queue_blind_attainment`` (share of
 requests within both the TTFT and TPOT SLOs, worst scenario) and
 ``replica_hours_saving_min`` (planner vs static-for-peak, worst scenario), with the
 per-scenario detail under ``scenarios``; then the P:D split (``sim_mix.py``):
-``disagg_goodput_ratio`` and ``colocated_chosen_short``. Writes bench/out/simulate.png.
+``disagg_goodput_ratio`` (at a 12 ms TPOT, 1.62x one decode step), the same ratio as a
+curve over the TPOT's strictness (``disagg_goodput_curve``) and ``colocated_chosen_short``.
+Writes bench/out/simulate.png and bench/out/simulate_tpot.png (the curve).
 The model and its assumptions: docs/autoscaling.md.
 """
 
