@@ -51,7 +51,7 @@ def _p90_error(work: Path, fixed_load: bool = False) -> float:
 def test_a_recording_replays(work: Path) -> None:
     meta = json.loads((work / "meta.json").read_text())
     result = run_bench("sim_vs_real.py", "--replay", str(work), "--no-plot", timeout=120)
-    assert result["real"]["replica_s"] == meta["real"]["replica_s"]
+    assert result["real"]["replica_s"] == pytest.approx(meta["real"]["replica_s"], abs=0.05)
     assert result["sim"]["requests"] == result["trace"]["requests"]
     assert result["host"]["cores"] == 2.0  # the recorded machine's, not this one's
     assert math.isfinite(result["sim_vs_real_ttft_p90_error"])
