@@ -68,7 +68,11 @@ def colocated_best(
 
 def decode_step(prof: Profile, lengths: Lengths) -> tuple[float, float, float]:
     """(one decode step alone, its fixed cost a, per sequence b) at the mean context."""
-    ctx = float(lengths[0].mean() + lengths[1].mean() / 2)
+    return _step_costs(prof, float(lengths[0].mean() + lengths[1].mean() / 2))
+
+
+def _step_costs(prof: Profile, ctx: float) -> tuple[float, float, float]:
+    """(one decode step alone, a, b) at context ``ctx``: a step of B sequences is a + b B."""
     one = prof.decode.step_time(1, ctx)
     b = prof.decode.step_time(2, ctx) - one
     return one, one - b, b
@@ -84,10 +88,7 @@ def fluid_ceiling(prof: Profile, prompt: float, output: float, tpot_s: float) ->
     ``(p + b O) x / (p + b O x)``: at most ``x``, reached when prefill dominates. Chunked
     prefill costs a colocated replica the prompts' prefill time and nothing more, which
     is what bounds it; the step simulator's tail (90% within the SLO) moves it a little."""
-    d = prof.decode
-    ctx = prompt + output / 2
-    b = d.step_time(2, ctx) - d.step_time(1, ctx)
-    a = d.step_time(1, ctx) - b
+    _, a, b = _step_costs(prof, prompt + output / 2)
     if tpot_s <= a or b <= 0:
         return float("inf")  # no decode batch meets the TPOT: colocation serves nothing
     p, x = prof.prefill.service_time(prompt), tpot_s / (tpot_s - a)
