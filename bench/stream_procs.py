@@ -78,8 +78,11 @@ def pdserve_up(trees: dict[str, Path], model: str, log_dir: Path) -> Iterator[li
     block exits."""
     procs: list[subprocess.Popen[str]] = []
     try:
-        for label, tree in trees.items():
-            procs.append(_start(label, tree, model, log_dir))
+        # Distinct port bases: clusters starting at once could each see the other's ports
+        # free and then race for them.
+        bases = random.sample(range(20000, 32000, 200), len(trees))
+        for (label, tree), base in zip(trees.items(), bases, strict=True):
+            procs.append(_start(label, tree, model, log_dir, base))
         ups = []
         for label, proc in zip(trees, procs, strict=True):
             url = _wait_banner(proc)
@@ -92,8 +95,10 @@ def pdserve_up(trees: dict[str, Path], model: str, log_dir: Path) -> Iterator[li
             _stop(proc)
 
 
-def _start(label: str, tree: Path, model: str, log_dir: Path) -> subprocess.Popen[str]:
-    port, base = _free_port(), random.randrange(20000, 32000, 200)
+def _start(
+    label: str, tree: Path, model: str, log_dir: Path, base: int
+) -> subprocess.Popen[str]:
+    port = _free_port()
     argv = [sys.executable, "-m", "pdserve", "up", "--prefill", "0", "--model", model,
             "--port", str(port), "--worker-port-base", str(base), "--dtype", "float32",
             "--log-dir", str(log_dir / label)]  # fmt: skip
