@@ -95,9 +95,7 @@ def pdserve_up(trees: dict[str, Path], model: str, log_dir: Path) -> Iterator[li
             _stop(proc)
 
 
-def _start(
-    label: str, tree: Path, model: str, log_dir: Path, base: int
-) -> subprocess.Popen[str]:
+def _start(label: str, tree: Path, model: str, log_dir: Path, base: int) -> subprocess.Popen[str]:
     port = _free_port()
     argv = [sys.executable, "-m", "pdserve", "up", "--prefill", "0", "--model", model,
             "--port", str(port), "--worker-port-base", str(base), "--dtype", "float32",
