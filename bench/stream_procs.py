@@ -24,6 +24,7 @@ from pathlib import Path
 
 TICK = os.sysconf("SC_CLK_TCK")  # /proc/*/stat times are in these
 ENGINE_THREAD = "pdserve-engine"  # AsyncEngine's thread name
+STARTS = 3  # tries per cluster when a port of its turns out to be another process's
 
 
 def code_tree(repo: Path, source: str, work: Path) -> tuple[Path, str]:
@@ -77,18 +78,25 @@ def pdserve_up(trees: dict[str, Path], model: str, log_dir: Path) -> Iterator[li
     """One ``pdserve up --prefill 0`` per (label, tree), all starting at once, until the
     block exits."""
     procs: list[subprocess.Popen[str]] = []
+    # Distinct port bases: clusters starting at once could each see the other's ports free
+    # and then race for them.
+    bases = random.sample(range(20000, 32000, 200), len(trees) + STARTS)
     try:
-        # Distinct port bases: clusters starting at once could each see the other's ports
-        # free and then race for them.
-        bases = random.sample(range(20000, 32000, 200), len(trees))
-        for (label, tree), base in zip(trees.items(), bases, strict=True):
-            procs.append(_start(label, tree, model, log_dir, base))
+        for label, tree in trees.items():
+            procs.append(_start(label, tree, model, log_dir, bases.pop()))
         ups = []
-        for label, proc in zip(trees, procs, strict=True):
-            url = _wait_banner(proc)
-            router, worker = _children(proc.pid)
+        for i, (label, tree) in enumerate(trees.items()):
+            for attempt in range(STARTS):
+                try:
+                    url = _wait_banner(procs[i])
+                    break
+                except PortTaken:  # another process serves a port of ours: other ports
+                    if attempt == STARTS - 1:
+                        raise
+                    procs[i] = _start(label, tree, model, log_dir, bases.pop())
+            router, worker = _children(procs[i].pid)
             ups.append(Up(label, url, Path(model).name, router, worker,
-                          engine_thread(worker), proc))  # fmt: skip
+                          engine_thread(worker), procs[i]))  # fmt: skip
         yield ups
     finally:
         for proc in procs:
@@ -126,6 +134,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class PortTaken(RuntimeError):
+    """``pdserve up`` found one of its ports served by a process not its own."""
+
+
 def _wait_banner(proc: subprocess.Popen[str], timeout: float = 600.0) -> str:
     assert proc.stdout is not None
     lines: list[str] = []
@@ -133,7 +145,8 @@ def _wait_banner(proc: subprocess.Popen[str], timeout: float = 600.0) -> str:
     while not any(line.startswith("pdserve is up") for line in lines):
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
-            raise RuntimeError("pdserve up exited:\n" + "".join(lines))
+            error = PortTaken if "not ours" in "".join(lines) else RuntimeError
+            raise error("pdserve up exited:\n" + "".join(lines))
         lines.append(line)
         if time.monotonic() > deadline:
             raise RuntimeError("pdserve up not ready:\n" + "".join(lines))
