@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pdserve import env
+from pdserve.engine import cpu_linear
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine
@@ -69,7 +70,7 @@ def compile_model(model: torch.nn.Module) -> Callable[..., Any]:
     dynamo_config = torch._dynamo.config
     need = len(WARM_UP) * _models_compiled + 2
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, need)
-    transpose_linear_weights(model)
+    cpu_linear.prepare(model)  # oneDNN-packed or input-major weights
     _clean_probe_path()
     # A C++ wrapper calls the step's ~40 kernels instead of generated Python: measured
     # 0.4-2 ms less per 4-8 ms decode step of the tiny preset (a slower first compile).
@@ -124,26 +125,3 @@ def _clean_probe_path() -> None:
         return
     keep = [p for p in sys.path if not (Path(p or ".") / "operator").is_dir()]
     os.environ["TORCH_CUSTOM_PYTHONPATH"] = os.pathsep.join(keep)
-
-
-def transpose_linear_weights(model: torch.nn.Module) -> None:
-    """Store each float32 linear layer's weight input-major ([in, out] in memory, the same
-    [out, in] tensor to the model): ``x @ W.T`` then runs BLAS's no-transpose GEMM, up to
-    twice as fast for the few rows of a decode step (measured: 1x128 @ 128x384 13.8 vs
-    6.7 us, 1x128 @ 128x3072 57 vs 26 us). Not bfloat16, whose GEMM is oneDNN's: there
-    input-major is slower (16x512 @ 512x1408: 212 vs 136 us; the small preset's compiled
-    decode step 20.4-27.2 vs 19.2-25.2 ms in three A/B pairs). A weight shared with an
-    embedding is left as it is: lookups want rows."""
-    embedding_ptrs = {
-        m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)
-    }
-    for module in model.modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        weight = module.weight
-        if weight.dtype != torch.float32 or weight.data_ptr() in embedding_ptrs:
-            continue
-        if weight.stride(1) != 1:
-            continue
-        relaid = weight.detach().t().contiguous().t()
-        module.weight = torch.nn.Parameter(relaid, requires_grad=False)

@@ -1,39 +1,107 @@
-"""Which linear weights the compiled path stores input-major (engine/compiled.py)."""
+"""How the compiled path lays out linear weights (engine/cpu_linear.py): oneDNN-packed,
+BLAS input-major, or as they are."""
 
 from __future__ import annotations
 
+import gc
+
+import pytest
 import torch
 
-from pdserve.engine.compiled import transpose_linear_weights
+from pdserve.engine import cpu_linear
+from pdserve.engine.cpu_linear import PACK_MIN_ELEMENTS, PackedLinear, prepare
 
 
-def _model(dtype: torch.dtype) -> torch.nn.Module:
+def _model(dtype: torch.dtype, out: int = 12, inp: int = 8) -> torch.nn.Sequential:
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 12, bias=False))
+    m = torch.nn.Sequential(torch.nn.Embedding(10, inp), torch.nn.Linear(inp, out, bias=False))
     return m.to(dtype)
 
 
-def test_float32_linears_become_input_major_and_compute_the_same() -> None:
+def _big(dtype: torch.dtype, bias: bool = False) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, PACK_MIN_ELEMENTS // 256, bias=bias)
+    return torch.nn.Sequential(torch.nn.Embedding(10, 256), linear).to(dtype)
+
+
+needs_onednn = pytest.mark.skipif(
+    not cpu_linear.onednn_usable(torch.float32), reason="torch built without oneDNN"
+)
+
+
+def test_small_float32_linears_become_input_major_and_compute_the_same() -> None:
     m = _model(torch.float32)
     x = torch.tensor([[1, 2, 3]])
     before = m(x)
-    transpose_linear_weights(m)
+    assert prepare(m) == {"onednn": 0, "blas_input_major": 1, "as_is": 0}
     w = m[1].weight
     assert w.shape == (12, 8) and w.stride() == (1, 12)  # [in, out] in memory
     torch.testing.assert_close(m(x), before)
 
 
-def test_bfloat16_linears_keep_their_layout() -> None:
-    """oneDNN's bfloat16 GEMM is slower on input-major weights (measured: compiled.py)."""
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_large_float32_linears_are_packed_and_compute_the_same(bias: bool) -> None:
+    m = _big(torch.float32, bias)
+    x = torch.tensor([[1, 2, 3, 4, 5]])
+    before = m(x)
+    assert prepare(m)["onednn"] == 1
+    assert isinstance(m[1], PackedLinear) and not list(m[1].parameters())
+    torch.testing.assert_close(m(x), before, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(
+    not cpu_linear.onednn_usable(torch.bfloat16), reason="no oneDNN bfloat16 on this CPU"
+)
+def test_bfloat16_linears_are_packed_whatever_their_size() -> None:
     m = _model(torch.bfloat16)
-    ptr = m[1].weight.data_ptr()
-    transpose_linear_weights(m)
-    assert m[1].weight.stride() == (8, 1) and m[1].weight.data_ptr() == ptr
+    x = torch.tensor([[1, 2, 3]])
+    before = m(x).float()
+    assert prepare(m)["onednn"] == 1
+    torch.testing.assert_close(m(x).float(), before, rtol=2e-2, atol=2e-2)
 
 
 def test_a_weight_shared_with_an_embedding_is_left_alone() -> None:
     m = _model(torch.float32)
     m[1] = torch.nn.Linear(8, 10, bias=False)
     m[1].weight = m[0].weight  # tied, as lm_head and embed_tokens may be
-    transpose_linear_weights(m)
+    assert prepare(m)["as_is"] == 1
     assert m[1].weight.stride() == (8, 1) and m[1].weight is m[0].weight
+
+
+@needs_onednn
+def test_the_environment_chooses_blas_or_onednn_for_every_weight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PDSERVE_CPU_LINEAR", "blas")
+    m = _big(torch.float32)
+    assert prepare(m)["onednn"] == 0 and isinstance(m[1], torch.nn.Linear)
+    monkeypatch.setenv("PDSERVE_CPU_LINEAR", "onednn")
+    m = _model(torch.float32)
+    assert prepare(m)["onednn"] == 1
+    monkeypatch.setenv("PDSERVE_CPU_LINEAR", "fast")
+    with pytest.raises(ValueError, match=r"PDSERVE_CPU_LINEAR='fast'.*auto, blas, onednn"):
+        prepare(_model(torch.float32))
+
+
+@needs_onednn
+def test_packed_linear_compiles_with_dynamic_rows() -> None:
+    m = _big(torch.float32)
+    original = m[1]  # prepare() swaps the module in m and leaves this one as it was
+    prepare(m)
+    compiled = torch.compile(lambda x: torch.relu(m[1](x)) + 1, dynamic=True)
+    for t in (3, 1, 17):
+        x = torch.randn(1, t, 256)
+        want = torch.relu(original(x)) + 1
+        torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_a_dropped_model_frees_its_packed_weights() -> None:
+    m = _big(torch.float32)
+    prepare(m)
+    handle = m[1].handle
+    assert handle in cpu_linear._layers
+    del m
+    gc.collect()
+    assert handle not in cpu_linear._layers
