@@ -1,18 +1,21 @@
-"""Linear layers of the compiled CPU forward: oneDNN-packed weights, or BLAS input-major.
+"""Linear layers of the compiled CPU forward: oneDNN-packed weights, BLAS for small GEMMs.
 
-``prepare(model)`` runs once, before ``torch.compile``, and picks for each ``nn.Linear``:
+``prepare(model)`` runs once, before ``torch.compile``. On a CPU with oneDNN, every
+``nn.Linear`` becomes a :class:`PackedLinear`: its weight reordered once into oneDNN's
+blocked layout (``mkldnn._reorder_linear_weight``) and multiplied by
+``mkldnn._linear_pointwise`` through the ``pdserve::packed_linear`` operator. Measured
+(one thread, AMD EPYC with AVX-512 BF16, the ``small`` preset's 56 decoder weights per
+step): float32 5.3 vs 13.3 ms at 16 rows and 47 vs 112 ms at 256 rows against MKL (which
+takes a slow path on this CPU); bfloat16 1.7 vs 3.4 ms at 1 row and 3.0 vs 4.5 ms at 16
+against torch's own, unpacked oneDNN call. Served, the ``small`` preset at concurrency 16
+went from 0.72x to 1.30x vLLM's CPU build in float32, 1.03x to 1.36x in bfloat16.
 
-* **oneDNN, packed** (``pdserve::packed_linear``): the weight reordered once into
-  oneDNN's blocked layout (``mkldnn._reorder_linear_weight``) and multiplied by
-  ``mkldnn._linear_pointwise``. Every bfloat16 weight, and float32 weights of at least
-  ``PACK_MIN_ELEMENTS``. Measured (one thread, AMD EPYC with AVX-512 BF16, the ``small``
-  preset's 56 decoder weights per step): float32 5.3 vs 13.3 ms at 16 rows and 47 vs
-  112 ms at 256 rows against MKL, which takes a slow path on this CPU; bfloat16 1.7 vs
-  3.4 ms at 1 row and 3.0 vs 4.5 ms at 16 against torch's unpacked oneDNN call.
-* **BLAS, input-major**: the rest of the float32 weights, stored ``[in, out]`` in memory
-  so ``x @ W.T`` is a no-transpose GEMM (up to 2x for a few rows: 1x128 @ 128x384 13.8
-  vs 6.7 us). Below ``PACK_MIN_ELEMENTS`` oneDNN's ~10 us per call outweighs its GEMM
-  (128x128 at 1 row: 10.4 vs 2.4 us).
+oneDNN costs ~10 us a call, which dominates a small GEMM (128x128 at 1 row: 10.4 vs
+2.4 us with MKL). So a float32 weight of under ``SMALL_GEMM_MACS`` elements also keeps a
+BLAS copy, stored input-major (``[in, out]`` in memory: a no-transpose GEMM, up to 2x for
+a few rows), and a call whose rows x in x out is under ``SMALL_GEMM_MACS`` uses it: the
+crossover measured for 128x128 up to 1024x512 weights at 1 and 16 rows. Real models'
+weights are all larger, so they hold one copy.
 
 The packed tensor has oneDNN's opaque layout, which the compiler cannot trace, so the
 operator takes an integer handle (a constant in the graph) and finds the weight at run
@@ -21,8 +24,8 @@ is dropped frees its weights. Weights shared with an embedding stay as they are 
 want rows). The eager forward (``--enforce-eager``) never comes here: it runs
 transformers' own linears, token-identical to ``generate()``.
 
-``PDSERVE_CPU_LINEAR``: ``auto`` (the rule above, the default), ``blas`` (never pack),
-``onednn`` (pack every weight).
+``PDSERVE_CPU_LINEAR``: ``auto`` (the rule above, the default), ``blas`` (no oneDNN:
+float32 weights input-major, bfloat16 as they are), ``onednn`` (oneDNN for every call).
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ import logging
 import weakref
 
 import torch
+import torch.nn.functional as F
 
 from pdserve import env
 
 logger = logging.getLogger(__name__)
 
-PACK_MIN_ELEMENTS = 512 * 256  # float32: smaller weights stay with BLAS (see above)
+SMALL_GEMM_MACS = 1 << 19  # float32: below this many multiply-adds a call goes to BLAS
 PACK_BATCH_HINT = 16  # oneDNN's layout hint; measured no slower from 1 to 1,024 rows
 CHOICES = ("auto", "blas", "onednn")
 
@@ -51,11 +55,13 @@ class PackedLinear(torch.nn.Module):
     """An ``nn.Linear`` whose weight lives packed for oneDNN, outside the module's
     parameters (the compiler sees only ``packed_linear(x, handle, out)``)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, blas_copy: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        # [out, in] to F.linear, [in, out] in memory; for calls under SMALL_GEMM_MACS
+        self.blas = weight.t().contiguous().t() if blas_copy else None
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.handle = handle = next(_handles)
 
@@ -74,6 +80,8 @@ class PackedLinear(torch.nn.Module):
 def _packed_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     layer = _layers[handle]()
     assert layer is not None, "packed linear of a dropped model"
+    if layer.blas is not None and x.numel() * out_features < SMALL_GEMM_MACS:
+        return F.linear(x, layer.blas, layer.bias)
     return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
 
@@ -101,9 +109,11 @@ def onednn_usable(dtype: torch.dtype) -> bool:
 
 
 def should_pack(weight: torch.Tensor, mode: str) -> bool:
-    if mode == "blas" or weight.device.type != "cpu" or not onednn_usable(weight.dtype):
-        return False
-    return mode == "onednn" or weight.dtype == torch.bfloat16 or weight.numel() >= PACK_MIN_ELEMENTS
+    return mode != "blas" and weight.device.type == "cpu" and onednn_usable(weight.dtype)
+
+
+def keeps_blas_copy(weight: torch.Tensor, mode: str) -> bool:
+    return mode == "auto" and weight.dtype == torch.float32 and weight.numel() < SMALL_GEMM_MACS
 
 
 def prepare(model: torch.nn.Module) -> dict[str, int]:
@@ -122,7 +132,7 @@ def prepare(model: torch.nn.Module) -> dict[str, int]:
             if weight.data_ptr() in embedding_ptrs or weight.stride(1) != 1:
                 counts["as_is"] += 1
             elif should_pack(weight, mode):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, keeps_blas_copy(weight, mode)))
                 counts["onednn"] += 1
             elif weight.dtype == torch.float32:
                 relaid = weight.detach().t().contiguous().t()

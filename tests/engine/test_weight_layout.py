@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.engine import cpu_linear
-from pdserve.engine.cpu_linear import PACK_MIN_ELEMENTS, PackedLinear, prepare
+from pdserve.engine.cpu_linear import SMALL_GEMM_MACS, PackedLinear, prepare
 
 
 def _model(dtype: torch.dtype, out: int = 12, inp: int = 8) -> torch.nn.Sequential:
@@ -20,7 +20,7 @@ def _model(dtype: torch.dtype, out: int = 12, inp: int = 8) -> torch.nn.Sequenti
 
 def _big(dtype: torch.dtype, bias: bool = False) -> torch.nn.Sequential:
     torch.manual_seed(0)
-    linear = torch.nn.Linear(256, PACK_MIN_ELEMENTS // 256, bias=bias)
+    linear = torch.nn.Linear(256, SMALL_GEMM_MACS // 256, bias=bias)
     return torch.nn.Sequential(torch.nn.Embedding(10, 256), linear).to(dtype)
 
 
@@ -29,7 +29,10 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
-def test_small_float32_linears_become_input_major_and_compute_the_same() -> None:
+def test_without_onednn_float32_linears_become_input_major_and_compute_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PDSERVE_CPU_LINEAR", "blas")
     m = _model(torch.float32)
     x = torch.tensor([[1, 2, 3]])
     before = m(x)
@@ -40,6 +43,20 @@ def test_small_float32_linears_become_input_major_and_compute_the_same() -> None
 
 
 @needs_onednn
+def test_a_small_float32_weight_keeps_a_blas_copy_for_small_calls() -> None:
+    """Under SMALL_GEMM_MACS a call goes to BLAS, above to oneDNN; both compute the same."""
+    m = _model(torch.float32)
+    original = m[1]
+    prepare(m)
+    layer = m[1]
+    assert isinstance(layer, PackedLinear) and layer.blas is not None
+    assert layer.blas.stride() == (1, 12)
+    few, many = torch.randn(1, 3, 8), torch.randn(1, SMALL_GEMM_MACS // 96 + 1, 8)
+    for x in (few, many):
+        torch.testing.assert_close(layer(x), original(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 def test_large_float32_linears_are_packed_and_compute_the_same(bias: bool) -> None:
     m = _big(torch.float32, bias)
@@ -47,6 +64,7 @@ def test_large_float32_linears_are_packed_and_compute_the_same(bias: bool) -> No
     before = m(x)
     assert prepare(m)["onednn"] == 1
     assert isinstance(m[1], PackedLinear) and not list(m[1].parameters())
+    assert m[1].blas is None  # SMALL_GEMM_MACS elements or more: one copy, oneDNN's
     torch.testing.assert_close(m(x), before, rtol=1e-5, atol=1e-4)
 
 
@@ -78,7 +96,7 @@ def test_the_environment_chooses_blas_or_onednn_for_every_weight(
     assert prepare(m)["onednn"] == 0 and isinstance(m[1], torch.nn.Linear)
     monkeypatch.setenv("PDSERVE_CPU_LINEAR", "onednn")
     m = _model(torch.float32)
-    assert prepare(m)["onednn"] == 1
+    assert prepare(m)["onednn"] == 1 and m[1].blas is None
     monkeypatch.setenv("PDSERVE_CPU_LINEAR", "fast")
     with pytest.raises(ValueError, match=r"PDSERVE_CPU_LINEAR='fast'.*auto, blas, onednn"):
         prepare(_model(torch.float32))
