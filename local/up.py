@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, dtype=args.dtype, kv_transport=args.kv_transport,
         served_model_name=args.served_model_name, worker_args=worker_args(args),
         log_dir=args.log_dir, worker_port_base=args.worker_port_base,
+        autoscaled=args.autoscale,
     )  # fmt: skip
     stop = {"signal": 0}
 

@@ -7,6 +7,7 @@ these tests are about process groups, not serving; the end-to-end test of
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -14,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.local.processes import ClusterSpec, LocalCluster, Proc, pick_base_port
+from pdserve.local.processes import (
+    ALL_CORES_MIN_PARAMS,
+    ClusterSpec,
+    LocalCluster,
+    Proc,
+    decoder_params,
+    pick_base_port,
+)
 from pdserve.local.up import router_args
 from pdserve.router.main import add_arguments as router_add_arguments
 
@@ -94,6 +102,30 @@ def test_router_command_line_matches_the_router_parser(tmp_path: Path) -> None:
     assert args.rate_limit_rpm == 60  # --router-arg reaches the router
 
 
+def _config(path: Path, hidden: int, inter: int, layers: int) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": 8, "num_key_value_heads": 4,
+    }))  # fmt: skip
+    return path
+
+
+def test_a_lone_worker_of_a_large_enough_model_takes_every_core(tmp_path: Path) -> None:
+    cores = len(os.sched_getaffinity(0))
+    small = _config(tmp_path / "small", 512, 1408, 8)  # the presets' shapes
+    tiny = _config(tmp_path / "tiny", 128, 256, 4)
+    assert decoder_params(str(small)) == 8 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1408)
+    assert decoder_params(str(small)) >= ALL_CORES_MIN_PARAMS > decoder_params(str(tiny))
+    assert ClusterSpec(model_dir=str(small), num_prefill=0).threads_per_worker() == cores
+    assert ClusterSpec(model_dir=str(tiny), num_prefill=0).threads_per_worker() == max(1, cores - 1)
+    scaled = ClusterSpec(model_dir=str(small), num_prefill=0, autoscaled=True)
+    assert scaled.threads_per_worker() == max(1, cores - 1)  # more may join it
+    two = ClusterSpec(model_dir=str(small), num_prefill=1, num_decode=1)
+    assert two.threads_per_worker() == max(1, (cores - 1) // 2)
+    assert decoder_params(str(tmp_path / "missing")) == 0
+
+
 def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(tmp_path: Path) -> None:
     import argparse
 
@@ -103,7 +135,7 @@ def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(tmp_path: Path)
     spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=1, num_decode=1, log_dir=str(tmp_path))
     assert spec.threads_per_worker() == max(1, (cores - 1) // 2)  # a core kept for streaming
     colocated = ClusterSpec(model_dir=str(tmp_path), num_prefill=0, log_dir=str(tmp_path))
-    assert colocated.threads_per_worker() == max(1, cores - 1)
+    assert colocated.threads_per_worker() == max(1, cores - 1)  # no config.json: 0 params
     spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=2, num_decode=3, cpu_threads=3,
                        log_dir=str(tmp_path), worker_args=("--cpu-threads", "4"))  # fmt: skip
     assert spec.threads_per_worker() == 3
