@@ -146,12 +146,18 @@ def test_compiled_forward(
 ) -> None:
     from torch._dynamo.utils import counters
 
-    from pdserve.engine import compiled
+    from pdserve.engine import compiled, cpu_linear
 
     engine = make_engine(
         num_blocks=1024, max_num_batched_tokens=budget, enable_prefix_caching=False, compile=True
     )
     assert engine.runner.compiled and engine.compile_seconds > 0
+    # The linears run oneDNN-packed (with BLAS copies for small calls: engine/cpu_linear.py),
+    # so both paths are in the outputs checked below (decodes: BLAS, prompt chunks: oneDNN).
+    packed = [m for m in engine.runner.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert packed or not cpu_linear.onednn_usable(engine.runner.dtype)
+    small = [m for m in packed if m.out_features * m.in_features < cpu_linear.SMALL_GEMM_MACS]
+    assert all(m.blas is not None for m in small)
     # One compiled model in the process: steps check only the guards that pick a variant
     # (the first parametrisation); a second model turns full guard checks back on.
     assert _trimmed_guards() == (compiled._models_compiled == 1)
