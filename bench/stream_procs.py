@@ -80,7 +80,7 @@ def pdserve_up(trees: dict[str, Path], model: str, log_dir: Path) -> Iterator[li
     procs: list[subprocess.Popen[str]] = []
     # Distinct port bases: clusters starting at once could each see the other's ports free
     # and then race for them.
-    bases = random.sample(range(20000, 32000, 200), len(trees) + STARTS)
+    bases = random.sample(range(20000, 32000, 200), len(trees) * STARTS)
     try:
         for label, tree in trees.items():
             procs.append(_start(label, tree, model, log_dir, bases.pop()))

@@ -12,9 +12,9 @@ from pdserve.engine import cpu_linear
 from pdserve.engine.cpu_linear import SMALL_GEMM_MACS, PackedLinear, prepare
 
 
-def _model(dtype: torch.dtype, out: int = 12, inp: int = 8) -> torch.nn.Sequential:
+def _model(dtype: torch.dtype) -> torch.nn.Sequential:
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Embedding(10, inp), torch.nn.Linear(inp, out, bias=False))
+    m = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 12, bias=False))
     return m.to(dtype)
 
 
