@@ -16,7 +16,14 @@ chunk stretches the decode step of every sequence on that replica.
   time is the decode step plus the chunk's token and attention cost (the step's fixed
   cost is paid once), so a long prompt's chunk stalls every running sequence on that
   replica for the chunk's time, as a real mixed step does.
-Requests go to the replica with the least queued work (the router is load-aware).
+A prompt goes to the front replica with the least queued work (the router's load
+scorers; colocation keeps this, the better of the two rules for it). A prefilled
+sequence goes to the decode replica the router's decode scorers rank first
+(``router/config.py`` ``DECODE_SCORERS``): the free share of its KV pool plus
+``1 / (1 + sequences / RUNNING_SCALE)``, among those with room for the sequence's KV
+(``fits_kv``), counting sequences whose KV is still arriving (their blocks are taken).
+Ranking by count alone left one replica with a few long contexts over the TPOT while
+another ran short ones under it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdserve.planner.capacity import Profile
+from pdserve.router.config import DECODE_SCORERS
+from pdserve.router.scorer_load import RUNNING_SCALE
+
+_DECODE_WEIGHTS = dict(DECODE_SCORERS)  # {"kv": w, "running": w}
 
 
 @dataclass
@@ -54,6 +65,16 @@ class Replica:
         return sum(r.prompt - r.done for r in self.pq) + 50.0 * (
             len(self.running) + len(self.waiting)
         )
+
+    def decode_score(self, kv_capacity: int, prompt: int) -> tuple[bool, float]:
+        """(room for ``prompt``'s KV, the router's decode score): best is largest."""
+        seqs = len(self.running) + len(self.waiting)
+        used = sum(r.prompt + r.made for r in self.running)
+        used += sum(w[1].prompt for w in self.waiting)
+        free = max(0.0, 1.0 - used / kv_capacity)
+        score = _DECODE_WEIGHTS.get("kv", 0.0) * free
+        score += _DECODE_WEIGHTS.get("running", 0.0) / (1.0 + seqs / RUNNING_SCALE)
+        return kv_capacity - used >= prompt, score
 
 
 @dataclass(frozen=True)
@@ -84,7 +105,8 @@ class StepSim:
 
     def _to_decode(self, req: Req, t: float) -> None:
         back = [i for i, r in enumerate(self.reps) if r.kind == "decode"]
-        i = min(back, key=lambda j: len(self.reps[j].running) + len(self.reps[j].waiting))
+        cap = self.prof.decode.kv_capacity_tokens
+        i = max(back, key=lambda j: self.reps[j].decode_score(cap, req.prompt))
         ready = t + req.prompt * self.link.kv_bytes_per_token / self.link.bytes_per_s
         self.reps[i].waiting.append((ready + self.link.latency_s, req))
         self._kick(i, ready + self.link.latency_s)

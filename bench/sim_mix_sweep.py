@@ -30,7 +30,10 @@ PROFILE = H100_LLAMA3_8B
 # 8 replicas: the best mix is a prefill share of ~30-50% here, which 4 replicas can only
 # round to 25% or 50% (at 1.35x one step, seed 0: 4 replicas 1.40, 8 replicas 2.09)
 REPLICAS = 8
-PREFILL_COUNTS = (1, 2, 3, 4)  # the mixes tried: 1:7 .. 4:4 (more prefill never won)
+# the mixes tried: long outputs (500) 1:7 .. 4:4 (more prefill never won); short
+# outputs (100) 3:5 .. 7:1 (decode is a fifth of the work: 2:6 never won)
+PREFILL_COUNTS = (1, 2, 3, 4)
+SHORT_OUTPUT_PREFILL_COUNTS = (3, 4, 5, 6, 7)
 LINK = Link(131_072, 40e9, 0.001)  # 128 KiB of KV per token, 400 Gb/s at 80%
 CHUNKS = (512, 2048, 8192)  # colocated token budgets tried (the headline)
 CURVE_CHUNKS = (2048, 8192)  # (the curve: 512 never beat both of these)
@@ -95,8 +98,11 @@ def fluid_ceiling(prof: Profile, prompt: float, output: float, tpot_s: float) ->
     return (p + b * output) * x / (p + b * output * x)
 
 
-def tpot_sweep(lengths: Lengths, ttft_s: float, quick: bool) -> list[dict]:
-    """The measured ratio (best mix / colocation at its best budget) per TPOT target."""
+def tpot_sweep(
+    lengths: Lengths, ttft_s: float, quick: bool, counts: tuple[int, ...] = PREFILL_COUNTS
+) -> list[dict]:
+    """The measured ratio (best mix / colocation at its best budget) per TPOT target,
+    over the mixes ``p:(REPLICAS - p)`` for ``p`` in ``counts``."""
     multiples, run, chunks = (
         ((1.2, 1.6), (10.0, 5, (0,), 16.0), (2048,))
         if quick
@@ -109,7 +115,7 @@ def tpot_sweep(lengths: Lengths, ttft_s: float, quick: bool) -> list[dict]:
         chunk, col, col_chunks = colocated_best(lengths, slo, run, chunks)
         dis = {
             f"{p}:{REPLICAS - p}": per_replica(PROFILE, (p, REPLICAS - p), lengths, slo, run)[0]
-            for p in PREFILL_COUNTS
+            for p in counts
         }
         best = max(dis, key=dis.__getitem__)
         ceiling = fluid_ceiling(
@@ -130,23 +136,27 @@ def tpot_sweep(lengths: Lengths, ttft_s: float, quick: bool) -> list[dict]:
     return rows
 
 
-def plot_curve(curve: list[dict], headline: float, path: str) -> str:
-    """The measured ratio and the fluid ceiling against the TPOT target (a PNG)."""
+def plot_curve(curves: dict[str, list[dict]], headline: float, path: str) -> str:
+    """Per workload (label -> curve): the measured ratio and the fluid ceiling against
+    the TPOT target (a PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    m = [r["step_multiple"] for r in curve]
-    ax.plot(m, [r["ratio"] or 0.0 for r in curve], "o-", label="measured (step simulator)")
-    ax.plot(m, [min(r["fluid_ceiling"], 5.0) for r in curve], "s--", label="fluid ceiling")
+    for k, (label, curve) in enumerate(curves.items()):
+        m = [r["step_multiple"] for r in curve]
+        ax.plot(m, [r["ratio"] or 0.0 for r in curve], "o-", color=f"C{k}",
+                label=f"{label}: measured (step simulator)")  # fmt: skip
+        ax.plot(m, [min(r["fluid_ceiling"], 5.0) for r in curve], "s--", color=f"C{k}",
+                alpha=0.5, label=f"{label}: fluid ceiling")  # fmt: skip
     ax.axhline(2.0, color="grey", lw=0.8, ls=":")
     ax.axvline(headline, color="C3", lw=0.8, ls=":", label="headline TPOT (12 ms)")
     ax.set(xlabel="TPOT target / one decode step at 8k context",
            ylabel="best P:D mix / colocated goodput",
            title=f"long prompts (8k), {REPLICAS} replicas, H100 profile")  # fmt: skip
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

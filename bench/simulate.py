@@ -8,8 +8,9 @@ last, ONE JSON line: ``attainment_min`` and ``queue_blind_attainment`` (share of
 requests within both the TTFT and TPOT SLOs, worst scenario) and
 ``replica_hours_saving_min`` (planner vs static-for-peak, worst scenario), with the
 per-scenario detail under ``scenarios``; then the P:D split (``sim_mix.py``):
-``disagg_goodput_ratio`` (at a 12 ms TPOT, 1.62x one decode step), the same ratio as a
-curve over the TPOT's strictness (``disagg_goodput_curve``) and ``colocated_chosen_short``.
+``disagg_goodput_ratio`` (8k-token prompts, 100-token outputs, a 12 ms TPOT: 1.62x one
+decode step; ``..._long_outputs``: 500-token outputs), the same ratio as a curve over the
+TPOT's strictness (``disagg_goodput_curve``) and ``colocated_chosen_short``.
 Writes bench/out/simulate.png and bench/out/simulate_tpot.png (the curve).
 The model and its assumptions: docs/autoscaling.md.
 """
@@ -219,13 +220,22 @@ def main(argv: list[str] | None = None) -> int:
     for case in mix.get("cases", []):
         print(f"== {case['name']}: goodput/replica {case['goodput_per_replica']} -> "
               f"planner: {case['planner_reason']}", file=sys.stderr)  # fmt: skip
-    for row in mix.get("disagg_goodput_curve", []):
-        print(f"   TPOT {row['tpot_ms']} ms ({row['step_multiple']}x a step): ratio "
-              f"{row['ratio']} (ceiling {row['fluid_ceiling']})", file=sys.stderr)  # fmt: skip
-    if mix and not args.no_plot:
+    curves = {
+        f"{mix[lengths]['prompt']}/{mix[lengths]['output']} tokens": mix[key]
+        for lengths, key in (
+            ("disagg_goodput_lengths", "disagg_goodput_curve"),
+            ("disagg_goodput_lengths_long_outputs", "disagg_goodput_curve_long_outputs"),
+        )
+        if mix.get(key)
+    }
+    for label, curve in curves.items():
+        for row in curve:
+            print(f"   {label}, TPOT {row['tpot_ms']} ms ({row['step_multiple']}x a step): ratio "
+                  f"{row['ratio']} (ceiling {row['fluid_ceiling']})", file=sys.stderr)  # fmt: skip
+    if curves and not args.no_plot:
         where = str(Path(args.out_dir) / "simulate_tpot.png")
         multiple = mix["disagg_goodput_tpot_step_multiple"]
-        print(f"plot: {plot_curve(mix['disagg_goodput_curve'], multiple, where)}", file=sys.stderr)
+        print(f"plot: {plot_curve(curves, multiple, where)}", file=sys.stderr)
     out = final_json(detail, args, st, peak_rate, time.perf_counter() - began)
     print(json.dumps({**out, **mix}))
     return 0

@@ -19,6 +19,12 @@ def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:
     assert result["attainment"] == result["attainment_min"]
     # the P:D split: measured step by step, and the planner's choice
     assert isinstance(result["disagg_goodput_ratio"], float)
+    assert isinstance(result["disagg_goodput_ratio_long_outputs"], float)
+    # the headline load is the summarisation shape; the chat shape is measured beside it
+    assert result["disagg_goodput_lengths"]["output"] == 100
+    assert result["disagg_goodput_lengths_long_outputs"]["output"] == 500
+    ceiling = result["disagg_goodput_fluid_ceiling"]
+    assert ceiling > result["disagg_goodput_fluid_ceiling_long_outputs"]
     assert result["colocated_chosen_short"] is True
     assert result["planner_disaggregates_long_strict"] is True
     # the ratio against the TPOT's strictness: a measured point and the fluid ceiling each

@@ -61,3 +61,27 @@ def test_a_colocated_step_gives_decode_tokens_their_share_of_the_budget() -> Non
     rep.pq.append(long)
     sim._step(0, 0.0)
     assert long.done == 64 - 10
+
+
+def test_a_prefilled_sequence_goes_where_the_router_would_send_it() -> None:
+    """The step simulator's decode choice is the router's decode scorers (free KV share +
+    running count, router/config.py DECODE_SCORERS), not the count alone: fewer but much
+    longer contexts lose to more short ones, and a replica without room for the prompt's
+    KV comes last (fits_kv)."""
+    prof = load_profile(PROFILE)
+    cap = 100_000
+    prof = replace(prof, decode=replace(prof.decode, kv_capacity_tokens=cap))
+    sim = StepSim(prof, 1, 2, Link(1, 1e9, 0.0))
+    long, short = sim.reps[1], sim.reps[2]
+    long.running = [Req(0.0, 40_000, 100, done=40_000, first=0.0, made=1) for _ in range(2)]
+    short.running = [Req(0.0, 500, 100, done=500, first=0.0, made=1) for _ in range(3)]
+    # count alone would pick the long replica (2 < 3); free KV 0.2 vs 0.985 decides it
+    assert long.decode_score(cap, 1000)[1] < short.decode_score(cap, 1000)[1]
+    req = Req(0.0, 1000, 10)
+    sim._to_decode(req, 0.0)
+    assert [w[1] for w in short.waiting] == [req] and not long.waiting
+    # a sequence in flight holds its blocks: it counts as used at once
+    assert short.decode_score(cap, 1000)[1] < Replica("decode").decode_score(cap, 1000)[1]
+    # a 97k prompt fits only beside the short contexts (2.5k used, 80k on the other)
+    assert short.decode_score(cap, 97_000)[0] is True
+    assert long.decode_score(cap, 97_000)[0] is False
