@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from sim_host import Host, speed
+from sim_host import Host, cpu_slowdown, speed
 
 from pdserve.planner.capacity import Profile
 from pdserve.planner.snapshot import LatencyStats, MetricsSnapshot, PoolStatus
@@ -104,6 +104,10 @@ class Cluster:
         self.done_arrival: list[np.ndarray] = []  # per finished request: arrival time ...
         self.done_ok: list[np.ndarray] = []  # ... and whether it met both SLOs
         self.speed_p = self.speed_d = 1.0  # this tick's engine speeds (host model)
+        self.slow_burst = 1.0  # how much longer a prefill and the path take (host model)
+        self.work_rate = 0.0  # prefill work arriving, replica-seconds per second, ~1 s
+        self.work_seen = 0.0
+        self.decode_use = 0.0  # CPU of one busy decode engine, cores, ~1 s (host model)
         self.rate = 0.0  # arrivals per second, smoothed over ~1 s (host model)
         self.arrived_tick = 0
 
@@ -140,9 +144,9 @@ class Cluster:
                 self.pq[0] = {k: v[n:] for k, v in blk.items()}
             when = t0 + (started["start"] - before) / rate if rate > 0 else np.full(n, t0)
             when = np.maximum(when, started["t"])
-            first = when + started["service"] / self.speed_p
+            first = when + started["service"] * max(1.0 / self.speed_p, self.slow_burst)
             if self.cost.host is not None:  # the serving path beside the engine
-                first = first + self.cost.host.path_s
+                first = first + self.cost.host.path_s * self.slow_burst
             self.interval.wait.append(when - started["t"])
             self.interval.ttft.append(first - started["t"])
             transfer = started["prompt"] * self.cost.kv_bytes_per_token / self.cost.link_bytes_per_s
@@ -195,12 +199,17 @@ class Cluster:
         self.admitted_at = t0
         n = self.run.shape[1]
         if n == 0 or ready == 0:
+            self.decode_use -= self.decode_use * min(1.0, dt)
             return
         step = self.cost.truth.decode.step_time(n / ready, self._context_total() / n) / self.speed_d
         steps = dt / step
         g0, self.G = self.G, self.G + steps
         self.interval.output_tokens += steps * n
         done = self.run[TARGET] <= self.G
+        # the CPU a decode engine used this tick: busy until its last sequence finished
+        busy = 1.0 if not done.all() else float((self.run[TARGET].max() - g0) / steps)
+        use = min(1.0, busy) * self.speed_d
+        self.decode_use += (use - self.decode_use) * min(1.0, dt)
         if not done.any():
             return
         fin = self.run[:, done]
@@ -224,7 +233,9 @@ class Cluster:
         host = self.cost.host
         assert host is not None
         self.rate += (self.arrived_tick / dt - self.rate) * min(1.0, dt)
-        self.arrived_tick = 0
+        new_work = (self.work_arrived - self.work_seen) / dt
+        self.work_rate += (new_work - self.work_rate) * min(1.0, dt)
+        self.arrived_tick, self.work_seen = 0, self.work_arrived
         n_p, n_d = self.prefill.ready(t0), self.decode.ready(t0)
         backlog = (self.work_arrived - self.work_done) / dt  # replica-seconds per second
         want_p = min(1.0, backlog / n_p) if n_p else 0.0
@@ -233,6 +244,16 @@ class Cluster:
         starting = len(self.prefill.ready_at) + len(self.decode.ready_at) - n_p - n_d
         cpu = host.cpu(t0, engines, starting, self.rate)
         self.speed_p, self.speed_d = speed(want_p, cpu), speed(1.0, cpu)
+        if host.queueing and n_p:
+            # a prefill runs in bursts: while it runs it wants a core, so on saturated cores
+            # it gets an always-runnable thread's share; on busy ones it sometimes waits.
+            # The decode engines compete with what they use (the fluid decode finishes a
+            # short request's tokens inside one tick, so "has sequences now" misses them)
+            use_d = [self.decode_use] * n_d
+            share = speed(1.0, host.cpu(t0, [1.0] * n_p + use_d, starting, self.rate))
+            use_p = [min(1.0, self.work_rate / n_p)] * n_p
+            rho = host.utilisation(t0, use_p + use_d, starting, self.rate)
+            self.slow_burst = max(1.0 / share, cpu_slowdown(rho, host.cores))
 
     # -- what the planner sees --------------------------------------------------------------------
     def snapshot(self, t: float, interval_s: float) -> MetricsSnapshot:

@@ -30,12 +30,20 @@ root group (kernel threads) competes by itself at its own nice.
 
 Each tick, the cores the background left are shared by our runnable threads (Linux's
 CFS, equal nice levels: max-min fair shares, ``fair_level``); a thread that needs less
-than the fair share gets what it needs, so the non-engine work (a few ms of CPU per
-request over several processes) and the path's latency are not stretched, while an
-engine that needs more (a decode loop with sequences, a backlogged prefill) runs at the
-fair share: its steps take 1/share longer. The engine's costs come from a profile of the
-engine thread's CPU time (``pdserve profile --clock cpu``), so waiting for a core is
-counted once, here, and not also in the profile.
+than the fair share gets what it needs on average, while an engine that needs more (a
+decode loop with sequences, a backlogged prefill) runs at the fair share: its steps take
+1/share longer. The engine's costs come from a profile of the engine thread's CPU time
+(``pdserve profile --clock cpu``), so waiting for a core is counted once, here, and not
+also in the profile.
+
+Latency is not the average, though (``queueing``, on by default). A prefill and the
+serving path's hops run in bursts: while one runs it wants a core, so on saturated cores
+it gets an always-runnable thread's share (``cpu`` with it runnable), and on busy but
+not saturated cores it sometimes finds every core taken and waits (``cpu_slowdown``:
+M/M/c under processor sharing on the bursty part of the load, ``utilisation``, capped at
+``RHO_MAX``). A request's prefill time and path latency are stretched by the larger of
+the two. Without it, a replay on a quiet machine at 12 req/s had the simulated p90 TTFT
+at 40% of the real one (bench/recordings/2026-12-01-1011-full-autogroup).
 """
 
 from __future__ import annotations
@@ -47,6 +55,12 @@ import numpy as np
 
 Group = tuple[float, float, float]  # (threads, the share of a core each wants, weight)
 HOG = 0.5  # another job's process that used this much of a core was always runnable
+# the utilisation the queueing term is capped at: beyond it M/M/c's 1/(1 - rho) blows up,
+# where CFS lets a thread waking from sleep run ahead of the CPU-bound ones; the fair
+# shares (a bursting thread's share) account for the rest. Chosen on the recordings in
+# bench/recordings: their p90 errors barely move between 0.8, 0.9 and 0.95, their p50
+# errors are lowest at 0.8 (docs/autoscaling.md, "Waiting for a core")
+RHO_MAX = 0.8
 
 
 def nice_weight(nice: int) -> float:
@@ -107,6 +121,27 @@ def fair_level(groups: list[Group], cores: float) -> float:
     return lo
 
 
+def erlang_c(servers: int, load: float) -> float:
+    """Probability that a job waits in an M/M/c queue (``load`` = arrival rate x mean
+    service, in servers; < ``servers``)."""
+    term, total = 1.0, 1.0  # load^k / k!, summed for k < servers
+    for k in range(1, servers):
+        term *= load / k
+        total += term
+    last = term * load / servers * servers / (servers - load)
+    return last / (total + last)
+
+
+def cpu_slowdown(utilisation: float, cores: float) -> float:
+    """Mean response time over CPU time of a short job on ``cores`` busy ``utilisation``
+    of the time (M/M/c under processor sharing: ``1 + C(c, A) / (c (1 - rho))``, with A =
+    rho c): what a thread that needs less than its fair share still loses, because the
+    others' demand comes in bursts and it sometimes finds every core taken."""
+    c = max(1, round(cores))
+    rho = min(max(utilisation, 0.0), RHO_MAX)
+    return 1.0 + erlang_c(c, rho * c) / (c * (1.0 - rho))
+
+
 def speed(want: float, cpu: float) -> float:
     """How fast an engine runs given ``cpu`` (its share of a core): one that needs less
     runs whenever it is runnable, one that needs more is always runnable and gets it."""
@@ -130,6 +165,7 @@ class Host:
     # under autogroup scheduling, that of their autogroups' nice (each worker is its own
     # session, so its own group); empty: their processes' nice (no autogroup)
     our_weights: tuple[float, ...] = ()
+    queueing: bool = True  # a prefill's and the path's CPU wait for a core (latency)
 
     def _window(self, t: float) -> int:
         return max(0, int(np.searchsorted(self.background_t, t, side="right")) - 1)
@@ -138,6 +174,21 @@ class Host:
         if self.background.size == 0:
             return 0.0
         return float(self.background[self._window(t)])
+
+    def utilisation(
+        self, t: float, engines: list[float], starting: int, request_rate: float
+    ) -> float:
+        """Share of the cores busy at ``t`` with work that comes in bursts: ``engines`` =
+        each engine's mean use (not its runnable time), the non-engine work and the other
+        jobs that are not CPU-bound. Starting workers and CPU-bound jobs (always runnable)
+        are not bursts: the fair shares (``cpu``) account for them."""
+        ours = sum(engines) + request_rate * self.other_s_per_request
+        if self.background_groups and self.background_t.size:
+            jobs = self.background_groups[self._window(t)]
+            other = sum(n * want for n, want, _ in jobs if want < 1.0)
+        else:
+            other = self.background_at(t)
+        return (ours + other) / self.cores
 
     def cpu(self, t: float, engines: list[float], starting: int, request_rate: float) -> float:
         """The CPU (share of a core) each of our runnable threads gets at ``t`` at most;

@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -184,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     out["host"] = describe(host)
     own = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain)  # a core per replica
     out["sim_own_cores"] = stats(own.ttft, own.replica_s)
+    # the host model before it stretched bursts (sim_host.py: queueing), for comparison
+    unqueued = replace(host, queueing=False)
+    flat_q = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=unqueued)
+    out["sim_without_queueing"] = stats(flat_q.ttft, flat_q.replica_s)
+    out["sim_without_queueing"]["ttft_p90_error"] = error(
+        out["sim_without_queueing"]["ttft_p90_s"], out["real"]["ttft_p90_s"]
+    )
     if host.our_weights:  # the sessions counted: what the per-process model would say
         flat = measure_host(dump, cfg.profile, int(trace.arrival.size), end, autogroup=False)
         sim_flat = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=flat)

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from sim_goodput import Link, Replica, Req, StepSim
-from sim_host import Host, fair_level, speed
+from sim_host import RHO_MAX, Host, cpu_slowdown, erlang_c, fair_level, speed
 from sim_replay import Trace, replay
 
 from pdserve.planner.capacity import load_profile
@@ -85,3 +85,44 @@ def test_a_prefilled_sequence_goes_where_the_router_would_send_it() -> None:
     # a 97k prompt fits only beside the short contexts (2.5k used, 80k on the other)
     assert short.decode_score(cap, 97_000)[0] is True
     assert long.decode_score(cap, 97_000)[0] is False
+
+
+def test_erlang_c_and_the_slowdown_of_a_short_job() -> None:
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = rho
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert cpu_slowdown(0.5, 1.0) == pytest.approx(2.0)  # M/G/1-PS: 1 / (1 - rho)
+    assert cpu_slowdown(0.5, 2.0) == pytest.approx(1 + (1 / 3) / (2 * 0.5))
+    assert cpu_slowdown(0.0, 2.0) == 1.0
+    # more cores at the same utilisation: less waiting; busier: more, up to the cap
+    assert cpu_slowdown(0.6, 2.0) < cpu_slowdown(0.6, 1.0)
+    levels = [cpu_slowdown(u, 2.0) for u in (0.2, 0.4, 0.6, RHO_MAX)]
+    assert levels == sorted(levels)
+    assert cpu_slowdown(3.0, 2.0) == cpu_slowdown(RHO_MAX, 2.0)
+
+
+def test_utilisation_counts_bursts_not_cpu_bound_jobs() -> None:
+    host = replace(
+        _host(0.0),
+        background_t=np.array([0.0]),
+        background_groups=(((1.0, 0.3, 1024.0), (1.0, 1.0, 15.0)),),  # a 0.3 job, a hog
+    )
+    # engines' mean use 0.2 + 0.4, 10 req/s x 20 ms elsewhere, the bursty job's 0.3
+    assert host.utilisation(0.0, [0.2, 0.4], 1, 10.0) == pytest.approx((0.6 + 0.2 + 0.3) / 2)
+
+
+def test_queueing_stretches_ttft_on_busy_cores_only() -> None:
+    """A prefill and the path wait for a core on busy cores (sim_host.py: queueing); with
+    the cores to itself the replay is what it was without the term."""
+    cfg = PlannerConfig(slo=SLO(2.0, 0.5), profile=load_profile(PROFILE))
+    trace = Trace.step(2.0, 12.0, (5.0, 10.0, 5.0), seed=0)
+    runs = {}
+    for name, host in (("quiet", _host(0.0)), ("busy", _host(0.9))):
+        for q in (False, True):
+            h = replace(host, queueing=q, other_s_per_request=0.0)
+            if name == "busy":  # the other jobs in bursts: they count in the utilisation
+                h = replace(h, background_groups=(((1.0, 0.9, 1024.0),),))
+            runs[name, q] = replay(trace, cfg, (1, 1), 30.0, 2.0, 5.0, host=h).ttft
+    quiet = np.median(runs["quiet", True]) / np.median(runs["quiet", False])
+    busy = np.median(runs["busy", True]) / np.median(runs["busy", False])
+    assert 1.0 <= quiet < 1.15  # the engines' own bursts on 2 cores: a little
+    assert busy > quiet + 0.1  # 0.9 of a core busy beside them: clearly more
