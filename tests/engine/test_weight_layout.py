@@ -123,3 +123,26 @@ def test_a_dropped_model_frees_its_packed_weights() -> None:
     del m
     gc.collect()
     assert handle not in cpu_linear._layers
+
+
+def test_rows_are_bucketed_so_onednn_builds_few_primitives() -> None:
+    assert [cpu_linear.rows_bucket(n) for n in (1, 7, 16)] == [1, 7, 16]  # decode batches
+    assert [cpu_linear.rows_bucket(n) for n in (17, 300, 304, 305)] == [32, 304, 304, 320]
+    assert [cpu_linear.rows_bucket(n) for n in (1024, 1025, 2048)] == [1024, 1088, 2048]
+    buckets = {cpu_linear.rows_bucket(n) for n in range(1, 2049)}
+    assert len(buckets) < 100  # prompt chunks of every length: under a hundred shapes
+    assert all(cpu_linear.rows_bucket(n) - n < 16 for n in range(1, 1025))
+    assert all(cpu_linear.rows_bucket(n) <= n * 1.065 for n in range(256, 2049))
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_padded_rows_compute_the_same_and_keep_the_shape(bias: bool) -> None:
+    m = _big(torch.float32, bias)
+    linear = m[1]
+    want = {n: linear(torch.ones(1, n, 256) * 0.01 * n) for n in (17, 300, 513)}
+    prepare(m)
+    for n, expected in want.items():  # 3-d input, rows not on a bucket edge
+        got = m[1](torch.ones(1, n, 256) * 0.01 * n)
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
