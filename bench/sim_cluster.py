@@ -254,6 +254,8 @@ class Cluster:
             use_p = [min(1.0, self.work_rate / n_p)] * n_p
             rho = host.utilisation(t0, use_p + use_d, starting, self.rate)
             self.slow_burst = max(1.0 / share, cpu_slowdown(rho, host.cores))
+        else:
+            self.slow_burst = 1.0
 
     # -- what the planner sees --------------------------------------------------------------------
     def snapshot(self, t: float, interval_s: float) -> MetricsSnapshot:
