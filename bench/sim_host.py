@@ -170,6 +170,10 @@ class Host:
     def _window(self, t: float) -> int:
         return max(0, int(np.searchsorted(self.background_t, t, side="right")) - 1)
 
+    def _jobs_at(self, t: float) -> tuple[Group, ...]:
+        """The other jobs' CFS groups of the window holding ``t``."""
+        return self.background_groups[self._window(t)] if self.background_t.size else ()
+
     def background_at(self, t: float) -> float:
         if self.background.size == 0:
             return 0.0
@@ -183,9 +187,8 @@ class Host:
         jobs that are not CPU-bound. Starting workers and CPU-bound jobs (always runnable)
         are not bursts: the fair shares (``cpu``) account for them."""
         ours = sum(engines) + request_rate * self.other_s_per_request
-        if self.background_groups and self.background_t.size:
-            jobs = self.background_groups[self._window(t)]
-            other = sum(n * want for n, want, _ in jobs if want < 1.0)
+        if self.background_groups:
+            other = sum(n * want for n, want, _ in self._jobs_at(t) if want < 1.0)
         else:
             other = self.background_at(t)
         return (ours + other) / self.cores
@@ -199,7 +202,6 @@ class Host:
         groups.append((float(starting), min(1.0, self.startup_cores), w))
         groups.append((float(self.other_procs), other / self.other_procs, w))
         if self.background_groups:  # the other jobs compete by weight, as CFS has them
-            jobs = self.background_groups[self._window(t)] if self.background_t.size else ()
-            return min(1.0, w * fair_level([*groups, *jobs], self.cores))
+            return min(1.0, w * fair_level([*groups, *self._jobs_at(t)], self.cores))
         free = max(self.cores - self.background_at(t), 0.05 * self.cores)
         return min(1.0, w * fair_level(groups, free))
