@@ -8,11 +8,14 @@ the rate at its end by half an interval; the trend term makes up for that too::
     forecast(h) = level + max(slope * (h + interval / 2),  season[t + h] - season[t])
                   clamped to [level / max_growth, level * max_growth]
 
-``slope`` follows a rise at once (a burst is scaled for one interval after it
-starts) and a fall with smoothing; a change within the tolerance is noise and
-counts as flat. ``season`` holds an EWMA of the level per bin of ``season_s``
-(default one day); a bin is used only once it has been seen, so the seasonal
-term starts working on the second day. Plain numpy-free arithmetic: the state is
+``slope`` follows a rise at once and a fall with smoothing; a young rise (fewer
+than ``trend_after`` rising intervals) grows the forecast at most ``young_growth``,
+an older one up to ``max_growth``: a step in the load shows as one or two rising
+intervals, a ramp keeps rising, so a step is scaled for its level rather than for a
+trend it does not have. A change within the tolerance is noise and counts as
+flat. ``season`` holds an EWMA of the level per bin of ``season_s`` (default one
+day); a bin is used only once it has been seen, so the seasonal term starts
+working on the second day. Plain numpy-free arithmetic: the state is
 a handful of floats, carried in ``PlannerState`` and JSON-safe.
 """
 
@@ -40,6 +43,11 @@ class ForecastConfig:
     season_s: float = 86_400.0
     season_bins: int = 48
     season_alpha: float = 0.5  # EWMA weight of a new level in its seasonal bin
+    # a rise younger than this many intervals may be a step (one rising interval, or
+    # two when it falls inside one: never three) and grows the forecast at most
+    # young_growth; an older one up to max_growth
+    trend_after: int = 3
+    young_growth: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,7 @@ class Series:
     base: float = 0.0  # EWMA of the values: what a change is measured against
     rising: bool = False  # the last interval rose beyond the noise
     recent: tuple[float, ...] = ()  # the last RECENT values, oldest first
+    rises: int = 0  # consecutive intervals that rose (a ramp's age, in intervals)
 
     def observe(
         self,
@@ -106,7 +115,8 @@ class Series:
         if raw <= 0 < slope:
             slope = 0.0  # the rise has stopped: do not keep extrapolating it
         base = (1 - BASE_ALPHA) * base + BASE_ALPHA * value
-        return Series(value, slope, t, interval_s, season, noise, base, rising, recent)
+        rises = self.rises + 1 if raw > 0 else 0
+        return Series(value, slope, t, interval_s, season, noise, base, rising, recent, rises)
 
     def at(self, horizon_s: float, cfg: ForecastConfig) -> float:
         """Forecast of the value ``horizon_s`` after the last observation."""
@@ -116,7 +126,9 @@ class Series:
         trend = self.slope * (horizon_s + self.interval_s / 2)
         seasonal = _season_delta(self.season, self.time_s, horizon_s, cfg)
         value = level + (trend if seasonal is None else max(trend, seasonal))
-        return max(level / cfg.max_growth, min(level * cfg.max_growth, value), 0.0)
+        young = self.slope > 0 and self.rises < cfg.trend_after
+        growth = cfg.young_growth if young else cfg.max_growth
+        return max(level / cfg.max_growth, min(level * growth, value), 0.0)
 
     def peak(self, horizon_s: float, cfg: ForecastConfig, steps: int = 8) -> float:
         """Largest forecast over [0, horizon_s]."""
@@ -240,6 +252,7 @@ def _series_dict(s: Series) -> dict[str, Any]:
         "base": s.base,
         "rising": s.rising,
         "recent": list(s.recent),
+        "rises": s.rises,
     }
 
 
@@ -261,4 +274,5 @@ def _series(body: Any) -> Series:
         base=float(body.get("base", 0.0)),
         rising=bool(body.get("rising", False)),
         recent=tuple(float(x) for x in body.get("recent", ()))[-RECENT:],
+        rises=int(body.get("rises", 0)),
     )

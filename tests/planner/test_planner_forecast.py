@@ -35,10 +35,32 @@ def test_a_ramp_is_forecast_from_its_first_interval() -> None:
     s = feed([100.0] * 10 + [150.0])  # +5 req/s per second
     assert s.slope == pytest.approx(5.0)
     # the interval mean lags the rate at its end by half an interval
-    assert s.at(30.0, CFG) == pytest.approx(150 + 5 * (30 + 5))
-    assert s.at(1000.0, CFG) == 150 * CFG.max_growth  # bounded
+    assert s.at(5.0, CFG) == pytest.approx(150 + 5 * (5 + 5))
+    # one rising interval may be a step: the forecast grows at most young_growth ...
+    assert s.at(30.0, CFG) == pytest.approx(150 * CFG.young_growth)
     flat = s.observe(120.0, 151.0, 10.0, CFG, count=1510)
     assert flat.slope == 0.0  # the rise stopped: no more extrapolation
+    # ... a ramp that goes on rising is extrapolated over the horizon, bounded
+    ramp = feed([100.0] * 10 + [150.0, 200.0, 250.0])
+    assert ramp.rises == CFG.trend_after
+    assert ramp.at(30.0, CFG) == pytest.approx(250 + 5 * (30 + 5))
+    assert ramp.at(1000.0, CFG) == 250 * CFG.max_growth
+
+
+@pytest.mark.parametrize("smeared", [False, True])
+def test_a_step_is_scaled_for_its_level_not_for_a_trend(smeared: bool) -> None:
+    """A load step x6 (2 -> 12 req/s, 2 s intervals): the interval it falls inside sees
+    part of it, so a step shows as one or two rising intervals, never three. Its
+    forecast over a 28 s start-up stays within young_growth of the level (it was 4x:
+    the planner ordered a pair of workers it then cancelled unready)."""
+    low = [2.0] * 15
+    values = [*low, 5.0, 12.0, 12.0] if smeared else [*low, 12.0, 12.0]
+    s = Series()
+    for i, v in enumerate(values):
+        s = s.observe(2.0 * (i + 1), v, 2.0, CFG, count=v * 2.0)
+        if v == 12.0 and s.rises:
+            assert s.at(28.0, CFG) <= 12.0 * CFG.young_growth + 1e-9
+    assert s.slope == 0.0 and s.at(28.0, CFG) == pytest.approx(12.0)
 
 
 def test_token_series_needs_two_rising_intervals() -> None:
