@@ -94,13 +94,11 @@ class LocalAutoscaler:
             print(f"pdserve up: autoscaler: mix {decision.mode}: {decision.mix_reason}", flush=True)
         self.decisions.append(decision)
         for pool in (decision.prefill, decision.decode):
-            if pool.changed:
-                log.info(
-                    "autoscaler: %s %d -> %d: %s",
-                    pool.role,
-                    pool.current,
-                    pool.desired,
-                    pool.reason,
+            if pool.changed:  # why a worker starts or stops, beside the pools' own lines
+                print(
+                    f"pdserve up: autoscaler: {pool.role} {pool.current} -> {pool.desired}: "
+                    f"{pool.reason}",
+                    flush=True,
                 )
                 await self._call(pool.role, pool.desired)
         return decision

@@ -84,7 +84,7 @@ def fake_autoscaler(
     return auto, router, pools, clock
 
 
-async def test_ttft_breach_scales_prefill_then_quiet_scales_back() -> None:
+async def test_ttft_breach_scales_prefill_then_quiet_scales_back(capsys) -> None:
     auto, router, pools, clock = fake_autoscaler(
         "--slo-ttft-ms", "1000", "--slo-tpot-ms", "200", "--scale-down-window", "30"
     )
@@ -98,6 +98,10 @@ async def test_ttft_breach_scales_prefill_then_quiet_scales_back() -> None:
     assert decision is not None and decision.prefill.desired == 4  # max of --prefill-max 4
     assert ("prefill", 4) in pools.calls
     assert "prompt tokens forecast queued" in decision.prefill.reason
+    # every scale decision is printed with its reason, beside the pools' start/stop lines
+    assert f"pdserve up: autoscaler: prefill 1 -> 4: {decision.prefill.reason}" in (
+        capsys.readouterr().out
+    )
     pools.start_all()
     # quiet: after the window the prefill pool shrinks, one step at a time
     router.depth.set(0)
