@@ -47,7 +47,7 @@ class ForecastConfig:
     # two when it falls inside one: never three) and grows the forecast at most
     # young_growth; an older one up to max_growth
     trend_after: int = 3
-    young_growth: float = 2.0
+    young_growth: float = 1.5
 
 
 @dataclass(frozen=True)
