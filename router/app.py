@@ -18,8 +18,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import EndpointSource
 from pdserve.router.errors import APIError
 from pdserve.router.runtime import Runtime
-from pdserve.router.serving import read_json, serve
-from pdserve.router.tokenize_api import detokenize, tokenize
+from pdserve.router.serving import serve
+from pdserve.router.tokenize_api import detokenize, handle, tokenize
 from pdserve.router.tokenizer import PromptTokenizer
 
 HOT_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
@@ -89,13 +89,11 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict[str, Any]:
-        rt().check_auth(request)
-        return await rt().off_loop(tokenize, rt(), await read_json(rt(), request))
+        return await handle(rt(), request, tokenize)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> dict[str, Any]:
-        rt().check_auth(request)
-        return await rt().off_loop(detokenize, rt(), await read_json(rt(), request))
+        return await handle(rt(), request, detokenize)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

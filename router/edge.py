@@ -60,6 +60,11 @@ def check_text_length(req: GenerateRequest, limit: int) -> None:
         size, field = sum(len(m["content"]) for m in req.messages), "messages"
     else:
         size, field = len(req.prompt_text or ""), "prompt"
+    bound_text(size, field, limit)
+
+
+def bound_text(size: int, field: str, limit: int) -> None:
+    """A 400 naming ``field`` when its ``size`` characters pass ``limit``."""
     if size > limit:
         raise invalid(f"{field} holds {size} characters; at most {limit} are accepted", field,
                       "context_length_exceeded")  # fmt: skip

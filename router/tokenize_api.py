@@ -6,16 +6,40 @@ or a chat-style ``messages`` (``add_generation_prompt``, default true) and answe
 ``{"tokens"}`` and answers ``{"prompt"}``. Chat input may carry ``tools`` (and
 ``tool_choice``): they are rendered as a chat completion would render them.
 ``model`` is optional, checked if given.
+
+Both pass the gates a completion passes before its body is read (``handle``): the
+API key, the key's requests-per-minute bucket and ``--max-queue`` admission; then
+the body's size, depth and Unicode limits, and ``--max-prompt-chars`` before the
+text is tokenized. They run on the tokenizer threads the completions share, so
+without these a client could keep those threads busy for everyone else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from starlette.requests import Request
+
+from pdserve.router.edge import bound_text
 from pdserve.router.errors import invalid
 from pdserve.router.protocol import check_model, parse_messages
 from pdserve.router.runtime import Runtime
+from pdserve.router.serving import read_json
 from pdserve.router.tools import chat_inputs, parse_tools
+
+
+async def handle(
+    rt: Runtime, request: Request, fn: Callable[[Runtime, Any], dict[str, Any]]
+) -> dict[str, Any]:
+    """``fn`` (tokenize or detokenize) on the request's body, admitted as a completion is."""
+    key = rt.check_auth(request)
+    rt.limiter.take_request(rt.client_of(request, key))
+    ticket = rt.admit()  # before the body is read: --max-queue bounds this work too
+    try:
+        return await rt.off_loop(fn, rt, await read_json(rt, request))
+    finally:
+        ticket.release()
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -40,13 +64,15 @@ def tokenize(rt: Runtime, body: Any) -> dict[str, Any]:
     tok = rt.tokenizer
     if "messages" in body:
         gen = _flag(body, "add_generation_prompt", True)
-        messages, tools = chat_inputs(tok.tok, list(parse_messages(body["messages"])),
-                                      parse_tools(body))  # fmt: skip
+        parsed = parse_messages(body["messages"])
+        bound_text(sum(len(m["content"]) for m in parsed), "messages", rt.cfg.max_prompt_chars)
+        messages, tools = chat_inputs(tok.tok, list(parsed), parse_tools(body))
         ids = tok.encode_chat(messages, add_generation_prompt=gen, tools=tools)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise invalid("prompt (a string) or messages is required", "prompt")
+        bound_text(len(prompt), "prompt", rt.cfg.max_prompt_chars)
         ids = list(
             tok.tok.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
         )

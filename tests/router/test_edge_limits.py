@@ -95,6 +95,38 @@ async def test_admission_comes_before_parsing_and_tokenizing(cluster_factory) ->
         await c.settle()
 
 
+async def test_tokenize_passes_the_same_gates_as_a_completion(cluster_factory) -> None:
+    """/tokenize and /detokenize run on the tokenizer threads the completions share: they
+    are admitted under --max-queue and the request rate limit before their body is read,
+    and their text is bounded by --max-prompt-chars before it is tokenized."""
+    async with cluster_factory(max_queue=1, disagg_threshold=10_000, max_prompt_chars=1000,
+                               api_keys=("ka",), rate_limit_rpm=5) as c:  # fmt: skip
+        c.decode[0].token_delay_s = 0.05
+        auth = {"Authorization": "Bearer ka"}
+        async with httpx.AsyncClient(base_url=c.url, timeout=30, headers=auth) as h:
+            assert (await h.post("/tokenize", json={"prompt": "hello"})).status_code == 200
+            calls = _count_tokenizer_calls(c)
+            long_chat = {"messages": [{"role": "user", "content": "z" * 1001}]}
+            for body in ({"prompt": "y" * 1001}, long_chat):
+                r = await h.post("/tokenize", json=body)
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == next(iter(body)), r.text
+            assert calls == []  # refused before its text was tokenized
+            busy = asyncio.create_task(h.post("/v1/completions", json={**OK, "max_tokens": 20}))
+            while c.runtime.active == 0:
+                await asyncio.sleep(0.01)
+            r = await h.post("/tokenize", json={"prompt": "w " * 400})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+            assert (await busy).status_code == 200
+            # the key's 5 requests per minute are spent: /detokenize counts too
+            r = await h.post("/detokenize", json={"tokens": [1, 2]})
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+            assert calls == ["hello"] and c.runtime.active == 0  # the completion's prompt only
+        async with httpx.AsyncClient(base_url=c.url) as h:
+            assert (await h.post("/tokenize", json={"prompt": "hi"})).status_code == 401
+        await c.settle()
+
+
 async def test_rate_limits_per_api_key(cluster_factory) -> None:
     async with cluster_factory(api_keys=("ka", "kb"), rate_limit_rpm=3) as c:
         async with httpx.AsyncClient(base_url=c.url) as h:
