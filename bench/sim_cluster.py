@@ -146,7 +146,9 @@ class Cluster:
             when = np.maximum(when, started["t"])
             first = when + started["service"] * max(1.0 / self.speed_p, self.slow_burst)
             if self.cost.host is not None:  # the serving path beside the engine
-                first = first + self.cost.host.path_s * self.slow_burst
+                h = self.cost.host
+                path = h.path_s + h.path_s_per_token * started["prompt"]
+                first = first + path * self.slow_burst
             self.interval.wait.append(when - started["t"])
             self.interval.ttft.append(first - started["t"])
             transfer = started["prompt"] * self.cost.kv_bytes_per_token / self.cost.link_bytes_per_s

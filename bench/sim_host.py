@@ -16,9 +16,11 @@ model gives the simulated cluster that share, from measurement only
   transfer threads);
 - ``startup_cores``: what a starting worker uses (model load, warm-up): its CPU until
   ready over its start-up time;
-- ``path_s``: the serving path's latency beside the engine's prefill (HTTP hops client
-  -> router -> prefill worker -> router -> client), from single requests on the idle
-  service just before the trace: TTFT minus the profile's ``prefill_time``.
+- ``path_s`` + ``path_s_per_token`` x prompt: the serving path's latency beside the
+  engine's prefill (HTTP hops client -> router -> prefill worker -> router -> client;
+  the prompt's ids as JSON and its KV hand-off grow with it), fit to single requests of
+  three lengths on the idle service just before the trace: TTFT minus the profile's
+  ``prefill_time`` (the first probe, a warm-up, left out).
 
 Under autogroup scheduling (``kernel.sched_autogroup_enabled``, on here) CFS is two
 levels deep: every session is one group, weighted by its autogroup's nice
@@ -156,6 +158,7 @@ class Host:
     other_s_per_request: float
     path_s: float  # constant: a hop's few ms of CPU stay under the fair share
     startup_cores: float
+    path_s_per_token: float = 0.0  # the path's part that grows with the prompt (JSON, KV)
     other_procs: int = 3  # router, pdserve up, client: non-engine work spreads over them
     # the other jobs as CFS groups per background window (job_groups); empty: they are a
     # fixed load taken off the top (``background``)

@@ -146,8 +146,9 @@ def measure_host(
                 other += max(0.0, d[w] - d.get(w + "/engine", 0.0))
         if 0 <= t < end_s:
             other += sum(d.get(k, 0.0) for k in FRONT)
-    probe = zip(dump["probe"], PROBE_LENGTHS, strict=False)
+    probe = list(zip(dump["probe"], PROBE_LENGTHS, strict=False))[1:]  # the first: warm-up
     path = [x - profile.prefill.service_time(n) for x, n in probe]
+    fixed, per_token = _path_fit(path, [n for _, n in probe])
     bg_t, bg = _background(dump, end_s)
     nice = int(dump.get("nice", {}).get("up", 0))
     ours = _our_groups(dump, bg_t) if autogroup else ()
@@ -157,12 +158,24 @@ def measure_host(
         background_t=bg_t,
         background=bg,
         other_s_per_request=other / max(requests, 1),
-        path_s=max(0.0, float(np.median(path))) if path else 0.0,
+        path_s=fixed,
+        path_s_per_token=per_token,
         startup_cores=startup_cpu / startup_s if startup_s > 0 else 0.0,
         background_groups=jobs if len(jobs) == bg_t.size else (),
         nice=nice,
         our_weights=tuple(nice_weight(n) for n in ours) if len(jobs) == bg_t.size else (),
     )
+
+
+def _path_fit(path: list[float], lengths: list[int]) -> tuple[float, float]:
+    """The idle path's latency as fixed + per prompt token (least squares, both >= 0):
+    the JSON of the prompt's ids and its KV hand-off grow with it."""
+    if len(set(lengths)) < 2:
+        return max(0.0, float(np.median(path))) if path else 0.0, 0.0
+    slope, fixed = np.polyfit(np.asarray(lengths, float), np.asarray(path), 1)
+    if slope <= 0:
+        return max(0.0, float(np.median(path))), 0.0
+    return max(0.0, float(fixed)), float(slope)
 
 
 def _hogs(host: Host) -> dict[str, float]:
@@ -184,6 +197,7 @@ def describe(host: Host) -> dict:
         "background_cores_mean": round(float(bg.mean()), 3) if bg.size else 0.0,
         "other_cpu_ms_per_request": round(host.other_s_per_request * 1e3, 2),
         "path_ms": round(host.path_s * 1e3, 1),
+        "path_us_per_token": round(host.path_s_per_token * 1e6, 2),
         "startup_cores": round(host.startup_cores, 3),
         "nice": host.nice,
         # our autogroups' weight, mean over the trace (None: by process nice, no autogroup)

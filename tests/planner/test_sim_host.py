@@ -126,3 +126,20 @@ def test_queueing_stretches_ttft_on_busy_cores_only() -> None:
     busy = np.median(runs["busy", True]) / np.median(runs["busy", False])
     assert 1.0 <= quiet < 1.15  # the engines' own bursts on 2 cores: a little
     assert busy > quiet + 0.1  # 0.9 of a core busy beside them: clearly more
+
+
+def test_the_idle_path_is_fit_as_fixed_plus_per_prompt_token() -> None:
+    """The idle probe's latency beside the prefill (sim_vs_real_host._path_fit): 7 ms
+    plus 10 us per prompt token is recovered from noisy probes of three lengths; a
+    probe that does not grow with the prompt is one constant (its median)."""
+    from sim_vs_real_host import _path_fit
+
+    lengths = [64, 256, 512] * 3
+    noise = [0.4e-3, -0.3e-3, 0.2e-3, -0.2e-3, 0.3e-3, -0.4e-3, 0.0, 0.1e-3, 0.0]
+    path = [7e-3 + 10e-6 * n + e for n, e in zip(lengths, noise, strict=True)]
+    fixed, per_token = _path_fit(path, lengths)
+    assert fixed == pytest.approx(7e-3, abs=0.5e-3)
+    assert per_token == pytest.approx(10e-6, rel=0.15)
+    flat = [9e-3 - 1e-6 * n for n in lengths]  # falls with the prompt: not a per-token cost
+    assert _path_fit(flat, lengths) == (pytest.approx(float(np.median(flat))), 0.0)
+    assert _path_fit([8e-3, 9e-3], [256, 256]) == (pytest.approx(8.5e-3), 0.0)
