@@ -38,11 +38,14 @@ def test_the_host_model_slows_the_cluster_only_when_the_cores_are_short() -> Non
     cfg = PlannerConfig(slo=SLO(2.0, 0.5), profile=load_profile(PROFILE))
     trace = Trace.step(2.0, 12.0, (5.0, 10.0, 5.0), seed=0)
     own = replay(trace, cfg, (1, 1), 30.0, 2.0, 5.0)
+    flat = replay(trace, cfg, (1, 1), 30.0, 2.0, 5.0, host=replace(_host(0.0), queueing=False))
     idle = replay(trace, cfg, (1, 1), 30.0, 2.0, 5.0, host=_host(0.0))
     busy = replay(trace, cfg, (1, 1), 30.0, 2.0, 5.0, host=_host(1.8))
     assert own.ttft.size == idle.ttft.size == trace.arrival.size
-    # 2 free cores: each engine has its own; the path's measured latency is added
-    assert np.median(idle.ttft) == pytest.approx(np.median(own.ttft) + 0.03, abs=0.01)
+    # 2 free cores: each engine has its own; the path's measured latency is added ...
+    assert np.median(flat.ttft) == pytest.approx(np.median(own.ttft) + 0.03, abs=0.01)
+    # ... and the bursts of 12 req/s on 2 cores stretch it some (queueing), not much
+    assert np.median(flat.ttft) <= np.median(idle.ttft) < 1.5 * np.median(flat.ttft)
     # 0.2 free cores shared by two engines and the router: far slower (some requests still
     # wait for their first token when the replay ends)
     assert busy.ttft.size <= trace.arrival.size
@@ -124,7 +127,7 @@ def test_queueing_stretches_ttft_on_busy_cores_only() -> None:
             runs[name, q] = replay(trace, cfg, (1, 1), 30.0, 2.0, 5.0, host=h).ttft
     quiet = np.median(runs["quiet", True]) / np.median(runs["quiet", False])
     busy = np.median(runs["busy", True]) / np.median(runs["busy", False])
-    assert 1.0 <= quiet < 1.15  # the engines' own bursts on 2 cores: a little
+    assert 1.0 <= quiet < 1.25  # the engines' own bursts on 2 cores: a little
     assert busy > quiet + 0.1  # 0.9 of a core busy beside them: clearly more
 
 
