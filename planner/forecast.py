@@ -44,8 +44,8 @@ class ForecastConfig:
     season_bins: int = 48
     season_alpha: float = 0.5  # EWMA weight of a new level in its seasonal bin
     # a rise younger than this many intervals may be a step (one rising interval, or
-    # two when it falls inside one: never three) and grows the forecast at most
-    # young_growth; an older one up to max_growth
+    # two when it falls inside one: never three): its trend grows the forecast at most
+    # young_growth; an older one's up to max_growth (the seasonal term is not capped)
     trend_after: int = 3
     young_growth: float = 1.5
 
@@ -124,11 +124,11 @@ class Series:
             return 0.0
         level = self.level
         trend = self.slope * (horizon_s + self.interval_s / 2)
+        if self.slope > 0 and self.rises < cfg.trend_after:  # young: may be a step
+            trend = min(trend, level * (cfg.young_growth - 1.0))  # (the season is not)
         seasonal = _season_delta(self.season, self.time_s, horizon_s, cfg)
         value = level + (trend if seasonal is None else max(trend, seasonal))
-        young = self.slope > 0 and self.rises < cfg.trend_after
-        growth = cfg.young_growth if young else cfg.max_growth
-        return max(level / cfg.max_growth, min(level * growth, value), 0.0)
+        return max(level / cfg.max_growth, min(level * cfg.max_growth, value), 0.0)
 
     def peak(self, horizon_s: float, cfg: ForecastConfig, steps: int = 8) -> float:
         """Largest forecast over [0, horizon_s]."""

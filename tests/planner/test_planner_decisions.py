@@ -253,10 +253,15 @@ def test_starting_pods_are_credited_so_a_backlog_is_scaled_for_once() -> None:
 def test_rising_load_is_forecast_but_noise_is_not() -> None:
     cfg = config(startup_s=30.0)
     _, state = plan(snap(t=T0, rps=150), settled(), cfg)
-    decision, _ = plan(snap(t=T0 + 10, rps=200), state, cfg)  # +5 req/s per second
-    # the interval mean lags the rate at its end by half an interval
-    assert decision.details["forecast_request_rate"] == pytest.approx(200 + 5 * (30 + 5))
+    decision, ramp = plan(snap(t=T0 + 10, rps=200), state, cfg)  # +5 req/s per second
+    # one rising interval may be a step: its trend (5 * (30 + 5)) is capped at +50%
+    assert decision.details["forecast_request_rate"] == pytest.approx(200 * 1.5)
     assert decision.prefill.desired > 15
+    # a third rising interval is a ramp: extrapolated over the start-up, plus the half
+    # interval the interval mean lags the rate at its end by
+    for t, rps in ((20, 250), (30, 300)):
+        decision, ramp = plan(snap(t=T0 + t, rps=rps), ramp, cfg)
+    assert decision.details["forecast_request_rate"] == pytest.approx(300 + 5 * (30 + 5))
     decision, _ = plan(snap(t=T0 + 10, rps=160), state, cfg)  # +6.7%: within tolerance
     assert decision.details["forecast_request_rate"] == 160.0
 
