@@ -170,12 +170,11 @@ def measure_host(
 def _path_fit(path: list[float], lengths: list[int]) -> tuple[float, float]:
     """The idle path's latency as fixed + per prompt token (least squares, both >= 0):
     the JSON of the prompt's ids and its KV hand-off grow with it."""
+    median = max(0.0, float(np.median(path))) if path else 0.0
     if len(set(lengths)) < 2:
-        return max(0.0, float(np.median(path))) if path else 0.0, 0.0
+        return median, 0.0
     slope, fixed = np.polyfit(np.asarray(lengths, float), np.asarray(path), 1)
-    if slope <= 0:
-        return max(0.0, float(np.median(path))), 0.0
-    return max(0.0, float(fixed)), float(slope)
+    return (max(0.0, float(fixed)), float(slope)) if slope > 0 else (median, 0.0)
 
 
 def _hogs(host: Host) -> dict[str, float]:

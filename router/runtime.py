@@ -111,6 +111,15 @@ class Runtime:
             parts.append("r:" + requested)
         return "|".join(parts) or None
 
+    def gate(self, request: Request) -> tuple[str, str, Ticket]:
+        """What a request passes before its body is read: the API key, the client's
+        requests-per-minute bucket, ``--max-queue`` admission. Returns (key, client,
+        ticket); the caller releases the ticket."""
+        key = self.check_auth(request)
+        client = self.client_of(request, key)
+        self.limiter.take_request(client)
+        return key, client, self.admit()
+
     def admit(self) -> Ticket:
         if self.active >= self.cfg.max_queue:
             raise APIError(

@@ -166,10 +166,7 @@ class _Stream(Response):
 async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     try:
-        key = rt.check_auth(request)
-        client = rt.client_of(request, key)
-        rt.limiter.take_request(client)
-        ticket = rt.admit()  # before the body is read or parsed: --max-queue bounds that work
+        key, client, ticket = rt.gate(request)  # before the body is read or parsed
     except APIError as err:
         return rt.error(err)
     streaming = False

@@ -33,9 +33,7 @@ async def handle(
     rt: Runtime, request: Request, fn: Callable[[Runtime, Any], dict[str, Any]]
 ) -> dict[str, Any]:
     """``fn`` (tokenize or detokenize) on the request's body, admitted as a completion is."""
-    key = rt.check_auth(request)
-    rt.limiter.take_request(rt.client_of(request, key))
-    ticket = rt.admit()  # before the body is read: --max-queue bounds this work too
+    _, _, ticket = rt.gate(request)  # before the body is read: --max-queue bounds it too
     try:
         return await rt.off_loop(fn, rt, await read_json(rt, request))
     finally:
