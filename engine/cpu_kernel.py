@@ -2,8 +2,8 @@
 
 The kernel is plain C++ with OpenMP and no torch headers, so it compiles in about
 a second; it is built on first use with the host's compiler (``-march=native``) into
-a cache directory keyed by the source's hash, and loaded with ctypes. Where no
-compiler is found (or ``PDSERVE_CPU_KERNEL=0``), :func:`load` returns None and
+a cache directory keyed by the source's hash and the CPU (``host_tag.py``), and loaded
+with ctypes. Where no compiler is found (or ``PDSERVE_CPU_KERNEL=0``), :func:`load` returns None and
 attention falls back to the gather path.
 
 OpenMP: the library links libgomp by soname; torch has loaded its own copy already,
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pdserve import env
+from pdserve.engine.host_tag import host_tag
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +53,22 @@ def _compiler() -> str | None:
     return None
 
 
+def library_path(
+    cxx: str, source: Path = SOURCE, headers: list[Path] = HEADERS, flags: list[str] = FLAGS
+) -> Path:
+    """Where the library of ``source`` is cached: keyed by the hash of its text, its
+    headers', the compiler, the flags and the CPU (``-march=native``)."""
+    src = b"".join(p.read_bytes() for p in [source, *headers])
+    key = hashlib.sha256(src + " ".join([cxx, *flags, host_tag()]).encode()).hexdigest()[:16]
+    return cache_dir() / f"{source.stem}-{key}.so"
+
+
 def build(
     cxx: str, source: Path = SOURCE, headers: list[Path] = HEADERS, flags: list[str] = FLAGS
 ) -> Path:
-    """The compiled library of ``source`` (cached by the hash of its text, its headers',
-    the compiler and the flags); bench/attention_kernel.py builds the old kernel with it."""
-    src = b"".join(p.read_bytes() for p in [source, *headers])
-    key = hashlib.sha256(src + " ".join([cxx, *flags]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
+    """The compiled library of ``source`` (built once per ``library_path``);
+    bench/attention_kernel.py builds the old kernel with it."""
+    target = library_path(cxx, source, headers, flags)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
