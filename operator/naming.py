@@ -21,6 +21,11 @@ SIDE_CHANNEL_PORT = 8082  # both workers: NIXL handshake / lease release
 ROUTER_SERVICE_PORT = 80
 
 MODEL_MOUNT = "/models"
+# Workers' compiled code (inductor graphs, the attention kernel) in the shared model cache:
+# a new pod loads what another compiled instead of compiling for minutes. Keyed by CPU
+# inside (engine/host_tag.py), so nodes of different CPUs share the volume safely.
+COMPILE_CACHE_MOUNT = "/var/cache/pdserve"
+COMPILE_CACHE_SUBPATH = ".pdserve-compiled"
 LABEL_SERVICE = "pdserve.io/service"
 LABEL_ROLE = "pdserve.io/role"
 ANNOTATION_LAST_APPLIED = "pdserve.io/last-applied"

@@ -25,7 +25,7 @@ GRACE_PERIOD_S = {"router": 600, "prefill": 120, "decode": 600}
 _ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
 
 
-def _env(spec: LLMServiceSpec) -> list[dict[str, Any]]:
+def _env(spec: LLMServiceSpec, role: str) -> list[dict[str, Any]]:
     field = {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
     env: list[dict[str, Any]] = [
         {"name": k, "valueFrom": {"fieldRef": {"fieldPath": v}}} for k, v in field.items()
@@ -35,7 +35,17 @@ def _env(spec: LLMServiceSpec) -> list[dict[str, Any]]:
     env.append({"name": "PDSERVE_SERVICE_SECRET", "valueFrom": {"secretKeyRef": ref}})
     # The root filesystem is read-only: caches go to the /tmp emptyDir.
     env += [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
+    if _shares_compiled_code(spec, role):
+        env += [
+            {"name": "PDSERVE_COMPILE_CACHE", "value": f"{n.COMPILE_CACHE_MOUNT}/inductor"},
+            {"name": "PDSERVE_KERNEL_CACHE", "value": f"{n.COMPILE_CACHE_MOUNT}/kernels"},
+        ]
     return env
+
+
+def _shares_compiled_code(spec: LLMServiceSpec, role: str) -> bool:
+    """Workers keep compiled code in the shared model cache, where there is one."""
+    return role in n.POOL_ROLES and bool(spec.model.source.cache_claim)
 
 
 def _ports(role: str) -> list[dict[str, Any]]:
@@ -94,6 +104,14 @@ def _mounts(spec: LLMServiceSpec, role: str) -> list[dict[str, Any]]:
         },
         {"name": "tmp", "mountPath": "/tmp"},
     ]
+    if _shares_compiled_code(spec, role):  # the one part of the shared cache workers write
+        mounts.append(
+            {
+                "name": "model",
+                "mountPath": n.COMPILE_CACHE_MOUNT,
+                "subPath": n.COMPILE_CACHE_SUBPATH,
+            }
+        )
     if role in n.POOL_ROLES:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if role == "router" and spec.router.api_key_secret:
@@ -115,7 +133,7 @@ def _container(
         "imagePullPolicy": spec.image_pull_policy,
         "command": command,
         "ports": _ports(role),
-        "env": _env(spec) + [dict(e) for e in extra_env],
+        "env": _env(spec, role) + [dict(e) for e in extra_env],
         "envFrom": [{"configMapRef": {"name": n.config_map_name(spec.name)}}],
         "resources": _with_ephemeral_storage(resources, p.ephemeral_storage_request(spec, role)),
         "volumeMounts": _mounts(spec, role),
@@ -149,6 +167,8 @@ def _pod_spec(
         "terminationGracePeriodSeconds": GRACE_PERIOD_S[role],
     }
     init = p.download_init_container(spec, tokenizer_only=is_router)
+    if _shares_compiled_code(spec, role):
+        init += p.compile_cache_init_container(spec)
     if init:  # the API server drops empty lists; keep live and desired comparable
         pod["initContainers"] = init
     if is_router:

@@ -85,6 +85,28 @@ def download_init_container(spec: LLMServiceSpec, tokenizer_only: bool) -> list[
     ]
 
 
+def compile_cache_init_container(spec: LLMServiceSpec) -> list[dict[str, Any]]:
+    """Creates the workers' compiled-code folder in the shared cache as the pod's user
+    (a folder the kubelet made for the subPath mount could belong to root)."""
+    if not spec.model.source.cache_claim:
+        return []
+    folder = f"{n.MODEL_MOUNT}/{n.COMPILE_CACHE_SUBPATH}"
+    return [
+        {
+            "name": "compile-cache-dir",
+            "image": spec.image,
+            "imagePullPolicy": spec.image_pull_policy,
+            "command": ["mkdir", "-p", folder],
+            "volumeMounts": [{"name": "model", "mountPath": n.MODEL_MOUNT}],
+            "securityContext": container_security(spec, False),
+            "resources": {
+                "requests": {"cpu": "10m", "memory": "16Mi"},
+                "limits": {"memory": "64Mi"},
+            },
+        }
+    ]
+
+
 def engine_args(spec: LLMServiceSpec, pool: PoolSpec) -> list[str]:
     m = spec.model
     args = ["--dtype", m.dtype, "--device", "auto", "--block-size", str(m.block_size)]

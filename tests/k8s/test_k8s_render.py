@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 from k8s_helpers import ROOT, minimal_llmservice, schema_errors
@@ -284,10 +285,43 @@ def test_shared_model_cache_and_ephemeral_storage() -> None:
         init = spec["initContainers"][0]["command"]
         assert init[init.index("--local-dir") + 1] == "/models/org--model@v2"
         main = spec["containers"][0]
-        assert {m["name"]: m.get("readOnly") for m in main["volumeMounts"]}["model"] is True
+        assert {m["mountPath"]: m.get("readOnly") for m in main["volumeMounts"]}["/models"] is True
         assert main["resources"]["requests"]["ephemeral-storage"] == "1Gi"
     cmd = pod(cached, "demo-decode")["containers"][0]["command"]
     assert cmd[cmd.index("--model") + 1] == "/models/org--model@v2"
+
+
+def test_workers_keep_compiled_code_in_the_shared_cache() -> None:
+    """With a shared cache, workers write their compiled code to one folder of it (keyed by
+    CPU inside, engine/host_tag.py): a scaled-up pod loads graphs instead of compiling."""
+    hf = {"huggingFace": {"id": "org/model", "cache": {"claimName": "hf-cache"}}}
+    cached = by_key(render(minimal_llmservice(model={"source": hf})))
+    for role in ("prefill", "decode"):
+        spec = pod(cached, f"demo-{role}")
+        main = spec["containers"][0]
+        env = {e["name"]: e.get("value") for e in main["env"]}
+        assert env["PDSERVE_COMPILE_CACHE"] == "/var/cache/pdserve/inductor"
+        assert env["PDSERVE_KERNEL_CACHE"] == "/var/cache/pdserve/kernels"
+        mounts = [m for m in main["volumeMounts"] if m["name"] == "model"]
+        assert {m["mountPath"]: m.get("readOnly") for m in mounts} == {
+            "/models": True,  # the weights stay read-only
+            "/var/cache/pdserve": None,
+        }
+        assert [m["subPath"] for m in mounts if "subPath" in m] == [".pdserve-compiled"]
+        made = {c["name"]: c for c in spec["initContainers"]}["compile-cache-dir"]
+        assert made["command"] == ["mkdir", "-p", "/models/.pdserve-compiled"]
+        assert made["securityContext"]["readOnlyRootFilesystem"] is True
+    for manifest in cached.values():  # the two mounts of one volume are valid Kubernetes
+        if manifest["kind"] == "Deployment":
+            kubernetes_validate.validate(manifest, "1.34", strict=True)
+    router = pod(cached, "demo-router")
+    assert "compile-cache-dir" not in {c["name"] for c in router["initContainers"]}
+    assert "PDSERVE_COMPILE_CACHE" not in {e["name"] for e in router["containers"][0]["env"]}
+    # Without a shared cache, compiled code stays in the pod's own /tmp.
+    plain = by_key(render(minimal_llmservice()))
+    main = pod(plain, "demo-decode")["containers"][0]
+    assert "PDSERVE_COMPILE_CACHE" not in {e["name"] for e in main["env"]}
+    assert all("subPath" not in m for m in main["volumeMounts"])
 
 
 def test_optional_gateway_api_http_route() -> None:
