@@ -17,6 +17,8 @@ a few rows), and a call whose rows x in x out is under ``SMALL_GEMM_MACS`` uses 
 crossover measured for 128x128 up to 1024x512 weights at 1 and 16 rows. Real models'
 weights are all larger, so they hold one copy.
 
+Weights off the CPU (CUDA) are left as they are: these layouts were measured on CPU.
+
 The packed tensor has oneDNN's opaque layout, which the compiler cannot trace, so the
 operator takes an integer handle (a constant in the graph) and finds the weight at run
 time, as attention finds the pool. The handle table holds weak references: a model that
@@ -164,7 +166,9 @@ def prepare(model: torch.nn.Module) -> dict[str, int]:
             if not isinstance(child, torch.nn.Linear):
                 continue
             weight = child.weight
-            if weight.data_ptr() in embedding_ptrs or weight.stride(1) != 1:
+            # Only CPU weights: these layouts were measured on CPU; cuBLAS wants its own.
+            cpu = weight.device.type == "cpu"
+            if not cpu or weight.data_ptr() in embedding_ptrs or weight.stride(1) != 1:
                 counts["as_is"] += 1
             elif should_pack(weight, mode):
                 setattr(parent, name, PackedLinear(child, keeps_blas_copy(weight, mode)))

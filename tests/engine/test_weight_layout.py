@@ -42,6 +42,15 @@ def test_without_onednn_float32_linears_become_input_major_and_compute_the_same(
     torch.testing.assert_close(m(x), before)
 
 
+def test_weights_off_the_cpu_are_left_alone() -> None:
+    """A CUDA model's linears keep their layout (the meta device stands in for CUDA here:
+    no GPU on this machine); before, its float32 weights were made input-major."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Linear(12, 4)).to("meta")
+    assert prepare(m) == {"onednn": 0, "blas_input_major": 0, "as_is": 2}
+    assert [type(layer) for layer in m] == [torch.nn.Linear, torch.nn.Linear]
+    assert m[0].weight.stride() == (8, 1) and m[1].weight.stride() == (12, 1)
+
+
 @needs_onednn
 def test_a_small_float32_weight_keeps_a_blas_copy_for_small_calls() -> None:
     """Under SMALL_GEMM_MACS a call goes to BLAS, above to oneDNN; both compute the same."""
