@@ -71,6 +71,9 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()
     health_interval_s: float = 1.0
     request_timeout_s: float = 600.0
+    # A decode stream this long without bytes, on a worker whose health check fails, is
+    # cut and moves to another worker (Dispatcher.cut_stalled).
+    stall_timeout_s: float = 10.0
     prefix_index_capacity: int = 1_000_000  # block hashes remembered, all workers together
     default_max_tokens: int = 16
     # Limits at the edge (router/edge.py, router/ratelimit.py); see docs/router.md.
@@ -90,6 +93,8 @@ class RouterConfig:
             raise ValueError(f"unknown picker {self.picker!r}; valid: {list(PICKERS)}")
         if self.disagg_threshold < 0:
             raise ValueError("disagg_threshold must be >= 0")
+        if self.stall_timeout_s <= 0:
+            raise ValueError("stall_timeout_s must be > 0")
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
         if self.cache_isolation not in CACHE_ISOLATION:

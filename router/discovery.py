@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
@@ -95,6 +95,7 @@ class Discovery:
         self._version = 0
         self._task: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
+        self.after_refresh: list[Callable[[], None]] = []  # run after each health round
 
     # -- published state ---------------------------------------------------------------
     def snapshot(self) -> Snapshot:
@@ -121,6 +122,12 @@ class Discovery:
             self._views[url] = replace(view, healthy=False)
             self._version += 1
 
+    def failed_check(self, url: str) -> bool:
+        """Whether ``url`` is known and out of rotation (its last check, or a request,
+        failed)."""
+        view = self._views.get(url)
+        return view is not None and not view.healthy
+
     # -- health loop -------------------------------------------------------------------
     async def refresh(self) -> Snapshot:
         try:
@@ -139,6 +146,8 @@ class Discovery:
         self._version += 1
         if any(v.healthy for v in views):
             self.ready.set()
+        for listener in self.after_refresh:
+            listener()
         return self.snapshot()
 
     async def _check(self, ep: Endpoint) -> WorkerView:

@@ -13,7 +13,8 @@ If every prefill worker fails, the request falls back to local prefill. A
 decode worker that dies mid-stream (connection reset, EOF before the final
 line, timeout) costs the client nothing: the stream moves to the next decode
 worker with ``resume_token_ids`` = every token already sent, which that worker
-recomputes and continues from (docs/router.md, "Stream migration"). A request
+recomputes and continues from (docs/router.md, "Stream migration"); so does one
+that hangs (``cut_stalled``). A request
 fault (4xx, or an error line with code ``request_failed``) is never migrated. A
 request that ends early (client gone, error) is aborted on the workers it
 touched so their KV blocks are freed.
@@ -105,6 +106,8 @@ class Dispatcher:
         self.rng = rng or random.Random()
         self._rr = 0
         self._background: set[asyncio.Task[Any]] = set()
+        self._watches: set[worker_client.StreamWatch] = set()  # decode streams open now
+        discovery.after_refresh.append(self.cut_stalled)
 
     def plan(self, ids: list[int], snap: Snapshot, cache_salt: str | None = None) -> RoutePlan:
         prefix = self.cfg.uses_prefix
@@ -242,9 +245,11 @@ class Dispatcher:
         self, rs: RequestState, url: str, req: GenerateRequest
     ) -> AsyncIterator[Delta]:
         """One decode worker's deltas; raises WorkerFailed when its stream breaks."""
+        watch = worker_client.StreamWatch(url)
+        self._watches.add(watch)
         try:
             async for msg in worker_client.generate(
-                self.client, url, req, self.cfg.request_timeout_s
+                self.client, url, req, self.cfg.request_timeout_s, watch
             ):
                 if rs.finished:  # read on to the end: the connection goes back to the pool
                     continue
@@ -255,8 +260,25 @@ class Dispatcher:
             if rs.finished:  # the final line arrived: a break after it costs nothing
                 return
             raise
+        finally:
+            self._watches.discard(watch)
         if not rs.finished:
             raise WorkerFailed(url, "stream ended without a finish_reason")
+
+    def cut_stalled(self) -> None:
+        """After each health round: a stream that has waited ``stall_timeout_s`` for its
+        worker's next bytes, on a worker whose health check fails, is cut and so moves on
+        (``_decode``). A hung worker (stopped, deadlocked, its host gone silent) closes
+        nothing, and its streams would otherwise wait ``request_timeout_s``; a healthy
+        worker's quiet stream (a long queue, a long prefill) is left alone."""
+        now, limit = time.monotonic(), self.cfg.stall_timeout_s
+        for watch in list(self._watches):
+            quiet = watch.quiet_s(now)
+            if quiet < limit or not self.discovery.failed_check(watch.url):
+                continue
+            if watch.cut(f"no bytes for {quiet:.1f}s and its health check fails"):
+                log.warning("cutting a stalled stream on %s (%.1fs quiet)", watch.url, quiet)
+                self.metrics.stalled.inc()
 
     def _migrate(self, rs: RequestState, req: GenerateRequest, url: str) -> GenerateRequest:
         """The request that continues ``rs`` on ``url``: no KV handle (its lease belonged to

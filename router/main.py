@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}-weight", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--default-max-tokens", type=int, default=16)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
+    p.add_argument("--stall-timeout", type=float, default=10.0,
+                   help="seconds a decode stream may wait for bytes from a worker that fails "
+                        "its health check before it moves to another worker")  # fmt: skip
     p.add_argument("--keep-alive-timeout", type=int, default=CLIENT_KEEP_ALIVE_S,
                    help="seconds an idle client connection stays open (longer than clients "
                         "and load balancers keep theirs: docs/router.md)")  # fmt: skip
@@ -128,6 +131,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         max_queue=args.max_queue,
         api_keys=api_keys(args),
         health_interval_s=args.health_interval,
+        stall_timeout_s=args.stall_timeout,
         default_max_tokens=args.default_max_tokens,
         max_body_bytes=args.max_body_bytes,
         max_prompt_chars=args.max_prompt_chars,

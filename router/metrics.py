@@ -95,6 +95,11 @@ class RouterMetrics:
             "Requests moved to another decode worker after theirs died mid-stream",
             registry=r,
         )
+        self.stalled = Counter(
+            "pdserve_router_stalled_streams",
+            "Decode streams cut because their worker went quiet and failed its health check",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

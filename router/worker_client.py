@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -125,24 +126,78 @@ async def prefill(
 MAX_LINE_BYTES = 1 << 20  # one NDJSON line from a worker; more is a broken stream
 
 
+class StreamWatch:
+    """One decode stream as its dispatcher sees it: when its last bytes came, and a way to
+    give up on it. ``cut`` ends the wait for the worker's headers or next bytes at once
+    (the stream raises :class:`WorkerFailed`); while the request's task is elsewhere
+    (handing tokens to a slow client) there is nothing to cut, and ``cut`` does nothing."""
+
+    __slots__ = ("_since", "_waiting", "reason", "url")
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.reason: str | None = None
+        self._waiting: asyncio.Task[Any] | None = None  # the task that waits for the worker
+        self._since = 0.0  # when that wait began
+
+    def quiet_s(self, now: float) -> float:
+        """How long the stream has waited for its worker (0 while it is not waiting)."""
+        return now - self._since if self._waiting is not None else 0.0
+
+    def cut(self, reason: str) -> bool:
+        if self._waiting is None or self.reason is not None:
+            return False
+        self.reason = reason
+        self._waiting.cancel()
+        return True
+
+
+async def _watched(watch: StreamWatch | None, aw: Any) -> Any:
+    if watch is None:
+        return await aw
+    watch._waiting, watch._since = asyncio.current_task(), time.monotonic()
+    try:
+        return await aw
+    finally:
+        watch._waiting = None
+
+
+def _cut_or_cancelled(url: str, watch: StreamWatch | None) -> WorkerFailed:
+    """The WorkerFailed for a cut stream; re-raises a cancellation that was not the cut."""
+    if watch is None or watch.reason is None:
+        raise asyncio.CancelledError
+    task = asyncio.current_task()
+    uncancel = getattr(task, "uncancel", None)  # Python 3.11+: count the cut's cancel off
+    if uncancel is not None and uncancel() > 0:  # the client went away as well
+        raise asyncio.CancelledError
+    return WorkerFailed(url, f"stream cut: {watch.reason}")
+
+
 async def generate(
-    client: aiohttp.ClientSession, url: str, req: GenerateRequest, timeout: float
+    client: aiohttp.ClientSession,
+    url: str,
+    req: GenerateRequest,
+    timeout: float,
+    watch: StreamWatch | None = None,
 ) -> AsyncIterator[TokenDelta]:
     """Messages of the decode worker's NDJSON stream. Raises :class:`WorkerFailed` when the
-    stream cannot start or breaks; a delta with an ``error`` is yielded as is.
+    stream cannot start or breaks, or ``watch`` cuts it; a delta with an ``error`` is
+    yielded as is.
 
     Lines that arrived together are merged into one message (see :func:`merge_lines`),
     so a router that falls behind its workers catches up instead of paying per token.
     """
     try:
-        async with client.post(
-            url + "/generate", data=encode(req), headers=JSON, timeout=_timeout(timeout)
-        ) as resp:
+        async with await _watched(
+            watch, client.post(url + "/generate", data=encode(req), headers=JSON,
+                               timeout=_timeout(timeout))
+        ) as resp:  # fmt: skip
             if resp.status != 200:
                 _raise_for(url, resp.status, _decode_json(await resp.read()))
                 raise WorkerFailed(url, f"HTTP {resp.status}")
             rest, content = b"", resp.content
-            while data := await content.readany():  # what iter_any does, one layer less
+            read = content.readany  # what iter_any does, one layer less
+            while data := await (read() if watch is None else _watched(watch, read())):
                 *lines, rest = (rest + data).split(b"\n") if rest else data.split(b"\n")
                 if len(rest) > MAX_LINE_BYTES:
                     raise WorkerFailed(url, f"stream line over {MAX_LINE_BYTES} bytes")
@@ -153,6 +208,8 @@ async def generate(
                 yield _message(url, rest)
     except TRANSPORT_ERRORS as exc:
         raise WorkerFailed(url, f"generate failed: {exc!r}") from exc
+    except asyncio.CancelledError:
+        raise _cut_or_cancelled(url, watch) from None
 
 
 def stream_error(url: str, error: WorkerError) -> Exception:

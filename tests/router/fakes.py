@@ -58,7 +58,12 @@ class FakeState:
     role: str
     worker_id: str
     # "" | "500" | "400" | "mid-stream" | "error-line" | "hang" | "request-fault" | "error-mid"
+    # | "stall-mid" (hangs after 2 tokens and fails its health check, like a stopped worker)
+    # | "stall-headers" (the same before the stream's headers) | "quiet-mid" (2 tokens,
+    # then `quiet_s` of silence while healthy, then the rest)
     fail: str = ""
+    quiet_s: float = 0.0
+    healthy: bool = True
     token_delay_s: float = 0.0
     kv_events: str = ""
     leases: dict[str, int] = field(default_factory=dict)  # request_id -> blocks
@@ -102,8 +107,8 @@ def _common(app: FastAPI, st: FakeState) -> None:
         return await call_next(request)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Any:
+        return {"status": "ok"} if st.healthy else _error(503, "injected: unhealthy")
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
@@ -184,6 +189,8 @@ def decode_app(st: FakeState) -> FastAPI:
         n = body.sampling.max_tokens - (1 if from_prefill else 0)
         start = sum(1 for t in resume if t >= 200)
         st.active[rid] = -(-len(body.prompt_token_ids) // BLOCK)
+        if st.fail == "stall-headers":
+            await _hang(st, rid)
         if handle:  # "read" the blocks, then end the prefill worker's lease
             url = "http://" + handle.side_channel.removeprefix("tcp://").rstrip("/")
             async with httpx.AsyncClient(headers={SECRET_HEADER: SECRET}) as c:
@@ -208,6 +215,11 @@ async def _stream(st: FakeState, rid: str, n: int, start: int = 0) -> AsyncItera
                 return
             if st.fail == "mid-stream" and i == start + 2:
                 raise RuntimeError("injected crash mid-stream")
+            if st.fail == "stall-mid" and i == start + 2:
+                await _hang(st, rid)
+                return
+            if st.fail == "quiet-mid" and i == start + 2:
+                await asyncio.sleep(st.quiet_s)
             await asyncio.sleep(st.token_delay_s)
             last = i == n - 1
             usage = Usage(0, n, 7) if last else None
@@ -215,6 +227,13 @@ async def _stream(st: FakeState, rid: str, n: int, start: int = 0) -> AsyncItera
             yield encode(line) + b"\n"
     finally:
         st.active.pop(rid, None)
+
+
+async def _hang(st: FakeState, rid: str) -> None:
+    """Send nothing more and fail the health check, until the router's abort arrives."""
+    st.healthy = False
+    while rid in st.active:
+        await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager

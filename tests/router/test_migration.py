@@ -87,3 +87,40 @@ async def test_no_survivor_ends_the_stream_with_an_error(cluster_factory) -> Non
         assert got == " t0 t1 t2 t3"  # two tokens from each worker, none twice
         assert await _migrated(c) == 1  # moved once; the second failure had nowhere to go
         await c.settle()
+
+
+async def _stalled(c) -> float:
+    async with httpx.AsyncClient() as h:
+        text = (await h.get(c.url + "/metrics")).text
+    line = next(x for x in text.splitlines() if x.startswith("pdserve_router_stalled_streams"))
+    return float(line.split()[-1])
+
+
+@pytest.mark.parametrize("fault", ["stall-mid", "stall-headers"])
+async def test_stream_on_a_hung_worker_moves_on(cluster_factory, fault: str) -> None:
+    """A worker that hangs closes nothing: its stream would wait request_timeout_s (600 s).
+    Quiet for stall_timeout_s and failing its health check, it is cut and moves on."""
+    async with cluster_factory(n_decode=2, disagg_threshold=10_000, routing="round-robin",
+                               stall_timeout_s=0.5) as c:  # fmt: skip
+        hung = _first(c)
+        c.decode[hung].fail = fault
+        stream = await client(c.url).completions.create(
+            model="tiny", prompt="hi", max_tokens=6, stream=True
+        )
+        text = "".join([ch.choices[0].text async for ch in stream])
+        assert text == " t0 t1 t2 t3 t4 t5"  # no token lost or repeated
+        survivor = c.decode[1 - hung].requests[-1]
+        assert len(survivor.resume_token_ids or []) == (2 if fault == "stall-mid" else 0)
+        assert await _stalled(c) == 1
+        assert await _migrated(c) == (1 if fault == "stall-mid" else 0)
+        assert survivor.request_id in c.decode[hung].aborted  # its blocks are freed there
+        await c.settle()
+
+
+async def test_quiet_stream_on_a_healthy_worker_is_left_alone(cluster_factory) -> None:
+    async with cluster_factory(n_decode=1, disagg_threshold=10_000, stall_timeout_s=0.3) as c:
+        c.decode[0].fail, c.decode[0].quiet_s = "quiet-mid", 1.5  # 5x the stall timeout
+        out = await client(c.url).completions.create(model="tiny", prompt="hi", max_tokens=4)
+        assert out.choices[0].text == " t0 t1 t2 t3"
+        assert await _stalled(c) == 0 and await _migrated(c) == 0
+        await c.settle()
