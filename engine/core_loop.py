@@ -14,7 +14,9 @@ Commands (pickled tuples, front end → core):
     ("stop",)
 Messages (core → front end):
     ("out", stats, [RequestOutput, ...])   one step's outputs (or an abort's)
-    ("stats", stats)                       counters changed without outputs
+    ("stats", stats)                       counters changed without outputs, or a
+                                           second passed without any message (a
+                                           heartbeat: the front end's /health)
     ("rejected", request_id, kind, field, message)   add refused (kind: invalid | failed)
     ("reply", query_id, ok, value)
 """
@@ -40,6 +42,7 @@ Hook = Callable[[LLMEngine], None]
 Query = Callable[..., Any]
 IDLE_S = 0.02  # poll interval when idle: hooks (leases, KV events) run at least this often
 TRANSFER_POLL_S = 0.0005  # only transfers in flight: poll them without spinning a core
+HEARTBEAT_S = 1.0  # the longest the front end goes without a message while the loop runs
 
 
 class CoreLoop:
@@ -63,6 +66,7 @@ class CoreLoop:
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
         self._compiling: list[tuple[Future[Any], tuple[Any, ...]]] = []
         self._stats: EngineStats | None = None
+        self._sent_at = 0.0
 
     def run(self) -> None:
         last_hooks = 0.0
@@ -177,9 +181,10 @@ class CoreLoop:
 
     def _send_stats(self) -> None:
         stats = self.engine.stats()
-        if stats != self._stats:
+        if stats != self._stats or time.monotonic() - self._sent_at >= HEARTBEAT_S:
             self._stats = stats
             self._send(("stats", stats))
 
     def _send(self, msg: tuple[Any, ...]) -> None:
         self.results.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        self._sent_at = time.monotonic()

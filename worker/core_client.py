@@ -12,6 +12,13 @@ request's output deltas and raises ``InvalidParameter`` / ``RequestFailed`` befo
 first; ``abort``; ``stats`` (the latest counters the core sent); ``alive``; and
 ``query(name, *args)`` for the role's named questions (``CoreLoop.queries``).
 
+The core sends something at least every second while its loop runs (a heartbeat,
+``CoreLoop``); one silent for ``--core-stall-timeout`` seconds is hung (a deadlock, a
+stopped process, a step that never ends): ``responsive`` turns false and ``/health``
+answers 503, so the router routes elsewhere and moves the streams that wait on it.
+Silent four times that long, it is killed, which is handled as any death (below): a
+hung core would otherwise keep its pod unready for good (liveness only sees the front end).
+
 If the core dies, every open stream ends with an error output (a worker fault: the
 router migrates it), pending queries raise :class:`EngineDeadError`, ``alive`` turns
 false, ``/health`` answers 503 and ``on_death`` runs (the worker then exits, so that
@@ -32,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -45,6 +53,8 @@ from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
 POLL_MS = 200  # how often the receiver checks that the core still runs
+DEFAULT_STALL_S = 30.0  # a core silent this long is hung (it sends a heartbeat every second)
+HUNG_KILL_FACTOR = 4  # silent this many stall timeouts: killed, so the worker restarts
 Item = RequestOutput | Exception
 
 
@@ -61,6 +71,8 @@ class EngineClient:
         self._send(("init", role, args))
         self.info: dict[str, Any] = self._await_ready()
         self._stats = EngineStats()
+        self.stall_s = float(getattr(args, "core_stall_timeout", DEFAULT_STALL_S))
+        self._heard = time.monotonic()  # the last message from the core (the rx thread)
         self._dead: str | None = None
         self.crashed: str | None = None  # why the core died, if it did on its own
         self.on_death: Callable[[], None] | None = None  # called once it has (any thread)
@@ -74,6 +86,15 @@ class EngineClient:
     @property
     def alive(self) -> bool:
         return self._dead is None and self.proc.poll() is None
+
+    @property
+    def silent_s(self) -> float:
+        """Seconds since the core's last message."""
+        return time.monotonic() - self._heard
+
+    @property
+    def responsive(self) -> bool:
+        return self.silent_s < self.stall_s
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -155,13 +176,19 @@ class EngineClient:
 
     # -- the receiver thread ------------------------------------------------------------
     def _receive(self) -> None:
+        hung: str | None = None
         while self._dead is None:
             if not self._results.poll(POLL_MS):
                 if self.proc.poll() is not None:
-                    self._core_died(f"engine core exited with {self.proc.returncode}")
+                    self._core_died(hung or f"engine core exited with {self.proc.returncode}")
+                elif hung is None and self.silent_s > HUNG_KILL_FACTOR * self.stall_s:
+                    hung = f"engine core hung (silent {self.silent_s:.0f}s): killed"
+                    logger.error("%s", hung)
+                    self.proc.kill()  # then handled as a death: streams fail, worker exits
                 continue
             try:
                 msg = pickle.loads(self._results.recv())
+                self._heard = time.monotonic()
                 self._dispatch(msg)
             except Exception:
                 logger.exception("bad message from the engine core")

@@ -33,7 +33,7 @@ from pdserve.engine.request import REQUEST_FAILED, RequestFailed
 from pdserve.engine.sampling_params import InvalidParameter
 from pdserve.jsonguard import BadJSON, loads_checked
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
-from pdserve.worker.core_client import EngineClient
+from pdserve.worker.core_client import DEFAULT_STALL_S, EngineClient
 from pdserve.worker.metrics import WorkerMetrics
 
 T = TypeVar("T")
@@ -67,6 +67,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     g.add_argument("--worker-id", default=None, help="default: ROLE-HOST-PORT")
     g.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
     g.add_argument("--log-level", default="info")
+    g.add_argument("--core-stall-timeout", type=float, default=DEFAULT_STALL_S,
+                   help="seconds the engine core may go without a word before /health "
+                        "calls it hung (it sends one every second)")  # fmt: skip
 
 
 def advertise_host(args: argparse.Namespace) -> str:
@@ -198,6 +201,8 @@ def add_common_routes(
     async def health() -> JSONResponse:
         if not engine.alive:
             return error_response(503, "engine is not running")
+        if not engine.responsive:  # hung: the router moves this worker's streams
+            return error_response(503, f"engine core silent for {engine.silent_s:.0f}s")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -5,11 +5,16 @@
   seeded;
 - a prefill worker killed under load costs no request (local prefill takes over);
 - ``up`` keeps running, restarts the dead worker in place, and it serves again;
+- a stream whose decode worker hangs (SIGSTOP: the whole worker, or only its engine
+  core, whose silence the worker's /health reports) moves on after the router's stall
+  timeout, with the same text; the worker serves again once it resumes;
+- a core that stays hung is killed by its worker, and ``up`` restarts the worker;
 - every KV pool is free at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -39,6 +44,7 @@ class Up:
     proc: subprocess.Popen[str]
     workers: dict[str, str]  # name -> URL
     lines: list[str] = field(default_factory=list)
+    log_dir: str = ""
 
     def urls(self, role: str) -> list[str]:
         return [u for n, u in self.workers.items() if n.startswith(role)]
@@ -58,10 +64,12 @@ def up(tiny_model_dir: Path, tmp_path_factory):
             "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
             "--routing", "round-robin", "--disagg-threshold", "32", "--log-dir", str(logs),
             "--worker-port-base", str(20000 + free_port() % 10000),
-            "--worker-arg=--max-model-len", "--worker-arg=1024"]  # fmt: skip
+            "--worker-arg=--max-model-len", "--worker-arg=1024",
+            # hung workers are found in seconds here (defaults: 30 s and 10 s)
+            "--worker-arg=--core-stall-timeout=4", "--router-arg=--stall-timeout=3"]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, start_new_session=True)  # fmt: skip
-    it = Up("", proc, {})
+    it = Up("", proc, {}, log_dir=str(logs))
     threading.Thread(target=_read_output, args=(it,), daemon=True).start()
     deadline = time.monotonic() + 300
     while not any(x.startswith("pdserve is up") for x in it.lines):
@@ -229,3 +237,95 @@ def test_up_restarts_the_dead_worker_and_it_serves_again(up: Up) -> None:
         assert r.status_code == 200, r.text
     assert served() >= 2
     all_kv_free(list(up.workers.values()))
+
+
+def _core_pid(front_end_pid: int) -> int:
+    """The engine core: the worker's one child process."""
+    children = Path(f"/proc/{front_end_pid}/task/{front_end_pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+@pytest.mark.parametrize("what", ["worker", "core"])
+def test_stream_survives_a_hung_decode_worker(up: Up, what: str) -> None:
+    """SIGSTOP closes nothing: without the stall cut the stream would wait 600 s."""
+    _all_back(up, decode=2)
+    before = _migrated(up)
+    body = _body(LONG)
+    ref_text = httpx.post(up.url + "/v1/completions", json=body, timeout=120).json()
+    stopped: list[int] = []
+
+    def hang() -> None:  # once the stream is under way: stop the worker that serves it
+        deadline = time.monotonic() + 30
+        while not stopped and time.monotonic() < deadline:
+            for url in up.urls("decode"):
+                s = _stats_or_none(url)
+                if s is not None and s["running"]:
+                    pid = int(s["pid"])
+                    if what == "worker":  # front end and core: its process group
+                        stopped.append(-os.getpgid(pid))
+                    else:  # the core alone: the front end answers, the core is silent
+                        stopped.append(_core_pid(pid))
+                    _signal(stopped[0], signal.SIGSTOP)
+                    return
+            time.sleep(0.005)
+
+    body = {**body, "stream": True}
+    text, started = [], time.monotonic()
+    try:
+        with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += [c["text"] for c in chunk.get("choices", [])]
+                if len(text) == 20:
+                    hang()
+        took = time.monotonic() - started
+    finally:
+        for pid in stopped:
+            _signal(pid, signal.SIGCONT)
+    assert stopped, "no decode worker was running the request"
+    assert "".join(text) == ref_text["choices"][0]["text"]
+    assert _migrated(up) == before + 1
+    assert took < 60, f"the stream took {took:.0f}s"
+    metrics = httpx.get(up.url + "/metrics", timeout=5).text
+    assert re.search(r"^pdserve_router_stalled_streams_total [1-9]", metrics, re.M)
+    _all_back(up)  # resumed, it is healthy again (and was not restarted)
+    all_kv_free(list(up.workers.values()))
+
+
+def _signal(pid: int, sig: int) -> None:
+    if pid < 0:
+        os.killpg(-pid, sig)
+    else:
+        os.kill(pid, sig)
+
+
+def test_a_core_hung_for_good_is_killed_and_its_worker_restarted(up: Up) -> None:
+    """--core-stall-timeout=4: /health fails after 4 s, the core is killed after 16 s, the
+    worker exits and ``up`` starts it again."""
+    _all_back(up)
+    victim = up.urls("decode")[-1]
+    pid = _stats(victim)["pid"]
+    core = _core_pid(pid)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60
+        while (s := _stats_or_none(victim)) is None or s["pid"] == pid:
+            assert time.monotonic() < deadline, "the hung worker was not restarted"
+            time.sleep(0.5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed: gone
+            os.kill(core, signal.SIGCONT)
+    assert any("engine core hung" in x for x in _log(up, victim))
+    _all_back(up)
+    r = httpx.post(up.url + "/v1/completions", json=_body("hi", max_tokens=4), timeout=60)
+    assert r.status_code == 200, r.text
+    all_kv_free(list(up.workers.values()))
+
+
+def _log(up: Up, url: str) -> list[str]:
+    name = next(n for n, u in up.workers.items() if u == url)
+    return [*up.lines, *(Path(up.log_dir) / f"{name}.log").read_text().splitlines()]
