@@ -14,7 +14,7 @@ decode worker that dies mid-stream (connection reset, EOF before the final
 line, timeout) costs the client nothing: the stream moves to the next decode
 worker with ``resume_token_ids`` = every token already sent, which that worker
 recomputes and continues from (docs/router.md, "Stream migration"); so does one
-that hangs (``cut_stalled``). A request
+that hangs, and a hung prefill worker's request moves on too (``cut_stalled``). A request
 fault (4xx, or an error line with code ``request_failed``) is never migrated. A
 request that ends early (client gone, error) is aborted on the workers it
 touched so their KV blocks are freed.
@@ -180,9 +180,11 @@ class Dispatcher:
             url, n = worker.url, len(rs.prompt_ids)
             rs.touched.add(url)
             self._track(url, "prefill", n, +1)
+            watch = worker_client.StreamWatch(url, "prefill")
+            self._watches.add(watch)
             try:
                 return await worker_client.prefill(
-                    self.client, url, req, self.cfg.request_timeout_s
+                    self.client, url, req, self.cfg.request_timeout_s, watch
                 )
             except WorkerFailed as exc:
                 log.warning("request %s: prefill failed on %s: %s", rs.request_id, url, exc)
@@ -190,6 +192,7 @@ class Dispatcher:
                 self.discovery.mark_failed(url)
                 self._spawn(worker_client.abort(self.client, url, rs.request_id))
             finally:
+                self._watches.discard(watch)
                 self._track(url, "prefill", n, -1)
         log.warning("request %s: every prefill worker failed; prefilling locally", rs.request_id)
         return None
@@ -266,19 +269,21 @@ class Dispatcher:
             raise WorkerFailed(url, "stream ended without a finish_reason")
 
     def cut_stalled(self) -> None:
-        """After each health round: a stream that has waited ``stall_timeout_s`` for its
-        worker's next bytes, on a worker whose health check fails, is cut and so moves on
-        (``_decode``). A hung worker (stopped, deadlocked, its host gone silent) closes
-        nothing, and its streams would otherwise wait ``request_timeout_s``; a healthy
-        worker's quiet stream (a long queue, a long prefill) is left alone."""
+        """After each health round: a call that has waited ``stall_timeout_s`` for its
+        worker's reply or next bytes, on a worker whose health check fails, is cut and so
+        moves on (a prefill to the next prefill worker or a local prefill, a decode stream
+        to the next decode worker). A hung worker (stopped, deadlocked, its host gone
+        silent) closes nothing, and its calls would otherwise wait ``request_timeout_s``;
+        a healthy worker's quiet call (a long queue, a long prefill) is left alone."""
         now, limit = time.monotonic(), self.cfg.stall_timeout_s
         for watch in list(self._watches):
             quiet = watch.quiet_s(now)
             if quiet < limit or not self.discovery.failed_check(watch.url):
                 continue
             if watch.cut(f"no bytes for {quiet:.1f}s and its health check fails"):
-                log.warning("cutting a stalled stream on %s (%.1fs quiet)", watch.url, quiet)
-                self.metrics.stalled.inc()
+                log.warning("cutting a stalled %s call on %s (%.1fs quiet)", watch.role,
+                            watch.url, quiet)  # fmt: skip
+                self.metrics.stalled.labels(watch.role).inc()
 
     def _migrate(self, rs: RequestState, req: GenerateRequest, url: str) -> GenerateRequest:
         """The request that continues ``rs`` on ``url``: no KV handle (its lease belonged to

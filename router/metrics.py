@@ -97,7 +97,9 @@ class RouterMetrics:
         )
         self.stalled = Counter(
             "pdserve_router_stalled_streams",
-            "Decode streams cut because their worker went quiet and failed its health check",
+            "Calls to a worker (decode streams, prefills) cut because the worker went quiet "
+            "and failed its health check",
+            ["role"],
             registry=r,
         )
 

@@ -105,37 +105,20 @@ async def get_message(
         return status, None
 
 
-async def prefill(
-    client: aiohttp.ClientSession, url: str, req: PrefillRequest, timeout: float
-) -> PrefillReply:
-    try:
-        async with client.post(
-            url + "/prefill", data=encode(req), headers=JSON, timeout=_timeout(timeout)
-        ) as resp:
-            status, raw = resp.status, await resp.read()
-    except TRANSPORT_ERRORS as exc:
-        raise WorkerFailed(url, f"prefill failed: {exc!r}") from exc
-    if status != 200:
-        _raise_for(url, status, _decode_json(raw))
-    try:
-        return decode(raw, PrefillReply)
-    except CodecError as exc:
-        raise WorkerFailed(url, f"bad prefill reply: {exc}") from exc
-
-
 MAX_LINE_BYTES = 1 << 20  # one NDJSON line from a worker; more is a broken stream
 
 
 class StreamWatch:
-    """One decode stream as its dispatcher sees it: when its last bytes came, and a way to
-    give up on it. ``cut`` ends the wait for the worker's headers or next bytes at once
-    (the stream raises :class:`WorkerFailed`); while the request's task is elsewhere
-    (handing tokens to a slow client) there is nothing to cut, and ``cut`` does nothing."""
+    """One call to a worker (a prefill, a decode stream) as its dispatcher sees it: how
+    long it has waited, and a way to give up on it. ``cut`` ends the wait for the worker's
+    reply or next bytes at once (the call raises :class:`WorkerFailed`); while the
+    request's task is elsewhere (handing tokens to a slow client) there is nothing to cut,
+    and ``cut`` does nothing."""
 
-    __slots__ = ("_since", "_waiting", "reason", "url")
+    __slots__ = ("_since", "_waiting", "reason", "role", "url")
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, role: str = "decode") -> None:
+        self.url, self.role = url, role
         self.reason: str | None = None
         self._waiting: asyncio.Task[Any] | None = None  # the task that waits for the worker
         self._since = 0.0  # when that wait began
@@ -171,6 +154,36 @@ def _cut_or_cancelled(url: str, watch: StreamWatch | None) -> WorkerFailed:
     if uncancel is not None and uncancel() > 0:  # the client went away as well
         raise asyncio.CancelledError
     return WorkerFailed(url, f"stream cut: {watch.reason}")
+
+
+async def prefill(
+    client: aiohttp.ClientSession,
+    url: str,
+    req: PrefillRequest,
+    timeout: float,
+    watch: StreamWatch | None = None,
+) -> PrefillReply:
+    """The prefill worker's reply; raises :class:`WorkerFailed` when there is none (or
+    ``watch`` cuts the wait)."""
+
+    async def post() -> tuple[int, bytes]:
+        async with client.post(
+            url + "/prefill", data=encode(req), headers=JSON, timeout=_timeout(timeout)
+        ) as resp:
+            return resp.status, await resp.read()
+
+    try:
+        status, raw = await _watched(watch, post())
+    except TRANSPORT_ERRORS as exc:
+        raise WorkerFailed(url, f"prefill failed: {exc!r}") from exc
+    except asyncio.CancelledError:
+        raise _cut_or_cancelled(url, watch) from None
+    if status != 200:
+        _raise_for(url, status, _decode_json(raw))
+    try:
+        return decode(raw, PrefillReply)
+    except CodecError as exc:
+        raise WorkerFailed(url, f"bad prefill reply: {exc}") from exc
 
 
 async def generate(

@@ -291,7 +291,7 @@ def test_stream_survives_a_hung_decode_worker(up: Up, what: str) -> None:
     assert _migrated(up) == before + 1
     assert took < 60, f"the stream took {took:.0f}s"
     metrics = httpx.get(up.url + "/metrics", timeout=5).text
-    assert re.search(r"^pdserve_router_stalled_streams_total [1-9]", metrics, re.M)
+    assert re.search(r'^pdserve_router_stalled_streams_total\{role="decode"\} [1-9]', metrics, re.M)
     _all_back(up)  # resumed, it is healthy again (and was not restarted)
     all_kv_free(list(up.workers.values()))
 

@@ -60,7 +60,8 @@ class FakeState:
     # "" | "500" | "400" | "mid-stream" | "error-line" | "hang" | "request-fault" | "error-mid"
     # | "stall-mid" (hangs after 2 tokens and fails its health check, like a stopped worker)
     # | "stall-headers" (the same before the stream's headers) | "quiet-mid" (2 tokens,
-    # then `quiet_s` of silence while healthy, then the rest)
+    # then `quiet_s` of silence while healthy, then the rest) | "stall" (prefill: hangs and
+    # fails its health check)
     fail: str = ""
     quiet_s: float = 0.0
     healthy: bool = True
@@ -142,7 +143,9 @@ def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI
             return _error(422, "request failed: injected", "request_failed")
         ids, rid = body.prompt_token_ids, body.request_id
         before = len(st.aborted)  # aborts of this rid before now are of an earlier prefill
-        while st.fail == "hang" and rid not in st.aborted[before:]:  # until the router aborts
+        if st.fail == "stall":
+            st.healthy = False
+        while st.fail in ("hang", "stall") and rid not in st.aborted[before:]:  # until aborted
             await asyncio.sleep(0.02)
         if rid in st.aborted[before:]:  # like a real worker: an aborted prefill keeps no blocks
             return _error(400, "aborted")

@@ -89,11 +89,11 @@ async def test_no_survivor_ends_the_stream_with_an_error(cluster_factory) -> Non
         await c.settle()
 
 
-async def _stalled(c) -> float:
+async def _stalled(c, role: str = "decode") -> float:
     async with httpx.AsyncClient() as h:
         text = (await h.get(c.url + "/metrics")).text
-    line = next(x for x in text.splitlines() if x.startswith("pdserve_router_stalled_streams"))
-    return float(line.split()[-1])
+    key = f'pdserve_router_stalled_streams_total{{role="{role}"}}'
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(key))
 
 
 @pytest.mark.parametrize("fault", ["stall-mid", "stall-headers"])
@@ -123,4 +123,22 @@ async def test_quiet_stream_on_a_healthy_worker_is_left_alone(cluster_factory) -
         out = await client(c.url).completions.create(model="tiny", prompt="hi", max_tokens=4)
         assert out.choices[0].text == " t0 t1 t2 t3"
         assert await _stalled(c) == 0 and await _migrated(c) == 0
+        await c.settle()
+
+
+@pytest.mark.parametrize("n_prefill", [2, 1])  # the next prefill worker; a local prefill
+async def test_prefill_on_a_hung_worker_moves_on(cluster_factory, n_prefill: int) -> None:
+    async with cluster_factory(n_prefill=n_prefill, disagg_threshold=16, routing="round-robin",
+                               stall_timeout_s=0.5) as c:  # fmt: skip
+        hung = c.prefill_urls.index(sorted(c.prefill_urls)[0])
+        c.prefill[hung].fail = "stall"
+        out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=4)
+        assert out.usage.completion_tokens == 4
+        rid = c.prefill[hung].requests[-1].request_id
+        assert rid in c.prefill[hung].aborted  # the hung worker is told to drop it
+        if n_prefill == 2:
+            assert c.prefill[1 - hung].requests[-1].request_id == rid
+        else:  # the decode worker prefilled it: no handle
+            assert c.decode[0].requests[-1].kv_handle is None
+        assert await _stalled(c, "prefill") == 1 and await _stalled(c) == 0
         await c.settle()
