@@ -74,6 +74,9 @@ class RouterConfig:
     # A decode stream this long without bytes, on a worker whose health check fails, is
     # cut and moves to another worker (Dispatcher.cut_stalled).
     stall_timeout_s: float = 10.0
+    # When every decode candidate failed, a request waits this long for a healthy decode
+    # worker (a restarted one) before it fails (502 mid-stream, 503 before); 0: no wait.
+    failover_wait_s: float = 30.0
     prefix_index_capacity: int = 1_000_000  # block hashes remembered, all workers together
     default_max_tokens: int = 16
     # Limits at the edge (router/edge.py, router/ratelimit.py); see docs/router.md.
@@ -93,6 +96,8 @@ class RouterConfig:
             raise ValueError(f"unknown picker {self.picker!r}; valid: {list(PICKERS)}")
         if self.disagg_threshold < 0:
             raise ValueError("disagg_threshold must be >= 0")
+        if self.failover_wait_s < 0:
+            raise ValueError("failover_wait_s must be >= 0")
         if self.stall_timeout_s <= 0:
             raise ValueError("stall_timeout_s must be > 0")
         if self.max_queue < 1:

@@ -14,7 +14,9 @@ decode worker that dies mid-stream (connection reset, EOF before the final
 line, timeout) costs the client nothing: the stream moves to the next decode
 worker with ``resume_token_ids`` = every token already sent, which that worker
 recomputes and continues from (docs/router.md, "Stream migration"); so does one
-that hangs, and a hung prefill worker's request moves on too (``cut_stalled``). A request
+that hangs, and a hung prefill worker's request moves on too (``cut_stalled``). When no
+other decode worker is left, the request waits up to ``failover_wait_s`` for one to
+come back (a restart) and moves there (``_await_decode``). A request
 fault (4xx, or an error line with code ``request_failed``) is never migrated. A
 request that ends early (client gone, error) is aborted on the workers it
 touched so their KV blocks are freed.
@@ -23,6 +25,7 @@ touched so their KV blocks are freed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -48,6 +51,8 @@ from pdserve.router.worker_client import WorkerFailed
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
+MAX_FAILOVER_WAITS = 2  # times a request waits for a decode worker to come back
+FAILOVER_POLL_S = 0.1
 
 
 class Delta(NamedTuple):
@@ -204,7 +209,16 @@ class Dispatcher:
             rs.request_id, rs.prompt_ids, rs.sampling, handle, first, rs.cache_salt
         )
         relayed = False  # a decode token reached the client: from now on, migrate
-        for attempt, worker in enumerate(plan.decode[:MAX_ATTEMPTS]):
+        candidates, waits = list(plan.decode[:MAX_ATTEMPTS]), 0
+        for attempt in itertools.count():
+            if not candidates:  # every candidate failed: wait for one to come (back)
+                if waits == MAX_FAILOVER_WAITS:
+                    break
+                waits += 1
+                candidates = await self._await_decode(rs)
+                if not candidates:
+                    break
+            worker = candidates.pop(0)
             url = worker.url
             if relayed:
                 req = self._migrate(rs, req, url)
@@ -229,6 +243,28 @@ class Dispatcher:
         if relayed:
             raise APIError(502, "decode worker failed mid-stream and no other could take over")
         raise APIError(503, "no decode worker could serve the request", code="no_worker")
+
+    async def _await_decode(self, rs: RequestState) -> list[Any]:
+        """Every decode candidate failed: wait up to ``failover_wait_s`` for a healthy decode
+        worker (a restarted one, a new replica) and return it, the least busy first; [] if
+        none came. A lone decode worker that dies and is restarted (``pdserve up``, the
+        kubelet) so costs its streams a pause, not an error. A worker this request already
+        used is told to drop the old request first (its id is about to come back)."""
+        if self.cfg.failover_wait_s <= 0:
+            return []
+        deadline = time.monotonic() + self.cfg.failover_wait_s
+        log.warning("request %s: no decode worker left; waiting up to %.0fs for one",
+                    rs.request_id, self.cfg.failover_wait_s)  # fmt: skip
+        while True:
+            ready = sorted(self.discovery.snapshot().decode, key=lambda w: w.inflight)
+            if ready:
+                for w in ready:
+                    if w.url in rs.touched:
+                        await worker_client.abort(self.client, w.url, rs.request_id)
+                return ready[:MAX_ATTEMPTS]
+            if time.monotonic() >= deadline:
+                return []
+            await asyncio.sleep(FAILOVER_POLL_S)
 
     async def _fresh_handle(
         self, rs: RequestState, plan: RoutePlan, req: GenerateRequest

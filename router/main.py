@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, default=10.0,
                    help="seconds a decode stream may wait for bytes from a worker that fails "
                         "its health check before it moves to another worker")  # fmt: skip
+    p.add_argument("--failover-wait", type=float, default=30.0,
+                   help="seconds a request whose decode workers all failed waits for one to "
+                        "come back (a restart) before it fails; 0: no wait")  # fmt: skip
     p.add_argument("--keep-alive-timeout", type=int, default=CLIENT_KEEP_ALIVE_S,
                    help="seconds an idle client connection stays open (longer than clients "
                         "and load balancers keep theirs: docs/router.md)")  # fmt: skip
@@ -132,6 +135,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         api_keys=api_keys(args),
         health_interval_s=args.health_interval,
         stall_timeout_s=args.stall_timeout,
+        failover_wait_s=args.failover_wait,
         default_max_tokens=args.default_max_tokens,
         max_body_bytes=args.max_body_bytes,
         max_prompt_chars=args.max_prompt_chars,

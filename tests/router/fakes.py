@@ -61,7 +61,7 @@ class FakeState:
     # | "stall-mid" (hangs after 2 tokens and fails its health check, like a stopped worker)
     # | "stall-headers" (the same before the stream's headers) | "quiet-mid" (2 tokens,
     # then `quiet_s` of silence while healthy, then the rest) | "stall" (prefill: hangs and
-    # fails its health check)
+    # fails its health check) | "mid-stream-once" (breaks once after 2 tokens, then works)
     fail: str = ""
     quiet_s: float = 0.0
     healthy: bool = True
@@ -216,7 +216,9 @@ async def _stream(st: FakeState, rid: str, n: int, start: int = 0) -> AsyncItera
                 err = WorkerError("request failed: injected", code="request_failed")
                 yield encode(TokenDelta(error=err)) + b"\n"
                 return
-            if st.fail == "mid-stream" and i == start + 2:
+            if st.fail in ("mid-stream", "mid-stream-once") and i == start + 2:
+                if st.fail == "mid-stream-once":  # then it works again (a restart)
+                    st.fail = ""
                 raise RuntimeError("injected crash mid-stream")
             if st.fail == "stall-mid" and i == start + 2:
                 await _hang(st, rid)

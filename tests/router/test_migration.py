@@ -80,12 +80,39 @@ async def test_request_fault_mid_stream_is_not_migrated(cluster_factory) -> None
 
 
 async def test_no_survivor_ends_the_stream_with_an_error(cluster_factory) -> None:
-    async with cluster_factory(n_decode=2, disagg_threshold=10_000) as c:
+    async with cluster_factory(n_decode=2, disagg_threshold=10_000, failover_wait_s=0) as c:
         for st in c.decode:
             st.fail = "mid-stream"
         got = await _text_before_error(c, "no other could take over")
         assert got == " t0 t1 t2 t3"  # two tokens from each worker, none twice
         assert await _migrated(c) == 1  # moved once; the second failure had nowhere to go
+        await c.settle()
+
+
+async def test_lone_decode_worker_that_comes_back_takes_its_stream_back(cluster_factory) -> None:
+    """One decode worker, broken mid-stream, back at the next health round (a restart): the
+    stream waits for it and goes on, nothing lost or repeated."""
+    async with cluster_factory(n_decode=1, disagg_threshold=10_000) as c:
+        c.decode[0].fail = "mid-stream-once"
+        stream = await client(c.url).completions.create(
+            model="tiny", prompt="hi", max_tokens=6, stream=True
+        )
+        assert "".join([ch.choices[0].text async for ch in stream]) == " t0 t1 t2 t3 t4 t5"
+        first, resumed = c.decode[0].requests[-2:]
+        assert first.request_id == resumed.request_id and len(resumed.resume_token_ids) == 2
+        assert first.request_id in c.decode[0].aborted  # dropped before the id came back
+        assert await _migrated(c) == 1
+        await c.settle()
+
+
+async def test_a_decode_worker_that_keeps_failing_is_retried_a_bounded_number_of_times(
+    cluster_factory,
+) -> None:
+    async with cluster_factory(n_decode=1, disagg_threshold=10_000, failover_wait_s=5) as c:
+        c.decode[0].fail = "mid-stream"
+        got = await _text_before_error(c, "no other could take over")
+        assert got == " t0 t1 t2 t3 t4 t5"  # 1 try + 2 waits for it to come back, 2 tokens each
+        assert len(c.decode[0].requests) == 3
         await c.settle()
 
 

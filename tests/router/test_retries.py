@@ -99,7 +99,7 @@ async def test_decode_error_line_before_tokens_is_retried(cluster_factory) -> No
 
 
 async def test_decode_crash_mid_stream_ends_with_error_event(cluster_factory) -> None:
-    async with cluster_factory(n_decode=1, disagg_threshold=16) as c:
+    async with cluster_factory(n_decode=1, disagg_threshold=16, failover_wait_s=0) as c:
         c.decode[0].fail = "mid-stream"
         stream = await client(c.url).completions.create(
             model="tiny", prompt=LONG, max_tokens=10, stream=True

@@ -1,0 +1,55 @@
+"""The default deployment, one prefill and one decode worker: the decode worker is killed
+(``kill -9``) mid-stream. No other decode worker can take the stream, so the router waits
+(``--failover-wait``) while ``pdserve up`` restarts it, then moves the stream there: the
+client's text equals an uninterrupted run, with a pause and no error. Every KV pool is
+free at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.loopback import all_kv_free, secret_headers
+from tests.router.pdserve_up import run_up
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+BODY = {"model": "tiny-seed0", "prompt": "Tell me a story about a fox and a crow. " * 4,
+        "max_tokens": 200, "ignore_eos": True, "temperature": 0}  # fmt: skip
+
+
+def _stats(url: str) -> dict:
+    return dict(httpx.get(url + "/stats", timeout=5, headers=secret_headers()).json())
+
+
+def test_stream_waits_for_its_restarted_decode_worker(tiny_model_dir: Path, tmp_path: Path):
+    with run_up(tiny_model_dir, tmp_path, "--router-arg=--failover-wait=120") as up:
+        decode = next(u for u in up.workers if _stats(u)["role"] == "decode")
+        ref = httpx.post(up.url + "/v1/completions", json=BODY, timeout=120).json()
+        old_pid = _stats(decode)["pid"]
+        text, paused = [], 0.0
+        last = time.monotonic()
+        body = {**BODY, "stream": True}
+        with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=180) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += [c["text"] for c in chunk["choices"]]
+                now = time.monotonic()
+                paused, last = max(paused, now - last), now
+                if len(text) == 20:
+                    os.kill(old_pid, signal.SIGKILL)
+        assert "".join(text) == ref["choices"][0]["text"]
+        assert _stats(decode)["pid"] != old_pid  # the restarted worker finished it
+        print(f"longest pause in the stream: {paused:.1f}s (the restart)")
+        all_kv_free(up.workers)
