@@ -46,7 +46,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.routing import NoWorkerAvailable, RoutePlan, plan_route
 from pdserve.router.scoring import RouteRequest
-from pdserve.router.snapshot import Snapshot
+from pdserve.router.snapshot import Snapshot, WorkerView
 from pdserve.router.worker_client import WorkerFailed
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class Dispatcher:
             raise APIError(502, "decode worker failed mid-stream and no other could take over")
         raise APIError(503, "no decode worker could serve the request", code="no_worker")
 
-    async def _await_decode(self, rs: RequestState) -> list[Any]:
+    async def _await_decode(self, rs: RequestState) -> list[WorkerView]:
         """Every decode candidate failed: wait up to ``failover_wait_s`` for a healthy decode
         worker (a restarted one, a new replica) and return it, the least busy first; [] if
         none came. A lone decode worker that dies and is restarted (``pdserve up``, the
