@@ -12,10 +12,13 @@ Phases, in order, against one running service:
    cancelled by their clients;
 6. ``kill -9`` of the busiest decode worker under streaming load (streams migrate), then
    of the busiest prefill worker under load (retry / local prefill);
-7. every KV pool free at the end, and ``up`` still running and stopping cleanly.
+7. SIGSTOP of the busiest decode worker, whole, under streaming load: a hung worker closes
+   nothing, so the router cuts its streams after ``--stall-timeout`` (3 s here) and they
+   migrate; SIGCONT once they are done, and it serves again;
+8. every KV pool free at the end, and ``up`` still running and stopping cleanly.
 
-Prints one JSON line (last); the goals are 0 for every failure count and
-``migrated_streams`` >= 1. Writes a PNG to bench/out/.
+Prints one JSON line (last); the goals are 0 for every failure count,
+``migrated_streams`` >= 1 and ``stalled_streams`` >= 1. Writes a PNG to bench/out/.
 
     python bench/chaos.py            # soak of 1,000 requests
     python bench/chaos.py --quick    # the same phases, fewer requests (< ~90 s)
@@ -44,7 +47,9 @@ from chaos_service import (
     counter,
     kill9,
     leaked_blocks,
+    resume_group,
     stats,
+    stop_group,
     wait_all_healthy,
 )
 
@@ -200,6 +205,29 @@ async def phase_kill_decode(h: httpx.AsyncClient, svc: Service, model: str, n: i
             "migrated_streams": int(migrated)}  # fmt: skip
 
 
+async def phase_hang_decode(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
+    await asyncio.to_thread(wait_all_healthy, svc, 120.0)  # the killed ones are back
+    name = 'pdserve_router_stalled_streams_total{role="decode"}'
+    rng, before = random.Random(7), counter(svc.url, name)
+    bodies = [_greedy(model, prompt(rng, rng.randint(3, 40)), KILL_TOKENS) for _ in range(n)]
+    streams = [asyncio.ensure_future(cc.stream(h, "/v1/completions", b)) for b in bodies]
+    stopped: list[int] = []
+
+    def stop(url: str) -> bool:
+        stopped.append(stop_group(url))
+        return bool(stopped[-1])
+
+    try:
+        victim = await _kill_busiest(svc.urls("decode"), streams, ("running",), 24, stop)
+        done = await asyncio.gather(*streams)
+    finally:
+        for pgid in stopped:
+            resume_group(pgid)
+    return {"decode_hung": victim, "hang_streams": n,
+            "hang_failed_streams": sum(not r.ok(KILL_TOKENS) for r in done),
+            "stalled_streams": int(counter(svc.url, name) - before)}  # fmt: skip
+
+
 async def phase_kill_prefill(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
     """``n`` clients send long-prompt requests back to back (remote prefill, each one short,
     so a burst may end before the kill) until the kill is done and each sent 2 more."""
@@ -226,10 +254,12 @@ async def _kill_busiest(
     tasks: list[asyncio.Future[Any]],
     counts: tuple[str, ...] = ("running", "waiting", "held"),
     min_new_tokens: int = 0,
+    act: Any = kill9,
 ) -> str:
-    """``kill -9`` the busiest of ``urls`` once it has work ("" if none ever had);
-    ``counts``: which of its requests count (chaos_service.busiest); ``min_new_tokens``:
-    first let it generate that many more tokens (its streams are then under way)."""
+    """``kill -9`` (or ``act``) the busiest of ``urls`` once it has work ("" if none ever
+    had); ``counts``: which of its requests count (chaos_service.busiest);
+    ``min_new_tokens``: first let it generate that many more tokens (its streams are then
+    under way)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(t.done() for t in tasks):
         found = await asyncio.to_thread(busiest, urls, counts)
@@ -237,7 +267,7 @@ async def _kill_busiest(
             url, seen = found
             await _until_generated(url, seen.get("generation_tokens", 0) + min_new_tokens)
             await asyncio.sleep(0.05)  # some tokens are out: the kill is mid-stream
-            return url if await asyncio.to_thread(kill9, url) else ""
+            return url if await asyncio.to_thread(act, url) else ""
         await asyncio.sleep(0.01)
     return ""
 
@@ -264,6 +294,7 @@ async def run_phases(svc: Service, args: argparse.Namespace, model: str) -> dict
             ("soak", phase_soak(h, model, args.soak, args.concurrency)),
             ("kill_decode", phase_kill_decode(h, svc, model, args.kill_streams)),
             ("kill_prefill", phase_kill_prefill(h, svc, model, args.kill_streams)),
+            ("hang_decode", phase_hang_decode(h, svc, model, args.kill_streams)),
         ]
         for name, coro in phases:
             t0 = time.perf_counter()
@@ -285,10 +316,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     keys = ["bad_input_5xx", "poisoned_streams", "leaked_blocks", "soak_errors",
             "decode_kill_failed_streams", "prefill_kill_failed_requests",
-            "migrated_streams"]  # fmt: skip
+            "hang_failed_streams", "migrated_streams", "stalled_streams"]  # fmt: skip
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-    a.barh(keys, [result[k] for k in keys], color=["C3"] * 6 + ["C2"])
-    a.set_title("chaos figures (goal: 0, migrated >= 1)")
+    a.barh(keys, [result[k] for k in keys], color=["C3"] * 7 + ["C2"] * 2)
+    a.set_title("chaos figures (goal: 0; migrated, stalled >= 1)")
     secs = result["phase_seconds"]
     b.barh(list(secs), list(secs.values()))
     b.set_title("phase wall time (s)")
@@ -306,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     svc = Service(model, logs, args.port or free_port(), 20000 + free_port() % 20000,
                   "--prefill", "2", "--decode", "2", "--kv-transport", args.kv_transport,
                   "--disagg-threshold", "32", "--max-queue", str(args.max_queue),
-                  "--worker-arg=--max-model-len", "--worker-arg=1024")  # fmt: skip
+                  "--worker-arg=--max-model-len", "--worker-arg=1024",
+                  "--router-arg=--stall-timeout=3")  # fmt: skip
     t0 = time.perf_counter()
     try:
         svc.start()

@@ -112,6 +112,23 @@ def kill9(url: str) -> bool:
     return True
 
 
+def stop_group(url: str) -> int:
+    """SIGSTOP the worker at ``url`` whole (front end and engine core: its process group,
+    as a frozen VM or a stuck host would be); its process group id (0 if it did not
+    answer). Nothing closes: only its failing health check tells the router."""
+    s = stats(url)
+    if s is None:
+        return 0
+    pgid = os.getpgid(int(s["pid"]))
+    os.killpg(pgid, signal.SIGSTOP)
+    return pgid
+
+
+def resume_group(pgid: int) -> None:
+    if pgid:
+        os.killpg(pgid, signal.SIGCONT)
+
+
 def counter(url: str, name: str) -> float:
     """A Prometheus counter's value on ``url``/metrics (0 when absent)."""
     text = httpx.get(url + "/metrics", timeout=5).text

@@ -32,6 +32,8 @@ def test_chaos_recovery_figures(chaos: dict[str, Any]) -> None:
     assert chaos["decode_killed"] and chaos["decode_kill_failed_streams"] == 0
     assert chaos["migrated_streams"] >= 1
     assert chaos["prefill_killed"] and chaos["prefill_kill_failed_requests"] == 0
+    assert chaos["decode_hung"] and chaos["hang_failed_streams"] == 0
+    assert chaos["stalled_streams"] >= 1
     assert chaos["storm_5xx"] == chaos["overload_5xx"] == 0
     assert chaos["overload_429"] > 0 and chaos["overload_429_without_retry_after"] == 0
     assert chaos["workers_back"] and chaos["up_running"] and chaos["up_exit_code"] == 0, chaos
