@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.router.chat_options import ChatTemplateOptions, parse_chat_options
 from pdserve.router.errors import APIError, invalid
 from pdserve.router.fields import check_fields
 from pdserve.router.structured_request import structured_spec
@@ -41,6 +42,7 @@ class GenerateRequest:
     n: int = 1  # choices returned (router/choices.py)
     best_of: int = 1  # choices generated; the n with the highest logprob sum are returned
     hide_logprobs: bool = False  # logprobs computed for best_of only, not asked for
+    template: ChatTemplateOptions | None = None  # chat: how the messages are rendered
 
 
 def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateRequest:
@@ -79,7 +81,10 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
         tools = parse_tools(body)
         common["sampling"] = _with_tools(sampling, tools)
         messages = parse_messages(body.get("messages"))
-        return GenerateRequest(chat=True, messages=messages, tools=tools, **common)
+        template = parse_chat_options(body, messages)
+        return GenerateRequest(
+            chat=True, messages=messages, tools=tools, template=template, **common
+        )
     for name in ("tools", "tool_choice", "parallel_tool_calls"):
         if body.get(name) is not None:
             raise invalid(f"{name} is a chat completions parameter", name)

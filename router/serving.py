@@ -85,7 +85,7 @@ def prompt_ids(rt: Runtime, req: GenerateRequest) -> list[int]:
     if req.chat:
         assert req.messages is not None
         messages, tools = chat_inputs(rt.tokenizer.tok, list(req.messages), req.tools)
-        return rt.tokenizer.encode_chat(messages, tools=tools)
+        return rt.tokenizer.encode_chat(messages, tools=tools, options=req.template)
     if req.prompt_token_ids is not None:
         bad = [t for t in req.prompt_token_ids if t >= rt.tokenizer.vocab_size]
         if bad:

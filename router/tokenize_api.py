@@ -1,7 +1,8 @@
 """``POST /tokenize`` and ``POST /detokenize`` with vLLM's request and response shapes.
 
 /tokenize takes a completions-style ``prompt`` (``add_special_tokens``, default true)
-or a chat-style ``messages`` (``add_generation_prompt``, default true) and answers
+or a chat-style ``messages`` (``add_generation_prompt``, default true;
+``continue_final_message``, ``chat_template_kwargs``: router/chat_options.py) and answers
 ``{"count", "max_model_len", "tokens", "token_strs"}``; /detokenize takes
 ``{"tokens"}`` and answers ``{"prompt"}``. Chat input may carry ``tools`` (and
 ``tool_choice``): they are rendered as a chat completion would render them.
@@ -21,6 +22,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from pdserve.router.chat_options import parse_chat_options
 from pdserve.router.edge import bound_text
 from pdserve.router.errors import invalid
 from pdserve.router.protocol import check_model, parse_messages
@@ -61,11 +63,11 @@ def tokenize(rt: Runtime, body: Any) -> dict[str, Any]:
     body = _check(rt, body)
     tok = rt.tokenizer
     if "messages" in body:
-        gen = _flag(body, "add_generation_prompt", True)
         parsed = parse_messages(body["messages"])
+        options = parse_chat_options(body, parsed)
         bound_text(sum(len(m["content"]) for m in parsed), "messages", rt.cfg.max_prompt_chars)
         messages, tools = chat_inputs(tok.tok, list(parsed), parse_tools(body))
-        ids = tok.encode_chat(messages, add_generation_prompt=gen, tools=tools)
+        ids = tok.encode_chat(messages, tools=tools, options=options)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

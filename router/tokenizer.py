@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pdserve.router.chat_options import ChatTemplateOptions
 from pdserve.router.errors import invalid
 
 
@@ -39,15 +40,22 @@ class PromptTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        options: ChatTemplateOptions | None = None,
     ) -> list[int]:
+        """The messages rendered by the model's chat template, as token ids; ``options``
+        (the request's chat-template fields) override ``add_generation_prompt``."""
         if not getattr(self.tok, "chat_template", None):
             raise invalid("this model has no chat template; use /v1/completions", "messages")
+        if options is None:
+            options = ChatTemplateOptions(add_generation_prompt)
         try:
             text = self.tok.apply_chat_template(
                 messages,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
                 tokenize=False,
                 tools=tools,  # type: ignore[arg-type]
+                **options.kwargs,
             )
         except Exception as exc:  # template errors (e.g. role order) are the client's input
             raise invalid(f"messages could not be formatted: {exc}", "messages") from exc
