@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,19 @@ def all_kv_free(urls: list[str], timeout: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, f"KV not freed: {stats}"
         time.sleep(0.2)
+
+
+def sse_chunks(url: str, body: dict[str, Any], timeout: float = 120) -> Iterator[dict[str, Any]]:
+    """The decoded chunks of a streamed completion at ``url``: status 200 and no error
+    chunk, or the test fails."""
+    with httpx.stream("POST", url, json=body, timeout=timeout) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            yield chunk
 
 
 def run_bench(script: str, *args: str, timeout: float) -> dict[str, Any]:

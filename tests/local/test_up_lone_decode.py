@@ -7,7 +7,6 @@ free at the end.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.loopback import all_kv_free, secret_headers
+from tests.loopback import all_kv_free, secret_headers, sse_chunks
 from tests.router.pdserve_up import run_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -37,18 +36,12 @@ def test_stream_waits_for_its_restarted_decode_worker(tiny_model_dir: Path, tmp_
         text, paused = [], 0.0
         last = time.monotonic()
         body = {**BODY, "stream": True}
-        with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=180) as resp:
-            assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text += [c["text"] for c in chunk["choices"]]
-                now = time.monotonic()
-                paused, last = max(paused, now - last), now
-                if len(text) == 20:
-                    os.kill(old_pid, signal.SIGKILL)
+        for chunk in sse_chunks(up.url + "/v1/completions", body, timeout=180):
+            text += [c["text"] for c in chunk["choices"]]
+            now = time.monotonic()
+            paused, last = max(paused, now - last), now
+            if len(text) == 20:
+                os.kill(old_pid, signal.SIGKILL)
         assert "".join(text) == ref["choices"][0]["text"]
         assert _stats(decode)["pid"] != old_pid  # the restarted worker finished it
         print(f"longest pause in the stream: {paused:.1f}s (the restart)")

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -30,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.loopback import ROOT, all_kv_free, free_port, secret_headers
+from tests.loopback import ROOT, all_kv_free, free_port, secret_headers, sse_chunks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -133,20 +132,13 @@ def _stream_text(up: Up, body: dict[str, Any], kill_after: int | None) -> tuple[
     """The streamed text and completion tokens; kills the serving decode worker after
     ``kill_after`` chunks."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    text, usage, n = [], 0, 0
-    with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=120) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
-            text += [c["text"] for c in chunk.get("choices", [])]
-            n += 1
-            if n == kill_after:
-                _kill_busy(up.urls("decode"))
+    text, usage = [], 0
+    for n, chunk in enumerate(sse_chunks(up.url + "/v1/completions", body), 1):
+        if chunk.get("usage"):
+            usage = chunk["usage"]["completion_tokens"]
+        text += [c["text"] for c in chunk.get("choices", [])]
+        if n == kill_after:
+            _kill_busy(up.urls("decode"))
     return "".join(text), usage
 
 
@@ -273,15 +265,10 @@ def test_stream_survives_a_hung_decode_worker(up: Up, what: str) -> None:
     body = {**body, "stream": True}
     text, started = [], time.monotonic()
     try:
-        with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=120) as resp:
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text += [c["text"] for c in chunk.get("choices", [])]
-                if len(text) == 20:
-                    hang()
+        for chunk in sse_chunks(up.url + "/v1/completions", body):
+            text += [c["text"] for c in chunk.get("choices", [])]
+            if len(text) == 20:
+                hang()
         took = time.monotonic() - started
     finally:
         for pid in stopped:
