@@ -71,8 +71,8 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()
     health_interval_s: float = 1.0
     request_timeout_s: float = 600.0
-    # A decode stream this long without bytes, on a worker whose health check fails, is
-    # cut and moves to another worker (Dispatcher.cut_stalled).
+    # A call to a worker (decode stream, prefill) this long without bytes, on a worker whose
+    # health check fails, is cut and moves to another worker (Dispatcher.cut_stalled).
     stall_timeout_s: float = 10.0
     # When every decode candidate failed, a request waits this long for a healthy decode
     # worker (a restarted one) before it fails (502 mid-stream, 503 before); 0: no wait.

@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int, default=16)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
     p.add_argument("--stall-timeout", type=float, default=10.0,
-                   help="seconds a decode stream may wait for bytes from a worker that fails "
+                   help="seconds a decode stream or prefill may wait for a worker that fails "
                         "its health check before it moves to another worker")  # fmt: skip
     p.add_argument("--failover-wait", type=float, default=30.0,
                    help="seconds a request whose decode workers all failed waits for one to "
