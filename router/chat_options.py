@@ -35,8 +35,8 @@ class ChatTemplateOptions:
 def parse_chat_options(
     body: dict[str, Any], messages: tuple[dict[str, Any], ...]
 ) -> ChatTemplateOptions:
-    gen = _flag(body, "add_generation_prompt", True)
-    cont = _flag(body, "continue_final_message", False)
+    gen = flag(body, "add_generation_prompt", True)
+    cont = flag(body, "continue_final_message", False)
     if gen and cont:
         raise invalid(
             "continue_final_message needs add_generation_prompt false (both cannot be true)",
@@ -61,7 +61,8 @@ def parse_chat_options(
     return ChatTemplateOptions(gen, cont, dict(kwargs))
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+def flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    """A boolean field of a request body (absent or null: ``default``); else 400."""
     value = body.get(name)
     if value is None:
         return default

@@ -111,7 +111,7 @@ class Dispatcher:
         self.rng = rng or random.Random()
         self._rr = 0
         self._background: set[asyncio.Task[Any]] = set()
-        self._watches: set[worker_client.StreamWatch] = set()  # decode streams open now
+        self._watches: set[worker_client.StreamWatch] = set()  # worker calls open now
         discovery.after_refresh.append(self.cut_stalled)
 
     def plan(self, ids: list[int], snap: Snapshot, cache_salt: str | None = None) -> RoutePlan:

@@ -22,7 +22,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from pdserve.router.chat_options import parse_chat_options
+from pdserve.router.chat_options import flag, parse_chat_options
 from pdserve.router.edge import bound_text
 from pdserve.router.errors import invalid
 from pdserve.router.protocol import check_model, parse_messages
@@ -40,15 +40,6 @@ async def handle(
         return await rt.off_loop(fn, rt, await read_json(rt, request))
     finally:
         ticket.release()
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(f"{name} must be a boolean", name)
-    return value
 
 
 def _check(rt: Runtime, body: Any) -> dict[str, Any]:
@@ -74,9 +65,9 @@ def tokenize(rt: Runtime, body: Any) -> dict[str, Any]:
             raise invalid("prompt (a string) or messages is required", "prompt")
         bound_text(len(prompt), "prompt", rt.cfg.max_prompt_chars)
         ids = list(
-            tok.tok.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
+            tok.tok.encode(prompt, add_special_tokens=flag(body, "add_special_tokens", True))
         )
-    strs = tok.tok.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
+    strs = tok.tok.convert_ids_to_tokens(ids) if flag(body, "return_token_strs", False) else None
     max_len = rt.discovery.snapshot().max_model_len or tok.config_max_len
     return {"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs}
 
