@@ -123,6 +123,13 @@ class StreamWatch:
         self._waiting: asyncio.Task[Any] | None = None  # the task that waits for the worker
         self._since = 0.0  # when that wait began
 
+    def begin(self) -> None:
+        """The current task now waits for the worker."""
+        self._waiting, self._since = asyncio.current_task(), time.monotonic()
+
+    def end(self) -> None:
+        self._waiting = None
+
     def quiet_s(self, now: float) -> float:
         """How long the stream has waited for its worker (0 while it is not waiting)."""
         return now - self._since if self._waiting is not None else 0.0
@@ -138,11 +145,11 @@ class StreamWatch:
 async def _watched(watch: StreamWatch | None, aw: Any) -> Any:
     if watch is None:
         return await aw
-    watch._waiting, watch._since = asyncio.current_task(), time.monotonic()
+    watch.begin()
     try:
         return await aw
     finally:
-        watch._waiting = None
+        watch.end()
 
 
 def _cut_or_cancelled(url: str, watch: StreamWatch | None) -> WorkerFailed:
@@ -210,7 +217,14 @@ async def generate(
                 raise WorkerFailed(url, f"HTTP {resp.status}")
             rest, content = b"", resp.content
             read = content.readany  # what iter_any does, one layer less
-            while data := await (read() if watch is None else _watched(watch, read())):
+            while True:  # per chunk: the watch's two calls inline, no coroutine around read
+                if watch is not None:
+                    watch.begin()
+                data = await read()
+                if watch is not None:
+                    watch.end()
+                if not data:
+                    break
                 *lines, rest = (rest + data).split(b"\n") if rest else data.split(b"\n")
                 if len(rest) > MAX_LINE_BYTES:
                     raise WorkerFailed(url, f"stream line over {MAX_LINE_BYTES} bytes")
