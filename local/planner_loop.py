@@ -137,6 +137,13 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target")
     g.add_argument("--slo-tpot-ms", type=float, default=200.0, help="TPOT target")
     g.add_argument(
+        "--slo-target-attainment",
+        type=float,
+        default=0.9,
+        help="share of requests within both targets: the percentile the planner sizes for "
+        "(0.9: p90, 0.99: p99; as spec.slo.targetAttainment)",
+    )
+    g.add_argument(
         "--profile",
         default="cpu-tiny",
         help=f"profile JSON from `pdserve profile`, or one of {sorted(PRESETS)}",
@@ -167,7 +174,7 @@ def config_from_args(args: argparse.Namespace) -> PlannerConfig:
     profile = PRESETS.get(args.profile) or load_profile(args.profile)
     window = args.scale_down_window
     return PlannerConfig(
-        slo=SLO(args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0),
+        slo=SLO(args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0, args.slo_target_attainment),
         profile=profile,
         prefill=Bounds(args.prefill_min, args.prefill_max),
         decode=Bounds(args.decode_min, args.decode_max),

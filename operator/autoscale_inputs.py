@@ -77,7 +77,7 @@ def planner_config(svc: LLMServiceSpec, profile: Profile) -> PlannerConfig:
         scale_up_cooldown_s=float(auto.scale_up_stabilization_seconds),
     )
     return PlannerConfig(
-        slo=SLO(svc.slo.ttft_ms / 1000.0, svc.slo.tpot_ms / 1000.0),
+        slo=SLO(svc.slo.ttft_ms / 1000.0, svc.slo.tpot_ms / 1000.0, svc.slo.target_attainment),
         profile=profile,
         prefill=Bounds(svc.prefill.min_replicas, svc.prefill.max_replicas),
         decode=Bounds(svc.decode.min_replicas, svc.decode.max_replicas),

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pdserve.planner.capacity import Profile
 from pdserve.planner.forecast import ForecastConfig
+from pdserve.planner.tail import tpot_scale, ttft_scale
 
 
 class PlannerConfigError(ValueError):
@@ -16,10 +17,15 @@ class PlannerConfigError(ValueError):
 class SLO:
     ttft_s: float  # time to first token target
     tpot_s: float  # time per output token target
+    # share of requests that must meet both targets (spec.slo.targetAttainment): the
+    # percentile the planner sizes for (0.9: p90 of TTFT and TPOT; 0.99: p99)
+    target_attainment: float = 0.9
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.tpot_s > 0):
             raise PlannerConfigError(f"SLO targets must be > 0, got {self}")
+        if not 0.5 <= self.target_attainment <= 1:
+            raise PlannerConfigError(f"target_attainment must be in [0.5, 1], got {self}")
 
 
 @dataclass(frozen=True)
@@ -62,8 +68,9 @@ class PlannerConfig:
     prefill: Bounds = field(default_factory=Bounds)
     decode: Bounds = field(default_factory=Bounds)
     stability: Stability = field(default_factory=Stability)
-    # fraction of the TTFT target that the modelled mean TTFT may use (the rest
-    # covers the tail: the SLO is on a high percentile, the model gives the mean)
+    # fraction of the TTFT target that the modelled mean TTFT may use at a p90 target
+    # (the rest covers the tail: the SLO is on a percentile, the model gives the mean);
+    # other targets scale it (tail.py): use ttft_budget_s, not this, to plan
     ttft_headroom: float = 0.5
     tpot_headroom: float = 0.8  # same for the decode step time vs the TPOT target
     max_prefill_utilisation: float = 0.85  # never plan a prefill replica busier than this
@@ -94,3 +101,13 @@ class PlannerConfig:
         lo, hi = self.correction_bounds
         if not 0 < lo <= 1 <= hi:
             raise PlannerConfigError("correction_bounds must satisfy 0 < lo <= 1 <= hi")
+
+    @property
+    def ttft_budget_s(self) -> float:
+        """What the modelled mean TTFT may reach so that the target percentile meets the SLO."""
+        return self.ttft_headroom * ttft_scale(self.slo.target_attainment) * self.slo.ttft_s
+
+    @property
+    def tpot_budget_s(self) -> float:
+        """Same for the decode step time against the TPOT target."""
+        return self.tpot_headroom * tpot_scale(self.slo.target_attainment) * self.slo.tpot_s

@@ -48,14 +48,14 @@ def disagg_rates(cfg: PlannerConfig, prompt: float, output: float) -> tuple[floa
     """(r_P, r_D): requests/s of one prefill replica and one decode replica at the SLOs."""
     p, d = cfg.profile.prefill, cfg.profile.decode
     service = p.service_time(prompt)
-    rho = 1.0 - service / (cfg.ttft_headroom * cfg.slo.ttft_s)
+    rho = 1.0 - service / cfg.ttft_budget_s
     rho = min(cfg.max_prefill_utilisation, max(0.0, rho))
     r_p = p.saturated_tokens_per_s(prompt) * rho / prompt
     ctx = prompt + output / 2
-    batch = d.max_batch_at(cfg.tpot_headroom * cfg.slo.tpot_s, ctx) * cfg.decode_batch_utilisation
+    batch = d.max_batch_at(cfg.tpot_budget_s, ctx) * cfg.decode_batch_utilisation
     batch = min(batch, cfg.kv_target_utilisation * d.kv_capacity_tokens / ctx)
     step = d.step_time(batch, ctx)
-    r_d = batch / (output * step) if step <= cfg.tpot_headroom * cfg.slo.tpot_s else 0.0
+    r_d = batch / (output * step) if step <= cfg.tpot_budget_s else 0.0
     return r_p, r_d
 
 
@@ -76,9 +76,9 @@ def colocated_ok(cfg: PlannerConfig, rate: float, prompt: float, output: float) 
     short = max(1.0, output * SHORT_OUTPUT_SHARE)
     fits = batch <= d.max_num_seqs * cfg.decode_batch_utilisation
     fits = fits and batch * ctx <= cfg.kv_target_utilisation * d.kv_capacity_tokens
-    tpot_ok = tpot + stall / short <= cfg.tpot_headroom * cfg.slo.tpot_s
+    tpot_ok = tpot + stall / short <= cfg.tpot_budget_s
     ttft = (work + math.ceil(prompt / p.chunk_tokens) * d.step_time(batch, ctx)) / (1 - rho)
-    return fits and tpot_ok and ttft <= cfg.ttft_headroom * cfg.slo.ttft_s
+    return fits and tpot_ok and ttft <= cfg.ttft_budget_s
 
 
 def colocated_goodput(cfg: PlannerConfig, prompt: float, output: float) -> float:

@@ -70,7 +70,7 @@ def prefill_rates(
         mean_prompt = FALLBACK_PROMPT_TOKENS
     service = correction * prof.service_time(mean_prompt)
     mu = prof.saturated_tokens_per_s(mean_prompt) / correction
-    rho = 1.0 - service / (cfg.ttft_headroom * cfg.slo.ttft_s)
+    rho = 1.0 - service / cfg.ttft_budget_s
     rho = min(cfg.max_prefill_utilisation, max(cfg.min_prefill_utilisation, rho))
     return mean_prompt, mu, rho
 
@@ -102,7 +102,7 @@ def decode_need(
     ``output_rate``: output tokens/s to plan for (default: generated now x ``grow``)."""
     prof = cfg.profile.decode
     context = mean_context(snap, cfg)
-    budget = cfg.tpot_headroom * cfg.slo.tpot_s / correction
+    budget = cfg.tpot_budget_s / correction
     batch = prof.max_batch_at(budget, context) * cfg.decode_batch_utilisation
     tokens = batch / (correction * prof.step_time(batch, context))
     kv_per_replica = cfg.kv_target_utilisation * prof.kv_capacity_tokens
