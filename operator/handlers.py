@@ -23,6 +23,7 @@ from pdserve.operator import naming as n
 from pdserve.operator import status as st
 from pdserve.operator import transfer_health as th
 from pdserve.operator.cache import WATCHED, Cache
+from pdserve.operator.pod_policy import PodPolicy, check_service
 from pdserve.operator.spec import LLMServiceSpec, SpecError
 from pdserve.operator.spec_parse import parse_llmservice
 
@@ -42,6 +43,9 @@ class OperatorConfig:
     transfer_min_failures: int = 5
     decode_metrics_url: str = ""
     autoscale: autoscaler.AutoscaleSettings = field(default_factory=autoscaler.AutoscaleSettings)
+    # What an LLMService may put into its pods (pod_policy.py): the allowlist unless a
+    # cluster admin opts out (--allow-unsafe-pod-fields).
+    pod_policy: PodPolicy = field(default_factory=PodPolicy)
 
 
 def _client(memo: Any) -> kube.KubeClient:
@@ -57,10 +61,10 @@ def _lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
     return syncer.lock((namespace, name))
 
 
-def _parse(name: str, namespace: str, spec: Any) -> LLMServiceSpec:
-    return parse_llmservice(
-        {"metadata": {"name": name, "namespace": namespace}, "spec": dict(spec)}
-    )
+def _parse(name: str, namespace: str, spec: Any, policy: PodPolicy) -> LLMServiceSpec:
+    svc = parse_llmservice({"metadata": {"name": name, "namespace": namespace}, "spec": dict(spec)})
+    check_service(svc, policy)
+    return svc
 
 
 async def _degrade(
@@ -98,7 +102,7 @@ async def reconcile_object(
     client = _client(memo)
     async with _lock(memo, namespace, name):
         try:
-            svc = _parse(name, namespace, spec)
+            svc = _parse(name, namespace, spec, config.pod_policy)
         except SpecError as e:
             await _degrade(memo, namespace, name, str(e), generation)
             raise kopf.PermanentError(f"invalid spec: {e}") from e  # only an edit can fix it
@@ -224,7 +228,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorC
         settings.peering.lifetime = config.peering_lifetime
         memo.client = kube.KubeClient(kube.login(), login_fn=kube.login)
         memo.cache = Cache()
-        memo.syncer = sync.Syncer(memo.client, memo.cache, config.debounce, config.default_image)
+        memo.syncer = sync.Syncer(
+            memo.client, memo.cache, config.debounce, config.default_image, config.pod_policy
+        )
         memo.loops = []
 
     @kopf.on.cleanup(registry=registry)

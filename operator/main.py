@@ -12,6 +12,7 @@ import kopf
 from pdserve import env
 from pdserve.operator.autoscaler import AutoscaleSettings
 from pdserve.operator.handlers import OperatorConfig, register
+from pdserve.operator.pod_policy import PodPolicy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-image", default=env.get(env.DEFAULT_IMAGE),
                         help="image for LLMServices without spec.image (resolved at render "
                         "time; the chart passes its own image)")  # fmt: skip
+    parser.add_argument(
+        "--allow-unsafe-pod-fields",
+        action="store_true",
+        help="let LLMServices set any podTemplate field (hostPath, "
+        "hostNetwork, privileged, other ServiceAccounts, ...): only where "
+        "every LLMService author is a cluster admin (operator/pod_policy.py)",
+    )
+    parser.add_argument(
+        "--allow-model-host-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a host directory (and below) that "
+        "spec.model.source.hostPath may name (repeatable; default: none)",
+    )
     parser.add_argument("--verbose", "-v", action="store_true")
 
 
@@ -61,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         autoscale_tick=args.autoscale_tick,
         default_image=args.default_image,
         autoscale=AutoscaleSettings(router_metrics_url=args.router_metrics_url),
+        pod_policy=PodPolicy(args.allow_unsafe_pod_fields, tuple(args.allow_model_host_path)),
     )
     asyncio.run(
         kopf.operator(

@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve import env
 from pdserve.operator import naming as n
+from pdserve.operator.pod_policy import PodPolicy, check_service
 from pdserve.operator.render_deployments import pool_deployment, router_deployment
 from pdserve.operator.spec import LLMServiceSpec
 from pdserve.operator.spec_parse import parse_llmservice
@@ -271,10 +272,17 @@ def render_spec(spec: LLMServiceSpec, default_image: str = "") -> list[Manifest]
 
 
 def render(
-    obj: Mapping[str, Any], default_namespace: str = "default", default_image: str = ""
+    obj: Mapping[str, Any],
+    default_namespace: str = "default",
+    default_image: str = "",
+    policy: PodPolicy | None = None,
 ) -> list[Manifest]:
-    """Render an LLMService object (as read from YAML or the API); raises SpecError."""
-    return render_spec(parse_llmservice(obj, default_namespace), default_image)
+    """Render an LLMService object (as read from YAML or the API); raises SpecError, also
+    for a field ``policy`` refuses (None: no pod policy, as for a cluster admin)."""
+    svc = parse_llmservice(obj, default_namespace)
+    if policy is not None:
+        check_service(svc, policy)
+    return render_spec(svc, default_image)
 
 
 def optional_children(name: str) -> list[tuple[str, str, str]]:

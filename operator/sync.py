@@ -21,6 +21,7 @@ from pdserve.operator import reconcile, render
 from pdserve.operator import status as st
 from pdserve.operator.cache import WATCHED_KINDS, Cache, Key
 from pdserve.operator.kube import KubeClient
+from pdserve.operator.pod_policy import PodPolicy, check_service
 from pdserve.operator.spec import SpecError
 from pdserve.operator.spec_parse import parse_llmservice
 
@@ -57,13 +58,17 @@ def handler_owns_degraded(status: Mapping[str, Any]) -> bool:
                for c in status.get("conditions") or [])  # fmt: skip
 
 
-async def sync_service(client: KubeClient, cache: Cache, key: Key, default_image: str = "") -> None:
+async def sync_service(
+    client: KubeClient, cache: Cache, key: Key, default_image: str = "",
+    policy: PodPolicy | None = None,
+) -> None:  # fmt: skip
     body = cache.services.get(key)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
     namespace, name = key
     try:
         svc = parse_llmservice(body, namespace)
+        check_service(svc, policy or PodPolicy())  # never repair towards a refused pod
     except SpecError:
         return  # Degraded is already reported by the change handler
     status = body.get("status") or {}
@@ -100,10 +105,12 @@ class Syncer:
     """Debounced, per-object-serialised ``sync_service`` runs."""
 
     def __init__(
-        self, client: KubeClient, cache: Cache, debounce: float = 0.2, default_image: str = ""
-    ) -> None:
+        self, client: KubeClient, cache: Cache, debounce: float = 0.2, default_image: str = "",
+        policy: PodPolicy | None = None,
+    ) -> None:  # fmt: skip
         self.client, self.cache, self.debounce = client, cache, debounce
         self.default_image = default_image
+        self.policy = policy
         self.locks: dict[Key, asyncio.Lock] = {}
         self.pending: set[Key] = set()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -124,7 +131,7 @@ class Syncer:
         self.pending.discard(key)
         try:
             async with self.lock(key):
-                await sync_service(self.client, self.cache, key, self.default_image)
+                await sync_service(self.client, self.cache, key, self.default_image, self.policy)
         except Exception as e:
             logger.warning(f"sync of {key[0]}/{key[1]} failed: {e!r}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import pathlib
 from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from contextlib import AbstractAsyncContextManager
@@ -27,6 +28,10 @@ from pdserve.operator.cache import WATCHED
 from pdserve.operator.handlers import OperatorConfig
 from pdserve.operator.kube import KubeClient
 from pdserve.operator.main import build_registry
+from pdserve.operator.pod_policy import PodPolicy
+
+# The hostPath the operator allows under test (an admin's --allow-model-host-path).
+TEST_POD_POLICY = PodPolicy(model_host_paths=("/data/models",))
 
 
 class ForeignTasks(Collection["asyncio.Task[Any]"]):
@@ -118,6 +123,8 @@ async def running_operator(
     """The real operator (kopf + our handlers) as a task in this event loop; with ``peering``
     one of several replicas (the highest ``priority`` is active, the others stand by)."""
     config = config or OperatorConfig(status_interval=0.3, retry_delay=0.5, debounce=0.05)
+    if config.pod_policy == PodPolicy():  # minimal_llmservice's weights are on a hostPath
+        config = dataclasses.replace(config, pod_policy=TEST_POD_POLICY)
     stop, ready = asyncio.Event(), asyncio.Event()
 
     async def run_operator() -> None:
