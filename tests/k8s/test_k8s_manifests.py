@@ -123,7 +123,9 @@ def test_values_schema_refuses_bad_values() -> None:
 
 
 def test_operator_is_highly_available_with_peering() -> None:
-    for values, kind in ((None, "ClusterKopfPeering"), ("namespaced-values.yaml", "KopfPeering")):
+    modes = [("cluster-wide-values.yaml", "ClusterKopfPeering"),
+             ("namespaced-values.yaml", "KopfPeering"), (None, "KopfPeering")]  # fmt: skip
+    for values, kind in modes:
         docs = helm_template(CHART / "ci" / values if values else None, KUBE_VERSIONS[-1])
         op = next(d for d in docs if d["kind"] == "Deployment")
         assert op["spec"]["replicas"] >= 2 and op["spec"]["strategy"]["type"] == "RollingUpdate"

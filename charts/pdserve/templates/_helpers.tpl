@@ -24,6 +24,16 @@
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The namespaces the operator watches, comma-separated ("" in cluster-wide mode). */}}
+{{- define "pdserve.watchNamespaces" -}}
+{{- if and .Values.operator.clusterWide .Values.operator.watchNamespaces -}}
+{{- fail "operator.clusterWide and operator.watchNamespaces exclude each other" -}}
+{{- end -}}
+{{- if not .Values.operator.clusterWide -}}
+{{- .Values.operator.watchNamespaces | default (list .Release.Namespace) | join "," -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "pdserve.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 app.kubernetes.io/name: pdserve
