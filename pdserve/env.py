@@ -14,6 +14,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SERVICE_SECRET = "PDSERVE_SERVICE_SECRET"  # router ↔ workers and the KV side channel
+SERVICE_SECRET_PREVIOUS = "PDSERVE_SERVICE_SECRET_PREVIOUS"  # still accepted while rotating
 SECRET_HEADER = "X-PDServe-Secret"  # the HTTP header that carries it
 API_KEY = "PDSERVE_API_KEY"  # the router's client-facing key
 ADVERTISE_HOST = "PDSERVE_ADVERTISE_HOST"  # the address peers use to reach a worker

@@ -1,0 +1,97 @@
+"""Keys derived from the service secret, one per use, so that no two channels share one.
+
+The service secret (``PDSERVE_SERVICE_SECRET``, the per-LLMService Secret) is never sent
+anywhere: each use derives its own key from it (HMAC-SHA256 of a purpose label, the
+extract-less form of HKDF for a secret that is already uniformly random), and a key
+that leaks from one channel (a log of the KV data path, say) proves nothing on another.
+
+Rotation: ``PDSERVE_SERVICE_SECRET_PREVIOUS`` names the secret being replaced. Keys from
+both are accepted and keys from the current one are used to sign, so a rollout that
+moves pods from one secret to the next never has a caller and a callee that cannot
+check each other (docs/security.md: rotating the secret).
+
+Stdlib only: the router, the workers and the engine's import path all use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from functools import lru_cache
+
+from pdserve import env
+
+# Purposes: each is one channel or one store.
+HTTP = "http"  # router -> worker calls and the workers' replies
+SIDE_CHANNEL = "side-channel"  # the KV side channel's requests and replies
+KV_DATA = "kv-data"  # tcp KV data frames
+COMPILE_CACHE = "compile-cache"  # compiled code in a shared model cache
+BLOCK_HASH = "block-hash"  # the prefix cache's keyed block hash (see hashing.py)
+PURPOSES = (HTTP, SIDE_CHANNEL, KV_DATA, COMPILE_CACHE, BLOCK_HASH)
+
+
+@lru_cache(maxsize=64)
+def derive(secret: str, purpose: str) -> bytes:
+    """The 32-byte key for ``purpose`` under ``secret`` (b"" without a secret)."""
+    assert purpose in PURPOSES, purpose
+    if not secret:
+        return b""
+    label = f"pdserve/v1/{purpose}".encode()
+    return hmac.new(secret.encode(), label, hashlib.sha256).digest()
+
+
+def secrets_from_env() -> tuple[str, ...]:
+    """(current, previous) service secrets set in the environment; () without one."""
+    current = os.environ.get(env.SERVICE_SECRET, "")
+    previous = os.environ.get(env.SERVICE_SECRET_PREVIOUS, "")
+    if not current:
+        return ()
+    return (current, previous) if previous and previous != current else (current,)
+
+
+class KeyRing:
+    """The keys of one purpose: the first signs, every one verifies (rotation)."""
+
+    def __init__(self, purpose: str, secrets: tuple[str, ...] | list[str] | str) -> None:
+        if isinstance(secrets, str):
+            secrets = (secrets,) if secrets else ()
+        self.purpose = purpose
+        self.keys = tuple(derive(s, purpose) for s in secrets if s)
+
+    @classmethod
+    def from_env(cls, purpose: str) -> KeyRing:
+        return cls(purpose, secrets_from_env())
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    @property
+    def signing(self) -> bytes:
+        return self.keys[0] if self.keys else b""
+
+    def sign(self, *parts: bytes) -> bytes:
+        """HMAC-SHA256 of ``parts`` (length-prefixed) under the signing key; b"" without."""
+        return mac(self.signing, *parts)
+
+    def verify(self, tag: bytes, *parts: bytes) -> bytes | None:
+        """The key that made ``tag`` over ``parts`` (None: none did). Without keys every
+        tag passes (an unauthenticated local deployment) and b"" is returned."""
+        if not self.keys:
+            return b""
+        for key in self.keys:
+            if hmac.compare_digest(tag, mac(key, *parts)):
+                return key
+        return None
+
+
+def mac(key: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of ``parts``, each length-prefixed (no two splits of one byte string
+    give the same tag); b"" without a key."""
+    if not key:
+        return b""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "big"))
+        h.update(part)
+    return h.digest()
