@@ -1,0 +1,217 @@
+"""Paged attention in Triton: every query token reads its request's blocks in the pool.
+
+One kernel serves decodes and prefill chunks alike. The step's query tokens are cut
+into *tiles*: up to ``BLOCK_Q`` consecutive tokens of one request (a decode is a tile
+of one). A program takes one tile and one KV head; the query heads that share the KV
+head (GQA) are folded into the tile's rows, so each K/V block is loaded once for all
+of them::
+
+    rows of a tile:  token 0: heads g0 g1 .. | token 1: g0 g1 .. | ...   (BLOCK_M rows)
+    keys:            the request's positions [lo, ctx of the last token), block by block
+                     through its row of the block table; causal (and windowed) per row
+
+The new tokens' K/V are in the pool before the kernel runs, so a chunk that starts its
+request, a continuing chunk and a decode differ only in their tiles. Options per layer:
+a sliding window (key ``j`` is seen from position ``p`` when ``p - window < j <= p``, as
+transformers masks it), logit soft-capping (``cap * tanh(s / cap)`` after scaling) and
+attention sinks (one logit per query head that joins the softmax's denominator).
+
+Triton's interpreter runs the same source on CPU tensors when ``TRITON_INTERPRET=1`` is
+set before triton is first imported (triton.language's own helpers are decorated at
+import); :func:`interpreted` says which mode this process got.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+NO_WINDOW = 1 << 30  # a window no context reaches: the mask's arithmetic stays branch-free
+DECODE_ROWS = 16  # tl.dot's smallest M on GPUs
+PREFILL_ROWS = 64  # rows of a prefill tile: BLOCK_Q tokens x the padded GQA group
+
+
+def interpreted() -> bool:
+    """Whether triton runs kernels in its interpreter (numpy, CPU tensors) here."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def supports(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """The kernel's limits: power-of-two blocks of >= 16 tokens (tl.dot's smallest K),
+    whole GQA groups, head_dim >= 16."""
+    pow2 = block_size & (block_size - 1) == 0
+    return pow2 and block_size >= 16 and num_heads % num_kv_heads == 0 and head_dim >= 16
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch: tile ``i`` is ``count[i]`` tokens from step row ``row[i]`` on, the
+    first of which attends to ``ctx[i]`` positions of block-table row ``table[i]``."""
+
+    row: torch.Tensor  # [N] int32
+    count: torch.Tensor  # [N] int32; 0 for a padding tile (a CUDA graph's spare slot)
+    ctx: torch.Tensor  # [N] int32
+    table: torch.Tensor  # [N] int32
+    block_q: int  # most tokens in a tile (a constexpr of the kernel)
+
+
+@dataclass(frozen=True)
+class TritonMetadata:
+    tables: torch.Tensor  # [requests, W] int32; entries past a request's blocks are never read
+    launches: tuple[Tiles, ...]
+
+
+def group_rows(num_heads: int, num_kv_heads: int) -> int:
+    """Query heads per KV head, padded to a power of two (the kernel's BLOCK_G)."""
+    return triton.next_power_of_2(num_heads // num_kv_heads)
+
+
+def make_tiles(
+    spans: Sequence[tuple[int, int, int, int]], block_q: int, device: torch.device
+) -> Tiles:
+    """Tiles of ``spans``: (first row in the step, tokens computed before it, tokens,
+    block-table row) per request chunk."""
+    cols: list[list[int]] = [[], [], [], []]
+    for row, start, n, table in spans:
+        for i in range(0, n, block_q):
+            tile = (row + i, min(block_q, n - i), start + i + 1, table)
+            for col, value in zip(cols, tile, strict=True):
+                col.append(value)
+    rows, count, ctx, tables = (torch.tensor(c, dtype=torch.int32, device=device) for c in cols)
+    return Tiles(rows, count, ctx, tables, block_q)
+
+
+def step_metadata(
+    chunks: Sequence[tuple[int, int]],  # (tokens computed before, tokens) per request, in order
+    block_lists: Sequence[Sequence[int]],  # each request's blocks, covering its chunk
+    num_heads: int,
+    num_kv_heads: int,
+    device: torch.device,
+) -> TritonMetadata:
+    """Decodes go in tiles of one token, prefill chunks in tiles of ``PREFILL_ROWS`` rows."""
+    width = max(map(len, block_lists))
+    tables = torch.zeros((len(block_lists), width), dtype=torch.int32)
+    for i, blocks in enumerate(block_lists):
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    decodes: list[tuple[int, int, int, int]] = []
+    prefills: list[tuple[int, int, int, int]] = []
+    row = 0
+    for i, (start, n) in enumerate(chunks):
+        (decodes if n == 1 else prefills).append((row, start, n, i))
+        row += n
+    block_q = max(1, PREFILL_ROWS // group_rows(num_heads, num_kv_heads))
+    launches = []
+    if decodes:
+        launches.append(make_tiles(decodes, 1, device))
+    if prefills:
+        launches.append(make_tiles(prefills, block_q, device))
+    return TritonMetadata(tables.to(device), tuple(launches))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D], last dim contiguous
+    k_cache: torch.Tensor,  # [slots, Hkv, D], slot = block * block_size + offset
+    v_cache: torch.Tensor,
+    out: torch.Tensor,  # [T, Hq, D], written for every row a tile covers
+    meta: TritonMetadata,
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] float32
+) -> None:
+    _t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and out.stride(2) == 1
+    assert k_cache.stride() == v_cache.stride()
+    block_g = group_rows(hq, hkv)
+    for tiles in meta.launches:
+        n = tiles.row.numel()
+        if n == 0:
+            continue
+        _attention[(n, hkv)](
+            q, k_cache, v_cache, out, meta.tables, tiles.row, tiles.count, tiles.ctx,
+            tiles.table, sinks if sinks is not None else q,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            out.stride(0), out.stride(1), meta.tables.stride(0),
+            scale, softcap or 1.0, window or NO_WINDOW,
+            G=hq // hkv, BLOCK_G=block_g, BLOCK_Q=tiles.block_q,
+            BLOCK_M=max(DECODE_ROWS, tiles.block_q * block_g), D=d,
+            BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=block_size,
+            HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )  # fmt: skip
+
+
+@triton.jit
+def _tanh(x):
+    # tl has no tanh that the interpreter also runs; exp of a non-positive number never overflows.
+    t = tl.exp(-2.0 * tl.abs(x))
+    th = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -th, th)
+
+
+@triton.jit
+def _attention(
+    q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, row_ptr, count_ptr, ctx_ptr, table_ptr, sinks_ptr,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tab,
+    scale, softcap, window,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    row0 = tl.load(row_ptr + tile)
+    count = tl.load(count_ptr + tile)
+    ctx0 = tl.load(ctx_ptr + tile)
+    table = tl.load(table_ptr + tile).to(tl.int64)
+
+    m = tl.arange(0, BLOCK_M)
+    qi = m // BLOCK_G  # the row's token in the tile
+    head = kvh * G + m % BLOCK_G
+    row_ok = (qi < count) & (m % BLOCK_G < G) & (qi < BLOCK_Q)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q_off = (row0 + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = ctx0 - 1 + qi  # each row's position in its request
+
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    hi = ctx0 + count - 1  # keys of the tile's last token: [0, hi)
+    lo = tl.maximum(ctx0 - window, 0)  # the first token's earliest key
+    n = tl.arange(0, BLOCK_SIZE)
+    for blk in range(lo // BLOCK_SIZE, tl.cdiv(hi, BLOCK_SIZE)):
+        block = tl.load(tables_ptr + table * stride_tab + blk).to(tl.int64)
+        k_pos = blk * BLOCK_SIZE + n
+        kv_off = (block * BLOCK_SIZE + n)[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+        kv_ok = (k_pos < hi)[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen & row_ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = (row0 + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

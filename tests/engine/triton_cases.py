@@ -1,0 +1,127 @@
+"""The Triton kernel's cases against the gather reference; run as a script under the interpreter.
+
+``python tests/engine/triton_cases.py`` (with ``TRITON_INTERPRET=1`` in its environment,
+set before triton is imported) runs every case of :data:`CASES` and prints one JSON line:
+case id -> largest absolute difference from :func:`reference`. test_triton_attention.py
+runs it in a subprocess, so this process's triton mode never leaks into the suite's.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from dataclasses import dataclass
+
+import torch
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 160  # the pool: more blocks than the requests use, in random order
+
+
+@dataclass(frozen=True)
+class Case:
+    gqa: int  # query heads per KV head
+    chunks: tuple[tuple[int, int], ...]  # (tokens before, tokens) per request
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    kv_heads: int = 2
+    head_dim: int = 16
+    pad: int = 3  # extra block-table columns, filled with blocks of other requests
+
+    @property
+    def id(self) -> str:
+        kind = "decode" if all(n == 1 for _, n in self.chunks) else "mixed"
+        opts = [f"w{self.window}"] if self.window else []
+        opts += [f"cap{self.softcap:g}"] if self.softcap else []
+        opts += ["sinks"] if self.sinks else []
+        return "-".join([kind, f"gqa{self.gqa}", f"d{self.head_dim}", *opts])
+
+
+DECODES = ((0, 1), (15, 1), (16, 1), (599, 1), (230, 1), (47, 1))  # context lengths 1..600
+MIXED = ((0, 37), (31, 1), (100, 70), (16, 16), (530, 70), (5, 1))  # chunks start and continue
+# (window, softcap, sinks): none, each alone, all together.
+OPTIONS = ((None, None, False), (64, None, False), (None, 5.0, False), (40, 30.0, True))
+CASES = [
+    Case(gqa, chunks, window, softcap, sinks=sinks)
+    for gqa in (1, 2, 4)
+    for chunks in (DECODES, MIXED)
+    for window, softcap, sinks in OPTIONS
+]
+CASES.append(Case(2, MIXED, window=100, kv_heads=1, head_dim=40, pad=0))  # D not a power of two
+
+
+def make_inputs(case: Case, seed: int) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    hq, hkv, d = case.gqa * case.kv_heads, case.kv_heads, case.head_dim
+    pool = torch.randn((2, NUM_BLOCKS * BLOCK_SIZE, hkv, d), generator=gen)
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    blocks = []
+    for start, n in case.chunks:
+        need = -(-(start + n) // BLOCK_SIZE)
+        blocks.append([free.pop() for _ in range(need)])
+    tokens = sum(n for _, n in case.chunks)
+    q = torch.randn((tokens, hq, d), generator=gen)
+    sinks = torch.randn((hq,), generator=gen) if case.sinks else None
+    # Padding: each table row runs on with other requests' blocks (never to be read).
+    padded = [b + [rng.choice(free) for _ in range(case.pad)] for b in blocks]
+    return {"pool": pool, "blocks": blocks, "padded": padded, "q": q, "sinks": sinks}
+
+
+def reference(case: Case, inputs: dict, scale: float) -> torch.Tensor:
+    """Gather each request's context out of the pool, then dense masked softmax."""
+    pool, q, sinks = inputs["pool"], inputs["q"], inputs["sinks"]
+    out = torch.empty_like(q)
+    row = 0
+    for (start, n), blocks in zip(case.chunks, inputs["blocks"], strict=True):
+        ctx = start + n
+        slots = (torch.tensor(blocks)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()
+        k = pool[0][slots[:ctx]].repeat_interleave(case.gqa, dim=1)  # [ctx, Hq, D]
+        v = pool[1][slots[:ctx]].repeat_interleave(case.gqa, dim=1)
+        qq = q[row : row + n]
+        s = torch.einsum("qhd,khd->hqk", qq, k) * scale
+        if case.softcap:
+            s = case.softcap * torch.tanh(s / case.softcap)
+        q_pos = torch.arange(start, ctx)[:, None]
+        k_pos = torch.arange(ctx)[None, :]
+        seen = k_pos <= q_pos
+        if case.window:
+            seen &= k_pos > q_pos - case.window
+        s = s.masked_fill(~seen, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks[:, None, None].expand(-1, n, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :ctx]
+        out[row : row + n] = torch.einsum("hqk,khd->qhd", p, v)
+        row += n
+    return out
+
+
+def run_case(case: Case, seed: int = 0) -> float:
+    from pdserve.engine import triton_attention as ta
+
+    inputs = make_inputs(case, seed)
+    scale = case.head_dim**-0.5
+    hq = case.gqa * case.kv_heads
+    meta = ta.step_metadata(case.chunks, inputs["padded"], hq, case.kv_heads, torch.device("cpu"))
+    pool = inputs["pool"]
+    out = torch.full_like(inputs["q"], float("nan"))
+    ta.paged_attention(
+        inputs["q"], pool[0], pool[1], out, meta, BLOCK_SIZE, scale,
+        window=case.window, softcap=case.softcap, sinks=inputs["sinks"],
+    )  # fmt: skip
+    return float((out - reference(case, inputs, scale)).abs().max())
+
+
+def main() -> int:
+    from pdserve.engine import triton_attention as ta
+
+    assert ta.interpreted(), "set TRITON_INTERPRET=1 before triton is imported"
+    print(json.dumps({case.id: run_case(case, seed) for seed, case in enumerate(CASES)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
