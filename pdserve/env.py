@@ -23,6 +23,7 @@ SERVICE = "PDSERVE_SERVICE"  # the LLMService name (set by the operator)
 KV_TRANSPORT = "PDSERVE_KV_TRANSPORT"  # set by the operator, for logs and tools
 KERNEL_CACHE = "PDSERVE_KERNEL_CACHE"  # where the CPU attention kernel is compiled to
 CPU_KERNEL = "PDSERVE_CPU_KERNEL"  # "0": never build or use the CPU attention kernel
+ATTENTION_BACKEND = "PDSERVE_ATTENTION_BACKEND"  # cpu, triton or gather; unset: by device
 CPU_LINEAR = "PDSERVE_CPU_LINEAR"  # compiled CPU linears: auto, blas or onednn
 ENFORCE_EAGER = "PDSERVE_ENFORCE_EAGER"  # "1": workers skip torch.compile (--enforce-eager)
 COMPILE_CACHE = "PDSERVE_COMPILE_CACHE"  # where inductor keeps compiled graphs
