@@ -1,0 +1,106 @@
+"""One attention interface, three back-ends, chosen by device or by name.
+
+``engine/attention.py`` is the one function transformers calls; what reads the pool
+behind it is one of these, picked once per model runner:
+
+========  =====================================  ==================================
+name      runs                                   default where
+========  =====================================  ==================================
+cpu       the C++ kernel (paged_attention.cpp)   CPU, with a compiler
+triton    the Triton kernels (triton_attention)  CUDA (CPU under TRITON_INTERPRET=1)
+gather    gather blocks + SDPA, the reference    never by default; on request
+========  =====================================  ==================================
+
+``PDSERVE_ATTENTION_BACKEND`` (or the ``requested`` argument) names one; an unknown
+name lists the valid ones, and a named back-end that cannot run here says why. Without
+a name the device's default is used, falling back to the gather path (with a warning)
+where its default cannot run (no compiler, no triton, a head layout it does not take).
+Every back-end honours every per-layer option (window, soft-cap, sinks): the model is
+refused at load otherwise (``model_support``), never served wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pdserve import env
+
+logger = logging.getLogger(__name__)
+
+CPU, TRITON, GATHER = "cpu", "triton", "gather"
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a back-end needs to know to say whether it runs a model here."""
+
+    device: torch.device
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+def _cpu_problem(s: AttentionShape) -> str | None:
+    from pdserve.engine import cpu_kernel
+
+    if s.device.type != "cpu":
+        return f"the C++ kernel reads CPU memory only (device {s.device.type})"
+    if not cpu_kernel.supports(s.dtype, s.num_heads, s.num_kv_heads, s.head_dim):
+        return f"the C++ kernel takes float32/bfloat16, GQA groups <= 8, head_dim <= 256 ({s})"
+    if cpu_kernel.load() is None:
+        return f"no C++ compiler, or {env.CPU_KERNEL}=0"
+    return None
+
+
+def _triton_problem(s: AttentionShape) -> str | None:
+    try:
+        from pdserve.engine import triton_attention
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    if s.device.type == "cpu" and not triton_attention.interpreted():
+        return "CPU tensors run only in triton's interpreter: set TRITON_INTERPRET=1 before start"
+    if s.device.type not in ("cpu", "cuda"):
+        return f"no triton target for device {s.device.type}"
+    if not triton_attention.supports(s.block_size, s.num_heads, s.num_kv_heads, s.head_dim):
+        return f"the kernels take power-of-two blocks >= 16, head_dim >= 16 ({s})"
+    return None
+
+
+def _no_problem(_s: AttentionShape) -> str | None:
+    return None
+
+
+# name -> why it cannot run a model here (None: it can). Imports stay inside the checks.
+BACKENDS: dict[str, Callable[[AttentionShape], str | None]] = {
+    CPU: _cpu_problem,
+    TRITON: _triton_problem,
+    GATHER: _no_problem,
+}
+DEVICE_DEFAULTS = {"cpu": CPU, "cuda": TRITON}
+
+
+def choose(shape: AttentionShape, requested: str | None = None) -> str:
+    """The back-end's name: ``requested``, else ``PDSERVE_ATTENTION_BACKEND``, else the
+    device's default (the gather path where that cannot run)."""
+    name = requested or env.get(env.ATTENTION_BACKEND)
+    if name:
+        if name not in BACKENDS:
+            valid = ", ".join(sorted(BACKENDS))
+            raise ValueError(f"unknown attention back-end {name!r}; valid: {valid}")
+        problem = BACKENDS[name](shape)
+        if problem is not None:
+            raise ValueError(f"attention back-end {name!r} cannot run here: {problem}")
+        return name
+    default = DEVICE_DEFAULTS.get(shape.device.type, GATHER)
+    problem = BACKENDS[default](shape)
+    if problem is None:
+        return default
+    if default != CPU:  # a CPU without a compiler is common and logged by cpu_kernel
+        logger.warning("attention: %s unavailable (%s); using the gather path", default, problem)
+    return GATHER
