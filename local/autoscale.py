@@ -123,7 +123,7 @@ class LocalAutoscaling:
         self.pools = LocalPools(cluster, listed=router_lists(router_url, api_key), startup=startup)
         self.autoscaler = LocalAutoscaler(
             config,
-            fetch_metrics=http_fetcher(router_url + "/metrics"),
+            fetch_metrics=http_fetcher(router_url + "/metrics", api_key=api_key),
             pool_status=self.pools.status,
             scale_prefill=lambda n: self.pools.scale("prefill", n),
             scale_decode=lambda n: self.pools.scale("decode", n),

@@ -119,11 +119,13 @@ class LocalAutoscaler:
             log.exception("autoscaler: scale_%s(%d) failed", role, n)
 
 
-def http_fetcher(url: str, timeout_s: float = 5.0) -> FetchFn:
-    """A fetch function for ``LocalAutoscaler`` that GETs Prometheus text from ``url``."""
+def http_fetcher(url: str, timeout_s: float = 5.0, api_key: str = "") -> FetchFn:
+    """A fetch function for ``LocalAutoscaler`` that GETs Prometheus text from ``url``
+    (with ``api_key``: the router's /metrics needs an admin key while keys are on)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def fetch() -> str:
-        async with httpx.AsyncClient(timeout=timeout_s) as client:
+        async with httpx.AsyncClient(timeout=timeout_s, headers=headers) as client:
             reply = await client.get(url)
             reply.raise_for_status()
             return reply.text

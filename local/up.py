@@ -73,8 +73,8 @@ def router_args(args: argparse.Namespace) -> list[str]:
     out = ["--routing", args.routing]
     if args.disagg_threshold is not None:
         out += ["--disagg-threshold", str(args.disagg_threshold)]
-    if args.api_key:
-        out += ["--api-key", args.api_key]
+    if args.api_key:  # one local user: the key also opens /workers and /metrics
+        out += ["--api-key", args.api_key, "--admin-api-key", args.api_key]
     if getattr(args, "max_queue", None) is not None:
         out += ["--max-queue", str(args.max_queue)]
     return out + list(args.router_arg)

@@ -98,13 +98,15 @@ def create_app(
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         rt().check_auth(request)
+        # "root" is the served name, never the model's directory: a local path is the
+        # operator's business, not a tenant's.
         max_len = rt().discovery.snapshot().max_model_len or tok.config_max_len
         card = {
             "id": cfg.model_name,
             "object": "model",
             "created": rt().created,
             "owned_by": "pdserve",
-            "root": cfg.model_dir,
+            "root": cfg.model_name,
             "max_model_len": max_len,
         }
         return {"object": "list", "data": [card]}
@@ -124,13 +126,16 @@ def create_app(
             {"status": "ok", "prefill": len(snap.prefill), "decode": len(snap.decode)}
         )
 
+    # With API keys on, /metrics and /workers are the operator's: an admin key opens them
+    # (router/keys.py), a tenant's does not. /health and /livez stay open for probes.
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        rt().require_admin(request)
         return Response(rt().metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/workers")
     async def workers(request: Request) -> dict[str, Any]:
-        rt().check_auth(request)
+        rt().require_admin(request)
         return {"workers": [_worker_json(w) for w in rt().discovery.snapshot().workers]}
 
     return app

@@ -67,8 +67,20 @@ class RouterConfig:
     disagg_threshold: int = 256
     scorers: tuple[tuple[str, float], ...] = PREFILL_SCORERS  # prefill (name, weight) pairs
     decode_scorer_weights: tuple[tuple[str, float], ...] = DECODE_SCORERS
-    max_queue: int = 256  # requests in flight in the router; beyond it 429
+    max_queue: int = 256  # requests in flight in the router; beyond them requests wait
     api_keys: tuple[str, ...] = ()
+    api_key_file: str = ""  # KEY [priority=N] lines, re-read on change (router/keys.py)
+    admin_api_keys: tuple[str, ...] = ()  # open /workers and /metrics while keys are on
+    admin_api_key_file: str = ""
+    # Tenants (router/admission.py): a body must be in within body_timeout_s before its
+    # request is admitted; one client holds at most max_concurrency_per_key (0: no cap)
+    # requests; beyond max_queue, up to max_waiting wait queue_timeout_s, fairly by client.
+    body_timeout_s: float = 30.0
+    max_concurrency_per_key: int = 0
+    max_waiting: int = 256
+    queue_timeout_s: float = 30.0
+    # A stream whose client has not taken a chunk for this long is aborted (slow reader).
+    stream_write_timeout_s: float = 30.0
     health_interval_s: float = 1.0
     request_timeout_s: float = 600.0
     # A call to a worker (decode stream, prefill) this long without bytes, on a worker whose
@@ -107,6 +119,11 @@ class RouterConfig:
         for name in ("max_body_bytes", "max_prompt_chars", "tokenizer_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("body_timeout_s", "queue_timeout_s", "stream_write_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.max_concurrency_per_key < 0 or self.max_waiting < 0:
+            raise ValueError("max_concurrency_per_key and max_waiting must be >= 0")
         if self.rate_limit_rpm < 0 or self.rate_limit_tpm < 0:
             raise ValueError("rate limits must be >= 0 (0: no limit)")
         for _, weight in (*self.scorers, *self.decode_scorer_weights):

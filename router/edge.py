@@ -1,6 +1,7 @@
 """Limits at the router's edge, applied before anything costly happens.
 
-* the body is read up to ``--max-body-bytes`` (413 without reading the rest);
+* the body is read up to ``--max-body-bytes`` (413 without reading the rest), and
+  within ``--body-timeout`` seconds (408), before the request takes an admission slot;
 * JSON nested deeper than 32 levels or holding invalid Unicode (a lone
   surrogate such as ``"\\ud800"``, which JSON lets through) is a 400 naming the
   top-level field it sits in (``pdserve.jsonguard``, shared with the workers);
@@ -12,6 +13,7 @@ Parsing, these checks and tokenization run on the runtime's tokenizer threads
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -25,9 +27,19 @@ def too_large(limit: int) -> APIError:
     return APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, at most ``limit`` bytes: a larger one is refused as soon as its
-    Content-Length says so, or as soon as the bytes read pass the limit."""
+async def read_body(request: Request, limit: int, timeout: float = 30.0) -> bytes:
+    """The body, at most ``limit`` bytes, in at most ``timeout`` seconds: a larger one is
+    refused as soon as its Content-Length says so or the bytes read pass the limit; one
+    still arriving at the deadline is a 408 (a client trickling bytes holds nothing)."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s "
+                       "(--body-timeout)", code="request_timeout") from None  # fmt: skip
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
+import os
 
 from pdserve import env
 from pdserve.router.config import (
@@ -17,14 +17,17 @@ from pdserve.router.config import (
     parse_scorer,
 )
 from pdserve.router.discovery import EndpointSource, StaticSource
+from pdserve.router.keys import read_key_file
 
 API_KEY_ENV = env.API_KEY
+ADMIN_KEY_ENV = "PDSERVE_ADMIN_API_KEY"
 # Seconds an idle client connection stays open. uvicorn's default, 5 s, equals httpx's
 # pool expiry (the OpenAI SDK's) and is below aiohttp's 15 s: a client reused connections
 # the router was closing at that moment and the request failed ("Server disconnected":
 # 3 of 160 requests of a client pausing ~5 s between bursts, here). Longer than common client pools
 # (Go's 90 s) and load balancers' idle timeouts (60 s), so the client side gives up first.
 CLIENT_KEEP_ALIVE_S = 120
+log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,8 +47,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default="", help="namespace (default: the pod's own)")
     keys = p.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default="", help=f"required bearer key (or env {API_KEY_ENV})")
-    keys.add_argument("--api-key-file", default="", help="file with one API key per line")
-    p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
+    keys.add_argument("--api-key-file", default="",
+                      help="file with one API key per line, optionally 'KEY priority=N'; "
+                      "re-read when it changes")  # fmt: skip
+    admin = p.add_mutually_exclusive_group()
+    admin.add_argument("--admin-api-key", default="",
+                       help="key that opens /metrics and /workers while API keys are on "
+                       f"(or env {ADMIN_KEY_ENV})")  # fmt: skip
+    admin.add_argument("--admin-api-key-file", default="", help="file of admin keys")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests in flight; beyond them they wait (--max-waiting)")  # fmt: skip
     add_limit_arguments(p)
     p.add_argument("--picker", choices=PICKERS, default="max-score")
     p.add_argument("--routing", choices=ROUTING_MODES, default="prefix",
@@ -86,23 +97,58 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per minute per API key (0: no limit); beyond it 429")  # fmt: skip
     g.add_argument("--rate-limit-tpm", type=int, default=0,
                    help="prompt + max_tokens per minute per API key (0: no limit)")  # fmt: skip
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive; then 408 (no slot is "
+                   "held meanwhile)")  # fmt: skip
+    g.add_argument("--max-concurrency-per-key", type=int, default=0,
+                   help="requests one API key may have in flight or waiting (0: off)")  # fmt: skip
+    g.add_argument("--max-waiting", type=int, default=256,
+                   help="requests that wait for a slot beyond --max-queue, fairly across "
+                   "keys (0: a full queue is a 429 at once)")  # fmt: skip
+    g.add_argument("--queue-timeout", type=float, default=30.0,
+                   help="seconds a request waits for a slot before its 429")  # fmt: skip
+    g.add_argument("--stream-write-timeout", type=float, default=30.0,
+                   help="seconds a stream may wait for its client to read; then it is "
+                   "aborted and its KV freed (a slow reader)")  # fmt: skip
     g.add_argument("--cache-isolation", choices=CACHE_ISOLATION, default="api-key",
                    help="api-key: each API key has its own prefix cache (cached_tokens reveal "
                    "nothing across keys); none: one cache shared by all")  # fmt: skip
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The static tenant key (--api-key or its env); --api-key-file is read by the
+    router itself (router/keys.py), here only checked once so a bad file stops the start."""
     if args.api_key_file:
-        try:
-            lines = Path(args.api_key_file).read_text().splitlines()
-        except OSError as exc:
-            raise SystemExit(f"pdserve router: cannot read --api-key-file: {exc}") from exc
-        keys = tuple(k.strip() for k in lines if k.strip() and not k.startswith("#"))
-        if not keys:
-            raise SystemExit(f"pdserve router: {args.api_key_file} holds no API key")
-        return keys
+        _check_key_file("--api-key-file", args.api_key_file)
+        return ()
     key = args.api_key or env.get(API_KEY_ENV)
     return (key,) if key else ()
+
+
+def admin_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.admin_api_key_file:
+        _check_key_file("--admin-api-key-file", args.admin_api_key_file)
+        return ()
+    key = args.admin_api_key or os.environ.get(ADMIN_KEY_ENV, "")
+    return (key,) if key else ()
+
+
+def _check_key_file(flag: str, path: str) -> None:
+    try:
+        read_key_file(path)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"pdserve router: cannot read {flag}: {exc}") from exc
+
+
+def warn_if_open(cfg: RouterConfig, host: str) -> None:
+    """A router on a non-loopback address without API keys serves anyone who reaches it."""
+    if cfg.api_keys or cfg.api_key_file:
+        return
+    if host in ("127.0.0.1", "::1", "localhost") or host.startswith("127."):
+        return
+    log.warning("no API key is configured and the router listens on %s: anyone who can "
+                "reach it can use it and read /metrics and /workers (--api-key-file)",
+                host)  # fmt: skip
 
 
 def _scorer(text: str) -> tuple[str, float]:
@@ -133,6 +179,14 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         decode_scorer_weights=tuple(args.decode_scorer) or DECODE_SCORERS,
         max_queue=args.max_queue,
         api_keys=api_keys(args),
+        api_key_file=args.api_key_file,
+        admin_api_keys=admin_keys(args),
+        admin_api_key_file=args.admin_api_key_file,
+        body_timeout_s=args.body_timeout,
+        max_concurrency_per_key=args.max_concurrency_per_key,
+        max_waiting=args.max_waiting,
+        queue_timeout_s=args.queue_timeout,
+        stream_write_timeout_s=args.stream_write_timeout,
         health_interval_s=args.health_interval,
         stall_timeout_s=args.stall_timeout,
         failover_wait_s=args.failover_wait,
@@ -172,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(cfg, source)
     except ValueError as exc:
         raise SystemExit(f"pdserve router: {exc}") from exc
+    warn_if_open(cfg, args.host)
     if args.keep_alive_timeout < 1:
         raise SystemExit("pdserve router: --keep-alive-timeout must be at least 1 second")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -18,10 +17,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pdserve.router import worker_client
+from pdserve.router.admission import Admission, Ticket
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery, EndpointSource
 from pdserve.router.dispatch import Dispatcher, RequestState
 from pdserve.router.errors import APIError
+from pdserve.router.keys import Caller, KeyStore
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefix_index import KVEventSubscriber, PrefixIndex
 from pdserve.router.ratelimit import RateLimiter
@@ -29,18 +30,6 @@ from pdserve.router.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class Ticket:
-    """One admitted request's place in the queue; releasing twice is harmless."""
-
-    def __init__(self, rt: Runtime) -> None:
-        self._rt: Runtime | None = rt
-
-    def release(self) -> None:
-        if self._rt is not None:
-            self._rt._release()
-            self._rt = None
 
 
 class Runtime:
@@ -55,7 +44,10 @@ class Runtime:
         self.subscriber = KVEventSubscriber(self.index)
         self.discovery = Discovery(source, self.client, cfg.health_interval_s, self.subscriber)
         self.dispatcher = Dispatcher(cfg, self.discovery, self.index, self.client, self.metrics)
-        self.active = 0
+        self.keys = KeyStore(cfg.api_keys, cfg.api_key_file, cfg.admin_api_keys,
+                             cfg.admin_api_key_file)  # fmt: skip
+        self.admission = Admission(cfg.max_queue, cfg.max_concurrency_per_key, cfg.max_waiting,
+                                   cfg.queue_timeout_s, self.metrics.queue_depth.set)  # fmt: skip
         self.created = int(time.time())
         self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm)
         # Parsing, chat templates and tokenizing: CPU work kept off the event loop.
@@ -80,23 +72,26 @@ class Runtime:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # -- admission ---------------------------------------------------------------------
+    @property
+    def active(self) -> int:
+        """Requests admitted and not finished."""
+        return self.admission.active
+
+    def caller(self, request: Request) -> Caller:
+        """Who sends ``request`` (its API key, priority class, admin or not); 401 without a
+        valid key when keys are configured."""
+        return self.keys.caller(request.headers.get("authorization", ""))
+
     def check_auth(self, request: Request) -> str:
         """The caller's API key ("" when no keys are configured); 401 without a valid one."""
-        if not self.cfg.api_keys:
-            return ""
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else ""
-        if not token:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")  # fmt: skip
-        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in self.cfg.api_keys):
-            raise APIError(401, "incorrect API key", code="invalid_api_key")
-        return token
+        return self.caller(request).key
+
+    def require_admin(self, request: Request) -> None:
+        self.keys.require_admin(request.headers.get("authorization", ""))
 
     @staticmethod
     def client_of(request: Request, key: str) -> str:
-        """Who rate limits count against: the API key, else the peer's address."""
+        """Who rate limits and fair shares count against: the API key, else the address."""
         if key:
             return "key:" + key
         return "addr:" + (request.client.host if request.client else "")
@@ -111,31 +106,19 @@ class Runtime:
             parts.append("r:" + requested)
         return "|".join(parts) or None
 
-    def gate(self, request: Request) -> tuple[str, str, Ticket]:
-        """What a request passes before its body is read: the API key, the client's
-        requests-per-minute bucket, ``--max-queue`` admission. Returns (key, client,
-        ticket); the caller releases the ticket."""
-        key = self.check_auth(request)
-        client = self.client_of(request, key)
+    def gate(self, request: Request) -> tuple[Caller, str]:
+        """What a request passes before its body is read: the API key and the client's
+        requests-per-minute bucket. Returns (caller, client). No slot is taken: a slot
+        is taken only once the body is in (``admit``), so a client that trickles its
+        body holds nothing but its own connection (until ``--body-timeout``)."""
+        caller = self.caller(request)
+        client = self.client_of(request, caller.key)
         self.limiter.take_request(client)
-        return key, client, self.admit()
+        return caller, client
 
-    def admit(self) -> Ticket:
-        if self.active >= self.cfg.max_queue:
-            raise APIError(
-                429,
-                f"the router's queue is full ({self.cfg.max_queue} requests); retry later",
-                code="queue_full",
-                headers={"Retry-After": "1"},
-            )
-        self.active += 1
-        self.metrics.queue_depth.set(self.active)
-        return Ticket(self)
-
-    def _release(self) -> None:
-        assert self.active > 0
-        self.active -= 1
-        self.metrics.queue_depth.set(self.active)
+    async def admit(self, client: str, priority: int = 0) -> Ticket:
+        """A slot under ``--max-queue``, shared fairly across clients (router/admission.py)."""
+        return await self.admission.acquire(client, priority)
 
     # -- accounting --------------------------------------------------------------------
     def error(self, err: APIError) -> JSONResponse:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.engine.sampling_params import InvalidParameter
+from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.router import edge, responses
 from pdserve.router.dispatch import Delta, RequestState
 from pdserve.router.errors import APIError, invalid
@@ -60,12 +60,6 @@ async def guarded(request: Request, aw: Awaitable[T]) -> T:
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await work
     raise ClientGone
-
-
-async def read_json(rt: Runtime, request: Request) -> Any:
-    """A JSON body under the edge limits (size, depth, Unicode), decoded off the loop."""
-    raw = await edge.read_body(request, rt.cfg.max_body_bytes)
-    return await rt.off_loop(edge.parse_json, raw)
 
 
 def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[GenerateRequest, list[int]]:
@@ -166,12 +160,18 @@ class _Stream(Response):
 async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     try:
-        key, client, ticket = rt.gate(request)  # before the body is read or parsed
+        caller, client = rt.gate(request)  # before the body is read or parsed
+        raw = await edge.read_body(request, rt.cfg.max_body_bytes, rt.cfg.body_timeout_s)
+        ticket = rt.admission.try_now(client) or await guarded(
+            request, rt.admit(client, caller.priority)
+        )
+    except ClientGone:
+        return Response(status_code=499)
     except APIError as err:
         return rt.error(err)
+    key = caller.key
     streaming = False
     try:
-        raw = await edge.read_body(request, rt.cfg.max_body_bytes)
         req, ids = await rt.off_loop(prepare, rt, raw, chat)
         snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
         req = fit_context(rt, snap, req, len(ids))

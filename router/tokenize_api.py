@@ -22,24 +22,32 @@ from typing import Any
 
 from starlette.requests import Request
 
+from pdserve.router import edge
 from pdserve.router.chat_options import flag, parse_chat_options
 from pdserve.router.edge import bound_text
 from pdserve.router.errors import invalid
 from pdserve.router.protocol import check_model, parse_messages
 from pdserve.router.runtime import Runtime
-from pdserve.router.serving import read_json
 from pdserve.router.tools import chat_inputs, parse_tools
 
 
 async def handle(
     rt: Runtime, request: Request, fn: Callable[[Runtime, Any], dict[str, Any]]
 ) -> dict[str, Any]:
-    """``fn`` (tokenize or detokenize) on the request's body, admitted as a completion is."""
-    _, _, ticket = rt.gate(request)  # before the body is read: --max-queue bounds it too
+    """``fn`` (tokenize or detokenize) on the request's body, admitted as a completion is:
+    the key and its request bucket, the body under its size and time limits, then a slot
+    under --max-queue before any parsing or tokenizing."""
+    caller, client = rt.gate(request)
+    raw = await edge.read_body(request, rt.cfg.max_body_bytes, rt.cfg.body_timeout_s)
+    ticket = rt.admission.try_now(client) or await rt.admit(client, caller.priority)
     try:
-        return await rt.off_loop(fn, rt, await read_json(rt, request))
+        return await rt.off_loop(_parsed, fn, rt, raw)
     finally:
         ticket.release()
+
+
+def _parsed(fn: Callable[[Runtime, Any], dict[str, Any]], rt: Runtime, raw: bytes) -> Any:
+    return fn(rt, edge.parse_json(raw))
 
 
 def _check(rt: Runtime, body: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import pytest
 
 from pdserve.router.discovery import events_address, normalize_url
 from pdserve.router.discovery_k8s import KubernetesSource, endpoints_from_slices, pool_roles
+from pdserve.router.keys import KeyStore
 from pdserve.router.main import add_arguments, build_config, build_source
 
 
@@ -82,8 +83,9 @@ def test_cli_config_and_api_keys(tmp_path, monkeypatch) -> None:
     assert build_config(args).api_keys == ("from-env",)
     keyfile = tmp_path / "keys"
     keyfile.write_text("# comment\nk1\n\nk2\n")
-    assert build_config(_parse("--model", "/m", "--api-key-file", str(keyfile))).api_keys == (
-        "k1", "k2")  # fmt: skip
+    cfg = build_config(_parse("--model", "/m", "--api-key-file", str(keyfile)))
+    assert cfg.api_key_file == str(keyfile)  # read (and re-read) by the router's KeyStore
+    assert KeyStore(cfg.api_keys, cfg.api_key_file).tenant_keys() == {"k1": 0, "k2": 0}
     with pytest.raises(SystemExit, match="--decode"):
         build_source(_parse("--model", "/m"))
     with pytest.raises(SystemExit, match="cannot read"):

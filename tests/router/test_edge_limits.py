@@ -81,7 +81,7 @@ def _count_tokenizer_calls(c: Any) -> list[str]:
 
 
 async def test_admission_comes_before_parsing_and_tokenizing(cluster_factory) -> None:
-    async with cluster_factory(max_queue=1, disagg_threshold=10_000) as c:
+    async with cluster_factory(max_queue=1, max_waiting=0, disagg_threshold=10_000) as c:
         c.decode[0].token_delay_s = 0.05
         async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
             busy = asyncio.create_task(h.post("/v1/completions", json={**OK, "max_tokens": 20}))
@@ -99,8 +99,9 @@ async def test_tokenize_passes_the_same_gates_as_a_completion(cluster_factory) -
     """/tokenize and /detokenize run on the tokenizer threads the completions share: they
     are admitted under --max-queue and the request rate limit before their body is read,
     and their text is bounded by --max-prompt-chars before it is tokenized."""
-    async with cluster_factory(max_queue=1, disagg_threshold=10_000, max_prompt_chars=1000,
-                               api_keys=("ka",), rate_limit_rpm=5) as c:  # fmt: skip
+    async with cluster_factory(max_queue=1, max_waiting=0, disagg_threshold=10_000,
+                               max_prompt_chars=1000, api_keys=("ka",),
+                               rate_limit_rpm=5) as c:  # fmt: skip
         c.decode[0].token_delay_s = 0.05
         auth = {"Authorization": "Bearer ka"}
         async with httpx.AsyncClient(base_url=c.url, timeout=30, headers=auth) as h:

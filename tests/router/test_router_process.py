@@ -35,7 +35,8 @@ async def test_router_process_serves_and_stops(tiny_model_dir: Path, tmp_path: P
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pdserve", "router", "--model", str(tiny_model_dir),
             "--port", str(port), "--prefill", purl, "--decode", durl, "--disagg-threshold", "8",
-            "--api-key-file", str(keyfile), "--health-interval", "0.2", "--log-level", "warning",
+            "--api-key-file", str(keyfile), "--admin-api-key", "adm", "--health-interval", "0.2",
+            "--log-level", "warning",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
@@ -51,7 +52,7 @@ async def test_router_process_serves_and_stops(tiny_model_dir: Path, tmp_path: P
                 assert model == tiny_model_dir.name
                 out = await cl.completions.create(model=model, prompt="hello " * 30, max_tokens=3)
                 assert out.choices[0].text.startswith("<")
-                workers = (await h.get("/workers", headers={"Authorization": "Bearer k1"})).json()
+                workers = (await h.get("/workers", headers={"Authorization": "Bearer adm"})).json()
                 assert {w["role"] for w in workers["workers"]} == {"prefill", "decode"}
         finally:
             proc.terminate()
