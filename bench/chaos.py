@@ -10,8 +10,10 @@ Phases, in order, against one running service:
 4. overload beyond ``--max-queue``: 429 with Retry-After, never a 5xx;
 5. soak: mixed requests (stream / not, chat / completions, sampling on / off), 10%
    cancelled by their clients;
-6. ``kill -9`` of the busiest decode worker under streaming load (streams migrate), then
-   of the busiest prefill worker under load (retry / local prefill);
+6. ``kill -9`` of the busiest decode worker under streaming load (streams migrate), once
+   its own /stats shows it running >= 4 of the phase's streams; the phase fails (exit 1,
+   ``failed_phases``) when no stream migrated. Then of the busiest prefill worker under
+   load (retry / local prefill);
 7. SIGSTOP of the busiest decode worker, whole, under streaming load: a hung worker closes
    nothing, so the router cuts its streams after ``--stall-timeout`` (3 s here) and they
    migrate; SIGCONT once they are done, and it serves again;
@@ -85,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.huge_prompt_chars, args.restart_wait_s = 4_000_000, 120.0
     if args.quick:
-        args.soak, args.kill_streams = 120, 8
+        # 10 streams over 2 decode workers: one holds >= 5 while all run (VICTIM_MIN_STREAMS)
+        args.soak, args.kill_streams = 120, 10
         args.huge_prompt_chars, args.restart_wait_s = 1_000_000, 90.0
     return args
 
@@ -186,6 +189,9 @@ async def phase_soak(h: httpx.AsyncClient, model: str, n: int, conc: int) -> dic
             "soak_error_samples": [f"{r.status} {r.error[:80]}" for r in errors[:5]]}  # fmt: skip
 
 
+# The victim must be seen (in its own /stats) running this many of the phase's streams
+# before it dies: a kill that lands on an idle worker migrates nothing and proves nothing.
+VICTIM_MIN_STREAMS = 4
 # Long enough that a victim's streams are still under way when it dies (96-token streams on
 # the tiny model could all end in the moment between the victim's pick and its kill).
 KILL_TOKENS = 320
@@ -197,12 +203,18 @@ async def phase_kill_decode(h: httpx.AsyncClient, svc: Service, model: str, n: i
     streams = [asyncio.ensure_future(cc.stream(h, "/v1/completions", b)) for b in bodies]
     # Streams that are decoding, not waiting for their KV: killed then, they must migrate
     # (a waiting one is merely retried, and a kill that finds only those shows no migration).
-    victim = await _kill_busiest(svc.urls("decode"), streams, ("running",), min_new_tokens=24)
+    seen: list[int] = []
+    victim = await _kill_busiest(svc.urls("decode"), streams, ("running",), 24,
+                                 min_load=VICTIM_MIN_STREAMS, seen=seen)  # fmt: skip
     done = await asyncio.gather(*streams)
-    migrated = counter(svc.url, "pdserve_router_migrated_streams_total") - before
+    migrated = int(counter(svc.url, "pdserve_router_migrated_streams_total") - before)
+    # A kill that moved no stream proved nothing (the victim held none of the phase's
+    # streams when it died): the phase fails rather than passes.
     return {"decode_killed": victim, "decode_kill_streams": n,
+            "decode_kill_victim_running": seen[-1] if seen else 0,
             "decode_kill_failed_streams": sum(not r.ok(KILL_TOKENS) for r in done),
-            "migrated_streams": int(migrated)}  # fmt: skip
+            "migrated_streams": migrated,
+            "decode_kill_passed": bool(victim) and migrated > 0}  # fmt: skip
 
 
 async def phase_hang_decode(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
@@ -255,21 +267,32 @@ async def _kill_busiest(
     counts: tuple[str, ...] = ("running", "waiting", "held"),
     min_new_tokens: int = 0,
     act: Any = kill9,
+    min_load: int = 1,
+    seen: list[int] | None = None,
 ) -> str:
-    """``kill -9`` (or ``act``) the busiest of ``urls`` once it has work ("" if none ever
-    had); ``counts``: which of its requests count (chaos_service.busiest);
+    """``kill -9`` (or ``act``) the busiest of ``urls`` once it has ``min_load`` requests
+    ("" if none ever had); ``counts``: which of its requests count (chaos_service.busiest);
     ``min_new_tokens``: first let it generate that many more tokens (its streams are then
-    under way)."""
+    under way), and check its load again just before acting; ``seen`` gets that load."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(t.done() for t in tasks):
         found = await asyncio.to_thread(busiest, urls, counts)
-        if found is not None:
-            url, seen = found
-            await _until_generated(url, seen.get("generation_tokens", 0) + min_new_tokens)
+        if found is not None and _load(found[1], counts) >= min_load:
+            url, first = found
+            await _until_generated(url, first.get("generation_tokens", 0) + min_new_tokens)
             await asyncio.sleep(0.05)  # some tokens are out: the kill is mid-stream
+            now = await asyncio.to_thread(stats, url)
+            if now is None or _load(now, counts) < min_load:
+                continue  # its streams ended meanwhile: look again
+            if seen is not None:
+                seen.append(_load(now, counts))
             return url if await asyncio.to_thread(act, url) else ""
         await asyncio.sleep(0.01)
     return ""
+
+
+def _load(s: dict[str, Any], counts: tuple[str, ...]) -> int:
+    return sum(int(s.get(field, 0)) for field in counts)
 
 
 async def _until_generated(url: str, tokens: int, timeout: float = 5.0) -> None:
@@ -305,6 +328,7 @@ async def run_phases(svc: Service, args: argparse.Namespace, model: str) -> dict
     out["leaked_blocks"], out["workers_checked"] = leaked_blocks(svc, 30.0)
     out["up_running"] = svc.running
     out["phase_seconds"] = timings
+    out["failed_phases"] = [] if out["decode_kill_passed"] else ["kill_decode"]
     return out
 
 
@@ -351,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                   logs=logs)  # fmt: skip
     plot(result, Path(args.out) / f"chaos{'-quick' if args.quick else ''}.png")
     print(json.dumps(result))
-    return 0
+    return 1 if result["failed_phases"] else 0
 
 
 if __name__ == "__main__":
