@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pdserve import env
+from pdserve.engine import cache_seal
 from pdserve.engine.host_tag import host_tag
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ def build(
     """The compiled library of ``source`` (built once per ``library_path``);
     bench/attention_kernel.py builds the old kernel with it."""
     target = library_path(cxx, source, headers, flags)
+    sealing = cache_seal.ring(env.KERNEL_CACHE)  # a shared cache: only our own code loads
+    cache_seal.verify(target.parent, sealing)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -83,6 +86,7 @@ def build(
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    cache_seal.seal(target.parent, sealing)
     return target
 
 

@@ -22,6 +22,7 @@ import aiohttp
 import httpx
 
 from pdserve.operator import naming as n
+from pdserve.operator import url_checks
 from pdserve.operator.kube import KubeClient
 from pdserve.operator.spec import LLMServiceSpec
 from pdserve.planner.capacity import Profile, ProfileError
@@ -183,6 +184,9 @@ async def prometheus_snapshot(
     window = max(30.0, float(svc.autoscaling.interval_seconds))
 
     def query() -> MetricsSnapshot:
+        problem = url_checks.resolved_problem(svc.autoscaling.metrics_url)
+        if problem:  # a name that the spec check could not judge
+            raise InputError(f"spec.autoscaling.metricsUrl: {problem}")
         with httpx.Client(timeout=5.0) as http:
             api = PrometheusAPI(
                 svc.autoscaling.metrics_url, selector=selector, window_s=window, client=http

@@ -26,6 +26,14 @@ MODEL_MOUNT = "/models"
 # inside (engine/host_tag.py), so nodes of different CPUs share the volume safely.
 COMPILE_CACHE_MOUNT = "/var/cache/pdserve"
 COMPILE_CACHE_SUBPATH = ".pdserve-compiled"
+
+
+def compile_cache_subpath(name: str) -> str:
+    """Each service's own folder of the shared cache: services that share a model cache
+    never load each other's code (and what is inside is sealed: engine/cache_seal.py)."""
+    return f"{COMPILE_CACHE_SUBPATH}/{name}"
+
+
 LABEL_SERVICE = "pdserve.io/service"
 LABEL_ROLE = "pdserve.io/role"
 ANNOTATION_LAST_APPLIED = "pdserve.io/last-applied"

@@ -109,7 +109,7 @@ def _mounts(spec: LLMServiceSpec, role: str) -> list[dict[str, Any]]:
             {
                 "name": "model",
                 "mountPath": n.COMPILE_CACHE_MOUNT,
-                "subPath": n.COMPILE_CACHE_SUBPATH,
+                "subPath": n.compile_cache_subpath(spec.name),
             }
         )
     if role in n.POOL_ROLES:

@@ -90,7 +90,7 @@ def compile_cache_init_container(spec: LLMServiceSpec) -> list[dict[str, Any]]:
     (a folder the kubelet made for the subPath mount could belong to root)."""
     if not spec.model.source.cache_claim:
         return []
-    folder = f"{n.MODEL_MOUNT}/{n.COMPILE_CACHE_SUBPATH}"
+    folder = f"{n.MODEL_MOUNT}/{n.compile_cache_subpath(spec.name)}"
     return [
         {
             "name": "compile-cache-dir",

@@ -34,6 +34,7 @@ from pdserve.operator.spec_checks import (
     check_resources,
     check_tolerations,
 )
+from pdserve.operator.url_checks import check_url
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # DNS-1035: Service names start a-z
 _RESOURCE_NAME = re.compile(r"^[a-z0-9.-]+/[a-zA-Z0-9_.-]+$")
@@ -309,6 +310,8 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
 def check_autoscaling(svc: LLMServiceSpec) -> None:
     """Refuse autoscaling inputs that would be wrong rather than merely missing."""
     auto = svc.autoscaling
+    if auto.metrics_url:
+        check_url("spec.autoscaling.metricsUrl", auto.metrics_url)
     if auto.enabled and svc.router.replicas > 1 and not auto.metrics_url:
         # Scraping the router Service reaches one random pod per interval: counters of
         # different pods would be diffed. Prometheus sums every router pod's series.

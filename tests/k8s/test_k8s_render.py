@@ -307,9 +307,10 @@ def test_workers_keep_compiled_code_in_the_shared_cache() -> None:
             "/models": True,  # the weights stay read-only
             "/var/cache/pdserve": None,
         }
-        assert [m["subPath"] for m in mounts if "subPath" in m] == [".pdserve-compiled"]
+        # One folder per service: another service on the same cache never sees it.
+        assert [m["subPath"] for m in mounts if "subPath" in m] == [".pdserve-compiled/demo"]
         made = {c["name"]: c for c in spec["initContainers"]}["compile-cache-dir"]
-        assert made["command"] == ["mkdir", "-p", "/models/.pdserve-compiled"]
+        assert made["command"] == ["mkdir", "-p", "/models/.pdserve-compiled/demo"]
         assert made["securityContext"]["readOnlyRootFilesystem"] is True
     for manifest in cached.values():  # the two mounts of one volume are valid Kubernetes
         if manifest["kind"] == "Deployment":
