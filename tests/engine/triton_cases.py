@@ -115,11 +115,28 @@ def run_case(case: Case, seed: int = 0) -> float:
     return float((out - reference(case, inputs, scale)).abs().max())
 
 
+def store_case() -> float:
+    """New K/V land at their slots; rows with slot -1 (padding) write nothing."""
+    from pdserve.engine import triton_attention as ta
+
+    gen = torch.Generator().manual_seed(7)
+    k, v = torch.randn((2, 6, 2, 24), generator=gen)
+    k_cache, v_cache = torch.zeros((2, 64, 2, 24))
+    slots = torch.tensor([5, 63, -1, 0, 17, -1])
+    ta.store_kv(k, v, k_cache, v_cache, slots)
+    want_k, want_v = torch.zeros((2, 64, 2, 24))
+    real = slots >= 0
+    want_k[slots[real]], want_v[slots[real]] = k[real], v[real]
+    return float(max((k_cache - want_k).abs().max(), (v_cache - want_v).abs().max()))
+
+
 def main() -> int:
     from pdserve.engine import triton_attention as ta
 
     assert ta.interpreted(), "set TRITON_INTERPRET=1 before triton is imported"
-    print(json.dumps({case.id: run_case(case, seed) for seed, case in enumerate(CASES)}))
+    errors = {case.id: run_case(case, seed) for seed, case in enumerate(CASES)}
+    errors["store_kv"] = store_case()
+    print(json.dumps(errors))
     return 0
 
 
