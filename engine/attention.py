@@ -13,6 +13,12 @@ pool at ``slot_mapping`` and attends over each sequence's blocks:
   block tables padded to the group's longest; a continuing chunk gathers its
   context blocks, causal with the chunk's offset into its context.
 
+Each layer's options (``model_support.LayerAttention``: sliding window, logit
+soft-cap, sinks) are honoured by both paths; the kernel takes them as arguments, the
+gather path adds the window to its masks and computes soft-capped or sink attention
+itself (SDPA has neither). Under MLA (V narrower than K) V is stored zero-padded to
+K's head size and the output cut back.
+
 Gathers index whole blocks (``[num_blocks, block_size, kv_heads, head_dim]``
 rows), and grouped-query heads are folded into the query length, so K/V are
 never expanded per query head.
@@ -32,6 +38,7 @@ from transformers import AttentionInterface
 
 from pdserve.engine import cpu_kernel
 from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.model_support import LayerAttention, check_call
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -52,6 +59,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [S] positions of the decode tokens in the step
     block_table: torch.Tensor  # [S, W] padded with block 0
     mask: torch.Tensor  # [S, 1, 1, W * block_size] bool: slot holds context
+    ctx: torch.Tensor | None = None  # [S, 1, 1, 1] context lengths (for windows)
 
 
 @dataclass
@@ -77,9 +85,21 @@ class AttentionMetadata:
     kernel: KernelTokens | None = None  # the CPU kernel's tokens (then decodes is empty)
 
 
+PLAIN = LayerAttention()
+
+
 class _Current(threading.local):
     pool: KVPool | None = None
     meta: AttentionMetadata | None = None
+    # Set by the model runner: each layer's options and the architecture's name (for
+    # refusals). Empty: every layer plain (the kernel tests call attention directly).
+    layers: tuple[LayerAttention, ...] = ()
+    architecture: str = "?"
+
+
+def layer_options(layer: int) -> LayerAttention:
+    layers = CURRENT.layers
+    return layers[layer] if layers else PLAIN
 
 
 CURRENT = _Current()
@@ -93,36 +113,52 @@ def paged_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    **_: object,
+    **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     layer = int(module.layer_idx)  # type: ignore[arg-type]
+    # Every option the call passes is honoured or refused by name (runs at trace time
+    # under torch.compile, on every call otherwise: a few dict lookups).
+    check_call(CURRENT.architecture, layer, layer_options(layer), {"dropout": dropout, **kwargs})
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    sinks = kwargs.get("s_aux")
+    assert sinks is None or isinstance(sinks, torch.Tensor)
     if torch.compiler.is_compiling():
         # Under torch.compile the step's metadata is not a graph input: the op is
         # opaque to the compiler and reads it from the thread-local at run time.
-        return paged_attention_op(query, key, value, layer, scale), None
-    return _attend(query, key, value, layer, scale), None
+        return paged_attention_op(query, key, value, layer, scale, sinks), None
+    return _attend(query, key, value, layer, scale, sinks), None
 
 
 # Registered through torch.library's low-level API rather than ``custom_op``: the latter
 # checks its outputs for aliasing in Python on every call (four calls a step per layer).
 _LIB = torch.library.Library("pdserve", "DEF")
 _LIB.define(
-    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scaling) -> Tensor"
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scaling, "
+    "Tensor? sinks) -> Tensor"
 )
 
 
 def paged_attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scaling: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`paged_attention` as an operator the compiler keeps whole ([1, T, Hq, D])."""
-    return torch.ops.pdserve.paged_attention(query, key, value, layer, scaling)
+    """:func:`paged_attention` as an operator the compiler keeps whole ([1, T, Hq, Dv])."""
+    return torch.ops.pdserve.paged_attention(query, key, value, layer, scaling, sinks)
 
 
 def _attend_op(  # looks _attend up per call, so a profiler may wrap it
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scaling: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    return _attend(query, key, value, layer, scaling)
+    return _attend(query, key, value, layer, scaling, sinks)
 
 
 _LIB.impl("paged_attention", _attend_op, "CompositeExplicitAutograd")
@@ -130,17 +166,31 @@ _LIB.impl("paged_attention", _attend_op, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("pdserve::paged_attention")
 def _(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scaling: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    _b, hq, t, d = query.shape
-    return query.new_empty((1, t, hq, d))
+    _b, hq, t, _d = query.shape
+    return query.new_empty((1, t, hq, value.shape[-1]))
 
 
 def _attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scaling: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     pool, meta = CURRENT.pool, CURRENT.meta
     assert pool is not None and meta is not None, "paged attention called outside a step"
+    opts = layer_options(layer)
+    dv = value.shape[-1]
+    if dv < key.shape[-1]:  # MLA: V stored zero-padded to K's size, output cut back
+        value = F.pad(value, (0, key.shape[-1] - dv))
     k_cache, v_cache = pool.layer(layer)
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
     k_cache.index_copy_(0, meta.slot_mapping, k_new)
@@ -149,9 +199,9 @@ def _attend(
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.kernel is not None:
-        _run_kernel(q, k_cache, v_cache, out, meta.kernel, bs, scaling)
+        _run_kernel(q, k_cache, v_cache, out, meta.kernel, bs, scaling, opts, sinks)
         if not meta.prefills:  # a step of decodes and continuing chunks: done
-            return out.unsqueeze(0)
+            return _cut(out, dv)
     k_blocks = k_cache.view(-1, bs, *k_cache.shape[1:])  # [num_blocks, bs, Hkv, D]
     v_blocks = v_cache.view(-1, bs, *v_cache.shape[1:])
 
@@ -161,7 +211,7 @@ def _attend(
 
     for group in meta.decodes:
         k, v = gather(group.block_table)
-        out[group.rows] = _decode(q[group.rows], k, v, group, scaling)
+        out[group.rows] = _decode(q[group.rows], k, v, group, scaling, opts, sinks)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         if chunk.block_table is None:
@@ -170,7 +220,15 @@ def _attend(
             k, v = gather(chunk.block_table)
             k = k.flatten(0, 1)[: chunk.context_len]
             v = v.flatten(0, 1)[: chunk.context_len]
-        out[rows] = _prefill(q[rows], k, v, chunk.causal_mask, scaling)
+        mask = _window_mask(chunk, opts.window, q.device) if opts.window else chunk.causal_mask
+        out[rows] = _prefill(q[rows], k, v, mask, scaling, opts, sinks)
+    return _cut(out, dv)
+
+
+def _cut(out: torch.Tensor, dv: int) -> torch.Tensor:
+    """[T, Hq, D] -> [1, T, Hq, Dv] (D > Dv under MLA)."""
+    if dv < out.shape[-1]:
+        out = out[..., :dv].contiguous()
     return out.unsqueeze(0)
 
 
@@ -182,20 +240,30 @@ def _run_kernel(
     tokens: KernelTokens,
     block_size: int,
     scaling: float | None,
+    opts: LayerAttention = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     lib = cpu_kernel.load()
     assert lib is not None, "kernel metadata built without the kernel"
     if q.stride(2) != 1:
         q = q.contiguous()
     _t, hq, d = q.shape
-    rc = lib.pdserve_paged_attention(
+    scale = d**-0.5 if scaling is None else scaling
+    args = (
         cpu_kernel.DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         tokens.tables.data_ptr(), tokens.tables.shape[1], tokens.rows.data_ptr(),
         tokens.table.data_ptr(), tokens.ctx.data_ptr(), tokens.rows.numel(), hq,
-        k_cache.shape[1], d, block_size, d**-0.5 if scaling is None else scaling,
-        torch.get_num_threads(),
+        k_cache.shape[1], d, block_size, scale,
     )  # fmt: skip
+    if opts.plain:
+        rc = lib.pdserve_paged_attention(*args, torch.get_num_threads())
+    else:
+        sink32 = None if sinks is None else sinks.detach().float().contiguous()
+        rc = lib.pdserve_paged_attention_layer(
+            *args, opts.window or 0, opts.softcap or 0.0,
+            None if sink32 is None else sink32.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
     assert rc == 0, f"paged attention kernel failed ({rc})"
 
 
@@ -205,20 +273,37 @@ def _gather(blocks: torch.Tensor, ids: torch.Tensor, buffer: torch.Tensor | None
     return torch.index_select(blocks, 0, ids, out=buffer[: ids.numel()])
 
 
+def _window_mask(chunk: PrefillChunk, window: int, device: torch.device) -> torch.Tensor:
+    """[q, ctx] bool: causal, and query i sees keys j with i - j < ``window`` only."""
+    ctx = chunk.context_len if chunk.block_table is not None else chunk.num_tokens
+    q_pos = torch.arange(ctx - chunk.num_tokens, ctx, device=device)[:, None]
+    dist = q_pos - torch.arange(ctx, device=device)[None, :]
+    return (dist >= 0) & (dist < window)
+
+
 def _decode(
     q: torch.Tensor,  # [S, Hq, D]
     k: torch.Tensor,  # [S * W, block_size, Hkv, D], the group's blocks in table order
     v: torch.Tensor,
     group: DecodeGroup,
     scaling: float | None,
+    opts: LayerAttention = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s, hq, d = q.shape
     hkv = k.shape[2]
-    # Query heads sharing a KV head become that head's query "positions": [S, Hkv, G, D].
-    qg = q.view(s, hkv, hq // hkv, d)
     k = k.view(s, -1, hkv, d).transpose(1, 2)  # [S, Hkv, C, D]
     v = v.view(s, -1, hkv, d).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scaling)
+    mask = group.mask
+    if opts.window:
+        assert group.ctx is not None
+        slot = torch.arange(mask.shape[-1], device=mask.device)
+        mask = mask & (slot >= group.ctx - opts.window)
+    if not opts.plain:
+        return _eager(q.unsqueeze(2), k, v, mask, scaling, opts, sinks).reshape(s, hq, d)
+    # Query heads sharing a KV head become that head's query "positions": [S, Hkv, G, D].
+    qg = q.view(s, hkv, hq // hkv, d)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)
     return o.reshape(s, hq, d)
 
 
@@ -228,17 +313,52 @@ def _prefill(
     v: torch.Tensor,
     causal_mask: torch.Tensor | None,
     scaling: float | None,
+    opts: LayerAttention = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if opts.softcap is not None or opts.sinks:
+        if causal_mask is None:
+            n = q.shape[0]
+            causal_mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        return _eager(qt, kt, vt, causal_mask, scaling, opts, sinks)[0].transpose(0, 1)
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
+        qt, kt, vt,
         attn_mask=causal_mask,
         is_causal=causal_mask is None,
         scale=scaling,
         enable_gqa=True,
-    )
+    )  # fmt: skip
     return o[0].transpose(0, 1)
+
+
+def _eager(
+    q: torch.Tensor,  # [B, Hq, L, D]
+    k: torch.Tensor,  # [B, Hkv, C, D]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # bool, broadcast to [B, Hq, L, C]
+    scaling: float | None,
+    opts: LayerAttention,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention with soft-capped scores and/or sinks, as transformers' eager code does it
+    (SDPA has neither): scores, cap, mask, sink logit, softmax, the sink dropped."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * (
+        q.shape[-1] ** -0.5 if scaling is None else scaling
+    )
+    if opts.softcap is not None:
+        scores = torch.tanh(scores / opts.softcap) * opts.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if opts.sinks:
+        assert sinks is not None
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if opts.sinks:
+        probs = probs[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

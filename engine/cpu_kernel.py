@@ -116,6 +116,10 @@ def declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr]
     fn.argtypes += [i32, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = ctypes.c_int
+    if hasattr(lib, "pdserve_paged_attention_layer"):  # with one layer's options
+        layer = lib.pdserve_paged_attention_layer
+        layer.argtypes = [*fn.argtypes[:-1], i32, ctypes.c_float, ptr, i32]
+        layer.restype = ctypes.c_int
     if hasattr(lib, "pdserve_kernel_width"):
         lib.pdserve_kernel_width.argtypes, lib.pdserve_kernel_width.restype = [i32], i32
         lib.pdserve_kernel_exp.argtypes = [i32, ptr, ptr, i64]

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from pdserve.engine import compiled, cpu_kernel
+from pdserve.engine import compiled, cpu_kernel, model_support
 from pdserve.engine.attention import (
     ATTN_IMPLEMENTATION,
     CURRENT,
@@ -27,6 +27,7 @@ from pdserve.engine.attention import (
 )
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_pool import KVPool, KVShape
+from pdserve.engine.prompt_logprobs import PromptRows
 from pdserve.engine.request import Request
 
 # A decode joins the current group while its context has at least this share of the
@@ -71,21 +72,26 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
+        hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
+        # Refused by name before the weights load: options the attention does not honour.
+        self.layers = model_support.check_config(hf_config)
+        self.architecture = model_support.architecture(hf_config)
         model = AutoModelForCausalLM.from_pretrained(
             config.model,
+            config=hf_config,
             dtype=self.dtype,
             attn_implementation=ATTN_IMPLEMENTATION,
             local_files_only=True,
         )
+        model_support.check_model(model, self.layers)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.forward = compiled.compile_model(self.model) if config.compile else self.model
         hf = self.model.config
         self.hf_config = hf
         self.num_layers: int = hf.num_hidden_layers
         self.num_kv_heads: int = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        self.head_dim: int = (
-            getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        )
+        # Under MLA V is narrower than K; the pool stores it padded to K's size.
+        self.head_dim: int = model_support.head_dims(hf)[0]
         self.max_position_embeddings: int = hf.max_position_embeddings
         self.pool: KVPool | None = None
         self.decode_group_rows = DECODE_GROUP_ROWS.get(self.device.type, DECODE_GROUP_ROWS_DEFAULT)
@@ -124,8 +130,13 @@ class ModelRunner:
         input_ids, positions, slots, sample_rows = self._flatten(chunks)
         CURRENT.pool = self.pool
         CURRENT.meta = self._metadata(chunks, slots)
+        CURRENT.layers, CURRENT.architecture = self.layers, self.architecture
         num_sampled = sample_rows.numel()
-        if num_sampled == 0 and self.compiled:
+        prompt = PromptRows.of(chunks)  # rows that score prompt tokens (echo, prompt_logprobs)
+        if prompt.rows:
+            rows = torch.tensor(prompt.rows, dtype=torch.long, device=self.device)
+            sample_rows = torch.cat([sample_rows, rows])
+        elif num_sampled == 0 and self.compiled:
             # A step of mid-prompt chunks samples nothing; one row of logits (dropped)
             # keeps it on a graph the warm-up compiled instead of a fourth variant.
             sample_rows = sample_rows.new_full((1,), input_ids.numel() - 1)
@@ -138,6 +149,8 @@ class ModelRunner:
             )
         finally:
             CURRENT.pool = CURRENT.meta = None
+            CURRENT.layers = ()
+        prompt.record(out.logits[0, num_sampled:])
         return out.logits[0, :num_sampled].float()
 
     def _flatten(
@@ -277,6 +290,7 @@ class ModelRunner:
             rows=torch.tensor([r for r, _, _ in members], dtype=torch.long).to(dev),
             block_table=torch.from_numpy(table).to(dev),
             mask=mask[:, None, None, :].to(dev),
+            ctx=lens.view(-1, 1, 1, 1).to(dev),
         )
 
 

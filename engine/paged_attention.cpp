@@ -16,6 +16,11 @@
 // The next block's rows are prefetched while a block is processed (blocks are scattered,
 // and the hardware prefetchers stop at page boundaries). Every item runs the same code
 // whatever the thread count, so the output is bitwise independent of it.
+// Per-layer options (pdserve_paged_attention_layer): a sliding window starts the walk
+// at position ctx - window (whole blocks before it are never read); a soft-cap maps each
+// score to cap * tanh(score / cap) before the softmax; sinks (one logit per query head)
+// start each head's online softmax at (max = sink, sum = 1), which is the sink's column
+// of the softmax with a value of zero. The plain entry point passes none of them.
 // Compiled at run time by pdserve/engine/cpu_kernel.py (-O3 -march=native; no
 // -ffast-math, no -fassociative-math, see there): AVX-512 and AVX2 paths where the host
 // has them, a portable one (Lanes) for everything else; paged_attention_simd.h.
@@ -60,6 +65,9 @@ struct Args {
   const int32_t* tok_ctx;
   int32_t num_tokens, hq, hkv, head_dim, block_size;
   float scale;
+  int32_t window = 0;          // 0: no sliding window
+  float softcap = 0.0f;        // 0: no soft-capping
+  const float* sinks = nullptr;  // [hq] or none
 };
 
 template <typename T>
@@ -77,6 +85,7 @@ struct Item {
   using V = typename S::V;
   static constexpr int W = S::W, GM = G ? G : kMaxG, CM = C ? C : kMaxD / W;
   int ng, nc;
+  float softcap = 0.0f;
   V q[GM][CM], acc[GM][CM], sum[GM];  // sum: lane-wise running sums of the weights
   float max[GM];
   const T* kp[W];  // the tile's rows
@@ -113,6 +122,13 @@ struct Item {
         s[g] = S::transpose_sum(part);
       }
     }
+    if (softcap != 0.0f)  // before the padding's -inf below (tanh would make it finite)
+      for (int g = 0; g < heads(); ++g) {
+        alignas(64) float buf[W];
+        S::store(buf, s[g]);
+        for (int j = 0; j < W; ++j) buf[j] = softcap * std::tanh(buf[j] / softcap);
+        s[g] = S::load(buf);
+      }
     if (n < W)
       for (int g = 0; g < heads(); ++g) {
         alignas(64) float buf[W];
@@ -174,7 +190,9 @@ void one_item(const Args& a, int64_t item) {
   I it;
   it.ng = a.hq / a.hkv;
   it.nc = d / W;
+  it.softcap = a.softcap;
   alignas(64) float buf[kMaxD];
+  alignas(64) float first[W] = {1.0f};  // lane 0 set: a sum of exp(sink - sink)
   for (int g = 0; g < it.heads(); ++g) {
     const T* qg = static_cast<const T*>(a.q) + row * a.q_stride_t + (h * it.heads() + g) * a.q_stride_h;
     for (int e = 0; e < d; ++e) buf[e] = load1(qg + e) * a.scale;
@@ -182,17 +200,19 @@ void one_item(const Args& a, int64_t item) {
       it.q[g][c] = S::load(buf + c * W);
       it.acc[g][c] = S::zero();
     }
-    it.max[g] = kNegInf;
-    it.sum[g] = S::zero();
+    const bool sink = a.sinks != nullptr;
+    it.max[g] = sink ? a.sinks[h * it.heads() + g] : kNegInf;
+    it.sum[g] = sink ? S::load(first) : S::zero();
   }
   const int64_t stride = static_cast<int64_t>(a.hkv) * d;  // between slots, one head
   const int64_t block_stride = bs * stride;
+  const int start = a.window > 0 ? std::max(0, ctx - a.window) : 0;
   int n = 0;
-  for (int b = 0, j = 0; j < ctx; ++b) {
+  for (int b = start / bs, j = start; j < ctx; ++b) {
     const int64_t base = table[b] * block_stride + h * d;
-    const int next_rows = std::min(bs, ctx - j - bs);
+    const int next_rows = std::min(bs, ctx - (b + 1) * bs);
     const int64_t next = next_rows > 0 ? table[b + 1] * block_stride + h * d : 0;
-    for (int o = 0, end = std::min(bs, ctx - j); o < end; ++o, ++j) {
+    for (int o = j - b * bs, end = std::min(bs, ctx - b * bs); o < end; ++o, ++j) {
       if (o < next_rows) prefetch_row(k, v, next + o * stride, d);
       it.kp[n] = k + base + o * stride;
       it.vp[n] = v + base + o * stride;
@@ -296,6 +316,29 @@ extern "C" int pdserve_paged_attention(
   Args a{q,      q_stride_t, q_stride_h, k,         v,          out,        tables,
          table_width, tok_row, tok_table, tok_ctx, num_tokens, hq, hkv, head_dim,
          block_size, scale};
+  if (dtype == 0)
+    run<float>(a, num_threads);
+  else if (dtype == 1)
+    run<uint16_t>(a, num_threads);
+  else
+    return 2;
+  return 0;
+}
+
+// As above, with one layer's options: window (0: none), softcap (0: none), sinks
+// ([hq] float32 logits, or null).
+extern "C" int pdserve_paged_attention_layer(
+    int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
+    const void* v, void* out, const int32_t* tables, int32_t table_width,
+    const int32_t* tok_row, const int32_t* tok_table, const int32_t* tok_ctx,
+    int32_t num_tokens, int32_t hq, int32_t hkv, int32_t head_dim, int32_t block_size,
+    float scale, int32_t window, float softcap, const float* sinks, int32_t num_threads) {
+  if (hkv <= 0 || hq % hkv != 0 || hq / hkv > kMaxG || head_dim > kMaxD || block_size <= 0 ||
+      window < 0)
+    return 1;
+  Args a{q,      q_stride_t, q_stride_h, k,         v,          out,        tables,
+         table_width, tok_row, tok_table, tok_ctx, num_tokens, hq, hkv, head_dim,
+         block_size, scale, window, softcap, sinks};
   if (dtype == 0)
     run<float>(a, num_threads);
   else if (dtype == 1)
