@@ -102,6 +102,12 @@ class RouterMetrics:
             ["role"],
             registry=r,
         )
+        # tenants (docs/router.md "Limits and isolation")
+        self.slow_readers = Counter(
+            "pdserve_router_slow_reader_aborts",
+            "Streams aborted because their client stopped reading (--stream-write-timeout)",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

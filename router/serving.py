@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.router import edge, responses
 from pdserve.router.dispatch import Delta, RequestState
+from pdserve.router.echo import Echo, echo_for, scored_only
 from pdserve.router.errors import APIError, invalid
 from pdserve.router.logprobs_format import LogprobsFormatter
 from pdserve.router.protocol import GenerateRequest, check_model, parse_request
@@ -30,6 +32,7 @@ from pdserve.router.snapshot import Snapshot
 from pdserve.router.tool_output import ToolOutput
 from pdserve.router.tools import chat_inputs
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 E = TypeVar("E")  # an event: a Delta, or (choice index, Delta)
 C = TypeVar("C")  # all of a request's events, collected
@@ -65,7 +68,11 @@ async def guarded(request: Request, aw: Awaitable[T]) -> T:
 def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[GenerateRequest, list[int]]:
     """Body bytes to a checked request and its prompt ids. CPU-bound (JSON, the chat
     template, the tokenizer): runs on a tokenizer thread, after admission."""
-    req = parse_request(edge.parse_json(raw), chat, rt.cfg.default_max_tokens)
+    return prepare_body(rt, edge.parse_json(raw), chat)
+
+
+def prepare_body(rt: Runtime, body: Any, chat: bool) -> tuple[GenerateRequest, list[int]]:
+    req = parse_request(body, chat, rt.cfg.default_max_tokens)
     check_model(req.model, rt.served_names)
     try:
         req.sampling.validate(rt.tokenizer.vocab_size)
@@ -116,22 +123,33 @@ class _Stream(Response):
 
     Leaner than Starlette's StreamingResponse (no anyio task group per response, see
     docs/router.md): the head goes out at once, then the body is pumped in its own
-    task, cancelled when the client goes away.
+    task, cancelled when the client goes away, or when one write has waited
+    ``write_timeout`` seconds for a client that stopped reading (uvicorn's send waits while
+    the socket's buffers are full): the stream is then aborted like a disconnect, so the
+    worker frees its KV and nothing of this stream waits on that client any more.
     """
 
     media_type = "text/event-stream"
 
     def __init__(
-        self, head: str, body: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]]
+        self,
+        head: str,
+        body: AsyncIterator[str],
+        cleanup: Callable[[], Awaitable[None]],
+        write_timeout: float = 30.0,
+        on_slow_reader: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(media_type=self.media_type)
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self._head = head  # the chunks ready now (the first token): sent before any task starts
         self._body = body
         self._cleanup = cleanup
+        self._write_timeout = write_timeout
+        self._on_slow_reader = on_slow_reader
+        self._writing_since = 0.0  # loop time the pending write began; 0.0: none pending
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        pump = gone = None
+        pump = gone = slow = None
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})  # fmt: skip
@@ -139,11 +157,12 @@ class _Stream(Response):
                         "more_body": True})  # fmt: skip
             pump = asyncio.create_task(self._pump(send))
             gone = asyncio.create_task(_wait_disconnect_asgi(receive))
-            await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+            slow = asyncio.create_task(self._watch_writes())
+            await asyncio.wait({pump, gone, slow}, return_when=asyncio.FIRST_COMPLETED)
         except OSError:  # the client went away while the head was written
             pass
         finally:
-            for task in (pump, gone):
+            for task in (pump, gone, slow):
                 if task is not None:
                     task.cancel()
             with contextlib.suppress(asyncio.CancelledError, OSError):
@@ -152,13 +171,45 @@ class _Stream(Response):
             await self._cleanup()
 
     async def _pump(self, send: Any) -> None:
+        loop = asyncio.get_running_loop()
         async for text in self._body:
+            self._writing_since = loop.time()
             await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            self._writing_since = 0.0
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    async def _watch_writes(self) -> None:
+        """Return once a write has waited ``write_timeout`` (checked every quarter of it:
+        one timer per stream, nothing per token)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._write_timeout / 4)
+            since = self._writing_since
+            if since and loop.time() - since >= self._write_timeout:
+                log.warning("stream aborted: its client read nothing for %.1f s "
+                            "(--stream-write-timeout)", loop.time() - since)  # fmt: skip
+                self._on_slow_reader()
+                return
 
-async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+class Api(Protocol):
+    """Another API served over this path (router/responses_serve.py): its ids, its body
+    → request, and its reply."""
+
+    prefix: str
+
+    def prepare(self, rt: Runtime, raw: bytes, chat: bool) -> tuple[GenerateRequest, list[int]]:
+        """Runs on a tokenizer thread, as ``prepare``."""
+
+    async def respond(
+        self, rt: Runtime, request: Request, req: GenerateRequest, rs: RequestState,
+        plan: RoutePlan, ticket: Ticket,
+    ) -> Response: ...  # fmt: skip
+
+
+async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = None) -> Response:
+    prefix = api.prefix if api is not None else "chatcmpl-" if chat else "cmpl-"
+    rid = prefix + uuid.uuid4().hex
     try:
         caller, client = rt.gate(request)  # before the body is read or parsed
         raw = await edge.read_body(request, rt.cfg.max_body_bytes, rt.cfg.body_timeout_s)
@@ -172,7 +223,7 @@ async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
     key = caller.key
     streaming = False
     try:
-        req, ids = await rt.off_loop(prepare, rt, raw, chat)
+        req, ids = await rt.off_loop(api.prepare if api else prepare, rt, raw, chat)
         snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
         req = fit_context(rt, snap, req, len(ids))
         rt.limiter.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
@@ -180,6 +231,7 @@ async def serve(rt: Runtime, request: Request, chat: bool) -> Response:
         plan = rt.dispatcher.plan(ids, snap, salt)
         rs = RequestState(rid, ids, req.sampling, cache_salt=salt)
         respond = _respond if req.best_of == 1 else _respond_n
+        respond = api.respond if api is not None else respond
         response = await respond(rt, request, req, rs, plan, ticket)
         streaming = isinstance(response, _Stream)
         return response
@@ -199,21 +251,26 @@ async def _respond(
     ticket: Ticket,
 ) -> Response:
     events = rt.dispatcher.run(rs, plan)
+    ec = echo_for(rt.tokenizer.tok, req, rs)  # the prompt in front of the reply (echo)
+    if ec is not None and ec.spec.score_only:
+        events = scored_only(rs, events)
 
     def whole(got: tuple[str, str | None, list[int], list[Any]]) -> dict[str, Any]:
         text, finish, ids, lps = got
-        fmt = _formatter(rt, req)
+        fmt = _formatter(rt, req, ec)
         message = None
         if req.tools is not None:
             message, finish = ToolOutput(req.tools).message(text, finish)
-        return responses.full_response(
+        body = responses.full_response(
             rs.request_id, req.model, req.chat, text, finish, _usage(rs),
             fmt.format(ids, lps) if fmt is not None else None, message,
         )  # fmt: skip
+        return ec.whole(body) if ec is not None else body
 
     def stream(first: Delta) -> tuple[str, AsyncIterator[str]]:
-        out = _Chunks(req, rs, _formatter(rt, req))
-        return _sse_head(req, rs, first, out), _sse_rest(req, rs, events, out)
+        out = _Chunks(req, rs, _formatter(rt, req, ec))
+        head = ec.head(rs.request_id, req.model) if ec is not None else ""
+        return head + _sse_head(req, rs, first, out), _sse_rest(req, rs, events, out)
 
     return await answer(rt, request, req, rs, ticket, events, _collect, whole, stream)
 
@@ -253,7 +310,8 @@ async def answer(
         rt.finish(rs, rs.status)
 
     head, rest = stream(first)
-    return _Stream(head, rest, cleanup)
+    return _Stream(head, rest, cleanup, rt.cfg.stream_write_timeout_s,
+                   rt.metrics.slow_readers.inc)  # fmt: skip
 
 
 async def _respond_n(*args: Any) -> Response:
@@ -262,10 +320,15 @@ async def _respond_n(*args: Any) -> Response:
     return await respond_n(*args)
 
 
-def _formatter(rt: Runtime, req: GenerateRequest) -> LogprobsFormatter | None:
+def _formatter(
+    rt: Runtime, req: GenerateRequest, ec: Echo | None = None
+) -> LogprobsFormatter | None:
     if req.sampling.logprobs is None or req.hide_logprobs:
         return None
-    return LogprobsFormatter(rt.tokenizer.tok, req.chat, req.tokens_as_ids)
+    fmt = LogprobsFormatter(rt.tokenizer.tok, req.chat, req.tokens_as_ids)
+    if ec is not None:
+        ec.shift(fmt)
+    return fmt
 
 
 def _delta_logprobs(fmt: LogprobsFormatter | None, d: Delta) -> dict[str, Any] | None:

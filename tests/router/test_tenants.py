@@ -213,3 +213,49 @@ def test_key_lines_and_open_router_warning(caplog: pytest.LogCaptureFixture) -> 
         assert not caplog.records
         warn_if_open(RouterConfig(model_dir="m"), "0.0.0.0")
     assert "no API key" in caplog.text
+
+
+def _stalled_reader(url: str, body: bytes) -> socket.socket:
+    """A streaming request from a client that reads nothing: a tiny receive buffer, set
+    before connecting, so the router's writes back up after a few hundred chunks."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.connect((host, int(port)))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    return s
+
+
+async def test_a_client_that_stops_reading_is_aborted_and_others_go_on(cluster_factory) -> None:
+    """A stream whose client stops reading is aborted after --stream-write-timeout (the
+    worker is told to abort: its KV is freed) while another stream keeps its pace. Before
+    the fix the stalled stream held its worker request until the client went away."""
+    cfg = {"stream_write_timeout_s": 1.0, "disagg_threshold": 10_000}
+    async with cluster_factory(**cfg) as c, httpx.AsyncClient(base_url=c.url, timeout=30) as h:
+        c.decode[0].token_delay_s = 0.002
+        # 16 choices of 2000 tokens: some MB of SSE, more than the socket buffers hold
+        big = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2000, "n": 16, "stream": true}'
+        sock = await asyncio.to_thread(_stalled_reader, c.url, big)
+        try:
+            while not c.decode[0].active:
+                await asyncio.sleep(0.01)
+            gaps: list[float] = []
+            body = {**OK, "max_tokens": 300, "stream": True}
+            async with h.stream("POST", "/v1/completions", json=body) as r:
+                last = time.perf_counter()
+                async for _ in r.aiter_lines():
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+            assert len(gaps) > 300 and max(gaps) < 0.5, max(gaps)
+            for _ in range(500):  # the stalled stream is aborted within about 1.25 s
+                if c.decode[0].aborted:
+                    break
+                await asyncio.sleep(0.01)
+            assert c.decode[0].aborted, "the stalled stream was not aborted"
+            assert c.runtime.metrics.slow_readers._value.get() == 1
+            assert c.runtime.active == 0
+        finally:
+            sock.close()
+        await c.settle()
