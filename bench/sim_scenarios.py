@@ -45,6 +45,33 @@ def scenarios(scale_s: float) -> list[Scenario]:
     ]
 
 
+def heldout_scenarios(scale_s: float) -> list[Scenario]:
+    """Traces that neither the planner's forecast nor its knobs were tuned on (every
+    setting was chosen on the three above), scored apart as ``attainment_heldout``.
+
+    ``weekly_holiday``: seven compressed days of 20 minutes (not the forecast's season, and
+    a different shape: a sharper morning rise, a slower evening fall), weekdays at full
+    height, the weekend at 60%, day 4 a holiday at 35%; and on day 2, in the quiet early
+    hours, a flash crowd: from 0.12 of the peak to 0.82 within 30 s (7x), held 2 minutes
+    while the morning rises under it, gone within 1 minute (a link on a front page)."""
+    day = 1200.0 * scale_s
+    height = (1.0, 1.0, 1.0, 0.35, 1.0, 0.6, 0.6)  # Monday .. Sunday, Thursday a holiday
+    f0, held, fall = day, 120.0 * scale_s, 60.0 * scale_s  # day 2 at midnight
+
+    def daily(phase: float) -> float:
+        rise = min(1.0, phase / 0.35)  # 0 -> 1 by ~08:24, then a long decline
+        shape = rise**2 if phase < 0.35 else 1.0 - (phase - 0.35) / 0.65
+        return 0.12 + 0.88 * shape
+
+    def weekly(t: float) -> float:
+        d = min(6, int(t // day))
+        base = height[d] * daily((t % day) / day)
+        crowd = _ramp(t, f0, 30.0) - _ramp(t, f0 + 30.0 + held, fall)
+        return base + 0.7 * crowd
+
+    return [Scenario("weekly_holiday", 7 * day, weekly, lambda t: 0.0)]
+
+
 def _ramp(t: float, start: float, width: float) -> float:
     return min(1.0, max(0.0, (t - start) / width))
 

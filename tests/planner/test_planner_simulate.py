@@ -15,11 +15,27 @@ def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:
     result = run_bench("simulate.py", *args, timeout=590)  # ~30 s of CPU; slower when shared
     for key in ("attainment_min", "replica_hours_saving_min", "queue_blind_attainment"):
         assert isinstance(result[key], float), key
-    assert 0.0 <= result["attainment_min"] <= 1.0
+    # The quick traces are seeded, so these are fixed figures (0.81 worst, the burst),
+    # not noise: the queue-blind planner scores 0.70 there, a planner that never scaled
+    # from its start-of-trace counts far less (10x load on 1/10 of the peak's replicas).
+    assert result["attainment_min"] >= 0.75, result["attainment_min"]
+    assert result["attainment_min"] > result["queue_blind_attainment"]
     assert result["attainment"] == result["attainment_min"]
+    # The held-out week (sim_scenarios.heldout_scenarios) is scored apart, not in the
+    # minimum above: quick 0.84 (queue-blind 0.76); the full run's goal is >= 0.95. A
+    # planner sized for the peak throughout would save nothing: the saving bound says
+    # it scaled down through the nights, the holiday and the weekend.
+    assert set(result["heldout_scenarios"]) == {"weekly_holiday"}
+    held = result["heldout_scenarios"]["weekly_holiday"]
+    assert result["attainment_heldout"] == held["planner"]["attainment"] >= 0.8, held
+    assert held["planner"]["attainment"] > held["queue_blind"]["attainment"], held
+    assert result["replica_hours_saving_heldout"] > 0.15, held
+    assert held["static"]["attainment"] > 0.95  # provisioned for the peak: the model is sane
     # the P:D split: measured step by step, and the planner's choice
-    assert isinstance(result["disagg_goodput_ratio"], float)
-    assert isinstance(result["disagg_goodput_ratio_long_outputs"], float)
+    # 8k-token prompts at a strict TPOT: disaggregation must win (quick: 2.7x and 2.2x); a
+    # measurement that lost the prefill stalls of colocated batches would give ~1
+    assert result["disagg_goodput_ratio"] > 1.3, result["disagg_goodput_ratio"]
+    assert result["disagg_goodput_ratio_long_outputs"] > 1.3
     # the headline load is the summarisation shape; the chat shape is measured beside it
     assert result["disagg_goodput_lengths"]["output"] == 100
     assert result["disagg_goodput_lengths_long_outputs"]["output"] == 500
