@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from pdserve.engine import cpu_kernel
+from pdserve.engine import cpu_kernel, gather_path
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.model_support import LayerAttention, check_call
+from pdserve.engine.model_support import PLAIN, LayerAttention, check_call
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -83,9 +83,6 @@ class AttentionMetadata:
     k_buffer: torch.Tensor | None = None
     v_buffer: torch.Tensor | None = None
     kernel: KernelTokens | None = None  # the CPU kernel's tokens (then decodes is empty)
-
-
-PLAIN = LayerAttention()
 
 
 class _Current(threading.local):
@@ -211,7 +208,9 @@ def _attend(
 
     for group in meta.decodes:
         k, v = gather(group.block_table)
-        out[group.rows] = _decode(q[group.rows], k, v, group, scaling, opts, sinks)
+        out[group.rows] = gather_path.decode(
+            q[group.rows], k, v, group.mask, group.ctx, scaling, opts, sinks
+        )
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         if chunk.block_table is None:
@@ -220,8 +219,11 @@ def _attend(
             k, v = gather(chunk.block_table)
             k = k.flatten(0, 1)[: chunk.context_len]
             v = v.flatten(0, 1)[: chunk.context_len]
-        mask = _window_mask(chunk, opts.window, q.device) if opts.window else chunk.causal_mask
-        out[rows] = _prefill(q[rows], k, v, mask, scaling, opts, sinks)
+        mask = chunk.causal_mask
+        if opts.window:
+            ctx = chunk.num_tokens if chunk.block_table is None else chunk.context_len
+            mask = gather_path.window_mask(chunk.num_tokens, ctx, opts.window, q.device)
+        out[rows] = gather_path.prefill(q[rows], k, v, mask, scaling, opts, sinks)
     return _cut(out, dv)
 
 
@@ -271,94 +273,6 @@ def _gather(blocks: torch.Tensor, ids: torch.Tensor, buffer: torch.Tensor | None
     if buffer is None:
         return blocks.index_select(0, ids)
     return torch.index_select(blocks, 0, ids, out=buffer[: ids.numel()])
-
-
-def _window_mask(chunk: PrefillChunk, window: int, device: torch.device) -> torch.Tensor:
-    """[q, ctx] bool: causal, and query i sees keys j with i - j < ``window`` only."""
-    ctx = chunk.context_len if chunk.block_table is not None else chunk.num_tokens
-    q_pos = torch.arange(ctx - chunk.num_tokens, ctx, device=device)[:, None]
-    dist = q_pos - torch.arange(ctx, device=device)[None, :]
-    return (dist >= 0) & (dist < window)
-
-
-def _decode(
-    q: torch.Tensor,  # [S, Hq, D]
-    k: torch.Tensor,  # [S * W, block_size, Hkv, D], the group's blocks in table order
-    v: torch.Tensor,
-    group: DecodeGroup,
-    scaling: float | None,
-    opts: LayerAttention = PLAIN,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    s, hq, d = q.shape
-    hkv = k.shape[2]
-    k = k.view(s, -1, hkv, d).transpose(1, 2)  # [S, Hkv, C, D]
-    v = v.view(s, -1, hkv, d).transpose(1, 2)
-    mask = group.mask
-    if opts.window:
-        assert group.ctx is not None
-        slot = torch.arange(mask.shape[-1], device=mask.device)
-        mask = mask & (slot >= group.ctx - opts.window)
-    if not opts.plain:
-        return _eager(q.unsqueeze(2), k, v, mask, scaling, opts, sinks).reshape(s, hq, d)
-    # Query heads sharing a KV head become that head's query "positions": [S, Hkv, G, D].
-    qg = q.view(s, hkv, hq // hkv, d)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)
-    return o.reshape(s, hq, d)
-
-
-def _prefill(
-    q: torch.Tensor,  # [n, Hq, D]
-    k: torch.Tensor,  # [ctx, Hkv, D]
-    v: torch.Tensor,
-    causal_mask: torch.Tensor | None,
-    scaling: float | None,
-    opts: LayerAttention = PLAIN,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    if opts.softcap is not None or opts.sinks:
-        if causal_mask is None:
-            n = q.shape[0]
-            causal_mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        return _eager(qt, kt, vt, causal_mask, scaling, opts, sinks)[0].transpose(0, 1)
-    o = F.scaled_dot_product_attention(
-        qt, kt, vt,
-        attn_mask=causal_mask,
-        is_causal=causal_mask is None,
-        scale=scaling,
-        enable_gqa=True,
-    )  # fmt: skip
-    return o[0].transpose(0, 1)
-
-
-def _eager(
-    q: torch.Tensor,  # [B, Hq, L, D]
-    k: torch.Tensor,  # [B, Hkv, C, D]
-    v: torch.Tensor,
-    mask: torch.Tensor,  # bool, broadcast to [B, Hq, L, C]
-    scaling: float | None,
-    opts: LayerAttention,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    """Attention with soft-capped scores and/or sinks, as transformers' eager code does it
-    (SDPA has neither): scores, cap, mask, sink logit, softmax, the sink dropped."""
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    scores = (q @ k.transpose(-1, -2)).float() * (
-        q.shape[-1] ** -0.5 if scaling is None else scaling
-    )
-    if opts.softcap is not None:
-        scores = torch.tanh(scores / opts.softcap) * opts.softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if opts.sinks:
-        assert sinks is not None
-        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        scores = torch.cat([scores, sink], dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    if opts.sinks:
-        probs = probs[..., :-1]
-    return probs.to(v.dtype) @ v
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

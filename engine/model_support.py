@@ -59,6 +59,9 @@ class LayerAttention:
         return self.window is None and self.softcap is None and not self.sinks
 
 
+PLAIN = LayerAttention()
+
+
 def architecture(config: Any) -> str:
     names = getattr(config, "architectures", None) or [getattr(config, "model_type", "?")]
     return str(names[0])
