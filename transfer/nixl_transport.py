@@ -16,6 +16,7 @@ from typing import Any
 
 from pdserve.transfer.base import KVTransport, LeaseRef, PeerInfo, ReadOp, State, TransferError
 from pdserve.transfer.layout import descriptors, merge_runs
+from pdserve.transfer.staging import registration
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,10 @@ class NixlTransport(KVTransport):
         self.agent = _make_agent(self.agent_name, progress_thread=not self.initiator)
         if "UCX" not in self.agent.backends:
             raise TransferError("NIXL has no UCX backend plugin; use --kv-transport tcp")
-        self._reg = self.agent.register_memory(self.pool)
+        # By address, with the memory type named: VRAM (and the GPU's index) for a CUDA pool,
+        # so reads land in GPU memory directly; DRAM otherwise (staging.registration).
+        descs, mem_type = registration(self.geometry, self.pool.numel() * self.pool.element_size())
+        self._reg = self.agent.register_memory(descs, mem_type=mem_type)
         self._peers: set[str] = set()
 
     def metadata(self) -> bytes:
