@@ -37,12 +37,19 @@ def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
             assert 0 < side[key] < math.inf, (side, key)
         assert side["ttft_p50_s"] <= side["ttft_p90_s"]
     assert real["replica_s"] >= 2 * result["trace"]["duration_s"] * 0.9  # 2 workers at least
-    assert result["sim_vs_real_ttft_p90_error"] >= 0
+    # Not the 25% goal (see the docstring), but a bound a broken simulator fails: one that
+    # predicts no wait gives an error of ~1.0, one 2x too slow 1.0 and more; the recorded
+    # runs replay at 0.03-0.80 (test_sim_vs_real_recordings.py).
+    assert result["sim_vs_real_ttft_p90_error"] < 0.9, result["sim_vs_real_ttft_p90_error"]
     assert len(result["load_average_before_after"]) == 2
     # both sides plan with the start-up pdserve up measured on its own workers
     assert result["worker_startup_source"].startswith("pdserve up's pools"), result
     assert result["worker_startup_observed_s"] > 0
-    assert real["workers_added"] >= 0 and sim["replicas_added"] >= 0  # scale events, both
+    # Scale events, both sides (counted from each timeline), and the replica-seconds they
+    # cost agree within 50% (recordings: 0-29%): a simulated planner that never scaled
+    # while the real one did, or scaled wildly, fails this.
+    assert isinstance(real["workers_added"], int) and isinstance(sim["replicas_added"], int)
+    assert result["sim_vs_real_replica_s_error"] < 0.5, (real, sim)
     host = result["host"]  # the simulated cluster shares this machine's cores (sim_host.py)
     assert host["cores"] == len(os.sched_getaffinity(0))
     assert host["other_cpu_ms_per_request"] > 0  # the router and the client used some CPU

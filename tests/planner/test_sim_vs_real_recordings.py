@@ -54,7 +54,10 @@ def test_a_recording_replays(work: Path) -> None:
     assert result["real"]["replica_s"] == pytest.approx(meta["real"]["replica_s"], abs=0.05)
     assert result["sim"]["requests"] == result["trace"]["requests"]
     assert result["host"]["cores"] == 2.0  # the recorded machine's, not this one's
-    assert math.isfinite(result["sim_vs_real_ttft_p90_error"])
+    # Replays are deterministic; recorded errors are 0.03-0.80 (bench/recordings/README.md).
+    # A simulator predicting no wait scores ~1.0, one 2x too slow 1.0 and more: both fail.
+    assert result["sim_vs_real_ttft_p90_error"] < 0.9, result["sim_vs_real_ttft_p90_error"]
+    assert result["sim_vs_real_replica_s_error"] < 0.5  # recordings: 0-0.29
     assert result["sim_vs_real_ttft_p90_error"] == pytest.approx(_p90_error(work), abs=1e-3)
 
 
