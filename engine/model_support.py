@@ -39,8 +39,8 @@ class UnsupportedModel(ValueError):
         self.architecture, self.option = architecture, option
         extra = f" ({detail})" if detail else ""
         super().__init__(
-            f"{architecture}: {option} is not supported by pdserve's paged attention{extra}; "
-            "the model is refused rather than served wrong (docs/models.md)"
+            f"{architecture} uses {option}, which pdserve's paged attention does not "
+            f"implement{extra}; the model is refused rather than served wrong (docs/models.md)"
         )
 
 

@@ -137,7 +137,7 @@ FAMILIES: list[Family] = [
     Family(
         "gpt-neox",
         "GPTNeoXConfig",
-        {"rotary_pct": 0.5, "num_key_value_heads": 4},
+        {"rotary_pct": 0.5, "initializer_range": 0.5},
         "partial rotary (half the head), parallel residual",
     ),
     Family(
@@ -158,8 +158,45 @@ FAMILIES: list[Family] = [
         {**MLA, "q_lora_rank": 32, "n_group": 1, "topk_group": 1},
         "MLA with a low-rank query, MoE with a shared expert",
     ),
+    # Refused at load, by name (the text each refusal must contain).
+    Family("bloom", "BloomConfig", {"n_head": 4, "n_layer": 2}, "ALiBi", refused="ALiBi"),
+    Family(
+        "falcon-alibi",
+        "FalconConfig",
+        {"alibi": True, "num_kv_heads": 4, "new_decoder_architecture": False},
+        "ALiBi",
+        refused="ALiBi",
+    ),
+    Family(
+        "gemma3-bidirectional",
+        "Gemma3TextConfig",
+        {"use_bidirectional_attention": True, "sliding_window": WINDOW},
+        "bidirectional attention",
+        refused="non-causal",
+    ),
+    Family(
+        "llama4-chunked",
+        "Llama4TextConfig",
+        {"attention_chunk_size": WINDOW, "num_local_experts": 2, "intermediate_size_mlp": 128},
+        "chunked local attention",
+        refused="chunked local attention",
+    ),
+    Family(
+        "qwen3-next",
+        "Qwen3NextConfig",
+        {"num_hidden_layers": 4, "num_experts": 2, "moe_intermediate_size": 32},
+        "linear-attention (Gated DeltaNet) layers",
+        refused="layer type 'linear_attention'",
+    ),
 ]
 BY_ID = {f.id: f for f in FAMILIES}
+
+
+def cached_family(family: Family, tokenizer_dir: Path) -> Path:
+    """The family's model in the tests' model cache (git-ignored, shared by sessions)."""
+    root = Path(__file__).resolve().parent.parent / ".cache" / "test-models"
+    cache = Path(os.environ.get("PDSERVE_TEST_CACHE", root))
+    return build_family(family, tokenizer_dir, cache / "families" / family.id)
 
 
 def make_config(family: Family, vocab_size: int, special_ids: dict[str, int]) -> Any:
@@ -170,6 +207,8 @@ def make_config(family: Family, vocab_size: int, special_ids: dict[str, int]) ->
     if family.config_class == "GPTNeoXConfig":  # no GQA, no separate head_dim
         kwargs.pop("head_dim")
         kwargs.pop("num_key_value_heads")
+    if family.config_class in ("BloomConfig", "FalconConfig"):  # their own names
+        kwargs = {k: v for k, v in kwargs.items() if "key_value" not in k and k != "head_dim"}
     if "kv_lora_rank" in kwargs:  # MLA: the head sizes are qk_*_head_dim, v_head_dim
         kwargs.pop("head_dim")
     return cls(vocab_size=vocab_size, **special_ids, **kwargs)

@@ -1,0 +1,162 @@
+"""Every model family of tests/model_families.py: served token-identical to transformers,
+or refused at load by name (docs/models.md's table lists the same ids).
+
+A served family's tiny random model runs through the engine on both attention paths
+(the CPU kernel and the gather path), with prompts longer than its sliding window and a
+prefill split into chunks, and must give transformers' own greedy tokens (eager
+attention, float32). ``test_option_matters`` shows the comparison can fail: with one
+layer option dropped from the engine (the guard that would refuse that disabled), the
+tokens differ from transformers'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import assert_all_free, hf_greedy, run_requests
+
+from pdserve.engine import attention, cpu_kernel
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_support import PLAIN, LayerAttention, UnsupportedModel
+from pdserve.protocol.sampling_params import SamplingParams
+from tests.model_families import BY_ID, FAMILIES, WINDOW, Family, cached_family
+
+pytestmark = pytest.mark.timeout(300)
+
+SERVED = [f for f in FAMILIES if f.refused is None]
+REFUSED = [f for f in FAMILIES if f.refused is not None]
+MAX_TOKENS = 10
+# Longer than the window (8) several times over, shorter than it, and one of a block
+# and a half; a 32-token step budget splits the long ones into continuing chunks.
+PROMPTS = [[(i * 37 + s) % 3000 + 5 for i in range(n)] for s, n in [(1, 45), (2, 24), (3, 5)]]
+
+
+@pytest.fixture(scope="module")
+def families(tiny_model_dir: Path) -> dict[str, Path]:
+    """Each family's model directory, built once (cached across sessions)."""
+    return {}
+
+
+def _model_dir(families: dict[str, Path], family: Family, tokenizer_dir: Path) -> Path:
+    if family.id not in families:
+        families[family.id] = cached_family(family, tokenizer_dir)
+    return families[family.id]
+
+
+def _engine(model_dir: Path, kernel: bool) -> LLMEngine:
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cpu",
+            kv_cache_bytes=4 << 20,
+            max_num_batched_tokens=32,
+        )
+    )
+    engine.runner.use_kernel = kernel and engine.runner.use_kernel
+    return engine
+
+
+def _generate(engine: LLMEngine) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    out = run_requests(engine, {str(i): (p, params) for i, p in enumerate(PROMPTS)})
+    assert_all_free(engine)
+    return [out[str(i)].token_ids for i in range(len(PROMPTS))]
+
+
+def _reference(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager", local_files_only=True
+    ).eval()
+    return [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("family", SERVED, ids=[f.id for f in SERVED])
+def test_family_matches_transformers(
+    family: Family, families: dict[str, Path], tiny_model_dir: Path
+) -> None:
+    model_dir = _model_dir(families, family, tiny_model_dir)
+    expected = _reference(model_dir)
+    # Random weights that move: greedy tokens change from step to step.
+    assert all(len(set(e)) >= 4 for e in expected), expected
+    paths = [True, False] if cpu_kernel.load() is not None else [False]
+    for kernel in paths:
+        engine = _engine(model_dir, kernel)
+        assert engine.runner.use_kernel == kernel
+        got = _generate(engine)
+        assert got == expected, f"{'kernel' if kernel else 'gather'} path: {got} != {expected}"
+
+
+@pytest.mark.parametrize("family", REFUSED, ids=[f.id for f in REFUSED])
+def test_family_refused(family: Family, families: dict[str, Path], tiny_model_dir: Path) -> None:
+    model_dir = _model_dir(families, family, tiny_model_dir)
+    with pytest.raises(UnsupportedModel) as err:
+        _engine(model_dir, kernel=True)
+    assert family.refused is not None and family.refused in str(err.value)
+    assert "ForCausalLM uses " in str(err.value)  # the architecture is named
+
+
+@pytest.mark.parametrize(
+    ("family_id", "option"),
+    [("mistral", "window"), ("gemma2", "softcap"), ("gpt-oss", "sinks"), ("gemma3-text", "window")],
+)
+def test_option_matters(
+    family_id: str,
+    option: str,
+    families: dict[str, Path],
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dropping one honoured option makes the output differ from transformers: the matrix
+    above would catch an engine that ignored it (what the guard exists to prevent)."""
+    model_dir = _model_dir(families, BY_ID[family_id], tiny_model_dir)
+    expected = _reference(model_dir)
+    engine = _engine(model_dir, kernel=True)
+    dropped = {"window": None, "softcap": None, "sinks": False}[option]
+    layers = engine.runner.layers
+    assert any(getattr(layer, option) not in (None, False) for layer in layers)
+    engine.runner.layers = tuple(replace(layer, **{option: dropped}) for layer in layers)
+    monkeypatch.setattr(attention, "check_call", lambda *a: None)
+    assert _generate(engine) != expected
+
+
+class _Attn(torch.nn.Module):
+    layer_idx = 0
+
+
+def _call(layers: tuple[LayerAttention, ...], **kwargs: Any) -> None:
+    q = torch.zeros(1, 4, 1, 16)
+    attention.CURRENT.layers, attention.CURRENT.architecture = layers, "FooForCausalLM"
+    try:
+        attention.paged_attention(_Attn(), q, q[:, :2], q[:, :2], None, scaling=0.25, **kwargs)
+    finally:
+        attention.CURRENT.layers = ()
+
+
+@pytest.mark.parametrize(
+    ("layer", "kwargs", "named"),
+    [
+        (PLAIN, {"alibi_slopes": torch.ones(4)}, "alibi_slopes=<tensor (4,)>"),
+        (PLAIN, {"sliding_window": WINDOW}, "sliding_window=8"),  # not the layer's: refused
+        (LayerAttention(window=WINDOW), {"sliding_window": 4}, "sliding_window=4"),
+        (PLAIN, {"softcap": 30.0}, "softcap=30.0"),
+        (PLAIN, {"s_aux": torch.zeros(4)}, "s_aux="),
+        (PLAIN, {"is_causal": False}, "is_causal=False"),
+        (PLAIN, {"dropout": 0.1}, "dropout=0.1"),
+    ],
+)
+def test_attention_call_refuses_what_it_does_not_honour(
+    layer: LayerAttention, kwargs: dict[str, Any], named: str
+) -> None:
+    """The runtime guard: a call whose options the engine does not honour (or that disagree
+    with the layer's resolved options) raises before any attention, naming the option."""
+    with pytest.raises(UnsupportedModel, match="FooForCausalLM uses attention option") as err:
+        _call((layer,), **kwargs)
+    assert named in str(err.value)
