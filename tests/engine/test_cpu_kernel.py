@@ -20,7 +20,7 @@ from pdserve.engine import cpu_kernel
 from pdserve.engine.kv_pool import KVPool, KVShape
 from pdserve.engine.model_runner import ModelRunner, ScheduledChunk
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 BS = 16
 pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C++ compiler here")
@@ -236,3 +236,62 @@ def _check_exp(lib, width: int) -> bool:  # type: ignore[no-untyped-def]
     assert (out[:-1] == 0.0).all() and np.isnan(out[-1])
     assert (np.exp(low.astype(np.float64)) < 1.2e-38).all()
     return True
+
+
+# --- one layer's options (pdserve_paged_attention_layer) against float64 ---------------
+#
+# Windows shorter than a tile, across block edges, longer than most contexts; a soft-cap
+# small enough to change the softmax; sinks of either sign; all three at once.
+OPTIONS = [(1, 0.0, False), (5, 0.0, False), (17, 0.0, False), (100, 0.0, False),
+           (0, 2.0, False), (0, 0.0, True), (7, 3.0, True)]  # fmt: skip
+
+
+def _reference_options(q, k, v, tables, ctx, block_size: int, window: int, softcap: float, sinks):  # type: ignore[no-untyped-def]
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    outs = []
+    for i, c in enumerate(ctx):
+        j = torch.arange(max(0, c - window) if window else 0, c)
+        slots = tables[i].long()[j // block_size] * block_size + j % block_size
+        ks = k[slots].double().repeat_interleave(hq // hkv, dim=1)
+        vs = v[slots].double().repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("hd,chd->hc", q[i].double() * d**-0.5, ks)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None]], dim=1)
+        w = s.softmax(-1)[:, : len(j)]
+        outs.append(torch.einsum("hc,chd->hd", w, vs))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 32), (3, 1, 12), (6, 2, 48)])
+@pytest.mark.parametrize(("window", "softcap", "with_sinks"), OPTIONS)
+def test_kernel_layer_options_match_float64(
+    window: int, softcap: float, with_sinks: bool, hq: int, hkv: int, d: int, block_size: int
+) -> None:
+    lib = cpu_kernel.load()
+    gen = torch.Generator().manual_seed(window * 7 + hq + block_size)
+    ctx = CTX[:-2]  # up to 257: the windows start in every part of a block
+    width = -(-max(ctx) // block_size)
+    num_blocks = len(ctx) * width + 3
+    blocks = torch.randperm(num_blocks - 1, generator=gen)[: len(ctx) * width] + 1
+    tables = blocks.view(len(ctx), width).to(torch.int32)
+    k = torch.randn(num_blocks * block_size, hkv, d, generator=gen)
+    v = torch.randn(num_blocks * block_size, hkv, d, generator=gen)
+    q = 2 * torch.randn(len(ctx), hq, d, generator=gen)
+    sinks = 2 * torch.randn(hq, generator=gen) if with_sinks else None
+    out = torch.empty_like(q)
+    rows = torch.arange(len(ctx), dtype=torch.int32)
+    ctx_t = torch.tensor(ctx, dtype=torch.int32)  # held: the kernel reads its pointer
+    rc = lib.pdserve_paged_attention_layer(
+        0, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+        tables.data_ptr(), width, rows.data_ptr(), rows.data_ptr(),
+        ctx_t.data_ptr(), len(ctx), hq, hkv, d, block_size,
+        d**-0.5, window, softcap, None if sinks is None else sinks.data_ptr(), 1,
+    )  # fmt: skip
+    assert rc == 0
+    ref = _reference_options(q, k, v, tables, ctx, block_size, window, softcap, sinks)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+    # The reference really depends on the options (a kernel ignoring them would fail).
+    assert not torch.allclose(ref, _reference_options(q, k, v, tables, ctx, block_size, 0, 0, None))
