@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
+from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
 # Peak memory bandwidth, GB/s, by device name substring (vendor figures).
 HBM_GBPS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "A10": 600, "L4": 300}

@@ -32,7 +32,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pdserve.codec import from_dict  # noqa: E402
+from pdserve.protocol.codec import from_dict  # noqa: E402
 from pdserve.transfer.connector import RemoteKVConnector  # noqa: E402
 from pdserve.transfer.messages import CompatRecord, KVHandle  # noqa: E402
 from pdserve.transfer.pool_server import DTYPES, fill_pool  # noqa: E402

@@ -46,10 +46,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pdserve.codec import decode, encode  # noqa: E402
-from pdserve.contract import GenerateRequest, TokenDelta  # noqa: E402
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.local.processes import ClusterSpec, LocalCluster  # noqa: E402
+from pdserve.protocol.codec import decode, encode  # noqa: E402
+from pdserve.protocol.contract import GenerateRequest, TokenDelta  # noqa: E402
+from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES  # noqa: E402
 
 BLOCK = 16

@@ -17,10 +17,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pdserve import env
-from pdserve.codec import encode
-from pdserve.contract import GenerateRequest, TokenDelta, Usage, WorkerError
-from pdserve.engine.request import REQUEST_FAILED, RequestOutput
-from pdserve.token_lines import encode_line
+from pdserve.protocol.codec import encode
+from pdserve.protocol.contract import GenerateRequest, TokenDelta, Usage, WorkerError
+from pdserve.protocol.outputs import REQUEST_FAILED, RequestOutput
+from pdserve.protocol.token_lines import encode_line
 from pdserve.transfer.registry import DEFAULT_TRANSFER_TIMEOUT
 from pdserve.worker.core_client import EngineClient
 from pdserve.worker.direct import DirectApp, LineStream

@@ -17,23 +17,22 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
-from pdserve.engine.llm_engine import EngineStats, LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.os_thread import name_os_thread
-from pdserve.engine.request import RequestOutput, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.request import RequestStatus
+from pdserve.protocol.contract import EngineStats
+from pdserve.protocol.outputs import EngineDeadError, RequestOutput
+from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.protocol.streams import follow, hand_over
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Hook = Callable[[LLMEngine], None]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped; no request can be served."""
 
 
 class AsyncEngine:
@@ -180,28 +179,6 @@ class AsyncEngine:
         self._deliver_all(fail_all(self.engine, message))
 
 
-async def follow(
-    stream: asyncio.Queue[Any], request_id: str, abort: Callable[[str], Any]
-) -> AsyncGenerator[RequestOutput, None]:
-    """A request's output deltas from its stream until it finishes. Deltas a slow reader
-    fell behind on come as one; an exception in the stream (the request was refused) is
-    raised; leaving the iteration early aborts the request."""
-    finished = False
-    try:
-        while not finished:
-            out = await stream.get()
-            if isinstance(out, Exception):
-                finished = True  # refused: nothing to abort
-                raise out
-            while not out.finished and not stream.empty():  # fell behind: one delta
-                out = out.then(stream.get_nowait())
-            finished = out.finished
-            yield out
-    finally:
-        if not finished:
-            abort(request_id)
-
-
 def step_or_fail(engine: LLMEngine) -> list[RequestOutput]:
     """One engine step's outputs; if the step raises, every unfinished request fails."""
     try:
@@ -227,35 +204,6 @@ def run_hooks(hooks: list[Hook], engine: LLMEngine) -> None:
             hook(engine)
         except Exception:
             logger.exception("engine hook %s failed", getattr(hook, "__name__", hook))
-
-
-Streams = dict[str, tuple[asyncio.AbstractEventLoop, "asyncio.Queue[Any]"]]
-
-
-def hand_over(streams: Streams, outputs: list[RequestOutput], abort: Callable[[str], Any]) -> None:
-    """Hand outputs to their streams with one wake-up per event loop, not one per request
-    (each wake-up is a write to the loop's self-pipe and a GIL hand-off). A finished
-    request's stream is forgotten; ``abort`` ends a request whose caller's loop has closed
-    (nobody is listening)."""
-    batches: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any]]] = {}
-    for out in outputs:
-        target = streams.get(out.request_id)
-        if target is None:
-            continue
-        if out.finished:
-            del streams[out.request_id]
-        batches.setdefault(target[0], []).append((target[1], out))
-    for loop, items in batches.items():
-        try:
-            loop.call_soon_threadsafe(put_all, items)
-        except RuntimeError:  # the caller's loop is closed
-            for _stream, item in items:
-                abort(item.request_id)
-
-
-def put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
-    for stream, item in items:
-        stream.put_nowait(item)
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

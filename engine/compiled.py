@@ -86,7 +86,7 @@ def warm_up(engine: LLMEngine) -> float:
     Each variant prints a progress line: the first start compiles (a minute or more on a
     small CPU), later starts load the cache.
     """
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol.sampling_params import SamplingParams
 
     start = time.perf_counter()
     print(

@@ -1,14 +1,21 @@
-"""Engine configuration: one frozen dataclass, derived values as properties."""
+"""Engine configuration: one frozen dataclass, derived values as properties.
+
+Importing this module loads no torch: a worker's front end parses the engine flags and
+builds the config, and only the engine process, which asks for ``torch_device`` /
+``torch_dtype``, imports torch.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve import env
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 
 
 @dataclass(frozen=True)
@@ -42,16 +49,20 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             # bfloat16 where the hardware does it fast; float32 on CPU for exactness.
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
 
     @property
     def dtype_name(self) -> str:

@@ -33,9 +33,10 @@ from typing import Any
 import zmq
 
 from pdserve.engine.async_engine import fail_all, run_hooks, step_or_fail
-from pdserve.engine.llm_engine import EngineStats, LLMEngine
-from pdserve.engine.request import RequestFailed, RequestOutput
-from pdserve.engine.sampling_params import InvalidParameter
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.protocol.contract import EngineStats
+from pdserve.protocol.outputs import RequestFailed, RequestOutput
+from pdserve.protocol.sampling_params import InvalidParameter
 
 logger = logging.getLogger(__name__)
 Hook = Callable[[LLMEngine], None]

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from pdserve.engine.config import add_engine_arguments, engine_config_from_args
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,32 +20,24 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.contract import EngineStats as EngineStats
-from pdserve.contract import KVHandle
 from pdserve.engine import compiled
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import TextStream
-from pdserve.engine.hashing import block_hashes, hash_block, salt_root
 from pdserve.engine.kv_connector import HeldBlocks, KVConnector, KVHolder
 from pdserve.engine.kv_pool import KVPool, budget_bytes
 from pdserve.engine.logprobs import StepLogprobs
 from pdserve.engine.model_runner import ModelRunner, ScheduledChunk, model_identity
-from pdserve.engine.request import (
-    REQUEST_FAILED,
-    Request,
-    RequestFailed,
-    RequestOutput,
-    RequestStatus,
-)
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.structured import Grammars
+from pdserve.protocol.contract import EngineStats, KVHandle
+from pdserve.protocol.hashing import block_hashes, hash_block, salt_root
+from pdserve.protocol.outputs import HANDOFF, REQUEST_FAILED, RequestFailed, RequestOutput
+from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-HANDOFF = "handoff"
 
 
 class LLMEngine:

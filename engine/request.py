@@ -9,21 +9,10 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.sampling_params import SamplingParams
-
-
-class RequestFailed(Exception):
-    """This request (not the worker) failed: its own state could not be built or stepped.
-
-    Workers answer it as a request fault (HTTP 422, code ``request_failed``), which the
-    router passes to its client and never retries on another worker.
-    """
-
-
-REQUEST_FAILED = "request_failed"  # RequestOutput.error_code of a per-request fault
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -85,59 +74,3 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         return self.num_uncomputed_tokens > 1
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """A delta for one request: what happened since the previous output."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    error: str = ""
-    error_code: str = ""  # REQUEST_FAILED when this request alone failed (see RequestFailed)
-    kv_block_ids: list[int] | None = None  # prefill mode: the held blocks, on finish
-    kv_block_hashes: list[int] | None = None  # prefill mode: hashes of the full prompt blocks
-    kv_handle: Any = None  # prefill mode: what the KV holder returned for the held blocks
-    queue_seconds: float | None = None  # arrival to first schedule, on the first output
-    # One (logprob, top [(id, logprob)]) per token id, when the request asked for logprobs.
-    logprobs: list[Any] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.num_prompt_tokens,
-            "completion_tokens": self.num_output_tokens,
-            "cached_tokens": self.num_cached_tokens,
-        }
-
-    def then(self, later: RequestOutput) -> RequestOutput:
-        """This delta and the ``later`` one of the same request as a single delta.
-
-        A stream consumer that fell behind the engine sends one message for all the
-        steps it missed instead of one per token.
-        """
-        assert later.request_id == self.request_id and not self.finished
-        return replace(
-            later,
-            token_ids=self.token_ids + later.token_ids,
-            text=self.text + later.text,
-            logprobs=_joined(self.logprobs, later.logprobs),
-            queue_seconds=self.queue_seconds
-            if self.queue_seconds is not None
-            else later.queue_seconds,
-        )
-
-
-def _joined(a: list[Any] | None, b: list[Any] | None) -> list[Any] | None:
-    if a is None and b is None:
-        return None
-    return (a or []) + (b or [])

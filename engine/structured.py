@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import InvalidParameter
+from pdserve.protocol.sampling_params import InvalidParameter
 
 CACHE_SIZE = 256
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")

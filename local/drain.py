@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import httpx
 
-from pdserve.codec import from_dict
-from pdserve.contract import WorkerStats
+from pdserve.protocol.codec import from_dict
+from pdserve.protocol.contract import WorkerStats
 
 Listed = Callable[[str], bool]  # does the router still list (and so route to) this URL?
 POLL_S = 0.25

@@ -25,10 +25,10 @@ from pathlib import Path
 import httpx
 
 from pdserve import env
-from pdserve.codec import from_dict
-from pdserve.contract import WorkerStats
 from pdserve.local import drain
 from pdserve.local.drain import Listed
+from pdserve.protocol.codec import from_dict
+from pdserve.protocol.contract import WorkerStats
 from pdserve.router.discovery_file import write_workers_file
 
 ALL_CORES_MIN_PARAMS = 8 << 20  # decoder weights from which a lone worker takes every core

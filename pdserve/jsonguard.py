@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from pdserve.engine.sampling_params import valid_text
+from pdserve.protocol.sampling_params import valid_text
 
 MAX_JSON_DEPTH = 32  # OpenAI bodies need 5 (messages -> parts -> part); 32 is generous
 # A lone surrogate can only come from a \uD800-\uDFFF escape: raw UTF-8 cannot encode one.

@@ -147,7 +147,7 @@ class EngineProbe:
         return [int(x) for x in self._rng.integers(10, self.engine.vocab_size, n)]
 
     def _add(self, n: int, max_tokens: int) -> str:
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.protocol.sampling_params import SamplingParams
 
         self._n += 1
         rid = f"profile-{self._n}"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import zmq
 
-from pdserve.codec import encode
-from pdserve.engine.kv_events import TOPIC, KVEvent
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.protocol.codec import encode
+from pdserve.protocol.kv_events import TOPIC, KVEvent
 
 
 class KVEventPublisher:

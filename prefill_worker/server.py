@@ -15,9 +15,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from pdserve.contract import PrefillReply, PrefillRequest, ReleaseReply, RequestRef, Usage
-from pdserve.engine.llm_engine import HANDOFF
-from pdserve.engine.request import REQUEST_FAILED, RequestOutput
+from pdserve.protocol.contract import PrefillReply, PrefillRequest, ReleaseReply, RequestRef, Usage
+from pdserve.protocol.outputs import HANDOFF, REQUEST_FAILED, RequestOutput
 from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS
 from pdserve.worker.core_client import EngineClient
 from pdserve.worker.http import (

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any
 
-from pdserve.engine.sampling_params import SEED_MAX, SEED_MIN
+from pdserve.protocol.sampling_params import SEED_MAX, SEED_MIN
 from pdserve.router import disagg
 from pdserve.router.dispatch import Delta, Dispatcher, RequestState
 from pdserve.router.routing import RoutePlan

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from pdserve.contract import CONTRACT_VERSION
+from pdserve.protocol.contract import CONTRACT_VERSION
 from pdserve.router.prefix_index import KVEventSubscriber
 from pdserve.router.snapshot import Snapshot, WorkerStats, WorkerView
 from pdserve.router.worker_client import TRANSPORT_ERRORS, get_json, get_message

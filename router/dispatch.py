@@ -35,9 +35,15 @@ from typing import Any, NamedTuple
 
 import aiohttp
 
-from pdserve.contract import GenerateRequest, KVHandle, PrefillReply, PrefillRequest, TokenDelta
-from pdserve.engine.hashing import block_hashes, salt_root
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.contract import (
+    GenerateRequest,
+    KVHandle,
+    PrefillReply,
+    PrefillRequest,
+    TokenDelta,
+)
+from pdserve.protocol.hashing import block_hashes, salt_root
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router import disagg, worker_client
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 from pdserve.router.chat_options import ChatTemplateOptions, parse_chat_options
 from pdserve.router.errors import APIError, invalid
 from pdserve.router.fields import check_fields

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.contract import WorkerStats as WorkerStats  # what a worker's GET /stats says
+from pdserve.protocol.contract import WorkerStats as WorkerStats  # what a worker's GET /stats says
 
 ROLES = ("prefill", "decode")
 

@@ -1,5 +1,5 @@
 """Calls from the router to the workers' internal HTTP API: the typed messages of
-:mod:`pdserve.contract`, sent with the service secret.
+:mod:`pdserve.protocol.contract`, sent with the service secret.
 
 The hop runs on aiohttp, on connections kept alive: together with reading every
 stream to its end (so connections go back to the pool) this took about 4 ms off
@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import aiohttp
 
 from pdserve import env
-from pdserve.codec import CodecError, decode, encode, from_dict
-from pdserve.contract import (
+from pdserve.protocol.codec import CodecError, decode, encode, from_dict
+from pdserve.protocol.contract import (
     AbortReply,
     GenerateRequest,
     PrefillReply,
@@ -28,9 +28,9 @@ from pdserve.contract import (
     TokenDelta,
     WorkerError,
 )
-from pdserve.engine.request import REQUEST_FAILED
+from pdserve.protocol.outputs import REQUEST_FAILED
+from pdserve.protocol.token_lines import decode_line
 from pdserve.router.errors import APIError, from_worker_body
-from pdserve.token_lines import decode_line
 
 T = TypeVar("T")
 JSON = {"content-type": "application/json"}
@@ -252,7 +252,7 @@ def stream_error(url: str, error: WorkerError) -> Exception:
 
 def _message(url: str, line: bytes) -> TokenDelta:
     try:
-        return decode_line(line)  # what codec.decode does, faster (pdserve/token_lines.py)
+        return decode_line(line)  # what codec.decode does, faster (pdserve/protocol/token_lines.py)
     except CodecError as exc:
         raise WorkerFailed(url, f"bad stream line {line[:80]!r}: {exc}") from exc
 

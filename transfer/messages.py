@@ -1,6 +1,6 @@
 """Messages of the KV hand-off between prefill and decode workers.
 
-``KVHandle`` (defined in :mod:`pdserve.contract`, re-exported here) is what a prefill
+``KVHandle`` (defined in :mod:`pdserve.protocol.contract`, re-exported here) is what a prefill
 worker returns with the first token: everything a decode worker needs to claim the lease,
 pull the prompt's KV blocks and end the lease.
 ``CompatRecord`` is exchanged at handshake; peers whose records differ in any
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pdserve.codec import message
-from pdserve.contract import CONTRACT_VERSION
-from pdserve.contract import KVHandle as KVHandle
+from pdserve.protocol.codec import message
+from pdserve.protocol.contract import CONTRACT_VERSION
+from pdserve.protocol.contract import KVHandle as KVHandle
 
 
 @message("compat")

@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from pdserve.codec import to_dict
+from pdserve.protocol.codec import to_dict
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS
 from pdserve.transfer.server import KVServer

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from pdserve.codec import encode
 from pdserve.engine.kv_connector import KVHolder
 from pdserve.env import service_secret
+from pdserve.protocol.codec import encode
 from pdserve.transfer.leases import LeaseTable
 from pdserve.transfer.messages import (
     CompatRecord,

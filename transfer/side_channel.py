@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from pdserve.codec import CodecError, decode, encode
+from pdserve.protocol.codec import CodecError, decode, encode
 from pdserve.transfer.base import IncompatiblePeerError, PeerUnreachable, TransferError
 from pdserve.transfer.messages import (
     SIDE_CHANNEL_VERSION,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import zmq
 
-from pdserve.codec import CodecError, decode, encode
+from pdserve.protocol.codec import CodecError, decode, encode
 from pdserve.transfer.base import KVTransport, LeaseRef, PeerInfo, ReadOp, State, TransferError
 from pdserve.transfer.messages import SideChannelError, TcpReadReply, TcpReadRequest
 from pdserve.transfer.side_channel import open_reply, request_frames

@@ -46,10 +46,10 @@ from typing import Any
 
 import zmq
 
-from pdserve.engine.async_engine import EngineDeadError, follow, hand_over, put_all
-from pdserve.engine.llm_engine import EngineStats
-from pdserve.engine.request import RequestFailed, RequestOutput
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.protocol.contract import EngineStats
+from pdserve.protocol.outputs import EngineDeadError, RequestFailed, RequestOutput
+from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
+from pdserve.protocol.streams import follow, hand_over, put_all
 
 logger = logging.getLogger(__name__)
 POLL_MS = 200  # how often the receiver checks that the core still runs

@@ -1,7 +1,7 @@
 """What both worker servers share: flags, errors, authentication and the common routes.
 
 Routes every worker has: ``/livez``, ``/health``, ``/metrics``, ``/stats``, ``/abort``.
-Bodies are the typed messages of :mod:`pdserve.contract`. Errors use OpenAI's body
+Bodies are the typed messages of :mod:`pdserve.protocol.contract`. Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``. With ``PDSERVE_SERVICE_SECRET`` set,
 every route but ``/livez``, ``/health`` and ``/metrics`` needs it in ``X-PDServe-Secret``
 (401 otherwise).
@@ -25,13 +25,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve import env
-from pdserve.codec import CodecError, from_dict, to_dict
-from pdserve.contract import AbortReply, RequestRef, WorkerStats
-from pdserve.engine.async_engine import EngineDeadError
 from pdserve.engine.config import add_engine_arguments
-from pdserve.engine.request import REQUEST_FAILED, RequestFailed
-from pdserve.engine.sampling_params import InvalidParameter
 from pdserve.jsonguard import BadJSON, loads_checked
+from pdserve.protocol.codec import CodecError, from_dict, to_dict
+from pdserve.protocol.contract import AbortReply, RequestRef, WorkerStats
+from pdserve.protocol.outputs import REQUEST_FAILED, EngineDeadError, RequestFailed
+from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 from pdserve.worker.core_client import DEFAULT_STALL_S, EngineClient
 from pdserve.worker.metrics import WorkerMetrics

@@ -23,7 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.contract import EngineStats
+from pdserve.protocol.contract import EngineStats
 
 disable_created_metrics()  # no *_created series: they double every counter on scrape
 

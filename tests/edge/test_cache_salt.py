@@ -9,7 +9,7 @@ import uuid
 import httpx
 import pytest
 
-from pdserve.engine.hashing import ROOT_HASH, block_hashes, salt_root
+from pdserve.protocol.hashing import ROOT_HASH, block_hashes, salt_root
 from tests.loopback import all_kv_free, secret_headers
 
 pytestmark = pytest.mark.timeout(300)

@@ -18,7 +18,7 @@ from tests.loopback import all_kv_free, secret_headers
 
 pytestmark = pytest.mark.timeout(300)
 JSON = {"content-type": "application/json"}
-TYPES = {"/prefill": "prefill_request", "/generate": "generate_request"}  # pdserve/contract.py
+TYPES = {"/prefill": "prefill_request", "/generate": "generate_request"}  # protocol/contract.py
 
 POISONS: list[tuple[dict[str, Any], str]] = [
     ({"seed": 2**64 + 1}, "seed"),
@@ -119,10 +119,10 @@ async def test_bad_unicode_and_deep_json_are_400(deployment) -> None:
 
 def test_decode_worker_marks_request_faults_in_its_stream() -> None:
     """The error line the router reads to tell a request fault from a worker fault."""
-    from pdserve.codec import decode
-    from pdserve.contract import TokenDelta, WorkerError
     from pdserve.decode_worker.server import DecodeWorker
-    from pdserve.engine.request import REQUEST_FAILED, RequestOutput
+    from pdserve.protocol.codec import decode
+    from pdserve.protocol.contract import TokenDelta, WorkerError
+    from pdserve.protocol.outputs import REQUEST_FAILED, RequestOutput
     from pdserve.router.errors import APIError
     from pdserve.router.worker_client import WorkerFailed, stream_error
 

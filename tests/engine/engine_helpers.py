@@ -11,7 +11,7 @@ import torch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 # The tiny model's block: 4 layers * K/V * 16 tokens * 2 KV heads * 32 dims * 4 bytes.
 TINY_BLOCK_BYTES = 4 * 2 * 16 * 2 * 32 * 4

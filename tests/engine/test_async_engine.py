@@ -14,8 +14,8 @@ from engine_helpers import assert_all_free, hf_greedy, tiny_config
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import RequestOutput
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.protocol.outputs import RequestOutput
+from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 

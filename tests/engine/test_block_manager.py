@@ -6,7 +6,7 @@ import pytest
 from engine_helpers import assert_all_free
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.hashing import block_hashes
+from pdserve.protocol.hashing import block_hashes
 
 BS = 4
 

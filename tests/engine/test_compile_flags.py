@@ -17,8 +17,8 @@ from engine_helpers import assert_all_free
 
 from pdserve.engine.config import add_engine_arguments, engine_config_from_args
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.local.processes import ClusterSpec, LocalCluster
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 def _config(argv: list[str]) -> bool:

@@ -20,7 +20,7 @@ from engine_helpers import assert_all_free, hf_greedy
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ScheduledChunk
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,8 +16,8 @@ import pytest
 from engine_helpers import assert_all_free
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import REQUEST_FAILED, RequestFailed, RequestOutput
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.protocol.outputs import REQUEST_FAILED, RequestFailed, RequestOutput
+from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 

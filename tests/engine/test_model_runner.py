@@ -11,7 +11,7 @@ import torch
 
 from pdserve.engine.model_runner import DECODE_GROUP_SHARE, ModelRunner, ScheduledChunk
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 BS = 16
 

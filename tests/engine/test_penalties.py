@@ -12,7 +12,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.penalties import token_counts
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 

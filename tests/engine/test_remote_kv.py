@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 from engine_helpers import assert_all_free, hf_greedy
 
-from pdserve.engine.hashing import block_hashes
 from pdserve.engine.kv_connector import KVConnector, LoadResult
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.llm_engine import HANDOFF, LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ScheduledChunk
-from pdserve.engine.request import RequestOutput, RequestStatus
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.engine.request import RequestStatus
+from pdserve.protocol.hashing import block_hashes
+from pdserve.protocol.outputs import HANDOFF, RequestOutput
+from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 from pdserve.transfer.messages import KVHandle
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from engine_helpers import assert_all_free
 
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,7 @@ from engine_helpers import assert_all_free, run_requests
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, argmax_rows
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,11 +12,11 @@ from engine_helpers import assert_all_free
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.hashing import block_hashes
 from pdserve.engine.model_runner import ScheduledChunk
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.protocol.hashing import block_hashes
+from pdserve.protocol.sampling_params import SamplingParams
 
 BS = 16
 

@@ -9,7 +9,7 @@ import pytest
 from engine_helpers import assert_all_free, run_requests
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.contract import WorkerStats
 from pdserve.local import drain
+from pdserve.protocol.contract import WorkerStats
 from tests.loopback import free_port
 
 pytestmark = pytest.mark.timeout(30)

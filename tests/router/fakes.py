@@ -1,7 +1,7 @@
 """Fake prefill and decode workers that follow docs/architecture.md's worker HTTP API.
 
 They stand in for the real workers (prefill_worker/, decode_worker/) in the
-router's API tests: they speak the same typed messages (``pdserve.contract``), stream
+router's API tests: they speak the same typed messages (``pdserve.protocol.contract``), stream
 NDJSON, check the service secret (``SECRET``), publish real KV
 events over ZeroMQ, hold "leases" and "KV blocks" as counters so every test can
 check that everything is freed at the end, and fail on demand.
@@ -25,8 +25,9 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pdserve.codec import decode, encode, to_dict
-from pdserve.contract import (
+from pdserve.env import SECRET_HEADER, SERVICE_SECRET
+from pdserve.protocol.codec import decode, encode, to_dict
+from pdserve.protocol.contract import (
     AbortReply,
     GenerateRequest,
     KVHandle,
@@ -39,8 +40,7 @@ from pdserve.contract import (
     WorkerError,
     WorkerStats,
 )
-from pdserve.engine.hashing import block_hashes
-from pdserve.env import SECRET_HEADER, SERVICE_SECRET
+from pdserve.protocol.hashing import block_hashes
 from tests.loopback import free_port
 
 # The suite's service secret (tests/conftest.py): the router under test reads it from the

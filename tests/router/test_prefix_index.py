@@ -9,7 +9,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdserve.engine.hashing import block_hashes
+from pdserve.protocol.hashing import block_hashes
 from pdserve.router.prefix_index import KVEventSubscriber, KVEventView, PrefixIndex
 
 
@@ -127,8 +127,8 @@ async def test_subscriber_over_real_zmq() -> None:
 
 
 def test_parses_the_engines_own_kv_event_codec() -> None:
-    kv_events = pytest.importorskip("pdserve.engine.kv_events")
-    from pdserve.codec import encode
+    kv_events = pytest.importorskip("pdserve.protocol.kv_events")
+    from pdserve.protocol.codec import encode
 
     data = encode(kv_events.KVEvent(kind="removed", worker_id="w7", seq=3, block_hashes=[5, 6]))
     assert KVEventView.parse(data) == KVEventView("removed", "w7", 3, (5, 6))

@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from pdserve.codec import to_dict
-from pdserve.contract import GenerateRequest, TokenDelta, WorkerError
+from pdserve.protocol.codec import to_dict
+from pdserve.protocol.contract import GenerateRequest, TokenDelta, WorkerError
 from pdserve.router.worker_client import (
     MAX_LINE_BYTES,
     WorkerFailed,

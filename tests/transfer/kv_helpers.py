@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.codec import from_dict
 from pdserve.engine.kv_connector import LoadResult
+from pdserve.protocol.codec import from_dict
 from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import KVHandle
 from pdserve.transfer.pool_server import fill_pool

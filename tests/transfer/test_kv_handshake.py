@@ -9,7 +9,7 @@ import zmq
 from kv_helpers import as_bytes, make_pool, wait_results
 
 from pdserve import env
-from pdserve.codec import encode
+from pdserve.protocol.codec import encode
 from pdserve.transfer.base import IncompatiblePeerError, TransferError
 from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord, HandshakeReply, LeaseClaim

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from pdserve.codec import CodecError, decode, encode, from_dict, to_dict
+from pdserve.protocol.codec import CodecError, decode, encode, from_dict, to_dict
 from pdserve.transfer.layout import PoolGeometry, descriptors, merge_runs
 from pdserve.transfer.messages import CompatRecord, HandshakeRequest, TcpReadRequest
 from pdserve.transfer.registry import TRANSPORTS, transport_class

@@ -13,10 +13,10 @@ import pytest
 from fastapi import Request
 from fastapi.responses import Response
 
-from pdserve.contract import GenerateRequest
-from pdserve.engine.request import RequestFailed
-from pdserve.engine.sampling_params import InvalidParameter
 from pdserve.env import SECRET_HEADER
+from pdserve.protocol.contract import GenerateRequest
+from pdserve.protocol.outputs import RequestFailed
+from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.worker.direct import DirectApp, LineStream
 from pdserve.worker.http import BadRequest, SecretCheck, known_error, read_message
 from tests.router.fakes import serve

@@ -19,7 +19,7 @@ from worker_helpers import (
     worker_cluster,
 )
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 

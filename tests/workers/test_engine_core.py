@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.codec import to_dict
-from pdserve.contract import GenerateRequest
+from pdserve.protocol.codec import to_dict
+from pdserve.protocol.contract import GenerateRequest
 from tests.workers.worker_helpers import HEADERS, proc, sampling, stats, worker_cluster
 
 CORE = b"pdserve.worker.core_main"

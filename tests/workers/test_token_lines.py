@@ -1,4 +1,4 @@
-"""The decode stream's fast line codec (pdserve/token_lines.py) against the general codec:
+"""The decode stream's fast line codec (pdserve/protocol/token_lines.py) against the general codec:
 the same bytes out, the same messages in, the same errors for bad lines.
 
 Hypothesis draws the messages (wild text, ids, finish reasons, nested logprobs, usage)
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.codec import CodecError, decode, encode, to_dict
-from pdserve.contract import TokenDelta, Usage, WorkerError
-from pdserve.token_lines import decode_line, encode_line
+from pdserve.protocol.codec import CodecError, decode, encode, to_dict
+from pdserve.protocol.contract import TokenDelta, Usage, WorkerError
+from pdserve.protocol.token_lines import decode_line, encode_line
 
 texts = st.text(st.characters(), max_size=12)
 ids = st.lists(st.integers(-(2**63), 2**63), max_size=4)

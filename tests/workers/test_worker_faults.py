@@ -25,9 +25,9 @@ from worker_helpers import (
     worker_cluster,
 )
 
-from pdserve.codec import to_dict
-from pdserve.contract import GenerateRequest
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.codec import to_dict
+from pdserve.protocol.contract import GenerateRequest
+from pdserve.protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 PROMPT = list(range(100, 170))  # 70 tokens: 5 blocks, the last one partial

@@ -7,9 +7,9 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from pdserve.codec import to_dict
-from pdserve.contract import GenerateRequest, RequestRef
 from pdserve.env import SECRET_HEADER
+from pdserve.protocol.codec import to_dict
+from pdserve.protocol.contract import GenerateRequest, RequestRef
 from pdserve.worker.http import BadRequest, SecretCheck, error_response, read_message, reply
 
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import httpx
 
-from pdserve.codec import to_dict
-from pdserve.contract import GenerateRequest, PrefillRequest, RequestRef
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.env import SECRET_HEADER
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
+from pdserve.protocol.codec import to_dict
+from pdserve.protocol.contract import GenerateRequest, PrefillRequest, RequestRef
+from pdserve.protocol.sampling_params import SamplingParams
 
 SECRET = "worker-tests-secret"  # the clusters' service secret: every internal call sends it
 HEADERS = {SECRET_HEADER: SECRET}

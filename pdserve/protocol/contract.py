@@ -1,6 +1,6 @@
 """The router ↔ worker contract: every message of the workers' internal HTTP API.
 
-One typed message per body, all through :mod:`pdserve.codec` (JSON with a ``"type"``
+One typed message per body, all through :mod:`pdserve.protocol.codec` (JSON with a ``"type"``
 field); nothing else builds or parses a worker message as a dict.
 
 =====================  =================  ==========================================
@@ -20,7 +20,7 @@ Errors stay OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` wi
 4xx (the request is wrong: not retried) or 5xx (the worker failed: retried elsewhere).
 
 The sampling parameters are a typed field passed through whole: a new sampling option
-is added to :class:`~pdserve.engine.sampling_params.SamplingParams` only.
+is added to :class:`~pdserve.protocol.sampling_params.SamplingParams` only.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdserve.codec import message
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams, valid_text
+from pdserve.protocol.codec import message
+from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams, valid_text
 
 CONTRACT_VERSION = 2
 MAX_CACHE_SALT_CHARS = 1024
@@ -38,7 +38,7 @@ MAX_REQUEST_ID_CHARS = 256
 
 def _check_ids(request_id: str, cache_salt: str | None) -> None:
     """The request id and the prefix-cache salt (the router's tenant salt and the client's
-    ``cache_salt``, which enters the block hashes: engine/hashing.py)."""
+    ``cache_salt``, which enters the block hashes: pdserve/protocol/hashing.py)."""
     if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS or not request_id.isprintable():
         raise InvalidParameter(
             "request_id", "request_id must be a printable string of at most 256 characters"

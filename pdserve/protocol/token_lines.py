@@ -1,5 +1,6 @@
 """The decode stream's NDJSON lines, the one message sent per token: exact fast forms of
-:func:`pdserve.codec.encode` / :func:`pdserve.codec.decode` for :class:`TokenDelta`.
+:func:`~pdserve.protocol.codec.encode` / :func:`~pdserve.protocol.codec.decode` for
+:class:`TokenDelta`.
 
 The general codec walks the dataclass's fields and checks every annotation on every call
 (about 20 µs a line each way here); a stream line has one fixed shape, so this module
@@ -17,8 +18,8 @@ import json
 from json.encoder import encode_basestring_ascii as _string
 from typing import Any
 
-from pdserve.codec import decode, encode, from_dict
-from pdserve.contract import TokenDelta, Usage
+from pdserve.protocol.codec import decode, encode, from_dict
+from pdserve.protocol.contract import TokenDelta, Usage
 
 # The codec writes a message's fields in declaration order, then "type": this module
 # writes the same literal order, so a new TokenDelta field must be added here too.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.codec import message
+from pdserve.protocol.codec import message
 
 TOPIC = b"kv"
 KINDS = ("stored", "removed", "cleared")
