@@ -5,7 +5,8 @@
 * JSON nested deeper than 32 levels or holding invalid Unicode (a lone
   surrogate such as ``"\\ud800"``, which JSON lets through) is a 400 naming the
   top-level field it sits in (``pdserve.jsonguard``, shared with the workers);
-* prompt text longer than ``--max-prompt-chars`` is a 400 before it is tokenized.
+* prompt text longer than ``--max-prompt-chars`` is a 400 before it is tokenized (for a
+  chat: contents, tool calls, tools and template variables together).
 
 Parsing, these checks and tokenization run on the runtime's tokenizer threads
 (``serving.prepare``), never on the event loop.
@@ -14,6 +15,8 @@ Parsing, these checks and tokenization run on the runtime's tokenizer threads
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -67,12 +70,28 @@ def parse_json(raw: bytes) -> Any:
 
 
 def check_text_length(req: GenerateRequest, limit: int) -> None:
-    """Bound the text handed to the tokenizer (its time grows with the text)."""
+    """Bound the text handed to the template and the tokenizer (their time grows with it)."""
     if req.messages is not None:
-        size, field = sum(len(m["content"]) for m in req.messages), "messages"
+        tools = req.tools.tools if req.tools is not None else None
+        kwargs = req.template.kwargs if req.template is not None else None
+        size, field = chat_chars(req.messages, tools, kwargs), "messages"
     else:
         size, field = len(req.prompt_text or ""), "prompt"
     bound_text(size, field, limit)
+
+
+def chat_chars(messages: Sequence[dict[str, Any]], tools: Any, kwargs: Any) -> int:
+    """The characters a chat request hands its template: every message's content, and the
+    JSON of everything else the template may paste (tool calls and their arguments, names,
+    tool definitions, template variables), so none of them is a way around the limit."""
+    size = 0
+    for m in messages:
+        size += len(m["content"])
+        extra = {k: v for k, v in m.items() if k not in ("role", "content")}
+        size += len(json.dumps(extra, ensure_ascii=False)) if extra else 0
+    for more in (tools, kwargs):
+        size += len(json.dumps(more, ensure_ascii=False)) if more else 0
+    return size
 
 
 def bound_text(size: int, field: str, limit: int) -> None:

@@ -64,8 +64,10 @@ def tokenize(rt: Runtime, body: Any) -> dict[str, Any]:
     if "messages" in body:
         parsed = parse_messages(body["messages"])
         options = parse_chat_options(body, parsed)
-        bound_text(sum(len(m["content"]) for m in parsed), "messages", rt.cfg.max_prompt_chars)
-        messages, tools = chat_inputs(tok.tok, list(parsed), parse_tools(body))
+        cfg = parse_tools(body)
+        size = edge.chat_chars(parsed, cfg.tools if cfg else None, options.kwargs)
+        bound_text(size, "messages", rt.cfg.max_prompt_chars)
+        messages, tools = chat_inputs(tok.tok, list(parsed), cfg)
         ids = tok.encode_chat(messages, tools=tools, options=options)
     else:
         prompt = body.get("prompt")

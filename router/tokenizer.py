@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.router.chat_options import ChatTemplateOptions
+from pdserve.router.chat_render import encode_rendered, refuse_elsewhere, special_strings
 from pdserve.router.errors import invalid
 
 
@@ -31,6 +32,7 @@ class PromptTokenizer:
         self.tok = AutoTokenizer.from_pretrained(str(path))
         self.vocab_size = len(self.tok)
         self.config_max_len = _config_max_len(path)
+        self.specials = special_strings(self.tok)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
@@ -48,19 +50,28 @@ class PromptTokenizer:
             raise invalid("this model has no chat template; use /v1/completions", "messages")
         if options is None:
             options = ChatTemplateOptions(add_generation_prompt)
-        try:
-            text = self.tok.apply_chat_template(
-                messages,
-                add_generation_prompt=options.add_generation_prompt,
-                continue_final_message=options.continue_final_message,
-                tokenize=False,
-                tools=tools,  # type: ignore[arg-type]
-                **options.kwargs,
-            )
-        except Exception as exc:  # template errors (e.g. role order) are the client's input
-            raise invalid(f"messages could not be formatted: {exc}", "messages") from exc
-        assert isinstance(text, str)
-        return self.encode(text, add_special_tokens=False)
+        refuse_elsewhere(messages, tools, options.kwargs, self.specials)
+
+        def render(shown: list[dict[str, Any]]) -> str:
+            try:
+                text = self.tok.apply_chat_template(
+                    shown,
+                    add_generation_prompt=options.add_generation_prompt,
+                    continue_final_message=options.continue_final_message,
+                    tokenize=False,
+                    tools=tools,  # type: ignore[arg-type]
+                    **options.kwargs,
+                )
+            except Exception as exc:  # template errors (e.g. role order) are the client's
+                raise invalid(f"messages could not be formatted: {exc}", "messages") from exc
+            assert isinstance(text, str)
+            return text
+
+        def plain(text: str) -> list[int]:
+            return self.encode(text, add_special_tokens=False)
+
+        # control tokens only from the template, never from client text (router/chat_render.py)
+        return encode_rendered(self.tok, messages, render, plain, self.specials)
 
 
 def _config_max_len(path: Path) -> int:
