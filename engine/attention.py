@@ -8,7 +8,9 @@ pool at ``slot_mapping`` and attends over each sequence's blocks:
   decodes and continuing prefill chunks alike — goes to one call of the C++
   kernel (``paged_attention.cpp``) per layer, which reads the blocks in place;
   a prefill chunk that starts its request attends to its own new K/V with SDPA;
-* elsewhere (CUDA, or no compiler; also the tests' reference), the gather path:
+* on CUDA, the Triton kernels (``triton_attention.py``): every token of the step,
+  prefill or decode, in one or two launches per layer, reading the blocks in place;
+* where neither runs (no compiler; also the tests' reference), the gather path:
   decodes in a few batched calls, one per group of similar context lengths, over
   block tables padded to the group's longest; a continuing chunk gathers its
   context blocks, causal with the chunk's offset into its context.
@@ -31,14 +33,18 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from pdserve.engine import cpu_kernel, gather_path
+from pdserve.engine import attention_backends, cpu_kernel, gather_path
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.model_support import PLAIN, LayerAttention, check_call
+
+if TYPE_CHECKING:
+    from pdserve.engine.triton_attention import TritonMetadata
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -83,6 +89,7 @@ class AttentionMetadata:
     k_buffer: torch.Tensor | None = None
     v_buffer: torch.Tensor | None = None
     kernel: KernelTokens | None = None  # the CPU kernel's tokens (then decodes is empty)
+    triton: TritonMetadata | None = None  # the Triton kernels' tiles (then nothing else is set)
 
 
 class _Current(threading.local):
@@ -190,9 +197,15 @@ def _attend(
         value = F.pad(value, (0, key.shape[-1] - dv))
     k_cache, v_cache = pool.layer(layer)
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+    bs = pool.shape.block_size
+    if meta.triton is not None:  # writes the new K/V itself (skipping CUDA-graph padding)
+        q, slots = query[0].transpose(0, 1), meta.slot_mapping
+        o = attention_backends.run_triton(
+            q, k_new, v_new, k_cache, v_cache, slots, meta.triton, bs, scaling, opts, sinks
+        )
+        return _cut(o, dv)
     k_cache.index_copy_(0, meta.slot_mapping, k_new)
     v_cache.index_copy_(0, meta.slot_mapping, v_new)
-    bs = pool.shape.block_size
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.kernel is not None:

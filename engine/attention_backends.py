@@ -22,12 +22,17 @@ refused at load otherwise (``model_support``), never served wrong.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve import env
+
+if TYPE_CHECKING:
+    from pdserve.engine.model_support import LayerAttention
+    from pdserve.engine.triton_attention import TritonMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -104,3 +109,50 @@ def choose(shape: AttentionShape, requested: str | None = None) -> str:
     if default != CPU:  # a CPU without a compiler is common and logged by cpu_kernel
         logger.warning("attention: %s unavailable (%s); using the gather path", default, problem)
     return GATHER
+
+
+# --- the Triton back-end's two calls (the step's metadata, one layer's attention) ---------
+
+
+def triton_metadata(
+    spans: Sequence[tuple[int, int, Sequence[int]]],  # (tokens before, tokens, blocks) per chunk
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    device: torch.device,
+) -> TritonMetadata:
+    from pdserve.engine import triton_attention
+
+    blocks = [ids[: -(-(start + n) // block_size)] for start, n, ids in spans]
+    chunks = [(start, n) for start, n, _ in spans]
+    return triton_attention.step_metadata(chunks, blocks, num_heads, num_kv_heads, device)
+
+
+def run_triton(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_new: torch.Tensor,  # [T, Hkv, D]
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    meta: TritonMetadata,
+    block_size: int,
+    scaling: float,
+    opts: LayerAttention,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Writes the new K/V into the pool and attends in place; returns [T, Hq, D]."""
+    from pdserve.engine import triton_attention
+
+    if k_new.stride(2) != 1 or v_new.stride(2) != 1:
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    triton_attention.store_kv(k_new, v_new, k_cache, v_cache, slot_mapping)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    sink32 = sinks.detach().float().contiguous() if opts.sinks and sinks is not None else None
+    triton_attention.paged_attention(
+        q, k_cache, v_cache, out, meta, block_size, scaling,
+        window=opts.window, softcap=opts.softcap, sinks=sink32,
+    )  # fmt: skip
+    return out

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pdserve.engine import compiled, cpu_kernel, model_support
+from pdserve.engine import attention_backends, compiled, model_support
 from pdserve.engine.attention import (
     ATTN_IMPLEMENTATION,
     CURRENT,
@@ -68,6 +68,8 @@ def model_identity(model_dir: str | Path) -> str:
 
 
 class ModelRunner:
+    attention_backend = attention_backends.GATHER  # set per model in __init__
+
     def __init__(self, config: EngineConfig) -> None:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
@@ -96,15 +98,15 @@ class ModelRunner:
         self.pool: KVPool | None = None
         self.decode_group_rows = DECODE_GROUP_ROWS.get(self.device.type, DECODE_GROUP_ROWS_DEFAULT)
         self._gather_buffer: torch.Tensor | None = None
-        # The CPU kernel reads the pool in place; the gather path is CUDA's and the
-        # tests' reference (set False to use it).
-        self.use_kernel = (
-            self.device.type == "cpu"
-            and cpu_kernel.supports(
-                self.dtype, hf.num_attention_heads, self.num_kv_heads, self.head_dim
+        # cpu (the C++ kernel), triton, or gather (the reference): by device or by
+        # PDSERVE_ATTENTION_BACKEND (attention_backends.py).
+        self.attention_backend = attention_backends.choose(
+            attention_backends.AttentionShape(
+                self.device, self.dtype, hf.num_attention_heads, self.num_kv_heads,
+                self.head_dim, self.block_size,
             )
-            and cpu_kernel.load() is not None
-        )
+        )  # fmt: skip
+        self.use_kernel = self.attention_backend == attention_backends.CPU  # False: gather
 
     @property
     def compiled(self) -> bool:
@@ -187,6 +189,13 @@ class ModelRunner:
         )
 
     def _metadata(self, chunks: list[ScheduledChunk], slots: torch.Tensor) -> AttentionMetadata:
+        if self.attention_backend == attention_backends.TRITON:
+            spans = [(c.start, c.num_tokens, c.request.block_ids) for c in chunks]
+            hq, hkv = self.hf_config.num_attention_heads, self.num_kv_heads
+            triton = attention_backends.triton_metadata(
+                spans, hq, hkv, self.block_size, self.device
+            )
+            return AttentionMetadata(slots, [], [], triton=triton)
         if self.use_kernel:
             return self._kernel_metadata(chunks, slots)
         bs, dev = self.block_size, self.device

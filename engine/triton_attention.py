@@ -159,27 +159,29 @@ def store_kv(
     if t == 0:
         return
     assert key.stride(2) == 1 and value.stride(2) == 1 and k_cache.stride(2) == 1
-    assert key.stride() == value.stride() and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride() == v_cache.stride()
     _store_kv[(t, hkv)](
         key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1),
-        k_cache.stride(0), k_cache.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d),
+        value.stride(0), value.stride(1), k_cache.stride(0), k_cache.stride(1),
+        D=d, BLOCK_D=triton.next_power_of_2(d),
     )  # fmt: skip
 
 
 @triton.jit
 def _store_kv(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t, stride_h, stride_s, stride_sh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_s, stride_sh, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ok = (d < D) & (d + slot >= d)  # a vector mask (the interpreter refuses a scalar operand)
-    src = t.to(tl.int64) * stride_t + h * stride_h + d
     dst = slot * stride_s + h * stride_sh + d
-    tl.store(kc_ptr + dst, tl.load(k_ptr + src, mask=ok), mask=ok)
-    tl.store(vc_ptr + dst, tl.load(v_ptr + src, mask=ok), mask=ok)
+    k_src = t.to(tl.int64) * stride_kt + h * stride_kh + d
+    v_src = t.to(tl.int64) * stride_vt + h * stride_vh + d
+    tl.store(kc_ptr + dst, tl.load(k_ptr + k_src, mask=ok), mask=ok)
+    tl.store(vc_ptr + dst, tl.load(v_ptr + v_src, mask=ok), mask=ok)
 
 
 @triton.jit

@@ -10,6 +10,9 @@ that continue a cached context, decodes in the same step) equal the gather refer
 within 1e-5 in float32, over random block tables (blocks in random pool order, table rows
 padded with other requests' blocks), context lengths 1..600, GQA 1/2/4, sliding windows,
 soft-capping and sinks on and off (triton_cases.py holds the cases and the reference).
+Then the engine's own attention call through each back-end (triton_engine_cases.py): the
+Triton and CPU-kernel outputs equal the gather path's, and the tiny model, greedy through
+the Triton back-end with prefill chunks beside decodes, equals transformers' generate().
 """
 
 from __future__ import annotations
@@ -19,29 +22,45 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import triton_cases
 
-pytestmark = pytest.mark.timeout(300)
+# Seconds of CPU each (about 20 and 17); a loaded shared machine stretches them several times.
+pytestmark = pytest.mark.timeout(900)
 
 HERE = Path(__file__).resolve().parent
 TOLERANCE = 1e-5
 
 
 def interpreted_env() -> dict[str, str]:
-    return {**os.environ, "TRITON_INTERPRET": "1"}
+    return {**os.environ, "TRITON_INTERPRET": "1", "PDSERVE_ATTENTION_BACKEND": "triton"}
+
+
+def triton_engine_cases_ids() -> list[str]:
+    """The ids triton_engine_cases.py reports (its module imports the engine: not here)."""
+    return [f"{name}-gqa{g}" for name in ("plain", "window", "softcap-sinks") for g in (2, 1, 4)]
+
+
+def run_interpreted(script: str, *args: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, str(HERE / script), *args],
+        capture_output=True, text=True, timeout=800, env=interpreted_env(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 @pytest.fixture(scope="module")
 def kernel_errors() -> dict[str, float]:
     """Every case's largest difference from the reference, from one interpreter process."""
-    out = subprocess.run(
-        [sys.executable, str(HERE / "triton_cases.py")],
-        capture_output=True, text=True, timeout=280, env=interpreted_env(),
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    return run_interpreted("triton_cases.py")
+
+
+@pytest.fixture(scope="module")
+def engine_results(tiny_model_dir: Path) -> dict[str, Any]:
+    return run_interpreted("triton_engine_cases.py", str(tiny_model_dir))
 
 
 def test_cases_cover_the_ranges() -> None:
@@ -63,3 +82,17 @@ def test_cases_cover_the_ranges() -> None:
 def test_kernel_matches_reference(kernel_errors: dict[str, float], case_id: str) -> None:
     err = kernel_errors[case_id]
     assert err <= TOLERANCE, f"{case_id}: max |triton - reference| = {err}"  # NaN fails too
+
+
+@pytest.mark.parametrize("case_id", list(triton_engine_cases_ids()))
+def test_backends_agree(engine_results: dict[str, Any], case_id: str) -> None:
+    errors = engine_results["backends"][case_id]
+    assert set(errors) == {"triton", "cpu"}
+    assert max(errors.values()) <= TOLERANCE, f"{case_id}: |backend - gather| = {errors}"
+
+
+def test_whole_model_through_triton_equals_transformers(engine_results: dict[str, Any]) -> None:
+    model = engine_results["model"]
+    assert model["backend"] == "triton"  # chosen by PDSERVE_ATTENTION_BACKEND in the child
+    assert model["equal"] == model["of"] == 4, model
+    assert model["kv_free"]

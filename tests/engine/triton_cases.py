@@ -12,6 +12,7 @@ import json
 import random
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ CASES = [
 CASES.append(Case(2, MIXED, window=100, kv_heads=1, head_dim=40, pad=0))  # D not a power of two
 
 
-def make_inputs(case: Case, seed: int) -> dict[str, object]:
+def make_inputs(case: Case, seed: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     hq, hkv, d = case.gqa * case.kv_heads, case.kv_heads, case.head_dim
@@ -71,7 +72,7 @@ def make_inputs(case: Case, seed: int) -> dict[str, object]:
     return {"pool": pool, "blocks": blocks, "padded": padded, "q": q, "sinks": sinks}
 
 
-def reference(case: Case, inputs: dict, scale: float) -> torch.Tensor:
+def reference(case: Case, inputs: dict[str, Any], scale: float) -> torch.Tensor:
     """Gather each request's context out of the pool, then dense masked softmax."""
     pool, q, sinks = inputs["pool"], inputs["q"], inputs["sinks"]
     out = torch.empty_like(q)
@@ -121,6 +122,7 @@ def store_case() -> float:
 
     gen = torch.Generator().manual_seed(7)
     k, v = torch.randn((2, 6, 2, 24), generator=gen)
+    v = v.transpose(0, 1).contiguous().transpose(0, 1)  # strides unlike K's, as in a model
     k_cache, v_cache = torch.zeros((2, 64, 2, 24))
     slots = torch.tensor([5, 63, -1, 0, 17, -1])
     ta.store_kv(k, v, k_cache, v_cache, slots)
