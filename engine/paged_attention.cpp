@@ -79,8 +79,9 @@ const T* zero_row() {  // stands in for the rows past the context in a partial t
 // One work item: the scaled queries, the online-softmax state and the unnormalised
 // output of the G query heads of one (token, KV head), held as vectors of the head dim.
 // G and C (vectors per head dim) are compile-time for the common shapes, so that the
-// loops unroll and the state stays in registers; 0 means "at run time".
-template <typename T, class S, int G, int C>
+// loops unroll and the state stays in registers; 0 means "at run time". O: a soft-cap or
+// sinks in use (compiled apart, so the plain case carries none of their code).
+template <typename T, class S, int G, int C, bool O>
 struct Item {
   using V = typename S::V;
   static constexpr int W = S::W, GM = G ? G : kMaxG, CM = C ? C : kMaxD / W;
@@ -122,7 +123,7 @@ struct Item {
         s[g] = S::transpose_sum(part);
       }
     }
-    if (softcap != 0.0f)  // before the padding's -inf below (tanh would make it finite)
+    if (O && softcap != 0.0f)  // before the padding's -inf below (tanh would make it finite)
       for (int g = 0; g < heads(); ++g) {
         alignas(64) float buf[W];
         S::store(buf, s[g]);
@@ -178,9 +179,9 @@ inline void prefetch_row(const T* k, const T* v, int64_t at, int d) {
   }
 }
 
-template <typename T, class S, int G, int C>
+template <typename T, class S, int G, int C, bool O>
 void one_item(const Args& a, int64_t item) {
-  using I = Item<T, S, G, C>;
+  using I = Item<T, S, G, C, O>;
   constexpr int W = S::W;
   const int i = static_cast<int>(item / a.hkv), h = static_cast<int>(item % a.hkv);
   const int d = a.head_dim, bs = a.block_size, ctx = a.tok_ctx[i], row = a.tok_row[i];
@@ -200,7 +201,7 @@ void one_item(const Args& a, int64_t item) {
       it.q[g][c] = S::load(buf + c * W);
       it.acc[g][c] = S::zero();
     }
-    const bool sink = a.sinks != nullptr;
+    const bool sink = O && a.sinks != nullptr;
     it.max[g] = sink ? a.sinks[h * it.heads() + g] : kNegInf;
     it.sum[g] = sink ? S::load(first) : S::zero();
   }
@@ -237,8 +238,13 @@ void one_item(const Args& a, int64_t item) {
 template <typename T, class S, int G, int C>
 void run_items(const Args& a, int num_threads) {
   const int64_t items = static_cast<int64_t>(a.num_tokens) * a.hkv;
+  if (a.softcap != 0.0f || a.sinks != nullptr) {
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4)
-  for (int64_t item = 0; item < items; ++item) one_item<T, S, G, C>(a, item);
+    for (int64_t item = 0; item < items; ++item) one_item<T, S, G, C, true>(a, item);
+    return;
+  }
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4)
+  for (int64_t item = 0; item < items; ++item) one_item<T, S, G, C, false>(a, item);
 }
 
 template <typename T, class S, int G>
