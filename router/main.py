@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 
 from pdserve import env
+from pdserve.engine.model_source import resolve_model
 from pdserve.router.config import (
     CACHE_ISOLATION,
     DECODE_SCORERS,
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model directory (tokenizer + config)")
+    p.add_argument("--model", required=True, help="model dir (tokenizer + config) or FILE.gguf")
     p.add_argument("--served-model-name", default="", help="name clients use (default: dir name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -55,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="key that opens /metrics and /workers while API keys are on "
                        f"(or env {ADMIN_KEY_ENV})")  # fmt: skip
     admin.add_argument("--admin-api-key-file", default="", help="file of admin keys")
+    p.add_argument("--admin-port", type=int, default=0,
+                   help="a second port (on --host) where /metrics and /workers need no key; "
+                   "keep it off the tenants' network (0: none)")  # fmt: skip
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests in flight; beyond them they wait (--max-waiting)")  # fmt: skip
     add_limit_arguments(p)
@@ -170,7 +175,7 @@ def prefill_scorers(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
 
 def build_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
-        model_dir=args.model,
+        model_dir=resolve_model(args.model, weights=False),
         served_model_name=args.served_model_name,
         routing=args.routing,
         picker=args.picker,
@@ -182,6 +187,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         api_key_file=args.api_key_file,
         admin_api_keys=admin_keys(args),
         admin_api_key_file=args.admin_api_key_file,
+        admin_port=args.admin_port,
         body_timeout_s=args.body_timeout,
         max_concurrency_per_key=args.max_concurrency_per_key,
         max_waiting=args.max_waiting,
@@ -229,6 +235,21 @@ def run(args: argparse.Namespace) -> int:
     warn_if_open(cfg, args.host)
     if args.keep_alive_timeout < 1:
         raise SystemExit("pdserve router: --keep-alive-timeout must be at least 1 second")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                access_log=False, timeout_keep_alive=args.keep_alive_timeout)  # fmt: skip
+    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
+                            timeout_keep_alive=args.keep_alive_timeout)  # fmt: skip
+    # One server on both ports: the app tells the admin port by the request's local port.
+    ports = (args.port, args.admin_port) if args.admin_port else (args.port,)
+    uvicorn.Server(config).run(sockets=[_bind(args.host, p) for p in ports])
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        raise SystemExit(f"pdserve router: cannot listen on {host}:{port}: {exc}") from exc
+    sock.set_inheritable(True)
+    return sock
