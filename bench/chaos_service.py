@@ -21,12 +21,13 @@ from typing import Any
 import httpx
 
 from pdserve import env
+from pdserve.signed_httpx import SignedAuth
 
 ROOT = Path(__file__).resolve().parent.parent
 # The service secret of the deployment under test: the environment's, else one for this run
 # (given to `pdserve up`, sent with every internal request the bench makes to a worker).
 SECRET = os.environ.get(env.SERVICE_SECRET) or secrets.token_hex(16)
-HEADERS = {env.SECRET_HEADER: SECRET}
+AUTH = SignedAuth(SECRET)  # the workers' internal API takes signed calls only
 
 
 class Service:
@@ -83,7 +84,7 @@ class Service:
 
 def stats(url: str) -> dict[str, Any] | None:
     try:
-        return dict(httpx.get(url + "/stats", timeout=5, headers=HEADERS).json())
+        return dict(httpx.get(url + "/stats", timeout=5, auth=AUTH).json())
     except (httpx.HTTPError, ValueError):
         return None
 

@@ -297,8 +297,8 @@ async def measure(
     args: argparse.Namespace,
 ) -> tuple[dict, list, list]:
     limits = httpx.Limits(max_connections=64)
-    # The service secret goes to the router too (it ignores it): one client for all paths.
-    async with httpx.AsyncClient(timeout=600, limits=limits, headers=cluster.headers) as h:
+    # Signed calls go to the router too (it ignores the signature): one client for all paths.
+    async with httpx.AsyncClient(timeout=600, limits=limits, auth=cluster.auth) as h:
         for url in routers.values():  # warm up every worker's code paths (not measured)
             for _, ids in workload(args, vocab, seed=1)[:4]:
                 await via_router(h, url, model, ids[:200], args.max_tokens)

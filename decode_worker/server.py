@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from pdserve import env
+from pdserve import env, keys
 from pdserve.protocol.codec import encode
 from pdserve.protocol.contract import GenerateRequest, TokenDelta, Usage, WorkerError
 from pdserve.protocol.outputs import REQUEST_FAILED, RequestOutput

@@ -39,10 +39,11 @@ def busy(stats: WorkerStats) -> int:
     return stats.running + stats.waiting + stats.loading + stats.held
 
 
-def worker_busy(url: str, headers: dict[str, str], timeout_s: float = 2.0) -> bool:
-    """Whether the worker at ``url`` may still owe a request; nothing listening is idle."""
+def worker_busy(url: str, auth: httpx.Auth | None, timeout_s: float = 2.0) -> bool:
+    """Whether the worker at ``url`` may still owe a request; nothing listening is idle.
+    ``auth`` signs the call (pdserve/signed_httpx.py)."""
     try:
-        reply = httpx.get(url + "/stats", timeout=timeout_s, headers=headers)
+        reply = httpx.get(url + "/stats", timeout=timeout_s, auth=auth)
         return busy(from_dict(reply.json(), WorkerStats)) > 0
     except httpx.ConnectError:  # refused: no server, so no request either
         return False
@@ -75,13 +76,13 @@ def wait_unrouted(url: str, listed: Listed, deadline: float, alive: Callable[[],
 
 
 def wait_idle(
-    url: str, headers: dict[str, str], deadline: float, alive: Callable[[], bool]
+    url: str, auth: httpx.Auth | None, deadline: float, alive: Callable[[], bool]
 ) -> bool:
     """Until the worker is idle on two polls in a row (a request the router sent just
     before it stopped listing the worker is seen by then); False at the deadline."""
     idle_polls = 0
     while alive() and time.monotonic() < deadline:
-        idle_polls = 0 if worker_busy(url, headers) else idle_polls + 1
+        idle_polls = 0 if worker_busy(url, auth) else idle_polls + 1
         if idle_polls >= 2:
             return True
         time.sleep(POLL_S)

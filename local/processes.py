@@ -30,6 +30,7 @@ from pdserve.local.drain import Listed
 from pdserve.protocol.codec import from_dict
 from pdserve.protocol.contract import WorkerStats
 from pdserve.router.discovery_file import write_workers_file
+from pdserve.signed_httpx import SignedAuth
 
 ALL_CORES_MIN_PARAMS = 8 << 20  # decoder weights from which a lone worker takes every core
 
@@ -150,9 +151,11 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
     @property
-    def headers(self) -> dict[str, str]:
-        """What a caller of the workers' internal API sends (the service secret)."""
-        return {env.SECRET_HEADER: self.secret}
+    def auth(self) -> SignedAuth:
+        """Signs calls to the workers' internal API with the service secret (the secret
+        itself is never sent). Replies are not checked for the workers' proof, so one
+        client serves the router's paths too."""
+        return SignedAuth(self.secret, check_proof=False)
 
     def urls(self, role: str) -> list[str]:
         return [p.url for p in self.procs if p.role == role]
@@ -210,7 +213,7 @@ class LocalCluster:
                 return proc.popen is not None and proc.popen.poll() is None
 
             unrouted = listed is None or drain.wait_unrouted(proc.url, listed, deadline, alive)
-            return unrouted and drain.wait_idle(proc.url, self.headers, deadline, alive)
+            return unrouted and drain.wait_idle(proc.url, self.auth, deadline, alive)
         finally:
             _stop_procs([proc], grace_s=10.0)
 
@@ -265,7 +268,7 @@ class LocalCluster:
     ) -> None:
         """Block until every process answers ``GET /health`` with 200; raise if one dies."""
         start, pending = time.monotonic(), [p for p in self.procs]
-        with httpx.Client(timeout=2.0, headers=self.headers) as client:
+        with httpx.Client(timeout=2.0) as client:  # /health is open
             while pending:
                 for proc in list(pending):
                     if proc.popen is not None and proc.popen.poll() is not None:

@@ -14,8 +14,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SERVICE_SECRET = "PDSERVE_SERVICE_SECRET"  # router ↔ workers and the KV side channel
-SERVICE_SECRET_PREVIOUS = "PDSERVE_SERVICE_SECRET_PREVIOUS"  # still accepted while rotating
+SERVICE_SECRET_ACCEPTED = "PDSERVE_SERVICE_SECRET_ACCEPTED"  # also accepted, never signs: rotation
 SECRET_HEADER = "X-PDServe-Secret"  # the HTTP header that carries it
+BLOCK_HASH_KEY = "PDSERVE_BLOCK_HASH_KEY"  # the prefix cache's hash key (else from the secret)
 API_KEY = "PDSERVE_API_KEY"  # the router's client-facing key
 ADVERTISE_HOST = "PDSERVE_ADVERTISE_HOST"  # the address peers use to reach a worker
 CACHE = "PDSERVE_CACHE"  # where `pdserve up` keeps downloaded models

@@ -5,10 +5,10 @@ anywhere: each use derives its own key from it (HMAC-SHA256 of a purpose label, 
 extract-less form of HKDF for a secret that is already uniformly random), and a key
 that leaks from one channel (a log of the KV data path, say) proves nothing on another.
 
-Rotation: ``PDSERVE_SERVICE_SECRET_PREVIOUS`` names the secret being replaced. Keys from
-both are accepted and keys from the current one are used to sign, so a rollout that
-moves pods from one secret to the next never has a caller and a callee that cannot
-check each other (docs/security.md: rotating the secret).
+Rotation: ``PDSERVE_SERVICE_SECRET_ACCEPTED`` names a second secret that is accepted but
+never used to sign. Rotating is three rollouts: the new secret accepted, then signing
+with it (the old one accepted), then the old one dropped; at no step does a pod sign
+with a secret another pod cannot check (docs/security.md: rotating the secret).
 
 Stdlib only: the router, the workers and the engine's import path all use it.
 """
@@ -42,12 +42,12 @@ def derive(secret: str, purpose: str) -> bytes:
 
 
 def secrets_from_env() -> tuple[str, ...]:
-    """(current, previous) service secrets set in the environment; () without one."""
+    """(signing, accepted) service secrets set in the environment; () without one."""
     current = os.environ.get(env.SERVICE_SECRET, "")
-    previous = os.environ.get(env.SERVICE_SECRET_PREVIOUS, "")
+    accepted = os.environ.get(env.SERVICE_SECRET_ACCEPTED, "")
     if not current:
         return ()
-    return (current, previous) if previous and previous != current else (current,)
+    return (current, accepted) if accepted and accepted != current else (current,)
 
 
 class KeyRing:
@@ -90,8 +90,5 @@ def mac(key: bytes, *parts: bytes) -> bytes:
     give the same tag); b"" without a key."""
     if not key:
         return b""
-    h = hmac.new(key, digestmod=hashlib.sha256)
-    for part in parts:
-        h.update(len(part).to_bytes(8, "big"))
-        h.update(part)
-    return h.digest()
+    msg = b"".join(len(part).to_bytes(8, "big") + part for part in parts)
+    return hmac.digest(key, msg, "sha256")  # one C call: the router signs every call

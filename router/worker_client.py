@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from pdserve import env
+from pdserve import env, keys, signing
 from pdserve.protocol.codec import CodecError, decode, encode, from_dict
 from pdserve.protocol.contract import (
     AbortReply,
@@ -58,13 +58,42 @@ TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 POOL_KEEPALIVE_S = 60.0
 
 
-def new_session(secret: str | None = None) -> aiohttp.ClientSession:
+def new_session(secret: str | tuple[str, ...] | None = None) -> aiohttp.ClientSession:
     """The router's one connection pool to its workers (unbounded, kept alive); every call
-    carries the service secret (``PDSERVE_SERVICE_SECRET`` unless given)."""
-    secret = env.service_secret("the router") if secret is None else secret
-    headers = {env.SECRET_HEADER: secret} if secret else {}
+    is signed with a key derived from the service secret (``PDSERVE_SERVICE_SECRET`` unless
+    given; pdserve/signing.py), and a reply counts only from a worker that proves it."""
+    if secret is None:
+        env.service_secret("the router")  # the warning, once, when there is none
+        ring = keys.KeyRing.from_env(keys.HTTP)
+    else:
+        ring = keys.KeyRing(keys.HTTP, secret)
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=POOL_KEEPALIVE_S)
-    return aiohttp.ClientSession(connector=connector, raise_for_status=False, headers=headers)
+    middlewares = (signed_calls(ring),) if ring else ()
+    return aiohttp.ClientSession(
+        connector=connector, raise_for_status=False, middlewares=middlewares
+    )
+
+
+class UnprovenWorker(aiohttp.ClientResponseError):
+    """A reply without the proof of the service secret: not one of our workers."""
+
+
+def signed_calls(ring: keys.KeyRing) -> Any:
+    """aiohttp middleware: sign each call; refuse a reply that does not prove the secret
+    (a transport error to the callers: the worker counts as failed)."""
+
+    async def sign(req: aiohttp.ClientRequest, handler: Any) -> aiohttp.ClientResponse:
+        body = req.body if isinstance(req.body, bytes) else await req.body.as_bytes()
+        auth = signing.sign(ring, req.method, req.url.raw_path_qs, body)
+        req.headers[signing.HEADER] = auth
+        resp: aiohttp.ClientResponse = await handler(req)
+        if not signing.proof_ok(ring, auth, resp.headers.get(signing.PROOF_HEADER)):
+            resp.release()
+            raise UnprovenWorker(req.request_info, (), status=resp.status,
+                                 message="the worker did not prove the service secret")  # fmt: skip
+        return resp
+
+    return sign
 
 
 def _timeout(seconds: float) -> aiohttp.ClientTimeout:

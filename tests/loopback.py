@@ -15,14 +15,16 @@ from typing import Any
 
 import httpx
 
-from pdserve.env import SECRET_HEADER, SERVICE_SECRET
+from pdserve.env import SERVICE_SECRET
+from pdserve.signed_httpx import SignedAuth
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def secret_headers() -> dict[str, str]:
-    """The service secret every process started by the tests shares (tests/conftest.py)."""
-    return {SECRET_HEADER: os.environ[SERVICE_SECRET]}
+def secret_auth() -> SignedAuth:
+    """Signs calls to the workers' internal API with the service secret every process
+    started by the tests shares (tests/conftest.py)."""
+    return SignedAuth(os.environ[SERVICE_SECRET])
 
 
 def free_port() -> int:
@@ -35,7 +37,7 @@ def all_kv_free(urls: list[str], timeout: float = 30.0) -> None:
     """Every worker's KV pool is free again (cancelled streams are aborted at the workers)."""
     deadline = time.monotonic() + timeout
     while True:
-        stats = [httpx.get(u + "/stats", timeout=5, headers=secret_headers()).json() for u in urls]
+        stats = [httpx.get(u + "/stats", timeout=5, auth=secret_auth()).json() for u in urls]
         if all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats):
             return
         assert time.monotonic() < deadline, f"KV not freed: {stats}"

@@ -85,7 +85,7 @@ class KVTransport(ABC):
         compat: CompatRecord,
         agent_name: str,
         initiator: bool = False,
-        secret: str = "",
+        secret: str | tuple[str, ...] = "",
     ) -> None:
         self.pool = pool
         self.secret = secret  # the service secret, for transports that talk on the side channel

@@ -35,6 +35,7 @@ import torch
 
 from pdserve.engine.kv_connector import KVConnector, LoadResult
 from pdserve.env import service_secret
+from pdserve.keys import secrets_from_env
 from pdserve.transfer.base import LeaseRef, PeerInfo, PeerUnreachable, ReadOp, State
 from pdserve.transfer.layout import PoolGeometry
 from pdserve.transfer.messages import (
@@ -79,14 +80,14 @@ class RemoteKVConnector(KVConnector):
         agent_name: str | None = None,
         transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
         release_timeout: float = 2.0,
-        secret: str | None = None,
+        secret: str | tuple[str, ...] | None = None,
     ) -> None:
         assert transfer_timeout > 0
         self.agent_name = agent_name or new_agent_name("decode")
         self.compat = compat
         self.transfer_timeout = transfer_timeout
         self.release_timeout = release_timeout
-        self.secret = service_secret("the KV connector") if secret is None else secret
+        self.secret = _secrets("the KV connector") if secret is None else secret
         kind = transport_class(transport)
         self.transport = kind(pool, compat, self.agent_name, initiator=True, secret=self.secret)
         self._num_blocks = PoolGeometry.of(pool).num_blocks
@@ -443,3 +444,8 @@ def _log_release_failure(fut: Future[object]) -> None:
     exc = None if fut.cancelled() else fut.exception()
     if exc is not None:
         log.warning("lease release failed (the lease will expire instead): %s", exc)
+
+
+def _secrets(role: str) -> tuple[str, ...]:
+    """The service secret and, while it rotates, the one also accepted (pdserve/keys.py)."""
+    return secrets_from_env() if service_secret(role) else ()

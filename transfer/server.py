@@ -22,6 +22,7 @@ import torch
 
 from pdserve.engine.kv_connector import KVHolder
 from pdserve.env import service_secret
+from pdserve.keys import secrets_from_env
 from pdserve.protocol.codec import encode
 from pdserve.transfer.leases import LeaseTable
 from pdserve.transfer.messages import (
@@ -55,13 +56,13 @@ class KVServer(KVHolder):
         agent_name: str | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         on_expired: Callable[[str], None] | None = None,
-        secret: str | None = None,
+        secret: str | tuple[str, ...] | None = None,
     ) -> None:
         if host == "0.0.0.0" and advertise_host is None:
             raise ValueError("KVServer bound to 0.0.0.0 needs advertise_host (the pod/host IP)")
         self.agent_name = agent_name or new_agent_name("prefill")
         self.compat = compat
-        self.secret = service_secret("the KV side channel") if secret is None else secret
+        self.secret = _secrets("the KV side channel") if secret is None else secret
         self.transport = transport_class(transport)(
             pool, compat, self.agent_name, secret=self.secret
         )
@@ -191,3 +192,8 @@ class KVServer(KVHolder):
     def close(self) -> None:
         self._server.close()
         self.transport.close()
+
+
+def _secrets(role: str) -> tuple[str, ...]:
+    """The service secret and, while it rotates, the one also accepted (pdserve/keys.py)."""
+    return secrets_from_env() if service_secret(role) else ()

@@ -3,19 +3,19 @@ claims and dones and (tcp transport) block reads; plus the decode side's client 
 
 A request is ``[b"", message, mac]`` (the DEALER's frames; the ROUTER sees the peer's
 identity first); a reply is ``[b"", message, mac, *extra frames]``. With a service secret
-(``PDSERVE_SERVICE_SECRET``) ``mac`` is HMAC-SHA256 under it: of the request message, and of
-request + reply messages for a reply, so a reply answers this very request. A request with
-a wrong mac is refused; a reply with a wrong mac is not believed: the decode side reads KV
-only from peers that proved the secret. The extra frames (tcp block data) are not MACed.
-Without a secret the macs are empty and not checked. Every client call uses a fresh socket
-with a deadline, so a dead or wedged peer costs a timeout, never a hang.
+(``PDSERVE_SERVICE_SECRET``) ``mac`` is HMAC-SHA256 under the side channel's own key derived
+from it (pdserve/keys.py): of the request message, and of request + reply messages for a
+reply, so a reply answers this very request. A request with a wrong mac is refused; a reply
+with a wrong mac is not believed: the decode side reads KV only from peers that proved the
+secret. The extra frames (tcp block data) carry their own MAC under the KV data key
+(tcp_transport.py). While the secret rotates, ``secret`` is a tuple: the first signs, every
+one is accepted. Without a secret the macs are empty and not checked. Every client call
+uses a fresh socket with a deadline, so a dead or wedged peer costs a timeout, never a hang.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import logging
 import threading
 from collections.abc import Callable
@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from pdserve import keys
 from pdserve.protocol.codec import CodecError, decode, encode
 from pdserve.transfer.base import IncompatiblePeerError, PeerUnreachable, TransferError
 from pdserve.transfer.messages import (
@@ -39,29 +40,33 @@ log = logging.getLogger(__name__)
 Handler = Callable[[object], list[Any]]
 
 
-def mac(secret: str, *parts: bytes) -> bytes:
-    """HMAC-SHA256 of ``parts`` (length-prefixed) under ``secret``; b"" without one."""
-    if not secret:
-        return b""
-    h = hmac.new(secret.encode(), digestmod=hashlib.sha256)
-    for part in parts:
-        h.update(len(part).to_bytes(8, "big"))
-        h.update(part)
-    return h.digest()
+Secret = str | tuple[str, ...]
 
 
-def request_frames(msg: object, secret: str) -> tuple[bytes, list[bytes]]:
+def ring(secret: Secret, purpose: str = keys.SIDE_CHANNEL) -> keys.KeyRing:
+    return keys.KeyRing(purpose, secret)
+
+
+def mac(secret: Secret, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of ``parts`` (length-prefixed) under the side channel's key of the
+    (signing) ``secret``; b"" without one."""
+    return ring(secret).sign(*parts)
+
+
+def request_frames(msg: object, secret: Secret) -> tuple[bytes, list[bytes]]:
     """(the encoded message, the frames a DEALER sends for it)."""
     payload = encode(msg)
     return payload, [b"", payload, mac(secret, payload)]
 
 
-def open_reply(frames: list[Any], request: bytes, secret: str, address: str) -> list[Any]:
+def open_reply(frames: list[Any], request: bytes, secret: Secret, address: str) -> list[Any]:
     """``[message, *extra]`` of a reply (frames as received, b"" first) whose mac checks."""
     raw = [bytes(f.buffer) if hasattr(f, "buffer") else bytes(f) for f in frames[:3]]
     if len(raw) < 3:
         raise TransferError(f"malformed reply from side channel {address}")
-    if not hmac.compare_digest(raw[2], mac(secret, request, raw[1])):
+    keys_ = ring(secret)
+    # Without a secret only an unsigned reply is believed: a peer that signs is not ours.
+    if (keys_.verify(raw[2], request, raw[1]) is None) if keys_ else raw[2] != b"":
         raise TransferError(
             f"side channel {address} did not prove the service secret (PDSERVE_SERVICE_SECRET): "
             f"its reply is not trusted: {raw[1][:120]!r}"
@@ -78,10 +83,10 @@ class SideChannelServer:
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
-        secret: str = "",
+        secret: Secret = "",
     ) -> None:
         self._handler = handler
-        self._secret = secret
+        self._ring = ring(secret)
         self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -107,12 +112,12 @@ class SideChannelServer:
                 continue  # not one of ours; nobody to answer sensibly
             payload, given = frames[2], frames[3] if len(frames) > 3 else b""
             head, *extra = self._answer(payload, given)
-            tag = mac(self._secret, payload, bytes(head))
+            tag = self._ring.sign(payload, bytes(head))
             self._sock.send_multipart([frames[0], b"", head, tag, *extra], copy=False)
         self._sock.close(linger=0)
 
     def _answer(self, payload: bytes, given: bytes) -> list[Any]:
-        if not hmac.compare_digest(given, mac(self._secret, payload)):
+        if self._ring.verify(bytes(given), payload) is None:
             log.warning("side channel: refused a request without the service secret")
             err = "unauthenticated: the request does not carry the service secret's mac"
             return [encode(SideChannelError(err))]
@@ -129,7 +134,7 @@ class SideChannelServer:
         self._thread.join(timeout=5)
 
 
-def call(address: str, msg: object, timeout: float, secret: str) -> object:
+def call(address: str, msg: object, timeout: float, secret: Secret) -> object:
     """Send ``msg`` to a side channel and return the decoded reply, or raise TransferError."""
     sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -175,7 +180,7 @@ def handshake(
     agent_name: str,
     metadata: bytes,
     timeout: float,
-    secret: str,
+    secret: Secret,
 ) -> HandshakeReply:
     """Decode side: introduce ourselves; raise IncompatiblePeerError if refused."""
     req = HandshakeRequest(

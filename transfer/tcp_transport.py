@@ -4,25 +4,39 @@ The decode side sends ``TcpReadRequest(lease, block_ids)`` to the prefill worker
 channel (signed like every side-channel request); the prefill side serves only blocks of a
 lease that agent claimed (``KVServer``), at most ``MAX_READ_BYTES`` and never a block twice,
 gathers ``pool[:, :, block_ids]`` into one contiguous buffer and replies with
-``TcpReadReply`` plus one raw data frame, which the decode side scatters into its local blocks.
+``TcpReadReply`` plus one raw data frame and its MAC (HMAC-SHA256 under the KV data key,
+pdserve/keys.py, over the request and the data): the decode side checks the MAC before a
+byte enters its pool, then scatters the frame into its local blocks.
 Each read uses its own DEALER socket, so a dead peer costs one socket, never a wedged one.
 Two copies and a TCP hop make it several times slower than NIXL; it exists for portability.
 """
 
 from __future__ import annotations
 
+import hmac
 import warnings
 from typing import Any
 
 import torch
 import zmq
 
+from pdserve import keys
 from pdserve.protocol.codec import CodecError, decode, encode
 from pdserve.transfer.base import KVTransport, LeaseRef, PeerInfo, ReadOp, State, TransferError
 from pdserve.transfer.messages import SideChannelError, TcpReadReply, TcpReadRequest
-from pdserve.transfer.side_channel import open_reply, request_frames
+from pdserve.transfer.side_channel import open_reply, request_frames, ring
 
 MAX_READ_BYTES = 4 << 30  # one tcp read's reply; a larger request is refused
+
+
+def data_mac(key: bytes, head: bytes, data: Any) -> bytes:
+    """HMAC-SHA256 of a reply's head (which names the request) and its data frame, read in
+    place (the data can be gigabytes: no copy); b"" without a key."""
+    if not key:
+        return b""
+    h = hmac.new(key, len(head).to_bytes(8, "big") + bytes(head), "sha256")
+    h.update(memoryview(data).cast("B"))
+    return h.digest()
 
 
 class _TcpOp(ReadOp):
@@ -53,7 +67,8 @@ class TcpTransport(KVTransport):
         idx = torch.tensor(msg.block_ids, dtype=torch.long, device=self.pool.device)
         data = self._planes().index_select(1, idx).cpu()
         raw = data.view(torch.uint8).reshape(-1).numpy()
-        return [encode(TcpReadReply(msg.request_id, int(raw.nbytes))), raw]
+        head = encode(TcpReadReply(msg.request_id, int(raw.nbytes)))
+        return [head, raw, data_mac(ring(self.secret, keys.KV_DATA).signing, head, raw)]
 
     def _refusal(self, ids: list[int]) -> str:
         n = self.geometry.num_blocks
@@ -107,10 +122,16 @@ class TcpTransport(KVTransport):
         head: object = decode(frames[0])
         if isinstance(head, SideChannelError):
             raise TransferError(head.error)
-        if not isinstance(head, TcpReadReply) or len(frames) != 2:
+        if not isinstance(head, TcpReadReply) or len(frames) != 3:
             raise TransferError(f"tcp read: unexpected reply {type(head).__name__}")
         if head.num_bytes != op.num_bytes or len(frames[1].buffer) != op.num_bytes:
             raise TransferError(f"tcp read: got {head.num_bytes} bytes, expected {op.num_bytes}")
+        data_ring = ring(self.secret, keys.KV_DATA)
+        if data_ring and not any(
+            hmac.compare_digest(bytes(frames[2].buffer), data_mac(k, frames[0], frames[1].buffer))
+            for k in data_ring.keys
+        ):  # before a byte enters the pool: a frame altered on the wire is never used
+            raise TransferError("tcp read: the data frame's MAC does not check (altered?)")
         planes = self._planes()
         with warnings.catch_warnings():  # the zmq frame is read-only; we only read it
             warnings.simplefilter("ignore", UserWarning)

@@ -4,8 +4,8 @@ A streamed token is one ``send`` per line; through FastAPI each one also passes 
 error middleware's and the exception middleware's ``send`` wrappers, and Starlette's
 ``StreamingResponse`` adds a task group. On the decode worker that was about a third of
 its HTTP loop's CPU per token (``bench/stream_overhead.py``), taken from the same GIL
-as the engine thread. The lane keeps what the stack gave these routes: the service
-secret (401 as :class:`~pdserve.worker.http.SecretCheck` answers it), OpenAI error
+as the engine thread. The lane keeps what the stack gave these routes: the signed-call
+check (401 as :class:`~pdserve.worker.http.SecretCheck` answers it), OpenAI error
 bodies for the known request errors (the app's exception handlers), and a plain 500,
 logged, for anything else (Starlette's ``ServerErrorMiddleware``).
 """
@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from pdserve import env
-from pdserve.worker.http import error_response
+from pdserve import keys
+from pdserve.worker.auth import CallCheck
+from pdserve.worker.http import refusal
 
 Handler = Callable[[Request], Awaitable[Response]]
-SECRET_KEY = env.SECRET_HEADER.lower().encode()
 
 
 class DirectApp(FastAPI):
@@ -35,10 +34,12 @@ class DirectApp(FastAPI):
     ``errors`` turns an exception into its response (None: not a request error)."""
 
     def __init__(
-        self, secret: str, errors: Callable[[Exception], Response | None], **kwargs: Any
-    ) -> None:
+        self, secret: str | tuple[str, ...], errors: Callable[[Exception], Response | None],
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(**kwargs)
-        self.secret = secret.encode()
+        ring = keys.KeyRing(keys.HTTP, secret)
+        self.check = CallCheck(ring, refusal) if ring else None
         self.errors = errors
         self.direct: dict[tuple[str, str], Handler] = {}
 
@@ -55,9 +56,11 @@ class DirectApp(FastAPI):
         if handler is None:
             await super().__call__(scope, receive, send)
             return
-        if self.secret and not secret_ok(scope, self.secret):
-            await unauthorized()(scope, receive, send)
-            return
+        if self.check is not None:
+            checked = await self.check(scope, receive, send)
+            if checked is None:
+                return
+            receive, send = checked
         try:
             response = await handler(Request(scope, receive))
         except Exception as exc:
@@ -67,19 +70,6 @@ class DirectApp(FastAPI):
                 raise
             response = known
         await response(scope, receive, send)
-
-
-def secret_ok(scope: Any, secret: bytes) -> bool:
-    given = b""
-    for key, value in scope["headers"]:
-        if key == SECRET_KEY:
-            given = value  # the last one, as dict(scope["headers"]) would keep
-    return hmac.compare_digest(given, secret)
-
-
-def unauthorized() -> Response:
-    msg = f"missing or wrong {env.SECRET_HEADER} (this is an internal endpoint)"
-    return error_response(401, msg, code="unauthorized")
 
 
 class LineStream(Response):

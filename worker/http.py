@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import hmac
 import logging
 import os
 import socket
@@ -24,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve import env
+from pdserve import env, keys
 from pdserve.engine.config import add_engine_arguments
 from pdserve.jsonguard import BadJSON, loads_checked
 from pdserve.protocol.codec import CodecError, from_dict, to_dict
@@ -32,6 +31,7 @@ from pdserve.protocol.contract import AbortReply, RequestRef, WorkerStats
 from pdserve.protocol.outputs import REQUEST_FAILED, EngineDeadError, RequestFailed
 from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
+from pdserve.worker.auth import CallCheck
 from pdserve.worker.core_client import DEFAULT_STALL_S, EngineClient
 from pdserve.worker.metrics import WorkerMetrics
 
@@ -125,23 +125,32 @@ def reply(msg: Any) -> JSONResponse:
 
 
 class SecretCheck:
-    """ASGI middleware: the service secret on every route but the open ones (pure ASGI,
-    so streamed responses pass through untouched)."""
+    """ASGI middleware: every route but the open ones takes only calls signed with the
+    service secret (pdserve/signing.py; ``secret``: the signing one, then one also accepted
+    while rotating), and the replies to signed calls prove the secret. Pure ASGI, so
+    streamed responses pass through untouched."""
 
     OPEN = frozenset({"/livez", "/health", "/metrics"})
 
-    def __init__(self, app: ASGIApp, secret: str) -> None:
+    def __init__(self, app: ASGIApp, secret: str | tuple[str, ...]) -> None:
         self.app = app
-        self.secret = secret.encode()
+        self.check = CallCheck(keys.KeyRing(keys.HTTP, secret), refusal)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.OPEN:
-            given = dict(scope["headers"]).get(env.SECRET_HEADER.lower().encode(), b"")
-            if not hmac.compare_digest(given, self.secret):
-                msg = f"missing or wrong {env.SECRET_HEADER} (this is an internal endpoint)"
-                await error_response(401, msg, code="unauthorized")(scope, receive, send)
+        if scope["type"] == "http":
+            checked = await self.check(scope, receive, send, scope["path"] not in self.OPEN)
+            if checked is None:
                 return
+            receive, send = checked
         await self.app(scope, receive, send)
+
+
+def refusal(status: int, why: str) -> JSONResponse:
+    """The answer to a call that is not the router's (401) or too big to check (413)."""
+    if status == 401:
+        return error_response(401, f"unauthorized: {why} (this is an internal endpoint)",
+                              code="unauthorized")  # fmt: skip
+    return error_response(status, why)
 
 
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -180,9 +189,8 @@ def add_common_routes(
     app: FastAPI, engine: EngineClient, metrics: WorkerMetrics, identity: dict[str, Any]
 ) -> None:
     """``identity``: the ``WorkerStats`` fields that say who the worker is."""
-    secret = env.service_secret(f"the {identity.get('role', '')} worker")
-    if secret:
-        app.add_middleware(SecretCheck, secret=secret)
+    if env.service_secret(f"the {identity.get('role', '')} worker"):
+        app.add_middleware(SecretCheck, secret=keys.secrets_from_env())
 
     async def _known(_: Request, exc: Exception) -> JSONResponse:
         response = known_error(exc)

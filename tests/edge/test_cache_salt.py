@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pdserve.protocol.hashing import ROOT_HASH, block_hashes, salt_root
-from tests.loopback import all_kv_free, secret_headers
+from tests.loopback import all_kv_free, secret_auth
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,5 +59,5 @@ def test_bad_cache_salt_is_refused(deployment) -> None:
                                 (dep.workers[1], "/generate", "generate_request")):  # fmt: skip
             body = {"type": kind, "request_id": "salty", "prompt_token_ids": [1, 2, 3],
                     "sampling": {"max_tokens": 2}, "cache_salt": ["x"]}  # fmt: skip
-            r = h.post(url + path, json=body, headers=secret_headers())
+            r = h.post(url + path, json=body, auth=secret_auth())
             assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

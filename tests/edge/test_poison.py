@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.loopback import all_kv_free, secret_headers
+from tests.loopback import all_kv_free, secret_auth
 
 pytestmark = pytest.mark.timeout(300)
 JSON = {"content-type": "application/json"}
@@ -87,11 +87,11 @@ async def test_workers_refuse_poison_themselves(deployment) -> None:
             for url, path in ((prefill, "/prefill"), (decode, "/generate")):
                 body = json.dumps({"type": TYPES[path], "request_id": f"poison-{field}",
                                    "prompt_token_ids": prompt, "sampling": sampling})  # fmt: skip
-                headers = {**JSON, **secret_headers()}
-                _error(await h.post(url + path, content=body, headers=headers), 400, field)
+                r = await h.post(url + path, content=body, headers=JSON, auth=secret_auth())
+                _error(r, 400, field)
         for url, path in ((prefill, "/prefill"), (decode, "/generate")):
             deep = b'{"request_id": "x", "sampling": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-            r = await h.post(url + path, content=deep, headers={**JSON, **secret_headers()})
+            r = await h.post(url + path, content=deep, headers=JSON, auth=secret_auth())
             _error(r, 400, None)
     all_kv_free(list(deployment.workers))
 

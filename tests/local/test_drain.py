@@ -37,9 +37,9 @@ def test_held_kv_counts_as_busy() -> None:
 
 
 def test_a_refused_connection_is_idle_a_late_answer_is_busy(silent_url: str) -> None:
-    assert not drain.worker_busy(f"http://127.0.0.1:{free_port()}", {})
+    assert not drain.worker_busy(f"http://127.0.0.1:{free_port()}", None)
     started = time.monotonic()
-    assert drain.worker_busy(silent_url, {}, timeout_s=0.3)
+    assert drain.worker_busy(silent_url, None, timeout_s=0.3)
     assert time.monotonic() - started < 5
 
 
@@ -56,4 +56,4 @@ def test_waits_end_at_the_deadline_or_when_the_process_is_gone() -> None:
     assert drain.wait_unrouted("u", lambda _: True, time.monotonic() + 60, alive=lambda: False)
     assert drain.wait_unrouted("u", lambda _: False, time.monotonic() + 60, alive=lambda: True)
     gone = f"http://127.0.0.1:{free_port()}"  # refused: idle on two polls in a row
-    assert drain.wait_idle(gone, {}, time.monotonic() + 60, alive=lambda: True)
+    assert drain.wait_idle(gone, None, time.monotonic() + 60, alive=lambda: True)

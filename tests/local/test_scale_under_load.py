@@ -33,7 +33,7 @@ import pytest
 from pdserve.local.autoscale import LocalPools
 from pdserve.local.drain import router_lists
 from pdserve.local.processes import ClusterSpec, LocalCluster
-from tests.loopback import all_kv_free, free_port, secret_headers
+from tests.loopback import all_kv_free, free_port, secret_auth
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # starting 4 workers: most of it
 
@@ -120,7 +120,7 @@ async def scenario(cluster: LocalCluster, router_url: str) -> None:
         await routed(client, cluster)
         await asyncio.sleep(1.0)
         for url in cluster.urls("prefill")[1:] + cluster.urls("decode")[1:]:
-            stats = httpx.get(url + "/stats", headers=secret_headers()).json()
+            stats = httpx.get(url + "/stats", auth=secret_auth()).json()
             assert stats["prompt_tokens"] + stats["generation_tokens"] > 0, (url, stats)
         # long streams, started last: round-robin spreads them over both decode workers
         rng = random.Random(7)
@@ -141,7 +141,7 @@ async def streaming_on(url: str, timeout: float = 30.0) -> None:
     a long stream through prefill and KV transfer to it)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        stats = httpx.get(url + "/stats", headers=secret_headers()).json()
+        stats = httpx.get(url + "/stats", auth=secret_auth()).json()
         if stats["running"] > 0:
             return
         await asyncio.sleep(0.1)

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.loopback import all_kv_free, secret_headers, sse_chunks
+from tests.loopback import all_kv_free, secret_auth, sse_chunks
 from tests.router.pdserve_up import run_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -25,7 +25,7 @@ BODY = {"model": "tiny-seed0", "prompt": "Tell me a story about a fox and a crow
 
 
 def _stats(url: str) -> dict:
-    return dict(httpx.get(url + "/stats", timeout=5, headers=secret_headers()).json())
+    return dict(httpx.get(url + "/stats", timeout=5, auth=secret_auth()).json())
 
 
 def test_stream_waits_for_its_restarted_decode_worker(tiny_model_dir: Path, tmp_path: Path):

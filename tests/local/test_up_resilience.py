@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.loopback import ROOT, all_kv_free, free_port, secret_headers, sse_chunks
+from tests.loopback import ROOT, all_kv_free, free_port, secret_auth, sse_chunks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -88,7 +88,7 @@ def _body(prompt: str, **kw: Any) -> dict[str, Any]:
 
 
 def _stats(url: str) -> dict[str, Any]:
-    return dict(httpx.get(url + "/stats", timeout=5, headers=secret_headers()).json())
+    return dict(httpx.get(url + "/stats", timeout=5, auth=secret_auth()).json())
 
 
 def _stats_or_none(url: str) -> dict[str, Any] | None:

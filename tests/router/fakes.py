@@ -25,7 +25,7 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pdserve.env import SECRET_HEADER, SERVICE_SECRET
+from pdserve.env import SERVICE_SECRET
 from pdserve.protocol.codec import decode, encode, to_dict
 from pdserve.protocol.contract import (
     AbortReply,
@@ -41,6 +41,8 @@ from pdserve.protocol.contract import (
     WorkerStats,
 )
 from pdserve.protocol.hashing import block_hashes
+from pdserve.signed_httpx import SignedAuth
+from pdserve.worker.http import SecretCheck
 from tests.loopback import free_port
 
 # The suite's service secret (tests/conftest.py): the router under test reads it from the
@@ -101,11 +103,7 @@ async def _receive(st: FakeState, request: Request, cls: type[T]) -> tuple[T, An
 
 
 def _common(app: FastAPI, st: FakeState) -> None:
-    @app.middleware("http")
-    async def secret(request: Request, call_next: Any) -> Any:
-        if request.url.path != "/health" and request.headers.get(SECRET_HEADER) != SECRET:
-            return _error(401, "no service secret")
-        return await call_next(request)
+    app.add_middleware(SecretCheck, secret=SECRET)  # signed calls, as real workers take
 
     @app.get("/health")
     async def health() -> Any:
@@ -196,7 +194,7 @@ def decode_app(st: FakeState) -> FastAPI:
             await _hang(st, rid)
         if handle:  # "read" the blocks, then end the prefill worker's lease
             url = "http://" + handle.side_channel.removeprefix("tcp://").rstrip("/")
-            async with httpx.AsyncClient(headers={SECRET_HEADER: SECRET}) as c:
+            async with httpx.AsyncClient(auth=SignedAuth(SECRET)) as c:
                 await c.post(url + "/release", content=encode(RequestRef(handle.request_id)))
         return StreamingResponse(_stream(st, rid, n, start), media_type="application/x-ndjson")
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from tests.loopback import all_kv_free, secret_headers
+from tests.loopback import all_kv_free, secret_auth
 from tests.router.pdserve_up import Up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -145,7 +145,7 @@ def _stats(up: Up, role: str) -> dict[str, Any]:
     """The /stats (an internal route) of the one worker of ``role``: up.workers lists them
     in the order they became ready, which is not fixed."""
     for url in up.workers:
-        stats = httpx.get(url + "/stats", headers=secret_headers()).json()
+        stats = httpx.get(url + "/stats", auth=secret_auth()).json()
         if stats["role"] == role:
             return {"url": url, **stats}
     raise AssertionError(f"no {role} worker in {up.workers}")

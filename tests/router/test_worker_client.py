@@ -61,7 +61,7 @@ async def collect(
     gen = serve_bursts(bursts, pause_s)
     url = await anext(gen)
     try:
-        async with new_session() as session:
+        async with new_session("") as session:  # the burst server is no worker: unsigned
             req = GenerateRequest("r", [1])
             return [m async for m in generate(session, url, req, timeout=timeout)]
     finally:

@@ -17,12 +17,13 @@ from pdserve.env import SECRET_HEADER
 from pdserve.protocol.contract import GenerateRequest
 from pdserve.protocol.outputs import RequestFailed
 from pdserve.protocol.sampling_params import InvalidParameter
+from pdserve.signed_httpx import SignedAuth
 from pdserve.worker.direct import DirectApp, LineStream
 from pdserve.worker.http import BadRequest, SecretCheck, known_error, read_message
 from tests.router.fakes import serve
 
 SECRET = "s3cret"
-OK = {SECRET_HEADER: SECRET}
+OK = SignedAuth(SECRET)  # a signed call (pdserve/signing.py), as the router makes
 
 
 def app(closed: list[str]) -> DirectApp:
@@ -59,26 +60,26 @@ def body(rid: str, n: int) -> dict[str, object]:
 async def test_lines_stream_and_errors_keep_their_answers() -> None:
     closed: list[str] = []
     async with serve(app(closed)) as url, httpx.AsyncClient(base_url=url, timeout=10) as c:
-        resp = await c.post("/generate", json=body("r", 3), headers=OK)
+        resp = await c.post("/generate", json=body("r", 3), auth=OK)
         assert resp.status_code == 200
         assert resp.headers["content-type"] == "application/x-ndjson"
         assert resp.text == '{"i":0}\n{"i":1}\n{"i":2}\n' and closed == ["r"]
-        for headers in ({}, {SECRET_HEADER: "wrong"}):
+        for headers in ({}, {SECRET_HEADER: SECRET}):  # the bearer secret is no longer taken
             resp = await c.post("/generate", json=body("r", 1), headers=headers)
             assert resp.status_code == 401
             assert resp.json()["error"]["code"] == "unauthorized"
         assert (await c.get("/stats")).status_code == 401  # the stack's check, still
-        assert (await c.get("/stats", headers=OK)).json() == {"ok": True}
+        assert (await c.get("/stats", auth=OK)).json() == {"ok": True}
         cases = [({**body("r", 1), "prompt_token_ids": "x"}, 400, "prompt_token_ids"),
                  (body("bad-param", 1), 400, "seed"), (body("failed", 1), 422, None),
                  (body("big", 1), 413, None)]  # fmt: skip
         for sent, status, param in cases:
-            resp = await c.post("/generate", json=sent, headers=OK)
+            resp = await c.post("/generate", json=sent, auth=OK)
             assert resp.status_code == status and resp.json()["error"]["param"] == param
-        resp = await c.post("/generate", json=body("crash", 1), headers=OK)
+        resp = await c.post("/generate", json=body("crash", 1), auth=OK)
         assert resp.status_code == 500 and resp.text == "Internal Server Error"
         # Only POST takes the lane: a GET is the stack's 405, behind its secret check.
-        assert (await c.get("/generate", headers=OK)).status_code == 405
+        assert (await c.get("/generate", auth=OK)).status_code == 405
 
 
 async def test_a_client_that_goes_away_closes_the_lines() -> None:
@@ -86,7 +87,7 @@ async def test_a_client_that_goes_away_closes_the_lines() -> None:
     async with serve(app(closed)) as url:
         async with (
             httpx.AsyncClient(base_url=url, timeout=10) as c,
-            c.stream("POST", "/generate", json=body("long", 10_000), headers=OK) as resp,
+            c.stream("POST", "/generate", json=body("long", 10_000), auth=OK) as resp,
         ):
             async for _ in resp.aiter_lines():
                 break  # leave after the first line: the connection closes

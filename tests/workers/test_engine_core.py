@@ -18,7 +18,7 @@ import pytest
 
 from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest
-from tests.workers.worker_helpers import HEADERS, proc, sampling, stats, worker_cluster
+from tests.workers.worker_helpers import AUTH, proc, sampling, stats, worker_cluster
 
 CORE = b"pdserve.worker.core_main"
 
@@ -81,7 +81,7 @@ def test_core_death_ends_the_stream_with_a_worker_fault_and_the_worker_exits(
         core = _core_of(d.popen.pid)
         lines: list[dict[str, object]] = []
         with (
-            httpx.Client(timeout=30, headers=HEADERS) as http,
+            httpx.Client(timeout=30, auth=AUTH) as http,
             http.stream("POST", d.url + "/generate", json=_generate_body(1000)) as r,
         ):
             assert r.status_code == 200

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from worker_helpers import (
-    HEADERS,
+    AUTH,
     abort,
     assert_all_free,
     decode,
@@ -177,7 +177,7 @@ def test_decode_keeps_streaming_while_a_transfer_hangs(
                 async def long_stream() -> None:
                     body = to_dict(GenerateRequest("long", long_prompt, sampling(400)))
                     async with client.stream(
-                        "POST", d + "/generate", json=body, headers=HEADERS
+                        "POST", d + "/generate", json=body, auth=AUTH
                     ) as resp:
                         async for line in resp.aiter_lines():
                             if line:

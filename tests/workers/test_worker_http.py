@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from pdserve.env import SECRET_HEADER
 from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest, RequestRef
+from pdserve.signed_httpx import SignedAuth
 from pdserve.worker.http import BadRequest, SecretCheck, error_response, read_message, reply
 
 
@@ -35,16 +36,18 @@ def test_secret_is_required_except_on_open_routes() -> None:
     client = TestClient(app())
     for path in ("/livez", "/health", "/metrics"):
         assert client.get(path).status_code == 200, path
-    for headers in ({}, {SECRET_HEADER: "wrong"}, {SECRET_HEADER: "s3cret-and-more"}):
+    # The secret itself as a bearer header no longer opens anything: calls are signed.
+    for headers in ({}, {SECRET_HEADER: "wrong"}, {SECRET_HEADER: "s3cret"}):
         resp = client.get("/stats", headers=headers)
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "unauthorized"
-    assert client.get("/stats", headers={SECRET_HEADER: "s3cret"}).status_code == 200
+    assert client.get("/stats", auth=SignedAuth("s3cret")).status_code == 200
     body = to_dict(GenerateRequest("r", [1, 2]))
     assert client.post("/generate", json=body).status_code == 401
 
 
 def test_typed_bodies_refuse_bad_fields_by_name() -> None:
-    client = TestClient(app(), headers={SECRET_HEADER: "s3cret"})
+    client = TestClient(app())
+    client.auth = SignedAuth("s3cret")
     good = to_dict(GenerateRequest("r", [1, 2]))
     assert client.post("/generate", json=good).json() == to_dict(RequestRef("r"))
     for body, param in [

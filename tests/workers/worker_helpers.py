@@ -19,14 +19,14 @@ from typing import Any
 
 import httpx
 
-from pdserve.env import SECRET_HEADER
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
 from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest, PrefillRequest, RequestRef
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.signed_httpx import SignedAuth
 
 SECRET = "worker-tests-secret"  # the clusters' service secret: every internal call sends it
-HEADERS = {SECRET_HEADER: SECRET}
+AUTH = SignedAuth(SECRET)  # calls to the workers' internal API are signed
 
 WORKER_ARGS = (
     "--device", "cpu", "--kv-cache-bytes", "6000000", "--max-num-batched-tokens", "512",
@@ -76,7 +76,7 @@ def kill(p: Proc, sig: int = signal.SIGKILL) -> None:
 
 
 def stats(url: str) -> dict[str, Any]:
-    return httpx.get(url + "/stats", timeout=10, headers=HEADERS).json()  # type: ignore[no-any-return]
+    return httpx.get(url + "/stats", timeout=10, auth=AUTH).json()  # type: ignore[no-any-return]
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -111,7 +111,7 @@ def sampling(max_tokens: int) -> SamplingParams:
 
 async def abort(client: httpx.AsyncClient, url: str, rid: str) -> bool:
     body = to_dict(RequestRef(rid))
-    resp = await client.post(url + "/abort", json=body, headers=HEADERS, timeout=10)
+    resp = await client.post(url + "/abort", json=body, auth=AUTH, timeout=10)
     return bool(resp.json()["aborted"])
 
 
@@ -120,7 +120,7 @@ async def prefill(
 ) -> dict[str, Any]:
     """The reply's codec form (a dict, so tests can forge handles from it)."""
     body = to_dict(PrefillRequest(rid, prompt, sampling(max_tokens)))
-    resp = await client.post(url + "/prefill", json=body, headers=HEADERS, timeout=60)
+    resp = await client.post(url + "/prefill", json=body, auth=AUTH, timeout=60)
     assert resp.status_code == 200, resp.text
     return resp.json()  # type: ignore[no-any-return]
 
@@ -139,7 +139,7 @@ async def decode(
     body = to_dict(GenerateRequest(rid, prompt, sampling(max_tokens)))
     body.update(kv_handle=handle, first_token_id=first_token_id)
     async with client.stream(
-        "POST", url + "/generate", json=body, headers=HEADERS, timeout=60
+        "POST", url + "/generate", json=body, auth=AUTH, timeout=60
     ) as resp:
         if resp.status_code != 200:
             return resp.status_code, [json.loads(await resp.aread())]

@@ -1,0 +1,162 @@
+"""Router -> worker calls are signed, never carry the secret (pdserve/signing.py).
+
+On a real uvicorn server on loopback with the workers' SecretCheck, and the router's own
+aiohttp session (router/worker_client.py): a forged, altered, stale or replayed call is
+refused; a reply without the worker's proof is not believed; and a rotation of the
+secret (three rollouts, pods of old and new config side by side) never fails a call.
+Before signatures, the router sent the secret itself in a header: the first tests here
+fail then (a captured header replays; a fake worker learns the secret).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import aiohttp
+import httpx
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from fastapi import FastAPI, Request
+
+from pdserve import keys, signing
+from pdserve.router.worker_client import UnprovenWorker, new_session
+from pdserve.signed_httpx import SignedAuth
+from pdserve.worker.http import SecretCheck
+from tests.router.fakes import serve
+
+SECRET = "service-secret-1"
+
+
+def worker(secrets: tuple[str, ...] = (SECRET,)) -> FastAPI:
+    app = FastAPI()
+    app.add_middleware(SecretCheck, secret=secrets)
+
+    @app.post("/prefill")
+    async def prefill(request: Request) -> dict[str, Any]:
+        return {"got": (await request.body()).decode()}
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        return {"ok": True}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok"}
+
+    return app
+
+
+def _ring(*secrets: str) -> keys.KeyRing:
+    return keys.KeyRing(keys.HTTP, secrets)
+
+
+async def test_router_session_signs_and_the_worker_proves() -> None:
+    async with serve(worker()) as url, new_session(SECRET) as session:
+        async with session.post(url + "/prefill", data=b"ids") as resp:
+            assert resp.status == 200 and (await resp.json()) == {"got": "ids"}
+            assert signing.HEADER not in resp.headers  # nothing secret comes back either
+        async with session.get(url + "/health") as resp:  # the open probe proves it too
+            assert resp.status == 200
+
+
+async def test_forged_altered_stale_and_replayed_calls_are_refused() -> None:
+    async with serve(worker()) as url, httpx.AsyncClient(base_url=url, timeout=10) as c:
+
+        def signed(secret: str, body: bytes, now: float | None = None) -> dict[str, str]:
+            return {signing.HEADER: signing.sign(_ring(secret), "POST", "/prefill", body, now)}
+
+        ok = signed(SECRET, b"ids")
+        assert (await c.post("/prefill", content=b"ids", headers=ok)).status_code == 200
+        cases = {
+            "replayed": (ok, b"ids"),
+            "another secret": (signed("guessed", b"ids"), b"ids"),
+            "altered body": (signed(SECRET, b"ids"), b"other ids"),
+            "stale": (signed(SECRET, b"ids", time.time() - 120), b"ids"),
+            "from the future": (signed(SECRET, b"ids", time.time() + 120), b"ids"),
+            "garbled": ({signing.HEADER: "v1 x y z"}, b"ids"),
+            "the old bearer secret": ({"X-PDServe-Secret": SECRET}, b"ids"),
+        }
+        for case, (headers, body) in cases.items():
+            resp = await c.post("/prefill", content=body, headers=headers)
+            assert resp.status_code == 401, case
+            assert resp.json()["error"]["code"] == "unauthorized", case
+        # Signed for /stats is not signed for /prefill (the path is covered).
+        other = {signing.HEADER: signing.sign(_ring(SECRET), "POST", "/stats", b"ids")}
+        assert (await c.post("/prefill", content=b"ids", headers=other)).status_code == 401
+
+
+async def test_a_reply_without_the_proof_is_not_believed() -> None:
+    """A worker address from a poisoned discovery (or a pod that took its IP) answers
+    200 without knowing the secret: the router's session raises, so the call fails over;
+    and what that endpoint saw cannot be replayed to a real worker."""
+    seen: list[str] = []
+
+    async def impostor(request: web.Request) -> web.Response:
+        seen.append(request.headers.get(signing.HEADER, ""))
+        return web.json_response({"tokens": "made up"})
+
+    app = web.Application()
+    app.router.add_post("/prefill", impostor)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with new_session(SECRET) as session:
+            with pytest.raises(UnprovenWorker):
+                async with session.post(str(server.make_url("/prefill")), data=b"ids"):
+                    pass
+    finally:
+        await server.close()
+    assert seen and SECRET not in seen[0]
+    async with serve(worker()) as url, httpx.AsyncClient(base_url=url) as c:
+        headers = {signing.HEADER: seen[0]}  # the captured call, sent on at once
+        assert (await c.post("/prefill", content=b"ids", headers=headers)).status_code == 200
+        # ... once: the worker's replay cache has it now.
+        assert (await c.post("/prefill", content=b"ids", headers=headers)).status_code == 401
+
+
+async def test_rotation_without_a_failed_call() -> None:
+    """Three rollouts: (old, +new accepted) -> (new, +old accepted) -> (new). During each,
+    pods of the step before and the step after run side by side; every router config
+    calls every worker config of the same moment, and every call succeeds."""
+    old, new = "old-secret", "new-secret"
+    steps = [(old,), (old, new), (new, old), (new,)]  # (signing, accepted...) per config
+    for before, after in itertools.pairwise(steps):
+        for router_cfg in (before, after):
+            for worker_cfg in (before, after):
+                async with (
+                    serve(worker(worker_cfg)) as url,
+                    new_session(router_cfg) as s,
+                    s.post(url + "/prefill", data=b"x") as resp,
+                ):
+                    assert resp.status == 200, (router_cfg, worker_cfg)
+    # And the pair that rotation must never produce does fail: a signer the worker
+    # cannot check.
+    async with serve(worker((old,))) as url, new_session((new,)) as s:
+        with pytest.raises(aiohttp.ClientResponseError):
+            async with s.post(url + "/prefill", data=b"x"):
+                pass
+
+
+def test_httpx_auth_signs_for_tools() -> None:
+    """``pdserve up`` and the tests call workers with SignedAuth: the same signature."""
+    verifier = signing.Verifier(_ring(SECRET))
+    request = httpx.Request("POST", "http://w/prefill?x=1", content=b"ids")
+    SignedAuth(SECRET)(request)
+    verdict = verifier.check("POST", "/prefill?x=1", request.headers[signing.HEADER], b"ids")
+    assert verdict.key is not None
+
+
+def test_signing_cost_per_call() -> None:
+    """The router's CPU per call: sign + check the proof (a few HMACs and a SHA-256 of
+    the body); a generous bound so the test only catches an order-of-magnitude slip."""
+    ring, body = _ring(SECRET), b"x" * 20_000  # about a 4k-token prompt's JSON
+    n = 2000
+    start = time.perf_counter()
+    for _ in range(n):
+        auth = signing.sign(ring, "POST", "/prefill", body)
+        signing.proof_ok(ring, auth, signing.proof(ring.signing, auth))
+    per_call_us = (time.perf_counter() - start) / n * 1e6
+    assert per_call_us < 500, per_call_us

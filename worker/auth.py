@@ -1,0 +1,98 @@
+"""The workers' side of signed calls (pdserve/signing.py) as ASGI glue: read the body,
+check the call, answer 401 or pass the call on with the proof added to the reply.
+
+Used by :class:`~pdserve.worker.http.SecretCheck` (every route through FastAPI) and by
+the direct lane (worker/direct.py): one check, one replay cache per worker process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve import keys, signing
+
+MAX_BODY_BYTES = 64 << 20  # read before the check: an unsigned caller cannot make it grow
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(receive: Any) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def replay(body: bytes, receive: Any) -> Any:
+    """A ``receive`` that hands the app the body already read, then the real channel's
+    messages (a disconnect)."""
+    sent = False
+
+    async def again() -> Any:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+def with_proof(send: Any, value: bytes) -> Any:
+    async def proved(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []),
+                                               (signing.PROOF_KEY, value)]}  # fmt: skip
+        await send(message)
+
+    return proved
+
+
+class CallCheck:
+    """Checks one ASGI call: ``await check(scope, receive, send)`` returns the (receive,
+    send) to serve it with, or None after answering 401 / 413 itself. With ``required``
+    false (the open routes: probes, metrics) an unsigned call is served too, and a signed
+    one still gets its proof: the router's first contact, its health check, proves the
+    worker."""
+
+    def __init__(self, ring: keys.KeyRing, refuse: Any) -> None:
+        self.verifier = signing.Verifier(ring)
+        self.refuse = refuse  # (status, message) -> an ASGI response
+
+    async def __call__(
+        self, scope: Any, receive: Any, send: Any, required: bool = True
+    ) -> tuple[Any, Any] | None:
+        auth = None
+        for name, value in scope["headers"]:
+            if name == signing.HEADER_KEY:
+                auth = value.decode("latin-1")
+        try:
+            body = await read_body(receive)
+        except BodyTooLarge:
+            await self.refuse(413, f"body over {MAX_BODY_BYTES} bytes")(scope, receive, send)
+            return None
+        target = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+        if auth is None and not required:
+            return replay(body, receive), send
+        verdict = self.verifier.check(scope["method"], target.decode("latin-1"), auth, body)
+        if verdict.key is None and not required:
+            return replay(body, receive), send
+        if verdict.key is None:
+            await self.refuse(401, verdict.reason)(scope, receive, send)
+            return None
+        if verdict.key:
+            send = with_proof(send, signing.proof(verdict.key, auth or "").encode())
+        return replay(body, receive), send
