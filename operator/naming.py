@@ -64,6 +64,8 @@ def selector(name: str, role: str) -> dict[str, str]:
 # can never render the same child name, and the two reconcilers cannot fight over it.
 RESERVED_SUFFIXES = ("router", "prefill", "decode", "config", "workers", "secret")
 SECRET_KEY = "secret"  # the key of the per-service Secret (env PDSERVE_SERVICE_SECRET)
+SECRET_ACCEPTED_KEY = "accepted"  # set by hand while rotating (docs/security.md)
+HASH_KEY_KEY = "hash-key"  # the prefix cache's block-hash key: created once, never rotated
 
 
 def reserved_suffix(name: str) -> str:

@@ -30,9 +30,17 @@ def _env(spec: LLMServiceSpec, role: str) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": k, "valueFrom": {"fieldRef": {"fieldPath": v}}} for k, v in field.items()
     ]
-    # Workers accept requests and KV reads only from holders of the service's shared secret.
-    ref = {"name": n.service_secret_name(spec.name), "key": n.SECRET_KEY}
-    env.append({"name": "PDSERVE_SERVICE_SECRET", "valueFrom": {"secretKeyRef": ref}})
+    # Workers accept requests and KV reads only from holders of the service's shared secret;
+    # while it rotates, the Secret's "accepted" entry is taken too (pdserve/keys.py); the
+    # prefix cache's hash key is its own entry, which never rotates (protocol/hashing.py).
+    name = n.service_secret_name(spec.name)
+    for var, key, optional in (("PDSERVE_SERVICE_SECRET", n.SECRET_KEY, False),
+                               ("PDSERVE_SERVICE_SECRET_ACCEPTED", n.SECRET_ACCEPTED_KEY, True),
+                               ("PDSERVE_BLOCK_HASH_KEY", n.HASH_KEY_KEY, True)):  # fmt: skip
+        ref: dict[str, Any] = {"name": name, "key": key}
+        if optional:
+            ref["optional"] = True
+        env.append({"name": var, "valueFrom": {"secretKeyRef": ref}})
     # The root filesystem is read-only: caches go to the /tmp emptyDir.
     env += [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
     if _shares_compiled_code(spec, role):

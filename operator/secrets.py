@@ -1,4 +1,5 @@
-"""The per-LLMService shared secret (router ↔ workers), created once and never rotated here.
+"""The per-LLMService shared secret (router ↔ workers), created once; rotated by hand
+(docs/security.md: three edits of its ``accepted`` / ``secret`` entries, each rolled out).
 
 Rendering is a pure function, so the random value cannot come from it: the change
 handler creates ``<name>-secret`` (key ``secret``, owned by the LLMService) when it is
@@ -19,7 +20,7 @@ from pdserve.operator.reconcile import ForeignChild, controlled_by
 from pdserve.operator.spec import LLMServiceSpec
 
 
-def secret_manifest(spec: LLMServiceSpec, value: bytes) -> dict[str, Any]:
+def secret_manifest(spec: LLMServiceSpec, value: bytes, hash_key: bytes = b"") -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -29,7 +30,10 @@ def secret_manifest(spec: LLMServiceSpec, value: bytes) -> dict[str, Any]:
             "namespace": spec.namespace,
             "labels": n.labels(spec.name),
         },
-        "data": {n.SECRET_KEY: base64.b64encode(value).decode()},
+        "data": {
+            n.SECRET_KEY: base64.b64encode(value).decode(),
+            **({n.HASH_KEY_KEY: base64.b64encode(hash_key).decode()} if hash_key else {}),
+        },
     }
 
 
@@ -39,7 +43,9 @@ async def ensure_service_secret(client: KubeClient, spec: LLMServiceSpec, owner:
     live = await client.get("v1", "Secret", spec.namespace, name)
     uid = owner["metadata"]["uid"]
     if live is None:
-        obj = secret_manifest(spec, secrets.token_urlsafe(32).encode())
+        obj = secret_manifest(
+            spec, secrets.token_urlsafe(32).encode(), secrets.token_urlsafe(32).encode()
+        )
         kopf.adopt(obj, owner=owner)
         try:
             await client.create(obj)

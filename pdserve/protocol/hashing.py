@@ -1,9 +1,18 @@
 """The block hash: one function shared by the workers' prefix caches and the router's index.
 
 Block ``i`` of a prompt hashes its parent's hash together with its own token
-ids, so equal hashes mean equal prefixes. Only full blocks are hashed. The
-hash is a 64-bit blake2b digest, stable across processes, platforms and
-Python's hash randomisation.
+ids, so equal hashes mean equal prefixes. Only full blocks are hashed. A prefix
+cache hit compares only the hash, so the hash must not collide on purpose: it is
+a 128-bit blake2b keyed with the service's key (``PDSERVE_BLOCK_HASH_KEY``, else
+derived from the service secret: pdserve/keys.py). Without the key nobody can
+search offline for a prompt whose blocks collide with another tenant's (at 64
+bits and unkeyed, a birthday search is within reach; at 128 bits and keyed, it
+cannot even start). Stable across processes, platforms and Python's hash
+randomisation; the router and the workers of one service share the key.
+
+The key does not follow the service secret's rotation: a router and a worker
+that hashed one prompt differently would refuse each other's KV handles. The
+operator keeps it in its own entry of the service's Secret, created once.
 
 A cache salt (a tenant's, a request's ``cache_salt``) replaces the root of the
 chain: salted prompts share no block hash with unsalted or differently salted
@@ -14,16 +23,37 @@ another's prompts.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
+from pdserve import env, keys
+
 ROOT_HASH = 0
+HASH_BYTES = 16  # 128 bits
+
+
+def hash_key() -> bytes:
+    """This service's block-hash key (b"": none configured, the hash is unkeyed)."""
+    explicit = os.environ.get(env.BLOCK_HASH_KEY)
+    if explicit:
+        return keys.derive(explicit, keys.BLOCK_HASH)
+    secret = os.environ.get(env.SERVICE_SECRET)
+    return keys.derive(secret, keys.BLOCK_HASH) if secret else b""
+
+
+@lru_cache(maxsize=8)
+def _keyed(key: bytes) -> Any:
+    # Keying blake2b costs a compression; copying a keyed state does not.
+    return hashlib.blake2b(key=key, digest_size=HASH_BYTES, person=b"pdserve-block")
 
 
 def hash_block(parent: int, token_ids: Sequence[int]) -> int:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(parent.to_bytes(8, "little", signed=False))
+    h = _keyed(hash_key()).copy()
+    h.update(parent.to_bytes(HASH_BYTES, "little", signed=False))
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return int.from_bytes(h.digest(), "little", signed=False)
 
@@ -32,15 +62,23 @@ def salt_root(salt: str | None) -> int:
     """The parent hash of a prompt's first block under ``salt`` (``ROOT_HASH`` without)."""
     if not salt:
         return ROOT_HASH
-    digest = hashlib.blake2b(salt.encode("utf-8"), digest_size=8, person=b"pdserve-salt").digest()
-    return int.from_bytes(digest, "little", signed=False) or 1  # never the unsalted root
+    h = hashlib.blake2b(salt.encode("utf-8"), key=hash_key(), digest_size=HASH_BYTES,
+                        person=b"pdserve-salt")  # fmt: skip
+    return int.from_bytes(h.digest(), "little", signed=False) or 1  # never the unsalted root
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
     """Chained hashes of every full block of ``token_ids``."""
     assert block_size > 0
+    full = len(token_ids) // block_size * block_size
+    raw = np.asarray(token_ids[:full], dtype=np.int64).tobytes()  # one conversion, not one a block
+    keyed, step = _keyed(hash_key()), block_size * 8
     out: list[int] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
-        out.append(parent)
+    link = parent.to_bytes(HASH_BYTES, "little", signed=False)
+    for start in range(0, len(raw), step):
+        h = keyed.copy()
+        h.update(link)
+        h.update(raw[start : start + step])
+        link = h.digest()
+        out.append(int.from_bytes(link, "little", signed=False))
     return out
