@@ -72,6 +72,7 @@ class RouterConfig:
     api_key_file: str = ""  # KEY [priority=N] lines, re-read on change (router/keys.py)
     admin_api_keys: tuple[str, ...] = ()  # open /workers and /metrics while keys are on
     admin_api_key_file: str = ""
+    admin_port: int = 0  # requests arriving on it open /metrics and /workers without a key
     # Tenants (router/admission.py): a body must be in within body_timeout_s before its
     # request is admitted; one client holds at most max_concurrency_per_key (0: no cap)
     # requests; beyond max_queue, up to max_waiting wait queue_timeout_s, fairly by client.

@@ -87,6 +87,11 @@ class Runtime:
         return self.caller(request).key
 
     def require_admin(self, request: Request) -> None:
+        """/metrics and /workers: open on ``--admin-port`` (kept off the tenants' network),
+        else an admin key while tenant keys are on (router/keys.py)."""
+        server = request.scope.get("server") or ("", 0)
+        if self.cfg.admin_port and server[1] == self.cfg.admin_port:
+            return
         self.keys.require_admin(request.headers.get("authorization", ""))
 
     @staticmethod

@@ -31,11 +31,12 @@ async def test_router_process_serves_and_stops(tiny_model_dir: Path, tmp_path: P
     keyfile = tmp_path / "keys"
     keyfile.write_text("k1\n")
     async with serve(prefill_app(pst, pub)) as purl, serve(decode_app(dst)) as durl:
-        port = free_port()
+        port, admin_port = free_port(), free_port()
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pdserve", "router", "--model", str(tiny_model_dir),
             "--port", str(port), "--prefill", purl, "--decode", durl, "--disagg-threshold", "8",
             "--api-key-file", str(keyfile), "--admin-api-key", "adm", "--health-interval", "0.2",
+            "--admin-port", str(admin_port),
             "--log-level", "warning",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
@@ -54,6 +55,8 @@ async def test_router_process_serves_and_stops(tiny_model_dir: Path, tmp_path: P
                 assert out.choices[0].text.startswith("<")
                 workers = (await h.get("/workers", headers={"Authorization": "Bearer adm"})).json()
                 assert {w["role"] for w in workers["workers"]} == {"prefill", "decode"}
+                admin = f"http://127.0.0.1:{admin_port}"  # no key needed there
+                assert (await h.get(admin + "/metrics")).status_code == 200
         finally:
             proc.terminate()
             output = (await asyncio.wait_for(proc.communicate(), 30))[0].decode()

@@ -259,3 +259,34 @@ async def test_a_client_that_stops_reading_is_aborted_and_others_go_on(cluster_f
         finally:
             sock.close()
         await c.settle()
+
+
+async def test_admin_port_opens_admin_endpoints_without_a_key(cluster_factory) -> None:
+    """With --admin-port, /metrics and /workers answer there without a key (the operator's
+    scrape), while the API port still refuses a tenant key; the API on the admin port
+    still needs a key."""
+    import uvicorn
+
+    from tests.loopback import free_port
+
+    port = free_port()
+    async with cluster_factory(api_keys=("tenant",), admin_port=port) as c:
+        config = uvicorn.Config(c.app, host="127.0.0.1", port=port, log_level="warning",
+                                lifespan="off")  # fmt: skip  # the same app, a second port
+        server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            async with httpx.AsyncClient() as h:
+                admin = f"http://127.0.0.1:{port}"
+                for path in ("/metrics", "/workers"):
+                    assert (await h.get(admin + path)).status_code == 200
+                    tenant = {"Authorization": "Bearer tenant"}
+                    assert (await h.get(c.url + path, headers=tenant)).status_code == 403
+                r = await h.post(admin + "/v1/completions", json=OK)
+                assert r.status_code == 401
+        finally:
+            server.should_exit = True
+            await task
+        await c.settle()
