@@ -229,13 +229,17 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
 
 
 def _logit_bias(bias: Any) -> Any:
-    """OpenAI sends token ids as JSON object keys, i.e. strings."""
+    """OpenAI sends token ids as JSON object keys, i.e. strings: plain ASCII digits, at most
+    10 of them. ``str.isdigit`` alone lets "²" or "٣" through, and ``int`` of 5,000 digits
+    raises: both were 500s."""
     if not isinstance(bias, dict):
         raise invalid("logit_bias must map token ids to numbers", "logit_bias")
     out = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit()) and not isinstance(key, int):
-            raise invalid(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        plain = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10
+        if not plain and not (isinstance(key, int) and not isinstance(key, bool)):
+            shown = key if len(str(key)) <= 20 else str(key)[:20] + "..."
+            raise invalid(f"logit_bias key {shown!r} is not a token id", "logit_bias")
         out[int(key)] = value
     return out
 

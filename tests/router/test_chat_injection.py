@@ -62,6 +62,19 @@ async def test_control_token_text_stays_text(cluster_factory, router_tokenizer) 
         await c.settle()
 
 
+async def test_odd_logit_bias_keys_are_400(cluster_factory) -> None:
+    """Before the fix "²" passed str.isdigit and int() raised: a 500; 5,000 digits too."""
+    async with cluster_factory() as c, httpx.AsyncClient(base_url=c.url) as h:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        for key in ("²", "٣", "1" * 5000, "-1", " 5", "0x10", "", "99999999999"):
+            r = await h.post("/v1/completions", json={**body, "logit_bias": {key: 1}})
+            assert r.status_code == 400, (key[:20], r.text)
+            assert r.json()["error"]["param"] == "logit_bias"
+        r = await h.post("/v1/completions", json={**body, "logit_bias": {"5": 1}})
+        assert r.status_code == 200
+        await c.settle()
+
+
 async def test_max_prompt_chars_counts_everything_the_template_pastes(cluster_factory) -> None:
     """Tools, tool-call arguments and template variables count toward --max-prompt-chars
     (before, only message contents did: each of these was tokenized unbounded)."""
