@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_SECRET = "PDSERVE_SERVICE_SECRET"  # router ↔ workers and the KV side channel
 SERVICE_SECRET_ACCEPTED = "PDSERVE_SERVICE_SECRET_ACCEPTED"  # also accepted, never signs: rotation
-SECRET_HEADER = "X-PDServe-Secret"  # the HTTP header that carries it
+SECRET_HEADER = "X-PDServe-Secret"  # the bearer header of old: workers refuse it (signing.py)
 BLOCK_HASH_KEY = "PDSERVE_BLOCK_HASH_KEY"  # the prefix cache's hash key (else from the secret)
 API_KEY = "PDSERVE_API_KEY"  # the router's client-facing key
 ADVERTISE_HOST = "PDSERVE_ADVERTISE_HOST"  # the address peers use to reach a worker

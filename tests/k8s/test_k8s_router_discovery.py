@@ -14,7 +14,6 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import pytest
 from k8s_emulator import ApiServer
 from k8s_helpers import NS, eventually
@@ -137,6 +136,7 @@ async def test_discovery_drops_a_terminating_decode_worker_at_the_watch_event(
     change: a terminating decode worker leaves rotation at once, while the router's count of
     the streams it still serves there runs on (they end normally)."""
     from pdserve.router.discovery import Discovery
+    from pdserve.router.worker_client import new_session
     from tests.router.fakes import SECRET, FakeState, decode_app, serve
 
     async with serve(decode_app(FakeState("decode", "d-a"))) as url_a, \
@@ -146,8 +146,7 @@ async def test_discovery_drops_a_terminating_decode_worker_at_the_watch_event(
                                         port=port_a))  # fmt: skip
         await slices.put(endpoint_slice("chat-decode-b", "chat-decode", ep("127.0.0.1"),
                                         port=port_b))  # fmt: skip
-        async with aiohttp.ClientSession(headers={"X-PDServe-Secret": SECRET}) as http, \
-                source(api_server) as src:  # fmt: skip
+        async with new_session(SECRET) as http, source(api_server) as src:  # signed calls
             disc = Discovery(src, http, interval_s=30.0)
             disc.start()
             try:
