@@ -12,6 +12,11 @@ kernels it recorded, over the exact addresses, so:
 * a step no bucket fits (more requests than the largest bucket, or any prefill token)
   runs eagerly, as without graphs.
 
+The model runner turns graphs on with ``ModelRunner.enable_cuda_graphs()`` (CUDA, the
+Triton back-end, after ``bind_pool``; bench/gpu_smoke.py measures with and without; not
+on by default until measured on a GPU): a step whose chunks are all decodes goes through
+:meth:`DecodeGraphs.run`, any other step runs as before.
+
 The capture itself is behind :class:`GraphRunner`: :class:`CudaGraphRunner` records on
 a side stream with ``torch.cuda.CUDAGraph`` (one memory pool shared by all buckets,
 largest captured first); the tests use a fake runner whose replay re-runs the step.
@@ -22,9 +27,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from pdserve.engine.model_runner import ModelRunner, ScheduledChunk
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 PAD_SLOT = -1  # a padding row's KV slot: nothing is written
@@ -188,3 +196,45 @@ class DecodeGraphs:
         self.inputs.fill(batch, bucket)
         self.replays += 1
         return self.graphs[bucket]()[: batch.size]
+
+
+# --- the model runner's side --------------------------------------------------------------
+
+
+def decode_batch(chunks: Sequence[ScheduledChunk], block_size: int) -> DecodeBatch:
+    """A step of decodes (one token each) as a :class:`DecodeBatch`."""
+    tokens, positions, slots, tables = [], [], [], []
+    for c in chunks:
+        req, p = c.request, c.start
+        n = req.num_prompt_tokens
+        tokens.append(req.prompt_token_ids[p] if p < n else req.output_token_ids[p - n])
+        positions.append(p)
+        slots.append(req.block_ids[p // block_size] * block_size + p % block_size)
+        tables.append(req.block_ids[: p // block_size + 1])
+    return DecodeBatch(tokens, positions, slots, tables)
+
+
+def model_step(runner: ModelRunner) -> Callable[[StepView], torch.Tensor]:
+    """The runner's forward over a bucket's static inputs, through the Triton attention:
+    logits of every row (the graph records this; its Python runs only at capture)."""
+    from pdserve.engine.attention import CURRENT, AttentionMetadata
+    from pdserve.engine.triton_attention import Tiles, TritonMetadata
+
+    def step(view: StepView) -> torch.Tensor:
+        tiles = Tiles(view.tile_row, view.tile_count, view.tile_ctx, view.tile_table, 1)
+        meta = TritonMetadata(view.tables, (tiles,))
+        CURRENT.pool = runner.pool
+        CURRENT.meta = AttentionMetadata(view.slot_mapping, [], [], triton=meta)
+        CURRENT.layers, CURRENT.architecture = runner.layers, runner.architecture
+        try:
+            out = runner.forward(
+                input_ids=view.input_ids.unsqueeze(0),
+                position_ids=view.positions.unsqueeze(0),
+                use_cache=False,
+            )
+        finally:
+            CURRENT.pool = CURRENT.meta = None
+            CURRENT.layers = ()
+        return out.logits[0]
+
+    return step

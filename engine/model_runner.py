@@ -9,6 +9,7 @@ requests apart. Only the rows that are sampled get logits.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pdserve.engine import attention_backends, compiled, model_support
+from pdserve.engine import attention_backends, compiled, cuda_graphs, model_support
 from pdserve.engine.attention import (
     ATTN_IMPLEMENTATION,
     CURRENT,
@@ -26,6 +27,7 @@ from pdserve.engine.attention import (
     PrefillChunk,
 )
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import GraphRunner
 from pdserve.engine.kv_pool import KVPool, KVShape
 from pdserve.engine.prompt_logprobs import PromptRows
 from pdserve.engine.request import Request
@@ -69,6 +71,7 @@ def model_identity(model_dir: str | Path) -> str:
 
 class ModelRunner:
     attention_backend = attention_backends.GATHER  # set per model in __init__
+    graphs: cuda_graphs.DecodeGraphs | None = None  # enable_cuda_graphs()
 
     def __init__(self, config: EngineConfig) -> None:
         self.device = config.torch_device
@@ -125,10 +128,32 @@ class ModelRunner:
     def bind_pool(self, pool: KVPool) -> None:
         self.pool = pool
 
+    def enable_cuda_graphs(
+        self,
+        runner: GraphRunner | None = None,
+        buckets: Sequence[int] = cuda_graphs.DEFAULT_BUCKETS,
+    ) -> None:
+        """Decode steps replay CUDA graphs from now on (cuda_graphs.py); needs the Triton
+        back-end and a bound pool. ``runner``: the tests' fake, else torch.cuda's."""
+        assert self.pool is not None and self.attention_backend == attention_backends.TRITON
+        max_blocks = -(-self.max_position_embeddings // self.block_size)
+        step = cuda_graphs.model_step(self)
+        graph_runner = runner or cuda_graphs.CudaGraphRunner()
+        graphs = cuda_graphs.DecodeGraphs(step, max_blocks, self.device, graph_runner, buckets)
+        with torch.inference_mode():
+            graphs.capture()
+        self.graphs = graphs
+
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Run one step; returns float32 logits of the sampled chunks, in order."""
         assert self.pool is not None and chunks
+        if self.graphs is not None and all(c.num_tokens == 1 and c.samples for c in chunks):
+            batch = cuda_graphs.decode_batch(chunks, self.block_size)
+            return self.graphs.run(batch, lambda _b: self._execute(chunks)).float()
+        return self._execute(chunks)
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         input_ids, positions, slots, sample_rows = self._flatten(chunks)
         CURRENT.pool = self.pool
         CURRENT.meta = self._metadata(chunks, slots)

@@ -12,7 +12,8 @@ padded with other requests' blocks), context lengths 1..600, GQA 1/2/4, sliding 
 soft-capping and sinks on and off (triton_cases.py holds the cases and the reference).
 Then the engine's own attention call through each back-end (triton_engine_cases.py): the
 Triton and CPU-kernel outputs equal the gather path's, and the tiny model, greedy through
-the Triton back-end with prefill chunks beside decodes, equals transformers' generate().
+the Triton back-end with prefill chunks beside decodes, equals transformers' generate();
+a decode step through the CUDA-graph path's static, padded inputs equals the eager step.
 """
 
 from __future__ import annotations
@@ -96,3 +97,11 @@ def test_whole_model_through_triton_equals_transformers(engine_results: dict[str
     assert model["backend"] == "triton"  # chosen by PDSERVE_ATTENTION_BACKEND in the child
     assert model["equal"] == model["of"] == 4, model
     assert model["kv_free"]
+
+
+def test_decode_graph_step_equals_eager(engine_results: dict[str, Any]) -> None:
+    """The model's decode step over the CUDA graphs' static inputs (3 requests padded to
+    bucket 4; the graph runner is a fake that re-runs the step) equals the eager step."""
+    graphs = engine_results["graphs"]
+    assert graphs["replays"] == 1 and graphs["rows"] == 3
+    assert graphs["max_diff"] <= TOLERANCE, graphs

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -132,6 +133,44 @@ def model_case(model_dir: Path) -> dict[str, object]:
     }
 
 
+class FakeGraphRunner:
+    """No CUDA here (a mock, where the real thing cannot run): "replay" re-runs the
+    captured step, which reads the static input tensors only."""
+
+    def capture(self, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        step()
+        return step
+
+
+def graphs_case(model_dir: Path) -> dict[str, object]:
+    """One decode step of 3 requests, eager and through the graphs' static inputs padded
+    to bucket 4: the same logits."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        model=str(model_dir), dtype="float32", device="cpu", kv_cache_bytes=64 * 32768,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i, n in enumerate((5, 20, 40)):  # the next position stays inside an allocated block
+        engine.add_request(f"g{i}", [7 + i] * n, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    chunks = [ScheduledChunk.of(r, 1) for r in engine.requests.values()]
+    runner = engine.runner
+    eager = runner.execute(chunks)
+    runner.enable_cuda_graphs(FakeGraphRunner(), buckets=(2, 4))
+    replayed = runner.execute(chunks)
+    assert runner.graphs is not None
+    return {
+        "max_diff": float((replayed - eager).abs().max()),
+        "replays": runner.graphs.replays,
+        "rows": int(replayed.shape[0]),
+    }
+
+
 def main() -> int:
     from pdserve.engine import triton_attention
 
@@ -143,6 +182,7 @@ def main() -> int:
     result: dict[str, object] = {"backends": backends}
     if len(sys.argv) > 1:
         result["model"] = model_case(Path(sys.argv[1]))
+        result["graphs"] = graphs_case(Path(sys.argv[1]))
     print(json.dumps(result))
     return 0
 
