@@ -82,7 +82,8 @@ class DecodeWorker:
             error = WorkerError(out.error, kind, None, out.error_code or "kv_transfer_failed")
             return encode(TokenDelta(error=error)) + b"\n"
         usage = Usage(**out.usage) if out.finished else None
-        return encode_line(out.token_ids, out.text, out.finish_reason, usage, out.logprobs)
+        return encode_line(out.token_ids, out.text, out.finish_reason, usage, out.logprobs,
+                           out.prompt_logprobs)  # fmt: skip
 
     def app(self) -> FastAPI:
         # The stream goes out through the direct lane (worker/direct.py): one send per

@@ -77,6 +77,7 @@ class PrefillWorker:
             prompt_tokens=final.num_prompt_tokens,
             usage=Usage(**final.usage),
             logprobs=final.logprobs,  # the first token's, when the request asked
+            prompt_logprobs=final.prompt_logprobs,
         )
 
     def app(self) -> FastAPI:

@@ -18,6 +18,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import EndpointSource
 from pdserve.router.errors import APIError
 from pdserve.router.runtime import Runtime
+from pdserve.router.responses_serve import serve_responses
 from pdserve.router.serving import serve
 from pdserve.router.tokenize_api import detokenize, handle, tokenize
 from pdserve.router.tokenizer import PromptTokenizer
@@ -86,6 +87,10 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serve(rt(), request, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses_api(request: Request) -> Response:
+        return await serve_responses(rt(), request)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict[str, Any]:

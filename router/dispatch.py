@@ -93,6 +93,7 @@ class RequestState:
     status: int = 200  # HTTP status for metrics (499: client went away)
     recorded: bool = False
     cache_salt: str | None = None  # enters the block hashes on every worker (hashing.py)
+    prompt_logprobs: list[Any] | None = None  # the first that came (router/echo.py)
 
     @property
     def finished(self) -> bool:
@@ -146,6 +147,7 @@ class Dispatcher:
                 if result is not None:
                     rs.remote_prefill = True
                     rs.cached_tokens = result.num_cached_tokens
+                    rs.prompt_logprobs = result.prompt_logprobs
                     rs.output_ids.append(result.first_token_id)
                     yield self._delta(
                         rs, result.text, 1, result.finish_reason,
@@ -212,7 +214,7 @@ class Dispatcher:
         self, rs: RequestState, plan: RoutePlan, handle: KVHandle | None, first: int | None
     ) -> AsyncIterator[Delta]:
         req = GenerateRequest(
-            rs.request_id, rs.prompt_ids, rs.sampling, handle, first, rs.cache_salt
+            rs.request_id, rs.prompt_ids, _after_prompt(rs), handle, first, rs.cache_salt
         )
         relayed = False  # a decode token reached the client: from now on, migrate
         candidates, waits = list(plan.decode[:MAX_ATTEMPTS]), 0
@@ -335,11 +337,14 @@ class Dispatcher:
         log.warning("request %s: migrating to %s after %d tokens", rs.request_id, url,
                     len(rs.output_ids))  # fmt: skip
         return replace(
-            req, kv_handle=None, first_token_id=None, resume_token_ids=list(rs.output_ids)
-        )
+            req, kv_handle=None, first_token_id=None, resume_token_ids=list(rs.output_ids),
+            sampling=_after_prompt(rs),
+        )  # fmt: skip
 
     def _relay(self, rs: RequestState, msg: TokenDelta) -> Delta:
         ids = msg.token_ids
+        if msg.prompt_logprobs is not None and rs.prompt_logprobs is None:
+            rs.prompt_logprobs = msg.prompt_logprobs
         rs.output_ids.extend(ids)  # ints: the line decoder checked each
         # The prefill's count holds; after a migration the count covers the resumed tokens.
         if msg.usage is not None and not rs.remote_prefill and not rs.migrations:
@@ -367,3 +372,12 @@ class Dispatcher:
     async def drain(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _after_prompt(rs: RequestState) -> SamplingParams:
+    """The sampling a decode worker gets: prompt logprobs only while none came (from the
+    prefill worker, or a decode worker before a migration); a worker that has them to
+    compute again would bypass its prefix cache for nothing."""
+    if rs.prompt_logprobs is None or rs.sampling.prompt_logprobs is None:
+        return rs.sampling
+    return replace(rs.sampling, prompt_logprobs=None)

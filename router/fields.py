@@ -23,7 +23,7 @@ COMMON = frozenset({
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                  "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
                  "chat_template_kwargs"}  # fmt: skip
-COMPLETIONS = COMMON | {"prompt", "best_of", "echo", "suffix"}
+COMPLETIONS = COMMON | {"prompt", "best_of", "echo", "suffix", "prompt_logprobs"}
 # Accepted, with no effect on the output (bookkeeping fields of OpenAI's platform).
 NO_EFFECT = frozenset({"metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
 # Accepted only at these values.

@@ -11,6 +11,7 @@ from typing import Any
 
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 from pdserve.router.chat_options import ChatTemplateOptions, parse_chat_options
+from pdserve.router.echo import EchoSpec, parse_echo
 from pdserve.router.errors import APIError, invalid
 from pdserve.router.fields import check_fields
 from pdserve.router.structured_request import structured_spec
@@ -18,10 +19,7 @@ from pdserve.router.tools import ToolConfig, grammar_spec, parse_tools
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted only at their "off" values: (field, values meaning off).
-UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
-    ("echo", (None, False)),
-    ("suffix", (None, "")),
-)
+UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (("suffix", (None, "")),)
 
 
 @dataclass(frozen=True)
@@ -43,6 +41,7 @@ class GenerateRequest:
     best_of: int = 1  # choices generated; the n with the highest logprob sum are returned
     hide_logprobs: bool = False  # logprobs computed for best_of only, not asked for
     template: ChatTemplateOptions | None = None  # chat: how the messages are rendered
+    echo: EchoSpec | None = None  # completions: echo / prompt_logprobs (router/echo.py)
 
 
 def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateRequest:
@@ -56,6 +55,9 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
         if name in body and body[name] not in off:
             raise invalid(f"{name} is not supported by this server", name)
     n, best_of = _n(body)
+    echo = None if chat else parse_echo(body, n, best_of)
+    if echo is not None and echo.score_only:  # the workers generate one token, dropped
+        body = {**body, "max_tokens": 1}
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("user must be a string", "user")
@@ -89,6 +91,9 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> GenerateReq
         if body.get(name) is not None:
             raise invalid(f"{name} is a chat completions parameter", name)
     text, ids = _prompt(body.get("prompt"))
+    if echo is not None:
+        k = echo.engine_k(sampling.logprobs)
+        common.update(echo=echo, sampling=replace(sampling, prompt_logprobs=k))
     if best_of > n and sampling.logprobs is None:  # ranking needs each token's logprob
         common.update(sampling=replace(sampling, logprobs=0), hide_logprobs=True)
     return GenerateRequest(chat=False, prompt_text=text, prompt_token_ids=ids, **common)

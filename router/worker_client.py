@@ -314,7 +314,8 @@ def _joined(run: list[TokenDelta]) -> TokenDelta:
         lps = [lp for m in run for lp in (m.logprobs or ())]
     ids = [t for m in run for t in m.token_ids]
     text = "".join(m.text for m in run)
-    return TokenDelta(ids, text, last.finish_reason, last.usage, last.error, lps)
+    prompt = next((m.prompt_logprobs for m in run if m.prompt_logprobs is not None), None)
+    return TokenDelta(ids, text, last.finish_reason, last.usage, last.error, lps, prompt)
 
 
 async def abort(client: aiohttp.ClientSession, url: str, request_id: str) -> bool:

@@ -162,6 +162,7 @@ class PrefillReply:
     prompt_tokens: int
     usage: Usage | None = None
     logprobs: list[Any] | None = None  # the first token's, when the request asked
+    prompt_logprobs: list[Any] | None = None  # per prompt token, when the request asked
 
 
 @message("generate_request")
@@ -201,6 +202,9 @@ class TokenDelta:
     usage: Usage | None = None
     error: WorkerError | None = None
     logprobs: list[Any] | None = None  # per token, when the request asked
+    # On the first line of a request prefilled here that asked: [logprob, rank, top] per
+    # prompt token, the first None (engine/prompt_logprobs.py).
+    prompt_logprobs: list[Any] | None = None
 
     def then(self, later: TokenDelta) -> TokenDelta:
         """This delta and a ``later`` one as one message (a reader that fell behind)."""
@@ -208,7 +212,8 @@ class TokenDelta:
         lps = None
         if self.logprobs is not None or later.logprobs is not None:
             lps = (self.logprobs or []) + (later.logprobs or [])
-        return replace(later, token_ids=ids, text=text, logprobs=lps)
+        prompt = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
+        return replace(later, token_ids=ids, text=text, logprobs=lps, prompt_logprobs=prompt)
 
     @property
     def ends_run(self) -> bool:

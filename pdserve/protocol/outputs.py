@@ -47,6 +47,9 @@ class RequestOutput:
     queue_seconds: float | None = None  # arrival to first schedule, on the first output
     # One (logprob, top [(id, logprob)]) per token id, when the request asked for logprobs.
     logprobs: list[Any] | None = None
+    # On the first output of a request that asked: per prompt token [logprob, rank, top],
+    # the first None (engine/prompt_logprobs.py).
+    prompt_logprobs: list[Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -72,6 +75,9 @@ class RequestOutput:
             token_ids=self.token_ids + later.token_ids,
             text=self.text + later.text,
             logprobs=_joined(self.logprobs, later.logprobs),
+            prompt_logprobs=self.prompt_logprobs
+            if self.prompt_logprobs is not None
+            else later.prompt_logprobs,
             queue_seconds=self.queue_seconds
             if self.queue_seconds is not None
             else later.queue_seconds,

@@ -48,6 +48,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Top log-probabilities per generated token (0: the chosen token's only); None: off.
     logprobs: int | None = None
+    # Top log-probabilities per prompt token (echo, vLLM's prompt_logprobs); None: off.
+    prompt_logprobs: int | None = None
     # Structured output spec (engine/structured.py), e.g. {"type": "json_schema", ...}.
     structured: dict[str, Any] | None = None
 
@@ -96,6 +98,9 @@ class SamplingParams:
         )
         lp = self.logprobs
         need(lp is None or (_is_int(lp) and 0 <= lp <= 20), "logprobs", "must be in [0, 20]")
+        plp = self.prompt_logprobs
+        need(plp is None or (_is_int(plp) and 0 <= plp <= 20), "prompt_logprobs",
+             "must be in [0, 20]")  # fmt: skip
         spec = self.structured
         need(spec is None or isinstance(spec, dict), "structured", "must be an object")
         if spec is not None:

@@ -23,7 +23,7 @@ from pdserve.protocol.contract import TokenDelta, Usage
 
 # The codec writes a message's fields in declaration order, then "type": this module
 # writes the same literal order, so a new TokenDelta field must be added here too.
-FIELDS = ("token_ids", "text", "finish_reason", "usage", "error", "logprobs")
+FIELDS = ("token_ids", "text", "finish_reason", "usage", "error", "logprobs", "prompt_logprobs")
 assert tuple(f.name for f in dataclasses.fields(TokenDelta)) == FIELDS, "update token_lines"
 assert tuple(f.name for f in dataclasses.fields(Usage)) == (
     "prompt_tokens",
@@ -31,7 +31,7 @@ assert tuple(f.name for f in dataclasses.fields(Usage)) == (
     "cached_tokens",
 ), "update token_lines"
 _KEYS = frozenset((*FIELDS, "type"))
-_TAIL = '"usage":null,"error":null,"logprobs":null,"type":"token_delta"}\n'
+_TAIL = '"usage":null,"error":null,"logprobs":null,"prompt_logprobs":null,"type":"token_delta"}\n'
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators) builds one
 # json.loads' own parser (C), without its wrappers; typeshed does not list the attribute.
 _SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
@@ -43,12 +43,14 @@ def encode_line(
     finish_reason: str | None = None,
     usage: Usage | None = None,
     logprobs: list[Any] | None = None,
+    prompt_logprobs: list[Any] | None = None,
 ) -> bytes:
     """``codec.encode(TokenDelta(token_ids, text, finish_reason, usage, None, logprobs))``
     plus the newline, byte for byte."""
     if (
         usage is None
         and logprobs is None
+        and prompt_logprobs is None
         and type(text) is str
         and (finish_reason is None or type(finish_reason) is str)
         and all(type(t) is int for t in token_ids)
@@ -62,11 +64,12 @@ def encode_line(
         use = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
                "cached_tokens": usage.cached_tokens, "type": "usage"}  # fmt: skip
     body = {"token_ids": token_ids, "text": text, "finish_reason": finish_reason, "usage": use,
-            "error": None, "logprobs": logprobs, "type": "token_delta"}  # fmt: skip
+            "error": None, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+            "type": "token_delta"}  # fmt: skip
     try:
         return (_ENCODER.encode(body) + "\n").encode()
     except TypeError:  # a value JSON cannot write as is (a dataclass in logprobs): the codec
-        delta = TokenDelta(token_ids, text, finish_reason, usage, None, logprobs)
+        delta = TokenDelta(token_ids, text, finish_reason, usage, None, logprobs, prompt_logprobs)
         return encode(delta) + b"\n"
 
 
@@ -86,6 +89,7 @@ def decode_line(line: bytes) -> TokenDelta:
             and type(text) is str
             and (finish is None or type(finish) is str)
             and (lps is None or type(lps) is list)
+            and body["prompt_logprobs"] is None
         ):
             return TokenDelta(ids, text, finish, None, None, lps)
     return from_dict(body, TokenDelta)
