@@ -268,7 +268,8 @@ class LocalCluster:
     ) -> None:
         """Block until every process answers ``GET /health`` with 200; raise if one dies."""
         start, pending = time.monotonic(), [p for p in self.procs]
-        with httpx.Client(timeout=2.0) as client:  # /health is open
+        # /health is open; /stats (which process answers) takes a signed call
+        with httpx.Client(timeout=2.0, auth=self.auth) as client:
             while pending:
                 for proc in list(pending):
                     if proc.popen is not None and proc.popen.poll() is not None:
