@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
 import signal
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -35,19 +37,38 @@ from pdserve.signed_httpx import SignedAuth
 ALL_CORES_MIN_PARAMS = 8 << 20  # decoder weights from which a lone worker takes every core
 
 
+# Stored tensors that are not decoder weights: the token embeddings and the output head
+# (GPT-NeoX's is ``embed_out``, GPT-2's embeddings ``wte``/``wpe``).
+NOT_DECODER = ("embed", "wte", "wpe", "lm_head")
+
+
 def decoder_params(model_dir: str) -> int:
-    """The decoder layers' weight count from the model's config.json (Llama-shaped:
-    attention and gated MLP), 0 when it cannot be read."""
-    try:
-        c = json.loads((Path(model_dir) / "config.json").read_text())
-        h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-        heads = c["num_attention_heads"]
-        kv = c.get("num_key_value_heads") or heads
-        head_dim = c.get("head_dim") or h // heads
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        return 0
-    attention = 2 * h * heads * head_dim + 2 * h * kv * head_dim
-    return int(layers * (attention + 3 * h * inter))
+    """The decoder's weight count: every tensor of the model's safetensors files but the
+    embeddings and the output head, read from the files' headers (no weights loaded, any
+    architecture: MoE experts and MLA's projections count as stored). 0 when none can be
+    read."""
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            header = _safetensors_header(path)
+        except (OSError, ValueError):
+            return 0
+        for name, info in header.items():
+            if name != "__metadata__" and not any(n in name for n in NOT_DECODER):
+                total += math.prod(info["shape"])
+    return total
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file: 8 bytes of little-endian length, then JSON."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size < 1 << 27:
+            raise ValueError(f"{path}: not a safetensors file")
+        header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file")
+    return header
 
 
 @dataclass(frozen=True)

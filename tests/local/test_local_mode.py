@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pdserve.local.processes import (
@@ -102,20 +103,41 @@ def test_router_command_line_matches_the_router_parser(tmp_path: Path) -> None:
     assert args.rate_limit_rpm == 60  # --router-arg reaches the router
 
 
-def _config(path: Path, hidden: int, inter: int, layers: int) -> Path:
+def _llama(path: Path, hidden: int, inter: int, layers: int) -> Path:
+    """A Llama-shaped model directory whose safetensors file holds zeros: a valid header
+    and a sparse file of the full size (no disk used), like the presets' shapes."""
+    kv = hidden // 2  # 8 heads, 4 KV heads
+    shapes = {"model.embed_tokens.weight": [1000, hidden], "lm_head.weight": [1000, hidden],
+              "model.norm.weight": [hidden]}  # fmt: skip
+    for i in range(layers):
+        for name, shape in {
+            "self_attn.q_proj": [hidden, hidden], "self_attn.k_proj": [kv, hidden],
+            "self_attn.v_proj": [kv, hidden], "self_attn.o_proj": [hidden, hidden],
+            "mlp.gate_proj": [inter, hidden], "mlp.up_proj": [inter, hidden],
+            "mlp.down_proj": [hidden, inter], "input_layernorm": [hidden],
+            "post_attention_layernorm": [hidden],
+        }.items():  # fmt: skip
+            shapes[f"model.layers.{i}.{name}.weight"] = shape
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({
-        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-        "num_attention_heads": 8, "num_key_value_heads": 4,
-    }))  # fmt: skip
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 4 * int(np.prod(shape))
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + offset)
     return path
 
 
 def test_a_lone_worker_of_a_large_enough_model_takes_every_core(tmp_path: Path) -> None:
     cores = len(os.sched_getaffinity(0))
-    small = _config(tmp_path / "small", 512, 1408, 8)  # the presets' shapes
-    tiny = _config(tmp_path / "tiny", 128, 256, 4)
-    assert decoder_params(str(small)) == 8 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1408)
+    small = _llama(tmp_path / "small", 512, 1408, 8)  # the presets' shapes
+    tiny = _llama(tmp_path / "tiny", 128, 256, 4)
+    # Every decoder matrix and norm, no embeddings and no output head.
+    layer = 2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1408 + 2 * 512
+    assert decoder_params(str(small)) == 8 * layer + 512
     assert decoder_params(str(small)) >= ALL_CORES_MIN_PARAMS > decoder_params(str(tiny))
     assert ClusterSpec(model_dir=str(small), num_prefill=0).threads_per_worker() == cores
     assert ClusterSpec(model_dir=str(tiny), num_prefill=0).threads_per_worker() == max(1, cores - 1)
@@ -124,6 +146,27 @@ def test_a_lone_worker_of_a_large_enough_model_takes_every_core(tmp_path: Path) 
     two = ClusterSpec(model_dir=str(small), num_prefill=1, num_decode=1)
     assert two.threads_per_worker() == max(1, (cores - 1) // 2)
     assert decoder_params(str(tmp_path / "missing")) == 0
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert decoder_params(str(tmp_path / "junk")) == 0
+
+
+@pytest.mark.parametrize("family_id", ["gpt-neox", "deepseek-v3", "gpt-oss"])
+def test_decoder_params_of_any_architecture(family_id: str, tiny_model_dir: Path) -> None:
+    """Not Llama's formula: GPT-NeoX (fused QKV, output head named embed_out), DeepSeek-V3
+    (MLA projections, routed and shared experts), gpt-oss (sinks, fused experts) counted
+    as transformers stores their tensors, embeddings and output head aside."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.model_families import BY_ID, cached_family
+
+    model_dir = cached_family(BY_ID[family_id], tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    head = model.get_output_embeddings().weight
+    embed = model.get_input_embeddings().weight
+    stored = sum(t.numel() for t in model.state_dict().values())  # incl. saved buffers
+    expected = stored - head.numel() - embed.numel()
+    assert decoder_params(str(model_dir)) == expected
 
 
 def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(tmp_path: Path) -> None:
