@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.engine import compiled, prompt_logprobs
+from pdserve.engine import compiled
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import TextStream
@@ -30,7 +30,7 @@ from pdserve.engine.logprobs import StepLogprobs
 from pdserve.engine.model_runner import ModelRunner, ScheduledChunk, model_identity
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Scheduler, tenant_of
 from pdserve.engine.structured import Grammars
 from pdserve.protocol.contract import EngineStats, KVHandle
 from pdserve.protocol.hashing import block_hashes, hash_block, salt_root
@@ -143,6 +143,7 @@ class LLMEngine:
     ) -> tuple[Request, TextStream]:
         req = Request(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
         req.hash_root = salt_root(cache_salt)
+        req.tenant = tenant_of(cache_salt)
         req.block_hashes = block_hashes(req.prompt_token_ids, self.config.block_size, req.hash_root)
         return req, TextStream(self.tokenizer, req.prompt_token_ids, params.stop)
 
@@ -303,7 +304,7 @@ class LLMEngine:
             except Exception as exc:
                 out = self._fail_request(req, exc)
             if out is not None:
-                outputs.append(_with_logprobs(out, req, lp))
+                outputs.append(out if lp is None else replace(out, logprobs=[lp]))
         return outputs
 
     def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
@@ -472,14 +473,6 @@ class LLMEngine:
             for out in self.step():
                 results[out.request_id].extend(out.token_ids)
         return [results[rid] for rid in ids]
-
-
-def _with_logprobs(out: RequestOutput, req: Request, lp: Any) -> RequestOutput:
-    """The sampled token's logprobs, and the prompt's on the request's first output."""
-    prompt = prompt_logprobs.take(req)
-    if lp is None and prompt is None:
-        return out
-    return replace(out, logprobs=[lp] if lp is not None else None, prompt_logprobs=prompt)
 
 
 def _eos_ids(tokenizer: Any, hf_config: Any) -> set[int]:

