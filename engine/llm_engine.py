@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.engine import compiled
+from pdserve.engine import compiled, prompt_logprobs
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import TextStream
@@ -304,7 +304,7 @@ class LLMEngine:
             except Exception as exc:
                 out = self._fail_request(req, exc)
             if out is not None:
-                outputs.append(out if lp is None else replace(out, logprobs=[lp]))
+                outputs.append(_with_logprobs(out, req, lp))
         return outputs
 
     def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
@@ -473,6 +473,14 @@ class LLMEngine:
             for out in self.step():
                 results[out.request_id].extend(out.token_ids)
         return [results[rid] for rid in ids]
+
+
+def _with_logprobs(out: RequestOutput, req: Request, lp: Any) -> RequestOutput:
+    """The sampled token's logprobs, and the prompt's on the request's first output."""
+    prompt = prompt_logprobs.take(req)
+    if lp is None and prompt is None:
+        return out
+    return replace(out, logprobs=[lp] if lp is not None else None, prompt_logprobs=prompt)
 
 
 def _eos_ids(tokenizer: Any, hf_config: Any) -> set[int]:

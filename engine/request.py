@@ -51,6 +51,9 @@ class Request:
     first_scheduled_time: float | None = None
     hash_root: int = 0  # the parent of block 0's hash: the cache salt's root, see hashing.py
     tenant: str = ""  # the router's key salt ("k:..."), for fair admission (scheduler.py)
+    # [None, [logprob, rank, top], ...] per prompt token so far (engine/prompt_logprobs.py)
+    prompt_logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

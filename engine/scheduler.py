@@ -24,6 +24,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from pdserve.engine import prompt_logprobs
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector, LoadResult
@@ -137,6 +138,8 @@ class Scheduler:
             # lease release that comes with it) is never empty.
             covered = req.num_prompt_tokens if req.remote_kv is not None else req.num_tokens
             hits = self.blocks.match_prefix(req.block_hashes, covered)
+            if prompt_logprobs.wanted(req):  # cached rows would have no logits to score
+                hits = []
             need = req.num_tokens + 1  # room for the first generated token too
             if not self.blocks.can_allocate(hits, need) or (
                 self.blocks.num_free_blocks - self.blocks.blocks_needed(need) + len(hits)
