@@ -1,0 +1,91 @@
+"""The attention options of tests/model_families.py through a real prefill worker ->
+KV hand-off (NIXL) -> decode worker: the windowed + soft-capped (Gemma 2), the sink +
+windowed + MoE (gpt-oss) and the MLA + MoE (DeepSeek-V3) families give transformers'
+own greedy tokens when the decode worker continues from KV it did not compute.
+
+The prompts run past the 8-token windows and across blocks, so the handed-off blocks
+hold positions some layers must no longer see and others must.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from worker_helpers import (
+    assert_all_free,
+    decode,
+    metric,
+    prefill,
+    proc,
+    tokens_of,
+    worker_cluster,
+)
+
+from pdserve.engine.model_support import head_dims
+from tests.model_families import BY_ID, cached_family
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = [[(i * 53 + s) % 3000 + 5 for i in range(n)] for s, n in [(1, 37), (2, 20)]]
+MAX_TOKENS = 8
+
+
+@pytest.mark.parametrize("family_id", ["gemma2", "gpt-oss", "deepseek-v3"])
+def test_family_through_prefill_decode_handoff(
+    family_id: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = cached_family(BY_ID[family_id], tiny_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager", local_files_only=True
+    ).eval()
+    expected = [_hf_greedy(hf, p) for p in PROMPTS]
+    c = hf.config
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    # Under MLA the pool's head size is K's (V padded to it): 24, not the V's 16.
+    block_bytes = c.num_hidden_layers * 2 * 16 * kv_heads * head_dims(c)[0] * 4
+    handed_off = 0
+
+    with worker_cluster(model_dir, tmp_path, "nixl") as cluster:
+        p_url, d_url = proc(cluster, "prefill").url, proc(cluster, "decode").url
+
+        async def one(client: httpx.AsyncClient, i: int) -> list[int]:
+            nonlocal handed_off
+            r = await prefill(client, p_url, f"{family_id}-{i}", PROMPTS[i], MAX_TOKENS)
+            assert r["kv_handle"] is not None and r["kv_handle"]["block_ids"]
+            handed_off += len(r["kv_handle"]["block_ids"])
+            status, lines = await decode(
+                client, d_url, f"{family_id}-{i}", PROMPTS[i], MAX_TOKENS,
+                r["kv_handle"], r["first_token_id"],
+            )  # fmt: skip
+            assert status == 200, lines
+            return [r["first_token_id"], *tokens_of(lines)]
+
+        async def run() -> list[list[int]]:
+            async with httpx.AsyncClient() as client:
+                return [await one(client, i) for i in range(len(PROMPTS))]
+
+        assert asyncio.run(run()) == expected
+        # The decode worker continued from KV it read, every handed-off block of it.
+        moved = metric(d_url, "pdserve_kv_transfer_bytes_total", transport="nixl")
+        assert moved == handed_off * block_bytes > 0
+        assert_all_free(p_url, d_url)
+
+
+def _hf_greedy(model, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=model.config.pad_token_id,
+        )
+    return [int(t) for t in out[0, len(prompt) :].tolist()]
