@@ -85,12 +85,13 @@ def main(argv: list[str]) -> int:
     except BaseException:
         results.send(pickle.dumps(("failed", traceback.format_exc())))
         return 1
+    # Named before "ready": whoever sees the worker healthy finds the engine thread by name.
+    name_os_thread(ENGINE_NAME)
     results.send(pickle.dumps(("ready", core.info())))
     # The model, torch and the engine's tables stay alive for good: keep them out of
     # the collector's full passes.
     gc.collect()
     gc.freeze()
-    name_os_thread(ENGINE_NAME)
     # The step takes the GIL back after every torch op; the core's other threads (KV
     # transfers, the lease side channel) hold it for up to the switch interval each time.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
