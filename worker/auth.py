@@ -60,8 +60,9 @@ def with_proof(send: Any, value: bytes) -> Any:
 
 
 class CallCheck:
-    """Checks one ASGI call: ``await check(scope, receive, send)`` returns the (receive,
-    send) to serve it with, or None after answering 401 / 413 itself. With ``required``
+    """Checks one ASGI call: ``await check(scope, receive, send)`` returns the receive
+    to serve it with and the proof header's value for the reply (None: unsigned, on an
+    open route), or None after answering 401 / 413 itself. With ``required``
     false (the open routes: probes, metrics) an unsigned call is served too, and a signed
     one still gets its proof: the router's first contact, its health check, proves the
     worker."""
@@ -72,7 +73,7 @@ class CallCheck:
 
     async def __call__(
         self, scope: Any, receive: Any, send: Any, required: bool = True
-    ) -> tuple[Any, Any] | None:
+    ) -> tuple[Any, bytes | None] | None:
         auth = None
         for name, value in scope["headers"]:
             if name == signing.HEADER_KEY:
@@ -86,13 +87,12 @@ class CallCheck:
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
         if auth is None and not required:
-            return replay(body, receive), send
+            return replay(body, receive), None
         verdict = self.verifier.check(scope["method"], target.decode("latin-1"), auth, body)
         if verdict.key is None and not required:
-            return replay(body, receive), send
+            return replay(body, receive), None
         if verdict.key is None:
             await self.refuse(401, verdict.reason)(scope, receive, send)
             return None
-        if verdict.key:
-            send = with_proof(send, signing.proof(verdict.key, auth or "").encode())
-        return replay(body, receive), send
+        proof = signing.proof(verdict.key, auth or "").encode() if verdict.key else None
+        return replay(body, receive), proof

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from pdserve import keys
+from pdserve.signing import PROOF_KEY
 from pdserve.worker.auth import CallCheck
 from pdserve.worker.http import refusal
 
@@ -56,11 +57,12 @@ class DirectApp(FastAPI):
         if handler is None:
             await super().__call__(scope, receive, send)
             return
+        proof = None
         if self.check is not None:
             checked = await self.check(scope, receive, send)
             if checked is None:
                 return
-            receive, send = checked
+            receive, proof = checked
         try:
             response = await handler(Request(scope, receive))
         except Exception as exc:
@@ -69,6 +71,8 @@ class DirectApp(FastAPI):
                 await PlainTextResponse("Internal Server Error", 500)(scope, receive, send)
                 raise
             response = known
+        if proof is not None:  # in the head itself: no wrapper around each line's send
+            response.raw_headers.append((PROOF_KEY, proof))
         await response(scope, receive, send)
 
 

@@ -31,7 +31,7 @@ from pdserve.protocol.contract import AbortReply, RequestRef, WorkerStats
 from pdserve.protocol.outputs import REQUEST_FAILED, EngineDeadError, RequestFailed
 from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
-from pdserve.worker.auth import CallCheck
+from pdserve.worker.auth import CallCheck, with_proof
 from pdserve.worker.core_client import DEFAULT_STALL_S, EngineClient
 from pdserve.worker.metrics import WorkerMetrics
 
@@ -141,7 +141,9 @@ class SecretCheck:
             checked = await self.check(scope, receive, send, scope["path"] not in self.OPEN)
             if checked is None:
                 return
-            receive, send = checked
+            receive, proof = checked
+            if proof is not None:
+                send = with_proof(send, proof)
         await self.app(scope, receive, send)
 
 
