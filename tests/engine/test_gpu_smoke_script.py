@@ -37,3 +37,19 @@ def test_runs_without_cuda() -> None:
         "cuda": False,
         "note": "no CUDA device: nothing checked",
     }
+
+
+def test_checks_run_on_cpu(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The acceptance checks' own logic, on CPU (the script runs them on CUDA only): a
+    bfloat16 greedy run judged by its logit gaps, a roofline point, a KV hand-off."""
+    monkeypatch.setattr(gpu_smoke, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu_smoke, "MAX_TOKENS", 4)
+    prompts = gpu_smoke._prompts()[:3]
+    bf16 = gpu_smoke.fidelity_bf16(tiny_model_dir, 0.15, prompts)
+    assert bf16["ok"] and 0.0 <= bf16["worst_logit_gap"] <= 0.15, bf16
+    strict = gpu_smoke.fidelity_bf16(tiny_model_dir, -1.0, prompts)  # can fail: it does
+    assert not strict["ok"]
+    point = gpu_smoke.roofline(tiny_model_dir, 2, 20, 100.0, graphs=False)
+    assert point["step_ms"] > 0 and point["roofline_ratio"] > 0 and point["graph_replays"] == 0
+    moved = gpu_smoke.kv_handoff("tcp", mib=4)
+    assert moved["ok"] and moved["gbps"] > 0
