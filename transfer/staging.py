@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from pdserve.transfer.layout import PoolGeometry
@@ -44,15 +45,16 @@ class PinnedStaging:
             self._buffer, self.grown = buf, self.grown + 1
         return buf[:nbytes]
 
-    def to_host(self, data: torch.Tensor) -> bytes:
-        """``data`` (on the device) as bytes for a ZeroMQ frame."""
+    def to_host(self, data: torch.Tensor) -> np.ndarray:
+        """``data`` (on the device) as a fresh host array for a ZeroMQ frame (the pinned
+        buffer is reused by the next transfer, so the frame gets its own copy)."""
         flat = data.contiguous().view(torch.uint8).reshape(-1)
         with self._lock:
             host = self._host(flat.numel())
             host.copy_(flat, non_blocking=True)
             if flat.is_cuda:
                 torch.cuda.current_stream(flat.device).synchronize()
-            return host.numpy().tobytes()
+            return host.numpy().copy()
 
     def to_device(self, raw: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Host bytes ``raw`` ([n] uint8) on ``device``; the copy is ordered on the current

@@ -25,6 +25,7 @@ from pdserve.protocol.codec import CodecError, decode, encode
 from pdserve.transfer.base import KVTransport, LeaseRef, PeerInfo, ReadOp, State, TransferError
 from pdserve.transfer.messages import SideChannelError, TcpReadReply, TcpReadRequest
 from pdserve.transfer.side_channel import open_reply, request_frames, ring
+from pdserve.transfer.staging import PinnedStaging
 
 MAX_READ_BYTES = 4 << 30  # one tcp read's reply; a larger request is refused
 
@@ -53,6 +54,10 @@ class _TcpOp(ReadOp):
 class TcpTransport(KVTransport):
     name = "tcp"
 
+    def open(self) -> None:
+        # A CUDA pool's bytes cross to the host through one reusable pinned buffer.
+        self._staging = PinnedStaging() if self.pool.is_cuda else None
+
     def metadata(self) -> bytes:
         return b""
 
@@ -65,8 +70,11 @@ class TcpTransport(KVTransport):
         if err:
             return [encode(SideChannelError(f"tcp read {msg.request_id}: {err}"))]
         idx = torch.tensor(msg.block_ids, dtype=torch.long, device=self.pool.device)
-        data = self._planes().index_select(1, idx).cpu()
-        raw = data.view(torch.uint8).reshape(-1).numpy()
+        data = self._planes().index_select(1, idx)
+        if self._staging is not None:  # a CUDA pool: through the pinned buffer
+            raw = self._staging.to_host(data)
+        else:
+            raw = data.view(torch.uint8).reshape(-1).numpy()
         head = encode(TcpReadReply(msg.request_id, int(raw.nbytes)))
         return [head, raw, data_mac(ring(self.secret, keys.KV_DATA).signing, head, raw)]
 
@@ -137,7 +145,9 @@ class TcpTransport(KVTransport):
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(frames[1].buffer, dtype=torch.uint8)
         shape = (planes.shape[0], len(op.local_ids), planes.shape[2])
-        data = raw.view(self.pool.dtype).view(shape).to(self.pool.device)
+        if self._staging is not None:
+            raw = self._staging.to_device(raw, self.pool.device)
+        data = raw.view(self.pool.dtype).view(shape)
         idx = torch.tensor(op.local_ids, dtype=torch.long, device=self.pool.device)
         planes.index_copy_(1, idx, data)
 

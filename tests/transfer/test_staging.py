@@ -52,11 +52,20 @@ def test_staging_round_trip_reuses_one_buffer() -> None:
     staging = PinnedStaging(pin=False)
     data = torch.randn(3, 5, 16)
     raw = staging.to_host(data)
-    assert raw == data.view(torch.uint8).numpy().tobytes()
-    back = staging.to_device(torch.frombuffer(bytearray(raw), dtype=torch.uint8), data.device)
+    assert raw.tobytes() == data.view(torch.uint8).numpy().tobytes()
+    back = staging.to_device(torch.from_numpy(raw), data.device)
     assert torch.equal(back.view(torch.float32).view(3, 5, 16), data)
     staging.to_host(data[:1])  # smaller: the same buffer
     assert staging.grown == 1
     staging.to_host(torch.randn(4, 5, 16))  # larger: grown once more, then reused
     staging.to_host(torch.randn(4, 5, 16))
     assert staging.grown == 2
+
+
+def test_tcp_transport_stages_only_a_cuda_pool() -> None:
+    """A CPU pool is sent from its own memory (no staging); a CUDA pool would get the pinned
+    buffer (test_kv_pair.py::test_cuda_pools runs that where a GPU is present)."""
+    from pdserve.transfer.tcp_transport import TcpTransport
+
+    pool = make_pool(4, seed=0)
+    assert TcpTransport(pool, CompatRecord.for_pool(pool, "m"), "a")._staging is None
