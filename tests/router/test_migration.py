@@ -3,7 +3,7 @@ the request to the next one with every token already sent; a request fault is no
 
 The fakes (tests/router/fakes.py) continue a resumed request from where the
 ``resume_token_ids`` leave it, so the client's text shows a repeated or missing
-token at once. The same with real workers and ``kill -9``: test_migration_e2e.py.
+token at once. The same with real workers and ``kill -9``: tests/local/test_up_resilience.py.
 """
 
 from __future__ import annotations
