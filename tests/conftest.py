@@ -25,8 +25,8 @@ for _name, _value in {
     # the suite runs authenticated; helpers send it (tests/loopback.py: secret_headers).
     "PDSERVE_SERVICE_SECRET": "pdserve-tests-secret",
     # Workers the suite starts run the eager forward: a compile per worker start would
-    # cost seconds each. tests/engine/test_fidelity.py and test_compiled_worker.py run
-    # the compiled path.
+    # cost seconds each. tests/engine/test_fidelity.py (test_compiled_forward) runs the
+    # compiled path.
     "PDSERVE_ENFORCE_EAGER": "1",
 }.items():
     os.environ.setdefault(_name, _value)
