@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiers import TIERS, mark_tiers
+
 # The machine is shared and small: one compute thread per test process by default.
 for _name, _value in {
     "OMP_NUM_THREADS": "1",
@@ -60,3 +62,12 @@ def tiny_tokenizer(tiny_model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, meaning in TIERS.items():  # the tiers (tests/tiers.py), for --strict-markers
+        config.addinivalue_line("markers", f"{name}: {meaning}")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    mark_tiers(items)  # each test's tier marker: -m unit is make test-fast

@@ -1,0 +1,55 @@
+"""The suite's tiers, one marker per test: ``unit``, ``cluster``, ``bench``, ``k8s``.
+
+``make test-fast`` runs ``-m unit`` (the inner loop); ``make test`` runs every tier. A test
+gets its tier from what it uses, not from a line in each file:
+
+- ``k8s``: under tests/k8s/ (the operator against a Kubernetes API emulator);
+- ``bench``: runs a script of bench/ (``run_bench``), or its file is named for a bench;
+- ``cluster``: starts real services: a fixture that does (``up``, ``deployment``), or its
+  module uses a helper that does (``LocalCluster``, ``worker_cluster``, ``run_up``,
+  ``wait_until_up``), or it is one of ``CLUSTER_MODULES``;
+- ``unit``: everything else (in-process; fakes on loopback at most).
+
+A module or test that marks a tier itself (``pytestmark = pytest.mark.cluster``) keeps it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+TIERS = {
+    "unit": "in-process tests, seconds each (make test-fast)",
+    "cluster": "tests that start real routers or workers on loopback",
+    "bench": "tests that run a benchmark script's --quick mode",
+    "k8s": "operator and chart tests against a Kubernetes API emulator",
+}
+CLUSTER_FIXTURES = frozenset({"up", "deployment"})
+CLUSTER_HELPERS = frozenset({"LocalCluster", "worker_cluster", "run_up", "wait_until_up"})
+# Modules that start `python -m pdserve up` / `router` with their own Popen.
+CLUSTER_MODULES = frozenset({"test_local_up_autoscale", "test_router_process"})
+
+
+def tier_of(item: pytest.Item) -> str:
+    own = [m.name for m in item.iter_markers() if m.name in TIERS]
+    if own:
+        return own[0]
+    path = item.path
+    if "k8s" in path.parts:
+        return "k8s"
+    module = getattr(item, "module", None)
+    names = vars(module) if module is not None else {}
+    if "run_bench" in names or "bench" in path.stem:
+        return "bench"
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if path.stem in CLUSTER_MODULES or fixtures & CLUSTER_FIXTURES:
+        return "cluster"
+    if CLUSTER_HELPERS & names.keys():
+        return "cluster"
+    return "unit"
+
+
+def mark_tiers(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item)
+        if not any(m.name == tier for m in item.iter_markers()):
+            item.add_marker(tier)
