@@ -73,17 +73,23 @@ def inspect(path: str | os.PathLike[str]) -> GGUFFile:
     return info
 
 
-def supported_architectures() -> set[str]:
-    from transformers.integrations.gguf.utils import GGUF_ARCHS
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+def supported_architectures(*, newer: bool = True) -> set[str]:
+    """The GGUF architectures transformers converts: its older loader's table (no torch to
+    import) and, with ``newer``, the newer loader's (which imports torch)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    return (set(GGUF_SUPPORTED_ARCHITECTURES) | set(GGUF_ARCHS)) - {"general", "tokenizer"}
+    out = set(GGUF_CONFIG_MAPPING) - {"general", "tokenizer"}
+    if newer:
+        from transformers.integrations.gguf.gguf_conversion_mapping import GGUF_ARCHS
+
+        out |= set(GGUF_ARCHS)
+    return out
 
 
 def _architecture_supported(arch: str) -> bool:
     # transformers' own renames: qwen2moe -> qwen2_moe, gpt-oss -> gpt_oss, minimax-m2 ...
     names = {arch, arch.replace("-", "_"), re.sub(r"moe$", "_moe", arch)}
-    return bool(names & supported_architectures())
+    return bool(names & supported_architectures(newer=False) or names & supported_architectures())
 
 
 def _dequantizable(type_name: str) -> bool:
