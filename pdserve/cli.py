@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("pdserve.operator.main", "run the Kubernetes operator"),
     "render": ("pdserve.operator.render_cli", "render an LLMService to manifests"),
     "crds": ("pdserve.operator.crds_cli", "server-side apply pdserve's CRDs (upgrades)"),
+    "rotate-secret": ("pdserve.operator.rotate_secret", "a new service secret, no failed call"),
     "profile": ("pdserve.planner.profile", "measure per-replica capacities"),
 }
 
