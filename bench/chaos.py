@@ -17,7 +17,9 @@ Phases, in order, against one running service:
 7. SIGSTOP of the busiest decode worker, whole, under streaming load: a hung worker closes
    nothing, so the router cuts its streams after ``--stall-timeout`` (3 s here) and they
    migrate; SIGCONT once they are done, and it serves again;
-8. every KV pool free at the end, and ``up`` still running and stopping cleanly.
+8. tenant attacks (bench/chaos_tenants.py): trickled bodies (slowloris), a client that
+   stops reading its stream, chat text spelling control tokens, odd ``logit_bias`` keys;
+9. every KV pool free at the end, and ``up`` still running and stopping cleanly.
 
 Prints one JSON line (last); the goals are 0 for every failure count,
 ``migrated_streams`` >= 1 and ``stalled_streams`` >= 1. Writes a PNG to bench/out/.
@@ -53,6 +55,12 @@ from chaos_service import (
     stats,
     stop_group,
     wait_all_healthy,
+)
+from chaos_tenants import (
+    phase_control_tokens,
+    phase_odd_values,
+    phase_slow_reader,
+    phase_slowloris,
 )
 
 WORDS = [
@@ -314,6 +322,10 @@ async def run_phases(svc: Service, args: argparse.Namespace, model: str) -> dict
             ("poison", phase_poison(h, model, args.concurrency)),
             ("storm", phase_storm(h, model, 4 * args.concurrency)),
             ("overload", phase_overload(h, model, 4 * args.max_queue)),
+            ("slowloris", phase_slowloris(h, svc, model, 3 * args.max_queue)),
+            ("slow_reader", phase_slow_reader(h, svc, model, 4)),
+            ("control_tokens", phase_control_tokens(h, model)),
+            ("odd_values", phase_odd_values(h, model)),
             ("soak", phase_soak(h, model, args.soak, args.concurrency)),
             ("kill_decode", phase_kill_decode(h, svc, model, args.kill_streams)),
             ("kill_prefill", phase_kill_prefill(h, svc, model, args.kill_streams)),
@@ -340,9 +352,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     keys = ["bad_input_5xx", "poisoned_streams", "leaked_blocks", "soak_errors",
             "decode_kill_failed_streams", "prefill_kill_failed_requests",
-            "hang_failed_streams", "migrated_streams", "stalled_streams"]  # fmt: skip
+            "hang_failed_streams", "slowloris_refused_others", "slow_reader_harmed_streams",
+            "control_token_injected", "odd_key_5xx", "migrated_streams",
+            "stalled_streams"]  # fmt: skip
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-    a.barh(keys, [result[k] for k in keys], color=["C3"] * 7 + ["C2"] * 2)
+    a.barh(keys, [result[k] for k in keys], color=["C3"] * (len(keys) - 2) + ["C2"] * 2)
     a.set_title("chaos figures (goal: 0; migrated, stalled >= 1)")
     secs = result["phase_seconds"]
     b.barh(list(secs), list(secs.values()))
@@ -362,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
                   "--prefill", "2", "--decode", "2", "--kv-transport", args.kv_transport,
                   "--disagg-threshold", "32", "--max-queue", str(args.max_queue),
                   "--worker-arg=--max-model-len", "--worker-arg=1024",
-                  "--router-arg=--stall-timeout=3")  # fmt: skip
+                  "--router-arg=--stall-timeout=3",
+                  "--router-arg=--stream-write-timeout=2",
+                  "--router-arg=--max-waiting=16")  # overload still sheds  # fmt: skip
     t0 = time.perf_counter()
     try:
         svc.start()
