@@ -34,6 +34,8 @@ class EngineConfig:
     seed: int = 0
     cpu_threads: int | None = None  # torch intra-op threads (CPU); None: torch's default
     compile: bool = False  # torch.compile the forward (workers: on unless --enforce-eager)
+    grammar_cache_bytes: int = 64 << 20  # compiled grammars kept (engine/structured.py)
+    grammar_compile_timeout_s: float = 10.0  # a slower grammar is refused (engine/core_loop.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -88,6 +90,10 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads for CPU compute (default: torch's, all cores); give "
                    "each worker on a shared machine its share")  # fmt: skip
+    g.add_argument("--grammar-cache-bytes", type=int, default=64 << 20,
+                   help="memory for compiled structured-output grammars (LRU beyond)")  # fmt: skip
+    g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="seconds a grammar may take to compile; a slower one is a 400")  # fmt: skip
     g.add_argument("--enforce-eager", action="store_true",
                    help="run the model's eager forward: no torch.compile at start-up "
                    "(also PDSERVE_ENFORCE_EAGER=1)")  # fmt: skip
@@ -112,4 +118,6 @@ def engine_config_from_args(args) -> EngineConfig:  # type: ignore[no-untyped-de
         enable_prefix_caching=not args.no_prefix_caching,
         cpu_threads=args.cpu_threads,
         compile=not (args.enforce_eager or env.eager_forced()),
+        grammar_cache_bytes=getattr(args, "grammar_cache_bytes", 64 << 20),
+        grammar_compile_timeout_s=getattr(args, "grammar_compile_timeout", 10.0),
     )

@@ -28,6 +28,7 @@ import pickle
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -44,6 +45,15 @@ Query = Callable[..., Any]
 IDLE_S = 0.02  # poll interval when idle: hooks (leases, KV events) run at least this often
 TRANSFER_POLL_S = 0.0005  # only transfers in flight: poll them without spinning a core
 HEARTBEAT_S = 1.0  # the longest the front end goes without a message while the loop runs
+
+
+@dataclass
+class Compiling:
+    """An add waiting for its grammar: the compile, the add command, when it started."""
+
+    future: Future[Any]
+    cmd: tuple[Any, ...]
+    since: float
 
 
 class CoreLoop:
@@ -65,7 +75,8 @@ class CoreLoop:
         self._poller.register(commands, zmq.POLLIN)
         # Grammars compile off the loop (xgrammar, up to seconds); the add follows.
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
-        self._compiling: list[tuple[Future[Any], tuple[Any, ...]]] = []
+        self._compiling: list[Compiling] = []
+        self.compile_timeout_s = engine.config.grammar_compile_timeout_s
         self._stats: EngineStats | None = None
         self._sent_at = 0.0
 
@@ -104,10 +115,12 @@ class CoreLoop:
             params = cmd[3]
             if params.structured is not None:
                 future = self._compiler.submit(self.engine.grammars.compile, params.structured)
-                self._compiling.append((future, cmd))
+                self._compiling.append(Compiling(future, cmd, time.monotonic()))
             else:
                 self._add(cmd)
         elif kind == "abort":
+            if self._drop_compiling(cmd[1]):
+                return
             out = self.engine.abort(cmd[1])
             if out is not None:
                 self._send_outputs([out])
@@ -127,9 +140,14 @@ class CoreLoop:
 
     def _add_compiled(self) -> None:
         pending = []
-        for future, cmd in self._compiling:
+        now = time.monotonic()
+        for entry in self._compiling:
+            future, cmd = entry.future, entry.cmd
             if not future.done():
-                pending.append((future, cmd))
+                if now - entry.since < self.compile_timeout_s:
+                    pending.append(entry)
+                else:
+                    self._compile_timed_out(entry)
                 continue
             exc = future.exception()
             if isinstance(exc, InvalidParameter):
@@ -139,6 +157,36 @@ class CoreLoop:
             else:
                 self._add(cmd)
         self._compiling = pending
+
+    def _drop_compiling(self, request_id: str) -> bool:
+        """An abort that comes while the request's grammar compiles: the request is never
+        added (it would decode to max_tokens for nobody); its stream ends as aborted."""
+        entry = next((e for e in self._compiling if e.cmd[1] == request_id), None)
+        if entry is None:
+            return False
+        self._compiling.remove(entry)
+        entry.future.cancel()  # one still queued never runs
+        prompt = entry.cmd[2]
+        self._send_outputs([RequestOutput(request_id, [], "", "abort", len(prompt), 0, 0)])
+        return True
+
+    def _compile_timed_out(self, entry: Compiling) -> None:
+        """A compile past its deadline: the request is refused naming the field, and later
+        compiles go to a fresh thread (xgrammar cannot be interrupted: the old one finishes
+        on its own, its result unused)."""
+        params = entry.cmd[3]
+        field = str(params.structured.get("param") or "structured")
+        msg = (f"{field}: the grammar did not compile within {self.compile_timeout_s:g} s "
+               "(--grammar-compile-timeout)")  # fmt: skip
+        self._send(("rejected", entry.cmd[1], "invalid", field, msg))
+        if not entry.future.cancel():
+            self._compiler.shutdown(wait=False)
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+            for other in self._compiling:  # queued behind the runaway: resubmitted
+                if other is not entry and other.future.cancel():
+                    other.future = self._compiler.submit(
+                        self.engine.grammars.compile, other.cmd[3].structured
+                    )
 
     def _query(self, query_id: int, name: str, args: tuple[Any, ...]) -> None:
         fn = self.queries.get(name)

@@ -66,7 +66,8 @@ class LLMEngine:
         )
         self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.hf_config)
         self.vocab_size = int(self.runner.hf_config.vocab_size)
-        self.grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+                                 config.grammar_cache_bytes)  # fmt: skip
         self.model_id = model_identity(config.model)
         self.served_model_name = config.served_model_name or Path(config.model).name
         self.requests: dict[str, Request] = {}

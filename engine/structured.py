@@ -13,7 +13,8 @@ plus ``"param"``: the OpenAI field it came from, named in errors. Why xgrammar
 
 Compilation is slow (ms to s) and runs off the engine thread: the async engine
 calls :meth:`Grammars.compile` in a worker thread first; the engine's own call
-then hits the cache. Matchers are per request; the step's masks are filled into
+then hits the cache, which is bounded in bytes (the compiled grammars' own sizes; LRU).
+Matchers are per request; the step's masks are filled into
 one bitmask and applied to all constrained rows in one call. A request resumed
 elsewhere (the decode worker after the hand-off) rebuilds its matcher by
 replaying the tokens already generated.
@@ -31,7 +32,8 @@ import torch
 from pdserve.engine.request import Request
 from pdserve.protocol.sampling_params import InvalidParameter
 
-CACHE_SIZE = 256
+CACHE_SIZE = 256  # entries at most, within CACHE_BYTES (--grammar-cache-bytes)
+CACHE_BYTES = 64 << 20
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # xgrammar 0.2's rule for length-bounded strings lets raw control characters in, which
 # JSON forbids (json.loads rejects them): narrow it to what its plain strings allow.
@@ -48,12 +50,20 @@ def _xgr() -> Any:
 class Grammars:
     """Per engine: the tokenizer's xgrammar view, a compiled-grammar cache, the bitmask."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        cache_bytes: int = CACHE_BYTES,
+    ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self._compiler: Any = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self.cache_bytes = cache_bytes  # the cache's bound: compiled grammars' own sizes
+        self.cached_bytes = 0
         self._lock = threading.Lock()
         self.num_compiled = 0  # cache misses (tests: compiled once per schema)
 
@@ -64,7 +74,9 @@ class Grammars:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                # Its own cache is off: it would keep every distinct grammar (unbounded);
+                # ours below is bounded in bytes.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def compile(self, spec: dict[str, Any]) -> Any:
@@ -83,10 +95,14 @@ class Grammars:
         except Exception as exc:  # xgrammar's errors: an unsupported or broken schema
             raise InvalidParameter(param, f"{param} is not supported: {exc}") from None
         with self._lock:
-            self._cache[key] = compiled
             self.num_compiled += 1
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = compiled
+                self.cached_bytes += _size(compiled)
+            while self._cache and (
+                self.cached_bytes > self.cache_bytes or len(self._cache) > CACHE_SIZE
+            ):  # least recently used first; one larger than the whole bound is not kept
+                self.cached_bytes -= _size(self._cache.popitem(last=False)[1])
         return compiled
 
     def matcher(self, spec: dict[str, Any], replay: list[int]) -> Any:
@@ -136,6 +152,10 @@ def _compile_json(compiler: Any, schema: Any) -> Any:
     # Compact JSON (no free whitespace): a sampling model cannot pad its output forever.
     grammar = _xgr().Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     return compiler.compile_grammar(str(grammar).replace(_LOOSE_CHARS, _JSON_CHARS))
+
+
+def _size(compiled: Any) -> int:
+    return int(getattr(compiled, "memory_size_bytes", 0))
 
 
 def _strings(value: Any) -> bool:

@@ -95,6 +95,7 @@ class RouterConfig:
     # Limits at the edge (router/edge.py, router/ratelimit.py); see docs/router.md.
     max_body_bytes: int = 8 << 20
     max_prompt_chars: int = 1 << 20
+    max_schema_bytes: int = 64 << 10  # a structured-output spec's JSON (router/grammar_limits.py)
     tokenizer_threads: int = 2
     rate_limit_rpm: int = 0  # requests per minute per API key; 0: no limit
     rate_limit_tpm: int = 0  # prompt + max_tokens per minute per API key; 0: no limit
@@ -117,7 +118,7 @@ class RouterConfig:
             raise ValueError("max_queue must be >= 1")
         if self.cache_isolation not in CACHE_ISOLATION:
             raise ValueError(f"cache_isolation must be one of {list(CACHE_ISOLATION)}")
-        for name in ("max_body_bytes", "max_prompt_chars", "tokenizer_threads"):
+        for name in ("max_body_bytes", "max_prompt_chars", "max_schema_bytes", "tokenizer_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("body_timeout_s", "queue_timeout_s", "stream_write_timeout_s"):

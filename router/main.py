@@ -96,6 +96,9 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest request body; larger is a 413 (default 8 MiB)")  # fmt: skip
     g.add_argument("--max-prompt-chars", type=int, default=1 << 20,
                    help="longest prompt text (all messages together) to tokenize")  # fmt: skip
+    g.add_argument("--max-schema-bytes", type=int, default=64 << 10,
+                   help="largest structured-output spec (JSON schema, regex, grammar, the "
+                   "tools of tool_choice required); larger is a 400")  # fmt: skip
     g.add_argument("--tokenizer-threads", type=int, default=2,
                    help="threads that parse and tokenize requests off the event loop")  # fmt: skip
     g.add_argument("--rate-limit-rpm", type=int, default=0,
@@ -199,6 +202,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         default_max_tokens=args.default_max_tokens,
         max_body_bytes=args.max_body_bytes,
         max_prompt_chars=args.max_prompt_chars,
+        max_schema_bytes=args.max_schema_bytes,
         tokenizer_threads=args.tokenizer_threads,
         rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm,

@@ -1,0 +1,128 @@
+"""Structured-output grammars bounded (issue 24 item 3), in the engine core's loop.
+
+* A request aborted while its grammar compiles is never added: the compile is held (a
+  patched compile that waits on an event) until after the abort arrives; the request must
+  not enter the engine afterwards, and its stream ends as aborted. Without the fix the add
+  follows the compile and the request decodes to max_tokens for nobody.
+* A compile past ``--grammar-compile-timeout`` is refused with 400 naming the field, and
+  the next request's grammar compiles on a fresh thread instead of queueing behind it.
+* The compiled-grammar cache is bounded in bytes (xgrammar's own cache is off): distinct
+  schemas evict the least recently used, never growing past the bound.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from engine_helpers import assert_all_free, tiny_config
+
+from pdserve.engine.core_loop import CoreLoop
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.structured import Grammars
+from pdserve.protocol.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> LLMEngine:
+    return LLMEngine(tiny_config(tiny_model_dir))
+
+
+@pytest.fixture
+def loop(engine: LLMEngine) -> Any:
+    ctx = zmq.Context()
+    commands, results = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    commands.bind("inproc://c")
+    results.bind("inproc://r")
+    reader = ctx.socket(zmq.PAIR)
+    reader.connect("inproc://r")
+    core = CoreLoop(engine, commands, results)
+    yield core, reader
+    for s in (commands, results, reader):
+        s.close(0)
+    ctx.term()
+
+
+def _held_compile(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    release = threading.Event()
+    real = engine.grammars.compile
+
+    def held(spec: dict[str, Any]) -> Any:
+        release.wait(30)
+        return real(spec)
+
+    monkeypatch.setattr(engine.grammars, "compile", held)
+    return release
+
+
+def _messages(reader: Any) -> list[Any]:
+    out = []
+    while reader.poll(50):
+        out.append(pickle.loads(reader.recv()))
+    return out
+
+
+def _add(rid: str) -> tuple[Any, ...]:
+    params = SamplingParams(max_tokens=8, structured={"type": "json_schema", "schema": SCHEMA,
+                                                      "param": "response_format"})  # fmt: skip
+    return ("add", rid, [5, 6, 7], params, {})
+
+
+def test_abort_while_compiling_is_never_added(engine, loop, monkeypatch) -> None:
+    core, reader = loop
+    release = _held_compile(engine, monkeypatch)
+    core._command(_add("held"))
+    compiling = core._compiling[0].future
+    core._add_compiled()  # still compiling: nothing added
+    core._command(("abort", "held"))
+    release.set()
+    compiling.result(timeout=30)  # the compile finishes after the abort
+    core._add_compiled()
+    assert "held" not in engine.requests and not engine.has_work
+    outs = [o for m in _messages(reader) if m[0] == "out" for o in m[2]]
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("held", "abort")]
+    assert_all_free(engine)
+
+
+def test_compile_past_its_deadline_is_refused(engine, loop, monkeypatch) -> None:
+    core, reader = loop
+    core.compile_timeout_s = 0.3
+    release = _held_compile(engine, monkeypatch)
+    core._command(_add("slow"))
+    time.sleep(0.4)
+    core._add_compiled()
+    rejected = [m for m in _messages(reader) if m[0] == "rejected"]
+    assert rejected and rejected[0][1:4] == ("slow", "invalid", "response_format")
+    assert "--grammar-compile-timeout" in rejected[0][4]
+    monkeypatch.undo()  # the next compile is quick, on the fresh thread
+    core._command(_add("next"))
+    deadline = time.monotonic() + 10
+    while "next" not in engine.requests and time.monotonic() < deadline:
+        core._add_compiled()
+        time.sleep(0.01)
+    assert "next" in engine.requests and "slow" not in engine.requests
+    release.set()
+    engine.abort("next")
+    assert_all_free(engine)
+
+
+def test_grammar_cache_is_bounded_in_bytes(engine: LLMEngine) -> None:
+    one = engine.grammars.compile({"type": "json_schema", "schema": SCHEMA})
+    size = int(one.memory_size_bytes)
+    grammars = Grammars(engine.tokenizer, engine.vocab_size, [2], cache_bytes=3 * size + size // 2)
+    for i in range(8):  # distinct schemas of about the same size
+        schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"}}}
+        grammars.compile({"type": "json_schema", "schema": schema})
+        assert grammars.cached_bytes <= grammars.cache_bytes
+    assert len(grammars._cache) < 8 and grammars.num_compiled == 8
+    grammars.compile({"type": "json_schema", "schema": {"type": "object", "properties": {
+        "k0": {"type": "integer"}}}})  # fmt: skip
+    assert grammars.num_compiled == 9  # the oldest was evicted: compiled again
