@@ -15,7 +15,9 @@ One command on a machine with a CUDA device (about 3-6 minutes on one H100/H200)
 2. Roofline, bfloat16, ``small`` preset, Triton back-end: the median decode step at
    B = 1, 8, 32, 64 and context 512 / 2,048, with CUDA graphs off and on, against
    ``(weight bytes + KV bytes) / HBM bandwidth`` (``roofline_ratio``; goal >= 0.6 at B=32).
-3. KV hand-off: NIXL between two CUDA pools (one process, two NIXL agents, VRAM to VRAM),
+3. ``pdserve up`` on CUDA (1 prefill + 1 decode worker) answering the OpenAI client:
+   a greedy completion, the same text twice (``up_e2e``; a failure counts as fidelity's).
+4. KV hand-off: NIXL between two CUDA pools (one process, two NIXL agents, VRAM to VRAM),
    GB/s for a 512 MiB request, checked byte for byte; the tcp fallback likewise.
 
 Prints one JSON line last; exits 1 on any fidelity failure (a step that raised counts as
@@ -39,6 +41,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from pdserve import env  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
@@ -202,6 +205,30 @@ def kv_handoff(transport: str, mib: int = 512) -> dict[str, Any]:
     return {"ok": bool(ok), "gbps": round(nbytes / elapsed / 1e9, 2), "bytes": nbytes}
 
 
+def up_end_to_end(model_dir: Path, port: int = 8450) -> dict[str, Any]:
+    """``pdserve up`` (1 prefill + 1 decode worker on DEVICE, KV over the default
+    transport) answering the OpenAI client: greedy, the same text twice, all tokens."""
+    import serve  # bench/serve.py: starts and stops `pdserve up` as its sweep does
+    from openai import OpenAI
+
+    args = argparse.Namespace(dtype="float32", port=port, worker_arg=[f"--device={DEVICE}"])
+    proc, url = serve.start_ours("disagg", str(model_dir), args)
+    try:
+        client = OpenAI(base_url=f"{url}/v1", api_key=os.environ.get(env.API_KEY) or "none")
+        prompt = list(range(5, 300))  # longer than the direct-to-decode threshold
+        texts, tokens = [], []
+        for _ in range(2):
+            out = client.completions.create(
+                model=client.models.list().data[0].id, prompt=prompt, max_tokens=16,
+                temperature=0.0, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            texts.append(out.choices[0].text)
+            tokens.append(out.usage.completion_tokens if out.usage else 0)
+    finally:
+        serve.stop(proc)
+    return {"ok": texts[0] == texts[1] and tokens == [16, 16], "completion_tokens": tokens}
+
+
 def _point(model_dir: Path, b: int, c: int, gbps: float, graphs: bool) -> Callable[[], Any]:
     return lambda: roofline(model_dir, b, c, gbps, graphs)
 
@@ -242,11 +269,13 @@ def main() -> int:
             cell: dict[str, Any] = {}
             _guarded(cell, "r", _point(small, b, c, gbps, graphs))
             result["roofline"].append(cell["r"])
+    _guarded(result, "up_e2e", lambda: up_end_to_end(tiny))
     if not args.quick:
         _guarded(result, "nixl_vram", lambda: kv_handoff("nixl"))
         _guarded(result, "tcp", lambda: kv_handoff("tcp"))
     print(json.dumps(result))
-    checks = [k for k in ("fidelity_fp32", "fidelity_bf16", "fidelity_real") if k in result]
+    checks = ["fidelity_fp32", "fidelity_bf16", "fidelity_real", "up_e2e"]
+    checks = [k for k in checks if k in result]
     return 0 if all(result[k].get("ok") for k in checks) else 1
 
 
