@@ -168,7 +168,8 @@ class Admission:
         fut.set_exception(queue_full(self.slots))
 
     def _forget(self, priority: int, client: str, fut: asyncio.Future[None]) -> None:
-        q = self._waiting.get(priority, {}).get(client)
+        level = self._waiting.get(priority)
+        q = level.get(client) if level is not None else None
         if q is not None:
             with contextlib.suppress(ValueError):
                 q.remove(fut)

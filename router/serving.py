@@ -24,7 +24,6 @@ from pdserve.router import edge, responses
 from pdserve.router.dispatch import Delta, RequestState
 from pdserve.router.echo import Echo, echo_for, scored_only
 from pdserve.router.errors import APIError, invalid
-from pdserve.router.grammar_limits import check_grammar
 from pdserve.router.logprobs_format import LogprobsFormatter
 from pdserve.router.protocol import GenerateRequest, check_model, parse_request
 from pdserve.router.routing import RoutePlan
@@ -75,7 +74,6 @@ def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[GenerateRequest, list[
 def prepare_body(rt: Runtime, body: Any, chat: bool) -> tuple[GenerateRequest, list[int]]:
     req = parse_request(body, chat, rt.cfg.default_max_tokens)
     check_model(req.model, rt.served_names)
-    check_grammar(req.sampling.structured, rt.cfg.max_schema_bytes)
     try:
         req.sampling.validate(rt.tokenizer.vocab_size)
     except InvalidParameter as exc:
@@ -215,9 +213,9 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
     try:
         caller, client = rt.gate(request)  # before the body is read or parsed
         raw = await edge.read_body(request, rt.cfg.max_body_bytes, rt.cfg.body_timeout_s)
-        ticket = rt.admission.try_now(client) or await guarded(
-            request, rt.admit(client, caller.priority)
-        )
+        ticket = rt.admission.try_now(client)  # the common case: a free slot, no task
+        if ticket is None:
+            ticket = await guarded(request, rt.admit(client, caller.priority))
     except ClientGone:
         return Response(status_code=499)
     except APIError as err:

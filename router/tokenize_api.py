@@ -39,7 +39,9 @@ async def handle(
     under --max-queue before any parsing or tokenizing."""
     caller, client = rt.gate(request)
     raw = await edge.read_body(request, rt.cfg.max_body_bytes, rt.cfg.body_timeout_s)
-    ticket = rt.admission.try_now(client) or await rt.admit(client, caller.priority)
+    ticket = rt.admission.try_now(client)
+    if ticket is None:
+        ticket = await rt.admit(client, caller.priority)
     try:
         return await rt.off_loop(_parsed, fn, rt, raw)
     finally:
