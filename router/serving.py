@@ -24,6 +24,7 @@ from pdserve.router import edge, responses
 from pdserve.router.dispatch import Delta, RequestState
 from pdserve.router.echo import Echo, echo_for, scored_only
 from pdserve.router.errors import APIError, invalid
+from pdserve.router.grammar_limits import check_grammar
 from pdserve.router.logprobs_format import LogprobsFormatter
 from pdserve.router.protocol import GenerateRequest, check_model, parse_request
 from pdserve.router.routing import RoutePlan
@@ -74,6 +75,7 @@ def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[GenerateRequest, list[
 def prepare_body(rt: Runtime, body: Any, chat: bool) -> tuple[GenerateRequest, list[int]]:
     req = parse_request(body, chat, rt.cfg.default_max_tokens)
     check_model(req.model, rt.served_names)
+    check_grammar(req.sampling.structured, rt.cfg.max_schema_bytes)
     try:
         req.sampling.validate(rt.tokenizer.vocab_size)
     except InvalidParameter as exc:
