@@ -44,7 +44,12 @@ class GGUFFile:
 
     @property
     def name(self) -> str:
-        return _QUANT_SUFFIX.sub("", self.path.stem) or self.path.stem
+        return served_name(self.path)
+
+
+def served_name(path: Path) -> str:
+    """The file's name without ``.gguf`` and its quantization suffix: the model's name."""
+    return _QUANT_SUFFIX.sub("", path.stem) or path.stem
 
 
 def inspect(path: str | os.PathLike[str]) -> GGUFFile:
@@ -122,23 +127,24 @@ def file_digest(path: Path, memo_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def converted(root: Path, info: GGUFFile, dtype: str) -> Path:
-    """Where ``info`` converted to ``dtype`` lives (complete when it holds MARKER)."""
-    return root / f"{file_digest(info.path, root / 'digests')}-{dtype}" / info.name
+def converted(root: Path, path: Path, dtype: str) -> Path:
+    """Where ``path`` converted to ``dtype`` lives (complete when it holds MARKER). Found
+    from the file's name and digest alone: a later start reads no GGUF header."""
+    return root / f"{file_digest(path, root / 'digests')}-{dtype}" / served_name(path)
 
 
 def convert(path: str | os.PathLike[str], dtype: str, root: Path) -> Path:
     """The HF directory of GGUF ``path`` in ``dtype`` (or TOKENIZER_ONLY): cached or built."""
     if dtype not in ("float32", "bfloat16", "float16", TOKENIZER_ONLY):
         raise ValueError(f"dtype must be float32, bfloat16, float16 or {TOKENIZER_ONLY}: {dtype!r}")
-    info = inspect(path)
-    out = converted(root, info, dtype)
+    out = converted(root, Path(path), dtype)
     if (out / MARKER).is_file():
         return out
+    info = inspect(path)
     out.parent.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent.parent))
     try:
-        _write(info, dtype, tmp / info.name)
+        _write(info, dtype, tmp / out.name)
         try:
             os.replace(tmp, out.parent)
         except OSError:  # a concurrent converter finished first: its bytes equal ours

@@ -61,17 +61,17 @@ def resolve_model(
     if not weights:
         tokenizer = _any_converted(root, path)
         return str(tokenizer or gguf_model.convert(path, gguf_model.TOKENIZER_ONLY, root))
-    engine_dtype = EngineConfig(model=str(path), dtype=dtype, device=device).dtype_name
-    return str(gguf_model.convert(path, engine_dtype, root))
+    if dtype == "auto":  # the engine's choice for the device (torch says if CUDA is there)
+        dtype = EngineConfig(model=str(path), dtype=dtype, device=device).dtype_name
+    return str(gguf_model.convert(path, dtype, root))
 
 
 def _any_converted(root: Path, path: Path) -> Path | None:
     """A complete conversion of ``path`` in any dtype: it holds the tokenizer too."""
-    info = gguf_model.inspect(path)
-    digest = gguf_model.file_digest(path, root / "digests")
-    for candidate in sorted(root.glob(f"{digest}-*/{info.name}")):
-        if (candidate / gguf_model.MARKER).is_file():
-            return candidate
+    for dtype in ("float32", "bfloat16", "float16"):
+        out = gguf_model.converted(root, path, dtype)
+        if (out / gguf_model.MARKER).is_file():
+            return out
     return None
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pdserve.engine import gguf_model, model_source
-from pdserve.engine.gguf_model import GGUFFile, UnsupportedGGUF
+from pdserve.engine.gguf_model import UnsupportedGGUF, served_name
 from pdserve.engine.model_source import ModelSourceError, resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def test_up_refuses_an_unsupported_gguf_without_a_traceback(tmp_path: Path) -> N
     ],
 )
 def test_served_name_drops_the_quantization_suffix(file: str, name: str) -> None:
-    assert GGUFFile(Path(file), "llama", frozenset()).name == name
+    assert served_name(Path(file)) == name
 
 
 def test_directories_pass_through_and_tiny_is_the_test_model(
