@@ -90,6 +90,7 @@ class ModelRunner:
         )
         model_support.check_model(model, self.layers)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
+        self._probe()
         self.forward = compiled.compile_model(self.model) if config.compile else self.model
         hf = self.model.config
         self.hf_config = hf
@@ -110,6 +111,19 @@ class ModelRunner:
             )
         )  # fmt: skip
         self.use_kernel = self.attention_backend == attention_backends.CPU  # False: gather
+
+    @torch.inference_mode()
+    def _probe(self) -> None:
+        """One token through the model at load, its attention checking each layer's call
+        (model_support.check_call) and answering zeros: an option the model code passes
+        that the engine does not honour refuses the start, before any pool exists."""
+        CURRENT.layers, CURRENT.architecture = self.layers, self.architecture
+        CURRENT.probing = True
+        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        try:
+            self.model(input_ids=one, position_ids=one, use_cache=False, logits_to_keep=1)
+        finally:
+            CURRENT.probing, CURRENT.layers = False, ()
 
     @property
     def compiled(self) -> bool:

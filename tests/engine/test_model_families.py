@@ -160,3 +160,21 @@ def test_attention_call_refuses_what_it_does_not_honour(
     with pytest.raises(UnsupportedModel, match="FooForCausalLM uses attention option") as err:
         _call((layer,), **kwargs)
     assert named in str(err.value)
+
+
+def test_unknown_option_refuses_the_start(
+    families: dict[str, Path], tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Model code that passes an option the engine does not know is refused at load, by
+    the one-token probe (before any request): here Llama's attention made to pass ALiBi
+    slopes, as a model with ALiBi but no config flag for it would."""
+    from transformers.models.llama import modeling_llama
+
+    forward = modeling_llama.LlamaAttention.forward
+
+    def with_alibi(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return forward(self, *args, alibi_slopes=torch.ones(4), **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", with_alibi)
+    with pytest.raises(UnsupportedModel, match="LlamaForCausalLM uses attention option alibi_"):
+        _engine(_model_dir(families, BY_ID["llama"], tiny_model_dir), kernel=True)
