@@ -3,8 +3,10 @@
 ``pdserve operator`` is the normal entry point; this module exists for kopf's
 own CLI and for ``kopf.testing.KopfRunner``. The status interval comes from
 ``PDSERVE_OPERATOR_STATUS_INTERVAL`` (seconds), the autoscaler tick from
-``PDSERVE_OPERATOR_AUTOSCALE_TICK`` and the router metrics URL template from
-``PDSERVE_OPERATOR_ROUTER_METRICS_URL``.
+``PDSERVE_OPERATOR_AUTOSCALE_TICK``, the router metrics URL template from
+``PDSERVE_OPERATOR_ROUTER_METRICS_URL`` and the pod policy's opt-ins from
+``PDSERVE_OPERATOR_MODEL_HOST_PATHS`` (colon-separated directories) and
+``PDSERVE_OPERATOR_ALLOW_UNSAFE_POD_FIELDS=1``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import kopf
 from pdserve import env
 from pdserve.operator.autoscaler import AutoscaleSettings
 from pdserve.operator.handlers import OperatorConfig, register
+from pdserve.operator.pod_policy import PodPolicy
 
 register(
     kopf.get_default_registry(),
@@ -23,5 +26,9 @@ register(
         autoscale_tick=env.get_float(env.OPERATOR_AUTOSCALE_TICK, 5),
         default_image=env.get(env.DEFAULT_IMAGE),
         autoscale=AutoscaleSettings(router_metrics_url=env.get(env.OPERATOR_ROUTER_METRICS_URL)),
+        pod_policy=PodPolicy(
+            allow_unsafe=env.get(env.OPERATOR_ALLOW_UNSAFE_POD_FIELDS) == "1",
+            model_host_paths=tuple(filter(None, env.get(env.OPERATOR_MODEL_HOST_PATHS).split(":"))),
+        ),
     ),
 )

@@ -38,6 +38,7 @@ async def test_kopf_runner_smoke(
     kubeconfig: str, client: KubeClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PDSERVE_OPERATOR_STATUS_INTERVAL", "0.3")
+    monkeypatch.setenv("PDSERVE_OPERATOR_MODEL_HOST_PATHS", "/data/models")  # minimal_llmservice
     args = ["run", "--standalone", "--namespace", NS, "-m", "pdserve.operator.kopf_entry"]
     runner = KopfRunner(args, timeout=30)
     runner.__enter__()
@@ -77,6 +78,7 @@ async def test_pdserve_operator_process(kubeconfig: str, client: KubeClient) -> 
     proc = await asyncio.create_subprocess_exec(
         _pdserve(), "operator", "--namespace", NS,
         "--status-interval", "0.3", "--health-port", str(port),
+        "--allow-model-host-path", "/data/models",  # minimal_llmservice's weights
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     try:
