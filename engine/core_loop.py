@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ import zmq
 
 from pdserve.engine.async_engine import fail_all, run_hooks, step_or_fail
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.scheduler import tenant_of
 from pdserve.protocol.contract import EngineStats
 from pdserve.protocol.outputs import RequestFailed, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter
@@ -75,7 +77,12 @@ class CoreLoop:
         self._poller.register(commands, zmq.POLLIN)
         # Grammars compile off the loop (xgrammar, up to seconds); the add follows.
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
-        self._compiling: list[Compiling] = []
+        self._compiling: list[Compiling] = []  # the one compile running (one thread)
+        # Adds waiting for the compile thread, per tenant; the tenant with the fewest
+        # compiles started since the queue was last empty goes next, so one key's burst
+        # of schemas cannot hold another key's one behind it.
+        self._queued: OrderedDict[str, deque[tuple[Any, ...]]] = OrderedDict()
+        self._started: Counter[str] = Counter()
         self.compile_timeout_s = engine.config.grammar_compile_timeout_s
         self._stats: EngineStats | None = None
         self._sent_at = 0.0
@@ -114,8 +121,9 @@ class CoreLoop:
         if kind == "add":
             params = cmd[3]
             if params.structured is not None:
-                future = self._compiler.submit(self.engine.grammars.compile, params.structured)
-                self._compiling.append(Compiling(future, cmd, time.monotonic()))
+                tenant = tenant_of(cmd[4].get("cache_salt"))
+                self._queued.setdefault(tenant, deque()).append(cmd)
+                self._start_compile()
             else:
                 self._add(cmd)
         elif kind == "abort":
@@ -157,36 +165,54 @@ class CoreLoop:
             else:
                 self._add(cmd)
         self._compiling = pending
+        self._start_compile()
+
+    def _start_compile(self) -> None:
+        """The next tenant's oldest waiting add starts compiling, if none is running."""
+        if self._compiling:
+            return
+        if not self._queued:
+            self._started.clear()
+            return
+        tenant = min(self._queued, key=self._started.__getitem__)  # ties: the first come
+        cmds = self._queued[tenant]
+        cmd = cmds.popleft()
+        if not cmds:
+            del self._queued[tenant]
+        self._started[tenant] += 1
+        future = self._compiler.submit(self.engine.grammars.compile, cmd[3].structured)
+        self._compiling.append(Compiling(future, cmd, time.monotonic()))
 
     def _drop_compiling(self, request_id: str) -> bool:
         """An abort that comes while the request's grammar compiles: the request is never
         added (it would decode to max_tokens for nobody); its stream ends as aborted."""
         entry = next((e for e in self._compiling if e.cmd[1] == request_id), None)
-        if entry is None:
-            return False
-        self._compiling.remove(entry)
-        entry.future.cancel()  # one still queued never runs
-        prompt = entry.cmd[2]
-        self._send_outputs([RequestOutput(request_id, [], "", "abort", len(prompt), 0, 0)])
+        if entry is not None:
+            self._compiling.remove(entry)
+            cmd = entry.cmd
+        else:
+            found = [(t, c) for t, q in self._queued.items() for c in q if c[1] == request_id]
+            if not found:
+                return False
+            tenant, cmd = found[0]
+            self._queued[tenant].remove(cmd)
+            if not self._queued[tenant]:
+                del self._queued[tenant]
+        self._send_outputs([RequestOutput(request_id, [], "", "abort", len(cmd[2]), 0, 0)])
+        self._start_compile()
         return True
 
     def _compile_timed_out(self, entry: Compiling) -> None:
-        """A compile past its deadline: the request is refused naming the field, and later
-        compiles go to a fresh thread (xgrammar cannot be interrupted: the old one finishes
-        on its own, its result unused)."""
+        """A compile past its deadline (counted from its start, not its wait in the queue):
+        the request is refused naming the field, and later compiles go to a fresh thread
+        (xgrammar cannot be interrupted: the old one finishes on its own, unused)."""
         params = entry.cmd[3]
         field = str(params.structured.get("param") or "structured")
         msg = (f"{field}: the grammar did not compile within {self.compile_timeout_s:g} s "
                "(--grammar-compile-timeout)")  # fmt: skip
         self._send(("rejected", entry.cmd[1], "invalid", field, msg))
-        if not entry.future.cancel():
-            self._compiler.shutdown(wait=False)
-            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
-            for other in self._compiling:  # queued behind the runaway: resubmitted
-                if other is not entry and other.future.cancel():
-                    other.future = self._compiler.submit(
-                        self.engine.grammars.compile, other.cmd[3].structured
-                    )
+        self._compiler.shutdown(wait=False)
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
 
     def _query(self, query_id: int, name: str, args: tuple[Any, ...]) -> None:
         fn = self.queries.get(name)

@@ -6,6 +6,8 @@
   follows the compile and the request decodes to max_tokens for nobody.
 * A compile past ``--grammar-compile-timeout`` is refused with 400 naming the field, and
   the next request's grammar compiles on a fresh thread instead of queueing behind it.
+* Compiles run one at a time, round robin across tenants (the router's key salt): one
+  key's burst of schemas does not hold another key's behind it.
 * The compiled-grammar cache is bounded in bytes (xgrammar's own cache is off): distinct
   schemas evict the least recently used, never growing past the bound.
 """
@@ -70,10 +72,11 @@ def _messages(reader: Any) -> list[Any]:
     return out
 
 
-def _add(rid: str) -> tuple[Any, ...]:
-    params = SamplingParams(max_tokens=8, structured={"type": "json_schema", "schema": SCHEMA,
+def _add(rid: str, salt: str | None = None) -> tuple[Any, ...]:
+    schema = {**SCHEMA, "title": rid}  # distinct per request: each one compiles
+    params = SamplingParams(max_tokens=8, structured={"type": "json_schema", "schema": schema,
                                                       "param": "response_format"})  # fmt: skip
-    return ("add", rid, [5, 6, 7], params, {})
+    return ("add", rid, [5, 6, 7], params, {"cache_salt": salt})
 
 
 def test_abort_while_compiling_is_never_added(engine, loop, monkeypatch) -> None:
@@ -111,6 +114,35 @@ def test_compile_past_its_deadline_is_refused(engine, loop, monkeypatch) -> None
     assert "next" in engine.requests and "slow" not in engine.requests
     release.set()
     engine.abort("next")
+    assert_all_free(engine)
+
+
+def test_compiles_are_served_round_robin_across_tenants(engine, loop, monkeypatch) -> None:
+    core, _ = loop
+    order: list[str] = []
+    real = engine.grammars.compile
+
+    def recording(spec: dict[str, Any]) -> Any:
+        order.append(spec["schema"]["title"])  # the add's own lookup comes again: a hit
+        return real(spec)
+
+    monkeypatch.setattr(engine.grammars, "compile", recording)
+    rids = ["a1", "a2", "a3", "b1"]
+    for rid in rids:
+        core._command(_add(rid, f"k:{rid[0]}|r:x"))
+    deadline = time.monotonic() + 30
+    while len(set(order)) < 4 or core._compiling:
+        core._add_compiled()
+        time.sleep(0.005)
+        assert time.monotonic() < deadline
+    assert list(dict.fromkeys(order)) == [
+        "a1",
+        "b1",
+        "a2",
+        "a3",
+    ]  # first come first served would be a1 a2 a3 b1
+    for rid in rids:
+        engine.abort(rid)
     assert_all_free(engine)
 
 

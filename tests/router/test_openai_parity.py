@@ -124,7 +124,7 @@ def test_each_penalty_changes_greedy_output(client: openai.OpenAI) -> None:
         ({"logit_bias": {"99999": 1}}, "logit_bias"),
         ({"logprobs": 21}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"echo": True}, "echo"),
+        ({"echo": True, "n": 2}, "echo"),  # echo itself is honoured (tests/router/test_echo.py)
         ({"best_of": 17}, "best_of"),
         ({"best_of": 2, "stream": True}, "best_of"),
         ({"n": 17}, "n"),
