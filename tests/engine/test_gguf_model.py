@@ -60,11 +60,16 @@ def test_undequantizable_quantization_is_refused_by_name(tmp_path: Path) -> None
     )  # the same file in F32 passes: the refusal is the quantization's
 
 
-def test_not_a_gguf_file_is_refused(tmp_path: Path) -> None:
+def test_not_a_gguf_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all")
     with pytest.raises(UnsupportedGGUF, match="is not a readable GGUF file"):
         gguf_model.inspect(junk)
+    blob = tmp_path / "sha256-0123"  # a file without the suffix is read as GGUF (Ollama's)
+    blob.write_bytes(b"not a gguf file either")
+    with pytest.raises(UnsupportedGGUF, match="sha256-0123 is not a readable GGUF file"):
+        resolve_model(str(blob), "float32")
     with pytest.raises(ModelSourceError, match="no such GGUF file"):
         resolve_model(str(tmp_path / "missing.gguf"))
 
