@@ -21,7 +21,7 @@ import kopf
 import pytest
 import yaml
 from k8s_emulator import ApiServer
-from k8s_helpers import NS
+from k8s_helpers import NS, TEST_POD_POLICY
 from k8s_slices import Slices
 
 from pdserve.operator.cache import WATCHED
@@ -29,9 +29,6 @@ from pdserve.operator.handlers import OperatorConfig
 from pdserve.operator.kube import KubeClient
 from pdserve.operator.main import build_registry
 from pdserve.operator.pod_policy import PodPolicy
-
-# The hostPath the operator allows under test (an admin's --allow-model-host-path).
-TEST_POD_POLICY = PodPolicy(model_host_paths=("/data/models",))
 
 
 class ForeignTasks(Collection["asyncio.Task[Any]"]):

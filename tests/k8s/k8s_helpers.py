@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from pdserve.operator.kube import KubeClient
+from pdserve.operator.pod_policy import PodPolicy
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "charts" / "pdserve" / "crds" / "llmservices.pdserve.io.yaml"
@@ -30,6 +31,11 @@ def load_crd() -> dict[str, Any]:
 def crd_schema() -> dict[str, Any]:
     schema: dict[str, Any] = load_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     return schema
+
+
+# The operator allows minimal_llmservice's hostPath weights only under a directory the
+# cluster admin names (--allow-model-host-path): the tests' operators are that admin.
+TEST_POD_POLICY = PodPolicy(model_host_paths=("/data/models",))
 
 
 def minimal_llmservice(name: str = "demo", **spec: Any) -> dict[str, Any]:

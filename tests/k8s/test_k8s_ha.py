@@ -15,7 +15,7 @@ from typing import Any
 
 import kopf
 import pytest
-from k8s_helpers import NS, eventually, minimal_llmservice
+from k8s_helpers import NS, TEST_POD_POLICY, eventually, minimal_llmservice
 
 from pdserve.operator.handlers import OperatorConfig
 from pdserve.operator.kube import KubeClient
@@ -29,6 +29,7 @@ def config(image: str) -> OperatorConfig:
     return OperatorConfig(
         status_interval=0.3, retry_delay=0.5, debounce=0.05, default_image=image,
         peering_lifetime=10,  # keep-alives every 1-5 s: a loaded CI box never looks dead
+        pod_policy=TEST_POD_POLICY,
     )  # fmt: skip
 
 
