@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from pdserve import env
+from pdserve.local.proc_group import end_group, signal_group
 from pdserve.signed_httpx import SignedAuth
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,14 +69,7 @@ class Service:
         """SIGTERM (as Ctrl-C); returns up's exit code (-9 if it had to be killed)."""
         if self.proc is None:
             return 0
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-            return -9
+        return end_group(self.proc, grace_s=60)
 
     @property
     def running(self) -> bool:
@@ -121,13 +115,13 @@ def stop_group(url: str) -> int:
     if s is None:
         return 0
     pgid = os.getpgid(int(s["pid"]))
-    os.killpg(pgid, signal.SIGSTOP)
+    signal_group(pgid, signal.SIGSTOP)
     return pgid
 
 
 def resume_group(pgid: int) -> None:
     if pgid:
-        os.killpg(pgid, signal.SIGCONT)
+        signal_group(pgid, signal.SIGCONT)
 
 
 def counter(url: str, name: str) -> float:

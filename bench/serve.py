@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import figures  # bench/figures.py, beside this script
+
+from pdserve.local.proc_group import end_group
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -97,13 +98,7 @@ def start_ours(setup: str, model: str, args: argparse.Namespace) -> tuple[subpro
 
 
 def stop(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    end_group(proc, grace_s=60)
 
 
 async def sweep(name: str, url: str, load: Load, concurrency: list[int]) -> list[dict[str, Any]]:

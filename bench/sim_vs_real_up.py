@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +24,8 @@ import aiohttp
 import numpy as np
 from sim_replay import Trace
 from sim_vs_real_cpu import CpuSampler, Sample, autogroup_enabled, cpu_between, nice_of
+
+from pdserve.local.proc_group import end_group
 
 # one request at a time on the idle service before the trace: the serving path's own
 # latency (HTTP hops client -> router -> prefill worker -> router -> client) beside the
@@ -85,13 +86,7 @@ class Up:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # it stops its workers itself
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        end_group(self.proc, grace_s=60, whole=False)  # it stops its workers itself
 
 
 async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], out: int) -> float:

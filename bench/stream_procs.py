@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.local.proc_group import end_group
+
 TICK = os.sysconf("SC_CLK_TCK")  # /proc/*/stat times are in these
 ENGINE_THREAD = "pdserve-engine"  # AsyncEngine's thread name
 STARTS = 3  # tries per cluster when a port of its turns out to be another process's
@@ -117,13 +119,7 @@ def _start(label: str, tree: Path, model: str, log_dir: Path, base: int) -> subp
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    end_group(proc, signal.SIGINT)
 
 
 def _free_port() -> int:

@@ -9,7 +9,6 @@ is left behind. Every process gets the deployment's service secret
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -29,6 +28,7 @@ import httpx
 from pdserve import env
 from pdserve.local import drain
 from pdserve.local.drain import Listed
+from pdserve.local.proc_group import signal_group
 from pdserve.protocol.codec import from_dict
 from pdserve.protocol.contract import WorkerStats
 from pdserve.router.discovery_file import write_workers_file
@@ -370,7 +370,5 @@ def _stop_procs(procs: list[Proc], grace_s: float) -> None:
 
 
 def _signal_group(proc: Proc, sig: int) -> None:
-    if proc.popen is None:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.popen.pid, sig)
+    if proc.popen is not None:
+        signal_group(proc.popen, sig)

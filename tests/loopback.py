@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from pdserve.env import SERVICE_SECRET
+from pdserve.local.proc_group import poll_until
 from pdserve.signed_httpx import SignedAuth
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,13 +36,13 @@ def free_port() -> int:
 
 def all_kv_free(urls: list[str], timeout: float = 30.0) -> None:
     """Every worker's KV pool is free again (cancelled streams are aborted at the workers)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = [httpx.get(u + "/stats", timeout=5, auth=secret_auth()).json() for u in urls]
-        if all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats):
-            return
-        assert time.monotonic() < deadline, f"KV not freed: {stats}"
-        time.sleep(0.2)
+    stats: list[dict[str, Any]] = []
+
+    def free() -> bool:
+        stats[:] = [httpx.get(u + "/stats", timeout=5, auth=secret_auth()).json() for u in urls]
+        return all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats)
+
+    poll_until(free, timeout, what=lambda: f"KV freed (last: {stats})")
 
 
 def sse_chunks(url: str, body: dict[str, Any], timeout: float = 120) -> Iterator[dict[str, Any]]:

@@ -7,14 +7,13 @@ report per-point latencies, output tok/s and the peer ratio.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from pdserve.local.proc_group import end_group
 from tests.loopback import ROOT, free_port, run_bench, wait_until_up
 
 pytestmark = pytest.mark.timeout(400)
@@ -38,8 +37,7 @@ def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
                 "--peer-url", url, "--peer-name", "twin", "--port", str(free_port())]  # fmt: skip
         result = run_bench("serve.py", *args, "--plot", str(plot), timeout=360)
     finally:
-        os.killpg(peer.pid, signal.SIGTERM)
-        peer.wait(60)
+        end_group(peer, grace_s=60)
     assert set(result["results"]) == {"twin", "pdserve-colocated"}
     for points in result["results"].values():
         assert [p["concurrency"] for p in points] == [1, 4]

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pdserve.local.proc_group import poll_until
 from pdserve.local.processes import (
     ALL_CORES_MIN_PARAMS,
     ClusterSpec,
@@ -54,10 +55,7 @@ def test_stop_kills_whole_process_groups(tmp_path: Path) -> None:
     proc = Proc("w", "decode", "http://127.0.0.1:1", [sys.executable, "-c", SPAWNER],
                 tmp_path / "w.log")  # fmt: skip
     cluster._spawn(proc)
-    deadline = time.monotonic() + 20
-    while not proc.log_path.read_text().strip():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    poll_until(lambda: proc.log_path.read_text().strip(), 20, 0.05, what="the spawner's pids")
     grandchild = int(proc.log_path.read_text().split()[0])
     assert proc.popen is not None and _alive(proc.popen.pid) and _alive(grandchild)
     cluster.stop(grace_s=5)

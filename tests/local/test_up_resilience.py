@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve.local.proc_group import end_group, poll_until, signal_group
 from tests.loopback import ROOT, all_kv_free, free_port, secret_auth, sse_chunks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -78,8 +79,7 @@ def up(tiny_model_dir: Path, tmp_path_factory):
     it.workers = dict(re.findall(r"((?:prefill|decode)-\d+)\s+ready at (\S+)", text))
     it.url = re.search(r"pdserve is up: (\S+)/v1", text).group(1)  # type: ignore[union-attr]
     yield it
-    os.killpg(proc.pid, signal.SIGTERM)
-    assert proc.wait(60) == 0, "".join(it.lines[-30:])
+    assert end_group(proc, grace_s=60) == 0, "".join(it.lines[-30:])
 
 
 def _body(prompt: str, **kw: Any) -> dict[str, Any]:
@@ -100,32 +100,34 @@ def _stats_or_none(url: str) -> dict[str, Any] | None:
 
 def _kill_busy(urls: list[str], timeout: float = 30.0) -> str:
     """``kill -9`` the worker among ``urls`` that is running a request; returns its URL."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def busy() -> str | None:
         for url in urls:
             s = _stats_or_none(url)
             # held: the prefill worker keeps the KV under a lease for a decode worker
             if s is not None and (s["running"] or s["waiting"] or s.get("held")):
                 os.kill(int(s["pid"]), signal.SIGKILL)
                 return url
-        time.sleep(0.005)
-    raise AssertionError("no worker was busy")
+        return None
+
+    return poll_until(busy, timeout, 0.005, what="a busy worker")
 
 
 def _all_back(up: Up, timeout: float = 120.0, decode: int = 0) -> None:
     """Every worker (or: the prefill workers and ``decode`` decode workers) is healthy in
     the router's view again (restarted by up)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        listed = httpx.get(up.url + "/workers", timeout=5).json()["workers"]
+    listed: list[dict[str, Any]] = []
+
+    def back() -> bool:
+        listed[:] = httpx.get(up.url + "/workers", timeout=5).json()["workers"]
         healthy = {w["url"] for w in listed if w["healthy"]}
-        if set(up.urls("prefill")) <= healthy and (
+        ok = set(up.urls("prefill")) <= healthy and (
             len(healthy & set(up.urls("decode"))) >= (decode or len(up.urls("decode")))
-        ):
-            return
-        assert up.proc.poll() is None, "pdserve up exited:\n" + "".join(up.lines[-30:])
-        assert time.monotonic() < deadline, f"not back: {listed}"
-        time.sleep(0.2)
+        )
+        assert ok or up.proc.poll() is None, "pdserve up exited:\n" + "".join(up.lines[-30:])
+        return ok
+
+    poll_until(back, timeout, what=lambda: f"every worker back (listed: {listed})")
 
 
 def _stream_text(up: Up, body: dict[str, Any], kill_after: int | None) -> tuple[str, int]:
@@ -285,7 +287,7 @@ def test_stream_survives_a_hung_decode_worker(up: Up, what: str) -> None:
 
 def _signal(pid: int, sig: int) -> None:
     if pid < 0:
-        os.killpg(-pid, sig)
+        signal_group(-pid, sig)
     else:
         os.kill(pid, sig)
 

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -34,6 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve.local.proc_group import end_group, poll_until
 from tests.loopback import all_kv_free, free_port
 
 pytestmark = pytest.mark.timeout(480)
@@ -101,23 +100,15 @@ class Up:
         return "".join(self.lines)
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = re.search(pattern, self.text)
-            if found:
-                return found
-            assert self.proc.poll() is None, f"pdserve up exited:\n{self.text}"
-            time.sleep(0.2)
-        raise AssertionError(f"no {pattern!r} within {timeout}s:\n{self.text}")
+        def found() -> re.Match[str] | None:
+            match = re.search(pattern, self.text)
+            assert match or self.proc.poll() is None, f"pdserve up exited:\n{self.text}"
+            return match
+
+        return poll_until(found, timeout, what=lambda: f"{pattern!r} in:\n{self.text}")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # it stops its workers itself
-            try:
-                return self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        return self.proc.wait(10)
+        return end_group(self.proc, grace_s=60, whole=False)  # it stops its workers itself
 
 
 async def one_request(

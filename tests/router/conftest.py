@@ -21,7 +21,7 @@ from pdserve.router.tokenizer import PromptTokenizer
 from tests.router.fakes import SECRET, TOTAL_BLOCKS, FakeState, decode_app, prefill_app, serve
 
 # The pdserve-up cluster fixtures (up, client) for the modules that run real workers.
-from tests.router.pdserve_up import client, up  # noqa: F401
+from tests.router.pdserve_up import client, shared_up, up  # noqa: F401
 
 
 @pytest.fixture(autouse=True)

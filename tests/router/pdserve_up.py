@@ -1,8 +1,11 @@
 """``pdserve up`` (1 prefill + 1 decode, float32) on loopback for the conformance tests.
 
-One cluster per test module: the module-scoped fixtures ``up`` (the cluster) and ``client``
-(an OpenAI client on it), which tests/router/conftest.py offers every router test module;
-:func:`run_up` for a module that needs other flags.
+One cluster for the whole session, started by the first module that asks for it: the
+fixtures ``up`` (the cluster; every KV block must be free again after each module) and
+``client`` (an OpenAI client on it), which tests/router/conftest.py offers every router
+test module; :func:`run_up` for a module that needs other flags. The modules on it only
+read from the service (no kills, no flags of their own) and measure counters as deltas, so
+sharing it saves one ``pdserve up`` start per module.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from pdserve.local.proc_group import end_group
 from tests.loopback import ROOT, all_kv_free, free_port, wait_until_up
 
 # Prompts at least this long (in tokens) are prefilled on the prefill worker: the tests'
@@ -50,20 +54,21 @@ def run_up(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[Up]:
         url, workers = wait_until_up(proc)
         yield Up(url, workers, proc)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc, signal.SIGINT)
 
 
-@pytest.fixture(scope="module")
-def up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+@pytest.fixture(scope="session")
+def shared_up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     with run_up(tiny_model_dir, tmp_path_factory.mktemp("up-logs")) as cluster:
         assert len(cluster.workers) == 2, cluster.workers  # one prefill, one decode
         yield cluster
-        all_kv_free(cluster.workers)  # after the module's last test, too
+
+
+@pytest.fixture(scope="module")
+def up(shared_up: Up) -> Iterator[Up]:
+    assert shared_up.proc.poll() is None, "the shared pdserve up has exited"
+    yield shared_up
+    all_kv_free(shared_up.workers)  # after the module's last test, too
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from pdserve.local.proc_group import end_group, signal_group
 from tests.loopback import ROOT, all_kv_free, free_port, wait_until_up
 
 WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.py"]
@@ -46,8 +47,7 @@ def up(tiny_model_dir: Path, tmp_path_factory):
     url, workers = wait_until_up(proc)
     assert len(workers) == 2, workers  # the default: one prefill, one decode worker
     yield url, workers, proc
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    end_group(proc, signal.SIGKILL, grace_s=10)
 
 
 def test_openai_client_against_real_workers(up) -> None:
@@ -99,7 +99,7 @@ def test_load_200_requests_at_concurrency_50(up) -> None:
 
 def test_sigint_stops_everything(up) -> None:
     url, workers, proc = up
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C; SIGTERM is tested by the autoscale test
+    signal_group(proc, signal.SIGINT)  # Ctrl-C; SIGTERM is tested by the autoscale test
     assert proc.wait(60) == 0
     for target in [url, *workers]:
         with pytest.raises(httpx.ConnectError):

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.local.proc_group import poll_until
 from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest
 from tests.workers.worker_helpers import AUTH, proc, sampling, stats, worker_cluster
@@ -32,17 +33,19 @@ def _core_of(pid: int) -> int:
     raise AssertionError(f"no engine core under worker {pid}")
 
 
+def _exited(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"  # exited, not yet reaped by its parent
+
+
 def _gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-        except FileNotFoundError:
-            return True
-        if state == "Z":  # exited, not yet reaped by its parent
-            return True
-        time.sleep(0.1)
-    return False
+    try:
+        return poll_until(lambda: _exited(pid), timeout, 0.1)
+    except TimeoutError:
+        return False
 
 
 def _generate_body(max_tokens: int) -> dict[str, object]:

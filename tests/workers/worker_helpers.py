@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from pdserve.local.proc_group import poll_until, signal_group
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
 from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest, PrefillRequest, RequestRef
@@ -70,7 +69,7 @@ def proc(cluster: LocalCluster, role: str) -> Proc:
 
 def kill(p: Proc, sig: int = signal.SIGKILL) -> None:
     assert p.popen is not None
-    os.killpg(p.popen.pid, sig)
+    signal_group(p.popen, sig)
     if sig == signal.SIGKILL:
         p.popen.wait(10)
 
@@ -94,15 +93,15 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 def assert_all_free(*urls: str, timeout: float = 15.0) -> None:
     """Every KV block of every worker is free again (leases released or expired)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        snaps = {u: stats(u) for u in urls}
-        if all(
-            s["kv_blocks_free"] == s["kv_blocks_total"] and s["held"] == 0 for s in snaps.values()
-        ):
-            return
-        assert time.monotonic() < deadline, f"KV blocks not all free: {snaps}"
-        time.sleep(0.2)
+    snaps: dict[str, dict[str, Any]] = {}
+
+    def free() -> bool:
+        snaps.update({u: stats(u) for u in urls})
+        return all(
+            s["kv_blocks_free"] == s["kv_blocks_total"] and not s["held"] for s in snaps.values()
+        )
+
+    poll_until(free, timeout, what=lambda: f"KV blocks all free (last: {snaps})")
 
 
 def sampling(max_tokens: int) -> SamplingParams:
@@ -138,9 +137,7 @@ async def decode(
     in its codec form, forged or not, is sent as given."""
     body = to_dict(GenerateRequest(rid, prompt, sampling(max_tokens)))
     body.update(kv_handle=handle, first_token_id=first_token_id)
-    async with client.stream(
-        "POST", url + "/generate", json=body, auth=AUTH, timeout=60
-    ) as resp:
+    async with client.stream("POST", url + "/generate", json=body, auth=AUTH, timeout=60) as resp:
         if resp.status_code != 200:
             return resp.status_code, [json.loads(await resp.aread())]
         return 200, [json.loads(line) async for line in resp.aiter_lines() if line]
