@@ -68,7 +68,10 @@ def test_echo_loglikelihood_equals_transformers(up: Up, hf: Any, context_len: in
     kind = "remote_prefill" if context_len >= 8 else "local_prefill"
     before = _decisions(up, kind)
     for _ in range(2):  # the second one's prefix is cached on the workers
-        body = {"prompt": [ids], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+        # lm-eval 0.4.13's loglikelihood payload, byte for byte (openai_completions.py), so
+        # CI runs the harness's shape even where lm_eval is not installed
+        body = {"prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+                "seed": 1234, "echo": True}  # fmt: skip
         resp = _post(up, body)
         assert resp.status_code == 200, resp.text
         lps = resp.json()["choices"][0]["logprobs"]
@@ -76,6 +79,8 @@ def test_echo_loglikelihood_equals_transformers(up: Up, hf: Any, context_len: in
         assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
         got = sum(lps["token_logprobs"][context_len:-1])  # what lm-eval reads
         assert abs(got - want) < TOL, (got, want)
+        tops = lps["top_logprobs"][context_len:-1]  # its is_greedy: each token the top one
+        assert all(len(top) == 1 for top in tops)
         assert lps["text_offset"] == sorted(lps["text_offset"])
     assert _decisions(up, kind) >= before + 2  # the path the parameter names was taken
     all_kv_free(up.workers)
