@@ -4,7 +4,8 @@ windowed + MoE (gpt-oss) and the MLA + MoE (DeepSeek-V3) families give transform
 own greedy tokens when the decode worker continues from KV it did not compute.
 
 The prompts run past the 8-token windows and across blocks, so the handed-off blocks
-hold positions some layers must no longer see and others must.
+hold positions some layers must no longer see and others must. A refused family makes
+the worker exit at start with the option's name.
 """
 
 from __future__ import annotations
@@ -89,3 +90,26 @@ def _hf_greedy(model, prompt: list[int]) -> list[int]:  # type: ignore[no-untype
             pad_token_id=model.config.pad_token_id,
         )
     return [int(t) for t in out[0, len(prompt) :].tolist()]
+
+
+def test_worker_refuses_an_unsupported_model_at_start(tiny_model_dir: Path) -> None:
+    """A worker given a refused architecture exits at start, the option named in its
+    output (here Qwen3-Next's linear-attention layers), instead of serving it."""
+    import socket
+    import subprocess
+    import sys
+
+    model_dir = cached_family(BY_ID["qwen3-next"], tiny_model_dir)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "pdserve", "prefill-worker", "--model", str(model_dir),
+         "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert (
+        "Qwen3NextForCausalLM uses layer type 'linear_attention', which pdserve's paged "
+        "attention does not implement" in run.stdout + run.stderr
+    ), run.stderr[-2000:]
