@@ -92,7 +92,9 @@ def ensure_model(args: argparse.Namespace) -> str:
 def kv_block_bytes(model_dir: str, dtype: str) -> int:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    # MLA (DeepSeek): the pool's head size is K's, nope + rope (engine/model_support.py).
+    mla = cfg.get("qk_nope_head_dim", 0) + cfg.get("qk_rope_head_dim", 0)
+    head_dim = mla or cfg.get("head_dim") or cfg["hidden_size"] // heads
     kv_heads = cfg.get("num_key_value_heads") or heads
     elem = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
     return int(cfg["num_hidden_layers"] * 2 * BLOCK * kv_heads * head_dim * elem)
