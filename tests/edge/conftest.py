@@ -18,6 +18,7 @@ from pdserve.local.processes import ClusterSpec, LocalCluster
 from tests.loopback import free_port
 
 KEYS = ("tenant-a-key", "tenant-b-key")
+ADMIN_KEY = "edge-admin-key"  # /workers needs it while tenant keys are on
 WORKER_ARGS = (
     "--device", "cpu", "--kv-cache-bytes", "6000000", "--max-num-batched-tokens", "512",
     "--max-model-len", "1024", "--cpu-threads", "1",
@@ -51,10 +52,10 @@ def deployment(
         cluster.start_workers()
         router = cluster.start_router(
             port=free_port(), args=("--api-key-file", str(keys), "--disagg-threshold", "32",
-                          "--health-interval", "0.2"),
+                          "--health-interval", "0.2", "--admin-api-key", ADMIN_KEY),
         )  # fmt: skip
         cluster.wait_healthy(timeout=300)
-        cluster.wait_routed(router, api_key=KEYS[0])
+        cluster.wait_routed(router, api_key=ADMIN_KEY)
         workers = tuple(cluster.urls("prefill") + cluster.urls("decode"))
         yield Deployment(router.url, workers, spec.model_name)
     finally:
