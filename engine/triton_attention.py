@@ -123,28 +123,46 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [Hq] float32
+    splits: int | None = None,  # decode tiles' context splits; None: by the table's width
 ) -> None:
     _t, hq, d = q.shape
     hkv = k_cache.shape[1]
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and out.stride(2) == 1
     assert k_cache.stride() == v_cache.stride()
     block_g = group_rows(hq, hkv)
+    block_d = max(16, triton.next_power_of_2(d))
     for tiles in meta.launches:
         n = tiles.row.numel()
         if n == 0:
             continue
-        _attention[(n, hkv)](
-            q, k_cache, v_cache, out, meta.tables, tiles.row, tiles.count, tiles.ctx,
+        block_m = max(DECODE_ROWS, tiles.block_q * block_g)
+        # Decodes split their context over several programs (few requests x KV heads
+        # would leave most of a GPU idle), combined after; prefill tiles are many already.
+        s = 1 if tiles.block_q > 1 else splits or decode_splits(meta.tables.shape[1])
+        part = torch.empty((n * hkv * s * block_m, block_d + 2), dtype=torch.float32,
+                           device=q.device) if s > 1 else out  # fmt: skip
+        consts = {"G": hq // hkv, "BLOCK_G": block_g, "BLOCK_Q": tiles.block_q,
+                  "BLOCK_M": block_m, "D": d, "BLOCK_D": block_d, "SPLITS": s}  # fmt: skip
+        _attention[(n, hkv, s)](
+            q, k_cache, v_cache, out, part, meta.tables, tiles.row, tiles.count, tiles.ctx,
             tiles.table, sinks if sinks is not None else q,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             out.stride(0), out.stride(1), meta.tables.stride(0),
-            scale, softcap or 1.0, window or NO_WINDOW,
-            G=hq // hkv, BLOCK_G=block_g, BLOCK_Q=tiles.block_q,
-            BLOCK_M=max(DECODE_ROWS, tiles.block_q * block_g), D=d,
-            BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=block_size,
+            scale, softcap or 1.0, window or NO_WINDOW, BLOCK_SIZE=block_size,
             HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **consts,
         )  # fmt: skip
+        if s > 1:
+            _combine[(n, hkv)](
+                out, part, tiles.row, tiles.count, out.stride(0), out.stride(1), **consts
+            )
+
+
+def decode_splits(table_width: int) -> int:
+    """Programs per decode tile and KV head: one per 16 blocks of the longest context's
+    table (256 tokens at block 16), at most 16. Fixed by the width, so a CUDA graph's
+    static tables give every replay the same launch."""
+    return max(1, min(16, table_width // 16))
 
 
 def store_kv(
@@ -194,15 +212,18 @@ def _tanh(x):
 
 @triton.jit
 def _attention(
-    q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, row_ptr, count_ptr, ctx_ptr, table_ptr, sinks_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, tables_ptr, row_ptr, count_ptr, ctx_ptr, table_ptr,
+    sinks_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tab,
     scale, softcap, window,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     row0 = tl.load(row_ptr + tile)
     count = tl.load(count_ptr + tile)
     ctx0 = tl.load(ctx_ptr + tile)
@@ -218,9 +239,11 @@ def _attention(
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = ctx0 - 1 + qi  # each row's position in its request
 
-    if HAS_SINKS:
-        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
-        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if HAS_SINKS:  # the sink joins the softmax once: in the first split's partial sums
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        first = (m * 0 + split) == 0
+        m_i = tl.where(first, sink, float("-inf"))
+        l_i = tl.where(first, 1.0, 0.0)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -229,7 +252,10 @@ def _attention(
     hi = ctx0 + count - 1  # keys of the tile's last token: [0, hi)
     lo = tl.maximum(ctx0 - window, 0)  # the first token's earliest key
     n = tl.arange(0, BLOCK_SIZE)
-    for blk in range(lo // BLOCK_SIZE, tl.cdiv(hi, BLOCK_SIZE)):
+    b_lo = lo // BLOCK_SIZE
+    b_hi = tl.cdiv(hi, BLOCK_SIZE)
+    per = tl.cdiv(b_hi - b_lo, SPLITS)  # this split's share of the blocks
+    for blk in range(b_lo + split * per, tl.minimum(b_lo + (split + 1) * per, b_hi)):
         block = tl.load(tables_ptr + table * stride_tab + blk).to(tl.int64)
         k_pos = blk * BLOCK_SIZE + n
         kv_off = (block * BLOCK_SIZE + n)[:, None] * stride_ks + kvh * stride_kh + d[None, :]
@@ -249,6 +275,49 @@ def _attention(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_off = (row0 + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
+        o_ok = row_ok[:, None] & d_ok[None, :]
+        tl.store(o_ptr + o_off + d[None, :], o.to(o_ptr.dtype.element_ty), mask=o_ok)
+    else:  # partials: [acc (BLOCK_D) | m | l] per row, combined by _combine
+        rows = ((tile * tl.num_programs(1) + kvh) * SPLITS + split) * BLOCK_M + m
+        p_row = rows.to(tl.int64) * (BLOCK_D + 2)
+        tl.store(part_ptr + p_row[:, None] + d[None, :], acc)
+        tl.store(part_ptr + p_row + BLOCK_D, m_i)
+        tl.store(part_ptr + p_row + BLOCK_D + 1, l_i)
+
+
+@triton.jit
+def _combine(
+    o_ptr, part_ptr, row_ptr, count_ptr, stride_ot, stride_oh,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """One tile and KV head: the splits' partial softmaxes rescaled to a common maximum."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    row0 = tl.load(row_ptr + tile)
+    count = tl.load(count_ptr + tile)
+    m = tl.arange(0, BLOCK_M)
+    qi = m // BLOCK_G
+    head = kvh * G + m % BLOCK_G
+    row_ok = (qi < count) & (m % BLOCK_G < G) & (qi < BLOCK_Q)
+    d = tl.arange(0, BLOCK_D)
+    first = ((tile * tl.num_programs(1) + kvh) * SPLITS) * BLOCK_M + m
+    m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(SPLITS):
+        p_row = (first + s * BLOCK_M).to(tl.int64) * (BLOCK_D + 2)
+        m_all = tl.maximum(m_all, tl.load(part_ptr + p_row + BLOCK_D))
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(SPLITS):
+        p_row = (first + s * BLOCK_M).to(tl.int64) * (BLOCK_D + 2)
+        w = tl.exp(tl.load(part_ptr + p_row + BLOCK_D) - m_safe)
+        l_all += tl.load(part_ptr + p_row + BLOCK_D + 1) * w
+        acc += tl.load(part_ptr + p_row[:, None] + d[None, :]) * w[:, None]
+    o = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
     o_off = (row0 + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    o_ok = row_ok[:, None] & (d < D)[None, :]
+    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=o_ok)

@@ -9,7 +9,8 @@ Proves: decode tiles and prefill-chunk tiles (a chunk that starts its request, c
 that continue a cached context, decodes in the same step) equal the gather reference
 within 1e-5 in float32, over random block tables (blocks in random pool order, table rows
 padded with other requests' blocks), context lengths 1..600, GQA 1/2/4, sliding windows,
-soft-capping and sinks on and off (triton_cases.py holds the cases and the reference).
+soft-capping and sinks on and off, decode contexts split over 1-16 programs and combined
+(triton_cases.py holds the cases and the reference).
 Then the engine's own attention call through each back-end (triton_engine_cases.py): the
 Triton and CPU-kernel outputs equal the gather path's, and the tiny model, greedy through
 the Triton back-end with prefill chunks beside decodes, equals transformers' generate();
@@ -72,6 +73,7 @@ def test_cases_cover_the_ranges() -> None:
     assert any(c.window for c in cases) and any(not c.window for c in cases)
     assert any(c.softcap for c in cases) and any(not c.softcap for c in cases)
     assert any(c.pad for c in cases) and any(c.sinks for c in cases)
+    assert {1, 3, 4, 16} <= {c.splits for c in cases}  # decode contexts split over programs
     # A chunk that starts its request, one that continues a context, decodes beside them.
     chunks = triton_cases.MIXED
     assert (0, 37) in chunks and any(s > 0 and n > 1 for s, n in chunks)

@@ -30,6 +30,7 @@ class Case:
     kv_heads: int = 2
     head_dim: int = 16
     pad: int = 3  # extra block-table columns, filled with blocks of other requests
+    splits: int | None = None  # decode context splits (None: by table width, 2 here)
 
     @property
     def id(self) -> str:
@@ -37,6 +38,7 @@ class Case:
         opts = [f"w{self.window}"] if self.window else []
         opts += [f"cap{self.softcap:g}"] if self.softcap else []
         opts += ["sinks"] if self.sinks else []
+        opts += [f"split{self.splits}"] if self.splits else []
         return "-".join([kind, f"gqa{self.gqa}", f"d{self.head_dim}", *opts])
 
 
@@ -51,6 +53,14 @@ CASES = [
     for window, softcap, sinks in OPTIONS
 ]
 CASES.append(Case(2, MIXED, window=100, kv_heads=1, head_dim=40, pad=0))  # D not a power of two
+# Decode contexts split over 1, 3, 4 and 16 programs (16: most splits of short contexts are
+# empty), the sink counted once.
+CASES += [
+    Case(2, DECODES, 40, 30.0, sinks=True, splits=4),
+    Case(4, MIXED, 64, splits=3),
+    Case(1, DECODES, splits=16, sinks=True),
+    Case(2, DECODES, softcap=5.0, splits=1),
+]
 
 
 def make_inputs(case: Case, seed: int) -> dict[str, Any]:
@@ -111,7 +121,7 @@ def run_case(case: Case, seed: int = 0) -> float:
     out = torch.full_like(inputs["q"], float("nan"))
     ta.paged_attention(
         inputs["q"], pool[0], pool[1], out, meta, BLOCK_SIZE, scale,
-        window=case.window, softcap=case.softcap, sinks=inputs["sinks"],
+        window=case.window, softcap=case.softcap, sinks=inputs["sinks"], splits=case.splits,
     )  # fmt: skip
     return float((out - reference(case, inputs, scale)).abs().max())
 
