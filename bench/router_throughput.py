@@ -1,0 +1,303 @@
+"""The router's own cost per request, in front of the tests' fake workers.
+
+Starts the fake prefill and decode workers of ``tests/router/fakes.py`` in one process
+(signed calls and KV events as in the router tests) and ``pdserve router`` in another,
+then drives it from this process with ``--concurrency`` streamed completions of
+``--prompt-tokens`` token ids (and text prompts of about as many tokens), on two paths:
+decode-direct (the prompt is below ``--disagg-threshold``) and full P/D (threshold 0:
+prefill, KV handle, decode). Per path: requests/s of one router process (closed loop),
+the router process's CPU per request (utime + stime from /proc/PID/stat around the
+phase: the honest figure on a shared, loaded machine, where wall throughput swings with
+everyone else's load), and the router's added latency p50/p99 at ~50% of that peak
+(paced open loop; the same requests straight to the fake decode worker, signed, are the
+base). ``--profile FILE`` runs the router under cProfile (figures are then inflated).
+
+The last stdout line is JSON.
+
+    nice python bench/router_throughput.py            # 2000 requests per phase
+    python bench/router_throughput.py --quick         # the test's run (tests/router/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pdserve import keys, signing  # noqa: E402
+from pdserve.env import SERVICE_SECRET  # noqa: E402
+from pdserve.local.proc_group import end_group  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+# The two paths: --disagg-threshold for each (the prompts are 64 tokens).
+PATHS = {"direct": 100_000, "pd": 0}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="few requests, no latency phase")
+    p.add_argument("--requests", type=int, default=2000, help="per throughput phase")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--latency-requests", type=int, default=400)
+    p.add_argument("--paths", default="direct,pd", help="comma list of: direct, pd")
+    p.add_argument("--text", action="store_true", help="also run text prompts (tokenized)")
+    p.add_argument("--profile", default="", help="write the router's cProfile stats here")
+    p.add_argument("--router-tree", default=str(ROOT),
+                   help="run the router from this checkout (a before/after comparison: "
+                   "`git archive REF | tar -x -C DIR`)")  # fmt: skip
+    p.add_argument("--fakes", action="store_true", help=argparse.SUPPRESS)  # the child
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.latency_requests = 300, 0
+    return args
+
+
+async def serve_fakes() -> None:
+    """The child: one fake prefill (with KV events) and one fake decode worker."""
+    import httpx
+    import zmq
+    import zmq.asyncio
+
+    from pdserve.signed_httpx import SignedAuth
+    from tests.router.fakes import SECRET, FakeState, decode_app, prefill_app, serve
+
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pst, dst = FakeState("prefill", "p0"), FakeState("decode", "d0")
+    pst.kv_events = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+    pst.keep_records = dst.keep_records = False  # a long run keeps no per-request record
+    dst.client = httpx.AsyncClient(
+        auth=SignedAuth(SECRET), limits=httpx.Limits(max_connections=None)
+    )
+    async with serve(prefill_app(pst, pub)) as purl, serve(decode_app(dst)) as durl:
+        print(json.dumps({"prefill": purl, "decode": durl}), flush=True)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+@contextlib.contextmanager
+def child(cmd: list[str], env: dict[str, str],
+          cwd: str | Path = ROOT) -> Iterator[subprocess.Popen[str]]:  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True, cwd=cwd)  # fmt: skip
+    try:
+        yield proc
+    finally:
+        end_group(proc)
+
+
+# The router under cProfile (thread CPU time: a loaded machine preempts it at random) over
+# the measured phase only (start-up and imports left out):
+# SIGUSR1 starts the profiler on the event loop's thread, SIGUSR2 stops it and writes argv[1].
+PROFILED = """
+import cProfile, signal, sys, time
+from pdserve.cli import main
+prof, path = cProfile.Profile(time.thread_time), sys.argv.pop(1)  # CPU, not wall
+signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
+signal.signal(signal.SIGUSR2, lambda *_: (prof.disable(), prof.dump_stats(path)))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def router_cmd(args: argparse.Namespace, model: str, urls: dict[str, str], port: int,
+               threshold: int) -> list[str]:  # fmt: skip
+    head = [sys.executable, "-c", PROFILED, args.profile] if args.profile else [
+        sys.executable, "-m", "pdserve"]  # fmt: skip
+    return [*head, "router", "--model", model,
+            "--served-model-name", "tiny", "--port", str(port), "--log-level", "warning",
+            "--prefill", urls["prefill"], "--decode", urls["decode"],
+            "--disagg-threshold", str(threshold)]  # fmt: skip
+
+
+async def wait_ready(http: aiohttp.ClientSession, url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError):
+            async with http.get(url + "/health") as r:
+                if r.status == 200:
+                    return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"router at {url} not ready in {timeout} s")
+
+
+def body(args: argparse.Namespace, rng: random.Random, text: bool) -> dict[str, Any]:
+    ids = [rng.randrange(16, 500) for _ in range(args.prompt_tokens)]
+    prompt: Any = " ".join(f"w{i}" for i in ids[: args.prompt_tokens // 2]) if text else ids
+    return {"model": "tiny", "prompt": prompt, "max_tokens": args.max_tokens, "stream": True,
+            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+
+
+async def one(http: aiohttp.ClientSession, url: str, payload: Any, headers: Any) -> float:
+    """Seconds for one streamed call read to its end; raises on any error."""
+    t0 = time.perf_counter()
+    async with http.post(url, data=payload, headers=headers) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:200]}")
+        async for _ in r.content.iter_any():
+            pass
+    return time.perf_counter() - t0
+
+
+async def closed_loop(http: aiohttp.ClientSession, url: str, bodies: list[bytes],
+                      conc: int) -> tuple[float, int]:  # fmt: skip
+    """(wall seconds, errors) for every body at ``conc`` in flight."""
+    queue = list(reversed(bodies))
+    errors = 0
+    hdr = {"content-type": "application/json"}
+
+    async def worker() -> None:
+        nonlocal errors
+        while queue:
+            try:
+                await one(http, url + "/v1/completions", queue.pop(), hdr)
+            except (aiohttp.ClientError, RuntimeError):
+                errors += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(conc)))
+    return time.perf_counter() - t0, errors
+
+
+async def paced(calls: list[Any], rate: float) -> list[float]:
+    """Latencies of ``calls`` (coroutine factories) started at ``rate`` per second."""
+    tasks = []
+    for i, call in enumerate(calls):
+        delay = i / rate - (time.perf_counter() - paced.t0) if i else 0.0
+        if i == 0:
+            paced.t0 = time.perf_counter()  # type: ignore[attr-defined]
+        elif delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(call()))
+    return sorted(await asyncio.gather(*tasks))
+
+
+def pct(xs: list[float], q: float) -> float:
+    return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 2) if xs else 0.0
+
+
+def direct_call(http: aiohttp.ClientSession, decode_url: str, ring: keys.KeyRing,
+                body_: dict[str, Any], n: int) -> Any:  # fmt: skip
+    """The base of the added latency: the same stream straight from the fake decode worker."""
+    from pdserve.protocol.codec import encode
+    from pdserve.protocol.contract import GenerateRequest
+    from pdserve.protocol.sampling_params import SamplingParams
+
+    sampling = SamplingParams(max_tokens=body_["max_tokens"], temperature=0.0, ignore_eos=True)
+    raw = encode(GenerateRequest(f"base-{n}", body_["prompt"], sampling))
+
+    async def call() -> float:
+        hdr = {signing.HEADER: signing.sign(ring, "POST", "/generate", raw)}
+        return await one(http, decode_url + "/generate", raw, hdr)
+
+    return call
+
+
+async def run_path(args: argparse.Namespace, model: str, urls: dict[str, str], env: dict[str, str],
+                   path: str, text: bool, port: int) -> dict[str, Any]:  # fmt: skip
+    rng = random.Random(f"{path}-{text}")
+    url = f"http://127.0.0.1:{port}"
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=60)
+    cmd = router_cmd(args, model, urls, port, PATHS[path])
+    with child(cmd, env, args.router_tree) as router:
+        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
+            await wait_ready(http, url)
+            warm = [json.dumps(body(args, rng, text)).encode() for _ in range(args.concurrency)]
+            await closed_loop(http, url, warm, args.concurrency)  # connections, caches
+            bodies = [json.dumps(body(args, rng, text)).encode() for _ in range(args.requests)]
+            if args.profile:
+                router.send_signal(signal.SIGUSR1)
+            cpu0 = cpu_seconds(router.pid)
+            wall, errors = await closed_loop(http, url, bodies, args.concurrency)
+            cpu = cpu_seconds(router.pid) - cpu0
+            if args.profile:
+                router.send_signal(signal.SIGUSR2)
+                await asyncio.sleep(1.0)  # the dump
+            out = {"path": path, "prompt": "text" if text else "ids", "requests": len(bodies),
+                   "errors": errors, "rps": round(len(bodies) / wall, 1),
+                   "router_cpu_us_per_req": round(1e6 * cpu / len(bodies), 1)}  # fmt: skip
+            if args.latency_requests and not text:
+                out.update(await added_latency(args, http, url, urls, rng, out["rps"] / 2))
+    return out
+
+
+async def added_latency(args: argparse.Namespace, http: aiohttp.ClientSession, url: str,
+                        urls: dict[str, str], rng: random.Random,
+                        rate: float) -> dict[str, Any]:  # fmt: skip
+    """Latency through the router minus straight to the decode worker, at ``rate``/s."""
+    ring = keys.KeyRing(keys.HTTP, os.environ[SERVICE_SECRET])
+    hdr = {"content-type": "application/json"}
+    n = args.latency_requests
+    via = [json.dumps(body(args, rng, False)).encode() for _ in range(n)]
+    routed = await paced([lambda b=b: one(http, url + "/v1/completions", b, hdr)
+                          for b in via], rate)  # fmt: skip
+    base = await paced([direct_call(http, urls["decode"], ring, body(args, rng, False), i)
+                        for i in range(n)], rate)  # fmt: skip
+    return {"paced_rps": round(rate, 1),
+            "added_p50_ms": round(pct(routed, 0.5) - pct(base, 0.5), 2),
+            "added_p99_ms": round(pct(routed, 0.99) - pct(base, 0.99), 2),
+            "routed_p50_ms": pct(routed, 0.5), "direct_p50_ms": pct(base, 0.5)}  # fmt: skip
+
+
+def load_avg() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    from pdserve.engine.tiny_model import write_tiny_model
+    from tests.loopback import free_port
+
+    model = str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
+    env = {**os.environ, SERVICE_SECRET: os.environ.get(SERVICE_SECRET) or os.urandom(16).hex()}
+    os.environ[SERVICE_SECRET] = env[SERVICE_SECRET]
+    fakes_cmd = [sys.executable, str(Path(__file__).resolve()), "--fakes"]
+    result: dict[str, Any] = {"load_avg_1m_before": load_avg(), "runs": []}
+    with child(fakes_cmd, env) as fakes:
+        assert fakes.stdout is not None
+        urls = json.loads(await asyncio.to_thread(fakes.stdout.readline))
+        for path in args.paths.split(","):
+            for text in (False, True) if args.text else (False,):
+                run = await run_path(args, model, urls, env, path, text, free_port())
+                print(json.dumps(run), file=sys.stderr, flush=True)
+                result["runs"].append(run)
+    result["errors"] = sum(r["errors"] for r in result["runs"])
+    result["load_avg_1m_after"] = load_avg()
+    result["cpu_count"] = os.cpu_count()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.fakes:
+        asyncio.run(serve_fakes())
+        return 0
+    print(json.dumps(asyncio.run(main_async(args))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
