@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -137,15 +138,15 @@ class RouterConfig:
     def model_name(self) -> str:
         return self.served_model_name or self.model_dir.rstrip("/").split("/")[-1]
 
-    @property
+    @functools.cached_property  # read on every request; the config never changes
     def prefill_scorers(self) -> tuple[ScorerWeight, ...]:
         return expand(self.scorers)
 
-    @property
+    @functools.cached_property
     def decode_scorers(self) -> tuple[ScorerWeight, ...]:
         return expand(self.decode_scorer_weights)
 
-    @property
+    @functools.cached_property
     def uses_prefix(self) -> bool:
         """Whether routing reads the prefix index (block hashes are computed for it)."""
         return self.picker == "max-score" and any(

@@ -67,8 +67,8 @@ def _plain(value: Any) -> Any:
             return to_dict(value)
         own = getattr(value, "to_dict", None)
         return own() if own is not None else dataclasses.asdict(value)
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
+    if isinstance(value, list):  # scalars inline: a prompt's ids were a call each
+        return [v if type(v) in _SCALARS else _plain(v) for v in value]
     return value
 
 
