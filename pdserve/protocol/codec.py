@@ -133,6 +133,8 @@ def _convert(value: Any, hint: Any) -> Any:
         return _convert(value, inner[0]) if len(inner) == 1 else value
     if origin is list:
         _need(isinstance(value, list), "a list", value)
+        if args and args[0] is int and all(type(v) is int for v in value):
+            return list(value)  # block ids and hashes: no call per element when all fit
         return [_convert(v, args[0]) for v in value] if args else value
     if origin is dict or hint is dict:
         _need(isinstance(value, dict), "an object", value)
