@@ -127,6 +127,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.max_concurrency_per_key < 0 or self.max_waiting < 0:
             raise ValueError("max_concurrency_per_key and max_waiting must be >= 0")
+        if self.prefix_index_capacity < 1:
+            raise ValueError("prefix_index_capacity (--prefix-index-max-blocks) must be >= 1")
         if self.rate_limit_rpm < 0 or self.rate_limit_tpm < 0:
             raise ValueError("rate limits must be >= 0 (0: no limit)")
         for _, weight in (*self.scorers, *self.decode_scorer_weights):

@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for name in ("prefix", "load", "balance"):  # older flags: --scorer NAME=W
         p.add_argument(f"--{name}-weight", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--default-max-tokens", type=int, default=16)
+    p.add_argument("--prefix-index-max-blocks", type=int, default=1_000_000,
+                   help="block hashes the prefix index remembers, all workers together; "
+                   "beyond them the least recently used are forgotten (~200 B each)")  # fmt: skip
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
     p.add_argument("--stall-timeout", type=float, default=10.0,
                    help="seconds a decode stream or prefill may wait for a worker that fails "
@@ -200,6 +203,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         stall_timeout_s=args.stall_timeout,
         failover_wait_s=args.failover_wait,
         default_max_tokens=args.default_max_tokens,
+        prefix_index_capacity=args.prefix_index_max_blocks,
         max_body_bytes=args.max_body_bytes,
         max_prompt_chars=args.max_prompt_chars,
         max_schema_bytes=args.max_schema_bytes,

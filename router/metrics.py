@@ -6,6 +6,8 @@ one process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -108,6 +110,19 @@ class RouterMetrics:
             "Streams aborted because their client stopped reading (--stream-write-timeout)",
             registry=r,
         )
+
+    def watch_index(self, size: Callable[[], float], evicted: Callable[[], float]) -> None:
+        """The prefix index's size and evictions, read when /metrics is scraped."""
+        Gauge(
+            "pdserve_router_prefix_index_blocks",
+            "Block hashes the prefix index holds (bounded by --prefix-index-max-blocks)",
+            registry=self.registry,
+        ).set_function(size)
+        Gauge(
+            "pdserve_router_prefix_index_evicted_blocks",
+            "Block hashes the prefix index forgot for its bound, since start",
+            registry=self.registry,
+        ).set_function(evicted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,8 +4,10 @@ Fed by the workers' KV events (ZeroMQ PUB, ``[b"kv", codec bytes]`` of a
 ``KVEvent{kind, worker_id, seq, block_hashes}``) and by the router's own routing
 decisions (a prompt sent to a worker will be cached there; noting it at once
 lets the next request of the same group follow before the worker's event
-arrives). Bounded: beyond ``capacity`` block hashes the least recently used
-ones are forgotten. A gap in a worker's ``seq`` drops that worker's entries.
+arrives). Bounded: beyond ``capacity`` block hashes (``--prefix-index-max-blocks``,
+all workers together) the least recently stored or matched ones are forgotten, so a
+router under a stream of distinct prompts holds bounded memory. A gap in a worker's
+``seq`` drops that worker's entries.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class PrefixIndex:
         self._last_seq: dict[str, int] = {}
         self._held: dict[str, int] = {}  # worker_id -> block hashes it holds
         self.num_gaps = 0
+        self.num_evicted = 0  # block hashes forgotten for the bound
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -75,6 +78,7 @@ class PrefixIndex:
                 self._held[worker_id] = self._held.get(worker_id, 0) + 1
         while len(self._holders) > self.capacity:
             _, gone = self._holders.popitem(last=False)
+            self.num_evicted += 1
             for w in gone:
                 self._held[w] -= 1
 

@@ -41,6 +41,7 @@ class Runtime:
         self.metrics = RouterMetrics()
         self.client = worker_client.new_session()
         self.index = PrefixIndex(cfg.prefix_index_capacity)
+        self.metrics.watch_index(lambda: len(self.index), lambda: self.index.num_evicted)
         self.subscriber = KVEventSubscriber(self.index)
         self.discovery = Discovery(source, self.client, cfg.health_interval_s, self.subscriber)
         self.dispatcher = Dispatcher(cfg, self.discovery, self.index, self.client, self.metrics)

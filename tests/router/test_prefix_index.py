@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 
+import httpx
 import pytest
 import zmq
 import zmq.asyncio
 
 from pdserve.protocol.hashing import block_hashes
+from pdserve.router.main import add_arguments, build_config
 from pdserve.router.prefix_index import KVEventSubscriber, KVEventView, PrefixIndex
 
 
@@ -132,3 +135,48 @@ def test_parses_the_engines_own_kv_event_codec() -> None:
 
     data = encode(kv_events.KVEvent(kind="removed", worker_id="w7", seq=3, block_hashes=[5, 6]))
     assert KVEventView.parse(data) == KVEventView("removed", "w7", 3, (5, 6))
+
+
+def test_bound_holds_under_distinct_prompts_and_keeps_the_hot_prefix() -> None:
+    """A stream of never-repeated prompts (the 1,000-streams case) cannot grow the index
+    past its bound, evictions are counted, the per-worker counts stay exact, and a prefix
+    matched on every request survives. An unbounded index, or one that evicts the most
+    recently used, fails this."""
+    idx = PrefixIndex(capacity=64)
+    hot = block_hashes(list(range(64)), 16)  # 4 blocks every request starts with
+    idx.stored("a", hot)
+    for i in range(500):
+        assert idx.match(hot) == {"a": 4}
+        prompt = list(range(64)) + [10_000 + i] * 32  # the hot prefix, then 2 new blocks
+        idx.stored("ab"[i % 2], block_hashes(prompt, 16)[4:])
+        assert len(idx) <= 64
+    assert len(idx) == 64 and idx.num_evicted == 4 + 2 * 500 - 64
+    assert sum(idx.held().values()) == 64  # every kept hash has one holder here
+
+
+def test_cli_sets_the_bound_and_refuses_a_bad_one() -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--model", "/m", "--decode", "h:1", "--prefix-index-max-blocks", "5"])
+    assert build_config(args).prefix_index_capacity == 5
+    args.prefix_index_max_blocks = 0
+    with pytest.raises(ValueError, match="prefix-index-max-blocks"):
+        build_config(args)
+
+
+async def test_router_metrics_show_the_bounded_index(cluster_factory) -> None:
+    """Through the router (prefill on every request): the index stays at the configured
+    bound and /metrics reports its size and the evictions."""
+
+    async with cluster_factory(disagg_threshold=0, prefix_index_capacity=6) as c:
+        async with httpx.AsyncClient(base_url=c.url, timeout=30) as http:
+            for i in range(5):  # 5 distinct 64-token prompts: 4 blocks each
+                body = {"model": "tiny", "prompt": [100 + i] * 64, "max_tokens": 2}
+                assert (await http.post("/v1/completions", json=body)).status_code == 200
+            await asyncio.sleep(0.2)  # the workers' own events land too
+            text = (await http.get("/metrics")).text
+        assert len(c.runtime.index) <= 6
+        assert "pdserve_router_prefix_index_blocks 6.0" in text
+        evicted = c.runtime.index.num_evicted
+        assert evicted >= 14 and f"pdserve_router_prefix_index_evicted_blocks {evicted}.0" in text
+        await c.settle()
