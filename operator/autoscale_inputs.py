@@ -5,7 +5,7 @@
   whose ``profile.json`` key holds the output of ``pdserve profile``).
 - pools: ``current`` = Deployment ``spec.replicas``, ``ready`` = ``status.readyReplicas``,
   ``pending`` = the pool's pods that the scheduler could not place (no free GPU).
-- metrics: the router's ``/metrics`` (its Service in-cluster, or the operator's
+- metrics: the router's ``/metrics`` (its admin Service in-cluster, or the operator's
   ``router_metrics_url`` template), or a Prometheus HTTP API when ``metricsUrl`` is set.
 """
 
@@ -34,7 +34,8 @@ from pdserve.planner.snapshot import MetricsSnapshot, PoolStatus
 
 DEFAULT_PROFILE = "h100-llama3-8b"
 PROFILE_KEY = "profile.json"
-# Where the router serves /metrics inside the cluster: its Service, port 80.
+# Where the router serves /metrics inside the cluster: its admin Service and port, where no
+# API key is needed (the public port refuses /metrics to a keyless scrape once keys are on).
 IN_CLUSTER_METRICS_URL = "http://{service}.{namespace}.svc:{port}/metrics"
 
 
@@ -153,10 +154,10 @@ async def pool_status(
 
 def router_metrics_url(template: str, name: str, namespace: str) -> str:
     return (template or IN_CLUSTER_METRICS_URL).format(
-        service=n.router_service_name(name),
+        service=n.router_admin_service_name(name),
         name=name,
         namespace=namespace,
-        port=n.ROUTER_SERVICE_PORT,
+        port=n.ADMIN_PORT,
     )
 
 

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "spec.autoscaling.intervalSeconds)")  # fmt: skip
     parser.add_argument("--router-metrics-url", default="",
                         help="router /metrics URL template with {service} {namespace} {port} "
-                        "(default: the router Service in-cluster)")  # fmt: skip
+                        "(default: the router's admin Service in-cluster)")  # fmt: skip
     parser.add_argument("--health-port", type=int, default=8080, help="liveness endpoint port")
     parser.add_argument("--peering", default="", help="kopf peering name (default: standalone)")
     parser.add_argument("--priority", type=int, default=None,

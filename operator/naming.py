@@ -19,6 +19,10 @@ HTTP_PORT = 8080  # every container: HTTP (API, /health, /metrics)
 KV_EVENTS_PORT = 8081  # prefill: ZeroMQ PUB of KV events
 SIDE_CHANNEL_PORT = 8082  # both workers: NIXL handshake / lease release
 ROUTER_SERVICE_PORT = 80
+# Router only: --admin-port, where /metrics and /workers need no key (router/runtime.py).
+# Only the internal admin Service reaches it, never the Ingress/HTTPRoute, so the scrapes
+# (the operator's autoscaler, Prometheus) keep working once tenant API keys are on.
+ADMIN_PORT = 8083
 
 MODEL_MOUNT = "/models"
 # Workers' compiled code (inductor graphs, the attention kernel) in the shared model cache:
@@ -86,6 +90,10 @@ def deployment_name(name: str, role: str) -> str:
 
 def router_service_name(name: str) -> str:
     return name
+
+
+def router_admin_service_name(name: str) -> str:
+    return f"{name}-router-admin"
 
 
 def pool_service_name(name: str, role: str) -> str:

@@ -17,7 +17,7 @@ from pdserve.operator.spec import LLMServiceSpec
 MANAGED_FLAGS = (
     "--model", "--host", "--port", "--side-channel-port", "--kv-events-port", "--worker-id",
     "--kv-transport", "--discovery", "--service", "--namespace", "--api-key", "--api-key-file",
-    "--served-model-name",
+    "--served-model-name", "--admin-port",
 )  # fmt: skip
 
 

@@ -102,7 +102,7 @@ def services(spec: LLMServiceSpec) -> list[Manifest]:
             "ports": [http],
         },
     }
-    out = [router]
+    out = [router, _router_admin_service(spec)]
     for role in n.POOL_ROLES:
         ports = [
             {"name": "http", "port": n.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
@@ -135,6 +135,23 @@ def services(spec: LLMServiceSpec) -> list[Manifest]:
             }
         )
     return out
+
+
+def _router_admin_service(spec: LLMServiceSpec) -> Manifest:
+    """The router's admin port (/metrics, /workers without a key), always ClusterIP: the
+    router Service may be a LoadBalancer, and the Ingress/HTTPRoute point at that one only.
+    The operator's autoscaler and Prometheus (ServiceMonitor port ``admin``) scrape here."""
+    admin = {"name": "admin", "port": n.ADMIN_PORT, "targetPort": "admin", "protocol": "TCP"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(spec, n.router_admin_service_name(spec.name), "router"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": n.selector(spec.name, "router"),
+            "ports": [admin],
+        },
+    }
 
 
 def ingress(spec: LLMServiceSpec) -> list[Manifest]:

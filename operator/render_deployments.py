@@ -10,11 +10,15 @@ from pdserve.operator import pod_template as pt
 from pdserve.operator import render_pods as p
 from pdserve.operator.spec import LLMServiceSpec, PoolSpec
 
-_SCRAPE = {
-    "prometheus.io/scrape": "true",
-    "prometheus.io/port": str(n.HTTP_PORT),
-    "prometheus.io/path": "/metrics",
-}
+
+def _scrape(role: str) -> dict[str, str]:
+    # The router's /metrics needs an admin key on its HTTP port once API keys are on;
+    # its admin port opens it without one (kept off the Ingress: render.py).
+    port = n.ADMIN_PORT if role == "router" else n.HTTP_PORT
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics"}  # fmt: skip
+
+
 _PROGRESS_DEADLINE_S = 3600
 # Draining on termination: the preStop pause lets the EndpointSlice (and so the router's
 # discovery) drop the pod before SIGTERM; then the server stops accepting and lets its
@@ -64,6 +68,8 @@ def _ports(role: str) -> list[dict[str, Any]]:
         )
     if role == "prefill":
         ports.append({"name": "kv-events", "containerPort": n.KV_EVENTS_PORT, "protocol": "TCP"})
+    if role == "router":
+        ports.append({"name": "admin", "containerPort": n.ADMIN_PORT, "protocol": "TCP"})
     return ports
 
 
@@ -190,7 +196,7 @@ def _deployment(
     spec: LLMServiceSpec, role: str, replicas: int, pod: dict[str, Any], config_hash: str,
     override: Mapping[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
-    annotations = {**_SCRAPE, n.ANNOTATION_CONFIG_HASH: config_hash}
+    annotations = {**_scrape(role), n.ANNOTATION_CONFIG_HASH: config_hash}
     # Surge first, everywhere: a new pod must be ready before an old one goes, or a
     # 1-replica pool has an outage per rollout. Without a spare GPU the rollout waits
     # (Progressing) instead of taking capacity away.

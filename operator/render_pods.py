@@ -1,7 +1,7 @@
 """Deployments for the router and the two worker pools (pure functions of the spec).
 
 Command lines follow docs/architecture.md; every container listens on 8080
-(HTTP), 8081 (KV events) and 8082 (side channel).
+(HTTP), 8081 (KV events) and 8082 (side channel); the router also on 8083 (admin).
 """
 
 from __future__ import annotations
@@ -141,7 +141,8 @@ def router_command(spec: LLMServiceSpec) -> list[str]:
     r = spec.router
     cmd = ["pdserve", "router", "--model", model_dir(spec)]
     cmd += ["--served-model-name", spec.model.served_name, "--host", "0.0.0.0"]
-    cmd += ["--port", str(n.HTTP_PORT), "--discovery", "kubernetes"]
+    cmd += ["--port", str(n.HTTP_PORT), "--admin-port", str(n.ADMIN_PORT)]
+    cmd += ["--discovery", "kubernetes"]
     cmd += ["--service", spec.name, "--namespace", spec.namespace, "--routing", r.routing]
     if r.api_key_secret:
         cmd += ["--api-key-file", f"{_API_KEY_DIR}/{r.api_key_key}"]
@@ -186,7 +187,8 @@ def probes() -> dict[str, Any]:
     # Readiness (/health) = can serve: 503 until the model is loaded, and on the router while
     # no decode worker is ready. Liveness (/livez) = the process answers: a decode rollout
     # must never restart the router (losing its prefix index). The startup probe allows
-    # 30 minutes for a large model to load before liveness starts counting.
+    # 30 minutes for a large model to load before liveness starts counting. Both paths stay
+    # open with API keys on (router/app.py), so the probes keep the public port.
     return {
         "startupProbe": _probe("/livez", 10, 180),
         "readinessProbe": _probe("/health", 5, 3),

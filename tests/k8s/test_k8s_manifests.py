@@ -74,7 +74,12 @@ def validate_doc(doc: dict[str, Any]) -> None:
     elif doc["kind"] == "ServiceMonitor":
         # No schema ships for Prometheus Operator CRDs: check the fields we rely on.
         assert doc["apiVersion"] == "monitoring.coreos.com/v1"
-        assert doc["spec"]["endpoints"][0]["port"] == "http"
+        # Workers on http; the router on its admin port (its http /metrics needs a key).
+        http, admin = doc["spec"]["endpoints"]
+        assert (http["port"], admin["port"]) == ("http", "admin")
+        assert http["relabelings"] == [{"sourceLabels": [
+            "__meta_kubernetes_service_label_pdserve_io_role"], "regex": "router",
+            "action": "drop"}]  # fmt: skip
         assert (
             doc["spec"]["selector"]["matchLabels"]["app.kubernetes.io/managed-by"]
             == "pdserve-operator"

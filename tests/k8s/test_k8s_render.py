@@ -42,6 +42,7 @@ def test_children_set() -> None:
         f"RoleBinding/{name}-router",
     }
     expected |= {f"ConfigMap/{name}-config", f"Service/{name}", f"Ingress/{name}"}
+    expected |= {f"Service/{name}-router-admin"}  # the scrapes' port, never public
     expected |= {f"Service/{name}-{r}" for r in ("prefill", "decode")}
     expected |= {f"Deployment/{name}-{r}" for r in ("router", "prefill", "decode")}
     expected |= {f"PodDisruptionBudget/{name}-{r}" for r in ("router", "prefill", "decode")}

@@ -1,0 +1,101 @@
+"""The router's admin port in rendering: with API keys on, its /metrics refuses a keyless
+scrape on the HTTP port, so the operator's autoscaler and Prometheus must reach it on
+``--admin-port`` through an internal Service, never through the Ingress or HTTPRoute."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from k8s_helpers import minimal_llmservice
+from starlette.requests import Request
+
+from pdserve.operator.autoscale_inputs import router_metrics_url
+from pdserve.operator.render import render
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import APIError
+from pdserve.router.keys import KeyStore
+from pdserve.router.main import add_arguments
+from pdserve.router.runtime import Runtime
+
+KEY = {"name": "llm-key", "key": "api-key"}
+ROUTE = {"parentRefs": [{"name": "public"}]}
+
+
+def _service(**router: Any) -> dict[str, dict[str, Any]]:
+    obj = minimal_llmservice(router={"apiKeySecret": KEY, **router})
+    return {f"{m['kind']}/{m['metadata']['name']}": m for m in render(obj)}
+
+
+def _router(m: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    spec = m["Deployment/demo-router"]["spec"]["template"]
+    return {"annotations": spec["metadata"]["annotations"], **spec["spec"]["containers"][0]}
+
+
+def _container_port(m: dict[str, dict[str, Any]], service: str, port: int) -> int:
+    """The router container port a Service port leads to (named targetPort resolved)."""
+    (sp,) = [p for p in m[f"Service/{service}"]["spec"]["ports"] if p["port"] == port]
+    named = {p["name"]: p["containerPort"] for p in _router(m)["ports"]}
+    return named[sp["targetPort"]] if isinstance(sp["targetPort"], str) else sp["targetPort"]
+
+
+def _router_args(m: dict[str, dict[str, Any]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)  # the router's own parser: the rendered command must be one it takes
+    cmd = _router(m)["command"]
+    assert cmd[:2] == ["pdserve", "router"]
+    return p.parse_args(cmd[2:])
+
+
+def _admin_check(args: argparse.Namespace, local_port: int) -> None:
+    """The router's own /metrics gate (Runtime.require_admin) for a keyless request that
+    arrived on ``local_port``. A stand-in Runtime (cfg + keys only): the real one needs a
+    tokenizer and discovery, which the gate never touches."""
+    cfg = RouterConfig(model_dir=args.model, api_keys=("tenant",), admin_port=args.admin_port)
+    rt = SimpleNamespace(cfg=cfg, keys=KeyStore(keys=cfg.api_keys))
+    scope = {"type": "http", "headers": [], "server": ("10.0.0.5", local_port)}
+    Runtime.require_admin(rt, Request(scope))  # type: ignore[arg-type]
+
+
+def test_operator_scrape_reaches_an_open_metrics_port() -> None:
+    """Fails before the fix: the scrape URL led to the router Service's port 80 -> 8080,
+    where /metrics answers 401 without a key once apiKeySecret is set."""
+    m = _service()
+    url = urlsplit(router_metrics_url("", "demo", "ns"))
+    assert url.path == "/metrics" and url.hostname is not None
+    service, args = url.hostname.split(".")[0], _router_args(m)
+    assert url.port is not None and args.api_key_file
+    target = _container_port(m, service, url.port)
+    _admin_check(args, target)  # opens without a key (before the fix: APIError 401)
+    assert target == args.admin_port != args.port
+    assert service == "demo-router-admin" and m[f"Service/{service}"]["spec"]["type"] == "ClusterIP"
+    with pytest.raises(APIError) as err:  # the public port still refuses (the gate works)
+        _admin_check(args, args.port)
+    assert err.value.status == 401
+
+
+def test_prometheus_scrapes_the_admin_port() -> None:
+    m = _service()
+    router = _router(m)
+    assert router["annotations"]["prometheus.io/port"] == str(_router_args(m).admin_port)
+    assert {"name": "admin", "containerPort": 8083, "protocol": "TCP"} in router["ports"]
+    # Workers keep their one HTTP port (their /metrics has no tenant keys).
+    decode = m["Deployment/demo-decode"]["spec"]["template"]["metadata"]["annotations"]
+    assert decode["prometheus.io/port"] == "8080"
+    # Probes hit /health and /livez, which stay open with keys on: the public port is fine.
+    assert {router[k]["httpGet"]["port"] for k in ("readinessProbe", "livenessProbe")} == {"http"}
+
+
+def test_public_routes_never_reach_the_admin_port() -> None:
+    m = _service(serviceType="LoadBalancer", ingress={"host": "llm.example.com"}, httpRoute=ROUTE)
+    public = m["Service/demo"]["spec"]
+    assert public["type"] == "LoadBalancer"
+    assert [p["targetPort"] for p in public["ports"]] == ["http"]  # no admin on the LB
+    ing = m["Ingress/demo"]["spec"]["rules"][0]["http"]["paths"]
+    assert [p["backend"]["service"] for p in ing] == [{"name": "demo", "port": {"name": "http"}}]
+    (rule,) = m["HTTPRoute/demo"]["spec"]["rules"]
+    assert rule["backendRefs"] == [{"name": "demo", "port": 80}]
+    assert _container_port(m, "demo", 80) == _router_args(m).port
