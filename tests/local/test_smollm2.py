@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.local.proc_group import end_group
 from tests.loopback import ROOT, all_kv_free, free_port, wait_until_up
 
 pytestmark = [
@@ -73,12 +74,7 @@ def up(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield url, workers
         all_kv_free(workers)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc, signal.SIGINT)
 
 
 def _chat(url: str, question: str, max_tokens: int = MAX_TOKENS) -> dict:
