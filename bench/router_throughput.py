@@ -50,7 +50,7 @@ PATHS = {"direct": 100_000, "pd": 0}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="few requests, no latency phase")
+    p.add_argument("--quick", action="store_true", help="few requests (the test's run)")
     p.add_argument("--requests", type=int, default=2000, help="per throughput phase")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fakes", action="store_true", help=argparse.SUPPRESS)  # the child
     args = p.parse_args(argv)
     if args.quick:
-        args.requests, args.latency_requests = 300, 0
+        args.requests, args.latency_requests, args.text = 200, 60, True
     return args
 
 
@@ -217,32 +217,45 @@ def direct_call(http: aiohttp.ClientSession, decode_url: str, ring: keys.KeyRing
 
 
 async def run_path(args: argparse.Namespace, model: str, urls: dict[str, str], env: dict[str, str],
-                   path: str, text: bool, port: int) -> dict[str, Any]:  # fmt: skip
-    rng = random.Random(f"{path}-{text}")
+                   path: str, port: int) -> list[dict[str, Any]]:  # fmt: skip
+    """One router process for ``path``: its token-id phase, then its text phase."""
     url = f"http://127.0.0.1:{port}"
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=60)
     cmd = router_cmd(args, model, urls, port, PATHS[path])
+    out = []
     with child(cmd, env, args.router_tree) as router:
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
             await wait_ready(http, url)
-            warm = [json.dumps(body(args, rng, text)).encode() for _ in range(args.concurrency)]
-            await closed_loop(http, url, warm, args.concurrency)  # connections, caches
-            bodies = [json.dumps(body(args, rng, text)).encode() for _ in range(args.requests)]
-            if args.profile:
-                router.send_signal(signal.SIGUSR1)
-            cpu0 = cpu_seconds(router.pid)
-            wall, errors = await closed_loop(http, url, bodies, args.concurrency)
-            cpu = cpu_seconds(router.pid) - cpu0
-            if args.profile:
-                router.send_signal(signal.SIGUSR2)
-                await asyncio.sleep(1.0)  # the dump
-            out = {"path": path, "prompt": "text" if text else "ids", "requests": len(bodies),
-                   "errors": errors, "rps": round(len(bodies) / wall, 1),
-                   "router_cpu_us_per_req": round(1e6 * cpu / len(bodies), 1)}  # fmt: skip
-            if args.latency_requests and not text:
-                out.update(await added_latency(args, http, url, urls, rng, out["rps"] / 2))
+            for text in (False, True) if args.text else (False,):
+                run = await phase(args, http, url, router.pid, random.Random(f"{path}{text}"),
+                                  text)  # fmt: skip
+                if args.latency_requests and not text:
+                    rng = random.Random(path)
+                    run.update(await added_latency(args, http, url, urls, rng, run["rps"] / 2))
+                run = {"path": path, **run}
+                print(json.dumps(run), file=sys.stderr, flush=True)
+                out.append(run)
     return out
+
+
+async def phase(args: argparse.Namespace, http: aiohttp.ClientSession, url: str, pid: int,
+                rng: random.Random, text: bool) -> dict[str, Any]:  # fmt: skip
+    """Requests/s and the router's CPU per request at ``--concurrency`` (closed loop)."""
+    warm = [json.dumps(body(args, rng, text)).encode() for _ in range(args.concurrency)]
+    await closed_loop(http, url, warm, args.concurrency)  # connections, caches
+    bodies = [json.dumps(body(args, rng, text)).encode() for _ in range(args.requests)]
+    if args.profile:
+        os.kill(pid, signal.SIGUSR1)
+    cpu0 = cpu_seconds(pid)
+    wall, errors = await closed_loop(http, url, bodies, args.concurrency)
+    cpu = cpu_seconds(pid) - cpu0
+    if args.profile:
+        os.kill(pid, signal.SIGUSR2)
+        await asyncio.sleep(1.0)  # the dump
+    return {"prompt": "text" if text else "ids", "requests": len(bodies), "errors": errors,
+            "rps": round(len(bodies) / wall, 1),
+            "router_cpu_us_per_req": round(1e6 * cpu / len(bodies), 1)}  # fmt: skip
 
 
 async def added_latency(args: argparse.Namespace, http: aiohttp.ClientSession, url: str,
@@ -280,10 +293,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         assert fakes.stdout is not None
         urls = json.loads(await asyncio.to_thread(fakes.stdout.readline))
         for path in args.paths.split(","):
-            for text in (False, True) if args.text else (False,):
-                run = await run_path(args, model, urls, env, path, text, free_port())
-                print(json.dumps(run), file=sys.stderr, flush=True)
-                result["runs"].append(run)
+            result["runs"] += await run_path(args, model, urls, env, path, free_port())
     result["errors"] = sum(r["errors"] for r in result["runs"])
     result["load_avg_1m_after"] = load_avg()
     result["cpu_count"] = os.cpu_count()
