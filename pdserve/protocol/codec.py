@@ -122,6 +122,8 @@ def _field(name: str, key: str, value: Any, hint: Any) -> Any:
 
 def _convert(value: Any, hint: Any) -> Any:
     """``value`` checked against ``hint``; nested dataclasses built from their dicts."""
+    if type(value) is hint and hint in _SCALARS:  # most fields: a str, int... as declared
+        return value
     shape = _SHAPES.get(hint)
     if shape is None:
         shape = _SHAPES[hint] = (typing.get_origin(hint), typing.get_args(hint))
