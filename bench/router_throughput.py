@@ -184,12 +184,10 @@ async def closed_loop(http: aiohttp.ClientSession, url: str, bodies: list[bytes]
 
 async def paced(calls: list[Any], rate: float) -> list[float]:
     """Latencies of ``calls`` (coroutine factories) started at ``rate`` per second."""
-    tasks = []
+    t0, tasks = time.perf_counter(), []
     for i, call in enumerate(calls):
-        delay = i / rate - (time.perf_counter() - paced.t0) if i else 0.0
-        if i == 0:
-            paced.t0 = time.perf_counter()  # type: ignore[attr-defined]
-        elif delay > 0:
+        delay = t0 + i / rate - time.perf_counter()
+        if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(call()))
     return sorted(await asyncio.gather(*tasks))
