@@ -88,8 +88,8 @@ class DecodeWorker:
     def app(self) -> FastAPI:
         # The stream goes out through the direct lane (worker/direct.py): one send per
         # line, nothing between it and the server.
-        secret = env.service_secret("the decode worker")
-        app = DirectApp(secret, known_error, title="pdserve decode worker")
+        secrets = keys.secrets_from_env() if env.service_secret("the decode worker") else ()
+        app = DirectApp(secrets, known_error, title="pdserve decode worker")
         add_common_routes(app, self.engine, self.metrics, self.identity())
 
         async def generate(request: Request) -> Response:
