@@ -36,7 +36,9 @@ class SignedAuth(httpx.Auth):
         auth = self._sign(request)
         response = yield request
         proof = response.headers.get(signing.PROOF_HEADER)
-        if self.check_proof and response.status_code < 400 and not signing.proof_ok(
-            self.ring, auth, proof
+        if (
+            self.check_proof
+            and response.status_code < 400
+            and not signing.proof_ok(self.ring, auth, proof)
         ):
             raise httpx.HTTPError(f"{request.url}: the reply does not prove the service secret")

@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import EndpointSource
 from pdserve.router.errors import APIError
-from pdserve.router.runtime import Runtime
 from pdserve.router.responses_serve import serve_responses
+from pdserve.router.runtime import Runtime
 from pdserve.router.serving import serve
 from pdserve.router.tokenize_api import detokenize, handle, tokenize
 from pdserve.router.tokenizer import PromptTokenizer

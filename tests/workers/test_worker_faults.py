@@ -176,9 +176,7 @@ def test_decode_keeps_streaming_while_a_transfer_hangs(
 
                 async def long_stream() -> None:
                     body = to_dict(GenerateRequest("long", long_prompt, sampling(400)))
-                    async with client.stream(
-                        "POST", d + "/generate", json=body, auth=AUTH
-                    ) as resp:
+                    async with client.stream("POST", d + "/generate", json=body, auth=AUTH) as resp:
                         async for line in resp.aiter_lines():
                             if line:
                                 arrivals.append(time.monotonic())
