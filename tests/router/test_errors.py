@@ -45,7 +45,7 @@ BAD_PARAMS = [
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"store": True}, "store"),
     ({"some_unknown_field": 1}, "some_unknown_field"),
-    ({"echo": True}, "echo"),
+    ({"echo": "yes"}, "echo"),  # echo is honoured; a non-boolean is refused by name
     ({"user": 5}, "user"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
