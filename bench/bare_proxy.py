@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 import uvicorn
 
+from pdserve.signing import HEADER, HEADER_KEY, PROOF_HEADER
+
 
 def make_app(target: str) -> Any:
     session: aiohttp.ClientSession | None = None
@@ -41,12 +43,16 @@ def make_app(target: str) -> Any:
             if not msg.get("more_body"):
                 break
         headers = {"content-type": "application/json"}
-        secret = dict(scope["headers"]).get(b"x-pdserve-secret")  # passed on, like the router
-        if secret is not None:
-            headers["x-pdserve-secret"] = secret.decode()
+        # The caller's signature passes on unchanged (same method, path and body), as a
+        # signing router's own call would carry it (pdserve/signing.py).
+        auth = dict(scope["headers"]).get(HEADER_KEY)
+        if auth is not None:
+            headers[HEADER] = auth.decode()
         async with session.post(target + scope["path"], data=body, headers=headers) as resp:
-            await send({"type": "http.response.start", "status": resp.status,
-                        "headers": [(b"content-type", b"application/x-ndjson")]})  # fmt: skip
+            out = [(b"content-type", b"application/x-ndjson")]
+            if PROOF_HEADER in resp.headers:  # the worker's proof goes back to the caller
+                out.append((PROOF_HEADER.lower().encode(), resp.headers[PROOF_HEADER].encode()))
+            await send({"type": "http.response.start", "status": resp.status, "headers": out})
             async for data in resp.content.iter_any():
                 await send({"type": "http.response.body", "body": data, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
