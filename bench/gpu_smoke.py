@@ -4,21 +4,24 @@ One command on a machine with a CUDA device (about 3-6 minutes on one H100/H200)
 
     python bench/gpu_smoke.py                      # everything below
     python bench/gpu_smoke.py --quick              # fidelity + one roofline point (~1 min)
-    python bench/gpu_smoke.py --real-model DIR     # also a real HF model (local directory)
+    python bench/gpu_smoke.py --real-model DIR     # another real model than the default one
 
 1. Fidelity, greedy, vs transformers' ``generate()`` on CUDA, tiny model:
    float32 must be token-identical through the Triton back-end (eager and compiled) and
    the gather reference; bfloat16 runs through Triton and every token the engine picks
    must be within ``--bf16-logit-tol`` of the best logit transformers (bfloat16) gives at
    that position, teacher-forced on the engine's tokens (near-ties may flip; errors may
-   not). ``--real-model``: the same bfloat16 check on that model.
+   not). The same bfloat16 check on a real model: the out-of-the-box SmolLM2-135M-Instruct
+   (converted from its GGUF file) unless ``--real-model DIR`` names another, or ``none``.
 2. Roofline, bfloat16, ``small`` preset, Triton back-end: the median decode step at
    B = 1, 8, 32, 64 and context 512 / 2,048, with CUDA graphs off and on, against
    ``(weight bytes + KV bytes) / HBM bandwidth`` (``roofline_ratio``; goal >= 0.6 at B=32).
 3. ``pdserve up`` on CUDA (1 prefill + 1 decode worker) answering the OpenAI client:
    a greedy completion, the same text twice (``up_e2e``; a failure counts as fidelity's).
-4. KV hand-off: NIXL between two CUDA pools (one process, two NIXL agents, VRAM to VRAM),
-   GB/s for a 512 MiB request, checked byte for byte; the tcp fallback likewise.
+4. KV hand-off between two processes, each with its CUDA pool: ``bench/kv_transfer.py
+   --device cuda`` (a prefill-side pool server and this side's connector; NIXL VRAM to VRAM,
+   the tcp fallback through pinned host memory), GB/s for a 4,096-token request of 512 MiB,
+   checked byte for byte; plus the same through two NIXL agents in this process.
 
 Prints one JSON line last; exits 1 on any fidelity failure (a step that raised counts as
 one). Without CUDA it says so and exits 0 (nothing to check).
@@ -30,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 import traceback
@@ -205,6 +209,29 @@ def kv_handoff(transport: str, mib: int = 512) -> dict[str, Any]:
     return {"ok": bool(ok), "gbps": round(nbytes / elapsed / 1e9, 2), "bytes": nbytes}
 
 
+def kv_handoff_processes(quick: bool) -> dict[str, Any]:
+    """bench/kv_transfer.py on CUDA pools: the prefill side in its own process."""
+    cmd = [sys.executable, str(ROOT / "bench" / "kv_transfer.py"), "--device", DEVICE,
+           "--plot", str(ROOT / "bench" / "out" / f"kv_transfer_{DEVICE}.png")]  # fmt: skip
+    out = subprocess.run(cmd + (["--quick"] if quick else []), cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"ok": False, "error": (out.stderr or out.stdout)[-400:]}
+    return {"ok": True, **json.loads(lines[-1])}
+
+
+def real_model_dir(arg: str) -> Path | None:
+    """``--real-model``: a directory, ``none``, or (empty) the out-of-the-box model."""
+    if arg == "none":
+        return None
+    if arg:
+        return Path(arg)
+    from pdserve.engine.model_source import resolve_model
+
+    return Path(resolve_model("", dtype="bfloat16", device=DEVICE))
+
+
 def up_end_to_end(model_dir: Path, port: int = 8450) -> dict[str, Any]:
     """``pdserve up`` (1 prefill + 1 decode worker on DEVICE, KV over the default
     transport) answering the OpenAI client: greedy, the same text twice, all tokens."""
@@ -233,6 +260,13 @@ def _point(model_dir: Path, b: int, c: int, gbps: float, graphs: bool) -> Callab
     return lambda: roofline(model_dir, b, c, gbps, graphs)
 
 
+def _real(arg: str, tol: float) -> dict[str, Any]:
+    real = real_model_dir(arg)
+    if real is None:
+        return {"ok": True, "skipped": "--real-model none"}
+    return {"model": real.name, **fidelity_bf16(real, tol, _prompts(120))}
+
+
 def _guarded(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
     try:
         result[key] = fn()
@@ -244,7 +278,9 @@ def _guarded(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fidelity and one roofline point")
-    p.add_argument("--real-model", default="", help="a local HF model directory (bfloat16)")
+    p.add_argument("--real-model", default="",
+                   help="a local HF model directory (bfloat16); default: the out-of-the-box "
+                   "model (SmolLM2-135M-Instruct); none: skip")  # fmt: skip
     p.add_argument("--bf16-logit-tol", type=float, default=0.15)
     p.add_argument("--hbm-gbps", type=float, default=None)
     args = p.parse_args()
@@ -258,9 +294,7 @@ def main() -> int:
     _guarded(result, "fidelity_fp32", lambda: fidelity_fp32(tiny))
     tol = args.bf16_logit_tol
     _guarded(result, "fidelity_bf16", lambda: fidelity_bf16(tiny, tol, _prompts()))
-    if args.real_model:
-        real = Path(args.real_model)
-        _guarded(result, "fidelity_real", lambda: fidelity_bf16(real, tol, _prompts(120)))
+    _guarded(result, "fidelity_real", lambda: _real(args.real_model, tol))
     small = write_tiny_model(ROOT / ".cache" / "models" / "small-seed0", "small")
     points = [(32, 512)] if args.quick else [(b, c) for c in (512, 2048) for b in (1, 8, 32, 64)]
     result["roofline"] = []
@@ -270,6 +304,7 @@ def main() -> int:
             _guarded(cell, "r", _point(small, b, c, gbps, graphs))
             result["roofline"].append(cell["r"])
     _guarded(result, "up_e2e", lambda: up_end_to_end(tiny))
+    _guarded(result, "kv_two_processes", lambda: kv_handoff_processes(args.quick))
     if not args.quick:
         _guarded(result, "nixl_vram", lambda: kv_handoff("nixl"))
         _guarded(result, "tcp", lambda: kv_handoff("tcp"))

@@ -51,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
+    p.add_argument("--device", default="cpu",
+                   help="both pools' device: cuda moves VRAM to VRAM (NIXL registers the pools "
+                   "as VRAM; the tcp transport stages through pinned host memory)")  # fmt: skip
     p.add_argument("--plot", default=str(ROOT / "bench" / "out" / "kv_transfer.png"))
     args = p.parse_args()
     if args.quick:
@@ -76,7 +79,7 @@ class Peer:
                "--layers", str(args.layers), "--blocks", str(blocks), "--block-size",
                str(args.block_size), "--kv-heads", str(args.kv_heads), "--head-dim",
                str(args.head_dim), "--dtype", args.dtype, "--seed", str(SEED), "--model", "bench",
-               "--threads", str(args.threads)]  # fmt: skip
+               "--threads", str(args.threads), "--device", args.device]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, cwd=ROOT)  # fmt: skip
         assert self.proc.stdout is not None
@@ -135,7 +138,7 @@ def run_transport(args, transport, dst, expected, remote, local, num_bytes) -> f
 
 
 def check(dst, expected, remote, local, what) -> None:
-    got = dst[:, :, local].contiguous().view(torch.uint8)
+    got = dst[:, :, local].cpu().contiguous().view(torch.uint8)
     want = expected[:, :, remote].contiguous().view(torch.uint8)
     if not torch.equal(got, want):
         raise SystemExit(f"{what}: transferred bytes differ from the source")
@@ -144,19 +147,28 @@ def check(dst, expected, remote, local, what) -> None:
 def run_memcpy(args, expected, remote, num_bytes) -> float:
     # The fastest plain torch gather found: index_select over the block dim of a
     # [layers * 2, blocks, block elements] view (dim 2 of the 6-d pool is ~10x slower).
-    idx = torch.tensor(remote, dtype=torch.long)
-    planes = expected.view(expected.shape[0] * 2, expected.shape[2], -1)
-    out = torch.empty((planes.shape[0], len(remote), planes.shape[2]), dtype=expected.dtype)
+    dev = torch.device(args.device)
+    idx = torch.tensor(remote, dtype=torch.long, device=dev)
+    planes = expected.to(dev).view(expected.shape[0] * 2, expected.shape[2], -1)
+    out = torch.empty((planes.shape[0], len(remote), planes.shape[2]), dtype=expected.dtype,
+                      device=dev)  # fmt: skip
     times = []
     for i in tqdm(range(args.iters + 1), desc="memcpy", file=sys.stderr):
         out.zero_()
+        _sync(dev)
         t0 = time.perf_counter()
         torch.index_select(planes, 1, idx, out=out)
+        _sync(dev)
         if i > 0:
             times.append(time.perf_counter() - t0)
     want = expected[:, :, remote].contiguous().view(torch.uint8).reshape(-1)
-    assert torch.equal(out.view(torch.uint8).reshape(-1), want)
+    assert torch.equal(out.cpu().view(torch.uint8).reshape(-1), want)
     return num_bytes / statistics.median(times) / 1e9
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def plot(path: str, result: dict[str, float], title: str) -> None:
@@ -181,7 +193,7 @@ def main() -> int:
     shape = (args.layers, 2, pool_blocks, args.block_size, args.kv_heads, args.head_dim)
     dtype = DTYPES[args.dtype]
     expected = fill_pool(torch.empty(shape, dtype=dtype), SEED)  # what the peer holds
-    dst = torch.zeros(shape, dtype=dtype)
+    dst = torch.zeros(shape, dtype=dtype, device=args.device)
     remote, local = block_maps(n, pool_blocks, SEED)
     num_bytes = n * expected[0, 0, 0].numel() * expected.element_size() * 2 * args.layers
     print(f"KV of {args.tokens} tokens: {n} blocks, {num_bytes / 2**20:.0f} MiB, "
@@ -198,7 +210,8 @@ def main() -> int:
         print(f"{k:>15}: {v}", file=sys.stderr)
     title = f"KV of a {args.tokens}-token prompt ({num_bytes / 2**20:.0f} MiB, {args.dtype})"
     plot(args.plot, result, title)
-    print(json.dumps({**result, "bytes": num_bytes, "tokens": args.tokens, "quick": args.quick}))
+    print(json.dumps({**result, "bytes": num_bytes, "tokens": args.tokens, "quick": args.quick,
+                      "device": args.device}))  # fmt: skip
     return 0
 
 

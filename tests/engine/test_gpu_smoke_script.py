@@ -53,3 +53,15 @@ def test_checks_run_on_cpu(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
     assert point["step_ms"] > 0 and point["roofline_ratio"] > 0 and point["graph_replays"] == 0
     moved = gpu_smoke.kv_handoff("tcp", mib=4)
     assert moved["ok"] and moved["gbps"] > 0
+
+
+def test_kv_handoff_between_processes_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two-process hand-off check (bench/kv_transfer.py with the prefill side's pool in
+    its own process), run with host pools: NIXL and tcp move the bytes, checked one by one
+    there; on a GPU the same command runs with --device cuda."""
+    monkeypatch.setattr(gpu_smoke, "DEVICE", "cpu")
+    moved = gpu_smoke.kv_handoff_processes(quick=True)
+    assert moved["ok"] and moved["device"] == "cpu", moved
+    assert moved["nixl_gbps"] > 0 and moved["tcp_gbps"] > 0, moved
+    assert gpu_smoke.real_model_dir("none") is None
+    assert gpu_smoke.real_model_dir("/some/dir") == Path("/some/dir")
