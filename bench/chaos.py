@@ -19,6 +19,8 @@ Phases, in order, against one running service:
    migrate; SIGCONT once they are done, and it serves again;
 8. tenant attacks (bench/chaos_tenants.py): trickled bodies (slowloris), a client that
    stops reading its stream, chat text spelling control tokens, odd ``logit_bias`` keys;
+   and grammar attacks (bench/chaos_grammar.py): pathological schemas beside other
+   clients' streams, and requests aborted while their grammar compiles;
 9. every KV pool free at the end, and ``up`` still running and stopping cleanly.
 
 Prints one JSON line (last); the goals are 0 for every failure count,
@@ -43,6 +45,7 @@ from typing import Any
 
 import chaos_client as cc
 import httpx
+from chaos_grammar import phase_compile_abort, phase_grammar
 from chaos_inputs import bad_inputs, poison_bodies
 from chaos_service import (
     ROOT,
@@ -326,6 +329,8 @@ async def run_phases(svc: Service, args: argparse.Namespace, model: str) -> dict
             ("slow_reader", phase_slow_reader(h, svc, model, 4)),
             ("control_tokens", phase_control_tokens(h, model)),
             ("odd_values", phase_odd_values(h, model)),
+            ("grammar", phase_grammar(h, model, 4)),
+            ("compile_abort", phase_compile_abort(h, svc, model, 8)),
             ("soak", phase_soak(h, model, args.soak, args.concurrency)),
             ("kill_decode", phase_kill_decode(h, svc, model, args.kill_streams)),
             ("kill_prefill", phase_kill_prefill(h, svc, model, args.kill_streams)),
@@ -353,7 +358,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     keys = ["bad_input_5xx", "poisoned_streams", "leaked_blocks", "soak_errors",
             "decode_kill_failed_streams", "prefill_kill_failed_requests",
             "hang_failed_streams", "slowloris_refused_others", "slow_reader_harmed_streams",
-            "control_token_injected", "odd_key_5xx", "migrated_streams",
+            "control_token_injected", "odd_key_5xx", "grammar_5xx", "grammar_stalled_others",
+            "compile_abort_leaked", "migrated_streams",
             "stalled_streams"]  # fmt: skip
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     a.barh(keys, [result[k] for k in keys], color=["C3"] * (len(keys) - 2) + ["C2"] * 2)

@@ -59,3 +59,8 @@ def test_chaos_tenant_figures(chaos: dict[str, Any]) -> None:
     assert chaos["slow_reader_harmed_streams"] == 0 and chaos["slow_reader_aborted"] >= 1, chaos
     assert chaos["control_token_injected"] == 0 and chaos["control_token_chat_ok"], chaos
     assert chaos["odd_key_5xx"] == 0 and chaos["odd_key_not_400"] == 0, chaos
+    # Pathological grammars: each answered 200 or 400, other clients' streams on pace, and
+    # no request aborted while compiling left decoding on a worker.
+    assert chaos["grammar_specs"] == 5 and chaos["grammar_5xx"] == 0, chaos
+    assert chaos["grammar_stalled_others"] == 0, chaos
+    assert chaos["compile_aborts"] >= 1 and chaos["compile_abort_leaked"] == 0, chaos
