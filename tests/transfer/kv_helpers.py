@@ -16,7 +16,7 @@ import torch
 from pdserve.engine.kv_connector import LoadResult
 from pdserve.protocol.codec import from_dict
 from pdserve.transfer.connector import RemoteKVConnector
-from pdserve.transfer.messages import KVHandle
+from pdserve.transfer.messages import CompatRecord, KVHandle
 from pdserve.transfer.pool_server import fill_pool
 from pdserve.transfer.server import KVServer
 
@@ -46,6 +46,26 @@ def wait_results(conn: RemoteKVConnector, n: int, timeout: float) -> list[LoadRe
         time.sleep(0.002)
     assert len(out) == n, f"got {len(out)} of {n} results within {timeout}s: {out}"
     return out
+
+
+def load_with(
+    transport: str, server_secret: str | tuple[str, ...], decode_secret: str | tuple[str, ...]
+) -> tuple[LoadResult, bool]:
+    """Two blocks from a KVServer holding ``server_secret`` into a connector holding
+    ``decode_secret`` (a secret or a rotation's tuple of secrets): the load's result, and
+    whether any byte reached the decode pool."""
+    src, dst = make_pool(8, seed=2), make_pool(8, seed=None)
+    server = KVServer(src, CompatRecord.for_pool(src, "m"), transport, secret=server_secret)
+    conn = RemoteKVConnector(
+        dst, CompatRecord.for_pool(dst, "m"), transport, transfer_timeout=3, secret=decode_secret
+    )
+    try:
+        conn.start_load("a", server.make_handle("a", [1, 2], 8, []), [1, 2], [0, 1])
+        (res,) = wait_results(conn, 1, timeout=6)
+        return res, bool(as_bytes(dst).any())
+    finally:
+        conn.close()
+        server.close()
 
 
 @dataclass

@@ -10,32 +10,16 @@ from __future__ import annotations
 import logging
 
 import pytest
-from kv_helpers import as_bytes, make_pool, wait_results
+from kv_helpers import load_with, make_pool
 
 from pdserve import env
 from pdserve.transfer.base import TransferError
-from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord, LeaseClaim, TcpReadRequest
 from pdserve.transfer.server import KVServer
 from pdserve.transfer.side_channel import call, handshake
 from pdserve.transfer.tcp_transport import TcpTransport
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def load_with(transport: str, server_secret: str, decode_secret: str):  # type: ignore[no-untyped-def]
-    src, dst = make_pool(8, seed=2), make_pool(8, seed=None)
-    server = KVServer(src, CompatRecord.for_pool(src, "m"), transport, secret=server_secret)
-    conn = RemoteKVConnector(
-        dst, CompatRecord.for_pool(dst, "m"), transport, transfer_timeout=3, secret=decode_secret
-    )
-    try:
-        conn.start_load("a", server.make_handle("a", [1, 2], 8, []), [1, 2], [0, 1])
-        (res,) = wait_results(conn, 1, timeout=6)
-        return res, as_bytes(dst).any()
-    finally:
-        conn.close()
-        server.close()
 
 
 @pytest.mark.parametrize(("server_secret", "decode_secret"), [("s1", "s2"), ("s1", ""), ("", "s1")])

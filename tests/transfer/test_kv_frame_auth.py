@@ -11,31 +11,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kv_helpers import as_bytes, make_pool, wait_results
+from kv_helpers import load_with
 
 from pdserve import keys
-from pdserve.transfer.connector import RemoteKVConnector
-from pdserve.transfer.messages import CompatRecord
-from pdserve.transfer.server import KVServer
 from pdserve.transfer.side_channel import mac
 from pdserve.transfer.tcp_transport import TcpTransport, data_mac
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def load(transport: str, server_secret: Any, decode_secret: Any) -> tuple[Any, bool]:
-    src, dst = make_pool(8, seed=2), make_pool(8, seed=None)
-    server = KVServer(src, CompatRecord.for_pool(src, "m"), transport, secret=server_secret)
-    conn = RemoteKVConnector(
-        dst, CompatRecord.for_pool(dst, "m"), transport, transfer_timeout=3, secret=decode_secret
-    )
-    try:
-        conn.start_load("a", server.make_handle("a", [1, 2], 8, []), [1, 2], [0, 1])
-        (res,) = wait_results(conn, 1, timeout=6)
-        return res, bool(as_bytes(dst).any())
-    finally:
-        conn.close()
-        server.close()
 
 
 def test_a_tampered_tcp_data_frame_never_enters_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,7 +32,7 @@ def test_a_tampered_tcp_data_frame_never_enters_the_pool(monkeypatch: pytest.Mon
         return frames
 
     monkeypatch.setattr(TcpTransport, "serve", on_path_flip)
-    res, wrote = load("tcp", "s", "s")
+    res, wrote = load_with("tcp", "s", "s")
     assert not res.ok and "MAC does not check" in res.error, res.error
     assert not wrote, "altered KV bytes entered the decode pool"
 
@@ -81,7 +63,7 @@ def test_rotation_keeps_kv_moving(transport: str) -> None:
     steps = [("old",), ("old", "new"), ("new", "old"), ("new",)]
     pairs = list(itertools.pairwise(steps))
     for server_secret, decode_secret in pairs + [(b, a) for a, b in pairs]:
-        res, wrote = load(transport, server_secret, decode_secret)
+        res, wrote = load_with(transport, server_secret, decode_secret)
         assert res.ok and wrote, (server_secret, decode_secret, res.error)
-    res, wrote = load(transport, ("old",), ("new",))  # what rotation must never produce
+    res, wrote = load_with(transport, ("old",), ("new",))  # what rotation must never produce
     assert not res.ok and not wrote
