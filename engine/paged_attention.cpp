@@ -311,28 +311,8 @@ void exp_array(const float* x, float* y, int64_t n) {
 
 }  // namespace
 
-extern "C" int pdserve_paged_attention(
-    int dtype,  // 0: float32, 1: bfloat16
-    const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k, const void* v,
-    void* out, const int32_t* tables, int32_t table_width, const int32_t* tok_row,
-    const int32_t* tok_table, const int32_t* tok_ctx, int32_t num_tokens, int32_t hq,
-    int32_t hkv, int32_t head_dim, int32_t block_size, float scale, int32_t num_threads) {
-  if (hkv <= 0 || hq % hkv != 0 || hq / hkv > kMaxG || head_dim > kMaxD || block_size <= 0)
-    return 1;
-  Args a{q,      q_stride_t, q_stride_h, k,         v,          out,        tables,
-         table_width, tok_row, tok_table, tok_ctx, num_tokens, hq, hkv, head_dim,
-         block_size, scale};
-  if (dtype == 0)
-    run<float>(a, num_threads);
-  else if (dtype == 1)
-    run<uint16_t>(a, num_threads);
-  else
-    return 2;
-  return 0;
-}
-
-// As above, with one layer's options: window (0: none), softcap (0: none), sinks
-// ([hq] float32 logits, or null).
+// One layer's attention (dtype 0: float32, 1: bfloat16), with its options: window
+// (0: none), softcap (0: none), sinks ([hq] float32 logits, or null).
 extern "C" int pdserve_paged_attention_layer(
     int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
     const void* v, void* out, const int32_t* tables, int32_t table_width,
@@ -352,6 +332,19 @@ extern "C" int pdserve_paged_attention_layer(
   else
     return 2;
   return 0;
+}
+
+// The plain call: no window, no soft-cap, no sinks.
+extern "C" int pdserve_paged_attention(
+    int dtype, const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* k,
+    const void* v, void* out, const int32_t* tables, int32_t table_width,
+    const int32_t* tok_row, const int32_t* tok_table, const int32_t* tok_ctx,
+    int32_t num_tokens, int32_t hq, int32_t hkv, int32_t head_dim, int32_t block_size,
+    float scale, int32_t num_threads) {
+  return pdserve_paged_attention_layer(dtype, q, q_stride_t, q_stride_h, k, v, out, tables,
+                                       table_width, tok_row, tok_table, tok_ctx, num_tokens,
+                                       hq, hkv, head_dim, block_size, scale, 0, 0.0f, nullptr,
+                                       num_threads);
 }
 
 // The lane width (tile size) the kernel uses for this head dim on this build.
