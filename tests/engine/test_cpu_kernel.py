@@ -14,51 +14,22 @@ import random
 
 import pytest
 import torch
+from step_cases import BS, OneLayer, bare_runner, mixed_chunks
 
 from pdserve.engine import attention as A
+from pdserve.engine import attention_backends as ab
 from pdserve.engine import cpu_kernel
 from pdserve.engine.kv_pool import KVPool, KVShape
 from pdserve.engine.model_runner import ModelRunner, ScheduledChunk
-from pdserve.engine.request import Request
-from pdserve.protocol.sampling_params import SamplingParams
 
-BS = 16
 pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C++ compiler here")
-
-
-class _Layer(torch.nn.Module):
-    layer_idx = 0
-
-
-def _runner(pool: KVPool, kernel: bool) -> ModelRunner:
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.block_size, runner.device, runner.dtype = BS, torch.device("cpu"), pool.shape.dtype
-    runner.num_layers, runner.num_kv_heads = 1, pool.shape.num_kv_heads
-    runner.head_dim, runner.decode_group_rows = pool.shape.head_dim, 8
-    runner._gather_buffer, runner.use_kernel, runner.pool = None, kernel, pool
-    return runner
-
-
-def _chunks(rng: random.Random, num_blocks: int) -> list[ScheduledChunk]:
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    chunks = []
-    # (context before the step, tokens this step): decodes, a continuing chunk, a fresh one
-    for i, (done, n) in enumerate([(0, 1), (1, 1), (15, 1), (16, 1), (200, 1), (77, 1),
-                                   (40, 23), (0, 30)]):  # fmt: skip
-        total = done + n
-        req = Request(f"r{i}", [5] * total, SamplingParams())
-        req.block_ids = [free.pop() for _ in range(-(-total // BS))]
-        req.num_computed_tokens = done
-        chunks.append(ScheduledChunk.of(req, n))
-    return chunks
 
 
 def _attend(runner: ModelRunner, chunks: list[ScheduledChunk], q, k, v) -> torch.Tensor:  # type: ignore[no-untyped-def]
     _ids, _pos, slots, _rows = runner._flatten(chunks)
     A.CURRENT.pool, A.CURRENT.meta = runner.pool, runner._metadata(chunks, slots)
     try:
-        out, _ = A.paged_attention(_Layer(), q, k, v, None, scaling=q.shape[-1] ** -0.5)
+        out, _ = A.paged_attention(OneLayer(), q, k, v, None, scaling=q.shape[-1] ** -0.5)
     finally:
         A.CURRENT.pool = A.CURRENT.meta = None
     return out
@@ -74,7 +45,7 @@ def test_kernel_matches_gather(dtype: torch.dtype, hq: int, hkv: int, d: int, th
     shape = KVShape(1, hkv, d, BS, dtype)
     pools = [KVPool(shape, 64, torch.device("cpu")) for _ in range(2)]
     history = torch.randn(pools[0].tensor.shape).to(dtype)  # earlier steps' K/V
-    chunks = _chunks(rng, 64)
+    chunks = mixed_chunks(rng, 64)
     t = sum(c.num_tokens for c in chunks)
     # A transposed query, as transformers hands it over: [1, Hq, T, D] over [T, Hq, D].
     q = torch.randn(1, t, hq, d).to(dtype).transpose(1, 2)
@@ -85,7 +56,7 @@ def test_kernel_matches_gather(dtype: torch.dtype, hq: int, hkv: int, d: int, th
     try:
         for pool, kernel in zip(pools, (True, False), strict=True):
             pool.tensor.copy_(history)
-            runner = _runner(pool, kernel)
+            runner = bare_runner(pool, ab.CPU if kernel else ab.GATHER)
             meta = runner._metadata(chunks, runner._flatten(chunks)[2])
             assert (meta.kernel is not None) == kernel and (not meta.decodes) == kernel
             outs.append(_attend(runner, chunks, q, k, v).float())

@@ -20,50 +20,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from step_cases import BS, bare_runner, mixed_chunks
 
 from pdserve.engine import attention as A
 from pdserve.engine import attention_backends as ab
 from pdserve.engine.kv_pool import KVPool, KVShape
-from pdserve.engine.model_runner import ModelRunner, ScheduledChunk
+from pdserve.engine.model_runner import ScheduledChunk
 from pdserve.engine.model_support import LayerAttention
-from pdserve.engine.request import Request
 from pdserve.protocol.sampling_params import SamplingParams
 
-BS = 16
 OPTIONS = {
     "plain": LayerAttention(),
     "window": LayerAttention(window=40),
     "softcap-sinks": LayerAttention(softcap=20.0, sinks=True),
 }
-
-
-class _Layer(torch.nn.Module):
-    layer_idx = 0
-
-
-def _runner(pool: KVPool, backend: str, hq: int) -> ModelRunner:
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.block_size, runner.device, runner.dtype = BS, torch.device("cpu"), pool.shape.dtype
-    runner.num_layers, runner.num_kv_heads = 1, pool.shape.num_kv_heads
-    runner.head_dim, runner.decode_group_rows = pool.shape.head_dim, 8
-    runner._gather_buffer, runner.pool = None, pool
-    runner.attention_backend, runner.use_kernel = backend, backend == ab.CPU
-    runner.hf_config = type("Config", (), {"num_attention_heads": hq})()
-    return runner
-
-
-def _chunks(rng: random.Random, num_blocks: int) -> list[ScheduledChunk]:
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    chunks = []
-    steps = [(0, 1), (1, 1), (15, 1), (16, 1), (200, 1), (77, 1), (40, 23), (0, 30)]
-    for i, (done, n) in enumerate(steps):
-        total = done + n
-        req = Request(f"r{i}", [5] * total, SamplingParams())
-        req.block_ids = [free.pop() for _ in range(-(-total // BS))]
-        req.num_computed_tokens = done
-        chunks.append(ScheduledChunk.of(req, n))
-    return chunks
 
 
 def backend_case(hq: int, hkv: int, opts: LayerAttention, seed: int) -> dict[str, float]:
@@ -72,7 +42,7 @@ def backend_case(hq: int, hkv: int, opts: LayerAttention, seed: int) -> dict[str
     d = 32
     shape = KVShape(1, hkv, d, BS, torch.float32)
     history = torch.randn((1, 2, 64, BS, hkv, d))
-    chunks = _chunks(rng, 64)
+    chunks = mixed_chunks(rng, 64)
     t = sum(c.num_tokens for c in chunks)
     q = torch.randn(1, t, hq, d).transpose(1, 2)  # as transformers hands it over
     k, v = torch.randn(1, hkv, t, d), torch.randn(1, hkv, t, d)
@@ -81,7 +51,7 @@ def backend_case(hq: int, hkv: int, opts: LayerAttention, seed: int) -> dict[str
     for backend in (ab.GATHER, ab.TRITON, ab.CPU):
         pool = KVPool(shape, 64, torch.device("cpu"))
         pool.tensor.copy_(history)
-        runner = _runner(pool, backend, hq)
+        runner = bare_runner(pool, backend, hq)
         A.CURRENT.pool = pool
         A.CURRENT.meta = runner._metadata(chunks, runner._flatten(chunks)[2])
         A.CURRENT.layers, A.CURRENT.architecture = (opts,), "test"
