@@ -265,16 +265,19 @@ async def test_admin_port_opens_admin_endpoints_without_a_key(cluster_factory) -
     """With --admin-port, /metrics and /workers answer there without a key (the operator's
     scrape), while the API port still refuses a tenant key; the API on the admin port
     still needs a key."""
+    import socket
+
     import uvicorn
 
-    from tests.loopback import free_port
-
-    port = free_port()
+    # The test holds the admin port bound from the start: a port picked free and bound
+    # later can be taken meanwhile by the cluster's own connections (CI saw EADDRINUSE).
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = int(sock.getsockname()[1])
     async with cluster_factory(api_keys=("tenant",), admin_port=port) as c:
-        config = uvicorn.Config(c.app, host="127.0.0.1", port=port, log_level="warning",
-                                lifespan="off")  # fmt: skip  # the same app, a second port
+        config = uvicorn.Config(c.app, log_level="warning", lifespan="off")  # a second port
         server = uvicorn.Server(config)
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             await asyncio.sleep(0.01)
         try:
