@@ -31,9 +31,12 @@ from typing import Any
 from pdserve.protocol.codec import message
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams, valid_text
 
-CONTRACT_VERSION = 2
+# 3: LoRA (``lora`` on the requests and the KV handle, ``loras`` / ``lora_known`` in the stats)
+CONTRACT_VERSION = 3
 MAX_CACHE_SALT_CHARS = 1024
 MAX_REQUEST_ID_CHARS = 256
+MAX_LORA_NAME_CHARS = 256
+LORA_HASH_CHARS = 32  # hex blake2b-128 of the adapter's files (engine/lora_files.py)
 
 
 def _check_ids(request_id: str, cache_salt: str | None) -> None:
@@ -52,6 +55,46 @@ def _check_ids(request_id: str, cache_salt: str | None) -> None:
             "cache_salt",
             f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
         )
+
+
+@message("lora_ref")
+@dataclass(frozen=True)
+class LoraRef:
+    """A LoRA adapter: its name, and the hash of its files where the sender knows it. The
+    hash seeds the prompt's block hashes (hashing.salt_root's ``extra_key``), so KV
+    computed under one adapter never serves another; a decode worker whose adapter of
+    that name has another hash refuses (``lora_mismatch``): never other weights."""
+
+    name: str
+    hash: str | None = None
+
+    def validate(self) -> None:
+        if not valid_lora_name(self.name):
+            raise InvalidParameter(
+                "lora.name",
+                f"lora.name must be printable, 1 to {MAX_LORA_NAME_CHARS} characters",
+            )
+        if self.hash is not None and not valid_lora_hash(self.hash):
+            raise InvalidParameter(
+                "lora.hash", f"lora.hash must be {LORA_HASH_CHARS} lowercase hex digits"
+            )
+
+
+def valid_lora_name(name: object) -> bool:
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= MAX_LORA_NAME_CHARS
+        and name.isprintable()
+        and valid_text(name)
+    )
+
+
+def valid_lora_hash(digest: object) -> bool:
+    return (
+        isinstance(digest, str)
+        and len(digest) == LORA_HASH_CHARS
+        and all(c in "0123456789abcdef" for c in digest)
+    )
 
 
 @message("kv_handle")
@@ -75,10 +118,15 @@ class KVHandle:
     lease_ttl_s: float  # how long the prefill side keeps the blocks unclaimed
     transport: str = "nixl"
     version: int = CONTRACT_VERSION
+    lora: LoraRef | None = None  # the adapter the KV was computed under (None: base model)
 
     def validate(self) -> None:
         if self.version != CONTRACT_VERSION:
             raise ValueError(f"kv_handle version {self.version} != {CONTRACT_VERSION}")
+        if self.lora is not None and not (
+            valid_lora_name(self.lora.name) and valid_lora_hash(self.lora.hash)
+        ):
+            raise ValueError("kv_handle.lora needs a valid name and hash")
         if self.num_tokens <= 0 or self.block_size <= 0:
             raise ValueError("kv_handle.num_tokens and block_size must be positive")
         need = -(-self.num_tokens // self.block_size)
@@ -143,9 +191,12 @@ class PrefillRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str | None = None
+    lora: LoraRef | None = None  # run under this adapter (None: the base model)
 
     def validate(self) -> None:
         _check_ids(self.request_id, self.cache_salt)
+        if self.lora is not None:
+            self.lora.validate()
 
 
 @message("prefill_reply")
@@ -180,9 +231,12 @@ class GenerateRequest:
     # A stream migrated off a decode worker that died: every output token already sent
     # (recomputed here, counted as output, not repeated). Never with a kv_handle.
     resume_token_ids: list[int] | None = None
+    lora: LoraRef | None = None  # run under this adapter (None: the base model)
 
     def validate(self) -> None:
         _check_ids(self.request_id, self.cache_salt)
+        if self.lora is not None:
+            self.lora.validate()
         if self.kv_handle is not None and self.first_token_id is None:
             raise InvalidParameter("first_token_id", "a kv_handle needs an integer first_token_id")
         if self.kv_handle is not None and self.resume_token_ids:
@@ -242,7 +296,7 @@ class EngineStats:
 @dataclass(frozen=True)
 class WorkerStats(EngineStats):
     """``GET /stats``: the engine's counters plus who the worker is. Also what routing
-    reads (``router/snapshot.py``), with these defaults for a worker not yet polled."""
+    reads (``router/scheduling/snapshot.py``), with these defaults for a worker not yet polled."""
 
     role: str = ""
     worker_id: str = ""
@@ -255,6 +309,8 @@ class WorkerStats(EngineStats):
     kv_events: str = ""  # prefill: ZeroMQ address of its KV events
     side_channel: str = ""  # prefill: ZeroMQ address of its KV side channel
     version: int = CONTRACT_VERSION
+    loras: list[str] = field(default_factory=list)  # adapters resident in the engine now
+    lora_known: list[str] = field(default_factory=list)  # all it serves without a path
 
 
 @message("request_ref")

@@ -58,12 +58,24 @@ def hash_block(parent: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little", signed=False)
 
 
-def salt_root(salt: str | None) -> int:
-    """The parent hash of a prompt's first block under ``salt`` (``ROOT_HASH`` without)."""
-    if not salt:
+def salt_root(salt: str | None, extra_key: str | None = None) -> int:
+    """The parent hash of a prompt's first block under ``salt`` (``ROOT_HASH`` without).
+
+    ``extra_key``: the LoRA adapter's hash (``LoraRef.hash``, engine/lora_files.py), so KV
+    computed under one adapter is never reused under another or the base model. The
+    router's prefix index and the workers pass the same one. Without it, the root is
+    the salt's alone (unchanged)."""
+    if not salt and not extra_key:
         return ROOT_HASH
-    h = hashlib.blake2b(salt.encode("utf-8"), key=hash_key(), digest_size=HASH_BYTES,
-                        person=b"pdserve-salt")  # fmt: skip
+    salted = (salt or "").encode("utf-8")
+    if not extra_key:
+        h = hashlib.blake2b(salted, key=hash_key(), digest_size=HASH_BYTES,
+                            person=b"pdserve-salt")  # fmt: skip
+    else:  # the salt's length first: no (salt, key) pair reads as another
+        h = hashlib.blake2b(key=hash_key(), digest_size=HASH_BYTES, person=b"pdserve-extra")
+        h.update(len(salted).to_bytes(8, "little"))
+        h.update(salted)
+        h.update(extra_key.encode("utf-8"))
     return int.from_bytes(h.digest(), "little", signed=False) or 1  # never the unsalted root
 
 
