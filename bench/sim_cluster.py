@@ -110,6 +110,8 @@ class Cluster:
         self.admitted_at = -1.0  # time of the last decode admission
         self.done_arrival: list[np.ndarray] = []  # per finished request: arrival time ...
         self.done_ok: list[np.ndarray] = []  # ... and whether it met both SLOs
+        self.first_arrival: list[np.ndarray] = []  # per first token, in time order: arrival
+        self.first_ttft: list[np.ndarray] = []  # ... and TTFT (the scale windows' errors)
         self.speed_p = self.speed_d = 1.0  # this tick's engine speeds (host model)
         self.slow_burst = 1.0  # how much longer a prefill and the path take (host model)
         self.work_rate = 0.0  # prefill work arriving, replica-s per second (BURST_WINDOW_S)
@@ -158,6 +160,8 @@ class Cluster:
                 first = first + path * self.slow_burst
             self.interval.wait.append(when - started["t"])
             self.interval.ttft.append(first - started["t"])
+            self.first_arrival.append(started["t"])
+            self.first_ttft.append(first - started["t"])
             transfer = started["prompt"] * self.cost.kv_bytes_per_token / self.cost.link_bytes_per_s
             self.dq.append(
                 {**started, "first": first, "ready": first + transfer + self.cost.link_latency_s}

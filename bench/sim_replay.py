@@ -9,7 +9,7 @@ PlannerConfig that ``pdserve up --autoscale`` built from the same flags.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from sim_cluster import Cluster, CostModel
@@ -54,6 +54,9 @@ class SimReplay:
     ttft: np.ndarray  # per finished request
     replica_s: float
     timeline: dict[str, list[float]]
+    # each request with a first token: its arrival and TTFT, in the order of first tokens
+    arrival: np.ndarray = field(default_factory=lambda: np.empty(0))
+    ttft_by_arrival: np.ndarray = field(default_factory=lambda: np.empty(0))
 
 
 def replay(
@@ -106,4 +109,6 @@ def replay(
             cluster.decode.scale(decision.decode.desired, t + dt)
     ttfts.extend(cluster.interval.ttft)
     ttft = np.concatenate(ttfts) if ttfts else np.empty(0)
-    return SimReplay(ttft, replica_s, tl)
+    both = [np.concatenate(x) if x else np.empty(0) for x in
+            (cluster.first_arrival, cluster.first_ttft)]  # fmt: skip
+    return SimReplay(ttft, replica_s, tl, both[0], both[1])

@@ -85,7 +85,7 @@ def _jobs(
                 about[pid] = tuple(rest)
     kept = np.flatnonzero(span > 0)
     per_pid: dict[int, list[float]] = {}
-    for i in kept:
+    for i in kept.tolist():
         for pid, c in used[i].items():
             per_pid.setdefault(pid, []).append(c / span[i])
     hogs = {pid for pid, u in per_pid.items() if is_hog(u, kept.size)}

@@ -24,7 +24,10 @@ from pdserve.local.up import add_arguments
 from tests.loopback import run_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-RECORDINGS = sorted(p for p in (BENCH / "recordings").iterdir() if p.is_dir())
+# the step trace's recordings (the staircase's, *-scaling-*: test_sim_vs_real.py)
+RECORDINGS = sorted(
+    p for p in (BENCH / "recordings").iterdir() if p.is_dir() and "-scaling-" not in p.name
+)
 HOG = BENCH / "recordings/2026-12-01-0431-quick-nice19-hog"
 
 

@@ -1,0 +1,262 @@
+"""Simulator vs the real thing through scale events: calibrate once, then predict.
+
+    python bench/sim_vs_real_scaling.py --calibrate --model DIR   # once: writes a recording
+    python bench/sim_vs_real_scaling.py --model DIR [--calibration DIR] [--work-dir DIR]
+    python bench/sim_vs_real_scaling.py --replay DIR   # the prediction again, on a scored run
+
+The trace is a staircase (2 -> 12 -> 24 -> 2 req/s over 30, 70, 80 and 60 s; prompts
+~256 tokens, outputs ~16) that makes the real planner of ``pdserve up --autoscale``
+(pools 1..3 each, TTFT SLO 200 ms) add workers on the way up and remove them on the
+way down: in the simulator it gave 2-5 additions and 2-5 removals on every seed tried.
+
+*Calibrate*: one run of the trace (seed 11), with its profile measured just before
+(``pdserve profile``), is kept in bench/recordings/ (``*-scaling-calibration``). The
+simulator's host model (sim_host.py: the other jobs' CPU per window, the CPU per request
+of the router, the client and the workers' non-engine threads, the serving path's
+latency from the idle probe, a starting worker's CPU) and the workers' start-up time
+come from that recording only; the planner and both sides use its profile.
+*Predict*: a later run of the trace with other requests (seed 12) is scored against the
+simulation built from the calibration alone; nothing measured in the scored run reaches
+the simulation (its own host conditions give ``sim_hindsight``, printed beside it, for
+how much of the error is the machine having changed). The host model's tuned constants
+were fixed before the first scored run (``constants`` in the JSON: BURST_WINDOW_S of
+sim_cluster.py, chosen on the 2026-12-02 recordings; RHO_MAX of sim_host.py).
+
+The last stdout line is JSON: ``sim_vs_real_ttft_p90_error`` (all requests),
+``..._scaling`` (requests that arrived in a 10 s window touched by a scale event,
+sim_vs_real_windows.py) and ``..._steady``, ``sim_vs_real_replica_s_error``,
+``scale_events`` of both sides, the calibration's name and date, and the load average
+(other sessions share the 2 cores: the real side slows, the prediction cannot know).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sim_vs_real_windows as win
+from sim_cluster import BURST_WINDOW_S
+from sim_host import RHO_MAX
+from sim_replay import SimReplay, Trace, replay
+from sim_vs_real import INTERVAL_S, measure_profile, stats, up_flags
+from sim_vs_real_host import describe, measure_host
+from sim_vs_real_up import run_real
+
+from pdserve.local.planner_loop import config_from_args
+from pdserve.local.up import add_arguments as up_arguments
+from pdserve.planner.capacity import Profile
+
+RATES = (2.0, 12.0, 24.0, 2.0)  # req/s per phase
+PHASES = (30.0, 70.0, 80.0, 60.0)  # s
+DRAIN_S = 20.0
+CALIBRATION_SEED, SCORED_SEED = 11, 12
+SLO_TTFT_MS, SLO_TPOT_MS = 200.0, 500.0
+POOL_MAX = 3
+RECORDINGS = Path(__file__).resolve().parent / "recordings"
+CALIBRATION = RECORDINGS / "2026-12-03-1153-scaling-calibration"
+# the host model's tuned constants, fixed before the first scored run
+CONSTANTS = {
+    "BURST_WINDOW_S": BURST_WINDOW_S,
+    "RHO_MAX": RHO_MAX,
+    "fixed": "2026-12-02, on the step-trace recordings (sim_cluster.py, sim_host.py)",
+}
+PROFILE_MARK = "@profile@"  # the profile's path in recorded flags (the recording's own)
+
+
+def staircase(seed: int) -> Trace:
+    """Poisson arrivals at each of ``RATES`` for its ``PHASES``; prompt and output lengths
+    as in Trace.step (lognormal around 256 and 16 tokens)."""
+    rng = np.random.default_rng(seed)
+    times, t0 = [], 0.0
+    for rate, length in zip(RATES, PHASES, strict=True):
+        n = rng.poisson(rate * length)
+        times.append(t0 + np.sort(rng.random(n)) * length)
+        t0 += length
+    arrival = np.concatenate(times)
+    n = arrival.size
+    prompt = np.clip(np.round(rng.lognormal(math.log(256) - 0.18, 0.6, n)), 64, 1000)
+    output = np.clip(np.round(rng.lognormal(math.log(16) - 0.18, 0.6, n)), 4, 48)
+    return Trace(arrival, prompt.astype(int), output.astype(int), t0)
+
+
+def scaling_flags(model: str, port: int) -> list[str]:
+    """sim_vs_real.py's ``pdserve up`` flags with pools of 1..3 and a 200 ms TTFT SLO."""
+    ns = argparse.Namespace(model=model, slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=SLO_TPOT_MS,
+                            worker_startup=8.0, unready_hold=30.0)  # fmt: skip
+    flags = up_flags(ns, PROFILE_MARK, port)
+    for name in ("--prefill-max", "--decode-max"):
+        flags[flags.index(name) + 1] = str(POOL_MAX)
+    return flags
+
+
+def with_profile(flags: list[str], profile: Path) -> list[str]:
+    return [str(profile) if f == PROFILE_MARK else f for f in flags]
+
+
+def record_real(work: Path, model: str, seed: int, profile: Path, extra: dict) -> dict:
+    """Run the trace against ``pdserve up``; keep real.json, up.log and meta.json in work."""
+    port = 18000 + os.getpid() % 1000
+    flags = scaling_flags(model, port)
+    trace = staircase(seed)
+    before, date = os.getloadavg(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    real = run_real(with_profile(flags, profile), port, trace, DRAIN_S, work)
+    meta = {
+        "date": date,
+        "seed": seed,
+        "rates": RATES,
+        "phases": PHASES,
+        "drain_s": DRAIN_S,
+        "flags": flags,
+        "load_average_before_after": [list(before), list(os.getloadavg())],
+        "real": {k: getattr(real, k) for k in ("replica_s", "times", "workers", "startup_s",
+                                                "startup_source", "failed", "peak", "errors")},
+        **extra,
+    }  # fmt: skip
+    (work / "meta.json").write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+class Recording:
+    """A recorded run of the staircase (calibration or scored) read back from its directory."""
+
+    def __init__(self, work: Path) -> None:
+        self.dir = work
+        self.meta = json.loads((work / "meta.json").read_text())
+        self.dump = json.loads((work / "real.json").read_text())
+        self.trace = staircase(int(self.meta["seed"]))
+        self.end_s = self.trace.duration_s + float(self.meta["drain_s"])
+        ttft = self.dump["ttft"]
+        self.ttft_all = np.array([np.nan if x is None else x for x in ttft], dtype=float)
+
+    def config(self, profile: Path):  # type: ignore[no-untyped-def]
+        parser = argparse.ArgumentParser()
+        up_arguments(parser)
+        return config_from_args(parser.parse_args(with_profile(self.meta["flags"], profile)))
+
+
+def predict(scored: Recording, calibration: Recording, hindsight: bool = False) -> SimReplay:
+    """The scored trace in the simulator, on the calibration's host, start-up and profile
+    (``hindsight``: on the scored run's own host and start-up instead, for comparison)."""
+    profile = calibration.dir / "profile.json"
+    cfg = scored.config(profile)
+    source = scored if hindsight else calibration
+    host = measure_host(source.dump, cfg.profile, int(source.trace.arrival.size), source.end_s)
+    startup = float(source.meta["real"]["startup_s"])
+    return replay(scored.trace, cfg, (1, 1), startup, INTERVAL_S, DRAIN_S, host=host)
+
+
+def score(scored: Recording, calibration: Recording) -> dict:
+    sim = predict(scored, calibration)
+    real_meta = scored.meta["real"]
+    real_ok = scored.ttft_all[np.isfinite(scored.ttft_all)]
+    real_ev = win.real_events(scored.dump["log"], scored.end_s)
+    sim_ev = win.sim_events(sim.timeline)
+    startup = float(calibration.meta["real"]["startup_s"])
+    hit = win.scaling_windows(real_ev + sim_ev, startup, scored.end_s)
+    split = win.split_errors(scored.trace.arrival, scored.ttft_all, sim.arrival,
+                             sim.ttft_by_arrival, hit)  # fmt: skip
+    real_stats = stats(real_ok, float(real_meta["replica_s"]))
+    sim_stats = stats(sim.ttft, sim.replica_s)
+    look = predict(scored, calibration, hindsight=True)
+    hindsight = stats(look.ttft, look.replica_s)
+    hindsight["ttft_p90_error"] = win.error(win.p90(look.ttft), win.p90(real_ok))
+    cfg_profile = scored.config(calibration.dir / "profile.json").profile
+    return {
+        "sim_vs_real_ttft_p90_error": win.error(win.p90(sim.ttft), win.p90(real_ok)),
+        **{k: v for k, v in split.items() if k.startswith("sim_vs_real")},
+        "sim_vs_real_replica_s_error": win.error(sim.replica_s, float(real_meta["replica_s"])),
+        "scale_events": {"real": win.count(real_ev), "sim": win.count(sim_ev)},
+        "scale_event_times": {
+            "real": [[round(e.t, 1), e.pool, e.delta] for e in real_ev],
+            "sim": [[round(e.t, 1), e.pool, e.delta] for e in sim_ev],
+        },
+        **{k: v for k, v in split.items() if not k.startswith("sim_vs_real")},
+        "real": {**real_stats, "failed": real_meta["failed"], "errors": real_meta["errors"]},
+        "sim": sim_stats,
+        "sim_hindsight": hindsight,  # the scored run's own host: not the prediction
+        "calibration": _about_calibration(calibration, cfg_profile),
+        "scored": {
+            "recording": str(scored.dir),
+            "date": scored.meta["date"],
+            "seed": scored.meta["seed"],
+            "startup_s_observed": real_meta["startup_s"],
+            "load_average_before_after": scored.meta["load_average_before_after"],
+        },
+        "constants": CONSTANTS,
+        "trace": {
+            "rates_rps": RATES,
+            "phases_s": PHASES,
+            "requests": int(scored.trace.arrival.size),
+            "slo_ttft_ms": SLO_TTFT_MS,
+            "pool_max": POOL_MAX,
+        },
+    }
+
+
+def _about_calibration(calibration: Recording, profile: Profile) -> dict:
+    meta = calibration.meta
+    n = int(calibration.trace.arrival.size)
+    return {
+        "recording": calibration.dir.name,
+        "date": meta["date"],
+        "seed": meta["seed"],
+        "startup_s": round(float(meta["real"]["startup_s"]), 2),
+        "load_average": meta["load_average_before_after"][0][0],
+        "host": describe(measure_host(calibration.dump, profile, n, calibration.end_s)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.calibrate:
+        work = Path(args.work_dir or RECORDINGS / time.strftime("%Y-%m-%d-%H%M-scaling-calibration",
+                                                                time.gmtime()))  # fmt: skip
+        work.mkdir(parents=True, exist_ok=True)
+        measure_profile(args.model, str(work / "profile.json"), quick=False)
+        meta = record_real(work, args.model, CALIBRATION_SEED, work / "profile.json",
+                           {"role": "calibration"})  # fmt: skip
+        print(json.dumps({"calibration": str(work), **meta["real"]}))
+        return 0
+    calibration = Recording(Path(args.calibration))
+    if args.replay:
+        scored = Recording(Path(args.replay))
+        calibration = Recording(RECORDINGS / scored.meta["calibration"])
+    else:
+        work = Path(args.work_dir or tempfile.mkdtemp(prefix="sim-vs-real-scaling-"))
+        work.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(calibration.dir / "profile.json", work / "profile.json")
+        extra = {"role": "scored", "calibration": calibration.dir.name}
+        record_real(work, args.model, SCORED_SEED, work / "profile.json", extra)
+        scored = Recording(work)
+    out = score(scored, calibration)
+    out["load_average_now"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(out))
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=os.environ.get("PDSERVE_TINY_MODEL", ""),
+                    help="model directory (default: $PDSERVE_TINY_MODEL)")  # fmt: skip
+    ap.add_argument("--calibrate", action="store_true", help="record a calibration run")
+    ap.add_argument("--calibration", default=str(CALIBRATION), help="the calibration recording")
+    ap.add_argument("--work-dir", default="", help="where the run is recorded")
+    ap.add_argument("--replay", default="", help="a scored recording: re-run the prediction")
+    args = ap.parse_args(argv)
+    if not args.replay and not args.model:
+        ap.error("--model (or $PDSERVE_TINY_MODEL) is required: `pdserve tiny-model DIR`")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())
