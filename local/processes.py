@@ -31,11 +31,8 @@ from pdserve.local.drain import Listed
 from pdserve.local.proc_group import signal_group
 from pdserve.protocol.codec import from_dict
 from pdserve.protocol.contract import WorkerStats
-from pdserve.router.discovery_file import write_workers_file
+from pdserve.router.discovery.file import write_workers_file
 from pdserve.signed_httpx import SignedAuth
-
-ALL_CORES_MIN_PARAMS = 8 << 20  # decoder weights from which a lone worker takes every core
-
 
 # Stored tensors that are not decoder weights: the token embeddings and the output head
 # (GPT-NeoX's is ``embed_out``, GPT-2's embeddings ``wte``/``wpe``).
@@ -93,20 +90,24 @@ class ClusterSpec:
         """Cores over workers (at least 1), one core kept for the router, the workers' HTTP
         loops and detokenization: N workers with all cores each oversubscribe the CPU, and
         an OpenMP thread preempted by the streaming path stalls every op's barrier (vLLM's
-        CPU build keeps a core from compute the same way). A lone worker of a model with
-        ``ALL_CORES_MIN_PARAMS`` decoder weights or more takes every core: its GEMMs are
-        large enough to gain more from a second thread than the barriers cost (measured,
-        2 cores, concurrency 16, colocated: the ``small`` preset 886 -> 1,088 tok/s in
-        bfloat16 and 534 -> 736 in float32 with 2 threads, beating 1 prefill + 1 decode
-        worker; the tiny preset 5,080 -> 4,091, so it keeps one)."""
+        CPU build keeps a core from compute the same way). A lone worker takes every core
+        when its model's GEMMs, timed at start-up on this host, run enough faster on all
+        cores than on one (``local/thread_probe.py``: measured, never read from the size)."""
         if self.cpu_threads > 0:
             return self.cpu_threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         workers = max(1, self.num_prefill + self.num_decode)
         lone = workers == 1 and not self.autoscaled
-        if lone and decoder_params(self.model_dir) >= ALL_CORES_MIN_PARAMS:
+        if lone and (cores or 1) > 1 and self.lone_worker_probe().get("all_cores"):
             return cores or 1
         return max(1, ((cores or 1) - 1) // workers)
+
+    def lone_worker_probe(self) -> dict[str, Any]:
+        """The start-up thread probe of this spec's model (cached per process)."""
+        from pdserve.local import thread_probe
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return thread_probe.probe(self.model_dir, self.dtype, cores or 1)
 
     @property
     def model_name(self) -> str:

@@ -1,0 +1,74 @@
+"""The model shapes bench/serve.py compares on: the two presets and two other shapes.
+
+``tiny`` and ``small`` are engine/tiny_model.py's presets. Two more random Llama models,
+written the same way (seeded weights, a byte-level BPE tokenizer trained on local text),
+so that no rule tuned on the presets can pass unseen:
+
+* ``wide-vocab``: a 32k-entry vocabulary over a narrow decoder (hidden 256, 4 layers):
+  the output head is most of each step's GEMM work;
+* ``deep-narrow``: 24 layers of hidden 256: many small GEMMs, twice the decoder weights
+  of the ``small`` preset's threshold era but each one narrow.
+
+    python bench/serve_models.py wide-vocab      # prints the model directory
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from pdserve.engine import tiny_model
+from pdserve.engine.tiny_model import PRESETS, Preset
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES: dict[str, Preset] = {
+    "wide-vocab": Preset(vocab_size=32768, hidden_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=704,
+                         max_position_embeddings=2048, corpus_chars=8_000_000),
+    "deep-narrow": Preset(vocab_size=3072, hidden_size=256, num_hidden_layers=24,
+                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=704,
+                          max_position_embeddings=2048, corpus_chars=1_500_000),
+}  # fmt: skip
+NAMES = (*PRESETS, *SHAPES)
+
+
+def model_dir(name: str, root: Path | None = None) -> Path:
+    """The directory of model ``name`` (a preset or a shape above), written on first use."""
+    out = (root or ROOT / ".cache" / "models") / f"{name}-seed0"
+    if name in PRESETS:
+        return tiny_model.write_tiny_model(out, name)
+    if name not in SHAPES:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(NAMES)}")
+    marker = out / tiny_model.MARKER
+    if marker.exists() and json.loads(marker.read_text()).get("shape") == name:
+        return out
+    preset = SHAPES[name]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tok = tiny_model.train_tokenizer(preset.vocab_size, preset.corpus_chars, 2048)
+        ids = {t: tok.convert_tokens_to_ids(t) for t in tiny_model.SPECIAL_TOKENS}
+        # The model's vocabulary is the shape's even where BPE learned fewer merges
+        # (rows past the tokenizer are never produced by a prompt, only by sampling).
+        model = tiny_model.build_model(preset, max(preset.vocab_size, len(tok)), ids, seed=0)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        meta = {"shape": name, "seed": 0, "preset_config": asdict(preset),
+                "num_parameters": sum(p.numel() for p in model.parameters()),
+                "tokenizer_size": len(tok)}  # fmt: skip
+        (tmp / tiny_model.MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:] or list(NAMES):
+        print(model_dir(arg))
