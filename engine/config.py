@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve import env
+from pdserve.engine.lora_files import LoraConfig, parse_lora_flag
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +37,7 @@ class EngineConfig:
     compile: bool = False  # torch.compile the forward (workers: on unless --enforce-eager)
     grammar_cache_bytes: int = 64 << 20  # compiled grammars kept (engine/structured.py)
     grammar_compile_timeout_s: float = 10.0  # a slower grammar is refused (engine/core_loop.py)
+    lora: LoraConfig | None = None  # multi-LoRA (engine/lora_registry.py); None: off
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -94,6 +96,15 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
                    help="memory for compiled structured-output grammars (LRU beyond)")  # fmt: skip
     g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a grammar may take to compile; a slower one is a 400")  # fmt: skip
+    g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="a PEFT LoRA adapter directory served as NAME (repeatable; more at "
+                   "run time through /v1/load_lora_adapter); a worker with adapters runs "
+                   "the eager forward")  # fmt: skip
+    g.add_argument("--max-loras", type=int, default=4,
+                   help="LoRA adapters resident at once (one step mixes them)")  # fmt: skip
+    g.add_argument("--max-cpu-loras", type=int, default=8,
+                   help="LoRA adapters kept in host memory (least recently used out)")  # fmt: skip
+    g.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank accepted")
     g.add_argument("--enforce-eager", action="store_true",
                    help="run the model's eager forward: no torch.compile at start-up "
                    "(also PDSERVE_ENFORCE_EAGER=1)")  # fmt: skip
@@ -104,6 +115,7 @@ def engine_config_from_args(args) -> EngineConfig:  # type: ignore[no-untyped-de
     (engine/model_source.py), in the dtype this engine will run in."""
     from pdserve.engine.model_source import resolve_model  # it imports this module
 
+    loras = tuple(parse_lora_flag(v) for v in getattr(args, "lora", None) or ())
     return EngineConfig(
         model=resolve_model(args.model, args.dtype, args.device),
         dtype=args.dtype,
@@ -117,7 +129,14 @@ def engine_config_from_args(args) -> EngineConfig:  # type: ignore[no-untyped-de
         served_model_name=args.served_model_name,
         enable_prefix_caching=not args.no_prefix_caching,
         cpu_threads=args.cpu_threads,
-        compile=not (args.enforce_eager or env.eager_forced()),
+        # Adapter layers run eager (docs/lora.md): no compile for a worker that has some.
+        compile=not (args.enforce_eager or env.eager_forced() or loras),
         grammar_cache_bytes=getattr(args, "grammar_cache_bytes", 64 << 20),
         grammar_compile_timeout_s=getattr(args, "grammar_compile_timeout", 10.0),
+        lora=LoraConfig(
+            max_loras=getattr(args, "max_loras", 4),
+            max_cpu_loras=getattr(args, "max_cpu_loras", 8),
+            max_lora_rank=getattr(args, "max_lora_rank", 64),
+            loras=loras,
+        ),
     )

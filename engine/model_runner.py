@@ -9,6 +9,7 @@ requests apart. Only the rows that are sampled get logits.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,11 @@ from pdserve.engine.attention import (
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import GraphRunner
 from pdserve.engine.kv_pool import KVPool, KVShape
+from pdserve.engine.lora_registry import LoraRegistry, lora_passes
 from pdserve.engine.prompt_logprobs import PromptRows
 from pdserve.engine.request import Request
+
+logger = logging.getLogger(__name__)
 
 # A decode joins the current group while its context has at least this share of the
 # group's longest context (in blocks): at most 1 - share of a group's slots are padding.
@@ -111,6 +115,18 @@ class ModelRunner:
             )
         )  # fmt: skip
         self.use_kernel = self.attention_backend == attention_backends.CPU  # False: gather
+        self.loras: LoraRegistry | None = None
+        if config.lora is not None:  # adapters (engine/lora_registry.py)
+            self.loras = LoraRegistry(self.model, config.lora, self.device, self.dtype)
+            self.loras.on_first_wrap = self._lora_eager
+
+    def _lora_eager(self) -> None:
+        """The first adapter layer changed the model under the compiled forward and the
+        CUDA graphs: both are dropped, the worker runs eager from now on (docs/lora.md)."""
+        if self.compiled or self.graphs is not None:
+            logger.warning("LoRA adapters loaded: the forward runs eager from now on")
+        self.use_eager()
+        self.graphs = None
 
     @torch.inference_mode()
     def _probe(self) -> None:
@@ -162,13 +178,44 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Run one step; returns float32 logits of the sampled chunks, in order."""
         assert self.pool is not None and chunks
+        if self.loras is not None and any(c.request.lora is not None for c in chunks):
+            return self._execute_lora(chunks)
         if self.graphs is not None and all(c.num_tokens == 1 and c.samples for c in chunks):
             batch = cuda_graphs.decode_batch(chunks, self.block_size)
             return self.graphs.run(batch, lambda _b: self._execute(chunks)).float()
         return self._execute(chunks)
 
+    def _execute_lora(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """A step under adapters: one pass, unless it needs more adapters than slots."""
+        assert self.loras is not None
+        passes = lora_passes([c.request.lora for c in chunks], self.loras.config.max_loras)
+        if len(passes) == 1:
+            return self._execute(chunks)
+        sampled = [i for i, c in enumerate(chunks) if c.samples]
+        row_of = {i: r for r, i in enumerate(sampled)}
+        out: torch.Tensor | None = None
+        for members in passes:
+            logits = self._execute([chunks[i] for i in members])
+            if out is None:
+                out = logits.new_empty((len(sampled), logits.shape[-1]))
+            rows = [row_of[i] for i in members if chunks[i].samples]
+            out[torch.tensor(rows, dtype=torch.long, device=out.device)] = logits
+        assert out is not None
+        return out
+
+    def _lora_begin(self, chunks: list[ScheduledChunk]) -> None:
+        """Each token's adapter slot for the wrapped layers (0: the base model)."""
+        if self.loras is None or all(c.request.lora is None for c in chunks):
+            return
+        slot_of = self.loras.slots_for([c.request.lora for c in chunks if c.request.lora])
+        per_chunk = [0 if c.request.lora is None else slot_of[id(c.request.lora)] for c in chunks]
+        counts = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
+        token_slots = torch.tensor(per_chunk, dtype=torch.long).repeat_interleave(counts)
+        self.loras.step.begin(token_slots.to(self.device))
+
     def _execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         input_ids, positions, slots, sample_rows = self._flatten(chunks)
+        self._lora_begin(chunks)
         CURRENT.pool = self.pool
         CURRENT.meta = self._metadata(chunks, slots)
         CURRENT.layers, CURRENT.architecture = self.layers, self.architecture
@@ -191,6 +238,8 @@ class ModelRunner:
         finally:
             CURRENT.pool = CURRENT.meta = None
             CURRENT.layers = ()
+            if self.loras is not None:
+                self.loras.step.end()
         prompt.record(out.logits[0, num_sampled:])
         return out.logits[0, :num_sampled].float()
 

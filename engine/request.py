@@ -50,6 +50,7 @@ class Request:
     grammar: Any = None  # xgrammar matcher of a structured-output request (engine/structured.py)
     first_scheduled_time: float | None = None
     hash_root: int = 0  # the parent of block 0's hash: the cache salt's root, see hashing.py
+    lora: Any = None  # the LoraAdapter it runs under (engine/lora_registry.py); None: base
     tenant: str = ""  # the router's key salt ("k:..."), for fair admission (scheduler.py)
     # [None, [logprob, rank, top], ...] per prompt token so far (engine/prompt_logprobs.py)
     prompt_logprobs: list[Any] = field(default_factory=list)
