@@ -290,6 +290,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
+    loras: list[str] = field(default_factory=list)  # LoRA adapters resident in the model now
+    lora_known: list[str] = field(default_factory=list)  # all it serves without a path
 
 
 @message("worker_stats")
@@ -309,8 +311,6 @@ class WorkerStats(EngineStats):
     kv_events: str = ""  # prefill: ZeroMQ address of its KV events
     side_channel: str = ""  # prefill: ZeroMQ address of its KV side channel
     version: int = CONTRACT_VERSION
-    loras: list[str] = field(default_factory=list)  # adapters resident in the engine now
-    lora_known: list[str] = field(default_factory=list)  # all it serves without a path
 
 
 @message("request_ref")
