@@ -15,7 +15,7 @@ The fleet grows 1 -> 10 -> 100 objects, with a steady-state window at each size:
   PATCH each every 5-10 s): it dominates a small fleet;
 - ``router_requests_per_replica_minute`` vs ``baseline_router_requests_per_replica_minute``:
   in the last window, ``--routers`` router discovery sources (the router's real
-  EndpointSlice watch, ``router/discovery_k8s.py``) and as many of the design it replaced
+  EndpointSlice watch, ``router/discovery/k8s.py``) and as many of the design it replaced
   (a pod LIST by label every second), each on its own LLMService's pools, both measured.
 
 The emulator is tests/k8s/k8s_emulator.py (PyPI ``kmock``); a plot goes to bench/out/.

@@ -1,6 +1,6 @@
 """The router side of bench/operator_load.py: worker discovery by watch vs by polling.
 
-``watchers``: the router's real discovery source (``router/discovery_k8s.py``: one watch
+``watchers``: the router's real discovery source (``router/discovery/k8s.py``: one watch
 on the EndpointSlices of an LLMService's pool Services). ``pollers``: the design it
 replaced, re-created here as the baseline: a pod LIST by label every second. Each router
 has its own LLMService's slices and pods, written as the controllers would write them.
@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+from pdserve.router.discovery.k8s import KubernetesSource
 
-from pdserve.router.discovery_k8s import KubernetesSource
-from pdserve.router.kube_api import USER_AGENT, ApiAccess
+from pdserve.router.discovery.kube_api import USER_AGENT, ApiAccess
 
 NS = "default"
 BASELINE_AGENT = "baseline-router"

@@ -37,7 +37,7 @@ import numpy as np
 
 from pdserve.planner.capacity import Profile
 from pdserve.router.config import DECODE_SCORERS
-from pdserve.router.scorer_load import RUNNING_SCALE
+from pdserve.router.scheduling.scorers import RUNNING_SCALE
 
 _DECODE_WEIGHTS = dict(DECODE_SCORERS)  # {"kv": w, "running": w}
 

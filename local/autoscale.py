@@ -5,7 +5,7 @@
 health poll that tells the planner which workers are ready, and a watch that
 ends everything when a worker dies on its own. Scaling goes through
 ``LocalCluster.add_worker`` / ``remove_worker``; the router learns the new worker
-list from the workers file it re-reads (``router/discovery_file.py``). A worker is
+list from the workers file it re-reads (``router/discovery/file.py``). A worker is
 stopped only once the router no longer lists it and it owes no request
 (``local/drain.py``): a planned scale-down costs no client anything.
 """

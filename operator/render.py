@@ -62,7 +62,7 @@ def config_map(spec: LLMServiceSpec) -> Manifest:
 
 def router_rbac(spec: LLMServiceSpec) -> list[Manifest]:
     """The router's discovery identity: it watches the EndpointSlices of its pool Services
-    (``router/discovery_k8s.py``), read-only, in its namespace; nothing else."""
+    (``router/discovery/k8s.py``), read-only, in its namespace; nothing else."""
     name = n.router_account_name(spec.name)
     read = ["get", "list", "watch"]
     return [

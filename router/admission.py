@@ -23,7 +23,7 @@ import contextlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from pdserve.router.errors import APIError
+from pdserve.router.api.errors import APIError
 
 Waiters = OrderedDict[str, deque[asyncio.Future[None]]]
 

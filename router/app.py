@@ -14,13 +14,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.router.api.errors import APIError
+from pdserve.router.api.responses_serve import serve_responses
+from pdserve.router.api.serving import serve
+from pdserve.router.api.tokenize_api import detokenize, handle, tokenize
 from pdserve.router.config import RouterConfig
-from pdserve.router.discovery import EndpointSource
-from pdserve.router.errors import APIError
-from pdserve.router.responses_serve import serve_responses
+from pdserve.router.discovery.workers import EndpointSource
 from pdserve.router.runtime import Runtime
-from pdserve.router.serving import serve
-from pdserve.router.tokenize_api import detokenize, handle, tokenize
 from pdserve.router.tokenizer import PromptTokenizer
 
 HOT_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat

@@ -11,7 +11,7 @@ ROUTING_MODES = ("prefix", "round-robin")  # the older --routing: max-score | ro
 CACHE_ISOLATION = ("api-key", "none")  # a prefix-cache salt per API key, or one shared cache
 
 # Short names of ``--scorer NAME=WEIGHT`` for scorers that share one weight; any scorer's
-# registry name (router/scorer_*.py) works as well.
+# registry name (router/scheduling/registry.py) works as well.
 SCORER_GROUPS: dict[str, tuple[str, ...]] = {
     "prefix": ("prefix-match",),
     "load": ("queued-tokens", "running"),
@@ -45,7 +45,7 @@ def parse_scorer(text: str) -> tuple[str, float]:
 def expand(pairs: Sequence[tuple[str, float]]) -> tuple[ScorerWeight, ...]:
     """Named weights → one ``ScorerWeight`` per registry scorer (groups expanded; a later
     pair for the same scorer wins), checking every name against the scorer registry."""
-    from pdserve.router.scoring import get_scorer  # the registry imports this module
+    from pdserve.router.scheduling.scoring import get_scorer  # the registry imports this module
 
     out: dict[str, float] = {}
     for name, weight in pairs:
@@ -96,7 +96,9 @@ class RouterConfig:
     # Limits at the edge (router/edge.py, router/ratelimit.py); see docs/router.md.
     max_body_bytes: int = 8 << 20
     max_prompt_chars: int = 1 << 20
-    max_schema_bytes: int = 64 << 10  # a structured-output spec's JSON (router/grammar_limits.py)
+    max_schema_bytes: int = (
+        64 << 10
+    )  # a structured-output spec's JSON (router/api/grammar_limits.py)
     tokenizer_threads: int = 2
     rate_limit_rpm: int = 0  # requests per minute per API key; 0: no limit
     rate_limit_tpm: int = 0  # prompt + max_tokens per minute per API key; 0: no limit

@@ -22,8 +22,8 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from pdserve.jsonguard import BadJSON, loads_checked
-from pdserve.router.errors import APIError, invalid
-from pdserve.router.protocol import GenerateRequest
+from pdserve.router.api.errors import APIError, invalid
+from pdserve.router.api.protocol import CompletionRequest
 
 
 def too_large(limit: int) -> APIError:
@@ -69,7 +69,7 @@ def parse_json(raw: bytes) -> Any:
         raise invalid(str(exc), exc.field) from exc
 
 
-def check_text_length(req: GenerateRequest, limit: int) -> None:
+def check_text_length(req: CompletionRequest, limit: int) -> None:
     """Bound the text handed to the template and the tokenizer (their time grows with it)."""
     if req.messages is not None:
         tools = req.tools.tools if req.tools is not None else None

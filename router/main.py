@@ -18,7 +18,7 @@ from pdserve.router.config import (
     RouterConfig,
     parse_scorer,
 )
-from pdserve.router.discovery import EndpointSource, StaticSource
+from pdserve.router.discovery.workers import EndpointSource, StaticSource
 from pdserve.router.keys import read_key_file
 
 API_KEY_ENV = env.API_KEY
@@ -216,11 +216,11 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
 
 def build_source(args: argparse.Namespace) -> EndpointSource:
     if args.discovery == "kubernetes":
-        from pdserve.router.discovery_k8s import KubernetesSource, current_namespace
+        from pdserve.router.discovery.k8s import KubernetesSource, current_namespace
 
         return KubernetesSource(args.service, args.namespace or current_namespace())
     if args.workers_file:
-        from pdserve.router.discovery_file import FileSource
+        from pdserve.router.discovery.file import FileSource
 
         return FileSource(args.workers_file)
     if not args.decode:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.router.errors import APIError
+from pdserve.router.api.errors import APIError
 
 MAX_CLIENTS = 10_000  # buckets kept; beyond it the full (idle) ones are dropped
 

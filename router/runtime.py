@@ -16,17 +16,17 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pdserve.router import worker_client
 from pdserve.router.admission import Admission, Ticket
+from pdserve.router.api.errors import APIError
 from pdserve.router.config import RouterConfig
-from pdserve.router.discovery import Discovery, EndpointSource
-from pdserve.router.dispatch import Dispatcher, RequestState
-from pdserve.router.errors import APIError
+from pdserve.router.discovery.workers import Discovery, EndpointSource
 from pdserve.router.keys import Caller, KeyStore
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.prefix_index import KVEventSubscriber, PrefixIndex
 from pdserve.router.ratelimit import RateLimiter
+from pdserve.router.scheduling.prefix_index import KVEventSubscriber, PrefixIndex
 from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.router.transport import worker_client
+from pdserve.router.transport.dispatch import Dispatcher, RequestState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

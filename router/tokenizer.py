@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdserve.router.chat_options import ChatTemplateOptions
-from pdserve.router.chat_render import encode_rendered, refuse_elsewhere, special_strings
-from pdserve.router.errors import invalid
+from pdserve.router.api.chat_options import ChatTemplateOptions
+from pdserve.router.api.chat_render import encode_rendered, refuse_elsewhere, special_strings
+from pdserve.router.api.errors import invalid
 
 
 class PromptTokenizer:
@@ -70,7 +70,7 @@ class PromptTokenizer:
         def plain(text: str) -> list[int]:
             return self.encode(text, add_special_tokens=False)
 
-        # control tokens only from the template, never from client text (router/chat_render.py)
+        # control tokens only from the template, never from client text (router/api/chat_render.py)
         return encode_rendered(self.tok, messages, render, plain, self.specials)
 
 

@@ -19,7 +19,7 @@ from pdserve.protocol import hashing
 from pdserve.protocol.codec import decode, encode
 from pdserve.protocol.contract import KVHandle
 from pdserve.protocol.kv_events import KVEvent
-from pdserve.router.prefix_index import KVEventView, PrefixIndex
+from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
 
 IDS = [random.Random(0).randrange(50_000) for _ in range(16 * 40 + 5)]
 

@@ -14,7 +14,7 @@ from pdserve.cli import main as pdserve_main
 from pdserve.operator.reconcile import keep_autoscaled_replicas
 from pdserve.operator.render import render
 from pdserve.operator.spec_parse import parse_llmservice
-from pdserve.router.discovery_k8s import pool_roles
+from pdserve.router.discovery.k8s import pool_roles
 
 GPU_EXAMPLE = ROOT / "examples" / "llmservice-gpu.yaml"
 

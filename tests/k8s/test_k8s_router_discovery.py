@@ -18,9 +18,9 @@ import pytest
 from k8s_emulator import ApiServer
 from k8s_helpers import NS, eventually
 from k8s_slices import Slices, endpoint_slice, ep
+from pdserve.router.discovery.k8s import KubernetesSource
 
-from pdserve.router.discovery_k8s import KubernetesSource
-from pdserve.router.kube_api import ApiAccess
+from pdserve.router.discovery.kube_api import ApiAccess
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -135,8 +135,8 @@ async def test_discovery_drops_a_terminating_decode_worker_at_the_watch_event(
     """The router's health loop (interval 30 s here) runs a round as soon as the watch sees a
     change: a terminating decode worker leaves rotation at once, while the router's count of
     the streams it still serves there runs on (they end normally)."""
-    from pdserve.router.discovery import Discovery
-    from pdserve.router.worker_client import new_session
+    from pdserve.router.discovery.workers import Discovery
+    from pdserve.router.transport.worker_client import new_session
     from tests.router.fakes import SECRET, FakeState, decode_app, serve
 
     async with serve(decode_app(FakeState("decode", "d-a"))) as url_a, \
@@ -171,7 +171,7 @@ async def test_source_reaches_the_api_through_the_kubeconfig(
     api_server: ApiServer, slices: Slices, kubeconfig: str
 ) -> None:
     """Outside a pod the router reads $KUBECONFIG (its server and bearer token)."""
-    from pdserve.router.kube_api import load_access
+    from pdserve.router.discovery.kube_api import load_access
 
     access = load_access()
     assert access.base_url == str(api_server.url).rstrip("/")

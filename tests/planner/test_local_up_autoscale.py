@@ -277,7 +277,7 @@ async def test_quiet_load_removes_the_extra_worker_and_no_request_fails(
 
 
 async def test_workers_file_is_reread_on_change_and_bad_files_are_refused(tmp_path: Path) -> None:
-    from pdserve.router.discovery_file import FileSource, write_workers_file
+    from pdserve.router.discovery.file import FileSource, write_workers_file
 
     path = tmp_path / "workers.json"
     write_workers_file(path, [], ["http://127.0.0.1:8200"])

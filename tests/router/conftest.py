@@ -16,7 +16,7 @@ import zmq.asyncio
 from pdserve.env import SERVICE_SECRET
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
-from pdserve.router.discovery import StaticSource
+from pdserve.router.discovery.workers import StaticSource
 from pdserve.router.tokenizer import PromptTokenizer
 from tests.router.fakes import SECRET, TOTAL_BLOCKS, FakeState, decode_app, prefill_app, serve
 

@@ -1,5 +1,5 @@
 """vLLM's chat-template fields on /v1/chat/completions and /tokenize: each one changes the
-prompt the workers get, or is refused with a 400 naming it (router/chat_options.py)."""
+prompt the workers get, or is refused with a 400 naming it (router/api/chat_options.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.router.chat_options import ChatTemplateOptions
+from pdserve.router.api.chat_options import ChatTemplateOptions
 from pdserve.router.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.timeout(60)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from pdserve.router.discovery.k8s import KubernetesSource, endpoints_from_slices, pool_roles
 
-from pdserve.router.discovery import events_address, normalize_url
-from pdserve.router.discovery_k8s import KubernetesSource, endpoints_from_slices, pool_roles
+from pdserve.router.discovery.workers import events_address, normalize_url
 from pdserve.router.keys import KeyStore
 from pdserve.router.main import add_arguments, build_config, build_source
 
@@ -115,7 +115,7 @@ def test_scorers_are_name_weight_pairs_and_round_robin_is_a_picker() -> None:
 
 def test_in_cluster_token_is_read_again_as_the_kubelet_rotates_it(tmp_path, monkeypatch) -> None:
     """Bound service-account tokens expire: the router re-reads the projected token file."""
-    from pdserve.router import kube_api
+    from pdserve.router.discovery import kube_api
 
     token = tmp_path / "token"
     token.write_text("first\n")

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from pdserve.router.errors import APIError
-from pdserve.router.fields import CHAT, COMPLETIONS, NO_EFFECT, ONLY, check_fields
+from pdserve.router.api.errors import APIError
+from pdserve.router.api.fields import CHAT, COMPLETIONS, NO_EFFECT, ONLY, check_fields
 from tests.loopback import ROOT
 
 

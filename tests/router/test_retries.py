@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from pdserve.router.discovery import Discovery, StaticSource
-from pdserve.router.worker_client import new_session
+from pdserve.router.discovery.workers import Discovery, StaticSource
+from pdserve.router.transport.worker_client import new_session
 from tests.loopback import free_port
 from tests.router.fakes import FakeState, decode_app
 from tests.router.test_api import LONG, client

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from pdserve.router import disagg
 from pdserve.router.config import RouterConfig
-from pdserve.router.routing import NoWorkerAvailable, plan_route
-from pdserve.router.scoring import RouteRequest, get_scorer
-from pdserve.router.snapshot import Snapshot, WorkerStats, WorkerView
+from pdserve.router.scheduling import disagg
+from pdserve.router.scheduling.routing import NoWorkerAvailable, plan_route
+from pdserve.router.scheduling.scoring import RouteRequest, get_scorer
+from pdserve.router.scheduling.snapshot import Snapshot, WorkerStats, WorkerView
 
 CFG = RouterConfig(model_dir="/m", disagg_threshold=64)
 

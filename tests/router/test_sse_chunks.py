@@ -11,7 +11,7 @@ from unittest import mock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.router import responses
+from pdserve.router.api import responses
 
 texts = st.text(st.characters(), max_size=16)
 values = st.recursive(

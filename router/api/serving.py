@@ -1,0 +1,417 @@
+"""Serving one completion / chat completion: parse, admit, dispatch, respond.
+
+Before the first token exists every failure is an HTTP error with OpenAI's
+body; once streaming has started, a failure is an SSE ``error`` event followed
+by ``[DONE]``. A client that goes away cancels the dispatch, which aborts the
+request on its workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import Any, Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.protocol.sampling_params import InvalidParameter
+from pdserve.router import edge
+from pdserve.router.api import responses
+from pdserve.router.api.echo import Echo, echo_for, scored_only
+from pdserve.router.api.errors import APIError, invalid
+from pdserve.router.api.grammar_limits import check_grammar
+from pdserve.router.api.logprobs_format import LogprobsFormatter
+from pdserve.router.api.protocol import CompletionRequest, check_model, parse_request
+from pdserve.router.api.tool_output import ToolOutput
+from pdserve.router.api.tools import chat_inputs
+from pdserve.router.runtime import Runtime, Ticket
+from pdserve.router.scheduling.routing import RoutePlan
+from pdserve.router.scheduling.snapshot import Snapshot
+from pdserve.router.transport.dispatch import Delta, RequestState
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+E = TypeVar("E")  # an event: a Delta, or (choice index, Delta)
+C = TypeVar("C")  # all of a request's events, collected
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _wait_disconnect_asgi(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _wait_disconnect(request: Request) -> None:
+    await _wait_disconnect_asgi(request.receive)
+
+
+async def guarded(request: Request, aw: Awaitable[T]) -> T:
+    """Await ``aw`` unless the client disconnects first (then cancel it, raise ClientGone)."""
+    work = asyncio.ensure_future(aw)
+    gone = asyncio.create_task(_wait_disconnect(request))
+    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work
+    raise ClientGone
+
+
+def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[CompletionRequest, list[int]]:
+    """Body bytes to a checked request and its prompt ids. CPU-bound (JSON, the chat
+    template, the tokenizer): runs on a tokenizer thread, after admission."""
+    return prepare_body(rt, edge.parse_json(raw), chat)
+
+
+def prepare_body(rt: Runtime, body: Any, chat: bool) -> tuple[CompletionRequest, list[int]]:
+    req = parse_request(body, chat, rt.cfg.default_max_tokens)
+    check_model(req.model, rt.served_names)
+    check_grammar(req.sampling.structured, rt.cfg.max_schema_bytes)
+    try:
+        req.sampling.validate(rt.tokenizer.vocab_size)
+    except InvalidParameter as exc:
+        raise invalid(str(exc), exc.field) from exc
+    edge.check_text_length(req, rt.cfg.max_prompt_chars)
+    return req, prompt_ids(rt, req)
+
+
+def prompt_ids(rt: Runtime, req: CompletionRequest) -> list[int]:
+    if req.chat:
+        assert req.messages is not None
+        messages, tools = chat_inputs(rt.tokenizer.tok, list(req.messages), req.tools)
+        return rt.tokenizer.encode_chat(messages, tools=tools, options=req.template)
+    if req.prompt_token_ids is not None:
+        bad = [t for t in req.prompt_token_ids if t >= rt.tokenizer.vocab_size]
+        if bad:
+            raise invalid(f"token id {bad[0]} is outside the vocabulary", "prompt")
+        return list(req.prompt_token_ids)
+    assert req.prompt_text is not None
+    return rt.tokenizer.encode(req.prompt_text)
+
+
+def fit_context(rt: Runtime, snap: Snapshot, req: CompletionRequest, n: int) -> CompletionRequest:
+    max_len = snap.max_model_len or rt.tokenizer.config_max_len
+    if not max_len:
+        return req
+    field = "messages" if req.chat else "prompt"
+    if n >= max_len:
+        raise invalid(
+            f"this model's maximum context length is {max_len} tokens; the prompt has {n}",
+            field, "context_length_exceeded",
+        )  # fmt: skip
+    room = max_len - n
+    if req.max_tokens_given and req.sampling.max_tokens > room:
+        raise invalid(
+            f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the "
+            f"maximum context length {max_len}",
+            "max_tokens", "context_length_exceeded",
+        )  # fmt: skip
+    if req.sampling.max_tokens > room:
+        return replace(req, sampling=replace(req.sampling, max_tokens=room))
+    return req
+
+
+class _Stream(Response):
+    """Server-sent events written straight to the ASGI channel; ``cleanup`` always runs.
+
+    Leaner than Starlette's StreamingResponse (no anyio task group per response, see
+    docs/router.md): the head goes out at once, then the body is pumped in its own
+    task, cancelled when the client goes away, or when one write has waited
+    ``write_timeout`` seconds for a client that stopped reading (uvicorn's send waits while
+    the socket's buffers are full): the stream is then aborted like a disconnect, so the
+    worker frees its KV and nothing of this stream waits on that client any more.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        head: str,
+        body: AsyncIterator[str],
+        cleanup: Callable[[], Awaitable[None]],
+        write_timeout: float = 30.0,
+        on_slow_reader: Callable[[], None] = lambda: None,
+    ) -> None:
+        super().__init__(media_type=self.media_type)
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self._head = head  # the chunks ready now (the first token): sent before any task starts
+        self._body = body
+        self._cleanup = cleanup
+        self._write_timeout = write_timeout
+        self._on_slow_reader = on_slow_reader
+        self._writing_since = 0.0  # loop time the pending write began; 0.0: none pending
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        pump = gone = slow = None
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})  # fmt: skip
+            await send({"type": "http.response.body", "body": self._head.encode(),
+                        "more_body": True})  # fmt: skip
+            pump = asyncio.create_task(self._pump(send))
+            gone = asyncio.create_task(_wait_disconnect_asgi(receive))
+            slow = asyncio.create_task(self._watch_writes())
+            await asyncio.wait({pump, gone, slow}, return_when=asyncio.FIRST_COMPLETED)
+        except OSError:  # the client went away while the head was written
+            pass
+        finally:
+            for task in (pump, gone, slow):
+                if task is not None:
+                    task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                if pump is not None:
+                    await pump  # a send to a client that went away may raise OSError
+            await self._cleanup()
+
+    async def _pump(self, send: Any) -> None:
+        loop = asyncio.get_running_loop()
+        async for text in self._body:
+            self._writing_since = loop.time()
+            await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            self._writing_since = 0.0
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _watch_writes(self) -> None:
+        """Return once a write has waited ``write_timeout`` (checked every quarter of it:
+        one timer per stream, nothing per token)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._write_timeout / 4)
+            since = self._writing_since
+            if since and loop.time() - since >= self._write_timeout:
+                log.warning("stream aborted: its client read nothing for %.1f s "
+                            "(--stream-write-timeout)", loop.time() - since)  # fmt: skip
+                self._on_slow_reader()
+                return
+
+
+class Api(Protocol):
+    """Another API served over this path (router/api/responses_serve.py): its ids, its body
+    → request, and its reply."""
+
+    prefix: str
+
+    def prepare(self, rt: Runtime, raw: bytes, chat: bool) -> tuple[CompletionRequest, list[int]]:
+        """Runs on a tokenizer thread, as ``prepare``."""
+
+    async def respond(
+        self, rt: Runtime, request: Request, req: CompletionRequest, rs: RequestState,
+        plan: RoutePlan, ticket: Ticket,
+    ) -> Response: ...  # fmt: skip
+
+
+async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = None) -> Response:
+    prefix = api.prefix if api is not None else "chatcmpl-" if chat else "cmpl-"
+    rid = prefix + uuid.uuid4().hex
+    try:
+        caller, client = rt.gate(request)  # before the body is read or parsed
+        raw = await edge.read_body(request, rt.cfg.max_body_bytes, rt.cfg.body_timeout_s)
+        ticket = rt.admission.try_now(client)  # the common case: a free slot, no task
+        if ticket is None:
+            ticket = await guarded(request, rt.admit(client, caller.priority))
+    except ClientGone:
+        return Response(status_code=499)
+    except APIError as err:
+        return rt.error(err)
+    key = caller.key
+    streaming = False
+    try:
+        req, ids = await rt.off_loop(api.prepare if api else prepare, rt, raw, chat)
+        snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
+        req = fit_context(rt, snap, req, len(ids))
+        rt.limiter.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
+        salt = rt.cache_salt(key, req.cache_salt)
+        plan = rt.dispatcher.plan(ids, snap, salt)
+        rs = RequestState(rid, ids, req.sampling, cache_salt=salt)
+        respond = _respond if req.best_of == 1 else _respond_n
+        respond = api.respond if api is not None else respond
+        response = await respond(rt, request, req, rs, plan, ticket)
+        streaming = isinstance(response, _Stream)
+        return response
+    except APIError as err:
+        return rt.error(err)
+    finally:
+        if not streaming:
+            ticket.release()
+
+
+async def _respond(
+    rt: Runtime,
+    request: Request,
+    req: CompletionRequest,
+    rs: RequestState,
+    plan: RoutePlan,
+    ticket: Ticket,
+) -> Response:
+    events = rt.dispatcher.run(rs, plan)
+    ec = echo_for(rt.tokenizer.tok, req, rs)  # the prompt in front of the reply (echo)
+    if ec is not None and ec.spec.score_only:
+        events = scored_only(rs, events)
+
+    def whole(got: tuple[str, str | None, list[int], list[Any]]) -> dict[str, Any]:
+        text, finish, ids, lps = got
+        fmt = _formatter(rt, req, ec)
+        message = None
+        if req.tools is not None:
+            message, finish = ToolOutput(req.tools).message(text, finish)
+        body = responses.full_response(
+            rs.request_id, req.model, req.chat, text, finish, _usage(rs),
+            fmt.format(ids, lps) if fmt is not None else None, message,
+        )  # fmt: skip
+        return ec.whole(body) if ec is not None else body
+
+    def stream(first: Delta) -> tuple[str, AsyncIterator[str]]:
+        out = _Chunks(req, rs, _formatter(rt, req, ec))
+        head = ec.head(rs.request_id, req.model) if ec is not None else ""
+        return head + _sse_head(req, rs, first, out), _sse_rest(req, rs, events, out)
+
+    return await answer(rt, request, req, rs, ticket, events, _collect, whole, stream)
+
+
+async def answer(
+    rt: Runtime,
+    request: Request,
+    req: CompletionRequest,
+    rs: RequestState,
+    ticket: Ticket,
+    events: AsyncGenerator[E, None],
+    collect: Callable[[AsyncGenerator[E, None]], Awaitable[C]],
+    whole: Callable[[C], dict[str, Any]],
+    stream: Callable[[E], tuple[str, AsyncIterator[str]]],
+) -> Response:
+    """Answer from ``events`` (one choice's or n choices'): whole, or streamed once the first
+    event is in, so that a failure before it is still an HTTP error with a status."""
+    try:
+        if not req.stream:
+            got = await guarded(request, collect(events))
+            rt.finish(rs, 200)
+            return JSONResponse(whole(got))
+        first = await guarded(request, anext(events))
+    except APIError:
+        await events.aclose()
+        raise
+    except ClientGone:
+        rt.finish(rs, 499)
+        return Response(status_code=499)
+    except StopAsyncIteration:
+        raise APIError(502, "the workers returned no tokens") from None
+
+    async def cleanup() -> None:
+        with contextlib.suppress(Exception):
+            await events.aclose()  # aborts on the workers when unfinished
+        ticket.release()
+        rt.finish(rs, rs.status)
+
+    head, rest = stream(first)
+    return _Stream(head, rest, cleanup, rt.cfg.stream_write_timeout_s,
+                   rt.metrics.slow_readers.inc)  # fmt: skip
+
+
+async def _respond_n(*args: Any) -> Response:
+    from pdserve.router.api.serving_n import respond_n  # it builds on this module
+
+    return await respond_n(*args)
+
+
+def _formatter(
+    rt: Runtime, req: CompletionRequest, ec: Echo | None = None
+) -> LogprobsFormatter | None:
+    if req.sampling.logprobs is None or req.hide_logprobs:
+        return None
+    fmt = LogprobsFormatter(rt.tokenizer.tok, req.chat, req.tokens_as_ids)
+    if ec is not None:
+        ec.shift(fmt)
+    return fmt
+
+
+def _delta_logprobs(fmt: LogprobsFormatter | None, d: Delta) -> dict[str, Any] | None:
+    if fmt is None:
+        return None
+    if d.logprobs is None and d.token_ids:
+        raise APIError(502, "a worker sent tokens without the logprobs asked for")
+    return fmt.format(d.token_ids, d.logprobs or ())
+
+
+async def _collect(
+    events: AsyncIterator[Delta],
+) -> tuple[str, str | None, list[int], list[Any]]:
+    parts, finish = [], None
+    ids: list[int] = []
+    lps: list[Any] = []
+    async for d in events:
+        parts.append(d.text)
+        finish = d.finish_reason or finish
+        ids.extend(d.token_ids)
+        lps.extend(d.logprobs or ())
+    return "".join(parts), finish, ids, lps
+
+
+def _usage(rs: RequestState) -> dict[str, Any]:
+    return responses.usage(len(rs.prompt_ids), rs.completion_tokens, rs.cached_tokens)
+
+
+class _Chunks:
+    """SSE text for each delta of one stream: text and logprobs, or tool-call deltas."""
+
+    def __init__(
+        self,
+        req: CompletionRequest,
+        rs: RequestState,
+        fmt: LogprobsFormatter | None,
+        index: int = 0,
+    ) -> None:
+        self.rid, self.model, self.chat = rs.request_id, req.model, req.chat
+        self.index = index
+        self.fmt = fmt
+        self.tools = ToolOutput(req.tools) if req.tools is not None else None
+        self.text = responses.TextChunks(self.rid, self.model, self.chat, index)
+
+    def __call__(self, d: Delta) -> str:
+        if self.tools is None:
+            return self.text(d.text, d.finish_reason, _delta_logprobs(self.fmt, d))
+        deltas, finish = self.tools.feed(d.text), None
+        if d.finish_reason is not None:
+            more, finish = self.tools.finish(d.finish_reason)
+            deltas += more
+        rid, model, i = self.rid, self.model, self.index
+        out = "".join(responses.delta_chunk(rid, model, x, index=i) for x in deltas)
+        if finish is not None:
+            out += responses.delta_chunk(rid, model, {}, finish, index=i)
+        return out
+
+
+def _sse_head(req: CompletionRequest, rs: RequestState, first: Delta, out: _Chunks) -> str:
+    """The stream's first chunks: the role (chat) and the first token."""
+    rid, model, chat = rs.request_id, req.model, req.chat
+    rs.status = 499  # until the stream completes
+    role = responses.chunk(rid, model, chat, role=True) if chat else ""
+    return role + out(first)
+
+
+async def _sse_rest(
+    req: CompletionRequest, rs: RequestState, events: AsyncIterator[Delta], out: _Chunks
+) -> AsyncIterator[str]:
+    rid, model, chat = rs.request_id, req.model, req.chat
+    try:
+        async for d in events:
+            text = out(d)
+            if text:
+                yield text
+        if req.include_usage:
+            yield responses.chunk(rid, model, chat, use=_usage(rs))
+        rs.status = 200
+        yield responses.DONE
+    except APIError as err:
+        rs.status = err.status
+        yield responses.sse(err.body())
+        yield responses.DONE

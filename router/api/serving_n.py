@@ -1,0 +1,110 @@
+"""Serving a request with ``n`` > 1 choices (router/api/choices.py runs them).
+
+Like serving.py's single-choice path, with one difference a client sees: every
+chunk of a stream carries its choice's ``index``, and the choices' chunks interleave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pdserve.router.api import responses
+from pdserve.router.api.choices import Choices
+from pdserve.router.api.errors import APIError
+from pdserve.router.api.protocol import CompletionRequest
+from pdserve.router.api.serving import _Chunks, _formatter, answer
+from pdserve.router.api.tool_output import ToolOutput
+from pdserve.router.runtime import Runtime, Ticket
+from pdserve.router.scheduling.routing import RoutePlan
+from pdserve.router.transport.dispatch import Delta, RequestState
+
+
+async def respond_n(
+    rt: Runtime,
+    request: Request,
+    req: CompletionRequest,
+    rs: RequestState,
+    plan: RoutePlan,
+    ticket: Ticket,
+) -> Response:
+    """n > 1 choices (router/api/choices.py); each stream chunk carries its choice's index."""
+    ch = Choices(rt.dispatcher, rs, plan, req.best_of)
+    events = ch.events()
+
+    def stream(first: tuple[int, Delta]) -> tuple[str, AsyncIterator[str]]:
+        outs = [_Chunks(req, rs, _formatter(rt, req), i) for i in range(req.n)]
+        rs.status = 499  # until the stream completes
+        head = "".join(responses.chunk(rs.request_id, req.model, True, role=True, index=i)
+                       for i in range(req.n)) if req.chat else ""  # fmt: skip
+        return head + outs[first[0]](first[1]), _sse_rest_n(req, rs, ch, events, outs)
+
+    return await answer(
+        rt, request, req, rs, ticket, events, lambda e: _collect_n(e, req.best_of),
+        lambda per: _whole_n(rt, req, rs, ch, per), stream,
+    )  # fmt: skip
+
+
+async def _collect_n(events: AsyncIterator[tuple[int, Delta]], n: int) -> list[list[Delta]]:
+    per: list[list[Delta]] = [[] for _ in range(n)]
+    async for i, d in events:
+        per[i].append(d)
+    return per
+
+
+def _best(per: list[list[Delta]], n: int) -> list[list[Delta]]:
+    """best_of: the n candidates with the highest sum of token logprobs, best first."""
+    if len(per) == n:
+        return per
+
+    def score(deltas: list[Delta]) -> float:
+        return sum(lp[0] for d in deltas for lp in d.logprobs or ())
+
+    return sorted(per, key=score, reverse=True)[:n]
+
+
+def _whole_n(
+    rt: Runtime, req: CompletionRequest, rs: RequestState, ch: Choices, per: list[list[Delta]]
+) -> dict[str, Any]:
+    choices = []
+    for i, deltas in enumerate(_best(per, req.n)):
+        text = "".join(d.text for d in deltas)
+        finish = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
+        fmt, message = _formatter(rt, req), None
+        lps = None
+        if fmt is not None:
+            ids = [t for d in deltas for t in d.token_ids]
+            lps = fmt.format(ids, [x for d in deltas for x in d.logprobs or ()])
+        if req.tools is not None:
+            message, finish = ToolOutput(req.tools).message(text, finish)
+        choices.append(responses.choice(i, req.chat, text, finish, lps, message))
+    use = responses.usage(len(rs.prompt_ids), ch.completion_tokens, rs.cached_tokens)
+    return responses.full_response(rs.request_id, req.model, req.chat, "", None, use,
+                                   choices=choices)  # fmt: skip
+
+
+async def _sse_rest_n(
+    req: CompletionRequest,
+    rs: RequestState,
+    ch: Choices,
+    events: AsyncGenerator[tuple[int, Delta], None],
+    outs: list[_Chunks],
+) -> AsyncIterator[str]:
+    rid, model, chat = rs.request_id, req.model, req.chat
+    try:
+        async for i, d in events:
+            text = outs[i](d)
+            if text:
+                yield text
+        if req.include_usage:
+            use = responses.usage(len(rs.prompt_ids), ch.completion_tokens, rs.cached_tokens)
+            yield responses.chunk(rid, model, chat, use=use)
+        rs.status = 200
+        yield responses.DONE
+    except APIError as err:
+        rs.status = err.status
+        yield responses.sse(err.body())
+        yield responses.DONE

@@ -1,0 +1,204 @@
+"""Worker discovery and health: publishes immutable snapshots for routing.
+
+A source lists endpoints (a static list in local mode, watched EndpointSlices in
+a cluster); a background loop checks each one's ``/health`` and ``/stats``,
+drops dead workers from routing and re-admits them when they answer again,
+and keeps the prefix index subscribed to every healthy prefill worker's KV
+events. ``snapshot()`` merges the last poll with the router's in-flight counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from pdserve.protocol.contract import CONTRACT_VERSION
+from pdserve.router.scheduling.prefix_index import KVEventSubscriber
+from pdserve.router.scheduling.snapshot import Snapshot, WorkerStats, WorkerView
+from pdserve.router.transport.worker_client import TRANSPORT_ERRORS, get_json, get_message
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str
+    role: str  # "prefill" | "decode"
+
+
+class EndpointSource(ABC):
+    @abstractmethod
+    async def list(self) -> list[Endpoint]:
+        """Current endpoints; called once per health round."""
+
+    async def changed(self) -> None:
+        """Returns when the endpoints may have changed (a watch event): the health loop
+        then runs a round at once instead of at its next tick. Default: never."""
+        await asyncio.Event().wait()
+
+    async def close(self) -> None:  # noqa: B027 (optional hook: most sources run nothing)
+        """Stop whatever the source runs in the background (a watch)."""
+
+
+class StaticSource(EndpointSource):
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
+        self._endpoints = [Endpoint(normalize_url(u), "prefill") for u in prefill] + [
+            Endpoint(normalize_url(u), "decode") for u in decode
+        ]
+
+    async def list(self) -> list[Endpoint]:
+        return list(self._endpoints)
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if not parts.hostname or parts.scheme not in ("http", "https"):
+        raise ValueError(f"bad worker URL {url!r}; expected http://host:port")
+    return url
+
+
+def events_address(worker_url: str, advertised: str) -> str:
+    """The KV events address to connect to; a wildcard host means the worker's own host."""
+    if not advertised:
+        return ""
+    scheme, _, rest = advertised.partition("://")
+    host, _, port = rest.rpartition(":")
+    if host in ("0.0.0.0", "*", "", "[::]", "::"):
+        host = urlsplit(worker_url).hostname or "127.0.0.1"
+    return f"{scheme}://{host}:{port}"
+
+
+class Discovery:
+    def __init__(
+        self,
+        source: EndpointSource,
+        client: aiohttp.ClientSession,
+        interval_s: float = 1.0,
+        subscriber: KVEventSubscriber | None = None,
+    ) -> None:
+        self.source = source
+        self.client = client
+        self.interval_s = interval_s
+        self.subscriber = subscriber
+        self._views: dict[str, WorkerView] = {}  # url -> last polled view (inflight unset)
+        self._inflight: dict[str, tuple[int, int]] = {}  # url -> (requests, prompt tokens)
+        self._version = 0
+        self._task: asyncio.Task[None] | None = None
+        self.ready = asyncio.Event()
+        self.after_refresh: list[Callable[[], None]] = []  # run after each health round
+
+    # -- published state ---------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        views = []
+        for url, view in self._views.items():
+            n, tokens = self._inflight.get(url, (0, 0))
+            views.append(replace(view, inflight=n, inflight_prompt_tokens=tokens))
+        return Snapshot(tuple(views), self._version)
+
+    def begin(self, url: str, prompt_tokens: int = 0) -> None:
+        n, tokens = self._inflight.get(url, (0, 0))
+        self._inflight[url] = (n + 1, tokens + prompt_tokens)
+
+    def end(self, url: str, prompt_tokens: int = 0) -> None:
+        n, tokens = self._inflight.get(url, (0, 0))
+        assert n > 0, f"in-flight underflow for {url}"
+        self._inflight[url] = (n - 1, max(tokens - prompt_tokens, 0))
+
+    def mark_failed(self, url: str) -> None:
+        """A request to ``url`` failed: stop routing there until a health check passes."""
+        view = self._views.get(url)
+        if view is not None and view.healthy:
+            log.warning("worker %s failed a request; out of rotation until healthy", url)
+            self._views[url] = replace(view, healthy=False)
+            self._version += 1
+
+    def failed_check(self, url: str) -> bool:
+        """Whether ``url`` is known and out of rotation (its last check, or a request,
+        failed)."""
+        view = self._views.get(url)
+        return view is not None and not view.healthy
+
+    # -- health loop -------------------------------------------------------------------
+    async def refresh(self) -> Snapshot:
+        try:
+            endpoints = await self.source.list()
+        except Exception as exc:  # a flaky API server must not kill the loop
+            log.warning("listing workers failed: %s", exc)
+            endpoints = [Endpoint(u, v.role) for u, v in self._views.items()]
+        views = await asyncio.gather(*(self._check(ep) for ep in endpoints))
+        old = self._views
+        self._views = {v.url: v for v in views}
+        for url, view in old.items():
+            if url not in self._views or not self._views[url].healthy:
+                self._unsubscribe(view)
+        for view in views:
+            self._subscribe(view)
+        self._version += 1
+        if any(v.healthy for v in views):
+            self.ready.set()
+        for listener in self.after_refresh:
+            listener()
+        return self.snapshot()
+
+    async def _check(self, ep: Endpoint) -> WorkerView:
+        try:
+            health, _ = await get_json(self.client, ep.url + "/health", 2.0)
+            _, stats = await get_message(self.client, ep.url + "/stats", WorkerStats, 2.0)
+            ok = health == 200 and stats is not None and _same_contract(ep.url, stats)
+            ws = stats if ok and stats is not None else WorkerStats()
+        except (*TRANSPORT_ERRORS, ValueError) as exc:
+            log.debug("health check of %s failed: %s", ep.url, exc)
+            ok, ws = False, self._views.get(ep.url, WorkerView(ep.url, ep.role)).stats
+        return WorkerView(ep.url, ep.role, healthy=ok, stats=ws)
+
+    def _subscribe(self, view: WorkerView) -> None:
+        if self.subscriber is None or not view.healthy or not view.stats.kv_events:
+            return
+        self.subscriber.subscribe(events_address(view.url, view.stats.kv_events), view.worker_id)
+
+    def _unsubscribe(self, view: WorkerView) -> None:
+        if self.subscriber is not None and view.stats.kv_events:
+            self.subscriber.unsubscribe(events_address(view.url, view.stats.kv_events))
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("discovery round failed")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.source.changed(), self.interval_s)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.source.close()
+        if self.subscriber is not None:
+            await self.subscriber.close()
+
+
+def _same_contract(url: str, stats: WorkerStats) -> bool:
+    """The router's half of the contract's version handshake: a worker that speaks another
+    version stays out of rotation (rolling upgrades bump the version on purpose)."""
+    if stats.version != CONTRACT_VERSION:
+        log.warning("worker %s speaks contract v%s, this router v%s: not routing there",
+                    url, stats.version, CONTRACT_VERSION)  # fmt: skip
+        return False
+    return True

@@ -1,0 +1,74 @@
+"""Routing: a pure function from (snapshot, request, config) to a plan.
+
+No I/O, no clocks; randomness comes in as an ``rng`` and round-robin state as a
+counter, so every decision can be replayed from a table in tests.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.scheduling import disagg
+from pdserve.router.scheduling.scoring import RouteRequest, fits_kv, rank
+from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
+
+
+class NoWorkerAvailable(RuntimeError):
+    """No healthy worker can serve the request (the API answers 503)."""
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    kind: str  # disagg.REMOTE_PREFILL | disagg.LOCAL_PREFILL
+    prefill: tuple[WorkerView, ...]  # best first; empty for local prefill
+    decode: tuple[WorkerView, ...]  # best first
+    matched_tokens: int  # prompt tokens cached on prefill[0] (0 for local prefill)
+
+    def match_ratio(self, num_prompt_tokens: int) -> float:
+        return self.matched_tokens / num_prompt_tokens if num_prompt_tokens else 0.0
+
+
+def _rotate(workers: Sequence[WorkerView], counter: int) -> list[WorkerView]:
+    ordered = sorted(workers, key=lambda w: w.url)
+    if not ordered:
+        return []
+    k = counter % len(ordered)
+    return ordered[k:] + ordered[:k]
+
+
+def rank_decode(
+    snap: Snapshot, req: RouteRequest, cfg: RouterConfig, rng: random.Random, rr_counter: int = 0
+) -> list[WorkerView]:
+    if cfg.picker == "round-robin":
+        return _rotate(snap.decode, rr_counter)
+    return rank(snap.decode, req, cfg.decode_scorers, rng, filters=(fits_kv,))
+
+
+def rank_prefill(
+    snap: Snapshot, req: RouteRequest, cfg: RouterConfig, rng: random.Random, rr_counter: int = 0
+) -> list[WorkerView]:
+    if cfg.picker == "round-robin":
+        return _rotate(snap.prefill, rr_counter)
+    return rank(snap.prefill, req, cfg.prefill_scorers, rng)
+
+
+def plan_route(
+    snap: Snapshot, req: RouteRequest, cfg: RouterConfig, rng: random.Random, rr_counter: int = 0
+) -> RoutePlan:
+    """Decode candidates, the prefill/decode decision, then prefill candidates."""
+    decode = rank_decode(snap, req, cfg, rng, rr_counter)
+    if not decode:
+        raise NoWorkerAvailable("no healthy decode worker")
+    prefill = rank_prefill(snap, req, cfg, rng, rr_counter)
+    kind = disagg.decide(
+        req.num_prompt_tokens,
+        req.matched_tokens(decode[0].worker_id),
+        cfg.disagg_threshold,
+        have_prefill=bool(prefill),
+    )
+    if kind == disagg.LOCAL_PREFILL:
+        return RoutePlan(kind, (), tuple(decode), 0)
+    return RoutePlan(kind, tuple(prefill), tuple(decode), req.matched_tokens(prefill[0].worker_id))
