@@ -20,6 +20,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -156,7 +157,16 @@ class LoraRegistry:
 
     @property
     def resident(self) -> list[str]:
-        return sorted(s.spec.name for s in self.slots if s is not None)
+        """Adapters in memory now (host or device): served without reading a file."""
+        return sorted({*self.host, *(s.spec.name for s in self.slots if s is not None)})
+
+    def check_handle(self, adapter: LoraAdapter | None, handle_lora: LoraRef | None) -> None:
+        """A KV handle's adapter must be the request's, with this worker's hash: KV computed
+        under other weights is never decoded here (InvalidParameter ``lora``)."""
+        mine = None if adapter is None else adapter.ref
+        if handle_lora != mine:
+            raise InvalidParameter(LORA_MISMATCH, f"the KV handle was computed under LoRA "
+                                   f"{handle_lora}, this request runs under {mine}")  # fmt: skip
 
     def _read(self, name: str, path: str) -> LoraAdapter:
         spec = read_spec(name, path, self.config.max_lora_rank)
@@ -258,3 +268,25 @@ def lora_passes(adapters: Sequence[LoraAdapter | None], max_loras: int) -> list[
             passes.append([i])
             held.append(set() if key is None else {key})
     return passes
+
+
+def lora_queries(registry: LoraRegistry | None) -> dict[str, Callable[..., Any]]:
+    """The engine core's answers to the workers' LoRA endpoints (worker/lora_api.py):
+    ``lora_load(name, path)`` → {"name", "hash"} or {"error", "field"};
+    ``lora_unload(name)`` → whether it was known."""
+
+    def load(name: str, path: str) -> dict[str, str]:
+        if registry is None:
+            return {"error": "this engine runs without LoRA", "field": "lora_name"}
+        try:
+            spec = registry.load(name, path)
+        except LoraError as exc:
+            return {"error": str(exc), "field": exc.field}
+        except OSError as exc:  # unreadable files
+            return {"error": f"adapter {name!r}: {exc}", "field": "lora_path"}
+        return {"name": spec.name, "hash": spec.hash}
+
+    def unload(name: str) -> bool:
+        return registry is not None and registry.unload(name, missing_ok=True)
+
+    return {"lora_load": load, "lora_unload": unload}
