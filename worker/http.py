@@ -112,7 +112,10 @@ def known_error(exc: Exception) -> JSONResponse | None:
     if isinstance(exc, BadRequest):
         return error_response(exc.status, str(exc), exc.param, exc.code)
     if isinstance(exc, InvalidParameter):
-        return error_response(400, str(exc), exc.field)
+        # The request's LoRA adapter is not this worker's (unknown here, another hash, or
+        # not the one its KV handle was computed under): never served under other weights.
+        code = "lora_mismatch" if exc.field == "lora" else None
+        return error_response(400, str(exc), exc.field, code)
     if isinstance(exc, RequestFailed):
         return error_response(422, str(exc), None, REQUEST_FAILED)
     if isinstance(exc, EngineDeadError):  # a worker fault: the router tries another
