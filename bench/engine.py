@@ -159,7 +159,7 @@ def _time_attention(run: Run) -> Any:
 def _kv_usage(engine: LLMEngine) -> tuple[int, int]:
     """(allocated slots, slots holding a computed token) over the owned blocks."""
     bs = engine.config.block_size
-    owned = engine.blocks.num_blocks - engine.blocks.num_free_blocks
+    owned = engine.kv.num_used_blocks
     live = sum(min(r.num_computed_tokens, len(r.block_ids) * bs) for r in engine.requests.values())
     return owned * bs, live
 
@@ -195,7 +195,7 @@ def run_ours(engine: LLMEngine, work: Workload) -> Run:
     runner.forward = forward
     undo()
     assert done == work.output_tokens, (done, work.output_tokens)
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "KV blocks leaked"
+    assert engine.kv.all_free, "KV blocks leaked"
     run.kv_waste = 1 - peak[1] / peak[0] if peak[0] else 0.0
     return run
 
@@ -286,7 +286,7 @@ def main() -> int:
     print(
         f"{args.requests} requests, {sum(map(len, work.prompts))} prompt tokens, "
         f"{work.output_tokens} output tokens; {args.preset} model, {args.dtype}, "
-        f"{args.threads} threads, {engine.blocks.num_blocks} KV blocks",
+        f"{args.threads} threads, {engine.kv.num_blocks} KV blocks",
         file=sys.stderr,
     )
     _warm_up(engine)

@@ -128,7 +128,7 @@ def fidelity_fp32(model_dir: Path) -> dict[str, Any]:
         got = _greedy(engine, prompts)
         result[name] = {
             "equal": sum(g == w for g, w in zip(got, want, strict=True)), "of": len(prompts),
-            "kv_free": engine.blocks.num_free_blocks == engine.blocks.num_blocks,
+            "kv_free": engine.kv.all_free,
             "backend": engine.runner.attention_backend,
         }  # fmt: skip
         del engine

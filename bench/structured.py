@@ -118,7 +118,7 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "quick": args.quick,
     }
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "KV blocks leaked"
+    assert engine.kv.all_free, "KV blocks leaked"
     plot(args.plot, result)
     print(json.dumps(result))
     return 0

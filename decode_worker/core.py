@@ -26,8 +26,8 @@ class DecodeCore:
         )
         self.metrics = CoreMetrics(ROLE)
         remote = RemoteKVConnector(
-            e.pool.tensor,
-            CompatRecord.for_pool(e.pool.tensor, e.model_id),
+            e.kv.tensor,
+            CompatRecord.for_pool(e.kv.tensor, e.model_id),
             transport=args.kv_transport,
             transfer_timeout=args.transfer_timeout,
         )

@@ -90,7 +90,7 @@ def _stream(engine: Any, start: float, loaded: float) -> int:
     n = final.num_output_tokens
     decode_s = end - first_token_at
     tok_s = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
-    blocks = engine.blocks
+    blocks = engine.kv
     print(
         f"[{final.finish_reason}] prompt_tokens={final.num_prompt_tokens} completion_tokens={n} "
         f"load={loaded - start:.2f}s ttft={first_token_at - loaded:.3f}s "

@@ -138,7 +138,7 @@ class EngineProbe:
         self.clock = clock  # perf_counter: wall time; thread_time: this thread's CPU time
         self.chunk_tokens = engine.config.max_num_batched_tokens
         self.max_num_seqs = engine.config.max_num_seqs
-        self.kv_capacity_tokens = engine.blocks.num_blocks * engine.config.block_size
+        self.kv_capacity_tokens = engine.kv.num_blocks * engine.config.block_size
         self._rng = np.random.default_rng(seed)
         self._n = 0
 

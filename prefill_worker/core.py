@@ -24,14 +24,14 @@ class PrefillCore:
     def __init__(self, args: argparse.Namespace) -> None:
         host = advertise_host(args)
         self.engine = e = LLMEngine(engine_config_from_args(args))
-        e.blocks.record_events = True
+        e.kv.record_events()
         self.metrics = CoreMetrics(ROLE)
         events_port = args.kv_events_port or args.port + 1
         self.events = KVEventPublisher(f"tcp://{args.host}:{events_port}", worker_id(args, ROLE))
         self.events_address = f"tcp://{host}:{events_port}"
         self.kv = KVServer(
-            e.pool.tensor,
-            CompatRecord.for_pool(e.pool.tensor, e.model_id),
+            e.kv.tensor,
+            CompatRecord.for_pool(e.kv.tensor, e.model_id),
             transport=args.kv_transport,
             host=args.host,
             port=args.side_channel_port or args.port + 2,

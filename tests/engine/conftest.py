@@ -19,7 +19,7 @@ def make_engine(tiny_model_dir: Path) -> Iterator[Callable[..., LLMEngine]]:
 
     def make(num_blocks: int = 256, **overrides: Any) -> LLMEngine:
         engine = LLMEngine(tiny_config(tiny_model_dir, num_blocks, **overrides))
-        assert engine.blocks.num_blocks == num_blocks
+        assert engine.kv.num_blocks == num_blocks
         return engine
 
     yield make

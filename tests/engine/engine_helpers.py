@@ -19,12 +19,13 @@ TINY_BLOCK_BYTES = 4 * 2 * 16 * 2 * 32 * 4
 
 def assert_all_free(target: LLMEngine | BlockManager) -> None:
     """Every KV block is free again (cached-but-unowned blocks count as free)."""
-    blocks = target.blocks if isinstance(target, LLMEngine) else target
-    assert blocks.num_free_blocks == blocks.num_blocks, (
-        f"{blocks.num_blocks - blocks.num_free_blocks} KV blocks still owned"
-    )
-    assert all(b.ref_count == 0 for b in blocks.blocks)
-    if isinstance(target, LLMEngine):
+    if not isinstance(target, LLMEngine):
+        assert target.num_free_blocks == target.num_blocks, (
+            f"{target.num_blocks - target.num_free_blocks} KV blocks still owned"
+        )
+        assert all(b.ref_count == 0 for b in target.blocks)
+    else:
+        assert target.kv.all_free, f"{target.kv.num_used_blocks} KV blocks still owned"
         assert not target.requests and not target.held
         assert not target.scheduler.has_work
 

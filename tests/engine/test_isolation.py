@@ -58,7 +58,7 @@ def _broken_detokenizer(engine: LLMEngine) -> None:
     def boom(_: Any) -> Any:
         raise UnicodeError("detokenizer exploded")
 
-    engine._text["poison"].append = boom  # type: ignore[method-assign]
+    engine.outputs.streams["poison"].append = boom  # type: ignore[method-assign, assignment]
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,7 @@ def test_request_state_failure_is_a_request_fault(
     def broken(*_: Any, **__: Any) -> Any:
         raise RuntimeError("tokenizer state")
 
-    monkeypatch.setattr("pdserve.engine.llm_engine.TextStream", broken)
+    monkeypatch.setattr("pdserve.engine.input_processor.TextStream", broken)
     with pytest.raises(RequestFailed):
         engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2))
     assert not engine.requests and not engine.has_work

@@ -14,10 +14,10 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 from engine_helpers import assert_all_free, hf_greedy
 
 from pdserve.engine.kv_connector import KVConnector, LoadResult
-from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ScheduledChunk
 from pdserve.engine.request import RequestStatus
@@ -33,9 +33,10 @@ MAX_TOKENS = 12
 
 
 class InProcessConnector(KVConnector):
-    """Copies blocks from ``src`` into ``dst`` when polled (unless told to fail or hold)."""
+    """Copies blocks from pool tensor ``src`` into ``dst`` when polled (unless told to fail
+    or hold)."""
 
-    def __init__(self, src: KVPool, dst: KVPool) -> None:
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.src, self.dst = src, dst
         self.pending: dict[str, tuple[list[int], list[int]]] = {}
         self.cancelled: set[str] = set()
@@ -64,7 +65,7 @@ class InProcessConnector(KVConnector):
             elif self.fail:
                 results.append(LoadResult(rid, False, "injected failure"))
             else:
-                self.dst.tensor[:, :, local] = self.src.tensor[:, :, remote]
+                self.dst[:, :, local] = self.src[:, :, remote]
                 results.append(LoadResult(rid, True))
         self.pending.clear()
         return results
@@ -87,7 +88,7 @@ def pair(
     make_engine: Callable[..., LLMEngine],
 ) -> tuple[LLMEngine, LLMEngine, InProcessConnector]:
     prefill, decode = make_engine(num_blocks=64), make_engine(num_blocks=64)
-    connector = InProcessConnector(prefill.pool, decode.pool)
+    connector = InProcessConnector(prefill.kv.tensor, decode.kv.tensor)
     decode.attach_connector(connector)
     return prefill, decode, connector
 
@@ -216,10 +217,10 @@ def test_abort_while_loading_frees_blocks_only_after_poll(pair: Any) -> None:
     out = decode.abort("a")
     assert out is not None and out.finish_reason == "abort"
     assert "a" in connector.cancelled
-    owned = decode.blocks.num_blocks - decode.blocks.num_free_blocks
+    owned = decode.kv.num_used_blocks
     assert owned == 5  # a transfer may still write into them: not free yet
     decode.step()
-    assert decode.blocks.num_blocks - decode.blocks.num_free_blocks == 5
+    assert decode.kv.num_used_blocks == 5
     connector.hold = False
     decode.step()  # the connector reports the cancelled load: now the blocks are free
     assert not decode.scheduler.loading
@@ -258,12 +259,12 @@ def test_quarantined_blocks_stay_owned_until_the_read_stops(pair: Any) -> None:
     outs = _decode(decode, "a", handle, first)
     assert [o.finish_reason for o in outs] == ["error"]
     assert "could not be stopped" in outs[0].error
-    assert decode.blocks.num_blocks - decode.blocks.num_free_blocks == 5
-    assert not decode.requests and list(decode.quarantined) == ["a"]
-    assert decode.blocks.match_prefix(block_hashes(PROMPT, 16), len(PROMPT)) == []  # not cached
+    assert decode.kv.num_used_blocks == 5
+    assert not decode.requests and list(decode.kv.quarantined) == ["a"]
+    assert decode.kv.cached_prefix(block_hashes(PROMPT, 16), len(PROMPT)) == []  # not cached
     decode.free_released()
-    assert decode.blocks.num_blocks - decode.blocks.num_free_blocks == 5  # not lifted yet
+    assert decode.kv.num_used_blocks == 5  # not lifted yet
     connector.lifted.append("a")
     decode.free_released()
-    assert not decode.quarantined
+    assert not decode.kv.quarantined
     _all_freed(prefill, decode, "a")

@@ -149,7 +149,7 @@ def test_eos_ignore_eos_and_min_tokens(engine: LLMEngine) -> None:
     full = _greedy_run(engine, max_tokens=30).token_ids
     eos = full[4]
     first = full.index(eos)
-    engine.eos_token_ids = {eos}
+    engine.outputs.eos_token_ids = {eos}
     stopped = run_requests(
         engine, {"e": (PROMPTS[1], sp(temperature=0.0, ignore_eos=False, max_tokens=30))}
     )["e"]

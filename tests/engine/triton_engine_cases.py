@@ -99,7 +99,7 @@ def model_case(model_dir: Path) -> dict[str, object]:
         "backend": engine.runner.attention_backend,
         "equal": sum(g == w for g, w in zip(got, want, strict=True)),
         "of": len(prompts),
-        "kv_free": engine.blocks.num_free_blocks == engine.blocks.num_blocks,
+        "kv_free": engine.kv.all_free,
     }
 
 

@@ -94,9 +94,9 @@ def test_engine_probe_on_the_tiny_model(tiny_model_dir) -> None:
     profile = measure(probe, [16, 64, 256, 512], [1, 4, 8], [32, 128], repeats=2)
     assert profile.prefill.chunk_tokens == 256 and profile.decode.max_num_seqs == 16
     assert profile.prefill.tokens_per_s > 0 and profile.decode.step_time(4, 64) > 0
-    assert profile.decode.kv_capacity_tokens == engine.blocks.num_blocks * 16
+    assert profile.decode.kv_capacity_tokens == engine.kv.num_blocks * 16
     assert not engine.has_work and not engine.requests
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # KV pool free again
+    assert engine.kv.all_free  # KV pool free again
 
 
 def test_profile_source_is_kept_beside_the_numbers(tmp_path) -> None:
@@ -140,4 +140,4 @@ def test_cpu_clock_times_the_engine_thread_and_needs_one_torch_thread(tiny_model
     cpu, wall = EngineProbe(engine, clock=time.thread_time), EngineProbe(engine)
     cpu.prefill_seconds(64)  # warm-up
     assert 0 < cpu.prefill_seconds(256) <= wall.prefill_seconds(256) * 1.5
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.kv.all_free
