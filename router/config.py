@@ -103,6 +103,9 @@ class RouterConfig:
     rate_limit_rpm: int = 0  # requests per minute per API key; 0: no limit
     rate_limit_tpm: int = 0  # prompt + max_tokens per minute per API key; 0: no limit
     cache_isolation: str = "api-key"
+    # The decode pod's front in endpoint-picker mode (router/picker/prefill_header.py): the
+    # prefill worker is the one the picker named in a signed header, else local prefill.
+    prefill_from_header: bool = False
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_MODES:

@@ -29,6 +29,7 @@ from pdserve.router.api.logprobs_format import LogprobsFormatter
 from pdserve.router.api.protocol import CompletionRequest, check_model, parse_request
 from pdserve.router.api.tool_output import ToolOutput
 from pdserve.router.api.tools import chat_inputs
+from pdserve.router.picker import prefill_header
 from pdserve.router.runtime import Runtime, Ticket
 from pdserve.router.scheduling.routing import RoutePlan
 from pdserve.router.scheduling.snapshot import Snapshot
@@ -232,6 +233,8 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
         rt.limiter.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
         salt = rt.cache_salt(key, req.cache_salt)
         plan = rt.dispatcher.plan(ids, snap, salt)
+        if rt.cfg.prefill_from_header:  # a decode pod's front behind the endpoint picker
+            plan = prefill_header.pinned(request.headers, plan, snap)
         rs = RequestState(rid, ids, req.sampling, cache_salt=salt)
         respond = _respond if req.best_of == 1 else _respond_n
         respond = api.respond if api is not None else respond

@@ -1,0 +1,115 @@
+"""One request's pick: body → decode endpoints (primary, then fallbacks) and the prefill
+worker, with the router's own parsing, tokenizer, prefix index and scorers.
+
+The picker holds a router :class:`~pdserve.router.runtime.Runtime` (discovery, the prefix
+index fed by the workers' KV events, the dispatcher's planning) but serves no HTTP and
+dispatches nothing: the gateway carries the request to the decode pod it names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pdserve.router import edge
+from pdserve.router.api.errors import APIError
+from pdserve.router.api.serving import fit_context, prepare_body
+from pdserve.router.picker.prefill_header import PREFILL_HEADER, SIGNATURE_HEADER, endpoint_of, sign
+from pdserve.router.runtime import Runtime
+from pdserve.router.scheduling import disagg
+from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
+
+log = logging.getLogger(__name__)
+CHAT_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+
+
+@dataclass
+class Pick:
+    """What the picker answers for one request, and what it holds until the response ends."""
+
+    endpoints: list[str]  # decode endpoints, primary first (ip:port, as the gateway dials)
+    urls: list[str]  # the same workers' URLs, for the router's own book-keeping
+    set_headers: dict[str, str] = field(default_factory=dict)
+    remove_headers: tuple[str, ...] = ()
+    prompt_tokens: int = 0
+    begun: str = ""  # the decode URL counted in flight ("" once released)
+
+
+class Picker:
+    def __init__(
+        self, rt: Runtime, fallbacks: int = 2, target: Callable[[WorkerView], str] | None = None
+    ) -> None:
+        """``fallbacks``: endpoints after the primary (what a retry walks); ``target``: the
+        ``ip:port`` the gateway dials for a decode worker (default: the worker's own)."""
+        assert fallbacks >= 0
+        self.rt = rt
+        self.fallbacks = fallbacks
+        self.target = target or (lambda w: endpoint_of(w.url))
+
+    async def pick(
+        self, path: str, headers: Mapping[str, str], body: bytes | None,
+        subset: frozenset[str] | None = None,
+    ) -> Pick:  # fmt: skip
+        """Raises APIError: 400/413 for a bad body, 401 for a bad key, 503 with no worker."""
+        rt = self.rt
+        caller = rt.keys.caller(headers.get("authorization", ""))
+        snap = self._restrict(rt.discovery.snapshot(), subset)
+        chat = CHAT_PATHS.get(path.split("?", 1)[0])
+        if body is None or chat is None:  # no OpenAI body to read: load alone decides
+            plan = rt.dispatcher.plan([], snap)
+            return self._answer(plan.decode, None, 0)
+        if len(body) > rt.cfg.max_body_bytes:
+            raise APIError(413, f"request body is over {rt.cfg.max_body_bytes} bytes")
+        req, ids = await rt.off_loop(_prepare, rt, body, chat)
+        req = fit_context(rt, snap, req, len(ids))
+        plan = rt.dispatcher.plan(ids, snap, rt.cache_salt(caller.key, req.cache_salt))
+        prefill = plan.prefill[0] if plan.kind == disagg.REMOTE_PREFILL else None
+        return self._answer(plan.decode, prefill, len(ids))
+
+    def _restrict(self, snap: Snapshot, subset: frozenset[str] | None) -> Snapshot:
+        if subset is None:
+            return snap
+        keep = [w for w in snap.workers if w.role != "decode" or self.target(w) in subset]
+        if not any(w.role == "decode" and w.healthy for w in keep):
+            raise APIError(503, "no endpoint of the proxy's subset is eligible",
+                           code="no_worker")  # fmt: skip
+        return replace(snap, workers=tuple(keep))
+
+    def _answer(self, decode: tuple[WorkerView, ...], prefill: WorkerView | None, n: int) -> Pick:
+        if not decode:
+            raise APIError(503, "no worker is ready: no healthy decode worker", code="no_worker")
+        chosen = decode[: 1 + self.fallbacks]
+        pick = Pick([self.target(w) for w in chosen], [w.url for w in chosen], prompt_tokens=n)
+        if prefill is not None:
+            endpoint = endpoint_of(prefill.url)
+            pick.set_headers = {PREFILL_HEADER: endpoint, SIGNATURE_HEADER: sign(endpoint)}
+        else:  # a client's own value must not reach the decode pod's front
+            pick.remove_headers = (PREFILL_HEADER, SIGNATURE_HEADER)
+        self.rt.discovery.begin(pick.urls[0], n)
+        pick.begun = pick.urls[0]
+        return pick
+
+    def served(self, pick: Pick, endpoint: str) -> None:
+        """The proxy says ``endpoint`` answered: every endpoint listed before it failed
+        (the proxy walked the list in order), so later picks leave them out until a
+        health check passes again; the in-flight count moves to the one that served."""
+        if not endpoint or endpoint not in pick.endpoints:
+            return
+        k = pick.endpoints.index(endpoint)
+        for url in pick.urls[:k]:
+            self.rt.discovery.mark_failed(url)
+        if k and pick.begun:
+            self.rt.discovery.end(pick.begun, pick.prompt_tokens)
+            pick.begun = pick.urls[k]
+            self.rt.discovery.begin(pick.begun, pick.prompt_tokens)
+
+    def release(self, pick: Pick) -> None:
+        if pick.begun:
+            self.rt.discovery.end(pick.begun, pick.prompt_tokens)
+            pick.begun = ""
+
+
+def _prepare(rt: Runtime, body: bytes, chat: bool) -> tuple[Any, list[int]]:
+    return prepare_body(rt, edge.parse_json(body), chat)
