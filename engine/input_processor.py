@@ -15,10 +15,11 @@ from typing import Any
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import TextStream
 from pdserve.engine.kv_manager import KVCacheManager
+from pdserve.engine.lora_registry import LoraAdapter, LoraRegistry, check_handle
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import tenant_of
 from pdserve.engine.structured import Grammars
-from pdserve.protocol.contract import KVHandle
+from pdserve.protocol.contract import KVHandle, LoraRef
 from pdserve.protocol.hashing import block_hashes, salt_root
 from pdserve.protocol.outputs import RequestFailed
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 class InputProcessor:
+    loras: LoraRegistry | None = None  # the runner's adapters (engine/lora_registry.py)
+
     def __init__(
         self,
         config: EngineConfig,
@@ -56,11 +59,17 @@ class InputProcessor:
         first_token_id: int | None = None,
         resume_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        lora: LoraRef | None = None,
     ) -> tuple[Request, TextStream]:
         """The request and its text stream; see ``LLMEngine.add_request``."""
         self.validate(prompt_token_ids, params.validate(self.vocab_size))
+        adapter = self._adapter(lora)
         try:
             req, text = self._build(request_id, prompt_token_ids, params, hold_kv, cache_salt)
+            if adapter is not None:  # its KV is keyed by the adapter (hashing.salt_root)
+                req.lora, req.hash_root = adapter, salt_root(cache_salt, adapter.spec.hash)
+                req.block_hashes = block_hashes(req.prompt_token_ids, self.config.block_size,
+                                                req.hash_root)  # fmt: skip
             if remote_kv is not None:
                 self._check_handle(req, remote_kv, first_token_id)
                 req.remote_kv = remote_kv
@@ -79,6 +88,13 @@ class InputProcessor:
             logger.exception("request %s could not be added", request_id)
             raise RequestFailed(f"request could not be started: {type(exc).__name__}") from exc
         return req, text
+
+    def _adapter(self, lora: LoraRef | None) -> LoraAdapter | None:
+        if lora is None:
+            return None
+        if self.loras is None:
+            raise InvalidParameter("lora", "this engine serves no LoRA adapters")
+        return self.loras.resolve(lora)
 
     def _build(
         self,
@@ -128,6 +144,7 @@ class InputProcessor:
             raise InvalidParameter("first_token_id", "a KV handle needs a valid first_token_id")
         if not isinstance(handle, KVHandle):
             raise InvalidParameter("kv_handle", f"expected a KVHandle, got {type(handle)}")
+        check_handle(req.lora, handle.lora)  # before the hashes, which the adapter seeds
         if handle.num_tokens != req.num_prompt_tokens:
             raise InvalidParameter(
                 "kv_handle",

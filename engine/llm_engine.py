@@ -88,6 +88,7 @@ class LLMEngine:
             config, self.tokenizer, self.vocab_size, self.max_model_len, self.kv, self.grammars,
             lambda: getattr(self.scheduler.connector, "transport_name", None),
         )  # fmt: skip
+        self.inputs.loras = self.runner.loras
         self.outputs = OutputProcessor(eos, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
@@ -280,6 +281,8 @@ class LLMEngine:
         req.status = RequestStatus.FINISHED_STOPPED
         self.scheduler.remove(req)
         handle, block_ids, hashes = self.kv.hold(req)
+        if req.lora is not None and handle is not None:  # the decode side checks it
+            handle = replace(handle, lora=req.lora.ref)
         self._drop(req)
         out = make_output(req, [token], text, HANDOFF)
         return replace(out, kv_block_ids=block_ids, kv_block_hashes=hashes, kv_handle=handle)
@@ -330,6 +333,8 @@ class LLMEngine:
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
             preemptions=s.num_preemptions,
+            loras=self.runner.loras.resident if self.runner.loras else [],
+            lora_known=sorted(self.runner.loras.known) if self.runner.loras else [],
         )
 
     def generate(

@@ -160,14 +160,6 @@ class LoraRegistry:
         """Adapters in memory now (host or device): served without reading a file."""
         return sorted({*self.host, *(s.spec.name for s in self.slots if s is not None)})
 
-    def check_handle(self, adapter: LoraAdapter | None, handle_lora: LoraRef | None) -> None:
-        """A KV handle's adapter must be the request's, with this worker's hash: KV computed
-        under other weights is never decoded here (InvalidParameter ``lora``)."""
-        mine = None if adapter is None else adapter.ref
-        if handle_lora != mine:
-            raise InvalidParameter(LORA_MISMATCH, f"the KV handle was computed under LoRA "
-                                   f"{handle_lora}, this request runs under {mine}")  # fmt: skip
-
     def _read(self, name: str, path: str) -> LoraAdapter:
         spec = read_spec(name, path, self.config.max_lora_rank)
         adapter = load_adapter(spec, self._layer_shape, self.dtype)
@@ -248,6 +240,15 @@ class LoraRegistry:
                 if not self.wrapped and self.on_first_wrap is not None:
                     self.on_first_wrap()
                 self.wrapped[path] = lora_layers.wrap(self.model, path, self.step)
+
+
+def check_handle(adapter: LoraAdapter | None, handle_lora: LoraRef | None) -> None:
+    """A KV handle's adapter must be the request's, with this worker's hash: KV computed
+    under other weights is never decoded here (InvalidParameter ``lora``)."""
+    mine = None if adapter is None else adapter.ref
+    if handle_lora != mine:
+        raise InvalidParameter(LORA_MISMATCH, f"the KV handle was computed under LoRA "
+                               f"{handle_lora}, this request runs under {mine}")  # fmt: skip
 
 
 def lora_passes(adapters: Sequence[LoraAdapter | None], max_loras: int) -> list[list[int]]:

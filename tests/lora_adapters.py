@@ -24,16 +24,16 @@ class AdapterSpec:
     name: str
     targets: tuple[str, ...]
     rank: int
-    alpha: float
+    alpha: int
     seed: int
     rslora: bool = False
 
 
 # Three adapters that differ in rank, targets and scaling (one rsLoRA).
 SPECS = (
-    AdapterSpec("attn8", ATTENTION, 8, 16.0, 1),
-    AdapterSpec("mlp4", MLP, 4, 4.0, 2),
-    AdapterSpec("all16", ATTENTION + MLP, 16, 8.0, 3, rslora=True),
+    AdapterSpec("attn8", ATTENTION, 8, 16, 1),
+    AdapterSpec("mlp4", MLP, 4, 4, 2),
+    AdapterSpec("all16", ATTENTION + MLP, 16, 8, 3, rslora=True),
 )
 
 
@@ -66,7 +66,7 @@ def write_adapter(model_dir: Path, out: Path, spec: AdapterSpec) -> Path:
             if "lora_A" in name or "lora_B" in name:
                 fan_in = param.shape[1]
                 param.copy_(torch.randn(param.shape, generator=gen) * (1.5 / fan_in**0.5))
-    peft_model.save_pretrained(out)
+    peft_model.save_pretrained(str(out))
     return out
 
 

@@ -18,7 +18,7 @@ from pdserve.engine.lora_files import (
     parse_lora_flag,
     read_spec,
 )
-from pdserve.engine.lora_registry import LoraRegistry, lora_passes, lora_queries
+from pdserve.engine.lora_registry import LoraAdapter, LoraRegistry, lora_passes, lora_queries
 from pdserve.protocol.hashing import ROOT_HASH, block_hashes, salt_root
 from tests.lora_adapters import SPECS, edit_config, write_adapter
 
@@ -135,10 +135,10 @@ def test_flags_and_config() -> None:
         LoraConfig(max_loras=4, max_cpu_loras=2)
 
 
-def test_passes_hold_at_most_max_loras_adapters() -> None:
-    a, b, c = object(), object(), object()
+def test_passes_hold_at_most_max_loras_adapters(good: Path) -> None:
+    a, b, c = (LoraAdapter(read_spec(n, good, 64), {}) for n in "abc")
     assert lora_passes([None, a, b, a, None], 2) == [[0, 1, 2, 3, 4]]
-    assert lora_passes([a, b, c, None, c, a], 2) == [[0, 1, 3, 5], [2, 4]]  # type: ignore[list-item]
+    assert lora_passes([a, b, c, None, c, a], 2) == [[0, 1, 3, 5], [2, 4]]
 
 
 def test_queries_answer_errors_by_field(copy: Path, registry: LoraRegistry) -> None:
