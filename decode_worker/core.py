@@ -11,8 +11,11 @@ from pdserve.decode_worker.metered import MeteredConnector
 from pdserve.engine.config import engine_config_from_args
 from pdserve.engine.core_loop import Hook, Query
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.lora_registry import lora_queries
+from pdserve.prefill_worker.events import KVEventPublisher
 from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord
+from pdserve.worker.http import advertise_host, worker_id
 from pdserve.worker.metrics import CoreMetrics
 
 ROLE = "decode"
@@ -33,18 +36,25 @@ class DecodeCore:
         )
         self.connector = MeteredConnector(remote, self.metrics, remote.transport_name)
         e.attach_connector(self.connector)
-        self.hooks: list[Hook] = []
+        # Load reports for every router replica (no KV events: its cache is not routed to).
+        port = getattr(args, "kv_events_port", None) or args.port + 1
+        self.events = KVEventPublisher(
+            f"tcp://{args.host}:{port}", worker_id(args, ROLE), e, kv_events=False
+        )
+        self.events_address = f"tcp://{advertise_host(args)}:{port}"
+        self.hooks: list[Hook] = [self.events.hook]
         self.queries: dict[str, Query] = {
             "known": lambda rid: rid in e.requests or rid in e.held,
             "metrics": self.metrics.render,
         }
 
     def info(self) -> dict[str, Any]:
-        return engine_info(self.engine)
+        return {**engine_info(self.engine), "kv_events": self.events_address}
 
     def close(self) -> None:
         self.connector.close()
 
+        self.events.close()
 
 def engine_info(e: LLMEngine) -> dict[str, Any]:
     """What the front end reports about the engine (``/stats``' fixed fields)."""

@@ -27,7 +27,9 @@ class PrefillCore:
         e.kv.record_events()
         self.metrics = CoreMetrics(ROLE)
         events_port = args.kv_events_port or args.port + 1
-        self.events = KVEventPublisher(f"tcp://{args.host}:{events_port}", worker_id(args, ROLE))
+        self.events = KVEventPublisher(
+            f"tcp://{args.host}:{events_port}", worker_id(args, ROLE), e
+        )
         self.events_address = f"tcp://{host}:{events_port}"
         self.kv = KVServer(
             e.kv.tensor,
@@ -46,6 +48,7 @@ class PrefillCore:
             "known": lambda rid: rid in e.requests or rid in e.held,
             "release": self.kv.release,
             "metrics": self.metrics.render,
+            "kv_snapshot": self.events.snapshot,  # GET /kv_blocks (a late router catching up)
         }
 
     def info(self) -> dict[str, Any]:

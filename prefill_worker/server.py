@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 
 from pdserve.protocol.contract import PrefillReply, PrefillRequest, ReleaseReply, RequestRef, Usage
 from pdserve.protocol.outputs import HANDOFF, REQUEST_FAILED, RequestOutput
+from pdserve.prefill_worker.events_api import add_event_routes
 from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS
 from pdserve.worker.core_client import EngineClient
 from pdserve.worker.http import (
@@ -84,6 +85,8 @@ class PrefillWorker:
         app = FastAPI(title="pdserve prefill worker")
         add_common_routes(app, self.engine, self.metrics, self.identity())
 
+        add_event_routes(app, self.engine)  # GET /kv_blocks
+        add_lora_routes(app, self.engine)
         @app.post("/prefill")
         async def prefill(request: Request) -> JSONResponse:
             return reply(await self.prefill(await read_message(request, PrefillRequest)))

@@ -135,6 +135,8 @@ def create_app(
     # (router/keys.py), a tenant's does not. /health and /livez stay open for probes.
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
+        if not rt().discovery.synced():  # a replica started late: prefix index catching up
+            return JSONResponse({"status": "catching up on workers' KV events"}, status_code=503)
         rt().require_admin(request)
         return Response(rt().metrics.render(), media_type="text/plain; version=0.0.4")
 

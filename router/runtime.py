@@ -23,7 +23,8 @@ from pdserve.router.discovery.workers import Discovery, EndpointSource
 from pdserve.router.keys import Caller, KeyStore
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.ratelimit import RateLimiter
-from pdserve.router.scheduling.prefix_index import KVEventSubscriber, PrefixIndex
+from pdserve.router.discovery.events import EventSubscriber
+from pdserve.router.scheduling.prefix_index import PrefixIndex
 from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.router.transport import worker_client
 from pdserve.router.transport.dispatch import Dispatcher, RequestState
@@ -42,7 +43,7 @@ class Runtime:
         self.client = worker_client.new_session()
         self.index = PrefixIndex(cfg.prefix_index_capacity)
         self.metrics.watch_index(lambda: len(self.index), lambda: self.index.num_evicted)
-        self.subscriber = KVEventSubscriber(self.index)
+        self.subscriber = EventSubscriber(self.index)  # every worker's KV events and load
         self.discovery = Discovery(source, self.client, cfg.health_interval_s, self.subscriber)
         self.dispatcher = Dispatcher(cfg, self.discovery, self.index, self.client, self.metrics)
         self.keys = KeyStore(cfg.api_keys, cfg.api_key_file, cfg.admin_api_keys,

@@ -1,8 +1,13 @@
-"""KV events: which block hashes a worker's prefix cache gained or lost.
+"""A worker's event stream: KV events (which block hashes its prefix cache gained or
+lost) and load reports, on one ZeroMQ PUB socket.
 
-Published by prefill workers on a ZeroMQ PUB socket as ``[b"kv", codec bytes]``;
-the router's prefix index subscribes. ``seq`` grows by one per message per
-worker, so a subscriber that sees a gap knows it missed something and resyncs.
+Prefill workers publish ``[b"kv", codec bytes of KVEvent]`` and ``[b"stats", codec bytes
+of LoadReport]``; decode workers publish the load reports only. Every router replica
+subscribes to every worker. ``seq`` grows by one per KV event per worker, so a
+subscriber that sees a gap knows it missed something and resyncs; a load report carries
+the ``kv_seq`` of the last KV event sent before it (the socket keeps their order), so a
+lost trailing event is noticed too. ``GET /kv_blocks`` (``KVSnapshot``) is where a
+subscriber that starts late, or lost events, gets the worker's blocks as of a ``seq``.
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.protocol.codec import message
+from pdserve.protocol.contract import EngineStats
 
 TOPIC = b"kv"
+STATS_TOPIC = b"stats"
 KINDS = ("stored", "removed", "cleared")
 
 
@@ -26,3 +33,24 @@ class KVEvent:
     def validate(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kv_event kind must be one of {KINDS}, got {self.kind!r}")
+
+
+@message("load_report")
+@dataclass(frozen=True)
+class LoadReport(EngineStats):
+    """The engine's counters as the worker pushes them (at least 10 times a second):
+    what every router replica scores load from, instead of its own in-flight counts."""
+
+    worker_id: str = ""
+    kv_seq: int = 0  # seq of the last KV event published before this report (0: none)
+
+
+@message("kv_snapshot")
+@dataclass(frozen=True)
+class KVSnapshot:
+    """``GET /kv_blocks`` of a prefill worker: every block hash its prefix cache holds,
+    as of KV event ``seq`` (the events after it change this set)."""
+
+    worker_id: str
+    seq: int
+    block_hashes: list[int] = field(default_factory=list)

@@ -3,14 +3,16 @@
 A source lists endpoints (a static list in local mode, watched EndpointSlices in
 a cluster); a background loop checks each one's ``/health`` and ``/stats``,
 drops dead workers from routing and re-admits them when they answer again,
-and keeps the prefix index subscribed to every healthy prefill worker's KV
-events. ``snapshot()`` merges the last poll with the router's in-flight counts.
+and keeps this replica subscribed to every healthy worker's event stream (KV events into
+the prefix index, load reports; router/discovery/events.py). ``snapshot()`` merges each
+worker's last load report (else its last poll) with this replica's in-flight counts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -19,12 +21,17 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from pdserve.protocol.contract import CONTRACT_VERSION
-from pdserve.router.scheduling.prefix_index import KVEventSubscriber
+from pdserve.protocol.contract import CONTRACT_VERSION, EngineStats
+from pdserve.protocol.kv_events import KVSnapshot, LoadReport
+from pdserve.router.discovery.events import EventSubscriber
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerStats, WorkerView
 from pdserve.router.transport.worker_client import TRANSPORT_ERRORS, get_json, get_message
 
 log = logging.getLogger(__name__)
+# A load report older than this is stale (the stream broke or the worker hangs): routing
+# falls back to the polled /stats bounded by this replica's own in-flight counts.
+REPORT_FRESH_S = 0.5
+LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats))
 
 
 @dataclass(frozen=True)
@@ -84,14 +91,18 @@ class Discovery:
         source: EndpointSource,
         client: aiohttp.ClientSession,
         interval_s: float = 1.0,
-        subscriber: KVEventSubscriber | None = None,
+        subscriber: EventSubscriber | None = None,
     ) -> None:
         self.source = source
         self.client = client
         self.interval_s = interval_s
         self.subscriber = subscriber
+        if subscriber is not None and subscriber.fetch is None:
+            subscriber.fetch = self.fetch_kv_snapshot
         self._views: dict[str, WorkerView] = {}  # url -> last polled view (inflight unset)
         self._inflight: dict[str, tuple[int, int]] = {}  # url -> (requests, prompt tokens)
+        # url -> (report, its stats merged into the polled ones, in-flight when it came)
+        self._reported: dict[str, tuple[LoadReport, WorkerStats, tuple[int, int]]] = {}
         self._version = 0
         self._task: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
@@ -102,8 +113,44 @@ class Discovery:
         views = []
         for url, view in self._views.items():
             n, tokens = self._inflight.get(url, (0, 0))
-            views.append(replace(view, inflight=n, inflight_prompt_tokens=tokens))
+            views.append(self._with_report(view, n, tokens))
         return Snapshot(tuple(views), self._version)
+
+    def _with_report(self, view: WorkerView, n: int, tokens: int) -> WorkerView:
+        got = self.subscriber.report(view.worker_id) if self.subscriber is not None else None
+        if got is None or got[1] > REPORT_FRESH_S:
+            return replace(view, inflight=n, inflight_prompt_tokens=tokens)
+        report = got[0]
+        seen = self._reported.get(view.url)
+        if seen is None or seen[0] is not report:
+            # A new report counts every request that reached the worker: from here on only
+            # what this replica adds is missing from it.
+            merged = replace(view.stats, **{f: getattr(report, f) for f in LOAD_FIELDS})
+            seen = self._reported[view.url] = (report, merged, (n, tokens))
+        _, stats, (n0, tokens0) = seen
+        return replace(view, stats=stats, inflight=n, inflight_prompt_tokens=tokens,
+                       reported=True, since_report=max(n - n0, 0),
+                       since_report_tokens=max(tokens - tokens0, 0))  # fmt: skip
+
+    def synced(self) -> bool:
+        """Whether this replica holds every healthy worker's state: its KV index caught up
+        (snapshot + events) and its load reported. Readiness waits for it."""
+        if self.subscriber is None:
+            return True
+        return all(
+            self.subscriber.synced(events_address(v.url, v.stats.kv_events))
+            for v in self._views.values()
+            if v.healthy and v.stats.kv_events
+        )
+
+    async def fetch_kv_snapshot(self, url: str) -> KVSnapshot | None:
+        """A prefill worker's ``GET /kv_blocks`` (signed); None when it has none (404)."""
+        status, snap = await get_message(self.client, url + "/kv_blocks", KVSnapshot, 10.0)
+        if status == 404:
+            return None
+        if snap is None:
+            raise ValueError(f"GET {url}/kv_blocks answered {status}")
+        return snap
 
     def begin(self, url: str, prompt_tokens: int = 0) -> None:
         n, tokens = self._inflight.get(url, (0, 0))
@@ -141,6 +188,7 @@ class Discovery:
         for url, view in old.items():
             if url not in self._views or not self._views[url].healthy:
                 self._unsubscribe(view)
+                self._reported.pop(url, None)
         for view in views:
             self._subscribe(view)
         self._version += 1
@@ -164,7 +212,8 @@ class Discovery:
     def _subscribe(self, view: WorkerView) -> None:
         if self.subscriber is None or not view.healthy or not view.stats.kv_events:
             return
-        self.subscriber.subscribe(events_address(view.url, view.stats.kv_events), view.worker_id)
+        address = events_address(view.url, view.stats.kv_events)
+        self.subscriber.subscribe(address, view.worker_id, view.url, kv=view.role == "prefill")
 
     def _unsubscribe(self, view: WorkerView) -> None:
         if self.subscriber is not None and view.stats.kv_events:

@@ -1,10 +1,11 @@
 """Which prefill worker holds which KV block: the router's prefix index.
 
 Fed by the workers' KV events (ZeroMQ PUB, ``[b"kv", codec bytes]`` of a
-``KVEvent{kind, worker_id, seq, block_hashes}``) and by the router's own routing
-decisions (a prompt sent to a worker will be cached there; noting it at once
-lets the next request of the same group follow before the worker's event
-arrives). Bounded: beyond ``capacity`` block hashes (``--prefix-index-max-blocks``,
+``KVEvent{kind, worker_id, seq, block_hashes}``, read by ``router/discovery/events.py``),
+by a worker's snapshot (``GET /kv_blocks``) when a replica starts late or resyncs, and
+by the router's own routing decisions (a prompt sent to a worker will be cached there;
+noting it at once lets the next request of the same group follow before the worker's
+event arrives). Bounded: beyond ``capacity`` block hashes (``--prefix-index-max-blocks``,
 all workers together) the least recently stored or matched ones are forgotten, so a
 router under a stream of distinct prompts holds bounded memory. A gap in a worker's
 ``seq`` drops that worker's entries.
@@ -12,16 +13,11 @@ router under a stream of distinct prompts holds bounded memory. A gap in a worke
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import zmq
-import zmq.asyncio
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +107,13 @@ class PrefixIndex:
             self.drop_worker(ev.worker_id)
             self._last_seq[ev.worker_id] = ev.seq
 
+    def load_snapshot(self, worker_id: str, seq: int, hashes: Sequence[int]) -> None:
+        """The worker holds exactly ``hashes`` as of its KV event ``seq``; the events after
+        ``seq`` follow."""
+        self.drop_worker(worker_id)
+        self.stored(worker_id, hashes)
+        self._last_seq[worker_id] = seq
+
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """worker_id → number of leading blocks of ``hashes`` that worker holds."""
         out: dict[str, int] = {}
@@ -134,65 +137,3 @@ class PrefixIndex:
 
     def workers(self) -> set[str]:
         return {w for ws in self._holders.values() for w in ws}
-
-
-class KVEventSubscriber:
-    """One ZeroMQ SUB socket per prefill worker, read by an asyncio task into the index."""
-
-    def __init__(self, index: PrefixIndex, ctx: zmq.asyncio.Context | None = None) -> None:
-        self.index = index
-        self._ctx = ctx or zmq.asyncio.Context.instance()
-        self._tasks: dict[str, asyncio.Task[None]] = {}  # address -> reader
-        self._worker_of: dict[str, str] = {}  # address -> worker_id
-        self._stopping: set[asyncio.Task[None]] = set()  # cancelled, socket not closed yet
-        self.num_events = 0
-        self.num_bad = 0
-
-    @property
-    def addresses(self) -> set[str]:
-        return set(self._tasks)
-
-    def subscribe(self, address: str, worker_id: str) -> None:
-        if address in self._tasks:
-            return
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
-        sock.connect(address)
-        self._worker_of[address] = worker_id
-        self._tasks[address] = asyncio.create_task(self._read(sock, address))
-
-    def unsubscribe(self, address: str) -> None:
-        task = self._tasks.pop(address, None)
-        if task is not None:
-            task.cancel()
-            self._stopping.add(task)
-            task.add_done_callback(self._stopping.discard)
-        worker_id = self._worker_of.pop(address, None)
-        if worker_id is not None:
-            self.index.drop_worker(worker_id)
-
-    async def close(self) -> None:
-        for address in list(self._tasks):
-            self.unsubscribe(address)
-        for task in list(self._stopping):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _read(self, sock: zmq.asyncio.Socket, address: str) -> None:
-        try:
-            while True:
-                frames = await sock.recv_multipart()
-                if len(frames) != 2 or frames[0] != TOPIC:
-                    self.num_bad += 1
-                    continue
-                try:
-                    ev = KVEventView.parse(frames[1])
-                except (ValueError, KeyError, TypeError) as exc:
-                    self.num_bad += 1
-                    log.warning("bad KV event from %s: %s", address, exc)
-                    continue
-                self.num_events += 1
-                self.index.apply(ev)
-        finally:
-            sock.close(linger=0)

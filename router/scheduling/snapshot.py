@@ -1,8 +1,9 @@
 """What routing sees: an immutable picture of the workers at one instant.
 
-Discovery builds a new :class:`Snapshot` from its latest health checks and the
-router's in-flight counters; routing functions only read it, so they are pure
-and can be tested from a table of snapshots without any server.
+Discovery builds a new :class:`Snapshot` from its latest health checks, the load each
+worker pushed last (its event stream, at least 10 times a second: what every router
+replica sees alike) and this replica's in-flight counters; routing functions only read
+it, so they are pure and can be tested from a table of snapshots without any server.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ ROLES = ("prefill", "decode")
 
 @dataclass(frozen=True)
 class WorkerView:
-    """One worker as routing sees it: last polled stats plus the router's own counters."""
+    """One worker as routing sees it: the worker's last load report (``reported``; else its
+    last polled ``/stats``) plus this replica's own counters.
+
+    With a fresh report, load is the worker's own count of everything it holds (every
+    replica's requests) plus ``since_report``: what this replica sent it since that report
+    (not in it yet). Without one (a stale or silent stream) the polled stats lag by up to a
+    health interval, and this replica's in-flight count bounds them from below, as a
+    single router did.
+    """
 
     url: str
     role: str
@@ -24,6 +33,9 @@ class WorkerView:
     stats: WorkerStats = field(default_factory=WorkerStats)
     inflight: int = 0  # requests the router has outstanding on this worker
     inflight_prompt_tokens: int = 0  # their prompt tokens not yet prefilled
+    reported: bool = False  # ``stats`` is a fresh load report pushed by the worker
+    since_report: int = 0  # requests this replica added on it since that report
+    since_report_tokens: int = 0  # and their prompt tokens
 
     def __post_init__(self) -> None:
         assert self.role in ROLES, self.role
@@ -34,12 +46,16 @@ class WorkerView:
 
     @property
     def queued_tokens(self) -> int:
+        if self.reported:
+            return self.stats.queued_prompt_tokens + self.since_report_tokens
         # Polled stats lag; the router's own count is current. Both count our requests.
         return max(self.stats.queued_prompt_tokens, self.inflight_prompt_tokens)
 
     @property
     def running(self) -> int:
         s = self.stats
+        if self.reported:
+            return s.running + s.waiting + s.loading + self.since_report
         return max(s.running + s.waiting + s.loading, self.inflight)
 
     @property

@@ -13,7 +13,8 @@ import zmq.asyncio
 
 from pdserve.protocol.hashing import block_hashes
 from pdserve.router.main import add_arguments, build_config
-from pdserve.router.scheduling.prefix_index import KVEventSubscriber, KVEventView, PrefixIndex
+from pdserve.router.discovery.events import KVEventSubscriber
+from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
 
 
 def ev(kind: str, worker: str, seq: int, hashes: list[int]) -> KVEventView:

@@ -1,0 +1,233 @@
+"""Every worker's event stream, read by every router replica: KV events into the prefix
+index, load reports into a board routing scores from (``pdserve/protocol/kv_events.py``).
+
+One ZeroMQ SUB socket per worker, read by an asyncio task. A prefill worker's feed is
+*synced* once the index holds that worker's blocks: its ``GET /kv_blocks`` snapshot,
+fetched after the subscription is known to be live (its first message; load reports come
+at least 10 times a second), plus every KV event after the snapshot's ``seq``. Events
+that arrive while the snapshot is on its way are held and applied after it. A ``seq``
+gap, or a load report whose ``kv_seq`` says an event went missing, resyncs the same way
+(the worker's entries are replaced, never left half right). A worker that does not serve
+``/kv_blocks`` (404: an older worker, the tests' fakes) is followed from its next event on,
+as before. A decode worker's feed carries load reports only; it is synced at the first.
+The router reports ready (``Discovery.synced``) once every healthy worker's feed is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from pdserve.protocol.codec import decode
+from pdserve.protocol.kv_events import STATS_TOPIC, TOPIC, KVSnapshot, LoadReport
+from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
+
+log = logging.getLogger(__name__)
+
+SILENT_S = 0.5  # no message this long after subscribing: fetch the snapshot anyway
+RETRY_S = 1.0  # a failed snapshot fetch is tried again after this
+# What fetches a worker's snapshot: None when it has no such endpoint (404).
+Fetch = Callable[[str], Awaitable[KVSnapshot | None]]
+
+
+class NoSnapshot(Exception):
+    """The worker has no ``/kv_blocks`` (an older worker): follow its events from now."""
+
+
+@dataclass
+class Feed:
+    """One worker's stream, as this replica follows it."""
+
+    address: str
+    worker_id: str
+    url: str
+    kv: bool  # prefill: KV events into the index (decode: load reports only)
+    synced: bool = False
+    held: list[KVEventView] | None = None  # events waiting for a snapshot (resyncing)
+    resync: asyncio.Task[None] | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+class EventSubscriber:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        ctx: zmq.asyncio.Context | None = None,
+        fetch: Fetch | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = index
+        self.fetch = fetch  # Discovery sets it (signed GET /kv_blocks); None: no catch-up
+        self.clock = clock
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._feeds: dict[str, Feed] = {}  # address -> feed
+        self._stopping: set[asyncio.Task[None]] = set()  # cancelled, not finished yet
+        self.loads: dict[str, tuple[LoadReport, float]] = {}  # worker_id -> (report, when)
+        self.num_events = 0
+        self.num_reports = 0
+        self.num_bad = 0
+        self.num_resyncs = 0
+        self._legacy: set[str] = set()  # workers without /kv_blocks: followed from events
+
+    @property
+    def addresses(self) -> set[str]:
+        return set(self._feeds)
+
+    def synced(self, address: str) -> bool:
+        feed = self._feeds.get(address)
+        return feed is not None and feed.synced
+
+    def report(self, worker_id: str) -> tuple[LoadReport, float] | None:
+        """The worker's last load report and its age in seconds."""
+        got = self.loads.get(worker_id)
+        return None if got is None else (got[0], self.clock() - got[1])
+
+    # -- subscriptions --------------------------------------------------------------
+    def subscribe(self, address: str, worker_id: str, url: str = "", kv: bool = True) -> None:
+        if address in self._feeds:
+            return
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        sock.setsockopt(zmq.SUBSCRIBE, STATS_TOPIC)
+        sock.connect(address)
+        feed = Feed(address, worker_id, url, kv)
+        # Without a way to fetch snapshots the index follows events from now on (synced).
+        feed.synced = kv and (self.fetch is None or not url)
+        self._feeds[address] = feed
+        feed.tasks.append(asyncio.create_task(self._read(sock, feed)))
+        if kv and not feed.synced:
+            feed.tasks.append(asyncio.create_task(self._sync_if_silent(feed)))
+
+    def unsubscribe(self, address: str) -> None:
+        feed = self._feeds.pop(address, None)
+        if feed is None:
+            return
+        tasks = [*feed.tasks, *([feed.resync] if feed.resync else [])]
+        for task in tasks:
+            task.cancel()
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+        self.loads.pop(feed.worker_id, None)
+        if feed.kv:
+            self.index.drop_worker(feed.worker_id)
+
+    async def close(self) -> None:
+        for address in list(self._feeds):
+            self.unsubscribe(address)
+        for task in list(self._stopping):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    # -- reading ------------------------------------------------------------------------
+    async def _read(self, sock: zmq.asyncio.Socket, feed: Feed) -> None:
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                if len(frames) != 2:
+                    self.num_bad += 1
+                elif frames[0] == TOPIC and feed.kv:
+                    self._on_event(feed, frames[1])
+                elif frames[0] == STATS_TOPIC:
+                    self._on_report(feed, frames[1])
+                else:
+                    self.num_bad += 1
+        finally:
+            sock.close(linger=0)
+
+    def _on_event(self, feed: Feed, data: bytes) -> None:
+        try:
+            ev = KVEventView.parse(data)
+        except (ValueError, KeyError, TypeError) as exc:
+            self.num_bad += 1
+            log.warning("bad KV event from %s: %s", feed.address, exc)
+            return
+        self.num_events += 1
+        if feed.held is not None:  # a snapshot is on its way: apply after it
+            feed.held.append(ev)
+            return
+        last = self.index.last_seq(feed.worker_id)
+        if feed.synced and self.fetch is not None and feed.url and last is not None \
+                and ev.seq != last + 1:  # fmt: skip
+            log.warning("KV events of %s: seq %d after %d, resyncing", feed.worker_id, ev.seq,
+                        last)  # fmt: skip
+            self._start_resync(feed, [ev])
+            return
+        if not feed.synced and feed.resync is None:  # the subscription is live: catch up
+            self._start_resync(feed, [ev])
+            return
+        self.index.apply(ev)
+
+    def _on_report(self, feed: Feed, data: bytes) -> None:
+        try:
+            rep = decode(data, LoadReport)
+        except (ValueError, KeyError, TypeError) as exc:
+            self.num_bad += 1
+            log.warning("bad load report from %s: %s", feed.address, exc)
+            return
+        self.num_reports += 1
+        self.loads[feed.worker_id] = (rep, self.clock())
+        if not feed.kv:
+            feed.synced = True
+        elif feed.held is None and feed.resync is None and self.fetch is not None and feed.url:
+            last = self.index.last_seq(feed.worker_id) or 0
+            if not feed.synced or (rep.kv_seq > last and self._followed(feed)):
+                if feed.synced:  # every event before this report was sent before it
+                    log.warning("KV events of %s: report says seq %d, index at %d; resyncing",
+                                feed.worker_id, rep.kv_seq, last)  # fmt: skip
+                self._start_resync(feed, [])
+
+    def _followed(self, feed: Feed) -> bool:
+        """Whether the index follows this worker by seq (not a legacy, snapshot-less one)."""
+        return feed.worker_id not in self._legacy
+
+    # -- catching up ----------------------------------------------------------------
+    async def _sync_if_silent(self, feed: Feed) -> None:
+        await asyncio.sleep(SILENT_S)
+        if not feed.synced and feed.resync is None and feed.held is None:
+            self._start_resync(feed, [])
+
+    def _start_resync(self, feed: Feed, held: list[KVEventView]) -> None:
+        feed.held = held
+        feed.resync = asyncio.create_task(self._resync(feed))
+
+    async def _resync(self, feed: Feed) -> None:
+        assert self.fetch is not None
+        self.num_resyncs += 1
+        while True:
+            try:
+                snap = await self.fetch(feed.url)
+            except Exception as exc:  # the worker is busy or going away: try again
+                log.info("KV snapshot of %s failed (%s); trying again", feed.url, exc)
+                await asyncio.sleep(RETRY_S)
+                continue
+            break
+        held, feed.held, feed.resync = feed.held or [], None, None
+        if snap is None:  # no /kv_blocks: follow its events from now on
+            self._legacy.add(feed.worker_id)
+            for ev in held:
+                self.index.apply(ev)
+            feed.synced = True
+            return
+        self.index.load_snapshot(feed.worker_id, snap.seq, snap.block_hashes)
+        for i, ev in enumerate(held):
+            if ev.seq <= snap.seq:
+                continue  # in the snapshot already
+            if ev.seq != self.index.last_seq(feed.worker_id) + 1:  # type: ignore[operator]
+                self._start_resync(feed, held[i:])  # some went missing: once more
+                return
+            self.index.apply(ev)
+        feed.synced = True
+        log.info("KV index of %s synced at seq %d (%d blocks)", feed.worker_id,
+                 self.index.last_seq(feed.worker_id), len(snap.block_hashes))  # fmt: skip
+
+
+# The name the rest of the router used for it before load reports joined the stream.
+KVEventSubscriber = EventSubscriber
