@@ -14,6 +14,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.router import metrics_merge
+from pdserve.router.api import adapters
 from pdserve.router.api.errors import APIError
 from pdserve.router.api.responses_serve import serve_responses
 from pdserve.router.api.serving import serve
@@ -138,7 +140,11 @@ def create_app(
         if not rt().discovery.synced():  # a replica started late: prefix index catching up
             return JSONResponse({"status": "catching up on workers' KV events"}, status_code=503)
         rt().require_admin(request)
-        return Response(rt().metrics.render(), media_type="text/plain; version=0.0.4")
+        page, ports = rt().metrics.render(), cfg.proc_metrics_ports
+        server = request.scope.get("server") or ("", 0)
+        if ports and server[1] != ports[cfg.proc_index]:  # every process's series, labelled
+            page = await metrics_merge.gather(cfg.proc_index, page, ports)
+        return Response(page, media_type="text/plain; version=0.0.4")
 
     @app.get("/workers")
     async def workers(request: Request) -> dict[str, Any]:

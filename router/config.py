@@ -79,6 +79,10 @@ class RouterConfig:
     # requests; beyond max_queue, up to max_waiting wait queue_timeout_s, fairly by client.
     body_timeout_s: float = 30.0
     max_concurrency_per_key: int = 0
+    # ``--procs N`` (router/procs.py): this process's index and every process's loopback
+    # metrics port (a scrape of any process returns all of them); () with one process.
+    proc_index: int = 0
+    proc_metrics_ports: tuple[int, ...] = ()
     max_waiting: int = 256
     queue_timeout_s: float = 30.0
     # A stream whose client has not taken a chunk for this long is aborted (slow reader).

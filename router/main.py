@@ -95,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits at the edge (docs/router.md)")
+    p.add_argument("--procs", default="1",
+                   help="router processes on the port (SO_REUSEPORT), each with the full "
+                   "view; 'auto': the CPU limit (docs/router.md)")  # fmt: skip
     g.add_argument("--max-body-bytes", type=int, default=8 << 20,
                    help="largest request body; larger is a 413 (default 8 MiB)")  # fmt: skip
     g.add_argument("--max-prompt-chars", type=int, default=1 << 20,
@@ -179,7 +182,31 @@ def prefill_scorers(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
     return tuple(pairs)
 
 
-def build_config(args: argparse.Namespace) -> RouterConfig:
+def num_procs(args: argparse.Namespace) -> int:
+    from pdserve.router.procs import cpu_limit
+
+    if args.procs == "auto":
+        return cpu_limit()
+    try:
+        n = int(args.procs)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SystemExit(
+            f"pdserve router: --procs must be 'auto' or at least 1, not {args.procs!r}"
+        )
+    return n
+
+
+def share(budget: int, n: int) -> int:
+    """One process's part of a per-client budget split over ``n`` processes (0: no limit)."""
+    return -(-budget // n) if budget > 0 else 0
+
+
+def build_config(
+    args: argparse.Namespace, proc_index: int = 0, proc_ports: tuple[int, ...] = ()
+) -> RouterConfig:
+    n = max(len(proc_ports), 1)  # per-client budgets: each process enforces its share
     return RouterConfig(
         model_dir=resolve_model(args.model, weights=False),
         served_model_name=args.served_model_name,
@@ -188,15 +215,17 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         disagg_threshold=args.disagg_threshold,
         scorers=prefill_scorers(args),
         decode_scorer_weights=tuple(args.decode_scorer) or DECODE_SCORERS,
-        max_queue=args.max_queue,
+        max_queue=share(args.max_queue, n),
         api_keys=api_keys(args),
         api_key_file=args.api_key_file,
         admin_api_keys=admin_keys(args),
+        proc_index=proc_index,
+        proc_metrics_ports=proc_ports,
         admin_api_key_file=args.admin_api_key_file,
         admin_port=args.admin_port,
         body_timeout_s=args.body_timeout,
-        max_concurrency_per_key=args.max_concurrency_per_key,
-        max_waiting=args.max_waiting,
+        max_concurrency_per_key=share(args.max_concurrency_per_key, n),
+        max_waiting=share(args.max_waiting, n),
         queue_timeout_s=args.queue_timeout,
         stream_write_timeout_s=args.stream_write_timeout,
         health_interval_s=args.health_interval,
@@ -208,8 +237,8 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         max_prompt_chars=args.max_prompt_chars,
         max_schema_bytes=args.max_schema_bytes,
         tokenizer_threads=args.tokenizer_threads,
-        rate_limit_rpm=args.rate_limit_rpm,
-        rate_limit_tpm=args.rate_limit_tpm,
+        rate_limit_rpm=share(args.rate_limit_rpm, n),
+        rate_limit_tpm=share(args.rate_limit_tpm, n),
         cache_isolation=args.cache_isolation,
     )
 
@@ -235,23 +264,40 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
-        cfg = build_config(args)
+        cfg = build_config(args, index, ports)
         source = build_source(args)
         app = create_app(cfg, source)
     except ValueError as exc:
         raise SystemExit(f"pdserve router: {exc}") from exc
     warn_if_open(cfg, args.host)
+    n = num_procs(args)
+    if n == 1:
+        return serve(args, 0, [])
+    from pdserve.router.procs import supervise
+
+    return supervise(args, n, serve)
+
+
+def serve(args: argparse.Namespace, index: int, metrics_socks: list[socket.socket]) -> int:
+    """One router process: process ``index`` of ``len(metrics_socks)`` (none: the only one)."""
     if args.keep_alive_timeout < 1:
         raise SystemExit("pdserve router: --keep-alive-timeout must be at least 1 second")
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
                             timeout_keep_alive=args.keep_alive_timeout)  # fmt: skip
     # One server on both ports: the app tells the admin port by the request's local port.
-    ports = (args.port, args.admin_port) if args.admin_port else (args.port,)
-    uvicorn.Server(config).run(sockets=[_bind(args.host, p) for p in ports])
+    ports = tuple(int(s.getsockname()[1]) for s in metrics_socks)
+    public = (args.port, args.admin_port) if args.admin_port else (args.port,)
+    socks = [_bind(args.host, p, reuse_port=bool(metrics_socks)) for p in public]
+    if metrics_socks:  # its own loopback metrics port; the siblings' are theirs
+        socks.append(metrics_socks[index])
+        for i, s in enumerate(metrics_socks):
+            if i != index:
+                s.close()
+    uvicorn.Server(config).run(sockets=socks)
     return 0
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -261,3 +307,5 @@ def _bind(host: str, port: int) -> socket.socket:
         raise SystemExit(f"pdserve router: cannot listen on {host}:{port}: {exc}") from exc
     sock.set_inheritable(True)
     return sock
+    if reuse_port:  # several processes on one port: the kernel spreads the connections
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

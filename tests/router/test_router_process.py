@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -66,3 +68,55 @@ async def test_router_process_serves_and_stops(tiny_model_dir: Path, tmp_path: P
         assert pst.kv_blocks_free == dst.kv_blocks_free == 1000
     pub.close(0)
     ctx.term()
+
+
+@pytest.mark.parametrize("end", ["sigterm", "one-process-dies"])
+async def test_router_procs_share_one_port(tiny_model_dir: Path, end: str) -> None:
+    """--procs 2: two processes on one port (SO_REUSEPORT) serve the requests between them,
+    and one scrape of the admin port returns both processes' series (label ``proc``) whose
+    sum counts every request. SIGTERM stops both (status 0); a process that dies takes the
+    other down and the router exits non-zero (the pod restarts whole)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    pst, dst = FakeState("prefill", "p0"), FakeState("decode", "d0")
+    async with serve(prefill_app(pst)) as purl, serve(decode_app(dst)) as durl:
+        port, admin_port = free_port(), free_port()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pdserve", "router", "--model", str(tiny_model_dir),
+            "--port", str(port), "--prefill", purl, "--decode", durl, "--procs", "2",
+            "--admin-port", str(admin_port), "--health-interval", "0.2", "--log-level", "warning",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        url, n = f"http://127.0.0.1:{port}", 24
+        try:
+            for _ in range(600):
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/health").status_code == 200:
+                        break
+                await asyncio.sleep(0.1)
+            body = {"model": tiny_model_dir.name, "prompt": "hello", "max_tokens": 2}
+            for _ in range(n):  # a new connection each: the kernel picks a process for each
+                async with httpx.AsyncClient() as h:
+                    assert (await h.post(url + "/v1/completions", json=body)).status_code == 200
+            page = httpx.get(f"http://127.0.0.1:{admin_port}/metrics").text
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            assert len(children) == 2, children
+            if end == "one-process-dies":
+                os.kill(int(children[1]), signal.SIGKILL)
+                await asyncio.wait_for(proc.wait(), 60)
+        finally:
+            proc.terminate() if proc.returncode is None else None
+            output = (await asyncio.wait_for(proc.communicate(), 60))[0].decode()
+        assert (proc.returncode == 0) == (end == "sigterm"), output
+        if end == "sigterm":
+            assert "Traceback" not in output, output
+        assert not any(Path(f"/proc/{c}").exists() for c in children), "a process was left"
+        with pytest.raises(httpx.ConnectError):  # no process is left on the port
+            httpx.get(url + "/health")
+    served: dict[str, float] = {}
+    for fam in text_string_to_metric_families(page):
+        for s in fam.samples:
+            if s.name == "pdserve_router_requests_total" and s.labels.get("code") == "200":
+                served[s.labels["proc"]] = served.get(s.labels["proc"], 0) + s.value
+    assert sum(served.values()) == n, page
+    assert set(served) == {"0", "1"} and min(served.values()) > 0, served
