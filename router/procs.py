@@ -32,7 +32,8 @@ def cpu_limit() -> int:
     one, else the CPUs it is allowed to run on; at least 1."""
     cpus = len(os.sched_getaffinity(0))
     try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
         if quota != "max":
             cpus = min(cpus, max(1, int(int(quota) // int(period))))
     except (OSError, ValueError):
