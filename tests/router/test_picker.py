@@ -1,0 +1,349 @@
+"""The endpoint picker (router/picker/) against a client that plays Envoy's side of ext_proc.
+
+``Envoy`` below speaks the protocol as the proxy does: request headers (with the
+``protocol_config`` of its processing mode and, optionally, the subset hint), the body
+in chunks, then the response's headers (with the served endpoint) and body chunks. The
+workers are the tests' fakes (tests/router/fakes.py), which publish real KV events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import zmq
+import zmq.asyncio
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.discovery.workers import StaticSource
+from pdserve.router.picker import envoy_msgs as msgs
+from pdserve.router.picker.prefill_header import PREFILL_HEADER, SIGNATURE_HEADER, endpoint_of
+from pdserve.router.picker.service import PickerService
+from pdserve.router.tokenizer import PromptTokenizer
+from tests.router.fakes import TOTAL_BLOCKS, FakeState, decode_app, prefill_app, serve
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class Routed:
+    """What the picker answered for one request (or its immediate response)."""
+
+    endpoints: list[str] = field(default_factory=list)
+    metadata: str = ""
+    set_headers: dict[str, str] = field(default_factory=dict)
+    removed: list[str] = field(default_factory=list)
+    body_back: bytes = b""  # full duplex: the body as the picker sent it back
+    status: int = 0  # an immediate response's HTTP status
+    error: dict[str, Any] = field(default_factory=dict)
+
+
+class Envoy:
+    """Envoy's half of one ext_proc stream (one HTTP request)."""
+
+    def __init__(self, stub: ep_grpc.ExternalProcessorStub, duplex: bool = True) -> None:
+        self.queue: asyncio.Queue[ep.ProcessingRequest | None] = asyncio.Queue()
+        self.duplex = duplex
+        self.call = stub.Process(self._requests())
+
+    async def _requests(self) -> AsyncIterator[ep.ProcessingRequest]:
+        while (msg := await self.queue.get()) is not None:
+            yield msg
+
+    async def recv(self) -> ep.ProcessingResponse:
+        out = await asyncio.wait_for(self.call.read(), 10)
+        assert out is not grpc.aio.EOF, "the picker closed the stream"
+        return out
+
+    def close(self) -> None:
+        self.queue.put_nowait(None)
+
+    async def request(
+        self, path: str, body: bytes | None, chunks: int = 3,
+        subset: Sequence[str] | None = None, headers: dict[str, str] | None = None,
+    ) -> Routed:  # fmt: skip
+        mode = msgs.FULL_DUPLEX if self.duplex else msgs.BUFFERED
+        first = ep.ProcessingRequest(
+            request_headers=_headers({":method": "POST" if body else "GET", ":path": path,
+                                      "content-type": "application/json", **(headers or {})},
+                                     end=body is None),
+            protocol_config=ep.ProtocolConfiguration(request_body_mode=mode,
+                                                     response_body_mode=mode),
+        )  # fmt: skip
+        if subset is not None:
+            first.metadata_context.filter_metadata[msgs.SUBSET_NAMESPACE].update(
+                {msgs.SUBSET: list(subset)}
+            )
+        self.queue.put_nowait(first)
+        if body is not None:
+            if not self.duplex:  # buffered: the headers are answered before the body is sent
+                resp = await self.recv()
+                assert resp.WhichOneof("response") == "request_headers"
+                assert not resp.request_headers.response.header_mutation.set_headers
+            step = max(1, -(-len(body) // chunks))
+            parts = [body[i : i + step] for i in range(0, len(body), step)] or [b""]
+            for i, part in enumerate(parts):
+                end = i == len(parts) - 1
+                chunk = ep.HttpBody(body=part, end_of_stream=end)
+                self.queue.put_nowait(ep.ProcessingRequest(request_body=chunk))
+        return await self._routed(body)
+
+    async def _routed(self, body: bytes | None) -> Routed:
+        resp = await self.recv()
+        kind = resp.WhichOneof("response")
+        if kind == "immediate_response":
+            im = resp.immediate_response
+            return Routed(status=im.status.code, error=json.loads(im.body))
+        common = (resp.request_headers if kind == "request_headers" else resp.request_body).response
+        assert common.clear_route_cache
+        sets = {
+            h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers
+        }
+        lb = resp.dynamic_metadata.fields[msgs.LB_NAMESPACE].struct_value
+        out = Routed(sets[msgs.DESTINATION].split(","), lb.fields[msgs.DESTINATION].string_value,
+                     sets, list(common.header_mutation.remove_headers))  # fmt: skip
+        if body is not None and self.duplex:
+            assert kind == "request_headers" and sets["content-length"] == str(len(body))
+            streamed = (await self.recv()).request_body.response.body_mutation.streamed_response
+            assert streamed.end_of_stream
+            out.body_back = streamed.body
+        return out
+
+    async def response(self, served: str, chunks: Sequence[bytes]) -> list[bytes]:
+        """The upstream's answer through the picker; what the proxy would pass on."""
+        msg = ep.ProcessingRequest(
+            response_headers=_headers({":status": "200", "content-type": "text/event-stream"})
+        )
+        if served:
+            msg.metadata_context.filter_metadata[msgs.LB_NAMESPACE].update({msgs.SERVED: served})
+        self.queue.put_nowait(msg)
+        assert (await self.recv()).WhichOneof("response") == "response_headers"
+        passed = []
+        for i, chunk in enumerate(chunks):
+            end = i == len(chunks) - 1
+            part = ep.HttpBody(body=chunk, end_of_stream=end)
+            self.queue.put_nowait(ep.ProcessingRequest(response_body=part))
+            resp = (await self.recv()).response_body.response
+            if self.duplex:
+                streamed = resp.body_mutation.streamed_response
+                assert streamed.end_of_stream == end
+                passed.append(streamed.body)
+            else:  # buffered/streamed: the proxy passes its own chunk on
+                assert not resp.HasField("body_mutation")
+                passed.append(chunk)
+        return passed
+
+
+def _headers(values: dict[str, str], end: bool = False) -> ep.HttpHeaders:
+    hs = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+    return ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs), end_of_stream=end)
+
+
+@dataclass
+class PickerCluster:
+    service: PickerService
+    stub: ep_grpc.ExternalProcessorStub
+    channel: grpc.aio.Channel
+    prefill: list[FakeState]
+    decode: list[FakeState]
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    target: dict[str, str]  # decode worker URL -> the endpoint the gateway dials
+
+    def envoy(self, duplex: bool = True) -> Envoy:
+        return Envoy(self.stub, duplex)
+
+    def endpoint(self, i: int) -> str:
+        return self.target.get(self.decode_urls[i], endpoint_of(self.decode_urls[i]))
+
+    async def settle(self, timeout: float = 5.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.free():
+            assert loop.time() < deadline, "KV or in-flight counts not freed"
+            await asyncio.sleep(0.02)
+
+    def free(self) -> bool:
+        fakes_free = all(st.kv_blocks_free == TOTAL_BLOCKS for st in self.prefill + self.decode)
+        snap = self.service.rt.discovery.snapshot()
+        return fakes_free and all(w.inflight == 0 for w in snap.workers)
+
+
+@contextlib.asynccontextmanager
+async def start_picker(
+    tokenizer: PromptTokenizer, model_dir: Path, n_prefill: int = 2, n_decode: int = 2,
+    target: dict[str, str] | None = None, busy: Sequence[int] = (), **cfg: Any,
+) -> AsyncIterator[PickerCluster]:  # fmt: skip
+    """Fake workers, and a picker over them on a free port; ``busy`` decode fakes report
+    one running request (so the others rank first)."""
+    ctx = zmq.asyncio.Context()
+    async with contextlib.AsyncExitStack() as stack:
+        prefill, prefill_urls = [], []
+        for i in range(n_prefill):
+            st = FakeState("prefill", f"p{i}")
+            pub = ctx.socket(zmq.PUB)
+            st.kv_events = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+            stack.callback(pub.close, 0)
+            prefill.append(st)
+            prefill_urls.append(await stack.enter_async_context(serve(prefill_app(st, pub))))
+        decode, decode_urls = [], []
+        for i in range(n_decode):
+            st = FakeState("decode", f"d{i}")
+            if i in busy:
+                st.active["busy"] = 1
+            decode.append(st)
+            decode_urls.append(await stack.enter_async_context(serve(decode_app(st))))
+        cfg.setdefault("health_interval_s", 0.2)
+        config = RouterConfig(model_dir=str(model_dir), served_model_name="tiny", **cfg)
+        targets = dict(target or {})
+        source = StaticSource(prefill_urls, decode_urls)
+        service = PickerService(
+            config, source, tokenizer, target=lambda w: targets.get(w.url, endpoint_of(w.url))
+        )
+        port = await service.start("127.0.0.1", 0)
+        stack.push_async_callback(service.close)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stack.push_async_callback(channel.close)
+        yield PickerCluster(service, ep_grpc.ExternalProcessorStub(channel), channel, prefill,
+                            decode, prefill_urls, decode_urls, targets)  # fmt: skip
+    ctx.term()
+
+
+def completion(prompt: Any, max_tokens: int = 4, stream: bool = True, **extra: Any) -> bytes:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+    return json.dumps({**body, **extra}).encode()
+
+
+@pytest.fixture
+def picker_factory(router_tokenizer: PromptTokenizer, tiny_model_dir: Path):
+    def make(**kw: Any):
+        return start_picker(router_tokenizer, tiny_model_dir, **kw)
+
+    return make
+
+
+async def test_destination_header_and_metadata_agree(picker_factory) -> None:
+    async with picker_factory(disagg_threshold=32) as pc:
+        env = pc.envoy()
+        body = completion(list(range(10, 90)))
+        routed = await env.request("/v1/completions", body, chunks=4)
+        env.close()
+        assert routed.status == 0, routed.error
+        assert routed.metadata == ",".join(routed.endpoints)  # one value, both ways
+        assert sorted(routed.endpoints) == sorted(pc.endpoint(i) for i in range(2))
+        assert routed.body_back == body  # full duplex: the body goes on unchanged
+        prefill = routed.set_headers[PREFILL_HEADER]  # 80 uncached tokens: remote prefill
+        assert prefill in {endpoint_of(u) for u in pc.prefill_urls}
+        assert routed.set_headers[SIGNATURE_HEADER]
+        await pc.settle()
+
+
+async def test_prefix_affinity_is_visible(picker_factory) -> None:
+    """Requests sharing a long prefix are sent to one prefill worker (the router's prefix
+    index learns the pick at once); a short prompt prefills on the decode worker."""
+    groups = [list(range(10 + g, 138 + g)) for g in (0, 300)]
+    async with picker_factory(disagg_threshold=32) as pc:
+        where: dict[int, set[str]] = {0: set(), 1: set()}
+        for r in range(4):
+            for g, prefix in enumerate(groups):
+                env = pc.envoy()
+                routed = await env.request("/v1/completions", completion([*prefix, 500 + r]))
+                env.close()
+                where[g].add(routed.set_headers[PREFILL_HEADER])
+        assert all(len(s) == 1 for s in where.values()), where
+        env = pc.envoy()
+        short = await env.request("/v1/completions", completion([11, 12, 13]))
+        env.close()
+        assert PREFILL_HEADER not in short.set_headers
+        assert PREFILL_HEADER in short.removed and SIGNATURE_HEADER in short.removed
+        await pc.settle()
+
+
+async def test_chat_body_in_one_chunk_buffered_mode(picker_factory) -> None:
+    async with picker_factory() as pc:
+        env = pc.envoy(duplex=False)
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        routed = await env.request("/v1/chat/completions", body.encode(), chunks=1)
+        assert routed.status == 0 and routed.endpoints and routed.body_back == b""
+        passed = await env.response(routed.endpoints[0], [b'{"id": "x"}'])
+        assert passed == [b'{"id": "x"}']
+        env.close()
+        await pc.settle()
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [(b'{"model": "tiny", "prompt": ', None),  # not JSON
+     (completion("hi", max_tokens=-1), "max_tokens"),
+     (completion("hi", temperature="hot"), "temperature"),
+     (completion(None), "prompt")],
+)  # fmt: skip
+async def test_bad_body_is_an_immediate_400(picker_factory, body: bytes, param: str) -> None:
+    async with picker_factory() as pc:
+        env = pc.envoy()
+        routed = await env.request("/v1/completions", body, chunks=2)
+        env.close()
+        assert routed.status == 400, routed
+        assert routed.error["error"]["type"] == "invalid_request_error"
+        if param:
+            assert routed.error["error"]["param"] == param
+        await pc.settle()
+
+
+async def test_subset_hint_is_obeyed(picker_factory) -> None:
+    async with picker_factory() as pc:
+        only = pc.endpoint(1)
+        env = pc.envoy()
+        routed = await env.request("/v1/completions", completion("hello"), subset=[only])
+        env.close()
+        assert routed.endpoints == [only]
+        env = pc.envoy()
+        routed = await env.request("/v1/completions", completion("hello"), subset=["10.9.9.9:1"])
+        env.close()
+        assert routed.status == 503 and routed.error["error"]["code"] == "no_worker"
+        await pc.settle()
+
+
+async def test_request_without_body_is_routed_by_load(picker_factory) -> None:
+    async with picker_factory() as pc:
+        env = pc.envoy()
+        routed = await env.request("/v1/models", None)
+        env.close()
+        assert routed.status == 0 and routed.endpoints[0] in {pc.endpoint(0), pc.endpoint(1)}
+        await pc.settle()
+
+
+async def test_served_fallback_takes_the_failed_primary_out(picker_factory) -> None:
+    """The proxy walked to the fallback: the primary failed, so the next pick leaves it
+    out (until a health check passes again), and the in-flight count follows the fallback."""
+    async with picker_factory(busy=[1], health_interval_s=30.0) as pc:
+        env = pc.envoy()
+        routed = await env.request("/v1/completions", completion("hello"))
+        assert routed.endpoints == [pc.endpoint(0), pc.endpoint(1)]  # d1 is busier
+        await env.response(pc.endpoint(1), [b"data: 1\n\n", b"data: [DONE]\n\n"])
+        env.close()
+        env = pc.envoy()
+        again = await env.request("/v1/completions", completion("hello"))
+        env.close()
+        assert again.endpoints == [pc.endpoint(1)]
+        pc.decode[1].active.pop("busy")
+        await pc.settle()
+
+
+async def test_health_service(picker_factory) -> None:
+    async with picker_factory() as pc:
+        health = health_pb2_grpc.HealthStub(pc.channel)
+        for name in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=name))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
