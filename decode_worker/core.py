@@ -53,7 +53,6 @@ class DecodeCore:
 
     def close(self) -> None:
         self.connector.close()
-
         self.events.close()
 
 def engine_info(e: LLMEngine) -> dict[str, Any]:

@@ -50,8 +50,8 @@ class DecodeWorker:
             "role": ROLE,
             "worker_id": self.worker_id,
             "kv_transport": self.args.kv_transport,
-        }
             "kv_events": self.engine.info.get("kv_events", ""),  # its load reports
+        }
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[bytes]:
         kwargs: dict[str, Any] = {"cache_salt": req.cache_salt}
@@ -107,10 +107,10 @@ class DecodeWorker:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_arguments(parser, default_port=8200)
     g = parser.add_argument_group("decode")
-    g.add_argument(
-        "--transfer-timeout",
     g.add_argument("--kv-events-port", type=int, default=None,
                    help="its load reports' ZeroMQ port (default: port + 1)")  # fmt: skip
+    g.add_argument(
+        "--transfer-timeout",
         type=float,
         default=DEFAULT_TRANSFER_TIMEOUT,
         help="seconds per KV load (claim, read, confirm)",

@@ -84,9 +84,8 @@ class PrefillWorker:
     def app(self) -> FastAPI:
         app = FastAPI(title="pdserve prefill worker")
         add_common_routes(app, self.engine, self.metrics, self.identity())
-
         add_event_routes(app, self.engine)  # GET /kv_blocks
-        add_lora_routes(app, self.engine)
+
         @app.post("/prefill")
         async def prefill(request: Request) -> JSONResponse:
             return reply(await self.prefill(await read_message(request, PrefillRequest)))
