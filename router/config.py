@@ -74,15 +74,15 @@ class RouterConfig:
     admin_api_keys: tuple[str, ...] = ()  # open /workers and /metrics while keys are on
     admin_api_key_file: str = ""
     admin_port: int = 0  # requests arriving on it open /metrics and /workers without a key
+    # ``--procs N`` (router/procs.py): this process's index and every process's loopback
+    # metrics port (a scrape of any process returns all of them); () with one process.
+    proc_index: int = 0
+    proc_metrics_ports: tuple[int, ...] = ()
     # Tenants (router/admission.py): a body must be in within body_timeout_s before its
     # request is admitted; one client holds at most max_concurrency_per_key (0: no cap)
     # requests; beyond max_queue, up to max_waiting wait queue_timeout_s, fairly by client.
     body_timeout_s: float = 30.0
     max_concurrency_per_key: int = 0
-    # ``--procs N`` (router/procs.py): this process's index and every process's loopback
-    # metrics port (a scrape of any process returns all of them); () with one process.
-    proc_index: int = 0
-    proc_metrics_ports: tuple[int, ...] = ()
     max_waiting: int = 256
     queue_timeout_s: float = 30.0
     # A stream whose client has not taken a chunk for this long is aborted (slow reader).

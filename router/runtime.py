@@ -94,6 +94,8 @@ class Runtime:
         server = request.scope.get("server") or ("", 0)
         if self.cfg.admin_port and server[1] == self.cfg.admin_port:
             return
+        if server[1] in self.cfg.proc_metrics_ports:  # loopback: a sibling process's scrape
+            return
         self.keys.require_admin(request.headers.get("authorization", ""))
 
     @staticmethod
@@ -116,8 +118,6 @@ class Runtime:
     def gate(self, request: Request) -> tuple[Caller, str]:
         """What a request passes before its body is read: the API key and the client's
         requests-per-minute bucket. Returns (caller, client). No slot is taken: a slot
-        if server[1] in self.cfg.proc_metrics_ports:  # loopback: a sibling process's scrape
-            return
         is taken only once the body is in (``admit``), so a client that trickles its
         body holds nothing but its own connection (until ``--body-timeout``)."""
         caller = self.caller(request)
