@@ -46,6 +46,7 @@ class DecodeCore:
         self.queries: dict[str, Query] = {
             "known": lambda rid: rid in e.requests or rid in e.held,
             "metrics": self.metrics.render,
+            **lora_queries(e.runner.loras),  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         }
 
     def info(self) -> dict[str, Any]:
@@ -54,6 +55,7 @@ class DecodeCore:
     def close(self) -> None:
         self.connector.close()
         self.events.close()
+
 
 def engine_info(e: LLMEngine) -> dict[str, Any]:
     """What the front end reports about the engine (``/stats``' fixed fields)."""

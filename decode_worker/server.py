@@ -31,6 +31,7 @@ from pdserve.worker.http import (
     read_message,
     worker_id,
 )
+from pdserve.worker.lora_api import add_lora_routes
 from pdserve.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class DecodeWorker:
         }
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[bytes]:
-        kwargs: dict[str, Any] = {"cache_salt": req.cache_salt}
+        kwargs: dict[str, Any] = {"cache_salt": req.cache_salt, "lora": req.lora}
         if req.kv_handle is not None:  # checked by the engine (KVHandle.problem)
             kwargs.update(remote_kv=req.kv_handle, first_token_id=req.first_token_id)
         elif req.resume_token_ids:  # a stream migrated off a worker that died
@@ -92,6 +93,7 @@ class DecodeWorker:
         secrets = keys.secrets_from_env() if env.service_secret("the decode worker") else ()
         app = DirectApp(secrets, known_error, title="pdserve decode worker")
         add_common_routes(app, self.engine, self.metrics, self.identity())
+        add_lora_routes(app, self.engine)
 
         async def generate(request: Request) -> Response:
             lines = await self.generate(await read_message(request, GenerateRequest))

@@ -11,6 +11,7 @@ from pdserve.decode_worker.core import engine_info
 from pdserve.engine.config import engine_config_from_args
 from pdserve.engine.core_loop import Hook, Query
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.lora_registry import lora_queries
 from pdserve.prefill_worker.events import KVEventPublisher
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.server import KVServer
@@ -27,9 +28,7 @@ class PrefillCore:
         e.kv.record_events()
         self.metrics = CoreMetrics(ROLE)
         events_port = args.kv_events_port or args.port + 1
-        self.events = KVEventPublisher(
-            f"tcp://{args.host}:{events_port}", worker_id(args, ROLE), e
-        )
+        self.events = KVEventPublisher(f"tcp://{args.host}:{events_port}", worker_id(args, ROLE), e)
         self.events_address = f"tcp://{host}:{events_port}"
         self.kv = KVServer(
             e.kv.tensor,
@@ -47,8 +46,9 @@ class PrefillCore:
         self.queries: dict[str, Query] = {
             "known": lambda rid: rid in e.requests or rid in e.held,
             "release": self.kv.release,
-            "metrics": self.metrics.render,
             "kv_snapshot": self.events.snapshot,  # GET /kv_blocks (a late router catching up)
+            "metrics": self.metrics.render,
+            **lora_queries(e.runner.loras),  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         }
 
     def info(self) -> dict[str, Any]:

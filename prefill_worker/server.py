@@ -15,9 +15,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from pdserve.prefill_worker.events_api import add_event_routes
 from pdserve.protocol.contract import PrefillReply, PrefillRequest, ReleaseReply, RequestRef, Usage
 from pdserve.protocol.outputs import HANDOFF, REQUEST_FAILED, RequestOutput
-from pdserve.prefill_worker.events_api import add_event_routes
 from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS
 from pdserve.worker.core_client import EngineClient
 from pdserve.worker.http import (
@@ -27,6 +27,7 @@ from pdserve.worker.http import (
     reply,
     worker_id,
 )
+from pdserve.worker.lora_api import add_lora_routes
 from pdserve.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class PrefillWorker:
         final: RequestOutput | None = None
         salt = req.cache_salt
         async for out in self.engine.generate(
-            rid, prompt, req.sampling, hold_kv=True, cache_salt=salt
+            rid, prompt, req.sampling, hold_kv=True, cache_salt=salt, lora=req.lora
         ):
             final = out
         assert final is not None and final.finished
@@ -85,6 +86,7 @@ class PrefillWorker:
         app = FastAPI(title="pdserve prefill worker")
         add_common_routes(app, self.engine, self.metrics, self.identity())
         add_event_routes(app, self.engine)  # GET /kv_blocks
+        add_lora_routes(app, self.engine)
 
         @app.post("/prefill")
         async def prefill(request: Request) -> JSONResponse:
