@@ -6,8 +6,9 @@
 
 The trace is a staircase (2 -> 12 -> 24 -> 2 req/s over 30, 70, 80 and 60 s; prompts
 ~256 tokens, outputs ~16) that makes the real planner of ``pdserve up --autoscale``
-(pools 1..3 each, TTFT SLO 200 ms) add workers on the way up and remove them on the
-way down: in the simulator it gave 2-5 additions and 2-5 removals on every seed tried.
+(pools 1..3 each, TTFT SLO 200 ms, the eager forward) add workers on the way up and
+remove them on the way down: in the simulator it gave 2-5 additions and 2-5 removals on
+every seed and start-up (8-27 s) tried.
 
 *Calibrate*: one run of the trace (seed 11), with its profile measured just before
 (``pdserve profile``), is kept in bench/recordings/ (``*-scaling-calibration``). The
@@ -96,7 +97,9 @@ def scaling_flags(model: str, port: int) -> list[str]:
     flags = up_flags(ns, PROFILE_MARK, port)
     for name in ("--prefill-max", "--decode-max"):
         flags[flags.index(name) + 1] = str(POOL_MAX)
-    return flags
+    # the eager forward: what ``pdserve profile`` times, and a start-up of seconds, not the
+    # minutes torch.compile takes on 2 shared cores (scale-ups land inside the trace)
+    return [*flags, "--enforce-eager"]
 
 
 def with_profile(flags: list[str], profile: Path) -> list[str]:
