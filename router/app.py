@@ -15,7 +15,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.router import metrics_merge
+from pdserve.router.api import adapters
+from pdserve.router.api import adapters
 from pdserve.router.api.errors import APIError
+from pdserve.router.api.lora_admin import add_lora_admin_routes
 from pdserve.router.api.responses_serve import serve_responses
 from pdserve.router.api.serving import serve
 from pdserve.router.api.tokenize_api import detokenize, handle, tokenize
@@ -55,10 +58,12 @@ def create_app(
 ) -> FastAPI:
     tok = tokenizer or PromptTokenizer(cfg.model_dir)
     holder: dict[str, Runtime] = {}
+    # --lora: each adapter's files hashed now, so an unreadable one stops the start
+    loras = adapters.declared(cfg.loras, (cfg.model_name, cfg.model_dir))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        rt = Runtime(cfg, source, tok)
+        rt = Runtime(cfg, source, tok, loras)
         holder["rt"] = rt
         app.state.runtime = rt
         await rt.start()
@@ -115,7 +120,10 @@ def create_app(
             "root": cfg.model_name,
             "max_model_len": max_len,
         }
-        return {"object": "list", "data": [card]}
+        return {
+            "object": "list",
+            "data": [card, *rt().loras.cards(cfg.model_name, rt().created)],
+        }
 
     @app.get("/livez")
     async def livez() -> JSONResponse:
@@ -150,6 +158,7 @@ def create_app(
         rt().require_admin(request)
         return {"workers": [_worker_json(w) for w in rt().discovery.snapshot().workers]}
 
+    add_lora_admin_routes(app, rt)
     return app
 
 

@@ -17,9 +17,14 @@ SCORER_GROUPS: dict[str, tuple[str, ...]] = {
     "load": ("queued-tokens", "running"),
     "balance": ("cache-balance",),
     "kv": ("free-kv",),
+    "lora": ("lora-affinity",),
 }
-PREFILL_SCORERS = (("prefix", 2.0), ("load", 1.0), ("balance", 0.5))
-DECODE_SCORERS = (("kv", 1.0), ("running", 1.0))
+# lora-affinity is 0 on every worker for a base-model request, so it only orders workers
+# for requests that name an adapter (a worker holding it resident skips its load). On
+# decode its 0.5 equals the running score's gap between 0 and 8 running requests: a
+# resident adapter does not pull streams onto a crowded worker.
+PREFILL_SCORERS = (("prefix", 2.0), ("load", 1.0), ("balance", 0.5), ("lora", 1.0))
+DECODE_SCORERS = (("kv", 1.0), ("running", 1.0), ("lora", 0.5))
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ class RouterConfig:
     # The decode pod's front in endpoint-picker mode (router/picker/prefill_header.py): the
     # prefill worker is the one the picker named in a signed header, else local prefill.
     prefill_from_header: bool = False
+    # LoRA adapters (--lora NAME=PATH), served as models of that name (router/api/adapters.py)
+    loras: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_MODES:

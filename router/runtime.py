@@ -9,15 +9,18 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from pdserve.protocol.contract import LoraRef
 from pdserve.router.admission import Admission, Ticket
+from pdserve.router.api.adapters import Adapter, AdapterTable
 from pdserve.router.api.errors import APIError
+from pdserve.router.api.protocol import check_model
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import Discovery, EndpointSource
 from pdserve.router.keys import Caller, KeyStore
@@ -35,7 +38,11 @@ T = TypeVar("T")
 
 class Runtime:
     def __init__(
-        self, cfg: RouterConfig, source: EndpointSource, tokenizer: PromptTokenizer
+        self,
+        cfg: RouterConfig,
+        source: EndpointSource,
+        tokenizer: PromptTokenizer,
+        loras: Sequence[Adapter] = (),
     ) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -54,10 +61,25 @@ class Runtime:
         self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm)
         # Parsing, chat templates and tokenizing: CPU work kept off the event loop.
         self.pool = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pdserve-tok")
+        self.loras = AdapterTable(loras)  # LoRA adapters served as models of their names
+
+    @property
+    def base_names(self) -> tuple[str, ...]:
+        return (self.cfg.model_name, self.cfg.model_dir)
 
     @property
     def served_names(self) -> tuple[str, ...]:
-        return (self.cfg.model_name, self.cfg.model_dir)
+        return self.base_names + self.loras.names()
+
+    def adapter_of(self, model: str) -> LoraRef | None:
+        """The adapter a request's ``model`` names; None for the base model; 404 for a
+        name served by neither (an adapter unloaded since the request was parsed)."""
+        if model in self.base_names:
+            return None
+        lora = self.loras.ref(model)
+        if lora is None:
+            check_model(model, self.served_names)
+        return lora
 
     async def start(self) -> None:
         await self.discovery.refresh()

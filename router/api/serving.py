@@ -232,10 +232,11 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
         req = fit_context(rt, snap, req, len(ids))
         rt.limiter.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
         salt = rt.cache_salt(key, req.cache_salt)
-        plan = rt.dispatcher.plan(ids, snap, salt)
+        lora = rt.adapter_of(req.model)
+        plan = rt.dispatcher.plan(ids, snap, salt, lora)
         if rt.cfg.prefill_from_header:  # a decode pod's front behind the endpoint picker
             plan = prefill_header.pinned(request.headers, plan, snap)
-        rs = RequestState(rid, ids, req.sampling, cache_salt=salt)
+        rs = RequestState(rid, ids, req.sampling, cache_salt=salt, lora=lora)
         respond = _respond if req.best_of == 1 else _respond_n
         respond = api.respond if api is not None else respond
         response = await respond(rt, request, req, rs, plan, ticket)

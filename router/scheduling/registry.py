@@ -12,4 +12,5 @@ SCORERS: dict[str, Scorer] = {
     "running": scorers.running,
     "free-kv": scorers.free_kv,
     "cache-balance": scorers.cache_balance,
+    "lora-affinity": scorers.lora_affinity,
 }

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.scheduling import disagg
-from pdserve.router.scheduling.scoring import RouteRequest, fits_kv, rank
+from pdserve.router.scheduling.scoring import RouteRequest, fits_kv, knows_lora, rank
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 
 
@@ -44,7 +44,7 @@ def rank_decode(
 ) -> list[WorkerView]:
     if cfg.picker == "round-robin":
         return _rotate(snap.decode, rr_counter)
-    return rank(snap.decode, req, cfg.decode_scorers, rng, filters=(fits_kv,))
+    return rank(snap.decode, req, cfg.decode_scorers, rng, filters=(knows_lora, fits_kv))
 
 
 def rank_prefill(
@@ -52,7 +52,7 @@ def rank_prefill(
 ) -> list[WorkerView]:
     if cfg.picker == "round-robin":
         return _rotate(snap.prefill, rr_counter)
-    return rank(snap.prefill, req, cfg.prefill_scorers, rng)
+    return rank(snap.prefill, req, cfg.prefill_scorers, rng, filters=(knows_lora,))
 
 
 def plan_route(

@@ -53,3 +53,10 @@ def cache_balance(worker: WorkerView, req: RouteRequest) -> float:
     if total <= 0:
         return 1.0
     return 1.0 - min(req.held_blocks.get(worker.worker_id, 0), total) / total
+
+
+def lora_affinity(worker: WorkerView, req: RouteRequest) -> float:
+    """1 when the request names an adapter that the worker holds resident now (its
+    ``/stats`` ``loras``): no load before its first step. 0 otherwise, and 0 on every
+    worker for a base-model request (the scorer then orders nothing)."""
+    return 1.0 if req.lora is not None and req.lora in worker.stats.loras else 0.0

@@ -29,6 +29,7 @@ class RouteRequest:
     matched_blocks: Mapping[str, int] = field(default_factory=dict)
     # worker_id -> blocks the prefix index says the worker caches (any prompt)
     held_blocks: Mapping[str, int] = field(default_factory=dict)
+    lora: str | None = None  # the adapter the request names (None: the base model)
 
     def matched_tokens(self, worker_id: str) -> int:
         return min(self.matched_blocks.get(worker_id, 0) * self.block_size, self.num_prompt_tokens)
@@ -81,6 +82,14 @@ def _sorted(
     keyed = [(round(weighted_score(w, req, weights), 9), rng.random(), w) for w in workers]
     keyed.sort(key=lambda t: (-t[0], t[1]))
     return [w for _, _, w in keyed]
+
+
+def knows_lora(workers: Sequence[WorkerView], req: RouteRequest) -> list[WorkerView]:
+    """Filter: for an adapter's request, the workers that can serve it without a path (their
+    ``lora_known``); a worker not polled yet reports none, so it stays a last resort."""
+    if req.lora is None:
+        return list(workers)
+    return [w for w in workers if req.lora in w.stats.lora_known]
 
 
 def fits_kv(workers: Sequence[WorkerView], req: RouteRequest) -> list[WorkerView]:

@@ -38,6 +38,7 @@ import aiohttp
 from pdserve.protocol.contract import (
     GenerateRequest,
     KVHandle,
+    LoraRef,
     PrefillReply,
     PrefillRequest,
     TokenDelta,
@@ -95,6 +96,7 @@ class RequestState:
     recorded: bool = False
     cache_salt: str | None = None  # enters the block hashes on every worker (hashing.py)
     prompt_logprobs: list[Any] | None = None  # the first that came (router/api/echo.py)
+    lora: LoraRef | None = None  # the adapter both workers run it under (None: base model)
 
     @property
     def finished(self) -> bool:
@@ -122,11 +124,17 @@ class Dispatcher:
         self._watches: set[worker_client.StreamWatch] = set()  # worker calls open now
         discovery.after_refresh.append(self.cut_stalled)
 
-    def plan(self, ids: list[int], snap: Snapshot, cache_salt: str | None = None) -> RoutePlan:
+    def plan(
+        self, ids: list[int], snap: Snapshot, cache_salt: str | None = None,
+        lora: LoraRef | None = None,
+    ) -> RoutePlan:  # fmt: skip
         prefix = self.cfg.uses_prefix
-        hashes = block_hashes(ids, snap.block_size, salt_root(cache_salt)) if prefix else []
+        # The adapter's hash seeds the chain as on the workers: their KV events match these.
+        root = salt_root(cache_salt, lora.hash if lora is not None else None)
+        hashes = block_hashes(ids, snap.block_size, root) if prefix else []
         req = RouteRequest(len(ids), tuple(hashes), snap.block_size, self.index.match(hashes),
-                           self.index.held() if prefix else {})  # fmt: skip
+                           self.index.held() if prefix else {},
+                           lora.name if lora is not None else None)  # fmt: skip
         try:
             plan = plan_route(snap, req, self.cfg, self.rng, self._rr)
         except NoWorkerAvailable as exc:
@@ -189,7 +197,7 @@ class Dispatcher:
         return Delta(text, n, finish, ids, tuple(logprobs) if logprobs is not None else None)
 
     async def _prefill(self, rs: RequestState, plan: RoutePlan) -> PrefillReply | None:
-        req = PrefillRequest(rs.request_id, rs.prompt_ids, rs.sampling, rs.cache_salt)
+        req = PrefillRequest(rs.request_id, rs.prompt_ids, rs.sampling, rs.cache_salt, rs.lora)
         for worker in plan.prefill[:MAX_ATTEMPTS]:
             url, n = worker.url, len(rs.prompt_ids)
             rs.touched.add(url)
@@ -215,8 +223,9 @@ class Dispatcher:
         self, rs: RequestState, plan: RoutePlan, handle: KVHandle | None, first: int | None
     ) -> AsyncIterator[Delta]:
         req = GenerateRequest(
-            rs.request_id, rs.prompt_ids, _after_prompt(rs), handle, first, rs.cache_salt
-        )
+            rs.request_id, rs.prompt_ids, _after_prompt(rs), handle, first, rs.cache_salt,
+            lora=rs.lora,
+        )  # fmt: skip
         relayed = False  # a decode token reached the client: from now on, migrate
         candidates, waits = list(plan.decode[:MAX_ATTEMPTS]), 0
         for attempt in itertools.count():
