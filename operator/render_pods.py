@@ -144,6 +144,7 @@ def router_command(spec: LLMServiceSpec) -> list[str]:
     cmd += ["--port", str(n.HTTP_PORT), "--admin-port", str(n.ADMIN_PORT)]
     cmd += ["--discovery", "kubernetes"]
     cmd += ["--service", spec.name, "--namespace", spec.namespace, "--routing", r.routing]
+    cmd += ["--procs", "auto"]  # one router process per CPU of the container's limit
     if r.api_key_secret:
         cmd += ["--api-key-file", f"{_API_KEY_DIR}/{r.api_key_key}"]
     optional = {

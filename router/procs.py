@@ -27,18 +27,21 @@ from multiprocessing.process import BaseProcess
 STOP_GRACE_S = 30.0  # a process gets this long to drain before SIGKILL
 
 
+AUTO_PROCS_UNLIMITED = 4  # 'auto' without a CPU limit (a node's whole CPU count is too many)
+
+
 def cpu_limit() -> int:
-    """The CPUs this process may use: the cgroup's quota (a pod's CPU limit) when it has
-    one, else the CPUs it is allowed to run on; at least 1."""
+    """``--procs auto``: the cgroup's CPU quota (a pod's CPU limit) when it has one, else
+    the CPUs this process may run on, at most ``AUTO_PROCS_UNLIMITED``; at least 1."""
     cpus = len(os.sched_getaffinity(0))
     try:
         with open("/sys/fs/cgroup/cpu.max") as f:
             quota, period = f.read().split()
         if quota != "max":
-            cpus = min(cpus, max(1, int(int(quota) // int(period))))
+            return max(1, min(cpus, int(quota) // int(period)))
     except (OSError, ValueError):
         pass
-    return max(1, cpus)
+    return max(1, min(cpus, AUTO_PROCS_UNLIMITED))
 
 
 def metrics_sockets(n: int) -> list[socket.socket]:
