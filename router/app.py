@@ -16,7 +16,6 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.router import metrics_merge
 from pdserve.router.api import adapters
-from pdserve.router.api import adapters
 from pdserve.router.api.errors import APIError
 from pdserve.router.api.lora_admin import add_lora_admin_routes
 from pdserve.router.api.responses_serve import serve_responses
@@ -136,6 +135,8 @@ def create_app(
         snap = rt().discovery.snapshot()
         if not snap.decode:
             return JSONResponse({"status": "no decode worker ready"}, status_code=503)
+        if not rt().discovery.synced():  # a replica started late: prefix index catching up
+            return JSONResponse({"status": "catching up on workers' KV events"}, status_code=503)
         return JSONResponse(
             {"status": "ok", "prefill": len(snap.prefill), "decode": len(snap.decode)}
         )
@@ -144,8 +145,6 @@ def create_app(
     # (router/keys.py), a tenant's does not. /health and /livez stay open for probes.
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        if not rt().discovery.synced():  # a replica started late: prefix index catching up
-            return JSONResponse({"status": "catching up on workers' KV events"}, status_code=503)
         rt().require_admin(request)
         page, ports = rt().metrics.render(), cfg.proc_metrics_ports
         server = request.scope.get("server") or ("", 0)

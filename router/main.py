@@ -95,13 +95,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle client connection stays open (longer than clients "
                         "and load balancers keep theirs: docs/router.md)")  # fmt: skip
     p.add_argument("--log-level", default="info")
+    p.add_argument("--procs", default="1",
+                   help="router processes on the port (SO_REUSEPORT), each with the full "
+                   "view; 'auto': the CPU limit (docs/router.md)")  # fmt: skip
 
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits at the edge (docs/router.md)")
-    p.add_argument("--procs", default="1",
-                   help="router processes on the port (SO_REUSEPORT), each with the full "
-                   "view; 'auto': the CPU limit (docs/router.md)")  # fmt: skip
     g.add_argument("--max-body-bytes", type=int, default=8 << 20,
                    help="largest request body; larger is a 413 (default 8 MiB)")  # fmt: skip
     g.add_argument("--max-prompt-chars", type=int, default=1 << 20,
@@ -219,6 +219,8 @@ def build_config(
 ) -> RouterConfig:
     n = max(len(proc_ports), 1)  # per-client budgets: each process enforces its share
     return RouterConfig(
+        proc_index=proc_index,
+        proc_metrics_ports=proc_ports,
         model_dir=resolve_model(args.model, weights=False),
         served_model_name=args.served_model_name,
         routing=args.routing,
@@ -230,8 +232,6 @@ def build_config(
         api_keys=api_keys(args),
         api_key_file=args.api_key_file,
         admin_api_keys=admin_keys(args),
-        proc_index=proc_index,
-        proc_metrics_ports=proc_ports,
         admin_api_key_file=args.admin_api_key_file,
         admin_port=args.admin_port,
         body_timeout_s=args.body_timeout,
@@ -270,18 +270,6 @@ def build_source(args: argparse.Namespace) -> EndpointSource:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from pdserve.router.app import create_app
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    try:
-        cfg = build_config(args, index, ports)
-        source = build_source(args)
-        app = create_app(cfg, source)
-    except ValueError as exc:
-        raise SystemExit(f"pdserve router: {exc}") from exc
-    warn_if_open(cfg, args.host)
     n = num_procs(args)
     if n == 1:
         return serve(args, 0, [])
@@ -292,12 +280,24 @@ def run(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace, index: int, metrics_socks: list[socket.socket]) -> int:
     """One router process: process ``index`` of ``len(metrics_socks)`` (none: the only one)."""
+    import uvicorn
+
+    from pdserve.router.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    ports = tuple(int(s.getsockname()[1]) for s in metrics_socks)
+    try:
+        cfg = build_config(args, index, ports)
+        source = build_source(args)
+        app = create_app(cfg, source)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve router: {exc}") from exc
+    warn_if_open(cfg, args.host)
     if args.keep_alive_timeout < 1:
         raise SystemExit("pdserve router: --keep-alive-timeout must be at least 1 second")
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
                             timeout_keep_alive=args.keep_alive_timeout)  # fmt: skip
     # One server on both ports: the app tells the admin port by the request's local port.
-    ports = tuple(int(s.getsockname()[1]) for s in metrics_socks)
     public = (args.port, args.admin_port) if args.admin_port else (args.port,)
     socks = [_bind(args.host, p, reuse_port=bool(metrics_socks)) for p in public]
     if metrics_socks:  # its own loopback metrics port; the siblings' are theirs
@@ -313,11 +313,11 @@ def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:  # several processes on one port: the kernel spreads the connections
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
         raise SystemExit(f"pdserve router: cannot listen on {host}:{port}: {exc}") from exc
     sock.set_inheritable(True)
     return sock
-    if reuse_port:  # several processes on one port: the kernel spreads the connections
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
