@@ -21,6 +21,7 @@ from pdserve.router.config import (
 )
 from pdserve.router.discovery.workers import EndpointSource, StaticSource
 from pdserve.router.keys import read_key_file
+from pdserve.router.picker.cli import add_picker_arguments, run_picker
 
 API_KEY_ENV = env.API_KEY
 ADMIN_KEY_ENV = "PDSERVE_ADMIN_API_KEY"
@@ -95,6 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle client connection stays open (longer than clients "
                         "and load balancers keep theirs: docs/router.md)")  # fmt: skip
     p.add_argument("--log-level", default="info")
+    add_picker_arguments(p)
     p.add_argument("--procs", default="1",
                    help="router processes on the port (SO_REUSEPORT), each with the full "
                    "view; 'auto': the CPU limit (docs/router.md)")  # fmt: skip
@@ -251,6 +253,7 @@ def build_config(
         rate_limit_rpm=share(args.rate_limit_rpm, n),
         rate_limit_tpm=share(args.rate_limit_tpm, n),
         cache_isolation=args.cache_isolation,
+        prefill_from_header=args.prefill_from_header,
         loras=tuple(args.lora),
     )
 
@@ -270,6 +273,8 @@ def build_source(args: argparse.Namespace) -> EndpointSource:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mode == "endpoint-picker":  # an ext_proc service for a gateway, no HTTP API
+        return run_picker(args)
     n = num_procs(args)
     if n == 1:
         return serve(args, 0, [])

@@ -1,0 +1,72 @@
+"""``pdserve router --mode endpoint-picker``: the router's flags, served as ext_proc.
+
+The router's own flags keep their meaning (model, discovery, scorers, the
+disaggregation threshold, keys, limits); the picker adds where it listens and what
+it names: ``--grpc-port``, ``--fallbacks`` and ``--target-port``. A decode pod's front
+is the built-in mode with ``--prefill-from-header`` (docs/router.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Callable
+
+from pdserve.router.picker.prefill_header import endpoint_of
+from pdserve.router.scheduling.snapshot import WorkerView
+
+MODES = ("router", "endpoint-picker")
+DEFAULT_GRPC_PORT = 9002  # the extension's usual port for the picker's ext_proc service
+
+
+def add_picker_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("endpoint picker (Gateway API Inference Extension, docs/router.md)")
+    g.add_argument("--mode", choices=MODES, default="router",
+                   help="router: the OpenAI router; endpoint-picker: an Envoy ext_proc "
+                   "service picking the decode pod (and prefill worker) for a gateway")  # fmt: skip
+    g.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT,
+                   help="the picker's ext_proc and gRPC health port")  # fmt: skip
+    g.add_argument("--fallbacks", type=int, default=2,
+                   help="endpoints named after the primary, which the gateway's retries "
+                   "walk in order")  # fmt: skip
+    g.add_argument("--target-port", type=int, default=0,
+                   help="the port the gateway dials on a picked decode pod (the InferencePool's "
+                   "targetPort: its front); 0: the decode worker's own port")  # fmt: skip
+    g.add_argument("--prefill-from-header", action="store_true",
+                   help="a decode pod's front: prefill on the worker the picker named in its "
+                   "signed x-prefiller-host-port header, else locally")  # fmt: skip
+
+
+def target_of(port: int) -> Callable[[WorkerView], str] | None:
+    """The endpoint the gateway dials for a decode worker: its host, ``port``."""
+    if not port:
+        return None
+
+    def target(w: WorkerView) -> str:
+        host = endpoint_of(w.url).rsplit(":", 1)[0]
+        return f"{host}:{port}"
+
+    return target
+
+
+def run_picker(args: argparse.Namespace) -> int:
+    from pdserve.router.main import build_config, build_source
+    from pdserve.router.picker.service import PickerService, serve_forever
+    from pdserve.router.tokenizer import PromptTokenizer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if args.fallbacks < 0 or not 0 <= args.target_port < 65536:
+        raise SystemExit("pdserve router: --fallbacks must be >= 0 and --target-port a port")
+    try:
+        cfg = build_config(args)
+        source = build_source(args)
+        service = PickerService(cfg, source, PromptTokenizer(cfg.model_dir), args.fallbacks,
+                                target_of(args.target_port))  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"pdserve router: {exc}") from exc
+    try:
+        asyncio.run(serve_forever(service, args.host, args.grpc_port))
+    except OSError as exc:
+        raise SystemExit(f"pdserve router: {exc}") from exc
+    return 0
