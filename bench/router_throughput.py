@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--paths", default="direct,pd", help="comma list of: direct, pd")
     p.add_argument("--text", action="store_true", help="also run text prompts (tokenized)")
     p.add_argument("--profile", default="", help="write the router's cProfile stats here")
+    p.add_argument("--procs", type=int, default=1, help="router processes (pdserve router --procs)")
     p.add_argument("--router-tree", default=str(ROOT),
                    help="run the router from this checkout (a before/after comparison: "
                    "`git archive REF | tar -x -C DIR`)")  # fmt: skip
@@ -94,9 +95,12 @@ async def serve_fakes() -> None:
 
 
 def cpu_seconds(pid: int) -> float:
+    """CPU of the router: the process and, with --procs, its router processes."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    own = (int(fields[11]) + int(fields[12])) / TICK
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return own + sum(cpu_seconds(int(c)) for c in f.read().split())
 
 
 @contextlib.contextmanager
@@ -130,7 +134,7 @@ def router_cmd(args: argparse.Namespace, model: str, urls: dict[str, str], port:
     return [*head, "router", "--model", model,
             "--served-model-name", "tiny", "--port", str(port), "--log-level", "warning",
             "--prefill", urls["prefill"], "--decode", urls["decode"],
-            "--disagg-threshold", str(threshold)]  # fmt: skip
+            "--disagg-threshold", str(threshold), "--procs", str(args.procs)]  # fmt: skip
 
 
 async def wait_ready(http: aiohttp.ClientSession, url: str, timeout: float = 60.0) -> None:
@@ -252,7 +256,7 @@ async def phase(args: argparse.Namespace, http: aiohttp.ClientSession, url: str,
         os.kill(pid, signal.SIGUSR2)
         await asyncio.sleep(1.0)  # the dump
     return {"prompt": "text" if text else "ids", "requests": len(bodies), "errors": errors,
-            "rps": round(len(bodies) / wall, 1),
+            "procs": args.procs, "rps": round(len(bodies) / wall, 1),
             "router_cpu_us_per_req": round(1e6 * cpu / len(bodies), 1)}  # fmt: skip
 
 
