@@ -61,12 +61,17 @@ def run_picker(args: argparse.Namespace) -> int:
     try:
         cfg = build_config(args)
         source = build_source(args)
-        service = PickerService(cfg, source, PromptTokenizer(cfg.model_dir), args.fallbacks,
-                                target_of(args.target_port))  # fmt: skip
+        tokenizer = PromptTokenizer(cfg.model_dir)
     except ValueError as exc:
         raise SystemExit(f"pdserve router: {exc}") from exc
+
+    async def main() -> None:  # the runtime's HTTP session needs the running loop
+        service = PickerService(cfg, source, tokenizer, args.fallbacks,
+                                target_of(args.target_port))  # fmt: skip
+        await serve_forever(service, args.host, args.grpc_port)
+
     try:
-        asyncio.run(serve_forever(service, args.host, args.grpc_port))
+        asyncio.run(main())
     except OSError as exc:
         raise SystemExit(f"pdserve router: {exc}") from exc
     return 0
