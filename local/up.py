@@ -22,6 +22,7 @@ from pdserve.engine.model_source import TINY, needs_resolving, resolve_model
 from pdserve.local.planner_loop import add_autoscale_arguments, config_from_args
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
 from pdserve.local.supervise import Supervisor
+from pdserve.router.api.adapters import parse_lora
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 
 
@@ -47,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--enforce-eager", action="store_true",
                    help="workers run the eager forward (no torch.compile at start-up)")  # fmt: skip
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="a PEFT LoRA adapter directory served as model NAME (repeatable): "
+                   "every worker and the router get it (docs/lora.md)")  # fmt: skip
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra engine argument for every worker (repeatable)")  # fmt: skip
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
@@ -73,12 +77,26 @@ def ensure_model(model: str, dtype: str = "auto") -> str:
         raise SystemExit(f"pdserve up: {exc}") from None
 
 
+def lora_args(args: argparse.Namespace) -> list[str]:
+    """``--lora NAME=PATH`` for a worker or the router, each PATH absolute (checked)."""
+    out = []
+    for value in getattr(args, "lora", None) or ():
+        try:
+            name, path = parse_lora(value)
+        except ValueError as exc:
+            raise SystemExit(f"pdserve up: {exc}") from None
+        if not Path(path).is_dir():
+            raise SystemExit(f"pdserve up: --lora {value}: {path!r} is not a directory")
+        out += ["--lora", f"{name}={Path(path).resolve()}"]
+    return out
+
+
 def worker_args(args: argparse.Namespace) -> tuple[str, ...]:
-    return tuple(["--enforce-eager"] * args.enforce_eager + args.worker_arg)
+    return tuple(["--enforce-eager"] * args.enforce_eager + lora_args(args) + args.worker_arg)
 
 
 def router_args(args: argparse.Namespace) -> list[str]:
-    out = ["--routing", args.routing]
+    out = ["--routing", args.routing, *lora_args(args)]
     if args.disagg_threshold is not None:
         out += ["--disagg-threshold", str(args.disagg_threshold)]
     if args.api_key:  # one local user: the key also opens /workers and /metrics
@@ -91,6 +109,7 @@ def router_args(args: argparse.Namespace) -> list[str]:
 def _validate(args: argparse.Namespace) -> None:
     if args.prefill < 0 or args.decode < 1:
         raise SystemExit("pdserve up: need --decode >= 1 and --prefill >= 0")
+    lora_args(args)  # a bad --lora stops here, before any process starts
     if args.autoscale:
         try:
             config_from_args(args)
@@ -131,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
         cluster.wait_healthy(args.startup_timeout, on_ready=_progress(len(cluster.procs)))
         cluster.wait_routed(router, api_key=args.api_key)
         print_ready(router, spec, args.api_key)
+        if args.lora:
+            names = [parse_lora(v)[0] for v in args.lora]
+            print(f"LoRA adapters, served as models: {', '.join(names)}", flush=True)
         if args.autoscale:
             from pdserve.local.autoscale import run_autoscaled
 
