@@ -147,7 +147,10 @@ class LoraRegistry:
             if path is None:
                 raise InvalidParameter(LORA_MISMATCH, f"LoRA adapter {ref.name!r} is not "
                                        "loaded on this worker")  # fmt: skip
-            adapter = self._read(ref.name, path)  # dropped by the host LRU: read again
+            # Dropped by the host LRU: still in a slot (load() clears a replaced name's
+            # slots, so one there is current), else read again.
+            adapter = next((s for s in self.slots if s is not None and s.spec.name == ref.name),
+                           None) or self._read(ref.name, path)  # fmt: skip
             self._keep(adapter)
         self.host.move_to_end(ref.name)
         if ref.hash is not None and ref.hash != adapter.spec.hash:

@@ -186,3 +186,27 @@ def test_unload_keeps_running_requests_on_their_weights(
     with pytest.raises(InvalidParameter):
         engine.add_request("after", PROMPTS[0], _params(), lora=LoraRef("mlp4"))
     assert_all_free(engine)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compiled_engine_goes_eager_when_an_adapter_loads(
+    make_engine: Callable[..., LLMEngine],
+    adapters: dict[str, Path],
+    oracle: dict[str | None, list[list[int]]],
+) -> None:
+    """A worker compiled at start (no --lora) serves the base model compiled; the first
+    adapter to run wraps its layers around the compiled path's packed linears and the
+    runner goes eager: every request still gets the oracle's tokens."""
+    engine = make_engine(compile=True, lora=LoraConfig(max_lora_rank=16))
+    assert engine.runner.compiled
+    assert _run(engine, [(None, PROMPTS[0])]) == [oracle[None][0]]
+    assert engine.runner.compiled  # adapters only loaded: nothing wrapped yet
+    loras = engine.runner.loras
+    assert loras is not None
+    for name, path in adapters.items():
+        loras.load(name, str(path))
+    jobs = [(name, PROMPTS[0]) for name in NAMES]
+    assert _run(engine, jobs) == [oracle[name][0] for name in NAMES]
+    assert not engine.runner.compiled and engine.runner.graphs is None
+    assert_all_free(engine)
