@@ -18,7 +18,6 @@ from pdserve.worker.http import BadRequest
 
 MAX_BODY_BYTES = 64 << 10
 MAX_PATH_CHARS = 4096
-LORA_MISMATCH = "lora_mismatch"  # the code of a request refused for its adapter (field lora)
 
 
 async def _body(request: Request, fields: tuple[str, ...]) -> dict[str, str]:
