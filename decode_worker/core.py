@@ -3,45 +3,42 @@ and the KV connector that pulls prompts' blocks from prefill workers into its po
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Any
 
 from pdserve.decode_worker.metered import MeteredConnector
-from pdserve.engine.config import engine_config_from_args
 from pdserve.engine.core_loop import Hook, Query
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora_registry import lora_queries
 from pdserve.prefill_worker.events import KVEventPublisher
 from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord
-from pdserve.worker.http import advertise_host, worker_id
+from pdserve.worker.core_config import CoreConfig
 from pdserve.worker.metrics import CoreMetrics
 
 ROLE = "decode"
 
 
 class DecodeCore:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, config: CoreConfig) -> None:
         self.engine = e = LLMEngine(
-            engine_config_from_args(args),
-            recompute_on_load_failure=args.on_transfer_failure == "recompute",
+            config.engine_config(), recompute_on_load_failure=config.recompute_on_load_failure
         )
         self.metrics = CoreMetrics(ROLE)
         remote = RemoteKVConnector(
             e.kv.tensor,
             CompatRecord.for_pool(e.kv.tensor, e.model_id),
-            transport=args.kv_transport,
-            transfer_timeout=args.transfer_timeout,
+            transport=config.kv_transport,
+            transfer_timeout=config.transfer_timeout,
         )
         self.connector = MeteredConnector(remote, self.metrics, remote.transport_name)
         e.attach_connector(self.connector)
         # Load reports for every router replica (no KV events: its cache is not routed to).
-        port = getattr(args, "kv_events_port", None) or args.port + 1
+        port = config.events_port
         self.events = KVEventPublisher(
-            f"tcp://{args.host}:{port}", worker_id(args, ROLE), e, kv_events=False
+            f"tcp://{config.host}:{port}", config.worker_id, e, kv_events=False
         )
-        self.events_address = f"tcp://{advertise_host(args)}:{port}"
+        self.events_address = f"tcp://{config.advertise_host}:{port}"
         self.hooks: list[Hook] = [self.events.hook]
         self.queries: dict[str, Query] = {
             "known": lambda rid: rid in e.requests or rid in e.held,

@@ -27,6 +27,7 @@ from pdserve.worker.direct import DirectApp, LineStream
 from pdserve.worker.http import (
     add_common_routes,
     add_worker_arguments,
+    core_config,
     known_error,
     read_message,
     worker_id,
@@ -43,7 +44,7 @@ class DecodeWorker:
         self.args = args
         self.worker_id = worker_id(args, ROLE)
         # The engine and its KV connector run in a child process (decode_worker/core.py).
-        self.engine = EngineClient(ROLE, args)
+        self.engine = EngineClient(core_config(ROLE, args))
         self.metrics = WorkerMetrics(self.engine, ROLE)
 
     def identity(self) -> dict[str, Any]:

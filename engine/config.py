@@ -8,7 +8,7 @@ builds the config, and only the engine process, which asks for ``torch_device`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve import env
 from pdserve.engine.lora_files import LoraConfig, parse_lora_flag
@@ -110,14 +110,15 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
                    "(also PDSERVE_ENFORCE_EAGER=1)")  # fmt: skip
 
 
-def engine_config_from_args(args) -> EngineConfig:  # type: ignore[no-untyped-def]
+def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
     """The config of an engine process; a GGUF ``--model`` becomes its converted directory
-    (engine/model_source.py), in the dtype this engine will run in."""
+    (engine/model_source.py), in the dtype this engine will run in. ``resolve=False``
+    keeps ``--model`` as given (a worker's front end: its core resolves it)."""
     from pdserve.engine.model_source import resolve_model  # it imports this module
 
     loras = tuple(parse_lora_flag(v) for v in getattr(args, "lora", None) or ())
     return EngineConfig(
-        model=resolve_model(args.model, args.dtype, args.device),
+        model=resolve_model(args.model, args.dtype, args.device) if resolve else args.model,
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,

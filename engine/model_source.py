@@ -19,6 +19,7 @@ Converted and written models live in the cache (``PDSERVE_CACHE``, default
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 
 from pdserve import env
@@ -67,6 +68,11 @@ def resolve_model(
     if dtype == "auto":  # the engine's choice for the device (torch says if CUDA is there)
         dtype = EngineConfig(model=str(path), dtype=dtype, device=device).dtype_name
     return str(gguf_model.convert(path, dtype, root))
+
+
+def resolved(config: EngineConfig) -> EngineConfig:
+    """``config`` with its model resolved (``resolve_model``, in its dtype and device)."""
+    return replace(config, model=resolve_model(config.model, config.dtype, config.device))
 
 
 def _any_converted(root: Path, path: Path) -> Path | None:

@@ -4,40 +4,38 @@ publisher the router's prefix index follows."""
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 from pdserve.decode_worker.core import engine_info
-from pdserve.engine.config import engine_config_from_args
 from pdserve.engine.core_loop import Hook, Query
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora_registry import lora_queries
 from pdserve.prefill_worker.events import KVEventPublisher
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.server import KVServer
-from pdserve.worker.http import advertise_host, worker_id
+from pdserve.worker.core_config import CoreConfig
 from pdserve.worker.metrics import CoreMetrics
 
 ROLE = "prefill"
 
 
 class PrefillCore:
-    def __init__(self, args: argparse.Namespace) -> None:
-        host = advertise_host(args)
-        self.engine = e = LLMEngine(engine_config_from_args(args))
+    def __init__(self, config: CoreConfig) -> None:
+        host = config.advertise_host
+        self.engine = e = LLMEngine(config.engine_config())
         e.kv.record_events()
         self.metrics = CoreMetrics(ROLE)
-        events_port = args.kv_events_port or args.port + 1
-        self.events = KVEventPublisher(f"tcp://{args.host}:{events_port}", worker_id(args, ROLE), e)
+        events_port = config.events_port
+        self.events = KVEventPublisher(f"tcp://{config.host}:{events_port}", config.worker_id, e)
         self.events_address = f"tcp://{host}:{events_port}"
         self.kv = KVServer(
             e.kv.tensor,
             CompatRecord.for_pool(e.kv.tensor, e.model_id),
-            transport=args.kv_transport,
-            host=args.host,
-            port=args.side_channel_port or args.port + 2,
+            transport=config.kv_transport,
+            host=config.host,
+            port=config.side_channel,
             advertise_host=host,
-            lease_seconds=args.lease_seconds,
+            lease_seconds=config.lease_seconds,
             on_expired=lambda _: self.metrics.lease_expired.labels(ROLE).inc(),
         )
         e.attach_holder(self.kv)

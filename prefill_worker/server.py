@@ -23,6 +23,7 @@ from pdserve.worker.core_client import EngineClient
 from pdserve.worker.http import (
     BadRequest,
     add_common_routes,
+    core_config,
     read_message,
     reply,
     worker_id,
@@ -40,7 +41,7 @@ class PrefillWorker:
         self.worker_id = worker_id(args, ROLE)
         # The engine, the KV lease server and the KV event publisher run in a child
         # process (prefill_worker/core.py).
-        self.engine = EngineClient(ROLE, args)
+        self.engine = EngineClient(core_config(ROLE, args))
         self.metrics = WorkerMetrics(self.engine, ROLE)
 
     def identity(self) -> dict[str, Any]:

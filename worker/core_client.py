@@ -28,7 +28,6 @@ kernel kills the core (``PR_SET_PDEATHSIG``, set by core_main).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import itertools
@@ -50,16 +49,16 @@ from pdserve.protocol.contract import EngineStats
 from pdserve.protocol.outputs import EngineDeadError, RequestFailed, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 from pdserve.protocol.streams import follow, hand_over, put_all
+from pdserve.worker.core_config import CoreConfig
 
 logger = logging.getLogger(__name__)
 POLL_MS = 200  # how often the receiver checks that the core still runs
-DEFAULT_STALL_S = 30.0  # a core silent this long is hung (it sends a heartbeat every second)
 HUNG_KILL_FACTOR = 4  # silent this many stall timeouts: killed, so the worker restarts
 Item = RequestOutput | Exception
 
 
 class EngineClient:
-    def __init__(self, role: str, args: argparse.Namespace) -> None:
+    def __init__(self, config: CoreConfig) -> None:
         self._dir = tempfile.mkdtemp(prefix="pdserve-core-")  # 0700: this user only
         self._ctx = zmq.Context()
         self._commands = self._socket(zmq.PUSH, "commands")
@@ -68,10 +67,10 @@ class EngineClient:
         argv = [sys.executable, "-m", "pdserve.worker.core_main", self._addr("commands"),
                 self._addr("results")]  # fmt: skip
         self.proc = subprocess.Popen(argv)
-        self._send(("init", role, args))
+        self._send(("init", config))  # a frozen dataclass: pickled as it is
         self.info: dict[str, Any] = self._await_ready()
         self._stats = EngineStats()
-        self.stall_s = float(getattr(args, "core_stall_timeout", DEFAULT_STALL_S))
+        self.stall_s = config.core_stall_timeout
         self._heard = time.monotonic()  # the last message from the core (the rx thread)
         self._dead: str | None = None
         self.crashed: str | None = None  # why the core died, if it did on its own

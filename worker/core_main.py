@@ -1,11 +1,12 @@
 """The engine core's process: ``python -m pdserve.worker.core_main COMMANDS RESULTS``.
 
 Started by :class:`~pdserve.worker.core_client.EngineClient`, never by hand. It
-connects to the front end's two sockets, reads ``("init", role, args)``, builds the
-role's core (the engine and what touches its KV pool: decode_worker/core.py,
-prefill_worker/core.py), answers ``("ready", info)`` (or ``("failed", traceback)``) and
-runs :class:`~pdserve.engine.core_loop.CoreLoop` until told to stop. It dies with its
-front end (``PR_SET_PDEATHSIG``): an orphaned core would hold its ports and memory.
+connects to the front end's two sockets, reads ``("init", config)`` (a
+:class:`~pdserve.worker.core_config.CoreConfig`), builds the role's core (the engine
+and what touches its KV pool: decode_worker/core.py, prefill_worker/core.py), answers
+``("ready", info)`` (or ``("failed", traceback)``) and runs
+:class:`~pdserve.engine.core_loop.CoreLoop` until told to stop. It dies with its front
+end (``PR_SET_PDEATHSIG``): an orphaned core would hold its ports and memory.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import zmq
 from pdserve.engine.core_loop import CoreLoop, Hook, Query
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.os_thread import name_os_thread
+from pdserve.worker.core_config import CoreConfig
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 ENGINE_NAME = "pdserve-engine"  # the core's OS thread name (benches find it by this)
@@ -41,16 +43,16 @@ class WorkerCore(Protocol):
     def close(self) -> None: ...
 
 
-def build_core(role: str, args: Any) -> WorkerCore:
-    if role == "decode":
+def build_core(config: CoreConfig) -> WorkerCore:
+    if config.role == "decode":
         from pdserve.decode_worker.core import DecodeCore
 
-        return DecodeCore(args)
-    if role == "prefill":
+        return DecodeCore(config)
+    if config.role == "prefill":
         from pdserve.prefill_worker.core import PrefillCore
 
-        return PrefillCore(args)
-    raise ValueError(f"unknown worker role {role!r}")
+        return PrefillCore(config)
+    raise ValueError(f"unknown worker role {config.role!r}")
 
 
 def die_with_parent(parent: int) -> None:
@@ -76,12 +78,11 @@ def main(argv: list[str]) -> int:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.connect(addr)
-    kind, role, args = pickle.loads(commands.recv())
-    assert kind == "init", kind
-    level = str(getattr(args, "log_level", "info")).upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
+    kind, config = pickle.loads(commands.recv())
+    assert kind == "init" and isinstance(config, CoreConfig), kind
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
-        core = build_core(role, args)
+        core = build_core(config)
     except BaseException:
         results.send(pickle.dumps(("failed", traceback.format_exc())))
         return 1

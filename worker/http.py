@@ -32,7 +32,8 @@ from pdserve.protocol.outputs import REQUEST_FAILED, EngineDeadError, RequestFai
 from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 from pdserve.worker.auth import CallCheck, with_proof
-from pdserve.worker.core_client import DEFAULT_STALL_S, EngineClient
+from pdserve.worker.core_client import EngineClient
+from pdserve.worker.core_config import DEFAULT_STALL_S, CoreConfig
 from pdserve.worker.metrics import WorkerMetrics
 
 T = TypeVar("T")
@@ -81,6 +82,11 @@ def advertise_host(args: argparse.Namespace) -> str:
 
 def worker_id(args: argparse.Namespace, role: str) -> str:
     return args.worker_id or f"{role}-{advertise_host(args)}-{args.port}"
+
+
+def core_config(role: str, args: argparse.Namespace) -> CoreConfig:
+    """What the worker's engine core is started with (sent to it pickled)."""
+    return CoreConfig.from_args(role, args, advertise_host(args), worker_id(args, role))
 
 
 def error_response(
