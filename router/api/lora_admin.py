@@ -6,14 +6,20 @@ and /workers. Each fans out to every healthy worker of both pools
 (router/transport/lora_fanout.py) and then updates the router's adapter table, which
 /v1/models lists and requests name as their ``model``. The path is the workers' (and,
 with ``--lora``, the router's) view of the adapter directory.
+
+A router of several processes (``--procs``): the process that took the call tells its
+siblings the new table entry on their loopback ports (``/internal/lora_table``, answered
+only there), so every process serves the adapter.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -26,6 +32,7 @@ from pdserve.router.transport import lora_fanout
 
 MAX_BODY_BYTES = 64 << 10
 MAX_PATH_CHARS = 4096
+SIBLING_TIMEOUT_S = 5.0
 
 
 def parse_body(raw: bytes, fields: tuple[str, ...]) -> dict[str, str]:
@@ -50,6 +57,34 @@ def _worker_urls(rt: Runtime) -> list[str]:
     return [w.url for w in rt.discovery.snapshot().workers if w.healthy]
 
 
+async def _tell_siblings(rt: Runtime, change: dict[str, str]) -> None:
+    """The other router processes' tables take ``change`` (each on its loopback port)."""
+    ports = [p for i, p in enumerate(rt.cfg.proc_metrics_ports) if i != rt.cfg.proc_index]
+    if not ports:
+        return
+    timeout = aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def tell(port: int) -> None:
+            url = f"http://127.0.0.1:{port}/internal/lora_table"
+            async with session.post(url, data=json.dumps(change)) as resp:
+                if resp.status != 200:
+                    raise APIError(500, f"router process on port {port} refused the "
+                                   f"adapter table change (HTTP {resp.status})")  # fmt: skip
+
+        try:
+            await asyncio.gather(*(tell(p) for p in ports))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise APIError(500, f"a router process did not take the change: {exc!r}") from exc
+
+
+def _apply(rt: Runtime, change: dict[str, str]) -> None:
+    if change.get("op") == "add":
+        rt.loras.add(adapters.Adapter(change["name"], change["hash"], change["path"]))
+    else:
+        rt.loras.remove(change["name"])
+
+
 def add_lora_admin_routes(app: FastAPI, runtime: Callable[[], Runtime]) -> None:
     lock = asyncio.Lock()  # one change at a time: a load racing an unload of one name
 
@@ -70,7 +105,9 @@ def add_lora_admin_routes(app: FastAPI, runtime: Callable[[], Runtime]) -> None:
                 raise invalid(f"LoRA adapter {name!r} is already loaded; unload it first",
                               "lora_name", "lora_exists")  # fmt: skip
             digest = await lora_fanout.load(rt.client, _worker_urls(rt), name, path)
-            rt.loras.add(adapters.Adapter(name, digest, path))
+            change = {"op": "add", "name": name, "hash": digest, "path": path}
+            _apply(rt, change)
+            await _tell_siblings(rt, change)
         return JSONResponse({"name": name, "hash": digest})
 
     @app.post("/v1/unload_lora_adapter")
@@ -83,5 +120,22 @@ def add_lora_admin_routes(app: FastAPI, runtime: Callable[[], Runtime]) -> None:
             if not known and not had:
                 raise APIError(404, f"LoRA adapter {name!r} is not loaded", "lora_name",
                                "lora_not_found")  # fmt: skip
-            rt.loras.remove(name)
+            change = {"op": "remove", "name": name}
+            _apply(rt, change)
+            await _tell_siblings(rt, change)
         return JSONResponse({"name": name})
+
+    @app.post("/internal/lora_table", include_in_schema=False)
+    async def sibling_change(request: Request) -> JSONResponse:
+        rt = runtime()
+        server = request.scope.get("server") or ("", 0)
+        if server[1] not in rt.cfg.proc_metrics_ports:  # only a sibling, on loopback
+            raise APIError(404, "not found")
+        change = edge.parse_json(await edge.read_body(request, MAX_BODY_BYTES))
+        if not isinstance(change, dict) or not valid_lora_name(change.get("name")):
+            raise invalid("a table change needs a name", "name")
+        try:
+            _apply(rt, change)
+        except (KeyError, ValueError) as exc:
+            raise invalid(f"bad table change: {exc}") from exc
+        return JSONResponse({"name": change["name"]})

@@ -6,17 +6,23 @@ adapter's prompts as the workers do (hashing.salt_root's ``extra_key``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 from pdserve.engine.lora_files import adapter_hash
 from pdserve.protocol.contract import GenerateRequest, LoraRef, PrefillRequest
 from pdserve.protocol.hashing import block_hashes, salt_root
 from pdserve.router.api.adapters import declared, parse_lora
+from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
+from pdserve.router.discovery.workers import StaticSource
+from tests.loopback import free_port
 from tests.router.lora_fakes import lora_cluster, write_adapter
 
 LONG = "the quick brown fox jumps over the lazy dog " * 12  # > the disagg threshold
@@ -56,7 +62,7 @@ async def test_adapter_request_carries_lora_to_both_workers(
 ) -> None:
     sql, chat = write_adapter(tmp_path, "sql", 1), write_adapter(tmp_path, "chat", 2)
     loras = (("sql", str(sql)), ("chat", str(chat)))
-    kw = {"loras": loras, "disagg_threshold": 8}
+    kw: dict[str, Any] = {"loras": loras, "disagg_threshold": 8}
     async with lora_cluster(router_tokenizer, tiny_model_dir, **kw) as (c, _), \
             httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
         models = (await h.get("/v1/models")).json()["data"]
@@ -110,7 +116,7 @@ async def test_admin_load_and_unload_fan_out(
     router_tokenizer, tiny_model_dir, tmp_path: Path
 ) -> None:
     sql = write_adapter(tmp_path, "sql", 3)
-    kw = {**KEYS, "disagg_threshold": 8}
+    kw: dict[str, Any] = {**KEYS, "disagg_threshold": 8}
     async with lora_cluster(router_tokenizer, tiny_model_dir, n_decode=2, **kw) as (c, fakes), \
             httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
         load = {"lora_name": "sql", "lora_path": str(sql)}
@@ -190,3 +196,52 @@ def test_lora_scorers_are_on_by_default() -> None:
     cfg = RouterConfig(model_dir="/m")
     assert ("lora-affinity", 1.0) in [(s.name, s.weight) for s in cfg.prefill_scorers]
     assert ("lora-affinity", 0.5) in [(s.name, s.weight) for s in cfg.decode_scorers]
+
+
+async def test_admin_change_reaches_every_router_process(
+    router_tokenizer, tiny_model_dir, tmp_path: Path
+) -> None:
+    """``--procs 2``: a load taken by one process is in the other's table (told on its
+    loopback port), and so is the unload; the sibling route answers nowhere else."""
+    sql = write_adapter(tmp_path, "sql", 6)
+    async with lora_cluster(router_tokenizer, tiny_model_dir) as (c, _):
+        ports = (free_port(), free_port())
+        async with contextlib.AsyncExitStack() as stack:
+            urls = []
+            for i, port in enumerate(ports):
+                cfg = RouterConfig(model_dir=str(tiny_model_dir), served_model_name="tiny",
+                                   health_interval_s=0.2, proc_index=i,
+                                   proc_metrics_ports=ports)  # fmt: skip
+                app = create_app(cfg, StaticSource(c.prefill_urls, c.decode_urls),
+                                 router_tokenizer)  # fmt: skip
+                urls.append(await stack.enter_async_context(_serve_on(app, port)))
+            async with httpx.AsyncClient() as h:
+                load = {"lora_name": "sql", "lora_path": str(sql)}
+                r = await h.post(urls[0] + "/v1/load_lora_adapter", json=load)
+                assert r.status_code == 200, r.text
+                for url in urls:
+                    ids = [m["id"] for m in (await h.get(url + "/v1/models")).json()["data"]]
+                    assert ids == ["tiny", "sql"]
+                r = await h.post(urls[1] + "/v1/unload_lora_adapter", json={"lora_name": "sql"})
+                assert r.status_code == 200, r.text
+                for url in urls:
+                    ids = [m["id"] for m in (await h.get(url + "/v1/models")).json()["data"]]
+                    assert ids == ["tiny"]
+                change = {"op": "add", "name": "x", "hash": "0" * 32, "path": "/x"}
+                r = await h.post(c.url + "/internal/lora_table", json=change)
+                assert r.status_code == 404  # the public port: no sibling there
+        await c.settle()
+
+
+@contextlib.asynccontextmanager
+async def _serve_on(app: Any, port: int) -> AsyncIterator[str]:
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not task.done(), "server failed to start"
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
