@@ -64,13 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run the router from this checkout (a before/after comparison: "
                    "`git archive REF | tar -x -C DIR`)")  # fmt: skip
     p.add_argument("--fakes", action="store_true", help=argparse.SUPPRESS)  # the child
+    p.add_argument("--token-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # its decode
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.latency_requests, args.text = 200, 60, True
     return args
 
 
-async def serve_fakes() -> None:
+async def serve_fakes(token_delay_s: float = 0.0) -> None:
     """The child: one fake prefill (with KV events) and one fake decode worker."""
     import httpx
     import zmq
@@ -84,6 +85,7 @@ async def serve_fakes() -> None:
     pst, dst = FakeState("prefill", "p0"), FakeState("decode", "d0")
     pst.kv_events = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
     pst.keep_records = dst.keep_records = False  # a long run keeps no per-request record
+    dst.token_delay_s = token_delay_s
     dst.client = httpx.AsyncClient(
         auth=SignedAuth(SECRET), limits=httpx.Limits(max_connections=None)
     )
@@ -305,7 +307,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.fakes:
-        asyncio.run(serve_fakes())
+        asyncio.run(serve_fakes(args.token_delay))
         return 0
     print(json.dumps(asyncio.run(main_async(args))))
     return 0

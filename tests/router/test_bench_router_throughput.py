@@ -32,3 +32,19 @@ def test_router_throughput_quick() -> None:
         assert run["paced_rps"] == pytest.approx(run["rps"] / 2, abs=0.1)
         assert run["routed_p50_ms"] > 0 and run["direct_p50_ms"] > 0
         assert run["added_p99_ms"] is not None
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(240)
+def test_router_streams_quick() -> None:
+    """200 streams at once through one router, each 20 tokens paced 0.1 s apart by the fake
+    decode worker: every one read to its end, in time close to the pacing's own 2 s (not
+    one after another: 200 × 2 s), and the router's memory back near idle afterwards.
+    Measured here: ~40 KB per held stream at the peak, RSS after ≈ peak (allocator). The
+    bounds (2 MB per stream, 150 MB left over) fail a router that buffers whole streams or
+    keeps per-request state after the end, not one on a busy machine."""
+    result = run_bench("router_streams.py", "--quick", timeout=220)
+    assert result["streams"] == 200 and result["errors"] == 0, result
+    assert result["wall_s"] < 10 * result["paced_floor_s"], result  # concurrent, not serial
+    assert result["kb_per_stream_at_peak"] < 2048, result
+    assert result["rss_after_mb"] - result["rss_idle_mb"] < 150, result
