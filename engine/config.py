@@ -96,7 +96,7 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
                    help="memory for compiled structured-output grammars (LRU beyond)")  # fmt: skip
     g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a grammar may take to compile; a slower one is a 400")  # fmt: skip
-    g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+    g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", type=_lora_arg,
                    help="a PEFT LoRA adapter directory served as NAME (repeatable; more at "
                    "run time through /v1/load_lora_adapter); a worker with adapters runs "
                    "the eager forward")  # fmt: skip
@@ -108,6 +108,17 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     g.add_argument("--enforce-eager", action="store_true",
                    help="run the model's eager forward: no torch.compile at start-up "
                    "(also PDSERVE_ENFORCE_EAGER=1)")  # fmt: skip
+
+
+def _lora_arg(value: str) -> str:
+    """``--lora``'s check at parse time: argparse names the flag in its error."""
+    import argparse
+
+    try:
+        parse_lora_flag(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return value
 
 
 def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
