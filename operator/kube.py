@@ -33,6 +33,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("pdserve.io/v1alpha1", "LLMService"): "llmservices",
     ("kopf.dev/v1", "KopfPeering"): "kopfpeerings",  # HA: the chart creates one per namespace

@@ -17,6 +17,8 @@ from pdserve import env
 from pdserve.operator import naming as n
 from pdserve.operator.pod_policy import PodPolicy, check_service
 from pdserve.operator.render_deployments import pool_deployment, router_deployment
+from pdserve.operator.render_picker import INFERENCE_API
+from pdserve.operator.render_picker import apply as picker_mode
 from pdserve.operator.spec import LLMServiceSpec
 from pdserve.operator.spec_parse import parse_llmservice
 
@@ -274,7 +276,7 @@ def render_spec(spec: LLMServiceSpec, default_image: str = "") -> list[Manifest]
         spec = dataclasses.replace(spec, image=default_image or DEFAULT_IMAGE)
     cm = config_map(spec)
     digest = config_hash(cm["data"])
-    return [
+    children = [
         *router_rbac(spec),
         cm,
         *services(spec),
@@ -286,6 +288,7 @@ def render_spec(spec: LLMServiceSpec, default_image: str = "") -> list[Manifest]
         pool_deployment(spec, spec.decode, digest),
         router_deployment(spec, digest),
     ]
+    return picker_mode(spec, children)  # router.mode endpointPicker: InferencePool and picker
 
 
 def render(
@@ -307,6 +310,7 @@ def optional_children(name: str) -> list[tuple[str, str, str]]:
     return [
         ("networking.k8s.io/v1", "Ingress", name),
         (HTTP_ROUTE_API, "HTTPRoute", name),
+        (INFERENCE_API, "InferencePool", name),
         ("networking.k8s.io/v1", "NetworkPolicy", n.network_policy_name(name)),
         *(("policy/v1", "PodDisruptionBudget", n.deployment_name(name, r)) for r in n.ROLES),
     ]

@@ -109,6 +109,9 @@ class RouterSpec:
     # Gateway API: parentRefs (Gateways) and hostnames of an HTTPRoute to the router.
     http_route_parents: tuple[Mapping[str, Any], ...] = ()
     http_route_hostnames: tuple[str, ...] = ()
+    # "router" (built-in) | "endpointPicker": the router as a Gateway API Inference Extension
+    # endpoint picker behind an InferencePool (operator/render_picker.py)
+    mode: str = "router"
 
 
 @dataclass(frozen=True)

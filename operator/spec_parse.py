@@ -210,7 +210,16 @@ def parse_router(r: _Reader) -> RouterSpec:
         pod_template=_pod_template(r),
         http_route_parents=r.sub("httpRoute").obj_list("parentRefs"),
         http_route_hostnames=r.sub("httpRoute").str_list("hostnames"),
+        mode=_router_mode(r, ingress),
     )
+
+
+def _router_mode(r: _Reader, ingress: IngressSpec | None) -> str:
+    mode = r.choice("mode", ("router", "endpointPicker"), "router")
+    if mode == "endpointPicker" and ingress is not None:  # the gateway is the way in
+        msg = "is for mode router; with endpointPicker a Gateway's HTTPRoute (router.httpRoute)"
+        raise SpecError(f"{r.path}.ingress", msg + " leads to the InferencePool")
+    return mode
 
 
 def _pod_template(r: _Reader) -> Mapping[str, Any]:
@@ -304,6 +313,11 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
         **parse_small_sections(r),
     )
     check_autoscaling(svc)
+    if svc.router.mode == "endpointPicker" and svc.autoscaling.enabled:
+        # The planner reads the router's metrics; the picker serves none (the decode pods'
+        # fronts do): refused rather than scaling on nothing.
+        raise SpecError("spec.autoscaling.enabled", "is not supported with router.mode "
+                        "endpointPicker yet (docs/router.md)")  # fmt: skip
     return svc
 
 

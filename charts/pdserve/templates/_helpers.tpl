@@ -90,6 +90,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [gateway.networking.k8s.io]
   resources: [httproutes]
   verbs: [get, create, patch, delete]
+# router.mode endpointPicker: an InferencePool (Gateway API Inference Extension); the same.
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, create, patch, delete]
 # Secrets: get (preflight of referenced ones; the per-service secret) and create (that one
 # secret). Never list or watch: the operator must not read every Secret it is not told of.
 - apiGroups: [""]

@@ -1,0 +1,170 @@
+"""``spec.router.mode: endpointPicker``: the router as a Gateway API Inference Extension
+endpoint picker behind an ``InferencePool``. A pure function over the rendered children.
+
+    Gateway ──HTTPRoute──▶ InferencePool (decode pods, targetPort: the front)
+        │  ext_proc (gRPC)        │ endpointPickerRef
+        ▼                         ▼
+    <name>-router Service:9002 ── the router Deployment, run as the picker
+        picks the decode pod (x-gateway-destination-endpoint) and the prefill worker
+        (a signed x-prefiller-host-port)
+    decode pod: front :8084 (pdserve router --prefill-from-header over the pod's own
+        decode worker) ──▶ prefill on the named worker, KV pulled as usual
+
+What changes against the built-in router mode: the router Deployment's command
+(``--mode endpoint-picker``), its port and probes (gRPC on ``grpc``), the router
+Service (the gRPC port, ``appProtocol: kubernetes.io/h2c``), a ``front`` container in
+each decode pod, the HTTPRoute's backend (the InferencePool), the NetworkPolicy (the
+front's port open to the gateway) and the InferencePool itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.operator import naming as n
+from pdserve.operator import render_pods as p
+from pdserve.operator.spec import LLMServiceSpec
+
+Manifest = dict[str, Any]
+MODE = "endpointPicker"
+INFERENCE_API = "inference.networking.k8s.io/v1"
+GRPC_PORT = 9002  # the picker's ext_proc + gRPC health (the extension's usual port)
+FRONT_PORT = 8084  # a decode pod's front: the InferencePool's targetPort
+_FRONT_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
+
+
+def apply(spec: LLMServiceSpec, children: list[Manifest]) -> list[Manifest]:
+    """The children of picker mode (the list unchanged in router mode)."""
+    if spec.router.mode != MODE:
+        return children
+    edits: dict[tuple[str, str], Callable[[LLMServiceSpec, Manifest], Manifest]] = {
+        ("Deployment", n.deployment_name(spec.name, "router")): _picker_deployment,
+        ("Deployment", n.deployment_name(spec.name, "decode")): _decode_with_front,
+        ("Service", n.router_service_name(spec.name)): _picker_service,
+        ("HTTPRoute", spec.name): _route_to_pool,
+        ("NetworkPolicy", n.network_policy_name(spec.name)): _front_open,
+    }
+    out = []
+    for child in children:
+        edit = edits.get((child["kind"], child["metadata"]["name"]))
+        out.append(edit(spec, copy.deepcopy(child)) if edit else child)
+    return [*out, inference_pool(spec)]
+
+
+def inference_pool(spec: LLMServiceSpec) -> Manifest:
+    meta = {"name": spec.name, "namespace": spec.namespace, "labels": n.labels(spec.name)}
+    body = {
+        "selector": {"matchLabels": n.selector(spec.name, "decode")},
+        "targetPorts": [{"number": FRONT_PORT}],
+        "endpointPickerRef": {
+            "name": n.router_service_name(spec.name),
+            "kind": "Service",
+            "port": {"number": GRPC_PORT},
+            "failureMode": "FailClose",  # no pick, no request: never an unscored pod
+        },
+    }
+    return {"apiVersion": INFERENCE_API, "kind": "InferencePool", "metadata": meta, "spec": body}
+
+
+def _grpc_probe(service: str, period: int, failures: int) -> dict[str, Any]:
+    return {"grpc": {"port": GRPC_PORT, "service": service}, "periodSeconds": period,
+            "timeoutSeconds": 5, "failureThreshold": failures}  # fmt: skip
+
+
+def _picker_deployment(spec: LLMServiceSpec, dep: Manifest) -> Manifest:
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    c["command"] = [*c["command"], "--mode", "endpoint-picker", "--grpc-port", str(GRPC_PORT),
+                    "--target-port", str(FRONT_PORT)]  # fmt: skip
+    c["ports"] = [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}]
+    c["startupProbe"] = _grpc_probe("liveness", 10, 180)
+    c["readinessProbe"] = _grpc_probe("readiness", 5, 3)
+    c["livenessProbe"] = _grpc_probe("liveness", 10, 6)
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    for key in [k for k in annotations if k.startswith("prometheus.io/")]:
+        del annotations[key]  # the picker serves no /metrics (the fronts do)
+    return dep
+
+
+def _picker_service(spec: LLMServiceSpec, svc: Manifest) -> Manifest:
+    svc["spec"]["type"] = "ClusterIP"  # only the gateway's ext_proc client calls it
+    svc["spec"]["ports"] = [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc",
+                             "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}]  # fmt: skip
+    return svc
+
+
+def front_command(spec: LLMServiceSpec) -> list[str]:
+    """The decode pod's front: the router over this pod's decode worker alone, taking the
+    prefill worker from the picker's signed header; the router's keys and limits apply."""
+    router = p.router_command(spec)
+    keep = []
+    for i, arg in enumerate(router):  # the tenant-facing flags carry over
+        if arg in ("--api-key-file", "--max-queue") and i + 1 < len(router):
+            keep += [arg, router[i + 1]]
+    cmd = ["pdserve", "router", "--model", p.model_dir(spec),
+           "--served-model-name", spec.model.served_name, "--host", "0.0.0.0",
+           "--port", str(FRONT_PORT), "--decode", f"http://127.0.0.1:{n.HTTP_PORT}",
+           "--prefill-from-header"]  # fmt: skip
+    return cmd + keep
+
+
+def _decode_with_front(spec: LLMServiceSpec, dep: Manifest) -> Manifest:
+    pod = dep["spec"]["template"]["spec"]
+    worker = pod["containers"][0]
+    probe = {"periodSeconds": 5, "timeoutSeconds": 5}
+    front = {
+        "name": "front",
+        "image": worker["image"],
+        "imagePullPolicy": worker["imagePullPolicy"],
+        "command": front_command(spec),
+        "ports": [{"name": "front", "containerPort": FRONT_PORT, "protocol": "TCP"}],
+        "env": copy.deepcopy(worker["env"]),
+        "envFrom": copy.deepcopy(worker["envFrom"]),
+        "resources": copy.deepcopy(_FRONT_RESOURCES),
+        "volumeMounts": [copy.deepcopy(m) for m in worker["volumeMounts"] if _read_mount(m)],
+        "securityContext": p.container_security(spec, False),
+        "lifecycle": copy.deepcopy(worker["lifecycle"]),
+        "startupProbe": {
+            "httpGet": {"path": "/livez", "port": "front"},
+            **probe,
+            "failureThreshold": 360,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": "front"},
+            **probe,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/livez", "port": "front"},
+            **probe,
+            "failureThreshold": 6,
+        },
+    }
+    if spec.router.api_key_secret:
+        secret = {"secretName": spec.router.api_key_secret, "defaultMode": 0o440}
+        pod["volumes"].append({"name": "api-key", "secret": secret})
+        front["volumeMounts"].append(
+            {"name": "api-key", "mountPath": "/etc/pdserve/api-key", "readOnly": True}
+        )
+    pod["containers"].append(front)
+    return dep
+
+
+def _read_mount(m: dict[str, Any]) -> bool:
+    """The model (tokenizer) and /tmp: not the workers' compiled-code cache."""
+    return m["name"] == "tmp" or (m["name"] == "model" and "subPath" not in m)
+
+
+def _route_to_pool(spec: LLMServiceSpec, route: Manifest) -> Manifest:
+    pool = {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": spec.name}
+    for rule in route["spec"]["rules"]:
+        rule["backendRefs"] = [dict(pool)]
+    return route
+
+
+def _front_open(spec: LLMServiceSpec, policy: Manifest) -> Manifest:
+    """The gateway's pods are in a namespace of their own: the front's port is open to
+    every source (it checks API keys as the router does); the workers' ports stay closed."""
+    policy["spec"]["ingress"].append({"ports": [{"protocol": "TCP", "port": FRONT_PORT}]})
+    return policy

@@ -1,0 +1,166 @@
+"""``spec.router.mode: endpointPicker``: the InferencePool, the picker and the decode pods'
+fronts, validated against the Inference Extension's published InferencePool CRD (vendored
+in tests/fixtures/ with its version) and, for the core kinds, kubernetes-validate."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from k8s_helpers import ROOT, apply_schema_defaults, cel_errors, minimal_llmservice, schema_errors
+from test_k8s_manifests import validate_builtin
+
+from pdserve.operator.render import optional_children, render
+from pdserve.operator.render_picker import FRONT_PORT, GRPC_PORT
+from pdserve.operator.spec import SpecError
+from pdserve.router.main import add_arguments
+
+POOL_CRD = ROOT / "tests" / "fixtures" / "inference.networking.k8s.io_inferencepools.v1.6.0.yaml"
+PARENT = {"parentRefs": [{"name": "inference-gateway"}]}
+
+
+def pool_schema() -> dict[str, Any]:
+    crd = yaml.safe_load(POOL_CRD.read_text())
+    assert crd["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == "v1.6.0"
+    version = crd["spec"]["versions"][0]
+    assert version["name"] == "v1" and crd["spec"]["group"] == "inference.networking.k8s.io"
+    schema: dict[str, Any] = version["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def pool_errors(obj: dict[str, Any]) -> list[str]:
+    """What the API server would refuse of an InferencePool: schema, then CEL rules."""
+    schema = pool_schema()
+    obj = apply_schema_defaults(schema, copy.deepcopy(obj))
+    errors = [e.message for e in jsonschema.Draft4Validator(schema).iter_errors(obj)]
+    return errors or cel_errors(schema, obj)
+
+
+def picker_children(**router: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    obj = minimal_llmservice(router={"mode": "endpointPicker", **router})
+    assert schema_errors(obj) == []
+    return {(c["kind"], c["metadata"]["name"]): c for c in render(obj)}
+
+
+def router_args(command: list[str]) -> argparse.Namespace:
+    """The command as ``pdserve router`` itself parses it."""
+    assert command[:2] == ["pdserve", "router"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(command[2:])
+
+
+def test_inference_pool_valid_against_the_published_crd() -> None:
+    kids = picker_children()
+    pool = kids[("InferencePool", "demo")]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool_errors(pool) == []
+    spec = pool["spec"]
+    decode = kids[("Deployment", "demo-decode")]
+    assert spec["selector"]["matchLabels"] == decode["spec"]["selector"]["matchLabels"]
+    assert spec["targetPorts"] == [{"number": FRONT_PORT}]
+    ref = spec["endpointPickerRef"]
+    svc = kids[("Service", ref["name"])]
+    assert [p["port"] for p in svc["spec"]["ports"]] == [ref["port"]["number"]] == [GRPC_PORT]
+    picker = kids[("Deployment", "demo-router")]
+    assert (
+        svc["spec"]["selector"].items() <= picker["spec"]["template"]["metadata"]["labels"].items()
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "bad"),
+    [
+        (lambda s: s.update(targetPorts=[]), "no target port"),
+        (lambda s: s.update(targetPorts=[{"number": 8084}, {"number": 8084}]), "duplicate ports"),
+        (lambda s: s["endpointPickerRef"].pop("port"), "a Service without a port"),
+        (lambda s: s["endpointPickerRef"].update(failureMode="Sometimes"), "bad failure mode"),
+        (lambda s: s["selector"].update(matchLabels={}), "empty selector"),
+    ],
+)  # fmt: skip
+def test_the_vendored_crd_refuses_bad_pools(change: Any, bad: str) -> None:
+    pool = copy.deepcopy(picker_children()[("InferencePool", "demo")])
+    change(pool["spec"])
+    assert pool_errors(pool) != [], bad
+
+
+def test_core_kinds_valid() -> None:
+    kids = picker_children(httpRoute=PARENT, apiKeySecret={"name": "keys"})
+    for (kind, _), doc in kids.items():
+        if kind not in ("InferencePool", "HTTPRoute"):
+            validate_builtin(doc)
+
+
+def test_picker_deployment_runs_the_picker() -> None:
+    dep = picker_children()[("Deployment", "demo-router")]
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    args = router_args(c["command"])
+    assert (args.mode, args.grpc_port, args.target_port) == (
+        "endpoint-picker",
+        GRPC_PORT,
+        FRONT_PORT,
+    )
+    assert args.discovery == "kubernetes" and args.service == "demo"
+    assert c["ports"] == [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}]
+    probes = {
+        k: c[k]["grpc"]["service"] for k in ("startupProbe", "readinessProbe", "livenessProbe")
+    }
+    assert probes == {"startupProbe": "liveness", "readinessProbe": "readiness",
+                      "livenessProbe": "liveness"}  # fmt: skip
+
+
+def test_decode_pods_get_a_front() -> None:
+    dep = picker_children(apiKeySecret={"name": "keys"})[("Deployment", "demo-decode")]
+    pod = dep["spec"]["template"]["spec"]
+    worker, front = pod["containers"]
+    assert worker["name"] == "decode" and front["name"] == "front"
+    args = router_args(front["command"])
+    assert args.prefill_from_header and args.mode == "router" and args.port == FRONT_PORT
+    assert args.decode == ["http://127.0.0.1:8080"]  # this pod's own decode worker
+    assert args.api_key_file.startswith("/etc/pdserve/api-key/")
+    assert {v["name"] for v in pod["volumes"]} >= {"api-key", "model", "tmp"}
+    assert front["readinessProbe"]["httpGet"] == {"path": "/health", "port": "front"}
+    env = {e["name"] for e in front["env"]}
+    assert "PDSERVE_SERVICE_SECRET" in env  # it checks the picker's signed prefill header
+
+
+def test_http_route_leads_to_the_pool_and_the_front_port_is_open() -> None:
+    kids = picker_children(httpRoute=PARENT)
+    route = kids[("HTTPRoute", "demo")]
+    pool_ref = {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "demo"}
+    assert [r["backendRefs"] for r in route["spec"]["rules"]] == [[pool_ref]]
+    obj = minimal_llmservice(router={"mode": "endpointPicker"}, networkPolicy={"enabled": True})
+    policy = next(c for c in render(obj) if c["kind"] == "NetworkPolicy")
+    assert {"ports": [{"protocol": "TCP", "port": FRONT_PORT}]} in policy["spec"]["ingress"]
+    assert ("inference.networking.k8s.io/v1", "InferencePool", "demo") in optional_children("demo")
+
+
+def test_router_mode_is_the_default_and_unchanged() -> None:
+    plain = render(minimal_llmservice())
+    assert render(minimal_llmservice(router={"mode": "router"})) == plain
+    assert not any(c["kind"] == "InferencePool" for c in plain)
+    decode = next(
+        c for c in plain if (c["kind"], c["metadata"]["name"]) == ("Deployment", "demo-decode")
+    )
+    assert len(decode["spec"]["template"]["spec"]["containers"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("router", "extra", "field"),
+    [({"mode": "endpointPicker", "ingress": {"host": "llm.example"}}, {}, "spec.router.ingress"),
+     ({"mode": "endpointPicker"}, {"autoscaling": {"enabled": True}}, "spec.autoscaling.enabled"),
+     ({"mode": "picker"}, {}, "spec.router.mode")],
+)  # fmt: skip
+def test_refused_combinations(router: dict[str, Any], extra: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError) as err:
+        render(minimal_llmservice(router=router, **extra))
+    assert field in str(err.value)
+
+
+def test_llmservice_crd_knows_the_mode() -> None:
+    assert schema_errors(minimal_llmservice(router={"mode": "endpointPicker"})) == []
+    assert schema_errors(minimal_llmservice(router={"mode": "picker"})) != []
