@@ -8,6 +8,7 @@ from typing import Any
 from pdserve.operator import naming as n
 from pdserve.operator import pod_template as pt
 from pdserve.operator import render_pods as p
+from pdserve.operator.adapters import adapter_mounts, adapter_volumes
 from pdserve.operator.spec import LLMServiceSpec, PoolSpec
 
 
@@ -103,7 +104,7 @@ def _volumes(spec: LLMServiceSpec, role: str, shm_size: str) -> list[dict[str, A
     if role == "router" and spec.router.api_key_secret:
         secret = {"secretName": spec.router.api_key_secret, "defaultMode": 0o440}
         vols.append({"name": "api-key", "secret": secret})
-    return vols
+    return vols + adapter_volumes(spec)  # LoRA adapters: every worker and the router
 
 
 def _mounts(spec: LLMServiceSpec, role: str) -> list[dict[str, Any]]:
@@ -130,7 +131,7 @@ def _mounts(spec: LLMServiceSpec, role: str) -> list[dict[str, Any]]:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if role == "router" and spec.router.api_key_secret:
         mounts.append({"name": "api-key", "mountPath": "/etc/pdserve/api-key", "readOnly": True})
-    return mounts
+    return mounts + adapter_mounts(spec)
 
 
 def _container(

@@ -10,6 +10,7 @@ import posixpath
 from typing import Any
 
 from pdserve.operator import naming as n
+from pdserve.operator.adapters import lora_args
 from pdserve.operator.spec import LLMServiceSpec, PoolSpec
 
 _TOKENIZER_FILES = ("*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja")
@@ -134,7 +135,7 @@ def worker_command(spec: LLMServiceSpec, pool: PoolSpec) -> list[str]:
     else:
         cmd += ["--transfer-timeout", str(kv.transfer_timeout_seconds)]
         cmd += ["--on-transfer-failure", kv.on_transfer_failure]
-    return cmd + engine_args(spec, pool) + list(pool.extra_args)
+    return cmd + engine_args(spec, pool) + lora_args(spec) + list(pool.extra_args)
 
 
 def router_command(spec: LLMServiceSpec) -> list[str]:
@@ -156,7 +157,7 @@ def router_command(spec: LLMServiceSpec) -> list[str]:
     for flag, value in optional.items():
         if value is not None:
             cmd += [flag, str(value)]
-    return cmd + list(r.extra_args)
+    return cmd + lora_args(spec) + list(r.extra_args)
 
 
 def container_security(spec: LLMServiceSpec, needs_ipc_lock: bool) -> dict[str, Any]:

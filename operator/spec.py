@@ -156,6 +156,19 @@ class NetworkPolicySpec:
 
 
 @dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter (operator/adapters.py): every worker and the router mount its volume
+    read-only at /adapters/<name> and serve it as model <name> (``--lora``)."""
+
+    name: str
+    kind: str  # "pvc" | "image" (a Kubernetes image volume: an OCI artifact or image)
+    claim_name: str = ""
+    reference: str = ""
+    path: str = ""  # the adapter's directory inside the volume ("": its root)
+    pull_policy: str = "IfNotPresent"
+
+
+@dataclass(frozen=True)
 class LLMServiceSpec:
     name: str
     namespace: str
@@ -170,6 +183,7 @@ class LLMServiceSpec:
     image: str = ""  # "": the operator's default image (render.DEFAULT_IMAGE or --default-image)
     image_pull_policy: str = "IfNotPresent"
     image_pull_secrets: tuple[str, ...] = ()
+    adapters: tuple[AdapterSpec, ...] = ()  # LoRA adapters served beside the base model
 
     @property
     def pools(self) -> tuple[PoolSpec, PoolSpec]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from pdserve.operator import naming as n
 from pdserve.operator import pod_template as pt
+from pdserve.operator.adapters import parse_adapters
 from pdserve.operator.spec import (
     DTYPES,
     SERVICE_TYPES,
@@ -310,6 +311,9 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
             "imagePullPolicy", ("Always", "IfNotPresent", "Never"), "IfNotPresent"
         ),
         image_pull_secrets=r.str_list("imagePullSecrets"),
+        adapters=parse_adapters(
+            r.data.get("adapters"), r.sub("model").get("servedName", str, name)
+        ),
         **parse_small_sections(r),
     )
     check_autoscaling(svc)
