@@ -14,8 +14,8 @@ plus ``"param"``: the OpenAI field it came from, named in errors. Why xgrammar
 Compilation is slow (ms to s) and runs off the engine thread: the async engine
 calls :meth:`Grammars.compile` in a worker thread first; the engine's own call
 then hits the cache, which is bounded in bytes (the compiled grammars' own sizes; LRU).
-Matchers are per request; the step's masks are filled into
-one bitmask and applied to all constrained rows in one call. A request resumed
+Matchers are per request; the step's masks are filled into one bitmask kept
+between steps, and applied to all constrained rows at once. A request resumed
 elsewhere (the decode worker after the hand-off) rebuilds its matcher by
 replaying the tokens already generated.
 """
@@ -66,6 +66,7 @@ class Grammars:
         self.cached_bytes = 0
         self._lock = threading.Lock()
         self.num_compiled = 0  # cache misses (tests: compiled once per schema)
+        self._bitmask: torch.Tensor | None = None
 
     def _get_compiler(self) -> Any:
         with self._lock:
@@ -117,15 +118,49 @@ class Grammars:
 
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        """Mask, in place, every token each constrained row's grammar forbids now."""
+        """Mask, in place, every token each constrained row's grammar forbids now.
+
+        The constrained rows' masks filled into a bitmask kept between steps, then,
+        on CPU, one vectorised unpack and ``masked_fill_``: xgrammar's own CPU kernel took
+        0.57 ms per step at 16 rows of an 8,192-token vocabulary, where filling the masks
+        took 0.05 ms; this takes 0.24 ms (one thread, ``small`` preset's tokenizer)."""
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return
-        xgr = _xgr()
-        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
-        for row in rows:
-            requests[row].grammar.fill_next_token_bitmask(bitmask, row)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+        bitmask = self._bitmask_rows(len(requests))
+        # Row by row: xgrammar's BatchGrammarMatcher saved 0.05 ms of 0.7 at 16 rows.
+        for i in rows:
+            requests[i].grammar.fill_next_token_bitmask(bitmask, i)
+        if logits.device.type == "cpu":
+            _apply_cpu(logits, bitmask, rows)
+        else:
+            _xgr().apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+    def _bitmask_rows(self, n: int) -> torch.Tensor:
+        """A [n, ceil(vocab / 32)] int32 bitmask, reused from step to step (the engine
+        thread's; every row used is filled before it is read)."""
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = _xgr().allocate_token_bitmask(max(n, 16), self.vocab_size)
+        return self._bitmask[:n]
+
+
+_BITS = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32)
+
+
+def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """``logits[r, t] = -inf`` wherever bit ``t`` of ``bitmask[r]`` is 0, for r in ``rows``;
+    token ids past the bitmask (a vocabulary padded beyond the grammar's) are masked too."""
+    n, vocab = len(rows), logits.shape[-1]
+    whole = n == logits.shape[0]  # rows are increasing and unique: 0..n-1
+    bits = bitmask if whole else bitmask[rows]
+    banned = ((bits.unsqueeze(-1) & _BITS) == 0).view(n, -1)
+    if banned.shape[1] < vocab:
+        banned = torch.nn.functional.pad(banned, (0, vocab - banned.shape[1]), value=True)
+    banned = banned[:, :vocab]
+    if whole:
+        logits.masked_fill_(banned, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill_(banned, float("-inf"))
 
 
 def _compile(compiler: Any, spec: dict[str, Any]) -> Any:
