@@ -25,7 +25,7 @@ from pathlib import Path
 from pdserve.local.proc_group import end_group
 
 TICK = os.sysconf("SC_CLK_TCK")  # /proc/*/stat times are in these
-ENGINE_THREAD = "pdserve-engine"  # AsyncEngine's thread name
+ENGINE_THREAD = "pdserve-engine"  # the engine core's thread name (worker/core_main.py)
 STARTS = 3  # tries per cluster when a port of its turns out to be another process's
 
 

@@ -34,7 +34,6 @@ from typing import Any
 
 import zmq
 
-from pdserve.engine.async_engine import fail_all, run_hooks, step_or_fail
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.scheduler import tenant_of
 from pdserve.protocol.contract import EngineStats
@@ -245,7 +244,7 @@ class CoreLoop:
         self._poller.poll(max(1, round(timeout * 1000)))
 
     def _fail_all(self, message: str) -> None:
-        outputs = fail_all(self.engine, message)
+        outputs = self.engine.fail_all(message)
         if outputs:
             self._send_outputs(outputs)
 
@@ -263,3 +262,21 @@ class CoreLoop:
     def _send(self, msg: tuple[Any, ...]) -> None:
         self.results.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         self._sent_at = time.monotonic()
+
+
+def step_or_fail(engine: LLMEngine) -> list[RequestOutput]:
+    """One engine step's outputs; if the step raises, every unfinished request fails."""
+    try:
+        return engine.step()
+    except Exception as exc:
+        logger.exception("engine step failed; failing the running requests")
+        return engine.fail_all(f"engine error: {exc}")
+
+
+def run_hooks(hooks: list[Hook], engine: LLMEngine) -> None:
+    """Each hook on the engine's thread; a failing hook is logged, the others still run."""
+    for hook in hooks:
+        try:
+            hook(engine)
+        except Exception:
+            logger.exception("engine hook %s failed", getattr(hook, "__name__", hook))

@@ -7,10 +7,11 @@ over two ZeroMQ ``ipc://`` sockets in a private temporary directory (mode 0700).
 Why two processes: the engine step needs the GIL back after every torch op, and the
 HTTP loop's Python made it wait (docs/engine.md, "Threads").
 
-The API is :class:`~pdserve.engine.async_engine.AsyncEngine`'s: ``generate`` yields a
-request's output deltas and raises ``InvalidParameter`` / ``RequestFailed`` before the
-first; ``abort``; ``stats`` (the latest counters the core sent); ``alive``; and
-``query(name, *args)`` for the role's named questions (``CoreLoop.queries``).
+The one way a worker serves from its engine: ``generate`` yields a request's output
+deltas (a reader that falls behind gets them merged) and raises ``InvalidParameter`` /
+``RequestFailed`` before the first; ``abort``; ``stats`` (the latest counters the core
+sent); ``alive``; and ``query(name, *args)`` for the role's named questions
+(``CoreLoop.queries``).
 
 The core sends something at least every second while its loop runs (a heartbeat,
 ``CoreLoop``); one silent for ``--core-stall-timeout`` seconds is hung (a deadlock, a
