@@ -162,3 +162,27 @@ def _check_endpoints(p_url: str, dirs: dict[str, Path]) -> None:
     body = to_dict(PrefillRequest("gone", PROMPT, sampling(MAX_TOKENS), lora=LoraRef("mlp4")))
     got = _post(p_url, "/prefill", body)
     assert got.status_code == 400 and got.json()["error"]["code"] == "lora_mismatch"
+
+
+def test_worker_refuses_a_bad_adapter_at_start(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``--lora`` naming an adapter the engine does not implement stops the start, the
+    option named, instead of serving without it."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.lora_adapters import edit_config
+
+    dora = write_adapter(tiny_model_dir, tmp_path / "dora", SPECS[0])
+    edit_config(dora, use_dora=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "pdserve", "decode-worker", "--model", str(tiny_model_dir),
+         "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+         "--lora", f"dora={dora}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "adapter 'dora': DoRA (use_dora) is not supported" in run.stdout + run.stderr
