@@ -10,7 +10,9 @@ At most ``--max-waiting`` requests wait. When that is full, a newcomer takes the
 the newest waiter of the client with the most waiters (that one gets the 429), if that
 client has at least two more waiters than the newcomer's, or a lower priority; else the
 newcomer is refused. ``--max-concurrency-per-key`` bounds one client's requests, in
-flight and waiting together.
+flight and waiting together; with several router replicas each enforces
+``ceil(cap / replicas)`` of it (``split``, router/discovery/replicas.py). The slots
+themselves (``--max-queue``) are this replica's own capacity, not split.
 
 Nothing here reads a body: requests are admitted after their body is read (under
 ``--body-timeout``), so a slow client never holds a slot while it trickles bytes.
@@ -24,6 +26,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from pdserve.router.api.errors import APIError
+from pdserve.router.discovery.replicas import share
 
 Waiters = OrderedDict[str, deque[asyncio.Future[None]]]
 
@@ -56,6 +59,7 @@ class Admission:
         on_change: Callable[[int], None] = lambda active: None,
     ) -> None:
         self.slots, self.per_client = slots, per_client
+        self.base_per_client = per_client  # the whole cap; per_client is this replica's share
         self.max_waiting, self.wait_s = max_waiting, wait_s
         self.active = 0
         self.held: dict[str, int] = {}
@@ -63,6 +67,11 @@ class Admission:
         self._grants = 0
         self._waiting: dict[int, Waiters] = {}  # priority -> client -> its waiters, in order
         self._on_change = on_change
+
+    def split(self, replicas: int) -> None:
+        """Enforce one of ``replicas`` shares of ``--max-concurrency-per-key`` from now on
+        (requests already in are kept; a client above its new share waits for them)."""
+        self.per_client = share(self.base_per_client, replicas)
 
     @property
     def num_waiting(self) -> int:

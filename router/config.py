@@ -88,6 +88,11 @@ class RouterConfig:
     # requests; beyond max_queue, up to max_waiting wait queue_timeout_s, fairly by client.
     body_timeout_s: float = 30.0
     max_concurrency_per_key: int = 0
+    # Router replicas splitting the per-client budgets (router/discovery/replicas.py): a
+    # fixed count, or the ready endpoints of the router's own Service when one is named.
+    router_replicas: int = 1
+    router_service: str = ""
+    router_namespace: str = ""
     max_waiting: int = 256
     queue_timeout_s: float = 30.0
     # A stream whose client has not taken a chunk for this long is aborted (slow reader).
@@ -141,6 +146,8 @@ class RouterConfig:
         for name in ("body_timeout_s", "queue_timeout_s", "stream_write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.router_replicas < 1:
+            raise ValueError("router_replicas (--router-replicas) must be >= 1")
         if self.max_concurrency_per_key < 0 or self.max_waiting < 0:
             raise ValueError("max_concurrency_per_key and max_waiting must be >= 0")
         if self.prefix_index_capacity < 1:

@@ -120,6 +120,13 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive; then 408 (no slot is "
                    "held meanwhile)")  # fmt: skip
+    g.add_argument("--router-replicas", type=int, default=1,
+                   help="router replicas that split the per-key budgets (rate limits, "
+                        "--max-concurrency-per-key): each enforces 1/N")  # fmt: skip
+    g.add_argument("--router-service", default=None,
+                   help="kubernetes: the router's own Service, its ready endpoints the "
+                        "replica count (default: the LLMService's; 'none': use "
+                        "--router-replicas)")  # fmt: skip
     g.add_argument("--max-concurrency-per-key", type=int, default=0,
                    help="requests one API key may have in flight or waiting (0: off)")  # fmt: skip
     g.add_argument("--max-waiting", type=int, default=256,
@@ -252,10 +259,26 @@ def build_config(
         tokenizer_threads=args.tokenizer_threads,
         rate_limit_rpm=share(args.rate_limit_rpm, n),
         rate_limit_tpm=share(args.rate_limit_tpm, n),
+        router_replicas=args.router_replicas,
+        router_service=router_service(args),
+        router_namespace=args.namespace,
         cache_isolation=args.cache_isolation,
         prefill_from_header=args.prefill_from_header,
         loras=tuple(args.lora),
     )
+
+
+def router_service(args: argparse.Namespace) -> str:
+    """The Service whose ready endpoints count the replicas ("" : --router-replicas)."""
+    if args.router_service == "none":
+        return ""
+    if args.router_service:
+        return str(args.router_service)
+    if args.discovery == "kubernetes" and args.service:
+        from pdserve.operator import naming
+
+        return naming.router_service_name(args.service)
+    return ""
 
 
 def build_source(args: argparse.Namespace) -> EndpointSource:

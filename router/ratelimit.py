@@ -6,6 +6,10 @@ a request takes 1 from the first when it arrives and ``prompt + max_tokens``
 tokens from the second once its prompt is tokenized (the worst case, as OpenAI
 counts ``max_tokens`` against its limit). An empty bucket is a 429 whose
 ``Retry-After`` says when enough will have refilled.
+
+Several router replicas split the limits (``split``, router/discovery/replicas.py): each
+enforces ``ceil(limit / replicas)`` of a client's budget, its buckets resized at once when
+the count changes (a bucket keeps its level, up to its new capacity).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.router.api.errors import APIError
+from pdserve.router.discovery.replicas import share
 
 MAX_CLIENTS = 10_000  # buckets kept; beyond it the full (idle) ones are dropped
 
@@ -43,7 +48,15 @@ class Bucket:
 class RateLimiter:
     def __init__(self, rpm: int, tpm: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.rpm, self.tpm, self.clock = rpm, tpm, clock
+        self.base = (rpm, tpm)  # the whole budget; rpm/tpm are this replica's share
         self._buckets: dict[tuple[str, str], Bucket] = {}
+
+    def split(self, replicas: int) -> None:
+        """Enforce one of ``replicas`` equal shares of the limits from now on."""
+        self.rpm, self.tpm = (share(limit, replicas) for limit in self.base)
+        for (_, kind), bucket in self._buckets.items():
+            bucket.capacity = float(self.rpm if kind == "requests" else self.tpm)
+            bucket.level = min(bucket.level, bucket.capacity)
 
     @property
     def enabled(self) -> bool:

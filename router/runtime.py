@@ -22,11 +22,12 @@ from pdserve.router.api.adapters import Adapter, AdapterTable
 from pdserve.router.api.errors import APIError
 from pdserve.router.api.protocol import check_model
 from pdserve.router.config import RouterConfig
+from pdserve.router.discovery.events import EventSubscriber
+from pdserve.router.discovery.replicas import replica_count
 from pdserve.router.discovery.workers import Discovery, EndpointSource
 from pdserve.router.keys import Caller, KeyStore
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.ratelimit import RateLimiter
-from pdserve.router.discovery.events import EventSubscriber
 from pdserve.router.scheduling.prefix_index import PrefixIndex
 from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.router.transport import worker_client
@@ -59,6 +60,10 @@ class Runtime:
                                    cfg.queue_timeout_s, self.metrics.queue_depth.set)  # fmt: skip
         self.created = int(time.time())
         self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm)
+        # Per-client budgets: this replica enforces 1/replicas of them (discovery/replicas.py).
+        self.replicas = replica_count(cfg)
+        self.replicas.listen(self.limiter.split)
+        self.replicas.listen(self.admission.split)
         # Parsing, chat templates and tokenizing: CPU work kept off the event loop.
         self.pool = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pdserve-tok")
         self.loras = AdapterTable(loras)  # LoRA adapters served as models of their names
@@ -84,9 +89,11 @@ class Runtime:
     async def start(self) -> None:
         await self.discovery.refresh()
         self.discovery.start()
+        await self.replicas.start()
 
     async def close(self) -> None:
         await self.discovery.stop()
+        await self.replicas.close()
         await self.dispatcher.drain()
         await self.client.close()
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -3,10 +3,11 @@ index, load reports into a board routing scores from (``pdserve/protocol/kv_even
 
 One ZeroMQ SUB socket per worker, read by an asyncio task. A prefill worker's feed is
 *synced* once the index holds that worker's blocks: its ``GET /kv_blocks`` snapshot,
-fetched after the subscription is known to be live (its first message; load reports come
-at least 10 times a second), plus every KV event after the snapshot's ``seq``. Events
-that arrive while the snapshot is on its way are held and applied after it. A ``seq``
-gap, or a load report whose ``kv_seq`` says an event went missing, resyncs the same way
+fetched as soon as the socket is connected, plus every KV event after the snapshot's
+``seq``. Events that arrive while the snapshot is on its way are held and applied after
+it. A subscription takes a moment to reach the publisher, so events published meanwhile
+are lost: the next load report (at least 10 a second) carries the ``kv_seq`` of the last
+event sent before it, which shows that, and the feed resyncs. So does a ``seq`` gap
 (the worker's entries are replaced, never left half right). A worker that does not serve
 ``/kv_blocks`` (404: an older worker, the tests' fakes) is followed from its next event on,
 as before. A decode worker's feed carries load reports only; it is synced at the first.
@@ -31,7 +32,6 @@ from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
 
 log = logging.getLogger(__name__)
 
-SILENT_S = 0.5  # no message this long after subscribing: fetch the snapshot anyway
 RETRY_S = 1.0  # a failed snapshot fetch is tried again after this
 # What fetches a worker's snapshot: None when it has no such endpoint (404).
 Fetch = Callable[[str], Awaitable[KVSnapshot | None]]
@@ -104,7 +104,7 @@ class EventSubscriber:
         self._feeds[address] = feed
         feed.tasks.append(asyncio.create_task(self._read(sock, feed)))
         if kv and not feed.synced:
-            feed.tasks.append(asyncio.create_task(self._sync_if_silent(feed)))
+            self._start_resync(feed, [])
 
     def unsubscribe(self, address: str) -> None:
         feed = self._feeds.pop(address, None)
@@ -154,13 +154,10 @@ class EventSubscriber:
             feed.held.append(ev)
             return
         last = self.index.last_seq(feed.worker_id)
-        if feed.synced and self.fetch is not None and feed.url and last is not None \
-                and ev.seq != last + 1:  # fmt: skip
+        if feed.synced and self.fetch is not None and feed.url and self._followed(feed) \
+                and last is not None and ev.seq != last + 1:  # fmt: skip
             log.warning("KV events of %s: seq %d after %d, resyncing", feed.worker_id, ev.seq,
                         last)  # fmt: skip
-            self._start_resync(feed, [ev])
-            return
-        if not feed.synced and feed.resync is None:  # the subscription is live: catch up
             self._start_resync(feed, [ev])
             return
         self.index.apply(ev)
@@ -178,10 +175,9 @@ class EventSubscriber:
             feed.synced = True
         elif feed.held is None and feed.resync is None and self.fetch is not None and feed.url:
             last = self.index.last_seq(feed.worker_id) or 0
-            if not feed.synced or (rep.kv_seq > last and self._followed(feed)):
-                if feed.synced:  # every event before this report was sent before it
-                    log.warning("KV events of %s: report says seq %d, index at %d; resyncing",
-                                feed.worker_id, rep.kv_seq, last)  # fmt: skip
+            if rep.kv_seq > last and self._followed(feed):  # events before it went missing
+                log.info("KV events of %s: report says seq %d, index at %d; resyncing",
+                         feed.worker_id, rep.kv_seq, last)  # fmt: skip
                 self._start_resync(feed, [])
 
     def _followed(self, feed: Feed) -> bool:
@@ -189,11 +185,6 @@ class EventSubscriber:
         return feed.worker_id not in self._legacy
 
     # -- catching up ----------------------------------------------------------------
-    async def _sync_if_silent(self, feed: Feed) -> None:
-        await asyncio.sleep(SILENT_S)
-        if not feed.synced and feed.resync is None and feed.held is None:
-            self._start_resync(feed, [])
-
     def _start_resync(self, feed: Feed, held: list[KVEventView]) -> None:
         feed.held = held
         feed.resync = asyncio.create_task(self._resync(feed))

@@ -146,7 +146,7 @@ async def test_a_report_ahead_of_the_index_resyncs(setup: object) -> None:
 async def test_a_worker_without_kv_blocks_is_followed_from_its_events(setup: object) -> None:
     w, idx, sub = setup  # type: ignore[misc]
     w.no_endpoint = True
-    sub.subscribe(w.address, "p0", "http://p0")  # silent: fetched after SILENT_S anyway
+    sub.subscribe(w.address, "p0", "http://p0")  # fetched at once: 404, events from now
     await until(lambda: sub.synced(w.address))
     await live(w, sub)
     await w.event("stored", (9,))
