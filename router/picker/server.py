@@ -33,6 +33,7 @@ from pdserve.router.picker import envoy_msgs as msgs
 from pdserve.router.picker.pick import Pick, Picker
 
 log = logging.getLogger(__name__)
+BODY_PIECE = 64 << 10  # bytes of request body per streamed_response message
 
 
 @dataclass
@@ -120,7 +121,11 @@ class ExtProc(ep_grpc.ExternalProcessorServicer):
         routed = await self._routed(ex, body, in_body=not ex.duplex_request)
         yield routed
         if ex.duplex_request and not routed.HasField("immediate_response"):
-            yield msgs.streamed_body(body, True)
+            # Back in pieces, as they came: one message per piece stays far below gRPC's
+            # message limits whatever the body's size.
+            for start in range(0, max(len(body), 1), BODY_PIECE):
+                piece = body[start : start + BODY_PIECE]
+                yield msgs.streamed_body(piece, start + BODY_PIECE >= len(body))
 
     async def _routed(
         self, ex: _Exchange, body: bytes | None, in_body: bool

@@ -113,11 +113,14 @@ class Envoy:
         lb = resp.dynamic_metadata.fields[msgs.LB_NAMESPACE].struct_value
         out = Routed(sets[msgs.DESTINATION].split(","), lb.fields[msgs.DESTINATION].string_value,
                      sets, list(common.header_mutation.remove_headers))  # fmt: skip
-        if body is not None and self.duplex:
+        if body is not None and self.duplex:  # the body back, in pieces, the last one marked
             assert kind == "request_headers" and sets["content-length"] == str(len(body))
-            streamed = (await self.recv()).request_body.response.body_mutation.streamed_response
-            assert streamed.end_of_stream
-            out.body_back = streamed.body
+            end = False
+            while not end:
+                msg = await self.recv()
+                streamed = msg.request_body.response.body_mutation.streamed_response
+                out.body_back += streamed.body
+                end = streamed.end_of_stream
         return out
 
     async def response(self, served: str, chunks: Sequence[bytes]) -> list[bytes]:
@@ -267,6 +270,24 @@ async def test_prefix_affinity_is_visible(picker_factory) -> None:
         env.close()
         assert PREFILL_HEADER not in short.set_headers
         assert PREFILL_HEADER in short.removed and SIGNATURE_HEADER in short.removed
+        await pc.settle()
+
+
+async def test_large_body_comes_back_whole(picker_factory) -> None:
+    """A 300 KB body (JSON with room to breathe): picked on, and sent back to the proxy in
+    pieces, unchanged; a prompt over the context is refused naming the field."""
+    async with picker_factory() as pc:
+        env = pc.envoy()
+        body = completion("hello")[:-1] + b" " * 300_000 + b"}"
+        routed = await env.request("/v1/completions", body, chunks=7)
+        env.close()
+        assert routed.status == 0, routed.error
+        assert routed.body_back == body
+        env = pc.envoy()
+        routed = await env.request("/v1/completions", completion("lorem ipsum " * 2_000))
+        env.close()
+        assert routed.status == 400 and routed.error["error"]["param"] == "prompt"
+        assert routed.error["error"]["code"] == "context_length_exceeded"
         await pc.settle()
 
 
