@@ -102,6 +102,7 @@ class LoraRegistry:
     ) -> None:
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.known: dict[str, str] = {}
+        self._current: dict[str, LoraSpec] = {}  # the spec each known name serves now
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self.slots: list[LoraAdapter | None] = [None] * config.max_loras  # slot i + 1
         self._slot_use: list[int] = [0] * config.max_loras  # a clock, for the LRU
@@ -125,12 +126,19 @@ class LoraRegistry:
         self._keep(adapter)
         return adapter.spec
 
+    def _keep(self, adapter: LoraAdapter) -> None:
+        name = adapter.spec.name
+        self.host[name], self._current[name] = adapter, adapter.spec
+        self.host.move_to_end(name)
+        while len(self.host) > self.config.max_cpu_loras:
+            self.host.popitem(last=False)
+
     def unload(self, name: str, missing_ok: bool = False) -> bool:
         if name not in self.known:
             if missing_ok:
                 return False
             raise KeyError(name)
-        del self.known[name]
+        del self.known[name], self._current[name]
         self.host.pop(name, None)
         for i, slot in enumerate(self.slots):
             if slot is not None and slot.spec.name == name:
@@ -147,10 +155,16 @@ class LoraRegistry:
             if path is None:
                 raise InvalidParameter(LORA_MISMATCH, f"LoRA adapter {ref.name!r} is not "
                                        "loaded on this worker")  # fmt: skip
-            # Dropped by the host LRU: still in a slot (load() clears a replaced name's
-            # slots, so one there is current), else read again.
-            adapter = next((s for s in self.slots if s is not None and s.spec.name == ref.name),
-                           None) or self._read(ref.name, path)  # fmt: skip
+            # Dropped by the host LRU: still in a slot (the current one, not the weights a
+            # running request kept after a reload), else read again.
+            spec = self._current[ref.name]
+            adapter = next((s for s in self.slots if s is not None and s.spec is spec), None)
+            if adapter is None:
+                try:
+                    adapter = self._read(ref.name, path)
+                except (LoraError, OSError) as exc:  # the directory changed since its load
+                    raise InvalidParameter(LORA_MISMATCH, f"LoRA adapter {ref.name!r} could "
+                                           f"not be read again: {exc}") from exc  # fmt: skip
             self._keep(adapter)
         self.host.move_to_end(ref.name)
         if ref.hash is not None and ref.hash != adapter.spec.hash:
@@ -168,12 +182,6 @@ class LoraRegistry:
         adapter = load_adapter(spec, self._layer_shape, self.dtype)
         self.loads += 1
         return adapter
-
-    def _keep(self, adapter: LoraAdapter) -> None:
-        self.host[adapter.spec.name] = adapter
-        self.host.move_to_end(adapter.spec.name)
-        while len(self.host) > self.config.max_cpu_loras:
-            self.host.popitem(last=False)
 
     def _layer_shape(self, path: str) -> tuple[int, int] | None:
         if path.rsplit(".", 1)[-1] not in PROJECTIONS:

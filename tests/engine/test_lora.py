@@ -5,6 +5,7 @@ adapters than slots still run (in as many passes as needed); the KV pool ends fr
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -210,3 +211,45 @@ def test_compiled_engine_goes_eager_when_an_adapter_loads(
     assert _run(engine, jobs) == [oracle[name][0] for name in NAMES]
     assert not engine.runner.compiled and engine.runner.graphs is None
     assert_all_free(engine)
+
+
+def test_reload_under_a_name_serves_the_new_weights(
+    lora_engine: Callable[..., LLMEngine],
+    adapters: dict[str, Path],
+    oracle: dict[str | None, list[list[int]]],
+) -> None:
+    """``mlp4`` reloaded from all16's directory while a request runs under the old mlp4:
+    that request keeps its weights (and a slot), a new one gets the new weights, even once
+    the host cache has dropped them and the old weights sit in a slot under that name."""
+    engine = lora_engine(max_loras=2, max_cpu_loras=2)
+    loras = engine.runner.loras
+    assert loras is not None
+    engine.add_request("old", PROMPTS[0], _params(), lora=LoraRef("mlp4"))
+    old = [t for o in engine.step() for t in o.token_ids]
+    loras.load("mlp4", str(adapters["all16"]))
+    old += [t for o in engine.step() for t in o.token_ids]  # the old weights back in a slot
+    loras.resolve(LoraRef("attn8"))
+    loras.resolve(LoraRef("all16"))
+    assert "mlp4" not in loras.host
+    engine.add_request("new", PROMPTS[1], _params(), lora=LoraRef("mlp4"))
+    got: dict[str, list[int]] = {"old": old, "new": []}
+    while engine.has_work:
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    assert got == {"old": oracle["mlp4"][0], "new": oracle["all16"][1]}
+    assert_all_free(engine)
+
+
+def test_adapter_gone_from_disk_is_refused(
+    lora_engine: Callable[..., LLMEngine], adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    engine = lora_engine(max_loras=1, max_cpu_loras=1)
+    loras = engine.runner.loras
+    assert loras is not None
+    moved = shutil.copytree(adapters["attn8"], tmp_path / "attn8")
+    loras.load("moving", str(moved))
+    loras.resolve(LoraRef("mlp4"))  # the host cache (one adapter) drops "moving"
+    shutil.rmtree(moved)
+    with pytest.raises(InvalidParameter, match="could not be read again") as exc:
+        engine.add_request("gone", PROMPTS[0], _params(), lora=LoraRef("moving"))
+    assert exc.value.field == "lora" and not engine.requests
