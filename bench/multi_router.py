@@ -1,0 +1,263 @@
+"""Active-active router replicas: does prefix routing through 3 replicas match one router?
+
+Real workers (``pdserve.local.processes``: 2 prefill + 1 decode, each prefill KV cache
+sized to hold half the groups' prefixes) and the routing benchmark's shared-prefix
+workload (``bench/routing.py``: G groups x R requests sharing a long system prompt,
+interleaved). Phases, each with fresh system prompts:
+
+1. ``one``: every request through one router;
+2. ``three``: through 3 router replicas, a round-robin client (request i to replica
+   i mod 3): each replica sees a third of every group and knows where the others sent
+   the rest only from the workers' KV events;
+3. ``late``: a 4th replica started while the last phase's groups are cached; once its
+   ``/health`` says ready (prefix index caught up from each prefill worker's
+   ``GET /kv_blocks`` snapshot plus the events after it), those groups' next requests
+   for ``--late-window`` seconds (5), in turn through it and through a replica that saw
+   everything (the control): its hit ratio there against the control's.
+
+Phases 1 and 2 run interleaved, round by round (a round: each group once), so both see
+the same machine load (a shared 2-core box swings by 2x within a minute); each workload
+has its own groups, and the prefill caches are sized for half of both workloads' groups
+(the routing benchmark's sizing, doubled). ``--repeats`` runs more such pairs. TTFT p50
+is over all of a kind's requests. Hit ratio =
+cached prompt tokens / prompt tokens (from each response's usage). The last stdout line
+is JSON: ``prefix_hit_ratio_1``, ``prefix_hit_ratio_3``, ``hit_ratio_3_over_1``,
+``ttft_p50_ms_1``, ``ttft_p50_ms_3``, ``ttft_p50_3_over_1``, ``late_hit_ratio``,
+``late_control_hit_ratio``, ``late_over_control``, ``late_ready_s`` (start to ready),
+``late_requests``, ``loadavg`` (1, 5, 15 min, at the end).
+
+    python bench/multi_router.py            # small preset, 8 x 16 requests per phase
+    python bench/multi_router.py --quick    # tiny preset, 4 x 6, one repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import routing  # bench/routing.py, beside this script: its workload and client
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pdserve.local.processes import ClusterSpec, LocalCluster, Proc  # noqa: E402
+from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES  # noqa: E402
+
+REPLICAS = 3
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, few requests")
+    p.add_argument("--model", default="", help="model dir (default: write the preset model)")
+    p.add_argument("--preset", default="small", help="tiny-model preset when --model is unset")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--per-group", type=int, default=16)
+    p.add_argument("--system-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="one/three phase pairs")
+    p.add_argument("--late-window", type=float, default=5.0, help="seconds after ready")
+    p.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.groups, args.per_group, args.repeats = "tiny", 4, 6, 1
+    # routing.py's sizing (the two caches hold the working set once), for both workloads
+    args.cache_groups = args.groups
+    return args
+
+
+async def run_phase(
+    h: httpx.AsyncClient, urls: list[str], prompts: list[tuple[int, list[int]]],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Prompts in arrival order, request i to ``urls[i % len(urls)]`` (the round-robin
+    client), at most ``concurrency`` in flight."""
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def one(i: int, g: int, ids: list[int]) -> dict[str, Any]:
+        async with sem:
+            url = urls[i % len(urls)]
+            return {"group": g, **await routing.via_router(h, url, "bench", ids, args.max_tokens)}
+
+    tasks = []
+    for i, (g, ids) in enumerate(prompts):
+        tasks.append(asyncio.create_task(one(i, g, ids)))
+        await asyncio.sleep(0)  # keep arrival order
+    return list(await asyncio.gather(*tasks))
+
+
+def hit_ratio(results: list[dict[str, Any]]) -> float:
+    return sum(r["cached"] for r in results) / max(sum(r["prompt"] for r in results), 1)
+
+
+async def wait_ready(h: httpx.AsyncClient, url: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if (await h.get(url + "/health")).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready after {timeout:.0f}s")
+        await asyncio.sleep(0.05)
+
+
+async def late_phase(
+    cluster: LocalCluster, h: httpx.AsyncClient, old: str, prompts: list[tuple[int, list[int]]],
+    common: list[str], args: argparse.Namespace,
+) -> dict[str, float]:  # fmt: skip
+    """Start a replica now; once ready, the cached groups' next requests for
+    ``late_window`` seconds, in turn through it and through a replica that saw everything
+    (``old``, the control: the same groups, so the same ratio if the late one caught up).
+    Sequential: the client does not outrun the window."""
+    t0 = time.monotonic()
+    late: Proc = cluster.start_router(0, "router-late", common)
+    await wait_ready(h, late.url)
+    ready_s = time.monotonic() - t0
+    end = time.monotonic() + args.late_window
+    results: dict[str, list[dict[str, Any]]] = {"late": [], "control": []}
+    for i, (_, ids) in enumerate(prompts):
+        if time.monotonic() > end:
+            break
+        kind, url = ("late", late.url) if i % 2 == 0 else ("control", old)
+        results[kind].append(await routing.via_router(h, url, "bench", ids, args.max_tokens))
+    return {"late_ready_s": ready_s, "late_hit_ratio": hit_ratio(results["late"]),
+            "late_control_hit_ratio": hit_ratio(results["control"]),
+            "late_requests": float(len(results["late"]))}  # fmt: skip
+
+
+def fresh_suffixes(
+    prompts: list[tuple[int, list[int]]], args: argparse.Namespace, vocab: int
+) -> list[tuple[int, list[int]]]:
+    """The same groups' system prompts with new suffixes (their next requests)."""
+    rng = random.Random(7)
+    return [(g, ids[: args.system_tokens] + [rng.randrange(16, vocab) for _ in range(12)])
+            for g, ids in prompts]  # fmt: skip
+
+
+async def measure(
+    cluster: LocalCluster, one: str, three: list[str], vocab: int, common: list[str],
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:  # fmt: skip
+    limits = httpx.Limits(max_connections=64)
+    runs: dict[str, list[dict[str, Any]]] = {"one": [], "three": []}
+    async with httpx.AsyncClient(timeout=600, limits=limits, auth=cluster.auth) as h:
+        for url in [one, *three]:  # warm every router's and worker's code paths
+            for _, ids in routing.workload(args, vocab, seed=1)[:2]:
+                await routing.via_router(h, url, "bench", ids[:200], args.max_tokens)
+        seed = 10
+        g = args.groups
+        for _ in range(args.repeats):
+            seed += 2
+            work = {"one": routing.workload(args, vocab, seed),
+                    "three": routing.workload(args, vocab, seed + 1)}  # fmt: skip
+            sent = {"one": 0, "three": 0}  # the round-robin client's position
+            for r in range(args.per_group):  # round by round, the two kinds in turn
+                for kind, urls in (("one", [one]), ("three", three)):
+                    rnd = work[kind][r * g : (r + 1) * g]
+                    rotated = urls[sent[kind] % len(urls) :] + urls[: sent[kind] % len(urls)]
+                    runs[kind] += await run_phase(h, rotated, rnd, args)
+                    sent[kind] += len(rnd)
+        # The late replica: the last three-replica phase's groups are cached on the workers;
+        # their later rounds (same system prompts, fresh suffixes) go through it.
+        later = fresh_suffixes(routing.workload(args, vocab, seed), args, vocab)
+        late = await late_phase(cluster, h, three[0], later, common, args)
+    ttft = {k: routing.pct([r["ttft"] for r in v], 0.5) for k, v in runs.items()}
+    summary: dict[str, Any] = {
+        "prefix_hit_ratio_1": hit_ratio(runs["one"]),
+        "prefix_hit_ratio_3": hit_ratio(runs["three"]),
+        "ttft_p50_ms_1": ttft["one"],
+        "ttft_p50_ms_3": ttft["three"],
+        "ttft_p99_ms_1": routing.pct([r["ttft"] for r in runs["one"]], 0.99),
+        "ttft_p99_ms_3": routing.pct([r["ttft"] for r in runs["three"]], 0.99),
+        "requests_per_kind": len(runs["one"]),
+        **late,
+    }
+    summary["hit_ratio_3_over_1"] = summary["prefix_hit_ratio_3"] / summary["prefix_hit_ratio_1"]
+    summary["ttft_p50_3_over_1"] = ttft["three"] / ttft["one"]
+    summary["late_over_control"] = summary["late_hit_ratio"] / max(
+        summary["late_control_hit_ratio"], 1e-9
+    )
+    return summary, runs
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], summary: dict[str, Any], path: Path) -> None:
+    plt = routing.figures.pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, res in (("1 router", runs["one"]), (f"{REPLICAS} replicas", runs["three"])):
+        xs = sorted(r["ttft"] * 1000 for r in res)
+        a.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+    a.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT")
+    a.legend()
+    names = ["1 router", f"{REPLICAS} replicas", "late replica\n(first 5 s)"]
+    vals = [summary["prefix_hit_ratio_1"], summary["prefix_hit_ratio_3"],
+            summary["late_hit_ratio"]]  # fmt: skip
+    b.bar(names, vals, color=["C0", "C1", "C2"])
+    b.set(ylim=(0, 1), title="prefix-cache hit ratio (tokens)")
+    fig.suptitle(
+        f"hit ratio 3/1 = {summary['hit_ratio_3_over_1']:.3f}, TTFT p50 3/1 = "
+        f"{summary['ttft_p50_3_over_1']:.2f}, late replica ready in "
+        f"{summary['late_ready_s']:.1f} s"
+    )
+    routing.figures.save(fig, path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = routing.ensure_model(args)
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    per_prefix = -(-(args.system_tokens + 16) // routing.BLOCK)
+    block_bytes = routing.kv_block_bytes(model_dir, args.dtype)
+    cache_bytes = int(per_prefix * args.cache_groups + 8) * block_bytes
+    spec = ClusterSpec(
+        model_dir=model_dir,
+        num_prefill=2,
+        num_decode=1,
+        dtype=args.dtype,
+        kv_transport=args.kv_transport,
+        served_model_name="bench",
+        prefill_args=("--kv-cache-bytes", str(cache_bytes)),
+        log_dir=str(Path(args.out) / "multi-router-logs"),
+    )
+    common = ["--disagg-threshold", "64", "--max-queue", "1024"]
+    with LocalCluster(spec) as cluster:
+        cluster.start_workers()
+        one = cluster.start_router(0, "router-one", common)
+        three = [cluster.start_router(0, f"router-{i}", common) for i in range(REPLICAS)]
+        cluster.wait_healthy(600, on_ready=lambda p, s: print(f"{p.name} ready ({s:.1f}s)"))
+        for proc in (one, *three):
+            cluster.wait_routed(proc)
+        summary, runs = asyncio.run(
+            measure(cluster, one.url, [p.url for p in three], vocab, common, args)
+        )
+    summary.update(
+        groups=args.groups,
+        per_group=args.per_group,
+        repeats=args.repeats,
+        system_tokens=args.system_tokens,
+        prefill_cache_bytes=cache_bytes,
+        quick=args.quick,
+        loadavg=[round(x, 2) for x in os.getloadavg()],
+    )
+    name = "multi_router-quick.png" if args.quick else "multi_router.png"
+    plot(runs, summary, Path(args.out) / name)
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""``bench/multi_router.py --quick`` end to end: real workers, one router against three
+replicas behind a round-robin client, and a replica started mid-run; one JSON line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.loopback import run_bench
+
+pytestmark = pytest.mark.bench
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_multi_router_bench_quick(tmp_path: Path) -> None:
+    r = run_bench("multi_router.py", "--quick", "--out", str(tmp_path), timeout=880)
+    assert r["requests_per_kind"] == 24  # 4 groups x 6, each way
+    # Three replicas route as well as one: they share the workers' view, not their own.
+    assert r["prefix_hit_ratio_1"] >= 0.5  # only each group's first request may miss
+    assert r["prefix_hit_ratio_3"] >= 0.95 * r["prefix_hit_ratio_1"]
+    # The late replica, once ready, routes the cached groups like one that saw it all.
+    assert r["late_requests"] >= 1 and r["late_hit_ratio"] >= 0.95 * r["late_control_hit_ratio"]
+    assert len(r["loadavg"]) == 3
+    assert (tmp_path / "multi_router-quick.png").stat().st_size > 0
