@@ -144,9 +144,12 @@ async def _replay(url: str, trace: Trace, seed: int) -> tuple[list[float], list[
     return ttft, errors, t0
 
 
-def run_real(flags: list[str], port: int, trace: Trace, drain_s: float, work: Path) -> RealRun:
+def run_real(
+    flags: list[str], port: int, trace: Trace, drain_s: float, work: Path, polite: bool = True
+) -> RealRun:
+    """``polite``: our sessions' autogroups lowered to our nice (CpuSampler)."""
     up = Up(flags, work / "up.log")
-    sampler = CpuSampler(up.proc.pid).start()
+    sampler = CpuSampler(up.proc.pid, polite=polite).start()
     try:
         up.wait_for("autoscaling every", timeout=300)
         nice_up = nice_of(up.proc.pid)  # `nice` has exec'd python by now
