@@ -1,21 +1,26 @@
-"""Engine throughput: pdserve's engine vs transformers generate() with static batches, in one run.
+"""Engine throughput: pdserve's engine vs transformers' own continuous batching, in one run.
 
 The same requests (random prompts, prompt lengths uniform 32–512, output lengths
 uniform 16–256, ignore_eos) run through
 
 * ours: every request added at once to ``LLMEngine`` (continuous batching, paged KV);
-* baseline: ``model.generate()`` on static batches of 16 left-padded prompts with an
-  attention mask, each batch run to its longest output (greedy, no EOS),
+* baseline (``baseline_tok_s``, ``ratio``): transformers' continuous-batching manager
+  (paged KV, requests admitted as others finish; bench/engine_baselines.py), every
+  request added at once with its own output length, the same KV bytes, block size,
+  token budget per step and request cap as ours;
+* second row (``static_tok_s``, ``ratio_static``): ``model.generate()`` on static
+  batches of 16 left-padded prompts, each batch run to its longest output,
 
-on the ``small`` preset model, same dtype and threads. Output tokens/s counts the
-tokens the requests asked for (the same total for both). Also measured on ours: the
+on the ``small`` preset model, same dtype and threads, greedy. Output tokens/s counts the
+tokens the requests asked for (the same total for all). Ratios are wall clock, with the
+CPU-time ones beside (``*_cpu``). Also measured on ours: the
 share of wall time outside the model forward (scheduling, input building, sampling,
 detokenization, bookkeeping), the shares of attention (with its KV writes and, on the
 gather path, the copies of pool blocks, also reported apart) and of the rest of the
 forward (matmuls, norms, rotary embeddings), and the KV waste at peak (allocated slots not holding a
 computed token / allocated slots, at the step with the most blocks allocated).
-The last stdout line is JSON: ``{"ours_tok_s", "baseline_tok_s", "ratio",
-"overhead_share", "kv_waste", ...}``.
+The last stdout line is JSON: ``{"ours_tok_s", "baseline_tok_s", "ratio", "static_tok_s",
+"ratio_static", "overhead_share", "kv_waste", "threads", "load_avg_start", ...}``.
 
     python bench/engine.py            # 128 requests on the small model (minutes)
     python bench/engine.py --quick    # tiny model, 12 requests (seconds)
@@ -29,7 +34,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +54,15 @@ from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
 from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from engine_baselines import (  # noqa: E402
+    CacheShape,
+    Run,
+    run_continuous,
+    run_static,
+    warm_up_continuous,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,6 +84,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attention", default="auto", choices=["auto", "gather"],
                    help="auto: the CPU kernel where it builds; gather: the reference")  # fmt: skip
     p.add_argument("--skip-baseline", action="store_true", help="profile ours only")
+    p.add_argument("--skip-static", action="store_true", help="no static-batch row")
     p.add_argument("--enforce-eager", action="store_true",
                    help="ours without torch.compile (or PDSERVE_ENFORCE_EAGER=1)")  # fmt: skip
     p.add_argument("--plot", default=str(ROOT / "bench" / "out" / "engine.png"))
@@ -99,18 +114,6 @@ def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
         prompts.append([rng.randrange(3, vocab) for _ in range(n)])
         outs.append(rng.randint(*args.output_len))
     return Workload(prompts, outs)
-
-
-@dataclass
-class Run:
-    seconds: float = 0.0
-    cpu_seconds: float = 0.0  # this process's CPU time: robust to other load on the host
-    forward_seconds: float = 0.0
-    attention_seconds: float = 0.0  # inside forward: paged attention, KV writes and copies
-    kv_copy_seconds: float = 0.0  # inside attention: gathers of pool blocks (gather path)
-    steps: int = 0
-    kv_waste: float = 0.0
-    timeline: list[tuple[float, int]] = field(default_factory=list)  # (s, output tokens)
 
 
 def _timed(fn: Any, run: Run) -> Any:
@@ -200,56 +203,20 @@ def run_ours(engine: LLMEngine, work: Workload) -> Run:
     return run
 
 
-def run_baseline(model: Any, pad_id: int, work: Workload, batch: int, device: str) -> Run:
-    run = Run()
-    order = list(range(len(work.prompts)))
-    batches = [order[i : i + batch] for i in range(0, len(order), batch)]
-    done = 0
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for idx in tqdm(batches, desc="transformers", unit="batch", file=sys.stderr):
-        width = max(len(work.prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):  # left padding
-            n = len(work.prompts[i])
-            ids[row, width - n :] = torch.tensor(work.prompts[i])
-            mask[row, width - n :] = 1
-        new = max(work.output_lens[i] for i in idx)  # a static batch runs to its longest
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=pad_id,
-            )
-        assert out.shape[1] == width + new
-        done += sum(work.output_lens[i] for i in idx)
-        run.steps += new
-        run.timeline.append((time.perf_counter() - start, done))
-    run.seconds = time.perf_counter() - start
-    run.cpu_seconds = time.process_time() - cpu_start
-    return run
-
-
-def plot(path: str, ours: Run, base: Run, result: dict[str, Any], title: str) -> None:
+def plot(path: str, ours: Run, bases: dict[str, Run], result: dict[str, Any], title: str) -> None:
     plt = figures.pyplot()
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1, 2]})
-    names = ["pdserve engine", "transformers\nstatic batches"]
-    values = [result["ours_tok_s"], result["baseline_tok_s"]]
-    bars = ax1.bar(names, values, color=["#2a9d8f", "#8d99ae"])
-    ax1.bar_label(bars, [f"{v:.0f} tok/s" for v in values])
-    ax1.set_ylabel("output tokens / s")
-    ax1.set_title(
-        f"{result['ratio']:.2f}x wall clock, {result['ratio_cpu']:.2f}x CPU time", fontsize=10
-    )
-    for run, name, color in (
-        (ours, "pdserve engine", "#2a9d8f"),
-        (base, "transformers", "#8d99ae"),
-    ):
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 2]})
+    runs = {"pdserve engine": ours, **{k: v for k, v in bases.items() if v.seconds == v.seconds}}
+    colors = ["#2a9d8f", "#e76f51", "#8d99ae"]
+    values = [result["ours_tok_s"], result["baseline_tok_s"], result["static_tok_s"]]
+    names = [n.replace(" ", "\n", 1) for n in runs]
+    bars = ax1.bar(names, values[: len(runs)], color=colors[: len(runs)])
+    ax1.bar_label(bars, [f"{v:.0f}" for v in values[: len(runs)]])
+    ax1.set_ylabel("output tokens / s (wall clock)")
+    ax1.set_title(f"{result['ratio']:.2f}x transformers CB (wall), {result['ratio_cpu']:.2f}x "
+                  f"CPU; {result['ratio_static']:.2f}x static", fontsize=9)  # fmt: skip
+    for (name, run), color in zip(runs.items(), colors, strict=False):
         xs = [0.0] + [t for t, _ in run.timeline]
         ys = [0] + [n for _, n in run.timeline]
         ax2.step(xs, ys, where="post", label=name, color=color)
@@ -268,6 +235,7 @@ def plot(path: str, ours: Run, base: Run, result: dict[str, Any], title: str) ->
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
+    load_start = [round(x, 2) for x in os.getloadavg()]
     model_dir = write_tiny_model(ROOT / ".cache" / "models" / f"{args.preset}-seed0", args.preset)
     config = EngineConfig(
         model=str(model_dir),
@@ -307,21 +275,29 @@ def main() -> int:
         "preemptions": engine.stats().preemptions,
     }
     pad_id = int(engine.tokenizer.pad_token_id)
-    hf_model = engine.runner.model
+    shape = CacheShape(engine.config.block_size, args.kv_cache_bytes,
+                       args.max_num_batched_tokens, max(args.requests, 1))  # fmt: skip
     del engine
-    base = Run(seconds=float("nan"), cpu_seconds=float("nan"))
+    cb = static = Run(seconds=float("nan"), cpu_seconds=float("nan"))
     if not args.skip_baseline:
-        base = run_baseline(_hf_model(model_dir, args), pad_id, work, args.batch, args.device)
-    result["baseline_tok_s"] = work.output_tokens / base.seconds
+        hf_model = _hf_model(model_dir, args)
+        warm_up_continuous(hf_model, shape)
+        cb = run_continuous(hf_model, work.prompts, work.output_lens, shape)
+        if not args.skip_static:
+            static = run_static(hf_model, pad_id, work.prompts, work.output_lens, args.batch,
+                                args.device)  # fmt: skip
+        del hf_model
+    # Wall clock first; the same over this process's CPU time (robust to other load).
+    for name, run in (("baseline", cb), ("static", static)):
+        result[f"{name}_tok_s"] = work.output_tokens / run.seconds
+        result[f"{name}_s"] = run.seconds
+        result[f"{name}_cpu_tok_s"] = work.output_tokens / run.cpu_seconds
+    result["baseline"] = "transformers continuous batching (generation/continuous_batching)"
     result["ratio"] = result["ours_tok_s"] / result["baseline_tok_s"]
-    result["baseline_s"] = base.seconds
-    # The same figures over CPU time (one thread: the work done, whatever else runs here).
     result["ours_cpu_tok_s"] = work.output_tokens / ours.cpu_seconds
-    result["baseline_cpu_tok_s"] = (
-        work.output_tokens / base.cpu_seconds if base.cpu_seconds else float("nan")
-    )
     result["ratio_cpu"] = result["ours_cpu_tok_s"] / result["baseline_cpu_tok_s"]
-    del hf_model
+    result["ratio_static"] = result["ours_tok_s"] / result["static_tok_s"]
+    result["ratio_static_cpu"] = result["ours_cpu_tok_s"] / result["static_cpu_tok_s"]
     result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
     for k, v in result.items():
         print(f"{k:>15}: {v}", file=sys.stderr)
@@ -331,8 +307,13 @@ def main() -> int:
             f"outputs {args.output_len[0]}–{args.output_len[1]} tokens), {args.preset} model, "
             f"{args.dtype}, {args.threads} thread{'s' if args.threads > 1 else ''}"
         )
-        plot(args.plot, ours, base, result, title)
-    print(json.dumps({**result, "requests": args.requests, "quick": args.quick}))
+        plot(args.plot, ours, {"transformers CB": cb, "transformers static": static}, result,
+             title)  # fmt: skip
+    print(json.dumps({**result, "requests": args.requests, "quick": args.quick,
+                      "threads": args.threads, "torch_threads": torch.get_num_threads(),
+                      "dtype": args.dtype, "preset": args.preset,
+                      "load_avg_start": load_start,
+                      "load_avg_end": [round(x, 2) for x in os.getloadavg()]}))  # fmt: skip
     return 0
 
 
