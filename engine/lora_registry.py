@@ -59,10 +59,8 @@ class LoraAdapter:
         return LoraRef(self.spec.name, self.spec.hash)
 
 
-def load_adapter(spec: LoraSpec, layers: Callable[[str], tuple[int, int] | None],
-                 dtype: torch.dtype) -> LoraAdapter:  # fmt: skip
-    """Read and check the weights; ``layers(path)``: the (in, out) of a layer the model
-    has and LoRA may target, None otherwise."""
+def _read_pairs(spec: LoraSpec) -> dict[str, dict[str, torch.Tensor]]:
+    """Each LoRA layer's {"A": ..., "B": ...} as the file holds them."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(f"{spec.path}/{WEIGHTS_FILE}", framework="pt") as f:  # type: ignore[no-untyped-call]
         for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -73,6 +71,20 @@ def load_adapter(spec: LoraSpec, layers: Callable[[str], tuple[int, int] | None]
                     "(embeddings, magnitudes, biases are not supported)"
                 )
             pairs.setdefault(m["path"], {})[m["ab"]] = f.get_tensor(key)
+    return pairs
+
+
+def load_adapter(spec: LoraSpec, layers: Callable[[str], tuple[int, int] | None],
+                 dtype: torch.dtype) -> LoraAdapter:  # fmt: skip
+    """Read and check the weights; ``layers(path)``: the (in, out) of a layer the model
+    has and LoRA may target, None otherwise."""
+    try:
+        pairs = _read_pairs(spec)
+    except LoraError:
+        raise
+    except Exception as exc:  # safetensors' own error for a file that is not one
+        raise LoraError(f"adapter {spec.name!r}: {WEIGHTS_FILE} could not be read: "
+                        f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
     if not pairs:
         raise LoraError(f"adapter {spec.name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     weights = {}

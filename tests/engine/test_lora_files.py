@@ -86,7 +86,7 @@ def _rewrite_weights(adapter: Path, edit: Any) -> None:
     save_file(tensors, file)
 
 
-def test_bad_weights(copy: Path, registry: LoraRegistry) -> None:
+def test_bad_weights(copy: Path, good: Path, registry: LoraRegistry) -> None:
     key = next(k for k in load_file(copy / "adapter_model.safetensors") if "lora_A" in k)
     layer = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
 
@@ -96,6 +96,10 @@ def test_bad_weights(copy: Path, registry: LoraRegistry) -> None:
     _rewrite_weights(copy, lambda t: t.pop(key))
     with pytest.raises(LoraError, match=f"{layer} lacks lora_A"):
         registry.load("x", str(copy))
+    (copy / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(LoraError, match="could not be read"):
+        registry.load("x", str(copy))
+    shutil.copy(good / "adapter_model.safetensors", copy / "adapter_model.safetensors")
     emb = "base_model.model.model.embed_tokens.lora_embedding_A"
     _rewrite_weights(copy, lambda t: t.update({emb: torch.zeros(8, 3072)}))
     with pytest.raises(LoraError, match="is not a LoRA A/B weight"):
