@@ -362,6 +362,19 @@ async def test_served_fallback_takes_the_failed_primary_out(picker_factory) -> N
         await pc.settle()
 
 
+async def test_proxy_going_away_frees_the_in_flight_count(picker_factory) -> None:
+    """The proxy drops the stream mid-response (a client that left): the pick's in-flight
+    count on the decode worker ends with it."""
+    async with picker_factory() as pc:
+        env = pc.envoy()
+        routed = await env.request("/v1/completions", completion("hello"))
+        snap = pc.service.rt.discovery.snapshot()
+        assert sum(w.inflight for w in snap.decode) == 1
+        env.call.cancel()
+        await pc.settle()
+        assert routed.endpoints
+
+
 async def test_health_service(picker_factory) -> None:
     async with picker_factory() as pc:
         health = health_pb2_grpc.HealthStub(pc.channel)
