@@ -11,7 +11,8 @@ endpoint picker behind an ``InferencePool``. A pure function over the rendered c
         decode worker) ──▶ prefill on the named worker, KV pulled as usual
 
 What changes against the built-in router mode: the router Deployment's command
-(``--mode endpoint-picker``), its port and probes (gRPC on ``grpc``), the router
+(``--mode endpoint-picker``), its ports and probes (gRPC on ``grpc``; ``/metrics`` stays
+on ``admin``), the router
 Service (the gRPC port, ``appProtocol: kubernetes.io/h2c``), a ``front`` container in
 each decode pod, the HTTPRoute's backend (the InferencePool), the NetworkPolicy (the
 front's port open to the gateway) and the InferencePool itself.
@@ -77,13 +78,11 @@ def _picker_deployment(spec: LLMServiceSpec, dep: Manifest) -> Manifest:
     c = dep["spec"]["template"]["spec"]["containers"][0]
     c["command"] = [*c["command"], "--mode", "endpoint-picker", "--grpc-port", str(GRPC_PORT),
                     "--target-port", str(FRONT_PORT)]  # fmt: skip
-    c["ports"] = [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}]
+    admin = {"name": "admin", "containerPort": n.ADMIN_PORT, "protocol": "TCP"}  # /metrics
+    c["ports"] = [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}, admin]
     c["startupProbe"] = _grpc_probe("liveness", 10, 180)
     c["readinessProbe"] = _grpc_probe("readiness", 5, 3)
     c["livenessProbe"] = _grpc_probe("liveness", 10, 6)
-    annotations = dep["spec"]["template"]["metadata"]["annotations"]
-    for key in [k for k in annotations if k.startswith("prometheus.io/")]:
-        del annotations[key]  # the picker serves no /metrics (the fronts do)
     return dep
 
 

@@ -2,8 +2,9 @@
 
 The router's own flags keep their meaning (model, discovery, scorers, the
 disaggregation threshold, keys, limits); the picker adds where it listens and what
-it names: ``--grpc-port``, ``--fallbacks`` and ``--target-port``. A decode pod's front
-is the built-in mode with ``--prefill-from-header`` (docs/router.md).
+it names: ``--grpc-port``, ``--fallbacks`` and ``--target-port``; ``--admin-port`` serves
+its ``/metrics``. A decode pod's front is the built-in mode with ``--prefill-from-header``
+(docs/router.md).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def run_picker(args: argparse.Namespace) -> int:
     async def main() -> None:  # the runtime's HTTP session needs the running loop
         service = PickerService(cfg, source, tokenizer, args.fallbacks,
                                 target_of(args.target_port))  # fmt: skip
-        await serve_forever(service, args.host, args.grpc_port)
+        await serve_forever(service, args.host, args.grpc_port, args.admin_port)
 
     try:
         asyncio.run(main())

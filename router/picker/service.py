@@ -16,6 +16,7 @@ import signal
 from collections.abc import Callable
 
 import grpc
+from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -47,9 +48,12 @@ class PickerService:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._ready = False
+        self._metrics: web.AppRunner | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        """Serve on ``host:port`` (0: any free port); returns the port."""
+    async def start(self, host: str, port: int, metrics_port: int = 0) -> int:
+        """Serve on ``host:port`` (0: any free port); returns the port. ``metrics_port``:
+        where ``GET /metrics`` answers (the router's series: decisions, prefix matches,
+        the index's size; 0: nowhere)."""
         server = grpc.aio.server()
         ep_grpc.add_ExternalProcessorServicer_to_server(ExtProc(self.picker), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -65,7 +69,20 @@ class PickerService:
         self.rt.discovery.after_refresh.append(self._on_refresh)
         await self.rt.start()
         await self._set_ready()
+        if metrics_port:
+            await self._serve_metrics(host, metrics_port)
         return self.port
+
+    async def _serve_metrics(self, host: str, port: int) -> None:
+        async def metrics(_: web.Request) -> web.Response:
+            body = self.rt.metrics.render()
+            return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        self._metrics = web.AppRunner(app, access_log=None)
+        await self._metrics.setup()
+        await web.TCPSite(self._metrics, host, port).start()
 
     def _on_refresh(self) -> None:
         asyncio.get_running_loop().create_task(self._set_ready())
@@ -81,15 +98,20 @@ class PickerService:
             await self.health.set(name, status)
 
     async def close(self) -> None:
+        if self._metrics is not None:
+            await self._metrics.cleanup()
+            self._metrics = None
         if self.server is not None:
             await self.server.stop(grace=2.0)
             self.server = None
         await self.rt.close()
 
 
-async def serve_forever(service: PickerService, host: str, port: int) -> None:
+async def serve_forever(
+    service: PickerService, host: str, port: int, metrics_port: int = 0
+) -> None:
     """Run until SIGTERM/SIGINT (a pod's stop), then close."""
-    bound = await service.start(host, port)
+    bound = await service.start(host, port, metrics_port)
     log.info("endpoint picker (ext_proc) listening on %s:%d", host, bound)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -105,7 +105,10 @@ def test_picker_deployment_runs_the_picker() -> None:
         FRONT_PORT,
     )
     assert args.discovery == "kubernetes" and args.service == "demo"
-    assert c["ports"] == [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}]
+    ports = [(p["name"], p["containerPort"]) for p in c["ports"]]
+    assert ports == [("grpc", GRPC_PORT), ("admin", args.admin_port)]
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(args.admin_port)  # its routing series
     probes = {
         k: c[k]["grpc"]["service"] for k in ("startupProbe", "readinessProbe", "livenessProbe")
     }

@@ -1,5 +1,6 @@
 """``pdserve router --mode endpoint-picker`` as a process: it becomes ready on gRPC health
-once a decode worker is, picks for the Envoy-side client, and stops cleanly on SIGTERM."""
+once a decode worker is, picks for the Envoy-side client, serves its metrics on
+``--admin-port``, and stops cleanly on SIGTERM."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,12 +41,12 @@ async def _wait_ready(channel: grpc.aio.Channel, proc: asyncio.subprocess.Proces
 async def test_picker_process_picks_and_stops(tiny_model_dir: Path) -> None:
     pst, dst = FakeState("prefill", "p0"), FakeState("decode", "d0")
     async with serve(prefill_app(pst)) as purl, serve(decode_app(dst)) as durl:
-        port, front = free_port(), free_port()
+        port, front, admin = free_port(), free_port(), free_port()
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pdserve", "router", "--mode", "endpoint-picker",
             "--model", str(tiny_model_dir), "--grpc-port", str(port), "--prefill", purl,
             "--decode", durl, "--disagg-threshold", "8", "--target-port", str(front),
-            "--health-interval", "0.2", "--log-level", "warning",
+            "--admin-port", str(admin), "--health-interval", "0.2", "--log-level", "warning",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
         try:
@@ -55,6 +57,9 @@ async def test_picker_process_picks_and_stops(tiny_model_dir: Path) -> None:
                 routed = await env.request("/v1/completions", json.dumps(body).encode())
                 await env.response(routed.endpoints[0], [b"data: [DONE]\n\n"])
                 env.close()
+            async with httpx.AsyncClient() as h:  # the picker's own series on --admin-port
+                metrics = (await h.get(f"http://127.0.0.1:{admin}/metrics")).text
+            assert 'pdserve_router_routing_decisions_total{kind="remote_prefill"} 1.0' in metrics
         finally:
             proc.terminate()
             output = (await asyncio.wait_for(proc.communicate(), 30))[0].decode()
