@@ -16,7 +16,7 @@ pytestmark = pytest.mark.bench
 @pytest.mark.timeout(900)
 def test_multi_router_bench_quick(tmp_path: Path) -> None:
     r = run_bench("multi_router.py", "--quick", "--out", str(tmp_path), timeout=880)
-    assert r["requests_per_kind"] == 24  # 4 groups x 6, each way
+    assert r["requests_per_kind"] == 32  # 4 groups x 8, each way
     # Three replicas route as well as one: they share the workers' view, not their own.
     assert r["prefix_hit_ratio_1"] >= 0.5  # only each group's first request may miss
     assert r["prefix_hit_ratio_3"] >= 0.95 * r["prefix_hit_ratio_1"]
