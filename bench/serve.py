@@ -2,19 +2,27 @@
 
 The load is ``vllm bench serve``'s random dataset (``bench/serve_load.py``): prompts
 of ``--input-len`` random token ids, exactly ``--output-len`` output tokens each
-(greedy, ignore_eos), streamed. Each setup of ours is started with ``pdserve up``
-on the same model and stopped after its sweep:
+(greedy, ignore_eos), streamed. Each configuration of ours is started with
+``pdserve up`` on the same model (prefix caching off on both sides: the prompts share
+nothing) and stopped after its points:
 
-* ``disagg``: 1 prefill + 1 decode worker (the router splits prompts over both);
-* ``colocated``: ``--prefill 0``, one worker that prefills and decodes.
+* ``default``: ``pdserve up`` as shipped (1 prefill + 1 decode worker; the router
+  splits prompts over both; threads by its own rules);
+* ``colocated``: ``--prefill 0``, one worker that prefills and decodes;
+* ``disagg``: the same as ``default``, under its old name.
 
-``--peer-url URL`` runs the identical sweep against a server already running there
-(vLLM's CPU build, say: see README "Serving benchmark") in the same run, and
-reports ``peer_ratio``: ours / peer output tok/s at concurrency 16 (the best of our
-setups; each setup's ratio is in ``peer_ratios``). Per point: output tok/s, TTFT and
-TPOT p50/p99. Last stdout line: JSON; plot: bench/out/serve.png.
+``--peer-url URL`` compares one configuration (named before the run: one row) with a
+server already running there (vLLM's CPU build, say: see README "Serving benchmark"):
+``--repeats`` interleaved repetitions, peer then ours, at each concurrency, and
+``peer_ratio`` = the median over repetitions of ours / peer output tok/s at
+concurrency 16 (the highest point if 16 is not swept), with ``peer_ratio_range``
+(min, max) and each side's median and range. Recorded in the JSON: the peer's model
+path and dtype (its ``/v1/models``, else its command line: bench/serve_peer.py), both
+sides' thread settings, ``os.getloadavg()`` per repetition. Without ``--peer-url`` each
+configuration given runs one sweep. Per point: output tok/s, TTFT and TPOT p50/p99.
+Last stdout line: JSON; plot: bench/out/serve.png.
 
-    python bench/serve.py --preset small --dtype float32 --peer-url http://127.0.0.1:8300
+    python bench/serve.py --model-name small --setups default --peer-url http://127.0.0.1:8399
     python bench/serve.py --quick      # tiny model, a few requests (a minute)
 """
 
@@ -25,6 +33,7 @@ import asyncio
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -38,25 +47,36 @@ from pdserve.local.proc_group import end_group
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+import serve_models  # noqa: E402
 from serve_load import Load, run_point, served_model, warm_up  # noqa: E402
+from serve_peer import describe_peer, ours_threads  # noqa: E402
 
-SETUPS = {"disagg": ["--prefill", "1", "--decode", "1"], "colocated": ["--prefill", "0"]}
+SETUPS = {"default": [], "disagg": ["--prefill", "1", "--decode", "1"],
+          "colocated": ["--prefill", "0"]}  # fmt: skip
 RATIO_AT = 16
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny model, few requests")
-    p.add_argument("--model", default="", help="model directory (default: the --preset model)")
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--model", default="", help="model directory (default: --model-name's)")
+    p.add_argument(
+        "--model-name",
+        "--preset",
+        dest="preset",
+        default="tiny",
+        choices=serve_models.NAMES,
+        help="a preset or a shape of serve_models.py",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=100, help="per concurrency point")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    p.add_argument("--setups", nargs="+", default=["default", "colocated"], choices=list(SETUPS))
     p.add_argument("--peer-url", default="", help="an OpenAI-compatible server to compare")
     p.add_argument("--peer-name", default="peer")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (--peer-url)")
     p.add_argument("--port", type=int, default=8700, help="router port of our setups")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker argument")
     p.add_argument("--plot", default=str(ROOT / "bench" / "out" / "serve.png"))
@@ -64,19 +84,22 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.preset, args.input_len, args.output_len = "tiny", 32, 8
         args.num_prompts, args.concurrency = 8, [1, 4]
+    if args.peer_url and len(args.setups) != 1:
+        p.error("--peer-url compares one configuration per run (one row): give one --setups")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     return args
 
 
 def model_dir(args: argparse.Namespace) -> str:
     if args.model:
         return str(args.model)
-    from pdserve.engine.tiny_model import write_tiny_model
-
-    out = ROOT / ".cache" / "models" / f"{args.preset}-seed0"
-    return str(write_tiny_model(out, args.preset))
+    return str(serve_models.model_dir(args.preset))
 
 
-def start_ours(setup: str, model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:  # type: ignore[type-arg]
+def start_ours(
+    setup: str, model: str, args: argparse.Namespace
+) -> tuple[subprocess.Popen, str, list[str]]:  # type: ignore[type-arg]
     argv = [sys.executable, "-m", "pdserve", "up", "--model", model, "--dtype", args.dtype,
             "--port", str(args.port), "--worker-port-base", str(args.port + 100),
             "--worker-arg=--no-prefix-caching", *SETUPS[setup],
@@ -94,7 +117,7 @@ def start_ours(setup: str, model: str, args: argparse.Namespace) -> tuple[subpro
         lines.append(line)
         print(f"  [{setup}] {line.rstrip()}", file=sys.stderr)
     url = re.search(r"pdserve is up: (\S+)/v1", "".join(lines)).group(1)  # type: ignore[union-attr]
-    return proc, url
+    return proc, url, lines
 
 
 def stop(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
@@ -119,16 +142,6 @@ def tok_s_at(points: list[dict[str, Any]], concurrency: int) -> float | None:
     return None
 
 
-def ratios(results: dict[str, list[dict[str, Any]]], peer: str) -> dict[str, float]:
-    at = RATIO_AT if tok_s_at(results[peer], RATIO_AT) else results[peer][-1]["concurrency"]
-    base = tok_s_at(results[peer], at) or float("nan")
-    return {
-        name: round((tok_s_at(points, at) or float("nan")) / base, 3)
-        for name, points in results.items()
-        if name != peer
-    }
-
-
 def plot(path: str, results: dict[str, list[dict[str, Any]]], title: str) -> None:
     plt = figures.pyplot()
 
@@ -147,32 +160,92 @@ def plot(path: str, results: dict[str, list[dict[str, Any]]], title: str) -> Non
     figures.save(fig, path, dpi=110)
 
 
+def load_avg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    return {"median": round(statistics.median(values), 3),
+            "range": [round(min(values), 3), round(max(values), 3)]}  # fmt: skip
+
+
+async def interleaved(peer_url: str, url: str, load: Load, args: argparse.Namespace
+                      ) -> list[dict[str, Any]]:  # fmt: skip
+    """``--repeats`` rounds of (peer, ours) at each concurrency: drifting load from other
+    jobs on the host falls on both sides alike."""
+    peer_model, model = await served_model(peer_url), await served_model(url)
+    await warm_up(peer_url, peer_model, load)
+    await warm_up(url, model, load)
+    reps = []
+    for rep in range(args.repeats):
+        for c in args.concurrency:
+            before = load_avg()
+            peer = await run_point(peer_url, peer_model, load, c)
+            ours = await run_point(url, model, load, c)
+            row = {"rep": rep, "concurrency": c, "peer": peer, "ours": ours,
+                   "ratio": round(ours["output_tok_s"] / peer["output_tok_s"], 3),
+                   "load_avg_before": before, "load_avg_after": load_avg()}  # fmt: skip
+            print(f"  rep {rep} c={c}: {json.dumps(row)}", file=sys.stderr)
+            reps.append(row)
+    return reps
+
+
+def summarize_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    at = RATIO_AT if any(r["concurrency"] == RATIO_AT for r in reps) else reps[-1]["concurrency"]
+    rows = [r for r in reps if r["concurrency"] == at]
+    ratio = spread([r["ratio"] for r in rows])
+    return {"ratio_at_concurrency": at, "peer_ratio": ratio["median"],
+            "peer_ratio_range": ratio["range"],
+            "peer_tok_s": spread([r["peer"]["output_tok_s"] for r in rows]),
+            "ours_tok_s": spread([r["ours"]["output_tok_s"] for r in rows]),
+            "ours_tpot_p50_ms": spread([r["ours"]["tpot_p50_ms"] for r in rows]),
+            "peer_tpot_p50_ms": spread([r["peer"]["tpot_p50_ms"] for r in rows])}  # fmt: skip
+
+
+def run_peer_mode(args: argparse.Namespace, model: str, load: Load) -> dict[str, Any]:
+    setup = args.setups[0]
+    peer = asyncio.run(describe_peer(args.peer_url))
+    print(f"peer {args.peer_name} {args.peer_url}: {peer['model_path']} {peer['dtype']}",
+          file=sys.stderr)  # fmt: skip
+    proc, url, lines = start_ours(setup, model, args)
+    try:
+        ours = ours_threads(proc.pid)
+        ours["thread_probe"] = [line.strip() for line in lines if "thread probe:" in line]
+        reps = asyncio.run(interleaved(args.peer_url, url, load, args))
+    finally:
+        stop(proc)
+    return {"config": setup, "config_args": [*SETUPS[setup], *args.worker_arg],
+            "peer_name": args.peer_name, "peer": peer, "ours_threads": ours,
+            "repeats": args.repeats, "reps": reps, **summarize_reps(reps)}  # fmt: skip
+
+
 def main() -> int:
     args = parse_args()
     model = model_dir(args)
     load = Load(args.num_prompts, args.input_len, args.output_len)
-    results: dict[str, list[dict[str, Any]]] = {}
-    load_avg = [round(x, 2) for x in os.getloadavg()]
-    if args.peer_url:
-        print(f"peer {args.peer_url}", file=sys.stderr)
-        results[args.peer_name] = asyncio.run(sweep(args.peer_name, args.peer_url, load,
-                                                    args.concurrency))  # fmt: skip
-    for setup in args.setups:
-        proc, url = start_ours(setup, model, args)
-        try:
-            results[f"pdserve-{setup}"] = asyncio.run(sweep(setup, url, load, args.concurrency))
-        finally:
-            stop(proc)
-    out: dict[str, Any] = {"results": results, "model": Path(model).name, "dtype": args.dtype,
+    start_load = load_avg()
+    out: dict[str, Any] = {"model": Path(model).name, "model_path": model, "dtype": args.dtype,
                            "input_len": args.input_len, "output_len": args.output_len,
                            "num_prompts": args.num_prompts, "quick": args.quick,
-                           "load_avg_start": load_avg,
-                           "load_avg_end": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+                           "bench_torch_threads": os.environ.get("OMP_NUM_THREADS"),
+                           "cores": len(os.sched_getaffinity(0))}  # fmt: skip
+    results: dict[str, list[dict[str, Any]]] = {}
     if args.peer_url:
-        out["peer_ratios"] = ratios(results, args.peer_name)
-        out["peer_ratio"] = max(out["peer_ratios"].values())
+        out.update(run_peer_mode(args, model, load))
+        for side in ("peer", "ours"):  # the last repetition's points, for the plot
+            name = args.peer_name if side == "peer" else f"pdserve-{args.setups[0]}"
+            last = out["reps"][-1]["rep"]
+            results[name] = [r[side] for r in out["reps"] if r["rep"] == last]
+    for setup in [] if args.peer_url else args.setups:
+        proc, url, _ = start_ours(setup, model, args)
+        try:
+            results[f"pdserve-{setup}"] = asyncio.run(sweep(setup, url, load, args.concurrency))
+            out.setdefault("ours_threads", {})[setup] = ours_threads(proc.pid)
+        finally:
+            stop(proc)
+    out.update(results=results, load_avg_start=start_load, load_avg_end=load_avg())
     title = (f"{Path(model).name}, {args.dtype}, random {args.input_len} in / {args.output_len} "
-             f"out, {args.num_prompts} prompts per point, load avg {load_avg[0]}")  # fmt: skip
+             f"out, {args.num_prompts} prompts per point, load avg {start_load[0]}")  # fmt: skip
     plot(args.plot, results, title)
     print(json.dumps(out))
     return 0

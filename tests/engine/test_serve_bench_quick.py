@@ -1,12 +1,14 @@
-"""bench/serve.py --quick end to end: our setup under a concurrency sweep beside a peer.
+"""bench/serve.py --quick --peer-url: one configuration against a peer, interleaved repetitions.
 
 The peer is a second, real `pdserve up --prefill 0` started here (vLLM is not a
-dependency); the benchmark must treat it as any OpenAI-compatible server and
-report per-point latencies, output tok/s and the peer ratio.
+dependency); the benchmark must treat it as any OpenAI-compatible server, alternate
+peer and ours three times, and report the median ratio, its range, the peer's model
+path and dtype and both sides' thread settings.
 """
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -38,18 +40,32 @@ def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
         result = run_bench("serve.py", *args, "--plot", str(plot), timeout=360)
     finally:
         end_group(peer, grace_s=60)
-    assert set(result["results"]) == {"twin", "pdserve-colocated"}
-    for points in result["results"].values():
-        assert [p["concurrency"] for p in points] == [1, 4]
-        for p in points:
+    assert result["config"] == "colocated" and result["repeats"] == 3
+    # peer, ours at each concurrency, three times over; every point complete.
+    reps = result["reps"]
+    assert [(r["rep"], r["concurrency"]) for r in reps] == [
+        (i, c) for i in range(3) for c in (1, 4)
+    ]
+    for r in reps:
+        for p in (r["peer"], r["ours"]):
             assert p["requests"] == 8 and p["output_tok_s"] > 0
             assert 0 < p["ttft_p50_ms"] <= p["ttft_p99_ms"]
             assert 0 < p["tpot_p50_ms"] <= p["tpot_p99_ms"]
-    # No concurrency 16 in a quick sweep: the ratio is taken at the highest point (4).
-    ours = result["results"]["pdserve-colocated"][-1]["output_tok_s"]
-    twin = result["results"]["twin"][-1]["output_tok_s"]
-    assert result["peer_ratio"] == pytest.approx(ours / twin, rel=1e-2)
+        assert r["ratio"] == pytest.approx(r["ours"]["output_tok_s"] / r["peer"]["output_tok_s"],
+                                           rel=1e-2)  # fmt: skip
+        assert len(r["load_avg_before"]) == 3
+    # No concurrency 16 in a quick sweep: the ratio is the median at the highest point (4).
+    at4 = [r["ratio"] for r in reps if r["concurrency"] == 4]
+    assert result["ratio_at_concurrency"] == 4
+    assert result["peer_ratio"] == pytest.approx(statistics.median(at4), abs=1e-3)
+    assert result["peer_ratio_range"] == [pytest.approx(min(at4)), pytest.approx(max(at4))]
     # The peer is the same server on the same model (`pdserve up --prefill 0` both): the
-    # ratio is near 1. A sweep that counted tokens or time differently per side would not be.
+    # ratio is near 1 (0.8-1.2 quiet). A side whose tokens or time were counted
+    # differently, or a ratio taken the wrong way round with a slower side, would not be.
     assert 0.4 < result["peer_ratio"] < 2.5, result["peer_ratio"]
+    # What each side ran: the peer's model path and dtype, read from it; threads of both.
+    assert Path(result["peer"]["model_path"]) == tiny_model_dir
+    assert result["peer"]["dtype"] == "float32" and result["peer"]["processes"]
+    assert len(result["ours_threads"]["cpu_threads_per_worker"]) == 1  # one colocated worker
+    assert set(result["results"]) == {"twin", "pdserve-colocated"}
     assert result["quick"] is True and plot.stat().st_size > 1000

@@ -1,0 +1,152 @@
+"""What bench/serve.py records about each side: model path, dtype and thread settings.
+
+The peer's model path comes from its ``/v1/models`` (``root``, else ``id``); its dtype
+from the model card where the server states one, else from the serving process's own
+command line (``--dtype``; ``auto`` resolved from the model's config.json), found by the
+port it listens on when it runs on this machine. Thread settings of a side are, per
+process of it (the server and its children, e.g. vLLM's engine core, our workers): the
+OS threads, the CPU affinity, the thread-related environment and any ``--cpu-threads``.
+Nothing here is trusted blindly: a field that cannot be read is recorded as ``None``
+with where it was looked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import aiohttp
+
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND",
+              "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE", "KMP_BLOCKTIME",
+              "OMP_WAIT_POLICY", "PDSERVE_ENFORCE_EAGER", "PDSERVE_CPU_LINEAR")  # fmt: skip
+
+
+async def model_card(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session, session.get(url + "/v1/models") as resp:
+        data = await resp.json()
+    return dict(data["data"][0])
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _config_dtype(model_path: str) -> str | None:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    got = config.get("torch_dtype") or config.get("dtype")
+    return str(got) if got else None
+
+
+def listening_pid(port: int) -> int | None:
+    """The pid of this user's process listening on TCP ``port`` (loopback or any)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    for pid in _pids():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _stat(pid: int) -> list[str]:
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    return raw[raw.rindex(")") + 2 :].split()  # state, ppid, pgrp, session, ...
+
+
+def descendants(pid: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for p in _pids():
+        try:
+            parents[p] = int(_stat(p)[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    out, frontier = [pid], [pid]
+    while frontier:
+        frontier = [p for p, parent in parents.items() if parent in frontier]
+        out += frontier
+    return out
+
+
+def process_threads(pid: int) -> dict[str, Any] | None:
+    """One process's thread settings (None if it is gone or not ours to read)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    env = dict(e.split("=", 1) for e in environ if "=" in e)
+    threads = next((int(s.split()[1]) for s in status if s.startswith("Threads:")), None)
+    try:
+        affinity = sorted(os.sched_getaffinity(pid))
+    except OSError:
+        affinity = []
+    return {"pid": pid, "argv": [a for a in argv if a][:40], "os_threads": threads,
+            "affinity": affinity, "cpu_threads_arg": _flag(argv, "--cpu-threads"),
+            "env": {k: env[k] for k in THREAD_ENV if k in env}}  # fmt: skip
+
+
+def side_threads(root_pid: int | None) -> list[dict[str, Any]]:
+    """Thread settings of a server and every process under it."""
+    if root_pid is None:
+        return []
+    return [t for p in descendants(root_pid) if (t := process_threads(p)) is not None]
+
+
+async def describe_peer(url: str) -> dict[str, Any]:
+    """The peer's model path, dtype (and where it was read) and thread settings."""
+    card = await model_card(url)
+    path = str(card.get("root") or card.get("id"))
+    parsed = urlparse(url)
+    local = parsed.hostname in ("127.0.0.1", "localhost", "::1")
+    pid = listening_pid(parsed.port or 80) if local else None
+    procs = side_threads(pid)
+    if not Path(path).is_dir() and procs:  # a served name: the path it was started with
+        path = _flag(procs[0]["argv"], "--model") or path
+    dtype, source = card.get("dtype"), "/v1/models"
+    if dtype is None and procs:
+        dtype, source = _flag(procs[0]["argv"], "--dtype") or "auto", "its command line"
+    if dtype == "auto":
+        dtype, source = _config_dtype(path), "auto: the model's config.json"
+    return {"url": url, "model_path": path, "model_card": card, "dtype": dtype,
+            "dtype_from": source if dtype else "unknown (not in /v1/models, not local)",
+            "pid": pid, "processes": procs}  # fmt: skip
+
+
+def ours_threads(session_pid: int) -> dict[str, Any]:
+    """Our side: the ``pdserve up`` process and its workers and routers."""
+    procs = side_threads(session_pid)
+    workers = [p for p in procs if "--cpu-threads" in p["argv"] or p["cpu_threads_arg"]]
+    return {"cpu_threads_per_worker": [p["cpu_threads_arg"] for p in workers],
+            "processes": procs}  # fmt: skip
