@@ -252,19 +252,22 @@ async def test_destination_header_and_metadata_agree(picker_factory) -> None:
         await pc.settle()
 
 
-async def test_prefix_affinity_is_visible(picker_factory) -> None:
+@pytest.mark.parametrize("picker", ["max-score", "round-robin"])
+async def test_prefix_affinity_is_visible(picker_factory, picker: str) -> None:
     """Requests sharing a long prefix are sent to one prefill worker (the router's prefix
-    index learns the pick at once); a short prompt prefills on the decode worker."""
-    groups = [list(range(10 + g, 138 + g)) for g in (0, 300)]
-    async with picker_factory(disagg_threshold=32) as pc:
-        where: dict[int, set[str]] = {0: set(), 1: set()}
+    index learns the pick at once), where rotation (the baseline) spreads each prefix
+    over both; a short prompt prefills on the decode worker."""
+    groups = [list(range(10 + g, 138 + g)) for g in (0, 300, 600)]
+    async with picker_factory(disagg_threshold=32, picker=picker) as pc:
+        where: dict[int, set[str]] = {g: set() for g in range(len(groups))}
         for r in range(4):
-            for g, prefix in enumerate(groups):
+            for g, prefix in enumerate(groups):  # interleaved: g0 g1 g2 g0 g1 g2 ...
                 env = pc.envoy()
                 routed = await env.request("/v1/completions", completion([*prefix, 500 + r]))
                 env.close()
                 where[g].add(routed.set_headers[PREFILL_HEADER])
-        assert all(len(s) == 1 for s in where.values()), where
+        spread = {g: len(s) for g, s in where.items()}
+        assert spread == ({0: 1, 1: 1, 2: 1} if picker == "max-score" else {0: 2, 1: 2, 2: 2})
         env = pc.envoy()
         short = await env.request("/v1/completions", completion([11, 12, 13]))
         env.close()
