@@ -6,6 +6,10 @@ The engine thread only queues work (``start_load``, ``cancel``) and drains resul
     handshake (once per peer) ─▶ claim the lease ─▶ READ ─▶ done: the peer confirms the
     lease held the blocks throughout ─▶ LoadResult(ok)
 
+Each load is one ``LoadRecord``; its ``phase`` (transfer/load_state.py: HANDSHAKING →
+CLAIMING → CLAIMED → TRANSFERRING → CONFIRMING → DONE | FAILED | ABORTED | STOPPING) is
+moved on by the transfer thread alone, one checked ``advance`` per step.
+
 Side-channel calls (handshake, claim, done) run in a small pool so a dead peer cannot stall
 the others. Every load ends in exactly one ``LoadResult`` within ``transfer_timeout`` of
 ``start_load``. A read that fails or times out is aborted first; if the transport cannot
@@ -29,15 +33,13 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.kv_connector import KVConnector, LoadResult
-from pdserve.env import service_secret
-from pdserve.keys import secrets_from_env
 from pdserve.transfer.base import LeaseRef, PeerInfo, PeerUnreachable, ReadOp, State
 from pdserve.transfer.layout import PoolGeometry
+from pdserve.transfer.load_state import LoadPhase, LoadRecord
 from pdserve.transfer.messages import (
     CompatRecord,
     HandshakeReply,
@@ -47,28 +49,10 @@ from pdserve.transfer.messages import (
     LeaseDoneAck,
 )
 from pdserve.transfer.registry import DEFAULT_TRANSFER_TIMEOUT, new_agent_name, transport_class
-from pdserve.transfer.side_channel import call, handshake
+from pdserve.transfer.side_channel import call, handshake, service_secrets
 from pdserve.transfer.validation import check_local, check_peer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Load:
-    request_id: str
-    handle: KVHandle
-    remote_ids: list[int]
-    local_ids: list[int]
-    deadline: float  # time.monotonic()
-    op: ReadOp | None = None
-    read_started: float = 0.0
-    retried_handshake: bool = False
-    claimed: bool = False  # the peer granted our claim: we must end the lease
-    cancelled: bool = False
-    release_lease: bool = True  # False once the peer looks gone
-    step: Future[object] | None = None  # the side-channel call in flight (claim or done)
-    num_bytes: int = 0
-    seconds: float = 0.0
 
 
 class RemoteKVConnector(KVConnector):
@@ -87,7 +71,7 @@ class RemoteKVConnector(KVConnector):
         self.compat = compat
         self.transfer_timeout = transfer_timeout
         self.release_timeout = release_timeout
-        self.secret = _secrets("the KV connector") if secret is None else secret
+        self.secret = service_secrets("the KV connector") if secret is None else secret
         kind = transport_class(transport)
         self.transport = kind(pool, compat, self.agent_name, initiator=True, secret=self.secret)
         self._num_blocks = PoolGeometry.of(pool).num_blocks
@@ -95,10 +79,9 @@ class RemoteKVConnector(KVConnector):
         self._done: queue.Queue[LoadResult] = queue.Queue()
         self._peers: dict[str, PeerInfo] = {}  # by side-channel address
         self._handshakes: dict[str, Future[HandshakeReply]] = {}
-        self._waiting: dict[str, _Load] = {}  # loads waiting for their peer's handshake
-        self._calling: dict[str, _Load] = {}  # loads waiting for a claim or done reply
-        self._active: dict[str, _Load] = {}  # loads with a read in flight
-        self._stopping: dict[str, _Load] = {}  # quarantined: aborted reads not yet stopped
+        # Every admitted load until it ends (STOPPING ones until their read stopped), by
+        # serial: a quarantined load may outlive its request, whose id may come back.
+        self._loads: dict[int, LoadRecord] = {}
         self._lifted: queue.Queue[str] = queue.Queue()  # quarantines lifted
         self._pending = 0  # started and not yet reported; engine thread only
         # Handshakes and lease releases get separate pools: releases to a dead peer (each up
@@ -135,7 +118,9 @@ class RemoteKVConnector(KVConnector):
             return
         assert isinstance(handle, KVHandle)
         deadline = time.monotonic() + self.transfer_timeout
-        load = _Load(request_id, handle, list(remote_block_ids), list(local_block_ids), deadline)
+        load = LoadRecord(
+            request_id, handle, list(remote_block_ids), list(local_block_ids), deadline
+        )
         self._inbox.put(("load", load))
 
     def poll(self) -> list[LoadResult]:
@@ -156,9 +141,14 @@ class RemoteKVConnector(KVConnector):
             out.append(self._lifted.get_nowait())
         return out
 
+    def phase(self, request_id: str) -> LoadPhase | None:
+        """The phase of the request's live load (any thread, approximate); None if none."""
+        live = [ld for ld in list(self._loads.values()) if ld.request_id == request_id]
+        return live[-1].phase if live else None
+
     def quarantined(self) -> int:
         """Reads reported failed that may still write their blocks (any thread, approximate)."""
-        return len(self._stopping)
+        return sum(ld.phase is LoadPhase.STOPPING for ld in list(self._loads.values()))
 
     def pending(self) -> int:
         """Loads started and not yet returned by ``poll`` (0 when nothing is in flight)."""
@@ -185,7 +175,7 @@ class RemoteKVConnector(KVConnector):
                 return
             try:
                 if kind == "load":
-                    assert isinstance(arg, _Load)
+                    assert isinstance(arg, LoadRecord)
                     self._admit(arg)
                 elif kind == "cancel":
                     assert isinstance(arg, str)
@@ -199,63 +189,62 @@ class RemoteKVConnector(KVConnector):
         flight: not at all. UCX moves the data only inside check() calls here (no progress
         thread on the initiator; with cma the copy runs in this thread), so any sleep between
         checks is lost bandwidth. The GIL's switch interval still lets the engine thread in."""
-        if self._active and self.transport.busy_poll:
+        if self.transport.busy_poll and self._in(LoadPhase.TRANSFERRING):
             return 0.0
-        if self._active or self._waiting or self._stopping or self._calling:
+        if self._loads:
             return 0.0005
         return 0.05
 
-    def _admit(self, load: _Load) -> None:
+    def _in(self, *phases: LoadPhase) -> list[LoadRecord]:
+        """The loads in ``phases`` now, oldest first (a copy: callers move them on)."""
+        return [ld for ld in self._loads.values() if ld.phase in phases]
+
+    def _admit(self, load: LoadRecord) -> None:
+        self._loads[load.serial] = load
         peer = self._peers.get(load.handle.side_channel)
         if peer is not None:
             self._start(load, peer)
             return
-        self._waiting[load.request_id] = load
+        load.advance(LoadPhase.HANDSHAKING)
         self._ensure_handshake(load.handle.side_channel)
 
     def _ensure_handshake(self, address: str) -> None:
         if address not in self._handshakes:
             self._handshakes[address] = self._calls.submit(
-                handshake,
-                address,
-                self.transport.name,
-                self.compat,
-                self.agent_name,
-                self.transport.metadata(),
-                self.transfer_timeout,
-                self.secret,
-            )
+                handshake, address, self.transport.name, self.compat, self.agent_name,
+                self.transport.metadata(), self.transfer_timeout, self.secret,
+            )  # fmt: skip
 
-    def _start(self, load: _Load, peer: PeerInfo) -> None:
+    def _start(self, load: LoadRecord, peer: PeerInfo) -> None:
         err = check_peer(load.handle, load.remote_ids, peer)
-        if err and not load.retried_handshake and load.handle.agent_name != peer.agent_name:
+        if err and not load.handshake_retries and load.handle.agent_name != peer.agent_name:
             # The peer may have restarted under a new agent name: ask once more.
-            load.retried_handshake = True
+            load.handshake_retries += 1
             self._forget_peer(peer.side_channel)
             self._admit(load)
             return
         if err:
-            self._finish(load, f"request {load.request_id}: {err}")
+            self._finish(load, LoadPhase.FAILED, f"request {load.request_id}: {err}")
             return
         h = load.handle
-        self._call(load, LeaseClaim(h.request_id, h.nonce, self.agent_name))
+        self._call(load, LeaseClaim(h.request_id, h.nonce, self.agent_name), LoadPhase.CLAIMING)
 
-    def _call(self, load: _Load, msg: object) -> None:
+    def _call(self, load: LoadRecord, msg: object, phase: LoadPhase) -> None:
         addr = load.handle.side_channel
         load.step = self._calls.submit(call, addr, msg, self.transfer_timeout, self.secret)
-        self._calling[load.request_id] = load
+        load.advance(phase)
 
-    def _gone(self, load: _Load, error: str) -> None:
+    def _gone(self, load: LoadRecord, error: str) -> None:
         """The peer did not answer: forget it (the next load re-handshakes); its lease
         times out there."""
         self._forget_peer(load.handle.side_channel)
-        load.release_lease = False
-        self._finish(load, error)
+        self._finish(load, LoadPhase.FAILED, error, release=False)
 
-    def _read(self, load: _Load) -> None:
+    def _read(self, load: LoadRecord) -> None:
         peer = self._peers.get(load.handle.side_channel)
         if peer is None:  # forgotten meanwhile (another read from it failed)
-            self._finish(load, f"request {load.request_id}: the KV peer went away")
+            msg = f"request {load.request_id}: the KV peer went away"
+            self._finish(load, LoadPhase.FAILED, msg)
             return
         lease = LeaseRef(load.handle.request_id, load.handle.nonce, self.agent_name)
         try:
@@ -263,51 +252,47 @@ class RemoteKVConnector(KVConnector):
             load.op = self.transport.start_read(lease, peer, load.remote_ids, load.local_ids)
         except Exception as exc:
             self._forget_peer(peer.side_channel)
-            load.release_lease = False  # the peer is most likely gone
-            self._finish(load, f"request {load.request_id}: could not start the read: {exc}")
+            msg = f"request {load.request_id}: could not start the read: {exc}"
+            self._finish(load, LoadPhase.FAILED, msg, release=False)  # the peer is likely gone
             return
-        self._active[load.request_id] = load
+        load.advance(LoadPhase.TRANSFERRING)
 
     def _progress(self) -> None:
         self._progress_handshakes()
         now = time.monotonic()
-        for rid, load in list(self._active.items()):
+        for load in self._in(LoadPhase.TRANSFERRING):
             assert load.op is not None
-            state = self._check(load.op)
+            rid, state = load.request_id, self._check(load.op)
             if state == "DONE":
-                del self._active[rid]
                 load.num_bytes = load.op.num_bytes
                 load.seconds = time.monotonic() - load.read_started
                 h = load.handle
-                self._call(load, LeaseDone(h.request_id, h.nonce, self.agent_name, True))
+                done = LeaseDone(h.request_id, h.nonce, self.agent_name, True)
+                self._call(load, done, LoadPhase.CONFIRMING)
             elif state == "ERR":
-                del self._active[rid]
                 self._forget_peer(load.handle.side_channel)
-                load.release_lease = False
-                self._finish(load, f"request {rid}: {load.op.error}")
+                self._finish(
+                    load, LoadPhase.FAILED, f"request {rid}: {load.op.error}", release=False
+                )
             elif now > load.deadline:
-                del self._active[rid]
                 self._forget_peer(load.handle.side_channel)
-                load.release_lease = False
                 err = f"KV read timed out after {self.transfer_timeout:g}s (prefill peer gone?)"
-                self._abort(load, f"request {rid}: {err}")
-        for rid, load in list(self._waiting.items()):
+                self._abort(load, LoadPhase.FAILED, f"request {rid}: {err}", release=False)
+        for load in self._in(LoadPhase.HANDSHAKING):
             if now > load.deadline:
-                del self._waiting[rid]
                 t, addr = self.transfer_timeout, load.handle.side_channel
-                err = f"no handshake with {addr} within {t:g}s"
-                load.release_lease = False
-                self._finish(load, f"request {rid}: {err}")
+                err = f"request {load.request_id}: no handshake with {addr} within {t:g}s"
+                self._finish(load, LoadPhase.FAILED, err, release=False)
         self._progress_calls(now)
         self._progress_stopping()
 
     def _progress_calls(self, now: float) -> None:
         """Claims granted start their read; confirmed dones end their load."""
-        for rid, load in list(self._calling.items()):
+        for load in self._in(LoadPhase.CLAIMING, LoadPhase.CONFIRMING):
             assert load.step is not None
             if not load.step.done() and now <= load.deadline:
                 continue
-            del self._calling[rid]
+            rid = load.request_id
             if not load.step.done():
                 addr, t = load.handle.side_channel, self.transfer_timeout
                 self._gone(load, f"request {rid}: no reply from side channel {addr} within {t:g}s")
@@ -318,21 +303,20 @@ class RemoteKVConnector(KVConnector):
                 self._gone(load, f"request {rid}: {exc}")
                 continue
             except Exception as exc:  # refused (replayed handle, expired lease)
-                self._finish(load, f"request {rid}: {exc}")
+                self._finish(load, LoadPhase.FAILED, f"request {rid}: {exc}")
                 continue
-            if not load.claimed:
-                load.claimed = True
+            if load.phase is LoadPhase.CLAIMING:
+                load.advance(LoadPhase.CLAIMED)
                 if load.cancelled:
-                    self._finish(load, f"request {rid}: cancelled")
+                    self._finish(load, LoadPhase.ABORTED, f"request {rid}: cancelled")
                 else:
                     self._read(load)
-            elif isinstance(reply, LeaseDoneAck) and reply.intact:
-                load.claimed = False  # the done ended the lease
-                self._finish(load, "", load.num_bytes, load.seconds)
+            elif isinstance(reply, LeaseDoneAck) and reply.intact:  # the done ended the lease
+                self._finish(load, LoadPhase.DONE, "", load.num_bytes, load.seconds, release=False)
             else:
-                load.claimed = False
                 err = getattr(reply, "error", "") or "the peer did not confirm the read"
-                self._finish(load, f"request {rid}: {err}; its blocks are not used")
+                msg = f"request {rid}: {err}; its blocks are not used"
+                self._finish(load, LoadPhase.FAILED, msg, release=False)  # answered: lease ended
 
     def _check(self, op: ReadOp) -> State:
         try:
@@ -347,14 +331,14 @@ class RemoteKVConnector(KVConnector):
             if not fut.done():
                 continue
             del self._handshakes[address]
-            waiting = [ld for ld in self._waiting.values() if ld.handle.side_channel == address]
-            for ld in waiting:
-                del self._waiting[ld.request_id]
+            waiting = [
+                ld for ld in self._in(LoadPhase.HANDSHAKING) if ld.handle.side_channel == address
+            ]
             try:
                 peer = self._add_peer(address, fut.result())
             except Exception as exc:
                 for ld in waiting:  # never claimed: the lease times out on the peer
-                    self._finish(ld, f"request {ld.request_id}: {exc}")
+                    self._finish(ld, LoadPhase.FAILED, f"request {ld.request_id}: {exc}")
                 continue
             for ld in waiting:
                 self._start(ld, peer)
@@ -380,21 +364,27 @@ class RemoteKVConnector(KVConnector):
             self.transport.remove_peer(peer.agent_name)
 
     def _cancel(self, rid: str) -> None:
-        if rid in self._waiting:
-            self._finish(self._waiting.pop(rid), f"request {rid}: cancelled")
-        elif rid in self._active:
-            self._abort(self._active.pop(rid), f"request {rid}: cancelled")
-        elif rid in self._calling:  # ends when its call returns
-            self._calling[rid].cancelled = True
+        live = (ld for ld in self._loads.values() if ld.request_id == rid)
+        load = next((ld for ld in live if ld.phase is not LoadPhase.STOPPING), None)
+        if load is None:
+            return
+        if load.phase is LoadPhase.HANDSHAKING:
+            self._finish(load, LoadPhase.ABORTED, f"request {rid}: cancelled")
+        elif load.phase is LoadPhase.TRANSFERRING:
+            self._abort(load, LoadPhase.ABORTED, f"request {rid}: cancelled")
+        elif load.phase is LoadPhase.CLAIMING:  # ends when the claim's reply comes
+            load.cancelled = True
+        # CONFIRMING: the read is done; its result (ok or not) is reported as it comes.
 
-    def _abort(self, load: _Load, error: str) -> None:
+    def _abort(self, load: LoadRecord, to: LoadPhase, error: str, release: bool = True) -> None:
+        """Stop the READ; ``to`` if it stopped, else STOPPING (quarantined)."""
         assert load.op is not None
         if self._try_abort(load.op):
-            self._finish(load, error)
+            self._finish(load, to, error, release=release)
         else:  # it may still write the local blocks: report it, keep them out of use
             log.error("KV read %s could not be stopped; its blocks are quarantined", load.op)
-            self._stopping[load.request_id] = load
-            self._finish(load, f"{error} (the read could not be stopped)", quarantined=True)
+            msg = f"{error} (the read could not be stopped)"
+            self._finish(load, LoadPhase.STOPPING, msg, quarantined=True, release=release)
 
     def _try_abort(self, op: ReadOp) -> bool:
         try:
@@ -405,25 +395,36 @@ class RemoteKVConnector(KVConnector):
 
     def _progress_stopping(self) -> None:
         """Quarantines end only when the transport says the read stopped, never by a timer."""
-        for rid, load in list(self._stopping.items()):
+        for load in self._in(LoadPhase.STOPPING):
             assert load.op is not None
             if self._try_abort(load.op):
+                rid = load.request_id
                 log.warning("quarantined KV read %s stopped; its blocks are free again", rid)
-                del self._stopping[rid]
+                load.advance(LoadPhase.FAILED)
+                del self._loads[load.serial]
                 self._lifted.put(rid)
 
     def _finish(
         self,
-        load: _Load,
+        load: LoadRecord,
+        to: LoadPhase,
         error: str,
         num_bytes: int = 0,
         seconds: float = 0.0,
         quarantined: bool = False,
+        release: bool = True,
     ) -> None:
-        ok = not error
+        """Report the load's one result and move it to ``to``. ``release``: end a lease we
+        hold now (False where the peer looks gone, or its answer ended the lease)."""
+        held = load.holds_lease
+        load.advance(to)
+        if to.terminal:
+            self._loads.pop(load.serial, None)
+        ok = to is LoadPhase.DONE
+        assert ok == (not error), (to, error)
         res = LoadResult(load.request_id, ok, error, num_bytes if ok else 0, seconds, quarantined)
         self._done.put(res)
-        if load.claimed and load.release_lease:  # we hold the lease: let the peer free it now
+        if held and release:  # we hold the lease: let the peer free it now
             h = load.handle
             msg = LeaseDone(h.request_id, h.nonce, self.agent_name, False)
             fut = self._releases.submit(
@@ -432,20 +433,14 @@ class RemoteKVConnector(KVConnector):
             fut.add_done_callback(_log_release_failure)
 
     def _shutdown(self) -> None:
-        for rid in list(self._active):
-            self._abort(self._active.pop(rid), f"request {rid}: connector closed")
-        for rid in list(self._waiting):
-            self._finish(self._waiting.pop(rid), f"request {rid}: connector closed")
-        for rid in list(self._calling):
-            self._finish(self._calling.pop(rid), f"request {rid}: connector closed")
+        closed = "connector closed"
+        for load in self._in(LoadPhase.TRANSFERRING):
+            self._abort(load, LoadPhase.FAILED, f"request {load.request_id}: {closed}")
+        for load in self._in(LoadPhase.HANDSHAKING, LoadPhase.CLAIMING, LoadPhase.CONFIRMING):
+            self._finish(load, LoadPhase.FAILED, f"request {load.request_id}: {closed}")
 
 
 def _log_release_failure(fut: Future[object]) -> None:
     exc = None if fut.cancelled() else fut.exception()
     if exc is not None:
         log.warning("lease release failed (the lease will expire instead): %s", exc)
-
-
-def _secrets(role: str) -> tuple[str, ...]:
-    """The service secret and, while it rotates, the one also accepted (pdserve/keys.py)."""
-    return secrets_from_env() if service_secret(role) else ()

@@ -21,8 +21,6 @@ from typing import Any
 import torch
 
 from pdserve.engine.kv_connector import KVHolder
-from pdserve.env import service_secret
-from pdserve.keys import secrets_from_env
 from pdserve.protocol.codec import encode
 from pdserve.transfer.leases import LeaseTable
 from pdserve.transfer.messages import (
@@ -39,7 +37,7 @@ from pdserve.transfer.messages import (
     TcpReadRequest,
 )
 from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS, new_agent_name, transport_class
-from pdserve.transfer.side_channel import SideChannelServer, answer_handshake
+from pdserve.transfer.side_channel import SideChannelServer, answer_handshake, service_secrets
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +60,7 @@ class KVServer(KVHolder):
             raise ValueError("KVServer bound to 0.0.0.0 needs advertise_host (the pod/host IP)")
         self.agent_name = agent_name or new_agent_name("prefill")
         self.compat = compat
-        self.secret = _secrets("the KV side channel") if secret is None else secret
+        self.secret = service_secrets("the KV side channel") if secret is None else secret
         self.transport = transport_class(transport)(
             pool, compat, self.agent_name, secret=self.secret
         )
@@ -192,8 +190,3 @@ class KVServer(KVHolder):
     def close(self) -> None:
         self._server.close()
         self.transport.close()
-
-
-def _secrets(role: str) -> tuple[str, ...]:
-    """The service secret and, while it rotates, the one also accepted (pdserve/keys.py)."""
-    return secrets_from_env() if service_secret(role) else ()

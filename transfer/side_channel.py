@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from pdserve import keys
+from pdserve.env import service_secret
 from pdserve.protocol.codec import CodecError, decode, encode
 from pdserve.transfer.base import IncompatiblePeerError, PeerUnreachable, TransferError
 from pdserve.transfer.messages import (
@@ -198,3 +199,9 @@ def handshake(
     if not isinstance(reply, HandshakeReply):
         raise TransferError(f"unexpected handshake reply {type(reply).__name__} from {address}")
     return reply
+
+
+def service_secrets(role: str) -> tuple[str, ...]:
+    """The service secret and, while it rotates, the one also accepted (pdserve/keys.py);
+    none where no secret is set (``role`` names the process in the refusal to start)."""
+    return keys.secrets_from_env() if service_secret(role) else ()

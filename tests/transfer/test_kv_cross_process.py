@@ -11,6 +11,7 @@ import torch
 from kv_helpers import PeerProcess, as_bytes, make_pool, wait_results
 
 from pdserve.transfer.connector import RemoteKVConnector
+from pdserve.transfer.load_state import LoadPhase
 from pdserve.transfer.messages import CompatRecord, KVHandle
 
 TIMEOUT = 1.5  # transfer_timeout of these tests; results must come within it (+ slack)
@@ -124,7 +125,7 @@ def test_peer_killed_during_a_large_read(transport: str, when: str) -> None:
         conn.start_load("big", handle_for(peer, "big", ids, transport), ids, list(range(blocks)))
         if when == "in_flight":  # wait until the transfer thread has the read in flight
             end = time.monotonic() + 2
-            while "big" not in conn._active and time.monotonic() < end:  # test-only peek
+            while conn.phase("big") is not LoadPhase.TRANSFERRING and time.monotonic() < end:
                 time.sleep(0.0001)
         peer.proc.kill()
         t0 = time.monotonic()
