@@ -5,8 +5,10 @@
   whose ``profile.json`` key holds the output of ``pdserve profile``).
 - pools: ``current`` = Deployment ``spec.replicas``, ``ready`` = ``status.readyReplicas``,
   ``pending`` = the pool's pods that the scheduler could not place (no free GPU).
-- metrics: the router's ``/metrics`` (its admin Service in-cluster, or the operator's
-  ``router_metrics_url`` template), or a Prometheus HTTP API when ``metricsUrl`` is set.
+- metrics: every router replica's ``/metrics`` (the ready endpoints of its admin
+  Service's EndpointSlices in-cluster: a scrape of the Service would reach one replica and
+  miss the others' requests; the pages are summed), or the operator's
+  ``router_metrics_url`` template, or a Prometheus HTTP API when ``metricsUrl`` is set.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ PROFILE_KEY = "profile.json"
 # Where the router serves /metrics inside the cluster: its admin Service and port, where no
 # API key is needed (the public port refuses /metrics to a keyless scrape once keys are on).
 IN_CLUSTER_METRICS_URL = "http://{service}.{namespace}.svc:{port}/metrics"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
 # (namespace, kind, name) -> the object as the operator's watch cache holds it, or None.
@@ -161,20 +164,56 @@ def router_metrics_url(template: str, name: str, namespace: str) -> str:
     )
 
 
+async def router_metrics_urls(
+    client: KubeClient, template: str, name: str, namespace: str
+) -> list[str]:
+    """Every router replica's ``/metrics``: one URL per ready endpoint of the router's admin
+    Service (a replica's counters count only its own requests: the planner reads their
+    sum). The template's one URL when set (tests' stand-in); the Service's URL while no
+    slice lists an endpoint."""
+    if template:
+        return [router_metrics_url(template, name, namespace)]
+    service = n.router_admin_service_name(name)
+    slices = await client.list("discovery.k8s.io/v1", "EndpointSlice", namespace,
+                               {SERVICE_NAME_LABEL: service})  # fmt: skip
+    urls: set[str] = set()
+    for s in slices:
+        port = next((p.get("port") for p in s.get("ports") or [] if p.get("port")), n.ADMIN_PORT)
+        ipv6 = s.get("addressType") == "IPv6"
+        for ep in s.get("endpoints") or []:
+            cond, addresses = ep.get("conditions") or {}, ep.get("addresses") or []
+            if addresses and cond.get("ready") is not False and not cond.get("terminating"):
+                host = f"[{addresses[0]}]" if ipv6 else addresses[0]
+                urls.add(f"http://{host}:{port}/metrics")
+    return sorted(urls) or [router_metrics_url("", name, namespace)]
+
+
+async def scrape_routers(
+    session: aiohttp.ClientSession, urls: list[str], now_s: float, timeout_s: float
+) -> Scrape:
+    """One scrape of every replica, their samples summed (``parse_text`` of the pages)."""
+    pages = await asyncio.gather(*(_page(session, u, timeout_s) for u in urls))
+    try:
+        return parse_text(list(pages), now_s)
+    except MetricsError as exc:
+        raise InputError(f"router metrics {', '.join(urls)}: {exc}") from exc
+
+
 async def scrape_router(
     session: aiohttp.ClientSession, url: str, now_s: float, timeout_s: float
 ) -> Scrape:
+    return await scrape_routers(session, [url], now_s, timeout_s)
+
+
+async def _page(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str:
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             text = await resp.text()
             if resp.status != 200:
                 raise InputError(f"router metrics {url}: HTTP {resp.status}")
+            return text
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         raise InputError(f"router metrics {url} unreachable: {exc or type(exc).__name__}") from exc
-    try:
-        return parse_text(text, now_s)
-    except MetricsError as exc:
-        raise InputError(f"router metrics {url}: {exc}") from exc
 
 
 async def prometheus_snapshot(

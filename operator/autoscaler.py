@@ -119,7 +119,7 @@ async def autoscale(
             await inputs.pool_status(client, namespace, name, "decode", cached, am.learn("decode")),
         )
         config = replace(config, startup_s=am.startup.planner_startup_s())
-        snap, source = await _snapshot(svc, am, settings, now, pools, config.slo)
+        snap, source = await _snapshot(client, svc, am, settings, now, pools, config.slo)
     except inputs.PoolsMissing:
         am.last_run_s = None  # not created yet: try again next tick, quietly
         return
@@ -136,16 +136,21 @@ async def autoscale(
 
 
 async def _snapshot(
-    svc: LLMServiceSpec, am: AutoscalerMemo, settings: AutoscaleSettings, now: float,
+    client: KubeClient, svc: LLMServiceSpec, am: AutoscalerMemo, settings: AutoscaleSettings,
+    now: float,
     pools: tuple[PoolStatus, PoolStatus], slo: Any,
 ) -> tuple[MetricsSnapshot | None, str]:  # fmt: skip
     if svc.autoscaling.metrics_url:  # Prometheus gives a whole window per query
         url = svc.autoscaling.metrics_url
         return await inputs.prometheus_snapshot(svc, now, pools, slo), url
-    url = inputs.router_metrics_url(settings.router_metrics_url, svc.name, svc.namespace)
+    urls = await inputs.router_metrics_urls(
+        client, settings.router_metrics_url, svc.name, svc.namespace
+    )
+    # A changed set of replicas starts over (sums of different replicas are no rates).
+    url = " ".join(urls)
     async with aiohttp.ClientSession() as session:
         # stamped at the request: the rates' interval is the one between two scrapes
-        scrape = await inputs.scrape_router(session, url, time.time(), settings.scrape_timeout_s)
+        scrape = await inputs.scrape_routers(session, urls, time.time(), settings.scrape_timeout_s)
     prev = am.prev if am.source == url else None
     am.prev, am.source = scrape, url
     if prev is None or scrape.time_s <= prev.time_s:

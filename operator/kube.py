@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 # (apiVersion, kind) -> plural, for every kind the operator reads or writes.
 PLURALS: dict[tuple[str, str], str] = {
+    ("discovery.k8s.io/v1", "EndpointSlice"): "endpointslices",  # router replicas (autoscaler)
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
