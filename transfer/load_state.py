@@ -4,10 +4,10 @@ Every load the connector admits is one :class:`LoadRecord`; its ``phase`` says w
 is, and :meth:`LoadRecord.advance` is the only way to change it (an illegal step raises,
 so a bug shows where it happens, not as a leaked lease or block three calls later)::
 
-    QUEUED ─▶ HANDSHAKING ─▶ CLAIMING ─▶ CLAIMED ─▶ TRANSFERRING ─▶ CONFIRMING ─▶ DONE
-      │  └──────────────────────▲ (peer known)          │
-      │        any live phase ─▶ FAILED                 └─▶ STOPPING ─▶ FAILED
-      └─ HANDSHAKING, CLAIMED, TRANSFERRING ─▶ ABORTED (the engine cancelled)
+    QUEUED ─┬─▶ HANDSHAKING ─▶ CLAIMING ─▶ CLAIMED ─▶ TRANSFERRING ─▶ CONFIRMING ─▶ DONE
+            └──(peer known)──────▲                        │
+                                                          └─▶ STOPPING ─▶ FAILED
+    every live phase ─▶ FAILED;  HANDSHAKING, CLAIMED, TRANSFERRING ─▶ ABORTED (cancel)
 
 * HANDSHAKING: waiting for the peer's handshake (once per peer; again if the peer
   restarted under a new agent name).
