@@ -379,8 +379,40 @@ async def test_proxy_going_away_frees_the_in_flight_count(picker_factory) -> Non
 
 
 async def test_health_service(picker_factory) -> None:
+    """Liveness is the process; readiness (and the ext_proc service's) follows whether a
+    decode worker is ready."""
     async with picker_factory() as pc:
         health = health_pb2_grpc.HealthStub(pc.channel)
+
+        async def status(name: str) -> int:
+            return (await health.Check(health_pb2.HealthCheckRequest(service=name))).status
+
+        serving = health_pb2.HealthCheckResponse.SERVING
         for name in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
-            reply = await health.Check(health_pb2.HealthCheckRequest(service=name))
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+            assert await status(name) == serving, name
+        for st in pc.decode:
+            st.healthy = False
+        for _ in range(100):
+            if await status("readiness") != serving:
+                break
+            await asyncio.sleep(0.05)
+        assert await status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await status("liveness") == serving
+        env = pc.envoy()
+        routed = await env.request("/v1/completions", completion("hello"))
+        env.close()
+        assert routed.status == 503 and routed.error["error"]["code"] == "no_worker"
+
+
+async def test_api_keys_are_checked(picker_factory) -> None:
+    async with picker_factory(api_keys=("k1",)) as pc:
+        env = pc.envoy()
+        routed = await env.request("/v1/completions", completion("hello"))
+        env.close()
+        assert routed.status == 401
+        env = pc.envoy()
+        headers = {"authorization": "Bearer k1"}
+        routed = await env.request("/v1/completions", completion("hello"), headers=headers)
+        env.close()
+        assert routed.status == 0 and routed.endpoints
+        await pc.settle()
