@@ -56,9 +56,11 @@ class LoraLinear(torch.nn.Module):
         mask, a, b = self.step.mask, self.lora_a, self.lora_b
         if mask is None or a is None or b is None:
             return y
-        flat = x.reshape(-1, self.in_features)
-        delta = ((flat @ a.t()) * mask) @ b.t()
-        return y + delta.view(y.shape).to(y.dtype)
+        # y += ((x @ A.T) * mask) @ B.T in three calls, in place: y is this call's output
+        y = y if y.is_contiguous() else y.contiguous()
+        xa = torch.mm(x.reshape(-1, self.in_features), a.t()).mul_(mask)
+        y.view(-1, self.out_features).addmm_(xa, b.t())
+        return y
 
     def extra_repr(self) -> str:
         k = 0 if self.lora_a is None else self.lora_a.shape[0]
