@@ -11,11 +11,21 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from k8s_helpers import ROOT, apply_schema_defaults, cel_errors, minimal_llmservice, schema_errors
+from k8s_helpers import (
+    NS,
+    ROOT,
+    apply_schema_defaults,
+    cel_errors,
+    eventually,
+    minimal_llmservice,
+    schema_errors,
+)
 from test_k8s_manifests import validate_builtin
+from test_k8s_operator import wait_children
 
+from pdserve.operator.kube import KubeClient
 from pdserve.operator.render import optional_children, render
-from pdserve.operator.render_picker import FRONT_PORT, GRPC_PORT
+from pdserve.operator.render_picker import FRONT_PORT, GRPC_PORT, INFERENCE_API
 from pdserve.operator.spec import SpecError
 from pdserve.router.main import add_arguments
 
@@ -167,3 +177,28 @@ def test_refused_combinations(router: dict[str, Any], extra: dict[str, Any], fie
 def test_llmservice_crd_knows_the_mode() -> None:
     assert schema_errors(minimal_llmservice(router={"mode": "endpointPicker"})) == []
     assert schema_errors(minimal_llmservice(router={"mode": "picker"})) != []
+
+
+async def test_operator_applies_and_prunes_the_pool(operator: None, client: KubeClient) -> None:
+    """The operator (kopf against the emulated API server) creates the InferencePool as an
+    adopted child with the rest, and prunes it when the mode goes back to router."""
+    obj = minimal_llmservice(router={"mode": "endpointPicker"})
+    await client.create(obj)
+    kids = await wait_children(client, obj)
+    pool = kids["InferencePool/demo"]
+    owner = await client.get("pdserve.io/v1alpha1", "LLMService", NS, "demo")
+    assert owner is not None
+    refs = pool["metadata"]["ownerReferences"]
+    assert [(r["kind"], r["uid"]) for r in refs] == [("LLMService", owner["metadata"]["uid"])]
+    assert pool_errors(pool) == []
+    decode = kids["Deployment/demo-decode"]["spec"]["template"]["spec"]
+    assert [c["name"] for c in decode["containers"]] == ["decode", "front"]
+    patch = {"spec": {"router": {"mode": "router"}}}
+    await client.patch("pdserve.io/v1alpha1", "LLMService", NS, "demo", patch)
+
+    async def pruned() -> bool:
+        gone = await client.get(INFERENCE_API, "InferencePool", NS, "demo") is None
+        dep = await client.get("apps/v1", "Deployment", NS, "demo-decode")
+        return gone and dep is not None and len(dep["spec"]["template"]["spec"]["containers"]) == 1
+
+    await eventually(pruned, what="InferencePool pruned, the front gone")
