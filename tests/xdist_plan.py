@@ -1,0 +1,73 @@
+"""How ``make test`` spreads the suite over two pytest-xdist workers (``-n 2 --dist loadgroup``).
+
+Each test gets an ``xdist_group``, and a group runs whole on one worker:
+
+- the tests on one session-scoped service share it: every test on the shared ``pdserve up``
+  (fixture ``shared_up``, through ``up``/``client``) is group ``shared-up``, every test on the
+  edge deployment (``deployment``) group ``edge-deployment``, so each starts once per run,
+  not once per worker;
+- every other test is grouped with its module, so a module-scoped fixture (a cluster, a
+  model, an interpreter child) is set up once.
+
+Under xdist the groups are also ordered longest first (the classic LPT rule: the short unit
+modules at the end even out the two workers' finishing times). A group's cost is its
+modules' seconds in ``KNOWN_SECONDS`` (measured alone, rounded) or a guess from its tests'
+tiers (``MODULE_SECONDS``, ``TEST_SECONDS``). A plain ``pytest`` run (no ``-n``) keeps the
+collection order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.tiers import tier_of
+
+SHARED_SERVICES = {"shared_up": "shared-up", "deployment": "edge-deployment"}
+# Seconds, measured alone on the 2-core machine (setup included), for the modules and
+# shared services that take longest; everything else is estimated from its tiers.
+KNOWN_SECONDS = {
+    "shared-up": 150,
+    "tests/local/test_scale_under_load.py": 85,
+    "tests/local/test_bench_chaos.py": 80,
+    "tests/local/test_up_resilience.py": 120,
+    "tests/planner/test_local_up_autoscale.py": 60,
+    "tests/planner/test_sim_vs_real.py": 55,
+    "tests/engine/test_triton_attention.py": 45,
+    "tests/local/test_up_lone_decode.py": 40,
+    "tests/router/test_e2e.py": 40,
+    "tests/local/test_smollm2.py": 35,
+    "edge-deployment": 35,
+}
+# The guess: a start per module (a bench script's run, a cluster) plus seconds per test.
+MODULE_SECONDS = {"unit": 0.0, "k8s": 0.0, "cluster": 10.0, "bench": 20.0}
+TEST_SECONDS = {"unit": 0.1, "k8s": 0.3, "cluster": 3.0, "bench": 0.5}
+
+
+def group_of(item: pytest.Item) -> str:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    for fixture, group in SHARED_SERVICES.items():
+        if fixture in fixtures:
+            return group
+    return item.nodeid.split("::", 1)[0]
+
+
+def plan(items: list[pytest.Item]) -> None:
+    """Mark each item's group; under xdist, order the groups longest first (in place)."""
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        group = group_of(item)
+        item.add_marker(pytest.mark.xdist_group(group))
+        groups.setdefault(group, []).append(item)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a plain run: collection order
+
+    def cost(group: str) -> float:
+        if group in KNOWN_SECONDS:
+            return KNOWN_SECONDS[group]
+        tiers = [tier_of(item) for item in groups[group]]
+        return sum(TEST_SECONDS[t] for t in tiers) + sum(MODULE_SECONDS[t] for t in set(tiers))
+
+    # sorted() is stable and the collection is the same on every worker: one order for all.
+    items[:] = [item for group in sorted(groups, key=cost, reverse=True) for item in groups[group]]
