@@ -29,7 +29,9 @@ from typing import Any
 import pytest
 import triton_cases
 
-# Seconds of CPU each (about 20 and 17); a loaded shared machine stretches them several times.
+# One child, ~35 s of CPU (kernel cases ~20, engine cases ~17, one start); a loaded shared
+# machine stretches it several times. Slow by nature: Triton's interpreter runs each kernel
+# program in Python, and these cases are what proves the kernels without a GPU.
 pytestmark = pytest.mark.timeout(900)
 
 HERE = Path(__file__).resolve().parent
@@ -55,14 +57,16 @@ def run_interpreted(script: str, *args: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def kernel_errors() -> dict[str, float]:
-    """Every case's largest difference from the reference, from one interpreter process."""
-    return run_interpreted("triton_cases.py")
+def engine_results(tiny_model_dir: Path) -> dict[str, Any]:
+    """Everything the interpreter runs, from one child process (its start, torch and triton
+    under the interpreter, costs seconds of CPU: once, not once per script)."""
+    return run_interpreted("triton_engine_cases.py", str(tiny_model_dir))
 
 
 @pytest.fixture(scope="module")
-def engine_results(tiny_model_dir: Path) -> dict[str, Any]:
-    return run_interpreted("triton_engine_cases.py", str(tiny_model_dir))
+def kernel_errors(engine_results: dict[str, Any]) -> dict[str, float]:
+    """Every kernel case's largest difference from the reference (triton_cases.py)."""
+    return dict(engine_results["kernels"])
 
 
 def test_cases_cover_the_ranges() -> None:

@@ -3,7 +3,8 @@
 ``python tests/engine/triton_cases.py`` (with ``TRITON_INTERPRET=1`` in its environment,
 set before triton is imported) runs every case of :data:`CASES` and prints one JSON line:
 case id -> largest absolute difference from :func:`reference`. test_triton_attention.py
-runs it in a subprocess, so this process's triton mode never leaks into the suite's.
+runs :func:`kernel_errors` in a subprocess (through triton_engine_cases.py, one interpreter
+child for both), so that process's triton mode never leaks into the suite's.
 """
 
 from __future__ import annotations
@@ -142,13 +143,18 @@ def store_case() -> float:
     return float(max((k_cache - want_k).abs().max(), (v_cache - want_v).abs().max()))
 
 
-def main() -> int:
+def kernel_errors() -> dict[str, float]:
+    """Case id -> largest difference from the reference, every case and ``store_kv``."""
     from pdserve.engine import triton_attention as ta
 
     assert ta.interpreted(), "set TRITON_INTERPRET=1 before triton is imported"
     errors = {case.id: run_case(case, seed) for seed, case in enumerate(CASES)}
     errors["store_kv"] = store_case()
-    print(json.dumps(errors))
+    return errors
+
+
+def main() -> int:
+    print(json.dumps(kernel_errors()))
     return 0
 
 

@@ -7,6 +7,7 @@ before triton is imported) prints one JSON line:
 * ``backends``: per case (layer options x GQA), the largest difference of the Triton and
   the CPU kernel outputs from the gather path's, on one step that mixes decodes, a
   continuing prefill chunk and a chunk that starts its request, over scattered blocks;
+* ``kernels``: triton_cases.py's kernel cases (case id -> largest difference);
 * ``model``: greedy tokens of the tiny model through the Triton back-end (chunked prefill
   beside decodes) against transformers' generate(), and whether every block came back.
 """
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import triton_cases
 from step_cases import BS, bare_runner, mixed_chunks
 
 from pdserve.engine import attention as A
@@ -149,7 +151,8 @@ def main() -> int:
     for seed, (name, opts) in enumerate(OPTIONS.items()):
         for hq, hkv in ((4, 2), (4, 4), (8, 2)):
             backends[f"{name}-gqa{hq // hkv}"] = backend_case(hq, hkv, opts, seed)
-    result: dict[str, object] = {"backends": backends}
+    # The kernel cases too (triton_cases.py): one interpreter start (torch, triton) for both.
+    result: dict[str, object] = {"backends": backends, "kernels": triton_cases.kernel_errors()}
     if len(sys.argv) > 1:
         result["model"] = model_case(Path(sys.argv[1]))
         result["graphs"] = graphs_case(Path(sys.argv[1]))
