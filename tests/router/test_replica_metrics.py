@@ -32,7 +32,7 @@ def _ep(addr: str, ready: bool | None = True, terminating: bool = False) -> dict
 
 
 async def test_one_url_per_ready_replica() -> None:
-    slices = [{"ports": [{"name": "admin", "port": 8083}],
+    slices: list[dict[str, Any]] = [{"ports": [{"name": "admin", "port": 8083}],
                "endpoints": [_ep("10.0.0.2"), _ep("10.0.0.1", None), _ep("10.0.0.3", False),
                              _ep("10.0.0.4", True, True)]},
               {"addressType": "IPv6", "endpoints": [_ep("fd00::5")]}]  # fmt: skip

@@ -50,7 +50,7 @@ def connected(ctx: zmq.Context[Any], eng: Engine, kv: bool = True) -> Any:
     deadline = time.monotonic() + 30
     while not sub.poll(120):
         assert time.monotonic() < deadline, "the subscription never reached the publisher"
-        pub.hook(eng)  # a report every 100 ms while nothing changes
+        pub.hook(eng)  # type: ignore[arg-type]  # a report every 100 ms while nothing changes
     while sub.poll(200):
         sub.recv_multipart()
     return pub, sub
@@ -69,7 +69,7 @@ def stream() -> Any:
 
 
 def read(sub: zmq.Socket[bytes], timeout_s: float = 2.0) -> list[tuple[bytes, Any]]:
-    out = []
+    out: list[tuple[bytes, Any]] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not sub.poll(50):

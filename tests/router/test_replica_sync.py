@@ -6,7 +6,7 @@ correction, over real ZeroMQ PUB/SUB on loopback."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import zmq
@@ -69,8 +69,11 @@ class Worker:
         return snap
 
 
+Setup = tuple["Worker", PrefixIndex, EventSubscriber]
+
+
 @pytest.fixture
-async def setup() -> object:
+async def setup() -> AsyncIterator[Setup]:
     ctx = zmq.asyncio.Context()
     w = Worker(ctx)
     idx = PrefixIndex()
@@ -89,8 +92,8 @@ async def live(w: Worker, sub: EventSubscriber) -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_late_replica_catches_up_from_snapshot_then_events(setup: object) -> None:
-    w, idx, sub = setup  # type: ignore[misc]
+async def test_late_replica_catches_up_from_snapshot_then_events(setup: Setup) -> None:
+    w, idx, sub = setup
     for i in range(5):  # before the replica exists: only the snapshot has these
         await w.event("stored", (100 + i,), send=False)
     await w.event("removed", (101,), send=False)
@@ -115,8 +118,8 @@ async def test_late_replica_catches_up_from_snapshot_then_events(setup: object) 
 
 
 @pytest.mark.timeout(30)
-async def test_a_seq_gap_resyncs_from_a_snapshot(setup: object) -> None:
-    w, idx, sub = setup  # type: ignore[misc]
+async def test_a_seq_gap_resyncs_from_a_snapshot(setup: Setup) -> None:
+    w, idx, sub = setup
     sub.subscribe(w.address, "p0", "http://p0")
     await live(w, sub)
     await until(lambda: sub.synced(w.address))
@@ -131,8 +134,8 @@ async def test_a_seq_gap_resyncs_from_a_snapshot(setup: object) -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_a_report_ahead_of_the_index_resyncs(setup: object) -> None:
-    w, idx, sub = setup  # type: ignore[misc]
+async def test_a_report_ahead_of_the_index_resyncs(setup: Setup) -> None:
+    w, idx, sub = setup
     sub.subscribe(w.address, "p0", "http://p0")
     await live(w, sub)
     await until(lambda: sub.synced(w.address))
@@ -143,8 +146,8 @@ async def test_a_report_ahead_of_the_index_resyncs(setup: object) -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_a_worker_without_kv_blocks_is_followed_from_its_events(setup: object) -> None:
-    w, idx, sub = setup  # type: ignore[misc]
+async def test_a_worker_without_kv_blocks_is_followed_from_its_events(setup: Setup) -> None:
+    w, idx, sub = setup
     w.no_endpoint = True
     sub.subscribe(w.address, "p0", "http://p0")  # fetched at once: 404, events from now
     await until(lambda: sub.synced(w.address))
@@ -157,8 +160,8 @@ async def test_a_worker_without_kv_blocks_is_followed_from_its_events(setup: obj
 
 
 @pytest.mark.timeout(30)
-async def test_decode_feed_is_synced_at_its_first_report(setup: object) -> None:
-    w, idx, sub = setup  # type: ignore[misc]
+async def test_decode_feed_is_synced_at_its_first_report(setup: Setup) -> None:
+    w, _, sub = setup
     sub.subscribe(w.address, "p0", "http://p0", kv=False)
     assert not sub.synced(w.address)
     await live(w, sub)
