@@ -18,6 +18,9 @@ from tests.loopback import run_bench
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
+# One of the suite's slowest (~80 s alone): the bench's --quick run starts one `pdserve up`
+# and runs every fault phase against it (kills, a hang, storms, tenant attacks), each phase
+# waiting for recovery; the three tests below read the one run's figures.
 @pytest.fixture(scope="module")
 def chaos(tiny_model_dir: Path, tmp_path_factory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("chaos")

@@ -159,6 +159,9 @@ async def routed(client: httpx.AsyncClient, cluster: LocalCluster) -> None:
     raise AssertionError(f"router does not route to all of {want}")
 
 
+# One of the suite's slowest (~80 s alone): four real workers start (two of them while the
+# load runs) and two drain, and the router re-reads its workers file only every 2 s, which
+# is the fault under test; a cheaper variant (fakes, or no load) would not exercise it.
 def test_planned_scale_down_and_up_under_load_cost_no_request(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -57,6 +57,8 @@ def smollm2_dir() -> Path:
         return Path(resolve_model("", "float32"))
 
 
+# ~20 s to start (the 135M model loads in each worker): the out-of-the-box model through
+# P/D is what a new user runs first; the module's tests share the one start.
 @pytest.fixture(scope="module")
 def up(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list]]:
     """`pdserve up` as a new user runs it (no --model); every prompt goes through P/D."""

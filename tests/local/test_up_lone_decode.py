@@ -28,6 +28,9 @@ def _stats(url: str) -> dict:
     return dict(httpx.get(url + "/stats", timeout=5, auth=secret_auth()).json())
 
 
+# One of the suite's slowest (~35 s alone): its own `pdserve up` (--failover-wait), and the
+# stream waits on purpose for a real restart of the killed worker (its process start and
+# model load) before it goes on: the pause is what the test proves.
 def test_stream_waits_for_its_restarted_decode_worker(tiny_model_dir: Path, tmp_path: Path):
     with run_up(tiny_model_dir, tmp_path, "--router-arg=--failover-wait=120") as up:
         decode = next(u for u in up.workers if _stats(u)["role"] == "decode")

@@ -57,6 +57,9 @@ def run_up(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[Up]:
         end_group(proc, signal.SIGINT)
 
 
+# Started once per run by its first user (~50 s on a loaded machine: the slowest "setup" in
+# --durations, charged to whichever test comes first); make test keeps all its users on one
+# xdist worker (tests/xdist_plan.py: group shared-up), so it never starts twice.
 @pytest.fixture(scope="session")
 def shared_up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     with run_up(tiny_model_dir, tmp_path_factory.mktemp("up-logs")) as cluster:

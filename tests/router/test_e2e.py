@@ -30,6 +30,9 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+# Its own `pdserve up` (~20 s to start), not the shared one: a disaggregation threshold
+# that sends short prompts to local prefill and long ones to the prefill worker (the
+# metrics test reads both), and the last test stops it with SIGINT.
 @pytest.fixture(scope="module")
 def up(tiny_model_dir: Path, tmp_path_factory):
     """``pdserve up`` as a user runs it; yields (router URL, worker URLs)."""
