@@ -56,6 +56,11 @@ def _read_output(up: Up) -> None:
         up.lines.append(line)
 
 
+# The module is among the suite's slowest (~2 min alone): one `pdserve up` of 1 prefill + 3
+# decode workers (~25 s to start) serves every test, and each kill is followed by a real
+# restart of the worker (process start, model load) that the next test waits for only as far
+# as it needs (``_all_back(up, decode=2)`` where two decode workers suffice); the hung-core
+# test waits out --core-stall-timeout (4 s) and the kill after it, which is what it proves.
 @pytest.fixture(scope="module")
 def up(tiny_model_dir: Path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("up-resilience")

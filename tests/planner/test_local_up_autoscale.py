@@ -167,6 +167,9 @@ def workers(url: str) -> list[dict[str, Any]]:
     return list(httpx.get(url + "/workers", timeout=5).json()["workers"])
 
 
+# One of the suite's slowest (~35 s alone): the planner must see the SLO breached over its
+# interval, start a real worker (process start, model load) and see TTFT recover; the next
+# test waits out the scale-down window. Shorter phases would measure start-up, not the fix.
 async def test_load_step_adds_a_decode_worker_and_slo_recovers(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
