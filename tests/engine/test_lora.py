@@ -85,10 +85,15 @@ def test_adapters_differ(oracle: dict[str | None, list[list[int]]]) -> None:
     assert len(set(firsts.values())) == len(NAMES)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "gather"])
 def test_one_batch_mixes_three_adapters_and_the_base(
-    lora_engine: Callable[..., LLMEngine], oracle: dict[str | None, list[list[int]]]
+    lora_engine: Callable[..., LLMEngine],
+    oracle: dict[str | None, list[list[int]]],
+    kernel: bool,
 ) -> None:
+    """The CPU kernel's attention and the gather path (CUDA's reference) alike."""
     engine = lora_engine()
+    engine.runner.use_kernel = kernel
     jobs = [(name, prompt) for prompt in PROMPTS for name in NAMES]
     steps: list[int] = []
     execute = engine.runner._execute
@@ -117,6 +122,18 @@ def test_more_adapters_than_slots(
     jobs = [(name, PROMPTS[0]) for name in NAMES] + [(name, PROMPTS[1]) for name in NAMES[1:]]
     got = _run(engine, jobs)
     assert got == [oracle[name][PROMPTS.index(prompt)] for name, prompt in jobs]
+    assert_all_free(engine)
+
+
+def test_preempted_requests_recompute_under_their_adapters(
+    lora_engine: Callable[..., LLMEngine], oracle: dict[str | None, list[list[int]]]
+) -> None:
+    """A pool too small for the batch: requests are preempted and their KV recomputed,
+    each under its own adapter."""
+    engine = lora_engine(num_blocks=16)
+    jobs = [(name, prompt) for prompt in PROMPTS for name in NAMES]
+    assert _run(engine, jobs) == [oracle[name][PROMPTS.index(prompt)] for name, prompt in jobs]
+    assert engine.stats().preemptions > 0
     assert_all_free(engine)
 
 
