@@ -217,8 +217,7 @@ def make_config(family: Family, vocab_size: int, special_ids: dict[str, int]) ->
 def build_family(family: Family, tokenizer_dir: Path, out_dir: Path) -> Path:
     """Writes the family's tiny random model (with ``tokenizer_dir``'s tokenizer) to
     ``out_dir`` once; a complete directory carries ``family.json``, written last."""
-    marker = out_dir / "family.json"
-    if marker.exists() and json.loads(marker.read_text()) == _identity(family):
+    if _complete(out_dir, family):
         return out_dir
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -238,10 +237,36 @@ def build_family(family: Family, tokenizer_dir: Path, out_dir: Path) -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "family.json").write_text(json.dumps(_identity(family)))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    _move_into_place(tmp, out_dir, family)
     return out_dir
+
+
+def _complete(out_dir: Path, family: Family) -> bool:
+    marker = out_dir / "family.json"
+    try:
+        return bool(json.loads(marker.read_text()) == _identity(family))
+    except (OSError, ValueError):
+        return False
+
+
+def _move_into_place(tmp: Path, out_dir: Path, family: Family) -> None:
+    """Safe against concurrent writers (the suite's two xdist workers, other sessions): a
+    reader never sees a half-written or removed model, and a writer that lost the race
+    keeps the winner's (equal) model."""
+    try:
+        if _complete(out_dir, family):
+            return  # a concurrent writer finished first
+        if out_dir.exists():  # an older model: aside in one rename, then removed
+            old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-old-"))
+            os.replace(out_dir, old / "model")
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not _complete(out_dir, family):  # lost the race to another writer: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _sharpen(model: Any) -> None:
