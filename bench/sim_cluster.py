@@ -253,7 +253,7 @@ class Cluster:
         backlog = (self.work_arrived - self.work_done) / dt  # replica-seconds per second
         want_p = min(1.0, backlog / n_p) if n_p else 0.0
         busy_d = min(n_d, self.run.shape[1])  # a decode engine with sequences loops
-        engines = [want_p] * n_p * (want_p > 0) + [1.0] * busy_d
+        engines = [want_p] * (n_p if want_p > 0 else 0) + [1.0] * busy_d
         starting = len(self.prefill.ready_at) + len(self.decode.ready_at) - n_p - n_d
         cpu = host.cpu(t0, engines, starting, self.rate)
         self.speed_p, self.speed_d = speed(want_p, cpu), speed(1.0, cpu)

@@ -65,7 +65,7 @@ CALIBRATION_SEED, SCORED_SEED = 11, 12
 SLO_TTFT_MS, SLO_TPOT_MS = 200.0, 500.0
 POOL_MAX = 3
 RECORDINGS = Path(__file__).resolve().parent / "recordings"
-CALIBRATION = RECORDINGS / "2026-12-03-1153-scaling-calibration"
+CALIBRATION = RECORDINGS / "2026-12-03-1223-scaling-calibration"
 # the host model's tuned constants, fixed before the first scored run
 CONSTANTS = {
     "BURST_WINDOW_S": BURST_WINDOW_S,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from sim_vs_real_up import EVENT
@@ -94,9 +95,9 @@ def split_errors(
     sim_arrival: np.ndarray,
     sim_ttft: np.ndarray,
     hit: np.ndarray,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """TTFT p90, real and simulated, in scaling and in steady windows, and their errors."""
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
     for name, want in (("scaling", True), ("steady", False)):
         r = real_ttft[in_windows(real_arrival, hit) == want]
         s = sim_ttft[in_windows(sim_arrival, hit) == want]
