@@ -9,11 +9,13 @@ interleaved). Phases, each with fresh system prompts:
 2. ``three``: through 3 router replicas, a round-robin client (request i to replica
    i mod 3): each replica sees a third of every group and knows where the others sent
    the rest only from the workers' KV events;
-3. ``late``: a 4th replica started while the last phase's groups are cached; once its
-   ``/health`` says ready (prefix index caught up from each prefill worker's
-   ``GET /kv_blocks`` snapshot plus the events after it), those groups' next requests
+3. ``late``: a 4th replica started as the last repeat begins, while the others serve
+   (KV events keep coming while it catches up); once its ``/health`` says ready (prefix
+   index caught up from each prefill worker's ``GET /kv_blocks`` snapshot plus the
+   events after it), that repeat's three-replica groups' next requests (fresh suffixes)
    for ``--late-window`` seconds (5), in turn through it and through a replica that saw
-   everything (the control): its hit ratio there against the control's.
+   everything (the control), beside the running phases: its hit ratio against the
+   control's.
 
 Phases 1 and 2 run interleaved, round by round (a round: each group once), so both see
 the same machine load (a shared 2-core box swings by 2x within a minute); each workload
@@ -121,15 +123,15 @@ async def wait_ready(h: httpx.AsyncClient, url: str, timeout: float = 300.0) -> 
 
 
 async def late_phase(
-    cluster: LocalCluster, h: httpx.AsyncClient, old: str, prompts: list[tuple[int, list[int]]],
-    common: list[str], args: argparse.Namespace,
+    h: httpx.AsyncClient, late: Proc, old: str, prompts: list[tuple[int, list[int]]],
+    args: argparse.Namespace,
 ) -> dict[str, float]:  # fmt: skip
-    """Start a replica now; once ready, the cached groups' next requests for
-    ``late_window`` seconds, in turn through it and through a replica that saw everything
-    (``old``, the control: the same groups, so the same ratio if the late one caught up).
-    Sequential: the client does not outrun the window."""
+    """``late`` was just started, while the other replicas serve; once it is ready, the
+    groups' next requests for ``late_window`` seconds, in turn through it and through a
+    replica that saw everything (``old``, the control: the same groups at the same
+    moments, so the same ratio if the late one caught up). Sequential: the client does
+    not outrun the window."""
     t0 = time.monotonic()
-    late: Proc = cluster.start_router(0, "router-late", common)
     await wait_ready(h, late.url)
     ready_s = time.monotonic() - t0
     end = time.monotonic() + args.late_window
@@ -165,10 +167,15 @@ async def measure(
                 await routing.via_router(h, url, "bench", ids[:200], args.max_tokens)
         seed = 10
         g = args.groups
-        for _ in range(args.repeats):
+        late_task = None
+        for rep in range(args.repeats):
             seed += 2
             work = {"one": routing.workload(args, vocab, seed),
                     "three": routing.workload(args, vocab, seed + 1)}  # fmt: skip
+            if rep == args.repeats - 1:  # mid-run: catching up while the others serve
+                late = cluster.start_router(0, "router-late", common)
+                later = fresh_suffixes(work["three"], args, vocab)
+                late_task = asyncio.create_task(late_phase(h, late, three[0], later, args))
             sent = {"one": 0, "three": 0}  # the round-robin client's position
             for r in range(args.per_group):  # round by round, the two kinds in turn
                 for kind, urls in (("one", [one]), ("three", three)):
@@ -176,10 +183,8 @@ async def measure(
                     rotated = urls[sent[kind] % len(urls) :] + urls[: sent[kind] % len(urls)]
                     runs[kind] += await run_phase(h, rotated, rnd, args)
                     sent[kind] += len(rnd)
-        # The late replica: the last three-replica phase's groups are cached on the workers;
-        # their later rounds (same system prompts, fresh suffixes) go through it.
-        later = fresh_suffixes(routing.workload(args, vocab, seed), args, vocab)
-        late = await late_phase(cluster, h, three[0], later, common, args)
+        assert late_task is not None
+        late_result = await late_task
     ttft = {k: routing.pct([r["ttft"] for r in v], 0.5) for k, v in runs.items()}
     summary: dict[str, Any] = {
         "prefix_hit_ratio_1": hit_ratio(runs["one"]),
@@ -189,7 +194,7 @@ async def measure(
         "ttft_p99_ms_1": routing.pct([r["ttft"] for r in runs["one"]], 0.99),
         "ttft_p99_ms_3": routing.pct([r["ttft"] for r in runs["three"]], 0.99),
         "requests_per_kind": len(runs["one"]),
-        **late,
+        **late_result,
     }
     summary["hit_ratio_3_over_1"] = summary["prefix_hit_ratio_3"] / summary["prefix_hit_ratio_1"]
     summary["ttft_p50_3_over_1"] = ttft["three"] / ttft["one"]
