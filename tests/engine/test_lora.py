@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import assert_all_free, hf_greedy
+import torch
+from engine_helpers import assert_all_free, hf_greedy, tiny_config
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora_files import LoraConfig
@@ -270,3 +272,22 @@ def test_adapter_gone_from_disk_is_refused(
     with pytest.raises(InvalidParameter, match="could not be read again") as exc:
         engine.add_request("gone", PROMPTS[0], _params(), lora=LoraRef("moving"))
     assert exc.value.field == "lora" and not engine.requests
+
+
+def test_bfloat16_mixed_batch(tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+    """The adapters' weights follow the model's dtype: a bfloat16 batch mixing them runs,
+    its base rows are the base model's alone, and each adapter changes its own rows."""
+    loras_flag = tuple((n, str(p)) for n, p in adapters.items())
+    config = replace(tiny_config(tiny_model_dir, lora=LoraConfig(loras=loras_flag)),
+                     dtype="bfloat16")  # fmt: skip
+    engine = LLMEngine(config)
+    jobs = [(name, PROMPTS[0]) for name in NAMES]
+    got = _run(engine, jobs)
+    assert got[0] == _run(engine, [(None, PROMPTS[0])])[0]
+    assert len({tuple(tokens) for tokens in got}) == len(NAMES)
+    loras = engine.runner.loras
+    assert loras is not None and all(
+        layer.lora_a is not None and layer.lora_a.dtype == torch.bfloat16
+        for layer in loras.wrapped.values()
+    )
+    assert_all_free(engine)
