@@ -32,6 +32,7 @@ from pdserve.router.scheduling.prefix_index import PrefixIndex
 from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.router.transport import worker_client
 from pdserve.router.transport.dispatch import Dispatcher, RequestState
+from pdserve.router.transport.lora_sync import LoraSync
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,6 +68,9 @@ class Runtime:
         # Parsing, chat templates and tokenizing: CPU work kept off the event loop.
         self.pool = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pdserve-tok")
         self.loras = AdapterTable(loras)  # LoRA adapters served as models of their names
+        self.lora_sync = LoraSync(self.loras, self.discovery.snapshot, self.client)
+        if cfg.proc_index == 0:  # with --procs, one process tells late workers
+            self.discovery.after_refresh.append(self.lora_sync.check)
 
     @property
     def base_names(self) -> tuple[str, ...]:
@@ -93,6 +97,7 @@ class Runtime:
 
     async def close(self) -> None:
         await self.discovery.stop()
+        await self.lora_sync.close()
         await self.replicas.close()
         await self.dispatcher.drain()
         await self.client.close()

@@ -64,6 +64,9 @@ class AdapterTable:
     def names(self) -> tuple[str, ...]:
         return tuple(self._by_name)
 
+    def adapters(self) -> list[Adapter]:
+        return list(self._by_name.values())
+
     def get(self, name: str) -> Adapter | None:
         return self._by_name.get(name)
 

@@ -115,9 +115,15 @@ def add_lora_admin_routes(app: FastAPI, runtime: Callable[[], Runtime]) -> None:
         rt = runtime()
         name = (await body_of(request, ("lora_name",)))["lora_name"]
         async with lock:
-            known = rt.loras.get(name) is not None
-            had = await lora_fanout.unload(rt.client, _worker_urls(rt), name)
-            if not known and not had:
+            known = rt.loras.get(name)
+            rt.loras.remove(name)  # first: no late worker is told to load it meanwhile
+            try:
+                had = await lora_fanout.unload(rt.client, _worker_urls(rt), name)
+            except APIError:
+                if known is not None:  # some workers may still serve it: keep listing it
+                    rt.loras.add(known)
+                raise
+            if known is None and not had:
                 raise APIError(404, f"LoRA adapter {name!r} is not loaded", "lora_name",
                                "lora_not_found")  # fmt: skip
             change = {"op": "remove", "name": name}

@@ -63,7 +63,7 @@ def add_lora(app: FastAPI, st: FakeState, lf: LoraFake) -> None:
         lf.calls.append(("load", body["lora_name"]))
         if lf.refuse == "400":
             err = _error(400, "adapter 'x': DoRA (use_dora) is not supported")
-            return JSONResponse({"error": {**json.loads(err.body)["error"],
+            return JSONResponse({"error": {**json.loads(bytes(err.body))["error"],
                                            "param": "lora_path"}}, 400)  # fmt: skip
         try:
             digest = lf.hash_override or adapter_hash(body["lora_path"])

@@ -245,3 +245,29 @@ async def _serve_on(app: Any, port: int) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
+
+
+async def test_a_worker_that_missed_a_load_is_told(
+    router_tokenizer, tiny_model_dir, tmp_path: Path
+) -> None:
+    """A decode worker restarted without the run-time adapter (its ``lora_known`` lacks it)
+    gets it from the router after a health round; one that reads other files at that path
+    is unloaded again, never left serving weights the router does not list."""
+    sql = write_adapter(tmp_path, "sql", 7)
+    async with lora_cluster(router_tokenizer, tiny_model_dir, n_decode=2) as (c, fakes), \
+            httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
+        load = {"lora_name": "sql", "lora_path": str(sql)}
+        assert (await h.post("/v1/load_lora_adapter", json=load)).status_code == 200
+        late, other = fakes[1], fakes[2]
+        late.known.clear()  # "restarted"
+        await _until(lambda: late.known == {"sql": adapter_hash(sql)})
+        other.hash_override = "f" * 32
+        other.known.clear()
+        await _until(lambda: other.calls[-2:] == [("load", "sql"), ("unload", "sql")])
+        assert other.known == {}
+        # unloaded through the router: no worker is told to load it back
+        r = await h.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert r.status_code == 200
+        await asyncio.sleep(0.6)  # three health rounds
+        assert all(f.known == {} for f in fakes)
+        await c.settle()
