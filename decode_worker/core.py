@@ -34,11 +34,13 @@ class DecodeCore:
         self.connector = MeteredConnector(remote, self.metrics, remote.transport_name)
         e.attach_connector(self.connector)
         # Load reports for every router replica (no KV events: its cache is not routed to).
-        port = config.events_port
+        # Its default port (HTTP + 1) may be another process's when only the HTTP and side
+        # channel ports were picked free (tests, benches): then any port, advertised.
         self.events = KVEventPublisher(
-            f"tcp://{config.host}:{port}", config.worker_id, e, kv_events=False
-        )
-        self.events_address = f"tcp://{config.advertise_host}:{port}"
+            f"tcp://{config.host}:{config.events_port}", config.worker_id, e, kv_events=False,
+            any_port=config.kv_events_port is None,
+        )  # fmt: skip
+        self.events_address = f"tcp://{config.advertise_host}:{self.events.port}"
         self.hooks: list[Hook] = [self.events.hook]
         self.queries: dict[str, Query] = {
             "known": lambda rid: rid in e.requests or rid in e.held,

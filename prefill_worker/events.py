@@ -27,11 +27,13 @@ MIN_GAP_S = 0.01  # and no more often than this while the counters change every 
 
 class KVEventPublisher:
     """``kv_events``: publish KV events too (prefill); a decode worker's stream carries
-    only load reports (its cache is not routed to)."""
+    only load reports (its cache is not routed to). ``any_port``: when the port in
+    ``bind`` is taken, bind any free one (``port`` says which)."""
 
     def __init__(
-        self, bind: str, worker_id: str, engine: LLMEngine | None = None, kv_events: bool = True
-    ) -> None:
+        self, bind: str, worker_id: str, engine: LLMEngine | None = None, kv_events: bool = True,
+        any_port: bool = False,
+    ) -> None:  # fmt: skip
         self.worker_id = worker_id
         self.kv_events = kv_events
         self._engine = engine
@@ -39,7 +41,15 @@ class KVEventPublisher:
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
-        self._sock.bind(bind)
+        host, _, port = bind.rpartition(":")
+        try:
+            self._sock.bind(bind)
+            self.port = int(port)
+        except zmq.ZMQError:
+            if not any_port:  # a port given on purpose: its being taken is an error
+                raise
+            # Its default port (HTTP + 1) is taken: any free one (/stats advertises it).
+            self.port = self._sock.bind_to_random_port(host)
         self.seq = 0
         self.held: set[int] = set()  # the hashes the events so far say the cache holds
         self._last: EngineStats | None = None

@@ -138,3 +138,17 @@ def test_decode_stream_has_no_kv_events() -> None:
         pub.close()
         sub.close(linger=0)
         ctx.term()
+
+
+def test_a_taken_default_port_falls_back_to_any_port() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(zmq.ZMQError):  # a port given on purpose must be that port
+            KVEventPublisher(f"tcp://127.0.0.1:{port}", "d0", kv_events=False)
+        pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", "d0", kv_events=False, any_port=True)
+        try:
+            assert pub.port != port and pub.port > 0
+        finally:
+            pub.close()
