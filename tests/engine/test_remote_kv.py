@@ -230,7 +230,7 @@ def test_abort_while_loading_frees_blocks_only_after_poll(pair: Any) -> None:
 def test_bad_handles_are_rejected(pair: Any) -> None:
     prefill, decode, _ = pair
     handle, first = _prefill(prefill, "a")
-    cases = [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"first_token_id": None}, "first_token_id"),
         ({"first_token_id": 10**6}, "first_token_id"),
         ({"handle": replace(handle, num_tokens=3)}, "kv_handle"),
