@@ -62,6 +62,13 @@ class RouterMetrics:
             buckets=RATIO_BUCKETS,
             registry=r,
         )
+        self.lora_routed = Counter(
+            "pdserve_router_lora_routed",
+            "Requests naming a LoRA adapter, by pool and whether the picked worker listed "
+            "the adapter resident (lora-affinity's hit)",
+            ["role", "resident"],
+            registry=r,
+        )
         self.inflight = Gauge(
             "pdserve_router_inflight_requests",
             "Requests in flight per worker",

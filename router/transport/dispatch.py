@@ -141,11 +141,19 @@ class Dispatcher:
             raise APIError(503, f"no worker is ready: {exc}", code="no_worker") from exc
         self._rr += 1
         self.metrics.decisions.labels(plan.kind).inc()
+        if lora is not None:
+            self._count_lora(plan, lora.name)
         if plan.kind == disagg.REMOTE_PREFILL:
             self.metrics.prefix_match.observe(plan.match_ratio(len(ids)))
             if prefix:  # the next request of this prefix should follow before the event lands
                 self.index.stored(plan.prefill[0].worker_id, hashes)
         return plan
+
+    def _count_lora(self, plan: RoutePlan, name: str) -> None:
+        for role, workers in (("prefill", plan.prefill), ("decode", plan.decode)):
+            if workers:
+                resident = "true" if name in workers[0].stats.loras else "false"
+                self.metrics.lora_routed.labels(role, resident).inc()
 
     async def run(self, rs: RequestState, plan: RoutePlan) -> AsyncGenerator[Delta, None]:
         self.metrics.prefill_queue_depth.inc()  # until the first token (or the end)

@@ -63,8 +63,10 @@ async def test_adapter_request_carries_lora_to_both_workers(
     sql, chat = write_adapter(tmp_path, "sql", 1), write_adapter(tmp_path, "chat", 2)
     loras = (("sql", str(sql)), ("chat", str(chat)))
     kw: dict[str, Any] = {"loras": loras, "disagg_threshold": 8}
-    async with lora_cluster(router_tokenizer, tiny_model_dir, **kw) as (c, _), \
+    async with lora_cluster(router_tokenizer, tiny_model_dir, **kw) as (c, fakes), \
             httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
+        fakes[1].resident.append("sql")  # the decode worker holds sql in memory
+        await _until(lambda: c.runtime.discovery.snapshot().decode[0].stats.loras == ["sql"])
         models = (await h.get("/v1/models")).json()["data"]
         assert [m["id"] for m in models] == ["tiny", "sql", "chat"]
         assert all(m["parent"] == "tiny" for m in models[1:]) and "parent" not in models[0]
@@ -85,6 +87,11 @@ async def test_adapter_request_carries_lora_to_both_workers(
         })  # fmt: skip
         assert chat_r.status_code == 200, chat_r.text
         assert all(r.lora is not None for r in c.decode[0].requests[-2:])
+        routed = {(s.labels["role"], s.labels["resident"]): s.value
+                  for s in c.runtime.metrics.lora_routed.collect()[0].samples
+                  if s.name.endswith("_total")}  # fmt: skip
+        assert routed[("decode", "true")] == 1 and routed[("prefill", "false")] >= 1
+        assert routed[("decode", "false")] >= 2 and ("prefill", "true") not in routed
         missing = await h.post("/v1/completions", json=_body("nope"))
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         await c.settle()
