@@ -1,0 +1,68 @@
+"""make test's grouping and order for two xdist workers (tests/xdist_plan.py): a shared
+service's tests form one group, every other test goes with its module, and under xdist the
+longest groups come first, each group's tests in their collection order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.xdist_plan import KNOWN_SECONDS, group_of, plan
+
+
+class FakeItem:
+    """What group_of, plan and tiers.tier_of read of a pytest item."""
+
+    def __init__(self, nodeid: str, *fixtures: str) -> None:
+        self.nodeid = nodeid
+        self.path = Path(nodeid.split("::")[0])
+        self.fixturenames = ["tiny_model_dir", *fixtures]
+        self.marks: list[pytest.Mark] = []
+
+    def iter_markers(self, name: str | None = None) -> Iterator[pytest.Mark]:
+        return (m for m in self.marks if name is None or m.name == name)
+
+    def add_marker(self, marker: pytest.MarkDecorator) -> None:
+        self.marks.append(marker.mark)
+
+
+def items() -> list[FakeItem]:
+    return [
+        FakeItem("tests/router/test_routing.py::test_a"),
+        FakeItem("tests/router/test_echo.py::test_b", "up", "shared_up"),
+        FakeItem("tests/router/test_routing.py::test_c"),
+        FakeItem("tests/local/test_scale_under_load.py::test_d"),
+        FakeItem("tests/edge/test_fuzz.py::test_e", "deployment"),
+        FakeItem("tests/router/test_tool_calling.py::test_f", "client", "up", "shared_up"),
+    ]
+
+
+def test_shared_services_are_one_group_and_the_rest_go_with_their_module() -> None:
+    groups = [group_of(item) for item in items()]  # type: ignore[arg-type]
+    assert groups == [
+        "tests/router/test_routing.py", "shared-up", "tests/router/test_routing.py",
+        "tests/local/test_scale_under_load.py", "edge-deployment", "shared-up",
+    ]  # fmt: skip
+
+
+def test_under_xdist_the_longest_groups_go_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    got = items()
+    plan(got)  # type: ignore[arg-type]
+    assert KNOWN_SECONDS["shared-up"] > KNOWN_SECONDS["tests/local/test_scale_under_load.py"]
+    assert [i.nodeid.split("::")[1] for i in got] == [
+        "test_b", "test_f", "test_d", "test_e", "test_a", "test_c"
+    ]  # fmt: skip
+    for item in got:
+        (mark,) = item.iter_markers("xdist_group")
+        assert mark.args == (group_of(item),)  # type: ignore[arg-type]
+
+
+def test_a_plain_run_keeps_the_collection_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    got = items()
+    plan(got)  # type: ignore[arg-type]
+    assert [i.nodeid for i in got] == [i.nodeid for i in items()]
+    assert all(len(list(i.iter_markers("xdist_group"))) == 1 for i in got)
