@@ -4,9 +4,12 @@ The same requests (random prompts, the same max_tokens, seeded sampling at tempe
 1) run through ``LLMEngine`` twice per round, free and constrained by a JSON schema
 whose outputs are longer than max_tokens (an open-ended array of short strings), so
 both runs produce the same tokens per request in the same batch shapes: the difference
-is the grammar's cost (one batched mask fill, the mask applied, token accept). Rounds
+is the grammar's cost (the masks filled, applied, each token accepted). Rounds
 alternate the order (free first, then constrained first, ...) so that drifting load
-from other processes falls on both alike. The headline is wall clock: ``ratio`` is the
+from other processes falls on both alike; their number is even, because on a busy host
+the second pass of a round ran slower whichever it was (wall 0.70 and 0.65 with the
+constrained pass second, 1.17 with it first, CPU time 0.95-0.99 in all three: 2026-12-03,
+load average 20-26). The headline is wall clock: ``ratio`` is the
 median over rounds of constrained / free wall-clock tok/s, ``ratio_range`` its min and
 max; ``ratio_cpu`` (this process's CPU time) is the second row. Grammars are compiled
 (and cached) before timing, as the workers do off the engine thread; the first, cold
@@ -14,7 +17,7 @@ compile is timed apart (``compile_s``). Each JSON line records ``os.getloadavg()
 the thread settings. The last stdout line is JSON:
 ``{"free_wall_tok_s", "constrained_wall_tok_s", "ratio", "ratio_range", "ratio_cpu", ...}``.
 
-    python bench/structured.py            # 64 requests on the small model, 5 rounds
+    python bench/structured.py            # 64 requests on the small model, 6 rounds
     python bench/structured.py --quick    # tiny model, 8 requests (seconds)
 """
 
@@ -59,12 +62,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=6, help="even: each order equally often")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--plot", default=str(ROOT / "bench" / "out" / "structured.png"))
     args = p.parse_args()
     if args.quick:
-        args.preset, args.requests, args.max_tokens, args.rounds = "tiny", 8, 32, 3
+        args.preset, args.requests, args.max_tokens, args.rounds = "tiny", 8, 32, 2
+    if args.rounds < 2 or args.rounds % 2:
+        p.error("--rounds must be even and at least 2: free first and constrained first alike")
     return args
 
 
