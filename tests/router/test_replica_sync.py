@@ -15,7 +15,7 @@ import zmq.asyncio
 from pdserve.protocol.codec import encode
 from pdserve.protocol.contract import WorkerStats
 from pdserve.protocol.kv_events import KVEvent, KVSnapshot, LoadReport
-from pdserve.router.discovery.events import EventSubscriber
+from pdserve.router.discovery.events import EventSubscriber, parse_report
 from pdserve.router.discovery.workers import Discovery, EndpointSource
 from pdserve.router.scheduling.prefix_index import PrefixIndex
 from pdserve.router.scheduling.snapshot import WorkerView
@@ -198,3 +198,14 @@ async def test_load_is_the_report_plus_what_this_replica_sent_since() -> None:
     now[0] += 1.0  # stale: back to the polled stats and the own count
     v = d.snapshot().workers[0]
     assert not v.reported and v.running == 4
+
+
+def test_report_parser_matches_the_codec_and_refuses_bad_values() -> None:
+    rep = LoadReport(running=3, waiting=1, kv_blocks_free=9, worker_id="p0", kv_seq=4,
+                     loras=["a"])  # fmt: skip
+    assert parse_report(encode(rep)) == rep
+    for bad in (b"[]", b'{"type": "kv_event"}', b'{"type": "load_report", "running": -1}',
+                b'{"type": "load_report", "running": true}',
+                b'{"type": "load_report", "loras": [1]}'):  # fmt: skip
+        with pytest.raises(ValueError):
+            parse_report(bad)
