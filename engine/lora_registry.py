@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -115,6 +116,9 @@ class LoraRegistry:
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.known: dict[str, str] = {}
         self._current: dict[str, LoraSpec] = {}  # the spec each known name serves now
+        # Each name's weights while anything holds them (a slot, a running request): the
+        # host LRU dropping them must not make a second copy for the next request.
+        self._alive: weakref.WeakValueDictionary[str, LoraAdapter] = weakref.WeakValueDictionary()
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self.slots: list[LoraAdapter | None] = [None] * config.max_loras  # slot i + 1
         self._slot_use: list[int] = [0] * config.max_loras  # a clock, for the LRU
@@ -140,7 +144,7 @@ class LoraRegistry:
 
     def _keep(self, adapter: LoraAdapter) -> None:
         name = adapter.spec.name
-        self.host[name], self._current[name] = adapter, adapter.spec
+        self.host[name], self._current[name], self._alive[name] = adapter, adapter.spec, adapter
         self.host.move_to_end(name)
         while len(self.host) > self.config.max_cpu_loras:
             self.host.popitem(last=False)
@@ -167,11 +171,9 @@ class LoraRegistry:
             if path is None:
                 raise InvalidParameter(LORA_MISMATCH, f"LoRA adapter {ref.name!r} is not "
                                        "loaded on this worker")  # fmt: skip
-            # Dropped by the host LRU: still in a slot (the current one, not the weights a
-            # running request kept after a reload), else read again.
-            spec = self._current[ref.name]
-            adapter = next((s for s in self.slots if s is not None and s.spec is spec), None)
-            if adapter is None:
+            # Dropped by the host LRU: still held (by a slot or a request), else read again.
+            adapter = self._alive.get(ref.name)
+            if adapter is None or adapter.spec is not self._current[ref.name]:
                 try:
                     adapter = self._read(ref.name, path)
                 except (LoraError, OSError) as exc:  # the directory changed since its load
@@ -208,6 +210,11 @@ class LoraRegistry:
         return (n_in, n_out) if isinstance(n_in, int) and isinstance(n_out, int) else None
 
     # -- device slots ------------------------------------------------------------
+    def num_missing(self, adapters: Sequence[LoraAdapter | None]) -> int:
+        """How many of ``adapters`` are not in a slot now."""
+        ids = {id(a) for a in adapters if a is not None}
+        return len(ids - {id(s) for s in self.slots if s is not None})
+
     def slots_for(self, adapters: Sequence[LoraAdapter]) -> dict[int, int]:
         """Make ``adapters`` (at most max_loras distinct) resident; id(adapter) → slot."""
         distinct = list({id(a): a for a in adapters}.values())

@@ -188,9 +188,12 @@ class ModelRunner:
     def _execute_lora(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """A step under adapters: one pass, unless it needs more adapters than slots."""
         assert self.loras is not None
-        passes = lora_passes([c.request.lora for c in chunks], self.loras.config.max_loras)
+        loras = self.loras
+        passes = lora_passes([c.request.lora for c in chunks], loras.config.max_loras)
         if len(passes) == 1:
             return self._execute(chunks)
+        # The pass whose adapters are resident first: one slot change per step, not one a pass.
+        passes.sort(key=lambda m: loras.num_missing([chunks[i].request.lora for i in m]))
         sampled = [i for i, c in enumerate(chunks) if c.samples]
         row_of = {i: r for r, i in enumerate(sampled)}
         out: torch.Tensor | None = None

@@ -121,9 +121,26 @@ def test_more_adapters_than_slots(
     """Two slots, three adapters in one step: the step runs in two passes, and a slot
     is reused as requests move on; tokens are still the oracle's."""
     engine = lora_engine(max_loras=2, max_cpu_loras=2)
+    loras = engine.runner.loras
+    assert loras is not None
+    counts = {"restacks": 0, "steps": 0}
+    restack, step = loras._restack, engine.step
+
+    def counted_restack() -> None:
+        counts["restacks"] += 1
+        restack()
+
+    def counted_step() -> Any:
+        counts["steps"] += 1
+        return step()
+
+    loras._restack = counted_restack  # type: ignore[method-assign]
+    engine.step = counted_step  # type: ignore[method-assign]
     jobs = [(name, PROMPTS[0]) for name in NAMES] + [(name, PROMPTS[1]) for name in NAMES[1:]]
     got = _run(engine, jobs)
     assert got == [oracle[name][PROMPTS.index(prompt)] for name, prompt in jobs]
+    # One slot change a step at most: the resident pass first, one copy of each adapter.
+    assert counts["restacks"] <= counts["steps"] + 1
     assert_all_free(engine)
 
 
