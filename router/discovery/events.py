@@ -176,7 +176,11 @@ class EventSubscriber:
             feed.synced = True
         elif feed.held is None and feed.resync is None and self.fetch is not None and feed.url:
             last = self.index.last_seq(feed.worker_id) or 0
-            if rep.kv_seq > last and self._followed(feed):  # events before it went missing
+            # Ahead of the index: events before it went missing. Back at 0 with the index
+            # past it: the worker restarted (its cache is empty; its next event may be
+            # long in coming). An older report arriving after a snapshot is behind, not 0.
+            restarted = rep.kv_seq == 0 and last > 0
+            if (rep.kv_seq > last or restarted) and self._followed(feed):
                 log.info("KV events of %s: report says seq %d, index at %d; resyncing",
                          feed.worker_id, rep.kv_seq, last)  # fmt: skip
                 self._start_resync(feed, [])

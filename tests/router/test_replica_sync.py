@@ -143,6 +143,11 @@ async def test_a_report_ahead_of_the_index_resyncs(setup: Setup) -> None:
     await w.pub.send_multipart(report(w.seq))  # ... but the report says seq 1 was sent
     await until(lambda: idx.match([7]) == {"p0": 1})
     assert w.fetches == 2
+    # The worker restarts: an empty cache, seq from 0; its report says so before any event.
+    w.held.clear()
+    w.seq = 0
+    await w.pub.send_multipart(report(0))
+    await until(lambda: w.fetches == 3 and idx.match([7]) == {} and idx.last_seq("p0") == 0)
 
 
 @pytest.mark.timeout(30)
