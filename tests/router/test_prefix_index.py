@@ -12,8 +12,8 @@ import zmq
 import zmq.asyncio
 
 from pdserve.protocol.hashing import block_hashes
-from pdserve.router.main import add_arguments, build_config
 from pdserve.router.discovery.events import KVEventSubscriber
+from pdserve.router.main import add_arguments, build_config
 from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
 
 
