@@ -85,6 +85,8 @@ def test_lora_through_the_router(tiny_model_dir: Path, tmp_path: Path) -> None:
         ids, cached = asyncio.run(_greedy(url, "attn8"))  # again: cached under attn8 only
         assert ids == want["attn8"] and cached >= 32
         assert _prefix_matched(url) > before  # the router's index saw the keyed blocks
+        metrics = httpx.get(url + "/metrics", timeout=10).text  # --lora: resident from start
+        assert 'pdserve_router_lora_routed_total{resident="true",role="decode"}' in metrics
 
         load = {"lora_name": "all16", "lora_path": str(dirs["all16"])}
         r = httpx.post(url + "/v1/load_lora_adapter", json=load, timeout=120)
