@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     trace = Trace.step(args.low, args.high, phases, args.seed)
     port = 18000 + os.getpid() % 1000
     flags = up_flags(args, profile, port)
+    if args.quick and not args.replay:  # the eager forward: seconds to start, not minutes
+        flags.append("--enforce-eager")
     if not args.replay:
         real = run_real(flags, port, trace, drain, work)
         record.save(work, args, real, profile)

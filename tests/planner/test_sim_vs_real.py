@@ -57,10 +57,11 @@ def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
     # both sides plan with the start-up pdserve up measured on its own workers
     assert result["worker_startup_source"].startswith("pdserve up's pools"), result
     assert result["worker_startup_observed_s"] > 0
-    # Scale events, both sides (counted from each timeline), and the replica-seconds they
-    # cost agree within 50% (recordings: 0-29%): a simulated planner that never scaled
-    # while the real one did, or scaled wildly, fails this.
-    assert isinstance(real["workers_added"], int) and isinstance(sim["replicas_added"], int)
+    # Scale events, both sides (counted from each timeline), agree within two workers and
+    # the replica-seconds they cost within 50% (recordings: 0-29%): a simulated planner
+    # that never scaled while the real one did, or scaled wildly, fails this. (The
+    # staircase below is where scaling is forced and scored.)
+    assert abs(real["workers_added"] - sim["replicas_added"]) <= 2, (real, sim)
     assert result["sim_vs_real_replica_s_error"] < 0.5, (real, sim)
     host = result["host"]  # the simulated cluster shares this machine's cores (sim_host.py)
     assert host["cores"] == len(os.sched_getaffinity(0))

@@ -24,10 +24,16 @@ from pdserve.local.up import add_arguments
 from tests.loopback import run_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-# the step trace's recordings (the staircase's, *-scaling-*: test_sim_vs_real.py)
-RECORDINGS = sorted(
-    p for p in (BENCH / "recordings").iterdir() if p.is_dir() and "-scaling-" not in p.name
-)
+
+
+def _step_recording(path: Path) -> bool:
+    """A recording of sim_vs_real.py's step trace: its meta holds the trace's ``args``
+    (the staircase's, *-scaling-*, are test_sim_vs_real.py's; other benches' folders too)."""
+    meta = path / "meta.json"
+    return meta.is_file() and "args" in json.loads(meta.read_text())
+
+
+RECORDINGS = sorted(p for p in (BENCH / "recordings").iterdir() if _step_recording(p))
 HOG = BENCH / "recordings/2026-12-01-0431-quick-nice19-hog"
 
 
@@ -45,6 +51,7 @@ def _p90_error(work: Path, fixed_load: bool = False) -> float:
     host = measure_host(dump, cfg.profile, int(trace.arrival.size), trace.duration_s + drain)
     if fixed_load:  # the other jobs as a load taken off the top (the model before 04:30)
         host = replace(host, background_groups=())
+    assert real.startup_s is not None  # every recording has its measured start-up
     sim = replay(trace, cfg, (1, 1), real.startup_s, INTERVAL_S, drain, host=host)
     real_p90, sim_p90 = np.percentile(real.ttft, 90), np.percentile(sim.ttft, 90)
     return float(abs(sim_p90 - real_p90) / real_p90)
