@@ -112,7 +112,7 @@ async def test_subscriber_over_real_zmq() -> None:
         await pub.send_multipart([b"kv", b"garbage"])
         await pub.send_multipart([b"other-topic", b"{}"])  # not subscribed: never seen
         await _until(lambda: sub.num_bad == 1)
-        nxt = idx.last_seq("w1") + 1
+        nxt = (idx.last_seq("w1") or 0) + 1
         before = idx.num_gaps
         hashes = block_hashes(list(range(64)), 16)
         await pub.send_multipart(wire("stored", "w1", nxt, hashes))
