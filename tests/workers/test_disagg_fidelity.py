@@ -9,15 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from worker_helpers import (
-    assert_all_free,
-    decode,
-    metric,
-    prefill,
-    proc,
-    tokens_of,
-    worker_cluster,
-)
+from worker_helpers import assert_all_free, handoff, metric, proc, worker_cluster
 
 from pdserve.protocol.sampling_params import SamplingParams
 
@@ -50,19 +42,9 @@ def test_disaggregated_outputs_match_single_process(
 
         async def one(client: httpx.AsyncClient, i: int) -> list[int]:
             nonlocal handed_off_blocks
-            prompt, max_tokens = work[i]
-            r = await prefill(client, p_url, f"fid-{i}", prompt, max_tokens)
-            if r["kv_handle"] is None:  # the first token already ended it
-                assert r["finish_reason"] == "length" and max_tokens == 1
-                return [r["first_token_id"]]
-            handed_off_blocks += len(r["kv_handle"]["block_ids"])
-            status, lines = await decode(
-                client, d_url, f"fid-{i}", prompt, max_tokens, r["kv_handle"], r["first_token_id"]
-            )
-            assert status == 200, lines
-            assert lines[-1]["finish_reason"] == "length"
-            assert lines[-1]["usage"]["completion_tokens"] == max_tokens
-            return [r["first_token_id"], *tokens_of(lines)]
+            tokens, blocks = await handoff(client, p_url, d_url, f"fid-{i}", *work[i])
+            handed_off_blocks += blocks
+            return tokens
 
         async def run() -> list[list[int]]:
             sem = asyncio.Semaphore(8)

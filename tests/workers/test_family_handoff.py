@@ -16,17 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from worker_helpers import (
-    assert_all_free,
-    decode,
-    metric,
-    prefill,
-    proc,
-    tokens_of,
-    worker_cluster,
-)
+from worker_helpers import assert_all_free, handoff, metric, proc, worker_cluster
 
 from pdserve.engine.model_support import head_dims
+from tests.engine.engine_helpers import hf_greedy
 from tests.model_families import BY_ID, cached_family
 
 pytestmark = pytest.mark.timeout(600)
@@ -45,7 +38,7 @@ def test_family_through_prefill_decode_handoff(
     hf = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager", local_files_only=True
     ).eval()
-    expected = [_hf_greedy(hf, p) for p in PROMPTS]
+    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
     c = hf.config
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     # Under MLA the pool's head size is K's (V padded to it): 24, not the V's 16.
@@ -57,15 +50,12 @@ def test_family_through_prefill_decode_handoff(
 
         async def one(client: httpx.AsyncClient, i: int) -> list[int]:
             nonlocal handed_off
-            r = await prefill(client, p_url, f"{family_id}-{i}", PROMPTS[i], MAX_TOKENS)
-            assert r["kv_handle"] is not None and r["kv_handle"]["block_ids"]
-            handed_off += len(r["kv_handle"]["block_ids"])
-            status, lines = await decode(
-                client, d_url, f"{family_id}-{i}", PROMPTS[i], MAX_TOKENS,
-                r["kv_handle"], r["first_token_id"],
-            )  # fmt: skip
-            assert status == 200, lines
-            return [r["first_token_id"], *tokens_of(lines)]
+            tokens, blocks = await handoff(
+                client, p_url, d_url, f"{family_id}-{i}", PROMPTS[i], MAX_TOKENS
+            )
+            assert blocks > 0
+            handed_off += blocks
+            return tokens
 
         async def run() -> list[list[int]]:
             async with httpx.AsyncClient() as client:
@@ -76,20 +66,6 @@ def test_family_through_prefill_decode_handoff(
         moved = metric(d_url, "pdserve_kv_transfer_bytes_total", transport="nixl")
         assert moved == handed_off * block_bytes > 0
         assert_all_free(p_url, d_url)
-
-
-def _hf_greedy(model, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=model.config.pad_token_id,
-        )
-    return [int(t) for t in out[0, len(prompt) :].tolist()]
 
 
 def test_worker_refuses_an_unsupported_model_at_start(tiny_model_dir: Path) -> None:

@@ -145,3 +145,21 @@ async def decode(
 
 def tokens_of(lines: list[dict[str, Any]]) -> list[int]:
     return [t for line in lines for t in line.get("token_ids", [])]
+
+
+async def handoff(
+    client: httpx.AsyncClient, p_url: str, d_url: str, rid: str, prompt: list[int], tokens: int
+) -> tuple[list[int], int]:
+    """One greedy request prefilled at ``p_url``, its KV handed off to ``d_url`` that
+    decodes the rest: (every token id, the first one included; the blocks handed off).
+    A request its first token already ends (``tokens`` 1) is not handed off (0 blocks)."""
+    r = await prefill(client, p_url, rid, prompt, tokens)
+    if r["kv_handle"] is None:
+        assert r["finish_reason"] == "length" and tokens == 1, r
+        return [r["first_token_id"]], 0
+    first = r["first_token_id"]
+    status, lines = await decode(client, d_url, rid, prompt, tokens, r["kv_handle"], first)
+    assert status == 200, lines
+    assert lines[-1]["finish_reason"] == "length"
+    assert lines[-1]["usage"]["completion_tokens"] == tokens
+    return [first, *tokens_of(lines)], len(r["kv_handle"]["block_ids"])
