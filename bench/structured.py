@@ -11,8 +11,10 @@ the second pass of a round ran slower whichever it was (wall 0.70 and 0.65 with 
 constrained pass second, 1.17 with it first, CPU time 0.95-0.99 in all three: 2026-12-03,
 load average 20-26). The headline is wall clock: ``ratio`` is the
 median over rounds of constrained / free wall-clock tok/s, ``ratio_range`` its min and
-max; ``ratio_cpu`` (this process's CPU time) is the second row. Grammars are compiled
-(and cached) before timing, as the workers do off the engine thread; the first, cold
+max; ``ratio_cpu`` (this process's CPU time) is the second row; ``ratio_unqueued``
+divides wall time less the engine thread's waits in the run queue (Linux schedstat:
+runnable but another process on the CPU), which shows where the wall time went. Grammars
+are compiled (and cached) before timing, as the workers do off the engine thread; the first, cold
 compile is timed apart (``compile_s``). Each JSON line records ``os.getloadavg()`` and
 the thread settings. The last stdout line is JSON:
 ``{"free_wall_tok_s", "constrained_wall_tok_s", "ratio", "ratio_range", "ratio_cpu", ...}``.
@@ -73,20 +75,34 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def _schedstat() -> tuple[float, float]:
+    """This thread's (seconds on a CPU, seconds runnable but waiting for one): Linux's
+    /proc/thread-self/schedstat; (0, 0) where it is missing."""
+    try:
+        on_cpu, waiting, _ = Path("/proc/thread-self/schedstat").read_text().split()
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
 def run(
     engine: LLMEngine, prompts: list[list[int]], args: Any, constrained: bool
-) -> tuple[float, float]:
-    """Output tokens per CPU second and per wall second of one pass over the requests."""
+) -> tuple[float, float, float]:
+    """Output tokens per CPU second, per wall second, and per wall second less the time
+    the engine thread waited for a CPU (runnable, not running: other load) in one pass."""
     spec = {"type": "json_schema", "schema": SCHEMA, "param": "response_format"}
     for i, prompt in enumerate(prompts):
         extra: dict[str, Any] = {"structured": spec} if constrained else {"ignore_eos": True}
         params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=i, **extra)
         engine.add_request(f"{'c' if constrained else 'f'}{i}-{time.monotonic()}", prompt, params)
     tokens, t0, c0 = 0, time.perf_counter(), time.process_time()
+    _, w0 = _schedstat()
     while engine.has_work:
         tokens += sum(len(o.token_ids) for o in engine.step())
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    queued = _schedstat()[1] - w0
     assert tokens == len(prompts) * args.max_tokens, "both runs must decode the same tokens"
-    return tokens / (time.process_time() - c0), tokens / (time.perf_counter() - t0)
+    return tokens / cpu, tokens / wall, tokens / max(wall - queued, 1e-9)
 
 
 def plot(path: str, result: dict[str, Any]) -> None:
@@ -129,12 +145,16 @@ def main() -> int:
         before = [round(x, 2) for x in os.getloadavg()]
         order = [False, True] if i % 2 == 0 else [True, False]
         got = {c: run(engine, prompts, args, constrained=c) for c in order}
-        (free_cpu, free_wall), (con_cpu, con_wall) = got[False], got[True]
+        (free_cpu, free_wall, free_own), (con_cpu, con_wall, con_own) = got[False], got[True]
         rounds.append({"free_tok_s": round(free_cpu, 1), "constrained_tok_s": round(con_cpu, 1),
                        "free_wall_tok_s": round(free_wall, 1),
                        "constrained_wall_tok_s": round(con_wall, 1),
                        "ratio": round(con_wall / free_wall, 3),
-                       "ratio_cpu": round(con_cpu / free_cpu, 3), "load_avg": before})  # fmt: skip
+                       "ratio_cpu": round(con_cpu / free_cpu, 3),
+                       "ratio_unqueued": round(con_own / free_own, 3),
+                       "free_unqueued_tok_s": round(free_own, 1),
+                       "constrained_unqueued_tok_s": round(con_own, 1),
+                       "load_avg": before})  # fmt: skip
         print(json.dumps(rounds[-1]), file=sys.stderr)
 
     def med(key: str) -> float:
@@ -147,6 +167,13 @@ def main() -> int:
         "ratio_cpu_range": [
             min(r["ratio_cpu"] for r in rounds),
             max(r["ratio_cpu"] for r in rounds),
+        ],
+        # Wall clock less the engine thread's waits for a CPU (other processes' load):
+        # what is left is the path's own time, the CPU's and any sleeps.
+        "ratio_unqueued": med("ratio_unqueued"),
+        "ratio_unqueued_range": [
+            min(r["ratio_unqueued"] for r in rounds),
+            max(r["ratio_unqueued"] for r in rounds),
         ],
         "free_wall_tok_s": med("free_wall_tok_s"),
         "constrained_wall_tok_s": med("constrained_wall_tok_s"),
