@@ -4,10 +4,10 @@
 written the same way (seeded weights, a byte-level BPE tokenizer trained on local text),
 so that no rule tuned on the presets can pass unseen:
 
-* ``wide-vocab``: a 32k-entry vocabulary over a narrow decoder (hidden 256, 4 layers):
-  the output head is most of each step's GEMM work;
-* ``deep-narrow``: 24 layers of hidden 256: many small GEMMs, twice the decoder weights
-  of the ``small`` preset's threshold era but each one narrow.
+* ``wide-vocab``: a 32,768-token vocabulary (the tokenizer's too) over a narrow decoder
+  (hidden 256, 4 layers): the output head is most of each step's GEMM work;
+* ``deep-narrow``: 24 layers of hidden 256: 17.7M decoder weights (over the 8M of the
+  retired size rule, which would have given it every core) in many narrow GEMMs.
 
     python bench/serve_models.py wide-vocab      # prints the model directory
 """
