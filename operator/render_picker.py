@@ -99,7 +99,7 @@ def front_command(spec: LLMServiceSpec) -> list[str]:
     router = p.router_command(spec)
     keep = []
     for i, arg in enumerate(router):  # the tenant-facing flags carry over
-        if arg in ("--api-key-file", "--max-queue") and i + 1 < len(router):
+        if arg in ("--api-key-file", "--max-queue", "--lora") and i + 1 < len(router):
             keep += [arg, router[i + 1]]
     cmd = ["pdserve", "router", "--model", p.model_dir(spec),
            "--served-model-name", spec.model.served_name, "--host", "0.0.0.0",
@@ -151,8 +151,10 @@ def _decode_with_front(spec: LLMServiceSpec, dep: Manifest) -> Manifest:
 
 
 def _read_mount(m: dict[str, Any]) -> bool:
-    """The model (tokenizer) and /tmp: not the workers' compiled-code cache."""
-    return m["name"] == "tmp" or (m["name"] == "model" and "subPath" not in m)
+    """The model (tokenizer), /tmp and the LoRA adapters (the front serves adapter names
+    and hashes their files as the router does): not the workers' compiled-code cache."""
+    name = m["name"]
+    return name == "tmp" or name.startswith("adapters-") or (name == "model" and "subPath" not in m)
 
 
 def _route_to_pool(spec: LLMServiceSpec, route: Manifest) -> Manifest:

@@ -127,3 +127,18 @@ def test_parser_refuses_duplicate_and_base_names(adapters: Any, message: str) ->
     with pytest.raises(SpecError, match=message) as info:
         parse_llmservice(minimal_llmservice(adapters=adapters))
     assert info.value.field.endswith(".name")
+
+
+def test_endpoint_picker_fronts_serve_the_adapters() -> None:
+    """In endpointPicker mode each decode pod's front is the router that serves the tenants:
+    it gets the same --lora flags and the adapter mounts (it hashes the adapters' files),
+    else an adapter's name would be a 404 behind the gateway."""
+    obj = minimal_llmservice(adapters=ADAPTERS, router={"mode": "endpointPicker"})
+    pod = _pods(obj)["demo-decode"]["spec"]["template"]["spec"]
+    front = next(c for c in pod["containers"] if c["name"] == "front")
+    cmd = front["command"]
+    loras = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--lora"]
+    assert loras == ["sql=/adapters/sql", "chat.v1=/adapters/chat.v1", "Tone_2=/adapters/Tone_2"]
+    mounts = {m["mountPath"] for m in front["volumeMounts"] if m["name"].startswith("adapters-")}
+    assert mounts == {"/adapters/sql", "/adapters/chat.v1", "/adapters/Tone_2"}
+    assert all(m["readOnly"] for m in front["volumeMounts"] if m["name"].startswith("adapters-"))
