@@ -22,35 +22,27 @@ from pdserve.protocol.contract import GenerateRequest, TokenDelta, Usage, Worker
 from pdserve.protocol.outputs import REQUEST_FAILED, RequestOutput
 from pdserve.protocol.token_lines import encode_line
 from pdserve.transfer.registry import DEFAULT_TRANSFER_TIMEOUT
-from pdserve.worker.core_client import EngineClient
 from pdserve.worker.direct import DirectApp, LineStream
 from pdserve.worker.http import (
     add_common_routes,
     add_worker_arguments,
-    core_config,
     known_error,
     read_message,
-    worker_id,
 )
 from pdserve.worker.lora_api import add_lora_routes
-from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.role import RoleWorker, add_kv_events_port
 
 logger = logging.getLogger(__name__)
 ROLE = "decode"
 
 
-class DecodeWorker:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.worker_id = worker_id(args, ROLE)
-        # The engine and its KV connector run in a child process (decode_worker/core.py).
-        self.engine = EngineClient(core_config(ROLE, args))
-        self.metrics = WorkerMetrics(self.engine, ROLE)
+class DecodeWorker(RoleWorker):
+    # The engine and its KV connector run in a child process (decode_worker/core.py).
+    ROLE = ROLE
 
     def identity(self) -> dict[str, Any]:
         return {
-            "role": ROLE,
-            "worker_id": self.worker_id,
+            **super().identity(),
             "kv_transport": self.args.kv_transport,
             "kv_events": self.engine.info.get("kv_events", ""),  # its load reports
         }
@@ -103,15 +95,11 @@ class DecodeWorker:
         app.add_direct("POST", "/generate", generate)
         return app
 
-    def close(self) -> None:
-        self.engine.shutdown()
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_arguments(parser, default_port=8200)
     g = parser.add_argument_group("decode")
-    g.add_argument("--kv-events-port", type=int, default=None,
-                   help="its load reports' ZeroMQ port (default: port + 1)")  # fmt: skip
+    add_kv_events_port(g, "its load reports' ZeroMQ port (default: port + 1)")
     g.add_argument(
         "--transfer-timeout",
         type=float,

@@ -19,35 +19,27 @@ from pdserve.prefill_worker.events_api import add_event_routes
 from pdserve.protocol.contract import PrefillReply, PrefillRequest, ReleaseReply, RequestRef, Usage
 from pdserve.protocol.outputs import HANDOFF, REQUEST_FAILED, RequestOutput
 from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS
-from pdserve.worker.core_client import EngineClient
 from pdserve.worker.http import (
     BadRequest,
     add_common_routes,
-    core_config,
     read_message,
     reply,
-    worker_id,
 )
 from pdserve.worker.lora_api import add_lora_routes
-from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.role import RoleWorker, add_kv_events_port
 
 logger = logging.getLogger(__name__)
 ROLE = "prefill"
 
 
-class PrefillWorker:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.worker_id = worker_id(args, ROLE)
-        # The engine, the KV lease server and the KV event publisher run in a child
-        # process (prefill_worker/core.py).
-        self.engine = EngineClient(core_config(ROLE, args))
-        self.metrics = WorkerMetrics(self.engine, ROLE)
+class PrefillWorker(RoleWorker):
+    # The engine, the KV lease server and the KV event publisher run in a child
+    # process (prefill_worker/core.py).
+    ROLE = ROLE
 
     def identity(self) -> dict[str, Any]:
         return {
-            "role": ROLE,
-            "worker_id": self.worker_id,
+            **super().identity(),
             "kv_events": self.engine.info["kv_events"],
             "side_channel": self.engine.info["side_channel"],
             "kv_transport": self.engine.info["kv_transport"],
@@ -101,16 +93,13 @@ class PrefillWorker:
 
         return app
 
-    def close(self) -> None:
-        self.engine.shutdown()
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pdserve.worker.http import add_worker_arguments
 
     add_worker_arguments(parser, default_port=8100)
     g = parser.add_argument_group("prefill")
-    g.add_argument("--kv-events-port", type=int, default=None, help="default: port + 1")
+    add_kv_events_port(g, "default: port + 1")
     g.add_argument(
         "--lease-seconds",
         type=float,
