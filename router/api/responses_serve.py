@@ -21,8 +21,7 @@ from pdserve.router.api.protocol import CompletionRequest
 from pdserve.router.api.responses_api import chat_body
 from pdserve.router.api.responses_out import Events, Shape, output_items, status_of, usage
 from pdserve.router.api.tool_output import ToolOutput
-from pdserve.router.runtime import Runtime, Ticket
-from pdserve.router.scheduling.routing import RoutePlan
+from pdserve.router.runtime import Runtime
 from pdserve.router.transport.dispatch import Delta, RequestState
 
 # The chat field an error names → the Responses field the client sent.
@@ -48,17 +47,10 @@ class ResponsesCall:
         self.body = body
         return prepared
 
-    async def respond(
-        self,
-        rt: Runtime,
-        request: Request,
-        req: CompletionRequest,
-        rs: RequestState,
-        plan: RoutePlan,
-        ticket: Ticket,
-    ) -> Response:
+    async def respond(self, rt: Runtime, call: serving.Admitted) -> Response:
+        req, rs = call.req, call.rs
         shape = Shape(rs.request_id, self.body)
-        events = rt.dispatcher.run(rs, plan)
+        events = rt.dispatcher.run(rs, call.plan)
 
         def whole(got: tuple[str, str | None]) -> dict[str, Any]:
             text, finish = got
@@ -74,7 +66,7 @@ class ResponsesCall:
             head = out.start() + _feed(out, tools, first, rs)
             return head, _rest(out, tools, events, rs)
 
-        return await serving.answer(rt, request, req, rs, ticket, events, _collect, whole, stream)
+        return await serving.answer(rt, call, events, _collect, whole, stream)
 
 
 async def serve_responses(rt: Runtime, request: Request) -> Response:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
@@ -196,6 +196,17 @@ class _Stream(Response):
                 return
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """One admitted request, routed: what every ``respond`` gets (``serve`` builds it)."""
+
+    request: Request
+    req: CompletionRequest
+    rs: RequestState
+    plan: RoutePlan
+    ticket: Ticket
+
+
 class Api(Protocol):
     """Another API served over this path (router/api/responses_serve.py): its ids, its body
     → request, and its reply."""
@@ -205,10 +216,7 @@ class Api(Protocol):
     def prepare(self, rt: Runtime, raw: bytes, chat: bool) -> tuple[CompletionRequest, list[int]]:
         """Runs on a tokenizer thread, as ``prepare``."""
 
-    async def respond(
-        self, rt: Runtime, request: Request, req: CompletionRequest, rs: RequestState,
-        plan: RoutePlan, ticket: Ticket,
-    ) -> Response: ...  # fmt: skip
+    async def respond(self, rt: Runtime, call: Admitted) -> Response: ...
 
 
 async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = None) -> Response:
@@ -239,7 +247,7 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
         rs = RequestState(rid, ids, req.sampling, cache_salt=salt, lora=lora)
         respond = _respond if req.best_of == 1 else _respond_n
         respond = api.respond if api is not None else respond
-        response = await respond(rt, request, req, rs, plan, ticket)
+        response = await respond(rt, Admitted(request, req, rs, plan, ticket))
         streaming = isinstance(response, _Stream)
         return response
     except APIError as err:
@@ -249,15 +257,9 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
             ticket.release()
 
 
-async def _respond(
-    rt: Runtime,
-    request: Request,
-    req: CompletionRequest,
-    rs: RequestState,
-    plan: RoutePlan,
-    ticket: Ticket,
-) -> Response:
-    events = rt.dispatcher.run(rs, plan)
+async def _respond(rt: Runtime, call: Admitted) -> Response:
+    req, rs = call.req, call.rs
+    events = rt.dispatcher.run(rs, call.plan)
     ec = echo_for(rt.tokenizer.tok, req, rs)  # the prompt in front of the reply (echo)
     if ec is not None and ec.spec.score_only:
         events = scored_only(rs, events)
@@ -279,15 +281,12 @@ async def _respond(
         head = ec.head(rs.request_id, req.model) if ec is not None else ""
         return head + _sse_head(req, rs, first, out), _sse_rest(req, rs, events, out)
 
-    return await answer(rt, request, req, rs, ticket, events, _collect, whole, stream)
+    return await answer(rt, call, events, _collect, whole, stream)
 
 
 async def answer(
     rt: Runtime,
-    request: Request,
-    req: CompletionRequest,
-    rs: RequestState,
-    ticket: Ticket,
+    call: Admitted,
     events: AsyncGenerator[E, None],
     collect: Callable[[AsyncGenerator[E, None]], Awaitable[C]],
     whole: Callable[[C], dict[str, Any]],
@@ -295,8 +294,9 @@ async def answer(
 ) -> Response:
     """Answer from ``events`` (one choice's or n choices'): whole, or streamed once the first
     event is in, so that a failure before it is still an HTTP error with a status."""
+    request, rs = call.request, call.rs
     try:
-        if not req.stream:
+        if not call.req.stream:
             got = await guarded(request, collect(events))
             rt.finish(rs, 200)
             return JSONResponse(whole(got))
@@ -313,7 +313,7 @@ async def answer(
     async def cleanup() -> None:
         with contextlib.suppress(Exception):
             await events.aclose()  # aborts on the workers when unfinished
-        ticket.release()
+        call.ticket.release()
         rt.finish(rs, rs.status)
 
     head, rest = stream(first)
@@ -321,10 +321,10 @@ async def answer(
                    rt.metrics.slow_readers.inc)  # fmt: skip
 
 
-async def _respond_n(*args: Any) -> Response:
+async def _respond_n(rt: Runtime, call: Admitted) -> Response:
     from pdserve.router.api.serving_n import respond_n  # it builds on this module
 
-    return await respond_n(*args)
+    return await respond_n(rt, call)
 
 
 def _formatter(

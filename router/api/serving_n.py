@@ -9,30 +9,22 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from fastapi import Request
 from fastapi.responses import Response
 
 from pdserve.router.api import responses
 from pdserve.router.api.choices import Choices
 from pdserve.router.api.errors import APIError
 from pdserve.router.api.protocol import CompletionRequest
-from pdserve.router.api.serving import _Chunks, _formatter, answer
+from pdserve.router.api.serving import Admitted, _Chunks, _formatter, answer
 from pdserve.router.api.tool_output import ToolOutput
-from pdserve.router.runtime import Runtime, Ticket
-from pdserve.router.scheduling.routing import RoutePlan
+from pdserve.router.runtime import Runtime
 from pdserve.router.transport.dispatch import Delta, RequestState
 
 
-async def respond_n(
-    rt: Runtime,
-    request: Request,
-    req: CompletionRequest,
-    rs: RequestState,
-    plan: RoutePlan,
-    ticket: Ticket,
-) -> Response:
+async def respond_n(rt: Runtime, call: Admitted) -> Response:
     """n > 1 choices (router/api/choices.py); each stream chunk carries its choice's index."""
-    ch = Choices(rt.dispatcher, rs, plan, req.best_of)
+    req, rs = call.req, call.rs
+    ch = Choices(rt.dispatcher, rs, call.plan, req.best_of)
     events = ch.events()
 
     def stream(first: tuple[int, Delta]) -> tuple[str, AsyncIterator[str]]:
@@ -43,7 +35,7 @@ async def respond_n(
         return head + outs[first[0]](first[1]), _sse_rest_n(req, rs, ch, events, outs)
 
     return await answer(
-        rt, request, req, rs, ticket, events, lambda e: _collect_n(e, req.best_of),
+        rt, call, events, lambda e: _collect_n(e, req.best_of),
         lambda per: _whole_n(rt, req, rs, ch, per), stream,
     )  # fmt: skip
 
