@@ -52,26 +52,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc  # noqa: E402
-from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES  # noqa: E402
 
 REPLICAS = 3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, few requests")
-    p.add_argument("--model", default="", help="model dir (default: write the preset model)")
-    p.add_argument("--preset", default="small", help="tiny-model preset when --model is unset")
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--per-group", type=int, default=16)
-    p.add_argument("--system-tokens", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=2)
+    routing.add_workload_arguments(p)
     p.add_argument("--repeats", type=int, default=2, help="one/three phase pairs")
     p.add_argument("--late-window", type=float, default=5.0, help="seconds after ready")
-    p.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.groups, args.per_group, args.repeats = "tiny", 4, 8, 1

@@ -55,8 +55,8 @@ from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES  # noqa
 BLOCK = 16
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The shared-prefix workload's and its cluster's flags (also bench/multi_router.py's)."""
     p.add_argument("--quick", action="store_true", help="tiny model, few requests")
     p.add_argument("--model", default="", help="model dir (default: write the preset model)")
     p.add_argument("--preset", default="small", help="tiny-model preset when --model is unset")
@@ -65,6 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_arguments(p)
     p.add_argument(
         "--cache-groups",
         type=float,
@@ -72,9 +80,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prefill KV cache size in groups' prefixes (default groups/2)",
     )
     p.add_argument("--overhead-requests", type=int, default=60)
-    p.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.groups, args.per_group, args.overhead_requests = "tiny", 4, 4, 16
