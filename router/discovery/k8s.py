@@ -20,6 +20,7 @@ from typing import Any
 from pdserve.operator import naming
 from pdserve.router.discovery.kube_api import ApiAccess, load_access
 from pdserve.router.discovery.slice_watch import SliceWatch
+from pdserve.router.discovery.tasks import stop_task
 from pdserve.router.discovery.workers import Endpoint, EndpointSource
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -108,8 +109,5 @@ class KubernetesSource(EndpointSource):
         self._changed.clear()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None

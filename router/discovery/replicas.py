@@ -14,7 +14,6 @@ drops below 1, so a lone replica enforces the whole budget.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.kube_api import ApiAccess, load_access
 from pdserve.router.discovery.slice_watch import SliceWatch
+from pdserve.router.discovery.tasks import stop_task
 
 log = logging.getLogger(__name__)
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -98,11 +98,8 @@ class ServiceReplicaCount(ReplicaCount):
             self._task = asyncio.create_task(self.watch.run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
 
 def replica_count(cfg: RouterConfig) -> ReplicaCount:

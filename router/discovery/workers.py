@@ -24,6 +24,7 @@ import aiohttp
 from pdserve.protocol.contract import CONTRACT_VERSION, EngineStats
 from pdserve.protocol.kv_events import KVSnapshot, LoadReport
 from pdserve.router.discovery.events import EventSubscriber
+from pdserve.router.discovery.tasks import stop_task
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerStats, WorkerView
 from pdserve.router.transport.worker_client import TRANSPORT_ERRORS, get_json, get_message
 
@@ -233,11 +234,8 @@ class Discovery:
             self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         await self.source.close()
         if self.subscriber is not None:
             await self.subscriber.close()
