@@ -67,11 +67,11 @@ def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert host["cores"] == len(os.sched_getaffinity(0))
     assert host["other_cpu_ms_per_request"] > 0  # the router and the client used some CPU
     assert 0 <= host["background_cores_mean"] <= host["cores"]
-    # under autogroup scheduling (on here) the sampler lowered our sessions to our nice and
-    # the host model weighs sessions; the per-process model is reported beside it
+    # under autogroup scheduling (on here) the host model weighs sessions: --quick leaves
+    # ours at the autogroup nice 0 every other session has (lowered to 10 they starved:
+    # 265 s to start at load 20), so each weighs 1024; the per-process model beside it
     if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
-        up_nice = max(10, os.nice(0))  # sim_vs_real_up.Up: nice 10 at least
-        assert host["autogroup_weight"] == pytest.approx(1024 / 1.25**up_nice, rel=0.05)
+        assert host["autogroup_weight"] == pytest.approx(1024, rel=0.05)
         assert result["sim_per_process_nice"]["requests"] == n
     assert (tmp_path / "sim_vs_real.png").stat().st_size > 0
     # the recorded run gives the same simulated side again, without pdserve up
