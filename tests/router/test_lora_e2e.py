@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.loopback import all_kv_free
-from tests.lora_adapters import SPECS, merged_model, write_adapter
+from tests.lora_adapters import SPECS, hf_greedy, merged_model, write_adapter
 from tests.router.pdserve_up import run_up
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -26,15 +26,7 @@ MAX_TOKENS = 6
 
 
 def _hf_greedy(model: Any) -> list[int]:
-    import torch
-
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
-            eos_token_id=None, pad_token_id=model.config.pad_token_id,
-        )  # fmt: skip
-    return [int(t) for t in out[0, len(PROMPT) :].tolist()]
+    return hf_greedy(model, PROMPT, MAX_TOKENS)
 
 
 async def _greedy(url: str, model: str) -> tuple[list[int], int]:

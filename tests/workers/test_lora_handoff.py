@@ -20,25 +20,13 @@ from worker_helpers import AUTH, assert_all_free, proc, sampling, stats, tokens_
 from pdserve.engine.lora_files import adapter_hash
 from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest, LoraRef, PrefillRequest, RequestRef
-from tests.lora_adapters import SPECS, merged_model, write_adapter
+from tests.lora_adapters import SPECS, hf_greedy, merged_model, write_adapter
 
 pytestmark = pytest.mark.timeout(600)
 
 PROMPT = [(i * 41 + 3) % 3000 + 5 for i in range(37)]  # two full blocks and a part
 MAX_TOKENS = 8
 NAMES = (None, *(s.name for s in SPECS))
-
-
-def _hf_greedy(model: Any, prompt: list[int]) -> list[int]:
-    import torch
-
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
-            eos_token_id=None, pad_token_id=model.config.pad_token_id,
-        )  # fmt: skip
-    return [int(t) for t in out[0, len(prompt) :].tolist()]
 
 
 async def _prefill(client: httpx.AsyncClient, url: str, rid: str, lora: LoraRef | None) -> Any:
@@ -66,8 +54,10 @@ def test_lora_through_prefill_decode_handoff(tiny_model_dir: Path, tmp_path: Pat
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
-    want: dict[str | None, list[int]] = {None: _hf_greedy(base, PROMPT)}
-    want.update({n: _hf_greedy(merged_model(tiny_model_dir, d), PROMPT) for n, d in dirs.items()})
+    want: dict[str | None, list[int]] = {None: hf_greedy(base, PROMPT, MAX_TOKENS)}
+    want.update(
+        {n: hf_greedy(merged_model(tiny_model_dir, d), PROMPT, MAX_TOKENS) for n, d in dirs.items()}
+    )
     # Two adapters from the flags; the third is loaded at run time through the endpoint.
     flags = tuple(f for n in ("attn8", "mlp4") for f in ("--lora", f"{n}={dirs[n]}"))
     with worker_cluster(tiny_model_dir, tmp_path, "nixl", flags, flags) as cluster:
