@@ -91,6 +91,15 @@ async def live(w: Worker, sub: EventSubscriber) -> None:
         await asyncio.sleep(0.02)
 
 
+async def synced(setup: Setup) -> Setup:
+    """``setup`` with the worker subscribed as p0, live and synced from its snapshot."""
+    w, _, sub = setup
+    sub.subscribe(w.address, "p0", "http://p0")
+    await live(w, sub)
+    await until(lambda: sub.synced(w.address))
+    return setup
+
+
 @pytest.mark.timeout(30)
 async def test_late_replica_catches_up_from_snapshot_then_events(setup: Setup) -> None:
     w, idx, sub = setup
@@ -119,10 +128,7 @@ async def test_late_replica_catches_up_from_snapshot_then_events(setup: Setup) -
 
 @pytest.mark.timeout(30)
 async def test_a_seq_gap_resyncs_from_a_snapshot(setup: Setup) -> None:
-    w, idx, sub = setup
-    sub.subscribe(w.address, "p0", "http://p0")
-    await live(w, sub)
-    await until(lambda: sub.synced(w.address))
+    w, idx, sub = await synced(setup)
     await w.event("stored", (1, 2))
     await until(lambda: idx.match([1, 2]) == {"p0": 2})
     await w.event("stored", (3,), send=False)  # lost
@@ -135,10 +141,7 @@ async def test_a_seq_gap_resyncs_from_a_snapshot(setup: Setup) -> None:
 
 @pytest.mark.timeout(30)
 async def test_a_report_ahead_of_the_index_resyncs(setup: Setup) -> None:
-    w, idx, sub = setup
-    sub.subscribe(w.address, "p0", "http://p0")
-    await live(w, sub)
-    await until(lambda: sub.synced(w.address))
+    w, idx, _ = await synced(setup)
     await w.event("stored", (7,), send=False)  # the last event was lost: no later one
     await w.pub.send_multipart(report(w.seq))  # ... but the report says seq 1 was sent
     await until(lambda: idx.match([7]) == {"p0": 1})
