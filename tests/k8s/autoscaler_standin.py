@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from pdserve.router.metrics import RouterMetrics
+from tests.aio_site import start_site
 
 
 @dataclass(frozen=True)
@@ -81,12 +82,8 @@ async def serve_routers(routers: dict[str, RecordedRouter]) -> AsyncIterator[str
 
     app = web.Application()
     app.router.add_get("/{namespace}/{name}/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, url = await start_site(app)
     try:
-        yield f"http://127.0.0.1:{port}/{{namespace}}/{{name}}/metrics"
+        yield url + "/{namespace}/{name}/metrics"
     finally:
         await runner.cleanup()

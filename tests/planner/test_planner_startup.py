@@ -30,6 +30,7 @@ from pdserve.planner.capacity import ProfileError, load_profile, save_profile
 from pdserve.planner.plan import plan
 from pdserve.planner.presets import CPU_TINY, H100_LLAMA3_8B
 from pdserve.planner.startup import StartupEstimate
+from tests.aio_site import start_site
 
 
 def test_prior_until_measured_then_a_running_mean_per_pool() -> None:
@@ -110,12 +111,8 @@ async def _ok(_: web.Request) -> web.Response:
 async def test_pools_time_each_worker_from_spawn_to_health(tmp_path: Path) -> None:
     app = web.Application()
     app.router.add_get("/health", _ok)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    ready = Proc("prefill-0", "prefill", f"http://127.0.0.1:{port}", [], tmp_path / "p0.log")
+    runner, url = await start_site(app)
+    ready = Proc("prefill-0", "prefill", url, [], tmp_path / "p0.log")
     loading = Proc("decode-1", "decode", "http://127.0.0.1:9", [], tmp_path / "d1.log")
     ready.spawned_at = time.monotonic() - 30.0
     loading.spawned_at = time.monotonic() - 55.0

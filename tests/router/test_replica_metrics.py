@@ -11,6 +11,7 @@ from aiohttp import web
 
 from pdserve.operator import autoscale_inputs as inputs
 from pdserve.operator import naming
+from tests.aio_site import start_site
 
 
 class Slices:
@@ -68,13 +69,9 @@ async def test_the_replicas_pages_are_summed() -> None:
             return web.Response(text=text)
 
         app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, url = await start_site(app)
         runners.append(runner)
-        urls.append(f"http://127.0.0.1:{port}/metrics")
+        urls.append(url + "/metrics")
     try:
         async with aiohttp.ClientSession() as session:
             scrape = await inputs.scrape_routers(session, urls, 5.0, 2.0)
