@@ -10,15 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from pdserve.env import SERVICE_SECRET
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource
 from pdserve.router.tokenizer import PromptTokenizer
-from tests.router.fakes import SECRET, TOTAL_BLOCKS, FakeState, decode_app, prefill_app, serve
+from tests.router.fakes import SECRET, TOTAL_BLOCKS, FakeState, serve, start_fakes
 
 # The pdserve-up cluster fixtures (up, client) for the modules that run real workers.
 from tests.router.pdserve_up import client, shared_up, up  # noqa: F401
@@ -73,29 +71,13 @@ async def start_cluster(
     events: bool = True,
     **cfg: Any,
 ) -> AsyncIterator[Cluster]:
-    ctx = zmq.asyncio.Context()
     async with contextlib.AsyncExitStack() as stack:
-        prefill, prefill_urls = [], []
-        for i in range(n_prefill):
-            st = FakeState("prefill", f"p{i}")
-            pub = None
-            if events:
-                pub = ctx.socket(zmq.PUB)
-                st.kv_events = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
-                stack.callback(pub.close, 0)
-            prefill.append(st)
-            prefill_urls.append(await stack.enter_async_context(serve(prefill_app(st, pub))))
-        decode, decode_urls = [], []
-        for i in range(n_decode):
-            st = FakeState("decode", f"d{i}")
-            decode.append(st)
-            decode_urls.append(await stack.enter_async_context(serve(decode_app(st))))
+        f = await start_fakes(stack, n_prefill, n_decode, events)
         config = RouterConfig(model_dir=str(model_dir), served_model_name="tiny",
                               health_interval_s=0.2, **cfg)  # fmt: skip
-        app = create_app(config, StaticSource(prefill_urls, decode_urls), tokenizer)
+        app = create_app(config, StaticSource(f.prefill_urls, f.decode_urls), tokenizer)
         url = await stack.enter_async_context(serve(app))
-        yield Cluster(url, prefill, decode, prefill_urls, decode_urls, app)
-    ctx.term()
+        yield Cluster(url, f.prefill, f.decode, f.prefill_urls, f.decode_urls, app)
 
 
 @pytest.fixture

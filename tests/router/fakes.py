@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -266,3 +266,41 @@ async def serve(app: Any) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
+
+
+@dataclass
+class Fakes:
+    """Fake prefill and decode workers on loopback (:func:`start_fakes`)."""
+
+    prefill: list[FakeState]
+    decode: list[FakeState]
+    prefill_urls: list[str]
+    decode_urls: list[str]
+
+
+async def start_fakes(
+    stack: contextlib.AsyncExitStack, n_prefill: int, n_decode: int, events: bool = True,
+    busy: Sequence[int] = (),
+) -> Fakes:  # fmt: skip
+    """``n_prefill`` + ``n_decode`` fake workers, served until ``stack`` closes: each prefill
+    fake publishes its KV events when ``events``; the ``busy`` decode fakes report one
+    running request."""
+    ctx = zmq.asyncio.Context()
+    stack.callback(ctx.term)  # last: after the servers and their sockets
+    fakes = Fakes([], [], [], [])
+    for i in range(n_prefill):
+        st = FakeState("prefill", f"p{i}")
+        pub = None
+        if events:
+            pub = ctx.socket(zmq.PUB)
+            st.kv_events = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+            stack.callback(pub.close, 0)
+        fakes.prefill.append(st)
+        fakes.prefill_urls.append(await stack.enter_async_context(serve(prefill_app(st, pub))))
+    for i in range(n_decode):
+        st = FakeState("decode", f"d{i}")
+        if i in busy:
+            st.active["busy"] = 1
+        fakes.decode.append(st)
+        fakes.decode_urls.append(await stack.enter_async_context(serve(decode_app(st))))
+    return fakes

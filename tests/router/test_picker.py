@@ -18,8 +18,6 @@ from typing import Any
 
 import grpc
 import pytest
-import zmq
-import zmq.asyncio
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -31,7 +29,7 @@ from pdserve.router.picker import envoy_msgs as msgs
 from pdserve.router.picker.prefill_header import PREFILL_HEADER, SIGNATURE_HEADER, endpoint_of
 from pdserve.router.picker.service import PickerService
 from pdserve.router.tokenizer import PromptTokenizer
-from tests.router.fakes import TOTAL_BLOCKS, FakeState, decode_app, prefill_app, serve
+from tests.router.fakes import TOTAL_BLOCKS, FakeState, start_fakes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -190,27 +188,12 @@ async def start_picker(
 ) -> AsyncIterator[PickerCluster]:  # fmt: skip
     """Fake workers, and a picker over them on a free port; ``busy`` decode fakes report
     one running request (so the others rank first)."""
-    ctx = zmq.asyncio.Context()
     async with contextlib.AsyncExitStack() as stack:
-        prefill, prefill_urls = [], []
-        for i in range(n_prefill):
-            st = FakeState("prefill", f"p{i}")
-            pub = ctx.socket(zmq.PUB)
-            st.kv_events = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
-            stack.callback(pub.close, 0)
-            prefill.append(st)
-            prefill_urls.append(await stack.enter_async_context(serve(prefill_app(st, pub))))
-        decode, decode_urls = [], []
-        for i in range(n_decode):
-            st = FakeState("decode", f"d{i}")
-            if i in busy:
-                st.active["busy"] = 1
-            decode.append(st)
-            decode_urls.append(await stack.enter_async_context(serve(decode_app(st))))
+        f = await start_fakes(stack, n_prefill, n_decode, busy=busy)
         cfg.setdefault("health_interval_s", 0.2)
         config = RouterConfig(model_dir=str(model_dir), served_model_name="tiny", **cfg)
         targets = dict(target or {})
-        source = StaticSource(prefill_urls, decode_urls)
+        source = StaticSource(f.prefill_urls, f.decode_urls)
         service = PickerService(
             config, source, tokenizer, target=lambda w: targets.get(w.url, endpoint_of(w.url))
         )
@@ -218,9 +201,8 @@ async def start_picker(
         stack.push_async_callback(service.close)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         stack.push_async_callback(channel.close)
-        yield PickerCluster(service, ep_grpc.ExternalProcessorStub(channel), channel, prefill,
-                            decode, prefill_urls, decode_urls, targets)  # fmt: skip
-    ctx.term()
+        yield PickerCluster(service, ep_grpc.ExternalProcessorStub(channel), channel, f.prefill,
+                            f.decode, f.prefill_urls, f.decode_urls, targets)  # fmt: skip
 
 
 def completion(prompt: Any, max_tokens: int = 4, stream: bool = True, **extra: Any) -> bytes:
