@@ -5,12 +5,13 @@ tokenizing, tokenizing off the event loop, and request faults never retried."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.router.raw_http import exchange
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -18,26 +19,12 @@ OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 LONG = "The quick brown fox jumps over the lazy dog. " * 4
 
 
-def _raw_exchange(url: str, head: bytes, first_bytes: bytes) -> bytes:
-    """Send a request head and the start of its body, then read the reply."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(head + first_bytes)
-        reply = b""
-        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            reply += chunk
-        return reply
-
-
 async def test_body_over_the_limit_is_413_without_reading_it(cluster_factory) -> None:
     async with cluster_factory(max_body_bytes=1 << 20) as c:
         head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 b"Content-Length: 60000000\r\n\r\n")  # fmt: skip
         t0 = time.monotonic()
-        reply = await asyncio.to_thread(_raw_exchange, c.url, head, b'{"model": "tiny"')
+        reply = await asyncio.to_thread(exchange, c.url, head, b'{"model": "tiny"')
         assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
         assert b"request_too_large" in reply and time.monotonic() - t0 < 5
         # chunked, no Content-Length: refused once the bytes read pass the limit
@@ -45,7 +32,7 @@ async def test_body_over_the_limit_is_413_without_reading_it(cluster_factory) ->
                 b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
         chunk = b"x" * 65536
         body = (b"%x\r\n" % len(chunk) + chunk + b"\r\n") * 20  # 1.3 MB, never terminated
-        reply = await asyncio.to_thread(_raw_exchange, c.url, head, body)
+        reply = await asyncio.to_thread(exchange, c.url, head, body)
         assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
         async with httpx.AsyncClient(base_url=c.url) as h:  # the router serves on
             assert (await h.post("/v1/completions", json=OK)).status_code == 200

@@ -15,6 +15,7 @@ import pytest
 
 from pdserve.router.admission import Admission
 from pdserve.router.api.errors import APIError
+from tests.router.raw_http import connect, read_reply
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,21 +24,8 @@ OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 
 def _trickler(url: str) -> socket.socket:
     """A connection that sends its head and one byte of a 1000-byte body, then waits."""
-    host, port = url.removeprefix("http://").split(":")
-    s = socket.create_connection((host, int(port)), timeout=10)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-              b"\r\nContent-Length: 1000\r\n\r\n{")  # fmt: skip
-    return s
-
-
-def _reply(s: socket.socket) -> bytes:
-    reply = b""
-    while not reply.rstrip().endswith(b"}"):
-        chunk = s.recv(4096)
-        if not chunk:
-            break
-        reply += chunk
-    return reply
+    return connect(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                   b"application/json\r\nContent-Length: 1000\r\n\r\n{")  # fmt: skip
 
 
 async def test_trickling_bodies_do_not_lock_out_other_clients(cluster_factory) -> None:
@@ -54,7 +42,7 @@ async def test_trickling_bodies_do_not_lock_out_other_clients(cluster_factory) -
             assert codes == [200] * 5, codes
             assert c.runtime.active == 0  # the tricklers hold nothing
             t0 = time.monotonic()
-            reply = await asyncio.to_thread(_reply, socks[0])
+            reply = await asyncio.to_thread(read_reply, socks[0])
             assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
             assert b"body-timeout" in reply and time.monotonic() - t0 < 3
         finally:
