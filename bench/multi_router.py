@@ -51,7 +51,7 @@ import routing  # bench/routing.py, beside this script: its workload and client
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pdserve.local.processes import ClusterSpec, LocalCluster, Proc  # noqa: E402
+from pdserve.local.processes import LocalCluster, Proc  # noqa: E402
 
 REPLICAS = 3
 
@@ -220,19 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(model_dir))
-    per_prefix = -(-(args.system_tokens + 16) // routing.BLOCK)
-    block_bytes = routing.kv_block_bytes(model_dir, args.dtype)
-    cache_bytes = int(per_prefix * args.cache_groups + 8) * block_bytes
-    spec = ClusterSpec(
-        model_dir=model_dir,
-        num_prefill=2,
-        num_decode=1,
-        dtype=args.dtype,
-        kv_transport=args.kv_transport,
-        served_model_name="bench",
-        prefill_args=("--kv-cache-bytes", str(cache_bytes)),
-        log_dir=str(Path(args.out) / "multi-router-logs"),
-    )
+    cache_bytes = routing.prefill_cache_bytes(args, model_dir, args.cache_groups)
+    spec = routing.cluster_spec(args, model_dir, cache_bytes, "multi-router-logs")
     common = ["--disagg-threshold", "64", "--max-queue", "1024"]
     with LocalCluster(spec) as cluster:
         cluster.start_workers()

@@ -105,6 +105,29 @@ def kv_block_bytes(model_dir: str, dtype: str) -> int:
     return int(cfg["num_hidden_layers"] * 2 * BLOCK * kv_heads * head_dim * elem)
 
 
+def prefill_cache_bytes(args: argparse.Namespace, model_dir: str, cache_groups: float) -> int:
+    """A KV cache for ``cache_groups`` groups' prefixes, plus a few blocks for suffixes."""
+    per_prefix = -(-(args.system_tokens + 16) // BLOCK)
+    return int(per_prefix * cache_groups + 8) * kv_block_bytes(model_dir, args.dtype)
+
+
+def cluster_spec(
+    args: argparse.Namespace, model_dir: str, cache_bytes: int, logs: str
+) -> ClusterSpec:
+    """2 prefill workers with ``cache_bytes`` of KV cache each and 1 decode worker; their
+    logs in ``--out``/``logs``."""
+    return ClusterSpec(
+        model_dir=model_dir,
+        num_prefill=2,
+        num_decode=1,
+        dtype=args.dtype,
+        kv_transport=args.kv_transport,
+        served_model_name="bench",
+        prefill_args=("--kv-cache-bytes", str(cache_bytes)),
+        log_dir=str(Path(args.out) / logs),
+    )
+
+
 def workload(args: argparse.Namespace, vocab: int, seed: int) -> list[tuple[int, list[int]]]:
     """(group, token ids) in arrival order: interleaved groups, distinct short suffixes."""
     rng = random.Random(seed)
@@ -324,19 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(model_dir))
-    per_prefix = -(-(args.system_tokens + 16) // BLOCK)
-    cache_groups = args.cache_groups or args.groups / 2
-    cache_bytes = int(per_prefix * cache_groups + 8) * kv_block_bytes(model_dir, args.dtype)
-    spec = ClusterSpec(
-        model_dir=model_dir,
-        num_prefill=2,
-        num_decode=1,
-        dtype=args.dtype,
-        kv_transport=args.kv_transport,
-        served_model_name="bench",
-        prefill_args=("--kv-cache-bytes", str(cache_bytes)),
-        log_dir=str(Path(args.out) / "routing-logs"),
-    )
+    cache_bytes = prefill_cache_bytes(args, model_dir, args.cache_groups or args.groups / 2)
+    spec = cluster_spec(args, model_dir, cache_bytes, "routing-logs")
     common = ["--disagg-threshold", "64", "--max-queue", "1024"]
     with LocalCluster(spec) as cluster:
         cluster.start_workers()
