@@ -23,6 +23,7 @@ Messages (core → front end):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import time
@@ -144,6 +145,12 @@ class CoreLoop:
             self._send(("rejected", request_id, "invalid", exc.field, str(exc)))
         except RequestFailed as exc:
             self._send(("rejected", request_id, "failed", None, str(exc)))
+        except Exception as exc:  # a bug: this request fails alone, with an answer
+            logger.exception("adding request %s failed", request_id)
+            with contextlib.suppress(Exception):
+                self.engine.abort(request_id)  # whatever it took before it failed
+            self._send(("rejected", request_id, "failed", None,
+                        f"internal error adding the request: {type(exc).__name__}"))  # fmt: skip
 
     def _add_compiled(self) -> None:
         pending = []

@@ -158,3 +158,27 @@ def test_grammar_cache_is_bounded_in_bytes(engine: LLMEngine) -> None:
     grammars.compile({"type": "json_schema", "schema": {"type": "object", "properties": {
         "k0": {"type": "integer"}}}})  # fmt: skip
     assert grammars.num_compiled == 9  # the oldest was evicted: compiled again
+
+
+def test_an_unexpected_error_adding_a_request_answers_it_alone(engine, loop, monkeypatch) -> None:
+    """A bug in add_request (any exception, not a refusal) fails that request with an answer
+    (its stream must not hang) and leaves the loop serving the next one."""
+    core, reader = loop
+    real = engine.add_request
+
+    def broken(request_id: str, *args: Any, **kwargs: Any) -> Any:
+        if request_id == "bad":
+            raise TypeError("injected")
+        return real(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", broken)
+    plain = SamplingParams(max_tokens=2)
+    core._command(("add", "bad", [5, 6, 7], plain, {}))
+    rejected = [m for m in _messages(reader) if m[0] == "rejected"]
+    assert rejected and rejected[0][1:3] == ("bad", "failed"), rejected
+    assert "TypeError" in rejected[0][4]
+    core._command(("add", "good", [5, 6, 7], plain, {}))
+    assert "good" in engine.requests
+    while engine.has_work:
+        engine.step()
+    assert_all_free(engine)
