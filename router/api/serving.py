@@ -402,17 +402,26 @@ def _sse_head(req: CompletionRequest, rs: RequestState, first: Delta, out: _Chun
     return role + out(first)
 
 
-async def _sse_rest(
+def _sse_rest(
     req: CompletionRequest, rs: RequestState, events: AsyncIterator[Delta], out: _Chunks
 ) -> AsyncIterator[str]:
-    rid, model, chat = rs.request_id, req.model, req.chat
+    return sse_tail(req, rs, (out(d) async for d in events), lambda: _usage(rs))
+
+
+async def sse_tail(
+    req: CompletionRequest,
+    rs: RequestState,
+    texts: AsyncIterator[str],
+    usage: Callable[[], dict[str, Any]],
+) -> AsyncIterator[str]:
+    """A stream after its first chunk: ``texts`` (empty ones skipped), the usage chunk when
+    asked (``usage()`` once the tokens are all in), [DONE]; an error midway is its body."""
     try:
-        async for d in events:
-            text = out(d)
+        async for text in texts:
             if text:
                 yield text
         if req.include_usage:
-            yield responses.chunk(rid, model, chat, use=_usage(rs))
+            yield responses.chunk(rs.request_id, req.model, req.chat, use=usage())
         rs.status = 200
         yield responses.DONE
     except APIError as err:

@@ -13,9 +13,8 @@ from fastapi.responses import Response
 
 from pdserve.router.api import responses
 from pdserve.router.api.choices import Choices
-from pdserve.router.api.errors import APIError
 from pdserve.router.api.protocol import CompletionRequest
-from pdserve.router.api.serving import Admitted, _Chunks, _formatter, answer
+from pdserve.router.api.serving import Admitted, _Chunks, _formatter, answer, sse_tail
 from pdserve.router.api.tool_output import ToolOutput
 from pdserve.router.runtime import Runtime
 from pdserve.router.transport.dispatch import Delta, RequestState
@@ -78,25 +77,14 @@ def _whole_n(
                                    choices=choices)  # fmt: skip
 
 
-async def _sse_rest_n(
+def _sse_rest_n(
     req: CompletionRequest,
     rs: RequestState,
     ch: Choices,
     events: AsyncGenerator[tuple[int, Delta], None],
     outs: list[_Chunks],
 ) -> AsyncIterator[str]:
-    rid, model, chat = rs.request_id, req.model, req.chat
-    try:
-        async for i, d in events:
-            text = outs[i](d)
-            if text:
-                yield text
-        if req.include_usage:
-            use = responses.usage(len(rs.prompt_ids), ch.completion_tokens, rs.cached_tokens)
-            yield responses.chunk(rid, model, chat, use=use)
-        rs.status = 200
-        yield responses.DONE
-    except APIError as err:
-        rs.status = err.status
-        yield responses.sse(err.body())
-        yield responses.DONE
+    def use() -> dict[str, Any]:
+        return responses.usage(len(rs.prompt_ids), ch.completion_tokens, rs.cached_tokens)
+
+    return sse_tail(req, rs, (outs[i](d) async for i, d in events), use)
