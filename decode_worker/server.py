@@ -9,7 +9,6 @@ Without a handle the worker prefills locally. Output is streamed as NDJSON.
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,13 +31,10 @@ from pdserve.worker.http import (
 from pdserve.worker.lora_api import add_lora_routes
 from pdserve.worker.role import RoleWorker, add_kv_events_port
 
-logger = logging.getLogger(__name__)
-ROLE = "decode"
-
 
 class DecodeWorker(RoleWorker):
     # The engine and its KV connector run in a child process (decode_worker/core.py).
-    ROLE = ROLE
+    ROLE = "decode"
 
     def identity(self) -> dict[str, Any]:
         return {
@@ -64,7 +60,7 @@ class DecodeWorker(RoleWorker):
         while out is not None:
             yield self._line(out)
             if out.finished:
-                self.metrics.requests.labels(ROLE, out.finish_reason).inc()
+                self.metrics.requests.labels(self.ROLE, out.finish_reason).inc()
                 return
             out = await anext(rest, None)
 

@@ -9,7 +9,6 @@ decode worker ──claim, NIXL READ, done (side channel)──▶ lease ended, 
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,14 +27,11 @@ from pdserve.worker.http import (
 from pdserve.worker.lora_api import add_lora_routes
 from pdserve.worker.role import RoleWorker, add_kv_events_port
 
-logger = logging.getLogger(__name__)
-ROLE = "prefill"
-
 
 class PrefillWorker(RoleWorker):
     # The engine, the KV lease server and the KV event publisher run in a child
     # process (prefill_worker/core.py).
-    ROLE = ROLE
+    ROLE = "prefill"
 
     def identity(self) -> dict[str, Any]:
         return {
@@ -55,8 +51,8 @@ class PrefillWorker(RoleWorker):
             final = out
         assert final is not None and final.finished
         if final.queue_seconds is not None:
-            self.metrics.queue_wait.labels(ROLE).observe(final.queue_seconds)
-        self.metrics.requests.labels(ROLE, final.finish_reason).inc()
+            self.metrics.queue_wait.labels(self.ROLE).observe(final.queue_seconds)
+        self.metrics.requests.labels(self.ROLE, final.finish_reason).inc()
         if final.error_code == REQUEST_FAILED:  # this request alone: the router must not retry
             raise BadRequest(final.error, status=422, code=REQUEST_FAILED)
         if final.finish_reason in ("error", "abort"):
