@@ -188,7 +188,8 @@ def test_non_streamed_request_survives_kill_of_its_decode_worker(up: Up) -> None
 
 
 def test_prefill_worker_killed_under_load_costs_no_request(up: Up) -> None:
-    _all_back(up)
+    # the prefill worker and two decode workers: the one killed last may restart meanwhile
+    _all_back(up, decode=2)
     codes: list[int] = []
     killed = threading.Event()
 
