@@ -252,9 +252,10 @@ async def _hang(st: FakeState, rid: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
-    """Serve an ASGI app with uvicorn on 127.0.0.1 inside the test's event loop."""
-    port = free_port()
+async def serve(app: Any, port: int = 0) -> AsyncIterator[str]:
+    """Serve an ASGI app with uvicorn on 127.0.0.1 inside the test's event loop, on ``port``
+    (0: a free one)."""
+    port = port or free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())

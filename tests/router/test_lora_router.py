@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from pdserve.engine.lora_files import adapter_hash
 from pdserve.protocol.contract import GenerateRequest, LoraRef, PrefillRequest
@@ -23,6 +21,7 @@ from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource
 from tests.loopback import free_port
+from tests.router.fakes import serve
 from tests.router.lora_fakes import lora_cluster, write_adapter
 
 LONG = "the quick brown fox jumps over the lazy dog " * 12  # > the disagg threshold
@@ -221,7 +220,7 @@ async def test_admin_change_reaches_every_router_process(
                                    proc_metrics_ports=ports)  # fmt: skip
                 app = create_app(cfg, StaticSource(c.prefill_urls, c.decode_urls),
                                  router_tokenizer)  # fmt: skip
-                urls.append(await stack.enter_async_context(_serve_on(app, port)))
+                urls.append(await stack.enter_async_context(serve(app, port)))
             async with httpx.AsyncClient() as h:
                 load = {"lora_name": "sql", "lora_path": str(sql)}
                 r = await h.post(urls[0] + "/v1/load_lora_adapter", json=load)
@@ -238,20 +237,6 @@ async def test_admin_change_reaches_every_router_process(
                 r = await h.post(c.url + "/internal/lora_table", json=change)
                 assert r.status_code == 404  # the public port: no sibling there
         await c.settle()
-
-
-@contextlib.asynccontextmanager
-async def _serve_on(app: Any, port: int) -> AsyncIterator[str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "server failed to start"
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 async def test_a_worker_that_missed_a_load_is_told(
