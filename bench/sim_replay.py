@@ -9,6 +9,7 @@ PlannerConfig that ``pdserve up --autoscale`` built from the same flags.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -36,9 +37,15 @@ class Trace:
     def step(cls, low: float, high: float, phases: tuple[float, float, float], seed: int) -> Trace:
         """Poisson arrivals at ``low`` req/s, then ``high``, then ``low`` again, for the
         three ``phases`` (seconds); prompts ~256 tokens, outputs ~16 (lognormal)."""
+        return cls.staircase((low, high, low), phases, seed)
+
+    @classmethod
+    def staircase(cls, rates: Sequence[float], phases: Sequence[float], seed: int) -> Trace:
+        """Poisson arrivals at each of ``rates`` (req/s) for its ``phases`` (seconds);
+        prompts ~256 tokens, outputs ~16 (lognormal)."""
         rng = np.random.default_rng(seed)
         times, t0 = [], 0.0
-        for rate, length in zip((low, high, low), phases, strict=True):
+        for rate, length in zip(rates, phases, strict=True):
             n = rng.poisson(rate * length)
             times.append(t0 + np.sort(rng.random(n)) * length)
             t0 += length

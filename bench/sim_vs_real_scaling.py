@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
@@ -78,17 +77,7 @@ PROFILE_MARK = "@profile@"  # the profile's path in recorded flags (the recordin
 def staircase(seed: int) -> Trace:
     """Poisson arrivals at each of ``RATES`` for its ``PHASES``; prompt and output lengths
     as in Trace.step (lognormal around 256 and 16 tokens)."""
-    rng = np.random.default_rng(seed)
-    times, t0 = [], 0.0
-    for rate, length in zip(RATES, PHASES, strict=True):
-        n = rng.poisson(rate * length)
-        times.append(t0 + np.sort(rng.random(n)) * length)
-        t0 += length
-    arrival = np.concatenate(times)
-    n = arrival.size
-    prompt = np.clip(np.round(rng.lognormal(math.log(256) - 0.18, 0.6, n)), 64, 1000)
-    output = np.clip(np.round(rng.lognormal(math.log(16) - 0.18, 0.6, n)), 4, 48)
-    return Trace(arrival, prompt.astype(int), output.astype(int), t0)
+    return Trace.staircase(RATES, PHASES, seed)
 
 
 def scaling_flags(model: str, port: int) -> list[str]:
