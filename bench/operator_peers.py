@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import threading
 import time
 from typing import Any
 
 import aiohttp
 import attrs
-import kopf
 from k8s_emulator import ApiServer
+from operator_replica import OperatorReplica
 
 from pdserve.operator.handlers import OperatorConfig
 from pdserve.operator.kube import KubeClient
-from pdserve.operator.main import build_registry
 
 NS = "default"
 PEERING = "pdserve-operator"  # the chart's --peering name (pdserve.operatorName)
@@ -74,35 +72,14 @@ def window(before: collections.Counter[Key], after: collections.Counter[Key],
     }
 
 
-class Replica:
-    """One operator replica (kopf.operator with peering) in its own thread."""
-
-    def __init__(self, config: OperatorConfig, priority: int) -> None:
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(config, priority), daemon=True)
-
-    def _run(self, config: OperatorConfig, priority: int) -> None:
-        asyncio.run(kopf.operator(
-            registry=build_registry(config), namespaces=[NS], standalone=False,
-            peering_name=PEERING, priority=priority, stop_flag=self.stop,
-        ))  # fmt: skip
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=30)
-
-
-async def start_replicas(client: KubeClient, config: OperatorConfig) -> list[Replica]:
+async def start_replicas(client: KubeClient, config: OperatorConfig) -> list[OperatorReplica]:
     """The chart's KopfPeering, then its replicas (the first one active: the higher
     priority, registered first so the standby's first look sees it)."""
     await client.create({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
                          "metadata": {"name": PEERING, "namespace": NS}})  # fmt: skip
     replicas = []
     for i in range(REPLICAS):
-        replicas.append(Replica(config, priority=100 - i))
+        replicas.append(OperatorReplica(config, 100 - i, PEERING, NS))
         replicas[-1].start()
         await _peers_at_least(client, i + 1, 60.0)
     return replicas

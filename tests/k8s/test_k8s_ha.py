@@ -9,17 +9,15 @@ the children to its own rendering and handles new objects.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import Any
 
-import kopf
 import pytest
 from k8s_helpers import NS, TEST_POD_POLICY, eventually, minimal_llmservice
+from operator_replica import OperatorReplica
 
 from pdserve.operator.handlers import OperatorConfig
 from pdserve.operator.kube import KubeClient
-from pdserve.operator.main import build_registry
 
 pytestmark = pytest.mark.timeout(90)
 PEERING = "pdserve"
@@ -43,27 +41,9 @@ async def peers(client: KubeClient) -> dict[str, Any]:
     return dict((obj or {}).get("status") or {})
 
 
-class Replica:
-    """One operator replica in its own thread and event loop, as in its own pod: kopf reaps
-    every kopf task of its loop at exit, so two replicas cannot share one loop."""
-
-    def __init__(self, image: str, priority: int) -> None:
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(config(image), priority))
-
-    def _run(self, cfg: OperatorConfig, priority: int) -> None:
-        asyncio.run(kopf.operator(
-            registry=build_registry(cfg), namespaces=[NS], standalone=False,
-            peering_name=PEERING, priority=priority, stop_flag=self.stop,
-        ))  # fmt: skip
-
-    def __enter__(self) -> Replica:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self.stop.set()
-        self.thread.join(timeout=20)
+def replica(image: str, priority: int) -> OperatorReplica:
+    """A replica whose children show ``image``: who reconciled them."""
+    return OperatorReplica(config(image), priority, PEERING, NS)
 
 
 async def test_standby_takes_over_when_the_active_replica_stops(
@@ -75,19 +55,19 @@ async def test_standby_takes_over_when_the_active_replica_stops(
     # The active replica registers first, so the standby's first look at the peering
     # already shows it: kopf holds a replica paused until that first look, and one that
     # saw only itself would act until its watch caught up (a race this test once lost).
-    with Replica("active:1", priority=20) as active:
+    with replica("active:1", priority=20) as active:
         await eventually(lambda: _count(peers(client), 1), 15, "the active replica registered")
-        with Replica("standby:1", priority=10):
+        with replica("standby:1", priority=10):
             await _takeover(client, active)
 
 
-async def _takeover(client: KubeClient, active: Replica) -> None:
+async def _takeover(client: KubeClient, active: OperatorReplica) -> None:
     await eventually(lambda: _count(peers(client), 2), 15, "both replicas registered")
     await client.create(minimal_llmservice("one"))
     await eventually(lambda: _is(router_image(client, "one"), "active:1"), 20, "active")
     await asyncio.sleep(1.0)
     assert await router_image(client, "one") == "active:1"  # the standby stays idle
-    await asyncio.to_thread(active.__exit__)  # the active replica's pod stops
+    await asyncio.to_thread(active.close)  # the active replica's pod stops
     started = time.monotonic()
     await eventually(lambda: _is(router_image(client, "one"), "standby:1"), 15, "standby took over")
     takeover_s = time.monotonic() - started
