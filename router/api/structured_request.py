@@ -37,13 +37,19 @@ def structured_spec(body: dict[str, Any]) -> dict[str, Any] | None:
     return specs[0] if specs else None
 
 
+def _object(body: dict[str, Any], param: str) -> dict[str, Any] | None:
+    """The object field ``param`` of ``body``, None when unset; anything else is a 400."""
+    value = body.get(param)
+    if value is not None and not isinstance(value, dict):
+        raise invalid(f"{param} must be an object", param)
+    return value
+
+
 def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
-    rf = body.get("response_format")
+    param = "response_format"
+    rf = _object(body, param)
     if rf is None:
         return None
-    param = "response_format"
-    if not isinstance(rf, dict):
-        raise invalid("response_format must be an object", param)
     kind = rf.get("type")
     if kind == "text":
         return None
@@ -68,12 +74,10 @@ def _guided(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
-    so = body.get("structured_outputs")
+    param = "structured_outputs"
+    so = _object(body, param)
     if so is None:
         return None
-    param = "structured_outputs"
-    if not isinstance(so, dict):
-        raise invalid("structured_outputs must be an object", param)
     set_keys = [k for k, v in so.items() if v not in (None, False)]
     unknown = [k for k in set_keys if k not in (*STRUCTURED, "json_object")]
     if unknown or len(set_keys) != 1:
