@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-from pdserve.router.discovery.k8s import KubernetesSource
 
+from pdserve.router.discovery.k8s import KubernetesSource
 from pdserve.router.discovery.kube_api import USER_AGENT, ApiAccess
 
 NS = "default"

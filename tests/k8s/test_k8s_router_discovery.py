@@ -18,8 +18,8 @@ import pytest
 from k8s_emulator import ApiServer
 from k8s_helpers import NS, eventually
 from k8s_slices import Slices, endpoint_slice, ep
-from pdserve.router.discovery.k8s import KubernetesSource
 
+from pdserve.router.discovery.k8s import KubernetesSource
 from pdserve.router.discovery.kube_api import ApiAccess
 
 pytestmark = pytest.mark.timeout(60)

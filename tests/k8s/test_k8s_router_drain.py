@@ -18,11 +18,11 @@ import pytest
 from k8s_emulator import ApiServer
 from k8s_helpers import NS, eventually
 from k8s_slices import Slices, endpoint_slice, ep
-from pdserve.router.discovery.k8s import KubernetesSource
 
 from pdserve.env import SERVICE_SECRET
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
+from pdserve.router.discovery.k8s import KubernetesSource
 from pdserve.router.discovery.kube_api import ApiAccess
 from pdserve.router.tokenizer import PromptTokenizer
 from tests.router.fakes import SECRET, TOTAL_BLOCKS, FakeState, decode_app, serve

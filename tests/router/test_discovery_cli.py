@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from pdserve.router.discovery.k8s import KubernetesSource, endpoints_from_slices, pool_roles
 
+from pdserve.router.discovery.k8s import KubernetesSource, endpoints_from_slices, pool_roles
 from pdserve.router.discovery.workers import events_address, normalize_url
 from pdserve.router.keys import KeyStore
 from pdserve.router.main import add_arguments, build_config, build_source
