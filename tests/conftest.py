@@ -70,6 +70,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {meaning}")
     # pytest-xdist's own marker, named here too so --strict-markers passes without xdist.
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one xdist worker")
+    config.addinivalue_line(
+        "markers",
+        "serial: a latency measured against a bound (an SLO): make test runs these after the "
+        "parallel part, alone on the machine (scripts/test.sh)",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the xdist_group markers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -26,6 +27,19 @@ def secret_auth() -> SignedAuth:
     """Signs calls to the workers' internal API with the service secret every process
     started by the tests shares (tests/conftest.py)."""
     return SignedAuth(os.environ[SERVICE_SECRET])
+
+
+def worker_port_base() -> int:
+    """A random base for a local cluster's worker ports (each cluster takes up to ~200 from
+    it), in a range of its own per xdist worker, so that two workers of one run never pick
+    the same ports between a check and a bind; all below Linux's ephemeral ports (32768+),
+    where clients and UCX take theirs. Within a worker, LocalCluster skips ports in use."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    index = int(worker) % count if worker.isdigit() else 0
+    span = 22_000 // count
+    low = 10_000 + index * span
+    return random.randrange(low, low + span - 200, 200)
 
 
 def free_port() -> int:

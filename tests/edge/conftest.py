@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.local.processes import ClusterSpec, LocalCluster
-from tests.loopback import free_port
+from tests.loopback import free_port, worker_port_base
 
 KEYS = ("tenant-a-key", "tenant-b-key")
 ADMIN_KEY = "edge-admin-key"  # /workers needs it while tenant keys are on
@@ -45,7 +45,7 @@ def deployment(
     spec = ClusterSpec(
         model_dir=str(tiny_model_dir), dtype="float32", worker_args=WORKER_ARGS,
         kv_transport=os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"), log_dir=str(logs),
-        worker_port_base=20_000 + os.getpid() % 2000 * 10,  # apart from parallel sessions
+        worker_port_base=worker_port_base(),
     )  # fmt: skip
     cluster = LocalCluster(spec)
     try:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import re
 import socket
@@ -33,7 +32,7 @@ import pytest
 from pdserve.local.autoscale import LocalPools
 from pdserve.local.drain import router_lists
 from pdserve.local.processes import ClusterSpec, LocalCluster
-from tests.loopback import all_kv_free, free_port, secret_auth
+from tests.loopback import all_kv_free, free_port, secret_auth, worker_port_base
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # starting 4 workers: most of it
 
@@ -168,7 +167,7 @@ def test_planned_scale_down_and_up_under_load_cost_no_request(
     spec = ClusterSpec(
         model_dir=str(tiny_model_dir), num_prefill=1, num_decode=1, dtype="float32",
         kv_transport="tcp", served_model_name="tiny", worker_args=WORKER_ARGS,
-        log_dir=str(tmp_path), worker_port_base=20000 + os.getpid() % 1200 * 10,  # < 32768:
+        log_dir=str(tmp_path), worker_port_base=worker_port_base(),  # < 32768:
     )  # fmt: skip  # (the kernel's ephemeral ports start there; one could take a worker's)
     with LocalCluster(spec) as cluster:
         cluster.start_workers()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 import re
 import signal
 import subprocess
@@ -28,7 +27,7 @@ import httpx
 import pytest
 
 from pdserve.local.proc_group import end_group
-from tests.loopback import ROOT, all_kv_free, free_port, wait_until_up
+from tests.loopback import ROOT, all_kv_free, free_port, wait_until_up, worker_port_base
 
 pytestmark = [
     pytest.mark.slow,
@@ -66,7 +65,7 @@ def up(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             "--dtype", "float32", "--disagg-threshold", "8",
             "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
             "--log-dir", str(tmp_path_factory.mktemp("up-logs")),
-            "--worker-port-base", str(random.randrange(20000, 32000, 200)),
+            "--worker-port-base", str(worker_port_base()),
             "--worker-arg=--max-model-len", "--worker-arg=1024"]  # fmt: skip
     env = {**os.environ, "PDSERVE_CACHE": str(CACHE)}
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -33,9 +33,11 @@ import httpx
 import pytest
 
 from pdserve.local.proc_group import end_group, poll_until
-from tests.loopback import all_kv_free, free_port
+from tests.loopback import all_kv_free, free_port, worker_port_base
 
-pytestmark = pytest.mark.timeout(480)
+# serial: the SLO recovers once the new worker serves, measured in wall-clock TTFT; beside
+# another xdist worker's cluster on the 2 cores it read 1.0 s against the 0.7 s SLO.
+pytestmark = [pytest.mark.timeout(480), pytest.mark.serial]
 
 SLO_TTFT_MS = 700.0
 SLO_TPOT_MS = 150.0
@@ -73,7 +75,7 @@ def autoscaled_up(
     return [sys.executable, "-m", "pdserve", "up", "--model", str(model),
             "--port", str(port), "--served-model-name", "tiny", "--prefill", "0",
             "--decode", str(decode), "--kv-transport", "tcp", "--routing", "round-robin",
-            "--worker-port-base", str(20000 + port % 10000), "--log-dir", str(tmp_path / "logs"),
+            "--worker-port-base", str(worker_port_base()), "--log-dir", str(tmp_path / "logs"),
             *(f"--worker-arg={a}" for a in ["--device", "cpu", "--max-num-seqs", "4", *engine]),
             "--autoscale", "--profile", str(profile), "--autoscale-interval", interval,
             "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS),

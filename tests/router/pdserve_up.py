@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import openai
 import pytest
 
 from pdserve.local.proc_group import end_group
-from tests.loopback import ROOT, all_kv_free, free_port, wait_until_up
+from tests.loopback import ROOT, all_kv_free, free_port, wait_until_up, worker_port_base
 
 # Prompts at least this long (in tokens) are prefilled on the prefill worker: the tests'
 # prompts are longer, so every request crosses the P/D hand-off.
@@ -46,7 +45,7 @@ def run_up(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[Up]:
             "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
             "--disagg-threshold", str(DISAGG_THRESHOLD), "--log-dir", str(log_dir),
             # Away from the default 8100/8200 that other loopback tests start from.
-            "--worker-port-base", str(random.randrange(20000, 32000, 200)),
+            "--worker-port-base", str(worker_port_base()),
             "--worker-arg=--max-model-len", "--worker-arg=1024", *extra]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, start_new_session=True)  # fmt: skip

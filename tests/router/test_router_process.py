@@ -89,16 +89,20 @@ async def test_router_procs_share_one_port(tiny_model_dir: Path, end: str) -> No
         )  # fmt: skip
         url, n = f"http://127.0.0.1:{port}", 24
         try:
-            for _ in range(600):
+            admin = f"http://127.0.0.1:{admin_port}/metrics"
+            for _ in range(600):  # both processes up: each one's series is in the scrape
                 with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health").status_code == 200:
+                    page = httpx.get(admin).text
+                    if httpx.get(url + "/health").status_code == 200 and all(
+                        f'proc="{i}"' in page for i in (0, 1)
+                    ):
                         break
                 await asyncio.sleep(0.1)
             body = {"model": tiny_model_dir.name, "prompt": "hello", "max_tokens": 2}
             for _ in range(n):  # a new connection each: the kernel picks a process for each
                 async with httpx.AsyncClient() as h:
                     assert (await h.post(url + "/v1/completions", json=body)).status_code == 200
-            page = httpx.get(f"http://127.0.0.1:{admin_port}/metrics").text
+            page = httpx.get(admin).text
             children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
             assert len(children) == 2, children
             if end == "one-process-dies":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest, PrefillRequest, RequestRef
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.signed_httpx import SignedAuth
+from tests.loopback import worker_port_base
 
 SECRET = "worker-tests-secret"  # the clusters' service secret: every internal call sends it
 AUTH = SignedAuth(SECRET)  # calls to the workers' internal API are signed
@@ -52,7 +52,7 @@ def worker_cluster(
         secret=SECRET,
         # Away from the default 8100 that other suites on this machine start at the same time,
         # and below the ephemeral range (32768+) where UCX and clients take their ports.
-        worker_port_base=random.randrange(10000, 30000, 1000),
+        worker_port_base=worker_port_base(),
     )
     cluster = LocalCluster(spec)
     try:
