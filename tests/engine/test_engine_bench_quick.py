@@ -30,7 +30,9 @@ def test_bench_quick(tmp_path: Path) -> None:
     # in the quick run (2026-12-03, load average ~17). An engine that ran one request at a
     # time, padded, or recomputed the prefix each step would be at or below 1.
     assert result["ratio_cpu"] > 1.2, result
-    # Against the static, padded batches: 2.7x here (2.6x before the continuous baseline).
-    assert result["ratio_static_cpu"] > 1.5, result
+    # Against the static, padded batches: 2.7x here (2.6x before the continuous baseline),
+    # 1.39x in a full make test (12 requests: the padding a static batch wastes is small);
+    # an engine that ran one request at a time or padded would be at or below 1.
+    assert result["ratio_static_cpu"] > 1.2, result
     assert result["kv_waste"] < 0.5, result  # quick: 0.16; a block leak or over-allocation
     assert plot.stat().st_size > 1000
