@@ -19,6 +19,7 @@ from pdserve.router.config import (
     RouterConfig,
     parse_scorer,
 )
+from pdserve.router.discovery.replicas import share
 from pdserve.router.discovery.workers import EndpointSource, StaticSource
 from pdserve.router.keys import read_key_file
 from pdserve.router.picker.cli import add_picker_arguments, run_picker
@@ -216,11 +217,6 @@ def num_procs(args: argparse.Namespace) -> int:
             f"pdserve router: --procs must be 'auto' or at least 1, not {args.procs!r}"
         )
     return n
-
-
-def share(budget: int, n: int) -> int:
-    """One process's part of a per-client budget split over ``n`` processes (0: no limit)."""
-    return -(-budget // n) if budget > 0 else 0
 
 
 def build_config(
