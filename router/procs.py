@@ -63,10 +63,6 @@ def supervise(args: argparse.Namespace, n: int, child: Callable[..., int]) -> in
         ctx.Process(target=_run_child, args=(child, args, i, socks), name=f"router-{i}")
         for i in range(n)
     ]
-    for p in procs:
-        p.start()
-    for s in socks:
-        s.close()
     stopping = False
 
     def stop(signum: int, _frame: object) -> None:
@@ -76,8 +72,13 @@ def supervise(args: argparse.Namespace, n: int, child: Callable[..., int]) -> in
             if p.pid is not None and p.exitcode is None:
                 os.kill(p.pid, signum)
 
+    # before the first start: a SIGTERM meanwhile must not kill the parent alone
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    for p in procs:
+        p.start()
+    for s in socks:
+        s.close()
     status, deadline = 0, None
     while not all(p.exitcode is not None for p in procs):
         exited = [p for p in procs if p.exitcode is not None]
