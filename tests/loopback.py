@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -9,15 +10,16 @@ import re
 import socket
 import subprocess
 import sys
-import time
+import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
 from pdserve.env import SERVICE_SECRET
-from pdserve.local.proc_group import poll_until
+from pdserve.local.proc_group import end_group, poll_until
 from pdserve.signed_httpx import SignedAuth
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,17 +31,37 @@ def secret_auth() -> SignedAuth:
     return SignedAuth(os.environ[SERVICE_SECRET])
 
 
+# The port blocks this process reserved (open, flock-ed files), oldest first.
+_RESERVED: list[int] = []
+# How many reservations a process keeps: a block is needed only from its pick until its
+# cluster's workers have bound it (seconds); after that LocalCluster's bind check skips it.
+KEEP_RESERVED = 16
+
+
 def worker_port_base() -> int:
-    """A random base for a local cluster's worker ports (each cluster takes up to ~200 from
-    it), in a range of its own per xdist worker, so that two workers of one run never pick
-    the same ports between a check and a bind; all below Linux's ephemeral ports (32768+),
-    where clients and UCX take theirs. Within a worker, LocalCluster skips ports in use."""
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
-    index = int(worker) % count if worker.isdigit() else 0
-    span = 22_000 // count
-    low = 10_000 + index * span
-    return random.randrange(low, low + span - 200, 200)
+    """A base for a local cluster's worker ports (each cluster takes up to ~200 from it),
+    below Linux's ephemeral ports (32768+, where clients and UCX take theirs), reserved
+    machine-wide: an exclusive flock on /tmp/pdserve-test-ports/BASE, held by this process.
+    Two pytest processes (the xdist workers of one run, or two runs on one machine) never
+    pick the same block, so none binds another's worker port in the seconds between
+    LocalCluster's free-port check and the worker's bind (seen: 'served by pid N, not
+    ours'). A process keeps its last ``KEEP_RESERVED`` blocks."""
+    lock_dir = Path(tempfile.gettempdir()) / "pdserve-test-ports"
+    lock_dir.mkdir(exist_ok=True)
+    bases = list(range(10_000, 32_000 - 200, 200))
+    random.shuffle(bases)
+    for base in bases:
+        fd = os.open(lock_dir / str(base), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        _RESERVED.append(fd)
+        while len(_RESERVED) > KEEP_RESERVED:
+            os.close(_RESERVED.pop(0))  # closing the file releases its lock
+        return base
+    raise RuntimeError(f"every port block under {lock_dir} is reserved")
 
 
 def free_port() -> int:
@@ -81,18 +103,42 @@ def run_bench(script: str, *args: str, timeout: float) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def wait_until_up(proc: subprocess.Popen[str], timeout: float = 600) -> tuple[str, list[str]]:
-    """Read ``pdserve up``'s output until its banner: the router URL (no /v1) and the
-    worker URLs it printed; fails the test with the output if it exits or is too slow."""
+def wait_until_up(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[str, list[str]]:
+    """Wait for ``pdserve up``'s banner: the router URL (no /v1) and the worker URLs it
+    printed. A thread reads its output to the end (a pipe nobody drains stops ``up`` once
+    full, and a blocking read would wait past any deadline). If ``up`` exits or is not up
+    in ``timeout`` seconds, it is stopped and the test fails with its output and the last
+    lines of each process's log."""
     lines: list[str] = []
+    banner = threading.Event()
+
+    def read(out: IO[str]) -> None:
+        for line in out:
+            lines.append(line)
+            if line.startswith("pdserve is up"):
+                banner.set()
+        banner.set()  # end of output: up exited
+
     assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while not any(line.startswith("pdserve is up") for line in lines):
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, "pdserve up exited:\n" + "".join(lines)
-        lines.append(line)
-        assert time.monotonic() < deadline, "pdserve up not ready:\n" + "".join(lines)
+    threading.Thread(target=read, args=(proc.stdout,), daemon=True, name="up-output").start()
+    banner.wait(timeout)
     text = "".join(lines)
+    if "pdserve is up" not in text:
+        why = "exited" if proc.poll() is not None else f"not up within {timeout:g}s"
+        end_group(proc, grace_s=10)
+        raise AssertionError(f"pdserve up {why}:\n{text}{log_tails(text)}")
     workers = re.findall(r"(?:prefill|decode)-\d+\s+ready at (\S+)", text)
     url = re.search(r"pdserve is up: (\S+)/v1", text).group(1)  # type: ignore[union-attr]
     return url, workers
+
+
+def log_tails(up_output: str, lines: int = 15) -> str:
+    """The last ``lines`` of each process log in the directory ``pdserve up`` named."""
+    found = re.search(r"\(logs in (\S+)\)", up_output)
+    if found is None:
+        return ""
+    out = []
+    for path in sorted(Path(found.group(1)).glob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"\n--- {path.name} (last {lines} lines)\n" + "\n".join(tail))
+    return "".join(out)

@@ -4,11 +4,14 @@ longest groups come first, each group's tests in their collection order."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.loopback import ROOT
 from tests.xdist_plan import KNOWN_SECONDS, group_of, plan
 
 
@@ -66,3 +69,20 @@ def test_a_plain_run_keeps_the_collection_order(monkeypatch: pytest.MonkeyPatch)
     plan(got)  # type: ignore[arg-type]
     assert [i.nodeid for i in got] == [i.nodeid for i in items()]
     assert all(len(list(i.iter_markers("xdist_group"))) == 1 for i in got)
+
+
+def test_a_port_block_is_reserved_machine_wide() -> None:
+    """Two processes given the same candidate order still get different port blocks: the
+    first holds its block's lock (tests/loopback.worker_port_base)."""
+    ordered = "import random; random.shuffle = lambda x: None\n"
+    code = ordered + "from tests.loopback import worker_port_base; print(worker_port_base())"
+    holder = subprocess.Popen([sys.executable, "-c", code + "; input()"], cwd=ROOT, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert holder.stdout is not None
+        held = int(holder.stdout.readline())
+        other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True,
+                               capture_output=True, check=True, timeout=60)  # fmt: skip
+        assert int(other.stdout) != held
+    finally:
+        holder.communicate("\n", timeout=60)

@@ -19,6 +19,9 @@ from tests.loopback import free_port, worker_port_base
 
 KEYS = ("tenant-a-key", "tenant-b-key")
 ADMIN_KEY = "edge-admin-key"  # /workers needs it while tenant keys are on
+# Two tiny workers and a router start in ~20-50 s on the loaded 2-core machine; a set-up
+# that takes longer is stuck, and fails well before pytest-timeout's 600 s per test.
+SETUP_TIMEOUT_S = 120
 WORKER_ARGS = (
     "--device", "cpu", "--kv-cache-bytes", "6000000", "--max-num-batched-tokens", "512",
     "--max-model-len", "1024", "--cpu-threads", "1",
@@ -54,8 +57,12 @@ def deployment(
             port=free_port(), args=("--api-key-file", str(keys), "--disagg-threshold", "32",
                           "--health-interval", "0.2", "--admin-api-key", ADMIN_KEY),
         )  # fmt: skip
-        cluster.wait_healthy(timeout=300)
-        cluster.wait_routed(router, api_key=ADMIN_KEY)
+        try:  # bounded: a deployment not up in 2 min fails its tests with the logs' ends
+            cluster.wait_healthy(timeout=SETUP_TIMEOUT_S)
+            cluster.wait_routed(router, api_key=ADMIN_KEY)
+        except (RuntimeError, TimeoutError) as exc:
+            tails = "".join(f"\n--- {p.name}\n{p.log_tail(15)}" for p in cluster.procs)
+            pytest.fail(f"edge deployment not up: {exc}{tails}", pytrace=False)
         workers = tuple(cluster.urls("prefill") + cluster.urls("decode"))
         yield Deployment(router.url, workers, spec.model_name)
     finally:
