@@ -64,7 +64,9 @@ class Picker:
             raise APIError(413, f"request body is over {rt.cfg.max_body_bytes} bytes")
         req, ids = await rt.off_loop(_prepare, rt, body, chat)
         req = fit_context(rt, snap, req, len(ids))
-        plan = rt.dispatcher.plan(ids, snap, rt.cache_salt(caller.key, req.cache_salt))
+        # An adapter's prefix is hashed under the adapter, as its workers store it.
+        lora = rt.adapter_of(req.model)
+        plan = rt.dispatcher.plan(ids, snap, rt.cache_salt(caller.key, req.cache_salt), lora)
         prefill = plan.prefill[0] if plan.kind == disagg.REMOTE_PREFILL else None
         return self._answer(plan.decode, prefill, len(ids))
 

@@ -20,6 +20,7 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.router.api import adapters
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import EndpointSource
 from pdserve.router.picker.pick import Picker
@@ -42,7 +43,10 @@ class PickerService:
         fallbacks: int = 2,
         target: Callable[[WorkerView], str] | None = None,
     ) -> None:
-        self.rt = Runtime(cfg, source, tokenizer)
+        # --lora: served as models of their names, each hashed now (an unreadable one stops
+        # the start), as the built-in router does
+        loras = adapters.declared(cfg.loras, (cfg.model_name, cfg.model_dir))
+        self.rt = Runtime(cfg, source, tokenizer, loras)
         self.picker = Picker(self.rt, fallbacks, target)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None

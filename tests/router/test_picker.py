@@ -23,6 +23,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.engine.lora_files import adapter_hash
+from pdserve.protocol.hashing import block_hashes, salt_root
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource
 from pdserve.router.picker import envoy_msgs as msgs
@@ -30,6 +32,7 @@ from pdserve.router.picker.prefill_header import PREFILL_HEADER, SIGNATURE_HEADE
 from pdserve.router.picker.service import PickerService
 from pdserve.router.tokenizer import PromptTokenizer
 from tests.router.fakes import TOTAL_BLOCKS, FakeState, start_fakes
+from tests.router.lora_fakes import write_adapter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -397,4 +400,30 @@ async def test_api_keys_are_checked(picker_factory) -> None:
         routed = await env.request("/v1/completions", completion("hello"), headers=headers)
         env.close()
         assert routed.status == 0 and routed.endpoints
+        await pc.settle()
+
+
+async def test_adapter_requests_follow_the_adapters_own_prefix(
+    picker_factory, tmp_path: Path
+) -> None:
+    """An adapter (``--lora``) is served by its name, and its prompt's blocks are hashed
+    under the adapter as its workers store them: with the base model's blocks on p0 and
+    the adapter's on p1, the adapter's request prefills on p1 and the base model's on p0
+    (before the picker knew adapters: a 404, and unkeyed hashes)."""
+    sql = write_adapter(tmp_path, "sql", 1)
+    prompt = list(range(10, 138))  # 8 blocks of 16; 4 of them held: 64 uncached tokens
+    async with picker_factory(disagg_threshold=32, loras=(("sql", str(sql)),)) as pc:
+        index = pc.service.rt.index
+        index.stored("p0", block_hashes(prompt[:64], 16))
+        index.stored("p1", block_hashes(prompt[:64], 16, salt_root(None, adapter_hash(sql))))
+        for model, want in (("sql", 1), ("tiny", 0), ("sql", 1)):
+            env = pc.envoy()
+            routed = await env.request("/v1/completions", completion(prompt, model=model))
+            env.close()
+            assert routed.status == 0, routed.error
+            assert routed.set_headers[PREFILL_HEADER] == endpoint_of(pc.prefill_urls[want])
+        env = pc.envoy()
+        missing = await env.request("/v1/completions", completion(prompt, model="nope"))
+        env.close()
+        assert missing.status == 404 and missing.error["error"]["code"] == "model_not_found"
         await pc.settle()
