@@ -47,7 +47,9 @@ def scenarios(scale_s: float) -> list[Scenario]:
 
 def heldout_scenarios(scale_s: float) -> list[Scenario]:
     """Traces that neither the planner's forecast nor its knobs were tuned on (every
-    setting was chosen on the three above), scored apart as ``attainment_heldout``.
+    setting was chosen on the three above), scored apart as ``attainment_heldout`` (the
+    worst of them). ``weekly_holiday`` was then looked at to change the planner, so
+    ``growth_outage`` (below) was added, defined before anything ran on it.
 
     ``weekly_holiday``: seven compressed days of 20 minutes (not the forecast's season, and
     a different shape: a sharper morning rise, a slower evening fall), weekdays at full
@@ -69,7 +71,64 @@ def heldout_scenarios(scale_s: float) -> list[Scenario]:
         crowd = _ramp(t, f0, 30.0) - _ramp(t, f0 + 30.0 + held, fall)
         return base + 0.7 * crowd
 
-    return [Scenario("weekly_holiday", 7 * day, weekly, lambda t: 0.0)]
+    return [
+        Scenario("weekly_holiday", 7 * day, weekly, lambda t: 0.0),
+        growth_outage(scale_s),
+    ]
+
+
+def growth_outage(scale_s: float) -> Scenario:
+    """The second held-out trace, written down (and committed) before any run on it, after
+    the planner had been changed by looking at ``weekly_holiday``: a different shape.
+
+    Six compressed days of 15 minutes (neither 20 minutes nor the forecast's season), each
+    with two peaks (late morning, 0.3 of the day, and a lower, wider evening one at 0.7:
+    0.8 of the morning's height) over a 0.08 floor; the service grows, each day's height
+    from 0.55 to 1.0 of the reference peak (+0.09 a day: yesterday's season is always too
+    low); in the evening peak (0.62-0.78 of each day, 30 s edges) 10% of prompts are long
+    (~8k tokens: a batch of document jobs; the prompt tokens ~1.7x at the same request
+    rate). Day 3 (0-based), at 0.22 of the day, on the morning's rise: an upstream outage
+    cuts the load to 0.03 of the peak within 10 s for 90 s, then the clients' retries
+    come back at once (within 10 s) as 1.5x the day's normal load (at the morning peak:
+    ~1.1 of the reference peak) for 1 minute, decaying linearly to normal over 2 minutes.
+    Day 4, from 0.55 of the day to its end: a failover moves 40% of the traffic elsewhere
+    within 20 s (a sudden drop), and day 5 is normal again (the season saw a low evening)."""
+    day = 900.0 * scale_s
+    n_days = 6
+    o0 = 3 * day + 0.22 * day  # the outage
+    o_cut, o_out, o_burst, o_decay = 10.0 * scale_s, 90.0 * scale_s, 60.0, 120.0
+    o_burst, o_decay = o_burst * scale_s, o_decay * scale_s
+    f0, f_edge = 4 * day + 0.55 * day, 20.0 * scale_s  # the failover
+    edge = 30.0 * scale_s
+
+    def bump(phase: float, centre: float, width: float) -> float:
+        return math.exp(-0.5 * ((phase - centre) / width) ** 2)
+
+    def normal(t: float) -> float:
+        d = min(n_days - 1, int(t // day))
+        phase = (t % day) / day
+        height = 0.55 + 0.09 * d
+        shape = max(bump(phase, 0.3, 0.1), 0.8 * bump(phase, 0.7, 0.12))
+        load = 0.08 + (height - 0.08) * shape
+        if d == 4:  # the failover: 40% of the traffic gone to the day's end
+            load *= 1.0 - 0.4 * _ramp(t, f0, f_edge)
+        return load
+
+    def load(t: float) -> float:
+        base = normal(t)
+        back = o0 + o_cut + o_out  # the retries return
+        if o0 <= t < back:
+            return base + (0.03 - base) * _ramp(t, o0, o_cut)
+        if back <= t < back + o_burst + o_decay:
+            surge = 1.5 - 0.5 * _ramp(t, back + o_burst, o_decay)
+            return 0.03 + (surge * base - 0.03) * _ramp(t, back, 10.0 * scale_s)
+        return base
+
+    def long_share(t: float) -> float:
+        phase_s = t % day
+        return 0.1 * (_ramp(phase_s, 0.62 * day, edge) - _ramp(phase_s, 0.78 * day, edge))
+
+    return Scenario("growth_outage", n_days * day, load, long_share)
 
 
 def _ramp(t: float, start: float, width: float) -> float:

@@ -8,8 +8,9 @@ last, ONE JSON line: ``attainment_min`` and ``queue_blind_attainment`` (share of
 requests within both the TTFT and TPOT SLOs, worst scenario) and
 ``replica_hours_saving_min`` (planner vs static-for-peak, worst scenario), with the
 per-scenario detail under ``scenarios``; ``attainment_heldout`` (and
-``replica_hours_saving_heldout``, detail under ``heldout_scenarios``): the same on a
-trace nothing was tuned on (a week with a holiday and a flash crowd); then the P:D
+``replica_hours_saving_heldout``, detail under ``heldout_scenarios``): the same, worst
+of two traces the knobs were not tuned on (a week with a holiday and a flash crowd;
+six growing two-peak days with an outage, its retry surge and a failover); then the P:D
 split (``sim_mix.py``):
 ``disagg_goodput_ratio`` (8k-token prompts, 100-token outputs, a 12 ms TPOT: 1.62x one
 decode step; ``..._long_outputs``: 500-token outputs), the same ratio as a curve over the

@@ -25,9 +25,11 @@ def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:
     # minimum above: quick 0.84 (queue-blind 0.76); the full run's goal is >= 0.95. A
     # planner sized for the peak throughout would save nothing: the saving bound says
     # it scaled down through the nights, the holiday and the weekend.
-    assert set(result["heldout_scenarios"]) == {"weekly_holiday"}
+    assert set(result["heldout_scenarios"]) == {"weekly_holiday", "growth_outage"}
+    worst = min(s["planner"]["attainment"] for s in result["heldout_scenarios"].values())
+    assert result["attainment_heldout"] == worst
     held = result["heldout_scenarios"]["weekly_holiday"]
-    assert result["attainment_heldout"] == held["planner"]["attainment"] >= 0.8, held
+    assert held["planner"]["attainment"] >= 0.8, held
     assert held["planner"]["attainment"] > held["queue_blind"]["attainment"], held
     assert result["replica_hours_saving_heldout"] > 0.15, held
     assert held["static"]["attainment"] > 0.95  # provisioned for the peak: the model is sane
