@@ -35,6 +35,9 @@ class OperatorReplica:
         """Stop it (its pod goes away) and wait until it has."""
         self.stop.set()
         self.thread.join(timeout=30)
+        # kopf stops within seconds once its requests are answered: one still running now
+        # is stuck (e.g. a close that blocked the loop serving its API), not merely slow
+        assert not self.thread.is_alive(), "operator replica did not stop within 30 s"
 
     def __enter__(self) -> OperatorReplica:
         self.start()
@@ -42,3 +45,13 @@ class OperatorReplica:
 
     def __exit__(self, *_: Any) -> None:
         self.close()
+
+    # From a test's event loop, the one that also serves the in-process API emulator: a close
+    # that blocked that loop would leave the replica's last requests (peering, in-flight
+    # handlers) unanswered, and the join would wait out its whole 30 s timeout.
+    async def __aenter__(self) -> OperatorReplica:
+        self.start()
+        return self
+
+    async def __aexit__(self, *_: Any) -> None:
+        await asyncio.to_thread(self.close)

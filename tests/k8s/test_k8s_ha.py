@@ -55,9 +55,9 @@ async def test_standby_takes_over_when_the_active_replica_stops(
     # The active replica registers first, so the standby's first look at the peering
     # already shows it: kopf holds a replica paused until that first look, and one that
     # saw only itself would act until its watch caught up (a race this test once lost).
-    with replica("active:1", priority=20) as active:
+    async with replica("active:1", priority=20) as active:
         await eventually(lambda: _count(peers(client), 1), 15, "the active replica registered")
-        with replica("standby:1", priority=10):
+        async with replica("standby:1", priority=10):
             await _takeover(client, active)
 
 
