@@ -157,7 +157,7 @@ class Cluster:
             if self.cost.host is not None:  # the serving path beside the engine
                 h = self.cost.host
                 path = h.path_s + h.path_s_per_token * started["prompt"]
-                first = first + path * self.slow_burst
+                first = first + path * self.slow_burst / h.path_slow
             self.interval.wait.append(when - started["t"])
             self.interval.ttft.append(first - started["t"])
             self.first_arrival.append(started["t"])

@@ -169,6 +169,10 @@ class Host:
     # session, so its own group); empty: their processes' nice (no autogroup)
     our_weights: tuple[float, ...] = ()
     queueing: bool = True  # a prefill's and the path's CPU wait for a core (latency)
+    # the stretch (``Cluster.slow_burst``) the idle probe that ``path_s`` comes from ran
+    # under: the probe's latency already holds its own wait for a core, so the path is
+    # stretched by the ratio (1: as measured on a quiet machine; ``probe_consistent``)
+    path_slow: float = 1.0
 
     def _window(self, t: float) -> int:
         return max(0, int(np.searchsorted(self.background_t, t, side="right")) - 1)

@@ -47,10 +47,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_vs_real_windows as win
 from sim_cluster import BURST_WINDOW_S
-from sim_host import RHO_MAX
+from sim_host import RHO_MAX, Host
 from sim_replay import SimReplay, Trace, replay
 from sim_vs_real import INTERVAL_S, measure_profile, stats, up_flags
-from sim_vs_real_host import describe, measure_host
+from sim_vs_real_host import (
+    MIN_BACKLOG_S,
+    backlogged_share,
+    describe,
+    measure_host,
+    probe_consistent,
+    runnable_threads,
+)
 from sim_vs_real_up import run_real
 
 from pdserve.local.planner_loop import config_from_args
@@ -60,6 +67,10 @@ from pdserve.planner.capacity import Profile
 RATES = (1.0, 5.0, 10.0, 1.0)  # req/s per phase
 PHASES = (30.0, 70.0, 80.0, 60.0)  # s
 DRAIN_S = 20.0
+# --quick: the same steps a quarter as long (an end-to-end check of both commands in ~3
+# minutes each; too short for a worker started at the step to be ready, so not a figure)
+QUICK_PHASES = tuple(p / 4 for p in PHASES)
+QUICK_DRAIN_S = 10.0
 CALIBRATION_SEED, SCORED_SEED = 11, 12
 SLO_TTFT_MS, SLO_TPOT_MS = 200.0, 500.0
 POOL_MAX = 3
@@ -71,13 +82,16 @@ CONSTANTS = {
     "RHO_MAX": RHO_MAX,
     "fixed": "2026-12-02, on the step-trace recordings (sim_cluster.py, sim_host.py)",
 }
+# the host model of the prediction (Recording.host); "timeline": the one of the 12:31 and
+# 12:41 figures (0.932, 0.692), before the saturated machine's share was measured
+HOST_MODEL = "runnable"
 PROFILE_MARK = "@profile@"  # the profile's path in recorded flags (the recording's own)
 
 
-def staircase(seed: int) -> Trace:
-    """Poisson arrivals at each of ``RATES`` for its ``PHASES``; prompt and output lengths
+def staircase(seed: int, rates: tuple = RATES, phases: tuple = PHASES) -> Trace:
+    """Poisson arrivals at each of ``rates`` for its ``phases``; prompt and output lengths
     as in Trace.step (lognormal around 256 and 16 tokens)."""
-    return Trace.staircase(RATES, PHASES, seed)
+    return Trace.staircase(tuple(rates), tuple(phases), seed)
 
 
 def scaling_flags(model: str, port: int) -> list[str]:
@@ -96,22 +110,24 @@ def with_profile(flags: list[str], profile: Path) -> list[str]:
     return [str(profile) if f == PROFILE_MARK else f for f in flags]
 
 
-def record_real(work: Path, model: str, seed: int, profile: Path, extra: dict) -> dict:
-    """Run the trace against ``pdserve up``; keep real.json, up.log and meta.json in work."""
+def record_real(work: Path, model: str, seed: int, profile: Path, shape: dict, extra: dict) -> dict:
+    """Run the trace (``shape``: rates, phases, drain_s) against ``pdserve up``; keep
+    real.json, up.log and meta.json in work."""
     port = 18000 + os.getpid() % 1000
     flags = scaling_flags(model, port)
-    trace = staircase(seed)
+    trace = staircase(seed, shape["rates"], shape["phases"])
     before, date = os.getloadavg(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     # not polite: the other sessions on the shared cores keep their autogroups at nice 0
     # (whatever their processes' nice), so ours, lowered to 10, got a tenth of their share
     # and the engines ~2% of a core (the first calibration attempt, 12:08, never finished)
-    real = run_real(with_profile(flags, profile), port, trace, DRAIN_S, work, polite=False)
+    drain_s = float(shape["drain_s"])
+    real = run_real(with_profile(flags, profile), port, trace, drain_s, work, polite=False)
     meta = {
         "date": date,
         "seed": seed,
-        "rates": RATES,
-        "phases": PHASES,
-        "drain_s": DRAIN_S,
+        "rates": list(shape["rates"]),
+        "phases": list(shape["phases"]),
+        "drain_s": drain_s,
         "flags": flags,
         "load_average_before_after": [list(before), list(os.getloadavg())],
         "real": {k: getattr(real, k) for k in ("replica_s", "times", "workers", "startup_s",
@@ -129,10 +145,35 @@ class Recording:
         self.dir = work
         self.meta = json.loads((work / "meta.json").read_text())
         self.dump = json.loads((work / "real.json").read_text())
-        self.trace = staircase(int(self.meta["seed"]))
+        self.trace = staircase(int(self.meta["seed"]), self.meta["rates"], self.meta["phases"])
         self.end_s = self.trace.duration_s + float(self.meta["drain_s"])
         ttft = self.dump["ttft"]
         self.ttft_all = np.array([np.nan if x is None else x for x in ttft], dtype=float)
+
+    def host(self, profile: Profile, model: str = "runnable") -> Host:
+        """The host model measured in this run. ``model``: "timeline" is sim_vs_real.py's
+        (the other jobs per 0.5 s as CFS groups of what they used, the serving path as
+        measured beside the prefill's CPU time); "runnable" (``HOST_MODEL``) has the other
+        jobs as the always-runnable threads that left a prefill engine with a queue the
+        share of a core it got in this run, and the serving path consistent with the idle
+        probe (sim_vs_real_host.runnable_threads, probe_consistent)."""
+        host = measure_host(self.dump, profile, int(self.trace.arrival.size), self.end_s)
+        if model == "timeline":
+            return host
+        share = self.runnable_share(host)["share"]
+        return probe_consistent(runnable_threads(host, share), self.dump, profile)
+
+    def runnable_share(self, host: Host) -> dict:
+        """A prefill engine's share of a core while it had a queue (sim_vs_real_host), and
+        the engine-seconds it was measured over; under MIN_BACKLOG_S of them (no queue
+        built), a starting worker's (also always runnable: imports, weights, warm-up)."""
+        share, seconds = backlogged_share(self.dump, self.trace.arrival, self.ttft_all,
+                                          self.end_s)  # fmt: skip
+        if seconds < MIN_BACKLOG_S:
+            return {"share": host.startup_cores, "source": "starting workers",
+                    "backlog_engine_s": round(seconds, 1)}  # fmt: skip
+        return {"share": share, "source": "prefill engines with a queue",
+                "backlog_engine_s": round(seconds, 1)}  # fmt: skip
 
     def config(self, profile: Path):  # type: ignore[no-untyped-def]
         parser = argparse.ArgumentParser()
@@ -140,15 +181,18 @@ class Recording:
         return config_from_args(parser.parse_args(with_profile(self.meta["flags"], profile)))
 
 
-def predict(scored: Recording, calibration: Recording, hindsight: bool = False) -> SimReplay:
+def predict(
+    scored: Recording, calibration: Recording, hindsight: bool = False, model: str | None = None
+) -> SimReplay:
     """The scored trace in the simulator, on the calibration's host, start-up and profile
     (``hindsight``: on the scored run's own host and start-up instead, for comparison)."""
     profile = calibration.dir / "profile.json"
     cfg = scored.config(profile)
     source = scored if hindsight else calibration
-    host = measure_host(source.dump, cfg.profile, int(source.trace.arrival.size), source.end_s)
     startup = float(source.meta["real"]["startup_s"])
-    return replay(scored.trace, cfg, (1, 1), startup, INTERVAL_S, DRAIN_S, host=host)
+    host = source.host(cfg.profile, HOST_MODEL if model is None else model)
+    drain_s = float(scored.meta["drain_s"])
+    return replay(scored.trace, cfg, (1, 1), startup, INTERVAL_S, drain_s, host=host)
 
 
 def score(scored: Recording, calibration: Recording) -> dict:
@@ -167,6 +211,10 @@ def score(scored: Recording, calibration: Recording) -> dict:
     hindsight = stats(look.ttft, look.replica_s)
     hindsight["ttft_p90_error"] = win.error(win.p90(look.ttft), win.p90(real_ok))
     cfg_profile = scored.config(calibration.dir / "profile.json").profile
+    # the same prediction under the host model of the first scored figures (0.932, 0.692)
+    before = predict(scored, calibration, model="timeline")
+    split_before = win.split_errors(scored.trace.arrival, scored.ttft_all, before.arrival,
+                                    before.ttft_by_arrival, hit)  # fmt: skip
     return {
         "sim_vs_real_ttft_p90_error": win.error(win.p90(sim.ttft), win.p90(real_ok)),
         **{k: v for k, v in split.items() if k.startswith("sim_vs_real")},
@@ -180,6 +228,10 @@ def score(scored: Recording, calibration: Recording) -> dict:
         "real": {**real_stats, "failed": real_meta["failed"], "errors": real_meta["errors"]},
         "sim": sim_stats,
         "sim_hindsight": hindsight,  # the scored run's own host: not the prediction
+        "sim_timeline_host": {  # the host model before "runnable" (HOST_MODEL), same windows
+            **{k: v for k, v in split_before.items() if k.startswith("sim_vs_real")},
+            "ttft_p90_error": win.error(win.p90(before.ttft), win.p90(real_ok)),
+        },
         "calibration": _about_calibration(calibration, cfg_profile),
         "scored": {
             "recording": str(scored.dir),
@@ -190,8 +242,8 @@ def score(scored: Recording, calibration: Recording) -> dict:
         },
         "constants": CONSTANTS,
         "trace": {
-            "rates_rps": RATES,
-            "phases_s": PHASES,
+            "rates_rps": scored.meta["rates"],
+            "phases_s": scored.meta["phases"],
             "requests": int(scored.trace.arrival.size),
             "slo_ttft_ms": SLO_TTFT_MS,
             "pool_max": POOL_MAX,
@@ -202,13 +254,22 @@ def score(scored: Recording, calibration: Recording) -> dict:
 def _about_calibration(calibration: Recording, profile: Profile) -> dict:
     meta = calibration.meta
     n = int(calibration.trace.arrival.size)
+    measured = measure_host(calibration.dump, profile, n, calibration.end_s)
+    share = calibration.runnable_share(measured)
+    host = calibration.host(profile)
     return {
         "recording": calibration.dir.name,
         "date": meta["date"],
         "seed": meta["seed"],
         "startup_s": round(float(meta["real"]["startup_s"]), 2),
         "load_average": meta["load_average_before_after"][0][0],
-        "host": describe(measure_host(calibration.dump, profile, n, calibration.end_s)),
+        "host_model": HOST_MODEL,
+        "runnable_share": {**share, "share": round(share["share"], 4)},
+        "background_threads": round(host.background_groups[0][0][0], 2)
+        if host.background_groups
+        else 0.0,
+        "probe_slow": round(host.path_slow, 2),
+        "host": describe(host),
     }
 
 
@@ -218,26 +279,44 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.work_dir or RECORDINGS / time.strftime("%Y-%m-%d-%H%M-scaling-calibration",
                                                                 time.gmtime()))  # fmt: skip
         work.mkdir(parents=True, exist_ok=True)
-        measure_profile(args.model, str(work / "profile.json"), quick=True)
-        meta = record_real(work, args.model, CALIBRATION_SEED, work / "profile.json",
-                           {"role": "calibration"})  # fmt: skip
+        if args.profile:  # measured before (engine thread CPU time: little moved by load)
+            shutil.copyfile(args.profile, work / "profile.json")
+        else:
+            measure_profile(args.model, str(work / "profile.json"), quick=True)
+        shape = {
+            "rates": [r * args.rate_scale for r in RATES],
+            "phases": QUICK_PHASES if args.quick else PHASES,
+            "drain_s": QUICK_DRAIN_S if args.quick else DRAIN_S,
+        }
+        meta = record_real(work, args.model, CALIBRATION_SEED, work / "profile.json", shape,
+                           {"role": "calibration", "quick": args.quick})  # fmt: skip
         print(json.dumps({"calibration": str(work), **meta["real"]}))
         return 0
     calibration = Recording(Path(args.calibration))
     if args.replay:
         scored = Recording(Path(args.replay))
-        calibration = Recording(RECORDINGS / scored.meta["calibration"])
+        calibration = Recording(_calibration_dir(scored.meta))
     else:
         work = Path(args.work_dir or tempfile.mkdtemp(prefix="sim-vs-real-scaling-"))
         work.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(calibration.dir / "profile.json", work / "profile.json")
-        extra = {"role": "scored", "calibration": calibration.dir.name}
-        record_real(work, args.model, SCORED_SEED, work / "profile.json", extra)
+        extra = {"role": "scored", "calibration": calibration.dir.name,
+                 "calibration_dir": str(calibration.dir.resolve())}  # fmt: skip
+        # the calibration's trace (rates, phases, drain), with other requests (the seed)
+        shape = {k: calibration.meta[k] for k in ("rates", "phases", "drain_s")}
+        record_real(work, args.model, SCORED_SEED, work / "profile.json", shape, extra)
         scored = Recording(work)
     out = score(scored, calibration)
     out["load_average_now"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out))
     return 0
+
+
+def _calibration_dir(meta: dict) -> Path:
+    """The calibration a scored run was predicted from: bench/recordings/NAME, else the
+    path it was recorded with (a calibration kept elsewhere, e.g. a --quick one)."""
+    kept = RECORDINGS / meta["calibration"]
+    return kept if kept.is_dir() else Path(meta.get("calibration_dir", kept))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -246,6 +325,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="model directory (default: $PDSERVE_TINY_MODEL)")  # fmt: skip
     ap.add_argument("--calibrate", action="store_true", help="record a calibration run")
     ap.add_argument("--calibration", default=str(CALIBRATION), help="the calibration recording")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="--calibrate: the steps a quarter as long (an end-to-end check)",
+    )
+    ap.add_argument("--rate-scale", type=float, default=1.0,
+                    help="--calibrate: the rates x this (1: 1/5/10/1 req/s, for a machine at "
+                         "load average ~18; ~2 on a quiet one, see docs/autoscaling.md); a "
+                         "scored run takes its calibration's trace")  # fmt: skip
     ap.add_argument("--work-dir", default="", help="where the run is recorded")
     ap.add_argument("--replay", default="", help="a scored recording: re-run the prediction")
     args = ap.parse_args(argv)

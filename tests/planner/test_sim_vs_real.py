@@ -81,23 +81,30 @@ def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 
 # -- the staircase (bench/sim_vs_real_scaling.py, issue 28 item 1): calibrate, then predict --
-SCORED = BENCH / "recordings/2026-12-03-1231-scaling-scored"
-# Bounds on the recorded scored run (a deterministic replay: no noise margin is needed).
-# Measured on it (2026-12-03 12:31, load average 15-24 on the 2 cores): scaling-window
-# TTFT p90 error 0.932 (real 24.6 s, predicted 1.67 s), replica-seconds error 0.003,
-# scale events real 4 up / 4 down, sim 4 up / 3 down. The goal, 0.25, is NOT met: the
-# host model does not queue the real side's work the way a machine at load 20 does
-# (docs/autoscaling.md, "Through scale events"). The p90 bound is therefore loose, but
-# it still fails a simulator that predicts no waiting for a core (0.999: the negative
-# control below) or one 2x too slow (>= 1.0); the replica-seconds bound fails a planner
-# that never scales (2 workers throughout: error 0.24) or one that scales twice as often.
-SCALING_BOUND = 0.96
-REPLICA_BOUND = 0.05
+RECORDINGS = BENCH / "recordings"
+# The two scored runs, each predicted from the 12:23 calibration alone, with the bound on
+# its scaling-window TTFT p90 error (a deterministic replay: no noise margin is needed).
+# Measured under the host model of 15:45 ("runnable": the other jobs as the always-runnable
+# threads that left the calibration's queued prefill engine 0.104 of a core, the serving
+# path consistent with the idle probe; docs/autoscaling.md, "Through scale events"):
+# - 12:31 (load average 15-24): 0.739 (real 24.6 s, predicted 6.43 s); the machine got
+#   busier than in the calibration (its own queued engine had 0.088 of a core, hindsight
+#   0.34), which a prediction cannot know: the goal, 0.25, is not met; bound 0.80.
+# - 12:41 (load average 19-20): 0.183 (real 5.48 s, predicted 6.48 s): the goal; bound 0.25.
+# Both bounds fail the host model before (0.932, 0.692) and a simulator that predicts no
+# waiting for a core (the negative control below: 0.94, 0.72).
+SCORED = {
+    "2026-12-03-1231-scaling-scored": 0.80,
+    "2026-12-03-1241-scaling-scored": 0.25,
+}
+REPLICA_BOUND = 0.05  # 0.003 and 0.028: fails a planner that never scales (error 0.24)
 
 
-@pytest.fixture(scope="module")
-def scored() -> dict:
-    return run_bench("sim_vs_real_scaling.py", "--replay", str(SCORED), timeout=170)
+@pytest.fixture(scope="module", params=sorted(SCORED))
+def scored(request: pytest.FixtureRequest) -> dict:
+    out = run_bench("sim_vs_real_scaling.py", "--replay", str(RECORDINGS / request.param),
+                    timeout=240)  # fmt: skip
+    return {**out, "bound": SCORED[request.param], "name": request.param}
 
 
 def test_scaling_predicted_from_a_calibration_run(scored: dict) -> None:
@@ -115,42 +122,54 @@ def test_scaling_predicted_from_a_calibration_run(scored: dict) -> None:
         assert events["up"] >= 2 and events["down"] >= 1, (side, result["scale_event_times"])
     assert result["windows"]["scaling"] >= 3 and result["scaling"]["requests_real"] >= 200
     assert result["real"]["failed"] == 0, result["real"]["errors"]
-    assert result["sim_vs_real_ttft_p90_error_scaling"] < SCALING_BOUND, result["scaling"]
+    bound = result["bound"]
+    assert result["sim_vs_real_ttft_p90_error_scaling"] < bound, result["scaling"]
     assert result["sim_vs_real_replica_s_error"] < REPLICA_BOUND, (result["real"], result["sim"])
     assert result["constants"]["BURST_WINDOW_S"] == 0.1  # fixed 2026-12-02, before this run
+    # the share was measured where the calibration's engine had a queue (86 engine-s of
+    # it), not taken from its starting workers
+    share = result["calibration"]["runnable_share"]
+    assert share["source"] == "prefill engines with a queue", share
+    assert 0.05 < share["share"] < 0.2, share  # /proc: 0.09-0.12 per 10 s while queued
+    # the host model before misses by more than the bound (what the change is for)
+    assert result["sim_timeline_host"]["sim_vs_real_ttft_p90_error_scaling"] > bound
 
 
 def test_nothing_measured_in_the_scored_run_reaches_the_prediction(
     scored: dict, tmp_path: Path
 ) -> None:
-    """The scored run's host measurements (CPU samples, idle probe, start-up) scrambled in
-    a copy: the prediction stays what it was."""
+    """The scored run's host measurements (CPU samples, idle probe, start-up, its own
+    TTFTs, from which a queued engine's share is measured) scrambled in a copy: the
+    prediction stays what it was."""
     import sim_vs_real_scaling as scaling
     from sim_vs_real import stats
 
-    copy = tmp_path / SCORED.name
-    shutil.copytree(SCORED, copy)
+    copy = tmp_path / scored["name"]
+    shutil.copytree(RECORDINGS / scored["name"], copy)
     dump = json.loads((copy / "real.json").read_text())
     for sample in dump["cpu"]:
         sample["machine"] = sample["machine"] * 3 + sample["t"]  # other jobs galore
+        for key in [k for k in sample if k.endswith("/engine")]:
+            sample[key] *= 0.1  # engines starved
     dump["probe"] = [x + 0.5 for x in dump["probe"]]  # a 500 ms slower serving path
+    dump["ttft"] = [None if x is None else x * 10 for x in dump["ttft"]]  # queues everywhere
     (copy / "real.json").write_text(json.dumps(dump))
     meta = json.loads((copy / "meta.json").read_text())
     meta["real"]["startup_s"] *= 3
     (copy / "meta.json").write_text(json.dumps(meta))
-    calibration = scaling.Recording(BENCH / "recordings" / meta["calibration"])
+    calibration = scaling.Recording(RECORDINGS / meta["calibration"])
     sim = scaling.predict(scaling.Recording(copy), calibration)
     assert stats(sim.ttft, sim.replica_s) == scored["sim"]
 
 
 def test_a_host_model_that_never_waits_fails_the_bound(scored: dict) -> None:
     """The negative control: the same prediction with a core per replica (no host model)
-    misses the scaling windows' p90 by more than SCALING_BOUND."""
+    misses the scaling windows' p90 by more than the bound."""
     import sim_vs_real_scaling as scaling
     from sim_replay import replay
 
-    run = scaling.Recording(SCORED)
-    calibration = scaling.Recording(BENCH / "recordings" / run.meta["calibration"])
+    run = scaling.Recording(RECORDINGS / scored["name"])
+    calibration = scaling.Recording(RECORDINGS / run.meta["calibration"])
     cfg = run.config(calibration.dir / "profile.json")
     startup = float(calibration.meta["real"]["startup_s"])
     sim = replay(run.trace, cfg, (1, 1), startup, 2.0, scaling.DRAIN_S)  # no host
@@ -158,7 +177,86 @@ def test_a_host_model_that_never_waits_fails_the_bound(scored: dict) -> None:
     hit = win.scaling_windows(events, startup, run.end_s)
     split = win.split_errors(run.trace.arrival, run.ttft_all, sim.arrival, sim.ttft_by_arrival,
                              hit)  # fmt: skip
-    assert split["sim_vs_real_ttft_p90_error_scaling"] > SCALING_BOUND, split
+    assert split["sim_vs_real_ttft_p90_error_scaling"] > scored["bound"], split
+
+
+def _dump(engine_cores: float, waits: list[tuple[float, float]]) -> tuple[dict, list, list]:
+    """A recording of 20 s: prefill-0 ready before the trace, its engine using
+    ``engine_cores``; prefill-1 ready at 4 s, drained at 12 s; 1.5 cores of other jobs
+    on 2; requests (arrival, TTFT)."""
+    cpu = []
+    for i in range(41):
+        t = i * 0.5
+        e0 = engine_cores * t
+        e1 = engine_cores * min(max(t - 4.0, 0.0), 8.0)
+        cpu.append({"t": t, "machine": 2.0 * t, "client": 0.0, "prefill-0": e0,
+                    "prefill-0/engine": e0, "prefill-1": e1, "prefill-1/engine": e1})  # fmt: skip
+    log = [
+        [-1.0, "pdserve up: autoscaler: prefill-0 ready after 30.0s (start-up estimate)"],
+        [4.0, "pdserve up: autoscaler: prefill-1 ready after 30.0s (start-up estimate)"],
+        [12.0, "pdserve up: autoscaler: prefill: draining and stopping prefill-1"],
+    ]
+    return {"cpu": cpu, "log": log}, [a for a, _ in waits], [w for _, w in waits]
+
+
+def test_a_queued_engine_share_is_measured_inside_the_backlog_only() -> None:
+    """backlogged_share: the engine threads' CPU over the sampling periods where a request
+    waited (over BACKLOG_S, up to BACKLOG_S before its first token), of the ready and not
+    draining prefill workers; nothing outside a backlog counts."""
+    from sim_vs_real_host import BACKLOG_S, backlogged_share
+
+    # two requests waited 6 s, from 2 s and from 13 s: the backlog is [2, 7] and [13, 18];
+    # prefill-0 counts in both (10 s), prefill-1 from its readiness (4 s) to its drain
+    # (12 s) only: 3 s. Counting it before it was ready or after it drained (0 CPU)
+    # would give 1.3 / 18 = 0.072
+    dump, arrival, ttft = _dump(0.1, [(2.0, 6.0), (13.0, 6.0), (19.0, 0.1)])
+    share, seconds = backlogged_share(dump, np.array(arrival), np.array(ttft), 20.0)
+    assert BACKLOG_S == 1.0
+    assert share == pytest.approx(0.1)
+    assert seconds == pytest.approx(13.0)
+    # no request waited: no backlog measured (the caller falls back to starting workers)
+    _, arrival, ttft = _dump(0.1, [(2.0, 0.3), (15.0, 0.1)])
+    assert backlogged_share(dump, np.array(arrival), np.array(ttft), 20.0) == (0.0, 0.0)
+
+
+def test_the_other_jobs_as_runnable_threads_leave_our_thread_the_measured_share() -> None:
+    """runnable_threads: background / share always-runnable threads at our weight; a
+    CPU-bound thread of ours then gets about the measured share (a little more: in the
+    run it was measured in, our other threads competed too), and more when the machine
+    is quieter. probe_consistent: the simulated idle request takes the probe's time."""
+    import sim_vs_real_scaling as scaling
+    from sim_host import Host
+    from sim_vs_real_host import probe_consistent, runnable_threads
+
+    bg = np.full(10, 1.6)
+    host = Host(cores=2.0, background_t=np.arange(10.0), background=bg, other_s_per_request=0.0,
+                path_s=0.0, startup_cores=0.1)  # fmt: skip
+    busy = runnable_threads(host, 0.1)
+    assert busy.background_groups[0][0][0] == pytest.approx(16.0)
+    got = busy.cpu(3.0, [1.0], 0, 0.0)
+    assert 0.1 < got < 0.13, got  # 2 cores over 17 threads
+    quiet = runnable_threads(replace_bg(host, 0.05), 0.9)
+    assert quiet.cpu(3.0, [1.0], 0, 0.0) == 1.0
+    # the 12:23 calibration's probe, through its own host model
+    cal = scaling.Recording(scaling.CALIBRATION)
+    profile = cal.config(cal.dir / "profile.json").profile
+    host = cal.host(profile)
+    assert host.path_slow > 4  # a saturated machine: the probe's prefill waited for a core
+    probe = cal.dump["probe"][1:]
+    lengths = [64, 256, 512] * 3
+    simulated = [profile.prefill.service_time(n) * host.path_slow + host.path_s
+                 + host.path_s_per_token * n for n in lengths[1:]]  # fmt: skip
+    # the probe's mean within 20% (a fit of two terms to eight noisy requests; the model
+    # before gave 4-8x: the prefill's wait for a core counted twice)
+    assert np.mean(simulated) == pytest.approx(np.mean(probe), rel=0.2)
+    again = probe_consistent(host, cal.dump, profile)
+    assert again.path_slow == pytest.approx(host.path_slow)
+
+
+def replace_bg(host, cores: float):  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    return replace(host, background=np.full(host.background.size, cores))
 
 
 def test_scale_windows_cover_a_start_up_and_a_removal() -> None:
