@@ -164,7 +164,15 @@ def test_decode_keeps_streaming_while_a_transfer_hangs(
     """Must show 4: a stalled transfer (the prefill peer is frozen by SIGSTOP) does
     not stop the running batch; the stalled request recomputes after the timeout."""
     decode_args = ("--transfer-timeout", "4")
-    with worker_cluster(tiny_model_dir, tmp_path, decode_args=decode_args) as c:
+    # The decode side gives up on the frozen peer without ending its lease (the peer looks
+    # gone), so the stalled request's blocks stay held on the prefill side until the lease
+    # expires: 6 s, longer than the transfer timeout (the read times out while the lease is
+    # still valid, as in the field), not the default 30 s that assert_all_free at the end
+    # waited out.
+    prefill_args = ("--lease-seconds", "6")
+    with worker_cluster(
+        tiny_model_dir, tmp_path, prefill_args=prefill_args, decode_args=decode_args
+    ) as c:
         pp, d = proc(c, "prefill"), proc(c, "decode").url
         long_prompt = list(range(500, 520))
 
