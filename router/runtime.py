@@ -54,7 +54,8 @@ class Runtime:
         self.metrics.watch_index(lambda: len(self.index), lambda: self.index.num_evicted)
         self.subscriber = EventSubscriber(self.index)  # every worker's KV events and load
         self.discovery = Discovery(source, self.client, cfg.health_interval_s, self.subscriber)
-        self.dispatcher = Dispatcher(cfg, self.discovery, self.index, self.client, self.metrics)
+        self.calls = worker_client.new_pool()  # the per-request calls (prefill, generate, abort)
+        self.dispatcher = Dispatcher(cfg, self.discovery, self.index, self.calls, self.metrics)
         self.keys = KeyStore(cfg.api_keys, cfg.api_key_file, cfg.admin_api_keys,
                              cfg.admin_api_key_file)  # fmt: skip
         self.admission = Admission(cfg.max_queue, cfg.max_concurrency_per_key, cfg.max_waiting,
@@ -101,6 +102,7 @@ class Runtime:
         await self.replicas.close()
         await self.dispatcher.drain()
         await self.client.close()
+        await self.calls.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:

@@ -33,8 +33,6 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-import aiohttp
-
 from pdserve.protocol.contract import (
     GenerateRequest,
     KVHandle,
@@ -55,6 +53,7 @@ from pdserve.router.scheduling.routing import NoWorkerAvailable, RoutePlan, plan
 from pdserve.router.scheduling.scoring import RouteRequest
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 from pdserve.router.transport import worker_client
+from pdserve.router.transport.http1 import WorkerPool
 from pdserve.router.transport.worker_client import WorkerFailed
 
 log = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ class Dispatcher:
         cfg: RouterConfig,
         discovery: Discovery,
         index: PrefixIndex,
-        client: aiohttp.ClientSession,
+        client: WorkerPool,
         metrics: RouterMetrics,
         rng: random.Random | None = None,
     ) -> None:

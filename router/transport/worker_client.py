@@ -1,9 +1,10 @@
 """Calls from the router to the workers' internal HTTP API: the typed messages of
 :mod:`pdserve.protocol.contract`, sent with the service secret.
 
-The hop runs on aiohttp, on connections kept alive: together with reading every
-stream to its end (so connections go back to the pool) this took about 4 ms off
-the router's per-request overhead here (``bench/routing.py`` measures it).
+The per-request calls (prefill, generate, abort) run on :mod:`.http1`'s keep-alive
+pool; health checks, KV snapshots and LoRA calls on aiohttp's (``new_session``). Reading
+every stream to its end (so connections go back to the pool) took about 4 ms off the
+router's per-request overhead here (``bench/routing.py`` measures it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pdserve.protocol.contract import (
 from pdserve.protocol.outputs import REQUEST_FAILED
 from pdserve.protocol.token_lines import decode_line
 from pdserve.router.api.errors import APIError, from_worker_body
+from pdserve.router.transport.http1 import CallFailed, WorkerPool
 
 T = TypeVar("T")
 JSON = {"content-type": "application/json"}
@@ -48,7 +50,7 @@ class WorkerFailed(Exception):
 
 
 # Connection failures, timeouts and broken bodies: the worker did not answer usefully.
-TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, CallFailed)
 
 
 # How long an idle connection to a worker stays in the pool. Shorter than the workers' own
@@ -72,6 +74,13 @@ def new_session(secret: str | tuple[str, ...] | None = None) -> aiohttp.ClientSe
     return aiohttp.ClientSession(
         connector=connector, raise_for_status=False, middlewares=middlewares
     )
+
+
+def new_pool(secret: str | tuple[str, ...] | None = None) -> WorkerPool:
+    """The router's pool for its per-request calls, signed as ``new_session``'s."""
+    if secret is None:
+        return WorkerPool(keys.KeyRing.from_env(keys.HTTP), POOL_KEEPALIVE_S)
+    return WorkerPool(keys.KeyRing(keys.HTTP, secret), POOL_KEEPALIVE_S)
 
 
 class UnprovenWorker(aiohttp.ClientResponseError):
@@ -193,7 +202,7 @@ def _cut_or_cancelled(url: str, watch: StreamWatch | None) -> WorkerFailed:
 
 
 async def prefill(
-    client: aiohttp.ClientSession,
+    client: WorkerPool,
     url: str,
     req: PrefillRequest,
     timeout: float,
@@ -203,9 +212,7 @@ async def prefill(
     ``watch`` cuts the wait)."""
 
     async def post() -> tuple[int, bytes]:
-        async with client.post(
-            url + "/prefill", data=encode(req), headers=JSON, timeout=_timeout(timeout)
-        ) as resp:
+        async with await client.post(url, "/prefill", encode(req), timeout) as resp:
             return resp.status, await resp.read()
 
     try:
@@ -223,7 +230,7 @@ async def prefill(
 
 
 async def generate(
-    client: aiohttp.ClientSession,
+    client: WorkerPool,
     url: str,
     req: GenerateRequest,
     timeout: float,
@@ -238,14 +245,12 @@ async def generate(
     """
     try:
         async with await _watched(
-            watch, client.post(url + "/generate", data=encode(req), headers=JSON,
-                               timeout=_timeout(timeout))
+            watch, client.post(url, "/generate", encode(req), timeout)
         ) as resp:  # fmt: skip
             if resp.status != 200:
                 _raise_for(url, resp.status, _decode_json(await resp.read()))
                 raise WorkerFailed(url, f"HTTP {resp.status}")
-            rest, content = b"", resp.content
-            read = content.readany  # what iter_any does, one layer less
+            rest, read = b"", resp.readany
             while True:  # per chunk: the watch's two calls inline, no coroutine around read
                 if watch is not None:
                     watch.begin()
@@ -318,12 +323,10 @@ def _joined(run: list[TokenDelta]) -> TokenDelta:
     return TokenDelta(ids, text, last.finish_reason, last.usage, last.error, lps, prompt)
 
 
-async def abort(client: aiohttp.ClientSession, url: str, request_id: str) -> bool:
+async def abort(client: WorkerPool, url: str, request_id: str) -> bool:
     body = encode(RequestRef(request_id))
     try:
-        async with client.post(
-            url + "/abort", data=body, headers=JSON, timeout=_timeout(5.0)
-        ) as resp:
+        async with await client.post(url, "/abort", body, 5.0) as resp:
             return decode(await resp.read(), AbortReply).aborted
     except (*TRANSPORT_ERRORS, CodecError) as exc:
         log.warning("abort of %s on %s failed: %s", request_id, url, exc)

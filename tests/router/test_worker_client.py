@@ -18,7 +18,7 @@ from pdserve.router.transport.worker_client import (
     WorkerFailed,
     generate,
     merge_lines,
-    new_session,
+    new_pool,
 )
 
 
@@ -61,9 +61,12 @@ async def collect(
     gen = serve_bursts(bursts, pause_s)
     url = await anext(gen)
     try:
-        async with new_session("") as session:  # the burst server is no worker: unsigned
+        pool = new_pool("")  # the burst server is no worker: unsigned
+        try:
             req = GenerateRequest("r", [1])
-            return [m async for m in generate(session, url, req, timeout=timeout)]
+            return [m async for m in generate(pool, url, req, timeout=timeout)]
+        finally:
+            await pool.close()
     finally:
         await gen.aclose()
 
