@@ -1,34 +1,42 @@
 """Simulator vs the real thing through scale events: calibrate once, then predict.
 
-    python bench/sim_vs_real_scaling.py --calibrate --model DIR   # once: writes a recording
-    python bench/sim_vs_real_scaling.py --model DIR [--calibration DIR] [--work-dir DIR]
+    python bench/sim_vs_real_scaling.py --calibrate --model DIR [--rate-scale X] \
+        [--work-dir DIR] [--profile FILE] [--quick]          # once: writes a recording
+    python bench/sim_vs_real_scaling.py --model DIR --calibration DIR [--work-dir DIR]
     python bench/sim_vs_real_scaling.py --replay DIR   # the prediction again, on a scored run
 
 The trace is a staircase (1 -> 5 -> 10 -> 1 req/s over 30, 70, 80 and 60 s; prompts
 ~256 tokens, outputs ~16) that makes the real planner of ``pdserve up --autoscale``
 (pools 1..3 each, TTFT SLO 200 ms, the eager forward) add workers on the way up and
-remove them on the way down (in the simulator, on the host of the 2026-12-01-0433
-recording, 1.1 cores of other jobs: 2-3 additions, 2-3 removals). The rates are low
-because the 2 cores are shared with other sessions (load average 15-20 at 12:20).
+remove them on the way down. The rates are low because the 2 cores are shared with other
+sessions (load average 15-20 at 12:20); on a quiet machine the planner has no reason to
+scale at these rates (the simulator: one addition), so ``--rate-scale 2`` doubles them
+(three). A scored run takes its calibration's rates, phases and drain (its meta.json).
 
 *Calibrate*: one run of the trace (seed 11), with its profile measured just before
-(``pdserve profile``), is kept in bench/recordings/ (``*-scaling-calibration``). The
-simulator's host model (sim_host.py: the other jobs' CPU per window, the CPU per request
-of the router, the client and the workers' non-engine threads, the serving path's
-latency from the idle probe, a starting worker's CPU) and the workers' start-up time
-come from that recording only; the planner and both sides use its profile.
+(``pdserve profile``; ``--profile FILE`` to reuse one), is kept in bench/recordings/
+(``*-scaling-calibration``). The simulator's host model and the workers' start-up time
+come from that recording only; the planner and both sides use its profile. The host
+model (``HOST_MODEL`` "runnable", Recording.host; docs/autoscaling.md, "What the first
+model left out"): the other jobs as the always-runnable threads that left a prefill
+engine of the calibration, while a request waited for it, the share of a core it got
+(sim_vs_real_host.backlogged_share, runnable_threads); the CPU per request of the router,
+the client and the workers' non-engine threads; the serving path refit so that the idle
+probe comes back (probe_consistent); a starting worker's CPU (sim_host.py).
 *Predict*: a later run of the trace with other requests (seed 12) is scored against the
 simulation built from the calibration alone; nothing measured in the scored run reaches
 the simulation (its own host conditions give ``sim_hindsight``, printed beside it, for
-how much of the error is the machine having changed). The host model's tuned constants
-were fixed before the first scored run (``constants`` in the JSON: BURST_WINDOW_S of
+how much of the error is the machine having changed; ``sim_timeline_host``: the errors of
+the host model before, sim_vs_real.py's). The host model's tuned constants were fixed
+before the first scored run (``constants`` in the JSON: BURST_WINDOW_S of
 sim_cluster.py, chosen on the 2026-12-02 recordings; RHO_MAX of sim_host.py).
 
 The last stdout line is JSON: ``sim_vs_real_ttft_p90_error`` (all requests),
 ``..._scaling`` (requests that arrived in a 10 s window touched by a scale event,
 sim_vs_real_windows.py) and ``..._steady``, ``sim_vs_real_replica_s_error``,
-``scale_events`` of both sides, the calibration's name and date, and the load average
-(other sessions share the 2 cores: the real side slows, the prediction cannot know).
+``scale_events`` of both sides, the calibration's name, date and measured share, and the
+load average (other sessions share the 2 cores: the real side slows, the prediction
+cannot know).
 """
 
 from __future__ import annotations
@@ -334,6 +342,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="--calibrate: the rates x this (1: 1/5/10/1 req/s, for a machine at "
                          "load average ~18; ~2 on a quiet one, see docs/autoscaling.md); a "
                          "scored run takes its calibration's trace")  # fmt: skip
+    ap.add_argument("--profile", default="",
+                    help="--calibrate: this profile instead of measuring one (pdserve profile "
+                         "--clock cpu, as bench/sim_vs_real.py measures it)")  # fmt: skip
     ap.add_argument("--work-dir", default="", help="where the run is recorded")
     ap.add_argument("--replay", default="", help="a scored recording: re-run the prediction")
     args = ap.parse_args(argv)
