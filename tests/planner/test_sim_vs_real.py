@@ -273,3 +273,27 @@ def test_scale_windows_cover_a_start_up_and_a_removal() -> None:
     assert out["scaling"]["requests_real"] == 2
     sim: dict[str, list[float]] = {"t": [2.0, 4.0, 6.0], "prefill": [1, 3, 2], "decode": [1, 1, 1]}
     assert win.count(win.sim_events(sim)) == {"up": 2, "down": 1, "prefill": 3, "decode": 0}
+
+
+def test_on_a_quiet_machine_the_doubled_staircase_still_scales() -> None:
+    """--rate-scale 2, for the pair on a quiet machine: in the simulator on a quiet host
+    (0.05 of a core of other jobs, a thread of ours gets a whole core; start-up 20 s, the
+    eager forward on free cores) the real planner still adds >= 2 workers and removes
+    one (measured: 3 and 3; at the rates as they are, 1 and 1: the issue asks for >= 2
+    additions)."""
+    from dataclasses import replace
+
+    import sim_vs_real_scaling as scaling
+    from sim_replay import replay
+    from sim_vs_real_host import runnable_threads
+
+    cal = scaling.Recording(scaling.CALIBRATION)
+    cfg = cal.config(cal.dir / "profile.json")
+    host = replace_bg(cal.host(cfg.profile), 0.05)
+    quiet = replace(runnable_threads(host, 1.0), path_s=0.01, path_s_per_token=0.0,
+                    path_slow=1.0, startup_cores=0.9)  # fmt: skip
+    rates = tuple(2 * r for r in scaling.RATES)
+    trace = scaling.staircase(scaling.SCORED_SEED, rates, scaling.PHASES)
+    sim = replay(trace, cfg, (1, 1), 20.0, 2.0, scaling.DRAIN_S, host=quiet)
+    events = win.count(win.sim_events(sim.timeline))
+    assert events["up"] >= 2 and events["down"] >= 1, events
