@@ -8,6 +8,8 @@ the environment win, so ``OMP_NUM_THREADS=4 pytest ...`` still works.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,7 +67,22 @@ def tiny_tokenizer(tiny_model_dir: Path):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+def _start_reaper() -> None:
+    """Every service this pytest process starts inherits ``PDSERVE_TEST_OWNER=<our pid>``;
+    tests/reaper.py kills them all once this process is gone, teardown or not."""
+    from tests.reaper import OWNER
+
+    os.environ[OWNER] = str(os.getpid())  # an xdist worker: its own pid, not its controller's
+    argv = [sys.executable, str(Path(__file__).with_name("reaper.py")), str(os.getpid())]
+    # Its own session: a Ctrl-C to the terminal's group spares it.
+    _REAPER.append(subprocess.Popen(argv, stdin=subprocess.PIPE, start_new_session=True))
+
+
+_REAPER: list[subprocess.Popen[bytes]] = []  # referenced for the process's life: its pipe
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _start_reaper()
     for name, meaning in TIERS.items():  # the tiers (tests/tiers.py), for --strict-markers
         config.addinivalue_line("markers", f"{name}: {meaning}")
     # pytest-xdist's own marker, named here too so --strict-markers passes without xdist.
