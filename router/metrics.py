@@ -7,6 +7,7 @@ one process.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -29,6 +30,7 @@ RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.ttft = Histogram(
             "pdserve_router_ttft_seconds",
             "Time to first token",
@@ -117,6 +119,16 @@ class RouterMetrics:
             "Streams aborted because their client stopped reading (--stream-write-timeout)",
             registry=r,
         )
+
+    def child(self, metric: Counter | Gauge, *values: str) -> Any:
+        """``metric.labels(*values)``, kept: prometheus_client checks and joins the labels
+        on every call, a few µs each, several calls per request (no series is ever
+        removed, so a kept child stays the one the registry renders)."""
+        key = (id(metric), values)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = metric.labels(*values)
+        return got
 
     def watch_index(self, size: Callable[[], float], evicted: Callable[[], float]) -> None:
         """The prefix index's size and evictions, read when /metrics is scraped."""

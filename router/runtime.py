@@ -167,7 +167,7 @@ class Runtime:
 
     # -- accounting --------------------------------------------------------------------
     def error(self, err: APIError) -> JSONResponse:
-        self.metrics.requests.labels(str(err.status)).inc()
+        self.metrics.child(self.metrics.requests, str(err.status)).inc()
         if err.status >= 500:
             log.warning("request failed (%d): %s", err.status, err.message)
         return err.response()
@@ -182,7 +182,7 @@ class Runtime:
             return
         rs.recorded = True
         m = self.metrics
-        m.requests.labels(str(code)).inc()
+        m.child(m.requests, str(code)).inc()
         m.e2e.observe(time.perf_counter() - rs.start)
         m.prompt_tokens.inc(len(rs.prompt_ids))
         m.generation_tokens.inc(rs.completion_tokens)

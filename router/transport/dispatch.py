@@ -139,7 +139,7 @@ class Dispatcher:
         except NoWorkerAvailable as exc:
             raise APIError(503, f"no worker is ready: {exc}", code="no_worker") from exc
         self._rr += 1
-        self.metrics.decisions.labels(plan.kind).inc()
+        self.metrics.child(self.metrics.decisions, plan.kind).inc()
         if lora is not None:
             self._count_lora(plan, lora.name)
         if plan.kind == disagg.REMOTE_PREFILL:
@@ -152,7 +152,7 @@ class Dispatcher:
         for role, workers in (("prefill", plan.prefill), ("decode", plan.decode)):
             if workers:
                 resident = "true" if name in workers[0].stats.loras else "false"
-                self.metrics.lora_routed.labels(role, resident).inc()
+                self.metrics.child(self.metrics.lora_routed, role, resident).inc()
 
     async def run(self, rs: RequestState, plan: RoutePlan) -> AsyncGenerator[Delta, None]:
         self.metrics.prefill_queue_depth.inc()  # until the first token (or the end)
@@ -217,7 +217,7 @@ class Dispatcher:
                 )
             except WorkerFailed as exc:
                 log.warning("request %s: prefill failed on %s: %s", rs.request_id, url, exc)
-                self.metrics.worker_failures.labels("prefill").inc()
+                self.metrics.child(self.metrics.worker_failures, "prefill").inc()
                 self.discovery.mark_failed(url)
                 self._spawn(worker_client.abort(self.client, url, rs.request_id))
             finally:
@@ -259,7 +259,7 @@ class Dispatcher:
                 return
             except WorkerFailed as exc:
                 log.warning("request %s: decode failed on %s: %s", rs.request_id, url, exc)
-                self.metrics.worker_failures.labels("decode").inc()
+                self.metrics.child(self.metrics.worker_failures, "decode").inc()
                 if exc.down:
                     self.discovery.mark_failed(url)
                 self._spawn(worker_client.abort(self.client, url, rs.request_id))
@@ -344,7 +344,7 @@ class Dispatcher:
             if watch.cut(f"no bytes for {quiet:.1f}s and its health check fails"):
                 log.warning("cutting a stalled %s call on %s (%.1fs quiet)", watch.role,
                             watch.url, quiet)  # fmt: skip
-                self.metrics.stalled.labels(watch.role).inc()
+                self.metrics.child(self.metrics.stalled, watch.role).inc()
 
     def _migrate(self, rs: RequestState, req: GenerateRequest, url: str) -> GenerateRequest:
         """The request that continues ``rs`` on ``url``: no KV handle (its lease belonged to
@@ -371,10 +371,10 @@ class Dispatcher:
     def _track(self, url: str, role: str, tokens: int, step: int) -> None:
         if step > 0:
             self.discovery.begin(url, tokens)
-            self.metrics.inflight.labels(url, role).inc()
+            self.metrics.child(self.metrics.inflight, url, role).inc()
         else:
             self.discovery.end(url, tokens)
-            self.metrics.inflight.labels(url, role).dec()
+            self.metrics.child(self.metrics.inflight, url, role).dec()
 
     def _abort_all(self, rs: RequestState) -> None:
         for url in rs.touched:
