@@ -73,12 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve_fakes(token_delay_s: float = 0.0) -> None:
     """The child: one fake prefill (with KV events) and one fake decode worker."""
-    import httpx
     import zmq
     import zmq.asyncio
 
-    from pdserve.signed_httpx import SignedAuth
-    from tests.router.fakes import SECRET, FakeState, decode_app, prefill_app, serve
+    from tests.router.fakes import FakeState, decode_app, prefill_app, serve
 
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)
@@ -86,9 +84,7 @@ async def serve_fakes(token_delay_s: float = 0.0) -> None:
     pst.kv_events = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
     pst.keep_records = dst.keep_records = False  # a long run keeps no per-request record
     dst.token_delay_s = token_delay_s
-    dst.client = httpx.AsyncClient(
-        auth=SignedAuth(SECRET), limits=httpx.Limits(max_connections=None)
-    )
+    dst.lease_holder = pst  # leases end without a call: the fakes' cost is not the figure
     async with serve(prefill_app(pst, pub)) as purl, serve(decode_app(dst)) as durl:
         print(json.dumps({"prefill": purl, "decode": durl}), flush=True)
         stop = asyncio.Event()

@@ -79,6 +79,9 @@ class FakeState:
     # through one pooled client (a client per call cost the fake more than the router).
     keep_records: bool = True
     client: httpx.AsyncClient | None = None
+    # The throughput bench: the one prefill worker's state, in this process; a lease ends
+    # on it directly (the signed /release call cost the fakes more than the router's work).
+    lease_holder: FakeState | None = None
 
     @property
     def kv_blocks_free(self) -> int:
@@ -197,7 +200,9 @@ def decode_app(st: FakeState) -> FastAPI:
         st.active[rid] = -(-len(body.prompt_token_ids) // BLOCK)
         if st.fail == "stall-headers":
             await _hang(st, rid)
-        if handle:  # "read" the blocks, then end the prefill worker's lease
+        if handle and st.lease_holder is not None:
+            st.lease_holder.leases.pop(handle.request_id, None)
+        elif handle:  # "read" the blocks, then end the prefill worker's lease
             url = "http://" + handle.side_channel.removeprefix("tcp://").rstrip("/")
             await _release(st, url + "/release", encode(RequestRef(handle.request_id)))
         return StreamingResponse(_stream(st, rid, n, start), media_type="application/x-ndjson")
