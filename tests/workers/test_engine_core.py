@@ -11,15 +11,17 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from pdserve.local.proc_group import poll_until
+from pdserve.local.processes import LocalCluster, Proc
 from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest
-from tests.workers.worker_helpers import AUTH, proc, sampling, stats, worker_cluster
+from tests.workers.worker_helpers import AUTH, sampling, stats, worker_cluster
 
 CORE = b"pdserve.worker.core_main"
 
@@ -48,6 +50,22 @@ def _gone(pid: int, timeout: float) -> bool:
         return False
 
 
+@pytest.fixture(scope="module")
+def cluster(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    """Two workers of each role, started once for the module (one start, not three): the
+    first test reads prefill-0 and decode-0, each later one kills a worker of its own
+    (decode-1, then prefill-1), so no test sees another's victim."""
+    logs = tmp_path_factory.mktemp("engine-core")
+    with worker_cluster(tiny_model_dir, logs, num_prefill=2, num_decode=2) as c:
+        yield c
+
+
+def _named(cluster: LocalCluster, name: str) -> Proc:
+    return next(p for p in cluster.procs if p.name == name)
+
+
 def _generate_body(max_tokens: int) -> dict[str, object]:
     return to_dict(
         GenerateRequest(f"core-{time.monotonic_ns()}", [5, 6, 7, 8], sampling(max_tokens))
@@ -55,64 +73,61 @@ def _generate_body(max_tokens: int) -> dict[str, object]:
 
 
 @pytest.mark.timeout(300)
-def test_engine_core_is_a_child_named_pdserve_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
-    with worker_cluster(tiny_model_dir, tmp_path) as cluster:
-        for role in ("prefill", "decode"):
-            p = proc(cluster, role)
-            assert p.popen is not None
-            worker = p.popen.pid
-            assert stats(p.url)["pid"] == worker  # the front end answers
-            core = _core_of(worker)
-            names = {(t / "comm").read_text().strip() for t in Path(f"/proc/{core}/task").iterdir()}
-            assert "pdserve-engine" in names, names
-            worker_names = {
-                (t / "comm").read_text().strip() for t in Path(f"/proc/{worker}/task").iterdir()
-            }
-            assert "pdserve-engine" not in worker_names  # no engine beside the HTTP loop
+def test_engine_core_is_a_child_named_pdserve_engine(cluster: LocalCluster) -> None:
+    for name in ("prefill-0", "decode-0"):
+        p = _named(cluster, name)
+        assert p.popen is not None
+        worker = p.popen.pid
+        assert stats(p.url)["pid"] == worker  # the front end answers
+        core = _core_of(worker)
+        names = {(t / "comm").read_text().strip() for t in Path(f"/proc/{core}/task").iterdir()}
+        assert "pdserve-engine" in names, names
+        worker_names = {
+            (t / "comm").read_text().strip() for t in Path(f"/proc/{worker}/task").iterdir()
+        }
+        assert "pdserve-engine" not in worker_names  # no engine beside the HTTP loop
 
 
 @pytest.mark.timeout(300)
 def test_core_death_ends_the_stream_with_a_worker_fault_and_the_worker_exits(
-    tiny_model_dir: Path, tmp_path: Path
+    cluster: LocalCluster,
 ) -> None:
     """SIGKILL the decode worker's core mid-stream: the open stream ends with an error
     line the router reads as a worker fault (so it migrates the stream), /health turns
     503, and the front end exits (non-zero) for its supervisor to restart it."""
-    with worker_cluster(tiny_model_dir, tmp_path) as cluster:
-        d = proc(cluster, "decode")
-        assert d.popen is not None
-        core = _core_of(d.popen.pid)
-        lines: list[dict[str, object]] = []
-        with (
-            httpx.Client(timeout=30, auth=AUTH) as http,
-            http.stream("POST", d.url + "/generate", json=_generate_body(1000)) as r,
-        ):
-            assert r.status_code == 200
-            for raw in r.iter_lines():
-                if not raw:
-                    continue
-                lines.append(json.loads(raw))
-                if len(lines) == 3:
-                    os.kill(core, signal.SIGKILL)
-        last = lines[-1]
-        assert last.get("error"), last
-        assert last["error"]["code"] != "request_failed"  # type: ignore[index]
-        assert len(lines) < 1000  # it ended early, with the error
-        # Out of rotation at once (the front end exits 2 s later; a slow machine may
-        # take the whole grace to get here: then it is already gone).
-        with contextlib.suppress(httpx.ConnectError):
-            assert httpx.get(d.url + "/health", timeout=5).status_code == 503
-        assert d.popen.wait(30) == 1  # the front end followed its core
+    d = _named(cluster, "decode-1")
+    assert d.popen is not None
+    core = _core_of(d.popen.pid)
+    lines: list[dict[str, object]] = []
+    with (
+        httpx.Client(timeout=30, auth=AUTH) as http,
+        http.stream("POST", d.url + "/generate", json=_generate_body(1000)) as r,
+    ):
+        assert r.status_code == 200
+        for raw in r.iter_lines():
+            if not raw:
+                continue
+            lines.append(json.loads(raw))
+            if len(lines) == 3:
+                os.kill(core, signal.SIGKILL)
+    last = lines[-1]
+    assert last.get("error"), last
+    assert last["error"]["code"] != "request_failed"  # type: ignore[index]
+    assert len(lines) < 1000  # it ended early, with the error
+    # Out of rotation at once (the front end exits 2 s later; a slow machine may
+    # take the whole grace to get here: then it is already gone).
+    with contextlib.suppress(httpx.ConnectError):
+        assert httpx.get(d.url + "/health", timeout=5).status_code == 503
+    assert d.popen.wait(30) == 1  # the front end followed its core
 
 
 @pytest.mark.timeout(300)
-def test_front_end_death_takes_the_core_with_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_front_end_death_takes_the_core_with_it(cluster: LocalCluster) -> None:
     """SIGKILL only the front end (not its process group): the kernel kills the core
     too (PR_SET_PDEATHSIG), so no orphan holds the pool's memory or its ports."""
-    with worker_cluster(tiny_model_dir, tmp_path) as cluster:
-        p = proc(cluster, "prefill")
-        assert p.popen is not None
-        core = _core_of(p.popen.pid)
-        os.kill(p.popen.pid, signal.SIGKILL)
-        p.popen.wait(10)
-        assert _gone(core, 10), "the engine core outlived its front end"
+    p = _named(cluster, "prefill-1")
+    assert p.popen is not None
+    core = _core_of(p.popen.pid)
+    os.kill(p.popen.pid, signal.SIGKILL)
+    p.popen.wait(10)
+    assert _gone(core, 10), "the engine core outlived its front end"

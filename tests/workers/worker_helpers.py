@@ -40,9 +40,13 @@ def worker_cluster(
     transport: str = "nixl",
     prefill_args: tuple[str, ...] = (),
     decode_args: tuple[str, ...] = (),
+    num_prefill: int = 1,
+    num_decode: int = 1,
 ) -> Iterator[LocalCluster]:
     spec = ClusterSpec(
         model_dir=str(model_dir),
+        num_prefill=num_prefill,
+        num_decode=num_decode,
         dtype="float32",
         kv_transport=transport,
         worker_args=WORKER_ARGS,
