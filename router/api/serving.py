@@ -74,6 +74,21 @@ def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[CompletionRequest, lis
     return prepare_body(rt, edge.parse_json(raw), chat)
 
 
+# A completions body this small is parsed on the event loop: the hop to a tokenizer thread
+# and back (a future, a lock, two GIL hand-overs) cost more than parsing it there.
+INLINE_BODY_BYTES = 4096
+
+
+async def prepare_small(rt: Runtime, raw: bytes) -> tuple[CompletionRequest, list[int]]:
+    """``prepare`` of a small completions body: token ids are checked here; a text prompt
+    goes to a tokenizer thread, as every larger body does."""
+    body = edge.parse_json(raw)
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return prepare_body(rt, body, False)
+    return await rt.off_loop(prepare_body, rt, body, False)
+
+
 def prepare_body(rt: Runtime, body: Any, chat: bool) -> tuple[CompletionRequest, list[int]]:
     req = parse_request(body, chat, rt.cfg.default_max_tokens)
     check_model(req.model, rt.served_names)
@@ -235,7 +250,10 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
     key = caller.key
     streaming = False
     try:
-        req, ids = await rt.off_loop(api.prepare if api else prepare, rt, raw, chat)
+        if api is None and not chat and len(raw) <= INLINE_BODY_BYTES:
+            req, ids = await prepare_small(rt, raw)
+        else:
+            req, ids = await rt.off_loop(api.prepare if api else prepare, rt, raw, chat)
         snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
         req = fit_context(rt, snap, req, len(ids))
         rt.limiter.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
