@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
@@ -144,8 +145,9 @@ class _Stream(Response):
     docs/router.md): the head goes out at once, then the body is pumped in its own
     task, cancelled when the client goes away, or when one write has waited
     ``write_timeout`` seconds for a client that stopped reading (uvicorn's send waits while
-    the socket's buffers are full): the stream is then aborted like a disconnect, so the
-    worker frees its KV and nothing of this stream waits on that client any more.
+    the socket's buffers are full; ``_WriteWatch`` looks): the stream is then aborted like
+    a disconnect, so the worker frees its KV and nothing of this stream waits on that
+    client any more.
     """
 
     media_type = "text/event-stream"
@@ -166,6 +168,7 @@ class _Stream(Response):
         self._write_timeout = write_timeout
         self._on_slow_reader = on_slow_reader
         self._writing_since = 0.0  # loop time the pending write began; 0.0: none pending
+        self._slow: asyncio.Future[None] | None = None  # done: the client stopped reading
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         pump = gone = slow = None
@@ -176,11 +179,13 @@ class _Stream(Response):
                         "more_body": True})  # fmt: skip
             pump = asyncio.create_task(self._pump(send))
             gone = asyncio.create_task(_wait_disconnect_asgi(receive))
-            slow = asyncio.create_task(self._watch_writes())
+            slow = self._slow = asyncio.get_running_loop().create_future()
+            _write_watch().add(self)
             await asyncio.wait({pump, gone, slow}, return_when=asyncio.FIRST_COMPLETED)
         except OSError:  # the client went away while the head was written
             pass
         finally:
+            _write_watch().discard(self)
             for task in (pump, gone, slow):
                 if task is not None:
                     task.cancel()
@@ -197,18 +202,59 @@ class _Stream(Response):
             self._writing_since = 0.0
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _watch_writes(self) -> None:
-        """Return once a write has waited ``write_timeout`` (checked every quarter of it:
-        one timer per stream, nothing per token)."""
+    def _too_slow(self, waited: float) -> None:
+        log.warning("stream aborted: its client read nothing for %.1f s "
+                    "(--stream-write-timeout)", waited)  # fmt: skip
+        self._on_slow_reader()
+        if self._slow is not None and not self._slow.done():
+            self._slow.set_result(None)
+
+
+class _WriteWatch:
+    """Every open stream's pending write on one event loop, looked at by one task every
+    quarter of the shortest ``write_timeout`` among them: a stream whose write has waited
+    its ``write_timeout`` is aborted (a task and a timer per stream did this before)."""
+
+    def __init__(self) -> None:
+        self.streams: dict[_Stream, None] = {}
+        self.task: asyncio.Task[None] | None = None
+        self.period = 0.0
+
+    def add(self, stream: _Stream) -> None:
+        self.streams[stream] = None
+        if self.task is None or self.task.done() or stream._write_timeout / 4 < self.period:
+            if self.task is not None:
+                self.task.cancel()
+            self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def discard(self, stream: _Stream) -> None:
+        self.streams.pop(stream, None)
+
+    async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(self._write_timeout / 4)
-            since = self._writing_since
-            if since and loop.time() - since >= self._write_timeout:
-                log.warning("stream aborted: its client read nothing for %.1f s "
-                            "(--stream-write-timeout)", loop.time() - since)  # fmt: skip
-                self._on_slow_reader()
-                return
+        while self.streams:
+            self.period = min(s._write_timeout for s in self.streams) / 4
+            await asyncio.sleep(self.period)
+            now = loop.time()
+            for stream in list(self.streams):
+                since = stream._writing_since
+                if since and now - since >= stream._write_timeout:
+                    self.streams.pop(stream, None)
+                    stream._too_slow(now - since)
+        self.period, self.task = 0.0, None
+
+
+_WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _WriteWatch] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _write_watch() -> _WriteWatch:
+    loop = asyncio.get_running_loop()
+    watch = _WATCHES.get(loop)
+    if watch is None:
+        watch = _WATCHES[loop] = _WriteWatch()
+    return watch
 
 
 @dataclass(frozen=True)
