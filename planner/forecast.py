@@ -108,7 +108,7 @@ class Series:
         if raw > 0 and (not step_rise or (confirm and not self.rising)):
             raw = 0.0
         raw = max(raw, fit)  # a ramp each of whose steps hides in the noise
-        rising = step_rise or fit > 0
+        rising = step_rise  # confirms a token sum's jump: a fitted ramp does not
         if raw >= self.slope:
             slope = raw  # a rise is believed at once: waiting costs a pod start-up
         else:
