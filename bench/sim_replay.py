@@ -16,6 +16,7 @@ import numpy as np
 from sim_cluster import Cluster, CostModel
 from sim_host import Host
 
+from pdserve.planner.capacity import Profile
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.decision import PlannerState
 from pdserve.planner.plan import plan
@@ -75,6 +76,7 @@ def replay(
     drain_s: float,
     dt: float = 0.05,
     host: Host | None = None,
+    truth: Profile | None = None,
 ) -> SimReplay:
     """The trace through the simulated cluster; the truth is the planner's own profile
     (both from ``pdserve profile`` on this machine), on ``host``'s shared cores if given.
@@ -82,11 +84,13 @@ def replay(
     The planner's ``startup_s`` is the pods' ``startup_s``: ``pdserve up``'s planner uses
     the start-up it timed on its own workers (local/autoscale.py, planner/startup.py), and
     every simulated pod, the first two included, takes ``startup_s``, so the same rule
-    learns exactly that here."""
+    learns exactly that here. ``truth``: the cluster's costs where they are not the
+    planner's profile (sim_vs_real_scaling.py: a prefill's CPU as the calibration
+    measured it under its load)."""
     cfg = replace(cfg, startup_s=startup_s)
     cost = CostModel(
-        cfg.profile, TINY_KV_BYTES_PER_TOKEN, LOOPBACK_BYTES_PER_S, LOOPBACK_LATENCY_S, startup_s,
-        host,
+        truth or cfg.profile, TINY_KV_BYTES_PER_TOKEN, LOOPBACK_BYTES_PER_S, LOOPBACK_LATENCY_S,
+        startup_s, host,
     )  # fmt: skip
     cluster = Cluster(cost, *start, cfg.slo.ttft_s, cfg.slo.tpot_s)
     state = PlannerState()

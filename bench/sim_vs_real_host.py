@@ -194,14 +194,46 @@ def backlogged_share(
     ``BACKLOG_S`` before its first token), and the engine-seconds it was measured over.
     A thread that is always runnable gets the scheduler's fair share of whatever else runs:
     what the simulated engines meet when a queue builds (scale-ups are for that)."""
+    cpu, seconds = 0.0, 0.0
+    for _, _, used, engine_s in _queued_periods(dump, arrival, ttft, end_s):
+        cpu += used
+        seconds += engine_s
+    return (cpu / seconds if seconds > 0 else 0.0), seconds
+
+
+def backlogged_cost(
+    dump: dict, arrival: np.ndarray, ttft: np.ndarray, prompt: np.ndarray, end_s: float,
+    profile: Profile,
+) -> tuple[float, int]:  # fmt: skip
+    """The prefill engines' CPU per request served while queued, over what the profile
+    says those requests cost (its fluid work: the simulator's), and how many were served.
+    The profile is CPU time on an idle engine; on a machine at load average 25-28 the same
+    prefills took 1.4-1.55x that (20 threads on 2 cores evict each other's caches), at
+    15-20 1.0-1.07x (bench/recordings/README.md)."""
+    p = profile.prefill
+    per_token = p.chunk_overhead_s / p.chunk_tokens + 1 / p.tokens_per_s
+    first = arrival + ttft
+    cpu, work, served = 0.0, 0.0, 0
+    for t, dt, used, _ in _queued_periods(dump, arrival, ttft, end_s):
+        done = np.isfinite(first) & (first >= t) & (first < t + dt)
+        cpu += used
+        work += float((per_token * prompt[done] + p.attention_s_per_token_sq * prompt[done] ** 2)
+                      .sum())  # fmt: skip
+        served += int(done.sum())
+    return (cpu / work if work > 0 else 1.0), served
+
+
+def _queued_periods(dump: dict, arrival: np.ndarray, ttft: np.ndarray, end_s: float):  # type: ignore[no-untyped-def]
+    """(start, length, engine CPU, engine-seconds) of each sampling period inside a
+    backlog, over the ready and not draining prefill workers' engine threads."""
     slow = np.isfinite(ttft) & (ttft > BACKLOG_S)
     spans = _union(list(zip(arrival[slow], arrival[slow] + ttft[slow] - BACKLOG_S, strict=True)))
     ready = _ready_times(dump["log"])
     gone = {name: float(t) for t, line in dump["log"] for name in _stopped(line)}
-    cpu, seconds = 0.0, 0.0
     for t, dt, d in _deltas(dump["cpu"]):
         if not (t >= 0 and t + dt <= end_s and _inside(spans, t, t + dt)):
             continue
+        cpu, seconds = 0.0, 0.0
         for key, used in d.items():
             name = key.split("/")[0]
             if (
@@ -211,7 +243,7 @@ def backlogged_share(
             ):
                 cpu += used
                 seconds += dt
-    return (cpu / seconds if seconds > 0 else 0.0), seconds
+        yield t, dt, cpu, seconds
 
 
 def _stopped(line: str) -> list[str]:

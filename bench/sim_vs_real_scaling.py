@@ -22,7 +22,10 @@ model left out"): the other jobs as the always-runnable threads that left a pref
 engine of the calibration, while a request waited for it, the share of a core it got
 (sim_vs_real_host.backlogged_share, runnable_threads); the CPU per request of the router,
 the client and the workers' non-engine threads; the serving path refit so that the idle
-probe comes back (probe_consistent); a starting worker's CPU (sim_host.py).
+probe comes back (probe_consistent); a starting worker's CPU (sim_host.py); and the
+simulated cluster's prefill costs, the profile's times what a prefill cost the
+calibration's queued engines over what the profile says (backlogged_cost, scaled_prefill:
+1.03x at load average 18, 1.55x at 25; the planner keeps the profile, as the real one).
 *Predict*: a later run of the trace with other requests (seed 12) is scored against the
 simulation built from the calibration alone; nothing measured in the scored run reaches
 the simulation (its own host conditions give ``sim_hindsight``, printed beside it, for
@@ -48,6 +51,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +64,7 @@ from sim_replay import SimReplay, Trace, replay
 from sim_vs_real import INTERVAL_S, measure_profile, stats, up_flags
 from sim_vs_real_host import (
     MIN_BACKLOG_S,
+    backlogged_cost,
     backlogged_share,
     describe,
     measure_host,
@@ -94,6 +99,7 @@ CONSTANTS = {
 # 12:41 figures (0.932, 0.692), before the saturated machine's share was measured
 HOST_MODEL = "runnable"
 PROFILE_MARK = "@profile@"  # the profile's path in recorded flags (the recording's own)
+MIN_SERVED = 100  # requests served while queued, to trust their CPU per request
 
 
 def staircase(seed: int, rates: tuple = RATES, phases: tuple = PHASES) -> Trace:
@@ -171,6 +177,16 @@ class Recording:
         share = self.runnable_share(host)["share"]
         return probe_consistent(runnable_threads(host, share), self.dump, profile)
 
+    def prefill_cost(self) -> dict:
+        """The prefill engines' CPU per request served while queued over the profile's
+        (sim_vs_real_host.backlogged_cost); 1 under MIN_SERVED requests so measured."""
+        profile = self.config(self.dir / "profile.json").profile
+        ratio, served = backlogged_cost(self.dump, self.trace.arrival, self.ttft_all,
+                                        self.trace.prompt.astype(float), self.end_s,
+                                        profile)  # fmt: skip
+        return {"ratio": ratio if served >= MIN_SERVED else 1.0, "measured": round(ratio, 3),
+                "served_queued": served}  # fmt: skip
+
     def runnable_share(self, host: Host) -> dict:
         """A prefill engine's share of a core while it had a queue (sim_vs_real_host), and
         the engine-seconds it was measured over; under MIN_BACKLOG_S of them (no queue
@@ -198,9 +214,23 @@ def predict(
     cfg = scored.config(profile)
     source = scored if hindsight else calibration
     startup = float(source.meta["real"]["startup_s"])
-    host = source.host(cfg.profile, HOST_MODEL if model is None else model)
+    model = HOST_MODEL if model is None else model
+    host = source.host(cfg.profile, model)
     drain_s = float(scored.meta["drain_s"])
-    return replay(scored.trace, cfg, (1, 1), startup, INTERVAL_S, drain_s, host=host)
+    truth = None
+    if model == "runnable":  # a prefill's CPU as measured while queued, where enough were
+        truth = scaled_prefill(cfg.profile, source.prefill_cost()["ratio"])
+    return replay(scored.trace, cfg, (1, 1), startup, INTERVAL_S, drain_s, host=host,
+                  truth=truth)  # fmt: skip
+
+
+def scaled_prefill(profile: Profile, ratio: float) -> Profile:
+    """``profile`` with every prefill cost ``ratio`` times the profile's."""
+    p = profile.prefill
+    prefill = replace(p, chunk_overhead_s=p.chunk_overhead_s * ratio,
+                      tokens_per_s=p.tokens_per_s / ratio,
+                      attention_s_per_token_sq=p.attention_s_per_token_sq * ratio)  # fmt: skip
+    return replace(profile, prefill=prefill)
 
 
 def score(scored: Recording, calibration: Recording) -> dict:
@@ -277,6 +307,7 @@ def _about_calibration(calibration: Recording, profile: Profile) -> dict:
         if host.background_groups
         else 0.0,
         "probe_slow": round(host.path_slow, 2),
+        "prefill_cost": calibration.prefill_cost(),
         "host": describe(host),
     }
 
