@@ -21,18 +21,27 @@ def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:
     assert result["attainment_min"] >= 0.75, result["attainment_min"]
     assert result["attainment_min"] > result["queue_blind_attainment"]
     assert result["attainment"] == result["attainment_min"]
-    # The held-out week (sim_scenarios.heldout_scenarios) is scored apart, not in the
-    # minimum above: quick 0.84 (queue-blind 0.76); the full run's goal is >= 0.95. A
-    # planner sized for the peak throughout would save nothing: the saving bound says
-    # it scaled down through the nights, the holiday and the weekend.
+    # The held-out traces (sim_scenarios.heldout_scenarios) are scored apart, not in the
+    # minimum above; the full run's goal is >= 0.95. The week, quick: 0.922 (queue-blind
+    # 0.908; 0.84 before the forecast saw slow ramps while they last), 15.7% saved; a
+    # planner sized for the peak throughout would save nothing: the saving bound says it
+    # scaled down through the nights, the holiday and the weekend.
     assert set(result["heldout_scenarios"]) == {"weekly_holiday", "growth_outage"}
     worst = min(s["planner"]["attainment"] for s in result["heldout_scenarios"].values())
     assert result["attainment_heldout"] == worst
     held = result["heldout_scenarios"]["weekly_holiday"]
-    assert held["planner"]["attainment"] >= 0.8, held
+    assert held["planner"]["attainment"] >= 0.85, held
     assert held["planner"]["attainment"] > held["queue_blind"]["attainment"], held
-    assert result["replica_hours_saving_heldout"] > 0.15, held
+    assert held["planner"]["replica_hours_saving"] > 0.1, held
     assert held["static"]["attainment"] > 0.95  # provisioned for the peak: the model is sane
+    # growth_outage, quick: 0.951 (queue-blind 0.902; 0.931 before the forecast change).
+    # Its saving is negative in --quick (-41%; -37% before the change, queue-blind -17%):
+    # the days shrink to 225 s, the 40 s start-up and the 120 s scale-down window do not,
+    # so pods ordered for a peak are held well into the trough; not a bound here.
+    grown = result["heldout_scenarios"]["growth_outage"]
+    assert grown["planner"]["attainment"] >= 0.9, grown
+    assert grown["planner"]["attainment"] > grown["queue_blind"]["attainment"], grown
+    assert grown["static"]["attainment"] > 0.95, grown
     # the P:D split: measured step by step, and the planner's choice
     # 8k-token prompts at a strict TPOT: disaggregation must win (quick: 2.7x and 2.2x); a
     # measurement that lost the prefill stalls of colocated batches would give ~1
