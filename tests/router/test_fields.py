@@ -36,3 +36,13 @@ def test_unknown_or_unsupported_fields_are_refused(field: str, value: object, ch
 
 def test_no_effect_fields_pass() -> None:
     check_fields({"metadata": {"a": "b"}, "store": False, "modalities": ["text"]}, True)
+
+
+@pytest.mark.parametrize("prompt", [[1, -1], [1, True], [1, 2.0], [1, None], [3, [4]]])
+def test_prompt_token_ids_must_be_non_negative_integers(prompt: list[object]) -> None:
+    from pdserve.router.api.protocol import parse_request
+
+    with pytest.raises(APIError) as err:
+        parse_request({"model": "tiny", "prompt": prompt}, False, 16)
+    assert err.value.status == 400 and "prompt" in err.value.message
+    assert parse_request({"model": "tiny", "prompt": [0, 7]}, False, 16).prompt_token_ids == (0, 7)
