@@ -95,6 +95,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the xdist_group markers
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mark_tiers(items)  # each test's tier marker: -m unit is make test-fast
-    plan(items)  # groups and order for make test's two workers (tests/xdist_plan.py)
+    # groups and order for make test's two workers (tests/xdist_plan.py); loadgroup: set by
+    # xdist in a worker of a --dist loadgroup run
+    plan(items, loadgroup=bool(config.getoption("loadgroup", False)))

@@ -86,3 +86,22 @@ def test_a_port_block_is_reserved_machine_wide() -> None:
         assert int(other.stdout) != held
     finally:
         holder.communicate("\n", timeout=60)
+
+
+# The three plan tests above by name (a -k that matched this test too would recurse).
+PLAN_TESTS = "longest_groups_go_first or plain_run_keeps or shared_services_are_one_group"
+
+
+def test_under_loadgroup_one_module_runs_on_one_worker() -> None:
+    """A real two-worker run of this module's three plan tests: one group, one worker.
+    (Under pytest 9, xdist's own renaming of the node ids had no effect: the tests were
+    spread over both workers, and so were the shared services and module clusters.)"""
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist",
+         "loadgroup", "-v", "-k", PLAN_TESTS, "tests/test_xdist_plan.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ran = [line for line in out.stdout.splitlines() if " PASSED " in line]
+    assert len(ran) == 3 and all(line.endswith("@tests/test_xdist_plan.py ") for line in ran), ran
+    assert len({line.split()[0] for line in ran}) == 1, ran  # [gw0] or [gw1], one of them

@@ -53,13 +53,16 @@ def group_of(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
-def plan(items: list[pytest.Item]) -> None:
-    """Mark each item's group; under xdist, order the groups longest first (in place)."""
+def plan(items: list[pytest.Item], loadgroup: bool = False) -> None:
+    """Mark each item's group; under xdist, order the groups longest first (in place);
+    under ``--dist loadgroup``, name each item's group in its node id (see ``_name_group``)."""
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
         group = group_of(item)
         item.add_marker(pytest.mark.xdist_group(group))
         groups.setdefault(group, []).append(item)
+        if loadgroup:
+            _name_group(item, group)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # a plain run: collection order
 
@@ -71,3 +74,17 @@ def plan(items: list[pytest.Item]) -> None:
 
     # sorted() is stable and the collection is the same on every worker: one order for all.
     items[:] = [item for group in sorted(groups, key=cost, reverse=True) for item in groups[group]]
+
+
+def _name_group(item: pytest.Item, group: str) -> None:
+    """``NODEID@GROUP``, the id from which --dist loadgroup's scheduler reads the group.
+
+    pytest-xdist (3.8) appends it by setting ``item._nodeid``, which pytest 9 no longer
+    reads (the id is ``item._id``, a NodeId): the marker was ignored and every test was its
+    own unit, so each worker started the shared services and a module's cluster (two
+    ``pdserve up`` of the resilience module killing workers at once). Here the id is set
+    where this pytest keeps it; on a pytest that still reads ``_nodeid``, xdist does it."""
+    if hasattr(item, "_id") and not item.nodeid.endswith("@" + group):
+        from _pytest.nodeid import coerce_node_id  # pytest >= 9
+
+        item._id = coerce_node_id(f"{item.nodeid}@{group}")
