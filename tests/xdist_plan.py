@@ -39,6 +39,17 @@ KNOWN_SECONDS = {
     "tests/router/test_e2e.py": 40,
     "tests/local/test_smollm2.py": 35,
     "edge-deployment": 35,
+    # From a whole -n 2 run's 15 slowest (2026-12-03, load ~15-20, setup + call): bench
+    # quick runs, which the tier guess (20 s a module) put at the end of the order.
+    "tests/engine/test_serve_bench_quick.py": 100,
+    "tests/router/test_bench_stream_overhead.py": 80,
+    "tests/router/test_bench_routing.py": 60,
+    "tests/router/test_bench_router_throughput.py": 60,
+    "tests/router/test_multi_router_bench.py": 50,
+    "tests/engine/test_compile_cache_host.py": 45,
+    "tests/planner/test_planner_simulate.py": 45,
+    "tests/router/test_lora_bench.py": 45,
+    "tests/workers/test_worker_faults.py": 45,
 }
 # The guess: a start per module (a bench script's run, a cluster) plus seconds per test.
 MODULE_SECONDS = {"unit": 0.0, "k8s": 0.0, "cluster": 10.0, "bench": 20.0}
