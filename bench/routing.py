@@ -68,6 +68,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    p.add_argument("--worker-port-base", type=int, default=8100,
+                   help="the workers' ports: prefill from here, decode from +100")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,6 +125,7 @@ def cluster_spec(
         dtype=args.dtype,
         kv_transport=args.kv_transport,
         served_model_name="bench",
+        worker_port_base=args.worker_port_base,
         prefill_args=("--kv-cache-bytes", str(cache_bytes)),
         log_dir=str(Path(args.out) / logs),
     )
