@@ -15,15 +15,8 @@ WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.p
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not all(p.exists() for p in WORKERS), reason="real workers not built yet")
 def test_routing_bench_quick(tmp_path: Path) -> None:
-    result = run_bench(
-        "routing.py",
-        "--quick",
-        "--out",
-        str(tmp_path),
-        "--worker-port-base",
-        str(worker_port_base()),
-        timeout=880,
-    )
+    args = ("--quick", "--out", str(tmp_path), "--worker-port-base", str(worker_port_base()))
+    result = run_bench("routing.py", *args, timeout=880)
     for key in ("prefix_hit_ratio", "rr_hit_ratio", "prefix_ttft_p50_ms", "rr_ttft_p50_ms",
                 "ttft_p50_speedup", "router_overhead_p50_ms", "proxy_overhead_p50_ms"):  # fmt: skip
         assert isinstance(result[key], (int, float)), key

@@ -15,15 +15,8 @@ pytestmark = pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_multi_router_bench_quick(tmp_path: Path) -> None:
-    r = run_bench(
-        "multi_router.py",
-        "--quick",
-        "--out",
-        str(tmp_path),
-        "--worker-port-base",
-        str(worker_port_base()),
-        timeout=880,
-    )
+    args = ("--quick", "--out", str(tmp_path), "--worker-port-base", str(worker_port_base()))
+    r = run_bench("multi_router.py", *args, timeout=880)
     assert r["requests_per_kind"] == 32  # 4 groups x 8, each way
     # Three replicas route as well as one: they share the workers' view, not their own.
     assert r["prefix_hit_ratio_1"] >= 0.5  # only each group's first request may miss
