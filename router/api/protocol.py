@@ -259,11 +259,16 @@ def _prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise invalid("a batch of several prompts is not supported; send one per request", "prompt")
     if isinstance(prompt, list) and prompt:
-        # two passes in C: a generator step per id cost ~20 us on a 64-id prompt
-        if set(map(type, prompt)) != {int} or min(prompt) < 0:  # bools are not ids
+        if not all_ints(prompt) or min(prompt) < 0:
             raise invalid("prompt token ids must be non-negative integers", "prompt")
         return None, tuple(prompt)
     raise invalid("prompt is required: a string or a list of token ids", "prompt")
+
+
+def all_ints(values: list[Any]) -> bool:
+    """Every item is a plain ``int`` (bools are not ids), in one pass in C: a generator
+    step per id cost ~20 us on a 64-id prompt."""
+    return set(map(type, values)) == {int}
 
 
 def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:

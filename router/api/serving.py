@@ -27,7 +27,7 @@ from pdserve.router.api.echo import Echo, echo_for, scored_only
 from pdserve.router.api.errors import APIError, invalid
 from pdserve.router.api.grammar_limits import check_grammar
 from pdserve.router.api.logprobs_format import LogprobsFormatter
-from pdserve.router.api.protocol import CompletionRequest, check_model, parse_request
+from pdserve.router.api.protocol import CompletionRequest, all_ints, check_model, parse_request
 from pdserve.router.api.tool_output import ToolOutput
 from pdserve.router.api.tools import chat_inputs
 from pdserve.router.picker import prefill_header
@@ -85,7 +85,7 @@ async def prepare_small(rt: Runtime, raw: bytes) -> tuple[CompletionRequest, lis
     goes to a tokenizer thread, as every larger body does."""
     body = edge.parse_json(raw)
     prompt = body.get("prompt") if isinstance(body, dict) else None
-    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+    if isinstance(prompt, list) and all_ints(prompt):
         return prepare_body(rt, body, False)
     return await rt.off_loop(prepare_body, rt, body, False)
 
