@@ -320,27 +320,34 @@ class LocalCluster:
                 if pending:
                     time.sleep(0.25)
 
-    def wait_routed(self, router: Proc, timeout: float = 30.0, api_key: str = "") -> None:
+    def wait_routed(self, router: Proc, timeout: float = 120.0, api_key: str = "") -> None:
         """Block until ``router`` lists every worker process as healthy (``GET /workers``).
 
         A router that answers ``/health`` may not have polled every worker yet; until
-        it has, it routes around the ones it has not seen (a prefill worker, say).
+        it has, it routes around the ones it has not seen (a prefill worker, say). The
+        deadline is generous because a 2-core host that is starting a whole cluster (and,
+        under CI, another test's cluster beside it) can starve one router's health loop for
+        tens of seconds; a router that never routes still fails, with its listing and log.
         """
         want = {p.url for p in self.procs if p.role in ("prefill", "decode")}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=2.0, headers=headers) as client:
+        listed: object = None
+        with httpx.Client(timeout=5.0, headers=headers) as client:
             while True:
                 try:
-                    listed = client.get(router.url + "/workers").json()["workers"]
-                    seen = {w["url"] for w in listed if w.get("healthy")}
-                except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                    seen = set()
+                    rows = client.get(router.url + "/workers").json()["workers"]
+                    listed, seen = rows, {w["url"] for w in rows if w.get("healthy")}
+                except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                    listed, seen = repr(exc), set()
                 if want <= seen:
                     return
                 if time.monotonic() > deadline:
                     missing = ", ".join(sorted(want - seen))
-                    raise TimeoutError(f"{router.name} does not route to {missing} yet")
+                    raise TimeoutError(
+                        f"{router.name} does not route to {missing} after {timeout:.0f}s; "
+                        f"it lists {listed}\nlog {router.log_path}:\n{router.log_tail()}"
+                    )
                 time.sleep(0.1)
 
     def stop(self, grace_s: float = 10.0) -> None:
