@@ -21,15 +21,24 @@ def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:
     assert result["attainment_min"] >= 0.75, result["attainment_min"]
     assert result["attainment_min"] > result["queue_blind_attainment"]
     assert result["attainment"] == result["attainment_min"]
-    # The held-out traces (sim_scenarios.heldout_scenarios) are scored apart, not in the
-    # minimum above; the full run's goal is >= 0.95. The week, quick: 0.922 (queue-blind
+    # The held-out trace (sim_scenarios.heldout_scenarios, tenant_waves) is scored apart,
+    # not in the minimum above; the full run's goal is >= 0.95. It was written before any
+    # run on it: nothing here states a figure of its own, only that the model is sane.
+    assert set(result["heldout_scenarios"]) == {"tenant_waves"}
+    waves = result["heldout_scenarios"]["tenant_waves"]
+    assert result["attainment_heldout"] == waves["planner"]["attainment"]
+    assert waves["static"]["attainment"] > 0.95, waves  # provisioned for the peak
+    assert waves["planner"]["requests"] == waves["static"]["requests"] > 1000, waves
+    # The traces held out once and looked at since (formerly_heldout_scenarios), scored
+    # apart from both. The week, quick: 0.922 (queue-blind
     # 0.908; 0.84 before the forecast saw slow ramps while they last), 15.7% saved; a
     # planner sized for the peak throughout would save nothing: the saving bound says it
     # scaled down through the nights, the holiday and the weekend.
-    assert set(result["heldout_scenarios"]) == {"weekly_holiday", "growth_outage"}
-    worst = min(s["planner"]["attainment"] for s in result["heldout_scenarios"].values())
-    assert result["attainment_heldout"] == worst
-    held = result["heldout_scenarios"]["weekly_holiday"]
+    former = result["formerly_heldout_scenarios"]
+    assert set(former) == {"weekly_holiday", "growth_outage"}
+    worst = min(s["planner"]["attainment"] for s in former.values())
+    assert result["attainment_formerly_heldout"] == worst
+    held = former["weekly_holiday"]
     assert held["planner"]["attainment"] >= 0.85, held
     assert held["planner"]["attainment"] > held["queue_blind"]["attainment"], held
     assert held["planner"]["replica_hours_saving"] > 0.1, held
@@ -38,7 +47,7 @@ def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:
     # Its saving is negative in --quick (-41%; -37% before the change, queue-blind -17%):
     # the days shrink to 225 s, the 40 s start-up and the 120 s scale-down window do not,
     # so pods ordered for a peak are held well into the trough; not a bound here.
-    grown = result["heldout_scenarios"]["growth_outage"]
+    grown = former["growth_outage"]
     assert grown["planner"]["attainment"] >= 0.9, grown
     assert grown["planner"]["attainment"] > grown["queue_blind"]["attainment"], grown
     assert grown["static"]["attainment"] > 0.95, grown
