@@ -36,6 +36,11 @@ RECENT = 8  # values kept for the fitted slope (a sustained ramp within the per-
 # one a slow ramp (a rise per interval below the interval's noise) at all: the standard
 # error of a fitted slope falls as n^1.5, four more intervals give it ~4.6x the power
 FIT_WINDOWS = (4, 8)
+# a value below this share of its base, beyond the noise, within one interval is a collapse
+# (an upstream outage, a partition): demand falling, even 10x within a minute, reaches half
+# its lagging base on its last interval, not a quarter; a collapsed load tends to come back
+# at once, its clients' retries on top (plan.py holds the pools for a scale-down window)
+COLLAPSE = 0.25
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class Series:
     rising: bool = False  # the last interval rose beyond the noise
     recent: tuple[float, ...] = ()  # the last RECENT values, oldest first
     rises: int = 0  # consecutive intervals that rose (a ramp's age, in intervals)
+    collapsed: bool = False  # this interval fell below COLLAPSE of its base (beyond noise)
 
     def observe(
         self,
@@ -88,6 +94,7 @@ class Series:
         sigma = max(1.0, self.noise) / math.sqrt(max(count, 1.0))
         rel_base = (value - base) / max(base, 1e-9)
         rel_last = (value - self.level) / max(self.level, 1e-9)
+        collapsed = value < COLLAPSE * base and -rel_base > cfg.noise_z * BASE_SIGMA * sigma
         step_rise = (
             rel_base > max(cfg.tolerance, cfg.noise_z * BASE_SIGMA * sigma)
             and rel_last > 2 * LAST_SIGMA * sigma
@@ -117,7 +124,9 @@ class Series:
             slope = 0.0  # the rise has stopped: do not keep extrapolating it
         base = (1 - BASE_ALPHA) * base + BASE_ALPHA * value
         rises = self.rises + 1 if raw > 0 else 0
-        return Series(value, slope, t, interval_s, season, noise, base, rising, recent, rises)
+        return Series(
+            value, slope, t, interval_s, season, noise, base, rising, recent, rises, collapsed
+        )
 
     def at(self, horizon_s: float, cfg: ForecastConfig) -> float:
         """Forecast of the value ``horizon_s`` after the last observation."""
@@ -283,6 +292,7 @@ def _series_dict(s: Series) -> dict[str, Any]:
         "rising": s.rising,
         "recent": list(s.recent),
         "rises": s.rises,
+        "collapsed": s.collapsed,
     }
 
 
@@ -305,4 +315,5 @@ def _series(body: Any) -> Series:
         rising=bool(body.get("rising", False)),
         recent=tuple(float(x) for x in body.get("recent", ()))[-RECENT:],
         rises=int(body.get("rises", 0)),
+        collapsed=bool(body.get("collapsed", False)),
     )

@@ -29,6 +29,12 @@ def plan(
         now, s.interval_s, (s.request_rate, s.prompt_token_rate, s.output_token_rate),
         config.forecast,
     )  # fmt: skip
+    if fc.request_rate.collapsed:
+        state = replace(
+            state,
+            prefill=_remember(state.prefill, s.prefill.current, now),
+            decode=_remember(state.decode, s.decode.current, now),
+        )
     p_etas = etas_for(state.prefill.etas, s.prefill, now, config.startup_s)
     d_etas = etas_for(state.decode.etas, s.decode, now, config.startup_s)
     if s.prefill.current == 0:  # no prefill pool: the decode workers prefill locally
@@ -109,6 +115,15 @@ def _colocated(
         replace(da.need, need=need), max(da.steady_need, now), max(da.floor, peak / goodput)
     )
     return replace(p, need=0.0, steady_need=0.0, floor=0.0), da
+
+
+def _remember(mem: PoolMemory, count: int, now: float) -> PoolMemory:
+    """The request rate collapsed (forecast.COLLAPSE): the scale-down window remembers the
+    count in force, so the pool keeps it for one window. A collapse is an outage upstream
+    more often than a change of demand, and its load comes back within seconds, with the
+    retries on top, while pods ordered then serve a start-up later; a drop that lasts only
+    costs the window's replica-seconds."""
+    return replace(mem, history=(*mem.history, (now, count)))
 
 
 def _started(dec: PoolDecision, mem: PoolMemory, eta: float) -> PoolMemory:

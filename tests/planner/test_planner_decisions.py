@@ -286,3 +286,35 @@ def test_a_drained_backlog_does_not_hold_the_pool_for_a_window() -> None:
     quiet = snap(t=T0 + 70, rps=150, prefill=(40, 40, 0))  # queue gone, same steady load
     decision, _ = plan(quiet, state, cfg)
     assert decision.prefill.desired == 20, decision.prefill.reason  # after the 60 s cooldown, -50%
+
+
+def drops(rates: list[float], cfg) -> list[tuple[float, int]]:  # type: ignore[no-untyped-def]
+    """(time, prefill desired) over 10 s intervals at these request rates."""
+    pods = 40
+    state, out = settled(prefill=pods, decode=pods), []
+    for i, rps in enumerate(rates):
+        t = T0 + 10.0 * i
+        decision, state = plan(snap(t=t, rps=rps, prefill=(pods, pods, 0)), state, cfg)
+        pods = decision.prefill.desired
+        out.append((t, pods))
+    return out
+
+
+def test_a_collapse_keeps_the_pools_for_a_window_a_steady_fall_does_not() -> None:
+    """An outage upstream (the rate below a quarter of its base within one interval, beyond
+    the noise) is held for one scale-down window from the collapse, at the count in force:
+    its load comes back at once, the retries on top, and pods ordered then serve a start-up
+    later. A fall over a minute (x0.7 per interval) is demand: the window holds its steady
+    needs as they fall, and a 10x fall within a minute, linear, is no collapse either."""
+    cfg = config(stability=Stability(scale_down_window_s=120.0, scale_down_cooldown_s=60.0))
+    before = [900.0] * 12
+    collapse = drops(before + [30.0] * 30, cfg)
+    count = collapse[11][1]
+    held = [n for t, n in collapse if T0 + 120 <= t < T0 + 120 + 120]
+    assert held and set(held) == {count}, collapse
+    assert collapse[-1][1] < count / 4  # the window has passed: scaled down at last
+    fall = [900.0 * 0.7**k for k in range(1, 11)]  # 900 -> 25 in 100 s
+    slow = drops(before + fall + [25.0] * 20, cfg)
+    assert min(n for t, n in slow if T0 + 120 <= t < T0 + 240) < count, slow
+    linear = [900.0 - 81.0 * k for k in range(1, 11)]  # 900 -> 90 in 100 s
+    assert min(n for t, n in drops(before + linear + [90.0] * 20, cfg) if t < T0 + 260) < count

@@ -163,3 +163,22 @@ def test_a_slow_ramp_is_seen_while_it_lasts_and_a_step_in_the_long_window_is_not
         v = rng.poisson(level * 5) / 5
         shifted = shifted.observe(5.0 * (i + 1), v, 5.0, CFG, count=v * 5)
     assert shifted.slope == 0.0  # a step 4-6 intervals back is not extrapolated
+
+
+def test_a_collapse_is_a_fall_below_a_quarter_within_one_interval() -> None:
+    """An outage (1000 -> 600 -> 150 req/s) is flagged on the interval it falls below a
+    quarter of its base; a 10x fall within a minute (linear, 5 s intervals) never is, nor
+    is Poisson noise at a low rate."""
+    s = feed([1000.0] * 8 + [600.0, 150.0], interval=5.0)
+    assert s.collapsed
+    assert not feed([1000.0] * 8 + [600.0], interval=5.0).collapsed
+    linear = [1000.0 - 75.0 * k for k in range(1, 13)]  # down to 100 in 60 s
+    flags = [feed([1000.0] * 8 + linear[:k], interval=5.0).collapsed for k in range(1, 13)]
+    assert not any(flags)
+    rng = np.random.default_rng(2)
+    s, seen = Series(), 0
+    for i in range(300):
+        v = rng.poisson(2 * 5) / 5  # 2 req/s counted over 5 s
+        s = s.observe(5.0 * (i + 1), v, 5.0, CFG, count=v * 5)
+        seen += s.collapsed
+    assert seen == 0
