@@ -41,6 +41,10 @@ FIT_WINDOWS = (4, 8)
 # its lagging base on its last interval, not a quarter; a collapsed load tends to come back
 # at once, its clients' retries on top (plan.py holds the pools for a scale-down window)
 COLLAPSE = 0.25
+# a scale-down waits while the fitted slope of the last RECENT values is this many standard
+# errors above zero: too weak to forecast a ramp by (noise_z), strong enough not to bet
+# against (a flat load passes it one interval in six)
+UPTREND_Z = 1.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class Series:
     recent: tuple[float, ...] = ()  # the last RECENT values, oldest first
     rises: int = 0  # consecutive intervals that rose (a ramp's age, in intervals)
     collapsed: bool = False  # this interval fell below COLLAPSE of its base (beyond noise)
+    uptrend: bool = False  # the last RECENT values' fitted slope is UPTREND_Z s.e. above 0
 
     def observe(
         self,
@@ -124,9 +129,11 @@ class Series:
             slope = 0.0  # the rise has stopped: do not keep extrapolating it
         base = (1 - BASE_ALPHA) * base + BASE_ALPHA * value
         rises = self.rises + 1 if raw > 0 else 0
+        uptrend = _fitted_z(recent, sigma * base) > UPTREND_Z
         return Series(
-            value, slope, t, interval_s, season, noise, base, rising, recent, rises, collapsed
-        )
+            value, slope, t, interval_s, season, noise, base, rising, recent, rises, collapsed,
+            uptrend,
+        )  # fmt: skip
 
     def at(self, horizon_s: float, cfg: ForecastConfig) -> float:
         """Forecast of the value ``horizon_s`` after the last observation."""
@@ -245,6 +252,18 @@ def _sustained_slope(
     return best
 
 
+def _fitted_z(values: tuple[float, ...], sigma: float) -> float:
+    """The least-squares slope of all ``values`` in standard errors (each value's noise
+    ``sigma``); 0 with fewer than four values."""
+    n = len(values)
+    if n < 4 or sigma <= 0:
+        return 0.0
+    xs = [i - (n - 1) / 2 for i in range(n)]
+    sxx = sum(x * x for x in xs)
+    slope = sum(x * v for x, v in zip(xs, values, strict=True)) / sxx
+    return slope * math.sqrt(sxx) / sigma
+
+
 def _level_shift_rss(values: tuple[float, ...]) -> float:
     """Residual sum of squares of the best fit by two flat levels (one split)."""
     best = math.inf
@@ -293,6 +312,7 @@ def _series_dict(s: Series) -> dict[str, Any]:
         "recent": list(s.recent),
         "rises": s.rises,
         "collapsed": s.collapsed,
+        "uptrend": s.uptrend,
     }
 
 
@@ -316,4 +336,5 @@ def _series(body: Any) -> Series:
         recent=tuple(float(x) for x in body.get("recent", ()))[-RECENT:],
         rises=int(body.get("rises", 0)),
         collapsed=bool(body.get("collapsed", False)),
+        uptrend=bool(body.get("uptrend", False)),
     )

@@ -48,13 +48,14 @@ def plan(
     if mode == COLOCATED:
         p, da = _colocated(p, da, fc, config, choice.colocated_goodput)
     d = da.need
+    rising = fc.request_rate.uptrend or fc.prompt_rate.uptrend
     p_in = PoolInput(
         "prefill", p.need, s.prefill, config.prefill, replace(state.prefill, etas=p_etas), now,
-        p.steady_need, p.floor,
+        p.steady_need, p.floor, rising,
     )  # fmt: skip
     d_in = PoolInput(
         "decode", d.need, s.decode, config.decode, replace(state.decode, etas=d_etas), now,
-        da.steady_need, da.floor,
+        da.steady_need, da.floor, fc.request_rate.uptrend or fc.output_rate.uptrend,
     )  # fmt: skip
     p_dec, p_mem = stabilize(p_in, config.stability)
     d_dec, d_mem = stabilize(d_in, config.stability)

@@ -5,7 +5,9 @@ is immediate (limited per step) unless pods are pending for lack of
 accelerators; scale-down goes to the largest recommendation of the
 stabilization window, only after the cooldown and beyond the tolerance, and
 removes unready pods first; never below the forecast's need for the next
-start-up time (``PoolInput.floor``); and a scale-down that would cancel a pod still
+start-up time (``PoolInput.floor``), nor while the load's recent fitted slope is
+positive beyond one standard error (``PoolInput.rising``: not into a ramp too young or
+too slow to forecast); and a scale-down that would cancel a pod still
 starting waits until the need has stayed below the count for ``unready_hold_s``.
 """
 
@@ -29,6 +31,7 @@ class PoolInput:
     now: float
     steady_need: float | None = None  # without the transient backlog terms; None: = need
     floor: float = 0.0  # a scale-down never goes below this (what the forecast needs next)
+    rising: bool = False  # the load's recent fitted slope is positive (forecast.UPTREND_Z)
 
 
 def stabilize(inp: PoolInput, stab: Stability) -> tuple[PoolDecision, PoolMemory]:
@@ -110,6 +113,9 @@ def _scale_down(
     held = _unready_held(inp, mem, stab)
     if held:
         return _decide(inp, current, held), _hold(mem, inp.status)
+    if inp.rising:
+        why = f"need {inp.need:.1f}; scale-down held: the load is rising (recent fitted slope)"
+        return _decide(inp, current, why), _hold(mem, inp.status)
     floor = math.ceil(inp.floor - 1e-9)
     if floor >= current:
         why = f"need {inp.need:.1f}; scale-down held: the forecast needs {inp.floor:.1f} next"

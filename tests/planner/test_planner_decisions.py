@@ -318,3 +318,28 @@ def test_a_collapse_keeps_the_pools_for_a_window_a_steady_fall_does_not() -> Non
     assert min(n for t, n in slow if T0 + 120 <= t < T0 + 240) < count, slow
     linear = [900.0 - 81.0 * k for k in range(1, 11)]  # 900 -> 90 in 100 s
     assert min(n for t, n in drops(before + linear + [90.0] * 20, cfg) if t < T0 + 260) < count
+
+
+def test_no_scale_down_into_a_rise_too_slow_to_forecast() -> None:
+    """+0.5% per 10 s interval at 1000 requests/s (1% Poisson noise per interval): the
+    fitted slope of the last 8 is ~3 standard errors above zero, short of the forecast's 4,
+    so no ramp is forecast; but it is not scaled down into either. Flat, it is."""
+    cfg = config(stability=Stability(scale_down_window_s=0.0, scale_down_cooldown_s=60.0))
+
+    def run(rates: list[float]) -> list[int]:
+        state = PlannerState(
+            prefill=PoolMemory(last_target=90, last_scale_s=T0),
+            decode=PoolMemory(last_target=90, last_scale_s=T0),
+        )
+        out = []
+        for i, rps in enumerate(rates):
+            s = snap(t=T0 + 10.0 * (i + 1), rps=rps, prefill=(90, 90, 0), decode=(90, 90, 0))
+            decision, state = plan(s, state, cfg)
+            assert decision.prefill.desired <= 90
+            out.append(decision.prefill.desired)
+        return out
+
+    rising = run([1000.0 * 1.005**i for i in range(10)])
+    assert rising == [90] * 10, rising
+    flat = run([1000.0, 1010.0, 990.0, 1005.0, 995.0, 1000.0, 1010.0, 990.0, 1000.0, 995.0])
+    assert min(flat) < 90, flat
