@@ -68,6 +68,8 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Range-check every field (the engine sees nothing unchecked); ``vocab_size``,
         when known, bounds ``stop_token_ids`` and ``logit_bias``. Raises InvalidParameter."""
+        if _common_ok(self):  # every check below passes: the router's hot path, one call
+            return self
         _check_counts(self)
         _check_floats(self)
         _check_stops(self, vocab_size)
@@ -129,6 +131,34 @@ class SamplingParams:
         if isinstance(known.get("logit_bias"), dict):  # JSON object keys are strings
             known["logit_bias"] = _int_keys(known["logit_bias"])
         return cls(**known).validate()
+
+
+_NUM = frozenset({int, float})
+
+
+def _common_ok(p: SamplingParams) -> bool:
+    """True only for parameters that ``validate`` accepts whatever the vocabulary: plain
+    ints and floats in range, no stop strings or ids, no bias, no structured output (most
+    requests). False sends them through the checks that name the field at fault."""
+    mt, mn, seed = p.max_tokens, p.min_tokens, p.seed
+    lp, plp = p.logprobs, p.prompt_logprobs
+    return (
+        type(mt) is int and type(mn) is int and type(p.top_k) is int
+        and 0 <= mn <= mt <= MAX_TOKENS and mt >= 1 and -1 <= p.top_k <= MAX_TOP_K
+        and (seed is None or (type(seed) is int and SEED_MIN <= seed <= SEED_MAX))
+        and {type(p.temperature), type(p.top_p), type(p.presence_penalty),
+             type(p.frequency_penalty), type(p.repetition_penalty), type(p.min_p)} <= _NUM
+        and 0.0 <= p.temperature <= 100.0 and 0.0 < p.top_p <= 1.0
+        and -2.0 <= p.presence_penalty <= 2.0 and -2.0 <= p.frequency_penalty <= 2.0
+        and 0.0 < p.repetition_penalty <= 10.0 and 0.0 <= p.min_p <= 1.0
+        and type(p.stop) is list and not p.stop
+        and type(p.stop_token_ids) is list and not p.stop_token_ids
+        and type(p.logit_bias) is dict and not p.logit_bias
+        and (p.ignore_eos is True or p.ignore_eos is False)
+        and (lp is None or (type(lp) is int and 0 <= lp <= 20))
+        and (plp is None or (type(plp) is int and 0 <= plp <= 20))
+        and p.structured is None
+    )  # fmt: skip
 
 
 def need(cond: bool, name: str, msg: str) -> None:
