@@ -49,11 +49,21 @@ def get_scorer(name: str) -> Scorer:
 
 
 def weighted_score(worker: WorkerView, req: RouteRequest, weights: Sequence[ScorerWeight]) -> float:
+    return _weighted(worker, req, _resolved(weights))
+
+
+def _resolved(weights: Sequence[ScorerWeight]) -> list[tuple[str, float, Scorer]]:
+    """(name, weight, scorer) of each weight: the registry looked up once per ranking."""
+    return [(sw.name, sw.weight, get_scorer(sw.name)) for sw in weights]
+
+
+def _weighted(worker: WorkerView, req: RouteRequest,
+              scorers: list[tuple[str, float, Scorer]]) -> float:  # fmt: skip
     total = 0.0
-    for sw in weights:
-        value = get_scorer(sw.name)(worker, req)
-        assert 0.0 <= value <= 1.0, f"scorer {sw.name} returned {value}"
-        total += sw.weight * value
+    for name, weight, scorer in scorers:
+        value = scorer(worker, req)
+        assert 0.0 <= value <= 1.0, f"scorer {name} returned {value}"
+        total += weight * value
     return total
 
 
@@ -79,7 +89,10 @@ def _sorted(
     weights: Sequence[ScorerWeight],
     rng: random.Random,
 ) -> list[WorkerView]:
-    keyed = [(round(weighted_score(w, req, weights), 9), rng.random(), w) for w in workers]
+    if not workers:
+        return []
+    scorers = _resolved(weights)
+    keyed = [(round(_weighted(w, req, scorers), 9), rng.random(), w) for w in workers]
     keyed.sort(key=lambda t: (-t[0], t[1]))
     return [w for _, _, w in keyed]
 
