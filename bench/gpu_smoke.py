@@ -178,7 +178,7 @@ def roofline(model_dir: Path, batch: int, context: int, gbps: float, graphs: boo
     bound = (weights + kv) / (gbps * 1e9)
     replays = engine.runner.graphs.replays if engine.runner.graphs else 0
     return {"B": batch, "ctx": context, "graphs": graphs, "step_ms": round(step * 1e3, 4),
-            "roofline_ms": round(bound * 1e3, 4), "roofline_ratio": round(bound / step, 3),
+            "roofline_ms": round(bound * 1e3, 4), "roofline_ratio": float(f"{bound / step:.3g}"),
             "graph_replays": replays}  # fmt: skip
 
 

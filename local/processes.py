@@ -239,6 +239,20 @@ class LocalCluster:
         finally:
             _stop_procs([proc], grace_s=10.0)
 
+    def _router_port(self) -> int:
+        """Any port for a router: the top ten of the spec's worker block (base + 190 ..
+        199; workers take base .. base + 189 in steps of 10), so a caller that reserved the
+        block machine-wide (the tests' flock) reserved its routers' ports too. Two clusters
+        that both searched from 8000 could pick one port, and the router that lost the bind
+        looked healthy through the other cluster's router (seen in CI)."""
+        s = self.spec
+        top = s.worker_port_base + 190
+        for port in range(top, top + 10):
+            if port not in self._ports and port_block_free(s.host, port, 1):
+                self._ports.add(port)
+                return port
+        return pick_base_port(s.host, 8000, self._ports, 1)
+
     def _write_workers_file(self) -> None:
         if self.workers_file is not None:
             write_workers_file(self.workers_file, self.urls("prefill"), self.urls("decode"))
@@ -248,8 +262,10 @@ class LocalCluster:
         dynamic: bool = False,
     ) -> Proc:  # fmt: skip
         s = self.spec
-        if port == 0 or not port_block_free(s.host, port, 1):
-            port = pick_base_port(s.host, 8000 if port == 0 else port + 1, self._ports, 1)
+        if port == 0:
+            port = self._router_port()
+        elif not port_block_free(s.host, port, 1):
+            port = pick_base_port(s.host, port + 1, self._ports, 1)
         argv = pdserve_cmd("router", "--model", s.model_dir, "--host", s.host, "--port", str(port),
                            "--served-model-name", s.model_name)  # fmt: skip
         if dynamic:  # the worker list changes while the router runs: a file it re-reads
