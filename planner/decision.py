@@ -65,6 +65,10 @@ class PlannerState:
     decode_correction: float = 1.0  # smoothed observed / predicted decode step time
     forecast: Forecast = field(default_factory=Forecast)  # load trend and seasonality
     mode: str = "disaggregated"  # the P:D decision in force (see mix.py)
+    # the last interval's prefill queue depth and ready prefill replicas (the prefill
+    # correction learns from throughput while the queue waits: model.py)
+    prefill_queue_depth: float = 0.0
+    prefill_ready: int = 0
 
     def with_pool(self, role: str, memory: PoolMemory) -> PlannerState:
         assert role in ("prefill", "decode"), role
@@ -89,6 +93,8 @@ class PlannerState:
                 decode_correction=float(body.get("decode_correction", 1.0)),
                 forecast=Forecast.from_dict(body.get("forecast")),
                 mode=str(body.get("mode", "disaggregated")),
+                prefill_queue_depth=float(body.get("prefill_queue_depth", 0.0)),
+                prefill_ready=int(body.get("prefill_ready", 0)),
             )
         except (TypeError, ValueError):
             return cls()  # a corrupt stored state only costs the smoothing history

@@ -131,12 +131,17 @@ def mean_context(snap: MetricsSnapshot, cfg: PlannerConfig) -> float:
 
 
 def update_corrections(
-    snap: MetricsSnapshot, cfg: PlannerConfig, prefill_c: float, decode_c: float
+    snap: MetricsSnapshot,
+    cfg: PlannerConfig,
+    prefill_c: float,
+    decode_c: float,
+    previous: tuple[float, int] | None = None,
 ) -> tuple[float, float]:
-    """New (prefill, decode) corrections from this interval's observed vs predicted latency."""
+    """New (prefill, decode) corrections from this interval's observed vs predicted latency.
+    ``previous``: (prefill queue depth, ready prefill replicas) at the last interval's end."""
     lo, hi = cfg.correction_bounds
     a = cfg.correction_alpha
-    ratio = _prefill_ratio(snap, cfg)
+    ratio = _prefill_ratio(snap, cfg, previous)
     if ratio is not None:
         prefill_c = min(hi, max(lo, (1 - a) * prefill_c + a * ratio))
     ratio = _decode_ratio(snap, cfg)
@@ -145,18 +150,50 @@ def update_corrections(
     return prefill_c, decode_c
 
 
-def _prefill_ratio(snap: MetricsSnapshot, cfg: PlannerConfig) -> float | None:
-    """Observed prefill compute time (TTFT minus queue wait) over the profile's prediction."""
+def _prefill_ratio(
+    snap: MetricsSnapshot, cfg: PlannerConfig, previous: tuple[float, int] | None = None
+) -> float | None:
+    """Observed prefill compute time (TTFT minus queue wait) over the profile's prediction.
+
+    Overloaded, latency says nothing about the model (the queue grows), but throughput
+    does, as for decode: with requests waiting at both ends of the interval every ready
+    replica was busy throughout, so the pool served the arrivals less the queue's growth,
+    and the profile's time over the observed one is the ratio. A pool sized by a profile
+    that is too fast is overloaded from the start and would otherwise never learn it."""
     if snap.ttft.count < cfg.min_requests_for_correction or snap.prefill.ready == 0:
         return None
     prof = cfg.profile.prefill
     mean_prompt = max(1.0, snap.mean_prompt_tokens * (1.0 - snap.cached_token_fraction))
     demand = snap.prompt_token_rate * (1.0 - snap.cached_token_fraction)
-    rho = demand / (snap.prefill.ready * prof.saturated_tokens_per_s(mean_prompt))
+    mu = prof.saturated_tokens_per_s(mean_prompt)
+    rho = demand / (snap.prefill.ready * mu)
     compute = snap.ttft.mean - snap.prefill_queue_wait_s
-    if rho >= cfg.max_prefill_utilisation or compute <= 0:
-        return None  # overloaded: the queue grows, latency says nothing about the model
+    if rho >= cfg.max_prefill_utilisation:
+        return _prefill_throughput_ratio(snap, mean_prompt, demand, mu, previous)
+    if compute <= 0:
+        return None
     return compute / prof.service_time(mean_prompt)
+
+
+def _prefill_throughput_ratio(
+    snap: MetricsSnapshot,
+    mean_prompt: float,
+    demand: float,
+    mu: float,
+    previous: tuple[float, int] | None,
+) -> float | None:
+    if previous is None or snap.interval_s <= 0:
+        return None
+    depth, ready = previous
+    if depth <= 0 or snap.prefill_queue_depth <= 0:
+        return None  # not busy throughout the interval
+    grown = (snap.prefill_queue_depth - depth) * mean_prompt / snap.interval_s
+    served = demand - grown
+    # pods that turned ready during the interval served part of it: count the fewer
+    busy = min(ready, snap.prefill.ready)
+    if served <= 0 or busy <= 0:
+        return None
+    return busy * mu / served
 
 
 def _decode_ratio(snap: MetricsSnapshot, cfg: PlannerConfig) -> float | None:

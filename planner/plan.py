@@ -22,8 +22,9 @@ def plan(
     Pure: same inputs, same outputs; nothing is read from clocks or the network.
     """
     s, now = snapshot, snapshot.time_s
+    previous = (state.prefill_queue_depth, state.prefill_ready)
     prefill_c, decode_c = update_corrections(
-        s, config, state.prefill_correction, state.decode_correction
+        s, config, state.prefill_correction, state.decode_correction, previous
     )
     fc = state.forecast.observe(
         now, s.interval_s, (s.request_rate, s.prompt_token_rate, s.output_token_rate),
@@ -94,7 +95,10 @@ def plan(
     details["mix_colocated_goodput_per_replica"] = choice.colocated_goodput
     rounded = {k: round(v, 4) for k, v in details.items()}
     decision = Decision(now, p_dec, d_dec, rounded, mode, mix_why)
-    return decision, PlannerState(p_mem, d_mem, prefill_c, decode_c, fc, mode)
+    carried = PlannerState(p_mem, d_mem, prefill_c, decode_c, fc, mode)
+    return decision, replace(
+        carried, prefill_queue_depth=s.prefill_queue_depth, prefill_ready=s.prefill.ready
+    )
 
 
 def _mean_output(s: MetricsSnapshot, fc: Forecast) -> float:

@@ -343,3 +343,25 @@ def test_no_scale_down_into_a_rise_too_slow_to_forecast() -> None:
     assert rising == [90] * 10, rising
     flat = run([1000.0, 1010.0, 990.0, 1005.0, 995.0, 1000.0, 1010.0, 990.0, 1000.0, 995.0])
     assert min(flat) < 90, flat
+
+
+def test_an_overloaded_prefill_pool_learns_its_correction_from_throughput() -> None:
+    """10 replicas serve 1/1.39 of what the profile says (it is 1.39x too fast) and are
+    sent 0.9 of it: overloaded, so latency says nothing (the queue grows), but throughput
+    does: the arrivals less the queue's growth are what the busy pool served."""
+    mu = PREFILL.saturated_tokens_per_s(1000)
+    rps = 10 * mu * 0.9 / 1000  # 0.9: overloaded by the profile's own figures
+    served = 10 * mu / 1.39  # tokens/s the 10 replicas really serve: 0.72 of the profile's
+    grow = (rps * 1000 - served) / 1000 * 10.0  # requests the queue gains per 10 s
+    state, depth = settled(), 50.0
+    for i in range(20):
+        depth += grow
+        s = snap(t=T0 + 10 * i, rps=rps, ttft=lat(5.0), prefill_queue_depth=depth)
+        s = replace(s, prefill_queue_wait_s=4.9)
+        _, state = plan(s, replace(state, prefill=PoolMemory(10, T0 - 1e5)), config())
+    assert state.prefill_correction == pytest.approx(1.39, rel=0.02)
+    # no queue at the last interval's end: not busy throughout, nothing learnt
+    fresh = replace(settled(), prefill_queue_depth=0.0, prefill_ready=10)
+    s = snap(t=T0, rps=rps, ttft=lat(5.0), prefill_queue_depth=100.0)
+    _, after = plan(replace(s, prefill_queue_wait_s=4.9), fresh, config())
+    assert after.prefill_correction == 1.0
