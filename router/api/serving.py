@@ -13,7 +13,7 @@ import contextlib
 import logging
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
@@ -51,22 +51,74 @@ async def _wait_disconnect_asgi(receive: Any) -> None:
         pass
 
 
-async def _wait_disconnect(request: Request) -> None:
-    await _wait_disconnect_asgi(request.receive)
+class _ClientWatch:
+    """One request's watch on its client, from the first ``guarded`` wait to the end of its
+    stream: one task awaits the ASGI disconnect and then cancels whatever the request's own
+    task awaits under the watch (``target``: admission, the first token, the stream's body).
+    Before, each wait ran its work in a task of its own beside a task of its own watching
+    the client: four tasks and two ``asyncio.wait`` per streamed request."""
+
+    __slots__ = ("cancelled", "gone", "target", "task")
+    KEY = "pdserve.client_watch"  # where the request's ASGI scope keeps it
+
+    def __init__(self, receive: Any) -> None:
+        self.gone = False  # the client went away (or its channel failed)
+        self.target: asyncio.Task[Any] | None = None  # cancelled when the client goes
+        self.cancelled = False  # this watch cancelled its target
+        self.task = asyncio.get_running_loop().create_task(_wait_disconnect_asgi(receive))
+        self.task.add_done_callback(self._fired)
+
+    @classmethod
+    def of(cls, scope: MutableMapping[str, Any], receive: Any) -> _ClientWatch:
+        watch: _ClientWatch | None = scope.get(cls.KEY)
+        if watch is None:
+            watch = scope[cls.KEY] = cls(receive)
+        return watch
+
+    def _fired(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        self.gone = True
+        self.stop()
+
+    def stop(self) -> None:
+        """Cancel the target once (it waits under the watch: the cancel lands there)."""
+        target, self.target = self.target, None
+        if target is not None:
+            self.cancelled = True
+            target.cancel()
+
+    def ours(self, task: asyncio.Task[Any]) -> bool:
+        """A CancelledError in ``task`` under the watch: whether it was this watch's alone
+        (then it is taken back); False: someone else cancelled the task too."""
+        if not self.cancelled:
+            return False
+        self.cancelled = False
+        return task.uncancel() == 0
+
+    def close(self) -> None:
+        self.task.cancel()
 
 
 async def guarded(request: Request, aw: Awaitable[T]) -> T:
     """Await ``aw`` unless the client disconnects first (then cancel it, raise ClientGone)."""
-    work = asyncio.ensure_future(aw)
-    gone = asyncio.create_task(_wait_disconnect(request))
-    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    gone.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await work
-    raise ClientGone
+    watch = _ClientWatch.of(request.scope, request.receive)
+    if watch.gone:
+        close = getattr(aw, "close", None)
+        if close is not None:
+            close()  # never started
+        raise ClientGone
+    task = asyncio.current_task()
+    assert task is not None
+    watch.target = task
+    try:
+        return await aw
+    except asyncio.CancelledError:
+        if watch.ours(task):
+            raise ClientGone from None
+        raise
+    finally:
+        watch.target = None
 
 
 def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[CompletionRequest, list[int]]:
@@ -142,9 +194,10 @@ class _Stream(Response):
     """Server-sent events written straight to the ASGI channel; ``cleanup`` always runs.
 
     Leaner than Starlette's StreamingResponse (no anyio task group per response, see
-    docs/router.md): the head goes out at once, then the body is pumped in its own
-    task, cancelled when the client goes away, or when one write has waited
-    ``write_timeout`` seconds for a client that stopped reading (uvicorn's send waits while
+    docs/router.md): the head goes out at once, then the body is pumped by the
+    response's own task, cancelled (``_ClientWatch``) when the client goes away, or when
+    one write has waited ``write_timeout`` seconds for a client that stopped reading
+    (uvicorn's send waits while
     the socket's buffers are full; ``_WriteWatch`` looks): the stream is then aborted like
     a disconnect, so the worker frees its KV and nothing of this stream waits on that
     client any more.
@@ -168,30 +221,30 @@ class _Stream(Response):
         self._write_timeout = write_timeout
         self._on_slow_reader = on_slow_reader
         self._writing_since = 0.0  # loop time the pending write began; 0.0: none pending
-        self._slow: asyncio.Future[None] | None = None  # done: the client stopped reading
+        self._watch: _ClientWatch | None = None  # the client's (cancels the pump)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        pump = gone = slow = None
+        watch = self._watch = _ClientWatch.of(scope, receive)
+        task = asyncio.current_task()
+        assert task is not None
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})  # fmt: skip
             await send({"type": "http.response.body", "body": self._head.encode(),
                         "more_body": True})  # fmt: skip
-            pump = asyncio.create_task(self._pump(send))
-            gone = asyncio.create_task(_wait_disconnect_asgi(receive))
-            slow = self._slow = asyncio.get_running_loop().create_future()
-            _write_watch().add(self)
-            await asyncio.wait({pump, gone, slow}, return_when=asyncio.FIRST_COMPLETED)
-        except OSError:  # the client went away while the head was written
+            if not watch.gone:
+                _write_watch().add(self)
+                watch.target = task  # the client going, or reading nothing, cancels the pump
+                await self._pump(send)
+        except asyncio.CancelledError:
+            if not watch.ours(task):
+                raise
+        except OSError:  # the client went away while a chunk was written
             pass
         finally:
+            watch.target = None
             _write_watch().discard(self)
-            for task in (pump, gone, slow):
-                if task is not None:
-                    task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                if pump is not None:
-                    await pump  # a send to a client that went away may raise OSError
+            watch.close()
             await self._cleanup()
 
     async def _pump(self, send: Any) -> None:
@@ -206,8 +259,8 @@ class _Stream(Response):
         log.warning("stream aborted: its client read nothing for %.1f s "
                     "(--stream-write-timeout)", waited)  # fmt: skip
         self._on_slow_reader()
-        if self._slow is not None and not self._slow.done():
-            self._slow.set_result(None)
+        if self._watch is not None:
+            self._watch.stop()  # the pump waits in a write: the cancel lands there
 
 
 class _WriteWatch:
