@@ -35,6 +35,8 @@ ONLY: dict[str, tuple[Any, ...]] = {
 
 def check_fields(body: dict[str, Any], chat: bool) -> None:
     known = CHAT if chat else COMPLETIONS
+    if body.keys() <= known:  # the common case: one set operation in C
+        return
     for name, value in body.items():
         if name in known or name in NO_EFFECT:
             continue

@@ -179,32 +179,32 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
     return None
 
 
-def _sampling(body: dict[str, Any], max_tokens: int, chat: bool) -> SamplingParams:
-    def get(name: str, default: Any) -> Any:
-        value = body.get(name)
-        return default if value is None else value
+# Sampling fields taken as sent, and their values when absent or null.
+SAMPLING_DEFAULTS = (
+    ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("ignore_eos", False),
+    ("min_tokens", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0), ("min_p", 0.0),
+)  # fmt: skip
 
-    stop = get("stop", [])
-    if isinstance(stop, str):
-        stop = [stop]
+
+def _sampling(body: dict[str, Any], max_tokens: int, chat: bool) -> SamplingParams:
+    given: dict[str, Any] = {}
+    for name, default in SAMPLING_DEFAULTS:  # inline: a call per field was ~1/5 of parsing
+        value = body.get(name)
+        given[name] = default if value is None else value
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    stop_ids, bias = body.get("stop_token_ids"), body.get("logit_bias")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=get("temperature", 1.0),
-            top_p=get("top_p", 1.0),
-            top_k=get("top_k", 0),
             seed=body.get("seed"),
             stop=stop,
-            ignore_eos=get("ignore_eos", False),
-            min_tokens=get("min_tokens", 0),
-            stop_token_ids=get("stop_token_ids", []),
-            presence_penalty=get("presence_penalty", 0.0),
-            frequency_penalty=get("frequency_penalty", 0.0),
-            repetition_penalty=get("repetition_penalty", 1.0),
-            min_p=get("min_p", 0.0),
-            logit_bias=_logit_bias(get("logit_bias", {})),
+            stop_token_ids=[] if stop_ids is None else stop_ids,
+            logit_bias={} if bias is None else _logit_bias(bias),
             logprobs=_logprobs(body, chat),
             structured=structured_spec(body),
+            **given,
         ).validate()
     except InvalidParameter as exc:
         raise invalid(str(exc), exc.field) from exc

@@ -21,7 +21,14 @@ PAYLOAD = {"json_schema": "schema", "regex": "regex", "choice": "choice", "gramm
 REFUSED = ("guided_whitespace_pattern",)
 
 
+# Every field read here: a body with none of them (most) has no spec, at one set operation.
+FIELDS = frozenset({"response_format", *GUIDED, "structured_outputs",
+                    "guided_decoding_backend", *REFUSED})  # fmt: skip
+
+
 def structured_spec(body: dict[str, Any]) -> dict[str, Any] | None:
+    if body.keys().isdisjoint(FIELDS):
+        return None
     for name in REFUSED:
         if body.get(name) is not None:
             raise invalid(f"{name} is not supported by this server", name)
