@@ -105,6 +105,9 @@ class Discovery:
         # url -> (report, its stats merged into the polled ones, in-flight when it came)
         self._reported: dict[str, tuple[LoadReport, WorkerStats, tuple[int, int]]] = {}
         self._version = 0
+        # url -> (polled view, in-flight counts, report or None, the view routing saw): a
+        # worker whose state did not move since the last request is not built again.
+        self._shown: dict[str, tuple[WorkerView, tuple[int, int], object, WorkerView]] = {}
         self._task: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
         self.after_refresh: list[Callable[[], None]] = []  # run after each health round
@@ -113,15 +116,25 @@ class Discovery:
     def snapshot(self) -> Snapshot:
         views = []
         for url, view in self._views.items():
-            n, tokens = self._inflight.get(url, (0, 0))
-            views.append(self._with_report(view, n, tokens))
+            counts = self._inflight.get(url, (0, 0))
+            got = self.subscriber.report(view.worker_id) if self.subscriber is not None else None
+            report = got[0] if got is not None and got[1] <= REPORT_FRESH_S else None
+            shown = self._shown.get(url)
+            if (
+                shown is None
+                or shown[0] is not view
+                or shown[1] != counts
+                or shown[2] is not report
+            ):
+                shown = self._shown[url] = (view, counts, report,
+                                            self._with_report(view, *counts, report))  # fmt: skip
+            views.append(shown[3])
         return Snapshot(tuple(views), self._version)
 
-    def _with_report(self, view: WorkerView, n: int, tokens: int) -> WorkerView:
-        got = self.subscriber.report(view.worker_id) if self.subscriber is not None else None
-        if got is None or got[1] > REPORT_FRESH_S:
-            return replace(view, inflight=n, inflight_prompt_tokens=tokens)
-        report = got[0]
+    def _with_report(self, view: WorkerView, n: int, tokens: int,
+                     report: LoadReport | None) -> WorkerView:  # fmt: skip
+        if report is None:  # no fresh report
+            return WorkerView(view.url, view.role, view.healthy, view.stats, n, tokens)
         seen = self._reported.get(view.url)
         if seen is None or seen[0] is not report:
             # A new report counts every request that reached the worker: from here on only
@@ -129,9 +142,8 @@ class Discovery:
             merged = replace(view.stats, **{f: getattr(report, f) for f in LOAD_FIELDS})
             seen = self._reported[view.url] = (report, merged, (n, tokens))
         _, stats, (n0, tokens0) = seen
-        return replace(view, stats=stats, inflight=n, inflight_prompt_tokens=tokens,
-                       reported=True, since_report=max(n - n0, 0),
-                       since_report_tokens=max(tokens - tokens0, 0))  # fmt: skip
+        return WorkerView(view.url, view.role, view.healthy, stats, n, tokens, True,
+                          max(n - n0, 0), max(tokens - tokens0, 0))  # fmt: skip
 
     def synced(self) -> bool:
         """Whether this replica holds every healthy worker's state: its KV index caught up
@@ -190,6 +202,7 @@ class Discovery:
             if url not in self._views or not self._views[url].healthy:
                 self._unsubscribe(view)
                 self._reported.pop(url, None)
+                self._shown.pop(url, None)
         for view in views:
             self._subscribe(view)
         self._version += 1
