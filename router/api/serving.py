@@ -250,9 +250,18 @@ class _Stream(Response):
     async def _pump(self, send: Any) -> None:
         loop = asyncio.get_running_loop()
         async for text in self._body:
+            # [DONE] ends an SSE stream: it goes out with the end of the body (one write
+            # less per stream; nothing follows it in ``sse_tail``).
+            last = text.endswith(responses.DONE)
             self._writing_since = loop.time()
-            await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": text.encode(),
+                        "more_body": not last})  # fmt: skip
             self._writing_since = 0.0
+            if last:
+                close = getattr(self._body, "aclose", None)
+                if close is not None:
+                    await close()  # now, not by the loop's finalizer (a task) once collected
+                return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _too_slow(self, waited: float) -> None:
@@ -537,10 +546,11 @@ async def sse_tail(
         async for text in texts:
             if text:
                 yield text
+        tail = ""
         if req.include_usage:
-            yield responses.chunk(rs.request_id, req.model, req.chat, use=usage())
+            tail = responses.chunk(rs.request_id, req.model, req.chat, use=usage())
         rs.status = 200
-        yield responses.DONE
+        yield tail + responses.DONE
     except APIError as err:
         rs.status = err.status
         yield responses.sse(err.body())
