@@ -39,13 +39,18 @@ Scorer = Callable[[WorkerView, RouteRequest], float]
 Filter = Callable[[Sequence[WorkerView], RouteRequest], list[WorkerView]]
 
 
-def get_scorer(name: str) -> Scorer:
-    # The registry imports the scorers, which import this module's types: read it at call time.
-    from pdserve.router.scheduling.registry import SCORERS
+_SCORERS: dict[str, Scorer] = {}  # the registry's, once read
 
-    if name not in SCORERS:
-        raise ValueError(f"unknown scorer {name!r}; valid: {sorted(SCORERS)}")
-    return SCORERS[name]
+
+def get_scorer(name: str) -> Scorer:
+    if not _SCORERS:
+        # The registry imports the scorers, which import this module's types: read it late.
+        from pdserve.router.scheduling.registry import SCORERS
+
+        _SCORERS.update(SCORERS)
+    if name not in _SCORERS:
+        raise ValueError(f"unknown scorer {name!r}; valid: {sorted(_SCORERS)}")
+    return _SCORERS[name]
 
 
 def weighted_score(worker: WorkerView, req: RouteRequest, weights: Sequence[ScorerWeight]) -> float:
