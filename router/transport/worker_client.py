@@ -211,16 +211,18 @@ async def prefill(
     """The prefill worker's reply; raises :class:`WorkerFailed` when there is none (or
     ``watch`` cuts the wait)."""
 
-    async def post() -> tuple[int, bytes]:
+    if watch is not None:
+        watch.begin()
+    try:  # inline, no coroutine around the call: it is one per request on the P/D path
         async with await client.post(url, "/prefill", encode(req), timeout) as resp:
-            return resp.status, await resp.read()
-
-    try:
-        status, raw = await _watched(watch, post())
+            status, raw = resp.status, await resp.read()
     except TRANSPORT_ERRORS as exc:
         raise WorkerFailed(url, f"prefill failed: {exc!r}") from exc
     except asyncio.CancelledError:
         raise _cut_or_cancelled(url, watch) from None
+    finally:
+        if watch is not None:
+            watch.end()
     if status != 200:
         _raise_for(url, status, _decode_json(raw))
     try:
