@@ -66,8 +66,12 @@ async def eventually(
 async def simulate_deployment_controller(client: KubeClient, name: str) -> None:
     """What the Deployment controller + kubelet would do: all desired replicas updated and ready."""
     for role in ("router", "prefill", "decode"):
-        dep = await client.get("apps/v1", "Deployment", NS, f"{name}-{role}")
-        assert dep is not None, f"Deployment {name}-{role} missing"
+        # The operator creates the three in its own order: a caller that waited for one
+        # (say decode) may be here before another exists (seen under load: router missing).
+        dep = await eventually(
+            lambda r=role: client.get("apps/v1", "Deployment", NS, f"{name}-{r}"),
+            what=f"Deployment {name}-{role}",
+        )
         n = dep["spec"]["replicas"]
         status = {"replicas": n, "updatedReplicas": n, "readyReplicas": n, "availableReplicas": n}
         await client.patch(
