@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import pathlib
 import time
 from collections.abc import Awaitable, Callable
@@ -69,7 +70,7 @@ async def simulate_deployment_controller(client: KubeClient, name: str) -> None:
         # The operator creates the three in its own order: a caller that waited for one
         # (say decode) may be here before another exists (seen under load: router missing).
         dep = await eventually(
-            lambda r=role: client.get("apps/v1", "Deployment", NS, f"{name}-{r}"),
+            functools.partial(client.get, "apps/v1", "Deployment", NS, f"{name}-{role}"),
             what=f"Deployment {name}-{role}",
         )
         n = dep["spec"]["replicas"]
