@@ -81,7 +81,7 @@ async def post(
     task = asyncio.ensure_future(h.post(path, json=body))
     try:
         resp = await asyncio.wait_for(asyncio.shield(task), cancel_after_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         task.cancel()
         with contextlib.suppress(BaseException):
             await task

@@ -110,7 +110,7 @@ async def hold(args: argparse.Namespace, http: aiohttp.ClientSession, url: str,
         try:
             await one(http, url + "/v1/completions", b, hdr)
             return True
-        except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError, RuntimeError):
             return False
 
     sampler = asyncio.create_task(sample())

@@ -212,7 +212,7 @@ async def _page(session: aiohttp.ClientSession, url: str, timeout_s: float) -> s
             if resp.status != 200:
                 raise InputError(f"router metrics {url}: HTTP {resp.status}")
             return text
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         raise InputError(f"router metrics {url} unreachable: {exc or type(exc).__name__}") from exc
 
 

@@ -22,7 +22,7 @@ import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from pdserve.operator import kube
@@ -84,7 +84,7 @@ def restarter(client: kube.KubeClient, namespace: str, name: str, timeout: float
     """A ``Roll`` that restarts the three Deployments and waits until each has rolled."""
 
     async def roll(label: str) -> None:
-        stamp = datetime.now(timezone.utc).isoformat()
+        stamp = datetime.now(UTC).isoformat()
         patch = {"spec": {"template": {"metadata": {"annotations": {RESTARTED_AT: stamp}}}}}
         names = [n.deployment_name(name, role) for role in n.ROLES]
         for dep in names:

@@ -22,7 +22,7 @@ HANDLER_REASONS = (REASON_INVALID_SPEC, REASON_FOREIGN_CHILD, REASON_CHILD_REJEC
 
 
 def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def condition(

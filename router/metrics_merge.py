@@ -58,7 +58,7 @@ async def gather(own_index: int, own_page: bytes, ports: Sequence[int]) -> bytes
                 if resp.status != 200:
                     return index, ""
                 return index, await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return index, ""
 
     timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)

@@ -74,7 +74,7 @@ async def _tell_siblings(rt: Runtime, change: dict[str, str]) -> None:
 
         try:
             await asyncio.gather(*(tell(p) for p in ports))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise APIError(500, f"a router process did not take the change: {exc!r}") from exc
 
 

@@ -69,8 +69,7 @@ class SliceWatch:
                     log.info("EndpointSlice watch expired (%s); listing again", exc)
                     self.rv = None
                     continue  # a fresh LIST answers at a current version: no back-off
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KubeApiError,
-                        ValueError, KeyError) as exc:  # fmt: skip
+                except (aiohttp.ClientError, OSError, KubeApiError, ValueError, KeyError) as exc:
                     log.warning("EndpointSlice watch failed: %r; retrying in %.1fs", exc, delay)
                 except Exception:  # a bug must not end discovery: the router would go stale
                     log.exception("EndpointSlice watch failed; retrying in %.1fs", delay)

@@ -159,7 +159,7 @@ class ApiServer(kmock.KubernetesEmulator):
         meta["uid"] = str(uuid.uuid4())
         meta["resourceVersion"] = str(self.next_rv())
         meta["generation"] = 1
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         meta["creationTimestamp"] = now.strftime("%Y-%m-%dT%H:%M:%SZ")
 
     def _server_side_apply(self, request: kmock.Request) -> Any:

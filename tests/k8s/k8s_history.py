@@ -123,7 +123,7 @@ async def watch_from(
                     return
                 try:
                     await asyncio.wait_for(history.cond.wait(), left)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     return
                 continue
         for version, event in batch:
