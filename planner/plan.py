@@ -49,10 +49,9 @@ def plan(
     if mode == COLOCATED:
         p, da = _colocated(p, da, fc, config, choice.colocated_goodput)
     d = da.need
-    rising = fc.request_rate.uptrend or fc.prompt_rate.uptrend
     p_in = PoolInput(
         "prefill", p.need, s.prefill, config.prefill, replace(state.prefill, etas=p_etas), now,
-        p.steady_need, p.floor, rising,
+        p.steady_need, p.floor, fc.request_rate.uptrend or fc.prompt_rate.uptrend,
     )  # fmt: skip
     d_in = PoolInput(
         "decode", d.need, s.decode, config.decode, replace(state.decode, etas=d_etas), now,
@@ -95,10 +94,10 @@ def plan(
     details["mix_colocated_goodput_per_replica"] = choice.colocated_goodput
     rounded = {k: round(v, 4) for k, v in details.items()}
     decision = Decision(now, p_dec, d_dec, rounded, mode, mix_why)
-    carried = PlannerState(p_mem, d_mem, prefill_c, decode_c, fc, mode)
-    return decision, replace(
-        carried, prefill_queue_depth=s.prefill_queue_depth, prefill_ready=s.prefill.ready
-    )
+    return decision, PlannerState(
+        p_mem, d_mem, prefill_c, decode_c, fc, mode,
+        prefill_queue_depth=s.prefill_queue_depth, prefill_ready=s.prefill.ready,
+    )  # fmt: skip
 
 
 def _mean_output(s: MetricsSnapshot, fc: Forecast) -> float:

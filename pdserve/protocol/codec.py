@@ -105,6 +105,12 @@ def _encoder(hint: Any) -> Any:
 _SCALARS = frozenset({int, float, str, bool})
 
 
+def all_ints(values: list[Any]) -> bool:
+    """Every item is a plain ``int`` (bools are not), in one pass in C: a generator step per
+    item cost ~20 us on a 64-id prompt. False for an empty list."""
+    return set(map(type, values)) == {int}
+
+
 def from_dict(body: dict[str, Any], expected: type[T] | None = None) -> T:
     if not isinstance(body, dict) or "type" not in body:
         raise CodecError("message has no 'type' field")
@@ -194,7 +200,7 @@ def _convert(value: Any, hint: Any) -> Any:
         return _convert(value, inner[0]) if len(inner) == 1 else value
     if origin is list:
         _need(isinstance(value, list), "a list", value)
-        if args and args[0] is int and set(map(type, value)) <= {int}:
+        if args and args[0] is int and (not value or all_ints(value)):
             return list(value)  # block ids and hashes: no call per element when all fit
         return [_convert(v, args[0]) for v in value] if args else value
     if origin is dict or hint is dict:

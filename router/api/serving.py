@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.protocol.codec import all_ints
 from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.router import edge
 from pdserve.router.api import responses
@@ -27,7 +28,7 @@ from pdserve.router.api.echo import Echo, echo_for, scored_only
 from pdserve.router.api.errors import APIError, invalid
 from pdserve.router.api.grammar_limits import check_grammar
 from pdserve.router.api.logprobs_format import LogprobsFormatter
-from pdserve.router.api.protocol import CompletionRequest, all_ints, check_model, parse_request
+from pdserve.router.api.protocol import CompletionRequest, check_model, parse_request
 from pdserve.router.api.tool_output import ToolOutput
 from pdserve.router.api.tools import chat_inputs
 from pdserve.router.picker import prefill_header

@@ -134,7 +134,8 @@ class Discovery:
     def _with_report(self, view: WorkerView, n: int, tokens: int,
                      report: LoadReport | None) -> WorkerView:  # fmt: skip
         if report is None:  # no fresh report
-            return WorkerView(view.url, view.role, view.healthy, view.stats, n, tokens)
+            return WorkerView(view.url, view.role, view.healthy, view.stats,
+                              inflight=n, inflight_prompt_tokens=tokens)  # fmt: skip
         seen = self._reported.get(view.url)
         if seen is None or seen[0] is not report:
             # A new report counts every request that reached the worker: from here on only
@@ -142,8 +143,10 @@ class Discovery:
             merged = replace(view.stats, **{f: getattr(report, f) for f in LOAD_FIELDS})
             seen = self._reported[view.url] = (report, merged, (n, tokens))
         _, stats, (n0, tokens0) = seen
-        return WorkerView(view.url, view.role, view.healthy, stats, n, tokens, True,
-                          max(n - n0, 0), max(tokens - tokens0, 0))  # fmt: skip
+        return WorkerView(view.url, view.role, view.healthy, stats, inflight=n,
+                          inflight_prompt_tokens=tokens, reported=True,
+                          since_report=max(n - n0, 0),
+                          since_report_tokens=max(tokens - tokens0, 0))  # fmt: skip
 
     def synced(self) -> bool:
         """Whether this replica holds every healthy worker's state: its KV index caught up

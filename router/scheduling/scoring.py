@@ -10,6 +10,7 @@ every candidate best first (ties shuffled), so retries take the next one.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,18 +40,19 @@ Scorer = Callable[[WorkerView, RouteRequest], float]
 Filter = Callable[[Sequence[WorkerView], RouteRequest], list[WorkerView]]
 
 
-_SCORERS: dict[str, Scorer] = {}  # the registry's, once read
-
-
 def get_scorer(name: str) -> Scorer:
-    if not _SCORERS:
-        # The registry imports the scorers, which import this module's types: read it late.
-        from pdserve.router.scheduling.registry import SCORERS
+    scorers = _registry()
+    if name not in scorers:
+        raise ValueError(f"unknown scorer {name!r}; valid: {sorted(scorers)}")
+    return scorers[name]
 
-        _SCORERS.update(SCORERS)
-    if name not in _SCORERS:
-        raise ValueError(f"unknown scorer {name!r}; valid: {sorted(_SCORERS)}")
-    return _SCORERS[name]
+
+@functools.cache
+def _registry() -> dict[str, Scorer]:
+    # The registry imports the scorers, which import this module's types: read it late, once.
+    from pdserve.router.scheduling.registry import SCORERS
+
+    return SCORERS
 
 
 def weighted_score(worker: WorkerView, req: RouteRequest, weights: Sequence[ScorerWeight]) -> float:
