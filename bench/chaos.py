@@ -203,9 +203,10 @@ async def phase_soak(h: httpx.AsyncClient, model: str, n: int, conc: int) -> dic
 # The victim must be seen (in its own /stats) running this many of the phase's streams
 # before it dies: a kill that lands on an idle worker migrates nothing and proves nothing.
 VICTIM_MIN_STREAMS = 4
-# Long enough that a victim's streams are still under way when it dies (96-token streams on
-# the tiny model could all end in the moment between the victim's pick and its kill).
-KILL_TOKENS = 320
+# Long enough that a victim's streams overlap and are still under way when it dies: at 320
+# tokens a loaded host saw all ten of a quick run's streams end in 2 s, never 4 on one worker
+# at once. Prompts are <= ~60 tokens, so 800 fits the run's --max-model-len 1024.
+KILL_TOKENS = 800
 
 
 async def phase_kill_decode(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
