@@ -61,10 +61,12 @@ class Up:
         # at nice 10 like other benchmarks on the shared cores, however this one was started
         # (`nice -n 10 python bench/sim_vs_real.py` would otherwise put it at 19)
         nice = ["nice", "-n", str(max(0, 10 - os.nice(0)))]
-        cmd = [*nice, sys.executable, "-m", "pdserve", "up", *argv]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
+        # --no-core-zygote: the CPU sampler counts each core as its worker's (its child),
+        # and the recordings' worker start-ups were each core's own imports
+        cmd = [*nice, sys.executable, "-m", "pdserve", "up", "--no-core-zygote", *argv]
+        environ = {k: v for k, v in os.environ.items() if k != "PDSERVE_CORE_ZYGOTE"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True, env=environ)  # fmt: skip
         self.lines: list[tuple[float, str]] = []
         self.launched = time.monotonic()
         self.log = log

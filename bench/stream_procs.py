@@ -71,8 +71,8 @@ class Up:
 
 
 def _supports(tree: Path, flag: str) -> bool:
-    engine = (tree / "pdserve" / "engine").resolve()
-    return any(flag in p.read_text(errors="ignore") for p in engine.glob("*.py"))
+    package = (tree / "pdserve").resolve()
+    return any(flag in p.read_text(errors="ignore") for p in package.rglob("*.py"))
 
 
 @contextlib.contextmanager
@@ -112,7 +112,12 @@ def _start(label: str, tree: Path, model: str, log_dir: Path, base: int) -> subp
             "--log-dir", str(log_dir / label)]  # fmt: skip
     if _supports(tree, '"--enforce-eager"'):  # no compile: the HTTP path is what we measure
         argv.append("--worker-arg=--enforce-eager")
+    # Each core a child of its worker (the tree's CPU is the worker's descendants), and
+    # from the tree's own code: no zygote, neither the cluster's nor a caller's.
+    if _supports(tree, '"--core-zygote"'):
+        argv.append("--no-core-zygote")
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    env.pop("PDSERVE_CORE_ZYGOTE", None)
     cwd = tempfile.mkdtemp(prefix="stream-overhead-")  # outside any checkout
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=cwd, start_new_session=True)  # fmt: skip

@@ -33,6 +33,7 @@ from pdserve.protocol.codec import from_dict
 from pdserve.protocol.contract import WorkerStats
 from pdserve.router.discovery.file import write_workers_file
 from pdserve.signed_httpx import SignedAuth
+from pdserve.worker.core_zygote import ZygoteProcess
 
 # Stored tensors that are not decoder weights: the token embeddings and the output head
 # (GPT-NeoX's is ``embed_out``, GPT-2's embeddings ``wte``/``wpe``).
@@ -85,6 +86,7 @@ class ClusterSpec:
     cpu_threads: int = 0  # torch threads per worker; 0: the machine's cores shared out
     secret: str = ""  # the service secret; "": $PDSERVE_SERVICE_SECRET or a new one
     autoscaled: bool = False  # workers come and go: a lone one never takes every core
+    core_zygote: bool = True  # cores fork from one zygote (worker/core_zygote.py)
 
     def threads_per_worker(self) -> int:
         """Cores over workers (at least 1), one core kept for the router, the workers' HTTP
@@ -164,6 +166,7 @@ class LocalCluster:
     workers_file: Path | None = None  # set by start_router(dynamic=True)
     _ports: set[int] = field(default_factory=set)
     _started: dict[str, int] = field(default_factory=dict)  # workers ever started, per role
+    zygote: ZygoteProcess | None = None  # the cluster's core zygote, once a worker needs it
 
     def __post_init__(self) -> None:
         # One per deployment: the spec's, the environment's (to pin it), else a new one.
@@ -280,8 +283,23 @@ class LocalCluster:
         self._spawn(proc)
         return proc
 
+    def _zygote_env(self) -> dict[str, str]:
+        """Where the workers' cores fork from: a zygote the caller runs already (its socket
+        in ``PDSERVE_CORE_ZYGOTE``: the test session's), else this cluster's, started for
+        its first worker and again if it died; "" (a process per core) without one."""
+        if not self.spec.core_zygote:
+            return {env.CORE_ZYGOTE: ""}
+        if env.get(env.CORE_ZYGOTE):
+            return {}
+        if self.zygote is None or self.zygote.proc.poll() is not None:
+            with open(self.log_dir / "core-zygote.log", "ab") as log:
+                self.zygote = ZygoteProcess(log=log)
+        return {env.CORE_ZYGOTE: self.zygote.path}
+
     def _spawn(self, proc: Proc, mode: str = "wb") -> None:
         environ = dict(os.environ, PYTHONUNBUFFERED="1", **{env.SERVICE_SECRET: self.secret})
+        if proc.role != "router":
+            environ.update(self._zygote_env())
         with open(proc.log_path, mode) as log:
             proc.popen = subprocess.Popen(
                 proc.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -369,6 +387,8 @@ class LocalCluster:
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process group, wait, SIGKILL stragglers. Safe to call twice."""
         _stop_procs(self.procs, grace_s)
+        if self.zygote is not None:  # after the workers: their cores die with it
+            self.zygote.stop()
 
     def __enter__(self) -> LocalCluster:
         return self

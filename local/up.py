@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--enforce-eager", action="store_true",
                    help="workers run the eager forward (no torch.compile at start-up)")  # fmt: skip
+    p.add_argument("--core-zygote", action=argparse.BooleanOptionalAction, default=True,
+                   help="fork the workers' engine cores from one process that imported "
+                   "torch and transformers once (worker/core_zygote.py)")  # fmt: skip
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="a PEFT LoRA adapter directory served as model NAME (repeatable): "
                    "every worker and the router get it (docs/lora.md)")  # fmt: skip
@@ -125,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, dtype=args.dtype, kv_transport=args.kv_transport,
         served_model_name=args.served_model_name, worker_args=worker_args(args),
         log_dir=args.log_dir, worker_port_base=args.worker_port_base,
-        autoscaled=args.autoscale,
+        autoscaled=args.autoscale, core_zygote=args.core_zygote,
     )  # fmt: skip
     stop = {"signal": 0}
 

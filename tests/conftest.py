@@ -11,10 +11,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.tiers import TIERS, mark_tiers
+from tests.tiers import TIERS, mark_tiers, tier_of
 from tests.xdist_plan import plan
 
 # The machine is shared and small: one compute thread per test process by default.
@@ -79,6 +80,7 @@ def _start_reaper() -> None:
 
 
 _REAPER: list[subprocess.Popen[bytes]] = []  # referenced for the process's life: its pipe
+_ZYGOTE: list[Any] = []  # this process's engine-core zygote, if the run starts cores
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -100,3 +102,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # groups and order for make test's two workers (tests/xdist_plan.py); loadgroup: set by
     # xdist in a worker of a --dist loadgroup run
     plan(items, loadgroup=bool(config.getoption("loadgroup", False)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A run that starts engine cores (a test outside the unit tier) gets one core zygote
+    per pytest process: every worker its tests start, directly or through ``pdserve up``,
+    forks its core from it (``PDSERVE_CORE_ZYGOTE``, worker/core_zygote.py) instead of
+    importing torch and transformers anew, ~6 CPU-s each for the suite's ~80 cores. A test
+    that changes the environment gets a core of its own (the zygote refuses it), and
+    tests/workers/test_core_zygote.py starts cores without one."""
+    from pdserve import env
+
+    if env.get(env.CORE_ZYGOTE) or all(tier_of(i) == "unit" for i in session.items):
+        return
+    from pdserve.worker.core_zygote import ZygoteProcess
+
+    _ZYGOTE.append(ZygoteProcess(log=subprocess.DEVNULL))
+    os.environ[env.CORE_ZYGOTE] = _ZYGOTE[0].path
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for zygote in _ZYGOTE:
+        zygote.stop()

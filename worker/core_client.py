@@ -24,7 +24,8 @@ If the core dies, every open stream ends with an error output (a worker fault: t
 router migrates it), pending queries raise :class:`EngineDeadError`, ``alive`` turns
 false, ``/health`` answers 503 and ``on_death`` runs (the worker then exits, so that
 its supervisor, kubelet or ``pdserve up``, starts it again). If this process dies, the
-kernel kills the core (``PR_SET_PDEATHSIG``, set by core_main).
+kernel kills the core (``PR_SET_PDEATHSIG``, set by core_main), or the zygote that forked
+it does (``pdserve up``'s cores come from one: core_zygote.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import logging
 import pickle
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -51,6 +51,7 @@ from pdserve.protocol.outputs import EngineDeadError, RequestFailed, RequestOutp
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 from pdserve.protocol.streams import follow, hand_over, put_all
 from pdserve.worker.core_config import CoreConfig
+from pdserve.worker.core_zygote import spawn_core
 
 logger = logging.getLogger(__name__)
 POLL_MS = 200  # how often the receiver checks that the core still runs
@@ -65,9 +66,8 @@ class EngineClient:
         self._commands = self._socket(zmq.PUSH, "commands")
         self._send_lock = threading.Lock()  # the receiver thread aborts for closed loops
         self._results = self._socket(zmq.PULL, "results")
-        argv = [sys.executable, "-m", "pdserve.worker.core_main", self._addr("commands"),
-                self._addr("results")]  # fmt: skip
-        self.proc = subprocess.Popen(argv)
+        # A new process, or forked by the cluster's zygote (core_zygote.py): started alike
+        self.proc = spawn_core([self._addr("commands"), self._addr("results")])
         self._send(("init", config))  # a frozen dataclass: pickled as it is
         self.info: dict[str, Any] = self._await_ready()
         self._stats = EngineStats()

@@ -233,6 +233,7 @@ def add_common_routes(
     fixed = {
         **identity,
         "pid": os.getpid(),
+        "core_pid": engine.proc.pid,
         "model": info["model"],
         "model_id": info["model_id"],
         "block_size": info["block_size"],

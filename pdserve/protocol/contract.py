@@ -303,6 +303,7 @@ class WorkerStats(EngineStats):
     role: str = ""
     worker_id: str = ""
     pid: int = 0
+    core_pid: int = 0  # its engine core's process (a child, or forked by a core zygote)
     model: str = ""
     model_id: str = ""
     block_size: int = 16

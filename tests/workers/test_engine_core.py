@@ -1,7 +1,9 @@
-"""A worker is two processes: the HTTP front end and its engine core (a child).
+"""A worker is two processes: the HTTP front end and its engine core.
 
 Real workers on loopback, the tiny model from disk: where the engine runs, what a client
-sees when the core dies under its stream, and that neither process outlives the other.
+sees when the core dies under its stream, and that neither process outlives the other;
+each for a core that is the worker's own child and for one forked by a core zygote
+(worker/core_zygote.py; tests/workers/test_core_zygote.py has the zygote's own faults).
 """
 
 from __future__ import annotations
@@ -26,13 +28,24 @@ from tests.workers.worker_helpers import AUTH, sampling, stats, worker_cluster
 CORE = b"pdserve.worker.core_main"
 
 
-def _core_of(pid: int) -> int:
-    """The pid of the worker's engine core: its child running core_main."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            if CORE in Path(f"/proc/{child}/cmdline").read_bytes():
-                return int(child)
-    raise AssertionError(f"no engine core under worker {pid}")
+def _children(pid: int) -> list[int]:
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+            for c in (t / "children").read_text().split()]  # fmt: skip
+
+
+def _core_of(proc: Proc) -> int:
+    """The pid of the worker's engine core, as its /stats names it: without a zygote, its
+    child running core_main; with one, a child of the zygote and not of the worker."""
+    assert proc.popen is not None
+    core = int(stats(proc.url)["core_pid"])
+    parent = int(Path(f"/proc/{core}/stat").read_text().split(")")[-1].split()[1])
+    forked = b"pdserve.worker.core_zygote" in Path(f"/proc/{parent}/cmdline").read_bytes()
+    if forked:
+        assert core not in _children(proc.popen.pid)
+    else:
+        assert parent == proc.popen.pid, (parent, proc.popen.pid)
+        assert CORE in Path(f"/proc/{core}/cmdline").read_bytes()
+    return core
 
 
 def _exited(pid: int) -> bool:
@@ -50,15 +63,20 @@ def _gone(pid: int, timeout: float) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["zygote", "child"])
 def cluster(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    """Two workers of each role, started once for the module (one start, not three): the
-    first test reads prefill-0 and decode-0, each later one kills a worker of its own
-    (decode-1, then prefill-1), so no test sees another's victim."""
+    """Two workers of each role, started once per way of starting cores (one start, not
+    three): the first test reads prefill-0 and decode-0, each later one kills a worker of
+    its own (decode-1, then prefill-1), so no test sees another's victim."""
     logs = tmp_path_factory.mktemp("engine-core")
-    with worker_cluster(tiny_model_dir, logs, num_prefill=2, num_decode=2) as c:
+    zygote = request.param == "zygote"
+    with worker_cluster(tiny_model_dir, logs, num_prefill=2, num_decode=2, core_zygote=zygote) as c:
+        for proc in c.procs:  # the cores started the way this run asked
+            core = int(stats(proc.url)["core_pid"])
+            forked = b"core_zygote" in Path(f"/proc/{core}/cmdline").read_bytes()
+            assert forked == zygote, (request.param, proc.name)
         yield c
 
 
@@ -73,13 +91,13 @@ def _generate_body(max_tokens: int) -> dict[str, object]:
 
 
 @pytest.mark.timeout(300)
-def test_engine_core_is_a_child_named_pdserve_engine(cluster: LocalCluster) -> None:
+def test_engine_core_is_its_own_process_named_pdserve_engine(cluster: LocalCluster) -> None:
     for name in ("prefill-0", "decode-0"):
         p = _named(cluster, name)
         assert p.popen is not None
         worker = p.popen.pid
         assert stats(p.url)["pid"] == worker  # the front end answers
-        core = _core_of(worker)
+        core = _core_of(p)
         names = {(t / "comm").read_text().strip() for t in Path(f"/proc/{core}/task").iterdir()}
         assert "pdserve-engine" in names, names
         worker_names = {
@@ -97,7 +115,7 @@ def test_core_death_ends_the_stream_with_a_worker_fault_and_the_worker_exits(
     503, and the front end exits (non-zero) for its supervisor to restart it."""
     d = _named(cluster, "decode-1")
     assert d.popen is not None
-    core = _core_of(d.popen.pid)
+    core = _core_of(d)
     lines: list[dict[str, object]] = []
     with (
         httpx.Client(timeout=30, auth=AUTH) as http,
@@ -124,10 +142,11 @@ def test_core_death_ends_the_stream_with_a_worker_fault_and_the_worker_exits(
 @pytest.mark.timeout(300)
 def test_front_end_death_takes_the_core_with_it(cluster: LocalCluster) -> None:
     """SIGKILL only the front end (not its process group): the kernel kills the core
-    too (PR_SET_PDEATHSIG), so no orphan holds the pool's memory or its ports."""
+    too (PR_SET_PDEATHSIG), or the zygote that forked it does, so no orphan holds the
+    pool's memory or its ports."""
     p = _named(cluster, "prefill-1")
     assert p.popen is not None
-    core = _core_of(p.popen.pid)
+    core = _core_of(p)
     os.kill(p.popen.pid, signal.SIGKILL)
     p.popen.wait(10)
     assert _gone(core, 10), "the engine core outlived its front end"

@@ -42,6 +42,7 @@ def worker_cluster(
     decode_args: tuple[str, ...] = (),
     num_prefill: int = 1,
     num_decode: int = 1,
+    core_zygote: bool = True,
 ) -> Iterator[LocalCluster]:
     spec = ClusterSpec(
         model_dir=str(model_dir),
@@ -57,6 +58,7 @@ def worker_cluster(
         # Away from the default 8100 that other suites on this machine start at the same time,
         # and below the ephemeral range (32768+) where UCX and clients take their ports.
         worker_port_base=worker_port_base(),
+        core_zygote=core_zygote,
     )
     cluster = LocalCluster(spec)
     try:

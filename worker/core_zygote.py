@@ -1,0 +1,384 @@
+"""A zygote for engine cores: one process that has imported the engine forks a core for
+each worker that asks, so a cluster's cores do not each import torch and transformers.
+
+A core's start is mostly imports: ~6 CPU-s on the 2-core dev machine, ~4.5 of them
+transformers' modeling stack, where loading the tiny model takes well under one. ``pdserve
+up`` runs one zygote per cluster (``--no-core-zygote``: none) and passes its socket to the
+workers in ``PDSERVE_CORE_ZYGOTE``; a worker without it (a Kubernetes pod) starts its core
+as a plain process, as does one the zygote refuses or cannot be reached by.
+
+The exchange, over an ``AF_UNIX`` stream socket in a private (0700) directory:
+
+- the worker sends one request, ``{"argv": [...], "env": {...}, "cwd": ...}`` as JSON after
+  a 4-byte length, with its stdin, stdout and stderr attached (``SCM_RIGHTS``);
+- the zygote forks and answers ``{"pid": N}`` (or ``{"refused": why}``), then
+  ``{"returncode": R}`` when the core exits (``Popen``'s convention: ``-N`` for signal N).
+
+The connection is the core's lifeline: when the worker's end closes (it exited or died, or
+:meth:`ForkedCore.kill` half-closed it) the zygote kills the core, as ``PR_SET_PDEATHSIG``
+does for a core that is the worker's own child. A core dies with the zygote (core_main
+sets that up with its parent, which is then the zygote).
+
+The imports have read the environment already (OpenMP's thread count when torch's library
+loads, the Hugging Face offline flags), so a request whose environment differs from the
+zygote's in a key outside ``RUNTIME_KEYS`` is refused, naming the keys. The zygote forks
+only from its one thread of Python (a selector loop; ``SIGCHLD`` arrives as a wakeup byte).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import IO, Any
+
+from pdserve import env
+
+logger = logging.getLogger(__name__)
+
+# Read after the fork (by pdserve.env at run time, or by nothing that runs before it):
+# requests may differ from the zygote here. COLUMNS and LINES: a terminal's size (pytest
+# sets them), read when something is printed.
+RUNTIME_PREFIXES = ("PDSERVE_", "PYTEST_")
+RUNTIME_KEYS = frozenset({"PYTHONUNBUFFERED", "COLUMNS", "LINES"})
+# What a core imports, done once here (the roles' cores, and what core_main imports).
+PRELOAD = ("pdserve.worker.core_main", "pdserve.decode_worker.core", "pdserve.prefill_worker.core")
+MAX_REQUEST = 1 << 20
+ANSWER_TIMEOUT_S = 300.0  # a zygote still importing answers once it is done
+
+
+class ZygoteRefused(RuntimeError):
+    pass
+
+
+# -- the worker's side -----------------------------------------------------------------
+
+
+class ForkedCore:
+    """A core forked by the zygote: the part of ``subprocess.Popen`` a worker uses
+    (``pid``, ``returncode``, ``poll``, ``wait``, ``kill``), safe to call from two threads."""
+
+    def __init__(self, sock: socket.socket, pid: int, pending: bytes = b"") -> None:
+        self._sock, self.pid = sock, pid
+        self._buf = pending
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        return self._wait(0.0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._wait(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"engine core {self.pid}", timeout or 0.0)
+        return code
+
+    def kill(self) -> None:
+        """Ask the zygote to SIGKILL the core (by closing our side: it knows if the pid is
+        still its child, where ``os.kill`` could hit a reused pid)."""
+        with self._lock, contextlib.suppress(OSError):
+            if self.returncode is None:
+                self._sock.shutdown(socket.SHUT_WR)
+
+    def _wait(self, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self.returncode is None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._sock.settimeout(left if left is None or left > 0 else 0.0)
+                try:
+                    data = self._sock.recv(4096)
+                except (BlockingIOError, TimeoutError):
+                    return None
+                except OSError:
+                    data = b""
+                if not data:  # the zygote is gone, and its cores with it (PDEATHSIG)
+                    self._finish(-signal.SIGKILL)
+                    break
+                self._buf += data
+                for line in self._take_lines():
+                    if "returncode" in line:
+                        self._finish(int(line["returncode"]))
+            return self.returncode
+
+    def _take_lines(self) -> list[dict[str, Any]]:
+        *lines, self._buf = self._buf.split(b"\n")
+        return [json.loads(line) for line in lines if line]
+
+    def _finish(self, code: int) -> None:
+        self.returncode = code
+        self._sock.close()
+
+
+def spawn_core(args: list[str]) -> subprocess.Popen[bytes] | ForkedCore:
+    """The engine core (``python -m pdserve.worker.core_main ARGS``): forked by the zygote
+    named in ``PDSERVE_CORE_ZYGOTE`` when there is one that accepts, else a new process."""
+    path = env.get(env.CORE_ZYGOTE)
+    if path:
+        try:
+            return request_core(path, args)
+        except (OSError, ValueError, ZygoteRefused) as e:
+            logger.warning("engine core: not from the zygote at %s (%s): a new process", path, e)
+    return subprocess.Popen([sys.executable, "-m", "pdserve.worker.core_main", *args])
+
+
+def request_core(path: str, args: list[str]) -> ForkedCore:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(5.0)
+        sock.connect(path)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        body = json.dumps({"argv": args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+        socket.send_fds(sock, [struct.pack("!I", len(body)) + body], [0, 1, 2])
+        sock.settimeout(ANSWER_TIMEOUT_S)
+        buf = b""
+        while b"\n" not in buf:
+            data = sock.recv(4096)
+            if not data:
+                raise ZygoteRefused("the zygote closed the connection")
+            buf += data
+        line, rest = buf.split(b"\n", 1)
+        answer = json.loads(line)
+        if "refused" in answer:
+            raise ZygoteRefused(answer["refused"])
+        return ForkedCore(sock, int(answer["pid"]), rest)
+    except BaseException:
+        sock.close()
+        raise
+
+
+# -- the zygote's side -----------------------------------------------------------------
+
+
+def refusal(base: dict[str, str], ours: dict[str, str], wanted: dict[str, str]) -> str:
+    """Why a core with environment ``wanted`` cannot fork from a zygote that started with
+    ``base`` and has ``ours`` after its imports ("" when it can). A key the imports added
+    (torch sets ``TORCHINDUCTOR_CACHE_DIR`` to its default) may be missing from ``wanted``:
+    a new process's imports would add it alike."""
+    keys = sorted(
+        k
+        for k in ours.keys() | wanted.keys()
+        if ours.get(k) != wanted.get(k) and k not in RUNTIME_KEYS
+        and not k.startswith(RUNTIME_PREFIXES) and not (k not in wanted and k not in base)
+    )  # fmt: skip
+    return f"environment differs from the zygote's in {', '.join(keys)}" if keys else ""
+
+
+def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    conn.settimeout(10.0)
+    data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
+    try:
+        while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
+            if len(data) >= 4 and struct.unpack("!I", data[:4])[0] > MAX_REQUEST:
+                raise ValueError("request too large")
+            more = conn.recv(65536)
+            if not more:
+                raise ValueError("request cut short")
+            data += more
+        request = json.loads(data[4:])
+        if len(fds) != 3 or not isinstance(request, dict):
+            raise ValueError("a request is a JSON object with three file descriptors")
+        return request, fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+class Zygote:
+    """The zygote's loop: accept requests, fork cores, report their exits."""
+
+    def __init__(self, listener: socket.socket, base_env: dict[str, str]) -> None:
+        self.listener = listener
+        self.base_env = base_env  # as the zygote started, before its imports changed it
+        self.env = dict(os.environ)  # after them
+        self.sel = selectors.DefaultSelector()
+        self.wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        self.wake_w = wake_w
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.sel.register(listener, selectors.EVENT_READ, "accept")
+        self.sel.register(self.wake_r, selectors.EVENT_READ, "reap")
+        self.children: dict[int, socket.socket] = {}  # pid -> its worker's connection
+
+    def run(self) -> None:
+        while True:
+            for key, _ in self.sel.select():
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "reap":
+                    os.read(self.wake_r, 512)
+                    self._reap()
+                else:
+                    self._lifeline(key.fileobj, key.data)  # type: ignore[arg-type]
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        try:
+            request, fds = _read_request(conn)
+        except (OSError, ValueError) as e:
+            print(f"core zygote: bad request: {e}", file=sys.stderr, flush=True)
+            conn.close()
+            return
+        try:
+            wanted = {str(k): str(v) for k, v in request["env"].items()}
+            why = refusal(self.base_env, self.env, wanted)
+            if why:
+                conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
+                conn.close()
+                return
+            pid = self._fork(request, fds, conn)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.children[pid] = conn
+        conn.setblocking(True)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        self.sel.register(conn, selectors.EVENT_READ, pid)
+
+    def _fork(self, request: dict[str, Any], fds: list[int], conn: socket.socket) -> int:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:  # the core: nothing of the zygote's loop stays open in it
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            self.sel.close()
+            for sock in (self.listener, conn, *self.children.values()):
+                sock.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+            os.chdir(request["cwd"])
+            # As a new process would have it: the request's, plus what the imports added;
+            # it differs from ours only in runtime keys (refusal)
+            wanted: dict[str, str] = request["env"]
+            for key in self.env.keys() | wanted.keys():
+                if key in wanted:
+                    os.environ[key] = wanted[key]
+                elif key in self.base_env:
+                    os.environ.pop(key, None)
+            if os.environ.get("PYTHONUNBUFFERED"):
+                sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
+            code = run_core([str(a) for a in request["argv"]])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
+
+    def _lifeline(self, conn: socket.socket, pid: int) -> None:
+        """The worker's side of a core's connection is readable: closed (the worker died or
+        asked for a kill), so the core is killed; its exit is reported when reaped."""
+        try:
+            data = conn.recv(1)
+        except OSError:
+            data = b""
+        if data:
+            return  # a worker sends nothing after its request: ignore
+        self.sel.unregister(conn)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is None:
+                continue
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(conn)
+            with contextlib.suppress(OSError):
+                code = os.waitstatus_to_exitcode(status)
+                conn.sendall(json.dumps({"returncode": code}).encode() + b"\n")
+            conn.close()
+
+
+def run_core(argv: list[str]) -> int:
+    """What ``python -m pdserve.worker.core_main ARGV`` runs, in a forked child."""
+    from pdserve.worker import core_main
+
+    sys.argv = [core_main.__file__, *argv]
+    return core_main.main(argv)
+
+
+def serve(path: str) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    base_env = dict(os.environ)
+    # Bound first, imports after: workers that ask meanwhile wait in the backlog.
+    import importlib
+
+    started = time.monotonic()
+    for module in PRELOAD:
+        importlib.import_module(module)
+    print(f"core zygote: ready on {path} ({time.monotonic() - started:.1f} s of imports)",
+          file=sys.stderr, flush=True)  # fmt: skip
+    Zygote(listener, base_env).run()
+
+
+class ZygoteProcess:
+    """A zygote this process started (``pdserve up``, the test session): its socket in a
+    fresh private directory; ``stop`` ends it and, with it, the cores it forked."""
+
+    def __init__(self, log: IO[Any] | int | None = None, new_session: bool = True) -> None:
+        self.dir = tempfile.mkdtemp(prefix="pdserve-zygote-")  # short: sun_path holds 108
+        self.path = str(Path(self.dir, "sock"))
+        argv = [sys.executable, "-m", "pdserve.worker.core_zygote", self.path]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                     start_new_session=new_session)  # fmt: skip
+        deadline = time.monotonic() + 30.0
+        while not Path(self.path).exists():  # bound within a Python start-up
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"core zygote did not start (exit {self.proc.returncode})")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        with contextlib.suppress(OSError):
+            Path(self.path).unlink()
+        with contextlib.suppress(OSError):
+            os.rmdir(self.dir)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m pdserve.worker.core_zygote SOCKET_PATH", file=sys.stderr)
+        return 2
+    serve(argv[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
