@@ -235,18 +235,18 @@ async def phase_hang_decode(h: httpx.AsyncClient, svc: Service, model: str, n: i
     rng, before = random.Random(7), counter(svc.url, name)
     bodies = [_greedy(model, prompt(rng, rng.randint(3, 40)), KILL_TOKENS) for _ in range(n)]
     streams = [asyncio.ensure_future(cc.stream(h, "/v1/completions", b)) for b in bodies]
-    stopped: list[int] = []
+    stopped: list[tuple[int, int]] = []
 
     def stop(url: str) -> bool:
         stopped.append(stop_group(url))
-        return bool(stopped[-1])
+        return bool(stopped[-1][0])
 
     try:
         victim = await _kill_busiest(svc.urls("decode"), streams, ("running",), 24, stop)
         done = await asyncio.gather(*streams)
     finally:
-        for pgid in stopped:
-            resume_group(pgid)
+        for frozen in stopped:
+            resume_group(frozen)
     return {"decode_hung": victim, "hang_streams": n,
             "hang_failed_streams": sum(not r.ok(KILL_TOKENS) for r in done),
             "stalled_streams": int(counter(svc.url, name) - before)}  # fmt: skip

@@ -7,6 +7,7 @@ killer or a failed node does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -107,21 +108,28 @@ def kill9(url: str) -> bool:
     return True
 
 
-def stop_group(url: str) -> int:
-    """SIGSTOP the worker at ``url`` whole (front end and engine core: its process group,
-    as a frozen VM or a stuck host would be); its process group id (0 if it did not
-    answer). Nothing closes: only its failing health check tells the router."""
+def stop_group(url: str) -> tuple[int, int]:
+    """SIGSTOP the worker at ``url`` whole, as a frozen VM or a stuck host would be: its
+    process group and its engine core (forked by the core zygote, outside that group);
+    (process group id, core pid), zeros if it did not answer. Nothing closes: only its
+    failing health check tells the router."""
     s = stats(url)
     if s is None:
-        return 0
-    pgid = os.getpgid(int(s["pid"]))
+        return 0, 0
+    pgid, core = os.getpgid(int(s["pid"])), int(s.get("core_pid", 0))
     signal_group(pgid, signal.SIGSTOP)
-    return pgid
+    if core and os.getpgid(core) != pgid:
+        os.kill(core, signal.SIGSTOP)
+    return pgid, core
 
 
-def resume_group(pgid: int) -> None:
+def resume_group(frozen: tuple[int, int]) -> None:
+    pgid, core = frozen
     if pgid:
         signal_group(pgid, signal.SIGCONT)
+    if core:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(core, signal.SIGCONT)
 
 
 def counter(url: str, name: str) -> float:

@@ -71,8 +71,9 @@ class Up:
 
 
 def _supports(tree: Path, flag: str) -> bool:
-    package = (tree / "pdserve").resolve()
-    return any(flag in p.read_text(errors="ignore") for p in package.rglob("*.py"))
+    package = tree / "pdserve"  # its sub-packages are links to the top-level folders
+    folders = [package, *(d for d in package.iterdir() if d.is_dir())]
+    return any(flag in p.read_text(errors="ignore") for d in folders for p in d.glob("*.py"))
 
 
 @contextlib.contextmanager

@@ -40,7 +40,8 @@ class IncrementalDetokenizer:
 
     To resume a request elsewhere (the decode worker after a prefill worker sent
     the first token's text), build it with the prompt and ``append`` the tokens
-    whose text was already sent, discarding the result: the state then matches.
+    whose text was already sent one at a time, discarding the result
+    (``TextStream.replay``): the state then matches.
     """
 
     def __init__(
@@ -203,6 +204,15 @@ class TextStream:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.stop_checker = StopChecker(stop)
         self.text = ""  # all text emitted so far (stop string excluded)
+
+    def replay(self, token_ids: Sequence[int]) -> None:
+        """Catch up with tokens whose text was sent already (the first token from the
+        prefill worker, a migrated stream's), as the worker that sent them did: one at a
+        time, so the window holds back what it held there. At once, a replay longer than
+        MAX_WINDOW_TOKENS that ends inside a character counted the held-back U+FFFD as
+        sent, and the new worker never sent it."""
+        for token_id in token_ids:
+            self.append([token_id])
 
     def append(self, token_ids: Sequence[int]) -> TextDelta:
         result = self.stop_checker.feed(self.detokenizer.append(token_ids))

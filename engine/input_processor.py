@@ -79,7 +79,7 @@ class InputProcessor:
                 req.output_token_ids.extend(int(t) for t in resume_token_ids)
             if req.output_token_ids:  # already sent by the prefill worker / the worker that died
                 self.kv.extend_hashes(req)
-                text.append(req.output_token_ids)
+                text.replay(req.output_token_ids)
             if params.structured is not None:  # replays the first token, or the resumed ones
                 req.grammar = self.grammars.matcher(params.structured, req.output_token_ids)
         except InvalidParameter:

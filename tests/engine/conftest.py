@@ -13,6 +13,19 @@ from engine_helpers import tiny_config
 from pdserve.engine.llm_engine import LLMEngine
 
 
+@pytest.fixture(autouse=True)
+def _default_dynamo_stance() -> Iterator[None]:
+    """The engine trims dynamo's guard checks process-wide once its one compiled model is
+    warm (engine/compiled.py); a later test's own torch.compile in this process would then
+    raise "Recompilation triggered with skip_guard_eval_unsafe stance". Which tests share
+    a process depends on xdist's timing, so each test leaves the stance as it found it."""
+    yield
+    from torch._dynamo import eval_frame
+
+    if eval_frame._is_skip_guard_eval_unsafe_stance():
+        torch.compiler.set_stance("default", skip_guard_eval_unsafe=False)
+
+
 @pytest.fixture
 def make_engine(tiny_model_dir: Path) -> Iterator[Callable[..., LLMEngine]]:
     """``make_engine(num_blocks=..., **config)``: an LLMEngine on the tiny model, float32 CPU."""

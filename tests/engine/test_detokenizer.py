@@ -192,3 +192,39 @@ def test_garbage_bytes_keep_the_window_bounded(tiny_tokenizer) -> None:
     deltas.append(detok.flush())
     assert longest <= 140
     assert "".join(deltas) == tiny_tokenizer.decode(ids) == REPLACEMENT_CHAR * 500 + "ok"
+
+
+def _resume_case(tokenizer, prompt: list[int], output: list[int], k: int) -> tuple[str, str]:
+    """(what the first worker sends after ``k`` tokens, what a worker resumed with those
+    ``k`` tokens sends): a migrated stream must continue exactly where the first stopped."""
+    first = TextStream(tokenizer, prompt)
+    for t in output[:k]:
+        first.append([t])
+    tail = "".join(first.append([t]).text for t in output[k:]) + first.finish().text
+    resumed = TextStream(tokenizer, prompt)
+    resumed.replay(output[:k])
+    return tail, "".join(resumed.append([t]).text for t in output[k:]) + resumed.finish().text
+
+
+def test_a_stream_resumed_elsewhere_continues_exactly(tiny_tokenizer) -> None:
+    """Migration (router/transport/dispatch.py) resumes with every token already sent. A
+    character held back at the cut (its bytes incomplete, or invalid bytes that a later
+    token could still complete) must come out of the new worker once: replayed at once, a
+    resume of more than MAX_WINDOW_TOKENS let the window skip it, and the text lost its
+    U+FFFD (a stalled-worker test in tests/local/test_up_resilience.py caught it)."""
+    ascii_ids = byte_token_ids(tiny_tokenizer, "x" * 70)
+    emoji = byte_token_ids(tiny_tokenizer, "😀")
+    output = [*ascii_ids, *emoji[:2], *emoji[2:], *byte_token_ids(tiny_tokenizer, " ok")]
+    tail, resumed = _resume_case(tiny_tokenizer, [], output, len(ascii_ids) + 2)
+    assert tail == "😀 ok" and resumed == tail
+    invalid = [*ascii_ids, *emoji[:2], *byte_token_ids(tiny_tokenizer, "ab")]  # never completed
+    tail, resumed = _resume_case(tiny_tokenizer, [], invalid, len(ascii_ids) + 2)
+    assert tail.startswith(REPLACEMENT_CHAR) and resumed == tail
+    rng = random.Random(99)
+    vocab = len(tiny_tokenizer)
+    for _ in range(60):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
+        output = [rng.randrange(vocab) for _ in range(rng.randint(2, 160))]
+        k = rng.randint(1, len(output) - 1)
+        tail, resumed = _resume_case(tiny_tokenizer, prompt, output, k)
+        assert resumed == tail, (prompt, output, k)

@@ -265,11 +265,12 @@ def test_stream_survives_a_hung_decode_worker(up: Up, what: str) -> None:
                 s = _stats_or_none(url)
                 if s is not None and s["running"]:
                     pid = int(s["pid"])
-                    if what == "worker":  # front end and core: its process group
-                        stopped.append(-os.getpgid(pid))
-                    else:  # the core alone: the front end answers, the core is silent
-                        stopped.append(_core_pid(url))
-                    _signal(stopped[0], signal.SIGSTOP)
+                    core = _core_pid(url)
+                    if what == "worker":  # front end and core: its process group, and the
+                        stopped.append(-os.getpgid(pid))  # core the zygote forked outside it
+                    stopped.append(core)  # "core": the front end answers, the core is silent
+                    for target in stopped:
+                        _signal(target, signal.SIGSTOP)
                     return
             time.sleep(0.005)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,9 +74,20 @@ def proc(cluster: LocalCluster, role: str) -> Proc:
     return next(p for p in cluster.procs if p.role == role)
 
 
+_CORES: dict[int, int] = {}  # a worker's pid -> its engine core's, asked while it answers
+
+
 def kill(p: Proc, sig: int = signal.SIGKILL) -> None:
+    """``sig`` to the worker's process group; SIGSTOP and SIGCONT also to its engine core,
+    which a core zygote forked outside that group (a frozen worker is frozen whole)."""
     assert p.popen is not None
+    core = 0
+    if sig in (signal.SIGSTOP, signal.SIGCONT):
+        core = _CORES.get(p.popen.pid) or int(stats(p.url)["core_pid"])
+        _CORES[p.popen.pid] = core
     signal_group(p.popen, sig)
+    if core and os.getpgid(core) != os.getpgid(p.popen.pid):
+        os.kill(core, sig)
     if sig == signal.SIGKILL:
         p.popen.wait(10)
 
