@@ -19,10 +19,12 @@ The connection is the core's lifeline: when the worker's end closes (it exited o
 does for a core that is the worker's own child. A core dies with the zygote (core_main
 sets that up with its parent, which is then the zygote).
 
-The imports have read the environment already (OpenMP's thread count when torch's library
-loads, the Hugging Face offline flags), so a request whose environment differs from the
-zygote's in a key outside ``RUNTIME_KEYS`` is refused, naming the keys. The zygote forks
-only from its one thread of Python (a selector loop; ``SIGCHLD`` arrives as a wakeup byte).
+Each core runs in a session of its own (its own CFS autogroup where the kernel groups by
+session), not in the zygote's. The imports have read the environment already (OpenMP's
+thread count when torch's library loads, the Hugging Face offline flags), so a request whose
+environment differs from the zygote's in a key outside ``RUNTIME_KEYS`` is refused, naming
+the keys. The zygote forks only from its one thread of Python (a selector loop; ``SIGCHLD``
+arrives as a wakeup byte).
 """
 
 from __future__ import annotations
@@ -258,6 +260,10 @@ class Zygote:
             return pid
         code = 1
         try:  # the core: nothing of the zygote's loop stays open in it
+            # A session of its own, so a CFS autogroup of its own (kernel.sched_autogroup_
+            # enabled): in the zygote's, every core of the cluster shared one group's CPU
+            # against each front end's and the router's; a loaded run stalled streams.
+            os.setsid()
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             self.sel.close()

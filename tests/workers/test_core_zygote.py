@@ -79,6 +79,9 @@ def test_a_forked_core_reports_its_exit_and_is_killed_through_its_connection(
 ) -> None:
     core = request_core(zygote.path, _core_args(tmp_path))
     assert _parent(core.pid) == zygote.proc.pid
+    # a session (so a CFS autogroup) of its own: not one group for every core of a cluster
+    poll_until(lambda: os.getsid(core.pid) == core.pid, 10, 0.01, what="the core's session")
+    assert os.getsid(zygote.proc.pid) != core.pid
     assert core.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         core.wait(0.2)
