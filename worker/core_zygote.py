@@ -220,13 +220,16 @@ class Zygote:
     def run(self) -> None:
         while True:
             for key, _ in self.sel.select():
-                if key.data == "accept":
-                    self._accept()
-                elif key.data == "reap":
-                    os.read(self.wake_r, 512)
-                    self._reap()
-                else:
-                    self._lifeline(key.fileobj, key.data)  # type: ignore[arg-type]
+                try:  # one worker's trouble must not end the zygote (and every core)
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data == "reap":
+                        os.read(self.wake_r, 512)
+                        self._reap()
+                    else:
+                        self._lifeline(key.fileobj, key.data)  # type: ignore[arg-type]
+                except Exception:
+                    traceback.print_exc()
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
@@ -240,16 +243,21 @@ class Zygote:
             wanted = {str(k): str(v) for k, v in request["env"].items()}
             why = refusal(self.base_env, self.env, wanted)
             if why:
-                conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
+                with contextlib.suppress(OSError):
+                    conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
                 conn.close()
                 return
             pid = self._fork(request, fds, conn)
         finally:
             for fd in fds:
                 os.close(fd)
-        self.children[pid] = conn
-        conn.setblocking(True)
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        self.children[pid] = conn  # reaped (and reported, if it can be) whatever follows
+        try:
+            conn.setblocking(True)
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        except OSError:  # the worker left before it heard: nobody owns this core
+            os.kill(pid, signal.SIGKILL)
+            return
         self.sel.register(conn, selectors.EVENT_READ, pid)
 
     def _fork(self, request: dict[str, Any], fds: list[int], conn: socket.socket) -> int:

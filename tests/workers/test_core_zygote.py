@@ -9,8 +9,11 @@ tests/workers/test_engine_core.py runs a worker's own faults both ways.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -68,6 +71,16 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
     assert not Path(z.path).exists()
 
 
+def _children(pid: int) -> list[int]:
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+            for c in (t / "children").read_text().split()]  # fmt: skip
+
+
+def _request_bytes(args: list[str]) -> bytes:
+    body = json.dumps({"argv": args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    return struct.pack("!I", len(body)) + body
+
+
 def _core_args(tmp_path: Path) -> list[str]:
     """Addresses nobody binds: the core connects (lazily) and waits for its config."""
     return [f"ipc://{tmp_path}/commands", f"ipc://{tmp_path}/results"]
@@ -112,6 +125,24 @@ def test_a_worker_that_dies_takes_its_forked_core_with_it(
         proc.kill()
         proc.wait()
     assert _gone(core), "the forked core outlived the worker that asked for it"
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_gone_before_the_answer_costs_the_zygote_nothing(
+    zygote: ZygoteProcess, tmp_path: Path
+) -> None:
+    """A request whose sender closed at once: the core forked for it is killed (nobody
+    owns it) and the zygote serves the next request; a malformed request is dropped."""
+    for payload in (_request_bytes(_core_args(tmp_path)), b"\x00\x00\x00\x05{bad}"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(zygote.path)
+            socket.send_fds(s, [payload], [0, 1, 2])
+    core = request_core(zygote.path, _core_args(tmp_path))
+    assert zygote.proc.poll() is None and core.poll() is None
+    orphans = [p for p in _children(zygote.proc.pid) if p != core.pid]
+    assert all(_gone(p) for p in orphans), orphans
+    core.kill()
+    assert core.wait(15) == -signal.SIGKILL
 
 
 @pytest.mark.timeout(120)
