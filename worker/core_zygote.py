@@ -17,7 +17,8 @@ The exchange, over an ``AF_UNIX`` stream socket in a private (0700) directory:
 The connection is the core's lifeline: when the worker's end closes (it exited or died, or
 :meth:`ForkedCore.kill` half-closed it) the zygote kills the core, as ``PR_SET_PDEATHSIG``
 does for a core that is the worker's own child. A core dies with the zygote (core_main
-sets that up with its parent, which is then the zygote).
+sets that up with its parent, which is then the zygote), and the zygote with the process
+that started it (``--stdin-lifeline``: EOF on its stdin, a pipe from that process).
 
 Each core runs in a session of its own (its own CFS autogroup where the kernel groups by
 session), not in the zygote's. The imports have read the environment already (OpenMP's
@@ -203,7 +204,9 @@ def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
 class Zygote:
     """The zygote's loop: accept requests, fork cores, report their exits."""
 
-    def __init__(self, listener: socket.socket, base_env: dict[str, str]) -> None:
+    def __init__(
+        self, listener: socket.socket, base_env: dict[str, str], lifeline: int | None = None
+    ) -> None:
         self.listener = listener
         self.base_env = base_env  # as the zygote started, before its imports changed it
         self.env = dict(os.environ)  # after them
@@ -215,6 +218,8 @@ class Zygote:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.sel.register(listener, selectors.EVENT_READ, "accept")
         self.sel.register(self.wake_r, selectors.EVENT_READ, "reap")
+        if lifeline is not None:  # the starter's pipe: its end closes when it dies
+            self.sel.register(lifeline, selectors.EVENT_READ, "starter")
         self.children: dict[int, socket.socket] = {}  # pid -> its worker's connection
 
     def run(self) -> None:
@@ -226,6 +231,9 @@ class Zygote:
                     elif key.data == "reap":
                         os.read(self.wake_r, 512)
                         self._reap()
+                    elif key.data == "starter":
+                        if not os.read(key.fd, 512):  # it is gone: so are we, and the cores
+                            return
                     else:
                         self._lifeline(key.fileobj, key.data)  # type: ignore[arg-type]
                 except Exception:
@@ -343,7 +351,10 @@ def run_core(argv: list[str]) -> int:
     return core_main.main(argv)
 
 
-def serve(path: str) -> None:
+def serve(path: str, lifeline: int | None = None) -> None:
+    """Serve on ``path``; with ``lifeline`` (a pipe's read end), until its writer is gone:
+    the process that started the zygote, so that a ``pdserve up`` killed hard leaves no
+    zygote behind (its cores die with the zygote)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -356,7 +367,11 @@ def serve(path: str) -> None:
         importlib.import_module(module)
     print(f"core zygote: ready on {path} ({time.monotonic() - started:.1f} s of imports)",
           file=sys.stderr, flush=True)  # fmt: skip
-    Zygote(listener, base_env).run()
+    try:
+        Zygote(listener, base_env, lifeline).run()
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 class ZygoteProcess:
@@ -366,8 +381,9 @@ class ZygoteProcess:
     def __init__(self, log: IO[Any] | int | None = None, new_session: bool = True) -> None:
         self.dir = tempfile.mkdtemp(prefix="pdserve-zygote-")  # short: sun_path holds 108
         self.path = str(Path(self.dir, "sock"))
-        argv = [sys.executable, "-m", "pdserve.worker.core_zygote", self.path]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+        argv = [sys.executable, "-m", "pdserve.worker.core_zygote", self.path, "--stdin-lifeline"]
+        # Its stdin is a pipe only this process writes to: EOF when this process is gone
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log,
                                      start_new_session=new_session)  # fmt: skip
         deadline = time.monotonic() + 30.0
         while not Path(self.path).exists():  # bound within a Python start-up
@@ -380,6 +396,8 @@ class ZygoteProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
         with contextlib.suppress(OSError):
             Path(self.path).unlink()
         with contextlib.suppress(OSError):
@@ -387,10 +405,11 @@ class ZygoteProcess:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m pdserve.worker.core_zygote SOCKET_PATH", file=sys.stderr)
+    if len(argv) not in (1, 2) or argv[1:] not in ([], ["--stdin-lifeline"]):
+        print("usage: python -m pdserve.worker.core_zygote SOCKET_PATH [--stdin-lifeline]",
+              file=sys.stderr)  # fmt: skip
         return 2
-    serve(argv[0])
+    serve(argv[0], 0 if argv[1:] else None)
     return 0
 
 

@@ -146,6 +146,31 @@ def test_a_worker_gone_before_the_answer_costs_the_zygote_nothing(
 
 
 @pytest.mark.timeout(120)
+def test_a_zygote_whose_starter_died_ends_and_takes_its_cores(tmp_path: Path) -> None:
+    """``pdserve up`` (or a test session) killed hard: its zygote must not linger, nor the
+    cores it forked."""
+    starter = textwrap.dedent(f"""
+        import sys, time
+        from pdserve.worker.core_zygote import ZygoteProcess, request_core
+        z = ZygoteProcess()
+        core = request_core(z.path, {_core_args(tmp_path)!r})
+        print(z.proc.pid, core.pid, z.path, flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        zygote, core, path = proc.stdout.readline().split()
+        assert not _gone(int(zygote), 0.3) and not _gone(int(core), 0.1)
+    finally:
+        proc.kill()  # SIGKILL: no clean-up of its own ran
+        proc.wait()
+    assert _gone(int(zygote)), "the zygote outlived the process that started it"
+    assert _gone(int(core)), "a core outlived its zygote"
+    assert not Path(path).exists()
+
+
+@pytest.mark.timeout(120)
 def test_an_environment_the_zygote_cannot_honour_gets_a_plain_process(
     zygote: ZygoteProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
