@@ -99,8 +99,9 @@ class ForkedCore:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while self.returncode is None:
+                # None: block; 0.0: only what has arrived
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                self._sock.settimeout(left if left is None or left > 0 else 0.0)
+                self._sock.settimeout(left)
                 try:
                     data = self._sock.recv(4096)
                 except (BlockingIOError, TimeoutError):
@@ -137,6 +138,12 @@ def spawn_core(args: list[str]) -> subprocess.Popen[bytes] | ForkedCore:
     return subprocess.Popen([sys.executable, "-m", "pdserve.worker.core_main", *args])
 
 
+def request_bytes(args: list[str]) -> bytes:
+    """A request for a core with ``args``, this process's environment and directory."""
+    body = json.dumps({"argv": args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    return struct.pack("!I", len(body)) + body
+
+
 def request_core(path: str, args: list[str]) -> ForkedCore:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -144,8 +151,7 @@ def request_core(path: str, args: list[str]) -> ForkedCore:
         sock.connect(path)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        body = json.dumps({"argv": args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
-        socket.send_fds(sock, [struct.pack("!I", len(body)) + body], [0, 1, 2])
+        socket.send_fds(sock, [request_bytes(args)], [0, 1, 2])
         sock.settimeout(ANSWER_TIMEOUT_S)
         buf = b""
         while b"\n" not in buf:
@@ -183,15 +189,21 @@ def refusal(base: dict[str, str], ours: dict[str, str], wanted: dict[str, str]) 
 def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     conn.settimeout(10.0)
     data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
-    try:
-        while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
-            if len(data) >= 4 and struct.unpack("!I", data[:4])[0] > MAX_REQUEST:
-                raise ValueError("request too large")
+
+    def read_to(n: int) -> bytes:
+        nonlocal data
+        while len(data) < n:
             more = conn.recv(65536)
             if not more:
                 raise ValueError("request cut short")
             data += more
-        request = json.loads(data[4:])
+        return data
+
+    try:
+        size = struct.unpack("!I", read_to(4)[:4])[0]
+        if size > MAX_REQUEST:
+            raise ValueError("request too large")
+        request = json.loads(read_to(4 + size)[4:])
         if len(fds) != 3 or not isinstance(request, dict):
             raise ValueError("a request is a JSON object with three file descriptors")
         return request, fds
@@ -255,7 +267,7 @@ class Zygote:
                     conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
                 conn.close()
                 return
-            pid = self._fork(request, fds, conn)
+            pid = self._fork(request, wanted, fds, conn)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -268,7 +280,9 @@ class Zygote:
             return
         self.sel.register(conn, selectors.EVENT_READ, pid)
 
-    def _fork(self, request: dict[str, Any], fds: list[int], conn: socket.socket) -> int:
+    def _fork(
+        self, request: dict[str, Any], wanted: dict[str, str], fds: list[int], conn: socket.socket
+    ) -> int:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         pid = os.fork()
@@ -292,7 +306,6 @@ class Zygote:
             os.chdir(request["cwd"])
             # As a new process would have it: the request's, plus what the imports added;
             # it differs from ours only in runtime keys (refusal)
-            wanted: dict[str, str] = request["env"]
             for key in self.env.keys() | wanted.keys():
                 if key in wanted:
                     os.environ[key] = wanted[key]
@@ -378,13 +391,13 @@ class ZygoteProcess:
     """A zygote this process started (``pdserve up``, the test session): its socket in a
     fresh private directory; ``stop`` ends it and, with it, the cores it forked."""
 
-    def __init__(self, log: IO[Any] | int | None = None, new_session: bool = True) -> None:
+    def __init__(self, log: IO[Any] | int | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="pdserve-zygote-")  # short: sun_path holds 108
         self.path = str(Path(self.dir, "sock"))
         argv = [sys.executable, "-m", "pdserve.worker.core_zygote", self.path, "--stdin-lifeline"]
         # Its stdin is a pipe only this process writes to: EOF when this process is gone
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log,
-                                     start_new_session=new_session)  # fmt: skip
+                                     start_new_session=True)  # fmt: skip
         deadline = time.monotonic() + 30.0
         while not Path(self.path).exists():  # bound within a Python start-up
             if self.proc.poll() is not None or time.monotonic() > deadline:

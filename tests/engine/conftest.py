@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,8 @@ def _default_dynamo_stance() -> Iterator[None]:
     raise "Recompilation triggered with skip_guard_eval_unsafe stance". Which tests share
     a process depends on xdist's timing, so each test leaves the stance as it found it."""
     yield
-    from torch._dynamo import eval_frame
-
-    if eval_frame._is_skip_guard_eval_unsafe_stance():
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never loaded: nothing set
+    if eval_frame is not None and eval_frame._is_skip_guard_eval_unsafe_stance():
         torch.compiler.set_stance("default", skip_guard_eval_unsafe=False)
 
 

@@ -242,10 +242,8 @@ def test_up_restarts_the_dead_worker_and_it_serves_again(up: Up) -> None:
 def _core_pid(url: str) -> int:
     """The worker's engine core (its child, or forked by the core zygote), as it says."""
     core = int(_stats(url)["core_pid"])
-    assert (
-        b"core_main" in Path(f"/proc/{core}/cmdline").read_bytes()
-        or b"core_zygote" in Path(f"/proc/{core}/cmdline").read_bytes()
-    )
+    cmdline = Path(f"/proc/{core}/cmdline").read_bytes()
+    assert b"core_main" in cmdline or b"core_zygote" in cmdline, cmdline
     return core
 
 

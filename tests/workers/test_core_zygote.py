@@ -9,11 +9,9 @@ tests/workers/test_engine_core.py runs a worker's own faults both ways.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import textwrap
@@ -27,27 +25,25 @@ from pdserve import env
 from pdserve.local.proc_group import poll_until
 from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest
-from pdserve.worker.core_zygote import ForkedCore, ZygoteProcess, refusal, request_core, spawn_core
-from tests.workers.worker_helpers import AUTH, sampling, stats, worker_cluster
+from pdserve.worker.core_zygote import (
+    ForkedCore,
+    ZygoteProcess,
+    refusal,
+    request_bytes,
+    request_core,
+    spawn_core,
+)
+from tests.workers.worker_helpers import (
+    AUTH,
+    children,
+    gone,
+    parent,
+    sampling,
+    stats,
+    worker_cluster,
+)
 
 pytestmark = pytest.mark.cluster
-
-
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[1])
-
-
-def _gone(pid: int, timeout: float = 15.0) -> bool:
-    def exited() -> bool:
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-        except FileNotFoundError:
-            return True
-
-    try:
-        return poll_until(exited, timeout, 0.05)
-    except TimeoutError:
-        return False
 
 
 def test_refusal_names_the_keys_the_imports_read() -> None:
@@ -71,16 +67,6 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
     assert not Path(z.path).exists()
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
-            for c in (t / "children").read_text().split()]  # fmt: skip
-
-
-def _request_bytes(args: list[str]) -> bytes:
-    body = json.dumps({"argv": args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
-    return struct.pack("!I", len(body)) + body
-
-
 def _core_args(tmp_path: Path) -> list[str]:
     """Addresses nobody binds: the core connects (lazily) and waits for its config."""
     return [f"ipc://{tmp_path}/commands", f"ipc://{tmp_path}/results"]
@@ -91,7 +77,7 @@ def test_a_forked_core_reports_its_exit_and_is_killed_through_its_connection(
     zygote: ZygoteProcess, tmp_path: Path
 ) -> None:
     core = request_core(zygote.path, _core_args(tmp_path))
-    assert _parent(core.pid) == zygote.proc.pid
+    assert parent(core.pid) == zygote.proc.pid
     # a session (so a CFS autogroup) of its own: not one group for every core of a cluster
     poll_until(lambda: os.getsid(core.pid) == core.pid, 10, 0.01, what="the core's session")
     assert os.getsid(zygote.proc.pid) != core.pid
@@ -100,7 +86,7 @@ def test_a_forked_core_reports_its_exit_and_is_killed_through_its_connection(
         core.wait(0.2)
     core.kill()
     assert core.wait(15) == -signal.SIGKILL
-    assert core.poll() == -signal.SIGKILL and _gone(core.pid)
+    assert core.poll() == -signal.SIGKILL and gone(core.pid)
     assert zygote.proc.poll() is None  # the zygote serves on
 
 
@@ -119,12 +105,12 @@ def test_a_worker_that_dies_takes_its_forked_core_with_it(
     try:
         assert proc.stdout is not None
         core = int(proc.stdout.readline())
-        assert _parent(core) == zygote.proc.pid and not _gone(core, 0.3)
+        assert parent(core) == zygote.proc.pid and not gone(core, 0.3)
         proc.kill()  # SIGKILL: no clean-up of its own ran
     finally:
         proc.kill()
         proc.wait()
-    assert _gone(core), "the forked core outlived the worker that asked for it"
+    assert gone(core), "the forked core outlived the worker that asked for it"
 
 
 @pytest.mark.timeout(120)
@@ -133,14 +119,14 @@ def test_a_worker_gone_before_the_answer_costs_the_zygote_nothing(
 ) -> None:
     """A request whose sender closed at once: the core forked for it is killed (nobody
     owns it) and the zygote serves the next request; a malformed request is dropped."""
-    for payload in (_request_bytes(_core_args(tmp_path)), b"\x00\x00\x00\x05{bad}"):
+    for payload in (request_bytes(_core_args(tmp_path)), b"\x00\x00\x00\x05{bad}"):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(zygote.path)
             socket.send_fds(s, [payload], [0, 1, 2])
     core = request_core(zygote.path, _core_args(tmp_path))
     assert zygote.proc.poll() is None and core.poll() is None
-    orphans = [p for p in _children(zygote.proc.pid) if p != core.pid]
-    assert all(_gone(p) for p in orphans), orphans
+    orphans = [p for p in children(zygote.proc.pid) if p != core.pid]
+    assert all(gone(p) for p in orphans), orphans
     core.kill()
     assert core.wait(15) == -signal.SIGKILL
 
@@ -161,12 +147,12 @@ def test_a_zygote_whose_starter_died_ends_and_takes_its_cores(tmp_path: Path) ->
     try:
         assert proc.stdout is not None
         zygote, core, path = proc.stdout.readline().split()
-        assert not _gone(int(zygote), 0.3) and not _gone(int(core), 0.1)
+        assert not gone(int(zygote), 0.3) and not gone(int(core), 0.1)
     finally:
         proc.kill()  # SIGKILL: no clean-up of its own ran
         proc.wait()
-    assert _gone(int(zygote)), "the zygote outlived the process that started it"
-    assert _gone(int(core)), "a core outlived its zygote"
+    assert gone(int(zygote)), "the zygote outlived the process that started it"
+    assert gone(int(core)), "a core outlived its zygote"
     assert not Path(path).exists()
 
 
@@ -184,7 +170,7 @@ def test_an_environment_the_zygote_cannot_honour_gets_a_plain_process(
     plain = spawn_core(_core_args(tmp_path))
     try:
         assert isinstance(plain, subprocess.Popen)
-        assert _parent(plain.pid) == os.getpid()
+        assert parent(plain.pid) == os.getpid()
     finally:
         plain.kill()
         plain.wait()
@@ -210,15 +196,15 @@ def test_a_zygote_that_dies_takes_its_cores_and_the_cluster_starts_another(
         assert cluster.zygote is not None
         first, worker = cluster.zygote.proc, cluster.procs[0]
         core = int(stats(worker.url)["core_pid"])
-        assert _parent(core) == first.pid
+        assert parent(core) == first.pid
         first.kill()
-        assert _gone(core), "a core outlived its zygote"
+        assert gone(core), "a core outlived its zygote"
         assert worker.popen is not None and worker.popen.wait(30) == 1  # followed its core
         cluster.procs.remove(worker)
         again = cluster.add_worker("decode")
         cluster.wait_healthy(timeout=240)
         assert cluster.zygote.proc.pid != first.pid
-        assert _parent(int(stats(again.url)["core_pid"])) == cluster.zygote.proc.pid
+        assert parent(int(stats(again.url)["core_pid"])) == cluster.zygote.proc.pid
         body = to_dict(GenerateRequest("after-zygote", [5, 6, 7], sampling(4)))
         r = httpx.post(again.url + "/generate", json=body, auth=AUTH, timeout=60)
         assert r.status_code == 200, r.text

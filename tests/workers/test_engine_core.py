@@ -19,18 +19,20 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.local.proc_group import poll_until
 from pdserve.local.processes import LocalCluster, Proc
 from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest
-from tests.workers.worker_helpers import AUTH, sampling, stats, worker_cluster
+from tests.workers.worker_helpers import (
+    AUTH,
+    children,
+    gone,
+    parent,
+    sampling,
+    stats,
+    worker_cluster,
+)
 
 CORE = b"pdserve.worker.core_main"
-
-
-def _children(pid: int) -> list[int]:
-    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
-            for c in (t / "children").read_text().split()]  # fmt: skip
 
 
 def _core_of(proc: Proc) -> int:
@@ -38,29 +40,14 @@ def _core_of(proc: Proc) -> int:
     child running core_main; with one, a child of the zygote and not of the worker."""
     assert proc.popen is not None
     core = int(stats(proc.url)["core_pid"])
-    parent = int(Path(f"/proc/{core}/stat").read_text().split(")")[-1].split()[1])
-    forked = b"pdserve.worker.core_zygote" in Path(f"/proc/{parent}/cmdline").read_bytes()
+    starter = parent(core)
+    forked = b"pdserve.worker.core_zygote" in Path(f"/proc/{starter}/cmdline").read_bytes()
     if forked:
-        assert core not in _children(proc.popen.pid)
+        assert core not in children(proc.popen.pid)
     else:
-        assert parent == proc.popen.pid, (parent, proc.popen.pid)
+        assert starter == proc.popen.pid, (starter, proc.popen.pid)
         assert CORE in Path(f"/proc/{core}/cmdline").read_bytes()
     return core
-
-
-def _exited(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state == "Z"  # exited, not yet reaped by its parent
-
-
-def _gone(pid: int, timeout: float) -> bool:
-    try:
-        return poll_until(lambda: _exited(pid), timeout, 0.1)
-    except TimeoutError:
-        return False
 
 
 @pytest.fixture(scope="module", params=["zygote", "child"])
@@ -149,4 +136,4 @@ def test_front_end_death_takes_the_core_with_it(cluster: LocalCluster) -> None:
     core = _core_of(p)
     os.kill(p.popen.pid, signal.SIGKILL)
     p.popen.wait(10)
-    assert _gone(core, 10), "the engine core outlived its front end"
+    assert gone(core, 10), "the engine core outlived its front end"

@@ -74,6 +74,31 @@ def proc(cluster: LocalCluster, role: str) -> Proc:
     return next(p for p in cluster.procs if p.role == role)
 
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started that still run (or wait to be reaped)."""
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+            for c in (t / "children").read_text().split()]  # fmt: skip
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[1])
+
+
+def gone(pid: int, timeout: float = 15.0) -> bool:
+    """Whether ``pid`` exits (a zombie counts: exited, not yet reaped) within ``timeout``."""
+
+    def exited() -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    try:
+        return poll_until(exited, timeout, 0.05)
+    except TimeoutError:
+        return False
+
+
 _CORES: dict[int, int] = {}  # a worker's pid -> its engine core's, asked while it answers
 
 
