@@ -53,9 +53,13 @@ logger = logging.getLogger(__name__)
 
 # Read after the fork (by pdserve.env at run time, or by nothing that runs before it):
 # requests may differ from the zygote here. COLUMNS and LINES: a terminal's size (pytest
-# sets them), read when something is printed.
+# sets them), read when something is printed. _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR:
+# inductor writes it into its own process's environment before each compiled C++ module
+# loads (torch/_inductor/codecache.py), so a process that compiled passes a stale one on.
 RUNTIME_PREFIXES = ("PDSERVE_", "PYTEST_")
-RUNTIME_KEYS = frozenset({"PYTHONUNBUFFERED", "COLUMNS", "LINES"})
+RUNTIME_KEYS = frozenset(
+    {"PYTHONUNBUFFERED", "COLUMNS", "LINES", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
+)
 # What a core imports, done once here (the roles' cores, and what core_main imports).
 PRELOAD = ("pdserve.worker.core_main", "pdserve.decode_worker.core", "pdserve.prefill_worker.core")
 MAX_REQUEST = 1 << 20
