@@ -35,6 +35,7 @@ from pdserve.worker.core_zygote import (
 )
 from tests.workers.worker_helpers import (
     AUTH,
+    assert_all_free,
     children,
     gone,
     parent,
@@ -209,4 +210,5 @@ def test_a_zygote_that_dies_takes_its_cores_and_the_cluster_starts_another(
         body = to_dict(GenerateRequest("after-zygote", [5, 6, 7], sampling(4)))
         r = httpx.post(again.url + "/generate", json=body, auth=AUTH, timeout=60)
         assert r.status_code == 200, r.text
+        assert_all_free(again.url)
     assert cluster.zygote.proc.poll() is not None  # stopped with the cluster
