@@ -7,6 +7,8 @@ contiguous run of ``block_size * kv_heads * head_dim`` elements.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +55,24 @@ def budget_bytes(device: torch.device, explicit: int | None, fraction: float | N
     return min(int(free * CPU_DEFAULT_FRACTION), CPU_DEFAULT_CAP)
 
 
+def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on the CPU one backed by a private anonymous mapping.
+
+    The kernel hands a mapping's pages out zeroed on first touch, so a CPU pool costs
+    nothing until its blocks are used: ``torch.zeros`` wrote every page of the default
+    2 GiB pool at start-up (~1 CPU-s, and the whole budget resident at once: six workers
+    starting together on this 2-core, 24 GiB host took a minute, with the kernel
+    reclaiming its page cache to find the memory). Resident memory now grows with the
+    blocks in use, as with any lazily touched allocation; the pool's size is still the
+    budget's, so admission and the router's view are unchanged."""
+    if device.type != "cpu":
+        return torch.zeros(dims, dtype=dtype, device=device)
+    nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # frombuffer keeps a reference to the mapping for as long as the tensor lives
+    return torch.frombuffer(region, dtype=dtype).view(dims)
+
+
 class KVPool:
     """Owns the KV tensor. Blocks are handed out by the BlockManager, not here."""
 
@@ -63,18 +83,9 @@ class KVPool:
             )
         self.shape = shape
         self.num_blocks = num_blocks
-        self.tensor = torch.zeros(
-            (
-                shape.num_layers,
-                2,
-                num_blocks,
-                shape.block_size,
-                shape.num_kv_heads,
-                shape.head_dim,
-            ),
-            dtype=shape.dtype,
-            device=device,
-        )
+        dims = (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads,
+                shape.head_dim)  # fmt: skip
+        self.tensor = zeroed(dims, shape.dtype, device)
         flat = (num_blocks * shape.block_size, shape.num_kv_heads, shape.head_dim)
         # Views made once: attention asks for them per layer per step (5 ops each).
         self._layers = [(kv[0].view(flat), kv[1].view(flat)) for kv in self.tensor]
