@@ -66,10 +66,15 @@ class EngineClient:
         self._commands = self._socket(zmq.PUSH, "commands")
         self._send_lock = threading.Lock()  # the receiver thread aborts for closed loops
         self._results = self._socket(zmq.PULL, "results")
-        # A new process, or forked by the cluster's zygote (core_zygote.py): started alike
-        self.proc = spawn_core([self._addr("commands"), self._addr("results")])
-        self._send(("init", config))  # a frozen dataclass: pickled as it is
-        self.info: dict[str, Any] = self._await_ready()
+        try:
+            # A new process, or forked by the cluster's zygote (core_zygote.py): started alike
+            self.proc = spawn_core([self._addr("commands"), self._addr("results")])
+            self._send(("init", config))  # a frozen dataclass: pickled as it is
+            self.info: dict[str, Any] = self._await_ready()
+        finally:
+            # Any answer means the core has connected both sockets: their files can go now,
+            # so a worker killed hard leaves nothing behind in the temporary directory.
+            shutil.rmtree(self._dir, ignore_errors=True)
         self._stats = EngineStats()
         self.stall_s = config.core_stall_timeout
         self._heard = time.monotonic()  # the last message from the core (the rx thread)
@@ -140,7 +145,6 @@ class EngineClient:
         self._dead = self._dead or "engine core stopped"
         self._rx.join(2 * POLL_MS / 1000)
         self._ctx.destroy(linger=0)
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- setup -------------------------------------------------------------------------
     def _addr(self, name: str) -> str:

@@ -91,6 +91,26 @@ def test_engine_core_is_its_own_process_named_pdserve_engine(cluster: LocalClust
             (t / "comm").read_text().strip() for t in Path(f"/proc/{worker}/task").iterdir()
         }
         assert "pdserve-engine" not in worker_names  # no engine beside the HTTP loop
+        # The front end's sockets to its core were bound in a temporary directory that is
+        # gone once the core answered: a worker killed hard leaves nothing in /tmp.
+        bound = _unix_socket_paths(worker)
+        assert bound and all("pdserve-core-" in path for path in bound), bound
+        assert not any(Path(path).parent.exists() for path in bound), bound
+
+
+def _unix_socket_paths(pid: int) -> list[str]:
+    """The bound names of ``pid``'s Unix sockets (ZMQ's ipc:// endpoints among them)."""
+    inodes = {
+        os.readlink(fd)[len("socket:[") : -1]
+        for fd in Path(f"/proc/{pid}/fd").iterdir()
+        if os.readlink(fd).startswith("socket:[")
+    }
+    paths = []
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/"):
+            paths.append(fields[7])
+    return paths
 
 
 @pytest.mark.timeout(300)
