@@ -21,15 +21,47 @@ from pdserve.router.api.chat_options import ChatTemplateOptions
 from pdserve.router.api.chat_render import encode_rendered, refuse_elsewhere, special_strings
 from pdserve.router.api.errors import invalid
 
+# What tokenizer_config.json names when a model's tokenizer is the tokenizers library's
+# own: transformers' generic backend (the two names are one class in transformers 5).
+GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+# Model types for which AutoTokenizer keeps such a declared generic class: not in
+# transformers' MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS (qwen2 and phi3 are, and get their
+# own classes) and not mapped to MistralCommonBackend. Reading those tables imports
+# transformers' configuration code and torch with it (~2 CPU-s and ~250 MB in every router
+# process), so the list is kept here, and tests/router/test_tokenizer_load.py checks it
+# against the installed transformers and compares both loads on every family's model.
+DIRECT_MODEL_TYPES = frozenset({
+    "bloom", "deepseek_v2", "deepseek_v3", "falcon", "gemma", "gemma2", "gemma3_text",
+    "gpt_neox", "gpt_oss", "granite", "llama", "llama4_text", "olmo2", "qwen3", "qwen3_moe",
+    "qwen3_next", "starcoder2",
+})  # fmt: skip
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer ``AutoTokenizer.from_pretrained(path)`` returns. Where that is the
+    generic backend by the rules above, it is loaded directly, which imports no torch;
+    anything else (a model-specific class, remote code, another model type) goes through
+    AutoTokenizer."""
+    declared = _json(path / "tokenizer_config.json")
+    if (
+        declared.get("tokenizer_class") in GENERIC_CLASSES
+        and "auto_map" not in declared
+        and _json(path / "config.json").get("model_type") in DIRECT_MODEL_TYPES
+    ):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
 
 class PromptTokenizer:
     def __init__(self, model_dir: str) -> None:
-        from transformers import AutoTokenizer
-
         path = Path(model_dir)
         if not path.is_dir():
             raise ValueError(f"model directory {model_dir!r} does not exist")
-        self.tok = AutoTokenizer.from_pretrained(str(path))
+        self.tok = load_tokenizer(path)
         self.vocab_size = len(self.tok)
         self.config_max_len = _config_max_len(path)
         self.specials = special_strings(self.tok)
@@ -74,10 +106,14 @@ class PromptTokenizer:
         return encode_rendered(self.tok, messages, render, plain, self.specials)
 
 
-def _config_max_len(path: Path) -> int:
+def _json(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads((path / "config.json").read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):
-        return 0
-    value = config.get("max_position_embeddings") or 0
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _config_max_len(path: Path) -> int:
+    value = _json(path / "config.json").get("max_position_embeddings") or 0
     return int(value) if isinstance(value, int) else 0

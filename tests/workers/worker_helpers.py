@@ -90,7 +90,7 @@ def gone(pid: int, timeout: float = 15.0) -> bool:
     def exited() -> bool:
         try:
             return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped before, or while, read
             return True
 
     try:

@@ -1,0 +1,78 @@
+"""The router loads the tokenizer AutoTokenizer would, and no torch where it can.
+
+``router/tokenizer.load_tokenizer`` loads transformers' generic backend directly for the
+model types listed in ``DIRECT_MODEL_TYPES`` (AutoTokenizer's own resolution imports torch:
+~2 CPU-s and ~250 MB in every router process). Served token ids must not change for it:
+these tests hold the list to the installed transformers' tables and compare both loads on
+a model directory of every family the engine serves.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pdserve.router.tokenizer import DIRECT_MODEL_TYPES, load_tokenizer
+from tests.model_families import FAMILIES, Family, make_config
+
+TEXT = "Hello world, the capital of France is Paris. <|im_start|> 1234 naïve café\n\tend"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+
+
+def test_direct_model_types_keep_a_declared_generic_class() -> None:
+    from transformers.models.auto import tokenization_auto as auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    assert set(CONFIG_MAPPING_NAMES) >= DIRECT_MODEL_TYPES  # no typos
+    assert not DIRECT_MODEL_TYPES & auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+    mistral = {
+        t for t, name in auto.TOKENIZER_MAPPING_NAMES.items() if name == "MistralCommonBackend"
+    }
+    assert not DIRECT_MODEL_TYPES & mistral
+
+
+def _family_dir(tokenizer_dir: Path, family: Family, out: Path) -> Path:
+    """A directory with the tiny model's tokenizer and a family's config.json: what
+    AutoTokenizer reads to pick the class (no weights needed)."""
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    make_config(family, 3072, {}).save_pretrained(out)
+    return out
+
+
+def test_every_family_loads_what_autotokenizer_loads(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    direct = []
+    for i, family in enumerate(FAMILIES):
+        path = _family_dir(tiny_model_dir, family, tmp_path / str(i))
+        ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
+        assert type(ours) is type(auto), family.id
+        assert ours.encode(TEXT) == auto.encode(TEXT), family.id
+        assert ours.chat_template == auto.chat_template, family.id
+        rendered = [
+            tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+            for tok in (ours, auto)
+        ]
+        assert rendered[0] == rendered[1], family.id
+        if type(auto).__name__ == "TokenizersBackend":
+            direct.append(family.id)
+        else:  # AutoTokenizer picked a model-specific class: so must the router
+            assert family.config_class in ("Qwen2Config", "Phi3Config"), family.id
+    # both ways are exercised: most families load directly, qwen2 and phi3 get their own class
+    assert len(direct) >= 15 and len(direct) < len(FAMILIES), direct
+
+
+def test_the_router_tokenizer_imports_no_torch(tiny_model_dir: Path) -> None:
+    probe = (
+        "import sys; from pdserve.router.tokenizer import PromptTokenizer; "
+        f"t = PromptTokenizer({str(tiny_model_dir)!r}); t.encode('hello'); "
+        "t.encode_chat([{'role': 'user', 'content': 'hi'}]); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "False"
