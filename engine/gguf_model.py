@@ -183,8 +183,10 @@ def _write_weights(info: GGUFFile, dtype: str, config, out: Path, bar) -> None: 
     model_support.check_config(config)  # a family the engine refuses: say so before the slow part
     bar.set_postfix_str("dequantize")
     name = info.path.name
+    # config: the one already read from this file (each read of a GGUF's metadata parses
+    # its whole vocabulary, ~4 s for SmolLM2's 49k tokens)
     model = AutoModelForCausalLM.from_pretrained(
-        str(info.path.parent), gguf_file=name, dtype=getattr(torch, dtype),
+        str(info.path.parent), gguf_file=name, dtype=getattr(torch, dtype), config=config,
         quantization_config=GgufConfig(gguf_file=name, dequantize=True),
     )  # fmt: skip
     bar.update()
