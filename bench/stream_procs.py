@@ -113,6 +113,13 @@ def _start(label: str, tree: Path, model: str, log_dir: Path, base: int) -> subp
             "--log-dir", str(log_dir / label)]  # fmt: skip
     if _supports(tree, '"--enforce-eager"'):  # no compile: the HTTP path is what we measure
         argv.append("--worker-arg=--enforce-eager")
+    # One torch thread in both trees, named here rather than left to the start-up thread
+    # probe: a lone worker's probe can pick all cores in one cluster and one in the other
+    # (it times GEMMs on a loaded host), and an OpenMP helper thread's compute (and spin)
+    # is not the engine thread's, so it landed in "worker_http" (a 6.7x ratio between two
+    # identical trees in CI).
+    if _supports(tree, '"--cpu-threads"'):
+        argv.append("--worker-arg=--cpu-threads=1")
     # Each core a child of its worker (the tree's CPU is the worker's descendants), and
     # from the tree's own code: no zygote, neither the cluster's nor a caller's.
     if _supports(tree, '"--core-zygote"'):

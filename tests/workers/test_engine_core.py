@@ -100,11 +100,14 @@ def test_engine_core_is_its_own_process_named_pdserve_engine(cluster: LocalClust
 
 def _unix_socket_paths(pid: int) -> list[str]:
     """The bound names of ``pid``'s Unix sockets (ZMQ's ipc:// endpoints among them)."""
-    inodes = {
-        os.readlink(fd)[len("socket:[") : -1]
-        for fd in Path(f"/proc/{pid}/fd").iterdir()
-        if os.readlink(fd).startswith("socket:[")
-    }
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:  # a descriptor closed between the listing and the read is not a socket of ours
+            target = os.readlink(fd)
+        except FileNotFoundError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
     paths = []
     for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
         fields = line.split()
