@@ -33,7 +33,9 @@ if [ ! -x .venv/bin/python ]; then
   (cd / && "$PY" -m venv "$ROOT/.venv")
 fi
 # uv installs the same requirements from the same sources as pip (pip's configuration,
-# translated by scripts/uv_args.py) in about a third of the time: on a fresh venv here, torch
+# translated by scripts/uv_args.py; the newest version across all indexes, as pip picks:
+# uv's default takes the first index that has the package, and this machine's local mirror
+# holds older releases) in about a third of the time: on a fresh venv here, torch
 # 19 -> 7 s and .[dev] 60 -> 16 s (37 s with uv's cache empty). pip does the install when uv
 # cannot be had or fails; PDSERVE_SETUP_PIP=1 forces pip.
 UV=""
@@ -47,7 +49,8 @@ install() {
   local cert
   cert=$(.venv/bin/pip config get global.cert 2>/dev/null || true)
   if [ -n "$UV" ] && SSL_CERT_FILE=${PIP_CERT:-${cert:-${SSL_CERT_FILE:-}}} \
-    "$UV" pip install -q --python .venv/bin/python --compile-bytecode "${UV_ARGS[@]}" "$@"; then
+    "$UV" pip install -q --python .venv/bin/python --compile-bytecode \
+    --index-strategy unsafe-best-match "${UV_ARGS[@]}" "$@"; then
     return 0
   fi
   [ -z "$UV" ] || echo "setup: uv failed; installing with pip" >&2
