@@ -14,6 +14,8 @@ measures the streams' gaps while a large prompt is tokenized.
 from __future__ import annotations
 
 import json
+from functools import cache
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +37,32 @@ DIRECT_MODEL_TYPES = frozenset({
     "gpt_neox", "gpt_oss", "granite", "llama", "llama4_text", "olmo2", "qwen3", "qwen3_moe",
     "qwen3_next", "starcoder2",
 })  # fmt: skip
+# The transformers releases (major, minor) the list was checked against: another release may
+# have moved a type into those tables (5.17's differ), so it goes through AutoTokenizer until
+# the test passes on it and the range is widened.
+CHECKED_TRANSFORMERS = ((5, 24), (5, 25))
+
+
+@cache
+def direct_load_checked(installed: str | None = None) -> bool:
+    """Whether the installed transformers (or ``installed``) is one the list was checked on."""
+    parts = (installed or version("transformers")).split(".")
+    try:
+        release = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return False
+    return CHECKED_TRANSFORMERS[0] <= release <= CHECKED_TRANSFORMERS[-1]
 
 
 def load_tokenizer(path: Path) -> Any:
     """The tokenizer ``AutoTokenizer.from_pretrained(path)`` returns. Where that is the
     generic backend by the rules above, it is loaded directly, which imports no torch;
-    anything else (a model-specific class, remote code, another model type) goes through
-    AutoTokenizer."""
+    anything else (a model-specific class, remote code, another model type, a transformers
+    release the rules were not checked on) goes through AutoTokenizer."""
     declared = _json(path / "tokenizer_config.json")
     if (
-        declared.get("tokenizer_class") in GENERIC_CLASSES
+        direct_load_checked()
+        and declared.get("tokenizer_class") in GENERIC_CLASSES
         and "auto_map" not in declared
         and _json(path / "config.json").get("model_type") in DIRECT_MODEL_TYPES
     ):
