@@ -298,6 +298,7 @@ class LocalCluster:
 
     def _spawn(self, proc: Proc, mode: str = "wb") -> None:
         environ = dict(os.environ, PYTHONUNBUFFERED="1", **{env.SERVICE_SECRET: self.secret})
+        environ[env.PARENT_PID] = str(os.getpid())  # it ends when this process is gone
         if proc.role != "router":
             environ.update(self._zygote_env())
         with open(proc.log_path, mode) as log:

@@ -44,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     name = argv[0]
+    from pdserve.local.parent_watch import watch_from_env
+
+    watch_from_env()  # started by `pdserve up`: end with it (local/parent_watch.py)
     module = importlib.import_module(SUBCOMMANDS[name][0])
     command_parser = argparse.ArgumentParser(
         prog=f"pdserve {name}", description=SUBCOMMANDS[name][1]

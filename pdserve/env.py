@@ -29,6 +29,7 @@ CPU_LINEAR = "PDSERVE_CPU_LINEAR"  # compiled CPU linears: auto, blas or onednn
 ENFORCE_EAGER = "PDSERVE_ENFORCE_EAGER"  # "1": workers skip torch.compile (--enforce-eager)
 COMPILE_CACHE = "PDSERVE_COMPILE_CACHE"  # where inductor keeps compiled graphs
 CORE_ZYGOTE = "PDSERVE_CORE_ZYGOTE"  # a core zygote's socket (worker/core_zygote.py)
+PARENT_PID = "PDSERVE_PARENT_PID"  # end with this parent (local/parent_watch.py)
 OPERATOR_STATUS_INTERVAL = "PDSERVE_OPERATOR_STATUS_INTERVAL"
 OPERATOR_RETRY_DELAY = "PDSERVE_OPERATOR_RETRY_DELAY"
 OPERATOR_AUTOSCALE_TICK = "PDSERVE_OPERATOR_AUTOSCALE_TICK"

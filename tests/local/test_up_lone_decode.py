@@ -2,7 +2,8 @@
 (``kill -9``) mid-stream. No other decode worker can take the stream, so the router waits
 (``--failover-wait``) while ``pdserve up`` restarts it, then moves the stream there: the
 client's text equals an uninterrupted run, with a pause and no error. Every KV pool is
-free at the end.
+free at the end. Then ``pdserve up`` itself is killed hard: its router and workers end on
+their own (local/parent_watch.py), where before they went on holding their ports.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 from tests.loopback import all_kv_free, secret_auth, sse_chunks
 from tests.router.pdserve_up import run_up
+from tests.workers.worker_helpers import gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -49,3 +51,16 @@ def test_stream_waits_for_its_restarted_decode_worker(tiny_model_dir: Path, tmp_
         assert _stats(decode)["pid"] != old_pid  # the restarted worker finished it
         print(f"longest pause in the stream: {paused:.1f}s (the restart)")
         all_kv_free(up.workers)
+        # pdserve up killed hard (it can stop nothing itself): each child watches it and
+        # ends; a worker's core goes with its worker.
+        children = _children(up.proc.pid)
+        assert len(children) >= 3, children  # router, prefill and decode worker (a zygote)
+        up.proc.kill()
+        up.proc.wait()
+        left = [pid for pid in children if not gone(pid, timeout=20.0)]
+        assert not left, f"still running after pdserve up was killed: {left}"
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]  # fmt: skip
