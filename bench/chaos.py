@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import chaos_client as cc
+import figures
 import httpx
 from chaos_grammar import phase_compile_abort, phase_grammar
 from chaos_inputs import bad_inputs, poison_bodies
@@ -351,10 +352,7 @@ async def run_phases(svc: Service, args: argparse.Namespace, model: str) -> dict
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     keys = ["bad_input_5xx", "poisoned_streams", "leaked_blocks", "soak_errors",
             "decode_kill_failed_streams", "prefill_kill_failed_requests",
@@ -368,9 +366,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     secs = result["phase_seconds"]
     b.barh(list(secs), list(secs.values()))
     b.set_title("phase wall time (s)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    figures.save(fig, path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "k8s"))
 
 import aiohttp  # noqa: E402
+import figures  # noqa: E402
 import kmock  # noqa: E402
 import kopf  # noqa: E402
 import yaml  # noqa: E402
@@ -138,10 +139,7 @@ async def mark_ready(client: KubeClient, names: list[str]) -> None:
 
 
 def plot(latency: list[float], result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 4))
     a.hist(latency, bins=30)
@@ -164,9 +162,7 @@ def plot(latency: list[float], result: dict[str, Any], path: Path) -> None:
            result["baseline_router_requests_per_replica_minute"]])  # fmt: skip
     c.set_ylabel("router API requests per replica-minute")
     c.set_title(f"{result['routers']} routers each, same window (measured)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    figures.save(fig, path, dpi=100)
 
 
 async def run(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import figures
 import numpy as np
 from sim_goodput import Link, goodput
 
@@ -139,10 +140,7 @@ def tpot_sweep(
 def plot_curve(curves: dict[str, list[dict]], headline: float, path: str) -> str:
     """Per workload (label -> curve): the measured ratio and the fluid ceiling against
     the TPOT target (a PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for k, (label, curve) in enumerate(curves.items()):
@@ -157,7 +155,5 @@ def plot_curve(curves: dict[str, list[dict]], headline: float, path: str) -> str
            ylabel="best P:D mix / colocated goodput",
            title=f"long prompts (8k), {REPLICAS} replicas, H100 profile")  # fmt: skip
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    figures.save(fig, path, dpi=90)
     return path

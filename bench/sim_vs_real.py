@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import figures
 import sim_vs_real_record as record
 from sim_replay import SimReplay, Trace, replay
 from sim_vs_real_host import describe, measure_host
@@ -246,10 +247,7 @@ def report(args, trace, real: RealRun, sim: SimReplay, startup, before, after) -
 
 
 def plot(real: RealRun, sim: SimReplay, out_dir: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     a.step(real.times, real.workers, where="post", label="real: workers")
@@ -264,10 +262,8 @@ def plot(real: RealRun, sim: SimReplay, out_dir: str) -> Path:
         b.plot(np.sort(x), np.linspace(0, 1, x.size), label=name)
     b.set(xlabel="TTFT (s)", ylabel="share of requests", title="TTFT distribution")
     b.legend()
-    fig.tight_layout()
     path = Path(out_dir) / "sim_vs_real.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
+    figures.save(fig, path, dpi=90)
     return path
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import figures
 from sim_cluster import Cluster
 from sim_mix import mix_section
 from sim_mix_sweep import plot_curve
@@ -335,10 +336,7 @@ def final_json(every: dict, args: argparse.Namespace, st: Setup, rate: float, se
 
 
 def plot(chosen: list[Scenario], results: dict[str, dict[str, Result]], out_dir: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     fig, axes = plt.subplots(len(chosen), 3, figsize=(16, 3.6 * len(chosen)), squeeze=False)
     styles = {"planner": "-", "queue_blind": "--", "static": ":"}
@@ -359,10 +357,8 @@ def plot(chosen: list[Scenario], results: dict[str, dict[str, Result]], out_dir:
         row[2].set(title="requests within both SLOs", xlabel="minute (arrival)", ylim=(0, 1.05))
         row[1].legend(fontsize=7)
         row[2].legend(fontsize=7)
-    fig.tight_layout()
     path = Path(out_dir) / "simulate.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
+    figures.save(fig, path, dpi=90)
     return path
 
 

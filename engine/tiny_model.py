@@ -133,15 +133,11 @@ def train_tokenizer(vocab_size: int, corpus_chars: int, model_max_length: int): 
 def make_config(preset: Preset, vocab_size: int, special_ids: dict[str, int]):  # -> LlamaConfig
     from transformers import LlamaConfig
 
+    # the preset's fields are LlamaConfig's, but for the vocabulary the tokenizer trained to
+    shape = {k: v for k, v in asdict(preset).items() if k not in ("vocab_size", "corpus_chars")}
     return LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        num_hidden_layers=preset.num_hidden_layers,
-        num_attention_heads=preset.num_attention_heads,
-        num_key_value_heads=preset.num_key_value_heads,
-        max_position_embeddings=preset.max_position_embeddings,
-        initializer_range=preset.initializer_range,
+        **shape,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=special_ids[BOS],
