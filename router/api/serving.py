@@ -8,12 +8,10 @@ request on its workers.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import uuid
-import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
@@ -24,6 +22,7 @@ from pdserve.protocol.codec import all_ints
 from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.router import edge
 from pdserve.router.api import responses
+from pdserve.router.api.client_stream import ClientGone, SSEStream, guarded
 from pdserve.router.api.echo import Echo, echo_for, scored_only
 from pdserve.router.api.errors import APIError, invalid
 from pdserve.router.api.grammar_limits import check_grammar
@@ -38,88 +37,8 @@ from pdserve.router.scheduling.snapshot import Snapshot
 from pdserve.router.transport.dispatch import Delta, RequestState
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 E = TypeVar("E")  # an event: a Delta, or (choice index, Delta)
 C = TypeVar("C")  # all of a request's events, collected
-
-
-class ClientGone(Exception):
-    pass
-
-
-async def _wait_disconnect_asgi(receive: Any) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class _ClientWatch:
-    """One request's watch on its client, from the first ``guarded`` wait to the end of its
-    stream: one task awaits the ASGI disconnect and then cancels whatever the request's own
-    task awaits under the watch (``target``: admission, the first token, the stream's body).
-    Before, each wait ran its work in a task of its own beside a task of its own watching
-    the client: four tasks and two ``asyncio.wait`` per streamed request."""
-
-    __slots__ = ("cancelled", "gone", "target", "task")
-    KEY = "pdserve.client_watch"  # where the request's ASGI scope keeps it
-
-    def __init__(self, receive: Any) -> None:
-        self.gone = False  # the client went away (or its channel failed)
-        self.target: asyncio.Task[Any] | None = None  # cancelled when the client goes
-        self.cancelled = False  # this watch cancelled its target
-        self.task = asyncio.get_running_loop().create_task(_wait_disconnect_asgi(receive))
-        self.task.add_done_callback(self._fired)
-
-    @classmethod
-    def of(cls, scope: MutableMapping[str, Any], receive: Any) -> _ClientWatch:
-        watch: _ClientWatch | None = scope.get(cls.KEY)
-        if watch is None:
-            watch = scope[cls.KEY] = cls(receive)
-        return watch
-
-    def _fired(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
-            return
-        self.gone = True
-        self.stop()
-
-    def stop(self) -> None:
-        """Cancel the target once (it waits under the watch: the cancel lands there)."""
-        target, self.target = self.target, None
-        if target is not None:
-            self.cancelled = True
-            target.cancel()
-
-    def ours(self, task: asyncio.Task[Any]) -> bool:
-        """A CancelledError in ``task`` under the watch: whether it was this watch's alone
-        (then it is taken back); False: someone else cancelled the task too."""
-        if not self.cancelled:
-            return False
-        self.cancelled = False
-        return task.uncancel() == 0
-
-    def close(self) -> None:
-        self.task.cancel()
-
-
-async def guarded(request: Request, aw: Awaitable[T]) -> T:
-    """Await ``aw`` unless the client disconnects first (then cancel it, raise ClientGone)."""
-    watch = _ClientWatch.of(request.scope, request.receive)
-    if watch.gone:
-        close = getattr(aw, "close", None)
-        if close is not None:
-            close()  # never started
-        raise ClientGone
-    task = asyncio.current_task()
-    assert task is not None
-    watch.target = task
-    try:
-        return await aw
-    except asyncio.CancelledError:
-        if watch.ours(task):
-            raise ClientGone from None
-        raise
-    finally:
-        watch.target = None
 
 
 def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[CompletionRequest, list[int]]:
@@ -191,135 +110,6 @@ def fit_context(rt: Runtime, snap: Snapshot, req: CompletionRequest, n: int) -> 
     return req
 
 
-class _Stream(Response):
-    """Server-sent events written straight to the ASGI channel; ``cleanup`` always runs.
-
-    Leaner than Starlette's StreamingResponse (no anyio task group per response, see
-    docs/router.md): the head goes out at once, then the body is pumped by the
-    response's own task, cancelled (``_ClientWatch``) when the client goes away, or when
-    one write has waited ``write_timeout`` seconds for a client that stopped reading
-    (uvicorn's send waits while
-    the socket's buffers are full; ``_WriteWatch`` looks): the stream is then aborted like
-    a disconnect, so the worker frees its KV and nothing of this stream waits on that
-    client any more.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(
-        self,
-        head: str,
-        body: AsyncIterator[str],
-        cleanup: Callable[[], Awaitable[None]],
-        write_timeout: float = 30.0,
-        on_slow_reader: Callable[[], None] = lambda: None,
-    ) -> None:
-        super().__init__(media_type=self.media_type)
-        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
-        self._head = head  # the chunks ready now (the first token): sent before any task starts
-        self._body = body
-        self._cleanup = cleanup
-        self._write_timeout = write_timeout
-        self._on_slow_reader = on_slow_reader
-        self._writing_since = 0.0  # loop time the pending write began; 0.0: none pending
-        self._watch: _ClientWatch | None = None  # the client's (cancels the pump)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        watch = self._watch = _ClientWatch.of(scope, receive)
-        task = asyncio.current_task()
-        assert task is not None
-        try:
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})  # fmt: skip
-            await send({"type": "http.response.body", "body": self._head.encode(),
-                        "more_body": True})  # fmt: skip
-            if not watch.gone:
-                _write_watch().add(self)
-                watch.target = task  # the client going, or reading nothing, cancels the pump
-                await self._pump(send)
-        except asyncio.CancelledError:
-            if not watch.ours(task):
-                raise
-        except OSError:  # the client went away while a chunk was written
-            pass
-        finally:
-            watch.target = None
-            _write_watch().discard(self)
-            watch.close()
-            await self._cleanup()
-
-    async def _pump(self, send: Any) -> None:
-        loop = asyncio.get_running_loop()
-        async for text in self._body:
-            # [DONE] ends an SSE stream: it goes out with the end of the body (one write
-            # less per stream; nothing follows it in ``sse_tail``).
-            last = text.endswith(responses.DONE)
-            self._writing_since = loop.time()
-            await send({"type": "http.response.body", "body": text.encode(),
-                        "more_body": not last})  # fmt: skip
-            self._writing_since = 0.0
-            if last:
-                close = getattr(self._body, "aclose", None)
-                if close is not None:
-                    await close()  # now, not by the loop's finalizer (a task) once collected
-                return
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    def _too_slow(self, waited: float) -> None:
-        log.warning("stream aborted: its client read nothing for %.1f s "
-                    "(--stream-write-timeout)", waited)  # fmt: skip
-        self._on_slow_reader()
-        if self._watch is not None:
-            self._watch.stop()  # the pump waits in a write: the cancel lands there
-
-
-class _WriteWatch:
-    """Every open stream's pending write on one event loop, looked at by one task every
-    quarter of the shortest ``write_timeout`` among them: a stream whose write has waited
-    its ``write_timeout`` is aborted (a task and a timer per stream did this before)."""
-
-    def __init__(self) -> None:
-        self.streams: dict[_Stream, None] = {}
-        self.task: asyncio.Task[None] | None = None
-        self.period = 0.0
-
-    def add(self, stream: _Stream) -> None:
-        self.streams[stream] = None
-        if self.task is None or self.task.done() or stream._write_timeout / 4 < self.period:
-            if self.task is not None:
-                self.task.cancel()
-            self.task = asyncio.get_running_loop().create_task(self._run())
-
-    def discard(self, stream: _Stream) -> None:
-        self.streams.pop(stream, None)
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self.streams:
-            self.period = min(s._write_timeout for s in self.streams) / 4
-            await asyncio.sleep(self.period)
-            now = loop.time()
-            for stream in list(self.streams):
-                since = stream._writing_since
-                if since and now - since >= stream._write_timeout:
-                    self.streams.pop(stream, None)
-                    stream._too_slow(now - since)
-        self.period, self.task = 0.0, None
-
-
-_WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _WriteWatch] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _write_watch() -> _WriteWatch:
-    loop = asyncio.get_running_loop()
-    watch = _WATCHES.get(loop)
-    if watch is None:
-        watch = _WATCHES[loop] = _WriteWatch()
-    return watch
-
-
 @dataclass(frozen=True)
 class Admitted:
     """One admitted request, routed: what every ``respond`` gets (``serve`` builds it)."""
@@ -375,7 +165,7 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
         respond = _respond if req.best_of == 1 else _respond_n
         respond = api.respond if api is not None else respond
         response = await respond(rt, Admitted(request, req, rs, plan, ticket))
-        streaming = isinstance(response, _Stream)
+        streaming = isinstance(response, SSEStream)
         return response
     except APIError as err:
         return rt.error(err)
@@ -444,7 +234,7 @@ async def answer(
         rt.finish(rs, rs.status)
 
     head, rest = stream(first)
-    return _Stream(head, rest, cleanup, rt.cfg.stream_write_timeout_s,
+    return SSEStream(head, rest, cleanup, rt.cfg.stream_write_timeout_s,
                    rt.metrics.slow_readers.inc)  # fmt: skip
 
 
