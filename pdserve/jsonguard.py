@@ -1,9 +1,11 @@
 """JSON request bodies decoded safely: one function for the router and the workers.
 
 ``json.loads`` accepts what the rest of the service cannot take: nesting deep
-enough to raise RecursionError, and lone UTF-16 surrogates (``"\\ud800"``) that
-make tokenizers and every UTF-8 writer downstream raise. ``loads_checked``
-refuses both with :class:`BadJSON`, naming the top-level field at fault.
+enough to raise RecursionError, lone UTF-16 surrogates (``"\\ud800"``) that
+make tokenizers and every UTF-8 writer downstream raise, and ``NaN``, ``Infinity``
+and ``-Infinity``, which are not JSON (RFC 8259) and which a schema or a bias would carry
+to the workers as no number at all. ``loads_checked`` refuses them with
+:class:`BadJSON`, naming the top-level field at fault where it can.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ def loads_checked(raw: bytes) -> Any:
     """Decode ``raw``; raise BadJSON for invalid JSON, too deep nesting or a lone
     surrogate. CPU-bound on large bodies: the router calls it off its event loop."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_json)
     except RecursionError:
         raise BadJSON(f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except _NotANumber as exc:  # read again to name the field (the error path only)
+        where = _field_of(json.loads(raw, parse_constant=lambda _name: _NOT_A_NUMBER))
+        raise BadJSON(f"request body is not valid JSON: {exc}", where) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise BadJSON(f"request body is not valid JSON: {exc}") from exc
     check_text = _SURROGATE_ESCAPE.search(raw) is not None
@@ -39,6 +44,34 @@ def loads_checked(raw: bytes) -> Any:
     if check_text or raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
         check_tree(body, check_text)
     return body
+
+
+class _NotANumber(ValueError):
+    pass
+
+
+_NOT_A_NUMBER = object()  # stands for NaN / Infinity when the field is looked for
+
+
+def _not_json(name: str) -> Any:
+    raise _NotANumber(f"{name} is not a JSON number")
+
+
+def _field_of(body: Any) -> str | None:
+    """The top-level key whose value holds ``_NOT_A_NUMBER``."""
+    if not isinstance(body, dict):
+        return None
+    for key, value in body.items():
+        stack = [value]
+        while stack:
+            node = stack.pop()
+            if node is _NOT_A_NUMBER:
+                return str(key)
+            if isinstance(node, dict):
+                stack += node.values()
+            elif isinstance(node, list):
+                stack += node
+    return None
 
 
 def check_tree(body: Any, check_text: bool = True) -> None:

@@ -9,9 +9,9 @@ came from, so a schema the workers cannot compile is refused naming that field.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from pdserve.jsonguard import BadJSON, loads_checked
 from pdserve.router.api.errors import invalid
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
@@ -99,10 +99,10 @@ def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
 
 def _spec(kind: str, value: Any, param: str) -> dict[str, Any]:
     if kind == "json_schema" and isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise invalid(f"{param} is not valid JSON: {exc}", param) from exc
+        try:  # as a request body is read: bounded depth, no lone surrogate, no NaN
+            value = loads_checked(value.encode("utf-8", "surrogatepass"))
+        except BadJSON as exc:
+            raise invalid(f"{param}: {exc}".replace("request body", "schema"), param) from exc
     ok = {
         "json_schema": isinstance(value, dict),
         "regex": isinstance(value, str) and bool(value),

@@ -17,6 +17,15 @@ from pdserve.jsonguard import MAX_JSON_DEPTH, BadJSON, loads_checked
         (b'{"k\\udbff": 1}', "k\\udbff"),
         (b"\xff\xfe{}", None),
         (b'{"a": 1', None),
+        # not JSON (RFC 8259), though json.loads takes them: a schema bound or a bias that
+        # is no number would reach the workers
+        (b'{"temperature": NaN}', "temperature"),
+        (
+            b'{"response_format": {"json_schema": {"schema": {"maximum": Infinity}}}}',
+            "response_format",
+        ),
+        (b'{"model": "m", "logit_bias": {"5": [1, -Infinity]}}', "logit_bias"),
+        (b"[NaN]", None),
     ],
 )
 def test_refused(raw: bytes, field: str | None) -> None:
@@ -30,7 +39,8 @@ def test_refused(raw: bytes, field: str | None) -> None:
 @pytest.mark.parametrize(
     "raw",
     [b"null", b"5", b'"s"', b'{"a": ' + b"[" * 31 + b"]" * 31 + b"}",
-     '{"t": "héllo 😀 \\ud83d\\ude00"}'.encode()],  # a surrogate *pair* is one character
+     '{"t": "héllo 😀 \\ud83d\\ude00"}'.encode(),  # a surrogate *pair* is one character
+     b'{"prompt": "NaN Infinity", "x": 1e308, "y": -0.0}'],  # the words in text, real numbers
 )  # fmt: skip
 def test_accepted(raw: bytes) -> None:
     loads_checked(raw)

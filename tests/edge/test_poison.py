@@ -84,11 +84,14 @@ async def test_workers_refuse_poison_themselves(deployment) -> None:
             ({"stop_token_ids": [10**6], "min_tokens": 2}, "stop_token_ids"),
         ]:
             sampling = {"max_tokens": 8, **patch}
+            # Infinity is refused as not JSON before any field is read (pdserve/jsonguard.py),
+            # named by its top-level field, as a lone surrogate is
+            where = "sampling" if patch == {"temperature": 1e400} else field
             for url, path in ((prefill, "/prefill"), (decode, "/generate")):
                 body = json.dumps({"type": TYPES[path], "request_id": f"poison-{field}",
                                    "prompt_token_ids": prompt, "sampling": sampling})  # fmt: skip
                 r = await h.post(url + path, content=body, headers=JSON, auth=secret_auth())
-                _error(r, 400, field)
+                _error(r, 400, where)
         for url, path in ((prefill, "/prefill"), (decode, "/generate")):
             deep = b'{"request_id": "x", "sampling": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
             r = await h.post(url + path, content=deep, headers=JSON, auth=secret_auth())

@@ -142,6 +142,9 @@ def test_vllm_extras_and_json_object(client: openai.OpenAI) -> None:
         ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format"),
+        # a schema given as a string is read as a body is: no NaN, bounded depth
+        ({"guided_json": '{"type": "number", "maximum": NaN}'}, "guided_json"),
+        ({"guided_json": '{"a":' * 40 + "1" + "}" * 40}, "guided_json"),
     ],
 )
 def test_bad_structured_requests_are_refused(up: Up, extra: dict[str, Any], param: str) -> None:
@@ -150,3 +153,16 @@ def test_bad_structured_requests_are_refused(up: Up, extra: dict[str, Any], para
     r = httpx.post(up.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_a_body_with_a_non_json_number_is_refused(up: Up) -> None:
+    """NaN and Infinity are not JSON: json.loads took them, and a schema bound of NaN went
+    on to the workers. Refused at the edge, whatever field holds them."""
+    schema = b'{"type": "object", "properties": {"n": {"type": "number", "maximum": Infinity}}}'
+    raw = (b'{"model": "tiny-seed0", "messages": [{"role": "user", "content": "hi"}], '
+           b'"max_tokens": 8, "response_format": {"type": "json_schema", '
+           b'"json_schema": {"name": "x", "schema": ' + schema + b"}}}")  # fmt: skip
+    r = httpx.post(up.url + "/v1/chat/completions", content=raw, timeout=60,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert "Infinity is not a JSON number" in r.json()["error"]["message"], r.text
