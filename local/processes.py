@@ -191,7 +191,9 @@ class LocalCluster:
                "--kv-transport", s.kv_transport, "--dtype", s.dtype]  # fmt: skip
         if s.served_model_name:
             out += ["--served-model-name", s.served_model_name]
-        out += ["--cpu-threads", str(s.threads_per_worker())]  # a worker arg may override it
+        named = any(a == "--cpu-threads" or a.startswith("--cpu-threads=") for a in s.worker_args)
+        if not named:  # else the worker arg decides: no probe (a child importing torch) for it
+            out += ["--cpu-threads", str(s.threads_per_worker())]
         return out + list(s.worker_args)
 
     def start_workers(self) -> None:

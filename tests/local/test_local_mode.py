@@ -163,7 +163,9 @@ def test_decoder_params_of_any_architecture(family_id: str, tiny_model_dir: Path
     assert decoder_params(str(model_dir)) == expected
 
 
-def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(tmp_path: Path) -> None:
+def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import argparse
 
     from pdserve.engine.config import add_engine_arguments
@@ -183,3 +185,17 @@ def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(tmp_path: Path)
     add_engine_arguments(parser)
     args, _ = parser.parse_known_args(worker.argv[4:])  # after: python -m pdserve decode-worker
     assert args.cpu_threads == 4  # the user's --worker-arg comes last
+    assert worker.argv.count("--cpu-threads") == 1  # the worker arg's alone
+    # A lone worker whose thread count is named does not run the start-up probe (a child
+    # process importing torch) only to have its answer overridden.
+    lone = ClusterSpec(model_dir=str(tmp_path), num_prefill=0, log_dir=str(tmp_path),
+                       worker_args=("--cpu-threads=2",))  # fmt: skip
+
+    def no_probe(self: ClusterSpec) -> dict[str, object]:
+        raise AssertionError("probed although --cpu-threads was given")
+
+    monkeypatch.setattr(ClusterSpec, "lone_worker_probe", no_probe)
+    cluster = LocalCluster(lone)
+    cluster._spawn = lambda proc: cluster.procs.append(proc)  # type: ignore[method-assign]
+    argv = cluster.add_worker("decode").argv
+    assert "--cpu-threads=2" in argv and "--cpu-threads" not in argv
