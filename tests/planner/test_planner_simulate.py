@@ -21,11 +21,11 @@ def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:
     assert result["attainment_min"] >= 0.75, result["attainment_min"]
     assert result["attainment_min"] > result["queue_blind_attainment"]
     assert result["attainment"] == result["attainment_min"]
-    # The held-out trace (sim_scenarios.heldout_scenarios, tenant_waves) is scored apart,
+    # The held-out trace (sim_scenarios.heldout_scenarios, launch_decay) is scored apart,
     # not in the minimum above; the full run's goal is >= 0.95. It was written before any
     # run on it: nothing here states a figure of its own, only that the model is sane.
-    assert set(result["heldout_scenarios"]) == {"tenant_waves"}
-    waves = result["heldout_scenarios"]["tenant_waves"]
+    assert set(result["heldout_scenarios"]) == {"launch_decay"}
+    waves = result["heldout_scenarios"]["launch_decay"]
     assert result["attainment_heldout"] == waves["planner"]["attainment"]
     assert waves["static"]["attainment"] > 0.95, waves  # provisioned for the peak
     assert waves["planner"]["requests"] == waves["static"]["requests"] > 1000, waves
@@ -36,7 +36,7 @@ def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:
     # planner sized for the peak throughout would save nothing: the saving bound says it
     # scaled down through the nights, the holiday and the weekend.
     former = result["formerly_heldout_scenarios"]
-    assert set(former) == {"weekly_holiday", "growth_outage"}
+    assert set(former) == {"weekly_holiday", "growth_outage", "tenant_waves"}
     worst = min(s["planner"]["attainment"] for s in former.values())
     assert result["attainment_formerly_heldout"] == worst
     held = former["weekly_holiday"]
