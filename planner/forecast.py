@@ -26,6 +26,9 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pdserve.planner import recurrence
+from pdserve.planner.recurrence import Recurrence
+
 UNSEEN = -1.0  # a seasonal bin with no observation yet (JSON has no NaN)
 BASE_ALPHA = 0.5
 BASE_SIGMA = math.sqrt(1 + BASE_ALPHA / (2 - BASE_ALPHA))  # std of (value - base) / sigma
@@ -77,6 +80,7 @@ class Series:
     rises: int = 0  # consecutive intervals that rose (a ramp's age, in intervals)
     collapsed: bool = False  # this interval fell below COLLAPSE of its base (beyond noise)
     uptrend: bool = False  # the last RECENT values' fitted slope is UPTREND_Z s.e. above 0
+    recurrence: Recurrence = field(default_factory=Recurrence)  # a period found in the load
 
     def observe(
         self,
@@ -90,8 +94,10 @@ class Series:
         """``count``: requests behind this interval's value (sets the noise threshold);
         ``confirm``: a rise counts only on its second interval (token sums: heavy tails)."""
         season = _season_update(self.season, t, value, cfg)
+        rec = self.recurrence.observe(t, value)
         if self.level is None or self.time_s is None or t <= self.time_s:
-            return Series(value, 0.0, t, interval_s, season, 0.0, value, recent=(value,))
+            return Series(value, 0.0, t, interval_s, season, 0.0, value, recent=(value,),
+                          recurrence=rec)  # fmt: skip
         base = self.base if self.base > 0 else self.level
         raw = (value - self.level) / (t - self.time_s)
         # A Poisson count's relative std is 1/sqrt(count); a token sum varies more (the
@@ -132,7 +138,7 @@ class Series:
         uptrend = _fitted_z(recent, sigma * base) > UPTREND_Z
         return Series(
             value, slope, t, interval_s, season, noise, base, rising, recent, rises, collapsed,
-            uptrend,
+            uptrend, rec,
         )  # fmt: skip
 
     def at(self, horizon_s: float, cfg: ForecastConfig) -> float:
@@ -143,8 +149,9 @@ class Series:
         trend = self.slope * (horizon_s + self.interval_s / 2)
         if self.slope > 0 and self.rises < cfg.trend_after:  # young: may be a step
             trend = min(trend, level * (cfg.young_growth - 1.0))  # (the season is not)
-        seasonal = _season_delta(self.season, self.time_s, horizon_s, cfg)
-        value = level + (trend if seasonal is None else max(trend, seasonal))
+        daily = _season_delta(self.season, self.time_s, horizon_s, cfg)
+        recurring = self.recurrence.delta(self.time_s, horizon_s)
+        value = level + max(d for d in (trend, daily, recurring) if d is not None)
         return max(level / cfg.max_growth, min(level * cfg.max_growth, value), 0.0)
 
     def peak(self, horizon_s: float, cfg: ForecastConfig, steps: int = 8) -> float:
@@ -313,6 +320,7 @@ def _series_dict(s: Series) -> dict[str, Any]:
         "rises": s.rises,
         "collapsed": s.collapsed,
         "uptrend": s.uptrend,
+        "recurrence": recurrence.to_dict(s.recurrence),
     }
 
 
@@ -337,4 +345,5 @@ def _series(body: Any) -> Series:
         rises=int(body.get("rises", 0)),
         collapsed=bool(body.get("collapsed", False)),
         uptrend=bool(body.get("uptrend", False)),
+        recurrence=recurrence.from_dict(body.get("recurrence")),
     )
