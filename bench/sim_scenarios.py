@@ -112,7 +112,9 @@ def launch_decay(scale_s: float) -> Scenario:
             return 0.22 + 0.08 * t / hour
         return 0.30 - 0.10 * (t - hour) / (duration - hour)
 
-    def excess(t: float, start: float, edge: float, height: float, half: float, keep: float):  # type: ignore[no-untyped-def]
+    def excess(
+        t: float, start: float, edge: float, height: float, half: float, keep: float
+    ) -> float:
         if t < start:
             return 0.0
         decay = 0.5 ** (max(0.0, t - start - edge) / half)

@@ -44,11 +44,11 @@ if [ -z "${PDSERVE_SETUP_PIP:-}" ] && .venv/bin/pip install -q "uv>=0.5" 2>/dev/
   UV=.venv/bin/uv
   mapfile -t UV_ARGS <<<"$uv_args"
   [ -n "$uv_args" ] || UV_ARGS=()
+  # pip's certificate for uv's TLS (uv reads SSL_CERT_FILE, not pip's settings)
+  UV_CERT=${PIP_CERT:-$(.venv/bin/pip config get global.cert 2>/dev/null || true)}
 fi
 install() {
-  local cert
-  cert=$(.venv/bin/pip config get global.cert 2>/dev/null || true)
-  if [ -n "$UV" ] && SSL_CERT_FILE=${PIP_CERT:-${cert:-${SSL_CERT_FILE:-}}} \
+  if [ -n "$UV" ] && SSL_CERT_FILE=${UV_CERT:-${SSL_CERT_FILE:-}} \
     "$UV" pip install -q --python .venv/bin/python --compile-bytecode \
     --index-strategy unsafe-best-match "${UV_ARGS[@]}" "$@"; then
     return 0

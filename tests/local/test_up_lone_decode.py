@@ -18,7 +18,7 @@ import pytest
 
 from tests.loopback import all_kv_free, secret_auth, sse_chunks
 from tests.router.pdserve_up import run_up
-from tests.workers.worker_helpers import gone
+from tests.workers.worker_helpers import children, gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -53,14 +53,9 @@ def test_stream_waits_for_its_restarted_decode_worker(tiny_model_dir: Path, tmp_
         all_kv_free(up.workers)
         # pdserve up killed hard (it can stop nothing itself): each child watches it and
         # ends; a worker's core goes with its worker.
-        children = _children(up.proc.pid)
-        assert len(children) >= 3, children  # router, prefill and decode worker (a zygote)
+        started = children(up.proc.pid)
+        assert len(started) >= 3, started  # router, prefill and decode worker (a zygote)
         up.proc.kill()
         up.proc.wait()
-        left = [pid for pid in children if not gone(pid, timeout=20.0)]
+        left = [pid for pid in started if not gone(pid, timeout=20.0)]
         assert not left, f"still running after pdserve up was killed: {left}"
-
-
-def _children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-            for c in (task / "children").read_text().split()]  # fmt: skip
