@@ -3,9 +3,11 @@
 Starts the fake prefill and decode workers of ``tests/router/fakes.py`` in one process
 (signed calls and KV events as in the router tests) and ``pdserve router`` in another,
 then drives it from this process with ``--concurrency`` streamed completions of
-``--prompt-tokens`` token ids (and text prompts of about as many tokens), on two paths:
-decode-direct (the prompt is below ``--disagg-threshold``) and full P/D (threshold 0:
-prefill, KV handle, decode). Per path: requests/s of one router process (closed loop),
+``--prompt-tokens`` token ids (and text prompts of about as many tokens), on three
+paths: decode-direct (the prompt is below ``--disagg-threshold``), full P/D (threshold 0:
+prefill, KV handle, decode) and full P/D with the decode worker calling the prefill
+worker (``pd-chain``: ``--pd-handoff decode``, one worker call per request at the router).
+Per path: requests/s of one router process (closed loop),
 the router process's CPU per request (utime + stime from /proc/PID/stat around the
 phase: the honest figure on a shared, loaded machine, where wall throughput swings with
 everyone else's load), and the router's added latency p50/p99 at ~50% of that peak
@@ -44,8 +46,10 @@ from pdserve.env import SERVICE_SECRET  # noqa: E402
 from pdserve.local.proc_group import end_group  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
-# The two paths: --disagg-threshold for each (the prompts are 64 tokens).
-PATHS = {"direct": 100_000, "pd": 0}
+# The paths: --disagg-threshold for each (the prompts are 64 tokens), and who calls the
+# prefill worker on the P/D path (--pd-handoff: pd-chain has the decode worker call it).
+PATHS = {"direct": 100_000, "pd": 0, "pd-chain": 0}
+HANDOFF = {"pd-chain": "decode"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,7 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--latency-requests", type=int, default=400)
-    p.add_argument("--paths", default="direct,pd", help="comma list of: direct, pd")
+    p.add_argument("--paths", default="direct,pd,pd-chain",
+                   help="comma list of: direct, pd, pd-chain (P/D, the decode worker calling "
+                   "the prefill worker: --pd-handoff decode)")  # fmt: skip
     p.add_argument("--text", action="store_true", help="also run text prompts (tokenized)")
     p.add_argument("--profile", default="", help="write the router's cProfile stats here")
     p.add_argument("--procs", type=int, default=1, help="router processes (pdserve router --procs)")
@@ -126,13 +132,15 @@ sys.exit(main(sys.argv[1:]))
 
 
 def router_cmd(args: argparse.Namespace, model: str, urls: dict[str, str], port: int,
-               threshold: int) -> list[str]:  # fmt: skip
+               path: str) -> list[str]:  # fmt: skip
+    threshold = PATHS[path]
     head = [sys.executable, "-c", PROFILED, args.profile] if args.profile else [
         sys.executable, "-m", "pdserve"]  # fmt: skip
     return [*head, "router", "--model", model,
             "--served-model-name", "tiny", "--port", str(port), "--log-level", "warning",
             "--prefill", urls["prefill"], "--decode", urls["decode"],
-            "--disagg-threshold", str(threshold), "--procs", str(args.procs)]  # fmt: skip
+            "--disagg-threshold", str(threshold), "--procs", str(args.procs),
+            "--pd-handoff", HANDOFF.get(path, "router")]  # fmt: skip
 
 
 async def wait_ready(http: aiohttp.ClientSession, url: str, timeout: float = 60.0) -> None:
@@ -200,14 +208,16 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def direct_call(http: aiohttp.ClientSession, decode_url: str, ring: keys.KeyRing,
-                body_: dict[str, Any], n: int) -> Any:  # fmt: skip
-    """The base of the added latency: the same stream straight from the fake decode worker."""
+                body_: dict[str, Any], n: int,
+                prefill: list[str] | None = None) -> Any:  # fmt: skip
+    """The base of the added latency: the same stream straight from the fake decode worker
+    (``prefill``: a chained request, the decode worker calling the fake prefill worker)."""
     from pdserve.protocol.codec import encode
     from pdserve.protocol.contract import GenerateRequest
     from pdserve.protocol.sampling_params import SamplingParams
 
     sampling = SamplingParams(max_tokens=body_["max_tokens"], temperature=0.0, ignore_eos=True)
-    raw = encode(GenerateRequest(f"base-{n}", body_["prompt"], sampling))
+    raw = encode(GenerateRequest(f"base-{n}", body_["prompt"], sampling, prefill=prefill))
 
     async def call() -> float:
         hdr = {signing.HEADER: signing.sign(ring, "POST", "/generate", raw)}
@@ -222,7 +232,7 @@ async def run_path(args: argparse.Namespace, model: str, urls: dict[str, str], e
     url = f"http://127.0.0.1:{port}"
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=60)
-    cmd = router_cmd(args, model, urls, port, PATHS[path])
+    cmd = router_cmd(args, model, urls, port, path)
     out = []
     with child(cmd, env, args.router_tree) as router:
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
@@ -232,7 +242,8 @@ async def run_path(args: argparse.Namespace, model: str, urls: dict[str, str], e
                                   text)  # fmt: skip
                 if args.latency_requests and not text:
                     rng = random.Random(path)
-                    run.update(await added_latency(args, http, url, urls, rng, run["rps"] / 2))
+                    run.update(await added_latency(args, http, url, urls, rng, run["rps"] / 2,
+                                                   path))  # fmt: skip
                 run = {"path": path, **run}
                 print(json.dumps(run), file=sys.stderr, flush=True)
                 out.append(run)
@@ -260,7 +271,7 @@ async def phase(args: argparse.Namespace, http: aiohttp.ClientSession, url: str,
 
 async def added_latency(args: argparse.Namespace, http: aiohttp.ClientSession, url: str,
                         urls: dict[str, str], rng: random.Random,
-                        rate: float) -> dict[str, Any]:  # fmt: skip
+                        rate: float, path: str) -> dict[str, Any]:  # fmt: skip
     """Latency through the router minus straight to the decode worker, at ``rate``/s."""
     ring = keys.KeyRing(keys.HTTP, os.environ[SERVICE_SECRET])
     hdr = {"content-type": "application/json"}
@@ -268,8 +279,9 @@ async def added_latency(args: argparse.Namespace, http: aiohttp.ClientSession, u
     via = [json.dumps(body(args, rng, False)).encode() for _ in range(n)]
     routed = await paced([lambda b=b: one(http, url + "/v1/completions", b, hdr)
                           for b in via], rate)  # fmt: skip
-    base = await paced([direct_call(http, urls["decode"], ring, body(args, rng, False), i)
-                        for i in range(n)], rate)  # fmt: skip
+    chained = [urls["prefill"]] if HANDOFF.get(path) == "decode" else None
+    base = await paced([direct_call(http, urls["decode"], ring, body(args, rng, False), i,
+                                    chained) for i in range(n)], rate)  # fmt: skip
     return {"paced_rps": round(rate, 1),
             "added_p50_ms": round(pct(routed, 0.5) - pct(base, 0.5), 2),
             "added_p99_ms": round(pct(routed, 0.99) - pct(base, 0.99), 2),

@@ -3,26 +3,32 @@
 ``POST /generate`` with a KV handle admits the request into
 ``WAITING_FOR_REMOTE_KV``; the connector reads the blocks over NIXL (or tcp)
 while the rest of the batch keeps decoding, then the request joins the batch.
-Without a handle the worker prefills locally. Output is streamed as NDJSON.
+Without a handle the worker prefills locally. Output is streamed as NDJSON. With
+``prefill`` (the router's ``--pd-handoff decode``) this worker calls the prefill worker
+itself and streams its first token first (decode_worker/chain.py).
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pdserve import env, keys
+from pdserve.decode_worker.chain import DEFAULT_PREFILL_TIMEOUT_S, PrefillChain
 from pdserve.protocol.codec import encode
 from pdserve.protocol.contract import GenerateRequest, TokenDelta, Usage, WorkerError
 from pdserve.protocol.outputs import REQUEST_FAILED, RequestOutput
+from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.protocol.token_lines import encode_line
 from pdserve.transfer.registry import DEFAULT_TRANSFER_TIMEOUT
 from pdserve.worker.direct import DirectApp, LineStream
 from pdserve.worker.http import (
+    BadRequest,
     add_common_routes,
     add_worker_arguments,
     known_error,
@@ -36,6 +42,13 @@ class DecodeWorker(RoleWorker):
     # The engine and its KV connector run in a child process (decode_worker/core.py).
     ROLE = "decode"
 
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.chain = PrefillChain(args.prefill_timeout, count=self._count_prefill)
+
+    def _count_prefill(self, outcome: str) -> None:
+        self.metrics.prefill_calls.labels(self.ROLE, outcome).inc()
+
     def identity(self) -> dict[str, Any]:
         return {
             **super().identity(),
@@ -44,6 +57,8 @@ class DecodeWorker(RoleWorker):
         }
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[bytes]:
+        if req.prefill:
+            return await self._chained(req)
         kwargs: dict[str, Any] = {"cache_salt": req.cache_salt, "lora": req.lora}
         if req.kv_handle is not None:  # checked by the engine (KVHandle.problem)
             kwargs.update(remote_kv=req.kv_handle, first_token_id=req.first_token_id)
@@ -53,19 +68,63 @@ class DecodeWorker(RoleWorker):
         first = await anext(outputs)  # validation errors surface here, before any byte is sent
         return self._lines(first, outputs)
 
+    async def _chained(self, req: GenerateRequest) -> AsyncIterator[bytes]:
+        """Prefill on the named workers, then decode here (decode_worker/chain.py); every
+        candidate failed: prefill here. A request fault of the prefill worker raises, so
+        the router hears it as this call's status."""
+        reply = await self.chain.prefill(req)
+        if reply is None:
+            return await self.generate(replace(req, prefill=None))
+        ids = [reply.first_token_id]
+        if reply.finish_reason is not None or reply.kv_handle is None:
+            usage = Usage(len(req.prompt_token_ids), 1, reply.num_cached_tokens)
+            line = encode_line(ids, reply.text, reply.finish_reason or "stop", usage,
+                               reply.logprobs, reply.prompt_logprobs)  # fmt: skip
+            self.metrics.requests.labels(self.ROLE, reply.finish_reason or "stop").inc()
+            return _one(line)
+        head = encode_line(ids, reply.text, None, None, reply.logprobs, reply.prompt_logprobs)
+        return self._after_head(head, PrefillChain.after(req, reply), reply.num_cached_tokens)
+
+    async def _after_head(
+        self, head: bytes, req: GenerateRequest, cached: int
+    ) -> AsyncIterator[bytes]:
+        """The first token's line at once, then the decode of ``req``: an error that would
+        have been this call's status is now a line (the stream has begun)."""
+        yield head
+        try:
+            lines = await self._decode(req, cached)
+        except (BadRequest, InvalidParameter) as exc:  # this request alone: not retried
+            yield _error_line(str(exc), "invalid_request_error", REQUEST_FAILED)
+            return
+        except Exception as exc:  # the worker's fault: the router moves on
+            yield _error_line(f"{type(exc).__name__}: {exc}", "server_error", "engine_error")
+            return
+        async for line in lines:
+            yield line
+
+    async def _decode(self, req: GenerateRequest, cached: int) -> AsyncIterator[bytes]:
+        kwargs: dict[str, Any] = {"cache_salt": req.cache_salt, "lora": req.lora,
+                                  "remote_kv": req.kv_handle,
+                                  "first_token_id": req.first_token_id}  # fmt: skip
+        outputs = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling, **kwargs)
+        first = await anext(outputs)
+        return self._lines(first, outputs, cached)
+
     async def _lines(
-        self, first: RequestOutput, rest: AsyncIterator[RequestOutput]
+        self, first: RequestOutput, rest: AsyncIterator[RequestOutput], cached: int | None = None
     ) -> AsyncIterator[bytes]:
         out: RequestOutput | None = first
         while out is not None:
-            yield self._line(out)
+            yield self._line(out, cached)
             if out.finished:
                 self.metrics.requests.labels(self.ROLE, out.finish_reason).inc()
                 return
             out = await anext(rest, None)
 
     @staticmethod
-    def _line(out: RequestOutput) -> bytes:
+    def _line(out: RequestOutput, cached: int | None = None) -> bytes:
+        """``cached``: the prefill worker's cached prompt tokens (a chained request), in
+        place of this worker's count (it computed none of the prompt)."""
         if out.finish_reason == "error":
             # request_failed: this request alone failed (the router does not retry it)
             request_fault = out.error_code == REQUEST_FAILED
@@ -73,6 +132,8 @@ class DecodeWorker(RoleWorker):
             error = WorkerError(out.error, kind, None, out.error_code or "kv_transfer_failed")
             return encode(TokenDelta(error=error)) + b"\n"
         usage = Usage(**out.usage) if out.finished else None
+        if usage is not None and cached is not None:
+            usage = replace(usage, cached_tokens=cached)
         return encode_line(out.token_ids, out.text, out.finish_reason, usage, out.logprobs,
                            out.prompt_logprobs)  # fmt: skip
 
@@ -92,6 +153,14 @@ class DecodeWorker(RoleWorker):
         return app
 
 
+async def _one(line: bytes) -> AsyncIterator[bytes]:
+    yield line
+
+
+def _error_line(message: str, kind: str, code: str) -> bytes:
+    return encode(TokenDelta(error=WorkerError(message, kind, None, code))) + b"\n"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_arguments(parser, default_port=8200)
     g = parser.add_argument_group("decode")
@@ -107,4 +176,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="recompute",
         choices=["recompute", "fail"],
         help="recompute the prompt locally, or fail the request",
+    )
+    g.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=DEFAULT_PREFILL_TIMEOUT_S,
+        help="seconds to wait for a prefill worker's reply when this worker calls it "
+        "(the router's --pd-handoff decode); then the next one, or a local prefill",
     )

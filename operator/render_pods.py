@@ -146,6 +146,7 @@ def router_command(spec: LLMServiceSpec) -> list[str]:
     cmd += ["--discovery", "kubernetes"]
     cmd += ["--service", spec.name, "--namespace", spec.namespace, "--routing", r.routing]
     cmd += ["--procs", "auto"]  # one router process per CPU of the container's limit
+    cmd += ["--pd-handoff", r.pd_handoff]
     if r.api_key_secret:
         cmd += ["--api-key-file", f"{_API_KEY_DIR}/{r.api_key_key}"]
     optional = {

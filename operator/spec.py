@@ -100,6 +100,8 @@ class RouterSpec:
     prefix_weight: float | None = None
     load_weight: float | None = None
     disagg_threshold: int | None = None
+    # who calls the prefill worker on the P/D path: "router" or "decode" (--pd-handoff)
+    pd_handoff: str = "router"
     max_queue: int | None = None
     resources: Mapping[str, Any] = field(default_factory=dict)
     node_selector: Mapping[str, str] = field(default_factory=dict)

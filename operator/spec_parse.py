@@ -203,6 +203,7 @@ def parse_router(r: _Reader) -> RouterSpec:
         prefix_weight=r.number("prefixWeight", minimum=0),
         load_weight=r.number("loadWeight", minimum=0),
         disagg_threshold=r.number("disaggThreshold", minimum=0),
+        pd_handoff=r.choice("pdHandoff", ("router", "decode"), "router"),
         max_queue=r.number("maxQueue", minimum=1),
         resources=r.get("resources", Mapping, {}),
         node_selector=r.get("nodeSelector", Mapping, {}),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 PICKERS = ("max-score", "round-robin")  # best weighted score, or rotation (a baseline)
 ROUTING_MODES = ("prefix", "round-robin")  # the older --routing: max-score | round-robin
+PD_HANDOFFS = ("router", "decode")  # who calls the prefill worker (RouterConfig.pd_handoff)
 CACHE_ISOLATION = ("api-key", "none")  # a prefix-cache salt per API key, or one shared cache
 
 # Short names of ``--scorer NAME=WEIGHT`` for scorers that share one weight; any scorer's
@@ -120,6 +121,10 @@ class RouterConfig:
     # The decode pod's front in endpoint-picker mode (router/picker/prefill_header.py): the
     # prefill worker is the one the picker named in a signed header, else local prefill.
     prefill_from_header: bool = False
+    # Who calls the prefill worker on the P/D path (router/transport/dispatch.py): "router"
+    # (the router, then the decode worker with the KV handle) or "decode" (the decode worker,
+    # named the prefill workers to use: one worker call per request at the router).
+    pd_handoff: str = "router"
     # LoRA adapters (--lora NAME=PATH), served as models of that name (router/api/adapters.py)
     loras: tuple[tuple[str, str], ...] = ()
 
@@ -130,6 +135,8 @@ class RouterConfig:
             object.__setattr__(self, "picker", "round-robin")
         if self.picker not in PICKERS:
             raise ValueError(f"unknown picker {self.picker!r}; valid: {list(PICKERS)}")
+        if self.pd_handoff not in PD_HANDOFFS:
+            raise ValueError(f"unknown pd_handoff {self.pd_handoff!r}; valid: {list(PD_HANDOFFS)}")
         if self.disagg_threshold < 0:
             raise ValueError("disagg_threshold must be >= 0")
         if self.failover_wait_s < 0:

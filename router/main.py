@@ -13,6 +13,7 @@ from pdserve.router.api.adapters import parse_lora
 from pdserve.router.config import (
     CACHE_ISOLATION,
     DECODE_SCORERS,
+    PD_HANDOFFS,
     PICKERS,
     PREFILL_SCORERS,
     ROUTING_MODES,
@@ -71,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="older form of --picker: prefix = max-score")  # fmt: skip
     p.add_argument("--disagg-threshold", type=int, default=256,
                    help="uncached prompt tokens below which decode prefills locally")  # fmt: skip
+    p.add_argument("--pd-handoff", choices=PD_HANDOFFS, default="router",
+                   help="who calls the prefill worker: the router (then the decode worker "
+                   "with the KV handle), or the decode worker, named the prefill workers "
+                   "to use (one call per request at the router; docs/router.md)")  # fmt: skip
     pairs = ", ".join(f"{n}={w:g}" for n, w in PREFILL_SCORERS)
     p.add_argument("--scorer", action="append", type=_scorer, default=[], metavar="NAME=WEIGHT",
                    help=f"a prefill scorer and its weight, repeated (default {pairs})")  # fmt: skip
@@ -260,6 +265,7 @@ def build_config(
         router_namespace=args.namespace,
         cache_isolation=args.cache_isolation,
         prefill_from_header=args.prefill_from_header,
+        pd_handoff=args.pd_handoff,
         loras=tuple(args.lora),
     )
 

@@ -91,6 +91,12 @@ class WorkerMetrics:
         self.requests = Counter(
             "pdserve_worker_requests", "requests by outcome", ["role", "outcome"], registry=r
         )
+        # decode, --pd-handoff decode (decode_worker/chain.py): ok, failed (moved to the
+        # next prefill worker), local (every prefill worker failed: prefilled here)
+        self.prefill_calls = Counter(
+            "pdserve_worker_prefill_calls", "prefill calls this worker made, by outcome",
+            ["role", "outcome"], registry=r,
+        )  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

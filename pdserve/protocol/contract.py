@@ -39,6 +39,21 @@ MAX_LORA_NAME_CHARS = 256
 LORA_HASH_CHARS = 32  # hex blake2b-128 of the adapter's files (engine/lora_files.py)
 
 
+MAX_PREFILL_CANDIDATES = 8
+
+
+def _check_prefill(urls: list[str], handle: KVHandle | None, resume: list[int] | None) -> None:
+    """A chained request's prefill workers: 1 to 8 http(s) base URLs of printable text,
+    and nothing that says the prompt is already computed."""
+    if handle is not None or resume:
+        raise InvalidParameter("prefill", "prefill comes without a kv_handle or resume_token_ids")
+    if not 0 < len(urls) <= MAX_PREFILL_CANDIDATES:
+        raise InvalidParameter("prefill", f"prefill names 1 to {MAX_PREFILL_CANDIDATES} workers")
+    for url in urls:
+        if not (url.startswith(("http://", "https://")) and url.isprintable() and len(url) < 2048):
+            raise InvalidParameter("prefill", f"prefill: {url[:80]!r} is not an http(s) URL")
+
+
 def _check_ids(request_id: str, cache_salt: str | None) -> None:
     """The request id and the prefix-cache salt (the router's tenant salt and the client's
     ``cache_salt``, which enters the block hashes: pdserve/protocol/hashing.py)."""
@@ -232,11 +247,17 @@ class GenerateRequest:
     # (recomputed here, counted as output, not repeated). Never with a kv_handle.
     resume_token_ids: list[int] | None = None
     lora: LoraRef | None = None  # run under this adapter (None: the base model)
+    # The router's ``--pd-handoff decode``: the prefill workers to call, in order (the
+    # router's prefix-aware pick first); this worker prefills there, streams the first
+    # token, then pulls the KV (decode_worker/chain.py). Never with a kv_handle.
+    prefill: list[str] | None = None
 
     def validate(self) -> None:
         _check_ids(self.request_id, self.cache_salt)
         if self.lora is not None:
             self.lora.validate()
+        if self.prefill is not None:
+            _check_prefill(self.prefill, self.kv_handle, self.resume_token_ids)
         if self.kv_handle is not None and self.first_token_id is None:
             raise InvalidParameter("first_token_id", "a kv_handle needs an integer first_token_id")
         if self.kv_handle is not None and self.resume_token_ids:

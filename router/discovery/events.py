@@ -34,6 +34,7 @@ from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # a failed snapshot fetch is tried again after this
+DRAIN = 64  # messages read without waiting after each awaited one (EventSubscriber._read)
 # What fetches a worker's snapshot: None when it has no such endpoint (404).
 Fetch = Callable[[str], Awaitable[KVSnapshot | None]]
 
@@ -129,19 +130,32 @@ class EventSubscriber:
 
     # -- reading ------------------------------------------------------------------------
     async def _read(self, sock: zmq.asyncio.Socket, feed: Feed) -> None:
+        # Once a message is in, the ones queued behind it are read without a wait each: an
+        # awaited read costs a future and a loop wake-up (~25 us, a fifth of the P/D path's
+        # event handling at 1,000 requests/s); at most DRAIN per wake, so a flood of events
+        # cannot hold the loop.
+        now: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         try:
             while True:
-                frames = await sock.recv_multipart()
-                if len(frames) != 2:
-                    self.num_bad += 1
-                elif frames[0] == TOPIC and feed.kv:
-                    self._on_event(feed, frames[1])
-                elif frames[0] == STATS_TOPIC:
-                    self._on_report(feed, frames[1])
-                else:
-                    self.num_bad += 1
+                self._on_frames(feed, await sock.recv_multipart())
+                for _ in range(DRAIN):
+                    try:
+                        frames = now.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_frames(feed, frames)
         finally:
             sock.close(linger=0)
+
+    def _on_frames(self, feed: Feed, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.num_bad += 1
+        elif frames[0] == TOPIC and feed.kv:
+            self._on_event(feed, frames[1])
+        elif frames[0] == STATS_TOPIC:
+            self._on_report(feed, frames[1])
+        else:
+            self.num_bad += 1
 
     def _on_event(self, feed: Feed, data: bytes) -> None:
         try:

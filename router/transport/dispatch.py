@@ -1,6 +1,8 @@
 """One request's trip through the workers: plan, remote prefill, decode, relay.
 
-    plan ──remote──▶ POST /prefill (retry on the next prefill worker)
+    plan ──remote──▶ POST /prefill (retry on the next prefill worker; with
+      │                   --pd-handoff decode the decode worker makes this call itself:
+      │                   GenerateRequest.prefill names the candidates, decode_worker/chain.py)
       │                   │ first token → client at once
       │                   ▼
       └──local──────▶ POST /generate (retry on the next decode worker while
@@ -156,9 +158,16 @@ class Dispatcher:
 
     async def run(self, rs: RequestState, plan: RoutePlan) -> AsyncGenerator[Delta, None]:
         self.metrics.prefill_queue_depth.inc()  # until the first token (or the end)
+        chain: list[str] | None = None
         try:
             handle, first_id = None, None
-            if plan.kind == disagg.REMOTE_PREFILL:
+            if plan.kind == disagg.REMOTE_PREFILL and self.cfg.pd_handoff == "decode":
+                # the decode worker calls these (decode_worker/chain.py); an abort at the
+                # end reaches them too, so no lease waits for its TTL
+                chain = [w.url for w in plan.prefill[:MAX_ATTEMPTS]]
+                rs.touched.update(chain)
+                self._track(chain[0], "prefill", len(rs.prompt_ids), +1)
+            elif plan.kind == disagg.REMOTE_PREFILL:
                 result = await self._prefill(rs, plan)
                 if result is not None:
                     rs.remote_prefill = True
@@ -173,9 +182,14 @@ class Dispatcher:
                         rs.finish_reason = rs.finish_reason or "stop"
                         return
                     handle, first_id = result.kv_handle, result.first_token_id
-            async for delta in self._decode(rs, plan, handle, first_id):
+            async for delta in self._decode(rs, plan, handle, first_id, chain):
+                if chain is not None:  # the first token came: the prefill is over
+                    self._track(chain[0], "prefill", len(rs.prompt_ids), -1)
+                    chain = None
                 yield delta
         finally:
+            if chain is not None:
+                self._track(chain[0], "prefill", len(rs.prompt_ids), -1)
             if rs.first_token_at is None:
                 self.metrics.prefill_queue_depth.dec()
             if not rs.finished:
@@ -227,11 +241,12 @@ class Dispatcher:
         return None
 
     async def _decode(
-        self, rs: RequestState, plan: RoutePlan, handle: KVHandle | None, first: int | None
-    ) -> AsyncIterator[Delta]:
+        self, rs: RequestState, plan: RoutePlan, handle: KVHandle | None, first: int | None,
+        chain: list[str] | None = None,
+    ) -> AsyncIterator[Delta]:  # fmt: skip
         req = GenerateRequest(
             rs.request_id, rs.prompt_ids, _after_prompt(rs), handle, first, rs.cache_salt,
-            lora=rs.lora,
+            lora=rs.lora, prefill=chain,
         )  # fmt: skip
         relayed = False  # a decode token reached the client: from now on, migrate
         candidates, waits = list(plan.decode[:MAX_ATTEMPTS]), 0
@@ -249,6 +264,9 @@ class Dispatcher:
                 req = self._migrate(rs, req, url)
             elif attempt and req.kv_handle is not None:
                 req = await self._fresh_handle(rs, plan, req)
+            elif attempt and req.prefill:  # the last decode worker may hold a lease there
+                await asyncio.gather(*(worker_client.abort(self.client, u, rs.request_id)
+                                       for u in req.prefill))  # fmt: skip
             rs.touched.add(url)
             self._track(url, "decode", 0, +1)
             try:
@@ -355,6 +373,7 @@ class Dispatcher:
                     len(rs.output_ids))  # fmt: skip
         return replace(
             req, kv_handle=None, first_token_id=None, resume_token_ids=list(rs.output_ids),
+            prefill=None,
             sampling=_after_prompt(rs),
         )  # fmt: skip
 

@@ -61,6 +61,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         with_spec(decode={"tolerations": [{"key": "gpu", "operator": "Maybe"}]}),
         "'Maybe' is not one of",
     ),
+    "pd handoff": (with_spec(router={"pdHandoff": "prefill"}), "'prefill' is not one of"),
     "router toleration effect": (
         with_spec(router={"tolerations": [{"key": "gpu", "effect": "Never"}]}),
         "'Never' is not one of",

@@ -97,6 +97,12 @@ def test_worker_pods_follow_the_contract() -> None:
     assert "podAntiAffinity" in decode["affinity"]
 
 
+def test_router_pd_handoff_from_the_spec() -> None:
+    obj = minimal_llmservice("chain", router={"pdHandoff": "decode"})
+    cmd = pod(by_key(render(obj)), "chain-router")["containers"][0]["command"]
+    assert cmd[cmd.index("--pd-handoff") + 1] == "decode"
+
+
 def test_router_pod_and_services() -> None:
     m = gpu()
     spec = pod(m, "llama3-8b-router")
@@ -110,6 +116,7 @@ def test_router_pod_and_services() -> None:
     flags = dict(zip(cmd[2::2], cmd[3::2], strict=False))
     assert flags["--discovery"] == "kubernetes" and flags["--service"] == "llama3-8b"
     assert flags["--namespace"] == "llm" and flags["--disagg-threshold"] == "256"
+    assert flags["--pd-handoff"] == "router"  # the default; spec.router.pdHandoff: decode
     assert flags["--api-key-file"] == "/etc/pdserve/api-key/api-key"
     assert (
         spec["serviceAccountName"] == "llama3-8b-router"

@@ -25,6 +25,7 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve.decode_worker.chain import PrefillChain
 from pdserve.env import SERVICE_SECRET
 from pdserve.protocol.codec import decode, encode, to_dict
 from pdserve.protocol.contract import (
@@ -41,8 +42,9 @@ from pdserve.protocol.contract import (
     WorkerStats,
 )
 from pdserve.protocol.hashing import block_hashes
+from pdserve.router.transport import worker_client
 from pdserve.signed_httpx import SignedAuth
-from pdserve.worker.http import SecretCheck
+from pdserve.worker.http import BadRequest, SecretCheck
 from tests.loopback import free_port
 
 # The suite's service secret (tests/conftest.py): the router under test reads it from the
@@ -82,6 +84,7 @@ class FakeState:
     # The throughput bench: the one prefill worker's state, in this process; a lease ends
     # on it directly (the signed /release call cost the fakes more than the router's work).
     lease_holder: FakeState | None = None
+    chain: Any = None  # decode: its PrefillChain, made on the first chained request
 
     @property
     def kv_blocks_free(self) -> int:
@@ -193,6 +196,21 @@ def decode_app(st: FakeState) -> FastAPI:
         if failed is not None:
             return failed
         rid, handle = body.request_id, body.kv_handle
+        head = b""  # a chained request (--pd-handoff decode): the prefill's first token
+        if body.prefill:
+            try:
+                reply = await _chain(st).prefill(body)
+            except BadRequest as exc:  # the prefill worker's request fault, as the real one
+                return _error(exc.status, str(exc), exc.code)
+            if reply is not None:
+                done = reply.finish_reason is not None or reply.kv_handle is None
+                usage = Usage(len(body.prompt_token_ids), 1, reply.num_cached_tokens)
+                head = encode(TokenDelta([reply.first_token_id], reply.text,
+                                         reply.finish_reason or "stop" if done else None,
+                                         usage if done else None)) + b"\n"  # fmt: skip
+                if done:
+                    return StreamingResponse(iter([head]), media_type="application/x-ndjson")
+                handle = reply.kv_handle
         resume = body.resume_token_ids or []  # a migrated stream: go on from there
         from_prefill = bool(handle) or any(t < 200 for t in resume)  # "<first>" ids are < 200
         n = body.sampling.max_tokens - (1 if from_prefill else 0)
@@ -205,9 +223,17 @@ def decode_app(st: FakeState) -> FastAPI:
         elif handle:  # "read" the blocks, then end the prefill worker's lease
             url = "http://" + handle.side_channel.removeprefix("tcp://").rstrip("/")
             await _release(st, url + "/release", encode(RequestRef(handle.request_id)))
-        return StreamingResponse(_stream(st, rid, n, start), media_type="application/x-ndjson")
+        return StreamingResponse(_stream(st, rid, n, start, head),
+                                 media_type="application/x-ndjson")  # fmt: skip
 
     return app
+
+
+def _chain(st: FakeState) -> PrefillChain:
+    """The real decode worker's prefill calls (decode_worker/chain.py), signed with SECRET."""
+    if st.chain is None:
+        st.chain = PrefillChain(30.0, worker_client.new_pool(SECRET))
+    return st.chain
 
 
 async def _release(st: FakeState, url: str, content: bytes) -> None:
@@ -218,8 +244,12 @@ async def _release(st: FakeState, url: str, content: bytes) -> None:
         await c.post(url, content=content)
 
 
-async def _stream(st: FakeState, rid: str, n: int, start: int = 0) -> AsyncIterator[bytes]:
+async def _stream(
+    st: FakeState, rid: str, n: int, start: int = 0, head: bytes = b""
+) -> AsyncIterator[bytes]:
     try:
+        if head:
+            yield head
         for i in range(start, n):
             if rid not in st.active:  # aborted
                 return

@@ -1,6 +1,7 @@
 """``bench/router_throughput.py --quick`` end to end: a ``pdserve router`` process in front
-of the tests' fake workers (another process), decode-direct and full P/D, token-id and text
-prompts; requests/s, the router's CPU per request from /proc, added latency."""
+of the tests' fake workers (another process), decode-direct, full P/D and full P/D with the
+decode worker calling the prefill worker (pd-chain), token-id and text prompts; requests/s,
+the router's CPU per request from /proc, added latency."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.loopback import run_bench
 # a router that regressed badly on its hot path (a client session or key derivation per
 # call, a busy poll, a tokenizer load per request) or a bench that charged the wrong
 # process's CPU to the router (the fakes' or the client's: several times more) fails.
-CPU_BOUND_US = {"direct": 10_000, "pd": 40_000}
+CPU_BOUND_US = {"direct": 10_000, "pd": 40_000, "pd-chain": 40_000}
 
 
 @pytest.mark.bench
@@ -22,12 +23,12 @@ CPU_BOUND_US = {"direct": 10_000, "pd": 40_000}
 def test_router_throughput_quick() -> None:
     result = run_bench("router_throughput.py", "--quick", timeout=220)
     runs = {(r["path"], r["prompt"]): r for r in result["runs"]}
-    assert set(runs) == {(p, k) for p in ("direct", "pd") for k in ("ids", "text")}
+    assert set(runs) == {(p, k) for p in CPU_BOUND_US for k in ("ids", "text")}
     assert result["errors"] == 0, result  # every stream read to its end with a 200
     for (path, _), run in runs.items():
         assert run["requests"] == 200 and run["rps"] > 0
         assert 0 < run["router_cpu_us_per_req"] < CPU_BOUND_US[path], run
-    for path in ("direct", "pd"):
+    for path in CPU_BOUND_US:
         run = runs[(path, "ids")]
         assert run["paced_rps"] == pytest.approx(run["rps"] / 2, abs=0.1)
         assert run["routed_p50_ms"] > 0 and run["direct_p50_ms"] > 0

@@ -1,0 +1,154 @@
+"""``--pd-handoff decode``: the decode worker calls the prefill worker (decode_worker/chain.py).
+
+The fake decode worker runs the real decode worker's ``PrefillChain`` against the fake
+prefill workers (tests/router/fakes.py), so these check the router's side (one call per
+request, the candidates named, aborts reaching them) and the chain's failover together;
+tests/workers/test_pd_handoff_real.py runs the real workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from pdserve.protocol.contract import GenerateRequest, InvalidParameter, KVHandle
+from tests.router.test_api import LONG, client
+from tests.router.test_retries import _until
+
+pytestmark = pytest.mark.timeout(60)
+CHAIN = {"disagg_threshold": 16, "pd_handoff": "decode"}
+
+
+async def test_one_call_at_the_router_and_the_same_stream(cluster_factory) -> None:
+    async with cluster_factory(**CHAIN) as c:
+        out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=4)
+        first = c.prefill[0].requests[0]
+        req = c.decode[0].requests[0]
+        assert req.prefill == [c.prefill_urls[0]] and req.kv_handle is None
+        assert first.request_id == req.request_id  # the decode worker's call, same id
+        assert out.choices[0].text == f"<{100 + sum(first.prompt_token_ids) % 50}> t0 t1 t2"
+        # the same text as the router's own handoff gives
+        async with cluster_factory(disagg_threshold=16) as r:
+            again = await client(r.url).completions.create(model="tiny", prompt=LONG,
+                                                           max_tokens=4)  # fmt: skip
+        assert again.choices[0].text == out.choices[0].text
+        await c.settle()
+
+
+async def test_streamed_first_token_then_usage(cluster_factory) -> None:
+    async with cluster_factory(**CHAIN) as c:
+        stream = await client(c.url).completions.create(
+            model="tiny", prompt=LONG, max_tokens=3, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = [ch async for ch in stream]
+        texts = [ch.choices[0].text for ch in chunks if ch.choices]
+        # the first token leads (lines that came together may share a chunk)
+        assert texts[0].startswith("<") and "".join(texts).endswith("> t0 t1")
+        usage = chunks[-1].usage
+        assert usage.completion_tokens == 3 and usage.prompt_tokens > 16
+        await c.settle()
+
+
+async def test_one_token_ends_at_the_prefill(cluster_factory) -> None:
+    async with cluster_factory(**CHAIN) as c:
+        out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=1)
+        assert out.choices[0].text.startswith("<") and out.choices[0].finish_reason == "length"
+        assert not c.prefill[0].leases
+        await c.settle()
+
+
+async def test_failed_prefill_worker_moves_to_the_next(cluster_factory) -> None:
+    async with cluster_factory(n_prefill=2, routing="round-robin", **CHAIN) as c:
+        c.prefill[0].fail = "500"
+        for _ in range(4):
+            out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=3)
+            assert out.choices[0].text.startswith("<") and out.choices[0].text.endswith(" t0 t1")
+        assert len(c.prefill[1].requests) == 4  # every request got its prefill there
+        assert c.prefill[0].requests, "the failing worker was never a candidate"
+        assert set(c.prefill[0].aborted) >= {r.request_id for r in c.prefill[0].requests}
+        await c.settle()
+
+
+async def test_every_prefill_worker_down_prefills_on_the_decode_worker(cluster_factory) -> None:
+    async with cluster_factory(n_prefill=2, **CHAIN) as c:
+        for st in c.prefill:
+            st.fail = "500"
+        out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=3)
+        assert out.choices[0].text == " t0 t1 t2"  # no "<first>": computed on the decode side
+        assert sum(len(st.requests) for st in c.prefill) == 2
+        assert c.decode[0].chain.local == 1
+        await c.settle()
+
+
+async def test_prefill_refusal_reaches_the_client_not_retried(cluster_factory) -> None:
+    async with cluster_factory(n_prefill=2, **CHAIN) as c:
+        for st in c.prefill:
+            st.fail = "400"
+        async with httpx.AsyncClient(base_url=c.url) as h:
+            resp = await h.post("/v1/completions", json={"model": "tiny", "prompt": LONG})
+        assert resp.status_code == 400 and "injected refusal" in resp.json()["error"]["message"]
+        assert sum(len(st.requests) for st in c.prefill) == 1
+        assert len(c.decode[0].requests) == 1
+        await c.settle()
+
+
+async def test_decode_failure_before_tokens_aborts_the_candidates_and_retries(
+    cluster_factory,
+) -> None:
+    async with cluster_factory(n_decode=2, **CHAIN) as c:
+        c.decode[0].fail = "500"
+        sent = 0
+        while not c.decode[0].requests and sent < 20:
+            out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=4)
+            assert out.choices[0].text.endswith(" t0 t1 t2")
+            sent += 1
+        assert c.decode[0].requests, f"the failing decode worker was never tried in {sent}"
+        rid = c.decode[0].requests[0].request_id
+        # the next decode worker got the same candidates, after an abort that would have
+        # freed a lease the failed one held
+        retry = next(r for r in c.decode[1].requests if r.request_id == rid)
+        assert retry.prefill == [c.prefill_urls[0]]
+        assert rid in c.prefill[0].aborted
+        await c.settle()
+
+
+async def test_client_gone_while_the_prefill_hangs_frees_everything(cluster_factory) -> None:
+    async with cluster_factory(**CHAIN) as c:
+        c.prefill[0].fail = "hang"
+        async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
+            task = asyncio.create_task(
+                h.post("/v1/completions", json={"model": "tiny", "prompt": LONG, "stream": True})
+            )
+            await _until(lambda: bool(c.prefill[0].requests))
+            task.cancel()
+        rid = c.prefill[0].requests[0].request_id
+        await _until(lambda: rid in c.prefill[0].aborted and rid in c.decode[0].aborted)
+        await c.settle()
+        await _until(lambda: c.runtime.active == 0)
+
+
+async def test_decode_crash_after_the_first_token_migrates(cluster_factory) -> None:
+    async with cluster_factory(**CHAIN) as c:
+        c.decode[0].fail = "mid-stream-once"  # breaks after 2 tokens, then serves (restarted)
+        out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=6)
+        assert out.choices[0].text.startswith("<") and out.choices[0].text.endswith(" t4")
+        moved = [r for r in c.decode[0].requests if r.resume_token_ids]
+        assert len(moved) == 1 and moved[0].prefill is None and moved[0].kv_handle is None
+        assert len(c.prefill[0].requests) == 1  # the prompt was not prefilled again
+        await c.settle()
+
+
+def test_generate_request_refuses_a_bad_candidate_list() -> None:
+    handle = KVHandle("r", "a", "tcp://x", [0], 4, [], 16, "n", 30.0)
+    for bad in ([], ["ftp://x"], ["http://x"] * 9, ["http://a\nb"]):
+        with pytest.raises(InvalidParameter, match="prefill"):
+            GenerateRequest("r", [1, 2], prefill=bad).validate()
+    with pytest.raises(InvalidParameter, match="prefill"):
+        GenerateRequest("r", [1, 2], kv_handle=handle, first_token_id=3,
+                        prefill=["http://a"]).validate()  # fmt: skip
+    with pytest.raises(InvalidParameter, match="prefill"):
+        GenerateRequest("r", [1, 2], resume_token_ids=[5], prefill=["http://a"]).validate()
+    GenerateRequest("r", [1, 2], prefill=["http://127.0.0.1:1", "https://p"]).validate()
