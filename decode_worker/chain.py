@@ -16,7 +16,9 @@ request drops by that call), and the prefill's reply does not cross the router. 
 prefill call is signed with the service secret like the router's, on the same keep-alive
 pool (router/transport/http1.py). A request fault (4xx) from the prefill worker is this
 request's answer; a worker fault (connection, 5xx, timeout, a bad reply) moves to the next
-candidate, after an abort that frees anything the failed worker held. A prefill worker
+candidate, after an abort that frees anything the failed worker held, and puts the failed
+worker last for the next ``FAILED_S`` (as the router takes a worker whose call failed out of
+rotation until its health check passes). A prefill worker
 that hangs costs up to ``timeout_s`` (the decode worker's ``--prefill-timeout``); the
 router's stall watch covers the router's own calls only. The router aborts the request
 on every candidate when it ends early, so a lease is never left to its TTL.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -40,6 +43,7 @@ from pdserve.worker.http import BadRequest
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_TIMEOUT_S = 120.0
+FAILED_S = 5.0  # a prefill worker whose call failed is tried last for this long
 
 
 class PrefillChain:
@@ -52,6 +56,7 @@ class PrefillChain:
         self._pool = pool
         self.count = count or (lambda outcome: None)  # "ok", "failed", "local": metrics
         self._background: set[asyncio.Task[Any]] = set()
+        self._failed: dict[str, float] = {}  # url -> until when it is tried last
         self.failures = 0  # prefill calls that failed over to the next candidate
         self.local = 0  # requests prefilled here after every candidate failed
 
@@ -68,12 +73,13 @@ class PrefillChain:
         assert req.prefill
         preq = PrefillRequest(req.request_id, req.prompt_token_ids, req.sampling,
                               req.cache_salt, req.lora)  # fmt: skip
-        for url in req.prefill:
+        for url in self._order(req.prefill):
             try:
                 reply = await worker_client.prefill(self.pool, url, preq, self.timeout_s)
             except WorkerFailed as exc:
                 self.failures += 1
                 self.count("failed")
+                self._failed[url] = time.monotonic() + FAILED_S
                 log.warning("request %s: prefill failed on %s: %s", req.request_id, url, exc)
                 self._spawn(worker_client.abort(self.pool, url, req.request_id))
             except APIError as exc:
@@ -85,6 +91,18 @@ class PrefillChain:
         self.count("local")
         log.warning("request %s: every prefill worker failed; prefilling here", req.request_id)
         return None
+
+    def _order(self, urls: list[str]) -> list[str]:
+        """The candidates, those that failed a call in the last ``FAILED_S`` last (still
+        tried when every other one fails): a worker that answers its health check but fails
+        its calls costs one request a failed call, not every request until the router's
+        health checks see it."""
+        if not self._failed:
+            return urls
+        now = time.monotonic()
+        for url in [u for u, until in self._failed.items() if until <= now]:
+            del self._failed[url]
+        return sorted(urls, key=lambda u: u in self._failed)  # stable: the router's order
 
     @staticmethod
     def after(req: GenerateRequest, reply: PrefillReply) -> GenerateRequest:

@@ -72,6 +72,19 @@ async def test_failed_prefill_worker_moves_to_the_next(cluster_factory) -> None:
         await c.settle()
 
 
+async def test_a_failed_prefill_worker_is_tried_last_for_a_while(cluster_factory) -> None:
+    async with cluster_factory(n_prefill=2, routing="round-robin", **CHAIN) as c:
+        c.prefill[0].fail = "500"  # its health check passes: the router keeps naming it
+        for _ in range(6):
+            out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=2)
+            assert out.choices[0].text.startswith("<")
+        firsts = [r.prefill[0] for r in c.decode[0].requests]
+        assert firsts.count(c.prefill_urls[0]) >= 2  # named first again after it failed
+        assert len(c.prefill[0].requests) == 1  # but called once: then tried last
+        assert len(c.prefill[1].requests) == 6
+        await c.settle()
+
+
 async def test_every_prefill_worker_down_prefills_on_the_decode_worker(cluster_factory) -> None:
     async with cluster_factory(n_prefill=2, **CHAIN) as c:
         for st in c.prefill:
