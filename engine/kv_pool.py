@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import mmap
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -34,18 +35,74 @@ class KVShape:
 
 
 def available_bytes(device: torch.device) -> int:
+    """Memory a new pool can take: the GPU's free memory, or on the CPU the host's
+    MemAvailable bounded by this process's memory cgroup (a container's limit: inside one,
+    /proc/meminfo is the whole node's)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
+    host = 4 << 30
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 4 << 30
+                host = int(line.split()[1]) * 1024
+                break
+    room = cgroup_room()
+    return host if room is None else min(host, room)
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
+
+
+def cgroup_room(root: str = CGROUP_ROOT, self_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """Bytes left under this process's memory cgroup limit (limit - usage + the inactive
+    file cache the kernel would reclaim first, as the kubelet counts a working set); None
+    without a limit or a readable cgroup. cgroup v2 (``memory.max``) or v1
+    (``memory.limit_in_bytes``)."""
+    try:
+        lines = Path(self_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: 0::/path
+            files = ("memory.max", "memory.current", "inactive_file")
+            dirs = (f"{root}{path}", root)
+        elif "memory" in controllers.split(","):
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            dirs = (f"{root}/memory{path}", f"{root}/memory")
+        else:
+            continue
+        for d in dirs:  # the process's own group; in a cgroup namespace, the mount's root
+            room = _room(d, *files)
+            if room is not None:
+                return room
+    return None
+
+
+def _room(d: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    base = Path(d)
+    try:
+        limit = (base / limit_file).read_text().strip()
+        usage = int((base / usage_file).read_text())
+        stat = dict(ln.split() for ln in (base / "memory.stat").read_text().splitlines())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= UNLIMITED:
+        return None
+    return max(0, int(limit) - usage + int(stat.get(inactive_key, 0)))
 
 
 def budget_bytes(device: torch.device, explicit: int | None, fraction: float | None) -> int:
     if explicit is not None:
+        room = available_bytes(device) if device.type == "cpu" else None
+        if room is not None and explicit > room:  # the pool is touched lazily: say it now
+            raise ValueError(
+                f"--kv-cache-bytes {explicit} is more than the {room} bytes this worker can "
+                f"take (MemAvailable, bounded by its memory cgroup's limit): the pool would "
+                f"be killed for memory once it filled, so it is refused at start"
+            )
         return explicit
     free = available_bytes(device)
     if fraction is not None:
