@@ -33,9 +33,12 @@ def _reference(hf_model: Any, prompt: list[int], k: int) -> list[Any]:
     for p in range(len(prompt) - 1):
         row = lp[p]
         chosen = float(row[prompt[p + 1]])
-        rank = int((row > row[prompt[p + 1]]).sum()) + 1
+        # the ranks a logprob within TOL of this one may have: tokens whose logprobs are
+        # that close order differently between two correct float32 forwards (one rank apart
+        # on an AMD EPYC host: -10.165918 here, -10.165929 in transformers)
+        ranks = range(int((row > chosen + TOL).sum()) + 1, int((row > chosen - TOL).sum()) + 2)
         vals, ids = row.topk(k)
-        out.append((chosen, rank, ids.tolist(), vals.tolist()))
+        out.append((chosen, ranks, ids.tolist(), vals.tolist()))
     return out
 
 
@@ -56,7 +59,7 @@ def _check(got: list[Any], want: list[Any]) -> None:
     assert len(got) == len(want) and got[0] is None
     for g, w in zip(got[1:], want[1:], strict=True):
         logprob, rank, top = g
-        assert abs(logprob - w[0]) < TOL and rank == w[1]
+        assert abs(logprob - w[0]) < TOL and rank in w[1], (logprob, rank, w[:2])
         assert [i for i, _ in top] == w[2]
         assert all(abs(a - b) < TOL for (_, a), b in zip(top, w[3], strict=True))
 

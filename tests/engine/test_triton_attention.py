@@ -36,6 +36,10 @@ pytestmark = pytest.mark.timeout(900)
 
 HERE = Path(__file__).resolve().parent
 TOLERANCE = 1e-5
+# The padded graph step runs its GEMMs on 4 rows where the eager one runs 3: the BLAS may
+# pick another kernel for that shape (2.1e-5 apart on an AMD EPYC host). A graph that read
+# the wrong row or stale inputs is off by the logits themselves (order 1).
+GRAPH_TOLERANCE = 1e-4
 
 
 def interpreted_env() -> dict[str, str]:
@@ -110,4 +114,4 @@ def test_decode_graph_step_equals_eager(engine_results: dict[str, Any]) -> None:
     bucket 4; the graph runner is a fake that re-runs the step) equals the eager step."""
     graphs = engine_results["graphs"]
     assert graphs["replays"] == 1 and graphs["rows"] == 3
-    assert graphs["max_diff"] <= TOLERANCE, graphs
+    assert graphs["max_diff"] <= GRAPH_TOLERANCE, graphs

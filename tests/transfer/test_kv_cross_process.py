@@ -29,9 +29,21 @@ def freeze_peer_when_read_starts(conn: RemoteKVConnector, peer: PeerProcess, mp)
 
     def start_read(*args):  # type: ignore[no-untyped-def]
         os.kill(peer.proc.pid, signal.SIGSTOP)
+        _until_stopped(peer.proc.pid)  # a signal lands later: the peer could answer first
         return real(*args)
 
     mp.setattr(conn.transport, "start_read", start_read)
+
+
+def _until_stopped(pid: int, timeout: float = 5.0) -> None:
+    """Until the kernel shows ``pid`` stopped (state T in /proc/PID/stat)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop in {timeout} s")
 
 
 def connector(transport: str, blocks: int = 16) -> tuple[RemoteKVConnector, torch.Tensor]:
