@@ -28,6 +28,19 @@ async def _until(cond, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def send_until_tried(url: str, st: FakeState, limit: int = 20) -> int:
+    """Requests of 4 tokens, each served whole, until the failing decode worker ``st`` has
+    been tried: both decode workers idle, the picker breaks the tie either way (each try
+    costs the failing one a health mark; bounded). How many were sent."""
+    sent = 0
+    while not st.requests and sent < limit:
+        out = await client(url).completions.create(model="tiny", prompt=LONG, max_tokens=4)
+        assert out.choices[0].text.endswith(" t0 t1 t2")
+        sent += 1
+    assert st.requests, f"the failing decode worker was never tried in {sent}"
+    return sent
+
+
 def _ids(st: FakeState) -> list[str]:
     return [r.request_id for r in st.requests]
 
@@ -54,8 +67,10 @@ async def test_all_prefill_workers_down_falls_back_to_local_prefill(cluster_fact
         await c.settle()
 
 
-async def test_prefill_refusal_is_passed_on_not_retried(cluster_factory) -> None:
-    async with cluster_factory(n_prefill=2, disagg_threshold=16) as c:
+@pytest.mark.parametrize("handoff", ["router", "decode"])
+async def test_prefill_refusal_is_passed_on_not_retried(cluster_factory, handoff: str) -> None:
+    """A prefill worker's 400 is the client's, whoever made the call (``--pd-handoff``)."""
+    async with cluster_factory(n_prefill=2, disagg_threshold=16, pd_handoff=handoff) as c:
         for st in c.prefill:
             st.fail = "400"
         async with httpx.AsyncClient(base_url=c.url) as h:
@@ -68,14 +83,7 @@ async def test_prefill_refusal_is_passed_on_not_retried(cluster_factory) -> None
 async def test_decode_failure_before_first_token_is_retried(cluster_factory) -> None:
     async with cluster_factory(n_decode=2, disagg_threshold=16) as c:
         c.decode[0].fail = "500"
-        # Both decode workers idle: the picker breaks the tie either way, so send until the
-        # failing one has been tried (each try costs it a health mark; bounded).
-        sent = 0
-        while not c.decode[0].requests and sent < 20:
-            out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=4)
-            assert out.choices[0].text.endswith(" t0 t1 t2")
-            sent += 1
-        assert c.decode[0].requests, f"the failing decode worker was never tried in {sent}"
+        sent = await send_until_tried(c.url, c.decode[0])
         assert len(c.decode[1].requests) == sent  # every request was served there
         assert all(r.kv_handle for r in c.decode[1].requests)
         # A handle is single-use: the retry carries a fresh one, from a second prefill
@@ -146,8 +154,11 @@ async def test_non_streaming_client_disconnect_aborts_on_workers(cluster_factory
         await _until(lambda: c.runtime.active == 0)
 
 
-async def test_disconnect_during_prefill_aborts_prefill(cluster_factory) -> None:
-    async with cluster_factory(disagg_threshold=16) as c:
+@pytest.mark.parametrize("handoff", ["router", "decode"])
+async def test_disconnect_during_prefill_aborts_prefill(cluster_factory, handoff: str) -> None:
+    """The prefill hangs until aborted; the client goes. With ``--pd-handoff decode`` the
+    decode worker is the one waiting on the prefill: both hear the abort."""
+    async with cluster_factory(disagg_threshold=16, pd_handoff=handoff) as c:
         c.prefill[0].fail = "hang"
         async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
             task = asyncio.create_task(
@@ -157,8 +168,12 @@ async def test_disconnect_during_prefill_aborts_prefill(cluster_factory) -> None
             task.cancel()
         rid = _ids(c.prefill[0])[0]
         await _until(lambda: rid in c.prefill[0].aborted)
-        assert c.decode[0].requests == []
+        if handoff == "router":
+            assert c.decode[0].requests == []
+        else:
+            await _until(lambda: rid in c.decode[0].aborted)
         await c.settle()
+        await _until(lambda: c.runtime.active == 0)
 
 
 async def test_health_checks_drop_and_readmit_workers() -> None:
