@@ -19,9 +19,10 @@ request's answer; a worker fault (connection, 5xx, timeout, a bad reply) moves t
 candidate, after an abort that frees anything the failed worker held, and puts the failed
 worker last for the next ``FAILED_S`` (as the router takes a worker whose call failed out of
 rotation until its health check passes). A prefill worker
-that hangs costs up to ``timeout_s`` (the decode worker's ``--prefill-timeout``); the
-router's stall watch covers the router's own calls only. The router aborts the request
-on every candidate when it ends early, so a lease is never left to its TTL.
+that hangs and fails its health checks is cut by the router's stall watch, whose abort
+ends this worker's wait (``DecodeWorker.abort_chain``); one that hangs while healthy costs
+up to ``timeout_s`` (the decode worker's ``--prefill-timeout``). The router aborts the
+request on every candidate when it ends early, so a lease is never left to its TTL.
 """
 
 from __future__ import annotations

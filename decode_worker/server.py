@@ -11,6 +11,7 @@ itself and streams its first token first (decode_worker/chain.py).
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -21,7 +22,13 @@ from fastapi.responses import Response
 from pdserve import env, keys
 from pdserve.decode_worker.chain import DEFAULT_PREFILL_TIMEOUT_S, PrefillChain
 from pdserve.protocol.codec import encode
-from pdserve.protocol.contract import GenerateRequest, TokenDelta, Usage, WorkerError
+from pdserve.protocol.contract import (
+    GenerateRequest,
+    PrefillReply,
+    TokenDelta,
+    Usage,
+    WorkerError,
+)
 from pdserve.protocol.outputs import REQUEST_FAILED, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.protocol.token_lines import encode_line
@@ -45,6 +52,7 @@ class DecodeWorker(RoleWorker):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
         self.chain = PrefillChain(args.prefill_timeout, count=self._count_prefill)
+        self._chaining: dict[str, asyncio.Task[Any]] = {}  # request id -> its prefill wait
 
     def _count_prefill(self, outcome: str) -> None:
         self.metrics.prefill_calls.labels(self.ROLE, outcome).inc()
@@ -72,7 +80,7 @@ class DecodeWorker(RoleWorker):
         """Prefill on the named workers, then decode here (decode_worker/chain.py); every
         candidate failed: prefill here. A request fault of the prefill worker raises, so
         the router hears it as this call's status."""
-        reply = await self.chain.prefill(req)
+        reply = await self._prefill_abortable(req)
         if reply is None:
             return await self.generate(replace(req, prefill=None))
         ids = [reply.first_token_id]
@@ -84,6 +92,27 @@ class DecodeWorker(RoleWorker):
             return _one(line)
         head = encode_line(ids, reply.text, None, None, reply.logprobs, reply.prompt_logprobs)
         return self._after_head(head, PrefillChain.after(req, reply), reply.num_cached_tokens)
+
+    async def _prefill_abortable(self, req: GenerateRequest) -> PrefillReply | None:
+        """The chain's prefill, which an abort of the request ends (``abort_chain``): the
+        router gave up on this call (a hung prefill worker, the client gone) and may send
+        the request again under the same id, here; the old call must not go on."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.abort_chain(req.request_id)  # an older call of this id still waiting
+        self._chaining[req.request_id] = task
+        try:
+            return await self.chain.prefill(req)
+        finally:
+            if self._chaining.get(req.request_id) is task:
+                del self._chaining[req.request_id]
+
+    def abort_chain(self, request_id: str) -> bool:
+        task = self._chaining.pop(request_id, None)
+        if task is None:
+            return False
+        task.cancel()
+        return True
 
     async def _after_head(
         self, head: bytes, req: GenerateRequest, cached: int
@@ -142,7 +171,7 @@ class DecodeWorker(RoleWorker):
         # line, nothing between it and the server.
         secrets = keys.secrets_from_env() if env.service_secret("the decode worker") else ()
         app = DirectApp(secrets, known_error, title="pdserve decode worker")
-        add_common_routes(app, self.engine, self.metrics, self.identity())
+        add_common_routes(app, self.engine, self.metrics, self.identity(), self.abort_chain)
         add_lora_routes(app, self.engine)
 
         async def generate(request: Request) -> Response:

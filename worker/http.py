@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -197,9 +198,11 @@ def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
 
 
 def add_common_routes(
-    app: FastAPI, engine: EngineClient, metrics: WorkerMetrics, identity: dict[str, Any]
-) -> None:
-    """``identity``: the ``WorkerStats`` fields that say who the worker is."""
+    app: FastAPI, engine: EngineClient, metrics: WorkerMetrics, identity: dict[str, Any],
+    on_abort: Callable[[str], bool] = lambda rid: False,
+) -> None:  # fmt: skip
+    """``identity``: the ``WorkerStats`` fields that say who the worker is; ``on_abort``:
+    the role's own part of an abort (True: it knew the request)."""
     if env.service_secret(f"the {identity.get('role', '')} worker"):
         app.add_middleware(SecretCheck, secret=keys.secrets_from_env())
 
@@ -247,9 +250,10 @@ def add_common_routes(
     @app.post("/abort")
     async def abort(request: Request) -> JSONResponse:
         rid = (await read_message(request, RequestRef)).request_id
+        mine = on_abort(rid)
         known = await engine.query("known", rid)
         engine.abort(rid)
-        return reply(AbortReply(bool(known)))
+        return reply(AbortReply(bool(known) or mine))
 
 
 # Seconds an idle keep-alive connection stays open. uvicorn's default (5 s) is far below

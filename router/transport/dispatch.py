@@ -267,6 +267,8 @@ class Dispatcher:
             elif attempt and req.prefill:  # the last decode worker may hold a lease there
                 await asyncio.gather(*(worker_client.abort(self.client, u, rs.request_id)
                                        for u in req.prefill))  # fmt: skip
+                alive = [u for u in req.prefill if not self.discovery.failed_check(u)]
+                req = replace(req, prefill=alive or None)  # none left: prefill there
             rs.touched.add(url)
             self._track(url, "decode", 0, +1)
             try:
@@ -328,11 +330,13 @@ class Dispatcher:
     ) -> AsyncIterator[Delta]:
         """One decode worker's deltas; raises WorkerFailed when its stream breaks."""
         watch = worker_client.StreamWatch(url)
+        watch.via = req.prefill[0] if req.prefill else None
         self._watches.add(watch)
         try:
             async for msg in worker_client.generate(
                 self.client, url, req, self.cfg.request_timeout_s, watch
             ):
+                watch.via = None  # the prefill is over: the decode worker's own stream now
                 if rs.finished:  # read on to the end: the connection goes back to the pool
                     continue
                 if msg.error is not None:  # request_failed: an APIError, never moved elsewhere
@@ -353,12 +357,19 @@ class Dispatcher:
         moves on (a prefill to the next prefill worker or a local prefill, a decode stream
         to the next decode worker). A hung worker (stopped, deadlocked, its host gone
         silent) closes nothing, and its calls would otherwise wait ``request_timeout_s``;
-        a healthy worker's quiet call (a long queue, a long prefill) is left alone."""
+        a healthy worker's quiet call (a long queue, a long prefill) is left alone. A
+        chained decode call (``--pd-handoff decode``) with no bytes yet is cut too when the
+        prefill worker it waits on fails its check; the decode worker is not blamed, and
+        the retry names only the candidates that pass theirs."""
         now, limit = time.monotonic(), self.cfg.stall_timeout_s
         for watch in list(self._watches):
             quiet = watch.quiet_s(now)
-            if quiet < limit or not self.discovery.failed_check(watch.url):
+            if quiet < limit:
                 continue
+            if not self.discovery.failed_check(watch.url):
+                if watch.via is None or not self.discovery.failed_check(watch.via):
+                    continue
+                watch.down = False  # the decode worker is fine: its prefill worker hangs
             if watch.cut(f"no bytes for {quiet:.1f}s and its health check fails"):
                 log.warning("cutting a stalled %s call on %s (%.1fs quiet)", watch.role,
                             watch.url, quiet)  # fmt: skip

@@ -153,10 +153,14 @@ class StreamWatch:
     request's task is elsewhere (handing tokens to a slow client) there is nothing to cut,
     and ``cut`` does nothing."""
 
-    __slots__ = ("_since", "_waiting", "reason", "role", "url")
+    __slots__ = ("_since", "_waiting", "down", "reason", "role", "url", "via")
 
     def __init__(self, url: str, role: str = "decode") -> None:
         self.url, self.role = url, role
+        # a chained decode call (--pd-handoff decode) before its first bytes: the prefill
+        # worker the decode worker is waiting on, whose failed health check cuts it too
+        self.via: str | None = None
+        self.down = True  # the cut blames the worker called (False: the one it waits on)
         self.reason: str | None = None
         self._waiting: asyncio.Task[Any] | None = None  # the task that waits for the worker
         self._since = 0.0  # when that wait began
@@ -198,7 +202,7 @@ def _cut_or_cancelled(url: str, watch: StreamWatch | None) -> WorkerFailed:
     uncancel = getattr(task, "uncancel", None)  # Python 3.11+: count the cut's cancel off
     if uncancel is not None and uncancel() > 0:  # the client went away as well
         raise asyncio.CancelledError
-    return WorkerFailed(url, f"stream cut: {watch.reason}")
+    return WorkerFailed(url, f"stream cut: {watch.reason}", down=watch.down)
 
 
 async def prefill(

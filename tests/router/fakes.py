@@ -85,6 +85,7 @@ class FakeState:
     # on it directly (the signed /release call cost the fakes more than the router's work).
     lease_holder: FakeState | None = None
     chain: Any = None  # decode: its PrefillChain, made on the first chained request
+    chaining: dict[str, Any] = field(default_factory=dict)  # request id -> its prefill wait
 
     @property
     def kv_blocks_free(self) -> int:
@@ -129,6 +130,10 @@ def _common(app: FastAPI, st: FakeState) -> None:
         rid = decode(await request.body(), RequestRef).request_id
         st.aborted.append(rid)
         found = st.leases.pop(rid, None) is not None or st.active.pop(rid, None) is not None
+        waiting = st.chaining.pop(rid, None)  # a chained request's prefill call, as the real
+        if waiting is not None:  # decode worker ends it (DecodeWorker.abort_chain)
+            waiting.cancel()
+            found = True
         return to_dict(AbortReply(found))
 
 
@@ -198,10 +203,13 @@ def decode_app(st: FakeState) -> FastAPI:
         rid, handle = body.request_id, body.kv_handle
         head = b""  # a chained request (--pd-handoff decode): the prefill's first token
         if body.prefill:
+            st.chaining[rid] = asyncio.current_task()
             try:
                 reply = await _chain(st).prefill(body)
             except BadRequest as exc:  # the prefill worker's request fault, as the real one
                 return _error(exc.status, str(exc), exc.code)
+            finally:
+                st.chaining.pop(rid, None)
             if reply is not None:
                 done = reply.finish_reason is not None or reply.kv_handle is None
                 usage = Usage(len(body.prompt_token_ids), 1, reply.num_cached_tokens)

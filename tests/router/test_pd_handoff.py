@@ -8,6 +8,8 @@ tests/workers/test_pd_handoff_real.py runs the real workers.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from pdserve.protocol.contract import GenerateRequest, InvalidParameter, KVHandle
@@ -108,6 +110,30 @@ async def test_decode_failure_before_tokens_aborts_the_candidates_and_retries(
         await c.settle()
 
 
+async def test_a_hung_prefill_worker_costs_the_stall_timeout_not_the_call_timeout(
+    cluster_factory,
+) -> None:
+    """p0 hangs on its first call and fails its health check from then on (a stopped
+    process). The decode worker waits on it (its own timeout is 30 s here); the router
+    cuts that call after ``stall_timeout_s``, aborts the request (ending the decode
+    worker's wait) and sends it again naming only p1. The decode worker is not blamed."""
+    async with cluster_factory(n_prefill=2, routing="round-robin", stall_timeout_s=0.5,
+                               **CHAIN) as c:  # fmt: skip
+        c.prefill[0].fail = "stall"
+        t0 = asyncio.get_running_loop().time()
+        for _ in range(2):  # round-robin: one of them names p0 first
+            out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=3)
+            assert out.choices[0].text.startswith("<") and out.choices[0].text.endswith(" t1")
+        assert asyncio.get_running_loop().time() - t0 < 10
+        rid = c.prefill[0].requests[0].request_id
+        sent = [r.prefill for r in c.decode[0].requests if r.request_id == rid]
+        assert sent == [c.prefill_urls, [c.prefill_urls[1]]]
+        assert rid in c.decode[0].aborted and rid in c.prefill[0].aborted
+        assert not c.decode[0].chaining  # the first call's wait was ended, not left running
+        assert c.runtime.discovery.snapshot().decode  # the decode worker stays in rotation
+        await c.settle()
+
+
 async def test_decode_crash_after_the_first_token_migrates(cluster_factory) -> None:
     async with cluster_factory(**CHAIN) as c:
         c.decode[0].fail = "mid-stream-once"  # breaks after 2 tokens, then serves (restarted)
@@ -130,3 +156,32 @@ def test_generate_request_refuses_a_bad_candidate_list() -> None:
     with pytest.raises(InvalidParameter, match="prefill"):
         GenerateRequest("r", [1, 2], resume_token_ids=[5], prefill=["http://a"]).validate()
     GenerateRequest("r", [1, 2], prefill=["http://127.0.0.1:1", "https://p"]).validate()
+
+
+async def test_the_real_decode_worker_ends_a_chained_wait_on_abort() -> None:
+    """DecodeWorker's side of the above, without an engine (no model needed for it): an
+    abort of the request id cancels its prefill wait, and so does a second call of the
+    same id (the router's retry landing here), which then waits in its place."""
+    from pdserve.decode_worker.server import DecodeWorker
+
+    class Hanging:
+        async def prefill(self, req: GenerateRequest) -> None:
+            await asyncio.Event().wait()
+
+    worker = DecodeWorker.__new__(DecodeWorker)  # the chain logic only: no engine process
+    worker.chain, worker._chaining = Hanging(), {}  # type: ignore[assignment]
+    req = GenerateRequest("r1", [1, 2, 3], prefill=["http://127.0.0.1:1"])
+    first = asyncio.create_task(worker._prefill_abortable(req))
+    await asyncio.sleep(0.01)
+    assert worker.abort_chain("r1") and not worker.abort_chain("r1")
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    again = asyncio.create_task(worker._prefill_abortable(req))
+    await asyncio.sleep(0.01)
+    retry = asyncio.create_task(worker._prefill_abortable(req))  # same id: the old one ends
+    await asyncio.sleep(0.01)
+    assert again.cancelled() and not retry.done() and worker._chaining["r1"] is retry
+    retry.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await retry
+    assert worker._chaining == {}
