@@ -58,7 +58,6 @@ class PrefillChain:
         self.count = count or (lambda outcome: None)  # "ok", "failed", "local": metrics
         self._background: set[asyncio.Task[Any]] = set()
         self._failed: dict[str, float] = {}  # url -> until when it is tried last
-        self.failures = 0  # prefill calls that failed over to the next candidate
         self.local = 0  # requests prefilled here after every candidate failed
 
     @property
@@ -78,7 +77,6 @@ class PrefillChain:
             try:
                 reply = await worker_client.prefill(self.pool, url, preq, self.timeout_s)
             except WorkerFailed as exc:
-                self.failures += 1
                 self.count("failed")
                 self._failed[url] = time.monotonic() + FAILED_S
                 log.warning("request %s: prefill failed on %s: %s", req.request_id, url, exc)

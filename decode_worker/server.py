@@ -67,6 +67,11 @@ class DecodeWorker(RoleWorker):
     async def generate(self, req: GenerateRequest) -> AsyncIterator[bytes]:
         if req.prefill:
             return await self._chained(req)
+        return await self._run(req)
+
+    async def _run(self, req: GenerateRequest, cached: int | None = None) -> AsyncIterator[bytes]:
+        """The engine's stream of ``req`` as lines; ``cached``: a chained request's cached
+        prompt tokens, reported in place of this worker's (``_line``)."""
         kwargs: dict[str, Any] = {"cache_salt": req.cache_salt, "lora": req.lora}
         if req.kv_handle is not None:  # checked by the engine (KVHandle.problem)
             kwargs.update(remote_kv=req.kv_handle, first_token_id=req.first_token_id)
@@ -74,7 +79,7 @@ class DecodeWorker(RoleWorker):
             kwargs["resume_token_ids"] = req.resume_token_ids
         outputs = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling, **kwargs)
         first = await anext(outputs)  # validation errors surface here, before any byte is sent
-        return self._lines(first, outputs)
+        return self._lines(first, outputs, cached)
 
     async def _chained(self, req: GenerateRequest) -> AsyncIterator[bytes]:
         """Prefill on the named workers, then decode here (decode_worker/chain.py); every
@@ -82,7 +87,7 @@ class DecodeWorker(RoleWorker):
         the router hears it as this call's status."""
         reply = await self._prefill_abortable(req)
         if reply is None:
-            return await self.generate(replace(req, prefill=None))
+            return await self._run(replace(req, prefill=None))
         ids = [reply.first_token_id]
         if reply.finish_reason is not None or reply.kv_handle is None:
             usage = Usage(len(req.prompt_token_ids), 1, reply.num_cached_tokens)
@@ -121,7 +126,7 @@ class DecodeWorker(RoleWorker):
         have been this call's status is now a line (the stream has begun)."""
         yield head
         try:
-            lines = await self._decode(req, cached)
+            lines = await self._run(req, cached)
         except (BadRequest, InvalidParameter) as exc:  # this request alone: not retried
             yield _error_line(str(exc), "invalid_request_error", REQUEST_FAILED)
             return
@@ -130,14 +135,6 @@ class DecodeWorker(RoleWorker):
             return
         async for line in lines:
             yield line
-
-    async def _decode(self, req: GenerateRequest, cached: int) -> AsyncIterator[bytes]:
-        kwargs: dict[str, Any] = {"cache_salt": req.cache_salt, "lora": req.lora,
-                                  "remote_kv": req.kv_handle,
-                                  "first_token_id": req.first_token_id}  # fmt: skip
-        outputs = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling, **kwargs)
-        first = await anext(outputs)
-        return self._lines(first, outputs, cached)
 
     async def _lines(
         self, first: RequestOutput, rest: AsyncIterator[RequestOutput], cached: int | None = None
