@@ -6,6 +6,11 @@ this process (the load client), and the whole machine's busy time from /proc/sta
 it gives the simulator's host model (sim_host.py): the CPU seconds the router, the
 client and ``pdserve up`` itself spent per request, what a worker spent starting, and
 how much of the cores other people's jobs took meanwhile.
+
+A worker's engine core is counted as the worker's: a core that is the worker's child by
+its command line (``pdserve.worker.core_main``), and one forked by ``pdserve up``'s core
+zygote (whose command line it keeps, under the zygote) by the ``core_pid`` its worker's
+``/stats`` names (a signed call: ``secret``, the service secret ``pdserve up`` was given).
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
+
+from pdserve.signed_httpx import SignedAuth
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -102,6 +111,23 @@ def _is_core(pid: int, proc: str = "/proc") -> bool:
         return False
 
 
+def _is_zygote(pid: int, proc: str = "/proc") -> bool:
+    """``pdserve up``'s core zygote, or a core forked by it (it keeps the zygote's argv)."""
+    try:
+        return b"pdserve.worker.core_zygote" in Path(proc, str(pid), "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _port(pid: int, proc: str = "/proc") -> int | None:
+    """A worker's HTTP port, from its ``--port`` argument."""
+    try:
+        args = Path(proc, str(pid), "cmdline").read_bytes().split(b"\0")
+        return int(args[args.index(b"--port") + 1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def machine_busy_s(proc: str = "/proc") -> float:
     """Busy CPU seconds of the whole machine since boot (all but idle and iowait)."""
     vals = [int(v) for v in Path(proc, "stat").read_text().split("\n")[0].split()[1:]]
@@ -134,9 +160,14 @@ class CpuSampler:
     # lower our processes' autogroups to their nice (``nice -n 19`` means nothing to the
     # other sessions otherwise: sim_host.py); False leaves them as the kernel made them
     polite: bool = True
+    secret: str = ""  # the service secret: a forked core's worker is asked for its core_pid
     samples: list[Sample] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _last: dict[int, float] = field(default_factory=dict)  # other jobs' CPU at the last sample
+    _ports: dict[str, int] = field(default_factory=dict)  # worker role -> its HTTP port
+    _cores: dict[int, str] = field(default_factory=dict)  # forked core pid -> worker role
+    # forked cores not named yet: pid -> [(sample index, CPU s, engine thread CPU s)]
+    _unnamed: dict[int, list[tuple[int, float, float]]] = field(default_factory=dict)
 
     def start(self) -> CpuSampler:
         threading.Thread(target=self._loop, daemon=True).start()
@@ -172,25 +203,81 @@ class CpuSampler:
         procs: dict[str, float] = {}
         groups: dict[str, int] = {}
         ours = {os.getpid()}  # the client and the process tree under `pdserve up`
+        forked = []  # cores under the zygote: named once every worker was seen
         while todo:
             pid, parent_role = todo.pop()
             ours.add(pid)
             role = _role(pid, self.proc) or (parent_role if _is_core(pid, self.proc) else None)
             todo += [(child, role) for child in children.get(pid, [])]
-            if role is None or pid not in table:
-                continue
-            _, _, nice, (group, group_nice) = table[pid]
-            if self.polite and group and group_nice < nice:
-                group_nice = _lower_autogroup(pid, nice, group_nice, self.proc)
-            groups.setdefault(role, group_nice)
-            try:
-                procs[role] = procs.get(role, 0.0) + _proc_cpu(pid, self.proc)
-                if role not in ("up", "router"):
-                    key = role + "/engine"
-                    procs[key] = procs.get(key, 0.0) + _engine_cpu(pid, self.proc)
-            except (OSError, ValueError):
-                continue
+            if role is None and _is_zygote(table.get(pid, (0,))[0], self.proc):
+                forked.append(pid)
+            elif role is not None and role not in ("up", "router") and role not in self._ports:
+                port = _port(pid, self.proc)
+                if port is not None:
+                    self._ports[role] = port
+            if role is not None:
+                self._count(pid, role, table, procs, groups)
+        for pid in forked:
+            role = self._core_role(pid)
+            if role is not None:
+                self._count(pid, role, table, procs, groups)
+                self._backfill(pid, role)
+            elif pid in table:  # its worker does not answer yet (starting): kept for later
+                try:
+                    seen = (
+                        len(self.samples),
+                        _proc_cpu(pid, self.proc),
+                        _engine_cpu(pid, self.proc),
+                    )
+                except (OSError, ValueError):
+                    continue
+                self._unnamed.setdefault(pid, []).append(seen)
         return procs, groups, ours
+
+    def _backfill(self, pid: int, role: str) -> None:
+        """Add a core's CPU from the samples taken before its worker named it (a worker
+        answers ``/stats`` once its core is ready: the start-up is the core's work)."""
+        for i, cpu, engine in self._unnamed.pop(pid, []):
+            if i < len(self.samples):
+                procs = self.samples[i].procs
+                procs[role] = procs.get(role, 0.0) + cpu
+                procs[role + "/engine"] = procs.get(role + "/engine", 0.0) + engine
+
+    def _core_role(self, pid: int) -> str | None:
+        """The worker a zygote-forked core serves: asked once of the workers whose core is
+        not known yet (``/stats``' ``core_pid``)."""
+        if pid not in self._cores and self.secret:
+            named = set(self._cores.values())
+            for role, port in self._ports.items():
+                if role in named:
+                    continue
+                try:
+                    reply = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=0.5,
+                                      auth=SignedAuth(self.secret))  # fmt: skip
+                    core = int(reply.json().get("core_pid", 0))
+                except (httpx.HTTPError, ValueError, AttributeError):
+                    continue  # not ready yet: asked again at the next sample
+                if core:
+                    self._cores[core] = role
+        return self._cores.get(pid)
+
+    def _count(
+        self, pid: int, role: str, table: dict, procs: dict[str, float], groups: dict[str, int]
+    ) -> None:
+        """Add ``pid``'s CPU (and its engine thread's) to ``role``'s."""
+        if pid not in table:
+            return
+        _, _, nice, (group, group_nice) = table[pid]
+        if self.polite and group and group_nice < nice:
+            group_nice = _lower_autogroup(pid, nice, group_nice, self.proc)
+        groups.setdefault(role, group_nice)
+        try:
+            procs[role] = procs.get(role, 0.0) + _proc_cpu(pid, self.proc)
+            if role not in ("up", "router"):
+                key = role + "/engine"
+                procs[key] = procs.get(key, 0.0) + _engine_cpu(pid, self.proc)
+        except (OSError, ValueError):
+            return
 
 
 def _lower_autogroup(pid: int, nice: int, now: int, proc: str) -> int:

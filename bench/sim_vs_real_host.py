@@ -52,6 +52,13 @@ def _ready_times(log: list) -> dict[str, float]:
     return out
 
 
+def _added(log: list) -> set[str]:
+    """The workers the planner started during the run (``started NAME`` lines)."""
+    from sim_vs_real_up import EVENT
+
+    return {m.group(2) for _, line in log if (m := EVENT.search(line)) and m.group(1) == "started"}
+
+
 def _deltas(samples: list[dict]) -> list[tuple[float, float, dict[str, float]]]:
     """(start, length, CPU seconds per process and 'machine') of each sampling period; a
     process that vanished counts 0 (its exit loses its last CPU; clipped at 0)."""
@@ -147,10 +154,15 @@ def measure_host(
     from sim_vs_real_up import PROBE_LENGTHS  # the idle probe's prompt lengths
 
     ready = _ready_times(dump["log"])
+    # with a core zygote the first workers' start-ups waited on its imports (which no
+    # worker's CPU holds); the added workers' are the start-ups the simulator has
+    added = _added(dump["log"]) if dump.get("core_zygote") else set()
     startup_cpu, startup_s, other = 0.0, 0.0, 0.0
     for t, dt, d in _deltas(dump["cpu"]):
         for w in (k for k in d if "/" not in k and k not in (*FRONT, "machine")):
             if t < ready.get(w, float("inf")):  # starting: model load, warm-up
+                if added and w not in added:
+                    continue
                 startup_cpu += d[w]
                 startup_s += dt
             elif 0 <= t < end_s:  # serving: all but the engine thread

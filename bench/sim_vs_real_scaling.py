@@ -13,6 +13,11 @@ sessions (load average 15-20 at 12:20); on a quiet machine the planner has no re
 scale at these rates (the simulator: one addition), so ``--rate-scale 2`` doubles them
 (three). A scored run takes its calibration's rates, phases and drain (its meta.json).
 
+``pdserve up`` runs as it ships, its engine cores forked from the core zygote
+(``--no-core-zygote``: a process per core, as the recordings before 2026-12-04 ran; a
+scored run does as its calibration did); the simulated start-up is then the added
+workers' (sim_vs_real_up._account, sim_vs_real_host.measure_host).
+
 *Calibrate*: one run of the trace (seed 11), with its profile measured just before
 (``pdserve profile``; ``--profile FILE`` to reuse one), is kept in bench/recordings/
 (``*-scaling-calibration``). The simulator's host model and the workers' start-up time
@@ -124,9 +129,12 @@ def with_profile(flags: list[str], profile: Path) -> list[str]:
     return [str(profile) if f == PROFILE_MARK else f for f in flags]
 
 
-def record_real(work: Path, model: str, seed: int, profile: Path, shape: dict, extra: dict) -> dict:
+def record_real(
+    work: Path, model: str, seed: int, profile: Path, shape: dict, extra: dict, zygote: bool
+) -> dict:
     """Run the trace (``shape``: rates, phases, drain_s) against ``pdserve up``; keep
-    real.json, up.log and meta.json in work."""
+    real.json, up.log and meta.json in work. ``zygote``: the workers' cores fork from a
+    core zygote, as ``pdserve up`` ships (an added worker starts in ~2 s, not ~10)."""
     port = 18000 + os.getpid() % 1000
     flags = scaling_flags(model, port)
     trace = staircase(seed, shape["rates"], shape["phases"])
@@ -135,7 +143,8 @@ def record_real(work: Path, model: str, seed: int, profile: Path, shape: dict, e
     # (whatever their processes' nice), so ours, lowered to 10, got a tenth of their share
     # and the engines ~2% of a core (the first calibration attempt, 12:08, never finished)
     drain_s = float(shape["drain_s"])
-    real = run_real(with_profile(flags, profile), port, trace, drain_s, work, polite=False)
+    real = run_real(with_profile(flags, profile), port, trace, drain_s, work, polite=False,
+                    zygote=zygote)  # fmt: skip
     meta = {
         "date": date,
         "seed": seed,
@@ -143,6 +152,7 @@ def record_real(work: Path, model: str, seed: int, profile: Path, shape: dict, e
         "phases": list(shape["phases"]),
         "drain_s": drain_s,
         "flags": flags,
+        "core_zygote": zygote,
         "load_average_before_after": [list(before), list(os.getloadavg())],
         "real": {k: getattr(real, k) for k in ("replica_s", "times", "workers", "startup_s",
                                                 "startup_source", "failed", "peak", "errors")},
@@ -300,6 +310,8 @@ def _about_calibration(calibration: Recording, profile: Profile) -> dict:
         "date": meta["date"],
         "seed": meta["seed"],
         "startup_s": round(float(meta["real"]["startup_s"]), 2),
+        "startup_source": meta["real"]["startup_source"],
+        "core_zygote": bool(meta.get("core_zygote", False)),
         "load_average": meta["load_average_before_after"][0][0],
         "host_model": HOST_MODEL,
         "runnable_share": {**share, "share": round(share["share"], 4)},
@@ -328,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             "drain_s": QUICK_DRAIN_S if args.quick else DRAIN_S,
         }
         meta = record_real(work, args.model, CALIBRATION_SEED, work / "profile.json", shape,
-                           {"role": "calibration", "quick": args.quick})  # fmt: skip
+                           {"role": "calibration", "quick": args.quick},
+                           args.core_zygote)  # fmt: skip
         print(json.dumps({"calibration": str(work), **meta["real"]}))
         return 0
     calibration = Recording(Path(args.calibration))
@@ -343,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                  "calibration_dir": str(calibration.dir.resolve())}  # fmt: skip
         # the calibration's trace (rates, phases, drain), with other requests (the seed)
         shape = {k: calibration.meta[k] for k in ("rates", "phases", "drain_s")}
-        record_real(work, args.model, SCORED_SEED, work / "profile.json", shape, extra)
+        # as the calibration ran (recordings before the option: --no-core-zygote)
+        record_real(work, args.model, SCORED_SEED, work / "profile.json", shape, extra,
+                    bool(calibration.meta.get("core_zygote", False)))  # fmt: skip
         scored = Recording(work)
     out = score(scored, calibration)
     out["load_average_now"] = [round(x, 2) for x in os.getloadavg()]
@@ -376,6 +391,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile", default="",
                     help="--calibrate: this profile instead of measuring one (pdserve profile "
                          "--clock cpu, as bench/sim_vs_real.py measures it)")  # fmt: skip
+    ap.add_argument("--core-zygote", action=argparse.BooleanOptionalAction, default=True,
+                    help="--calibrate: the workers' cores fork from pdserve up's core zygote, "
+                         "as shipped (--no-core-zygote: a process per core, as a pod starts; "
+                         "the recordings before 2026-12-04); a scored run does as its "
+                         "calibration did")  # fmt: skip
     ap.add_argument("--work-dir", default="", help="where the run is recorded")
     ap.add_argument("--replay", default="", help="a scored recording: re-run the prediction")
     args = ap.parse_args(argv)

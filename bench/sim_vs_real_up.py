@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ import numpy as np
 from sim_replay import Trace
 from sim_vs_real_cpu import CpuSampler, Sample, autogroup_enabled, cpu_between, nice_of
 
+from pdserve import env
 from pdserve.local.proc_group import end_group
 
 # one request at a time on the idle service before the trace: the serving path's own
@@ -34,7 +36,7 @@ PROBE_LENGTHS = (64, 256, 512, 64, 256, 512, 64, 256, 512)
 EVENT = re.compile(
     r"autoscaler: (?:\w+: )?(started|draining and stopping) (\S+)|autoscaler: (\S+) ready"
 )
-TIMED = re.compile(r"autoscaler: \S+ ready after ([0-9.]+)s")  # the pools' own timing
+TIMED = re.compile(r"autoscaler: (\S+) ready after ([0-9.]+)s")  # the pools' own timing
 
 
 @dataclass
@@ -57,14 +59,19 @@ class RealRun:
 class Up:
     """``pdserve up`` in its own session; each stdout line stamped on arrival."""
 
-    def __init__(self, argv: list[str], log: Path) -> None:
+    def __init__(self, argv: list[str], log: Path, zygote: bool = False) -> None:
         # at nice 10 like other benchmarks on the shared cores, however this one was started
         # (`nice -n 10 python bench/sim_vs_real.py` would otherwise put it at 19)
         nice = ["nice", "-n", str(max(0, 10 - os.nice(0)))]
-        # --no-core-zygote: the CPU sampler counts each core as its worker's (its child),
-        # and the recordings' worker start-ups were each core's own imports
-        cmd = [*nice, sys.executable, "-m", "pdserve", "up", "--no-core-zygote", *argv]
+        # ``zygote``: the cores fork from pdserve up's core zygote, as shipped (the CPU
+        # sampler names each by its worker's /stats, signed with ``secret``); else
+        # --no-core-zygote, each core its worker's child with its own imports (a pod's
+        # start-up; the recordings before 2026-12-04)
+        self.secret = secrets.token_hex(16)
+        cmd = [*nice, sys.executable, "-m", "pdserve", "up",
+               *([] if zygote else ["--no-core-zygote"]), *argv]  # fmt: skip
         environ = {k: v for k, v in os.environ.items() if k != "PDSERVE_CORE_ZYGOTE"}
+        environ[env.SERVICE_SECRET] = self.secret
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True, env=environ)  # fmt: skip
         self.lines: list[tuple[float, str]] = []
@@ -147,11 +154,18 @@ async def _replay(url: str, trace: Trace, seed: int) -> tuple[list[float], list[
 
 
 def run_real(
-    flags: list[str], port: int, trace: Trace, drain_s: float, work: Path, polite: bool = True
+    flags: list[str],
+    port: int,
+    trace: Trace,
+    drain_s: float,
+    work: Path,
+    polite: bool = True,
+    zygote: bool = False,
 ) -> RealRun:
-    """``polite``: our sessions' autogroups lowered to our nice (CpuSampler)."""
-    up = Up(flags, work / "up.log")
-    sampler = CpuSampler(up.proc.pid, polite=polite).start()
+    """``polite``: our sessions' autogroups lowered to our nice (CpuSampler); ``zygote``:
+    the workers' cores fork from a core zygote, as ``pdserve up`` ships (Up)."""
+    up = Up(flags, work / "up.log", zygote=zygote)
+    sampler = CpuSampler(up.proc.pid, polite=polite, secret=up.secret).start()
     try:
         up.wait_for("autoscaling every", timeout=300)
         nice_up = nice_of(up.proc.pid)  # `nice` has exec'd python by now
@@ -163,15 +177,16 @@ def run_real(
         sampler.stop()
         up.stop()
     every = np.array(ttft)
-    run = _account(up.lines, up.launched, t0, end, every[~np.isnan(every)], len(errors))
+    run = _account(up.lines, up.launched, t0, end, every[~np.isnan(every)], len(errors),
+                   added_only=zygote)  # fmt: skip
     run.errors = errors[:5]
     run.ttft_all, run.probe, run.nice_up = every, probe, nice_up
     run.cpu = cpu_between(sampler.samples, t0, end)
-    _dump(work / "real.json", run, sampler.samples, up.lines, t0)
+    _dump(work / "real.json", run, sampler.samples, up.lines, t0, zygote)
     return run
 
 
-def _dump(path: Path, run: RealRun, samples: list[Sample], lines, t0: float) -> None:  # type: ignore[no-untyped-def]
+def _dump(path: Path, run: RealRun, samples: list[Sample], lines, t0: float, zygote: bool) -> None:  # type: ignore[no-untyped-def]
     """Everything measured, on the trace clock, for a closer look than the JSON line."""
     data = {
         "ttft": [None if np.isnan(x) else float(x) for x in run.ttft_all],  # unrounded: --replay
@@ -195,22 +210,29 @@ def _dump(path: Path, run: RealRun, samples: list[Sample], lines, t0: float) -> 
         "autogroup": autogroup_enabled(),
         "nice": {"up": run.nice_up, "client": nice_of(os.getpid())},
         "cores": len(os.sched_getaffinity(0)),  # what the processes could run on
+        # the cores forked from a zygote: the first workers' start-ups waited on its imports
+        # (counted nowhere), the added ones' did not (sim_vs_real_host.measure_host)
+        "core_zygote": zygote,
         "log": [(round(w - t0, 2), line.rstrip()) for w, line in lines if "autoscaler" in line],
     }
     path.write_text(json.dumps(data))
 
 
-def _account(lines, launched: float, t0: float, end: float, ttft, failed) -> RealRun:  # type: ignore[no-untyped-def]
+def _account(lines, launched: float, t0: float, end: float, ttft, failed,  # type: ignore[no-untyped-def]
+             added_only: bool = False) -> RealRun:  # fmt: skip
     """Worker-seconds over [t0, end] from the log's start/stop events (2 at t0); start-up
     times as ``pdserve up`` timed them (spawn to /health 200: what its planner learns),
-    else from ``started`` (the first two workers: from launch) to ``ready`` in the log."""
+    else from ``started`` (the first two workers: from launch) to ``ready`` in the log.
+    ``added_only``: the start-ups of the workers the planner added, where there are any
+    (with a core zygote the first two also wait for its imports; the simulator's
+    start-ups are the added workers')."""
     run = RealRun(ttft, 0.0, [0.0], [2], failed=failed, peak=2)
     started: dict[str, float] = {"prefill-0": launched, "decode-0": launched}
-    startups, timed = [], []
+    startups, timed, added = [], [], set()
     for when, line in lines:
         t = TIMED.search(line)
         if t and when <= end:
-            timed.append(float(t.group(1)))
+            timed.append((t.group(1), float(t.group(2))))
         m = EVENT.search(line)
         if not m or when > end:
             continue
@@ -220,6 +242,7 @@ def _account(lines, launched: float, t0: float, end: float, ttft, failed) -> Rea
             continue
         if m.group(1) == "started":
             started[m.group(2)] = when
+            added.add(m.group(2))
         if when < t0:
             continue
         run.times.append(when - t0)
@@ -228,8 +251,13 @@ def _account(lines, launched: float, t0: float, end: float, ttft, failed) -> Rea
     edges = [*run.times, end - t0]
     spans = zip(run.workers, edges, edges[1:], strict=False)  # edges: one more than workers
     run.replica_s = float(sum(n * (b - a) for n, a, b in spans))
-    if timed:
-        run.startup_s = float(np.mean(timed))
+    later = [x for name, x in timed if name in added]
+    if added_only and later:
+        run.startup_s = float(np.mean(later))
+        run.startup_source = (f"pdserve up's pools: spawn to /health 200, mean of the "
+                              f"{len(later)} added")  # fmt: skip
+    elif timed:
+        run.startup_s = float(np.mean([x for _, x in timed]))
         run.startup_source = f"pdserve up's pools: spawn to /health 200, mean of {len(timed)}"
     elif startups:
         run.startup_s = float(np.mean(startups))

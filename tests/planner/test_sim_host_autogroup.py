@@ -130,3 +130,72 @@ def test_a_recording_with_autogroups_is_read_per_session() -> None:
     assert _our_groups({**dump, "autogroup": False}, kept) == ()
     old = {"others": [[t, [p[:3] for p in procs]] for t, procs in others], "autogroup": True}
     assert _our_groups({**old, "groups": groups}, kept) == ()
+
+
+class _StatsServer:
+    """A worker's ``/stats`` on loopback (a thread): 503 until ``ready``, then its core's pid,
+    with the proof of the service secret the sampler checks."""
+
+    def __init__(self, secret: str, core_pid: int) -> None:
+        import http.server
+        import threading
+
+        from pdserve import keys, signing
+
+        key = keys.KeyRing(keys.HTTP, secret).signing
+        outer = self
+        self.ready = False
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if not outer.ready:
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                body = f'{{"core_pid": {core_pid}}}'.encode()
+                self.send_response(200)
+                self.send_header(signing.PROOF_HEADER,
+                                 signing.proof(key, self.headers[signing.HEADER]))  # fmt: skip
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def test_a_core_forked_by_the_zygote_counts_as_its_workers_from_its_fork(tmp_path: Path) -> None:
+    """``pdserve up``'s cores fork from its core zygote and keep the zygote's command line:
+    the sampler names each by its worker's ``/stats`` (signed), and once named adds the CPU
+    it used before (while starting, its worker does not answer yet) to the earlier samples."""
+    (tmp_path / "stat").write_text("cpu  100 0 50 1000 0 0 0 0 0 0\n")
+    server = _StatsServer("s3cret", core_pid=103)
+    try:
+        zygote = "python -m pdserve.worker.core_zygote /tmp/sock --stdin-lifeline"
+        group = "/autogroup-100 nice 0\n"
+        _proc(tmp_path, 100, 1, 1.0, 0, group, "python -m pdserve up")
+        front = f"python -m pdserve decode-worker --worker-id decode-0 --port {server.port}"
+        _proc(tmp_path, 101, 100, 0.5, 0, group, front)
+        _proc(tmp_path, 102, 100, 6.0, 0, group, zygote)  # its imports: nobody's start-up
+        _proc(tmp_path, 103, 102, 1.0, 0, group, zygote)  # decode-0's core, starting
+        sampler = CpuSampler(100, proc=str(tmp_path), polite=False, secret="s3cret")
+        sampler.samples.append(sampler.sample())
+        assert sampler.samples[0].procs["decode-0"] == pytest.approx(0.5)  # not named yet
+        server.ready = True
+        _proc_cpu_add(tmp_path, 103, 2.5)
+        second = sampler.sample()
+        assert second.procs["decode-0"] == pytest.approx(0.5 + 2.5)
+        # the engine threads (each synthetic process's one thread is named so): the front's
+        # and the core's, whose thread's stat still says 1.0
+        assert second.procs["decode-0/engine"] == pytest.approx(0.5 + 1.0)
+        assert sampler.samples[0].procs["decode-0"] == pytest.approx(0.5 + 1.0)  # backfilled
+        assert sampler.samples[0].procs["decode-0/engine"] == pytest.approx(0.5 + 1.0)
+        assert "102" not in str(second.procs) and sampler._cores == {103: "decode-0"}
+        # without the secret a forked core is nobody's (and never asked for)
+        assert CpuSampler(100, proc=str(tmp_path)).sample().procs["decode-0"] == 0.5
+    finally:
+        server.httpd.shutdown()

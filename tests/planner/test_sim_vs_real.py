@@ -107,14 +107,30 @@ SCORED = {
     "2026-12-03-1241-scaling-scored": (0.68, 0.05),
     "2026-12-03-1601-scaling-scored": (0.45, 0.35),
 }
+# The pairs recorded as `pdserve up` ships (its core zygote: an added worker ready in 2.5-6.5
+# s, not 10-18; the recordings above ran --no-core-zygote), on a quiet host (load average
+# under 2.4), `--rate-scale 2`, three pairs back to back (docs/autoscaling.md, "As shipped"):
+# - 13:58 from 13:50: 0.192 (real 137 ms, predicted 110 ms); replica-seconds 0.074.
+# - 14:09 from 14:04: 0.885 (real 960 ms, predicted 110 ms): the real planner started three
+#   workers at once, their start-ups saturated the 2 cores for 8 s at 20 req/s and the
+#   queue reached 2-3 s; the simulated one started two, and its start-ups stay cheap.
+# - 14:22 from 14:17: 0.502 (real 248 ms, predicted 123 ms): the real planner scaled up
+#   and down six times, the simulated one four.
+# The goal, 0.25, is met by the first only. Bounds: the replay as measured, rounded up.
+QUIET = {
+    "2026-12-04-1358-scaling-scored": (0.25, 0.10),
+    "2026-12-04-1409-scaling-scored": (0.90, 0.05),
+    "2026-12-04-1422-scaling-scored": (0.55, 0.10),
+}
 
 
-@pytest.fixture(scope="module", params=sorted(SCORED))
+@pytest.fixture(scope="module", params=sorted(SCORED) + sorted(QUIET))
 def scored(request: pytest.FixtureRequest) -> dict:
     out = run_bench("sim_vs_real_scaling.py", "--replay", str(RECORDINGS / request.param),
                     timeout=240)  # fmt: skip
-    bound, replica_bound = SCORED[request.param]
-    return {**out, "bound": bound, "replica_bound": replica_bound, "name": request.param}
+    bound, replica_bound = {**SCORED, **QUIET}[request.param]
+    return {**out, "bound": bound, "replica_bound": replica_bound, "name": request.param,
+            "loaded": request.param in SCORED}  # fmt: skip
 
 
 def test_scaling_predicted_from_a_calibration_run(scored: dict) -> None:
@@ -137,6 +153,13 @@ def test_scaling_predicted_from_a_calibration_run(scored: dict) -> None:
     replica = result["sim_vs_real_replica_s_error"]
     assert replica < result["replica_bound"], (result["real"], result["sim"])
     assert result["constants"]["BURST_WINDOW_S"] == 0.1  # fixed 2026-12-02, before this run
+    if not result["loaded"]:
+        # the start-up the simulator has is the calibration's added workers' (with a core
+        # zygote the first two also wait for its imports), seconds, not the 10 s of a
+        # process per core
+        assert cal["core_zygote"] and cal["startup_s"] < 6, cal
+        assert "added" in cal["startup_source"], cal
+        return
     # the share was measured where the calibration's engine had a queue (86 engine-s of
     # it), not taken from its starting workers
     share = result["calibration"]["runnable_share"]
