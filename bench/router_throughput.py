@@ -107,6 +107,15 @@ def cpu_seconds(pid: int) -> float:
         return own + sum(cpu_seconds(int(c)) for c in f.read().split())
 
 
+def write_calls(pid: int) -> int:
+    """Write system calls of the router (``syscw`` of /proc/PID/io: each socket write the
+    kernel delivers on loopback inside the call), with --procs its router processes'."""
+    with open(f"/proc/{pid}/io") as f:
+        own = next(int(line.split()[1]) for line in f if line.startswith("syscw:"))
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return own + sum(write_calls(int(c)) for c in f.read().split())
+
+
 @contextlib.contextmanager
 def child(cmd: list[str], env: dict[str, str],
           cwd: str | Path = ROOT) -> Iterator[subprocess.Popen[str]]:  # fmt: skip
@@ -258,15 +267,16 @@ async def phase(args: argparse.Namespace, http: aiohttp.ClientSession, url: str,
     bodies = [json.dumps(body(args, rng, text)).encode() for _ in range(args.requests)]
     if args.profile:
         os.kill(pid, signal.SIGUSR1)
-    cpu0 = cpu_seconds(pid)
+    cpu0, writes0 = cpu_seconds(pid), write_calls(pid)
     wall, errors = await closed_loop(http, url, bodies, args.concurrency)
-    cpu = cpu_seconds(pid) - cpu0
+    cpu, writes = cpu_seconds(pid) - cpu0, write_calls(pid) - writes0
     if args.profile:
         os.kill(pid, signal.SIGUSR2)
         await asyncio.sleep(1.0)  # the dump
     return {"prompt": "text" if text else "ids", "requests": len(bodies), "errors": errors,
             "procs": args.procs, "rps": round(len(bodies) / wall, 1),
-            "router_cpu_us_per_req": round(1e6 * cpu / len(bodies), 1)}  # fmt: skip
+            "router_cpu_us_per_req": round(1e6 * cpu / len(bodies), 1),
+            "router_writes_per_req": round(writes / len(bodies), 2)}  # fmt: skip
 
 
 async def added_latency(args: argparse.Namespace, http: aiohttp.ClientSession, url: str,
