@@ -91,8 +91,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one xdist worker")
     config.addinivalue_line(
         "markers",
-        "serial: a latency measured against a bound (an SLO): make test runs these after the "
-        "parallel part, alone on the machine (scripts/test.sh)",
+        "serial: a latency or a speed ratio measured against a bound: make test runs these "
+        "after the parallel part, alone on the machine (scripts/test.sh)",
     )
 
 
