@@ -139,5 +139,12 @@ def test_cpu_clock_times_the_engine_thread_and_needs_one_torch_thread(tiny_model
     )
     cpu, wall = EngineProbe(engine, clock=time.thread_time), EngineProbe(engine)
     cpu.prefill_seconds(64)  # warm-up
-    assert 0 < cpu.prefill_seconds(256) <= wall.prefill_seconds(256) * 1.5
+    # CPU time never exceeds wall time in one run; the two clocks time different runs here,
+    # so the fastest of three interleaved CPU-clock runs is held to the slowest wall-clock
+    # one (one slow run beside another test measured 20 ms against 12: make test, 12-04)
+    cpus, walls = [], []
+    for _ in range(3):
+        cpus.append(cpu.prefill_seconds(256))
+        walls.append(wall.prefill_seconds(256))
+    assert 0 < min(cpus) <= max(walls) * 1.5, (cpus, walls)
     assert engine.kv.all_free
