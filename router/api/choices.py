@@ -7,6 +7,10 @@ on the same worker as local prefills: their full prompt blocks are prefix-cache 
 shared by reference count, and only the last partial block (fewer than block_size
 tokens) is recomputed per choice instead of copied. All n then decode in the same
 batch. A seeded request gives choice i the seed ``seed + i``.
+
+With ``--pd-handoff decode`` the decode worker streams the prefill's first token before it
+pulls the KV, so there choices 1..n-1 start at choice 0's second token (or its end): one
+of three choices started at the first found no block there and prefilled the prompt again.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ from pdserve.router.scheduling.routing import RoutePlan
 from pdserve.router.transport.dispatch import Delta, Dispatcher, RequestState
 
 _END = object()
+
+
+def _kv_on_decode(rs: RequestState) -> bool:
+    """Choice 0's prompt KV is in its decode worker's prefix cache: a token came from that
+    worker after the pull (a chained request's first token is the prefill worker's)."""
+    return rs.decode_worker is not None and (not rs.chained or len(rs.output_ids) >= 2)
 
 
 class Choices:
@@ -50,7 +60,7 @@ class Choices:
                 if isinstance(item, BaseException):
                     raise item
                 yield i, item
-                if not started and self.states[0].decode_worker is not None:
+                if not started and _kv_on_decode(self.states[0]):
                     running += self._start_rest(queue, tasks)
                     started = True
         finally:

@@ -92,6 +92,9 @@ class RequestState:
     last_token_at: float | None = None
     touched: set[str] = field(default_factory=set)  # worker URLs that may hold state
     remote_prefill: bool = False  # a prefill worker computed the prompt
+    # --pd-handoff decode: the decode worker called the prefill worker, so its first token
+    # is the prefill's, streamed before the KV was pulled (router/api/choices.py waits on)
+    chained: bool = False
     decode_worker: Any = None  # the WorkerView whose stream reached the client, once one did
     status: int = 200  # HTTP status for metrics (499: client went away)
     recorded: bool = False
@@ -166,6 +169,7 @@ class Dispatcher:
                 # end reaches them too, so no lease waits for its TTL
                 chain = [w.url for w in plan.prefill[:MAX_ATTEMPTS]]
                 rs.touched.update(chain)
+                rs.chained = True
                 self._track(chain[0], "prefill", len(rs.prompt_ids), +1)
             elif plan.kind == disagg.REMOTE_PREFILL:
                 result = await self._prefill(rs, plan)

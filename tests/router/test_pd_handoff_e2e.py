@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.loopback import all_kv_free
+from tests.loopback import all_kv_free, secret_auth
 from tests.lora_adapters import hf_greedy
 from tests.router.pdserve_up import run_up
 
@@ -63,4 +63,19 @@ def test_decode_worker_calls_the_prefill_worker(tiny_model_dir: Path, tmp_path: 
         made = "".join(httpx.get(u + "/metrics", timeout=10).text for u in up.workers)
         calls = 'pdserve_worker_prefill_calls_total{outcome="ok",role="decode"}'
         assert _counter(made, calls) == 4, [ln for ln in made.splitlines() if "prefill_c" in ln]
+        # n choices: one prefill, and choices 1-3 start once choice 0's KV is on the decode
+        # worker (its second token: the first is the prefill's), so each reuses the blocks
+        decode = next(s for s in (httpx.get(u + "/stats", auth=secret_auth()).json()
+                                  for u in up.workers) if s["role"] == "decode")  # fmt: skip
+        hits = int(decode["prefix_cache_hit_tokens"])
+        out = openai.OpenAI(base_url=up.url + "/v1", api_key="none").completions.create(
+            model="tiny", prompt=[0, *range(900, 940)], max_tokens=8, n=4, temperature=1.0,
+            seed=11, extra_body={"ignore_eos": True})  # fmt: skip
+        assert [c.index for c in out.choices] == [0, 1, 2, 3]
+        assert out.usage.completion_tokens == 32
+        after = next(s for s in (httpx.get(u + "/stats", auth=secret_auth()).json()
+                                 for u in up.workers) if s["role"] == "decode")  # fmt: skip
+        assert int(after["prefix_cache_hit_tokens"]) - hits >= 3 * 32  # 2 full blocks each
+        made = "".join(httpx.get(u + "/metrics", timeout=10).text for u in up.workers)
+        assert _counter(made, calls) == 5  # the four choices' one prefill call
         all_kv_free(up.workers)
