@@ -9,8 +9,9 @@ tokens) is recomputed per choice instead of copied. All n then decode in the sam
 batch. A seeded request gives choice i the seed ``seed + i``.
 
 With ``--pd-handoff decode`` the decode worker streams the prefill's first token before it
-pulls the KV, so there choices 1..n-1 start at choice 0's second token (or its end): one
-of three choices started at the first found no block there and prefilled the prompt again.
+pulls the KV, so there choices 1..n-1 start at choice 0's second token (or its end):
+started at the first, they could find no block there (all three or one of three, by
+timing, in the tests) and prefilled the prompt again.
 """
 
 from __future__ import annotations
