@@ -103,20 +103,22 @@ def _role(pid: int, proc: str = "/proc") -> str | None:
     return None  # nice, a compiler child, ...: not ours to name
 
 
-def _is_core(pid: int, proc: str = "/proc") -> bool:
-    """A worker's engine core (its child process): counted as the worker's."""
+def _runs(pid: int, module: bytes, proc: str = "/proc") -> bool:
+    """Whether ``pid``'s command line names ``module``."""
     try:
-        return b"pdserve.worker.core_main" in Path(proc, str(pid), "cmdline").read_bytes()
+        return module in Path(proc, str(pid), "cmdline").read_bytes()
     except OSError:
         return False
+
+
+def _is_core(pid: int, proc: str = "/proc") -> bool:
+    """A worker's engine core (its child process): counted as the worker's."""
+    return _runs(pid, b"pdserve.worker.core_main", proc)
 
 
 def _is_zygote(pid: int, proc: str = "/proc") -> bool:
     """``pdserve up``'s core zygote, or a core forked by it (it keeps the zygote's argv)."""
-    try:
-        return b"pdserve.worker.core_zygote" in Path(proc, str(pid), "cmdline").read_bytes()
-    except OSError:
-        return False
+    return _runs(pid, b"pdserve.worker.core_zygote", proc)
 
 
 def _port(pid: int, proc: str = "/proc") -> int | None:

@@ -174,6 +174,11 @@ class Recording:
         ttft = self.dump["ttft"]
         self.ttft_all = np.array([np.nan if x is None else x for x in ttft], dtype=float)
 
+    @property
+    def core_zygote(self) -> bool:
+        """Whether its cores forked from a core zygote (recordings before the option: no)."""
+        return bool(self.meta.get("core_zygote", False))
+
     def host(self, profile: Profile, model: str = "runnable") -> Host:
         """The host model measured in this run. ``model``: "timeline" is sim_vs_real.py's
         (the other jobs per 0.5 s as CFS groups of what they used, the serving path as
@@ -311,7 +316,7 @@ def _about_calibration(calibration: Recording, profile: Profile) -> dict:
         "seed": meta["seed"],
         "startup_s": round(float(meta["real"]["startup_s"]), 2),
         "startup_source": meta["real"]["startup_source"],
-        "core_zygote": bool(meta.get("core_zygote", False)),
+        "core_zygote": calibration.core_zygote,
         "load_average": meta["load_average_before_after"][0][0],
         "host_model": HOST_MODEL,
         "runnable_share": {**share, "share": round(share["share"], 4)},
@@ -356,9 +361,9 @@ def main(argv: list[str] | None = None) -> int:
                  "calibration_dir": str(calibration.dir.resolve())}  # fmt: skip
         # the calibration's trace (rates, phases, drain), with other requests (the seed)
         shape = {k: calibration.meta[k] for k in ("rates", "phases", "drain_s")}
-        # as the calibration ran (recordings before the option: --no-core-zygote)
+        # as the calibration ran
         record_real(work, args.model, SCORED_SEED, work / "profile.json", shape, extra,
-                    bool(calibration.meta.get("core_zygote", False)))  # fmt: skip
+                    calibration.core_zygote)  # fmt: skip
         scored = Recording(work)
     out = score(scored, calibration)
     out["load_average_now"] = [round(x, 2) for x in os.getloadavg()]

@@ -23,13 +23,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 class _TurnWriter:
     """A connection's transport whose writes of one loop turn go out as one ``write``."""
 
-    __slots__ = ("_loop", "_pending", "_size", "_transport")
+    __slots__ = ("_loop", "_pending", "_transport")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
         self._pending: list[bytes] = []
-        self._size = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -37,7 +36,6 @@ class _TurnWriter:
         if not self._pending:
             self._loop.call_soon(self.flush)
         self._pending.append(bytes(data))
-        self._size += len(data)
 
     def writelines(self, lines: Any) -> None:
         for data in lines:
@@ -49,12 +47,11 @@ class _TurnWriter:
             return
         data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
         self._pending.clear()
-        self._size = 0
         if not self._transport.is_closing():
             self._transport.write(data)
 
     def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + self._size
+        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
 
     def write_eof(self) -> None:
         self.flush()
@@ -66,7 +63,6 @@ class _TurnWriter:
 
     def abort(self) -> None:
         self._pending.clear()
-        self._size = 0
         self._transport.abort()
 
     def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, pause_reading, ...
