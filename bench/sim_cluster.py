@@ -8,12 +8,15 @@ moves to decode in ``bytes / link bandwidth + latency``; the decode pool admits
 it when a sequence slot and KV room are free; every decode step advances each
 running sequence by one token and takes ``step_time(batch, context)`` with the
 batch spread evenly over ready replicas. Pods become ready ``startup_s`` after
-they are added; scale-down removes starting pods first.
+they are added; scale-down removes starting pods first. With ``max_starting`` (as
+``pdserve up --max-starting``) a pod past the cap is pending: counted in its pool,
+started when a starting one is ready (the pool furthest short first), removed first.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,26 +35,36 @@ class CostModel:
     link_latency_s: float
     startup_s: float  # pod added -> ready (scheduling, weights load, warm-up)
     host: Host | None = None  # replicas sharing one machine's cores (a local replay); None: own
+    max_starting: int = 0  # pods starting at once, both pools (local/autoscale.py); 0: no cap
 
 
 class Pool:
-    """Pods of one role: ready times of every pod that holds an accelerator."""
+    """Pods of one role: ready times of every pod that holds an accelerator (``inf``: a
+    pending pod, not started)."""
 
-    def __init__(self, n: int, startup_s: float) -> None:
+    def __init__(self, n: int, startup_s: float, capped: bool = False) -> None:
         self.ready_at: list[float] = [-1.0] * n  # sorted: pods are added in time order
         self.startup_s = startup_s
+        self.capped = capped  # pods wait pending for Cluster.start_pending
 
     def ready(self, t: float) -> int:
         return bisect.bisect_right(self.ready_at, t)
+
+    def started(self) -> int:
+        return bisect.bisect_left(self.ready_at, math.inf)
 
     def status(self, t: float) -> PoolStatus:
         return PoolStatus(len(self.ready_at), self.ready(t), 0)
 
     def scale(self, n: int, t: float) -> None:
         if n > len(self.ready_at):
-            self.ready_at += [t + self.startup_s] * (n - len(self.ready_at))
+            at = math.inf if self.capped else t + self.startup_s
+            self.ready_at += [at] * (n - len(self.ready_at))
         else:
-            del self.ready_at[n:]  # latest-ready (unready) last, removed first
+            del self.ready_at[n:]  # pending, then latest-ready (unready) last, removed first
+
+    def start_one(self, t: float) -> None:
+        self.ready_at[self.started()] = t + self.startup_s
 
 
 @dataclass
@@ -97,8 +110,9 @@ TARGET, JOIN, PROMPT, FIRST, ARRIVAL, OK = range(len(RUN))
 class Cluster:
     def __init__(self, cost: CostModel, n_prefill: int, n_decode: int, ttft: float, tpot: float):
         self.cost, self.ttft_slo, self.tpot_slo = cost, ttft, tpot
-        self.prefill = Pool(n_prefill, cost.startup_s)
-        self.decode = Pool(n_decode, cost.startup_s)
+        capped = cost.max_starting > 0
+        self.prefill = Pool(n_prefill, cost.startup_s, capped)
+        self.decode = Pool(n_decode, cost.startup_s, capped)
         self.work_arrived = 0.0  # cumulative prefill work (replica-seconds) that arrived
         self.work_done = 0.0
         self.pq: deque[dict[str, np.ndarray]] = deque()  # waiting for prefill, FIFO blocks
@@ -235,7 +249,21 @@ class Cluster:
         self.done_arrival.append(fin[ARRIVAL])
         self.done_ok.append(((fin[OK] > 0) & (tpot <= self.tpot_slo)).astype(np.int8))
 
+    def start_pending(self, t: float) -> None:
+        """Start pending pods while fewer than ``max_starting`` are starting (the pool with
+        the most pending first, prefill on a tie), as local/autoscale.py's LocalPools."""
+        if not self.cost.max_starting:
+            return
+        pools = (self.prefill, self.decode)
+        while True:
+            pool = max(pools, key=lambda p: len(p.ready_at) - p.started())
+            starting = sum(p.started() - p.ready(t) for p in pools)
+            if pool.started() == len(pool.ready_at) or starting >= self.cost.max_starting:
+                return
+            pool.start_one(t)
+
     def tick(self, t0: float, dt: float) -> None:
+        self.start_pending(t0)
         if self.cost.host is not None:
             self._share_host(t0, dt)
         self._prefill_tick(t0, dt)
@@ -254,7 +282,7 @@ class Cluster:
         want_p = min(1.0, backlog / n_p) if n_p else 0.0
         busy_d = min(n_d, self.run.shape[1])  # a decode engine with sequences loops
         engines = [want_p] * (n_p if want_p > 0 else 0) + [1.0] * busy_d
-        starting = len(self.prefill.ready_at) + len(self.decode.ready_at) - n_p - n_d
+        starting = self.prefill.started() + self.decode.started() - n_p - n_d
         cpu = host.cpu(t0, engines, starting, self.rate)
         self.speed_p, self.speed_d = speed(want_p, cpu), speed(1.0, cpu)
         if host.queueing and n_p:

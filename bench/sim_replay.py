@@ -77,6 +77,7 @@ def replay(
     dt: float = 0.05,
     host: Host | None = None,
     truth: Profile | None = None,
+    max_starting: int = 0,
 ) -> SimReplay:
     """The trace through the simulated cluster; the truth is the planner's own profile
     (both from ``pdserve profile`` on this machine), on ``host``'s shared cores if given.
@@ -86,11 +87,12 @@ def replay(
     every simulated pod, the first two included, takes ``startup_s``, so the same rule
     learns exactly that here. ``truth``: the cluster's costs where they are not the
     planner's profile (sim_vs_real_scaling.py: a prefill's CPU as the calibration
-    measured it under its load)."""
+    measured it under its load). ``max_starting``: pods started at once, as the recorded
+    ``--max-starting`` (0: no cap, as the recordings before it ran)."""
     cfg = replace(cfg, startup_s=startup_s)
     cost = CostModel(
         truth or cfg.profile, TINY_KV_BYTES_PER_TOKEN, LOOPBACK_BYTES_PER_S, LOOPBACK_LATENCY_S,
-        startup_s, host,
+        startup_s, host, max_starting,
     )  # fmt: skip
     cluster = Cluster(cost, *start, cfg.slo.ttft_s, cfg.slo.tpot_s)
     state = PlannerState()
@@ -107,7 +109,7 @@ def replay(
             )
             k = j
         cluster.tick(t, dt)
-        n_p, n_d = len(cluster.prefill.ready_at), len(cluster.decode.ready_at)
+        n_p, n_d = cluster.prefill.started(), cluster.decode.started()  # processes, as real
         replica_s += (n_p + n_d) * dt
         tl["t"].append(t + dt)
         tl["prefill"].append(n_p)

@@ -78,6 +78,7 @@ from sim_vs_real_host import (
 )
 from sim_vs_real_up import run_real
 
+from pdserve.local.autoscale import max_starting
 from pdserve.local.planner_loop import config_from_args
 from pdserve.local.up import add_arguments as up_arguments
 from pdserve.planner.capacity import Profile
@@ -121,8 +122,10 @@ def scaling_flags(model: str, port: int) -> list[str]:
     for name in ("--prefill-max", "--decode-max"):
         flags[flags.index(name) + 1] = str(POOL_MAX)
     # the eager forward: what ``pdserve profile`` times, and a start-up of seconds, not the
-    # minutes torch.compile takes on 2 shared cores (scale-ups land inside the trace)
-    return [*flags, "--enforce-eager"]
+    # minutes torch.compile takes on 2 shared cores (scale-ups land inside the trace).
+    # --max-starting as up defaults it on this host, written out: the replay mirrors it
+    shipped = max_starting(argparse.Namespace(max_starting=None))
+    return [*flags, "--enforce-eager", "--max-starting", str(shipped)]
 
 
 def with_profile(flags: list[str], profile: Path) -> list[str]:
@@ -214,10 +217,18 @@ class Recording:
         return {"share": share, "source": "prefill engines with a queue",
                 "backlog_engine_s": round(seconds, 1)}  # fmt: skip
 
-    def config(self, profile: Path):  # type: ignore[no-untyped-def]
+    def args(self, profile: Path) -> argparse.Namespace:
         parser = argparse.ArgumentParser()
         up_arguments(parser)
-        return config_from_args(parser.parse_args(with_profile(self.meta["flags"], profile)))
+        return parser.parse_args(with_profile(self.meta["flags"], profile))
+
+    def config(self, profile: Path):  # type: ignore[no-untyped-def]
+        return config_from_args(self.args(profile))
+
+    @property
+    def max_starting(self) -> int:
+        """Workers its autoscaler started at once (recordings before the flag: no cap)."""
+        return self.args(self.dir / "profile.json").max_starting or 0
 
 
 def predict(
@@ -236,7 +247,7 @@ def predict(
     if model == "runnable":  # a prefill's CPU as measured while queued, where enough were
         truth = scaled_prefill(cfg.profile, source.prefill_cost()["ratio"])
     return replay(scored.trace, cfg, (1, 1), startup, INTERVAL_S, drain_s, host=host,
-                  truth=truth)  # fmt: skip
+                  truth=truth, max_starting=scored.max_starting)  # fmt: skip
 
 
 def scaled_prefill(profile: Profile, ratio: float) -> Profile:

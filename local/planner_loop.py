@@ -155,6 +155,13 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-min", type=int, default=1)
     g.add_argument("--decode-max", type=int, default=4)
     g.add_argument("--autoscale-interval", type=float, default=5.0, help="seconds")
+    g.add_argument(
+        "--max-starting",
+        type=int,
+        default=None,
+        help="workers started at once; more are pending until one is ready (0: no cap; "
+        "default: one per 4 cores, at least 1: a start-up takes cores the pools serve from)",
+    )
     g.add_argument("--scale-down-window", type=float, default=60.0, help="seconds")
     g.add_argument(
         "--unready-hold",

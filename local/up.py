@@ -113,6 +113,9 @@ def _validate(args: argparse.Namespace) -> None:
     if args.prefill < 0 or args.decode < 1:
         raise SystemExit("pdserve up: need --decode >= 1 and --prefill >= 0")
     lora_args(args)  # a bad --lora stops here, before any process starts
+    if args.max_starting is not None and (args.max_starting < 0 or not args.autoscale):
+        raise SystemExit("pdserve up: --max-starting needs --autoscale and a count >= 0 "
+                         "(0: no cap)")  # fmt: skip
     if args.autoscale:
         try:
             config_from_args(args)
