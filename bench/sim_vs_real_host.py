@@ -151,8 +151,6 @@ def measure_host(
 ) -> Host:
     """``autogroup=False``: the per-process model even where the recording has autogroups
     (sim_vs_real.py reports both, to show what the sessions change)."""
-    from sim_vs_real_up import PROBE_LENGTHS  # the idle probe's prompt lengths
-
     ready = _ready_times(dump["log"])
     # with a core zygote the first workers' start-ups waited on its imports (which no
     # worker's CPU holds); the added workers' are the start-ups the simulator has
@@ -169,9 +167,9 @@ def measure_host(
                 other += max(0.0, d[w] - d.get(w + "/engine", 0.0))
         if 0 <= t < end_s:
             other += sum(d.get(k, 0.0) for k in FRONT)
-    probe = list(zip(dump["probe"], PROBE_LENGTHS, strict=False))[1:]  # the first: warm-up
+    probe = probe_pairs(dump)
     path = [x - profile.prefill.service_time(n) for x, n in probe]
-    fixed, per_token = _path_fit(path, [n for _, n in probe])
+    fixed, per_token = _path_fit(path, [n for _, n in probe], "probe_lengths" in dump)
     bg_t, bg = _background(dump, end_s)
     nice = int(dump.get("nice", {}).get("up", 0))
     ours = _our_groups(dump, bg_t) if autogroup else ()
@@ -308,24 +306,38 @@ def probe_consistent(host: Host, dump: dict, profile: Profile) -> Host:
     (``Host.path_slow``). ``measure_host`` subtracts the prefill's CPU time alone: on a
     quiet machine the same (stretch ~1); on a saturated one the probe's 0.1-0.35 s hold the
     prefill's wait for a core, which the simulator then added again (x 4-8)."""
-    from sim_vs_real_up import PROBE_LENGTHS
-
     rate = 1.0 / 0.3  # the probe: one request, 0.2 s of sleep, the next
     share = speed(1.0, host.cpu(0.0, [1.0, 0.0], 0, rate))
     slow = max(1.0 / share, cpu_slowdown(host.utilisation(0.0, [0.0, 0.0], 0, rate), host.cores))
-    probe = list(zip(dump["probe"], PROBE_LENGTHS, strict=False))[1:]  # the first: warm-up
+    probe = probe_pairs(dump)
     path = [x - profile.prefill.service_time(n) * slow for x, n in probe]
-    fixed, per_token = _path_fit(path, [n for _, n in probe])
+    fixed, per_token = _path_fit(path, [n for _, n in probe], "probe_lengths" in dump)
     return replace(host, path_s=fixed, path_s_per_token=per_token, path_slow=slow)
 
 
-def _path_fit(path: list[float], lengths: list[int]) -> tuple[float, float]:
+def probe_pairs(dump: dict) -> list[tuple[float, int]]:
+    """The idle probe's (TTFT, prompt length) pairs, less the first (a warm-up)."""
+    from sim_vs_real_up import PROBE_LENGTHS  # recordings without their own list
+
+    lengths = dump.get("probe_lengths", PROBE_LENGTHS)
+    return list(zip(dump["probe"], lengths, strict=False))[1:]
+
+
+def _path_fit(
+    path: list[float], lengths: list[int], medians: bool = False
+) -> tuple[float, float]:
     """The idle path's latency as fixed + per prompt token (least squares, both >= 0):
-    the JSON of the prompt's ids and its KV hand-off grow with it."""
+    the JSON of the prompt's ids and its KV hand-off grow with it. ``medians``: fit each
+    length's median (the probes since 2026-12-04 17:10: 7 per length), so one slow probe
+    does not tilt the slope; the recordings before keep the fit they were scored with."""
     median = max(0.0, float(np.median(path))) if path else 0.0
     if len(set(lengths)) < 2:
         return median, 0.0
-    slope, fixed = np.polyfit(np.asarray(lengths, float), np.asarray(path), 1)
+    x, y = np.asarray(lengths, float), np.asarray(path)
+    if medians:
+        x = np.unique(x)
+        y = np.array([np.median(y[np.asarray(lengths) == n]) for n in x])
+    slope, fixed = np.polyfit(x, y, 1)
     return (max(0.0, float(fixed)), float(slope)) if slope > 0 else (median, 0.0)
 
 

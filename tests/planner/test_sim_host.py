@@ -146,3 +146,20 @@ def test_the_idle_path_is_fit_as_fixed_plus_per_prompt_token() -> None:
     flat = [9e-3 - 1e-6 * n for n in lengths]  # falls with the prompt: not a per-token cost
     assert _path_fit(flat, lengths) == (pytest.approx(float(np.median(flat))), 0.0)
     assert _path_fit([8e-3, 9e-3], [256, 256]) == (pytest.approx(8.5e-3), 0.0)
+
+
+def test_the_path_fit_on_medians_holds_against_one_slow_probe() -> None:
+    """Since 2026-12-04 the probe runs 7 requests per length and the path is fit on each
+    length's median: one 512-token probe of 21 that is 25 ms slow (the 16:46 calibration
+    had two of 9) tilts the least-squares slope from 10 to ~18 us per token; the medians'
+    fit keeps it within 15%. A fit that ignored ``medians`` fails."""
+    from sim_vs_real_host import _path_fit
+
+    lengths = [64, 256, 512] * 7
+    path = [7e-3 + 10e-6 * n for n in lengths]
+    path[-1] += 25e-3
+    fixed, per_token = _path_fit(path, lengths, medians=True)
+    assert per_token == pytest.approx(10e-6, rel=0.15)
+    assert fixed == pytest.approx(7e-3, abs=0.5e-3)
+    _, tilted = _path_fit(path, lengths)
+    assert tilted > 15e-6  # the old fit, kept for the recordings before
