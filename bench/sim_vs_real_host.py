@@ -323,9 +323,7 @@ def probe_pairs(dump: dict) -> list[tuple[float, int]]:
     return list(zip(dump["probe"], lengths, strict=False))[1:]
 
 
-def _path_fit(
-    path: list[float], lengths: list[int], medians: bool = False
-) -> tuple[float, float]:
+def _path_fit(path: list[float], lengths: list[int], medians: bool = False) -> tuple[float, float]:
     """The idle path's latency as fixed + per prompt token (least squares, both >= 0):
     the JSON of the prompt's ids and its KV hand-off grow with it. ``medians``: fit each
     length's median (the probes since 2026-12-04 17:10: 7 per length), so one slow probe
