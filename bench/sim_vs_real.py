@@ -43,6 +43,7 @@ from sim_replay import SimReplay, Trace, replay
 from sim_vs_real_host import describe, measure_host
 from sim_vs_real_up import RealRun, run_real
 
+from pdserve.local.autoscale import max_starting
 from pdserve.local.planner_loop import config_from_args
 from pdserve.local.up import add_arguments as up_arguments
 
@@ -95,7 +96,10 @@ def up_flags(args: argparse.Namespace, profile: str, port: int) -> list[str]:
         # recordings made before the hold existed replay as they ran: without it
         "--unready-hold",
         str(getattr(args, "unready_hold", 0.0)),
-    ]
+        # and those before the start-up cap without one (sim_vs_real_record.load)
+        *(["--max-starting", str(args.max_starting)] if getattr(args, "max_starting", None)
+          is not None else []),
+    ]  # fmt: skip
 
 
 def measure_profile(model: str, out: str, quick: bool) -> None:
@@ -185,21 +189,25 @@ def main(argv: list[str] | None = None) -> int:
     dump = json.loads((work / "real.json").read_text())
     end = trace.duration_s + drain
     host = measure_host(dump, cfg.profile, int(trace.arrival.size), end)
-    sim = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=host)
+    cap = args.max_starting or 0  # as up ran it (sim_cluster.py mirrors it)
+    sim = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=host, max_starting=cap)
     out = report(args, trace, real, sim, startup, load_before, os.getloadavg())
     out["host"] = describe(host)
-    own = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain)  # a core per replica
+    own = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain,
+                 max_starting=cap)  # a core per replica  # fmt: skip
     out["sim_own_cores"] = stats(own.ttft, own.replica_s)
     # the host model before it stretched bursts (sim_host.py: queueing), for comparison
     unqueued = replace(host, queueing=False)
-    flat_q = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=unqueued)
+    flat_q = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=unqueued,
+                    max_starting=cap)  # fmt: skip
     out["sim_without_queueing"] = stats(flat_q.ttft, flat_q.replica_s)
     out["sim_without_queueing"]["ttft_p90_error"] = error(
         out["sim_without_queueing"]["ttft_p90_s"], out["real"]["ttft_p90_s"]
     )
     if host.our_weights:  # the sessions counted: what the per-process model would say
         flat = measure_host(dump, cfg.profile, int(trace.arrival.size), end, autogroup=False)
-        sim_flat = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=flat)
+        sim_flat = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=flat,
+                          max_starting=cap)  # fmt: skip
         flat_stats = stats(sim_flat.ttft, sim_flat.replica_s)
         flat_stats["ttft_p90_error"] = error(flat_stats["ttft_p90_s"], out["real"]["ttft_p90_s"])
         out["sim_per_process_nice"] = flat_stats
@@ -289,6 +297,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--unready-hold", type=float, default=30.0, help="the planner's hold for starting workers"
     )
+    ap.add_argument(
+        "--max-starting", type=int, default=None,
+        help="workers pdserve up starts at once (default: its own on this host; recorded)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"))
     ap.add_argument("--no-plot", action="store_true")
@@ -301,6 +313,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         return args  # the recording holds the model and the trace
     if not args.model:
         ap.error("--model (or $PDSERVE_TINY_MODEL) is required: `pdserve tiny-model DIR`")
+    if args.max_starting is None:  # as shipped, written out: the replay mirrors it
+        args.max_starting = max_starting(args)
     return args
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from sim_vs_real_up import RealRun
 
 TRACE_ARGS = ("model", "low", "high", "seed", "quick", "drain", "slo_ttft_ms", "slo_tpot_ms",
-              "worker_startup", "unready_hold")  # fmt: skip
+              "worker_startup", "unready_hold", "max_starting")  # fmt: skip
 REAL_FIELDS = ("replica_s", "times", "workers", "startup_s", "startup_source", "failed", "peak",
                "errors", "cpu", "nice_up")  # fmt: skip
 
@@ -40,6 +40,7 @@ def load(work: Path, args: argparse.Namespace) -> RealRun:
     """The recorded real side; ``args`` takes the recorded trace parameters."""
     meta = json.loads((work / "meta.json").read_text())
     args.unready_hold = 0.0  # a recording without it ran before the planner had the hold
+    args.max_starting = None  # ... and without one before up capped its start-ups
     for k, v in meta["args"].items():
         setattr(args, k, v)
     dump = json.loads((work / "real.json").read_text())

@@ -117,10 +117,16 @@ SCORED = {
 # - 14:22 from 14:17: 0.502 (real 248 ms, predicted 123 ms): the real planner scaled up
 #   and down six times, the simulated one four.
 # The goal, 0.25, is met by the first only. Bounds: the replay as measured, rounded up.
+# Since 16:36 `pdserve up` starts at most --max-starting workers at once (1 on 2 cores) and
+# the simulator mirrors the recorded flag; five pairs, 0.164-0.833 (docs/autoscaling.md, "One
+# start-up at a time"). Kept here: 17:00 from 16:55, 0.164, the goal, with the cap in
+# both runs' flags (the others are in the README's table; their bounds would be loose
+# enough for the no-host control to pass, which would then prove nothing).
 QUIET = {
     "2026-12-04-1358-scaling-scored": (0.25, 0.10),
     "2026-12-04-1409-scaling-scored": (0.90, 0.05),
     "2026-12-04-1422-scaling-scored": (0.55, 0.10),
+    "2026-12-04-1700-scaling-scored": (0.25, 0.10),
 }
 
 
@@ -159,6 +165,11 @@ def test_scaling_predicted_from_a_calibration_run(scored: dict) -> None:
         # process per core
         assert cal["core_zygote"] and cal["startup_s"] < 6, cal
         assert "added" in cal["startup_source"], cal
+        import sim_vs_real_scaling as scaling
+
+        run = scaling.Recording(RECORDINGS / result["name"])
+        # the recordings since the start-up cap carry it, and the simulator mirrors it
+        assert run.max_starting == (1 if result["name"] >= "2026-12-04-1636" else 0)
         return
     # the share was measured where the calibration's engine had a queue (86 engine-s of
     # it), not taken from its starting workers
