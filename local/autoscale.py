@@ -75,8 +75,13 @@ class LocalPools:
         return out[0], out[1]
 
     def starting(self) -> int:
-        """Workers started and not ready yet, both roles."""
-        return sum(p.name not in self.ready for role in ROLES for p in self.workers(role))
+        """Workers not ready since their spawn, both roles (one that was ready and now
+        fails its health check is not starting: a hung worker must not block the cap)."""
+        return sum(
+            p.name not in self.ready and self._timed.get(p.name) != p.spawned_at
+            for role in ROLES
+            for p in self.workers(role)
+        )
 
     def start_pending(self) -> None:
         """Start pending workers while the cap has room: the pool furthest below its

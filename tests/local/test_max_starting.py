@@ -123,6 +123,42 @@ async def test_the_health_poll_starts_a_pending_worker_once_one_is_ready(
     assert {"decode-0", "decode-1", "decode-2"} <= pools.ready
 
 
+async def test_a_worker_that_was_ready_and_fails_does_not_hold_the_cap(tmp_path: Path) -> None:
+    """A hung worker (ready once since its spawn, now failing /health) is not starting:
+    with a cap of 1 it would otherwise block every scale-up while it hangs."""
+    sick: set[str] = set()
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=503 if request.match_info["name"] in sick else 200)
+
+    app = web.Application()
+    app.router.add_get("/{name}/health", health)
+    runner, url = await start_site(app)
+    cluster = _Cluster(tmp_path, url)
+    for i, proc in enumerate(cluster.procs):
+        proc.spawned_at = 100.0 + i  # spawned, as LocalCluster stamps them
+    pools = LocalPools(cluster, max_starting=1)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    poll = asyncio.create_task(pools.poll_health(stop, interval_s=0.05))
+    try:
+        for _ in range(100):  # both ready once (timed from their spawn)
+            await asyncio.sleep(0.05)
+            if {"prefill-0", "decode-0"} <= pools.ready:
+                break
+        sick.add("decode-0")
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if "decode-0" not in pools.ready:
+                break
+        assert pools.starting() == 0
+        await pools.scale("decode", 2)
+        assert cluster.started == ["decode-1"]  # a broken count held it pending
+    finally:
+        stop.set()
+        await poll
+        await runner.cleanup()
+
+
 def _args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     up.add_arguments(p)
