@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     sim = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=host, max_starting=cap)
     out = report(args, trace, real, sim, startup, load_before, os.getloadavg())
     out["host"] = describe(host)
-    own = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain,
-                 max_starting=cap)  # a core per replica  # fmt: skip
+    # a core per replica
+    own = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, max_starting=cap)
     out["sim_own_cores"] = stats(own.ttft, own.replica_s)
     # the host model before it stretched bursts (sim_host.py: queueing), for comparison
     unqueued = replace(host, queueing=False)
