@@ -78,7 +78,7 @@ from sim_vs_real_host import (
 )
 from sim_vs_real_up import run_real
 
-from pdserve.local.autoscale import max_starting
+from pdserve.local.autoscale import default_max_starting
 from pdserve.local.planner_loop import config_from_args
 from pdserve.local.up import add_arguments as up_arguments
 from pdserve.planner.capacity import Profile
@@ -124,8 +124,7 @@ def scaling_flags(model: str, port: int) -> list[str]:
     # the eager forward: what ``pdserve profile`` times, and a start-up of seconds, not the
     # minutes torch.compile takes on 2 shared cores (scale-ups land inside the trace).
     # --max-starting as up defaults it on this host, written out: the replay mirrors it
-    shipped = max_starting(argparse.Namespace(max_starting=None))
-    return [*flags, "--enforce-eager", "--max-starting", str(shipped)]
+    return [*flags, "--enforce-eager", "--max-starting", str(default_max_starting())]
 
 
 def with_profile(flags: list[str], profile: Path) -> list[str]:

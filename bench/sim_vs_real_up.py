@@ -38,6 +38,7 @@ PROBE_LENGTHS = (64, 256, 512, 64, 256, 512, 64, 256, 512)  # recordings before 
 # 2.6-49 us in four runs of one hour, and the predicted TTFT p90 error 0.05-0.41 by which
 # calibration a scored run was predicted from (2026-12-04 16:36-16:51 recordings)
 PROBE_REPEATS = 7
+PROBE_NOW = PROBE_LENGTHS[:3] * PROBE_REPEATS  # what run_real probes, recorded with it
 EVENT = re.compile(
     r"autoscaler: (?:\w+: )?(started|draining and stopping) (\S+)|autoscaler: (\S+) ready"
 )
@@ -174,8 +175,7 @@ def run_real(
     try:
         up.wait_for("autoscaling every", timeout=300)
         nice_up = nice_of(up.proc.pid)  # `nice` has exec'd python by now
-        probe = asyncio.run(_probe(f"http://127.0.0.1:{port}", PROBE_LENGTHS[:3] * PROBE_REPEATS,
-                                   2))  # fmt: skip
+        probe = asyncio.run(_probe(f"http://127.0.0.1:{port}", PROBE_NOW, 2))
         ttft, errors, t0 = asyncio.run(_replay(f"http://127.0.0.1:{port}", trace, 1))
         time.sleep(max(0.0, t0 + trace.duration_s + drain_s - time.monotonic()))
         end = time.monotonic()
@@ -197,7 +197,7 @@ def _dump(path: Path, run: RealRun, samples: list[Sample], lines, t0: float, zyg
     data = {
         "ttft": [None if np.isnan(x) else float(x) for x in run.ttft_all],  # unrounded: --replay
         "probe": run.probe,
-        "probe_lengths": list(PROBE_LENGTHS[:3] * PROBE_REPEATS),
+        "probe_lengths": list(PROBE_NOW),
         "cpu": [
             {"t": round(s.t - t0, 2), "machine": s.machine_s, "client": s.client_s, **s.procs}
             for s in samples

@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import time
 
 import httpx
 
 from pdserve.local.drain import Listed, router_lists
 from pdserve.local.planner_loop import LocalAutoscaler, config_from_args, http_fetcher
-from pdserve.local.processes import LocalCluster, Proc
+from pdserve.local.processes import LocalCluster, Proc, host_cores
 from pdserve.local.supervise import Supervisor
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.snapshot import PoolStatus
@@ -209,8 +208,10 @@ def run_autoscaled(cluster: LocalCluster, router: Proc, args: argparse.Namespace
 
 
 def max_starting(args: argparse.Namespace) -> int:
-    """``--max-starting``, or one worker starting per 4 of the host's cores (at least 1)."""
-    if args.max_starting is not None:
-        return int(args.max_starting)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // 4)
+    """``--max-starting``, or its default on this host."""
+    return default_max_starting() if args.max_starting is None else int(args.max_starting)
+
+
+def default_max_starting() -> int:
+    """One worker starting per 4 of the host's cores, at least 1."""
+    return max(1, host_cores() // 4)

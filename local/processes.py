@@ -40,6 +40,13 @@ from pdserve.worker.core_zygote import ZygoteProcess
 NOT_DECODER = ("embed", "wte", "wpe", "lm_head")
 
 
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def decoder_params(model_dir: str) -> int:
     """The decoder's weight count: every tensor of the model's safetensors files but the
     embeddings and the output head, read from the files' headers (no weights loaded, any
@@ -97,19 +104,18 @@ class ClusterSpec:
         cores than on one (``local/thread_probe.py``: measured, never read from the size)."""
         if self.cpu_threads > 0:
             return self.cpu_threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores = host_cores()
         workers = max(1, self.num_prefill + self.num_decode)
         lone = workers == 1 and not self.autoscaled
-        if lone and (cores or 1) > 1 and self.lone_worker_probe().get("all_cores"):
-            return cores or 1
-        return max(1, ((cores or 1) - 1) // workers)
+        if lone and cores > 1 and self.lone_worker_probe().get("all_cores"):
+            return cores
+        return max(1, (cores - 1) // workers)
 
     def lone_worker_probe(self) -> dict[str, Any]:
         """The start-up thread probe of this spec's model (cached per process)."""
         from pdserve.local import thread_probe
 
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return thread_probe.probe(self.model_dir, self.dtype, cores or 1)
+        return thread_probe.probe(self.model_dir, self.dtype, host_cores())
 
     @property
     def model_name(self) -> str:
