@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from sim_host import Host, cpu_wait, speed
+from sim_host import Host, cpu_slowdown, speed
 
 from pdserve.planner.capacity import Profile
 from pdserve.planner.snapshot import LatencyStats, MetricsSnapshot, PoolStatus
@@ -104,14 +104,6 @@ RUN = ("target", "join", "prompt", "first", "arrival", "ok")
 # of quiet runs had those requests at real p50 40 ms vs simulated 24 (arrival gap < 20 ms)
 # while those arriving 0.1 s+ after the previous agreed (19.0 vs 19.0 ms).
 BURST_WINDOW_S = 0.1
-# The load a prefill burst waits for a core under (the fair share it gets, the M/M/c wait)
-# is the mean over this long, with each request's wait drawn from M/M/c's distribution
-# (_prefill_tick). Erlang C is a steady-state mean over random arrivals: fed the 0.1 s rate
-# (as until 2026-12-04), a cluster of arrivals raised the load and then also the
-# formula's wait, counting the randomness twice, and every request got the mean wait, so
-# the simulated p50 at 20 req/s on a quiet host was 1.5-2x the real one
-# (docs/autoscaling.md, "The wait for a core, per request").
-LOAD_WINDOW_S = 1.0
 TARGET, JOIN, PROMPT, FIRST, ARRIVAL, OK = range(len(RUN))
 
 
@@ -136,14 +128,10 @@ class Cluster:
         self.first_ttft: list[np.ndarray] = []  # ... and TTFT (the scale windows' errors)
         self.speed_p = self.speed_d = 1.0  # this tick's engine speeds (host model)
         self.slow_burst = 1.0  # how much longer a prefill and the path take (host model)
-        self.wait_p = 0.0  # the chance a burst waits for a core, and its mean wait then (x CPU)
-        self.wait_mean = 0.0
-        self.rng = np.random.default_rng(0)
-        self.work_rate = 0.0  # prefill work arriving, replica-s per second (LOAD_WINDOW_S)
+        self.work_rate = 0.0  # prefill work arriving, replica-s per second (BURST_WINDOW_S)
         self.work_seen = 0.0
-        self.decode_use = 0.0  # CPU of one busy decode engine, cores (LOAD_WINDOW_S)
-        self.rate = 0.0  # arrivals per second, smoothed (BURST_WINDOW_S: the engines' speeds)
-        self.load_rate = 0.0  # ... and over LOAD_WINDOW_S (a burst's wait for a core)
+        self.decode_use = 0.0  # CPU of one busy decode engine, cores (host model)
+        self.rate = 0.0  # arrivals per second, smoothed (BURST_WINDOW_S, host model)
         self.arrived_tick = 0
 
     # -- arrivals and prefill ----------------------------------------------------------------
@@ -179,15 +167,11 @@ class Cluster:
                 self.pq[0] = {k: v[n:] for k, v in blk.items()}
             when = t0 + (started["start"] - before) / rate if rate > 0 else np.full(n, t0)
             when = np.maximum(when, started["t"])
-            slow = np.full(n, self.slow_burst)
-            if self.wait_p > 0:  # this request's wait for a core, as M/M/c has it
-                waits = self.rng.random(n) < self.wait_p
-                slow = np.maximum(slow, 1.0 + waits * self.rng.exponential(self.wait_mean, n))
-            first = when + started["service"] * np.maximum(1.0 / self.speed_p, slow)
+            first = when + started["service"] * max(1.0 / self.speed_p, self.slow_burst)
             if self.cost.host is not None:  # the serving path beside the engine
                 h = self.cost.host
                 path = h.path_s + h.path_s_per_token * started["prompt"]
-                first = first + path * slow / h.path_slow
+                first = first + path * self.slow_burst / h.path_slow
             self.interval.wait.append(when - started["t"])
             self.interval.ttft.append(first - started["t"])
             self.first_arrival.append(started["t"])
@@ -242,7 +226,7 @@ class Cluster:
         self.admitted_at = t0
         n = self.run.shape[1]
         if n == 0 or ready == 0:
-            self.decode_use -= self.decode_use * min(1.0, dt / LOAD_WINDOW_S)
+            self.decode_use -= self.decode_use * min(1.0, dt / BURST_WINDOW_S)
             return
         step = self.cost.truth.decode.step_time(n / ready, self._context_total() / n) / self.speed_d
         steps = dt / step
@@ -252,7 +236,7 @@ class Cluster:
         # the CPU a decode engine used this tick: busy until its last sequence finished
         busy = 1.0 if not done.all() else float((self.run[TARGET].max() - g0) / steps)
         use = min(1.0, busy) * self.speed_d
-        self.decode_use += (use - self.decode_use) * min(1.0, dt / LOAD_WINDOW_S)
+        self.decode_use += (use - self.decode_use) * min(1.0, dt / BURST_WINDOW_S)
         if not done.any():
             return
         fin = self.run[:, done]
@@ -290,10 +274,8 @@ class Cluster:
         host = self.cost.host
         assert host is not None
         self.rate += (self.arrived_tick / dt - self.rate) * min(1.0, dt / BURST_WINDOW_S)
-        load = min(1.0, dt / LOAD_WINDOW_S)
-        self.load_rate += (self.arrived_tick / dt - self.load_rate) * load
         new_work = (self.work_arrived - self.work_seen) / dt
-        self.work_rate += (new_work - self.work_rate) * load
+        self.work_rate += (new_work - self.work_rate) * min(1.0, dt / BURST_WINDOW_S)
         self.arrived_tick, self.work_seen = 0, self.work_arrived
         n_p, n_d = self.prefill.ready(t0), self.decode.ready(t0)
         backlog = (self.work_arrived - self.work_done) / dt  # replica-seconds per second
@@ -305,19 +287,16 @@ class Cluster:
         self.speed_p, self.speed_d = speed(want_p, cpu), speed(1.0, cpu)
         if host.queueing and n_p:
             # a prefill runs in bursts: while it runs it wants a core, so on saturated cores
-            # it gets an always-runnable thread's share (the other prefill engines and the
-            # decode engines compete with what they use: the fluid decode finishes a short
-            # request's tokens inside one tick, so "has sequences now" misses them); on busy
-            # ones it sometimes finds every core taken and waits (M/M/c, per request in
-            # _prefill_tick). Both from the load over LOAD_WINDOW_S.
-            use_p = [min(1.0, self.work_rate / n_p)] * n_p
+            # it gets an always-runnable thread's share; on busy ones it sometimes waits.
+            # The decode engines compete with what they use (the fluid decode finishes a
+            # short request's tokens inside one tick, so "has sequences now" misses them)
             use_d = [self.decode_use] * n_d
-            share = speed(1.0, host.cpu(t0, [1.0, *use_p[1:], *use_d], starting, self.load_rate))
-            rho = host.utilisation(t0, use_p + use_d, starting, self.load_rate)
-            self.slow_burst = 1.0 / share
-            self.wait_p, self.wait_mean = cpu_wait(rho, host.cores)
+            share = speed(1.0, host.cpu(t0, [1.0] * n_p + use_d, starting, self.rate))
+            use_p = [min(1.0, self.work_rate / n_p)] * n_p
+            rho = host.utilisation(t0, use_p + use_d, starting, self.rate)
+            self.slow_burst = max(1.0 / share, cpu_slowdown(rho, host.cores))
         else:
-            self.slow_burst, self.wait_p = 1.0, 0.0
+            self.slow_burst = 1.0
 
     # -- what the planner sees --------------------------------------------------------------------
     def snapshot(self, t: float, interval_s: float) -> MetricsSnapshot:

@@ -139,17 +139,9 @@ def cpu_slowdown(utilisation: float, cores: float) -> float:
     of the time (M/M/c under processor sharing: ``1 + C(c, A) / (c (1 - rho))``, with A =
     rho c): what a thread that needs less than its fair share still loses, because the
     others' demand comes in bursts and it sometimes finds every core taken."""
-    waits, mean = cpu_wait(utilisation, cores)
-    return 1.0 + waits * mean
-
-
-def cpu_wait(utilisation: float, cores: float) -> tuple[float, float]:
-    """The wait for a core in M/M/c terms: the probability that a job finds every core
-    taken (Erlang C) and its mean wait then, in units of its own CPU time (``1 / (c (1 -
-    rho))``); a wait is exponential with that mean. ``cpu_slowdown`` is their mean."""
     c = max(1, round(cores))
     rho = min(max(utilisation, 0.0), RHO_MAX)
-    return erlang_c(c, rho * c), 1.0 / (c * (1.0 - rho))
+    return 1.0 + erlang_c(c, rho * c) / (c * (1.0 - rho))
 
 
 def speed(want: float, cpu: float) -> float:

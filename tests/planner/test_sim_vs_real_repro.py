@@ -1,0 +1,75 @@
+"""The noise floor under the simulator's scaling-window error (bench/sim_vs_real_repro.py):
+recorded runs of one trace predicting each other, replayed from bench/recordings."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import sim_vs_real_repro as repro
+from sim_vs_real_scaling import Recording
+
+RECORDINGS = Path(__file__).resolve().parents[2] / "bench" / "recordings"
+# every calibration run of `pdserve up` as it ships (the core zygote, --max-starting 1) on
+# a quiet host, seed 11, --rate-scale 2; 17:05 left out (a replay script of ours ran
+# beside it)
+QUIET = ["1636", "1641", "1646", "1655", "1714", "1724", "1912", "1922", "1931"]
+
+
+def _runs(names: list[str]) -> list[str]:
+    return [str(RECORDINGS / f"2026-12-04-{n}-scaling-calibration") for n in names]
+
+
+def _last_json(capsys: pytest.CaptureFixture[str]) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_a_run_predicts_itself_exactly() -> None:
+    run = Recording(Path(_runs(["1912"])[0]))
+    assert repro.pair_errors(run, run, simulate=False) == {"real_vs_real": 0.0}
+
+
+def test_runs_of_another_trace_are_refused() -> None:
+    scored = str(RECORDINGS / "2026-12-04-1917-scaling-scored")  # seed 12: other requests
+    with pytest.raises(SystemExit, match="seed"):
+        repro.main(["--no-sim", _runs(["1912"])[0], scored])
+
+
+def test_the_real_service_does_not_reproduce_itself_within_the_goal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Nine runs of the same requests minutes apart (72 ordered pairs): one run's TTFT p90
+    in the scaling windows misses another's by 0.457 at the median, and only a quarter
+    of the pairs are within issue 28's goal (0.25). A simulator built from one run cannot
+    be held to a closer figure than the service gives itself (docs/autoscaling.md,
+    "The noise floor")."""
+    assert repro.main(["--no-sim", *_runs(QUIET)]) == 0
+    out = _last_json(capsys)
+    floor = out["real_vs_real_ttft_p90_error_scaling"]
+    assert floor["pairs"] == 72
+    assert floor["median"] == pytest.approx(0.457, abs=0.001)
+    assert floor["share_within_goal"] == pytest.approx(0.264, abs=0.001)
+    assert floor["median"] > out["goal"]
+    assert "sim_vs_real_ttft_p90_error_scaling" not in out  # --no-sim: no simulation
+    busy = [r["ttft_p90_busy_step_ms"] for r in out["runs"]]
+    assert max(busy) > 3 * min(busy)  # 47-153 ms at 20 req/s, the same requests
+
+
+def test_the_simulator_is_scored_on_the_same_pairs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    png = tmp_path / "repro.png"
+    assert repro.main(["--plot", str(png), *_runs(["1912", "1922", "1931"])]) == 0
+    out = _last_json(capsys)
+    real = out["real_vs_real_ttft_p90_error_scaling"]
+    sim = out["sim_vs_real_ttft_p90_error_scaling"]
+    assert real["pairs"] == sim["pairs"] == 6
+    # as replayed under the shipped host model: the simulator from one run is as close to
+    # another run as that run's own TTFTs are (0.378 against 0.385 at the median)
+    assert sim["median"] == pytest.approx(0.378, abs=0.01)
+    assert real["median"] == pytest.approx(0.385, abs=0.001)
+    assert png.stat().st_size > 10_000
