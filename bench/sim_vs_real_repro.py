@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_vs_real_windows as win
+from sim_vs_real_host import describe, measure_host
 from sim_vs_real_scaling import Recording, predict
 
 GOAL = 0.25
@@ -65,12 +66,19 @@ def summary(errors: list[float]) -> dict[str, float]:
 
 
 def describe_run(r: Recording) -> dict:
+    """What differed between runs of the same requests: the real planner's scale events,
+    the TTFT at the busiest step, and what the host showed of other jobs (/proc: the
+    cores they used, steal time included; the load average before)."""
     busy = (r.trace.arrival >= 100.0) & (r.trace.arrival < 180.0)  # the 20 req/s step
+    profile = r.config(r.dir / "profile.json").profile
+    host = measure_host(r.dump, profile, int(r.trace.arrival.size), r.end_s)
     return {
         "run": r.dir.name,
         "date": r.meta["date"],
         "scale_events": win.count(win.real_events(r.dump["log"], r.end_s)),
         "ttft_p90_busy_step_ms": round(1000 * win.p90(r.ttft_all[busy]), 1),
+        "background_cores_mean": describe(host)["background_cores_mean"],
+        **r.work_cpu(),
         "load_average_before": round(float(r.meta["load_average_before_after"][0][0]), 2),
     }
 

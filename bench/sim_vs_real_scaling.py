@@ -224,6 +224,25 @@ class Recording:
     def config(self, profile: Path):  # type: ignore[no-untyped-def]
         return config_from_args(self.args(profile))
 
+    def work_cpu(self) -> dict[str, float]:
+        """The CPU the run's work took: the whole machine over the run, and the engine
+        threads per request served (/proc samples in real.json). The same requests cost
+        159-239 CPU-s in runs minutes apart on this host (bench/sim_vs_real_repro.py)."""
+        cpu = self.dump["cpu"]
+        first: dict[str, float] = {}
+        last: dict[str, float] = {}
+        for sample in cpu:
+            for key, value in sample.items():
+                if key.endswith("/engine"):
+                    first.setdefault(key, value)
+                    last[key] = value
+        served = int(np.isfinite(self.ttft_all).sum())
+        engines = sum(last[k] - first[k] for k in last)
+        return {
+            "machine_cpu_s": round(cpu[-1]["machine"] - cpu[0]["machine"], 1),
+            "engine_cpu_ms_per_request": round(1000 * engines / max(served, 1), 2),
+        }
+
     @property
     def max_starting(self) -> int:
         """Workers its autoscaler started at once (recordings before the flag: no cap)."""
@@ -231,10 +250,16 @@ class Recording:
 
 
 def predict(
-    scored: Recording, calibration: Recording, hindsight: bool = False, model: str | None = None
+    scored: Recording,
+    calibration: Recording,
+    hindsight: bool = False,
+    model: str | None = None,
+    speed: float = 1.0,
 ) -> SimReplay:
     """The scored trace in the simulator, on the calibration's host, start-up and profile
-    (``hindsight``: on the scored run's own host and start-up instead, for comparison)."""
+    (``hindsight``: on the scored run's own host and start-up instead, for comparison;
+    ``speed``: every engine cost times this, the host's speed as the scored run found it,
+    also hindsight)."""
     profile = calibration.dir / "profile.json"
     cfg = scored.config(profile)
     source = scored if hindsight else calibration
@@ -245,6 +270,8 @@ def predict(
     truth = None
     if model == "runnable":  # a prefill's CPU as measured while queued, where enough were
         truth = scaled_prefill(cfg.profile, source.prefill_cost()["ratio"])
+    if speed != 1.0:
+        truth = slowed_engines(truth or cfg.profile, speed)
     return replay(scored.trace, cfg, (1, 1), startup, INTERVAL_S, drain_s, host=host,
                   truth=truth, max_starting=scored.max_starting)  # fmt: skip
 
@@ -256,6 +283,31 @@ def scaled_prefill(profile: Profile, ratio: float) -> Profile:
                       tokens_per_s=p.tokens_per_s / ratio,
                       attention_s_per_token_sq=p.attention_s_per_token_sq * ratio)  # fmt: skip
     return replace(profile, prefill=prefill)
+
+
+def slowed_engines(profile: Profile, factor: float) -> Profile:
+    """``profile`` with every engine cost, prefill and decode, ``factor`` times longer."""
+    d = profile.decode
+    decode = replace(d, step_base_s=d.step_base_s * factor,
+                     step_per_seq_s=d.step_per_seq_s * factor,
+                     step_per_kv_token_s=d.step_per_kv_token_s * factor)  # fmt: skip
+    return replace(scaled_prefill(profile, factor), decode=decode)
+
+
+def speed_hindsight(scored: Recording, calibration: Recording) -> dict:
+    """The prediction with one number from the scored run: the engine CPU its requests
+    took over the calibration's (the host's speed, which moved x0.87-1.33 between runs
+    five minutes apart). Not the prediction: how much of its error is that number."""
+    ratio = (scored.work_cpu()["engine_cpu_ms_per_request"]
+             / calibration.work_cpu()["engine_cpu_ms_per_request"])  # fmt: skip
+    sim = predict(scored, calibration, speed=ratio)
+    events = win.real_events(scored.dump["log"], scored.end_s) + win.sim_events(sim.timeline)
+    startup = float(calibration.meta["real"]["startup_s"])
+    hit = win.scaling_windows(events, startup, scored.end_s)
+    split = win.split_errors(scored.trace.arrival, scored.ttft_all, sim.arrival,
+                             sim.ttft_by_arrival, hit)  # fmt: skip
+    key = "sim_vs_real_ttft_p90_error_scaling"
+    return {"engine_speed_ratio": round(ratio, 3), key: split[key]}
 
 
 def score(scored: Recording, calibration: Recording) -> dict:
@@ -291,6 +343,7 @@ def score(scored: Recording, calibration: Recording) -> dict:
         "real": {**real_stats, "failed": real_meta["failed"], "errors": real_meta["errors"]},
         "sim": sim_stats,
         "sim_hindsight": hindsight,  # the scored run's own host: not the prediction
+        "sim_speed_hindsight": speed_hindsight(scored, calibration),  # its speed: nor this
         "sim_timeline_host": {  # the host model before "runnable" (HOST_MODEL), same windows
             **{k: v for k, v in split_before.items() if k.startswith("sim_vs_real")},
             "ttft_p90_error": win.error(win.p90(before.ttft), win.p90(real_ok)),
