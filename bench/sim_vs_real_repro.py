@@ -17,7 +17,9 @@ of both sides, as the scored figure has them):
 
 The runs must share their trace (seed, rates, phases) and `pdserve up` flags. The last
 stdout line is JSON: per side the median, quartiles and share of pairs <= 0.25 (the goal
-of issue 28 item 1), and per run its scale events and TTFT p90 at 20 req/s.
+of issue 28 item 1), and per run its scale events, TTFT p90 at 20 req/s, the other jobs'
+cores and the CPU the same work took (``machine_cpu_s``, ``engine_cpu_ms_per_request``:
+on this host the cores' speed moved by up to a third between runs).
 """
 
 from __future__ import annotations

@@ -36,9 +36,10 @@ simulation built from the calibration alone; nothing measured in the scored run 
 the simulation (its own host conditions give ``sim_hindsight``, printed beside it, for
 how much of the error is the machine having changed; ``sim_speed_hindsight``: told only
 how much more or less engine CPU the scored run's requests took than the calibration's;
-``sim_timeline_host``: the errors of the host model before, sim_vs_real.py's). The host model's tuned constants were fixed
-before the first scored run (``constants`` in the JSON: BURST_WINDOW_S of
-sim_cluster.py, chosen on the 2026-12-02 recordings; RHO_MAX of sim_host.py).
+``sim_timeline_host``: the errors of the host model before, sim_vs_real.py's). The host
+model's tuned constants were fixed before the first scored run (``constants`` in the
+JSON: BURST_WINDOW_S of sim_cluster.py, chosen on the 2026-12-02 recordings; RHO_MAX of
+sim_host.py).
 
 The last stdout line is JSON: ``sim_vs_real_ttft_p90_error`` (all requests),
 ``..._scaling`` (requests that arrived in a 10 s window touched by a scale event,
