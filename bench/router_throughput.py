@@ -17,6 +17,7 @@ base). ``--profile FILE`` runs the router under cProfile (figures are then infla
 The last stdout line is JSON.
 
     nice python bench/router_throughput.py            # 2000 requests per phase
+    python bench/router_throughput.py --repeat 3      # three interleaved rounds: medians
     python bench/router_throughput.py --quick         # the test's run (tests/router/)
 """
 
@@ -29,6 +30,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -64,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list of: direct, pd, pd-chain (P/D, the decode worker calling "
                    "the prefill worker: --pd-handoff decode)")  # fmt: skip
     p.add_argument("--text", action="store_true", help="also run text prompts (tokenized)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds, interleaved (every path once per round, a new router each "
+                   "time); the summary gives each figure's median and range")  # fmt: skip
     p.add_argument("--profile", default="", help="write the router's cProfile stats here")
     p.add_argument("--procs", type=int, default=1, help="router processes (pdserve router --procs)")
     p.add_argument("--router-tree", default=str(ROOT),
@@ -74,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.latency_requests, args.text = 200, 60, True
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     return args
 
 
@@ -298,6 +305,25 @@ async def added_latency(args: argparse.Namespace, http: aiohttp.ClientSession, u
             "routed_p50_ms": pct(routed, 0.5), "direct_p50_ms": pct(base, 0.5)}  # fmt: skip
 
 
+SUMMARY_KEYS = ("router_cpu_us_per_req", "rps", "router_writes_per_req", "added_p50_ms")
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per path and prompt kind, over the rounds: each figure's median and [min, max]."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["path"], run["prompt"]), []).append(run)
+    out = []
+    for (path, prompt), rs in groups.items():
+        row: dict[str, Any] = {"path": path, "prompt": prompt, "rounds": len(rs)}
+        for key in SUMMARY_KEYS:
+            xs = sorted(r[key] for r in rs if r.get(key) is not None)
+            if xs:
+                row[key] = {"median": round(statistics.median(xs), 2), "range": [xs[0], xs[-1]]}
+        out.append(row)
+    return out
+
+
 def load_avg() -> float:
     return round(os.getloadavg()[0], 2)
 
@@ -314,8 +340,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with child(fakes_cmd, env) as fakes:
         assert fakes.stdout is not None
         urls = json.loads(await asyncio.to_thread(fakes.stdout.readline))
-        for path in args.paths.split(","):
-            result["runs"] += await run_path(args, model, urls, env, path, free_port())
+        for rnd in range(args.repeat):  # interleaved: a drift of the host hits every path
+            for path in args.paths.split(","):
+                runs = await run_path(args, model, urls, env, path, free_port())
+                result["runs"] += [{**r, "round": rnd} for r in runs]
+    result["summary"] = summarise(result["runs"])
     result["errors"] = sum(r["errors"] for r in result["runs"])
     result["load_avg_1m_after"] = load_avg()
     result["cpu_count"] = os.cpu_count()

@@ -5,7 +5,13 @@ the router's CPU per request from /proc, added latency."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from router_throughput import summarise
 
 from tests.loopback import run_bench
 
@@ -39,6 +45,24 @@ def test_router_throughput_quick() -> None:
         assert run["routed_p50_ms"] > 0 and run["direct_p50_ms"] > 0
         assert run["added_p99_ms"] is not None
     assert 1 <= runs[("direct", "ids")]["router_writes_per_req"] < WRITES_BOUND, runs
+    # one round: each figure's median is the run's own
+    summary = {(r["path"], r["prompt"]): r for r in result["summary"]}
+    assert set(summary) == set(runs)
+    for key, row in summary.items():
+        cpu = runs[key]["router_cpu_us_per_req"]
+        assert row["rounds"] == 1 and row["router_cpu_us_per_req"]["median"] == cpu
+
+
+def test_rounds_are_summarised_by_median_and_range() -> None:
+    runs = [{"path": "pd", "prompt": "ids", "router_cpu_us_per_req": cpu, "rps": 700.0,
+             "router_writes_per_req": 5.0} for cpu in (900.0, 1200.0, 1000.0)]  # fmt: skip
+    runs.append({"path": "direct", "prompt": "ids", "router_cpu_us_per_req": 600.0, "rps": 1e3,
+                 "router_writes_per_req": 3.0, "added_p50_ms": 1.5})  # fmt: skip
+    rows = {r["path"]: r for r in summarise(runs)}
+    assert rows["pd"]["rounds"] == 3
+    assert rows["pd"]["router_cpu_us_per_req"] == {"median": 1000.0, "range": [900.0, 1200.0]}
+    assert "added_p50_ms" not in rows["pd"]  # no round measured it
+    assert rows["direct"]["added_p50_ms"] == {"median": 1.5, "range": [1.5, 1.5]}
 
 
 @pytest.mark.bench
