@@ -58,17 +58,17 @@ def rank_prefill(
 def plan_route(
     snap: Snapshot, req: RouteRequest, cfg: RouterConfig, rng: random.Random, rr_counter: int = 0
 ) -> RoutePlan:
-    """Decode candidates, the prefill/decode decision, then prefill candidates."""
+    """Decode candidates, the prefill/decode decision, then prefill candidates (ranked only
+    for a prompt that goes to one: a short prompt's plan skips the prefill pool's scoring)."""
     decode = rank_decode(snap, req, cfg, rng, rr_counter)
     if not decode:
         raise NoWorkerAvailable("no healthy decode worker")
-    prefill = rank_prefill(snap, req, cfg, rng, rr_counter)
-    kind = disagg.decide(
-        req.num_prompt_tokens,
-        req.matched_tokens(decode[0].worker_id),
-        cfg.disagg_threshold,
-        have_prefill=bool(prefill),
-    )
+    cached = req.matched_tokens(decode[0].worker_id)
+    kind = disagg.decide(req.num_prompt_tokens, cached, cfg.disagg_threshold,
+                         have_prefill=bool(snap.prefill))  # fmt: skip
     if kind == disagg.LOCAL_PREFILL:
         return RoutePlan(kind, (), tuple(decode), 0)
+    prefill = rank_prefill(snap, req, cfg, rng, rr_counter)
+    if not prefill:  # a guard: rank keeps filtered workers (last), so a pool is never empty
+        return RoutePlan(disagg.LOCAL_PREFILL, (), tuple(decode), 0)
     return RoutePlan(kind, tuple(prefill), tuple(decode), req.matched_tokens(prefill[0].worker_id))

@@ -64,3 +64,24 @@ def test_affinity_yields_to_a_much_lighter_worker() -> None:
     cfg = RouterConfig(model_dir="/m")
     plan = plan_route(snap, RouteRequest(64, lora="a"), cfg, random.Random(0))
     assert plan.decode[0].worker_id == "d1"
+
+
+def test_a_short_prompt_does_not_score_the_prefill_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below the disaggregation threshold the plan is the decode worker's alone: the prefill
+    pool is not ranked (its scoring was ~4% of the router's CPU on decode-direct)."""
+    from pdserve.router.scheduling import routing
+
+    calls: list[int] = []
+    real = routing.rank_prefill
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(routing, "rank_prefill", counted)
+    snap = Snapshot((_worker("prefill", "p0"), _worker("decode", "d0")))
+    cfg = RouterConfig(model_dir="/m", disagg_threshold=512)
+    assert plan_route(snap, RouteRequest(64), cfg, random.Random(0)).kind == "local_prefill"
+    assert calls == []
+    assert plan_route(snap, RouteRequest(600), cfg, random.Random(0)).kind == "remote_prefill"
+    assert calls == [1]
