@@ -35,28 +35,21 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_vs_real_windows as win
 from sim_vs_real_host import describe, measure_host
-from sim_vs_real_scaling import Recording, predict
+from sim_vs_real_scaling import Recording, predict, scaling_error
 
 GOAL = 0.25
 
 
 def pair_errors(a: Recording, b: Recording, simulate: bool = True) -> dict[str, float]:
     """Run ``a`` (its TTFTs, and the simulator built from it) predicting run ``b``."""
-    ev_a = win.real_events(a.dump["log"], a.end_s)
-    ev_b = win.real_events(b.dump["log"], b.end_s)
+    events = win.real_events(a.dump["log"], a.end_s) + win.real_events(b.dump["log"], b.end_s)
     startup = float(b.meta["real"]["startup_s"])
-    hit = win.scaling_windows(ev_a + ev_b, startup, b.end_s)
+    hit = win.scaling_windows(events, startup, b.end_s)
     real = win.split_errors(b.trace.arrival, b.ttft_all, a.trace.arrival, a.ttft_all, hit)
-    if not simulate:
-        return {"real_vs_real": real["sim_vs_real_ttft_p90_error_scaling"]}
-    sim = predict(b, a)
-    hit = win.scaling_windows(ev_b + win.sim_events(sim.timeline), startup, b.end_s)
-    scored = win.split_errors(b.trace.arrival, b.ttft_all, sim.arrival, sim.ttft_by_arrival,
-                              hit)  # fmt: skip
-    return {
-        "real_vs_real": real["sim_vs_real_ttft_p90_error_scaling"],
-        "sim_vs_real": scored["sim_vs_real_ttft_p90_error_scaling"],
-    }
+    out = {"real_vs_real": real["sim_vs_real_ttft_p90_error_scaling"]}
+    if simulate:
+        out["sim_vs_real"] = scaling_error(b, predict(b, a), a)
+    return out
 
 
 def summary(errors: list[float]) -> dict[str, float]:

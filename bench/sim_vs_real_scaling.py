@@ -303,13 +303,19 @@ def speed_hindsight(scored: Recording, calibration: Recording) -> dict:
     ratio = (scored.work_cpu()["engine_cpu_ms_per_request"]
              / calibration.work_cpu()["engine_cpu_ms_per_request"])  # fmt: skip
     sim = predict(scored, calibration, speed=ratio)
+    key = "sim_vs_real_ttft_p90_error_scaling"
+    return {"engine_speed_ratio": round(ratio, 3), key: scaling_error(scored, sim, calibration)}
+
+
+def scaling_error(scored: Recording, sim: SimReplay, calibration: Recording) -> float:
+    """``sim``'s TTFT p90 error against ``scored`` in the 10 s windows that either side's
+    scale events touch, each as long as the calibration's start-up: as ``score`` has it."""
     events = win.real_events(scored.dump["log"], scored.end_s) + win.sim_events(sim.timeline)
     startup = float(calibration.meta["real"]["startup_s"])
     hit = win.scaling_windows(events, startup, scored.end_s)
     split = win.split_errors(scored.trace.arrival, scored.ttft_all, sim.arrival,
                              sim.ttft_by_arrival, hit)  # fmt: skip
-    key = "sim_vs_real_ttft_p90_error_scaling"
-    return {"engine_speed_ratio": round(ratio, 3), key: split[key]}
+    return split["sim_vs_real_ttft_p90_error_scaling"]
 
 
 def score(scored: Recording, calibration: Recording) -> dict:
