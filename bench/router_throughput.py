@@ -30,7 +30,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from spread import spread  # bench/spread.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -317,9 +317,9 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (path, prompt), rs in groups.items():
         row: dict[str, Any] = {"path": path, "prompt": prompt, "rounds": len(rs)}
         for key in SUMMARY_KEYS:
-            xs = sorted(r[key] for r in rs if r.get(key) is not None)
+            xs = [r[key] for r in rs if r.get(key) is not None]
             if xs:
-                row[key] = {"median": round(statistics.median(xs), 2), "range": [xs[0], xs[-1]]}
+                row[key] = spread(xs, digits=2)
         out.append(row)
     return out
 

@@ -33,7 +33,6 @@ import asyncio
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -50,6 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import serve_models  # noqa: E402
 from serve_load import Load, run_point, served_model, warm_up  # noqa: E402
 from serve_peer import describe_peer, ours_threads  # noqa: E402
+from spread import spread  # noqa: E402
 
 SETUPS = {"default": [], "disagg": ["--prefill", "1", "--decode", "1"],
           "colocated": ["--prefill", "0"]}  # fmt: skip
@@ -165,11 +165,6 @@ def plot(path: str, results: dict[str, list[dict[str, Any]]], title: str) -> Non
 
 def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    return {"median": round(statistics.median(values), 3),
-            "range": [round(min(values), 3), round(max(values), 3)]}  # fmt: skip
 
 
 async def interleaved(peer_url: str, url: str, load: Load, args: argparse.Namespace
