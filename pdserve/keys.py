@@ -74,13 +74,14 @@ class KeyRing:
         """HMAC-SHA256 of ``parts`` (length-prefixed) under the signing key; b"" without."""
         return mac(self.signing, *parts)
 
-    def verify(self, tag: bytes, *parts: bytes) -> bytes | None:
-        """The key that made ``tag`` over ``parts`` (None: none did). Without keys every
-        tag passes (an unauthenticated local deployment) and b"" is returned."""
+    def verify(self, tag: bytes, *parts: bytes, head: tuple[str, ...] = ()) -> bytes | None:
+        """The key that made ``tag`` over ``head`` and ``parts`` (``mac_after``; None: none
+        did). Without keys every tag passes (an unauthenticated local deployment) and b""
+        is returned."""
         if not self.keys:
             return b""
         for key in self.keys:
-            if hmac.compare_digest(tag, mac(key, *parts)):
+            if hmac.compare_digest(tag, mac_after(key, head, *parts)):
                 return key
         return None
 
@@ -90,10 +91,31 @@ def mac(key: bytes, *parts: bytes) -> bytes:
     give the same tag); b"" without a key."""
     if not key:
         return b""
-    msg = b"".join(len(part).to_bytes(8, "big") + part for part in parts)
     h = _keyed(key).copy()  # the key's pads hashed once: hmac.digest set them up per call
-    h.update(msg)
+    h.update(_framed(parts))
     return h.digest()
+
+
+def mac_after(key: bytes, head: tuple[str, ...], *parts: bytes) -> bytes:
+    """``mac(key, *head encoded, *parts)``, the hashing of ``head`` kept per key and head:
+    a worker call's version, method and path, or a proof's label, are the same on every
+    call (the router signs two calls and checks two proofs per P/D request)."""
+    if not key:
+        return b""
+    h = _keyed_head(key, head).copy()
+    h.update(_framed(parts))
+    return h.digest()
+
+
+def _framed(parts: tuple[bytes, ...]) -> bytes:
+    return b"".join([len(part).to_bytes(8, "big") + part for part in parts])
+
+
+@lru_cache(maxsize=256)
+def _keyed_head(key: bytes, head: tuple[str, ...]) -> hmac.HMAC:
+    h = _keyed(key).copy()
+    h.update(_framed(tuple(p.encode() for p in head)))
+    return h
 
 
 @lru_cache(maxsize=64)

@@ -33,11 +33,11 @@ VERSION = "v1"
 WINDOW_S = 30.0  # clocks of the router's and the workers' nodes agree to well within this
 MAX_NONCES = 1_000_000  # the replay cache's bound (older entries go first)
 _EMPTY_SHA = hashlib.sha256(b"").digest()
+_REPLY = ("reply",)  # a proof's label
 
 
 def _tag(key: bytes, method: str, target: str, ts: str, nonce: str, body_sha: bytes) -> bytes:
-    return keys.mac(key, VERSION.encode(), method.encode(), target.encode(), ts.encode(),
-                    nonce.encode(), body_sha)  # fmt: skip
+    return keys.mac_after(key, (VERSION, method, target), ts.encode(), nonce.encode(), body_sha)
 
 
 def sign(ring: keys.KeyRing, method: str, target: str, body: bytes = b"",
@@ -51,7 +51,7 @@ def sign(ring: keys.KeyRing, method: str, target: str, body: bytes = b"",
 
 def proof(key: bytes, auth: str) -> str:
     """A worker's answer to the call signed ``auth``: proves it holds the key."""
-    return keys.mac(key, b"reply", auth.encode()).hex()
+    return keys.mac_after(key, _REPLY, auth.encode()).hex()
 
 
 def proof_ok(ring: keys.KeyRing, auth: str, given: str | None) -> bool:
@@ -60,7 +60,7 @@ def proof_ok(ring: keys.KeyRing, auth: str, given: str | None) -> bool:
         return True
     if not given or not _hex(given):
         return False
-    return ring.verify(bytes.fromhex(given), b"reply", auth.encode()) is not None
+    return ring.verify(bytes.fromhex(given), auth.encode(), head=_REPLY) is not None
 
 
 def _hex(text: str) -> bool:

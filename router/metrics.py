@@ -13,10 +13,11 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
     disable_created_metrics,
     generate_latest,
 )
+
+from pdserve.router import fast_metrics as fast
 
 disable_created_metrics()  # no *_created series: they double every counter on scrape
 
@@ -28,37 +29,40 @@ RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
 class RouterMetrics:
+    """The router's series. Those updated per request are ``fast_metrics``' (lock-free,
+    event loop only); the rest are prometheus_client's."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self.ttft = Histogram(
+        self.ttft = fast.Histogram(
             "pdserve_router_ttft_seconds",
             "Time to first token",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.tpot = Histogram(
+        self.tpot = fast.Histogram(
             "pdserve_router_tpot_seconds",
             "Mean time per output token after the first, per request",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
+        self.itl = fast.Histogram(
             "pdserve_router_itl_seconds", "Inter-token latency", buckets=LATENCY_BUCKETS, registry=r
         )
-        self.e2e = Histogram(
+        self.e2e = fast.Histogram(
             "pdserve_router_e2e_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
         )
-        self.requests = Counter(
+        self.requests = fast.Counter(
             "pdserve_router_requests", "Requests by HTTP status code", ["code"], registry=r
         )
-        self.decisions = Counter(
+        self.decisions = fast.Counter(
             "pdserve_router_routing_decisions",
             "Routing decisions by kind",
             ["kind"],
             registry=r,
         )
-        self.prefix_match = Histogram(
+        self.prefix_match = fast.Histogram(
             "pdserve_router_prefix_match_ratio",
             "Share of the prompt cached on the chosen prefill worker",
             buckets=RATIO_BUCKETS,
@@ -71,25 +75,25 @@ class RouterMetrics:
             ["role", "resident"],
             registry=r,
         )
-        self.inflight = Gauge(
+        self.inflight = fast.Gauge(
             "pdserve_router_inflight_requests",
             "Requests in flight per worker",
             ["worker", "role"],
             registry=r,
         )
-        self.queue_depth = Gauge(
+        self.queue_depth = fast.Gauge(
             "pdserve_router_queue_depth", "Requests admitted and not finished", registry=r
         )
         # what the planner sizes the prefill pool for (queue_depth also counts decoding ones)
-        self.prefill_queue_depth = Gauge(
+        self.prefill_queue_depth = fast.Gauge(
             "pdserve_router_prefill_queue_depth",
             "Requests dispatched whose first token has not come back (waiting for or in prefill)",
             registry=r,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = fast.Counter(
             "pdserve_router_prompt_tokens", "Prompt tokens routed", registry=r
         )
-        self.generation_tokens = Counter(
+        self.generation_tokens = fast.Counter(
             "pdserve_router_generation_tokens", "Tokens generated", registry=r
         )
 
@@ -120,7 +124,7 @@ class RouterMetrics:
             registry=r,
         )
 
-    def child(self, metric: Counter | Gauge, *values: str) -> Any:
+    def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, kept: prometheus_client checks and joins the labels
         on every call, a few µs each, several calls per request (no series is ever
         removed, so a kept child stays the one the registry renders)."""

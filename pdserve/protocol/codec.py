@@ -7,8 +7,8 @@ that does not fit the dataclass: unknown or missing fields, and fields whose
 JSON type does not match the annotation (``int``, ``float``, ``str``, ``bool``,
 ``list[...]``, ``dict[...]``, ``X | None``). A field annotated with another
 dataclass is nested: a registered message by its codec form, any other dataclass
-by its own ``to_dict`` / ``from_dict`` (so the sampling parameters ride inside a
-worker message without the codec knowing their fields). Bytes fields are not
+by its own ``wire`` (or ``to_dict``) / ``from_dict`` (so the sampling parameters ride
+inside a worker message without the codec knowing their fields). Bytes fields are not
 supported: payloads that are bytes (NIXL agent metadata) are carried base64-encoded.
 """
 
@@ -95,6 +95,9 @@ def _encoder(hint: Any) -> Any:
         return _encoder(inner[0]) if len(inner) == 1 else _plain
     if hint in _SCALARS:
         return None
+    wire = getattr(hint, "wire", None)  # a dataclass that keeps its own codec form
+    if wire is not None:
+        return wire
     if origin is list and args and args[0] in _SCALARS:
         return None  # json writes the list; _plain only copied it
     if origin is dict and args and args[1] in _SCALARS:

@@ -75,7 +75,7 @@ def encode_line(
 
 def decode_line(line: bytes) -> TokenDelta:
     """``codec.decode(line, TokenDelta)``: the same message, or the same CodecError."""
-    body = _object(line)
+    body = body_of(line)
     if body is None:
         return decode(line, TokenDelta)  # the codec's answer, or its CodecError
     if type(body) is dict and body.keys() == _KEYS and body["type"] == "token_delta":
@@ -95,7 +95,7 @@ def decode_line(line: bytes) -> TokenDelta:
     return from_dict(body, TokenDelta)
 
 
-def _object(line: bytes) -> Any:
+def body_of(line: bytes) -> Any:
     """What ``json.loads(line)`` returns for a line that is exactly one JSON object (as the
     worker writes them: UTF-8, no surrounding space), else None (then the codec decides)."""
     if line[:1] != b"{" or line[-1:] != b"}":

@@ -107,10 +107,12 @@ class _Conn(asyncio.Protocol):
             self.transport.abort()
 
     def start(self, data: bytes) -> None:
-        """Send one request; the parser starts over for its response."""
-        self.status, self.headers, self.chunks = 0, {}, collections.deque()
+        """Send one request. The parser goes on from the last response: only a connection
+        whose response was read to its end comes back from the pool (``release``), and
+        llhttp starts on the next message by itself (a parser per call cost ~2% of the
+        router's CPU on the P/D path)."""
+        self.status, self.headers = 0, {}
         self.head_done = self.done = self.keep_alive = False
-        self.parser = httptools.HttpResponseParser(self)
         self.last_data = self.loop.time()
         assert self.transport is not None
         self.transport.write(data)

@@ -10,6 +10,7 @@ fail then (a captured header replays; a fake worker learns the secret).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from typing import Any
@@ -160,3 +161,15 @@ def test_signing_cost_per_call() -> None:
         signing.proof_ok(ring, auth, signing.proof(ring.signing, auth))
     per_call_us = (time.perf_counter() - start) / n * 1e6
     assert per_call_us < 500, per_call_us
+
+
+def test_mac_after_is_mac_over_head_and_parts() -> None:
+    """The cached head (version, method, path; a proof's label) changes no tag: callers and
+    workers on either side of an upgrade agree."""
+    key = keys.derive("s3cret", keys.HTTP)
+    parts = (b"1700000000.000", b"ab" * 12, hashlib.sha256(b"{}").digest())
+    for head in (("v1", "POST", "/prefill"), ("reply",), ()):
+        want = keys.mac(key, *(h.encode() for h in head), *parts)
+        assert keys.mac_after(key, head, *parts) == want
+        assert keys.mac_after(key, head, *parts) == want  # from the cache, the same
+    assert keys.mac_after(b"", ("reply",), b"x") == b""
