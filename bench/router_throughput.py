@@ -74,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--router-tree", default=str(ROOT),
                    help="run the router from this checkout (a before/after comparison: "
                    "`git archive REF | tar -x -C DIR`)")  # fmt: skip
+    p.add_argument("--compare-tree", default="",
+                   help="also run every path, in every round, with the router from this "
+                   "checkout (tagged tree=compare; --router-tree's are tree=main): a "
+                   "before/after comparison interleaved, with the ratio of medians")  # fmt: skip
     p.add_argument("--fakes", action="store_true", help=argparse.SUPPRESS)  # the child
     p.add_argument("--token-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # its decode
     args = p.parse_args(argv)
@@ -243,14 +247,15 @@ def direct_call(http: aiohttp.ClientSession, decode_url: str, ring: keys.KeyRing
 
 
 async def run_path(args: argparse.Namespace, model: str, urls: dict[str, str], env: dict[str, str],
-                   path: str, port: int) -> list[dict[str, Any]]:  # fmt: skip
-    """One router process for ``path``: its token-id phase, then its text phase."""
+                   path: str, port: int, tree: str) -> list[dict[str, Any]]:  # fmt: skip
+    """One router process for ``path``, run from checkout ``tree``: its token-id phase,
+    then its text phase."""
     url = f"http://127.0.0.1:{port}"
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=60)
     cmd = router_cmd(args, model, urls, port, path)
     out = []
-    with child(cmd, env, args.router_tree) as router:
+    with child(cmd, env, tree) as router:
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
             await wait_ready(http, url)
             for text in (False, True) if args.text else (False,):
@@ -310,17 +315,34 @@ SUMMARY_KEYS = ("router_cpu_us_per_req", "rps", "router_writes_per_req", "added_
 
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per path and prompt kind, over the rounds: each figure's median and [min, max]."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for run in runs:
-        groups.setdefault((run["path"], run["prompt"]), []).append(run)
+        groups.setdefault((run["path"], run["prompt"], run.get("tree", "main")), []).append(run)
     out = []
-    for (path, prompt), rs in groups.items():
+    for (path, prompt, tree), rs in groups.items():
         row: dict[str, Any] = {"path": path, "prompt": prompt, "rounds": len(rs)}
+        if tree != "main":
+            row["tree"] = tree
         for key in SUMMARY_KEYS:
             xs = [r[key] for r in rs if r.get(key) is not None]
             if xs:
                 row[key] = spread(xs, digits=2)
         out.append(row)
+    return out
+
+
+def compare(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per path and prompt kind run from both trees: main's median CPU per request over
+    the compared tree's (below 1: main is cheaper)."""
+    rows = {(r["path"], r["prompt"], r.get("tree", "main")): r for r in summary}
+    out = []
+    for (path, prompt, tree), row in rows.items():
+        other = rows.get((path, prompt, "compare"))
+        if tree == "main" and other is not None:
+            ratio = (row["router_cpu_us_per_req"]["median"]
+                     / other["router_cpu_us_per_req"]["median"])  # fmt: skip
+            out.append({"path": path, "prompt": prompt, "cpu_ratio_main_over_compare":
+                        round(ratio, 3)})  # fmt: skip
     return out
 
 
@@ -340,11 +362,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with child(fakes_cmd, env) as fakes:
         assert fakes.stdout is not None
         urls = json.loads(await asyncio.to_thread(fakes.stdout.readline))
+        trees = [("main", args.router_tree)]
+        if args.compare_tree:
+            trees.append(("compare", args.compare_tree))
         for rnd in range(args.repeat):  # interleaved: a drift of the host hits every path
             for path in args.paths.split(","):
-                runs = await run_path(args, model, urls, env, path, free_port())
-                result["runs"] += [{**r, "round": rnd} for r in runs]
+                for tag, tree in trees:
+                    runs = await run_path(args, model, urls, env, path, free_port(), tree)
+                    tagged = {"tree": tag} if args.compare_tree else {}
+                    result["runs"] += [{**r, **tagged, "round": rnd} for r in runs]
     result["summary"] = summarise(result["runs"])
+    if args.compare_tree:
+        result["compare"] = compare(result["summary"])
     result["errors"] = sum(r["errors"] for r in result["runs"])
     result["load_avg_1m_after"] = load_avg()
     result["cpu_count"] = os.cpu_count()
