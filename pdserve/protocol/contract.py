@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdserve.protocol.codec import message
+from pdserve.protocol.codec import message, to_dict
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams, valid_text
 
 # 3: LoRA (``lora`` on the requests and the KV handle, ``loras`` / ``lora_known`` in the stats)
@@ -134,6 +134,16 @@ class KVHandle:
     transport: str = "nixl"
     version: int = CONTRACT_VERSION
     lora: LoraRef | None = None  # the adapter the KV was computed under (None: base model)
+
+    def wire(self) -> dict[str, Any]:
+        """The codec's form (``to_dict``), kept: the router hands a prefill reply's handle
+        to the decode worker as the body it read (``prefill_reply`` keeps it), not built
+        again field by field. Shared: read it, never change it."""
+        got: dict[str, Any] | None = self.__dict__.get("_wire")
+        if got is None:
+            got = to_dict(self)
+            object.__setattr__(self, "_wire", got)
+        return got
 
     def validate(self) -> None:
         if self.version != CONTRACT_VERSION:

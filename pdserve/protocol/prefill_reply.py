@@ -17,12 +17,11 @@ import dataclasses
 from typing import Any, Literal
 
 from pdserve.protocol.codec import all_ints, decode, from_dict
-from pdserve.protocol.contract import KVHandle, PrefillReply, Usage
-from pdserve.protocol.token_lines import body_of
+from pdserve.protocol.contract import KVHandle, PrefillReply
+from pdserve.protocol.token_lines import body_of, usage_of
 
 _REPLY_KEYS = frozenset({*(f.name for f in dataclasses.fields(PrefillReply)), "type"})
 _HANDLE_KEYS = frozenset({*(f.name for f in dataclasses.fields(KVHandle)), "type"})
-_USAGE_KEYS = frozenset({*(f.name for f in dataclasses.fields(Usage)), "type"})
 # _handle builds a KVHandle from its fields in this order: a new field must be added there.
 assert tuple(f.name for f in dataclasses.fields(KVHandle)) == (
     "request_id",
@@ -50,7 +49,7 @@ def decode_prefill_reply(raw: bytes) -> PrefillReply:
         finish, cached = body["finish_reason"], body["num_cached_tokens"]
         prompt = body["prompt_tokens"]
         lps, plps = body["logprobs"], body["prompt_logprobs"]
-        usage = _usage(body["usage"])
+        usage = usage_of(body["usage"])
         handle = _handle(body["kv_handle"])
         if (
             type(rid) is str
@@ -66,18 +65,6 @@ def decode_prefill_reply(raw: bytes) -> PrefillReply:
         ):
             return PrefillReply(rid, first, text, finish, handle, cached, prompt, usage, lps, plps)
     return from_dict(body, PrefillReply)
-
-
-def _usage(body: Any) -> Usage | Literal[False] | None:
-    """The reply's usage; False: not the common shape (the codec decides)."""
-    if body is None:
-        return None
-    if type(body) is not dict or body.keys() != _USAGE_KEYS or body["type"] != "usage":
-        return False
-    p, c, k = body["prompt_tokens"], body["completion_tokens"], body["cached_tokens"]
-    if type(p) is int and type(c) is int and type(k) is int:
-        return Usage(p, c, k)
-    return False
 
 
 def _handle(body: Any) -> KVHandle | Literal[False] | None:
@@ -108,4 +95,6 @@ def _handle(body: Any) -> KVHandle | Literal[False] | None:
         handle.validate()
     except (TypeError, ValueError):
         return False
+    body["lease_ttl_s"] = handle.lease_ttl_s  # a float, as to_dict writes it
+    object.__setattr__(handle, "_wire", body)  # its codec form: the decode worker gets it
     return handle

@@ -7,7 +7,7 @@ The general codec walks the dataclass's fields and checks every annotation on ev
 writes it from a dict literal with one cached JSON encoder, and reads it with a handful
 of type checks. The bytes written and the messages read are those of the codec (the
 tests compare both on random messages); anything off the common shape (an error, a
-nested usage on decode, a bad line) goes through the codec itself, so its errors stay
+bad line) goes through the codec itself, so its errors stay
 the codec's.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from json.encoder import encode_basestring_ascii as _string
-from typing import Any
+from typing import Any, Literal
 
 from pdserve.protocol.codec import decode, encode, from_dict
 from pdserve.protocol.contract import TokenDelta, Usage
@@ -81,8 +81,9 @@ def decode_line(line: bytes) -> TokenDelta:
     if type(body) is dict and body.keys() == _KEYS and body["type"] == "token_delta":
         ids, text, finish = body["token_ids"], body["text"], body["finish_reason"]
         lps = body["logprobs"]
+        usage = usage_of(body["usage"])  # the last line's
         if (
-            body["usage"] is None
+            usage is not False
             and body["error"] is None
             and type(ids) is list
             and all(type(t) is int for t in ids)
@@ -91,8 +92,24 @@ def decode_line(line: bytes) -> TokenDelta:
             and (lps is None or type(lps) is list)
             and body["prompt_logprobs"] is None
         ):
-            return TokenDelta(ids, text, finish, None, None, lps)
+            return TokenDelta(ids, text, finish, usage, None, lps)
     return from_dict(body, TokenDelta)
+
+
+_USAGE_KEYS = frozenset(("prompt_tokens", "completion_tokens", "cached_tokens", "type"))
+
+
+def usage_of(body: Any) -> Usage | Literal[False] | None:
+    """A message's nested ``Usage`` as the codec reads it; False: not its common shape
+    (then the codec decides, and says why)."""
+    if body is None:
+        return None
+    if type(body) is not dict or body.keys() != _USAGE_KEYS or body["type"] != "usage":
+        return False
+    p, c, k = body["prompt_tokens"], body["completion_tokens"], body["cached_tokens"]
+    if type(p) is int and type(c) is int and type(k) is int:
+        return Usage(p, c, k)
+    return False
 
 
 def body_of(line: bytes) -> Any:

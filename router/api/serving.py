@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import uuid
+import os
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
@@ -135,7 +135,7 @@ class Api(Protocol):
 
 async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = None) -> Response:
     prefix = api.prefix if api is not None else "chatcmpl-" if chat else "cmpl-"
-    rid = prefix + uuid.uuid4().hex
+    rid = prefix + os.urandom(16).hex()  # uuid4().hex's length, without its object
     try:
         caller, client = rt.gate(request)  # before the body is read or parsed
         raw = await edge.read_body(request, rt.cfg.max_body_bytes, rt.cfg.body_timeout_s)

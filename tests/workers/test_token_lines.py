@@ -91,3 +91,13 @@ def test_a_broken_field_fails_as_in_the_codec(
 )  # fmt: skip
 def test_odd_lines_fail_or_pass_as_in_the_codec(line: bytes) -> None:
     same_outcome(line)
+
+
+def test_the_last_line_with_usage_is_read_without_the_codec(monkeypatch: Any) -> None:
+    """Every stream's last line carries the usage: it takes the fast path too."""
+    from pdserve.protocol import token_lines
+
+    d = TokenDelta([5], "x", "stop", Usage(64, 4, 0))
+    monkeypatch.setattr(token_lines, "from_dict", None)  # would fail if called
+    monkeypatch.setattr(token_lines, "decode", None)
+    assert decode_line(encode(d)) == d
