@@ -322,19 +322,23 @@ def _sse_head(req: CompletionRequest, rs: RequestState, first: Delta, out: _Chun
 def _sse_rest(
     req: CompletionRequest, rs: RequestState, events: AsyncIterator[Delta], out: _Chunks
 ) -> AsyncIterator[str]:
-    return sse_tail(req, rs, (out(d) async for d in events), lambda: _usage(rs))
+    return sse_tail(req, rs, events, out, lambda: _usage(rs))
 
 
 async def sse_tail(
     req: CompletionRequest,
     rs: RequestState,
-    texts: AsyncIterator[str],
+    events: AsyncIterator[E],
+    chunks: Callable[[E], str],
     usage: Callable[[], dict[str, Any]],
 ) -> AsyncIterator[str]:
-    """A stream after its first chunk: ``texts`` (empty ones skipped), the usage chunk when
-    asked (``usage()`` once the tokens are all in), [DONE]; an error midway is its body."""
+    """A stream after its first chunk: ``chunks`` of each of ``events`` (empty ones
+    skipped), the usage chunk when asked (``usage()`` once the tokens are all in), [DONE];
+    an error midway is its body. (``chunks`` is called here, not in a generator of its own
+    around ``events``: one async generator less per stream.)"""
     try:
-        async for text in texts:
+        async for event in events:
+            text = chunks(event)
             if text:
                 yield text
         tail = ""

@@ -87,4 +87,4 @@ def _sse_rest_n(
     def use() -> dict[str, Any]:
         return responses.usage(len(rs.prompt_ids), ch.completion_tokens, rs.cached_tokens)
 
-    return sse_tail(req, rs, (outs[i](d) async for i, d in events), use)
+    return sse_tail(req, rs, events, lambda e: outs[e[0]](e[1]), use)

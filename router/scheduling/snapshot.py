@@ -9,6 +9,7 @@ it, so they are pure and can be tested from a table of snapshots without any ser
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pdserve.protocol.contract import WorkerStats as WorkerStats  # what a worker's GET /stats says
 
@@ -72,15 +73,16 @@ class Snapshot:
     def role(self, role: str, healthy_only: bool = True) -> tuple[WorkerView, ...]:
         return tuple(w for w in self.workers if w.role == role and (w.healthy or not healthy_only))
 
-    @property
+    # Worked out once per snapshot (it is immutable): a request reads each several times.
+    @cached_property
     def prefill(self) -> tuple[WorkerView, ...]:
         return self.role("prefill")
 
-    @property
+    @cached_property
     def decode(self) -> tuple[WorkerView, ...]:
         return self.role("decode")
 
-    @property
+    @cached_property
     def block_size(self) -> int:
         sizes = {w.stats.block_size for w in self.workers if w.healthy}
         return min(sizes) if sizes else 16
