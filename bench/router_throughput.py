@@ -18,6 +18,7 @@ The last stdout line is JSON.
 
     nice python bench/router_throughput.py            # 2000 requests per phase
     python bench/router_throughput.py --repeat 3      # three interleaved rounds: medians
+    python bench/router_throughput.py --floor         # and what the HTTP stack alone costs
     python bench/router_throughput.py --quick         # the test's run (tests/router/)
 """
 
@@ -78,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run every path, in every round, with the router from this "
                    "checkout (tagged tree=compare; --router-tree's are tree=main): a "
                    "before/after comparison interleaved, with the ratio of medians")  # fmt: skip
+    p.add_argument("--floor", action="store_true",
+                   help="also, every round, the same phase against bench/floor_apps.py: the "
+                   "router's HTTP server set-up with a bare app (floor-bare), and that app "
+                   "making the P/D path's two worker calls with the router's pool "
+                   "(floor-calls): what the HTTP stack alone costs per request")  # fmt: skip
     p.add_argument("--fakes", action="store_true", help=argparse.SUPPRESS)  # the child
     p.add_argument("--token-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # its decode
     args = p.parse_args(argv)
@@ -313,6 +319,30 @@ async def added_latency(args: argparse.Namespace, http: aiohttp.ClientSession, u
 SUMMARY_KEYS = ("router_cpu_us_per_req", "rps", "router_writes_per_req", "added_p50_ms")
 
 
+async def run_floor(args: argparse.Namespace, env: dict[str, str]) -> list[dict[str, Any]]:
+    """The floor phases (``--floor``): bench/floor_apps.py's front, bare and with the two
+    worker calls, driven as the router is (token ids; no added-latency phase)."""
+    from tests.loopback import free_port
+
+    args = argparse.Namespace(**{**vars(args), "profile": ""})  # never profiled
+    apps = str(Path(__file__).resolve().parent / "floor_apps.py")
+    wport = free_port()
+    out = []
+    with child([sys.executable, apps, "worker", str(wport)], env):
+        for mode in ("bare", "calls"):
+            port = free_port()
+            cmd = [sys.executable, apps, "front", str(port), mode, f"http://127.0.0.1:{wport}"]
+            url = f"http://127.0.0.1:{port}"
+            with child(cmd, env) as front:
+                conn = aiohttp.TCPConnector(limit=0)
+                async with aiohttp.ClientSession(connector=conn) as http:
+                    await wait_ready(http, url)
+                    run = await phase(args, http, url, front.pid, random.Random(mode), False)
+            out.append({"path": f"floor-{mode}", **run})
+            print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+    return out
+
+
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per path and prompt kind, over the rounds: each figure's median and [min, max]."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
@@ -338,7 +368,7 @@ def compare(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (path, prompt, tree), row in rows.items():
         other = rows.get((path, prompt, "compare"))
-        if tree == "main" and other is not None:
+        if tree == "main" and other is not None and other["router_cpu_us_per_req"]["median"]:
             ratio = (row["router_cpu_us_per_req"]["median"]
                      / other["router_cpu_us_per_req"]["median"])  # fmt: skip
             out.append({"path": path, "prompt": prompt, "cpu_ratio_main_over_compare":
@@ -371,6 +401,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     runs = await run_path(args, model, urls, env, path, free_port(), tree)
                     tagged = {"tree": tag} if args.compare_tree else {}
                     result["runs"] += [{**r, **tagged, "round": rnd} for r in runs]
+            if args.floor:
+                result["runs"] += [{**r, "round": rnd} for r in await run_floor(args, env)]
     result["summary"] = summarise(result["runs"])
     if args.compare_tree:
         result["compare"] = compare(result["summary"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from router_throughput import summarise
+from router_throughput import compare, summarise
 
 from tests.loopback import run_bench
 
@@ -63,6 +63,37 @@ def test_rounds_are_summarised_by_median_and_range() -> None:
     assert rows["pd"]["router_cpu_us_per_req"] == {"median": 1000.0, "range": [900.0, 1200.0]}
     assert "added_p50_ms" not in rows["pd"]  # no round measured it
     assert rows["direct"]["added_p50_ms"] == {"median": 1.5, "range": [1.5, 1.5]}
+
+
+def test_a_compared_tree_is_summarised_apart_with_the_ratio() -> None:
+    runs = [{"path": "pd", "prompt": "ids", "tree": tree, "router_cpu_us_per_req": cpu,
+             "rps": 1e3, "router_writes_per_req": 5.0}
+            for tree, cpu in (("main", 600.0), ("compare", 800.0), ("main", 700.0),
+                              ("compare", 700.0))]  # fmt: skip
+    rows = summarise(runs)
+    assert [r.get("tree", "main") for r in rows] == ["main", "compare"]
+    assert rows[0]["router_cpu_us_per_req"]["median"] == 650.0
+    assert rows[1]["router_cpu_us_per_req"]["median"] == 750.0
+    assert compare(rows) == [{"path": "pd", "prompt": "ids",
+                              "cpu_ratio_main_over_compare": 0.867}]  # fmt: skip
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(240)
+def test_floor_and_a_compared_tree_quick() -> None:
+    """``--floor``: bench/floor_apps.py's bare front and its two worker calls, driven by the
+    same client; ``--compare-tree``: the path again from another checkout (here this one)."""
+    root = str(Path(__file__).resolve().parents[2])
+    result = run_bench("router_throughput.py", "--quick", "--paths", "direct", "--floor",
+                       "--compare-tree", root, timeout=220)  # fmt: skip
+    runs = {(r["path"], r["prompt"], r.get("tree")): r for r in result["runs"]}
+    assert {("direct", "ids", "main"), ("direct", "ids", "compare"), ("floor-bare", "ids", None),
+            ("floor-calls", "ids", None)} <= set(runs)  # fmt: skip
+    assert result["errors"] == 0, result  # the floor's streams too, read to the end with a 200
+    for key in (("floor-bare", "ids", None), ("floor-calls", "ids", None)):
+        assert runs[key]["requests"] == 200 and runs[key]["rps"] > 0
+    assert [c["path"] for c in result["compare"]] == ["direct", "direct"]  # ids and text
+    assert all(c["cpu_ratio_main_over_compare"] > 0 for c in result["compare"])
 
 
 @pytest.mark.bench

@@ -1,0 +1,121 @@
+"""The floor under the router's CPU per request: what the HTTP stack alone costs.
+
+``bench/router_throughput.py --floor`` drives these with the same client as the router:
+
+* ``front PORT bare``: a bare ASGI app on the router's server set-up (uvicorn, uvloop,
+  httptools, ``CoalescingHttpTools``) that reads the body and streams a completion's
+  two SSE chunks, as the router's reply to a 4-token request comes out;
+* ``front PORT calls WORKER_URL``: the same, after the P/D path's two worker calls made
+  with the router's own pool (``router/transport/http1.py``, unsigned): a POST /prefill
+  whose reply is read whole, and a POST /generate whose NDJSON body is read as it comes;
+* ``worker PORT``: the worker side of those calls, canned replies of the fakes' size.
+
+The router's figure minus ``calls`` is what pdserve's own work costs per request (parse,
+checks, routing, the messages, signing, metrics, the stream's bookkeeping).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pdserve import keys
+from pdserve.router.coalesce import CoalescingHttpTools
+from pdserve.router.transport.http1 import WorkerPool
+
+CHUNK = (
+    b'data: {"id":"cmpl-0","object":"text_completion","created":1,"model":"tiny",'
+    b'"choices":[{"index":0,"text":"<1>","logprobs":null,"finish_reason":null}]}\n\n'
+)
+PREFILL_REPLY = (
+    b'{"request_id":"r","first_token_id":1,"text":"<1>","finish_reason":null,"kv_handle":'
+    b'{"request_id":"r","agent_name":"p0","side_channel":"tcp://127.0.0.1:1","block_ids":'
+    b'[0,1,2,3],"num_tokens":64,"block_hashes":[1,2,3,4],"block_size":16,"nonce":"n",'
+    b'"lease_ttl_s":30.0,"transport":"tcp","version":1,"lora":null,"type":"kv_handle"},'
+    b'"num_cached_tokens":0,"prompt_tokens":64,"usage":null,"logprobs":null,'
+    b'"prompt_logprobs":null,"type":"prefill_reply"}'
+)
+TOKEN_LINE = (
+    b'{"token_ids":[2,3,4],"text":"<2><3><4>","finish_reason":"length","usage":'
+    b'{"prompt_tokens":64,"completion_tokens":4,"cached_tokens":0,"type":"usage"},'
+    b'"error":null,"logprobs":null,"prompt_logprobs":null,"type":"token_delta"}\n'
+)
+
+
+async def _lifespan(receive: Any, send: Any) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        else:
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _body(receive: Any) -> bytes:
+    parts = []
+    while True:
+        msg = await receive()
+        parts.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return b"".join(parts)
+
+
+def front(mode: str, worker_url: str = "") -> Any:
+    pool: list[WorkerPool] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        body = await _body(receive)
+        if scope["path"] == "/health":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+            return
+        if mode == "calls":
+            if not pool:
+                pool.append(WorkerPool(keys.KeyRing(keys.HTTP, ())))
+            async with await pool[0].post(worker_url, "/prefill", body, 30.0) as r:
+                await r.read()
+            async with await pool[0].post(worker_url, "/generate", body, 30.0) as r:
+                while await r.readany():
+                    pass
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
+        await send({"type": "http.response.body", "body": CHUNK + b"data: [DONE]\n\n"})
+
+    return app
+
+
+async def worker(scope: Any, receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        return await _lifespan(receive, send)
+    await _body(receive)
+    if scope["path"] == "/prefill":
+        head = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": PREFILL_REPLY})
+        return
+    head = [(b"content-type", b"application/x-ndjson")]
+    await send({"type": "http.response.start", "status": 200, "headers": head})
+    await send({"type": "http.response.body", "body": TOKEN_LINE})
+
+
+def main(argv: list[str]) -> None:
+    role, port = argv[0], int(argv[1])
+    if role == "worker":
+        app, http = worker, "auto"
+    else:
+        app, http = front(argv[2], argv[3] if len(argv) > 3 else ""), CoalescingHttpTools
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                loop="uvloop", http=http)  # type: ignore[arg-type]  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
