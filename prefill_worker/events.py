@@ -72,6 +72,10 @@ class KVEventPublisher:
         self.num_reports += 1
 
     def _publish_kv(self, engine: LLMEngine) -> None:
+        """One message for one engine step's events: ``[TOPIC, event, event, ...]``, each
+        event with its own ``seq`` (a router pays a receive per message, not per event;
+        pdserve/protocol/kv_events.py)."""
+        frames = [TOPIC]
         for kind, hashes in engine.drain_kv_events():
             if kind == "stored":
                 self.held.update(hashes)
@@ -80,8 +84,9 @@ class KVEventPublisher:
             else:
                 self.held.clear()
             self.seq += 1
-            event = KVEvent(kind, self.worker_id, self.seq, hashes)
-            self._sock.send_multipart([TOPIC, encode(event)])
+            frames.append(encode(KVEvent(kind, self.worker_id, self.seq, hashes)))
+        if len(frames) > 1:
+            self._sock.send_multipart(frames)
 
     def snapshot(self) -> KVSnapshot:
         """Every hash the cache holds, as of ``seq``: events not yet published are sent

@@ -1,8 +1,11 @@
 """A worker's event stream: KV events (which block hashes its prefix cache gained or
 lost) and load reports, on one ZeroMQ PUB socket.
 
-Prefill workers publish ``[b"kv", codec bytes of KVEvent]`` and ``[b"stats", codec bytes
-of LoadReport]``; decode workers publish the load reports only. Every router replica
+Prefill workers publish ``[b"kv", codec bytes of KVEvent, ...]`` (one message per engine
+step, one frame per event in ``seq`` order) and ``[b"stats", codec bytes of LoadReport]``;
+decode workers publish the load reports only. (Before, every event was a message of its
+own; a router of that age counts a step's message of several events as bad and resyncs
+from the worker's snapshot: upgrade the routers first.) Every router replica
 subscribes to every worker. ``seq`` grows by one per KV event per worker, so a
 subscriber that sees a gap knows it missed something and resyncs; a load report carries
 the ``kv_seq`` of the last KV event sent before it (the socket keeps their order), so a

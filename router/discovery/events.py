@@ -148,11 +148,12 @@ class EventSubscriber:
             sock.close(linger=0)
 
     def _on_frames(self, feed: Feed, frames: list[bytes]) -> None:
-        if len(frames) != 2:
+        if len(frames) < 2:
             self.num_bad += 1
-        elif frames[0] == TOPIC and feed.kv:
-            self._on_event(feed, frames[1])
-        elif frames[0] == STATS_TOPIC:
+        elif frames[0] == TOPIC and feed.kv:  # one engine step's events, in seq order
+            for data in frames[1:]:
+                self._on_event(feed, data)
+        elif frames[0] == STATS_TOPIC and len(frames) == 2:
             self._on_report(feed, frames[1])
         else:
             self.num_bad += 1

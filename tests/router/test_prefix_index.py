@@ -119,6 +119,11 @@ async def test_subscriber_over_real_zmq() -> None:
         await _until(lambda: idx.match(hashes) == {"w1": 4})
         await pub.send_multipart(wire("removed", "w1", nxt + 1, hashes[2:]))
         await _until(lambda: idx.match(hashes) == {"w1": 2})
+        # one engine step's events in one message, applied in order
+        step = [*wire("stored", "w1", nxt + 2, [7, 8]), wire("removed", "w1", nxt + 3, [8])[1]]
+        await pub.send_multipart(step)
+        await _until(lambda: idx.match([7]) == {"w1": 1} and idx.last_seq("w1") == nxt + 3)
+        assert idx.match([7, 8]) == {"w1": 1}
         await pub.send_multipart(wire("stored", "w1", nxt + 5, [42]))  # gap
         await _until(lambda: idx.num_gaps > before)
         assert idx.match(hashes) == {} and idx.match([42]) == {"w1": 1}

@@ -76,9 +76,24 @@ def read(sub: zmq.Socket[bytes], timeout_s: float = 2.0) -> list[tuple[bytes, An
             if out:
                 break
             continue
-        topic, body = sub.recv_multipart()
-        out.append((topic, decode(body, KVEvent if topic == b"kv" else LoadReport)))
+        topic, *bodies = sub.recv_multipart()
+        out += [(topic, decode(b, KVEvent if topic == b"kv" else LoadReport)) for b in bodies]
     return out
+
+
+def test_one_message_per_engine_step(stream: Any) -> None:
+    """A step's KV events leave as one message, one frame per event in seq order."""
+    eng, pub, sub = stream
+    eng.events = [("stored", [1, 2]), ("stored", [3]), ("removed", [1])]
+    pub.hook(eng)
+    msgs = []
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and not any(m[0] == b"kv" for m in msgs):
+        if sub.poll(50):
+            msgs.append(sub.recv_multipart())
+    kv = [m for m in msgs if m[0] == b"kv"]
+    assert len(kv) == 1 and len(kv[0]) == 4, msgs
+    assert [decode(b, KVEvent).seq for b in kv[0][1:]] == [1, 2, 3]
 
 
 def test_events_reports_and_snapshot(stream: Any) -> None:
