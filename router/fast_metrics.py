@@ -77,7 +77,12 @@ class _Family:
     def _new(self) -> Any:
         raise NotImplementedError
 
-    def labels(self, *values: Any) -> Any:
+    def labels(self, *values: Any, **named: Any) -> Any:
+        """The series of these label values, by position or by name (as prometheus_client)."""
+        if named and not values and set(named) == set(self.labelnames):
+            values = tuple(named[n] for n in self.labelnames)
+        elif named:
+            raise ValueError(f"{self.name}: labels {self.labelnames}, got {values} {named}")
         if len(values) != len(self.labelnames) or not self.labelnames:
             raise ValueError(f"{self.name}: labels {self.labelnames}, got {values}")
         key = tuple(str(v) for v in values)
@@ -93,7 +98,11 @@ class _Family:
         raise NotImplementedError
 
 
-class Counter(_Family):
+class _Values(_Family):
+    """Series of one number each (a counter's or a gauge's)."""
+
+    family: Any = None  # the prometheus_client family it renders as
+
     def _new(self) -> Value:
         return Value()
 
@@ -101,30 +110,24 @@ class Counter(_Family):
         self._one.value += amount
 
     def collect(self) -> Iterator[Metric]:
-        fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
+        fam = self.family(self.name, self.doc, labels=self.labelnames)
         for key, v in list(self._series.items()):
             fam.add_metric(key, v.value)
         yield fam
 
 
-class Gauge(_Family):
-    def _new(self) -> Value:
-        return Value()
+class Counter(_Values):
+    family = CounterMetricFamily
 
-    def inc(self, amount: float = 1.0) -> None:
-        self._one.value += amount
+
+class Gauge(_Values):
+    family = GaugeMetricFamily
 
     def dec(self, amount: float = 1.0) -> None:
         self._one.value -= amount
 
     def set(self, value: float) -> None:
         self._one.value = float(value)
-
-    def collect(self) -> Iterator[Metric]:
-        fam = GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)
-        for key, v in list(self._series.items()):
-            fam.add_metric(key, v.value)
-        yield fam
 
 
 class Histogram(_Family):

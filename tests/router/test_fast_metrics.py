@@ -72,6 +72,11 @@ def test_labels_are_checked() -> None:
     with pytest.raises(ValueError, match="labels"):
         c.labels("a", "b")
     assert c.labels(200) is c.labels("200")  # values as strings, one series
+    assert c.labels(code="200") is c.labels("200")  # by name, as prometheus_client
+    with pytest.raises(ValueError, match="labels"):
+        c.labels(status="200")
+    with pytest.raises(ValueError, match="labels"):
+        c.labels("200", code="200")
 
 
 def test_router_metrics_sample_values() -> None:
