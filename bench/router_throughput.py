@@ -49,6 +49,7 @@ from pdserve.env import SERVICE_SECRET  # noqa: E402
 from pdserve.local.proc_group import end_group  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
+ROUTER_CPUS, CLIENT_CPUS = {1}, {0}  # --pin
 # The paths: --disagg-threshold for each (the prompts are 64 tokens), and who calls the
 # prefill worker on the P/D path (--pd-handoff: pd-chain has the decode worker call it).
 PATHS = {"direct": 100_000, "pd": 0, "pd-chain": 0}
@@ -84,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "router's HTTP server set-up with a bare app (floor-bare), and that app "
                    "making the P/D path's two worker calls with the router's pool "
                    "(floor-calls): what the HTTP stack alone costs per request")  # fmt: skip
+    p.add_argument("--pin", action="store_true",
+                   help="the router alone on core 1, this client and the fakes on core 0 (as "
+                   "a router pod with a core of its own); needs 2 cores")  # fmt: skip
     p.add_argument("--fakes", action="store_true", help=argparse.SUPPRESS)  # the child
     p.add_argument("--token-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # its decode
     args = p.parse_args(argv)
@@ -134,10 +138,13 @@ def write_calls(pid: int) -> int:
 
 
 @contextlib.contextmanager
-def child(cmd: list[str], env: dict[str, str],
-          cwd: str | Path = ROOT) -> Iterator[subprocess.Popen[str]]:  # fmt: skip
+def child(cmd: list[str], env: dict[str, str], cwd: str | Path = ROOT,
+          cpus: set[int] | None = None) -> Iterator[subprocess.Popen[str]]:  # fmt: skip
+    """``cmd`` in a session of its own (ended with its group); ``cpus``: the cores it and
+    every thread it starts may run on."""
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True,
-                            start_new_session=True, cwd=cwd)  # fmt: skip
+                            start_new_session=True, cwd=cwd, preexec_fn=pin)  # fmt: skip
     try:
         yield proc
     finally:
@@ -261,7 +268,7 @@ async def run_path(args: argparse.Namespace, model: str, urls: dict[str, str], e
     timeout = aiohttp.ClientTimeout(total=60)
     cmd = router_cmd(args, model, urls, port, path)
     out = []
-    with child(cmd, env, tree) as router:
+    with child(cmd, env, tree, ROUTER_CPUS if args.pin else None) as router:
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
             await wait_ready(http, url)
             for text in (False, True) if args.text else (False,):
@@ -333,7 +340,7 @@ async def run_floor(args: argparse.Namespace, env: dict[str, str]) -> list[dict[
             port = free_port()
             cmd = [sys.executable, apps, "front", str(port), mode, f"http://127.0.0.1:{wport}"]
             url = f"http://127.0.0.1:{port}"
-            with child(cmd, env) as front:
+            with child(cmd, env, cpus=ROUTER_CPUS if args.pin else None) as front:
                 conn = aiohttp.TCPConnector(limit=0)
                 async with aiohttp.ClientSession(connector=conn) as http:
                     await wait_ready(http, url)
@@ -388,7 +395,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, SERVICE_SECRET: os.environ.get(SERVICE_SECRET) or os.urandom(16).hex()}
     os.environ[SERVICE_SECRET] = env[SERVICE_SECRET]
     fakes_cmd = [sys.executable, str(Path(__file__).resolve()), "--fakes"]
-    result: dict[str, Any] = {"load_avg_1m_before": load_avg(), "runs": []}
+    if args.pin:  # the fakes (started below) inherit it
+        os.sched_setaffinity(0, CLIENT_CPUS)
+        result_pin = {"pinned": {"router": sorted(ROUTER_CPUS), "client": sorted(CLIENT_CPUS)}}
+    else:
+        result_pin = {}
+    result: dict[str, Any] = {"load_avg_1m_before": load_avg(), **result_pin, "runs": []}
     with child(fakes_cmd, env) as fakes:
         assert fakes.stdout is not None
         urls = json.loads(await asyncio.to_thread(fakes.stdout.readline))
