@@ -95,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.requests, args.latency_requests, args.text = 200, 60, True
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    if args.pin and not os.sched_getaffinity(0) >= ROUTER_CPUS | CLIENT_CPUS:
+        p.error(f"--pin needs cores {sorted(ROUTER_CPUS | CLIENT_CPUS)}")
     return args
 
 
