@@ -10,8 +10,17 @@
   whose reply is read whole, and a POST /generate whose NDJSON body is read as it comes;
 * ``worker PORT``: the worker side of those calls, canned replies of the fakes' size.
 
+* ``front PORT lean WORKER_URL``: ``calls`` doing pdserve's own per-request pieces in one
+  flat coroutine: the body parsed and checked (``parse_request``, the sampling
+  parameters' ``validate``), the block hashes, both pools ranked with the shipped scorers
+  (``plan_route`` over a fixed snapshot), both worker messages encoded with the codec and
+  signed, the proofs checked, the reply and the stream's lines decoded, the SSE chunks
+  formatted. No admission, failover, stall watch, metrics or client watch: an upper
+  bound on what a leaner request path could save.
+
 The router's figure minus ``calls`` is what pdserve's own work costs per request (parse,
-checks, routing, the messages, signing, metrics, the stream's bookkeeping).
+checks, routing, the messages, signing, metrics, the stream's bookkeeping); minus
+``lean``, what its layering costs.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import uvicorn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve import keys
+from pdserve.protocol.contract import CONTRACT_VERSION
 from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.transport.http1 import WorkerPool
 
@@ -36,9 +46,9 @@ PREFILL_REPLY = (
     b'{"request_id":"r","first_token_id":1,"text":"<1>","finish_reason":null,"kv_handle":'
     b'{"request_id":"r","agent_name":"p0","side_channel":"tcp://127.0.0.1:1","block_ids":'
     b'[0,1,2,3],"num_tokens":64,"block_hashes":[1,2,3,4],"block_size":16,"nonce":"n",'
-    b'"lease_ttl_s":30.0,"transport":"tcp","version":1,"lora":null,"type":"kv_handle"},'
+    b'"lease_ttl_s":30.0,"transport":"tcp","version":%d,"lora":null,"type":"kv_handle"},'
     b'"num_cached_tokens":0,"prompt_tokens":64,"usage":null,"logprobs":null,'
-    b'"prompt_logprobs":null,"type":"prefill_reply"}'
+    b'"prompt_logprobs":null,"type":"prefill_reply"}' % CONTRACT_VERSION
 )
 TOKEN_LINE = (
     b'{"token_ids":[2,3,4],"text":"<2><3><4>","finish_reason":"length","usage":'
@@ -66,8 +76,65 @@ async def _body(receive: Any) -> bytes:
             return b"".join(parts)
 
 
+def _lean() -> Any:
+    """``lean`` mode's request handler (imports the router's pieces once)."""
+    import os
+    import random
+
+    from pdserve import signing
+    from pdserve.jsonguard import loads_checked
+    from pdserve.protocol.codec import encode
+    from pdserve.protocol.contract import GenerateRequest, PrefillRequest, WorkerStats
+    from pdserve.protocol.hashing import block_hashes
+    from pdserve.protocol.prefill_reply import decode_prefill_reply
+    from pdserve.protocol.token_lines import decode_line
+    from pdserve.router.api import responses
+    from pdserve.router.api.protocol import parse_request
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.scheduling.routing import plan_route
+    from pdserve.router.scheduling.scoring import RouteRequest
+    from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
+
+    ring = keys.KeyRing(keys.HTTP, "floor")
+    cfg = RouterConfig(model_dir="tiny", disagg_threshold=0)
+    stats = WorkerStats(kv_blocks_free=1000, kv_blocks_total=1000, block_size=16)
+    rng = random.Random(0)
+
+    async def handle(body: bytes, pool: WorkerPool, url: str) -> tuple[str, str]:
+        req = parse_request(loads_checked(body), False, 16)
+        req.sampling.validate(49152)
+        ids = list(req.prompt_token_ids or ())
+        rid = "cmpl-" + os.urandom(16).hex()
+        snap = Snapshot((WorkerView(url, "prefill", stats=stats),
+                         WorkerView(url, "decode", stats=stats)))  # fmt: skip
+        hashes = block_hashes(ids, snap.block_size)
+        route = RouteRequest(len(ids), tuple(hashes), snap.block_size, {}, {})
+        plan_route(snap, route, cfg, rng)
+        msg = encode(PrefillRequest(rid, ids, req.sampling))
+        proof = signing.proof(ring.signing, signing.sign(ring, "POST", "/prefill", msg))
+        async with await pool.post(url, "/prefill", msg, 30.0) as r:
+            reply = decode_prefill_reply(await r.read())
+        signing.proof_ok(ring, signing.sign(ring, "POST", "/x", b""), proof)
+        chunks = responses.TextChunks(rid, "tiny", False)
+        head = chunks(reply.text, None)
+        msg = encode(GenerateRequest(rid, ids, req.sampling, reply.kv_handle, 1))
+        proof = signing.proof(ring.signing, signing.sign(ring, "POST", "/generate", msg))
+        rest = []
+        async with await pool.post(url, "/generate", msg, 30.0) as r:
+            while data := await r.readany():
+                for line in data.split(b"\n"):
+                    if line:
+                        d = decode_line(line)
+                        rest.append(chunks(d.text, d.finish_reason))
+        signing.proof_ok(ring, signing.sign(ring, "POST", "/x", b""), proof)
+        return head, "".join(rest) + responses.DONE
+
+    return handle
+
+
 def front(mode: str, worker_url: str = "") -> Any:
     pool: list[WorkerPool] = []
+    lean = _lean() if mode == "lean" else None
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -76,6 +143,15 @@ def front(mode: str, worker_url: str = "") -> Any:
         if scope["path"] == "/health":
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"{}"})
+            return
+        if lean is not None:
+            if not pool:
+                pool.append(WorkerPool(keys.KeyRing(keys.HTTP, ())))
+            head, rest = await lean(body, pool[0], worker_url)
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+            await send({"type": "http.response.body", "body": head.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": rest.encode()})
             return
         if mode == "calls":
             if not pool:

@@ -84,7 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also, every round, the same phase against bench/floor_apps.py: the "
                    "router's HTTP server set-up with a bare app (floor-bare), and that app "
                    "making the P/D path's two worker calls with the router's pool "
-                   "(floor-calls): what the HTTP stack alone costs per request")  # fmt: skip
+                   "(floor-calls), and doing pdserve's per-request pieces in one flat "
+                   "coroutine (floor-lean): what the HTTP stack alone costs per request, "
+                   "and the pieces without the router's structure")  # fmt: skip
     p.add_argument("--pin", action="store_true",
                    help="the router alone on core 1, this client and the fakes on core 0 (as "
                    "a router pod with a core of its own); needs 2 cores")  # fmt: skip
@@ -329,8 +331,8 @@ SUMMARY_KEYS = ("router_cpu_us_per_req", "rps", "router_writes_per_req", "added_
 
 
 async def run_floor(args: argparse.Namespace, env: dict[str, str]) -> list[dict[str, Any]]:
-    """The floor phases (``--floor``): bench/floor_apps.py's front, bare and with the two
-    worker calls, driven as the router is (token ids; no added-latency phase)."""
+    """The floor phases (``--floor``): bench/floor_apps.py's front, bare, with the two
+    worker calls, and lean, driven as the router is (token ids; no added-latency phase)."""
     from tests.loopback import free_port
 
     args = argparse.Namespace(**{**vars(args), "profile": ""})  # never profiled
@@ -338,7 +340,7 @@ async def run_floor(args: argparse.Namespace, env: dict[str, str]) -> list[dict[
     wport = free_port()
     out = []
     with child([sys.executable, apps, "worker", str(wport)], env):
-        for mode in ("bare", "calls"):
+        for mode in ("bare", "calls", "lean"):
             port = free_port()
             cmd = [sys.executable, apps, "front", str(port), mode, f"http://127.0.0.1:{wport}"]
             url = f"http://127.0.0.1:{port}"

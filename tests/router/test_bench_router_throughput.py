@@ -87,10 +87,10 @@ def test_floor_and_a_compared_tree_quick() -> None:
     result = run_bench("router_throughput.py", "--quick", "--paths", "direct", "--floor",
                        "--compare-tree", root, timeout=220)  # fmt: skip
     runs = {(r["path"], r["prompt"], r.get("tree")): r for r in result["runs"]}
-    assert {("direct", "ids", "main"), ("direct", "ids", "compare"), ("floor-bare", "ids", None),
-            ("floor-calls", "ids", None)} <= set(runs)  # fmt: skip
+    floors = [(f"floor-{m}", "ids", None) for m in ("bare", "calls", "lean")]
+    assert {("direct", "ids", "main"), ("direct", "ids", "compare"), *floors} <= set(runs)
     assert result["errors"] == 0, result  # the floor's streams too, read to the end with a 200
-    for key in (("floor-bare", "ids", None), ("floor-calls", "ids", None)):
+    for key in floors:
         assert runs[key]["requests"] == 200 and runs[key]["rps"] > 0
     assert [c["path"] for c in result["compare"]] == ["direct", "direct"]  # ids and text
     assert all(c["cpu_ratio_main_over_compare"] > 0 for c in result["compare"])
