@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_vs_real_windows as win
 from sim_vs_real_host import describe, measure_host
-from sim_vs_real_scaling import Recording, predict, scaling_error
+from sim_vs_real_scaling import Recording, predict, scaling_error, window_error
 
 GOAL = 0.25
 
@@ -43,10 +43,7 @@ GOAL = 0.25
 def pair_errors(a: Recording, b: Recording, simulate: bool = True) -> dict[str, float]:
     """Run ``a`` (its TTFTs, and the simulator built from it) predicting run ``b``."""
     events = win.real_events(a.dump["log"], a.end_s) + win.real_events(b.dump["log"], b.end_s)
-    startup = float(b.meta["real"]["startup_s"])
-    hit = win.scaling_windows(events, startup, b.end_s)
-    real = win.split_errors(b.trace.arrival, b.ttft_all, a.trace.arrival, a.ttft_all, hit)
-    out = {"real_vs_real": real["sim_vs_real_ttft_p90_error_scaling"]}
+    out = {"real_vs_real": window_error(b, events, a, a.trace.arrival, a.ttft_all)}
     if simulate:
         out["sim_vs_real"] = scaling_error(b, predict(b, a), a)
     return out

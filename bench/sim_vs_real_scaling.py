@@ -311,10 +311,17 @@ def scaling_error(scored: Recording, sim: SimReplay, calibration: Recording) -> 
     """``sim``'s TTFT p90 error against ``scored`` in the 10 s windows that either side's
     scale events touch, each as long as the calibration's start-up: as ``score`` has it."""
     events = win.real_events(scored.dump["log"], scored.end_s) + win.sim_events(sim.timeline)
-    startup = float(calibration.meta["real"]["startup_s"])
+    return window_error(scored, events, calibration, sim.arrival, sim.ttft_by_arrival)
+
+
+def window_error(scored: Recording, events: list, predictor: Recording,
+                 arrival: np.ndarray, ttft: np.ndarray) -> float:  # fmt: skip
+    """A prediction's (``arrival``, ``ttft``) TTFT p90 error against ``scored`` in the 10 s
+    windows ``events`` touch, each as long as the ``predictor`` run's start-up (the
+    simulator built from it, or its own TTFTs: bench/sim_vs_real_repro.py)."""
+    startup = float(predictor.meta["real"]["startup_s"])
     hit = win.scaling_windows(events, startup, scored.end_s)
-    split = win.split_errors(scored.trace.arrival, scored.ttft_all, sim.arrival,
-                             sim.ttft_by_arrival, hit)  # fmt: skip
+    split = win.split_errors(scored.trace.arrival, scored.ttft_all, arrival, ttft, hit)
     return split["sim_vs_real_ttft_p90_error_scaling"]
 
 
