@@ -63,8 +63,6 @@ class Buckets:
 class _Family:
     """A metric with its series by label values; without labels, itself one series."""
 
-    kind = ""
-
     def __init__(self, name: str, doc: str, labelnames: Sequence[str] = (),
                  registry: CollectorRegistry | None = None) -> None:  # fmt: skip
         self.name, self.doc, self.labelnames = name, doc, tuple(labelnames)
@@ -107,7 +105,7 @@ class _Values(_Family):
         return Value()
 
     def inc(self, amount: float = 1.0) -> None:
-        self._one.value += amount
+        self._one.inc(amount)
 
     def collect(self) -> Iterator[Metric]:
         fam = self.family(self.name, self.doc, labels=self.labelnames)
@@ -124,10 +122,10 @@ class Gauge(_Values):
     family = GaugeMetricFamily
 
     def dec(self, amount: float = 1.0) -> None:
-        self._one.value -= amount
+        self._one.dec(amount)
 
     def set(self, value: float) -> None:
-        self._one.value = float(value)
+        self._one.set(value)
 
 
 class Histogram(_Family):
@@ -144,9 +142,7 @@ class Histogram(_Family):
         return Buckets(self.bounds)
 
     def observe(self, amount: float) -> None:
-        one = self._one
-        one.sum += amount
-        one.counts[bisect_left(self.bounds, amount)] += 1
+        self._one.observe(amount)
 
     def collect(self) -> Iterator[Metric]:
         fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)

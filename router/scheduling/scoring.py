@@ -60,21 +60,8 @@ def weighted_score(worker: WorkerView, req: RouteRequest, weights: Sequence[Scor
 
 
 def _resolved(weights: Sequence[ScorerWeight]) -> list[tuple[str, float, Scorer]]:
-    """(name, weight, scorer) of each weight: the registry looked up once per weights
-    object (the config's tuples are read on every request; kept by identity)."""
-    got = _RESOLVED.get(id(weights))
-    if got is not None and got[0] is weights:
-        return got[1]
-    out = [(sw.name, sw.weight, get_scorer(sw.name)) for sw in weights]
-    if isinstance(weights, tuple):  # immutable: its lookups stay right
-        if len(_RESOLVED) >= 64:
-            _RESOLVED.clear()
-        _RESOLVED[id(weights)] = (weights, out)
-    return out
-
-
-# id(weights) -> (weights, resolved): the tuple is kept, so its id is not reused meanwhile
-_RESOLVED: dict[int, tuple[Sequence[ScorerWeight], list[tuple[str, float, Scorer]]]] = {}
+    """(name, weight, scorer) of each weight: the registry looked up once per ranking."""
+    return [(sw.name, sw.weight, get_scorer(sw.name)) for sw in weights]
 
 
 def _weighted(worker: WorkerView, req: RouteRequest,
