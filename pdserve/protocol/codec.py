@@ -20,6 +20,8 @@ import types
 import typing
 from typing import Any, TypeVar
 
+from pdserve.protocol.fast_dumps import Check, dumps, finite_check
+
 T = TypeVar("T")
 
 _REGISTRY: dict[str, type] = {}
@@ -234,7 +236,16 @@ def _need(ok: bool, what: str, value: Any) -> None:
 
 
 def encode(msg: Any) -> bytes:
-    return json.dumps(to_dict(msg), separators=(",", ":")).encode()
+    """The message as JSON: orjson's bytes where they read back as json's would
+    (fast_dumps: no NaN or infinity in the message), json's otherwise."""
+    check = _FINITE.get(type(msg), _UNKNOWN)
+    if check is _UNKNOWN:
+        check = _FINITE[type(msg)] = finite_check(type(msg), _hints)
+    return dumps(to_dict(msg), check is None or check(msg))
+
+
+_FINITE: dict[type, Check | None] = {}
+_UNKNOWN: Any = object()
 
 
 def decode(data: bytes | str, expected: type[T] | None = None) -> T:

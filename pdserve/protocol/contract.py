@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.protocol.codec import message, to_dict
+from pdserve.protocol.fast_dumps import JsonList
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams, valid_text
 
 # 3: LoRA (``lora`` on the requests and the KV handle, ``loras`` / ``lora_known`` in the stats)
@@ -142,6 +143,7 @@ class KVHandle:
         got: dict[str, Any] | None = self.__dict__.get("_wire")
         if got is None:
             got = to_dict(self)
+            got["block_hashes"] = JsonList(got["block_hashes"])  # 128-bit: json writes them
             object.__setattr__(self, "_wire", got)
         return got
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pdserve.protocol.codec import all_ints, decode, from_dict
 from pdserve.protocol.contract import KVHandle, PrefillReply
+from pdserve.protocol.fast_dumps import JsonList
 from pdserve.protocol.token_lines import body_of, usage_of
 
 _REPLY_KEYS = frozenset({*(f.name for f in dataclasses.fields(PrefillReply)), "type"})
@@ -96,5 +97,6 @@ def _handle(body: Any) -> KVHandle | Literal[False] | None:
     except (TypeError, ValueError):
         return False
     body["lease_ttl_s"] = handle.lease_ttl_s  # a float, as to_dict writes it
+    body["block_hashes"] = JsonList(hashes)  # 128-bit: json writes them (fast_dumps)
     object.__setattr__(handle, "_wire", body)  # its codec form: the decode worker gets it
     return handle

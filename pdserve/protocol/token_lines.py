@@ -45,8 +45,9 @@ def encode_line(
     logprobs: list[Any] | None = None,
     prompt_logprobs: list[Any] | None = None,
 ) -> bytes:
-    """``codec.encode(TokenDelta(token_ids, text, finish_reason, usage, None, logprobs))``
-    plus the newline, byte for byte."""
+    """``TokenDelta(token_ids, text, finish_reason, usage, None, logprobs)`` as json writes
+    the codec's form, byte for byte, plus the newline (``codec.encode`` may write orjson's
+    bytes instead, which read back the same: fast_dumps.py)."""
     if (
         usage is None
         and logprobs is None
