@@ -326,13 +326,17 @@ def serve(args: argparse.Namespace, index: int, metrics_socks: list[socket.socke
     if args.keep_alive_timeout < 1:
         raise SystemExit("pdserve router: --keep-alive-timeout must be at least 1 second")
     from pdserve.router.coalesce import CoalescingHttpTools
+    from pdserve.router.proxy_headers import FlatProxyHeaders
 
     # uvloop and httptools by name: "auto" falls back to asyncio's loop and h11 without a
     # word when either is missing, at about twice the CPU per request. httptools with the
     # writes of one loop turn sent together (router/coalesce.py).
+    # The proxy header rewrite without a coroutine of its own (router/proxy_headers.py).
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
                             timeout_keep_alive=args.keep_alive_timeout, loop="uvloop",
-                            http=CoalescingHttpTools)  # fmt: skip
+                            http=CoalescingHttpTools, proxy_headers=False,
+                            interface="asgi3")  # fmt: skip
+    config.app = FlatProxyHeaders(app, config.forwarded_allow_ips)
     # One server on both ports: the app tells the admin port by the request's local port.
     public = (args.port, args.admin_port) if args.admin_port else (args.port,)
     socks = [_bind(args.host, p, reuse_port=bool(metrics_socks)) for p in public]

@@ -221,11 +221,15 @@ class _WriteWatch:
 _WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _WriteWatch] = (
     weakref.WeakKeyDictionary()
 )
+_LAST: list[Any] = [None, None]  # the last loop asked for and its watch: one loop serves
 
 
 def _write_watch() -> _WriteWatch:
     loop = asyncio.get_running_loop()
+    if _LAST[0] is loop:  # a WeakKeyDictionary lookup was ~1% of the router's CPU
+        return _LAST[1]  # type: ignore[no-any-return]
     watch = _WATCHES.get(loop)
     if watch is None:
         watch = _WATCHES[loop] = _WriteWatch()
+    _LAST[0], _LAST[1] = loop, watch
     return watch

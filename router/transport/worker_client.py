@@ -154,7 +154,7 @@ class StreamWatch:
     request's task is elsewhere (handing tokens to a slow client) there is nothing to cut,
     and ``cut`` does nothing."""
 
-    __slots__ = ("_since", "_waiting", "down", "reason", "role", "url", "via")
+    __slots__ = ("_since", "_task", "_waiting", "down", "reason", "role", "url", "via")
 
     def __init__(self, url: str, role: str = "decode") -> None:
         self.url, self.role = url, role
@@ -165,10 +165,16 @@ class StreamWatch:
         self.reason: str | None = None
         self._waiting: asyncio.Task[Any] | None = None  # the task that waits for the worker
         self._since = 0.0  # when that wait began
+        self._task: asyncio.Task[Any] | None = None  # the call's task, looked up once
 
     def begin(self) -> None:
-        """The current task now waits for the worker."""
-        self._waiting, self._since = asyncio.current_task(), time.monotonic()
+        """The current task now waits for the worker. A call runs in one task (its
+        request's): looked up at its first wait, not at each chunk's (~2% of the router's
+        CPU on the P/D path went to ``asyncio.current_task``, a Python function in 3.11)."""
+        task = self._task
+        if task is None:
+            task = self._task = asyncio.current_task()
+        self._waiting, self._since = task, time.monotonic()
 
     def end(self) -> None:
         self._waiting = None
