@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pdserve.router.api import responses
+from pdserve.router.coalesce import ConnectionLoss
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,18 +35,28 @@ async def _wait_disconnect_asgi(receive: Any) -> None:
 
 class _ClientWatch:
     """One request's watch on its client, from the first ``guarded`` wait to the end of its
-    stream: one task awaits the ASGI disconnect and then cancels whatever the request's own
-    task awaits under the watch (``target``: admission, the first token, the stream's body).
+    stream: on the connection's loss it cancels whatever the request's own task awaits
+    under the watch (``target``: admission, the first token, the stream's body). The
+    router's own protocol tells of the loss by a callback (``ConnectionLoss``,
+    router/coalesce.py); under any other server a task awaits the ASGI disconnect.
     Before, each wait ran its work in a task of its own beside a task of its own watching
     the client: four tasks and two ``asyncio.wait`` per streamed request."""
 
-    __slots__ = ("cancelled", "gone", "target", "task")
+    __slots__ = ("cancelled", "closed", "gone", "target", "task")
     KEY = "pdserve.client_watch"  # where the request's ASGI scope keeps it
 
-    def __init__(self, receive: Any) -> None:
+    def __init__(self, receive: Any, loss: ConnectionLoss | None = None) -> None:
         self.gone = False  # the client went away (or its channel failed)
         self.target: asyncio.Task[Any] | None = None  # cancelled when the client goes
         self.cancelled = False  # this watch cancelled its target
+        self.closed = False
+        self.task: asyncio.Task[None] | None = None
+        if loss is not None:  # the router's own protocol tells of the loss: no task
+            if loss.lost:
+                self.gone = True
+            else:
+                loss.callbacks.append(self._lost)
+            return
         self.task = asyncio.get_running_loop().create_task(_wait_disconnect_asgi(receive))
         self.task.add_done_callback(self._fired)
 
@@ -53,11 +64,16 @@ class _ClientWatch:
     def of(cls, scope: MutableMapping[str, Any], receive: Any) -> _ClientWatch:
         watch: _ClientWatch | None = scope.get(cls.KEY)
         if watch is None:
-            watch = scope[cls.KEY] = cls(receive)
+            watch = scope[cls.KEY] = cls(receive, scope.get(ConnectionLoss.KEY))
         return watch
 
     def _fired(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
+            return
+        self._lost()
+
+    def _lost(self) -> None:
+        if self.closed:
             return
         self.gone = True
         self.stop()
@@ -78,7 +94,9 @@ class _ClientWatch:
         return task.uncancel() == 0
 
     def close(self) -> None:
-        self.task.cancel()
+        self.closed = True
+        if self.task is not None:
+            self.task.cancel()
 
 
 async def guarded(request: Request, aw: Awaitable[T]) -> T:

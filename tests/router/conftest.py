@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.env import SERVICE_SECRET
 from pdserve.router.app import create_app
+from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource
 from pdserve.router.tokenizer import PromptTokenizer
@@ -69,6 +70,7 @@ async def start_cluster(
     n_prefill: int = 1,
     n_decode: int = 1,
     events: bool = True,
+    http: Any = CoalescingHttpTools,
     **cfg: Any,
 ) -> AsyncIterator[Cluster]:
     async with contextlib.AsyncExitStack() as stack:
@@ -76,7 +78,9 @@ async def start_cluster(
         config = RouterConfig(model_dir=str(model_dir), served_model_name="tiny",
                               health_interval_s=0.2, **cfg)  # fmt: skip
         app = create_app(config, StaticSource(f.prefill_urls, f.decode_urls), tokenizer)
-        url = await stack.enter_async_context(serve(app))
+        # by default the protocol `pdserve router` serves with (the client watch has no task
+        # there); test_retries' disconnect tests run another server's path too (h11)
+        url = await stack.enter_async_context(serve(app, http=http))
         yield Cluster(url, f.prefill, f.decode, f.prefill_urls, f.decode_urls, app)
 
 

@@ -295,11 +295,12 @@ async def _hang(st: FakeState, rid: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serve(app: Any, port: int = 0) -> AsyncIterator[str]:
+async def serve(app: Any, port: int = 0, **kw: Any) -> AsyncIterator[str]:
     """Serve an ASGI app with uvicorn on 127.0.0.1 inside the test's event loop, on ``port``
-    (0: a free one)."""
+    (0: a free one); ``kw``: more of uvicorn.Config (the router's ``http`` protocol)."""
     port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                            **kw)  # fmt: skip
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:

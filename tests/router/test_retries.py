@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.discovery.workers import Discovery, StaticSource
 from pdserve.router.transport.worker_client import new_session
 from tests.loopback import free_port
@@ -122,8 +123,14 @@ async def test_decode_crash_mid_stream_ends_with_error_event(cluster_factory) ->
         await c.settle()
 
 
-async def test_streaming_client_disconnect_aborts_on_workers(cluster_factory) -> None:
-    async with cluster_factory(disagg_threshold=16) as c:
+# The router's own protocol tells the client watch of a disconnect by a callback; any other
+# server's (h11 here) through the ASGI ``http.disconnect`` a task awaits.
+SERVERS = pytest.mark.parametrize("http", [CoalescingHttpTools, "h11"], ids=["router", "h11"])
+
+
+@SERVERS
+async def test_streaming_client_disconnect_aborts_on_workers(cluster_factory, http) -> None:
+    async with cluster_factory(disagg_threshold=16, http=http) as c:
         c.decode[0].token_delay_s = 0.1
         body = {"model": "tiny", "prompt": LONG, "max_tokens": 200, "stream": True}
         async with (
@@ -140,8 +147,9 @@ async def test_streaming_client_disconnect_aborts_on_workers(cluster_factory) ->
         assert c.runtime.active == 0
 
 
-async def test_non_streaming_client_disconnect_aborts_on_workers(cluster_factory) -> None:
-    async with cluster_factory(disagg_threshold=10_000) as c:
+@SERVERS
+async def test_non_streaming_client_disconnect_aborts_on_workers(cluster_factory, http) -> None:
+    async with cluster_factory(disagg_threshold=10_000, http=http) as c:
         c.decode[0].token_delay_s = 0.1
         async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
             body = {"model": "tiny", "prompt": "hi", "max_tokens": 200}
@@ -154,11 +162,12 @@ async def test_non_streaming_client_disconnect_aborts_on_workers(cluster_factory
         await _until(lambda: c.runtime.active == 0)
 
 
+@SERVERS
 @pytest.mark.parametrize("handoff", ["router", "decode"])
-async def test_disconnect_during_prefill_aborts_prefill(cluster_factory, handoff: str) -> None:
+async def test_disconnect_during_prefill_aborts_prefill(cluster_factory, handoff, http) -> None:
     """The prefill hangs until aborted; the client goes. With ``--pd-handoff decode`` the
     decode worker is the one waiting on the prefill: both hear the abort."""
-    async with cluster_factory(disagg_threshold=16, pd_handoff=handoff) as c:
+    async with cluster_factory(disagg_threshold=16, pd_handoff=handoff, http=http) as c:
         c.prefill[0].fail = "hang"
         async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
             task = asyncio.create_task(
