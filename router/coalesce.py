@@ -109,5 +109,5 @@ class CoalescingHttpTools(HttpToolsProtocol):
         super().connection_lost(exc)
         if cycle is not None and cycle.disconnected:  # its response was not complete
             loss = cycle.scope.get(ConnectionLoss.KEY)
-            if loss is not None:
+            if isinstance(loss, ConnectionLoss):
                 loss.fire()

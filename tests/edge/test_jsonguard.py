@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.jsonguard import MAX_JSON_DEPTH, BadJSON, loads_checked
 
@@ -44,3 +48,30 @@ def test_refused(raw: bytes, field: str | None) -> None:
 )  # fmt: skip
 def test_accepted(raw: bytes) -> None:
     loads_checked(raw)
+
+
+_plain = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_plain, st.sampled_from(["utf-8", "utf-16", "utf-32", "utf-16-le"]))
+def test_reads_what_json_loads_reads(value: object, encoding: str) -> None:
+    """One decoder kept for every body reads bytes in every encoding json.loads takes."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        raw = text.encode(encoding)
+    except UnicodeEncodeError:  # a lone surrogate: refused either way, tested above
+        return
+    try:
+        want = json.loads(raw)
+    except ValueError:
+        with pytest.raises(BadJSON):
+            loads_checked(raw)
+        return
+    if "\\ud" in text.lower() or any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+        return
+    assert loads_checked(raw) == want
