@@ -19,6 +19,9 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+# In a request's scope once its whole body is in: router/edge.py reads it without a wait.
+BODY_COMPLETE = "pdserve.body_complete"
+
 
 class _TurnWriter:
     """A connection's transport whose writes of one loop turn go out as one ``write``."""
@@ -103,6 +106,10 @@ class CoalescingHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self.scope[ConnectionLoss.KEY] = ConnectionLoss()  # type: ignore[literal-required]
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self.scope[BODY_COMPLETE] = True  # type: ignore[literal-required]
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle = self.cycle

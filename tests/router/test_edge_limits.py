@@ -40,6 +40,23 @@ async def test_body_over_the_limit_is_413_without_reading_it(cluster_factory) ->
         await c.settle()
 
 
+async def test_a_whole_body_over_the_limit_is_413(cluster_factory) -> None:
+    """A body that is all in when the request starts (chunked: no Content-Length to refuse
+    it by) is read at once, without a wait (router/edge.py's ``_whole_body``), and still
+    bounded."""
+    async with cluster_factory(max_body_bytes=1000) as c:
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+        for size, status in ((1001, b"413"), (1000, b"400")):  # 1000 bytes of "y": no JSON
+            data = b"y" * size
+            body = b"%x\r\n" % len(data) + data + b"\r\n0\r\n\r\n"
+            reply = await asyncio.to_thread(exchange, c.url, head, body)
+            assert reply.startswith(b"HTTP/1.1 " + status), reply[:200]
+        async with httpx.AsyncClient(base_url=c.url) as h:
+            assert (await h.post("/v1/completions", json=OK)).status_code == 200
+        await c.settle()
+
+
 async def test_prompt_text_is_bounded_before_tokenizing(cluster_factory) -> None:
     async with cluster_factory(max_prompt_chars=1000) as c, httpx.AsyncClient(base_url=c.url) as h:
         calls = _count_tokenizer_calls(c)
