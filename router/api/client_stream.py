@@ -179,18 +179,20 @@ class SSEStream(Response):
 
     async def _pump(self, send: Any) -> None:
         loop = asyncio.get_running_loop()
-        async for text in self._body:
+        body = aiter(self._body)
+        async for text in body:
             # [DONE] ends an SSE stream: it goes out with the end of the body (one write
-            # less per stream; nothing follows it in ``sse_tail``).
+            # less per stream).
             last = text.endswith(responses.DONE)
             self._writing_since = loop.time()
             await send({"type": "http.response.body", "body": text.encode(),
                         "more_body": not last})  # fmt: skip
             self._writing_since = 0.0
             if last:
-                close = getattr(self._body, "aclose", None)
-                if close is not None:
-                    await close()  # now, not by the loop's finalizer (a task) once collected
+                if self._watch is not None:
+                    self._watch.target = None  # the client may go now: nothing is cut
+                async for _ in body:  # sse_tail reads its worker's reply to the end
+                    pass
                 return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

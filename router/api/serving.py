@@ -322,7 +322,11 @@ def _sse_head(req: CompletionRequest, rs: RequestState, first: Delta, out: _Chun
 def _sse_rest(
     req: CompletionRequest, rs: RequestState, events: AsyncIterator[Delta], out: _Chunks
 ) -> AsyncIterator[str]:
-    return sse_tail(req, rs, events, out, lambda: _usage(rs))
+    return sse_tail(req, rs, events, out, lambda: _usage(rs), _finishes)
+
+
+def _finishes(d: Delta) -> bool:
+    return d.finish_reason is not None
 
 
 async def sse_tail(
@@ -331,22 +335,39 @@ async def sse_tail(
     events: AsyncIterator[E],
     chunks: Callable[[E], str],
     usage: Callable[[], dict[str, Any]],
+    last: Callable[[E], bool] | None = None,
 ) -> AsyncIterator[str]:
     """A stream after its first chunk: ``chunks`` of each of ``events`` (empty ones
     skipped), the usage chunk when asked (``usage()`` once the tokens are all in), [DONE];
     an error midway is its body. (``chunks`` is called here, not in a generator of its own
-    around ``events``: one async generator less per stream.)"""
+    around ``events``: one async generator less per stream.)
+
+    ``last(event)``: nothing follows that event (a choice's finish_reason): the stream's
+    end goes out with it, in one write, before the worker's reply is read to its end (the
+    connection back to the pool) instead of after it, often a loop turn later (one write
+    per stream less, and [DONE] sooner)."""
     try:
         async for event in events:
             text = chunks(event)
+            if last is not None and last(event):
+                yield text + _end(req, rs, usage)
+                with contextlib.suppress(APIError):  # the client has its [DONE]
+                    async for _ in events:  # the worker's reply, to its end
+                        pass
+                return
             if text:
                 yield text
-        tail = ""
-        if req.include_usage:
-            tail = responses.chunk(rs.request_id, req.model, req.chat, use=usage())
-        rs.status = 200
-        yield tail + responses.DONE
+        yield _end(req, rs, usage)
     except APIError as err:
         rs.status = err.status
         yield responses.sse(err.body())
         yield responses.DONE
+
+
+def _end(req: CompletionRequest, rs: RequestState, usage: Callable[[], dict[str, Any]]) -> str:
+    """The stream's end: the usage chunk when asked, then [DONE]."""
+    tail = ""
+    if req.include_usage:
+        tail = responses.chunk(rs.request_id, req.model, req.chat, use=usage())
+    rs.status = 200
+    return tail + responses.DONE

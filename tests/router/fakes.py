@@ -70,6 +70,7 @@ class FakeState:
     quiet_s: float = 0.0
     healthy: bool = True
     token_delay_s: float = 0.0
+    end_delay_s: float = 0.0  # decode: after the last line, before the reply ends
     kv_events: str = ""
     leases: dict[str, int] = field(default_factory=dict)  # request_id -> blocks
     active: dict[str, int] = field(default_factory=dict)  # decode: request_id -> blocks
@@ -283,6 +284,7 @@ async def _stream(
             usage = Usage(0, n, 7) if last else None
             line = TokenDelta([200 + i], f" t{i}", "length" if last else None, usage)
             yield encode(line) + b"\n"
+        await asyncio.sleep(st.end_delay_s)
     finally:
         st.active.pop(rid, None)
 
