@@ -135,3 +135,16 @@ def test_unknown_scorer_lists_valid_ones() -> None:
 def test_config_rejects_unknown_routing_mode() -> None:
     with pytest.raises(ValueError, match="round-robin"):
         RouterConfig(model_dir="/m", routing="random")
+
+
+def test_a_snapshots_pools_are_worked_out_once() -> None:
+    """Snapshot's pools and block size (snapshot._once: cached_property without its lock):
+    computed at the first read, kept in the instance, equal to what ``role`` says."""
+    snap = Snapshot((P("a"), D("b"), P("c", healthy=False), D("d")))
+    assert "prefill" not in snap.__dict__
+    first = snap.prefill
+    assert snap.__dict__["prefill"] is first and snap.prefill is first
+    assert first == snap.role("prefill") and len(first) == 1
+    assert snap.decode == snap.role("decode") and len(snap.decode) == 2
+    assert snap.block_size == 16 and "block_size" in snap.__dict__
+    assert Snapshot.prefill.name == "prefill"  # the descriptor itself, read off the class
