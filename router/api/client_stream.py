@@ -125,6 +125,10 @@ async def guarded(request: Request, aw: Awaitable[T]) -> T:
         watch.target = None
 
 
+_HEADERS = [(k, v) for k, v in Response(media_type="text/event-stream").raw_headers
+            if k != b"content-length"]  # fmt: skip
+
+
 class SSEStream(Response):
     """Server-sent events written straight to the ASGI channel; ``cleanup`` always runs.
 
@@ -148,8 +152,9 @@ class SSEStream(Response):
         write_timeout: float = 30.0,
         on_slow_reader: Callable[[], None] = lambda: None,
     ) -> None:
-        super().__init__(media_type=self.media_type)
-        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        # Response.__init__'s work, done once (_HEADERS): no body, so no content-length.
+        self.status_code, self.background, self.body = 200, None, b""
+        self.raw_headers = list(_HEADERS)
         self._head = head  # the chunks ready now (the first token): sent before any task starts
         self._body = body
         self._cleanup = cleanup
