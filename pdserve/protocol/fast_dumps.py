@@ -43,8 +43,13 @@ class JsonList(list):  # type: ignore[type-arg]
 
 def _as_json(value: Any) -> Any:
     if type(value) is JsonList:
+        if set(map(type, value)) <= _INT:  # json writes an int as its repr: joined here
+            return orjson.Fragment("[" + ",".join(map(repr, value)) + "]")
         return orjson.Fragment(json.dumps(value, separators=(",", ":")))
     raise TypeError  # another subclass (of str, int, dict, list): json writes the message
+
+
+_INT = frozenset({int})
 
 
 _OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_SUBCLASS
@@ -111,7 +116,10 @@ def _dataclass_check(
                 return False
         except TypeError:  # not a number where a float belongs: json decides
             return False
-        return all(c(getattr(value, n)) for n, c in named)
+        for name, c in named:  # noqa: SIM110 (a loop: ~2x cheaper than all() on a generator)
+            if not c(getattr(value, name)):
+                return False
+        return True
 
     def kept(value: Any) -> bool:  # a class that keeps its codec form (``wire``): frozen
         got: bool | None = value.__dict__.get("_finite")
