@@ -18,6 +18,12 @@
   formatted. No admission, failover, stall watch, metrics or client watch: an upper
   bound on what a leaner request path could save.
 
+* ``front PORT lean-stream WORKER_URL``: ``lean`` written as the router writes: the
+  decode worker sends its three tokens as three lines, each in its own write (as the
+  tests' fake decode worker does), and each is relayed to the client as it arrives, the
+  end (``[DONE]``) with the last: the same client writes per stream as the router makes,
+  so the router's figure minus this one is its structure alone.
+
 The router's figure minus ``calls`` is what pdserve's own work costs per request (parse,
 checks, routing, the messages, signing, metrics, the stream's bookkeeping); minus
 ``lean``, what its layering costs.
@@ -49,6 +55,15 @@ PREFILL_REPLY = (
     b'"lease_ttl_s":30.0,"transport":"tcp","version":%d,"lora":null,"type":"kv_handle"},'
     b'"num_cached_tokens":0,"prompt_tokens":64,"usage":null,"logprobs":null,'
     b'"prompt_logprobs":null,"type":"prefill_reply"}' % CONTRACT_VERSION
+)
+TOKEN_LINES = (  # /generate3: the same three tokens, a line (and a write) each
+    b'{"token_ids":[2],"text":"<2>","finish_reason":null,"usage":null,"error":null,'
+    b'"logprobs":null,"prompt_logprobs":null,"type":"token_delta"}\n',
+    b'{"token_ids":[3],"text":"<3>","finish_reason":null,"usage":null,"error":null,'
+    b'"logprobs":null,"prompt_logprobs":null,"type":"token_delta"}\n',
+    b'{"token_ids":[4],"text":"<4>","finish_reason":"length","usage":'
+    b'{"prompt_tokens":64,"completion_tokens":4,"cached_tokens":0,"type":"usage"},'
+    b'"error":null,"logprobs":null,"prompt_logprobs":null,"type":"token_delta"}\n',
 )
 TOKEN_LINE = (
     b'{"token_ids":[2,3,4],"text":"<2><3><4>","finish_reason":"length","usage":'
@@ -100,7 +115,8 @@ def _lean() -> Any:
     stats = WorkerStats(kv_blocks_free=1000, kv_blocks_total=1000, block_size=16)
     rng = random.Random(0)
 
-    async def handle(body: bytes, pool: WorkerPool, url: str) -> tuple[str, str]:
+    async def handle(body: bytes, pool: WorkerPool, url: str, send: Any = None) -> tuple[str, str]:
+        """The reply's head and rest; with ``send`` (lean-stream), written as they come."""
         req = parse_request(loads_checked(body), False, 16)
         req.sampling.validate(49152)
         ids = list(req.prompt_token_ids or ())
@@ -117,15 +133,28 @@ def _lean() -> Any:
         signing.proof_ok(ring, signing.sign(ring, "POST", "/x", b""), proof)
         chunks = responses.TextChunks(rid, "tiny", False)
         head = chunks(reply.text, None)
+        if send is not None:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+            await send({"type": "http.response.body", "body": head.encode(), "more_body": True})
         msg = encode(GenerateRequest(rid, ids, req.sampling, reply.kv_handle, 1))
         proof = signing.proof(ring.signing, signing.sign(ring, "POST", "/generate", msg))
-        rest = []
-        async with await pool.post(url, "/generate", msg, 30.0) as r:
+        rest, done = [], False
+        path = "/generate3" if send is not None else "/generate"
+        async with await pool.post(url, path, msg, 30.0) as r:
             while data := await r.readany():
+                out = []
                 for line in data.split(b"\n"):
                     if line:
                         d = decode_line(line)
-                        rest.append(chunks(d.text, d.finish_reason))
+                        out.append(chunks(d.text, d.finish_reason))
+                        done = done or d.finish_reason is not None
+                if send is None:
+                    rest += out
+                    continue
+                text = "".join(out) + (responses.DONE if done else "")
+                await send({"type": "http.response.body", "body": text.encode(),
+                            "more_body": not done})  # fmt: skip
         signing.proof_ok(ring, signing.sign(ring, "POST", "/x", b""), proof)
         return head, "".join(rest) + responses.DONE
 
@@ -134,7 +163,7 @@ def _lean() -> Any:
 
 def front(mode: str, worker_url: str = "") -> Any:
     pool: list[WorkerPool] = []
-    lean = _lean() if mode == "lean" else None
+    lean = _lean() if mode in ("lean", "lean-stream") else None
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -147,6 +176,9 @@ def front(mode: str, worker_url: str = "") -> Any:
         if lean is not None:
             if not pool:
                 pool.append(WorkerPool(keys.KeyRing(keys.HTTP, ())))
+            if mode == "lean-stream":  # written as it comes, as the router writes
+                await lean(body, pool[0], worker_url, send)
+                return
             head, rest = await lean(body, pool[0], worker_url)
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
@@ -180,6 +212,11 @@ async def worker(scope: Any, receive: Any, send: Any) -> None:
         return
     head = [(b"content-type", b"application/x-ndjson")]
     await send({"type": "http.response.start", "status": 200, "headers": head})
+    if scope["path"] == "/generate3":  # a line per send, as the fakes' decode worker writes
+        for line in TOKEN_LINES:
+            await send({"type": "http.response.body", "body": line, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        return
     await send({"type": "http.response.body", "body": TOKEN_LINE})
 
 

@@ -85,8 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "router's HTTP server set-up with a bare app (floor-bare), and that app "
                    "making the P/D path's two worker calls with the router's pool "
                    "(floor-calls), and doing pdserve's per-request pieces in one flat "
-                   "coroutine (floor-lean): what the HTTP stack alone costs per request, "
-                   "and the pieces without the router's structure")  # fmt: skip
+                   "coroutine (floor-lean), the same writing each token to the client as "
+                   "it comes, as the router does (floor-lean-stream): what the HTTP stack "
+                   "alone costs per request, and the pieces without the router's "
+                   "structure")  # fmt: skip
     p.add_argument("--pin", action="store_true",
                    help="the router alone on core 1, this client and the fakes on core 0 (as "
                    "a router pod with a core of its own); needs 2 cores")  # fmt: skip
@@ -330,6 +332,9 @@ async def added_latency(args: argparse.Namespace, http: aiohttp.ClientSession, u
 SUMMARY_KEYS = ("router_cpu_us_per_req", "rps", "router_writes_per_req", "added_p50_ms")
 
 
+FLOORS = ("bare", "calls", "lean", "lean-stream")
+
+
 async def run_floor(args: argparse.Namespace, env: dict[str, str]) -> list[dict[str, Any]]:
     """The floor phases (``--floor``): bench/floor_apps.py's front, bare, with the two
     worker calls, and lean, driven as the router is (token ids; no added-latency phase)."""
@@ -340,7 +345,7 @@ async def run_floor(args: argparse.Namespace, env: dict[str, str]) -> list[dict[
     wport = free_port()
     out = []
     with child([sys.executable, apps, "worker", str(wport)], env):
-        for mode in ("bare", "calls", "lean"):
+        for mode in FLOORS:
             port = free_port()
             cmd = [sys.executable, apps, "front", str(port), mode, f"http://127.0.0.1:{wport}"]
             url = f"http://127.0.0.1:{port}"

@@ -87,11 +87,15 @@ def test_floor_and_a_compared_tree_quick() -> None:
     result = run_bench("router_throughput.py", "--quick", "--paths", "direct", "--floor",
                        "--compare-tree", root, timeout=220)  # fmt: skip
     runs = {(r["path"], r["prompt"], r.get("tree")): r for r in result["runs"]}
-    floors = [(f"floor-{m}", "ids", None) for m in ("bare", "calls", "lean")]
+    floors = [(f"floor-{m}", "ids", None) for m in ("bare", "calls", "lean", "lean-stream")]
     assert {("direct", "ids", "main"), ("direct", "ids", "compare"), *floors} <= set(runs)
     assert result["errors"] == 0, result  # the floor's streams too, read to the end with a 200
     for key in floors:
         assert runs[key]["requests"] == 200 and runs[key]["rps"] > 0
+    # lean-stream writes each token as it comes (the head before the decode call, then each
+    # read): more writes per request than lean's one reply write beside its two calls
+    lean, streamed = runs[("floor-lean", "ids", None)], runs[("floor-lean-stream", "ids", None)]
+    assert streamed["router_writes_per_req"] >= 4 > lean["router_writes_per_req"], (lean, streamed)
     assert [c["path"] for c in result["compare"]] == ["direct", "direct"]  # ids and text
     assert all(c["cpu_ratio_main_over_compare"] > 0 for c in result["compare"])
 
