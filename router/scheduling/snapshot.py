@@ -20,9 +20,10 @@ T = TypeVar("T")
 
 class _once(Generic[T]):
     """``functools.cached_property`` without its lock (Python 3.11 takes an RLock on every
-    first access): a snapshot is built for nearly every request and read from one thread,
-    and its pools were ~1% of the router's CPU on the P/D path through that lock. The value
-    goes into the instance's ``__dict__``, where later reads find it first."""
+    first access): a snapshot is built for nearly every request, and its pools were ~1% of
+    the router's CPU on the P/D path through that lock. The value goes into the instance's
+    ``__dict__``, where later reads find it first; two threads reading it first at once
+    would both work out the same value (the snapshot is immutable)."""
 
     def __init__(self, fn: Callable[[Any], T]) -> None:
         self.fn = fn
