@@ -97,9 +97,8 @@ def _encoder(hint: Any) -> Any:
         return _encoder(inner[0]) if len(inner) == 1 else _plain
     if hint in _SCALARS:
         return None
-    wire = getattr(hint, "wire", None)  # a dataclass that keeps its own codec form
-    if wire is not None:
-        return wire
+    if getattr(hint, "wire", None) is not None:  # a dataclass that keeps its own codec form
+        return _wire
     if origin is list and args and args[0] in _SCALARS:
         return None  # json writes the list; _plain only copied it
     if origin is dict and args and args[1] in _SCALARS:
@@ -108,6 +107,10 @@ def _encoder(hint: Any) -> Any:
 
 
 _SCALARS = frozenset({int, float, str, bool})
+
+
+def _wire(value: Any) -> Any:
+    return value.wire  # pdserve/protocol/once.py: worked out at the first read, then kept
 
 
 def all_ints(values: list[Any]) -> bool:

@@ -30,6 +30,7 @@ from typing import Any
 
 from pdserve.protocol.codec import message, to_dict
 from pdserve.protocol.fast_dumps import JsonList
+from pdserve.protocol.once import once
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams, valid_text
 
 # 3: LoRA (``lora`` on the requests and the KV handle, ``loras`` / ``lora_known`` in the stats)
@@ -136,15 +137,13 @@ class KVHandle:
     version: int = CONTRACT_VERSION
     lora: LoraRef | None = None  # the adapter the KV was computed under (None: base model)
 
+    @once
     def wire(self) -> dict[str, Any]:
         """The codec's form (``to_dict``), kept: the router hands a prefill reply's handle
         to the decode worker as the body it read (``prefill_reply`` keeps it), not built
         again field by field. Shared: read it, never change it."""
-        got: dict[str, Any] | None = self.__dict__.get("_wire")
-        if got is None:
-            got = to_dict(self)
-            got["block_hashes"] = JsonList(got["block_hashes"])  # 128-bit: json writes them
-            object.__setattr__(self, "_wire", got)
+        got = to_dict(self)
+        got["block_hashes"] = JsonList(got["block_hashes"])  # 128-bit: json writes them
         return got
 
     def validate(self) -> None:

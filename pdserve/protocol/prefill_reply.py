@@ -98,5 +98,5 @@ def _handle(body: Any) -> KVHandle | Literal[False] | None:
         return False
     body["lease_ttl_s"] = handle.lease_ttl_s  # a float, as to_dict writes it
     body["block_hashes"] = JsonList(hashes)  # 128-bit: json writes them (fast_dumps)
-    object.__setattr__(handle, "_wire", body)  # its codec form: the decode worker gets it
+    handle.__dict__["wire"] = body  # its codec form, where ``wire`` keeps it (protocol/once.py)
     return handle

@@ -10,6 +10,8 @@ import copy
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pdserve.protocol.once import once
+
 
 class InvalidParameter(ValueError):
     """A request parameter is invalid. ``field`` names it (OpenAI's ``param``)."""
@@ -116,15 +118,12 @@ class SamplingParams:
         cost the router more than the rest of encoding a request (bench/router_throughput.py)."""
         return {name: _copied(getattr(self, name)) for name in _NAMES}
 
+    @once
     def wire(self) -> dict[str, Any]:
         """The fields as the codec writes them (``to_dict`` without its copies), built once
         per instance: it is frozen, and a P/D request is encoded twice (its prefill and its
         decode worker's message). Shared: read it, never change it."""
-        got: dict[str, Any] | None = self.__dict__.get("_wire")
-        if got is None:
-            got = {name: getattr(self, name) for name in _NAMES}
-            object.__setattr__(self, "_wire", got)
-        return got
+        return {name: getattr(self, name) for name in _NAMES}
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> SamplingParams:

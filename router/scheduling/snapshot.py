@@ -8,36 +8,12 @@ it, so they are pure and can be tested from a table of snapshots without any ser
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, overload
 
 from pdserve.protocol.contract import WorkerStats as WorkerStats  # what a worker's GET /stats says
+from pdserve.protocol.once import once
 
 ROLES = ("prefill", "decode")
-T = TypeVar("T")
-
-
-class _once(Generic[T]):
-    """``functools.cached_property`` without its lock (Python 3.11 takes an RLock on every
-    first access): a snapshot is built for nearly every request, and its pools were ~1% of
-    the router's CPU on the P/D path through that lock. The value goes into the instance's
-    ``__dict__``, where later reads find it first; two threads reading it first at once
-    would both work out the same value (the snapshot is immutable)."""
-
-    def __init__(self, fn: Callable[[Any], T]) -> None:
-        self.fn = fn
-        self.name = fn.__name__
-
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> _once[T]: ...
-    @overload
-    def __get__(self, obj: object, owner: type | None = None) -> T: ...
-    def __get__(self, obj: object | None, owner: type | None = None) -> T | _once[T]:
-        if obj is None:
-            return self
-        value = obj.__dict__[self.name] = self.fn(obj)
-        return value
 
 
 @dataclass(frozen=True)
@@ -98,15 +74,15 @@ class Snapshot:
         return tuple(w for w in self.workers if w.role == role and (w.healthy or not healthy_only))
 
     # Worked out once per snapshot (it is immutable): a request reads each several times.
-    @_once
+    @once
     def prefill(self) -> tuple[WorkerView, ...]:
         return self.role("prefill")
 
-    @_once
+    @once
     def decode(self) -> tuple[WorkerView, ...]:
         return self.role("decode")
 
-    @_once
+    @once
     def block_size(self) -> int:
         sizes = {w.stats.block_size for w in self.workers if w.healthy}
         return min(sizes) if sizes else 16

@@ -138,7 +138,7 @@ def test_config_rejects_unknown_routing_mode() -> None:
 
 
 def test_a_snapshots_pools_are_worked_out_once() -> None:
-    """Snapshot's pools and block size (snapshot._once: cached_property without its lock):
+    """Snapshot's pools and block size (protocol/once.py: cached_property without its lock):
     computed at the first read, kept in the instance, equal to what ``role`` says."""
     snap = Snapshot((P("a"), D("b"), P("c", healthy=False), D("d")))
     assert "prefill" not in snap.__dict__
