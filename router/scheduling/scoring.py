@@ -86,6 +86,8 @@ def rank(
     survivors = list(candidates)
     for keep in filters:
         survivors = keep(survivors, req)
+    if len(survivors) == len(candidates):  # filters only drop: none was
+        return _sorted(survivors, req, weights, rng)
     rest = [w for w in candidates if w not in survivors]
     return _sorted(survivors, req, weights, rng) + _sorted(rest, req, weights, rng)
 
@@ -96,8 +98,8 @@ def _sorted(
     weights: Sequence[ScorerWeight],
     rng: random.Random,
 ) -> list[WorkerView]:
-    if not workers:
-        return []
+    if len(workers) < 2:  # one worker's order needs no score (a pool of one: no scoring)
+        return list(workers)
     scorers = _resolved(weights)
     keyed = [(round(_weighted(w, req, scorers), 9), rng.random(), w) for w in workers]
     keyed.sort(key=lambda t: (-t[0], t[1]))

@@ -148,3 +148,16 @@ def test_a_snapshots_pools_are_worked_out_once() -> None:
     assert snap.decode == snap.role("decode") and len(snap.decode) == 2
     assert snap.block_size == 16 and "block_size" in snap.__dict__
     assert Snapshot.prefill.name == "prefill"  # the descriptor itself, read off the class
+
+
+def test_a_pool_of_one_is_ranked_without_scoring() -> None:
+    """One candidate's order needs no score: nothing is drawn from the rng for it (a pool
+    of one costs the request no scorer call), and a filtered-out lone worker still comes
+    back as the last resort."""
+    rng = random.Random(5)
+    state = rng.getstate()
+    plan = plan_route(Snapshot((P("p1"), D("d1", free=0))), REQ(640), CFG, rng)
+    assert (plan.prefill[0].worker_id, plan.decode[0].worker_id) == ("p1", "d1")
+    assert rng.getstate() == state
+    two = plan_route(Snapshot((P("p1"), D("d1", free=0), D("d2"))), REQ(640), CFG, rng)
+    assert [w.worker_id for w in two.decode] == ["d2", "d1"]  # the one that fits first
