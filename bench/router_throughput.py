@@ -80,6 +80,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run every path, in every round, with the router from this "
                    "checkout (tagged tree=compare; --router-tree's are tree=main): a "
                    "before/after comparison interleaved, with the ratio of medians")  # fmt: skip
+    p.add_argument("--router-python", default=sys.executable,
+                   help="the interpreter the router (and the floors' front) runs under: the "
+                   "shipped image's is an optimised build (PGO and LTO, python:3.11-slim), "
+                   "unlike a pyenv one; the packages are this one's (docs/router.md)")  # fmt: skip
+    p.add_argument("--compare-python", default="",
+                   help="also run every path, in every round, with the router under this "
+                   "interpreter (from --compare-tree, or else the same checkout), tagged "
+                   "tree=compare: two interpreters compared, interleaved")  # fmt: skip
     p.add_argument("--floor", action="store_true",
                    help="also, every round, the same phase against bench/floor_apps.py: the "
                    "router's HTTP server set-up with a bare app (floor-bare), and that app "
@@ -171,10 +179,11 @@ sys.exit(main(sys.argv[1:]))
 
 
 def router_cmd(args: argparse.Namespace, model: str, urls: dict[str, str], port: int,
-               path: str) -> list[str]:  # fmt: skip
+               path: str, python: str = "") -> list[str]:  # fmt: skip
     threshold = PATHS[path]
-    head = [sys.executable, "-c", PROFILED, args.profile] if args.profile else [
-        sys.executable, "-m", "pdserve"]  # fmt: skip
+    python = python or args.router_python
+    head = [python, "-c", PROFILED, args.profile] if args.profile else [
+        python, "-m", "pdserve"]  # fmt: skip
     return [*head, "router", "--model", model,
             "--served-model-name", "tiny", "--port", str(port), "--log-level", "warning",
             "--prefill", urls["prefill"], "--decode", urls["decode"],
@@ -266,13 +275,14 @@ def direct_call(http: aiohttp.ClientSession, decode_url: str, ring: keys.KeyRing
 
 
 async def run_path(args: argparse.Namespace, model: str, urls: dict[str, str], env: dict[str, str],
-                   path: str, port: int, tree: str) -> list[dict[str, Any]]:  # fmt: skip
-    """One router process for ``path``, run from checkout ``tree``: its token-id phase,
-    then its text phase."""
+                   path: str, port: int, tree: str,
+                   python: str = "") -> list[dict[str, Any]]:  # fmt: skip
+    """One router process for ``path``, run from checkout ``tree`` under ``python``: its
+    token-id phase, then its text phase."""
     url = f"http://127.0.0.1:{port}"
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=60)
-    cmd = router_cmd(args, model, urls, port, path)
+    cmd = router_cmd(args, model, urls, port, path, python)
     out = []
     with child(cmd, env, tree, ROUTER_CPUS if args.pin else None) as router:
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
@@ -347,7 +357,8 @@ async def run_floor(args: argparse.Namespace, env: dict[str, str]) -> list[dict[
     with child([sys.executable, apps, "worker", str(wport)], env):
         for mode in FLOORS:
             port = free_port()
-            cmd = [sys.executable, apps, "front", str(port), mode, f"http://127.0.0.1:{wport}"]
+            cmd = [args.router_python, apps, "front", str(port), mode,
+                   f"http://127.0.0.1:{wport}"]  # fmt: skip
             url = f"http://127.0.0.1:{port}"
             with child(cmd, env, cpus=ROUTER_CPUS if args.pin else None) as front:
                 conn = aiohttp.TCPConnector(limit=0)
@@ -413,20 +424,24 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with child(fakes_cmd, env) as fakes:
         assert fakes.stdout is not None
         urls = json.loads(await asyncio.to_thread(fakes.stdout.readline))
-        trees = [("main", args.router_tree)]
-        if args.compare_tree:
-            trees.append(("compare", args.compare_tree))
+        trees = [("main", args.router_tree, args.router_python)]
+        if args.compare_tree or args.compare_python:
+            trees.append(("compare", args.compare_tree or args.router_tree,
+                          args.compare_python or args.router_python))  # fmt: skip
+        compared = len(trees) > 1
         for rnd in range(args.repeat):  # interleaved: a drift of the host hits every path
             for path in args.paths.split(","):
-                for tag, tree in trees:
-                    runs = await run_path(args, model, urls, env, path, free_port(), tree)
-                    tagged = {"tree": tag} if args.compare_tree else {}
+                for tag, tree, python in trees:
+                    runs = await run_path(args, model, urls, env, path, free_port(), tree,
+                                          python)  # fmt: skip
+                    tagged = {"tree": tag} if compared else {}
                     result["runs"] += [{**r, **tagged, "round": rnd} for r in runs]
             if args.floor:
                 result["runs"] += [{**r, "round": rnd} for r in await run_floor(args, env)]
     result["summary"] = summarise(result["runs"])
-    if args.compare_tree:
+    if compared:
         result["compare"] = compare(result["summary"])
+    result["python"] = {"router": args.router_python, "compare": args.compare_python or None}
     result["errors"] = sum(r["errors"] for r in result["runs"])
     result["load_avg_1m_after"] = load_avg()
     result["cpu_count"] = os.cpu_count()
