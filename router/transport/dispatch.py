@@ -275,11 +275,30 @@ class Dispatcher:
                 req = replace(req, prefill=alive or None)  # none left: prefill there
             rs.touched.add(url)
             self._track(url, "decode", 0, +1)
+            # One decode worker's stream, relayed here (not in a generator of its own: one
+            # async generator less per token); raises WorkerFailed when it breaks.
+            watch = worker_client.StreamWatch(url)
+            watch.via = req.prefill[0] if req.prefill else None
+            self._watches.add(watch)
             try:
-                async for delta in self._stream(rs, url, req):
-                    relayed = relayed or delta.num_tokens > 0 or bool(delta.text)
-                    rs.decode_worker = rs.decode_worker or worker
-                    yield delta
+                try:
+                    async for msg in worker_client.generate(
+                        self.client, url, req, self.cfg.request_timeout_s, watch
+                    ):
+                        watch.via = None  # the prefill is over: the decode worker's stream now
+                        if rs.finished:  # read on to the end: the connection goes back to the pool
+                            continue
+                        if msg.error is not None:  # request_failed: an APIError, never moved
+                            raise worker_client.stream_error(url, msg.error)
+                        delta = self._relay(rs, msg)
+                        relayed = relayed or delta.num_tokens > 0 or bool(delta.text)
+                        rs.decode_worker = rs.decode_worker or worker
+                        yield delta
+                except WorkerFailed:
+                    if not rs.finished:  # after the final line a break costs nothing
+                        raise
+                if not rs.finished:
+                    raise WorkerFailed(url, "stream ended without a finish_reason")
                 return
             except WorkerFailed as exc:
                 log.warning("request %s: decode failed on %s: %s", rs.request_id, url, exc)
@@ -288,6 +307,7 @@ class Dispatcher:
                     self.discovery.mark_failed(url)
                 self._spawn(worker_client.abort(self.client, url, rs.request_id))
             finally:
+                self._watches.discard(watch)
                 self._track(url, "decode", 0, -1)
         if relayed:
             raise APIError(502, "decode worker failed mid-stream and no other could take over")
@@ -328,32 +348,6 @@ class Dispatcher:
         if fresh is None or fresh.kv_handle is None:
             return req
         return replace(req, kv_handle=fresh.kv_handle)
-
-    async def _stream(
-        self, rs: RequestState, url: str, req: GenerateRequest
-    ) -> AsyncIterator[Delta]:
-        """One decode worker's deltas; raises WorkerFailed when its stream breaks."""
-        watch = worker_client.StreamWatch(url)
-        watch.via = req.prefill[0] if req.prefill else None
-        self._watches.add(watch)
-        try:
-            async for msg in worker_client.generate(
-                self.client, url, req, self.cfg.request_timeout_s, watch
-            ):
-                watch.via = None  # the prefill is over: the decode worker's own stream now
-                if rs.finished:  # read on to the end: the connection goes back to the pool
-                    continue
-                if msg.error is not None:  # request_failed: an APIError, never moved elsewhere
-                    raise worker_client.stream_error(url, msg.error)
-                yield self._relay(rs, msg)
-        except WorkerFailed:
-            if rs.finished:  # the final line arrived: a break after it costs nothing
-                return
-            raise
-        finally:
-            self._watches.discard(watch)
-        if not rs.finished:
-            raise WorkerFailed(url, "stream ended without a finish_reason")
 
     def cut_stalled(self) -> None:
         """After each health round: a call that has waited ``stall_timeout_s`` for its
