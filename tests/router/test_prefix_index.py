@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -186,3 +187,51 @@ async def test_router_metrics_show_the_bounded_index(cluster_factory) -> None:
         evicted = c.runtime.index.num_evicted
         assert evicted >= 14 and f"pdserve_router_prefix_index_evicted_blocks {evicted}.0" in text
         await c.settle()
+
+
+@pytest.mark.timeout(30)
+async def test_a_burst_is_read_in_bounded_turns() -> None:
+    """A burst of events larger than one read's bound (``DRAIN``) is read to its end over
+    several loop turns (ZeroMQ's FD signals once for all of them), and the loop keeps
+    turning in between: a flood of events never holds the router's requests."""
+    from pdserve.router.discovery.events import DRAIN
+
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    idx = PrefixIndex()
+    sub = KVEventSubscriber(idx, ctx)
+    sub.subscribe(f"tcp://127.0.0.1:{port}", "w1")
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    try:
+        seq = 0
+        while sub.num_events == 0:  # the subscription has reached the publisher
+            await pub.send_multipart(wire("stored", "w1", seq, [seq]))
+            seq += 1
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        start, n = (idx.last_seq("w1") or 0) + 1, 3 * DRAIN + 5
+        seen: list[int] = []  # the ticker's count when each event was applied
+        apply = idx.apply
+        idx.apply = lambda ev: (seen.append(ticks), apply(ev))[1]  # type: ignore[method-assign]
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        for i in range(start, start + n):
+            pub.send_multipart(wire("stored", "w1", i, [10_000 + i]), zmq.NOBLOCK)
+        time.sleep(0.3)  # the loop held: all of it queued at the subscriber before a read
+        await _until(lambda: idx.last_seq("w1") == start + n - 1)
+        task.cancel()
+        assert idx.num_gaps == 0 and idx.match([10_000 + start + n - 1]) == {"w1": 1}
+        assert len(seen) == n and len(set(seen)) >= 3  # the loop turned between the reads
+    finally:
+        await sub.close()
+        pub.close(linger=0)
+        ctx.term()
