@@ -33,6 +33,9 @@ class Caller:
     admin: bool = False
 
 
+OPEN = Caller("")  # every caller when no keys are configured
+
+
 def parse_key_lines(text: str) -> dict[str, int]:
     """``KEY [priority=N]`` lines → key → priority; ValueError names a bad line."""
     keys: dict[str, int] = {}
@@ -122,7 +125,7 @@ class KeyStore:
     def caller(self, authorization: str) -> Caller:
         """The caller behind an ``Authorization`` header; 401 without a valid key."""
         if not self.enabled:
-            return Caller("")
+            return OPEN
         scheme, _, token = authorization.partition(" ")
         token = token.strip() if scheme.lower() == "bearer" else ""
         if not token:

@@ -25,7 +25,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.events import EventSubscriber
 from pdserve.router.discovery.replicas import replica_count
 from pdserve.router.discovery.workers import Discovery, EndpointSource
-from pdserve.router.keys import Caller, KeyStore
+from pdserve.router.keys import OPEN, Caller, KeyStore
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.scheduling.prefix_index import PrefixIndex
@@ -118,6 +118,8 @@ class Runtime:
     def caller(self, request: Request) -> Caller:
         """Who sends ``request`` (its API key, priority class, admin or not); 401 without a
         valid key when keys are configured."""
+        if not self.keys.enabled:  # no header to read: Starlette's Headers not built
+            return OPEN
         return self.keys.caller(request.headers.get("authorization", ""))
 
     def check_auth(self, request: Request) -> str:
