@@ -117,7 +117,7 @@ async def serve_fakes(token_delay_s: float = 0.0) -> None:
     import zmq
     import zmq.asyncio
 
-    from tests.router.fakes import FakeState, decode_app, prefill_app, serve
+    from tests.router.fakes import WORKER_HTTP, FakeState, decode_app, prefill_app, serve
 
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)
@@ -126,7 +126,9 @@ async def serve_fakes(token_delay_s: float = 0.0) -> None:
     pst.keep_records = dst.keep_records = False  # a long run keeps no per-request record
     dst.token_delay_s = token_delay_s
     dst.lease_holder = pst  # leases end without a call: the fakes' cost is not the figure
-    async with serve(prefill_app(pst, pub)) as purl, serve(decode_app(dst)) as durl:
+    http = {"http": WORKER_HTTP}  # the workers' server protocol (worker/http.py)
+    async with serve(prefill_app(pst, pub), **http) as purl, \
+            serve(decode_app(dst), **http) as durl:  # fmt: skip
         print(json.dumps({"prefill": purl, "decode": durl}), flush=True)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

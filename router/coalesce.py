@@ -9,7 +9,8 @@ alone was ~6% of its CPU). ``CoalescingHttpTools`` gives uvicorn a transport tha
 what one turn of the loop wrote and sends it as one buffer at the end of the turn
 (``loop.call_soon``): the head leaves with the first chunk, a token written later is
 sent on its own turn as before, and nothing waits for more than the turn it was written
-in. ``pdserve router`` serves with it (router/main.py).
+in. ``pdserve router`` serves with it (router/main.py), and so do the workers
+(worker/http.py): a prefill reply's head and body reach the router in one segment.
 """
 
 from __future__ import annotations

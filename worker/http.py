@@ -268,6 +268,12 @@ def server(app: FastAPI, host: str, port: int, log_level: str) -> Any:
     gracefully from any thread)."""
     import uvicorn
 
+    from pdserve.router.coalesce import CoalescingHttpTools
+
+    # A loop turn's writes in one send, as the router's server does (router/coalesce.py): a
+    # prefill reply's head and body reach the router in one segment, a read and a wake-up
+    # less for it per request, and a stream's last line leaves with its end.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip
+                            timeout_keep_alive=KEEP_ALIVE_S,
+                            http=CoalescingHttpTools)  # fmt: skip
     return uvicorn.Server(config)

@@ -42,6 +42,7 @@ from pdserve.protocol.contract import (
     WorkerStats,
 )
 from pdserve.protocol.hashing import block_hashes
+from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.transport import worker_client
 from pdserve.signed_httpx import SignedAuth
 from pdserve.worker.http import BadRequest, SecretCheck
@@ -325,6 +326,9 @@ class Fakes:
     decode_urls: list[str]
 
 
+WORKER_HTTP = CoalescingHttpTools  # the real workers' server protocol (worker/http.py)
+
+
 async def start_fakes(
     stack: contextlib.AsyncExitStack, n_prefill: int, n_decode: int, events: bool = True,
     busy: Sequence[int] = (),
@@ -343,11 +347,13 @@ async def start_fakes(
             st.kv_events = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
             stack.callback(pub.close, 0)
         fakes.prefill.append(st)
-        fakes.prefill_urls.append(await stack.enter_async_context(serve(prefill_app(st, pub))))
+        url = await stack.enter_async_context(serve(prefill_app(st, pub), http=WORKER_HTTP))
+        fakes.prefill_urls.append(url)
     for i in range(n_decode):
         st = FakeState("decode", f"d{i}")
         if i in busy:
             st.active["busy"] = 1
         fakes.decode.append(st)
-        fakes.decode_urls.append(await stack.enter_async_context(serve(decode_app(st))))
+        url = await stack.enter_async_context(serve(decode_app(st), http=WORKER_HTTP))
+        fakes.decode_urls.append(url)
     return fakes

@@ -145,3 +145,16 @@ async def test_uvicorn_with_it_streams_each_chunk_when_written_and_keeps_alive()
             assert again.startswith(b"HTTP/1.1 200 OK\r\n") and b"content-length: 2" in again
         finally:
             writer.close()
+
+
+def test_the_workers_serve_with_it_as_the_fakes_do() -> None:
+    """The real workers' server (worker/http.py) sends a loop turn's writes together, as
+    the router's does, and the fakes the router's tests and benchmark run against use the
+    same protocol: what the router reads from them is what it reads from real workers."""
+    from fastapi import FastAPI
+
+    from pdserve.worker.http import server
+    from tests.router.fakes import WORKER_HTTP
+
+    assert server(FastAPI(), "127.0.0.1", 0, "warning").config.http is CoalescingHttpTools
+    assert WORKER_HTTP is CoalescingHttpTools
