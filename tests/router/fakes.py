@@ -285,7 +285,8 @@ async def _stream(
             usage = Usage(0, n, 7) if last else None
             line = TokenDelta([200 + i], f" t{i}", "length" if last else None, usage)
             yield encode(line) + b"\n"
-        await asyncio.sleep(st.end_delay_s)
+        if st.end_delay_s:  # else the end leaves with the last line, as the real worker's
+            await asyncio.sleep(st.end_delay_s)  # (worker/direct.py, one write per turn)
     finally:
         st.active.pop(rid, None)
 
