@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not Path(args.base).exists():
         p.error(f"{args.base} does not exist")
-    probe = subprocess.run([args.base, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+    probe = subprocess.run([args.base, "-c", "import sys; print(*sys.version_info[:2], sep='.')"],
                            capture_output=True, text=True, check=True, cwd="/")  # fmt: skip
-    ours = "%d.%d" % sys.version_info[:2]
+    ours = f"{sys.version_info[0]}.{sys.version_info[1]}"
     if probe.stdout.strip() != ours:
         p.error(f"{args.base} is Python {probe.stdout.strip()}; this venv's packages need {ours}")
     out = Path(args.out)

@@ -114,3 +114,23 @@ def test_router_streams_quick() -> None:
     assert result["wall_s"] < 10 * result["paced_floor_s"], result  # concurrent, not serial
     assert result["kb_per_stream_at_peak"] < 2048, result
     assert result["rss_after_mb"] - result["rss_idle_mb"] < 150, result
+
+
+@pytest.mark.timeout(120)
+def test_opt_venv_runs_the_router_from_this_venvs_packages(tmp_path: Path, capsys) -> None:
+    """``bench/opt_venv.py`` makes a venv on another interpreter whose ``python -m pdserve``
+    runs from the repository's root with this venv's packages (the repository's
+    ``operator/`` must not shadow the standard library's there), and says how fast both
+    run pure Python. Here the base is this venv's own interpreter, which every machine has."""
+    import subprocess
+
+    import opt_venv
+
+    assert opt_venv.main(["--base", sys.executable, "--out", str(tmp_path / "v")]) == 0
+    out = capsys.readouterr()
+    python = out.out.strip()
+    assert Path(python).exists() and "pure-Python loop" in out.err
+    root = Path(__file__).resolve().parents[2]
+    got = subprocess.run([python, "-m", "pdserve", "router", "--help"], cwd=root,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert got.returncode == 0 and "--procs" in got.stdout, got.stderr[-2000:]
