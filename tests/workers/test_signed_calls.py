@@ -173,3 +173,20 @@ def test_mac_after_is_mac_over_head_and_parts() -> None:
         assert keys.mac_after(key, head, *parts) == want
         assert keys.mac_after(key, head, *parts) == want  # from the cache, the same
     assert keys.mac_after(b"", ("reply",), b"x") == b""
+
+
+@pytest.mark.parametrize("key_len", [1, 32, 63, 64, 65, 200])
+def test_tags_are_the_standard_hmac(key_len: int) -> None:
+    """``keys.mac`` hashes the padded key blocks itself (``_Pads``): its tags are RFC 2104
+    HMAC-SHA256, as ``hmac`` makes them, for keys shorter than, equal to and longer than
+    SHA-256's block (hashed first), over an empty, short and long message; so are
+    ``mac_after``'s, whose head is hashed once."""
+    import hmac
+
+    key = bytes(range(1, key_len + 1)) * 1
+    for parts in ((), (b"",), (b"abc",), (b"x" * 5000, b"y")):
+        framed = b"".join(len(p).to_bytes(8, "big") + p for p in parts)
+        assert keys.mac(key, *parts) == hmac.new(key, framed, hashlib.sha256).digest()
+        head = b"".join(len(p).to_bytes(8, "big") + p for p in (b"v1", b"POST", b"/prefill"))
+        want = hmac.new(key, head + framed, hashlib.sha256).digest()
+        assert keys.mac_after(key, ("v1", "POST", "/prefill"), *parts) == want
