@@ -83,12 +83,14 @@ def salt_root(salt: str | None, extra_key: str | None = None) -> int:
     return int.from_bytes(h.digest(), "little", signed=False) or 1  # never the unsalted root
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
-    """Chained hashes of every full block of ``token_ids``."""
+def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH,
+                 key: bytes | None = None) -> list[int]:  # fmt: skip
+    """Chained hashes of every full block of ``token_ids``. ``key``: ``hash_key()``, read
+    once by a caller that hashes every request (the router; two environment reads a call)."""
     assert block_size > 0
     full = len(token_ids) // block_size * block_size
     raw = np.asarray(token_ids[:full], dtype=np.int64).tobytes()  # one conversion, not one a block
-    keyed, step = _keyed(hash_key()), block_size * 8
+    keyed, step = _keyed(hash_key() if key is None else key), block_size * 8
     out: list[int] = []
     link = parent.to_bytes(HASH_BYTES, "little", signed=False)
     for start in range(0, len(raw), step):

@@ -43,7 +43,7 @@ from pdserve.protocol.contract import (
     PrefillRequest,
     TokenDelta,
 )
-from pdserve.protocol.hashing import block_hashes, salt_root
+from pdserve.protocol.hashing import block_hashes, hash_key, salt_root
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.api.errors import APIError
 from pdserve.router.config import RouterConfig
@@ -126,6 +126,7 @@ class Dispatcher:
         self._rr = 0
         self._background: set[asyncio.Task[Any]] = set()
         self._watches: set[worker_client.StreamWatch] = set()  # worker calls open now
+        self._hash_key = hash_key()  # the service's block-hash key, as the workers'
         discovery.after_refresh.append(self.cut_stalled)
 
     def plan(
@@ -135,7 +136,7 @@ class Dispatcher:
         prefix = self.cfg.uses_prefix
         # The adapter's hash seeds the chain as on the workers: their KV events match these.
         root = salt_root(cache_salt, lora.hash if lora is not None else None)
-        hashes = block_hashes(ids, snap.block_size, root) if prefix else []
+        hashes = block_hashes(ids, snap.block_size, root, self._hash_key) if prefix else []
         req = RouteRequest(len(ids), tuple(hashes), snap.block_size, self.index.match(hashes),
                            self.index.held() if prefix else {},
                            lora.name if lora is not None else None)  # fmt: skip
