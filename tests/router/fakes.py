@@ -142,6 +142,17 @@ def _common(app: FastAPI, st: FakeState) -> None:
 def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI:
     app = FastAPI()
     _common(app, st)
+    # KV events go out as a real prefill worker's do (prefill_worker/events.py): the events
+    # of one engine step in one message. Here a step is a loop turn: every request
+    # prefilled in it (at least one; a real step holds as many as it batched).
+    step: list[bytes] = []
+    out = zmq.Socket.shadow(pub.underlying) if pub is not None else None
+
+    def publish() -> None:
+        frames = [b"kv", *step]
+        step.clear()
+        assert out is not None
+        out.send_multipart(frames)  # a PUB socket never blocks (it drops at its high mark)
 
     @app.post("/release")
     async def release(request: Request) -> dict[str, Any]:
@@ -172,7 +183,9 @@ def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI
             ev = {"type": "kv_event", "kind": "stored", "worker_id": st.worker_id,
                   "seq": st.seq, "block_hashes": hashes}  # fmt: skip
             st.seq += 1
-            await pub.send_multipart([b"kv", json.dumps(ev).encode()])
+            if not step:
+                asyncio.get_running_loop().call_soon(publish)
+            step.append(json.dumps(ev).encode())
         first = 100 + sum(ids) % 50
         done = body.sampling.max_tokens == 1
         handle = None
