@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import figures  # bench/figures.py, beside this script
 from spread import spread  # bench/spread.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,6 +101,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pin", action="store_true",
                    help="the router alone on core 1, this client and the fakes on core 0 (as "
                    "a router pod with a core of its own); needs 2 cores")  # fmt: skip
+    p.add_argument(
+        "--plot",
+        default=str(ROOT / "bench" / "out" / "router_throughput.png"),
+        help="the PNG of the router's CPU per request by path ('' for none)",
+    )
+    p.add_argument(
+        "--plot-from",
+        default="",
+        help="draw --plot from this recorded JSON (its last line) and exit",
+    )
     p.add_argument("--fakes", action="store_true", help=argparse.SUPPRESS)  # the child
     p.add_argument("--token-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # its decode
     args = p.parse_args(argv)
@@ -450,12 +461,52 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+GOAL_US = 500  # issue 26: 2,000 requests/s per router process
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Router CPU per request by path (token-id prompts): the median of the rounds with
+    their range, one bar per tree or interpreter compared, the floors beside, the goal."""
+    plt = figures.pyplot()
+    rows = [r for r in result["summary"] if r["prompt"] == "ids"]
+    legs = sorted({r.get("tree", "main") for r in rows}, key=lambda t: t != "main")
+    other = (result.get("python") or {}).get("compare")
+    names = {"main": "this venv's interpreter" if other else "this tree",
+             "compare": f"interpreter: {other}" if other else "compared tree"}  # fmt: skip
+    paths = [p for p in (*PATHS, *(f"floor-{f}" for f in FLOORS))
+             if any(r["path"] == p for r in rows)]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(legs)
+    for k, leg in enumerate(legs):
+        got = {r["path"]: r["router_cpu_us_per_req"] for r in rows if r.get("tree", "main") == leg}
+        xs = [i + (k - (len(legs) - 1) / 2) * width for i, p in enumerate(paths) if p in got]
+        stats = [got[p] for p in paths if p in got]
+        mid = [s["median"] for s in stats]
+        err = [[m - s["range"][0] for m, s in zip(mid, stats, strict=True)],
+               [s["range"][1] - m for m, s in zip(mid, stats, strict=True)]]  # fmt: skip
+        ax.bar(xs, mid, width, yerr=err, capsize=3, label=names.get(leg, leg))
+    ax.axhline(GOAL_US, ls="--", color="tab:red", label="goal: 2,000 req/s per process")
+    ax.set_xticks(range(len(paths)), paths, rotation=15)
+    ax.set_ylabel("router CPU per request, µs (median, range)")
+    rounds = max((r["rounds"] for r in rows), default=0)
+    ax.set_title(f"pdserve router in front of the fake workers, {rounds} rounds")
+    ax.legend(fontsize=8)
+    figures.save(fig, path, dpi=100)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.fakes:
         asyncio.run(serve_fakes(args.token_delay))
         return 0
-    print(json.dumps(asyncio.run(main_async(args))))
+    if args.plot_from:
+        last = Path(args.plot_from).read_text().strip().splitlines()[-1]
+        plot(json.loads(last), args.plot)
+        return 0
+    result = asyncio.run(main_async(args))
+    if args.plot:
+        plot(result, args.plot)
+    print(json.dumps(result))
     return 0
 
 

@@ -31,8 +31,10 @@ WRITES_BOUND = 4.5
 
 @pytest.mark.bench
 @pytest.mark.timeout(240)
-def test_router_throughput_quick() -> None:
-    result = run_bench("router_throughput.py", "--quick", timeout=220)
+def test_router_throughput_quick(tmp_path: Path) -> None:
+    png = tmp_path / "router_throughput.png"
+    result = run_bench("router_throughput.py", "--quick", "--plot", str(png), timeout=220)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot of the run
     runs = {(r["path"], r["prompt"]): r for r in result["runs"]}
     assert set(runs) == {(p, k) for p in CPU_BOUND_US for k in ("ids", "text")}
     assert result["errors"] == 0, result  # every stream read to its end with a 200
