@@ -34,7 +34,7 @@ from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # a failed snapshot fetch is tried again after this
-DRAIN = 64  # messages read without waiting after each awaited one (EventSubscriber._read)
+DRAIN = 64  # messages read per call of the FD callback (EventSubscriber._drain)
 # What fetches a worker's snapshot: None when it has no such endpoint (404).
 Fetch = Callable[[str], Awaitable[KVSnapshot | None]]
 
