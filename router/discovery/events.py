@@ -1,7 +1,7 @@
 """Every worker's event stream, read by every router replica: KV events into the prefix
 index, load reports into a board routing scores from (``pdserve/protocol/kv_events.py``).
 
-One ZeroMQ SUB socket per worker, read by an asyncio task. A prefill worker's feed is
+One ZeroMQ SUB socket per worker, read by a callback on its FD. A prefill worker's feed is
 *synced* once the index holds that worker's blocks: its ``GET /kv_blocks`` snapshot,
 fetched as soon as the socket is connected, plus every KV event after the snapshot's
 ``seq``. Events that arrive while the snapshot is on its way are held and applied after
