@@ -373,8 +373,15 @@ def serve(path: str, lifeline: int | None = None) -> None:
     the process that started the zygote, so that a ``pdserve up`` killed hard leaves no
     zygote behind (its cores die with the zygote)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    # Bound and listening under another name, then renamed: the path appears ready. A
+    # starter waits for the path (ZygoteProcess); bound at the path itself, a connect that
+    # came between bind and listen was refused (seen once under a loaded test run).
+    staging = path + ".tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(staging)
+    listener.bind(staging)
     listener.listen(64)
+    os.rename(staging, path)
     base_env = dict(os.environ)
     # Bound first, imports after: workers that ask meanwhile wait in the backlog.
     import importlib
