@@ -74,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "time); the summary gives each figure's median and range")  # fmt: skip
     p.add_argument("--profile", default="", help="write the router's cProfile stats here")
     p.add_argument("--procs", type=int, default=1, help="router processes (pdserve router --procs)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="fake prefill workers and as many fake decode workers (all in one "
+                   "process): with more than one per pool the router ranks them with its "
+                   "scorers, as in a cluster")  # fmt: skip
     p.add_argument("--router-tree", default=str(ROOT),
                    help="run the router from this checkout (a before/after comparison: "
                    "`git archive REF | tar -x -C DIR`)")  # fmt: skip
@@ -118,29 +122,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.requests, args.latency_requests, args.text = 200, 60, True
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    if args.workers < 1:
+        p.error("--workers must be at least 1")
     if args.pin and not os.sched_getaffinity(0) >= ROUTER_CPUS | CLIENT_CPUS:
         p.error(f"--pin needs cores {sorted(ROUTER_CPUS | CLIENT_CPUS)}")
     return args
 
 
-async def serve_fakes(token_delay_s: float = 0.0) -> None:
-    """The child: one fake prefill (with KV events) and one fake decode worker."""
+async def serve_fakes(token_delay_s: float = 0.0, workers: int = 1) -> None:
+    """The child: ``workers`` fake prefill workers (each with its KV events) and as many fake
+    decode workers, in this one process."""
     import zmq
     import zmq.asyncio
 
     from tests.router.fakes import WORKER_HTTP, FakeState, decode_app, prefill_app, serve
 
     ctx = zmq.asyncio.Context()
-    pub = ctx.socket(zmq.PUB)
-    pst, dst = FakeState("prefill", "p0"), FakeState("decode", "d0")
-    pst.kv_events = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
-    pst.keep_records = dst.keep_records = False  # a long run keeps no per-request record
-    dst.token_delay_s = token_delay_s
-    dst.lease_holder = pst  # leases end without a call: the fakes' cost is not the figure
     http = {"http": WORKER_HTTP}  # the workers' server protocol (worker/http.py)
-    async with serve(prefill_app(pst, pub), **http) as purl, \
-            serve(decode_app(dst), **http) as durl:  # fmt: skip
-        print(json.dumps({"prefill": purl, "decode": durl}), flush=True)
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    leases: dict[str, int] = {}  # every prefill worker's: a decode worker ends any of them
+    async with contextlib.AsyncExitStack() as stack:
+        for i in range(workers):
+            pub = ctx.socket(zmq.PUB)
+            stack.callback(pub.close, 0)
+            pst, dst = FakeState("prefill", f"p{i}"), FakeState("decode", f"d{i}")
+            pst.kv_events = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+            pst.keep_records = dst.keep_records = False  # a long run keeps no record per request
+            pst.leases = leases
+            dst.token_delay_s = token_delay_s
+            dst.lease_holder = pst  # leases end without a call: the fakes' cost is not the figure
+            urls["prefill"].append(await stack.enter_async_context(serve(prefill_app(pst, pub),
+                                                                         **http)))  # fmt: skip
+            urls["decode"].append(await stack.enter_async_context(serve(decode_app(dst), **http)))
+        print(json.dumps(urls), flush=True)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await stop.wait()
@@ -199,7 +213,7 @@ def router_cmd(args: argparse.Namespace, model: str, urls: dict[str, str], port:
         python, "-m", "pdserve"]  # fmt: skip
     return [*head, "router", "--model", model,
             "--served-model-name", "tiny", "--port", str(port), "--log-level", "warning",
-            "--prefill", urls["prefill"], "--decode", urls["decode"],
+            "--prefill", *urls["prefill"], "--decode", *urls["decode"],
             "--disagg-threshold", str(threshold), "--procs", str(args.procs),
             "--pd-handoff", HANDOFF.get(path, "router")]  # fmt: skip
 
@@ -328,7 +342,7 @@ async def phase(args: argparse.Namespace, http: aiohttp.ClientSession, url: str,
         os.kill(pid, signal.SIGUSR2)
         await asyncio.sleep(1.0)  # the dump
     return {"prompt": "text" if text else "ids", "requests": len(bodies), "errors": errors,
-            "procs": args.procs, "rps": round(len(bodies) / wall, 1),
+            "procs": args.procs, "workers": args.workers, "rps": round(len(bodies) / wall, 1),
             "router_cpu_us_per_req": round(1e6 * cpu / len(bodies), 1),
             "router_writes_per_req": round(writes / len(bodies), 2)}  # fmt: skip
 
@@ -343,8 +357,8 @@ async def added_latency(args: argparse.Namespace, http: aiohttp.ClientSession, u
     via = [json.dumps(body(args, rng, False)).encode() for _ in range(n)]
     routed = await paced([lambda b=b: one(http, url + "/v1/completions", b, hdr)
                           for b in via], rate)  # fmt: skip
-    chained = [urls["prefill"]] if HANDOFF.get(path) == "decode" else None
-    base = await paced([direct_call(http, urls["decode"], ring, body(args, rng, False), i,
+    chained = urls["prefill"][:1] if HANDOFF.get(path) == "decode" else None
+    base = await paced([direct_call(http, urls["decode"][0], ring, body(args, rng, False), i,
                                     chained) for i in range(n)], rate)  # fmt: skip
     return {"paced_rps": round(rate, 1),
             "added_p50_ms": round(pct(routed, 0.5) - pct(base, 0.5), 2),
@@ -427,7 +441,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     model = str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
     env = {**os.environ, SERVICE_SECRET: os.environ.get(SERVICE_SECRET) or os.urandom(16).hex()}
     os.environ[SERVICE_SECRET] = env[SERVICE_SECRET]
-    fakes_cmd = [sys.executable, str(Path(__file__).resolve()), "--fakes"]
+    fakes_cmd = [sys.executable, str(Path(__file__).resolve()), "--fakes", "--workers",
+                 str(args.workers)]  # fmt: skip
     if args.pin:  # the fakes (started below) inherit it
         os.sched_setaffinity(0, CLIENT_CPUS)
         result_pin = {"pinned": {"router": sorted(ROUTER_CPUS), "client": sorted(CLIENT_CPUS)}}
@@ -497,7 +512,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.fakes:
-        asyncio.run(serve_fakes(args.token_delay))
+        asyncio.run(serve_fakes(args.token_delay, args.workers))
         return 0
     if args.plot_from:
         last = Path(args.plot_from).read_text().strip().splitlines()[-1]
