@@ -72,7 +72,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         port = free_port()
         cmd = [sys.executable, "-m", "pdserve", "router", "--model", model,
                "--served-model-name", "tiny", "--port", str(port), "--log-level", "warning",
-               "--decode", urls["decode"], "--prefill", urls["prefill"],
+               "--decode", *urls["decode"], "--prefill", *urls["prefill"],
                "--disagg-threshold", "100000", "--procs", str(args.procs),
                "--max-queue", str(2 * args.streams)]  # fmt: skip
         url = f"http://127.0.0.1:{port}"
