@@ -131,30 +131,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve_fakes(token_delay_s: float = 0.0, workers: int = 1) -> None:
     """The child: ``workers`` fake prefill workers (each with its KV events) and as many fake
-    decode workers, in this one process."""
-    import zmq
-    import zmq.asyncio
+    decode workers, in this one process (the router tests' ``start_fakes``)."""
+    from tests.router.fakes import start_fakes
 
-    from tests.router.fakes import WORKER_HTTP, FakeState, decode_app, prefill_app, serve
-
-    ctx = zmq.asyncio.Context()
-    http = {"http": WORKER_HTTP}  # the workers' server protocol (worker/http.py)
-    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     leases: dict[str, int] = {}  # every prefill worker's: a decode worker ends any of them
     async with contextlib.AsyncExitStack() as stack:
-        for i in range(workers):
-            pub = ctx.socket(zmq.PUB)
-            stack.callback(pub.close, 0)
-            pst, dst = FakeState("prefill", f"p{i}"), FakeState("decode", f"d{i}")
-            pst.kv_events = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
-            pst.keep_records = dst.keep_records = False  # a long run keeps no record per request
+        fakes = await start_fakes(stack, workers, workers)
+        for st in (*fakes.prefill, *fakes.decode):
+            st.keep_records = False  # a long run keeps no record per request
+        for pst, dst in zip(fakes.prefill, fakes.decode, strict=True):
             pst.leases = leases
             dst.token_delay_s = token_delay_s
             dst.lease_holder = pst  # leases end without a call: the fakes' cost is not the figure
-            urls["prefill"].append(await stack.enter_async_context(serve(prefill_app(pst, pub),
-                                                                         **http)))  # fmt: skip
-            urls["decode"].append(await stack.enter_async_context(serve(decode_app(dst), **http)))
-        print(json.dumps(urls), flush=True)
+        print(json.dumps({"prefill": fakes.prefill_urls, "decode": fakes.decode_urls}),
+              flush=True)  # fmt: skip
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await stop.wait()
