@@ -202,3 +202,5 @@ def container_security_violations(path: str, ctx: Mapping[str, Any]) -> Iterator
         yield f"{path}.procMount", "must be Default"
     if (ctx.get("capabilities") or {}).get("add"):
         yield f"{path}.capabilities.add", "adds Linux capabilities (only drop is allowed)"
+    if "drop" in (ctx.get("capabilities") or {}) and "ALL" not in ctx["capabilities"]["drop"]:
+        yield f"{path}.capabilities.drop", "must include ALL (it replaces the rendered [ALL])"
