@@ -1,4 +1,4 @@
-"""The router's LoRA tests' fake workers: tests/router/fakes.py's, plus the workers' LoRA
+"""The router's LoRA tests' fake workers: pdserve/testing/router_fakes.py's, plus the workers' LoRA
 endpoints (worker/lora_api.py's bodies and errors) and ``loras`` / ``lora_known`` in
 their ``/stats``; prefill KV events hashed under the request's adapter, as the engine does.
 """
@@ -25,8 +25,16 @@ from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource
 from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.testing.router_fakes import (
+    BLOCK,
+    FakeState,
+    _error,
+    _stats,
+    decode_app,
+    prefill_app,
+    serve,
+)
 from tests.router.conftest import Cluster
-from tests.router.fakes import BLOCK, FakeState, _error, _stats, decode_app, prefill_app, serve
 
 
 def write_adapter(root: Path, name: str, seed: int = 0) -> Path:
