@@ -81,7 +81,7 @@ def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 
 # -- the staircase (bench/sim_vs_real_scaling.py, issue 28 item 1): calibrate, then predict --
-RECORDINGS = BENCH / "recordings"
+RECORDINGS = BENCH / "recordings" / "sim_vs_real_scaling"
 # The scored runs, each predicted from its calibration alone, with the bound on its
 # scaling-window TTFT p90 error (a deterministic replay: no noise margin is needed).
 # Measured under the host model of 16:20 ("runnable": the other jobs as the always-runnable
