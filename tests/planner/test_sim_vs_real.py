@@ -120,8 +120,9 @@ SCORED = {
 # Since 16:36 `pdserve up` starts at most --max-starting workers at once (1 on 2 cores) and
 # the simulator mirrors the recorded flag; five pairs, 0.164-0.833 (docs/autoscaling.md, "One
 # start-up at a time"). Kept here: 17:00 from 16:55, 0.164, the goal, with the cap in
-# both runs' flags (the others are in the README's table; their bounds would be loose
-# enough for the no-host control to pass, which would then prove nothing).
+# both runs' flags (the others are in the table of RECORDINGS/2026-12-04-1936-scaling-scored/
+# NOTES.md; their bounds would be loose enough for the no-host control to pass, which would
+# then prove nothing).
 QUIET = {
     "2026-12-04-1358-scaling-scored": (0.25, 0.10),
     "2026-12-04-1409-scaling-scored": (0.90, 0.05),
