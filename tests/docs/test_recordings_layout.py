@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,18 +27,41 @@ def _docs() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 
 
+def _check(run: Path, manifest: dict) -> None:
+    bench = run.parent.name
+    assert manifest["bench"] == bench, run
+    assert manifest["label"] == run.name, run
+    assert re.match(r"\d{4}-\d{2}-\d{2}", run.name), f"{run}: the label starts with its date"
+    assert manifest["command"] and manifest["date"].startswith(run.name[:10]), run
+    assert bench in NOT_A_SCRIPT or (ROOT / "bench" / f"{bench}.py").is_file(), run
+    files = {p.name for p in run.iterdir()} - {"manifest.json"}
+    assert set(manifest["files"]) == files, run
+
+
 def test_every_run_has_a_manifest_naming_its_bench() -> None:
     assert len(RUNS) > 50
     for run in RUNS:
-        manifest = json.loads((run / "manifest.json").read_text())
-        bench = run.parent.name
-        assert manifest["bench"] == bench, run
-        assert manifest["label"] == run.name, run
-        assert re.match(r"\d{4}-\d{2}-\d{2}", run.name), f"{run}: the label starts with its date"
-        assert manifest["command"] and manifest["date"].startswith(run.name[:10]), run
-        assert bench in NOT_A_SCRIPT or (ROOT / "bench" / f"{bench}.py").is_file(), run
-        files = {p.name for p in run.iterdir()} - {"manifest.json"}
-        assert set(manifest["files"]) == files, run
+        _check(run, json.loads((run / "manifest.json").read_text()))
+
+
+def _write_manifest(run: Path, check: bool) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "bench/manifest.py"), str(run), "--command", "python x"]
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, cwd=ROOT)
+
+
+def test_bench_manifest_writes_what_the_check_wants(tmp_path: Path) -> None:
+    run = tmp_path / "serve" / "2026-12-07-0130-a-run"
+    run.mkdir(parents=True)
+    (run / "serve.json").write_text("{}\n")
+    _write_manifest(run, check=True)
+    manifest = json.loads((run / "manifest.json").read_text())
+    _check(run, manifest)
+    assert manifest["date"] == "2026-12-07 01:30 UTC" and manifest["files"] == ["serve.json"]
+    assert manifest["commit"]  # this checkout's HEAD
+    bad = tmp_path / "serve" / "no-date"
+    bad.mkdir()
+    out = _write_manifest(bad, check=False)
+    assert out.returncode != 0 and "starts with its date" in out.stderr
 
 
 def test_no_run_lies_outside_a_bench_folder() -> None:
