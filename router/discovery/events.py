@@ -9,7 +9,8 @@ it. A subscription takes a moment to reach the publisher, so events published me
 are lost: the next load report (at least 10 a second) carries the ``kv_seq`` of the last
 event sent before it, which shows that, and the feed resyncs. So does a ``seq`` gap
 (the worker's entries are replaced, never left half right). A snapshot that cannot be had
-is fetched again until it can: the feed is not synced meanwhile. A decode worker's feed carries load reports only; it is synced at the first.
+is fetched again until it can: the feed is not synced meanwhile. A decode worker's feed
+carries load reports only; it is synced at the first.
 The router reports ready (``Discovery.synced``) once every healthy worker's feed is.
 """
 
