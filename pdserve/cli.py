@@ -31,6 +31,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("pdserve.planner.profile", "measure per-replica capacities"),
 }
 
+# The install extra (pyproject.toml) each command needs; the rest need pdserve[all].
+EXTRA_OF = {"router": "router", "prefill-worker": "worker", "decode-worker": "worker",
+            "generate": "worker", "tiny-model": "worker", "operator": "operator",
+            "render": "operator", "crds": "operator", "rotate-secret": "operator"}  # fmt: skip
+
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
@@ -63,10 +68,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pdserve.local.parent_watch import watch_from_env
 
     watch_from_env()  # started by `pdserve up`: end with it (local/parent_watch.py)
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    command_parser = command_parser_of(name, module)
-    args = command_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        command_parser = command_parser_of(name, module)
+        args = command_parser.parse_args(argv[1:])
+        return int(module.run(args) or 0)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing in ("", "pdserve"):
+            raise
+        extra = EXTRA_OF.get(name, "all")
+        raise SystemExit(f"pdserve {name}: this install has no {missing!r}, which it needs: "
+                         f"pip install 'pdserve[{extra}]' (docs/images.md)") from exc  # fmt: skip
 
 
 if __name__ == "__main__":
