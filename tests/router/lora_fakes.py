@@ -33,6 +33,7 @@ from pdserve.testing.router_fakes import (
     decode_app,
     prefill_app,
     serve,
+    stored_event,
 )
 from tests.router.conftest import Cluster
 
@@ -103,10 +104,7 @@ def keyed_prefill(app: FastAPI, st: FakeState, pub: zmq.asyncio.Socket) -> None:
             body = decode(await request.body(), PrefillRequest)
             extra = body.lora.hash if body.lora is not None else None
             hashes = block_hashes(body.prompt_token_ids, BLOCK, salt_root(body.cache_salt, extra))
-            ev = {"type": "kv_event", "kind": "stored", "worker_id": st.worker_id,
-                  "seq": st.seq, "block_hashes": hashes}  # fmt: skip
-            st.seq += 1
-            await pub.send_multipart([b"kv", json.dumps(ev).encode()])
+            await pub.send_multipart([b"kv", stored_event(st, hashes)])
         return await call_next(request)
 
 
