@@ -17,6 +17,7 @@ from pdserve import env
 from pdserve.operator import naming as n
 from pdserve.operator.pod_policy import PodPolicy, check_service
 from pdserve.operator.render_deployments import pool_deployment, router_deployment
+from pdserve.operator.render_netpol import router_network_policy, router_policy_name
 from pdserve.operator.render_picker import INFERENCE_API
 from pdserve.operator.render_picker import apply as picker_mode
 from pdserve.operator.spec import LLMServiceSpec
@@ -284,6 +285,7 @@ def render_spec(spec: LLMServiceSpec, default_image: str = "") -> list[Manifest]
         *http_route(spec),
         *disruption_budgets(spec),
         *network_policy(spec),
+        *router_network_policy(spec),
         pool_deployment(spec, spec.prefill, digest),
         pool_deployment(spec, spec.decode, digest),
         router_deployment(spec, digest),
@@ -312,5 +314,6 @@ def optional_children(name: str) -> list[tuple[str, str, str]]:
         (HTTP_ROUTE_API, "HTTPRoute", name),
         (INFERENCE_API, "InferencePool", name),
         ("networking.k8s.io/v1", "NetworkPolicy", n.network_policy_name(name)),
+        ("networking.k8s.io/v1", "NetworkPolicy", router_policy_name(name)),
         *(("policy/v1", "PodDisruptionBudget", n.deployment_name(name, r)) for r in n.ROLES),
     ]

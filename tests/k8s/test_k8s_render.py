@@ -46,7 +46,7 @@ def test_children_set() -> None:
     expected |= {f"Service/{name}-{r}" for r in ("prefill", "decode")}
     expected |= {f"Deployment/{name}-{r}" for r in ("router", "prefill", "decode")}
     expected |= {f"PodDisruptionBudget/{name}-{r}" for r in ("router", "prefill", "decode")}
-    expected |= {f"NetworkPolicy/{name}-workers"}
+    expected |= {f"NetworkPolicy/{name}-workers", f"NetworkPolicy/{name}-router"}
     assert keys == expected
 
 
