@@ -78,6 +78,7 @@ def violations(svc: LLMServiceSpec, policy: PodPolicy) -> Iterator[tuple[str, st
     templates.update({p.role: p.pod_template for p in svc.pools})
     for role, template in templates.items():
         yield from template_violations(f"spec.{role}.podTemplate", template, own[role])
+        yield from cache_violations(f"spec.{role}.podTemplate.spec", template.get("spec") or {})
     if svc.router.ingress is not None:
         yield from ingress_violations("spec.router.ingress.annotations",
                                       svc.router.ingress.annotations)  # fmt: skip
@@ -268,3 +269,30 @@ def _nulls(path: str, value: Any) -> Iterator[tuple[str, str]]:
                 yield f"{path}[{i}]", "must not be null"
             else:
                 yield from _nulls(f"{path}[{i}]", item)
+
+
+# The shared model cache (spec.model.source.huggingFace.cache) holds weights, tokenizers
+# and every service's compiled code. Its only writers are the operator's init containers
+# (the model's download, the compiled-code folder) and each service's workers in their
+# own subPath. A template may not reach it: not the rendered ``model`` volume or a mount
+# of it, not the operator's init containers (their command or env would write there),
+# and a claim it mounts itself is read-only (it may be another service's cache).
+OPERATOR_INIT_CONTAINERS = ("download-model", "compile-cache-dir")
+
+
+def cache_violations(path: str, pod: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    for i, vol in enumerate(pod.get("volumes") or []):
+        if vol.get("name") == "model":
+            yield f"{path}.volumes[{i}].name", "'model' is the operator's model volume"
+        claim = vol.get("persistentVolumeClaim")
+        if isinstance(claim, Mapping) and claim.get("readOnly") is not True:
+            yield (f"{path}.volumes[{i}].persistentVolumeClaim.readOnly",
+                   "must be true: the claim may be a shared model cache")  # fmt: skip
+    for section in ("containers", "initContainers"):
+        for i, c in enumerate(pod.get(section) or []):
+            if section == "initContainers" and c.get("name") in OPERATOR_INIT_CONTAINERS:
+                yield f"{path}.{section}[{i}].name", f"{c['name']!r} is the operator's"
+            for j, mount in enumerate(c.get("volumeMounts") or []):
+                if mount.get("name") == "model":
+                    yield (f"{path}.{section}[{i}].volumeMounts[{j}]",
+                           "mounts the operator's model volume (the shared cache)")  # fmt: skip

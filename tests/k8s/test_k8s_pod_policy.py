@@ -256,3 +256,39 @@ def test_a_hardened_sidecar_and_the_router_pass_the_merged_check() -> None:
     render(minimal_llmservice(decode={"podTemplate": side}), policy=STRICT)
     render(minimal_llmservice(router={"mode": "endpointPicker"}), policy=STRICT)
     assert merged_escapes() == 0
+
+
+SHARED = {"claimName": "shared-cache"}
+CACHE = {"model": {"source": {"huggingFace": {"id": "org/m", "cache": SHARED}}}}
+CACHE_ESCAPES: dict[str, tuple[dict[str, Any], str]] = {
+    "the cache claim read-write": (
+        {"spec": {"volumes": [{"name": "c", "persistentVolumeClaim": SHARED}]}},
+        f"{D}.volumes[0].persistentVolumeClaim.readOnly",
+    ),
+    "the model volume remounted writable": (
+        _containers(volumeMounts=[{"name": "model", "mountPath": "/w", "readOnly": False}]),
+        f"{D}.containers[0].volumeMounts[0]",
+    ),
+    "the download's env rewritten": (
+        {"spec": {"initContainers": [{"name": "download-model",
+                                      "env": [{"name": "HF_ENDPOINT", "value": "http://evil"}]}]}},
+        f"{D}.initContainers[0].name",
+    ),
+    "the model volume replaced": (
+        {"spec": {"volumes": [{"name": "model", "emptyDir": {}}]}}, f"{D}.volumes[0].name",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CACHE_ESCAPES))
+def test_a_template_cannot_reach_the_shared_cache(case: str) -> None:
+    """Issue 44 item 4: any LLMService author could mount the shared cache claim
+    read-write through podTemplate and swap weights or compiled code of another service."""
+    template, field = CACHE_ESCAPES[case]
+    obj = minimal_llmservice(decode={"podTemplate": template}, **CACHE)
+    with pytest.raises(SpecError) as info:
+        render(obj, policy=STRICT)
+    assert str(info.value).startswith(field), str(info.value)
+    ro = {"spec": {"volumes": [{"name": "c", "persistentVolumeClaim": {
+        "claimName": "data", "readOnly": True}}]}}  # fmt: skip
+    render(minimal_llmservice(decode={"podTemplate": ro}, **CACHE), policy=STRICT)
