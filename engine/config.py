@@ -105,6 +105,10 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     g.add_argument("--max-cpu-loras", type=int, default=8,
                    help="LoRA adapters kept in host memory (least recently used out)")  # fmt: skip
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank accepted")
+    g.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                   help="a directory run-time loads (/v1/load_lora_adapter) may read adapters "
+                   "from, resolved, no escapes (repeatable; default: the folders holding the "
+                   "--lora adapters, else none: no run-time loads)")  # fmt: skip
     g.add_argument("--enforce-eager", action="store_true",
                    help="run the model's eager forward: no torch.compile at start-up "
                    "(also PDSERVE_ENFORCE_EAGER=1)")  # fmt: skip
@@ -150,5 +154,6 @@ def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
             max_cpu_loras=getattr(args, "max_cpu_loras", 8),
             max_lora_rank=getattr(args, "max_lora_rank", 64),
             loras=loras,
+            roots=tuple(getattr(args, "lora_root", None) or ()),
         ),
     )

@@ -166,8 +166,14 @@ def ingress(spec: LLMServiceSpec) -> list[Manifest]:
         "rules": [
             {
                 "host": ing.host,
-                # Only the OpenAI API: the router's /metrics, /workers and probes stay inside.
-                "http": {"paths": [{"path": "/v1", "pathType": "Prefix", "backend": backend}]},
+                # Only the OpenAI API: the router's /metrics, /workers, probes and the
+                # LoRA admin routes stay inside.
+                "http": {
+                    "paths": [
+                        {"path": path, "pathType": "Prefix", "backend": backend}
+                        for path in n.PUBLIC_API_PATHS
+                    ]
+                },
             }
         ]
     }
@@ -184,14 +190,15 @@ def ingress(spec: LLMServiceSpec) -> list[Manifest]:
 
 
 def http_route(spec: LLMServiceSpec) -> list[Manifest]:
-    """An optional Gateway API HTTPRoute to the router: only the OpenAI API (``/v1``)."""
+    """An optional Gateway API HTTPRoute to the router: only the OpenAI API's public paths."""
     r = spec.router
     if not r.http_route_parents:
         return []
     backend = {"name": n.router_service_name(spec.name), "port": n.ROUTER_SERVICE_PORT}
     body: dict[str, Any] = {
         "parentRefs": [dict(p) for p in r.http_route_parents],
-        "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}],
+        "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": path}}
+                               for path in n.PUBLIC_API_PATHS],
                    "backendRefs": [backend]}],
     }  # fmt: skip
     if r.http_route_hostnames:

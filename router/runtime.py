@@ -129,12 +129,15 @@ class Runtime:
     def require_admin(self, request: Request, change: bool = False) -> None:
         """/metrics and /workers: open on ``--admin-port`` (kept off the tenants' network),
         else an admin key while tenant keys are on (router/keys.py). A route that changes
-        state (``change``: LoRA load and unload) needs the admin key on every port: the
-        admin port only opens what reads."""
-        server = request.scope.get("server") or ("", 0)
-        if not change and self.cfg.admin_port and server[1] == self.cfg.admin_port:
+        state (``change``: LoRA load and unload) needs an admin key on every port, keys
+        or no keys: the admin port only opens what reads."""
+        if change:  # an admin key always, even with no tenant keys (router/keys.py)
+            self.keys.require_admin_key(request.headers.get("authorization", ""))
             return
-        if not change and server[1] in self.cfg.proc_metrics_ports:  # a sibling's scrape
+        server = request.scope.get("server") or ("", 0)
+        if self.cfg.admin_port and server[1] == self.cfg.admin_port:
+            return
+        if server[1] in self.cfg.proc_metrics_ports:  # loopback: a sibling process's scrape
             return
         self.keys.require_admin(request.headers.get("authorization", ""))
 

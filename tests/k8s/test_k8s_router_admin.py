@@ -95,7 +95,8 @@ def test_public_routes_never_reach_the_admin_port() -> None:
     assert public["type"] == "LoadBalancer"
     assert [p["targetPort"] for p in public["ports"]] == ["http"]  # no admin on the LB
     ing = m["Ingress/demo"]["spec"]["rules"][0]["http"]["paths"]
-    assert [p["backend"]["service"] for p in ing] == [{"name": "demo", "port": {"name": "http"}}]
+    assert {str(p["backend"]["service"]) for p in ing} == {
+        str({"name": "demo", "port": {"name": "http"}})}  # fmt: skip
     (rule,) = m["HTTPRoute/demo"]["spec"]["rules"]
     assert rule["backendRefs"] == [{"name": "demo", "port": 80}]
     assert _container_port(m, "demo", 80) == _router_args(m).port
@@ -140,3 +141,22 @@ def test_router_pods_admin_port_is_open_only_to_the_operator_and_metrics_namespa
     # off with spec.networkPolicy.enabled: false, like the workers' policy
     obj = minimal_llmservice(networkPolicy={"enabled": False})
     assert not [c for c in render(obj) if c["kind"] == "NetworkPolicy"]
+
+
+def _prefix_matches(prefix: str, path: str) -> bool:
+    """Kubernetes' Prefix / Gateway's PathPrefix: element-wise on "/"."""
+    return path == prefix or path.startswith(prefix.rstrip("/") + "/")
+
+
+def test_lora_admin_routes_are_kept_off_the_ingress_and_route() -> None:
+    """Issue 44 item 7: the Ingress and HTTPRoute exposed the whole ``/v1`` prefix, so
+    without apiKeySecret anyone on the Internet could load and unload adapters."""
+    m = _service(ingress={"host": "llm.example.com"}, httpRoute=ROUTE)
+    ing = [p["path"] for p in m["Ingress/demo"]["spec"]["rules"][0]["http"]["paths"]]
+    (rule,) = m["HTTPRoute/demo"]["spec"]["rules"]
+    route = [x["path"]["value"] for x in rule["matches"]]
+    for prefixes in (ing, route):
+        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/metrics"):
+            assert not any(_prefix_matches(p, path) for p in prefixes), (path, prefixes)
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/models/tiny"):
+            assert any(_prefix_matches(p, path) for p in prefixes), (path, prefixes)
