@@ -110,5 +110,6 @@ def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
             max_cpu_loras=getattr(args, "max_cpu_loras", 8),
             max_lora_rank=getattr(args, "max_lora_rank", 64),
             loras=loras,
+            roots=tuple(getattr(args, "lora_root", None) or ()),
         ),
     )

@@ -102,3 +102,12 @@ class EngineArgs:
         8, "LoRA adapters kept in host memory (least recently used out)", group=LORA
     )
     max_lora_rank: int = flag(64, "largest LoRA rank accepted", group=LORA)
+    lora_root: tuple[str, ...] = flag(
+        (),
+        "a directory run-time loads (/v1/load_lora_adapter) may read adapters from, "
+        "resolved, no escapes (repeatable; default: the folders holding the --lora "
+        "adapters, else none: no run-time loads)",
+        group=LORA,
+        metavar="DIR",
+        many="append",
+    )
