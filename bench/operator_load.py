@@ -21,6 +21,7 @@ The fleet grows 1 -> 10 -> 100 objects, with a steady-state window at each size:
 The emulator is tests/k8s/k8s_emulator.py (PyPI ``kmock``); a plot goes to bench/out/.
 
     python bench/operator_load.py            # 1, 10, 100 LLMServices, 10 + 10 routers, 60 s
+    python bench/operator_load.py --real     # the same against a real kube-apiserver
     python bench/operator_load.py --quick    # 1, 5 LLMServices, 2 + 2 routers, 5 s windows
                                              # (peering lifetime 8 s: keep-alives every 1-3 s)
 """
@@ -283,10 +284,21 @@ def main() -> int:
     parser.add_argument("--routers", type=int, default=None,
                         help="routers of each kind (watch / baseline poll)")  # fmt: skip
     parser.add_argument("--window", type=float, default=None, help="steady-state seconds")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="against a real kube-apiserver (bench/operator_load_real.py)",
+    )
     args = parser.parse_args()
     counts = sorted(
         int(c) for c in (args.counts or ("1,5" if args.quick else "1,10,100")).split(",")
     )
+    if args.real:
+        from operator_load_real import run_real
+
+        real = run_real(counts, args.window or (10.0 if args.quick else 60.0))
+        print(json.dumps(real))
+        return 1 if real["goal_met"] is False else 0
     # The chart's operator: statusInterval 60, retryDelay 30, peering lifetime 15 (kopf's
     # keep-alive every 5-10 s). --quick (the test suite) shortens the lifetime to 8 s
     # (keep-alives every 1-3 s) so that a 5 s window still holds each replica's keep-alive

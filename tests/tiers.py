@@ -1,8 +1,9 @@
-"""The suite's tiers, one marker per test: ``unit``, ``cluster``, ``bench``, ``k8s``.
+"""The suite's tiers, one marker per test: ``unit``, ``cluster``, ``bench``, ``k8s``, ``k8s_real``.
 
 ``make test-fast`` runs ``-m unit`` (the inner loop); ``make test`` runs every tier. A test
 gets its tier from what it uses, not from a line in each file:
 
+- ``k8s_real``: under tests/k8s_real/ (a real etcd, kube-apiserver and controller-manager);
 - ``k8s``: under tests/k8s/ (the operator against a Kubernetes API emulator);
 - ``bench``: runs a script of bench/ (``run_bench``), or its file is named for a bench;
 - ``cluster``: starts real services: a fixture that does (``up``, ``deployment``), or its
@@ -22,6 +23,8 @@ TIERS = {
     "cluster": "tests that start real routers or workers on loopback",
     "bench": "tests that run a benchmark script's --quick mode",
     "k8s": "operator and chart tests against a Kubernetes API emulator",
+    "k8s_real": "chart, CRD and operator tests against a real kube-apiserver, etcd and "
+    "kube-controller-manager (scripts/build_k8s.py)",
 }
 CLUSTER_FIXTURES = frozenset({"up", "deployment"})
 CLUSTER_HELPERS = frozenset({"LocalCluster", "worker_cluster", "run_up", "wait_until_up"})
@@ -34,6 +37,8 @@ def tier_of(item: pytest.Item) -> str:
     if own:
         return own[0]
     path = item.path
+    if "k8s_real" in path.parts:
+        return "k8s_real"
     if "k8s" in path.parts:
         return "k8s"
     module = getattr(item, "module", None)

@@ -6,6 +6,7 @@ Each test gets an ``xdist_group``, and a group runs whole on one worker:
   (fixture ``shared_up``, through ``up``/``client``) is group ``shared-up``, every test on the
   edge deployment (``deployment``) group ``edge-deployment``, so each starts once per run,
   not once per worker;
+- every test of the k8s_real tier is group ``k8s-real``: its control plane starts once;
 - every other test is grouped with its module, so a module-scoped fixture (a cluster, a
   model, an interpreter child) is set up once.
 
@@ -28,6 +29,7 @@ SHARED_SERVICES = {"shared_up": "shared-up", "deployment": "edge-deployment"}
 # Seconds, measured alone on the 2-core machine (setup included), for the modules and
 # shared services that take longest; everything else is estimated from its tiers.
 KNOWN_SECONDS = {
+    "k8s-real": 200,
     "shared-up": 150,
     "tests/local/test_scale_under_load.py": 85,
     "tests/local/test_bench_chaos.py": 80,
@@ -53,11 +55,13 @@ KNOWN_SECONDS = {
     "tests/workers/test_worker_faults.py": 45,
 }
 # The guess: a start per module (a bench script's run, a cluster) plus seconds per test.
-MODULE_SECONDS = {"unit": 0.0, "k8s": 0.0, "cluster": 10.0, "bench": 20.0}
-TEST_SECONDS = {"unit": 0.1, "k8s": 0.3, "cluster": 3.0, "bench": 0.5}
+MODULE_SECONDS = {"unit": 0.0, "k8s": 0.0, "cluster": 10.0, "bench": 20.0, "k8s_real": 30.0}
+TEST_SECONDS = {"unit": 0.1, "k8s": 0.3, "cluster": 3.0, "bench": 0.5, "k8s_real": 5.0}
 
 
 def group_of(item: pytest.Item) -> str:
+    if "k8s_real" in item.path.parts:
+        return "k8s-real"
     fixtures = set(getattr(item, "fixturenames", ()))
     for fixture, group in SHARED_SERVICES.items():
         if fixture in fixtures:
