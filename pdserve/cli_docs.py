@@ -25,6 +25,8 @@ page are generated from those fields (`pdserve/config_cli.py`), and a unit test
 
 `pdserve COMMAND --help` shows the flags to start with (in **bold** here) and names the
 groups of the rest; `pdserve COMMAND {HELP_ALL}` shows every flag, in the groups below.
+The other commands (`render`, `crds`, `rotate-secret`, `tiny-model`, `profile`) take a few
+arguments each (`profile` the engine's below too); `pdserve COMMAND --help` lists them.
 """
 
 
