@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve import env
+from pdserve.engine.kv_tiers.config import TierConfig, add_tier_arguments, tier_config_from_args
 from pdserve.engine.lora_files import LoraConfig, parse_lora_flag
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class EngineConfig:
     grammar_cache_bytes: int = 64 << 20  # compiled grammars kept (engine/structured.py)
     grammar_compile_timeout_s: float = 10.0  # a slower grammar is refused (engine/core_loop.py)
     lora: LoraConfig | None = None  # multi-LoRA (engine/lora_registry.py); None: off
+    kv_tiers: TierConfig | None = None  # KV tiers below the pool (docs/kv_tiers.md); None: off
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -108,6 +110,7 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     g.add_argument("--enforce-eager", action="store_true",
                    help="run the model's eager forward: no torch.compile at start-up "
                    "(also PDSERVE_ENFORCE_EAGER=1)")  # fmt: skip
+    add_tier_arguments(parser)
 
 
 def _lora_arg(value: str) -> str:
@@ -151,4 +154,5 @@ def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
             max_lora_rank=getattr(args, "max_lora_rank", 64),
             loras=loras,
         ),
+        kv_tiers=tier_config_from_args(args),
     )
