@@ -91,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-index-max-blocks", type=int, default=1_000_000,
                    help="block hashes the prefix index remembers, all workers together; "
                    "beyond them the least recently used are forgotten (~200 B each)")  # fmt: skip
+    p.add_argument("--prefix-tier-weights", default="host=0.8,disk=0.5,shared=0.3",
+                   help="what a prefix hit in a prefill worker's KV tier is worth (the "
+                   "pool's is 1); a prefix in the shared tier is a hit on every prefill "
+                   "worker")  # fmt: skip
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
     p.add_argument("--stall-timeout", type=float, default=10.0,
                    help="seconds a decode stream or prefill may wait for a worker that fails "
@@ -254,6 +258,7 @@ def build_config(
         failover_wait_s=args.failover_wait,
         default_max_tokens=args.default_max_tokens,
         prefix_index_capacity=args.prefix_index_max_blocks,
+        prefix_tier_weights=args.prefix_tier_weights,
         max_body_bytes=args.max_body_bytes,
         max_prompt_chars=args.max_prompt_chars,
         max_schema_bytes=args.max_schema_bytes,

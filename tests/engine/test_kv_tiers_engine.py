@@ -14,7 +14,7 @@ from engine_helpers import assert_all_free
 
 from pdserve.engine.kv_tiers import codec
 from pdserve.engine.kv_tiers.config import TierConfig
-from pdserve.engine.kv_tiers.redis_server import LocalRedis, start_redis
+from pdserve.engine.kv_tiers.redis_server import LocalRedis, free_port, start_redis
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestStatus
 from pdserve.protocol.hashing import block_hashes
@@ -161,3 +161,33 @@ def test_an_abort_while_loading_frees_the_blocks(tiered: Callable[..., LLMEngine
     engine.abort("a2")
     while engine.has_work:
         engine.step()
+
+
+def test_tier_events_reach_the_router_index(tiered: Callable[..., LLMEngine]) -> None:
+    """The prefill worker's publisher sends the tier's events; the router's index, fed
+    through a real ZeroMQ SUB socket, then scores the evicted prompt as a host-tier hit."""
+    import time
+
+    import zmq
+
+    from pdserve.prefill_worker.events import KVEventPublisher
+    from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
+
+    engine = tiered("host")
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}", "p0", engine, any_port=True)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{pub.port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    time.sleep(0.2)  # the slow joiner
+    _run(engine, "a", DOC)
+    _evict_all(engine, seed=7)
+    pub.hook(engine)
+    index = PrefixIndex(10_000)
+    while sub.poll(500):
+        for frame in sub.recv_multipart()[1:]:
+            index.apply(KVEventView.parse(frame))
+    hashes = block_hashes(DOC, 16)
+    assert index.match(hashes).get("p0", 0) == 0  # gone from the pool ...
+    assert index.tiers.match(hashes, {}, ["p0", "p1"]) == {"p0": pytest.approx(6 * 0.8)}
+    sub.close()
+    pub.close()
