@@ -134,6 +134,10 @@ class _Slow(HostTier):
         time.sleep(0.3)
         return super().get(key)
 
+    def put(self, key: bytes, value: bytes) -> bool:
+        time.sleep(0.3)
+        return super().put(key, value)
+
 
 def _store(tiers: list[Tier], pool: torch.Tensor, **kw: float) -> TieredStore:
     def write_block(block_id: int, block: torch.Tensor) -> None:
@@ -189,7 +193,7 @@ def test_store_never_fails_or_waits_on_a_broken_or_slow_tier() -> None:
     slow = _Slow(1 << 20)
     store = _store([slow], pool, load_timeout_s=0.1)
     for h in (1, 2, 3):
-        slow.put(codec.block_key(NS, h), codec.encode(codec.block_key(NS, h), _block(h)))
+        HostTier.put(slow, codec.block_key(NS, h), codec.encode(codec.block_key(NS, h), _block(h)))
     pool.zero_()
     store.start_load("b", [1, 2, 3], [0, 1, 2])
     [done] = _wait(store, 1)
@@ -207,4 +211,27 @@ def test_a_full_write_queue_drops_instead_of_waiting() -> None:
     for h in range(50):
         store.evicted(h, _block(h))
     assert time.monotonic() - start < 0.25 and store.stats.dropped_writes >= 48
+    store.close()
+
+
+def test_metrics_render_hits_bytes_and_load_latency(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.engine.kv_tiers.metrics import TierCollector
+
+    pool = torch.zeros((4, *SHAPE))
+    store = _store([HostTier(1 << 20), DiskTier(str(tmp_path), 1 << 20)], pool)
+    store.evicted(1, _block(1))
+    store.flush()
+    store.start_load("a", [1, 2], [0, 1])
+    _wait(store, 1)
+    registry = CollectorRegistry()
+    registry.register(TierCollector(store.stats, "prefill"))
+    text = generate_latest(registry).decode()
+    entry = len(codec.encode(codec.block_key(NS, 1), _block(1)))
+    assert 'pdserve_kv_tier_hits_total{role="prefill",tier="host"} 1.0' in text
+    assert 'pdserve_kv_tier_hits_total{role="prefill",tier="disk"} 0.0' in text
+    assert f'direction="written",role="prefill",tier="disk"}} {float(entry)}' in text
+    assert 'pdserve_kv_tier_misses_total{role="prefill"} 1.0' in text
+    assert 'pdserve_kv_tier_load_seconds_count{role="prefill"} 1.0' in text
     store.close()
