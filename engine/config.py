@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve import env
+from pdserve.engine.kv_tiers.config import TierConfig, tier_config_from_args
 from pdserve.engine.lora_files import LoraConfig, parse_lora_flag
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class EngineConfig:
     grammar_cache_bytes: int = 64 << 20  # compiled grammars kept (engine/structured.py)
     grammar_compile_timeout_s: float = 10.0  # a slower grammar is refused (engine/core_loop.py)
     lora: LoraConfig | None = None  # multi-LoRA (engine/lora_registry.py); None: off
+    kv_tiers: TierConfig | None = None  # KV tiers below the pool (docs/kv_tiers.md); None: off
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -77,8 +79,9 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     """The engine flags shared by every command that runs an engine (engine/engine_args.py)."""
     from pdserve.config_cli import add_flags
     from pdserve.engine.engine_args import EngineArgs
+    from pdserve.engine.kv_tiers.config import TierArgs
 
-    add_flags(parser, (EngineArgs,))
+    add_flags(parser, (EngineArgs, TierArgs))
 
 
 def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
@@ -112,4 +115,5 @@ def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
             loras=loras,
             roots=tuple(getattr(args, "lora_root", None) or ()),
         ),
+        kv_tiers=tier_config_from_args(args),
     )

@@ -93,6 +93,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.tier_store = None
+        if config.kv_tiers is not None:
+            from pdserve.engine.kv_tiers.attach import attach
+
+            self.tier_store = attach(self, config.kv_tiers)
         self.compile_seconds = compiled.warm_up(self) if config.compile else 0.0
 
     def forget_warm_up(self) -> None:
@@ -102,6 +107,7 @@ class LLMEngine:
         self.scheduler.num_preemptions = self.scheduler.num_prefix_hit_tokens = 0
         self.kv.reset_prefix_cache()
         self.kv.drain_events()
+        self.drain_tier_events()
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -316,6 +322,10 @@ class LLMEngine:
     def drain_kv_events(self) -> list[tuple[str, list[int]]]:
         return self.kv.drain_events()
 
+    def drain_tier_events(self) -> list[tuple[str, str, list[int]]]:
+        """(kind, tier, block hashes) of the KV tiers since the last call."""
+        return self.tier_store.drain_events() if self.tier_store is not None else []
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         queued = sum(r.num_uncomputed_tokens for r in s.waiting) + sum(
@@ -324,12 +334,12 @@ class LLMEngine:
         return EngineStats(
             running=len(s.running),
             waiting=len(s.waiting),
-            loading=len(s.loading),
+            loading=s.num_loading,
             held=len(self.held),
             kv_blocks_free=self.kv.num_free_blocks,
             kv_blocks_total=self.kv.num_blocks,
             queued_prompt_tokens=queued,
-            prefix_cache_hit_tokens=s.num_prefix_hit_tokens,
+            prefix_cache_hit_tokens=s.num_prefix_hit_tokens + s.num_tier_hit_tokens,
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
             preemptions=s.num_preemptions,
