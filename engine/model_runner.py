@@ -95,7 +95,15 @@ class ModelRunner:
         model_support.check_model(model, self.layers)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self._probe()
-        self.forward = compiled.compile_model(self.model) if config.compile else self.model
+        # The compiled forward (engine/compiled.py): in service now, or once compiled in
+        # the background (compile_job.py); the eager one serves until then.
+        self.compiled_fn = None
+        if config.compile:
+            compiled.prepare(self.model)
+            self.compiled_fn = compiled.compiled_forward(self.model)
+        now = config.compile and not config.compile_in_background
+        self.forward = self.compiled_fn if now and self.compiled_fn else self.model
+        self.eager_only = ""  # why the compiled forward may no longer be swapped in
         hf = self.model.config
         self.hf_config = hf
         self.num_layers: int = hf.num_hidden_layers
@@ -126,6 +134,7 @@ class ModelRunner:
         if self.compiled or self.graphs is not None:
             logger.warning("LoRA adapters loaded: the forward runs eager from now on")
         self.use_eager()
+        self.eager_only = "LoRA adapters loaded"
         self.graphs = None
 
     @torch.inference_mode()

@@ -224,7 +224,10 @@ def add_common_routes(
             return error_response(503, "engine is not running")
         if not engine.responsive:  # hung: the router moves this worker's streams
             return error_response(503, f"engine core silent for {engine.silent_s:.0f}s")
-        return JSONResponse({"status": "ok"})
+        stats = engine.stats()
+        if stats.fault:  # a step raised: out of service until its probe passes again
+            return error_response(503, f"engine step failed: {stats.fault}")
+        return JSONResponse({"status": "ok", "compile": stats.compile})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
