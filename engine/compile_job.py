@@ -27,7 +27,9 @@ thread compiled (no recompile; tests/engine/test_compile_swap.py counts the grap
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -46,6 +48,7 @@ READY = "ready"  # compiled and checked: swapped in at the next turn of the serv
 COMPILED = "compiled"  # the compiled forward serves
 EAGER_KEPT = "eager-kept"  # the compile raised or disagreed with eager: eager stays
 STATES = (OFF, COMPILING, READY, COMPILED, EAGER_KEPT)
+NICE = 10  # the compile thread's niceness (Linux: per thread)
 
 
 class CompileJob:
@@ -66,6 +69,10 @@ class CompileJob:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        # Below the serving thread (and the compilers inductor starts from here inherit
+        # it): on a small CPU the first requests, served eager, come first.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
         runner = self.engine.runner
         model = self.engine.served_model_name
         try:

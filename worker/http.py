@@ -176,7 +176,11 @@ def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
     # HTTP loop runs Python: up to the switch interval (5 ms by default, most of a
     # decode step on a small model) before a step's tokens move on. A short one bounds it.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    worker = worker_cls(args)
+    try:
+        worker = worker_cls(args)
+    except RuntimeError as exc:  # the core refused the model (its probe) or died loading it
+        logger.error("%s worker: not started: %s", getattr(worker_cls, "ROLE", ""), exc)
+        return 1
     # Torch's and the app's objects stay alive for good: keep them out of the collector's
     # full passes (the engine core does the same for the model: worker/core_main.py).
     gc.collect()

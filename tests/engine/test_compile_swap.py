@@ -33,7 +33,7 @@ def _background(make_engine: Callable[..., LLMEngine]) -> LLMEngine:
 
 def _step(engine: LLMEngine, out: dict[str, list[int]]) -> None:
     for o in engine.step():
-        assert o.error is None, o.error
+        assert not o.error, o.error
         out[o.request_id] += o.token_ids
 
 
