@@ -58,6 +58,7 @@ class CompileJob:
         self.reason = ""  # EAGER_KEPT: why
         self.started = time.monotonic()
         self.seconds = 0.0  # from start to READY or EAGER_KEPT
+        self.kernel = False  # the CPU attention kernel was built here (swapped in too)
         self._thread = threading.Thread(target=self._run, name="pdserve-compile", daemon=True)
 
     def start(self) -> None:
@@ -77,6 +78,10 @@ class CompileJob:
         model = self.engine.served_model_name
         try:
             shadow = self.engine.shadow()
+            if runner.kernel_pending:  # first start: the kernel is built here, then used
+                self.kernel = _build_kernel()
+                if self.kernel:
+                    shadow.runner.use_kernel_backend()
             expected = startup_probe.run(shadow)
             assert runner.compiled_fn is not None
             shadow.runner.forward = runner.compiled_fn
@@ -106,8 +111,22 @@ class CompileJob:
             self.state, self.reason = EAGER_KEPT, runner.eager_only
             return False
         runner.forward = runner.compiled_fn
+        if self.kernel:
+            runner.use_kernel_backend()
         compiled.in_service()
         self.state = COMPILED
         compiled.say(f"compiled forward in service ({self.seconds:.1f}s after start; "
                      "swapped from eager between steps)")  # fmt: skip
         return True
+
+
+def _build_kernel() -> bool:
+    from pdserve.engine import cpu_kernel
+
+    started = time.monotonic()
+    compiled.say("building the CPU attention kernel (first start; the gather path serves "
+                 "meanwhile)")  # fmt: skip
+    built = cpu_kernel.load() is not None
+    compiled.say(f"CPU attention kernel {'built' if built else 'not built'} in "
+                 f"{time.monotonic() - started:.1f}s")  # fmt: skip
+    return built

@@ -15,6 +15,7 @@ import argparse
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
@@ -133,7 +134,7 @@ def _validate(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _validate(args)
     spec = ClusterSpec(
-        model_dir=ensure_model(args.model, args.dtype),
+        model_dir="",  # resolved below, while the core zygote imports
         num_prefill=args.prefill, num_decode=args.decode,
         host=args.host, dtype=args.dtype, kv_transport=args.kv_transport,
         served_model_name=args.served_model_name, worker_args=worker_args(args),
@@ -151,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     cluster = LocalCluster(spec)
+    # The zygote's imports (torch, transformers: seconds of CPU) run beside the model's
+    # conversion on a first start; it dies with this process if the conversion fails.
+    cluster.start_zygote()
+    spec = cluster.spec = replace(spec, model_dir=ensure_model(args.model, args.dtype))
     try:
         print(f"pdserve up: starting {spec.num_prefill} prefill + {spec.num_decode} decode "
               f"workers and the router (logs in {cluster.log_dir})", flush=True)  # fmt: skip

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from engine_helpers import assert_all_free
 
@@ -37,11 +38,22 @@ def _step(engine: LLMEngine, out: dict[str, list[int]]) -> None:
         out[o.request_id] += o.token_ids
 
 
-def test_requests_in_flight_across_the_swap(make_engine: Callable[..., LLMEngine]) -> None:
+def test_requests_in_flight_across_the_swap(
+    make_engine: Callable[..., LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a first start the CPU attention kernel is not built yet: the worker serves with
+    the gather path and swaps both (the kernel's build is faked as needed here: the
+    suite's cache holds it already, and a real build takes a minute of CPU)."""
     from torch._dynamo.utils import counters
 
-    expected = make_engine(num_blocks=128).generate(PROMPTS, GREEDY)  # eager
+    from pdserve.engine import attention_backends, cpu_kernel
+
+    expected = make_engine(num_blocks=128).generate(PROMPTS, GREEDY)  # eager, the kernel
+    assert cpu_kernel.load() is not None
+    monkeypatch.setattr(cpu_kernel, "needs_build", lambda: True)
     engine = _background(make_engine)
+    assert engine.runner.kernel_pending and not engine.runner.use_kernel
+    assert engine.runner.attention_backend == attention_backends.GATHER
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, GREEDY)
@@ -60,6 +72,7 @@ def test_requests_in_flight_across_the_swap(make_engine: Callable[..., LLMEngine
     graphs = counters["stats"]["unique_graphs"]
     _step(engine, out)  # swaps first, then steps on the compiled forward
     assert engine.runner.compiled and engine.compile_state == compile_job.COMPILED
+    assert engine.runner.use_kernel and not engine.runner.kernel_pending
     while engine.has_work:
         _step(engine, out)
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == expected
