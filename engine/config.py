@@ -36,6 +36,7 @@ class EngineConfig:
     seed: int = 0
     cpu_threads: int | None = None  # torch intra-op threads (CPU); None: torch's default
     compile: bool = False  # torch.compile the forward (workers: on unless --enforce-eager)
+    compile_in_background: bool = False  # serve eager until compiled (workers: on)
     grammar_cache_bytes: int = 64 << 20  # compiled grammars kept (engine/structured.py)
     grammar_compile_timeout_s: float = 10.0  # a slower grammar is refused (engine/core_loop.py)
     lora: LoraConfig | None = None  # multi-LoRA (engine/lora_registry.py); None: off
@@ -106,6 +107,7 @@ def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
         cpu_threads=args.cpu_threads,
         # Adapter layers run eager (docs/lora.md): no compile for a worker that has some.
         compile=not (args.enforce_eager or env.eager_forced() or loras),
+        compile_in_background=not getattr(args, "compile_before_ready", False),
         grammar_cache_bytes=getattr(args, "grammar_cache_bytes", 64 << 20),
         grammar_compile_timeout_s=getattr(args, "grammar_compile_timeout", 10.0),
         lora=LoraConfig(

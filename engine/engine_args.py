@@ -87,6 +87,13 @@ class EngineArgs:
         short=True,
         env=env.ENFORCE_EAGER,
     )
+    compile_before_ready: bool = flag(
+        False,
+        "compile the forward before reporting ready (the default serves the eager forward "
+        "at once and swaps to the compiled one when it is compiled and checked: "
+        "docs/workers.md, Start-up)",
+        group=ENGINE,
+    )
     lora: tuple[str, ...] = flag(
         (),
         "a PEFT LoRA adapter directory served as NAME (repeatable; "

@@ -26,6 +26,7 @@ Synchronous and single-threaded; a worker runs it in its engine core process
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +35,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.engine import compiled
+from pdserve.engine import compile_job, compiled
+from pdserve.engine.compile_job import CompileJob
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.input_processor import InputProcessor
 from pdserve.engine.kv_connector import KVConnector, KVHolder, LoadResult
@@ -52,6 +54,7 @@ from pdserve.protocol.outputs import HANDOFF, REQUEST_FAILED, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
+SHADOW_BLOCKS = 48  # the compile thread's pool: the warm-up's and the probe's requests
 
 
 class LLMEngine:
@@ -60,12 +63,14 @@ class LLMEngine:
         config: EngineConfig,
         connector: KVConnector | None = None,
         recompute_on_load_failure: bool = True,
+        runner: ModelRunner | None = None,
     ) -> None:
+        """``runner``: a loaded model's runner, pool unbound (``shadow``)."""
         self.config = config
         if config.cpu_threads is not None:  # process-wide: one engine per worker process
             torch.set_num_threads(config.cpu_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-        self.runner = ModelRunner(config)
+        self.runner = runner or ModelRunner(config)
         budget = budget_bytes(self.runner.device, config.kv_cache_bytes, config.kv_cache_fraction)
         pool = KVPool.from_budget(self.runner.kv_shape, budget, self.runner.device)
         self.runner.bind_pool(pool)
@@ -98,7 +103,41 @@ class LLMEngine:
             from pdserve.engine.kv_tiers.attach import attach
 
             self.tier_store = attach(self, config.kv_tiers)
-        self.compile_seconds = compiled.warm_up(self) if config.compile else 0.0
+        self.hands_off = False  # the start-up probe holds its prefill's KV (prefill role)
+        self.step_failures = 0  # steps that raised (step_fault.py)
+        self.fault, self.fault_at = "", 0.0  # the standing step failure: unready
+        self.compile_job: CompileJob | None = None  # start_compile: in the background
+        now = config.compile and not config.compile_in_background and runner is None
+        self.compile_seconds = compiled.warm_up(self) if now else 0.0
+
+    def shadow(self, blocks: int = SHADOW_BLOCKS) -> LLMEngine:
+        """An engine on this one's model (the same module and weights) with a small KV
+        pool of its own and no compile: the compile thread's (compile_job.py)."""
+        runner = copy.copy(self.runner)
+        runner.pool, runner._gather_buffer = None, None
+        runner.forward = self.runner.model
+        budget = blocks * runner.kv_shape.bytes_per_block
+        config = replace(self.config, kv_cache_bytes=budget, kv_cache_fraction=None,
+                         compile=False, enable_prefix_caching=False, kv_tiers=None)  # fmt: skip
+        return LLMEngine(config, runner=runner)
+
+    def start_compile(self) -> None:
+        """Compile the forward in the background while the eager one serves; it is
+        swapped in between steps once compiled and checked (compile_job.py)."""
+        if self.runner.compiled_fn is not None and not self.runner.compiled:
+            self.compile_job = CompileJob(self)
+            self.compile_job.start()
+
+    @property
+    def compile_state(self) -> str:
+        """off | compiling | ready | compiled | eager-kept (compile_job.py)."""
+        if self.compile_job is not None:
+            return self.compile_job.state
+        return compile_job.COMPILED if self.runner.compiled else compile_job.OFF
+
+    def maybe_swap(self) -> bool:
+        """Between steps: the compiled forward takes over once it is ready."""
+        return self.compile_job is not None and self.compile_job.maybe_swap()
 
     def forget_warm_up(self) -> None:
         """Start-up generations leave no trace: counters, prefix cache, KV events."""
@@ -177,6 +216,8 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
+        if self.compile_job is not None:
+            self.compile_job.maybe_swap()
         self.free_released()
         sched = self.scheduler.schedule()
         outputs = self._settle_loads(sched.loaded)
@@ -345,6 +386,9 @@ class LLMEngine:
             preemptions=s.num_preemptions,
             loras=self.runner.loras.resident if self.runner.loras else [],
             lora_known=sorted(self.runner.loras.known) if self.runner.loras else [],
+            compile=self.compile_state,
+            step_failures=self.step_failures,
+            fault=self.fault,
         )
 
     def generate(
