@@ -90,7 +90,7 @@ class EngineArgs:
     compile_before_ready: bool = flag(
         False,
         "compile the forward before reporting ready (the default serves the eager forward "
-        "at once and swaps to the compiled one when it is compiled and checked: "
+        "at once and swaps to the compiled one once it is compiled and checked: "
         "docs/workers.md, Start-up)",
         group=ENGINE,
     )
