@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve import env
 from pdserve.engine.lora_files import LoraConfig, parse_lora_flag
+from pdserve.engine.spec_config import parse_speculative
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +39,8 @@ class EngineConfig:
     grammar_cache_bytes: int = 64 << 20  # compiled grammars kept (engine/structured.py)
     grammar_compile_timeout_s: float = 10.0  # a slower grammar is refused (engine/core_loop.py)
     lora: LoraConfig | None = None  # multi-LoRA (engine/lora_registry.py); None: off
+    # Speculative decoding: "ngram:k=4" (engine/spec_config.py); None: off.
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -50,6 +53,7 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        parse_speculative(self.speculative)  # a ValueError naming the field
 
     @property
     def torch_device(self) -> torch.device:
@@ -105,6 +109,9 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     g.add_argument("--max-cpu-loras", type=int, default=8,
                    help="LoRA adapters kept in host memory (least recently used out)")  # fmt: skip
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank accepted")
+    g.add_argument("--speculative", default=None, type=_speculative_arg, metavar="SPEC",
+                   help="speculative decoding: ngram:k=4 (prompt lookup, up to k drafts "
+                   "a step; also min_n=, max_n=); draft:model=PATH,k=N: not yet")  # fmt: skip
     g.add_argument("--enforce-eager", action="store_true",
                    help="run the model's eager forward: no torch.compile at start-up "
                    "(also PDSERVE_ENFORCE_EAGER=1)")  # fmt: skip
@@ -116,6 +123,17 @@ def _lora_arg(value: str) -> str:
 
     try:
         parse_lora_flag(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return value
+
+
+def _speculative_arg(value: str) -> str:
+    """``--speculative``'s check at parse time."""
+    import argparse
+
+    try:
+        parse_speculative(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
     return value
@@ -145,6 +163,7 @@ def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
         compile=not (args.enforce_eager or env.eager_forced() or loras),
         grammar_cache_bytes=getattr(args, "grammar_cache_bytes", 64 << 20),
         grammar_compile_timeout_s=getattr(args, "grammar_compile_timeout", 10.0),
+        speculative=getattr(args, "speculative", None),
         lora=LoraConfig(
             max_loras=getattr(args, "max_loras", 4),
             max_cpu_loras=getattr(args, "max_cpu_loras", 8),
