@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="a PEFT LoRA adapter directory served as model NAME (repeatable): "
                    "every worker and the router get it (docs/lora.md)")  # fmt: skip
+    p.add_argument("--speculative", default="", metavar="SPEC", type=_speculative,
+                   help="speculative decoding on the decode workers: ngram:k=4 (prompt "
+                   "lookup; docs/speculative.md); draft:model=... is not yet supported")  # fmt: skip
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra engine argument for every worker (repeatable)")  # fmt: skip
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
@@ -61,6 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autoscale", action="store_true",
                    help="add/remove workers with the SLO planner (see autoscaling.md)")  # fmt: skip
     add_autoscale_arguments(p)
+
+
+def _speculative(value: str) -> str:
+    from pdserve.engine.config import _speculative_arg
+
+    return _speculative_arg(value) if value else value
 
 
 def ensure_model(model: str, dtype: str = "auto") -> str:
@@ -130,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         num_prefill=args.prefill, num_decode=args.decode,
         host=args.host, dtype=args.dtype, kv_transport=args.kv_transport,
         served_model_name=args.served_model_name, worker_args=worker_args(args),
+        decode_args=("--speculative", args.speculative) if args.speculative else (),
         log_dir=args.log_dir, worker_port_base=args.worker_port_base,
         autoscaled=args.autoscale, core_zygote=args.core_zygote,
     )  # fmt: skip
