@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "every worker and the router get it (docs/lora.md)")  # fmt: skip
     p.add_argument("--speculative", default="", metavar="SPEC", type=_speculative,
                    help="speculative decoding on the decode workers: ngram:k=4 (prompt "
-                   "lookup; docs/speculative.md); draft:model=... is not yet supported")  # fmt: skip
+                   "lookup; docs/speculative.md); draft:model=... not yet supported")  # fmt: skip
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra engine argument for every worker (repeatable)")  # fmt: skip
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
