@@ -45,7 +45,7 @@ class SpecCollector(Collector):
                 s.emitted_tokens / s.steps if s.steps else 0.0,
             ),
         }
-        for name, (doc, value) in gauges.items():
+        for name, (doc, ratio) in gauges.items():
             g = GaugeMetricFamily(name, doc, labels=["role"])
-            g.add_metric([self.role], value)
+            g.add_metric([self.role], ratio)
             yield g
