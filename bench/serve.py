@@ -12,7 +12,7 @@ nothing) and stopped after its points:
 * ``disagg``: the same as ``default``, under its old name.
 
 ``--peer-url URL`` compares one configuration (named before the run: one row) with a
-server already running there (vLLM's CPU build, say: see README "Serving benchmark"):
+server already running there (vLLM's CPU build, say: see docs/benchmarks.md, "serve"):
 ``--repeats`` interleaved repetitions, peer then ours, at each concurrency, and
 ``peer_ratio`` = the median over repetitions of ours / peer output tok/s at
 concurrency 16 (the highest point if 16 is not swept), with ``peer_ratio_range``

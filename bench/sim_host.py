@@ -45,7 +45,7 @@ not saturated cores it sometimes finds every core taken and waits (``cpu_slowdow
 M/M/c under processor sharing on the bursty part of the load, ``utilisation``, capped at
 ``RHO_MAX``). A request's prefill time and path latency are stretched by the larger of
 the two. Without it, a replay on a quiet machine at 12 req/s had the simulated p90 TTFT
-at 40% of the real one (bench/recordings/2026-12-01-1011-full-autogroup).
+at 40% of the real one (bench/recordings/sim_vs_real/2026-12-01-1011-full-autogroup).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ HOG = 0.5  # another job's process that used this much of a core was always runn
 # the utilisation the queueing term is capped at: beyond it M/M/c's 1/(1 - rho) blows up,
 # where CFS lets a thread waking from sleep run ahead of the CPU-bound ones; the fair
 # shares (a bursting thread's share) account for the rest. Chosen on the recordings in
-# bench/recordings: their p90 errors barely move between 0.8, 0.9 and 0.95, their p50
+# bench/recordings/sim_vs_real: their p90 errors barely move between 0.8, 0.9 and 0.95, their p50
 # errors are lowest at 0.8 (docs/autoscaling.md, "Waiting for a core")
 RHO_MAX = 0.8
 

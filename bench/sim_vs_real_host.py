@@ -219,7 +219,7 @@ def backlogged_cost(
     says those requests cost (its fluid work: the simulator's), and how many were served.
     The profile is CPU time on an idle engine; on a machine at load average 25-28 the same
     prefills took 1.4-1.55x that (20 threads on 2 cores evict each other's caches), at
-    15-20 1.0-1.07x (bench/recordings/README.md)."""
+    15-20 1.0-1.07x (bench/recordings/sim_vs_real_scaling/README.md)."""
     p = profile.prefill
     per_token = p.chunk_overhead_s / p.chunk_tokens + 1 / p.tokens_per_s
     first = arrival + ttft

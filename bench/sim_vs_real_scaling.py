@@ -19,7 +19,7 @@ scored run does as its calibration did); the simulated start-up is then the adde
 workers' (sim_vs_real_up._account, sim_vs_real_host.measure_host).
 
 *Calibrate*: one run of the trace (seed 11), with its profile measured just before
-(``pdserve profile``; ``--profile FILE`` to reuse one), is kept in bench/recordings/
+(``pdserve profile``; ``--profile FILE`` reuses one) is kept in ``recordings/sim_vs_real_scaling/``
 (``*-scaling-calibration``). The simulator's host model and the workers' start-up time
 come from that recording only; the planner and both sides use its profile. The host
 model (``HOST_MODEL`` "runnable", Recording.host; docs/autoscaling.md, "What the first
@@ -95,7 +95,7 @@ QUICK_DRAIN_S = 10.0
 CALIBRATION_SEED, SCORED_SEED = 11, 12
 SLO_TTFT_MS, SLO_TPOT_MS = 200.0, 500.0
 POOL_MAX = 3
-RECORDINGS = Path(__file__).resolve().parent / "recordings"
+RECORDINGS = Path(__file__).resolve().parent / "recordings" / "sim_vs_real_scaling"
 CALIBRATION = RECORDINGS / "2026-12-03-1223-scaling-calibration"
 # the host model's tuned constants, fixed before the first scored run
 CONSTANTS = {
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _calibration_dir(meta: dict) -> Path:
-    """The calibration a scored run was predicted from: bench/recordings/NAME, else the
+    """The calibration a scored run was predicted from: RECORDINGS/NAME, else the
     path it was recorded with (a calibration kept elsewhere, e.g. a --quick one)."""
     kept = RECORDINGS / meta["calibration"]
     return kept if kept.is_dir() else Path(meta.get("calibration_dir", kept))

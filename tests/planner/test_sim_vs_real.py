@@ -81,7 +81,7 @@ def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 
 # -- the staircase (bench/sim_vs_real_scaling.py, issue 28 item 1): calibrate, then predict --
-RECORDINGS = BENCH / "recordings"
+RECORDINGS = BENCH / "recordings" / "sim_vs_real_scaling"
 # The scored runs, each predicted from its calibration alone, with the bound on its
 # scaling-window TTFT p90 error (a deterministic replay: no noise margin is needed).
 # Measured under the host model of 16:20 ("runnable": the other jobs as the always-runnable
@@ -120,8 +120,9 @@ SCORED = {
 # Since 16:36 `pdserve up` starts at most --max-starting workers at once (1 on 2 cores) and
 # the simulator mirrors the recorded flag; five pairs, 0.164-0.833 (docs/autoscaling.md, "One
 # start-up at a time"). Kept here: 17:00 from 16:55, 0.164, the goal, with the cap in
-# both runs' flags (the others are in the README's table; their bounds would be loose
-# enough for the no-host control to pass, which would then prove nothing).
+# both runs' flags (the others are in the table of RECORDINGS/2026-12-04-1936-scaling-scored/
+# NOTES.md; their bounds would be loose enough for the no-host control to pass, which would
+# then prove nothing).
 QUIET = {
     "2026-12-04-1358-scaling-scored": (0.25, 0.10),
     "2026-12-04-1409-scaling-scored": (0.90, 0.05),
