@@ -260,7 +260,7 @@ class LLMEngine:
         them, one by one through the stop rules; roll back the rejected drafts' KV."""
         assert self.spec is not None
         req = chunk.request
-        emitted = self.spec.accepted(chunk.draft, tokens)
+        emitted = self.spec.accepted(req, chunk.draft, tokens)
         rollback(req, self.kv.block_manager, len(emitted) - 1, chunk.start)
         self.kv.register_computed(req)
         outs: list[RequestOutput] = []
@@ -335,6 +335,8 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self.outputs.forget(req.request_id)
         self.sampler.forget(req.request_id)
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
 
     def _settle_loads(self, loaded: list[tuple[Request, LoadResult]]) -> list[RequestOutput]:
         outputs = []

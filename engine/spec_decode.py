@@ -15,6 +15,11 @@ sampling: the draft is accepted with probability p(d) = min(1, p(d)/q(d)), and a
 rejection's token is a sample of p conditioned on != d, the normalised residual
 max(p - q, 0).
 
+Drafts cost a wider forward whether or not they are accepted, so the number of drafts
+adapts per request (``Backoff``): halved after a verification that accepted none, down to
+one, then a pause of ``PAUSE_STEPS`` decodes without drafts; doubled back (up to k) after
+one that accepted all. Text that stops copying its context stops paying for drafts.
+
 After verification the KV of the rejected drafts is rolled back: ``num_computed_tokens``
 counts only the accepted tokens, blocks past them are freed (fresh blocks, never
 registered), and the prefix cache registers only blocks full of accepted tokens.
@@ -35,6 +40,24 @@ from pdserve.engine.request import Request
 from pdserve.engine.spec_config import SpecConfig
 from pdserve.protocol.outputs import RequestOutput
 
+PAUSE_STEPS = 4  # decodes without drafts after a one-draft verification that failed
+
+
+@dataclass
+class Backoff:
+    """One request's draft length: ``k`` now, and decodes left before drafting again."""
+
+    k: int
+    pause: int = 0
+
+    def after(self, drafted: int, accepted: int, k_max: int) -> None:
+        if accepted == drafted:
+            self.k = min(k_max, self.k * 2)
+        elif accepted == 0:
+            if self.k == 1:
+                self.pause = PAUSE_STEPS
+            self.k = max(1, self.k // 2)
+
 
 @dataclass
 class SpecStats:
@@ -51,14 +74,22 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.stats = SpecStats()
+        self.backoff: dict[str, Backoff] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.backoff.pop(request_id, None)
 
     def draft(self, req: Request, room: int) -> list[int]:
         """Draft tokens for ``req``'s next decode step (``room``: budget left for them);
         empty when the request decodes plainly this step."""
         if req.hold_kv or prompt_logprobs.wanted(req):  # a prefill worker's first token
             return []
+        back = self.backoff.setdefault(req.request_id, Backoff(self.config.k))
+        if back.pause > 0:
+            back.pause -= 1
+            return []
         k = min(
-            self.config.k,
+            back.k,
             room,
             req.params.max_tokens - req.num_output_tokens - 1,  # the last row's token too
             self.max_model_len - req.num_tokens - 1,
@@ -91,12 +122,15 @@ class SpecDecoder:
             views.append(view)
         return views
 
-    def accepted(self, draft: tuple[int, ...], tokens: list[Any]) -> list[Any]:
+    def accepted(self, req: Request, draft: tuple[int, ...], tokens: list[Any]) -> list[Any]:
         """The tokens a verification emits: the drafts matched by their rows' samples,
         then the first row's own token that differs (or the bonus)."""
         a = 0
         while a < len(draft) and tokens[a] == draft[a]:
             a += 1
+        back = self.backoff.get(req.request_id)
+        if back is not None:
+            back.after(len(draft), a, self.config.k)
         self.stats.steps += 1
         self.stats.draft_tokens += len(draft)
         self.stats.accepted_tokens += a
