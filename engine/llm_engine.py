@@ -94,12 +94,14 @@ class LLMEngine:
         self.outputs = OutputProcessor(eos, self.max_model_len)
         spec = parse_speculative(config.speculative)
         self.spec = SpecDecoder(spec, self.max_model_len, self.vocab_size) if spec else None
-        if self.spec is not None:
-            self.scheduler.drafter = self.spec.draft
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # The warm-up compiles the plain variants (a step with drafts is one of them: T >= 2,
+        # several rows), so drafting starts after it: its one-decode step stays T = 1.
         self.compile_seconds = compiled.warm_up(self) if config.compile else 0.0
+        if self.spec is not None:
+            self.scheduler.drafter = self.spec.draft
 
     def forget_warm_up(self) -> None:
         """Start-up generations leave no trace: counters, prefix cache, KV events."""
