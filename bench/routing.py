@@ -1,7 +1,7 @@
 """Prefix-aware routing vs round-robin, and the router's own overhead, in one run.
 
 Starts 2 prefill + 1 decode real workers (``pdserve.local.processes``) and two
-routers in front of them: one ``--routing prefix``, one ``--routing round-robin``.
+routers in front of them: one ``--picker max-score``, one ``--picker round-robin``.
 Workload: G groups x R requests sharing a long system prompt (>= 512 tokens) with
 short distinct suffixes, arriving interleaved (each round has every group once,
 in a shuffled order); each
@@ -357,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start_workers()
         routers = {
             "prefix": cluster.start_router(
-                0, "router-prefix", ["--routing", "prefix", *common]
+                0, "router-prefix", ["--picker", "max-score", *common]
             ).url,
-            "rr": cluster.start_router(0, "router-rr", ["--routing", "round-robin", *common]).url,
+            "rr": cluster.start_router(0, "router-rr", ["--picker", "round-robin", *common]).url,
         }
         cluster.wait_healthy(600, on_ready=lambda p, s: print(f"{p.name} ready ({s:.1f}s)"))
         for proc in cluster.procs:

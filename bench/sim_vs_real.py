@@ -68,7 +68,7 @@ def up_flags(args: argparse.Namespace, profile: str, port: int) -> list[str]:
         "tcp",
         "--disagg-threshold",
         "0",
-        "--routing",
+        "--picker",
         "round-robin",
         "--worker-arg=--device",
         "--worker-arg=cpu",

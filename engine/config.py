@@ -78,65 +78,11 @@ class EngineConfig:
 
 
 def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
-    """The engine flags shared by every command that runs an engine."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=True,
-                   help="HF-format model directory, FILE.gguf (converted once, cached) or "
-                   "'tiny' (the random test model)")  # fmt: skip
-    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-bytes", type=int, default=None)
-    g.add_argument("--kv-cache-fraction", type=float, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads for CPU compute (default: torch's, all cores); give "
-                   "each worker on a shared machine its share")  # fmt: skip
-    g.add_argument("--grammar-cache-bytes", type=int, default=64 << 20,
-                   help="memory for compiled structured-output grammars (LRU beyond)")  # fmt: skip
-    g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
-                   help="seconds a grammar may take to compile; a slower one is a 400")  # fmt: skip
-    g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", type=_lora_arg,
-                   help="a PEFT LoRA adapter directory served as NAME (repeatable; more at "
-                   "run time through /v1/load_lora_adapter); a worker with adapters runs "
-                   "the eager forward")  # fmt: skip
-    g.add_argument("--max-loras", type=int, default=4,
-                   help="LoRA adapters resident at once (one step mixes them)")  # fmt: skip
-    g.add_argument("--max-cpu-loras", type=int, default=8,
-                   help="LoRA adapters kept in host memory (least recently used out)")  # fmt: skip
-    g.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank accepted")
-    g.add_argument("--speculative", default=None, type=_speculative_arg, metavar="SPEC",
-                   help="speculative decoding: ngram:k=4 (prompt lookup, up to k drafts "
-                   "a step; also min_n=, max_n=); draft:model=PATH,k=N: not yet")  # fmt: skip
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="run the model's eager forward: no torch.compile at start-up "
-                   "(also PDSERVE_ENFORCE_EAGER=1)")  # fmt: skip
+    """The engine flags shared by every command that runs an engine (engine/engine_args.py)."""
+    from pdserve.config_cli import add_flags
+    from pdserve.engine.engine_args import EngineArgs
 
-
-def _lora_arg(value: str) -> str:
-    """``--lora``'s check at parse time: argparse names the flag in its error."""
-    import argparse
-
-    try:
-        parse_lora_flag(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return value
-
-
-def _speculative_arg(value: str) -> str:
-    """``--speculative``'s check at parse time."""
-    import argparse
-
-    try:
-        parse_speculative(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return value
+    add_flags(parser, (EngineArgs,))
 
 
 def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:

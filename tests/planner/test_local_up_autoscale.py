@@ -74,7 +74,7 @@ def autoscaled_up(
     port = free_port()  # workers from 20000-30199: below Linux's ephemeral ports (32768+)
     return [sys.executable, "-m", "pdserve", "up", "--model", str(model),
             "--port", str(port), "--served-model-name", "tiny", "--prefill", "0",
-            "--decode", str(decode), "--kv-transport", "tcp", "--routing", "round-robin",
+            "--decode", str(decode), "--kv-transport", "tcp", "--picker", "round-robin",
             "--worker-port-base", str(worker_port_base()), "--log-dir", str(tmp_path / "logs"),
             *(f"--worker-arg={a}" for a in ["--device", "cpu", "--max-num-seqs", "4", *engine]),
             "--autoscale", "--profile", str(profile), "--autoscale-interval", interval,

@@ -48,7 +48,7 @@ def _ids(st: FakeState) -> list[str]:
 
 async def test_failed_prefill_worker_is_retried_on_another(cluster_factory) -> None:
     # round-robin: both workers get tried first at some point
-    async with cluster_factory(n_prefill=2, disagg_threshold=16, routing="round-robin") as c:
+    async with cluster_factory(n_prefill=2, disagg_threshold=16, picker="round-robin") as c:
         c.prefill[0].fail = "500"
         for _ in range(4):  # whichever worker is tried first, every request succeeds
             out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=3)
