@@ -127,6 +127,8 @@ def engine_args(spec: LLMServiceSpec, pool: PoolSpec) -> list[str]:
         args += ["--max-num-seqs", str(pool.max_num_seqs)]
     if pool.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(pool.max_num_batched_tokens)]
+    if pool.speculative:
+        args += ["--speculative", pool.speculative]
     return args
 
 
