@@ -18,7 +18,13 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pdserve.engine import attention_backends, compiled, cuda_graphs, model_support
+from pdserve.engine import (
+    attention_backends,
+    attention_probe,
+    compiled,
+    cuda_graphs,
+    model_support,
+)
 from pdserve.engine.attention import (
     ATTN_IMPLEMENTATION,
     CURRENT,
@@ -153,18 +159,12 @@ class ModelRunner:
         self.eager_only = "LoRA adapters loaded"
         self.graphs = None
 
-    @torch.inference_mode()
     def _probe(self) -> None:
-        """One token through the model at load, its attention checking each layer's call
-        (model_support.check_call) and answering zeros: an option the model code passes
-        that the engine does not honour refuses the start, before any pool exists."""
-        CURRENT.layers, CURRENT.architecture = self.layers, self.architecture
-        CURRENT.probing = True
-        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        try:
-            self.model(input_ids=one, position_ids=one, use_cache=False, logits_to_keep=1)
-        finally:
-            CURRENT.probing, CURRENT.layers = False, ()
+        """One token through the model at load under attention_probe's attention and mask
+        functions, which answer zeros and record what each layer's call passes and what
+        its mask holds: the layers' options follow the model's code (not the config), and
+        an option the engine does not honour refuses the start, before any pool exists."""
+        self.layers = attention_probe.probe(self.model, self.layers, self.architecture, self.device)
 
     @property
     def compiled(self) -> bool:
