@@ -3,10 +3,23 @@ Importing this module loads no kopf."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from pdserve import env
 from pdserve.config_cli import flag
+
+
+def cidr(value: str) -> str:
+    """``--metrics-url-allow``'s check at parse time: a network (argparse names the flag)."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--metrics-url-allow {value!r}: {exc}") from None
+    return value
+
 
 SCOPE, RUN, POLICY = "what it watches", "running", "pod policy (docs/security.md)"
 
@@ -52,6 +65,15 @@ class OperatorArgs:
         "{namespace} {port} (default: the router's admin Service "
         "in-cluster)",
         group=RUN,
+    )
+    metrics_url_allow: tuple[str, ...] = flag(
+        (),
+        "a network spec.autoscaling.metricsUrl may resolve into (repeatable; default: any but "
+        "metadata, link-local and loopback addresses)",
+        group=RUN,
+        metavar="CIDR",
+        parse=cidr,
+        many="append",
     )
     health_port: int = flag(8080, "liveness endpoint port", group=RUN, short=True)
     peering: str = flag("", "kopf peering name (default: standalone)", group=RUN, short=True)

@@ -38,7 +38,10 @@ def run(args: argparse.Namespace) -> int:
         retry_delay=args.retry_delay,
         autoscale_tick=args.autoscale_tick,
         default_image=args.default_image or env.get(env.DEFAULT_IMAGE),
-        autoscale=AutoscaleSettings(router_metrics_url=args.router_metrics_url),
+        autoscale=AutoscaleSettings(
+            router_metrics_url=args.router_metrics_url,
+            metrics_url_allow=tuple(args.metrics_url_allow),
+        ),
         pod_policy=PodPolicy(args.allow_unsafe_pod_fields, tuple(args.allow_model_host_path)),
     )
     asyncio.run(
