@@ -18,7 +18,13 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pdserve.engine import attention_backends, compiled, cuda_graphs, model_support
+from pdserve.engine import (
+    attention_backends,
+    attention_probe,
+    compiled,
+    cuda_graphs,
+    model_support,
+)
 from pdserve.engine.attention import (
     ATTN_IMPLEMENTATION,
     CURRENT,
@@ -48,17 +54,27 @@ DECODE_GROUP_ROWS_DEFAULT = 256
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens ``start .. start + num_tokens`` of one request, computed in one step."""
+    """Tokens ``start .. start + num_tokens`` of one request, computed in one step; with
+    ``draft`` (speculative decoding, engine/spec_decode.py) the last ``len(draft)`` of them
+    are draft tokens past the request's own, and each of the last ``1 + len(draft)`` rows
+    is sampled."""
 
     request: Request
     num_tokens: int
     start: int
     samples: bool  # the chunk reaches the request's last token: its logits are sampled
+    draft: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, request: Request, num_tokens: int) -> ScheduledChunk:
+    def of(cls, request: Request, num_tokens: int, draft: Sequence[int] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
-        return cls(request, num_tokens, start, start + num_tokens == request.num_tokens)
+        samples = start + num_tokens == request.num_tokens
+        return cls(request, num_tokens + len(draft), start, samples, tuple(draft))
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of logits the chunk samples."""
+        return 1 + len(self.draft) if self.samples else 0
 
 
 def model_identity(model_dir: str | Path) -> str:
@@ -143,18 +159,12 @@ class ModelRunner:
         self.eager_only = "LoRA adapters loaded"
         self.graphs = None
 
-    @torch.inference_mode()
     def _probe(self) -> None:
-        """One token through the model at load, its attention checking each layer's call
-        (model_support.check_call) and answering zeros: an option the model code passes
-        that the engine does not honour refuses the start, before any pool exists."""
-        CURRENT.layers, CURRENT.architecture = self.layers, self.architecture
-        CURRENT.probing = True
-        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        try:
-            self.model(input_ids=one, position_ids=one, use_cache=False, logits_to_keep=1)
-        finally:
-            CURRENT.probing, CURRENT.layers = False, ()
+        """One token through the model at load under attention_probe's attention and mask
+        functions, which answer zeros and record what each layer's call passes and what
+        its mask holds: the layers' options follow the model's code (not the config), and
+        an option the engine does not honour refuses the start, before any pool exists."""
+        self.layers = attention_probe.probe(self.model, self.layers, self.architecture, self.device)
 
     @property
     def compiled(self) -> bool:
@@ -214,14 +224,13 @@ class ModelRunner:
             return self._execute(chunks)
         # The pass whose adapters are resident first: one slot change per step, not one a pass.
         passes.sort(key=lambda m: loras.num_missing([chunks[i].request.lora for i in m]))
-        sampled = [i for i, c in enumerate(chunks) if c.samples]
-        row_of = {i: r for r, i in enumerate(sampled)}
+        first = np.cumsum([0] + [c.num_rows for c in chunks]).tolist()  # each chunk's rows
         out: torch.Tensor | None = None
         for members in passes:
             logits = self._execute([chunks[i] for i in members])
             if out is None:
-                out = logits.new_empty((len(sampled), logits.shape[-1]))
-            rows = [row_of[i] for i in members if chunks[i].samples]
+                out = logits.new_empty((first[-1], logits.shape[-1]))
+            rows = [r for i in members for r in range(first[i], first[i + 1])]
             out[torch.tensor(rows, dtype=torch.long, device=out.device)] = logits
         assert out is not None
         return out
@@ -281,14 +290,15 @@ class ModelRunner:
                 pos.append(start)
                 blocks.append(req.block_ids[start // bs])
             else:
-                ids.extend(_tokens(req, start, end))
+                ids.extend(_tokens(req, start, end - len(c.draft)))
+                ids.extend(c.draft)
                 pos.extend(range(start, end))
                 first = start // bs
                 table = np.asarray(req.block_ids[first : (end - 1) // bs + 1], dtype=np.int64)
                 offset = start - first * bs
                 blocks.extend(np.repeat(table, bs)[offset : offset + c.num_tokens].tolist())
             if c.samples:
-                rows.append(len(ids) - 1)
+                rows.extend(range(len(ids) - c.num_rows, len(ids)))
         dev = self.device
         positions = torch.tensor(pos, dtype=torch.long)
         slots = torch.tensor(blocks, dtype=torch.long) * bs + positions % bs

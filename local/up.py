@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         num_prefill=args.prefill, num_decode=args.decode,
         host=args.host, dtype=args.dtype, kv_transport=args.kv_transport,
         served_model_name=args.served_model_name, worker_args=worker_args(args),
+        decode_args=("--speculative", args.speculative) if args.speculative else (),
         log_dir=args.log_dir, worker_port_base=args.worker_port_base,
         autoscaled=args.autoscale, core_zygote=args.core_zygote,
     )  # fmt: skip

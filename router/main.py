@@ -111,6 +111,7 @@ def build_config(
         failover_wait_s=args.failover_wait,
         default_max_tokens=args.default_max_tokens,
         prefix_index_capacity=args.prefix_index_max_blocks,
+        prefix_tier_weights=args.prefix_tier_weights,
         max_body_bytes=args.max_body_bytes,
         max_prompt_chars=args.max_prompt_chars,
         max_schema_bytes=args.max_schema_bytes,
