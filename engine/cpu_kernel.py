@@ -90,6 +90,16 @@ def build(
     return target
 
 
+def needs_build() -> bool:
+    """The kernel can be built here and is not built yet (a first start: its build takes
+    a minute or more of one core on a small CPU, so a worker may serve with the gather
+    path meanwhile: engine/compile_job.py)."""
+    if env.get(env.CPU_KERNEL, "1") == "0" or load.cache_info().currsize:
+        return False
+    cxx = _compiler()
+    return cxx is not None and not library_path(cxx).exists()
+
+
 @cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None where it cannot be built here."""

@@ -30,6 +30,7 @@ from pdserve.router.keys import OPEN, Caller, KeyStore
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.scheduling.prefix_index import PrefixIndex
+from pdserve.router.scheduling.tier_index import TierIndex, parse_weights
 from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.router.transport import worker_client
 from pdserve.router.transport.dispatch import Dispatcher, RequestState
@@ -51,7 +52,10 @@ class Runtime:
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics()
         self.client = worker_client.new_session()
-        self.index = PrefixIndex(cfg.prefix_index_capacity)
+        self.index = PrefixIndex(
+            cfg.prefix_index_capacity,
+            TierIndex(cfg.prefix_index_capacity, parse_weights(cfg.prefix_tier_weights)),
+        )
         self.metrics.watch_index(lambda: len(self.index), lambda: self.index.num_evicted)
         self.subscriber = EventSubscriber(self.index)  # every worker's KV events and load
         self.discovery = Discovery(source, self.client, cfg.health_interval_s, self.subscriber)

@@ -20,7 +20,7 @@ from pdserve.engine.lora_files import (
 )
 from pdserve.engine.lora_registry import LoraAdapter, LoraRegistry, lora_passes, lora_queries
 from pdserve.protocol.hashing import ROOT_HASH, block_hashes, salt_root
-from tests.lora_adapters import SPECS, edit_config, write_adapter
+from pdserve.testing.lora_adapters import SPECS, edit_config, write_adapter
 
 
 @pytest.fixture(scope="module")

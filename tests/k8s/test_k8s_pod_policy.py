@@ -58,6 +58,10 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
         _containers(securityContext={"capabilities": {"add": ["SYS_ADMIN"]}}),
         f"{D}.containers[0].securityContext.capabilities.add",
     ),
+    "capabilities kept (drop: [] replaces the rendered [ALL])": (
+        _containers(securityContext={"capabilities": {"drop": []}}),
+        f"{D}.containers[0].securityContext.capabilities.drop",
+    ),
     "privilege escalation": (
         _containers(securityContext={"allowPrivilegeEscalation": True}),
         f"{D}.containers[0].securityContext.allowPrivilegeEscalation",

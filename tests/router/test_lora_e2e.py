@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.loopback import all_kv_free
-from tests.lora_adapters import SPECS, hf_greedy, merged_model, write_adapter
+from pdserve.testing.loopback import all_kv_free
+from pdserve.testing.lora_adapters import SPECS, hf_greedy, merged_model, write_adapter
 from tests.router.pdserve_up import run_up
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]

@@ -20,8 +20,8 @@ from pdserve.router.api.adapters import declared, parse_lora
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource
-from tests.loopback import free_port
-from tests.router.fakes import serve
+from pdserve.testing.loopback import free_port
+from pdserve.testing.router_fakes import serve
 from tests.router.lora_fakes import lora_cluster, write_adapter
 
 LONG = "the quick brown fox jumps over the lazy dog " * 12  # > the disagg threshold
