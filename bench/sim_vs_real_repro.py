@@ -1,6 +1,7 @@
 """How well the real service predicts itself: the noise floor under the simulator's error.
 
-    python bench/sim_vs_real_repro.py bench/recordings/2026-12-04-*-scaling-calibration \
+    python bench/sim_vs_real_repro.py \
+        bench/recordings/sim_vs_real_scaling/2026-12-04-*-scaling-calibration \
         [--plot repro.png]
 
 Every calibration run of bench/sim_vs_real_scaling.py replays the same staircase with the

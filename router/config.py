@@ -6,8 +6,9 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.router.scheduling.tier_index import parse_weights
+
 PICKERS = ("max-score", "round-robin")  # best weighted score, or rotation (a baseline)
-ROUTING_MODES = ("prefix", "round-robin")  # the older --routing: max-score | round-robin
 PD_HANDOFFS = ("router", "decode")  # who calls the prefill worker (RouterConfig.pd_handoff)
 CACHE_ISOLATION = ("api-key", "none")  # a prefix-cache salt per API key, or one shared cache
 
@@ -68,7 +69,6 @@ def expand(pairs: Sequence[tuple[str, float]]) -> tuple[ScorerWeight, ...]:
 class RouterConfig:
     model_dir: str
     served_model_name: str = ""
-    routing: str = "prefix"  # older name of the picker: "prefix" (max-score) | "round-robin"
     picker: str = "max-score"  # PICKERS
     # Prompts whose uncached part is shorter than this go straight to a decode worker.
     disagg_threshold: int = 256
@@ -107,6 +107,8 @@ class RouterConfig:
     # worker (a restarted one) before it fails (502 mid-stream, 503 before); 0: no wait.
     failover_wait_s: float = 30.0
     prefix_index_capacity: int = 1_000_000  # block hashes remembered, all workers together
+    # what a prefix hit in a prefill worker's KV tier is worth against one in its pool (1)
+    prefix_tier_weights: str = "host=0.8,disk=0.5,shared=0.3"
     default_max_tokens: int = 16
     # Limits at the edge (router/edge.py, router/ratelimit.py); see docs/router.md.
     max_body_bytes: int = 8 << 20
@@ -129,10 +131,6 @@ class RouterConfig:
     loras: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.routing not in ROUTING_MODES:
-            raise ValueError(f"unknown routing mode {self.routing!r}; valid: {list(ROUTING_MODES)}")
-        if self.routing == "round-robin":  # the older flag picks the picker
-            object.__setattr__(self, "picker", "round-robin")
         if self.picker not in PICKERS:
             raise ValueError(f"unknown picker {self.picker!r}; valid: {list(PICKERS)}")
         if self.pd_handoff not in PD_HANDOFFS:
@@ -157,6 +155,7 @@ class RouterConfig:
             raise ValueError("router_replicas (--router-replicas) must be >= 1")
         if self.max_concurrency_per_key < 0 or self.max_waiting < 0:
             raise ValueError("max_concurrency_per_key and max_waiting must be >= 0")
+        parse_weights(self.prefix_tier_weights)  # a bad weight fails here, by flag name
         if self.prefix_index_capacity < 1:
             raise ValueError("prefix_index_capacity (--prefix-index-max-blocks) must be >= 1")
         if self.rate_limit_rpm < 0 or self.rate_limit_tpm < 0:

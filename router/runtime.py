@@ -29,6 +29,7 @@ from pdserve.router.keys import OPEN, Caller, KeyStore
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.scheduling.prefix_index import PrefixIndex
+from pdserve.router.scheduling.tier_index import TierIndex, parse_weights
 from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.router.transport import worker_client
 from pdserve.router.transport.dispatch import Dispatcher, RequestState
@@ -50,7 +51,10 @@ class Runtime:
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics()
         self.client = worker_client.new_session()
-        self.index = PrefixIndex(cfg.prefix_index_capacity)
+        self.index = PrefixIndex(
+            cfg.prefix_index_capacity,
+            TierIndex(cfg.prefix_index_capacity, parse_weights(cfg.prefix_tier_weights)),
+        )
         self.metrics.watch_index(lambda: len(self.index), lambda: self.index.num_evicted)
         self.subscriber = EventSubscriber(self.index)  # every worker's KV events and load
         self.discovery = Discovery(source, self.client, cfg.health_interval_s, self.subscriber)
@@ -126,9 +130,14 @@ class Runtime:
         """The caller's API key ("" when no keys are configured); 401 without a valid one."""
         return self.caller(request).key
 
-    def require_admin(self, request: Request) -> None:
+    def require_admin(self, request: Request, change: bool = False) -> None:
         """/metrics and /workers: open on ``--admin-port`` (kept off the tenants' network),
-        else an admin key while tenant keys are on (router/keys.py)."""
+        else an admin key while tenant keys are on (router/keys.py). A route that changes
+        state (``change``: LoRA load and unload) needs an admin key on every port, keys
+        or no keys: the admin port only opens what reads."""
+        if change:  # an admin key always, even with no tenant keys (router/keys.py)
+            self.keys.require_admin_key(request.headers.get("authorization", ""))
+            return
         server = request.scope.get("server") or ("", 0)
         if self.cfg.admin_port and server[1] == self.cfg.admin_port:
             return

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.loopback import run_bench
+from pdserve.testing.loopback import run_bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -57,7 +57,7 @@ def test_chaos_tenant_figures(chaos: dict[str, Any]) -> None:
     """Issue 24: trickled bodies hold no slot, a client that stops reading is cut without
     harming other streams, chat text cannot forge control tokens, odd logit_bias keys are
     400s. Before the fixes: 5 refused, the reader never cut (aborted 0), 6 injected, 2
-    odd-key 5xx (README, Reliability)."""
+    odd-key 5xx (docs/benchmarks.md, chaos)."""
     assert chaos["slowloris_refused_others"] == 0, chaos
     assert chaos["slow_reader_harmed_streams"] == 0 and chaos["slow_reader_aborted"] >= 1, chaos
     assert chaos["control_token_injected"] == 0 and chaos["control_token_chat_ok"], chaos

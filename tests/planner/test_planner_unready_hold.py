@@ -3,7 +3,7 @@ starting unless the need has stayed below the count for ``unready_hold_s``.
 
 Before it, ``pdserve up --autoscale`` (a 10 s scale-down window, 5 s cooldown) started
 workers on one interval's forecast and cancelled them 6-8 s later when the next
-interval's need dipped (bench/recordings/2026-12-01-0433-full: three such pairs).
+interval's need dipped (bench/recordings/sim_vs_real/2026-12-01-0433-full: three such pairs).
 Pure planner calls, no processes.
 """
 

@@ -1,5 +1,5 @@
-"""The recorded sim_vs_real.py runs (bench/recordings/): the simulated side re-run on what
-the real side measured, sim-only and deterministic (no processes, a few seconds)."""
+"""The recorded sim_vs_real.py runs (bench/recordings/sim_vs_real/): the simulated side
+re-run on what the real side measured, sim-only and deterministic (no processes, a few seconds)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import sim_vs_real_record as record
-from sim_replay import Trace, replay
 from sim_vs_real import INTERVAL_S, up_flags
 from sim_vs_real_host import measure_host
 
 from pdserve.local.planner_loop import config_from_args
 from pdserve.local.up import add_arguments
-from tests.loopback import run_bench
+from pdserve.planner.sim.replay import Trace, replay
+from pdserve.testing.loopback import run_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -33,8 +33,8 @@ def _step_recording(path: Path) -> bool:
     return meta.is_file() and "args" in json.loads(meta.read_text())
 
 
-RECORDINGS = sorted(p for p in (BENCH / "recordings").iterdir() if _step_recording(p))
-HOG = BENCH / "recordings/2026-12-01-0431-quick-nice19-hog"
+RECORDINGS = sorted(p for p in (BENCH / "recordings/sim_vs_real").iterdir() if _step_recording(p))
+HOG = BENCH / "recordings/sim_vs_real/2026-12-01-0431-quick-nice19-hog"
 
 
 def _p90_error(work: Path, fixed_load: bool = False) -> float:
@@ -64,7 +64,8 @@ def test_a_recording_replays(work: Path) -> None:
     assert result["real"]["replica_s"] == pytest.approx(meta["real"]["replica_s"], abs=0.05)
     assert result["sim"]["requests"] == result["trace"]["requests"]
     assert result["host"]["cores"] == 2.0  # the recorded machine's, not this one's
-    # Replays are deterministic; recorded errors are 0.03-0.80 (bench/recordings/README.md).
+    # Replays are deterministic; recorded errors are 0.03-0.80
+    # (bench/recordings/sim_vs_real/README.md).
     # A simulator predicting no wait scores ~1.0, one 2x too slow 1.0 and more: both fail.
     assert result["sim_vs_real_ttft_p90_error"] < 0.9, result["sim_vs_real_ttft_p90_error"]
     assert result["sim_vs_real_replica_s_error"] < 0.5  # recordings: 0-0.29

@@ -1,5 +1,6 @@
 """The noise floor under the simulator's scaling-window error (bench/sim_vs_real_repro.py):
-recorded runs of one trace predicting each other, replayed from bench/recordings."""
+recorded runs of one trace predicting each other, replayed from
+bench/recordings/sim_vs_real_scaling/."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import sim_vs_real_repro as repro
 from sim_vs_real_scaling import Recording
 
-RECORDINGS = Path(__file__).resolve().parents[2] / "bench" / "recordings"
+RECORDINGS = Path(__file__).resolve().parents[2] / "bench" / "recordings" / "sim_vs_real_scaling"
 # every calibration run of `pdserve up` as it ships (the core zygote, --max-starting 1) on
 # a quiet host, seed 11, --rate-scale 2; 17:05 left out (a replay script of ours ran
 # beside it). The last three ran after the cores' speed was named as the cause (below).

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from router_throughput import compare, summarise
 
-from tests.loopback import run_bench
+from pdserve.testing.loopback import run_bench
 
 # Router CPU per request (µs), measured on this 2-core box (bench/router_throughput.py,
 # docs/router.md "Throughput"): ~0.85-1.0 ms decode-direct, ~1.3 ms text, ~2.8-3.7 ms full
@@ -26,7 +26,8 @@ CPU_BOUND_US = {"direct": 10_000, "pd": 40_000, "pd-chain": 40_000}
 # to the decode worker, then at most 4 to the client when the response head leaves with the
 # first token (router/coalesce.py; then a write per token, the last with [DONE]), fewer when
 # tokens arrive together and are relayed as one; uvicorn's own writes (the head alone) made
-# 5.3-5.8 (bench/recordings/2026-12-04-coalesced-writes). 3.1-3.9 on a quiet host, up to 4.6
+# 5.3-5.8 (bench/recordings/router_throughput/2026-12-04-coalesced-writes). 3.1-3.9 on a
+# quiet host, up to 4.6
 # in a loaded suite since the fakes answer as the workers do (a reply's end with its last
 # line: fewer tokens arrive together), so the head alone would make ~6 now. The bound
 # (health checks and the like add a little) fails that; test_coalesce.py checks the head and

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.loopback import run_bench
+from pdserve.testing.loopback import run_bench
 
 PARTS = ("router", "worker", "worker_http", "engine", "stream_path")
 
@@ -26,7 +26,7 @@ def test_stream_overhead_bench_quick(tmp_path: Path, tiny_model_dir: Path) -> No
         assert result[f"{tree}_router_cpu_s_per_1k"] > 0  # the router did work for them
         assert result[f"{tree}_engine_cpu_s_per_1k"] > 0  # the engine thread was found
     # HEAD against this checkout: the same code or one change, so the stream path's CPU per
-    # token is within 2x either way (README: 1.03-1.19x); a bench that charged the wrong
+    # token is within 2x either way (docs/benchmarks.md: 1.03-1.19x); a bench that charged the wrong
     # process or miscounted tokens for one tree would be far off.
     assert 0.5 < result["ratio_stream_path_cpu_s_per_1k"] < 2.0, result
     assert (tmp_path / "stream_overhead-quick.png").stat().st_size > 0

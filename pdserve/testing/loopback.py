@@ -1,0 +1,144 @@
+"""Helpers shared by the tests that run real services on loopback."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from pdserve.env import SERVICE_SECRET
+from pdserve.local.proc_group import end_group, poll_until
+from pdserve.signed_httpx import SignedAuth
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: pdserve/testing/ -> root
+
+
+def secret_auth() -> SignedAuth:
+    """Signs calls to the workers' internal API with the service secret every process
+    started by the tests shares (tests/conftest.py)."""
+    return SignedAuth(os.environ[SERVICE_SECRET])
+
+
+# The port blocks this process reserved (open, flock-ed files), oldest first.
+_RESERVED: list[int] = []
+# How many reservations a process keeps: a block is needed only from its pick until its
+# cluster's workers have bound it (seconds); after that LocalCluster's bind check skips it.
+KEEP_RESERVED = 16
+
+
+def worker_port_base() -> int:
+    """A base for a local cluster's worker ports (each cluster takes up to ~200 from it),
+    below Linux's ephemeral ports (32768+, where clients and UCX take theirs), reserved
+    machine-wide: an exclusive flock on /tmp/pdserve-test-ports/BASE, held by this process.
+    Two pytest processes (the xdist workers of one run, or two runs on one machine) never
+    pick the same block, so none binds another's worker port in the seconds between
+    LocalCluster's free-port check and the worker's bind (seen: 'served by pid N, not
+    ours'). A process keeps its last ``KEEP_RESERVED`` blocks."""
+    lock_dir = Path(tempfile.gettempdir()) / "pdserve-test-ports"
+    lock_dir.mkdir(exist_ok=True)
+    bases = list(range(10_000, 32_000 - 200, 200))
+    random.shuffle(bases)
+    for base in bases:
+        fd = os.open(lock_dir / str(base), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        _RESERVED.append(fd)
+        while len(_RESERVED) > KEEP_RESERVED:
+            os.close(_RESERVED.pop(0))  # closing the file releases its lock
+        return base
+    raise RuntimeError(f"every port block under {lock_dir} is reserved")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def all_kv_free(urls: list[str], timeout: float = 30.0) -> None:
+    """Every worker's KV pool is free again (cancelled streams are aborted at the workers)."""
+    stats: list[dict[str, Any]] = []
+
+    def free() -> bool:
+        stats[:] = [httpx.get(u + "/stats", timeout=5, auth=secret_auth()).json() for u in urls]
+        return all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats)
+
+    poll_until(free, timeout, what=lambda: f"KV freed (last: {stats})")
+
+
+def sse_chunks(url: str, body: dict[str, Any], timeout: float = 120) -> Iterator[dict[str, Any]]:
+    """The decoded chunks of a streamed completion at ``url``: status 200 and no error
+    chunk, or the test fails."""
+    with httpx.stream("POST", url, json=body, timeout=timeout) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            yield chunk
+
+
+def run_bench(script: str, *args: str, timeout: float) -> dict[str, Any]:
+    """``python bench/SCRIPT ARGS`` from the repository root: it must exit 0; returns the
+    JSON of its last stdout line (every benchmark prints its result there)."""
+    out = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def wait_until_up(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[str, list[str]]:
+    """Wait for ``pdserve up``'s banner: the router URL (no /v1) and the worker URLs it
+    printed. A thread reads its output to the end (a pipe nobody drains stops ``up`` once
+    full, and a blocking read would wait past any deadline). If ``up`` exits or is not up
+    in ``timeout`` seconds, it is stopped and the test fails with its output and the last
+    lines of each process's log."""
+    lines: list[str] = []
+    banner = threading.Event()
+
+    def read(out: IO[str]) -> None:
+        for line in out:
+            lines.append(line)
+            if line.startswith("pdserve is up"):
+                banner.set()
+        banner.set()  # end of output: up exited
+
+    assert proc.stdout is not None
+    threading.Thread(target=read, args=(proc.stdout,), daemon=True, name="up-output").start()
+    banner.wait(timeout)
+    text = "".join(lines)
+    if "pdserve is up" not in text:
+        why = "exited" if proc.poll() is not None else f"not up within {timeout:g}s"
+        end_group(proc, grace_s=10)
+        raise AssertionError(f"pdserve up {why}:\n{text}{log_tails(text)}")
+    workers = re.findall(r"(?:prefill|decode)-\d+\s+ready at (\S+)", text)
+    url = re.search(r"pdserve is up: (\S+)/v1", text).group(1)  # type: ignore[union-attr]
+    return url, workers
+
+
+def log_tails(up_output: str, lines: int = 15) -> str:
+    """The last ``lines`` of each process log in the directory ``pdserve up`` named."""
+    found = re.search(r"\(logs in (\S+)\)", up_output)
+    if found is None:
+        return ""
+    out = []
+    for path in sorted(Path(found.group(1)).glob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"\n--- {path.name} (last {lines} lines)\n" + "\n".join(tail))
+    return "".join(out)
