@@ -1,7 +1,7 @@
 """Prefix-aware routing vs round-robin, and the router's own overhead, in one run.
 
 Starts 2 prefill + 1 decode real workers (``pdserve.local.processes``) and two
-routers in front of them: one ``--routing prefix``, one ``--routing round-robin``.
+routers in front of them: one ``--picker max-score``, one ``--picker round-robin``.
 Workload: G groups x R requests sharing a long system prompt (>= 512 tokens) with
 short distinct suffixes, arriving interleaved (each round has every group once,
 in a shuffled order); each
@@ -42,6 +42,7 @@ from typing import Any
 
 import figures  # bench/figures.py, beside this script
 import httpx
+from lib.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -245,8 +246,8 @@ def bare_proxy(worker_url: str) -> Iterator[str]:
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(int(q * len(xs)), len(xs) - 1)] * 1000.0
+    """The ``q`` quantile of latencies in seconds, in milliseconds."""
+    return percentile(xs, q) * 1000.0
 
 
 async def overhead(h, router_url, decode_url, proxy_url, model, vocab, args) -> dict[str, float]:
@@ -357,9 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start_workers()
         routers = {
             "prefix": cluster.start_router(
-                0, "router-prefix", ["--routing", "prefix", *common]
+                0, "router-prefix", ["--picker", "max-score", *common]
             ).url,
-            "rr": cluster.start_router(0, "router-rr", ["--routing", "round-robin", *common]).url,
+            "rr": cluster.start_router(0, "router-rr", ["--picker", "round-robin", *common]).url,
         }
         cluster.wait_healthy(600, on_ready=lambda p, s: print(f"{p.name} ready ({s:.1f}s)"))
         for proc in cluster.procs:

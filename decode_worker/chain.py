@@ -39,11 +39,11 @@ from pdserve.router.api.errors import APIError
 from pdserve.router.transport import worker_client
 from pdserve.router.transport.http1 import WorkerPool
 from pdserve.router.transport.worker_client import WorkerFailed
+from pdserve.worker.args import DEFAULT_PREFILL_TIMEOUT_S as DEFAULT_PREFILL_TIMEOUT_S
 from pdserve.worker.http import BadRequest
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFILL_TIMEOUT_S = 120.0
 FAILED_S = 5.0  # a prefill worker whose call failed is tried last for this long
 
 

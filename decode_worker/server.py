@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pdserve import env, keys
-from pdserve.decode_worker.chain import DEFAULT_PREFILL_TIMEOUT_S, PrefillChain
+from pdserve.decode_worker.chain import PrefillChain
 from pdserve.protocol.codec import encode
 from pdserve.protocol.contract import (
     GenerateRequest,
@@ -32,7 +32,6 @@ from pdserve.protocol.contract import (
 from pdserve.protocol.outputs import REQUEST_FAILED, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.protocol.token_lines import encode_line
-from pdserve.transfer.registry import DEFAULT_TRANSFER_TIMEOUT
 from pdserve.worker.direct import DirectApp, LineStream
 from pdserve.worker.http import (
     BadRequest,
@@ -42,7 +41,7 @@ from pdserve.worker.http import (
     read_message,
 )
 from pdserve.worker.lora_api import add_lora_routes
-from pdserve.worker.role import RoleWorker, add_kv_events_port
+from pdserve.worker.role import RoleWorker
 
 
 class DecodeWorker(RoleWorker):
@@ -188,25 +187,5 @@ def _error_line(message: str, kind: str, code: str) -> bytes:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_worker_arguments(parser, default_port=8200)
-    g = parser.add_argument_group("decode")
-    add_kv_events_port(g, "its load reports' ZeroMQ port (default: port + 1)")
-    g.add_argument(
-        "--transfer-timeout",
-        type=float,
-        default=DEFAULT_TRANSFER_TIMEOUT,
-        help="seconds per KV load (claim, read, confirm)",
-    )
-    g.add_argument(
-        "--on-transfer-failure",
-        default="recompute",
-        choices=["recompute", "fail"],
-        help="recompute the prompt locally, or fail the request",
-    )
-    g.add_argument(
-        "--prefill-timeout",
-        type=float,
-        default=DEFAULT_PREFILL_TIMEOUT_S,
-        help="seconds to wait for a prefill worker's reply when this worker calls it "
-        "(the router's --pd-handoff decode); then the next one, or a local prefill",
-    )
+    """The decode worker's flags (worker/args.py)."""
+    add_worker_arguments(parser, decode=True)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve import env
-from pdserve.engine.kv_tiers.config import TierConfig, add_tier_arguments, tier_config_from_args
+from pdserve.engine.kv_tiers.config import TierConfig, tier_config_from_args
 from pdserve.engine.lora_files import LoraConfig, parse_lora_flag
+from pdserve.engine.spec_config import parse_speculative
 
 if TYPE_CHECKING:
     import torch
@@ -36,10 +37,13 @@ class EngineConfig:
     seed: int = 0
     cpu_threads: int | None = None  # torch intra-op threads (CPU); None: torch's default
     compile: bool = False  # torch.compile the forward (workers: on unless --enforce-eager)
+    compile_in_background: bool = False  # serve eager until compiled (workers: on)
     grammar_cache_bytes: int = 64 << 20  # compiled grammars kept (engine/structured.py)
     grammar_compile_timeout_s: float = 10.0  # a slower grammar is refused (engine/core_loop.py)
     lora: LoraConfig | None = None  # multi-LoRA (engine/lora_registry.py); None: off
     kv_tiers: TierConfig | None = None  # KV tiers below the pool (docs/kv_tiers.md); None: off
+    # Speculative decoding: "ngram:k=4" (engine/spec_config.py); None: off.
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -52,6 +56,7 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        parse_speculative(self.speculative)  # a ValueError naming the field
 
     @property
     def torch_device(self) -> torch.device:
@@ -76,52 +81,12 @@ class EngineConfig:
 
 
 def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
-    """The engine flags shared by every command that runs an engine."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=True,
-                   help="HF-format model directory, FILE.gguf (converted once, cached) or "
-                   "'tiny' (the random test model)")  # fmt: skip
-    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-bytes", type=int, default=None)
-    g.add_argument("--kv-cache-fraction", type=float, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads for CPU compute (default: torch's, all cores); give "
-                   "each worker on a shared machine its share")  # fmt: skip
-    g.add_argument("--grammar-cache-bytes", type=int, default=64 << 20,
-                   help="memory for compiled structured-output grammars (LRU beyond)")  # fmt: skip
-    g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
-                   help="seconds a grammar may take to compile; a slower one is a 400")  # fmt: skip
-    g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", type=_lora_arg,
-                   help="a PEFT LoRA adapter directory served as NAME (repeatable; more at "
-                   "run time through /v1/load_lora_adapter); a worker with adapters runs "
-                   "the eager forward")  # fmt: skip
-    g.add_argument("--max-loras", type=int, default=4,
-                   help="LoRA adapters resident at once (one step mixes them)")  # fmt: skip
-    g.add_argument("--max-cpu-loras", type=int, default=8,
-                   help="LoRA adapters kept in host memory (least recently used out)")  # fmt: skip
-    g.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank accepted")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="run the model's eager forward: no torch.compile at start-up "
-                   "(also PDSERVE_ENFORCE_EAGER=1)")  # fmt: skip
-    add_tier_arguments(parser)
+    """The engine flags shared by every command that runs an engine (engine/engine_args.py)."""
+    from pdserve.config_cli import add_flags
+    from pdserve.engine.engine_args import EngineArgs
+    from pdserve.engine.kv_tiers.config import TierArgs
 
-
-def _lora_arg(value: str) -> str:
-    """``--lora``'s check at parse time: argparse names the flag in its error."""
-    import argparse
-
-    try:
-        parse_lora_flag(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return value
+    add_flags(parser, (EngineArgs, TierArgs))
 
 
 def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
@@ -146,13 +111,16 @@ def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
         cpu_threads=args.cpu_threads,
         # Adapter layers run eager (docs/lora.md): no compile for a worker that has some.
         compile=not (args.enforce_eager or env.eager_forced() or loras),
+        compile_in_background=not getattr(args, "compile_before_ready", False),
         grammar_cache_bytes=getattr(args, "grammar_cache_bytes", 64 << 20),
         grammar_compile_timeout_s=getattr(args, "grammar_compile_timeout", 10.0),
+        speculative=getattr(args, "speculative", None),
         lora=LoraConfig(
             max_loras=getattr(args, "max_loras", 4),
             max_cpu_loras=getattr(args, "max_cpu_loras", 8),
             max_lora_rank=getattr(args, "max_lora_rank", 64),
             loras=loras,
+            roots=tuple(getattr(args, "lora_root", None) or ()),
         ),
         kv_tiers=tier_config_from_args(args),
     )

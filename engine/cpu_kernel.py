@@ -90,6 +90,16 @@ def build(
     return target
 
 
+def needs_build() -> bool:
+    """The kernel can be built here and is not built yet (a first start: its build takes
+    a minute or more of one core on a small CPU, so a worker may serve with the gather
+    path meanwhile: engine/compile_job.py)."""
+    if env.get(env.CPU_KERNEL, "1") == "0" or load.cache_info().currsize:
+        return False
+    cxx = _compiler()
+    return cxx is not None and not library_path(cxx).exists()
+
+
 @cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None where it cannot be built here."""
@@ -100,13 +110,24 @@ def load() -> ctypes.CDLL | None:
         logger.warning("no C++ compiler found: CPU attention uses the slower gather path")
         return None
     try:
-        lib = ctypes.CDLL(str(build(cxx)))
+        lib = load_checked(build(cxx))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("CPU attention kernel failed to build (%s); using the gather path", detail)
         return None
     declare(lib)
     return lib
+
+
+def load_checked(path: Path) -> ctypes.CDLL:
+    """``path`` loaded from the fd that was checked: opened with O_NOFOLLOW, a regular
+    file, its seal verified on the fd (a shared cache), then loaded as /proc/self/fd/N, so
+    a file swapped in after the check is never the one that runs."""
+    fd = cache_seal.open_sealed(path.parent, path, cache_seal.ring(env.KERNEL_CACHE))
+    try:
+        return ctypes.CDLL(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
 
 
 def declare(lib: ctypes.CDLL) -> None:

@@ -22,6 +22,7 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine import prompt_logprobs
@@ -63,6 +64,9 @@ class Scheduler:
         self.watermark_blocks = max(1, blocks.num_blocks // 100)
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
+        # Speculative decoding (engine/spec_decode.py): draft tokens for a decode, given
+        # the budget left for them; None: off.
+        self.drafter: Callable[[Request, int], list[int]] | None = None
 
     @property
     def has_work(self) -> bool:
@@ -100,13 +104,24 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # preempted itself: nothing smaller is left to run
-            self.blocks.grow(req.block_ids, need)
-            out.chunks.append(ScheduledChunk.of(req, n))
+            draft = self._draft(req, need, budget - n)
+            self.blocks.grow(req.block_ids, need + len(draft))
+            out.chunks.append(ScheduledChunk.of(req, n, draft))
             self.running.append(req)
-            budget -= n
+            budget -= n + len(draft)
         for req in out.preempted:  # newest first, so the oldest ends up in front
             self.waiting.appendleft(req)
         return budget
+
+    def _draft(self, req: Request, need: int, room: int) -> list[int]:
+        """Draft tokens to verify with ``req``'s decode (none for a prompt chunk, or when
+        their KV would need blocks that are not free: drafts never preempt anyone)."""
+        if self.drafter is None or req.num_uncomputed_tokens != 1 or room <= 0:
+            return []
+        draft = self.drafter(req, room)
+        if draft and not self.blocks.can_grow(req.block_ids, need + len(draft)):
+            return []
+        return draft
 
     def _preempt(self, req: Request) -> None:
         self.blocks.free(req.block_ids)

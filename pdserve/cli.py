@@ -1,7 +1,8 @@
 """The ``pdserve`` command: one entry point, one subcommand per component.
 
-Each subcommand lives in the module that owns it; that module exposes
-``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported only
+Each subcommand lives in the module that owns it; that module exposes ``run(args) -> int``
+and its flags: ``FLAGS``, the args dataclasses its parser is generated from
+(pdserve/config_cli.py), or else ``add_arguments(parser)``. Modules are imported only
 when their subcommand runs, so ``pdserve render`` never imports torch.
 """
 
@@ -11,6 +12,9 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
+
+from pdserve import config_cli
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -27,6 +31,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("pdserve.planner.profile", "measure per-replica capacities"),
 }
 
+# The install extra (pyproject.toml) each command needs; the rest need pdserve[all].
+EXTRA_OF = {"router": "router", "prefill-worker": "worker", "decode-worker": "worker",
+            "generate": "worker", "tiny-model": "worker", "operator": "operator",
+            "render": "operator", "crds": "operator", "rotate-secret": "operator"}  # fmt: skip
+
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
@@ -34,6 +43,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     for name, (_module, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text)
     return parser, sub
+
+
+def command_parser_of(name: str, module: ModuleType) -> argparse.ArgumentParser:
+    """A command's parser: from its args dataclasses (``FLAGS``: pdserve/config_cli.py, with
+    ``--help`` short and ``--help-all``), else the module's own ``add_arguments``."""
+    prog, description = f"pdserve {name}", SUBCOMMANDS[name][1]
+    flags = getattr(module, "FLAGS", None)
+    if flags is not None:
+        return config_cli.build_parser(prog, description, flags)
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    module.add_arguments(parser)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,13 +68,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pdserve.local.parent_watch import watch_from_env
 
     watch_from_env()  # started by `pdserve up`: end with it (local/parent_watch.py)
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    command_parser = argparse.ArgumentParser(
-        prog=f"pdserve {name}", description=SUBCOMMANDS[name][1]
-    )
-    module.add_arguments(command_parser)
-    args = command_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        command_parser = command_parser_of(name, module)
+        args = command_parser.parse_args(argv[1:])
+        return int(module.run(args) or 0)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing in ("", "pdserve"):
+            raise
+        extra = EXTRA_OF.get(name, "all")
+        raise SystemExit(f"pdserve {name}: this install has no {missing!r}, which it needs: "
+                         f"pip install 'pdserve[{extra}]' (docs/images.md)") from exc  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ SERVICE_SECRET_ACCEPTED = "PDSERVE_SERVICE_SECRET_ACCEPTED"  # also accepted, ne
 SECRET_HEADER = "X-PDServe-Secret"  # the bearer header of old: workers refuse it (signing.py)
 BLOCK_HASH_KEY = "PDSERVE_BLOCK_HASH_KEY"  # the prefix cache's hash key (else from the secret)
 API_KEY = "PDSERVE_API_KEY"  # the router's client-facing key
+ADMIN_API_KEY = "PDSERVE_ADMIN_API_KEY"  # the router's key for /metrics and /workers
 ADVERTISE_HOST = "PDSERVE_ADVERTISE_HOST"  # the address peers use to reach a worker
 CACHE = "PDSERVE_CACHE"  # where `pdserve up` keeps downloaded models
 SERVICE = "PDSERVE_SERVICE"  # the LLMService name (set by the operator)
@@ -36,7 +37,10 @@ OPERATOR_AUTOSCALE_TICK = "PDSERVE_OPERATOR_AUTOSCALE_TICK"
 OPERATOR_ROUTER_METRICS_URL = "PDSERVE_OPERATOR_ROUTER_METRICS_URL"
 OPERATOR_MODEL_HOST_PATHS = "PDSERVE_OPERATOR_MODEL_HOST_PATHS"  # kopf_entry: pod policy
 OPERATOR_ALLOW_UNSAFE_POD_FIELDS = "PDSERVE_OPERATOR_ALLOW_UNSAFE_POD_FIELDS"
+OPERATOR_METRICS_URL_ALLOW = "PDSERVE_OPERATOR_METRICS_URL_ALLOW"  # CIDRs, comma-separated
+OPERATOR_NAMESPACE = "PDSERVE_OPERATOR_NAMESPACE"  # the operator's own (router NetworkPolicy)
 DEFAULT_IMAGE = "PDSERVE_DEFAULT_IMAGE"  # the operator's image for pods that name none
+KV_SHARED_PASSWORD = "PDSERVE_KV_SHARED_PASSWORD"  # the shared KV tier's password (a Secret)
 
 _warned: set[str] = set()
 

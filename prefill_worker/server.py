@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse
 from pdserve.prefill_worker.events_api import add_event_routes
 from pdserve.protocol.contract import PrefillReply, PrefillRequest, ReleaseReply, RequestRef, Usage
 from pdserve.protocol.outputs import HANDOFF, REQUEST_FAILED, RequestOutput
-from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS
 from pdserve.worker.http import (
     BadRequest,
     add_common_routes,
@@ -25,7 +24,7 @@ from pdserve.worker.http import (
     reply,
 )
 from pdserve.worker.lora_api import add_lora_routes
-from pdserve.worker.role import RoleWorker, add_kv_events_port
+from pdserve.worker.role import RoleWorker
 
 
 class PrefillWorker(RoleWorker):
@@ -91,14 +90,7 @@ class PrefillWorker(RoleWorker):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prefill worker's flags (worker/args.py)."""
     from pdserve.worker.http import add_worker_arguments
 
-    add_worker_arguments(parser, default_port=8100)
-    g = parser.add_argument_group("prefill")
-    add_kv_events_port(g, "default: port + 1")
-    g.add_argument(
-        "--lease-seconds",
-        type=float,
-        default=DEFAULT_LEASE_SECONDS,
-        help="how long handed-off KV is held unclaimed, and once claimed (one clock, here)",
-    )
+    add_worker_arguments(parser)

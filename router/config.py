@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pdserve.router.scheduling.tier_index import parse_weights
 
 PICKERS = ("max-score", "round-robin")  # best weighted score, or rotation (a baseline)
-ROUTING_MODES = ("prefix", "round-robin")  # the older --routing: max-score | round-robin
 PD_HANDOFFS = ("router", "decode")  # who calls the prefill worker (RouterConfig.pd_handoff)
 CACHE_ISOLATION = ("api-key", "none")  # a prefix-cache salt per API key, or one shared cache
 
@@ -70,7 +69,6 @@ def expand(pairs: Sequence[tuple[str, float]]) -> tuple[ScorerWeight, ...]:
 class RouterConfig:
     model_dir: str
     served_model_name: str = ""
-    routing: str = "prefix"  # older name of the picker: "prefix" (max-score) | "round-robin"
     picker: str = "max-score"  # PICKERS
     # Prompts whose uncached part is shorter than this go straight to a decode worker.
     disagg_threshold: int = 256
@@ -133,10 +131,6 @@ class RouterConfig:
     loras: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.routing not in ROUTING_MODES:
-            raise ValueError(f"unknown routing mode {self.routing!r}; valid: {list(ROUTING_MODES)}")
-        if self.routing == "round-robin":  # the older flag picks the picker
-            object.__setattr__(self, "picker", "round-robin")
         if self.picker not in PICKERS:
             raise ValueError(f"unknown picker {self.picker!r}; valid: {list(PICKERS)}")
         if self.pd_handoff not in PD_HANDOFFS:

@@ -4,152 +4,25 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 
 from pdserve import env
+from pdserve.config_cli import add_flags
 from pdserve.engine.model_source import resolve_model
-from pdserve.router.api.adapters import parse_lora
-from pdserve.router.config import (
-    CACHE_ISOLATION,
-    DECODE_SCORERS,
-    PD_HANDOFFS,
-    PICKERS,
-    PREFILL_SCORERS,
-    ROUTING_MODES,
-    RouterConfig,
-    parse_scorer,
-)
+from pdserve.router.args import CLIENT_KEEP_ALIVE_S as CLIENT_KEEP_ALIVE_S
+from pdserve.router.args import FLAGS as FLAGS
+from pdserve.router.config import DECODE_SCORERS, PREFILL_SCORERS, RouterConfig
 from pdserve.router.discovery.replicas import share
 from pdserve.router.discovery.workers import EndpointSource, StaticSource
 from pdserve.router.keys import read_key_file
-from pdserve.router.picker.cli import add_picker_arguments, run_picker
+from pdserve.router.picker.cli import run_picker
 
-API_KEY_ENV = env.API_KEY
-ADMIN_KEY_ENV = "PDSERVE_ADMIN_API_KEY"
-# Seconds an idle client connection stays open. uvicorn's default, 5 s, equals httpx's
-# pool expiry (the OpenAI SDK's) and is below aiohttp's 15 s: a client reused connections
-# the router was closing at that moment and the request failed ("Server disconnected":
-# 3 of 160 requests of a client pausing ~5 s between bursts, here). Longer than common client pools
-# (Go's 90 s) and load balancers' idle timeouts (60 s), so the client side gives up first.
-CLIENT_KEEP_ALIVE_S = 120
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model dir (tokenizer + config) or FILE.gguf")
-    p.add_argument("--served-model-name", default="", help="name clients use (default: dir name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL",
-                   help="prefill worker URLs")  # fmt: skip
-    p.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
-                   help="decode worker URLs")  # fmt: skip
-    p.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
-    p.add_argument("--workers-file", default="",
-                   help='JSON {"prefill": [URL], "decode": [URL]}, re-read on change '
-                   "(static discovery; used by pdserve up --autoscale)")  # fmt: skip
-    p.add_argument("--service", default="", help="LLMService name (kubernetes discovery)")
-    p.add_argument("--namespace", default="", help="namespace (default: the pod's own)")
-    keys = p.add_mutually_exclusive_group()
-    keys.add_argument("--api-key", default="", help=f"required bearer key (or env {API_KEY_ENV})")
-    keys.add_argument("--api-key-file", default="",
-                      help="file with one API key per line, optionally 'KEY priority=N'; "
-                      "re-read when it changes")  # fmt: skip
-    admin = p.add_mutually_exclusive_group()
-    admin.add_argument("--admin-api-key", default="",
-                       help="key that opens /metrics and /workers while API keys are on "
-                       f"(or env {ADMIN_KEY_ENV})")  # fmt: skip
-    admin.add_argument("--admin-api-key-file", default="", help="file of admin keys")
-    p.add_argument("--admin-port", type=int, default=0,
-                   help="a second port (on --host) where /metrics and /workers need no key; "
-                   "keep it off the tenants' network (0: none)")  # fmt: skip
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="requests in flight; beyond them they wait (--max-waiting)")  # fmt: skip
-    add_limit_arguments(p)
-    p.add_argument("--picker", choices=PICKERS, default="max-score")
-    p.add_argument("--routing", choices=ROUTING_MODES, default="prefix",
-                   help="older form of --picker: prefix = max-score")  # fmt: skip
-    p.add_argument("--disagg-threshold", type=int, default=256,
-                   help="uncached prompt tokens below which decode prefills locally")  # fmt: skip
-    p.add_argument("--pd-handoff", choices=PD_HANDOFFS, default="router",
-                   help="who calls the prefill worker: the router (then the decode worker "
-                   "with the KV handle), or the decode worker, named the prefill workers "
-                   "to use (one call per request at the router; docs/router.md)")  # fmt: skip
-    pairs = ", ".join(f"{n}={w:g}" for n, w in PREFILL_SCORERS)
-    p.add_argument("--scorer", action="append", type=_scorer, default=[], metavar="NAME=WEIGHT",
-                   help=f"a prefill scorer and its weight, repeated (default {pairs})")  # fmt: skip
-    pairs = ", ".join(f"{n}={w:g}" for n, w in DECODE_SCORERS)
-    p.add_argument("--decode-scorer", action="append", type=_scorer, default=[],
-                   metavar="NAME=WEIGHT", help=f"a decode scorer (default {pairs})")  # fmt: skip
-    for name in ("prefix", "load", "balance"):  # older flags: --scorer NAME=W
-        p.add_argument(f"--{name}-weight", type=float, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--default-max-tokens", type=int, default=16)
-    p.add_argument("--lora", action="append", type=_lora, default=[], metavar="NAME=PATH",
-                   help="a LoRA adapter served as model NAME (repeatable); its files are "
-                   "hashed here, and the workers get the same --lora")  # fmt: skip
-    p.add_argument("--prefix-index-max-blocks", type=int, default=1_000_000,
-                   help="block hashes the prefix index remembers, all workers together; "
-                   "beyond them the least recently used are forgotten (~200 B each)")  # fmt: skip
-    p.add_argument("--prefix-tier-weights", default="host=0.8,disk=0.5,shared=0.3",
-                   help="what a prefix hit in a prefill worker's KV tier is worth (the "
-                   "pool's is 1); a prefix in the shared tier is a hit on every prefill "
-                   "worker")  # fmt: skip
-    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
-    p.add_argument("--stall-timeout", type=float, default=10.0,
-                   help="seconds a decode stream or prefill may wait for a worker that fails "
-                        "its health check before it moves to another worker")  # fmt: skip
-    p.add_argument("--failover-wait", type=float, default=30.0,
-                   help="seconds a request whose decode workers all failed waits for one to "
-                        "come back (a restart) before it fails; 0: no wait")  # fmt: skip
-    p.add_argument("--keep-alive-timeout", type=int, default=CLIENT_KEEP_ALIVE_S,
-                   help="seconds an idle client connection stays open (longer than clients "
-                        "and load balancers keep theirs: docs/router.md)")  # fmt: skip
-    p.add_argument("--log-level", default="info")
-    add_picker_arguments(p)
-    p.add_argument("--procs", default="1",
-                   help="router processes on the port (SO_REUSEPORT), each with the full "
-                   "view; 'auto': the CPU limit (docs/router.md)")  # fmt: skip
-
-
-def add_limit_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("limits at the edge (docs/router.md)")
-    g.add_argument("--max-body-bytes", type=int, default=8 << 20,
-                   help="largest request body; larger is a 413 (default 8 MiB)")  # fmt: skip
-    g.add_argument("--max-prompt-chars", type=int, default=1 << 20,
-                   help="longest prompt text (all messages together) to tokenize")  # fmt: skip
-    g.add_argument("--max-schema-bytes", type=int, default=64 << 10,
-                   help="largest structured-output spec (JSON schema, regex, grammar, the "
-                   "tools of tool_choice required); larger is a 400")  # fmt: skip
-    g.add_argument("--tokenizer-threads", type=int, default=2,
-                   help="threads that parse and tokenize requests off the event loop")  # fmt: skip
-    g.add_argument("--rate-limit-rpm", type=int, default=0,
-                   help="requests per minute per API key (0: no limit); beyond it 429")  # fmt: skip
-    g.add_argument("--rate-limit-tpm", type=int, default=0,
-                   help="prompt + max_tokens per minute per API key (0: no limit)")  # fmt: skip
-    g.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a request body may take to arrive; then 408 (no slot is "
-                   "held meanwhile)")  # fmt: skip
-    g.add_argument("--router-replicas", type=int, default=1,
-                   help="router replicas that split the per-key budgets (rate limits, "
-                        "--max-concurrency-per-key): each enforces 1/N")  # fmt: skip
-    g.add_argument("--router-service", default=None,
-                   help="kubernetes: the router's own Service, its ready endpoints the "
-                        "replica count (default: the LLMService's; 'none': use "
-                        "--router-replicas)")  # fmt: skip
-    g.add_argument("--max-concurrency-per-key", type=int, default=0,
-                   help="requests one API key may have in flight or waiting (0: off)")  # fmt: skip
-    g.add_argument("--max-waiting", type=int, default=256,
-                   help="requests that wait for a slot beyond --max-queue, fairly across "
-                   "keys (0: a full queue is a 429 at once)")  # fmt: skip
-    g.add_argument("--queue-timeout", type=float, default=30.0,
-                   help="seconds a request waits for a slot before its 429")  # fmt: skip
-    g.add_argument("--stream-write-timeout", type=float, default=30.0,
-                   help="seconds a stream may wait for its client to read; then it is "
-                   "aborted and its KV freed (a slow reader)")  # fmt: skip
-    g.add_argument("--cache-isolation", choices=CACHE_ISOLATION, default="api-key",
-                   help="api-key: each API key has its own prefix cache (cached_tokens reveal "
-                   "nothing across keys); none: one cache shared by all")  # fmt: skip
+    """The router's flags (router/args.py) on ``p``."""
+    add_flags(p, FLAGS)
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -158,7 +31,7 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     if args.api_key_file:
         _check_key_file("--api-key-file", args.api_key_file)
         return ()
-    key = args.api_key or env.get(API_KEY_ENV)
+    key = args.api_key or env.get(env.API_KEY)
     return (key,) if key else ()
 
 
@@ -166,7 +39,7 @@ def admin_keys(args: argparse.Namespace) -> tuple[str, ...]:
     if args.admin_api_key_file:
         _check_key_file("--admin-api-key-file", args.admin_api_key_file)
         return ()
-    key = args.admin_api_key or os.environ.get(ADMIN_KEY_ENV, "")
+    key = args.admin_api_key or env.get(env.ADMIN_API_KEY)
     return (key,) if key else ()
 
 
@@ -188,28 +61,9 @@ def warn_if_open(cfg: RouterConfig, host: str) -> None:
                 host)  # fmt: skip
 
 
-def _lora(text: str) -> tuple[str, str]:
-    try:
-        return parse_lora(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _scorer(text: str) -> tuple[str, float]:
-    try:
-        return parse_scorer(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def prefill_scorers(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
-    """--scorer pairs (or the defaults), then the older --NAME-weight flags on top."""
-    pairs = list(args.scorer) or list(PREFILL_SCORERS)
-    for name in ("prefix", "load", "balance"):
-        weight = getattr(args, f"{name}_weight")
-        if weight is not None:
-            pairs.append((name, weight))
-    return tuple(pairs)
+    """--scorer pairs, or the defaults."""
+    return tuple(args.scorer) or PREFILL_SCORERS
 
 
 def num_procs(args: argparse.Namespace) -> int:
@@ -237,7 +91,6 @@ def build_config(
         proc_metrics_ports=proc_ports,
         model_dir=resolve_model(args.model, weights=False),
         served_model_name=args.served_model_name,
-        routing=args.routing,
         picker=args.picker,
         disagg_threshold=args.disagg_threshold,
         scorers=prefill_scorers(args),

@@ -130,9 +130,14 @@ class Runtime:
         """The caller's API key ("" when no keys are configured); 401 without a valid one."""
         return self.caller(request).key
 
-    def require_admin(self, request: Request) -> None:
+    def require_admin(self, request: Request, change: bool = False) -> None:
         """/metrics and /workers: open on ``--admin-port`` (kept off the tenants' network),
-        else an admin key while tenant keys are on (router/keys.py)."""
+        else an admin key while tenant keys are on (router/keys.py). A route that changes
+        state (``change``: LoRA load and unload) needs an admin key on every port, keys
+        or no keys: the admin port only opens what reads."""
+        if change:  # an admin key always, even with no tenant keys (router/keys.py)
+            self.keys.require_admin_key(request.headers.get("authorization", ""))
+            return
         server = request.scope.get("server") or ("", 0)
         if self.cfg.admin_port and server[1] == self.cfg.admin_port:
             return

@@ -51,6 +51,16 @@ MLA = {
     "n_shared_experts": 1,
     "first_k_dense_replace": 1,
 }
+GEMMA3 = {
+    "sliding_window": WINDOW,
+    "query_pre_attn_scalar": 24,
+    "num_hidden_layers": 4,
+    "sliding_window_pattern": 2,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -103,17 +113,14 @@ FAMILIES: list[Family] = [
     Family(
         "gemma3-text",
         "Gemma3TextConfig",
-        {
-            "sliding_window": WINDOW,
-            "query_pre_attn_scalar": 24,
-            "num_hidden_layers": 4,
-            "sliding_window_pattern": 2,
-            "rope_parameters": {
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
-            },
-        },
+        GEMMA3,
         "local/global layers with their own rope, q/k norms",
+    ),
+    Family(
+        "gemma3-config-softcap",
+        "Gemma3TextConfig",
+        {**GEMMA3, "attn_logit_softcapping": 5.0},
+        "attn_logit_softcapping in the config, never passed by Gemma 3's code: not applied",
     ),
     Family("phi3", "Phi3Config", {"sliding_window": WINDOW}, "fused QKV/gate-up, sliding window"),
     Family("olmo2", "Olmo2Config", {}, "q/k norms over all heads, post-norms"),
@@ -180,6 +187,13 @@ FAMILIES: list[Family] = [
         {"attention_chunk_size": WINDOW, "num_local_experts": 2, "intermediate_size_mlp": 128},
         "chunked local attention",
         refused="chunked local attention",
+    ),
+    Family(
+        "llama-config-window",
+        "LlamaConfig",
+        {"sliding_window": WINDOW},
+        "sliding_window in the config: transformers' cache windows, its mask does not",
+        refused="config sliding_window=8 that transformers' KV cache applies",
     ),
     Family(
         "qwen3-next",

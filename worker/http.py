@@ -25,16 +25,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve import env, keys
-from pdserve.engine.config import add_engine_arguments
 from pdserve.jsonguard import BadJSON, loads_checked
 from pdserve.protocol.codec import CodecError, from_dict, to_dict
 from pdserve.protocol.contract import AbortReply, RequestRef, WorkerStats
 from pdserve.protocol.outputs import REQUEST_FAILED, EngineDeadError, RequestFailed
 from pdserve.protocol.sampling_params import InvalidParameter
-from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 from pdserve.worker.auth import CallCheck, with_proof
 from pdserve.worker.core_client import EngineClient
-from pdserve.worker.core_config import DEFAULT_STALL_S, CoreConfig
+from pdserve.worker.core_config import CoreConfig
 from pdserve.worker.metrics import WorkerMetrics
 
 T = TypeVar("T")
@@ -54,28 +52,18 @@ class BadRequest(Exception):
         self.code = code
 
 
-def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
-    add_engine_arguments(parser)
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind")
-    g.add_argument("--port", type=int, default=default_port, help="HTTP port")
-    g.add_argument(
-        "--advertise-host",
-        default=env.get(env.ADVERTISE_HOST) or None,
-        help="address peers use to reach this worker (default: --host, or the pod IP)",
-    )
-    g.add_argument("--side-channel-port", type=int, default=None, help="default: port + 2")
-    g.add_argument("--worker-id", default=None, help="default: ROLE-HOST-PORT")
-    g.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
-    g.add_argument("--log-level", default="info")
-    g.add_argument("--core-stall-timeout", type=float, default=DEFAULT_STALL_S,
-                   help="seconds the engine core may go without a word before /health "
-                        "calls it hung (it sends one every second)")  # fmt: skip
+def add_worker_arguments(parser: argparse.ArgumentParser, decode: bool = False) -> None:
+    """A worker's flags (worker/args.py): the prefill worker's, or with ``decode`` the decode
+    worker's."""
+    from pdserve.config_cli import add_flags
+    from pdserve.worker.args import FLAGS_DECODE, FLAGS_PREFILL
+
+    add_flags(parser, FLAGS_DECODE if decode else FLAGS_PREFILL)
 
 
 def advertise_host(args: argparse.Namespace) -> str:
-    if args.advertise_host:
-        return str(args.advertise_host)
+    if args.advertise_host or env.get(env.ADVERTISE_HOST):
+        return str(args.advertise_host or env.get(env.ADVERTISE_HOST))
     if args.host not in ("0.0.0.0", "::", ""):
         return str(args.host)
     return os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
@@ -176,7 +164,11 @@ def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
     # HTTP loop runs Python: up to the switch interval (5 ms by default, most of a
     # decode step on a small model) before a step's tokens move on. A short one bounds it.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    worker = worker_cls(args)
+    try:
+        worker = worker_cls(args)
+    except RuntimeError as exc:  # the core refused the model (its probe) or died loading it
+        logger.error("%s worker: not started: %s", getattr(worker_cls, "ROLE", ""), exc)
+        return 1
     # Torch's and the app's objects stay alive for good: keep them out of the collector's
     # full passes (the engine core does the same for the model: worker/core_main.py).
     gc.collect()
@@ -224,7 +216,10 @@ def add_common_routes(
             return error_response(503, "engine is not running")
         if not engine.responsive:  # hung: the router moves this worker's streams
             return error_response(503, f"engine core silent for {engine.silent_s:.0f}s")
-        return JSONResponse({"status": "ok"})
+        stats = engine.stats()
+        if stats.fault:  # a step raised: out of service until its probe passes again
+            return error_response(503, f"engine step failed: {stats.fault}")
+        return JSONResponse({"status": "ok", "compile": stats.compile})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -29,7 +29,3 @@ class RoleWorker:
 
     def close(self) -> None:
         self.engine.shutdown()
-
-
-def add_kv_events_port(group: argparse._ArgumentGroup, help: str) -> None:
-    group.add_argument("--kv-events-port", type=int, default=None, help=help)

@@ -9,13 +9,15 @@ the disk tier still has).
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve import env
+from pdserve.config_cli import flag
+
 TIER_NAMES = ("host", "disk", "shared")
-SHARED_PASSWORD_ENV = "PDSERVE_KV_SHARED_PASSWORD"  # the shared store's password (a Secret)
+SHARED_PASSWORD_ENV = env.KV_SHARED_PASSWORD  # the shared store's password (a Secret)
 
 
 @dataclass(frozen=True)
@@ -50,29 +52,37 @@ class TierConfig:
         return [name for name, yes in zip(TIER_NAMES, on, strict=True) if yes]
 
 
-def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("KV tiers (docs/kv_tiers.md)")
-    g.add_argument("--kv-tier-host-bytes", type=int, default=0,
-                   help="bytes of host RAM for KV blocks evicted from the pool "
-                   "(0: off)")  # fmt: skip
-    g.add_argument("--kv-tier-host-compress", action="store_true",
-                   help="zlib-compress blocks in the host tier")  # fmt: skip
-    g.add_argument("--kv-tier-disk-path", default=None,
-                   help="directory of the local-disk KV tier (off without it)")  # fmt: skip
-    g.add_argument("--kv-tier-disk-bytes", type=int, default=8 << 30,
-                   help="size bound of the local-disk KV tier")  # fmt: skip
-    g.add_argument("--kv-tier-shared-url", default=None,
-                   help="redis://HOST:PORT/DB of the shared KV store (password: "
-                   f"${SHARED_PASSWORD_ENV})")  # fmt: skip
-    g.add_argument("--kv-tier-shared-ttl", type=int, default=None,
-                   help="seconds a block stays in the shared store "
-                   "(default: until the server evicts it)")  # fmt: skip
-    g.add_argument("--kv-tier-load-timeout", type=float, default=1.0,
-                   help="seconds a tier load may take; the rest of the prefix "
-                   "is recomputed")  # fmt: skip
-    g.add_argument("--kv-tier-write-queue-blocks", type=int, default=256,
-                   help="evicted blocks queued for writing; more are dropped, "
-                   "not waited for")  # fmt: skip
+TIERS = "KV tiers (docs/kv_tiers.md)"
+
+
+@dataclass(frozen=True)
+class TierArgs:
+    """The KV tiers below the pool: each is off until its flag sizes or names it."""
+
+    kv_tier_host_bytes: int = flag(
+        0, "bytes of host RAM for KV blocks evicted from the pool (0: off)", group=TIERS
+    )
+    kv_tier_host_compress: bool = flag(False, "zlib-compress blocks in the host tier", group=TIERS)
+    kv_tier_disk_path: str | None = flag(
+        None, "directory of the local-disk KV tier (off without it)", group=TIERS
+    )
+    kv_tier_disk_bytes: int = flag(8 << 30, "size bound of the local-disk KV tier", group=TIERS)
+    kv_tier_shared_url: str | None = flag(
+        None,
+        f"redis://HOST:PORT/DB of the shared KV store (password: ${SHARED_PASSWORD_ENV})",
+        group=TIERS,
+    )
+    kv_tier_shared_ttl: int | None = flag(
+        None,
+        "seconds a block stays in the shared store (default: until the server evicts it)",
+        group=TIERS,
+    )
+    kv_tier_load_timeout: float = flag(
+        1.0, "seconds a tier load may take; the rest of the prefix is recomputed", group=TIERS
+    )
+    kv_tier_write_queue_blocks: int = flag(
+        256, "evicted blocks queued for writing; more are dropped, not waited for", group=TIERS
+    )
 
 
 def tier_config_from_args(args: Any) -> TierConfig | None:

@@ -8,9 +8,9 @@ fetched as soon as the socket is connected, plus every KV event after the snapsh
 it. A subscription takes a moment to reach the publisher, so events published meanwhile
 are lost: the next load report (at least 10 a second) carries the ``kv_seq`` of the last
 event sent before it, which shows that, and the feed resyncs. So does a ``seq`` gap
-(the worker's entries are replaced, never left half right). A worker that does not serve
-``/kv_blocks`` (404: an older worker, the tests' fakes) is followed from its next event on,
-as before. A decode worker's feed carries load reports only; it is synced at the first.
+(the worker's entries are replaced, never left half right). A snapshot that cannot be had
+is fetched again until it can: the feed is not synced meanwhile. A decode worker's feed
+carries load reports only; it is synced at the first.
 The router reports ready (``Discovery.synced``) once every healthy worker's feed is.
 """
 
@@ -35,12 +35,8 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # a failed snapshot fetch is tried again after this
 DRAIN = 64  # messages read per call of the FD callback (EventSubscriber._drain)
-# What fetches a worker's snapshot: None when it has no such endpoint (404).
-Fetch = Callable[[str], Awaitable[KVSnapshot | None]]
-
-
-class NoSnapshot(Exception):
-    """The worker has no ``/kv_blocks`` (an older worker): follow its events from now."""
+# What fetches a worker's snapshot (raises when it cannot: it is fetched again).
+Fetch = Callable[[str], Awaitable[KVSnapshot]]
 
 
 @dataclass
@@ -76,7 +72,6 @@ class EventSubscriber:
         self.num_reports = 0
         self.num_bad = 0
         self.num_resyncs = 0
-        self._legacy: set[str] = set()  # workers without /kv_blocks: followed from events
 
     @property
     def addresses(self) -> set[str]:
@@ -188,7 +183,7 @@ class EventSubscriber:
             feed.held.append(ev)
             return
         last = self.index.last_seq(feed.worker_id)
-        if feed.synced and self.fetch is not None and feed.url and self._followed(feed) \
+        if feed.synced and self.fetch is not None and feed.url \
                 and last is not None and ev.seq != last + 1:  # fmt: skip
             log.warning("KV events of %s: seq %d after %d, resyncing", feed.worker_id, ev.seq,
                         last)  # fmt: skip
@@ -213,14 +208,10 @@ class EventSubscriber:
             # past it: the worker restarted (its cache is empty; its next event may be
             # long in coming). An older report arriving after a snapshot is behind, not 0.
             restarted = rep.kv_seq == 0 and last > 0
-            if (rep.kv_seq > last or restarted) and self._followed(feed):
+            if rep.kv_seq > last or restarted:
                 log.info("KV events of %s: report says seq %d, index at %d; resyncing",
                          feed.worker_id, rep.kv_seq, last)  # fmt: skip
                 self._start_resync(feed, [])
-
-    def _followed(self, feed: Feed) -> bool:
-        """Whether the index follows this worker by seq (not a legacy, snapshot-less one)."""
-        return feed.worker_id not in self._legacy
 
     # -- catching up ----------------------------------------------------------------
     def _start_resync(self, feed: Feed, held: list[KVEventView]) -> None:
@@ -239,12 +230,6 @@ class EventSubscriber:
                 continue
             break
         held, feed.held, feed.resync = feed.held or [], None, None
-        if snap is None:  # no /kv_blocks: follow its events from now on
-            self._legacy.add(feed.worker_id)
-            for ev in held:
-                self.index.apply(ev)
-            feed.synced = True
-            return
         self.index.load_snapshot(feed.worker_id, snap.seq, snap.block_hashes)
         for i, ev in enumerate(held):
             if ev.seq <= snap.seq:
@@ -259,9 +244,8 @@ class EventSubscriber:
 
 
 _LISTS = ("loras", "lora_known")
-_INTS = tuple(
-    f.name for f in dataclasses.fields(LoadReport) if f.name not in (*_LISTS, "worker_id")
-)
+_STRS = ("worker_id", "compile", "fault")
+_INTS = tuple(f.name for f in dataclasses.fields(LoadReport) if f.name not in (*_LISTS, *_STRS))
 
 
 def parse_report(data: bytes) -> LoadReport:
@@ -281,7 +265,12 @@ def parse_report(data: bytes) -> LoadReport:
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise ValueError(f"load_report {name} must be a list of strings")
         kw[name] = v
-    return LoadReport(worker_id=str(body.get("worker_id", "")), **kw)  # type: ignore[arg-type]
+    for name in _STRS:
+        v = body.get(name, "")
+        if not isinstance(v, str):
+            raise ValueError(f"load_report {name} must be a string")
+        kw[name] = v
+    return LoadReport(**kw)  # type: ignore[arg-type]
 
 
 # The name the rest of the router used for it before load reports joined the stream.

@@ -159,11 +159,9 @@ class Discovery:
             if v.healthy and v.stats.kv_events
         )
 
-    async def fetch_kv_snapshot(self, url: str) -> KVSnapshot | None:
-        """A prefill worker's ``GET /kv_blocks`` (signed); None when it has none (404)."""
+    async def fetch_kv_snapshot(self, url: str) -> KVSnapshot:
+        """A prefill worker's ``GET /kv_blocks`` (signed)."""
         status, snap = await get_message(self.client, url + "/kv_blocks", KVSnapshot, 10.0)
-        if status == 404:
-            return None
         if snap is None:
             raise ValueError(f"GET {url}/kv_blocks answered {status}")
         return snap

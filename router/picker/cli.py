@@ -21,24 +21,6 @@ MODES = ("router", "endpoint-picker")
 DEFAULT_GRPC_PORT = 9002  # the extension's usual port for the picker's ext_proc service
 
 
-def add_picker_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("endpoint picker (Gateway API Inference Extension, docs/router.md)")
-    g.add_argument("--mode", choices=MODES, default="router",
-                   help="router: the OpenAI router; endpoint-picker: an Envoy ext_proc "
-                   "service picking the decode pod (and prefill worker) for a gateway")  # fmt: skip
-    g.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT,
-                   help="the picker's ext_proc and gRPC health port")  # fmt: skip
-    g.add_argument("--fallbacks", type=int, default=2,
-                   help="endpoints named after the primary, which the gateway's retries "
-                   "walk in order")  # fmt: skip
-    g.add_argument("--target-port", type=int, default=0,
-                   help="the port the gateway dials on a picked decode pod (the InferencePool's "
-                   "targetPort: its front); 0: the decode worker's own port")  # fmt: skip
-    g.add_argument("--prefill-from-header", action="store_true",
-                   help="a decode pod's front: prefill on the worker the picker named in its "
-                   "signed x-prefiller-host-port header, else locally")  # fmt: skip
-
-
 def target_of(port: int) -> Callable[[WorkerView], str] | None:
     """The endpoint the gateway dials for a decode worker: its host, ``port``."""
     if not port:

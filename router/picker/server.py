@@ -80,6 +80,11 @@ class ExtProc(ep_grpc.ExternalProcessorServicer):
         if kind == "request_headers":
             ex.headers = msgs.header_map(msg.request_headers)
             ex.subset = msgs.subset_hint(msg)
+            try:  # a bad key is refused before the picker buffers a byte of its body
+                self.picker.rt.keys.caller(ex.headers.get("authorization", ""))
+            except APIError as err:
+                yield _refusal(err)
+                return
             if msg.request_headers.end_of_stream:  # no body (a GET): load alone picks
                 yield await self._routed(ex, None, in_body=False)
             elif not ex.duplex_request:

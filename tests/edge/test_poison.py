@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.loopback import all_kv_free, secret_auth
+from pdserve.testing.loopback import all_kv_free, secret_auth
 
 pytestmark = pytest.mark.timeout(300)
 JSON = {"content-type": "application/json"}

@@ -63,7 +63,7 @@ def test_failed_compile_falls_back_to_eager(
 
         return forward
 
-    monkeypatch.setattr(model_runner.compiled, "compile_model", broken)
+    monkeypatch.setattr(model_runner.compiled, "compiled_forward", broken)
     assert model_runner.compiled is compiled
     engine = make_engine(num_blocks=64, compile=True)
     assert not engine.runner.compiled and engine.runner.forward is engine.runner.model

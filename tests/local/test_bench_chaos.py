@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.loopback import run_bench
+from pdserve.testing.loopback import run_bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -88,7 +88,7 @@ def test_router_command_line_matches_the_router_parser(tmp_path: Path) -> None:
     cluster.procs += [Proc("p0", "prefill", "http://h:1", [], tmp_path / "x"),
                       Proc("p1", "prefill", "http://h:2", [], tmp_path / "x"),
                       Proc("d0", "decode", "http://h:3", [], tmp_path / "x")]  # fmt: skip
-    ns = argparse.Namespace(routing="round-robin", disagg_threshold=5, api_key="k",
+    ns = argparse.Namespace(picker="round-robin", disagg_threshold=5, api_key="k",
                             router_arg=["--rate-limit-rpm=60"])  # fmt: skip
     cluster._spawn = lambda proc: cluster.procs.append(proc)  # type: ignore[method-assign]
     router = cluster.start_router(0, args=router_args(ns))
@@ -96,7 +96,7 @@ def test_router_command_line_matches_the_router_parser(tmp_path: Path) -> None:
     router_add_arguments(parser)
     args = parser.parse_args(router.argv[4:])  # after: python -m pdserve router
     assert args.prefill == ["http://h:1", "http://h:2"] and args.decode == ["http://h:3"]
-    assert (args.routing, args.disagg_threshold, args.api_key) == ("round-robin", 5, "k")
+    assert (args.picker, args.disagg_threshold, args.api_key) == ("round-robin", 5, "k")
     assert args.rate_limit_rpm == 60  # --router-arg reaches the router
 
 

@@ -30,7 +30,14 @@ import httpx
 import pytest
 
 from pdserve.local.proc_group import end_group, poll_until, signal_group
-from tests.loopback import ROOT, all_kv_free, free_port, secret_auth, sse_chunks, worker_port_base
+from pdserve.testing.loopback import (
+    ROOT,
+    all_kv_free,
+    free_port,
+    secret_auth,
+    sse_chunks,
+    worker_port_base,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -67,7 +74,7 @@ def up(tiny_model_dir: Path, tmp_path_factory):
     argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tiny_model_dir),
             "--port", str(free_port()), "--prefill", "1", "--decode", "3",
             "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
-            "--routing", "round-robin", "--disagg-threshold", "32", "--log-dir", str(logs),
+            "--picker", "round-robin", "--disagg-threshold", "32", "--log-dir", str(logs),
             "--worker-port-base", str(worker_port_base()),
             "--worker-arg=--max-model-len", "--worker-arg=1024",
             # hung workers are found in seconds here (defaults: 30 s and 10 s)

@@ -33,7 +33,7 @@ import httpx
 import pytest
 
 from pdserve.local.proc_group import end_group, poll_until
-from tests.loopback import all_kv_free, free_port, worker_port_base
+from pdserve.testing.loopback import all_kv_free, free_port, worker_port_base
 
 # serial: the SLO recovers once the new worker serves, measured in wall-clock TTFT; beside
 # another xdist worker's cluster on the 2 cores it read 1.0 s against the 0.7 s SLO.
@@ -74,7 +74,7 @@ def autoscaled_up(
     port = free_port()  # workers from 20000-30199: below Linux's ephemeral ports (32768+)
     return [sys.executable, "-m", "pdserve", "up", "--model", str(model),
             "--port", str(port), "--served-model-name", "tiny", "--prefill", "0",
-            "--decode", str(decode), "--kv-transport", "tcp", "--routing", "round-robin",
+            "--decode", str(decode), "--kv-transport", "tcp", "--picker", "round-robin",
             "--worker-port-base", str(worker_port_base()), "--log-dir", str(tmp_path / "logs"),
             *(f"--worker-arg={a}" for a in ["--device", "cpu", "--max-num-seqs", "4", *engine]),
             "--autoscale", "--profile", str(profile), "--autoscale-interval", interval,

@@ -1,4 +1,4 @@
-"""The router's LoRA tests' fake workers: tests/router/fakes.py's, plus the workers' LoRA
+"""The router's LoRA tests' fake workers: pdserve/testing/router_fakes.py's, plus the workers' LoRA
 endpoints (worker/lora_api.py's bodies and errors) and ``loras`` / ``lora_known`` in
 their ``/stats``; prefill KV events hashed under the request's adapter, as the engine does.
 """
@@ -25,8 +25,17 @@ from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource
 from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.testing.router_fakes import (
+    BLOCK,
+    FakeState,
+    _error,
+    _stats,
+    decode_app,
+    prefill_app,
+    serve,
+    stored_event,
+)
 from tests.router.conftest import Cluster
-from tests.router.fakes import BLOCK, FakeState, _error, _stats, decode_app, prefill_app, serve
 
 
 def write_adapter(root: Path, name: str, seed: int = 0) -> Path:
@@ -95,10 +104,7 @@ def keyed_prefill(app: FastAPI, st: FakeState, pub: zmq.asyncio.Socket) -> None:
             body = decode(await request.body(), PrefillRequest)
             extra = body.lora.hash if body.lora is not None else None
             hashes = block_hashes(body.prompt_token_ids, BLOCK, salt_root(body.cache_salt, extra))
-            ev = {"type": "kv_event", "kind": "stored", "worker_id": st.worker_id,
-                  "seq": st.seq, "block_hashes": hashes}  # fmt: skip
-            st.seq += 1
-            await pub.send_multipart([b"kv", json.dumps(ev).encode()])
+            await pub.send_multipart([b"kv", stored_event(st, hashes)])
         return await call_next(request)
 
 

@@ -73,10 +73,10 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_cli_config_and_api_keys(tmp_path, monkeypatch) -> None:
     args = _parse("--model", "/m", "--decode", "h:1", "--prefill", "h:2", "--prefill", "h:3",
-                  "--routing", "round-robin", "--disagg-threshold", "99",
+                  "--picker", "round-robin", "--disagg-threshold", "99",
                   "--max-queue", "7")  # fmt: skip
     cfg = build_config(args)
-    assert (cfg.routing, cfg.disagg_threshold, cfg.max_queue, cfg.api_keys) == (
+    assert (cfg.picker, cfg.disagg_threshold, cfg.max_queue, cfg.api_keys) == (
         "round-robin", 99, 7, ())  # fmt: skip
     assert args.prefill == ["h:2", "h:3"]
     monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
@@ -100,13 +100,11 @@ def test_scorers_are_name_weight_pairs_and_round_robin_is_a_picker() -> None:
     cfg = build_config(_parse("--model", "/m", "--scorer", "running=3", "--decode-scorer", "kv=2"))
     assert [(s.name, s.weight) for s in cfg.decode_scorers] == [("free-kv", 2.0)]
     assert not cfg.uses_prefix  # no prefix scorer: no block hashes, no index lookups
-    # The older flags still work: --routing round-robin picks the round-robin picker, and
-    # --prefix-weight is --scorer prefix=W on top of the defaults.
-    cfg = build_config(_parse("--model", "/m", "--routing", "round-robin"))
+    cfg = build_config(_parse("--model", "/m", "--picker", "round-robin"))
     assert cfg.picker == "round-robin" and not cfg.uses_prefix
-    assert build_config(_parse("--model", "/m", "--picker", "round-robin")).picker == "round-robin"
-    cfg = build_config(_parse("--model", "/m", "--prefix-weight", "5"))
-    assert ("prefix-match", 5.0) in [(s.name, s.weight) for s in cfg.prefill_scorers]
+    for retired in ("--routing", "--prefix-weight", "--load-weight", "--balance-weight"):
+        with pytest.raises(SystemExit):  # the older forms are gone: argparse names them
+            _parse("--model", "/m", retired, "1")
     with pytest.raises(ValueError, match=r"unknown scorer .typo.; valid: .*or a group"):
         build_config(_parse("--model", "/m", "--scorer", "typo=1"))
     with pytest.raises(SystemExit):

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.router.api.errors import APIError
 from pdserve.router.api.fields import CHAT, COMPLETIONS, NO_EFFECT, ONLY, check_fields
-from tests.loopback import ROOT
+from pdserve.testing.loopback import ROOT
 
 
 def _documented() -> set[str]:

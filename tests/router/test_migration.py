@@ -1,7 +1,7 @@
 """Stream migration against fake workers: a decode worker that breaks mid-stream hands
 the request to the next one with every token already sent; a request fault is not moved.
 
-The fakes (tests/router/fakes.py) continue a resumed request from where the
+The fakes (pdserve/testing/router_fakes.py) continue a resumed request from where the
 ``resume_token_ids`` leave it, so the client's text shows a repeated or missing
 token at once. The same with real workers and ``kill -9``: tests/local/test_up_resilience.py.
 """
@@ -44,7 +44,7 @@ async def _text_before_error(c, match: str) -> str:
 
 @pytest.mark.parametrize("threshold", [16, 10_000])  # remote prefill, local prefill
 async def test_stream_moves_to_another_decode_worker(cluster_factory, threshold: int) -> None:
-    async with cluster_factory(n_decode=2, disagg_threshold=threshold, routing="round-robin") as c:
+    async with cluster_factory(n_decode=2, disagg_threshold=threshold, picker="round-robin") as c:
         dead = _first(c)
         c.decode[dead].fail = "mid-stream"
         stream = await client(c.url).completions.create(
@@ -61,7 +61,7 @@ async def test_stream_moves_to_another_decode_worker(cluster_factory, threshold:
 
 
 async def test_non_streaming_request_moves_too(cluster_factory) -> None:
-    async with cluster_factory(n_decode=2, disagg_threshold=10_000, routing="round-robin") as c:
+    async with cluster_factory(n_decode=2, disagg_threshold=10_000, picker="round-robin") as c:
         c.decode[_first(c)].fail = "mid-stream"
         out = await client(c.url).completions.create(model="tiny", prompt="hi", max_tokens=6)
         assert out.choices[0].text == " t0 t1 t2 t3 t4 t5"
@@ -71,7 +71,7 @@ async def test_non_streaming_request_moves_too(cluster_factory) -> None:
 
 
 async def test_request_fault_mid_stream_is_not_migrated(cluster_factory) -> None:
-    async with cluster_factory(n_decode=2, disagg_threshold=10_000, routing="round-robin") as c:
+    async with cluster_factory(n_decode=2, disagg_threshold=10_000, picker="round-robin") as c:
         first = _first(c)
         c.decode[first].fail = "error-mid"
         assert await _text_before_error(c, "request failed: injected") == " t0 t1"
@@ -127,7 +127,7 @@ async def _stalled(c, role: str = "decode") -> float:
 async def test_stream_on_a_hung_worker_moves_on(cluster_factory, fault: str) -> None:
     """A worker that hangs closes nothing: its stream would wait request_timeout_s (600 s).
     Quiet for stall_timeout_s and failing its health check, it is cut and moves on."""
-    async with cluster_factory(n_decode=2, disagg_threshold=10_000, routing="round-robin",
+    async with cluster_factory(n_decode=2, disagg_threshold=10_000, picker="round-robin",
                                stall_timeout_s=0.5) as c:  # fmt: skip
         hung = _first(c)
         c.decode[hung].fail = fault
@@ -155,7 +155,7 @@ async def test_quiet_stream_on_a_healthy_worker_is_left_alone(cluster_factory) -
 
 @pytest.mark.parametrize("n_prefill", [2, 1])  # the next prefill worker; a local prefill
 async def test_prefill_on_a_hung_worker_moves_on(cluster_factory, n_prefill: int) -> None:
-    async with cluster_factory(n_prefill=n_prefill, disagg_threshold=16, routing="round-robin",
+    async with cluster_factory(n_prefill=n_prefill, disagg_threshold=16, picker="round-robin",
                                stall_timeout_s=0.5) as c:  # fmt: skip
         hung = c.prefill_urls.index(sorted(c.prefill_urls)[0])
         c.prefill[hung].fail = "stall"

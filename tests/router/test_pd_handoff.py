@@ -1,7 +1,7 @@
 """``--pd-handoff decode``: the decode worker calls the prefill worker (decode_worker/chain.py).
 
 The fake decode worker runs the real decode worker's ``PrefillChain`` against the fake
-prefill workers (tests/router/fakes.py), so these check the router's side (one call per
+prefill workers (pdserve/testing/router_fakes.py), so these check the router's side (one call per
 request, the candidates named, aborts reaching them) and the chain's failover together;
 tests/workers/test_pd_handoff_real.py runs the real workers.
 """
@@ -60,7 +60,7 @@ async def test_one_token_ends_at_the_prefill(cluster_factory) -> None:
 
 
 async def test_failed_prefill_worker_moves_to_the_next(cluster_factory) -> None:
-    async with cluster_factory(n_prefill=2, routing="round-robin", **CHAIN) as c:
+    async with cluster_factory(n_prefill=2, picker="round-robin", **CHAIN) as c:
         c.prefill[0].fail = "500"
         for _ in range(4):
             out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=3)
@@ -72,7 +72,7 @@ async def test_failed_prefill_worker_moves_to_the_next(cluster_factory) -> None:
 
 
 async def test_a_failed_prefill_worker_is_tried_last_for_a_while(cluster_factory) -> None:
-    async with cluster_factory(n_prefill=2, routing="round-robin", **CHAIN) as c:
+    async with cluster_factory(n_prefill=2, picker="round-robin", **CHAIN) as c:
         c.prefill[0].fail = "500"  # its health check passes: the router keeps naming it
         for _ in range(6):
             out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=2)
@@ -117,7 +117,7 @@ async def test_a_hung_prefill_worker_costs_the_stall_timeout_not_the_call_timeou
     process). The decode worker waits on it (its own timeout is 30 s here); the router
     cuts that call after ``stall_timeout_s``, aborts the request (ending the decode
     worker's wait) and sends it again naming only p1. The decode worker is not blamed."""
-    async with cluster_factory(n_prefill=2, routing="round-robin", stall_timeout_s=0.5,
+    async with cluster_factory(n_prefill=2, picker="round-robin", stall_timeout_s=0.5,
                                **CHAIN) as c:  # fmt: skip
         c.prefill[0].fail = "stall"
         t0 = asyncio.get_running_loop().time()

@@ -1,6 +1,6 @@
 """Prefix-aware routing end to end through the router, with the fakes' real KV events.
 
-The fake prefill workers (tests/router/fakes.py) stand in for the real ones and
+The fake prefill workers (pdserve/testing/router_fakes.py) stand in for the real ones and
 publish ``stored`` events over ZeroMQ like them.
 """
 
@@ -51,7 +51,7 @@ async def test_groups_stick_to_one_prefill_worker(cluster_factory) -> None:
 
 
 async def test_round_robin_spreads_groups(cluster_factory) -> None:
-    async with cluster_factory(n_prefill=2, disagg_threshold=16, routing="round-robin") as c:
+    async with cluster_factory(n_prefill=2, disagg_threshold=16, picker="round-robin") as c:
         where, hits = await _run_groups(c)
         assert all(len(ws) == 2 for ws in where.values()), where
         assert hits == 3 * 2  # each group missed once on each worker

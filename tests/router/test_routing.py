@@ -89,7 +89,7 @@ def test_ranking_lists_every_candidate_for_retries() -> None:
 
 
 def test_round_robin_rotates_in_url_order() -> None:
-    cfg = RouterConfig(model_dir="/m", routing="round-robin", disagg_threshold=64)
+    cfg = RouterConfig(model_dir="/m", picker="round-robin", disagg_threshold=64)
     snap = Snapshot((P("b"), P("a", queued=99_999), D("d1"), D("d2")))
     seq = [plan_route(snap, REQ(640, {"b": 40}), cfg, random.Random(0), i) for i in range(4)]
     assert [p.prefill[0].worker_id for p in seq] == ["a", "b", "a", "b"]
@@ -132,9 +132,9 @@ def test_unknown_scorer_lists_valid_ones() -> None:
         get_scorer("nope")
 
 
-def test_config_rejects_unknown_routing_mode() -> None:
+def test_config_rejects_unknown_picker() -> None:
     with pytest.raises(ValueError, match="round-robin"):
-        RouterConfig(model_dir="/m", routing="random")
+        RouterConfig(model_dir="/m", picker="random")
 
 
 def test_a_snapshots_pools_are_worked_out_once() -> None:

@@ -252,7 +252,7 @@ async def test_a_client_that_stops_reading_is_aborted_and_others_go_on(cluster_f
 async def test_admin_port_opens_admin_endpoints_without_a_key(cluster_factory) -> None:
     """With --admin-port, /metrics and /workers answer there without a key (the operator's
     scrape), while the API port still refuses a tenant key; the API on the admin port
-    still needs a key."""
+    still needs a key, and LoRA load/unload need the admin key there too (issue 44)."""
     import socket
 
     import uvicorn
@@ -277,6 +277,16 @@ async def test_admin_port_opens_admin_endpoints_without_a_key(cluster_factory) -
                     assert (await h.get(c.url + path, headers=tenant)).status_code == 403
                 r = await h.post(admin + "/v1/completions", json=OK)
                 assert r.status_code == 401
+                # routes that change state need the admin key on the admin port too
+                load = {"lora_name": "evil", "lora_path": "/etc"}
+                r = await h.post(admin + "/v1/load_lora_adapter", json=load)
+                assert r.status_code == 401, r.text
+                r = await h.post(admin + "/v1/unload_lora_adapter", json={"lora_name": "x"})
+                assert r.status_code == 401, r.text
+                tenant = {"Authorization": "Bearer tenant"}
+                r = await h.post(admin + "/v1/load_lora_adapter", json=load, headers=tenant)
+                assert r.status_code == 403, r.text
+                assert c.runtime.loras.get("evil") is None
         finally:
             server.should_exit = True
             await task

@@ -42,11 +42,12 @@ from pdserve.protocol.contract import (
     WorkerStats,
 )
 from pdserve.protocol.hashing import block_hashes
+from pdserve.protocol.kv_events import KVSnapshot
 from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.transport import worker_client
 from pdserve.signed_httpx import SignedAuth
+from pdserve.testing.loopback import free_port
 from pdserve.worker.http import BadRequest, SecretCheck
-from tests.loopback import free_port
 
 # The suite's service secret (tests/conftest.py): the router under test reads it from the
 # environment, as every real process does, and the fakes require it.
@@ -78,7 +79,8 @@ class FakeState:
     requests: list[Any] = field(default_factory=list)  # PrefillRequest | GenerateRequest
     aborted: list[str] = field(default_factory=list)
     cached: set[int] = field(default_factory=set)
-    seq: int = 0
+    seq: int = 0  # the last KV event's (a real worker's first event is 1)
+    published: set[int] = field(default_factory=set)  # stored by the KV events sent
     # The throughput bench's long runs: keep no per-request record, and release leases
     # through one pooled client (a client per call cost the fake more than the router).
     keep_records: bool = True
@@ -139,6 +141,15 @@ def _common(app: FastAPI, st: FakeState) -> None:
         return to_dict(AbortReply(found))
 
 
+def stored_event(st: FakeState, hashes: list[int]) -> bytes:
+    """The next KV event of ``st``'s stream: ``hashes`` stored (seq and snapshot kept)."""
+    st.seq += 1
+    st.published.update(hashes)
+    ev = {"type": "kv_event", "kind": "stored", "worker_id": st.worker_id, "seq": st.seq,
+          "block_hashes": hashes}  # fmt: skip
+    return json.dumps(ev).encode()
+
+
 def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI:
     app = FastAPI()
     _common(app, st)
@@ -146,13 +157,17 @@ def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI
     # of one engine step in one message. Here a step is a loop turn: every request
     # prefilled in it (at least one; a real step holds as many as it batched).
     step: list[bytes] = []
-    out = zmq.Socket.shadow(pub.underlying) if pub is not None else None
+    out: zmq.Socket[bytes] | None = zmq.Socket.shadow(pub.underlying) if pub is not None else None
 
     def publish() -> None:
         frames = [b"kv", *step]
         step.clear()
         assert out is not None
         out.send_multipart(frames)  # a PUB socket never blocks (it drops at its high mark)
+
+    @app.get("/kv_blocks")
+    async def kv_blocks() -> dict[str, Any]:  # as a real worker's (prefill_worker/events_api.py)
+        return to_dict(KVSnapshot(st.worker_id, st.seq, sorted(st.published)))
 
     @app.post("/release")
     async def release(request: Request) -> dict[str, Any]:
@@ -180,12 +195,9 @@ def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI
         cached = next((i for i, h in enumerate(hashes) if h not in st.cached), len(hashes))
         st.cached.update(hashes)
         if pub is not None:
-            ev = {"type": "kv_event", "kind": "stored", "worker_id": st.worker_id,
-                  "seq": st.seq, "block_hashes": hashes}  # fmt: skip
-            st.seq += 1
             if not step:
                 asyncio.get_running_loop().call_soon(publish)
-            step.append(json.dumps(ev).encode())
+            step.append(stored_event(st, hashes))
         first = 100 + sum(ids) % 50
         done = body.sampling.max_tokens == 1
         handle = None

@@ -1,0 +1,105 @@
+"""The workers' flags: the engine's (engine/engine_args.py), the server's and each role's.
+
+``pdserve prefill-worker`` takes ``FLAGS_PREFILL``, ``pdserve decode-worker``
+``FLAGS_DECODE`` (pdserve/config_cli.py). The worker's front end builds its engine core's
+:class:`~pdserve.worker.core_config.CoreConfig` from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve import env
+from pdserve.config_cli import flag
+from pdserve.engine.engine_args import EngineArgs
+from pdserve.transfer.registry import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_TRANSFER_TIMEOUT,
+    DEFAULT_TRANSPORT,
+    TRANSPORT_NAMES,
+)
+from pdserve.worker.core_config import DEFAULT_STALL_S
+
+SERVER, PREFILL, DECODE = "server", "prefill", "decode"
+DEFAULT_PREFILL_TIMEOUT_S = 120.0  # a decode worker's wait for the prefill worker it calls
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Where a worker listens, how peers reach it, and how its KV moves."""
+
+    host: str = flag("127.0.0.1", "address to bind", group=SERVER, short=True)
+    port: int = flag(8100, "HTTP port", group=SERVER, short=True)
+    advertise_host: str | None = flag(
+        None,
+        "address peers use to reach this worker (default: --host, or the pod IP)",
+        group=SERVER,
+        env=env.ADVERTISE_HOST,
+    )
+    side_channel_port: int | None = flag(
+        None, "the KV side channel's port (default: port + 2)", group=SERVER
+    )
+    worker_id: str | None = flag(None, "the worker's name (default: ROLE-HOST-PORT)", group=SERVER)
+    kv_transport: str = flag(
+        DEFAULT_TRANSPORT,
+        "how KV moves between workers",
+        group=SERVER,
+        short=True,
+        choices=TRANSPORT_NAMES,
+    )
+    log_level: str = flag("info", "logging level", group=SERVER)
+    core_stall_timeout: float = flag(
+        DEFAULT_STALL_S,
+        "seconds the engine core may go without "
+        "a word before /health calls it hung (it sends one every "
+        "second)",
+        group=SERVER,
+    )
+
+
+@dataclass(frozen=True)
+class DecodeServerArgs(ServerArgs):
+    port: int = flag(8200, "HTTP port", group=SERVER, short=True)
+
+
+@dataclass(frozen=True)
+class PrefillArgs:
+    """A prefill worker's own."""
+
+    kv_events_port: int | None = flag(
+        None, "its KV events' ZeroMQ port (default: port + 1)", group=PREFILL
+    )
+    lease_seconds: float = flag(
+        DEFAULT_LEASE_SECONDS,
+        "how long handed-off KV is held unclaimed, and once claimed (one clock, here)",
+        group=PREFILL,
+    )
+
+
+@dataclass(frozen=True)
+class DecodeArgs:
+    """A decode worker's own."""
+
+    kv_events_port: int | None = flag(
+        None, "its load reports' ZeroMQ port (default: port + 1)", group=DECODE
+    )
+    transfer_timeout: float = flag(
+        DEFAULT_TRANSFER_TIMEOUT, "seconds per KV load (claim, read, confirm)", group=DECODE
+    )
+    on_transfer_failure: str = flag(
+        "recompute",
+        "recompute the prompt locally, or fail the request",
+        group=DECODE,
+        choices=("recompute", "fail"),
+    )
+    prefill_timeout: float = flag(
+        DEFAULT_PREFILL_TIMEOUT_S,
+        "seconds to wait for a prefill "
+        "worker's reply when this worker calls it (the router's "
+        "--pd-handoff decode); then the next one, or a local prefill",
+        group=DECODE,
+    )
+
+
+FLAGS_PREFILL = (EngineArgs, ServerArgs, PrefillArgs)
+FLAGS_DECODE = (EngineArgs, DecodeServerArgs, DecodeArgs)
