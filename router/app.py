@@ -15,15 +15,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.router import metrics_merge
-from pdserve.router.api import adapters
-from pdserve.router.api.errors import APIError
+from pdserve.router import adapters, metrics_merge
 from pdserve.router.api.lora_admin import add_lora_admin_routes
 from pdserve.router.api.responses.serve import serve_responses
 from pdserve.router.api.serving import serve
 from pdserve.router.api.tokenize_api import detokenize, handle, tokenize
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import EndpointSource
+from pdserve.router.errors import APIError
 from pdserve.router.runtime import Runtime
 from pdserve.router.tokenizer import PromptTokenizer
 

@@ -127,7 +127,7 @@ class RouterConfig:
     # (the router, then the decode worker with the KV handle) or "decode" (the decode worker,
     # named the prefill workers to use: one worker call per request at the router).
     pd_handoff: str = "router"
-    # LoRA adapters (--lora NAME=PATH), served as models of that name (router/api/adapters.py)
+    # LoRA adapters (--lora NAME=PATH), served as models of that name (router/adapters.py)
     loras: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:

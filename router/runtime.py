@@ -17,15 +17,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pdserve.protocol.contract import LoraRef
+from pdserve.router.adapters import Adapter, AdapterTable
 from pdserve.router.admission import Admission, Ticket
-from pdserve.router.api.adapters import Adapter, AdapterTable
-from pdserve.router.api.errors import APIError
 from pdserve.router.api.openai_request import check_model
 from pdserve.router.api_keys import OPEN, Caller, KeyStore
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.events import EventSubscriber
 from pdserve.router.discovery.replicas import replica_count
 from pdserve.router.discovery.workers import Discovery, EndpointSource
+from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.scheduling.prefix_index import PrefixIndex

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.router.api import openai_response
-from pdserve.router.api.errors import APIError, invalid
 from pdserve.router.api.logprobs_format import LogprobsFormatter
+from pdserve.router.errors import APIError, invalid
 from pdserve.router.transport.dispatch import Delta, RequestState
 
 MAX_PROMPT_LOGPROBS = 20

@@ -24,12 +24,12 @@ from pdserve.router import edge
 from pdserve.router.api import openai_response
 from pdserve.router.api.client_stream import ClientGone, SSEStream, guarded
 from pdserve.router.api.echo import Echo, echo_for, scored_only
-from pdserve.router.api.errors import APIError, invalid
 from pdserve.router.api.grammar_limits import check_grammar
 from pdserve.router.api.logprobs_format import LogprobsFormatter
 from pdserve.router.api.openai_request import CompletionRequest, check_model, parse_request
 from pdserve.router.api.tool_output import ToolOutput
 from pdserve.router.api.tools import chat_inputs
+from pdserve.router.errors import APIError, invalid
 from pdserve.router.picker import prefill_header
 from pdserve.router.runtime import Runtime, Ticket
 from pdserve.router.scheduling.routing import RoutePlan

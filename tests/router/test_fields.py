@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from pdserve.router.api.errors import APIError
 from pdserve.router.api.fields import CHAT, COMPLETIONS, NO_EFFECT, ONLY, check_fields
+from pdserve.router.errors import APIError
 from pdserve.testing.loopback import ROOT
 
 

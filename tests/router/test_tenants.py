@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pdserve.router.admission import Admission
-from pdserve.router.api.errors import APIError
+from pdserve.router.errors import APIError
 from tests.router.raw_http import connect, read_reply
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.router.api.errors import invalid
+from pdserve.router.errors import invalid
 
 # Honoured (translated to the chat request, or echoed back in the response object).
 RESPONSES = frozenset({

@@ -16,11 +16,11 @@ from fastapi.responses import Response
 
 from pdserve.router import edge
 from pdserve.router.api import serving
-from pdserve.router.api.errors import APIError
 from pdserve.router.api.openai_request import CompletionRequest
 from pdserve.router.api.responses.output import Events, Shape, output_items, status_of, usage
 from pdserve.router.api.responses.request import chat_body
 from pdserve.router.api.tool_output import ToolOutput
+from pdserve.router.errors import APIError
 from pdserve.router.runtime import Runtime
 from pdserve.router.transport.dispatch import Delta, RequestState
 
