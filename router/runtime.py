@@ -18,15 +18,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pdserve.protocol.contract import LoraRef
+from pdserve.router.adapters import Adapter, AdapterTable
 from pdserve.router.admission import Admission, Ticket
-from pdserve.router.api.adapters import Adapter, AdapterTable
-from pdserve.router.api.errors import APIError
-from pdserve.router.api.protocol import check_model
+from pdserve.router.api.openai_request import check_model
+from pdserve.router.api_keys import OPEN, Caller, KeyStore
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.events import EventSubscriber
 from pdserve.router.discovery.replicas import replica_count
 from pdserve.router.discovery.workers import Discovery, EndpointSource
-from pdserve.router.keys import OPEN, Caller, KeyStore
+from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.scheduling.prefix_index import PrefixIndex
@@ -134,10 +134,10 @@ class Runtime:
 
     def require_admin(self, request: Request, change: bool = False) -> None:
         """/metrics and /workers: open on ``--admin-port`` (kept off the tenants' network),
-        else an admin key while tenant keys are on (router/keys.py). A route that changes
+        else an admin key while tenant keys are on (router/api_keys.py). A route that changes
         state (``change``: LoRA load and unload) needs an admin key on every port, keys
         or no keys: the admin port only opens what reads."""
-        if change:  # an admin key always, even with no tenant keys (router/keys.py)
+        if change:  # an admin key always, even with no tenant keys (router/api_keys.py)
             self.keys.require_admin_key(request.headers.get("authorization", ""))
             return
         server = request.scope.get("server") or ("", 0)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pdserve.router.admission import Admission
-from pdserve.router.api.errors import APIError
+from pdserve.router.errors import APIError
 from tests.router.raw_http import connect, read_reply
 
 pytestmark = pytest.mark.timeout(60)
@@ -187,8 +187,8 @@ async def test_api_keys_reload_from_their_file(cluster_factory, tmp_path: Path) 
 
 
 def test_key_lines_and_open_router_warning(caplog: pytest.LogCaptureFixture) -> None:
+    from pdserve.router.api_keys import parse_key_lines
     from pdserve.router.config import RouterConfig
-    from pdserve.router.keys import parse_key_lines
     from pdserve.router.main import warn_if_open
 
     assert parse_key_lines("a\n# c\n b priority=3\n\nc priority=-1") == {"a": 0, "b": 3, "c": -1}
