@@ -113,7 +113,7 @@ def lora_escapes(model_dir: Path) -> int:
     from test_lora_files import lora_path_probe
     from transformers import AutoModelForCausalLM
 
-    from tests.lora_adapters import SPECS, write_adapter
+    from pdserve.testing.lora_adapters import SPECS, write_adapter
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                               local_files_only=True).eval()  # fmt: skip
