@@ -27,7 +27,7 @@ from pdserve.local.planner_loop import config_from_args
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
 from pdserve.local.supervise import Supervisor
 from pdserve.local.up_args import FLAGS as FLAGS
-from pdserve.router.api.adapters import parse_lora
+from pdserve.router.adapters import parse_lora
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

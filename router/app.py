@@ -15,15 +15,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.router import metrics_merge
-from pdserve.router.api import adapters
-from pdserve.router.api.errors import APIError
+from pdserve.router import adapters, metrics_merge
 from pdserve.router.api.lora_admin import add_lora_admin_routes
-from pdserve.router.api.responses_serve import serve_responses
+from pdserve.router.api.responses.serve import serve_responses
 from pdserve.router.api.serving import serve
 from pdserve.router.api.tokenize_api import detokenize, handle, tokenize
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import EndpointSource
+from pdserve.router.errors import APIError
 from pdserve.router.runtime import Runtime
 from pdserve.router.tokenizer import PromptTokenizer
 
@@ -146,7 +145,7 @@ def create_app(
         return JSONResponse({**body, "workers_compile": dict(compile_states)})
 
     # With API keys on, /metrics and /workers are the operator's: an admin key opens them
-    # (router/keys.py), a tenant's does not. /health and /livez stay open for probes.
+    # (router/api_keys.py), a tenant's does not. /health and /livez stay open for probes.
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         rt().require_admin(request)

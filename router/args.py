@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pdserve import env
 from pdserve.config_cli import flag
-from pdserve.router.api.adapters import parse_lora
+from pdserve.router.adapters import parse_lora
 from pdserve.router.config import (
     DECODE_SCORERS,
     PD_HANDOFFS,

@@ -76,7 +76,7 @@ class RouterConfig:
     decode_scorer_weights: tuple[tuple[str, float], ...] = DECODE_SCORERS
     max_queue: int = 256  # requests in flight in the router; beyond them requests wait
     api_keys: tuple[str, ...] = ()
-    api_key_file: str = ""  # KEY [priority=N] lines, re-read on change (router/keys.py)
+    api_key_file: str = ""  # KEY [priority=N] lines, re-read on change (router/api_keys.py)
     admin_api_keys: tuple[str, ...] = ()  # open /workers and /metrics while keys are on
     admin_api_key_file: str = ""
     admin_port: int = 0  # requests arriving on it open /metrics and /workers without a key
@@ -127,7 +127,7 @@ class RouterConfig:
     # (the router, then the decode worker with the KV handle) or "decode" (the decode worker,
     # named the prefill workers to use: one worker call per request at the router).
     pd_handoff: str = "router"
-    # LoRA adapters (--lora NAME=PATH), served as models of that name (router/api/adapters.py)
+    # LoRA adapters (--lora NAME=PATH), served as models of that name (router/adapters.py)
     loras: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:

@@ -45,9 +45,9 @@ from pdserve.protocol.contract import (
 )
 from pdserve.protocol.hashing import block_hashes, hash_key, salt_root
 from pdserve.protocol.sampling_params import SamplingParams
-from pdserve.router.api.errors import APIError
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import Discovery
+from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.scheduling import disagg
 from pdserve.router.scheduling.prefix_index import PrefixIndex
