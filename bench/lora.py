@@ -13,7 +13,7 @@ routing with adapter affinity on vs off (issue 27).
   what ``/v1/load_lora_adapter`` and a cache miss cost before the first step).
 * routing: bench/lora_routing.py, the router's ``plan_route`` over a simulated pool.
 
-Adapters: PEFT's own (tests/lora_adapters.py), ranks 8 and 16, attention-only and
+Adapters: PEFT's own (pdserve/testing/lora_adapters.py), ranks 8 and 16, attention-only and
 attention + MLP alternately. The last stdout line is JSON; ``load_avg_*`` is
 ``os.getloadavg()`` before and after.
 
@@ -50,7 +50,7 @@ from pdserve.engine.lora_files import LoraConfig  # noqa: E402
 from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
 from pdserve.protocol.contract import LoraRef  # noqa: E402
 from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
-from tests.lora_adapters import ATTENTION, MLP, AdapterSpec, write_adapter  # noqa: E402
+from pdserve.testing.lora_adapters import ATTENTION, MLP, AdapterSpec, write_adapter  # noqa: E402
 
 NUM_ADAPTERS = 8
 GOAL = 0.7

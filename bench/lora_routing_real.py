@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 from pdserve import env  # noqa: E402
 from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
 from pdserve.local.proc_group import end_group  # noqa: E402
-from tests.loopback import all_kv_free, free_port, wait_until_up  # noqa: E402
-from tests.lora_adapters import ATTENTION, AdapterSpec, write_adapter  # noqa: E402
+from pdserve.testing.loopback import all_kv_free, free_port, wait_until_up  # noqa: E402
+from pdserve.testing.lora_adapters import ATTENTION, AdapterSpec, write_adapter  # noqa: E402
 
 ADAPTERS = 6
 OFF = ["--router-arg=--decode-scorer=kv=1", "--router-arg=--decode-scorer=running=1",

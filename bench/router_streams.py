@@ -1,6 +1,6 @@
 """Many concurrent streams through one router: held with no error, memory bounded.
 
-The tests' fake prefill and decode workers (``tests/router/fakes.py``, in a child process,
+The tests' fake prefill and decode workers (``pdserve/testing/router_fakes.py``, in a child process,
 as in ``bench/router_throughput.py``), the decode one pacing its tokens ``--token-delay``
 apart, and ``pdserve router`` in front (decode-direct). ``--streams`` streamed completions
 are opened at once and read to their end; meanwhile the router's resident memory (all its
@@ -56,7 +56,7 @@ def rss_mb(pid: int) -> float:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from pdserve.engine.tiny_model import write_tiny_model
-    from tests.loopback import free_port
+    from pdserve.testing.loopback import free_port
 
     model = str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
     env = {**os.environ, SERVICE_SECRET: os.environ.get(SERVICE_SECRET) or os.urandom(16).hex()}

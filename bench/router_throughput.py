@@ -1,6 +1,6 @@
 """The router's own cost per request, in front of the tests' fake workers.
 
-Starts the fake prefill and decode workers of ``tests/router/fakes.py`` in one process
+Starts the fake prefill and decode workers of ``pdserve/testing/router_fakes.py`` in one process
 (signed calls and KV events as in the router tests) and ``pdserve router`` in another,
 then drives it from this process with ``--concurrency`` streamed completions of
 ``--prompt-tokens`` token ids (and text prompts of about as many tokens), on three
@@ -40,6 +40,8 @@ from typing import Any
 
 import aiohttp
 import figures  # bench/figures.py, beside this script
+from lib.procfs import tree_cpu_seconds
+from lib.stats import percentile
 from spread import spread  # bench/spread.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +51,6 @@ from pdserve import keys, signing  # noqa: E402
 from pdserve.env import SERVICE_SECRET  # noqa: E402
 from pdserve.local.proc_group import end_group  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
 ROUTER_CPUS, CLIENT_CPUS = {1}, {0}  # --pin
 # The paths: --disagg-threshold for each (the prompts are 64 tokens), and who calls the
 # prefill worker on the P/D path (--pd-handoff: pd-chain has the decode worker call it).
@@ -132,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve_fakes(token_delay_s: float = 0.0, workers: int = 1) -> None:
     """The child: ``workers`` fake prefill workers (each with its KV events) and as many fake
     decode workers, in this one process (the router tests' ``start_fakes``)."""
-    from tests.router.fakes import start_fakes
+    from pdserve.testing.router_fakes import start_fakes
 
     leases: dict[str, int] = {}  # every prefill worker's: a decode worker ends any of them
     async with contextlib.AsyncExitStack() as stack:
@@ -152,11 +153,7 @@ async def serve_fakes(token_delay_s: float = 0.0, workers: int = 1) -> None:
 
 def cpu_seconds(pid: int) -> float:
     """CPU of the router: the process and, with --procs, its router processes."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    own = (int(fields[11]) + int(fields[12])) / TICK
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return own + sum(cpu_seconds(int(c)) for c in f.read().split())
+    return tree_cpu_seconds(pid)
 
 
 def write_calls(pid: int) -> int:
@@ -269,7 +266,8 @@ async def paced(calls: list[Any], rate: float) -> list[float]:
 
 
 def pct(xs: list[float], q: float) -> float:
-    return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 2) if xs else 0.0
+    """The ``q`` quantile of latencies in seconds, as milliseconds to two places."""
+    return round(1000 * percentile(xs, q), 2)
 
 
 def direct_call(http: aiohttp.ClientSession, decode_url: str, ring: keys.KeyRing,
@@ -365,7 +363,7 @@ FLOORS = ("bare", "calls", "lean", "lean-stream")
 async def run_floor(args: argparse.Namespace, env: dict[str, str]) -> list[dict[str, Any]]:
     """The floor phases (``--floor``): bench/floor_apps.py's front, bare, with the two
     worker calls, and lean, driven as the router is (token ids; no added-latency phase)."""
-    from tests.loopback import free_port
+    from pdserve.testing.loopback import free_port
 
     args = argparse.Namespace(**{**vars(args), "profile": ""})  # never profiled
     apps = str(Path(__file__).resolve().parent / "floor_apps.py")
@@ -426,7 +424,7 @@ def load_avg() -> float:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from pdserve.engine.tiny_model import write_tiny_model
-    from tests.loopback import free_port
+    from pdserve.testing.loopback import free_port
 
     model = str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
     env = {**os.environ, SERVICE_SECRET: os.environ.get(SERVICE_SECRET) or os.urandom(16).hex()}

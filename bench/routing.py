@@ -42,6 +42,7 @@ from typing import Any
 
 import figures  # bench/figures.py, beside this script
 import httpx
+from lib.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -245,8 +246,8 @@ def bare_proxy(worker_url: str) -> Iterator[str]:
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(int(q * len(xs)), len(xs) - 1)] * 1000.0
+    """The ``q`` quantile of latencies in seconds, in milliseconds."""
+    return percentile(xs, q) * 1000.0
 
 
 async def overhead(h, router_url, decode_url, proxy_url, model, vocab, args) -> dict[str, float]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from lib.stats import percentile
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,7 @@ async def run_point(url: str, model: str, load: Load, concurrency: int) -> dict[
 
 
 def _pct(values: list[float], p: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
+    return percentile(values, p / 100)
 
 
 def summarize(samples: list[Sample], wall: float, concurrency: int) -> dict[str, float]:

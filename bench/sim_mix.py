@@ -41,10 +41,10 @@ from sim_mix_sweep import (
     per_replica,
     tpot_sweep,
 )
-from sim_scenarios import _lognormal
 
 from pdserve.planner.config import SLO, PlannerConfig
 from pdserve.planner.mix import COLOCATED, choose_mix
+from pdserve.planner.sim.scenarios import _lognormal
 
 __all__ = ["fluid_ceiling", "mix_section"]
 SEEDS_FULL = (0, 1, 2)

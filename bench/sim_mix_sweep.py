@@ -4,7 +4,7 @@ The gain of the best disaggregated mix over colocation depends on how close the 
 target ``T`` is to one decode step: a colocated replica pays the prompts' prefill time
 out of its decode steps' slack ``T - a`` (``a``: a decode step's fixed cost), so the
 fluid ceiling is ``x = T / (T - a)`` at most (``fluid_ceiling``). One figure at one TPOT
-says little; ``tpot_sweep`` measures the ratio step by step (sim_goodput.py) at TPOT
+says little; ``tpot_sweep`` measures the ratio step by step (planner/sim/goodput.py) at TPOT
 targets from 1.1x to 2.5x one decode step at the scenario's mean context, next to the
 fluid ceiling at each.
 
@@ -21,11 +21,11 @@ from dataclasses import replace
 
 import figures
 import numpy as np
-from sim_goodput import Link, goodput
 
 from pdserve.planner.capacity import Profile
 from pdserve.planner.config import SLO
 from pdserve.planner.presets import H100_LLAMA3_8B
+from pdserve.planner.sim.goodput import Link, goodput
 
 PROFILE = H100_LLAMA3_8B
 # 8 replicas: the best mix is a prefill share of ~30-50% here, which 4 replicas can only

@@ -5,7 +5,7 @@
 A colocated replica (no prefill pool) runs steps that carry its decode batch and a
 prefill chunk together (engine/scheduler.py: running sequences take one token each
 of ``max_num_batched_tokens``, a waiting prompt chunks what is left). The step
-simulator (sim_goodput.py) charges such a step
+simulator (planner/sim/goodput.py) charges such a step
 
     decode.step_time(B, C) + n / prefill.tokens_per_s + attention_s_per_token_sq * n^2
 
@@ -61,7 +61,7 @@ def predictions(prof: Profile, b: int, c: int, n: int) -> dict[str, float]:
     chunk = n / p.tokens_per_s + p.attention_s_per_token_sq * n * n
     dec = d.step_time(b, c)
     return {
-        "additive": dec + chunk,  # what sim_goodput.py charges
+        "additive": dec + chunk,  # what planner/sim/goodput.py charges
         "max": max(dec, p.chunk_overhead_s + chunk),
         "two_steps": dec + p.chunk_overhead_s + chunk,
     }

@@ -6,7 +6,7 @@
 A step trace (low rate, a few times higher, low again; prompts ~256 tokens, outputs
 ~16) is replayed in real time against ``pdserve up --autoscale`` (tiny model, CPU,
 1 prefill + 1 decode worker to start, each pool 1..2, every prompt prefilled
-remotely), then in the simulated cluster (sim_replay.py) on the profile's costs with
+remotely), then in the simulated cluster (planner/sim/replay.py) on the profile's costs with
 the planner built by the same ``config_from_args`` from the same flags. Start-up is
 measured, not assumed, on both sides: ``pdserve up`` times each worker from spawn to
 /health 200 and its planner sizes for the mean (``--worker-startup`` is only the prior
@@ -14,7 +14,7 @@ until the first two workers are ready); the simulated pods take that measured ti
 the simulated planner plans with it. The profile is measured first with
 ``pdserve profile`` (same machine, same moment) unless ``--profile`` names one.
 The simulated cluster shares this machine's cores the way the real processes do (the
-host model, sim_host.py, built from /proc measurements of the real run by
+host model, planner/sim/host.py, built from /proc measurements of the real run by
 sim_vs_real_host.py; ``sim_own_cores`` is the same replay with a core per replica).
 Prints TTFT p50/p90 and replica-seconds of both and, last, one JSON line with
 ``sim_vs_real_ttft_p90_error`` = |sim - real| / real (goal <= 0.25). The machine's
@@ -39,13 +39,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import figures
 import sim_vs_real_record as record
-from sim_replay import SimReplay, Trace, replay
 from sim_vs_real_host import describe, measure_host
 from sim_vs_real_up import RealRun, run_real
 
 from pdserve.local.autoscale import max_starting
 from pdserve.local.planner_loop import config_from_args
 from pdserve.local.up import add_arguments as up_arguments
+from pdserve.planner.sim.replay import SimReplay, Trace, replay
 
 INTERVAL_S = 2.0
 
@@ -189,14 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     dump = json.loads((work / "real.json").read_text())
     end = trace.duration_s + drain
     host = measure_host(dump, cfg.profile, int(trace.arrival.size), end)
-    cap = args.max_starting or 0  # as up ran it (sim_cluster.py mirrors it)
+    cap = args.max_starting or 0  # as up ran it (planner/sim/cluster.py mirrors it)
     sim = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=host, max_starting=cap)
     out = report(args, trace, real, sim, startup, load_before, os.getloadavg())
     out["host"] = describe(host)
     # a core per replica
     own = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, max_starting=cap)
     out["sim_own_cores"] = stats(own.ttft, own.replica_s)
-    # the host model before it stretched bursts (sim_host.py: queueing), for comparison
+    # the host model before it stretched bursts (planner/sim/host.py: queueing), for comparison
     unqueued = replace(host, queueing=False)
     flat_q = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=unqueued,
                     max_starting=cap)  # fmt: skip

@@ -3,7 +3,7 @@
 A thread samples, every ``period_s``, the cumulative CPU time (user + system) of every
 process under ``pdserve up`` (named by role: ``up``, ``router``, ``prefill-0``, ...), of
 this process (the load client), and the whole machine's busy time from /proc/stat. What
-it gives the simulator's host model (sim_host.py): the CPU seconds the router, the
+it gives the simulator's host model (planner/sim/host.py): the CPU seconds the router, the
 client and ``pdserve up`` itself spent per request, what a worker spent starting, and
 how much of the cores other people's jobs took meanwhile.
 
@@ -57,7 +57,7 @@ def autogroup_of(pid: int, proc: str = "/proc") -> Autogroup:
     """The autogroup ``pid`` is scheduled in (``/proc/PID/autogroup``, e.g.
     ``/autogroup-3371 nice 19``). With ``kernel.sched_autogroup_enabled`` every session
     is one CFS group at the top level, weighted by this nice, not by its processes' nice
-    (sim_host.py). A process in the root group (kernel threads, init's session; the
+    (planner/sim/host.py). A process in the root group (kernel threads, init's session; the
     file is empty) is ``(0, its own nice)``: it competes there by itself."""
     text = Path(proc, str(pid), "autogroup").read_text().split()
     if len(text) >= 3 and text[0].startswith("/autogroup-") and text[1] == "nice":
@@ -149,7 +149,7 @@ class Sample:
     procs: dict[str, float]  # role name -> cumulative CPU seconds
     # the other jobs: pid -> (CPU seconds since the previous sample, nice, autogroup id,
     # autogroup nice), busy ones only; the host model shares the cores with them by CFS
-    # weight (sim_host.py)
+    # weight (planner/sim/host.py)
     others: dict[int, tuple[float, int, int, int]] = field(default_factory=dict)
     groups: dict[str, int] = field(default_factory=dict)  # our role -> its autogroup's nice
 
@@ -160,7 +160,7 @@ class CpuSampler:
     period_s: float = 0.5
     proc: str = "/proc"  # a synthetic tree in tests
     # lower our processes' autogroups to their nice (``nice -n 19`` means nothing to the
-    # other sessions otherwise: sim_host.py); False leaves them as the kernel made them
+    # other sessions otherwise: planner/sim/host.py); False leaves them as the kernel made them
     polite: bool = True
     secret: str = ""  # the service secret: a forked core's worker is asked for its core_pid
     samples: list[Sample] = field(default_factory=list)

@@ -1,4 +1,5 @@
-"""The host model's inputs (sim_host.py), from what the real replay measured (sim_vs_real.py).
+"""The host model's inputs (planner/sim/host.py), from what the real replay measured
+(sim_vs_real.py).
 
 ``dump`` is what sim_vs_real_up.py wrote beside the run (``real.json``): /proc CPU
 samples of every process on the trace clock (the first from ``pdserve up``'s launch),
@@ -16,7 +17,9 @@ import re
 from dataclasses import replace
 
 import numpy as np
-from sim_host import (
+
+from pdserve.planner.capacity import Profile
+from pdserve.planner.sim.host import (
     Host,
     autogroup_entities,
     cpu_slowdown,
@@ -25,8 +28,6 @@ from sim_host import (
     nice_weight,
     speed,
 )
-
-from pdserve.planner.capacity import Profile
 
 READY = re.compile(r"autoscaler: (\S+) ready")
 STOPPED = re.compile(r"autoscaler: (?:\w+: )?draining and stopping (\S+)")
@@ -86,10 +87,10 @@ def _background(dump: dict, end_s: float, window_s: float = WINDOW_S) -> tuple[n
 def _jobs(
     dump: dict, end_s: float, our_nice: int, window_s: float = WINDOW_S, ours: tuple = ()
 ) -> tuple[tuple, ...]:
-    """The other jobs' processes as CFS groups (sim_host.job_groups), per ``window_s`` of
+    """The other jobs' processes as CFS groups (sim.host.job_groups), per ``window_s`` of
     the trace, on the windows ``_background`` keeps (those with a sampling period). With
     ``ours`` (our autogroups' nice per kept window: ``_our_groups``) the recording's
-    autogroups are used: one CFS entity per session (sim_host.autogroup_entities)."""
+    autogroups are used: one CFS entity per session (sim.host.autogroup_entities)."""
     edges = np.arange(0.0, end_s + window_s, window_s)
     used: list[dict[int, float]] = [{} for _ in edges]
     about: dict[int, tuple[int, ...]] = {}  # pid -> (nice[, autogroup id, autogroup nice])

@@ -27,7 +27,7 @@ model left out"): the other jobs as the always-runnable threads that left a pref
 engine of the calibration, while a request waited for it, the share of a core it got
 (sim_vs_real_host.backlogged_share, runnable_threads); the CPU per request of the router,
 the client and the workers' non-engine threads; the serving path refit so that the idle
-probe comes back (probe_consistent); a starting worker's CPU (sim_host.py); and the
+probe comes back (probe_consistent); a starting worker's CPU (planner/sim/host.py); and the
 simulated cluster's prefill costs, the profile's times what a prefill cost the
 calibration's queued engines over what the profile says (backlogged_cost, scaled_prefill:
 1.03x at load average 18, 1.55x at 25; the planner keeps the profile, as the real one).
@@ -38,8 +38,8 @@ how much of the error is the machine having changed; ``sim_speed_hindsight``: to
 how much more or less engine CPU the scored run's requests took than the calibration's;
 ``sim_timeline_host``: the errors of the host model before, sim_vs_real.py's). The host
 model's tuned constants were fixed before the first scored run (``constants`` in the
-JSON: BURST_WINDOW_S of sim_cluster.py, chosen on the 2026-12-02 recordings; RHO_MAX of
-sim_host.py).
+JSON: BURST_WINDOW_S of planner/sim/cluster.py, chosen on the 2026-12-02 recordings; RHO_MAX of
+planner/sim/host.py).
 
 The last stdout line is JSON: ``sim_vs_real_ttft_p90_error`` (all requests),
 ``..._scaling`` (requests that arrived in a 10 s window touched by a scale event,
@@ -65,9 +65,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_vs_real_windows as win
-from sim_cluster import BURST_WINDOW_S
-from sim_host import RHO_MAX, Host
-from sim_replay import SimReplay, Trace, replay
 from sim_vs_real import INTERVAL_S, measure_profile, stats, up_flags
 from sim_vs_real_host import (
     MIN_BACKLOG_S,
@@ -84,6 +81,9 @@ from pdserve.local.autoscale import default_max_starting
 from pdserve.local.planner_loop import config_from_args
 from pdserve.local.up import add_arguments as up_arguments
 from pdserve.planner.capacity import Profile
+from pdserve.planner.sim.cluster import BURST_WINDOW_S
+from pdserve.planner.sim.host import RHO_MAX, Host
+from pdserve.planner.sim.replay import SimReplay, Trace, replay
 
 RATES = (1.0, 5.0, 10.0, 1.0)  # req/s per phase
 PHASES = (30.0, 70.0, 80.0, 60.0)  # s
@@ -101,7 +101,7 @@ CALIBRATION = RECORDINGS / "2026-12-03-1223-scaling-calibration"
 CONSTANTS = {
     "BURST_WINDOW_S": BURST_WINDOW_S,
     "RHO_MAX": RHO_MAX,
-    "fixed": "2026-12-02, on the step-trace recordings (sim_cluster.py, sim_host.py)",
+    "fixed": "2026-12-02, on the step-trace recordings (planner/sim: cluster.py, host.py)",
 }
 # the host model of the prediction (Recording.host); "timeline": the one of the 12:31 and
 # 12:41 figures (0.932, 0.692), before the saturated machine's share was measured

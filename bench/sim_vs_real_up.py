@@ -23,11 +23,11 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-from sim_replay import Trace
 from sim_vs_real_cpu import CpuSampler, Sample, autogroup_enabled, cpu_between, nice_of
 
 from pdserve import env
 from pdserve.local.proc_group import end_group
+from pdserve.planner.sim.replay import Trace
 
 # one request at a time on the idle service before the trace: the serving path's own
 # latency (HTTP hops client -> router -> prefill worker -> router -> client) beside the
@@ -212,7 +212,7 @@ def _dump(path: Path, run: RealRun, samples: list[Sample], lines, t0: float, zyg
             for s in samples
         ],
         # our processes' autogroup nice per sample (role -> nice), and whether the kernel
-        # schedules by autogroup at all (sim_host.py)
+        # schedules by autogroup at all (planner/sim/host.py)
         "groups": [[round(s.t - t0, 2), s.groups] for s in samples],
         "autogroup": autogroup_enabled(),
         "nice": {"up": run.nice_up, "client": nice_of(os.getpid())},

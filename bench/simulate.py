@@ -37,10 +37,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import figures
-from sim_cluster import Cluster
 from sim_mix import mix_section
 from sim_mix_sweep import plot_curve
-from sim_scenarios import (
+from tqdm import tqdm
+
+from pdserve.planner.config import SLO, Bounds, PlannerConfig, Stability
+from pdserve.planner.decision import PlannerState
+from pdserve.planner.model import decode_need, prefill_need
+from pdserve.planner.plan import plan
+from pdserve.planner.sim.cluster import Cluster
+from pdserve.planner.sim.scenarios import (
     Mix,
     Scenario,
     Setup,
@@ -49,12 +55,6 @@ from sim_scenarios import (
     scenarios,
     setup,
 )
-from tqdm import tqdm
-
-from pdserve.planner.config import SLO, Bounds, PlannerConfig, Stability
-from pdserve.planner.decision import PlannerState
-from pdserve.planner.model import decode_need, prefill_need
-from pdserve.planner.plan import plan
 from pdserve.planner.snapshot import MetricsSnapshot, PoolStatus
 
 POLICIES = ("planner", "queue_blind", "static")

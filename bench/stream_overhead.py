@@ -31,7 +31,8 @@ from typing import Any
 
 import aiohttp
 import figures  # bench/figures.py, beside this script
-from stream_procs import Up, code_tree, cpu_seconds, pdserve_up, tree_cpu_seconds
+from lib.procfs import cpu_seconds, tree_cpu_seconds
+from stream_procs import Up, code_tree, pdserve_up
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("router", "worker", "worker_http", "engine")

@@ -22,9 +22,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.local.proc_group import end_group
+from lib.procfs import descendants
 
-TICK = os.sysconf("SC_CLK_TCK")  # /proc/*/stat times are in these
+from pdserve.local.proc_group import end_group
+from pdserve.testing.loopback import free_port
+
 ENGINE_THREAD = "pdserve-engine"  # the engine core's thread name (worker/core_main.py)
 STARTS = 3  # tries per cluster when a port of its turns out to be another process's
 
@@ -107,7 +109,7 @@ def pdserve_up(trees: dict[str, Path], model: str, log_dir: Path) -> Iterator[li
 
 
 def _start(label: str, tree: Path, model: str, log_dir: Path, base: int) -> subprocess.Popen[str]:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "pdserve", "up", "--prefill", "0", "--model", model,
             "--port", str(port), "--worker-port-base", str(base), "--dtype", "float32",
             "--log-dir", str(log_dir / label)]  # fmt: skip
@@ -133,18 +135,6 @@ def _start(label: str, tree: Path, model: str, log_dir: Path, base: int) -> subp
 
 def _stop(proc: subprocess.Popen[str]) -> None:
     end_group(proc, signal.SIGINT)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class PortTaken(RuntimeError):
-    """``pdserve up`` found one of its ports served by a process not its own."""
 
 
 def _wait_banner(proc: subprocess.Popen[str], timeout: float = 600.0) -> str:
@@ -178,16 +168,8 @@ def _children(pid: int) -> tuple[int, int]:
     return router, worker
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process under it (a worker's engine core is its child)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for task in Path(f"/proc/{p}/task").iterdir():
-            with contextlib.suppress(OSError):
-                todo += [int(c) for c in (task / "children").read_text().split()]
-    return out
+class PortTaken(RuntimeError):
+    """``pdserve up`` found one of its ports served by a process not its own."""
 
 
 def engine_thread(pid: int) -> tuple[int, int] | None:
@@ -210,16 +192,3 @@ def engine_thread(pid: int) -> tuple[int, int] | None:
         if found:
             return p, int(found.group(1))
     return None
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` and the processes under it."""
-    return sum(cpu_seconds(p) for p in descendants(pid))
-
-
-def cpu_seconds(pid: int, tid: int | None = None) -> float:
-    """utime + stime of a process (all its threads), or of one of its threads."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    with open(path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # fields 14, 15 of stat(5)

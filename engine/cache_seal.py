@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -44,23 +45,53 @@ def ring(location_env: str) -> keys.KeyRing:
     return keys.KeyRing.from_env(keys.COMPILE_CACHE)
 
 
-def file_tag(key: bytes, folder: Path, path: Path) -> bytes:
-    rel = path.relative_to(folder).as_posix().encode()
+def _open(path: Path) -> int:
+    """``path`` opened read-only without following a symlink at its last component; the
+    opened file must be a regular file (OSError otherwise, the fd closed)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return fd
+
+
+def fd_tag(key: bytes, rel: str, fd: int) -> bytes:
+    """The seal of the open file ``fd`` (read from its start) at relative path ``rel``."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return keys.mac(key, rel, digest.digest())
+    os.lseek(fd, 0, os.SEEK_SET)
+    for chunk in iter(lambda: os.read(fd, 1 << 20), b""):
+        digest.update(chunk)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return keys.mac(key, rel.encode(), digest.digest())
+
+
+def file_tag(key: bytes, folder: Path, path: Path) -> bytes:
+    fd = _open(path)
+    try:
+        return fd_tag(key, path.relative_to(folder).as_posix(), fd)
+    finally:
+        os.close(fd)
+
+
+def _scan(folder: Path) -> tuple[list[Path], list[Path]]:
+    """(regular files to check, entries never to trust): every symlink (to a file or to a
+    directory: os.walk lists a linked directory but never enters it, while inductor would
+    follow it) and everything that is neither a file nor a directory, found by lstat."""
+    files, bad = [], []
+    for root, dirs, names in os.walk(folder):
+        for name in [*dirs, *names]:
+            path = Path(root) / name
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode) or not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                bad.append(path)
+            elif stat.S_ISREG(mode) and name != MANIFEST and not name.endswith(_SKIP_SUFFIXES):
+                files.append(path)
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
+    return files, bad
 
 
 def _files(folder: Path) -> list[Path]:
-    out = []
-    for root, _, names in os.walk(folder):
-        for name in names:
-            path = Path(root) / name
-            if name != MANIFEST and not name.endswith(_SKIP_SUFFIXES) and path.is_file():
-                out.append(path)
-    return out
+    return _scan(folder)[0]
 
 
 def _manifest(folder: Path) -> dict[str, str]:
@@ -86,9 +117,17 @@ def verify(folder: Path, ring_: keys.KeyRing) -> list[str]:
     if not ring_ or not folder.is_dir():
         return []
     sealed, removed = _manifest(folder), []
-    for path in _files(folder):
+    files, bad = _scan(folder)
+    for path in bad:  # the link itself goes, never what it points at
+        path.unlink(missing_ok=True)
+        removed.append(path.relative_to(folder).as_posix())
+    for path in files:
         rel = path.relative_to(folder).as_posix()
-        if not _valid(ring_, folder, path, sealed.get(rel)):
+        try:
+            ok = _valid(ring_, folder, path, sealed.get(rel))
+        except OSError:  # swapped for a link or a fifo since the scan
+            ok = False
+        if not ok:
             path.unlink(missing_ok=True)
             removed.append(rel)
     if removed:
@@ -106,12 +145,58 @@ def seal(folder: Path, ring_: keys.KeyRing) -> int:
     old, new = _manifest(folder), {}
     for path in _files(folder):
         rel = path.relative_to(folder).as_posix()
-        if rel in old and _valid(ring_, folder, path, old[rel]):
-            new[rel] = old[rel]
-        else:
-            new[rel] = file_tag(ring_.signing, folder, path).hex()
+        try:
+            if rel in old and _valid(ring_, folder, path, old[rel]):
+                new[rel] = old[rel]
+            else:
+                new[rel] = file_tag(ring_.signing, folder, path).hex()
+        except OSError:  # replaced by a link or removed since the scan: never sealed
+            continue
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".seal")
     with os.fdopen(fd, "w") as f:
         json.dump(new, f)
     os.replace(tmp, folder / MANIFEST)  # readers see the old manifest or the new, whole
     return len(new)
+
+
+def open_sealed(folder: Path, path: Path, ring_: keys.KeyRing) -> int:
+    """An fd of ``path`` whose content carries this service's seal (any file when sealing
+    is off), opened with O_NOFOLLOW and checked as opened: load from ``/proc/self/fd/N``
+    and what was checked is what runs, whatever replaces ``path`` meanwhile. OSError
+    when the path is a symlink, not a regular file, or unsealed."""
+    fd = _open(path)
+    if not ring_:
+        return fd
+    rel = path.relative_to(folder).as_posix()
+    tag_hex = _manifest(folder).get(rel, "")
+    try:
+        want = bytes.fromhex(tag_hex)
+        if tag_hex and any(fd_tag(k, rel, fd) == want for k in ring_.keys):
+            return fd
+    except ValueError:
+        pass
+    os.close(fd)
+    raise OSError(f"{path} does not carry this service's seal")
+
+
+def read_sealed(folder: Path, path: Path, ring_: keys.KeyRing) -> bytes:
+    """The content of ``path``, read once from an O_NOFOLLOW fd of a regular file, and
+    checked: the bytes returned are the bytes whose seal was verified (any content when
+    sealing is off). OSError when the path is a symlink, not a regular file, or unsealed."""
+    fd = _open(path)
+    try:
+        chunks = list(iter(lambda: os.read(fd, 1 << 20), b""))
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if not ring_:
+        return data
+    rel = path.relative_to(folder).as_posix()
+    try:
+        want = bytes.fromhex(_manifest(folder).get(rel, ""))
+    except ValueError:
+        want = b""
+    digest = hashlib.sha256(data).digest()
+    if want and any(keys.mac(k, rel.encode(), digest) == want for k in ring_.keys):
+        return data
+    raise OSError(f"{path} does not carry this service's seal")

@@ -35,8 +35,10 @@ from typing import Any
 
 import zmq
 
+from pdserve.engine.compile_guard import AbandonedCompiles
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.scheduler import tenant_of
+from pdserve.engine.step_fault import retry_probe, step_or_fail
 from pdserve.protocol.contract import EngineStats
 from pdserve.protocol.outputs import RequestFailed, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter
@@ -84,6 +86,7 @@ class CoreLoop:
         self._queued: OrderedDict[str, deque[tuple[Any, ...]]] = OrderedDict()
         self._started: Counter[str] = Counter()
         self.compile_timeout_s = engine.config.grammar_compile_timeout_s
+        self.abandoned = AbandonedCompiles()  # timed-out compiles: bounded, keys backed off
         self._stats: EngineStats | None = None
         self._sent_at = 0.0
 
@@ -95,6 +98,9 @@ class CoreLoop:
             stepped = self.engine.has_work
             if stepped:
                 self._step()
+            else:  # idle turns: the compiled forward swapped in, a faulted engine re-probed
+                self.engine.maybe_swap()
+                retry_probe(self.engine)
             now = time.monotonic()
             if stepped or now - last_hooks >= IDLE_S:
                 self._run_hooks()
@@ -122,6 +128,11 @@ class CoreLoop:
             params = cmd[3]
             if params.structured is not None:
                 tenant = tenant_of(cmd[4].get("cache_salt"))
+                if self.abandoned.backing_off(tenant):
+                    field = str(params.structured.get("param") or "structured")
+                    self._send(("rejected", cmd[1], "invalid", field,
+                                self.abandoned.refusal(field)))  # fmt: skip
+                    return
                 self._queued.setdefault(tenant, deque()).append(cmd)
                 self._start_compile()
             else:
@@ -174,8 +185,9 @@ class CoreLoop:
         self._start_compile()
 
     def _start_compile(self) -> None:
-        """The next tenant's oldest waiting add starts compiling, if none is running."""
-        if self._compiling:
+        """The next tenant's oldest waiting add starts compiling, if none is running and
+        fewer than the bound of abandoned compiles still run."""
+        if self._compiling or (self._queued and self.abandoned.full()):
             return
         if not self._queued:
             self._started.clear()
@@ -211,12 +223,14 @@ class CoreLoop:
     def _compile_timed_out(self, entry: Compiling) -> None:
         """A compile past its deadline (counted from its start, not its wait in the queue):
         the request is refused naming the field, and later compiles go to a fresh thread
-        (xgrammar cannot be interrupted: the old one finishes on its own, unused)."""
+        (xgrammar cannot be interrupted: the old one finishes on its own, unused; at most
+        a bound of them run, and the key behind it is backed off: engine/compile_guard.py)."""
         params = entry.cmd[3]
         field = str(params.structured.get("param") or "structured")
         msg = (f"{field}: the grammar did not compile within {self.compile_timeout_s:g} s "
                "(--grammar-compile-timeout)")  # fmt: skip
         self._send(("rejected", entry.cmd[1], "invalid", field, msg))
+        self.abandoned.add(tenant_of(entry.cmd[4].get("cache_salt")), entry.future)
         self._compiler.shutdown(wait=False)
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
 
@@ -240,7 +254,7 @@ class CoreLoop:
         run_hooks(self.hooks, self.engine)
 
     def _wait(self) -> None:
-        if self._compiling:
+        if self._compiling or self._queued:  # a compile runs, or waits for the bound
             timeout = TRANSFER_POLL_S
         elif not self.engine.has_work:
             timeout = IDLE_S
@@ -269,15 +283,6 @@ class CoreLoop:
     def _send(self, msg: tuple[Any, ...]) -> None:
         self.results.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         self._sent_at = time.monotonic()
-
-
-def step_or_fail(engine: LLMEngine) -> list[RequestOutput]:
-    """One engine step's outputs; if the step raises, every unfinished request fails."""
-    try:
-        return engine.step()
-    except Exception as exc:
-        logger.exception("engine step failed; failing the running requests")
-        return engine.fail_all(f"engine error: {exc}")
 
 
 def run_hooks(hooks: list[Hook], engine: LLMEngine) -> None:

@@ -105,6 +105,13 @@ class EngineArgs:
         short=True,
         env=env.ENFORCE_EAGER,
     )
+    compile_before_ready: bool = flag(
+        False,
+        "compile the forward before reporting ready (the default serves the eager forward "
+        "at once and swaps to the compiled one once it is compiled and checked: "
+        "docs/workers.md, Start-up)",
+        group=ENGINE,
+    )
     lora: tuple[str, ...] = flag(
         (),
         "a PEFT LoRA adapter directory served as NAME (repeatable; "
@@ -120,3 +127,12 @@ class EngineArgs:
         8, "LoRA adapters kept in host memory (least recently used out)", group=LORA
     )
     max_lora_rank: int = flag(64, "largest LoRA rank accepted", group=LORA)
+    lora_root: tuple[str, ...] = flag(
+        (),
+        "a directory run-time loads (/v1/load_lora_adapter) may read adapters from, "
+        "resolved, no escapes (repeatable; default: the folders holding the --lora "
+        "adapters, else none: no run-time loads)",
+        group=LORA,
+        metavar="DIR",
+        many="append",
+    )

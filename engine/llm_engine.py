@@ -26,6 +26,7 @@ Synchronous and single-threaded; a worker runs it in its engine core process
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +35,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.engine import compiled
+from pdserve.engine import compile_job, compiled
+from pdserve.engine.compile_job import CompileJob
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.input_processor import InputProcessor
 from pdserve.engine.kv_connector import KVConnector, KVHolder, LoadResult
@@ -54,6 +56,7 @@ from pdserve.protocol.outputs import HANDOFF, REQUEST_FAILED, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
+SHADOW_BLOCKS = 48  # the compile thread's pool: the warm-up's and the probe's requests
 
 
 class LLMEngine:
@@ -62,12 +65,14 @@ class LLMEngine:
         config: EngineConfig,
         connector: KVConnector | None = None,
         recompute_on_load_failure: bool = True,
+        runner: ModelRunner | None = None,
     ) -> None:
+        """``runner``: a loaded model's runner, pool unbound (``shadow``)."""
         self.config = config
         if config.cpu_threads is not None:  # process-wide: one engine per worker process
             torch.set_num_threads(config.cpu_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-        self.runner = ModelRunner(config)
+        self.runner = runner or ModelRunner(config)
         budget = budget_bytes(self.runner.device, config.kv_cache_bytes, config.kv_cache_fraction)
         pool = KVPool.from_budget(self.runner.kv_shape, budget, self.runner.device)
         self.runner.bind_pool(pool)
@@ -97,11 +102,51 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        # The warm-up compiles the plain variants (a step with drafts is one of them: T >= 2,
-        # several rows), so drafting starts after it: its one-decode step stays T = 1.
-        self.compile_seconds = compiled.warm_up(self) if config.compile else 0.0
+        self.tier_store = None
+        if config.kv_tiers is not None:
+            from pdserve.engine.kv_tiers.attach import attach
+
+            self.tier_store = attach(self, config.kv_tiers)
+        self.hands_off = False  # the start-up probe holds its prefill's KV (prefill role)
+        self.step_failures = 0  # steps that raised (step_fault.py)
+        self.fault, self.fault_at = "", 0.0  # the standing step failure: unready
+        self.compile_job: CompileJob | None = None  # start_compile: in the background
+        now = config.compile and not config.compile_in_background and runner is None
+        self.compile_seconds = compiled.warm_up(self) if now else 0.0
+        # Drafting starts after a warm-up compile (its one-decode step stays T = 1); a
+        # compile in the background covers steps with drafts too (T >= 2, several rows).
         if self.spec is not None:
             self.scheduler.drafter = self.spec.draft
+
+    def shadow(self, blocks: int = SHADOW_BLOCKS) -> LLMEngine:
+        """An engine on this one's model (the same module and weights) with a small KV
+        pool of its own and no compile: the compile thread's (compile_job.py)."""
+        runner = copy.copy(self.runner)
+        runner.pool, runner._gather_buffer = None, None
+        runner.forward = self.runner.model
+        budget = blocks * runner.kv_shape.bytes_per_block
+        config = replace(self.config, kv_cache_bytes=budget, kv_cache_fraction=None,
+                         compile=False, enable_prefix_caching=False, kv_tiers=None,
+                         speculative=None)  # fmt: skip
+        return LLMEngine(config, runner=runner)
+
+    def start_compile(self) -> None:
+        """Compile the forward in the background while the eager one serves; it is
+        swapped in between steps once compiled and checked (compile_job.py)."""
+        if self.runner.compiled_fn is not None and not self.runner.compiled:
+            self.compile_job = CompileJob(self)
+            self.compile_job.start()
+
+    @property
+    def compile_state(self) -> str:
+        """off | compiling | ready | compiled | eager-kept (compile_job.py)."""
+        if self.compile_job is not None:
+            return self.compile_job.state
+        return compile_job.COMPILED if self.runner.compiled else compile_job.OFF
+
+    def maybe_swap(self) -> bool:
+        """Between steps: the compiled forward takes over once it is ready."""
+        return self.compile_job is not None and self.compile_job.maybe_swap()
 
     def forget_warm_up(self) -> None:
         """Start-up generations leave no trace: counters, prefix cache, KV events."""
@@ -110,6 +155,7 @@ class LLMEngine:
         self.scheduler.num_preemptions = self.scheduler.num_prefix_hit_tokens = 0
         self.kv.reset_prefix_cache()
         self.kv.drain_events()
+        self.drain_tier_events()
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -179,6 +225,8 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
+        if self.compile_job is not None:
+            self.compile_job.maybe_swap()
         self.free_released()
         sched = self.scheduler.schedule()
         outputs = self._settle_loads(sched.loaded)
@@ -363,6 +411,10 @@ class LLMEngine:
     def drain_kv_events(self) -> list[tuple[str, list[int]]]:
         return self.kv.drain_events()
 
+    def drain_tier_events(self) -> list[tuple[str, str, list[int]]]:
+        """(kind, tier, block hashes) of the KV tiers since the last call."""
+        return self.tier_store.drain_events() if self.tier_store is not None else []
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         queued = sum(r.num_uncomputed_tokens for r in s.waiting) + sum(
@@ -371,17 +423,20 @@ class LLMEngine:
         return EngineStats(
             running=len(s.running),
             waiting=len(s.waiting),
-            loading=len(s.loading),
+            loading=s.num_loading,
             held=len(self.held),
             kv_blocks_free=self.kv.num_free_blocks,
             kv_blocks_total=self.kv.num_blocks,
             queued_prompt_tokens=queued,
-            prefix_cache_hit_tokens=s.num_prefix_hit_tokens,
+            prefix_cache_hit_tokens=s.num_prefix_hit_tokens + s.num_tier_hit_tokens,
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
             preemptions=s.num_preemptions,
             loras=self.runner.loras.resident if self.runner.loras else [],
             lora_known=sorted(self.runner.loras.known) if self.runner.loras else [],
+            compile=self.compile_state,
+            step_failures=self.step_failures,
+            fault=self.fault,
         )
 
     def generate(

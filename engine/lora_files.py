@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,14 @@ class LoraConfig:
     max_cpu_loras: int = 8  # adapters kept in host memory
     max_lora_rank: int = 64
     loras: tuple[tuple[str, str], ...] = ()  # (name, path) known at start (--lora)
+    # Directories a run-time load (/v1/load_lora_adapter) may read an adapter from
+    # (--lora-root; none given: the folders that hold the --lora adapters, else none).
+    roots: tuple[str, ...] = ()
+
+    def load_roots(self) -> tuple[str, ...]:
+        if self.roots:
+            return self.roots
+        return tuple(sorted({os.path.dirname(os.path.abspath(p)) for _, p in self.loras}))
 
     def __post_init__(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1:
@@ -92,14 +101,30 @@ def adapter_hash(path: str | Path) -> str:
     return h.hexdigest()
 
 
+NOT_AN_ADAPTER = (f"lora_path is not an adapter directory ({CONFIG_FILE} and {WEIGHTS_FILE}) "
+                  "under the workers' --lora-root")  # fmt: skip
+
+
+def allowed_path(path: str, roots: tuple[str, ...]) -> str:
+    """``path`` resolved (symlinks and ``..`` followed) when it lies under one of
+    ``roots``; LoraError otherwise, the same message whether or not the path exists."""
+    resolved = os.path.realpath(path)
+    for root in roots:
+        real_root = os.path.realpath(root)
+        if os.path.commonpath([resolved, real_root]) == real_root and resolved != real_root:
+            return resolved
+    raise LoraError(NOT_AN_ADAPTER)
+
+
 def read_spec(name: str, path: str | Path, max_rank: int) -> LoraSpec:
-    """Check the adapter directory at ``path``; LoraError naming the problem."""
+    """Check the adapter directory at ``path``; LoraError naming the problem (one message
+    for every missing or unreadable path: the error does not tell which paths exist)."""
     root = Path(path)
     if not root.is_dir():
-        raise LoraError(f"lora_path {str(path)!r} is not a directory")
+        raise LoraError(NOT_AN_ADAPTER)
     for required in (CONFIG_FILE, WEIGHTS_FILE):
         if not (root / required).is_file():
-            raise LoraError(f"adapter {name!r}: {required} is missing in {str(path)!r}")
+            raise LoraError(NOT_AN_ADAPTER)
     config = _read_config(name, root / CONFIG_FILE)
     rank, scaling = check_config(name, config, max_rank)
     return LoraSpec(name, str(root), adapter_hash(root), rank, scaling)

@@ -28,12 +28,14 @@ from safetensors import safe_open
 
 from pdserve.engine import lora_layers
 from pdserve.engine.lora_files import (
+    NOT_AN_ADAPTER,
     PROJECTIONS,
     WEIGHTS_FILE,
     LoraConfig,
     LoraError,
     LoraSpec,
     adapter_hash,
+    allowed_path,
     read_spec,
 )
 from pdserve.protocol.contract import LoraRef, valid_lora_name
@@ -309,12 +311,12 @@ def lora_queries(registry: LoraRegistry | None) -> dict[str, Callable[..., Any]]
     def load(name: str, path: str) -> dict[str, str]:
         if registry is None:
             return {"error": "this engine runs without LoRA", "field": "lora_name"}
-        try:
-            spec = registry.load(name, path)
+        try:  # only under --lora-root; never a message that tells which paths exist
+            spec = registry.load(name, allowed_path(path, registry.config.load_roots()))
         except LoraError as exc:
             return {"error": str(exc), "field": exc.field}
-        except OSError as exc:  # unreadable files
-            return {"error": f"adapter {name!r}: {exc}", "field": "lora_path"}
+        except OSError:  # unreadable files
+            return {"error": NOT_AN_ADAPTER, "field": "lora_path"}
         return {"name": spec.name, "hash": spec.hash}
 
     def unload(name: str) -> bool:

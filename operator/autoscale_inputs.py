@@ -21,7 +21,6 @@ from datetime import datetime
 from typing import Any
 
 import aiohttp
-import httpx
 
 from pdserve.operator import naming as n
 from pdserve.operator import url_checks
@@ -217,19 +216,26 @@ async def _page(session: aiohttp.ClientSession, url: str, timeout_s: float) -> s
 
 
 async def prometheus_snapshot(
-    svc: LLMServiceSpec, now_s: float, pools: tuple[PoolStatus, PoolStatus], slo: SLO
-) -> MetricsSnapshot:
-    """One window of the LLMService's series from Prometheus (ServiceMonitor target labels)."""
+    svc: LLMServiceSpec, now_s: float, pools: tuple[PoolStatus, PoolStatus], slo: SLO,
+    allow: tuple[str, ...] = (),
+) -> MetricsSnapshot:  # fmt: skip
+    """One window of the LLMService's series from Prometheus (ServiceMonitor target labels),
+    fetched from the one address checked (url_checks.pin; ``allow``: the admin's CIDRs)."""
     selector = f'namespace="{svc.namespace}",pdserve_io_service="{svc.name}"'
     window = max(30.0, float(svc.autoscaling.interval_seconds))
 
     def query() -> MetricsSnapshot:
-        problem = url_checks.resolved_problem(svc.autoscaling.metrics_url)
-        if problem:  # a name that the spec check could not judge
-            raise InputError(f"spec.autoscaling.metricsUrl: {problem}")
-        with httpx.Client(timeout=5.0) as http:
+        try:  # resolved once, here; the connection goes to that address
+            client = url_checks.pinned_client(svc.autoscaling.metrics_url, allow)
+        except ValueError as exc:
+            raise InputError(f"spec.autoscaling.metricsUrl: {exc}") from None
+        with client as http:
             api = PrometheusAPI(
-                svc.autoscaling.metrics_url, selector=selector, window_s=window, client=http
+                svc.autoscaling.metrics_url,
+                selector=selector,
+                window_s=window,
+                client=http,
+                quiet=True,
             )
             return api.snapshot(now_s, pools[0], pools[1], slo)
 

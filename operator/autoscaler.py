@@ -51,6 +51,9 @@ class AutoscaleSettings:
     # router Service in-cluster. Tests point it at a local stand-in for the router.
     router_metrics_url: str = ""
     scrape_timeout_s: float = 5.0
+    # CIDRs spec.autoscaling.metricsUrl may resolve into (--metrics-url-allow); empty: any
+    # address but metadata, link-local, loopback and unspecified (operator/url_checks.py).
+    metrics_url_allow: tuple[str, ...] = ()
 
 
 @dataclass
@@ -142,7 +145,8 @@ async def _snapshot(
 ) -> tuple[MetricsSnapshot | None, str]:  # fmt: skip
     if svc.autoscaling.metrics_url:  # Prometheus gives a whole window per query
         url = svc.autoscaling.metrics_url
-        return await inputs.prometheus_snapshot(svc, now, pools, slo), url
+        snap = await inputs.prometheus_snapshot(svc, now, pools, slo, settings.metrics_url_allow)
+        return snap, url
     urls = await inputs.router_metrics_urls(
         client, settings.router_metrics_url, svc.name, svc.namespace
     )

@@ -25,7 +25,12 @@ register(
         retry_delay=env.get_float(env.OPERATOR_RETRY_DELAY, 30),
         autoscale_tick=env.get_float(env.OPERATOR_AUTOSCALE_TICK, 5),
         default_image=env.get(env.DEFAULT_IMAGE),
-        autoscale=AutoscaleSettings(router_metrics_url=env.get(env.OPERATOR_ROUTER_METRICS_URL)),
+        autoscale=AutoscaleSettings(
+            router_metrics_url=env.get(env.OPERATOR_ROUTER_METRICS_URL),
+            metrics_url_allow=tuple(
+                filter(None, env.get(env.OPERATOR_METRICS_URL_ALLOW).split(","))
+            ),
+        ),
         pod_policy=PodPolicy(
             allow_unsafe=env.get(env.OPERATOR_ALLOW_UNSAFE_POD_FIELDS) == "1",
             model_host_paths=tuple(filter(None, env.get(env.OPERATOR_MODEL_HOST_PATHS).split(":"))),

@@ -34,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-metrics-url", default="",
                         help="router /metrics URL template with {service} {namespace} {port} "
                         "(default: the router's admin Service in-cluster)")  # fmt: skip
+    parser.add_argument("--metrics-url-allow", action="append", default=[], metavar="CIDR",
+                        type=_cidr,
+                        help="a network spec.autoscaling.metricsUrl may resolve into "
+                        "(repeatable; default: any but metadata, link-local and "
+                        "loopback addresses)")  # fmt: skip
     parser.add_argument("--health-port", type=int, default=8080, help="liveness endpoint port")
     parser.add_argument("--peering", default="", help="kopf peering name (default: standalone)")
     parser.add_argument("--priority", type=int, default=None,
@@ -60,6 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", "-v", action="store_true")
 
 
+def _cidr(value: str) -> str:
+    import ipaddress
+
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--metrics-url-allow {value!r}: {exc}") from None
+    return value
+
+
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     register(registry, config)
@@ -76,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
         retry_delay=args.retry_delay,
         autoscale_tick=args.autoscale_tick,
         default_image=args.default_image,
-        autoscale=AutoscaleSettings(router_metrics_url=args.router_metrics_url),
+        autoscale=AutoscaleSettings(
+            router_metrics_url=args.router_metrics_url,
+            metrics_url_allow=tuple(args.metrics_url_allow),
+        ),
         pod_policy=PodPolicy(args.allow_unsafe_pod_fields, tuple(args.allow_model_host_path)),
     )
     asyncio.run(

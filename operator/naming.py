@@ -23,6 +23,9 @@ ROUTER_SERVICE_PORT = 80
 # Only the internal admin Service reaches it, never the Ingress/HTTPRoute, so the scrapes
 # (the operator's autoscaler, Prometheus) keep working once tenant API keys are on.
 ADMIN_PORT = 8083
+# What the Ingress and the HTTPRoute expose: the OpenAI API a tenant calls, and nothing
+# else of /v1 (not /v1/load_lora_adapter and /v1/unload_lora_adapter, the admin's).
+PUBLIC_API_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/responses")
 
 MODEL_MOUNT = "/models"
 # Workers' compiled code (inductor graphs, the attention kernel) in the shared model cache:

@@ -78,9 +78,11 @@ def violations(svc: LLMServiceSpec, policy: PodPolicy) -> Iterator[tuple[str, st
     templates.update({p.role: p.pod_template for p in svc.pools})
     for role, template in templates.items():
         yield from template_violations(f"spec.{role}.podTemplate", template, own[role])
+        yield from cache_violations(f"spec.{role}.podTemplate.spec", template.get("spec") or {})
     if svc.router.ingress is not None:
         yield from ingress_violations("spec.router.ingress.annotations",
                                       svc.router.ingress.annotations)  # fmt: skip
+    yield from merged_violations(svc)
 
 
 # Ingress annotations: the controllers' per-route settings that configure this route only.
@@ -202,3 +204,95 @@ def container_security_violations(path: str, ctx: Mapping[str, Any]) -> Iterator
         yield f"{path}.procMount", "must be Default"
     if (ctx.get("capabilities") or {}).get("add"):
         yield f"{path}.capabilities.add", "adds Linux capabilities (only drop is allowed)"
+
+
+# What every container of the rendered, merged pod must end up with. The template checks
+# above see only what a podTemplate sets; the merge (operator/pod_template.py) replaces
+# lists and copies nulls, so ``capabilities: {drop: []}`` or ``runAsNonRoot: null`` in a
+# template would unset the rendered hardening while passing them.
+HARDENED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True}
+
+
+def merged_violations(svc: LLMServiceSpec) -> Iterator[tuple[str, str]]:
+    """The hardening of every container in the pods the operator would create for ``svc``
+    (its podTemplates merged in), named by the template field that sets it."""
+    from pdserve.operator.render import render_spec  # render imports this module
+
+    for child in render_spec(svc):
+        if child["kind"] != "Deployment":
+            continue
+        role = child["metadata"]["labels"].get(n.LABEL_ROLE, "")
+        yield from merged_pod_violations(f"spec.{role}.podTemplate.spec",
+                                         child["spec"]["template"]["spec"])  # fmt: skip
+
+
+def merged_pod_violations(path: str, pod: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    pod_ctx = pod.get("securityContext")
+    if pod_ctx is None:
+        yield f"{path}.securityContext", "must not be null (it would unset the rendered one)"
+    yield from _nulls(f"{path}.securityContext", pod_ctx)
+    pod_non_root = (pod_ctx or {}).get("runAsNonRoot")
+    for section in ("initContainers", "containers"):
+        for i, c in enumerate(pod.get(section) or []):
+            p = f"{path}.{section}[{i}].securityContext"
+            ctx = c.get("securityContext")
+            if "securityContext" in c and ctx is None:
+                yield p, "must not be null (it would unset the rendered one)"
+            yield from _nulls(p, ctx)
+            ctx = ctx if isinstance(ctx, Mapping) else {}
+            where = f"in the merged pod (container {c.get('name')!r})"
+            if ctx.get("runAsNonRoot", pod_non_root) is not True:
+                yield f"{p}.runAsNonRoot", f"must be true {where}"
+            for key, want in HARDENED.items():
+                if ctx.get(key) is not want:
+                    yield f"{p}.{key}", f"must be {str(want).lower()} {where}"
+            drop = (ctx.get("capabilities") or {}).get("drop")
+            if not isinstance(drop, list) or "ALL" not in drop:
+                yield f"{p}.capabilities.drop", f"must include ALL {where}"
+            if ctx.get("privileged") not in (None, False):
+                yield f"{p}.privileged", "may only be false"
+
+
+def _nulls(path: str, value: Any) -> Iterator[tuple[str, str]]:
+    """Every null below ``path``: a null in a template unsets what the operator rendered."""
+    if value is None:
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if item is None:
+                yield f"{path}.{key}", "must not be null (it would unset the rendered value)"
+            else:
+                yield from _nulls(f"{path}.{key}", item)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if item is None:
+                yield f"{path}[{i}]", "must not be null"
+            else:
+                yield from _nulls(f"{path}[{i}]", item)
+
+
+# The shared model cache (spec.model.source.huggingFace.cache) holds weights, tokenizers
+# and every service's compiled code. Its only writers are the operator's init containers
+# (the model's download, the compiled-code folder) and each service's workers in their
+# own subPath. A template may not reach it: not the rendered ``model`` volume or a mount
+# of it, not the operator's init containers (their command or env would write there),
+# and a claim it mounts itself is read-only (it may be another service's cache).
+OPERATOR_INIT_CONTAINERS = ("download-model", "compile-cache-dir")
+
+
+def cache_violations(path: str, pod: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    for i, vol in enumerate(pod.get("volumes") or []):
+        if vol.get("name") == "model":
+            yield f"{path}.volumes[{i}].name", "'model' is the operator's model volume"
+        claim = vol.get("persistentVolumeClaim")
+        if isinstance(claim, Mapping) and claim.get("readOnly") is not True:
+            yield (f"{path}.volumes[{i}].persistentVolumeClaim.readOnly",
+                   "must be true: the claim may be a shared model cache")  # fmt: skip
+    for section in ("containers", "initContainers"):
+        for i, c in enumerate(pod.get(section) or []):
+            if section == "initContainers" and c.get("name") in OPERATOR_INIT_CONTAINERS:
+                yield f"{path}.{section}[{i}].name", f"{c['name']!r} is the operator's"
+            for j, mount in enumerate(c.get("volumeMounts") or []):
+                if mount.get("name") == "model":
+                    yield (f"{path}.{section}[{i}].volumeMounts[{j}]",
+                           "mounts the operator's model volume (the shared cache)")  # fmt: skip

@@ -14,9 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve import env
+from pdserve.operator import kv_tiers
 from pdserve.operator import naming as n
 from pdserve.operator.pod_policy import PodPolicy, check_service
 from pdserve.operator.render_deployments import pool_deployment, router_deployment
+from pdserve.operator.render_netpol import router_network_policy, router_policy_name
 from pdserve.operator.render_picker import INFERENCE_API
 from pdserve.operator.render_picker import apply as picker_mode
 from pdserve.operator.spec import LLMServiceSpec
@@ -165,8 +167,14 @@ def ingress(spec: LLMServiceSpec) -> list[Manifest]:
         "rules": [
             {
                 "host": ing.host,
-                # Only the OpenAI API: the router's /metrics, /workers and probes stay inside.
-                "http": {"paths": [{"path": "/v1", "pathType": "Prefix", "backend": backend}]},
+                # Only the OpenAI API: the router's /metrics, /workers, probes and the
+                # LoRA admin routes stay inside.
+                "http": {
+                    "paths": [
+                        {"path": path, "pathType": "Prefix", "backend": backend}
+                        for path in n.PUBLIC_API_PATHS
+                    ]
+                },
             }
         ]
     }
@@ -183,14 +191,15 @@ def ingress(spec: LLMServiceSpec) -> list[Manifest]:
 
 
 def http_route(spec: LLMServiceSpec) -> list[Manifest]:
-    """An optional Gateway API HTTPRoute to the router: only the OpenAI API (``/v1``)."""
+    """An optional Gateway API HTTPRoute to the router: only the OpenAI API's public paths."""
     r = spec.router
     if not r.http_route_parents:
         return []
     backend = {"name": n.router_service_name(spec.name), "port": n.ROUTER_SERVICE_PORT}
     body: dict[str, Any] = {
         "parentRefs": [dict(p) for p in r.http_route_parents],
-        "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}],
+        "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": path}}
+                               for path in n.PUBLIC_API_PATHS],
                    "backendRefs": [backend]}],
     }  # fmt: skip
     if r.http_route_hostnames:
@@ -284,9 +293,11 @@ def render_spec(spec: LLMServiceSpec, default_image: str = "") -> list[Manifest]
         *http_route(spec),
         *disruption_budgets(spec),
         *network_policy(spec),
+        *router_network_policy(spec),
         pool_deployment(spec, spec.prefill, digest),
         pool_deployment(spec, spec.decode, digest),
         router_deployment(spec, digest),
+        *kv_tiers.store_children(spec),
     ]
     return picker_mode(spec, children)  # router.mode endpointPicker: InferencePool and picker
 
@@ -312,5 +323,7 @@ def optional_children(name: str) -> list[tuple[str, str, str]]:
         (HTTP_ROUTE_API, "HTTPRoute", name),
         (INFERENCE_API, "InferencePool", name),
         ("networking.k8s.io/v1", "NetworkPolicy", n.network_policy_name(name)),
+        ("networking.k8s.io/v1", "NetworkPolicy", router_policy_name(name)),
         *(("policy/v1", "PodDisruptionBudget", n.deployment_name(name, r)) for r in n.ROLES),
+        *kv_tiers.optional_children(name),
     ]

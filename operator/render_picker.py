@@ -33,6 +33,11 @@ MODE = "endpointPicker"
 INFERENCE_API = "inference.networking.k8s.io/v1"
 GRPC_PORT = 9002  # the picker's ext_proc + gRPC health (the extension's usual port)
 FRONT_PORT = 8084  # a decode pod's front: the InferencePool's targetPort
+# The router's tenant-facing flags a decode pod's front repeats (the picker enforces the
+# same limits for the whole service before the gateway routes; docs/security.md).
+FRONT_FLAGS = ("--api-key-file", "--max-queue", "--lora", "--rate-limit-rpm", "--rate-limit-tpm",
+               "--max-concurrency-per-key", "--max-waiting", "--max-body-bytes",
+               "--max-prompt-chars", "--max-schema-bytes", "--body-timeout")  # fmt: skip
 _FRONT_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
 
 
@@ -99,7 +104,7 @@ def front_command(spec: LLMServiceSpec) -> list[str]:
     router = p.router_command(spec)
     keep = []
     for i, arg in enumerate(router):  # the tenant-facing flags carry over
-        if arg in ("--api-key-file", "--max-queue", "--lora") and i + 1 < len(router):
+        if arg in FRONT_FLAGS and i + 1 < len(router):
             keep += [arg, router[i + 1]]
     cmd = ["pdserve", "router", "--model", p.model_dir(spec),
            "--served-model-name", spec.model.served_name, "--host", "0.0.0.0",

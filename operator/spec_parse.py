@@ -13,6 +13,7 @@ from typing import Any
 from pdserve.operator import naming as n
 from pdserve.operator import pod_template as pt
 from pdserve.operator.adapters import parse_adapters
+from pdserve.operator.kv_tiers import parse_kv_tiers
 from pdserve.operator.spec import (
     DTYPES,
     SERVICE_TYPES,
@@ -331,6 +332,7 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
         adapters=parse_adapters(
             r.data.get("adapters"), r.sub("model").get("servedName", str, name)
         ),
+        kv_tiers=parse_kv_tiers(r.sub("kvCache").sub("tiers")),
         **parse_small_sections(r),
     )
     check_autoscaling(svc)

@@ -91,17 +91,11 @@ class Verifier:
               now: float | None = None) -> Verdict:  # fmt: skip
         if not self.ring:
             return Verdict(b"")  # no secret configured: open (the worker warned at start)
-        parts = (auth or "").split(" ")
-        if len(parts) != 4 or parts[0] != VERSION or not _hex(parts[3]):
-            return Verdict(None, f"missing or malformed {HEADER}")
-        _, ts, nonce, tag = parts
         now = time.time() if now is None else now
-        try:
-            skew = abs(now - float(ts))
-        except ValueError:
-            return Verdict(None, f"malformed {HEADER} time")
-        if not skew <= self.window_s:
-            return Verdict(None, f"{HEADER} time is {skew:.0f}s off (window {self.window_s:g}s)")
+        why = self.precheck(auth, now)
+        if why:
+            return Verdict(None, why)
+        _, ts, nonce, tag = (auth or "").split(" ")
         sha = hashlib.sha256(body).digest() if body else _EMPTY_SHA
         given = bytes.fromhex(tag)
         key = next((k for k in self.ring.keys
@@ -112,6 +106,23 @@ class Verifier:
         if not self._first_use(nonce, now):
             return Verdict(None, "replayed call (nonce seen within the window)")
         return Verdict(key)
+
+    def precheck(self, auth: str | None, now: float | None = None) -> str:
+        """What the header alone tells, before a byte of the body is read: "" or why the
+        call is refused (missing, malformed, outside the time window, a nonce seen)."""
+        parts = (auth or "").split(" ")
+        if len(parts) != 4 or parts[0] != VERSION or not _hex(parts[3]):
+            return f"missing or malformed {HEADER}"
+        now = time.time() if now is None else now
+        try:
+            skew = abs(now - float(parts[1]))
+        except ValueError:
+            return f"malformed {HEADER} time"
+        if not skew <= self.window_s:
+            return f"{HEADER} time is {skew:.0f}s off (window {self.window_s:g}s)"
+        if parts[2] in self._seen and self._seen[parts[2]] > now:
+            return "replayed call (nonce seen within the window)"
+        return ""
 
     def _first_use(self, nonce: str, now: float) -> bool:
         seen = self._seen

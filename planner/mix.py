@@ -16,7 +16,7 @@ goodput per replica (DistServe's measure: requests/s served inside both SLOs) of
 
 Colocation is chosen when ``g_col >= g_dis``: short prompts with a loose TPOT. Long
 prompts with a strict TPOT cannot absorb a prefill chunk in a decode step, and
-disaggregation wins (bench/simulate.py measures both step by step: sim_goodput.py).
+disaggregation wins (bench/simulate.py measures both step by step: planner/sim/goodput.py).
 """
 
 from __future__ import annotations

@@ -225,7 +225,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="wall",
         help="wall: elapsed time (default); cpu: the engine thread's CPU time, i.e. the "
         "cost without waiting for a busy core (needs --cpu-threads 1: the model then runs on "
-        "that thread), for a simulator that shares the cores itself (bench/sim_host.py)",
+        "that thread), for a simulator that shares the cores itself (planner/sim/host.py)",
     )
 
 

@@ -39,7 +39,11 @@ class PrometheusAPI:
         window_s: float = 60.0,
         client: httpx.Client | None = None,
         timeout_s: float = 5.0,
+        quiet: bool = False,
     ) -> None:
+        # quiet: no word of what the server sent goes into an error (the operator's status
+        # and Events, for a URL an LLMService author chose: an SSRF would read it there).
+        self.quiet = quiet
         if not url.startswith(("http://", "https://")):
             raise MetricsError(f"Prometheus URL must start with http:// or https://, got {url!r}")
         if window_s <= 0:
@@ -53,12 +57,17 @@ class PrometheusAPI:
         """One instant query; returns (labels, value) rows of the vector result."""
         try:
             reply = self._client.get(f"{self.url}/api/v1/query", params={"query": promql})
+        except httpx.HTTPError as exc:
+            detail = type(exc).__name__ if self.quiet else str(exc)
+            raise MetricsError(f"Prometheus query failed ({promql}): {detail}") from None
+        try:
             body = reply.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            raise MetricsError(f"Prometheus query failed ({promql}): {exc}") from exc
+        except ValueError:
+            body = None
         if not isinstance(body, dict) or body.get("status") != "success":
-            error = body.get("error") if isinstance(body, dict) else body
-            raise MetricsError(f"Prometheus query {promql!r} failed: {error}")
+            said = "" if self.quiet or not isinstance(body, dict) else f": {body.get('error')}"
+            raise MetricsError(f"Prometheus query {promql!r} failed: HTTP "
+                               f"{reply.status_code}, not a successful reply{said}")  # fmt: skip
         return _vector(body, promql)
 
     def scrape(self, now_s: float) -> Scrape:
@@ -103,6 +112,7 @@ def _vector(body: dict[str, Any], promql: str) -> list[tuple[dict[str, str], flo
         try:
             labels = {str(k): str(v) for k, v in item.get("metric", {}).items()}
             rows.append((labels, float(item["value"][1])))
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            raise MetricsError(f"Prometheus query {promql!r}: bad sample {item!r}") from exc
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            raise MetricsError(f"Prometheus query {promql!r}: a sample is not "
+                               "{metric, value: [time, number]}") from None  # fmt: skip
     return [(labels, v) for labels, v in rows if v == v]  # drop NaN (empty rate windows)

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.router.api.errors import APIError
 from pdserve.router.discovery.replicas import share
+from pdserve.router.errors import APIError
 
 MAX_CLIENTS = 10_000  # buckets kept; beyond it the full (idle) ones are dropped
 
@@ -33,16 +33,16 @@ class Bucket:
 
     def take(self, n: float, now: float) -> float:
         """Take ``n`` if there is as much; else 0 is taken and the seconds until there
-        will be are returned (``inf`` when ``n`` is more than the bucket ever holds)."""
+        will be are returned. A request larger than a minute's budget is taken once the
+        bucket is full, leaving it in debt (the bucket holds at least one request of any
+        size, and the rate still holds: the debt refills before the next)."""
         rate = self.capacity / 60.0
         self.level = min(self.capacity, self.level + (now - self.stamp) * rate)
         self.stamp = now
-        if n <= self.level:
+        if n <= self.level or (n > self.capacity and self.level >= self.capacity):
             self.level -= n
             return 0.0
-        if n > self.capacity:
-            return math.inf
-        return (n - self.level) / rate
+        return (min(n, self.capacity) - self.level) / rate
 
 
 class RateLimiter:
@@ -79,10 +79,6 @@ class RateLimiter:
         wait = bucket.take(n, now)
         if wait == 0.0:
             return
-        if math.isinf(wait):
-            raise APIError(429, f"this request needs {n} {kind}; the limit is {limit} {kind} "
-                           "per minute (prompt + max_tokens count as tokens)",
-                           code="rate_limit_exceeded", headers={"Retry-After": "60"})  # fmt: skip
         raise APIError(429, f"rate limit of {limit} {kind} per minute reached; retry in "
                        f"{math.ceil(wait)} s", code="rate_limit_exceeded",
                        headers={"Retry-After": str(math.ceil(wait))})  # fmt: skip

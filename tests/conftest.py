@@ -28,7 +28,7 @@ for _name, _value in {
     "TRANSFORMERS_OFFLINE": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     # Every router, worker and `pdserve up` a test starts shares this service secret, so
-    # the suite runs authenticated; helpers send it (tests/loopback.py: secret_headers).
+    # the suite runs authenticated; helpers send it (pdserve/testing/loopback.py: secret_headers).
     "PDSERVE_SERVICE_SECRET": "pdserve-tests-secret",
     # Workers the suite starts run the eager forward: a compile per worker start would
     # cost seconds each. tests/engine/test_fidelity.py (test_compiled_forward) runs the

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from pdserve.local.proc_group import poll_until
-from tests.loopback import ROOT
+from pdserve.testing.loopback import ROOT
 from tests.reaper import OWNER, owned_by
 
 # A stand-in for a pytest process: it names itself as owner, starts the reaper as

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.loopback import free_port
+from pdserve.testing.loopback import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 UV = ROOT / ".venv" / "bin" / "uv"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.loopback import ROOT
+from pdserve.testing.loopback import ROOT
 
 UNIT = "tests/router/test_routing.py"  # table-driven, no server
 CLUSTER = "tests/router/test_tool_calling.py"  # on the shared `pdserve up` (`up`)

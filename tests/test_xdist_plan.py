@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.loopback import ROOT
+from pdserve.testing.loopback import ROOT
 from tests.xdist_plan import KNOWN_SECONDS, group_of, plan
 
 
@@ -73,9 +73,11 @@ def test_a_plain_run_keeps_the_collection_order(monkeypatch: pytest.MonkeyPatch)
 
 def test_a_port_block_is_reserved_machine_wide() -> None:
     """Two processes given the same candidate order still get different port blocks: the
-    first holds its block's lock (tests/loopback.worker_port_base)."""
+    first holds its block's lock (pdserve.testing.loopback.worker_port_base)."""
     ordered = "import random; random.shuffle = lambda x: None\n"
-    code = ordered + "from tests.loopback import worker_port_base; print(worker_port_base())"
+    code = (
+        ordered + "from pdserve.testing.loopback import worker_port_base; print(worker_port_base())"
+    )
     holder = subprocess.Popen([sys.executable, "-c", code + "; input()"], cwd=ROOT, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
     try:

@@ -7,11 +7,13 @@ the direct lane (worker/direct.py): one check, one replay cache per worker proce
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pdserve import keys, signing
 
-MAX_BODY_BYTES = 64 << 20  # read before the check: an unsigned caller cannot make it grow
+MAX_BODY_BYTES = 64 << 20  # read before the tag's check (the header is checked first)
+BODY_TIMEOUT_S = 30.0  # a body trickled slower than this is a 408
 
 
 class BodyTooLarge(Exception):
@@ -70,6 +72,7 @@ class CallCheck:
     def __init__(self, ring: keys.KeyRing, refuse: Any) -> None:
         self.verifier = signing.Verifier(ring)
         self.refuse = refuse  # (status, message) -> an ASGI response
+        self.body_timeout_s = BODY_TIMEOUT_S
 
     async def __call__(
         self, scope: Any, receive: Any, send: Any, required: bool = True
@@ -78,10 +81,20 @@ class CallCheck:
         for name, value in scope["headers"]:
             if name == signing.HEADER_KEY:
                 auth = value.decode("latin-1")
+        if required and self.verifier.ring:  # the header alone, before the body is read
+            why = self.verifier.precheck(auth)
+            if why:
+                await self.refuse(401, why)(scope, receive, send)
+                return None
         try:
-            body = await read_body(receive)
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await read_body(receive)
         except BodyTooLarge:
             await self.refuse(413, f"body over {MAX_BODY_BYTES} bytes")(scope, receive, send)
+            return None
+        except TimeoutError:
+            await self.refuse(408, f"body not received within {self.body_timeout_s:g} s")(
+                scope, receive, send)  # fmt: skip
             return None
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):

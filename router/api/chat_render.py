@@ -22,14 +22,16 @@ content (router/api/tools.py), so they are covered by the first rule.
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pdserve.router.api.errors import invalid
+from pdserve.router.errors import invalid
 
-# Private-use characters around a number: nothing a template adds, and inert as text.
-_MARK = "\ue000pdserve-content-{}\ue001"
-_MARK_RE = re.compile("\ue000pdserve-content-(\\d+)\ue001")
+# Private-use characters around a per-request nonce and a number: nothing a template adds,
+# inert as text, and not something a client can spell (its own text holding a marker of
+# the same shape stays text; issue 44: a guessed index was a 500).
+_MARK = "\ue000pdserve-{}-{}\ue001"
 
 
 def special_strings(tok: Any) -> re.Pattern[str]:
@@ -86,10 +88,11 @@ def encode_rendered(
     ``plain`` tokenizes template text (special tokens recognized)."""
     contents: list[str] = []
     shown = []
+    nonce = secrets.token_hex(8)
     for m in messages:
         content = m.get("content")
         if isinstance(content, str) and holds_special(content, specials):
-            m = {**m, "content": _MARK.format(len(contents))}
+            m = {**m, "content": _MARK.format(nonce, len(contents))}
             contents.append(content)
         shown.append(m)
     text = render(shown)
@@ -97,9 +100,12 @@ def encode_rendered(
         return plain(text)
     ids: list[int] = []
     pos = 0
-    for match in _MARK_RE.finditer(text):
+    for match in re.finditer(re.escape(_MARK.format(nonce, "@")).replace("@", "(\\d+)"), text):
+        index = int(match.group(1))
+        if index >= len(contents):  # a template's own odd text: leave it as it is
+            continue
         ids += plain(text[pos : match.start()]) if match.start() > pos else []
-        ids += _as_text(tok, contents[int(match.group(1))])
+        ids += _as_text(tok, contents[index])
         pos = match.end()
     return ids + (plain(text[pos:]) if pos < len(text) else [])
 

@@ -1,11 +1,11 @@
 """The router's LoRA admin endpoints, vLLM's names and bodies: ``POST /v1/load_lora_adapter``
 {"lora_name", "lora_path"} and ``POST /v1/unload_lora_adapter`` {"lora_name"}.
 
-Admin only (an admin key, or the ``--admin-port``; 403 with a tenant's key), as /metrics
-and /workers. Each fans out to every healthy worker of both pools
-(router/transport/lora_fanout.py) and then updates the router's adapter table, which
-/v1/models lists and requests name as their ``model``. The path is the workers' (and,
-with ``--lora``, the router's) view of the adapter directory.
+Admin only: an admin key on every port (403 with a tenant's key); unlike /metrics and
+/workers, the ``--admin-port`` opens nothing here without the key. Each fans out to every
+healthy worker of both pools (router/transport/lora_fanout.py) and then updates the
+router's adapter table, which /v1/models lists and requests name as their ``model``. The
+path is the workers' (and, with ``--lora``, the router's) view of the adapter directory.
 
 A router of several processes (``--procs``): the process that took the call tells its
 siblings the new table entry on their loopback ports (``/internal/lora_table``, answered
@@ -24,9 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdserve.protocol.contract import valid_lora_name
-from pdserve.router import edge
-from pdserve.router.api import adapters
-from pdserve.router.api.errors import APIError, invalid
+from pdserve.router import adapters, edge
+from pdserve.router.errors import APIError, invalid
 from pdserve.router.runtime import Runtime
 from pdserve.router.transport import lora_fanout
 
@@ -89,7 +88,7 @@ def add_lora_admin_routes(app: FastAPI, runtime: Callable[[], Runtime]) -> None:
     lock = asyncio.Lock()  # one change at a time: a load racing an unload of one name
 
     async def body_of(request: Request, fields: tuple[str, ...]) -> dict[str, str]:
-        runtime().require_admin(request)
+        runtime().require_admin(request, change=True)
         raw = await edge.read_body(request, MAX_BODY_BYTES, runtime().cfg.body_timeout_s)
         return parse_body(raw, fields)
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.router import edge
-from pdserve.router.api.errors import APIError
 from pdserve.router.api.serving import fit_context, prepare_body
+from pdserve.router.api_keys import Caller
+from pdserve.router.errors import APIError
 from pdserve.router.picker.prefill_header import PREFILL_HEADER, SIGNATURE_HEADER, endpoint_of, sign
-from pdserve.router.runtime import Runtime
+from pdserve.router.runtime import Runtime, Ticket
 from pdserve.router.scheduling import disagg
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 
@@ -35,6 +36,7 @@ class Pick:
     remove_headers: tuple[str, ...] = ()
     prompt_tokens: int = 0
     begun: str = ""  # the decode URL counted in flight ("" once released)
+    ticket: Ticket | None = None  # the admission slot, held until the response ends
 
 
 class Picker:
@@ -52,18 +54,44 @@ class Picker:
         self, path: str, headers: Mapping[str, str], body: bytes | None,
         subset: frozenset[str] | None = None,
     ) -> Pick:  # fmt: skip
-        """Raises APIError: 400/413 for a bad body, 401 for a bad key, 503 with no worker."""
+        """Raises APIError: 400/413 for a bad body, 401 for a bad key, 429 past the key's
+        limits, 503 with no worker. The router mode's gate applies here too: the key and
+        its request bucket before the body is looked at, an admission slot (``--max-queue``,
+        ``--max-concurrency-per-key``, fair across keys) before it is tokenized, held
+        until the response ends, and the token bucket once the prompt is counted."""
         rt = self.rt
-        caller = rt.keys.caller(headers.get("authorization", ""))
+        caller, client = self._gate(headers)
+        if body is not None and len(body) > rt.cfg.max_body_bytes:
+            raise APIError(413, f"request body is over {rt.cfg.max_body_bytes} bytes")
+        ticket = rt.admission.try_now(client) or await rt.admit(client, caller.priority)
+        try:
+            pick = await self._pick(path, caller, client, body, subset)
+        except BaseException:
+            ticket.release()
+            raise
+        pick.ticket = ticket
+        return pick
+
+    def _gate(self, headers: Mapping[str, str]) -> tuple[Caller, str]:
+        caller = self.rt.keys.caller(headers.get("authorization", ""))
+        forwarded = headers.get("x-forwarded-for", "").split(",")[0].strip()
+        client = "key:" + caller.key if caller.key else "addr:" + forwarded
+        self.rt.limiter.take_request(client)
+        return caller, client
+
+    async def _pick(
+        self, path: str, caller: Caller, client: str, body: bytes | None,
+        subset: frozenset[str] | None,
+    ) -> Pick:  # fmt: skip
+        rt = self.rt
         snap = self._restrict(rt.discovery.snapshot(), subset)
         chat = CHAT_PATHS.get(path.split("?", 1)[0])
         if body is None or chat is None:  # no OpenAI body to read: load alone decides
             plan = rt.dispatcher.plan([], snap)
             return self._answer(plan.decode, None, 0)
-        if len(body) > rt.cfg.max_body_bytes:
-            raise APIError(413, f"request body is over {rt.cfg.max_body_bytes} bytes")
         req, ids = await rt.off_loop(_prepare, rt, body, chat)
         req = fit_context(rt, snap, req, len(ids))
+        rt.limiter.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
         # An adapter's prefix is hashed under the adapter, as its workers store it.
         lora = rt.adapter_of(req.model)
         plan = rt.dispatcher.plan(ids, snap, rt.cache_salt(caller.key, req.cache_salt), lora)
@@ -111,6 +139,9 @@ class Picker:
         if pick.begun:
             self.rt.discovery.end(pick.begun, pick.prompt_tokens)
             pick.begun = ""
+        if pick.ticket is not None:
+            pick.ticket.release()
+            pick.ticket = None
 
 
 def _prepare(rt: Runtime, body: bytes, chat: bool) -> tuple[Any, list[int]]:

@@ -28,7 +28,7 @@ from typing import Any
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from pdserve.router.api.errors import APIError
+from pdserve.router.errors import APIError
 from pdserve.router.picker import envoy_msgs as msgs
 from pdserve.router.picker.pick import Pick, Picker
 
@@ -80,6 +80,11 @@ class ExtProc(ep_grpc.ExternalProcessorServicer):
         if kind == "request_headers":
             ex.headers = msgs.header_map(msg.request_headers)
             ex.subset = msgs.subset_hint(msg)
+            try:  # a bad key is refused before the picker buffers a byte of its body
+                self.picker.rt.keys.caller(ex.headers.get("authorization", ""))
+            except APIError as err:
+                yield _refusal(err)
+                return
             if msg.request_headers.end_of_stream:  # no body (a GET): load alone picks
                 yield await self._routed(ex, None, in_body=False)
             elif not ex.duplex_request:

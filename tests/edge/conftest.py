@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.local.processes import ClusterSpec, LocalCluster
-from tests.loopback import free_port, worker_port_base
+from pdserve.testing.loopback import free_port, worker_port_base
 
 KEYS = ("tenant-a-key", "tenant-b-key")
 ADMIN_KEY = "edge-admin-key"  # /workers needs it while tenant keys are on

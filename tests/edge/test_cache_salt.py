@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pdserve.protocol.hashing import ROOT_HASH, block_hashes, salt_root
-from tests.loopback import all_kv_free, secret_auth
+from pdserve.testing.loopback import all_kv_free, secret_auth
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.loopback import all_kv_free
+from pdserve.testing.loopback import all_kv_free
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine import cpu_kernel
-from tests.loopback import run_bench
+from pdserve.testing.loopback import run_bench
 
 pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C++ compiler here")
 

@@ -9,6 +9,7 @@ loads it); with it the file is deleted and compiled again.
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -83,6 +84,7 @@ def test_a_planted_kernel_library_is_rebuilt_not_loaded(
     subprocess.run(["g++", *flags, str(planted), "-o", str(built)], check=True)
     again = cpu_kernel.build("g++", source, [], flags)
     assert again == built
+    assert cpu_kernel.load_checked(again).pdserve_probe() == 7  # from the checked fd
     # A fresh file (dlopen caches by path+inode: copy to a new name before loading).
     fresh = tmp_path / "load.so"
     shutil.copy(again, fresh)
@@ -105,3 +107,74 @@ def test_compile_checks_the_inductor_cache_before_compiling(
     (tmp_path / "fxgraph" / "entry").write_bytes(b"planted graph")
     compiled.compile_model(torch.nn.Sequential(torch.nn.ReLU()))
     assert not (tmp_path / "fxgraph" / "entry").exists()
+
+
+def symlink_probe(tmp_path: Path) -> int:
+    """How many planted links a verify + seal leaves for the loader to follow (issue 44):
+    a linked directory (os.walk lists it but never enters it, inductor follows it), a
+    linked file, a link in a subfolder. bench/chaos.py reports it as cache_symlink_followed."""
+    cache, outside = tmp_path / "cache", tmp_path / "elsewhere"
+    (cache / "ab").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "entry").write_bytes(b"their graph")
+    (cache / "fxgraph").symlink_to(outside, target_is_directory=True)
+    (cache / "kernel.so").symlink_to(outside / "entry")
+    (cache / "ab" / "x.py").symlink_to(outside / "entry")
+    ring = _ring(SECRET)
+    cache_seal.verify(cache, ring)
+    cache_seal.seal(cache, ring)
+    left = [p for p in ("fxgraph", "kernel.so", "ab/x.py") if os.path.lexists(cache / p)]
+    assert (outside / "entry").read_bytes() == b"their graph"  # the target is not ours
+    return len(left)
+
+
+def test_planted_symlinks_are_removed_never_followed(tmp_path: Path) -> None:
+    assert symlink_probe(tmp_path) == 0
+    assert not cache_seal._manifest(tmp_path / "cache")  # nothing of theirs got our seal
+
+
+def test_the_loader_checks_the_file_it_opened(tmp_path: Path) -> None:
+    """open_sealed: O_NOFOLLOW (a link is refused), the seal checked on the fd, and what
+    the fd reads stays the checked file after the path is swapped."""
+    (tmp_path / "k.so").write_bytes(b"ours")
+    ring = _ring(SECRET)
+    cache_seal.seal(tmp_path, ring)
+    fd = cache_seal.open_sealed(tmp_path, tmp_path / "k.so", ring)
+    try:
+        (tmp_path / "swap").write_bytes(b"theirs")
+        os.replace(tmp_path / "swap", tmp_path / "k.so")  # swapped after the check
+        assert Path(f"/proc/self/fd/{fd}").read_bytes() == b"ours"
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):  # the swapped file carries no seal
+        cache_seal.open_sealed(tmp_path, tmp_path / "k.so", ring)
+    (tmp_path / "k.so").unlink()
+    (tmp_path / "sealed").write_bytes(b"ours")
+    (tmp_path / "k.so").symlink_to(tmp_path / "sealed")
+    with pytest.raises(OSError):  # ELOOP: never followed
+        cache_seal.open_sealed(tmp_path, tmp_path / "k.so", _ring())
+
+
+def test_read_sealed_returns_the_bytes_it_checked(tmp_path: Path) -> None:
+    (tmp_path / "k.so").write_bytes(b"ours")
+    ring = _ring(SECRET)
+    cache_seal.seal(tmp_path, ring)
+    assert cache_seal.read_sealed(tmp_path, tmp_path / "k.so", ring) == b"ours"
+    (tmp_path / "k.so").write_bytes(b"theirs")  # rewritten in place, same inode
+    with pytest.raises(OSError):
+        cache_seal.read_sealed(tmp_path, tmp_path / "k.so", ring)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
+def test_two_checked_libraries_load_side_by_side(tmp_path: Path) -> None:
+    """The loader must not hand back a library it loaded before under the same name (it
+    does for two loads of /proc/self/fd/N with one N)."""
+    flags = ["-O0", "-shared", "-fPIC"]
+    libs = []
+    for value in (7, 8):
+        source = tmp_path / f"probe{value}.cpp"
+        source.write_text(TINY.replace("7", str(value)))
+        subprocess.run(["g++", *flags, str(source), "-o", str(tmp_path / f"p{value}.so")],
+                       check=True)  # fmt: skip
+        libs.append(cpu_kernel.load_checked(tmp_path / f"p{value}.so"))
+    assert [lib.pdserve_probe() for lib in libs] == [7, 8]

@@ -24,9 +24,9 @@ from pdserve.engine.core_loop import CoreLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
+from pdserve.testing.loopback import free_port
 from pdserve.worker.core_client import EngineClient
 from pdserve.worker.http import core_config
-from tests.loopback import free_port
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.cluster]  # a real engine core process
 NUM_BLOCKS = 128

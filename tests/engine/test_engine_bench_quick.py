@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.loopback import run_bench
+from pdserve.testing.loopback import run_bench
 
 
 # serial: run alone, after the parallel part (scripts/test.sh). The two sides are timed one

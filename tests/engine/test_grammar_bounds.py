@@ -24,6 +24,7 @@ import pytest
 import zmq
 from engine_helpers import assert_all_free, tiny_config
 
+from pdserve.engine.compile_guard import DEFAULT_BOUND
 from pdserve.engine.core_loop import CoreLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.structured import Grammars
@@ -105,8 +106,8 @@ def test_compile_past_its_deadline_is_refused(engine, loop, monkeypatch) -> None
     rejected = [m for m in _messages(reader) if m[0] == "rejected"]
     assert rejected and rejected[0][1:4] == ("slow", "invalid", "response_format")
     assert "--grammar-compile-timeout" in rejected[0][4]
-    monkeypatch.undo()  # the next compile is quick, on the fresh thread
-    core._command(_add("next"))
+    monkeypatch.undo()  # another key's next compile is quick, on the fresh thread
+    core._command(_add("next", "k:other|r:x"))
     deadline = time.monotonic() + 10
     while "next" not in engine.requests and time.monotonic() < deadline:
         core._add_compiled()
@@ -181,4 +182,54 @@ def test_an_unexpected_error_adding_a_request_answers_it_alone(engine, loop, mon
     assert "good" in engine.requests
     while engine.has_work:
         engine.step()
+    assert_all_free(engine)
+
+
+def _grammar_threads() -> int:
+    return sum(t.name.startswith("pdserve-grammar") for t in threading.enumerate())
+
+
+def abandoned_probe(core: Any, reader: Any, engine: LLMEngine, keys: int = 4) -> int:
+    """Compiles abandoned past the bound (bench/chaos.py: abandoned_compiles_over_bound):
+    ``keys`` keys each send two grammars that never finish in time (each compile is held
+    until the end); the threads still compiling are counted at the worst moment. Before
+    the fix every timeout left a thread behind and the next compile took a fresh one."""
+    core.compile_timeout_s = 0.2
+    base, worst = _grammar_threads(), 0
+    for k in range(keys):
+        for i in range(2):
+            core._command(_add(f"k{k}-{i}", f"k:{k}|r:x"))
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                core._add_compiled()
+                worst = max(worst, _grammar_threads() - base)
+                time.sleep(0.01)
+    _messages(reader)
+    # abandoned ones + the one running (the fresh thread starts only with a compile)
+    return max(0, worst - (DEFAULT_BOUND + 1))
+
+
+def test_abandoned_compiles_are_bounded_and_their_key_backed_off(engine, loop, monkeypatch) -> None:
+    core, reader = loop
+    release = _held_compile(engine, monkeypatch)
+    try:
+        assert abandoned_probe(core, reader, engine) == 0
+        assert core.abandoned.running() == core.abandoned.bound
+        # the key behind a timeout is refused at once, naming the field
+        core._command(_add("again", "k:0|r:x"))
+        (msg,) = [m for m in _messages(reader) if m[0] == "rejected"]
+        assert msg[1:4] == ("again", "invalid", "response_format") and "refused" in msg[4]
+        monkeypatch.undo()
+        core._command(_add("other", "k:fresh|r:x"))  # waits for the bound, then compiles
+        core._add_compiled()
+        assert "other" not in engine.requests and not core._compiling
+    finally:
+        release.set()
+    deadline = time.monotonic() + 20
+    while "other" not in engine.requests and time.monotonic() < deadline:
+        core._add_compiled()
+        time.sleep(0.01)
+    assert "other" in engine.requests
+    for rid in list(engine.requests):  # "other", and a probe compile that finished in time
+        engine.abort(rid)
     assert_all_free(engine)

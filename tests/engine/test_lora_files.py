@@ -20,7 +20,7 @@ from pdserve.engine.lora_files import (
 )
 from pdserve.engine.lora_registry import LoraAdapter, LoraRegistry, lora_passes, lora_queries
 from pdserve.protocol.hashing import ROOT_HASH, block_hashes, salt_root
-from tests.lora_adapters import SPECS, edit_config, write_adapter
+from pdserve.testing.lora_adapters import SPECS, edit_config, write_adapter
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +65,14 @@ def test_refused_configs(copy: Path, registry: LoraRegistry, change: dict[str, A
 
 
 def test_bad_directories(copy: Path, registry: LoraRegistry, tmp_path: Path) -> None:
-    with pytest.raises(LoraError, match="is not a directory") as exc:
+    with pytest.raises(LoraError, match="is not an adapter directory") as exc:
         registry.load("x", str(tmp_path / "nothing"))
     assert exc.value.field == "lora_path"
     (copy / "adapter_config.json").write_text("{not json")
     with pytest.raises(LoraError, match=r"adapter_config\.json is not JSON"):
         registry.load("x", str(copy))
     (copy / "adapter_model.safetensors").unlink()
-    with pytest.raises(LoraError, match=r"adapter_model\.safetensors is missing"):
+    with pytest.raises(LoraError, match="is not an adapter directory"):
         registry.load("x", str(copy))
     with pytest.raises(LoraError, match="lora_name") as exc:
         registry.load("", str(copy))
@@ -145,7 +145,9 @@ def test_passes_hold_at_most_max_loras_adapters(good: Path) -> None:
     assert lora_passes([a, b, c, None, c, a], 2) == [[0, 1, 3, 5], [2, 4]]
 
 
-def test_queries_answer_errors_by_field(copy: Path, registry: LoraRegistry) -> None:
+def test_queries_answer_errors_by_field(copy: Path, hf_model: Any) -> None:
+    config = LoraConfig(max_lora_rank=16, roots=(str(copy.parent),))
+    registry = LoraRegistry(hf_model, config, torch.device("cpu"), torch.float32)
     queries = lora_queries(registry)
     got = queries["lora_load"]("a", str(copy))
     assert got == {"name": "a", "hash": adapter_hash(copy)}
@@ -153,3 +155,34 @@ def test_queries_answer_errors_by_field(copy: Path, registry: LoraRegistry) -> N
     assert queries["lora_load"]("b", "/nonexistent")["field"] == "lora_path"
     assert queries["lora_unload"]("a") is True and queries["lora_unload"]("a") is False
     assert lora_queries(None)["lora_load"]("a", str(copy))["field"] == "lora_name"
+
+
+def lora_path_probe(adapter: Path, hf_model: Any, tmp_path: Path) -> tuple[int, int]:
+    """(escapes, revealing errors): run-time loads outside ``--lora-root`` that the worker
+    took, and errors that differ between a path that exists and one that does not.
+    bench/chaos.py reports the sum as lora_path_escapes."""
+    root = tmp_path / "root"
+    inside = Path(shutil.copytree(adapter, root / "ok"))
+    (root / "link").symlink_to(adapter)  # a link inside the root to a directory outside
+    config = LoraConfig(max_lora_rank=16, roots=(str(root),))
+    load = lora_queries(LoraRegistry(hf_model, config, torch.device("cpu"), torch.float32))[
+        "lora_load"]  # fmt: skip
+    assert "hash" in load("ok", str(inside))
+    outside = [str(adapter), f"{root}/../{adapter.relative_to(tmp_path)}", str(root / "link"),
+               "/etc", str(root)]  # fmt: skip
+    escapes = sum("hash" in load(f"x{i}", p) for i, p in enumerate(outside))
+    errors = {load("y", p)["error"] for p in ("/etc", "/nonexistent", "/etc/passwd",
+                                              str(root / "missing"))}  # fmt: skip
+    return escapes, len(errors) - 1
+
+
+def test_run_time_loads_stay_under_the_lora_root(good: Path, hf_model: Any, tmp_path: Path) -> None:
+    """Issue 44 item 7: ``lora_path`` was any absolute path the worker could read, and
+    the errors said which paths exist."""
+    outside = Path(shutil.copytree(good, tmp_path / "outside"))
+    assert lora_path_probe(outside, hf_model, tmp_path) == (0, 0)
+    # no --lora-root and no --lora: no run-time loads at all
+    bare = LoraRegistry(hf_model, LoraConfig(), torch.device("cpu"), torch.float32)
+    assert lora_queries(bare)["lora_load"]("a", str(outside))["field"] == "lora_path"
+    # the default root: the folders of the --lora adapters
+    assert LoraConfig(loras=(("a", str(outside)),)).load_roots() == (str(tmp_path),)

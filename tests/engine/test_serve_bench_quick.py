@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.local.proc_group import end_group
-from tests.loopback import ROOT, free_port, run_bench, wait_until_up
+from pdserve.testing.loopback import ROOT, free_port, run_bench, wait_until_up
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -22,7 +22,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora_files import LoraConfig
 from pdserve.protocol.contract import LoraRef
 from pdserve.protocol.sampling_params import SamplingParams
-from tests.lora_adapters import SPECS, merged_model, write_adapter
+from pdserve.testing.lora_adapters import SPECS, merged_model, write_adapter
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,7 +20,7 @@ from k8s_helpers import NS, ROOT, eventually, minimal_llmservice, simulate_deplo
 from kopf.testing import KopfRunner
 
 from pdserve.operator.kube import KubeClient
-from tests.loopback import free_port
+from pdserve.testing.loopback import free_port
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -58,6 +58,10 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
         _containers(securityContext={"capabilities": {"add": ["SYS_ADMIN"]}}),
         f"{D}.containers[0].securityContext.capabilities.add",
     ),
+    "capabilities kept (drop: [] replaces the rendered [ALL])": (
+        _containers(securityContext={"capabilities": {"drop": []}}),
+        f"{D}.containers[0].securityContext.capabilities.drop",
+    ),
     "privilege escalation": (
         _containers(securityContext={"allowPrivilegeEscalation": True}),
         f"{D}.containers[0].securityContext.allowPrivilegeEscalation",
@@ -133,8 +137,13 @@ def test_router_template_may_name_only_its_own_account() -> None:
 
 def test_allowed_template_renders_under_the_policy() -> None:
     """The escape hatch's documented uses stay open: scheduling, Multus annotations, env,
-    volumes of safe kinds, a sidecar, a tightened securityContext."""
-    template = {**DECODE_TEMPLATE, "spec": {**DECODE_TEMPLATE["spec"],
+    volumes of safe kinds, a sidecar (hardened as the rendered containers are: the merged
+    pod is checked), a tightened securityContext."""
+    hard = {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}  # fmt: skip
+    containers = [{**c, "securityContext": hard} if c["name"] == "sidecar" else c
+                  for c in DECODE_TEMPLATE["spec"]["containers"]]  # fmt: skip
+    template = {**DECODE_TEMPLATE, "spec": {**DECODE_TEMPLATE["spec"], "containers": containers,
         "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "securityContext": {"runAsUser": 2000, "fsGroup": 2000},
         "volumes": [*DECODE_TEMPLATE["spec"]["volumes"],
@@ -190,3 +199,101 @@ async def test_operator_refuses_unsafe_template_with_degraded(
     assert "spec.decode.podTemplate.spec.hostPID" in cond["message"]
     assert await existing_children(client, obj) == []
     assert await client.get("apps/v1", "Deployment", NS, "escape-decode") is None
+
+
+# Item 3 of issue 44: templates that pass the field checks but unset, through the merge,
+# the hardening the operator rendered. The merged pod is what the policy checks now.
+C0 = f"{D}.containers[0].securityContext"
+MERGED_ESCAPES: dict[str, tuple[dict[str, Any], str]] = {
+    "drop [] replaces drop [ALL]": (
+        _containers(securityContext={"capabilities": {"drop": []}}), f"{C0}.capabilities.drop",
+    ),
+    "null runAsNonRoot": (_containers(securityContext={"runAsNonRoot": None}),
+                          f"{C0}.runAsNonRoot"),
+    "null allowPrivilegeEscalation": (
+        _containers(securityContext={"allowPrivilegeEscalation": None}),
+        f"{C0}.allowPrivilegeEscalation",
+    ),
+    "null readOnlyRootFilesystem": (
+        _containers(securityContext={"readOnlyRootFilesystem": None}),
+        f"{C0}.readOnlyRootFilesystem",
+    ),
+    "null container securityContext": (_containers(securityContext=None), C0),
+    "null pod securityContext": ({"spec": {"securityContext": None}}, f"{D}.securityContext"),
+    "null seccomp profile": (
+        {"spec": {"securityContext": {"seccompProfile": None}}},
+        f"{D}.securityContext.seccompProfile",
+    ),
+    "a sidecar left unhardened": (
+        {"spec": {"containers": [{"name": "side", "image": "busybox"}]}},
+        f"{D}.containers[1].securityContext",
+    ),
+}  # fmt: skip
+
+
+def merged_escapes(policy: PodPolicy = STRICT) -> int:
+    """How many MERGED_ESCAPES the policy lets through (bench/chaos.py reports it)."""
+    escaped = 0
+    for template, _ in MERGED_ESCAPES.values():
+        try:
+            render(minimal_llmservice(decode={"podTemplate": template}), policy=policy)
+            escaped += 1
+        except SpecError:
+            pass
+    return escaped
+
+
+@pytest.mark.parametrize("case", sorted(MERGED_ESCAPES))
+def test_the_merged_pod_keeps_its_hardening(case: str) -> None:
+    template, field = MERGED_ESCAPES[case]
+    obj = minimal_llmservice(decode={"podTemplate": template})
+    with pytest.raises(SpecError) as info:
+        render(obj, policy=STRICT)
+    assert str(info.value).startswith(field), str(info.value)
+    if "null" not in case:  # nulls: refused when the spec is parsed too (pod_template.py)
+        render(obj, policy=PodPolicy(allow_unsafe=True))  # the opt-out renders it
+
+
+def test_a_hardened_sidecar_and_the_router_pass_the_merged_check() -> None:
+    hard = {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}  # fmt: skip
+    side = {"spec": {"containers": [{"name": "side", "image": "busybox", "securityContext": hard}]}}
+    render(minimal_llmservice(decode={"podTemplate": side}), policy=STRICT)
+    render(minimal_llmservice(router={"mode": "endpointPicker"}), policy=STRICT)
+    assert merged_escapes() == 0
+
+
+SHARED = {"claimName": "shared-cache"}
+CACHE = {"model": {"source": {"huggingFace": {"id": "org/m", "cache": SHARED}}}}
+CACHE_ESCAPES: dict[str, tuple[dict[str, Any], str]] = {
+    "the cache claim read-write": (
+        {"spec": {"volumes": [{"name": "c", "persistentVolumeClaim": SHARED}]}},
+        f"{D}.volumes[0].persistentVolumeClaim.readOnly",
+    ),
+    "the model volume remounted writable": (
+        _containers(volumeMounts=[{"name": "model", "mountPath": "/w", "readOnly": False}]),
+        f"{D}.containers[0].volumeMounts[0]",
+    ),
+    "the download's env rewritten": (
+        {"spec": {"initContainers": [{"name": "download-model",
+                                      "env": [{"name": "HF_ENDPOINT", "value": "http://evil"}]}]}},
+        f"{D}.initContainers[0].name",
+    ),
+    "the model volume replaced": (
+        {"spec": {"volumes": [{"name": "model", "emptyDir": {}}]}}, f"{D}.volumes[0].name",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CACHE_ESCAPES))
+def test_a_template_cannot_reach_the_shared_cache(case: str) -> None:
+    """Issue 44 item 4: any LLMService author could mount the shared cache claim
+    read-write through podTemplate and swap weights or compiled code of another service."""
+    template, field = CACHE_ESCAPES[case]
+    obj = minimal_llmservice(decode={"podTemplate": template}, **CACHE)
+    with pytest.raises(SpecError) as info:
+        render(obj, policy=STRICT)
+    assert str(info.value).startswith(field), str(info.value)
+    ro = {"spec": {"volumes": [{"name": "c", "persistentVolumeClaim": {
+        "claimName": "data", "readOnly": True}}]}}  # fmt: skip
+    render(minimal_llmservice(decode={"podTemplate": ro}, **CACHE), policy=STRICT)

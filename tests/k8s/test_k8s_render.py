@@ -46,7 +46,7 @@ def test_children_set() -> None:
     expected |= {f"Service/{name}-{r}" for r in ("prefill", "decode")}
     expected |= {f"Deployment/{name}-{r}" for r in ("router", "prefill", "decode")}
     expected |= {f"PodDisruptionBudget/{name}-{r}" for r in ("router", "prefill", "decode")}
-    expected |= {f"NetworkPolicy/{name}-workers"}
+    expected |= {f"NetworkPolicy/{name}-workers", f"NetworkPolicy/{name}-router"}
     assert keys == expected
 
 
@@ -141,7 +141,8 @@ def test_router_pod_and_services() -> None:
     ing = m["Ingress/llama3-8b"]["spec"]
     assert ing["tls"] == [{"hosts": ["llama.llm.example.com"], "secretName": "llama-tls"}]
     # Only the OpenAI API is exposed, never the router's /metrics or /workers.
-    assert [p["path"] for p in ing["rules"][0]["http"]["paths"]] == ["/v1"]
+    assert [p["path"] for p in ing["rules"][0]["http"]["paths"]] == [
+        "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/responses"]  # fmt: skip
 
 
 def test_ipc_lock_is_an_rdma_opt_in() -> None:
@@ -342,6 +343,7 @@ def test_optional_gateway_api_http_route() -> None:
     assert r["apiVersion"] == "gateway.networking.k8s.io/v1"
     assert r["spec"]["parentRefs"] == [{"name": "public", "namespace": "gateways"}]
     rule = r["spec"]["rules"][0]
-    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    assert [m["path"]["value"] for m in rule["matches"]] == [
+        "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/responses"]  # fmt: skip
     assert rule["backendRefs"] == [{"name": "demo", "port": 80}]
     assert "HTTPRoute/demo" not in by_key(render(minimal_llmservice()))

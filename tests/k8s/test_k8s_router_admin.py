@@ -15,9 +15,9 @@ from starlette.requests import Request
 
 from pdserve.operator.autoscale_inputs import router_metrics_url
 from pdserve.operator.render import render
-from pdserve.router.api.errors import APIError
+from pdserve.router.api_keys import KeyStore
 from pdserve.router.config import RouterConfig
-from pdserve.router.keys import KeyStore
+from pdserve.router.errors import APIError
 from pdserve.router.main import add_arguments
 from pdserve.router.runtime import Runtime
 
@@ -95,7 +95,68 @@ def test_public_routes_never_reach_the_admin_port() -> None:
     assert public["type"] == "LoadBalancer"
     assert [p["targetPort"] for p in public["ports"]] == ["http"]  # no admin on the LB
     ing = m["Ingress/demo"]["spec"]["rules"][0]["http"]["paths"]
-    assert [p["backend"]["service"] for p in ing] == [{"name": "demo", "port": {"name": "http"}}]
+    assert {str(p["backend"]["service"]) for p in ing} == {
+        str({"name": "demo", "port": {"name": "http"}})}  # fmt: skip
     (rule,) = m["HTTPRoute/demo"]["spec"]["rules"]
     assert rule["backendRefs"] == [{"name": "demo", "port": 80}]
     assert _container_port(m, "demo", 80) == _router_args(m).port
+
+
+def _reaches(rule: dict[str, Any], port: int) -> bool:
+    return any(p["port"] == port for p in rule["ports"])
+
+
+def test_router_pods_admin_port_is_open_only_to_the_operator_and_metrics_namespaces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 44: before, no NetworkPolicy selected the router pods, so any pod of any
+    namespace reached 8083. Now the public port is open to all, the admin port only to
+    the operator's pods (its namespace from the downward API) and metricsNamespaces."""
+    monkeypatch.setenv("PDSERVE_OPERATOR_NAMESPACE", "pdserve-system")
+    obj = minimal_llmservice(router={"apiKeySecret": KEY},
+                             networkPolicy={"metricsNamespaces": ["monitoring"]})  # fmt: skip
+    m = {f"{c['kind']}/{c['metadata']['name']}": c for c in render(obj)}
+    policy = m["NetworkPolicy/demo-router"]["spec"]
+    assert policy["podSelector"]["matchLabels"] == {"pdserve.io/service": "demo",
+                                                    "pdserve.io/role": "router"}  # fmt: skip
+    assert policy["policyTypes"] == ["Ingress"]
+    args = _router_args(m)
+    public = [r for r in policy["ingress"] if _reaches(r, args.port)]
+    assert public and all("from" not in r for r in public)  # tenants: through the Ingress
+    admin = [r for r in policy["ingress"] if _reaches(r, args.admin_port)]
+    assert admin and all(r.get("from") for r in admin)  # never an open "from"
+    namespaces = [
+        (src["namespaceSelector"]["matchExpressions"][0]["values"], src.get("podSelector"))
+        for r in admin
+        for src in r["from"]
+    ]
+    operator = {"matchLabels": {"app.kubernetes.io/name": "pdserve",
+                                "app.kubernetes.io/component": "operator"}}  # fmt: skip
+    assert namespaces == [(["pdserve-system"], operator), (["monitoring"], None)]
+    # picker mode: the picker's gRPC port is the public one, the admin port stays closed
+    obj["spec"]["router"]["mode"] = "endpointPicker"
+    m = {f"{c['kind']}/{c['metadata']['name']}": c for c in render(obj)}
+    rules = m["NetworkPolicy/demo-router"]["spec"]["ingress"]
+    assert [r.get("from") is None for r in rules if _reaches(r, 8083)] == [False]
+    # off with spec.networkPolicy.enabled: false, like the workers' policy
+    obj = minimal_llmservice(networkPolicy={"enabled": False})
+    assert not [c for c in render(obj) if c["kind"] == "NetworkPolicy"]
+
+
+def _prefix_matches(prefix: str, path: str) -> bool:
+    """Kubernetes' Prefix / Gateway's PathPrefix: element-wise on "/"."""
+    return path == prefix or path.startswith(prefix.rstrip("/") + "/")
+
+
+def test_lora_admin_routes_are_kept_off_the_ingress_and_route() -> None:
+    """Issue 44 item 7: the Ingress and HTTPRoute exposed the whole ``/v1`` prefix, so
+    without apiKeySecret anyone on the Internet could load and unload adapters."""
+    m = _service(ingress={"host": "llm.example.com"}, httpRoute=ROUTE)
+    ing = [p["path"] for p in m["Ingress/demo"]["spec"]["rules"][0]["http"]["paths"]]
+    (rule,) = m["HTTPRoute/demo"]["spec"]["rules"]
+    route = [x["path"]["value"] for x in rule["matches"]]
+    for prefixes in (ing, route):
+        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/metrics"):
+            assert not any(_prefix_matches(p, path) for p in prefixes), (path, prefixes)
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/models/tiny"):
+            assert any(_prefix_matches(p, path) for p in prefixes), (path, prefixes)

@@ -137,7 +137,7 @@ async def test_discovery_drops_a_terminating_decode_worker_at_the_watch_event(
     the streams it still serves there runs on (they end normally)."""
     from pdserve.router.discovery.workers import Discovery
     from pdserve.router.transport.worker_client import new_session
-    from tests.router.fakes import SECRET, FakeState, decode_app, serve
+    from pdserve.testing.router_fakes import SECRET, FakeState, decode_app, serve
 
     async with serve(decode_app(FakeState("decode", "d-a"))) as url_a, \
             serve(decode_app(FakeState("decode", "d-b"))) as url_b:  # fmt: skip

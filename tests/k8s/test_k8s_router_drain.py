@@ -25,7 +25,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.k8s import KubernetesSource
 from pdserve.router.discovery.kube_api import ApiAccess
 from pdserve.router.tokenizer import PromptTokenizer
-from tests.router.fakes import SECRET, TOTAL_BLOCKS, FakeState, decode_app, serve
+from pdserve.testing.router_fakes import SECRET, TOTAL_BLOCKS, FakeState, decode_app, serve
 
 pytestmark = pytest.mark.timeout(60)
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.loopback import run_bench
+from pdserve.testing.loopback import run_bench
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.local import drain
 from pdserve.protocol.contract import WorkerStats
-from tests.loopback import free_port
+from pdserve.testing.loopback import free_port
 
 pytestmark = pytest.mark.timeout(30)
 

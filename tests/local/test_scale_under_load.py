@@ -32,7 +32,7 @@ import pytest
 from pdserve.local.autoscale import LocalPools
 from pdserve.local.drain import router_lists
 from pdserve.local.processes import ClusterSpec, LocalCluster
-from tests.loopback import all_kv_free, free_port, secret_auth, worker_port_base
+from pdserve.testing.loopback import all_kv_free, free_port, secret_auth, worker_port_base
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # starting 4 workers: most of it
 

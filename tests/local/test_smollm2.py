@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from pdserve.local.proc_group import end_group
-from tests.loopback import ROOT, all_kv_free, free_port, wait_until_up, worker_port_base
+from pdserve.testing.loopback import ROOT, all_kv_free, free_port, wait_until_up, worker_port_base
 
 pytestmark = [
     pytest.mark.slow,

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.loopback import all_kv_free, secret_auth, sse_chunks
+from pdserve.testing.loopback import all_kv_free, secret_auth, sse_chunks
 from tests.router.pdserve_up import run_up
 from tests.workers.worker_helpers import children, gone
 

@@ -30,7 +30,14 @@ import httpx
 import pytest
 
 from pdserve.local.proc_group import end_group, poll_until, signal_group
-from tests.loopback import ROOT, all_kv_free, free_port, secret_auth, sse_chunks, worker_port_base
+from pdserve.testing.loopback import (
+    ROOT,
+    all_kv_free,
+    free_port,
+    secret_auth,
+    sse_chunks,
+    worker_port_base,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

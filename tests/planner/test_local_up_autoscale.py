@@ -33,7 +33,7 @@ import httpx
 import pytest
 
 from pdserve.local.proc_group import end_group, poll_until
-from tests.loopback import all_kv_free, free_port, worker_port_base
+from pdserve.testing.loopback import all_kv_free, free_port, worker_port_base
 
 # serial: the SLO recovers once the new worker serves, measured in wall-clock TTFT; beside
 # another xdist worker's cluster on the 2 cores it read 1.0 s against the 0.7 s SLO.

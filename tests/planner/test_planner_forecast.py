@@ -141,7 +141,7 @@ def test_state_round_trips_through_json() -> None:
 
 
 def test_a_slow_ramp_is_seen_while_it_lasts_and_a_step_in_the_long_window_is_not() -> None:
-    """A compressed morning (bench/sim_scenarios weekly_holiday): +3% per 5 s interval
+    """A compressed morning (planner/sim/scenarios.py weekly_holiday): +3% per 5 s interval
     while one interval's count varies by ~1.6% (Poisson, ~4,000 requests). When a
     fitted slope also needed its last step to rise by a standard deviation on its own,
     it was believed on 6-13 of 20 intervals (seeds 5-7): between beliefs the planner scaled

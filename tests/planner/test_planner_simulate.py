@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.loopback import run_bench
+from pdserve.testing.loopback import run_bench
 
 
 @pytest.mark.timeout(600)
@@ -21,7 +21,7 @@ def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:
     assert result["attainment_min"] >= 0.75, result["attainment_min"]
     assert result["attainment_min"] > result["queue_blind_attainment"]
     assert result["attainment"] == result["attainment_min"]
-    # The held-out trace (sim_scenarios.heldout_scenarios, launch_decay) is scored apart,
+    # The held-out trace (sim.scenarios.heldout_scenarios, launch_decay) is scored apart,
     # not in the minimum above; the full run's goal is >= 0.95. It was written before any
     # run on it: nothing here states a figure of its own, only that the model is sane.
     assert set(result["heldout_scenarios"]) == {"launch_decay"}

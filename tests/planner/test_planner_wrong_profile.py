@@ -1,6 +1,6 @@
 """A planner given a deliberately wrong profile adapts from observed metrics.
 
-The simulated cluster (bench/sim_cluster.py) runs on the true H100 / Llama-3-8B costs;
+The simulated cluster (planner/sim/cluster.py) runs on the true H100 / Llama-3-8B costs;
 the planner believes every cost is half what it is (a profile 2x too fast). Its online
 corrections (observed vs predicted TTFT and TPOT) find the factor, and the pools settle
 where a planner with the right profile puts them.
@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from sim_cluster import Cluster, CostModel
-from sim_scenarios import Mix, slower
-
 from pdserve.planner.config import SLO, Bounds, PlannerConfig
 from pdserve.planner.decision import PlannerState
 from pdserve.planner.plan import plan
 from pdserve.planner.presets import H100_LLAMA3_8B
+from pdserve.planner.sim.cluster import Cluster, CostModel
+from pdserve.planner.sim.scenarios import Mix, slower
 
 TRUTH = CostModel(H100_LLAMA3_8B, 131_072, 40e9, 0.001, startup_s=20.0)
 

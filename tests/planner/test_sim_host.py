@@ -1,5 +1,5 @@
-"""The simulated cluster's host model (bench/sim_host.py) and the colocated step's token
-budget (bench/sim_goodput.py): pure functions and small simulations, no processes."""
+"""The simulated cluster's host model (planner/sim/host.py) and the colocated step's token
+budget (planner/sim/goodput.py): pure functions and small simulations, no processes."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from sim_goodput import Link, Replica, Req, StepSim
-from sim_host import RHO_MAX, Host, cpu_slowdown, erlang_c, fair_level, speed
-from sim_replay import Trace, replay
-
 from pdserve.planner.capacity import load_profile
 from pdserve.planner.config import SLO, PlannerConfig
+from pdserve.planner.sim.goodput import Link, Replica, Req, StepSim
+from pdserve.planner.sim.host import RHO_MAX, Host, cpu_slowdown, erlang_c, fair_level, speed
+from pdserve.planner.sim.replay import Trace, replay
 
 PROFILE = Path(__file__).resolve().parents[2] / "bench/profiles/cpu-tiny-1thread-cputime.json"
 
@@ -114,7 +113,7 @@ def test_utilisation_counts_bursts_not_cpu_bound_jobs() -> None:
 
 
 def test_queueing_stretches_ttft_on_busy_cores_only() -> None:
-    """A prefill and the path wait for a core on busy cores (sim_host.py: queueing); with
+    """A prefill and the path wait for a core on busy cores (planner/sim/host.py: queueing); with
     the cores to itself the replay is what it was without the term."""
     cfg = PlannerConfig(slo=SLO(2.0, 0.5), profile=load_profile(PROFILE))
     trace = Trace.step(2.0, 12.0, (5.0, 10.0, 5.0), seed=0)

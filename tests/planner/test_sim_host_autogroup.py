@@ -1,4 +1,4 @@
-"""The host model under autogroup scheduling (bench/sim_host.py, sim_vs_real_cpu.py).
+"""The host model under autogroup scheduling (planner/sim/host.py, sim_vs_real_cpu.py).
 
 With ``kernel.sched_autogroup_enabled`` every session is one CFS group at the top level,
 weighted by its autogroup's nice; a process's own nice only ranks it inside its session.
@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from sim_host import Host, autogroup_entities, nice_weight
 from sim_vs_real_cpu import TICK, CpuSampler, _proc_table, autogroup_enabled, autogroup_of
 from sim_vs_real_host import _jobs, _our_groups
+
+from pdserve.planner.sim.host import Host, autogroup_entities, nice_weight
 
 W19, W0 = nice_weight(19), nice_weight(0)
 

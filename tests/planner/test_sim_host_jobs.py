@@ -1,4 +1,4 @@
-"""The host model's other jobs as CFS sees them (bench/sim_host.py, sim_vs_real_host.py).
+"""The host model's other jobs as CFS sees them (planner/sim/host.py, sim_vs_real_host.py).
 
 A job measured beside the real replay took what it took; whether it would take the
 same from the simulated workers depends on its priority: a job of higher priority
@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from sim_host import Host, is_hog, job_groups, nice_weight
 from sim_vs_real_host import _jobs
+
+from pdserve.planner.sim.host import Host, is_hog, job_groups, nice_weight
 
 
 def _host(jobs: tuple, nice: int = 19) -> Host:

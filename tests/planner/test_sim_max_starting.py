@@ -1,4 +1,4 @@
-"""The simulated cluster mirrors ``pdserve up --max-starting`` (bench/sim_cluster.py).
+"""The simulated cluster mirrors ``pdserve up --max-starting`` (planner/sim/cluster.py).
 
 A pod past the cap is pending: counted in its pool's status (the planner ordered it),
 not a process (no replica-seconds, no start-up CPU on the host model), started when a
@@ -14,9 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from sim_cluster import Cluster, CostModel
-
 from pdserve.planner.presets import CPU_TINY
+from pdserve.planner.sim.cluster import Cluster, CostModel
 
 COST = CostModel(CPU_TINY, 2048, 1e9, 0.002, startup_s=4.0)
 

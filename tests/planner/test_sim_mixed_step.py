@@ -1,7 +1,7 @@
 """The colocated step: what the step simulator charges, and the engine timed against it.
 
 ``disagg_goodput_ratio`` rests on what a colocated replica's step costs when it
-carries a decode batch and a prefill chunk together. sim_goodput.py charges the
+carries a decode batch and a prefill chunk together. planner/sim/goodput.py charges the
 decode step plus the chunk's token and attention cost (one fixed cost); the first
 test pins that rule, the second runs ``bench/sim_mixed_step.py --quick`` on the real
 engine (tiny model, CPU, engine-thread CPU clock) and checks the path and that a
@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from sim_goodput import Link, Req, StepSim
-
 from pdserve.planner.capacity import load_profile
-from tests.loopback import run_bench
+from pdserve.planner.sim.goodput import Link, Req, StepSim
+from pdserve.testing.loopback import run_bench
 
 PROFILE = Path(__file__).resolve().parents[2] / "bench/profiles/cpu-tiny-1thread-cputime.json"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.loopback import run_bench
+from pdserve.testing.loopback import run_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -63,7 +63,7 @@ def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
     # staircase below is where scaling is forced and scored.)
     assert abs(real["workers_added"] - sim["replicas_added"]) <= 2, (real, sim)
     assert result["sim_vs_real_replica_s_error"] < 0.5, (real, sim)
-    host = result["host"]  # the simulated cluster shares this machine's cores (sim_host.py)
+    host = result["host"]  # the simulated cluster shares this machine's cores (planner/sim/host.py)
     assert host["cores"] == len(os.sched_getaffinity(0))
     assert host["other_cpu_ms_per_request"] > 0  # the router and the client used some CPU
     assert 0 <= host["background_cores_mean"] <= host["cores"]
@@ -212,7 +212,8 @@ def test_a_host_model_that_never_waits_fails_the_bound(scored: dict) -> None:
     """The negative control: the same prediction with a core per replica (no host model)
     misses the scaling windows' p90 by more than the bound."""
     import sim_vs_real_scaling as scaling
-    from sim_replay import replay
+
+    from pdserve.planner.sim.replay import replay
 
     run = scaling.Recording(RECORDINGS / scored["name"])
     calibration = scaling.Recording(RECORDINGS / run.meta["calibration"])
@@ -296,8 +297,9 @@ def test_the_other_jobs_as_runnable_threads_leave_our_thread_the_measured_share(
     run it was measured in, our other threads competed too), and more when the machine
     is quieter. probe_consistent: the simulated idle request takes the probe's time."""
     import sim_vs_real_scaling as scaling
-    from sim_host import Host
     from sim_vs_real_host import probe_consistent, runnable_threads
+
+    from pdserve.planner.sim.host import Host
 
     bg = np.full(10, 1.6)
     host = Host(cores=2.0, background_t=np.arange(10.0), background=bg, other_s_per_request=0.0,
@@ -355,8 +357,9 @@ def test_on_a_quiet_machine_the_doubled_staircase_still_scales() -> None:
     from dataclasses import replace
 
     import sim_vs_real_scaling as scaling
-    from sim_replay import replay
     from sim_vs_real_host import runnable_threads
+
+    from pdserve.planner.sim.replay import replay
 
     cal = scaling.Recording(scaling.CALIBRATION)
     cfg = cal.config(cal.dir / "profile.json")

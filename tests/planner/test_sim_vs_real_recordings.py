@@ -15,13 +15,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import sim_vs_real_record as record
-from sim_replay import Trace, replay
 from sim_vs_real import INTERVAL_S, up_flags
 from sim_vs_real_host import measure_host
 
 from pdserve.local.planner_loop import config_from_args
 from pdserve.local.up import add_arguments
-from tests.loopback import run_bench
+from pdserve.planner.sim.replay import Trace, replay
+from pdserve.testing.loopback import run_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

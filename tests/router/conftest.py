@@ -17,7 +17,7 @@ from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource
 from pdserve.router.tokenizer import PromptTokenizer
-from tests.router.fakes import SECRET, TOTAL_BLOCKS, FakeState, serve, start_fakes
+from pdserve.testing.router_fakes import SECRET, TOTAL_BLOCKS, FakeState, serve, start_fakes
 
 # The pdserve-up cluster fixtures (up, client) for the modules that run real workers.
 from tests.router.pdserve_up import client, shared_up, up  # noqa: F401

@@ -1,4 +1,4 @@
-"""The router's LoRA tests' fake workers: tests/router/fakes.py's, plus the workers' LoRA
+"""The router's LoRA tests' fake workers: pdserve/testing/router_fakes.py's, plus the workers' LoRA
 endpoints (worker/lora_api.py's bodies and errors) and ``loras`` / ``lora_known`` in
 their ``/stats``; prefill KV events hashed under the request's adapter, as the engine does.
 """
@@ -25,8 +25,7 @@ from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource
 from pdserve.router.tokenizer import PromptTokenizer
-from tests.router.conftest import Cluster
-from tests.router.fakes import (
+from pdserve.testing.router_fakes import (
     BLOCK,
     FakeState,
     _error,
@@ -36,6 +35,7 @@ from tests.router.fakes import (
     serve,
     stored_event,
 )
+from tests.router.conftest import Cluster
 
 
 def write_adapter(root: Path, name: str, seed: int = 0) -> Path:

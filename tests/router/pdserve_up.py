@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from pdserve.local.proc_group import end_group
-from tests.loopback import ROOT, all_kv_free, free_port, wait_until_up, worker_port_base
+from pdserve.testing.loopback import ROOT, all_kv_free, free_port, wait_until_up, worker_port_base
 
 # Prompts at least this long (in tokens) are prefilled on the prefill worker: the tests'
 # prompts are longer, so every request crosses the P/D hand-off.

@@ -1,6 +1,6 @@
 """The OpenAI API through the official client, against fake workers.
 
-The fake workers (tests/router/fakes.py) stand in for the real prefill and
+The fake workers (pdserve/testing/router_fakes.py) stand in for the real prefill and
 decode workers, following docs/architecture.md's worker API exactly.
 """
 

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from router_throughput import compare, summarise
 
-from tests.loopback import run_bench
+from pdserve.testing.loopback import run_bench
 
 # Router CPU per request (µs), measured on this 2-core box (bench/router_throughput.py,
 # docs/router.md "Throughput"): ~0.85-1.0 ms decode-direct, ~1.3 ms text, ~2.8-3.7 ms full

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.loopback import ROOT, run_bench, worker_port_base
+from pdserve.testing.loopback import ROOT, run_bench, worker_port_base
 
 WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.py"]
 

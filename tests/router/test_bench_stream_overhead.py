@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.loopback import run_bench
+from pdserve.testing.loopback import run_bench
 
 PARTS = ("router", "worker", "worker_http", "engine", "stream_path")
 

@@ -153,8 +153,8 @@ def test_the_workers_serve_with_it_as_the_fakes_do() -> None:
     same protocol: what the router reads from them is what it reads from real workers."""
     from fastapi import FastAPI
 
+    from pdserve.testing.router_fakes import WORKER_HTTP
     from pdserve.worker.http import server
-    from tests.router.fakes import WORKER_HTTP
 
     assert server(FastAPI(), "127.0.0.1", 0, "warning").config.http is CoalescingHttpTools
     assert WORKER_HTTP is CoalescingHttpTools

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from pdserve.local.proc_group import end_group, signal_group
-from tests.loopback import ROOT, all_kv_free, free_port, wait_until_up
+from pdserve.testing.loopback import ROOT, all_kv_free, free_port, wait_until_up
 
 WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.py"]
 

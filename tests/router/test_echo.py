@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from tests.loopback import all_kv_free, sse_chunks
+from pdserve.testing.loopback import all_kv_free, sse_chunks
 from tests.router.pdserve_up import Up
 
 pytestmark = [pytest.mark.timeout(600)]

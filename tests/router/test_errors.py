@@ -1,6 +1,6 @@
 """Every error case over raw HTTP (httpx), with OpenAI's error body.
 
-The fake workers (tests/router/fakes.py) stand in for the real workers.
+The fake workers (pdserve/testing/router_fakes.py) stand in for the real workers.
 """
 
 from __future__ import annotations

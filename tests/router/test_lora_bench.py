@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.loopback import run_bench
+from pdserve.testing.loopback import run_bench
 
 
 @pytest.mark.timeout(600)

@@ -15,14 +15,16 @@ import httpx
 import openai
 import pytest
 
-from tests.loopback import all_kv_free
-from tests.lora_adapters import SPECS, hf_greedy, merged_model, write_adapter
+from pdserve.testing.loopback import all_kv_free
+from pdserve.testing.lora_adapters import SPECS, hf_greedy, merged_model, write_adapter
 from tests.router.pdserve_up import run_up
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
 PROMPT = [(i * 37 + 11) % 3000 + 5 for i in range(40)]  # past the disagg threshold: P/D
 MAX_TOKENS = 6
+KEY = "lora-e2e-key"  # pdserve up: the key is the admin key too (load/unload need one)
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _hf_greedy(model: Any) -> list[int]:
@@ -31,7 +33,7 @@ def _hf_greedy(model: Any) -> list[int]:
 
 async def _greedy(url: str, model: str) -> tuple[list[int], int]:
     """(token ids, cached prompt tokens) of one greedy completion through the router."""
-    cl = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    cl = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
     out = await cl.completions.create(
         model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
@@ -45,7 +47,7 @@ async def _greedy(url: str, model: str) -> tuple[list[int], int]:
 
 
 def _prefix_matched(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", headers=AUTH, timeout=10).text
     line = next(
         ln for ln in text.splitlines() if ln.startswith("pdserve_router_prefix_match_ratio_sum")
     )
@@ -61,9 +63,9 @@ def test_lora_through_the_router(tiny_model_dir: Path, tmp_path: Path) -> None:
     want.update({n: _hf_greedy(merged_model(tiny_model_dir, d)) for n, d in dirs.items()})
     assert len({tuple(v) for v in want.values()}) == len(want)  # every adapter tells apart
     flags = [f for n in ("attn8", "mlp4") for f in ("--lora", f"{n}={dirs[n]}")]
-    with run_up(tiny_model_dir, tmp_path / "logs", *flags) as up:
+    with run_up(tiny_model_dir, tmp_path / "logs", *flags, "--api-key", KEY) as up:
         url = up.url
-        models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+        models = httpx.get(url + "/v1/models", headers=AUTH, timeout=10).json()["data"]
         base_name = models[0]["id"]
         assert [(m["id"], m.get("parent")) for m in models] == [
             (base_name, None), ("attn8", base_name), ("mlp4", base_name)]  # fmt: skip
@@ -77,14 +79,17 @@ def test_lora_through_the_router(tiny_model_dir: Path, tmp_path: Path) -> None:
         ids, cached = asyncio.run(_greedy(url, "attn8"))  # again: cached under attn8 only
         assert ids == want["attn8"] and cached >= 32
         assert _prefix_matched(url) > before  # the router's index saw the keyed blocks
-        metrics = httpx.get(url + "/metrics", timeout=10).text  # --lora: resident from start
+        metrics = httpx.get(
+            url + "/metrics", headers=AUTH, timeout=10
+        ).text  # --lora: resident from start
         assert 'pdserve_router_lora_routed_total{resident="true",role="decode"}' in metrics
 
         load = {"lora_name": "all16", "lora_path": str(dirs["all16"])}
-        r = httpx.post(url + "/v1/load_lora_adapter", json=load, timeout=120)
+        r = httpx.post(url + "/v1/load_lora_adapter", json=load, headers=AUTH, timeout=120)
         assert r.status_code == 200, r.text
         assert asyncio.run(_greedy(url, "all16"))[0] == want["all16"]
-        r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "all16"}, timeout=60)
+        r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "all16"},
+                       headers=AUTH, timeout=60)  # fmt: skip
         assert r.status_code == 200, r.text
         with pytest.raises(openai.NotFoundError):
             asyncio.run(_greedy(url, "all16"))

@@ -16,12 +16,12 @@ import pytest
 from pdserve.engine.lora_files import adapter_hash
 from pdserve.protocol.contract import GenerateRequest, LoraRef, PrefillRequest
 from pdserve.protocol.hashing import block_hashes, salt_root
-from pdserve.router.api.adapters import declared, parse_lora
+from pdserve.router.adapters import declared, parse_lora
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource
-from tests.loopback import free_port
-from tests.router.fakes import serve
+from pdserve.testing.loopback import free_port
+from pdserve.testing.router_fakes import serve
 from tests.router.lora_fakes import lora_cluster, write_adapter
 
 LONG = "the quick brown fox jumps over the lazy dog " * 12  # > the disagg threshold
@@ -165,8 +165,8 @@ async def test_admin_load_and_unload_fan_out(
 async def test_admin_load_refuses_bad_bodies_by_field(
     router_tokenizer, tiny_model_dir, body: dict[str, Any], field: str
 ) -> None:
-    async with lora_cluster(router_tokenizer, tiny_model_dir) as (c, fakes), \
-            httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
+    async with lora_cluster(router_tokenizer, tiny_model_dir, admin_api_keys=("boss",)) as (
+            c, fakes), httpx.AsyncClient(base_url=c.url, headers=ADMIN) as h:  # fmt: skip
         r = await h.post("/v1/load_lora_adapter", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assert all(not f.calls for f in fakes)
@@ -179,8 +179,8 @@ async def test_admin_load_undone_when_a_worker_refuses(
     had loaded the adapter unload it; the router does not list it. Different files at one
     path (two hashes) are refused the same way."""
     sql = write_adapter(tmp_path, "sql", 4)
-    async with lora_cluster(router_tokenizer, tiny_model_dir) as (c, fakes), \
-            httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
+    async with lora_cluster(router_tokenizer, tiny_model_dir, admin_api_keys=("boss",)) as (
+            c, fakes), httpx.AsyncClient(base_url=c.url, headers=ADMIN) as h:  # fmt: skip
         fakes[1].refuse = "400"
         load = {"lora_name": "sql", "lora_path": str(sql)}
         r = await h.post("/v1/load_lora_adapter", json=load)
@@ -217,11 +217,11 @@ async def test_admin_change_reaches_every_router_process(
             for i, port in enumerate(ports):
                 cfg = RouterConfig(model_dir=str(tiny_model_dir), served_model_name="tiny",
                                    health_interval_s=0.2, proc_index=i,
-                                   proc_metrics_ports=ports)  # fmt: skip
+                                   proc_metrics_ports=ports, admin_api_keys=("boss",))  # fmt: skip
                 app = create_app(cfg, StaticSource(c.prefill_urls, c.decode_urls),
                                  router_tokenizer)  # fmt: skip
                 urls.append(await stack.enter_async_context(serve(app, port)))
-            async with httpx.AsyncClient() as h:
+            async with httpx.AsyncClient(headers=ADMIN) as h:
                 load = {"lora_name": "sql", "lora_path": str(sql)}
                 r = await h.post(urls[0] + "/v1/load_lora_adapter", json=load)
                 assert r.status_code == 200, r.text
@@ -246,8 +246,9 @@ async def test_a_worker_that_missed_a_load_is_told(
     gets it from the router after a health round; one that reads other files at that path
     is unloaded again, never left serving weights the router does not list."""
     sql = write_adapter(tmp_path, "sql", 7)
-    async with lora_cluster(router_tokenizer, tiny_model_dir, n_decode=2) as (c, fakes), \
-            httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
+    async with lora_cluster(router_tokenizer, tiny_model_dir, n_decode=2,
+                            admin_api_keys=("boss",)) as (c, fakes), \
+            httpx.AsyncClient(base_url=c.url, headers=ADMIN) as h:  # fmt: skip
         load = {"lora_name": "sql", "lora_path": str(sql)}
         assert (await h.post("/v1/load_lora_adapter", json=load)).status_code == 200
         late, other = fakes[1], fakes[2]
@@ -262,4 +263,30 @@ async def test_a_worker_that_missed_a_load_is_told(
         assert r.status_code == 200
         await asyncio.sleep(0.6)  # three health rounds
         assert all(f.known == {} for f in fakes)
+        await c.settle()
+
+
+async def test_load_and_unload_need_an_admin_key_even_without_tenant_keys(
+    router_tokenizer, tiny_model_dir, tmp_path: Path
+) -> None:
+    """Issue 44 item 7: with no keys configured, load and unload were open to anyone who
+    reached the router (the Ingress's /v1 prefix). Now: none configured → 403; an admin
+    key configured but not sent → 401; a wrong one → 403; nothing reaches a worker."""
+    load = {"lora_name": "sql", "lora_path": str(write_adapter(tmp_path, "sql", 5))}
+    async with lora_cluster(router_tokenizer, tiny_model_dir) as (c, fakes), \
+            httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
+        for route, body in (("/v1/load_lora_adapter", load),
+                            ("/v1/unload_lora_adapter", {"lora_name": "sql"})):  # fmt: skip
+            r = await h.post(route, json=body)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+        assert all(not f.calls for f in fakes)
+    async with lora_cluster(router_tokenizer, tiny_model_dir, admin_api_keys=("boss",)) as (
+            c, fakes), httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
+        assert (await h.post("/v1/load_lora_adapter", json=load)).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        r = await h.post("/v1/load_lora_adapter", json=load, headers=wrong)
+        assert r.status_code == 403
+        assert all(not f.calls for f in fakes)
+        r = await h.post("/v1/load_lora_adapter", json=load, headers=ADMIN)
+        assert r.status_code == 200, r.text
         await c.settle()

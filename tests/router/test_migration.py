@@ -1,7 +1,7 @@
 """Stream migration against fake workers: a decode worker that breaks mid-stream hands
 the request to the next one with every token already sent; a request fault is not moved.
 
-The fakes (tests/router/fakes.py) continue a resumed request from where the
+The fakes (pdserve/testing/router_fakes.py) continue a resumed request from where the
 ``resume_token_ids`` leave it, so the client's text shows a repeated or missing
 token at once. The same with real workers and ``kill -9``: tests/local/test_up_resilience.py.
 """

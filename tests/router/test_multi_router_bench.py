@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.loopback import run_bench, worker_port_base
+from pdserve.testing.loopback import run_bench, worker_port_base
 
 pytestmark = pytest.mark.bench
 

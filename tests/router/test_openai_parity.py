@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from tests.loopback import all_kv_free, secret_auth
+from pdserve.testing.loopback import all_kv_free, secret_auth
 from tests.router.pdserve_up import Up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

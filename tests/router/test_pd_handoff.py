@@ -1,7 +1,7 @@
 """``--pd-handoff decode``: the decode worker calls the prefill worker (decode_worker/chain.py).
 
 The fake decode worker runs the real decode worker's ``PrefillChain`` against the fake
-prefill workers (tests/router/fakes.py), so these check the router's side (one call per
+prefill workers (pdserve/testing/router_fakes.py), so these check the router's side (one call per
 request, the candidates named, aborts reaching them) and the chain's failover together;
 tests/workers/test_pd_handoff_real.py runs the real workers.
 """

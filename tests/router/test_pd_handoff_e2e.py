@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.loopback import all_kv_free, secret_auth
-from tests.lora_adapters import hf_greedy
+from pdserve.testing.loopback import all_kv_free, secret_auth
+from pdserve.testing.lora_adapters import hf_greedy
 from tests.router.pdserve_up import run_up
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]

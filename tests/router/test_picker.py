@@ -3,7 +3,7 @@
 ``Envoy`` below speaks the protocol as the proxy does: request headers (with the
 ``protocol_config`` of its processing mode and, optionally, the subset hint), the body
 in chunks, then the response's headers (with the served endpoint) and body chunks. The
-workers are the tests' fakes (tests/router/fakes.py), which publish real KV events.
+workers are the tests' fakes (pdserve/testing/router_fakes.py), which publish real KV events.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pdserve.router.picker import envoy_msgs as msgs
 from pdserve.router.picker.prefill_header import PREFILL_HEADER, SIGNATURE_HEADER, endpoint_of
 from pdserve.router.picker.service import PickerService
 from pdserve.router.tokenizer import PromptTokenizer
-from tests.router.fakes import TOTAL_BLOCKS, FakeState, start_fakes
+from pdserve.testing.router_fakes import TOTAL_BLOCKS, FakeState, start_fakes
 from tests.router.lora_fakes import write_adapter
 
 pytestmark = pytest.mark.timeout(60)

@@ -27,8 +27,8 @@ from pdserve.router.scheduling import disagg
 from pdserve.router.scheduling.routing import RoutePlan
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 from pdserve.router.tokenizer import PromptTokenizer
-from tests.loopback import free_port
-from tests.router.fakes import serve
+from pdserve.testing.loopback import free_port
+from pdserve.testing.router_fakes import serve
 from tests.router.test_picker import Envoy, PickerCluster, completion, start_picker
 
 pytestmark = pytest.mark.timeout(60)

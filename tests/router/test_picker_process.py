@@ -16,8 +16,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.router.picker.prefill_header import PREFILL_HEADER, endpoint_of
-from tests.loopback import free_port
-from tests.router.fakes import FakeState, decode_app, prefill_app, serve
+from pdserve.testing.loopback import free_port
+from pdserve.testing.router_fakes import FakeState, decode_app, prefill_app, serve
 from tests.router.test_picker import Envoy
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]

@@ -1,6 +1,6 @@
 """Prefix-aware routing end to end through the router, with the fakes' real KV events.
 
-The fake prefill workers (tests/router/fakes.py) stand in for the real ones and
+The fake prefill workers (pdserve/testing/router_fakes.py) stand in for the real ones and
 publish ``stored`` events over ZeroMQ like them.
 """
 

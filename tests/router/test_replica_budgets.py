@@ -11,7 +11,6 @@ import asyncio
 import pytest
 
 from pdserve.router.admission import Admission
-from pdserve.router.api.errors import APIError
 from pdserve.router.discovery.replicas import (
     ReplicaCount,
     ServiceReplicaCount,
@@ -19,6 +18,7 @@ from pdserve.router.discovery.replicas import (
     replica_count,
     share,
 )
+from pdserve.router.errors import APIError
 from pdserve.router.main import add_arguments, build_config
 from pdserve.router.ratelimit import RateLimiter
 
@@ -73,8 +73,9 @@ def test_a_changed_count_resizes_the_buckets_in_place() -> None:
     assert count.replicas == 1 and (lim.rpm, lim.tpm) == (60, 600)
     now[0] += 60.0  # refilled to the new capacity
     assert sum(_takes(lim, 70)) == 60
+    lim.take_tokens("key:a", 601)  # more than a minute's budget: once, from a full bucket
     with pytest.raises(APIError):
-        lim.take_tokens("key:a", 601)  # more than a minute's budget: never
+        lim.take_tokens("key:a", 1)  # then the debt refills first
 
 
 async def test_per_key_concurrency_is_split_too() -> None:

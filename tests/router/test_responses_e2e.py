@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.loopback import all_kv_free
+from pdserve.testing.loopback import all_kv_free
 from tests.router.pdserve_up import Up
 
 pytestmark = [pytest.mark.timeout(600)]

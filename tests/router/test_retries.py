@@ -1,6 +1,6 @@
 """Retries, failover, health re-admission and client disconnects.
 
-The fake workers (tests/router/fakes.py) stand in for the real workers; they
+The fake workers (pdserve/testing/router_fakes.py) stand in for the real workers; they
 fail on demand.
 """
 
@@ -15,8 +15,8 @@ import pytest
 from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.discovery.workers import Discovery, StaticSource
 from pdserve.router.transport.worker_client import new_session
-from tests.loopback import free_port
-from tests.router.fakes import FakeState, decode_app
+from pdserve.testing.loopback import free_port
+from pdserve.testing.router_fakes import FakeState, decode_app
 from tests.router.test_api import LONG, client
 
 pytestmark = pytest.mark.timeout(60)

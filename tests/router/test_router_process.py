@@ -1,6 +1,6 @@
 """``pdserve router`` as a real process (uvicorn, CLI parsing, SIGTERM), in front of fakes.
 
-The fake workers (tests/router/fakes.py) stand in for the real workers.
+The fake workers (pdserve/testing/router_fakes.py) stand in for the real workers.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tests.loopback import free_port
-from tests.router.fakes import FakeState, decode_app, prefill_app, serve
+from pdserve.testing.loopback import free_port
+from pdserve.testing.router_fakes import FakeState, decode_app, prefill_app, serve
 
 pytestmark = pytest.mark.timeout(120)
 

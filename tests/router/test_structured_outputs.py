@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.loopback import all_kv_free
+from pdserve.testing.loopback import all_kv_free
 from tests.router.pdserve_up import Up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

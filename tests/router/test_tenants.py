@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pdserve.router.admission import Admission
-from pdserve.router.api.errors import APIError
+from pdserve.router.errors import APIError
 from tests.router.raw_http import connect, read_reply
 
 pytestmark = pytest.mark.timeout(60)
@@ -187,8 +187,8 @@ async def test_api_keys_reload_from_their_file(cluster_factory, tmp_path: Path) 
 
 
 def test_key_lines_and_open_router_warning(caplog: pytest.LogCaptureFixture) -> None:
+    from pdserve.router.api_keys import parse_key_lines
     from pdserve.router.config import RouterConfig
-    from pdserve.router.keys import parse_key_lines
     from pdserve.router.main import warn_if_open
 
     assert parse_key_lines("a\n# c\n b priority=3\n\nc priority=-1") == {"a": 0, "b": 3, "c": -1}
@@ -252,7 +252,7 @@ async def test_a_client_that_stops_reading_is_aborted_and_others_go_on(cluster_f
 async def test_admin_port_opens_admin_endpoints_without_a_key(cluster_factory) -> None:
     """With --admin-port, /metrics and /workers answer there without a key (the operator's
     scrape), while the API port still refuses a tenant key; the API on the admin port
-    still needs a key."""
+    still needs a key, and LoRA load/unload need the admin key there too (issue 44)."""
     import socket
 
     import uvicorn
@@ -262,7 +262,8 @@ async def test_admin_port_opens_admin_endpoints_without_a_key(cluster_factory) -
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = int(sock.getsockname()[1])
-    async with cluster_factory(api_keys=("tenant",), admin_port=port) as c:
+    async with cluster_factory(api_keys=("tenant",), admin_api_keys=("boss",),
+                               admin_port=port) as c:  # fmt: skip
         config = uvicorn.Config(c.app, log_level="warning", lifespan="off")  # a second port
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -277,6 +278,16 @@ async def test_admin_port_opens_admin_endpoints_without_a_key(cluster_factory) -
                     assert (await h.get(c.url + path, headers=tenant)).status_code == 403
                 r = await h.post(admin + "/v1/completions", json=OK)
                 assert r.status_code == 401
+                # routes that change state need the admin key on the admin port too
+                load = {"lora_name": "evil", "lora_path": "/etc"}
+                r = await h.post(admin + "/v1/load_lora_adapter", json=load)
+                assert r.status_code == 401, r.text
+                r = await h.post(admin + "/v1/unload_lora_adapter", json={"lora_name": "x"})
+                assert r.status_code == 401, r.text
+                tenant = {"Authorization": "Bearer tenant"}
+                r = await h.post(admin + "/v1/load_lora_adapter", json=load, headers=tenant)
+                assert r.status_code == 403, r.text
+                assert c.runtime.loras.get("evil") is None
         finally:
             server.should_exit = True
             await task

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.loopback import run_bench
+from pdserve.testing.loopback import run_bench
 
 
 def test_bench_quick(tmp_path) -> None:

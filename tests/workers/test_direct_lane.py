@@ -18,9 +18,9 @@ from pdserve.protocol.contract import GenerateRequest
 from pdserve.protocol.outputs import RequestFailed
 from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.signed_httpx import SignedAuth
+from pdserve.testing.router_fakes import serve
 from pdserve.worker.direct import DirectApp, LineStream
 from pdserve.worker.http import BadRequest, SecretCheck, known_error, read_message
-from tests.router.fakes import serve
 
 SECRET = "s3cret"
 OK = SignedAuth(SECRET)  # a signed call (pdserve/signing.py), as the router makes

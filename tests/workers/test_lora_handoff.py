@@ -20,7 +20,7 @@ from worker_helpers import AUTH, assert_all_free, proc, sampling, stats, tokens_
 from pdserve.engine.lora_files import adapter_hash
 from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest, LoraRef, PrefillRequest, RequestRef
-from tests.lora_adapters import SPECS, hf_greedy, merged_model, write_adapter
+from pdserve.testing.lora_adapters import SPECS, hf_greedy, merged_model, write_adapter
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -161,7 +161,7 @@ def test_worker_refuses_a_bad_adapter_at_start(tiny_model_dir: Path, tmp_path: P
     import subprocess
     import sys
 
-    from tests.lora_adapters import edit_config
+    from pdserve.testing.lora_adapters import edit_config
 
     dora = write_adapter(tiny_model_dir, tmp_path / "dora", SPECS[0])
     edit_config(dora, use_dora=True)

@@ -25,8 +25,8 @@ from fastapi import FastAPI, Request
 from pdserve import keys, signing
 from pdserve.router.transport.worker_client import UnprovenWorker, new_session
 from pdserve.signed_httpx import SignedAuth
+from pdserve.testing.router_fakes import serve
 from pdserve.worker.http import SecretCheck
-from tests.router.fakes import serve
 
 SECRET = "service-secret-1"
 

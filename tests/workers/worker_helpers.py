@@ -23,7 +23,7 @@ from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest, PrefillRequest, RequestRef
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.signed_httpx import SignedAuth
-from tests.loopback import worker_port_base
+from pdserve.testing.loopback import worker_port_base
 
 SECRET = "worker-tests-secret"  # the clusters' service secret: every internal call sends it
 AUTH = SignedAuth(SECRET)  # calls to the workers' internal API are signed

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.router.api.errors import APIError
+from pdserve.router.errors import APIError
 
 log = logging.getLogger(__name__)
 CHECK_EVERY_S = 1.0
@@ -146,6 +146,24 @@ class KeyStore:
         if self.enabled and not caller.admin:
             raise APIError(403, "this endpoint needs an admin key (--admin-api-key)",
                            code="admin_key_required")  # fmt: skip
+
+    def require_admin_key(self, authorization: str) -> None:
+        """Routes that change state: an admin key always, with or without tenant keys
+        (401 without a key, 403 with another; 403 when no admin key is configured)."""
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        admins = self.admin_keys()
+        if token and _match(token, admins) is not None:
+            return
+        if not admins:
+            raise APIError(403, "this endpoint needs an admin key, and none is configured: "
+                           "start the router with --admin-api-key or --admin-api-key-file",
+                           code="admin_key_required")  # fmt: skip
+        if not token:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")  # fmt: skip
+        raise APIError(403, "this endpoint needs an admin key (--admin-api-key)",
+                       code="admin_key_required")  # fmt: skip
 
 
 def _match(token: str, keys: object) -> str | None:

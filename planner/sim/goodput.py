@@ -2,7 +2,7 @@
 
 DistServe's measure: the highest request rate at which >= 90% of requests meet both
 the TTFT and the TPOT SLO (TPOT = a request's mean time per output token), per replica.
-Unlike the fluid cluster (sim_cluster.py), each replica here runs discrete engine steps,
+Unlike the fluid cluster (planner/sim/cluster.py), each replica here runs discrete engine steps,
 so colocation's interference is what it is in the engine: a step that carries a prefill
 chunk stretches the decode step of every sequence on that replica.
 

@@ -46,8 +46,8 @@ from pdserve.protocol.kv_events import KVSnapshot
 from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.transport import worker_client
 from pdserve.signed_httpx import SignedAuth
+from pdserve.testing.loopback import free_port
 from pdserve.worker.http import BadRequest, SecretCheck
-from tests.loopback import free_port
 
 # The suite's service secret (tests/conftest.py): the router under test reads it from the
 # environment, as every real process does, and the fakes require it.
@@ -157,7 +157,7 @@ def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI
     # of one engine step in one message. Here a step is a loop turn: every request
     # prefilled in it (at least one; a real step holds as many as it batched).
     step: list[bytes] = []
-    out = zmq.Socket.shadow(pub.underlying) if pub is not None else None
+    out: zmq.Socket[bytes] | None = zmq.Socket.shadow(pub.underlying) if pub is not None else None
 
     def publish() -> None:
         frames = [b"kv", *step]

@@ -7,10 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
-from sim_cluster import CostModel
 
 from pdserve.planner.capacity import DecodeProfile, PrefillProfile, Profile, load_profile
 from pdserve.planner.presets import PRESETS
+from pdserve.planner.sim.cluster import CostModel
 
 
 @dataclass(frozen=True)

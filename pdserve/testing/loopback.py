@@ -22,7 +22,7 @@ from pdserve.env import SERVICE_SECRET
 from pdserve.local.proc_group import end_group, poll_until
 from pdserve.signed_httpx import SignedAuth
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: pdserve/testing/ -> root
 
 
 def secret_auth() -> SignedAuth:

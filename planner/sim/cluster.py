@@ -21,9 +21,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from sim_host import Host, cpu_slowdown, speed
 
 from pdserve.planner.capacity import Profile
+from pdserve.planner.sim.host import Host, cpu_slowdown, speed
 from pdserve.planner.snapshot import LatencyStats, MetricsSnapshot, PoolStatus
 
 
@@ -270,7 +270,7 @@ class Cluster:
         self._decode_tick(t0, dt)
 
     def _share_host(self, t0: float, dt: float) -> None:
-        """This tick's engine speeds on the shared host (sim_host.py)."""
+        """This tick's engine speeds on the shared host (planner/sim/host.py)."""
         host = self.cost.host
         assert host is not None
         self.rate += (self.arrived_tick / dt - self.rate) * min(1.0, dt / BURST_WINDOW_S)

@@ -1,7 +1,7 @@
 """One recorded trace replayed in the simulated cluster under the real planner (sim_vs_real.py).
 
 The trace is a list of requests (arrival time, prompt tokens, output tokens); the
-cluster (sim_cluster.py) runs on a profile's costs, with the start-up time observed
+cluster (planner/sim/cluster.py) runs on a profile's costs, with the start-up time observed
 on the real side, and ``plan()`` runs every planner interval with the same
 PlannerConfig that ``pdserve up --autoscale`` built from the same flags.
 """
@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-from sim_cluster import Cluster, CostModel
-from sim_host import Host
 
 from pdserve.planner.capacity import Profile
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.decision import PlannerState
 from pdserve.planner.plan import plan
+from pdserve.planner.sim.cluster import Cluster, CostModel
+from pdserve.planner.sim.host import Host
 
 # the tiny model's KV: 2 layers x 2 KV heads x 64 dims x float32 K and V; loopback tcp
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4

@@ -1,0 +1,21 @@
+"""The flags every bench shares, so ``--quick`` means the same thing everywhere."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[1] / "out"
+
+
+def add_common(parser: argparse.ArgumentParser, *, repeat: int = 3) -> argparse.ArgumentParser:
+    """``--quick`` (a seconds-long run that checks the bench works: the test suite runs
+    it, and it asserts no performance bound), ``--repeat N`` interleaved repetitions and
+    ``--plot DIR`` (a PNG of the run)."""
+    quick = "a short run that checks the bench works (the suite runs it)"
+    parser.add_argument("--quick", action="store_true", help=quick)
+    repeats = f"interleaved repetitions, reported as median and range (default {repeat})"
+    parser.add_argument("--repeat", type=int, default=repeat, help=repeats)
+    plot = f"draw the run as a PNG into this folder (default {OUT})"
+    parser.add_argument("--plot", type=Path, nargs="?", const=OUT, default=None, help=plot)
+    return parser
