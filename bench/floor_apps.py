@@ -103,8 +103,8 @@ def _lean() -> Any:
     from pdserve.protocol.hashing import block_hashes
     from pdserve.protocol.prefill_reply import decode_prefill_reply
     from pdserve.protocol.token_lines import decode_line
-    from pdserve.router.api import responses
-    from pdserve.router.api.protocol import parse_request
+    from pdserve.router.api import openai_response
+    from pdserve.router.api.openai_request import parse_request
     from pdserve.router.config import RouterConfig
     from pdserve.router.scheduling.routing import plan_route
     from pdserve.router.scheduling.scoring import RouteRequest
@@ -131,7 +131,7 @@ def _lean() -> Any:
         async with await pool.post(url, "/prefill", msg, 30.0) as r:
             reply = decode_prefill_reply(await r.read())
         signing.proof_ok(ring, signing.sign(ring, "POST", "/x", b""), proof)
-        chunks = responses.TextChunks(rid, "tiny", False)
+        chunks = openai_response.TextChunks(rid, "tiny", False)
         head = chunks(reply.text, None)
         if send is not None:
             await send({"type": "http.response.start", "status": 200,
@@ -152,11 +152,11 @@ def _lean() -> Any:
                 if send is None:
                     rest += out
                     continue
-                text = "".join(out) + (responses.DONE if done else "")
+                text = "".join(out) + (openai_response.DONE if done else "")
                 await send({"type": "http.response.body", "body": text.encode(),
                             "more_body": not done})  # fmt: skip
         signing.proof_ok(ring, signing.sign(ring, "POST", "/x", b""), proof)
-        return head, "".join(rest) + responses.DONE
+        return head, "".join(rest) + openai_response.DONE
 
     return handle
 

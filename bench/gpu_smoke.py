@@ -17,14 +17,16 @@ One command on a machine with a CUDA device (about 3-6 minutes on one H100/H200)
    B = 1, 8, 32, 64 and context 512 / 2,048, with CUDA graphs off and on, against
    ``(weight bytes + KV bytes) / HBM bandwidth`` (``roofline_ratio``; goal >= 0.6 at B=32).
 3. ``pdserve up`` on CUDA (1 prefill + 1 decode worker) answering the OpenAI client:
-   a greedy completion, the same text twice (``up_e2e``; a failure counts as fidelity's).
+   a greedy completion twice, each equal to transformers' greedy text (``up_e2e``).
 4. KV hand-off between two processes, each with its CUDA pool: ``bench/kv_transfer.py
    --device cuda`` (a prefill-side pool server and this side's connector; NIXL VRAM to VRAM,
    the tcp fallback through pinned host memory), GB/s for a 4,096-token request of 512 MiB,
    checked byte for byte; plus the same through two NIXL agents in this process.
 
-Prints one JSON line last; exits 1 on any fidelity failure (a step that raised counts as
-one). Without CUDA it says so and exits 0 (nothing to check).
+Prints one JSON line last; exits 1 on any failure (``verdict``): a fidelity check, a
+step that raised, a KV hand-off whose bytes differ (``kv_two_processes``, ``nixl_vram``,
+``tcp``) and, with ``--hbm-gbps``, a roofline ratio under 0.6 at B=32 with CUDA graphs.
+Without CUDA it says so and exits 0 (nothing to check).
 """
 
 from __future__ import annotations
@@ -232,17 +234,34 @@ def real_model_dir(arg: str) -> Path | None:
     return Path(resolve_model("", dtype="bfloat16", device=DEVICE))
 
 
+def hf_text(model_dir: Path, prompt: list[int], max_tokens: int) -> str:
+    """transformers' greedy continuation of ``prompt`` (float32, on DEVICE), as text."""
+    from transformers import AutoTokenizer
+
+    hf = _hf(model_dir, torch.float32)
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt], device=DEVICE), max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+            pad_token_id=hf.config.pad_token_id,
+        )  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return str(tokenizer.decode(out[0, len(prompt) :].tolist()))
+
+
 def up_end_to_end(model_dir: Path, port: int = 8450) -> dict[str, Any]:
     """``pdserve up`` (1 prefill + 1 decode worker on DEVICE, KV over the default
-    transport) answering the OpenAI client: greedy, the same text twice, all tokens."""
+    transport) answering the OpenAI client: greedy, twice, each answer equal to
+    transformers' own greedy text for the prompt, all tokens."""
     import serve  # bench/serve.py: starts and stops `pdserve up` as its sweep does
     from openai import OpenAI
 
+    prompt = list(range(5, 300))  # longer than the direct-to-decode threshold
+    want = hf_text(model_dir, prompt, 16)
     args = argparse.Namespace(dtype="float32", port=port, worker_arg=[f"--device={DEVICE}"])
     proc, url = serve.start_ours("disagg", str(model_dir), args)
     try:
         client = OpenAI(base_url=f"{url}/v1", api_key=os.environ.get(env.API_KEY) or "none")
-        prompt = list(range(5, 300))  # longer than the direct-to-decode threshold
         texts, tokens = [], []
         for _ in range(2):
             out = client.completions.create(
@@ -253,7 +272,8 @@ def up_end_to_end(model_dir: Path, port: int = 8450) -> dict[str, Any]:
             tokens.append(out.usage.completion_tokens if out.usage else 0)
     finally:
         serve.stop(proc)
-    return {"ok": texts[0] == texts[1] and tokens == [16, 16], "completion_tokens": tokens}
+    ok = texts == [want, want] and tokens == [16, 16]
+    return {"ok": ok, "completion_tokens": tokens, "equal_to_transformers": texts.count(want)}
 
 
 def _point(model_dir: Path, b: int, c: int, gbps: float, graphs: bool) -> Callable[[], Any]:
@@ -282,7 +302,10 @@ def main() -> int:
                    help="a local HF model directory (bfloat16); default: the out-of-the-box "
                    "model (SmolLM2-135M-Instruct); none: skip")  # fmt: skip
     p.add_argument("--bf16-logit-tol", type=float, default=0.15)
-    p.add_argument("--hbm-gbps", type=float, default=None)
+    p.add_argument("--hbm-gbps", type=float, default=None,
+                   help="the device's HBM bandwidth, GB/s; given, the roofline goal "
+                   f"(ratio >= {ROOFLINE_GOAL} at B={ROOFLINE_BATCH}, CUDA graphs on) "
+                   "fails the run when missed")  # fmt: skip
     args = p.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"cuda": False, "note": "no CUDA device: nothing checked"}))
@@ -309,9 +332,36 @@ def main() -> int:
         _guarded(result, "nixl_vram", lambda: kv_handoff("nixl"))
         _guarded(result, "tcp", lambda: kv_handoff("tcp"))
     print(json.dumps(result))
-    checks = ["fidelity_fp32", "fidelity_bf16", "fidelity_real", "up_e2e"]
-    checks = [k for k in checks if k in result]
-    return 0 if all(result[k].get("ok") for k in checks) else 1
+    failures = verdict(result, roofline_goal=args.hbm_gbps is not None)
+    for failure in failures:
+        print(f"FAILED: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+# Every check whose ``ok`` must hold: fidelity and every KV hand-off (byte for byte).
+CHECKS = ("fidelity_fp32", "fidelity_bf16", "fidelity_real", "up_e2e",
+          "kv_two_processes", "nixl_vram", "tcp")  # fmt: skip
+ROOFLINE_GOAL, ROOFLINE_BATCH = 0.6, 32
+
+
+def verdict(result: dict[str, Any], roofline_goal: bool) -> list[str]:
+    """What failed (empty: the exit is 0). A check that ran and is not ok fails; with
+    ``roofline_goal`` (``--hbm-gbps`` given: the bandwidth is known, not looked up) every
+    B=32 roofline point with CUDA graphs must reach ROOFLINE_GOAL, and a point that
+    raised fails."""
+    failures = [f"{k}: {result[k]}" for k in CHECKS if k in result and not result[k].get("ok")]
+    if roofline_goal:
+        points = result.get("roofline", [])
+        failures += [f"roofline point raised: {p}" for p in points if "error" in p]
+        goal = [p for p in points if p.get("B") == ROOFLINE_BATCH and p.get("graphs")]
+        if not goal and points:
+            failures.append(f"roofline: no B={ROOFLINE_BATCH} point with CUDA graphs")
+        failures += [
+            f"roofline_ratio {p['roofline_ratio']} < {ROOFLINE_GOAL} at B={p['B']} ctx={p['ctx']}"
+            for p in goal
+            if p["roofline_ratio"] < ROOFLINE_GOAL
+        ]
+    return failures
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -120,7 +121,24 @@ def start_ours(
         lines.append(line)
         print(f"  [{setup}] {line.rstrip()}", file=sys.stderr)
     url = re.search(r"pdserve is up: (\S+)/v1", "".join(lines)).group(1)  # type: ignore[union-attr]
+    wait_compiled(url, setup, deadline)
     return proc, url, lines
+
+
+def wait_compiled(url: str, setup: str, deadline: float) -> None:
+    """Workers serve eagerly while they compile in the background (engine/compile_job.py):
+    measure once every worker's forward is settled (compiled, or eager by choice)."""
+    import httpx
+
+    state = ""
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            state = str(httpx.get(url + "/health", timeout=5).json().get("compile", ""))
+        if state not in ("compiling", "ready", ""):
+            print(f"  [{setup}] workers' forward: {state}", file=sys.stderr)
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"the workers' compile did not settle (last state {state!r})")
 
 
 def stop(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]

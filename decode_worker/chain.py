@@ -35,7 +35,7 @@ from dataclasses import replace
 from typing import Any
 
 from pdserve.protocol.contract import GenerateRequest, PrefillReply, PrefillRequest
-from pdserve.router.api.errors import APIError
+from pdserve.router.errors import APIError
 from pdserve.router.transport import worker_client
 from pdserve.router.transport.http1 import WorkerPool
 from pdserve.router.transport.worker_client import WorkerFailed

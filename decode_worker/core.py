@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from pdserve.decode_worker.metered import MeteredConnector
+from pdserve.decode_worker.spec_metrics import SpecCollector
 from pdserve.engine.core_loop import Hook, Query
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora_registry import lora_queries
@@ -25,6 +26,8 @@ class DecodeCore:
             config.engine_config(), recompute_on_load_failure=config.recompute_on_load_failure
         )
         self.metrics = CoreMetrics(ROLE)
+        if e.spec is not None:  # acceptance rate, tokens per step (decode_worker/spec_metrics.py)
+            self.metrics.registry.register(SpecCollector(e.spec.stats, ROLE))
         remote = RemoteKVConnector(
             e.kv.tensor,
             CompatRecord.for_pool(e.kv.tensor, e.model_id),

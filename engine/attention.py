@@ -99,7 +99,6 @@ class _Current(threading.local):
     # refusals). Empty: every layer plain (the kernel tests call attention directly).
     layers: tuple[LayerAttention, ...] = ()
     architecture: str = "?"
-    probing: bool = False  # the load-time probe: check each call, attend to nothing
 
 
 def layer_options(layer: int) -> LayerAttention:
@@ -124,9 +123,6 @@ def paged_attention(
     # Every option the call passes is honoured or refused by name (runs at trace time
     # under torch.compile, on every call otherwise: a few dict lookups).
     check_call(CURRENT.architecture, layer, layer_options(layer), {"dropout": dropout, **kwargs})
-    if CURRENT.probing:
-        _b, hq, t, _d = query.shape
-        return query.new_zeros((1, t, hq, value.shape[-1])), None
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     sinks = kwargs.get("s_aux")
     assert sinks is None or isinstance(sinks, torch.Tensor)

@@ -90,6 +90,20 @@ BACKENDS: dict[str, Callable[[AttentionShape], str | None]] = {
 DEVICE_DEFAULTS = {"cpu": CPU, "cuda": TRITON}
 
 
+def kernel_deferred(shape: AttentionShape) -> bool:
+    """Whether the device's default is the C++ kernel, which could run this model but is
+    not built yet (no back-end requested): the caller may serve with the gather path and
+    build it in the background."""
+    from pdserve.engine import cpu_kernel
+
+    if env.get(env.ATTENTION_BACKEND) or DEVICE_DEFAULTS.get(shape.device.type) != CPU:
+        return False
+    s = shape
+    return cpu_kernel.supports(s.dtype, s.num_heads, s.num_kv_heads, s.head_dim) and (
+        cpu_kernel.needs_build()
+    )
+
+
 def choose(shape: AttentionShape, requested: str | None = None) -> str:
     """The back-end's name: ``requested``, else ``PDSERVE_ATTENTION_BACKEND``, else the
     device's default (the gather path where that cannot run)."""

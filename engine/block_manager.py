@@ -15,7 +15,7 @@ The scheduler uses check/act pairs: ``can_allocate`` then ``allocate``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -47,6 +47,9 @@ class BlockManager:
         # Recorded only for a consumer (the prefill worker's event publisher).
         self.record_events = False
         self._events: list[tuple[str, list[int]]] = []
+        # (block id, hash) of a cached block about to be reused: its KV is still intact
+        # (the KV tiers copy it down, engine/kv_tiers/attach.py)
+        self.on_evict: Callable[[int, int], None] | None = None
 
     # -- queries ---------------------------------------------------------------
     @property
@@ -146,6 +149,8 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(block_id, block.block_hash)
             del self.hash_to_block[block.block_hash]
             if self.record_events:
                 self._events.append(("removed", [block.block_hash]))

@@ -59,8 +59,10 @@ def cache_dir() -> Path:
 _models_compiled = 0  # in this process; guard checks are trimmed only while it is 1
 
 
-def compile_model(model: torch.nn.Module) -> Callable[..., Any]:
-    """The model's forward, compiled with dynamic shapes; caches on disk."""
+def prepare(model: torch.nn.Module) -> None:
+    """What the compiled forward needs done to the model first, on the thread that serves
+    it (it swaps the linear layers): oneDNN-packed or input-major weights, the cache's seal
+    checked. The eager forward runs these layers too until the compiled one is swapped in."""
     global _models_compiled
     _models_compiled += 1
     if _models_compiled > 1:  # one code object caches every model's graphs: check all
@@ -74,48 +76,69 @@ def compile_model(model: torch.nn.Module) -> Callable[..., Any]:
     _clean_probe_path()
     # Nothing from a shared cache is loaded unless this service sealed it (cache_seal.py).
     cache_seal.verify(cache_dir(), cache_seal.ring(env.COMPILE_CACHE))
+
+
+def compiled_forward(model: torch.nn.Module) -> Callable[..., Any]:
+    """The prepared model's forward, compiled with dynamic shapes (lazily: the first call
+    of each variant traces and compiles it, or loads it from the cache on disk)."""
     # A C++ wrapper calls the step's ~40 kernels instead of generated Python: measured
     # 0.4-2 ms less per 4-8 ms decode step of the tiny preset (a slower first compile).
     compiled = torch.compile(model, dynamic=True, options={"cpp_wrapper": True})
     return compiled  # type: ignore[return-value]
 
 
+def compile_model(model: torch.nn.Module) -> Callable[..., Any]:
+    """The model's forward, compiled with dynamic shapes; caches on disk."""
+    prepare(model)
+    return compiled_forward(model)
+
+
+def in_service() -> None:
+    """The compiled forward serves from now on (every variant compiled): trim the guard
+    checks (module docstring) and seal the cache this process wrote."""
+    if _models_compiled == 1:
+        torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    cache_seal.seal(cache_dir(), cache_seal.ring(env.COMPILE_CACHE))
+
+
+def run_variants(engine: LLMEngine, log: Callable[[str], None]) -> None:
+    """One generation per graph variant (WARM_UP) on ``engine``'s forward."""
+    from pdserve.protocol.sampling_params import SamplingParams
+
+    for i, (label, prompts, max_tokens) in enumerate(WARM_UP, 1):
+        t = time.perf_counter()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        engine.generate(prompts, params)
+        log(f"  [{i}/{len(WARM_UP)}] {label}: {time.perf_counter() - t:.1f}s")
+
+
 def warm_up(engine: LLMEngine) -> float:
-    """Compile every graph variant before the worker reports ready; returns seconds.
+    """Compile every graph variant now, on the engine's own thread; returns seconds
+    (``--compile-before-ready``, and in-process engines; a worker by default compiles in
+    the background: compile_job.py).
 
     Each variant prints a progress line: the first start compiles (a minute or more on a
     small CPU), later starts load the cache.
     """
-    from pdserve.protocol.sampling_params import SamplingParams
-
     start = time.perf_counter()
-    print(
-        f"compiling the model forward (torch.compile; cache {cache_dir()}; "
-        "--enforce-eager skips this)",
-        file=sys.stderr,
-        flush=True,
-    )
+    say(f"compiling the model forward (torch.compile; cache {cache_dir()}; "
+        "--enforce-eager skips this)")  # fmt: skip
     try:
-        for i, (label, prompts, max_tokens) in enumerate(WARM_UP, 1):
-            t = time.perf_counter()
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            engine.generate(prompts, params)
-            print(
-                f"  [{i}/{len(WARM_UP)}] {label}: {time.perf_counter() - t:.1f}s",
-                file=sys.stderr,
-                flush=True,
-            )
+        run_variants(engine, say)
     except Exception:  # no compiler, no Triton, an inductor bug: serve eager
         logger.exception("torch.compile failed; this worker runs the eager forward")
         for request_id in list(engine.requests):
             engine.abort(request_id)
         engine.runner.use_eager()
     else:
-        if _models_compiled == 1:
-            torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-        cache_seal.seal(cache_dir(), cache_seal.ring(env.COMPILE_CACHE))
+        in_service()
     engine.forget_warm_up()
     return time.perf_counter() - start
+
+
+def say(line: str) -> None:
+    """A start-up progress line on stderr (a worker's log; ``pdserve up`` shows a summary)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _clean_probe_path() -> None:

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve import env
+from pdserve.engine.kv_tiers.config import TierConfig, tier_config_from_args
 from pdserve.engine.lora_files import LoraConfig, parse_lora_flag
+from pdserve.engine.spec_config import parse_speculative
 
 if TYPE_CHECKING:
     import torch
@@ -35,9 +37,13 @@ class EngineConfig:
     seed: int = 0
     cpu_threads: int | None = None  # torch intra-op threads (CPU); None: torch's default
     compile: bool = False  # torch.compile the forward (workers: on unless --enforce-eager)
+    compile_in_background: bool = False  # serve eager until compiled (workers: on)
     grammar_cache_bytes: int = 64 << 20  # compiled grammars kept (engine/structured.py)
     grammar_compile_timeout_s: float = 10.0  # a slower grammar is refused (engine/core_loop.py)
     lora: LoraConfig | None = None  # multi-LoRA (engine/lora_registry.py); None: off
+    kv_tiers: TierConfig | None = None  # KV tiers below the pool (docs/kv_tiers.md); None: off
+    # Speculative decoding: "ngram:k=4" (engine/spec_config.py); None: off.
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -50,6 +56,7 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        parse_speculative(self.speculative)  # a ValueError naming the field
 
     @property
     def torch_device(self) -> torch.device:
@@ -77,11 +84,14 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     """The engine flags shared by every command that runs an engine (engine/engine_args.py)."""
     from pdserve.config_cli import add_flags
     from pdserve.engine.engine_args import EngineArgs
+    from pdserve.engine.kv_tiers.config import TierArgs
 
-    add_flags(parser, (EngineArgs,))
+    add_flags(parser, (EngineArgs, TierArgs))
 
 
-def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
+def engine_config_from_args(
+    args: Any, *, resolve: bool = True, background: bool = False
+) -> EngineConfig:
     """The config of an engine process; a GGUF ``--model`` becomes its converted directory
     (engine/model_source.py), in the dtype this engine will run in. ``resolve=False``
     keeps ``--model`` as given (a worker's front end: its core resolves it)."""
@@ -103,8 +113,11 @@ def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
         cpu_threads=args.cpu_threads,
         # Adapter layers run eager (docs/lora.md): no compile for a worker that has some.
         compile=not (args.enforce_eager or env.eager_forced() or loras),
+        # a worker's (``background``): serve eager, compile in the background (compile_job.py)
+        compile_in_background=background and not getattr(args, "compile_before_ready", False),
         grammar_cache_bytes=getattr(args, "grammar_cache_bytes", 64 << 20),
         grammar_compile_timeout_s=getattr(args, "grammar_compile_timeout", 10.0),
+        speculative=getattr(args, "speculative", None),
         lora=LoraConfig(
             max_loras=getattr(args, "max_loras", 4),
             max_cpu_loras=getattr(args, "max_cpu_loras", 8),
@@ -112,4 +125,5 @@ def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
             loras=loras,
             roots=tuple(getattr(args, "lora_root", None) or ()),
         ),
+        kv_tiers=tier_config_from_args(args),
     )

@@ -38,6 +38,7 @@ import zmq
 from pdserve.engine.compile_guard import AbandonedCompiles
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.scheduler import tenant_of
+from pdserve.engine.step_fault import retry_probe, step_or_fail
 from pdserve.protocol.contract import EngineStats
 from pdserve.protocol.outputs import RequestFailed, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter
@@ -97,6 +98,9 @@ class CoreLoop:
             stepped = self.engine.has_work
             if stepped:
                 self._step()
+            else:  # idle turns: the compiled forward swapped in, a faulted engine re-probed
+                self.engine.maybe_swap()
+                retry_probe(self.engine)
             now = time.monotonic()
             if stepped or now - last_hooks >= IDLE_S:
                 self._run_hooks()
@@ -279,15 +283,6 @@ class CoreLoop:
     def _send(self, msg: tuple[Any, ...]) -> None:
         self.results.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         self._sent_at = time.monotonic()
-
-
-def step_or_fail(engine: LLMEngine) -> list[RequestOutput]:
-    """One engine step's outputs; if the step raises, every unfinished request fails."""
-    try:
-        return engine.step()
-    except Exception as exc:
-        logger.exception("engine step failed; failing the running requests")
-        return engine.fail_all(f"engine error: {exc}")
 
 
 def run_hooks(hooks: list[Hook], engine: LLMEngine) -> None:

@@ -90,6 +90,16 @@ def build(
     return target
 
 
+def needs_build() -> bool:
+    """The kernel can be built here and is not built yet (a first start: its build takes
+    a minute or more of one core on a small CPU, so a worker may serve with the gather
+    path meanwhile: engine/compile_job.py)."""
+    if env.get(env.CPU_KERNEL, "1") == "0" or load.cache_info().currsize:
+        return False
+    cxx = _compiler()
+    return cxx is not None and not library_path(cxx).exists()
+
+
 @cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None where it cannot be built here."""
@@ -110,14 +120,16 @@ def load() -> ctypes.CDLL | None:
 
 
 def load_checked(path: Path) -> ctypes.CDLL:
-    """``path`` loaded from the fd that was checked: opened with O_NOFOLLOW, a regular
-    file, its seal verified on the fd (a shared cache), then loaded as /proc/self/fd/N, so
-    a file swapped in after the check is never the one that runs."""
-    fd = cache_seal.open_sealed(path.parent, path, cache_seal.ring(env.KERNEL_CACHE))
-    try:
-        return ctypes.CDLL(f"/proc/self/fd/{fd}")
-    finally:
-        os.close(fd)
+    """``path`` loaded as the bytes that were checked: opened with O_NOFOLLOW, a regular
+    file, read once, its seal verified on those bytes (a shared cache), and they are what
+    is loaded, from a private copy (a file swapped or rewritten in the cache after the
+    check is never the one that runs; /proc/self/fd/N would not do: the loader reuses a
+    library it loaded before under the same name)."""
+    data = cache_seal.read_sealed(path.parent, path, cache_seal.ring(env.KERNEL_CACHE))
+    with tempfile.TemporaryDirectory(prefix="pdserve-kernel-") as private:
+        copy = Path(private) / path.name
+        copy.write_bytes(data)
+        return ctypes.CDLL(str(copy))  # mapped: the copy may go with its folder
 
 
 def declare(lib: ctypes.CDLL) -> None:

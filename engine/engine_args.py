@@ -14,6 +14,7 @@ from pdserve import env
 from pdserve.config_cli import flag
 from pdserve.engine.config import DTYPES
 from pdserve.engine.lora_files import parse_lora_flag
+from pdserve.engine.spec_config import parse_speculative
 
 ENGINE, LORA = "engine", "LoRA adapters (docs/lora.md)"
 
@@ -22,6 +23,15 @@ def lora_flag(value: str) -> str:
     """``--lora``'s check at parse time: argparse names the flag in its error."""
     try:
         parse_lora_flag(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return value
+
+
+def speculative_flag(value: str) -> str:
+    """``--speculative``'s check at parse time (engine/spec_config.py)."""
+    try:
+        parse_speculative(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
     return value
@@ -80,12 +90,27 @@ class EngineArgs:
     grammar_compile_timeout: float = flag(
         10.0, "seconds a grammar may take to compile; a slower one is a 400", group=ENGINE
     )
+    speculative: str | None = flag(
+        None,
+        "speculative decoding: ngram:k=4 (prompt lookup, up to k drafts a step; also "
+        "min_n=, max_n=; docs/speculative.md); draft:model=PATH,k=N is not yet supported",
+        group=ENGINE,
+        metavar="SPEC",
+        parse=speculative_flag,
+    )
     enforce_eager: bool = flag(
         False,
         "run the model's eager forward: no torch.compile at start-up",
         group=ENGINE,
         short=True,
         env=env.ENFORCE_EAGER,
+    )
+    compile_before_ready: bool = flag(
+        False,
+        "compile the forward before reporting ready (the default serves the eager forward "
+        "at once and swaps to the compiled one once it is compiled and checked: "
+        "docs/workers.md, Start-up)",
+        group=ENGINE,
     )
     lora: tuple[str, ...] = flag(
         (),

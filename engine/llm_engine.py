@@ -26,6 +26,7 @@ Synchronous and single-threaded; a worker runs it in its engine core process
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +35,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.engine import compiled
+from pdserve.engine import compile_job, compiled
+from pdserve.engine.compile_job import CompileJob
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.input_processor import InputProcessor
 from pdserve.engine.kv_connector import KVConnector, KVHolder, LoadResult
@@ -46,12 +48,15 @@ from pdserve.engine.output_processor import OutputProcessor, eos_ids, make_outpu
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.spec_config import parse_speculative
+from pdserve.engine.spec_decode import SpecDecoder, merge_outputs, rollback
 from pdserve.engine.structured import Grammars
 from pdserve.protocol.contract import EngineStats
 from pdserve.protocol.outputs import HANDOFF, REQUEST_FAILED, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
+SHADOW_BLOCKS = 48  # the compile thread's pool: the warm-up's and the probe's requests
 
 
 class LLMEngine:
@@ -60,12 +65,14 @@ class LLMEngine:
         config: EngineConfig,
         connector: KVConnector | None = None,
         recompute_on_load_failure: bool = True,
+        runner: ModelRunner | None = None,
     ) -> None:
+        """``runner``: a loaded model's runner, pool unbound (``shadow``)."""
         self.config = config
         if config.cpu_threads is not None:  # process-wide: one engine per worker process
             torch.set_num_threads(config.cpu_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-        self.runner = ModelRunner(config)
+        self.runner = runner or ModelRunner(config)
         budget = budget_bytes(self.runner.device, config.kv_cache_bytes, config.kv_cache_fraction)
         pool = KVPool.from_budget(self.runner.kv_shape, budget, self.runner.device)
         self.runner.bind_pool(pool)
@@ -90,10 +97,56 @@ class LLMEngine:
         )  # fmt: skip
         self.inputs.loras = self.runner.loras
         self.outputs = OutputProcessor(eos, self.max_model_len)
+        spec = parse_speculative(config.speculative)
+        self.spec = SpecDecoder(spec, self.max_model_len, self.vocab_size) if spec else None
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.compile_seconds = compiled.warm_up(self) if config.compile else 0.0
+        self.tier_store = None
+        if config.kv_tiers is not None:
+            from pdserve.engine.kv_tiers.attach import attach
+
+            self.tier_store = attach(self, config.kv_tiers)
+        self.hands_off = False  # the start-up probe holds its prefill's KV (prefill role)
+        self.step_failures = 0  # steps that raised (step_fault.py)
+        self.fault, self.fault_at = "", 0.0  # the standing step failure: unready
+        self.compile_job: CompileJob | None = None  # start_compile: in the background
+        now = config.compile and not config.compile_in_background and runner is None
+        self.compile_seconds = compiled.warm_up(self) if now else 0.0
+        # Drafting starts after a warm-up compile (its one-decode step stays T = 1); a
+        # compile in the background covers steps with drafts too (T >= 2, several rows).
+        if self.spec is not None:
+            self.scheduler.drafter = self.spec.draft
+
+    def shadow(self, blocks: int = SHADOW_BLOCKS) -> LLMEngine:
+        """An engine on this one's model (the same module and weights) with a small KV
+        pool of its own and no compile: the compile thread's (compile_job.py)."""
+        runner = copy.copy(self.runner)
+        runner.pool, runner._gather_buffer = None, None
+        runner.forward = self.runner.model
+        budget = blocks * runner.kv_shape.bytes_per_block
+        config = replace(self.config, kv_cache_bytes=budget, kv_cache_fraction=None,
+                         compile=False, enable_prefix_caching=False, kv_tiers=None,
+                         speculative=None)  # fmt: skip
+        return LLMEngine(config, runner=runner)
+
+    def start_compile(self) -> None:
+        """Compile the forward in the background while the eager one serves; it is
+        swapped in between steps once compiled and checked (compile_job.py)."""
+        if self.runner.compiled_fn is not None and not self.runner.compiled:
+            self.compile_job = CompileJob(self)
+            self.compile_job.start()
+
+    @property
+    def compile_state(self) -> str:
+        """off | compiling | ready | compiled | eager-kept (compile_job.py)."""
+        if self.compile_job is not None:
+            return self.compile_job.state
+        return compile_job.COMPILED if self.runner.compiled else compile_job.OFF
+
+    def maybe_swap(self) -> bool:
+        """Between steps: the compiled forward takes over once it is ready."""
+        return self.compile_job is not None and self.compile_job.maybe_swap()
 
     def forget_warm_up(self) -> None:
         """Start-up generations leave no trace: counters, prefix cache, KV events."""
@@ -102,6 +155,7 @@ class LLMEngine:
         self.scheduler.num_preemptions = self.scheduler.num_prefix_hit_tokens = 0
         self.kv.reset_prefix_cache()
         self.kv.drain_events()
+        self.drain_tier_events()
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -171,16 +225,24 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
+        if self.compile_job is not None:
+            self.compile_job.maybe_swap()
         self.free_released()
         sched = self.scheduler.schedule()
         outputs = self._settle_loads(sched.loaded)
         if sched.chunks:
-            sampled = [c.request for c in sched.chunks if c.samples]
+            sampled = self._row_requests(sched.chunks)
             logits = self.runner.execute(sched.chunks)
             raw = StepLogprobs(logits, sampled)  # before the sampler edits the logits
             tokens = self._sample(logits, sampled)
             outputs += self._update(sched.chunks, tokens, raw)
         return outputs
+
+    def _row_requests(self, chunks: list[ScheduledChunk]) -> list[Request]:
+        """The request of each sampled row (speculative chunks: views, drafts appended)."""
+        if self.spec is None:
+            return [c.request for c in chunks if c.samples]
+        return self.spec.row_requests(chunks)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | Exception]:
         """One token per request, or the exception that its own sampling raised.
@@ -220,6 +282,12 @@ class LLMEngine:
         it = iter(zip(tokens, logprobs, strict=True))
         for chunk in chunks:
             req = chunk.request
+            if chunk.draft:
+                rows = [next(it) for _ in range(chunk.num_rows)]
+                out = self._verify(chunk, [t for t, _ in rows], [lp for _, lp in rows])
+                if out is not None:
+                    outputs.append(out)
+                continue
             req.num_computed_tokens += chunk.num_tokens
             self.kv.register_computed(req)
             if not chunk.samples:
@@ -234,6 +302,31 @@ class LLMEngine:
             if out is not None:
                 outputs.append(with_logprobs(out, req, lp))
         return outputs
+
+    def _verify(
+        self, chunk: ScheduledChunk, tokens: list[int | Exception], logprobs: list[Any]
+    ) -> RequestOutput | None:
+        """A speculative chunk's rows sampled: emit the accepted drafts and the token after
+        them, one by one through the stop rules; roll back the rejected drafts' KV."""
+        assert self.spec is not None
+        req = chunk.request
+        emitted = self.spec.accepted(req, chunk.draft, tokens)
+        rollback(req, self.kv.block_manager, len(emitted) - 1, chunk.start)
+        self.kv.register_computed(req)
+        outs: list[RequestOutput] = []
+        for token, lp in zip(emitted, logprobs, strict=False):
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                out = self._append_token(req, token)
+            except Exception as exc:
+                out = self._fail_request(req, exc)
+            if out is not None:
+                outs.append(with_logprobs(out, req, lp))
+                self.spec.stats.emitted_tokens += len(out.token_ids)
+            if out is None or out.finished:
+                break
+        return merge_outputs(outs)
 
     def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
         """End ``req`` alone with an error; the rest of the batch goes on."""
@@ -292,6 +385,8 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self.outputs.forget(req.request_id)
         self.sampler.forget(req.request_id)
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
 
     def _settle_loads(self, loaded: list[tuple[Request, LoadResult]]) -> list[RequestOutput]:
         outputs = []
@@ -316,6 +411,10 @@ class LLMEngine:
     def drain_kv_events(self) -> list[tuple[str, list[int]]]:
         return self.kv.drain_events()
 
+    def drain_tier_events(self) -> list[tuple[str, str, list[int]]]:
+        """(kind, tier, block hashes) of the KV tiers since the last call."""
+        return self.tier_store.drain_events() if self.tier_store is not None else []
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         queued = sum(r.num_uncomputed_tokens for r in s.waiting) + sum(
@@ -324,17 +423,20 @@ class LLMEngine:
         return EngineStats(
             running=len(s.running),
             waiting=len(s.waiting),
-            loading=len(s.loading),
+            loading=s.num_loading,
             held=len(self.held),
             kv_blocks_free=self.kv.num_free_blocks,
             kv_blocks_total=self.kv.num_blocks,
             queued_prompt_tokens=queued,
-            prefix_cache_hit_tokens=s.num_prefix_hit_tokens,
+            prefix_cache_hit_tokens=s.num_prefix_hit_tokens + s.num_tier_hit_tokens,
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
             preemptions=s.num_preemptions,
             loras=self.runner.loras.resident if self.runner.loras else [],
             lora_known=sorted(self.runner.loras.known) if self.runner.loras else [],
+            compile=self.compile_state,
+            step_failures=self.step_failures,
+            fault=self.fault,
         )
 
     def generate(

@@ -18,7 +18,13 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pdserve.engine import attention_backends, compiled, cuda_graphs, model_support
+from pdserve.engine import (
+    attention_backends,
+    attention_probe,
+    compiled,
+    cuda_graphs,
+    model_support,
+)
 from pdserve.engine.attention import (
     ATTN_IMPLEMENTATION,
     CURRENT,
@@ -48,17 +54,27 @@ DECODE_GROUP_ROWS_DEFAULT = 256
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens ``start .. start + num_tokens`` of one request, computed in one step."""
+    """Tokens ``start .. start + num_tokens`` of one request, computed in one step; with
+    ``draft`` (speculative decoding, engine/spec_decode.py) the last ``len(draft)`` of them
+    are draft tokens past the request's own, and each of the last ``1 + len(draft)`` rows
+    is sampled."""
 
     request: Request
     num_tokens: int
     start: int
     samples: bool  # the chunk reaches the request's last token: its logits are sampled
+    draft: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, request: Request, num_tokens: int) -> ScheduledChunk:
+    def of(cls, request: Request, num_tokens: int, draft: Sequence[int] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
-        return cls(request, num_tokens, start, start + num_tokens == request.num_tokens)
+        samples = start + num_tokens == request.num_tokens
+        return cls(request, num_tokens + len(draft), start, samples, tuple(draft))
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of logits the chunk samples."""
+        return 1 + len(self.draft) if self.samples else 0
 
 
 def model_identity(model_dir: str | Path) -> str:
@@ -95,7 +111,15 @@ class ModelRunner:
         model_support.check_model(model, self.layers)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self._probe()
-        self.forward = compiled.compile_model(self.model) if config.compile else self.model
+        # The compiled forward (engine/compiled.py): in service now, or once compiled in
+        # the background (compile_job.py); the eager one serves until then.
+        self.compiled_fn = None
+        if config.compile:
+            compiled.prepare(self.model)
+            self.compiled_fn = compiled.compiled_forward(self.model)
+        now = config.compile and not config.compile_in_background
+        self.forward = self.compiled_fn if now and self.compiled_fn is not None else self.model
+        self.eager_only = ""  # why the compiled forward may no longer be swapped in
         hf = self.model.config
         self.hf_config = hf
         self.num_layers: int = hf.num_hidden_layers
@@ -108,12 +132,18 @@ class ModelRunner:
         self._gather_buffer: torch.Tensor | None = None
         # cpu (the C++ kernel), triton, or gather (the reference): by device or by
         # PDSERVE_ATTENTION_BACKEND (attention_backends.py).
-        self.attention_backend = attention_backends.choose(
-            attention_backends.AttentionShape(
-                self.device, self.dtype, hf.num_attention_heads, self.num_kv_heads,
-                self.head_dim, self.block_size,
-            )
+        shape = attention_backends.AttentionShape(
+            self.device, self.dtype, hf.num_attention_heads, self.num_kv_heads,
+            self.head_dim, self.block_size,
         )  # fmt: skip
+        # A first start serves with the gather path while the compile thread builds the
+        # kernel (compile_job.py): the build is a minute of one core on a small CPU.
+        background = config.compile and config.compile_in_background
+        self.kernel_pending = background and attention_backends.kernel_deferred(shape)
+        pending = self.kernel_pending
+        self.attention_backend = (
+            attention_backends.GATHER if pending else (attention_backends.choose(shape))
+        )
         self.use_kernel = self.attention_backend == attention_backends.CPU  # False: gather
         self.loras: LoraRegistry | None = None
         if config.lora is not None:  # adapters (engine/lora_registry.py)
@@ -126,24 +156,24 @@ class ModelRunner:
         if self.compiled or self.graphs is not None:
             logger.warning("LoRA adapters loaded: the forward runs eager from now on")
         self.use_eager()
+        self.eager_only = "LoRA adapters loaded"
         self.graphs = None
 
-    @torch.inference_mode()
     def _probe(self) -> None:
-        """One token through the model at load, its attention checking each layer's call
-        (model_support.check_call) and answering zeros: an option the model code passes
-        that the engine does not honour refuses the start, before any pool exists."""
-        CURRENT.layers, CURRENT.architecture = self.layers, self.architecture
-        CURRENT.probing = True
-        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        try:
-            self.model(input_ids=one, position_ids=one, use_cache=False, logits_to_keep=1)
-        finally:
-            CURRENT.probing, CURRENT.layers = False, ()
+        """One token through the model at load under attention_probe's attention and mask
+        functions, which answer zeros and record what each layer's call passes and what
+        its mask holds: the layers' options follow the model's code (not the config), and
+        an option the engine does not honour refuses the start, before any pool exists."""
+        self.layers = attention_probe.probe(self.model, self.layers, self.architecture, self.device)
 
     @property
     def compiled(self) -> bool:
         return self.forward is not self.model
+
+    def use_kernel_backend(self) -> None:
+        """Attention runs the C++ kernel from the next step on (built meanwhile)."""
+        self.attention_backend, self.use_kernel = attention_backends.CPU, True
+        self.kernel_pending = False
 
     def use_eager(self) -> None:
         """Run the model's own forward from now on (a compile that failed)."""
@@ -194,14 +224,13 @@ class ModelRunner:
             return self._execute(chunks)
         # The pass whose adapters are resident first: one slot change per step, not one a pass.
         passes.sort(key=lambda m: loras.num_missing([chunks[i].request.lora for i in m]))
-        sampled = [i for i, c in enumerate(chunks) if c.samples]
-        row_of = {i: r for r, i in enumerate(sampled)}
+        first = np.cumsum([0] + [c.num_rows for c in chunks]).tolist()  # each chunk's rows
         out: torch.Tensor | None = None
         for members in passes:
             logits = self._execute([chunks[i] for i in members])
             if out is None:
-                out = logits.new_empty((len(sampled), logits.shape[-1]))
-            rows = [row_of[i] for i in members if chunks[i].samples]
+                out = logits.new_empty((first[-1], logits.shape[-1]))
+            rows = [r for i in members for r in range(first[i], first[i + 1])]
             out[torch.tensor(rows, dtype=torch.long, device=out.device)] = logits
         assert out is not None
         return out
@@ -261,14 +290,15 @@ class ModelRunner:
                 pos.append(start)
                 blocks.append(req.block_ids[start // bs])
             else:
-                ids.extend(_tokens(req, start, end))
+                ids.extend(_tokens(req, start, end - len(c.draft)))
+                ids.extend(c.draft)
                 pos.extend(range(start, end))
                 first = start // bs
                 table = np.asarray(req.block_ids[first : (end - 1) // bs + 1], dtype=np.int64)
                 offset = start - first * bs
                 blocks.extend(np.repeat(table, bs)[offset : offset + c.num_tokens].tolist())
             if c.samples:
-                rows.append(len(ids) - 1)
+                rows.extend(range(len(ids) - c.num_rows, len(ids)))
         dev = self.device
         positions = torch.tensor(pos, dtype=torch.long)
         slots = torch.tensor(blocks, dtype=torch.long) * bs + positions % bs

@@ -16,6 +16,10 @@ Everything else is refused, by name: at load from the config (:func:`check_confi
 :func:`check_model`) and at every attention call (:func:`check_call`) for options the
 model code passes that the engine does not implement, so an unknown option fails the
 first step (the warm-up) instead of producing wrong tokens.
+
+:func:`check_config`'s per-layer options are the config's *reading*; what is served is
+what the model's code applies (``attention_probe.probe`` resolves it at load from the
+first call and the mask, and compares the two).
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class LayerAttention:
     window: int | None = None  # sliding window: query i sees keys j with i - j < window
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
     sinks: bool = False  # a per-head learned logit (the call's s_aux) joins the softmax
+    # The scale the code passed on its first call (None: head_dim ** -0.5); each call's
+    # own is used, this is what the load-time probe saw (attention_probe.py).
+    scaling: float | None = None
 
     @property
     def plain(self) -> bool:

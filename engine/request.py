@@ -18,6 +18,7 @@ from pdserve.protocol.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    WAITING_FOR_TIER_LOAD = "waiting_for_tier_load"  # its prefix comes from a KV tier
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"

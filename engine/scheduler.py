@@ -22,12 +22,14 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine import prompt_logprobs
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector, LoadResult
+from pdserve.engine.kv_tiers.sched import TierLoading
 from pdserve.engine.model_runner import ScheduledChunk
 from pdserve.engine.request import Request, RequestStatus
 
@@ -57,14 +59,18 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
+        self.tiers: TierLoading | None = None  # KV tiers below the pool (kv_tiers/attach.py)
         # Keep a little headroom so admissions do not immediately force preemptions.
         self.watermark_blocks = max(1, blocks.num_blocks // 100)
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
+        # Speculative decoding (engine/spec_decode.py): draft tokens for a decode, given
+        # the budget left for them; None: off.
+        self.drafter: Callable[[Request, int], list[int]] | None = None
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.loading or self.tiers)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -72,6 +78,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._collect_loads(out)
+        if self.tiers is not None:
+            self.running.extend(self.tiers.collect())
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, budget)
@@ -96,13 +104,24 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # preempted itself: nothing smaller is left to run
-            self.blocks.grow(req.block_ids, need)
-            out.chunks.append(ScheduledChunk.of(req, n))
+            draft = self._draft(req, need, budget - n)
+            self.blocks.grow(req.block_ids, need + len(draft))
+            out.chunks.append(ScheduledChunk.of(req, n, draft))
             self.running.append(req)
-            budget -= n
+            budget -= n + len(draft)
         for req in out.preempted:  # newest first, so the oldest ends up in front
             self.waiting.appendleft(req)
         return budget
+
+    def _draft(self, req: Request, need: int, room: int) -> list[int]:
+        """Draft tokens to verify with ``req``'s decode (none for a prompt chunk, or when
+        their KV would need blocks that are not free: drafts never preempt anyone)."""
+        if self.drafter is None or req.num_uncomputed_tokens != 1 or room <= 0:
+            return []
+        draft = self.drafter(req, room)
+        if draft and not self.blocks.can_grow(req.block_ids, need + len(draft)):
+            return []
+        return draft
 
     def _preempt(self, req: Request) -> None:
         self.blocks.free(req.block_ids)
@@ -129,9 +148,10 @@ class Scheduler:
         return best, self.waiting[best]
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        tenants = Counter(r.tenant for r in (*self.running, *self.loading.values()))
+        tiered = self.tiers.requests.values() if self.tiers is not None else ()
+        tenants = Counter(r.tenant for r in (*self.running, *self.loading.values(), *tiered))
         while self.waiting and budget > 0:
-            if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
+            if len(self.running) + self.num_loading >= self.config.max_num_seqs:
                 return
             i, req = self._next_waiting(tenants)
             # A remote request always reads its last prompt block, so the load (and the
@@ -161,11 +181,28 @@ class Scheduler:
             if req.remote_kv is not None:
                 self._start_load(req, alloc.num_cached_blocks)
                 continue
+            if self._from_tier(req, alloc.num_cached_blocks):
+                continue
             req.status = RequestStatus.RUNNING
             n = min(req.num_uncomputed_tokens, budget)
             out.chunks.append(ScheduledChunk.of(req, n))
             self.running.append(req)
             budget -= n
+
+    @property
+    def num_loading(self) -> int:
+        """Requests waiting for KV: from a remote worker or from a tier."""
+        return len(self.loading) + (len(self.tiers) if self.tiers is not None else 0)
+
+    @property
+    def num_tier_hit_tokens(self) -> int:
+        return self.tiers.num_hit_tokens if self.tiers is not None else 0
+
+    def _from_tier(self, req: Request, num_cached_blocks: int) -> bool:
+        """Whether the request waits for its prefix from a KV tier (kv_tiers/sched.py)."""
+        if self.tiers is None or prompt_logprobs.wanted(req):
+            return False
+        return self.tiers.maybe_start(req, num_cached_blocks)
 
     # -- remote KV -------------------------------------------------------------
     def _start_load(self, req: Request, num_cached_blocks: int) -> None:
@@ -209,6 +246,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif self.tiers is not None and self.tiers.cancel(req):
+            pass  # no tier writes its blocks any more: the caller frees them
         elif req.request_id in self.loading and self.connector is not None:
             # Stays in ``loading`` until the connector reports the transfer stopped.
             self.connector.cancel(req.request_id)

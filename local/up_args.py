@@ -2,7 +2,8 @@
 
 ``local/up.py`` passes some of them on: the router gets ``--picker``, ``--disagg-threshold``,
 ``--api-key``, ``--max-queue``, ``--lora`` and every ``--router-arg``; each worker gets
-``--enforce-eager``, ``--lora`` and every ``--worker-arg``.
+``--enforce-eager``, ``--lora`` and every ``--worker-arg``; each decode worker
+``--speculative``.
 """
 
 from __future__ import annotations
@@ -10,9 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config_cli import flag
+from pdserve.engine.engine_args import speculative_flag
 from pdserve.planner.presets import PRESETS
 from pdserve.router.config import PICKERS
 from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
+
+
+def _speculative(value: str) -> str:
+    return speculative_flag(value) if value else value
+
 
 MAIN, PROCS, PASS = "serving", "processes", "passed to the router and the workers"
 AUTOSCALE = "autoscaling (--autoscale; docs/autoscaling.md)"
@@ -94,6 +101,14 @@ class UpArgs:
         short=True,
         metavar="NAME=PATH",
         many="append",
+    )
+    speculative: str = flag(
+        "",
+        "speculative decoding on the decode workers: ngram:k=4 (prompt lookup; "
+        "docs/speculative.md); draft:model=... is not yet supported",
+        group=PASS,
+        metavar="SPEC",
+        parse=_speculative,
     )
     worker_arg: tuple[str, ...] = flag(
         (),

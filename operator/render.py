@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve import env
+from pdserve.operator import kv_tiers
 from pdserve.operator import naming as n
 from pdserve.operator.pod_policy import PodPolicy, check_service
 from pdserve.operator.render_deployments import pool_deployment, router_deployment
@@ -296,6 +297,7 @@ def render_spec(spec: LLMServiceSpec, default_image: str = "") -> list[Manifest]
         pool_deployment(spec, spec.prefill, digest),
         pool_deployment(spec, spec.decode, digest),
         router_deployment(spec, digest),
+        *kv_tiers.store_children(spec),
     ]
     return picker_mode(spec, children)  # router.mode endpointPicker: InferencePool and picker
 
@@ -323,4 +325,5 @@ def optional_children(name: str) -> list[tuple[str, str, str]]:
         ("networking.k8s.io/v1", "NetworkPolicy", n.network_policy_name(name)),
         ("networking.k8s.io/v1", "NetworkPolicy", router_policy_name(name)),
         *(("policy/v1", "PodDisruptionBudget", n.deployment_name(name, r)) for r in n.ROLES),
+        *kv_tiers.optional_children(name),
     ]

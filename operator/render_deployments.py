@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pdserve.operator import kv_tiers
 from pdserve.operator import naming as n
 from pdserve.operator import pod_template as pt
 from pdserve.operator import render_pods as p
@@ -239,6 +240,7 @@ def pool_deployment(spec: LLMServiceSpec, pool: PoolSpec, config_hash: str) -> d
         pod["tolerations"] = [dict(t) for t in pool.tolerations]
     if pool.affinity:
         pod["affinity"] = dict(pool.affinity)
+    kv_tiers.add_to_pod(spec, pool.role, pod)
     return _deployment(spec, pool.role, pool.replicas, pod, config_hash, pool.pod_template)
 
 

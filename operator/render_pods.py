@@ -9,6 +9,7 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
+from pdserve.operator import kv_tiers
 from pdserve.operator import naming as n
 from pdserve.operator.adapters import lora_args
 from pdserve.operator.spec import LLMServiceSpec, PoolSpec, RouterSpec
@@ -126,6 +127,8 @@ def engine_args(spec: LLMServiceSpec, pool: PoolSpec) -> list[str]:
         args += ["--max-num-seqs", str(pool.max_num_seqs)]
     if pool.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(pool.max_num_batched_tokens)]
+    if pool.speculative:
+        args += ["--speculative", pool.speculative]
     return args
 
 
@@ -139,7 +142,8 @@ def worker_command(spec: LLMServiceSpec, pool: PoolSpec) -> list[str]:
     else:
         cmd += ["--transfer-timeout", str(kv.transfer_timeout_seconds)]
         cmd += ["--on-transfer-failure", kv.on_transfer_failure]
-    return cmd + engine_args(spec, pool) + lora_args(spec) + list(pool.extra_args)
+    tiers = kv_tiers.worker_args(spec, pool.role)
+    return cmd + engine_args(spec, pool) + lora_args(spec) + tiers + list(pool.extra_args)
 
 
 def router_command(spec: LLMServiceSpec) -> list[str]:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.operator.kv_tiers import KVTiersSpec
 from pdserve.transfer.registry import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_TRANSFER_TIMEOUT,
@@ -76,6 +77,7 @@ class PoolSpec:
     pod_template: Mapping[str, Any] = field(default_factory=dict)  # merged over the pod
     # An HPA / KEDA scales this pool's Deployment: the operator keeps its replica count.
     external_scaling: bool = False
+    speculative: str = ""  # decode only: --speculative, e.g. "ngram:k=4" (docs/speculative.md)
 
     def clamp(self, replicas: int) -> int:
         return max(self.min_replicas, min(self.max_replicas, replicas))
@@ -186,6 +188,9 @@ class LLMServiceSpec:
     image_pull_policy: str = "IfNotPresent"
     image_pull_secrets: tuple[str, ...] = ()
     adapters: tuple[AdapterSpec, ...] = ()  # LoRA adapters served beside the base model
+    kv_tiers: KVTiersSpec = field(
+        default_factory=KVTiersSpec
+    )  # spec.kvCache.tiers (operator/kv_tiers.py)
 
     @property
     def pools(self) -> tuple[PoolSpec, PoolSpec]:

@@ -13,6 +13,7 @@ from typing import Any
 from pdserve.operator import naming as n
 from pdserve.operator import pod_template as pt
 from pdserve.operator.adapters import parse_adapters
+from pdserve.operator.kv_tiers import parse_kv_tiers
 from pdserve.operator.spec import (
     DTYPES,
     SERVICE_TYPES,
@@ -161,7 +162,9 @@ def parse_pool(r: _Reader, role: str) -> PoolSpec:
         shm_size=str(r.get("shmSize", (str, int), "2Gi")),
         pod_template=r.get("podTemplate", Mapping, {}),
         external_scaling=r.get("externalScaling", bool, False),
+        speculative=r.get("speculative", str, ""),
     )
+    check_speculative(f"{r.path}.speculative", role, pool.speculative)
     pt.check(f"{r.path}.podTemplate", pool.pod_template)
     check_resources(f"{r.path}.resources", pool.resources)
     check_quantity(f"{r.path}.shmSize", r.data.get("shmSize", "2Gi"))
@@ -176,6 +179,20 @@ def parse_pool(r: _Reader, role: str) -> PoolSpec:
     if pool.kv_cache_fraction is not None and not 0 < pool.kv_cache_fraction <= 1:
         raise SpecError(f"{r.path}.kvCacheFraction", "must lie in (0, 1]")
     return pool
+
+
+def check_speculative(path: str, role: str, value: str) -> None:
+    """``spec.decode.speculative``: the decode workers' ``--speculative``, checked here."""
+    if not value:
+        return
+    if role != "decode":
+        raise SpecError(path, "speculative decoding runs on decode workers: set spec.decode")
+    from pdserve.engine.spec_config import parse_speculative
+
+    try:
+        parse_speculative(value)
+    except ValueError as exc:
+        raise SpecError(path, str(exc)) from None
 
 
 def parse_router(r: _Reader) -> RouterSpec:
@@ -315,6 +332,7 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
         adapters=parse_adapters(
             r.data.get("adapters"), r.sub("model").get("servedName", str, name)
         ),
+        kv_tiers=parse_kv_tiers(r.sub("kvCache").sub("tiers")),
         **parse_small_sections(r),
     )
     check_autoscaling(svc)

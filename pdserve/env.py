@@ -40,6 +40,7 @@ OPERATOR_ALLOW_UNSAFE_POD_FIELDS = "PDSERVE_OPERATOR_ALLOW_UNSAFE_POD_FIELDS"
 OPERATOR_METRICS_URL_ALLOW = "PDSERVE_OPERATOR_METRICS_URL_ALLOW"  # CIDRs, comma-separated
 OPERATOR_NAMESPACE = "PDSERVE_OPERATOR_NAMESPACE"  # the operator's own (router NetworkPolicy)
 DEFAULT_IMAGE = "PDSERVE_DEFAULT_IMAGE"  # the operator's image for pods that name none
+KV_SHARED_PASSWORD = "PDSERVE_KV_SHARED_PASSWORD"  # the shared KV tier's password (a Secret)
 
 _warned: set[str] = set()
 

@@ -25,6 +25,10 @@ class PrefillCore:
         self.engine = e = LLMEngine(config.engine_config())
         e.kv.record_events()
         self.metrics = CoreMetrics(ROLE)
+        if e.tier_store is not None:  # KV tiers below the pool (docs/kv_tiers.md)
+            from pdserve.engine.kv_tiers.metrics import TierCollector
+
+            self.metrics.registry.register(TierCollector(e.tier_store.stats, ROLE))
         events_port = config.events_port
         self.events = KVEventPublisher(f"tcp://{config.host}:{events_port}", config.worker_id, e)
         self.events_address = f"tcp://{host}:{events_port}"
@@ -60,3 +64,5 @@ class PrefillCore:
     def close(self) -> None:
         self.kv.close()
         self.events.close()
+        if self.engine.tier_store is not None:
+            self.engine.tier_store.close()

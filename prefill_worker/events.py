@@ -85,6 +85,9 @@ class KVEventPublisher:
                 self.held.clear()
             self.seq += 1
             frames.append(encode(KVEvent(kind, self.worker_id, self.seq, hashes)))
+        for kind, tier, hashes in engine.drain_tier_events():  # not in ``held``: pool only
+            self.seq += 1
+            frames.append(encode(KVEvent(kind, self.worker_id, self.seq, hashes, tier)))
         if len(frames) > 1:
             self._sock.send_multipart(frames)
 

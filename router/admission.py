@@ -25,8 +25,8 @@ import contextlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from pdserve.router.api.errors import APIError
 from pdserve.router.discovery.replicas import share
+from pdserve.router.errors import APIError
 
 Waiters = OrderedDict[str, deque[asyncio.Future[None]]]
 

@@ -7,6 +7,7 @@ Tests build it around fake workers.
 from __future__ import annotations
 
 import gc
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,15 +15,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.router import metrics_merge
-from pdserve.router.api import adapters
-from pdserve.router.api.errors import APIError
+from pdserve.router import adapters, metrics_merge
 from pdserve.router.api.lora_admin import add_lora_admin_routes
-from pdserve.router.api.responses_serve import serve_responses
+from pdserve.router.api.responses.serve import serve_responses
 from pdserve.router.api.serving import serve
 from pdserve.router.api.tokenize_api import detokenize, handle, tokenize
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import EndpointSource
+from pdserve.router.errors import APIError
 from pdserve.router.runtime import Runtime
 from pdserve.router.tokenizer import PromptTokenizer
 
@@ -137,12 +137,15 @@ def create_app(
             return JSONResponse({"status": "no decode worker ready"}, status_code=503)
         if not rt().discovery.synced():  # a replica started late: prefix index catching up
             return JSONResponse({"status": "catching up on workers' KV events"}, status_code=503)
-        return JSONResponse(
-            {"status": "ok", "prefill": len(snap.prefill), "decode": len(snap.decode)}
-        )
+        # The workers' forwards (worker /health): how many are compiled, still compiling
+        # in the background (eager meanwhile), or kept eager.
+        compile_states = Counter(w.stats.compile or "unknown" for w in snap.workers if w.healthy)
+        body = {"status": "ok", "prefill": len(snap.prefill), "decode": len(snap.decode)}
+        body["compile"] = compile_summary(compile_states)
+        return JSONResponse({**body, "workers_compile": dict(compile_states)})
 
     # With API keys on, /metrics and /workers are the operator's: an admin key opens them
-    # (router/keys.py), a tenant's does not. /health and /livez stay open for probes.
+    # (router/api_keys.py), a tenant's does not. /health and /livez stay open for probes.
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         rt().require_admin(request)
@@ -159,6 +162,14 @@ def create_app(
 
     add_lora_admin_routes(app, rt)
     return app
+
+
+def compile_summary(states: Counter[str]) -> str:
+    """One word for the cluster's forwards: the workers' state when they agree, else
+    ``compiling`` while any still compiles, else ``mixed``."""
+    if len(states) == 1:
+        return next(iter(states))
+    return "compiling" if states["compiling"] or states["ready"] else "mixed"
 
 
 def freeze_heap() -> None:

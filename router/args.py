@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pdserve import env
 from pdserve.config_cli import flag
-from pdserve.router.api.adapters import parse_lora
+from pdserve.router.adapters import parse_lora
 from pdserve.router.config import (
     DECODE_SCORERS,
     PD_HANDOFFS,
@@ -170,6 +170,13 @@ class RouterArgs:
         "all workers together; beyond them the least recently "
         "used are forgotten (~200 B each)",
         group=ROUTE,
+    )
+    prefix_tier_weights: str = flag(
+        "host=0.8,disk=0.5,shared=0.3",
+        "what a prefix hit in a prefill worker's KV tier is worth (the pool's is 1); "
+        "a prefix in the shared tier is a hit on every prefill worker",
+        group=ROUTE,
+        metavar="TIER=WEIGHT,...",
     )
     health_interval: float = flag(1.0, "seconds between health checks", group=HEALTH)
     stall_timeout: float = flag(

@@ -6,6 +6,8 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.router.scheduling.tier_index import parse_weights
+
 PICKERS = ("max-score", "round-robin")  # best weighted score, or rotation (a baseline)
 PD_HANDOFFS = ("router", "decode")  # who calls the prefill worker (RouterConfig.pd_handoff)
 CACHE_ISOLATION = ("api-key", "none")  # a prefix-cache salt per API key, or one shared cache
@@ -74,7 +76,7 @@ class RouterConfig:
     decode_scorer_weights: tuple[tuple[str, float], ...] = DECODE_SCORERS
     max_queue: int = 256  # requests in flight in the router; beyond them requests wait
     api_keys: tuple[str, ...] = ()
-    api_key_file: str = ""  # KEY [priority=N] lines, re-read on change (router/keys.py)
+    api_key_file: str = ""  # KEY [priority=N] lines, re-read on change (router/api_keys.py)
     admin_api_keys: tuple[str, ...] = ()  # open /workers and /metrics while keys are on
     admin_api_key_file: str = ""
     admin_port: int = 0  # requests arriving on it open /metrics and /workers without a key
@@ -105,6 +107,8 @@ class RouterConfig:
     # worker (a restarted one) before it fails (502 mid-stream, 503 before); 0: no wait.
     failover_wait_s: float = 30.0
     prefix_index_capacity: int = 1_000_000  # block hashes remembered, all workers together
+    # what a prefix hit in a prefill worker's KV tier is worth against one in its pool (1)
+    prefix_tier_weights: str = "host=0.8,disk=0.5,shared=0.3"
     default_max_tokens: int = 16
     # Limits at the edge (router/edge.py, router/ratelimit.py); see docs/router.md.
     max_body_bytes: int = 8 << 20
@@ -123,7 +127,7 @@ class RouterConfig:
     # (the router, then the decode worker with the KV handle) or "decode" (the decode worker,
     # named the prefill workers to use: one worker call per request at the router).
     pd_handoff: str = "router"
-    # LoRA adapters (--lora NAME=PATH), served as models of that name (router/api/adapters.py)
+    # LoRA adapters (--lora NAME=PATH), served as models of that name (router/adapters.py)
     loras: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -151,6 +155,7 @@ class RouterConfig:
             raise ValueError("router_replicas (--router-replicas) must be >= 1")
         if self.max_concurrency_per_key < 0 or self.max_waiting < 0:
             raise ValueError("max_concurrency_per_key and max_waiting must be >= 0")
+        parse_weights(self.prefix_tier_weights)  # a bad weight fails here, by flag name
         if self.prefix_index_capacity < 1:
             raise ValueError("prefix_index_capacity (--prefix-index-max-blocks) must be >= 1")
         if self.rate_limit_rpm < 0 or self.rate_limit_tpm < 0:

@@ -22,9 +22,9 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from pdserve.jsonguard import BadJSON, loads_checked
-from pdserve.router.api.errors import APIError, invalid
-from pdserve.router.api.protocol import CompletionRequest
+from pdserve.router.api.openai_request import CompletionRequest
 from pdserve.router.coalesce import BODY_COMPLETE
+from pdserve.router.errors import APIError, invalid
 
 
 def too_large(limit: int) -> APIError:

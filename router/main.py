@@ -9,12 +9,12 @@ import socket
 from pdserve import env
 from pdserve.config_cli import add_flags
 from pdserve.engine.model_source import resolve_model
+from pdserve.router.api_keys import read_key_file
 from pdserve.router.args import CLIENT_KEEP_ALIVE_S as CLIENT_KEEP_ALIVE_S
 from pdserve.router.args import FLAGS as FLAGS
 from pdserve.router.config import DECODE_SCORERS, PREFILL_SCORERS, RouterConfig
 from pdserve.router.discovery.replicas import share
 from pdserve.router.discovery.workers import EndpointSource, StaticSource
-from pdserve.router.keys import read_key_file
 from pdserve.router.picker.cli import run_picker
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     """The static tenant key (--api-key or its env); --api-key-file is read by the
-    router itself (router/keys.py), here only checked once so a bad file stops the start."""
+    router itself (router/api_keys.py), here only checked once so a bad file stops the start."""
     if args.api_key_file:
         _check_key_file("--api-key-file", args.api_key_file)
         return ()
@@ -111,6 +111,7 @@ def build_config(
         failover_wait_s=args.failover_wait,
         default_max_tokens=args.default_max_tokens,
         prefix_index_capacity=args.prefix_index_max_blocks,
+        prefix_tier_weights=args.prefix_tier_weights,
         max_body_bytes=args.max_body_bytes,
         max_prompt_chars=args.max_prompt_chars,
         max_schema_bytes=args.max_schema_bytes,

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.router.api.errors import APIError
 from pdserve.router.discovery.replicas import share
+from pdserve.router.errors import APIError
 
 MAX_CLIENTS = 10_000  # buckets kept; beyond it the full (idle) ones are dropped
 

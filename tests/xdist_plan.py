@@ -40,6 +40,7 @@ KNOWN_SECONDS = {
     "tests/local/test_up_lone_decode.py": 40,
     "tests/router/test_e2e.py": 40,
     "tests/local/test_smollm2.py": 35,
+    "tests/engine/test_speculative_bench_quick.py": 50,
     "tests/test_router_extra.py": 40,  # a fresh venv with .[router] (uv, cache warm)
     "edge-deployment": 35,
     # From a whole -n 2 run's 15 slowest (2026-12-03, load ~15-20, setup + call): bench
@@ -53,6 +54,9 @@ KNOWN_SECONDS = {
     "tests/planner/test_planner_simulate.py": 45,
     "tests/router/test_lora_bench.py": 45,
     "tests/workers/test_worker_faults.py": 45,
+    # a real compile of the tiny model, in the background (inductor cache warm: ~40 CPU-s)
+    "tests/engine/test_compile_swap.py": 40,
+    "tests/workers/test_worker_probe.py": 30,  # two worker starts, plain processes
 }
 # The guess: a start per module (a bench script's run, a cluster) plus seconds per test.
 MODULE_SECONDS = {"unit": 0.0, "k8s": 0.0, "cluster": 10.0, "bench": 20.0, "k8s_real": 30.0}

@@ -3,8 +3,9 @@
 Started by :class:`~pdserve.worker.core_client.EngineClient`, never by hand. It
 connects to the front end's two sockets, reads ``("init", config)`` (a
 :class:`~pdserve.worker.core_config.CoreConfig`), builds the role's core (the engine
-and what touches its KV pool: decode_worker/core.py, prefill_worker/core.py), answers
-``("ready", info)`` (or ``("failed", traceback)``) and runs
+and what touches its KV pool: decode_worker/core.py, prefill_worker/core.py), runs the
+start-up probe (engine/startup_probe.py), answers ``("ready", info)`` (or ``("failed",
+why)``), starts the background compile (engine/compile_job.py) and runs
 :class:`~pdserve.engine.core_loop.CoreLoop` until told to stop. It dies with its front
 end (``PR_SET_PDEATHSIG``): an orphaned core would hold its ports and memory.
 """
@@ -19,11 +20,13 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from typing import Any, Protocol
 
 import zmq
 
+from pdserve.engine import startup_probe
 from pdserve.engine.core_loop import CoreLoop, Hook, Query
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.os_thread import name_os_thread
@@ -82,13 +85,28 @@ def main(argv: list[str]) -> int:
     assert kind == "init" and isinstance(config, CoreConfig), kind
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
+        started = time.monotonic()
         core = build_core(config)
+        engine = core.engine
+        engine.hands_off = config.role == "prefill"
+        # The serving path once (prefill, hand-off, batched decode) on the forward that
+        # serves first: a model that raises is refused now, not after it said ready.
+        startup_probe.check(engine, hand_off=engine.hands_off)
+    except startup_probe.ProbeFailed as exc:
+        logging.getLogger(__name__).error("%s", exc, exc_info=True)
+        results.send(pickle.dumps(("failed", str(exc))))
+        return 1
     except BaseException:
         results.send(pickle.dumps(("failed", traceback.format_exc())))
         return 1
     # Named before "ready": whoever sees the worker healthy finds the engine thread by name.
     name_os_thread(ENGINE_NAME)
+    fwd = "compiled" if engine.runner.compiled else "eager"
+    print(f"engine core: model {engine.served_model_name!r} loaded and probed in "
+          f"{time.monotonic() - started:.1f}s (serving with the {fwd} forward)",
+          file=sys.stderr, flush=True)  # fmt: skip
     results.send(pickle.dumps(("ready", core.info())))
+    engine.start_compile()  # in the background: readiness does not wait for it
     # The model, torch and the engine's tables stay alive for good: keep them out of
     # the collector's full passes.
     gc.collect()

@@ -164,7 +164,11 @@ def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
     # HTTP loop runs Python: up to the switch interval (5 ms by default, most of a
     # decode step on a small model) before a step's tokens move on. A short one bounds it.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    worker = worker_cls(args)
+    try:
+        worker = worker_cls(args)
+    except RuntimeError as exc:  # the core refused the model (its probe) or died loading it
+        logger.error("%s worker: not started: %s", getattr(worker_cls, "ROLE", ""), exc)
+        return 1
     # Torch's and the app's objects stay alive for good: keep them out of the collector's
     # full passes (the engine core does the same for the model: worker/core_main.py).
     gc.collect()
@@ -212,7 +216,10 @@ def add_common_routes(
             return error_response(503, "engine is not running")
         if not engine.responsive:  # hung: the router moves this worker's streams
             return error_response(503, f"engine core silent for {engine.silent_s:.0f}s")
-        return JSONResponse({"status": "ok"})
+        stats = engine.stats()
+        if stats.fault:  # a step raised: out of service until its probe passes again
+            return error_response(503, f"engine step failed: {stats.fault}")
+        return JSONResponse({"status": "ok", "compile": stats.compile})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -67,11 +67,33 @@ class _EngineCollector(Collector):
             "pdserve_prompt_tokens": ("prompt tokens received", s.prompt_tokens),
             "pdserve_generation_tokens": ("tokens generated", s.generation_tokens),
             "pdserve_preemptions": ("requests preempted for recompute", s.preemptions),
+            "pdserve_engine_step_failures": ("engine steps that raised", s.step_failures),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(name, doc, labels=["role"])
             c.add_metric([self.role], value)
             yield c
+        yield from _compile_and_fault(s, self.role)
+
+
+COMPILE_STATES = ("off", "compiling", "ready", "compiled", "eager-kept")  # compile_job.py
+
+
+def _compile_and_fault(s: EngineStats, role: str) -> Iterable[Metric]:
+    """The forward's compile state (1 on the current one) and whether the engine is
+    faulted (a step raised and its probe has not passed since: engine/step_fault.py)."""
+    g = GaugeMetricFamily("pdserve_engine_compile_state",
+                          "the forward in service: 1 on the current compile state "
+                          "(off, compiling, ready, compiled, eager-kept)",
+                          labels=["role", "state"])  # fmt: skip
+    for state in COMPILE_STATES:
+        g.add_metric([role, state], float(s.compile == state))
+    yield g
+    f = GaugeMetricFamily("pdserve_engine_faulted",
+                          "1 while a step failure stands (the worker is unready)",
+                          labels=["role"])  # fmt: skip
+    f.add_metric([role], float(bool(s.fault)))
+    yield f
 
 
 def _histogram(name: str, doc: str, labels: list[str], r: CollectorRegistry) -> Histogram:

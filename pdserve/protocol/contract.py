@@ -324,6 +324,9 @@ class EngineStats:
     preemptions: int = 0
     loras: list[str] = field(default_factory=list)  # LoRA adapters resident in the model now
     lora_known: list[str] = field(default_factory=list)  # all it serves without a path
+    compile: str = ""  # the forward: off | compiling | ready | compiled | eager-kept
+    step_failures: int = 0  # engine steps that raised (the core's count since start)
+    fault: str = ""  # the last step failure while it stands: the worker is unready
 
 
 @message("worker_stats")

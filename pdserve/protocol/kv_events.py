@@ -23,6 +23,7 @@ from pdserve.protocol.contract import EngineStats
 TOPIC = b"kv"
 STATS_TOPIC = b"stats"
 KINDS = ("stored", "removed", "cleared")
+TIERS = ("pool", "host", "disk", "shared")
 
 
 @message("kv_event")
@@ -32,10 +33,16 @@ class KVEvent:
     worker_id: str
     seq: int
     block_hashes: list[int] = field(default_factory=list)
+    # Where the blocks are: the prefix cache ("pool") or a KV tier below it ("host", "disk",
+    # "shared": engine/kv_tiers/). A router of before tiers reads every event as the pool's:
+    # upgrade the routers first.
+    tier: str = "pool"
 
     def validate(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kv_event kind must be one of {KINDS}, got {self.kind!r}")
+        if self.tier not in TIERS:
+            raise ValueError(f"kv_event tier must be one of {TIERS}, got {self.tier!r}")
 
 
 @message("load_report")

@@ -26,7 +26,7 @@ import secrets
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pdserve.router.api.errors import invalid
+from pdserve.router.errors import invalid
 
 # Private-use characters around a per-request nonce and a number: nothing a template adds,
 # inert as text, and not something a client can spell (its own text holding a marker of

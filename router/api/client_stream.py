@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import Response
 
-from pdserve.router.api import responses
+from pdserve.router.api import openai_response
 from pdserve.router.coalesce import ConnectionLoss
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class SSEStream(Response):
         async for text in body:
             # [DONE] ends an SSE stream: it goes out with the end of the body (one write
             # less per stream).
-            last = text.endswith(responses.DONE)
+            last = text.endswith(openai_response.DONE)
             self._writing_since = loop.time()
             await send({"type": "http.response.body", "body": text.encode(),
                         "more_body": not last})  # fmt: skip

@@ -22,9 +22,9 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.router.api import responses
-from pdserve.router.api.errors import APIError, invalid
+from pdserve.router.api import openai_response
 from pdserve.router.api.logprobs_format import LogprobsFormatter
+from pdserve.router.errors import APIError, invalid
 from pdserve.router.transport.dispatch import Delta, RequestState
 
 MAX_PROMPT_LOGPROBS = 20
@@ -156,8 +156,9 @@ class Echo:
                   "finish_reason": None}  # fmt: skip
         if self.spec.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.vllm()
-        return responses.sse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                              "model": model, "choices": [choice]})  # fmt: skip
+        created = int(time.time())
+        return openai_response.sse({"id": rid, "object": "text_completion", "created": created,
+                                    "model": model, "choices": [choice]})  # fmt: skip
 
 
 def _joined(prompt: dict[str, Any] | None, completion: dict[str, Any] | None) -> Any:

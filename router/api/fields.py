@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.router.api.errors import invalid
+from pdserve.router.errors import invalid
 
 # Honoured by both endpoints.
 COMMON = frozenset({

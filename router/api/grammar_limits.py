@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.router.api.errors import invalid
+from pdserve.router.errors import invalid
 
 MAX_SCHEMA_BYTES = 64 << 10
 MAX_SCHEMA_DEPTH = 24  # JSON levels (a schema level is two: the schema, its properties)

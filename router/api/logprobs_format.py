@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.router.api.errors import APIError
+from pdserve.router.errors import APIError
 
 
 class LogprobsFormatter:

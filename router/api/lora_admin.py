@@ -24,9 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdserve.protocol.contract import valid_lora_name
-from pdserve.router import edge
-from pdserve.router.api import adapters
-from pdserve.router.api.errors import APIError, invalid
+from pdserve.router import adapters, edge
+from pdserve.router.errors import APIError, invalid
 from pdserve.router.runtime import Runtime
 from pdserve.router.transport import lora_fanout
 

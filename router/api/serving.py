@@ -21,15 +21,15 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.protocol.codec import all_ints
 from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.router import edge
-from pdserve.router.api import responses
+from pdserve.router.api import openai_response
 from pdserve.router.api.client_stream import ClientGone, SSEStream, guarded
 from pdserve.router.api.echo import Echo, echo_for, scored_only
-from pdserve.router.api.errors import APIError, invalid
 from pdserve.router.api.grammar_limits import check_grammar
 from pdserve.router.api.logprobs_format import LogprobsFormatter
-from pdserve.router.api.protocol import CompletionRequest, check_model, parse_request
+from pdserve.router.api.openai_request import CompletionRequest, check_model, parse_request
 from pdserve.router.api.tool_output import ToolOutput
 from pdserve.router.api.tools import chat_inputs
+from pdserve.router.errors import APIError, invalid
 from pdserve.router.picker import prefill_header
 from pdserve.router.runtime import Runtime, Ticket
 from pdserve.router.scheduling.routing import RoutePlan
@@ -122,7 +122,7 @@ class Admitted:
 
 
 class Api(Protocol):
-    """Another API served over this path (router/api/responses_serve.py): its ids, its body
+    """Another API served over this path (router/api/responses/serve.py): its ids, its body
     → request, and its reply."""
 
     prefix: str
@@ -187,7 +187,7 @@ async def _respond(rt: Runtime, call: Admitted) -> Response:
         message = None
         if req.tools is not None:
             message, finish = ToolOutput(req.tools).message(text, finish)
-        body = responses.full_response(
+        body = openai_response.full_response(
             rs.request_id, req.model, req.chat, text, finish, _usage(rs),
             fmt.format(ids, lps) if fmt is not None else None, message,
         )  # fmt: skip
@@ -278,7 +278,7 @@ async def _collect(
 
 
 def _usage(rs: RequestState) -> dict[str, Any]:
-    return responses.usage(len(rs.prompt_ids), rs.completion_tokens, rs.cached_tokens)
+    return openai_response.usage(len(rs.prompt_ids), rs.completion_tokens, rs.cached_tokens)
 
 
 class _Chunks:
@@ -295,7 +295,7 @@ class _Chunks:
         self.index = index
         self.fmt = fmt
         self.tools = ToolOutput(req.tools) if req.tools is not None else None
-        self.text = responses.TextChunks(self.rid, self.model, self.chat, index)
+        self.text = openai_response.TextChunks(self.rid, self.model, self.chat, index)
 
     def __call__(self, d: Delta) -> str:
         if self.tools is None:
@@ -305,9 +305,9 @@ class _Chunks:
             more, finish = self.tools.finish(d.finish_reason)
             deltas += more
         rid, model, i = self.rid, self.model, self.index
-        out = "".join(responses.delta_chunk(rid, model, x, index=i) for x in deltas)
+        out = "".join(openai_response.delta_chunk(rid, model, x, index=i) for x in deltas)
         if finish is not None:
-            out += responses.delta_chunk(rid, model, {}, finish, index=i)
+            out += openai_response.delta_chunk(rid, model, {}, finish, index=i)
         return out
 
 
@@ -315,7 +315,7 @@ def _sse_head(req: CompletionRequest, rs: RequestState, first: Delta, out: _Chun
     """The stream's first chunks: the role (chat) and the first token."""
     rid, model, chat = rs.request_id, req.model, req.chat
     rs.status = 499  # until the stream completes
-    role = responses.chunk(rid, model, chat, role=True) if chat else ""
+    role = openai_response.chunk(rid, model, chat, role=True) if chat else ""
     return role + out(first)
 
 
@@ -360,14 +360,14 @@ async def sse_tail(
         yield _end(req, rs, usage)
     except APIError as err:
         rs.status = err.status
-        yield responses.sse(err.body())
-        yield responses.DONE
+        yield openai_response.sse(err.body())
+        yield openai_response.DONE
 
 
 def _end(req: CompletionRequest, rs: RequestState, usage: Callable[[], dict[str, Any]]) -> str:
     """The stream's end: the usage chunk when asked, then [DONE]."""
     tail = ""
     if req.include_usage:
-        tail = responses.chunk(rs.request_id, req.model, req.chat, use=usage())
+        tail = openai_response.chunk(rs.request_id, req.model, req.chat, use=usage())
     rs.status = 200
-    return tail + responses.DONE
+    return tail + openai_response.DONE

@@ -11,9 +11,9 @@ from typing import Any
 
 from fastapi.responses import Response
 
-from pdserve.router.api import responses
+from pdserve.router.api import openai_response
 from pdserve.router.api.choices import Choices
-from pdserve.router.api.protocol import CompletionRequest
+from pdserve.router.api.openai_request import CompletionRequest
 from pdserve.router.api.serving import Admitted, _Chunks, _formatter, answer, sse_tail
 from pdserve.router.api.tool_output import ToolOutput
 from pdserve.router.runtime import Runtime
@@ -29,7 +29,7 @@ async def respond_n(rt: Runtime, call: Admitted) -> Response:
     def stream(first: tuple[int, Delta]) -> tuple[str, AsyncIterator[str]]:
         outs = [_Chunks(req, rs, _formatter(rt, req), i) for i in range(req.n)]
         rs.status = 499  # until the stream completes
-        head = "".join(responses.chunk(rs.request_id, req.model, True, role=True, index=i)
+        head = "".join(openai_response.chunk(rs.request_id, req.model, True, role=True, index=i)
                        for i in range(req.n)) if req.chat else ""  # fmt: skip
         return head + outs[first[0]](first[1]), _sse_rest_n(req, rs, ch, events, outs)
 
@@ -71,9 +71,9 @@ def _whole_n(
             lps = fmt.format(ids, [x for d in deltas for x in d.logprobs or ()])
         if req.tools is not None:
             message, finish = ToolOutput(req.tools).message(text, finish)
-        choices.append(responses.choice(i, req.chat, text, finish, lps, message))
-    use = responses.usage(len(rs.prompt_ids), ch.completion_tokens, rs.cached_tokens)
-    return responses.full_response(rs.request_id, req.model, req.chat, "", None, use,
+        choices.append(openai_response.choice(i, req.chat, text, finish, lps, message))
+    use = openai_response.usage(len(rs.prompt_ids), ch.completion_tokens, rs.cached_tokens)
+    return openai_response.full_response(rs.request_id, req.model, req.chat, "", None, use,
                                    choices=choices)  # fmt: skip
 
 
@@ -85,6 +85,6 @@ def _sse_rest_n(
     outs: list[_Chunks],
 ) -> AsyncIterator[str]:
     def use() -> dict[str, Any]:
-        return responses.usage(len(rs.prompt_ids), ch.completion_tokens, rs.cached_tokens)
+        return openai_response.usage(len(rs.prompt_ids), ch.completion_tokens, rs.cached_tokens)
 
     return sse_tail(req, rs, events, lambda e: outs[e[0]](e[1]), use)

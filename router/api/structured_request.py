@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.jsonguard import BadJSON, loads_checked
-from pdserve.router.api.errors import invalid
+from pdserve.router.errors import invalid
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}  # fmt: skip

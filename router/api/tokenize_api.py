@@ -24,10 +24,10 @@ from starlette.requests import Request
 
 from pdserve.router import edge
 from pdserve.router.api.chat_options import flag, parse_chat_options
-from pdserve.router.api.errors import invalid
-from pdserve.router.api.protocol import check_model, parse_messages
+from pdserve.router.api.openai_request import check_model, parse_messages
 from pdserve.router.api.tools import chat_inputs, parse_tools
 from pdserve.router.edge import bound_text
+from pdserve.router.errors import invalid
 from pdserve.router.runtime import Runtime
 
 

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.router.api.errors import invalid
+from pdserve.router.errors import invalid
 
 # At most this many calls in one reply to tool_choice "required" (a sampling model could
 # otherwise add calls until max_tokens runs out, leaving an unfinished array).

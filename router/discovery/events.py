@@ -244,9 +244,8 @@ class EventSubscriber:
 
 
 _LISTS = ("loras", "lora_known")
-_INTS = tuple(
-    f.name for f in dataclasses.fields(LoadReport) if f.name not in (*_LISTS, "worker_id")
-)
+_STRS = ("worker_id", "compile", "fault")
+_INTS = tuple(f.name for f in dataclasses.fields(LoadReport) if f.name not in (*_LISTS, *_STRS))
 
 
 def parse_report(data: bytes) -> LoadReport:
@@ -266,7 +265,12 @@ def parse_report(data: bytes) -> LoadReport:
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise ValueError(f"load_report {name} must be a list of strings")
         kw[name] = v
-    return LoadReport(worker_id=str(body.get("worker_id", "")), **kw)  # type: ignore[arg-type]
+    for name in _STRS:
+        v = body.get(name, "")
+        if not isinstance(v, str):
+            raise ValueError(f"load_report {name} must be a string")
+        kw[name] = v
+    return LoadReport(**kw)  # type: ignore[arg-type]
 
 
 # The name the rest of the router used for it before load reports joined the stream.

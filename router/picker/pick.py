@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.router import edge
-from pdserve.router.api.errors import APIError
 from pdserve.router.api.serving import fit_context, prepare_body
-from pdserve.router.keys import Caller
+from pdserve.router.api_keys import Caller
+from pdserve.router.errors import APIError
 from pdserve.router.picker.prefill_header import PREFILL_HEADER, SIGNATURE_HEADER, endpoint_of, sign
 from pdserve.router.runtime import Runtime, Ticket
 from pdserve.router.scheduling import disagg

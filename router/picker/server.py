@@ -28,7 +28,7 @@ from typing import Any
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from pdserve.router.api.errors import APIError
+from pdserve.router.errors import APIError
 from pdserve.router.picker import envoy_msgs as msgs
 from pdserve.router.picker.pick import Pick, Picker
 

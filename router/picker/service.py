@@ -20,7 +20,7 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.router.api import adapters
+from pdserve.router import adapters
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import EndpointSource
 from pdserve.router.picker.pick import Picker

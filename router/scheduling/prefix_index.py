@@ -19,6 +19,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.router.scheduling.tier_index import TIERS, TierIndex
+
 log = logging.getLogger(__name__)
 
 TOPIC = b"kv"
@@ -32,6 +34,7 @@ class KVEventView:
     worker_id: str
     seq: int
     block_hashes: tuple[int, ...]
+    tier: str = "pool"  # "host" | "disk" | "shared": a KV tier below the pool (tier_index.py)
 
     @classmethod
     def parse(cls, data: bytes) -> KVEventView:
@@ -44,15 +47,19 @@ class KVEventView:
         hashes = body.get("block_hashes") or []
         if not all(isinstance(h, int) for h in hashes):
             raise ValueError("KV event block_hashes must be integers")
-        return cls(kind, str(body["worker_id"]), int(body["seq"]), tuple(hashes))
+        tier = body.get("tier") or "pool"
+        if tier not in ("pool", *TIERS):
+            raise ValueError(f"KV event has unknown tier {tier!r}")
+        return cls(kind, str(body["worker_id"]), int(body["seq"]), tuple(hashes), tier)
 
 
 class PrefixIndex:
     """block hash → workers holding it, in LRU order. Single-threaded (the event loop)."""
 
-    def __init__(self, capacity: int = 1_000_000) -> None:
+    def __init__(self, capacity: int = 1_000_000, tiers: TierIndex | None = None) -> None:
         assert capacity > 0
         self.capacity = capacity
+        self.tiers = tiers or TierIndex(capacity)  # the workers' KV tiers below their pools
         self._holders: OrderedDict[int, set[str]] = OrderedDict()
         self._last_seq: dict[str, int] = {}
         self._held: dict[str, int] = {}  # worker_id -> block hashes it holds
@@ -90,6 +97,7 @@ class PrefixIndex:
     def drop_worker(self, worker_id: str) -> None:
         for h in [h for h, ws in self._holders.items() if worker_id in ws]:
             self.removed(worker_id, (h,))
+        self.tiers.drop_worker(worker_id)
         self._last_seq.pop(worker_id, None)
 
     def apply(self, ev: KVEventView) -> None:
@@ -99,7 +107,10 @@ class PrefixIndex:
             self.num_gaps += 1
             self.drop_worker(ev.worker_id)
         self._last_seq[ev.worker_id] = ev.seq
-        if ev.kind == "stored":
+        if ev.tier != "pool" and ev.kind != "cleared":
+            apply = self.tiers.stored if ev.kind == "stored" else self.tiers.removed
+            apply(ev.worker_id, ev.tier, ev.block_hashes)
+        elif ev.kind == "stored":
             self.stored(ev.worker_id, ev.block_hashes)
         elif ev.kind == "removed":
             self.removed(ev.worker_id, ev.block_hashes)

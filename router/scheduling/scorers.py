@@ -19,10 +19,12 @@ def _inverse(load: float, scale: float) -> float:
 
 
 def prefix_match(worker: WorkerView, req: RouteRequest) -> float:
-    """The share of the prompt's full blocks the worker already holds."""
+    """The share of the prompt's full blocks the worker already holds; a block in a KV tier
+    below a pool counts at its tier's weight (router/scheduling/tier_index.py)."""
     if not req.block_hashes:
         return 0.0
-    matched = req.matched_blocks.get(worker.worker_id, 0)
+    matched = max(req.matched_blocks.get(worker.worker_id, 0),
+                  req.tier_matched.get(worker.worker_id, 0.0))  # fmt: skip
     return min(matched, len(req.block_hashes)) / len(req.block_hashes)
 
 

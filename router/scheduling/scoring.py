@@ -31,6 +31,9 @@ class RouteRequest:
     # worker_id -> blocks the prefix index says the worker caches (any prompt)
     held_blocks: Mapping[str, int] = field(default_factory=dict)
     lora: str | None = None  # the adapter the request names (None: the base model)
+    # worker_id -> leading blocks weighted by where the worker has them: its pool (1), its
+    # KV tiers or the shared one (their weights); empty when no tier holds any (tier_index.py)
+    tier_matched: Mapping[str, float] = field(default_factory=dict)
 
     def matched_tokens(self, worker_id: str) -> int:
         return min(self.matched_blocks.get(worker_id, 0) * self.block_size, self.num_prompt_tokens)

@@ -45,9 +45,9 @@ from pdserve.protocol.contract import (
 )
 from pdserve.protocol.hashing import block_hashes, hash_key, salt_root
 from pdserve.protocol.sampling_params import SamplingParams
-from pdserve.router.api.errors import APIError
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import Discovery
+from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.scheduling import disagg
 from pdserve.router.scheduling.prefix_index import PrefixIndex
@@ -137,9 +137,11 @@ class Dispatcher:
         # The adapter's hash seeds the chain as on the workers: their KV events match these.
         root = salt_root(cache_salt, lora.hash if lora is not None else None)
         hashes = block_hashes(ids, snap.block_size, root, self._hash_key) if prefix else []
-        req = RouteRequest(len(ids), tuple(hashes), snap.block_size, self.index.match(hashes),
+        pool = self.index.match(hashes)
+        tiers = self.index.tiers.match(hashes, pool, (w.worker_id for w in snap.prefill))
+        req = RouteRequest(len(ids), tuple(hashes), snap.block_size, pool,
                            self.index.held() if prefix else {},
-                           lora.name if lora is not None else None)  # fmt: skip
+                           lora.name if lora is not None else None, tiers)  # fmt: skip
         try:
             plan = plan_route(snap, req, self.cfg, self.rng, self._rr)
         except NoWorkerAvailable as exc:

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.protocol.contract import valid_lora_hash
-from pdserve.router.api.errors import APIError, from_worker_body
+from pdserve.router.errors import APIError, from_worker_body
 from pdserve.router.transport.worker_client import JSON, TRANSPORT_ERRORS, _decode_json, _timeout
 
 LOAD_TIMEOUT_S = 120.0  # a worker reads and checks the files, then copies them to its device

@@ -17,8 +17,8 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.router.api.adapters import Adapter, AdapterTable
-from pdserve.router.api.errors import APIError
+from pdserve.router.adapters import Adapter, AdapterTable
+from pdserve.router.errors import APIError
 from pdserve.router.scheduling.snapshot import Snapshot
 from pdserve.router.transport import lora_fanout
 

@@ -126,7 +126,7 @@ def test_decode_worker_marks_request_faults_in_its_stream() -> None:
     from pdserve.protocol.codec import decode
     from pdserve.protocol.contract import TokenDelta, WorkerError
     from pdserve.protocol.outputs import REQUEST_FAILED, RequestOutput
-    from pdserve.router.api.errors import APIError
+    from pdserve.router.errors import APIError
     from pdserve.router.transport.worker_client import WorkerFailed, stream_error
 
     def line(code: str) -> WorkerError:

@@ -15,9 +15,9 @@ from starlette.requests import Request
 
 from pdserve.operator.autoscale_inputs import router_metrics_url
 from pdserve.operator.render import render
-from pdserve.router.api.errors import APIError
+from pdserve.router.api_keys import KeyStore
 from pdserve.router.config import RouterConfig
-from pdserve.router.keys import KeyStore
+from pdserve.router.errors import APIError
 from pdserve.router.main import add_arguments
 from pdserve.router.runtime import Runtime
 

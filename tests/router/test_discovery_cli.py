@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
+from pdserve.router.api_keys import KeyStore
 from pdserve.router.discovery.k8s import KubernetesSource, endpoints_from_slices, pool_roles
 from pdserve.router.discovery.workers import events_address, normalize_url
-from pdserve.router.keys import KeyStore
 from pdserve.router.main import add_arguments, build_config, build_source
 
 

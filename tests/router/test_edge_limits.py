@@ -205,7 +205,7 @@ async def test_request_faults_are_never_retried(cluster_factory) -> None:
 
 
 def test_token_buckets_refill_and_say_when() -> None:
-    from pdserve.router.api.errors import APIError
+    from pdserve.router.errors import APIError
     from pdserve.router.ratelimit import RateLimiter
 
     now = [0.0]

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from pdserve.router.api.errors import APIError
 from pdserve.router.api.fields import CHAT, COMPLETIONS, NO_EFFECT, ONLY, check_fields
+from pdserve.router.errors import APIError
 from pdserve.testing.loopback import ROOT
 
 
@@ -40,7 +40,7 @@ def test_no_effect_fields_pass() -> None:
 
 @pytest.mark.parametrize("prompt", [[1, -1], [1, True], [1, 2.0], [1, None], [3, [4]]])
 def test_prompt_token_ids_must_be_non_negative_integers(prompt: list[object]) -> None:
-    from pdserve.router.api.protocol import parse_request
+    from pdserve.router.api.openai_request import parse_request
 
     with pytest.raises(APIError) as err:
         parse_request({"model": "tiny", "prompt": prompt}, False, 16)

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.router.api.errors import APIError
 from pdserve.router.api.grammar_limits import MAX_ALTERNATIVES, check_grammar
+from pdserve.router.errors import APIError
 
 
 def _deep(levels: int) -> dict[str, Any]:

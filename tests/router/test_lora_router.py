@@ -16,7 +16,7 @@ import pytest
 from pdserve.engine.lora_files import adapter_hash
 from pdserve.protocol.contract import GenerateRequest, LoraRef, PrefillRequest
 from pdserve.protocol.hashing import block_hashes, salt_root
-from pdserve.router.api.adapters import declared, parse_lora
+from pdserve.router.adapters import declared, parse_lora
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource

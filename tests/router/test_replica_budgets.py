@@ -11,7 +11,6 @@ import asyncio
 import pytest
 
 from pdserve.router.admission import Admission
-from pdserve.router.api.errors import APIError
 from pdserve.router.discovery.replicas import (
     ReplicaCount,
     ServiceReplicaCount,
@@ -19,6 +18,7 @@ from pdserve.router.discovery.replicas import (
     replica_count,
     share,
 )
+from pdserve.router.errors import APIError
 from pdserve.router.main import add_arguments, build_config
 from pdserve.router.ratelimit import RateLimiter
 

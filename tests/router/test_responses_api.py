@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from pdserve.router.api.errors import APIError
-from pdserve.router.api.responses_api import chat_body
-from pdserve.router.api.responses_out import Events, Shape, output_items
+from pdserve.router.api.responses.output import Events, Shape, output_items
+from pdserve.router.api.responses.request import chat_body
+from pdserve.router.errors import APIError
 
 
 def test_input_items_become_messages() -> None:

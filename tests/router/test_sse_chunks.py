@@ -1,5 +1,5 @@
-"""A stream's pre-built SSE chunk (responses.TextChunks) is ``responses.chunk``'s, byte for
-byte: completions and chat, any index, text, finish reason and logprobs."""
+"""A stream's pre-built SSE chunk (openai_response.TextChunks) is ``openai_response.chunk``'s,
+byte for byte: completions and chat, any index, text, finish reason and logprobs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from unittest import mock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.router.api import responses
+from pdserve.router.api import openai_response
 
 texts = st.text(st.characters(), max_size=16)
 values = st.recursive(
@@ -35,15 +35,15 @@ def test_text_chunks_are_chunk_byte_for_byte(
     lps: dict[str, Any] | None,
 ) -> None:
     with mock.patch.object(time, "time", return_value=1_700_000_000.75):
-        want = responses.chunk(rid, model, chat, text, finish, logprobs=lps, index=index)
-        got = responses.TextChunks(rid, model, chat, index)(text, finish, lps)
+        want = openai_response.chunk(rid, model, chat, text, finish, logprobs=lps, index=index)
+        got = openai_response.TextChunks(rid, model, chat, index)(text, finish, lps)
     assert got == want
     body = json.loads(got.removeprefix("data: "))
     assert body["created"] == 1_700_000_000 and body["choices"][0]["index"] == index
 
 
 def test_the_clock_is_read_per_chunk_as_before() -> None:
-    chunks = responses.TextChunks("cmpl-1", "m", False)
+    chunks = openai_response.TextChunks("cmpl-1", "m", False)
     with mock.patch.object(time, "time", return_value=100.0):
         first = chunks("a", None)
     with mock.patch.object(time, "time", return_value=101.0):

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pdserve.router.admission import Admission
-from pdserve.router.api.errors import APIError
+from pdserve.router.errors import APIError
 from tests.router.raw_http import connect, read_reply
 
 pytestmark = pytest.mark.timeout(60)
@@ -187,8 +187,8 @@ async def test_api_keys_reload_from_their_file(cluster_factory, tmp_path: Path) 
 
 
 def test_key_lines_and_open_router_warning(caplog: pytest.LogCaptureFixture) -> None:
+    from pdserve.router.api_keys import parse_key_lines
     from pdserve.router.config import RouterConfig
-    from pdserve.router.keys import parse_key_lines
     from pdserve.router.main import warn_if_open
 
     assert parse_key_lines("a\n# c\n b priority=3\n\nc priority=-1") == {"a": 0, "b": 3, "c": -1}
@@ -262,7 +262,8 @@ async def test_admin_port_opens_admin_endpoints_without_a_key(cluster_factory) -
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = int(sock.getsockname()[1])
-    async with cluster_factory(api_keys=("tenant",), admin_port=port) as c:
+    async with cluster_factory(api_keys=("tenant",), admin_api_keys=("boss",),
+                               admin_port=port) as c:  # fmt: skip
         config = uvicorn.Config(c.app, log_level="warning", lifespan="off")  # a second port
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from pdserve.router.api.errors import APIError
 from pdserve.router.api.tool_output import ArrayScanner, ToolOutput
 from pdserve.router.api.tools import ToolConfig, chat_inputs, grammar_spec, parse_tools
+from pdserve.router.errors import APIError
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}  # fmt: skip

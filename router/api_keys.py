@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.router.api.errors import APIError
+from pdserve.router.errors import APIError
 
 log = logging.getLogger(__name__)
 CHECK_EVERY_S = 1.0

@@ -1,6 +1,6 @@
 """OpenAI's Responses API (``POST /v1/responses``), stateless: a request body becomes the
 chat completions body it means, and runs the chat path whole (template, tools, structured
-outputs, P/D dispatch); router/api/responses_out.py writes the reply and its events.
+outputs, P/D dispatch); router/api/responses/output.py writes the reply and its events.
 
     input (string | items) ──┐            instructions ──▶ first system message
     message items ───────────┼─▶ messages  max_output_tokens ──▶ max_completion_tokens
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.router.api.errors import invalid
+from pdserve.router.errors import invalid
 
 # Honoured (translated to the chat request, or echoed back in the response object).
 RESPONSES = frozenset({

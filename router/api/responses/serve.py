@@ -2,8 +2,8 @@
 
 ``serving.serve`` runs it as any completion (gate, body limits, admission, the tokenizer
 threads, routing, dispatch); this module supplies the two ends: the body → chat request
-(router/api/responses_api.py, errors naming the Responses field) and the reply → ``response``
-object or events (router/api/responses_out.py).
+(router/api/responses/request.py, errors naming the Responses field) and the reply → ``response``
+object or events (router/api/responses/output.py).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from fastapi.responses import Response
 
 from pdserve.router import edge
 from pdserve.router.api import serving
-from pdserve.router.api.errors import APIError
-from pdserve.router.api.protocol import CompletionRequest
-from pdserve.router.api.responses_api import chat_body
-from pdserve.router.api.responses_out import Events, Shape, output_items, status_of, usage
+from pdserve.router.api.openai_request import CompletionRequest
+from pdserve.router.api.responses.output import Events, Shape, output_items, status_of, usage
+from pdserve.router.api.responses.request import chat_body
 from pdserve.router.api.tool_output import ToolOutput
+from pdserve.router.errors import APIError
 from pdserve.router.runtime import Runtime
 from pdserve.router.transport.dispatch import Delta, RequestState
 

@@ -13,10 +13,10 @@ from pdserve.protocol.codec import all_ints
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 from pdserve.router.api.chat_options import ChatTemplateOptions, parse_chat_options
 from pdserve.router.api.echo import EchoSpec, parse_echo
-from pdserve.router.api.errors import APIError, invalid
 from pdserve.router.api.fields import check_fields
 from pdserve.router.api.structured_request import structured_spec
 from pdserve.router.api.tools import ToolConfig, grammar_spec, parse_tools
+from pdserve.router.errors import APIError, invalid
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted only at their "off" values: (field, values meaning off).

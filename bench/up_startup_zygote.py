@@ -1,0 +1,92 @@
+"""`pdserve up` start-up with the core zygote (the default) against a process per core.
+
+Each repetition starts ``pdserve up --model tiny --enforce-eager`` (eager: a compile's
+warm-up would dwarf what the zygote changes), once each way in turn (zygote, plain, zygote,
+plain, ...), and times it from launch to the "pdserve is up" line (every worker healthy,
+the router routing). One JSON line: per way, the median and range of seconds to ready, and
+the ratio plain / zygote. (CPU is not reported: a core that dies with its parent is reaped
+by init, and its CPU never reaches this process's rusage.)
+
+    python bench/up_startup_zygote.py [--reps 3] [--prefill 1] [--decode 2] [--quick]
+    python bench/up_startup.py --zygote [--reps 3] ...   (the same)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pdserve.local.proc_group import end_group  # noqa: E402
+
+WAYS = {"zygote": [], "plain": ["--no-core-zygote"]}
+
+
+def start_once(extra: list[str], args: argparse.Namespace, port: int) -> float:
+    """Seconds from launch to ready."""
+    argv = [sys.executable, "-m", "pdserve", "up", "--model", "tiny", "--enforce-eager",
+            "--prefill", str(args.prefill), "--decode", str(args.decode), "--port", str(port),
+            "--worker-port-base", str(port + 100), *extra]  # fmt: skip
+    # none from the caller (a test session's): the cluster's own, as shipped
+    environ = {k: v for k, v in os.environ.items() if k != "PDSERVE_CORE_ZYGOTE"}
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=environ, cwd=ROOT)  # fmt: skip
+    assert proc.stdout is not None
+    ready, tail = 0.0, []
+    for line in proc.stdout:
+        tail = [*tail[-30:], line]
+        if line.startswith("pdserve is up"):
+            ready = time.monotonic() - started
+            break
+    end_group(proc, signal.SIGINT, grace_s=60)
+    if not ready:
+        raise RuntimeError("pdserve up did not come up:\n" + "".join(tail))
+    return ready
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
+            "max": round(max(values), 2)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--port", type=int, default=18700)
+    p.add_argument("--quick", action="store_true", help="one repetition each way")
+    args = p.parse_args(argv)
+    reps = 1 if args.quick else args.reps
+    ready: dict[str, list[float]] = {w: [] for w in WAYS}
+    for rep in range(reps):
+        for way, extra in WAYS.items():
+            r = start_once(extra, args, args.port)
+            ready[way].append(r)
+            print(f"up_startup: rep {rep + 1}/{reps} {way}: ready {r:.1f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    out = {
+        "workers": args.prefill + args.decode,
+        "reps": reps,
+        **{f"ready_s_{w}": summary(v) for w, v in ready.items()},
+        "ready_ratio_plain_over_zygote": round(
+            statistics.median(ready["plain"]) / statistics.median(ready["zygote"]), 2
+        ),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""The compiled forward, built in the background while the eager one serves.
+
+A worker reports ready as soon as its model is loaded and its start-up probe passed on
+the eager forward (startup_probe.py); ``torch.compile`` then runs on a thread of its own
+(``pdserve-compile``). The thread works on a *shadow* engine: the same model (the same
+module, so the same weights and the same compiled code objects), its own small KV pool,
+scheduler and sampler, so nothing it does touches the serving engine's requests or
+blocks. Attention's per-step state (``attention.CURRENT``) is per thread.
+
+1. The probe on the shadow's eager forward: the tokens to agree with.
+2. Every graph variant (compiled.WARM_UP) on the compiled forward: traced and compiled,
+   or loaded from the cache.
+3. The probe again on the compiled forward. It must not raise and must give the same
+   greedy tokens as the eager one; otherwise the worker keeps the eager forward, says
+   why (a warning naming the model and the exception, ``compile`` = ``eager-kept`` on
+   ``/health``, ``pdserve_engine_compile_state``).
+
+Then the serving thread swaps: ``maybe_swap`` (called between steps, by the engine's
+step and the core loop's idle turns) sets the runner's forward. The compiled forward
+runs the same model on the same pool as the eager one, so a request in flight carries on
+across the swap: its KV is the pool's, whichever forward wrote it.
+
+Dynamo's frame hook is per thread: the serving thread's eager calls are not traced while
+the compile thread traces, and once swapped, its calls find the variants the compile
+thread compiled (no recompile; tests/engine/test_compile_swap.py counts the graphs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from pdserve.engine import compiled, startup_probe
+
+if TYPE_CHECKING:
+    from pdserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+# compile states, as /health and pdserve_engine_compile_state name them
+OFF = "off"  # --enforce-eager, LoRA adapters, or no compile wanted
+COMPILING = "compiling"  # the eager forward serves; the compile thread runs
+READY = "ready"  # compiled and checked: swapped in at the next turn of the serving loop
+COMPILED = "compiled"  # the compiled forward serves
+EAGER_KEPT = "eager-kept"  # the compile raised or disagreed with eager: eager stays
+STATES = (OFF, COMPILING, READY, COMPILED, EAGER_KEPT)
+NICE = 10  # the compile thread's niceness (Linux: per thread)
+
+
+class CompileJob:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.state = COMPILING
+        self.reason = ""  # EAGER_KEPT: why
+        self.started = time.monotonic()
+        self.seconds = 0.0  # from start to READY or EAGER_KEPT
+        self.kernel = False  # the CPU attention kernel was built here (swapped in too)
+        self._thread = threading.Thread(target=self._run, name="pdserve-compile", daemon=True)
+
+    def start(self) -> None:
+        compiled.say(f"compiling the model forward in the background (torch.compile; cache "
+                     f"{compiled.cache_dir()}); the eager forward serves meanwhile")  # fmt: skip
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        # Below the serving thread (and the compilers inductor starts from here inherit
+        # it): on a small CPU the first requests, served eager, come first.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        runner = self.engine.runner
+        model = self.engine.served_model_name
+        try:
+            shadow = self.engine.shadow()
+            if runner.kernel_pending:  # first start: the kernel is built here, then used
+                self.kernel = _build_kernel()
+                if self.kernel:
+                    shadow.runner.use_kernel_backend()
+            expected = startup_probe.run(shadow)
+            assert runner.compiled_fn is not None
+            shadow.runner.forward = runner.compiled_fn
+            compiled.run_variants(shadow, compiled.say)
+            got = startup_probe.run(shadow)
+            if got != expected:
+                raise startup_probe.ProbeFailed(
+                    f"the compiled forward's greedy tokens differ from the eager forward's: "
+                    f"{got} != {expected}"
+                )
+        except Exception as exc:
+            self.reason = f"{type(exc).__name__}: {exc}"
+            self.state = EAGER_KEPT
+            logger.warning("model %s: the compiled forward failed its check; this worker keeps "
+                           "the eager forward (%s)", model, self.reason, exc_info=True)  # fmt: skip
+        else:
+            self.state = READY
+        self.seconds = time.monotonic() - self.started
+
+    def maybe_swap(self) -> bool:
+        """On the serving thread, between steps: the compiled forward serves from now on if
+        it is ready (True once swapped)."""
+        if self.state != READY:
+            return False
+        runner = self.engine.runner
+        if runner.eager_only or runner.compiled_fn is None:  # LoRA came meanwhile
+            self.state, self.reason = EAGER_KEPT, runner.eager_only
+            return False
+        runner.forward = runner.compiled_fn
+        if self.kernel:
+            runner.use_kernel_backend()
+        compiled.in_service()
+        self.state = COMPILED
+        compiled.say(f"compiled forward in service ({self.seconds:.1f}s after start; "
+                     "swapped from eager between steps)")  # fmt: skip
+        return True
+
+
+def _build_kernel() -> bool:
+    from pdserve.engine import cpu_kernel
+
+    started = time.monotonic()
+    compiled.say("building the CPU attention kernel (first start; the gather path serves "
+                 "meanwhile)")  # fmt: skip
+    built = cpu_kernel.load() is not None
+    compiled.say(f"CPU attention kernel {'built' if built else 'not built'} in "
+                 f"{time.monotonic() - started:.1f}s")  # fmt: skip
+    return built

@@ -1,0 +1,2 @@
+"""KV tiers below the pool: host memory, local disk, a shared Redis/Valkey store
+(docs/kv_tiers.md)."""
