@@ -21,7 +21,11 @@ Phases, in order, against one running service:
    stops reading its stream, chat text spelling control tokens, odd ``logit_bias`` keys;
    and grammar attacks (bench/chaos_grammar.py): pathological schemas beside other
    clients' streams, and requests aborted while their grammar compiles;
-9. every KV pool free at the end, and ``up`` still running and stopping cleanly.
+9. every KV pool free at the end, and ``up`` still running and stopping cleanly;
+10. issue 44's probes (bench/chaos_isolation.py): keyless LoRA changes on the router's
+    ``--admin-port``, and in process the endpoint picker's abuse battery, merged pod
+    policy escapes, symlinks in a sealed cache, abandoned grammar compiles past their
+    bound and run-time LoRA loads outside ``--lora-root``.
 
 Prints one JSON line (last); the goals are 0 for every failure count,
 ``migrated_streams`` >= 1 and ``stalled_streams`` >= 1. Writes a PNG to bench/out/.
@@ -48,6 +52,7 @@ import figures
 import httpx
 from chaos_grammar import phase_compile_abort, phase_grammar
 from chaos_inputs import bad_inputs, poison_bodies
+from chaos_isolation import admin_port_changes, in_process_probes
 from chaos_service import (
     ROOT,
     Service,
@@ -317,6 +322,12 @@ async def _until_generated(url: str, tokens: int, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def phase_admin_port(svc: Service, admin_port: int, model_path: str) -> dict[str, Any]:
+    admin = f"http://127.0.0.1:{admin_port}"
+    return {"admin_port_unauthenticated_changes": await admin_port_changes(svc.url, admin,
+                                                                           model_path)}  # fmt: skip
+
+
 async def run_phases(svc: Service, args: argparse.Namespace, model: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     timings: dict[str, float] = {}
@@ -337,6 +348,7 @@ async def run_phases(svc: Service, args: argparse.Namespace, model: str) -> dict
             ("kill_decode", phase_kill_decode(h, svc, model, args.kill_streams)),
             ("kill_prefill", phase_kill_prefill(h, svc, model, args.kill_streams)),
             ("hang_decode", phase_hang_decode(h, svc, model, args.kill_streams)),
+            ("admin_port", phase_admin_port(svc, args.admin_port, args.model_path)),
         ]
         for name, coro in phases:
             t0 = time.perf_counter()
@@ -358,7 +370,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
             "decode_kill_failed_streams", "prefill_kill_failed_requests",
             "hang_failed_streams", "slowloris_refused_others", "slow_reader_harmed_streams",
             "control_token_injected", "odd_key_5xx", "grammar_5xx", "grammar_stalled_others",
-            "compile_abort_leaked", "migrated_streams",
+            "compile_abort_leaked", "admin_port_unauthenticated_changes",
+            "picker_mode_limit_bypass", "merged_pod_policy_escapes", "cache_symlink_followed",
+            "abandoned_compiles_over_bound", "lora_path_escapes", "migrated_streams",
             "stalled_streams"]  # fmt: skip
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     a.barh(keys, [result[k] for k in keys], color=["C3"] * (len(keys) - 2) + ["C2"] * 2)
@@ -375,12 +389,14 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model or str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
     logs = tempfile.mkdtemp(prefix="pdserve-chaos-")
+    args.admin_port, args.model_path = free_port(), model
     svc = Service(model, logs, args.port or free_port(), 20000 + free_port() % 20000,
                   "--prefill", "2", "--decode", "2", "--kv-transport", args.kv_transport,
                   "--disagg-threshold", "32", "--max-queue", str(args.max_queue),
                   "--worker-arg=--max-model-len", "--worker-arg=1024",
                   "--router-arg=--stall-timeout=3",
                   "--router-arg=--stream-write-timeout=2",
+                  f"--router-arg=--admin-port={args.admin_port}",
                   "--router-arg=--max-waiting=16")  # overload still sheds  # fmt: skip
     t0 = time.perf_counter()
     try:
@@ -390,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         result["startup_s"] = startup_s
     finally:
         code = svc.stop()
+    result.update(in_process_probes(Path(model)))
     result.update(up_exit_code=code, quick=args.quick, wall_s=round(time.perf_counter() - t0, 1),
                   logs=logs)  # fmt: skip
     plot(result, Path(args.out) / f"chaos{'-quick' if args.quick else ''}.png")

@@ -52,7 +52,8 @@ class _Call:
 @dataclass
 class _Recorder(threading.local):
     calls: dict[int, _Call] = field(default_factory=dict)
-    masks: dict[int, MaskKind] = field(default_factory=dict)  # data_ptr -> kind
+    masks: dict[int, Any] = field(default_factory=dict)  # data_ptr -> mask function
+    kinds: dict[int, MaskKind] = field(default_factory=dict)  # id(mask function) -> kind
     keep: list[torch.Tensor] = field(default_factory=list)  # masks alive: ptrs stay unique
     arch: str = "?"
     positions: int = 0
@@ -92,9 +93,9 @@ def mask_kind(arch: str, mask_function: Any, positions: int) -> MaskKind:
 
 
 def _probe_mask(*, mask_function: Any, device: Any = "cpu", **_kw: Any) -> torch.Tensor:
-    kind = mask_kind(_REC.arch, mask_function, _REC.positions)
+    # Read when a layer's call uses it: a model may build masks no layer uses.
     mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
-    _REC.masks[mask.data_ptr()] = kind
+    _REC.masks[mask.data_ptr()] = mask_function
     _REC.keep.append(mask)
     return mask
 
@@ -118,7 +119,12 @@ def _probe_attention(
         sinks=kwargs.get("s_aux") is not None,
     )
     check_call(_REC.arch, layer, own, opts)
-    mask = None if attention_mask is None else _REC.masks.get(attention_mask.data_ptr())
+    function = None if attention_mask is None else _REC.masks.get(attention_mask.data_ptr())
+    mask = None
+    if function is not None:
+        if id(function) not in _REC.kinds:
+            _REC.kinds[id(function)] = mask_kind(_REC.arch, function, _REC.positions)
+        mask = _REC.kinds[id(function)]
     _REC.calls[layer] = _Call({**opts, "scaling": scaling}, mask)
     _b, hq, t, _d = query.shape
     return query.new_zeros((1, t, hq, value.shape[-1])), None
@@ -136,7 +142,7 @@ def probe(
     the code applies them (``configured``: the config's reading, compared and logged)."""
     config = model.config
     serving = config._attn_implementation
-    _REC.calls, _REC.masks, _REC.keep = {}, {}, []
+    _REC.calls, _REC.masks, _REC.kinds, _REC.keep = {}, {}, {}, []
     positions = int(getattr(config, "max_position_embeddings", None) or 4096)
     _REC.arch, _REC.positions = arch, min(positions, MAX_PROBED_POSITIONS)
     one = torch.zeros((1, 1), dtype=torch.long, device=device)
@@ -146,7 +152,7 @@ def probe(
         calls = dict(_REC.calls)
     finally:
         config._attn_implementation = serving
-        _REC.calls, _REC.masks, _REC.keep = {}, {}, []
+        _REC.calls, _REC.masks, _REC.kinds, _REC.keep = {}, {}, {}, []
     layers = tuple(resolve(arch, i, c, calls.get(i)) for i, c in enumerate(configured))
     for i, (layer, cached) in enumerate(zip(layers, cache_windows(config), strict=False)):
         if cached is not None and (layer.window is None or layer.window > cached):

@@ -177,3 +177,26 @@ def open_sealed(folder: Path, path: Path, ring_: keys.KeyRing) -> int:
         pass
     os.close(fd)
     raise OSError(f"{path} does not carry this service's seal")
+
+
+def read_sealed(folder: Path, path: Path, ring_: keys.KeyRing) -> bytes:
+    """The content of ``path``, read once from an O_NOFOLLOW fd of a regular file, and
+    checked: the bytes returned are the bytes whose seal was verified (any content when
+    sealing is off). OSError when the path is a symlink, not a regular file, or unsealed."""
+    fd = _open(path)
+    try:
+        chunks = list(iter(lambda: os.read(fd, 1 << 20), b""))
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if not ring_:
+        return data
+    rel = path.relative_to(folder).as_posix()
+    try:
+        want = bytes.fromhex(_manifest(folder).get(rel, ""))
+    except ValueError:
+        want = b""
+    digest = hashlib.sha256(data).digest()
+    if want and any(keys.mac(k, rel.encode(), digest) == want for k in ring_.keys):
+        return data
+    raise OSError(f"{path} does not carry this service's seal")

@@ -89,7 +89,9 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     add_flags(parser, (EngineArgs, TierArgs))
 
 
-def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
+def engine_config_from_args(
+    args: Any, *, resolve: bool = True, background: bool = False
+) -> EngineConfig:
     """The config of an engine process; a GGUF ``--model`` becomes its converted directory
     (engine/model_source.py), in the dtype this engine will run in. ``resolve=False``
     keeps ``--model`` as given (a worker's front end: its core resolves it)."""
@@ -111,7 +113,8 @@ def engine_config_from_args(args: Any, *, resolve: bool = True) -> EngineConfig:
         cpu_threads=args.cpu_threads,
         # Adapter layers run eager (docs/lora.md): no compile for a worker that has some.
         compile=not (args.enforce_eager or env.eager_forced() or loras),
-        compile_in_background=not getattr(args, "compile_before_ready", False),
+        # a worker's (``background``): serve eager, compile in the background (compile_job.py)
+        compile_in_background=background and not getattr(args, "compile_before_ready", False),
         grammar_cache_bytes=getattr(args, "grammar_cache_bytes", 64 << 20),
         grammar_compile_timeout_s=getattr(args, "grammar_compile_timeout", 10.0),
         speculative=getattr(args, "speculative", None),

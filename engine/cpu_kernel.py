@@ -120,14 +120,16 @@ def load() -> ctypes.CDLL | None:
 
 
 def load_checked(path: Path) -> ctypes.CDLL:
-    """``path`` loaded from the fd that was checked: opened with O_NOFOLLOW, a regular
-    file, its seal verified on the fd (a shared cache), then loaded as /proc/self/fd/N, so
-    a file swapped in after the check is never the one that runs."""
-    fd = cache_seal.open_sealed(path.parent, path, cache_seal.ring(env.KERNEL_CACHE))
-    try:
-        return ctypes.CDLL(f"/proc/self/fd/{fd}")
-    finally:
-        os.close(fd)
+    """``path`` loaded as the bytes that were checked: opened with O_NOFOLLOW, a regular
+    file, read once, its seal verified on those bytes (a shared cache), and they are what
+    is loaded, from a private copy (a file swapped or rewritten in the cache after the
+    check is never the one that runs; /proc/self/fd/N would not do: the loader reuses a
+    library it loaded before under the same name)."""
+    data = cache_seal.read_sealed(path.parent, path, cache_seal.ring(env.KERNEL_CACHE))
+    with tempfile.TemporaryDirectory(prefix="pdserve-kernel-") as private:
+        copy = Path(private) / path.name
+        copy.write_bytes(data)
+        return ctypes.CDLL(str(copy))  # mapped: the copy may go with its folder
 
 
 def declare(lib: ctypes.CDLL) -> None:

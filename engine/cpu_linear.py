@@ -166,6 +166,11 @@ def prepare(model: torch.nn.Module) -> dict[str, int]:
             if not isinstance(child, torch.nn.Linear):
                 continue
             weight = child.weight
+            if type(child).forward is not torch.nn.Linear.forward:
+                # A subclass with its own forward (PhiMoE's router returns logits, weights
+                # and experts): replacing it would change what it returns.
+                counts["as_is"] += 1
+                continue
             # Only CPU weights: these layouts were measured on CPU; cuBLAS wants its own.
             cpu = weight.device.type == "cpu"
             if not cpu or weight.data_ptr() in embedding_ptrs or weight.stride(1) != 1:

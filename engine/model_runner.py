@@ -118,7 +118,7 @@ class ModelRunner:
             compiled.prepare(self.model)
             self.compiled_fn = compiled.compiled_forward(self.model)
         now = config.compile and not config.compile_in_background
-        self.forward = self.compiled_fn if now and self.compiled_fn else self.model
+        self.forward = self.compiled_fn if now and self.compiled_fn is not None else self.model
         self.eager_only = ""  # why the compiled forward may no longer be swapped in
         hf = self.model.config
         self.hf_config = hf

@@ -66,8 +66,16 @@ def resolve_model(
         tokenizer = _any_converted(root, path)
         return str(tokenizer or gguf_model.convert(path, gguf_model.TOKENIZER_ONLY, root))
     if dtype == "auto":  # the engine's choice for the device (torch says if CUDA is there)
-        dtype = EngineConfig(model=str(path), dtype=dtype, device=device).dtype_name
+        dtype = _auto_dtype(str(path), device)
     return str(gguf_model.convert(path, dtype, root))
+
+
+def _auto_dtype(model: str, device: str) -> str:
+    """The engine's dtype for ``auto``: float32 on CPU, without importing torch (seconds of
+    a start) where the machine has no NVIDIA device node (then CUDA cannot be there)."""
+    if device == "cpu" or (device == "auto" and not Path("/dev/nvidiactl").exists()):
+        return "float32"
+    return EngineConfig(model=model, dtype="auto", device=device).dtype_name
 
 
 def resolved(config: EngineConfig) -> EngineConfig:

@@ -226,6 +226,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorC
         # A standby takes over when the active replica's peering record expires (a crash) or
         # is removed (a clean stop, at once): 15 s rather than kopf's 60.
         settings.peering.lifetime = config.peering_lifetime
+        # No cluster scan: kopf lists and watches every Namespace (and CRD) to resolve its
+        # namespaces, which the namespaced chart does not grant; on a real API server it
+        # retried the 403 nine times (~1 min, ERROR logs) before it fell back to the named
+        # namespaces (tests/k8s_real). The chart installs the CRDs before the operator.
+        settings.scanning.disabled = True
         memo.client = kube.KubeClient(kube.login(), login_fn=kube.login)
         memo.cache = Cache()
         memo.syncer = sync.Syncer(

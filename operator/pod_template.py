@@ -44,33 +44,8 @@ def merge(base: Any, override: Any) -> Any:
     return copy.deepcopy(override)
 
 
-def _null_path(path: str, value: Any) -> str | None:
-    """The first ``null`` inside ``value`` (its path), or None."""
-    if value is None:
-        return path
-    if isinstance(value, Mapping):
-        children = [(f"{path}.{k}", v) for k, v in value.items()]
-    elif isinstance(value, list):
-        children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
-    else:
-        return None
-    for child_path, child in children:
-        found = _null_path(child_path, child)
-        if found:
-            return found
-    return None
-
-
 def check(path: str, template: Mapping[str, Any]) -> None:
-    """Refuse a podTemplate that would break the pod contract (names the field).
-
-    A ``null`` is refused wherever it is: the API server keeps nulls inside the CRD's
-    x-kubernetes-preserve-unknown-fields (it prunes them only where the schema names the
-    field), and merged over the rendered pod a null would unset what it names, e.g.
-    ``securityContext.runAsNonRoot`` (tests/k8s_real/test_validation.py)."""
-    null = _null_path(path, dict(template))
-    if null:
-        raise SpecError(null, "is null: a podTemplate may not unset a rendered field")
+    """Refuse a podTemplate that would break the pod contract (names the field)."""
     unknown = sorted(set(template) - {"metadata", "spec"})
     if unknown:
         raise SpecError(f"{path}.{unknown[0]}", "podTemplate takes only metadata and spec")

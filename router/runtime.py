@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -68,6 +69,7 @@ class Runtime:
                                    cfg.queue_timeout_s, self.metrics.queue_depth.set)  # fmt: skip
         self.created = int(time.time())
         self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm)
+        self._salt_key = salt_key()
         # Per-client budgets: this replica enforces 1/replicas of them (discovery/replicas.py).
         self.replicas = replica_count(cfg)
         self.replicas.listen(self.limiter.split)
@@ -155,11 +157,12 @@ class Runtime:
         return "addr:" + (request.client.host if request.client else "")
 
     def cache_salt(self, key: str, requested: str | None) -> str | None:
-        """The prefix-cache salt sent with the request: the API key's own (a digest,
-        never the key) unless ``--cache-isolation none``, and the client's cache_salt."""
+        """The prefix-cache salt sent with the request: the API key's own (an HMAC under a
+        key derived from the service's block-hash key, never the key: key_salt) unless
+        ``--cache-isolation none``, and the client's cache_salt."""
         parts = []
         if key and self.cfg.cache_isolation == "api-key":
-            parts.append("k:" + hashlib.sha256(key.encode()).hexdigest()[:32])
+            parts.append("k:" + key_salt(self._salt_key, key))
         if requested:
             parts.append("r:" + requested)
         return "|".join(parts) or None
@@ -202,3 +205,20 @@ class Runtime:
         if rs.first_token_at is not None and rs.last_token_at and rs.completion_tokens > 1:
             tpot = (rs.last_token_at - rs.first_token_at) / (rs.completion_tokens - 1)
             m.tpot.observe(tpot)
+
+
+def salt_key() -> bytes:
+    """The key of the API keys' cache salts: derived from the prefix cache's hash key
+    (protocol/hashing.py; b"" with no service secret, as in a bare test)."""
+    from pdserve.protocol.hashing import hash_key
+
+    base = hash_key()
+    return hmac.new(base, b"pdserve/v1/cache-salt", hashlib.sha256).digest() if base else b""
+
+
+def key_salt(salt_key_: bytes, api_key: str) -> str:
+    """An API key's salt: an HMAC (the salt travels in clear on every worker call, and an
+    unkeyed SHA-256 of a low-entropy key could be searched offline; issue 44 item 14)."""
+    if not salt_key_:
+        return hashlib.sha256(api_key.encode()).hexdigest()[:32]
+    return hmac.new(salt_key_, api_key.encode(), hashlib.sha256).hexdigest()[:32]

@@ -165,6 +165,44 @@ FAMILIES: list[Family] = [
         {**MLA, "q_lora_rank": 32, "n_group": 1, "topk_group": 1},
         "MLA with a low-rank query, MoE with a shared expert",
     ),
+    Family(
+        "phimoe",
+        "PhimoeConfig",
+        {"sliding_window": WINDOW, **MOE},
+        "MoE (4 experts, top 2, sparsemixer routing), sliding window",
+    ),
+    Family(
+        "cohere", "CohereConfig", {"logit_scale": 0.5}, "LayerNorm, parallel block, logit scale"
+    ),
+    Family(
+        "cohere2",
+        "Cohere2Config",
+        {"sliding_window": WINDOW, "num_hidden_layers": 4, "sliding_window_pattern": 2},
+        "alternating sliding/global layers, the global ones without rope",
+    ),
+    Family(
+        "exaone4",
+        "Exaone4Config",
+        {"sliding_window": WINDOW, "num_hidden_layers": 4, "sliding_window_pattern": 2},
+        "alternating sliding/global layers, q/k norms, post-norms",
+    ),
+    Family(
+        "internlm3",
+        "InternLM3Config",
+        {"qkv_bias": True, "bias": True},
+        "InternLM 3: biases on the attention projections",
+    ),
+    Family(
+        "qwen2-moe",
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+        },
+        "MoE with a gated shared expert",
+    ),
     # Refused at load, by name (the text each refusal must contain).
     Family("bloom", "BloomConfig", {"n_head": 4, "n_layer": 2}, "ALiBi", refused="ALiBi"),
     Family(
@@ -194,6 +232,20 @@ FAMILIES: list[Family] = [
         {"sliding_window": WINDOW},
         "sliding_window in the config: transformers' cache windows, its mask does not",
         refused="config sliding_window=8 that transformers' KV cache applies",
+    ),
+    Family(
+        "falcon",
+        "FalconConfig",
+        {"new_decoder_architecture": True, "num_kv_heads": 2, "alibi": False},
+        "Falcon's new decoder architecture: its own attention (no AttentionInterface)",
+        refused="attention outside transformers' AttentionInterface",
+    ),
+    Family(
+        "falcon-h1",
+        "FalconH1Config",
+        {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8},
+        "Falcon-H1: Mamba-2 mixers beside attention in every layer",
+        refused="layer type 'hybrid'",
     ),
     Family(
         "qwen3-next",

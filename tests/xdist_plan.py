@@ -52,6 +52,9 @@ KNOWN_SECONDS = {
     "tests/planner/test_planner_simulate.py": 45,
     "tests/router/test_lora_bench.py": 45,
     "tests/workers/test_worker_faults.py": 45,
+    # a real compile of the tiny model, in the background (inductor cache warm: ~40 CPU-s)
+    "tests/engine/test_compile_swap.py": 40,
+    "tests/workers/test_worker_probe.py": 30,  # two worker starts, plain processes
 }
 # The guess: a start per module (a bench script's run, a cluster) plus seconds per test.
 MODULE_SECONDS = {"unit": 0.0, "k8s": 0.0, "cluster": 10.0, "bench": 20.0}

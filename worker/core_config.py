@@ -66,7 +66,7 @@ class CoreConfig:
         role's own); the host and id as the front end resolved them."""
         return cls(
             role=role,
-            engine=engine_config_from_args(args, resolve=False),
+            engine=engine_config_from_args(args, resolve=False, background=True),
             host=args.host,
             port=args.port,
             advertise_host=advertise_host,

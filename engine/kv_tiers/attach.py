@@ -57,3 +57,16 @@ def attach(engine: LLMEngine, cfg: TierConfig) -> TieredStore:
     engine.kv.block_manager.on_evict = on_evict
     engine.scheduler.tiers = TierLoading(store, engine.kv.block_size)
     return store
+
+
+def detach(engine: LLMEngine) -> None:
+    """Close the engine's tiers and unhook them (benches: one engine, several settings).
+    Only when it has no work; the pool's prefix cache is reset too, so the next setting
+    starts cold."""
+    assert not engine.has_work and engine.kv.all_free
+    if engine.tier_store is not None:
+        engine.tier_store.close()
+    engine.tier_store = None
+    engine.kv.block_manager.on_evict = None
+    engine.scheduler.tiers = None
+    engine.kv.reset_prefix_cache()

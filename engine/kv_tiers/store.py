@@ -167,8 +167,7 @@ class TieredStore:
                     self.stats.wrote(tier.name, len(entry))
                     self._event("stored", tier.name, [block_hash])
             except Exception as exc:
-                self.stats.error(tier.name)
-                logger.warning("KV tier %s: write failed: %s", tier.name, exc)
+                self._failed(tier.name, "write", exc)
 
     def _load(self, job: _Load) -> None:
         try:
@@ -194,8 +193,7 @@ class TieredStore:
             try:
                 entry = tier.get(key)
             except Exception as exc:
-                self.stats.error(tier.name)
-                logger.warning("KV tier %s: read failed: %s", tier.name, exc)
+                self._failed(tier.name, "read", exc)
                 continue
             if entry is None:
                 continue
@@ -210,6 +208,13 @@ class TieredStore:
             return block
         self.stats.misses += 1
         return None
+
+    def _failed(self, tier: str, what: str, exc: Exception) -> None:
+        """Count a tier's failure; log the 1st, 10th, 100th... (a dead store fails them all)."""
+        self.stats.error(tier)
+        n = self.stats.errors[tier]
+        if n & (n - 1) == 0 or n % 1000 == 0:  # powers of two, then every 1000th
+            logger.warning("KV tier %s: %s failed (%d failures so far): %s", tier, what, n, exc)
 
     def _forget(self, tier: Tier, key: bytes) -> None:
         try:

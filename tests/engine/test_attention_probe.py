@@ -75,7 +75,7 @@ def test_a_softcap_the_code_ignores_is_not_applied(family: Family) -> None:
 # mask from the field alone (and transformers' cache keeps the window): applied; the
 # field is gated off by ``layer_types`` for mask and cache alike: ignored; else the cache
 # windows what the mask does not (generate() and forward disagree): refused by name.
-WINDOW_APPLIED, WINDOW_IGNORED = {"qwen3-moe"}, {"qwen2", "qwen3"}
+WINDOW_APPLIED, WINDOW_IGNORED = {"qwen3-moe"}, {"qwen2", "qwen3", "qwen2-moe"}
 UNWINDOWED = [f for f in SERVED if "sliding_window" not in f.kwargs]
 
 

@@ -153,3 +153,28 @@ def test_the_loader_checks_the_file_it_opened(tmp_path: Path) -> None:
     (tmp_path / "k.so").symlink_to(tmp_path / "sealed")
     with pytest.raises(OSError):  # ELOOP: never followed
         cache_seal.open_sealed(tmp_path, tmp_path / "k.so", _ring())
+
+
+def test_read_sealed_returns_the_bytes_it_checked(tmp_path: Path) -> None:
+    (tmp_path / "k.so").write_bytes(b"ours")
+    ring = _ring(SECRET)
+    cache_seal.seal(tmp_path, ring)
+    assert cache_seal.read_sealed(tmp_path, tmp_path / "k.so", ring) == b"ours"
+    (tmp_path / "k.so").write_bytes(b"theirs")  # rewritten in place, same inode
+    with pytest.raises(OSError):
+        cache_seal.read_sealed(tmp_path, tmp_path / "k.so", ring)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
+def test_two_checked_libraries_load_side_by_side(tmp_path: Path) -> None:
+    """The loader must not hand back a library it loaded before under the same name (it
+    does for two loads of /proc/self/fd/N with one N)."""
+    flags = ["-O0", "-shared", "-fPIC"]
+    libs = []
+    for value in (7, 8):
+        source = tmp_path / f"probe{value}.cpp"
+        source.write_text(TINY.replace("7", str(value)))
+        subprocess.run(["g++", *flags, str(source), "-o", str(tmp_path / f"p{value}.so")],
+                       check=True)  # fmt: skip
+        libs.append(cpu_kernel.load_checked(tmp_path / f"p{value}.so"))
+    assert [lib.pdserve_probe() for lib in libs] == [7, 8]

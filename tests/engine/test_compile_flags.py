@@ -33,6 +33,25 @@ def test_compile_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _config(["--enforce-eager"]) is False
 
 
+def test_workers_compile_in_the_background_unless_told_to_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker's core serves eager and compiles in the background (engine/compile_job.py);
+    ``--compile-before-ready`` waits; in-process engines (generate, profile) compile first."""
+    monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+
+    def config(*argv: str, background: bool) -> tuple[bool, bool]:
+        args = parser.parse_args(["--model", "m", *argv])
+        c = engine_config_from_args(args, background=background)
+        return c.compile, c.compile_in_background
+
+    assert config(background=True) == (True, True)
+    assert config("--compile-before-ready", background=True) == (True, False)
+    assert config(background=False) == (True, False)
+
+
 @pytest.mark.parametrize(("value", "compiled"), [("1", False), ("0", True), ("", True)])
 def test_env_forces_eager(monkeypatch: pytest.MonkeyPatch, value: str, compiled: bool) -> None:
     monkeypatch.setenv("PDSERVE_ENFORCE_EAGER", value)

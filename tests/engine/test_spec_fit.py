@@ -17,12 +17,12 @@ import pytest
 from engine_helpers import assert_all_free, hf_greedy
 from spec_helpers import Oracle
 from test_remote_kv import PROMPT, InProcessConnector, _prefill
-from tests.lora_adapters import SPECS, merged_model, write_adapter
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora_files import LoraConfig
 from pdserve.protocol.contract import LoraRef
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.lora_adapters import SPECS, merged_model, write_adapter
 
 pytestmark = pytest.mark.timeout(300)
 

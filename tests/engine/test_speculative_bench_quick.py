@@ -5,7 +5,8 @@ figures are the benchmark's (docs/speculative.md)."""
 from __future__ import annotations
 
 import pytest
-from tests.loopback import free_port, run_bench
+
+from pdserve.testing.loopback import free_port, run_bench
 
 pytestmark = pytest.mark.timeout(400)
 

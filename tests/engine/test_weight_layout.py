@@ -156,3 +156,26 @@ def test_padded_rows_compute_the_same_and_keep_the_shape(bias: bool) -> None:
         got = m[1](torch.ones(1, n, 256) * 0.01 * n)
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+class _Router(torch.nn.Linear):
+    """Like PhiMoE's router: an ``nn.Linear`` whose own forward returns more."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        logits = super().forward(x)
+        return logits, logits.argmax(-1)
+
+
+@pytest.mark.parametrize("env_mode", ["blas", "onednn"])
+def test_a_linear_subclass_with_its_own_forward_is_left_alone(
+    env_mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PhiMoE compiled raised on every step (its router replaced by a PackedLinear that
+    returns the logits only): such a subclass keeps its module and its forward."""
+    monkeypatch.setenv("PDSERVE_CPU_LINEAR", env_mode)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(10, 256), _Router(256, SMALL_GEMM_MACS // 256))
+    assert prepare(m)["as_is"] == 1
+    assert type(m[1]) is _Router
+    logits, experts = m[1](torch.ones(3, 256))
+    assert logits.shape == (3, SMALL_GEMM_MACS // 256) and experts.shape == (3,)

@@ -54,9 +54,9 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "name with a child suffix": (named("chat-prefill"), "must not end in"),
     "cpu is not a quantity": (
         with_spec(prefill={"resources": {"requests": {"cpu": "lots"}}}),
-        "'lots' is not valid",
+        "'lots' does not match",
     ),
-    "shm size is not a quantity": (with_spec(decode={"shmSize": "big"}), "'big' is not valid"),
+    "shm size is not a quantity": (with_spec(decode={"shmSize": "big"}), "'big' does not match"),
     "toleration operator": (
         with_spec(decode={"tolerations": [{"key": "gpu", "operator": "Maybe"}]}),
         "'Maybe' is not one of",

@@ -34,7 +34,8 @@ async def battery(send: Send, hold: Hold) -> list[tuple[str, int, int]]:
            ("a wrong key", 401, await send("nope", _body()))]  # fmt: skip
     codes = [await send("ka", _body()) for _ in range(3)]
     out.append(("rpm 2: the third request", 429, codes[2]))
-    out.append(("tpm 500: one request of 600 tokens", 429, await send("kb", _body(600))))
+    await send("kb", _body(300))  # ~302 of the 500 tokens
+    out.append(("tpm 500: a second request of 300 tokens", 429, await send("kb", _body(300))))
     out.append(("an 8 KiB body over 4 KiB", 413, await send("kc", _body(prompt="x" * 8192))))
     release = await hold("kd")  # one request of kd in flight
     out.append(("per-key concurrency 1: a second", 429, await send("kd", _body())))

@@ -30,6 +30,9 @@ class Engine:
         out, self.events = self.events, []
         return out
 
+    def drain_tier_events(self) -> list[tuple[str, str, list[int]]]:
+        return []  # no KV tiers (their events: tests/engine/test_kv_tiers_engine.py)
+
     def stats(self) -> EngineStats:
         return EngineStats(running=self.running, kv_blocks_free=7, kv_blocks_total=9)
 

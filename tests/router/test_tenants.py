@@ -262,7 +262,8 @@ async def test_admin_port_opens_admin_endpoints_without_a_key(cluster_factory) -
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = int(sock.getsockname()[1])
-    async with cluster_factory(api_keys=("tenant",), admin_port=port) as c:
+    async with cluster_factory(api_keys=("tenant",), admin_api_keys=("boss",),
+                               admin_port=port) as c:  # fmt: skip
         config = uvicorn.Config(c.app, log_level="warning", lifespan="off")  # a second port
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))

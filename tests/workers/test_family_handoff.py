@@ -1,10 +1,12 @@
 """The attention options of tests/model_families.py through a real prefill worker ->
 KV hand-off (NIXL) -> decode worker: the windowed + soft-capped (Gemma 2), the sink +
-windowed + MoE (gpt-oss) and the MLA + MoE (DeepSeek-V3) families give transformers'
-own greedy tokens when the decode worker continues from KV it did not compute.
+windowed + MoE (gpt-oss), the MLA + MoE (DeepSeek-V3), the windowed MoE with its own
+router (PhiMoE) and the shared-expert MoE (Qwen2-MoE) families give transformers' own
+greedy tokens when the decode worker continues from KV it did not compute.
 
-The prompts run past the 8-token windows and across blocks, so the handed-off blocks
-hold positions some layers must no longer see and others must. A refused family makes
+The prompts (37, 20 and 11 tokens, sent at once so the decode worker batches mixed
+lengths) run past the 8-token windows and across blocks, so the handed-off blocks hold
+positions some layers must no longer see and others must. A refused family makes
 the worker exit at start with the option's name.
 """
 
@@ -24,11 +26,14 @@ from tests.model_families import BY_ID, cached_family
 
 pytestmark = pytest.mark.timeout(600)
 
-PROMPTS = [[(i * 53 + s) % 3000 + 5 for i in range(n)] for s, n in [(1, 37), (2, 20)]]
+PROMPTS = [[(i * 53 + s) % 3000 + 5 for i in range(n)] for s, n in [(1, 37), (2, 20), (3, 11)]]
+# One family per attention option (docs/models.md): window + soft-cap, sinks + window +
+# MoE, MLA + MoE, window + a router the compiled path must leave alone, a shared expert.
+HANDOFF_FAMILIES = ["gemma2", "gpt-oss", "deepseek-v3", "phimoe", "qwen2-moe"]
 MAX_TOKENS = 8
 
 
-@pytest.mark.parametrize("family_id", ["gemma2", "gpt-oss", "deepseek-v3"])
+@pytest.mark.parametrize("family_id", HANDOFF_FAMILIES)
 def test_family_through_prefill_decode_handoff(
     family_id: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -58,8 +63,8 @@ def test_family_through_prefill_decode_handoff(
             return tokens
 
         async def run() -> list[list[int]]:
-            async with httpx.AsyncClient() as client:
-                return [await one(client, i) for i in range(len(PROMPTS))]
+            async with httpx.AsyncClient() as client:  # at once: decode batches mixed lengths
+                return list(await asyncio.gather(*(one(client, i) for i in range(len(PROMPTS)))))
 
         assert asyncio.run(run()) == expected
         # The decode worker continued from KV it read, every handed-off block of it.

@@ -1,0 +1,135 @@
+"""Issue 44's probes for bench/chaos.py: each count is what an attack got through, 0 the goal.
+
+- ``admin_port_unauthenticated_changes``: LoRA load/unload sent without a key to the
+  live service's router ``--admin-port`` (and to its API port) that were not refused;
+- ``picker_mode_limit_bypass``: the abuse battery of tests/router/test_abuse_both_modes.py
+  (no key, a wrong key, rpm, tpm, body size, per-key concurrency) against an endpoint
+  picker over fake workers: attacks that got a different answer than the router mode's;
+- ``merged_pod_policy_escapes``: podTemplates that unset the rendered hardening through
+  the merge (``drop: []``, nulls, an unhardened sidecar) that the pod policy let render;
+- ``cache_symlink_followed``: symlinks planted in a sealed compile cache (a linked
+  directory, linked files) left there for the loader after verify and seal;
+- ``abandoned_compiles_over_bound``: grammar compile threads past the bound while four
+  keys each send grammars that never compile in time (a real engine core loop);
+- ``lora_path_escapes``: run-time LoRA loads outside ``--lora-root`` a real registry took,
+  plus errors that told an existing path from a missing one.
+
+The in-process probes are the tests' own (tests/...): the bench runs what the suite
+checks, against the code as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+import secrets
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+for sub in ("", "tests/engine", "tests/k8s"):
+    if str(ROOT / sub) not in sys.path:
+        sys.path.insert(0, str(ROOT / sub))
+
+
+async def admin_port_changes(url: str, admin_url: str, adapter: str) -> int:
+    """Keyless LoRA changes the live router did not refuse (401/403), on both ports."""
+    accepted = 0
+    async with httpx.AsyncClient(timeout=60) as h:
+        for base in (admin_url, url):
+            load = {"lora_name": "chaos-evil", "lora_path": adapter}
+            unload = {"lora_name": "chaos-evil"}
+            for path, body in (("/v1/load_lora_adapter", load),
+                               ("/v1/unload_lora_adapter", unload)):  # fmt: skip
+                r = await h.post(base + path, json=body)
+                accepted += r.status_code not in (401, 403)
+    return accepted
+
+
+def picker_bypass(model_dir: Path) -> int:
+    from pdserve.router.tokenizer import PromptTokenizer
+    from tests.router.test_abuse_both_modes import picker_mode_bypasses
+    from tests.router.test_picker import start_picker
+
+    tokenizer = PromptTokenizer(str(model_dir))
+    return asyncio.run(picker_mode_bypasses(lambda **kw: start_picker(tokenizer, model_dir, **kw)))
+
+
+def merged_policy_escapes() -> int:
+    from test_k8s_pod_policy import merged_escapes
+
+    return int(merged_escapes())
+
+
+def symlinks_followed() -> int:
+    from test_cache_seal import symlink_probe
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return int(symlink_probe(Path(tmp)))
+
+
+def abandoned_over_bound(model_dir: Path) -> int:
+    import zmq
+    from engine_helpers import tiny_config
+    from test_grammar_bounds import abandoned_probe
+
+    from pdserve.engine.core_loop import CoreLoop
+    from pdserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(tiny_config(model_dir))
+    ctx = zmq.Context()
+    commands, results, reader = (ctx.socket(zmq.PAIR) for _ in range(3))
+    commands.bind("inproc://chaos-c")
+    results.bind("inproc://chaos-r")
+    reader.connect("inproc://chaos-r")
+    release, real = threading.Event(), engine.grammars.compile
+
+    def held(spec: dict[str, Any]) -> Any:  # a grammar that never compiles in time
+        release.wait(30)
+        return real(spec)
+
+    engine.grammars.compile = held  # type: ignore[method-assign]
+    try:
+        return abandoned_probe(CoreLoop(engine, commands, results), reader, engine)
+    finally:
+        release.set()
+        with contextlib.suppress(Exception):
+            while reader.poll(10):
+                pickle.loads(reader.recv())
+        for s in (commands, results, reader):
+            s.close(0)
+        ctx.term()
+
+
+def lora_escapes(model_dir: Path) -> int:
+    import torch
+    from test_lora_files import lora_path_probe
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.testing.lora_adapters import SPECS, write_adapter
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                              local_files_only=True).eval()  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        outside = write_adapter(model_dir, Path(tmp) / "outside", SPECS[0])
+        escapes, revealing = lora_path_probe(outside, hf, Path(tmp))
+    return escapes + revealing
+
+
+def in_process_probes(model_dir: Path) -> dict[str, int]:
+    # the tests' fake workers sign with the service secret, as the suite's conftest sets it
+    os.environ.setdefault("PDSERVE_SERVICE_SECRET", secrets.token_hex(16))
+    return {
+        "picker_mode_limit_bypass": picker_bypass(model_dir),
+        "merged_pod_policy_escapes": merged_policy_escapes(),
+        "cache_symlink_followed": symlinks_followed(),
+        "abandoned_compiles_over_bound": abandoned_over_bound(model_dir),
+        "lora_path_escapes": lora_escapes(model_dir),
+    }

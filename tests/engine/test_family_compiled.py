@@ -1,0 +1,51 @@
+"""The family matrix on the compiled forward (``torch.compile``, what workers serve
+with), for one family per attention option: the suite otherwise runs eager
+(tests/conftest.py sets PDSERVE_ENFORCE_EAGER=1; ``compile=True`` here turns it off on
+purpose). A compile costs seconds to a minute on CPU per family, so the whole table
+compiled would cost minutes: docs/models.md says which rows run here.
+
+Inductor's cache (``PDSERVE_COMPILE_CACHE``, one directory shared by the session and by
+later sessions) keeps the generated kernels, so a rerun loads instead of compiling.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_model_families import _generate, _model_dir, _reference
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from tests.model_families import BY_ID
+
+pytestmark = pytest.mark.timeout(600)
+
+# Window + soft-cap (gemma2), sinks + window + MoE (gpt-oss), MLA + MoE (deepseek-v2),
+# a router that is an nn.Linear subclass (phimoe: raised on every compiled step before).
+COMPILED_FAMILIES = ["gemma2", "gpt-oss", "deepseek-v2", "phimoe"]
+
+
+@pytest.fixture(scope="module")
+def families() -> dict[str, Path]:
+    return {}
+
+
+@pytest.mark.parametrize("family_id", COMPILED_FAMILIES)
+def test_family_compiled_matches_transformers(
+    family_id: str, families: dict[str, Path], tiny_model_dir: Path
+) -> None:
+    model_dir = _model_dir(families, BY_ID[family_id], tiny_model_dir)
+    expected = _reference(model_dir)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cpu",
+            kv_cache_bytes=4 << 20,
+            max_num_batched_tokens=32,
+            compile=True,
+        )
+    )
+    assert engine.runner.compiled and engine.compile_seconds > 0
+    assert _generate(engine) == expected
