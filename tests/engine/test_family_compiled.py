@@ -21,9 +21,11 @@ from tests.model_families import BY_ID
 
 pytestmark = pytest.mark.timeout(600)
 
-# Window + soft-cap (gemma2), sinks + window + MoE (gpt-oss), MLA + MoE (deepseek-v2),
-# a router that is an nn.Linear subclass (phimoe: raised on every compiled step before).
-COMPILED_FAMILIES = ["gemma2", "gpt-oss", "deepseek-v2", "phimoe"]
+# Window + soft-cap (gemma2), sinks + window + MoE (gpt-oss). Also token-identical
+# compiled, but left out for the suite's time (a cold compile each): MLA + MoE
+# (deepseek-v2) and PhiMoE (whose compiled failure, its router replaced by a packed
+# linear, is tested at its cause: test_weight_layout.py's subclass test).
+COMPILED_FAMILIES = ["gemma2", "gpt-oss"]
 
 
 @pytest.fixture(scope="module")
