@@ -36,7 +36,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_vs_real_windows as win
 from sim_vs_real_host import describe, measure_host
-from sim_vs_real_scaling import Recording, predict, scaling_error, window_error
+from sim_vs_real_scaling import (
+    Recording,
+    current_flags,
+    predict,
+    scaling_error,
+    window_error,
+)
 
 GOAL = 0.25
 
@@ -94,7 +100,7 @@ LOCAL = ("--model", "--port", "--worker-port-base")  # where it ran, not how
 
 
 def _flags(r: Recording) -> list[str]:
-    flags = list(r.meta["flags"])
+    flags = current_flags(r.meta["flags"])
     for name in LOCAL:
         if name in flags:
             del flags[flags.index(name) : flags.index(name) + 2]

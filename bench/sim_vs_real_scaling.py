@@ -166,6 +166,19 @@ def record_real(
     return meta
 
 
+# Recordings keep the flags they ran with: `up --routing` became `--picker` (docs/cli.md).
+PICKER_OF_ROUTING = {"prefix": "max-score", "round-robin": "round-robin"}
+
+
+def current_flags(recorded: list[str]) -> list[str]:
+    """A recording's ``pdserve up`` flags in today's names."""
+    flags = list(recorded)
+    if "--routing" in flags:
+        i = flags.index("--routing")
+        flags[i : i + 2] = ["--picker", PICKER_OF_ROUTING[flags[i + 1]]]
+    return flags
+
+
 class Recording:
     """A recorded run of the staircase (calibration or scored) read back from its directory."""
 
@@ -221,7 +234,7 @@ class Recording:
     def args(self, profile: Path) -> argparse.Namespace:
         parser = argparse.ArgumentParser()
         up_arguments(parser)
-        return parser.parse_args(with_profile(self.meta["flags"], profile))
+        return parser.parse_args(with_profile(current_flags(self.meta["flags"]), profile))
 
     def config(self, profile: Path):  # type: ignore[no-untyped-def]
         return config_from_args(self.args(profile))

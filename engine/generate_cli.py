@@ -12,23 +12,37 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.config import add_engine_arguments, engine_config_from_args
+from pdserve.config_cli import add_flags, flag
+from pdserve.engine.config import engine_config_from_args
+from pdserve.engine.engine_args import EngineArgs
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
+
+GEN = "generation"
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """The prompt and how to sample its completion."""
+
+    prompt: str = flag(help="the prompt text", group=GEN, short=True, required=True)
+    chat: bool = flag(False, "wrap the prompt in the chat template", group=GEN, short=True)
+    max_tokens: int = flag(128, "tokens to generate at most", group=GEN, short=True)
+    temperature: float = flag(0.0, "0 is greedy", group=GEN, short=True)
+    top_p: float = flag(1.0, "nucleus sampling's probability mass", group=GEN)
+    top_k: int = flag(0, "sample from the k likeliest tokens (0: all)", group=GEN)
+    seed: int | None = flag(None, "the sampler's seed (default: random)", group=GEN)
+    stop: tuple[str, ...] = flag((), "a stop string (repeatable)", group=GEN, many="append")
+    ignore_eos: bool = flag(False, "go on past the end-of-sequence token", group=GEN)
+
+
+FLAGS = (GenerateArgs, EngineArgs)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", required=True, help="the prompt text")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
-    add_engine_arguments(parser)
+    add_flags(parser, FLAGS)
 
 
 def prompt_token_ids(tokenizer: Any, prompt: str, chat: bool) -> list[int]:

@@ -41,6 +41,7 @@ class Flag:
     exclusive: str = ""  # flags of one name here exclude each other
     required: bool = False
     env: str = ""  # an environment variable the command reads when the flag is not given
+    aliases: tuple[str, ...] = ()  # short forms: ("-n",)
 
 
 def flag(default: Any = MISSING, help: str = "", *, group: str, **kw: Any) -> Any:
@@ -89,7 +90,8 @@ class Option:
         text, default = self.spec.help, self.default
         if self.spec.env and self.spec.env not in text:
             text += f" (or env {self.spec.env})"
-        if not with_default or default in (None, "", False, ()) or "default" in text:
+        unset = default is None or default is False or default in ("", ())
+        if not with_default or unset or "default" in text:
             return text
         if self.negatable:
             return f"{text} (default: on)".lstrip()
@@ -171,7 +173,7 @@ def add_flags(
                 if o.spec.exclusive not in exclusive:
                     exclusive[o.spec.exclusive] = section.add_mutually_exclusive_group()
                 target = exclusive[o.spec.exclusive]
-            target.add_argument(o.name, **o.kwargs())
+            target.add_argument(o.name, *o.spec.aliases, **o.kwargs())
 
 
 def build_parser(prog: str, description: str, classes: Sequence[type]) -> argparse.ArgumentParser:

@@ -22,7 +22,6 @@ ROUTER_ITL = "pdserve_router_itl_seconds"
 ROUTER_REQUESTS = "pdserve_router_requests_total"
 ROUTER_PROMPT_TOKENS = "pdserve_router_prompt_tokens_total"
 ROUTER_OUTPUT_TOKENS = "pdserve_router_generation_tokens_total"
-ROUTER_QUEUE_DEPTH = "pdserve_router_queue_depth"  # all admitted requests (older routers)
 ROUTER_PREFILL_QUEUE = "pdserve_router_prefill_queue_depth"  # not yet past prefill
 ROUTER_INFLIGHT = "pdserve_router_inflight_requests"
 QUEUE_WAIT = "pdserve_prefill_queue_wait_seconds"
@@ -132,13 +131,9 @@ def _increase(before: float | None, after: float | None) -> float:
 
 def prefill_queue(cur: Scrape) -> float:
     """Requests waiting for or in prefill: the router's prefill-queue gauge (it counts a
-    request until its first token, so also those queued on a worker); from a router
-    without it, every admitted request plus the prefill workers' waiting ones (which
-    also counts the decoding requests: an over-estimate)."""
-    gauge = cur.total(ROUTER_PREFILL_QUEUE)
-    if gauge is not None:
-        return gauge
-    return (cur.total(ROUTER_QUEUE_DEPTH) or 0.0) + (cur.total(WAITING, role="prefill") or 0.0)
+    request until its first token, so also those queued on a worker); 0 before the
+    router has exported it."""
+    return cur.total(ROUTER_PREFILL_QUEUE) or 0.0
 
 
 def _first(*values: float | None) -> float:

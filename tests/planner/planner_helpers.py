@@ -78,7 +78,7 @@ class FakeRouter:
         self.requests = Counter("pdserve_router_requests", "", ["code"], registry=r)
         self.prompt = Counter("pdserve_router_prompt_tokens", "", registry=r)
         self.output = Counter("pdserve_router_generation_tokens", "", registry=r)
-        self.depth = Gauge("pdserve_router_queue_depth", "", registry=r)
+        self.depth = Gauge("pdserve_router_prefill_queue_depth", "", registry=r)
         self.wait = Histogram(
             "pdserve_prefill_queue_wait_seconds", "", ["role"], buckets=BUCKETS, registry=r
         )

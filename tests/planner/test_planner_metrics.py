@@ -60,13 +60,13 @@ def test_two_scrapes_give_rates_quantiles_and_attainment() -> None:
     assert s.kv_utilisation == pytest.approx(0.75)
 
 
-def test_prefill_queue_is_the_routers_prefill_gauge_when_it_has_one() -> None:
+def test_prefill_queue_is_the_routers_prefill_gauge() -> None:
     """The router's pdserve_router_prefill_queue_depth (requests before their first token)
-    is the prefill queue; without it (an older router), every admitted request plus the
-    prefill workers' waiting ones."""
+    is the prefill queue: neither every admitted request (pdserve_router_queue_depth, what
+    routers of earlier weeks were read by) nor the prefill workers' waiting ones add to it."""
     old = 'pdserve_router_queue_depth 30\npdserve_num_requests_waiting{role="prefill"} 4\n'
     new = old + "pdserve_router_prefill_queue_depth 6\n"
-    for text, depth in ((old, 34), (new, 6)):
+    for text, depth in ((old, 0), (new, 6)):
         scrape = parse_text(text, time_s=10.0)
         s = snapshot_from_scrapes(parse_text("", time_s=0.0), scrape, P, D, SLO_)
         assert s.prefill_queue_depth == depth

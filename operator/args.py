@@ -1,0 +1,114 @@
+"""``pdserve operator``'s flags: the fields of :class:`OperatorArgs` (pdserve/config_cli.py).
+Importing this module loads no kopf."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from pdserve import env
+from pdserve.config_cli import flag
+
+
+def cidr(value: str) -> str:
+    """``--metrics-url-allow``'s check at parse time: a network (argparse names the flag)."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--metrics-url-allow {value!r}: {exc}") from None
+    return value
+
+
+SCOPE, RUN, POLICY = "what it watches", "running", "pod policy (docs/security.md)"
+
+
+@dataclass(frozen=True)
+class OperatorArgs:
+    """Where the operator watches, how it runs, and what LLMServices may ask of pods."""
+
+    namespace: tuple[str, ...] = flag(
+        (),
+        "watch this namespace (repeatable)",
+        group=SCOPE,
+        short=True,
+        many="append",
+        exclusive="scope",
+        aliases=("-n",),
+    )
+    all_namespaces: bool = flag(
+        False,
+        "watch the whole cluster",
+        group=SCOPE,
+        short=True,
+        exclusive="scope",
+        aliases=("-A",),
+    )
+    status_interval: float = flag(
+        60.0,
+        "seconds between resyncs from the watch cache (a "
+        "safety net; status and drift repair follow watch events)",
+        group=RUN,
+    )
+    retry_delay: float = flag(
+        30.0, "retry delay when a referenced Secret/PVC is missing", group=RUN
+    )
+    autoscale_tick: float = flag(
+        5.0,
+        "autoscaler timer seconds (each LLMService plans every spec.autoscaling.intervalSeconds)",
+        group=RUN,
+    )
+    router_metrics_url: str = flag(
+        "",
+        "router /metrics URL template with {service} "
+        "{namespace} {port} (default: the router's admin Service "
+        "in-cluster)",
+        group=RUN,
+    )
+    metrics_url_allow: tuple[str, ...] = flag(
+        (),
+        "a network spec.autoscaling.metricsUrl may resolve into (repeatable; default: any but "
+        "metadata, link-local and loopback addresses)",
+        group=RUN,
+        metavar="CIDR",
+        parse=cidr,
+        many="append",
+    )
+    health_port: int = flag(8080, "liveness endpoint port", group=RUN, short=True)
+    peering: str = flag("", "kopf peering name (default: standalone)", group=RUN, short=True)
+    priority: int | None = flag(
+        None,
+        "peering priority; default: random, so that replicas "
+        "never tie (kopf pauses every replica of a tied top priority)",
+        group=RUN,
+    )
+    default_image: str = flag(
+        "",
+        "image for LLMServices without spec.image (resolved at "
+        "render time; the chart passes its own image)",
+        group=RUN,
+        short=True,
+        env=env.DEFAULT_IMAGE,
+    )
+    verbose: bool = flag(False, "debug logging", group=RUN, short=True, aliases=("-v",))
+    allow_unsafe_pod_fields: bool = flag(
+        False,
+        "let LLMServices set any podTemplate field "
+        "(hostPath, hostNetwork, privileged, other "
+        "ServiceAccounts, ...): only where every LLMService "
+        "author is a cluster admin (operator/pod_policy.py)",
+        group=POLICY,
+    )
+    allow_model_host_path: tuple[str, ...] = flag(
+        (),
+        "a host directory (and below) that "
+        "spec.model.source.hostPath may name "
+        "(repeatable; default: none)",
+        group=POLICY,
+        metavar="DIR",
+        many="append",
+    )
+
+
+FLAGS = (OperatorArgs,)
