@@ -30,6 +30,7 @@ from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.scheduling.prefix_index import PrefixIndex
+from pdserve.router.scheduling.scheduler import Scheduler
 from pdserve.router.scheduling.tier_index import TierIndex, parse_weights
 from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.router.transport import worker_client
@@ -60,7 +61,8 @@ class Runtime:
         self.subscriber = EventSubscriber(self.index)  # every worker's KV events and load
         self.discovery = Discovery(source, self.client, cfg.health_interval_s, self.subscriber)
         self.calls = worker_client.new_pool()  # the per-request calls (prefill, generate, abort)
-        self.dispatcher = Dispatcher(cfg, self.discovery, self.index, self.calls, self.metrics)
+        self.scheduler = Scheduler(cfg, self.index, self.metrics)  # every request's plan
+        self.dispatcher = Dispatcher(cfg, self.discovery, self.calls, self.metrics)
         self.keys = KeyStore(cfg.api_keys, cfg.api_key_file, cfg.admin_api_keys,
                              cfg.admin_api_key_file)  # fmt: skip
         self.admission = Admission(cfg.max_queue, cfg.max_concurrency_per_key, cfg.max_waiting,

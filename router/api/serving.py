@@ -158,7 +158,7 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
         rt.limiter.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
         salt = rt.cache_salt(key, req.cache_salt)
         lora = rt.adapter_of(req.model)
-        plan = rt.dispatcher.plan(ids, snap, salt, lora)
+        plan = rt.scheduler.plan(ids, snap, salt, lora)
         if rt.cfg.prefill_from_header:  # a decode pod's front behind the endpoint picker
             plan = prefill_header.pinned(request.headers, plan, snap)
         rs = RequestState(rid, ids, req.sampling, cache_salt=salt, lora=lora)

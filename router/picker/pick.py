@@ -87,14 +87,14 @@ class Picker:
         snap = self._restrict(rt.discovery.snapshot(), subset)
         chat = CHAT_PATHS.get(path.split("?", 1)[0])
         if body is None or chat is None:  # no OpenAI body to read: load alone decides
-            plan = rt.dispatcher.plan([], snap)
+            plan = rt.scheduler.plan([], snap)
             return self._answer(plan.decode, None, 0)
         req, ids = await rt.off_loop(_prepare, rt, body, chat)
         req = fit_context(rt, snap, req, len(ids))
         rt.limiter.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
         # An adapter's prefix is hashed under the adapter, as its workers store it.
         lora = rt.adapter_of(req.model)
-        plan = rt.dispatcher.plan(ids, snap, rt.cache_salt(caller.key, req.cache_salt), lora)
+        plan = rt.scheduler.plan(ids, snap, rt.cache_salt(caller.key, req.cache_salt), lora)
         prefill = plan.prefill[0] if plan.kind == disagg.REMOTE_PREFILL else None
         return self._answer(plan.decode, prefill, len(ids))
 

@@ -1,4 +1,5 @@
-"""One request's trip through the workers: plan, remote prefill, decode, relay.
+"""One request's trip through the workers: the plan (router/scheduling/scheduler.py makes it)
+run as remote prefill, decode, relay.
 
     plan ──remote──▶ POST /prefill (retry on the next prefill worker; with
       │                   --pd-handoff decode the decode worker makes this call itself:
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -43,17 +43,14 @@ from pdserve.protocol.contract import (
     PrefillRequest,
     TokenDelta,
 )
-from pdserve.protocol.hashing import block_hashes, hash_key, salt_root
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import Discovery
 from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.scheduling import disagg
-from pdserve.router.scheduling.prefix_index import PrefixIndex
-from pdserve.router.scheduling.routing import NoWorkerAvailable, RoutePlan, plan_route
-from pdserve.router.scheduling.scoring import RouteRequest
-from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
+from pdserve.router.scheduling.routing import RoutePlan
+from pdserve.router.scheduling.snapshot import WorkerView
 from pdserve.router.transport import worker_client
 from pdserve.router.transport.http1 import WorkerPool
 from pdserve.router.transport.worker_client import WorkerFailed
@@ -112,55 +109,16 @@ class Dispatcher:
         self,
         cfg: RouterConfig,
         discovery: Discovery,
-        index: PrefixIndex,
         client: WorkerPool,
         metrics: RouterMetrics,
-        rng: random.Random | None = None,
     ) -> None:
         self.cfg = cfg
         self.discovery = discovery
-        self.index = index
         self.client = client
         self.metrics = metrics
-        self.rng = rng or random.Random()
-        self._rr = 0
         self._background: set[asyncio.Task[Any]] = set()
         self._watches: set[worker_client.StreamWatch] = set()  # worker calls open now
-        self._hash_key = hash_key()  # the service's block-hash key, as the workers'
         discovery.after_refresh.append(self.cut_stalled)
-
-    def plan(
-        self, ids: list[int], snap: Snapshot, cache_salt: str | None = None,
-        lora: LoraRef | None = None,
-    ) -> RoutePlan:  # fmt: skip
-        prefix = self.cfg.uses_prefix
-        # The adapter's hash seeds the chain as on the workers: their KV events match these.
-        root = salt_root(cache_salt, lora.hash if lora is not None else None)
-        hashes = block_hashes(ids, snap.block_size, root, self._hash_key) if prefix else []
-        pool = self.index.match(hashes)
-        tiers = self.index.tiers.match(hashes, pool, (w.worker_id for w in snap.prefill))
-        req = RouteRequest(len(ids), tuple(hashes), snap.block_size, pool,
-                           self.index.held() if prefix else {},
-                           lora.name if lora is not None else None, tiers)  # fmt: skip
-        try:
-            plan = plan_route(snap, req, self.cfg, self.rng, self._rr)
-        except NoWorkerAvailable as exc:
-            raise APIError(503, f"no worker is ready: {exc}", code="no_worker") from exc
-        self._rr += 1
-        self.metrics.child(self.metrics.decisions, plan.kind).inc()
-        if lora is not None:
-            self._count_lora(plan, lora.name)
-        if plan.kind == disagg.REMOTE_PREFILL:
-            self.metrics.prefix_match.observe(plan.match_ratio(len(ids)))
-            if prefix:  # the next request of this prefix should follow before the event lands
-                self.index.stored(plan.prefill[0].worker_id, hashes)
-        return plan
-
-    def _count_lora(self, plan: RoutePlan, name: str) -> None:
-        for role, workers in (("prefill", plan.prefill), ("decode", plan.decode)):
-            if workers:
-                resident = "true" if name in workers[0].stats.loras else "false"
-                self.metrics.child(self.metrics.lora_routed, role, resident).inc()
 
     async def run(self, rs: RequestState, plan: RoutePlan) -> AsyncGenerator[Delta, None]:
         self.metrics.prefill_queue_depth.inc()  # until the first token (or the end)

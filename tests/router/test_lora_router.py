@@ -112,9 +112,9 @@ async def test_prefix_index_matches_the_workers_keyed_hashes(
         await _until(lambda: rt.index.match(keyed).get("p0", 0) == len(keyed))
         assert rt.index.match(block_hashes(ids, 16)) == {}  # base-model hashes: no match
         snap = rt.discovery.snapshot()
-        plan = rt.dispatcher.plan(ids, snap, None, rt.loras.ref("sql"))
+        plan = rt.scheduler.plan(ids, snap, None, rt.loras.ref("sql"))
         assert plan.matched_tokens == len(keyed) * 16
-        assert rt.dispatcher.plan(ids, snap, None, None).matched_tokens == 0
+        assert rt.scheduler.plan(ids, snap, None, None).matched_tokens == 0
         await c.settle()
 
 

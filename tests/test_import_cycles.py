@@ -1,0 +1,173 @@
+"""No import circle inside the router (and, once issue 45 move 2 lands, the engine), and no
+product or bench code that imports the test suite. What is left of either is listed by
+name (ROUTER_CIRCLES_LEFT, BENCH_IMPORTS_OF_TESTS_LEFT) and compared exactly, so a new one
+fails and so does one fixed but still listed.
+
+The graph is read from the source with ``ast``, not by importing: every ``import`` counts,
+at module level, inside a function, and under ``if TYPE_CHECKING:`` alike (a deferred or
+type-only import is still a dependency a reader has to follow). An edge goes to the module
+named, or to the submodule a ``from package import name`` names; importing a submodule
+does not add an edge to its package's ``__init__``.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# The folders installed as pdserve's subpackages (pyproject.toml, [tool.setuptools]).
+PRODUCT = ("pdserve", "engine", "transfer", "prefill_worker", "decode_worker", "worker",
+           "router", "operator", "planner", "local")  # fmt: skip
+
+pytestmark = pytest.mark.unit
+
+
+def _module_name(folder: str, path: Path) -> str:
+    parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["pdserve", folder, *parts] if folder != "pdserve" else ["pdserve", *parts])
+
+
+def _sources(folder: str) -> dict[str, Path]:
+    return {_module_name(folder, p): p for p in sorted((ROOT / folder).rglob("*.py"))}
+
+
+def _imported(path: Path, name: str) -> Iterator[str]:
+    """Every module name an import in the file names (relative ones resolved), and for
+    ``from X import y`` also ``X.y``, which is a module when y is a submodule."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def import_graph(folder: str) -> dict[str, set[str]]:
+    """Module → the modules of the same folder it imports."""
+    sources = _sources(folder)
+    graph: dict[str, set[str]] = {}
+    for name, path in sources.items():
+        graph[name] = {m for m in _imported(path, name) if m in sources and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_cycle_finder_finds_a_circle_and_passes_a_chain() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_graph_reads_function_level_and_relative_imports(tmp_path: Path) -> None:
+    source = "from . import b\ndef f():\n    from pdserve.router.c import x\n"
+    module = tmp_path / "a.py"  # read as pdserve.router.a
+    module.write_text(source)
+    names = set(_imported(module, "pdserve.router.a"))
+    assert {"pdserve.router.b", "pdserve.router.c"} <= names
+
+
+# The router's circles left (issue 45 move 1, "smaller circles"): each is broken by a
+# function-level import today. The list must shrink to empty; a new circle, or one fixed
+# and not removed here, fails the test.
+ROUTER_CIRCLES_LEFT = [
+    ["pdserve.router.config", "pdserve.router.scheduling.registry",
+     "pdserve.router.scheduling.scorers", "pdserve.router.scheduling.scoring"],
+    ["pdserve.router.api.serving", "pdserve.router.api.serving_n"],
+    ["pdserve.router.args", "pdserve.router.edge_args", "pdserve.router.main",
+     "pdserve.router.picker.cli"],
+]  # fmt: skip
+
+
+def test_router_has_no_import_cycle_but_the_known_ones() -> None:
+    assert sorted(cycles(import_graph("router"))) == sorted(ROUTER_CIRCLES_LEFT)
+
+
+def test_api_and_transport_do_not_import_each_other() -> None:
+    graph = import_graph("router")
+    for name, imports in graph.items():
+        if name.startswith("pdserve.router.transport."):
+            assert not [m for m in imports if m.startswith("pdserve.router.api")], name
+
+
+@pytest.mark.xfail(strict=True, reason="engine circles: issue 45 move 2")
+def test_engine_has_no_import_cycle() -> None:
+    assert cycles(import_graph("engine")) == []
+
+
+def _imports_tests(folder: str) -> list[str]:
+    bad = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for name in _imported(path, _module_name(folder, path)):
+            if name == "tests" or name.startswith("tests."):
+                bad.append(f"{path.relative_to(ROOT)}: {name}")
+    return bad
+
+
+def test_product_code_never_imports_tests() -> None:
+    assert [line for folder in PRODUCT for line in _imports_tests(folder)] == []
+
+
+# Left: the picker fixtures bench/chaos_isolation.py runs still live in tests/router/
+# (issue 45 move 4: they move to pdserve.testing). The list must shrink to empty.
+BENCH_IMPORTS_OF_TESTS_LEFT = [
+    "bench/chaos_isolation.py: tests.router.test_abuse_both_modes",
+    "bench/chaos_isolation.py: tests.router.test_abuse_both_modes.picker_mode_bypasses",
+    "bench/chaos_isolation.py: tests.router.test_picker",
+    "bench/chaos_isolation.py: tests.router.test_picker.start_picker",
+]
+
+
+def test_bench_never_imports_tests_but_the_known_ones() -> None:
+    """bench shares fakes and loopback helpers with the suite through pdserve.testing."""
+    assert _imports_tests("bench") == BENCH_IMPORTS_OF_TESTS_LEFT
