@@ -95,11 +95,26 @@ def kernel_fn(lib: ctypes.CDLL, c: Case) -> Callable[[], torch.Tensor]:
 
     def call() -> torch.Tensor:
         rc = lib.pdserve_paged_attention(
-            code, c.q.data_ptr(), c.q.stride(0), c.q.stride(1), c.k.data_ptr(),
-            c.v.data_ptr(), out.data_ptr(), c.tables.data_ptr(), c.tables.shape[1],
-            rows.data_ptr(), rows.data_ptr(), ctx.data_ptr(), c.batch, hq, c.k.shape[1], d,
-            BS, d**-0.5, 1,
-        )  # fmt: skip
+            code,
+            c.q.data_ptr(),
+            c.q.stride(0),
+            c.q.stride(1),
+            c.k.data_ptr(),
+            c.v.data_ptr(),
+            out.data_ptr(),
+            c.tables.data_ptr(),
+            c.tables.shape[1],
+            rows.data_ptr(),
+            rows.data_ptr(),
+            ctx.data_ptr(),
+            c.batch,
+            hq,
+            c.k.shape[1],
+            d,
+            BS,
+            d**-0.5,
+            1,
+        )
         assert rc == 0, rc
         return out
 
@@ -189,8 +204,11 @@ def main() -> None:
         t = measure(c, impls, args)
         row = {"case": c.name, **t, "vs_old": t["old"] / t["new"], "vs_ref": t["ref"] / t["new"]}
         rows.append(row)
-        print(f"{c.name:<22}{t['old']:>10.1f}{t['ref']:>10.1f}{t['new']:>10.1f}"
-              f"{row['vs_old']:>7.2f}x{row['vs_ref']:>7.2f}x", flush=True)  # fmt: skip
+        print(
+            f"{c.name:<22}{t['old']:>10.1f}{t['ref']:>10.1f}{t['new']:>10.1f}"
+            f"{row['vs_old']:>7.2f}x{row['vs_ref']:>7.2f}x",
+            flush=True,
+        )
     plot(rows, args.plot)
     result = {
         "speedup_vs_old": {r["case"]: round(r["vs_old"], 2) for r in rows},

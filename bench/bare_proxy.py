@@ -61,5 +61,4 @@ def make_app(target: str) -> Any:
 
 
 if __name__ == "__main__":
-    uvicorn.run(make_app(sys.argv[1]), host="127.0.0.1", port=int(sys.argv[2]),
-                log_level="warning")  # fmt: skip
+    uvicorn.run(make_app(sys.argv[1]), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")

@@ -126,19 +126,26 @@ async def phase_bad_inputs(h: httpx.AsyncClient, model: str, chars: int) -> dict
     pairs = list(zip(cases, results, strict=True))
     bad = [f"{name}:{r.status}" for (name, _, _), r in pairs if r.server_error]
     accepted = [name for (name, _, _), r in pairs if r.status == 200]
-    return {"bad_input_cases": len(cases), "bad_input_5xx": len(bad),
-            "bad_input_5xx_cases": bad, "bad_input_accepted": accepted}  # fmt: skip
+    return {
+        "bad_input_cases": len(cases),
+        "bad_input_5xx": len(bad),
+        "bad_input_5xx_cases": bad,
+        "bad_input_accepted": accepted,
+    }
 
 
 def _greedy(model: str, text: str, n: int) -> dict[str, Any]:
-    return {"model": model, "prompt": text, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    return {"model": model, "prompt": text, "max_tokens": n, "temperature": 0, "ignore_eos": True}
 
 
 async def phase_poison(h: httpx.AsyncClient, model: str, n: int) -> dict[str, Any]:
     rng = random.Random(1)
-    streams = [asyncio.ensure_future(cc.stream(h, "/v1/completions",
-               _greedy(model, prompt(rng, 8 + 6 * i), 48))) for i in range(n)]  # fmt: skip
+    streams = [
+        asyncio.ensure_future(
+            cc.stream(h, "/v1/completions", _greedy(model, prompt(rng, 8 + 6 * i), 48))
+        )
+        for i in range(n)
+    ]
     await asyncio.sleep(0.3)  # the streams are in the batch
     poison = poison_bodies(model)
     answers = await asyncio.gather(*(cc.stream(h, "/v1/completions", b) for _, b in poison))
@@ -164,19 +171,27 @@ async def phase_overload(h: httpx.AsyncClient, model: str, n: int) -> dict[str, 
     bodies = [_greedy(model, prompt(rng, 10), 32) for _ in range(n)]
     results = await asyncio.gather(*(cc.post(h, "/v1/completions", b) for b in bodies))
     shed = [r for r in results if r.status == 429]
-    return {"overload_requests": n, "overload_429": len(shed),
-            "overload_429_without_retry_after": sum(not r.retry_after for r in shed),
-            "overload_5xx": sum(r.server_error for r in results),
-            "overload_other_failures": sum(r.status not in (200, 429) or (r.status == 200
-                                           and not r.ok()) for r in results)}  # fmt: skip
+    return {
+        "overload_requests": n,
+        "overload_429": len(shed),
+        "overload_429_without_retry_after": sum(not r.retry_after for r in shed),
+        "overload_5xx": sum(r.server_error for r in results),
+        "overload_other_failures": sum(
+            r.status not in (200, 429) or (r.status == 200 and not r.ok()) for r in results
+        ),
+    }
 
 
 def _soak_request(h: httpx.AsyncClient, model: str, rng: random.Random) -> tuple[Any, bool, int]:
     chat, streamed, sampled = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5
     n = rng.randint(2, 16)
     text = prompt(rng, rng.randint(2, 50))
-    body: dict[str, Any] = {"model": model, "max_tokens": n, "ignore_eos": True,
-                            "temperature": 0.8 if sampled else 0}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": n,
+        "ignore_eos": True,
+        "temperature": 0.8 if sampled else 0,
+    }
     if sampled and rng.random() < 0.5:
         body["seed"] = rng.randint(0, 2**31)
     if chat:
@@ -199,11 +214,17 @@ async def phase_soak(h: httpx.AsyncClient, model: str, n: int, conc: int) -> dic
             return await coro  # type: ignore[no-any-return]
 
     results = await asyncio.gather(*(one(c) for c, _, _ in plans))
-    errors = [r for r, (_, cancel, n) in zip(results, plans, strict=True)
-              if (not r.cancelled and not r.ok(n)) or r.server_error]  # fmt: skip
-    return {"soak_requests": n, "soak_errors": len(errors),
-            "soak_cancelled": sum(r.cancelled for r in results),
-            "soak_error_samples": [f"{r.status} {r.error[:80]}" for r in errors[:5]]}  # fmt: skip
+    errors = [
+        r
+        for r, (_, cancel, n) in zip(results, plans, strict=True)
+        if (not r.cancelled and not r.ok(n)) or r.server_error
+    ]
+    return {
+        "soak_requests": n,
+        "soak_errors": len(errors),
+        "soak_cancelled": sum(r.cancelled for r in results),
+        "soak_error_samples": [f"{r.status} {r.error[:80]}" for r in errors[:5]],
+    }
 
 
 # The victim must be seen (in its own /stats) running this many of the phase's streams
@@ -222,17 +243,21 @@ async def phase_kill_decode(h: httpx.AsyncClient, svc: Service, model: str, n: i
     # Streams that are decoding, not waiting for their KV: killed then, they must migrate
     # (a waiting one is merely retried, and a kill that finds only those shows no migration).
     seen: list[int] = []
-    victim = await _kill_busiest(svc.urls("decode"), streams, ("running",), 24,
-                                 min_load=VICTIM_MIN_STREAMS, seen=seen)  # fmt: skip
+    victim = await _kill_busiest(
+        svc.urls("decode"), streams, ("running",), 24, min_load=VICTIM_MIN_STREAMS, seen=seen
+    )
     done = await asyncio.gather(*streams)
     migrated = int(counter(svc.url, "pdserve_router_migrated_streams_total") - before)
     # A kill that moved no stream proved nothing (the victim held none of the phase's
     # streams when it died): the phase fails rather than passes.
-    return {"decode_killed": victim, "decode_kill_streams": n,
-            "decode_kill_victim_running": seen[-1] if seen else 0,
-            "decode_kill_failed_streams": sum(not r.ok(KILL_TOKENS) for r in done),
-            "migrated_streams": migrated,
-            "decode_kill_passed": bool(victim) and migrated > 0}  # fmt: skip
+    return {
+        "decode_killed": victim,
+        "decode_kill_streams": n,
+        "decode_kill_victim_running": seen[-1] if seen else 0,
+        "decode_kill_failed_streams": sum(not r.ok(KILL_TOKENS) for r in done),
+        "migrated_streams": migrated,
+        "decode_kill_passed": bool(victim) and migrated > 0,
+    }
 
 
 async def phase_hang_decode(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
@@ -253,9 +278,12 @@ async def phase_hang_decode(h: httpx.AsyncClient, svc: Service, model: str, n: i
     finally:
         for frozen in stopped:
             resume_group(frozen)
-    return {"decode_hung": victim, "hang_streams": n,
-            "hang_failed_streams": sum(not r.ok(KILL_TOKENS) for r in done),
-            "stalled_streams": int(counter(svc.url, name) - before)}  # fmt: skip
+    return {
+        "decode_hung": victim,
+        "hang_streams": n,
+        "hang_failed_streams": sum(not r.ok(KILL_TOKENS) for r in done),
+        "stalled_streams": int(counter(svc.url, name) - before),
+    }
 
 
 async def phase_kill_prefill(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
@@ -275,8 +303,11 @@ async def phase_kill_prefill(h: httpx.AsyncClient, svc: Service, model: str, n: 
     victim = await _kill_busiest(svc.urls("prefill"), clients)
     killed.set()
     await asyncio.gather(*clients)
-    return {"prefill_killed": victim, "prefill_kill_requests": len(results),
-            "prefill_kill_failed_requests": sum(not r.ok(8) for r in results)}  # fmt: skip
+    return {
+        "prefill_killed": victim,
+        "prefill_kill_requests": len(results),
+        "prefill_kill_failed_requests": sum(not r.ok(8) for r in results),
+    }
 
 
 async def _kill_busiest(
@@ -324,8 +355,9 @@ async def _until_generated(url: str, tokens: int, timeout: float = 5.0) -> None:
 
 async def phase_admin_port(svc: Service, admin_port: int, model_path: str) -> dict[str, Any]:
     admin = f"http://127.0.0.1:{admin_port}"
-    return {"admin_port_unauthenticated_changes": await admin_port_changes(svc.url, admin,
-                                                                           model_path)}  # fmt: skip
+    return {
+        "admin_port_unauthenticated_changes": await admin_port_changes(svc.url, admin, model_path)
+    }
 
 
 async def run_phases(svc: Service, args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -366,14 +398,30 @@ async def run_phases(svc: Service, args: argparse.Namespace, model: str) -> dict
 def plot(result: dict[str, Any], path: Path) -> None:
     plt = figures.pyplot()
 
-    keys = ["bad_input_5xx", "poisoned_streams", "leaked_blocks", "soak_errors",
-            "decode_kill_failed_streams", "prefill_kill_failed_requests",
-            "hang_failed_streams", "slowloris_refused_others", "slow_reader_harmed_streams",
-            "control_token_injected", "odd_key_5xx", "grammar_5xx", "grammar_stalled_others",
-            "compile_abort_leaked", "admin_port_unauthenticated_changes",
-            "picker_mode_limit_bypass", "merged_pod_policy_escapes", "cache_symlink_followed",
-            "abandoned_compiles_over_bound", "lora_path_escapes", "migrated_streams",
-            "stalled_streams"]  # fmt: skip
+    keys = [
+        "bad_input_5xx",
+        "poisoned_streams",
+        "leaked_blocks",
+        "soak_errors",
+        "decode_kill_failed_streams",
+        "prefill_kill_failed_requests",
+        "hang_failed_streams",
+        "slowloris_refused_others",
+        "slow_reader_harmed_streams",
+        "control_token_injected",
+        "odd_key_5xx",
+        "grammar_5xx",
+        "grammar_stalled_others",
+        "compile_abort_leaked",
+        "admin_port_unauthenticated_changes",
+        "picker_mode_limit_bypass",
+        "merged_pod_policy_escapes",
+        "cache_symlink_followed",
+        "abandoned_compiles_over_bound",
+        "lora_path_escapes",
+        "migrated_streams",
+        "stalled_streams",
+    ]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     a.barh(keys, [result[k] for k in keys], color=["C3"] * (len(keys) - 2) + ["C2"] * 2)
     a.set_title("chaos figures (goal: 0; migrated, stalled >= 1)")
@@ -390,14 +438,28 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
     logs = tempfile.mkdtemp(prefix="pdserve-chaos-")
     args.admin_port, args.model_path = free_port(), model
-    svc = Service(model, logs, args.port or free_port(), 20000 + free_port() % 20000,
-                  "--prefill", "2", "--decode", "2", "--kv-transport", args.kv_transport,
-                  "--disagg-threshold", "32", "--max-queue", str(args.max_queue),
-                  "--worker-arg=--max-model-len", "--worker-arg=1024",
-                  "--router-arg=--stall-timeout=3",
-                  "--router-arg=--stream-write-timeout=2",
-                  f"--router-arg=--admin-port={args.admin_port}",
-                  "--router-arg=--max-waiting=16")  # overload still sheds  # fmt: skip
+    svc = Service(
+        model,
+        logs,
+        args.port or free_port(),
+        20000 + free_port() % 20000,
+        "--prefill",
+        "2",
+        "--decode",
+        "2",
+        "--kv-transport",
+        args.kv_transport,
+        "--disagg-threshold",
+        "32",
+        "--max-queue",
+        str(args.max_queue),
+        "--worker-arg=--max-model-len",
+        "--worker-arg=1024",
+        "--router-arg=--stall-timeout=3",
+        "--router-arg=--stream-write-timeout=2",
+        f"--router-arg=--admin-port={args.admin_port}",
+        "--router-arg=--max-waiting=16",
+    )  # overload still sheds
     t0 = time.perf_counter()
     try:
         svc.start()
@@ -407,8 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         code = svc.stop()
     result.update(in_process_probes(Path(model)))
-    result.update(up_exit_code=code, quick=args.quick, wall_s=round(time.perf_counter() - t0, 1),
-                  logs=logs)  # fmt: skip
+    result.update(
+        up_exit_code=code, quick=args.quick, wall_s=round(time.perf_counter() - t0, 1), logs=logs
+    )
     plot(result, Path(args.out) / f"chaos{'-quick' if args.quick else ''}.png")
     print(json.dumps(result))
     return 1 if result["failed_phases"] else 0

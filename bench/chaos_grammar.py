@@ -34,14 +34,16 @@ def _deep(levels: int) -> dict[str, Any]:
 
 
 def _schema(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"response_format": {"type": "json_schema",
-                                "json_schema": {"name": "s", "schema": schema}}}  # fmt: skip
+    return {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    }
 
 
 def pathological() -> list[dict[str, Any]]:
     tool = {"type": "object", "properties": {"x": {"type": "string"}}}
-    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": tool}}
-             for i in range(600)]  # fmt: skip
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": tool}} for i in range(600)
+    ]
     return [
         _schema(_deep(200)),
         _schema({"type": "string", "enum": [f"v{i}" for i in range(100_000)]}),
@@ -53,8 +55,13 @@ def pathological() -> list[dict[str, Any]]:
 
 async def phase_grammar(h: httpx.AsyncClient, model: str, n: int) -> dict[str, Any]:
     chat = {"model": model, "messages": [{"role": "user", "content": "answer"}], "max_tokens": 8}
-    greedy = {"model": model, "prompt": "the quiet hill", "max_tokens": 24, "temperature": 0,
-              "ignore_eos": True}  # fmt: skip
+    greedy = {
+        "model": model,
+        "prompt": "the quiet hill",
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     t0 = time.perf_counter()
     solo = await cc.stream(h, "/v1/completions", greedy)
     solo_s = time.perf_counter() - t0
@@ -87,16 +94,24 @@ async def phase_compile_abort(h: httpx.AsyncClient, svc: Service, model: str, n:
         # (xgrammar compiles this in milliseconds on the tiny model's vocabulary, so the
         # abort-while-compiling race itself is pinned by tests/engine/test_grammar_bounds.py,
         # which holds the compile until after the abort.)
-        schema = {"type": "array", "items": {"type": "integer"}, "minItems": 400,
-                  "title": f"abort-{time.time_ns()}-{i}"}  # fmt: skip
+        schema = {
+            "type": "array",
+            "items": {"type": "integer"},
+            "minItems": 400,
+            "title": f"abort-{time.time_ns()}-{i}",
+        }
         body = {"model": model, "prompt": "the field", "max_tokens": 1000, **_schema(schema)}
         return await cc.post(h, "/v1/completions", body, cancel_after_s=0.01 + 0.005 * i)
 
     results = await asyncio.gather(*(one(i) for i in range(n)))
     leaked = await asyncio.to_thread(_on_workers, svc, 1.0, 3.0)
-    return {"compile_aborts": sum(r.cancelled for r in results), "compile_abort_leaked": leaked,
-            "compile_abort_answered": sorted({f"{r.status} {r.error[:80]}" for r in results
-                                              if not r.cancelled})}  # fmt: skip
+    return {
+        "compile_aborts": sum(r.cancelled for r in results),
+        "compile_abort_leaked": leaked,
+        "compile_abort_answered": sorted(
+            {f"{r.status} {r.error[:80]}" for r in results if not r.cancelled}
+        ),
+    }
 
 
 def _on_workers(svc: Service, settle_s: float, watch_s: float) -> int:

@@ -46,8 +46,10 @@ async def admin_port_changes(url: str, admin_url: str, adapter: str) -> int:
         for base in (admin_url, url):
             load = {"lora_name": "chaos-evil", "lora_path": adapter}
             unload = {"lora_name": "chaos-evil"}
-            for path, body in (("/v1/load_lora_adapter", load),
-                               ("/v1/unload_lora_adapter", unload)):  # fmt: skip
+            for path, body in (
+                ("/v1/load_lora_adapter", load),
+                ("/v1/unload_lora_adapter", unload),
+            ):
                 r = await h.post(base + path, json=body)
                 accepted += r.status_code not in (401, 403)
     return accepted
@@ -115,8 +117,9 @@ def lora_escapes(model_dir: Path) -> int:
 
     from pdserve.testing.lora_adapters import SPECS, write_adapter
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                              local_files_only=True).eval()  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, local_files_only=True
+    ).eval()
     with tempfile.TemporaryDirectory() as tmp:
         outside = write_adapter(model_dir, Path(tmp) / "outside", SPECS[0])
         escapes, revealing = lora_path_probe(outside, hf, Path(tmp))

@@ -34,9 +34,21 @@ AUTH = SignedAuth(SECRET)  # the workers' internal API takes signed calls only
 
 class Service:
     def __init__(self, model: str, log_dir: str, port: int, port_base: int, *extra: str) -> None:
-        self.argv = [sys.executable, "-m", "pdserve", "up", "--model", model,
-                     "--port", str(port), "--worker-port-base", str(port_base),
-                     "--log-dir", log_dir, *extra]  # fmt: skip
+        self.argv = [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "up",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--worker-port-base",
+            str(port_base),
+            "--log-dir",
+            log_dir,
+            *extra,
+        ]
         self.lines: list[str] = []
         self.url = ""
         self.workers: dict[str, str] = {}  # name -> URL
@@ -44,10 +56,14 @@ class Service:
 
     def start(self, timeout: float = 300.0) -> None:
         self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
             env={**os.environ, env.SERVICE_SECRET: SECRET},
             start_new_session=True,  # its own group: SIGTERM reaches up, as Ctrl-C would
-        )  # fmt: skip
+        )
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + timeout
         while not any(x.startswith("pdserve is up") for x in self.lines):

@@ -41,8 +41,10 @@ def _open(url: str, head: bytes, rcvbuf: int = 0) -> socket.socket:
 
 
 def _post_head(body_len: int) -> bytes:
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % body_len)  # fmt: skip
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % body_len
+    )
 
 
 async def phase_slowloris(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
@@ -54,21 +56,37 @@ async def phase_slowloris(h: httpx.AsyncClient, svc: Service, model: str, n: int
     finally:
         for s in socks:
             s.close()
-    return {"slowloris_connections": n,
-            "slowloris_refused_others": sum(not r.ok() for r in results)}  # fmt: skip
+    return {
+        "slowloris_connections": n,
+        "slowloris_refused_others": sum(not r.ok() for r in results),
+    }
 
 
 async def phase_slow_reader(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
     # 8 choices with 5 top logprobs a token: some MB of SSE, more than the socket buffers
     # hold, so the router's writes wait long before the 900 tokens are generated
-    body = json.dumps({"model": model, "prompt": "the river", "max_tokens": 900, "n": 8,
-                       "logprobs": 5, "stream": True, "ignore_eos": True}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": "the river",
+            "max_tokens": 900,
+            "n": 8,
+            "logprobs": 5,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    ).encode()
     before = max(await _aborts(svc), 0.0)  # it starts at 0 with the router
     sock = await asyncio.to_thread(_open, svc.url, _post_head(len(body)) + body, 2048)
     try:
         await asyncio.sleep(1.0)
-        greedy = {"model": model, "prompt": "the lazy dog", "max_tokens": 48,
-                  "temperature": 0, "ignore_eos": True}  # fmt: skip
+        greedy = {
+            "model": model,
+            "prompt": "the lazy dog",
+            "max_tokens": 48,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         done = await asyncio.gather(*(cc.stream(h, "/v1/completions", greedy) for _ in range(n)))
         aborted = 0.0
         for _ in range(120):  # the reader is cut once its writes have waited the timeout
@@ -78,8 +96,10 @@ async def phase_slow_reader(h: httpx.AsyncClient, svc: Service, model: str, n: i
             await asyncio.sleep(0.5)
     finally:
         sock.close()
-    return {"slow_reader_aborted": int(max(0.0, aborted - before)),
-            "slow_reader_harmed_streams": sum(not r.ok(48) for r in done)}  # fmt: skip
+    return {
+        "slow_reader_aborted": int(max(0.0, aborted - before)),
+        "slow_reader_harmed_streams": sum(not r.ok(48) for r in done),
+    }
 
 
 async def _aborts(svc: Service) -> float:
@@ -114,5 +134,7 @@ async def phase_odd_values(h: httpx.AsyncClient, model: str) -> dict[str, Any]:
     base = {"model": model, "prompt": "the fox", "max_tokens": 2}
     bodies = [{**base, "logit_bias": {k: 1}} for k in ODD_KEYS]
     results = await asyncio.gather(*(cc.post(h, "/v1/completions", b) for b in bodies))
-    return {"odd_key_5xx": sum(r.server_error for r in results),
-            "odd_key_not_400": sum(r.status != 400 for r in results)}  # fmt: skip
+    return {
+        "odd_key_5xx": sum(r.server_error for r in results),
+        "odd_key_not_400": sum(r.status != 400 for r in results),
+    }

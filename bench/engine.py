@@ -81,12 +81,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention", default="auto", choices=["auto", "gather"],
-                   help="auto: the CPU kernel where it builds; gather: the reference")  # fmt: skip
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "gather"],
+        help="auto: the CPU kernel where it builds; gather: the reference",
+    )
     p.add_argument("--skip-baseline", action="store_true", help="profile ours only")
     p.add_argument("--skip-static", action="store_true", help="no static-batch row")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="ours without torch.compile (or PDSERVE_ENFORCE_EAGER=1)")  # fmt: skip
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="ours without torch.compile (or PDSERVE_ENFORCE_EAGER=1)",
+    )
     p.add_argument("--plot", default=str(ROOT / "bench" / "out" / "engine.png"))
     args = p.parse_args()
     if args.quick:
@@ -214,8 +221,11 @@ def plot(path: str, ours: Run, bases: dict[str, Run], result: dict[str, Any], ti
     bars = ax1.bar(names, values[: len(runs)], color=colors[: len(runs)])
     ax1.bar_label(bars, [f"{v:.0f}" for v in values[: len(runs)]])
     ax1.set_ylabel("output tokens / s (wall clock)")
-    ax1.set_title(f"{result['ratio']:.2f}x transformers CB (wall), {result['ratio_cpu']:.2f}x "
-                  f"CPU; {result['ratio_static']:.2f}x static", fontsize=9)  # fmt: skip
+    ax1.set_title(
+        f"{result['ratio']:.2f}x transformers CB (wall), {result['ratio_cpu']:.2f}x "
+        f"CPU; {result['ratio_static']:.2f}x static",
+        fontsize=9,
+    )
     for (name, run), color in zip(runs.items(), colors, strict=False):
         xs = [0.0] + [t for t, _ in run.timeline]
         ys = [0] + [n for _, n in run.timeline]
@@ -275,8 +285,12 @@ def main() -> int:
         "preemptions": engine.stats().preemptions,
     }
     pad_id = int(engine.tokenizer.pad_token_id)
-    shape = CacheShape(engine.config.block_size, args.kv_cache_bytes,
-                       args.max_num_batched_tokens, max(args.requests, 1))  # fmt: skip
+    shape = CacheShape(
+        engine.config.block_size,
+        args.kv_cache_bytes,
+        args.max_num_batched_tokens,
+        max(args.requests, 1),
+    )
     del engine
     cb = static = Run(seconds=float("nan"), cpu_seconds=float("nan"))
     if not args.skip_baseline:
@@ -284,8 +298,9 @@ def main() -> int:
         warm_up_continuous(hf_model, shape)
         cb = run_continuous(hf_model, work.prompts, work.output_lens, shape)
         if not args.skip_static:
-            static = run_static(hf_model, pad_id, work.prompts, work.output_lens, args.batch,
-                                args.device)  # fmt: skip
+            static = run_static(
+                hf_model, pad_id, work.prompts, work.output_lens, args.batch, args.device
+            )
         del hf_model
     # Wall clock first; the same over this process's CPU time (robust to other load).
     for name, run in (("baseline", cb), ("static", static)):
@@ -307,13 +322,22 @@ def main() -> int:
             f"outputs {args.output_len[0]}–{args.output_len[1]} tokens), {args.preset} model, "
             f"{args.dtype}, {args.threads} thread{'s' if args.threads > 1 else ''}"
         )
-        plot(args.plot, ours, {"transformers CB": cb, "transformers static": static}, result,
-             title)  # fmt: skip
-    print(json.dumps({**result, "requests": args.requests, "quick": args.quick,
-                      "threads": args.threads, "torch_threads": torch.get_num_threads(),
-                      "dtype": args.dtype, "preset": args.preset,
-                      "load_avg_start": load_start,
-                      "load_avg_end": [round(x, 2) for x in os.getloadavg()]}))  # fmt: skip
+        plot(args.plot, ours, {"transformers CB": cb, "transformers static": static}, result, title)
+    print(
+        json.dumps(
+            {
+                **result,
+                "requests": args.requests,
+                "quick": args.quick,
+                "threads": args.threads,
+                "torch_threads": torch.get_num_threads(),
+                "dtype": args.dtype,
+                "preset": args.preset,
+                "load_avg_start": load_start,
+                "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+            }
+        )
+    )
     return 0
 
 

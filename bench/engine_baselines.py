@@ -53,15 +53,17 @@ def _block_bytes(model: Any, block_size: int) -> int:
     return block_size * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * elem
 
 
-def run_continuous(model: Any, prompts: list[list[int]], output_lens: list[int],
-                   shape: CacheShape) -> Run:  # fmt: skip
+def run_continuous(
+    model: Any, prompts: list[list[int]], output_lens: list[int], shape: CacheShape
+) -> Run:
     """Every request through transformers' continuous-batching manager; each finishes
     after exactly its own output length (EOS disabled)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
-                           max_new_tokens=max(output_lens))  # fmt: skip
+    gen = GenerationConfig(
+        do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(output_lens)
+    )
     cb = ContinuousBatchingConfig(
         page_size=shape.block_size,
         num_blocks=max(1, shape.kv_cache_bytes // _block_bytes(model, shape.block_size)),
@@ -107,8 +109,14 @@ def run_continuous(model: Any, prompts: list[list[int]], output_lens: list[int],
     return run
 
 
-def run_static(model: Any, pad_id: int, prompts: list[list[int]], output_lens: list[int],
-               batch: int, device: str) -> Run:  # fmt: skip
+def run_static(
+    model: Any,
+    pad_id: int,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    batch: int,
+    device: str,
+) -> Run:
     """Static batches of ``batch`` left-padded prompts, each run to its longest output."""
     run = Run()
     order = list(range(len(prompts)))
@@ -125,9 +133,15 @@ def run_static(model: Any, pad_id: int, prompts: list[list[int]], output_lens: l
             mask[row, width - n :] = 1
         new = max(output_lens[i] for i in idx)  # a static batch runs to its longest
         with torch.inference_mode():
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                 max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 eos_token_id=None, pad_token_id=pad_id)  # fmt: skip
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad_id,
+            )
         assert out.shape[1] == width + new
         done += sum(output_lens[i] for i in idx)
         run.steps += new

@@ -121,8 +121,9 @@ def _lean() -> Any:
         req.sampling.validate(49152)
         ids = list(req.prompt_token_ids or ())
         rid = "cmpl-" + os.urandom(16).hex()
-        snap = Snapshot((WorkerView(url, "prefill", stats=stats),
-                         WorkerView(url, "decode", stats=stats)))  # fmt: skip
+        snap = Snapshot(
+            (WorkerView(url, "prefill", stats=stats), WorkerView(url, "decode", stats=stats))
+        )
         hashes = block_hashes(ids, snap.block_size)
         route = RouteRequest(len(ids), tuple(hashes), snap.block_size, {}, {})
         plan_route(snap, route, cfg, rng)
@@ -134,8 +135,13 @@ def _lean() -> Any:
         chunks = openai_response.TextChunks(rid, "tiny", False)
         head = chunks(reply.text, None)
         if send is not None:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")],
+                }
+            )
             await send({"type": "http.response.body", "body": head.encode(), "more_body": True})
         msg = encode(GenerateRequest(rid, ids, req.sampling, reply.kv_handle, 1))
         proof = signing.proof(ring.signing, signing.sign(ring, "POST", "/generate", msg))
@@ -153,8 +159,9 @@ def _lean() -> Any:
                     rest += out
                     continue
                 text = "".join(out) + (openai_response.DONE if done else "")
-                await send({"type": "http.response.body", "body": text.encode(),
-                            "more_body": not done})  # fmt: skip
+                await send(
+                    {"type": "http.response.body", "body": text.encode(), "more_body": not done}
+                )
         signing.proof_ok(ring, signing.sign(ring, "POST", "/x", b""), proof)
         return head, "".join(rest) + openai_response.DONE
 
@@ -180,8 +187,13 @@ def front(mode: str, worker_url: str = "") -> Any:
                 await lean(body, pool[0], worker_url, send)
                 return
             head, rest = await lean(body, pool[0], worker_url)
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")],
+                }
+            )
             await send({"type": "http.response.body", "body": head.encode(), "more_body": True})
             await send({"type": "http.response.body", "body": rest.encode()})
             return
@@ -193,8 +205,13 @@ def front(mode: str, worker_url: str = "") -> Any:
             async with await pool[0].post(worker_url, "/generate", body, 30.0) as r:
                 while await r.readany():
                     pass
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
         await send({"type": "http.response.body", "body": CHUNK + b"data: [DONE]\n\n"})
 
@@ -226,8 +243,15 @@ def main(argv: list[str]) -> None:
         app, http = worker, "auto"
     else:
         app, http = front(argv[2], argv[3] if len(argv) > 3 else ""), CoalescingHttpTools
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                loop="uvloop", http=http)  # type: ignore[arg-type]  # fmt: skip
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop",
+        http=http,
+    )  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

@@ -116,23 +116,29 @@ def fidelity_fp32(model_dir: Path) -> dict[str, Any]:
     with torch.inference_mode():
         for p in prompts:
             out = hf.generate(
-                torch.tensor([p], device=DEVICE), max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                torch.tensor([p], device=DEVICE),
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
                 pad_token_id=hf.config.pad_token_id,
-            )  # fmt: skip
+            )
             want.append(out[0, len(p) :].tolist())
     del hf
     result: dict[str, Any] = {}
-    for name, backend, compile_ in (("triton_eager", "triton", False),
-                                    ("triton_compiled", "triton", True),
-                                    ("gather", "gather", False)):  # fmt: skip
+    for name, backend, compile_ in (
+        ("triton_eager", "triton", False),
+        ("triton_compiled", "triton", True),
+        ("gather", "gather", False),
+    ):
         engine = _engine(model_dir, "float32", backend, compile=compile_)
         got = _greedy(engine, prompts)
         result[name] = {
-            "equal": sum(g == w for g, w in zip(got, want, strict=True)), "of": len(prompts),
+            "equal": sum(g == w for g, w in zip(got, want, strict=True)),
+            "of": len(prompts),
             "kv_free": engine.kv.all_free,
             "backend": engine.runner.attention_backend,
-        }  # fmt: skip
+        }
         del engine
     result["ok"] = all(r["equal"] == r["of"] and r["kv_free"] for r in result.values())
     return result
@@ -179,9 +185,15 @@ def roofline(model_dir: Path, batch: int, context: int, gbps: float, graphs: boo
     kv = batch * (context + 32) * 2 * s.num_layers * s.num_kv_heads * s.head_dim * 2
     bound = (weights + kv) / (gbps * 1e9)
     replays = engine.runner.graphs.replays if engine.runner.graphs else 0
-    return {"B": batch, "ctx": context, "graphs": graphs, "step_ms": round(step * 1e3, 4),
-            "roofline_ms": round(bound * 1e3, 4), "roofline_ratio": float(f"{bound / step:.3g}"),
-            "graph_replays": replays}  # fmt: skip
+    return {
+        "B": batch,
+        "ctx": context,
+        "graphs": graphs,
+        "step_ms": round(step * 1e3, 4),
+        "roofline_ms": round(bound * 1e3, 4),
+        "roofline_ratio": float(f"{bound / step:.3g}"),
+        "graph_replays": replays,
+    }
 
 
 def kv_handoff(transport: str, mib: int = 512) -> dict[str, Any]:
@@ -213,10 +225,17 @@ def kv_handoff(transport: str, mib: int = 512) -> dict[str, Any]:
 
 def kv_handoff_processes(quick: bool) -> dict[str, Any]:
     """bench/kv_transfer.py on CUDA pools: the prefill side in its own process."""
-    cmd = [sys.executable, str(ROOT / "bench" / "kv_transfer.py"), "--device", DEVICE,
-           "--plot", str(ROOT / "bench" / "out" / f"kv_transfer_{DEVICE}.png")]  # fmt: skip
-    out = subprocess.run(cmd + (["--quick"] if quick else []), cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "kv_transfer.py"),
+        "--device",
+        DEVICE,
+        "--plot",
+        str(ROOT / "bench" / "out" / f"kv_transfer_{DEVICE}.png"),
+    ]
+    out = subprocess.run(
+        cmd + (["--quick"] if quick else []), cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
         return {"ok": False, "error": (out.stderr or out.stdout)[-400:]}
@@ -241,10 +260,13 @@ def hf_text(model_dir: Path, prompt: list[int], max_tokens: int) -> str:
     hf = _hf(model_dir, torch.float32)
     with torch.inference_mode():
         out = hf.generate(
-            torch.tensor([prompt], device=DEVICE), max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+            torch.tensor([prompt], device=DEVICE),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
             pad_token_id=hf.config.pad_token_id,
-        )  # fmt: skip
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return str(tokenizer.decode(out[0, len(prompt) :].tolist()))
 
@@ -265,9 +287,12 @@ def up_end_to_end(model_dir: Path, port: int = 8450) -> dict[str, Any]:
         texts, tokens = [], []
         for _ in range(2):
             out = client.completions.create(
-                model=client.models.list().data[0].id, prompt=prompt, max_tokens=16,
-                temperature=0.0, extra_body={"ignore_eos": True},
-            )  # fmt: skip
+                model=client.models.list().data[0].id,
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )
             texts.append(out.choices[0].text)
             tokens.append(out.usage.completion_tokens if out.usage else 0)
     finally:
@@ -298,14 +323,21 @@ def _guarded(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fidelity and one roofline point")
-    p.add_argument("--real-model", default="",
-                   help="a local HF model directory (bfloat16); default: the out-of-the-box "
-                   "model (SmolLM2-135M-Instruct); none: skip")  # fmt: skip
+    p.add_argument(
+        "--real-model",
+        default="",
+        help="a local HF model directory (bfloat16); default: the out-of-the-box "
+        "model (SmolLM2-135M-Instruct); none: skip",
+    )
     p.add_argument("--bf16-logit-tol", type=float, default=0.15)
-    p.add_argument("--hbm-gbps", type=float, default=None,
-                   help="the device's HBM bandwidth, GB/s; given, the roofline goal "
-                   f"(ratio >= {ROOFLINE_GOAL} at B={ROOFLINE_BATCH}, CUDA graphs on) "
-                   "fails the run when missed")  # fmt: skip
+    p.add_argument(
+        "--hbm-gbps",
+        type=float,
+        default=None,
+        help="the device's HBM bandwidth, GB/s; given, the roofline goal "
+        f"(ratio >= {ROOFLINE_GOAL} at B={ROOFLINE_BATCH}, CUDA graphs on) "
+        "fails the run when missed",
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"cuda": False, "note": "no CUDA device: nothing checked"}))
@@ -339,8 +371,15 @@ def main() -> int:
 
 
 # Every check whose ``ok`` must hold: fidelity and every KV hand-off (byte for byte).
-CHECKS = ("fidelity_fp32", "fidelity_bf16", "fidelity_real", "up_e2e",
-          "kv_two_processes", "nixl_vram", "tcp")  # fmt: skip
+CHECKS = (
+    "fidelity_fp32",
+    "fidelity_bf16",
+    "fidelity_real",
+    "up_e2e",
+    "kv_two_processes",
+    "nixl_vram",
+    "tcp",
+)
 ROOFLINE_GOAL, ROOFLINE_BATCH = 0.6, 32
 
 

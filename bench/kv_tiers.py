@@ -65,9 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--doc-tokens", type=int, default=960)
     p.add_argument("--rounds", type=int, default=3, help="questions per document (1 cold)")
     p.add_argument("--pool-blocks", type=int, default=72)
-    p.add_argument("--best", default="host", choices=SETTINGS[1:],
-                   help="the tier setting whose ratio is the headline "
-                   "(named before the run)")  # fmt: skip
+    p.add_argument(
+        "--best",
+        default="host",
+        choices=SETTINGS[1:],
+        help="the tier setting whose ratio is the headline (named before the run)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
@@ -81,8 +84,9 @@ def workload(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]:
     """rounds x docs prompts: document tokens + a 5-token question of that round."""
     rng = random.Random(0)
     docs = [[rng.randrange(50, vocab) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
-    return [[d + [rng.randrange(50, vocab) for _ in range(5)] for d in docs]
-            for _ in range(args.rounds)]  # fmt: skip
+    return [
+        [d + [rng.randrange(50, vocab) for _ in range(5)] for d in docs] for _ in range(args.rounds)
+    ]
 
 
 def run_one(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[float, int]:
@@ -165,22 +169,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     load_start = [round(x, 2) for x in os.getloadavg()]
-    model = args.model or str(write_tiny_model(ROOT / ".cache" / "models" / f"{args.preset}-seed0",
-                                               args.preset))  # fmt: skip
+    model = args.model or str(
+        write_tiny_model(ROOT / ".cache" / "models" / f"{args.preset}-seed0", args.preset)
+    )
     shape = kv_shape(model)
     budget = args.pool_blocks * shape.bytes_per_block
-    engine = LLMEngine(EngineConfig(model=model, dtype="float32", device="cpu",
-                                    kv_cache_bytes=budget))  # fmt: skip
+    engine = LLMEngine(
+        EngineConfig(model=model, dtype="float32", device="cpu", kv_cache_bytes=budget)
+    )
     assert engine.kv.num_blocks == args.pool_blocks and engine.kv.pool.shape == shape
     vocab = engine.vocab_size
     prompts = workload(args, vocab)
     work_blocks = args.docs * (args.doc_tokens // 16)
     work_bytes = work_blocks * (shape.bytes_per_block + 128)
-    result: dict[str, Any] = {"model": Path(model).name, "docs": args.docs,
-                              "doc_tokens": args.doc_tokens, "pool_blocks": args.pool_blocks,
-                              "working_set_x": round(work_blocks / args.pool_blocks, 1),
-                              "block_bytes": shape.bytes_per_block, "best": args.best,
-                              "threads": args.threads, "load_avg_start": load_start}  # fmt: skip
+    result: dict[str, Any] = {
+        "model": Path(model).name,
+        "docs": args.docs,
+        "doc_tokens": args.doc_tokens,
+        "pool_blocks": args.pool_blocks,
+        "working_set_x": round(work_blocks / args.pool_blocks, 1),
+        "block_bytes": shape.bytes_per_block,
+        "best": args.best,
+        "threads": args.threads,
+        "load_avg_start": load_start,
+    }
     maxmemory = f"{(work_bytes * 2 >> 20) + 16}mb"
     with tempfile.TemporaryDirectory(prefix="pdserve-kv-tiers-") as tmp:
         redis = start_redis(maxmemory=maxmemory)

@@ -51,9 +51,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
-    p.add_argument("--device", default="cpu",
-                   help="both pools' device: cuda moves VRAM to VRAM (NIXL registers the pools "
-                   "as VRAM; the tcp transport stages through pinned host memory)")  # fmt: skip
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="both pools' device: cuda moves VRAM to VRAM (NIXL registers the pools "
+        "as VRAM; the tcp transport stages through pinned host memory)",
+    )
     p.add_argument("--plot", default=str(ROOT / "bench" / "out" / "kv_transfer.png"))
     args = p.parse_args()
     if args.quick:
@@ -75,13 +78,36 @@ def block_maps(n: int, pool_blocks: int, seed: int) -> tuple[list[int], list[int
 
 class Peer:
     def __init__(self, args: argparse.Namespace, transport: str, blocks: int) -> None:
-        cmd = [sys.executable, "-m", "pdserve.transfer.pool_server", "--transport", transport,
-               "--layers", str(args.layers), "--blocks", str(blocks), "--block-size",
-               str(args.block_size), "--kv-heads", str(args.kv_heads), "--head-dim",
-               str(args.head_dim), "--dtype", args.dtype, "--seed", str(SEED), "--model", "bench",
-               "--threads", str(args.threads), "--device", args.device]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, cwd=ROOT)  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.transfer.pool_server",
+            "--transport",
+            transport,
+            "--layers",
+            str(args.layers),
+            "--blocks",
+            str(blocks),
+            "--block-size",
+            str(args.block_size),
+            "--kv-heads",
+            str(args.kv_heads),
+            "--head-dim",
+            str(args.head_dim),
+            "--dtype",
+            args.dtype,
+            "--seed",
+            str(SEED),
+            "--model",
+            "bench",
+            "--threads",
+            str(args.threads),
+            "--device",
+            args.device,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+        )
         assert self.proc.stdout is not None
         self.info = self._line("{")
         if self.info is None:
@@ -112,8 +138,9 @@ class Peer:
 
 def run_transport(args, transport, dst, expected, remote, local, num_bytes) -> float:
     peer = Peer(args, transport, expected.shape[2])
-    conn = RemoteKVConnector(dst, CompatRecord.for_pool(dst, "bench"), transport,
-                             transfer_timeout=120)  # fmt: skip
+    conn = RemoteKVConnector(
+        dst, CompatRecord.for_pool(dst, "bench"), transport, transfer_timeout=120
+    )
     times = []
     try:
         for i in tqdm(range(args.iters + 1), desc=f"{transport:>6}", file=sys.stderr):
@@ -150,8 +177,9 @@ def run_memcpy(args, expected, remote, num_bytes) -> float:
     dev = torch.device(args.device)
     idx = torch.tensor(remote, dtype=torch.long, device=dev)
     planes = expected.to(dev).view(expected.shape[0] * 2, expected.shape[2], -1)
-    out = torch.empty((planes.shape[0], len(remote), planes.shape[2]), dtype=expected.dtype,
-                      device=dev)  # fmt: skip
+    out = torch.empty(
+        (planes.shape[0], len(remote), planes.shape[2]), dtype=expected.dtype, device=dev
+    )
     times = []
     for i in tqdm(range(args.iters + 1), desc="memcpy", file=sys.stderr):
         out.zero_()
@@ -196,8 +224,11 @@ def main() -> int:
     dst = torch.zeros(shape, dtype=dtype, device=args.device)
     remote, local = block_maps(n, pool_blocks, SEED)
     num_bytes = n * expected[0, 0, 0].numel() * expected.element_size() * 2 * args.layers
-    print(f"KV of {args.tokens} tokens: {n} blocks, {num_bytes / 2**20:.0f} MiB, "
-          f"shape {list(shape)} {args.dtype}", file=sys.stderr)  # fmt: skip
+    print(
+        f"KV of {args.tokens} tokens: {n} blocks, {num_bytes / 2**20:.0f} MiB, "
+        f"shape {list(shape)} {args.dtype}",
+        file=sys.stderr,
+    )
     result = {
         "memcpy_gbps": run_memcpy(args, expected, remote, num_bytes),
         "nixl_gbps": run_transport(args, "nixl", dst, expected, remote, local, num_bytes),
@@ -210,8 +241,17 @@ def main() -> int:
         print(f"{k:>15}: {v}", file=sys.stderr)
     title = f"KV of a {args.tokens}-token prompt ({num_bytes / 2**20:.0f} MiB, {args.dtype})"
     plot(args.plot, result, title)
-    print(json.dumps({**result, "bytes": num_bytes, "tokens": args.tokens, "quick": args.quick,
-                      "device": args.device}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                **result,
+                "bytes": num_bytes,
+                "tokens": args.tokens,
+                "quick": args.quick,
+                "device": args.device,
+            }
+        )
+    )
     return 0
 
 

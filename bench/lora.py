@@ -84,23 +84,37 @@ def adapter_specs() -> list[AdapterSpec]:
 
 
 def make_engine(model_dir: Path, args: argparse.Namespace, loras: list[tuple[str, str]]) -> Any:
-    lora = LoraConfig(max_loras=NUM_ADAPTERS, max_cpu_loras=2 * NUM_ADAPTERS,
-                      loras=tuple(loras)) if loras else None  # fmt: skip
-    return LLMEngine(EngineConfig(
-        model=str(model_dir), dtype="float32", device="cpu", kv_cache_bytes=512 << 20,
-        max_num_seqs=args.requests, max_num_batched_tokens=2048,
-        enable_prefix_caching=False, compile=False, lora=lora,
-    ))  # fmt: skip
+    lora = (
+        LoraConfig(max_loras=NUM_ADAPTERS, max_cpu_loras=2 * NUM_ADAPTERS, loras=tuple(loras))
+        if loras
+        else None
+    )
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cpu",
+            kv_cache_bytes=512 << 20,
+            max_num_seqs=args.requests,
+            max_num_batched_tokens=2048,
+            enable_prefix_caching=False,
+            compile=False,
+            lora=lora,
+        )
+    )
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     rng = random.Random(args.seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*args.prompt_len))]
-            for _ in range(args.requests)]  # fmt: skip
+    return [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(*args.prompt_len))]
+        for _ in range(args.requests)
+    ]
 
 
-def run(engine: Any, prompts: list[list[int]], out_len: int, names: list[str] | None,
-        tag: str) -> tuple[float, float]:  # fmt: skip
+def run(
+    engine: Any, prompts: list[list[int]], out_len: int, names: list[str] | None, tag: str
+) -> tuple[float, float]:
     """(output tokens/s wall, output tokens/s of this process's CPU time)."""
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     start, cpu = time.perf_counter(), time.process_time()

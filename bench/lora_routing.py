@@ -32,10 +32,15 @@ class SimWorker:
 
     def view(self, now: float, known: list[str]) -> WorkerView:
         self.busy_until = [t for t in self.busy_until if t > now]
-        stats = WorkerStats(role=self.role, worker_id=self.worker_id,
-                            running=len(self.busy_until), kv_blocks_free=1000,
-                            kv_blocks_total=1000, loras=list(self.resident),
-                            lora_known=known)  # fmt: skip
+        stats = WorkerStats(
+            role=self.role,
+            worker_id=self.worker_id,
+            running=len(self.busy_until),
+            kv_blocks_free=1000,
+            kv_blocks_total=1000,
+            loras=list(self.resident),
+            lora_known=known,
+        )
         return WorkerView(f"http://{self.worker_id}", self.role, stats=stats)
 
     def serve(self, name: str, now: float, hold: float, capacity: int) -> bool:
@@ -52,23 +57,33 @@ def _config(affinity: bool) -> RouterConfig:
     if affinity:  # the defaults
         return RouterConfig(model_dir="/m", disagg_threshold=0)
     return RouterConfig(
-        model_dir="/m", disagg_threshold=0,
+        model_dir="/m",
+        disagg_threshold=0,
         scorers=tuple(p for p in PREFILL_SCORERS if p[0] != "lora"),
         decode_scorer_weights=tuple(p for p in DECODE_SCORERS if p[0] != "lora"),
-    )  # fmt: skip
+    )
 
 
 def simulate(
-    affinity: bool, *, workers: int = 4, adapters: int = 32, capacity: int = 8,
-    requests: int = 4000, zipf_s: float = 1.0, busy: float = 6.0, seed: int = 0,
-) -> dict[str, Any]:  # fmt: skip
+    affinity: bool,
+    *,
+    workers: int = 4,
+    adapters: int = 32,
+    capacity: int = 8,
+    requests: int = 4000,
+    zipf_s: float = 1.0,
+    busy: float = 6.0,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Hit ratios per pool and the decode pool's load spread, for one routing setting.
     ``busy``: requests running per worker on average (arrivals 1 per time unit)."""
     rng = random.Random(seed)
     names = [f"lora{i}" for i in range(adapters)]
     weights = [1.0 / (i + 1) ** zipf_s for i in range(adapters)]
-    pools = {role: [SimWorker(role, f"{role[0]}{i}") for i in range(workers)]
-             for role in ("prefill", "decode")}  # fmt: skip
+    pools = {
+        role: [SimWorker(role, f"{role[0]}{i}") for i in range(workers)]
+        for role in ("prefill", "decode")
+    }
     cfg, route_rng = _config(affinity), random.Random(seed + 1)
     hits = {"prefill": 0, "decode": 0}
     spread: list[float] = []
@@ -97,9 +112,11 @@ def compare(**kw: Any) -> dict[str, Any]:
     on, off = simulate(True, **kw), simulate(False, **kw)
     out: dict[str, Any] = {f"routing_{k}_affinity_on": v for k, v in on.items()}
     out.update({f"routing_{k}_affinity_off": v for k, v in off.items()})
-    out["routing_setup"] = {"workers_per_pool": kw.get("workers", 4),
-                            "adapters": kw.get("adapters", 32),
-                            "resident_per_worker": kw.get("capacity", 8),
-                            "requests": kw.get("requests", 4000),
-                            "zipf_s": kw.get("zipf_s", 1.0)}  # fmt: skip
+    out["routing_setup"] = {
+        "workers_per_pool": kw.get("workers", 4),
+        "adapters": kw.get("adapters", 32),
+        "resident_per_worker": kw.get("capacity", 8),
+        "requests": kw.get("requests", 4000),
+        "zipf_s": kw.get("zipf_s", 1.0),
+    }
     return out

@@ -36,8 +36,11 @@ from pdserve.testing.loopback import all_kv_free, free_port, wait_until_up  # no
 from pdserve.testing.lora_adapters import ATTENTION, AdapterSpec, write_adapter  # noqa: E402
 
 ADAPTERS = 6
-OFF = ["--router-arg=--decode-scorer=kv=1", "--router-arg=--decode-scorer=running=1",
-       *(f"--router-arg=--scorer={p}" for p in ("prefix=2", "load=1", "balance=0.5"))]  # fmt: skip
+OFF = [
+    "--router-arg=--decode-scorer=kv=1",
+    "--router-arg=--decode-scorer=running=1",
+    *(f"--router-arg=--scorer={p}" for p in ("prefix=2", "load=1", "balance=0.5")),
+]
 
 
 def routed(url: str) -> dict[str, float]:
@@ -57,8 +60,13 @@ async def send(url: str, names: list[str], seed: int) -> None:
 
         async def one(i: int, name: str) -> None:
             async with sem:
-                body = {"model": name, "prompt": [5 + (i * 7 + j) % 2000 for j in range(24)],
-                        "max_tokens": 4, "temperature": 0, "ignore_eos": True}  # fmt: skip
+                body = {
+                    "model": name,
+                    "prompt": [5 + (i * 7 + j) % 2000 for j in range(24)],
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
                 r = await h.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
 
@@ -66,15 +74,39 @@ async def send(url: str, names: list[str], seed: int) -> None:
 
 
 def run(model: Path, dirs: dict[str, Path], logs: Path, extra: list[str]) -> dict[str, float]:
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", str(model), "--prefill", "1",
-            "--decode", "2", "--port", str(free_port()), "--log-dir", str(logs),
-            "--worker-port-base", str(random.randrange(20000, 32000, 200)),
-            "--disagg-threshold", "8", "--worker-arg=--max-loras=2",
-            "--worker-arg=--max-cpu-loras=2", *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--model",
+        str(model),
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--port",
+        str(free_port()),
+        "--log-dir",
+        str(logs),
+        "--worker-port-base",
+        str(random.randrange(20000, 32000, 200)),
+        "--disagg-threshold",
+        "8",
+        "--worker-arg=--max-loras=2",
+        "--worker-arg=--max-cpu-loras=2",
+        *extra,
+    ]
     for name, path in dirs.items():
         argv += ["--lora", f"{name}={path}"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         url, workers = wait_until_up(proc)
         asyncio.run(send(url, list(dirs), ARGS.seed))
@@ -90,8 +122,12 @@ def main() -> int:
     os.environ.setdefault(env.SERVICE_SECRET, secrets.token_hex(32))
     load_start = [round(x, 2) for x in os.getloadavg()]
     model = write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny")
-    result: dict[str, Any] = {"requests": ARGS.requests, "adapters": ADAPTERS,
-                              "decode_workers": 2, "resident_per_worker": 2}  # fmt: skip
+    result: dict[str, Any] = {
+        "requests": ARGS.requests,
+        "adapters": ADAPTERS,
+        "decode_workers": 2,
+        "resident_per_worker": 2,
+    }
     with tempfile.TemporaryDirectory(prefix="pdserve-lora-routing-") as tmp:
         specs = [AdapterSpec(f"lora{i}", ATTENTION, 4, 8, 200 + i) for i in range(ADAPTERS)]
         dirs = {s.name: write_adapter(model, Path(tmp) / s.name, s) for s in specs}

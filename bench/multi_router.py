@@ -75,9 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def run_phase(
-    h: httpx.AsyncClient, urls: list[str], prompts: list[tuple[int, list[int]]],
+    h: httpx.AsyncClient,
+    urls: list[str],
+    prompts: list[tuple[int, list[int]]],
     args: argparse.Namespace,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     """Prompts in arrival order, request i to ``urls[i % len(urls)]`` (the round-robin
     client), at most ``concurrency`` in flight."""
     sem = asyncio.Semaphore(args.concurrency)
@@ -112,9 +114,12 @@ async def wait_ready(h: httpx.AsyncClient, url: str, timeout: float = 300.0) -> 
 
 
 async def late_phase(
-    h: httpx.AsyncClient, late: Proc, old: str, prompts: list[tuple[int, list[int]]],
+    h: httpx.AsyncClient,
+    late: Proc,
+    old: str,
+    prompts: list[tuple[int, list[int]]],
     args: argparse.Namespace,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """``late`` was just started, while the other replicas serve; once it is ready, the
     groups' next requests for ``late_window`` seconds, in turn through it and through a
     replica that saw everything (``old``, the control: the same groups at the same
@@ -130,9 +135,12 @@ async def late_phase(
             break
         kind, url = ("late", late.url) if i % 2 == 0 else ("control", old)
         results[kind].append(await routing.via_router(h, url, "bench", ids, args.max_tokens))
-    return {"late_ready_s": ready_s, "late_hit_ratio": hit_ratio(results["late"]),
-            "late_control_hit_ratio": hit_ratio(results["control"]),
-            "late_requests": float(len(results["late"]))}  # fmt: skip
+    return {
+        "late_ready_s": ready_s,
+        "late_hit_ratio": hit_ratio(results["late"]),
+        "late_control_hit_ratio": hit_ratio(results["control"]),
+        "late_requests": float(len(results["late"])),
+    }
 
 
 def fresh_suffixes(
@@ -140,14 +148,20 @@ def fresh_suffixes(
 ) -> list[tuple[int, list[int]]]:
     """The same groups' system prompts with new suffixes (their next requests)."""
     rng = random.Random(7)
-    return [(g, ids[: args.system_tokens] + [rng.randrange(16, vocab) for _ in range(12)])
-            for g, ids in prompts]  # fmt: skip
+    return [
+        (g, ids[: args.system_tokens] + [rng.randrange(16, vocab) for _ in range(12)])
+        for g, ids in prompts
+    ]
 
 
 async def measure(
-    cluster: LocalCluster, one: str, three: list[str], vocab: int, common: list[str],
+    cluster: LocalCluster,
+    one: str,
+    three: list[str],
+    vocab: int,
+    common: list[str],
     args: argparse.Namespace,
-) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:  # fmt: skip
+) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     limits = httpx.Limits(max_connections=64)
     runs: dict[str, list[dict[str, Any]]] = {"one": [], "three": []}
     async with httpx.AsyncClient(timeout=600, limits=limits, auth=cluster.auth) as h:
@@ -159,8 +173,10 @@ async def measure(
         late_task = None
         for rep in range(args.repeats):
             seed += 2
-            work = {"one": routing.workload(args, vocab, seed),
-                    "three": routing.workload(args, vocab, seed + 1)}  # fmt: skip
+            work = {
+                "one": routing.workload(args, vocab, seed),
+                "three": routing.workload(args, vocab, seed + 1),
+            }
             if rep == args.repeats - 1:  # mid-run: catching up while the others serve
                 late = cluster.start_router(0, "router-late", common)
                 later = fresh_suffixes(work["three"], args, vocab)
@@ -202,8 +218,7 @@ def plot(runs: dict[str, list[dict[str, Any]]], summary: dict[str, Any], path: P
     a.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT")
     a.legend()
     names = ["1 router", f"{REPLICAS} replicas", "late replica\n(first 5 s)"]
-    vals = [summary["prefix_hit_ratio_1"], summary["prefix_hit_ratio_3"],
-            summary["late_hit_ratio"]]  # fmt: skip
+    vals = [summary["prefix_hit_ratio_1"], summary["prefix_hit_ratio_3"], summary["late_hit_ratio"]]
     b.bar(names, vals, color=["C0", "C1", "C2"])
     b.set(ylim=(0, 1), title="prefix-cache hit ratio (tokens)")
     fig.suptitle(

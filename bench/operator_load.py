@@ -107,8 +107,11 @@ def llmservice(i: int) -> dict[str, Any]:
 
 
 def children_done(server: ApiServer, expected: dict[str, set[tuple[str, str]]]) -> set[str]:
-    live = {(o["kind"], o["metadata"]["name"]) for (_r, _ns, _n), o in server.objects.items()
-            if not o.deleted}  # fmt: skip
+    live = {
+        (o["kind"], o["metadata"]["name"])
+        for (_r, _ns, _n), o in server.objects.items()
+        if not o.deleted
+    }
     return {name for name, kids in expected.items() if kids <= live}
 
 
@@ -116,8 +119,9 @@ async def wait_applied(
     server: ApiServer, objs: list[dict[str, Any]], created: dict[str, float], timeout: float
 ) -> dict[str, float]:
     """Seconds from each object's creation to all its children existing (read in-process)."""
-    expected = {o["metadata"]["name"]: {(m["kind"], m["metadata"]["name"]) for m in render(o)}
-                for o in objs}  # fmt: skip
+    expected = {
+        o["metadata"]["name"]: {(m["kind"], m["metadata"]["name"]) for m in render(o)} for o in objs
+    }
     latency: dict[str, float] = {}
     deadline = time.monotonic() + timeout
     while len(latency) < len(objs) and time.monotonic() < deadline:
@@ -135,8 +139,9 @@ async def mark_ready(client: KubeClient, names: list[str]) -> None:
     for name in names:
         for role in ("router", "prefill", "decode"):
             st = {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1}
-            await client.patch("apps/v1", "Deployment", NS, f"{name}-{role}", {"status": st},
-                               status=True)  # fmt: skip
+            await client.patch(
+                "apps/v1", "Deployment", NS, f"{name}-{role}", {"status": st}, status=True
+            )
 
 
 def plot(latency: list[float], result: dict[str, Any], path: Path) -> None:
@@ -155,12 +160,19 @@ def plot(latency: list[float], result: dict[str, Any], path: Path) -> None:
     b.bar(labels, peer, label="of which peering keep-alives")
     b.axhline(2.0, color="red", linestyle="--", label="goal <= 2 (at 100)")
     b.set_yscale("log")
-    b.set(xlabel="LLMServices", ylabel="operator API requests per object-minute",
-          title=f"{REPLICAS} replicas with peering (measured)")  # fmt: skip
+    b.set(
+        xlabel="LLMServices",
+        ylabel="operator API requests per object-minute",
+        title=f"{REPLICAS} replicas with peering (measured)",
+    )
     b.legend(fontsize=8)
-    c.bar(["EndpointSlice watch", "pod LIST every 1 s"],
-          [result["router_requests_per_replica_minute"],
-           result["baseline_router_requests_per_replica_minute"]])  # fmt: skip
+    c.bar(
+        ["EndpointSlice watch", "pod LIST every 1 s"],
+        [
+            result["router_requests_per_replica_minute"],
+            result["baseline_router_requests_per_replica_minute"],
+        ],
+    )
     c.set_ylabel("router API requests per replica-minute")
     c.set_title(f"{result['routers']} routers each, same window (measured)")
     figures.save(fig, path, dpi=100)
@@ -174,12 +186,20 @@ async def run(
         url = str(server.url).rstrip("/")
         with tempfile.TemporaryDirectory() as tmp:
             kubeconfig = Path(tmp) / "kubeconfig"
-            kubeconfig.write_text(yaml.safe_dump({
-                "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-                "clusters": [{"name": "emu", "cluster": {"server": url}}],
-                "users": [{"name": "bench", "user": {"token": "t"}}],
-                "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "bench"}}],
-            }))  # fmt: skip
+            kubeconfig.write_text(
+                yaml.safe_dump(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Config",
+                        "current-context": "emu",
+                        "clusters": [{"name": "emu", "cluster": {"server": url}}],
+                        "users": [{"name": "bench", "user": {"token": "t"}}],
+                        "contexts": [
+                            {"name": "emu", "context": {"cluster": "emu", "user": "bench"}}
+                        ],
+                    }
+                )
+            )
             os.environ["KUBECONFIG"] = str(kubeconfig)
             os.environ.pop("KUBERNETES_SERVICE_HOST", None)
             return await measure(server, url, counts, window_s, n_routers, png, config)
@@ -219,25 +239,41 @@ async def steady(
         watch = requests_of(server, WATCH_AGENT) - counts[0]
         poll = requests_of(server, BASELINE_AGENT) - counts[1]
     minutes = (time.monotonic() - started) / 60
-    row = {"objects": len(names), "minutes": round(minutes, 4),
-           **window(before, after, BENCH_AGENTS)}  # fmt: skip
+    row = {
+        "objects": len(names),
+        "minutes": round(minutes, 4),
+        **window(before, after, BENCH_AGENTS),
+    }
     row["api_requests_per_object_minute"] = round(row["requests"] / len(names) / minutes, 3)
     per_router = max(len(watched), 1) * minutes
-    return {"row": row, "routers": len(watched),
-            "router_requests_per_replica_minute": round(watch / per_router, 3),
-            "baseline_router_requests_per_replica_minute": round(poll / per_router, 3)}  # fmt: skip
+    return {
+        "row": row,
+        "routers": len(watched),
+        "router_requests_per_replica_minute": round(watch / per_router, 3),
+        "baseline_router_requests_per_replica_minute": round(poll / per_router, 3),
+    }
 
 
 async def measure(
-    server: CountingServer, url: str, counts: list[int], window_s: float, n_routers: int,
-    png: Path, config: OperatorConfig,
-) -> dict[str, Any]:  # fmt: skip
+    server: CountingServer,
+    url: str,
+    counts: list[int],
+    window_s: float,
+    n_routers: int,
+    png: Path,
+    config: OperatorConfig,
+) -> dict[str, Any]:
     client = KubeClient(kopf.ConnectionInfo(server=url))
     client.session.headers["User-Agent"] = "bench"
     client.session._timeout = aiohttp.ClientTimeout(total=300)  # the emulator may lag
     # the models' volume, as the chart's docs have it (the operator checks it exists)
-    await client.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                         "metadata": {"name": "models", "namespace": NS}})  # fmt: skip
+    await client.create(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "models", "namespace": NS},
+        }
+    )
     replicas = await start_replicas(client, config)
     latency: dict[str, float] = {}
     rows, last = [], {}
@@ -258,21 +294,28 @@ async def measure(
     top = rows[-1]
     at_100 = [r["api_requests_per_object_minute"] for r in rows if r["objects"] == 100]
     result = {
-        "llmservices": counts[-1], "operator_replicas": REPLICAS, "peering": PEERING,
+        "llmservices": counts[-1],
+        "operator_replicas": REPLICAS,
+        "peering": PEERING,
         "peering_lifetime_s": config.peering_lifetime,
         "api_requests_per_object_minute": top["api_requests_per_object_minute"],
         "api_requests_per_object_minute_at": {
-            str(r["objects"]): r["api_requests_per_object_minute"] for r in rows},
-        "watch_requests": top["watch_requests"], "peering_requests": top["peering_requests"],
+            str(r["objects"]): r["api_requests_per_object_minute"] for r in rows
+        },
+        "watch_requests": top["watch_requests"],
+        "peering_requests": top["peering_requests"],
         # the whole run, start-up and fleet creation included: the watches the replicas
         # opened (each once; a real API server ends them every 30-60 min, and kopf reopens)
-        "run_watch_requests": run["watch_requests"], "run_requests": run["requests"],
-        "steady_window_s": window_s, "steady": rows, **last,
+        "run_watch_requests": run["watch_requests"],
+        "run_requests": run["requests"],
+        "steady_window_s": window_s,
+        "steady": rows,
+        **last,
         "apply_to_children_p50_s": round(statistics.median(lat), 3),
         "apply_to_children_p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3),
         # the goal is at 100 objects (None: not measured, as in --quick)
         "goal_met": at_100[0] <= 2.0 if at_100 else None,
-    }  # fmt: skip
+    }
     plot(lat, result, png)
     return result
 
@@ -281,8 +324,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 and 5 objects, 2 + 2 routers, 5 s")
     parser.add_argument("--counts", default=None, help="fleet sizes, e.g. 1,10,100")
-    parser.add_argument("--routers", type=int, default=None,
-                        help="routers of each kind (watch / baseline poll)")  # fmt: skip
+    parser.add_argument(
+        "--routers", type=int, default=None, help="routers of each kind (watch / baseline poll)"
+    )
     parser.add_argument("--window", type=float, default=None, help="steady-state seconds")
     parser.add_argument(
         "--real",

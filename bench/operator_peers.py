@@ -56,8 +56,9 @@ def _plural(path: str) -> str:
     return parts[-1] if parts else ""
 
 
-def window(before: collections.Counter[Key], after: collections.Counter[Key],
-           ours: set[str]) -> dict[str, Any]:  # fmt: skip
+def window(
+    before: collections.Counter[Key], after: collections.Counter[Key], ours: set[str]
+) -> dict[str, Any]:
     """The operator's requests between two counts: every agent but the bench's own."""
     diff = {k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)}
     theirs = {k: v for k, v in diff.items() if k[0] not in ours}
@@ -75,8 +76,13 @@ def window(before: collections.Counter[Key], after: collections.Counter[Key],
 async def start_replicas(client: KubeClient, config: OperatorConfig) -> list[OperatorReplica]:
     """The chart's KopfPeering, then its replicas (the first one active: the higher
     priority, registered first so the standby's first look sees it)."""
-    await client.create({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
-                         "metadata": {"name": PEERING, "namespace": NS}})  # fmt: skip
+    await client.create(
+        {
+            "apiVersion": "kopf.dev/v1",
+            "kind": "KopfPeering",
+            "metadata": {"name": PEERING, "namespace": NS},
+        }
+    )
     replicas = []
     for i in range(REPLICAS):
         replicas.append(OperatorReplica(config, 100 - i, PEERING, NS))

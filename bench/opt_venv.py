@@ -48,8 +48,7 @@ print(best)
 
 
 def loop_seconds(python: str) -> float:
-    out = subprocess.run([python, "-c", LOOP], capture_output=True, text=True, check=True,
-                         cwd="/")  # fmt: skip
+    out = subprocess.run([python, "-c", LOOP], capture_output=True, text=True, check=True, cwd="/")
     return float(out.stdout.strip())
 
 
@@ -60,8 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not Path(args.base).exists():
         p.error(f"{args.base} does not exist")
-    probe = subprocess.run([args.base, "-c", "import sys; print(*sys.version_info[:2], sep='.')"],
-                           capture_output=True, text=True, check=True, cwd="/")  # fmt: skip
+    probe = subprocess.run(
+        [args.base, "-c", "import sys; print(*sys.version_info[:2], sep='.')"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+    )
     ours = f"{sys.version_info[0]}.{sys.version_info[1]}"
     if probe.stdout.strip() != ours:
         p.error(f"{args.base} is Python {probe.stdout.strip()}; this venv's packages need {ours}")
@@ -74,9 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     target.write_text(PTH.format(site=site))
     t0 = time.perf_counter()
     here, there = loop_seconds(sys.executable), loop_seconds(str(python))
-    print(f"pure-Python loop: {sys.executable} {1000 * here:.1f} ms, {python} "
-          f"{1000 * there:.1f} ms ({here / there:.2f}x); checked in "
-          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)  # fmt: skip
+    print(
+        f"pure-Python loop: {sys.executable} {1000 * here:.1f} ms, {python} "
+        f"{1000 * there:.1f} ms ({here / there:.2f}x); checked in "
+        f"{time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
     print(python)
     return 0
 

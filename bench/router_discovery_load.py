@@ -24,19 +24,35 @@ POLL_S = 1.0
 
 
 def _slice(name: str, role: str, ip: str) -> dict[str, Any]:
-    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-            "metadata": {"name": f"{name}-{role}-x", "namespace": NS,
-                         "labels": {"kubernetes.io/service-name": f"{name}-{role}"}},
-            "ports": [{"name": "http", "port": 8080}],
-            "endpoints": [{"addresses": [ip], "conditions": {"ready": True}}]}  # fmt: skip
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "addressType": "IPv4",
+        "metadata": {
+            "name": f"{name}-{role}-x",
+            "namespace": NS,
+            "labels": {"kubernetes.io/service-name": f"{name}-{role}"},
+        },
+        "ports": [{"name": "http", "port": 8080}],
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": True}}],
+    }
 
 
 def _pod(name: str, role: str, ip: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": f"{name}-{role}-x", "namespace": NS,
-                         "labels": {"pdserve.io/service": name, "pdserve.io/role": role}},
-            "status": {"phase": "Running", "podIP": ip,
-                       "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{name}-{role}-x",
+            "namespace": NS,
+            "labels": {"pdserve.io/service": name, "pdserve.io/role": role},
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
 
 
 async def write_world(url: str, names: list[str]) -> None:
@@ -44,8 +60,10 @@ async def write_world(url: str, names: list[str]) -> None:
         for i, name in enumerate(names):
             for j, role in enumerate(("prefill", "decode")):
                 ip = f"10.{i // 250}.{i % 250}.{j + 1}"
-                for path, body in (("/apis/discovery.k8s.io/v1", _slice(name, role, ip)),
-                                   ("/api/v1", _pod(name, role, ip))):  # fmt: skip
+                for path, body in (
+                    ("/apis/discovery.k8s.io/v1", _slice(name, role, ip)),
+                    ("/api/v1", _pod(name, role, ip)),
+                ):
                     plural = "endpointslices" if body["kind"] == "EndpointSlice" else "pods"
                     async with http.post(f"{url}{path}/namespaces/{NS}/{plural}", json=body) as r:
                         assert r.status in (200, 201), await r.text()

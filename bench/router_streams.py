@@ -61,20 +61,48 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     model = str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
     env = {**os.environ, SERVICE_SECRET: os.environ.get(SERVICE_SECRET) or os.urandom(16).hex()}
     os.environ[SERVICE_SECRET] = env[SERVICE_SECRET]
-    fakes = [sys.executable, str(ROOT / "bench" / "router_throughput.py"), "--fakes",
-             "--token-delay", str(args.token_delay)]  # fmt: skip
-    result: dict[str, Any] = {"load_avg_1m_before": load_avg(), "streams": args.streams,
-                              "procs": args.procs, "token_delay_s": args.token_delay,
-                              "max_tokens": args.max_tokens}  # fmt: skip
+    fakes = [
+        sys.executable,
+        str(ROOT / "bench" / "router_throughput.py"),
+        "--fakes",
+        "--token-delay",
+        str(args.token_delay),
+    ]
+    result: dict[str, Any] = {
+        "load_avg_1m_before": load_avg(),
+        "streams": args.streams,
+        "procs": args.procs,
+        "token_delay_s": args.token_delay,
+        "max_tokens": args.max_tokens,
+    }
     with child(fakes, env) as fk:
         assert fk.stdout is not None
         urls = json.loads(await asyncio.to_thread(fk.stdout.readline))
         port = free_port()
-        cmd = [sys.executable, "-m", "pdserve", "router", "--model", model,
-               "--served-model-name", "tiny", "--port", str(port), "--log-level", "warning",
-               "--decode", *urls["decode"], "--prefill", *urls["prefill"],
-               "--disagg-threshold", "100000", "--procs", str(args.procs),
-               "--max-queue", str(2 * args.streams)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "router",
+            "--model",
+            model,
+            "--served-model-name",
+            "tiny",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--decode",
+            *urls["decode"],
+            "--prefill",
+            *urls["prefill"],
+            "--disagg-threshold",
+            "100000",
+            "--procs",
+            str(args.procs),
+            "--max-queue",
+            str(2 * args.streams),
+        ]
         url = f"http://127.0.0.1:{port}"
         with child(cmd, env) as router:
             conn = aiohttp.TCPConnector(limit=0)
@@ -87,14 +115,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-async def hold(args: argparse.Namespace, http: aiohttp.ClientSession, url: str,
-               pid: int) -> dict[str, Any]:  # fmt: skip
+async def hold(
+    args: argparse.Namespace, http: aiohttp.ClientSession, url: str, pid: int
+) -> dict[str, Any]:
     rng = random.Random(0)
     hdr = {"content-type": "application/json"}
     one_body = vars(argparse.Namespace(prompt_tokens=args.prompt_tokens, max_tokens=2))
     for _ in range(20):  # warm-up: connections, caches, the first allocations
-        await one(http, url + "/v1/completions", json.dumps(body(argparse.Namespace(
-            **one_body), rng, False)).encode(), hdr)  # fmt: skip
+        await one(
+            http,
+            url + "/v1/completions",
+            json.dumps(body(argparse.Namespace(**one_body), rng, False)).encode(),
+            hdr,
+        )
     idle = rss_mb(pid)
     ns = argparse.Namespace(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
     bodies = [json.dumps(body(ns, rng, False)).encode() for _ in range(args.streams)]

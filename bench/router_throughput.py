@@ -66,46 +66,75 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--latency-requests", type=int, default=400)
-    p.add_argument("--paths", default="direct,pd,pd-chain",
-                   help="comma list of: direct, pd, pd-chain (P/D, the decode worker calling "
-                   "the prefill worker: --pd-handoff decode)")  # fmt: skip
+    p.add_argument(
+        "--paths",
+        default="direct,pd,pd-chain",
+        help="comma list of: direct, pd, pd-chain (P/D, the decode worker calling "
+        "the prefill worker: --pd-handoff decode)",
+    )
     p.add_argument("--text", action="store_true", help="also run text prompts (tokenized)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="rounds, interleaved (every path once per round, a new router each "
-                   "time); the summary gives each figure's median and range")  # fmt: skip
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds, interleaved (every path once per round, a new router each "
+        "time); the summary gives each figure's median and range",
+    )
     p.add_argument("--profile", default="", help="write the router's cProfile stats here")
     p.add_argument("--procs", type=int, default=1, help="router processes (pdserve router --procs)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="fake prefill workers and as many fake decode workers (all in one "
-                   "process): with more than one per pool the router ranks them with its "
-                   "scorers, as in a cluster")  # fmt: skip
-    p.add_argument("--router-tree", default=str(ROOT),
-                   help="run the router from this checkout (a before/after comparison: "
-                   "`git archive REF | tar -x -C DIR`)")  # fmt: skip
-    p.add_argument("--compare-tree", default="",
-                   help="also run every path, in every round, with the router from this "
-                   "checkout (tagged tree=compare; --router-tree's are tree=main): a "
-                   "before/after comparison interleaved, with the ratio of medians")  # fmt: skip
-    p.add_argument("--router-python", default=sys.executable,
-                   help="the interpreter the router (and the floors' front) runs under: the "
-                   "shipped image's is an optimised build (PGO and LTO, python:3.11-slim), "
-                   "unlike a pyenv one; the packages are this one's (docs/router.md)")  # fmt: skip
-    p.add_argument("--compare-python", default="",
-                   help="also run every path, in every round, with the router under this "
-                   "interpreter (from --compare-tree, or else the same checkout), tagged "
-                   "tree=compare: two interpreters compared, interleaved")  # fmt: skip
-    p.add_argument("--floor", action="store_true",
-                   help="also, every round, the same phase against bench/floor_apps.py: the "
-                   "router's HTTP server set-up with a bare app (floor-bare), and that app "
-                   "making the P/D path's two worker calls with the router's pool "
-                   "(floor-calls), and doing pdserve's per-request pieces in one flat "
-                   "coroutine (floor-lean), the same writing each token to the client as "
-                   "it comes, as the router does (floor-lean-stream): what the HTTP stack "
-                   "alone costs per request, and the pieces without the router's "
-                   "structure")  # fmt: skip
-    p.add_argument("--pin", action="store_true",
-                   help="the router alone on core 1, this client and the fakes on core 0 (as "
-                   "a router pod with a core of its own); needs 2 cores")  # fmt: skip
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="fake prefill workers and as many fake decode workers (all in one "
+        "process): with more than one per pool the router ranks them with its "
+        "scorers, as in a cluster",
+    )
+    p.add_argument(
+        "--router-tree",
+        default=str(ROOT),
+        help="run the router from this checkout (a before/after comparison: "
+        "`git archive REF | tar -x -C DIR`)",
+    )
+    p.add_argument(
+        "--compare-tree",
+        default="",
+        help="also run every path, in every round, with the router from this "
+        "checkout (tagged tree=compare; --router-tree's are tree=main): a "
+        "before/after comparison interleaved, with the ratio of medians",
+    )
+    p.add_argument(
+        "--router-python",
+        default=sys.executable,
+        help="the interpreter the router (and the floors' front) runs under: the "
+        "shipped image's is an optimised build (PGO and LTO, python:3.11-slim), "
+        "unlike a pyenv one; the packages are this one's (docs/router.md)",
+    )
+    p.add_argument(
+        "--compare-python",
+        default="",
+        help="also run every path, in every round, with the router under this "
+        "interpreter (from --compare-tree, or else the same checkout), tagged "
+        "tree=compare: two interpreters compared, interleaved",
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also, every round, the same phase against bench/floor_apps.py: the "
+        "router's HTTP server set-up with a bare app (floor-bare), and that app "
+        "making the P/D path's two worker calls with the router's pool "
+        "(floor-calls), and doing pdserve's per-request pieces in one flat "
+        "coroutine (floor-lean), the same writing each token to the client as "
+        "it comes, as the router does (floor-lean-stream): what the HTTP stack "
+        "alone costs per request, and the pieces without the router's "
+        "structure",
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="the router alone on core 1, this client and the fakes on core 0 (as "
+        "a router pod with a core of its own); needs 2 cores",
+    )
     p.add_argument(
         "--plot",
         default=str(ROOT / "bench" / "out" / "router_throughput.png"),
@@ -144,8 +173,7 @@ async def serve_fakes(token_delay_s: float = 0.0, workers: int = 1) -> None:
             pst.leases = leases
             dst.token_delay_s = token_delay_s
             dst.lease_holder = pst  # leases end without a call: the fakes' cost is not the figure
-        print(json.dumps({"prefill": fakes.prefill_urls, "decode": fakes.decode_urls}),
-              flush=True)  # fmt: skip
+        print(json.dumps({"prefill": fakes.prefill_urls, "decode": fakes.decode_urls}), flush=True)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await stop.wait()
@@ -166,13 +194,21 @@ def write_calls(pid: int) -> int:
 
 
 @contextlib.contextmanager
-def child(cmd: list[str], env: dict[str, str], cwd: str | Path = ROOT,
-          cpus: set[int] | None = None) -> Iterator[subprocess.Popen[str]]:  # fmt: skip
+def child(
+    cmd: list[str], env: dict[str, str], cwd: str | Path = ROOT, cpus: set[int] | None = None
+) -> Iterator[subprocess.Popen[str]]:
     """``cmd`` in a session of its own (ended with its group); ``cpus``: the cores it and
     every thread it starts may run on."""
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True,
-                            start_new_session=True, cwd=cwd, preexec_fn=pin)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=cwd,
+        preexec_fn=pin,
+    )
     try:
         yield proc
     finally:
@@ -192,17 +228,39 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def router_cmd(args: argparse.Namespace, model: str, urls: dict[str, str], port: int,
-               path: str, python: str = "") -> list[str]:  # fmt: skip
+def router_cmd(
+    args: argparse.Namespace,
+    model: str,
+    urls: dict[str, str],
+    port: int,
+    path: str,
+    python: str = "",
+) -> list[str]:
     threshold = PATHS[path]
     python = python or args.router_python
-    head = [python, "-c", PROFILED, args.profile] if args.profile else [
-        python, "-m", "pdserve"]  # fmt: skip
-    return [*head, "router", "--model", model,
-            "--served-model-name", "tiny", "--port", str(port), "--log-level", "warning",
-            "--prefill", *urls["prefill"], "--decode", *urls["decode"],
-            "--disagg-threshold", str(threshold), "--procs", str(args.procs),
-            "--pd-handoff", HANDOFF.get(path, "router")]  # fmt: skip
+    head = [python, "-c", PROFILED, args.profile] if args.profile else [python, "-m", "pdserve"]
+    return [
+        *head,
+        "router",
+        "--model",
+        model,
+        "--served-model-name",
+        "tiny",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--prefill",
+        *urls["prefill"],
+        "--decode",
+        *urls["decode"],
+        "--disagg-threshold",
+        str(threshold),
+        "--procs",
+        str(args.procs),
+        "--pd-handoff",
+        HANDOFF.get(path, "router"),
+    ]
 
 
 async def wait_ready(http: aiohttp.ClientSession, url: str, timeout: float = 60.0) -> None:
@@ -219,8 +277,14 @@ async def wait_ready(http: aiohttp.ClientSession, url: str, timeout: float = 60.
 def body(args: argparse.Namespace, rng: random.Random, text: bool) -> dict[str, Any]:
     ids = [rng.randrange(16, 500) for _ in range(args.prompt_tokens)]
     prompt: Any = " ".join(f"w{i}" for i in ids[: args.prompt_tokens // 2]) if text else ids
-    return {"model": "tiny", "prompt": prompt, "max_tokens": args.max_tokens, "stream": True,
-            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": args.max_tokens,
+        "stream": True,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
 
 
 async def one(http: aiohttp.ClientSession, url: str, payload: Any, headers: Any) -> float:
@@ -234,8 +298,9 @@ async def one(http: aiohttp.ClientSession, url: str, payload: Any, headers: Any)
     return time.perf_counter() - t0
 
 
-async def closed_loop(http: aiohttp.ClientSession, url: str, bodies: list[bytes],
-                      conc: int) -> tuple[float, int]:  # fmt: skip
+async def closed_loop(
+    http: aiohttp.ClientSession, url: str, bodies: list[bytes], conc: int
+) -> tuple[float, int]:
     """(wall seconds, errors) for every body at ``conc`` in flight."""
     queue = list(reversed(bodies))
     errors = 0
@@ -270,9 +335,14 @@ def pct(xs: list[float], q: float) -> float:
     return round(1000 * percentile(xs, q), 2)
 
 
-def direct_call(http: aiohttp.ClientSession, decode_url: str, ring: keys.KeyRing,
-                body_: dict[str, Any], n: int,
-                prefill: list[str] | None = None) -> Any:  # fmt: skip
+def direct_call(
+    http: aiohttp.ClientSession,
+    decode_url: str,
+    ring: keys.KeyRing,
+    body_: dict[str, Any],
+    n: int,
+    prefill: list[str] | None = None,
+) -> Any:
     """The base of the added latency: the same stream straight from the fake decode worker
     (``prefill``: a chained request, the decode worker calling the fake prefill worker)."""
     from pdserve.protocol.codec import encode
@@ -289,9 +359,16 @@ def direct_call(http: aiohttp.ClientSession, decode_url: str, ring: keys.KeyRing
     return call
 
 
-async def run_path(args: argparse.Namespace, model: str, urls: dict[str, str], env: dict[str, str],
-                   path: str, port: int, tree: str,
-                   python: str = "") -> list[dict[str, Any]]:  # fmt: skip
+async def run_path(
+    args: argparse.Namespace,
+    model: str,
+    urls: dict[str, str],
+    env: dict[str, str],
+    path: str,
+    port: int,
+    tree: str,
+    python: str = "",
+) -> list[dict[str, Any]]:
     """One router process for ``path``, run from checkout ``tree`` under ``python``: its
     token-id phase, then its text phase."""
     url = f"http://127.0.0.1:{port}"
@@ -303,20 +380,26 @@ async def run_path(args: argparse.Namespace, model: str, urls: dict[str, str], e
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
             await wait_ready(http, url)
             for text in (False, True) if args.text else (False,):
-                run = await phase(args, http, url, router.pid, random.Random(f"{path}{text}"),
-                                  text)  # fmt: skip
+                run = await phase(args, http, url, router.pid, random.Random(f"{path}{text}"), text)
                 if args.latency_requests and not text:
                     rng = random.Random(path)
-                    run.update(await added_latency(args, http, url, urls, rng, run["rps"] / 2,
-                                                   path))  # fmt: skip
+                    run.update(
+                        await added_latency(args, http, url, urls, rng, run["rps"] / 2, path)
+                    )
                 run = {"path": path, **run}
                 print(json.dumps(run), file=sys.stderr, flush=True)
                 out.append(run)
     return out
 
 
-async def phase(args: argparse.Namespace, http: aiohttp.ClientSession, url: str, pid: int,
-                rng: random.Random, text: bool) -> dict[str, Any]:  # fmt: skip
+async def phase(
+    args: argparse.Namespace,
+    http: aiohttp.ClientSession,
+    url: str,
+    pid: int,
+    rng: random.Random,
+    text: bool,
+) -> dict[str, Any]:
     """Requests/s and the router's CPU per request at ``--concurrency`` (closed loop)."""
     warm = [json.dumps(body(args, rng, text)).encode() for _ in range(args.concurrency)]
     await closed_loop(http, url, warm, args.concurrency)  # connections, caches
@@ -329,29 +412,50 @@ async def phase(args: argparse.Namespace, http: aiohttp.ClientSession, url: str,
     if args.profile:
         os.kill(pid, signal.SIGUSR2)
         await asyncio.sleep(1.0)  # the dump
-    return {"prompt": "text" if text else "ids", "requests": len(bodies), "errors": errors,
-            "procs": args.procs, "workers": args.workers, "rps": round(len(bodies) / wall, 1),
-            "router_cpu_us_per_req": round(1e6 * cpu / len(bodies), 1),
-            "router_writes_per_req": round(writes / len(bodies), 2)}  # fmt: skip
+    return {
+        "prompt": "text" if text else "ids",
+        "requests": len(bodies),
+        "errors": errors,
+        "procs": args.procs,
+        "workers": args.workers,
+        "rps": round(len(bodies) / wall, 1),
+        "router_cpu_us_per_req": round(1e6 * cpu / len(bodies), 1),
+        "router_writes_per_req": round(writes / len(bodies), 2),
+    }
 
 
-async def added_latency(args: argparse.Namespace, http: aiohttp.ClientSession, url: str,
-                        urls: dict[str, str], rng: random.Random,
-                        rate: float, path: str) -> dict[str, Any]:  # fmt: skip
+async def added_latency(
+    args: argparse.Namespace,
+    http: aiohttp.ClientSession,
+    url: str,
+    urls: dict[str, str],
+    rng: random.Random,
+    rate: float,
+    path: str,
+) -> dict[str, Any]:
     """Latency through the router minus straight to the decode worker, at ``rate``/s."""
     ring = keys.KeyRing(keys.HTTP, os.environ[SERVICE_SECRET])
     hdr = {"content-type": "application/json"}
     n = args.latency_requests
     via = [json.dumps(body(args, rng, False)).encode() for _ in range(n)]
-    routed = await paced([lambda b=b: one(http, url + "/v1/completions", b, hdr)
-                          for b in via], rate)  # fmt: skip
+    routed = await paced(
+        [lambda b=b: one(http, url + "/v1/completions", b, hdr) for b in via], rate
+    )
     chained = urls["prefill"][:1] if HANDOFF.get(path) == "decode" else None
-    base = await paced([direct_call(http, urls["decode"][0], ring, body(args, rng, False), i,
-                                    chained) for i in range(n)], rate)  # fmt: skip
-    return {"paced_rps": round(rate, 1),
-            "added_p50_ms": round(pct(routed, 0.5) - pct(base, 0.5), 2),
-            "added_p99_ms": round(pct(routed, 0.99) - pct(base, 0.99), 2),
-            "routed_p50_ms": pct(routed, 0.5), "direct_p50_ms": pct(base, 0.5)}  # fmt: skip
+    base = await paced(
+        [
+            direct_call(http, urls["decode"][0], ring, body(args, rng, False), i, chained)
+            for i in range(n)
+        ],
+        rate,
+    )
+    return {
+        "paced_rps": round(rate, 1),
+        "added_p50_ms": round(pct(routed, 0.5) - pct(base, 0.5), 2),
+        "added_p99_ms": round(pct(routed, 0.99) - pct(base, 0.99), 2),
+        "routed_p50_ms": pct(routed, 0.5),
+        "direct_p50_ms": pct(base, 0.5),
+    }
 
 
 SUMMARY_KEYS = ("router_cpu_us_per_req", "rps", "router_writes_per_req", "added_p50_ms")
@@ -372,8 +476,7 @@ async def run_floor(args: argparse.Namespace, env: dict[str, str]) -> list[dict[
     with child([sys.executable, apps, "worker", str(wport)], env):
         for mode in FLOORS:
             port = free_port()
-            cmd = [args.router_python, apps, "front", str(port), mode,
-                   f"http://127.0.0.1:{wport}"]  # fmt: skip
+            cmd = [args.router_python, apps, "front", str(port), mode, f"http://127.0.0.1:{wport}"]
             url = f"http://127.0.0.1:{port}"
             with child(cmd, env, cpus=ROUTER_CPUS if args.pin else None) as front:
                 conn = aiohttp.TCPConnector(limit=0)
@@ -411,10 +514,12 @@ def compare(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (path, prompt, tree), row in rows.items():
         other = rows.get((path, prompt, "compare"))
         if tree == "main" and other is not None and other["router_cpu_us_per_req"]["median"]:
-            ratio = (row["router_cpu_us_per_req"]["median"]
-                     / other["router_cpu_us_per_req"]["median"])  # fmt: skip
-            out.append({"path": path, "prompt": prompt, "cpu_ratio_main_over_compare":
-                        round(ratio, 3)})  # fmt: skip
+            ratio = (
+                row["router_cpu_us_per_req"]["median"] / other["router_cpu_us_per_req"]["median"]
+            )
+            out.append(
+                {"path": path, "prompt": prompt, "cpu_ratio_main_over_compare": round(ratio, 3)}
+            )
     return out
 
 
@@ -429,8 +534,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     model = str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
     env = {**os.environ, SERVICE_SECRET: os.environ.get(SERVICE_SECRET) or os.urandom(16).hex()}
     os.environ[SERVICE_SECRET] = env[SERVICE_SECRET]
-    fakes_cmd = [sys.executable, str(Path(__file__).resolve()), "--fakes", "--workers",
-                 str(args.workers)]  # fmt: skip
+    fakes_cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--fakes",
+        "--workers",
+        str(args.workers),
+    ]
     if args.pin:  # the fakes (started below) inherit it
         os.sched_setaffinity(0, CLIENT_CPUS)
         result_pin = {"pinned": {"router": sorted(ROUTER_CPUS), "client": sorted(CLIENT_CPUS)}}
@@ -442,14 +552,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         urls = json.loads(await asyncio.to_thread(fakes.stdout.readline))
         trees = [("main", args.router_tree, args.router_python)]
         if args.compare_tree or args.compare_python:
-            trees.append(("compare", args.compare_tree or args.router_tree,
-                          args.compare_python or args.router_python))  # fmt: skip
+            trees.append(
+                (
+                    "compare",
+                    args.compare_tree or args.router_tree,
+                    args.compare_python or args.router_python,
+                )
+            )
         compared = len(trees) > 1
         for rnd in range(args.repeat):  # interleaved: a drift of the host hits every path
             for path in args.paths.split(","):
                 for tag, tree, python in trees:
-                    runs = await run_path(args, model, urls, env, path, free_port(), tree,
-                                          python)  # fmt: skip
+                    runs = await run_path(args, model, urls, env, path, free_port(), tree, python)
                     tagged = {"tree": tag} if compared else {}
                     result["runs"] += [{**r, **tagged, "round": rnd} for r in runs]
             if args.floor:
@@ -474,10 +588,13 @@ def plot(result: dict[str, Any], path: str) -> None:
     rows = [r for r in result["summary"] if r["prompt"] == "ids"]
     legs = sorted({r.get("tree", "main") for r in rows}, key=lambda t: t != "main")
     other = (result.get("python") or {}).get("compare")
-    names = {"main": "this venv's interpreter" if other else "this tree",
-             "compare": f"interpreter: {other}" if other else "compared tree"}  # fmt: skip
-    paths = [p for p in (*PATHS, *(f"floor-{f}" for f in FLOORS))
-             if any(r["path"] == p for r in rows)]  # fmt: skip
+    names = {
+        "main": "this venv's interpreter" if other else "this tree",
+        "compare": f"interpreter: {other}" if other else "compared tree",
+    }
+    paths = [
+        p for p in (*PATHS, *(f"floor-{f}" for f in FLOORS)) if any(r["path"] == p for r in rows)
+    ]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(legs)
     for k, leg in enumerate(legs):
@@ -485,8 +602,10 @@ def plot(result: dict[str, Any], path: str) -> None:
         xs = [i + (k - (len(legs) - 1) / 2) * width for i, p in enumerate(paths) if p in got]
         stats = [got[p] for p in paths if p in got]
         mid = [s["median"] for s in stats]
-        err = [[m - s["range"][0] for m, s in zip(mid, stats, strict=True)],
-               [s["range"][1] - m for m, s in zip(mid, stats, strict=True)]]  # fmt: skip
+        err = [
+            [m - s["range"][0] for m, s in zip(mid, stats, strict=True)],
+            [s["range"][1] - m for m, s in zip(mid, stats, strict=True)],
+        ]
         ax.bar(xs, mid, width, yerr=err, capsize=3, label=names.get(leg, leg))
     ax.axhline(GOAL_US, ls="--", color="tab:red", label="goal: 2,000 req/s per process")
     ax.set_xticks(range(len(paths)), paths, rotation=15)

@@ -69,8 +69,12 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
-    p.add_argument("--worker-port-base", type=int, default=8100,
-                   help="the workers' ports: prefill from here, decode from +100")  # fmt: skip
+    p.add_argument(
+        "--worker-port-base",
+        type=int,
+        default=8100,
+        help="the workers' ports: prefill from here, decode from +100",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -338,8 +342,9 @@ async def measure(
                 await via_router(h, url, model, ids[:200], args.max_tokens)
         prefix = await run_phase(h, routers["prefix"], model, workload(args, vocab, 2), args)
         rr = await run_phase(h, routers["rr"], model, workload(args, vocab, 3), args)
-        over = await overhead(h, routers["prefix"], cluster.urls("decode")[0], proxy_url,
-                              model, vocab, args)  # fmt: skip
+        over = await overhead(
+            h, routers["prefix"], cluster.urls("decode")[0], proxy_url, model, vocab, args
+        )
     summary = {**summarize("prefix", prefix), **summarize("rr", rr), **over}
     summary["ttft_p50_speedup"] = summary["rr_ttft_p50_ms"] / summary["prefix_ttft_p50_ms"]
     return summary, prefix, rr

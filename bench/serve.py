@@ -52,8 +52,11 @@ from serve_load import Load, run_point, served_model, warm_up  # noqa: E402
 from serve_peer import describe_peer, ours_threads  # noqa: E402
 from spread import spread  # noqa: E402
 
-SETUPS = {"default": [], "disagg": ["--prefill", "1", "--decode", "1"],
-          "colocated": ["--prefill", "0"]}  # fmt: skip
+SETUPS = {
+    "default": [],
+    "disagg": ["--prefill", "1", "--decode", "1"],
+    "colocated": ["--prefill", "0"],
+}
 RATIO_AT = 16
 
 
@@ -101,15 +104,34 @@ def model_dir(args: argparse.Namespace) -> str:
 def start_ours(
     setup: str, model: str, args: argparse.Namespace
 ) -> tuple[subprocess.Popen, str, list[str]]:  # type: ignore[type-arg]
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", model, "--dtype", args.dtype,
-            "--port", str(args.port), "--worker-port-base", str(args.port + 100),
-            "--worker-arg=--no-prefix-caching", *SETUPS[setup],
-            *(f"--worker-arg={a}" for a in args.worker_arg)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--model",
+        model,
+        "--dtype",
+        args.dtype,
+        "--port",
+        str(args.port),
+        "--worker-port-base",
+        str(args.port + 100),
+        "--worker-arg=--no-prefix-caching",
+        *SETUPS[setup],
+        *(f"--worker-arg={a}" for a in args.worker_arg),
+    ]
     # as shipped: the cluster's own core zygote (a caller's, e.g. the test session's, is not
     # the set-up measured; its cores would not be counted under `pdserve up` either)
     environ = {k: v for k, v in os.environ.items() if k != "PDSERVE_CORE_ZYGOTE"}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=environ)  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=environ,
+    )
     lines: list[str] = []
     deadline = time.monotonic() + 600
     assert proc.stdout is not None
@@ -185,8 +207,9 @@ def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-async def interleaved(peer_url: str, url: str, load: Load, args: argparse.Namespace
-                      ) -> list[dict[str, Any]]:  # fmt: skip
+async def interleaved(
+    peer_url: str, url: str, load: Load, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     """``--repeats`` rounds of (peer, ours) at each concurrency: drifting load from other
     jobs on the host falls on both sides alike."""
     peer_model, model = await served_model(peer_url), await served_model(url)
@@ -198,9 +221,15 @@ async def interleaved(peer_url: str, url: str, load: Load, args: argparse.Namesp
             before = load_avg()
             peer = await run_point(peer_url, peer_model, load, c)
             ours = await run_point(url, model, load, c)
-            row = {"rep": rep, "concurrency": c, "peer": peer, "ours": ours,
-                   "ratio": round(ours["output_tok_s"] / peer["output_tok_s"], 3),
-                   "load_avg_before": before, "load_avg_after": load_avg()}  # fmt: skip
+            row = {
+                "rep": rep,
+                "concurrency": c,
+                "peer": peer,
+                "ours": ours,
+                "ratio": round(ours["output_tok_s"] / peer["output_tok_s"], 3),
+                "load_avg_before": before,
+                "load_avg_after": load_avg(),
+            }
             print(f"  rep {rep} c={c}: {json.dumps(row)}", file=sys.stderr)
             reps.append(row)
     return reps
@@ -210,19 +239,24 @@ def summarize_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
     at = RATIO_AT if any(r["concurrency"] == RATIO_AT for r in reps) else reps[-1]["concurrency"]
     rows = [r for r in reps if r["concurrency"] == at]
     ratio = spread([r["ratio"] for r in rows])
-    return {"ratio_at_concurrency": at, "peer_ratio": ratio["median"],
-            "peer_ratio_range": ratio["range"],
-            "peer_tok_s": spread([r["peer"]["output_tok_s"] for r in rows]),
-            "ours_tok_s": spread([r["ours"]["output_tok_s"] for r in rows]),
-            "ours_tpot_p50_ms": spread([r["ours"]["tpot_p50_ms"] for r in rows]),
-            "peer_tpot_p50_ms": spread([r["peer"]["tpot_p50_ms"] for r in rows])}  # fmt: skip
+    return {
+        "ratio_at_concurrency": at,
+        "peer_ratio": ratio["median"],
+        "peer_ratio_range": ratio["range"],
+        "peer_tok_s": spread([r["peer"]["output_tok_s"] for r in rows]),
+        "ours_tok_s": spread([r["ours"]["output_tok_s"] for r in rows]),
+        "ours_tpot_p50_ms": spread([r["ours"]["tpot_p50_ms"] for r in rows]),
+        "peer_tpot_p50_ms": spread([r["peer"]["tpot_p50_ms"] for r in rows]),
+    }
 
 
 def run_peer_mode(args: argparse.Namespace, model: str, load: Load) -> dict[str, Any]:
     setup = args.setups[0]
     peer = asyncio.run(describe_peer(args.peer_url))
-    print(f"peer {args.peer_name} {args.peer_url}: {peer['model_path']} {peer['dtype']}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"peer {args.peer_name} {args.peer_url}: {peer['model_path']} {peer['dtype']}",
+        file=sys.stderr,
+    )
     proc, url, lines = start_ours(setup, model, args)
     try:
         ours = ours_threads(proc.pid)
@@ -230,9 +264,16 @@ def run_peer_mode(args: argparse.Namespace, model: str, load: Load) -> dict[str,
         reps = asyncio.run(interleaved(args.peer_url, url, load, args))
     finally:
         stop(proc)
-    return {"config": setup, "config_args": [*SETUPS[setup], *args.worker_arg],
-            "peer_name": args.peer_name, "peer": peer, "ours_threads": ours,
-            "repeats": args.repeats, "reps": reps, **summarize_reps(reps)}  # fmt: skip
+    return {
+        "config": setup,
+        "config_args": [*SETUPS[setup], *args.worker_arg],
+        "peer_name": args.peer_name,
+        "peer": peer,
+        "ours_threads": ours,
+        "repeats": args.repeats,
+        "reps": reps,
+        **summarize_reps(reps),
+    }
 
 
 def main() -> int:
@@ -240,11 +281,17 @@ def main() -> int:
     model = model_dir(args)
     load = Load(args.num_prompts, args.input_len, args.output_len)
     start_load = load_avg()
-    out: dict[str, Any] = {"model": Path(model).name, "model_path": model, "dtype": args.dtype,
-                           "input_len": args.input_len, "output_len": args.output_len,
-                           "num_prompts": args.num_prompts, "quick": args.quick,
-                           "bench_torch_threads": os.environ.get("OMP_NUM_THREADS"),
-                           "cores": len(os.sched_getaffinity(0))}  # fmt: skip
+    out: dict[str, Any] = {
+        "model": Path(model).name,
+        "model_path": model,
+        "dtype": args.dtype,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_prompts": args.num_prompts,
+        "quick": args.quick,
+        "bench_torch_threads": os.environ.get("OMP_NUM_THREADS"),
+        "cores": len(os.sched_getaffinity(0)),
+    }
     results: dict[str, list[dict[str, Any]]] = {}
     if args.peer_url:
         out.update(run_peer_mode(args, model, load))
@@ -260,8 +307,10 @@ def main() -> int:
         finally:
             stop(proc)
     out.update(results=results, load_avg_start=start_load, load_avg_end=load_avg())
-    title = (f"{Path(model).name}, {args.dtype}, random {args.input_len} in / {args.output_len} "
-             f"out, {args.num_prompts} prompts per point, load avg {start_load[0]}")  # fmt: skip
+    title = (
+        f"{Path(model).name}, {args.dtype}, random {args.input_len} in / {args.output_len} "
+        f"out, {args.num_prompts} prompts per point, load avg {start_load[0]}"
+    )
     plot(args.plot, results, title)
     print(json.dumps(out))
     return 0

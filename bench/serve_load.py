@@ -47,9 +47,14 @@ async def _one(
     session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], out_len: int
 ) -> Sample:
     body = {
-        "model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0.0,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": out_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     ttft = None
     tokens = 0

@@ -26,13 +26,27 @@ from pdserve.engine.tiny_model import PRESETS, Preset
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES: dict[str, Preset] = {
-    "wide-vocab": Preset(vocab_size=32768, hidden_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=704,
-                         max_position_embeddings=2048, corpus_chars=8_000_000),
-    "deep-narrow": Preset(vocab_size=3072, hidden_size=256, num_hidden_layers=24,
-                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=704,
-                          max_position_embeddings=2048, corpus_chars=1_500_000),
-}  # fmt: skip
+    "wide-vocab": Preset(
+        vocab_size=32768,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=704,
+        max_position_embeddings=2048,
+        corpus_chars=8_000_000,
+    ),
+    "deep-narrow": Preset(
+        vocab_size=3072,
+        hidden_size=256,
+        num_hidden_layers=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=704,
+        max_position_embeddings=2048,
+        corpus_chars=1_500_000,
+    ),
+}
 NAMES = (*PRESETS, *SHAPES)
 
 
@@ -57,9 +71,13 @@ def model_dir(name: str, root: Path | None = None) -> Path:
         model = tiny_model.build_model(preset, max(preset.vocab_size, len(tok)), ids, seed=0)
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        meta = {"shape": name, "seed": 0, "preset_config": asdict(preset),
-                "num_parameters": sum(p.numel() for p in model.parameters()),
-                "tokenizer_size": len(tok)}  # fmt: skip
+        meta = {
+            "shape": name,
+            "seed": 0,
+            "preset_config": asdict(preset),
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+            "tokenizer_size": len(tok),
+        }
         (tmp / tiny_model.MARKER).write_text(json.dumps(meta, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)

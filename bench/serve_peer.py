@@ -20,9 +20,17 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND",
-              "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE", "KMP_BLOCKTIME",
-              "OMP_WAIT_POLICY", "PDSERVE_ENFORCE_EAGER", "PDSERVE_CPU_LINEAR")  # fmt: skip
+THREAD_ENV = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "KMP_BLOCKTIME",
+    "OMP_WAIT_POLICY",
+    "PDSERVE_ENFORCE_EAGER",
+    "PDSERVE_CPU_LINEAR",
+)
 
 
 async def model_card(url: str) -> dict[str, Any]:
@@ -112,9 +120,14 @@ def process_threads(pid: int) -> dict[str, Any] | None:
         affinity = sorted(os.sched_getaffinity(pid))
     except OSError:
         affinity = []
-    return {"pid": pid, "argv": [a for a in argv if a][:40], "os_threads": threads,
-            "affinity": affinity, "cpu_threads_arg": _flag(argv, "--cpu-threads"),
-            "env": {k: env[k] for k in THREAD_ENV if k in env}}  # fmt: skip
+    return {
+        "pid": pid,
+        "argv": [a for a in argv if a][:40],
+        "os_threads": threads,
+        "affinity": affinity,
+        "cpu_threads_arg": _flag(argv, "--cpu-threads"),
+        "env": {k: env[k] for k in THREAD_ENV if k in env},
+    }
 
 
 def side_threads(root_pid: int | None) -> list[dict[str, Any]]:
@@ -139,14 +152,19 @@ async def describe_peer(url: str) -> dict[str, Any]:
         dtype, source = _flag(procs[0]["argv"], "--dtype") or "auto", "its command line"
     if dtype == "auto":
         dtype, source = _config_dtype(path), "auto: the model's config.json"
-    return {"url": url, "model_path": path, "model_card": card, "dtype": dtype,
-            "dtype_from": source if dtype else "unknown (not in /v1/models, not local)",
-            "pid": pid, "processes": procs}  # fmt: skip
+    return {
+        "url": url,
+        "model_path": path,
+        "model_card": card,
+        "dtype": dtype,
+        "dtype_from": source if dtype else "unknown (not in /v1/models, not local)",
+        "pid": pid,
+        "processes": procs,
+    }
 
 
 def ours_threads(session_pid: int) -> dict[str, Any]:
     """Our side: the ``pdserve up`` process and its workers and routers."""
     procs = side_threads(session_pid)
     workers = [p for p in procs if "--cpu-threads" in p["argv"] or p["cpu_threads_arg"]]
-    return {"cpu_threads_per_worker": [p["cpu_threads_arg"] for p in workers],
-            "processes": procs}  # fmt: skip
+    return {"cpu_threads_per_worker": [p["cpu_threads_arg"] for p in workers], "processes": procs}

@@ -51,8 +51,16 @@ SEEDS_FULL = (0, 1, 2)
 HEADLINE_TPOT_S = 0.012
 
 
-def _case(name: str, lengths: tuple, slo: SLO, hi: float, quick: bool, full_s: float,
-          chunks: tuple[int, ...], counts: tuple[int, ...] = PREFILL_COUNTS) -> dict:  # fmt: skip
+def _case(
+    name: str,
+    lengths: tuple,
+    slo: SLO,
+    hi: float,
+    quick: bool,
+    full_s: float,
+    chunks: tuple[int, ...],
+    counts: tuple[int, ...] = PREFILL_COUNTS,
+) -> dict:
     run = (full_s / 16, 5, (0,), hi) if quick else (full_s, 9, SEEDS_FULL, hi)
     chunk, colocated, per_chunk = colocated_best(lengths, slo, run, chunks)
     per_seed = {f"0:{REPLICAS}": colocated}
@@ -99,12 +107,26 @@ def mix_section(quick: bool) -> dict:
     # prompts is already ~10k requests per point
     chunks = (8192,) if quick else CHUNKS
     slo = SLO(2.0, HEADLINE_TPOT_S)
-    strict = _case("long_prompts_short_outputs_strict_tpot", summary, slo, 24.0, quick, 240.0,
-                   chunks, SHORT_OUTPUT_PREFILL_COUNTS)  # fmt: skip
-    long = _case("long_prompts_long_outputs_strict_tpot", long_out, slo, 16.0, quick, 240.0,
-                 chunks)  # fmt: skip
-    loose = _case("short_prompts_loose_tpot", short, SLO(1.0, 0.1), 800.0, quick, 30.0,
-                  (PROFILE.prefill.chunk_tokens,))  # fmt: skip
+    strict = _case(
+        "long_prompts_short_outputs_strict_tpot",
+        summary,
+        slo,
+        24.0,
+        quick,
+        240.0,
+        chunks,
+        SHORT_OUTPUT_PREFILL_COUNTS,
+    )
+    long = _case("long_prompts_long_outputs_strict_tpot", long_out, slo, 16.0, quick, 240.0, chunks)
+    loose = _case(
+        "short_prompts_loose_tpot",
+        short,
+        SLO(1.0, 0.1),
+        800.0,
+        quick,
+        30.0,
+        (PROFILE.prefill.chunk_tokens,),
+    )
     # the curve tries every mix: at 1.1-1.2x one step the decode pool needs most replicas
     curve = tpot_sweep(summary, 2.0, quick, tuple(range(1, REPLICAS)))
     curve_long = [] if quick else tpot_sweep(long_out, 2.0, quick)

@@ -122,18 +122,20 @@ def tpot_sweep(
         ceiling = fluid_ceiling(
             PROFILE, float(lengths[0].mean()), float(lengths[1].mean()), slo.tpot_s
         )
-        rows.append({
-            "tpot_ms": round(slo.tpot_s * 1e3, 2),
-            "step_multiple": m,
-            "decode_batch_at_tpot": round((slo.tpot_s - a) / b, 1),  # B = (T - a) / b
-            "ratio": round(dis[best] / col[0], 3) if col[0] > 0 else None,
-            "fluid_ceiling": round(ceiling, 3),
-            "best_mix": best,
-            "disagg": round(dis[best], 3),
-            "colocated": round(col[0], 3),
-            "colocated_chunk": chunk,
-            "colocated_per_chunk": col_chunks,
-        })  # fmt: skip
+        rows.append(
+            {
+                "tpot_ms": round(slo.tpot_s * 1e3, 2),
+                "step_multiple": m,
+                "decode_batch_at_tpot": round((slo.tpot_s - a) / b, 1),  # B = (T - a) / b
+                "ratio": round(dis[best] / col[0], 3) if col[0] > 0 else None,
+                "fluid_ceiling": round(ceiling, 3),
+                "best_mix": best,
+                "disagg": round(dis[best], 3),
+                "colocated": round(col[0], 3),
+                "colocated_chunk": chunk,
+                "colocated_per_chunk": col_chunks,
+            }
+        )
     return rows
 
 
@@ -145,15 +147,28 @@ def plot_curve(curves: dict[str, list[dict]], headline: float, path: str) -> str
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for k, (label, curve) in enumerate(curves.items()):
         m = [r["step_multiple"] for r in curve]
-        ax.plot(m, [r["ratio"] or 0.0 for r in curve], "o-", color=f"C{k}",
-                label=f"{label}: measured (step simulator)")  # fmt: skip
-        ax.plot(m, [min(r["fluid_ceiling"], 5.0) for r in curve], "s--", color=f"C{k}",
-                alpha=0.5, label=f"{label}: fluid ceiling")  # fmt: skip
+        ax.plot(
+            m,
+            [r["ratio"] or 0.0 for r in curve],
+            "o-",
+            color=f"C{k}",
+            label=f"{label}: measured (step simulator)",
+        )
+        ax.plot(
+            m,
+            [min(r["fluid_ceiling"], 5.0) for r in curve],
+            "s--",
+            color=f"C{k}",
+            alpha=0.5,
+            label=f"{label}: fluid ceiling",
+        )
     ax.axhline(2.0, color="grey", lw=0.8, ls=":")
     ax.axvline(headline, color="C3", lw=0.8, ls=":", label="headline TPOT (12 ms)")
-    ax.set(xlabel="TPOT target / one decode step at 8k context",
-           ylabel="best P:D mix / colocated goodput",
-           title=f"long prompts (8k), {REPLICAS} replicas, H100 profile")  # fmt: skip
+    ax.set(
+        xlabel="TPOT target / one decode step at 8k context",
+        ylabel="best P:D mix / colocated goodput",
+        title=f"long prompts (8k), {REPLICAS} replicas, H100 profile",
+    )
     ax.legend(fontsize=7)
     figures.save(fig, path, dpi=90)
     return path

@@ -77,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     eargs = ep.parse_args(["--model", args.model, "--device", "cpu", "--cpu-threads", "1"])
     engine = LLMEngine(engine_config_from_args(eargs))
     probe = MixedProbe(engine, clock=time.thread_time)
-    lengths, batches, contexts = ([64, 256, 512], [1, 4], [64, 128]) if args.quick else (
-        [64, 128, 256, 512, 1024], [1, 4, 8], [64, 128])  # fmt: skip
+    lengths, batches, contexts = (
+        ([64, 256, 512], [1, 4], [64, 128])
+        if args.quick
+        else ([64, 128, 256, 512, 1024], [1, 4, 8], [64, 128])
+    )
     prof = measure(probe, lengths, batches, contexts, repeats=args.repeats)
     grid = [(b, c, n) for b in (1, 8) for c in (64, 256) for n in (128, 512, 1024)]
     if args.quick:
@@ -93,13 +96,19 @@ def main(argv: list[str] | None = None) -> int:
         alone = min(probe.prefill_seconds(carried) for _ in range(args.repeats))
         pred = predictions(prof, b, c, carried)
         rule = dec + alone - prof.prefill.chunk_overhead_s  # the rule on timed parts
-        rows.append({"batch": b, "context": c, "chunk": carried,
-                     "measured_ms": round(seconds * 1e3, 3),
-                     "decode_alone_ms": round(dec * 1e3, 3),
-                     "chunk_alone_ms": round(alone * 1e3, 3),
-                     **{f"{k}_ms": round(v * 1e3, 3) for k, v in pred.items()},
-                     "additive_error": round(pred["additive"] / seconds - 1, 3),
-                     "rule_on_timed_parts_error": round(rule / seconds - 1, 3)})  # fmt: skip
+        rows.append(
+            {
+                "batch": b,
+                "context": c,
+                "chunk": carried,
+                "measured_ms": round(seconds * 1e3, 3),
+                "decode_alone_ms": round(dec * 1e3, 3),
+                "chunk_alone_ms": round(alone * 1e3, 3),
+                **{f"{k}_ms": round(v * 1e3, 3) for k, v in pred.items()},
+                "additive_error": round(pred["additive"] / seconds - 1, 3),
+                "rule_on_timed_parts_error": round(rule / seconds - 1, 3),
+            }
+        )
         print(json.dumps(rows[-1]), file=sys.stderr)
     errors = np.array([r["additive_error"] for r in rows])
     parts = np.array([r["rule_on_timed_parts_error"] for r in rows])
@@ -107,13 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         "mixed_step_additive_error_mean": round(float(errors.mean()), 3),
         "mixed_step_additive_error_abs_max": round(float(np.abs(errors).max()), 3),
         "mixed_step_rule_on_timed_parts_error_mean": round(float(parts.mean()), 3),
-        "profile": {"prefill_tokens_per_s": round(prof.prefill.tokens_per_s, 1),
-                    "chunk_overhead_ms": round(prof.prefill.chunk_overhead_s * 1e3, 3),
-                    "decode_step_base_ms": round(prof.decode.step_base_s * 1e3, 3)},
+        "profile": {
+            "prefill_tokens_per_s": round(prof.prefill.tokens_per_s, 1),
+            "chunk_overhead_ms": round(prof.prefill.chunk_overhead_s * 1e3, 3),
+            "decode_step_base_ms": round(prof.decode.step_base_s * 1e3, 3),
+        },
         "rows": rows,
         "load_average": round(os.getloadavg()[0], 2),
         "quick": args.quick,
-    }  # fmt: skip
+    }
     if not args.no_plot:
         print(f"plot: {plot(rows, args.out_dir)}", file=sys.stderr)
     print(json.dumps(out))
@@ -128,8 +139,11 @@ def plot(rows: list[dict], out_dir: str) -> Path:
         ax.scatter(measured, [r[f"{key}_ms"] for r in rows], marker=mark, label=key)
     top = max(max(measured), *(r["two_steps_ms"] for r in rows)) * 1.1
     ax.plot([0, top], [0, top], "k--", lw=0.8)
-    ax.set(xlabel="measured mixed step (ms, engine CPU)", ylabel="model (ms)",
-           title="decode batch + prefill chunk in one step")  # fmt: skip
+    ax.set(
+        xlabel="measured mixed step (ms, engine CPU)",
+        ylabel="model (ms)",
+        title="decode batch + prefill chunk in one step",
+    )
     ax.legend()
     path = Path(out_dir) / "sim_mixed_step.png"
     save(fig, path, 90)

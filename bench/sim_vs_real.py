@@ -97,9 +97,12 @@ def up_flags(args: argparse.Namespace, profile: str, port: int) -> list[str]:
         "--unready-hold",
         str(getattr(args, "unready_hold", 0.0)),
         # and those before the start-up cap without one (sim_vs_real_record.load)
-        *(["--max-starting", str(args.max_starting)] if getattr(args, "max_starting", None)
-          is not None else []),
-    ]  # fmt: skip
+        *(
+            ["--max-starting", str(args.max_starting)]
+            if getattr(args, "max_starting", None) is not None
+            else []
+        ),
+    ]
 
 
 def measure_profile(model: str, out: str, quick: bool) -> None:
@@ -198,16 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     out["sim_own_cores"] = stats(own.ttft, own.replica_s)
     # the host model before it stretched bursts (planner/sim/host.py: queueing), for comparison
     unqueued = replace(host, queueing=False)
-    flat_q = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=unqueued,
-                    max_starting=cap)  # fmt: skip
+    flat_q = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=unqueued, max_starting=cap)
     out["sim_without_queueing"] = stats(flat_q.ttft, flat_q.replica_s)
     out["sim_without_queueing"]["ttft_p90_error"] = error(
         out["sim_without_queueing"]["ttft_p90_s"], out["real"]["ttft_p90_s"]
     )
     if host.our_weights:  # the sessions counted: what the per-process model would say
         flat = measure_host(dump, cfg.profile, int(trace.arrival.size), end, autogroup=False)
-        sim_flat = replay(trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=flat,
-                          max_starting=cap)  # fmt: skip
+        sim_flat = replay(
+            trace, cfg, (1, 1), startup, INTERVAL_S, drain, host=flat, max_starting=cap
+        )
         flat_stats = stats(sim_flat.ttft, sim_flat.replica_s)
         flat_stats["ttft_p90_error"] = error(flat_stats["ttft_p90_s"], out["real"]["ttft_p90_s"])
         out["sim_per_process_nice"] = flat_stats
@@ -298,9 +301,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--unready-hold", type=float, default=30.0, help="the planner's hold for starting workers"
     )
     ap.add_argument(
-        "--max-starting", type=int, default=None,
+        "--max-starting",
+        type=int,
+        default=None,
         help="workers pdserve up starts at once (default: its own on this host; recorded)",
-    )  # fmt: skip
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"))
     ap.add_argument("--no-plot", action="store_true")

@@ -254,8 +254,9 @@ class CpuSampler:
                 if role in named:
                     continue
                 try:
-                    reply = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=0.5,
-                                      auth=SignedAuth(self.secret))  # fmt: skip
+                    reply = httpx.get(
+                        f"http://127.0.0.1:{port}/stats", timeout=0.5, auth=SignedAuth(self.secret)
+                    )
                     core = int(reply.json().get("core_pid", 0))
                 except (httpx.HTTPError, ValueError, AttributeError):
                     continue  # not ready yet: asked again at the next sample

@@ -110,12 +110,14 @@ def _jobs(
     hogs = {pid for pid, u in per_pid.items() if is_hog(u, kept.size)}
     if ours:
         return tuple(
-            tuple(autogroup_entities(
-                [(pid, c / span[i], *about[pid], pid in hogs) for pid, c in used[i].items()],
-                our,
-            ))
+            tuple(
+                autogroup_entities(
+                    [(pid, c / span[i], *about[pid], pid in hogs) for pid, c in used[i].items()],
+                    our,
+                )
+            )
             for i, our in zip(kept, ours, strict=True)
-        )  # fmt: skip
+        )
     return tuple(
         tuple(
             g
@@ -213,9 +215,13 @@ def backlogged_share(
 
 
 def backlogged_cost(
-    dump: dict, arrival: np.ndarray, ttft: np.ndarray, prompt: np.ndarray, end_s: float,
+    dump: dict,
+    arrival: np.ndarray,
+    ttft: np.ndarray,
+    prompt: np.ndarray,
+    end_s: float,
     profile: Profile,
-) -> tuple[float, int]:  # fmt: skip
+) -> tuple[float, int]:
     """The prefill engines' CPU per request served while queued, over what the profile
     says those requests cost (its fluid work: the simulator's), and how many were served.
     The profile is CPU time on an idle engine; on a machine at load average 25-28 the same
@@ -228,8 +234,9 @@ def backlogged_cost(
     for t, dt, used, _ in _queued_periods(dump, arrival, ttft, end_s):
         done = np.isfinite(first) & (first >= t) & (first < t + dt)
         cpu += used
-        work += float((per_token * prompt[done] + p.attention_s_per_token_sq * prompt[done] ** 2)
-                      .sum())  # fmt: skip
+        work += float(
+            (per_token * prompt[done] + p.attention_s_per_token_sq * prompt[done] ** 2).sum()
+        )
         served += int(done.sum())
     return (cpu / work if work > 0 else 1.0), served
 
@@ -295,9 +302,12 @@ def runnable_threads(host: Host, share: float) -> Host:
     threads = float(host.background.mean()) / share
     one = np.array([0.0])
     return replace(
-        host, background_t=one, background=np.array([float(host.background.mean())]),
-        background_groups=(((threads, 1.0, w),),), our_weights=(w,),
-    )  # fmt: skip
+        host,
+        background_t=one,
+        background=np.array([float(host.background.mean())]),
+        background_groups=(((threads, 1.0, w),),),
+        our_weights=(w,),
+    )
 
 
 def probe_consistent(host: Host, dump: dict, profile: Profile) -> Host:

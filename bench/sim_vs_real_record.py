@@ -20,10 +20,31 @@ from pathlib import Path
 import numpy as np
 from sim_vs_real_up import RealRun
 
-TRACE_ARGS = ("model", "low", "high", "seed", "quick", "drain", "slo_ttft_ms", "slo_tpot_ms",
-              "worker_startup", "unready_hold", "max_starting")  # fmt: skip
-REAL_FIELDS = ("replica_s", "times", "workers", "startup_s", "startup_source", "failed", "peak",
-               "errors", "cpu", "nice_up")  # fmt: skip
+TRACE_ARGS = (
+    "model",
+    "low",
+    "high",
+    "seed",
+    "quick",
+    "drain",
+    "slo_ttft_ms",
+    "slo_tpot_ms",
+    "worker_startup",
+    "unready_hold",
+    "max_starting",
+)
+REAL_FIELDS = (
+    "replica_s",
+    "times",
+    "workers",
+    "startup_s",
+    "startup_source",
+    "failed",
+    "peak",
+    "errors",
+    "cpu",
+    "nice_up",
+)
 
 
 def save(work: Path, args: argparse.Namespace, real: RealRun, profile: str) -> None:

@@ -59,9 +59,13 @@ def pair_errors(a: Recording, b: Recording, simulate: bool = True) -> dict[str, 
 def summary(errors: list[float]) -> dict[str, float]:
     x = np.array(errors)
     q1, med, q3 = np.percentile(x, [25, 50, 75])
-    return {"median": round(float(med), 3), "q1": round(float(q1), 3),
-            "q3": round(float(q3), 3), "share_within_goal": round(float(np.mean(x <= GOAL)), 3),
-            "pairs": int(x.size)}  # fmt: skip
+    return {
+        "median": round(float(med), 3),
+        "q1": round(float(q1), 3),
+        "q3": round(float(q3), 3),
+        "share_within_goal": round(float(np.mean(x <= GOAL)), 3),
+        "pairs": int(x.size),
+    }
 
 
 def describe_run(r: Recording) -> dict:
@@ -89,11 +93,11 @@ def check_same_trace(runs: list[Recording]) -> None:
         for k in keys:
             if r.meta[k] != first.meta[k]:
                 theirs = f"{first.dir.name}'s {first.meta[k]}"
-                raise SystemExit(f"{r.dir.name}: {k} {r.meta[k]} differs from {theirs}: "
-                                 "not the same trace")  # fmt: skip
+                raise SystemExit(
+                    f"{r.dir.name}: {k} {r.meta[k]} differs from {theirs}: not the same trace"
+                )
         if _flags(r) != _flags(first):
-            raise SystemExit(f"{r.dir.name}: pdserve up ran with other flags than "
-                             f"{first.dir.name}")  # fmt: skip
+            raise SystemExit(f"{r.dir.name}: pdserve up ran with other flags than {first.dir.name}")
 
 
 LOCAL = ("--model", "--port", "--worker-port-base")  # where it ran, not how
@@ -140,8 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     for a, b in itertools.permutations(runs, 2):
         errors = pair_errors(a, b, simulate=not args.no_sim)
         pairs.append({"from": a.dir.name, "to": b.dir.name, **errors})
-        print(f"{a.dir.name} -> {b.dir.name}: "
-              + ", ".join(f"{k} {v:.3f}" for k, v in errors.items()), flush=True)  # fmt: skip
+        print(
+            f"{a.dir.name} -> {b.dir.name}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in errors.items()),
+            flush=True,
+        )
     out: dict = {
         f"{side}_ttft_p90_error_scaling": summary([p[side] for p in pairs])
         for side in pairs[0]

@@ -118,8 +118,13 @@ def staircase(seed: int, rates: tuple = RATES, phases: tuple = PHASES) -> Trace:
 
 def scaling_flags(model: str, port: int) -> list[str]:
     """sim_vs_real.py's ``pdserve up`` flags with pools of 1..3 and a 200 ms TTFT SLO."""
-    ns = argparse.Namespace(model=model, slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=SLO_TPOT_MS,
-                            worker_startup=8.0, unready_hold=30.0)  # fmt: skip
+    ns = argparse.Namespace(
+        model=model,
+        slo_ttft_ms=SLO_TTFT_MS,
+        slo_tpot_ms=SLO_TPOT_MS,
+        worker_startup=8.0,
+        unready_hold=30.0,
+    )
     flags = up_flags(ns, PROFILE_MARK, port)
     for name in ("--prefill-max", "--decode-max"):
         flags[flags.index(name) + 1] = str(POOL_MAX)
@@ -147,8 +152,9 @@ def record_real(
     # (whatever their processes' nice), so ours, lowered to 10, got a tenth of their share
     # and the engines ~2% of a core (the first calibration attempt, 12:08, never finished)
     drain_s = float(shape["drain_s"])
-    real = run_real(with_profile(flags, profile), port, trace, drain_s, work, polite=False,
-                    zygote=zygote)  # fmt: skip
+    real = run_real(
+        with_profile(flags, profile), port, trace, drain_s, work, polite=False, zygote=zygote
+    )
     meta = {
         "date": date,
         "seed": seed,
@@ -158,10 +164,21 @@ def record_real(
         "flags": flags,
         "core_zygote": zygote,
         "load_average_before_after": [list(before), list(os.getloadavg())],
-        "real": {k: getattr(real, k) for k in ("replica_s", "times", "workers", "startup_s",
-                                                "startup_source", "failed", "peak", "errors")},
+        "real": {
+            k: getattr(real, k)
+            for k in (
+                "replica_s",
+                "times",
+                "workers",
+                "startup_s",
+                "startup_source",
+                "failed",
+                "peak",
+                "errors",
+            )
+        },
         **extra,
-    }  # fmt: skip
+    }
     (work / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
 
@@ -213,23 +230,36 @@ class Recording:
         """The prefill engines' CPU per request served while queued over the profile's
         (sim_vs_real_host.backlogged_cost); 1 under MIN_SERVED requests so measured."""
         profile = self.config(self.dir / "profile.json").profile
-        ratio, served = backlogged_cost(self.dump, self.trace.arrival, self.ttft_all,
-                                        self.trace.prompt.astype(float), self.end_s,
-                                        profile)  # fmt: skip
-        return {"ratio": ratio if served >= MIN_SERVED else 1.0, "measured": round(ratio, 3),
-                "served_queued": served}  # fmt: skip
+        ratio, served = backlogged_cost(
+            self.dump,
+            self.trace.arrival,
+            self.ttft_all,
+            self.trace.prompt.astype(float),
+            self.end_s,
+            profile,
+        )
+        return {
+            "ratio": ratio if served >= MIN_SERVED else 1.0,
+            "measured": round(ratio, 3),
+            "served_queued": served,
+        }
 
     def runnable_share(self, host: Host) -> dict:
         """A prefill engine's share of a core while it had a queue (sim_vs_real_host), and
         the engine-seconds it was measured over; under MIN_BACKLOG_S of them (no queue
         built), a starting worker's (also always runnable: imports, weights, warm-up)."""
-        share, seconds = backlogged_share(self.dump, self.trace.arrival, self.ttft_all,
-                                          self.end_s)  # fmt: skip
+        share, seconds = backlogged_share(self.dump, self.trace.arrival, self.ttft_all, self.end_s)
         if seconds < MIN_BACKLOG_S:
-            return {"share": host.startup_cores, "source": "starting workers",
-                    "backlog_engine_s": round(seconds, 1)}  # fmt: skip
-        return {"share": share, "source": "prefill engines with a queue",
-                "backlog_engine_s": round(seconds, 1)}  # fmt: skip
+            return {
+                "share": host.startup_cores,
+                "source": "starting workers",
+                "backlog_engine_s": round(seconds, 1),
+            }
+        return {
+            "share": share,
+            "source": "prefill engines with a queue",
+            "backlog_engine_s": round(seconds, 1),
+        }
 
     def args(self, profile: Path) -> argparse.Namespace:
         parser = argparse.ArgumentParser()
@@ -287,25 +317,40 @@ def predict(
         truth = scaled_prefill(cfg.profile, source.prefill_cost()["ratio"])
     if speed != 1.0:
         truth = slowed_engines(truth or cfg.profile, speed)
-    return replay(scored.trace, cfg, (1, 1), startup, INTERVAL_S, drain_s, host=host,
-                  truth=truth, max_starting=scored.max_starting)  # fmt: skip
+    return replay(
+        scored.trace,
+        cfg,
+        (1, 1),
+        startup,
+        INTERVAL_S,
+        drain_s,
+        host=host,
+        truth=truth,
+        max_starting=scored.max_starting,
+    )
 
 
 def scaled_prefill(profile: Profile, ratio: float) -> Profile:
     """``profile`` with every prefill cost ``ratio`` times the profile's."""
     p = profile.prefill
-    prefill = replace(p, chunk_overhead_s=p.chunk_overhead_s * ratio,
-                      tokens_per_s=p.tokens_per_s / ratio,
-                      attention_s_per_token_sq=p.attention_s_per_token_sq * ratio)  # fmt: skip
+    prefill = replace(
+        p,
+        chunk_overhead_s=p.chunk_overhead_s * ratio,
+        tokens_per_s=p.tokens_per_s / ratio,
+        attention_s_per_token_sq=p.attention_s_per_token_sq * ratio,
+    )
     return replace(profile, prefill=prefill)
 
 
 def slowed_engines(profile: Profile, factor: float) -> Profile:
     """``profile`` with every engine cost, prefill and decode, ``factor`` times longer."""
     d = profile.decode
-    decode = replace(d, step_base_s=d.step_base_s * factor,
-                     step_per_seq_s=d.step_per_seq_s * factor,
-                     step_per_kv_token_s=d.step_per_kv_token_s * factor)  # fmt: skip
+    decode = replace(
+        d,
+        step_base_s=d.step_base_s * factor,
+        step_per_seq_s=d.step_per_seq_s * factor,
+        step_per_kv_token_s=d.step_per_kv_token_s * factor,
+    )
     return replace(scaled_prefill(profile, factor), decode=decode)
 
 
@@ -313,8 +358,10 @@ def speed_hindsight(scored: Recording, calibration: Recording) -> dict:
     """The prediction with one number from the scored run: the engine CPU its requests
     took over the calibration's (the host's speed, which moved x0.87-1.33 between runs
     five minutes apart). Not the prediction: how much of its error is that number."""
-    ratio = (scored.work_cpu()["engine_cpu_ms_per_request"]
-             / calibration.work_cpu()["engine_cpu_ms_per_request"])  # fmt: skip
+    ratio = (
+        scored.work_cpu()["engine_cpu_ms_per_request"]
+        / calibration.work_cpu()["engine_cpu_ms_per_request"]
+    )
     sim = predict(scored, calibration, speed=ratio)
     key = "sim_vs_real_ttft_p90_error_scaling"
     return {"engine_speed_ratio": round(ratio, 3), key: scaling_error(scored, sim, calibration)}
@@ -327,8 +374,9 @@ def scaling_error(scored: Recording, sim: SimReplay, calibration: Recording) -> 
     return window_error(scored, events, calibration, sim.arrival, sim.ttft_by_arrival)
 
 
-def window_error(scored: Recording, events: list, predictor: Recording,
-                 arrival: np.ndarray, ttft: np.ndarray) -> float:  # fmt: skip
+def window_error(
+    scored: Recording, events: list, predictor: Recording, arrival: np.ndarray, ttft: np.ndarray
+) -> float:
     """A prediction's (``arrival``, ``ttft``) TTFT p90 error against ``scored`` in the 10 s
     windows ``events`` touch, each as long as the ``predictor`` run's start-up (the
     simulator built from it, or its own TTFTs: bench/sim_vs_real_repro.py)."""
@@ -346,8 +394,9 @@ def score(scored: Recording, calibration: Recording) -> dict:
     sim_ev = win.sim_events(sim.timeline)
     startup = float(calibration.meta["real"]["startup_s"])
     hit = win.scaling_windows(real_ev + sim_ev, startup, scored.end_s)
-    split = win.split_errors(scored.trace.arrival, scored.ttft_all, sim.arrival,
-                             sim.ttft_by_arrival, hit)  # fmt: skip
+    split = win.split_errors(
+        scored.trace.arrival, scored.ttft_all, sim.arrival, sim.ttft_by_arrival, hit
+    )
     real_stats = stats(real_ok, float(real_meta["replica_s"]))
     sim_stats = stats(sim.ttft, sim.replica_s)
     look = predict(scored, calibration, hindsight=True)
@@ -356,8 +405,9 @@ def score(scored: Recording, calibration: Recording) -> dict:
     cfg_profile = scored.config(calibration.dir / "profile.json").profile
     # the same prediction under the host model of the first scored figures (0.932, 0.692)
     before = predict(scored, calibration, model="timeline")
-    split_before = win.split_errors(scored.trace.arrival, scored.ttft_all, before.arrival,
-                                    before.ttft_by_arrival, hit)  # fmt: skip
+    split_before = win.split_errors(
+        scored.trace.arrival, scored.ttft_all, before.arrival, before.ttft_by_arrival, hit
+    )
     return {
         "sim_vs_real_ttft_p90_error": win.error(win.p90(sim.ttft), win.p90(real_ok)),
         **{k: v for k, v in split.items() if k.startswith("sim_vs_real")},
@@ -423,8 +473,10 @@ def _about_calibration(calibration: Recording, profile: Profile) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.calibrate:
-        work = Path(args.work_dir or RECORDINGS / time.strftime("%Y-%m-%d-%H%M-scaling-calibration",
-                                                                time.gmtime()))  # fmt: skip
+        work = Path(
+            args.work_dir
+            or RECORDINGS / time.strftime("%Y-%m-%d-%H%M-scaling-calibration", time.gmtime())
+        )
         work.mkdir(parents=True, exist_ok=True)
         if args.profile:  # measured before (engine thread CPU time: little moved by load)
             shutil.copyfile(args.profile, work / "profile.json")
@@ -435,9 +487,15 @@ def main(argv: list[str] | None = None) -> int:
             "phases": QUICK_PHASES if args.quick else PHASES,
             "drain_s": QUICK_DRAIN_S if args.quick else DRAIN_S,
         }
-        meta = record_real(work, args.model, CALIBRATION_SEED, work / "profile.json", shape,
-                           {"role": "calibration", "quick": args.quick},
-                           args.core_zygote)  # fmt: skip
+        meta = record_real(
+            work,
+            args.model,
+            CALIBRATION_SEED,
+            work / "profile.json",
+            shape,
+            {"role": "calibration", "quick": args.quick},
+            args.core_zygote,
+        )
         print(json.dumps({"calibration": str(work), **meta["real"]}))
         return 0
     calibration = Recording(Path(args.calibration))
@@ -448,13 +506,23 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.work_dir or tempfile.mkdtemp(prefix="sim-vs-real-scaling-"))
         work.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(calibration.dir / "profile.json", work / "profile.json")
-        extra = {"role": "scored", "calibration": calibration.dir.name,
-                 "calibration_dir": str(calibration.dir.resolve())}  # fmt: skip
+        extra = {
+            "role": "scored",
+            "calibration": calibration.dir.name,
+            "calibration_dir": str(calibration.dir.resolve()),
+        }
         # the calibration's trace (rates, phases, drain), with other requests (the seed)
         shape = {k: calibration.meta[k] for k in ("rates", "phases", "drain_s")}
         # as the calibration ran
-        record_real(work, args.model, SCORED_SEED, work / "profile.json", shape, extra,
-                    calibration.core_zygote)  # fmt: skip
+        record_real(
+            work,
+            args.model,
+            SCORED_SEED,
+            work / "profile.json",
+            shape,
+            extra,
+            calibration.core_zygote,
+        )
         scored = Recording(work)
     out = score(scored, calibration)
     out["load_average_now"] = [round(x, 2) for x in os.getloadavg()]
@@ -471,8 +539,11 @@ def _calibration_dir(meta: dict) -> Path:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=os.environ.get("PDSERVE_TINY_MODEL", ""),
-                    help="model directory (default: $PDSERVE_TINY_MODEL)")  # fmt: skip
+    ap.add_argument(
+        "--model",
+        default=os.environ.get("PDSERVE_TINY_MODEL", ""),
+        help="model directory (default: $PDSERVE_TINY_MODEL)",
+    )
     ap.add_argument("--calibrate", action="store_true", help="record a calibration run")
     ap.add_argument("--calibration", default=str(CALIBRATION), help="the calibration recording")
     ap.add_argument(
@@ -480,18 +551,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="--calibrate: the steps a quarter as long (an end-to-end check)",
     )
-    ap.add_argument("--rate-scale", type=float, default=1.0,
-                    help="--calibrate: the rates x this (1: 1/5/10/1 req/s, for a machine at "
-                         "load average ~18; ~2 on a quiet one, see docs/autoscaling.md); a "
-                         "scored run takes its calibration's trace")  # fmt: skip
-    ap.add_argument("--profile", default="",
-                    help="--calibrate: this profile instead of measuring one (pdserve profile "
-                         "--clock cpu, as bench/sim_vs_real.py measures it)")  # fmt: skip
-    ap.add_argument("--core-zygote", action=argparse.BooleanOptionalAction, default=True,
-                    help="--calibrate: the workers' cores fork from pdserve up's core zygote, "
-                         "as shipped (--no-core-zygote: a process per core, as a pod starts; "
-                         "the recordings before 2026-12-04); a scored run does as its "
-                         "calibration did")  # fmt: skip
+    ap.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        help="--calibrate: the rates x this (1: 1/5/10/1 req/s, for a machine at "
+        "load average ~18; ~2 on a quiet one, see docs/autoscaling.md); a "
+        "scored run takes its calibration's trace",
+    )
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="--calibrate: this profile instead of measuring one (pdserve profile "
+        "--clock cpu, as bench/sim_vs_real.py measures it)",
+    )
+    ap.add_argument(
+        "--core-zygote",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--calibrate: the workers' cores fork from pdserve up's core zygote, "
+        "as shipped (--no-core-zygote: a process per core, as a pod starts; "
+        "the recordings before 2026-12-04); a scored run does as its "
+        "calibration did",
+    )
     ap.add_argument("--work-dir", default="", help="where the run is recorded")
     ap.add_argument("--replay", default="", help="a scored recording: re-run the prediction")
     args = ap.parse_args(argv)

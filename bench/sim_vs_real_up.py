@@ -74,12 +74,25 @@ class Up:
         # --no-core-zygote, each core its worker's child with its own imports (a pod's
         # start-up; the recordings before 2026-12-04)
         self.secret = secrets.token_hex(16)
-        cmd = [*nice, sys.executable, "-m", "pdserve", "up",
-               *([] if zygote else ["--no-core-zygote"]), *argv]  # fmt: skip
+        cmd = [
+            *nice,
+            sys.executable,
+            "-m",
+            "pdserve",
+            "up",
+            *([] if zygote else ["--no-core-zygote"]),
+            *argv,
+        ]
         environ = {k: v for k, v in os.environ.items() if k != "PDSERVE_CORE_ZYGOTE"}
         environ[env.SERVICE_SECRET] = self.secret
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True, env=environ)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env=environ,
+        )
         self.lines: list[tuple[float, str]] = []
         self.launched = time.monotonic()
         self.log = log
@@ -183,8 +196,9 @@ def run_real(
         sampler.stop()
         up.stop()
     every = np.array(ttft)
-    run = _account(up.lines, up.launched, t0, end, every[~np.isnan(every)], len(errors),
-                   added_only=zygote)  # fmt: skip
+    run = _account(
+        up.lines, up.launched, t0, end, every[~np.isnan(every)], len(errors), added_only=zygote
+    )
     run.errors = errors[:5]
     run.ttft_all, run.probe, run.nice_up = every, probe, nice_up
     run.cpu = cpu_between(sampler.samples, t0, end)
@@ -225,8 +239,15 @@ def _dump(path: Path, run: RealRun, samples: list[Sample], lines, t0: float, zyg
     path.write_text(json.dumps(data))
 
 
-def _account(lines, launched: float, t0: float, end: float, ttft, failed,  # type: ignore[no-untyped-def]
-             added_only: bool = False) -> RealRun:  # fmt: skip
+def _account(
+    lines,
+    launched: float,
+    t0: float,
+    end: float,
+    ttft,
+    failed,  # type: ignore[no-untyped-def]
+    added_only: bool = False,
+) -> RealRun:
     """Worker-seconds over [t0, end] from the log's start/stop events (2 at t0); start-up
     times as ``pdserve up`` timed them (spawn to /health 200: what its planner learns),
     else from ``started`` (the first two workers: from launch) to ``ready`` in the log.
@@ -261,8 +282,9 @@ def _account(lines, launched: float, t0: float, end: float, ttft, failed,  # typ
     later = [x for name, x in timed if name in added]
     if added_only and later:
         run.startup_s = float(np.mean(later))
-        run.startup_source = (f"pdserve up's pools: spawn to /health 200, mean of the "
-                              f"{len(later)} added")  # fmt: skip
+        run.startup_source = (
+            f"pdserve up's pools: spawn to /health 200, mean of the {len(later)} added"
+        )
     elif timed:
         run.startup_s = float(np.mean([x for _, x in timed]))
         run.startup_source = f"pdserve up's pools: spawn to /health 200, mean of {len(timed)}"

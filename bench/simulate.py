@@ -236,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {path}", file=sys.stderr)
     mix = {} if args.no_mix else mix_section(args.quick)
     for case in mix.get("cases", []):
-        print(f"== {case['name']}: goodput/replica {case['goodput_per_replica']} -> "
-              f"planner: {case['planner_reason']}", file=sys.stderr)  # fmt: skip
+        print(
+            f"== {case['name']}: goodput/replica {case['goodput_per_replica']} -> "
+            f"planner: {case['planner_reason']}",
+            file=sys.stderr,
+        )
     curves = {
         f"{mix[lengths]['prompt']}/{mix[lengths]['output']} tokens": mix[key]
         for lengths, key in (
@@ -248,8 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     for label, curve in curves.items():
         for row in curve:
-            print(f"   {label}, TPOT {row['tpot_ms']} ms ({row['step_multiple']}x a step): ratio "
-                  f"{row['ratio']} (ceiling {row['fluid_ceiling']})", file=sys.stderr)  # fmt: skip
+            print(
+                f"   {label}, TPOT {row['tpot_ms']} ms ({row['step_multiple']}x a step): ratio "
+                f"{row['ratio']} (ceiling {row['fluid_ceiling']})",
+                file=sys.stderr,
+            )
     if curves and not args.no_plot:
         where = str(Path(args.out_dir) / "simulate_tpot.png")
         multiple = mix["disagg_goodput_tpot_step_multiple"]

@@ -64,18 +64,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str,
-               max_tokens: int) -> tuple[int, str]:  # fmt: skip
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0.0}  # fmt: skip
+async def _one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
+) -> tuple[int, str]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    }
     r = await client.post(f"{url}/v1/chat/completions", json=body)
     r.raise_for_status()
     data = r.json()
     return int(data["usage"]["completion_tokens"]), data["choices"][0]["message"]["content"]
 
 
-async def run_workload(url: str, prompts: list[str], args: argparse.Namespace
-                       ) -> tuple[float, list[str]]:  # fmt: skip
+async def run_workload(
+    url: str, prompts: list[str], args: argparse.Namespace
+) -> tuple[float, list[str]]:
     """Output tokens/s of one pass over ``prompts`` and the completions, in order."""
     async with httpx.AsyncClient(timeout=600) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
@@ -120,8 +126,9 @@ def main() -> int:
     extra = ["--enforce-eager"] if args.enforce_eager else []
     off_proc, off_url = start("off", model, args, args.port, extra)
     try:
-        on_proc, on_url = start("on", model, args, args.port + 1000,
-                                [*extra, f"--speculative={args.speculative}"])  # fmt: skip
+        on_proc, on_url = start(
+            "on", model, args, args.port + 1000, [*extra, f"--speculative={args.speculative}"]
+        )
         try:
             result = measure(off_url, on_url, args)
             result["spec_metrics"] = spec_metrics(on_url)
@@ -129,9 +136,13 @@ def main() -> int:
             stop(on_proc)
     finally:
         stop(off_proc)
-    result.update(model=Path(model).name, speculative=args.speculative,
-                  max_tokens=args.max_tokens, concurrency=args.concurrency,
-                  note="2-core machine shared with other jobs: figures are noisy")  # fmt: skip
+    result.update(
+        model=Path(model).name,
+        speculative=args.speculative,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        note="2-core machine shared with other jobs: figures are noisy",
+    )
     print(json.dumps(result))
     return 0
 
@@ -148,8 +159,11 @@ def measure(off_url: str, on_url: str, args: argparse.Namespace) -> dict[str, An
             off, off_text = asyncio.run(run_workload(off_url, prompts, args))
             on, on_text = asyncio.run(run_workload(on_url, prompts, args))
             same[w] += sum(a == b for a, b in zip(off_text, on_text, strict=True))
-            row[w] = {"off_tok_s": round(off, 1), "on_tok_s": round(on, 1),
-                      "speedup": round(on / off, 3)}  # fmt: skip
+            row[w] = {
+                "off_tok_s": round(off, 1),
+                "on_tok_s": round(on, 1),
+                "speedup": round(on / off, 3),
+            }
             print(f"  round {r + 1} {w}: {row[w]}", file=sys.stderr)
         rounds.append(row)
     out: dict[str, Any] = {}

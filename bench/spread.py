@@ -7,5 +7,7 @@ from typing import Any
 
 
 def spread(values: list[float], digits: int = 3) -> dict[str, Any]:
-    return {"median": round(statistics.median(values), digits),
-            "range": [round(min(values), digits), round(max(values), digits)]}  # fmt: skip
+    return {
+        "median": round(statistics.median(values), digits),
+        "range": [round(min(values), digits), round(max(values), digits)],
+    }

@@ -68,17 +68,24 @@ def ensure_model(args: argparse.Namespace) -> str:
 
 def prompts(args: argparse.Namespace, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(16, 500) for _ in range(args.prompt_tokens)]
-            for _ in range(args.requests)]  # fmt: skip
+    return [
+        [rng.randrange(16, 500) for _ in range(args.prompt_tokens)] for _ in range(args.requests)
+    ]
 
 
 async def one_stream(
     http: aiohttp.ClientSession, url: str, model: str, ids: list[int], max_tokens: int
 ) -> tuple[str, int]:
     """(the streamed text, completion tokens from the usage chunk) of one completion."""
-    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "stream": True,
-            "temperature": 0.0, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     parts, tokens, done, buf = [], 0, False, b""
     async with http.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
@@ -116,8 +123,12 @@ async def load(up: Up, args: argparse.Namespace, ids: list[list[int]]) -> tuple[
 def snapshot(up: Up) -> dict[str, float]:
     worker = tree_cpu_seconds(up.worker_pid)  # the HTTP process and its engine core
     engine = cpu_seconds(*up.engine) if up.engine else 0.0
-    return {"router": cpu_seconds(up.router_pid), "worker": worker,
-            "worker_http": worker - engine, "engine": engine}  # fmt: skip
+    return {
+        "router": cpu_seconds(up.router_pid),
+        "worker": worker,
+        "worker_http": worker - engine,
+        "engine": engine,
+    }
 
 
 def measure_round(up: Up, args: argparse.Namespace, seed: int, acc: dict[str, Any]) -> list[str]:
@@ -155,26 +166,39 @@ def run(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
             texts = {up.label: measure_round(up, args, r, acc[up.label]) for up in order}
             same = same and texts["baseline"] == texts["ours"]
             print(f"round {r + 1}/{args.rounds} done", flush=True)
-    return {"baseline": per_1k(acc["baseline"]), "ours": per_1k(acc["ours"]),
-            "baseline_commit": base_commit, "ours_commit": ours_commit,
-            "tokens_per_tree": acc["ours"]["tokens"], "outputs_identical": same}  # fmt: skip
+    return {
+        "baseline": per_1k(acc["baseline"]),
+        "ours": per_1k(acc["ours"]),
+        "baseline_commit": base_commit,
+        "ours_commit": ours_commit,
+        "tokens_per_tree": acc["ours"]["tokens"],
+        "outputs_identical": same,
+    }
 
 
 def report(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     b, o = res["baseline"], res["ours"]
-    print(f"\nCPU seconds per 1000 streamed tokens ({args.concurrency} concurrent streams of "
-          f"{args.max_tokens} tokens; {res['tokens_per_tree']} tokens per tree)")  # fmt: skip
-    print(f"{'':26}{'baseline ' + res['baseline_commit']:>22}{'ours ' + res['ours_commit']:>22}"
-          f"{'ours/baseline':>15}")  # fmt: skip
+    print(
+        f"\nCPU seconds per 1000 streamed tokens ({args.concurrency} concurrent streams of "
+        f"{args.max_tokens} tokens; {res['tokens_per_tree']} tokens per tree)"
+    )
+    print(
+        f"{'':26}{'baseline ' + res['baseline_commit']:>22}{'ours ' + res['ours_commit']:>22}"
+        f"{'ours/baseline':>15}"
+    )
     ratios = {}
     for key in [*(f"{p}_cpu_s_per_1k" for p in PARTS), "stream_path_cpu_s_per_1k", "tok_per_s"]:
         ratios[key] = o[key] / b[key] if b[key] else float("nan")
         print(f"{key:26}{b[key]:22.3f}{o[key]:22.3f}{ratios[key]:15.2f}")
     print(f"streamed texts identical: {res['outputs_identical']}")
-    out = {"baseline_commit": res["baseline_commit"], "ours_commit": res["ours_commit"],
-           "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-           "tokens_per_tree": res["tokens_per_tree"],
-           "outputs_identical": res["outputs_identical"]}  # fmt: skip
+    out = {
+        "baseline_commit": res["baseline_commit"],
+        "ours_commit": res["ours_commit"],
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "tokens_per_tree": res["tokens_per_tree"],
+        "outputs_identical": res["outputs_identical"],
+    }
     out.update({f"baseline_{k}": round(v, 4) for k, v in b.items()})
     out.update({f"ours_{k}": round(v, 4) for k, v in o.items()})
     out.update({f"ratio_{k}": round(v, 3) for k, v in ratios.items()})

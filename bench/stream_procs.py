@@ -43,20 +43,25 @@ def code_tree(repo: Path, source: str, work: Path) -> tuple[Path, str]:
         return out, _commit(checkout, "HEAD", dirty_check=True)
     checkout = out / "src"
     checkout.mkdir()
-    archive = subprocess.run(["git", "-C", str(repo), "archive", source],
-                             check=True, capture_output=True).stdout  # fmt: skip
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", source], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
     (out / "pdserve").symlink_to(checkout / "pdserve")
     return out, _commit(repo, source, dirty_check=False)
 
 
 def _commit(repo: Path, rev: str, dirty_check: bool) -> str:
-    got = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", rev],
-                         capture_output=True, text=True)  # fmt: skip
+    got = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--short", rev], capture_output=True, text=True
+    )
     dirty = ""
     if dirty_check:  # tracked files changed since the commit
-        status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "-uno"],
-                                capture_output=True, text=True)  # fmt: skip
+        status = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "-uno"],
+            capture_output=True,
+            text=True,
+        )
         dirty = "+dirty" if status.stdout.strip() else ""
     return (got.stdout.strip() or "unknown") + dirty
 
@@ -100,8 +105,9 @@ def pdserve_up(trees: dict[str, Path], model: str, log_dir: Path) -> Iterator[li
                         raise
                     procs[i] = _start(label, tree, model, log_dir, bases.pop())
             router, worker = _children(procs[i].pid)
-            ups.append(Up(label, url, Path(model).name, router, worker,
-                          engine_thread(worker), procs[i]))  # fmt: skip
+            ups.append(
+                Up(label, url, Path(model).name, router, worker, engine_thread(worker), procs[i])
+            )
         yield ups
     finally:
         for proc in procs:
@@ -110,9 +116,24 @@ def pdserve_up(trees: dict[str, Path], model: str, log_dir: Path) -> Iterator[li
 
 def _start(label: str, tree: Path, model: str, log_dir: Path, base: int) -> subprocess.Popen[str]:
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve", "up", "--prefill", "0", "--model", model,
-            "--port", str(port), "--worker-port-base", str(base), "--dtype", "float32",
-            "--log-dir", str(log_dir / label)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--prefill",
+        "0",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--worker-port-base",
+        str(base),
+        "--dtype",
+        "float32",
+        "--log-dir",
+        str(log_dir / label),
+    ]
     if _supports(tree, '"--enforce-eager"'):  # no compile: the HTTP path is what we measure
         argv.append("--worker-arg=--enforce-eager")
     # One torch thread in both trees, named here rather than left to the start-up thread
@@ -129,8 +150,15 @@ def _start(label: str, tree: Path, model: str, log_dir: Path, base: int) -> subp
     env = {**os.environ, "PYTHONPATH": str(tree)}
     env.pop("PDSERVE_CORE_ZYGOTE", None)
     cwd = tempfile.mkdtemp(prefix="stream-overhead-")  # outside any checkout
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=cwd, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+    )
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -184,8 +212,9 @@ def engine_thread(pid: int) -> tuple[int, int] | None:
     spy = Path(sys.executable).with_name("py-spy")
     for p in procs:
         try:
-            out = subprocess.run([str(spy), "dump", "--pid", str(p)], capture_output=True,
-                                 text=True, timeout=30).stdout  # fmt: skip
+            out = subprocess.run(
+                [str(spy), "dump", "--pid", str(p)], capture_output=True, text=True, timeout=30
+            ).stdout
         except (OSError, subprocess.TimeoutExpired):
             return None
         found = re.search(rf'^Thread (\d+) \(\w+\): "{ENGINE_THREAD}"', out, re.M)

@@ -52,9 +52,13 @@ from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
 # At least 64 items: no output completes within max_tokens, so both runs decode the same
 # number of tokens in the same batch shapes.
-SCHEMA = {"type": "object", "properties": {
-    "items": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 64}},
-    "required": ["items"]}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 64}
+    },
+    "required": ["items"],
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -118,9 +122,12 @@ def plot(path: str, result: dict[str, Any]) -> None:
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("output tokens / s")
     ax.legend()
-    ax.set_title(f"structured outputs: {result['ratio']:.2f}x wall ({result['ratio_range'][0]:.2f}"
-                 f"-{result['ratio_range'][1]:.2f}), {result['ratio_cpu']:.2f}x CPU "
-                 f"({result['preset']})", fontsize=9)  # fmt: skip
+    ax.set_title(
+        f"structured outputs: {result['ratio']:.2f}x wall ({result['ratio_range'][0]:.2f}"
+        f"-{result['ratio_range'][1]:.2f}), {result['ratio_cpu']:.2f}x CPU "
+        f"({result['preset']})",
+        fontsize=9,
+    )
     figures.save(fig, path, dpi=100)
 
 
@@ -133,8 +140,10 @@ def main() -> int:
     cfg = EngineConfig(model=str(model), dtype="float32", kv_cache_bytes=256 << 20)
     engine = LLMEngine(cfg)
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(args.prompt_len)]
-               for _ in range(args.requests)]  # fmt: skip
+    prompts = [
+        [rng.randrange(3, engine.vocab_size) for _ in range(args.prompt_len)]
+        for _ in range(args.requests)
+    ]
     t0 = time.perf_counter()
     engine.grammars.compile({"type": "json_schema", "schema": SCHEMA})
     compile_s = time.perf_counter() - t0
@@ -146,15 +155,20 @@ def main() -> int:
         order = [False, True] if i % 2 == 0 else [True, False]
         got = {c: run(engine, prompts, args, constrained=c) for c in order}
         (free_cpu, free_wall, free_own), (con_cpu, con_wall, con_own) = got[False], got[True]
-        rounds.append({"free_tok_s": round(free_cpu, 1), "constrained_tok_s": round(con_cpu, 1),
-                       "free_wall_tok_s": round(free_wall, 1),
-                       "constrained_wall_tok_s": round(con_wall, 1),
-                       "ratio": round(con_wall / free_wall, 3),
-                       "ratio_cpu": round(con_cpu / free_cpu, 3),
-                       "ratio_unqueued": round(con_own / free_own, 3),
-                       "free_unqueued_tok_s": round(free_own, 1),
-                       "constrained_unqueued_tok_s": round(con_own, 1),
-                       "load_avg": before})  # fmt: skip
+        rounds.append(
+            {
+                "free_tok_s": round(free_cpu, 1),
+                "constrained_tok_s": round(con_cpu, 1),
+                "free_wall_tok_s": round(free_wall, 1),
+                "constrained_wall_tok_s": round(con_wall, 1),
+                "ratio": round(con_wall / free_wall, 3),
+                "ratio_cpu": round(con_cpu / free_cpu, 3),
+                "ratio_unqueued": round(con_own / free_own, 3),
+                "free_unqueued_tok_s": round(free_own, 1),
+                "constrained_unqueued_tok_s": round(con_own, 1),
+                "load_avg": before,
+            }
+        )
         print(json.dumps(rounds[-1]), file=sys.stderr)
 
     def med(key: str) -> float:

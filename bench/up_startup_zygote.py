@@ -33,14 +33,36 @@ WAYS = {"zygote": [], "plain": ["--no-core-zygote"]}
 
 def start_once(extra: list[str], args: argparse.Namespace, port: int) -> float:
     """Seconds from launch to ready."""
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", "tiny", "--enforce-eager",
-            "--prefill", str(args.prefill), "--decode", str(args.decode), "--port", str(port),
-            "--worker-port-base", str(port + 100), *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--model",
+        "tiny",
+        "--enforce-eager",
+        "--prefill",
+        str(args.prefill),
+        "--decode",
+        str(args.decode),
+        "--port",
+        str(port),
+        "--worker-port-base",
+        str(port + 100),
+        *extra,
+    ]
     # none from the caller (a test session's): the cluster's own, as shipped
     environ = {k: v for k, v in os.environ.items() if k != "PDSERVE_CORE_ZYGOTE"}
     started = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=environ, cwd=ROOT)  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=environ,
+        cwd=ROOT,
+    )
     assert proc.stdout is not None
     ready, tail = 0.0, []
     for line in proc.stdout:
@@ -55,8 +77,11 @@ def start_once(extra: list[str], args: argparse.Namespace, port: int) -> float:
 
 
 def summary(values: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
-            "max": round(max(values), 2)}  # fmt: skip
+    return {
+        "median": round(statistics.median(values), 2),
+        "min": round(min(values), 2),
+        "max": round(max(values), 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         for way, extra in WAYS.items():
             r = start_once(extra, args, args.port)
             ready[way].append(r)
-            print(f"up_startup: rep {rep + 1}/{reps} {way}: ready {r:.1f} s",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"up_startup: rep {rep + 1}/{reps} {way}: ready {r:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     out = {
         "workers": args.prefill + args.decode,
         "reps": reps,

@@ -50,9 +50,12 @@ FAILED_S = 5.0  # a prefill worker whose call failed is tried last for this long
 class PrefillChain:
     """The prefill calls of one decode worker's front (its pool, created on first use)."""
 
-    def __init__(self, timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S,
-                 pool: WorkerPool | None = None,
-                 count: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S,
+        pool: WorkerPool | None = None,
+        count: Callable[[str], None] | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
         self._pool = pool
         self.count = count or (lambda outcome: None)  # "ok", "failed", "local": metrics
@@ -71,8 +74,9 @@ class PrefillChain:
         caller prefills locally). A request fault raises :class:`BadRequest` with the
         prefill worker's status, message, param and code."""
         assert req.prefill
-        preq = PrefillRequest(req.request_id, req.prompt_token_ids, req.sampling,
-                              req.cache_salt, req.lora)  # fmt: skip
+        preq = PrefillRequest(
+            req.request_id, req.prompt_token_ids, req.sampling, req.cache_salt, req.lora
+        )
         for url in self._order(req.prefill):
             try:
                 reply = await worker_client.prefill(self.pool, url, preq, self.timeout_s)
@@ -110,8 +114,13 @@ class PrefillChain:
         sampling = req.sampling
         if reply.prompt_logprobs is not None and sampling.prompt_logprobs is not None:
             sampling = replace(sampling, prompt_logprobs=None)
-        return replace(req, prefill=None, sampling=sampling, kv_handle=reply.kv_handle,
-                       first_token_id=reply.first_token_id)  # fmt: skip
+        return replace(
+            req,
+            prefill=None,
+            sampling=sampling,
+            kv_handle=reply.kv_handle,
+            first_token_id=reply.first_token_id,
+        )
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -40,9 +40,12 @@ class DecodeCore:
         # Its default port (HTTP + 1) may be another process's when only the HTTP and side
         # channel ports were picked free (tests, benches): then any port, advertised.
         self.events = KVEventPublisher(
-            f"tcp://{config.host}:{config.events_port}", config.worker_id, e, kv_events=False,
+            f"tcp://{config.host}:{config.events_port}",
+            config.worker_id,
+            e,
+            kv_events=False,
             any_port=config.kv_events_port is None,
-        )  # fmt: skip
+        )
         self.events_address = f"tcp://{config.advertise_host}:{self.events.port}"
         self.hooks: list[Hook] = [self.events.hook]
         self.queries: dict[str, Query] = {

@@ -90,8 +90,14 @@ class DecodeWorker(RoleWorker):
         ids = [reply.first_token_id]
         if reply.finish_reason is not None or reply.kv_handle is None:
             usage = Usage(len(req.prompt_token_ids), 1, reply.num_cached_tokens)
-            line = encode_line(ids, reply.text, reply.finish_reason or "stop", usage,
-                               reply.logprobs, reply.prompt_logprobs)  # fmt: skip
+            line = encode_line(
+                ids,
+                reply.text,
+                reply.finish_reason or "stop",
+                usage,
+                reply.logprobs,
+                reply.prompt_logprobs,
+            )
             self.metrics.requests.labels(self.ROLE, reply.finish_reason or "stop").inc()
             return _one(line)
         head = encode_line(ids, reply.text, None, None, reply.logprobs, reply.prompt_logprobs)
@@ -159,8 +165,9 @@ class DecodeWorker(RoleWorker):
         usage = Usage(**out.usage) if out.finished else None
         if usage is not None and cached is not None:
             usage = replace(usage, cached_tokens=cached)
-        return encode_line(out.token_ids, out.text, out.finish_reason, usage, out.logprobs,
-                           out.prompt_logprobs)  # fmt: skip
+        return encode_line(
+            out.token_ids, out.text, out.finish_reason, usage, out.logprobs, out.prompt_logprobs
+        )
 
     def app(self) -> FastAPI:
         # The stream goes out through the direct lane (worker/direct.py): one send per

@@ -265,20 +265,36 @@ def _run_kernel(
     _t, hq, d = q.shape
     scale = d**-0.5 if scaling is None else scaling
     args = (
-        cpu_kernel.DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        tokens.tables.data_ptr(), tokens.tables.shape[1], tokens.rows.data_ptr(),
-        tokens.table.data_ptr(), tokens.ctx.data_ptr(), tokens.rows.numel(), hq,
-        k_cache.shape[1], d, block_size, scale,
-    )  # fmt: skip
+        cpu_kernel.DTYPE_CODES[q.dtype],
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        tokens.tables.data_ptr(),
+        tokens.tables.shape[1],
+        tokens.rows.data_ptr(),
+        tokens.table.data_ptr(),
+        tokens.ctx.data_ptr(),
+        tokens.rows.numel(),
+        hq,
+        k_cache.shape[1],
+        d,
+        block_size,
+        scale,
+    )
     if opts.plain:
         rc = lib.pdserve_paged_attention(*args, torch.get_num_threads())
     else:
         sink32 = None if sinks is None else sinks.detach().float().contiguous()
         rc = lib.pdserve_paged_attention_layer(
-            *args, opts.window or 0, opts.softcap or 0.0,
-            None if sink32 is None else sink32.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+            *args,
+            opts.window or 0,
+            opts.softcap or 0.0,
+            None if sink32 is None else sink32.data_ptr(),
+            torch.get_num_threads(),
+        )
     assert rc == 0, f"paged attention kernel failed ({rc})"
 
 

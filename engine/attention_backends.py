@@ -166,7 +166,15 @@ def run_triton(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     sink32 = sinks.detach().float().contiguous() if opts.sinks and sinks is not None else None
     triton_attention.paged_attention(
-        q, k_cache, v_cache, out, meta, block_size, scaling,
-        window=opts.window, softcap=opts.softcap, sinks=sink32,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta,
+        block_size,
+        scaling,
+        window=opts.window,
+        softcap=opts.softcap,
+        sinks=sink32,
+    )
     return out

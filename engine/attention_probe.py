@@ -205,6 +205,9 @@ def resolve(arch: str, i: int, configured: LayerAttention, call: _Call | None) -
         logger.info(
             "%s layer %d: the config reads as %s, the model's code applies %s: the code is "
             "followed, as transformers does",
-            arch, i, configured, resolved,
-        )  # fmt: skip
+            arch,
+            i,
+            configured,
+            resolved,
+        )
     return resolved

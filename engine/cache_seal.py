@@ -131,9 +131,13 @@ def verify(folder: Path, ring_: keys.KeyRing) -> list[str]:
             path.unlink(missing_ok=True)
             removed.append(rel)
     if removed:
-        log.warning("compile cache %s: removed %d file(s) without this service's seal "
-                    "(first: %s); they are compiled again",
-                    folder, len(removed), removed[0])  # fmt: skip
+        log.warning(
+            "compile cache %s: removed %d file(s) without this service's seal "
+            "(first: %s); they are compiled again",
+            folder,
+            len(removed),
+            removed[0],
+        )
     return removed
 
 

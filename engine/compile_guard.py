@@ -59,6 +59,8 @@ class AbandonedCompiles:
 
     def refusal(self, field: str) -> str:
         self.refused += 1
-        return (f"{field}: a grammar of this API key did not compile within the time limit "
-                f"and is still compiling; grammar requests of this key are refused for up "
-                f"to {self.backoff_s:g} s")  # fmt: skip
+        return (
+            f"{field}: a grammar of this API key did not compile within the time limit "
+            f"and is still compiling; grammar requests of this key are refused for up "
+            f"to {self.backoff_s:g} s"
+        )

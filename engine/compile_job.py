@@ -62,8 +62,10 @@ class CompileJob:
         self._thread = threading.Thread(target=self._run, name="pdserve-compile", daemon=True)
 
     def start(self) -> None:
-        compiled.say(f"compiling the model forward in the background (torch.compile; cache "
-                     f"{compiled.cache_dir()}); the eager forward serves meanwhile")  # fmt: skip
+        compiled.say(
+            f"compiling the model forward in the background (torch.compile; cache "
+            f"{compiled.cache_dir()}); the eager forward serves meanwhile"
+        )
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> None:
@@ -95,8 +97,13 @@ class CompileJob:
         except Exception as exc:
             self.reason = f"{type(exc).__name__}: {exc}"
             self.state = EAGER_KEPT
-            logger.warning("model %s: the compiled forward failed its check; this worker keeps "
-                           "the eager forward (%s)", model, self.reason, exc_info=True)  # fmt: skip
+            logger.warning(
+                "model %s: the compiled forward failed its check; this worker keeps "
+                "the eager forward (%s)",
+                model,
+                self.reason,
+                exc_info=True,
+            )
         else:
             self.state = READY
         self.seconds = time.monotonic() - self.started
@@ -115,8 +122,10 @@ class CompileJob:
             runner.use_kernel_backend()
         compiled.in_service()
         self.state = COMPILED
-        compiled.say(f"compiled forward in service ({self.seconds:.1f}s after start; "
-                     "swapped from eager between steps)")  # fmt: skip
+        compiled.say(
+            f"compiled forward in service ({self.seconds:.1f}s after start; "
+            "swapped from eager between steps)"
+        )
         return True
 
 
@@ -124,9 +133,12 @@ def _build_kernel() -> bool:
     from pdserve.engine import cpu_kernel
 
     started = time.monotonic()
-    compiled.say("building the CPU attention kernel (first start; the gather path serves "
-                 "meanwhile)")  # fmt: skip
+    compiled.say(
+        "building the CPU attention kernel (first start; the gather path serves meanwhile)"
+    )
     built = cpu_kernel.load() is not None
-    compiled.say(f"CPU attention kernel {'built' if built else 'not built'} in "
-                 f"{time.monotonic() - started:.1f}s")  # fmt: skip
+    compiled.say(
+        f"CPU attention kernel {'built' if built else 'not built'} in "
+        f"{time.monotonic() - started:.1f}s"
+    )
     return built

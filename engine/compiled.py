@@ -121,8 +121,10 @@ def warm_up(engine: LLMEngine) -> float:
     small CPU), later starts load the cache.
     """
     start = time.perf_counter()
-    say(f"compiling the model forward (torch.compile; cache {cache_dir()}; "
-        "--enforce-eager skips this)")  # fmt: skip
+    say(
+        f"compiling the model forward (torch.compile; cache {cache_dir()}; "
+        "--enforce-eager skips this)"
+    )
     try:
         run_variants(engine, say)
     except Exception:  # no compiler, no Triton, an inductor bug: serve eager

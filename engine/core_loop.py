@@ -130,8 +130,9 @@ class CoreLoop:
                 tenant = tenant_of(cmd[4].get("cache_salt"))
                 if self.abandoned.backing_off(tenant):
                     field = str(params.structured.get("param") or "structured")
-                    self._send(("rejected", cmd[1], "invalid", field,
-                                self.abandoned.refusal(field)))  # fmt: skip
+                    self._send(
+                        ("rejected", cmd[1], "invalid", field, self.abandoned.refusal(field))
+                    )
                     return
                 self._queued.setdefault(tenant, deque()).append(cmd)
                 self._start_compile()
@@ -160,8 +161,15 @@ class CoreLoop:
             logger.exception("adding request %s failed", request_id)
             with contextlib.suppress(Exception):
                 self.engine.abort(request_id)  # whatever it took before it failed
-            self._send(("rejected", request_id, "failed", None,
-                        f"internal error adding the request: {type(exc).__name__}"))  # fmt: skip
+            self._send(
+                (
+                    "rejected",
+                    request_id,
+                    "failed",
+                    None,
+                    f"internal error adding the request: {type(exc).__name__}",
+                )
+            )
 
     def _add_compiled(self) -> None:
         pending = []
@@ -227,8 +235,10 @@ class CoreLoop:
         a bound of them run, and the key behind it is backed off: engine/compile_guard.py)."""
         params = entry.cmd[3]
         field = str(params.structured.get("param") or "structured")
-        msg = (f"{field}: the grammar did not compile within {self.compile_timeout_s:g} s "
-               "(--grammar-compile-timeout)")  # fmt: skip
+        msg = (
+            f"{field}: the grammar did not compile within {self.compile_timeout_s:g} s "
+            "(--grammar-compile-timeout)"
+        )
         self._send(("rejected", entry.cmd[1], "invalid", field, msg))
         self.abandoned.add(tenant_of(entry.cmd[4].get("cache_salt")), entry.future)
         self._compiler.shutdown(wait=False)

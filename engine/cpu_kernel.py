@@ -37,8 +37,16 @@ HEADERS = [Path(__file__).with_name("paged_attention_simd.h")]  # part of the ca
 # every other library's change with it). Nor -fassociative-math: the kernel's vector code
 # is written out (intrinsics, or lane-wise loops), and its exp depends on the order of its
 # range reduction (x - n*ln2_hi - n*ln2_lo), which reassociation would undo.
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
-         "-shared", "-fPIC", "-std=c++17"]  # fmt: skip
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 

@@ -87,9 +87,15 @@ class StaticInputs:
     def view(self, bucket: int) -> StepView:
         b = bucket
         return StepView(
-            self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.tables[:b],
-            self.tile_row[:b], self.tile_count[:b], self.tile_ctx[:b], self.tile_table[:b],
-        )  # fmt: skip
+            self.input_ids[:b],
+            self.positions[:b],
+            self.slot_mapping[:b],
+            self.tables[:b],
+            self.tile_row[:b],
+            self.tile_count[:b],
+            self.tile_ctx[:b],
+            self.tile_table[:b],
+        )
 
     def fill(self, batch: DecodeBatch, bucket: int) -> None:
         """Copies ``batch`` in, padded to ``bucket`` rows (one host->device copy each)."""

@@ -64,12 +64,14 @@ def prefill(
             causal_mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         return eager(qt, kt, vt, causal_mask, scaling, opts, sinks)[0].transpose(0, 1)
     o = F.scaled_dot_product_attention(
-        qt, kt, vt,
+        qt,
+        kt,
+        vt,
         attn_mask=causal_mask,
         is_causal=causal_mask is None,
         scale=scaling,
         enable_gqa=True,
-    )  # fmt: skip
+    )
     return o[0].transpose(0, 1)
 
 

@@ -169,8 +169,12 @@ def _write(info: GGUFFile, dtype: str, out: Path) -> None:
         bar.update()
         if dtype != TOKENIZER_ONLY:
             _write_weights(info, dtype, config, out, bar)
-    meta = {"source": str(info.path.resolve()), "architecture": info.architecture,
-            "tensor_types": sorted(info.tensor_types), "dtype": dtype}  # fmt: skip
+    meta = {
+        "source": str(info.path.resolve()),
+        "architecture": info.architecture,
+        "tensor_types": sorted(info.tensor_types),
+        "dtype": dtype,
+    }
     (out / MARKER).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
@@ -186,9 +190,12 @@ def _write_weights(info: GGUFFile, dtype: str, config, out: Path, bar) -> None: 
     # config: the one already read from this file (each read of a GGUF's metadata parses
     # its whole vocabulary, ~4 s for SmolLM2's 49k tokens)
     model = AutoModelForCausalLM.from_pretrained(
-        str(info.path.parent), gguf_file=name, dtype=getattr(torch, dtype), config=config,
+        str(info.path.parent),
+        gguf_file=name,
+        dtype=getattr(torch, dtype),
+        config=config,
         quantization_config=GgufConfig(gguf_file=name, dequantize=True),
-    )  # fmt: skip
+    )
     bar.update()
     bar.set_postfix_str("write")
     model.save_pretrained(out)

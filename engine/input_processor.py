@@ -68,8 +68,9 @@ class InputProcessor:
             req, text = self._build(request_id, prompt_token_ids, params, hold_kv, cache_salt)
             if adapter is not None:  # its KV is keyed by the adapter (hashing.salt_root)
                 req.lora, req.hash_root = adapter, salt_root(cache_salt, adapter.spec.hash)
-                req.block_hashes = block_hashes(req.prompt_token_ids, self.config.block_size,
-                                                req.hash_root)  # fmt: skip
+                req.block_hashes = block_hashes(
+                    req.prompt_token_ids, self.config.block_size, req.hash_root
+                )
             if remote_kv is not None:
                 self._check_handle(req, remote_kv, first_token_id)
                 req.remote_kv = remote_kv

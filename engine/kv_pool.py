@@ -140,8 +140,14 @@ class KVPool:
             )
         self.shape = shape
         self.num_blocks = num_blocks
-        dims = (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads,
-                shape.head_dim)  # fmt: skip
+        dims = (
+            shape.num_layers,
+            2,
+            num_blocks,
+            shape.block_size,
+            shape.num_kv_heads,
+            shape.head_dim,
+        )
         self.tensor = zeroed(dims, shape.dtype, device)
         flat = (num_blocks * shape.block_size, shape.num_kv_heads, shape.head_dim)
         # Views made once: attention asks for them per layer per step (5 ops each).

@@ -87,14 +87,20 @@ class LLMEngine:
         )
         eos = eos_ids(self.tokenizer, self.runner.hf_config)
         self.vocab_size = int(self.runner.hf_config.vocab_size)
-        self.grammars = Grammars(self.tokenizer, self.vocab_size, sorted(eos),
-                                 config.grammar_cache_bytes)  # fmt: skip
+        self.grammars = Grammars(
+            self.tokenizer, self.vocab_size, sorted(eos), config.grammar_cache_bytes
+        )
         self.model_id = model_identity(config.model)
         self.served_model_name = config.served_model_name or Path(config.model).name
         self.inputs = InputProcessor(
-            config, self.tokenizer, self.vocab_size, self.max_model_len, self.kv, self.grammars,
+            config,
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            self.kv,
+            self.grammars,
             lambda: getattr(self.scheduler.connector, "transport_name", None),
-        )  # fmt: skip
+        )
         self.inputs.loras = self.runner.loras
         self.outputs = OutputProcessor(eos, self.max_model_len)
         spec = parse_speculative(config.speculative)
@@ -125,9 +131,15 @@ class LLMEngine:
         runner.pool, runner._gather_buffer = None, None
         runner.forward = self.runner.model
         budget = blocks * runner.kv_shape.bytes_per_block
-        config = replace(self.config, kv_cache_bytes=budget, kv_cache_fraction=None,
-                         compile=False, enable_prefix_caching=False, kv_tiers=None,
-                         speculative=None)  # fmt: skip
+        config = replace(
+            self.config,
+            kv_cache_bytes=budget,
+            kv_cache_fraction=None,
+            compile=False,
+            enable_prefix_caching=False,
+            kv_tiers=None,
+            speculative=None,
+        )
         return LLMEngine(config, runner=runner)
 
     def start_compile(self) -> None:

@@ -67,8 +67,10 @@ class LoraConfig:
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("--max-loras and --max-lora-rank must be positive")
         if self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
-                             f"--max-loras ({self.max_loras})")  # fmt: skip
+            raise ValueError(
+                f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
+                f"--max-loras ({self.max_loras})"
+            )
 
 
 def parse_lora_flag(value: str) -> tuple[str, str]:
@@ -101,8 +103,10 @@ def adapter_hash(path: str | Path) -> str:
     return h.hexdigest()
 
 
-NOT_AN_ADAPTER = (f"lora_path is not an adapter directory ({CONFIG_FILE} and {WEIGHTS_FILE}) "
-                  "under the workers' --lora-root")  # fmt: skip
+NOT_AN_ADAPTER = (
+    f"lora_path is not an adapter directory ({CONFIG_FILE} and {WEIGHTS_FILE}) "
+    "under the workers' --lora-root"
+)
 
 
 def allowed_path(path: str, roots: tuple[str, ...]) -> str:
@@ -164,7 +168,9 @@ def check_config(name: str, config: dict[str, Any], max_rank: int) -> tuple[int,
     listed = [targets] if isinstance(targets, str) else list(targets)
     for target in listed:
         if any(str(target).split(".")[-1] == bad for bad in REFUSED_TARGETS):
-            raise LoraError(f"adapter {name!r}: target {target!r} is not supported "
-                            f"(only {', '.join(PROJECTIONS)})")  # fmt: skip
+            raise LoraError(
+                f"adapter {name!r}: target {target!r} is not supported "
+                f"(only {', '.join(PROJECTIONS)})"
+            )
     root = math.sqrt(rank) if config.get("use_rslora") else rank
     return rank, float(alpha) / root

@@ -77,8 +77,9 @@ def _read_pairs(spec: LoraSpec) -> dict[str, dict[str, torch.Tensor]]:
     return pairs
 
 
-def load_adapter(spec: LoraSpec, layers: Callable[[str], tuple[int, int] | None],
-                 dtype: torch.dtype) -> LoraAdapter:  # fmt: skip
+def load_adapter(
+    spec: LoraSpec, layers: Callable[[str], tuple[int, int] | None], dtype: torch.dtype
+) -> LoraAdapter:
     """Read and check the weights; ``layers(path)``: the (in, out) of a layer the model
     has and LoRA may target, None otherwise."""
     try:
@@ -86,16 +87,19 @@ def load_adapter(spec: LoraSpec, layers: Callable[[str], tuple[int, int] | None]
     except LoraError:
         raise
     except Exception as exc:  # safetensors' own error for a file that is not one
-        raise LoraError(f"adapter {spec.name!r}: {WEIGHTS_FILE} could not be read: "
-                        f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+        raise LoraError(
+            f"adapter {spec.name!r}: {WEIGHTS_FILE} could not be read: {type(exc).__name__}: {exc}"
+        ) from exc
     if not pairs:
         raise LoraError(f"adapter {spec.name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     weights = {}
     for path, ab in sorted(pairs.items()):
         shape = layers(path)
         if shape is None:
-            raise LoraError(f"adapter {spec.name!r}: this model has no LoRA-capable layer "
-                            f"{path!r} (targets: {', '.join(PROJECTIONS)})")  # fmt: skip
+            raise LoraError(
+                f"adapter {spec.name!r}: this model has no LoRA-capable layer "
+                f"{path!r} (targets: {', '.join(PROJECTIONS)})"
+            )
         a, b = ab.get("A"), ab.get("B")
         n_in, n_out = shape
         if a is None or b is None:
@@ -171,21 +175,26 @@ class LoraRegistry:
         if adapter is None:
             path = self.known.get(ref.name)
             if path is None:
-                raise InvalidParameter(LORA_MISMATCH, f"LoRA adapter {ref.name!r} is not "
-                                       "loaded on this worker")  # fmt: skip
+                raise InvalidParameter(
+                    LORA_MISMATCH, f"LoRA adapter {ref.name!r} is not loaded on this worker"
+                )
             # Dropped by the host LRU: still held (by a slot or a request), else read again.
             adapter = self._alive.get(ref.name)
             if adapter is None or adapter.spec is not self._current[ref.name]:
                 try:
                     adapter = self._read(ref.name, path)
                 except (LoraError, OSError) as exc:  # the directory changed since its load
-                    raise InvalidParameter(LORA_MISMATCH, f"LoRA adapter {ref.name!r} could "
-                                           f"not be read again: {exc}") from exc  # fmt: skip
+                    raise InvalidParameter(
+                        LORA_MISMATCH, f"LoRA adapter {ref.name!r} could not be read again: {exc}"
+                    ) from exc
             self._keep(adapter)
         self.host.move_to_end(ref.name)
         if ref.hash is not None and ref.hash != adapter.spec.hash:
-            raise InvalidParameter(LORA_MISMATCH, f"LoRA adapter {ref.name!r} here has hash "
-                                   f"{adapter.spec.hash}, the request's is {ref.hash}")  # fmt: skip
+            raise InvalidParameter(
+                LORA_MISMATCH,
+                f"LoRA adapter {ref.name!r} here has hash "
+                f"{adapter.spec.hash}, the request's is {ref.hash}",
+            )
         return adapter
 
     @property
@@ -232,8 +241,10 @@ class LoraRegistry:
                 placed[id(adapter)] = i + 1
                 self._slot_use[i] = self._clock
         for adapter in missing:  # a free slot, else the least recently used one not needed now
-            i = min((i for i in range(len(self.slots)) if self._slot_use[i] < self._clock),
-                    key=lambda i: (self.slots[i] is not None, self._slot_use[i]))  # fmt: skip
+            i = min(
+                (i for i in range(len(self.slots)) if self._slot_use[i] < self._clock),
+                key=lambda i: (self.slots[i] is not None, self._slot_use[i]),
+            )
             self.slots[i], self._slot_use[i] = adapter, self._clock
             placed[id(adapter)] = i + 1
         if missing:
@@ -279,8 +290,10 @@ def check_handle(adapter: LoraAdapter | None, handle_lora: LoraRef | None) -> No
     under other weights is never decoded here (InvalidParameter ``lora``)."""
     mine = None if adapter is None else adapter.ref
     if handle_lora != mine:
-        raise InvalidParameter(LORA_MISMATCH, f"the KV handle was computed under LoRA "
-                               f"{handle_lora}, this request runs under {mine}")  # fmt: skip
+        raise InvalidParameter(
+            LORA_MISMATCH,
+            f"the KV handle was computed under LoRA {handle_lora}, this request runs under {mine}",
+        )
 
 
 def lora_passes(adapters: Sequence[LoraAdapter | None], max_loras: int) -> list[list[int]]:

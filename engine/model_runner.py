@@ -133,9 +133,13 @@ class ModelRunner:
         # cpu (the C++ kernel), triton, or gather (the reference): by device or by
         # PDSERVE_ATTENTION_BACKEND (attention_backends.py).
         shape = attention_backends.AttentionShape(
-            self.device, self.dtype, hf.num_attention_heads, self.num_kv_heads,
-            self.head_dim, self.block_size,
-        )  # fmt: skip
+            self.device,
+            self.dtype,
+            hf.num_attention_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+        )
         # A first start serves with the gather path while the compile thread builds the
         # kernel (compile_job.py): the build is a minute of one core on a small CPU.
         background = config.compile and config.compile_in_background

@@ -41,8 +41,9 @@ def parse_speculative(value: str | None) -> SpecConfig | None:
     opts = _options(value, rest)
     unknown = sorted(set(opts) - NGRAM_KEYS)
     if unknown:
-        raise ValueError(f"{FIELD}: unknown key {unknown[0]!r} in {value!r} (ngram takes k, "
-                         "min_n, max_n)")  # fmt: skip
+        raise ValueError(
+            f"{FIELD}: unknown key {unknown[0]!r} in {value!r} (ngram takes k, min_n, max_n)"
+        )
     cfg = SpecConfig("ngram", **{key: _int(value, key, v) for key, v in opts.items()})
     if not 1 <= cfg.k <= MAX_K:
         raise ValueError(f"{FIELD}: k must be in [1, {MAX_K}], got {cfg.k} in {value!r}")

@@ -41,8 +41,9 @@ def _prompt(engine: LLMEngine, length: int, salt: int) -> list[int]:
     return [(salt * 31 + 7 * i + 3) % vocab for i in range(length)]
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
-         **kwargs: Any) -> list[list[int]]:  # fmt: skip
+def _run(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, **kwargs: Any
+) -> list[list[int]]:
     ids = [f"pdserve-probe-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params, **kwargs)

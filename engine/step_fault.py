@@ -34,8 +34,11 @@ def step_or_fail(engine: LLMEngine) -> list[RequestOutput]:
         engine.step_failures += 1
         engine.fault = f"model {engine.served_model_name!r}: {type(exc).__name__}: {exc}"
         engine.fault_at = time.monotonic()
-        logger.exception("engine step failed (%s); failing the running requests; this worker "
-                         "is unready until its probe passes again", engine.fault)  # fmt: skip
+        logger.exception(
+            "engine step failed (%s); failing the running requests; this worker "
+            "is unready until its probe passes again",
+            engine.fault,
+        )
         return engine.fail_all(f"engine error: {exc}")
 
 

@@ -139,19 +139,48 @@ def paged_attention(
         # Decodes split their context over several programs (few requests x KV heads
         # would leave most of a GPU idle), combined after; prefill tiles are many already.
         s = 1 if tiles.block_q > 1 else splits or decode_splits(meta.tables.shape[1])
-        part = torch.empty((n * hkv * s * block_m, block_d + 2), dtype=torch.float32,
-                           device=q.device) if s > 1 else out  # fmt: skip
-        consts = {"G": hq // hkv, "BLOCK_G": block_g, "BLOCK_Q": tiles.block_q,
-                  "BLOCK_M": block_m, "D": d, "BLOCK_D": block_d, "SPLITS": s}  # fmt: skip
+        part = (
+            torch.empty((n * hkv * s * block_m, block_d + 2), dtype=torch.float32, device=q.device)
+            if s > 1
+            else out
+        )
+        consts = {
+            "G": hq // hkv,
+            "BLOCK_G": block_g,
+            "BLOCK_Q": tiles.block_q,
+            "BLOCK_M": block_m,
+            "D": d,
+            "BLOCK_D": block_d,
+            "SPLITS": s,
+        }
         _attention[(n, hkv, s)](
-            q, k_cache, v_cache, out, part, meta.tables, tiles.row, tiles.count, tiles.ctx,
-            tiles.table, sinks if sinks is not None else q,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            out.stride(0), out.stride(1), meta.tables.stride(0),
-            scale, softcap or 1.0, window or NO_WINDOW, BLOCK_SIZE=block_size,
-            HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **consts,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            out,
+            part,
+            meta.tables,
+            tiles.row,
+            tiles.count,
+            tiles.ctx,
+            tiles.table,
+            sinks if sinks is not None else q,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            out.stride(0),
+            out.stride(1),
+            meta.tables.stride(0),
+            scale,
+            softcap or 1.0,
+            window or NO_WINDOW,
+            BLOCK_SIZE=block_size,
+            HAS_SOFTCAP=softcap is not None,
+            HAS_SINKS=sinks is not None,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            **consts,
+        )
         if s > 1:
             _combine[(n, hkv)](
                 out, part, tiles.row, tiles.count, out.stride(0), out.stride(1), **consts
@@ -179,17 +208,38 @@ def store_kv(
     assert key.stride(2) == 1 and value.stride(2) == 1 and k_cache.stride(2) == 1
     assert k_cache.stride() == v_cache.stride()
     _store_kv[(t, hkv)](
-        key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1), k_cache.stride(0), k_cache.stride(1),
-        D=d, BLOCK_D=triton.next_power_of_2(d),
-    )  # fmt: skip
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+    )
 
 
 @triton.jit
 def _store_kv(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_s, stride_sh, D: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_s,
+    stride_sh,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -212,15 +262,39 @@ def _tanh(x):
 
 @triton.jit
 def _attention(
-    q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, tables_ptr, row_ptr, count_ptr, ctx_ptr, table_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    part_ptr,
+    tables_ptr,
+    row_ptr,
+    count_ptr,
+    ctx_ptr,
+    table_ptr,
     sinks_ptr,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tab,
-    scale, softcap, window,
-    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_ot,
+    stride_oh,
+    stride_tab,
+    scale,
+    softcap,
+    window,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    PRECISION: tl.constexpr,
     SPLITS: tl.constexpr,
-):  # fmt: skip
+):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -290,10 +364,20 @@ def _attention(
 
 @triton.jit
 def _combine(
-    o_ptr, part_ptr, row_ptr, count_ptr, stride_ot, stride_oh,
-    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-):  # fmt: skip
+    o_ptr,
+    part_ptr,
+    row_ptr,
+    count_ptr,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
     """One tile and KV head: the splits' partial softmaxes rescaled to a common maximum."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)

@@ -101,8 +101,10 @@ class LocalPools:
             self.start_pending()
             pending = n - len(self.workers(role))
             if pending:
-                self._say(f"{role}: {pending} pending: {self.starting()} worker(s) starting, "
-                          f"--max-starting {self.max_starting}")  # fmt: skip
+                self._say(
+                    f"{role}: {pending} pending: {self.starting()} worker(s) starting, "
+                    f"--max-starting {self.max_starting}"
+                )
         while len(self.workers(role)) > n:
             victim = self._victim(role)
             self._say(f"{role}: draining and stopping {victim.name}")
@@ -163,8 +165,12 @@ class LocalAutoscaling:
     ) -> None:
         # the planner's start-up: --worker-startup until the pools have timed their workers
         startup = StartupEstimate(config.startup_s)
-        self.pools = LocalPools(cluster, listed=router_lists(router_url, api_key),
-                                startup=startup, max_starting=max_starting)  # fmt: skip
+        self.pools = LocalPools(
+            cluster,
+            listed=router_lists(router_url, api_key),
+            startup=startup,
+            max_starting=max_starting,
+        )
         self.autoscaler = LocalAutoscaler(
             config,
             fetch_metrics=http_fetcher(router_url + "/metrics", api_key=api_key),
@@ -198,12 +204,16 @@ def run_autoscaled(cluster: LocalCluster, router: Proc, args: argparse.Namespace
     """``pdserve up --autoscale`` after start-up: plan and scale until Ctrl-C."""
     config = config_from_args(args)
     cap = max_starting(args)
-    scaling = LocalAutoscaling(cluster, router.url, config, args.autoscale_interval,
-                               api_key=args.api_key, max_starting=cap)  # fmt: skip
-    print(f"pdserve up: autoscaling every {args.autoscale_interval:g}s (SLO TTFT "
-          f"{args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms; prefill "
-          f"{args.prefill_min}-{args.prefill_max}, decode {args.decode_min}-{args.decode_max}; "
-          f"at most {cap or 'any number of'} starting at once)", flush=True)  # fmt: skip
+    scaling = LocalAutoscaling(
+        cluster, router.url, config, args.autoscale_interval, api_key=args.api_key, max_starting=cap
+    )
+    print(
+        f"pdserve up: autoscaling every {args.autoscale_interval:g}s (SLO TTFT "
+        f"{args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms; prefill "
+        f"{args.prefill_min}-{args.prefill_max}, decode {args.decode_min}-{args.decode_max}; "
+        f"at most {cap or 'any number of'} starting at once)",
+        flush=True,
+    )
     return asyncio.run(scaling.run(asyncio.Event()))
 
 

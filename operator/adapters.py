@@ -54,8 +54,10 @@ def _parse_one(item: Any, path: str) -> AdapterSpec:
         raise SpecError(path, "must be an object")
     name = item.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise SpecError(f"{path}.name", "must be 1-63 characters of A-Z a-z 0-9 . _ -, "
-                        f"a letter or digit first, got {name!r}")  # fmt: skip
+        raise SpecError(
+            f"{path}.name",
+            f"must be 1-63 characters of A-Z a-z 0-9 . _ -, a letter or digit first, got {name!r}",
+        )
     source = item.get("source")
     kinds = [k for k in ("pvc", "image") if isinstance(source, Mapping) and k in source]
     if not isinstance(source, Mapping) or len(kinds) != 1 or len(source) != 1:
@@ -66,8 +68,10 @@ def _parse_one(item: Any, path: str) -> AdapterSpec:
         raise SpecError(where, "must be an object")
     sub = src.get("path", "")
     if not isinstance(sub, str) or (sub and not _PATH.match(sub)):
-        raise SpecError(f"{where}.path", f"must be a relative path inside the volume "
-                        f"(no '..', no leading '/'), got {sub!r}")  # fmt: skip
+        raise SpecError(
+            f"{where}.path",
+            f"must be a relative path inside the volume (no '..', no leading '/'), got {sub!r}",
+        )
     key = "claimName" if kind == "pvc" else "reference"
     value = src.get(key)
     if not isinstance(value, str) or not value:
@@ -98,8 +102,9 @@ def adapter_volumes(spec: LLMServiceSpec) -> list[dict[str, Any]]:
     out = []
     for key, name in _volume_names(spec).items():
         if key[0] == "pvc":
-            out.append({"name": name, "persistentVolumeClaim": {"claimName": key[1],
-                                                                "readOnly": True}})  # fmt: skip
+            out.append(
+                {"name": name, "persistentVolumeClaim": {"claimName": key[1], "readOnly": True}}
+            )
         else:  # image volumes are read-only by construction
             out.append({"name": name, "image": {"reference": key[1], "pullPolicy": key[2]}})
     return out
@@ -109,8 +114,11 @@ def adapter_mounts(spec: LLMServiceSpec) -> list[dict[str, Any]]:
     names = _volume_names(spec)
     out = []
     for a in spec.adapters:
-        mount: dict[str, Any] = {"name": names[_key(a)], "mountPath": adapter_dir(a),
-                                 "readOnly": True}  # fmt: skip
+        mount: dict[str, Any] = {
+            "name": names[_key(a)],
+            "mountPath": adapter_dir(a),
+            "readOnly": True,
+        }
         if a.path:
             mount["subPath"] = a.path
         out.append(mount)

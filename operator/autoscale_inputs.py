@@ -129,9 +129,13 @@ def pod_startups(pods: list[Mapping[str, Any]]) -> list[tuple[str, float]]:
 
 
 async def pool_status(
-    client: KubeClient, namespace: str, name: str, role: str, cached: Cached | None = None,
+    client: KubeClient,
+    namespace: str,
+    name: str,
+    role: str,
+    cached: Cached | None = None,
     on_pods: Callable[[list[Any]], None] | None = None,
-) -> PoolStatus:  # fmt: skip
+) -> PoolStatus:
     """``cached`` (namespace, kind, name; ``Cache.child``) reads the operator's watch cache
     instead of a GET; pods are listed only while some pod of the pool is not ready (none can
     be pending else); ``on_pods`` sees them when they are (the start-up estimate)."""
@@ -173,8 +177,9 @@ async def router_metrics_urls(
     if template:
         return [router_metrics_url(template, name, namespace)]
     service = n.router_admin_service_name(name)
-    slices = await client.list("discovery.k8s.io/v1", "EndpointSlice", namespace,
-                               {SERVICE_NAME_LABEL: service})  # fmt: skip
+    slices = await client.list(
+        "discovery.k8s.io/v1", "EndpointSlice", namespace, {SERVICE_NAME_LABEL: service}
+    )
     urls: set[str] = set()
     for s in slices:
         port = next((p.get("port") for p in s.get("ports") or [] if p.get("port")), n.ADMIN_PORT)
@@ -216,9 +221,12 @@ async def _page(session: aiohttp.ClientSession, url: str, timeout_s: float) -> s
 
 
 async def prometheus_snapshot(
-    svc: LLMServiceSpec, now_s: float, pools: tuple[PoolStatus, PoolStatus], slo: SLO,
+    svc: LLMServiceSpec,
+    now_s: float,
+    pools: tuple[PoolStatus, PoolStatus],
+    slo: SLO,
     allow: tuple[str, ...] = (),
-) -> MetricsSnapshot:  # fmt: skip
+) -> MetricsSnapshot:
     """One window of the LLMService's series from Prometheus (ServiceMonitor target labels),
     fetched from the one address checked (url_checks.pin; ``allow``: the admin's CIDRs)."""
     selector = f'namespace="{svc.namespace}",pdserve_io_service="{svc.name}"'

@@ -89,10 +89,17 @@ def _autoscaler_memo(memo: Any) -> AutoscalerMemo:
 
 
 async def autoscale(
-    *, body: Any, name: str, namespace: str, memo: Any, client: KubeClient,
-    lock: asyncio.Lock, settings: AutoscaleSettings, logger: Any,
+    *,
+    body: Any,
+    name: str,
+    namespace: str,
+    memo: Any,
+    client: KubeClient,
+    lock: asyncio.Lock,
+    settings: AutoscaleSettings,
+    logger: Any,
     cached: inputs.Cached | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Timer body (called every tick); runs one planner interval when one is due."""
     am = _autoscaler_memo(memo)
     # ``body`` is the watch cache's copy (handlers.py): no GET per tick per object.
@@ -139,10 +146,14 @@ async def autoscale(
 
 
 async def _snapshot(
-    client: KubeClient, svc: LLMServiceSpec, am: AutoscalerMemo, settings: AutoscaleSettings,
+    client: KubeClient,
+    svc: LLMServiceSpec,
+    am: AutoscalerMemo,
+    settings: AutoscaleSettings,
     now: float,
-    pools: tuple[PoolStatus, PoolStatus], slo: Any,
-) -> tuple[MetricsSnapshot | None, str]:  # fmt: skip
+    pools: tuple[PoolStatus, PoolStatus],
+    slo: Any,
+) -> tuple[MetricsSnapshot | None, str]:
     if svc.autoscaling.metrics_url:  # Prometheus gives a whole window per query
         url = svc.autoscaling.metrics_url
         snap = await inputs.prometheus_snapshot(svc, now, pools, slo, settings.metrics_url_allow)
@@ -163,26 +174,43 @@ async def _snapshot(
 
 
 async def _apply(
-    client: KubeClient, body: Any, svc: LLMServiceSpec, lock: asyncio.Lock, decision: Decision,
-    state: PlannerState, source: str, logger: Any,
-) -> None:  # fmt: skip
+    client: KubeClient,
+    body: Any,
+    svc: LLMServiceSpec,
+    lock: asyncio.Lock,
+    decision: Decision,
+    state: PlannerState,
+    source: str,
+    logger: Any,
+) -> None:
     changed = [p for p in (decision.prefill, decision.decode) if p.changed]
     async with lock:  # reconciliation must not apply a stale replica count meanwhile
         if changed:
             try:
                 await scale_pools(
-                    client, svc.namespace, svc.name, decision.prefill.desired,
-                    decision.decode.desired, decision.reason,
-                )  # fmt: skip
+                    client,
+                    svc.namespace,
+                    svc.name,
+                    decision.prefill.desired,
+                    decision.decode.desired,
+                    decision.reason,
+                )
             except ScalingRefused as exc:
                 logger.info(f"autoscaler: not scaling: {exc}")
                 return
         planner = {"state": _json_safe(state.to_dict()), "lastPlan": _json_safe(decision.to_dict())}
         mix = {"mode": decision.mode, "reason": decision.mix_reason}  # which P:D split, and why
         await _record(
-            client, svc, {"active": True, "message": decision.reason,
-                          "metricsSource": source, "planner": planner, "mix": mix},
-        )  # fmt: skip
+            client,
+            svc,
+            {
+                "active": True,
+                "message": decision.reason,
+                "metricsSource": source,
+                "planner": planner,
+                "mix": mix,
+            },
+        )
     if changed:
         message = "; ".join(f"{p.role} {p.current}->{p.desired}: {p.reason}" for p in changed)
         kopf.event(body, type="Normal", reason="Autoscaled", message=message)
@@ -190,9 +218,13 @@ async def _apply(
 
 
 async def _unavailable(
-    client: KubeClient, body: Any, svc: LLMServiceSpec, am: AutoscalerMemo, message: str,
+    client: KubeClient,
+    body: Any,
+    svc: LLMServiceSpec,
+    am: AutoscalerMemo,
+    message: str,
     logger: Any,
-) -> None:  # fmt: skip
+) -> None:
     """No decision this interval: say why in status; one Warning Event per outage."""
     if am.inputs_ok:
         kopf.warn(body, reason="MetricsUnavailable", message=f"{message}; not scaling")

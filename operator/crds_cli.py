@@ -30,10 +30,15 @@ IGNORED_METADATA = {"resourceVersion", "generation", "managedFields", "uid", "cr
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["apply"], help="apply: server-side apply the CRDs")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print what would change; write nothing (dryRun=All)")  # fmt: skip
-    parser.add_argument("--dir", type=Path, default=PACKAGED,
-                        help="folder of CRD YAML files (default: pdserve's own)")  # fmt: skip
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print what would change; write nothing (dryRun=All)"
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=PACKAGED,
+        help="folder of CRD YAML files (default: pdserve's own)",
+    )
 
 
 def load_crds(folder: Path) -> list[dict[str, Any]]:
@@ -98,9 +103,14 @@ def apply_one(api: Any, crd: dict[str, Any], dry_run: bool) -> str:
             raise
         before = None
     resp = api.patch_custom_resource_definition(
-        name, crd, field_manager=FIELD_MANAGER, force=True, dry_run="All" if dry_run else None,
-        _content_type=APPLY, _preload_content=False,
-    )  # fmt: skip
+        name,
+        crd,
+        field_manager=FIELD_MANAGER,
+        force=True,
+        dry_run="All" if dry_run else None,
+        _content_type=APPLY,
+        _preload_content=False,
+    )
     return describe(name, before, json.loads(resp.data))
 
 

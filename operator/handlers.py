@@ -68,9 +68,13 @@ def _parse(name: str, namespace: str, spec: Any, policy: PodPolicy) -> LLMServic
 
 
 async def _degrade(
-    memo: Any, namespace: str, name: str, message: str, generation: int | None,
+    memo: Any,
+    namespace: str,
+    name: str,
+    message: str,
+    generation: int | None,
     reason: str = st.REASON_INVALID_SPEC,
-) -> None:  # fmt: skip
+) -> None:
     client = _client(memo)
     fresh = await client.get(n.API_VERSION, n.KIND, namespace, name)
     old = ((fresh or {}).get("status") or {}).get("conditions") or []
@@ -95,9 +99,16 @@ async def _apply(
 
 
 async def reconcile_object(
-    *, body: Any, spec: Any, name: str, namespace: str, meta: Any, memo: Any,
-    config: OperatorConfig, logger: Any,
-) -> reconcile.ApplyResult:  # fmt: skip
+    *,
+    body: Any,
+    spec: Any,
+    name: str,
+    namespace: str,
+    meta: Any,
+    memo: Any,
+    config: OperatorConfig,
+    logger: Any,
+) -> reconcile.ApplyResult:
     generation = meta.get("generation")
     client = _client(memo)
     async with _lock(memo, namespace, name):
@@ -160,10 +171,16 @@ async def _autoscale_one(memo: Any, config: OperatorConfig, key: Any) -> None:
             return
         try:
             await autoscaler.autoscale(
-                body=body, name=key[1], namespace=key[0], logger=logger, memo=own_memo,
-                client=_client(memo), lock=_lock(memo, *key), settings=config.autoscale,
+                body=body,
+                name=key[1],
+                namespace=key[0],
+                logger=logger,
+                memo=own_memo,
+                client=_client(memo),
+                lock=_lock(memo, *key),
+                settings=config.autoscale,
                 cached=memo.cache.child,
-            )  # fmt: skip
+            )
         except Exception as e:  # one interval's failure must not stop the next
             logger.warning(f"autoscaler: {key[0]}/{key[1]}: {e!r}")
         await asyncio.sleep(config.autoscale_tick)
@@ -183,9 +200,12 @@ async def transfer_health_forever(memo: Any, config: OperatorConfig) -> None:
 
 
 async def _check_transfers(
-    memo: Any, config: OperatorConfig, session: aiohttp.ClientSession,
-    previous: dict[Any, th.Counts], logger: Any,
-) -> None:  # fmt: skip
+    memo: Any,
+    config: OperatorConfig,
+    session: aiohttp.ClientSession,
+    previous: dict[Any, th.Counts],
+    logger: Any,
+) -> None:
     for key, body in list(memo.cache.services.items()):
         if ((body.get("spec") or {}).get("kvTransfer") or {}).get("transport") == "tcp":
             continue
@@ -195,8 +215,11 @@ async def _check_transfers(
             urls = await th.decode_urls(key[1], key[0])()
         now = await th.scrape(session, urls)
         before, previous[key] = previous.get(key), now
-        message = th.assess(now - before, config.transfer_failure_share,
-                                    config.transfer_min_failures) if before else ""  # fmt: skip
+        message = (
+            th.assess(now - before, config.transfer_failure_share, config.transfer_min_failures)
+            if before
+            else ""
+        )
         if message:
             logger.warning(f"{key[0]}/{key[1]}: {message}")
             kopf.warn(body, reason="KVTransferFallback", message=message)
@@ -283,8 +306,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig = OperatorC
 
     managed = {"app.kubernetes.io/managed-by": n.MANAGED_BY}
     for w in WATCHED:
-        kopf.on.event(w.group, w.version, w.plural, labels=managed, registry=registry,
-                      id=f"watch-{w.plural}")(child_event)  # fmt: skip
+        kopf.on.event(
+            w.group, w.version, w.plural, labels=managed, registry=registry, id=f"watch-{w.plural}"
+        )(child_event)
 
 
 _KEYS = ("body", "spec", "name", "namespace", "meta", "memo", "logger")

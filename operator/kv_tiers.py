@@ -123,31 +123,63 @@ def store_children(spec: Any) -> list[dict[str, Any]]:
         return []
     name, labels = store_name(spec.name), n.labels(spec.name, "kv-store")
     meta = {"name": name, "namespace": spec.namespace, "labels": labels}
-    args = ["--port", str(STORE_PORT), "--save", "", "--appendonly", "no",
-            "--maxmemory", t.store_max_memory, "--maxmemory-policy", "allkeys-lru",
-            "--requirepass", f"$({PASSWORD_ENV})"]  # fmt: skip
+    args = [
+        "--port",
+        str(STORE_PORT),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--maxmemory",
+        t.store_max_memory,
+        "--maxmemory-policy",
+        "allkeys-lru",
+        "--requirepass",
+        f"$({PASSWORD_ENV})",
+    ]
     container = {
-        "name": "redis", "image": t.store_image, "args": args, "env": [_password_env(t)],
+        "name": "redis",
+        "image": t.store_image,
+        "args": args,
+        "env": [_password_env(t)],
         "ports": [{"name": "redis", "containerPort": STORE_PORT, "protocol": "TCP"}],
-        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
-                            "runAsUser": 999, "capabilities": {"drop": ["ALL"]},
-                            "readOnlyRootFilesystem": True},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "runAsNonRoot": True,
+            "runAsUser": 999,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+        },
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-    }  # fmt: skip
-    pod = {"containers": [container], "volumes": [{"name": "data", "emptyDir": {}}],
-           "automountServiceAccountToken": False,
-           "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}}  # fmt: skip
+    }
+    pod = {
+        "containers": [container],
+        "volumes": [{"name": "data", "emptyDir": {}}],
+        "automountServiceAccountToken": False,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+    }
     selector = n.selector(spec.name, "kv-store")
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
-        "spec": {"replicas": 1, "selector": {"matchLabels": selector},
-                 "template": {"metadata": {"labels": labels}, "spec": pod}},
-    }  # fmt: skip
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta,
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": selector},
+            "template": {"metadata": {"labels": labels}, "spec": pod},
+        },
+    }
     service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": dict(meta),
-        "spec": {"selector": selector, "ports": [{"name": "redis", "port": STORE_PORT,
-                                                  "targetPort": "redis", "protocol": "TCP"}]},
-    }  # fmt: skip
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": dict(meta),
+        "spec": {
+            "selector": selector,
+            "ports": [
+                {"name": "redis", "port": STORE_PORT, "targetPort": "redis", "protocol": "TCP"}
+            ],
+        },
+    }
     return [service, deployment]
 
 

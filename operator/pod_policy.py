@@ -31,23 +31,59 @@ class PodPolicy:
     model_host_paths: tuple[str, ...] = ()
 
 
-POD_SPEC_FIELDS = frozenset({
-    "containers", "initContainers", "volumes", "tolerations", "affinity", "nodeSelector",
-    "topologySpreadConstraints", "priorityClassName", "runtimeClassName", "securityContext",
-    "terminationGracePeriodSeconds", "imagePullSecrets", "serviceAccountName",
-})  # fmt: skip
-CONTAINER_FIELDS = frozenset({
-    "name", "image", "imagePullPolicy", "command", "args", "workingDir", "env", "envFrom",
-    "resources", "volumeMounts", "ports", "securityContext", "livenessProbe", "readinessProbe",
-    "startupProbe", "lifecycle", "restartPolicy", "terminationMessagePath",
-    "terminationMessagePolicy",
-})  # fmt: skip
+POD_SPEC_FIELDS = frozenset(
+    {
+        "containers",
+        "initContainers",
+        "volumes",
+        "tolerations",
+        "affinity",
+        "nodeSelector",
+        "topologySpreadConstraints",
+        "priorityClassName",
+        "runtimeClassName",
+        "securityContext",
+        "terminationGracePeriodSeconds",
+        "imagePullSecrets",
+        "serviceAccountName",
+    }
+)
+CONTAINER_FIELDS = frozenset(
+    {
+        "name",
+        "image",
+        "imagePullPolicy",
+        "command",
+        "args",
+        "workingDir",
+        "env",
+        "envFrom",
+        "resources",
+        "volumeMounts",
+        "ports",
+        "securityContext",
+        "livenessProbe",
+        "readinessProbe",
+        "startupProbe",
+        "lifecycle",
+        "restartPolicy",
+        "terminationMessagePath",
+        "terminationMessagePolicy",
+    }
+)
 # Volume sources that reach nothing outside the pod's own namespace: no node paths, no
 # storage servers named inline (nfs, iscsi, ...), which bypass the cluster's PV admission.
-VOLUME_KINDS = frozenset({
-    "emptyDir", "configMap", "secret", "downwardAPI", "projected", "persistentVolumeClaim",
-    "ephemeral",
-})  # fmt: skip
+VOLUME_KINDS = frozenset(
+    {
+        "emptyDir",
+        "configMap",
+        "secret",
+        "downwardAPI",
+        "projected",
+        "persistentVolumeClaim",
+        "ephemeral",
+    }
+)
 # Annotations that switch a container's confinement off (the pre-field forms).
 _UNSAFE_ANNOTATION_PREFIXES = (
     "container.apparmor.security.beta.kubernetes.io/",
@@ -70,9 +106,11 @@ def violations(svc: LLMServiceSpec, policy: PodPolicy) -> Iterator[tuple[str, st
     src = svc.model.source
     if src.kind == "hostPath" and not _under(src.path, policy.model_host_paths):
         allowed = list(policy.model_host_paths) or "none"
-        yield ("spec.model.source.hostPath.path",
-               f"{src.path!r} is not under a host path the operator allows ({allowed}); "
-               "mount the model from a PVC")  # fmt: skip
+        yield (
+            "spec.model.source.hostPath.path",
+            f"{src.path!r} is not under a host path the operator allows ({allowed}); "
+            "mount the model from a PVC",
+        )
     own = {"router": n.router_account_name(svc.name), "prefill": "", "decode": ""}
     templates = {"router": svc.router.pod_template}
     templates.update({p.role: p.pod_template for p in svc.pools})
@@ -80,8 +118,9 @@ def violations(svc: LLMServiceSpec, policy: PodPolicy) -> Iterator[tuple[str, st
         yield from template_violations(f"spec.{role}.podTemplate", template, own[role])
         yield from cache_violations(f"spec.{role}.podTemplate.spec", template.get("spec") or {})
     if svc.router.ingress is not None:
-        yield from ingress_violations("spec.router.ingress.annotations",
-                                      svc.router.ingress.annotations)  # fmt: skip
+        yield from ingress_violations(
+            "spec.router.ingress.annotations", svc.router.ingress.annotations
+        )
     yield from merged_violations(svc)
 
 
@@ -89,15 +128,34 @@ def violations(svc: LLMServiceSpec, policy: PodPolicy) -> Iterator[tuple[str, st
 # Snippets (nginx's configuration-snippet, server-snippet, ...) inject raw controller
 # configuration: other tenants' routes, the controller's own credentials (CVE-2021-25742).
 INGRESS_ANNOTATION_PREFIXES = ("cert-manager.io/", "external-dns.alpha.kubernetes.io/")
-INGRESS_ANNOTATIONS = frozenset({
-    "kubernetes.io/ingress.class", "kubernetes.io/tls-acme",
-    *(f"nginx.ingress.kubernetes.io/{k}" for k in (
-        "proxy-body-size", "proxy-read-timeout", "proxy-send-timeout", "proxy-connect-timeout",
-        "proxy-buffering", "proxy-request-buffering", "ssl-redirect", "force-ssl-redirect",
-        "limit-rps", "limit-rpm", "limit-connections", "whitelist-source-range",
-        "allowlist-source-range", "enable-cors", "cors-allow-origin", "backend-protocol")),
-    *(f"traefik.ingress.kubernetes.io/{k}" for k in ("router.entrypoints", "router.tls")),
-})  # fmt: skip
+INGRESS_ANNOTATIONS = frozenset(
+    {
+        "kubernetes.io/ingress.class",
+        "kubernetes.io/tls-acme",
+        *(
+            f"nginx.ingress.kubernetes.io/{k}"
+            for k in (
+                "proxy-body-size",
+                "proxy-read-timeout",
+                "proxy-send-timeout",
+                "proxy-connect-timeout",
+                "proxy-buffering",
+                "proxy-request-buffering",
+                "ssl-redirect",
+                "force-ssl-redirect",
+                "limit-rps",
+                "limit-rpm",
+                "limit-connections",
+                "whitelist-source-range",
+                "allowlist-source-range",
+                "enable-cors",
+                "cors-allow-origin",
+                "backend-protocol",
+            )
+        ),
+        *(f"traefik.ingress.kubernetes.io/{k}" for k in ("router.entrypoints", "router.tls")),
+    }
+)
 
 
 def ingress_violations(path: str, annotations: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
@@ -132,8 +190,10 @@ def template_violations(
         yield f"{p}.{key}", _why(key)
     account = pod.get("serviceAccountName")
     if account is not None and account != own_account:
-        yield (f"{p}.serviceAccountName",
-               f"must be the service's own ({own_account or 'none'}), got {account!r}")  # fmt: skip
+        yield (
+            f"{p}.serviceAccountName",
+            f"must be the service's own ({own_account or 'none'}), got {account!r}",
+        )
     yield from pod_security_violations(f"{p}.securityContext", pod.get("securityContext") or {})
     for i, vol in enumerate(pod.get("volumes") or []):
         kinds = sorted(set(vol) - {"name"} - VOLUME_KINDS)
@@ -165,8 +225,9 @@ def container_violations(path: str, c: Mapping[str, Any]) -> Iterator[tuple[str,
     for j, mount in enumerate(c.get("volumeMounts") or []):
         if mount.get("mountPropagation") not in (None, "None"):
             yield f"{path}.volumeMounts[{j}].mountPropagation", "must be None"
-    yield from container_security_violations(f"{path}.securityContext",
-                                             c.get("securityContext") or {})  # fmt: skip
+    yield from container_security_violations(
+        f"{path}.securityContext", c.get("securityContext") or {}
+    )
 
 
 def _common_security(path: str, ctx: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
@@ -222,8 +283,9 @@ def merged_violations(svc: LLMServiceSpec) -> Iterator[tuple[str, str]]:
         if child["kind"] != "Deployment":
             continue
         role = child["metadata"]["labels"].get(n.LABEL_ROLE, "")
-        yield from merged_pod_violations(f"spec.{role}.podTemplate.spec",
-                                         child["spec"]["template"]["spec"])  # fmt: skip
+        yield from merged_pod_violations(
+            f"spec.{role}.podTemplate.spec", child["spec"]["template"]["spec"]
+        )
 
 
 def merged_pod_violations(path: str, pod: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
@@ -286,13 +348,17 @@ def cache_violations(path: str, pod: Mapping[str, Any]) -> Iterator[tuple[str, s
             yield f"{path}.volumes[{i}].name", "'model' is the operator's model volume"
         claim = vol.get("persistentVolumeClaim")
         if isinstance(claim, Mapping) and claim.get("readOnly") is not True:
-            yield (f"{path}.volumes[{i}].persistentVolumeClaim.readOnly",
-                   "must be true: the claim may be a shared model cache")  # fmt: skip
+            yield (
+                f"{path}.volumes[{i}].persistentVolumeClaim.readOnly",
+                "must be true: the claim may be a shared model cache",
+            )
     for section in ("containers", "initContainers"):
         for i, c in enumerate(pod.get(section) or []):
             if section == "initContainers" and c.get("name") in OPERATOR_INIT_CONTAINERS:
                 yield f"{path}.{section}[{i}].name", f"{c['name']!r} is the operator's"
             for j, mount in enumerate(c.get("volumeMounts") or []):
                 if mount.get("name") == "model":
-                    yield (f"{path}.{section}[{i}].volumeMounts[{j}]",
-                           "mounts the operator's model volume (the shared cache)")  # fmt: skip
+                    yield (
+                        f"{path}.{section}[{i}].volumeMounts[{j}]",
+                        "mounts the operator's model volume (the shared cache)",
+                    )

@@ -15,10 +15,21 @@ from pdserve.operator.spec import LLMServiceSpec
 
 # Flags the operator sets itself; passing them again in extraArgs would break the pod contract.
 MANAGED_FLAGS = (
-    "--model", "--host", "--port", "--side-channel-port", "--kv-events-port", "--worker-id",
-    "--kv-transport", "--discovery", "--service", "--namespace", "--api-key", "--api-key-file",
-    "--served-model-name", "--admin-port",
-)  # fmt: skip
+    "--model",
+    "--host",
+    "--port",
+    "--side-channel-port",
+    "--kv-events-port",
+    "--worker-id",
+    "--kv-transport",
+    "--discovery",
+    "--service",
+    "--namespace",
+    "--api-key",
+    "--api-key-file",
+    "--served-model-name",
+    "--admin-port",
+)
 
 
 @dataclass(frozen=True)

@@ -144,8 +144,10 @@ class ForeignChild(Exception):
     """A child's name is taken by an object this LLMService does not control."""
 
     def __init__(self, key: str, live: Mapping[str, Any]) -> None:
-        owners = [f"{o.get('kind')}/{o.get('name')}" for o in
-                  live.get("metadata", {}).get("ownerReferences") or []]  # fmt: skip
+        owners = [
+            f"{o.get('kind')}/{o.get('name')}"
+            for o in live.get("metadata", {}).get("ownerReferences") or []
+        ]
         by = f"owned by {', '.join(owners)}" if owners else "not owned by any LLMService"
         super().__init__(f"{key} already exists and is {by}; delete or rename it")
         self.key = key
@@ -173,9 +175,11 @@ async def _get(client: KubeClient, child: Mapping[str, Any]) -> dict[str, Any] |
 
 
 async def _write(
-    client: KubeClient, child: Mapping[str, Any], live: Mapping[str, Any] | None,
+    client: KubeClient,
+    child: Mapping[str, Any],
+    live: Mapping[str, Any] | None,
     patch: dict[str, Any] | None,
-) -> None:  # fmt: skip
+) -> None:
     meta = child["metadata"]
     try:
         if live is None:
@@ -191,9 +195,11 @@ async def _write(
 
 
 async def apply_children(
-    client: KubeClient, spec: LLMServiceSpec, children: list[dict[str, Any]],
+    client: KubeClient,
+    spec: LLMServiceSpec,
+    children: list[dict[str, Any]],
     lookup: Lookup | None = None,
-) -> ApplyResult:  # fmt: skip
+) -> ApplyResult:
     """Create or patch each child in order; children must already carry owner references.
 
     ``lookup`` gives the live object (the watch cache); by default it is a GET. A create

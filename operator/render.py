@@ -198,10 +198,15 @@ def http_route(spec: LLMServiceSpec) -> list[Manifest]:
     backend = {"name": n.router_service_name(spec.name), "port": n.ROUTER_SERVICE_PORT}
     body: dict[str, Any] = {
         "parentRefs": [dict(p) for p in r.http_route_parents],
-        "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": path}}
-                               for path in n.PUBLIC_API_PATHS],
-                   "backendRefs": [backend]}],
-    }  # fmt: skip
+        "rules": [
+            {
+                "matches": [
+                    {"path": {"type": "PathPrefix", "value": path}} for path in n.PUBLIC_API_PATHS
+                ],
+                "backendRefs": [backend],
+            }
+        ],
+    }
     if r.http_route_hostnames:
         body["hostnames"] = list(r.http_route_hostnames)
     meta = _meta(spec, spec.name, "router")
@@ -211,8 +216,11 @@ def http_route(spec: LLMServiceSpec) -> list[Manifest]:
 def disruption_budgets(spec: LLMServiceSpec) -> list[Manifest]:
     """One PDB per Deployment with more than one replica: for a single pod a budget either
     blocks every node drain (minAvailable 1) or protects nothing (maxUnavailable 1)."""
-    counts = {"router": spec.router.replicas, "prefill": spec.prefill.replicas,
-              "decode": spec.decode.replicas}  # fmt: skip
+    counts = {
+        "router": spec.router.replicas,
+        "prefill": spec.prefill.replicas,
+        "decode": spec.decode.replicas,
+    }
     if spec.autoscaling.enabled:  # the count moves; at one pod maxUnavailable 1 is harmless
         counts.update(prefill=spec.prefill.max_replicas, decode=spec.decode.max_replicas)
     return [
@@ -236,8 +244,9 @@ def network_policy(spec: LLMServiceSpec) -> list[Manifest]:
     ]
     kv = spec.kv_transfer
     if kv.transport == "nixl":  # exactly the pinned UCX_TCP_PORT_RANGE, nothing ephemeral
-        ports.append({"protocol": "TCP", "port": kv.ucx_tcp_port_start,
-                      "endPort": kv.ucx_tcp_port_end})  # fmt: skip
+        ports.append(
+            {"protocol": "TCP", "port": kv.ucx_tcp_port_start, "endPort": kv.ucx_tcp_port_end}
+        )
     peers = {"podSelector": {"matchLabels": {n.LABEL_SERVICE: spec.name}}}
     rules: list[dict[str, Any]] = [{"from": [peers], "ports": ports}]
     if spec.network_policy.metrics_namespaces:

@@ -17,8 +17,11 @@ def _scrape(role: str) -> dict[str, str]:
     # The router's /metrics needs an admin key on its HTTP port once API keys are on;
     # its admin port opens it without one (kept off the Ingress: render.py).
     port = n.ADMIN_PORT if role == "router" else n.HTTP_PORT
-    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
-            "prometheus.io/path": "/metrics"}  # fmt: skip
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+    }
 
 
 _PROGRESS_DEADLINE_S = 3600
@@ -40,9 +43,11 @@ def _env(spec: LLMServiceSpec, role: str) -> list[dict[str, Any]]:
     # while it rotates, the Secret's "accepted" entry is taken too (pdserve/keys.py); the
     # prefix cache's hash key is its own entry, which never rotates (protocol/hashing.py).
     name = n.service_secret_name(spec.name)
-    for var, key, optional in (("PDSERVE_SERVICE_SECRET", n.SECRET_KEY, False),
-                               ("PDSERVE_SERVICE_SECRET_ACCEPTED", n.SECRET_ACCEPTED_KEY, True),
-                               ("PDSERVE_BLOCK_HASH_KEY", n.HASH_KEY_KEY, True)):  # fmt: skip
+    for var, key, optional in (
+        ("PDSERVE_SERVICE_SECRET", n.SECRET_KEY, False),
+        ("PDSERVE_SERVICE_SECRET_ACCEPTED", n.SECRET_ACCEPTED_KEY, True),
+        ("PDSERVE_BLOCK_HASH_KEY", n.HASH_KEY_KEY, True),
+    ):
         ref: dict[str, Any] = {"name": name, "key": key}
         if optional:
             ref["optional"] = True
@@ -195,9 +200,13 @@ def _pod_spec(
 
 
 def _deployment(
-    spec: LLMServiceSpec, role: str, replicas: int, pod: dict[str, Any], config_hash: str,
+    spec: LLMServiceSpec,
+    role: str,
+    replicas: int,
+    pod: dict[str, Any],
+    config_hash: str,
     override: Mapping[str, Any],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     annotations = {**_scrape(role), n.ANNOTATION_CONFIG_HASH: config_hash}
     # Surge first, everywhere: a new pod must be ready before an old one goes, or a
     # 1-replica pool has an outage per rollout. Without a spare GPU the rollout waits

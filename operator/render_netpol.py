@@ -46,8 +46,10 @@ def _in_namespaces(names: list[str]) -> dict[str, Any]:
 
 def admin_sources(spec: LLMServiceSpec) -> list[dict[str, Any]]:
     """Who may reach the admin port: the operator's pods, the metrics namespaces."""
-    operator = {**_in_namespaces([operator_namespace(spec)]),
-                "podSelector": {"matchLabels": dict(OPERATOR_COMPONENT)}}  # fmt: skip
+    operator = {
+        **_in_namespaces([operator_namespace(spec)]),
+        "podSelector": {"matchLabels": dict(OPERATOR_COMPONENT)},
+    }
     out: list[dict[str, Any]] = [operator]
     if spec.network_policy.metrics_namespaces:
         out.append(_in_namespaces(list(spec.network_policy.metrics_namespaces)))
@@ -65,7 +67,16 @@ def router_network_policy(spec: LLMServiceSpec) -> list[Manifest]:
         {"ports": [{"protocol": "TCP", "port": public_port}]},
         {"from": admin_sources(spec), "ports": [{"protocol": "TCP", "port": n.ADMIN_PORT}]},
     ]
-    body = {"podSelector": {"matchLabels": n.selector(spec.name, "router")},
-            "policyTypes": ["Ingress"], "ingress": rules}  # fmt: skip
-    return [{"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
-             "spec": body}]  # fmt: skip
+    body = {
+        "podSelector": {"matchLabels": n.selector(spec.name, "router")},
+        "policyTypes": ["Ingress"],
+        "ingress": rules,
+    }
+    return [
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": meta,
+            "spec": body,
+        }
+    ]

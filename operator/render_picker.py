@@ -35,9 +35,19 @@ GRPC_PORT = 9002  # the picker's ext_proc + gRPC health (the extension's usual p
 FRONT_PORT = 8084  # a decode pod's front: the InferencePool's targetPort
 # The router's tenant-facing flags a decode pod's front repeats (the picker enforces the
 # same limits for the whole service before the gateway routes; docs/security.md).
-FRONT_FLAGS = ("--api-key-file", "--max-queue", "--lora", "--rate-limit-rpm", "--rate-limit-tpm",
-               "--max-concurrency-per-key", "--max-waiting", "--max-body-bytes",
-               "--max-prompt-chars", "--max-schema-bytes", "--body-timeout")  # fmt: skip
+FRONT_FLAGS = (
+    "--api-key-file",
+    "--max-queue",
+    "--lora",
+    "--rate-limit-rpm",
+    "--rate-limit-tpm",
+    "--max-concurrency-per-key",
+    "--max-waiting",
+    "--max-body-bytes",
+    "--max-prompt-chars",
+    "--max-schema-bytes",
+    "--body-timeout",
+)
 _FRONT_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
 
 
@@ -75,14 +85,25 @@ def inference_pool(spec: LLMServiceSpec) -> Manifest:
 
 
 def _grpc_probe(service: str, period: int, failures: int) -> dict[str, Any]:
-    return {"grpc": {"port": GRPC_PORT, "service": service}, "periodSeconds": period,
-            "timeoutSeconds": 5, "failureThreshold": failures}  # fmt: skip
+    return {
+        "grpc": {"port": GRPC_PORT, "service": service},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
 
 
 def _picker_deployment(spec: LLMServiceSpec, dep: Manifest) -> Manifest:
     c = dep["spec"]["template"]["spec"]["containers"][0]
-    c["command"] = [*c["command"], "--mode", "endpoint-picker", "--grpc-port", str(GRPC_PORT),
-                    "--target-port", str(FRONT_PORT)]  # fmt: skip
+    c["command"] = [
+        *c["command"],
+        "--mode",
+        "endpoint-picker",
+        "--grpc-port",
+        str(GRPC_PORT),
+        "--target-port",
+        str(FRONT_PORT),
+    ]
     admin = {"name": "admin", "containerPort": n.ADMIN_PORT, "protocol": "TCP"}  # /metrics
     c["ports"] = [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}, admin]
     c["startupProbe"] = _grpc_probe("liveness", 10, 180)
@@ -93,8 +114,15 @@ def _picker_deployment(spec: LLMServiceSpec, dep: Manifest) -> Manifest:
 
 def _picker_service(spec: LLMServiceSpec, svc: Manifest) -> Manifest:
     svc["spec"]["type"] = "ClusterIP"  # only the gateway's ext_proc client calls it
-    svc["spec"]["ports"] = [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc",
-                             "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}]  # fmt: skip
+    svc["spec"]["ports"] = [
+        {
+            "name": "grpc",
+            "port": GRPC_PORT,
+            "targetPort": "grpc",
+            "protocol": "TCP",
+            "appProtocol": "kubernetes.io/h2c",
+        }
+    ]
     return svc
 
 
@@ -106,10 +134,21 @@ def front_command(spec: LLMServiceSpec) -> list[str]:
     for i, arg in enumerate(router):  # the tenant-facing flags carry over
         if arg in FRONT_FLAGS and i + 1 < len(router):
             keep += [arg, router[i + 1]]
-    cmd = ["pdserve", "router", "--model", p.model_dir(spec),
-           "--served-model-name", spec.model.served_name, "--host", "0.0.0.0",
-           "--port", str(FRONT_PORT), "--decode", f"http://127.0.0.1:{n.HTTP_PORT}",
-           "--prefill-from-header"]  # fmt: skip
+    cmd = [
+        "pdserve",
+        "router",
+        "--model",
+        p.model_dir(spec),
+        "--served-model-name",
+        spec.model.served_name,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(FRONT_PORT),
+        "--decode",
+        f"http://127.0.0.1:{n.HTTP_PORT}",
+        "--prefill-from-header",
+    ]
     return cmd + keep
 
 

@@ -39,8 +39,9 @@ class RotationError(RuntimeError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="the LLMService")
     parser.add_argument("-n", "--namespace", default="default")
-    parser.add_argument("--timeout", type=float, default=1800.0,
-                        help="seconds each of the three rollouts may take")  # fmt: skip
+    parser.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds each of the three rollouts may take"
+    )
 
 
 def _b64(value: str) -> str:
@@ -55,8 +56,10 @@ async def rotate(client: kube.KubeClient, namespace: str, name: str, new: str, r
         raise RotationError(f'Secret "{secret_name}" not found in namespace "{namespace}"')
     data = live.get("data") or {}
     if data.get(n.SECRET_ACCEPTED_KEY):
-        raise RotationError(f"{secret_name} has '{n.SECRET_ACCEPTED_KEY}' set: a rotation is "
-                            "under way; finish it by hand (docs/security.md)")  # fmt: skip
+        raise RotationError(
+            f"{secret_name} has '{n.SECRET_ACCEPTED_KEY}' set: a rotation is "
+            "under way; finish it by hand (docs/security.md)"
+        )
     old = base64.b64decode(data[n.SECRET_KEY]).decode()
     steps: list[dict[str, Any]] = [
         {n.SECRET_ACCEPTED_KEY: _b64(new)},
@@ -79,8 +82,9 @@ def rolled_out(dep: dict[str, Any]) -> bool:
     )
 
 
-def restarter(client: kube.KubeClient, namespace: str, name: str, timeout: float,
-              poll_s: float = 2.0) -> Roll:  # fmt: skip
+def restarter(
+    client: kube.KubeClient, namespace: str, name: str, timeout: float, poll_s: float = 2.0
+) -> Roll:
     """A ``Roll`` that restarts the three Deployments and waits until each has rolled."""
 
     async def roll(label: str) -> None:
@@ -93,8 +97,10 @@ def restarter(client: kube.KubeClient, namespace: str, name: str, timeout: float
         for dep in names:
             while not rolled_out(await client.get("apps/v1", "Deployment", namespace, dep) or {}):
                 if time.monotonic() > deadline:
-                    raise RotationError(f"{label}: {dep} did not roll out within {timeout:g}s; "
-                                        "the Secret is left at this step")  # fmt: skip
+                    raise RotationError(
+                        f"{label}: {dep} did not roll out within {timeout:g}s; "
+                        "the Secret is left at this step"
+                    )
                 await asyncio.sleep(poll_s)
         print(f"{label}: rolled out", file=sys.stderr)
 

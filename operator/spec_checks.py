@@ -68,12 +68,17 @@ def check_affinity(path: str, affinity: Mapping[str, Any]) -> None:
     required = node.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
     for i, term in enumerate(required.get("nodeSelectorTerms") or []):
         p = f"{path}.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
-        _expressions(f"{p}.nodeSelectorTerms[{i}]", term, _NODE_OPS,
-                     ("matchExpressions", "matchFields"))  # fmt: skip
+        _expressions(
+            f"{p}.nodeSelectorTerms[{i}]", term, _NODE_OPS, ("matchExpressions", "matchFields")
+        )
     for i, pref in enumerate(node.get("preferredDuringSchedulingIgnoredDuringExecution") or []):
         p = f"{path}.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[{i}]"
-        _expressions(f"{p}.preference", (pref or {}).get("preference"), _NODE_OPS,
-                     ("matchExpressions", "matchFields"))  # fmt: skip
+        _expressions(
+            f"{p}.preference",
+            (pref or {}).get("preference"),
+            _NODE_OPS,
+            ("matchExpressions", "matchFields"),
+        )
     for kind in ("podAffinity", "podAntiAffinity"):
         pod = affinity.get(kind) or {}
         terms = list(pod.get("requiredDuringSchedulingIgnoredDuringExecution") or [])
@@ -82,5 +87,9 @@ def check_affinity(path: str, affinity: Mapping[str, Any]) -> None:
         for i, term in enumerate(terms):
             if not (term or {}).get("topologyKey"):
                 raise SpecError(f"{path}.{kind}[{i}].topologyKey", "is required")
-            _expressions(f"{path}.{kind}[{i}].labelSelector", term.get("labelSelector"),
-                         _LABEL_OPS, ("matchExpressions",))  # fmt: skip
+            _expressions(
+                f"{path}.{kind}[{i}].labelSelector",
+                term.get("labelSelector"),
+                _LABEL_OPS,
+                ("matchExpressions",),
+            )

@@ -339,8 +339,10 @@ def parse_llmservice(obj: Mapping[str, Any], default_namespace: str = "default")
     if svc.router.mode == "endpointPicker" and svc.autoscaling.enabled:
         # The planner reads the router's metrics; the picker serves none (the decode pods'
         # fronts do): refused rather than scaling on nothing.
-        raise SpecError("spec.autoscaling.enabled", "is not supported with router.mode "
-                        "endpointPicker yet (docs/router.md)")  # fmt: skip
+        raise SpecError(
+            "spec.autoscaling.enabled",
+            "is not supported with router.mode endpointPicker yet (docs/router.md)",
+        )
     return svc
 
 
@@ -352,9 +354,13 @@ def check_autoscaling(svc: LLMServiceSpec) -> None:
     if auto.enabled and svc.router.replicas > 1 and not auto.metrics_url:
         # Scraping the router Service reaches one random pod per interval: counters of
         # different pods would be diffed. Prometheus sums every router pod's series.
-        raise SpecError("spec.autoscaling.metricsUrl", "is required (a Prometheus URL) "
-                        "when spec.router.replicas > 1")  # fmt: skip
+        raise SpecError(
+            "spec.autoscaling.metricsUrl",
+            "is required (a Prometheus URL) when spec.router.replicas > 1",
+        )
     for pool in svc.pools:
         if auto.enabled and pool.external_scaling:
-            raise SpecError(f"spec.{pool.role}.externalScaling",
-                            "cannot be true while spec.autoscaling.enabled is true")  # fmt: skip
+            raise SpecError(
+                f"spec.{pool.role}.externalScaling",
+                "cannot be true while spec.autoscaling.enabled is true",
+            )

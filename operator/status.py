@@ -108,10 +108,14 @@ def _ready_conditions(
     missing = [role for role, s in states.items() if s is None]
     # A prefill pool scaled to 0 (the planner colocates: decode workers prefill locally)
     # does not stop the service from serving.
-    idle = [role for role, s in states.items()
-            if s and not s.is_serving and not (role == "prefill" and s.desired == 0)]  # fmt: skip
-    moving = [f"{role} {s.ready}/{s.desired}" for role, s in states.items()
-              if s and not s.is_settled]  # fmt: skip
+    idle = [
+        role
+        for role, s in states.items()
+        if s and not s.is_serving and not (role == "prefill" and s.desired == 0)
+    ]
+    moving = [
+        f"{role} {s.ready}/{s.desired}" for role, s in states.items() if s and not s.is_settled
+    ]
     if missing:
         msg = f"Deployments not created: {', '.join(missing)}"
         ready = condition("Ready", False, "ChildrenMissing", msg, gen)

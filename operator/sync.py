@@ -29,9 +29,12 @@ logger = logging.getLogger(__name__)
 
 
 async def write_status(
-    client: KubeClient, cache: Cache, fresh: Mapping[str, Any] | None,
-    conditions: list[dict[str, Any]], extra: Mapping[str, Any],
-) -> None:  # fmt: skip
+    client: KubeClient,
+    cache: Cache,
+    fresh: Mapping[str, Any] | None,
+    conditions: list[dict[str, Any]],
+    extra: Mapping[str, Any],
+) -> None:
     """Merge ``conditions`` into ``fresh``'s status and patch it (call under the object's lock).
 
     Conditions are a list that a merge patch replaces whole: every writer holds the one
@@ -53,15 +56,21 @@ async def write_status(
 
 
 def handler_owns_degraded(status: Mapping[str, Any]) -> bool:
-    return any(c.get("type") == "Degraded" and c.get("status") == "True"
-               and c.get("reason") in st.HANDLER_REASONS
-               for c in status.get("conditions") or [])  # fmt: skip
+    return any(
+        c.get("type") == "Degraded"
+        and c.get("status") == "True"
+        and c.get("reason") in st.HANDLER_REASONS
+        for c in status.get("conditions") or []
+    )
 
 
 async def sync_service(
-    client: KubeClient, cache: Cache, key: Key, default_image: str = "",
+    client: KubeClient,
+    cache: Cache,
+    key: Key,
+    default_image: str = "",
     policy: PodPolicy | None = None,
-) -> None:  # fmt: skip
+) -> None:
     body = cache.services.get(key)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
@@ -88,8 +97,10 @@ async def sync_service(
             logger.warning(f"{namespace}/{name}: not repairing drift: {e}")
         else:
             if result.patched or result.created:
-                logger.info(f"{namespace}/{name}: reverted drift: "
-                            f"{list(result.created) + list(result.patched)}")  # fmt: skip
+                logger.info(
+                    f"{namespace}/{name}: reverted drift: "
+                    f"{list(result.created) + list(result.patched)}"
+                )
     deployments = {
         role: cache.child(namespace, "Deployment", n.deployment_name(name, role))
         for role in n.ROLES
@@ -105,9 +116,13 @@ class Syncer:
     """Debounced, per-object-serialised ``sync_service`` runs."""
 
     def __init__(
-        self, client: KubeClient, cache: Cache, debounce: float = 0.2, default_image: str = "",
+        self,
+        client: KubeClient,
+        cache: Cache,
+        debounce: float = 0.2,
+        default_image: str = "",
         policy: PodPolicy | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.client, self.cache, self.debounce = client, cache, debounce
         self.default_image = default_image
         self.policy = policy

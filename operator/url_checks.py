@@ -26,8 +26,15 @@ import httpx
 
 from pdserve.operator.spec import SpecError
 
-METADATA_HOSTS = frozenset({"metadata", "metadata.google.internal", "metadata.goog",
-                            "instance-data", "instance-data.ec2.internal"})  # fmt: skip
+METADATA_HOSTS = frozenset(
+    {
+        "metadata",
+        "metadata.google.internal",
+        "metadata.goog",
+        "instance-data",
+        "instance-data.ec2.internal",
+    }
+)
 IP = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
@@ -126,5 +133,6 @@ class PinnedTransport(httpx.HTTPTransport):
 
 def pinned_client(url: str, allow: Sequence[str] = (), timeout_s: float = 5.0) -> httpx.Client:
     """An httpx client for ``url`` that connects only to the address ``pin`` checked."""
-    return httpx.Client(transport=PinnedTransport(pin(url, allow)), timeout=timeout_s,
-                        follow_redirects=False)  # fmt: skip
+    return httpx.Client(
+        transport=PinnedTransport(pin(url, allow)), timeout=timeout_s, follow_redirects=False
+    )

@@ -32,9 +32,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # The install extra (pyproject.toml) each command needs; the rest need pdserve[all].
-EXTRA_OF = {"router": "router", "prefill-worker": "worker", "decode-worker": "worker",
-            "generate": "worker", "tiny-model": "worker", "operator": "operator",
-            "render": "operator", "crds": "operator", "rotate-secret": "operator"}  # fmt: skip
+EXTRA_OF = {
+    "router": "router",
+    "prefill-worker": "worker",
+    "decode-worker": "worker",
+    "generate": "worker",
+    "tiny-model": "worker",
+    "operator": "operator",
+    "render": "operator",
+    "crds": "operator",
+    "rotate-secret": "operator",
+}
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
@@ -78,8 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if missing in ("", "pdserve"):
             raise
         extra = EXTRA_OF.get(name, "all")
-        raise SystemExit(f"pdserve {name}: this install has no {missing!r}, which it needs: "
-                         f"pip install 'pdserve[{extra}]' (docs/images.md)") from exc  # fmt: skip
+        raise SystemExit(
+            f"pdserve {name}: this install has no {missing!r}, which it needs: "
+            f"pip install 'pdserve[{extra}]' (docs/images.md)"
+        ) from exc
 
 
 if __name__ == "__main__":

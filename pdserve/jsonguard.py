@@ -109,5 +109,6 @@ def check_tree(body: Any, check_text: bool = True) -> None:
             if isinstance(value, (dict, list)):
                 stack.append((value, depth + 1, where))
             elif check_text and isinstance(value, str) and not valid_text(value):
-                raise BadJSON(f"{where or 'the body'} holds invalid Unicode (a lone surrogate)",
-                              where)  # fmt: skip
+                raise BadJSON(
+                    f"{where or 'the body'} holds invalid Unicode (a lone surrogate)", where
+                )

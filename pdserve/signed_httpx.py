@@ -27,8 +27,9 @@ class SignedAuth(httpx.Auth):
         return request
 
     def _sign(self, request: httpx.Request) -> str:
-        auth = signing.sign(self.ring, request.method, request.url.raw_path.decode(),
-                            request.content)  # fmt: skip
+        auth = signing.sign(
+            self.ring, request.method, request.url.raw_path.decode(), request.content
+        )
         request.headers[signing.HEADER] = auth
         return auth
 

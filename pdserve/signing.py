@@ -40,8 +40,9 @@ def _tag(key: bytes, method: str, target: str, ts: str, nonce: str, body_sha: by
     return keys.mac_after(key, (VERSION, method, target), ts.encode(), nonce.encode(), body_sha)
 
 
-def sign(ring: keys.KeyRing, method: str, target: str, body: bytes = b"",
-         now: float | None = None) -> str:  # fmt: skip
+def sign(
+    ring: keys.KeyRing, method: str, target: str, body: bytes = b"", now: float | None = None
+) -> str:
     """The ``X-PDServe-Auth`` value for one call (``target``: the path and query)."""
     ts = f"{time.time() if now is None else now:.3f}"
     nonce = os.urandom(12).hex()
@@ -87,8 +88,9 @@ class Verifier:
         self.ring, self.window_s = ring, window_s
         self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> when it expires
 
-    def check(self, method: str, target: str, auth: str | None, body: bytes,
-              now: float | None = None) -> Verdict:  # fmt: skip
+    def check(
+        self, method: str, target: str, auth: str | None, body: bytes, now: float | None = None
+    ) -> Verdict:
         if not self.ring:
             return Verdict(b"")  # no secret configured: open (the worker warned at start)
         now = time.time() if now is None else now
@@ -98,9 +100,14 @@ class Verifier:
         _, ts, nonce, tag = (auth or "").split(" ")
         sha = hashlib.sha256(body).digest() if body else _EMPTY_SHA
         given = bytes.fromhex(tag)
-        key = next((k for k in self.ring.keys
-                    if hmac.compare_digest(given, _tag(k, method, target, ts, nonce, sha))),
-                   None)  # fmt: skip
+        key = next(
+            (
+                k
+                for k in self.ring.keys
+                if hmac.compare_digest(given, _tag(k, method, target, ts, nonce, sha))
+            ),
+            None,
+        )
         if key is None:
             return Verdict(None, "bad signature (not the service secret, or an altered call)")
         if not self._first_use(nonce, now):

@@ -96,8 +96,9 @@ class Series:
         season = _season_update(self.season, t, value, cfg)
         rec = self.recurrence.observe(t, value)
         if self.level is None or self.time_s is None or t <= self.time_s:
-            return Series(value, 0.0, t, interval_s, season, 0.0, value, recent=(value,),
-                          recurrence=rec)  # fmt: skip
+            return Series(
+                value, 0.0, t, interval_s, season, 0.0, value, recent=(value,), recurrence=rec
+            )
         base = self.base if self.base > 0 else self.level
         raw = (value - self.level) / (t - self.time_s)
         # A Poisson count's relative std is 1/sqrt(count); a token sum varies more (the
@@ -137,9 +138,20 @@ class Series:
         rises = self.rises + 1 if raw > 0 else 0
         uptrend = _fitted_z(recent, sigma * base) > UPTREND_Z
         return Series(
-            value, slope, t, interval_s, season, noise, base, rising, recent, rises, collapsed,
-            uptrend, rec,
-        )  # fmt: skip
+            value,
+            slope,
+            t,
+            interval_s,
+            season,
+            noise,
+            base,
+            rising,
+            recent,
+            rises,
+            collapsed,
+            uptrend,
+            rec,
+        )
 
     def at(self, horizon_s: float, cfg: ForecastConfig) -> float:
         """Forecast of the value ``horizon_s`` after the last observation."""

@@ -27,9 +27,11 @@ def plan(
         s, config, state.prefill_correction, state.decode_correction, previous
     )
     fc = state.forecast.observe(
-        now, s.interval_s, (s.request_rate, s.prompt_token_rate, s.output_token_rate),
+        now,
+        s.interval_s,
+        (s.request_rate, s.prompt_token_rate, s.output_token_rate),
         config.forecast,
-    )  # fmt: skip
+    )
     if fc.request_rate.collapsed:
         state = replace(
             state,
@@ -50,13 +52,27 @@ def plan(
         p, da = _colocated(p, da, fc, config, choice.colocated_goodput)
     d = da.need
     p_in = PoolInput(
-        "prefill", p.need, s.prefill, config.prefill, replace(state.prefill, etas=p_etas), now,
-        p.steady_need, p.floor, fc.request_rate.uptrend or fc.prompt_rate.uptrend,
-    )  # fmt: skip
+        "prefill",
+        p.need,
+        s.prefill,
+        config.prefill,
+        replace(state.prefill, etas=p_etas),
+        now,
+        p.steady_need,
+        p.floor,
+        fc.request_rate.uptrend or fc.prompt_rate.uptrend,
+    )
     d_in = PoolInput(
-        "decode", d.need, s.decode, config.decode, replace(state.decode, etas=d_etas), now,
-        da.steady_need, da.floor, fc.request_rate.uptrend or fc.output_rate.uptrend,
-    )  # fmt: skip
+        "decode",
+        d.need,
+        s.decode,
+        config.decode,
+        replace(state.decode, etas=d_etas),
+        now,
+        da.steady_need,
+        da.floor,
+        fc.request_rate.uptrend or fc.output_rate.uptrend,
+    )
     p_dec, p_mem = stabilize(p_in, config.stability)
     d_dec, d_mem = stabilize(d_in, config.stability)
     p_mem = _started(p_dec, p_mem, now + config.startup_s)
@@ -95,9 +111,15 @@ def plan(
     rounded = {k: round(v, 4) for k, v in details.items()}
     decision = Decision(now, p_dec, d_dec, rounded, mode, mix_why)
     return decision, PlannerState(
-        p_mem, d_mem, prefill_c, decode_c, fc, mode,
-        prefill_queue_depth=s.prefill_queue_depth, prefill_ready=s.prefill.ready,
-    )  # fmt: skip
+        p_mem,
+        d_mem,
+        prefill_c,
+        decode_c,
+        fc,
+        mode,
+        prefill_queue_depth=s.prefill_queue_depth,
+        prefill_ready=s.prefill.ready,
+    )
 
 
 def _mean_output(s: MetricsSnapshot, fc: Forecast) -> float:

@@ -234,8 +234,11 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.engine.llm_engine import LLMEngine
 
     if args.clock == "cpu" and args.cpu_threads != 1:
-        print("pdserve profile: --clock cpu needs --cpu-threads 1 (the CPU time of other "
-              "torch threads is not counted)", file=sys.stderr)  # fmt: skip
+        print(
+            "pdserve profile: --clock cpu needs --cpu-threads 1 (the CPU time of other "
+            "torch threads is not counted)",
+            file=sys.stderr,
+        )
         return 2
     engine = LLMEngine(engine_config_from_args(args))
     startup = process_age_s()  # imports, weights load, compile warm-up: a replica's start-up

@@ -66,8 +66,10 @@ class PrometheusAPI:
             body = None
         if not isinstance(body, dict) or body.get("status") != "success":
             said = "" if self.quiet or not isinstance(body, dict) else f": {body.get('error')}"
-            raise MetricsError(f"Prometheus query {promql!r} failed: HTTP "
-                               f"{reply.status_code}, not a successful reply{said}")  # fmt: skip
+            raise MetricsError(
+                f"Prometheus query {promql!r} failed: HTTP "
+                f"{reply.status_code}, not a successful reply{said}"
+            )
         return _vector(body, promql)
 
     def scrape(self, now_s: float) -> Scrape:
@@ -113,6 +115,7 @@ def _vector(body: dict[str, Any], promql: str) -> list[tuple[dict[str, str], flo
             labels = {str(k): str(v) for k, v in item.get("metric", {}).items()}
             rows.append((labels, float(item["value"][1])))
         except (KeyError, IndexError, TypeError, ValueError, AttributeError):
-            raise MetricsError(f"Prometheus query {promql!r}: a sample is not "
-                               "{metric, value: [time, number]}") from None  # fmt: skip
+            raise MetricsError(
+                f"Prometheus query {promql!r}: a sample is not {{metric, value: [time, number]}}"
+            ) from None
     return [(labels, v) for labels, v in rows if v == v]  # drop NaN (empty rate windows)

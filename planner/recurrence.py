@@ -99,8 +99,14 @@ def _pearson(a: list[float], b: list[float]) -> float:
 
 
 def to_dict(r: Recurrence) -> dict[str, Any]:
-    return {"first_minute": r.first_minute, "means": list(r.means), "minute": r.minute,
-            "total": r.total, "count": r.count, "period": r.period}  # fmt: skip
+    return {
+        "first_minute": r.first_minute,
+        "means": list(r.means),
+        "minute": r.minute,
+        "total": r.total,
+        "count": r.count,
+        "period": r.period,
+    }
 
 
 def from_dict(body: Any) -> Recurrence:
@@ -109,9 +115,14 @@ def from_dict(body: Any) -> Recurrence:
     try:
         means = tuple(float(x) for x in body.get("means", ()))[-KEEP:]
         minute = body.get("minute")
-        out = Recurrence(int(body.get("first_minute", 0)), means,
-                         None if minute is None else int(minute), float(body.get("total", 0.0)),
-                         int(body.get("count", 0)), int(body.get("period", 0)))  # fmt: skip
+        out = Recurrence(
+            int(body.get("first_minute", 0)),
+            means,
+            None if minute is None else int(minute),
+            float(body.get("total", 0.0)),
+            int(body.get("count", 0)),
+            int(body.get("period", 0)),
+        )
     except (TypeError, ValueError):
         return Recurrence()
     ok = all(math.isfinite(x) for x in (*out.means, out.total))

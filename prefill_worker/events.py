@@ -31,9 +31,13 @@ class KVEventPublisher:
     ``bind`` is taken, bind any free one (``port`` says which)."""
 
     def __init__(
-        self, bind: str, worker_id: str, engine: LLMEngine | None = None, kv_events: bool = True,
+        self,
+        bind: str,
+        worker_id: str,
+        engine: LLMEngine | None = None,
+        kv_events: bool = True,
         any_port: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.worker_id = worker_id
         self.kv_events = kv_events
         self._engine = engine

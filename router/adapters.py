@@ -87,6 +87,14 @@ class AdapterTable:
         """``/v1/models`` entries of the adapters (vLLM's shape; no path: the operator's)."""
         cards = []
         for a in self._by_name.values():
-            cards.append({"id": a.name, "object": "model", "created": created,
-                          "owned_by": "pdserve", "root": a.name, "parent": base})  # fmt: skip
+            cards.append(
+                {
+                    "id": a.name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "pdserve",
+                    "root": a.name,
+                    "parent": base,
+                }
+            )
         return cards

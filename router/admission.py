@@ -32,8 +32,12 @@ Waiters = OrderedDict[str, deque[asyncio.Future[None]]]
 
 
 def queue_full(slots: int) -> APIError:
-    return APIError(429, f"the router's queue is full ({slots} requests); retry later",
-                    code="queue_full", headers={"Retry-After": "1"})  # fmt: skip
+    return APIError(
+        429,
+        f"the router's queue is full ({slots} requests); retry later",
+        code="queue_full",
+        headers={"Retry-After": "1"},
+    )
 
 
 class Ticket:
@@ -85,10 +89,13 @@ class Admission:
         ``acquire``); the 429 of ``--max-concurrency-per-key`` when the client is at it."""
         cap = self.per_client
         if cap and self.held.get(client, 0) + self.waiting_of(client) >= cap:
-            raise APIError(429, f"this API key already has {cap} requests in flight or "
-                           "waiting (--max-concurrency-per-key); retry when one finishes",
-                           code="concurrency_limit_exceeded",
-                           headers={"Retry-After": "1"})  # fmt: skip
+            raise APIError(
+                429,
+                f"this API key already has {cap} requests in flight or "
+                "waiting (--max-concurrency-per-key); retry when one finishes",
+                code="concurrency_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
         if self.active < self.slots and not self._waiting:
             self._take(client)
             return Ticket(self, client)

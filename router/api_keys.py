@@ -85,8 +85,9 @@ class KeyFile:
         except (OSError, ValueError) as exc:
             if force:
                 raise
-            log.warning("API key file %s not reloaded, keeping %d keys: %s",
-                        self.path, len(self.keys), exc)  # fmt: skip
+            log.warning(
+                "API key file %s not reloaded, keeping %d keys: %s", self.path, len(self.keys), exc
+            )
             return
         if self._stamp is not None:
             log.info("API key file %s reloaded: %d keys", self.path, len(keys))
@@ -129,8 +130,9 @@ class KeyStore:
         scheme, _, token = authorization.partition(" ")
         token = token.strip() if scheme.lower() == "bearer" else ""
         if not token:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")  # fmt: skip
+            raise APIError(
+                401, "missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key"
+            )
         if _match(token, self.admin_keys()) is not None:
             return Caller(token, admin=True)
         keys = self.tenant_keys()
@@ -144,8 +146,9 @@ class KeyStore:
         tenant's); with no keys configured the admin endpoints are open, as before."""
         caller = self.caller(authorization)
         if self.enabled and not caller.admin:
-            raise APIError(403, "this endpoint needs an admin key (--admin-api-key)",
-                           code="admin_key_required")  # fmt: skip
+            raise APIError(
+                403, "this endpoint needs an admin key (--admin-api-key)", code="admin_key_required"
+            )
 
     def require_admin_key(self, authorization: str) -> None:
         """Routes that change state: an admin key always, with or without tenant keys
@@ -156,14 +159,19 @@ class KeyStore:
         if token and _match(token, admins) is not None:
             return
         if not admins:
-            raise APIError(403, "this endpoint needs an admin key, and none is configured: "
-                           "start the router with --admin-api-key or --admin-api-key-file",
-                           code="admin_key_required")  # fmt: skip
+            raise APIError(
+                403,
+                "this endpoint needs an admin key, and none is configured: "
+                "start the router with --admin-api-key or --admin-api-key-file",
+                code="admin_key_required",
+            )
         if not token:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")  # fmt: skip
-        raise APIError(403, "this endpoint needs an admin key (--admin-api-key)",
-                       code="admin_key_required")  # fmt: skip
+            raise APIError(
+                401, "missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key"
+            )
+        raise APIError(
+            403, "this endpoint needs an admin key (--admin-api-key)", code="admin_key_required"
+        )
 
 
 def _match(token: str, keys: object) -> str | None:

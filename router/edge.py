@@ -44,8 +44,11 @@ async def read_body(request: Request, limit: int, timeout: float = 30.0) -> byte
         async with asyncio.timeout(timeout):
             return await _read_body(request, limit, first)
     except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s "
-                       "(--body-timeout)", code="request_timeout") from None  # fmt: skip
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout:g} s (--body-timeout)",
+            code="request_timeout",
+        ) from None
 
 
 async def _whole_body(request: Request, limit: int) -> tuple[bytes, bool]:
@@ -122,5 +125,8 @@ def chat_chars(messages: Sequence[dict[str, Any]], tools: Any, kwargs: Any) -> i
 def bound_text(size: int, field: str, limit: int) -> None:
     """A 400 naming ``field`` when its ``size`` characters pass ``limit``."""
     if size > limit:
-        raise invalid(f"{field} holds {size} characters; at most {limit} are accepted", field,
-                      "context_length_exceeded")  # fmt: skip
+        raise invalid(
+            f"{field} holds {size} characters; at most {limit} are accepted",
+            field,
+            "context_length_exceeded",
+        )

@@ -63,8 +63,13 @@ class Buckets:
 class _Family:
     """A metric with its series by label values; without labels, itself one series."""
 
-    def __init__(self, name: str, doc: str, labelnames: Sequence[str] = (),
-                 registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        doc: str,
+        labelnames: Sequence[str] = (),
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.name, self.doc, self.labelnames = name, doc, tuple(labelnames)
         self._series: dict[tuple[str, ...], Any] = {}
         if not self.labelnames:
@@ -129,9 +134,14 @@ class Gauge(_Values):
 
 
 class Histogram(_Family):
-    def __init__(self, name: str, doc: str, labelnames: Sequence[str] = (),
-                 registry: CollectorRegistry | None = None,
-                 buckets: Sequence[float] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        doc: str,
+        labelnames: Sequence[str] = (),
+        registry: CollectorRegistry | None = None,
+        buckets: Sequence[float] = (),
+    ) -> None:
         bounds = tuple(float(b) for b in buckets)
         if not bounds or bounds[-1] != INF:
             bounds += (INF,)

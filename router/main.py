@@ -56,9 +56,11 @@ def warn_if_open(cfg: RouterConfig, host: str) -> None:
         return
     if host in ("127.0.0.1", "::1", "localhost") or host.startswith("127."):
         return
-    log.warning("no API key is configured and the router listens on %s: anyone who can "
-                "reach it can use it and read /metrics and /workers (--api-key-file)",
-                host)  # fmt: skip
+    log.warning(
+        "no API key is configured and the router listens on %s: anyone who can "
+        "reach it can use it and read /metrics and /workers (--api-key-file)",
+        host,
+    )
 
 
 def prefill_scorers(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
@@ -190,10 +192,16 @@ def serve(args: argparse.Namespace, index: int, metrics_socks: list[socket.socke
     # word when either is missing, at about twice the CPU per request. httptools with the
     # writes of one loop turn sent together (router/coalesce.py).
     # The proxy header rewrite without a coroutine of its own (router/proxy_headers.py).
-    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
-                            timeout_keep_alive=args.keep_alive_timeout, loop="uvloop",
-                            http=CoalescingHttpTools, proxy_headers=False,
-                            interface="asgi3")  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level.lower(),
+        access_log=False,
+        timeout_keep_alive=args.keep_alive_timeout,
+        loop="uvloop",
+        http=CoalescingHttpTools,
+        proxy_headers=False,
+        interface="asgi3",
+    )
     config.app = FlatProxyHeaders(app, config.forwarded_allow_ips)
     # One server on both ports: the app tells the admin port by the request's local port.
     public = (args.port, args.admin_port) if args.admin_port else (args.port,)

@@ -94,8 +94,9 @@ def supervise(args: argparse.Namespace, n: int, child: Callable[..., int]) -> in
     return abs(status)
 
 
-def _run_child(child: Callable[..., int], args: argparse.Namespace, index: int,
-               socks: list[socket.socket]) -> None:  # fmt: skip
+def _run_child(
+    child: Callable[..., int], args: argparse.Namespace, index: int, socks: list[socket.socket]
+) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     raise SystemExit(child(args, index, socks))

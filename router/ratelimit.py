@@ -79,9 +79,12 @@ class RateLimiter:
         wait = bucket.take(n, now)
         if wait == 0.0:
             return
-        raise APIError(429, f"rate limit of {limit} {kind} per minute reached; retry in "
-                       f"{math.ceil(wait)} s", code="rate_limit_exceeded",
-                       headers={"Retry-After": str(math.ceil(wait))})  # fmt: skip
+        raise APIError(
+            429,
+            f"rate limit of {limit} {kind} per minute reached; retry in {math.ceil(wait)} s",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(math.ceil(wait))},
+        )
 
     def _prune(self, now: float) -> None:
         if len(self._buckets) < MAX_CLIENTS:

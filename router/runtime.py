@@ -63,10 +63,16 @@ class Runtime:
         self.calls = worker_client.new_pool()  # the per-request calls (prefill, generate, abort)
         self.scheduler = Scheduler(cfg, self.index, self.metrics)  # every request's plan
         self.dispatcher = Dispatcher(cfg, self.discovery, self.calls, self.metrics)
-        self.keys = KeyStore(cfg.api_keys, cfg.api_key_file, cfg.admin_api_keys,
-                             cfg.admin_api_key_file)  # fmt: skip
-        self.admission = Admission(cfg.max_queue, cfg.max_concurrency_per_key, cfg.max_waiting,
-                                   cfg.queue_timeout_s, self.metrics.queue_depth.set)  # fmt: skip
+        self.keys = KeyStore(
+            cfg.api_keys, cfg.api_key_file, cfg.admin_api_keys, cfg.admin_api_key_file
+        )
+        self.admission = Admission(
+            cfg.max_queue,
+            cfg.max_concurrency_per_key,
+            cfg.max_waiting,
+            cfg.queue_timeout_s,
+            self.metrics.queue_depth.set,
+        )
         self.created = int(time.time())
         self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm)
         self._salt_key = salt_key()

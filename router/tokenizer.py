@@ -32,11 +32,27 @@ GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 # transformers' configuration code and torch with it (~2 CPU-s and ~250 MB in every router
 # process), so the list is kept here, and tests/router/test_tokenizer_load.py checks it
 # against the installed transformers and compares both loads on every family's model.
-DIRECT_MODEL_TYPES = frozenset({
-    "bloom", "deepseek_v2", "deepseek_v3", "falcon", "gemma", "gemma2", "gemma3_text",
-    "gpt_neox", "gpt_oss", "granite", "llama", "llama4_text", "olmo2", "qwen3", "qwen3_moe",
-    "qwen3_next", "starcoder2",
-})  # fmt: skip
+DIRECT_MODEL_TYPES = frozenset(
+    {
+        "bloom",
+        "deepseek_v2",
+        "deepseek_v3",
+        "falcon",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "gpt_neox",
+        "gpt_oss",
+        "granite",
+        "llama",
+        "llama4_text",
+        "olmo2",
+        "qwen3",
+        "qwen3_moe",
+        "qwen3_next",
+        "starcoder2",
+    }
+)
 # The transformers releases (major, minor) the list was checked against: another release may
 # have moved a type into those tables (5.17's differ), so it goes through AutoTokenizer until
 # the test passes on it and the range is widened.

@@ -29,20 +29,48 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_types_actions_and_defaults_follow_the_fields() -> None:
-    ns = _parse("--model", "m", "-p", "9", "--ratio", "0.5", "--mode", "b", "--fast",
-                "--no-zygote", "--url", "u1", "u2", "--tag", "1", "--tag", "2")  # fmt: skip
+    ns = _parse(
+        "--model",
+        "m",
+        "-p",
+        "9",
+        "--ratio",
+        "0.5",
+        "--mode",
+        "b",
+        "--fast",
+        "--no-zygote",
+        "--url",
+        "u1",
+        "u2",
+        "--tag",
+        "1",
+        "--tag",
+        "2",
+    )
     toy = from_namespace(Toy, ns)
-    assert toy == Toy(model="m", port=9, ratio=0.5, mode="b", fast=True, zygote=False,
-                      url=("u1", "u2"), tag=(1, 2))  # fmt: skip
+    assert toy == Toy(
+        model="m",
+        port=9,
+        ratio=0.5,
+        mode="b",
+        fast=True,
+        zygote=False,
+        url=("u1", "u2"),
+        tag=(1, 2),
+    )
     assert from_namespace(Toy, _parse("--model", "m")) == Toy(model="m")
 
 
-@pytest.mark.parametrize("argv", [
-    (),  # --model is required
-    ("--model", "m", "--mode", "c"),  # not a choice
-    ("--model", "m", "--port", "x"),  # not an int
-    ("--model", "m", "--key", "k", "--key-file", "f"),  # exclusive
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        (),  # --model is required
+        ("--model", "m", "--mode", "c"),  # not a choice
+        ("--model", "m", "--port", "x"),  # not an int
+        ("--model", "m", "--key", "k", "--key-file", "f"),  # exclusive
+    ],
+)
 def test_bad_flags_are_refused_by_name(argv: tuple[str, ...]) -> None:
     with pytest.raises(SystemExit):
         _parse(*argv)

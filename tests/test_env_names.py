@@ -10,8 +10,20 @@ from pdserve import env
 
 ROOT = Path(__file__).resolve().parents[1]
 # The product: the package's folders (pdserve/<name> are links to them) and its chart.
-PRODUCT = ("pdserve", "protocol", "router", "local", "worker", "engine", "operator", "planner",
-           "transfer", "prefill_worker", "decode_worker", "charts")  # fmt: skip
+PRODUCT = (
+    "pdserve",
+    "protocol",
+    "router",
+    "local",
+    "worker",
+    "engine",
+    "operator",
+    "planner",
+    "transfer",
+    "prefill_worker",
+    "decode_worker",
+    "charts",
+)
 NAME = re.compile(r"\bPDSERVE_[A-Z0-9][A-Z0-9_]*")
 
 

@@ -34,8 +34,9 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_killed_pytest_process_leaves_no_service_running() -> None:
-    fake = subprocess.Popen([sys.executable, "-c", FAKE_PYTEST], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE)  # fmt: skip
+    fake = subprocess.Popen(
+        [sys.executable, "-c", FAKE_PYTEST], cwd=ROOT, text=True, stdout=subprocess.PIPE
+    )
     assert fake.stdout is not None
     service = int(fake.stdout.readline())
     assert not _gone(service) and owned_by(fake.pid) != []

@@ -40,8 +40,18 @@ def _install_router_extra(venv: Path) -> Path:
         env["SSL_CERT_FILE"] = cert
     subprocess.run([str(UV), "venv", "-q", str(venv), "--python", sys.executable], check=True)
     python = venv / "bin" / "python"
-    cmd = [str(UV), "pip", "install", "-q", "--python", str(python),
-           "--index-strategy", "unsafe-best-match", *_uv_args(), f"{ROOT}[router]"]  # fmt: skip
+    cmd = [
+        str(UV),
+        "pip",
+        "install",
+        "-q",
+        "--python",
+        str(python),
+        "--index-strategy",
+        "unsafe-best-match",
+        *_uv_args(),
+        f"{ROOT}[router]",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     return python
@@ -58,8 +68,18 @@ def test_the_router_extra_installs_and_serves_without_torch(
     helped = subprocess.run([pdserve, "router", "--help"], capture_output=True, text=True)
     assert helped.returncode == 0 and "--model" in helped.stdout, helped.stderr
     port = free_port()
-    argv = [pdserve, "router", "--model", str(tiny_model_dir), "--port", str(port),
-            "--decode", "http://127.0.0.1:9", "--log-level", "warning"]  # fmt: skip
+    argv = [
+        pdserve,
+        "router",
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        str(port),
+        "--decode",
+        "http://127.0.0.1:9",
+        "--log-level",
+        "warning",
+    ]
     router = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         models = _get_when_up(f"http://127.0.0.1:{port}/v1/models", router)

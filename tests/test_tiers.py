@@ -14,8 +14,9 @@ CLUSTER = "tests/router/test_tool_calling.py"  # on the shared `pdserve up` (`up
 
 def test_unit_keeps_the_in_process_file_and_drops_the_cluster_one() -> None:
     cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
-    out = subprocess.run([*cmd, "-m", "unit", UNIT, CLUSTER], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [*cmd, "-m", "unit", UNIT, CLUSTER], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     files = {line.split("::")[0] for line in out.stdout.splitlines() if "::" in line}
     assert files == {UNIT}

@@ -17,33 +17,42 @@ def uv_args(listing: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_this_machines_pip_config_translates() -> None:
-    listing = "\n".join([
-        ":env:.cert='/etc/ssl/certs/ca-certificates.crt'",
-        ":env:.find-links='/opt/wheels'",
-        "global.constraint='/etc/xdg/pip/constraints.txt'",
-        "global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'",
-        "global.find-links='/opt/wheels'",  # the same source from a file and the environment
-    ])  # fmt: skip
+    listing = "\n".join(
+        [
+            ":env:.cert='/etc/ssl/certs/ca-certificates.crt'",
+            ":env:.find-links='/opt/wheels'",
+            "global.constraint='/etc/xdg/pip/constraints.txt'",
+            "global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'",
+            "global.find-links='/opt/wheels'",  # the same source from a file and the environment
+        ]
+    )
     out = uv_args(listing)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [
-        "--find-links", "/opt/wheels", "--constraint", "/etc/xdg/pip/constraints.txt",
-        "--extra-index-url", "file:///opt/pypi/simple",
-        "--extra-index-url", "file:///opt/pypi-more/simple",
-    ]  # fmt: skip
+        "--find-links",
+        "/opt/wheels",
+        "--constraint",
+        "/etc/xdg/pip/constraints.txt",
+        "--extra-index-url",
+        "file:///opt/pypi/simple",
+        "--extra-index-url",
+        "file:///opt/pypi-more/simple",
+    ]
 
 
 @pytest.mark.parametrize(
     ("line", "want"),
     [
-        ("global.index-url='https://mirror.example/simple'",
-         ["--index-url", "https://mirror.example/simple"]),
+        (
+            "global.index-url='https://mirror.example/simple'",
+            ["--index-url", "https://mirror.example/simple"],
+        ),
         ("global.no-index='true'", ["--no-index"]),
         ("global.no-index='false'", []),
         ("global.trusted-host='mirror.example'", ["--allow-insecure-host", "mirror.example"]),
         ("", []),
     ],
-)  # fmt: skip
+)
 def test_each_source_setting(line: str, want: list[str]) -> None:
     out = uv_args(line)
     assert out.returncode == 0, out.stderr

@@ -45,9 +45,13 @@ def items() -> list[FakeItem]:
 def test_shared_services_are_one_group_and_the_rest_go_with_their_module() -> None:
     groups = [group_of(item) for item in items()]  # type: ignore[arg-type]
     assert groups == [
-        "tests/router/test_routing.py", "shared-up", "tests/router/test_routing.py",
-        "tests/local/test_scale_under_load.py", "edge-deployment", "shared-up",
-    ]  # fmt: skip
+        "tests/router/test_routing.py",
+        "shared-up",
+        "tests/router/test_routing.py",
+        "tests/local/test_scale_under_load.py",
+        "edge-deployment",
+        "shared-up",
+    ]
 
 
 def test_under_xdist_the_longest_groups_go_first(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,8 +60,13 @@ def test_under_xdist_the_longest_groups_go_first(monkeypatch: pytest.MonkeyPatch
     plan(got)  # type: ignore[arg-type]
     assert KNOWN_SECONDS["shared-up"] > KNOWN_SECONDS["tests/local/test_scale_under_load.py"]
     assert [i.nodeid.split("::")[1] for i in got] == [
-        "test_b", "test_f", "test_d", "test_e", "test_a", "test_c"
-    ]  # fmt: skip
+        "test_b",
+        "test_f",
+        "test_d",
+        "test_e",
+        "test_a",
+        "test_c",
+    ]
     for item in got:
         (mark,) = item.iter_markers("xdist_group")
         assert mark.args == (group_of(item),)  # type: ignore[arg-type]
@@ -78,13 +87,24 @@ def test_a_port_block_is_reserved_machine_wide() -> None:
     code = (
         ordered + "from pdserve.testing.loopback import worker_port_base; print(worker_port_base())"
     )
-    holder = subprocess.Popen([sys.executable, "-c", code + "; input()"], cwd=ROOT, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code + "; input()"],
+        cwd=ROOT,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
         assert holder.stdout is not None
         held = int(holder.stdout.readline())
-        other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True,
-                               capture_output=True, check=True, timeout=60)  # fmt: skip
+        other = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            check=True,
+            timeout=60,
+        )
         assert int(other.stdout) != held
     finally:
         holder.communicate("\n", timeout=60)
@@ -99,10 +119,26 @@ def test_under_loadgroup_one_module_runs_on_one_worker() -> None:
     (Under pytest 9, xdist's own renaming of the node ids had no effect: the tests were
     spread over both workers, and so were the shared services and module clusters.)"""
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist",
-         "loadgroup", "-v", "-k", PLAN_TESTS, "tests/test_xdist_plan.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "-v",
+            "-k",
+            PLAN_TESTS,
+            "tests/test_xdist_plan.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ran = [line for line in out.stdout.splitlines() if " PASSED " in line]
     assert len(ran) == 3 and all(line.endswith("@tests/test_xdist_plan.py ") for line in ran), ran

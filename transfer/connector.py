@@ -211,9 +211,15 @@ class RemoteKVConnector(KVConnector):
     def _ensure_handshake(self, address: str) -> None:
         if address not in self._handshakes:
             self._handshakes[address] = self._calls.submit(
-                handshake, address, self.transport.name, self.compat, self.agent_name,
-                self.transport.metadata(), self.transfer_timeout, self.secret,
-            )  # fmt: skip
+                handshake,
+                address,
+                self.transport.name,
+                self.compat,
+                self.agent_name,
+                self.transport.metadata(),
+                self.transfer_timeout,
+                self.secret,
+            )
 
     def _start(self, load: LoadRecord, peer: PeerInfo) -> None:
         err = check_peer(load.handle, load.remote_ids, peer)

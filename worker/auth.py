@@ -54,8 +54,10 @@ def replay(body: bytes, receive: Any) -> Any:
 def with_proof(send: Any, value: bytes) -> Any:
     async def proved(message: Any) -> None:
         if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []),
-                                               (signing.PROOF_KEY, value)]}  # fmt: skip
+            message = {
+                **message,
+                "headers": [*message.get("headers", []), (signing.PROOF_KEY, value)],
+            }
         await send(message)
 
     return proved
@@ -94,7 +96,8 @@ class CallCheck:
             return None
         except TimeoutError:
             await self.refuse(408, f"body not received within {self.body_timeout_s:g} s")(
-                scope, receive, send)  # fmt: skip
+                scope, receive, send
+            )
             return None
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):

@@ -60,8 +60,9 @@ class CoreConfig:
         return resolved(self.engine)
 
     @classmethod
-    def from_args(cls, role: str, args: argparse.Namespace, advertise_host: str,
-                  worker_id: str) -> CoreConfig:  # fmt: skip
+    def from_args(
+        cls, role: str, args: argparse.Namespace, advertise_host: str, worker_id: str
+    ) -> CoreConfig:
         """From a worker's parsed flags (worker/http.py ``add_worker_arguments`` and the
         role's own); the host and id as the front end resolved them."""
         return cls(

@@ -102,9 +102,12 @@ def main(argv: list[str]) -> int:
     # Named before "ready": whoever sees the worker healthy finds the engine thread by name.
     name_os_thread(ENGINE_NAME)
     fwd = "compiled" if engine.runner.compiled else "eager"
-    print(f"engine core: model {engine.served_model_name!r} loaded and probed in "
-          f"{time.monotonic() - started:.1f}s (serving with the {fwd} forward)",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"engine core: model {engine.served_model_name!r} loaded and probed in "
+        f"{time.monotonic() - started:.1f}s (serving with the {fwd} forward)",
+        file=sys.stderr,
+        flush=True,
+    )
     results.send(pickle.dumps(("ready", core.info())))
     engine.start_compile()  # in the background: readiness does not wait for it
     # The model, torch and the engine's tables stay alive for good: keep them out of

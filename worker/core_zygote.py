@@ -184,9 +184,11 @@ def refusal(base: dict[str, str], ours: dict[str, str], wanted: dict[str, str]) 
     keys = sorted(
         k
         for k in ours.keys() | wanted.keys()
-        if ours.get(k) != wanted.get(k) and k not in RUNTIME_KEYS
-        and not k.startswith(RUNTIME_PREFIXES) and not (k not in wanted and k not in base)
-    )  # fmt: skip
+        if ours.get(k) != wanted.get(k)
+        and k not in RUNTIME_KEYS
+        and not k.startswith(RUNTIME_PREFIXES)
+        and not (k not in wanted and k not in base)
+    )
     return f"environment differs from the zygote's in {', '.join(keys)}" if keys else ""
 
 
@@ -389,8 +391,11 @@ def serve(path: str, lifeline: int | None = None) -> None:
     started = time.monotonic()
     for module in PRELOAD:
         importlib.import_module(module)
-    print(f"core zygote: ready on {path} ({time.monotonic() - started:.1f} s of imports)",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"core zygote: ready on {path} ({time.monotonic() - started:.1f} s of imports)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         Zygote(listener, base_env, lifeline).run()
     finally:
@@ -407,8 +412,9 @@ class ZygoteProcess:
         self.path = str(Path(self.dir, "sock"))
         argv = [sys.executable, "-m", "pdserve.worker.core_zygote", self.path, "--stdin-lifeline"]
         # Its stdin is a pipe only this process writes to: EOF when this process is gone
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True
+        )
         deadline = time.monotonic() + 30.0
         while not Path(self.path).exists():  # bound within a Python start-up
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -430,8 +436,10 @@ class ZygoteProcess:
 
 def main(argv: list[str]) -> int:
     if len(argv) not in (1, 2) or argv[1:] not in ([], ["--stdin-lifeline"]):
-        print("usage: python -m pdserve.worker.core_zygote SOCKET_PATH [--stdin-lifeline]",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "usage: python -m pdserve.worker.core_zygote SOCKET_PATH [--stdin-lifeline]",
+            file=sys.stderr,
+        )
         return 2
     serve(argv[0], 0 if argv[1:] else None)
     return 0

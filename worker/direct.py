@@ -35,9 +35,11 @@ class DirectApp(FastAPI):
     ``errors`` turns an exception into its response (None: not a request error)."""
 
     def __init__(
-        self, secret: str | tuple[str, ...], errors: Callable[[Exception], Response | None],
+        self,
+        secret: str | tuple[str, ...],
+        errors: Callable[[Exception], Response | None],
         **kwargs: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(**kwargs)
         ring = keys.KeyRing(keys.HTTP, secret)
         self.check = CallCheck(ring, refusal) if ring else None
@@ -89,8 +91,13 @@ class LineStream(Response):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         pump = gone = None
         try:
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
             pump = asyncio.create_task(self._pump(send))
             gone = asyncio.create_task(_wait_disconnect(receive))
             await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)

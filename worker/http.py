@@ -148,8 +148,9 @@ class SecretCheck:
 def refusal(status: int, why: str) -> JSONResponse:
     """The answer to a call that is not the router's (401) or too big to check (413)."""
     if status == 401:
-        return error_response(401, f"unauthorized: {why} (this is an internal endpoint)",
-                              code="unauthorized")  # fmt: skip
+        return error_response(
+            401, f"unauthorized: {why} (this is an internal endpoint)", code="unauthorized"
+        )
     return error_response(status, why)
 
 
@@ -190,9 +191,12 @@ def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
 
 
 def add_common_routes(
-    app: FastAPI, engine: EngineClient, metrics: WorkerMetrics, identity: dict[str, Any],
+    app: FastAPI,
+    engine: EngineClient,
+    metrics: WorkerMetrics,
+    identity: dict[str, Any],
     on_abort: Callable[[str], bool] = lambda rid: False,
-) -> None:  # fmt: skip
+) -> None:
     """``identity``: the ``WorkerStats`` fields that say who the worker is; ``on_abort``:
     the role's own part of an abort (True: it knew the request)."""
     if env.service_secret(f"the {identity.get('role', '')} worker"):
@@ -268,7 +272,13 @@ def server(app: FastAPI, host: str, port: int, log_level: str) -> Any:
     # A loop turn's writes in one send, as the router's server does (router/coalesce.py): a
     # prefill reply's head and body reach the router in one segment, a read and a wake-up
     # less for it per request, and a stream's last line leaves with its end.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_keep_alive=KEEP_ALIVE_S,
-                            http=CoalescingHttpTools)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        http=CoalescingHttpTools,
+    )
     return uvicorn.Server(config)

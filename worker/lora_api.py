@@ -35,8 +35,7 @@ async def _body(request: Request, fields: tuple[str, ...]) -> dict[str, str]:
             raise BadRequest(f"unknown field {key!r} (expected {', '.join(fields)})", key)
     name = body.get("lora_name")
     if not valid_lora_name(name):
-        raise BadRequest("lora_name must be a printable string of 1 to 256 characters",
-                         "lora_name")  # fmt: skip
+        raise BadRequest("lora_name must be a printable string of 1 to 256 characters", "lora_name")
     if "lora_path" in fields:
         path = body.get("lora_path")
         if not isinstance(path, str) or not 0 < len(path) <= MAX_PATH_CHARS:
@@ -57,6 +56,7 @@ def add_lora_routes(app: FastAPI, engine: EngineClient) -> None:
     async def unload(request: Request) -> JSONResponse:
         name = (await _body(request, ("lora_name",)))["lora_name"]
         if not await engine.query("lora_unload", name):
-            raise BadRequest(f"LoRA adapter {name!r} is not loaded", "lora_name", 404,
-                             "lora_not_found")  # fmt: skip
+            raise BadRequest(
+                f"LoRA adapter {name!r} is not loaded", "lora_name", 404, "lora_not_found"
+            )
         return JSONResponse({"name": name})

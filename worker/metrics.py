@@ -82,16 +82,20 @@ COMPILE_STATES = ("off", "compiling", "ready", "compiled", "eager-kept")  # comp
 def _compile_and_fault(s: EngineStats, role: str) -> Iterable[Metric]:
     """The forward's compile state (1 on the current one) and whether the engine is
     faulted (a step raised and its probe has not passed since: engine/step_fault.py)."""
-    g = GaugeMetricFamily("pdserve_engine_compile_state",
-                          "the forward in service: 1 on the current compile state "
-                          "(off, compiling, ready, compiled, eager-kept)",
-                          labels=["role", "state"])  # fmt: skip
+    g = GaugeMetricFamily(
+        "pdserve_engine_compile_state",
+        "the forward in service: 1 on the current compile state "
+        "(off, compiling, ready, compiled, eager-kept)",
+        labels=["role", "state"],
+    )
     for state in COMPILE_STATES:
         g.add_metric([role, state], float(s.compile == state))
     yield g
-    f = GaugeMetricFamily("pdserve_engine_faulted",
-                          "1 while a step failure stands (the worker is unready)",
-                          labels=["role"])  # fmt: skip
+    f = GaugeMetricFamily(
+        "pdserve_engine_faulted",
+        "1 while a step failure stands (the worker is unready)",
+        labels=["role"],
+    )
     f.add_metric([role], float(bool(s.fault)))
     yield f
 
@@ -116,9 +120,11 @@ class WorkerMetrics:
         # decode, --pd-handoff decode (decode_worker/chain.py): ok, failed (moved to the
         # next prefill worker), local (every prefill worker failed: prefilled here)
         self.prefill_calls = Counter(
-            "pdserve_worker_prefill_calls", "prefill calls this worker made, by outcome",
-            ["role", "outcome"], registry=r,
-        )  # fmt: skip
+            "pdserve_worker_prefill_calls",
+            "prefill calls this worker made, by outcome",
+            ["role", "outcome"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,8 +40,9 @@ def build_store(cfg: TierConfig, pool: KVPool, model_id: str) -> TieredStore:
             block_view(pool, block_id).copy_(block, non_blocking=False)
         stream.synchronize()
 
-    return TieredStore(make_tiers(cfg), ns, s.dtype, shape, write_block,
-                       cfg.load_timeout_s, cfg.write_queue_blocks)  # fmt: skip
+    return TieredStore(
+        make_tiers(cfg), ns, s.dtype, shape, write_block, cfg.load_timeout_s, cfg.write_queue_blocks
+    )
 
 
 def attach(engine: LLMEngine, cfg: TierConfig) -> TieredStore:

@@ -48,8 +48,9 @@ def encode(key: bytes, block: torch.Tensor) -> bytes:
     cpu = block.detach().to("cpu").contiguous()
     payload = cpu.view(torch.uint8).numpy().tobytes()
     digest = hashlib.blake2b(payload, digest_size=16).digest()
-    header = _HEADER.pack(MAGIC, VERSION, DTYPE_CODES[cpu.dtype], *cpu.shape, key,
-                          len(payload), digest)  # fmt: skip
+    header = _HEADER.pack(
+        MAGIC, VERSION, DTYPE_CODES[cpu.dtype], *cpu.shape, key, len(payload), digest
+    )
     return header + payload
 
 

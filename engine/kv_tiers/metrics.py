@@ -38,8 +38,11 @@ class TierCollector(Collector):
             for tier, value in values.items():
                 c.add_metric([role, tier], value)
             yield c
-        moved = CounterMetricFamily("pdserve_kv_tier_bytes", "KV bytes moved to and from a tier",
-                                    labels=["role", "tier", "direction"])  # fmt: skip
+        moved = CounterMetricFamily(
+            "pdserve_kv_tier_bytes",
+            "KV bytes moved to and from a tier",
+            labels=["role", "tier", "direction"],
+        )
         for tier in s.tiers:
             moved.add_metric([role, tier, "read"], s.bytes_read[tier])
             moved.add_metric([role, tier, "written"], s.bytes_written[tier])
@@ -63,9 +66,11 @@ class TierCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=["role"])
             c.add_metric([role], value)
             yield c
-        h = HistogramMetricFamily("pdserve_kv_tier_load_seconds",
-                                  "time of one request's load from the KV tiers",
-                                  labels=["role"])  # fmt: skip
+        h = HistogramMetricFamily(
+            "pdserve_kv_tier_load_seconds",
+            "time of one request's load from the KV tiers",
+            labels=["role"],
+        )
         cumulative, buckets = 0, []
         for bound, count in zip((*LOAD_BUCKETS, float("inf")), s.load_buckets, strict=True):
             cumulative += count

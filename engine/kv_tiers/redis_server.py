@@ -43,8 +43,10 @@ class LocalRedis:
 def server_binary() -> str:
     path = shutil.which("redis-server") or shutil.which("valkey-server")
     if path is None:
-        raise RuntimeError("no redis-server or valkey-server: run scripts/setup.sh (as root "
-                           "it installs Debian's redis-server)")  # fmt: skip
+        raise RuntimeError(
+            "no redis-server or valkey-server: run scripts/setup.sh (as root "
+            "it installs Debian's redis-server)"
+        )
     return path
 
 
@@ -54,12 +56,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_redis(port: int | None = None, maxmemory: str = "256mb", password: str | None = None,
-                timeout_s: float = 10.0) -> LocalRedis:  # fmt: skip
+def start_redis(
+    port: int | None = None,
+    maxmemory: str = "256mb",
+    password: str | None = None,
+    timeout_s: float = 10.0,
+) -> LocalRedis:
     port = port or free_port()
-    args = [server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--maxmemory", maxmemory, "--maxmemory-policy",
-            "allkeys-lru", "--protected-mode", "yes", "--loglevel", "warning"]  # fmt: skip
+    args = [
+        server_binary(),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--maxmemory",
+        maxmemory,
+        "--maxmemory-policy",
+        "allkeys-lru",
+        "--protected-mode",
+        "yes",
+        "--loglevel",
+        "warning",
+    ]
     if password:
         args += ["--requirepass", password]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)

@@ -22,16 +22,22 @@ class RedisTier(Tier):
     local = False  # ``contains`` is a round trip: the engine thread never calls it
 
     def __init__(
-        self, url: str, password: str | None = None, timeout_s: float = 1.0,
+        self,
+        url: str,
+        password: str | None = None,
+        timeout_s: float = 1.0,
         ttl_s: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.url = url
         self.ttl_s = ttl_s
         self.client = redis.Redis.from_url(
-            url, password=password or None, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s, health_check_interval=30,
-        )  # fmt: skip
+            url,
+            password=password or None,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            health_check_interval=30,
+        )
 
     @staticmethod
     def _name(key: bytes) -> bytes:

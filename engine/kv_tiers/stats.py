@@ -29,8 +29,7 @@ class TierStats:
     load_buckets: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS) + 1))
 
     def __post_init__(self) -> None:
-        for d in (self.hits, self.bytes_read, self.bytes_written, self.blocks_written,
-                  self.errors):  # fmt: skip
+        for d in (self.hits, self.bytes_read, self.bytes_written, self.blocks_written, self.errors):
             for t in self.tiers:
                 d.setdefault(t, 0)
 
@@ -55,5 +54,7 @@ class TierStats:
 
     def as_dict(self) -> dict[str, object]:
         """Plain values (what crosses to the worker's front end with the engine's stats)."""
-        return {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
-                for k, v in self.__dict__.items()}  # fmt: skip
+        return {
+            k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+            for k, v in self.__dict__.items()
+        }

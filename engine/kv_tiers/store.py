@@ -58,10 +58,16 @@ class TierLoad:
 
 class TieredStore:
     def __init__(
-        self, tiers: Sequence[Tier], ns: bytes, dtype: torch.dtype, shape: tuple[int, ...],
-        write_block: WriteBlock, load_timeout_s: float = 1.0, write_queue_blocks: int = 256,
+        self,
+        tiers: Sequence[Tier],
+        ns: bytes,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        write_block: WriteBlock,
+        load_timeout_s: float = 1.0,
+        write_queue_blocks: int = 256,
         loader_threads: int = 2,
-    ) -> None:  # fmt: skip
+    ) -> None:
         assert tiers, "a store needs a tier"
         self.tiers = list(tiers)
         self.ns, self.dtype, self.shape = ns, dtype, shape

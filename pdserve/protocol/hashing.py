@@ -70,8 +70,7 @@ def salt_root(salt: str | None, extra_key: str | None = None) -> int:
         return ROOT_HASH
     salted = (salt or "").encode("utf-8")
     if not extra_key:
-        h = hashlib.blake2b(salted, key=hash_key(), digest_size=HASH_BYTES,
-                            person=b"pdserve-salt")  # fmt: skip
+        h = hashlib.blake2b(salted, key=hash_key(), digest_size=HASH_BYTES, person=b"pdserve-salt")
     else:  # the salt's length first: no (salt, key) pair reads as another
         h = hashlib.blake2b(key=hash_key(), digest_size=HASH_BYTES, person=b"pdserve-extra")
         h.update(len(salted).to_bytes(8, "little"))
@@ -80,8 +79,9 @@ def salt_root(salt: str | None, extra_key: str | None = None) -> int:
     return int.from_bytes(h.digest(), "little", signed=False) or 1  # never the unsalted root
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH,
-                 key: bytes | None = None) -> list[int]:  # fmt: skip
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH, key: bytes | None = None
+) -> list[int]:
     """Chained hashes of every full block of ``token_ids``. ``key``: ``hash_key()``, read
     once by a caller that hashes every request (the router; two environment reads a call)."""
     assert block_size > 0

@@ -76,8 +76,13 @@ def _handle(body: Any) -> KVHandle | Literal[False] | None:
     if type(body) is not dict or body.keys() != _HANDLE_KEYS or body["type"] != "kv_handle":
         return False
     ids, hashes, ttl = body["block_ids"], body["block_hashes"], body["lease_ttl_s"]
-    strs = (body["request_id"], body["agent_name"], body["side_channel"], body["nonce"],
-            body["transport"])  # fmt: skip
+    strs = (
+        body["request_id"],
+        body["agent_name"],
+        body["side_channel"],
+        body["nonce"],
+        body["transport"],
+    )
     ints = (body["num_tokens"], body["block_size"], body["version"])
     if not (
         body["lora"] is None
@@ -90,8 +95,9 @@ def _handle(body: Any) -> KVHandle | Literal[False] | None:
         and type(ttl) in (int, float)
     ):
         return False
-    handle = KVHandle(*strs[:3], ids, ints[0], hashes, ints[1], strs[3], float(ttl), strs[4],
-                      ints[2])  # fmt: skip
+    handle = KVHandle(
+        *strs[:3], ids, ints[0], hashes, ints[1], strs[3], float(ttl), strs[4], ints[2]
+    )
     try:
         handle.validate()
     except (TypeError, ValueError):

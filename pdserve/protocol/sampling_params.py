@@ -78,8 +78,11 @@ class SamplingParams:
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         self._validate_extras(need)
         if vocab_size is not None and isinstance(self.logit_bias, dict):
-            need(all(k < vocab_size for k in self.logit_bias), "logit_bias",
-                 f"keys must be token ids below the vocabulary size {vocab_size}")  # fmt: skip
+            need(
+                all(k < vocab_size for k in self.logit_bias),
+                "logit_bias",
+                f"keys must be token ids below the vocabulary size {vocab_size}",
+            )
         return self
 
     def _validate_extras(self, need: Any) -> None:
@@ -104,8 +107,11 @@ class SamplingParams:
         lp = self.logprobs
         need(lp is None or (_is_int(lp) and 0 <= lp <= 20), "logprobs", "must be in [0, 20]")
         plp = self.prompt_logprobs
-        need(plp is None or (_is_int(plp) and 0 <= plp <= 20), "prompt_logprobs",
-             "must be in [0, 20]")  # fmt: skip
+        need(
+            plp is None or (_is_int(plp) and 0 <= plp <= 20),
+            "prompt_logprobs",
+            "must be in [0, 20]",
+        )
         spec = self.structured
         need(spec is None or isinstance(spec, dict), "structured", "must be an object")
         if spec is not None:
@@ -152,22 +158,39 @@ def _common_ok(p: SamplingParams) -> bool:
     mt, mn, seed = p.max_tokens, p.min_tokens, p.seed
     lp, plp = p.logprobs, p.prompt_logprobs
     return (
-        type(mt) is int and type(mn) is int and type(p.top_k) is int
-        and 0 <= mn <= mt <= MAX_TOKENS and mt >= 1 and -1 <= p.top_k <= MAX_TOP_K
+        type(mt) is int
+        and type(mn) is int
+        and type(p.top_k) is int
+        and 0 <= mn <= mt <= MAX_TOKENS
+        and mt >= 1
+        and -1 <= p.top_k <= MAX_TOP_K
         and (seed is None or (type(seed) is int and SEED_MIN <= seed <= SEED_MAX))
-        and {type(p.temperature), type(p.top_p), type(p.presence_penalty),
-             type(p.frequency_penalty), type(p.repetition_penalty), type(p.min_p)} <= _NUM
-        and 0.0 <= p.temperature <= 100.0 and 0.0 < p.top_p <= 1.0
-        and -2.0 <= p.presence_penalty <= 2.0 and -2.0 <= p.frequency_penalty <= 2.0
-        and 0.0 < p.repetition_penalty <= 10.0 and 0.0 <= p.min_p <= 1.0
-        and type(p.stop) is list and not p.stop
-        and type(p.stop_token_ids) is list and not p.stop_token_ids
-        and type(p.logit_bias) is dict and not p.logit_bias
+        and {
+            type(p.temperature),
+            type(p.top_p),
+            type(p.presence_penalty),
+            type(p.frequency_penalty),
+            type(p.repetition_penalty),
+            type(p.min_p),
+        }
+        <= _NUM
+        and 0.0 <= p.temperature <= 100.0
+        and 0.0 < p.top_p <= 1.0
+        and -2.0 <= p.presence_penalty <= 2.0
+        and -2.0 <= p.frequency_penalty <= 2.0
+        and 0.0 < p.repetition_penalty <= 10.0
+        and 0.0 <= p.min_p <= 1.0
+        and type(p.stop) is list
+        and not p.stop
+        and type(p.stop_token_ids) is list
+        and not p.stop_token_ids
+        and type(p.logit_bias) is dict
+        and not p.logit_bias
         and (p.ignore_eos is True or p.ignore_eos is False)
         and (lp is None or (type(lp) is int and 0 <= lp <= 20))
         and (plp is None or (type(plp) is int and 0 <= plp <= 20))
         and p.structured is None
-    )  # fmt: skip
+    )
 
 
 def need(cond: bool, name: str, msg: str) -> None:
@@ -182,8 +205,11 @@ def _check_counts(p: SamplingParams) -> None:
         need(value <= MAX_TOKENS, name, f"must be at most {MAX_TOKENS}, got {value}")
     need(p.max_tokens >= 1, "max_tokens", f"must be at least 1, got {p.max_tokens}")
     need(p.min_tokens >= 0, "min_tokens", f"must be >= 0, got {p.min_tokens}")
-    need(p.min_tokens <= p.max_tokens, "min_tokens",
-         f"({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})")  # fmt: skip
+    need(
+        p.min_tokens <= p.max_tokens,
+        "min_tokens",
+        f"({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})",
+    )
     need(_is_int(p.top_k), "top_k", "must be an integer")
     need(-1 <= p.top_k <= MAX_TOP_K, "top_k", f"must be -1, 0 or in [1, {MAX_TOP_K}]")
     if p.seed is not None:
@@ -202,16 +228,25 @@ def _check_stops(p: SamplingParams, vocab_size: int | None) -> None:
     need(isinstance(p.stop, list), "stop", "must be a string or a list of strings")
     need(len(p.stop) <= MAX_STOP, "stop", f"may hold at most {MAX_STOP} strings")
     need(all(isinstance(s, str) and s for s in p.stop), "stop", "must be non-empty strings")
-    need(all(len(s) <= MAX_STOP_CHARS for s in p.stop), "stop",
-         f"strings may be at most {MAX_STOP_CHARS} characters long")  # fmt: skip
+    need(
+        all(len(s) <= MAX_STOP_CHARS for s in p.stop),
+        "stop",
+        f"strings may be at most {MAX_STOP_CHARS} characters long",
+    )
     need(all(valid_text(s) for s in p.stop), "stop", "must be valid Unicode (no lone surrogates)")
     ids = p.stop_token_ids
-    need(isinstance(ids, list) and len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
-         f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")  # fmt: skip
+    need(
+        isinstance(ids, list) and len(ids) <= MAX_STOP_TOKEN_IDS,
+        "stop_token_ids",
+        f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+    )
     need(all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids", "must be non-negative integers")
     if vocab_size is not None:
-        need(all(t < vocab_size for t in ids), "stop_token_ids",
-             f"must be token ids below the vocabulary size {vocab_size}")  # fmt: skip
+        need(
+            all(t < vocab_size for t in ids),
+            "stop_token_ids",
+            f"must be token ids below the vocabulary size {vocab_size}",
+        )
 
 
 def valid_text(s: str) -> bool:

@@ -58,15 +58,27 @@ def encode_line(
     ):  # the line of nearly every token: formatted, as json writes ints, strings and null
         fin = "null" if finish_reason is None else _string(finish_reason)
         ids = ",".join(map(str, token_ids))
-        return (f'{{"token_ids":[{ids}],"text":{_string(text)},"finish_reason":{fin},'
-                f'{_TAIL}').encode()  # fmt: skip
+        return (
+            f'{{"token_ids":[{ids}],"text":{_string(text)},"finish_reason":{fin},{_TAIL}'
+        ).encode()
     use = None
     if usage is not None:
-        use = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-               "cached_tokens": usage.cached_tokens, "type": "usage"}  # fmt: skip
-    body = {"token_ids": token_ids, "text": text, "finish_reason": finish_reason, "usage": use,
-            "error": None, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-            "type": "token_delta"}  # fmt: skip
+        use = {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens,
+            "type": "usage",
+        }
+    body = {
+        "token_ids": token_ids,
+        "text": text,
+        "finish_reason": finish_reason,
+        "usage": use,
+        "error": None,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "type": "token_delta",
+    }
     try:
         return (_ENCODER.encode(body) + "\n").encode()
     except TypeError:  # a value JSON cannot write as is (a dataclass in logprobs): the codec

@@ -97,8 +97,13 @@ def sse_chunks(url: str, body: dict[str, Any], timeout: float = 120) -> Iterator
 def run_bench(script: str, *args: str, timeout: float) -> dict[str, Any]:
     """``python bench/SCRIPT ARGS`` from the repository root: it must exit 0; returns the
     JSON of its last stdout line (every benchmark prints its result there)."""
-    out = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, f"bench/{script}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 

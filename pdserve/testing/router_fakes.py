@@ -97,16 +97,25 @@ class FakeState:
 
 
 def _stats(st: FakeState) -> dict[str, Any]:
-    return to_dict(WorkerStats(
-        role=st.role, worker_id=st.worker_id, model="tiny", running=len(st.active),
-        kv_blocks_free=st.kv_blocks_free, kv_blocks_total=TOTAL_BLOCKS, kv_events=st.kv_events,
-        block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
-    ))  # fmt: skip
+    return to_dict(
+        WorkerStats(
+            role=st.role,
+            worker_id=st.worker_id,
+            model="tiny",
+            running=len(st.active),
+            kv_blocks_free=st.kv_blocks_free,
+            kv_blocks_total=TOTAL_BLOCKS,
+            kv_events=st.kv_events,
+            block_size=BLOCK,
+            max_model_len=MAX_MODEL_LEN,
+        )
+    )
 
 
 def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                      "code": code}}  # fmt: skip
+    body = {
+        "error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    }
     return JSONResponse(body, status_code=status)
 
 
@@ -145,8 +154,13 @@ def stored_event(st: FakeState, hashes: list[int]) -> bytes:
     """The next KV event of ``st``'s stream: ``hashes`` stored (seq and snapshot kept)."""
     st.seq += 1
     st.published.update(hashes)
-    ev = {"type": "kv_event", "kind": "stored", "worker_id": st.worker_id, "seq": st.seq,
-          "block_hashes": hashes}  # fmt: skip
+    ev = {
+        "type": "kv_event",
+        "kind": "stored",
+        "worker_id": st.worker_id,
+        "seq": st.seq,
+        "block_hashes": hashes,
+    }
     return json.dumps(ev).encode()
 
 
@@ -205,15 +219,28 @@ def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI
             nblocks = -(-len(ids) // BLOCK)
             st.leases[rid] = nblocks
             handle = KVHandle(
-                request_id=rid, agent_name=st.worker_id,
+                request_id=rid,
+                agent_name=st.worker_id,
                 side_channel="tcp://" + str(request.base_url).split("://")[1],
-                block_ids=list(range(nblocks)), num_tokens=len(ids), block_hashes=hashes,
-                block_size=BLOCK, nonce=uuid.uuid4().hex, lease_ttl_s=30,
+                block_ids=list(range(nblocks)),
+                num_tokens=len(ids),
+                block_hashes=hashes,
+                block_size=BLOCK,
+                nonce=uuid.uuid4().hex,
+                lease_ttl_s=30,
                 transport="tcp",
-            )  # fmt: skip
-        return to_dict(PrefillReply(
-            rid, first, f"<{first}>", "length" if done else None, handle, cached * BLOCK, len(ids),
-        ))  # fmt: skip
+            )
+        return to_dict(
+            PrefillReply(
+                rid,
+                first,
+                f"<{first}>",
+                "length" if done else None,
+                handle,
+                cached * BLOCK,
+                len(ids),
+            )
+        )
 
     return app
 
@@ -240,9 +267,17 @@ def decode_app(st: FakeState) -> FastAPI:
             if reply is not None:
                 done = reply.finish_reason is not None or reply.kv_handle is None
                 usage = Usage(len(body.prompt_token_ids), 1, reply.num_cached_tokens)
-                head = encode(TokenDelta([reply.first_token_id], reply.text,
-                                         reply.finish_reason or "stop" if done else None,
-                                         usage if done else None)) + b"\n"  # fmt: skip
+                head = (
+                    encode(
+                        TokenDelta(
+                            [reply.first_token_id],
+                            reply.text,
+                            reply.finish_reason or "stop" if done else None,
+                            usage if done else None,
+                        )
+                    )
+                    + b"\n"
+                )
                 if done:
                     return StreamingResponse(iter([head]), media_type="application/x-ndjson")
                 handle = reply.kv_handle
@@ -258,8 +293,9 @@ def decode_app(st: FakeState) -> FastAPI:
         elif handle:  # "read" the blocks, then end the prefill worker's lease
             url = "http://" + handle.side_channel.removeprefix("tcp://").rstrip("/")
             await _release(st, url + "/release", encode(RequestRef(handle.request_id)))
-        return StreamingResponse(_stream(st, rid, n, start, head),
-                                 media_type="application/x-ndjson")  # fmt: skip
+        return StreamingResponse(
+            _stream(st, rid, n, start, head), media_type="application/x-ndjson"
+        )
 
     return app
 
@@ -328,8 +364,9 @@ async def serve(app: Any, port: int = 0, **kw: Any) -> AsyncIterator[str]:
     """Serve an ASGI app with uvicorn on 127.0.0.1 inside the test's event loop, on ``port``
     (0: a free one); ``kw``: more of uvicorn.Config (the router's ``http`` protocol)."""
     port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                            **kw)  # fmt: skip
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **kw
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -356,9 +393,12 @@ WORKER_HTTP = CoalescingHttpTools  # the real workers' server protocol (worker/h
 
 
 async def start_fakes(
-    stack: contextlib.AsyncExitStack, n_prefill: int, n_decode: int, events: bool = True,
+    stack: contextlib.AsyncExitStack,
+    n_prefill: int,
+    n_decode: int,
+    events: bool = True,
     busy: Sequence[int] = (),
-) -> Fakes:  # fmt: skip
+) -> Fakes:
     """``n_prefill`` + ``n_decode`` fake workers, served until ``stack`` closes: each prefill
     fake publishes its KV events when ``events``; the ``busy`` decode fakes report one
     running request."""

@@ -188,9 +188,15 @@ class StepSim:
 
 
 def attainment(
-    prof: Profile, mix: tuple[int, int], rate: float, lengths: tuple[np.ndarray, np.ndarray],
-    slo: tuple[float, float], link: Link, duration: float, seed: int = 0,
-) -> float:  # fmt: skip
+    prof: Profile,
+    mix: tuple[int, int],
+    rate: float,
+    lengths: tuple[np.ndarray, np.ndarray],
+    slo: tuple[float, float],
+    link: Link,
+    duration: float,
+    seed: int = 0,
+) -> float:
     """Share of requests (arriving after a warm-up) within both SLOs at ``rate`` req/s."""
     rng = np.random.default_rng(seed)
     n = rng.poisson(rate * duration)
@@ -213,10 +219,16 @@ def attainment(
 
 
 def goodput(
-    prof: Profile, mix: tuple[int, int], lengths: tuple[np.ndarray, np.ndarray],
-    slo: tuple[float, float], link: Link, duration: float, hi: float, iters: int = 8,
+    prof: Profile,
+    mix: tuple[int, int],
+    lengths: tuple[np.ndarray, np.ndarray],
+    slo: tuple[float, float],
+    link: Link,
+    duration: float,
+    hi: float,
+    iters: int = 8,
     seed: int = 0,
-) -> float:  # fmt: skip
+) -> float:
     """Highest rate (req/s, whole mix) with >= 90% of requests within both SLOs (bisection).
 
     Every rate is tried with the same ``seed`` (common random numbers), so attainment

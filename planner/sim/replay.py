@@ -91,9 +91,14 @@ def replay(
     ``--max-starting`` (0: no cap, as the recordings before it ran)."""
     cfg = replace(cfg, startup_s=startup_s)
     cost = CostModel(
-        truth or cfg.profile, TINY_KV_BYTES_PER_TOKEN, LOOPBACK_BYTES_PER_S, LOOPBACK_LATENCY_S,
-        startup_s, host, max_starting,
-    )  # fmt: skip
+        truth or cfg.profile,
+        TINY_KV_BYTES_PER_TOKEN,
+        LOOPBACK_BYTES_PER_S,
+        LOOPBACK_LATENCY_S,
+        startup_s,
+        host,
+        max_starting,
+    )
     cluster = Cluster(cost, *start, cfg.slo.ttft_s, cfg.slo.tpot_s)
     state = PlannerState()
     every = max(1, round(interval_s / dt))
@@ -122,6 +127,7 @@ def replay(
             cluster.decode.scale(decision.decode.desired, t + dt)
     ttfts.extend(cluster.interval.ttft)
     ttft = np.concatenate(ttfts) if ttfts else np.empty(0)
-    both = [np.concatenate(x) if x else np.empty(0) for x in
-            (cluster.first_arrival, cluster.first_ttft)]  # fmt: skip
+    both = [
+        np.concatenate(x) if x else np.empty(0) for x in (cluster.first_arrival, cluster.first_ttft)
+    ]
     return SimReplay(ttft, replica_s, tl, both[0], both[1])

@@ -73,8 +73,11 @@ def refuse_elsewhere(
     )
     for field, value in fields:
         if any(holds_special(s, specials) for s in _strings(value)):
-            raise invalid(f"{field} holds the text of a special (control) token; only "
-                          "message content may, and it stays text there", field)  # fmt: skip
+            raise invalid(
+                f"{field} holds the text of a special (control) token; only "
+                "message content may, and it stays text there",
+                field,
+            )
 
 
 def encode_rendered(

@@ -80,8 +80,13 @@ class Choices:
             if sampling.seed is not None:  # wraps within the 64-bit range torch accepts
                 span = SEED_MAX - SEED_MIN + 1
                 sampling = replace(sampling, seed=(sampling.seed + i - SEED_MIN) % span + SEED_MIN)
-            rs = RequestState(f"{rs0.request_id}-{i}", rs0.prompt_ids, sampling,
-                              cache_salt=rs0.cache_salt, lora=rs0.lora)  # fmt: skip
+            rs = RequestState(
+                f"{rs0.request_id}-{i}",
+                rs0.prompt_ids,
+                sampling,
+                cache_salt=rs0.cache_salt,
+                lora=rs0.lora,
+            )
             self.states.append(rs)
             tasks.append(asyncio.create_task(self._pump(i, plan, queue)))
         return self.n - 1

@@ -125,8 +125,11 @@ async def guarded(request: Request, aw: Awaitable[T]) -> T:
         watch.target = None
 
 
-_HEADERS = [(k, v) for k, v in Response(media_type="text/event-stream").raw_headers
-            if k != b"content-length"]  # fmt: skip
+_HEADERS = [
+    (k, v)
+    for k, v in Response(media_type="text/event-stream").raw_headers
+    if k != b"content-length"
+]
 
 
 class SSEStream(Response):
@@ -167,10 +170,16 @@ class SSEStream(Response):
         watch = self._watch = _ClientWatch.of(scope, receive)
         task = watch.owner  # the response is sent from the request's task
         try:
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})  # fmt: skip
-            await send({"type": "http.response.body", "body": self._head.encode(),
-                        "more_body": True})  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            await send(
+                {"type": "http.response.body", "body": self._head.encode(), "more_body": True}
+            )
             if not watch.gone:
                 _write_watch().add(self)
                 watch.target = task  # the client going, or reading nothing, cancels the pump
@@ -194,8 +203,7 @@ class SSEStream(Response):
             # less per stream).
             last = text.endswith(openai_response.DONE)
             self._writing_since = loop.time()
-            await send({"type": "http.response.body", "body": text.encode(),
-                        "more_body": not last})  # fmt: skip
+            await send({"type": "http.response.body", "body": text.encode(), "more_body": not last})
             self._writing_since = 0.0
             if last:
                 if self._watch is not None:
@@ -206,8 +214,9 @@ class SSEStream(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _too_slow(self, waited: float) -> None:
-        log.warning("stream aborted: its client read nothing for %.1f s "
-                    "(--stream-write-timeout)", waited)  # fmt: skip
+        log.warning(
+            "stream aborted: its client read nothing for %.1f s (--stream-write-timeout)", waited
+        )
         self._on_slow_reader()
         if self._watch is not None:
             self._watch.stop()  # the pump waits in a write: the cancel lands there

@@ -48,10 +48,12 @@ def parse_echo(body: dict[str, Any], n: int, best_of: int) -> EchoSpec | None:
     if echo is not None and not isinstance(echo, bool):
         raise invalid("echo must be a boolean", "echo")
     k = body.get("prompt_logprobs")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int)
-                          or not 0 <= k <= MAX_PROMPT_LOGPROBS):  # fmt: skip
-        raise invalid(f"prompt_logprobs must be an integer in [0, {MAX_PROMPT_LOGPROBS}]",
-                      "prompt_logprobs")  # fmt: skip
+    if k is not None and (
+        isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_PROMPT_LOGPROBS
+    ):
+        raise invalid(
+            f"prompt_logprobs must be an integer in [0, {MAX_PROMPT_LOGPROBS}]", "prompt_logprobs"
+        )
     if not echo and k is None:
         return None
     if n > 1 or best_of > 1:
@@ -78,9 +80,14 @@ class Echo:
     """One request's prompt part: its text, its formatted logprobs, its vLLM entries."""
 
     def __init__(
-        self, spec: EchoSpec, tokenizer: Any, prompt_text: str | None, rs: RequestState,
-        logprobs: int | None, as_ids: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        spec: EchoSpec,
+        tokenizer: Any,
+        prompt_text: str | None,
+        rs: RequestState,
+        logprobs: int | None,
+        as_ids: bool = False,
+    ) -> None:
         self.spec, self.tok, self.rs = spec, tokenizer, rs
         self.k = logprobs  # the completion's logprobs (None: off)
         self.as_ids = as_ids
@@ -112,10 +119,15 @@ class Echo:
             offsets.append(fmt.offset)
             fmt.offset += len(text)
             lps.append(None if entry is None else entry[0])
-            tops.append(None if entry is None else
-                        {fmt.token(int(i)): lp for i, lp in entry[2][: self.k]})  # fmt: skip
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
-                "text_offset": offsets}  # fmt: skip
+            tops.append(
+                None if entry is None else {fmt.token(int(i)): lp for i, lp in entry[2][: self.k]}
+            )
+        return {
+            "tokens": tokens,
+            "token_logprobs": lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
     def vllm(self) -> list[Any] | None:
         """vLLM's ``prompt_logprobs``: per position, the prompt token and the top K."""
@@ -131,8 +143,12 @@ class Echo:
             logprob, rank, top = entry
             ranked = {int(i): (lp, r) for r, (i, lp) in enumerate(top[:k], 1)}
             ranked.setdefault(token_id, (logprob, rank))
-            out.append({str(i): {"logprob": lp, "rank": r, "decoded_token": fmt.token(i)}
-                        for i, (lp, r) in ranked.items()})  # fmt: skip
+            out.append(
+                {
+                    str(i): {"logprob": lp, "rank": r, "decoded_token": fmt.token(i)}
+                    for i, (lp, r) in ranked.items()
+                }
+            )
         return out
 
     def shift(self, fmt: LogprobsFormatter | None) -> None:
@@ -152,13 +168,19 @@ class Echo:
     def head(self, rid: str, model: str) -> str:
         """The first chunk of a stream: the echoed prompt (text, logprobs) and vLLM's
         ``prompt_logprobs``."""
-        choice = {"index": 0, "text": self.text, "logprobs": self.logprobs(),
-                  "finish_reason": None}  # fmt: skip
+        choice = {"index": 0, "text": self.text, "logprobs": self.logprobs(), "finish_reason": None}
         if self.spec.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.vllm()
         created = int(time.time())
-        return openai_response.sse({"id": rid, "object": "text_completion", "created": created,
-                                    "model": model, "choices": [choice]})  # fmt: skip
+        return openai_response.sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+            }
+        )
 
 
 def _joined(prompt: dict[str, Any] | None, completion: dict[str, Any] | None) -> Any:

@@ -12,17 +12,51 @@ from typing import Any
 from pdserve.router.errors import invalid
 
 # Honoured by both endpoints.
-COMMON = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-    "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "logprobs", "n", "stream", "stream_options", "user",
-    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
-    "return_tokens_as_token_ids", "cache_salt",
-})  # fmt: skip
-CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                 "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
-                 "chat_template_kwargs"}  # fmt: skip
+COMMON = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "min_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "logprobs",
+        "n",
+        "stream",
+        "stream_options",
+        "user",
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "structured_outputs",
+        "return_tokens_as_token_ids",
+        "cache_salt",
+    }
+)
+CHAT = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+}
 COMPLETIONS = COMMON | {"prompt", "best_of", "echo", "suffix", "prompt_logprobs"}
 # Accepted, with no effect on the output (bookkeeping fields of OpenAI's platform).
 NO_EFFECT = frozenset({"metadata", "service_tier", "prompt_cache_key", "safety_identifier"})

@@ -32,17 +32,29 @@ def check_grammar(spec: dict[str, Any] | None, max_bytes: int = MAX_SCHEMA_BYTES
     payload = {k: v for k, v in spec.items() if k != "param"}
     size = len(json.dumps(payload, ensure_ascii=False).encode())
     if size > max_bytes:
-        raise invalid(f"{param}: the structured-output spec has {size} bytes, more than "
-                      f"--max-schema-bytes ({max_bytes})", param, "grammar_too_large")  # fmt: skip
+        raise invalid(
+            f"{param}: the structured-output spec has {size} bytes, more than "
+            f"--max-schema-bytes ({max_bytes})",
+            param,
+            "grammar_too_large",
+        )
     depth, alternatives = _measure(payload.get("schema"), 0)
     alternatives += len(payload.get("choice") or ())
     if depth > MAX_SCHEMA_DEPTH:
-        raise invalid(f"{param}: the schema nests {depth} levels deep, more than the limit "
-                      f"of {MAX_SCHEMA_DEPTH}", param, "grammar_too_deep")  # fmt: skip
+        raise invalid(
+            f"{param}: the schema nests {depth} levels deep, more than the limit "
+            f"of {MAX_SCHEMA_DEPTH}",
+            param,
+            "grammar_too_deep",
+        )
     if alternatives > MAX_ALTERNATIVES:
-        raise invalid(f"{param}: the spec has {alternatives} alternatives (enum values, "
-                      f"anyOf/oneOf branches, choices), more than the limit of "
-                      f"{MAX_ALTERNATIVES}", param, "grammar_too_many_alternatives")  # fmt: skip
+        raise invalid(
+            f"{param}: the spec has {alternatives} alternatives (enum values, "
+            f"anyOf/oneOf branches, choices), more than the limit of "
+            f"{MAX_ALTERNATIVES}",
+            param,
+            "grammar_too_many_alternatives",
+        )
 
 
 def _measure(node: Any, depth: int) -> tuple[int, int]:

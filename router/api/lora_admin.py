@@ -47,8 +47,9 @@ def parse_body(raw: bytes, fields: tuple[str, ...]) -> dict[str, str]:
     if "lora_path" in fields:
         path = body.get("lora_path")
         if not isinstance(path, str) or not 0 < len(path) <= MAX_PATH_CHARS:
-            raise invalid(f"lora_path must be a path of 1 to {MAX_PATH_CHARS} characters",
-                          "lora_path")  # fmt: skip
+            raise invalid(
+                f"lora_path must be a path of 1 to {MAX_PATH_CHARS} characters", "lora_path"
+            )
     return body
 
 
@@ -68,8 +69,11 @@ async def _tell_siblings(rt: Runtime, change: dict[str, str]) -> None:
             url = f"http://127.0.0.1:{port}/internal/lora_table"
             async with session.post(url, data=json.dumps(change)) as resp:
                 if resp.status != 200:
-                    raise APIError(500, f"router process on port {port} refused the "
-                                   f"adapter table change (HTTP {resp.status})")  # fmt: skip
+                    raise APIError(
+                        500,
+                        f"router process on port {port} refused the "
+                        f"adapter table change (HTTP {resp.status})",
+                    )
 
         try:
             await asyncio.gather(*(tell(p) for p in ports))
@@ -101,8 +105,11 @@ def add_lora_admin_routes(app: FastAPI, runtime: Callable[[], Runtime]) -> None:
             if name in rt.base_names:
                 raise invalid(f"lora_name {name!r} is the base model's name", "lora_name")
             if rt.loras.get(name) is not None:
-                raise invalid(f"LoRA adapter {name!r} is already loaded; unload it first",
-                              "lora_name", "lora_exists")  # fmt: skip
+                raise invalid(
+                    f"LoRA adapter {name!r} is already loaded; unload it first",
+                    "lora_name",
+                    "lora_exists",
+                )
             digest = await lora_fanout.load(rt.client, _worker_urls(rt), name, path)
             change = {"op": "add", "name": name, "hash": digest, "path": path}
             _apply(rt, change)
@@ -123,8 +130,9 @@ def add_lora_admin_routes(app: FastAPI, runtime: Callable[[], Runtime]) -> None:
                     rt.loras.add(known)
                 raise
             if known is None and not had:
-                raise APIError(404, f"LoRA adapter {name!r} is not loaded", "lora_name",
-                               "lora_not_found")  # fmt: skip
+                raise APIError(
+                    404, f"LoRA adapter {name!r} is not loaded", "lora_name", "lora_not_found"
+                )
             change = {"op": "remove", "name": name}
             _apply(rt, change)
             await _tell_siblings(rt, change)

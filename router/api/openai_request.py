@@ -127,8 +127,10 @@ def _with_tools(sampling: SamplingParams, tools: ToolConfig | None) -> SamplingP
     if spec is None:
         return sampling
     if sampling.structured is not None:
-        raise invalid(f"tool_choice {tools.choice!r} cannot be combined with "
-                      f"{sampling.structured['param']}", "tool_choice")  # fmt: skip
+        raise invalid(
+            f"tool_choice {tools.choice!r} cannot be combined with {sampling.structured['param']}",
+            "tool_choice",
+        )
     try:
         return replace(sampling, structured=spec).validate()
     except InvalidParameter as exc:
@@ -142,8 +144,10 @@ def _cache_salt(salt: Any) -> str | None:
     if salt is None:
         return None
     if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
-        raise invalid(f"cache_salt must be a non-empty string of at most "
-                      f"{MAX_CACHE_SALT_CHARS} characters", "cache_salt")  # fmt: skip
+        raise invalid(
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+            "cache_salt",
+        )
     return salt
 
 
@@ -182,10 +186,16 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
 
 # Sampling fields taken as sent, and their values when absent or null.
 SAMPLING_DEFAULTS = (
-    ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("ignore_eos", False),
-    ("min_tokens", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-    ("repetition_penalty", 1.0), ("min_p", 0.0),
-)  # fmt: skip
+    ("temperature", 1.0),
+    ("top_p", 1.0),
+    ("top_k", 0),
+    ("ignore_eos", False),
+    ("min_tokens", 0),
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0),
+    ("min_p", 0.0),
+)
 
 
 def _sampling(body: dict[str, Any], max_tokens: int, chat: bool) -> SamplingParams:
@@ -292,8 +302,10 @@ def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
 
 def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
     def bad() -> APIError:
-        return invalid(f"messages[{i}].tool_calls: each needs id and function "
-                       "{name, arguments (a string)}", "messages")  # fmt: skip
+        return invalid(
+            f"messages[{i}].tool_calls: each needs id and function {{name, arguments (a string)}}",
+            "messages",
+        )
 
     if not isinstance(calls, list):
         raise bad()
@@ -329,6 +341,8 @@ def _content(content: Any, i: int) -> str:
 def check_model(requested: str, served: tuple[str, ...]) -> None:
     if requested not in served:
         raise APIError(
-            404, f"model {requested!r} does not exist; served: {list(served)}", "model",
+            404,
+            f"model {requested!r} does not exist; served: {list(served)}",
+            "model",
             "model_not_found",
-        )  # fmt: skip
+        )

@@ -101,8 +101,14 @@ def chunk(
         "choices": [],
     }
     if role:
-        body["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}]  # fmt: skip
+        body["choices"] = [
+            {
+                "index": index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ]
     elif text is not None:
         body["choices"] = [_choice(chat, text, finish, True, logprobs, index)]
     if use is not None:
@@ -146,8 +152,10 @@ class TextChunks:
     ) -> str:
         lps = "null" if logprobs is None else _ENCODER.encode(logprobs)
         fin = "null" if finish is None else encode_basestring_ascii(finish)
-        return (f"{self._head}{int(time.time())}{self._mid}{encode_basestring_ascii(text)}"
-                f'{self._lps}{lps},"finish_reason":{fin}}}]}}\n\n')  # fmt: skip
+        return (
+            f"{self._head}{int(time.time())}{self._mid}{encode_basestring_ascii(text)}"
+            f'{self._lps}{lps},"finish_reason":{fin}}}]}}\n\n'
+        )
 
 
 DONE = "data: [DONE]\n\n"

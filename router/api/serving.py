@@ -96,15 +96,17 @@ def fit_context(rt: Runtime, snap: Snapshot, req: CompletionRequest, n: int) -> 
     if n >= max_len:
         raise invalid(
             f"this model's maximum context length is {max_len} tokens; the prompt has {n}",
-            field, "context_length_exceeded",
-        )  # fmt: skip
+            field,
+            "context_length_exceeded",
+        )
     room = max_len - n
     if req.max_tokens_given and req.sampling.max_tokens > room:
         raise invalid(
             f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the "
             f"maximum context length {max_len}",
-            "max_tokens", "context_length_exceeded",
-        )  # fmt: skip
+            "max_tokens",
+            "context_length_exceeded",
+        )
     if req.sampling.max_tokens > room:
         return replace(req, sampling=replace(req.sampling, max_tokens=room))
     return req
@@ -188,9 +190,15 @@ async def _respond(rt: Runtime, call: Admitted) -> Response:
         if req.tools is not None:
             message, finish = ToolOutput(req.tools).message(text, finish)
         body = openai_response.full_response(
-            rs.request_id, req.model, req.chat, text, finish, _usage(rs),
-            fmt.format(ids, lps) if fmt is not None else None, message,
-        )  # fmt: skip
+            rs.request_id,
+            req.model,
+            req.chat,
+            text,
+            finish,
+            _usage(rs),
+            fmt.format(ids, lps) if fmt is not None else None,
+            message,
+        )
         return ec.whole(body) if ec is not None else body
 
     def stream(first: Delta) -> tuple[str, AsyncIterator[str]]:
@@ -234,8 +242,9 @@ async def answer(
         rt.finish(rs, rs.status)
 
     head, rest = stream(first)
-    return SSEStream(head, rest, cleanup, rt.cfg.stream_write_timeout_s,
-                   rt.metrics.slow_readers.inc)  # fmt: skip
+    return SSEStream(
+        head, rest, cleanup, rt.cfg.stream_write_timeout_s, rt.metrics.slow_readers.inc
+    )
 
 
 async def _respond_n(rt: Runtime, call: Admitted) -> Response:

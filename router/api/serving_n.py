@@ -29,14 +29,24 @@ async def respond_n(rt: Runtime, call: Admitted) -> Response:
     def stream(first: tuple[int, Delta]) -> tuple[str, AsyncIterator[str]]:
         outs = [_Chunks(req, rs, _formatter(rt, req), i) for i in range(req.n)]
         rs.status = 499  # until the stream completes
-        head = "".join(openai_response.chunk(rs.request_id, req.model, True, role=True, index=i)
-                       for i in range(req.n)) if req.chat else ""  # fmt: skip
+        head = (
+            "".join(
+                openai_response.chunk(rs.request_id, req.model, True, role=True, index=i)
+                for i in range(req.n)
+            )
+            if req.chat
+            else ""
+        )
         return head + outs[first[0]](first[1]), _sse_rest_n(req, rs, ch, events, outs)
 
     return await answer(
-        rt, call, events, lambda e: _collect_n(e, req.best_of),
-        lambda per: _whole_n(rt, req, rs, ch, per), stream,
-    )  # fmt: skip
+        rt,
+        call,
+        events,
+        lambda e: _collect_n(e, req.best_of),
+        lambda per: _whole_n(rt, req, rs, ch, per),
+        stream,
+    )
 
 
 async def _collect_n(events: AsyncIterator[tuple[int, Delta]], n: int) -> list[list[Delta]]:
@@ -73,8 +83,9 @@ def _whole_n(
             message, finish = ToolOutput(req.tools).message(text, finish)
         choices.append(openai_response.choice(i, req.chat, text, finish, lps, message))
     use = openai_response.usage(len(rs.prompt_ids), ch.completion_tokens, rs.cached_tokens)
-    return openai_response.full_response(rs.request_id, req.model, req.chat, "", None, use,
-                                   choices=choices)  # fmt: skip
+    return openai_response.full_response(
+        rs.request_id, req.model, req.chat, "", None, use, choices=choices
+    )
 
 
 def _sse_rest_n(

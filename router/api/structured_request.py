@@ -14,16 +14,21 @@ from typing import Any
 from pdserve.jsonguard import BadJSON, loads_checked
 from pdserve.router.errors import invalid
 
-GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
-          "guided_grammar": "grammar"}  # fmt: skip
+GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 PAYLOAD = {"json_schema": "schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 REFUSED = ("guided_whitespace_pattern",)
 
 
 # Every field read here: a body with none of them (most) has no spec, at one set operation.
-FIELDS = frozenset({"response_format", *GUIDED, "structured_outputs",
-                    "guided_decoding_backend", *REFUSED})  # fmt: skip
+FIELDS = frozenset(
+    {"response_format", *GUIDED, "structured_outputs", "guided_decoding_backend", *REFUSED}
+)
 
 
 def structured_spec(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -76,8 +81,9 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _guided(body: dict[str, Any]) -> list[dict[str, Any]]:
-    return [_spec(kind, body[name], name) for name, kind in GUIDED.items()
-            if body.get(name) is not None]  # fmt: skip
+    return [
+        _spec(kind, body[name], name) for name, kind in GUIDED.items() if body.get(name) is not None
+    ]
 
 
 def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -106,10 +112,11 @@ def _spec(kind: str, value: Any, param: str) -> dict[str, Any]:
     ok = {
         "json_schema": isinstance(value, dict),
         "regex": isinstance(value, str) and bool(value),
-        "choice": isinstance(value, list) and bool(value)
+        "choice": isinstance(value, list)
+        and bool(value)
         and all(isinstance(c, str) and c for c in value),
         "grammar": isinstance(value, str) and bool(value),
-    }[kind]  # fmt: skip
+    }[kind]
     if not ok:
         raise invalid(f"{param} has the wrong type for a {kind} constraint", param)
     return {"type": kind, PAYLOAD[kind]: value, "param": param}

@@ -26,8 +26,16 @@ def _call_id() -> str:
 
 
 def _name_delta(index: int, name: str) -> dict[str, Any]:
-    return {"tool_calls": [{"index": index, "id": _call_id(), "type": "function",
-                            "function": {"name": name, "arguments": ""}}]}  # fmt: skip
+    return {
+        "tool_calls": [
+            {
+                "index": index,
+                "id": _call_id(),
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
+        ]
+    }
 
 
 def _args_delta(index: int, fragment: str) -> dict[str, Any]:
@@ -215,5 +223,5 @@ class ToolOutput:
                     ]
                 }
             )
-            out.append(_args_delta(i, fn["arguments"]))  # fmt: skip
+            out.append(_args_delta(i, fn["arguments"]))
         return out, ("tool_calls" if calls and finish == "stop" else finish)

@@ -64,14 +64,14 @@ def parse_tools(body: dict[str, Any]) -> ToolConfig | None:
         fn = choice.get("function")
         named = fn.get("name") if isinstance(fn, dict) else None
         if choice.get("type") != "function" or not isinstance(named, str):
-            raise invalid('tool_choice must be {"type": "function", "function": {"name"}}',
-                          "tool_choice")  # fmt: skip
+            raise invalid(
+                'tool_choice must be {"type": "function", "function": {"name"}}', "tool_choice"
+            )
         if named not in {f["name"] for f in functions}:
             raise invalid(f"tool_choice names {named!r}, which is not in tools", "tool_choice")
         choice = "named"
     elif choice not in ("auto", "required"):
-        raise invalid("tool_choice must be none, auto, required or a named function",
-                      "tool_choice")  # fmt: skip
+        raise invalid("tool_choice must be none, auto, required or a named function", "tool_choice")
     return ToolConfig(tuple(functions), choice, named, parallel is not False)
 
 
@@ -82,8 +82,9 @@ def _functions(tools: Any) -> list[dict[str, Any]]:
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
-            raise invalid(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}',
-                          "tools")  # fmt: skip
+            raise invalid(
+                f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', "tools"
+            )
         name, params = fn.get("name"), fn.get("parameters", {"type": "object"})
         if not isinstance(name, str) or not name or name in names:
             raise invalid(f"tools[{i}].function.name must be a unique, non-empty string", "tools")
@@ -102,10 +103,15 @@ def grammar_spec(cfg: ToolConfig) -> dict[str, Any] | None:
         return {"type": "json_schema", "schema": fn["parameters"], "param": "tool_choice"}
     if cfg.choice != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                               "arguments": f["parameters"]},
-              "required": ["name", "arguments"], "additionalProperties": False}
-             for f in cfg.tools]  # fmt: skip
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in cfg.tools
+    ]
     max_items = MAX_PARALLEL_CALLS if cfg.parallel else 1
     array = {"type": "array", "minItems": 1, "maxItems": max_items, "items": {"anyOf": calls}}
     return {"type": "json_schema", "schema": array, "param": "tool_choice"}

@@ -183,10 +183,14 @@ class EventSubscriber:
             feed.held.append(ev)
             return
         last = self.index.last_seq(feed.worker_id)
-        if feed.synced and self.fetch is not None and feed.url \
-                and last is not None and ev.seq != last + 1:  # fmt: skip
-            log.warning("KV events of %s: seq %d after %d, resyncing", feed.worker_id, ev.seq,
-                        last)  # fmt: skip
+        if (
+            feed.synced
+            and self.fetch is not None
+            and feed.url
+            and last is not None
+            and ev.seq != last + 1
+        ):
+            log.warning("KV events of %s: seq %d after %d, resyncing", feed.worker_id, ev.seq, last)
             self._start_resync(feed, [ev])
             return
         self.index.apply(ev)
@@ -209,8 +213,12 @@ class EventSubscriber:
             # long in coming). An older report arriving after a snapshot is behind, not 0.
             restarted = rep.kv_seq == 0 and last > 0
             if rep.kv_seq > last or restarted:
-                log.info("KV events of %s: report says seq %d, index at %d; resyncing",
-                         feed.worker_id, rep.kv_seq, last)  # fmt: skip
+                log.info(
+                    "KV events of %s: report says seq %d, index at %d; resyncing",
+                    feed.worker_id,
+                    rep.kv_seq,
+                    last,
+                )
                 self._start_resync(feed, [])
 
     # -- catching up ----------------------------------------------------------------
@@ -239,8 +247,12 @@ class EventSubscriber:
                 return
             self.index.apply(ev)
         feed.synced = True
-        log.info("KV index of %s synced at seq %d (%d blocks)", feed.worker_id,
-                 self.index.last_seq(feed.worker_id), len(snap.block_hashes))  # fmt: skip
+        log.info(
+            "KV index of %s synced at seq %d (%d blocks)",
+            feed.worker_id,
+            self.index.last_seq(feed.worker_id),
+            len(snap.block_hashes),
+        )
 
 
 _LISTS = ("loras", "lora_known")

@@ -76,18 +76,24 @@ def endpoints_from_slices(
 
 class KubernetesSource(EndpointSource):
     def __init__(
-        self, service: str, namespace: str, port: int = WORKER_PORT,
-        access: Callable[[], ApiAccess] = load_access, watch_timeout_s: float = 300.0,
-        backoff_s: tuple[float, float] = (0.5, 30.0), first_sync_s: float = 5.0,
-    ) -> None:  # fmt: skip
+        self,
+        service: str,
+        namespace: str,
+        port: int = WORKER_PORT,
+        access: Callable[[], ApiAccess] = load_access,
+        watch_timeout_s: float = 300.0,
+        backoff_s: tuple[float, float] = (0.5, 30.0),
+        first_sync_s: float = 5.0,
+    ) -> None:
         if not service:
             raise ValueError("--discovery kubernetes needs --service NAME")
         self.service, self.namespace, self.port = service, namespace, port
         self.roles = pool_roles(service)
         self.first_sync_s = first_sync_s
         self._changed = asyncio.Event()
-        self.watch = SliceWatch(access, namespace, self.selector, self._changed.set,
-                                watch_timeout_s, backoff_s)  # fmt: skip
+        self.watch = SliceWatch(
+            access, namespace, self.selector, self._changed.set, watch_timeout_s, backoff_s
+        )
         self._task: asyncio.Task[None] | None = None
 
     @property

@@ -50,8 +50,7 @@ class ReplicaCount:
         replicas = max(replicas, 1)
         if replicas == self.replicas:
             return
-        log.info("router replicas: %d -> %d; per-client budgets re-split", self.replicas,
-                 replicas)  # fmt: skip
+        log.info("router replicas: %d -> %d; per-client budgets re-split", self.replicas, replicas)
         self.replicas = replicas
         for fn in self._listeners:
             fn(replicas)
@@ -79,9 +78,12 @@ class ServiceReplicaCount(ReplicaCount):
     """The ready endpoints of the router's own Service (a watch of its EndpointSlices)."""
 
     def __init__(
-        self, service: str, namespace: str, access: Callable[[], ApiAccess] = load_access,
+        self,
+        service: str,
+        namespace: str,
+        access: Callable[[], ApiAccess] = load_access,
         replicas: int = 1,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(replicas)
         self.service = service
         selector = f"{SERVICE_NAME_LABEL}={service}"

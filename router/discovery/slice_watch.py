@@ -39,10 +39,14 @@ class KubeApiError(Exception):
 
 class SliceWatch:
     def __init__(
-        self, access: Callable[[], ApiAccess], namespace: str, selector: str,
-        on_change: Callable[[], None], watch_timeout_s: float = 300.0,
+        self,
+        access: Callable[[], ApiAccess],
+        namespace: str,
+        selector: str,
+        on_change: Callable[[], None],
+        watch_timeout_s: float = 300.0,
         backoff_s: tuple[float, float] = (0.5, 30.0),
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._access_fn = access
         self._access: ApiAccess | None = None
         self.namespace, self.selector = namespace, selector
@@ -85,9 +89,13 @@ class SliceWatch:
         url = self._url()
         assert self._access is not None
         params = {"labelSelector": self.selector}
-        async with session.get(url, params=params, headers=self._access.headers(),
-                               ssl=self._access.ssl_context,
-                               timeout=aiohttp.ClientTimeout(total=30)) as resp:  # fmt: skip
+        async with session.get(
+            url,
+            params=params,
+            headers=self._access.headers(),
+            ssl=self._access.ssl_context,
+            timeout=aiohttp.ClientTimeout(total=30),
+        ) as resp:
             if resp.status != 200:
                 raise KubeApiError(f"LIST endpointslices: HTTP {resp.status}: {await resp.text()}")
             body = await resp.json()
@@ -100,12 +108,17 @@ class SliceWatch:
         """Stream events until the server ends the watch; False if it ended at once, empty."""
         url = self._url()
         assert self._access is not None and self.rv is not None
-        params = {"labelSelector": self.selector, "watch": "true", "resourceVersion": self.rv,
-                  "allowWatchBookmarks": "true",
-                  "timeoutSeconds": str(int(self.watch_timeout_s))}  # fmt: skip
+        params = {
+            "labelSelector": self.selector,
+            "watch": "true",
+            "resourceVersion": self.rv,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(int(self.watch_timeout_s)),
+        }
         started, events = time.monotonic(), 0
-        async with session.get(url, params=params, headers=self._access.headers(),
-                               ssl=self._access.ssl_context) as resp:  # fmt: skip
+        async with session.get(
+            url, params=params, headers=self._access.headers(), ssl=self._access.ssl_context
+        ) as resp:
             if resp.status == 410:
                 raise Gone(f"HTTP 410 at resourceVersion {self.rv}")
             if resp.status != 200:

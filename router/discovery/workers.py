@@ -126,16 +126,27 @@ class Discovery:
                 or shown[1] != counts
                 or shown[2] is not report
             ):
-                shown = self._shown[url] = (view, counts, report,
-                                            self._with_report(view, *counts, report))  # fmt: skip
+                shown = self._shown[url] = (
+                    view,
+                    counts,
+                    report,
+                    self._with_report(view, *counts, report),
+                )
             views.append(shown[3])
         return Snapshot(tuple(views), self._version)
 
-    def _with_report(self, view: WorkerView, n: int, tokens: int,
-                     report: LoadReport | None) -> WorkerView:  # fmt: skip
+    def _with_report(
+        self, view: WorkerView, n: int, tokens: int, report: LoadReport | None
+    ) -> WorkerView:
         if report is None:  # no fresh report
-            return WorkerView(view.url, view.role, view.healthy, view.stats,
-                              inflight=n, inflight_prompt_tokens=tokens)  # fmt: skip
+            return WorkerView(
+                view.url,
+                view.role,
+                view.healthy,
+                view.stats,
+                inflight=n,
+                inflight_prompt_tokens=tokens,
+            )
         seen = self._reported.get(view.url)
         if seen is None or seen[0] is not report:
             # A new report counts every request that reached the worker: from here on only
@@ -143,10 +154,17 @@ class Discovery:
             merged = replace(view.stats, **{f: getattr(report, f) for f in LOAD_FIELDS})
             seen = self._reported[view.url] = (report, merged, (n, tokens))
         _, stats, (n0, tokens0) = seen
-        return WorkerView(view.url, view.role, view.healthy, stats, inflight=n,
-                          inflight_prompt_tokens=tokens, reported=True,
-                          since_report=max(n - n0, 0),
-                          since_report_tokens=max(tokens - tokens0, 0))  # fmt: skip
+        return WorkerView(
+            view.url,
+            view.role,
+            view.healthy,
+            stats,
+            inflight=n,
+            inflight_prompt_tokens=tokens,
+            reported=True,
+            since_report=max(n - n0, 0),
+            since_report_tokens=max(tokens - tokens0, 0),
+        )
 
     def synced(self) -> bool:
         """Whether this replica holds every healthy worker's state: its KV index caught up
@@ -259,7 +277,11 @@ def _same_contract(url: str, stats: WorkerStats) -> bool:
     """The router's half of the contract's version handshake: a worker that speaks another
     version stays out of rotation (rolling upgrades bump the version on purpose)."""
     if stats.version != CONTRACT_VERSION:
-        log.warning("worker %s speaks contract v%s, this router v%s: not routing there",
-                    url, stats.version, CONTRACT_VERSION)  # fmt: skip
+        log.warning(
+            "worker %s speaks contract v%s, this router v%s: not routing there",
+            url,
+            stats.version,
+            CONTRACT_VERSION,
+        )
         return False
     return True

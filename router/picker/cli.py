@@ -49,8 +49,7 @@ def run_picker(args: argparse.Namespace) -> int:
         raise SystemExit(f"pdserve router: {exc}") from exc
 
     async def main() -> None:  # the runtime's HTTP session needs the running loop
-        service = PickerService(cfg, source, tokenizer, args.fallbacks,
-                                target_of(args.target_port))  # fmt: skip
+        service = PickerService(cfg, source, tokenizer, args.fallbacks, target_of(args.target_port))
         await serve_forever(service, args.host, args.grpc_port, args.admin_port)
 
     try:

@@ -51,9 +51,12 @@ class Picker:
         self.target = target or (lambda w: endpoint_of(w.url))
 
     async def pick(
-        self, path: str, headers: Mapping[str, str], body: bytes | None,
+        self,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes | None,
         subset: frozenset[str] | None = None,
-    ) -> Pick:  # fmt: skip
+    ) -> Pick:
         """Raises APIError: 400/413 for a bad body, 401 for a bad key, 429 past the key's
         limits, 503 with no worker. The router mode's gate applies here too: the key and
         its request bucket before the body is looked at, an admission slot (``--max-queue``,
@@ -80,9 +83,13 @@ class Picker:
         return caller, client
 
     async def _pick(
-        self, path: str, caller: Caller, client: str, body: bytes | None,
+        self,
+        path: str,
+        caller: Caller,
+        client: str,
+        body: bytes | None,
         subset: frozenset[str] | None,
-    ) -> Pick:  # fmt: skip
+    ) -> Pick:
         rt = self.rt
         snap = self._restrict(rt.discovery.snapshot(), subset)
         chat = CHAT_PATHS.get(path.split("?", 1)[0])
@@ -103,8 +110,7 @@ class Picker:
             return snap
         keep = [w for w in snap.workers if w.role != "decode" or self.target(w) in subset]
         if not any(w.role == "decode" and w.healthy for w in keep):
-            raise APIError(503, "no endpoint of the proxy's subset is eligible",
-                           code="no_worker")  # fmt: skip
+            raise APIError(503, "no endpoint of the proxy's subset is eligible", code="no_worker")
         return replace(snap, workers=tuple(keep))
 
     def _answer(self, decode: tuple[WorkerView, ...], prefill: WorkerView | None, n: int) -> Pick:

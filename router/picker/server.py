@@ -119,8 +119,13 @@ class ExtProc(ep_grpc.ExternalProcessorServicer):
             return
         if not chunk.end_of_stream:
             if not ex.duplex_request:  # streamed: the headers are upstream already
-                yield _refusal(APIError(500, "the endpoint picker needs the request body "
-                                        "in FULL_DUPLEX_STREAMED or BUFFERED mode"))  # fmt: skip
+                yield _refusal(
+                    APIError(
+                        500,
+                        "the endpoint picker needs the request body "
+                        "in FULL_DUPLEX_STREAMED or BUFFERED mode",
+                    )
+                )
             return  # full duplex: nothing goes upstream until the pick is made
         body = bytes(ex.body)
         routed = await self._routed(ex, body, in_body=not ex.duplex_request)

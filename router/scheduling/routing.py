@@ -64,8 +64,9 @@ def plan_route(
     if not decode:
         raise NoWorkerAvailable("no healthy decode worker")
     cached = req.matched_tokens(decode[0].worker_id)
-    kind = disagg.decide(req.num_prompt_tokens, cached, cfg.disagg_threshold,
-                         have_prefill=bool(snap.prefill))  # fmt: skip
+    kind = disagg.decide(
+        req.num_prompt_tokens, cached, cfg.disagg_threshold, have_prefill=bool(snap.prefill)
+    )
     if kind == disagg.LOCAL_PREFILL:
         return RoutePlan(kind, (), tuple(decode), 0)
     prefill = rank_prefill(snap, req, cfg, rng, rr_counter)

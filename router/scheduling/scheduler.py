@@ -43,18 +43,27 @@ class Scheduler:
         self._hash_key = hash_key()  # the service's block-hash key, as the workers'
 
     def plan(
-        self, ids: list[int], snap: Snapshot, cache_salt: str | None = None,
+        self,
+        ids: list[int],
+        snap: Snapshot,
+        cache_salt: str | None = None,
         lora: LoraRef | None = None,
-    ) -> RoutePlan:  # fmt: skip
+    ) -> RoutePlan:
         prefix = self.cfg.uses_prefix
         # The adapter's hash seeds the chain as on the workers: their KV events match these.
         root = salt_root(cache_salt, lora.hash if lora is not None else None)
         hashes = block_hashes(ids, snap.block_size, root, self._hash_key) if prefix else []
         pool = self.index.match(hashes)
         tiers = self.index.tiers.match(hashes, pool, (w.worker_id for w in snap.prefill))
-        req = RouteRequest(len(ids), tuple(hashes), snap.block_size, pool,
-                           self.index.held() if prefix else {},
-                           lora.name if lora is not None else None, tiers)  # fmt: skip
+        req = RouteRequest(
+            len(ids),
+            tuple(hashes),
+            snap.block_size,
+            pool,
+            self.index.held() if prefix else {},
+            lora.name if lora is not None else None,
+            tiers,
+        )
         try:
             plan = plan_route(snap, req, self.cfg, self.rng, self._rr)
         except NoWorkerAvailable as exc:

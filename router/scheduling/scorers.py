@@ -23,8 +23,9 @@ def prefix_match(worker: WorkerView, req: RouteRequest) -> float:
     below a pool counts at its tier's weight (router/scheduling/tier_index.py)."""
     if not req.block_hashes:
         return 0.0
-    matched = max(req.matched_blocks.get(worker.worker_id, 0),
-                  req.tier_matched.get(worker.worker_id, 0.0))  # fmt: skip
+    matched = max(
+        req.matched_blocks.get(worker.worker_id, 0), req.tier_matched.get(worker.worker_id, 0.0)
+    )
     return min(matched, len(req.block_hashes)) / len(req.block_hashes)
 
 

@@ -67,8 +67,9 @@ def _resolved(weights: Sequence[ScorerWeight]) -> list[tuple[str, float, Scorer]
     return [(sw.name, sw.weight, get_scorer(sw.name)) for sw in weights]
 
 
-def _weighted(worker: WorkerView, req: RouteRequest,
-              scorers: list[tuple[str, float, Scorer]]) -> float:  # fmt: skip
+def _weighted(
+    worker: WorkerView, req: RouteRequest, scorers: list[tuple[str, float, Scorer]]
+) -> float:
     total = 0.0
     for name, weight, scorer in scorers:
         value = scorer(worker, req)

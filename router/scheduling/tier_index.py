@@ -29,8 +29,10 @@ def parse_weights(text: str) -> dict[str, float]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
         if not sep or name not in TIERS:
-            raise ValueError(f"--prefix-tier-weights: {part!r} is not TIER=WEIGHT with TIER "
-                             f"one of {', '.join(TIERS)}")  # fmt: skip
+            raise ValueError(
+                f"--prefix-tier-weights: {part!r} is not TIER=WEIGHT with TIER "
+                f"one of {', '.join(TIERS)}"
+            )
         weight = float(value)
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"--prefix-tier-weights: {name} weight must be in [0, 1]")
@@ -83,8 +85,9 @@ class TierIndex:
             if not self._local[h]:
                 del self._local[h]
 
-    def match(self, hashes: Sequence[int], pool: Mapping[str, int],
-              workers: Iterable[str]) -> dict[str, float]:  # fmt: skip
+    def match(
+        self, hashes: Sequence[int], pool: Mapping[str, int], workers: Iterable[str]
+    ) -> dict[str, float]:
         """worker → weighted leading blocks: each block at the best weight the worker can
         have it (its pool per ``pool``, its own tiers, the shared tier); stops at the first
         block it cannot have."""

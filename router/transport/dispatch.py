@@ -140,9 +140,13 @@ class Dispatcher:
                     rs.prompt_logprobs = result.prompt_logprobs
                     rs.output_ids.append(result.first_token_id)
                     yield self._delta(
-                        rs, result.text, 1, result.finish_reason,
-                        (result.first_token_id,), result.logprobs,
-                    )  # fmt: skip
+                        rs,
+                        result.text,
+                        1,
+                        result.finish_reason,
+                        (result.first_token_id,),
+                        result.logprobs,
+                    )
                     if result.finish_reason is not None or result.kv_handle is None:
                         rs.finish_reason = rs.finish_reason or "stop"
                         return
@@ -206,13 +210,23 @@ class Dispatcher:
         return None
 
     async def _decode(
-        self, rs: RequestState, plan: RoutePlan, handle: KVHandle | None, first: int | None,
+        self,
+        rs: RequestState,
+        plan: RoutePlan,
+        handle: KVHandle | None,
+        first: int | None,
         chain: list[str] | None = None,
-    ) -> AsyncIterator[Delta]:  # fmt: skip
+    ) -> AsyncIterator[Delta]:
         req = GenerateRequest(
-            rs.request_id, rs.prompt_ids, _after_prompt(rs), handle, first, rs.cache_salt,
-            lora=rs.lora, prefill=chain,
-        )  # fmt: skip
+            rs.request_id,
+            rs.prompt_ids,
+            _after_prompt(rs),
+            handle,
+            first,
+            rs.cache_salt,
+            lora=rs.lora,
+            prefill=chain,
+        )
         relayed = False  # a decode token reached the client: from now on, migrate
         candidates, waits = list(plan.decode[:MAX_ATTEMPTS]), 0
         for attempt in itertools.count():
@@ -230,8 +244,9 @@ class Dispatcher:
             elif attempt and req.kv_handle is not None:
                 req = await self._fresh_handle(rs, plan, req)
             elif attempt and req.prefill:  # the last decode worker may hold a lease there
-                await asyncio.gather(*(worker_client.abort(self.client, u, rs.request_id)
-                                       for u in req.prefill))  # fmt: skip
+                await asyncio.gather(
+                    *(worker_client.abort(self.client, u, rs.request_id) for u in req.prefill)
+                )
                 alive = [u for u in req.prefill if not self.discovery.failed_check(u)]
                 req = replace(req, prefill=alive or None)  # none left: prefill there
             rs.touched.add(url)
@@ -283,8 +298,11 @@ class Dispatcher:
         if self.cfg.failover_wait_s <= 0:
             return []
         deadline = time.monotonic() + self.cfg.failover_wait_s
-        log.warning("request %s: no decode worker left; waiting up to %.0fs for one",
-                    rs.request_id, self.cfg.failover_wait_s)  # fmt: skip
+        log.warning(
+            "request %s: no decode worker left; waiting up to %.0fs for one",
+            rs.request_id,
+            self.cfg.failover_wait_s,
+        )
         while True:
             ready = sorted(self.discovery.snapshot().decode, key=lambda w: w.inflight)
             if ready:
@@ -330,8 +348,9 @@ class Dispatcher:
                     continue
                 watch.down = False  # the decode worker is fine: its prefill worker hangs
             if watch.cut(f"no bytes for {quiet:.1f}s and its health check fails"):
-                log.warning("cutting a stalled %s call on %s (%.1fs quiet)", watch.role,
-                            watch.url, quiet)  # fmt: skip
+                log.warning(
+                    "cutting a stalled %s call on %s (%.1fs quiet)", watch.role, watch.url, quiet
+                )
                 self.metrics.child(self.metrics.stalled, watch.role).inc()
 
     def _migrate(self, rs: RequestState, req: GenerateRequest, url: str) -> GenerateRequest:
@@ -339,13 +358,17 @@ class Dispatcher:
         the first worker); the worker recomputes prompt + sent tokens and goes on."""
         rs.migrations += 1
         self.metrics.migrated.inc()
-        log.warning("request %s: migrating to %s after %d tokens", rs.request_id, url,
-                    len(rs.output_ids))  # fmt: skip
+        log.warning(
+            "request %s: migrating to %s after %d tokens", rs.request_id, url, len(rs.output_ids)
+        )
         return replace(
-            req, kv_handle=None, first_token_id=None, resume_token_ids=list(rs.output_ids),
+            req,
+            kv_handle=None,
+            first_token_id=None,
+            resume_token_ids=list(rs.output_ids),
             prefill=None,
             sampling=_after_prompt(rs),
-        )  # fmt: skip
+        )
 
     def _relay(self, rs: RequestState, msg: TokenDelta) -> Delta:
         ids = msg.token_ids

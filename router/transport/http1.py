@@ -124,9 +124,13 @@ class _Conn(asyncio.Protocol):
         await w
 
     def reusable(self, now: float, keepalive_s: float) -> bool:
-        return (not self.lost and self.error is None and self.transport is not None
-                and not self.transport.is_closing()
-                and now - self.idle_since < keepalive_s)  # fmt: skip
+        return (
+            not self.lost
+            and self.error is None
+            and self.transport is not None
+            and not self.transport.is_closing()
+            and now - self.idle_since < keepalive_s
+        )
 
     def close(self) -> None:
         if self.transport is not None:
@@ -226,8 +230,14 @@ class WorkerPool:
             host = parts.hostname or ""
             port = parts.port or (443 if tls else 80)
             ctx = ssl.create_default_context() if tls else None
-            t = self._targets[url] = ((host, port, tls), host, port, parts.netloc.encode(),
-                                      ctx, parts.path.rstrip("/"))  # fmt: skip
+            t = self._targets[url] = (
+                (host, port, tls),
+                host,
+                port,
+                parts.netloc.encode(),
+                ctx,
+                parts.path.rstrip("/"),
+            )
         return t
 
     async def post(self, url: str, path: str, body: bytes, timeout: float) -> Response:
@@ -236,9 +246,14 @@ class WorkerPool:
         key, host, port, netloc, ctx, prefix = self._target(url)
         path = prefix + path
         conn = await self._get(key, host, port, ctx, timeout)
-        head = [b"POST ", path.encode(), b" HTTP/1.1\r\nHost: ", netloc,
-                b"\r\nContent-Type: application/json\r\nContent-Length: ",
-                str(len(body)).encode()]  # fmt: skip
+        head = [
+            b"POST ",
+            path.encode(),
+            b" HTTP/1.1\r\nHost: ",
+            netloc,
+            b"\r\nContent-Type: application/json\r\nContent-Length: ",
+            str(len(body)).encode(),
+        ]
         auth = ""
         if self.ring:
             auth = signing.sign(self.ring, "POST", path, body)
@@ -257,8 +272,9 @@ class WorkerPool:
             raise CallFailed("the worker did not prove the service secret")
         return resp
 
-    async def _get(self, key: Any, host: str, port: int, ctx: ssl.SSLContext | None,
-                   timeout: float) -> _Conn:  # fmt: skip
+    async def _get(
+        self, key: Any, host: str, port: int, ctx: ssl.SSLContext | None, timeout: float
+    ) -> _Conn:
         idle = self._idle.get(key)
         if idle:
             now = time.monotonic()

@@ -23,12 +23,17 @@ from pdserve.router.transport.worker_client import JSON, TRANSPORT_ERRORS, _deco
 LOAD_TIMEOUT_S = 120.0  # a worker reads and checks the files, then copies them to its device
 
 
-async def _post(client: aiohttp.ClientSession, url: str, path: str, body: dict[str, str]
-                ) -> tuple[int, Any]:  # fmt: skip
+async def _post(
+    client: aiohttp.ClientSession, url: str, path: str, body: dict[str, str]
+) -> tuple[int, Any]:
     """(status, JSON body); status 0 with the reason when the worker did not answer."""
     try:
-        async with client.post(url + path, data=json.dumps(body).encode(), headers=JSON,
-                               timeout=_timeout(LOAD_TIMEOUT_S)) as resp:  # fmt: skip
+        async with client.post(
+            url + path,
+            data=json.dumps(body).encode(),
+            headers=JSON,
+            timeout=_timeout(LOAD_TIMEOUT_S),
+        ) as resp:
             return resp.status, _decode_json(await resp.read())
     except TRANSPORT_ERRORS as exc:
         return 0, repr(exc)
@@ -54,18 +59,24 @@ async def load(client: aiohttp.ClientSession, urls: Sequence[str], name: str, pa
     }
     bad = [(u, s, b) for u, (s, b) in zip(urls, got, strict=True) if u not in hashes]
     err: APIError | None = _failure(*bad[0]) if bad else None
-    if err is None and (len(set(hashes.values())) != 1 or not valid_lora_hash(
-            next(iter(hashes.values())))):  # fmt: skip
-        err = APIError(400, f"the workers read different files at lora_path {path!r} (one "
-                       "path must hold one adapter on every worker)", "lora_path")  # fmt: skip
+    if err is None and (
+        len(set(hashes.values())) != 1 or not valid_lora_hash(next(iter(hashes.values())))
+    ):
+        err = APIError(
+            400,
+            f"the workers read different files at lora_path {path!r} (one "
+            "path must hold one adapter on every worker)",
+            "lora_path",
+        )
     if err is not None:
         await unload(client, list(hashes), name, quiet=True)
         raise err
     return str(next(iter(hashes.values())))
 
 
-async def unload(client: aiohttp.ClientSession, urls: Sequence[str], name: str,
-                 quiet: bool = False) -> int:  # fmt: skip
+async def unload(
+    client: aiohttp.ClientSession, urls: Sequence[str], name: str, quiet: bool = False
+) -> int:
     """Unload ``name`` on every worker; how many had it. A worker's 404 (it did not have
     it) is not a failure; another refusal or failure raises unless ``quiet``."""
     body = {"lora_name": name}

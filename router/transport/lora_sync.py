@@ -28,9 +28,12 @@ RETRY_S = 30.0
 
 class LoraSync:
     def __init__(
-        self, table: AdapterTable, snapshot: Callable[[], Snapshot],
-        client: aiohttp.ClientSession, clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+        self,
+        table: AdapterTable,
+        snapshot: Callable[[], Snapshot],
+        client: aiohttp.ClientSession,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.table, self.snapshot, self.client, self.clock = table, snapshot, client, clock
         self._tried: dict[tuple[str, str], float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -56,12 +59,22 @@ class LoraSync:
         try:
             digest = await lora_fanout.load(self.client, [url], a.name, a.path)
         except APIError as exc:
-            log.warning("LoRA adapter %s not loaded on %s (retried in %.0f s): %s", a.name,
-                        url, RETRY_S, exc.message)  # fmt: skip
+            log.warning(
+                "LoRA adapter %s not loaded on %s (retried in %.0f s): %s",
+                a.name,
+                url,
+                RETRY_S,
+                exc.message,
+            )
             return
         if self.table.get(a.name) != a or digest != a.hash:  # unloaded or replaced meanwhile
-            log.warning("LoRA adapter %s on %s: unloading it there again (hash %s, the "
-                        "router's %s)", a.name, url, digest, a.hash)  # fmt: skip
+            log.warning(
+                "LoRA adapter %s on %s: unloading it there again (hash %s, the router's %s)",
+                a.name,
+                url,
+                digest,
+                a.hash,
+            )
             await lora_fanout.unload(self.client, [url], a.name, quiet=True)
             return
         log.info("LoRA adapter %s loaded on %s, which did not know it", a.name, url)

@@ -99,8 +99,12 @@ def signed_calls(ring: keys.KeyRing) -> Any:
         resp: aiohttp.ClientResponse = await handler(req)
         if not signing.proof_ok(ring, auth, resp.headers.get(signing.PROOF_HEADER)):
             resp.release()
-            raise UnprovenWorker(req.request_info, (), status=resp.status,
-                                 message="the worker did not prove the service secret")  # fmt: skip
+            raise UnprovenWorker(
+                req.request_info,
+                (),
+                status=resp.status,
+                message="the worker did not prove the service secret",
+            )
         return resp
 
     return sign
@@ -259,7 +263,7 @@ async def generate(
     try:
         async with await _watched(
             watch, client.post(url, "/generate", encode(req), timeout)
-        ) as resp:  # fmt: skip
+        ) as resp:
             if resp.status != 200:
                 _raise_for(url, resp.status, _decode_json(await resp.read()))
                 raise WorkerFailed(url, f"HTTP {resp.status}")
@@ -291,8 +295,14 @@ def stream_error(url: str, error: WorkerError) -> Exception:
     to the client as is and is never retried elsewhere; any other error is the worker's
     (``WorkerFailed``: the dispatcher may try another)."""
     if error.code == REQUEST_FAILED:
-        body = {"error": {"message": error.message, "type": error.type, "param": error.param,
-                          "code": error.code}}  # fmt: skip
+        body = {
+            "error": {
+                "message": error.message,
+                "type": error.type,
+                "param": error.param,
+                "code": error.code,
+            }
+        }
         return from_worker_body(422, body, "the request failed on the worker")
     return WorkerFailed(url, f"worker error: {error.message}", down=False)
 

@@ -23,9 +23,17 @@ ADMIN_KEY = "edge-admin-key"  # /workers needs it while tenant keys are on
 # that takes longer is stuck, and fails well before pytest-timeout's 600 s per test.
 SETUP_TIMEOUT_S = 120
 WORKER_ARGS = (
-    "--device", "cpu", "--kv-cache-bytes", "6000000", "--max-num-batched-tokens", "512",
-    "--max-model-len", "1024", "--cpu-threads", "1",
-)  # fmt: skip
+    "--device",
+    "cpu",
+    "--kv-cache-bytes",
+    "6000000",
+    "--max-num-batched-tokens",
+    "512",
+    "--max-model-len",
+    "1024",
+    "--cpu-threads",
+    "1",
+)
 
 
 @dataclass(frozen=True)
@@ -46,17 +54,29 @@ def deployment(
     keys = logs / "keys.txt"
     keys.write_text("\n".join(KEYS) + "\n")
     spec = ClusterSpec(
-        model_dir=str(tiny_model_dir), dtype="float32", worker_args=WORKER_ARGS,
-        kv_transport=os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"), log_dir=str(logs),
+        model_dir=str(tiny_model_dir),
+        dtype="float32",
+        worker_args=WORKER_ARGS,
+        kv_transport=os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
+        log_dir=str(logs),
         worker_port_base=worker_port_base(),
-    )  # fmt: skip
+    )
     cluster = LocalCluster(spec)
     try:
         cluster.start_workers()
         router = cluster.start_router(
-            port=free_port(), args=("--api-key-file", str(keys), "--disagg-threshold", "32",
-                          "--health-interval", "0.2", "--admin-api-key", ADMIN_KEY),
-        )  # fmt: skip
+            port=free_port(),
+            args=(
+                "--api-key-file",
+                str(keys),
+                "--disagg-threshold",
+                "32",
+                "--health-interval",
+                "0.2",
+                "--admin-api-key",
+                ADMIN_KEY,
+            ),
+        )
         try:  # bounded: a deployment not up in 2 min fails its tests with the logs' ends
             cluster.wait_healthy(timeout=SETUP_TIMEOUT_S)
             cluster.wait_routed(router, api_key=ADMIN_KEY)

@@ -55,9 +55,16 @@ def test_bad_cache_salt_is_refused(deployment) -> None:
             body = {"model": dep.model, "prompt": "hi", "cache_salt": salt}
             r = h.post(dep.url + "/v1/completions", json=body, headers=dep.headers())
             assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
-        for url, path, kind in ((dep.workers[0], "/prefill", "prefill_request"),
-                                (dep.workers[1], "/generate", "generate_request")):  # fmt: skip
-            body = {"type": kind, "request_id": "salty", "prompt_token_ids": [1, 2, 3],
-                    "sampling": {"max_tokens": 2}, "cache_salt": ["x"]}  # fmt: skip
+        for url, path, kind in (
+            (dep.workers[0], "/prefill", "prefill_request"),
+            (dep.workers[1], "/generate", "generate_request"),
+        ):
+            body = {
+                "type": kind,
+                "request_id": "salty",
+                "prompt_token_ids": [1, 2, 3],
+                "sampling": {"max_tokens": 2},
+                "cache_salt": ["x"],
+            }
             r = h.post(url + path, json=body, auth=secret_auth())
             assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

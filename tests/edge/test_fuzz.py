@@ -27,11 +27,20 @@ pytestmark = pytest.mark.timeout(300)
 
 BIG = [2**63, 2**64 + 1, -(2**63) - 1, 10**30, -1, 0, 1]
 scalars = st.one_of(
-    st.none(), st.booleans(), st.sampled_from(BIG), st.integers(-5, 70),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(st.characters(), max_size=12),
-)  # fmt: skip
-junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-    st.text(max_size=5), inner, max_size=3), max_leaves=8)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.sampled_from(BIG),
+    st.integers(-5, 70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(st.characters(), max_size=12),
+)
+junk = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
 
 
 def mostly(valid: Any, junk_too: Any = junk) -> Any:
@@ -41,8 +50,9 @@ def mostly(valid: Any, junk_too: Any = junk) -> Any:
 
 # st.characters() includes lone surrogates (category Cs): json.dumps writes \udXXX escapes.
 wild_text = st.text(st.characters(), max_size=40)
-texts = mostly(st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=40),
-               wild_text)  # fmt: skip
+texts = mostly(
+    st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=40), wild_text
+)
 FIELDS = {
     "max_tokens": mostly(st.integers(1, 6)),
     "max_completion_tokens": mostly(st.integers(1, 6)),
@@ -73,12 +83,15 @@ FIELDS = {
     "response_format": mostly(st.sampled_from([{"type": "text"}, {"type": "json_object"}])),
 }
 roles = mostly(st.sampled_from(["system", "user", "assistant"]))
-parts = st.lists(st.fixed_dictionaries({"type": mostly(st.just("text")), "text": texts}),
-                 min_size=1, max_size=2)  # fmt: skip
+parts = st.lists(
+    st.fixed_dictionaries({"type": mostly(st.just("text")), "text": texts}), min_size=1, max_size=2
+)
 message = st.fixed_dictionaries({"role": roles, "content": mostly(texts | parts)})
 messages = mostly(st.lists(message, min_size=1, max_size=3))
-prompts = mostly(texts | st.lists(st.integers(0, 500), min_size=1, max_size=30),
-                 st.lists(st.integers(-3, 10**6), max_size=30) | junk)  # fmt: skip
+prompts = mostly(
+    texts | st.lists(st.integers(0, 500), min_size=1, max_size=30),
+    st.lists(st.integers(-3, 10**6), max_size=30) | junk,
+)
 
 
 @st.composite
@@ -113,9 +126,15 @@ class Others:
         self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(3)]
 
     def _run(self, i: int) -> None:
-        body = {"model": self.dep.model, "prompt": f"other client {i}: " + "la " * 40 * i,
-                "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": self.dep.model,
+            "prompt": f"other client {i}: " + "la " * 40 * i,
+            "max_tokens": 30,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.Client(base_url=self.dep.url, timeout=120, headers=self.dep.headers()) as h:
             while not self.stop.is_set():
                 with h.stream("POST", "/v1/completions", json=body) as r:
@@ -144,14 +163,20 @@ def test_fuzzed_requests_never_5xx_nor_hurt_others(deployment) -> None:
     client = httpx.Client(base_url=dep.url, timeout=120, headers=dep.headers())
     statuses: list[int] = []
 
-    @settings(max_examples=100, deadline=None, database=None, print_blob=True,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=100,
+        deadline=None,
+        database=None,
+        print_blob=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(bodies())
     def fuzz(case: tuple[bool, bytes]) -> None:
         chat, raw = case
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        with client.stream("POST", path, content=raw,
-                           headers={"content-type": "application/json"}) as resp:  # fmt: skip
+        with client.stream(
+            "POST", path, content=raw, headers={"content-type": "application/json"}
+        ) as resp:
             text = "".join(resp.iter_text())
         statuses.append(resp.status_code)
         if resp.headers.get("content-type", "").startswith("text/event-stream"):
@@ -164,8 +189,10 @@ def test_fuzzed_requests_never_5xx_nor_hurt_others(deployment) -> None:
         fuzz()
     took = time.monotonic() - t0
     ok = sum(s == 200 for s in statuses)
-    print(f"fuzz: {len(statuses)} requests in {took:.1f}s, {ok} served, "
-          f"{len(statuses) - ok} refused; {others.done} other streams")  # fmt: skip
+    print(
+        f"fuzz: {len(statuses)} requests in {took:.1f}s, {ok} served, "
+        f"{len(statuses) - ok} refused; {others.done} other streams"
+    )
     assert ok >= 10 and len(statuses) - ok >= 10  # both sides of the edge were exercised
     assert others.failures == [] and others.done >= 3, (others.done, others.failures[:3])
     all_kv_free(list(dep.workers))

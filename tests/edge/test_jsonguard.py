@@ -42,10 +42,15 @@ def test_refused(raw: bytes, field: str | None) -> None:
 
 @pytest.mark.parametrize(
     "raw",
-    [b"null", b"5", b'"s"', b'{"a": ' + b"[" * 31 + b"]" * 31 + b"}",
-     '{"t": "héllo 😀 \\ud83d\\ude00"}'.encode(),  # a surrogate *pair* is one character
-     b'{"prompt": "NaN Infinity", "x": 1e308, "y": -0.0}'],  # the words in text, real numbers
-)  # fmt: skip
+    [
+        b"null",
+        b"5",
+        b'"s"',
+        b'{"a": ' + b"[" * 31 + b"]" * 31 + b"}",
+        '{"t": "héllo 😀 \\ud83d\\ude00"}'.encode(),  # a surrogate *pair* is one character
+        b'{"prompt": "NaN Infinity", "x": 1e308, "y": -0.0}',
+    ],  # the words in text, real numbers
+)
 def test_accepted(raw: bytes) -> None:
     loads_checked(raw)
 

@@ -40,9 +40,15 @@ def _error(resp: httpx.Response, status: int, param: str | None) -> None:
 
 
 async def _stream(h: httpx.AsyncClient, dep: Any, i: int) -> tuple[int, str | None, int]:
-    body = {"model": dep.model, "prompt": f"client {i} says " + "hello " * (i * 4),
-            "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": dep.model,
+        "prompt": f"client {i} says " + "hello " * (i * 4),
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     finish, tokens = None, 0
     async with h.stream("POST", "/v1/completions", json=body, headers=dep.headers()) as r:
         async for line in r.aiter_lines():
@@ -63,11 +69,19 @@ async def test_poison_fails_alone_while_twelve_streams_go_on(deployment) -> None
         others = [asyncio.create_task(_stream(h, dep, i)) for i in range(12)]
         await asyncio.sleep(0.3)  # the others are in the batch now
         for patch, field in POISONS:
-            body = {"model": dep.model, "prompt": "poison " * 50, "max_tokens": 8,
-                    "temperature": 1.0, **patch}  # fmt: skip
+            body = {
+                "model": dep.model,
+                "prompt": "poison " * 50,
+                "max_tokens": 8,
+                "temperature": 1.0,
+                **patch,
+            }
             raw = json.dumps(body)  # 1e400 -> Infinity, as a hostile client may send
-            r = await h.post("/v1/completions", content=raw, headers={
-                **dep.headers(), "content-type": "application/json"})  # fmt: skip
+            r = await h.post(
+                "/v1/completions",
+                content=raw,
+                headers={**dep.headers(), "content-type": "application/json"},
+            )
             _error(r, 400, field)
         results = await asyncio.gather(*others)
     assert results == [(200, "length", 24)] * 12
@@ -88,8 +102,14 @@ async def test_workers_refuse_poison_themselves(deployment) -> None:
             # named by its top-level field, as a lone surrogate is
             where = "sampling" if patch == {"temperature": 1e400} else field
             for url, path in ((prefill, "/prefill"), (decode, "/generate")):
-                body = json.dumps({"type": TYPES[path], "request_id": f"poison-{field}",
-                                   "prompt_token_ids": prompt, "sampling": sampling})  # fmt: skip
+                body = json.dumps(
+                    {
+                        "type": TYPES[path],
+                        "request_id": f"poison-{field}",
+                        "prompt_token_ids": prompt,
+                        "sampling": sampling,
+                    }
+                )
                 r = await h.post(url + path, content=body, headers=JSON, auth=secret_auth())
                 _error(r, 400, where)
         for url, path in ((prefill, "/prefill"), (decode, "/generate")):
@@ -147,8 +167,14 @@ async def test_n_choices_at_the_edge_of_the_seed_range(deployment) -> None:
     dep = deployment
     async with httpx.AsyncClient(base_url=dep.url, timeout=60) as h:
         for seed in (2**64 - 1, -(2**63)):
-            body = {"model": dep.model, "prompt": "edge of the range", "max_tokens": 3,
-                    "n": 3, "seed": seed, "temperature": 1.0}  # fmt: skip
+            body = {
+                "model": dep.model,
+                "prompt": "edge of the range",
+                "max_tokens": 3,
+                "n": 3,
+                "seed": seed,
+                "temperature": 1.0,
+            }
             r = await h.post("/v1/completions", json=body, headers=dep.headers())
             assert r.status_code == 200, r.text
             assert len(r.json()["choices"]) == 3

@@ -174,7 +174,8 @@ def test_two_checked_libraries_load_side_by_side(tmp_path: Path) -> None:
     for value in (7, 8):
         source = tmp_path / f"probe{value}.cpp"
         source.write_text(TINY.replace("7", str(value)))
-        subprocess.run(["g++", *flags, str(source), "-o", str(tmp_path / f"p{value}.so")],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            ["g++", *flags, str(source), "-o", str(tmp_path / f"p{value}.so")], check=True
+        )
         libs.append(cpu_kernel.load_checked(tmp_path / f"p{value}.so"))
     assert [lib.pdserve_probe() for lib in libs] == [7, 8]

@@ -64,8 +64,13 @@ def test_up_passes_enforce_eager_to_every_worker(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
     args = parser.parse_args(["--model", str(tmp_path), "--enforce-eager"])
-    spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=1, num_decode=1,
-                       worker_args=up.worker_args(args), log_dir=str(tmp_path))  # fmt: skip
+    spec = ClusterSpec(
+        model_dir=str(tmp_path),
+        num_prefill=1,
+        num_decode=1,
+        worker_args=up.worker_args(args),
+        log_dir=str(tmp_path),
+    )
     assert "--enforce-eager" in LocalCluster(spec)._common("decode-0", 8900)
     assert up.worker_args(parser.parse_args(["--model", str(tmp_path)])) == ()
 

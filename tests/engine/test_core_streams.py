@@ -37,11 +37,24 @@ def client(tiny_model_dir: Path) -> Iterator[EngineClient]:
     parser = argparse.ArgumentParser()
     decode_server.add_arguments(parser)
     args = parser.parse_args(
-        ["--model", str(tiny_model_dir), "--dtype", "float32", "--device", "cpu",
-         "--kv-cache-bytes", str(NUM_BLOCKS * TINY_BLOCK_BYTES), "--enforce-eager",
-         "--kv-transport", "tcp", "--port", str(free_port()),
-         "--kv-events-port", str(free_port())]
-    )  # fmt: skip
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--kv-cache-bytes",
+            str(NUM_BLOCKS * TINY_BLOCK_BYTES),
+            "--enforce-eager",
+            "--kv-transport",
+            "tcp",
+            "--port",
+            str(free_port()),
+            "--kv-events-port",
+            str(free_port()),
+        ]
+    )
     engine = EngineClient(core_config("decode", args))
     yield engine
     engine.shutdown()

@@ -81,8 +81,17 @@ def test_kernel_limits() -> None:
 # run time; 24 and 8 go to the AVX2 path (not a multiple of 16), 12 to the portable
 # 4-lane one, 6 to the 1-lane one. Block sizes smaller than, equal to and larger than a
 # tile, and one that is not a power of two (tiles then span blocks).
-SHAPES = [(4, 2, 32), (8, 4, 64), (8, 1, 128), (2, 2, 16), (6, 2, 48), (4, 1, 24),
-          (2, 1, 8), (3, 1, 12), (2, 2, 6)]  # fmt: skip
+SHAPES = [
+    (4, 2, 32),
+    (8, 4, 64),
+    (8, 1, 128),
+    (2, 2, 16),
+    (6, 2, 48),
+    (4, 1, 24),
+    (2, 1, 8),
+    (3, 1, 12),
+    (2, 2, 6),
+]
 # Context lengths: 1-token, around block and tile edges, not multiples of the block
 # size, and long ones.
 CTX = [1, 2, 5, 15, 16, 17, 31, 33, 100, 257, 2048, 2500]
@@ -94,11 +103,26 @@ def _kernel(lib, q, k, v, tables, ctx, block_size: int, threads: int) -> torch.T
     rows = torch.arange(n, dtype=torch.int32)
     ctx_t = torch.tensor(ctx, dtype=torch.int32)
     rc = lib.pdserve_paged_attention(
-        cpu_kernel.DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
-        k.data_ptr(), v.data_ptr(), out.data_ptr(), tables.data_ptr(), tables.shape[1],
-        rows.data_ptr(), rows.data_ptr(), ctx_t.data_ptr(), n, hq, k.shape[1], d,
-        block_size, d**-0.5, threads,
-    )  # fmt: skip
+        cpu_kernel.DTYPE_CODES[q.dtype],
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        rows.data_ptr(),
+        rows.data_ptr(),
+        ctx_t.data_ptr(),
+        n,
+        hq,
+        k.shape[1],
+        d,
+        block_size,
+        d**-0.5,
+        threads,
+    )
     assert rc == 0
     return out
 
@@ -188,11 +212,13 @@ def _check_exp(lib, width: int) -> bool:  # type: ignore[no-untyped-def]
     """False where the build has no path of that width."""
     import numpy as np
 
-    x = np.concatenate([
-        np.linspace(-87.33, 0.0, 1_000_003, dtype=np.float32),
-        np.linspace(0.0, 80.0, 10_001, dtype=np.float32),
-        np.array([0.0, -0.0, -1e-30, 1e-30, -0.5, -0.6931472, -87.33, -87.3365], np.float32),
-    ])  # fmt: skip
+    x = np.concatenate(
+        [
+            np.linspace(-87.33, 0.0, 1_000_003, dtype=np.float32),
+            np.linspace(0.0, 80.0, 10_001, dtype=np.float32),
+            np.array([0.0, -0.0, -1e-30, 1e-30, -0.5, -0.6931472, -87.33, -87.3365], np.float32),
+        ]
+    )
     y = np.empty_like(x)
     rc = lib.pdserve_kernel_exp(width, x.ctypes.data, y.ctypes.data, x.size)
     if rc != 0:
@@ -213,8 +239,15 @@ def _check_exp(lib, width: int) -> bool:  # type: ignore[no-untyped-def]
 #
 # Windows shorter than a tile, across block edges, longer than most contexts; a soft-cap
 # small enough to change the softmax; sinks of either sign; all three at once.
-OPTIONS = [(1, 0.0, False), (5, 0.0, False), (17, 0.0, False), (100, 0.0, False),
-           (0, 2.0, False), (0, 0.0, True), (7, 3.0, True)]  # fmt: skip
+OPTIONS = [
+    (1, 0.0, False),
+    (5, 0.0, False),
+    (17, 0.0, False),
+    (100, 0.0, False),
+    (0, 2.0, False),
+    (0, 0.0, True),
+    (7, 3.0, True),
+]
 
 
 def _reference_options(q, k, v, tables, ctx, block_size: int, window: int, softcap: float, sinks):  # type: ignore[no-untyped-def]
@@ -256,11 +289,29 @@ def test_kernel_layer_options_match_float64(
     rows = torch.arange(len(ctx), dtype=torch.int32)
     ctx_t = torch.tensor(ctx, dtype=torch.int32)  # held: the kernel reads its pointer
     rc = lib.pdserve_paged_attention_layer(
-        0, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-        tables.data_ptr(), width, rows.data_ptr(), rows.data_ptr(),
-        ctx_t.data_ptr(), len(ctx), hq, hkv, d, block_size,
-        d**-0.5, window, softcap, None if sinks is None else sinks.data_ptr(), 1,
-    )  # fmt: skip
+        0,
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        tables.data_ptr(),
+        width,
+        rows.data_ptr(),
+        rows.data_ptr(),
+        ctx_t.data_ptr(),
+        len(ctx),
+        hq,
+        hkv,
+        d,
+        block_size,
+        d**-0.5,
+        window,
+        softcap,
+        None if sinks is None else sinks.data_ptr(),
+        1,
+    )
     assert rc == 0
     ref = _reference_options(q, k, v, tables, ctx, block_size, window, softcap, sinks)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)

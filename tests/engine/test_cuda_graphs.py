@@ -35,10 +35,17 @@ def toy_step(view: cg.StepView) -> torch.Tensor:
     """'Logits' that depend on every static input of the row (and only on those)."""
     first_block = view.tables[:, 0].long()
     return torch.stack(
-        [view.input_ids, view.positions, view.slot_mapping, first_block,
-         view.tile_count.long(), view.tile_ctx.long(), view.tile_row.long()],
+        [
+            view.input_ids,
+            view.positions,
+            view.slot_mapping,
+            first_block,
+            view.tile_count.long(),
+            view.tile_ctx.long(),
+            view.tile_row.long(),
+        ],
         dim=1,
-    )  # fmt: skip
+    )
 
 
 def batch(n: int, base: int = 0) -> cg.DecodeBatch:
@@ -75,8 +82,10 @@ def test_replay_pads_to_the_bucket() -> None:
     out = g.run(batch(3), eager_never)
     assert g.replays == 2 and g.eager_steps == 0
     b = batch(3)
-    want = [[b.token_ids[i], b.positions[i], b.slots[i], b.block_tables[i][0], 1,
-             b.positions[i] + 1, i] for i in range(3)]  # fmt: skip
+    want = [
+        [b.token_ids[i], b.positions[i], b.slots[i], b.block_tables[i][0], 1, b.positions[i] + 1, i]
+        for i in range(3)
+    ]
     assert out.tolist() == want  # only the batch's rows come back
     # Row 3 of bucket 4 is padding again (the previous batch's row is gone): no KV write,
     # a tile of zero tokens, token 0.
@@ -154,8 +163,14 @@ def test_cuda_runner_capture_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
     per_bucket = ["wait", "enter side stream", "step{b}", "step{b}", "exit side stream", "wait"]
     first = [e.format(b=4) for e in per_bucket] + ["graph0", "enter capture pool=None"]
     second = [e.format(b=1) for e in per_bucket] + ["graph1", "enter capture pool=(0, 0)"]
-    assert events == [*first, "step4", "exit capture pool=None",
-                      *second, "step1", "exit capture pool=(0, 0)"]  # fmt: skip
+    assert events == [
+        *first,
+        "step4",
+        "exit capture pool=None",
+        *second,
+        "step1",
+        "exit capture pool=(0, 0)",
+    ]
     events.clear()
     out = g.run(batch(3), eager_never)
     assert events == ["replay0"] and out.shape == (3, 7)  # the captured output, no step run

@@ -34,8 +34,9 @@ def _write_gguf(path: Path, arch: str, qtype: str = "F32") -> Path:
         w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     else:  # one block of raw bytes in that ggml type
         t = gguf.GGMLQuantizationType[qtype]
-        w.add_tensor("token_embd.weight", np.zeros((1, GGML_QUANT_SIZES[t][1]), np.uint8),
-                     raw_dtype=t)  # fmt: skip
+        w.add_tensor(
+            "token_embd.weight", np.zeros((1, GGML_QUANT_SIZES[t][1]), np.uint8), raw_dtype=t
+        )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -79,9 +80,12 @@ def test_up_refuses_an_unsupported_gguf_without_a_traceback(tmp_path: Path) -> N
     bad = _write_gguf(tmp_path / "odd.gguf", arch="notallama")
     out = subprocess.run(
         [sys.executable, "-m", "pdserve", "up", "--model", str(bad)],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
         env={**os.environ, "PDSERVE_CACHE": str(tmp_path)},
-    )  # fmt: skip
+    )
     assert out.returncode != 0
     assert "pdserve up: odd.gguf: GGUF architecture 'notallama'" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr + out.stdout

@@ -34,8 +34,11 @@ def test_runs_without_cuda() -> None:
         pytest.skip("CUDA present: run bench/gpu_smoke.py itself")
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu_smoke.py")],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {
         "cuda": False,
         "note": "no CUDA device: nothing checked",

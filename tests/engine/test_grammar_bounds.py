@@ -75,8 +75,10 @@ def _messages(reader: Any) -> list[Any]:
 
 def _add(rid: str, salt: str | None = None) -> tuple[Any, ...]:
     schema = {**SCHEMA, "title": rid}  # distinct per request: each one compiles
-    params = SamplingParams(max_tokens=8, structured={"type": "json_schema", "schema": schema,
-                                                      "param": "response_format"})  # fmt: skip
+    params = SamplingParams(
+        max_tokens=8,
+        structured={"type": "json_schema", "schema": schema, "param": "response_format"},
+    )
     return ("add", rid, [5, 6, 7], params, {"cache_salt": salt})
 
 
@@ -156,8 +158,12 @@ def test_grammar_cache_is_bounded_in_bytes(engine: LLMEngine) -> None:
         grammars.compile({"type": "json_schema", "schema": schema})
         assert grammars.cached_bytes <= grammars.cache_bytes
     assert len(grammars._cache) < 8 and grammars.num_compiled == 8
-    grammars.compile({"type": "json_schema", "schema": {"type": "object", "properties": {
-        "k0": {"type": "integer"}}}})  # fmt: skip
+    grammars.compile(
+        {
+            "type": "json_schema",
+            "schema": {"type": "object", "properties": {"k0": {"type": "integer"}}},
+        }
+    )
     assert grammars.num_compiled == 9  # the oldest was evicted: compiled again
 
 

@@ -93,8 +93,9 @@ def test_neighbours_penalties_are_applied_once_in_the_retry(
     """Biases and penalties edit the logits in place: the row-by-row retry after a
     failed batch starts again from the model's logits, not from edited ones."""
     engine = make_engine()
-    params = replace(GREEDY, presence_penalty=1.5, repetition_penalty=1.3,
-                     logit_bias={301: 5.0, 7: -3.0})  # fmt: skip
+    params = replace(
+        GREEDY, presence_penalty=1.5, repetition_penalty=1.3, logit_bias={301: 5.0, 7: -3.0}
+    )
     expected = _expected(engine, params)
     finals = _run(engine, _set_params(top_k=2**63, top_p=0.5), params)
     assert finals.pop("poison").error_code == REQUEST_FAILED

@@ -70,8 +70,9 @@ def test_128_bit_hashes_cross_the_codec_events_and_index(service: pytest.MonkeyP
     index.apply(view)
     assert index.match(hashes) == {"w1": 40}
     assert index.match(hashing.block_hashes(IDS, 16, hashing.salt_root("x"))) == {}
-    handle = KVHandle("r", "agent", "tcp://h:1", list(range(41)), 16 * 40 + 5, hashes, 16,
-                      "nonce", 30.0, "tcp")  # fmt: skip
+    handle = KVHandle(
+        "r", "agent", "tcp://h:1", list(range(41)), 16 * 40 + 5, hashes, 16, "nonce", 30.0, "tcp"
+    )
     back = decode(encode(handle), KVHandle)
     assert back.block_hashes == hashes and back.problem("tcp", 16, hashes) == ""
     assert json.loads(encode(handle))["block_hashes"][0] == hashes[0]  # plain JSON integers

@@ -64,8 +64,9 @@ def _evict_all(engine: LLMEngine, seed: int) -> None:
 
 
 @pytest.fixture
-def tiered(make_engine: Callable[..., LLMEngine], tmp_path: Path,
-           redis_server: LocalRedis) -> Iterator[Callable[..., LLMEngine]]:  # fmt: skip
+def tiered(
+    make_engine: Callable[..., LLMEngine], tmp_path: Path, redis_server: LocalRedis
+) -> Iterator[Callable[..., LLMEngine]]:
     made: list[LLMEngine] = []
 
     def make(kind: str, **cfg: Any) -> LLMEngine:
@@ -103,8 +104,9 @@ def test_an_evicted_prefix_comes_back_from_the_tier(
     assert engine.stats().prefix_cache_hit_tokens >= 96
 
 
-def test_a_tenant_never_loads_another_tenants_blocks(tiered: Callable[..., LLMEngine],
-                                                     tmp_path: Path) -> None:  # fmt: skip
+def test_a_tenant_never_loads_another_tenants_blocks(
+    tiered: Callable[..., LLMEngine], tmp_path: Path
+) -> None:
     # One engine with every tier, so no tier can leak: same prompt, two tenants.
     engine = tiered("shared", host_bytes=8 << 20, disk_path=str(tmp_path / "all"))
     _run(engine, "a", DOC, cache_salt="k:tenant-a")
@@ -134,8 +136,9 @@ def test_a_dead_shared_store_costs_a_recompute_not_a_request(
     assert got == want and cached == 0 and store.stats.errors["shared"] >= 1
 
 
-def test_corrupt_disk_entries_are_recomputed_never_used(tiered: Callable[..., LLMEngine],
-                                                       tmp_path: Path) -> None:  # fmt: skip
+def test_corrupt_disk_entries_are_recomputed_never_used(
+    tiered: Callable[..., LLMEngine], tmp_path: Path
+) -> None:
     engine = tiered("disk")
     want, _ = _run(engine, "a", DOC)
     _evict_all(engine, seed=5)

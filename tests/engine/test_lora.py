@@ -295,8 +295,9 @@ def test_bfloat16_mixed_batch(tiny_model_dir: Path, adapters: dict[str, Path]) -
     """The adapters' weights follow the model's dtype: a bfloat16 batch mixing them runs,
     its base rows are the base model's alone, and each adapter changes its own rows."""
     loras_flag = tuple((n, str(p)) for n, p in adapters.items())
-    config = replace(tiny_config(tiny_model_dir, lora=LoraConfig(loras=loras_flag)),
-                     dtype="bfloat16")  # fmt: skip
+    config = replace(
+        tiny_config(tiny_model_dir, lora=LoraConfig(loras=loras_flag)), dtype="bfloat16"
+    )
     engine = LLMEngine(config)
     jobs = [(name, PROMPTS[0]) for name in NAMES]
     got = _run(engine, jobs)

@@ -56,8 +56,9 @@ def registry(hf_model: Any) -> LoraRegistry:
         ({"lora_alpha": "big"}, "lora_alpha must be a number"),
     ],
 )
-def test_refused_configs(copy: Path, registry: LoraRegistry, change: dict[str, Any],
-                         message: str) -> None:  # fmt: skip
+def test_refused_configs(
+    copy: Path, registry: LoraRegistry, change: dict[str, Any], message: str
+) -> None:
     edit_config(copy, **change)
     with pytest.raises(LoraError, match=message):
         registry.load("x", str(copy))
@@ -166,13 +167,21 @@ def lora_path_probe(adapter: Path, hf_model: Any, tmp_path: Path) -> tuple[int, 
     (root / "link").symlink_to(adapter)  # a link inside the root to a directory outside
     config = LoraConfig(max_lora_rank=16, roots=(str(root),))
     load = lora_queries(LoraRegistry(hf_model, config, torch.device("cpu"), torch.float32))[
-        "lora_load"]  # fmt: skip
+        "lora_load"
+    ]
     assert "hash" in load("ok", str(inside))
-    outside = [str(adapter), f"{root}/../{adapter.relative_to(tmp_path)}", str(root / "link"),
-               "/etc", str(root)]  # fmt: skip
+    outside = [
+        str(adapter),
+        f"{root}/../{adapter.relative_to(tmp_path)}",
+        str(root / "link"),
+        "/etc",
+        str(root),
+    ]
     escapes = sum("hash" in load(f"x{i}", p) for i, p in enumerate(outside))
-    errors = {load("y", p)["error"] for p in ("/etc", "/nonexistent", "/etc/passwd",
-                                              str(root / "missing"))}  # fmt: skip
+    errors = {
+        load("y", p)["error"]
+        for p in ("/etc", "/nonexistent", "/etc/passwd", str(root / "missing"))
+    }
     return escapes, len(errors) - 1
 
 

@@ -72,12 +72,15 @@ def test_repetition_penalty_covers_the_prompt(engine: LLMEngine) -> None:
 def test_logit_bias_forces_and_bans(engine: LLMEngine) -> None:
     base = run_requests(engine, {"b": (PROMPT, sp())})["b"].token_ids
     forced = 1234
-    res = run_requests(engine, {
-        "force": (PROMPT, sp(logit_bias={forced: 100.0})),
-        "force_t1": (PROMPT, sp(temperature=1.0, seed=3, logit_bias={forced: 100.0})),
-        "ban": (PROMPT, sp(logit_bias={base[0]: -100.0})),
-        "free": (PROMPT, sp()),
-    })  # fmt: skip
+    res = run_requests(
+        engine,
+        {
+            "force": (PROMPT, sp(logit_bias={forced: 100.0})),
+            "force_t1": (PROMPT, sp(temperature=1.0, seed=3, logit_bias={forced: 100.0})),
+            "ban": (PROMPT, sp(logit_bias={base[0]: -100.0})),
+            "free": (PROMPT, sp()),
+        },
+    )
     assert res["force"].token_ids == [forced] * 32
     assert res["force_t1"].token_ids == [forced] * 32
     assert res["ban"].token_ids[0] != base[0]
@@ -87,9 +90,9 @@ def test_logit_bias_forces_and_bans(engine: LLMEngine) -> None:
 
 def test_min_p_one_is_greedy(engine: LLMEngine) -> None:
     base = run_requests(engine, {"b": (PROMPT, sp())})["b"].token_ids
-    res = run_requests(engine, {
-        f"m{i}": (PROMPT, sp(temperature=1.5, seed=i, min_p=1.0)) for i in range(3)
-    })  # fmt: skip
+    res = run_requests(
+        engine, {f"m{i}": (PROMPT, sp(temperature=1.5, seed=i, min_p=1.0)) for i in range(3)}
+    )
     assert all(r.token_ids == base for r in res.values())
     loose = run_requests(engine, {"l": (PROMPT, sp(temperature=1.5, seed=0, min_p=0.0))})
     assert loose["l"].token_ids != base  # without min_p the same seeds really sample

@@ -61,8 +61,12 @@ def test_seeded_resume_draws_what_the_uninterrupted_run_drew(make_engine, cut: i
     full_ids, _, _ = _run_one(engine, "a", PROMPT, params)
     ids, _, _ = _run_one(engine, "b", PROMPT, params, resume_token_ids=full_ids[:cut])
     assert full_ids[:cut] + ids == full_ids
-    other, _, _ = _run_one(engine, "c", PROMPT, SamplingParams(
-        max_tokens=16, temperature=1.0, top_p=0.9, seed=1235, ignore_eos=True))  # fmt: skip
+    other, _, _ = _run_one(
+        engine,
+        "c",
+        PROMPT,
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1235, ignore_eos=True),
+    )
     assert other != full_ids
     assert_all_free(engine)
 
@@ -72,8 +76,12 @@ def test_structured_resume_replays_the_grammar(make_engine) -> None:
     # tokens, so the continuation is the uninterrupted run's (seeded) and still valid JSON.
     import json
 
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
-              "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     spec = {"type": "json_schema", "schema": schema, "param": "response_format"}
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured=spec)
     engine = make_engine()

@@ -22,10 +22,28 @@ pytestmark = pytest.mark.timeout(400)
 
 
 def _start_peer(model: Path, port: int) -> tuple[subprocess.Popen, str]:  # type: ignore[type-arg]
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", str(model), "--prefill", "0",
-            "--port", str(port), "--worker-port-base", str(20000 + port % 10000)]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, start_new_session=True)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--model",
+        str(model),
+        "--prefill",
+        "0",
+        "--port",
+        str(port),
+        "--worker-port-base",
+        str(20000 + port % 10000),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     url, workers = wait_until_up(proc, 300)
     assert len(workers) == 1, workers  # --prefill 0: one decode worker
     return proc, url
@@ -35,8 +53,19 @@ def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
     peer, url = _start_peer(tiny_model_dir, free_port())
     try:
         plot = tmp_path / "serve.png"
-        args = ["--quick", "--model", str(tiny_model_dir), "--setups", "colocated",
-                "--peer-url", url, "--peer-name", "twin", "--port", str(free_port())]  # fmt: skip
+        args = [
+            "--quick",
+            "--model",
+            str(tiny_model_dir),
+            "--setups",
+            "colocated",
+            "--peer-url",
+            url,
+            "--peer-name",
+            "twin",
+            "--port",
+            str(free_port()),
+        ]
         result = run_bench("serve.py", *args, "--plot", str(plot), timeout=360)
     finally:
         end_group(peer, grace_s=60)
@@ -51,8 +80,9 @@ def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
             assert p["requests"] == 8 and p["output_tok_s"] > 0
             assert 0 < p["ttft_p50_ms"] <= p["ttft_p99_ms"]
             assert 0 < p["tpot_p50_ms"] <= p["tpot_p99_ms"]
-        assert r["ratio"] == pytest.approx(r["ours"]["output_tok_s"] / r["peer"]["output_tok_s"],
-                                           rel=1e-2)  # fmt: skip
+        assert r["ratio"] == pytest.approx(
+            r["ours"]["output_tok_s"] / r["peer"]["output_tok_s"], rel=1e-2
+        )
         assert len(r["load_avg_before"]) == 3
     # No concurrency 16 in a quick sweep: the ratio is the median at the highest point (4).
     at4 = [r["ratio"] for r in reps if r["concurrency"] == 4]

@@ -25,8 +25,11 @@ pytestmark = pytest.mark.timeout(180)
 
 SPEC = "ngram:k=4"
 # Repetitive prompts of different lengths (more than a block, a block, a few tokens).
-PROMPTS = [[(i % 7) * 41 + 9 for i in range(45)], [(i % 5) * 97 + 3 for i in range(16)],
-           [11, 12, 13, 11, 12]]  # fmt: skip
+PROMPTS = [
+    [(i % 7) * 41 + 9 for i in range(45)],
+    [(i % 5) * 97 + 3 for i in range(16)],
+    [11, 12, 13, 11, 12],
+]
 
 
 def greedy(n: int = 20, **kw: Any) -> SamplingParams:
@@ -88,17 +91,30 @@ def test_sampled_seeded_stops_logprobs_identical(make_engine: Callable[..., LLME
     p0, p1, p2 = PROMPTS
     reqs = {
         "seeded": (p0, SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True)),
-        "penalised": (p1, SamplingParams(max_tokens=24, temperature=0.7, seed=3, min_tokens=10,
-                                         repetition_penalty=1.4, frequency_penalty=0.5)),
+        "penalised": (
+            p1,
+            SamplingParams(
+                max_tokens=24,
+                temperature=0.7,
+                seed=3,
+                min_tokens=10,
+                repetition_penalty=1.4,
+                frequency_penalty=0.5,
+            ),
+        ),
         "logprobs": (p2, greedy(18, logprobs=3)),
         "short": (p0, greedy(3)),
-    }  # fmt: skip
+    }
     plain = make_engine()
     first = run(plain, reqs)
     # Stops found in the plain run: a token id, and a string, each mid-way.
     toks = first["seeded"].token_ids
-    reqs["stop_id"] = (p0, SamplingParams(max_tokens=24, temperature=0.9, seed=7,
-                                          ignore_eos=True, stop_token_ids=[toks[9]]))  # fmt: skip
+    reqs["stop_id"] = (
+        p0,
+        SamplingParams(
+            max_tokens=24, temperature=0.9, seed=7, ignore_eos=True, stop_token_ids=[toks[9]]
+        ),
+    )
     text = first["logprobs"].text
     reqs["stop_str"] = (p2, greedy(18, stop=[text[len(text) // 2 : len(text) // 2 + 3]]))
     _, spec, ref, got = _both(make_engine, reqs)
@@ -132,9 +148,13 @@ def test_structured_output_drafts_checked_by_grammar(
 def test_config_refuses_bad_values(tiny_model_dir: Any) -> None:
     from engine_helpers import tiny_config
 
-    for bad, words in [("draft:model=/x,k=2", "not yet supported"), ("ngram:k=0", "k must"),
-                       ("ngram:k=x", "integer"), ("medusa", "unknown method"),
-                       ("ngram:k=2,n=3", "unknown key")]:  # fmt: skip
+    for bad, words in [
+        ("draft:model=/x,k=2", "not yet supported"),
+        ("ngram:k=0", "k must"),
+        ("ngram:k=x", "integer"),
+        ("medusa", "unknown method"),
+        ("ngram:k=2,n=3", "unknown key"),
+    ]:
         with pytest.raises(ValueError, match=words) as err:
             tiny_config(tiny_model_dir, speculative=bad)
         assert "speculative" in str(err.value)

@@ -40,9 +40,14 @@ def test_family_speculative_matches_transformers(family: Family, tiny_model_dir:
     ).eval()
     expected = hf_greedy(hf, PROMPT, MAX_TOKENS)
     engine = LLMEngine(
-        EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
-                     kv_cache_bytes=4 << 20, speculative="ngram:k=4")
-    )  # fmt: skip
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cpu",
+            kv_cache_bytes=4 << 20,
+            speculative="ngram:k=4",
+        )
+    )
     assert engine.spec is not None
     engine.spec.proposer = Oracle({tuple(PROMPT): expected})  # type: ignore[assignment]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -51,16 +51,22 @@ def test_decode_worker_drafts_after_the_kv_hand_off(
 
 
 def test_lora_requests_speculate_in_one_batch(
-    make_engine: Callable[..., LLMEngine], tiny_model_dir: Path, hf_model: Any,
+    make_engine: Callable[..., LLMEngine],
+    tiny_model_dir: Path,
+    hf_model: Any,
     tmp_path: Path,
-) -> None:  # fmt: skip
+) -> None:
     specs = SPECS[:2]
     paths = {s.name: write_adapter(tiny_model_dir, tmp_path / s.name, s) for s in specs}
-    prompts = {None: [(i % 6) * 41 + 9 for i in range(30)],
-               specs[0].name: [(i % 4) * 77 + 5 for i in range(25)],
-               specs[1].name: [(i % 5) * 13 + 2 for i in range(35)]}  # fmt: skip
-    want = {name: hf_greedy(merged_model(tiny_model_dir, paths[name]) if name else hf_model,
-                            p, 12) for name, p in prompts.items()}  # fmt: skip
+    prompts = {
+        None: [(i % 6) * 41 + 9 for i in range(30)],
+        specs[0].name: [(i % 4) * 77 + 5 for i in range(25)],
+        specs[1].name: [(i % 5) * 13 + 2 for i in range(35)],
+    }
+    want = {
+        name: hf_greedy(merged_model(tiny_model_dir, paths[name]) if name else hf_model, p, 12)
+        for name, p in prompts.items()
+    }
     # One slot: the two adapters cannot share a pass, so the step runs several.
     config = LoraConfig(1, 4, 16, tuple((n, str(p)) for n, p in paths.items()))
     engine = make_engine(lora=config, speculative=SPEC)

@@ -81,8 +81,15 @@ def _chi2(
 
 def test_sampled_outputs_keep_the_target_distribution(tiny_model_dir: Path, hf_model: Any) -> None:
     probs, drafts = _tree(hf_model)
-    engine = LLMEngine(tiny_config(tiny_model_dir, 1024, speculative="ngram:k=2",
-                                   max_num_seqs=N, max_num_batched_tokens=N * 21))  # fmt: skip
+    engine = LLMEngine(
+        tiny_config(
+            tiny_model_dir,
+            1024,
+            speculative="ngram:k=2",
+            max_num_seqs=N,
+            max_num_batched_tokens=N * 21,
+        )
+    )
     assert engine.spec is not None
     engine.spec.proposer = _Fixed(drafts)  # type: ignore[assignment]
     params = SamplingParams(max_tokens=4, temperature=TEMPERATURE, top_k=2, ignore_eos=True)

@@ -54,12 +54,15 @@ def test_json_schema_batched_with_free_requests(engine: LLMEngine) -> None:
 
 
 def test_regex_choice_and_json_object(engine: LLMEngine) -> None:
-    res = run_requests(engine, {
-        "re": (PROMPT, sp({"type": "regex", "regex": r"[a-z]{3}-[0-9]{2}"}, seed=1)),
-        "ch": (PROMPT, sp({"type": "choice", "choice": ["yes", "no", "¿quizás?"]}, seed=2)),
-        "obj": (PROMPT, sp({"type": "json_object"}, seed=3, max_tokens=400)),
-        "greedy": (PROMPT, sp({"type": "choice", "choice": ["left", "right"]}, temperature=0)),
-    })  # fmt: skip
+    res = run_requests(
+        engine,
+        {
+            "re": (PROMPT, sp({"type": "regex", "regex": r"[a-z]{3}-[0-9]{2}"}, seed=1)),
+            "ch": (PROMPT, sp({"type": "choice", "choice": ["yes", "no", "¿quizás?"]}, seed=2)),
+            "obj": (PROMPT, sp({"type": "json_object"}, seed=3, max_tokens=400)),
+            "greedy": (PROMPT, sp({"type": "choice", "choice": ["left", "right"]}, temperature=0)),
+        },
+    )
     assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", res["re"].text), res["re"].text
     assert res["ch"].text in ("yes", "no", "¿quizás?")
     assert res["greedy"].text in ("left", "right")

@@ -117,9 +117,12 @@ def test_greedy_logits_are_sharp(tiny_model_dir: Path, tiny_tokenizer) -> None:
         ids = tiny_tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             out = model.generate(
-                ids, max_new_tokens=32, do_sample=False, return_dict_in_generate=True,
+                ids,
+                max_new_tokens=32,
+                do_sample=False,
+                return_dict_in_generate=True,
                 output_logits=True,
-            )  # fmt: skip
+            )
         outputs.add(tuple(out.sequences[0, ids.shape[1] :].tolist()))
         for logits in out.logits:
             top = logits[0].topk(2).values

@@ -54,8 +54,11 @@ def triton_engine_cases_ids() -> list[str]:
 def run_interpreted(script: str, *args: str) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, str(HERE / script), *args],
-        capture_output=True, text=True, timeout=800, env=interpreted_env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=800,
+        env=interpreted_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 

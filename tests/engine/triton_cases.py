@@ -121,9 +121,18 @@ def run_case(case: Case, seed: int = 0) -> float:
     pool = inputs["pool"]
     out = torch.full_like(inputs["q"], float("nan"))
     ta.paged_attention(
-        inputs["q"], pool[0], pool[1], out, meta, BLOCK_SIZE, scale,
-        window=case.window, softcap=case.softcap, sinks=inputs["sinks"], splits=case.splits,
-    )  # fmt: skip
+        inputs["q"],
+        pool[0],
+        pool[1],
+        out,
+        meta,
+        BLOCK_SIZE,
+        scale,
+        window=case.window,
+        softcap=case.softcap,
+        sinks=inputs["sinks"],
+        splits=case.splits,
+    )
     return float((out - reference(case, inputs, scale)).abs().max())
 
 

@@ -84,16 +84,24 @@ def model_case(model_dir: Path) -> dict[str, object]:
     with torch.inference_mode():
         for p in prompts:
             out = hf.generate(
-                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                eos_token_id=None, pad_token_id=hf.config.pad_token_id,
-            )  # fmt: skip
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=hf.config.pad_token_id,
+            )
             want.append(out[0, len(p) :].tolist())
     # A small token budget: prefill chunks continue their context beside decodes.
     config = EngineConfig(
-        model=str(model_dir), dtype="float32", device="cpu", kv_cache_bytes=64 * 32768,
-        max_num_batched_tokens=32, enable_prefix_caching=False,
-    )  # fmt: skip
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        kv_cache_bytes=64 * 32768,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+    )
     engine = LLMEngine(config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     got = engine.generate(prompts, [params] * len(prompts))
@@ -121,9 +129,12 @@ def graphs_case(model_dir: Path) -> dict[str, object]:
     from pdserve.engine.llm_engine import LLMEngine
 
     config = EngineConfig(
-        model=str(model_dir), dtype="float32", device="cpu", kv_cache_bytes=64 * 32768,
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        kv_cache_bytes=64 * 32768,
         enable_prefix_caching=False,
-    )  # fmt: skip
+    )
     engine = LLMEngine(config)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for i, n in enumerate((5, 20, 40)):  # the next position stays inside an allocated block

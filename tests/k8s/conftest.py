@@ -59,19 +59,22 @@ async def api_server() -> AsyncIterator[ApiServer]:
         # The children the operator watches (cache.WATCHED): kopf discovers them first.
         for w in WATCHED:
             server.resources[f"{w.api_version}/{w.plural}"] = kmock.ResourceInfo(
-                kind=w.kind, namespaced=True,
+                kind=w.kind,
+                namespaced=True,
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
-            )  # fmt: skip
+            )
         # The router's discovery watches these (resourceVersion semantics: k8s_history.py).
         server.resources["discovery.k8s.io/v1/endpointslices"] = kmock.ResourceInfo(
-            kind="EndpointSlice", namespaced=True,
+            kind="EndpointSlice",
+            namespaced=True,
             verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
-        )  # fmt: skip
+        )
         # kopf's peering (HA): one KopfPeering per watched namespace, status = the peers.
         server.resources["kopf.dev/v1/kopfpeerings"] = kmock.ResourceInfo(
-            kind="KopfPeering", namespaced=True,
+            kind="KopfPeering",
+            namespaced=True,
             verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
-        )  # fmt: skip
+        )
         # kopf's backbone: it waits for these to be discoverable before it starts watching.
         read = {"get", "list", "watch"}
         server.resources["v1/namespaces"] = kmock.ResourceInfo(

@@ -226,9 +226,13 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _current(self, request: kmock.Request) -> list[dict[str, Any]]:
         selector = request.params.get("labelSelector", "")
-        return [o.raw for (res, _ns, _n), o in self._objects.items()
-                if res == request.resource and not o.deleted
-                and matches(o.raw, request.namespace, selector)]  # fmt: skip
+        return [
+            o.raw
+            for (res, _ns, _n), o in self._objects.items()
+            if res == request.resource
+            and not o.deleted
+            and matches(o.raw, request.namespace, selector)
+        ]
 
     async def _serve_list(self, request: kmock.Request) -> Any:
         if not self._is_versioned(request):
@@ -253,8 +257,9 @@ class ApiServer(kmock.KubernetesEmulator):
                 items, since = self._current(request), str(history.last)
             for item in items:
                 yield {"type": "ADDED", "object": item}
-        stream = watch_from(history, int(since), request.namespace,
-                            params.get("labelSelector", ""), timeout_s)  # fmt: skip
+        stream = watch_from(
+            history, int(since), request.namespace, params.get("labelSelector", ""), timeout_s
+        )
         async for item in stream:
             yield item
 

@@ -100,8 +100,14 @@ class History:
 
 def gone(rv: int) -> dict[str, Any]:
     message = f"too old resource version: {rv}"
-    status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
-              "reason": "Expired", "code": 410}  # fmt: skip
+    status = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": message,
+        "reason": "Expired",
+        "code": 410,
+    }
     return {"type": "ERROR", "object": status}
 
 

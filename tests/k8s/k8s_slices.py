@@ -24,12 +24,17 @@ def ep(
 
 def endpoint_slice(name: str, service: str, *endpoints: dict[str, Any], port: int = 8080) -> Any:
     return {
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-        "metadata": {"name": name, "namespace": NS,
-                     "labels": {"kubernetes.io/service-name": service}},
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "addressType": "IPv4",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {"kubernetes.io/service-name": service},
+        },
         "ports": [{"name": "side-channel", "port": 8082}, {"name": "http", "port": port}],
         "endpoints": list(endpoints),
-    }  # fmt: skip
+    }
 
 
 class Slices:

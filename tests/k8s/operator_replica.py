@@ -23,10 +23,16 @@ class OperatorReplica:
         )
 
     def _run(self, config: OperatorConfig, priority: int, peering: str, namespace: str) -> None:
-        asyncio.run(kopf.operator(
-            registry=build_registry(config), namespaces=[namespace], standalone=False,
-            peering_name=peering, priority=priority, stop_flag=self.stop,
-        ))  # fmt: skip
+        asyncio.run(
+            kopf.operator(
+                registry=build_registry(config),
+                namespaces=[namespace],
+                standalone=False,
+                peering_name=peering,
+                priority=priority,
+                stop_flag=self.stop,
+            )
+        )
 
     def start(self) -> None:
         self.thread.start()

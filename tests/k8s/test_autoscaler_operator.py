@@ -85,8 +85,14 @@ async def controller(client: KubeClient, names: list[str]) -> AsyncIterator[None
                     want = dep["spec"]["replicas"]
                     if (dep.get("status") or {}).get("readyReplicas") != want:
                         status = {"replicas": want, "updatedReplicas": want, "readyReplicas": want}
-                        await client.patch("apps/v1", "Deployment", NS, f"{name}-{role}",
-                                           {"status": status}, status=True)  # fmt: skip
+                        await client.patch(
+                            "apps/v1",
+                            "Deployment",
+                            NS,
+                            f"{name}-{role}",
+                            {"status": status},
+                            status=True,
+                        )
             await asyncio.sleep(0.3)
 
     task = asyncio.create_task(loop())
@@ -255,10 +261,13 @@ def pod(name: str, role: str, scheduled: bool, ready: bool = False) -> dict[str,
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "namespace": NS,
-                     "labels": {"pdserve.io/service": "gpu", "pdserve.io/role": role}},
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {"pdserve.io/service": "gpu", "pdserve.io/role": role},
+        },
         "status": {"phase": "Running" if ready else "Pending", "conditions": conditions},
-    }  # fmt: skip
+    }
 
 
 async def test_pool_status_counts_unschedulable_pods_as_pending(client: KubeClient) -> None:

@@ -28,9 +28,13 @@ def test_default_watches_only_the_release_namespace() -> None:
     assert [b["metadata"]["namespace"] for b in bindings] == [RELEASE_NS]
     # Cluster-wide, the operator may only read CRDs: no namespaces, no writes anywhere else.
     cluster_rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
-    assert cluster_rules == [{"apiGroups": ["apiextensions.k8s.io"],
-                              "resources": ["customresourcedefinitions"],
-                              "verbs": ["get", "list", "watch"]}]  # fmt: skip
+    assert cluster_rules == [
+        {
+            "apiGroups": ["apiextensions.k8s.io"],
+            "resources": ["customresourcedefinitions"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
     # What the namespaced Role grants: no pod creation or exec, no Secret listing.
     rules = roles[0]["rules"]
     granted = {(res, verb) for r in rules for res in r["resources"] for verb in r["verbs"]}
@@ -44,16 +48,25 @@ def test_cluster_wide_mode_is_explicit_and_excludes_a_namespace_list() -> None:
     docs = helm_template(CHART / "ci" / "cluster-wide-values.yaml", KUBE_VERSIONS[-1])
     assert "--all-namespaces" in _operator_command(docs)
     assert not [d for d in docs if d["kind"] == "Role"]
-    args = [tool("helm"), "template", "rel", str(CHART), "--set", "operator.clusterWide=true",
-            "--set", "operator.watchNamespaces={a}"]  # fmt: skip
+    args = [
+        tool("helm"),
+        "template",
+        "rel",
+        str(CHART),
+        "--set",
+        "operator.clusterWide=true",
+        "--set",
+        "operator.watchNamespaces={a}",
+    ]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode != 0 and "exclude each other" in proc.stderr
 
 
 def test_pod_policy_values_reach_the_operator(tmp_path: pathlib.Path) -> None:
     values = tmp_path / "v.yaml"
-    values.write_text("operator:\n  allowUnsafePodFields: true\n"
-                      "  allowedModelHostPaths: [/data/models]\n")  # fmt: skip
+    values.write_text(
+        "operator:\n  allowUnsafePodFields: true\n  allowedModelHostPaths: [/data/models]\n"
+    )
     cmd = _operator_command(helm_template(values, KUBE_VERSIONS[-1]))
     assert "--allow-unsafe-pod-fields" in cmd
     assert "--allow-model-host-path=/data/models" in cmd

@@ -26,13 +26,20 @@ CRD_RESOURCE = "apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
 def chart_crd_names() -> list[str]:
-    return sorted(d["metadata"]["name"] for p in CRDS.glob("*.yaml")
-                  for d in yaml.safe_load_all(p.read_text()) if d)  # fmt: skip
+    return sorted(
+        d["metadata"]["name"]
+        for p in CRDS.glob("*.yaml")
+        for d in yaml.safe_load_all(p.read_text())
+        if d
+    )
 
 
 def stored(server: ApiServer) -> dict[str, dict[str, Any]]:
-    return {o["metadata"]["name"]: o for (r, _ns, _n), o in server.objects.items()
-            if r.plural == "customresourcedefinitions" and not o.deleted}  # fmt: skip
+    return {
+        o["metadata"]["name"]: o
+        for (r, _ns, _n), o in server.objects.items()
+        if r.plural == "customresourcedefinitions" and not o.deleted
+    }
 
 
 async def crds(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
@@ -43,9 +50,10 @@ async def crds(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, lis
 @pytest.fixture
 def crd_server(api_server: ApiServer, kubeconfig: str) -> ApiServer:
     api_server.resources[CRD_RESOURCE] = kmock.ResourceInfo(
-        kind="CustomResourceDefinition", namespaced=False,
+        kind="CustomResourceDefinition",
+        namespaced=False,
         verbs={"get", "list", "watch", "create", "patch"},
-    )  # fmt: skip
+    )
     return api_server
 
 
@@ -56,8 +64,10 @@ async def test_apply_creates_reports_unchanged_and_configured(
     assert "llmservices.pdserve.io" in names
     rc, out = await crds("--dry-run", capsys=capsys)
     assert rc == 0 and stored(crd_server) == {}  # a dry run writes nothing
-    assert out == [f"customresourcedefinition.apiextensions.k8s.io/{n} created (dry run)"
-                   for n in sorted(names, key=lambda n: out_order(n))]  # fmt: skip
+    assert out == [
+        f"customresourcedefinition.apiextensions.k8s.io/{n} created (dry run)"
+        for n in sorted(names, key=lambda n: out_order(n))
+    ]
     rc, out = await crds(capsys=capsys)
     assert rc == 0 and all(line.endswith(" created") for line in out) and len(out) == len(names)
     llm = stored(crd_server)["llmservices.pdserve.io"]
@@ -78,10 +88,15 @@ async def test_apply_creates_reports_unchanged_and_configured(
     assert line.endswith("configured (spec.versions) (dry run)"), line
     assert stored(crd_server)["llmservices.pdserve.io"]["spec"] == chart["spec"]  # not written
     rc, out = await crds("--dir", str(newer), capsys=capsys)
-    assert rc == 0 and any(x.endswith("llmservices.pdserve.io configured (spec.versions)")
-                           for x in out), out  # fmt: skip
-    assert column in stored(crd_server)["llmservices.pdserve.io"]["spec"]["versions"][0][
-        "additionalPrinterColumns"]  # fmt: skip
+    assert rc == 0 and any(
+        x.endswith("llmservices.pdserve.io configured (spec.versions)") for x in out
+    ), out
+    assert (
+        column
+        in stored(crd_server)["llmservices.pdserve.io"]["spec"]["versions"][0][
+            "additionalPrinterColumns"
+        ]
+    )
 
 
 def out_order(name: str) -> tuple[int, str]:

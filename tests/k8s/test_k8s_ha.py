@@ -25,10 +25,13 @@ PEERING = "pdserve"
 
 def config(image: str) -> OperatorConfig:
     return OperatorConfig(
-        status_interval=0.3, retry_delay=0.5, debounce=0.05, default_image=image,
+        status_interval=0.3,
+        retry_delay=0.5,
+        debounce=0.05,
+        default_image=image,
         peering_lifetime=10,  # keep-alives every 1-5 s: a loaded CI box never looks dead
         pod_policy=TEST_POD_POLICY,
-    )  # fmt: skip
+    )
 
 
 async def router_image(client: KubeClient, name: str) -> str:
@@ -49,8 +52,11 @@ def replica(image: str, priority: int) -> OperatorReplica:
 async def test_standby_takes_over_when_the_active_replica_stops(
     kubeconfig: str, client: KubeClient
 ) -> None:
-    peering = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
-               "metadata": {"name": PEERING, "namespace": NS}}  # fmt: skip
+    peering = {
+        "apiVersion": "kopf.dev/v1",
+        "kind": "KopfPeering",
+        "metadata": {"name": PEERING, "namespace": NS},
+    }
     await client.create(peering)
     # The active replica registers first, so the standby's first look at the peering
     # already shows it: kopf holds a replica paused until that first look, and one that

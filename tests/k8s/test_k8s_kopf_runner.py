@@ -76,11 +76,20 @@ async def test_pdserve_operator_process(kubeconfig: str, client: KubeClient) -> 
     port = free_port()
     env = {**os.environ, "KUBECONFIG": kubeconfig}
     proc = await asyncio.create_subprocess_exec(
-        _pdserve(), "operator", "--namespace", NS,
-        "--status-interval", "0.3", "--health-port", str(port),
-        "--allow-model-host-path", "/data/models",  # minimal_llmservice's weights
-        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+        _pdserve(),
+        "operator",
+        "--namespace",
+        NS,
+        "--status-interval",
+        "0.3",
+        "--health-port",
+        str(port),
+        "--allow-model-host-path",
+        "/data/models",  # minimal_llmservice's weights
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     try:
         await client.create(minimal_llmservice("proc"))
         await eventually(

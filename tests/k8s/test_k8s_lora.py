@@ -41,24 +41,42 @@ def test_every_worker_and_the_router_mount_each_adapter_read_only() -> None:
         pod = dep["spec"]["template"]["spec"]
         vols = {v["name"]: v for v in pod["volumes"] if v["name"].startswith("adapters-")}
         assert vols == {  # one volume per PVC / image, however many adapters it holds
-            "adapters-0": {"name": "adapters-0",
-                           "persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}},
-            "adapters-1": {"name": "adapters-1", "image": {
-                "reference": "registry.example/lora/tone:2", "pullPolicy": "IfNotPresent"}},
-        }  # fmt: skip
+            "adapters-0": {
+                "name": "adapters-0",
+                "persistentVolumeClaim": {"claimName": "adapters", "readOnly": True},
+            },
+            "adapters-1": {
+                "name": "adapters-1",
+                "image": {
+                    "reference": "registry.example/lora/tone:2",
+                    "pullPolicy": "IfNotPresent",
+                },
+            },
+        }
         main = pod["containers"][0]
         mounts = [m for m in main["volumeMounts"] if m["name"].startswith("adapters-")]
         assert mounts == [
-            {"name": "adapters-0", "mountPath": "/adapters/sql", "readOnly": True,
-             "subPath": "sql/v3"},
-            {"name": "adapters-0", "mountPath": "/adapters/chat.v1", "readOnly": True,
-             "subPath": "chat"},
+            {
+                "name": "adapters-0",
+                "mountPath": "/adapters/sql",
+                "readOnly": True,
+                "subPath": "sql/v3",
+            },
+            {
+                "name": "adapters-0",
+                "mountPath": "/adapters/chat.v1",
+                "readOnly": True,
+                "subPath": "chat",
+            },
             {"name": "adapters-1", "mountPath": "/adapters/Tone_2", "readOnly": True},
-        ], name  # fmt: skip
+        ], name
         cmd = main["command"]
         loras = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--lora"]
-        assert loras == ["sql=/adapters/sql", "chat.v1=/adapters/chat.v1",
-                         "Tone_2=/adapters/Tone_2"], name  # fmt: skip
+        assert loras == [
+            "sql=/adapters/sql",
+            "chat.v1=/adapters/chat.v1",
+            "Tone_2=/adapters/Tone_2",
+        ], name
         for version in IMAGE_VOLUME_VERSIONS:
             kubernetes_validate.validate(dep, version, strict=True)
 
@@ -84,7 +102,10 @@ def test_crd_defaults_equal_operator_defaults_for_adapters() -> None:
     assert parse_llmservice(defaulted) == parse_llmservice(obj)
     spec = parse_llmservice(obj)
     assert [(a.name, a.kind, a.path) for a in spec.adapters] == [
-        ("sql", "pvc", "sql/v3"), ("chat.v1", "pvc", "chat"), ("Tone_2", "image", "")]  # fmt: skip
+        ("sql", "pvc", "sql/v3"),
+        ("chat.v1", "pvc", "chat"),
+        ("Tone_2", "image", ""),
+    ]
 
 
 def _one(**source: Any) -> list[dict[str, Any]]:

@@ -88,9 +88,13 @@ def validate_doc(doc: dict[str, Any]) -> None:
         # Workers on http; the router on its admin port (its http /metrics needs a key).
         http, admin = doc["spec"]["endpoints"]
         assert (http["port"], admin["port"]) == ("http", "admin")
-        assert http["relabelings"] == [{"sourceLabels": [
-            "__meta_kubernetes_service_label_pdserve_io_role"], "regex": "router",
-            "action": "drop"}]  # fmt: skip
+        assert http["relabelings"] == [
+            {
+                "sourceLabels": ["__meta_kubernetes_service_label_pdserve_io_role"],
+                "regex": "router",
+                "action": "drop",
+            }
+        ]
         assert (
             doc["spec"]["selector"]["matchLabels"]["app.kubernetes.io/managed-by"]
             == "pdserve-operator"
@@ -121,8 +125,12 @@ def test_helm_template_validates(values: pathlib.Path | None, kube_version: str)
 
 def test_chart_crd_is_the_operator_crd() -> None:
     docs = helm_template(None, KUBE_VERSIONS[-1])
-    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"
-            and d["metadata"]["name"] == "llmservices.pdserve.io"]  # fmt: skip
+    crds = [
+        d
+        for d in docs
+        if d["kind"] == "CustomResourceDefinition"
+        and d["metadata"]["name"] == "llmservices.pdserve.io"
+    ]
     with open(CHART / "crds" / "llmservices.pdserve.io.yaml", encoding="utf-8") as f:
         assert crds == [yaml.safe_load(f)]
 
@@ -139,8 +147,11 @@ def test_values_schema_refuses_bad_values() -> None:
 
 
 def test_operator_is_highly_available_with_peering() -> None:
-    modes = [("cluster-wide-values.yaml", "ClusterKopfPeering"),
-             ("namespaced-values.yaml", "KopfPeering"), (None, "KopfPeering")]  # fmt: skip
+    modes = [
+        ("cluster-wide-values.yaml", "ClusterKopfPeering"),
+        ("namespaced-values.yaml", "KopfPeering"),
+        (None, "KopfPeering"),
+    ]
     for values, kind in modes:
         docs = helm_template(CHART / "ci" / values if values else None, KUBE_VERSIONS[-1])
         op = next(d for d in docs if d["kind"] == "Deployment")
@@ -220,8 +231,11 @@ def test_dockerfile_copies_every_package_folder() -> None:
 
 
 def test_crd_upgrade_hook_is_opt_in_least_privilege_and_runs_crds_apply() -> None:
-    assert not [d for d in helm_template(None, KUBE_VERSIONS[-1])
-                if "helm.sh/hook" in d["metadata"].get("annotations", {})]  # fmt: skip
+    assert not [
+        d
+        for d in helm_template(None, KUBE_VERSIONS[-1])
+        if "helm.sh/hook" in d["metadata"].get("annotations", {})
+    ]
     docs = helm_template(CHART / "ci" / "crd-upgrade-values.yaml", KUBE_VERSIONS[-1])
     hooks = {d["kind"]: d for d in docs if "helm.sh/hook" in d["metadata"].get("annotations", {})}
     assert set(hooks) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Job"}
@@ -236,13 +250,16 @@ def test_crd_upgrade_hook_is_opt_in_least_privilege_and_runs_crds_apply() -> Non
     )
     rules = hooks["ClusterRole"]["rules"]
     assert [(r["verbs"], sorted(r.get("resourceNames", []))) for r in rules] == [
-        (["get", "patch"], crd_names), (["create"], [])]  # fmt: skip
+        (["get", "patch"], crd_names),
+        (["create"], []),
+    ]
     assert all(r["resources"] == ["customresourcedefinitions"] for r in rules)
     sa = hooks["ServiceAccount"]["metadata"]["name"]
     binding = hooks["ClusterRoleBinding"]
     assert binding["roleRef"]["name"] == hooks["ClusterRole"]["metadata"]["name"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa,
-                                    "namespace": "pdserve-system"}]  # fmt: skip
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa, "namespace": "pdserve-system"}
+    ]
     pod = hooks["Job"]["spec"]["template"]["spec"]
     operator = next(d for d in docs if d["kind"] == "Deployment")
     op_container = operator["spec"]["template"]["spec"]["containers"][0]

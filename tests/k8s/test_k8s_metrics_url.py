@@ -48,9 +48,12 @@ def test_refused_metrics_url_names_the_field(url: str) -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["http://prometheus-operated.monitoring:9090", "https://prom.example.com/api/prom",
-     "http://10.0.0.7:9090"],
-)  # fmt: skip
+    [
+        "http://prometheus-operated.monitoring:9090",
+        "https://prom.example.com/api/prom",
+        "http://10.0.0.7:9090",
+    ],
+)
 def test_ordinary_prometheus_urls_pass(url: str) -> None:
     render(minimal_llmservice(autoscaling={"metricsUrl": url}))
 
@@ -108,8 +111,9 @@ def _rebinding_dns(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, 0))]
 
     monkeypatch.setattr(socket, "getaddrinfo", rebinding)
-    monkeypatch.setattr(url_checks, "forbidden_address",
-                        lambda ip: "link-local" if ip.is_link_local else "")  # fmt: skip
+    monkeypatch.setattr(
+        url_checks, "forbidden_address", lambda ip: "link-local" if ip.is_link_local else ""
+    )
     return calls
 
 

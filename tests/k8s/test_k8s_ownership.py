@@ -121,8 +121,10 @@ async def test_service_secret_created_once_and_injected(
         ref = env["PDSERVE_SERVICE_SECRET"]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": "demo-secret", "key": "secret"}, role
         # Rotation's second secret and the prefix cache's hash key: optional entries.
-        for var, key in (("PDSERVE_SERVICE_SECRET_ACCEPTED", "accepted"),
-                         ("PDSERVE_BLOCK_HASH_KEY", "hash-key")):  # fmt: skip
+        for var, key in (
+            ("PDSERVE_SERVICE_SECRET_ACCEPTED", "accepted"),
+            ("PDSERVE_BLOCK_HASH_KEY", "hash-key"),
+        ):
             ref = env[var]["valueFrom"]["secretKeyRef"]
             assert ref == {"name": "demo-secret", "key": key, "optional": True}, (role, var)
     assert len(base64.b64decode(secret["data"]["hash-key"])) >= 32  # its own, not the secret

@@ -91,7 +91,7 @@ def test_inference_pool_valid_against_the_published_crd() -> None:
         (lambda s: s["endpointPickerRef"].update(failureMode="Sometimes"), "bad failure mode"),
         (lambda s: s["selector"].update(matchLabels={}), "empty selector"),
     ],
-)  # fmt: skip
+)
 def test_the_vendored_crd_refuses_bad_pools(change: Any, bad: str) -> None:
     pool = copy.deepcopy(picker_children()[("InferencePool", "demo")])
     change(pool["spec"])
@@ -122,8 +122,11 @@ def test_picker_deployment_runs_the_picker() -> None:
     probes = {
         k: c[k]["grpc"]["service"] for k in ("startupProbe", "readinessProbe", "livenessProbe")
     }
-    assert probes == {"startupProbe": "liveness", "readinessProbe": "readiness",
-                      "livenessProbe": "liveness"}  # fmt: skip
+    assert probes == {
+        "startupProbe": "liveness",
+        "readinessProbe": "readiness",
+        "livenessProbe": "liveness",
+    }
 
 
 def test_decode_pods_get_a_front() -> None:
@@ -164,10 +167,16 @@ def test_router_mode_is_the_default_and_unchanged() -> None:
 
 @pytest.mark.parametrize(
     ("router", "extra", "field"),
-    [({"mode": "endpointPicker", "ingress": {"host": "llm.example"}}, {}, "spec.router.ingress"),
-     ({"mode": "endpointPicker"}, {"autoscaling": {"enabled": True}}, "spec.autoscaling.enabled"),
-     ({"mode": "picker"}, {}, "spec.router.mode")],
-)  # fmt: skip
+    [
+        ({"mode": "endpointPicker", "ingress": {"host": "llm.example"}}, {}, "spec.router.ingress"),
+        (
+            {"mode": "endpointPicker"},
+            {"autoscaling": {"enabled": True}},
+            "spec.autoscaling.enabled",
+        ),
+        ({"mode": "picker"}, {}, "spec.router.mode"),
+    ],
+)
 def test_refused_combinations(router: dict[str, Any], extra: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as err:
         render(minimal_llmservice(router=router, **extra))

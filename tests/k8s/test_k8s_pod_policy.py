@@ -37,7 +37,8 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
         f"{D}.volumes[0].nfs",
     ),
     "inline csi volume": (
-        {"spec": {"volumes": [{"name": "c", "csi": {"driver": "x"}}]}}, f"{D}.volumes[0].csi",
+        {"spec": {"volumes": [{"name": "c", "csi": {"driver": "x"}}]}},
+        f"{D}.volumes[0].csi",
     ),
     "hostPID": ({"spec": {"hostPID": True}}, f"{D}.hostPID"),
     "hostNetwork": ({"spec": {"hostNetwork": True}}, f"{D}.hostNetwork"),
@@ -45,10 +46,12 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "hostUsers": ({"spec": {"hostUsers": True}}, f"{D}.hostUsers"),
     "nodeName": ({"spec": {"nodeName": "gpu-7"}}, f"{D}.nodeName"),
     "another ServiceAccount": (
-        {"spec": {"serviceAccountName": "cluster-admin-sa"}}, f"{D}.serviceAccountName",
+        {"spec": {"serviceAccountName": "cluster-admin-sa"}},
+        f"{D}.serviceAccountName",
     ),
     "the API token on a worker": (
-        {"spec": {"automountServiceAccountToken": True}}, f"{D}.automountServiceAccountToken",
+        {"spec": {"automountServiceAccountToken": True}},
+        f"{D}.automountServiceAccountToken",
     ),
     "privileged": (
         _containers(securityContext={"privileged": True}),
@@ -99,21 +102,32 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
         f"{D}.containers[0].ports[0].hostPort",
     ),
     "bidirectional mount": (
-        _containers(volumeMounts=[{"name": "tmp", "mountPath": "/x",
-                                   "mountPropagation": "Bidirectional"}]),
+        _containers(
+            volumeMounts=[{"name": "tmp", "mountPath": "/x", "mountPropagation": "Bidirectional"}]
+        ),
         f"{D}.containers[0].volumeMounts[0].mountPropagation",
     ),
     "privileged sidecar": (
-        {"spec": {"initContainers": [{"name": "s", "image": "busybox",
-                                      "securityContext": {"privileged": True}}]}},
+        {
+            "spec": {
+                "initContainers": [
+                    {"name": "s", "image": "busybox", "securityContext": {"privileged": True}}
+                ]
+            }
+        },
         f"{D}.initContainers[0].securityContext.privileged",
     ),
     "unconfined AppArmor annotation": (
-        {"metadata": {"annotations": {
-            "container.apparmor.security.beta.kubernetes.io/decode": "unconfined"}}},
+        {
+            "metadata": {
+                "annotations": {
+                    "container.apparmor.security.beta.kubernetes.io/decode": "unconfined"
+                }
+            }
+        },
         "spec.decode.podTemplate.metadata.annotations.container.apparmor",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
@@ -139,24 +153,42 @@ def test_allowed_template_renders_under_the_policy() -> None:
     """The escape hatch's documented uses stay open: scheduling, Multus annotations, env,
     volumes of safe kinds, a sidecar (hardened as the rendered containers are: the merged
     pod is checked), a tightened securityContext."""
-    hard = {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}  # fmt: skip
-    containers = [{**c, "securityContext": hard} if c["name"] == "sidecar" else c
-                  for c in DECODE_TEMPLATE["spec"]["containers"]]  # fmt: skip
-    template = {**DECODE_TEMPLATE, "spec": {**DECODE_TEMPLATE["spec"], "containers": containers,
-        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        "securityContext": {"runAsUser": 2000, "fsGroup": 2000},
-        "volumes": [*DECODE_TEMPLATE["spec"]["volumes"],
-                    {"name": "cfg", "configMap": {"name": "extra"}},
-                    {"name": "data", "ephemeral": {}}]}}  # fmt: skip
+    hard = {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    containers = [
+        {**c, "securityContext": hard} if c["name"] == "sidecar" else c
+        for c in DECODE_TEMPLATE["spec"]["containers"]
+    ]
+    template = {
+        **DECODE_TEMPLATE,
+        "spec": {
+            **DECODE_TEMPLATE["spec"],
+            "containers": containers,
+            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "securityContext": {"runAsUser": 2000, "fsGroup": 2000},
+            "volumes": [
+                *DECODE_TEMPLATE["spec"]["volumes"],
+                {"name": "cfg", "configMap": {"name": "extra"}},
+                {"name": "data", "ephemeral": {}},
+            ],
+        },
+    }
     assert render(minimal_llmservice(decode={"podTemplate": template}), policy=STRICT)
 
 
 @pytest.mark.parametrize(
     "path, refused",
-    [("/data/models/tiny", False), ("/data/models/../../etc", True), ("/etc", True),
-     ("/data/modelsX/m", True)],
-)  # fmt: skip
+    [
+        ("/data/models/tiny", False),
+        ("/data/models/../../etc", True),
+        ("/etc", True),
+        ("/data/modelsX/m", True),
+    ],
+)
 def test_model_host_path_only_under_allowed_directories(path: str, refused: bool) -> None:
     obj = minimal_llmservice(model={"source": {"hostPath": {"path": path}}})
     if not refused:
@@ -170,12 +202,14 @@ def test_model_host_path_only_under_allowed_directories(path: str, refused: bool
 
 @pytest.mark.parametrize(
     "key, refused",
-    [("nginx.ingress.kubernetes.io/configuration-snippet", True),
-     ("nginx.ingress.kubernetes.io/server-snippet", True),
-     ("nginx.ingress.kubernetes.io/auth-url", True),
-     ("nginx.ingress.kubernetes.io/proxy-body-size", False),
-     ("cert-manager.io/cluster-issuer", False)],
-)  # fmt: skip
+    [
+        ("nginx.ingress.kubernetes.io/configuration-snippet", True),
+        ("nginx.ingress.kubernetes.io/server-snippet", True),
+        ("nginx.ingress.kubernetes.io/auth-url", True),
+        ("nginx.ingress.kubernetes.io/proxy-body-size", False),
+        ("cert-manager.io/cluster-issuer", False),
+    ],
+)
 def test_ingress_annotations_pass_an_allowlist(key: str, refused: bool) -> None:
     ingress = {"host": "llm.example.com", "annotations": {key: "x"}}
     obj = minimal_llmservice(router={"ingress": ingress})
@@ -206,10 +240,13 @@ async def test_operator_refuses_unsafe_template_with_degraded(
 C0 = f"{D}.containers[0].securityContext"
 MERGED_ESCAPES: dict[str, tuple[dict[str, Any], str]] = {
     "drop [] replaces drop [ALL]": (
-        _containers(securityContext={"capabilities": {"drop": []}}), f"{C0}.capabilities.drop",
+        _containers(securityContext={"capabilities": {"drop": []}}),
+        f"{C0}.capabilities.drop",
     ),
-    "null runAsNonRoot": (_containers(securityContext={"runAsNonRoot": None}),
-                          f"{C0}.runAsNonRoot"),
+    "null runAsNonRoot": (
+        _containers(securityContext={"runAsNonRoot": None}),
+        f"{C0}.runAsNonRoot",
+    ),
     "null allowPrivilegeEscalation": (
         _containers(securityContext={"allowPrivilegeEscalation": None}),
         f"{C0}.allowPrivilegeEscalation",
@@ -228,7 +265,7 @@ MERGED_ESCAPES: dict[str, tuple[dict[str, Any], str]] = {
         {"spec": {"containers": [{"name": "side", "image": "busybox"}]}},
         f"{D}.containers[1].securityContext",
     ),
-}  # fmt: skip
+}
 
 
 def merged_escapes(policy: PodPolicy = STRICT) -> int:
@@ -255,8 +292,12 @@ def test_the_merged_pod_keeps_its_hardening(case: str) -> None:
 
 
 def test_a_hardened_sidecar_and_the_router_pass_the_merged_check() -> None:
-    hard = {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}  # fmt: skip
+    hard = {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
     side = {"spec": {"containers": [{"name": "side", "image": "busybox", "securityContext": hard}]}}
     render(minimal_llmservice(decode={"podTemplate": side}), policy=STRICT)
     render(minimal_llmservice(router={"mode": "endpointPicker"}), policy=STRICT)
@@ -275,14 +316,23 @@ CACHE_ESCAPES: dict[str, tuple[dict[str, Any], str]] = {
         f"{D}.containers[0].volumeMounts[0]",
     ),
     "the download's env rewritten": (
-        {"spec": {"initContainers": [{"name": "download-model",
-                                      "env": [{"name": "HF_ENDPOINT", "value": "http://evil"}]}]}},
+        {
+            "spec": {
+                "initContainers": [
+                    {
+                        "name": "download-model",
+                        "env": [{"name": "HF_ENDPOINT", "value": "http://evil"}],
+                    }
+                ]
+            }
+        },
         f"{D}.initContainers[0].name",
     ),
     "the model volume replaced": (
-        {"spec": {"volumes": [{"name": "model", "emptyDir": {}}]}}, f"{D}.volumes[0].name",
+        {"spec": {"volumes": [{"name": "model", "emptyDir": {}}]}},
+        f"{D}.volumes[0].name",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(CACHE_ESCAPES))
@@ -294,6 +344,11 @@ def test_a_template_cannot_reach_the_shared_cache(case: str) -> None:
     with pytest.raises(SpecError) as info:
         render(obj, policy=STRICT)
     assert str(info.value).startswith(field), str(info.value)
-    ro = {"spec": {"volumes": [{"name": "c", "persistentVolumeClaim": {
-        "claimName": "data", "readOnly": True}}]}}  # fmt: skip
+    ro = {
+        "spec": {
+            "volumes": [
+                {"name": "c", "persistentVolumeClaim": {"claimName": "data", "readOnly": True}}
+            ]
+        }
+    }
     render(minimal_llmservice(decode={"podTemplate": ro}, **CACHE), policy=STRICT)

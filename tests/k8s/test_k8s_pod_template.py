@@ -41,8 +41,11 @@ DECODE_TEMPLATE = {
 
 
 def decode_template(obj: dict[str, Any]) -> dict[str, Any]:
-    dep = next(m for m in render(obj) if m["metadata"]["name"] == "demo-decode"
-               and m["kind"] == "Deployment")  # fmt: skip
+    dep = next(
+        m
+        for m in render(obj)
+        if m["metadata"]["name"] == "demo-decode" and m["kind"] == "Deployment"
+    )
     template: dict[str, Any] = dep["spec"]["template"]
     return template
 
@@ -68,8 +71,11 @@ def test_template_merges_over_the_rendered_pod() -> None:
     assert vols["scratch"] == {"name": "scratch", "emptyDir": {}}
     assert vols["tmp"]["emptyDir"] == {"medium": "Memory"}  # same name: merged over ours
     # Other pools are untouched.
-    router = next(m for m in render(obj) if m["metadata"]["name"] == "demo-router"
-                  and m["kind"] == "Deployment")  # fmt: skip
+    router = next(
+        m
+        for m in render(obj)
+        if m["metadata"]["name"] == "demo-router" and m["kind"] == "Deployment"
+    )
     assert "runtimeClassName" not in router["spec"]["template"]["spec"]
 
 
@@ -88,7 +94,12 @@ def test_template_cannot_break_the_pod_contract(template: dict[str, Any], field:
 
 
 def test_schema_checks_typed_template_fields() -> None:
-    bad = {"spec": {"topologySpreadConstraints": [{"maxSkew": 0, "topologyKey": "zone",
-                                                   "whenUnsatisfiable": "Maybe"}]}}  # fmt: skip
+    bad = {
+        "spec": {
+            "topologySpreadConstraints": [
+                {"maxSkew": 0, "topologyKey": "zone", "whenUnsatisfiable": "Maybe"}
+            ]
+        }
+    }
     errors = schema_errors(minimal_llmservice(prefill={"podTemplate": bad}))
     assert any("'Maybe' is not one of" in e for e in errors), errors

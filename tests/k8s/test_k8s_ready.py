@@ -21,13 +21,14 @@ GVK = ("pdserve.io/v1alpha1", "LLMService")
 
 async def conditions(client: KubeClient) -> dict[str, tuple[str, str]]:
     obj = await client.get(*GVK, NS, "demo")
-    return {c["type"]: (c["status"], c["reason"])
-            for c in (obj or {}).get("status", {}).get("conditions", [])}  # fmt: skip
+    return {
+        c["type"]: (c["status"], c["reason"])
+        for c in (obj or {}).get("status", {}).get("conditions", [])
+    }
 
 
 async def set_status(client: KubeClient, role: str, **status: int) -> None:
-    await client.patch("apps/v1", "Deployment", NS, f"demo-{role}", {"status": status},
-                       status=True)  # fmt: skip
+    await client.patch("apps/v1", "Deployment", NS, f"demo-{role}", {"status": status}, status=True)
 
 
 async def test_scale_up_keeps_ready_and_sets_progressing(

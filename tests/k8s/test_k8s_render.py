@@ -108,11 +108,16 @@ def test_router_pod_and_services() -> None:
     spec = pod(m, "llama3-8b-router")
     cmd = spec["containers"][0]["command"]
     assert cmd[:2] == ["pdserve", "router"]
-    probes = {k: spec["containers"][0][k]["httpGet"]["path"] for k in ("livenessProbe",
-              "readinessProbe", "startupProbe")}  # fmt: skip
+    probes = {
+        k: spec["containers"][0][k]["httpGet"]["path"]
+        for k in ("livenessProbe", "readinessProbe", "startupProbe")
+    }
     # A 1-replica decode rollout makes /health 503: that must not restart the router.
-    assert probes == {"livenessProbe": "/livez", "readinessProbe": "/health",
-                      "startupProbe": "/livez"}  # fmt: skip
+    assert probes == {
+        "livenessProbe": "/livez",
+        "readinessProbe": "/health",
+        "startupProbe": "/livez",
+    }
     flags = dict(zip(cmd[2::2], cmd[3::2], strict=False))
     assert flags["--discovery"] == "kubernetes" and flags["--service"] == "llama3-8b"
     assert flags["--namespace"] == "llm" and flags["--disagg-threshold"] == "256"
@@ -127,9 +132,13 @@ def test_router_pod_and_services() -> None:
         assert rule["verbs"] == ["get", "list", "watch"]
     # EndpointSlices only: the router watches its pool Services' slices, never lists pods.
     assert [(r["apiGroups"], r["resources"]) for r in role["rules"]] == [
-        (["discovery.k8s.io"], ["endpointslices"])]  # fmt: skip
-    headless = {k.split("/")[1] for k, v in m.items()
-                if k.startswith("Service/") and v["spec"].get("clusterIP") == "None"}  # fmt: skip
+        (["discovery.k8s.io"], ["endpointslices"])
+    ]
+    headless = {
+        k.split("/")[1]
+        for k, v in m.items()
+        if k.startswith("Service/") and v["spec"].get("clusterIP") == "None"
+    }
     assert set(pool_roles("llama3-8b")) == headless  # what the router's watch selects
     router_svc = m["Service/llama3-8b"]["spec"]
     assert (
@@ -142,7 +151,11 @@ def test_router_pod_and_services() -> None:
     assert ing["tls"] == [{"hosts": ["llama.llm.example.com"], "secretName": "llama-tls"}]
     # Only the OpenAI API is exposed, never the router's /metrics or /workers.
     assert [p["path"] for p in ing["rules"][0]["http"]["paths"]] == [
-        "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/responses"]  # fmt: skip
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/responses",
+    ]
 
 
 def test_ipc_lock_is_an_rdma_opt_in() -> None:
@@ -335,8 +348,10 @@ def test_workers_keep_compiled_code_in_the_shared_cache() -> None:
 
 
 def test_optional_gateway_api_http_route() -> None:
-    route = {"parentRefs": [{"name": "public", "namespace": "gateways"}],
-             "hostnames": ["llm.example.com"]}  # fmt: skip
+    route = {
+        "parentRefs": [{"name": "public", "namespace": "gateways"}],
+        "hostnames": ["llm.example.com"],
+    }
     obj = minimal_llmservice(router={"httpRoute": route})
     assert schema_errors(obj) == []
     r = by_key(render(obj))["HTTPRoute/demo"]
@@ -344,6 +359,10 @@ def test_optional_gateway_api_http_route() -> None:
     assert r["spec"]["parentRefs"] == [{"name": "public", "namespace": "gateways"}]
     rule = r["spec"]["rules"][0]
     assert [m["path"]["value"] for m in rule["matches"]] == [
-        "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/responses"]  # fmt: skip
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/responses",
+    ]
     assert rule["backendRefs"] == [{"name": "demo", "port": 80}]
     assert "HTTPRoute/demo" not in by_key(render(minimal_llmservice()))

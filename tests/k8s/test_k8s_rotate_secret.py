@@ -33,10 +33,20 @@ async def deployment_controller(client: KubeClient) -> None:
             if dep is None:
                 continue
             want = dep["spec"]["replicas"]
-            status = {"observedGeneration": dep["metadata"].get("generation", 0),
-                      "replicas": want, "updatedReplicas": want, "readyReplicas": want}  # fmt: skip
-            await client.patch("apps/v1", "Deployment", NS, dep["metadata"]["name"],
-                               {"status": status}, status=True)  # fmt: skip
+            status = {
+                "observedGeneration": dep["metadata"].get("generation", 0),
+                "replicas": want,
+                "updatedReplicas": want,
+                "readyReplicas": want,
+            }
+            await client.patch(
+                "apps/v1",
+                "Deployment",
+                NS,
+                dep["metadata"]["name"],
+                {"status": status},
+                status=True,
+            )
         await asyncio.sleep(0.05)
 
 

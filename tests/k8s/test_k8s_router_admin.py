@@ -96,7 +96,8 @@ def test_public_routes_never_reach_the_admin_port() -> None:
     assert [p["targetPort"] for p in public["ports"]] == ["http"]  # no admin on the LB
     ing = m["Ingress/demo"]["spec"]["rules"][0]["http"]["paths"]
     assert {str(p["backend"]["service"]) for p in ing} == {
-        str({"name": "demo", "port": {"name": "http"}})}  # fmt: skip
+        str({"name": "demo", "port": {"name": "http"}})
+    }
     (rule,) = m["HTTPRoute/demo"]["spec"]["rules"]
     assert rule["backendRefs"] == [{"name": "demo", "port": 80}]
     assert _container_port(m, "demo", 80) == _router_args(m).port
@@ -113,12 +114,15 @@ def test_router_pods_admin_port_is_open_only_to_the_operator_and_metrics_namespa
     namespace reached 8083. Now the public port is open to all, the admin port only to
     the operator's pods (its namespace from the downward API) and metricsNamespaces."""
     monkeypatch.setenv("PDSERVE_OPERATOR_NAMESPACE", "pdserve-system")
-    obj = minimal_llmservice(router={"apiKeySecret": KEY},
-                             networkPolicy={"metricsNamespaces": ["monitoring"]})  # fmt: skip
+    obj = minimal_llmservice(
+        router={"apiKeySecret": KEY}, networkPolicy={"metricsNamespaces": ["monitoring"]}
+    )
     m = {f"{c['kind']}/{c['metadata']['name']}": c for c in render(obj)}
     policy = m["NetworkPolicy/demo-router"]["spec"]
-    assert policy["podSelector"]["matchLabels"] == {"pdserve.io/service": "demo",
-                                                    "pdserve.io/role": "router"}  # fmt: skip
+    assert policy["podSelector"]["matchLabels"] == {
+        "pdserve.io/service": "demo",
+        "pdserve.io/role": "router",
+    }
     assert policy["policyTypes"] == ["Ingress"]
     args = _router_args(m)
     public = [r for r in policy["ingress"] if _reaches(r, args.port)]
@@ -130,8 +134,12 @@ def test_router_pods_admin_port_is_open_only_to_the_operator_and_metrics_namespa
         for r in admin
         for src in r["from"]
     ]
-    operator = {"matchLabels": {"app.kubernetes.io/name": "pdserve",
-                                "app.kubernetes.io/component": "operator"}}  # fmt: skip
+    operator = {
+        "matchLabels": {
+            "app.kubernetes.io/name": "pdserve",
+            "app.kubernetes.io/component": "operator",
+        }
+    }
     assert namespaces == [(["pdserve-system"], operator), (["monitoring"], None)]
     # picker mode: the picker's gRPC port is the public one, the admin port stays closed
     obj["spec"]["router"]["mode"] = "endpointPicker"

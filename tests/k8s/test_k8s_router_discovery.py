@@ -35,8 +35,11 @@ async def source(server: ApiServer, **kw: Any) -> AsyncIterator[KubernetesSource
 
 
 def router_requests(server: ApiServer, watch: bool) -> int:
-    return sum(c for (agent, method, w), c in server.by_agent.items()
-               if agent == "pdserve-router" and method == "GET" and w == watch)  # fmt: skip
+    return sum(
+        c
+        for (agent, method, w), c in server.by_agent.items()
+        if agent == "pdserve-router" and method == "GET" and w == watch
+    )
 
 
 async def urls(src: KubernetesSource) -> list[tuple[str, str]]:
@@ -57,19 +60,34 @@ async def test_slices_over_time_add_remove_not_ready_terminating(
     await slices.put(endpoint_slice("other-decode-a", "other-decode", ep("10.9.9.9")))
     async with source(api_server) as src:
         assert await urls(src) == [("decode", "http://10.0.0.1:8080")]  # after the first LIST
-        await slices.put(endpoint_slice("chat-prefill-a", "chat-prefill", ep("10.0.1.1", None),
-                                        port=9000))  # fmt: skip
-        await until(src, [("decode", "http://10.0.0.1:8080"), ("prefill", "http://10.0.1.1:9000")],
-                    "a new prefill slice (ready unset counts as ready; its http port)")  # fmt: skip
-        await slices.put(endpoint_slice("chat-decode-a", "chat-decode", ep("10.0.0.1"),
-                                        ep("10.0.0.2", ready=False)))  # fmt: skip
+        await slices.put(
+            endpoint_slice("chat-prefill-a", "chat-prefill", ep("10.0.1.1", None), port=9000)
+        )
+        await until(
+            src,
+            [("decode", "http://10.0.0.1:8080"), ("prefill", "http://10.0.1.1:9000")],
+            "a new prefill slice (ready unset counts as ready; its http port)",
+        )
+        await slices.put(
+            endpoint_slice(
+                "chat-decode-a", "chat-decode", ep("10.0.0.1"), ep("10.0.0.2", ready=False)
+            )
+        )
         await asyncio.sleep(0.3)
         assert ("decode", "http://10.0.0.2:8080") not in await urls(src)  # not ready: not routed
-        await slices.put(endpoint_slice("chat-decode-a", "chat-decode",
-                                        ep("10.0.0.1", ready=False, serving=True, terminating=True),
-                                        ep("10.0.0.2")))  # fmt: skip
-        await until(src, [("decode", "http://10.0.0.2:8080"), ("prefill", "http://10.0.1.1:9000")],
-                    "the terminating decode endpoint out, the ready one in")  # fmt: skip
+        await slices.put(
+            endpoint_slice(
+                "chat-decode-a",
+                "chat-decode",
+                ep("10.0.0.1", ready=False, serving=True, terminating=True),
+                ep("10.0.0.2"),
+            )
+        )
+        await until(
+            src,
+            [("decode", "http://10.0.0.2:8080"), ("prefill", "http://10.0.1.1:9000")],
+            "the terminating decode endpoint out, the ready one in",
+        )
         await slices.delete("chat-prefill-a")
         await until(src, [("decode", "http://10.0.0.2:8080")], "the deleted slice gone")
         assert router_requests(api_server, watch=False) == 1  # one LIST, the rest by watch
@@ -92,10 +110,14 @@ async def test_watch_timeout_resumes_from_version_without_listing(
     async with source(api_server, watch_timeout_s=1.0) as src:
         assert len(await src.list()) == 1
         await asyncio.sleep(1.5)  # the server ended the first watch; the second one is open
-        await slices.put(endpoint_slice("chat-decode-a", "chat-decode", ep("10.0.0.1"),
-                                        ep("10.0.0.3")))  # fmt: skip
-        await until(src, [("decode", "http://10.0.0.1:8080"), ("decode", "http://10.0.0.3:8080")],
-                    "an event after a watch timeout")  # fmt: skip
+        await slices.put(
+            endpoint_slice("chat-decode-a", "chat-decode", ep("10.0.0.1"), ep("10.0.0.3"))
+        )
+        await until(
+            src,
+            [("decode", "http://10.0.0.1:8080"), ("decode", "http://10.0.0.3:8080")],
+            "an event after a watch timeout",
+        )
         assert router_requests(api_server, watch=False) == 1  # resumed, never re-listed
         assert router_requests(api_server, watch=True) >= 2
 
@@ -109,8 +131,11 @@ async def test_410_gone_relists_and_misses_nothing(api_server: ApiServer, slices
         await slices.put(endpoint_slice("chat-prefill-a", "chat-prefill", ep("10.0.1.4")))
         history = api_server.history("endpointslices")
         history.compact(history.last)  # ... and the API server compacts what it missed
-        await until(src, [("decode", "http://10.0.0.4:8080"), ("prefill", "http://10.0.1.4:8080")],
-                    "the state after 410 Gone and a new LIST")  # fmt: skip
+        await until(
+            src,
+            [("decode", "http://10.0.0.4:8080"), ("prefill", "http://10.0.1.4:8080")],
+            "the state after 410 Gone and a new LIST",
+        )
         assert router_requests(api_server, watch=False) == 2  # the first LIST and one after 410
 
 
@@ -139,13 +164,17 @@ async def test_discovery_drops_a_terminating_decode_worker_at_the_watch_event(
     from pdserve.router.transport.worker_client import new_session
     from pdserve.testing.router_fakes import SECRET, FakeState, decode_app, serve
 
-    async with serve(decode_app(FakeState("decode", "d-a"))) as url_a, \
-            serve(decode_app(FakeState("decode", "d-b"))) as url_b:  # fmt: skip
+    async with (
+        serve(decode_app(FakeState("decode", "d-a"))) as url_a,
+        serve(decode_app(FakeState("decode", "d-b"))) as url_b,
+    ):
         port_a, port_b = (int(u.rsplit(":", 1)[1]) for u in (url_a, url_b))
-        await slices.put(endpoint_slice("chat-decode-a", "chat-decode", ep("127.0.0.1"),
-                                        port=port_a))  # fmt: skip
-        await slices.put(endpoint_slice("chat-decode-b", "chat-decode", ep("127.0.0.1"),
-                                        port=port_b))  # fmt: skip
+        await slices.put(
+            endpoint_slice("chat-decode-a", "chat-decode", ep("127.0.0.1"), port=port_a)
+        )
+        await slices.put(
+            endpoint_slice("chat-decode-b", "chat-decode", ep("127.0.0.1"), port=port_b)
+        )
         async with new_session(SECRET) as http, source(api_server) as src:  # signed calls
             disc = Discovery(src, http, interval_s=30.0)
             disc.start()
@@ -154,9 +183,14 @@ async def test_discovery_drops_a_terminating_decode_worker_at_the_watch_event(
                 healthy = {w.url for w in disc.snapshot().decode}
                 assert healthy == {url_a, url_b}
                 disc.begin(url_a)  # a stream in flight on a
-                await slices.put(endpoint_slice("chat-decode-a", "chat-decode",
-                                                ep("127.0.0.1", False, True, serving=True),
-                                                port=port_a))  # fmt: skip
+                await slices.put(
+                    endpoint_slice(
+                        "chat-decode-a",
+                        "chat-decode",
+                        ep("127.0.0.1", False, True, serving=True),
+                        port=port_a,
+                    )
+                )
 
                 async def only_b() -> bool:
                     return {w.url for w in disc.snapshot().decode} == {url_b}

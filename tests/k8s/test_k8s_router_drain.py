@@ -41,12 +41,17 @@ async def test_terminating_decode_gets_no_new_request_and_its_stream_finishes(
     monkeypatch.setenv(SERVICE_SECRET, SECRET)
     a, b = FakeState("decode", "a", token_delay_s=0.05), FakeState("decode", "b")
     async with serve(decode_app(a)) as url_a, serve(decode_app(b)) as url_b:
-        await slices.put(endpoint_slice("chat-decode-a", "chat-decode", ep("127.0.0.1"),
-                                        port=port_of(url_a)))  # fmt: skip
+        await slices.put(
+            endpoint_slice("chat-decode-a", "chat-decode", ep("127.0.0.1"), port=port_of(url_a))
+        )
         source = KubernetesSource("chat", NS, access=lambda: ApiAccess(str(api_server.url)))
         # health every 30 s: only the watch event can take a out of rotation in time
-        config = RouterConfig(model_dir=str(tiny_model_dir), served_model_name="tiny",
-                              health_interval_s=30.0, disagg_threshold=10_000)  # fmt: skip
+        config = RouterConfig(
+            model_dir=str(tiny_model_dir),
+            served_model_name="tiny",
+            health_interval_s=30.0,
+            disagg_threshold=10_000,
+        )
         app = create_app(config, source, PromptTokenizer(str(tiny_model_dir)))
         async with serve(app) as router, httpx.AsyncClient(base_url=router, timeout=30) as h:
             body = {**OK, "max_tokens": 30, "stream": True}
@@ -54,12 +59,19 @@ async def test_terminating_decode_gets_no_new_request_and_its_stream_finishes(
                 lines = stream.aiter_lines()
                 assert (await anext(lines)).startswith("data: ")  # a is streaming
                 assert len(a.requests) == 1
-                await slices.put(endpoint_slice("chat-decode-b", "chat-decode", ep("127.0.0.1"),
-                                                port=port_of(url_b)))  # fmt: skip
-                await slices.put(endpoint_slice(
-                    "chat-decode-a", "chat-decode",
-                    ep("127.0.0.1", ready=False, serving=True, terminating=True),
-                    port=port_of(url_a)))  # fmt: skip
+                await slices.put(
+                    endpoint_slice(
+                        "chat-decode-b", "chat-decode", ep("127.0.0.1"), port=port_of(url_b)
+                    )
+                )
+                await slices.put(
+                    endpoint_slice(
+                        "chat-decode-a",
+                        "chat-decode",
+                        ep("127.0.0.1", ready=False, serving=True, terminating=True),
+                        port=port_of(url_a),
+                    )
+                )
 
                 async def only_b() -> bool:
                     snap = app.state.runtime.discovery.snapshot()

@@ -30,8 +30,9 @@ def _router_config(**router: Any) -> Any:
     return build_config(args)
 
 
-@pytest.mark.parametrize(("routing", "picker"), [("prefix", "max-score"),
-                                                 ("round-robin", "round-robin")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("routing", "picker"), [("prefix", "max-score"), ("round-robin", "round-robin")]
+)
 def test_routing_is_the_picker(routing: str, picker: str) -> None:
     assert _router_config(routing=routing).picker == picker
 
@@ -39,7 +40,8 @@ def test_routing_is_the_picker(routing: str, picker: str) -> None:
 def test_weights_are_scorers_over_the_defaults() -> None:
     weights = {(s.name, s.weight) for s in _router_config().prefill_scorers}
     assert ("prefix-match", 2.0) in weights and ("cache-balance", 0.5) in weights
-    weights = {(s.name, s.weight) for s in _router_config(prefixWeight=0.5, loadWeight=1.5)
-               .prefill_scorers}  # fmt: skip
+    weights = {
+        (s.name, s.weight) for s in _router_config(prefixWeight=0.5, loadWeight=1.5).prefill_scorers
+    }
     assert {("prefix-match", 0.5), ("queued-tokens", 1.5), ("running", 1.5)} <= weights
     assert {("cache-balance", 0.5), ("lora-affinity", 1.0)} <= weights  # the rest: defaults

@@ -14,8 +14,11 @@ from pdserve.operator.spec_parse import parse_llmservice
 
 
 def _args(manifests: list[dict[str, Any]], role: str) -> list[str]:
-    (dep,) = [m for m in manifests if m["kind"] == "Deployment"
-              and m["metadata"]["name"].endswith(f"-{role}")]  # fmt: skip
+    (dep,) = [
+        m
+        for m in manifests
+        if m["kind"] == "Deployment" and m["metadata"]["name"].endswith(f"-{role}")
+    ]
     args: list[str] = dep["spec"]["template"]["spec"]["containers"][0]["command"]
     return args
 

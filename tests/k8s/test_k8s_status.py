@@ -13,9 +13,12 @@ SPEC = parse_llmservice(minimal_llmservice())
 
 
 def dep(
-    replicas: int, ready: int, conditions: list[dict[str, Any]] | None = None,
-    updated: int | None = None, total: int | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    replicas: int,
+    ready: int,
+    conditions: list[dict[str, Any]] | None = None,
+    updated: int | None = None,
+    total: int | None = None,
+) -> dict[str, Any]:
     status = {
         "updatedReplicas": replicas if updated is None else updated,
         "readyReplicas": ready,
@@ -48,9 +51,10 @@ def test_ready_means_serving_not_all_replicas() -> None:
     assert progressing["status"] == "True" and "prefill 1/2" in progressing["message"]
     rolling = {"router": dep(1, 1), "prefill": dep(1, 1), "decode": dep(1, 1, updated=1, total=2)}
     assert conds(observed_status(SPEC, 1, rolling, [])) == {
-        "Ready": ("True", "Serving"), "Progressing": ("True", "RollingOut"),
+        "Ready": ("True", "Serving"),
+        "Progressing": ("True", "RollingOut"),
         "Degraded": ("False", "AsExpected"),
-    }  # fmt: skip
+    }
 
 
 def test_colocated_prefill_at_zero_still_serves() -> None:

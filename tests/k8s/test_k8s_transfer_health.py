@@ -58,9 +58,12 @@ async def test_fallback_share_posts_a_warning_event(
     app.router.add_get("/{service}/metrics", metrics)
     async with TestServer(app) as stand_in:
         config = OperatorConfig(
-            status_interval=3600, retry_delay=0.5, debounce=0.05, transfer_check_interval=0.5,
+            status_interval=3600,
+            retry_delay=0.5,
+            debounce=0.05,
+            transfer_check_interval=0.5,
             decode_metrics_url=str(stand_in.make_url("")).rstrip("/") + "/{service}/metrics",
-        )  # fmt: skip
+        )
         async with running_operator(config):
             await client.create(minimal_llmservice("demo"))
             await eventually(lambda: client.get("apps/v1", "Deployment", NS, "demo-decode"))
@@ -80,8 +83,11 @@ async def _scrapes(counts: dict[str, int], n: int) -> bool:
 
 
 async def _warned(api_server: Any, absent: bool = False) -> Any:
-    events = [o for (_r, _ns, _n), o in api_server.objects.items()
-              if not o.deleted and o.get("reason") == "KVTransferFallback"]  # fmt: skip
+    events = [
+        o
+        for (_r, _ns, _n), o in api_server.objects.items()
+        if not o.deleted and o.get("reason") == "KVTransferFallback"
+    ]
     if absent:
         return not events
     return dict(events[0]) if events else None

@@ -46,9 +46,11 @@ def test_kubectl_scale_meets_the_operator(chart: RealCluster, operator: Operator
     c.wait(lambda: replicas(c, "scaled") == 1, 30, what="the operator reverts a person's scale")
     # an external scaler owns the count: kept within bounds, clamped outside them
     c.kubectl(
-        "apply", "-f", "-",
+        "apply",
+        "-f",
+        "-",
         stdin=service("scaled", externalScaling=True, minReplicas=1, maxReplicas=4),
-    )  # fmt: skip
+    )
     c.kubectl("scale", "deployment/scaled-decode", "-n", NS, "--replicas=3")
     wait_ready(c, NS, "scaled")
     sel = "pdserve.io/service=scaled,pdserve.io/role=decode"

@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def chaos(tiny_model_dir: Path, tmp_path_factory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("chaos")
-    result = run_bench("chaos.py", "--quick", "--model", str(tiny_model_dir), "--out", str(out),
-                       timeout=580)  # fmt: skip
+    result = run_bench(
+        "chaos.py", "--quick", "--model", str(tiny_model_dir), "--out", str(out), timeout=580
+    )
     assert (out / "chaos-quick.png").stat().st_size > 0
     return result
 
@@ -69,9 +70,14 @@ def test_chaos_tenant_figures(chaos: dict[str, Any]) -> None:
     assert chaos["compile_aborts"] >= 1 and chaos["compile_abort_leaked"] == 0, chaos
 
 
-ISSUE_44 = ("admin_port_unauthenticated_changes", "picker_mode_limit_bypass",
-            "merged_pod_policy_escapes", "cache_symlink_followed",
-            "abandoned_compiles_over_bound", "lora_path_escapes")  # fmt: skip
+ISSUE_44 = (
+    "admin_port_unauthenticated_changes",
+    "picker_mode_limit_bypass",
+    "merged_pod_policy_escapes",
+    "cache_symlink_followed",
+    "abandoned_compiles_over_bound",
+    "lora_path_escapes",
+)
 
 
 def test_chaos_boundary_figures(chaos: dict[str, Any]) -> None:

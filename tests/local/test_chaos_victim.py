@@ -46,8 +46,15 @@ def _pick(monkeypatch, workers: Workers, end_after_s: float) -> tuple[str, list[
     async def go() -> tuple[str, list[int]]:
         streams = [asyncio.ensure_future(asyncio.sleep(end_after_s))]
         seen: list[int] = []
-        victim = await chaos._kill_busiest(list(workers.script), streams, ("running",), 24,
-                                           workers.act, chaos.VICTIM_MIN_STREAMS, seen)  # fmt: skip
+        victim = await chaos._kill_busiest(
+            list(workers.script),
+            streams,
+            ("running",),
+            24,
+            workers.act,
+            chaos.VICTIM_MIN_STREAMS,
+            seen,
+        )
         await asyncio.gather(*streams)
         return victim, seen
 

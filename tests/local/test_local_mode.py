@@ -51,8 +51,9 @@ def _alive(pid: int) -> bool:
 
 def test_stop_kills_whole_process_groups(tmp_path: Path) -> None:
     cluster = LocalCluster(ClusterSpec(model_dir=str(tmp_path), log_dir=str(tmp_path)))
-    proc = Proc("w", "decode", "http://127.0.0.1:1", [sys.executable, "-c", SPAWNER],
-                tmp_path / "w.log")  # fmt: skip
+    proc = Proc(
+        "w", "decode", "http://127.0.0.1:1", [sys.executable, "-c", SPAWNER], tmp_path / "w.log"
+    )
     cluster._spawn(proc)
     poll_until(lambda: proc.log_path.read_text().strip(), 20, 0.05, what="the spawner's pids")
     grandchild = int(proc.log_path.read_text().split()[0])
@@ -85,11 +86,14 @@ def test_router_command_line_matches_the_router_parser(tmp_path: Path) -> None:
 
     spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=2, log_dir=str(tmp_path))
     cluster = LocalCluster(spec)
-    cluster.procs += [Proc("p0", "prefill", "http://h:1", [], tmp_path / "x"),
-                      Proc("p1", "prefill", "http://h:2", [], tmp_path / "x"),
-                      Proc("d0", "decode", "http://h:3", [], tmp_path / "x")]  # fmt: skip
-    ns = argparse.Namespace(picker="round-robin", disagg_threshold=5, api_key="k",
-                            router_arg=["--rate-limit-rpm=60"])  # fmt: skip
+    cluster.procs += [
+        Proc("p0", "prefill", "http://h:1", [], tmp_path / "x"),
+        Proc("p1", "prefill", "http://h:2", [], tmp_path / "x"),
+        Proc("d0", "decode", "http://h:3", [], tmp_path / "x"),
+    ]
+    ns = argparse.Namespace(
+        picker="round-robin", disagg_threshold=5, api_key="k", router_arg=["--rate-limit-rpm=60"]
+    )
     cluster._spawn = lambda proc: cluster.procs.append(proc)  # type: ignore[method-assign]
     router = cluster.start_router(0, args=router_args(ns))
     parser = argparse.ArgumentParser()
@@ -104,16 +108,23 @@ def _llama(path: Path, hidden: int, inter: int, layers: int) -> Path:
     """A Llama-shaped model directory whose safetensors file holds zeros: a valid header
     and a sparse file of the full size (no disk used), like the presets' shapes."""
     kv = hidden // 2  # 8 heads, 4 KV heads
-    shapes = {"model.embed_tokens.weight": [1000, hidden], "lm_head.weight": [1000, hidden],
-              "model.norm.weight": [hidden]}  # fmt: skip
+    shapes = {
+        "model.embed_tokens.weight": [1000, hidden],
+        "lm_head.weight": [1000, hidden],
+        "model.norm.weight": [hidden],
+    }
     for i in range(layers):
         for name, shape in {
-            "self_attn.q_proj": [hidden, hidden], "self_attn.k_proj": [kv, hidden],
-            "self_attn.v_proj": [kv, hidden], "self_attn.o_proj": [hidden, hidden],
-            "mlp.gate_proj": [inter, hidden], "mlp.up_proj": [inter, hidden],
-            "mlp.down_proj": [hidden, inter], "input_layernorm": [hidden],
+            "self_attn.q_proj": [hidden, hidden],
+            "self_attn.k_proj": [kv, hidden],
+            "self_attn.v_proj": [kv, hidden],
+            "self_attn.o_proj": [hidden, hidden],
+            "mlp.gate_proj": [inter, hidden],
+            "mlp.up_proj": [inter, hidden],
+            "mlp.down_proj": [hidden, inter],
+            "input_layernorm": [hidden],
             "post_attention_layernorm": [hidden],
-        }.items():  # fmt: skip
+        }.items():
             shapes[f"model.layers.{i}.{name}.weight"] = shape
     path.mkdir()
     header, offset = {}, 0
@@ -175,8 +186,14 @@ def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(
     assert spec.threads_per_worker() == max(1, (cores - 1) // 2)  # a core kept for streaming
     colocated = ClusterSpec(model_dir=str(tmp_path), num_prefill=0, log_dir=str(tmp_path))
     assert colocated.threads_per_worker() == max(1, cores - 1)  # no weights: nothing to probe
-    spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=2, num_decode=3, cpu_threads=3,
-                       log_dir=str(tmp_path), worker_args=("--cpu-threads", "4"))  # fmt: skip
+    spec = ClusterSpec(
+        model_dir=str(tmp_path),
+        num_prefill=2,
+        num_decode=3,
+        cpu_threads=3,
+        log_dir=str(tmp_path),
+        worker_args=("--cpu-threads", "4"),
+    )
     assert spec.threads_per_worker() == 3
     cluster = LocalCluster(spec)
     cluster._spawn = lambda proc: cluster.procs.append(proc)  # type: ignore[method-assign]
@@ -188,8 +205,12 @@ def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(
     assert worker.argv.count("--cpu-threads") == 1  # the worker arg's alone
     # A lone worker whose thread count is named does not run the start-up probe (a child
     # process importing torch) only to have its answer overridden.
-    lone = ClusterSpec(model_dir=str(tmp_path), num_prefill=0, log_dir=str(tmp_path),
-                       worker_args=("--cpu-threads=2",))  # fmt: skip
+    lone = ClusterSpec(
+        model_dir=str(tmp_path),
+        num_prefill=0,
+        log_dir=str(tmp_path),
+        worker_args=("--cpu-threads=2",),
+    )
 
     def no_probe(self: ClusterSpec) -> dict[str, object]:
         raise AssertionError("probed although --cpu-threads was given")

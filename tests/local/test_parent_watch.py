@@ -50,8 +50,9 @@ PARENT = textwrap.dedent("""
 
 def _start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], int, Path]:
     out = tmp_path / "child.txt"
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(out), mode],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, CHILD, str(out), mode], stdout=subprocess.PIPE, text=True
+    )
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     poll_until(lambda: out.exists() and out.read_text() == "watching", 30, 0.05)

@@ -27,8 +27,9 @@ def _alive(pid: int) -> bool:
 
 
 def _start(script: str) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["sh", "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     assert proc.stdout is not None
     return proc, int(proc.stdout.readline())
 

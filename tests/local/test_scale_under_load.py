@@ -44,8 +44,14 @@ CLIENTS = 2
 async def completion(client: httpx.AsyncClient, rng: random.Random, max_tokens: int) -> str:
     """One streamed completion; '' when it finished cleanly, else what went wrong."""
     prompt = [rng.randrange(10, 3000) for _ in range(rng.randrange(24, 96))]
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0.0}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             text = (await resp.aread()).decode()
@@ -165,10 +171,16 @@ def test_planned_scale_down_and_up_under_load_cost_no_request(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     spec = ClusterSpec(
-        model_dir=str(tiny_model_dir), num_prefill=1, num_decode=1, dtype="float32",
-        kv_transport="tcp", served_model_name="tiny", worker_args=WORKER_ARGS,
-        log_dir=str(tmp_path), worker_port_base=worker_port_base(),  # < 32768:
-    )  # fmt: skip  # (the kernel's ephemeral ports start there; one could take a worker's)
+        model_dir=str(tiny_model_dir),
+        num_prefill=1,
+        num_decode=1,
+        dtype="float32",
+        kv_transport="tcp",
+        served_model_name="tiny",
+        worker_args=WORKER_ARGS,
+        log_dir=str(tmp_path),
+        worker_port_base=worker_port_base(),  # < 32768:
+    )  # (the kernel's ephemeral ports start there; one could take a worker's)
     with LocalCluster(spec) as cluster:
         cluster.start_workers()
         router = cluster.start_router(port=free_port(), args=ROUTER_ARGS, dynamic=True)

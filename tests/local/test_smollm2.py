@@ -61,15 +61,36 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="module")
 def up(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list]]:
     """`pdserve up` as a new user runs it (no --model); every prompt goes through P/D."""
-    argv = [sys.executable, "-m", "pdserve", "up", "--port", str(free_port()),
-            "--dtype", "float32", "--disagg-threshold", "8",
-            "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
-            "--log-dir", str(tmp_path_factory.mktemp("up-logs")),
-            "--worker-port-base", str(worker_port_base()),
-            "--worker-arg=--max-model-len", "--worker-arg=1024"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--port",
+        str(free_port()),
+        "--dtype",
+        "float32",
+        "--disagg-threshold",
+        "8",
+        "--kv-transport",
+        os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
+        "--log-dir",
+        str(tmp_path_factory.mktemp("up-logs")),
+        "--worker-port-base",
+        str(worker_port_base()),
+        "--worker-arg=--max-model-len",
+        "--worker-arg=1024",
+    ]
     env = {**os.environ, "PDSERVE_CACHE": str(CACHE)}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, env=env, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
     try:
         url, workers = wait_until_up(proc)
         yield url, workers
@@ -79,8 +100,12 @@ def up(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def _chat(url: str, question: str, max_tokens: int = MAX_TOKENS) -> dict:
-    body = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": question}]}  # fmt: skip
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": question}],
+    }
     resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -97,9 +122,12 @@ def _reference(model_dir: Path) -> dict[str, tuple[str, int]]:
     ).eval()
     out = {}
     for q in QUESTIONS:
-        ids = tok.apply_chat_template([{"role": "user", "content": q}],
-                                      add_generation_prompt=True, return_dict=True,
-                                      return_tensors="pt")["input_ids"]  # fmt: skip
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": q}],
+            add_generation_prompt=True,
+            return_dict=True,
+            return_tensors="pt",
+        )["input_ids"]
         with torch.no_grad():
             gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
         text = tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
@@ -119,8 +147,9 @@ def test_greedy_chat_equals_transformers_through_pd(up, smollm2_dir: Path) -> No
         assert served[q]["usage"]["prompt_tokens"] == prompt_len, q  # same chat template
         assert served[q]["choices"][0]["message"]["content"] == text, q
     metrics = httpx.get(url + "/metrics", timeout=30).text
-    remote = re.search(r'pdserve_router_routing_decisions_total\{kind="remote_prefill"\} (\S+)',
-                       metrics)  # fmt: skip
+    remote = re.search(
+        r'pdserve_router_routing_decisions_total\{kind="remote_prefill"\} (\S+)', metrics
+    )
     assert remote and float(remote.group(1)) >= len(QUESTIONS), "not through a prefill worker"
 
 

@@ -22,8 +22,13 @@ from tests.workers.worker_helpers import children, gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-BODY = {"model": "tiny-seed0", "prompt": "Tell me a story about a fox and a crow. " * 4,
-        "max_tokens": 200, "ignore_eos": True, "temperature": 0}  # fmt: skip
+BODY = {
+    "model": "tiny-seed0",
+    "prompt": "Tell me a story about a fox and a crow. " * 4,
+    "max_tokens": 200,
+    "ignore_eos": True,
+    "temperature": 0,
+}
 
 
 def _stats(url: str) -> dict:

@@ -71,16 +71,43 @@ def _read_output(up: Up) -> None:
 @pytest.fixture(scope="module")
 def up(tiny_model_dir: Path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("up-resilience")
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tiny_model_dir),
-            "--port", str(free_port()), "--prefill", "1", "--decode", "3",
-            "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
-            "--picker", "round-robin", "--disagg-threshold", "32", "--log-dir", str(logs),
-            "--worker-port-base", str(worker_port_base()),
-            "--worker-arg=--max-model-len", "--worker-arg=1024",
-            # hung workers are found in seconds here (defaults: 30 s and 10 s)
-            "--worker-arg=--core-stall-timeout=4", "--router-arg=--stall-timeout=3"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, start_new_session=True)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        str(free_port()),
+        "--prefill",
+        "1",
+        "--decode",
+        "3",
+        "--kv-transport",
+        os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
+        "--picker",
+        "round-robin",
+        "--disagg-threshold",
+        "32",
+        "--log-dir",
+        str(logs),
+        "--worker-port-base",
+        str(worker_port_base()),
+        "--worker-arg=--max-model-len",
+        "--worker-arg=1024",
+        # hung workers are found in seconds here (defaults: 30 s and 10 s)
+        "--worker-arg=--core-stall-timeout=4",
+        "--router-arg=--stall-timeout=3",
+    ]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     it = Up("", proc, {}, log_dir=str(logs))
     threading.Thread(target=_read_output, args=(it,), daemon=True).start()
     deadline = time.monotonic() + 300
@@ -95,8 +122,14 @@ def up(tiny_model_dir: Path, tmp_path_factory):
 
 
 def _body(prompt: str, **kw: Any) -> dict[str, Any]:
-    return {"model": "tiny-seed0", "prompt": prompt, "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, "temperature": 0, **kw}  # fmt: skip
+    return {
+        "model": "tiny-seed0",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        **kw,
+    }
 
 
 def _stats(url: str) -> dict[str, Any]:
@@ -183,8 +216,9 @@ def test_non_streamed_request_survives_kill_of_its_decode_worker(up: Up) -> None
     body = _body(LONG)
     ref = httpx.post(up.url + "/v1/completions", json=body, timeout=120).json()
     out: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: out.update(
-        r=httpx.post(up.url + "/v1/completions", json=body, timeout=120)))  # fmt: skip
+    t = threading.Thread(
+        target=lambda: out.update(r=httpx.post(up.url + "/v1/completions", json=body, timeout=120))
+    )
     t.start()
     _kill_busy(up.urls("decode"))
     t.join(120)
@@ -236,8 +270,11 @@ def test_up_restarts_the_dead_worker_and_it_serves_again(up: Up) -> None:
 
     def served() -> float:
         m = httpx.get(victim + "/metrics", timeout=5).text
-        return sum(float(x.split()[-1]) for x in m.splitlines()
-                   if x.startswith("pdserve_worker_requests_total"))  # fmt: skip
+        return sum(
+            float(x.split()[-1])
+            for x in m.splitlines()
+            if x.startswith("pdserve_worker_requests_total")
+        )
 
     for i in range(6):  # round-robin: the restarted worker gets its share
         r = httpx.post(up.url + "/v1/completions", json=_body(f"{i} ho", max_tokens=4), timeout=60)

@@ -72,23 +72,63 @@ def autoscaled_up(
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(PROFILE))
     port = free_port()  # workers from 20000-30199: below Linux's ephemeral ports (32768+)
-    return [sys.executable, "-m", "pdserve", "up", "--model", str(model),
-            "--port", str(port), "--served-model-name", "tiny", "--prefill", "0",
-            "--decode", str(decode), "--kv-transport", "tcp", "--picker", "round-robin",
-            "--worker-port-base", str(worker_port_base()), "--log-dir", str(tmp_path / "logs"),
-            *(f"--worker-arg={a}" for a in ["--device", "cpu", "--max-num-seqs", "4", *engine]),
-            "--autoscale", "--profile", str(profile), "--autoscale-interval", interval,
-            "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS),
-            "--prefill-min", "0", "--prefill-max", "0", "--decode-min", "1", "--decode-max", "2",
-            "--scale-down-window", window]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--prefill",
+        "0",
+        "--decode",
+        str(decode),
+        "--kv-transport",
+        "tcp",
+        "--picker",
+        "round-robin",
+        "--worker-port-base",
+        str(worker_port_base()),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        *(f"--worker-arg={a}" for a in ["--device", "cpu", "--max-num-seqs", "4", *engine]),
+        "--autoscale",
+        "--profile",
+        str(profile),
+        "--autoscale-interval",
+        interval,
+        "--slo-ttft-ms",
+        str(SLO_TTFT_MS),
+        "--slo-tpot-ms",
+        str(SLO_TPOT_MS),
+        "--prefill-min",
+        "0",
+        "--prefill-max",
+        "0",
+        "--decode-min",
+        "1",
+        "--decode-max",
+        "2",
+        "--scale-down-window",
+        window,
+    ]
 
 
 class Up:
     """``pdserve up`` in its own session; its stdout collected by a thread."""
 
     def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -117,8 +157,14 @@ async def one_request(
     client: httpx.AsyncClient, url: str, tokens: int
 ) -> tuple[float, float, float]:
     """(start, TTFT, TPOT) of one streamed completion of exactly ``tokens`` tokens."""
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     start = time.monotonic()
     first = last = 0.0
     async with client.stream("POST", url + "/v1/completions", json=body) as reply:
@@ -221,10 +267,12 @@ async def test_load_step_adds_a_decode_worker_and_slo_recovers(
         ttft_before = p90([r[1] for r in before]) * 1000
         ttft_after = p90([r[1] for r in after]) * 1000
         tpot_after = p90([r[2] for r in after]) * 1000
-        print(f"scale-up after {started_at - step_at:.1f}s; worker ready after "
-              f"{ready_at - started_at:.1f}s; p90 TTFT before {ttft_before:.0f} ms "
-              f"({len(before)} requests), after {ttft_after:.0f} ms, p90 TPOT after "
-              f"{tpot_after:.0f} ms ({len(after)} requests)")  # fmt: skip
+        print(
+            f"scale-up after {started_at - step_at:.1f}s; worker ready after "
+            f"{ready_at - started_at:.1f}s; p90 TTFT before {ttft_before:.0f} ms "
+            f"({len(before)} requests), after {ttft_after:.0f} ms, p90 TPOT after "
+            f"{tpot_after:.0f} ms ({len(after)} requests)"
+        )
         assert ttft_before > SLO_TTFT_MS, "the load step did not breach the TTFT SLO"
         assert len(after) >= 15
         assert ttft_after < SLO_TTFT_MS and tpot_after < SLO_TPOT_MS
@@ -294,8 +342,11 @@ async def test_workers_file_is_reread_on_change_and_bad_files_are_refused(tmp_pa
     time.sleep(0.02)  # a new mtime
     write_workers_file(path, ["127.0.0.1:8100"], ["http://127.0.0.1:8200", "http://127.0.0.1:8210"])
     got = [(e.url, e.role) for e in await source.list()]
-    assert got == [("http://127.0.0.1:8100", "prefill"), ("http://127.0.0.1:8200", "decode"),
-                   ("http://127.0.0.1:8210", "decode")]  # fmt: skip
+    assert got == [
+        ("http://127.0.0.1:8100", "prefill"),
+        ("http://127.0.0.1:8200", "decode"),
+        ("http://127.0.0.1:8210", "decode"),
+    ]
     time.sleep(0.02)
     path.write_text('{"decode": "http://x"}')
     with pytest.raises(ValueError, match=r"workers file .*'decode' must be a list of URLs"):

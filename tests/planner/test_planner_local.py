@@ -178,8 +178,16 @@ async def test_run_loop_over_loopback_http() -> None:
 async def test_short_prompts_run_colocated_when_the_prefill_pool_may_be_empty(capsys) -> None:
     """--prefill-min 0: short prompts with a loose TPOT stop the prefill workers (the router
     prefills on decode workers when it has none); the mix and why are printed."""
-    flags = ("--prefill-min", "0", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500",
-             "--scale-down-window", "5")  # fmt: skip
+    flags = (
+        "--prefill-min",
+        "0",
+        "--slo-ttft-ms",
+        "3000",
+        "--slo-tpot-ms",
+        "500",
+        "--scale-down-window",
+        "5",
+    )
     auto, router, pools, clock = fake_autoscaler(*flags)
     assert await auto.step() is None  # first scrape: nothing to compare with
     assert pools.calls == []

@@ -113,8 +113,9 @@ def test_profile_source_is_kept_beside_the_numbers(tmp_path) -> None:
 
 
 def test_measured_profile_says_it_was_measured() -> None:
-    got = measure(FakeProbe(H100_LLAMA3_8B), [256, 1024, 4096], [1, 32], [512, 2048],
-                  source="measured: test")  # fmt: skip
+    got = measure(
+        FakeProbe(H100_LLAMA3_8B), [256, 1024, 4096], [1, 32], [512, 2048], source="measured: test"
+    )
     assert got.source == "measured: test"
     assert got.prefill.source.startswith("measured: test; fit to prefill times")
 

@@ -59,8 +59,15 @@ def test_a_worker_stopped_unready_raises_the_estimate_never_lowers_it() -> None:
 
 
 def _backlog(depth: float):  # one ready prefill replica, demand well under its capacity
-    return snap(prefill=(1, 1, 0), decode=(2, 2, 0), rps=5, prompt=2000, output=100,
-                decode_running=200, prefill_queue_depth=depth)  # fmt: skip
+    return snap(
+        prefill=(1, 1, 0),
+        decode=(2, 2, 0),
+        rps=5,
+        prompt=2000,
+        output=100,
+        decode_running=200,
+        prefill_queue_depth=depth,
+    )
 
 
 def test_the_horizon_decides_whether_a_backlog_needs_a_new_pod() -> None:

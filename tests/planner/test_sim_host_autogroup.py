@@ -86,14 +86,25 @@ def test_a_session_is_one_entity_weighted_by_its_autogroup() -> None:
         (4, 0.2, -5, 0, 0, False),  # a kernel thread, root group: by itself at nice -5
     ]
     got = sorted(autogroup_entities(procs, our_nice=19), key=lambda g: g[2])
-    assert got == [(1.0, 2.0, W19), (1.0, pytest.approx(0.3), W0),
-                   (1.0, pytest.approx(0.2), nice_weight(-5))]  # fmt: skip
+    assert got == [
+        (1.0, 2.0, W19),
+        (1.0, pytest.approx(0.3), W0),
+        (1.0, pytest.approx(0.2), nice_weight(-5)),
+    ]
 
 
 def _host(jobs: tuple, ours: float | None) -> Host:
-    return Host(2.0, np.array([0.0]), np.array([1.0]), 0.0, 0.0, 0.0,
-                background_groups=(jobs,), nice=19,
-                our_weights=(ours,) if ours else ())  # fmt: skip
+    return Host(
+        2.0,
+        np.array([0.0]),
+        np.array([1.0]),
+        0.0,
+        0.0,
+        0.0,
+        background_groups=(jobs,),
+        nice=19,
+        our_weights=(ours,) if ours else (),
+    )
 
 
 def test_per_process_nice_does_not_rank_sessions() -> None:
@@ -155,8 +166,9 @@ class _StatsServer:
                     return
                 body = f'{{"core_pid": {core_pid}}}'.encode()
                 self.send_response(200)
-                self.send_header(signing.PROOF_HEADER,
-                                 signing.proof(key, self.headers[signing.HEADER]))  # fmt: skip
+                self.send_header(
+                    signing.PROOF_HEADER, signing.proof(key, self.headers[signing.HEADER])
+                )
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

@@ -22,8 +22,9 @@ from pdserve.planner.sim.host import Host, is_hog, job_groups, nice_weight
 
 
 def _host(jobs: tuple, nice: int = 19) -> Host:
-    return Host(2.0, np.array([0.0]), np.array([1.0]), 0.0, 0.0, 0.0,
-                background_groups=(jobs,), nice=nice)  # fmt: skip
+    return Host(
+        2.0, np.array([0.0]), np.array([1.0]), 0.0, 0.0, 0.0, background_groups=(jobs,), nice=nice
+    )
 
 
 def test_cfs_weights_and_how_a_job_is_read() -> None:

@@ -42,8 +42,9 @@ def test_a_colocated_step_costs_the_decode_step_plus_the_chunk() -> None:
     alone = StepSim(prof, 0, 1, Link(1, 1e9, 0.0))
     alone.reps[0].pq.append(Req(0.0, 1000, 10))
     dt_alone = alone._step(0, 0.0)
-    assert dt_alone == pytest.approx(p.chunk_overhead_s + 64 / p.tokens_per_s
-                                     + p.attention_s_per_token_sq * 64 * 64)  # fmt: skip
+    assert dt_alone == pytest.approx(
+        p.chunk_overhead_s + 64 / p.tokens_per_s + p.attention_s_per_token_sq * 64 * 64
+    )
 
 
 @pytest.mark.timeout(240)

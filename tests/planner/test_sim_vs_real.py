@@ -33,8 +33,17 @@ PROFILE = BENCH / "profiles/cpu-tiny-1thread-cputime.json"
 @pytest.mark.timeout(300)
 def test_sim_vs_real_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
     rec = tmp_path / "recording"
-    args = ("--quick", "--model", str(tiny_model_dir), "--profile", str(PROFILE),
-            "--out-dir", str(tmp_path), "--work-dir", str(rec))  # fmt: skip
+    args = (
+        "--quick",
+        "--model",
+        str(tiny_model_dir),
+        "--profile",
+        str(PROFILE),
+        "--out-dir",
+        str(tmp_path),
+        "--work-dir",
+        str(rec),
+    )
     result = run_bench("sim_vs_real.py", *args, timeout=290)
     real, sim, n = result["real"], result["sim"], result["trace"]["requests"]
     assert n > 20
@@ -133,11 +142,17 @@ QUIET = {
 
 @pytest.fixture(scope="module", params=sorted(SCORED) + sorted(QUIET))
 def scored(request: pytest.FixtureRequest) -> dict:
-    out = run_bench("sim_vs_real_scaling.py", "--replay", str(RECORDINGS / request.param),
-                    timeout=240)  # fmt: skip
+    out = run_bench(
+        "sim_vs_real_scaling.py", "--replay", str(RECORDINGS / request.param), timeout=240
+    )
     bound, replica_bound = {**SCORED, **QUIET}[request.param]
-    return {**out, "bound": bound, "replica_bound": replica_bound, "name": request.param,
-            "loaded": request.param in SCORED}  # fmt: skip
+    return {
+        **out,
+        "bound": bound,
+        "replica_bound": replica_bound,
+        "name": request.param,
+        "loaded": request.param in SCORED,
+    }
 
 
 def test_scaling_predicted_from_a_calibration_run(scored: dict) -> None:
@@ -222,8 +237,7 @@ def test_a_host_model_that_never_waits_fails_the_bound(scored: dict) -> None:
     sim = replay(run.trace, cfg, (1, 1), startup, 2.0, scaling.DRAIN_S)  # no host
     events = win.real_events(run.dump["log"], run.end_s) + win.sim_events(sim.timeline)
     hit = win.scaling_windows(events, startup, run.end_s)
-    split = win.split_errors(run.trace.arrival, run.ttft_all, sim.arrival, sim.ttft_by_arrival,
-                             hit)  # fmt: skip
+    split = win.split_errors(run.trace.arrival, run.ttft_all, sim.arrival, sim.ttft_by_arrival, hit)
     assert split["sim_vs_real_ttft_p90_error_scaling"] > scored["bound"], split
 
 
@@ -236,8 +250,17 @@ def _dump(engine_cores: float, waits: list[tuple[float, float]]) -> tuple[dict, 
         t = i * 0.5
         e0 = engine_cores * t
         e1 = engine_cores * min(max(t - 4.0, 0.0), 8.0)
-        cpu.append({"t": t, "machine": 2.0 * t, "client": 0.0, "prefill-0": e0,
-                    "prefill-0/engine": e0, "prefill-1": e1, "prefill-1/engine": e1})  # fmt: skip
+        cpu.append(
+            {
+                "t": t,
+                "machine": 2.0 * t,
+                "client": 0.0,
+                "prefill-0": e0,
+                "prefill-0/engine": e0,
+                "prefill-1": e1,
+                "prefill-1/engine": e1,
+            }
+        )
     log = [
         [-1.0, "pdserve up: autoscaler: prefill-0 ready after 30.0s (start-up estimate)"],
         [4.0, "pdserve up: autoscaler: prefill-1 ready after 30.0s (start-up estimate)"],
@@ -276,11 +299,11 @@ def test_a_queued_prefill_cost_is_its_engines_cpu_over_the_profiles_work() -> No
     profile = cal.config(cal.dir / "profile.json").profile
     # backlog [2, 7] and [13, 18] as above; first tokens at 4.0 and 16.0 inside it, the
     # waiting requests' own first tokens (8, 19) and the quick one's outside it
-    dump, arrival, ttft = _dump(0.1, [(2.0, 6.0), (2.5, 1.5), (13.0, 6.0), (14.0, 2.0),
-                                      (19.0, 0.1)])  # fmt: skip
+    dump, arrival, ttft = _dump(
+        0.1, [(2.0, 6.0), (2.5, 1.5), (13.0, 6.0), (14.0, 2.0), (19.0, 0.1)]
+    )
     prompt = np.array([256.0, 400.0, 256.0, 600.0, 64.0])
-    ratio, served = backlogged_cost(dump, np.array(arrival), np.array(ttft), prompt, 20.0,
-                                    profile)  # fmt: skip
+    ratio, served = backlogged_cost(dump, np.array(arrival), np.array(ttft), prompt, 20.0, profile)
     p = profile.prefill
     work = (p.chunk_overhead_s / p.chunk_tokens + 1 / p.tokens_per_s) * (400.0 + 600.0)
     assert served == 2
@@ -302,8 +325,14 @@ def test_the_other_jobs_as_runnable_threads_leave_our_thread_the_measured_share(
     from pdserve.planner.sim.host import Host
 
     bg = np.full(10, 1.6)
-    host = Host(cores=2.0, background_t=np.arange(10.0), background=bg, other_s_per_request=0.0,
-                path_s=0.0, startup_cores=0.1)  # fmt: skip
+    host = Host(
+        cores=2.0,
+        background_t=np.arange(10.0),
+        background=bg,
+        other_s_per_request=0.0,
+        path_s=0.0,
+        startup_cores=0.1,
+    )
     busy = runnable_threads(host, 0.1)
     assert busy.background_groups[0][0][0] == pytest.approx(16.0)
     got = busy.cpu(3.0, [1.0], 0, 0.0)
@@ -317,8 +346,10 @@ def test_the_other_jobs_as_runnable_threads_leave_our_thread_the_measured_share(
     assert host.path_slow > 4  # a saturated machine: the probe's prefill waited for a core
     probe = cal.dump["probe"][1:]
     lengths = [64, 256, 512] * 3
-    simulated = [profile.prefill.service_time(n) * host.path_slow + host.path_s
-                 + host.path_s_per_token * n for n in lengths[1:]]  # fmt: skip
+    simulated = [
+        profile.prefill.service_time(n) * host.path_slow + host.path_s + host.path_s_per_token * n
+        for n in lengths[1:]
+    ]
     # the probe's mean within 20% (a fit of two terms to eight noisy requests; the model
     # before gave 4-8x: the prefill's wait for a core counted twice)
     assert np.mean(simulated) == pytest.approx(np.mean(probe), rel=0.2)
@@ -336,8 +367,20 @@ def test_scale_windows_cover_a_start_up_and_a_removal() -> None:
     """Windows of 10 s: an added worker's whole start-up, a removed one's next interval."""
     events = [win.Event(12.0, "prefill", 1), win.Event(95.0, "decode", -1)]
     hit = win.scaling_windows(events, startup_s=25.0, end_s=120.0)
-    assert hit.tolist() == [False, True, True, True, False, False, False, False, False,
-                            True, False, False]  # fmt: skip
+    assert hit.tolist() == [
+        False,
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
     arrival = np.array([5.0, 15.0, 50.0, 99.0])
     ttft = np.array([0.01, 1.0, 0.02, 2.0])
     out = win.split_errors(arrival, ttft, arrival, ttft * 1.5, hit)
@@ -364,8 +407,13 @@ def test_on_a_quiet_machine_the_doubled_staircase_still_scales() -> None:
     cal = scaling.Recording(scaling.CALIBRATION)
     cfg = cal.config(cal.dir / "profile.json")
     host = replace_bg(cal.host(cfg.profile), 0.05)
-    quiet = replace(runnable_threads(host, 1.0), path_s=0.01, path_s_per_token=0.0,
-                    path_slow=1.0, startup_cores=0.9)  # fmt: skip
+    quiet = replace(
+        runnable_threads(host, 1.0),
+        path_s=0.01,
+        path_s_per_token=0.0,
+        path_slow=1.0,
+        startup_cores=0.9,
+    )
     rates = tuple(2 * r for r in scaling.RATES)
     trace = scaling.staircase(scaling.SCORED_SEED, rates, scaling.PHASES)
     sim = replay(trace, cfg, (1, 1), 20.0, 2.0, scaling.DRAIN_S, host=quiet)

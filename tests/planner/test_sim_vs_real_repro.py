@@ -19,8 +19,20 @@ RECORDINGS = Path(__file__).resolve().parents[2] / "bench" / "recordings" / "sim
 # every calibration run of `pdserve up` as it ships (the core zygote, --max-starting 1) on
 # a quiet host, seed 11, --rate-scale 2; 17:05 left out (a replay script of ours ran
 # beside it). The last three ran after the cores' speed was named as the cause (below).
-QUIET = ["1636", "1641", "1646", "1655", "1714", "1724", "1912", "1922", "1931",
-         "2030", "2035", "2039"]  # fmt: skip
+QUIET = [
+    "1636",
+    "1641",
+    "1646",
+    "1655",
+    "1714",
+    "1724",
+    "1912",
+    "1922",
+    "1931",
+    "2030",
+    "2035",
+    "2039",
+]
 
 
 def _runs(names: list[str]) -> list[str]:

@@ -69,10 +69,16 @@ def test_operator_passes_spec_target_to_planner() -> None:
     """LLMService spec -> planner config: the operator's path, not only the dataclass."""
 
     def svc(q: float):  # type: ignore[no-untyped-def]
-        body = {"model": {"source": {"hostPath": {"path": "/data/models/tiny"}}},
-                "slo": {"ttftMs": 1000, "tpotMs": 50, "targetAttainment": q}}  # fmt: skip
-        obj = {"apiVersion": "pdserve.io/v1alpha1", "kind": "LLMService",
-               "metadata": {"name": "demo", "namespace": "default"}, "spec": body}  # fmt: skip
+        body = {
+            "model": {"source": {"hostPath": {"path": "/data/models/tiny"}}},
+            "slo": {"ttftMs": 1000, "tpotMs": 50, "targetAttainment": q},
+        }
+        obj = {
+            "apiVersion": "pdserve.io/v1alpha1",
+            "kind": "LLMService",
+            "metadata": {"name": "demo", "namespace": "default"},
+            "spec": body,
+        }
         return planner_config(parse_llmservice(obj), H100_LLAMA3_8B)
 
     lo, hi = svc(0.9), svc(0.99)

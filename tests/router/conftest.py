@@ -75,8 +75,9 @@ async def start_cluster(
 ) -> AsyncIterator[Cluster]:
     async with contextlib.AsyncExitStack() as stack:
         f = await start_fakes(stack, n_prefill, n_decode, events)
-        config = RouterConfig(model_dir=str(model_dir), served_model_name="tiny",
-                              health_interval_s=0.2, **cfg)  # fmt: skip
+        config = RouterConfig(
+            model_dir=str(model_dir), served_model_name="tiny", health_interval_s=0.2, **cfg
+        )
         app = create_app(config, StaticSource(f.prefill_urls, f.decode_urls), tokenizer)
         # by default the protocol `pdserve router` serves with (the client watch has no task
         # there); test_retries' disconnect tests run another server's path too (h11)

@@ -72,13 +72,15 @@ def add_lora(app: FastAPI, st: FakeState, lf: LoraFake) -> None:
         lf.calls.append(("load", body["lora_name"]))
         if lf.refuse == "400":
             err = _error(400, "adapter 'x': DoRA (use_dora) is not supported")
-            return JSONResponse({"error": {**json.loads(bytes(err.body))["error"],
-                                           "param": "lora_path"}}, 400)  # fmt: skip
+            return JSONResponse(
+                {"error": {**json.loads(bytes(err.body))["error"], "param": "lora_path"}}, 400
+            )
         try:
             digest = lf.hash_override or adapter_hash(body["lora_path"])
         except OSError:
-            return JSONResponse({"error": {"message": "lora_path is not a directory",
-                                           "param": "lora_path"}}, 400)  # fmt: skip
+            return JSONResponse(
+                {"error": {"message": "lora_path is not a directory", "param": "lora_path"}}, 400
+            )
         lf.known[body["lora_name"]] = digest
         return {"name": body["lora_name"], "hash": digest}
 
@@ -87,8 +89,16 @@ def add_lora(app: FastAPI, st: FakeState, lf: LoraFake) -> None:
         name = json.loads(await request.body())["lora_name"]
         lf.calls.append(("unload", name))
         if lf.known.pop(name, None) is None:
-            return JSONResponse({"error": {"message": "not loaded", "param": "lora_name",
-                                           "code": "lora_not_found"}}, 404)  # fmt: skip
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "not loaded",
+                        "param": "lora_name",
+                        "code": "lora_not_found",
+                    }
+                },
+                404,
+            )
         if name in lf.resident:
             lf.resident.remove(name)
         return {"name": name}
@@ -110,9 +120,12 @@ def keyed_prefill(app: FastAPI, st: FakeState, pub: zmq.asyncio.Socket) -> None:
 
 @contextlib.asynccontextmanager
 async def lora_cluster(
-    tokenizer: PromptTokenizer, model_dir: Path, n_prefill: int = 1, n_decode: int = 1,
+    tokenizer: PromptTokenizer,
+    model_dir: Path,
+    n_prefill: int = 1,
+    n_decode: int = 1,
     **cfg: Any,
-) -> AsyncIterator[tuple[Cluster, list[LoraFake]]]:  # fmt: skip
+) -> AsyncIterator[tuple[Cluster, list[LoraFake]]]:
     """A router before LoRA-aware fakes (the LoraFakes: prefill first, then decode); the
     router's ``loras`` (``--lora``) are known to every fake, as ``pdserve up`` passes them."""
     ctx = zmq.asyncio.Context()
@@ -137,12 +150,14 @@ async def lora_cluster(
                 fakes.append(lf)
                 states[role].append(st)
                 urls[role].append(await stack.enter_async_context(serve(app)))
-        config = RouterConfig(model_dir=str(model_dir), served_model_name="tiny",
-                              health_interval_s=0.2, **cfg)  # fmt: skip
+        config = RouterConfig(
+            model_dir=str(model_dir), served_model_name="tiny", health_interval_s=0.2, **cfg
+        )
         source = StaticSource(urls["prefill"], urls["decode"])
         router = create_app(config, source, tokenizer)
         url = await stack.enter_async_context(serve(router))
-        cluster = Cluster(url, states["prefill"], states["decode"], urls["prefill"],
-                          urls["decode"], router)  # fmt: skip
+        cluster = Cluster(
+            url, states["prefill"], states["decode"], urls["prefill"], urls["decode"], router
+        )
         yield cluster, fakes
     ctx.term()

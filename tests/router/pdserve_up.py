@@ -40,15 +40,38 @@ class Up:
 @contextlib.contextmanager
 def run_up(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[Up]:
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", str(model_dir),
-            "--port", str(port), "--dtype", "float32",
-            "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
-            "--disagg-threshold", str(DISAGG_THRESHOLD), "--log-dir", str(log_dir),
-            # Away from the default 8100/8200 that other loopback tests start from.
-            "--worker-port-base", str(worker_port_base()),
-            "--worker-arg=--max-model-len", "--worker-arg=1024", *extra]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, start_new_session=True)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--kv-transport",
+        os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
+        "--disagg-threshold",
+        str(DISAGG_THRESHOLD),
+        "--log-dir",
+        str(log_dir),
+        # Away from the default 8100/8200 that other loopback tests start from.
+        "--worker-port-base",
+        str(worker_port_base()),
+        "--worker-arg=--max-model-len",
+        "--worker-arg=1024",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         url, workers = wait_until_up(proc)
         yield Up(url, workers, proc)

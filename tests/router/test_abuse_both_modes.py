@@ -18,8 +18,14 @@ from tests.router.test_picker import completion, start_picker
 
 pytestmark = pytest.mark.timeout(90)
 
-LIMITS = {"api_keys": ("ka", "kb", "kc", "kd"), "rate_limit_rpm": 2, "rate_limit_tpm": 500,
-          "max_concurrency_per_key": 1, "max_body_bytes": 4096, "max_waiting": 0}  # fmt: skip
+LIMITS = {
+    "api_keys": ("ka", "kb", "kc", "kd"),
+    "rate_limit_rpm": 2,
+    "rate_limit_tpm": 500,
+    "max_concurrency_per_key": 1,
+    "max_body_bytes": 4096,
+    "max_waiting": 0,
+}
 Send = Callable[[str, bytes], Awaitable[int]]
 Hold = Callable[[str], Awaitable[Callable[[], Awaitable[None]]]]
 
@@ -30,8 +36,10 @@ def _body(max_tokens: int = 4, prompt: str = "hello") -> bytes:
 
 async def battery(send: Send, hold: Hold) -> list[tuple[str, int, int]]:
     """(case, expected, got) for each attack; a mode passes when every got == expected."""
-    out = [("no key", 401, await send("", _body())),
-           ("a wrong key", 401, await send("nope", _body()))]  # fmt: skip
+    out = [
+        ("no key", 401, await send("", _body())),
+        ("a wrong key", 401, await send("nope", _body())),
+    ]
     codes = [await send("ka", _body()) for _ in range(3)]
     out.append(("rpm 2: the third request", 429, codes[2]))
     await send("kb", _body(300))  # ~302 of the 500 tokens

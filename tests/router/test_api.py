@@ -46,9 +46,12 @@ async def test_completion_short_prompt_goes_straight_to_decode(cluster_factory) 
 async def test_completion_streaming_with_usage(cluster_factory) -> None:
     async with cluster_factory(disagg_threshold=32) as c:
         stream = await client(c.url).completions.create(
-            model="tiny", prompt=LONG, max_tokens=4, stream=True,
+            model="tiny",
+            prompt=LONG,
+            max_tokens=4,
+            stream=True,
             stream_options={"include_usage": True},
-        )  # fmt: skip
+        )
         chunks = [ch async for ch in stream]
         texts = [ch.choices[0].text for ch in chunks if ch.choices]
         # the prefill's token first, on its own; decode tokens that arrive together may
@@ -126,5 +129,5 @@ async def test_models_health_workers_metrics(cluster_factory) -> None:
             "pdserve_router_queue_depth 0.0",
             "pdserve_router_prefill_queue_depth 0.0",  # back to 0 after the first token
         ):
-            assert name in text, name  # fmt: skip
+            assert name in text, name
         await c.settle()

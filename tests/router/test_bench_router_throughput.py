@@ -62,10 +62,26 @@ def test_router_throughput_quick(tmp_path: Path) -> None:
 
 
 def test_rounds_are_summarised_by_median_and_range() -> None:
-    runs = [{"path": "pd", "prompt": "ids", "router_cpu_us_per_req": cpu, "rps": 700.0,
-             "router_writes_per_req": 5.0} for cpu in (900.0, 1200.0, 1000.0)]  # fmt: skip
-    runs.append({"path": "direct", "prompt": "ids", "router_cpu_us_per_req": 600.0, "rps": 1e3,
-                 "router_writes_per_req": 3.0, "added_p50_ms": 1.5})  # fmt: skip
+    runs = [
+        {
+            "path": "pd",
+            "prompt": "ids",
+            "router_cpu_us_per_req": cpu,
+            "rps": 700.0,
+            "router_writes_per_req": 5.0,
+        }
+        for cpu in (900.0, 1200.0, 1000.0)
+    ]
+    runs.append(
+        {
+            "path": "direct",
+            "prompt": "ids",
+            "router_cpu_us_per_req": 600.0,
+            "rps": 1e3,
+            "router_writes_per_req": 3.0,
+            "added_p50_ms": 1.5,
+        }
+    )
     rows = {r["path"]: r for r in summarise(runs)}
     assert rows["pd"]["rounds"] == 3
     assert rows["pd"]["router_cpu_us_per_req"] == {"median": 1000.0, "range": [900.0, 1200.0]}
@@ -74,16 +90,22 @@ def test_rounds_are_summarised_by_median_and_range() -> None:
 
 
 def test_a_compared_tree_is_summarised_apart_with_the_ratio() -> None:
-    runs = [{"path": "pd", "prompt": "ids", "tree": tree, "router_cpu_us_per_req": cpu,
-             "rps": 1e3, "router_writes_per_req": 5.0}
-            for tree, cpu in (("main", 600.0), ("compare", 800.0), ("main", 700.0),
-                              ("compare", 700.0))]  # fmt: skip
+    runs = [
+        {
+            "path": "pd",
+            "prompt": "ids",
+            "tree": tree,
+            "router_cpu_us_per_req": cpu,
+            "rps": 1e3,
+            "router_writes_per_req": 5.0,
+        }
+        for tree, cpu in (("main", 600.0), ("compare", 800.0), ("main", 700.0), ("compare", 700.0))
+    ]
     rows = summarise(runs)
     assert [r.get("tree", "main") for r in rows] == ["main", "compare"]
     assert rows[0]["router_cpu_us_per_req"]["median"] == 650.0
     assert rows[1]["router_cpu_us_per_req"]["median"] == 750.0
-    assert compare(rows) == [{"path": "pd", "prompt": "ids",
-                              "cpu_ratio_main_over_compare": 0.867}]  # fmt: skip
+    assert compare(rows) == [{"path": "pd", "prompt": "ids", "cpu_ratio_main_over_compare": 0.867}]
 
 
 @pytest.mark.bench
@@ -92,8 +114,16 @@ def test_floor_and_a_compared_tree_quick() -> None:
     """``--floor``: bench/floor_apps.py's bare front and its two worker calls, driven by the
     same client; ``--compare-tree``: the path again from another checkout (here this one)."""
     root = str(Path(__file__).resolve().parents[2])
-    result = run_bench("router_throughput.py", "--quick", "--paths", "direct", "--floor",
-                       "--compare-tree", root, timeout=220)  # fmt: skip
+    result = run_bench(
+        "router_throughput.py",
+        "--quick",
+        "--paths",
+        "direct",
+        "--floor",
+        "--compare-tree",
+        root,
+        timeout=220,
+    )
     runs = {(r["path"], r["prompt"], r.get("tree")): r for r in result["runs"]}
     floors = [(f"floor-{m}", "ids", None) for m in ("bare", "calls", "lean", "lean-stream")]
     assert {("direct", "ids", "main"), ("direct", "ids", "compare"), *floors} <= set(runs)
@@ -139,6 +169,11 @@ def test_opt_venv_runs_the_router_from_this_venvs_packages(tmp_path: Path, capsy
     python = out.out.strip()
     assert Path(python).exists() and "pure-Python loop" in out.err
     root = Path(__file__).resolve().parents[2]
-    got = subprocess.run([python, "-m", "pdserve", "router", "--help"], cwd=root,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    got = subprocess.run(
+        [python, "-m", "pdserve", "router", "--help"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert got.returncode == 0 and "--procs" in got.stdout, got.stderr[-2000:]

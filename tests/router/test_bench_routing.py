@@ -17,8 +17,15 @@ WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.p
 def test_routing_bench_quick(tmp_path: Path) -> None:
     args = ("--quick", "--out", str(tmp_path), "--worker-port-base", str(worker_port_base()))
     result = run_bench("routing.py", *args, timeout=880)
-    for key in ("prefix_hit_ratio", "rr_hit_ratio", "prefix_ttft_p50_ms", "rr_ttft_p50_ms",
-                "ttft_p50_speedup", "router_overhead_p50_ms", "proxy_overhead_p50_ms"):  # fmt: skip
+    for key in (
+        "prefix_hit_ratio",
+        "rr_hit_ratio",
+        "prefix_ttft_p50_ms",
+        "rr_ttft_p50_ms",
+        "ttft_p50_speedup",
+        "router_overhead_p50_ms",
+        "proxy_overhead_p50_ms",
+    ):
         assert isinstance(result[key], (int, float)), key
     assert result["prefix_requests"] == result["rr_requests"] == 16
     # 4 groups x 4 requests: only each group's first request may miss

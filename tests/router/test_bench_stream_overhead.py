@@ -16,8 +16,17 @@ PARTS = ("router", "worker", "worker_http", "engine", "stream_path")
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_stream_overhead_bench_quick(tmp_path: Path, tiny_model_dir: Path) -> None:
-    result = run_bench("stream_overhead.py", "--quick", "--baseline", "HEAD", "--out",
-                       str(tmp_path), "--model", str(tiny_model_dir), timeout=380)  # fmt: skip
+    result = run_bench(
+        "stream_overhead.py",
+        "--quick",
+        "--baseline",
+        "HEAD",
+        "--out",
+        str(tmp_path),
+        "--model",
+        str(tiny_model_dir),
+        timeout=380,
+    )
     assert result["tokens_per_tree"] == 2 * 64 * 32  # 2 rounds of 64 streams x 32 tokens
     assert result["outputs_identical"] is True  # same prompts, greedy: same texts
     for tree in ("baseline", "ours"):

@@ -45,8 +45,9 @@ async def test_add_generation_prompt(cluster) -> None:
 
 
 async def test_continue_final_message_leaves_the_answer_open(cluster) -> None:
-    text = await _prompt(cluster, messages=[USER, OPENING], add_generation_prompt=False,
-                         continue_final_message=True)  # fmt: skip
+    text = await _prompt(
+        cluster, messages=[USER, OPENING], add_generation_prompt=False, continue_final_message=True
+    )
     assert text.endswith("<|im_start|>assistant\nOnce upon a time")  # no <|im_end|>
     closed = await _prompt(cluster, messages=[USER, OPENING], add_generation_prompt=False)
     assert closed.endswith("Once upon a time<|im_end|>\n")
@@ -55,17 +56,23 @@ async def test_continue_final_message_leaves_the_answer_open(cluster) -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"messages": [USER, OPENING], "continue_final_message": True},  # gen. prompt too
-         "continue_final_message"),
-        ({"messages": [USER], "add_generation_prompt": False, "continue_final_message": True},
-         "continue_final_message"),  # the last message is not the assistant's
+        (
+            {"messages": [USER, OPENING], "continue_final_message": True},  # gen. prompt too
+            "continue_final_message",
+        ),
+        (
+            {"messages": [USER], "add_generation_prompt": False, "continue_final_message": True},
+            "continue_final_message",
+        ),  # the last message is not the assistant's
         ({"messages": [USER], "add_generation_prompt": "no"}, "add_generation_prompt"),
         ({"messages": [USER], "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
-        ({"messages": [USER], "chat_template_kwargs": {"chat_template": "{{ 'pwned' }}"}},
-         "chat_template_kwargs"),
+        (
+            {"messages": [USER], "chat_template_kwargs": {"chat_template": "{{ 'pwned' }}"}},
+            "chat_template_kwargs",
+        ),
         ({"messages": [USER], "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ],
-)  # fmt: skip
+)
 async def test_bad_values_are_refused_naming_the_field(cluster, fields, param) -> None:
     for path in ("/v1/chat/completions", "/tokenize"):
         async with httpx.AsyncClient(base_url=cluster.url, timeout=30) as h:
@@ -76,8 +83,11 @@ async def test_bad_values_are_refused_naming_the_field(cluster, fields, param) -
 
 
 async def test_tokenize_renders_like_the_chat_endpoint(cluster) -> None:
-    fields = {"messages": [USER, OPENING], "add_generation_prompt": False,
-              "continue_final_message": True}  # fmt: skip
+    fields = {
+        "messages": [USER, OPENING],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
     text = await _prompt(cluster, **fields)
     async with httpx.AsyncClient(base_url=cluster.url, timeout=30) as h:
         r = await h.post("/tokenize", json=fields)
@@ -100,6 +110,9 @@ def test_chat_template_kwargs_reach_the_template(tiny_model_dir: Path, tmp_path:
     cfg_path.write_text(json.dumps(cfg))
     tok = PromptTokenizer(str(tmp_path))
     plain = tok.tok.decode(tok.encode_chat([USER]))
-    off = tok.tok.decode(tok.encode_chat([USER], options=ChatTemplateOptions(
-        True, False, {"enable_thinking": False})))  # fmt: skip
+    off = tok.tok.decode(
+        tok.encode_chat(
+            [USER], options=ChatTemplateOptions(True, False, {"enable_thinking": False})
+        )
+    )
     assert "no-think" not in plain and off == plain + "no-think\n"

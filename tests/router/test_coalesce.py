@@ -84,15 +84,24 @@ async def _app(scope: dict, receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return
     if scope["path"] == "/stream":
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         await send({"type": "http.response.body", "body": b"data: one\n\n", "more_body": True})
         await GATE.wait()
         await send({"type": "http.response.body", "body": b"data: two\n\n", "more_body": False})
         return
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", b"2")]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")],
+        }
+    )
     await send({"type": "http.response.body", "body": b"{}"})
 
 
@@ -101,8 +110,14 @@ GATE = asyncio.Event()
 
 @contextlib.asynccontextmanager
 async def serving() -> AsyncIterator[int]:
-    config = uvicorn.Config(_app, host="127.0.0.1", port=0, http=CoalescingHttpTools,
-                            log_level="warning", lifespan="off")  # fmt: skip
+    config = uvicorn.Config(
+        _app,
+        host="127.0.0.1",
+        port=0,
+        http=CoalescingHttpTools,
+        log_level="warning",
+        lifespan="off",
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:

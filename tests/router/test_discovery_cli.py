@@ -12,25 +12,33 @@ from pdserve.router.discovery.workers import events_address, normalize_url
 from pdserve.router.main import add_arguments, build_config, build_source
 
 
-def slice_(service: str, *endpoints: tuple[str, dict[str, bool]], port: int = 8080,
-           family: str = "IPv4") -> dict:  # fmt: skip
-    return {"metadata": {"labels": {"kubernetes.io/service-name": service}},
-            "addressType": family, "ports": [{"name": "http", "port": port}],
-            "endpoints": [{"addresses": [ip], "conditions": c} for ip, c in endpoints]}  # fmt: skip
+def slice_(
+    service: str, *endpoints: tuple[str, dict[str, bool]], port: int = 8080, family: str = "IPv4"
+) -> dict:
+    return {
+        "metadata": {"labels": {"kubernetes.io/service-name": service}},
+        "addressType": family,
+        "ports": [{"name": "http", "port": port}],
+        "endpoints": [{"addresses": [ip], "conditions": c} for ip, c in endpoints],
+    }
 
 
 def test_endpoints_from_slices_by_conditions() -> None:
     roles = pool_roles("llm")
     assert roles == {"llm-prefill": "prefill", "llm-decode": "decode"}
     slices = [
-        slice_("llm-decode", ("10.0.0.2", {"ready": True}), ("10.0.0.3", {"ready": False}),
-               ("10.0.0.6", {"ready": False, "serving": True, "terminating": True}),
-               ("10.0.0.7", {})),  # nil ready: the API says to treat it as ready
+        slice_(
+            "llm-decode",
+            ("10.0.0.2", {"ready": True}),
+            ("10.0.0.3", {"ready": False}),
+            ("10.0.0.6", {"ready": False, "serving": True, "terminating": True}),
+            ("10.0.0.7", {}),
+        ),  # nil ready: the API says to treat it as ready
         slice_("llm-prefill", ("10.0.0.1", {"ready": True}), port=9000),
         slice_("llm-decode", ("10.0.0.2", {"ready": True})),  # the same pod in two slices
         slice_("llm", ("10.0.0.4", {"ready": True})),  # the router's own Service
         slice_("llm-decode", ("fd00::5", {"ready": True}), family="IPv6"),
-    ]  # fmt: skip
+    ]
     assert [(e.role, e.url) for e in endpoints_from_slices(slices, roles)] == [
         ("decode", "http://10.0.0.2:8080"),
         ("decode", "http://10.0.0.7:8080"),
@@ -72,12 +80,29 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_cli_config_and_api_keys(tmp_path, monkeypatch) -> None:
-    args = _parse("--model", "/m", "--decode", "h:1", "--prefill", "h:2", "--prefill", "h:3",
-                  "--picker", "round-robin", "--disagg-threshold", "99",
-                  "--max-queue", "7")  # fmt: skip
+    args = _parse(
+        "--model",
+        "/m",
+        "--decode",
+        "h:1",
+        "--prefill",
+        "h:2",
+        "--prefill",
+        "h:3",
+        "--picker",
+        "round-robin",
+        "--disagg-threshold",
+        "99",
+        "--max-queue",
+        "7",
+    )
     cfg = build_config(args)
     assert (cfg.picker, cfg.disagg_threshold, cfg.max_queue, cfg.api_keys) == (
-        "round-robin", 99, 7, ())  # fmt: skip
+        "round-robin",
+        99,
+        7,
+        (),
+    )
     assert args.prefill == ["h:2", "h:3"]
     monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
     assert build_config(args).api_keys == ("from-env",)
@@ -95,7 +120,10 @@ def test_cli_config_and_api_keys(tmp_path, monkeypatch) -> None:
 def test_scorers_are_name_weight_pairs_and_round_robin_is_a_picker() -> None:
     cfg = build_config(_parse("--model", "/m", "--scorer", "prefix=2", "--scorer", "load=1"))
     assert [(s.name, s.weight) for s in cfg.prefill_scorers] == [
-        ("prefix-match", 2.0), ("queued-tokens", 1.0), ("running", 1.0)]  # fmt: skip
+        ("prefix-match", 2.0),
+        ("queued-tokens", 1.0),
+        ("running", 1.0),
+    ]
     assert cfg.picker == "max-score" and cfg.uses_prefix
     cfg = build_config(_parse("--model", "/m", "--scorer", "running=3", "--decode-scorer", "kv=2"))
     assert [(s.name, s.weight) for s in cfg.decode_scorers] == [("free-kv", 2.0)]

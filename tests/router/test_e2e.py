@@ -38,15 +38,34 @@ def up(tiny_model_dir: Path, tmp_path_factory):
     """``pdserve up`` as a user runs it; yields (router URL, worker URLs)."""
     logs = tmp_path_factory.mktemp("up-logs")
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", str(tiny_model_dir),
-            "--port", str(port), "--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
-            "--disagg-threshold", "32", "--log-dir", str(logs),
-            "--worker-arg=--max-model-len", "--worker-arg=1024"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        str(port),
+        "--kv-transport",
+        os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
+        "--disagg-threshold",
+        "32",
+        "--log-dir",
+        str(logs),
+        "--worker-arg=--max-model-len",
+        "--worker-arg=1024",
+    ]
     # Started as a shell starts a background job: SIGINT ignored (the stop test sends it).
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-        start_new_session=True, preexec_fn=_ignore_sigint,
-    )  # fmt: skip
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+        preexec_fn=_ignore_sigint,
+    )
     url, workers = wait_until_up(proc)
     assert len(workers) == 2, workers  # the default: one prefill, one decode worker
     yield url, workers, proc
@@ -58,17 +77,33 @@ def test_openai_client_against_real_workers(up) -> None:
     cl = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     model = cl.models.list().data[0].id
     long_prompt = "Tell me a story about a fox. " * 20
-    out = cl.completions.create(model=model, prompt=long_prompt, max_tokens=8, temperature=0,
-                                extra_body={"ignore_eos": True})  # fmt: skip
+    out = cl.completions.create(
+        model=model,
+        prompt=long_prompt,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
-    again = cl.completions.create(model=model, prompt=long_prompt, max_tokens=8, temperature=0,
-                                  extra_body={"ignore_eos": True})  # fmt: skip
+    again = cl.completions.create(
+        model=model,
+        prompt=long_prompt,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert again.choices[0].text == out.choices[0].text  # greedy: same text, now from cache
     assert again.usage.prompt_tokens_details.cached_tokens > 0
-    chunks = list(cl.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": long_prompt}], max_tokens=6,
-        stream=True, stream_options={"include_usage": True}, temperature=0,
-    ))  # fmt: skip
+    chunks = list(
+        cl.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": long_prompt}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=0,
+        )
+    )
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 6
     short = cl.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
@@ -87,8 +122,11 @@ def test_load_200_requests_at_concurrency_50(up) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=600) as h:
 
             async def one(i: int) -> int:
-                body = {"model": "tiny-seed0", "prompt": f"request {i}: " + "word " * (i % 60),
-                        "max_tokens": 8}  # fmt: skip
+                body = {
+                    "model": "tiny-seed0",
+                    "prompt": f"request {i}: " + "word " * (i % 60),
+                    "max_tokens": 8,
+                }
                 async with sem:
                     r = await h.post("/v1/completions", json=body)
                     return r.status_code

@@ -70,8 +70,14 @@ def test_echo_loglikelihood_equals_transformers(up: Up, hf: Any, context_len: in
     for _ in range(2):  # the second one's prefix is cached on the workers
         # lm-eval 0.4.13's loglikelihood payload, byte for byte (openai_completions.py), so
         # CI runs the harness's shape even where lm_eval is not installed
-        body = {"prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1,
-                "seed": 1234, "echo": True}  # fmt: skip
+        body = {
+            "prompt": [ids],
+            "temperature": 0,
+            "max_tokens": 1,
+            "logprobs": 1,
+            "seed": 1234,
+            "echo": True,
+        }
         resp = _post(up, body)
         assert resp.status_code == 200, resp.text
         lps = resp.json()["choices"][0]["logprobs"]
@@ -117,8 +123,15 @@ def test_prompt_logprobs_vllm_shape(up: Up, hf: Any) -> None:
 
 
 def test_echo_streamed_equals_whole(up: Up) -> None:
-    body = {"model": _model(up), "prompt": "Once upon a time in a land far away", "echo": True,
-            "logprobs": 1, "max_tokens": 4, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": _model(up),
+        "prompt": "Once upon a time in a land far away",
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     whole = _post(up, body).json()["choices"][0]
     chunks = list(sse_chunks(up.url + "/v1/completions", {**body, "stream": True}))
     texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
@@ -130,13 +143,15 @@ def test_echo_streamed_equals_whole(up: Up) -> None:
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [({"prompt": "hi", "echo": True, "n": 2}, "echo"),
-     ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
-     ({"prompt": "hi", "echo": "yes"}, "echo"),
-     ({"prompt": "hi", "suffix": "end"}, "suffix"),
-     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-     ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo")],
-)  # fmt: skip
+    [
+        ({"prompt": "hi", "echo": True, "n": 2}, "echo"),
+        ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "hi", "echo": "yes"}, "echo"),
+        ({"prompt": "hi", "suffix": "end"}, "suffix"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+    ],
+)
 def test_refused_by_name(up: Up, body: dict[str, Any], param: str) -> None:
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     resp = httpx.post(up.url + path, json={"model": _model(up), **body}, timeout=60)
@@ -157,10 +172,13 @@ metric_list:
   - metric: acc
 """
 MC_DOCS = [
-    {"question": "The capital of France is", "choices": [" Paris", " Rome", " Berlin"],
-     "answer": 0},
+    {
+        "question": "The capital of France is",
+        "choices": [" Paris", " Rome", " Berlin"],
+        "answer": 0,
+    },
     {"question": "Two plus two equals", "choices": [" four", " five"], "answer": 0},
-]  # fmt: skip
+]
 
 
 def test_lm_eval_local_completions(up: Up, hf: Any, tiny_model_dir: Path, tmp_path: Path):
@@ -174,10 +192,18 @@ def test_lm_eval_local_completions(up: Up, hf: Any, tiny_model_dir: Path, tmp_pa
     data = tmp_path / "mc.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in MC_DOCS))
     (tmp_path / "pdserve_mc.yaml").write_text(MC_TASK.format(data=data))
-    lm = LocalCompletionsAPI(base_url=up.url + "/v1/completions", model=_model(up),
-                             tokenizer=str(tiny_model_dir), max_retries=1)  # fmt: skip
-    out = lm_eval.simple_evaluate(model=lm, tasks=["pdserve_mc"], log_samples=True,
-                                  task_manager=TaskManager(include_path=str(tmp_path)))  # fmt: skip
+    lm = LocalCompletionsAPI(
+        base_url=up.url + "/v1/completions",
+        model=_model(up),
+        tokenizer=str(tiny_model_dir),
+        max_retries=1,
+    )
+    out = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=["pdserve_mc"],
+        log_samples=True,
+        task_manager=TaskManager(include_path=str(tmp_path)),
+    )
     assert "acc,none" in out["results"]["pdserve_mc"]
     samples = out["samples"]["pdserve_mc"]
     assert len(samples) == len(MC_DOCS)

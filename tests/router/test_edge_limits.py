@@ -21,15 +21,19 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 4
 
 async def test_body_over_the_limit_is_413_without_reading_it(cluster_factory) -> None:
     async with cluster_factory(max_body_bytes=1 << 20) as c:
-        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Content-Length: 60000000\r\n\r\n")  # fmt: skip
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 60000000\r\n\r\n"
+        )
         t0 = time.monotonic()
         reply = await asyncio.to_thread(exchange, c.url, head, b'{"model": "tiny"')
         assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
         assert b"request_too_large" in reply and time.monotonic() - t0 < 5
         # chunked, no Content-Length: refused once the bytes read pass the limit
-        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         chunk = b"x" * 65536
         body = (b"%x\r\n" % len(chunk) + chunk + b"\r\n") * 20  # 1.3 MB, never terminated
         reply = await asyncio.to_thread(exchange, c.url, head, body)
@@ -45,8 +49,10 @@ async def test_a_whole_body_over_the_limit_is_413(cluster_factory) -> None:
     it by) is read at once, without a wait (router/edge.py's ``_whole_body``), and still
     bounded."""
     async with cluster_factory(max_body_bytes=1000) as c:
-        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         for size, status in ((1001, b"413"), (1000, b"400")):  # 1000 bytes of "y": no JSON
             data = b"y" * size
             body = b"%x\r\n" % len(data) + data + b"\r\n0\r\n\r\n"
@@ -103,9 +109,14 @@ async def test_tokenize_passes_the_same_gates_as_a_completion(cluster_factory) -
     """/tokenize and /detokenize run on the tokenizer threads the completions share: they
     are admitted under --max-queue and the request rate limit before their body is read,
     and their text is bounded by --max-prompt-chars before it is tokenized."""
-    async with cluster_factory(max_queue=1, max_waiting=0, disagg_threshold=10_000,
-                               max_prompt_chars=1000, api_keys=("ka",),
-                               rate_limit_rpm=5) as c:  # fmt: skip
+    async with cluster_factory(
+        max_queue=1,
+        max_waiting=0,
+        disagg_threshold=10_000,
+        max_prompt_chars=1000,
+        api_keys=("ka",),
+        rate_limit_rpm=5,
+    ) as c:
         c.decode[0].token_delay_s = 0.05
         auth = {"Authorization": "Bearer ka"}
         async with httpx.AsyncClient(base_url=c.url, timeout=30, headers=auth) as h:

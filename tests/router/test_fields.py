@@ -25,9 +25,16 @@ def test_docs_table_lists_every_field() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value", "chat"),
-    [("functions", [], True), ("audio", {}, True), ("tools", [], False), ("store", True, True),
-     ("modalities", ["audio"], True), ("top_logprobs", 1, False), ("whatever", 1, False)],
-)  # fmt: skip
+    [
+        ("functions", [], True),
+        ("audio", {}, True),
+        ("tools", [], False),
+        ("store", True, True),
+        ("modalities", ["audio"], True),
+        ("top_logprobs", 1, False),
+        ("whatever", 1, False),
+    ],
+)
 def test_unknown_or_unsupported_fields_are_refused(field: str, value: object, chat: bool) -> None:
     with pytest.raises(APIError) as err:
         check_fields({field: value}, chat)

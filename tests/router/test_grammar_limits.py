@@ -22,19 +22,26 @@ def _deep(levels: int) -> dict[str, Any]:
 
 def _tools(n: int) -> list[dict[str, Any]]:
     params = {"type": "object", "properties": {"x": {"type": "string", "enum": ["a", "b"]}}}
-    return [{"type": "function", "function": {"name": f"f{i}", "parameters": params}}
-            for i in range(n)]  # fmt: skip
+    return [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": params}} for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize(
     ("spec", "code"),
-    [({"type": "json_schema", "schema": {"enum": list(range(MAX_ALTERNATIVES + 1))}},
-      "grammar_too_many_alternatives"),
-     ({"type": "choice", "choice": [f"c{i}" for i in range(MAX_ALTERNATIVES + 1)]},
-      "grammar_too_many_alternatives"),
-     ({"type": "json_schema", "schema": _deep(12)}, "grammar_too_deep"),
-     ({"type": "regex", "regex": "a" * 70_000}, "grammar_too_large")],
-)  # fmt: skip
+    [
+        (
+            {"type": "json_schema", "schema": {"enum": list(range(MAX_ALTERNATIVES + 1))}},
+            "grammar_too_many_alternatives",
+        ),
+        (
+            {"type": "choice", "choice": [f"c{i}" for i in range(MAX_ALTERNATIVES + 1)]},
+            "grammar_too_many_alternatives",
+        ),
+        ({"type": "json_schema", "schema": _deep(12)}, "grammar_too_deep"),
+        ({"type": "regex", "regex": "a" * 70_000}, "grammar_too_large"),
+    ],
+)
 def test_past_a_bound_is_refused(spec: dict[str, Any], code: str) -> None:
     with pytest.raises(APIError) as err:
         check_grammar({**spec, "param": "response_format"})
@@ -54,8 +61,13 @@ async def test_refused_through_the_router(cluster_factory) -> None:
         r = await h.post("/v1/chat/completions", json=many)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
         assert "--max-schema-bytes" in r.json()["error"]["message"]
-        big = {**chat, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"enum": ["v" * 50] * 100}}}}  # fmt: skip
+        big = {
+            **chat,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"enum": ["v" * 50] * 100}},
+            },
+        }
         r = await h.post("/v1/chat/completions", json=big)
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
         assert all(st.requests == [] for st in c.prefill + c.decode)

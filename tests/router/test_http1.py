@@ -16,8 +16,11 @@ Reply = Callable[[bytes], bytes]  # the request's head and body -> the raw reply
 
 async def read_request(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length"))  # fmt: skip
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length")
+    )
     return head + await reader.readexactly(length)
 
 
@@ -77,8 +80,9 @@ async def test_calls_reuse_one_connection_when_each_reply_is_read(serve) -> None
 async def test_a_chunked_stream_is_read_as_it_comes(serve) -> None:
     chunks = [b"a\n", b"bb\n", b"ccc"]
     body = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
-    url, _ = await serve(lambda req: b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-                         + body)  # fmt: skip
+    url, _ = await serve(
+        lambda req: b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body
+    )
     pool = WorkerPool(keys.KeyRing(keys.HTTP, ""))
     async with await pool.post(url, "/generate", b"{}", 5.0) as resp:
         assert await resp.read() == b"a\nbb\nccc"
@@ -91,11 +95,17 @@ async def test_calls_are_signed_and_a_reply_must_prove_the_secret(serve) -> None
 
     def proving(req: bytes) -> bytes:
         head, body = req.split(b"\r\n\r\n", 1)
-        auth = next(line.split(b": ", 1)[1].decode() for line in head.split(b"\r\n")
-                    if line.lower().startswith(signing.HEADER_KEY))  # fmt: skip
+        auth = next(
+            line.split(b": ", 1)[1].decode()
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(signing.HEADER_KEY)
+        )
         assert verifier.check("POST", "/w/prefill", auth, body).key is not None
-        return ok(b"{}", b"%s: %s\r\n" % (signing.PROOF_HEADER.encode(),
-                                         signing.proof(ring.signing, auth).encode()))  # fmt: skip
+        return ok(
+            b"{}",
+            b"%s: %s\r\n"
+            % (signing.PROOF_HEADER.encode(), signing.proof(ring.signing, auth).encode()),
+        )
 
     url, _ = await serve(proving)
     pool = WorkerPool(ring)

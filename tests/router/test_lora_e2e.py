@@ -35,9 +35,13 @@ async def _greedy(url: str, model: str) -> tuple[list[int], int]:
     """(token ids, cached prompt tokens) of one greedy completion through the router."""
     cl = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
     out = await cl.completions.create(
-        model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
+        model=model,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=0,
         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-    )  # fmt: skip
+    )
     await cl.close()
     lp = out.choices[0].logprobs
     assert lp is not None and lp.tokens is not None
@@ -68,7 +72,10 @@ def test_lora_through_the_router(tiny_model_dir: Path, tmp_path: Path) -> None:
         models = httpx.get(url + "/v1/models", headers=AUTH, timeout=10).json()["data"]
         base_name = models[0]["id"]
         assert [(m["id"], m.get("parent")) for m in models] == [
-            (base_name, None), ("attn8", base_name), ("mlp4", base_name)]  # fmt: skip
+            (base_name, None),
+            ("attn8", base_name),
+            ("mlp4", base_name),
+        ]
 
         async def mixed() -> list[tuple[list[int], int]]:
             return await asyncio.gather(*(_greedy(url, m) for m in (base_name, "attn8", "mlp4")))
@@ -88,8 +95,9 @@ def test_lora_through_the_router(tiny_model_dir: Path, tmp_path: Path) -> None:
         r = httpx.post(url + "/v1/load_lora_adapter", json=load, headers=AUTH, timeout=120)
         assert r.status_code == 200, r.text
         assert asyncio.run(_greedy(url, "all16"))[0] == want["all16"]
-        r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "all16"},
-                       headers=AUTH, timeout=60)  # fmt: skip
+        r = httpx.post(
+            url + "/v1/unload_lora_adapter", json={"lora_name": "all16"}, headers=AUTH, timeout=60
+        )
         assert r.status_code == 200, r.text
         with pytest.raises(openai.NotFoundError):
             asyncio.run(_greedy(url, "all16"))

@@ -62,8 +62,10 @@ async def test_adapter_request_carries_lora_to_both_workers(
     sql, chat = write_adapter(tmp_path, "sql", 1), write_adapter(tmp_path, "chat", 2)
     loras = (("sql", str(sql)), ("chat", str(chat)))
     kw: dict[str, Any] = {"loras": loras, "disagg_threshold": 8}
-    async with lora_cluster(router_tokenizer, tiny_model_dir, **kw) as (c, fakes), \
-            httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
+    async with (
+        lora_cluster(router_tokenizer, tiny_model_dir, **kw) as (c, fakes),
+        httpx.AsyncClient(base_url=c.url) as h,
+    ):
         fakes[1].resident.append("sql")  # the decode worker holds sql in memory
         await _until(lambda: c.runtime.discovery.snapshot().decode[0].stats.loras == ["sql"])
         models = (await h.get("/v1/models")).json()["data"]
@@ -80,15 +82,22 @@ async def test_adapter_request_carries_lora_to_both_workers(
         short = await h.post("/v1/completions", json=_body("chat", "hi"))  # decode only
         assert short.status_code == 200
         assert c.decode[0].requests[-1].lora == LoraRef("chat", adapter_hash(chat))
-        chat_r = await h.post("/v1/chat/completions", json={
-            "model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "n": 2,
-        })  # fmt: skip
+        chat_r = await h.post(
+            "/v1/chat/completions",
+            json={
+                "model": "chat",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "n": 2,
+            },
+        )
         assert chat_r.status_code == 200, chat_r.text
         assert all(r.lora is not None for r in c.decode[0].requests[-2:])
-        routed = {(s.labels["role"], s.labels["resident"]): s.value
-                  for s in c.runtime.metrics.lora_routed.collect()[0].samples
-                  if s.name.endswith("_total")}  # fmt: skip
+        routed = {
+            (s.labels["role"], s.labels["resident"]): s.value
+            for s in c.runtime.metrics.lora_routed.collect()[0].samples
+            if s.name.endswith("_total")
+        }
         assert routed[("decode", "true")] == 1 and routed[("prefill", "false")] >= 1
         assert routed[("decode", "false")] >= 2 and ("prefill", "true") not in routed
         missing = await h.post("/v1/completions", json=_body("nope"))
@@ -102,9 +111,12 @@ async def test_prefix_index_matches_the_workers_keyed_hashes(
     """The prefill fakes publish blocks hashed under the adapter (as the engine does); the
     router's second request of the prompt finds them, and the base model's does not."""
     sql = write_adapter(tmp_path, "sql", 1)
-    async with lora_cluster(router_tokenizer, tiny_model_dir, loras=(("sql", str(sql)),),
-                            disagg_threshold=8) as (c, _), \
-            httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
+    async with (
+        lora_cluster(
+            router_tokenizer, tiny_model_dir, loras=(("sql", str(sql)),), disagg_threshold=8
+        ) as (c, _),
+        httpx.AsyncClient(base_url=c.url) as h,
+    ):
         assert (await h.post("/v1/completions", json=_body("sql"))).status_code == 200
         ids = c.prefill[0].requests[-1].prompt_token_ids
         rt = c.runtime
@@ -123,8 +135,10 @@ async def test_admin_load_and_unload_fan_out(
 ) -> None:
     sql = write_adapter(tmp_path, "sql", 3)
     kw: dict[str, Any] = {**KEYS, "disagg_threshold": 8}
-    async with lora_cluster(router_tokenizer, tiny_model_dir, n_decode=2, **kw) as (c, fakes), \
-            httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
+    async with (
+        lora_cluster(router_tokenizer, tiny_model_dir, n_decode=2, **kw) as (c, fakes),
+        httpx.AsyncClient(base_url=c.url) as h,
+    ):
         load = {"lora_name": "sql", "lora_path": str(sql)}
         r = await h.post("/v1/load_lora_adapter", json=load, headers=TENANT)
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
@@ -165,8 +179,10 @@ async def test_admin_load_and_unload_fan_out(
 async def test_admin_load_refuses_bad_bodies_by_field(
     router_tokenizer, tiny_model_dir, body: dict[str, Any], field: str
 ) -> None:
-    async with lora_cluster(router_tokenizer, tiny_model_dir, admin_api_keys=("boss",)) as (
-            c, fakes), httpx.AsyncClient(base_url=c.url, headers=ADMIN) as h:  # fmt: skip
+    async with (
+        lora_cluster(router_tokenizer, tiny_model_dir, admin_api_keys=("boss",)) as (c, fakes),
+        httpx.AsyncClient(base_url=c.url, headers=ADMIN) as h,
+    ):
         r = await h.post("/v1/load_lora_adapter", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assert all(not f.calls for f in fakes)
@@ -179,8 +195,10 @@ async def test_admin_load_undone_when_a_worker_refuses(
     had loaded the adapter unload it; the router does not list it. Different files at one
     path (two hashes) are refused the same way."""
     sql = write_adapter(tmp_path, "sql", 4)
-    async with lora_cluster(router_tokenizer, tiny_model_dir, admin_api_keys=("boss",)) as (
-            c, fakes), httpx.AsyncClient(base_url=c.url, headers=ADMIN) as h:  # fmt: skip
+    async with (
+        lora_cluster(router_tokenizer, tiny_model_dir, admin_api_keys=("boss",)) as (c, fakes),
+        httpx.AsyncClient(base_url=c.url, headers=ADMIN) as h,
+    ):
         fakes[1].refuse = "400"
         load = {"lora_name": "sql", "lora_path": str(sql)}
         r = await h.post("/v1/load_lora_adapter", json=load)
@@ -215,11 +233,15 @@ async def test_admin_change_reaches_every_router_process(
         async with contextlib.AsyncExitStack() as stack:
             urls = []
             for i, port in enumerate(ports):
-                cfg = RouterConfig(model_dir=str(tiny_model_dir), served_model_name="tiny",
-                                   health_interval_s=0.2, proc_index=i,
-                                   proc_metrics_ports=ports, admin_api_keys=("boss",))  # fmt: skip
-                app = create_app(cfg, StaticSource(c.prefill_urls, c.decode_urls),
-                                 router_tokenizer)  # fmt: skip
+                cfg = RouterConfig(
+                    model_dir=str(tiny_model_dir),
+                    served_model_name="tiny",
+                    health_interval_s=0.2,
+                    proc_index=i,
+                    proc_metrics_ports=ports,
+                    admin_api_keys=("boss",),
+                )
+                app = create_app(cfg, StaticSource(c.prefill_urls, c.decode_urls), router_tokenizer)
                 urls.append(await stack.enter_async_context(serve(app, port)))
             async with httpx.AsyncClient(headers=ADMIN) as h:
                 load = {"lora_name": "sql", "lora_path": str(sql)}
@@ -246,9 +268,13 @@ async def test_a_worker_that_missed_a_load_is_told(
     gets it from the router after a health round; one that reads other files at that path
     is unloaded again, never left serving weights the router does not list."""
     sql = write_adapter(tmp_path, "sql", 7)
-    async with lora_cluster(router_tokenizer, tiny_model_dir, n_decode=2,
-                            admin_api_keys=("boss",)) as (c, fakes), \
-            httpx.AsyncClient(base_url=c.url, headers=ADMIN) as h:  # fmt: skip
+    async with (
+        lora_cluster(router_tokenizer, tiny_model_dir, n_decode=2, admin_api_keys=("boss",)) as (
+            c,
+            fakes,
+        ),
+        httpx.AsyncClient(base_url=c.url, headers=ADMIN) as h,
+    ):
         load = {"lora_name": "sql", "lora_path": str(sql)}
         assert (await h.post("/v1/load_lora_adapter", json=load)).status_code == 200
         late, other = fakes[1], fakes[2]
@@ -273,15 +299,21 @@ async def test_load_and_unload_need_an_admin_key_even_without_tenant_keys(
     reached the router (the Ingress's /v1 prefix). Now: none configured → 403; an admin
     key configured but not sent → 401; a wrong one → 403; nothing reaches a worker."""
     load = {"lora_name": "sql", "lora_path": str(write_adapter(tmp_path, "sql", 5))}
-    async with lora_cluster(router_tokenizer, tiny_model_dir) as (c, fakes), \
-            httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
-        for route, body in (("/v1/load_lora_adapter", load),
-                            ("/v1/unload_lora_adapter", {"lora_name": "sql"})):  # fmt: skip
+    async with (
+        lora_cluster(router_tokenizer, tiny_model_dir) as (c, fakes),
+        httpx.AsyncClient(base_url=c.url) as h,
+    ):
+        for route, body in (
+            ("/v1/load_lora_adapter", load),
+            ("/v1/unload_lora_adapter", {"lora_name": "sql"}),
+        ):
             r = await h.post(route, json=body)
             assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
         assert all(not f.calls for f in fakes)
-    async with lora_cluster(router_tokenizer, tiny_model_dir, admin_api_keys=("boss",)) as (
-            c, fakes), httpx.AsyncClient(base_url=c.url) as h:  # fmt: skip
+    async with (
+        lora_cluster(router_tokenizer, tiny_model_dir, admin_api_keys=("boss",)) as (c, fakes),
+        httpx.AsyncClient(base_url=c.url) as h,
+    ):
         assert (await h.post("/v1/load_lora_adapter", json=load)).status_code == 401
         wrong = {"Authorization": "Bearer nope"}
         r = await h.post("/v1/load_lora_adapter", json=load, headers=wrong)

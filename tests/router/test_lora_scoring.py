@@ -14,19 +14,35 @@ from pdserve.router.scheduling.scoring import RouteRequest, knows_lora
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 
 
-def _worker(role: str, wid: str, resident: tuple[str, ...] = (), known: tuple[str, ...] = (),
-            running: int = 0) -> WorkerView:  # fmt: skip
-    stats = WorkerStats(role=role, worker_id=wid, loras=list(resident),
-                        lora_known=list(known or resident), running=running,
-                        kv_blocks_free=100, kv_blocks_total=100)  # fmt: skip
+def _worker(
+    role: str,
+    wid: str,
+    resident: tuple[str, ...] = (),
+    known: tuple[str, ...] = (),
+    running: int = 0,
+) -> WorkerView:
+    stats = WorkerStats(
+        role=role,
+        worker_id=wid,
+        loras=list(resident),
+        lora_known=list(known or resident),
+        running=running,
+        kv_blocks_free=100,
+        kv_blocks_total=100,
+    )
     return WorkerView(f"http://{wid}", role, stats=stats)
 
 
 @pytest.mark.parametrize(
     ("resident", "lora", "score"),
-    [((), None, 0.0), (("a",), None, 0.0), (("a",), "a", 1.0), (("b",), "a", 0.0),
-     (("a", "b"), "b", 1.0)],
-)  # fmt: skip
+    [
+        ((), None, 0.0),
+        (("a",), None, 0.0),
+        (("a",), "a", 1.0),
+        (("b",), "a", 0.0),
+        (("a", "b"), "b", 1.0),
+    ],
+)
 def test_lora_affinity_scores(resident: tuple[str, ...], lora: str | None, score: float) -> None:
     w = _worker("decode", "d0", resident, known=("a", "b"))
     assert lora_affinity(w, RouteRequest(10, lora=lora)) == score
@@ -44,11 +60,15 @@ def test_resident_worker_wins_at_equal_load(seed: int) -> None:
     """Equal load, one worker of each pool holds the adapter: every draw picks it; a base
     request spreads over both (ties random); a worker that does not know the adapter comes
     last even when idle."""
-    snap = Snapshot((
-        _worker("prefill", "p0", known=("a",)), _worker("prefill", "p1", ("a",)),
-        _worker("decode", "d0", ("a",)), _worker("decode", "d1", known=("a",)),
-        _worker("decode", "d2"),
-    ))  # fmt: skip
+    snap = Snapshot(
+        (
+            _worker("prefill", "p0", known=("a",)),
+            _worker("prefill", "p1", ("a",)),
+            _worker("decode", "d0", ("a",)),
+            _worker("decode", "d1", known=("a",)),
+            _worker("decode", "d2"),
+        )
+    )
     cfg = RouterConfig(model_dir="/m", disagg_threshold=1)
     plan = plan_route(snap, RouteRequest(64, lora="a"), cfg, random.Random(seed))
     assert plan.prefill[0].worker_id == "p1" and plan.decode[0].worker_id == "d0"
@@ -58,9 +78,12 @@ def test_resident_worker_wins_at_equal_load(seed: int) -> None:
 def test_affinity_yields_to_a_much_lighter_worker() -> None:
     """Affinity is one weighted score among the load scores: a resident worker that is far
     busier loses to an idle one that knows the adapter."""
-    snap = Snapshot((
-        _worker("decode", "d0", ("a",), running=20), _worker("decode", "d1", known=("a",)),
-    ))  # fmt: skip
+    snap = Snapshot(
+        (
+            _worker("decode", "d0", ("a",), running=20),
+            _worker("decode", "d1", known=("a",)),
+        )
+    )
     cfg = RouterConfig(model_dir="/m")
     plan = plan_route(snap, RouteRequest(64, lora="a"), cfg, random.Random(0))
     assert plan.decode[0].worker_id == "d1"

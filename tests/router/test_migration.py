@@ -127,8 +127,9 @@ async def _stalled(c, role: str = "decode") -> float:
 async def test_stream_on_a_hung_worker_moves_on(cluster_factory, fault: str) -> None:
     """A worker that hangs closes nothing: its stream would wait request_timeout_s (600 s).
     Quiet for stall_timeout_s and failing its health check, it is cut and moves on."""
-    async with cluster_factory(n_decode=2, disagg_threshold=10_000, picker="round-robin",
-                               stall_timeout_s=0.5) as c:  # fmt: skip
+    async with cluster_factory(
+        n_decode=2, disagg_threshold=10_000, picker="round-robin", stall_timeout_s=0.5
+    ) as c:
         hung = _first(c)
         c.decode[hung].fail = fault
         stream = await client(c.url).completions.create(
@@ -155,8 +156,9 @@ async def test_quiet_stream_on_a_healthy_worker_is_left_alone(cluster_factory) -
 
 @pytest.mark.parametrize("n_prefill", [2, 1])  # the next prefill worker; a local prefill
 async def test_prefill_on_a_hung_worker_moves_on(cluster_factory, n_prefill: int) -> None:
-    async with cluster_factory(n_prefill=n_prefill, disagg_threshold=16, picker="round-robin",
-                               stall_timeout_s=0.5) as c:  # fmt: skip
+    async with cluster_factory(
+        n_prefill=n_prefill, disagg_threshold=16, picker="round-robin", stall_timeout_s=0.5
+    ) as c:
         hung = c.prefill_urls.index(sorted(c.prefill_urls)[0])
         c.prefill[hung].fail = "stall"
         out = await client(c.url).completions.create(model="tiny", prompt=LONG, max_tokens=4)

@@ -56,9 +56,15 @@ def _check(hf_lp: torch.Tensor, ids: list[int], chosen: list[float], tops: list[
 
 
 def test_completion_logprobs_match_transformers(client: openai.OpenAI, hf: Any) -> None:
-    kw: dict[str, Any] = dict(model="tiny-seed0", prompt=PROMPT_IDS, max_tokens=10,
-        temperature=1.0, seed=5, logprobs=5,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})  # fmt: skip
+    kw: dict[str, Any] = dict(
+        model="tiny-seed0",
+        prompt=PROMPT_IDS,
+        max_tokens=10,
+        temperature=1.0,
+        seed=5,
+        logprobs=5,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
     out = client.completions.create(**kw)
     lp = out.choices[0].logprobs
     ids = _ids(lp.tokens)
@@ -78,13 +84,22 @@ def test_chat_logprobs_match_transformers(
     messages = [{"role": "user", "content": LONG_TEXT}]
     prompt = _chat_ids(tiny_tokenizer, messages)
     for stream in (False, True):
-        kw: dict[str, Any] = dict(model="tiny-seed0", messages=messages, max_tokens=8,
-            temperature=0.0, logprobs=True, top_logprobs=3,
-            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})  # fmt: skip
+        kw: dict[str, Any] = dict(
+            model="tiny-seed0",
+            messages=messages,
+            max_tokens=8,
+            temperature=0.0,
+            logprobs=True,
+            top_logprobs=3,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+        )
         if stream:
-            content = [e for c in client.chat.completions.create(stream=True, **kw)
-                       if c.choices and c.choices[0].logprobs
-                       for e in c.choices[0].logprobs.content]  # fmt: skip
+            content = [
+                e
+                for c in client.chat.completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content
+            ]
         else:
             content = client.chat.completions.create(**kw).choices[0].logprobs.content
         ids = _ids([e.token for e in content])
@@ -93,22 +108,36 @@ def test_chat_logprobs_match_transformers(
 
 
 def test_logit_bias_forces_its_token(client: openai.OpenAI, tiny_tokenizer: Any) -> None:
-    out = client.completions.create(model="tiny-seed0", prompt=PROMPT_IDS, max_tokens=6,
-        temperature=1.0, logit_bias={"1234": 100}, logprobs=0,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})  # fmt: skip
+    out = client.completions.create(
+        model="tiny-seed0",
+        prompt=PROMPT_IDS,
+        max_tokens=6,
+        temperature=1.0,
+        logit_bias={"1234": 100},
+        logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
     assert _ids(out.choices[0].logprobs.tokens) == [1234] * 6
     assert out.choices[0].text == tiny_tokenizer.decode([1234] * 6)
 
 
 def test_each_penalty_changes_greedy_output(client: openai.OpenAI) -> None:
     def run(**extra: Any) -> str:
-        out = client.completions.create(model="tiny-seed0", prompt=PROMPT_IDS, max_tokens=150,
-            temperature=0.0, extra_body={"ignore_eos": True, **extra})  # fmt: skip
+        out = client.completions.create(
+            model="tiny-seed0",
+            prompt=PROMPT_IDS,
+            max_tokens=150,
+            temperature=0.0,
+            extra_body={"ignore_eos": True, **extra},
+        )
         return str(out.choices[0].text)
 
     base = run()
-    for field, value in [("presence_penalty", 2.0), ("frequency_penalty", 2.0),
-                         ("repetition_penalty", 3.0)]:  # fmt: skip
+    for field, value in [
+        ("presence_penalty", 2.0),
+        ("frequency_penalty", 2.0),
+        ("repetition_penalty", 3.0),
+    ]:
         assert run(**{field: value}) != base, field
     assert run(min_p=0.5) == base  # min_p never changes a greedy pick
 
@@ -134,8 +163,9 @@ def test_bad_fields_are_refused_by_name(up: Up, body: dict[str, Any], param: str
     chat = param == "top_logprobs"
     path = "/v1/chat/completions" if chat else "/v1/completions"
     req = {"model": "tiny-seed0", "max_tokens": 2, **body}
-    req.update({"messages": [{"role": "user", "content": LONG_TEXT}]} if chat
-               else {"prompt": LONG_TEXT})  # fmt: skip
+    req.update(
+        {"messages": [{"role": "user", "content": LONG_TEXT}]} if chat else {"prompt": LONG_TEXT}
+    )
     r = httpx.post(up.url + path, json=req, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
@@ -167,17 +197,31 @@ def _decode_hits(up: Up) -> int:
 def test_n_choices_share_one_prefill(client: openai.OpenAI, up: Up) -> None:
     prompt = [0, *range(900, 940)]  # 41 tokens: 2 full blocks of 16, fresh to every cache
     prefills, hits = _prefills(up), _decode_hits(up)
-    out = client.completions.create(model="tiny-seed0", prompt=prompt, max_tokens=8, n=4,
-        temperature=1.0, seed=11, extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model="tiny-seed0",
+        prompt=prompt,
+        max_tokens=8,
+        n=4,
+        temperature=1.0,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert len({c.text for c in out.choices}) > 1  # each choice samples on its own
     assert out.usage.completion_tokens == 32 and out.usage.prompt_tokens == 41
     assert _prefills(up) == prefills + 1  # one prefill for the four choices
     assert _decode_hits(up) - hits >= 3 * 32  # choices 1-3 reuse the transferred blocks
     # Streamed chat: every choice's chunks carry its index; each finishes once.
-    stream = client.chat.completions.create(model="tiny-seed0", n=3, max_tokens=5,
-        messages=[{"role": "user", "content": LONG_TEXT}], stream=True, temperature=1.0,
-        extra_body={"ignore_eos": True}, stream_options={"include_usage": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model="tiny-seed0",
+        n=3,
+        max_tokens=5,
+        messages=[{"role": "user", "content": LONG_TEXT}],
+        stream=True,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True},
+    )
     text: dict[int, str] = {}
     finished: list[int] = []
     usage = None
@@ -193,8 +237,14 @@ def test_n_choices_share_one_prefill(client: openai.OpenAI, up: Up) -> None:
 
 
 def test_best_of_returns_the_most_likely(client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = dict(model="tiny-seed0", prompt=PROMPT_IDS, max_tokens=6,
-        temperature=1.0, seed=21, extra_body={"ignore_eos": True})  # fmt: skip
+    kw: dict[str, Any] = dict(
+        model="tiny-seed0",
+        prompt=PROMPT_IDS,
+        max_tokens=6,
+        temperature=1.0,
+        seed=21,
+        extra_body={"ignore_eos": True},
+    )
     every = client.completions.create(n=3, logprobs=0, **kw).choices  # the same 3 candidates
     sums = {c.text: sum(c.logprobs.token_logprobs) for c in every}
     best = client.completions.create(n=1, best_of=3, **kw).choices
@@ -212,8 +262,9 @@ def test_tokenize_and_detokenize(up: Up, tiny_tokenizer: Any) -> None:
     r = httpx.post(up.url + "/tokenize", json={"model": "tiny-seed0", "messages": messages})
     assert r.json()["tokens"] == _chat_ids(tiny_tokenizer, messages)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    with_tools = httpx.post(up.url + "/tokenize",
-                            json={"messages": messages, "tools": tools}).json()  # fmt: skip
+    with_tools = httpx.post(
+        up.url + "/tokenize", json={"messages": messages, "tools": tools}
+    ).json()
     assert with_tools["count"] > r.json()["count"]  # the default tools prompt is counted
     r = httpx.post(up.url + "/detokenize", json={"model": "tiny-seed0", "tokens": body["tokens"]})
     assert r.status_code == 200 and r.json() == {"prompt": tiny_tokenizer.decode(body["tokens"])}

@@ -30,8 +30,7 @@ async def test_one_call_at_the_router_and_the_same_stream(cluster_factory) -> No
         assert out.choices[0].text == f"<{100 + sum(first.prompt_token_ids) % 50}> t0 t1 t2"
         # the same text as the router's own handoff gives
         async with cluster_factory(disagg_threshold=16) as r:
-            again = await client(r.url).completions.create(model="tiny", prompt=LONG,
-                                                           max_tokens=4)  # fmt: skip
+            again = await client(r.url).completions.create(model="tiny", prompt=LONG, max_tokens=4)
         assert again.choices[0].text == out.choices[0].text
         await c.settle()
 
@@ -39,9 +38,12 @@ async def test_one_call_at_the_router_and_the_same_stream(cluster_factory) -> No
 async def test_streamed_first_token_then_usage(cluster_factory) -> None:
     async with cluster_factory(**CHAIN) as c:
         stream = await client(c.url).completions.create(
-            model="tiny", prompt=LONG, max_tokens=3, stream=True,
+            model="tiny",
+            prompt=LONG,
+            max_tokens=3,
+            stream=True,
             stream_options={"include_usage": True},
-        )  # fmt: skip
+        )
         chunks = [ch async for ch in stream]
         texts = [ch.choices[0].text for ch in chunks if ch.choices]
         # the first token leads (lines that came together may share a chunk)
@@ -117,8 +119,9 @@ async def test_a_hung_prefill_worker_costs_the_stall_timeout_not_the_call_timeou
     process). The decode worker waits on it (its own timeout is 30 s here); the router
     cuts that call after ``stall_timeout_s``, aborts the request (ending the decode
     worker's wait) and sends it again naming only p1. The decode worker is not blamed."""
-    async with cluster_factory(n_prefill=2, picker="round-robin", stall_timeout_s=0.5,
-                               **CHAIN) as c:  # fmt: skip
+    async with cluster_factory(
+        n_prefill=2, picker="round-robin", stall_timeout_s=0.5, **CHAIN
+    ) as c:
         c.prefill[0].fail = "stall"
         t0 = asyncio.get_running_loop().time()
         for _ in range(2):  # round-robin: one of them names p0 first
@@ -151,8 +154,9 @@ def test_generate_request_refuses_a_bad_candidate_list() -> None:
         with pytest.raises(InvalidParameter, match="prefill"):
             GenerateRequest("r", [1, 2], prefill=bad).validate()
     with pytest.raises(InvalidParameter, match="prefill"):
-        GenerateRequest("r", [1, 2], kv_handle=handle, first_token_id=3,
-                        prefill=["http://a"]).validate()  # fmt: skip
+        GenerateRequest(
+            "r", [1, 2], kv_handle=handle, first_token_id=3, prefill=["http://a"]
+        ).validate()
     with pytest.raises(InvalidParameter, match="prefill"):
         GenerateRequest("r", [1, 2], resume_token_ids=[5], prefill=["http://a"]).validate()
     GenerateRequest("r", [1, 2], prefill=["http://127.0.0.1:1", "https://p"]).validate()

@@ -28,9 +28,13 @@ MAX_TOKENS = 6
 async def _greedy(url: str, prompt: list[int]) -> tuple[list[int], int]:
     cl = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
     out = await cl.completions.create(
-        model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
+        model="tiny",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=0,
         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-    )  # fmt: skip
+    )
     await cl.close()
     ids = [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
     details = out.usage.prompt_tokens_details
@@ -65,16 +69,28 @@ def test_decode_worker_calls_the_prefill_worker(tiny_model_dir: Path, tmp_path: 
         assert _counter(made, calls) == 4, [ln for ln in made.splitlines() if "prefill_c" in ln]
         # n choices: one prefill, and choices 1-3 start once choice 0's KV is on the decode
         # worker (its second token: the first is the prefill's), so each reuses the blocks
-        decode = next(s for s in (httpx.get(u + "/stats", auth=secret_auth()).json()
-                                  for u in up.workers) if s["role"] == "decode")  # fmt: skip
+        decode = next(
+            s
+            for s in (httpx.get(u + "/stats", auth=secret_auth()).json() for u in up.workers)
+            if s["role"] == "decode"
+        )
         hits = int(decode["prefix_cache_hit_tokens"])
         out = openai.OpenAI(base_url=up.url + "/v1", api_key="none").completions.create(
-            model="tiny", prompt=[0, *range(900, 940)], max_tokens=8, n=4, temperature=1.0,
-            seed=11, extra_body={"ignore_eos": True})  # fmt: skip
+            model="tiny",
+            prompt=[0, *range(900, 940)],
+            max_tokens=8,
+            n=4,
+            temperature=1.0,
+            seed=11,
+            extra_body={"ignore_eos": True},
+        )
         assert [c.index for c in out.choices] == [0, 1, 2, 3]
         assert out.usage.completion_tokens == 32
-        after = next(s for s in (httpx.get(u + "/stats", auth=secret_auth()).json()
-                                 for u in up.workers) if s["role"] == "decode")  # fmt: skip
+        after = next(
+            s
+            for s in (httpx.get(u + "/stats", auth=secret_auth()).json() for u in up.workers)
+            if s["role"] == "decode"
+        )
         assert int(after["prefix_cache_hit_tokens"]) - hits >= 3 * 32  # 2 full blocks each
         made = "".join(httpx.get(u + "/metrics", timeout=10).text for u in up.workers)
         assert _counter(made, calls) == 5  # the four choices' one prefill call

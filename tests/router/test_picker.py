@@ -71,17 +71,28 @@ class Envoy:
         self.queue.put_nowait(None)
 
     async def request(
-        self, path: str, body: bytes | None, chunks: int = 3,
-        subset: Sequence[str] | None = None, headers: dict[str, str] | None = None,
-    ) -> Routed:  # fmt: skip
+        self,
+        path: str,
+        body: bytes | None,
+        chunks: int = 3,
+        subset: Sequence[str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Routed:
         mode = msgs.FULL_DUPLEX if self.duplex else msgs.BUFFERED
         first = ep.ProcessingRequest(
-            request_headers=_headers({":method": "POST" if body else "GET", ":path": path,
-                                      "content-type": "application/json", **(headers or {})},
-                                     end=body is None),
-            protocol_config=ep.ProtocolConfiguration(request_body_mode=mode,
-                                                     response_body_mode=mode),
-        )  # fmt: skip
+            request_headers=_headers(
+                {
+                    ":method": "POST" if body else "GET",
+                    ":path": path,
+                    "content-type": "application/json",
+                    **(headers or {}),
+                },
+                end=body is None,
+            ),
+            protocol_config=ep.ProtocolConfiguration(
+                request_body_mode=mode, response_body_mode=mode
+            ),
+        )
         if subset is not None:
             first.metadata_context.filter_metadata[msgs.SUBSET_NAMESPACE].update(
                 {msgs.SUBSET: list(subset)}
@@ -112,8 +123,12 @@ class Envoy:
             h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers
         }
         lb = resp.dynamic_metadata.fields[msgs.LB_NAMESPACE].struct_value
-        out = Routed(sets[msgs.DESTINATION].split(","), lb.fields[msgs.DESTINATION].string_value,
-                     sets, list(common.header_mutation.remove_headers))  # fmt: skip
+        out = Routed(
+            sets[msgs.DESTINATION].split(","),
+            lb.fields[msgs.DESTINATION].string_value,
+            sets,
+            list(common.header_mutation.remove_headers),
+        )
         if body is not None and self.duplex:  # the body back, in pieces, the last one marked
             assert kind == "request_headers" and sets["content-length"] == str(len(body))
             end = False
@@ -186,9 +201,14 @@ class PickerCluster:
 
 @contextlib.asynccontextmanager
 async def start_picker(
-    tokenizer: PromptTokenizer, model_dir: Path, n_prefill: int = 2, n_decode: int = 2,
-    target: dict[str, str] | None = None, busy: Sequence[int] = (), **cfg: Any,
-) -> AsyncIterator[PickerCluster]:  # fmt: skip
+    tokenizer: PromptTokenizer,
+    model_dir: Path,
+    n_prefill: int = 2,
+    n_decode: int = 2,
+    target: dict[str, str] | None = None,
+    busy: Sequence[int] = (),
+    **cfg: Any,
+) -> AsyncIterator[PickerCluster]:
     """Fake workers, and a picker over them on a free port; ``busy`` decode fakes report
     one running request (so the others rank first)."""
     async with contextlib.AsyncExitStack() as stack:
@@ -204,8 +224,16 @@ async def start_picker(
         stack.push_async_callback(service.close)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         stack.push_async_callback(channel.close)
-        yield PickerCluster(service, ep_grpc.ExternalProcessorStub(channel), channel, f.prefill,
-                            f.decode, f.prefill_urls, f.decode_urls, targets)  # fmt: skip
+        yield PickerCluster(
+            service,
+            ep_grpc.ExternalProcessorStub(channel),
+            channel,
+            f.prefill,
+            f.decode,
+            f.prefill_urls,
+            f.decode_urls,
+            targets,
+        )
 
 
 def completion(prompt: Any, max_tokens: int = 4, stream: bool = True, **extra: Any) -> bytes:
@@ -293,11 +321,13 @@ async def test_chat_body_in_one_chunk_buffered_mode(picker_factory) -> None:
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [(b'{"model": "tiny", "prompt": ', None),  # not JSON
-     (completion("hi", max_tokens=-1), "max_tokens"),
-     (completion("hi", temperature="hot"), "temperature"),
-     (completion(None), "prompt")],
-)  # fmt: skip
+    [
+        (b'{"model": "tiny", "prompt": ', None),  # not JSON
+        (completion("hi", max_tokens=-1), "max_tokens"),
+        (completion("hi", temperature="hot"), "temperature"),
+        (completion(None), "prompt"),
+    ],
+)
 async def test_bad_body_is_an_immediate_400(picker_factory, body: bytes, param: str) -> None:
     async with picker_factory() as pc:
         env = pc.envoy()

@@ -42,8 +42,12 @@ async def fronts(
     out = {}
     async with contextlib.AsyncExitStack() as stack:
         for url in decode_urls:
-            cfg = RouterConfig(model_dir=str(model_dir), served_model_name="tiny",
-                               health_interval_s=0.2, prefill_from_header=True)  # fmt: skip
+            cfg = RouterConfig(
+                model_dir=str(model_dir),
+                served_model_name="tiny",
+                health_interval_s=0.2,
+                prefill_from_header=True,
+            )
             app = create_app(cfg, StaticSource([], [url]), tokenizer)
             out[url] = endpoint_of(await stack.enter_async_context(serve(app)))
         yield out
@@ -60,8 +64,9 @@ async def gateway(env: Envoy, pc: PickerCluster, body: bytes) -> tuple[str, list
         for endpoint in routed.endpoints:
             try:
                 url = f"http://{endpoint}/v1/completions"
-                async with client.stream("POST", url, content=routed.body_back,
-                                         headers=headers) as r:  # fmt: skip
+                async with client.stream(
+                    "POST", url, content=routed.body_back, headers=headers
+                ) as r:
                     assert r.status_code == 200, await r.aread()
                     chunks = [c async for c in r.aiter_bytes() if c]
             except httpx.ConnectError:
@@ -96,8 +101,11 @@ async def test_streamed_completion_through_the_picked_pod(make) -> None:
         assert served in pc.target.values()
         assert len(chunks) >= 2 and text.rstrip().endswith("data: [DONE]")
         # The prefill ran on the worker the picker named; the decode worker pulled its KV.
-        named = [st for st, url in zip(pc.prefill, pc.prefill_urls, strict=True)
-                 if any(isinstance(r, PrefillRequest) for r in st.requests)]  # fmt: skip
+        named = [
+            st
+            for st, url in zip(pc.prefill, pc.prefill_urls, strict=True)
+            if any(isinstance(r, PrefillRequest) for r in st.requests)
+        ]
         assert len(named) == 1
         d = [st for st in pc.decode if st.requests]
         assert len(d) == 1 and isinstance(d[0].requests[0], GenerateRequest)

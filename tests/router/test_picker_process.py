@@ -43,12 +43,33 @@ async def test_picker_process_picks_and_stops(tiny_model_dir: Path) -> None:
     async with serve(prefill_app(pst)) as purl, serve(decode_app(dst)) as durl:
         port, front, admin = free_port(), free_port(), free_port()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pdserve", "router", "--mode", "endpoint-picker",
-            "--model", str(tiny_model_dir), "--grpc-port", str(port), "--prefill", purl,
-            "--decode", durl, "--disagg-threshold", "8", "--target-port", str(front),
-            "--admin-port", str(admin), "--health-interval", "0.2", "--log-level", "warning",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "pdserve",
+            "router",
+            "--mode",
+            "endpoint-picker",
+            "--model",
+            str(tiny_model_dir),
+            "--grpc-port",
+            str(port),
+            "--prefill",
+            purl,
+            "--decode",
+            durl,
+            "--disagg-threshold",
+            "8",
+            "--target-port",
+            str(front),
+            "--admin-port",
+            str(admin),
+            "--health-interval",
+            "0.2",
+            "--log-level",
+            "warning",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 await _wait_ready(channel, proc)

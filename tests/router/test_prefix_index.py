@@ -24,8 +24,13 @@ def ev(kind: str, worker: str, seq: int, hashes: list[int]) -> KVEventView:
 
 def wire(kind: str, worker: str, seq: int, hashes: list[int]) -> list[bytes]:
     # The codec form of the engine's KVEvent (docs/architecture.md, "KV events").
-    body = {"type": "kv_event", "kind": kind, "worker_id": worker, "seq": seq,
-            "block_hashes": hashes}  # fmt: skip
+    body = {
+        "type": "kv_event",
+        "kind": kind,
+        "worker_id": worker,
+        "seq": seq,
+        "block_hashes": hashes,
+    }
     return [b"kv", json.dumps(body).encode()]
 
 

@@ -32,8 +32,9 @@ async def _run_groups(c, per_group: int = 4) -> tuple[dict[int, set[str]], int]:
     for st in c.prefill:
         for req in st.requests:
             ids = req.prompt_token_ids
-            g = next(i for i, s in enumerate(GROUPS)
-                     if ids[:40] == c.runtime.tokenizer.encode(s)[:40])  # fmt: skip
+            g = next(
+                i for i, s in enumerate(GROUPS) if ids[:40] == c.runtime.tokenizer.encode(s)[:40]
+            )
             where[g].add(st.worker_id)
     return where, hits
 

@@ -93,8 +93,12 @@ async def test_per_key_concurrency_is_split_too() -> None:
 
 
 def _slice(*endpoints: tuple[str, bool | None, bool]) -> dict:  # type: ignore[type-arg]
-    return {"endpoints": [{"addresses": [a], "conditions": {"ready": r, "terminating": t}}
-                          for a, r, t in endpoints]}  # fmt: skip
+    return {
+        "endpoints": [
+            {"addresses": [a], "conditions": {"ready": r, "terminating": t}}
+            for a, r, t in endpoints
+        ]
+    }
 
 
 def test_service_count_is_its_ready_endpoints() -> None:

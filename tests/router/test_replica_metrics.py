@@ -33,14 +33,25 @@ def _ep(addr: str, ready: bool | None = True, terminating: bool = False) -> dict
 
 
 async def test_one_url_per_ready_replica() -> None:
-    slices: list[dict[str, Any]] = [{"ports": [{"name": "admin", "port": 8083}],
-               "endpoints": [_ep("10.0.0.2"), _ep("10.0.0.1", None), _ep("10.0.0.3", False),
-                             _ep("10.0.0.4", True, True)]},
-              {"addressType": "IPv6", "endpoints": [_ep("fd00::5")]}]  # fmt: skip
+    slices: list[dict[str, Any]] = [
+        {
+            "ports": [{"name": "admin", "port": 8083}],
+            "endpoints": [
+                _ep("10.0.0.2"),
+                _ep("10.0.0.1", None),
+                _ep("10.0.0.3", False),
+                _ep("10.0.0.4", True, True),
+            ],
+        },
+        {"addressType": "IPv6", "endpoints": [_ep("fd00::5")]},
+    ]
     client = Slices(slices)
     urls = await inputs.router_metrics_urls(client, "", "demo", "ns")  # type: ignore[arg-type]
-    assert urls == ["http://10.0.0.1:8083/metrics", "http://10.0.0.2:8083/metrics",
-                    f"http://[fd00::5]:{naming.ADMIN_PORT}/metrics"]  # fmt: skip
+    assert urls == [
+        "http://10.0.0.1:8083/metrics",
+        "http://10.0.0.2:8083/metrics",
+        f"http://[fd00::5]:{naming.ADMIN_PORT}/metrics",
+    ]
     label = {inputs.SERVICE_NAME_LABEL: naming.router_admin_service_name("demo")}
     assert client.asked == [("discovery.k8s.io/v1", "EndpointSlice", "ns", label)]
     # No endpoint listed yet: the Service; a template (the tests' stand-in): that URL.

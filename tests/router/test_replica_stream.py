@@ -107,7 +107,10 @@ def test_events_reports_and_snapshot(stream: Any) -> None:
     pub.hook(eng)
     got = read(sub)
     assert [(t, m.seq if t == b"kv" else m.kv_seq) for t, m in got] == [
-        (b"kv", 1), (b"kv", 2), (b"stats", 2)]  # fmt: skip
+        (b"kv", 1),
+        (b"kv", 2),
+        (b"stats", 2),
+    ]
     rep = got[-1][1]
     assert rep.worker_id == "p0" and rep.kv_blocks_free == 7 and rep.running == 2
     # Pending events are published before the snapshot answers: it is as of their seq.

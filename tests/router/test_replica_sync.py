@@ -214,12 +214,24 @@ async def test_load_is_the_report_plus_what_this_replica_sent_since() -> None:
 
 
 def test_report_parser_matches_the_codec_and_refuses_bad_values() -> None:
-    rep = LoadReport(running=3, waiting=1, kv_blocks_free=9, worker_id="p0", kv_seq=4,
-                     loras=["a"], compile="compiling", step_failures=1)  # fmt: skip
+    rep = LoadReport(
+        running=3,
+        waiting=1,
+        kv_blocks_free=9,
+        worker_id="p0",
+        kv_seq=4,
+        loras=["a"],
+        compile="compiling",
+        step_failures=1,
+    )
     assert parse_report(encode(rep)) == rep
-    for bad in (b"[]", b'{"type": "kv_event"}', b'{"type": "load_report", "running": -1}',
-                b'{"type": "load_report", "running": true}',
-                b'{"type": "load_report", "compile": 1}',
-                b'{"type": "load_report", "loras": [1]}'):  # fmt: skip
+    for bad in (
+        b"[]",
+        b'{"type": "kv_event"}',
+        b'{"type": "load_report", "running": -1}',
+        b'{"type": "load_report", "running": true}',
+        b'{"type": "load_report", "compile": 1}',
+        b'{"type": "load_report", "loras": [1]}',
+    ):
         with pytest.raises(ValueError):
             parse_report(bad)

@@ -16,20 +16,26 @@ from pdserve.router.errors import APIError
 
 def test_input_items_become_messages() -> None:
     body = {
-        "model": "m", "instructions": "be brief", "max_output_tokens": 7, "temperature": 0,
+        "model": "m",
+        "instructions": "be brief",
+        "max_output_tokens": 7,
+        "temperature": 0,
         "input": [
             {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
             {"type": "function_call", "call_id": "c1", "name": "get", "arguments": "{}"},
-            {"type": "function_call", "call_id": "c2", "name": "get", "arguments": "{\"a\":1}"},
+            {"type": "function_call", "call_id": "c2", "name": "get", "arguments": '{"a":1}'},
             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
-            {"type": "message", "role": "assistant",
-             "content": [{"type": "output_text", "text": "It is sunny."}]},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "It is sunny."}],
+            },
         ],
         "tools": [{"type": "function", "name": "get", "parameters": {"type": "object"}}],
         "tool_choice": {"type": "function", "name": "get"},
         "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
         "store": False,
-    }  # fmt: skip
+    }
     out = chat_body(body)
     assert out["messages"][0] == {"role": "system", "content": "be brief"}
     assert out["messages"][1] == {"role": "user", "content": "weather?"}
@@ -48,22 +54,24 @@ def test_input_items_become_messages() -> None:
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"store": True}, "store"),
-     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-     ({"conversation": "c"}, "conversation"),
-     ({"background": True}, "background"),
-     ({"reasoning": {"effort": "low"}}, "reasoning"),
-     ({"include": ["message.output_text.logprobs"]}, "include"),
-     ({"top_logprobs": 2}, "top_logprobs"),
-     ({"whatever": 1}, "whatever"),
-     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
-     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
-     ({"input": []}, "input"),
-     ({"tools": [{"type": "web_search"}]}, "tools"),
-     ({"max_output_tokens": 0}, "max_output_tokens"),
-     ({"text": {"format": {"type": "grammar"}}}, "text"),
-     ({"tool_choice": {"type": "mcp"}}, "tool_choice")],
-)  # fmt: skip
+    [
+        ({"store": True}, "store"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"conversation": "c"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"whatever": 1}, "whatever"),
+        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
+        ({"input": []}, "input"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"text": {"format": {"type": "grammar"}}}, "text"),
+        ({"tool_choice": {"type": "mcp"}}, "tool_choice"),
+    ],
+)
 def test_refused_by_name(extra: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as err:
         chat_body({"model": "m", "input": "hi", **extra})
@@ -71,8 +79,17 @@ def test_refused_by_name(extra: dict[str, Any], param: str) -> None:
 
 
 def test_accepted_at_their_default() -> None:
-    chat_body({"model": "m", "input": "hi", "store": False, "truncation": "disabled",
-               "include": [], "background": False, "service_tier": "auto"})  # fmt: skip
+    chat_body(
+        {
+            "model": "m",
+            "input": "hi",
+            "store": False,
+            "truncation": "disabled",
+            "include": [],
+            "background": False,
+            "service_tier": "auto",
+        }
+    )
 
 
 def _events(text: str) -> list[dict[str, Any]]:
@@ -89,8 +106,16 @@ def _events(text: str) -> list[dict[str, Any]]:
 def test_events_text_then_calls() -> None:
     ev = Events(Shape("resp_1", {"model": "m"}))
     text = ev.start() + ev.delta({"content": "Hel"}) + ev.delta({"content": "lo"})
-    name = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
-                            "function": {"name": "f", "arguments": ""}}]}  # fmt: skip
+    name = {
+        "tool_calls": [
+            {
+                "index": 0,
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "f", "arguments": ""},
+            }
+        ]
+    }
     text += ev.delta(name) + ev.delta(
         {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}
     )
@@ -98,14 +123,22 @@ def test_events_text_then_calls() -> None:
     text += ev.finish("tool_calls", {"input_tokens": 1})
     events = _events(text)
     assert [e["type"] for e in events] == [
-        "response.created", "response.in_progress",
-        "response.output_item.added", "response.content_part.added",
-        "response.output_text.delta", "response.output_text.delta",
-        "response.output_text.done", "response.content_part.done", "response.output_item.done",
-        "response.output_item.added", "response.function_call_arguments.delta",
-        "response.function_call_arguments.delta", "response.function_call_arguments.done",
-        "response.output_item.done", "response.completed",
-    ]  # fmt: skip
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     done = events[-1]["response"]
     assert done["status"] == "completed"

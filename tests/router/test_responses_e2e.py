@@ -20,9 +20,13 @@ WEATHER = {
     "type": "function",
     "name": "get_weather",
     "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
-                   "required": ["city"], "additionalProperties": False},
-}  # fmt: skip
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
 
 
 def _model(client: openai.OpenAI) -> str:
@@ -32,14 +36,21 @@ def _model(client: openai.OpenAI) -> str:
 def test_text_equals_chat_completion(client: openai.OpenAI) -> None:
     model = _model(client)
     resp = client.responses.create(
-        model=model, instructions="Answer briefly.", input="Name a colour.",
-        max_output_tokens=6, temperature=0,
-    )  # fmt: skip
+        model=model,
+        instructions="Answer briefly.",
+        input="Name a colour.",
+        max_output_tokens=6,
+        temperature=0,
+    )
     chat = client.chat.completions.create(
-        model=model, max_tokens=6, temperature=0,
-        messages=[{"role": "system", "content": "Answer briefly."},
-                  {"role": "user", "content": "Name a colour."}],
-    )  # fmt: skip
+        model=model,
+        max_tokens=6,
+        temperature=0,
+        messages=[
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Name a colour."},
+        ],
+    )
     assert resp.id.startswith("resp_") and resp.object == "response"
     assert resp.output_text == chat.choices[0].message.content
     assert resp.usage is not None and resp.usage.output_tokens == chat.usage.completion_tokens
@@ -50,13 +61,18 @@ def test_text_equals_chat_completion(client: openai.OpenAI) -> None:
 
 def test_stream_events(client: openai.OpenAI, up: Up) -> None:
     model = _model(client)
-    kw: dict[str, Any] = dict(model=model, input="Count to three.", max_output_tokens=8,
-                              temperature=0)  # fmt: skip
+    kw: dict[str, Any] = dict(
+        model=model, input="Count to three.", max_output_tokens=8, temperature=0
+    )
     whole = client.responses.create(**kw)
     events = list(client.responses.create(**kw, stream=True))
     kinds = [e.type for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress",
-                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert kinds[-1] in ("response.completed", "response.incomplete")
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     done = next(e for e in events if e.type == "response.output_text.done")
@@ -67,9 +83,15 @@ def test_stream_events(client: openai.OpenAI, up: Up) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_function_call_required(client: openai.OpenAI, stream: bool) -> None:
-    kw: dict[str, Any] = dict(model=_model(client), input="Weather in Paris?", tools=[WEATHER],
-                              tool_choice="required", parallel_tool_calls=False,
-                              max_output_tokens=64, temperature=0)  # fmt: skip
+    kw: dict[str, Any] = dict(
+        model=_model(client),
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=64,
+        temperature=0,
+    )
     if not stream:
         calls = [o for o in client.responses.create(**kw).output if o.type == "function_call"]
     else:
@@ -87,39 +109,62 @@ def test_function_call_required(client: openai.OpenAI, stream: bool) -> None:
 
 def test_named_tool_then_its_result(client: openai.OpenAI) -> None:
     model = _model(client)
-    first = client.responses.create(model=model, input="Weather in Oslo?", tools=[WEATHER],
-                                    tool_choice={"type": "function", "name": "get_weather"},
-                                    max_output_tokens=64, temperature=0)  # fmt: skip
+    first = client.responses.create(
+        model=model,
+        input="Weather in Oslo?",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=64,
+        temperature=0,
+    )
     call = next(o for o in first.output if o.type == "function_call")
     assert "city" in json.loads(call.arguments)
     second = client.responses.create(
-        model=model, tools=[WEATHER], max_output_tokens=4, temperature=0,
-        input=[{"role": "user", "content": "Weather in Oslo?"},
-               {"type": "function_call", "call_id": call.call_id, "name": call.name,
-                "arguments": call.arguments},
-               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
-    )  # fmt: skip
+        model=model,
+        tools=[WEATHER],
+        max_output_tokens=4,
+        temperature=0,
+        input=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+        ],
+    )
     assert second.status in ("completed", "incomplete") and second.output
 
 
 def test_text_format_json_schema(client: openai.OpenAI) -> None:
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}},
-              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     resp = client.responses.create(
-        model=_model(client), input="A number.", max_output_tokens=32, temperature=0,
+        model=_model(client),
+        input="A number.",
+        max_output_tokens=32,
+        temperature=0,
         text={"format": {"type": "json_schema", "name": "num", "schema": schema, "strict": True}},
-    )  # fmt: skip
+    )
     assert resp.status == "completed"
     assert 0 <= json.loads(resp.output_text)["n"] <= 9
 
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"store": True}, "store"),
-     ({"previous_response_id": "resp_x"}, "previous_response_id"),
-     ({"reasoning": {"effort": "high"}}, "reasoning"),
-     ({"max_output_tokens": 0}, "max_output_tokens")],
-)  # fmt: skip
+    [
+        ({"store": True}, "store"),
+        ({"previous_response_id": "resp_x"}, "previous_response_id"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
 def test_stateless_refusals(client: openai.OpenAI, extra: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=_model(client), input="hi", **extra)

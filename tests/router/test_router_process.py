@@ -35,13 +35,33 @@ async def test_router_process_serves_and_stops(tiny_model_dir: Path, tmp_path: P
     async with serve(prefill_app(pst, pub)) as purl, serve(decode_app(dst)) as durl:
         port, admin_port = free_port(), free_port()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pdserve", "router", "--model", str(tiny_model_dir),
-            "--port", str(port), "--prefill", purl, "--decode", durl, "--disagg-threshold", "8",
-            "--api-key-file", str(keyfile), "--admin-api-key", "adm", "--health-interval", "0.2",
-            "--admin-port", str(admin_port),
-            "--log-level", "warning",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "pdserve",
+            "router",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--prefill",
+            purl,
+            "--decode",
+            durl,
+            "--disagg-threshold",
+            "8",
+            "--api-key-file",
+            str(keyfile),
+            "--admin-api-key",
+            "adm",
+            "--health-interval",
+            "0.2",
+            "--admin-port",
+            str(admin_port),
+            "--log-level",
+            "warning",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             async with httpx.AsyncClient(base_url=url) as h:
@@ -82,11 +102,29 @@ async def test_router_procs_share_one_port(tiny_model_dir: Path, end: str) -> No
     async with serve(prefill_app(pst)) as purl, serve(decode_app(dst)) as durl:
         port, admin_port = free_port(), free_port()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pdserve", "router", "--model", str(tiny_model_dir),
-            "--port", str(port), "--prefill", purl, "--decode", durl, "--procs", "2",
-            "--admin-port", str(admin_port), "--health-interval", "0.2", "--log-level", "warning",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "pdserve",
+            "router",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--prefill",
+            purl,
+            "--decode",
+            durl,
+            "--procs",
+            "2",
+            "--admin-port",
+            str(admin_port),
+            "--health-interval",
+            "0.2",
+            "--log-level",
+            "warning",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         url, n = f"http://127.0.0.1:{port}", 24
         try:
             admin = f"http://127.0.0.1:{admin_port}/metrics"

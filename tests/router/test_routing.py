@@ -16,8 +16,13 @@ CFG = RouterConfig(model_dir="/m", disagg_threshold=64)
 
 
 def P(name: str, queued: int = 0, running: int = 0, healthy: bool = True) -> WorkerView:
-    stats = WorkerStats(worker_id=name, queued_prompt_tokens=queued, running=running,
-                        kv_blocks_free=100, kv_blocks_total=100)  # fmt: skip
+    stats = WorkerStats(
+        worker_id=name,
+        queued_prompt_tokens=queued,
+        running=running,
+        kv_blocks_free=100,
+        kv_blocks_total=100,
+    )
     return WorkerView(f"http://{name}", "prefill", healthy, stats)
 
 
@@ -36,25 +41,79 @@ CASES = [
     ("short prompt stays local", [P("p1"), D("d1")], REQ(32), "local_prefill", None, "d1"),
     ("long prompt goes remote", [P("p1"), D("d1")], REQ(640), "remote_prefill", "p1", "d1"),
     ("no prefill worker: local", [D("d1")], REQ(640), "local_prefill", None, "d1"),
-    ("unhealthy prefill ignored", [P("p1", healthy=False), D("d1")], REQ(640),
-     "local_prefill", None, "d1"),
-    ("prefix match wins over idle", [P("p1"), P("p2", queued=300)], REQ(640, {"p2": 40}),
-     "remote_prefill", "p2", "d1"),
-    ("load wins when no match", [P("p1", queued=4000, running=8), P("p2")], REQ(640),
-     "remote_prefill", "p2", "d1"),
-    ("huge queue beats small match", [P("p1", queued=200_000, running=60), P("p2")],
-     REQ(640, {"p1": 4}), "remote_prefill", "p2", "d1"),
-    ("new prefix goes to the emptier cache", [P("p1"), P("p2")], REQ(640, {}, {"p1": 90}),
-     "remote_prefill", "p2", "d1"),
-    ("prefix match beats cache balance", [P("p1"), P("p2")],
-     REQ(640, {"p1": 40}, {"p1": 500, "p2": 10}), "remote_prefill", "p1", "d1"),
-    ("decode with more free KV", [P("p1"), D("d1", free=10), D("d2", free=90)], REQ(640),
-     "remote_prefill", "p1", "d2"),
-    ("decode that cannot fit the prompt is filtered", [D("d1", free=2, running=0),
-     D("d2", free=50, total=1000, running=30)], REQ(640), "local_prefill", None, "d2"),
-    ("decode cache counts against threshold", [P("p1"), D("d1")], REQ(640, {"d1": 38}),
-     "local_prefill", None, "d1"),
-]  # fmt: skip
+    (
+        "unhealthy prefill ignored",
+        [P("p1", healthy=False), D("d1")],
+        REQ(640),
+        "local_prefill",
+        None,
+        "d1",
+    ),
+    (
+        "prefix match wins over idle",
+        [P("p1"), P("p2", queued=300)],
+        REQ(640, {"p2": 40}),
+        "remote_prefill",
+        "p2",
+        "d1",
+    ),
+    (
+        "load wins when no match",
+        [P("p1", queued=4000, running=8), P("p2")],
+        REQ(640),
+        "remote_prefill",
+        "p2",
+        "d1",
+    ),
+    (
+        "huge queue beats small match",
+        [P("p1", queued=200_000, running=60), P("p2")],
+        REQ(640, {"p1": 4}),
+        "remote_prefill",
+        "p2",
+        "d1",
+    ),
+    (
+        "new prefix goes to the emptier cache",
+        [P("p1"), P("p2")],
+        REQ(640, {}, {"p1": 90}),
+        "remote_prefill",
+        "p2",
+        "d1",
+    ),
+    (
+        "prefix match beats cache balance",
+        [P("p1"), P("p2")],
+        REQ(640, {"p1": 40}, {"p1": 500, "p2": 10}),
+        "remote_prefill",
+        "p1",
+        "d1",
+    ),
+    (
+        "decode with more free KV",
+        [P("p1"), D("d1", free=10), D("d2", free=90)],
+        REQ(640),
+        "remote_prefill",
+        "p1",
+        "d2",
+    ),
+    (
+        "decode that cannot fit the prompt is filtered",
+        [D("d1", free=2, running=0), D("d2", free=50, total=1000, running=30)],
+        REQ(640),
+        "local_prefill",
+        None,
+        "d2",
+    ),
+    (
+        "decode cache counts against threshold",
+        [P("p1"), D("d1")],
+        REQ(640, {"d1": 38}),
+        "local_prefill",
+        None,
+        "d1",
+    ),
+]
 
 
 @pytest.mark.parametrize(("case", "workers", "req", "kind", "prefill", "decode"), CASES)
@@ -74,8 +133,9 @@ def test_no_decode_worker_raises() -> None:
 
 def test_ties_are_broken_randomly_and_reproducibly() -> None:
     snap = Snapshot((P("a"), P("b"), P("c"), D("d")))
-    firsts = {plan_route(snap, REQ(640), CFG, random.Random(s)).prefill[0].worker_id
-              for s in range(40)}  # fmt: skip
+    firsts = {
+        plan_route(snap, REQ(640), CFG, random.Random(s)).prefill[0].worker_id for s in range(40)
+    }
     assert firsts == {"a", "b", "c"}
     again = [plan_route(snap, REQ(640), CFG, random.Random(7)).prefill[0].worker_id for _ in "xy"]
     assert again[0] == again[1]
@@ -97,8 +157,14 @@ def test_round_robin_rotates_in_url_order() -> None:
 
 
 def test_inflight_counts_feed_the_load_scorer() -> None:
-    busy = WorkerView("http://p1", "prefill", True, WorkerStats(worker_id="p1"), inflight=12,
-                      inflight_prompt_tokens=9000)  # fmt: skip
+    busy = WorkerView(
+        "http://p1",
+        "prefill",
+        True,
+        WorkerStats(worker_id="p1"),
+        inflight=12,
+        inflight_prompt_tokens=9000,
+    )
     plan = plan_route(Snapshot((busy, P("p2"), D("d"))), REQ(640), CFG, random.Random(0))
     assert plan.prefill[0].worker_id == "p2"
 

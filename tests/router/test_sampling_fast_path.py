@@ -18,8 +18,20 @@ from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 BOUNDS = [-(2**63), -2.0, -1, 0, 1, 2.0, 10.0, 20, 100.0, 4096, 2**31, 2**32, 2**63, 2**64]
 # Each bound, just inside and just outside it, as an int and as a float.
-_NEAR = [v for b in BOUNDS for v in (b, float(b), math.nextafter(b, -math.inf),
-         math.nextafter(b, math.inf), b - 1, b + 1, b - 0.5, b + 0.5)]  # fmt: skip
+_NEAR = [
+    v
+    for b in BOUNDS
+    for v in (
+        b,
+        float(b),
+        math.nextafter(b, -math.inf),
+        math.nextafter(b, math.inf),
+        b - 1,
+        b + 1,
+        b - 0.5,
+        b + 0.5,
+    )
+]
 # Deduplicated by type and value: -2 and -2.0 are equal, but only one is an int.
 EDGES = [*{(type(v), v): v for v in _NEAR}.values(), math.inf, -math.inf, math.nan]
 ODD = [None, True, False, "1", [], {}, [1], {"1": 2.0}, ["x"], {"type": "json"}]

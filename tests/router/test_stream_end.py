@@ -20,8 +20,13 @@ pytestmark = pytest.mark.timeout(60)
 async def test_done_goes_with_the_last_token(cluster_factory, usage: bool) -> None:
     async with cluster_factory(disagg_threshold=16) as c:
         c.decode[0].end_delay_s = 1.5  # the worker's reply ends 1.5 s after its last line
-        body = {"model": "tiny", "prompt": LONG, "max_tokens": 4, "stream": True,
-                "stream_options": {"include_usage": usage}}  # fmt: skip
+        body = {
+            "model": "tiny",
+            "prompt": LONG,
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": usage},
+        }
         lines, t0 = [], time.monotonic()
         async with (
             httpx.AsyncClient(base_url=c.url, timeout=30) as h,

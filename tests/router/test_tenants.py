@@ -24,8 +24,11 @@ OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 
 def _trickler(url: str) -> socket.socket:
     """A connection that sends its head and one byte of a 1000-byte body, then waits."""
-    return connect(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                   b"application/json\r\nContent-Length: 1000\r\n\r\n{")  # fmt: skip
+    return connect(
+        url,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\nContent-Length: 1000\r\n\r\n{",
+    )
 
 
 async def test_trickling_bodies_do_not_lock_out_other_clients(cluster_factory) -> None:
@@ -57,8 +60,9 @@ async def test_concurrency_per_key_is_capped(cluster_factory) -> None:
         c.decode[0].token_delay_s = 0.1
         a, b = ({"Authorization": f"Bearer {k}"} for k in ("ka", "kb"))
         slow = {**OK, "max_tokens": 8}
-        busy = [asyncio.create_task(h.post("/v1/completions", json=slow, headers=a))
-                for _ in range(2)]  # fmt: skip
+        busy = [
+            asyncio.create_task(h.post("/v1/completions", json=slow, headers=a)) for _ in range(2)
+        ]
         while c.runtime.active < 2:
             await asyncio.sleep(0.01)
         r = await h.post("/v1/completions", json=OK, headers=a)
@@ -210,8 +214,10 @@ def _stalled_reader(url: str, body: bytes) -> socket.socket:
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
     s.connect((host, int(port)))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     return s
 
 
@@ -262,8 +268,9 @@ async def test_admin_port_opens_admin_endpoints_without_a_key(cluster_factory) -
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = int(sock.getsockname()[1])
-    async with cluster_factory(api_keys=("tenant",), admin_api_keys=("boss",),
-                               admin_port=port) as c:  # fmt: skip
+    async with cluster_factory(
+        api_keys=("tenant",), admin_api_keys=("boss",), admin_port=port
+    ) as c:
         config = uvicorn.Config(c.app, log_level="warning", lifespan="off")  # a second port
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -51,28 +51,36 @@ CASES = {
         {"p1": 4 * 0.8},
     ),
     "removed from host, still on disk": (
-        [("stored", "p1", HASHES, "disk"), ("stored", "p1", HASHES, "host"),
-         ("removed", "p1", HASHES[1:], "host")],
+        [
+            ("stored", "p1", HASHES, "disk"),
+            ("stored", "p1", HASHES, "host"),
+            ("removed", "p1", HASHES[1:], "host"),
+        ],
         {"p1": 0.5 * 0},  # host kept only block 0 ... its disk entry was replaced: see below
     ),
     "shared: every worker": (
-        [("stored", "p2", HASHES, "shared")], {w: 4 * 0.3 for w in WORKERS},
+        [("stored", "p2", HASHES, "shared")],
+        {w: 4 * 0.3 for w in WORKERS},
     ),
     "shared after one's pool": (
         [("stored", "p0", HASHES[:1], "pool"), ("stored", "p1", HASHES, "shared")],
         {"p0": 1 + 3 * 0.3, "p1": 4 * 0.3, "p2": 4 * 0.3},
     ),
     "a gap in the chain stops the match": (
-        [("stored", "p0", (11, 13, 14), "host")], {"p0": 0.8},
+        [("stored", "p0", (11, 13, 14), "host")],
+        {"p0": 0.8},
     ),
     "pool cleared drops the worker's tiers too (resync)": (
-        [("stored", "p0", HASHES, "host"), ("cleared", "p0", (), "pool")], {},
+        [("stored", "p0", HASHES, "host"), ("cleared", "p0", (), "pool")],
+        {},
     ),
-}  # fmt: skip
+}
 # A block in host and disk is kept at its faster tier; host's removal forgets it (the disk
 # copy is still there but unknown: a conservative miss, never a false hit).
-CASES["removed from host, still on disk"] = (CASES["removed from host, still on disk"][0],
-                                             {"p1": 0.8})  # fmt: skip
+CASES["removed from host, still on disk"] = (
+    CASES["removed from host, still on disk"][0],
+    {"p1": 0.8},
+)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -105,8 +113,9 @@ def test_the_cheapest_load_wins(events: list, winner: str) -> None:  # type: ign
     index = _index(events)
     pool = index.match(HASHES)
     req = RouteRequest(70, HASHES, 16, pool, tier_matched=index.tiers.match(HASHES, pool, WORKERS))
-    order = rank([_worker(w) for w in WORKERS], req, [ScorerWeight("prefix-match", 1.0)],
-                 random.Random(0))  # fmt: skip
+    order = rank(
+        [_worker(w) for w in WORKERS], req, [ScorerWeight("prefix-match", 1.0)], random.Random(0)
+    )
     assert order[0].worker_id == winner
 
 
@@ -129,8 +138,9 @@ def test_weights_are_configurable_and_checked() -> None:
         with pytest.raises(ValueError, match="prefix-tier-weights"):
             RouterConfig(model_dir="m", prefix_tier_weights=bad)
     with pytest.raises(ValueError, match="tier"):
-        KVEventView.parse(json.dumps({"kind": "stored", "worker_id": "p", "seq": 1,
-                                      "tier": "gpu"}).encode())  # fmt: skip
+        KVEventView.parse(
+            json.dumps({"kind": "stored", "worker_id": "p", "seq": 1, "tier": "gpu"}).encode()
+        )
 
 
 def test_shared_entries_are_bounded() -> None:

@@ -43,8 +43,10 @@ def test_direct_model_types_keep_a_declared_generic_class() -> None:
     wrong |= DIRECT_MODEL_TYPES & (auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS | mistral)
     if not direct_load_checked():
         verdict = f"the list is wrong for {sorted(wrong)}" if wrong else "widen the range"
-        pytest.skip(f"transformers {__version__} is outside CHECKED_TRANSFORMERS (the router "
-                    f"loads through AutoTokenizer on it): {verdict}")  # fmt: skip
+        pytest.skip(
+            f"transformers {__version__} is outside CHECKED_TRANSFORMERS (the router "
+            f"loads through AutoTokenizer on it): {verdict}"
+        )
     assert not wrong
 
 
@@ -84,9 +86,16 @@ def test_every_family_loads_what_autotokenizer_loads(tiny_model_dir: Path, tmp_p
 
 @pytest.mark.parametrize(
     ("release", "direct"),
-    [("5.24.0", True), ("5.25.1", True), ("5.17.0", False), ("5.26.0.dev0", False),
-     ("4.57.1", False), ("6.0.0", False), ("garbage", False)],
-)  # fmt: skip
+    [
+        ("5.24.0", True),
+        ("5.25.1", True),
+        ("5.17.0", False),
+        ("5.26.0.dev0", False),
+        ("4.57.1", False),
+        ("6.0.0", False),
+        ("garbage", False),
+    ],
+)
 def test_only_checked_transformers_releases_load_directly(release: str, direct: bool) -> None:
     assert CHECKED_TRANSFORMERS[0] == (5, 24)  # the first release the list was checked on
     assert direct_load_checked(release) is direct

@@ -14,15 +14,26 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CITY = {"type": "string", "maxLength": 12}
 FUNCTIONS = {
-    "get_weather": {"type": "object", "properties": {
-        "city": CITY, "unit": {"enum": ["C", "F"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "unit", "days"], "additionalProperties": False},
-    "book_table": {"type": "object", "properties": {
-        "guests": {"type": "integer", "minimum": 1, "maximum": 12},
-        "names": {"type": "array", "items": CITY, "maxItems": 3}},
-        "required": ["guests", "names"], "additionalProperties": False},
-}  # fmt: skip
+    "get_weather": {
+        "type": "object",
+        "properties": {
+            "city": CITY,
+            "unit": {"enum": ["C", "F"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "unit", "days"],
+        "additionalProperties": False,
+    },
+    "book_table": {
+        "type": "object",
+        "properties": {
+            "guests": {"type": "integer", "minimum": 1, "maximum": 12},
+            "names": {"type": "array", "items": CITY, "maxItems": 3},
+        },
+        "required": ["guests", "names"],
+        "additionalProperties": False,
+    },
+}
 TOOLS: list[Any] = [
     {"type": "function", "function": {"name": n, "description": f"{n} tool", "parameters": p}}
     for n, p in FUNCTIONS.items()
@@ -54,9 +65,16 @@ def _streamed(client: openai.OpenAI, **kw: Any) -> tuple[list[tuple[str, str]], 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_tool_choice(client: openai.OpenAI, parallel: bool) -> None:
     for seed in range(2):
-        kw: dict[str, Any] = dict(model="tiny-seed0", messages=MESSAGES, tools=TOOLS,
-            tool_choice="required", parallel_tool_calls=parallel, max_tokens=400,
-            temperature=1.0, seed=seed)  # fmt: skip
+        kw: dict[str, Any] = dict(
+            model="tiny-seed0",
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+            max_tokens=400,
+            temperature=1.0,
+            seed=seed,
+        )
         out = client.chat.completions.create(**kw)
         choice = out.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -72,11 +90,19 @@ def test_required_tool_choice(client: openai.OpenAI, parallel: bool) -> None:
 def test_named_tool_choice(client: openai.OpenAI) -> None:
     named = {"type": "function", "function": {"name": "book_table"}}
     for seed in range(2):
-        kw: dict[str, Any] = dict(model="tiny-seed0", messages=MESSAGES, tools=TOOLS,
-            tool_choice=named, max_tokens=300, temperature=1.0, seed=seed)  # fmt: skip
+        kw: dict[str, Any] = dict(
+            model="tiny-seed0",
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice=named,
+            max_tokens=300,
+            temperature=1.0,
+            seed=seed,
+        )
         out = client.chat.completions.create(**kw)
-        calls = [(c.function.name, c.function.arguments)
-                 for c in out.choices[0].message.tool_calls or []]  # fmt: skip
+        calls = [
+            (c.function.name, c.function.arguments) for c in out.choices[0].message.tool_calls or []
+        ]
         assert out.choices[0].finish_reason == "tool_calls"
         assert [n for n, _ in calls] == ["book_table"]
         _check(calls)
@@ -86,17 +112,30 @@ def test_named_tool_choice(client: openai.OpenAI) -> None:
 
 def test_conversation_with_tool_results_and_auto(client: openai.OpenAI) -> None:
     args = '{"city": "Oslo", "unit": "C", "days": 2}'
-    messages = [*MESSAGES,
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": args}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]  # fmt: skip
-    out = client.chat.completions.create(model="tiny-seed0", messages=messages, tools=TOOLS,
-                                         max_tokens=16, temperature=0.0)  # fmt: skip
+    messages = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": args},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    out = client.chat.completions.create(
+        model="tiny-seed0", messages=messages, tools=TOOLS, max_tokens=16, temperature=0.0
+    )
     choice = out.choices[0]
     # The random model's free text is no call: auto answers it as content.
     assert choice.finish_reason in ("stop", "length") and choice.message.content
-    none = client.chat.completions.create(model="tiny-seed0", messages=messages, tools=TOOLS,
-                                          tool_choice="none", max_tokens=8)  # fmt: skip
+    none = client.chat.completions.create(
+        model="tiny-seed0", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8
+    )
     assert none.choices[0].message.tool_calls is None
 
 
@@ -131,6 +170,7 @@ def test_conversation_with_tool_results_and_auto(client: openai.OpenAI) -> None:
 )
 def test_bad_tool_requests(client: openai.OpenAI, extra: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny-seed0", messages=MESSAGES, max_tokens=8,
-                                       extra_body=extra)  # fmt: skip
+        client.chat.completions.create(
+            model="tiny-seed0", messages=MESSAGES, max_tokens=8, extra_body=extra
+        )
     assert err.value.body["param"] == param  # type: ignore[index]

@@ -11,8 +11,14 @@ from pdserve.router.api.tool_output import ArrayScanner, ToolOutput
 from pdserve.router.api.tools import ToolConfig, chat_inputs, grammar_spec, parse_tools
 from pdserve.router.errors import APIError
 
-WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}  # fmt: skip
+WEATHER = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    },
+}
 TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
 TOOLS = [{"type": "function", "function": f} for f in (WEATHER, TIME)]
 
@@ -48,8 +54,12 @@ def assemble(deltas: list[dict[str, Any]]) -> tuple[list[dict[str, str]], str]:
 
 @pytest.mark.parametrize("size", [1, 3, 1000])
 def test_required_array_streams_name_then_fragments(size: int) -> None:
-    text = json.dumps([{"name": "get_weather", "arguments": {"city": "Pa\\\"ris }]", "days": 3}},
-                       {"name": "get_time", "arguments": {}}])  # fmt: skip
+    text = json.dumps(
+        [
+            {"name": "get_weather", "arguments": {"city": 'Pa\\"ris }]', "days": 3}},
+            {"name": "get_time", "arguments": {}},
+        ]
+    )
     deltas, finish = stream(ToolOutput(cfg("required")), text, size)
     calls, content = assemble(deltas)
     assert finish == "tool_calls" and content == ""
@@ -91,7 +101,10 @@ def test_grammar_specs() -> None:
     spec = grammar_spec(cfg("required", parallel=False))
     assert spec is not None and spec["schema"]["maxItems"] == 1 and spec["param"] == "tool_choice"
     assert grammar_spec(cfg({"type": "function", "function": {"name": "get_weather"}})) == {
-        "type": "json_schema", "schema": WEATHER["parameters"], "param": "tool_choice"}  # fmt: skip
+        "type": "json_schema",
+        "schema": WEATHER["parameters"],
+        "param": "tool_choice",
+    }
     assert grammar_spec(cfg()) is None
     assert parse_tools({"tools": TOOLS, "tool_choice": "none"}) is None
 
@@ -119,10 +132,19 @@ def test_bad_tool_fields(body: dict[str, Any], param: str) -> None:
 def test_default_prompt_format(tiny_tokenizer: Any) -> None:
     messages = [
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
         {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
-    ]  # fmt: skip
+    ]
     out, tools = chat_inputs(tiny_tokenizer, messages, cfg())
     assert tools is None  # the tiny model's template does not render tools
     assert out[0]["role"] == "system" and '"name": "get_weather"' in out[0]["content"]

@@ -62,8 +62,12 @@ def test_claims_and_tcp_reads_are_refused_without_the_handshake() -> None:
 def test_tcp_reads_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = make_pool(8, seed=1)
     t = TcpTransport(pool, CompatRecord.for_pool(pool, "m"), "unit")
-    for ids, words in [([], "1 to 8"), (list(range(9)), "1 to 8"), ([1, 1], "none repeated"),
-                       ([1, 99], "out of range")]:  # fmt: skip
+    for ids, words in [
+        ([], "1 to 8"),
+        (list(range(9)), "1 to 8"),
+        ([1, 1], "none repeated"),
+        ([1, 99], "out of range"),
+    ]:
         (frame,) = t.serve(TcpReadRequest("r", "n", "a", ids)) or []
         assert words.encode() in frame, (ids, frame)
     monkeypatch.setattr("pdserve.transfer.tcp_transport.MAX_READ_BYTES", 1000)

@@ -20,9 +20,16 @@ P = LoadPhase
 
 def _record() -> LoadRecord:
     handle = KVHandle(
-        request_id="r", agent_name="a", side_channel="tcp://127.0.0.1:1", block_ids=[3],
-        num_tokens=5, block_hashes=[], block_size=16, nonce="n", lease_ttl_s=30.0,
-    )  # fmt: skip
+        request_id="r",
+        agent_name="a",
+        side_channel="tcp://127.0.0.1:1",
+        block_ids=[3],
+        num_tokens=5,
+        block_hashes=[],
+        block_size=16,
+        nonce="n",
+        lease_ttl_s=30.0,
+    )
     return LoadRecord("r", handle, [3], [0], deadline=0.0)
 
 

@@ -24,8 +24,14 @@ def test_registration_names_the_memory_type() -> None:
     pool = make_pool(4, seed=0)
     descs, mem_type = registration(PoolGeometry.of(pool), pool.nbytes)
     assert mem_type == "DRAM" and descs == [(pool.data_ptr(), pool.nbytes, 0, "")]
-    vram = PoolGeometry(base_addr=0x7F00_0000_0000, num_layers=2, num_blocks=4,
-                        block_bytes=1024, device_id=3, mem_type="VRAM")  # fmt: skip
+    vram = PoolGeometry(
+        base_addr=0x7F00_0000_0000,
+        num_layers=2,
+        num_blocks=4,
+        block_bytes=1024,
+        device_id=3,
+        mem_type="VRAM",
+    )
     descs, mem_type = registration(vram, 16 * 1024)
     assert mem_type == "VRAM" and descs == [(0x7F00_0000_0000, 16 * 1024, 3, "")]
 

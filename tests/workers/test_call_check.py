@@ -19,8 +19,13 @@ RING = keys.KeyRing(keys.HTTP, ("service-secret",))
 
 def _scope(auth: str | None) -> dict[str, Any]:
     headers = [(signing.HEADER_KEY, auth.encode())] if auth is not None else []
-    return {"type": "http", "method": "POST", "path": "/generate", "query_string": b"",
-            "headers": headers}  # fmt: skip
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/generate",
+        "query_string": b"",
+        "headers": headers,
+    }
 
 
 class Channel:

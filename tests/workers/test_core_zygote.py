@@ -51,9 +51,21 @@ def test_refusal_names_the_keys_the_imports_read() -> None:
     base = {"HOME": "/root", "OMP_NUM_THREADS": "1"}
     ours = {**base, "TORCHINDUCTOR_CACHE_DIR": "/tmp/ti"}  # added by the imports
     assert refusal(base, ours, dict(base)) == ""  # a new process's imports add it alike
-    assert refusal(base, ours, {**ours, "PDSERVE_SERVICE_SECRET": "s", "PYTEST_X": "1",
-                                "PYTHONUNBUFFERED": "1", "COLUMNS": "80",
-                                "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": "1"}) == ""  # fmt: skip
+    assert (
+        refusal(
+            base,
+            ours,
+            {
+                **ours,
+                "PDSERVE_SERVICE_SECRET": "s",
+                "PYTEST_X": "1",
+                "PYTHONUNBUFFERED": "1",
+                "COLUMNS": "80",
+                "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": "1",
+            },
+        )
+        == ""
+    )
     why = refusal(base, ours, {**base, "OMP_NUM_THREADS": "4", "HF_HUB_OFFLINE": "1"})
     assert why.endswith("in HF_HUB_OFFLINE, OMP_NUM_THREADS"), why
     moved = {**base, "TORCHINDUCTOR_CACHE_DIR": "/x"}

@@ -41,8 +41,11 @@ def app(closed: list[str]) -> DirectApp:
 
     async def generate(request: Request) -> Response:
         req = await read_message(request, GenerateRequest)
-        fault = {"failed": RequestFailed("no room"), "bad-param": InvalidParameter("seed", "bad"),
-                 "crash": RuntimeError("bug")}.get(req.request_id)  # fmt: skip
+        fault = {
+            "failed": RequestFailed("no room"),
+            "bad-param": InvalidParameter("seed", "bad"),
+            "crash": RuntimeError("bug"),
+        }.get(req.request_id)
         if fault is not None:
             raise fault
         if req.request_id == "big":
@@ -70,9 +73,12 @@ async def test_lines_stream_and_errors_keep_their_answers() -> None:
             assert resp.json()["error"]["code"] == "unauthorized"
         assert (await c.get("/stats")).status_code == 401  # the stack's check, still
         assert (await c.get("/stats", auth=OK)).json() == {"ok": True}
-        cases = [({**body("r", 1), "prompt_token_ids": "x"}, 400, "prompt_token_ids"),
-                 (body("bad-param", 1), 400, "seed"), (body("failed", 1), 422, None),
-                 (body("big", 1), 413, None)]  # fmt: skip
+        cases = [
+            ({**body("r", 1), "prompt_token_ids": "x"}, 400, "prompt_token_ids"),
+            (body("bad-param", 1), 400, "seed"),
+            (body("failed", 1), 422, None),
+            (body("big", 1), 413, None),
+        ]
         for sent, status, param in cases:
             resp = await c.post("/generate", json=sent, auth=OK)
             assert resp.status_code == status and resp.json()["error"]["param"] == param

@@ -85,10 +85,24 @@ def test_worker_refuses_an_unsupported_model_at_start(tiny_model_dir: Path) -> N
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run = subprocess.run(
-        [sys.executable, "-m", "pdserve", "prefill-worker", "--model", str(model_dir),
-         "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "prefill-worker",
+            "--model",
+            str(model_dir),
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode != 0
     assert (
         "Qwen3NextForCausalLM uses layer type 'linear_attention', which pdserve's paged "

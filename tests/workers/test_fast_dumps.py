@@ -61,8 +61,14 @@ def test_worker_messages_read_back_as_json_writes_them(
     """Sampling parameters as any caller may build them (unvalidated: NaN, infinities,
     integers past 64 bits, lone surrogates, int keys): the bytes always mean what json's
     mean."""
-    sp = SamplingParams(temperature=temperature, top_p=top_p, logit_bias=bias,
-                        structured=structured, seed=seed, stop=stop)  # fmt: skip
+    sp = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        logit_bias=bias,
+        structured=structured,
+        seed=seed,
+        stop=stop,
+    )
     _same(PrefillRequest("r", ids, sp, "salt", LoraRef("a", None)))
     handle = KVHandle("r", "agent", "tcp://127.0.0.1:1", [0], 1, [], 16, "n", temperature)
     _same(GenerateRequest("r", ids, sp, handle, 3))

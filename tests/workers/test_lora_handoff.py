@@ -34,8 +34,9 @@ async def _prefill(client: httpx.AsyncClient, url: str, rid: str, lora: LoraRef 
     return await client.post(url + "/prefill", json=body, auth=AUTH, timeout=60)
 
 
-async def _decode(client: httpx.AsyncClient, url: str, rid: str, lora: LoraRef | None,
-                  reply: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:  # fmt: skip
+async def _decode(
+    client: httpx.AsyncClient, url: str, rid: str, lora: LoraRef | None, reply: dict[str, Any]
+) -> tuple[int, list[dict[str, Any]]]:
     body = to_dict(GenerateRequest(rid, PROMPT, sampling(MAX_TOKENS), lora=lora))
     body.update(kv_handle=reply["kv_handle"], first_token_id=reply["first_token_id"])
     async with client.stream("POST", url + "/generate", json=body, auth=AUTH, timeout=60) as resp:
@@ -63,8 +64,11 @@ def test_lora_through_prefill_decode_handoff(tiny_model_dir: Path, tmp_path: Pat
     with worker_cluster(tiny_model_dir, tmp_path, "nixl", flags, flags) as cluster:
         p_url, d_url = proc(cluster, "prefill").url, proc(cluster, "decode").url
         for url in (p_url, d_url):
-            got = _post(url, "/v1/load_lora_adapter",
-                        {"lora_name": "all16", "lora_path": str(dirs["all16"])})  # fmt: skip
+            got = _post(
+                url,
+                "/v1/load_lora_adapter",
+                {"lora_name": "all16", "lora_path": str(dirs["all16"])},
+            )
             assert got.status_code == 200, got.text
             assert got.json() == {"name": "all16", "hash": hashes["all16"]}
         assert stats(d_url)["lora_known"] == ["all16", "attn8", "mlp4"]
@@ -169,10 +173,25 @@ def test_worker_refuses_a_bad_adapter_at_start(tiny_model_dir: Path, tmp_path: P
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run = subprocess.run(
-        [sys.executable, "-m", "pdserve", "decode-worker", "--model", str(tiny_model_dir),
-         "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
-         "--lora", f"dora={dora}"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "decode-worker",
+            "--model",
+            str(tiny_model_dir),
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--lora",
+            f"dora={dora}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode != 0
     assert "adapter 'dora': DoRA (use_dora) is not supported" in run.stdout + run.stderr

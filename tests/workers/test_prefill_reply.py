@@ -31,18 +31,34 @@ def handles(draw: Any) -> KVHandle:
     n = draw(st.integers(1, 200))
     full = n // block
     return KVHandle(
-        draw(texts), draw(texts), draw(st.sampled_from(["tcp://127.0.0.1:5", "ipc://x"])),
+        draw(texts),
+        draw(texts),
+        draw(st.sampled_from(["tcp://127.0.0.1:5", "ipc://x"])),
         draw(st.lists(st.integers(-1, 10**6), min_size=-(-n // block), max_size=-(-n // block))),
-        n, draw(st.lists(ints, max_size=full)), block, draw(st.sampled_from(["", "n0"])),
-        draw(st.one_of(st.integers(0, 60), st.floats(0, 60))), draw(texts),
-        draw(st.sampled_from([1, 2])), draw(loras),
-    )  # fmt: skip
+        n,
+        draw(st.lists(ints, max_size=full)),
+        block,
+        draw(st.sampled_from(["", "n0"])),
+        draw(st.one_of(st.integers(0, 60), st.floats(0, 60))),
+        draw(texts),
+        draw(st.sampled_from([1, 2])),
+        draw(loras),
+    )
 
 
 replies = st.builds(
-    PrefillReply, texts, ints, texts, st.one_of(st.none(), texts),
-    st.one_of(st.none(), handles()), ints, ints, usages, logprobs, logprobs,
-)  # fmt: skip
+    PrefillReply,
+    texts,
+    ints,
+    texts,
+    st.one_of(st.none(), texts),
+    st.one_of(st.none(), handles()),
+    ints,
+    ints,
+    usages,
+    logprobs,
+    logprobs,
+)
 
 
 def outcome(fn: Any, raw: bytes) -> Any:
@@ -80,11 +96,34 @@ junk = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
     max_leaves=6,
 )
-REPLY_FIELDS = ["request_id", "first_token_id", "text", "finish_reason", "kv_handle",
-                "num_cached_tokens", "prompt_tokens", "usage", "logprobs", "prompt_logprobs",
-                "type", "extra"]  # fmt: skip
-HANDLE_FIELDS = ["request_id", "block_ids", "num_tokens", "block_hashes", "block_size", "nonce",
-                 "lease_ttl_s", "version", "lora", "side_channel", "type", "extra"]  # fmt: skip
+REPLY_FIELDS = [
+    "request_id",
+    "first_token_id",
+    "text",
+    "finish_reason",
+    "kv_handle",
+    "num_cached_tokens",
+    "prompt_tokens",
+    "usage",
+    "logprobs",
+    "prompt_logprobs",
+    "type",
+    "extra",
+]
+HANDLE_FIELDS = [
+    "request_id",
+    "block_ids",
+    "num_tokens",
+    "block_hashes",
+    "block_size",
+    "nonce",
+    "lease_ttl_s",
+    "version",
+    "lora",
+    "side_channel",
+    "type",
+    "extra",
+]
 
 
 @settings(max_examples=300, deadline=None)

@@ -87,11 +87,20 @@ def test_a_broken_field_fails_as_in_the_codec(
 
 @pytest.mark.parametrize(
     "line",
-    [b"", b"{not json}", b"[1, 2]", b"null", b'"x"', b"\xff\xfe", b"[" * 5000 + b"]" * 5000,
-     b'{"type": "token_delta", "token_ids": [true]}', b'{"token_ids": [5]}',
-     encode(TokenDelta(error=WorkerError("boom", code="request_failed"))),
-     encode(TokenDelta([1], "x", "stop", Usage(3, 1, 0)))],
-)  # fmt: skip
+    [
+        b"",
+        b"{not json}",
+        b"[1, 2]",
+        b"null",
+        b'"x"',
+        b"\xff\xfe",
+        b"[" * 5000 + b"]" * 5000,
+        b'{"type": "token_delta", "token_ids": [true]}',
+        b'{"token_ids": [5]}',
+        encode(TokenDelta(error=WorkerError("boom", code="request_failed"))),
+        encode(TokenDelta([1], "x", "stop", Usage(3, 1, 0))),
+    ],
+)
 def test_odd_lines_fail_or_pass_as_in_the_codec(line: bytes) -> None:
     same_outcome(line)
 

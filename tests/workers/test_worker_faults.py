@@ -114,11 +114,13 @@ def test_bad_handles_are_refused(tiny_model_dir: Path, tmp_path: Path, reference
                     assert words in lines[0]["error"]["message"], (name, lines)
                 # Refused before admission: malformed, wrong hashes, missing first token.
                 malformed = {k: v for k, v in handle.items() if k != "num_tokens"}
-                for j, (bad, first_id, param) in enumerate([
-                    (malformed, first, "kv_handle"),
-                    ({**handle, "block_hashes": [1, 2, 3, 4]}, first, "kv_handle"),
-                    (handle, None, "first_token_id"),
-                ]):  # fmt: skip
+                for j, (bad, first_id, param) in enumerate(
+                    [
+                        (malformed, first, "kv_handle"),
+                        ({**handle, "block_hashes": [1, 2, 3, 4]}, first, "kv_handle"),
+                        (handle, None, "first_token_id"),
+                    ]
+                ):
                     status, lines = await decode(client, d, f"bad4{j}", PROMPT, 6, bad, first_id)
                     assert status == 400 and lines[0]["error"]["param"] == param, lines
                 # The good handle still works after all that, and nothing bad was read.

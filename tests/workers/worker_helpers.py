@@ -29,9 +29,15 @@ SECRET = "worker-tests-secret"  # the clusters' service secret: every internal c
 AUTH = SignedAuth(SECRET)  # calls to the workers' internal API are signed
 
 WORKER_ARGS = (
-    "--device", "cpu", "--kv-cache-bytes", "6000000", "--max-num-batched-tokens", "512",
-    "--max-model-len", "1024",
-)  # fmt: skip
+    "--device",
+    "cpu",
+    "--kv-cache-bytes",
+    "6000000",
+    "--max-num-batched-tokens",
+    "512",
+    "--max-model-len",
+    "1024",
+)
 
 
 @contextlib.contextmanager
@@ -76,8 +82,11 @@ def proc(cluster: LocalCluster, role: str) -> Proc:
 
 def children(pid: int) -> list[int]:
     """The processes ``pid`` started that still run (or wait to be reaped)."""
-    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
-            for c in (t / "children").read_text().split()]  # fmt: skip
+    return [
+        int(c)
+        for t in Path(f"/proc/{pid}/task").iterdir()
+        for c in (t / "children").read_text().split()
+    ]
 
 
 def parent(pid: int) -> int:

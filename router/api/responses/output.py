@@ -30,14 +30,23 @@ def _id(prefix: str) -> str:
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion}  # fmt: skip
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
 
 
 def message_item(text: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant",
-            "content": [_text_part(text)] if status == "completed" else []}  # fmt: skip
+    return {
+        "type": "message",
+        "id": _id("msg"),
+        "status": status,
+        "role": "assistant",
+        "content": [_text_part(text)] if status == "completed" else [],
+    }
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -45,8 +54,14 @@ def _text_part(text: str) -> dict[str, Any]:
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}  # fmt: skip
+    return {
+        "type": "function_call",
+        "id": _id("fc"),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -79,17 +94,30 @@ class Shape:
         fmt = (b.get("text") or {}).get("format") or {"type": "text"}
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
-            "id": self.rid, "object": "response", "created_at": self.created, "status": status,
-            "error": error, "incomplete_details": incomplete,
-            "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
-            "model": b.get("model"), "output": output,
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"),
+            "model": b.get("model"),
+            "output": output,
             "parallel_tool_calls": b.get("parallel_tool_calls", True),
-            "previous_response_id": None, "reasoning": None, "store": False,
-            "temperature": b.get("temperature", 1.0), "text": {"format": fmt},
-            "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
-            "top_p": b.get("top_p", 1.0), "truncation": "disabled", "usage": use,
-            "user": b.get("user"), "metadata": b.get("metadata") or {},
-        }  # fmt: skip
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": b.get("temperature", 1.0),
+            "text": {"format": fmt},
+            "tool_choice": b.get("tool_choice", "auto"),
+            "tools": b.get("tools") or [],
+            "top_p": b.get("top_p", 1.0),
+            "truncation": "disabled",
+            "usage": use,
+            "user": b.get("user"),
+            "metadata": b.get("metadata") or {},
+        }
 
 
 def status_of(finish: str | None) -> str:
@@ -124,8 +152,9 @@ class Events:
             if self.open is None or self.open["type"] != "message":
                 out += self._close() + self._open(message_item("", "in_progress"))
             self.buf.append(d["content"])
-            out += self.event("response.output_text.delta", **self._where(),
-                              delta=d["content"], logprobs=[])  # fmt: skip
+            out += self.event(
+                "response.output_text.delta", **self._where(), delta=d["content"], logprobs=[]
+            )
         for call in d.get("tool_calls") or ():
             fn = call.get("function") or {}
             if "id" in call:  # a new call: its name
@@ -133,9 +162,12 @@ class Events:
                 out += self._close() + self._open(item)
             if fn.get("arguments"):
                 self.buf.append(fn["arguments"])
-                out += self.event("response.function_call_arguments.delta",
-                                  item_id=self.open["id"] if self.open else "",
-                                  output_index=len(self.items), delta=fn["arguments"])  # fmt: skip
+                out += self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=self.open["id"] if self.open else "",
+                    output_index=len(self.items),
+                    delta=fn["arguments"],
+                )
         return out
 
     def finish(self, finish: str | None, use: dict[str, Any]) -> str:
@@ -148,8 +180,9 @@ class Events:
 
     def error(self, body: dict[str, Any]) -> str:
         err = body.get("error") or {}
-        return self.event("error", code=err.get("code"), message=err.get("message"),
-                          param=err.get("param"))  # fmt: skip
+        return self.event(
+            "error", code=err.get("code"), message=err.get("message"), param=err.get("param")
+        )
 
     def _where(self) -> dict[str, Any]:
         assert self.open is not None
@@ -159,8 +192,7 @@ class Events:
         self.open, self.buf = item, []
         out = self.event("response.output_item.added", output_index=len(self.items), item=item)
         if item["type"] == "message":
-            out += self.event("response.content_part.added", **self._where(),
-                              part=_text_part(""))  # fmt: skip
+            out += self.event("response.content_part.added", **self._where(), part=_text_part(""))
         return out
 
     def _close(self) -> str:
@@ -174,8 +206,13 @@ class Events:
             out += self.event("response.content_part.done", **where, part=_text_part(text))
             item = {**item, "status": "completed", "content": [_text_part(text)]}
         else:
-            out = self.event("response.function_call_arguments.done", item_id=item["id"],
-                             output_index=index, name=item["name"], arguments=text)  # fmt: skip
+            out = self.event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=text,
+            )
             item = {**item, "status": "completed", "arguments": text}
         out += self.event("response.output_item.done", output_index=index, item=item)
         self.items.append(item)

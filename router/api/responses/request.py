@@ -19,12 +19,32 @@ from typing import Any
 from pdserve.router.errors import invalid
 
 # Honoured (translated to the chat request, or echoed back in the response object).
-RESPONSES = frozenset({
-    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
-    "tool_choice", "parallel_tool_calls", "text", "stream", "store", "user", "metadata",
-    "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "stop", "cache_salt",
-})  # fmt: skip
+RESPONSES = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "text",
+        "stream",
+        "store",
+        "user",
+        "metadata",
+        "seed",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "stop",
+        "cache_salt",
+    }
+)
 # Accepted with no effect (OpenAI platform bookkeeping).
 NO_EFFECT = frozenset({"service_tier", "safety_identifier", "prompt_cache_key"})
 # Accepted only at these values (what a stateless text-only server does anyway).
@@ -37,9 +57,20 @@ ONLY: dict[str, tuple[Any, ...]] = {
     "include": (None, []),
     "reasoning": (None,),
 }
-PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty",
-          "frequency_penalty", "repetition_penalty", "stop", "user", "cache_salt",
-          "parallel_tool_calls")  # fmt: skip
+PASSED = (
+    "temperature",
+    "top_p",
+    "seed",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "user",
+    "cache_salt",
+    "parallel_tool_calls",
+)
 WHY = {
     "store": "this server keeps no responses (stateless): send store: false",
     "previous_response_id": "this server keeps no responses (stateless): send the earlier "
@@ -126,8 +157,11 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             out.append(_call_output(item, i))
         else:
-            raise invalid(f"input[{i}].type {kind!r} is not supported by this server "
-                          "(message, function_call, function_call_output)", "input")  # fmt: skip
+            raise invalid(
+                f"input[{i}].type {kind!r} is not supported by this server "
+                "(message, function_call, function_call_output)",
+                "input",
+            )
     return out
 
 
@@ -141,8 +175,11 @@ def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
         for part in content:
             if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise invalid(f"input[{i}].content: {kind!r} parts are not supported by this "
-                              "server (text only)", "input")  # fmt: skip
+                raise invalid(
+                    f"input[{i}].content: {kind!r} parts are not supported by this "
+                    "server (text only)",
+                    "input",
+                )
             if not isinstance(part.get("text"), str):
                 raise invalid(f"input[{i}].content: a text part needs 'text'", "input")
             texts.append(part["text"])
@@ -155,16 +192,18 @@ def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
 def _function_call(item: dict[str, Any], i: int) -> dict[str, Any]:
     name, args, call_id = item.get("name"), item.get("arguments", ""), item.get("call_id")
     if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
-        raise invalid(f"input[{i}]: a function_call needs call_id, name and arguments "
-                      "(strings)", "input")  # fmt: skip
+        raise invalid(
+            f"input[{i}]: a function_call needs call_id, name and arguments (strings)", "input"
+        )
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def _call_output(item: dict[str, Any], i: int) -> dict[str, Any]:
     call_id, output = item.get("call_id"), item.get("output")
     if not isinstance(call_id, str) or not isinstance(output, str):
-        raise invalid(f"input[{i}]: a function_call_output needs call_id and output "
-                      "(strings)", "input")  # fmt: skip
+        raise invalid(
+            f"input[{i}]: a function_call_output needs call_id and output (strings)", "input"
+        )
     return {"role": "tool", "tool_call_id": call_id, "content": output}
 
 
@@ -175,8 +214,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else None
-            raise invalid(f"tools[{i}]: only function tools are supported by this server, "
-                          f"got {kind!r}", "tools")  # fmt: skip
+            raise invalid(
+                f"tools[{i}]: only function tools are supported by this server, got {kind!r}",
+                "tools",
+            )
         fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
             raise invalid(f"tools[{i}].strict must be a boolean", "tools")
@@ -189,8 +230,9 @@ def _tool_choice(choice: Any) -> Any:
         return choice  # none | auto | required: checked by the chat path
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    raise invalid('tool_choice must be none, auto, required or {"type": "function", "name"}',
-                  "tool_choice")  # fmt: skip
+    raise invalid(
+        'tool_choice must be none, auto, required or {"type": "function", "name"}', "tool_choice"
+    )
 
 
 def _format(text: Any) -> dict[str, Any] | None:

@@ -25,8 +25,12 @@ from pdserve.router.runtime import Runtime
 from pdserve.router.transport.dispatch import Delta, RequestState
 
 # The chat field an error names → the Responses field the client sent.
-PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-          "response_format": "text", "max_tokens": "max_output_tokens"}  # fmt: skip
+PARAMS = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text",
+    "max_tokens": "max_output_tokens",
+}
 
 
 class ResponsesCall:
