@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.k8s_real (the stdlib operator is imported already)
 
-from tests.k8s_real.cluster import (  # noqa: E402
+from pdserve.testing.k8s_real.cluster import (  # noqa: E402
     CHART,
     RELEASE,
     SYSTEM_NS,
@@ -39,8 +39,8 @@ from tests.k8s_real.cluster import (  # noqa: E402
     RealCluster,
     conditions,
 )
-from tests.k8s_real.control_plane import ControlPlane, find_binaries  # noqa: E402
-from tests.k8s_real.fake_kubelet import FakeKubelet, create_nodes  # noqa: E402
+from pdserve.testing.k8s_real.control_plane import ControlPlane, find_binaries  # noqa: E402
+from pdserve.testing.k8s_real.fake_kubelet import FakeKubelet, create_nodes  # noqa: E402
 
 NS = "llm-load"
 SAMPLE = re.compile(r"^apiserver_request_total\{([^}]*)\} ([0-9.e+]+)$", re.M)

@@ -78,9 +78,17 @@ class Up:
 
 
 def _supports(tree: Path, flag: str) -> bool:
+    """Whether the tree's commands take ``flag`` (given quoted, ``'"--name"'``): written out
+    in an argparse call (older trees), or as a field of an args dataclass whose flags are
+    generated (pdserve/config_cli.py: ``name: type = flag(...)``)."""
+    field = flag.strip('"').removeprefix("--").replace("-", "_") + ":"
     package = tree / "pdserve"  # its sub-packages are links to the top-level folders
     folders = [package, *(d for d in package.iterdir() if d.is_dir())]
-    return any(flag in p.read_text(errors="ignore") for d in folders for p in d.glob("*.py"))
+    for path in (p for d in folders for p in d.glob("*.py")):
+        text = path.read_text(errors="ignore")
+        if flag in text or any(line.lstrip().startswith(field) for line in text.splitlines()):
+            return True
+    return False
 
 
 @contextlib.contextmanager

@@ -56,9 +56,17 @@ logger = logging.getLogger(__name__)
 # sets them), read when something is printed. _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR:
 # inductor writes it into its own process's environment before each compiled C++ module
 # loads (torch/_inductor/codecache.py), so a process that compiled passes a stale one on.
+# TORCH_CUSTOM_PYTHONPATH: set by engine/compiled.py before a compile and read only by the
+# compile's ISA probe child, so a caller that compiled in-process passes it on.
 RUNTIME_PREFIXES = ("PDSERVE_", "PYTEST_")
 RUNTIME_KEYS = frozenset(
-    {"PYTHONUNBUFFERED", "COLUMNS", "LINES", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
+    {
+        "PYTHONUNBUFFERED",
+        "COLUMNS",
+        "LINES",
+        "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+        "TORCH_CUSTOM_PYTHONPATH",
+    }
 )
 # What a core imports, done once here (the roles' cores, and what core_main imports).
 PRELOAD = ("pdserve.worker.core_main", "pdserve.decode_worker.core", "pdserve.prefill_worker.core")

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.k8s_real.cluster import (
+from pdserve.testing.k8s_real.cluster import (
     CHART,
     RELEASE,
     SYSTEM_NS,
     OperatorProcess,
     RealCluster,
 )
-from tests.k8s_real.control_plane import ControlPlane, find_binaries
-from tests.k8s_real.fake_kubelet import FakeKubelet, create_nodes
+from pdserve.testing.k8s_real.control_plane import ControlPlane, find_binaries
+from pdserve.testing.k8s_real.fake_kubelet import FakeKubelet, create_nodes
 
 # The namespaces the shared operator watches (operator.watchNamespaces): the examples' own
 # (default: the CPU example, restricted; llm: the GPU example, privileged since it asks for

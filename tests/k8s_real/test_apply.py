@@ -9,7 +9,7 @@ import base64
 import json
 from typing import Any
 
-from tests.k8s_real.cluster import ROOT, OperatorProcess, RealCluster, conditions
+from pdserve.testing.k8s_real.cluster import ROOT, OperatorProcess, RealCluster, conditions
 
 CHILD_KINDS = {
     "deployments": "/apis/apps/v1/namespaces/{ns}/deployments",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.k8s_real.cluster import CHART, RealCluster
+from pdserve.testing.k8s_real.cluster import CHART, RealCluster
 
 NS = "pdserve-other"
 RELEASE = "other"

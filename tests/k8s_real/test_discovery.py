@@ -12,7 +12,7 @@ from typing import Any
 
 from pdserve.router.discovery.k8s import KubernetesSource
 from pdserve.router.discovery.kube_api import ApiAccess
-from tests.k8s_real.cluster import OperatorProcess, RealCluster
+from pdserve.testing.k8s_real.cluster import OperatorProcess, RealCluster
 
 NS = "llm-b"
 

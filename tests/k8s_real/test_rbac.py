@@ -4,7 +4,7 @@ chart does not grant, as RBAC on a real cluster does."""
 
 from __future__ import annotations
 
-from tests.k8s_real.cluster import OPERATOR_SA, SYSTEM_NS, RealCluster
+from pdserve.testing.k8s_real.cluster import OPERATOR_SA, SYSTEM_NS, RealCluster
 
 
 def test_chart_service_account_is_refused_what_the_chart_does_not_grant(chart: RealCluster) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.k8s_real.cluster import OperatorProcess, RealCluster, conditions
+from pdserve.testing.k8s_real.cluster import OperatorProcess, RealCluster, conditions
 from tests.k8s_real.test_apply import owned_by, wait_ready
 
 NS = "llm-a"

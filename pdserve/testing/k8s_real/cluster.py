@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 
 from pdserve.local.proc_group import end_group, poll_until
+from pdserve.testing.k8s_real.control_plane import ControlPlane
+from pdserve.testing.k8s_real.fake_kubelet import FakeKubelet
 from pdserve.testing.loopback import ROOT, free_port
-from tests.k8s_real.control_plane import ControlPlane
-from tests.k8s_real.fake_kubelet import FakeKubelet
 
 BIN = Path(sys.executable).parent
 CHART = ROOT / "charts" / "pdserve"
@@ -206,6 +206,6 @@ def scrape(plane: ControlPlane) -> str:
 
 
 def plane_admin_token() -> str:
-    from tests.k8s_real.control_plane import ADMIN_TOKEN
+    from pdserve.testing.k8s_real.control_plane import ADMIN_TOKEN
 
     return ADMIN_TOKEN

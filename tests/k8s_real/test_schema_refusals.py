@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.k8s_real.cluster import OperatorProcess, RealCluster, conditions
+from pdserve.testing.k8s_real.cluster import OperatorProcess, RealCluster, conditions
 
 NS = "llm-a"
 PATH = f"/apis/pdserve.io/v1alpha1/namespaces/{NS}/llmservices"

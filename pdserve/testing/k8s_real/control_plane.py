@@ -4,7 +4,7 @@ The binaries come from scripts/build_k8s.py (built once per machine from the Go 
 or KUBEBUILDER_ASSETS). The API server authenticates bearer tokens from a token file (an admin
 in ``system:masters``; service accounts by their signed tokens), authorizes with RBAC and runs
 its default admission chain (PodSecurity included: namespaces opt into ``restricted`` by label).
-There is no scheduler and no kubelet: tests/k8s_real/fake_kubelet.py binds pods to fake nodes
+There is no scheduler and no kubelet: fake_kubelet.py (beside this file) binds pods to fake nodes
 and reports them Running/Ready, as kwok would.
 """
 
