@@ -224,6 +224,7 @@ async def start_picker(
         stack.push_async_callback(service.close)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         stack.push_async_callback(channel.close)
+        await _synced(service, n_prefill + n_decode)
         yield PickerCluster(
             service,
             ep_grpc.ExternalProcessorStub(channel),
@@ -234,6 +235,20 @@ async def start_picker(
             f.decode_urls,
             targets,
         )
+
+
+async def _synced(service: PickerService, workers: int, timeout: float = 15.0) -> None:
+    """Every worker healthy and its KV feed synced (its ``/kv_blocks`` snapshot applied), so
+    a test's own entries in the index are not replaced by a snapshot that lands later."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    discovery = service.rt.discovery
+    while True:
+        healthy = sum(w.healthy for w in discovery.snapshot().workers)
+        if healthy == workers and discovery.synced():
+            return
+        assert loop.time() < deadline, f"{healthy}/{workers} workers healthy and synced"
+        await asyncio.sleep(0.02)
 
 
 def completion(prompt: Any, max_tokens: int = 4, stream: bool = True, **extra: Any) -> bytes:
