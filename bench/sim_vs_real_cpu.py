@@ -22,17 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from lib.procfs import TICK, cpu_seconds
 
 from pdserve.signed_httpx import SignedAuth
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _proc_cpu(pid: int, proc: str = "/proc") -> float:
-    """utime + stime of ``pid`` in seconds (fields 14 and 15 of /proc/PID/stat)."""
-    raw = Path(proc, str(pid), "stat").read_text()
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def _engine_cpu(pid: int, proc: str = "/proc") -> float:
@@ -228,7 +220,7 @@ class CpuSampler:
                 try:
                     seen = (
                         len(self.samples),
-                        _proc_cpu(pid, self.proc),
+                        cpu_seconds(pid, proc=self.proc),
                         _engine_cpu(pid, self.proc),
                     )
                 except (OSError, ValueError):
@@ -275,7 +267,7 @@ class CpuSampler:
             group_nice = _lower_autogroup(pid, nice, group_nice, self.proc)
         groups.setdefault(role, group_nice)
         try:
-            procs[role] = procs.get(role, 0.0) + _proc_cpu(pid, self.proc)
+            procs[role] = procs.get(role, 0.0) + cpu_seconds(pid, proc=self.proc)
             if role not in ("up", "router"):
                 key = role + "/engine"
                 procs[key] = procs.get(key, 0.0) + _engine_cpu(pid, self.proc)
