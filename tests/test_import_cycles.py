@@ -1,7 +1,7 @@
 """No import circle inside the router (and, once issue 45 move 2 lands, the engine), and no
-product or bench code that imports the test suite. What is left of either is listed by
-name (ROUTER_CIRCLES_LEFT, BENCH_IMPORTS_OF_TESTS_LEFT) and compared exactly, so a new one
-fails and so does one fixed but still listed.
+product or bench code that imports the test suite. What is left of the latter is listed by
+name (BENCH_IMPORTS_OF_TESTS_LEFT) and compared exactly, so a new one fails and so does
+one fixed but still listed.
 
 The graph is read from the source with ``ast``, not by importing: every ``import`` counts,
 at module level, inside a function, and under ``if TYPE_CHECKING:`` alike (a deferred or
@@ -127,28 +127,8 @@ def test_graph_reads_function_level_and_relative_imports(tmp_path: Path) -> None
     assert {"pdserve.router.b", "pdserve.router.c"} <= names
 
 
-# The router's circles left (issue 45 move 1, "smaller circles"): each is broken by a
-# function-level import today. The list must shrink to empty; a new circle, or one fixed
-# and not removed here, fails the test.
-ROUTER_CIRCLES_LEFT = [
-    [
-        "pdserve.router.config",
-        "pdserve.router.scheduling.registry",
-        "pdserve.router.scheduling.scorers",
-        "pdserve.router.scheduling.scoring",
-    ],
-    ["pdserve.router.api.serving", "pdserve.router.api.serving_n"],
-    [
-        "pdserve.router.args",
-        "pdserve.router.edge_args",
-        "pdserve.router.main",
-        "pdserve.router.picker.cli",
-    ],
-]
-
-
-def test_router_has_no_import_cycle_but_the_known_ones() -> None:
-    assert sorted(cycles(import_graph("router"))) == sorted(ROUTER_CIRCLES_LEFT)
+def test_router_has_no_import_cycle() -> None:
+    assert cycles(import_graph("router")) == []
 
 
 def test_api_and_transport_do_not_import_each_other() -> None:
