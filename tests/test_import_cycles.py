@@ -1,7 +1,5 @@
 """No import circle inside the router (and, once issue 45 move 2 lands, the engine), and no
-product or bench code that imports the test suite. What is left of the latter is listed by
-name (BENCH_IMPORTS_OF_TESTS_LEFT) and compared exactly, so a new one fails and so does
-one fixed but still listed.
+product or bench code that imports the test suite.
 
 The graph is read from the source with ``ast``, not by importing: every ``import`` counts,
 at module level, inside a function, and under ``if TYPE_CHECKING:`` alike (a deferred or
@@ -156,16 +154,6 @@ def test_product_code_never_imports_tests() -> None:
     assert [line for folder in PRODUCT for line in _imports_tests(folder)] == []
 
 
-# Left: the picker fixtures bench/chaos_isolation.py runs still live in tests/router/
-# (issue 45 move 4: they move to pdserve.testing). The list must shrink to empty.
-BENCH_IMPORTS_OF_TESTS_LEFT = [
-    "bench/chaos_isolation.py: tests.router.test_abuse_both_modes",
-    "bench/chaos_isolation.py: tests.router.test_abuse_both_modes.picker_mode_bypasses",
-    "bench/chaos_isolation.py: tests.router.test_picker",
-    "bench/chaos_isolation.py: tests.router.test_picker.start_picker",
-]
-
-
-def test_bench_never_imports_tests_but_the_known_ones() -> None:
+def test_bench_never_imports_tests() -> None:
     """bench shares fakes and loopback helpers with the suite through pdserve.testing."""
-    assert _imports_tests("bench") == BENCH_IMPORTS_OF_TESTS_LEFT
+    assert _imports_tests("bench") == []
