@@ -9,48 +9,21 @@ path and dtype and both sides' thread settings.
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pdserve.local.proc_group import end_group
-from pdserve.testing.loopback import ROOT, free_port, run_bench, wait_until_up
+from pdserve.testing.loopback import free_port, run_bench
+from pdserve.testing.up import port_base, start_up
 
 pytestmark = pytest.mark.timeout(400)
 
 
-def _start_peer(model: Path, port: int) -> tuple[subprocess.Popen, str]:  # type: ignore[type-arg]
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "up",
-        "--model",
-        str(model),
-        "--prefill",
-        "0",
-        "--port",
-        str(port),
-        "--worker-port-base",
-        str(20000 + port % 10000),
-    ]
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    url, workers = wait_until_up(proc, 300)
-    assert len(workers) == 1, workers  # --prefill 0: one decode worker
-    return proc, url
-
-
 def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
-    peer, url = _start_peer(tiny_model_dir, free_port())
+    peer = start_up(tiny_model_dir, "--prefill", "0", *port_base(), timeout=300)
+    assert len(peer.workers) == 1, peer.workers  # --prefill 0: one decode worker
+    url = peer.url
     try:
         plot = tmp_path / "serve.png"
         args = [
@@ -68,7 +41,7 @@ def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
         ]
         result = run_bench("serve.py", *args, "--plot", str(plot), timeout=360)
     finally:
-        end_group(peer, grace_s=60)
+        end_group(peer.proc, grace_s=60)
     assert result["config"] == "colocated" and result["repeats"] == 3
     # peer, ours at each concurrency, three times over; every point complete.
     reps = result["reps"]
