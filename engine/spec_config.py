@@ -47,7 +47,8 @@ def parse_speculative(value: str | None) -> SpecConfig | None:
         raise ValueError(
             f"{FIELD}: unknown key {unknown[0]!r} in {value!r} (ngram takes k, min_n, max_n)"
         )
-    cfg = SpecConfig("ngram", **{key: _int(value, key, v) for key, v in opts.items()})
+    ints = {key: _int(value, key, v) for key, v in opts.items()}
+    cfg = SpecConfig("ngram", ints.get("k", 4), ints.get("min_n", 2), ints.get("max_n", 4))
     if not 1 <= cfg.k <= MAX_K:
         raise ValueError(f"{FIELD}: k must be in [1, {MAX_K}], got {cfg.k} in {value!r}")
     if not 1 <= cfg.min_n <= cfg.max_n:
