@@ -3,7 +3,7 @@ every worker (prefill and decode) writes its evicted blocks there, and stops it 
 
 A document prefilled by one prefill worker, then evicted from its small pool (written to
 the store), is a shared-tier hit on the other prefill worker, which never saw it; the decode
-worker's own evicted prefix comes back from the tiers too (its host tier here). Every pool
+worker's evicted blocks (pulled through the P/D hand-off) come back from its own host tier. Every pool
 is free at the end, and the store's port is closed once ``up`` has stopped.
 """
 
@@ -89,12 +89,16 @@ def test_up_runs_the_shared_store_and_every_worker_uses_it(
         _flood(_prefill, a, 1)  # the document leaves a's pool: written to the store
         assert _prefill(b, "doc-b", DOC) == 96  # b never saw it: all but the last token
         assert _tier_hits(b, "shared") >= 6 and _tier_hits(a, "shared") == 0
-        # The decode worker's own prefix (a prompt it prefilled itself) comes back too.
+        # The decode worker's blocks (pulled from a prefill worker through the router's
+        # P/D hand-off) leave its pool for its own host tier, and come back from there.
         doc2 = [t + 7 for t in DOC]
-        assert _generate(d, "doc-d", doc2) == 0
+        model = httpx.get(up.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": doc2, "max_tokens": 2}
+        assert httpx.post(up.url + "/v1/completions", json=body, timeout=120).status_code == 200
         _flood(_generate, d, 2)
-        assert _generate(d, "doc-d2", doc2) == 96
-        assert _tier_hits(d, "host") + _tier_hits(d, "shared") >= 6
+        assert _tier_hits(d, "host") == 0
+        assert _generate(d, "doc-d", doc2) == 96
+        assert _tier_hits(d, "host") >= 6
         all_kv_free(up.workers)
         port = _store_port(d)
         assert _listening(port)
