@@ -3,8 +3,8 @@ every worker (prefill and decode) writes its evicted blocks there, and stops it 
 
 A document prefilled by one prefill worker, then evicted from its small pool (written to
 the store), is a shared-tier hit on the other prefill worker, which never saw it; the decode
-worker's evicted blocks (pulled through the P/D hand-off) come back from its own host tier. Every pool
-is free at the end, and the store's port is closed once ``up`` has stopped.
+worker's evicted blocks (pulled through the P/D hand-off) come back from its own host tier.
+Every pool is free at the end, and the store's port is closed once ``up`` has stopped.
 """
 
 from __future__ import annotations
