@@ -145,7 +145,7 @@ class LLMEngine:
     def start_compile(self) -> None:
         """Compile the forward in the background while the eager one serves; it is
         swapped in between steps once compiled and checked (compile_job.py)."""
-        if self.runner.compiled_fn is not None and not self.runner.compiled:
+        if self.runner.compile_wanted and not self.runner.compiled:
             self.compile_job = CompileJob(self)
             self.compile_job.start()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,11 +113,15 @@ class ModelRunner:
         self._probe()
         # The compiled forward (engine/compiled.py): in service now, or once compiled in
         # the background (compile_job.py); the eager one serves until then.
+        # torch.compile's set-up imports inductor (~3 CPU-s on the 2-core dev machine):
+        # a background compile does it on its own thread, off the way to "ready".
         self.compiled_fn = None
+        self.compile_wanted = config.compile
+        now = config.compile and not config.compile_in_background
         if config.compile:
             compiled.prepare(self.model)
-            self.compiled_fn = compiled.compiled_forward(self.model)
-        now = config.compile and not config.compile_in_background
+            if now:
+                self.compiled_fn = compiled.compiled_forward(self.model)
         self.forward = self.compiled_fn if now and self.compiled_fn is not None else self.model
         self.eager_only = ""  # why the compiled forward may no longer be swapped in
         hf = self.model.config
@@ -173,6 +177,12 @@ class ModelRunner:
     @property
     def compiled(self) -> bool:
         return self.forward is not self.model
+
+    def ensure_compiled_fn(self) -> Callable[..., object]:
+        """The compiled forward (``torch.compile``'s wrapper, made on first use)."""
+        if self.compiled_fn is None:
+            self.compiled_fn = compiled.compiled_forward(self.model)
+        return self.compiled_fn
 
     def use_kernel_backend(self) -> None:
         """Attention runs the C++ kernel from the next step on (built meanwhile)."""
