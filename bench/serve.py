@@ -42,7 +42,7 @@ from typing import Any
 
 import figures  # bench/figures.py, beside this script
 
-from pdserve.local.proc_group import end_group
+from pdserve.local.proc_group import end_group, start_group
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -124,14 +124,7 @@ def start_ours(
     # as shipped: the cluster's own core zygote (a caller's, e.g. the test session's, is not
     # the set-up measured; its cores would not be counted under `pdserve up` either)
     environ = {k: v for k, v in os.environ.items() if k != "PDSERVE_CORE_ZYGOTE"}
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env=environ,
-    )
+    proc = start_group(argv, env=environ)
     lines: list[str] = []
     deadline = time.monotonic() + 600
     assert proc.stdout is not None

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from pdserve.local.proc_group import end_group
+from pdserve.local.proc_group import end_group, start_group
 from pdserve.testing.loopback import free_port, worker_port_base
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: pdserve/testing/ -> root
@@ -79,16 +79,7 @@ def start_up(
     named = ("--model", str(model)) if model is not None else ()
     argv = [sys.executable, "-m", "pdserve", "up", *named, *port, *flags]
     started = time.monotonic()
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-        env=env,
-        preexec_fn=preexec_fn,
-    )
+    proc = start_group(argv, env=env, cwd=ROOT, preexec_fn=preexec_fn)
     up = Up(proc)
     banner = threading.Event()
 
