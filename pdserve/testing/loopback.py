@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -90,6 +91,17 @@ def sse_chunks(url: str, body: dict[str, Any], timeout: float = 120) -> Iterator
             chunk = json.loads(line[6:])
             assert "error" not in chunk, chunk
             yield chunk
+
+
+async def start_router(*flags: str) -> asyncio.subprocess.Process:
+    """``python -m pdserve router FLAGS`` quietly (warnings only, health checked every
+    0.2 s), its stdout and stderr in one pipe."""
+    quiet = ("--log-level", "warning", "--health-interval", "0.2")
+    return await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "pdserve", "router", *quiet, *flags),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
 
 
 def run_bench(script: str, *args: str, timeout: float) -> dict[str, Any]:
