@@ -24,6 +24,13 @@ from pdserve.signed_httpx import SignedAuth
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: pdserve/testing/ -> root
 
 
+# A tiny model's worker on CPU: a small KV pool and batch, a short context.
+SMALL_WORKER_ARGS = (
+    *("--device", "cpu", "--kv-cache-bytes", "6000000"),
+    *("--max-num-batched-tokens", "512", "--max-model-len", "1024"),
+)
+
+
 def secret_auth() -> SignedAuth:
     """Signs calls to the workers' internal API with the service secret every process
     started by the tests shares (tests/conftest.py)."""

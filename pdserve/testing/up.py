@@ -26,6 +26,7 @@ from pdserve.testing.loopback import free_port, worker_port_base
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: pdserve/testing/ -> root
 BANNER = "pdserve is up"
+LOGS_IN = r"\(logs in (\S+)\)"
 
 
 @dataclass
@@ -45,6 +46,12 @@ class Up:
 
     def urls(self, role: str) -> list[str]:
         return [u for n, u in self.named.items() if n.startswith(role)]
+
+    @property
+    def log_dir(self) -> str:
+        """Where up writes each process's log (its banner says; "" if it did not)."""
+        found = re.search(LOGS_IN, "".join(self.lines))
+        return found.group(1) if found else ""
 
 
 def port_base() -> tuple[str, str]:
@@ -123,7 +130,7 @@ def running_up(
 
 def log_tails(up_output: str, lines: int = 15) -> str:
     """The last ``lines`` of each process log in the directory ``pdserve up`` named."""
-    found = re.search(r"\(logs in (\S+)\)", up_output)
+    found = re.search(LOGS_IN, up_output)
     if found is None:
         return ""
     out = []
