@@ -40,6 +40,7 @@ from typing import Any
 
 import aiohttp
 import figures  # bench/figures.py, beside this script
+from lib.loopback import secret_env, tiny_model
 from lib.procfs import tree_cpu_seconds
 from lib.stats import percentile
 from router_client import across_processes, closed_loop, one, session  # beside this script
@@ -549,12 +550,9 @@ def load_avg() -> float:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from pdserve.engine.tiny_model import write_tiny_model
     from pdserve.testing.loopback import free_port
 
-    model = str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
-    env = {**os.environ, SERVICE_SECRET: os.environ.get(SERVICE_SECRET) or os.urandom(16).hex()}
-    os.environ[SERVICE_SECRET] = env[SERVICE_SECRET]
+    model, env = str(tiny_model()), secret_env()
     fakes_cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
