@@ -30,6 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.k8s_real (the stdlib operator is imported already)
 
+from pdserve.testing.k8s_real import cluster  # noqa: E402
 from pdserve.testing.k8s_real.cluster import (  # noqa: E402
     CHART,
     RELEASE,
@@ -68,12 +69,7 @@ def window(plane: ControlPlane, seconds: float) -> collections.Counter[str]:
 
 
 def llmservice(i: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": f"svc-{i:03d}", "namespace": NS},
-        "spec": {"model": {"source": {"pvc": {"claimName": "models", "path": "m"}}}},
-    }
+    return cluster.llmservice(f"svc-{i:03d}", NS)
 
 
 def grow(c: RealCluster, first: int, n: int) -> None:
