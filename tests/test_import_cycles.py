@@ -1,4 +1,4 @@
-"""No import circle inside the router (and, once issue 45 move 2 lands, the engine), and no
+"""No import circle inside the engine or the router, and no
 product or bench code that imports the test suite. What is left of either is listed by
 name (ROUTER_CIRCLES_LEFT, BENCH_IMPORTS_OF_TESTS_LEFT) and compared exactly, so a new one
 fails and so does one fixed but still listed.
@@ -158,7 +158,6 @@ def test_api_and_transport_do_not_import_each_other() -> None:
             assert not [m for m in imports if m.startswith("pdserve.router.api")], name
 
 
-@pytest.mark.xfail(strict=True, reason="engine circles: issue 45 move 2")
 def test_engine_has_no_import_cycle() -> None:
     assert cycles(import_graph("engine")) == []
 
