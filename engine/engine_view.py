@@ -1,5 +1,6 @@
 """The engine as its helpers drive it: the start-up probe (startup_probe.py), the compile
-job and warm-up (compile_job.py) and the KV tiers' hooks (kv_tiers/attach.py).
+job and warm-up (compile_job.py), the KV tiers' hooks (kv_tiers/attach.py) and the draft
+model's engine (draft_proposer.py).
 
 ``LLMEngine`` (llm_engine.py) is the one implementation. The helpers take this protocol,
 not ``LLMEngine``, because the engine imports them: with the protocol the engine's
@@ -40,6 +41,12 @@ class EngineView(Protocol):
 
     @property
     def vocab_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
 
     @property
     def requests(self) -> dict[str, Request]: ...
