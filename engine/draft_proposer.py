@@ -34,7 +34,7 @@ from pdserve.engine.request import Request
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 if TYPE_CHECKING:
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.engine_view import EngineView
 
 FIELD = "speculative"
 
@@ -67,7 +67,7 @@ def sized(config: EngineConfig, bytes_per_block: int, max_model_len: int) -> Eng
     return replace(config, kv_cache_bytes=budget)
 
 
-def check_vocab(draft: LLMEngine, target: LLMEngine, model: str) -> None:
+def check_vocab(draft: EngineView, target: EngineView, model: str) -> None:
     """Refuse a draft model whose ids mean other tokens than the target's."""
     if draft.vocab_size != target.vocab_size:
         raise ValueError(
@@ -84,7 +84,7 @@ def check_vocab(draft: LLMEngine, target: LLMEngine, model: str) -> None:
 class DraftProposer:
     """``propose(tokens, k)`` like NgramProposer's, from the draft engine's greedy output."""
 
-    def __init__(self, engine: LLMEngine, k: int) -> None:
+    def __init__(self, engine: EngineView, k: int) -> None:
         self.engine = engine
         self.k = k
         self.ids = itertools.count()
