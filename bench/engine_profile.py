@@ -4,7 +4,9 @@ One ``LLMEngine`` on one torch thread (``--threads``), compiled as workers serve
 (``--eager`` for transformers' own forward), ``--batch`` greedy requests of
 ``--prompt-len`` random token ids. The prefill steps, then ``--decode-steps`` decode steps
 at ``--batch`` rows, are each timed in **CPU time of the engine thread**
-(``time.thread_time``: on a loaded host wall time counts other processes' turns) and split:
+(``time.thread_time``: on a loaded host wall time counts other processes' turns) and split
+(``--eager --pack``: transformers' forward with the compiled path's linear layers, for a
+host where compiling the model takes longer than the measurement):
 
 * ``forward``: ``ModelRunner.execute`` (the model, logits of the sampled rows only, their
   float32 copy); inside it, by ``torch.profiler`` self CPU time: ``lm_head`` (the GEMM whose
@@ -46,6 +48,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from serve_models import default_model_dir  # noqa: E402
 
+from pdserve.engine import cpu_linear  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
@@ -66,6 +69,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eager", action="store_true", help="transformers' forward, no compile")
+    p.add_argument(
+        "--pack",
+        action="store_true",
+        help="with --eager: the compiled path's linear layers (cpu_linear.prepare), unfused",
+    )
     p.add_argument("--quick", action="store_true", help="tiny preset, eager, 4 requests")
     args = p.parse_args()
     if args.quick:
@@ -198,6 +206,7 @@ def main() -> int:
     )
     started = time.monotonic()
     engine = LLMEngine(config)
+    layout = cpu_linear.prepare(engine.runner.model) if args.eager and args.pack else None
     load_s = time.monotonic() - started
     vocab = int(engine.vocab_size)
     timers = {"forward": Timed(engine.runner, "execute"), "sampler": Timed(engine, "_sample")}
@@ -215,6 +224,7 @@ def main() -> int:
         "model": Path(path).name,
         "dtype": args.dtype,
         "compiled": not args.eager,
+        "linear_layout": layout,
         "threads": args.threads,
         "batch": args.batch,
         "prompt_len": args.prompt_len,
