@@ -85,8 +85,7 @@ class CompileJob:
                 if self.kernel:
                     shadow.runner.use_kernel_backend()
             expected = startup_probe.run(shadow)
-            assert runner.compiled_fn is not None
-            shadow.runner.forward = runner.compiled_fn
+            shadow.runner.forward = runner.ensure_compiled_fn()
             compiled.run_variants(shadow, compiled.say)
             got = startup_probe.run(shadow)
             if got != expected:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from pdserve.engine import (
     attention_probe,
     compiled,
     cuda_graphs,
+    mla,
     model_support,
 )
 from pdserve.engine.attention import (
@@ -111,13 +112,20 @@ class ModelRunner:
         model_support.check_model(model, self.layers)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self._probe()
+        # DeepSeek-V2/V3: MLA in its compressed form (engine/mla.py), before the compiled
+        # path repacks the linears; None for every other model.
+        self.latent = mla.compress(self.model)
         # The compiled forward (engine/compiled.py): in service now, or once compiled in
         # the background (compile_job.py); the eager one serves until then.
+        # torch.compile's set-up imports inductor (~3 CPU-s on the 2-core dev machine):
+        # a background compile does it on its own thread, off the way to "ready".
         self.compiled_fn = None
+        self.compile_wanted = config.compile
+        now = config.compile and not config.compile_in_background
         if config.compile:
             compiled.prepare(self.model)
-            self.compiled_fn = compiled.compiled_forward(self.model)
-        now = config.compile and not config.compile_in_background
+            if now:
+                self.compiled_fn = compiled.compiled_forward(self.model)
         self.forward = self.compiled_fn if now and self.compiled_fn is not None else self.model
         self.eager_only = ""  # why the compiled forward may no longer be swapped in
         hf = self.model.config
@@ -126,6 +134,10 @@ class ModelRunner:
         self.num_kv_heads: int = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         # Under MLA V is narrower than K; the pool stores it padded to K's size.
         self.head_dim: int = model_support.head_dims(hf)[0]
+        self.kv_planes = 2
+        if self.latent is not None:  # one latent head, key and value at once
+            self.num_kv_heads, self.head_dim = 1, self.latent.head_dim
+            self.kv_planes = 1
         self.max_position_embeddings: int = hf.max_position_embeddings
         self.pool: KVPool | None = None
         self.decode_group_rows = DECODE_GROUP_ROWS.get(self.device.type, DECODE_GROUP_ROWS_DEFAULT)
@@ -174,6 +186,12 @@ class ModelRunner:
     def compiled(self) -> bool:
         return self.forward is not self.model
 
+    def ensure_compiled_fn(self) -> Callable[..., object]:
+        """The compiled forward (``torch.compile``'s wrapper, made on first use)."""
+        if self.compiled_fn is None:
+            self.compiled_fn = compiled.compiled_forward(self.model)
+        return self.compiled_fn
+
     def use_kernel_backend(self) -> None:
         """Attention runs the C++ kernel from the next step on (built meanwhile)."""
         self.attention_backend, self.use_kernel = attention_backends.CPU, True
@@ -186,7 +204,12 @@ class ModelRunner:
     @property
     def kv_shape(self) -> KVShape:
         return KVShape(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            self.dtype,
+            self.kv_planes,
         )
 
     def bind_pool(self, pool: KVPool) -> None:
@@ -388,12 +411,12 @@ class ModelRunner:
             size = num_blocks if buf is None else max(num_blocks, 2 * buf.shape[1])
             s = self.kv_shape
             buf = torch.empty(
-                (2, size, s.block_size, s.num_kv_heads, s.head_dim),
+                (s.planes, size, s.block_size, s.num_kv_heads, s.head_dim),
                 dtype=self.dtype,
                 device=self.device,
             )
             self._gather_buffer = buf
-        return buf[0], buf[1]
+        return buf[0], buf[-1]  # one buffer under compressed MLA (attention gathers once)
 
     def _decode_groups(self, decodes: list[tuple[int, list[int], int]]) -> list[DecodeGroup]:
         """Decodes in groups of similar length, so padding to the longest wastes little."""
