@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.request import Request
+from pdserve.protocol.hashing import ROOT_HASH
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 if TYPE_CHECKING:
@@ -98,7 +99,8 @@ class DraftProposer:
         if k <= 0 or len(tokens) + k > self.engine.max_model_len:
             return []
         params = SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
-        salt = f"{req.hash_root:x}" if req is not None and req.hash_root else None
+        salted = req is not None and req.hash_root != ROOT_HASH
+        salt = f"{req.hash_root:x}" if salted else None  # type: ignore[union-attr]
         rid = f"draft-{next(self.ids)}"
         try:  # the tenant's salt: its cached blocks are its own, as in the target's pool
             self.engine.add_request(rid, list(tokens), params, cache_salt=salt)
