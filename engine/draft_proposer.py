@@ -23,6 +23,7 @@ tokenizer vocabulary (token to id), else it is refused by name at start.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -37,6 +38,7 @@ from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine
 
+logger = logging.getLogger(__name__)
 FIELD = "speculative"
 
 
@@ -107,9 +109,14 @@ class DraftProposer:
         except InvalidParameter:
             return []
         out: list[int] = []
-        while self.engine.has_work:
-            for o in self.engine.step():
-                out += o.token_ids
+        try:
+            while self.engine.has_work:
+                for o in self.engine.step():
+                    out += o.token_ids
+        except Exception:  # a draft can never fail the target's step: no drafts this time
+            logger.exception("draft model step failed: decoding without drafts")
+            self.engine.abort(rid)
+            return []
         return out[:k]
 
     @property
