@@ -41,6 +41,8 @@ KNOWN_SECONDS = {
     "tests/router/test_e2e.py": 40,
     "tests/local/test_smollm2.py": 35,
     "tests/engine/test_speculative_bench_quick.py": 50,
+    "tests/router/test_up_kv_shared.py": 35,  # pdserve up, 2 prefill + 1 decode + redis
+    "tests/engine/test_spec_draft.py": 25,
     "tests/test_router_extra.py": 40,  # a fresh venv with .[router] (uv, cache warm)
     "edge-deployment": 35,
     # From a whole -n 2 run's 15 slowest (2026-12-03, load ~15-20, setup + call): bench
