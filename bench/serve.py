@@ -9,7 +9,10 @@ nothing) and stopped after its points:
 * ``default``: ``pdserve up`` as shipped (1 prefill + 1 decode worker; the router
   splits prompts over both; threads by its own rules);
 * ``colocated``: ``--prefill 0``, one worker that prefills and decodes;
-* ``disagg``: the same as ``default``, under its old name.
+* ``disagg``: the same as ``default``, under its old name;
+* ``compile-before-ready``: ``default`` with each worker compiling before it says ready
+  (the start-up before issue 43), for ``--setups default compile-before-ready``: the
+  background-compiled forward, once swapped in, at the same speed.
 
 ``--peer-url URL`` compares one configuration (named before the run: one row) with a
 server already running there (vLLM's CPU build, say: see docs/benchmarks.md, "serve"):
@@ -56,6 +59,10 @@ SETUPS = {
     "default": [],
     "disagg": ["--prefill", "1", "--decode", "1"],
     "colocated": ["--prefill", "0"],
+    # The start-up of before issue 43: compiled before ready. Beside ``default`` (compiled in
+    # the background, swapped in; measured once every worker's forward is settled) it shows
+    # the swapped-in forward serving at the compiled speed.
+    "compile-before-ready": ["--worker-arg=--compile-before-ready"],
 }
 RATIO_AT = 16
 

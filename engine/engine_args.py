@@ -93,7 +93,8 @@ class EngineArgs:
     speculative: str | None = flag(
         None,
         "speculative decoding: ngram:k=4 (prompt lookup, up to k drafts a step; also "
-        "min_n=, max_n=; docs/speculative.md); draft:model=PATH,k=N is not yet supported",
+        "min_n=, max_n=; docs/speculative.md) or draft:model=PATH,k=N (a draft model "
+        "sharing the target's tokenizer)",
         group=ENGINE,
         metavar="SPEC",
         parse=speculative_flag,

@@ -39,7 +39,7 @@ class KVCacheManager:
     # -- what callers read --------------------------------------------------------
     @property
     def tensor(self) -> Any:
-        """The pool's one tensor (``[layers, 2, blocks, block_size, kv_heads, head_dim]``):
+        """The pool's one tensor (``[layers, planes, blocks, block_size, kv_heads, head_dim]``):
         what a KV transport registers and reads or writes blocks of."""
         return self.pool.tensor
 

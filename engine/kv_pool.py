@@ -1,8 +1,9 @@
 """The KV pool: one contiguous tensor per worker, sized from a memory budget.
 
-Layout ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (k/v on dim 1).
-One tensor means one NIXL registration; a block of one layer's K (or V) is a
-contiguous run of ``block_size * kv_heads * head_dim`` elements.
+Layout ``[layers, planes, num_blocks, block_size, kv_heads, head_dim]``: two planes
+(K and V) on dim 1, or one under compressed MLA (``engine/mla.py``: one latent head per
+token, which is both key and value). One tensor means one NIXL registration; a block of
+one layer's plane is a contiguous run of ``block_size * kv_heads * head_dim`` elements.
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ class KVShape:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    planes: int = 2  # K and V; 1 under compressed MLA (the latent is both)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token holds, all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.planes * self.num_kv_heads * self.head_dim * elem
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.block_size * self.bytes_per_token
 
 
 def available_bytes(device: torch.device) -> int:
@@ -142,7 +149,7 @@ class KVPool:
         self.num_blocks = num_blocks
         dims = (
             shape.num_layers,
-            2,
+            shape.planes,
             num_blocks,
             shape.block_size,
             shape.num_kv_heads,
@@ -151,7 +158,10 @@ class KVPool:
         self.tensor = zeroed(dims, shape.dtype, device)
         flat = (num_blocks * shape.block_size, shape.num_kv_heads, shape.head_dim)
         # Views made once: attention asks for them per layer per step (5 ops each).
-        self._layers = [(kv[0].view(flat), kv[1].view(flat)) for kv in self.tensor]
+        # With one plane the same view is both K and V (attention writes it once).
+        self._layers = [(kv[0].view(flat), kv[-1].view(flat)) for kv in self.tensor]
+        if shape.planes == 1:
+            self._layers = [(k, k) for k, _ in self._layers]
 
     @classmethod
     def from_budget(cls, shape: KVShape, budget: int, device: torch.device) -> KVPool:
@@ -162,5 +172,6 @@ class KVPool:
         return self.tensor.numel() * self.tensor.element_size()
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, each ``[num_blocks * block_size, kv_heads, head_dim]``."""
+        """K and V of one layer, each ``[num_blocks * block_size, kv_heads, head_dim]``
+        (one tensor twice under compressed MLA)."""
         return self._layers[layer_idx]

@@ -38,6 +38,7 @@ from transformers import AutoTokenizer
 from pdserve.engine import compile_job, compiled
 from pdserve.engine.compile_job import CompileJob
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.draft_proposer import DraftProposer, check_vocab, draft_config, sized
 from pdserve.engine.input_processor import InputProcessor
 from pdserve.engine.kv_connector import KVConnector, KVHolder, LoadResult
 from pdserve.engine.kv_manager import KVCacheManager
@@ -48,7 +49,7 @@ from pdserve.engine.output_processor import OutputProcessor, eos_ids, make_outpu
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.spec_config import parse_speculative
+from pdserve.engine.spec_config import SpecConfig, parse_speculative
 from pdserve.engine.spec_decode import SpecDecoder, merge_outputs, rollback
 from pdserve.engine.structured import Grammars
 from pdserve.protocol.contract import EngineStats
@@ -104,7 +105,11 @@ class LLMEngine:
         self.inputs.loras = self.runner.loras
         self.outputs = OutputProcessor(eos, self.max_model_len)
         spec = parse_speculative(config.speculative)
-        self.spec = SpecDecoder(spec, self.max_model_len, self.vocab_size) if spec else None
+        self.spec = (
+            SpecDecoder(spec, self.max_model_len, self.vocab_size, self._draft_proposer(spec))
+            if spec
+            else None
+        )
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -123,6 +128,20 @@ class LLMEngine:
         # compile in the background covers steps with drafts too (T >= 2, several rows).
         if self.spec is not None:
             self.scheduler.drafter = self.spec.draft
+
+    def _draft_proposer(self, spec: SpecConfig) -> DraftProposer | None:
+        """``draft:model=PATH``: the draft model in an engine of its own, on this one's
+        device and dtype, its pool sized for this engine's longest request; refused by
+        name unless it shares this engine's tokenizer (engine/draft_proposer.py)."""
+        if spec.method != "draft":
+            return None
+        cfg = draft_config(self.config, spec.model)
+        runner = ModelRunner(cfg)
+        draft = LLMEngine(
+            sized(cfg, runner.kv_shape.bytes_per_block, self.max_model_len), runner=runner
+        )
+        check_vocab(draft, self, spec.model)
+        return DraftProposer(draft, spec.k)
 
     def shadow(self, blocks: int = SHADOW_BLOCKS) -> LLMEngine:
         """An engine on this one's model (the same module and weights) with a small KV

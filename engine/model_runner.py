@@ -23,6 +23,7 @@ from pdserve.engine import (
     attention_probe,
     compiled,
     cuda_graphs,
+    mla,
     model_support,
 )
 from pdserve.engine.attention import (
@@ -111,6 +112,9 @@ class ModelRunner:
         model_support.check_model(model, self.layers)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self._probe()
+        # DeepSeek-V2/V3: MLA in its compressed form (engine/mla.py), before the compiled
+        # path repacks the linears; None for every other model.
+        self.latent = mla.compress(self.model)
         # The compiled forward (engine/compiled.py): in service now, or once compiled in
         # the background (compile_job.py); the eager one serves until then.
         # torch.compile's set-up imports inductor (~3 CPU-s on the 2-core dev machine):
@@ -130,6 +134,10 @@ class ModelRunner:
         self.num_kv_heads: int = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         # Under MLA V is narrower than K; the pool stores it padded to K's size.
         self.head_dim: int = model_support.head_dims(hf)[0]
+        self.kv_planes = 2
+        if self.latent is not None:  # one latent head, key and value at once
+            self.num_kv_heads, self.head_dim = 1, self.latent.head_dim
+            self.kv_planes = 1
         self.max_position_embeddings: int = hf.max_position_embeddings
         self.pool: KVPool | None = None
         self.decode_group_rows = DECODE_GROUP_ROWS.get(self.device.type, DECODE_GROUP_ROWS_DEFAULT)
@@ -196,7 +204,12 @@ class ModelRunner:
     @property
     def kv_shape(self) -> KVShape:
         return KVShape(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            self.dtype,
+            self.kv_planes,
         )
 
     def bind_pool(self, pool: KVPool) -> None:
@@ -398,12 +411,12 @@ class ModelRunner:
             size = num_blocks if buf is None else max(num_blocks, 2 * buf.shape[1])
             s = self.kv_shape
             buf = torch.empty(
-                (2, size, s.block_size, s.num_kv_heads, s.head_dim),
+                (s.planes, size, s.block_size, s.num_kv_heads, s.head_dim),
                 dtype=self.dtype,
                 device=self.device,
             )
             self._gather_buffer = buf
-        return buf[0], buf[1]
+        return buf[0], buf[-1]  # one buffer under compressed MLA (attention gathers once)
 
     def _decode_groups(self, decodes: list[tuple[int, list[int], int]]) -> list[DecodeGroup]:
         """Decodes in groups of similar length, so padding to the longest wastes little."""

@@ -357,6 +357,7 @@ class RemoteKVConnector(KVConnector):
             self.transport.geometry.block_bytes,
             reply.device_id,
             reply.mem_type,
+            self.transport.geometry.planes,  # the handshake checked both layouts agree
         )
         meta = base64.b64decode(reply.agent_metadata)
         peer = PeerInfo(reply.agent_name, address, meta, geo)

@@ -28,15 +28,17 @@ class CompatRecord:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    kv_layout: str = "LKNBHD"  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
+    # [layers, k/v, blocks, block_size, kv_heads, head_dim]; "L1NBHD": one plane (MLA's latent)
+    kv_layout: str = "LKNBHD"
 
     @classmethod
     def for_pool(cls, pool: Any, model: str) -> CompatRecord:
-        """The record of a pool ``[layers, 2, blocks, block_size, kv_heads, head_dim]``."""
-        assert pool.dim() == 6 and pool.shape[1] == 2, f"not a KV pool: {tuple(pool.shape)}"
-        layers, _, _, block_size, kv_heads, head_dim = pool.shape
+        """The record of a pool ``[layers, planes, blocks, block_size, kv_heads, head_dim]``."""
+        assert pool.dim() == 6 and pool.shape[1] in (1, 2), f"not a KV pool: {tuple(pool.shape)}"
+        layers, planes, _, block_size, kv_heads, head_dim = pool.shape
         dtype = str(pool.dtype).removeprefix("torch.")
-        return cls(model, dtype, int(block_size), int(layers), int(kv_heads), int(head_dim))
+        layout = "LKNBHD" if planes == 2 else "L1NBHD"
+        return cls(model, dtype, int(block_size), int(layers), int(kv_heads), int(head_dim), layout)
 
     def mismatches(self, other: CompatRecord) -> list[str]:
         """Names of the fields that differ, each as ``name: ours != theirs``."""

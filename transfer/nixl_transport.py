@@ -1,7 +1,7 @@
 """KV transport over NIXL (UCX backend): the decode side pulls with one READ per request.
 
 The whole pool is registered once as a single region. A request becomes one transfer whose
-descriptor list holds ``layers * 2 * runs`` ranges (runs of block ids contiguous on both
+descriptor list holds ``layers * planes * runs`` ranges (runs of block ids contiguous on both
 sides, see ``layout.merge_runs``); the remote ranges are computed from the pool geometry the
 prefill side sent in its handshake reply. The READ is one-sided: the prefill side's CPU is
 not involved, and completion is learnt by polling the transfer state. The lease is released

@@ -88,7 +88,7 @@ class TcpTransport(KVTransport):
         return f"block ids {bad[:8]} out of range [0, {n})" if bad else ""
 
     def _planes(self) -> torch.Tensor:
-        """The pool as ``[layers * 2, blocks, block elements]``: index_select/index_copy_ over
+        """The pool as ``[layers * planes, blocks, block elements]``: index_select/index_copy_ over
         the middle dim of this view are several times faster than over dim 2 of the 6-d pool."""
         layers, kv, blocks = self.pool.shape[:3]
         return self.pool.view(layers * kv, blocks, -1)

@@ -21,13 +21,13 @@ if TYPE_CHECKING:
 
 
 def block_view(pool: KVPool, block_id: int) -> torch.Tensor:
-    """One block of every layer: ``[layers, 2, block_size, kv_heads, head_dim]``."""
+    """One block of every layer: ``[layers, planes, block_size, kv_heads, head_dim]``."""
     return pool.tensor[:, :, block_id]
 
 
 def build_store(cfg: TierConfig, pool: KVPool, model_id: str) -> TieredStore:
     s = pool.shape
-    shape = (s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
+    shape = (s.num_layers, s.planes, s.block_size, s.num_kv_heads, s.head_dim)
     ns = codec.namespace(model_id, s.dtype, shape)
     cuda = pool.tensor.device.type == "cuda"
     stream = torch.cuda.Stream(pool.tensor.device) if cuda else None

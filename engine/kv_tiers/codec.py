@@ -3,7 +3,7 @@
 An entry is a fixed header and the block's raw elements::
 
     magic "PDKV" | version | dtype | 5 dims | key (32 B) | payload length | blake2b(payload)
-    payload: [layers, 2, block_size, kv_heads, head_dim] elements, C order
+    payload: [layers, planes, block_size, kv_heads, head_dim] elements, C order
 
 ``decode`` returns the tensor only if the entry is whole and is the one asked for: the key,
 dtype and shape must be this pool's and this block's, the length and checksum the payload's.

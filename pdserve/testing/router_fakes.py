@@ -47,7 +47,7 @@ from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.transport import worker_client
 from pdserve.signed_httpx import SignedAuth
 from pdserve.testing.loopback import free_port
-from pdserve.worker.http import BadRequest, SecretCheck
+from pdserve.worker.http import KEEP_ALIVE_S, BadRequest, SecretCheck
 
 # The suite's service secret (tests/conftest.py): the router under test reads it from the
 # environment, as every real process does, and the fakes require it.
@@ -362,8 +362,11 @@ async def _hang(st: FakeState, rid: str) -> None:
 @contextlib.asynccontextmanager
 async def serve(app: Any, port: int = 0, **kw: Any) -> AsyncIterator[str]:
     """Serve an ASGI app with uvicorn on 127.0.0.1 inside the test's event loop, on ``port``
-    (0: a free one); ``kw``: more of uvicorn.Config (the router's ``http`` protocol)."""
+    (0: a free one); ``kw``: more of uvicorn.Config (the router's ``http`` protocol). Idle
+    connections live as long as in a real worker (uvicorn's 5 s closed the router's pooled
+    ones under it between two bench phases: a failed call and a worker out of rotation)."""
     port = port or free_port()
+    kw.setdefault("timeout_keep_alive", KEEP_ALIVE_S)
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **kw
     )

@@ -30,8 +30,8 @@ from pdserve.router.scheduling.routing import RoutePlan
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.testing.loopback import free_port
+from pdserve.testing.picker import Envoy, PickerCluster, completion, start_picker
 from pdserve.testing.router_fakes import serve
-from tests.router.test_picker import Envoy, PickerCluster, completion, start_picker
 
 pytestmark = pytest.mark.timeout(60)
 

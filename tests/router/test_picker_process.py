@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.router.picker.prefill_header import PREFILL_HEADER, endpoint_of
 from pdserve.testing.loopback import free_port
+from pdserve.testing.picker import Envoy
 from pdserve.testing.router_fakes import FakeState, decode_app, prefill_app, serve
-from tests.router.test_picker import Envoy
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 

@@ -35,6 +35,26 @@ def test_descriptors_address_every_layer_and_kv() -> None:
     assert geo.request_bytes(4) == 4 * geo.block_bytes * 2 * 3
 
 
+def test_one_plane_pool_addresses_each_layer_once() -> None:
+    """Compressed MLA's pool (one latent plane, engine/mla.py): a descriptor per layer and
+    run, the bytes of one plane, and a layout its expanded twin refuses at handshake."""
+    pool = torch.zeros(3, 1, 10, 4, 1, 40)
+    geo = PoolGeometry.of(pool)
+    assert geo.planes == 1 and geo.block_bytes == 4 * 40 * 4
+    rows = descriptors(geo, [2, 7], [3, 1])
+    assert rows.shape == (3 * 2, 3)
+    for i, (layer, start, n) in enumerate(
+        (layer, s, n) for layer in range(3) for s, n in [(2, 3), (7, 1)]
+    ):
+        assert rows[i, 0] == pool[layer, 0, start].data_ptr()
+        assert rows[i, 1] == n * geo.block_bytes
+    assert geo.request_bytes(4) == 4 * geo.block_bytes * 3
+    latent = CompatRecord.for_pool(pool, "m")
+    expanded = CompatRecord.for_pool(torch.zeros(3, 2, 10, 4, 1, 40), "m")
+    assert latent.kv_layout == "L1NBHD"
+    assert latent.mismatches(expanded) == ["kv_layout: 'L1NBHD' != 'LKNBHD'"]
+
+
 def test_registry_unknown_key_lists_valid_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown kv transport 'rdma'; valid: \['nixl', 'tcp'\]"):
         transport_class("rdma")

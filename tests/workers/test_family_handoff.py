@@ -1,6 +1,7 @@
 """The attention options of tests/model_families.py through a real prefill worker ->
 KV hand-off (NIXL) -> decode worker: the windowed + soft-capped (Gemma 2), the sink +
-windowed + MoE (gpt-oss), the MLA + MoE (DeepSeek-V3), the windowed MoE with its own
+windowed + MoE (gpt-oss), the MLA + MoE (DeepSeek-V3, its pool holding the compressed
+latent), the windowed MoE with its own
 router (PhiMoE) and the shared-expert MoE (Qwen2-MoE) families give transformers' own
 greedy tokens when the decode worker continues from KV it did not compute.
 
@@ -46,8 +47,10 @@ def test_family_through_prefill_decode_handoff(
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
     c = hf.config
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    # Under MLA the pool's head size is K's (V padded to it): 24, not the V's 16.
-    block_bytes = c.num_hidden_layers * 2 * 16 * kv_heads * head_dims(c)[0] * 4
+    per_token = 2 * kv_heads * head_dims(c)[0]  # K and V per KV head
+    if getattr(c, "kv_lora_rank", None):  # MLA, compressed: the latent and the rope key
+        per_token = c.kv_lora_rank + c.qk_rope_head_dim  # 40 values, not 4 x 2 x 24
+    block_bytes = c.num_hidden_layers * 16 * per_token * 4
     handed_off = 0
 
     with worker_cluster(model_dir, tmp_path, "nixl") as cluster:

@@ -1,0 +1,119 @@
+"""MLA in its compressed form (engine/mla.py): the pool holds DeepSeek's latent
+(``kv_lora_rank`` + the rope key: one head, one plane), not K and V per head, and greedy
+output stays transformers' own, on the CPU kernel and on the gather path.
+
+The figures of docs/models.md (KV bytes per token, expanded vs compressed) are the
+tiny models' here; DeepSeek-V2-Lite's are computed from its config in the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_model_families import _engine, _generate, _model_dir, _reference
+
+from pdserve.engine import cpu_kernel, mla
+from tests.model_families import BY_ID
+
+MLA_FAMILIES = ["deepseek-v2", "deepseek-v3"]
+
+
+@pytest.fixture(scope="module")
+def families() -> dict[str, Path]:
+    return {}
+
+
+def _expected_bytes_per_token(model_dir: Path, latent: bool) -> int:
+    """From the config, not from the engine: the latent, or K and V per head with V
+    padded to K's size (the expanded form's pool)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    rope = c.qk_rope_head_dim
+    per_layer = (
+        c.kv_lora_rank + rope if latent else c.num_key_value_heads * 2 * (c.qk_nope_head_dim + rope)
+    )
+    return c.num_hidden_layers * per_layer * 4  # float32
+
+
+@pytest.mark.parametrize("family_id", MLA_FAMILIES)
+def test_pool_holds_the_latent(
+    family_id: str, families: dict[str, Path], tiny_model_dir: Path
+) -> None:
+    model_dir = _model_dir(families, BY_ID[family_id], tiny_model_dir)
+    engine = _engine(model_dir, kernel=True)
+    runner = engine.runner
+    assert runner.latent == mla.LatentLayout(kv_lora_rank=32, rope_dim=8)
+    pool = engine.kv.tensor
+    assert pool.shape[1] == 1 and pool.shape[-2:] == (1, 40)  # one plane, one latent head
+    assert runner.kv_shape.bytes_per_token == _expected_bytes_per_token(model_dir, latent=True)
+    # The cache views: one tensor is both the keys and the values.
+    k_cache, v_cache = runner.pool.layer(0)  # type: ignore[union-attr]
+    assert k_cache is v_cache
+
+
+def test_latent_is_smaller_and_both_forms_match_transformers(
+    families: dict[str, Path], tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The expanded form (what MLA code the engine does not know keeps) against the
+    compressed one: same tokens as transformers, 4.8x the bytes per token here."""
+    model_dir = _model_dir(families, BY_ID["deepseek-v2"], tiny_model_dir)
+    expected = _reference(model_dir)
+    latent = _engine(model_dir, kernel=False)
+    assert _generate(latent) == expected
+    monkeypatch.setattr(mla, "LATENT_CLASSES", ())
+    expanded = _engine(model_dir, kernel=False)
+    assert expanded.runner.latent is None and expanded.kv.tensor.shape[1] == 2
+    assert _generate(expanded) == expected
+    before = expanded.runner.kv_shape.bytes_per_token
+    after = latent.runner.kv_shape.bytes_per_token
+    assert before == _expected_bytes_per_token(model_dir, latent=False) == 2 * 768
+    assert after == 2 * 160 and before / after == 4.8
+
+
+@pytest.mark.parametrize("broken", ["query", "output"])
+def test_absorption_matters(
+    broken: str,
+    families: dict[str, Path],
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check can fail: with every head given head 0's W_UK (or W_UV), the tokens are
+    no longer transformers'."""
+    model_dir = _model_dir(families, BY_ID["deepseek-v3"], tiny_model_dir)
+    expected = _reference(model_dir)
+    name = "pdserve_w_uk" if broken == "query" else "pdserve_w_uv"
+    engine = _engine(model_dir, kernel=cpu_kernel.load() is not None)
+    for m in engine.runner.model.modules():
+        if getattr(m, mla.LATENT_FLAG, False):
+            w = getattr(m, name)
+            setattr(m, name, w[:1].expand_as(w).clone())
+    assert _generate(engine) != expected
+
+
+def test_absorbed_attention_equals_expanded_on_one_layer(
+    families: dict[str, Path], tiny_model_dir: Path
+) -> None:
+    """One layer's numbers: ``q . W_UK c`` and ``W_UV (sum p c)`` against transformers'
+    expanded K and V (the identity the compressed form rests on), to float32 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = _model_dir(families, BY_ID["deepseek-v2"], tiny_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    attn = hf.model.layers[0].self_attn
+    torch.manual_seed(0)
+    t, h, rank = 7, attn.num_heads, attn.kv_lora_rank
+    q = torch.randn(1, h, t, attn.qk_head_dim)
+    latent = torch.randn(1, 1, t, rank)
+    k_rot = torch.randn(1, 1, t, attn.qk_rope_head_dim)
+    k, v = attn.expand_kv(latent, k_rot)  # the class's own expansion (before compress)
+    scores = (q @ k.transpose(-1, -2)).softmax(-1)
+    want = (scores @ v).transpose(1, 2)  # [1, T, H, v]
+    mla._install(attn)
+    key, _ = attn.expand_kv(latent, k_rot)
+    q_abs = mla.absorb_query(attn, q)
+    lat_scores = (q_abs @ key.transpose(-1, -2)).softmax(-1)
+    got = mla.expand_output(attn, (lat_scores @ key).transpose(1, 2))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
