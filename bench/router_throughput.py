@@ -382,7 +382,8 @@ def direct_call(
     raw = encode(GenerateRequest(f"base-{n}", body_["prompt"], sampling, prefill=prefill))
 
     async def call() -> float:
-        hdr = {signing.HEADER: signing.sign(ring, "POST", "/generate", raw)}
+        host = decode_url.split("://", 1)[-1].split("/", 1)[0]  # the Host aiohttp sends
+        hdr = {signing.HEADER: signing.sign(ring, "POST", "/generate", raw, host=host)}
         return await one(http, decode_url + "/generate", raw, hdr)
 
     return call
