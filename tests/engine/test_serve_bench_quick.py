@@ -1,9 +1,10 @@
-"""bench/serve.py --quick --peer-url: one configuration against a peer, interleaved repetitions.
+"""bench/serve_peer.py --quick --peer-url (bench/serve.py's peer mode per dtype): one
+configuration against a peer, interleaved repetitions.
 
 The peer is a second, real `pdserve up --prefill 0` started here (vLLM is not a
 dependency); the benchmark must treat it as any OpenAI-compatible server, alternate
-peer and ours three times, and report the median ratio, its range, the peer's model
-path and dtype and both sides' thread settings.
+peer and ours three times (the peer first, then second, then first), and report the median
+ratio, its range, the peer's model path and dtype and both sides' thread settings.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
             "--quick",
             "--model",
             str(tiny_model_dir),
+            "--dtypes",
+            "float32",
             "--setups",
             "colocated",
             "--peer-url",
@@ -39,15 +42,21 @@ def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
             "--port",
             str(free_port()),
         ]
-        result = run_bench("serve.py", *args, "--plot", str(plot), timeout=360)
+        out = run_bench("serve_peer.py", *args, "--plot", str(plot), timeout=360)
     finally:
         end_group(peer.proc, grace_s=60)
+    result = out["runs"]["float32"]
+    # Not the default model: the ratio is keyed by dtype under its own name.
+    assert out["config"] == "colocated" and "peer_ratio_default_model" not in out
+    ratio = out["peer_ratio_by_dtype"]["float32"]
+    assert ratio == {"median": result["peer_ratio"], "range": result["peer_ratio_range"]}
     assert result["config"] == "colocated" and result["repeats"] == 3
     # peer, ours at each concurrency, three times over; every point complete.
     reps = result["reps"]
     assert [(r["rep"], r["concurrency"]) for r in reps] == [
         (i, c) for i in range(3) for c in (1, 4)
     ]
+    assert [r["first"] for r in reps] == ["peer", "peer", "ours", "ours", "peer", "peer"]
     for r in reps:
         for p in (r["peer"], r["ours"]):
             assert p["requests"] == 8 and p["output_tok_s"] > 0
