@@ -36,7 +36,7 @@ from pdserve.protocol.hashing import ROOT_HASH
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 if TYPE_CHECKING:
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.engine_view import EngineView
 
 logger = logging.getLogger(__name__)
 FIELD = "speculative"
@@ -70,7 +70,7 @@ def sized(config: EngineConfig, bytes_per_block: int, max_model_len: int) -> Eng
     return replace(config, kv_cache_bytes=budget)
 
 
-def check_vocab(draft: LLMEngine, target: LLMEngine, model: str) -> None:
+def check_vocab(draft: EngineView, target: EngineView, model: str) -> None:
     """Refuse a draft model whose ids mean other tokens than the target's."""
     if draft.vocab_size != target.vocab_size:
         raise ValueError(
@@ -87,7 +87,7 @@ def check_vocab(draft: LLMEngine, target: LLMEngine, model: str) -> None:
 class DraftProposer:
     """``propose(tokens, k)`` like NgramProposer's, from the draft engine's greedy output."""
 
-    def __init__(self, engine: LLMEngine, k: int) -> None:
+    def __init__(self, engine: EngineView, k: int) -> None:
         self.engine = engine
         self.k = k
         self.ids = itertools.count()

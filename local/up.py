@@ -176,7 +176,13 @@ def _run(args: argparse.Namespace, store: kv_store.SharedStore | None) -> int:
             flush=True,
         )
         compiles = "--enforce-eager" not in spec.worker_args and not env.eager_forced()
-        if compiles:
+        if compiles and "--compile-before-ready" in spec.worker_args:
+            print(
+                "pdserve up: workers compile the model forward before they say ready "
+                "(--compile-before-ready: a minute or more on the first start; cached after)",
+                flush=True,
+            )
+        elif compiles:
             print(
                 "pdserve up: workers serve with the eager forward as soon as they are "
                 "loaded and compile the model forward in the background (a minute or "

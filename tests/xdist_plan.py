@@ -29,8 +29,8 @@ SHARED_SERVICES = {"shared_up": "shared-up", "deployment": "edge-deployment"}
 # Seconds, measured alone on the 2-core machine (setup included), for the modules and
 # shared services that take longest; everything else is estimated from its tiers.
 KNOWN_SECONDS = {
-    "k8s-real": 200,
-    "shared-up": 150,
+    "k8s-real": 260,  # + test_peering (~50 s), test_scale_subresource (~10 s)
+    "shared-up": 170,  # + test_prometheus_real (two Prometheus starts, ~20 s)
     "tests/local/test_scale_under_load.py": 85,
     "tests/local/test_bench_chaos.py": 80,
     "tests/local/test_up_resilience.py": 120,
