@@ -167,7 +167,7 @@ def stored_event(st: FakeState, hashes: list[int]) -> bytes:
 def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI:
     app = FastAPI()
     _common(app, st)
-    # KV events go out as a real prefill worker's do (prefill_worker/events.py): the events
+    # KV events go out as a real prefill worker's do (worker/core/events.py): the events
     # of one engine step in one message. Here a step is a loop turn: every request
     # prefilled in it (at least one; a real step holds as many as it batched).
     step: list[bytes] = []

@@ -173,8 +173,8 @@ def test_tier_events_reach_the_router_index(tiered: Callable[..., LLMEngine]) ->
 
     import zmq
 
-    from pdserve.prefill_worker.events import KVEventPublisher
     from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
+    from pdserve.worker.core.events import KVEventPublisher
 
     engine = tiered("host")
     pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}", "p0", engine, any_port=True)

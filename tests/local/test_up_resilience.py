@@ -287,7 +287,7 @@ def _core_pid(url: str) -> int:
     """The worker's engine core (its child, or forked by the core zygote), as it says."""
     core = int(_stats(url)["core_pid"])
     cmdline = Path(f"/proc/{core}/cmdline").read_bytes()
-    assert b"core_main" in cmdline or b"core_zygote" in cmdline, cmdline
+    assert b"core.main" in cmdline or b"core.zygote" in cmdline, cmdline
     return core
 
 
