@@ -30,7 +30,7 @@ FRONT_ENDS = [
 ]
 PROTOCOL = [f"pdserve.protocol.{m.name}" for m in pkgutil.iter_modules(pdserve.protocol.__path__)]
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
 # One interpreter imports the modules in turn and names, for each, the heavy modules that

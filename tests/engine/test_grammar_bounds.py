@@ -30,7 +30,7 @@ from pdserve.engine.structured import Grammars
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.worker.core.loop import CoreLoop
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 

@@ -20,7 +20,7 @@ from pdserve.engine.request import RequestStatus
 from pdserve.protocol.hashing import block_hashes
 from pdserve.protocol.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 POOL_BLOCKS = 24

@@ -18,7 +18,7 @@ import pytest
 from pdserve.local.proc_group import end_group
 from pdserve.testing.loopback import ROOT, free_port, run_bench, wait_until_up
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(400)]
 
 
 def _start_peer(model: Path, port: int) -> tuple[subprocess.Popen, str]:  # type: ignore[type-arg]

@@ -30,6 +30,7 @@ from pdserve.local.proc_group import end_group
 from pdserve.testing.loopback import ROOT, all_kv_free, free_port, wait_until_up, worker_port_base
 
 pytestmark = [
+    pytest.mark.cluster,
     pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.skipif(

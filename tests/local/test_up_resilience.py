@@ -39,7 +39,7 @@ from pdserve.testing.loopback import (
     worker_port_base,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 LONG = "Tell me a story about a fox and a crow. " * 8  # remote prefill (threshold 32)
 MAX_TOKENS = 300

@@ -20,6 +20,8 @@ from sim_vs_real_host import _jobs, _our_groups
 
 from pdserve.planner.sim.host import Host, autogroup_entities, nice_weight
 
+pytestmark = pytest.mark.unit
+
 W19, W0 = nice_weight(19), nice_weight(0)
 
 

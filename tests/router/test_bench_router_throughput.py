@@ -15,6 +15,8 @@ from router_throughput import compare, summarise
 
 from pdserve.testing.loopback import run_bench
 
+pytestmark = pytest.mark.bench
+
 # Router CPU per request (µs), measured on this 2-core box (bench/router_throughput.py,
 # docs/router.md "Throughput"): ~0.85-1.0 ms decode-direct, ~1.3 ms text, ~2.8-3.7 ms full
 # P/D, loaded or not. The bounds are ~10x that, so a busy machine never trips them, while

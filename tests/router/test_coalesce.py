@@ -8,9 +8,12 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 import uvicorn
 
 from pdserve.router.coalesce import CoalescingHttpTools, _TurnWriter
+
+pytestmark = pytest.mark.unit
 
 
 class Recorder:

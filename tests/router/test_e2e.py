@@ -20,6 +20,7 @@ from pdserve.testing.loopback import ROOT, all_kv_free, free_port, wait_until_up
 WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.py"]
 
 pytestmark = [
+    pytest.mark.cluster,
     pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.skipif(not all(p.exists() for p in WORKERS), reason="real workers not built yet"),

@@ -18,6 +18,8 @@ from pdserve.protocol.kv_events import KVEvent, LoadReport
 from pdserve.worker.core import events as ev_mod
 from pdserve.worker.core.events import KVEventPublisher
 
+pytestmark = pytest.mark.unit
+
 
 class Engine:
     """What the publisher reads of LLMEngine: its KV events and its counters."""

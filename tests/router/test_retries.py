@@ -19,7 +19,7 @@ from pdserve.testing.loopback import free_port
 from pdserve.testing.router_fakes import FakeState, decode_app
 from tests.router.test_api import LONG, client
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 async def _until(cond, timeout: float = 5.0) -> None:

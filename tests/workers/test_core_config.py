@@ -16,6 +16,8 @@ from pdserve.prefill_worker import server as prefill_server
 from pdserve.worker.core.config import CoreConfig
 from pdserve.worker.http import core_config
 
+pytestmark = pytest.mark.unit
+
 
 def _args(role: str, *argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()

@@ -32,6 +32,8 @@ from tests.workers.worker_helpers import (
     worker_cluster,
 )
 
+pytestmark = pytest.mark.cluster
+
 CORE = b"pdserve.worker.core.main"
 
 
