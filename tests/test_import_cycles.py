@@ -176,12 +176,9 @@ def test_no_worker_role_imports_the_other_and_the_core_imports_neither() -> None
     assert _worker_imports("worker", roles) == []
 
 
-# Left: the decode worker's prefill chain reuses the router's worker client and pool, and
-# the worker's HTTP tools the router's coalescing client (issue 45 move 3: they move to a
-# package both import). The list must shrink to empty.
+# Left: the decode worker's prefill chain reuses the router's worker client and pool
+# (issue 45 move 3: they move to a package both import). The list must shrink to empty.
 WORKER_ROUTER_IMPORTS_LEFT = [
-    "worker/http.py: pdserve.router.coalesce",
-    "worker/http.py: pdserve.router.coalesce.CoalescingHttpTools",
     "decode_worker/chain.py: pdserve.router.errors",
     "decode_worker/chain.py: pdserve.router.errors.APIError",
     "decode_worker/chain.py: pdserve.router.transport",

@@ -267,9 +267,9 @@ def server(app: FastAPI, host: str, port: int, log_level: str) -> Any:
     gracefully from any thread)."""
     import uvicorn
 
-    from pdserve.router.coalesce import CoalescingHttpTools
+    from pdserve.coalesce import CoalescingHttpTools
 
-    # A loop turn's writes in one send, as the router's server does (router/coalesce.py): a
+    # A loop turn's writes in one send, as the router's server does (pdserve/coalesce.py): a
     # prefill reply's head and body reach the router in one segment, a read and a wake-up
     # less for it per request, and a stream's last line leaves with its end.
     config = uvicorn.Config(

@@ -25,6 +25,7 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve.coalesce import CoalescingHttpTools
 from pdserve.decode_worker.chain import PrefillChain
 from pdserve.env import SERVICE_SECRET
 from pdserve.protocol.codec import decode, encode, to_dict
@@ -43,7 +44,6 @@ from pdserve.protocol.contract import (
 )
 from pdserve.protocol.hashing import block_hashes
 from pdserve.protocol.kv_events import KVSnapshot
-from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.transport import worker_client
 from pdserve.signed_httpx import SignedAuth
 from pdserve.testing.loopback import free_port

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.router.coalesce import CoalescingHttpTools
+from pdserve.coalesce import CoalescingHttpTools
 from pdserve.router.discovery.workers import Discovery, StaticSource
 from pdserve.router.transport.worker_client import new_session
 from pdserve.testing.loopback import free_port
