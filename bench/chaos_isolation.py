@@ -82,8 +82,8 @@ def abandoned_over_bound(model_dir: Path) -> int:
     from engine_helpers import tiny_config
     from test_grammar_bounds import abandoned_probe
 
-    from pdserve.engine.core_loop import CoreLoop
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.worker.core.loop import CoreLoop
 
     engine = LLMEngine(tiny_config(model_dir))
     ctx = zmq.Context()

@@ -19,7 +19,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from tests.model_families import BY_ID
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(600)]
 
 # Window + soft-cap (gemma2), sinks + window + MoE (gpt-oss). Also token-identical
 # compiled, but left out for the suite's time (a cold compile each): MLA + MoE

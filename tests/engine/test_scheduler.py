@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 from engine_helpers import assert_all_free
 
@@ -20,6 +21,8 @@ from pdserve.engine.sched_output import ScheduledChunk, SchedulerOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.protocol.hashing import block_hashes
 from pdserve.protocol.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 BS = 16
 

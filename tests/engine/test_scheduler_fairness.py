@@ -6,10 +6,13 @@ first fills the batch while another key's single request waits behind all of it.
 
 from __future__ import annotations
 
+import pytest
 from engine_helpers import assert_all_free
 from test_scheduler import Harness
 
 from pdserve.engine.request import tenant_of
+
+pytestmark = pytest.mark.unit
 
 
 def _admitted(h: Harness) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.testing.loopback import run_bench
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.bench, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 # One of the suite's slowest (~80 s alone): the bench's --quick run starts one `pdserve up`

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 40  # well over the threshold
 

@@ -18,6 +18,7 @@ from pdserve.testing.up import start_up, suite_flags
 WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.py"]
 
 pytestmark = [
+    pytest.mark.cluster,
     pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.skipif(not all(p.exists() for p in WORKERS), reason="real workers not built yet"),

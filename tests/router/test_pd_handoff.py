@@ -16,7 +16,7 @@ from pdserve.protocol.contract import GenerateRequest, InvalidParameter, KVHandl
 from tests.router.test_api import LONG, client, stream_long
 from tests.router.test_retries import send_until_tried
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 CHAIN = {"disagg_threshold": 16, "pd_handoff": "decode"}
 
 

@@ -23,7 +23,7 @@ from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.testing.picker import completion, start_picker
 from tests.router.lora_fakes import write_adapter
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 @pytest.fixture
