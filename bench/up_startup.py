@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 import up_startup_peer  # noqa: E402  (bench/, this script's folder, is on sys.path)
 import up_startup_zygote  # noqa: E402
 
-from pdserve.local.proc_group import end_group  # noqa: E402
+from pdserve.local.proc_group import end_group, start_group  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CACHE_KEYS = (
@@ -111,15 +111,7 @@ def start_once(args: argparse.Namespace, home: Path) -> dict[str, object]:
     if args.model:
         argv += ["--model", args.model]
     started = time.monotonic()
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env=fresh_env(home),
-        cwd=ROOT,
-    )
+    proc = start_group(argv, env=fresh_env(home), cwd=ROOT)
     console = Console(proc, started)
     url = f"http://127.0.0.1:{args.port}"
     out: dict[str, object] = {}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +39,7 @@ from pdserve.engine.kv_pool import KVPool, KVShape
 from pdserve.engine.lora_registry import LoraRegistry, lora_passes
 from pdserve.engine.prompt_logprobs import PromptRows
 from pdserve.engine.request import Request
+from pdserve.engine.sched_output import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
@@ -51,31 +51,6 @@ DECODE_GROUP_SHARE = 0.6
 # calls saved. A GPU wants few, large calls.
 DECODE_GROUP_ROWS = {"cpu": 8}
 DECODE_GROUP_ROWS_DEFAULT = 256
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Tokens ``start .. start + num_tokens`` of one request, computed in one step; with
-    ``draft`` (speculative decoding, engine/spec_decode.py) the last ``len(draft)`` of them
-    are draft tokens past the request's own, and each of the last ``1 + len(draft)`` rows
-    is sampled."""
-
-    request: Request
-    num_tokens: int
-    start: int
-    samples: bool  # the chunk reaches the request's last token: its logits are sampled
-    draft: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, request: Request, num_tokens: int, draft: Sequence[int] = ()) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        samples = start + num_tokens == request.num_tokens
-        return cls(request, num_tokens + len(draft), start, samples, tuple(draft))
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of logits the chunk samples."""
-        return 1 + len(self.draft) if self.samples else 0
 
 
 def model_identity(model_dir: str | Path) -> str:

@@ -85,8 +85,9 @@ class FakeState:
     # through one pooled client (a client per call cost the fake more than the router).
     keep_records: bool = True
     client: httpx.AsyncClient | None = None
-    # The throughput bench: the one prefill worker's state, in this process; a lease ends
-    # on it directly (the signed /release call cost the fakes more than the router's work).
+    # The throughput bench: a prefill worker's state, in this process; a lease held there
+    # ends on it directly (the signed /release call cost the fakes more than the router's
+    # work), one held by another process's fake through that call.
     lease_holder: FakeState | None = None
     chain: Any = None  # decode: its PrefillChain, made on the first chained request
     chaining: dict[str, Any] = field(default_factory=dict)  # request id -> its prefill wait
@@ -288,8 +289,9 @@ def decode_app(st: FakeState) -> FastAPI:
         st.active[rid] = -(-len(body.prompt_token_ids) // BLOCK)
         if st.fail == "stall-headers":
             await _hang(st, rid)
-        if handle and st.lease_holder is not None:
-            st.lease_holder.leases.pop(handle.request_id, None)
+        held = st.lease_holder.leases if st.lease_holder is not None else {}
+        if handle and handle.request_id in held:  # the bench's: a lease held in this process
+            held.pop(handle.request_id)
         elif handle:  # "read" the blocks, then end the prefill worker's lease
             url = "http://" + handle.side_channel.removeprefix("tcp://").rstrip("/")
             await _release(st, url + "/release", encode(RequestRef(handle.request_id)))
