@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from pdserve import env
 from pdserve.local.proc_group import end_group, start_group
 from pdserve.testing.loopback import free_port, worker_port_base
 
@@ -65,7 +66,7 @@ def suite_flags(log_dir: Path, max_model_len: int = 1024) -> list[str]:
     default nixl), its logs in ``log_dir``, worker ports of its own (``port_base``), a
     short context."""
     return [
-        *("--kv-transport", os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl")),
+        *("--kv-transport", os.environ.get(env.TEST_TRANSPORT, "nixl")),
         *("--log-dir", str(log_dir), *port_base()),
         f"--worker-arg=--max-model-len={max_model_len}",
     ]
