@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(600)
 # compiled, but left out for the suite's time (a cold compile each): MLA + MoE
 # (deepseek-v2) and PhiMoE (whose compiled failure, its router replaced by a packed
 # linear, is tested at its cause: test_weight_layout.py's subclass test).
-COMPILED_FAMILIES = ["gemma2", "gpt-oss"]
+COMPILED_FAMILIES = ["gemma2", "gpt-oss", "deepseek-v2"]
 
 
 @pytest.fixture(scope="module")

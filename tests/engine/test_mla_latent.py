@@ -117,3 +117,35 @@ def test_absorbed_attention_equals_expanded_on_one_layer(
     lat_scores = (q_abs @ key.transpose(-1, -2)).softmax(-1)
     got = mla.expand_output(attn, (lat_scores @ key).transpose(1, 2))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_deepseek_v2_lite_bytes_per_token() -> None:
+    """docs/models.md's figure for DeepSeek-V2-Lite's real shapes (its config.json's
+    attention fields: 27 layers, 16 heads, kv_lora_rank 512, K 128 + 64, V 128), bfloat16:
+    the model built on the meta device (no weights), compressed as the engine does."""
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+
+    from pdserve.engine.kv_pool import KVShape
+
+    cfg = DeepseekV2Config(
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        hidden_size=2048,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=4,  # the MoE's size does not change the KV
+        first_k_dense_replace=27,
+        intermediate_size=64,
+        vocab_size=64,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    layout = mla.compress(model)
+    assert layout == mla.LatentLayout(kv_lora_rank=512, rope_dim=64)
+    after = KVShape(27, 1, layout.head_dim, 16, torch.bfloat16, planes=1).bytes_per_token
+    before = KVShape(27, 16, 128 + 64, 16, torch.bfloat16).bytes_per_token  # V padded to K
+    assert (before, after) == (331_776, 31_104)
