@@ -57,8 +57,8 @@ async def admin_port_changes(url: str, admin_url: str, adapter: str) -> int:
 
 def picker_bypass(model_dir: Path) -> int:
     from pdserve.router.tokenizer import PromptTokenizer
-    from tests.router.test_abuse_both_modes import picker_mode_bypasses
-    from tests.router.test_picker import start_picker
+    from pdserve.testing.abuse import picker_mode_bypasses
+    from pdserve.testing.picker import start_picker
 
     tokenizer = PromptTokenizer(str(model_dir))
     return asyncio.run(picker_mode_bypasses(lambda **kw: start_picker(tokenizer, model_dir, **kw)))

@@ -106,8 +106,8 @@ def _lean() -> Any:
     from pdserve.router.api import openai_response
     from pdserve.router.api.openai_request import parse_request
     from pdserve.router.config import RouterConfig
+    from pdserve.router.scheduling.route_request import RouteRequest
     from pdserve.router.scheduling.routing import plan_route
-    from pdserve.router.scheduling.scoring import RouteRequest
     from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 
     ring = keys.KeyRing(keys.HTTP, "floor")

@@ -18,8 +18,8 @@ from typing import Any
 
 from pdserve.protocol.contract import WorkerStats
 from pdserve.router.config import DECODE_SCORERS, PREFILL_SCORERS, RouterConfig
+from pdserve.router.scheduling.route_request import RouteRequest
 from pdserve.router.scheduling.routing import plan_route
-from pdserve.router.scheduling.scoring import RouteRequest
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 
 

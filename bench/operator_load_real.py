@@ -20,7 +20,6 @@ resource and verb. Goal: <= 2 at 100 objects.
 from __future__ import annotations
 
 import collections
-import json
 import re
 import sys
 import tempfile
@@ -37,7 +36,8 @@ from pdserve.testing.k8s_real.cluster import (  # noqa: E402
     SYSTEM_NS,
     OperatorProcess,
     RealCluster,
-    conditions,
+    is_ready,
+    read_only_pvc,
 )
 from pdserve.testing.k8s_real.control_plane import ControlPlane, find_binaries  # noqa: E402
 from pdserve.testing.k8s_real.fake_kubelet import FakeKubelet, create_nodes  # noqa: E402
@@ -83,8 +83,7 @@ def grow(c: RealCluster, first: int, n: int) -> None:
 
     def all_ready() -> bool:
         items = c.items(f"/apis/pdserve.io/v1alpha1/namespaces/{NS}/llmservices")
-        ready = [o for o in items if conditions(o).get("Ready", {}).get("status") == "True"]
-        return len(ready) == n
+        return sum(map(is_ready, items)) == n
 
     c.wait(all_ready, 120 + 3 * n, what=f"{n} LLMServices Ready")
 
@@ -108,24 +107,7 @@ def setup(work: Path) -> RealCluster:
         "--wait=false",
         timeout=120,
     )
-    c.kubectl(
-        "apply",
-        "-n",
-        NS,
-        "-f",
-        "-",
-        stdin=json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolumeClaim",
-                "metadata": {"name": "models"},
-                "spec": {
-                    "accessModes": ["ReadOnlyMany"],
-                    "resources": {"requests": {"storage": "1Gi"}},
-                },
-            }
-        ),
-    )
+    c.apply_object(NS, read_only_pvc("models", "1Gi"))
     return c
 
 

@@ -27,9 +27,8 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.loopback import secret_env, tiny_model
 from router_throughput import ROOT, body, child, load_avg, one, wait_ready
-
-from pdserve.env import SERVICE_SECRET
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,12 +54,9 @@ def rss_mb(pid: int) -> float:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pdserve.engine.tiny_model import write_tiny_model
     from pdserve.testing.loopback import free_port
 
-    model = str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
-    env = {**os.environ, SERVICE_SECRET: os.environ.get(SERVICE_SECRET) or os.urandom(16).hex()}
-    os.environ[SERVICE_SECRET] = env[SERVICE_SECRET]
+    model, env = str(tiny_model()), secret_env()
     fakes = [
         sys.executable,
         str(ROOT / "bench" / "router_throughput.py"),

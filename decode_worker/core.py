@@ -28,6 +28,10 @@ class DecodeCore:
         self.metrics = CoreMetrics(ROLE)
         if e.spec is not None:  # acceptance rate, tokens per step (decode_worker/spec_metrics.py)
             self.metrics.registry.register(SpecCollector(e.spec.stats, ROLE))
+        if e.tier_store is not None:  # KV tiers below the pool (docs/kv_tiers.md)
+            from pdserve.engine.kv_tiers.metrics import TierCollector
+
+            self.metrics.registry.register(TierCollector(e.tier_store.stats, ROLE))
         remote = RemoteKVConnector(
             e.kv.tensor,
             CompatRecord.for_pool(e.kv.tensor, e.model_id),
@@ -60,6 +64,8 @@ class DecodeCore:
     def close(self) -> None:
         self.connector.close()
         self.events.close()
+        if self.engine.tier_store is not None:
+            self.engine.tier_store.close()
 
 
 def engine_info(e: LLMEngine) -> dict[str, Any]:

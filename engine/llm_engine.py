@@ -30,30 +30,35 @@ import copy
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.engine import compile_job, compiled
+from pdserve.engine import compile_job
 from pdserve.engine.compile_job import CompileJob
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.draft_proposer import DraftProposer, check_vocab, draft_config, sized
 from pdserve.engine.input_processor import InputProcessor
 from pdserve.engine.kv_connector import KVConnector, KVHolder, LoadResult
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.kv_pool import KVPool, budget_bytes
 from pdserve.engine.logprobs import StepLogprobs
-from pdserve.engine.model_runner import ModelRunner, ScheduledChunk, model_identity
+from pdserve.engine.model_runner import ModelRunner, model_identity
 from pdserve.engine.output_processor import OutputProcessor, eos_ids, make_output, with_logprobs
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.spec_config import parse_speculative
+from pdserve.engine.spec_config import SpecConfig, parse_speculative
 from pdserve.engine.spec_decode import SpecDecoder, merge_outputs, rollback
 from pdserve.engine.structured import Grammars
 from pdserve.protocol.contract import EngineStats
 from pdserve.protocol.outputs import HANDOFF, REQUEST_FAILED, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_tiers.store import TieredStore
 
 logger = logging.getLogger(__name__)
 SHADOW_BLOCKS = 48  # the compile thread's pool: the warm-up's and the probe's requests
@@ -76,10 +81,9 @@ class LLMEngine:
         budget = budget_bytes(self.runner.device, config.kv_cache_bytes, config.kv_cache_fraction)
         pool = KVPool.from_budget(self.runner.kv_shape, budget, self.runner.device)
         self.runner.bind_pool(pool)
-        self.kv = KVCacheManager(pool, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            config, self.kv.block_manager, connector, recompute_on_load_failure
-        )
+        kv = KVCacheManager(pool, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, kv, connector, recompute_on_load_failure)
+        self.kv = self.scheduler.kv  # the scheduler's; the engine frees, holds and reads
         self.sampler = Sampler(self.runner.device, config.seed)
         self.max_model_len = min(
             config.max_model_len or self.runner.max_position_embeddings,
@@ -100,15 +104,19 @@ class LLMEngine:
             self.kv,
             self.grammars,
             lambda: getattr(self.scheduler.connector, "transport_name", None),
+            self.runner.loras,
         )
-        self.inputs.loras = self.runner.loras
         self.outputs = OutputProcessor(eos, self.max_model_len)
         spec = parse_speculative(config.speculative)
-        self.spec = SpecDecoder(spec, self.max_model_len, self.vocab_size) if spec else None
+        self.spec = (
+            SpecDecoder(spec, self.max_model_len, self.vocab_size, self._draft_proposer(spec))
+            if spec
+            else None
+        )
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.tier_store = None
+        self.tier_store: TieredStore | None = None
         if config.kv_tiers is not None:
             from pdserve.engine.kv_tiers.attach import attach
 
@@ -118,11 +126,25 @@ class LLMEngine:
         self.fault, self.fault_at = "", 0.0  # the standing step failure: unready
         self.compile_job: CompileJob | None = None  # start_compile: in the background
         now = config.compile and not config.compile_in_background and runner is None
-        self.compile_seconds = compiled.warm_up(self) if now else 0.0
+        self.compile_seconds = compile_job.warm_up(self) if now else 0.0
         # Drafting starts after a warm-up compile (its one-decode step stays T = 1); a
         # compile in the background covers steps with drafts too (T >= 2, several rows).
         if self.spec is not None:
             self.scheduler.drafter = self.spec.draft
+
+    def _draft_proposer(self, spec: SpecConfig) -> DraftProposer | None:
+        """``draft:model=PATH``: the draft model in an engine of its own, on this one's
+        device and dtype, its pool sized for this engine's longest request; refused by
+        name unless it shares this engine's tokenizer (engine/draft_proposer.py)."""
+        if spec.method != "draft":
+            return None
+        cfg = draft_config(self.config, spec.model)
+        runner = ModelRunner(cfg)
+        draft = LLMEngine(
+            sized(cfg, runner.kv_shape.bytes_per_block, self.max_model_len), runner=runner
+        )
+        check_vocab(draft, self, spec.model)
+        return DraftProposer(draft, spec.k)
 
     def shadow(self, blocks: int = SHADOW_BLOCKS) -> LLMEngine:
         """An engine on this one's model (the same module and weights) with a small KV
@@ -145,7 +167,7 @@ class LLMEngine:
     def start_compile(self) -> None:
         """Compile the forward in the background while the eager one serves; it is
         swapped in between steps once compiled and checked (compile_job.py)."""
-        if self.runner.compiled_fn is not None and not self.runner.compiled:
+        if self.runner.compile_wanted and not self.runner.compiled:
             self.compile_job = CompileJob(self)
             self.compile_job.start()
 
@@ -235,6 +257,12 @@ class LLMEngine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def has_runnable(self) -> bool:
+        """A step has tokens to compute: requests running or waiting, not only KV loads
+        (remote or from a tier) that the core loop polls for."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
         if self.compile_job is not None:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +39,7 @@ from pdserve.engine.kv_pool import KVPool, KVShape
 from pdserve.engine.lora_registry import LoraRegistry, lora_passes
 from pdserve.engine.prompt_logprobs import PromptRows
 from pdserve.engine.request import Request
+from pdserve.engine.sched_output import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
@@ -51,31 +51,6 @@ DECODE_GROUP_SHARE = 0.6
 # calls saved. A GPU wants few, large calls.
 DECODE_GROUP_ROWS = {"cpu": 8}
 DECODE_GROUP_ROWS_DEFAULT = 256
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Tokens ``start .. start + num_tokens`` of one request, computed in one step; with
-    ``draft`` (speculative decoding, engine/spec_decode.py) the last ``len(draft)`` of them
-    are draft tokens past the request's own, and each of the last ``1 + len(draft)`` rows
-    is sampled."""
-
-    request: Request
-    num_tokens: int
-    start: int
-    samples: bool  # the chunk reaches the request's last token: its logits are sampled
-    draft: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, request: Request, num_tokens: int, draft: Sequence[int] = ()) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        samples = start + num_tokens == request.num_tokens
-        return cls(request, num_tokens + len(draft), start, samples, tuple(draft))
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of logits the chunk samples."""
-        return 1 + len(self.draft) if self.samples else 0
 
 
 def model_identity(model_dir: str | Path) -> str:
@@ -119,11 +94,15 @@ class ModelRunner:
         self.latent = mla.compress(self.model)
         # The compiled forward (engine/compiled.py): in service now, or once compiled in
         # the background (compile_job.py); the eager one serves until then.
+        # torch.compile's set-up imports inductor (~3 CPU-s on the 2-core dev machine):
+        # a background compile does it on its own thread, off the way to "ready".
         self.compiled_fn = None
+        self.compile_wanted = config.compile
+        now = config.compile and not config.compile_in_background
         if config.compile:
             compiled.prepare(self.model)
-            self.compiled_fn = compiled.compiled_forward(self.model)
-        now = config.compile and not config.compile_in_background
+            if now:
+                self.compiled_fn = compiled.compiled_forward(self.model)
         self.forward = self.compiled_fn if now and self.compiled_fn is not None else self.model
         self.eager_only = ""  # why the compiled forward may no longer be swapped in
         hf = self.model.config
@@ -182,6 +161,12 @@ class ModelRunner:
     @property
     def compiled(self) -> bool:
         return self.forward is not self.model
+
+    def ensure_compiled_fn(self) -> Callable[..., object]:
+        """The compiled forward (``torch.compile``'s wrapper, made on first use)."""
+        if self.compiled_fn is None:
+            self.compiled_fn = compiled.compiled_forward(self.model)
+        return self.compiled_fn
 
     def use_kernel_backend(self) -> None:
         """Attention runs the C++ kernel from the next step on (built meanwhile)."""

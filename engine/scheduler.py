@@ -23,37 +23,29 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from pdserve.engine import prompt_logprobs
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_connector import KVConnector, LoadResult
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.kv_tiers.sched import TierLoading
-from pdserve.engine.model_runner import ScheduledChunk
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sched_output import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 FAIR_WINDOW = 64  # waiting requests looked through for a fairer next one
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    loaded: list[tuple[Request, LoadResult]] = field(default_factory=list)
 
 
 class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
-        blocks: BlockManager,
+        kv: KVCacheManager,
         connector: KVConnector | None = None,
         recompute_on_load_failure: bool = True,
     ) -> None:
         self.config = config
-        self.blocks = blocks
+        self.kv = kv  # the KV cache manager: this scheduler's, as in vLLM v1 (kv_manager.py)
         self.connector = connector
         self.recompute_on_load_failure = recompute_on_load_failure
         self.waiting: deque[Request] = deque()
@@ -61,7 +53,7 @@ class Scheduler:
         self.loading: dict[str, Request] = {}
         self.tiers: TierLoading | None = None  # KV tiers below the pool (kv_tiers/attach.py)
         # Keep a little headroom so admissions do not immediately force preemptions.
-        self.watermark_blocks = max(1, blocks.num_blocks // 100)
+        self.watermark_blocks = max(1, kv.num_blocks // 100)
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
         # Speculative decoding (engine/spec_decode.py): draft tokens for a decode, given
@@ -96,7 +88,7 @@ class Scheduler:
                 self.running.append(req)
                 continue
             need = req.num_computed_tokens + n
-            while not self.blocks.can_grow(req.block_ids, need):
+            while not self.kv.can_grow(req.block_ids, need):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -105,7 +97,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break  # preempted itself: nothing smaller is left to run
             draft = self._draft(req, need, budget - n)
-            self.blocks.grow(req.block_ids, need + len(draft))
+            self.kv.grow(req.block_ids, need + len(draft))
             out.chunks.append(ScheduledChunk.of(req, n, draft))
             self.running.append(req)
             budget -= n + len(draft)
@@ -119,13 +111,12 @@ class Scheduler:
         if self.drafter is None or req.num_uncomputed_tokens != 1 or room <= 0:
             return []
         draft = self.drafter(req, room)
-        if draft and not self.blocks.can_grow(req.block_ids, need + len(draft)):
+        if draft and not self.kv.can_grow(req.block_ids, need + len(draft)):
             return []
         return draft
 
     def _preempt(self, req: Request) -> None:
-        self.blocks.free(req.block_ids)
-        req.block_ids = []
+        self.kv.free_request(req)
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
         req.num_preemptions += 1
@@ -157,12 +148,12 @@ class Scheduler:
             # A remote request always reads its last prompt block, so the load (and the
             # lease release that comes with it) is never empty.
             covered = req.num_prompt_tokens if req.remote_kv is not None else req.num_tokens
-            hits = self.blocks.match_prefix(req.block_hashes, covered)
+            hits = self.kv.cached_prefix(req.block_hashes, covered)
             if prompt_logprobs.wanted(req):  # cached rows would have no logits to score
                 hits = []
             need = req.num_tokens + 1  # room for the first generated token too
-            if not self.blocks.can_allocate(hits, need) or (
-                self.blocks.num_free_blocks - self.blocks.blocks_needed(need) + len(hits)
+            if not self.kv.can_allocate(hits, need) or (
+                self.kv.num_free_blocks - self.kv.blocks_needed(need) + len(hits)
                 < self.watermark_blocks
                 and self.running
             ):
@@ -171,9 +162,9 @@ class Scheduler:
             tenants[req.tenant] += 1
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
-            alloc = self.blocks.allocate(hits, need)
+            alloc = self.kv.allocate(hits, need)
             req.block_ids = alloc.block_ids
-            req.num_computed_tokens = alloc.num_cached_blocks * self.blocks.block_size
+            req.num_computed_tokens = alloc.num_cached_blocks * self.kv.block_size
             req.num_registered_blocks = alloc.num_cached_blocks
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
@@ -251,11 +242,3 @@ class Scheduler:
         elif req.request_id in self.loading and self.connector is not None:
             # Stays in ``loading`` until the connector reports the transfer stopped.
             self.connector.cancel(req.request_id)
-
-
-def tenant_of(cache_salt: str | None) -> str:
-    """A request's tenant: the router's key salt, the ``k:`` part of its cache salt
-    (router/runtime.py ``cache_salt``); "" without one (the client's own ``r:`` part never
-    counts, so a client cannot pose as many tenants by varying it)."""
-    head = (cache_salt or "").split("|", 1)[0]
-    return head if head.startswith("k:") else ""

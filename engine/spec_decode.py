@@ -1,6 +1,7 @@
 """Speculative decoding: drafts scheduled with a decode, verified in the same forward.
 
-A decoding request with drafts ``d1..dk`` (engine/ngram_proposer.py) is scheduled as one
+A decoding request with drafts ``d1..dk`` (engine/ngram_proposer.py, or a draft model:
+engine/draft_proposer.py) is scheduled as one
 chunk of ``1 + k`` tokens: its last accepted token and the drafts, written to the paged
 KV like any chunk, with logits at every one of the ``1 + k`` rows. Row ``j`` is sampled
 as the plain path would sample the request's next token had ``d1..dj`` already been
@@ -35,6 +36,7 @@ import torch
 
 from pdserve.engine import prompt_logprobs
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.draft_proposer import DraftProposer
 from pdserve.engine.ngram_proposer import NgramProposer
 from pdserve.engine.request import Request
 from pdserve.engine.spec_config import SpecConfig
@@ -68,9 +70,18 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpecConfig, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        config: SpecConfig,
+        max_model_len: int,
+        vocab_size: int,
+        draft: DraftProposer | None = None,
+    ) -> None:
+        """``draft``: the draft model's proposer (``config.method == "draft"``)."""
         self.config = config
-        self.proposer = NgramProposer(config.k, config.min_n, config.max_n)
+        self.proposer: NgramProposer | DraftProposer = draft or NgramProposer(
+            config.k, config.min_n, config.max_n
+        )
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.stats = SpecStats()
@@ -96,7 +107,10 @@ class SpecDecoder:
         )
         if k <= 0:
             return []
-        drafts = self.proposer.propose(req.all_token_ids, k)
+        if isinstance(self.proposer, DraftProposer):  # the request's salt keys its cache
+            drafts = self.proposer.propose(req.all_token_ids, k, req)
+        else:
+            drafts = self.proposer.propose(req.all_token_ids, k)
         if drafts and req.grammar is not None:
             drafts = grammar_prefix(req.grammar, drafts)
         return drafts

@@ -2,7 +2,8 @@
 
 ``local/up.py`` passes some of them on: the router gets ``--picker``, ``--disagg-threshold``,
 ``--api-key``, ``--max-queue``, ``--lora`` and every ``--router-arg``; each worker gets
-``--enforce-eager``, ``--lora`` and every ``--worker-arg``; each decode worker
+``--enforce-eager``, ``--lora``, the shared KV tier's ``--kv-tier-shared-url``
+(``--kv-shared``: local/kv_store.py) and every ``--worker-arg``; each decode worker
 ``--speculative``.
 """
 
@@ -105,10 +106,21 @@ class UpArgs:
     speculative: str = flag(
         "",
         "speculative decoding on the decode workers: ngram:k=4 (prompt lookup; "
-        "docs/speculative.md); draft:model=... is not yet supported",
+        "docs/speculative.md) or draft:model=PATH,k=N (a small model with the same tokenizer)",
         group=PASS,
         metavar="SPEC",
         parse=_speculative,
+    )
+    kv_shared: str = flag(
+        "",
+        "a shared KV tier for every worker (docs/kv_tiers.md): 'local' starts a "
+        "redis-server on loopback for this service and stops it on exit; "
+        "redis://HOST:PORT/DB uses a running one (password: $PDSERVE_KV_SHARED_PASSWORD)",
+        group=PASS,
+        metavar="local|URL",
+    )
+    kv_shared_maxmemory: str = flag(
+        "1gb", "memory bound of the redis-server --kv-shared=local starts", group=PASS
     )
     worker_arg: tuple[str, ...] = flag(
         (),

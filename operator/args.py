@@ -109,6 +109,38 @@ class OperatorArgs:
         metavar="DIR",
         many="append",
     )
+    allow_service_type: tuple[str, ...] = flag(
+        (),
+        "a router Service type LLMServices may ask for besides ClusterIP (LoadBalancer, "
+        "NodePort; repeatable; operator/exposure.py)",
+        group=POLICY,
+        metavar="TYPE",
+        choices=("LoadBalancer", "NodePort"),
+        many="append",
+    )
+    allow_ingress_class: tuple[str, ...] = flag(
+        (),
+        "an Ingress class spec.router.ingress.className may name (repeatable; default: any)",
+        group=POLICY,
+        metavar="CLASS",
+        many="append",
+    )
+    allow_host_suffix: tuple[str, ...] = flag(
+        (),
+        "a DNS suffix Ingress hosts and HTTPRoute hostnames must end in (repeatable; "
+        "default: any host)",
+        group=POLICY,
+        metavar="SUFFIX",
+        many="append",
+    )
+    allow_gateway_namespace: tuple[str, ...] = flag(
+        (),
+        "a namespace whose Gateways an HTTPRoute's parentRefs may name (repeatable; "
+        "default: the service's own only)",
+        group=POLICY,
+        metavar="NS",
+        many="append",
+    )
 
 
 FLAGS = (OperatorArgs,)

@@ -214,6 +214,18 @@ class KubeClient:
         )
         return result
 
+    async def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int
+    ) -> dict[str, Any]:
+        """Set ``spec.replicas`` through the ``/scale`` subresource (an autoscaling/v1 Scale),
+        as an HPA or ``kubectl scale`` does: RBAC grants it apart from the object
+        (``deployments/scale``), and the write touches no other field of the spec."""
+        path = resource_path(api_version, kind, namespace, name) + "/scale"
+        result: dict[str, Any] = await self._call(
+            "PATCH", path, {"spec": {"replicas": replicas}}, "application/merge-patch+json"
+        )
+        return result
+
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete in the background (owners first, children by GC); False if it was already gone."""
         path = resource_path(api_version, kind, namespace, name)

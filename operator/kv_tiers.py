@@ -1,6 +1,7 @@
-"""``spec.kvCache.tiers``: the KV tiers below the prefill workers' pools (docs/kv_tiers.md).
+"""``spec.kvCache.tiers``: the KV tiers below the workers' pools (docs/kv_tiers.md).
 
-Parsed into ``KVTiersSpec``, rendered as the prefill workers' ``--kv-tier-*`` flags, a disk
+Parsed into ``KVTiersSpec``, rendered as every worker's ``--kv-tier-*`` flags (prefill and
+decode pods alike: a decode worker's prefix cache evicts as well), a disk
 volume (an ``emptyDir`` bounded by ``diskBytes``, or the volume source given) mounted at
 ``diskPath``, and, for the shared tier, either an existing store's address or a
 Deployment + Service of the Redis image that the operator runs itself (memory-bounded,
@@ -80,9 +81,9 @@ def store_url(spec: Any) -> str:
 
 
 def worker_args(spec: Any, role: str) -> list[str]:
-    """The prefill workers' tier flags (decode workers have no tiers)."""
+    """A worker's tier flags (``role``: prefill or decode, the same tiers)."""
     t: KVTiersSpec = spec.kv_tiers
-    if role != "prefill" or not t.enabled:
+    if not t.enabled:
         return []
     args = ["--kv-tier-load-timeout", str(t.load_timeout_seconds)]
     if t.host_bytes:
@@ -96,9 +97,9 @@ def worker_args(spec: Any, role: str) -> list[str]:
 
 
 def add_to_pod(spec: Any, role: str, pod: dict[str, Any]) -> None:
-    """The disk tier's volume and the store's password, in a prefill worker's pod."""
+    """The disk tier's volume and the store's password, in a worker's pod."""
     t: KVTiersSpec = spec.kv_tiers
-    if role != "prefill" or not t.enabled:
+    if not t.enabled:
         return
     container = pod["containers"][0]
     if t.disk_bytes:

@@ -13,6 +13,7 @@ from pdserve import env
 from pdserve.config_cli import add_flags
 from pdserve.operator.args import FLAGS as FLAGS
 from pdserve.operator.autoscaler import AutoscaleSettings
+from pdserve.operator.exposure import ExposurePolicy
 from pdserve.operator.handlers import OperatorConfig, register
 from pdserve.operator.pod_policy import PodPolicy
 
@@ -26,6 +27,20 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     register(registry, config)
     return registry
+
+
+def pod_policy(args: argparse.Namespace) -> PodPolicy:
+    """What LLMServices may ask of pods and where they may be exposed (the POLICY flags)."""
+    return PodPolicy(
+        args.allow_unsafe_pod_fields,
+        tuple(args.allow_model_host_path),
+        ExposurePolicy(
+            ("ClusterIP", *args.allow_service_type),
+            tuple(args.allow_ingress_class),
+            tuple(args.allow_host_suffix),
+            tuple(args.allow_gateway_namespace),
+        ),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             router_metrics_url=args.router_metrics_url,
             metrics_url_allow=tuple(args.metrics_url_allow),
         ),
-        pod_policy=PodPolicy(args.allow_unsafe_pod_fields, tuple(args.allow_model_host_path)),
+        pod_policy=pod_policy(args),
     )
     asyncio.run(
         kopf.operator(

@@ -17,10 +17,11 @@ A cluster admin may opt out (``--allow-unsafe-pod-fields``, chart value
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.operator import naming as n
+from pdserve.operator.exposure import ExposurePolicy, exposure_violations
 from pdserve.operator.spec import LLMServiceSpec, SpecError
 
 
@@ -29,6 +30,8 @@ class PodPolicy:
     allow_unsafe: bool = False  # a cluster admin's opt-out: every field passes
     # Host directories a model may be read from (spec.model.source.hostPath); none by default.
     model_host_paths: tuple[str, ...] = ()
+    # Service types, Ingress classes, hosts and Gateways the router may be exposed through.
+    exposure: ExposurePolicy = field(default_factory=ExposurePolicy)
 
 
 POD_SPEC_FIELDS = frozenset(
@@ -121,6 +124,7 @@ def violations(svc: LLMServiceSpec, policy: PodPolicy) -> Iterator[tuple[str, st
         yield from ingress_violations(
             "spec.router.ingress.annotations", svc.router.ingress.annotations
         )
+    yield from exposure_violations(svc, policy.exposure)
     yield from merged_violations(svc)
 
 

@@ -165,7 +165,23 @@ def router_command(spec: LLMServiceSpec) -> list[str]:
     for flag, value in optional.items():
         if value is not None:
             cmd += [flag, str(value)]
-    return cmd + lora_args(spec) + list(r.extra_args)
+    return cmd + limit_args(r) + lora_args(spec) + list(r.extra_args)
+
+
+def limit_args(r: RouterSpec) -> list[str]:
+    """``spec.router.limits`` (per key, for the service) split across the router replicas,
+    rounding up: each replica counts only the requests it serves."""
+    per_replica = {
+        "--rate-limit-rpm": r.limits.requests_per_minute,
+        "--rate-limit-tpm": r.limits.tokens_per_minute,
+        "--max-concurrency-per-key": r.limits.max_concurrency_per_key,
+    }
+    return [
+        arg
+        for flag, value in per_replica.items()
+        if value
+        for arg in (flag, str(-(-int(value) // r.replicas)))
+    ]
 
 
 def scorer_args(r: RouterSpec) -> list[str]:

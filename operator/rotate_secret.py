@@ -8,7 +8,11 @@ before the next, so that pods of adjacent steps always check each other's signat
 2. ``secret`` = new, ``accepted`` = old
 3. ``accepted`` removed
 
-The block-hash key (``hash-key``) is left alone: the prefix cache stays valid. A
+The block-hash key (``hash-key``) is left alone: the prefix cache stays valid. A Secret
+from before that entry gets it first: the old secret's value, from which its pods derive
+the block-hash key now (protocol/hashing.py), so no KV handle or prefix index goes stale.
+The operator does not patch it in itself: until the secret rotates the pods derive the
+same key without the entry, and the operator's RBAC has no ``patch`` on Secrets. A
 rollout is ``kubectl rollout restart``'s annotation on each Deployment, then a wait for
 its status; the operator's drift repair keeps annotations it did not render.
 """
@@ -61,6 +65,9 @@ async def rotate(client: kube.KubeClient, namespace: str, name: str, new: str, r
             "under way; finish it by hand (docs/security.md)"
         )
     old = base64.b64decode(data[n.SECRET_KEY]).decode()
+    if not data.get(n.HASH_KEY_KEY):  # a Secret from before the entry: keep the block hash
+        patch = {"data": {n.HASH_KEY_KEY: _b64(old)}}
+        await client.patch("v1", "Secret", namespace, secret_name, patch)
     steps: list[dict[str, Any]] = [
         {n.SECRET_ACCEPTED_KEY: _b64(new)},
         {n.SECRET_KEY: _b64(new), n.SECRET_ACCEPTED_KEY: _b64(old)},

@@ -24,14 +24,15 @@ class ScalingRefused(Exception):
 class ScaleResult:
     prefill: int  # replicas after clamping to the pool bounds
     decode: int
-    changed: tuple[str, ...]  # Deployments whose replica count was patched
+    changed: tuple[str, ...]  # Deployments whose replica count was set (their /scale)
 
 
 async def scale_pools(
     client: KubeClient, namespace: str, name: str, prefill: int, decode: int, reason: str
 ) -> ScaleResult:
-    """Clamp to each pool's bounds, patch only the Deployments whose count differs, and write
-    ``status.autoscaling.lastDecision`` {time, prefillReplicas, decodeReplicas, reason}."""
+    """Clamp to each pool's bounds, scale only the Deployments whose count differs (through
+    their ``/scale`` subresource, as an HPA does: the RBAC verb is ``deployments/scale``), and
+    write ``status.autoscaling.lastDecision`` {time, prefillReplicas, decodeReplicas, reason}."""
     obj = await client.get(n.API_VERSION, n.KIND, namespace, name)
     if obj is None:
         raise ScalingRefused(f"LLMService {namespace}/{name} not found")
@@ -46,9 +47,7 @@ async def scale_pools(
         if live is None:
             raise ScalingRefused(f"Deployment {namespace}/{dep_name} does not exist yet")
         if live.get("spec", {}).get("replicas") != replicas:
-            await client.patch(
-                "apps/v1", "Deployment", namespace, dep_name, {"spec": {"replicas": replicas}}
-            )
+            await client.scale("apps/v1", "Deployment", namespace, dep_name, replicas)
             changed.append(f"Deployment/{dep_name}")
     decision = st.autoscaling_decision(wanted["prefill"], wanted["decode"], reason)
     await client.patch(

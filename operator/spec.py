@@ -92,6 +92,15 @@ class IngressSpec:
 
 
 @dataclass(frozen=True)
+class RouterLimits:
+    """``spec.router.limits``: per API key for the whole service; 0 is no limit."""
+
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    max_concurrency_per_key: int = 64  # a safe default: one key cannot take every slot
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     replicas: int = 1
     service_type: str = "ClusterIP"
@@ -116,6 +125,7 @@ class RouterSpec:
     # "router" (built-in) | "endpointPicker": the router as a Gateway API Inference Extension
     # endpoint picker behind an InferencePool (operator/render_picker.py)
     mode: str = "router"
+    limits: RouterLimits = field(default_factory=RouterLimits)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from pdserve.operator.spec import (
     ModelSpec,
     NetworkPolicySpec,
     PoolSpec,
+    RouterLimits,
     RouterSpec,
     SLOSpec,
     SpecError,
@@ -230,6 +231,15 @@ def parse_router(r: _Reader) -> RouterSpec:
         http_route_parents=r.sub("httpRoute").obj_list("parentRefs"),
         http_route_hostnames=r.sub("httpRoute").str_list("hostnames"),
         mode=_router_mode(r, ingress),
+        limits=_router_limits(r.sub("limits")),
+    )
+
+
+def _router_limits(lim: _Reader) -> RouterLimits:
+    return RouterLimits(
+        requests_per_minute=lim.number("requestsPerMinute", 0, minimum=0),
+        tokens_per_minute=lim.number("tokensPerMinute", 0, minimum=0),
+        max_concurrency_per_key=lim.number("maxConcurrencyPerKey", 64, minimum=0),
     )
 
 

@@ -41,6 +41,9 @@ OPERATOR_METRICS_URL_ALLOW = "PDSERVE_OPERATOR_METRICS_URL_ALLOW"  # CIDRs, comm
 OPERATOR_NAMESPACE = "PDSERVE_OPERATOR_NAMESPACE"  # the operator's own (router NetworkPolicy)
 DEFAULT_IMAGE = "PDSERVE_DEFAULT_IMAGE"  # the operator's image for pods that name none
 KV_SHARED_PASSWORD = "PDSERVE_KV_SHARED_PASSWORD"  # the shared KV tier's password (a Secret)
+PROMETHEUS_BIN = "PDSERVE_PROMETHEUS_BIN"  # tests: the prometheus binary (else on PATH)
+REQUIRE_PROMETHEUS = "PDSERVE_REQUIRE_PROMETHEUS"  # tests: a missing prometheus fails, not skips
+TEST_TRANSPORT = "PDSERVE_TEST_TRANSPORT"  # tests: the suite's pdserve up KV transport (nixl)
 
 _warned: set[str] = set()
 

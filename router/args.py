@@ -14,9 +14,12 @@ from pdserve import env
 from pdserve.config_cli import flag
 from pdserve.router.adapters import parse_lora
 from pdserve.router.config import (
+    DECODE_FILTERS,
     DECODE_SCORERS,
+    FILTERS,
     PD_HANDOFFS,
     PICKERS,
+    PREFILL_FILTERS,
     PREFILL_SCORERS,
     parse_scorer,
 )
@@ -152,6 +155,21 @@ class RouterArgs:
         group=ROUTE,
         metavar="NAME=WEIGHT",
         parse=scorer_flag,
+        many="append",
+    )
+    prefill_filter: tuple[str, ...] = flag(
+        (),
+        f"a prefill filter, repeated, run in order; 'none': no filter (default "
+        f"{', '.join(PREFILL_FILTERS)}; of {', '.join(FILTERS)})",
+        group=ROUTE,
+        metavar="NAME",
+        many="append",
+    )
+    decode_filter: tuple[str, ...] = flag(
+        (),
+        f"a decode filter (default {', '.join(DECODE_FILTERS)})",
+        group=ROUTE,
+        metavar="NAME",
         many="append",
     )
     default_max_tokens: int = flag(16, "max_tokens of a request that names none", group=ROUTE)

@@ -6,9 +6,13 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.router.scheduling import registry
+from pdserve.router.scheduling.profile import Profile, build_profile
+from pdserve.router.scheduling.route_request import ScorerWeight
 from pdserve.router.scheduling.tier_index import parse_weights
 
-PICKERS = ("max-score", "round-robin")  # best weighted score, or rotation (a baseline)
+PICKERS = tuple(registry.PICKERS)  # max-score: best weighted score; round-robin: a baseline
+FILTERS = tuple(registry.FILTERS)
 PD_HANDOFFS = ("router", "decode")  # who calls the prefill worker (RouterConfig.pd_handoff)
 CACHE_ISOLATION = ("api-key", "none")  # a prefix-cache salt per API key, or one shared cache
 
@@ -27,14 +31,9 @@ SCORER_GROUPS: dict[str, tuple[str, ...]] = {
 # resident adapter does not pull streams onto a crowded worker.
 PREFILL_SCORERS = (("prefix", 2.0), ("load", 1.0), ("balance", 0.5), ("lora", 1.0))
 DECODE_SCORERS = (("kv", 1.0), ("running", 1.0), ("lora", 0.5))
-
-
-@dataclass(frozen=True)
-class ScorerWeight:
-    """One scorer plugin (by registry key) and its weight in the weighted sum."""
-
-    name: str
-    weight: float
+# Filters by registry name, run in order: a worker one drops is a retry of last resort.
+PREFILL_FILTERS = ("knows-lora",)
+DECODE_FILTERS = ("knows-lora", "fits-kv")
 
 
 def parse_scorer(text: str) -> tuple[str, float]:
@@ -49,16 +48,24 @@ def parse_scorer(text: str) -> tuple[str, float]:
     return name, value
 
 
+def filters(names: Sequence[str], default: tuple[str, ...]) -> tuple[str, ...]:
+    """``--prefill-filter``/``--decode-filter`` values → filter names: none given, the
+    default; ``none`` alone, no filter (the names are checked when the config is built)."""
+    if not names:
+        return default
+    if list(names) == ["none"]:
+        return ()
+    return tuple(names)
+
+
 def expand(pairs: Sequence[tuple[str, float]]) -> tuple[ScorerWeight, ...]:
     """Named weights → one ``ScorerWeight`` per registry scorer (groups expanded; a later
     pair for the same scorer wins), checking every name against the scorer registry."""
-    from pdserve.router.scheduling.scoring import get_scorer  # the registry imports this module
-
     out: dict[str, float] = {}
     for name, weight in pairs:
         for scorer in SCORER_GROUPS.get(name, (name,)):
             try:
-                get_scorer(scorer)
+                registry.get_scorer(scorer)
             except ValueError as exc:
                 raise ValueError(f"{exc}; or a group: {sorted(SCORER_GROUPS)}") from None
             out[scorer] = weight
@@ -69,11 +76,13 @@ def expand(pairs: Sequence[tuple[str, float]]) -> tuple[ScorerWeight, ...]:
 class RouterConfig:
     model_dir: str
     served_model_name: str = ""
-    picker: str = "max-score"  # PICKERS
+    picker: str = "max-score"  # PICKERS, both pools
     # Prompts whose uncached part is shorter than this go straight to a decode worker.
     disagg_threshold: int = 256
     scorers: tuple[tuple[str, float], ...] = PREFILL_SCORERS  # prefill (name, weight) pairs
     decode_scorer_weights: tuple[tuple[str, float], ...] = DECODE_SCORERS
+    prefill_filters: tuple[str, ...] = PREFILL_FILTERS  # registry names, in order
+    decode_filters: tuple[str, ...] = DECODE_FILTERS
     max_queue: int = 256  # requests in flight in the router; beyond them requests wait
     api_keys: tuple[str, ...] = ()
     api_key_file: str = ""  # KEY [priority=N] lines, re-read on change (router/api_keys.py)
@@ -131,8 +140,6 @@ class RouterConfig:
     loras: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.picker not in PICKERS:
-            raise ValueError(f"unknown picker {self.picker!r}; valid: {list(PICKERS)}")
         if self.pd_handoff not in PD_HANDOFFS:
             raise ValueError(f"unknown pd_handoff {self.pd_handoff!r}; valid: {list(PD_HANDOFFS)}")
         if self.disagg_threshold < 0:
@@ -163,7 +170,7 @@ class RouterConfig:
         for _, weight in (*self.scorers, *self.decode_scorer_weights):
             if weight < 0:
                 raise ValueError("scorer weights must be >= 0")
-        self.prefill_scorers, self.decode_scorers  # noqa: B018 - unknown names fail here
+        self.prefill_profile, self.decode_profile  # noqa: B018 - unknown names fail here
 
     @property
     def model_name(self) -> str:
@@ -178,8 +185,15 @@ class RouterConfig:
         return expand(self.decode_scorer_weights)
 
     @functools.cached_property
+    def prefill_profile(self) -> Profile:
+        """The prefill pool's filters, scorers and picker (router/scheduling/profile.py)."""
+        return build_profile(self.prefill_filters, self.prefill_scorers, self.picker)
+
+    @functools.cached_property
+    def decode_profile(self) -> Profile:
+        return build_profile(self.decode_filters, self.decode_scorers, self.picker)
+
+    @functools.cached_property
     def uses_prefix(self) -> bool:
         """Whether routing reads the prefix index (block hashes are computed for it)."""
-        return self.picker == "max-score" and any(
-            s.name == "prefix-match" and s.weight > 0 for s in self.prefill_scorers
-        )
+        return self.prefill_profile.reads("prefix-match")

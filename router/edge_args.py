@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from pdserve.config_cli import flag
 from pdserve.router.config import CACHE_ISOLATION
-from pdserve.router.picker.cli import DEFAULT_GRPC_PORT, MODES
 
 LIMITS = "limits at the edge (docs/router.md)"
+MODES = ("router", "endpoint-picker")  # --mode (endpoint-picker: router/picker/cli.py)
+DEFAULT_GRPC_PORT = 9002  # the extension's usual port for the picker's ext_proc service
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,13 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 STAMP=.venv/.setup-stamp
+# A real Prometheus for the planner's PromQL tests (pdserve/testing/prometheus.py): Debian's
+# package, installed when missing (as root); the tests skip without it unless
+# PDSERVE_REQUIRE_PROMETHEUS is set (make test sets it). Before the fast path: a no-op once there.
+if ! command -v prometheus >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; } ||
+    echo "setup: could not install prometheus (apt-get install -y prometheus)" >&2
+fi
 # Fast path (make test runs this first): the stamp holds a hash of every file that decides
 # what is installed; when it matches and the packages are importable, there is nothing to do
 # (seconds, where the pip calls below take ~20 s even with everything installed).

@@ -1,7 +1,5 @@
-"""No import circle inside the router (and, once issue 45 move 2 lands, the engine), and no
-product or bench code that imports the test suite. What is left of either is listed by
-name (ROUTER_CIRCLES_LEFT, BENCH_IMPORTS_OF_TESTS_LEFT) and compared exactly, so a new one
-fails and so does one fixed but still listed.
+"""No import circle inside the engine or the router, and no product or bench code that
+imports the test suite.
 
 The graph is read from the source with ``ast``, not by importing: every ``import`` counts,
 at module level, inside a function, and under ``if TYPE_CHECKING:`` alike (a deferred or
@@ -127,28 +125,8 @@ def test_graph_reads_function_level_and_relative_imports(tmp_path: Path) -> None
     assert {"pdserve.router.b", "pdserve.router.c"} <= names
 
 
-# The router's circles left (issue 45 move 1, "smaller circles"): each is broken by a
-# function-level import today. The list must shrink to empty; a new circle, or one fixed
-# and not removed here, fails the test.
-ROUTER_CIRCLES_LEFT = [
-    [
-        "pdserve.router.config",
-        "pdserve.router.scheduling.registry",
-        "pdserve.router.scheduling.scorers",
-        "pdserve.router.scheduling.scoring",
-    ],
-    ["pdserve.router.api.serving", "pdserve.router.api.serving_n"],
-    [
-        "pdserve.router.args",
-        "pdserve.router.edge_args",
-        "pdserve.router.main",
-        "pdserve.router.picker.cli",
-    ],
-]
-
-
-def test_router_has_no_import_cycle_but_the_known_ones() -> None:
-    assert sorted(cycles(import_graph("router"))) == sorted(ROUTER_CIRCLES_LEFT)
+def test_router_has_no_import_cycle() -> None:
+    assert cycles(import_graph("router")) == []
 
 
 def test_api_and_transport_do_not_import_each_other() -> None:
@@ -158,7 +136,6 @@ def test_api_and_transport_do_not_import_each_other() -> None:
             assert not [m for m in imports if m.startswith("pdserve.router.api")], name
 
 
-@pytest.mark.xfail(strict=True, reason="engine circles: issue 45 move 2")
 def test_engine_has_no_import_cycle() -> None:
     assert cycles(import_graph("engine")) == []
 
@@ -176,16 +153,6 @@ def test_product_code_never_imports_tests() -> None:
     assert [line for folder in PRODUCT for line in _imports_tests(folder)] == []
 
 
-# Left: the picker fixtures bench/chaos_isolation.py runs still live in tests/router/
-# (issue 45 move 4: they move to pdserve.testing). The list must shrink to empty.
-BENCH_IMPORTS_OF_TESTS_LEFT = [
-    "bench/chaos_isolation.py: tests.router.test_abuse_both_modes",
-    "bench/chaos_isolation.py: tests.router.test_abuse_both_modes.picker_mode_bypasses",
-    "bench/chaos_isolation.py: tests.router.test_picker",
-    "bench/chaos_isolation.py: tests.router.test_picker.start_picker",
-]
-
-
-def test_bench_never_imports_tests_but_the_known_ones() -> None:
+def test_bench_never_imports_tests() -> None:
     """bench shares fakes and loopback helpers with the suite through pdserve.testing."""
-    assert _imports_tests("bench") == BENCH_IMPORTS_OF_TESTS_LEFT
+    assert _imports_tests("bench") == []

@@ -7,8 +7,8 @@ gets its tier from what it uses, not from a line in each file:
 - ``k8s``: under tests/k8s/ (the operator against a Kubernetes API emulator);
 - ``bench``: runs a script of bench/ (``run_bench``), or its file is named for a bench;
 - ``cluster``: starts real services: a fixture that does (``up``, ``deployment``), or its
-  module uses a helper that does (``LocalCluster``, ``worker_cluster``, ``run_up``,
-  ``wait_until_up``), or it is one of ``CLUSTER_MODULES``;
+  module uses a helper that does (``LocalCluster``, ``worker_cluster``, ``run_up``, and
+  ``start_up``/``running_up`` of pdserve.testing.up), or it is one of ``CLUSTER_MODULES``;
 - ``unit``: everything else (in-process; fakes on loopback at most).
 
 A module or test that marks a tier itself (``pytestmark = pytest.mark.cluster``) keeps it.
@@ -27,7 +27,7 @@ TIERS = {
     "kube-controller-manager (scripts/build_k8s.py)",
 }
 CLUSTER_FIXTURES = frozenset({"up", "deployment"})
-CLUSTER_HELPERS = frozenset({"LocalCluster", "worker_cluster", "run_up", "wait_until_up"})
+CLUSTER_HELPERS = frozenset({"LocalCluster", "worker_cluster", "run_up", "start_up", "running_up"})
 # Modules that start `python -m pdserve up` / `router` with their own Popen.
 CLUSTER_MODULES = frozenset({"test_local_up_autoscale", "test_router_process"})
 

@@ -29,8 +29,8 @@ SHARED_SERVICES = {"shared_up": "shared-up", "deployment": "edge-deployment"}
 # Seconds, measured alone on the 2-core machine (setup included), for the modules and
 # shared services that take longest; everything else is estimated from its tiers.
 KNOWN_SECONDS = {
-    "k8s-real": 200,
-    "shared-up": 150,
+    "k8s-real": 260,  # + test_peering (~50 s), test_scale_subresource (~10 s)
+    "shared-up": 170,  # + test_prometheus_real (two Prometheus starts, ~20 s)
     "tests/local/test_scale_under_load.py": 85,
     "tests/local/test_bench_chaos.py": 80,
     "tests/local/test_up_resilience.py": 120,
@@ -41,6 +41,8 @@ KNOWN_SECONDS = {
     "tests/router/test_e2e.py": 40,
     "tests/local/test_smollm2.py": 35,
     "tests/engine/test_speculative_bench_quick.py": 50,
+    "tests/router/test_up_kv_shared.py": 35,  # pdserve up, 2 prefill + 1 decode + redis
+    "tests/engine/test_spec_draft.py": 25,
     "tests/test_router_extra.py": 40,  # a fresh venv with .[router] (uv, cache warm)
     "edge-deployment": 35,
     # From a whole -n 2 run's 15 slowest (2026-12-03, load ~15-20, setup + call): bench

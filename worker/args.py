@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pdserve import env
 from pdserve.config_cli import flag
 from pdserve.engine.engine_args import EngineArgs
+from pdserve.engine.kv_tiers.config import TierArgs
 from pdserve.transfer.registry import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_TRANSFER_TIMEOUT,
@@ -101,5 +102,6 @@ class DecodeArgs:
     )
 
 
-FLAGS_PREFILL = (EngineArgs, ServerArgs, PrefillArgs)
-FLAGS_DECODE = (EngineArgs, DecodeServerArgs, DecodeArgs)
+# Both roles take the KV tiers (docs/kv_tiers.md): a decode worker's prefix cache evicts too.
+FLAGS_PREFILL = (EngineArgs, TierArgs, ServerArgs, PrefillArgs)
+FLAGS_DECODE = (EngineArgs, TierArgs, DecodeServerArgs, DecodeArgs)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from pdserve.engine.config import EngineConfig, engine_config_from_args
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_args import engine_config_from_args
 from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS, DEFAULT_TRANSFER_TIMEOUT
 
 ROLES = ("prefill", "decode")

@@ -8,7 +8,9 @@ recomputed."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -61,7 +63,11 @@ def start_redis(
     maxmemory: str = "256mb",
     password: str | None = None,
     timeout_s: float = 10.0,
+    die_with_parent: bool = False,
 ) -> LocalRedis:
+    """``die_with_parent``: the kernel sends the server SIGTERM when the thread that
+    started it exits (``pdserve up``'s main thread: a hard kill of ``up`` leaves no
+    server behind)."""
     port = port or free_port()
     args = [
         server_binary(),
@@ -84,7 +90,12 @@ def start_redis(
     ]
     if password:
         args += ["--requirepass", password]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent if die_with_parent else None,
+    )
     server = LocalRedis(proc, port, password)
     end = time.monotonic() + timeout_s
     while True:
@@ -97,3 +108,9 @@ def start_redis(
             server.stop()
             raise RuntimeError(f"redis-server on port {port} did not start")
         time.sleep(0.02)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent thread exits (PR_SET_PDEATHSIG)."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

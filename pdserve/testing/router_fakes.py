@@ -47,7 +47,7 @@ from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.transport import worker_client
 from pdserve.signed_httpx import SignedAuth
 from pdserve.testing.loopback import free_port
-from pdserve.worker.http import BadRequest, SecretCheck
+from pdserve.worker.http import KEEP_ALIVE_S, BadRequest, SecretCheck
 
 # The suite's service secret (tests/conftest.py): the router under test reads it from the
 # environment, as every real process does, and the fakes require it.
@@ -85,8 +85,9 @@ class FakeState:
     # through one pooled client (a client per call cost the fake more than the router).
     keep_records: bool = True
     client: httpx.AsyncClient | None = None
-    # The throughput bench: the one prefill worker's state, in this process; a lease ends
-    # on it directly (the signed /release call cost the fakes more than the router's work).
+    # The throughput bench: a prefill worker's state, in this process; a lease held there
+    # ends on it directly (the signed /release call cost the fakes more than the router's
+    # work), one held by another process's fake through that call.
     lease_holder: FakeState | None = None
     chain: Any = None  # decode: its PrefillChain, made on the first chained request
     chaining: dict[str, Any] = field(default_factory=dict)  # request id -> its prefill wait
@@ -288,8 +289,9 @@ def decode_app(st: FakeState) -> FastAPI:
         st.active[rid] = -(-len(body.prompt_token_ids) // BLOCK)
         if st.fail == "stall-headers":
             await _hang(st, rid)
-        if handle and st.lease_holder is not None:
-            st.lease_holder.leases.pop(handle.request_id, None)
+        held = st.lease_holder.leases if st.lease_holder is not None else {}
+        if handle and handle.request_id in held:  # the bench's: a lease held in this process
+            held.pop(handle.request_id)
         elif handle:  # "read" the blocks, then end the prefill worker's lease
             url = "http://" + handle.side_channel.removeprefix("tcp://").rstrip("/")
             await _release(st, url + "/release", encode(RequestRef(handle.request_id)))
@@ -362,8 +364,11 @@ async def _hang(st: FakeState, rid: str) -> None:
 @contextlib.asynccontextmanager
 async def serve(app: Any, port: int = 0, **kw: Any) -> AsyncIterator[str]:
     """Serve an ASGI app with uvicorn on 127.0.0.1 inside the test's event loop, on ``port``
-    (0: a free one); ``kw``: more of uvicorn.Config (the router's ``http`` protocol)."""
+    (0: a free one); ``kw``: more of uvicorn.Config (the router's ``http`` protocol). Idle
+    connections live as long as in a real worker (uvicorn's 5 s closed the router's pooled
+    ones under it between two bench phases: a failed call and a worker out of rotation)."""
     port = port or free_port()
+    kw.setdefault("timeout_keep_alive", KEEP_ALIVE_S)
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **kw
     )

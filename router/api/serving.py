@@ -8,37 +8,34 @@ request on its workers.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any, Protocol
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pdserve.protocol.codec import all_ints
 from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.router import edge
 from pdserve.router.api import openai_response
+from pdserve.router.api.answer import Admitted, Chunks, answer, formatter, sse_tail
 from pdserve.router.api.client_stream import ClientGone, SSEStream, guarded
-from pdserve.router.api.echo import Echo, echo_for, scored_only
+from pdserve.router.api.echo import echo_for, scored_only
 from pdserve.router.api.grammar_limits import check_grammar
-from pdserve.router.api.logprobs_format import LogprobsFormatter
 from pdserve.router.api.openai_request import CompletionRequest, check_model, parse_request
+from pdserve.router.api.serving_n import respond_n
 from pdserve.router.api.tool_output import ToolOutput
 from pdserve.router.api.tools import chat_inputs
 from pdserve.router.errors import APIError, invalid
 from pdserve.router.picker import prefill_header
-from pdserve.router.runtime import Runtime, Ticket
-from pdserve.router.scheduling.routing import RoutePlan
+from pdserve.router.runtime import Runtime
 from pdserve.router.scheduling.snapshot import Snapshot
 from pdserve.router.transport.dispatch import Delta, RequestState
 
 log = logging.getLogger(__name__)
-E = TypeVar("E")  # an event: a Delta, or (choice index, Delta)
-C = TypeVar("C")  # all of a request's events, collected
 
 
 def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[CompletionRequest, list[int]]:
@@ -50,14 +47,21 @@ def prepare(rt: Runtime, raw: bytes, chat: bool) -> tuple[CompletionRequest, lis
 # A completions body this small is parsed on the event loop: the hop to a tokenizer thread
 # and back (a future, a lock, two GIL hand-overs) cost more than parsing it there.
 INLINE_BODY_BYTES = 4096
+# A text prompt this short is tokenized there too (the Rust backend: ~60 µs of CPU for 100
+# tokens here, a few hundred µs of the loop at most); a longer one goes to a thread, so
+# that no stream waits behind it (tests/router/test_edge_limits.py).
+INLINE_TEXT_CHARS = 1024
 
 
 async def prepare_small(rt: Runtime, raw: bytes) -> tuple[CompletionRequest, list[int]]:
-    """``prepare`` of a small completions body: token ids are checked here; a text prompt
-    goes to a tokenizer thread, as every larger body does."""
+    """``prepare`` of a small completions body: token ids are checked here, and a short
+    text prompt tokenized here; any other prompt goes to a tokenizer thread, as every
+    larger body does."""
     body = edge.parse_json(raw)
     prompt = body.get("prompt") if isinstance(body, dict) else None
     if isinstance(prompt, list) and all_ints(prompt):
+        return prepare_body(rt, body, False)
+    if isinstance(prompt, str) and len(prompt) <= INLINE_TEXT_CHARS:
         return prepare_body(rt, body, False)
     return await rt.off_loop(prepare_body, rt, body, False)
 
@@ -112,17 +116,6 @@ def fit_context(rt: Runtime, snap: Snapshot, req: CompletionRequest, n: int) -> 
     return req
 
 
-@dataclass(frozen=True)
-class Admitted:
-    """One admitted request, routed: what every ``respond`` gets (``serve`` builds it)."""
-
-    request: Request
-    req: CompletionRequest
-    rs: RequestState
-    plan: RoutePlan
-    ticket: Ticket
-
-
 class Api(Protocol):
     """Another API served over this path (router/api/responses/serve.py): its ids, its body
     → request, and its reply."""
@@ -162,9 +155,9 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
         lora = rt.adapter_of(req.model)
         plan = rt.scheduler.plan(ids, snap, salt, lora)
         if rt.cfg.prefill_from_header:  # a decode pod's front behind the endpoint picker
-            plan = prefill_header.pinned(request.headers, plan, snap)
+            plan = prefill_header.pinned(request.headers, plan, snap, raw)
         rs = RequestState(rid, ids, req.sampling, cache_salt=salt, lora=lora)
-        respond = _respond if req.best_of == 1 else _respond_n
+        respond = _respond if req.best_of == 1 else respond_n
         respond = api.respond if api is not None else respond
         response = await respond(rt, Admitted(request, req, rs, plan, ticket))
         streaming = isinstance(response, SSEStream)
@@ -185,7 +178,7 @@ async def _respond(rt: Runtime, call: Admitted) -> Response:
 
     def whole(got: tuple[str, str | None, list[int], list[Any]]) -> dict[str, Any]:
         text, finish, ids, lps = got
-        fmt = _formatter(rt, req, ec)
+        fmt = formatter(rt, req, ec)
         message = None
         if req.tools is not None:
             message, finish = ToolOutput(req.tools).message(text, finish)
@@ -202,74 +195,11 @@ async def _respond(rt: Runtime, call: Admitted) -> Response:
         return ec.whole(body) if ec is not None else body
 
     def stream(first: Delta) -> tuple[str, AsyncIterator[str]]:
-        out = _Chunks(req, rs, _formatter(rt, req, ec))
+        out = Chunks(req, rs, formatter(rt, req, ec))
         head = ec.head(rs.request_id, req.model) if ec is not None else ""
         return head + _sse_head(req, rs, first, out), _sse_rest(req, rs, events, out)
 
     return await answer(rt, call, events, _collect, whole, stream)
-
-
-async def answer(
-    rt: Runtime,
-    call: Admitted,
-    events: AsyncGenerator[E, None],
-    collect: Callable[[AsyncGenerator[E, None]], Awaitable[C]],
-    whole: Callable[[C], dict[str, Any]],
-    stream: Callable[[E], tuple[str, AsyncIterator[str]]],
-) -> Response:
-    """Answer from ``events`` (one choice's or n choices'): whole, or streamed once the first
-    event is in, so that a failure before it is still an HTTP error with a status."""
-    request, rs = call.request, call.rs
-    try:
-        if not call.req.stream:
-            got = await guarded(request, collect(events))
-            rt.finish(rs, 200)
-            return JSONResponse(whole(got))
-        first = await guarded(request, anext(events))
-    except APIError:
-        await events.aclose()
-        raise
-    except ClientGone:
-        rt.finish(rs, 499)
-        return Response(status_code=499)
-    except StopAsyncIteration:
-        raise APIError(502, "the workers returned no tokens") from None
-
-    async def cleanup() -> None:
-        with contextlib.suppress(Exception):
-            await events.aclose()  # aborts on the workers when unfinished
-        call.ticket.release()
-        rt.finish(rs, rs.status)
-
-    head, rest = stream(first)
-    return SSEStream(
-        head, rest, cleanup, rt.cfg.stream_write_timeout_s, rt.metrics.slow_readers.inc
-    )
-
-
-async def _respond_n(rt: Runtime, call: Admitted) -> Response:
-    from pdserve.router.api.serving_n import respond_n  # it builds on this module
-
-    return await respond_n(rt, call)
-
-
-def _formatter(
-    rt: Runtime, req: CompletionRequest, ec: Echo | None = None
-) -> LogprobsFormatter | None:
-    if req.sampling.logprobs is None or req.hide_logprobs:
-        return None
-    fmt = LogprobsFormatter(rt.tokenizer.tok, req.chat, req.tokens_as_ids)
-    if ec is not None:
-        ec.shift(fmt)
-    return fmt
-
-
-def _delta_logprobs(fmt: LogprobsFormatter | None, d: Delta) -> dict[str, Any] | None:
-    if fmt is None:
-        return None
-    if d.logprobs is None and d.token_ids:
-        raise APIError(502, "a worker sent tokens without the logprobs asked for")
-    return fmt.format(d.token_ids, d.logprobs or ())
 
 
 async def _collect(
@@ -290,37 +220,7 @@ def _usage(rs: RequestState) -> dict[str, Any]:
     return openai_response.usage(len(rs.prompt_ids), rs.completion_tokens, rs.cached_tokens)
 
 
-class _Chunks:
-    """SSE text for each delta of one stream: text and logprobs, or tool-call deltas."""
-
-    def __init__(
-        self,
-        req: CompletionRequest,
-        rs: RequestState,
-        fmt: LogprobsFormatter | None,
-        index: int = 0,
-    ) -> None:
-        self.rid, self.model, self.chat = rs.request_id, req.model, req.chat
-        self.index = index
-        self.fmt = fmt
-        self.tools = ToolOutput(req.tools) if req.tools is not None else None
-        self.text = openai_response.TextChunks(self.rid, self.model, self.chat, index)
-
-    def __call__(self, d: Delta) -> str:
-        if self.tools is None:
-            return self.text(d.text, d.finish_reason, _delta_logprobs(self.fmt, d))
-        deltas, finish = self.tools.feed(d.text), None
-        if d.finish_reason is not None:
-            more, finish = self.tools.finish(d.finish_reason)
-            deltas += more
-        rid, model, i = self.rid, self.model, self.index
-        out = "".join(openai_response.delta_chunk(rid, model, x, index=i) for x in deltas)
-        if finish is not None:
-            out += openai_response.delta_chunk(rid, model, {}, finish, index=i)
-        return out
-
-
-def _sse_head(req: CompletionRequest, rs: RequestState, first: Delta, out: _Chunks) -> str:
+def _sse_head(req: CompletionRequest, rs: RequestState, first: Delta, out: Chunks) -> str:
     """The stream's first chunks: the role (chat) and the first token."""
     rid, model, chat = rs.request_id, req.model, req.chat
     rs.status = 499  # until the stream completes
@@ -329,54 +229,10 @@ def _sse_head(req: CompletionRequest, rs: RequestState, first: Delta, out: _Chun
 
 
 def _sse_rest(
-    req: CompletionRequest, rs: RequestState, events: AsyncIterator[Delta], out: _Chunks
+    req: CompletionRequest, rs: RequestState, events: AsyncIterator[Delta], out: Chunks
 ) -> AsyncIterator[str]:
     return sse_tail(req, rs, events, out, lambda: _usage(rs), _finishes)
 
 
 def _finishes(d: Delta) -> bool:
     return d.finish_reason is not None
-
-
-async def sse_tail(
-    req: CompletionRequest,
-    rs: RequestState,
-    events: AsyncIterator[E],
-    chunks: Callable[[E], str],
-    usage: Callable[[], dict[str, Any]],
-    last: Callable[[E], bool] | None = None,
-) -> AsyncIterator[str]:
-    """A stream after its first chunk: ``chunks`` of each of ``events`` (empty ones
-    skipped), the usage chunk when asked (``usage()`` once the tokens are all in), [DONE];
-    an error midway is its body. (``chunks`` is called here, not in a generator of its own
-    around ``events``: one async generator less per stream.)
-
-    ``last(event)``: nothing follows that event (a choice's finish_reason): the stream's
-    end goes out with it, in one write, before the worker's reply is read to its end (the
-    connection back to the pool) instead of after it, often a loop turn later (one write
-    per stream less, and [DONE] sooner)."""
-    try:
-        async for event in events:
-            text = chunks(event)
-            if last is not None and last(event):
-                yield text + _end(req, rs, usage)
-                with contextlib.suppress(APIError):  # the client has its [DONE]
-                    async for _ in events:  # the worker's reply, to its end
-                        pass
-                return
-            if text:
-                yield text
-        yield _end(req, rs, usage)
-    except APIError as err:
-        rs.status = err.status
-        yield openai_response.sse(err.body())
-        yield openai_response.DONE
-
-
-def _end(req: CompletionRequest, rs: RequestState, usage: Callable[[], dict[str, Any]]) -> str:
-    """The stream's end: the usage chunk when asked, then [DONE]."""
-    tail = ""
-    if req.include_usage:
-        tail = openai_response.chunk(rs.request_id, req.model, req.chat, use=usage())
-    rs.status = 200
-    return tail + openai_response.DONE

@@ -1,7 +1,8 @@
 """Serving a request with ``n`` > 1 choices (router/api/choices.py runs them).
 
-Like serving.py's single-choice path, with one difference a client sees: every
-chunk of a stream carries its choice's ``index``, and the choices' chunks interleave.
+Like serving.py's single-choice path (both answer with answer.py), with one difference
+a client sees: every chunk of a stream carries its choice's ``index``, and the choices'
+chunks interleave.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from typing import Any
 from fastapi.responses import Response
 
 from pdserve.router.api import openai_response
+from pdserve.router.api.answer import Admitted, Chunks, answer, formatter, sse_tail
 from pdserve.router.api.choices import Choices
 from pdserve.router.api.openai_request import CompletionRequest
-from pdserve.router.api.serving import Admitted, _Chunks, _formatter, answer, sse_tail
 from pdserve.router.api.tool_output import ToolOutput
 from pdserve.router.runtime import Runtime
 from pdserve.router.transport.dispatch import Delta, RequestState
@@ -27,7 +28,7 @@ async def respond_n(rt: Runtime, call: Admitted) -> Response:
     events = ch.events()
 
     def stream(first: tuple[int, Delta]) -> tuple[str, AsyncIterator[str]]:
-        outs = [_Chunks(req, rs, _formatter(rt, req), i) for i in range(req.n)]
+        outs = [Chunks(req, rs, formatter(rt, req), i) for i in range(req.n)]
         rs.status = 499  # until the stream completes
         head = (
             "".join(
@@ -74,7 +75,7 @@ def _whole_n(
     for i, deltas in enumerate(_best(per, req.n)):
         text = "".join(d.text for d in deltas)
         finish = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
-        fmt, message = _formatter(rt, req), None
+        fmt, message = formatter(rt, req), None
         lps = None
         if fmt is not None:
             ids = [t for d in deltas for t in d.token_ids]
@@ -93,7 +94,7 @@ def _sse_rest_n(
     rs: RequestState,
     ch: Choices,
     events: AsyncGenerator[tuple[int, Delta], None],
-    outs: list[_Chunks],
+    outs: list[Chunks],
 ) -> AsyncIterator[str]:
     def use() -> dict[str, Any]:
         return openai_response.usage(len(rs.prompt_ids), ch.completion_tokens, rs.cached_tokens)

@@ -17,9 +17,6 @@ from collections.abc import Callable
 from pdserve.router.picker.prefill_header import endpoint_of
 from pdserve.router.scheduling.snapshot import WorkerView
 
-MODES = ("router", "endpoint-picker")
-DEFAULT_GRPC_PORT = 9002  # the extension's usual port for the picker's ext_proc service
-
 
 def target_of(port: int) -> Callable[[WorkerView], str] | None:
     """The endpoint the gateway dials for a decode worker: its host, ``port``."""
@@ -34,7 +31,7 @@ def target_of(port: int) -> Callable[[WorkerView], str] | None:
 
 
 def run_picker(args: argparse.Namespace) -> int:
-    from pdserve.router.main import build_config, build_source
+    from pdserve.router.from_args import build_config, build_source
     from pdserve.router.picker.service import PickerService, serve_forever
     from pdserve.router.tokenizer import PromptTokenizer
 

@@ -7,12 +7,11 @@ counter, so every decision can be replayed from a table in tests.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.scheduling import disagg
-from pdserve.router.scheduling.scoring import RouteRequest, fits_kv, knows_lora, rank
+from pdserve.router.scheduling.route_request import RouteRequest
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 
 
@@ -31,28 +30,16 @@ class RoutePlan:
         return self.matched_tokens / num_prompt_tokens if num_prompt_tokens else 0.0
 
 
-def _rotate(workers: Sequence[WorkerView], counter: int) -> list[WorkerView]:
-    ordered = sorted(workers, key=lambda w: w.url)
-    if not ordered:
-        return []
-    k = counter % len(ordered)
-    return ordered[k:] + ordered[:k]
-
-
 def rank_decode(
     snap: Snapshot, req: RouteRequest, cfg: RouterConfig, rng: random.Random, rr_counter: int = 0
 ) -> list[WorkerView]:
-    if cfg.picker == "round-robin":
-        return _rotate(snap.decode, rr_counter)
-    return rank(snap.decode, req, cfg.decode_scorers, rng, filters=(knows_lora, fits_kv))
+    return cfg.decode_profile.order(snap.decode, req, rng, rr_counter)
 
 
 def rank_prefill(
     snap: Snapshot, req: RouteRequest, cfg: RouterConfig, rng: random.Random, rr_counter: int = 0
 ) -> list[WorkerView]:
-    if cfg.picker == "round-robin":
-        return _rotate(snap.prefill, rr_counter)
-    return rank(snap.prefill, req, cfg.prefill_scorers, rng, filters=(knows_lora,))
+    return cfg.prefill_profile.order(snap.prefill, req, rng, rr_counter)
 
 
 def plan_route(

@@ -22,8 +22,8 @@ from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.scheduling import disagg
 from pdserve.router.scheduling.prefix_index import PrefixIndex
+from pdserve.router.scheduling.route_request import RouteRequest
 from pdserve.router.scheduling.routing import NoWorkerAvailable, RoutePlan, plan_route
-from pdserve.router.scheduling.scoring import RouteRequest
 from pdserve.router.scheduling.snapshot import Snapshot
 
 

@@ -7,7 +7,7 @@ so no single outlier flattens everyone else's score.
 
 from __future__ import annotations
 
-from pdserve.router.scheduling.scoring import RouteRequest
+from pdserve.router.scheduling.route_request import RouteRequest
 from pdserve.router.scheduling.snapshot import WorkerView
 
 QUEUED_TOKENS_SCALE = 2048.0

@@ -27,7 +27,8 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 def _background(make_engine: Callable[..., LLMEngine]) -> LLMEngine:
     engine = make_engine(num_blocks=128, compile=True, compile_in_background=True)
-    assert engine.runner.compiled_fn is not None and not engine.runner.compiled
+    assert engine.runner.compile_wanted and not engine.runner.compiled
+    assert engine.runner.compiled_fn is None  # made on the compile thread, off the start
     assert engine.compile_state == compile_job.OFF  # nothing started yet: eager serves
     return engine
 

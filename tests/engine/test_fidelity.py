@@ -19,7 +19,7 @@ import pytest
 from engine_helpers import assert_all_free, hf_greedy
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.model_runner import ScheduledChunk
+from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)

@@ -9,8 +9,9 @@ import random
 
 import torch
 
-from pdserve.engine.model_runner import DECODE_GROUP_SHARE, ModelRunner, ScheduledChunk
+from pdserve.engine.model_runner import DECODE_GROUP_SHARE, ModelRunner
 from pdserve.engine.request import Request
+from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.protocol.sampling_params import SamplingParams
 
 BS = 16

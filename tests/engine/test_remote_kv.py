@@ -19,8 +19,8 @@ from engine_helpers import assert_all_free, hf_greedy
 
 from pdserve.engine.kv_connector import KVConnector, LoadResult
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.model_runner import ScheduledChunk
 from pdserve.engine.request import RequestStatus
+from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.protocol.hashing import block_hashes
 from pdserve.protocol.outputs import HANDOFF, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams

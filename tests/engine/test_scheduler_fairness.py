@@ -9,7 +9,7 @@ from __future__ import annotations
 from engine_helpers import assert_all_free
 from test_scheduler import Harness
 
-from pdserve.engine.scheduler import tenant_of
+from pdserve.engine.request import tenant_of
 
 
 def _admitted(h: Harness) -> list[str]:
@@ -30,7 +30,7 @@ def test_a_burst_of_one_tenant_does_not_hold_back_another() -> None:
         h.step()
     order = [r.request_id for r in h.finished]
     assert order.index("b0") < order.index("a1"), order
-    assert_all_free(h.sched.blocks)
+    assert_all_free(h.blocks)
 
 
 def test_one_tenant_is_first_come_first_served_and_preempted_go_first() -> None:
@@ -42,7 +42,7 @@ def test_one_tenant_is_first_come_first_served_and_preempted_go_first() -> None:
     while h.sched.has_work:
         h.step()
     assert [r.request_id for r in h.finished] == ["r0", "r1", "r2", "r3"]
-    assert_all_free(h.sched.blocks)
+    assert_all_free(h.blocks)
 
 
 def test_tenant_is_the_routers_key_salt_only() -> None:

@@ -149,7 +149,9 @@ def test_config_refuses_bad_values(tiny_model_dir: Any) -> None:
     from engine_helpers import tiny_config
 
     for bad, words in [
-        ("draft:model=/x,k=2", "not yet supported"),
+        ("draft:k=2", "needs model"),
+        ("draft:model=/x,k=2,min_n=1", "unknown key"),
+        ("draft:model=/x,k=17", "k must"),
         ("ngram:k=0", "k must"),
         ("ngram:k=x", "integer"),
         ("medusa", "unknown method"),

@@ -9,6 +9,8 @@ subclass adds, as a real API server does:
 - JSON patch (kopf's finalizer updates) with the ``test`` op → HTTP 422 on conflict;
 - status-subresource semantics: ``/status`` patches change only ``status``,
   main-resource patches never change ``status`` (of kinds that have the subresource);
+- the scale subresource: a ``/scale`` patch changes only ``spec.replicas`` (refused with a
+  422 unless a count >= 0) and answers an autoscaling/v1 Scale;
 - ``GET /api/v1/namespaces`` (list and watch), which kmock 0.8 cannot parse;
 - one built-in validation, as an example of what only the API server knows: a Deployment
   whose ``nodeSelector`` holds an invalid label value is refused with a 422 and the
@@ -150,7 +152,22 @@ class ApiServer(kmock.KubernetesEmulator):
         ):
             # kmock matches reactions by request identity: replace the data in place.
             object.__setattr__(request, "data", self._on_patch(request))
-        return await super()._handle(request)
+        response = await super()._handle(request)
+        if request.subresource == "scale" and request.name:
+            return aiohttp.web.json_response(self._scale_of(request))
+        return response
+
+    def _scale_of(self, request: kmock.Request) -> dict[str, Any]:
+        """The autoscaling/v1 Scale a ``/scale`` request answers (of the object it changed)."""
+        obj = self.objects[(request.resource, request.namespace, request.name)].raw
+        meta = obj.get("metadata") or {}
+        return {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {k: meta.get(k) for k in ("name", "namespace", "resourceVersion")},
+            "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 1)},
+            "status": {"replicas": (obj.get("status") or {}).get("replicas", 0)},
+        }
 
     def _on_create(self, data: dict[str, Any]) -> None:
         meta = data.setdefault("metadata", {})
@@ -209,6 +226,12 @@ class ApiServer(kmock.KubernetesEmulator):
             )
         if request.subresource == "status":
             data = {"status": data.get("status")} if "status" in data else {}
+        elif request.subresource == "scale":  # a Scale: only spec.replicas reaches the object
+            replicas = (data.get("spec") or {}).get("replicas")
+            if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+                message = f"Scale.spec.replicas: Invalid value: {replicas!r}"
+                raise kmock.KubernetesError(status=422, reason="Invalid", message=message)
+            data = {"spec": {"replicas": replicas}}
         elif self._has_status_subresource(request.resource):
             data = {k: v for k, v in data.items() if k != "status"}
         meta = data.setdefault("metadata", {}) or {}

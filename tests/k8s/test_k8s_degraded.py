@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from k8s_helpers import NS, eventually, minimal_llmservice, schema_errors
 
-from pdserve.operator.kube import KubeClient
+from pdserve.operator.kube import KubeClient, KubeError
 from pdserve.operator.render import render
 from pdserve.operator.scaling import ScalingRefused, scale_pools
 
@@ -100,14 +100,26 @@ async def test_missing_secret_recovers_when_created(operator: None, client: Kube
     assert cmd[cmd.index("--api-key-file") + 1] == "/etc/pdserve/api-key/token"
 
 
-async def test_scale_pools_seam(operator: None, client: KubeClient) -> None:
+async def test_scale_pools_seam(
+    operator: None, client: KubeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     obj = minimal_llmservice("auto", autoscaling={"enabled": True}, decode={"maxReplicas": 3})
     await client.create(obj)
     await eventually(lambda: client.get("apps/v1", "Deployment", NS, "auto-decode"), what="decode")
+    writes = _spy_writes(client, monkeypatch)
     result = await scale_pools(
         client, NS, "auto", prefill=2, decode=10, reason="ttft p90 above SLO"
     )
     assert (result.prefill, result.decode) == (2, 3)  # decode clamped to maxReplicas
+    # through each Deployment's /scale (what RBAC's deployments/scale grants), no spec patch
+    assert [w for w in writes if w[1] == "Deployment"] == [
+        ("scale", "Deployment", "auto-prefill", 2),
+        ("scale", "Deployment", "auto-decode", 3),
+    ]
+    scale = await client.scale("apps/v1", "Deployment", NS, "auto-decode", 3)
+    assert scale["kind"] == "Scale" and scale["spec"] == {"replicas": 3}, scale
+    with pytest.raises(KubeError, match=r"Scale\.spec\.replicas"):
+        await client.scale("apps/v1", "Deployment", NS, "auto-decode", -1)
     assert set(result.changed) == {"Deployment/auto-prefill", "Deployment/auto-decode"}
     llm = await client.get(*GVK, NS, "auto")
     assert llm is not None
@@ -130,3 +142,21 @@ async def test_scale_pools_seam(operator: None, client: KubeClient) -> None:
 async def _replicas(client: KubeClient, name: str, n: int) -> dict[str, Any] | None:
     dep = await client.get("apps/v1", "Deployment", NS, name)
     return dep if dep is not None and dep["spec"]["replicas"] == n else None
+
+
+def _spy_writes(client: KubeClient, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """(verb, kind, name, replicas or patch) of every patch and scale ``client`` sends."""
+    writes: list[tuple[Any, ...]] = []
+    patch, scale = client.patch, client.scale
+
+    async def patched(api: str, kind: str, ns: str, name: str, body: Any, **kw: Any) -> Any:
+        writes.append(("patch", kind, name, body))
+        return await patch(api, kind, ns, name, body, **kw)
+
+    async def scaled(api: str, kind: str, ns: str, name: str, replicas: int) -> Any:
+        writes.append(("scale", kind, name, replicas))
+        return await scale(api, kind, ns, name, replicas)
+
+    monkeypatch.setattr(client, "patch", patched)
+    monkeypatch.setattr(client, "scale", scaled)
+    return writes

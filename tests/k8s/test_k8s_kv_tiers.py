@@ -1,4 +1,4 @@
-"""``spec.kvCache.tiers``: the schema takes it, the prefill workers get the tier flags, the disk
+"""``spec.kvCache.tiers``: the schema takes it, every worker gets the tier flags, the disk
 volume and the store's password, and the operator runs a Redis Deployment + Service for the
 shared tier unless an existing store's address is given (pure rendering)."""
 
@@ -32,26 +32,25 @@ def _container(m: dict[str, dict[str, Any]], role: str) -> dict[str, Any]:
     return c
 
 
-def test_prefill_workers_get_the_tiers_and_the_operator_runs_the_store() -> None:
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_workers_get_the_tiers_and_the_operator_runs_the_store(role: str) -> None:
     m = _render(TIERS)
-    cmd = " ".join(_container(m, "prefill")["command"] + _container(m, "prefill").get("args", []))
+    cmd = " ".join(_container(m, role)["command"] + _container(m, role).get("args", []))
     assert "--kv-tier-host-bytes 1073741824" in cmd
     assert "--kv-tier-disk-path /kv --kv-tier-disk-bytes 8589934592" in cmd
     assert "--kv-tier-shared-url redis://demo-kv-store.default.svc:6379/0" in cmd
-    decode = " ".join(_container(m, "decode")["command"])
-    assert "--kv-tier" not in decode  # decode workers have no tiers
-    prefill_pod = m["Deployment/demo-prefill"]["spec"]["template"]["spec"]
-    disk = next(v for v in prefill_pod["volumes"] if v["name"] == "kv-tier-disk")
+    pod = m[f"Deployment/demo-{role}"]["spec"]["template"]["spec"]
+    disk = next(v for v in pod["volumes"] if v["name"] == "kv-tier-disk")
     assert disk["emptyDir"] == {"sizeLimit": str(8 << 30)}
-    assert {"name": "kv-tier-disk", "mountPath": "/kv"} in _container(m, "prefill")["volumeMounts"]
-    env = {e["name"]: e for e in _container(m, "prefill")["env"]}
+    assert {"name": "kv-tier-disk", "mountPath": "/kv"} in _container(m, role)["volumeMounts"]
+    env = {e["name"]: e for e in _container(m, role)["env"]}
     ref = env["PDSERVE_KV_SHARED_PASSWORD"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "kv-pass", "key": "password"}
     store = m["Deployment/demo-kv-store"]["spec"]["template"]["spec"]["containers"][0]
     assert store["args"][store["args"].index("--maxmemory") + 1] == "2gb"
     assert "allkeys-lru" in store["args"] and "--requirepass" in store["args"]
     assert m["Service/demo-kv-store"]["spec"]["ports"][0]["port"] == 6379
-    for key in ("Deployment/demo-kv-store", "Service/demo-kv-store", "Deployment/demo-prefill"):
+    for key in ("Deployment/demo-kv-store", "Service/demo-kv-store", f"Deployment/demo-{role}"):
         kubernetes_validate.validate(m[key], "1.34", strict=True)
     assert ("apps/v1", "Deployment", "demo-kv-store") in optional_children("demo")
 

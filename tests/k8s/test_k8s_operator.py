@@ -8,6 +8,7 @@ Delete → no finalizer; nothing left that owner references would not collect.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import pytest
@@ -145,7 +146,12 @@ async def versions(client: KubeClient, obj: dict[str, Any]) -> dict[str, str]:
 
 
 async def test_update_patches_only_changed_children(operator: None, client: KubeClient) -> None:
+    # An exposed service needs API keys (operator/exposure.py): the Ingress below does.
+    data = {"api-key": base64.b64encode(b"k1").decode()}
+    meta = {"name": "keys", "namespace": NS}
+    await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": meta, "data": data})
     obj = gpu_service()
+    obj["spec"]["router"] = {"apiKeySecret": {"name": "keys"}}
     await client.create(obj)
     await wait_children(client, obj)
     await eventually(lambda: _generation_applied(client), what="generation 1 applied")

@@ -212,7 +212,7 @@ def test_model_host_path_only_under_allowed_directories(path: str, refused: bool
 )
 def test_ingress_annotations_pass_an_allowlist(key: str, refused: bool) -> None:
     ingress = {"host": "llm.example.com", "annotations": {key: "x"}}
-    obj = minimal_llmservice(router={"ingress": ingress})
+    obj = minimal_llmservice(router={"ingress": ingress, "apiKeySecret": {"name": "keys"}})
     if not refused:
         render(obj, policy=STRICT)
         return

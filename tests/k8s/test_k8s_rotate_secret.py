@@ -21,6 +21,7 @@ from pdserve.operator.rotate_secret import (
     rolled_out,
     rotate,
 )
+from pdserve.protocol import hashing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,3 +108,30 @@ def test_rolled_out_waits_for_the_controller() -> None:
     assert not rolled_out(dep)
     dep["status"].pop("unavailableReplicas")
     assert rolled_out(dep)
+
+
+async def test_a_rotation_keeps_an_old_secrets_block_hash(
+    client: KubeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rotating a Secret from before ``hash-key`` existed (issue 44 item 14) would change
+    every pod's block hash (derived from the secret without the entry): the rotation
+    patches the old secret in as the hash key before its first step."""
+    data = {"secret": base64.b64encode(b"old-secret").decode()}
+    meta = {"name": "demo-secret", "namespace": NS}
+    await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": meta, "data": data})
+    seen: list[dict[str, str]] = []
+
+    async def roll(_: str) -> None:
+        seen.append(_decoded(await client.get("v1", "Secret", NS, "demo-secret") or {}))
+
+    await rotate(client, NS, "demo", "new-secret", roll)
+    assert [s["hash-key"] for s in seen] == ["old-secret"] * 3
+    assert seen[-1]["secret"] == "new-secret"
+    # A pod before the rotation (the secret only) and one after (new secret, the hash key)
+    # hash with the same key (protocol/hashing.py).
+    monkeypatch.delenv("PDSERVE_BLOCK_HASH_KEY", raising=False)
+    monkeypatch.setenv("PDSERVE_SERVICE_SECRET", "old-secret")
+    before = hashing.hash_key()
+    monkeypatch.setenv("PDSERVE_SERVICE_SECRET", "new-secret")
+    monkeypatch.setenv("PDSERVE_BLOCK_HASH_KEY", seen[-1]["hash-key"])
+    assert hashing.hash_key() == before != b""

@@ -36,7 +36,8 @@ def test_rendered_into_decode_pods_only() -> None:
 @pytest.mark.parametrize(
     ("pools", "words"),
     [
-        ({"decode": {"speculative": "draft:model=/m,k=4"}}, "not yet supported"),
+        ({"decode": {"speculative": "draft:k=4"}}, "needs model"),
+        ({"decode": {"speculative": "draft:model=/m,k=4,n=2"}}, "unknown key"),
         ({"decode": {"speculative": "ngram:k=99"}}, "k must be"),
         ({"prefill": {"speculative": "ngram:k=4"}}, "decode workers"),
     ],

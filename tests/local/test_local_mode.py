@@ -179,7 +179,7 @@ def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(
 ) -> None:
     import argparse
 
-    from pdserve.engine.config import add_engine_arguments
+    from pdserve.engine.engine_args import add_engine_arguments
 
     cores = len(os.sched_getaffinity(0))
     spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=1, num_decode=1, log_dir=str(tmp_path))

@@ -4,10 +4,7 @@ a load of 200 requests at concurrency 50, and every KV block free afterwards."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -15,7 +12,8 @@ import openai
 import pytest
 
 from pdserve.local.proc_group import end_group, signal_group
-from pdserve.testing.loopback import ROOT, all_kv_free, free_port, wait_until_up
+from pdserve.testing.loopback import ROOT, all_kv_free
+from pdserve.testing.up import start_up, suite_flags
 
 WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.py"]
 
@@ -37,36 +35,10 @@ def _ignore_sigint() -> None:
 def up(tiny_model_dir: Path, tmp_path_factory):
     """``pdserve up`` as a user runs it; yields (router URL, worker URLs)."""
     logs = tmp_path_factory.mktemp("up-logs")
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "up",
-        "--model",
-        str(tiny_model_dir),
-        "--port",
-        str(port),
-        "--kv-transport",
-        os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
-        "--disagg-threshold",
-        "32",
-        "--log-dir",
-        str(logs),
-        "--worker-arg=--max-model-len",
-        "--worker-arg=1024",
-    ]
     # Started as a shell starts a background job: SIGINT ignored (the stop test sends it).
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-        preexec_fn=_ignore_sigint,
-    )
-    url, workers = wait_until_up(proc)
+    flags = (*suite_flags(logs), "--disagg-threshold", "32")
+    started = start_up(tiny_model_dir, *flags, preexec_fn=_ignore_sigint)
+    url, workers, proc = started.url, started.workers, started.proc
     assert len(workers) == 2, workers  # the default: one prefill, one decode worker
     yield url, workers, proc
     end_group(proc, signal.SIGKILL, grace_s=10)

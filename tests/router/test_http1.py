@@ -100,7 +100,8 @@ async def test_calls_are_signed_and_a_reply_must_prove_the_secret(serve) -> None
             for line in head.split(b"\r\n")
             if line.lower().startswith(signing.HEADER_KEY)
         )
-        assert verifier.check("POST", "/w/prefill", auth, body).key is not None
+        host = next(line[6:].decode() for line in head.split(b"\r\n") if line.startswith(b"Host:"))
+        assert verifier.check("POST", "/w/prefill", auth, body, host=host.strip()).key is not None
         return ok(
             b"{}",
             b"%s: %s\r\n"

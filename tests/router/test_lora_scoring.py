@@ -8,9 +8,10 @@ import pytest
 
 from pdserve.protocol.contract import WorkerStats
 from pdserve.router.config import RouterConfig
+from pdserve.router.scheduling.filters import knows_lora
+from pdserve.router.scheduling.route_request import RouteRequest
 from pdserve.router.scheduling.routing import plan_route
 from pdserve.router.scheduling.scorers import lora_affinity
-from pdserve.router.scheduling.scoring import RouteRequest, knows_lora
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 
 

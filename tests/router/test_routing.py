@@ -8,8 +8,9 @@ import pytest
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.scheduling import disagg
+from pdserve.router.scheduling.registry import get_scorer
+from pdserve.router.scheduling.route_request import RouteRequest
 from pdserve.router.scheduling.routing import NoWorkerAvailable, plan_route
-from pdserve.router.scheduling.scoring import RouteRequest, get_scorer
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerStats, WorkerView
 
 CFG = RouterConfig(model_dir="/m", disagg_threshold=64)

@@ -12,10 +12,11 @@ import pytest
 from pdserve.protocol.codec import encode
 from pdserve.protocol.contract import WorkerStats
 from pdserve.protocol.kv_events import KVEvent
-from pdserve.router.config import RouterConfig, ScorerWeight
+from pdserve.router.config import RouterConfig
 from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
+from pdserve.router.scheduling.profile import build_profile
+from pdserve.router.scheduling.route_request import RouteRequest, ScorerWeight
 from pdserve.router.scheduling.scorers import prefix_match
-from pdserve.router.scheduling.scoring import RouteRequest, rank
 from pdserve.router.scheduling.snapshot import WorkerView
 from pdserve.router.scheduling.tier_index import TierIndex, parse_weights
 
@@ -113,9 +114,8 @@ def test_the_cheapest_load_wins(events: list, winner: str) -> None:  # type: ign
     index = _index(events)
     pool = index.match(HASHES)
     req = RouteRequest(70, HASHES, 16, pool, tier_matched=index.tiers.match(HASHES, pool, WORKERS))
-    order = rank(
-        [_worker(w) for w in WORKERS], req, [ScorerWeight("prefix-match", 1.0)], random.Random(0)
-    )
+    profile = build_profile((), [ScorerWeight("prefix-match", 1.0)], "max-score")
+    order = profile.order([_worker(w) for w in WORKERS], req, random.Random(0), 0)
     assert order[0].worker_id == winner
 
 

@@ -114,3 +114,38 @@ def test_the_router_tokenizer_imports_no_torch(tiny_model_dir: Path) -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "False"
+
+
+FAST_TEXTS = [
+    TEXT,
+    "",
+    " ",
+    "w12 w345 w6 " * 40,
+    "<|im_start|>user\nhi<|im_end|>",
+    "emoji 🙂 and 漢字 and \u200b zero-width, \r\n crlf",
+    "x" * 3000,
+]
+
+
+def test_the_fast_encode_gives_what_transformers_encode_gives(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``PromptTokenizer.encode`` skips transformers' wrapper (the Rust backend's
+    ``encode_batch_fast``) where the wrapper adds nothing: the same ids on every family's
+    tokenizer, with and without special tokens; and, when the backend was set to truncate
+    (a setting the wrapper resets), the wrapper's ids through the wrapper."""
+    from pdserve.router.tokenizer import PromptTokenizer
+
+    fast = 0
+    for i, family in enumerate(FAMILIES):
+        tok = PromptTokenizer(str(_family_dir(tiny_model_dir, family, tmp_path / str(i))))
+        fast += tok._fast is not None
+        for text in FAST_TEXTS:
+            for special in (True, False):
+                want = list(tok.tok.encode(text, add_special_tokens=special))
+                assert tok.encode(text, special) == want, (family.id, text[:20], special)
+        if tok._fast is not None:
+            tok.tok.backend_tokenizer.enable_truncation(max_length=3)
+            assert tok.encode(FAST_TEXTS[3]) == list(tok.tok.encode(FAST_TEXTS[3]))
+            assert len(tok.encode(FAST_TEXTS[3])) > 3  # the wrapper reset the truncation
+    assert fast >= 15, fast  # the generic backend's families take the fast path

@@ -77,6 +77,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch, delete]
+# The autoscaler sets a pool's replicas through the scale subresource (as an HPA does).
+- apiGroups: [apps]
+  resources: [deployments/scale]
+  verbs: [get, patch]
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [get, list, watch, create, patch, delete]

@@ -16,6 +16,7 @@ from fastapi.responses import Response
 
 from pdserve.router import edge
 from pdserve.router.api import serving
+from pdserve.router.api.answer import Admitted, answer
 from pdserve.router.api.openai_request import CompletionRequest
 from pdserve.router.api.responses.output import Events, Shape, output_items, status_of, usage
 from pdserve.router.api.responses.request import chat_body
@@ -51,7 +52,7 @@ class ResponsesCall:
         self.body = body
         return prepared
 
-    async def respond(self, rt: Runtime, call: serving.Admitted) -> Response:
+    async def respond(self, rt: Runtime, call: Admitted) -> Response:
         req, rs = call.req, call.rs
         shape = Shape(rs.request_id, self.body)
         events = rt.dispatcher.run(rs, call.plan)
@@ -70,7 +71,7 @@ class ResponsesCall:
             head = out.start() + _feed(out, tools, first, rs)
             return head, _rest(out, tools, events, rs)
 
-        return await serving.answer(rt, call, events, _collect, whole, stream)
+        return await answer(rt, call, events, _collect, whole, stream)
 
 
 async def serve_responses(rt: Runtime, request: Request) -> Response:
