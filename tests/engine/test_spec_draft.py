@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import assert_all_free, hf_greedy
+from engine_helpers import assert_all_free
 from spec_helpers import run
 
 from pdserve.engine.draft_proposer import DraftProposer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
+from pdserve.testing.hf_reference import hf_greedy
 from pdserve.testing.loopback import all_kv_free, secret_auth
-from pdserve.testing.lora_adapters import hf_greedy
 from tests.router.pdserve_up import greedy_ids, run_up
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
