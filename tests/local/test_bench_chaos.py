@@ -77,6 +77,8 @@ ISSUE_44 = (
     "cache_symlink_followed",
     "abandoned_compiles_over_bound",
     "lora_path_escapes",
+    "worker_call_replayed_elsewhere",
+    "prefill_pin_misused",
 )
 
 
