@@ -16,11 +16,13 @@ from typing import Any
 import aiohttp
 import uvicorn
 
-from pdserve.signing import HEADER, HEADER_KEY, PROOF_HEADER
+from pdserve import keys, signing
+from pdserve.router.transport.worker_client import new_session
 
 
 def make_app(target: str) -> Any:
     session: aiohttp.ClientSession | None = None
+    ring = keys.KeyRing.from_env(keys.HTTP)
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         nonlocal session
@@ -28,7 +30,7 @@ def make_app(target: str) -> Any:
             while True:
                 msg = await receive()
                 if msg["type"] == "lifespan.startup":
-                    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+                    session = new_session()  # signs for the worker, as the router does
                     await send({"type": "lifespan.startup.complete"})
                 else:
                     if session is not None:
@@ -43,15 +45,14 @@ def make_app(target: str) -> Any:
             if not msg.get("more_body"):
                 break
         headers = {"content-type": "application/json"}
-        # The caller's signature passes on unchanged (same method, path and body), as a
-        # signing router's own call would carry it (pdserve/signing.py).
-        auth = dict(scope["headers"]).get(HEADER_KEY)
-        if auth is not None:
-            headers[HEADER] = auth.decode()
+        # A call is signed for the worker it names (its Host, pdserve/signing.py): the
+        # proxy signs its own call to the worker, as the router does, and proves the
+        # secret to its caller (the worker's own proof answers the proxy's call).
+        auth = dict(scope["headers"]).get(signing.HEADER_KEY)
         async with session.post(target + scope["path"], data=body, headers=headers) as resp:
             out = [(b"content-type", b"application/x-ndjson")]
-            if PROOF_HEADER in resp.headers:  # the worker's proof goes back to the caller
-                out.append((PROOF_HEADER.lower().encode(), resp.headers[PROOF_HEADER].encode()))
+            if auth is not None and ring:
+                out.append((signing.PROOF_KEY, signing.proof(ring.signing, auth.decode()).encode()))
             await send({"type": "http.response.start", "status": resp.status, "headers": out})
             async for data in resp.content.iter_any():
                 await send({"type": "http.response.body", "body": data, "more_body": True})

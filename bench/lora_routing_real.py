@@ -17,8 +17,6 @@ import json
 import os
 import random
 import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from pdserve import env  # noqa: E402
 from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
-from pdserve.local.proc_group import end_group  # noqa: E402
-from pdserve.testing.loopback import all_kv_free, free_port, wait_until_up  # noqa: E402
+from pdserve.testing.loopback import all_kv_free  # noqa: E402
 from pdserve.testing.lora_adapters import ATTENTION, AdapterSpec, write_adapter  # noqa: E402
+from pdserve.testing.up import port_base, running_up  # noqa: E402
 
 ADAPTERS = 6
 OFF = [
@@ -74,47 +72,16 @@ async def send(url: str, names: list[str], seed: int) -> None:
 
 
 def run(model: Path, dirs: dict[str, Path], logs: Path, extra: list[str]) -> dict[str, float]:
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "up",
-        "--model",
-        str(model),
-        "--prefill",
-        "1",
-        "--decode",
-        "2",
-        "--port",
-        str(free_port()),
-        "--log-dir",
-        str(logs),
-        "--worker-port-base",
-        str(random.randrange(20000, 32000, 200)),
-        "--disagg-threshold",
-        "8",
-        "--worker-arg=--max-loras=2",
-        "--worker-arg=--max-cpu-loras=2",
-        *extra,
-    ]
+    flags = ["--prefill", "1", "--decode", "2", "--log-dir", str(logs), *port_base()]
+    flags += ["--disagg-threshold", "8", "--worker-arg=--max-loras=2"]
+    flags += ["--worker-arg=--max-cpu-loras=2", *extra]
     for name, path in dirs.items():
-        argv += ["--lora", f"{name}={path}"]
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        url, workers = wait_until_up(proc)
-        asyncio.run(send(url, list(dirs), ARGS.seed))
-        got = routed(url)
-        all_kv_free(workers)
+        flags += ["--lora", f"{name}={path}"]
+    with running_up(model, *flags) as up:
+        asyncio.run(send(up.url, list(dirs), ARGS.seed))
+        got = routed(up.url)
+        all_kv_free(up.workers)
         return got
-    finally:
-        end_group(proc, signal.SIGINT)
 
 
 def main() -> int:

@@ -20,7 +20,6 @@ resource and verb. Goal: <= 2 at 100 objects.
 from __future__ import annotations
 
 import collections
-import json
 import re
 import sys
 import tempfile
@@ -31,13 +30,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.k8s_real (the stdlib operator is imported already)
 
+from pdserve.testing.k8s_real import cluster  # noqa: E402
 from pdserve.testing.k8s_real.cluster import (  # noqa: E402
     CHART,
     RELEASE,
     SYSTEM_NS,
     OperatorProcess,
     RealCluster,
-    conditions,
+    is_ready,
+    read_only_pvc,
 )
 from pdserve.testing.k8s_real.control_plane import ControlPlane, find_binaries  # noqa: E402
 from pdserve.testing.k8s_real.fake_kubelet import FakeKubelet, create_nodes  # noqa: E402
@@ -68,12 +69,7 @@ def window(plane: ControlPlane, seconds: float) -> collections.Counter[str]:
 
 
 def llmservice(i: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": f"svc-{i:03d}", "namespace": NS},
-        "spec": {"model": {"source": {"pvc": {"claimName": "models", "path": "m"}}}},
-    }
+    return cluster.llmservice(f"svc-{i:03d}", NS)
 
 
 def grow(c: RealCluster, first: int, n: int) -> None:
@@ -83,8 +79,7 @@ def grow(c: RealCluster, first: int, n: int) -> None:
 
     def all_ready() -> bool:
         items = c.items(f"/apis/pdserve.io/v1alpha1/namespaces/{NS}/llmservices")
-        ready = [o for o in items if conditions(o).get("Ready", {}).get("status") == "True"]
-        return len(ready) == n
+        return sum(map(is_ready, items)) == n
 
     # ~5.5 min for 0 -> 100 on the shared 2-core machine at load ~17 (2026-12-07): the
     # bound leaves room for a busier one
@@ -116,24 +111,7 @@ def setup(work: Path) -> RealCluster:
         "--wait=false",
         timeout=120,
     )
-    c.kubectl(
-        "apply",
-        "-n",
-        NS,
-        "-f",
-        "-",
-        stdin=json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolumeClaim",
-                "metadata": {"name": "models"},
-                "spec": {
-                    "accessModes": ["ReadOnlyMany"],
-                    "resources": {"requests": {"storage": "1Gi"}},
-                },
-            }
-        ),
-    )
+    c.apply_object(NS, read_only_pvc("models", "1Gi"))
     return c
 
 

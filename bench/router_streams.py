@@ -27,9 +27,8 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from router_throughput import ROOT, body, child, load_avg, one, wait_ready
-
-from pdserve.env import SERVICE_SECRET
+from lib.loopback import secret_env, tiny_model
+from router_throughput import ROOT, body, child, load_avg, one, router_flags, wait_ready
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,12 +54,9 @@ def rss_mb(pid: int) -> float:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pdserve.engine.tiny_model import write_tiny_model
     from pdserve.testing.loopback import free_port
 
-    model = str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
-    env = {**os.environ, SERVICE_SECRET: os.environ.get(SERVICE_SECRET) or os.urandom(16).hex()}
-    os.environ[SERVICE_SECRET] = env[SERVICE_SECRET]
+    model, env = str(tiny_model()), secret_env()
     fakes = [
         sys.executable,
         str(ROOT / "bench" / "router_throughput.py"),
@@ -79,30 +75,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         assert fk.stdout is not None
         urls = json.loads(await asyncio.to_thread(fk.stdout.readline))
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve",
-            "router",
-            "--model",
-            model,
-            "--served-model-name",
-            "tiny",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--decode",
-            *urls["decode"],
-            "--prefill",
-            *urls["prefill"],
-            "--disagg-threshold",
-            "100000",
-            "--procs",
-            str(args.procs),
-            "--max-queue",
-            str(2 * args.streams),
-        ]
+        cmd = [sys.executable, "-m", "pdserve", "router", *router_flags(model, urls, port)]
+        cmd += ["--disagg-threshold", "100000", "--procs", str(args.procs)]
+        cmd += ["--max-queue", str(2 * args.streams)]
         url = f"http://127.0.0.1:{port}"
         with child(cmd, env) as router:
             conn = aiohttp.TCPConnector(limit=0)

@@ -40,6 +40,7 @@ from typing import Any
 
 import aiohttp
 import figures  # bench/figures.py, beside this script
+from lib.loopback import secret_env, tiny_model
 from lib.procfs import tree_cpu_seconds
 from lib.stats import percentile
 from router_client import across_processes, closed_loop, one, session  # beside this script
@@ -159,6 +160,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="draw --plot from this recorded JSON (its last line) and exit",
     )
+    p.add_argument(
+        "--fakes-procs",
+        type=int,
+        default=1,
+        help="spread the fake workers over this many processes (the same fakes; a "
+        "lease held in another process ends by its signed /release call): on a host "
+        "with cores to spare, so that the fakes do not bound the wall req/s",
+    )
     p.add_argument("--fakes", action="store_true", help=argparse.SUPPRESS)  # the child
     p.add_argument("--token-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # its decode
     args = p.parse_args(argv)
@@ -171,6 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--repeat must be at least 1")
     if args.workers < 1:
         p.error("--workers must be at least 1")
+    if not 1 <= args.fakes_procs <= args.workers:
+        p.error("--fakes-procs must be between 1 and --workers")
     if args.pin and len(os.sched_getaffinity(0)) <= args.procs:
         p.error(f"--pin needs more than --procs ({args.procs}) cores")
     args.router_cpus, args.client_cpus = pinned_cpus(args.procs) if args.pin else (None, None)
@@ -186,21 +197,47 @@ def pinned_cpus(procs: int) -> tuple[set[int], set[int]]:
 async def serve_fakes(token_delay_s: float = 0.0, workers: int = 1) -> None:
     """The child: ``workers`` fake prefill workers (each with its KV events) and as many fake
     decode workers, in this one process (the router tests' ``start_fakes``)."""
-    from pdserve.testing.router_fakes import start_fakes
+    import httpx
+
+    from pdserve.signed_httpx import SignedAuth
+    from pdserve.testing.router_fakes import SECRET, start_fakes
 
     leases: dict[str, int] = {}  # every prefill worker's: a decode worker ends any of them
     async with contextlib.AsyncExitStack() as stack:
         fakes = await start_fakes(stack, workers, workers)
+        # a lease held by another process's fake prefill worker ends by its /release call
+        client = await stack.enter_async_context(httpx.AsyncClient(auth=SignedAuth(SECRET)))
         for st in (*fakes.prefill, *fakes.decode):
             st.keep_records = False  # a long run keeps no record per request
         for pst, dst in zip(fakes.prefill, fakes.decode, strict=True):
             pst.leases = leases
             dst.token_delay_s = token_delay_s
             dst.lease_holder = pst  # leases end without a call: the fakes' cost is not the figure
+            dst.client = client
         print(json.dumps({"prefill": fakes.prefill_urls, "decode": fakes.decode_urls}), flush=True)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await stop.wait()
+
+
+async def start_fakes_procs(
+    args: argparse.Namespace, env: dict[str, str], stack: contextlib.ExitStack
+) -> dict[str, list[str]]:
+    """The fake workers, ``--workers`` of each role over ``--fakes-procs`` processes (ended
+    with ``stack``): every process's URLs."""
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    k = args.fakes_procs
+    for i in range(k):
+        n = args.workers // k + (i < args.workers % k)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--fakes", "--workers", str(n)]
+        if args.token_delay:
+            cmd += ["--token-delay", str(args.token_delay)]
+        fakes = stack.enter_context(child(cmd, env))
+        assert fakes.stdout is not None
+        got = json.loads(await asyncio.to_thread(fakes.stdout.readline))
+        urls["prefill"] += got["prefill"]
+        urls["decode"] += got["decode"]
+    return urls
 
 
 def cpu_seconds(pid: int) -> float:
@@ -266,24 +303,18 @@ def router_cmd(
     return [
         *head,
         "router",
-        "--model",
-        model,
-        "--served-model-name",
-        "tiny",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--prefill",
-        *urls["prefill"],
-        "--decode",
-        *urls["decode"],
-        "--disagg-threshold",
-        str(threshold),
-        "--procs",
-        str(args.procs),
-        "--pd-handoff",
-        HANDOFF.get(path, "router"),
+        *router_flags(model, urls, port),
+        *("--disagg-threshold", str(threshold), "--procs", str(args.procs)),
+        *("--pd-handoff", HANDOFF.get(path, "router")),
+    ]
+
+
+def router_flags(model: str, urls: dict[str, Any], port: int) -> list[str]:
+    """The router over the fakes at ``urls``: the tiny model served as "tiny", on ``port``,
+    quiet."""
+    return [
+        *("--model", model, "--served-model-name", "tiny", "--port", str(port)),
+        *("--log-level", "warning", "--prefill", *urls["prefill"], "--decode", *urls["decode"]),
     ]
 
 
@@ -345,7 +376,8 @@ def direct_call(
     raw = encode(GenerateRequest(f"base-{n}", body_["prompt"], sampling, prefill=prefill))
 
     async def call() -> float:
-        hdr = {signing.HEADER: signing.sign(ring, "POST", "/generate", raw)}
+        host = decode_url.split("://", 1)[-1].split("/", 1)[0]  # the Host aiohttp sends
+        hdr = {signing.HEADER: signing.sign(ring, "POST", "/generate", raw, host=host)}
         return await one(http, decode_url + "/generate", raw, hdr)
 
     return call
@@ -549,19 +581,9 @@ def load_avg() -> float:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from pdserve.engine.tiny_model import write_tiny_model
     from pdserve.testing.loopback import free_port
 
-    model = str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))
-    env = {**os.environ, SERVICE_SECRET: os.environ.get(SERVICE_SECRET) or os.urandom(16).hex()}
-    os.environ[SERVICE_SECRET] = env[SERVICE_SECRET]
-    fakes_cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--fakes",
-        "--workers",
-        str(args.workers),
-    ]
+    model, env = str(tiny_model()), secret_env()
     if args.pin:  # the fakes (started below) inherit it
         os.sched_setaffinity(0, args.client_cpus)
         pinned = {"router": sorted(args.router_cpus), "client": sorted(args.client_cpus)}
@@ -569,9 +591,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     else:
         result_pin = {}
     result: dict[str, Any] = {"load_avg_1m_before": load_avg(), **result_pin, "runs": []}
-    with child(fakes_cmd, env) as fakes:
-        assert fakes.stdout is not None
-        urls = json.loads(await asyncio.to_thread(fakes.stdout.readline))
+    with contextlib.ExitStack() as stack:
+        urls = await start_fakes_procs(args, env, stack)
         trees = [("main", args.router_tree, args.router_python)]
         if args.compare_tree or args.compare_python:
             trees.append(

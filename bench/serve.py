@@ -16,7 +16,8 @@ nothing) and stopped after its points:
 
 ``--peer-url URL`` compares one configuration (named before the run: one row) with a
 server already running there (vLLM's CPU build, say: see docs/benchmarks.md, "serve"):
-``--repeats`` interleaved repetitions, peer then ours, at each concurrency, and
+``--repeats`` interleaved repetitions at each concurrency (peer first, then ours first, in
+turn), and
 ``peer_ratio`` = the median over repetitions of ours / peer output tok/s at
 concurrency 16 (the highest point if 16 is not swept), with ``peer_ratio_range``
 (min, max) and each side's median and range. Recorded in the JSON: the peer's model
@@ -26,6 +27,8 @@ configuration given runs one sweep. Per point: output tok/s, TTFT and TPOT p50/p
 Last stdout line: JSON; plot: bench/out/serve.png.
 
     python bench/serve.py --model-name small --setups default --peer-url http://127.0.0.1:8399
+    python bench/serve.py --model default --dtype float32 --setups default --concurrency 16 \
+        --peer-url http://127.0.0.1:8399 --peer-name vllm-cpu   # + peer_ratio_default_model
     python bench/serve.py --quick      # tiny model, a few requests (a minute)
 """
 
@@ -45,7 +48,7 @@ from typing import Any
 
 import figures  # bench/figures.py, beside this script
 
-from pdserve.local.proc_group import end_group
+from pdserve.local.proc_group import end_group, start_group
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -70,7 +73,12 @@ RATIO_AT = 16
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny model, few requests")
-    p.add_argument("--model", default="", help="model directory (default: --model-name's)")
+    p.add_argument(
+        "--model",
+        default="",
+        help="model directory, or 'default': the model `pdserve up` serves with no --model "
+        "(SmolLM2-135M-Instruct, converted for --dtype); empty: --model-name's",
+    )
     p.add_argument(
         "--model-name",
         "--preset",
@@ -103,6 +111,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_dir(args: argparse.Namespace) -> str:
+    if args.model == serve_models.DEFAULT:
+        return serve_models.default_model_dir(args.dtype)
     if args.model:
         return str(args.model)
     return str(serve_models.model_dir(args.preset))
@@ -131,14 +141,7 @@ def start_ours(
     # as shipped: the cluster's own core zygote (a caller's, e.g. the test session's, is not
     # the set-up measured; its cores would not be counted under `pdserve up` either)
     environ = {k: v for k, v in os.environ.items() if k != "PDSERVE_CORE_ZYGOTE"}
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env=environ,
-    )
+    proc = start_group(argv, env=environ)
     lines: list[str] = []
     deadline = time.monotonic() + 600
     assert proc.stdout is not None
@@ -217,19 +220,26 @@ def load_avg() -> list[float]:
 async def interleaved(
     peer_url: str, url: str, load: Load, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    """``--repeats`` rounds of (peer, ours) at each concurrency: drifting load from other
-    jobs on the host falls on both sides alike."""
+    """``--repeats`` rounds of (peer, ours) at each concurrency, the peer first in even
+    rounds and second in odd ones: drifting load from other jobs on the host, and whatever
+    the first side leaves behind (caches, a busy core), fall on both sides alike."""
     peer_model, model = await served_model(peer_url), await served_model(url)
     await warm_up(peer_url, peer_model, load)
     await warm_up(url, model, load)
     reps = []
     for rep in range(args.repeats):
+        first = "peer" if rep % 2 == 0 else "ours"
         for c in args.concurrency:
             before = load_avg()
-            peer = await run_point(peer_url, peer_model, load, c)
-            ours = await run_point(url, model, load, c)
+            if first == "peer":
+                peer = await run_point(peer_url, peer_model, load, c)
+                ours = await run_point(url, model, load, c)
+            else:
+                ours = await run_point(url, model, load, c)
+                peer = await run_point(peer_url, peer_model, load, c)
             row = {
                 "rep": rep,
+                "first": first,
                 "concurrency": c,
                 "peer": peer,
                 "ours": ours,
@@ -259,6 +269,8 @@ def summarize_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_peer_mode(args: argparse.Namespace, model: str, load: Load) -> dict[str, Any]:
     setup = args.setups[0]
+    # Named before the run: the one configuration this row measures.
+    print(f"configuration: {setup} {' '.join(SETUPS[setup] + args.worker_arg)}", file=sys.stderr)
     peer = asyncio.run(describe_peer(args.peer_url))
     print(
         f"peer {args.peer_name} {args.peer_url}: {peer['model_path']} {peer['dtype']}",
@@ -302,6 +314,13 @@ def main() -> int:
     results: dict[str, list[dict[str, Any]]] = {}
     if args.peer_url:
         out.update(run_peer_mode(args, model, load))
+        if args.model == serve_models.DEFAULT:
+            out["peer_ratio_default_model"] = {
+                "median": out["peer_ratio"],
+                "range": out["peer_ratio_range"],
+                "dtype": args.dtype,
+                "config": out["config"],
+            }
         for side in ("peer", "ours"):  # the last repetition's points, for the plot
             name = args.peer_name if side == "peer" else f"pdserve-{args.setups[0]}"
             last = out["reps"][-1]["rep"]

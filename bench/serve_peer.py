@@ -1,4 +1,20 @@
-"""What bench/serve.py records about each side: model path, dtype and thread settings.
+"""`pdserve up` against vLLM's CPU build on the default model, per dtype; and what
+bench/serve.py records about each side (model path, dtype and thread settings).
+
+Run as a script, it runs bench/serve.py's peer mode once per ``--dtypes`` entry: for
+each, the configuration (``--setups``, named before the run), then the peer: vLLM started
+here from ``--vllm-python`` on the same model directory and dtype (vLLM's own thread
+defaults: one OpenMP thread, a core kept free), or an already running server at
+``--peer-url`` (one dtype then); three interleaved repetitions at concurrency 16, the peer
+first and second in turn. Last stdout line: JSON with ``peer_ratio_default_model`` (per
+dtype: median and range of ours / peer output tok/s) and each dtype's bench/serve.py JSON.
+Other arguments go to bench/serve.py as they are.
+
+    python bench/serve_peer.py --model default --vllm-python ~/vllm-venv/bin/python
+    python bench/serve_peer.py --model default --setups colocated --vllm-python ...
+    python bench/serve_peer.py --quick --model DIR --dtypes float32 --peer-url URL
+
+The rest of this module is what bench/serve.py records about each side.
 
 The peer's model path comes from its ``/v1/models`` (``root``, else ``id``); its dtype
 from the model card where the server states one, else from the serving process's own
@@ -12,8 +28,12 @@ with where it was looked for.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -168,3 +188,82 @@ def ours_threads(session_pid: int) -> dict[str, Any]:
     procs = side_threads(session_pid)
     workers = [p for p in procs if "--cpu-threads" in p["argv"] or p["cpu_threads_arg"]]
     return {"cpu_threads_per_worker": [p["cpu_threads_arg"] for p in workers], "processes": procs}
+
+
+def start_vllm(python: str, model: str, dtype: str, port: int) -> subprocess.Popen[str]:
+    """vLLM's OpenAI server (docs/benchmarks.md, "serve"), run outside the repository (its
+    operator/ would shadow the stdlib's), until its /v1/models answers (10 minutes)."""
+    import httpx
+
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    argv += ["--dtype", dtype, "--no-enable-prefix-caching", "--port", str(port)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    log = open(Path("/tmp") / f"serve_peer_vllm_{port}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(argv, cwd="/tmp", stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    proc.kill()
+    raise RuntimeError(f"vLLM did not come up on {model} ({dtype}): see {log.name}")
+
+
+def run_dtype(args: argparse.Namespace, rest: list[str], dtype: str) -> dict[str, Any]:
+    bench = Path(__file__).resolve().parent / "serve.py"
+    argv = [sys.executable, str(bench), "--model", args.model, "--dtype", dtype]
+    argv += ["--setups", args.setups, "--peer-name", args.peer_name, *rest]
+    if args.quick:
+        argv.append("--quick")
+    else:
+        argv += ["--concurrency", "16"]
+    print(
+        f"serve_peer: {dtype}: configuration {args.setups} (named before the run)", file=sys.stderr
+    )
+    peer = None
+    url = args.peer_url
+    if not url:
+        from serve_models import DEFAULT, default_model_dir
+
+        model = default_model_dir(dtype) if args.model == DEFAULT else args.model
+        peer = start_vllm(args.vllm_python, model, dtype, args.peer_port)
+        url = f"http://127.0.0.1:{args.peer_port}"
+    try:
+        done = subprocess.run([*argv, "--peer-url", url], stdout=subprocess.PIPE, text=True)
+    finally:
+        if peer is not None:
+            peer.terminate()
+            peer.wait(60)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench/serve.py failed for {dtype} (exit {done.returncode})")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default", help="'default' (SmolLM2) or a model dir")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--setups", default="default", help="our one configuration (serve.py's)")
+    p.add_argument("--vllm-python", default=str(Path.home() / "vllm-venv" / "bin" / "python"))
+    p.add_argument("--peer-url", default="", help="a running peer instead (one dtype)")
+    p.add_argument("--peer-port", type=int, default=8399)
+    p.add_argument("--peer-name", default="vllm-cpu")
+    p.add_argument("--quick", action="store_true", help="serve.py --quick (the tests')")
+    args, rest = p.parse_known_args()
+    if args.peer_url and len(args.dtypes) != 1:
+        p.error("--peer-url serves one dtype: give one --dtypes")
+    runs = {dtype: run_dtype(args, rest, dtype) for dtype in args.dtypes}
+    ratios = {
+        d: {"median": r["peer_ratio"], "range": r["peer_ratio_range"]} for d, r in runs.items()
+    }
+    key = "peer_ratio_default_model" if args.model == "default" else "peer_ratio_by_dtype"
+    out = {"model": args.model, "config": args.setups, key: ratios, "runs": runs}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -69,7 +69,7 @@ def predictions(prof: Profile, b: int, c: int, n: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from pdserve.engine.config import add_engine_arguments, engine_config_from_args
+    from pdserve.engine.engine_args import add_engine_arguments, engine_config_from_args
     from pdserve.engine.llm_engine import LLMEngine
 
     ep = argparse.ArgumentParser()

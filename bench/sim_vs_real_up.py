@@ -14,7 +14,6 @@ import json
 import os
 import re
 import secrets
-import subprocess
 import sys
 import threading
 import time
@@ -26,7 +25,7 @@ import numpy as np
 from sim_vs_real_cpu import CpuSampler, Sample, autogroup_enabled, cpu_between, nice_of
 
 from pdserve import env
-from pdserve.local.proc_group import end_group
+from pdserve.local.proc_group import end_group, start_group
 from pdserve.planner.sim.replay import Trace
 
 # one request at a time on the idle service before the trace: the serving path's own
@@ -85,14 +84,7 @@ class Up:
         ]
         environ = {k: v for k, v in os.environ.items() if k != "PDSERVE_CORE_ZYGOTE"}
         environ[env.SERVICE_SECRET] = self.secret
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            env=environ,
-        )
+        self.proc = start_group(cmd, env=environ)
         self.lines: list[tuple[float, str]] = []
         self.launched = time.monotonic()
         self.log = log

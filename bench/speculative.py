@@ -120,6 +120,7 @@ def start(name: str, model: str, args: argparse.Namespace, port: int, extra: lis
 
 def main() -> int:
     args = parse_args()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     from pdserve.local.up import ensure_model
 
     model = ensure_model(args.model, args.dtype)
@@ -141,7 +142,9 @@ def main() -> int:
         speculative=args.speculative,
         max_tokens=args.max_tokens,
         concurrency=args.concurrency,
-        note="2-core machine shared with other jobs: figures are noisy",
+        load_avg_start=load_start,
+        load_avg_end=[round(x, 2) for x in os.getloadavg()],
+        cpus=os.cpu_count(),
     )
     print(json.dumps(result))
     return 0

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from lib.procfs import descendants
 
-from pdserve.local.proc_group import end_group
+from pdserve.local.proc_group import end_group, start_group
 from pdserve.testing.loopback import free_port
 
-ENGINE_THREAD = "pdserve-engine"  # the engine core's thread name (worker/core_main.py)
+ENGINE_THREAD = "pdserve-engine"  # the engine core's thread name (worker/core/main.py)
 STARTS = 3  # tries per cluster when a port of its turns out to be another process's
 
 
@@ -158,15 +158,7 @@ def _start(label: str, tree: Path, model: str, log_dir: Path, base: int) -> subp
     env = {**os.environ, "PYTHONPATH": str(tree)}
     env.pop("PDSERVE_CORE_ZYGOTE", None)
     cwd = tempfile.mkdtemp(prefix="stream-overhead-")  # outside any checkout
-    return subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=cwd,
-        start_new_session=True,
-    )
+    return start_group(argv, env=env, cwd=cwd)
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:

@@ -16,64 +16,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pdserve.local.proc_group import end_group  # noqa: E402
+from pdserve.testing.up import running_up  # noqa: E402
 
 WAYS = {"zygote": [], "plain": ["--no-core-zygote"]}
 
 
 def start_once(extra: list[str], args: argparse.Namespace, port: int) -> float:
     """Seconds from launch to ready."""
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "up",
-        "--model",
-        "tiny",
-        "--enforce-eager",
-        "--prefill",
-        str(args.prefill),
-        "--decode",
-        str(args.decode),
-        "--port",
-        str(port),
-        "--worker-port-base",
-        str(port + 100),
-        *extra,
-    ]
+    flags = ["--enforce-eager", "--prefill", str(args.prefill), "--decode", str(args.decode)]
+    flags += ["--port", str(port), "--worker-port-base", str(port + 100), *extra]
     # none from the caller (a test session's): the cluster's own, as shipped
     environ = {k: v for k, v in os.environ.items() if k != "PDSERVE_CORE_ZYGOTE"}
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env=environ,
-        cwd=ROOT,
-    )
-    assert proc.stdout is not None
-    ready, tail = 0.0, []
-    for line in proc.stdout:
-        tail = [*tail[-30:], line]
-        if line.startswith("pdserve is up"):
-            ready = time.monotonic() - started
-            break
-    end_group(proc, signal.SIGINT, grace_s=60)
-    if not ready:
-        raise RuntimeError("pdserve up did not come up:\n" + "".join(tail))
-    return ready
+    with running_up("tiny", *flags, env=environ, timeout=600, grace_s=60) as up:
+        return up.ready_s
 
 
 def summary(values: list[float]) -> dict[str, float]:

@@ -32,12 +32,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdserve.engine import compiled, startup_probe
+from pdserve.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.engine_view import EngineView
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +53,43 @@ STATES = (OFF, COMPILING, READY, COMPILED, EAGER_KEPT)
 NICE = 10  # the compile thread's niceness (Linux: per thread)
 
 
+def run_variants(engine: EngineView, log: Callable[[str], None]) -> None:
+    """One generation per graph variant (compiled.WARM_UP) on ``engine``'s forward."""
+    for i, (label, prompts, max_tokens) in enumerate(compiled.WARM_UP, 1):
+        t = time.perf_counter()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        engine.generate(prompts, params)
+        log(f"  [{i}/{len(compiled.WARM_UP)}] {label}: {time.perf_counter() - t:.1f}s")
+
+
+def warm_up(engine: EngineView) -> float:
+    """Compile every graph variant now, on the engine's own thread; returns seconds
+    (``--compile-before-ready``, and in-process engines; a worker by default compiles in
+    the background: CompileJob below).
+
+    Each variant prints a progress line: the first start compiles (a minute or more on a
+    small CPU), later starts load the cache.
+    """
+    start = time.perf_counter()
+    compiled.say(
+        f"compiling the model forward (torch.compile; cache {compiled.cache_dir()}; "
+        "--enforce-eager skips this)"
+    )
+    try:
+        run_variants(engine, compiled.say)
+    except Exception:  # no compiler, no Triton, an inductor bug: serve eager
+        logger.exception("torch.compile failed; this worker runs the eager forward")
+        for request_id in list(engine.requests):
+            engine.abort(request_id)
+        engine.runner.use_eager()
+    else:
+        compiled.in_service()
+    engine.forget_warm_up()
+    return time.perf_counter() - start
+
+
 class CompileJob:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: EngineView) -> None:
         self.engine = engine
         self.state = COMPILING
         self.reason = ""  # EAGER_KEPT: why
@@ -86,7 +123,7 @@ class CompileJob:
                     shadow.runner.use_kernel_backend()
             expected = startup_probe.run(shadow)
             shadow.runner.forward = runner.ensure_compiled_fn()
-            compiled.run_variants(shadow, compiled.say)
+            run_variants(shadow, compiled.say)
             got = startup_probe.run(shadow)
             if got != expected:
                 raise startup_probe.ProbeFailed(

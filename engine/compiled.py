@@ -28,18 +28,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from pdserve import env
 from pdserve.engine import cache_seal, cpu_linear
-
-if TYPE_CHECKING:
-    from pdserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -99,43 +95,6 @@ def in_service() -> None:
     if _models_compiled == 1:
         torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
     cache_seal.seal(cache_dir(), cache_seal.ring(env.COMPILE_CACHE))
-
-
-def run_variants(engine: LLMEngine, log: Callable[[str], None]) -> None:
-    """One generation per graph variant (WARM_UP) on ``engine``'s forward."""
-    from pdserve.protocol.sampling_params import SamplingParams
-
-    for i, (label, prompts, max_tokens) in enumerate(WARM_UP, 1):
-        t = time.perf_counter()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        engine.generate(prompts, params)
-        log(f"  [{i}/{len(WARM_UP)}] {label}: {time.perf_counter() - t:.1f}s")
-
-
-def warm_up(engine: LLMEngine) -> float:
-    """Compile every graph variant now, on the engine's own thread; returns seconds
-    (``--compile-before-ready``, and in-process engines; a worker by default compiles in
-    the background: compile_job.py).
-
-    Each variant prints a progress line: the first start compiles (a minute or more on a
-    small CPU), later starts load the cache.
-    """
-    start = time.perf_counter()
-    say(
-        f"compiling the model forward (torch.compile; cache {cache_dir()}; "
-        "--enforce-eager skips this)"
-    )
-    try:
-        run_variants(engine, say)
-    except Exception:  # no compiler, no Triton, an inductor bug: serve eager
-        logger.exception("torch.compile failed; this worker runs the eager forward")
-        for request_id in list(engine.requests):
-            engine.abort(request_id)
-        engine.runner.use_eager()
-    else:
-        in_service()
-    engine.forget_warm_up()
-    return time.perf_counter() - start
 
 
 def say(line: str) -> None:

@@ -8,11 +8,10 @@ builds the config, and only the engine process, which asks for ``torch_device`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pdserve import env
-from pdserve.engine.kv_tiers.config import TierConfig, tier_config_from_args
-from pdserve.engine.lora_files import LoraConfig, parse_lora_flag
+from pdserve.engine.kv_tiers.config import TierConfig
+from pdserve.engine.lora_files import LoraConfig
 from pdserve.engine.spec_config import parse_speculative
 
 if TYPE_CHECKING:
@@ -39,7 +38,7 @@ class EngineConfig:
     compile: bool = False  # torch.compile the forward (workers: on unless --enforce-eager)
     compile_in_background: bool = False  # serve eager until compiled (workers: on)
     grammar_cache_bytes: int = 64 << 20  # compiled grammars kept (engine/structured.py)
-    grammar_compile_timeout_s: float = 10.0  # a slower grammar is refused (engine/core_loop.py)
+    grammar_compile_timeout_s: float = 10.0  # a slower grammar is refused (worker/core/loop.py)
     lora: LoraConfig | None = None  # multi-LoRA (engine/lora_registry.py); None: off
     kv_tiers: TierConfig | None = None  # KV tiers below the pool (docs/kv_tiers.md); None: off
     # Speculative decoding: "ngram:k=4" (engine/spec_config.py); None: off.
@@ -78,52 +77,3 @@ class EngineConfig:
     @property
     def dtype_name(self) -> str:
         return str(self.torch_dtype).removeprefix("torch.")
-
-
-def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
-    """The engine flags shared by every command that runs an engine (engine/engine_args.py)."""
-    from pdserve.config_cli import add_flags
-    from pdserve.engine.engine_args import EngineArgs
-    from pdserve.engine.kv_tiers.config import TierArgs
-
-    add_flags(parser, (EngineArgs, TierArgs))
-
-
-def engine_config_from_args(
-    args: Any, *, resolve: bool = True, background: bool = False
-) -> EngineConfig:
-    """The config of an engine process; a GGUF ``--model`` becomes its converted directory
-    (engine/model_source.py), in the dtype this engine will run in. ``resolve=False``
-    keeps ``--model`` as given (a worker's front end: its core resolves it)."""
-    from pdserve.engine.model_source import resolve_model  # it imports this module
-
-    loras = tuple(parse_lora_flag(v) for v in getattr(args, "lora", None) or ())
-    return EngineConfig(
-        model=resolve_model(args.model, args.dtype, args.device) if resolve else args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_bytes,
-        kv_cache_fraction=args.kv_cache_fraction,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        served_model_name=args.served_model_name,
-        enable_prefix_caching=not args.no_prefix_caching,
-        cpu_threads=args.cpu_threads,
-        # Adapter layers run eager (docs/lora.md): no compile for a worker that has some.
-        compile=not (args.enforce_eager or env.eager_forced() or loras),
-        # a worker's (``background``): serve eager, compile in the background (compile_job.py)
-        compile_in_background=background and not getattr(args, "compile_before_ready", False),
-        grammar_cache_bytes=getattr(args, "grammar_cache_bytes", 64 << 20),
-        grammar_compile_timeout_s=getattr(args, "grammar_compile_timeout", 10.0),
-        speculative=getattr(args, "speculative", None),
-        lora=LoraConfig(
-            max_loras=getattr(args, "max_loras", 4),
-            max_cpu_loras=getattr(args, "max_cpu_loras", 8),
-            max_lora_rank=getattr(args, "max_lora_rank", 64),
-            loras=loras,
-            roots=tuple(getattr(args, "lora_root", None) or ()),
-        ),
-        kv_tiers=tier_config_from_args(args),
-    )

@@ -32,7 +32,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from pdserve.engine.model_runner import ModelRunner, ScheduledChunk
+    from pdserve.engine.kv_pool import KVPool
+    from pdserve.engine.model_support import LayerAttention
+    from pdserve.engine.sched_output import ScheduledChunk
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 PAD_SLOT = -1  # a padding row's KV slot: nothing is written
@@ -207,6 +209,23 @@ class DecodeGraphs:
 # --- the model runner's side --------------------------------------------------------------
 
 
+class StepModel(Protocol):
+    """What a captured step reads of the model runner (model_runner.py), which imports
+    this module: its pool, its layers' attention options and its forward."""
+
+    @property
+    def pool(self) -> KVPool | None: ...
+
+    @property
+    def layers(self) -> tuple[LayerAttention, ...]: ...
+
+    @property
+    def architecture(self) -> str: ...
+
+    @property
+    def forward(self) -> Callable[..., Any]: ...
+
+
 def decode_batch(chunks: Sequence[ScheduledChunk], block_size: int) -> DecodeBatch:
     """A step of decodes (one token each) as a :class:`DecodeBatch`."""
     tokens, positions, slots, tables = [], [], [], []
@@ -220,7 +239,7 @@ def decode_batch(chunks: Sequence[ScheduledChunk], block_size: int) -> DecodeBat
     return DecodeBatch(tokens, positions, slots, tables)
 
 
-def model_step(runner: ModelRunner) -> Callable[[StepView], torch.Tensor]:
+def model_step(runner: StepModel) -> Callable[[StepView], torch.Tensor]:
     """The runner's forward over a bucket's static inputs, through the Triton attention:
     logits of every row (the graph records this; its Python runs only at capture)."""
     from pdserve.engine.attention import CURRENT, AttentionMetadata

@@ -23,6 +23,7 @@ tokenizer vocabulary (token to id), else it is refused by name at start.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -31,11 +32,13 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.request import Request
+from pdserve.protocol.hashing import ROOT_HASH
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 if TYPE_CHECKING:
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.engine_view import EngineView
 
+logger = logging.getLogger(__name__)
 FIELD = "speculative"
 
 
@@ -67,7 +70,7 @@ def sized(config: EngineConfig, bytes_per_block: int, max_model_len: int) -> Eng
     return replace(config, kv_cache_bytes=budget)
 
 
-def check_vocab(draft: LLMEngine, target: LLMEngine, model: str) -> None:
+def check_vocab(draft: EngineView, target: EngineView, model: str) -> None:
     """Refuse a draft model whose ids mean other tokens than the target's."""
     if draft.vocab_size != target.vocab_size:
         raise ValueError(
@@ -84,7 +87,7 @@ def check_vocab(draft: LLMEngine, target: LLMEngine, model: str) -> None:
 class DraftProposer:
     """``propose(tokens, k)`` like NgramProposer's, from the draft engine's greedy output."""
 
-    def __init__(self, engine: LLMEngine, k: int) -> None:
+    def __init__(self, engine: EngineView, k: int) -> None:
         self.engine = engine
         self.k = k
         self.ids = itertools.count()
@@ -98,16 +101,22 @@ class DraftProposer:
         if k <= 0 or len(tokens) + k > self.engine.max_model_len:
             return []
         params = SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
-        salt = f"{req.hash_root:x}" if req is not None and req.hash_root else None
+        salted = req is not None and req.hash_root != ROOT_HASH
+        salt = f"{req.hash_root:x}" if salted else None  # type: ignore[union-attr]
         rid = f"draft-{next(self.ids)}"
         try:  # the tenant's salt: its cached blocks are its own, as in the target's pool
             self.engine.add_request(rid, list(tokens), params, cache_salt=salt)
         except InvalidParameter:
             return []
         out: list[int] = []
-        while self.engine.has_work:
-            for o in self.engine.step():
-                out += o.token_ids
+        try:
+            while self.engine.has_work:
+                for o in self.engine.step():
+                    out += o.token_ids
+        except Exception:  # a draft can never fail the target's step: no drafts this time
+            logger.exception("draft model step failed: decoding without drafts")
+            self.engine.abort(rid)
+            return []
         return out[:k]
 
     @property

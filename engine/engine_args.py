@@ -1,7 +1,7 @@
 """The engine's flags: the fields of :class:`EngineArgs` (pdserve/config_cli.py).
 
 Every command that runs an engine (the workers, ``pdserve generate``, ``pdserve profile``)
-takes them; ``engine/config.py``'s ``engine_config_from_args`` turns them into an
+takes them; ``engine_config_from_args`` (below) turns them into an
 :class:`~pdserve.engine.config.EngineConfig`. Importing this module loads no torch.
 """
 
@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve import env
-from pdserve.config_cli import flag
-from pdserve.engine.config import DTYPES
-from pdserve.engine.lora_files import parse_lora_flag
+from pdserve.config_cli import add_flags, flag
+from pdserve.engine.config import DTYPES, EngineConfig
+from pdserve.engine.kv_tiers.config import TierArgs, tier_config_from_args
+from pdserve.engine.lora_files import LoraConfig, parse_lora_flag
+from pdserve.engine.model_source import resolve_model
 from pdserve.engine.spec_config import parse_speculative
 
 ENGINE, LORA = "engine", "LoRA adapters (docs/lora.md)"
@@ -136,4 +139,48 @@ class EngineArgs:
         group=LORA,
         metavar="DIR",
         many="append",
+    )
+
+
+def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
+    """The engine flags shared by every command that runs an engine: the fields of
+    EngineArgs and TierArgs."""
+    add_flags(parser, (EngineArgs, TierArgs))
+
+
+def engine_config_from_args(
+    args: Any, *, resolve: bool = True, background: bool = False
+) -> EngineConfig:
+    """The config of an engine process; a GGUF ``--model`` becomes its converted directory
+    (engine/model_source.py), in the dtype this engine will run in. ``resolve=False``
+    keeps ``--model`` as given (a worker's front end: its core resolves it)."""
+    loras = tuple(parse_lora_flag(v) for v in getattr(args, "lora", None) or ())
+    return EngineConfig(
+        model=resolve_model(args.model, args.dtype, args.device) if resolve else args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        kv_cache_fraction=args.kv_cache_fraction,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        served_model_name=args.served_model_name,
+        enable_prefix_caching=not args.no_prefix_caching,
+        cpu_threads=args.cpu_threads,
+        # Adapter layers run eager (docs/lora.md): no compile for a worker that has some.
+        compile=not (args.enforce_eager or env.eager_forced() or loras),
+        # a worker's (``background``): serve eager, compile in the background (compile_job.py)
+        compile_in_background=background and not getattr(args, "compile_before_ready", False),
+        grammar_cache_bytes=getattr(args, "grammar_cache_bytes", 64 << 20),
+        grammar_compile_timeout_s=getattr(args, "grammar_compile_timeout", 10.0),
+        speculative=getattr(args, "speculative", None),
+        lora=LoraConfig(
+            max_loras=getattr(args, "max_loras", 4),
+            max_cpu_loras=getattr(args, "max_cpu_loras", 8),
+            max_lora_rank=getattr(args, "max_lora_rank", 64),
+            loras=loras,
+            roots=tuple(getattr(args, "lora_root", None) or ()),
+        ),
+        kv_tiers=tier_config_from_args(args),
     )

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config_cli import add_flags, flag
-from pdserve.engine.config import engine_config_from_args
-from pdserve.engine.engine_args import EngineArgs
+from pdserve.engine.engine_args import EngineArgs, engine_config_from_args
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 GEN = "generation"

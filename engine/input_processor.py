@@ -16,8 +16,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import TextStream
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.lora_registry import LoraAdapter, LoraRegistry, check_handle
-from pdserve.engine.request import Request
-from pdserve.engine.scheduler import tenant_of
+from pdserve.engine.request import Request, tenant_of
 from pdserve.engine.structured import Grammars
 from pdserve.protocol.contract import KVHandle, LoraRef
 from pdserve.protocol.hashing import block_hashes, salt_root
@@ -28,8 +27,6 @@ logger = logging.getLogger(__name__)
 
 
 class InputProcessor:
-    loras: LoraRegistry | None = None  # the runner's adapters (engine/lora_registry.py)
-
     def __init__(
         self,
         config: EngineConfig,
@@ -39,6 +36,7 @@ class InputProcessor:
         kv: KVCacheManager,
         grammars: Grammars,
         transport_name: Callable[[], str | None],
+        loras: LoraRegistry | None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -47,6 +45,7 @@ class InputProcessor:
         self.kv = kv
         self.grammars = grammars
         self.transport_name = transport_name  # the decode connector's, once attached
+        self.loras = loras  # the runner's adapters (engine/lora_registry.py); None: off
 
     def process(
         self,

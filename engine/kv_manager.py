@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.block_manager import Allocation, BlockManager
 from pdserve.engine.kv_connector import HeldBlocks, KVConnector, KVHolder
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.request import Request
@@ -86,7 +86,21 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
 
-    # -- a request's blocks --------------------------------------------------------
+    # -- a request's blocks (the scheduler's check/act pairs) -------------------------
+    def can_allocate(self, hits: list[int], num_tokens: int) -> bool:
+        return self.block_manager.can_allocate(hits, num_tokens)
+
+    def allocate(self, hits: list[int], num_tokens: int) -> Allocation:
+        """``hits`` (cached blocks, taken) then fresh blocks up to ``num_tokens``."""
+        return self.block_manager.allocate(hits, num_tokens)
+
+    def can_grow(self, block_ids: list[int], num_tokens: int) -> bool:
+        return self.block_manager.can_grow(block_ids, num_tokens)
+
+    def grow(self, block_ids: list[int], num_tokens: int) -> None:
+        """Append fresh blocks to ``block_ids`` until they hold ``num_tokens``."""
+        self.block_manager.grow(block_ids, num_tokens)
+
     def free_request(self, req: Request) -> None:
         if req.block_ids:
             self.block_manager.free(req.block_ids)

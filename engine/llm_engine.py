@@ -15,7 +15,7 @@ coordinator over the parts that do the work, in the order of a request's life::
                   KVCacheManager   blocks freed, cached, held or quarantined (kv_manager.py)
 
 Synchronous and single-threaded; a worker runs it in its engine core process
-(``pdserve.engine.core_loop.CoreLoop``). Workers use two extra modes:
+(``pdserve.worker.core.loop.CoreLoop``). Workers use two extra modes:
 
 * ``hold_kv`` (prefill): the request ends after its first token with finish
   reason ``handoff``; its blocks go to the KV holder (``attach_holder``; by default
@@ -30,12 +30,12 @@ import copy
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.engine import compile_job, compiled
+from pdserve.engine import compile_job
 from pdserve.engine.compile_job import CompileJob
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.draft_proposer import DraftProposer, check_vocab, draft_config, sized
@@ -44,10 +44,12 @@ from pdserve.engine.kv_connector import KVConnector, KVHolder, LoadResult
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.kv_pool import KVPool, budget_bytes
 from pdserve.engine.logprobs import StepLogprobs
-from pdserve.engine.model_runner import ModelRunner, ScheduledChunk, model_identity
+from pdserve.engine.lora_registry import LoraRegistry
+from pdserve.engine.model_runner import ModelRunner, model_identity
 from pdserve.engine.output_processor import OutputProcessor, eos_ids, make_output, with_logprobs
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_config import SpecConfig, parse_speculative
 from pdserve.engine.spec_decode import SpecDecoder, merge_outputs, rollback
@@ -55,6 +57,9 @@ from pdserve.engine.structured import Grammars
 from pdserve.protocol.contract import EngineStats
 from pdserve.protocol.outputs import HANDOFF, REQUEST_FAILED, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_tiers.store import TieredStore
 
 logger = logging.getLogger(__name__)
 SHADOW_BLOCKS = 48  # the compile thread's pool: the warm-up's and the probe's requests
@@ -77,10 +82,9 @@ class LLMEngine:
         budget = budget_bytes(self.runner.device, config.kv_cache_bytes, config.kv_cache_fraction)
         pool = KVPool.from_budget(self.runner.kv_shape, budget, self.runner.device)
         self.runner.bind_pool(pool)
-        self.kv = KVCacheManager(pool, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            config, self.kv.block_manager, connector, recompute_on_load_failure
-        )
+        kv = KVCacheManager(pool, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, kv, connector, recompute_on_load_failure)
+        self.kv = self.scheduler.kv  # the scheduler's; the engine frees, holds and reads
         self.sampler = Sampler(self.runner.device, config.seed)
         self.max_model_len = min(
             config.max_model_len or self.runner.max_position_embeddings,
@@ -101,8 +105,8 @@ class LLMEngine:
             self.kv,
             self.grammars,
             lambda: getattr(self.scheduler.connector, "transport_name", None),
+            self.runner.loras,
         )
-        self.inputs.loras = self.runner.loras
         self.outputs = OutputProcessor(eos, self.max_model_len)
         spec = parse_speculative(config.speculative)
         self.spec = (
@@ -113,7 +117,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.tier_store = None
+        self.tier_store: TieredStore | None = None
         if config.kv_tiers is not None:
             from pdserve.engine.kv_tiers.attach import attach
 
@@ -123,7 +127,7 @@ class LLMEngine:
         self.fault, self.fault_at = "", 0.0  # the standing step failure: unready
         self.compile_job: CompileJob | None = None  # start_compile: in the background
         now = config.compile and not config.compile_in_background and runner is None
-        self.compile_seconds = compiled.warm_up(self) if now else 0.0
+        self.compile_seconds = compile_job.warm_up(self) if now else 0.0
         # Drafting starts after a warm-up compile (its one-decode step stays T = 1); a
         # compile in the background covers steps with drafts too (T >= 2, several rows).
         if self.spec is not None:
@@ -237,6 +241,16 @@ class LLMEngine:
         self.kv.attach_holder(holder)
 
     @property
+    def loras(self) -> LoraRegistry | None:
+        """The runner's LoRA adapters (engine/lora_registry.py); None: off."""
+        return self.runner.loras
+
+    @property
+    def kv_tensor(self) -> torch.Tensor:
+        """The KV pool's one tensor: what a KV transport registers (kv_manager.py)."""
+        return self.kv.tensor  # type: ignore[no-any-return]
+
+    @property
     def held(self) -> set[str]:
         return self.kv.held_ids()
 
@@ -254,6 +268,12 @@ class LLMEngine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def has_runnable(self) -> bool:
+        """A step has tokens to compute: requests running or waiting, not only KV loads
+        (remote or from a tier) that the core loop polls for."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
         if self.compile_job is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +39,7 @@ from pdserve.engine.kv_pool import KVPool, KVShape
 from pdserve.engine.lora_registry import LoraRegistry, lora_passes
 from pdserve.engine.prompt_logprobs import PromptRows
 from pdserve.engine.request import Request
+from pdserve.engine.sched_output import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
@@ -51,31 +51,6 @@ DECODE_GROUP_SHARE = 0.6
 # calls saved. A GPU wants few, large calls.
 DECODE_GROUP_ROWS = {"cpu": 8}
 DECODE_GROUP_ROWS_DEFAULT = 256
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Tokens ``start .. start + num_tokens`` of one request, computed in one step; with
-    ``draft`` (speculative decoding, engine/spec_decode.py) the last ``len(draft)`` of them
-    are draft tokens past the request's own, and each of the last ``1 + len(draft)`` rows
-    is sampled."""
-
-    request: Request
-    num_tokens: int
-    start: int
-    samples: bool  # the chunk reaches the request's last token: its logits are sampled
-    draft: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, request: Request, num_tokens: int, draft: Sequence[int] = ()) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        samples = start + num_tokens == request.num_tokens
-        return cls(request, num_tokens + len(draft), start, samples, tuple(draft))
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of logits the chunk samples."""
-        return 1 + len(self.draft) if self.samples else 0
 
 
 def model_identity(model_dir: str | Path) -> str:
@@ -93,6 +68,8 @@ def model_identity(model_dir: str | Path) -> str:
 class ModelRunner:
     attention_backend = attention_backends.GATHER  # set per model in __init__
     graphs: cuda_graphs.DecodeGraphs | None = None  # enable_cuda_graphs()
+    latent: mla.LatentLayout | None = None  # MLA compressed (engine/mla.py)
+    kv_planes = 2  # the pool's planes: K and V, or MLA's one latent
 
     def __init__(self, config: EngineConfig) -> None:
         self.device = config.torch_device
@@ -134,7 +111,6 @@ class ModelRunner:
         self.num_kv_heads: int = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         # Under MLA V is narrower than K; the pool stores it padded to K's size.
         self.head_dim: int = model_support.head_dims(hf)[0]
-        self.kv_planes = 2
         if self.latent is not None:  # one latent head, key and value at once
             self.num_kv_heads, self.head_dim = 1, self.latent.head_dim
             self.kv_planes = 1

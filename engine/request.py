@@ -80,3 +80,11 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         return self.num_uncomputed_tokens > 1
+
+
+def tenant_of(cache_salt: str | None) -> str:
+    """A request's tenant: the router's key salt, the ``k:`` part of its cache salt
+    (router/runtime.py ``cache_salt``); "" without one (the client's own ``r:`` part never
+    counts, so a client cannot pose as many tenants by varying it)."""
+    head = (cache_salt or "").split("|", 1)[0]
+    return head if head.startswith("k:") else ""

@@ -9,59 +9,51 @@ request that arrives with a remote KV handle is admitted into
 ``WAITING_FOR_REMOTE_KV``: its blocks are allocated and the connector pulls
 them, while the rest of the batch keeps running.
 
-Waiting requests are admitted fairly across tenants (the router's API keys): the next
-one is the oldest of the tenant with the fewest requests running, looked for among the
-first ``FAIR_WINDOW`` waiting, so one key's burst cannot fill the batch while another
-key's request waits behind it. Preempted requests go first; with one tenant (no keys)
-this is first come, first served.
+Waiting requests are admitted fairly across tenants (the router's API keys): each tenant
+has a queue of its own beside the arrival order (``waiting``), and the next one admitted
+is the oldest of the tenant with the fewest requests running, however deep one key's
+burst is (before, only the first 64 waiting were looked through: a burst longer than that
+held every other key back). Preempted requests go first; with one tenant (no keys) this
+is first come, first served.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from pdserve.engine import prompt_logprobs
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_connector import KVConnector, LoadResult
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.kv_tiers.sched import TierLoading
-from pdserve.engine.model_runner import ScheduledChunk
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sched_output import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-FAIR_WINDOW = 64  # waiting requests looked through for a fairer next one
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    loaded: list[tuple[Request, LoadResult]] = field(default_factory=list)
 
 
 class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
-        blocks: BlockManager,
+        kv: KVCacheManager,
         connector: KVConnector | None = None,
         recompute_on_load_failure: bool = True,
     ) -> None:
         self.config = config
-        self.blocks = blocks
+        self.kv = kv  # the KV cache manager: this scheduler's, as in vLLM v1 (kv_manager.py)
         self.connector = connector
         self.recompute_on_load_failure = recompute_on_load_failure
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()  # arrival order (preempted in front)
+        self.waiting_by_tenant: dict[str, deque[Request]] = {}  # the same, per tenant
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
         self.tiers: TierLoading | None = None  # KV tiers below the pool (kv_tiers/attach.py)
         # Keep a little headroom so admissions do not immediately force preemptions.
-        self.watermark_blocks = max(1, blocks.num_blocks // 100)
+        self.watermark_blocks = max(1, kv.num_blocks // 100)
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
         # Speculative decoding (engine/spec_decode.py): draft tokens for a decode, given
@@ -74,6 +66,14 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.waiting_by_tenant.setdefault(req.tenant, deque()).append(req)
+
+    def _unwait(self, req: Request) -> None:
+        self.waiting.remove(req)
+        queue = self.waiting_by_tenant[req.tenant]
+        queue.remove(req)  # its head, when admitted
+        if not queue:
+            del self.waiting_by_tenant[req.tenant]
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -96,7 +96,7 @@ class Scheduler:
                 self.running.append(req)
                 continue
             need = req.num_computed_tokens + n
-            while not self.blocks.can_grow(req.block_ids, need):
+            while not self.kv.can_grow(req.block_ids, need):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -105,12 +105,13 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break  # preempted itself: nothing smaller is left to run
             draft = self._draft(req, need, budget - n)
-            self.blocks.grow(req.block_ids, need + len(draft))
+            self.kv.grow(req.block_ids, need + len(draft))
             out.chunks.append(ScheduledChunk.of(req, n, draft))
             self.running.append(req)
             budget -= n + len(draft)
         for req in out.preempted:  # newest first, so the oldest ends up in front
             self.waiting.appendleft(req)
+            self.waiting_by_tenant.setdefault(req.tenant, deque()).appendleft(req)
         return budget
 
     def _draft(self, req: Request, need: int, room: int) -> list[int]:
@@ -119,13 +120,12 @@ class Scheduler:
         if self.drafter is None or req.num_uncomputed_tokens != 1 or room <= 0:
             return []
         draft = self.drafter(req, room)
-        if draft and not self.blocks.can_grow(req.block_ids, need + len(draft)):
+        if draft and not self.kv.can_grow(req.block_ids, need + len(draft)):
             return []
         return draft
 
     def _preempt(self, req: Request) -> None:
-        self.blocks.free(req.block_ids)
-        req.block_ids = []
+        self.kv.free_request(req)
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
         req.num_preemptions += 1
@@ -133,19 +133,16 @@ class Scheduler:
         self.num_preemptions += 1
 
     # -- waiting ---------------------------------------------------------------
-    def _next_waiting(self, tenants: Counter[str]) -> tuple[int, Request]:
-        """The next request to admit and its index: a preempted one at the head (it was
-        running), else the oldest of the tenant with the fewest running (``tenants``)."""
+    def _next_waiting(self, tenants: Counter[str]) -> Request:
+        """The next request to admit: a preempted one at the head (it was running), else
+        the oldest of the tenant with the fewest running (``tenants``)."""
         head = self.waiting[0]
-        best, fewest = 0, tenants[head.tenant]
-        if head.num_preemptions or not fewest:
-            return 0, head
-        for i, req in enumerate(itertools.islice(self.waiting, 1, FAIR_WINDOW), 1):
-            if tenants[req.tenant] < fewest:
-                best, fewest = i, tenants[req.tenant]
-                if not fewest:
-                    break
-        return best, self.waiting[best]
+        if head.num_preemptions or not tenants[head.tenant]:
+            return head
+        return min(
+            (queue[0] for queue in self.waiting_by_tenant.values()),
+            key=lambda r: (tenants[r.tenant], r.arrival_time),
+        )
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         tiered = self.tiers.requests.values() if self.tiers is not None else ()
@@ -153,27 +150,27 @@ class Scheduler:
         while self.waiting and budget > 0:
             if len(self.running) + self.num_loading >= self.config.max_num_seqs:
                 return
-            i, req = self._next_waiting(tenants)
+            req = self._next_waiting(tenants)
             # A remote request always reads its last prompt block, so the load (and the
             # lease release that comes with it) is never empty.
             covered = req.num_prompt_tokens if req.remote_kv is not None else req.num_tokens
-            hits = self.blocks.match_prefix(req.block_hashes, covered)
+            hits = self.kv.cached_prefix(req.block_hashes, covered)
             if prompt_logprobs.wanted(req):  # cached rows would have no logits to score
                 hits = []
             need = req.num_tokens + 1  # room for the first generated token too
-            if not self.blocks.can_allocate(hits, need) or (
-                self.blocks.num_free_blocks - self.blocks.blocks_needed(need) + len(hits)
+            if not self.kv.can_allocate(hits, need) or (
+                self.kv.num_free_blocks - self.kv.blocks_needed(need) + len(hits)
                 < self.watermark_blocks
                 and self.running
             ):
                 return
-            del self.waiting[i]
+            self._unwait(req)
             tenants[req.tenant] += 1
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
-            alloc = self.blocks.allocate(hits, need)
+            alloc = self.kv.allocate(hits, need)
             req.block_ids = alloc.block_ids
-            req.num_computed_tokens = alloc.num_cached_blocks * self.blocks.block_size
+            req.num_computed_tokens = alloc.num_cached_blocks * self.kv.block_size
             req.num_registered_blocks = alloc.num_cached_blocks
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
@@ -245,17 +242,9 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self._unwait(req)
         elif self.tiers is not None and self.tiers.cancel(req):
             pass  # no tier writes its blocks any more: the caller frees them
         elif req.request_id in self.loading and self.connector is not None:
             # Stays in ``loading`` until the connector reports the transfer stopped.
             self.connector.cancel(req.request_id)
-
-
-def tenant_of(cache_salt: str | None) -> str:
-    """A request's tenant: the router's key salt, the ``k:`` part of its cache salt
-    (router/runtime.py ``cache_salt``); "" without one (the client's own ``r:`` part never
-    counts, so a client cannot pose as many tenants by varying it)."""
-    head = (cache_salt or "").split("|", 1)[0]
-    return head if head.startswith("k:") else ""

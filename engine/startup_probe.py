@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.engine_view import EngineView
 
 PREFILL_LEN = 12
 BATCH_LENS = (5, 19, 9)  # decode rows of unequal contexts
@@ -36,13 +36,13 @@ class ProbeFailed(RuntimeError):
     """The model raised (or a request failed) on the serving path at start-up."""
 
 
-def _prompt(engine: LLMEngine, length: int, salt: int) -> list[int]:
+def _prompt(engine: EngineView, length: int, salt: int) -> list[int]:
     vocab = max(2, min(engine.vocab_size, 1000))
     return [(salt * 31 + 7 * i + 3) % vocab for i in range(length)]
 
 
 def _run(
-    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, **kwargs: Any
+    engine: EngineView, prompts: list[list[int]], params: SamplingParams, **kwargs: Any
 ) -> list[list[int]]:
     ids = [f"pdserve-probe-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
@@ -61,7 +61,7 @@ def _run(
     return [out[rid] for rid in ids]
 
 
-def run(engine: LLMEngine, hand_off: bool = False) -> list[list[int]]:
+def run(engine: EngineView, hand_off: bool = False) -> list[list[int]]:
     """The probe's greedy tokens (prefill's first token, then each decode row's); raises
     what the model raised."""
     greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -78,7 +78,7 @@ def run(engine: LLMEngine, hand_off: bool = False) -> list[list[int]]:
     return first + rows
 
 
-def check(engine: LLMEngine, hand_off: bool = False) -> list[list[int]]:
+def check(engine: EngineView, hand_off: bool = False) -> list[list[int]]:
     """``run``, with any exception turned into a ``ProbeFailed`` naming the model."""
     try:
         return run(engine, hand_off)

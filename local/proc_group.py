@@ -13,10 +13,30 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+def start_group(
+    argv: list[str],
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    preexec_fn: Callable[[], object] | None = None,
+) -> subprocess.Popen[str]:
+    """``argv`` in a session (and process group) of its own, its stdout and stderr merged
+    into one text pipe for the caller to read (``end_group`` stops the whole group)."""
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=env,
+        cwd=cwd,
+        preexec_fn=preexec_fn,
+    )
 
 
 def signal_group(proc: subprocess.Popen[Any] | int, sig: int) -> None:

@@ -22,6 +22,7 @@ from types import FrameType
 from pdserve import env
 from pdserve.config_cli import add_flags
 from pdserve.engine.model_source import TINY, needs_resolving, resolve_model
+from pdserve.engine.spec_config import parse_speculative
 from pdserve.local import kv_store
 from pdserve.local.compile_watch import CompileWatch
 from pdserve.local.planner_loop import config_from_args
@@ -94,10 +95,27 @@ def router_args(args: argparse.Namespace) -> list[str]:
     return out + list(args.router_arg)
 
 
+def decode_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--speculative`` for the decode workers; a draft model's directory checked here
+    (before any process starts) and passed as an absolute path."""
+    if not args.speculative:
+        return ()
+    spec = parse_speculative(args.speculative)
+    if spec is None or spec.method != "draft":
+        return ("--speculative", args.speculative)
+    path = Path(spec.model)
+    if not (path / "config.json").is_file():
+        raise SystemExit(
+            f"pdserve up: --speculative: draft model {spec.model!r} is not an HF model directory"
+        )
+    return ("--speculative", f"draft:model={path.resolve()},k={spec.k}")
+
+
 def _validate(args: argparse.Namespace) -> None:
     if args.prefill < 0 or args.decode < 1:
         raise SystemExit("pdserve up: need --decode >= 1 and --prefill >= 0")
     lora_args(args)  # a bad --lora stops here, before any process starts
+    decode_args(args)
     kv_store.check(getattr(args, "kv_shared", ""))
     if args.max_starting is not None and (args.max_starting < 0 or not args.autoscale):
         raise SystemExit(
@@ -130,7 +148,7 @@ def _run(args: argparse.Namespace, store: kv_store.SharedStore | None) -> int:
         kv_transport=args.kv_transport,
         served_model_name=args.served_model_name,
         worker_args=worker_args(args) + (store.worker_args() if store is not None else ()),
-        decode_args=("--speculative", args.speculative) if args.speculative else (),
+        decode_args=decode_args(args),
         log_dir=args.log_dir,
         worker_port_base=args.worker_port_base,
         autoscaled=args.autoscale,

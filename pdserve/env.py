@@ -29,7 +29,7 @@ ATTENTION_BACKEND = "PDSERVE_ATTENTION_BACKEND"  # cpu, triton or gather; unset:
 CPU_LINEAR = "PDSERVE_CPU_LINEAR"  # compiled CPU linears: auto, blas or onednn
 ENFORCE_EAGER = "PDSERVE_ENFORCE_EAGER"  # "1": workers skip torch.compile (--enforce-eager)
 COMPILE_CACHE = "PDSERVE_COMPILE_CACHE"  # where inductor keeps compiled graphs
-CORE_ZYGOTE = "PDSERVE_CORE_ZYGOTE"  # a core zygote's socket (worker/core_zygote.py)
+CORE_ZYGOTE = "PDSERVE_CORE_ZYGOTE"  # a core zygote's socket (worker/core/zygote.py)
 PARENT_PID = "PDSERVE_PARENT_PID"  # end with this parent (local/parent_watch.py)
 OPERATOR_STATUS_INTERVAL = "PDSERVE_OPERATOR_STATUS_INTERVAL"
 OPERATOR_RETRY_DELAY = "PDSERVE_OPERATOR_RETRY_DELAY"
@@ -43,6 +43,7 @@ DEFAULT_IMAGE = "PDSERVE_DEFAULT_IMAGE"  # the operator's image for pods that na
 KV_SHARED_PASSWORD = "PDSERVE_KV_SHARED_PASSWORD"  # the shared KV tier's password (a Secret)
 PROMETHEUS_BIN = "PDSERVE_PROMETHEUS_BIN"  # tests: the prometheus binary (else on PATH)
 REQUIRE_PROMETHEUS = "PDSERVE_REQUIRE_PROMETHEUS"  # tests: a missing prometheus fails, not skips
+TEST_TRANSPORT = "PDSERVE_TEST_TRANSPORT"  # tests: the suite's pdserve up KV transport (nixl)
 
 _warned: set[str] = set()
 

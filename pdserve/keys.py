@@ -28,7 +28,8 @@ SIDE_CHANNEL = "side-channel"  # the KV side channel's requests and replies
 KV_DATA = "kv-data"  # tcp KV data frames
 COMPILE_CACHE = "compile-cache"  # compiled code in a shared model cache
 BLOCK_HASH = "block-hash"  # the prefix cache's keyed block hash (see hashing.py)
-PURPOSES = (HTTP, SIDE_CHANNEL, KV_DATA, COMPILE_CACHE, BLOCK_HASH)
+PREFILL_PIN = "prefill-pin"  # the endpoint picker's x-prefiller-host-port signature
+PURPOSES = (HTTP, SIDE_CHANNEL, KV_DATA, COMPILE_CACHE, BLOCK_HASH, PREFILL_PIN)
 
 
 @lru_cache(maxsize=64)

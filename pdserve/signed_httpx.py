@@ -27,8 +27,9 @@ class SignedAuth(httpx.Auth):
         return request
 
     def _sign(self, request: httpx.Request) -> str:
+        host = request.headers.get("Host", "")
         auth = signing.sign(
-            self.ring, request.method, request.url.raw_path.decode(), request.content
+            self.ring, request.method, request.url.raw_path.decode(), request.content, host=host
         )
         request.headers[signing.HEADER] = auth
         return auth

@@ -1,10 +1,12 @@
 """Signed calls between the router and the workers: the service secret never travels.
 
-Each call carries ``X-PDServe-Auth: v1 <unix time> <nonce> <hex tag>``, the tag an HMAC
-(the ``http`` key, pdserve/keys.py) over the method, the path with its query, the time,
-the nonce and the SHA-256 of the body. A worker answers 401 to a call whose tag does not
-check under any of its keys, whose time is more than ``WINDOW_S`` away from its clock,
-or whose nonce it has seen within the window (a replay). Its reply carries
+Each call carries ``X-PDServe-Auth: v2 <unix time> <nonce> <hex tag>``, the tag an HMAC
+(the ``http`` key, pdserve/keys.py) over the method, the path with its query, the
+``Host`` the call is sent to (the worker it names), the time, the nonce and the SHA-256
+of the body. A worker answers 401 to a call whose tag does not check under any of its
+keys, whose time is more than ``WINDOW_S`` away from its clock, whose nonce it has seen
+within the window (a replay), or whose ``Host`` does not name it (worker/own_address.py:
+a call captured on its way to one worker is refused by every other). Its reply carries
 ``X-PDServe-Proof``, an HMAC over the call's tag: the caller believes only a worker that
 proves the secret, so an address from a poisoned discovery learns nothing and is sent
 nothing it could use (the tag is bound to that one call and expires).
@@ -29,25 +31,35 @@ HEADER = "X-PDServe-Auth"
 PROOF_HEADER = "X-PDServe-Proof"
 HEADER_KEY = HEADER.lower().encode()  # as ASGI scopes carry header names
 PROOF_KEY = PROOF_HEADER.lower().encode()
-VERSION = "v1"
+VERSION = "v2"  # v2: the tag covers the Host (v1 did not; refused)
 WINDOW_S = 30.0  # clocks of the router's and the workers' nodes agree to well within this
 MAX_NONCES = 1_000_000  # the replay cache's bound (older entries go first)
 _EMPTY_SHA = hashlib.sha256(b"").digest()
 _REPLY = ("reply",)  # a proof's label
 
 
-def _tag(key: bytes, method: str, target: str, ts: str, nonce: str, body_sha: bytes) -> bytes:
-    return keys.mac_after(key, (VERSION, method, target), ts.encode(), nonce.encode(), body_sha)
+def _tag(
+    key: bytes, method: str, target: str, host: str, ts: str, nonce: str, body_sha: bytes
+) -> bytes:
+    head = (VERSION, method, target)
+    return keys.mac_after(key, head, host.encode(), ts.encode(), nonce.encode(), body_sha)
 
 
 def sign(
-    ring: keys.KeyRing, method: str, target: str, body: bytes = b"", now: float | None = None
+    ring: keys.KeyRing,
+    method: str,
+    target: str,
+    body: bytes = b"",
+    now: float | None = None,
+    host: str = "",
 ) -> str:
-    """The ``X-PDServe-Auth`` value for one call (``target``: the path and query)."""
+    """The ``X-PDServe-Auth`` value for one call (``target``: the path and query; ``host``:
+    the ``Host`` header it is sent with, which names the worker)."""
     ts = f"{time.time() if now is None else now:.3f}"
     nonce = os.urandom(12).hex()
     sha = hashlib.sha256(body).digest() if body else _EMPTY_SHA
-    return f"{VERSION} {ts} {nonce} {_tag(ring.signing, method, target, ts, nonce, sha).hex()}"
+    tag = _tag(ring.signing, method, target, host, ts, nonce, sha)
+    return f"{VERSION} {ts} {nonce} {tag.hex()}"
 
 
 def proof(key: bytes, auth: str) -> str:
@@ -89,7 +101,13 @@ class Verifier:
         self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> when it expires
 
     def check(
-        self, method: str, target: str, auth: str | None, body: bytes, now: float | None = None
+        self,
+        method: str,
+        target: str,
+        auth: str | None,
+        body: bytes,
+        now: float | None = None,
+        host: str = "",
     ) -> Verdict:
         if not self.ring:
             return Verdict(b"")  # no secret configured: open (the worker warned at start)
@@ -104,12 +122,14 @@ class Verifier:
             (
                 k
                 for k in self.ring.keys
-                if hmac.compare_digest(given, _tag(k, method, target, ts, nonce, sha))
+                if hmac.compare_digest(given, _tag(k, method, target, host, ts, nonce, sha))
             ),
             None,
         )
         if key is None:
-            return Verdict(None, "bad signature (not the service secret, or an altered call)")
+            return Verdict(
+                None, "bad signature (not the service secret, an altered call or another Host)"
+            )
         if not self._first_use(nonce, now):
             return Verdict(None, "replayed call (nonce seen within the window)")
         return Verdict(key)

@@ -210,7 +210,7 @@ def measured_source(hardware: str, repeats: int) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pdserve.engine.config import add_engine_arguments
+    from pdserve.engine.engine_args import add_engine_arguments
 
     add_engine_arguments(parser)
     parser.add_argument("--out", required=True, help="where to write the profile JSON")
@@ -230,7 +230,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.engine.config import engine_config_from_args
+    from pdserve.engine.engine_args import engine_config_from_args
     from pdserve.engine.llm_engine import LLMEngine
 
     if args.clock == "cpu" and args.cpu_threads != 1:

@@ -1,17 +1,20 @@
 """The suite's tiers, one marker per test: ``unit``, ``cluster``, ``bench``, ``k8s``, ``k8s_real``.
 
-``make test-fast`` runs ``-m unit`` (the inner loop); ``make test`` runs every tier. A test
-gets its tier from what it uses, not from a line in each file:
+``make test-fast`` runs ``-m unit`` (the inner loop); ``make test`` runs every tier. Every
+test file declares its tier (``pytestmark = pytest.mark.unit``, a test of another tier marked
+itself; tests/test_tiers.py fails on a file without one); tests/k8s/ and tests/k8s_real/
+are theirs by directory. What follows is the rule the declarations follow, and the fallback
+for a test that has none (a test defined in a helper module):
 
 - ``k8s_real``: under tests/k8s_real/ (a real etcd, kube-apiserver and controller-manager);
 - ``k8s``: under tests/k8s/ (the operator against a Kubernetes API emulator);
 - ``bench``: runs a script of bench/ (``run_bench``), or its file is named for a bench;
 - ``cluster``: starts real services: a fixture that does (``up``, ``deployment``), or its
-  module uses a helper that does (``LocalCluster``, ``worker_cluster``, ``run_up``,
-  ``wait_until_up``), or it is one of ``CLUSTER_MODULES``;
+  module uses a helper that does (``LocalCluster``, ``worker_cluster``, ``run_up``, and
+  ``start_up``/``running_up`` of pdserve.testing.up), or it is one of ``CLUSTER_MODULES``;
 - ``unit``: everything else (in-process; fakes on loopback at most).
 
-A module or test that marks a tier itself (``pytestmark = pytest.mark.cluster``) keeps it.
+A test's own marker wins over its module's.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ TIERS = {
     "kube-controller-manager (scripts/build_k8s.py)",
 }
 CLUSTER_FIXTURES = frozenset({"up", "deployment"})
-CLUSTER_HELPERS = frozenset({"LocalCluster", "worker_cluster", "run_up", "wait_until_up"})
+CLUSTER_HELPERS = frozenset({"LocalCluster", "worker_cluster", "run_up", "start_up", "running_up"})
 # Modules that start `python -m pdserve up` / `router` with their own Popen.
 CLUSTER_MODULES = frozenset({"test_local_up_autoscale", "test_router_process"})
 

@@ -41,6 +41,8 @@ KNOWN_SECONDS = {
     "tests/router/test_e2e.py": 40,
     "tests/local/test_smollm2.py": 35,
     "tests/engine/test_speculative_bench_quick.py": 50,
+    "tests/router/test_up_kv_shared.py": 35,  # pdserve up, 2 prefill + 1 decode + redis
+    "tests/engine/test_spec_draft.py": 25,
     "tests/test_router_extra.py": 40,  # a fresh venv with .[router] (uv, cache warm)
     "edge-deployment": 35,
     # From a whole -n 2 run's 15 slowest (2026-12-03, load ~15-20, setup + call): bench
@@ -57,6 +59,9 @@ KNOWN_SECONDS = {
     # a real compile of the tiny model, in the background (inductor cache warm: ~40 CPU-s)
     "tests/engine/test_compile_swap.py": 40,
     "tests/workers/test_worker_probe.py": 30,  # two worker starts, plain processes
+    # three real compiles (gemma2, gpt-oss, deepseek-v2; ~50 CPU-s each from inductor's
+    # cache, estimated) + every served family with the compiled layout, eager (~25 s)
+    "tests/engine/test_family_compiled.py": 180,
 }
 # The guess: a start per module (a bench script's run, a cluster) plus seconds per test.
 MODULE_SECONDS = {"unit": 0.0, "k8s": 0.0, "cluster": 10.0, "bench": 20.0, "k8s_real": 30.0}

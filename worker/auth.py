@@ -11,6 +11,7 @@ import asyncio
 from typing import Any
 
 from pdserve import keys, signing
+from pdserve.worker.own_address import OwnAddress
 
 MAX_BODY_BYTES = 64 << 20  # read before the tag's check (the header is checked first)
 BODY_TIMEOUT_S = 30.0  # a body trickled slower than this is a 408
@@ -73,18 +74,23 @@ class CallCheck:
 
     def __init__(self, ring: keys.KeyRing, refuse: Any) -> None:
         self.verifier = signing.Verifier(ring)
+        self.own = OwnAddress()
         self.refuse = refuse  # (status, message) -> an ASGI response
         self.body_timeout_s = BODY_TIMEOUT_S
 
     async def __call__(
         self, scope: Any, receive: Any, send: Any, required: bool = True
     ) -> tuple[Any, bytes | None] | None:
-        auth = None
+        auth, host = None, ""
         for name, value in scope["headers"]:
             if name == signing.HEADER_KEY:
                 auth = value.decode("latin-1")
+            elif name == b"host":
+                host = value.decode("latin-1")
         if required and self.verifier.ring:  # the header alone, before the body is read
             why = self.verifier.precheck(auth)
+            if not why and not await self.own.names_me(host, scope.get("server")):
+                why = f"the call names another worker (Host {host!r})"
             if why:
                 await self.refuse(401, why)(scope, receive, send)
                 return None
@@ -104,7 +110,9 @@ class CallCheck:
             target += b"?" + scope["query_string"]
         if auth is None and not required:
             return replay(body, receive), None
-        verdict = self.verifier.check(scope["method"], target.decode("latin-1"), auth, body)
+        verdict = self.verifier.check(
+            scope["method"], target.decode("latin-1"), auth, body, host=host
+        )
         if verdict.key is None and not required:
             return replay(body, receive), None
         if verdict.key is None:

@@ -16,8 +16,8 @@ from pdserve.engine.kv_tiers.sched import TierLoading
 from pdserve.engine.kv_tiers.store import TieredStore
 
 if TYPE_CHECKING:
+    from pdserve.engine.engine_view import EngineView
     from pdserve.engine.kv_pool import KVPool
-    from pdserve.engine.llm_engine import LLMEngine
 
 
 def block_view(pool: KVPool, block_id: int) -> torch.Tensor:
@@ -45,7 +45,7 @@ def build_store(cfg: TierConfig, pool: KVPool, model_id: str) -> TieredStore:
     )
 
 
-def attach(engine: LLMEngine, cfg: TierConfig) -> TieredStore:
+def attach(engine: EngineView, cfg: TierConfig) -> TieredStore:
     pool = engine.kv.pool
     store = build_store(cfg, pool, engine.model_id)
 
@@ -60,7 +60,7 @@ def attach(engine: LLMEngine, cfg: TierConfig) -> TieredStore:
     return store
 
 
-def detach(engine: LLMEngine) -> None:
+def detach(engine: EngineView) -> None:
     """Close the engine's tiers and unhook them (benches: one engine, several settings).
     Only when it has no work; the pool's prefix cache is reset too, so the next setting
     starts cold."""

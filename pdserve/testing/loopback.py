@@ -2,27 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
 import random
-import re
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 
 from pdserve.env import SERVICE_SECRET
-from pdserve.local.proc_group import end_group, poll_until
+from pdserve.local.proc_group import poll_until
 from pdserve.signed_httpx import SignedAuth
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: pdserve/testing/ -> root
+
+
+# A tiny model's worker on CPU: a small KV pool and batch, a short context.
+SMALL_WORKER_ARGS = (
+    *("--device", "cpu", "--kv-cache-bytes", "6000000"),
+    *("--max-num-batched-tokens", "512", "--max-model-len", "1024"),
+)
 
 
 def secret_auth() -> SignedAuth:
@@ -94,6 +100,17 @@ def sse_chunks(url: str, body: dict[str, Any], timeout: float = 120) -> Iterator
             yield chunk
 
 
+async def start_router(*flags: str) -> asyncio.subprocess.Process:
+    """``python -m pdserve router FLAGS`` quietly (warnings only, health checked every
+    0.2 s), its stdout and stderr in one pipe."""
+    quiet = ("--log-level", "warning", "--health-interval", "0.2")
+    return await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "pdserve", "router", *quiet, *flags),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+
+
 def run_bench(script: str, *args: str, timeout: float) -> dict[str, Any]:
     """``python bench/SCRIPT ARGS`` from the repository root: it must exit 0; returns the
     JSON of its last stdout line (every benchmark prints its result there)."""
@@ -106,44 +123,3 @@ def run_bench(script: str, *args: str, timeout: float) -> dict[str, Any]:
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
-
-
-def wait_until_up(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[str, list[str]]:
-    """Wait for ``pdserve up``'s banner: the router URL (no /v1) and the worker URLs it
-    printed. A thread reads its output to the end (a pipe nobody drains stops ``up`` once
-    full, and a blocking read would wait past any deadline). If ``up`` exits or is not up
-    in ``timeout`` seconds, it is stopped and the test fails with its output and the last
-    lines of each process's log."""
-    lines: list[str] = []
-    banner = threading.Event()
-
-    def read(out: IO[str]) -> None:
-        for line in out:
-            lines.append(line)
-            if line.startswith("pdserve is up"):
-                banner.set()
-        banner.set()  # end of output: up exited
-
-    assert proc.stdout is not None
-    threading.Thread(target=read, args=(proc.stdout,), daemon=True, name="up-output").start()
-    banner.wait(timeout)
-    text = "".join(lines)
-    if "pdserve is up" not in text:
-        why = "exited" if proc.poll() is not None else f"not up within {timeout:g}s"
-        end_group(proc, grace_s=10)
-        raise AssertionError(f"pdserve up {why}:\n{text}{log_tails(text)}")
-    workers = re.findall(r"(?:prefill|decode)-\d+\s+ready at (\S+)", text)
-    url = re.search(r"pdserve is up: (\S+)/v1", text).group(1)  # type: ignore[union-attr]
-    return url, workers
-
-
-def log_tails(up_output: str, lines: int = 15) -> str:
-    """The last ``lines`` of each process log in the directory ``pdserve up`` named."""
-    found = re.search(r"\(logs in (\S+)\)", up_output)
-    if found is None:
-        return ""
-    out = []
-    for path in sorted(Path(found.group(1)).glob("*.log")):
-        tail = path.read_text(errors="replace").splitlines()[-lines:]
-        out.append(f"\n--- {path.name} (last {lines} lines)\n" + "\n".join(tail))
-    return "".join(out)

@@ -25,6 +25,7 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve.coalesce import CoalescingHttpTools
 from pdserve.decode_worker.chain import PrefillChain
 from pdserve.env import SERVICE_SECRET
 from pdserve.protocol.codec import decode, encode, to_dict
@@ -43,7 +44,6 @@ from pdserve.protocol.contract import (
 )
 from pdserve.protocol.hashing import block_hashes
 from pdserve.protocol.kv_events import KVSnapshot
-from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.transport import worker_client
 from pdserve.signed_httpx import SignedAuth
 from pdserve.testing.loopback import free_port
@@ -85,8 +85,9 @@ class FakeState:
     # through one pooled client (a client per call cost the fake more than the router).
     keep_records: bool = True
     client: httpx.AsyncClient | None = None
-    # The throughput bench: the one prefill worker's state, in this process; a lease ends
-    # on it directly (the signed /release call cost the fakes more than the router's work).
+    # The throughput bench: a prefill worker's state, in this process; a lease held there
+    # ends on it directly (the signed /release call cost the fakes more than the router's
+    # work), one held by another process's fake through that call.
     lease_holder: FakeState | None = None
     chain: Any = None  # decode: its PrefillChain, made on the first chained request
     chaining: dict[str, Any] = field(default_factory=dict)  # request id -> its prefill wait
@@ -167,7 +168,7 @@ def stored_event(st: FakeState, hashes: list[int]) -> bytes:
 def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI:
     app = FastAPI()
     _common(app, st)
-    # KV events go out as a real prefill worker's do (prefill_worker/events.py): the events
+    # KV events go out as a real prefill worker's do (worker/core/events.py): the events
     # of one engine step in one message. Here a step is a loop turn: every request
     # prefilled in it (at least one; a real step holds as many as it batched).
     step: list[bytes] = []
@@ -288,8 +289,9 @@ def decode_app(st: FakeState) -> FastAPI:
         st.active[rid] = -(-len(body.prompt_token_ids) // BLOCK)
         if st.fail == "stall-headers":
             await _hang(st, rid)
-        if handle and st.lease_holder is not None:
-            st.lease_holder.leases.pop(handle.request_id, None)
+        held = st.lease_holder.leases if st.lease_holder is not None else {}
+        if handle and handle.request_id in held:  # the bench's: a lease held in this process
+            held.pop(handle.request_id)
         elif handle:  # "read" the blocks, then end the prefill worker's lease
             url = "http://" + handle.side_channel.removeprefix("tcp://").rstrip("/")
             await _release(st, url + "/release", encode(RequestRef(handle.request_id)))

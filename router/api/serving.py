@@ -155,7 +155,7 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
         lora = rt.adapter_of(req.model)
         plan = rt.scheduler.plan(ids, snap, salt, lora)
         if rt.cfg.prefill_from_header:  # a decode pod's front behind the endpoint picker
-            plan = prefill_header.pinned(request.headers, plan, snap)
+            plan = prefill_header.pinned(request.headers, plan, snap, raw)
         rs = RequestState(rid, ids, req.sampling, cache_salt=salt, lora=lora)
         respond = _respond if req.best_of == 1 else respond_n
         respond = api.respond if api is not None else respond

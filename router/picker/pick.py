@@ -103,7 +103,7 @@ class Picker:
         lora = rt.adapter_of(req.model)
         plan = rt.scheduler.plan(ids, snap, rt.cache_salt(caller.key, req.cache_salt), lora)
         prefill = plan.prefill[0] if plan.kind == disagg.REMOTE_PREFILL else None
-        return self._answer(plan.decode, prefill, len(ids))
+        return self._answer(plan.decode, prefill, len(ids), body)
 
     def _restrict(self, snap: Snapshot, subset: frozenset[str] | None) -> Snapshot:
         if subset is None:
@@ -113,14 +113,20 @@ class Picker:
             raise APIError(503, "no endpoint of the proxy's subset is eligible", code="no_worker")
         return replace(snap, workers=tuple(keep))
 
-    def _answer(self, decode: tuple[WorkerView, ...], prefill: WorkerView | None, n: int) -> Pick:
+    def _answer(
+        self,
+        decode: tuple[WorkerView, ...],
+        prefill: WorkerView | None,
+        n: int,
+        body: bytes = b"",
+    ) -> Pick:
         if not decode:
             raise APIError(503, "no worker is ready: no healthy decode worker", code="no_worker")
         chosen = decode[: 1 + self.fallbacks]
         pick = Pick([self.target(w) for w in chosen], [w.url for w in chosen], prompt_tokens=n)
         if prefill is not None:
             endpoint = endpoint_of(prefill.url)
-            pick.set_headers = {PREFILL_HEADER: endpoint, SIGNATURE_HEADER: sign(endpoint)}
+            pick.set_headers = {PREFILL_HEADER: endpoint, SIGNATURE_HEADER: sign(endpoint, body)}
         else:  # a client's own value must not reach the decode pod's front
             pick.remove_headers = (PREFILL_HEADER, SIGNATURE_HEADER)
         self.rt.discovery.begin(pick.urls[0], n)

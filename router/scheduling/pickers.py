@@ -12,11 +12,10 @@ from pdserve.router.scheduling.route_request import RouteRequest, WeightedScorer
 from pdserve.router.scheduling.scoring import by_score
 from pdserve.router.scheduling.snapshot import WorkerView
 
-# (workers, request, the profile's weighted scorers, rng, the round-robin counter) → order
-Order = Callable[
-    [Sequence[WorkerView], RouteRequest, Sequence[WeightedScorer], random.Random, int],
-    list[WorkerView],
-]
+Workers = Sequence[WorkerView]
+Scorers = Sequence[WeightedScorer]  # the profile's, with their weights
+# (workers, request, scorers, rng, the round-robin counter) → the workers best first
+Order = Callable[[Workers, RouteRequest, Scorers, random.Random, int], list[WorkerView]]
 
 
 @dataclass(frozen=True)
@@ -26,26 +25,18 @@ class Picker:
 
 
 def max_score(
-    workers: Sequence[WorkerView],
-    req: RouteRequest,
-    scorers: Sequence[WeightedScorer],
-    rng: random.Random,
-    counter: int,
+    w: Workers, req: RouteRequest, s: Scorers, rng: random.Random, n: int
 ) -> list[WorkerView]:
     """The best weighted score of the profile's scorers first; ties in random order."""
-    return by_score(workers, req, scorers, rng)
+    return by_score(w, req, s, rng)
 
 
 def round_robin(
-    workers: Sequence[WorkerView],
-    req: RouteRequest,
-    scorers: Sequence[WeightedScorer],
-    rng: random.Random,
-    counter: int,
+    w: Workers, req: RouteRequest, s: Scorers, rng: random.Random, n: int
 ) -> list[WorkerView]:
-    """Rotation over the workers by URL, one step a request (a baseline: no scores)."""
-    ordered = sorted(workers, key=lambda w: w.url)
+    """Rotation over the workers by URL, one step (``n``) a request (a baseline: no scores)."""
+    ordered = sorted(w, key=lambda x: x.url)
     if not ordered:
         return []
-    k = counter % len(ordered)
+    k = n % len(ordered)
     return ordered[k:] + ordered[:k]

@@ -256,7 +256,7 @@ class WorkerPool:
         ]
         auth = ""
         if self.ring:
-            auth = signing.sign(self.ring, "POST", path, body)
+            auth = signing.sign(self.ring, "POST", path, body, host=netloc.decode())
             head += [b"\r\nX-PDServe-Auth: ", auth.encode()]
         head += [b"\r\n\r\n", body]
         resp = Response(self, key, conn, timeout)

@@ -94,7 +94,8 @@ def signed_calls(ring: keys.KeyRing) -> Any:
 
     async def sign(req: aiohttp.ClientRequest, handler: Any) -> aiohttp.ClientResponse:
         body = req.body if isinstance(req.body, bytes) else await req.body.as_bytes()
-        auth = signing.sign(ring, req.method, req.url.raw_path_qs, body)
+        host = req.headers.get("Host", "")
+        auth = signing.sign(ring, req.method, req.url.raw_path_qs, body, host=host)
         req.headers[signing.HEADER] = auth
         resp: aiohttp.ClientResponse = await handler(req)
         if not signing.proof_ok(ring, auth, resp.headers.get(signing.PROOF_HEADER)):

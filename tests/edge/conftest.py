@@ -15,25 +15,14 @@ from pathlib import Path
 import pytest
 
 from pdserve.local.processes import ClusterSpec, LocalCluster
-from pdserve.testing.loopback import free_port, worker_port_base
+from pdserve.testing.loopback import SMALL_WORKER_ARGS, free_port, worker_port_base
 
 KEYS = ("tenant-a-key", "tenant-b-key")
 ADMIN_KEY = "edge-admin-key"  # /workers needs it while tenant keys are on
 # Two tiny workers and a router start in ~20-50 s on the loaded 2-core machine; a set-up
 # that takes longer is stuck, and fails well before pytest-timeout's 600 s per test.
 SETUP_TIMEOUT_S = 120
-WORKER_ARGS = (
-    "--device",
-    "cpu",
-    "--kv-cache-bytes",
-    "6000000",
-    "--max-num-batched-tokens",
-    "512",
-    "--max-model-len",
-    "1024",
-    "--cpu-threads",
-    "1",
-)
+WORKER_ARGS = (*SMALL_WORKER_ARGS, "--cpu-threads", "1")
 
 
 @dataclass(frozen=True)

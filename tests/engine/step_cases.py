@@ -10,8 +10,9 @@ import torch
 
 from pdserve.engine import attention_backends as ab
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.model_runner import ModelRunner, ScheduledChunk
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request
+from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.protocol.sampling_params import SamplingParams
 
 BS = 16

@@ -15,10 +15,12 @@ import pytest
 import torch
 from engine_helpers import assert_all_free
 
-from pdserve.engine.config import add_engine_arguments, engine_config_from_args
+from pdserve.engine.engine_args import add_engine_arguments, engine_config_from_args
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.local.processes import ClusterSpec, LocalCluster
 from pdserve.protocol.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.cluster
 
 
 def _config(argv: list[str]) -> bool:

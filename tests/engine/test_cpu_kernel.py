@@ -20,9 +20,13 @@ from pdserve.engine import attention as A
 from pdserve.engine import attention_backends as ab
 from pdserve.engine import cpu_kernel
 from pdserve.engine.kv_pool import KVPool, KVShape
-from pdserve.engine.model_runner import ModelRunner, ScheduledChunk
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sched_output import ScheduledChunk
 
-pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C++ compiler here")
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(cpu_kernel.load() is None, reason="no C++ compiler here"),
+]
 
 
 def _attend(runner: ModelRunner, chunks: list[ScheduledChunk], q, k, v) -> torch.Tensor:  # type: ignore[no-untyped-def]

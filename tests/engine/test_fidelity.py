@@ -19,10 +19,10 @@ import pytest
 from engine_helpers import assert_all_free, hf_greedy
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.model_runner import ScheduledChunk
+from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.protocol.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
 Case = tuple[list[int], int]  # prompt, max_tokens
 

@@ -19,14 +19,14 @@ from engine_helpers import assert_all_free, hf_greedy
 
 from pdserve.engine.kv_connector import KVConnector, LoadResult
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.model_runner import ScheduledChunk
 from pdserve.engine.request import RequestStatus
+from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.protocol.hashing import block_hashes
 from pdserve.protocol.outputs import HANDOFF, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 from pdserve.transfer.messages import KVHandle
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 PROMPT = [(i * 37) % 2900 + 5 for i in range(70)]  # 4 full blocks and a partial one
 MAX_TOKENS = 12

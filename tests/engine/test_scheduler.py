@@ -8,15 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+import torch
 from engine_helpers import assert_all_free
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_runner import ScheduledChunk
+from pdserve.engine.kv_manager import KVCacheManager
+from pdserve.engine.kv_pool import KVPool, KVShape
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.sched_output import ScheduledChunk, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler
 from pdserve.protocol.hashing import block_hashes
 from pdserve.protocol.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 BS = 16
 
@@ -32,16 +38,19 @@ class Harness:
     @classmethod
     def make(cls, num_blocks: int, **config: int) -> Harness:
         cfg = EngineConfig(model="unused", block_size=BS, **config)  # type: ignore[arg-type]
-        return cls(Scheduler(cfg, BlockManager(num_blocks, BS)))
+        # A real KV manager over a one-float-per-slot pool: the scheduler owns it.
+        pool = KVPool(KVShape(1, 1, 1, BS, torch.float32), num_blocks, torch.device("cpu"))
+        return cls(Scheduler(cfg, KVCacheManager(pool, BS, enable_prefix_caching=True)))
 
     @property
     def blocks(self) -> BlockManager:
-        return self.sched.blocks
+        return self.sched.kv.block_manager
 
-    def add(self, rid: str, prompt_len: int, max_tokens: int = 4) -> Request:
+    def add(self, rid: str, prompt_len: int, max_tokens: int = 4, tenant: str = "") -> Request:
         prompt = [10 + (hash(rid) + i) % 1000 for i in range(prompt_len)]
         req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
         req.block_hashes = block_hashes(prompt, BS)
+        req.tenant = tenant
         self.sched.add(req)
         return req
 

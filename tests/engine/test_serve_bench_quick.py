@@ -1,62 +1,38 @@
-"""bench/serve.py --quick --peer-url: one configuration against a peer, interleaved repetitions.
+"""bench/serve_peer.py --quick --peer-url (bench/serve.py's peer mode per dtype): one
+configuration against a peer, interleaved repetitions.
 
 The peer is a second, real `pdserve up --prefill 0` started here (vLLM is not a
 dependency); the benchmark must treat it as any OpenAI-compatible server, alternate
-peer and ours three times, and report the median ratio, its range, the peer's model
-path and dtype and both sides' thread settings.
+peer and ours three times (the peer first, then second, then first), and report the median
+ratio, its range, the peer's model path and dtype and both sides' thread settings.
 """
 
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pdserve.local.proc_group import end_group
-from pdserve.testing.loopback import ROOT, free_port, run_bench, wait_until_up
+from pdserve.testing.loopback import free_port, run_bench
+from pdserve.testing.up import port_base, start_up
 
-pytestmark = pytest.mark.timeout(400)
-
-
-def _start_peer(model: Path, port: int) -> tuple[subprocess.Popen, str]:  # type: ignore[type-arg]
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "up",
-        "--model",
-        str(model),
-        "--prefill",
-        "0",
-        "--port",
-        str(port),
-        "--worker-port-base",
-        str(20000 + port % 10000),
-    ]
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    url, workers = wait_until_up(proc, 300)
-    assert len(workers) == 1, workers  # --prefill 0: one decode worker
-    return proc, url
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(400)]
 
 
 def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
-    peer, url = _start_peer(tiny_model_dir, free_port())
+    peer = start_up(tiny_model_dir, "--prefill", "0", *port_base(), timeout=300)
+    assert len(peer.workers) == 1, peer.workers  # --prefill 0: one decode worker
+    url = peer.url
     try:
         plot = tmp_path / "serve.png"
         args = [
             "--quick",
             "--model",
             str(tiny_model_dir),
+            "--dtypes",
+            "float32",
             "--setups",
             "colocated",
             "--peer-url",
@@ -66,15 +42,21 @@ def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
             "--port",
             str(free_port()),
         ]
-        result = run_bench("serve.py", *args, "--plot", str(plot), timeout=360)
+        out = run_bench("serve_peer.py", *args, "--plot", str(plot), timeout=360)
     finally:
-        end_group(peer, grace_s=60)
+        end_group(peer.proc, grace_s=60)
+    result = out["runs"]["float32"]
+    # Not the default model: the ratio is keyed by dtype under its own name.
+    assert out["config"] == "colocated" and "peer_ratio_default_model" not in out
+    ratio = out["peer_ratio_by_dtype"]["float32"]
+    assert ratio == {"median": result["peer_ratio"], "range": result["peer_ratio_range"]}
     assert result["config"] == "colocated" and result["repeats"] == 3
     # peer, ours at each concurrency, three times over; every point complete.
     reps = result["reps"]
     assert [(r["rep"], r["concurrency"]) for r in reps] == [
         (i, c) for i in range(3) for c in (1, 4)
     ]
+    assert [r["first"] for r in reps] == ["peer", "peer", "ours", "ours", "peer", "peer"]
     for r in reps:
         for p in (r["peer"], r["ours"]):
             assert p["requests"] == 8 and p["output_tok_s"] > 0

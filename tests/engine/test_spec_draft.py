@@ -24,7 +24,7 @@ from pdserve.engine.draft_proposer import DraftProposer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 
 PROMPTS = [
     [(i % 7) * 41 + 9 for i in range(45)],
@@ -129,3 +129,24 @@ def test_a_draft_with_another_vocabulary_is_refused_by_name(
     assert "speculative" in str(err.value) and str(other) in str(err.value)
     with pytest.raises(ValueError, match="not an HF model directory"):
         make_engine(speculative=f"draft:model={tmp_path / 'none'},k=2")
+
+
+def test_a_failing_draft_step_costs_the_drafts_not_the_request(
+    make_engine: Callable[..., LLMEngine], hf_model: Any, tiny_model_dir: Path
+) -> None:
+    engine = make_engine(speculative=f"draft:model={tiny_model_dir},k=3")
+    draft = _draft_engine(engine).engine
+    calls = {"n": 0}
+    step = draft.step
+
+    def flaky() -> Any:
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("injected draft fault")
+        return step()
+
+    draft.step = flaky  # type: ignore[method-assign]
+    got = run(engine, {"r": (PROMPTS[1], _greedy())})
+    assert got["r"].token_ids == hf_greedy(hf_model, PROMPTS[1], 16)
+    assert calls["n"] >= 3
+    _check_free(engine)

@@ -4,12 +4,15 @@ BLAS input-major, or as they are."""
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
 
 from pdserve.engine import cpu_linear
 from pdserve.engine.cpu_linear import SMALL_GEMM_MACS, PackedLinear, prepare
+
+pytestmark = pytest.mark.unit
 
 
 def _model(dtype: torch.dtype) -> torch.nn.Sequential:
@@ -36,7 +39,7 @@ def test_without_onednn_float32_linears_become_input_major_and_compute_the_same(
     m = _model(torch.float32)
     x = torch.tensor([[1, 2, 3]])
     before = m(x)
-    assert prepare(m) == {"onednn": 0, "blas_input_major": 1, "as_is": 0}
+    assert prepare(m) == {"onednn": 0, "onednn_tied": 0, "blas_input_major": 1, "as_is": 0}
     w = m[1].weight
     assert w.shape == (12, 8) and w.stride() == (1, 12)  # [in, out] in memory
     torch.testing.assert_close(m(x), before)
@@ -46,7 +49,7 @@ def test_weights_off_the_cpu_are_left_alone() -> None:
     """A CUDA model's linears keep their layout (the meta device stands in for CUDA here:
     no GPU on this machine); before, its float32 weights were made input-major."""
     m = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Linear(12, 4)).to("meta")
-    assert prepare(m) == {"onednn": 0, "blas_input_major": 0, "as_is": 2}
+    assert prepare(m) == {"onednn": 0, "onednn_tied": 0, "blas_input_major": 0, "as_is": 2}
     assert [type(layer) for layer in m] == [torch.nn.Linear, torch.nn.Linear]
     assert m[0].weight.stride() == (8, 1) and m[1].weight.stride() == (12, 1)
 
@@ -88,12 +91,41 @@ def test_bfloat16_linears_are_packed_whatever_their_size() -> None:
     torch.testing.assert_close(m(x).float(), before, rtol=2e-2, atol=2e-2)
 
 
-def test_a_weight_shared_with_an_embedding_is_left_alone() -> None:
-    m = _model(torch.float32)
-    m[1] = torch.nn.Linear(8, 10, bias=False)
-    m[1].weight = m[0].weight  # tied, as lm_head and embed_tokens may be
+def _tied(dtype: torch.dtype) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(2048, 256), torch.nn.Linear(256, 2048, bias=False))
+    m[1].weight = m[0].weight  # tied, as lm_head and embed_tokens are in SmolLM2
+    return m.to(dtype)
+
+
+def test_without_onednn_a_weight_shared_with_an_embedding_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PDSERVE_CPU_LINEAR", "blas")
+    m = _tied(torch.float32)
     assert prepare(m)["as_is"] == 1
-    assert m[1].weight.stride() == (8, 1) and m[1].weight is m[0].weight
+    assert m[1].weight.stride() == (256, 1) and m[1].weight is m[0].weight
+
+
+@needs_onednn
+def test_a_head_tied_to_the_embedding_is_packed_and_few_rows_use_the_shared_tensor() -> None:
+    """The embedding keeps its tensor (lookups want rows); the head gets a packed copy for
+    calls of more than SHARED_ROWS rows and multiplies by the shared tensor below."""
+    m = _tied(torch.float32)
+    embedding = m[0].weight
+    head = torch.nn.Linear(256, 2048, bias=False)
+    head.weight = embedding
+    ids = torch.tensor([[1, 2, 3]])
+    before = m(ids)
+    assert prepare(m) == {"onednn": 0, "onednn_tied": 1, "blas_input_major": 0, "as_is": 0}
+    assert m[0].weight is embedding and embedding.stride() == (256, 1)
+    layer = m[1]
+    assert isinstance(layer, PackedLinear) and layer.shared is not None
+    assert layer.shared.data_ptr() == embedding.data_ptr() and layer.blas is None
+    torch.testing.assert_close(m(ids), before, rtol=1e-5, atol=1e-4)
+    for rows in (1, cpu_linear.SHARED_ROWS, cpu_linear.SHARED_ROWS + 1, 17):
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(layer(x), head(x), rtol=1e-5, atol=1e-4)
 
 
 @needs_onednn
@@ -179,3 +211,32 @@ def test_a_linear_subclass_with_its_own_forward_is_left_alone(
     assert type(m[1]) is _Router
     logits, experts = m[1](torch.ones(3, 256))
     assert logits.shape == (3, SMALL_GEMM_MACS // 256) and experts.shape == (3,)
+
+
+def test_native_bf16_reads_the_cpu_flags(tmp_path: Path) -> None:
+    """bfloat16 GEMMs in hardware need avx512_bf16 or AMX; plain AVX-512 emulates them."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("flags\t\t: fpu avx2 avx512f avx512bw avx512_vnni\n")
+    assert cpu_linear.native_bf16(str(info)) is False
+    info.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert cpu_linear.native_bf16(str(info)) is True
+    info.write_text("flags\t\t: fpu amx_tile amx_bf16\n")
+    assert cpu_linear.native_bf16(str(info)) is True
+    assert cpu_linear.native_bf16(str(tmp_path / "absent")) is None
+
+
+def test_bfloat16_packing_warns_on_a_cpu_without_bf16_instructions(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    if not cpu_linear.onednn_usable(torch.bfloat16):
+        pytest.skip("no oneDNN bfloat16 on this torch")
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: False)
+    with caplog.at_level("WARNING", logger=cpu_linear.__name__):
+        prepare(_model(torch.bfloat16))
+    assert "--dtype float32 is faster here" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: True)
+    with caplog.at_level("WARNING", logger=cpu_linear.__name__):
+        prepare(_model(torch.bfloat16))
+        prepare(_model(torch.float32))
+    assert "faster here" not in caplog.text

@@ -27,8 +27,8 @@ from step_cases import BS, bare_runner, mixed_chunks
 from pdserve.engine import attention as A
 from pdserve.engine import attention_backends as ab
 from pdserve.engine.kv_pool import KVPool, KVShape
-from pdserve.engine.model_runner import ScheduledChunk
 from pdserve.engine.model_support import LayerAttention
+from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.protocol.sampling_params import SamplingParams
 
 OPTIONS = {

@@ -9,7 +9,14 @@ import base64
 import json
 from typing import Any
 
-from pdserve.testing.k8s_real.cluster import ROOT, OperatorProcess, RealCluster, conditions
+from pdserve.testing.k8s_real.cluster import (
+    ROOT,
+    OperatorProcess,
+    RealCluster,
+    conditions,
+    is_ready,
+    read_only_pvc,
+)
 
 CHILD_KINDS = {
     "deployments": "/apis/apps/v1/namespaces/{ns}/deployments",
@@ -36,8 +43,7 @@ def wait_ready(c: RealCluster, ns: str, name: str, timeout: float = 90) -> dict[
 
     def ready() -> dict[str, Any] | None:
         obj = c.get(path)
-        cond = conditions(obj or {}).get("Ready", {})
-        return obj if cond.get("status") == "True" else None
+        return obj if is_ready(obj) else None
 
     return c.wait(ready, timeout, what=f"{ns}/{name} Ready: {json.dumps(c.get(path))[-1500:]}")  # type: ignore[no-any-return]
 
@@ -54,40 +60,15 @@ def _gpu_prerequisites(c: RealCluster) -> None:
         "llm",
         "--from-literal=api-key=sk-test",
     )
-    c.kubectl(
-        "apply",
-        "-n",
-        "llm",
-        "-f",
-        "-",
-        stdin=json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Secret",
-                "type": "kubernetes.io/tls",
-                "metadata": {"name": "llama-tls"},
-                "data": {"tls.crt": key, "tls.key": key},
-            }
-        ),
-    )
-    c.kubectl(
-        "apply",
-        "-n",
-        "llm",
-        "-f",
-        "-",
-        stdin=json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolumeClaim",
-                "metadata": {"name": "model-weights"},
-                "spec": {
-                    "accessModes": ["ReadOnlyMany"],
-                    "resources": {"requests": {"storage": "20Gi"}},
-                },
-            }
-        ),
-    )
+    tls = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "kubernetes.io/tls",
+        "metadata": {"name": "llama-tls"},
+        "data": {"tls.crt": key, "tls.key": key},
+    }
+    c.apply_object("llm", tls)
+    c.apply_object("llm", read_only_pvc("model-weights", "20Gi"))
 
 
 def test_examples_apply_reconcile_and_become_ready(

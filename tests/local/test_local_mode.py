@@ -27,7 +27,7 @@ from pdserve.local.processes import (
 from pdserve.local.up import router_args
 from pdserve.router.main import add_arguments as router_add_arguments
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(60)]
 
 # A leader that starts a grandchild and then sleeps, ignoring nothing: SIGTERM ends it,
 # but the grandchild survives unless the whole group is signalled.
@@ -179,7 +179,7 @@ def test_workers_share_the_cores_and_an_explicit_worker_arg_wins(
 ) -> None:
     import argparse
 
-    from pdserve.engine.config import add_engine_arguments
+    from pdserve.engine.engine_args import add_engine_arguments
 
     cores = len(os.sched_getaffinity(0))
     spec = ClusterSpec(model_dir=str(tmp_path), num_prefill=1, num_decode=1, log_dir=str(tmp_path))

@@ -17,19 +17,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from pdserve.local.proc_group import end_group
-from pdserve.testing.loopback import ROOT, all_kv_free, free_port, wait_until_up, worker_port_base
+from pdserve.testing.loopback import ROOT, all_kv_free
+from pdserve.testing.up import running_up, suite_flags
 
 pytestmark = [
+    pytest.mark.cluster,
     pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.skipif(
@@ -61,42 +59,12 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="module")
 def up(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list]]:
     """`pdserve up` as a new user runs it (no --model); every prompt goes through P/D."""
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "up",
-        "--port",
-        str(free_port()),
-        "--dtype",
-        "float32",
-        "--disagg-threshold",
-        "8",
-        "--kv-transport",
-        os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
-        "--log-dir",
-        str(tmp_path_factory.mktemp("up-logs")),
-        "--worker-port-base",
-        str(worker_port_base()),
-        "--worker-arg=--max-model-len",
-        "--worker-arg=1024",
-    ]
+    flags = ("--dtype", "float32", "--disagg-threshold", "8")
+    logs = tmp_path_factory.mktemp("up-logs")
     env = {**os.environ, "PDSERVE_CACHE": str(CACHE)}
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        url, workers = wait_until_up(proc)
-        yield url, workers
-        all_kv_free(workers)
-    finally:
-        end_group(proc, signal.SIGINT)
+    with running_up(None, *flags, *suite_flags(logs), env=env) as up:
+        yield up.url, up.workers
+        all_kv_free(up.workers)
 
 
 def _chat(url: str, question: str, max_tokens: int = MAX_TOKENS) -> dict:

@@ -18,11 +18,8 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,36 +28,16 @@ import pytest
 
 from pdserve.local.proc_group import end_group, poll_until, signal_group
 from pdserve.testing.loopback import (
-    ROOT,
     all_kv_free,
-    free_port,
     secret_auth,
     sse_chunks,
-    worker_port_base,
 )
+from pdserve.testing.up import Up, start_up, suite_flags
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 LONG = "Tell me a story about a fox and a crow. " * 8  # remote prefill (threshold 32)
 MAX_TOKENS = 300
-
-
-@dataclass
-class Up:
-    url: str
-    proc: subprocess.Popen[str]
-    workers: dict[str, str]  # name -> URL
-    lines: list[str] = field(default_factory=list)
-    log_dir: str = ""
-
-    def urls(self, role: str) -> list[str]:
-        return [u for n, u in self.workers.items() if n.startswith(role)]
-
-
-def _read_output(up: Up) -> None:
-    assert up.proc.stdout is not None
-    for line in up.proc.stdout:
-        up.lines.append(line)
 
 
 # The module is among the suite's slowest (~2 min alone): one `pdserve up` of 1 prefill + 3
@@ -71,54 +48,13 @@ def _read_output(up: Up) -> None:
 @pytest.fixture(scope="module")
 def up(tiny_model_dir: Path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("up-resilience")
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "up",
-        "--model",
-        str(tiny_model_dir),
-        "--port",
-        str(free_port()),
-        "--prefill",
-        "1",
-        "--decode",
-        "3",
-        "--kv-transport",
-        os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
-        "--picker",
-        "round-robin",
-        "--disagg-threshold",
-        "32",
-        "--log-dir",
-        str(logs),
-        "--worker-port-base",
-        str(worker_port_base()),
-        "--worker-arg=--max-model-len",
-        "--worker-arg=1024",
-        # hung workers are found in seconds here (defaults: 30 s and 10 s)
-        "--worker-arg=--core-stall-timeout=4",
-        "--router-arg=--stall-timeout=3",
-    ]
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    it = Up("", proc, {}, log_dir=str(logs))
-    threading.Thread(target=_read_output, args=(it,), daemon=True).start()
-    deadline = time.monotonic() + 300
-    while not any(x.startswith("pdserve is up") for x in it.lines):
-        assert proc.poll() is None and time.monotonic() < deadline, "".join(it.lines)
-        time.sleep(0.1)
-    text = "".join(it.lines)
-    it.workers = dict(re.findall(r"((?:prefill|decode)-\d+)\s+ready at (\S+)", text))
-    it.url = re.search(r"pdserve is up: (\S+)/v1", text).group(1)  # type: ignore[union-attr]
+    flags = ("--prefill", "1", "--decode", "3", "--picker", "round-robin")
+    # hung workers are found in seconds here (defaults: 30 s and 10 s)
+    stalls = ("--worker-arg=--core-stall-timeout=4", "--router-arg=--stall-timeout=3")
+    flags += ("--disagg-threshold", "32", *stalls)
+    it = start_up(tiny_model_dir, *suite_flags(logs), *flags, timeout=300)
     yield it
-    assert end_group(proc, grace_s=60) == 0, "".join(it.lines[-30:])
+    assert end_group(it.proc, grace_s=60) == 0, "".join(it.lines[-30:])
 
 
 def _body(prompt: str, **kw: Any) -> dict[str, Any]:
@@ -280,14 +216,14 @@ def test_up_restarts_the_dead_worker_and_it_serves_again(up: Up) -> None:
         r = httpx.post(up.url + "/v1/completions", json=_body(f"{i} ho", max_tokens=4), timeout=60)
         assert r.status_code == 200, r.text
     assert served() >= 2
-    all_kv_free(list(up.workers.values()))
+    all_kv_free(up.workers)
 
 
 def _core_pid(url: str) -> int:
     """The worker's engine core (its child, or forked by the core zygote), as it says."""
     core = int(_stats(url)["core_pid"])
     cmdline = Path(f"/proc/{core}/cmdline").read_bytes()
-    assert b"core_main" in cmdline or b"core_zygote" in cmdline, cmdline
+    assert b"core.main" in cmdline or b"core.zygote" in cmdline, cmdline
     return core
 
 
@@ -334,7 +270,7 @@ def test_stream_survives_a_hung_decode_worker(up: Up, what: str) -> None:
     metrics = httpx.get(up.url + "/metrics", timeout=5).text
     assert re.search(r'^pdserve_router_stalled_streams_total\{role="decode"\} [1-9]', metrics, re.M)
     _all_back(up)  # resumed, it is healthy again (and was not restarted)
-    all_kv_free(list(up.workers.values()))
+    all_kv_free(up.workers)
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -367,9 +303,9 @@ def test_a_core_hung_for_good_is_killed_and_its_worker_restarted(up: Up) -> None
     _all_back(up)
     r = httpx.post(up.url + "/v1/completions", json=_body("hi", max_tokens=4), timeout=60)
     assert r.status_code == 200, r.text
-    all_kv_free(list(up.workers.values()))
+    all_kv_free(up.workers)
 
 
 def _log(up: Up, url: str) -> list[str]:
-    name = next(n for n, u in up.workers.items() if u == url)
+    name = next(n for n, u in up.named.items() if u == url)
     return [*up.lines, *(Path(up.log_dir) / f"{name}.log").read_text().splitlines()]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -32,12 +31,12 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.local.proc_group import end_group, poll_until
+from pdserve.local.proc_group import end_group, poll_until, start_group
 from pdserve.testing.loopback import all_kv_free, free_port, worker_port_base
 
 # serial: the SLO recovers once the new worker serves, measured in wall-clock TTFT; beside
 # another xdist worker's cluster on the 2 cores it read 1.0 s against the 0.7 s SLO.
-pytestmark = [pytest.mark.timeout(480), pytest.mark.serial]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(480), pytest.mark.serial]
 
 SLO_TTFT_MS = 700.0
 SLO_TPOT_MS = 150.0
@@ -122,13 +121,7 @@ class Up:
     """``pdserve up`` in its own session; its stdout collected by a thread."""
 
     def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        self.proc = start_group(argv)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 

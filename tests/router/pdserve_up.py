@@ -11,72 +11,49 @@ sharing it saves one ``pdserve up`` start per module.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
-from pdserve.local.proc_group import end_group
-from pdserve.testing.loopback import ROOT, all_kv_free, free_port, wait_until_up, worker_port_base
+from pdserve.testing.loopback import all_kv_free
+from pdserve.testing.up import Up, running_up, suite_flags
 
 # Prompts at least this long (in tokens) are prefilled on the prefill worker: the tests'
 # prompts are longer, so every request crosses the P/D hand-off.
 DISAGG_THRESHOLD = 8
 
 
-@dataclass
-class Up:
-    url: str  # router base URL (no /v1)
-    workers: list[str]  # worker base URLs
-    proc: subprocess.Popen[str]
-
-
 @contextlib.contextmanager
 def run_up(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[Up]:
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "up",
-        "--model",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--kv-transport",
-        os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
-        "--disagg-threshold",
-        str(DISAGG_THRESHOLD),
-        "--log-dir",
-        str(log_dir),
-        # Away from the default 8100/8200 that other loopback tests start from.
-        "--worker-port-base",
-        str(worker_port_base()),
-        "--worker-arg=--max-model-len",
-        "--worker-arg=1024",
-        *extra,
-    ]
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
+    flags = ("--dtype", "float32", "--disagg-threshold", str(DISAGG_THRESHOLD), *extra)
+    with running_up(model_dir, *suite_flags(log_dir), *flags) as up:
+        yield up
+
+
+async def greedy_ids(
+    url: str, model: str, prompt: Any, max_tokens: int, key: str = "none"
+) -> tuple[list[int], int]:
+    """(token ids, cached prompt tokens) of one greedy completion through the router at
+    ``url`` (the ids as the router returns them: ``return_tokens_as_token_ids``)."""
+    cl = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=300)
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    out = await cl.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=0,
+        extra_body=extra,
     )
-    try:
-        url, workers = wait_until_up(proc)
-        yield Up(url, workers, proc)
-    finally:
-        end_group(proc, signal.SIGINT)
+    await cl.close()
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None
+    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    details = out.usage.prompt_tokens_details if out.usage else None
+    return ids, (details.cached_tokens or 0) if details else 0
 
 
 # Started once per run by its first user (~50 s on a loaded machine: the slowest "setup" in

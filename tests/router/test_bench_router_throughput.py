@@ -15,6 +15,8 @@ from router_throughput import compare, summarise
 
 from pdserve.testing.loopback import run_bench
 
+pytestmark = pytest.mark.bench
+
 # Router CPU per request (µs), measured on this 2-core box (bench/router_throughput.py,
 # docs/router.md "Throughput"): ~0.85-1.0 ms decode-direct, ~1.3 ms text, ~2.8-3.7 ms full
 # P/D, loaded or not. The bounds are ~10x that, so a busy machine never trips them, while
@@ -24,7 +26,7 @@ from pdserve.testing.loopback import run_bench
 CPU_BOUND_US = {"direct": 10_000, "pd": 40_000, "pd-chain": 40_000}
 # Write system calls of the router per decode-direct request (token ids, 4 tokens): the call
 # to the decode worker, then at most 4 to the client when the response head leaves with the
-# first token (router/coalesce.py; then a write per token, the last with [DONE]), fewer when
+# first token (pdserve/coalesce.py; then a write per token, the last with [DONE]), fewer when
 # tokens arrive together and are relayed as one; uvicorn's own writes (the head alone) made
 # 5.3-5.8 (bench/recordings/router_throughput/2026-12-04-coalesced-writes). 3.1-3.9 on a
 # quiet host, up to 4.6
@@ -38,15 +40,24 @@ WRITES_BOUND = 5.5
 @pytest.mark.bench
 @pytest.mark.timeout(240)
 def test_router_throughput_quick(tmp_path: Path) -> None:
+    """The client in two processes of its own (``--client-procs``; the in-process client
+    runs in the floor test below)."""
     png = tmp_path / "router_throughput.png"
-    result = run_bench("router_throughput.py", "--quick", "--plot", str(png), timeout=220)
+    result = run_bench(
+        "router_throughput.py", "--quick", "--client-procs", "2", "--plot", str(png), timeout=220
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot of the run
     runs = {(r["path"], r["prompt"]): r for r in result["runs"]}
     assert set(runs) == {(p, k) for p in CPU_BOUND_US for k in ("ids", "text")}
     assert result["errors"] == 0, result  # every stream read to its end with a 200
     for (path, _), run in runs.items():
-        assert run["requests"] == 200 and run["rps"] > 0
+        assert run["requests"] == 200 and run["rps"] > 0 and run["client_procs"] == 2
         assert 0 < run["router_cpu_us_per_req"] < CPU_BOUND_US[path], run
+        assert 0 < run["router_busy"] <= 1.5, run  # a share of one core (a little slack)
+    # issue 47's figures: the P/D path's CPU per request and every path's wall req/s
+    assert set(result["router_cpu_us_pd"]) == {"ids", "text"}
+    assert result["router_cpu_us_pd"]["ids"] == runs[("pd", "ids")]["router_cpu_us_per_req"]
+    assert result["wall_req_per_s_per_proc"] == {f"{p}/{k}": runs[(p, k)]["rps"] for p, k in runs}
     for path in CPU_BOUND_US:
         run = runs[(path, "ids")]
         assert run["paced_rps"] == pytest.approx(run["rps"] / 2, abs=0.1)

@@ -4,10 +4,7 @@ a load of 200 requests at concurrency 50, and every KV block free afterwards."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -15,11 +12,13 @@ import openai
 import pytest
 
 from pdserve.local.proc_group import end_group, signal_group
-from pdserve.testing.loopback import ROOT, all_kv_free, free_port, wait_until_up
+from pdserve.testing.loopback import ROOT, all_kv_free
+from pdserve.testing.up import start_up, suite_flags
 
 WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.py"]
 
 pytestmark = [
+    pytest.mark.cluster,
     pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.skipif(not all(p.exists() for p in WORKERS), reason="real workers not built yet"),
@@ -37,36 +36,10 @@ def _ignore_sigint() -> None:
 def up(tiny_model_dir: Path, tmp_path_factory):
     """``pdserve up`` as a user runs it; yields (router URL, worker URLs)."""
     logs = tmp_path_factory.mktemp("up-logs")
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "up",
-        "--model",
-        str(tiny_model_dir),
-        "--port",
-        str(port),
-        "--kv-transport",
-        os.environ.get("PDSERVE_TEST_TRANSPORT", "nixl"),
-        "--disagg-threshold",
-        "32",
-        "--log-dir",
-        str(logs),
-        "--worker-arg=--max-model-len",
-        "--worker-arg=1024",
-    ]
     # Started as a shell starts a background job: SIGINT ignored (the stop test sends it).
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-        preexec_fn=_ignore_sigint,
-    )
-    url, workers = wait_until_up(proc)
+    flags = (*suite_flags(logs), "--disagg-threshold", "32")
+    started = start_up(tiny_model_dir, *flags, preexec_fn=_ignore_sigint)
+    url, workers, proc = started.url, started.workers, started.proc
     assert len(workers) == 2, workers  # the default: one prefill, one decode worker
     yield url, workers, proc
     end_group(proc, signal.SIGKILL, grace_s=10)
@@ -77,21 +50,10 @@ def test_openai_client_against_real_workers(up) -> None:
     cl = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     model = cl.models.list().data[0].id
     long_prompt = "Tell me a story about a fox. " * 20
-    out = cl.completions.create(
-        model=model,
-        prompt=long_prompt,
-        max_tokens=8,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
+    greedy = {"model": model, "prompt": long_prompt, "max_tokens": 8, "temperature": 0}
+    out = cl.completions.create(**greedy, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
-    again = cl.completions.create(
-        model=model,
-        prompt=long_prompt,
-        max_tokens=8,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
+    again = cl.completions.create(**greedy, extra_body={"ignore_eos": True})
     assert again.choices[0].text == out.choices[0].text  # greedy: same text, now from cache
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     chunks = list(

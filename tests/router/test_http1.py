@@ -11,6 +11,8 @@ import pytest
 from pdserve import keys, signing
 from pdserve.router.transport.http1 import CallFailed, WorkerPool
 
+pytestmark = pytest.mark.unit
+
 Reply = Callable[[bytes], bytes]  # the request's head and body -> the raw reply
 
 
@@ -100,7 +102,8 @@ async def test_calls_are_signed_and_a_reply_must_prove_the_secret(serve) -> None
             for line in head.split(b"\r\n")
             if line.lower().startswith(signing.HEADER_KEY)
         )
-        assert verifier.check("POST", "/w/prefill", auth, body).key is not None
+        host = next(line[6:].decode() for line in head.split(b"\r\n") if line.startswith(b"Host:"))
+        assert verifier.check("POST", "/w/prefill", auth, body, host=host.strip()).key is not None
         return ok(
             b"{}",
             b"%s: %s\r\n"

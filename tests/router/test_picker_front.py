@@ -10,6 +10,7 @@ order the picker gave, as Envoy's retries do.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve import keys
 from pdserve.protocol.contract import GenerateRequest, PrefillRequest
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
@@ -31,7 +33,7 @@ from pdserve.testing.loopback import free_port
 from pdserve.testing.picker import Envoy, PickerCluster, completion, start_picker
 from pdserve.testing.router_fakes import serve
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 @contextlib.asynccontextmanager
@@ -137,13 +139,30 @@ def _plan() -> tuple[RoutePlan, Snapshot]:
 
 def test_front_takes_only_a_signed_prefill_endpoint() -> None:
     plan, snap = _plan()
-    endpoint = "10.0.0.7:8100"
-    signed = {PREFILL_HEADER: endpoint, SIGNATURE_HEADER: prefill_header.sign(endpoint)}
-    pinned = prefill_header.pinned(signed, plan, snap)
+    endpoint, body = "10.0.0.7:8100", b'{"prompt": "hello"}'
+    signed = {PREFILL_HEADER: endpoint, SIGNATURE_HEADER: prefill_header.sign(endpoint, body)}
+    pinned = prefill_header.pinned(signed, plan, snap, body)
     assert pinned.kind == disagg.REMOTE_PREFILL and pinned.prefill == (snap.workers[1],)
     forged = {PREFILL_HEADER: "evil.example:80", SIGNATURE_HEADER: signed[SIGNATURE_HEADER]}
     for headers in ({PREFILL_HEADER: endpoint}, forged, {**signed, SIGNATURE_HEADER: "zz"}, {}):
-        assert prefill_header.pinned(headers, plan, snap).kind == disagg.LOCAL_PREFILL
+        assert prefill_header.pinned(headers, plan, snap, body).kind == disagg.LOCAL_PREFILL
     unknown = "10.0.0.8:8100"  # signed but not (yet) in the front's discovery: taken
-    headers = {PREFILL_HEADER: unknown, SIGNATURE_HEADER: prefill_header.sign(unknown)}
-    assert prefill_header.pinned(headers, plan, snap).prefill[0].url == "http://" + unknown
+    headers = {PREFILL_HEADER: unknown, SIGNATURE_HEADER: prefill_header.sign(unknown, body)}
+    assert prefill_header.pinned(headers, plan, snap, body).prefill[0].url == "http://" + unknown
+
+
+def test_a_captured_prefill_pin_expires_and_pins_only_its_own_request() -> None:
+    """Issue 44 item 10: before, the signature covered the endpoint alone under the HTTP
+    key: a captured pair pinned any prompt to that host, forever."""
+    plan, snap = _plan()
+    endpoint, body = "10.0.0.7:8100", b'{"prompt": "hello"}'
+    stale = prefill_header.sign(endpoint, body, now=time.time() - 2 * prefill_header.WINDOW_S)
+    tag = keys.KeyRing.from_env(keys.HTTP).sign(b"pdserve/prefill-endpoint", endpoint.encode())
+    refused = {
+        "expired": (stale, body),
+        "another request's body": (prefill_header.sign(endpoint, body), b'{"prompt": "x"}'),
+        "the HTTP key's tag (another purpose)": (f"{time.time():.3f} {tag.hex()}", body),
+    }
+    for case, (signature, sent) in refused.items():
+        headers = {PREFILL_HEADER: endpoint, SIGNATURE_HEADER: signature}
+        assert prefill_header.pinned(headers, plan, snap, sent).kind == disagg.LOCAL_PREFILL, case

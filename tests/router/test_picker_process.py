@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from pathlib import Path
 
 import grpc
@@ -16,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.router.picker.prefill_header import PREFILL_HEADER, endpoint_of
-from pdserve.testing.loopback import free_port
+from pdserve.testing.loopback import free_port, start_router
 from pdserve.testing.picker import Envoy
 from pdserve.testing.router_fakes import FakeState, decode_app, prefill_app, serve
 
@@ -42,33 +41,10 @@ async def test_picker_process_picks_and_stops(tiny_model_dir: Path) -> None:
     pst, dst = FakeState("prefill", "p0"), FakeState("decode", "d0")
     async with serve(prefill_app(pst)) as purl, serve(decode_app(dst)) as durl:
         port, front, admin = free_port(), free_port(), free_port()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "pdserve",
-            "router",
-            "--mode",
-            "endpoint-picker",
-            "--model",
-            str(tiny_model_dir),
-            "--grpc-port",
-            str(port),
-            "--prefill",
-            purl,
-            "--decode",
-            durl,
-            "--disagg-threshold",
-            "8",
-            "--target-port",
-            str(front),
-            "--admin-port",
-            str(admin),
-            "--health-interval",
-            "0.2",
-            "--log-level",
-            "warning",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+        proc = await start_router(
+            *("--mode", "endpoint-picker", "--model", str(tiny_model_dir)),
+            *("--grpc-port", str(port), "--target-port", str(front), "--admin-port", str(admin)),
+            *("--prefill", purl, "--decode", durl, "--disagg-threshold", "8"),
         )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
 from pathlib import Path
 
 import httpx
@@ -18,10 +17,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdserve.testing.loopback import free_port
+from pdserve.testing.loopback import free_port, start_router
 from pdserve.testing.router_fakes import FakeState, decode_app, prefill_app, serve
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
 
 async def test_router_process_serves_and_stops(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -34,33 +33,11 @@ async def test_router_process_serves_and_stops(tiny_model_dir: Path, tmp_path: P
     keyfile.write_text("k1\n")
     async with serve(prefill_app(pst, pub)) as purl, serve(decode_app(dst)) as durl:
         port, admin_port = free_port(), free_port()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "pdserve",
-            "router",
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            str(port),
-            "--prefill",
-            purl,
-            "--decode",
-            durl,
-            "--disagg-threshold",
-            "8",
-            "--api-key-file",
-            str(keyfile),
-            "--admin-api-key",
-            "adm",
-            "--health-interval",
-            "0.2",
-            "--admin-port",
-            str(admin_port),
-            "--log-level",
-            "warning",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+        proc = await start_router(
+            *("--model", str(tiny_model_dir), "--port", str(port)),
+            *("--prefill", purl, "--decode", durl, "--disagg-threshold", "8"),
+            *("--api-key-file", str(keyfile), "--admin-api-key", "adm"),
+            *("--admin-port", str(admin_port)),
         )
         url = f"http://127.0.0.1:{port}"
         try:
@@ -101,29 +78,10 @@ async def test_router_procs_share_one_port(tiny_model_dir: Path, end: str) -> No
     pst, dst = FakeState("prefill", "p0"), FakeState("decode", "d0")
     async with serve(prefill_app(pst)) as purl, serve(decode_app(dst)) as durl:
         port, admin_port = free_port(), free_port()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "pdserve",
-            "router",
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            str(port),
-            "--prefill",
-            purl,
-            "--decode",
-            durl,
-            "--procs",
-            "2",
-            "--admin-port",
-            str(admin_port),
-            "--health-interval",
-            "0.2",
-            "--log-level",
-            "warning",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+        proc = await start_router(
+            *("--model", str(tiny_model_dir), "--port", str(port)),
+            *("--prefill", purl, "--decode", durl, "--procs", "2"),
+            *("--admin-port", str(admin_port)),
         )
         url, n = f"http://127.0.0.1:{port}", 24
         try:

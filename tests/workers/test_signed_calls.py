@@ -28,6 +28,8 @@ from pdserve.signed_httpx import SignedAuth
 from pdserve.testing.router_fakes import serve
 from pdserve.worker.http import SecretCheck
 
+pytestmark = pytest.mark.unit
+
 SECRET = "service-secret-1"
 
 
@@ -65,9 +67,11 @@ async def test_router_session_signs_and_the_worker_proves() -> None:
 
 async def test_forged_altered_stale_and_replayed_calls_are_refused() -> None:
     async with serve(worker()) as url, httpx.AsyncClient(base_url=url, timeout=10) as c:
+        host = url.split("://", 1)[1]  # the Host httpx sends: the worker the call names
 
         def signed(secret: str, body: bytes, now: float | None = None) -> dict[str, str]:
-            return {signing.HEADER: signing.sign(_ring(secret), "POST", "/prefill", body, now)}
+            auth = signing.sign(_ring(secret), "POST", "/prefill", body, now, host=host)
+            return {signing.HEADER: auth}
 
         ok = signed(SECRET, b"ids")
         assert (await c.post("/prefill", content=b"ids", headers=ok)).status_code == 200
@@ -85,7 +89,7 @@ async def test_forged_altered_stale_and_replayed_calls_are_refused() -> None:
             assert resp.status_code == 401, case
             assert resp.json()["error"]["code"] == "unauthorized", case
         # Signed for /stats is not signed for /prefill (the path is covered).
-        other = {signing.HEADER: signing.sign(_ring(SECRET), "POST", "/stats", b"ids")}
+        other = {signing.HEADER: signing.sign(_ring(SECRET), "POST", "/stats", b"ids", host=host)}
         assert (await c.post("/prefill", content=b"ids", headers=other)).status_code == 401
 
 
@@ -94,9 +98,11 @@ async def test_a_reply_without_the_proof_is_not_believed() -> None:
     200 without knowing the secret: the router's session raises, so the call fails over;
     and what that endpoint saw cannot be replayed to a real worker."""
     seen: list[str] = []
+    hosts: list[str] = []
 
     async def impostor(request: web.Request) -> web.Response:
         seen.append(request.headers.get(signing.HEADER, ""))
+        hosts.append(request.headers.get("Host", ""))
         return web.json_response({"tokens": "made up"})
 
     app = web.Application()
@@ -113,9 +119,33 @@ async def test_a_reply_without_the_proof_is_not_believed() -> None:
     assert seen and SECRET not in seen[0]
     async with serve(worker()) as url, httpx.AsyncClient(base_url=url) as c:
         headers = {signing.HEADER: seen[0]}  # the captured call, sent on at once
-        assert (await c.post("/prefill", content=b"ids", headers=headers)).status_code == 200
-        # ... once: the worker's replay cache has it now.
+        # It names the impostor (its Host is under the tag): refused as it is, and refused
+        # with the impostor's Host forged in (the real worker's own address differs).
         assert (await c.post("/prefill", content=b"ids", headers=headers)).status_code == 401
+        forged = {**headers, "Host": hosts[0]}
+        assert (await c.post("/prefill", content=b"ids", headers=forged)).status_code == 401
+
+
+async def test_a_call_replayed_to_another_worker_is_refused() -> None:
+    """Issue 44 item 9: a call captured on its way to worker A, sent on to worker B of the
+    same service within the 30 s window. Before, B served it (the tag named no worker)."""
+    async with serve(worker()) as a_url, serve(worker()) as b_url:
+        a_host, b_host = a_url.split("://")[1], b_url.split("://")[1]
+        auth = signing.sign(_ring(SECRET), "POST", "/prefill", b"ids", host=a_host)
+        async with httpx.AsyncClient(base_url=b_url, timeout=10) as b:
+            for host in (None, a_host):  # B's own Host (the tag fails), A's (not B's address)
+                headers = {signing.HEADER: auth, **({"Host": host} if host else {})}
+                resp = await b.post("/prefill", content=b"ids", headers=headers)
+                assert resp.status_code == 401, host
+        async with httpx.AsyncClient(base_url=a_url, timeout=10) as a:
+            ok = await a.post("/prefill", content=b"ids", headers={signing.HEADER: auth})
+            assert ok.status_code == 200  # A, the worker it names, takes it
+        # "localhost" names B too: a name is resolved and compared with B's address.
+        b_port = b_host.rsplit(":", 1)[1]
+        named = signing.sign(_ring(SECRET), "POST", "/prefill", b"ids", host=f"localhost:{b_port}")
+        async with httpx.AsyncClient(base_url=f"http://localhost:{b_port}", timeout=10) as b:
+            resp = await b.post("/prefill", content=b"ids", headers={signing.HEADER: named})
+            assert resp.status_code == 200
 
 
 async def test_rotation_without_a_failed_call() -> None:
@@ -146,7 +176,8 @@ def test_httpx_auth_signs_for_tools() -> None:
     verifier = signing.Verifier(_ring(SECRET))
     request = httpx.Request("POST", "http://w/prefill?x=1", content=b"ids")
     SignedAuth(SECRET)(request)
-    verdict = verifier.check("POST", "/prefill?x=1", request.headers[signing.HEADER], b"ids")
+    auth = request.headers[signing.HEADER]
+    verdict = verifier.check("POST", "/prefill?x=1", auth, b"ids", host="w")
     assert verdict.key is not None
 
 

@@ -23,21 +23,12 @@ from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest, PrefillRequest, RequestRef
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.signed_httpx import SignedAuth
-from pdserve.testing.loopback import worker_port_base
+from pdserve.testing.loopback import SMALL_WORKER_ARGS, worker_port_base
 
 SECRET = "worker-tests-secret"  # the clusters' service secret: every internal call sends it
 AUTH = SignedAuth(SECRET)  # calls to the workers' internal API are signed
 
-WORKER_ARGS = (
-    "--device",
-    "cpu",
-    "--kv-cache-bytes",
-    "6000000",
-    "--max-num-batched-tokens",
-    "512",
-    "--max-model-len",
-    "1024",
-)
+WORKER_ARGS = SMALL_WORKER_ARGS
 
 
 @contextlib.contextmanager

@@ -123,6 +123,10 @@ class RealCluster:
     def wait(self, check: Callable[[], Any], timeout: float = 30, what: str = "") -> Any:
         return poll_until(check, timeout, interval=0.25, what=what or "the condition")
 
+    def apply_object(self, namespace: str, obj: dict[str, Any]) -> None:
+        """``kubectl apply`` of one object (a dict, as JSON) in ``namespace``."""
+        self.kubectl("apply", "-n", namespace, "-f", "-", stdin=json.dumps(obj))
+
 
 class OperatorProcess:
     """``pdserve operator`` under the chart's ServiceAccount token, as its pod would run it
@@ -184,6 +188,33 @@ def apply_yaml(
 
 def conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in obj.get("status", {}).get("conditions", [])}
+
+
+def is_ready(obj: dict[str, Any] | None) -> bool:
+    """Whether the object's Ready condition is True (no object: not ready)."""
+    return conditions(obj or {}).get("Ready", {}).get("status") == "True"
+
+
+def llmservice(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
+    """An LLMService of the tiny model on the ``models`` PVC, with ``spec`` beside it."""
+    model = {"source": {"pvc": {"claimName": "models", "path": "m"}}}
+    return {
+        "apiVersion": "pdserve.io/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"model": model, **spec},
+    }
+
+
+def read_only_pvc(name: str, storage: str) -> dict[str, Any]:
+    """A ReadOnlyMany PersistentVolumeClaim (a model volume an LLMService names)."""
+    spec = {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": storage}}}
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
 
 
 def dump(obj: Any) -> str:

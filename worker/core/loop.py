@@ -1,6 +1,6 @@
 """The engine core's loop, in a process of its own (the worker's front end is another).
 
-The front end (``pdserve.worker.core_client``) sends commands over one ZeroMQ socket
+The front end (``pdserve.worker.core.client``) sends commands over one ZeroMQ socket
 and reads what this loop sends back over another. Between steps the loop takes every
 waiting command without blocking, steps the engine, and sends the step's outputs as one
 message with the latest counters. The HTTP loop, its parsing and its streaming run in
@@ -37,7 +37,7 @@ import zmq
 
 from pdserve.engine.compile_guard import AbandonedCompiles
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.scheduler import tenant_of
+from pdserve.engine.request import tenant_of
 from pdserve.engine.step_fault import retry_probe, step_or_fail
 from pdserve.protocol.contract import EngineStats
 from pdserve.protocol.outputs import RequestFailed, RequestOutput
@@ -268,7 +268,7 @@ class CoreLoop:
             timeout = TRANSFER_POLL_S
         elif not self.engine.has_work:
             timeout = IDLE_S
-        elif not self.engine.scheduler.running and not self.engine.scheduler.waiting:
+        elif not self.engine.has_runnable:
             timeout = TRANSFER_POLL_S
         else:
             return
