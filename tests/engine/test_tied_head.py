@@ -22,7 +22,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
 from tests.model_families import Family, cached_family
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
 TIED = Family("llama-tied", "LlamaConfig", {"tie_word_embeddings": True}, "tied output head")
 PROMPTS = [[(i * 37 + s) % 3000 + 5 for i in range(n)] for s, n in enumerate([45, 24, 5, 9, 17, 3])]
