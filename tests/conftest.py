@@ -107,7 +107,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """A run that starts engine cores (a test outside the unit tier) gets one core zygote
     per pytest process: every worker its tests start, directly or through ``pdserve up``,
-    forks its core from it (``PDSERVE_CORE_ZYGOTE``, worker/core_zygote.py) instead of
+    forks its core from it (``PDSERVE_CORE_ZYGOTE``, worker/core/zygote.py) instead of
     importing torch and transformers anew, ~6 CPU-s each for the suite's ~80 cores. A test
     that changes the environment gets a core of its own (the zygote refuses it), and
     tests/workers/test_core_zygote.py starts cores without one."""
@@ -115,7 +115,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     if env.get(env.CORE_ZYGOTE) or all(tier_of(i) == "unit" for i in session.items):
         return
-    from pdserve.worker.core_zygote import ZygoteProcess
+    from pdserve.worker.core.zygote import ZygoteProcess
 
     _ZYGOTE.append(ZygoteProcess(log=subprocess.DEVNULL))
     os.environ[env.CORE_ZYGOTE] = _ZYGOTE[0].path

@@ -1,7 +1,10 @@
 """The suite's tiers, one marker per test: ``unit``, ``cluster``, ``bench``, ``k8s``, ``k8s_real``.
 
-``make test-fast`` runs ``-m unit`` (the inner loop); ``make test`` runs every tier. A test
-gets its tier from what it uses, not from a line in each file:
+``make test-fast`` runs ``-m unit`` (the inner loop); ``make test`` runs every tier. Every
+test file declares its tier (``pytestmark = pytest.mark.unit``, a test of another tier marked
+itself; tests/test_tiers.py fails on a file without one); tests/k8s/ and tests/k8s_real/
+are theirs by directory. What follows is the rule the declarations follow, and the fallback
+for a test that has none (a test defined in a helper module):
 
 - ``k8s_real``: under tests/k8s_real/ (a real etcd, kube-apiserver and controller-manager);
 - ``k8s``: under tests/k8s/ (the operator against a Kubernetes API emulator);
@@ -11,7 +14,7 @@ gets its tier from what it uses, not from a line in each file:
   ``start_up``/``running_up`` of pdserve.testing.up), or it is one of ``CLUSTER_MODULES``;
 - ``unit``: everything else (in-process; fakes on loopback at most).
 
-A module or test that marks a tier itself (``pytestmark = pytest.mark.cluster``) keeps it.
+A test's own marker wins over its module's.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from tests.model_families import BY_ID, Family
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(600)]
 
 # Window + soft-cap (gemma2), sinks + window + MoE (gpt-oss), MLA compressed + MoE
 # (deepseek-v2: the absorbed query and output run in the compiled graph around the

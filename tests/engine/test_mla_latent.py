@@ -17,6 +17,8 @@ from test_model_families import _engine, _generate, _model_dir, _reference
 from pdserve.engine import cpu_kernel, mla
 from tests.model_families import BY_ID
 
+pytestmark = pytest.mark.unit
+
 MLA_FAMILIES = ["deepseek-v2", "deepseek-v3"]
 
 

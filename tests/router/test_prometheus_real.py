@@ -38,6 +38,8 @@ from pdserve.testing.loopback import ROOT, secret_auth
 from pdserve.testing.prometheus import Prometheus, prometheus_binary, run_prometheus
 from tests.router.pdserve_up import Up
 
+pytestmark = pytest.mark.cluster
+
 NAMESPACE, SERVICE = "pdserve-test", "chat"
 POOLS = (PoolStatus(1, 1), PoolStatus(1, 1))  # what the Deployments say: one ready replica each
 PROMPT = "the quick brown fox jumps over the lazy dog " * 16  # ~150 tokens
