@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.testing.loopback import run_bench
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(300)]
 
 PARTS = {"lm_head", "linears", "attention", "other_ops", "sampler", "python"}
 
