@@ -68,6 +68,29 @@ def window(plane: ControlPlane, seconds: float) -> collections.Counter[str]:
     return +diff
 
 
+# Resources no controller of the control plane (nor the fake kubelet) touches here.
+OPERATOR_KINDS = frozenset(
+    [
+        "kopfpeerings",
+        "llmservices",
+        "configmaps",
+        "secrets",
+        "serviceaccounts",
+        "roles",
+        "rolebindings",
+        "networkpolicies",
+        "poddisruptionbudgets",
+        "services",
+        "events",
+    ]
+)
+
+
+def operator_kinds(counts: collections.Counter[str]) -> int:
+    """Requests in ``counts`` (``verb resource``) on the kinds only the operator uses."""
+    return sum(v for key, v in counts.items() if key.partition(" ")[2] in OPERATOR_KINDS)
+
+
 def llmservice(i: int) -> dict[str, Any]:
     return cluster.llmservice(f"svc-{i:03d}", NS)
 
@@ -134,6 +157,11 @@ def run_real(counts: list[int], window_s: float) -> dict[str, Any]:
                 "objects": n,
                 "requests_per_minute": round(per_min, 1),
                 "api_requests_per_object_minute": round(max(0.0, per_min - bg_per_min) / n, 3),
+                # no background to subtract: the kinds only the operator reads or writes (a
+                # lower bound; the controllers' Deployment and Pod traffic is left out)
+                "operator_kinds_requests_per_object_minute": round(
+                    operator_kinds(last) * 60 / window_s / n, 3
+                ),
             }
             rows.append(row)
             print(f"operator_load --real: {row}", file=sys.stderr, flush=True)

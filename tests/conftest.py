@@ -124,3 +124,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     for zygote in _ZYGOTE:
         zygote.stop()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The real control plane's tier, counted apart (issue 42): how many of its tests ran,
+    passed, failed or skipped (``make test`` must show it ran, and not skipped)."""
+    counts = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        reports = terminalreporter.stats.get(outcome, [])
+        counts[outcome] = sum(
+            1
+            for r in reports
+            if getattr(r, "nodeid", "").startswith("tests/k8s_real/")
+            and (outcome != "passed" or getattr(r, "when", "call") == "call")
+        )
+    if any(counts.values()):
+        line = ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n)
+        terminalreporter.write_line(f"k8s_real tier (a real kube-apiserver, etcd): {line}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.testing.loopback import ROOT
-from tests.tiers import TIERS
+from tests.tiers import TIERS, mark_tiers
 
 pytestmark = pytest.mark.unit
 
@@ -55,3 +55,28 @@ def test_every_test_file_declares_its_tier() -> None:
         elif len(tiers) > 1:
             several.append(str(path.relative_to(ROOT)))
     assert undeclared == [] and several == [], (undeclared, several)
+
+
+class _Item:
+    """What mark_tiers reads of a collected test (a stand-in: no second pytest run)."""
+
+    def __init__(self, own: str, fixtures: tuple[str, ...]) -> None:
+        self.marks = [pytest.mark.unit.mark] if own == "unit" else []
+        self.path = ROOT / "tests" / "router" / "test_made_up.py"
+        self.module, self.fixturenames, self.nodeid = None, fixtures, "test_made_up.py::t"
+
+    def iter_markers(self):  # type: ignore[no-untyped-def]
+        return iter(self.marks)
+
+    def add_marker(self, name: str) -> None:
+        self.marks.append(getattr(pytest.mark, name).mark)
+
+
+def test_a_unit_test_that_starts_a_cluster_is_refused() -> None:
+    with pytest.raises(pytest.UsageError, match=r"test_made_up\.py::t \(uses a cluster"):
+        mark_tiers([_Item("unit", ("up",))])  # type: ignore[list-item]
+    fine = _Item("unit", ("tmp_path",))
+    mark_tiers([fine])  # type: ignore[list-item]
+    inferred = _Item("", ("up",))
+    mark_tiers([inferred])  # type: ignore[list-item]
+    assert [m.name for m in inferred.marks] == ["cluster"]

@@ -37,8 +37,11 @@ CLUSTER_MODULES = frozenset({"test_local_up_autoscale", "test_router_process"})
 
 def tier_of(item: pytest.Item) -> str:
     own = [m.name for m in item.iter_markers() if m.name in TIERS]
-    if own:
-        return own[0]
+    return own[0] if own else inferred_tier(item)
+
+
+def inferred_tier(item: pytest.Item) -> str:
+    """The tier from what the test uses, whatever it declares."""
     path = item.path
     if "k8s_real" in path.parts:
         return "k8s_real"
@@ -57,7 +60,14 @@ def tier_of(item: pytest.Item) -> str:
 
 
 def mark_tiers(items: list[pytest.Item]) -> None:
+    """Each test's tier marker. A test declared ``unit`` that starts a cluster or runs a bench
+    (as far as ``inferred_tier`` sees) is refused: ``make test-fast`` would run it."""
+    wrong = []
     for item in items:
         tier = tier_of(item)
+        if tier == "unit" and inferred_tier(item) != "unit":
+            wrong.append(f"{item.nodeid} (uses a {inferred_tier(item)} fixture or helper)")
         if not any(m.name == tier for m in item.iter_markers()):
             item.add_marker(tier)
+    if wrong:
+        raise pytest.UsageError("declared unit, but not in-process: " + "; ".join(wrong))

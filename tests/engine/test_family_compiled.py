@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(600)]
 # Window + soft-cap (gemma2), sinks + window + MoE (gpt-oss), MLA compressed + MoE
 # (deepseek-v2: the absorbed query and output run in the compiled graph around the
 # attention operator). Also token-identical compiled, left out for the suite's time (a
-# compile each, about a CPU-minute even from inductor's cache): PhiMoE, whose compiled
+# compile each, tens of seconds even from inductor's cache): PhiMoE, whose compiled
 # failure (its router replaced by a packed linear) is the kind of defect the next test
 # checks on every family without compiling.
 COMPILED_FAMILIES = ["gemma2", "gpt-oss", "deepseek-v2"]
