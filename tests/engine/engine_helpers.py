@@ -51,13 +51,15 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    logprobs: list[Any] = field(default_factory=list)
     num_deltas: int = 0
 
 
 def run_requests(
     engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
 ) -> dict[str, Result]:
-    """Add every request, step to completion, and gather each request's outputs."""
+    """Add every request, step to completion, and gather each request's outputs (logprobs
+    too)."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     results = {rid: Result() for rid in requests}
@@ -65,8 +67,10 @@ def run_requests(
         for out in engine.step():
             r = results[out.request_id]
             assert r.finish_reason is None, "output after the finish"
+            assert out.logprobs is None or len(out.logprobs) == len(out.token_ids)
             r.token_ids += out.token_ids
             r.text += out.text
             r.finish_reason = out.finish_reason
+            r.logprobs += out.logprobs or []
             r.num_deltas += 1
     return results

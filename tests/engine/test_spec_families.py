@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import assert_all_free, family_config
-from spec_helpers import Oracle, run
+from engine_helpers import assert_all_free, family_config, run_requests
+from spec_helpers import Oracle
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
@@ -43,7 +43,7 @@ def test_family_speculative_matches_transformers(family: Family, tiny_model_dir:
     assert engine.spec is not None
     engine.spec.proposer = Oracle({tuple(PROMPT): expected})  # type: ignore[assignment]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    got = run(engine, {"a": (PROMPT, params)})["a"].token_ids
+    got = run_requests(engine, {"a": (PROMPT, params)})["a"].token_ids
     assert got == expected
     assert 0 < engine.spec.stats.accepted_tokens < engine.spec.stats.draft_tokens
     assert_all_free(engine)

@@ -119,13 +119,18 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(REFUSED))
-def test_refused_pod_field_is_named(case: str) -> None:
-    template, field = REFUSED[case]
+def _refused(template: dict[str, Any], field: str) -> dict[str, Any]:
+    """An LLMService with this decode podTemplate, which STRICT refuses naming ``field``."""
     obj = minimal_llmservice(decode={"podTemplate": template})
     with pytest.raises(SpecError) as info:
         render(obj, policy=STRICT)
     assert str(info.value).startswith(field), str(info.value)
+    return obj
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_refused_pod_field_is_named(case: str) -> None:
+    obj = _refused(*REFUSED[case])
     # A cluster admin's opt-out renders it (so the refusal above is the policy's doing).
     render(obj, policy=PodPolicy(allow_unsafe=True))
 
@@ -261,11 +266,7 @@ def merged_escapes(policy: PodPolicy = STRICT) -> int:
 
 @pytest.mark.parametrize("case", sorted(MERGED_ESCAPES))
 def test_the_merged_pod_keeps_its_hardening(case: str) -> None:
-    template, field = MERGED_ESCAPES[case]
-    obj = minimal_llmservice(decode={"podTemplate": template})
-    with pytest.raises(SpecError) as info:
-        render(obj, policy=STRICT)
-    assert str(info.value).startswith(field), str(info.value)
+    obj = _refused(*MERGED_ESCAPES[case])
     if "null" not in case:  # nulls: refused when the spec is parsed too (pod_template.py)
         render(obj, policy=PodPolicy(allow_unsafe=True))  # the opt-out renders it
 
