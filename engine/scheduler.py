@@ -110,9 +110,13 @@ class Scheduler:
             self.running.append(req)
             budget -= n + len(draft)
         for req in out.preempted:  # newest first, so the oldest ends up in front
-            self.waiting.appendleft(req)
-            self.waiting_by_tenant.setdefault(req.tenant, deque()).appendleft(req)
+            self.requeue(req)
         return budget
+
+    def requeue(self, req: Request) -> None:
+        """A preempted request back at the head of the waiting queue and of its tenant's."""
+        self.waiting.appendleft(req)
+        self.waiting_by_tenant.setdefault(req.tenant, deque()).appendleft(req)
 
     def _draft(self, req: Request, need: int, room: int) -> list[int]:
         """Draft tokens to verify with ``req``'s decode (none for a prompt chunk, or when

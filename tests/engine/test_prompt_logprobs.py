@@ -110,7 +110,7 @@ def test_preempted_request_scores_each_row_once(tiny_model_dir: Path, hf_model: 
     assert len(req.prompt_logprobs) == 17
     engine.scheduler.running.remove(req)
     engine.scheduler._preempt(req)
-    engine.scheduler.waiting.appendleft(req)
+    engine.scheduler.requeue(req)
     got: list[Any] = []
     while engine.has_work:
         got += [o.prompt_logprobs for o in engine.step() if o.prompt_logprobs is not None]

@@ -37,8 +37,10 @@ def test_two_replicas_one_acts_and_the_standby_takes_over(
 ) -> None:
     c = chart
     # the active replica's record first (the shared operator may have started just now): a
-    # standby that finds no live peer acts, then pauses when the record appears
-    c.wait(lambda: operator.priority in _priorities(c), 60, what="the active replica's record")
+    # standby that finds no live peer acts, then pauses when the record appears. Only its
+    # record: one an earlier test's killed replica left stays until it expires (15 s) and
+    # kopf's live peers clean it up.
+    c.wait(lambda: _priorities(c) == [operator.priority], 90, what="the active replica's record")
     standby = OperatorProcess(c, list(WATCHED), name="standby", priority=operator.priority - 50)
     try:
         # kopf starts every replica paused until its first look at the peering object; the

@@ -134,9 +134,12 @@ def test_operator_promql_is_answered_by_real_prometheus(
     # increase() extrapolates a little past the first and last samples in the window (at
     # least 1: the series began in it), by nearly the same factor for every counter of one
     # scrape (Prometheus stops a counter's extrapolation where it would reach zero, which
-    # differs by series: a sum of latencies more than a count)
+    # differs by series: a sum of latencies more than a count). How far depends on how much of
+    # the window the series' samples span (Prometheus was started just before: under a loaded
+    # suite its first scrapes land late, 1.74 seen): the check is that every counter of the
+    # scrape agrees on it (below), and that it is an extrapolation, not a double count.
     factor = snap.request_rate * window / n
-    assert 1.0 <= factor < 1.6, factor
+    assert 1.0 <= factor < 2.0, factor
     assert snap.mean_prompt_tokens == pytest.approx(delta[m.ROUTER_PROMPT_TOKENS] / n, rel=0.05)
     assert abs(snap.ttft.count - n * factor) <= 1, (snap.ttft, factor)  # count is rounded
     want_mean = delta[m.ROUTER_TTFT + "_sum"] / delta[m.ROUTER_TTFT + "_count"]
