@@ -25,7 +25,8 @@ Phases, in order, against one running service:
 10. issue 44's probes (bench/chaos_isolation.py): keyless LoRA changes on the router's
     ``--admin-port``, and in process the endpoint picker's abuse battery, merged pod
     policy escapes, symlinks in a sealed cache, abandoned grammar compiles past their
-    bound and run-time LoRA loads outside ``--lora-root``.
+    bound, run-time LoRA loads outside ``--lora-root``, signed worker calls replayed to
+    another worker and misused prefill pins.
 
 Prints one JSON line (last); the goals are 0 for every failure count,
 ``migrated_streams`` >= 1 and ``stalled_streams`` >= 1. Writes a PNG to bench/out/.

@@ -13,6 +13,11 @@
   keys each send grammars that never compile in time (a real engine core loop);
 - ``lora_path_escapes``: run-time LoRA loads outside ``--lora-root`` a real registry took,
   plus errors that told an existing path from a missing one.
+- ``worker_call_replayed_elsewhere``: a signed call captured on its way to one worker
+  (a real uvicorn worker with the workers' check), sent on to another worker of the
+  service, with its own Host and with the first worker's, that was served;
+- ``prefill_pin_misused``: the picker's signed ``x-prefiller-host-port`` value taken by a
+  front when expired, for another request's body, or signed under another key's purpose.
 
 The in-process probes are the tests' own (tests/...): the bench runs what the suite
 checks, against the code as it is.
@@ -82,8 +87,8 @@ def abandoned_over_bound(model_dir: Path) -> int:
     from engine_helpers import tiny_config
     from test_grammar_bounds import abandoned_probe
 
-    from pdserve.engine.core_loop import CoreLoop
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.worker.core.loop import CoreLoop
 
     engine = LLMEngine(tiny_config(model_dir))
     ctx = zmq.Context()
@@ -126,6 +131,49 @@ def lora_escapes(model_dir: Path) -> int:
     return escapes + revealing
 
 
+async def _replayed_elsewhere() -> int:
+    from fastapi import FastAPI
+
+    from pdserve import keys, signing
+    from pdserve.testing.router_fakes import serve
+    from pdserve.worker.http import SecretCheck
+
+    secret = os.environ["PDSERVE_SERVICE_SECRET"]
+    app = FastAPI()
+    app.add_middleware(SecretCheck, secret=(secret,))
+    app.post("/prefill")(lambda: {"ok": True})
+    ring = keys.KeyRing(keys.HTTP, secret)
+    served = 0
+    async with serve(app) as a_url, serve(app) as b_url, httpx.AsyncClient(timeout=10) as c:
+        a_host = a_url.split("://")[1]
+        for host in (None, a_host):
+            auth = signing.sign(ring, "POST", "/prefill", b"ids", host=a_host)
+            headers = {signing.HEADER: auth, **({"Host": host} if host else {})}
+            resp = await c.post(b_url + "/prefill", content=b"ids", headers=headers)
+            served += resp.status_code == 200
+    return served
+
+
+def replayed_elsewhere() -> int:
+    return asyncio.run(_replayed_elsewhere())
+
+
+def prefill_pin_misused() -> int:
+    import time
+
+    from pdserve import keys
+    from pdserve.router.picker import prefill_header as ph
+
+    endpoint, body = "10.0.0.7:8100", b'{"prompt": "a"}'
+    tag = keys.KeyRing.from_env(keys.HTTP).sign(b"pdserve/prefill-endpoint", endpoint.encode())
+    misuses = [
+        (ph.sign(endpoint, body, now=time.time() - 3 * ph.WINDOW_S), body),  # expired
+        (ph.sign(endpoint, body), b'{"prompt": "another"}'),  # another request
+        (f"{time.time():.3f} {tag.hex()}", body),  # the HTTP key's tag
+    ]
+    return sum(ph.verified(endpoint, sig, sent) for sig, sent in misuses)
+
+
 def in_process_probes(model_dir: Path) -> dict[str, int]:
     # the tests' fake workers sign with the service secret, as the suite's conftest sets it
     os.environ.setdefault("PDSERVE_SERVICE_SECRET", secrets.token_hex(16))
@@ -135,4 +183,6 @@ def in_process_probes(model_dir: Path) -> dict[str, int]:
         "cache_symlink_followed": symlinks_followed(),
         "abandoned_compiles_over_bound": abandoned_over_bound(model_dir),
         "lora_path_escapes": lora_escapes(model_dir),
+        "worker_call_replayed_elsewhere": replayed_elsewhere(),
+        "prefill_pin_misused": prefill_pin_misused(),
     }

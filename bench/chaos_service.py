@@ -12,9 +12,6 @@ import os
 import re
 import secrets
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,7 @@ import httpx
 from pdserve import env
 from pdserve.local.proc_group import end_group, signal_group
 from pdserve.signed_httpx import SignedAuth
+from pdserve.testing.up import Up, start_up
 
 ROOT = Path(__file__).resolve().parent.parent
 # The service secret of the deployment under test: the environment's, else one for this run
@@ -33,64 +31,40 @@ AUTH = SignedAuth(SECRET)  # the workers' internal API takes signed calls only
 
 
 class Service:
+    """``pdserve up`` with the bench's service secret (pdserve.testing.up), started on
+    ``start`` and stopped (SIGTERM, as Ctrl-C) on ``stop``."""
+
     def __init__(self, model: str, log_dir: str, port: int, port_base: int, *extra: str) -> None:
-        self.argv = [
-            sys.executable,
-            "-m",
-            "pdserve",
-            "up",
-            "--model",
-            model,
-            "--port",
-            str(port),
-            "--worker-port-base",
-            str(port_base),
-            "--log-dir",
-            log_dir,
-            *extra,
-        ]
-        self.lines: list[str] = []
-        self.url = ""
-        self.workers: dict[str, str] = {}  # name -> URL
-        self.proc: subprocess.Popen[str] | None = None
+        self.model = model
+        self.flags = ["--port", str(port), "--worker-port-base", str(port_base)]
+        self.flags += ["--log-dir", log_dir, *extra]
+        self.up: Up | None = None
 
     def start(self, timeout: float = 300.0) -> None:
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, env.SERVICE_SECRET: SECRET},
-            start_new_session=True,  # its own group: SIGTERM reaches up, as Ctrl-C would
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while not any(x.startswith("pdserve is up") for x in self.lines):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("pdserve up did not start:\n" + "".join(self.lines[-40:]))
-            time.sleep(0.1)
-        text = "".join(self.lines)
-        self.workers = dict(re.findall(r"((?:prefill|decode)-\d+)\s+ready at (\S+)", text))
-        self.url = re.search(r"pdserve is up: (\S+)/v1", text).group(1)  # type: ignore[union-attr]
+        environ = {**os.environ, env.SERVICE_SECRET: SECRET}
+        self.up = start_up(self.model, *self.flags, timeout=timeout, env=environ)
 
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
+    @property
+    def url(self) -> str:
+        return self.up.url if self.up is not None else ""
+
+    @property
+    def workers(self) -> dict[str, str]:
+        """Worker name -> URL."""
+        return self.up.named if self.up is not None else {}
 
     def urls(self, role: str) -> list[str]:
-        return [u for n, u in self.workers.items() if n.startswith(role)]
+        return self.up.urls(role) if self.up is not None else []
 
     def stop(self) -> int:
         """SIGTERM (as Ctrl-C); returns up's exit code (-9 if it had to be killed)."""
-        if self.proc is None:
+        if self.up is None:
             return 0
-        return end_group(self.proc, grace_s=60)
+        return end_group(self.up.proc, grace_s=60)
 
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.up is not None and self.up.proc.poll() is None
 
 
 def stats(url: str) -> dict[str, Any] | None:

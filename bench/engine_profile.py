@@ -9,13 +9,16 @@ at ``--batch`` rows, are each timed in **CPU time of the engine thread**
 host where compiling the model takes longer than the measurement):
 
 * ``forward``: ``ModelRunner.execute`` (the model, logits of the sampled rows only, their
-  float32 copy); inside it, by ``torch.profiler`` self CPU time: ``lm_head`` (the GEMM whose
-  output is the vocabulary), ``linears`` (every other GEMM, packed or not),
-  ``attention`` (``pdserve::paged_attention``), ``logits_copy`` (``aten::copy_``/``to``
-  of [rows, vocab]), ``other_ops`` (norms, rotary, activations: inductor's fused kernels);
+  float32 copy); inside it, by forward hooks on the modules (CPU time): ``lm_head`` (the
+  output layer), ``linears`` (every other linear layer, packed or not), ``attention`` (each
+  layer's attention block less its projections: rotary, KV writes, the attention itself),
+  ``other_ops`` (the rest of the forward: norms, MLP activations, embedding, glue);
 * ``sampler``: ``LLMEngine._sample`` (grammar masks, penalties, argmax or the draw);
 * ``python``: the rest of the step (scheduling, input building, bookkeeping).
 
+The hooks see modules, so they run on the eager forward (``--eager``, with ``--pack`` the
+compiled path's linear layouts); on the compiled forward they see nothing inside the graph
+and ``other_ops`` holds the whole forward.
 Shares are of the step's CPU time. Also: ``lm_head_alone_ms``, the model's own output
 layer timed alone on [batch, hidden] (CPU time, median of 9), and the CPU's bfloat16
 instructions (``/proc/cpuinfo``: avx512_bf16, amx_bf16). Last stdout line: JSON.
@@ -54,10 +57,7 @@ from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
 from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
-CATEGORIES = ("lm_head", "linears", "attention", "logits_copy", "other_ops")
-# Leaf ops only (self time): transformers' linear -> matmul -> mm is counted once, at mm.
-GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_mkl_linear")
-ATTENTION = ("pdserve::paged_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
+CATEGORIES = ("lm_head", "linears", "attention", "other_ops", "logits_copy")
 
 
 def parse_args() -> argparse.Namespace:
@@ -124,58 +124,64 @@ class Timed:
         return total
 
 
-def classify(event: Any, vocab: int) -> str | None:
-    name, shapes = event.key, event.input_shapes or []
-    if name in ATTENTION:
-        return "attention"
-    if name in GEMMS:
-        wide = any(s and (s[-1] == vocab or s[0] == vocab) for s in shapes[1:2])
-        return "lm_head" if wide else "linears"
-    if name in ("aten::copy_", "aten::_to_copy") and any(s and s[-1] == vocab for s in shapes):
-        return "logits_copy"
-    return None
+class ModuleClock:
+    """CPU time inside modules, by forward hooks: the output head, every other linear
+    layer, and each layer's attention block less the linears inside it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.spent: dict[str, float] = defaultdict(float)
+        head = model.get_output_embeddings()
+        for name, module in model.named_modules():
+            if module is head:
+                self._watch(module, "lm_head")
+            elif isinstance(module, (torch.nn.Linear, cpu_linear.PackedLinear)):
+                self._watch(module, "linears")
+                if ".self_attn." in f".{name}":
+                    self._watch(module, "attention_linears")
+            elif name.endswith("self_attn"):
+                self._watch(module, "attention_block")
+
+    def _watch(self, module: torch.nn.Module, key: str) -> None:
+        started: list[float] = []
+        module.register_forward_pre_hook(lambda *_: started.append(time.thread_time()))
+
+        def done(*_: Any) -> None:
+            self.spent[key] += time.thread_time() - started.pop()
+
+        module.register_forward_hook(done)
+
+    def take(self) -> dict[str, float]:
+        got, self.spent = self.spent, defaultdict(float)
+        got["attention"] = got.pop("attention_block", 0.0) - got.pop("attention_linears", 0.0)
+        return got
 
 
-def op_split(prof: Any, vocab: int) -> tuple[dict[str, float], list[list[Any]]]:
-    """Self CPU seconds per category over the profiled steps, and the top ops by self time."""
-    out: dict[str, float] = defaultdict(float)
-    events = prof.key_averages(group_by_input_shape=True)
-    for ev in events:
-        cat = classify(ev, vocab)
-        if cat is not None:
-            out[cat] += ev.self_cpu_time_total / 1e6
-    ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
-    top = [[e.key, str(e.input_shapes)[:60], round(e.self_cpu_time_total / 1e3, 2)] for e in ranked]
-    return out, top
-
-
-def run_phase(
-    engine: LLMEngine, steps: int, timers: dict[str, Timed], vocab: int
-) -> dict[str, Any]:
-    from torch.profiler import ProfilerActivity, profile
-
-    step_cpu, fwd, smp = [], 0.0, 0.0
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(steps):
-            if not engine.has_work:
-                break
-            start = time.thread_time()
-            engine.step()
-            step_cpu.append(time.thread_time() - start)
-            fwd += timers["forward"].take()
-            smp += timers["sampler"].take()
+def run_phase(engine: LLMEngine, steps: int, timers: dict[str, Timed]) -> dict[str, Any]:
+    clock = ModuleClock(engine.runner.model)
+    step_cpu, fwd, smp, parts = [], 0.0, 0.0, defaultdict(float)
+    for timer in timers.values():  # calls before this phase
+        timer.take()
+    for _ in range(steps):
+        if not engine.has_work:
+            break
+        start = time.thread_time()
+        engine.step()
+        step_cpu.append(time.thread_time() - start)
+        fwd += timers["forward"].take()
+        smp += timers["sampler"].take()
+        for key, value in clock.take().items():
+            parts[key] += value
     total = sum(step_cpu)
-    ops, top = op_split(prof, vocab)
-    ops["other_ops"] = max(0.0, fwd - sum(ops[c] for c in CATEGORIES if c != "other_ops"))
-    share = {c: round(ops[c] / total, 3) for c in CATEGORIES}
-    share.update(
-        sampler=round(smp / total, 3), python=round(max(0.0, total - fwd - smp) / total, 3)
-    )
+    parts["other_ops"] = max(0.0, fwd - parts["lm_head"] - parts["linears"] - parts["attention"])
+    python = max(0.0, total - fwd - smp)
+    share = {c: round(parts[c] / total, 3) for c in CATEGORIES if c != "logits_copy"}
+    share.update(sampler=round(smp / total, 3), python=round(python / total, 3))
     return {
         "steps": len(step_cpu),
         "step_cpu_ms_median": round(statistics.median(step_cpu) * 1e3, 2),
+        "python_ms_per_step": round(python / len(step_cpu) * 1e3, 2),
+        "sampler_ms_per_step": round(smp / len(step_cpu) * 1e3, 3),
         "share": share,
-        "top_ops_self_ms": top,
     }
 
 
@@ -217,9 +223,9 @@ def main() -> int:
         prompt = [rng.randint(3, top) for _ in range(args.prompt_len)]
         engine.add_request(f"r{i}", prompt, params)
     prefill_steps = -(-args.batch * args.prompt_len // config.max_num_batched_tokens)
-    prefill = run_phase(engine, prefill_steps, timers, vocab)
+    prefill = run_phase(engine, prefill_steps, timers)
     engine.step()  # the first decode step after the last chunk: shapes settle
-    decode = run_phase(engine, args.decode_steps, timers, vocab)
+    decode = run_phase(engine, args.decode_steps, timers)
     out = {
         "model": Path(path).name,
         "dtype": args.dtype,

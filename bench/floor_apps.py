@@ -40,8 +40,8 @@ import uvicorn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve import keys
+from pdserve.coalesce import CoalescingHttpTools
 from pdserve.protocol.contract import CONTRACT_VERSION
-from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.transport.http1 import WorkerPool
 
 CHUNK = (

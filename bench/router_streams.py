@@ -28,7 +28,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.loopback import secret_env, tiny_model
-from router_throughput import ROOT, body, child, load_avg, one, wait_ready
+from router_throughput import ROOT, body, child, load_avg, one, router_flags, wait_ready
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,30 +75,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         assert fk.stdout is not None
         urls = json.loads(await asyncio.to_thread(fk.stdout.readline))
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve",
-            "router",
-            "--model",
-            model,
-            "--served-model-name",
-            "tiny",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--decode",
-            *urls["decode"],
-            "--prefill",
-            *urls["prefill"],
-            "--disagg-threshold",
-            "100000",
-            "--procs",
-            str(args.procs),
-            "--max-queue",
-            str(2 * args.streams),
-        ]
+        cmd = [sys.executable, "-m", "pdserve", "router", *router_flags(model, urls, port)]
+        cmd += ["--disagg-threshold", "100000", "--procs", str(args.procs)]
+        cmd += ["--max-queue", str(2 * args.streams)]
         url = f"http://127.0.0.1:{port}"
         with child(cmd, env) as router:
             conn = aiohttp.TCPConnector(limit=0)

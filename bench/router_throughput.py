@@ -303,24 +303,18 @@ def router_cmd(
     return [
         *head,
         "router",
-        "--model",
-        model,
-        "--served-model-name",
-        "tiny",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--prefill",
-        *urls["prefill"],
-        "--decode",
-        *urls["decode"],
-        "--disagg-threshold",
-        str(threshold),
-        "--procs",
-        str(args.procs),
-        "--pd-handoff",
-        HANDOFF.get(path, "router"),
+        *router_flags(model, urls, port),
+        *("--disagg-threshold", str(threshold), "--procs", str(args.procs)),
+        *("--pd-handoff", HANDOFF.get(path, "router")),
+    ]
+
+
+def router_flags(model: str, urls: dict[str, Any], port: int) -> list[str]:
+    """The router over the fakes at ``urls``: the tiny model served as "tiny", on ``port``,
+    quiet."""
+    return [
+        *("--model", model, "--served-model-name", "tiny", "--port", str(port)),
+        *("--log-level", "warning", "--prefill", *urls["prefill"], "--decode", *urls["decode"]),
     ]
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +40,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 import aiohttp
+
+from pdserve.local.proc_group import end_group
 
 THREAD_ENV = (
     "OMP_NUM_THREADS",
@@ -197,9 +200,11 @@ def start_vllm(python: str, model: str, dtype: str, port: int) -> subprocess.Pop
 
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     argv += ["--dtype", dtype, "--no-enable-prefix-caching", "--port", str(port)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
     log = open(Path("/tmp") / f"serve_peer_vllm_{port}.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(argv, cwd="/tmp", stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        argv, cwd="/tmp", stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -208,7 +213,7 @@ def start_vllm(python: str, model: str, dtype: str, port: int) -> subprocess.Pop
         except httpx.HTTPError:
             pass
         time.sleep(2)
-    proc.kill()
+    end_group(proc, signal.SIGINT, grace_s=30)
     raise RuntimeError(f"vLLM did not come up on {model} ({dtype}): see {log.name}")
 
 
@@ -234,9 +239,8 @@ def run_dtype(args: argparse.Namespace, rest: list[str], dtype: str) -> dict[str
     try:
         done = subprocess.run([*argv, "--peer-url", url], stdout=subprocess.PIPE, text=True)
     finally:
-        if peer is not None:
-            peer.terminate()
-            peer.wait(60)
+        if peer is not None:  # its engine core and workers too
+            end_group(peer, signal.SIGINT, grace_s=60)
     if done.returncode != 0:
         raise RuntimeError(f"bench/serve.py failed for {dtype} (exit {done.returncode})")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))

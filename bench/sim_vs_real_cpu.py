@@ -8,7 +8,7 @@ client and ``pdserve up`` itself spent per request, what a worker spent starting
 how much of the cores other people's jobs took meanwhile.
 
 A worker's engine core is counted as the worker's: a core that is the worker's child by
-its command line (``pdserve.worker.core_main``), and one forked by ``pdserve up``'s core
+its command line (``pdserve.worker.core.main``), and one forked by ``pdserve up``'s core
 zygote (whose command line it keeps, under the zygote) by the ``core_pid`` its worker's
 ``/stats`` names (a signed call: ``secret``, the service secret ``pdserve up`` was given).
 """
@@ -105,12 +105,12 @@ def _runs(pid: int, module: bytes, proc: str = "/proc") -> bool:
 
 def _is_core(pid: int, proc: str = "/proc") -> bool:
     """A worker's engine core (its child process): counted as the worker's."""
-    return _runs(pid, b"pdserve.worker.core_main", proc)
+    return _runs(pid, b"pdserve.worker.core.main", proc)
 
 
 def _is_zygote(pid: int, proc: str = "/proc") -> bool:
     """``pdserve up``'s core zygote, or a core forked by it (it keeps the zygote's argv)."""
-    return _runs(pid, b"pdserve.worker.core_zygote", proc)
+    return _runs(pid, b"pdserve.worker.core.zygote", proc)
 
 
 def _port(pid: int, proc: str = "/proc") -> int | None:

@@ -33,18 +33,10 @@ TRACE_ARGS = (
     "unready_hold",
     "max_starting",
 )
-REAL_FIELDS = (
-    "replica_s",
-    "times",
-    "workers",
-    "startup_s",
-    "startup_source",
-    "failed",
-    "peak",
-    "errors",
-    "cpu",
-    "nice_up",
-)
+# What a real run records (sim_vs_real_up.RealRun's fields), and with its CPU figures.
+RUN_FIELDS: tuple[str, ...] = ("replica_s", "times", "workers", "startup_s", "startup_source")
+RUN_FIELDS += ("failed", "peak", "errors")
+REAL_FIELDS = (*RUN_FIELDS, "cpu", "nice_up")
 
 
 def save(work: Path, args: argparse.Namespace, real: RealRun, profile: str) -> None:

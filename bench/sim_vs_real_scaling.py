@@ -75,6 +75,7 @@ from sim_vs_real_host import (
     probe_consistent,
     runnable_threads,
 )
+from sim_vs_real_record import RUN_FIELDS
 from sim_vs_real_up import run_real
 
 from pdserve.local.autoscale import default_max_starting
@@ -164,19 +165,7 @@ def record_real(
         "flags": flags,
         "core_zygote": zygote,
         "load_average_before_after": [list(before), list(os.getloadavg())],
-        "real": {
-            k: getattr(real, k)
-            for k in (
-                "replica_s",
-                "times",
-                "workers",
-                "startup_s",
-                "startup_source",
-                "failed",
-                "peak",
-                "errors",
-            )
-        },
+        "real": {k: getattr(real, k) for k in RUN_FIELDS},
         **extra,
     }
     (work / "meta.json").write_text(json.dumps(meta, indent=1))

@@ -27,7 +27,7 @@ from lib.procfs import descendants
 from pdserve.local.proc_group import end_group, start_group
 from pdserve.testing.loopback import free_port
 
-ENGINE_THREAD = "pdserve-engine"  # the engine core's thread name (worker/core_main.py)
+ENGINE_THREAD = "pdserve-engine"  # the engine core's thread name (worker/core/main.py)
 STARTS = 3  # tries per cluster when a port of its turns out to be another process's
 
 

@@ -44,7 +44,6 @@ import up_startup_zygote  # noqa: E402
 
 from pdserve.local.proc_group import end_group, start_group  # noqa: E402
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CACHE_KEYS = (
     "PDSERVE_CACHE",
     "PDSERVE_COMPILE_CACHE",
@@ -79,17 +78,6 @@ class Console:
                 self.up.set()
 
 
-def ask(client: httpx.Client, url: str, model: str) -> str | None:
-    body = {"model": model, "messages": QUESTION, "max_tokens": 16, "temperature": 0}
-    try:
-        r = client.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-    except httpx.HTTPError:
-        return None
-    if r.status_code != 200:
-        return None
-    return str(r.json()["choices"][0]["message"]["content"])
-
-
 def compile_state(client: httpx.Client, url: str) -> str:
     try:
         return str(client.get(f"{url}/health", timeout=5).json().get("compile", ""))
@@ -122,7 +110,7 @@ def start_once(args: argparse.Namespace, home: Path) -> dict[str, object]:
                     raise RuntimeError("pdserve up did not come up:\n" + tail(console))
             out["up_s"] = round(time.monotonic() - started, 1)
             model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
-            while (text := ask(client, url, model)) is None:
+            while (text := up_startup_peer.ask(client, url, model)) is None:
                 if time.monotonic() - started > args.timeout:
                     raise RuntimeError("no answer:\n" + tail(console))
                 time.sleep(0.2)
@@ -140,7 +128,7 @@ def start_once(args: argparse.Namespace, home: Path) -> dict[str, object]:
                     time.sleep(0.5)
                 out["compile_final"] = state
                 out["compiled_s"] = round(time.monotonic() - started, 1)
-                out["answer_after"] = ask(client, url, model)
+                out["answer_after"] = up_startup_peer.ask(client, url, model)
     finally:
         end_group(proc, signal.SIGINT, grace_s=60)
     out["console"] = console.lines

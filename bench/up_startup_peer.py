@@ -36,7 +36,8 @@ def default_model_dir() -> Path | None:
     return found[0] if found else None
 
 
-def _ask(client: httpx.Client, url: str, model: str) -> str | None:
+def ask(client: httpx.Client, url: str, model: str) -> str | None:
+    """The chat answer to QUESTION at ``url`` (16 greedy tokens), or None until it serves."""
     body = {"model": model, "messages": QUESTION, "max_tokens": 16, "temperature": 0}
     try:
         r = client.post(f"{url}/v1/chat/completions", json=body, timeout=120)
@@ -58,7 +59,7 @@ def start_once(python: str, model_dir: Path, home: Path, port: int, timeout: flo
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client() as client:
-            while (text := _ask(client, url, "peer")) is None:
+            while (text := ask(client, url, "peer")) is None:
                 if proc.poll() is not None or time.monotonic() - started > timeout:
                     log.flush()
                     tail = Path(log.name).read_text()[-3000:]

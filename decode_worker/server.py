@@ -45,7 +45,7 @@ from pdserve.worker.role import RoleWorker
 
 
 class DecodeWorker(RoleWorker):
-    # The engine and its KV connector run in a child process (decode_worker/core.py).
+    # The engine and its KV connector run in a child process (worker/core/decode.py).
     ROLE = "decode"
 
     def __init__(self, args: argparse.Namespace) -> None:

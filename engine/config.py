@@ -38,7 +38,7 @@ class EngineConfig:
     compile: bool = False  # torch.compile the forward (workers: on unless --enforce-eager)
     compile_in_background: bool = False  # serve eager until compiled (workers: on)
     grammar_cache_bytes: int = 64 << 20  # compiled grammars kept (engine/structured.py)
-    grammar_compile_timeout_s: float = 10.0  # a slower grammar is refused (engine/core_loop.py)
+    grammar_compile_timeout_s: float = 10.0  # a slower grammar is refused (worker/core/loop.py)
     lora: LoraConfig | None = None  # multi-LoRA (engine/lora_registry.py); None: off
     kv_tiers: TierConfig | None = None  # KV tiers below the pool (docs/kv_tiers.md); None: off
     # Speculative decoding: "ngram:k=4" (engine/spec_config.py); None: off.

@@ -15,7 +15,7 @@ coordinator over the parts that do the work, in the order of a request's life::
                   KVCacheManager   blocks freed, cached, held or quarantined (kv_manager.py)
 
 Synchronous and single-threaded; a worker runs it in its engine core process
-(``pdserve.engine.core_loop.CoreLoop``). Workers use two extra modes:
+(``pdserve.worker.core.loop.CoreLoop``). Workers use two extra modes:
 
 * ``hold_kv`` (prefill): the request ends after its first token with finish
   reason ``handoff``; its blocks go to the KV holder (``attach_holder``; by default
@@ -44,6 +44,7 @@ from pdserve.engine.kv_connector import KVConnector, KVHolder, LoadResult
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.kv_pool import KVPool, budget_bytes
 from pdserve.engine.logprobs import StepLogprobs
+from pdserve.engine.lora_registry import LoraRegistry
 from pdserve.engine.model_runner import ModelRunner, model_identity
 from pdserve.engine.output_processor import OutputProcessor, eos_ids, make_output, with_logprobs
 from pdserve.engine.request import Request, RequestStatus
@@ -238,6 +239,16 @@ class LLMEngine:
     def attach_holder(self, holder: KVHolder) -> None:
         """Set the prefill-side holder (before any request is handed off)."""
         self.kv.attach_holder(holder)
+
+    @property
+    def loras(self) -> LoraRegistry | None:
+        """The runner's LoRA adapters (engine/lora_registry.py); None: off."""
+        return self.runner.loras
+
+    @property
+    def kv_tensor(self) -> torch.Tensor:
+        """The KV pool's one tensor: what a KV transport registers (kv_manager.py)."""
+        return self.kv.tensor  # type: ignore[no-any-return]
 
     @property
     def held(self) -> set[str]:

@@ -68,6 +68,8 @@ def model_identity(model_dir: str | Path) -> str:
 class ModelRunner:
     attention_backend = attention_backends.GATHER  # set per model in __init__
     graphs: cuda_graphs.DecodeGraphs | None = None  # enable_cuda_graphs()
+    latent: mla.LatentLayout | None = None  # MLA compressed (engine/mla.py)
+    kv_planes = 2  # the pool's planes: K and V, or MLA's one latent
 
     def __init__(self, config: EngineConfig) -> None:
         self.device = config.torch_device
@@ -109,7 +111,6 @@ class ModelRunner:
         self.num_kv_heads: int = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         # Under MLA V is narrower than K; the pool stores it padded to K's size.
         self.head_dim: int = model_support.head_dims(hf)[0]
-        self.kv_planes = 2
         if self.latent is not None:  # one latent head, key and value at once
             self.num_kv_heads, self.head_dim = 1, self.latent.head_dim
             self.kv_planes = 1

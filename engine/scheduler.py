@@ -9,16 +9,16 @@ request that arrives with a remote KV handle is admitted into
 ``WAITING_FOR_REMOTE_KV``: its blocks are allocated and the connector pulls
 them, while the rest of the batch keeps running.
 
-Waiting requests are admitted fairly across tenants (the router's API keys): the next
-one is the oldest of the tenant with the fewest requests running, looked for among the
-first ``FAIR_WINDOW`` waiting, so one key's burst cannot fill the batch while another
-key's request waits behind it. Preempted requests go first; with one tenant (no keys)
-this is first come, first served.
+Waiting requests are admitted fairly across tenants (the router's API keys): each tenant
+has a queue of its own beside the arrival order (``waiting``), and the next one admitted
+is the oldest of the tenant with the fewest requests running, however deep one key's
+burst is (before, only the first 64 waiting were looked through: a burst longer than that
+held every other key back). Preempted requests go first; with one tenant (no keys) this
+is first come, first served.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import Counter, deque
@@ -33,7 +33,6 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sched_output import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-FAIR_WINDOW = 64  # waiting requests looked through for a fairer next one
 
 
 class Scheduler:
@@ -48,7 +47,8 @@ class Scheduler:
         self.kv = kv  # the KV cache manager: this scheduler's, as in vLLM v1 (kv_manager.py)
         self.connector = connector
         self.recompute_on_load_failure = recompute_on_load_failure
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()  # arrival order (preempted in front)
+        self.waiting_by_tenant: dict[str, deque[Request]] = {}  # the same, per tenant
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
         self.tiers: TierLoading | None = None  # KV tiers below the pool (kv_tiers/attach.py)
@@ -66,6 +66,14 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.waiting_by_tenant.setdefault(req.tenant, deque()).append(req)
+
+    def _unwait(self, req: Request) -> None:
+        self.waiting.remove(req)
+        queue = self.waiting_by_tenant[req.tenant]
+        queue.remove(req)  # its head, when admitted
+        if not queue:
+            del self.waiting_by_tenant[req.tenant]
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -103,6 +111,7 @@ class Scheduler:
             budget -= n + len(draft)
         for req in out.preempted:  # newest first, so the oldest ends up in front
             self.waiting.appendleft(req)
+            self.waiting_by_tenant.setdefault(req.tenant, deque()).appendleft(req)
         return budget
 
     def _draft(self, req: Request, need: int, room: int) -> list[int]:
@@ -124,19 +133,16 @@ class Scheduler:
         self.num_preemptions += 1
 
     # -- waiting ---------------------------------------------------------------
-    def _next_waiting(self, tenants: Counter[str]) -> tuple[int, Request]:
-        """The next request to admit and its index: a preempted one at the head (it was
-        running), else the oldest of the tenant with the fewest running (``tenants``)."""
+    def _next_waiting(self, tenants: Counter[str]) -> Request:
+        """The next request to admit: a preempted one at the head (it was running), else
+        the oldest of the tenant with the fewest running (``tenants``)."""
         head = self.waiting[0]
-        best, fewest = 0, tenants[head.tenant]
-        if head.num_preemptions or not fewest:
-            return 0, head
-        for i, req in enumerate(itertools.islice(self.waiting, 1, FAIR_WINDOW), 1):
-            if tenants[req.tenant] < fewest:
-                best, fewest = i, tenants[req.tenant]
-                if not fewest:
-                    break
-        return best, self.waiting[best]
+        if head.num_preemptions or not tenants[head.tenant]:
+            return head
+        return min(
+            (queue[0] for queue in self.waiting_by_tenant.values()),
+            key=lambda r: (tenants[r.tenant], r.arrival_time),
+        )
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         tiered = self.tiers.requests.values() if self.tiers is not None else ()
@@ -144,7 +150,7 @@ class Scheduler:
         while self.waiting and budget > 0:
             if len(self.running) + self.num_loading >= self.config.max_num_seqs:
                 return
-            i, req = self._next_waiting(tenants)
+            req = self._next_waiting(tenants)
             # A remote request always reads its last prompt block, so the load (and the
             # lease release that comes with it) is never empty.
             covered = req.num_prompt_tokens if req.remote_kv is not None else req.num_tokens
@@ -158,7 +164,7 @@ class Scheduler:
                 and self.running
             ):
                 return
-            del self.waiting[i]
+            self._unwait(req)
             tenants[req.tenant] += 1
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
@@ -236,7 +242,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self._unwait(req)
         elif self.tiers is not None and self.tiers.cancel(req):
             pass  # no tier writes its blocks any more: the caller frees them
         elif req.request_id in self.loading and self.connector is not None:

@@ -42,9 +42,12 @@ def interpreted() -> bool:
 
 def supports(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """The kernel's limits: power-of-two blocks of >= 16 tokens (tl.dot's smallest K),
-    whole GQA groups, head_dim >= 16."""
+    whole GQA groups, 16 <= head_dim <= 256. A wider head (compressed MLA at its real size:
+    the latent's 512 + 64, a 1,024-wide tile per row) was never run on a GPU: it takes the
+    gather path there rather than a kernel untried at that width."""
     pow2 = block_size & (block_size - 1) == 0
-    return pow2 and block_size >= 16 and num_heads % num_kv_heads == 0 and head_dim >= 16
+    heads_ok = num_heads % num_kv_heads == 0 and 16 <= head_dim <= 256
+    return pow2 and block_size >= 16 and heads_ok
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from pdserve.protocol.codec import from_dict
 from pdserve.protocol.contract import WorkerStats
 from pdserve.router.discovery.file import write_workers_file
 from pdserve.signed_httpx import SignedAuth
-from pdserve.worker.core_zygote import ZygoteProcess
+from pdserve.worker.core.zygote import ZygoteProcess
 
 # Stored tensors that are not decoder weights: the token embeddings and the output head
 # (GPT-NeoX's is ``embed_out``, GPT-2's embeddings ``wte``/``wpe``).
@@ -93,7 +93,7 @@ class ClusterSpec:
     cpu_threads: int = 0  # torch threads per worker; 0: the machine's cores shared out
     secret: str = ""  # the service secret; "": $PDSERVE_SERVICE_SECRET or a new one
     autoscaled: bool = False  # workers come and go: a lone one never takes every core
-    core_zygote: bool = True  # cores fork from one zygote (worker/core_zygote.py)
+    core_zygote: bool = True  # cores fork from one zygote (worker/core/zygote.py)
 
     def threads_per_worker(self) -> int:
         """Cores over workers (at least 1), one core kept for the router, the workers' HTTP

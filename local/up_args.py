@@ -71,7 +71,7 @@ class UpArgs:
     core_zygote: bool = flag(
         True,
         "fork the workers' engine cores from one process that "
-        "imported torch and transformers once (worker/core_zygote.py)",
+        "imported torch and transformers once (worker/core/zygote.py)",
         group=PROCS,
     )
     autoscale: bool = flag(

@@ -6,7 +6,8 @@ namespace reaches it. This policy selects the router pods and opens:
 
 - the public port (the API; in endpointPicker mode the picker's gRPC port) to every
   source: tenants come through the Ingress, a LoadBalancer or the gateway, whose pods
-  live in namespaces of their own;
+  live in namespaces of their own; in endpointPicker mode with
+  ``spec.networkPolicy.gatewayNamespaces``, the gRPC port only to those namespaces;
 - the admin port only to the operator's pods (namespace ``PDSERVE_OPERATOR_NAMESPACE``,
   set by the chart from the downward API; the service's own namespace when unset) and to
   ``spec.networkPolicy.metricsNamespaces``.
@@ -63,8 +64,12 @@ def router_network_policy(spec: LLMServiceSpec) -> list[Manifest]:
     public_port = GRPC_PORT if spec.router.mode == MODE else n.HTTP_PORT
     name = router_policy_name(spec.name)
     meta = {"name": name, "namespace": spec.namespace, "labels": n.labels(spec.name, "router")}
+    public: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": public_port}]}
+    gateways = list(spec.network_policy.gateway_namespaces)
+    if spec.router.mode == MODE and gateways:  # the picker: the gateway's pods alone
+        public["from"] = [_in_namespaces(gateways)]
     rules = [
-        {"ports": [{"protocol": "TCP", "port": public_port}]},
+        public,
         {"from": admin_sources(spec), "ports": [{"protocol": "TCP", "port": n.ADMIN_PORT}]},
     ]
     body = {

@@ -48,6 +48,7 @@ FRONT_FLAGS = (
     "--max-schema-bytes",
     "--body-timeout",
 )
+_TOKEN_DIR = "/etc/pdserve/gateway-token"
 _FRONT_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
 
 
@@ -104,6 +105,15 @@ def _picker_deployment(spec: LLMServiceSpec, dep: Manifest) -> Manifest:
         "--target-port",
         str(FRONT_PORT),
     ]
+    if spec.router.gateway_token_secret:  # only the gateway's streams are taken
+        c["command"] += ["--gateway-token-file", f"{_TOKEN_DIR}/{spec.router.gateway_token_key}"]
+        secret = {"secretName": spec.router.gateway_token_secret, "defaultMode": 0o440}
+        dep["spec"]["template"]["spec"]["volumes"].append(
+            {"name": "gateway-token", "secret": secret}
+        )
+        c["volumeMounts"].append(
+            {"name": "gateway-token", "mountPath": _TOKEN_DIR, "readOnly": True}
+        )
     admin = {"name": "admin", "containerPort": n.ADMIN_PORT, "protocol": "TCP"}  # /metrics
     c["ports"] = [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}, admin]
     c["startupProbe"] = _grpc_probe("liveness", 10, 180)

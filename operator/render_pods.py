@@ -169,19 +169,16 @@ def router_command(spec: LLMServiceSpec) -> list[str]:
 
 
 def limit_args(r: RouterSpec) -> list[str]:
-    """``spec.router.limits`` (per key, for the service) split across the router replicas,
-    rounding up: each replica counts only the requests it serves."""
-    per_replica = {
+    """``spec.router.limits``: per key, for the whole service. Rendered as given: each
+    router splits them itself over the ready endpoints of its own Service (``--service``
+    with kubernetes discovery; router/discovery/replicas.py), so a replica that starts or
+    stops re-splits them (dividing here too would split them twice)."""
+    given = {
         "--rate-limit-rpm": r.limits.requests_per_minute,
         "--rate-limit-tpm": r.limits.tokens_per_minute,
         "--max-concurrency-per-key": r.limits.max_concurrency_per_key,
     }
-    return [
-        arg
-        for flag, value in per_replica.items()
-        if value
-        for arg in (flag, str(-(-int(value) // r.replicas)))
-    ]
+    return [arg for flag, value in given.items() if value for arg in (flag, str(value))]
 
 
 def scorer_args(r: RouterSpec) -> list[str]:

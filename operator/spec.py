@@ -126,6 +126,9 @@ class RouterSpec:
     # endpoint picker behind an InferencePool (operator/render_picker.py)
     mode: str = "router"
     limits: RouterLimits = field(default_factory=RouterLimits)
+    # endpointPicker: the Secret with the gateway's ext_proc credential (--gateway-token-file)
+    gateway_token_secret: str = ""
+    gateway_token_key: str = "token"
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,7 @@ class KVTransferSpec:
 class NetworkPolicySpec:
     enabled: bool = True
     metrics_namespaces: tuple[str, ...] = ()
+    gateway_namespaces: tuple[str, ...] = ()  # endpointPicker: who reaches the gRPC port
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,9 @@ def parse_router(r: _Reader) -> RouterSpec:
         if not ingress.host:
             raise SpecError(f"{i.path}.host", "is required")
     key = r.sub("apiKeySecret")
+    gateway = r.sub("gatewayTokenSecret")
+    if gateway.data.get("name") and r.data.get("mode", "router") != "endpointPicker":
+        raise SpecError(f"{gateway.path}", "is for mode endpointPicker (the picker's ext_proc)")
     check_resources(f"{r.path}.resources", r.get("resources", Mapping, {}))
     check_tolerations(f"{r.path}.tolerations", r.obj_list("tolerations"))
     return RouterSpec(
@@ -232,6 +235,8 @@ def parse_router(r: _Reader) -> RouterSpec:
         http_route_hostnames=r.sub("httpRoute").str_list("hostnames"),
         mode=_router_mode(r, ingress),
         limits=_router_limits(r.sub("limits")),
+        gateway_token_secret=gateway.get("name", str, ""),
+        gateway_token_key=gateway.get("key", str, "token"),
     )
 
 
@@ -308,6 +313,7 @@ def parse_small_sections(r: _Reader) -> dict[str, Any]:
         "network_policy": NetworkPolicySpec(
             enabled=net.get("enabled", bool, True),
             metrics_namespaces=net.str_list("metricsNamespaces"),
+            gateway_namespaces=net.str_list("gatewayNamespaces"),
         ),
     }
 

@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from pdserve.protocol.kv_events import KVSnapshot
-from pdserve.worker.core_client import EngineClient
+from pdserve.worker.core.client import EngineClient
 from pdserve.worker.http import error_response, reply
 
 

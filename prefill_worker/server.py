@@ -29,7 +29,7 @@ from pdserve.worker.role import RoleWorker
 
 class PrefillWorker(RoleWorker):
     # The engine, the KV lease server and the KV event publisher run in a child
-    # process (prefill_worker/core.py).
+    # process (worker/core/prefill.py).
     ROLE = "prefill"
 
     def identity(self) -> dict[str, Any]:

@@ -21,9 +21,9 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
+from pdserve.coalesce import BODY_COMPLETE
 from pdserve.jsonguard import BadJSON, loads_checked
 from pdserve.router.api.openai_request import CompletionRequest
-from pdserve.router.coalesce import BODY_COMPLETE
 from pdserve.router.errors import APIError, invalid
 
 

@@ -116,6 +116,13 @@ class PickerArgs:
         "port",
         group=PICKER,
     )
+    gateway_token_file: str = flag(
+        "",
+        "a file holding the gateway's credential: every ext_proc stream must carry it as "
+        "gRPC metadata x-pdserve-gateway-token, else UNAUTHENTICATED (docs/security.md)",
+        group=PICKER,
+        metavar="PATH",
+    )
     prefill_from_header: bool = flag(
         False,
         "a decode pod's front: prefill on the worker the "

@@ -5,6 +5,7 @@ both build theirs here."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from pdserve import env
 from pdserve.engine.model_source import resolve_model
@@ -55,48 +56,46 @@ def build_config(
     args: argparse.Namespace, proc_index: int = 0, proc_ports: tuple[int, ...] = ()
 ) -> RouterConfig:
     n = max(len(proc_ports), 1)  # per-client budgets: each process enforces its share
+    copied: dict[str, Any] = {field: getattr(args, flag) for field, flag in COPIED.items()}
+    shares: dict[str, Any] = {field: share(getattr(args, field), n) for field in SHARED}
     return RouterConfig(
         proc_index=proc_index,
         proc_metrics_ports=proc_ports,
         model_dir=resolve_model(args.model, weights=False),
-        served_model_name=args.served_model_name,
-        picker=args.picker,
-        disagg_threshold=args.disagg_threshold,
         scorers=prefill_scorers(args),
         decode_scorer_weights=tuple(args.decode_scorer) or DECODE_SCORERS,
         prefill_filters=filters(args.prefill_filter, PREFILL_FILTERS),
         decode_filters=filters(args.decode_filter, DECODE_FILTERS),
-        max_queue=share(args.max_queue, n),
         api_keys=api_keys(args),
-        api_key_file=args.api_key_file,
         admin_api_keys=admin_keys(args),
-        admin_api_key_file=args.admin_api_key_file,
-        admin_port=args.admin_port,
-        body_timeout_s=args.body_timeout,
-        max_concurrency_per_key=share(args.max_concurrency_per_key, n),
-        max_waiting=share(args.max_waiting, n),
-        queue_timeout_s=args.queue_timeout,
-        stream_write_timeout_s=args.stream_write_timeout,
-        health_interval_s=args.health_interval,
-        stall_timeout_s=args.stall_timeout,
-        failover_wait_s=args.failover_wait,
-        default_max_tokens=args.default_max_tokens,
-        prefix_index_capacity=args.prefix_index_max_blocks,
-        prefix_tier_weights=args.prefix_tier_weights,
-        max_body_bytes=args.max_body_bytes,
-        max_prompt_chars=args.max_prompt_chars,
-        max_schema_bytes=args.max_schema_bytes,
-        tokenizer_threads=args.tokenizer_threads,
-        rate_limit_rpm=share(args.rate_limit_rpm, n),
-        rate_limit_tpm=share(args.rate_limit_tpm, n),
-        router_replicas=args.router_replicas,
         router_service=router_service(args),
-        router_namespace=args.namespace,
-        cache_isolation=args.cache_isolation,
-        prefill_from_header=args.prefill_from_header,
-        pd_handoff=args.pd_handoff,
         loras=tuple(args.lora),
+        **copied,
+        **shares,
     )
+
+
+# RouterConfig fields that are a flag's value as it is (field -> the flag's dest)...
+COPIED = {
+    name: name
+    for name in (
+        *("served_model_name", "picker", "disagg_threshold", "api_key_file", "admin_port"),
+        *("admin_api_key_file", "default_max_tokens", "prefix_tier_weights", "max_body_bytes"),
+        *("max_prompt_chars", "max_schema_bytes", "tokenizer_threads", "router_replicas"),
+        *("cache_isolation", "prefill_from_header", "pd_handoff"),
+    )
+} | {
+    "body_timeout_s": "body_timeout",
+    "queue_timeout_s": "queue_timeout",
+    "stream_write_timeout_s": "stream_write_timeout",
+    "health_interval_s": "health_interval",
+    "stall_timeout_s": "stall_timeout",
+    "failover_wait_s": "failover_wait",
+    "prefix_index_capacity": "prefix_index_max_blocks",
+    "router_namespace": "namespace",
+}
+# ...and the per-client budgets, which --procs N processes split (each enforces its share).
+SHARED = ("max_queue", "max_concurrency_per_key", "max_waiting", "rate_limit_rpm", "rate_limit_tpm")
 
 
 def router_service(args: argparse.Namespace) -> str:

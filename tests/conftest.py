@@ -107,7 +107,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """A run that starts engine cores (a test outside the unit tier) gets one core zygote
     per pytest process: every worker its tests start, directly or through ``pdserve up``,
-    forks its core from it (``PDSERVE_CORE_ZYGOTE``, worker/core_zygote.py) instead of
+    forks its core from it (``PDSERVE_CORE_ZYGOTE``, worker/core/zygote.py) instead of
     importing torch and transformers anew, ~6 CPU-s each for the suite's ~80 cores. A test
     that changes the environment gets a core of its own (the zygote refuses it), and
     tests/workers/test_core_zygote.py starts cores without one."""
@@ -115,7 +115,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     if env.get(env.CORE_ZYGOTE) or all(tier_of(i) == "unit" for i in session.items):
         return
-    from pdserve.worker.core_zygote import ZygoteProcess
+    from pdserve.worker.core.zygote import ZygoteProcess
 
     _ZYGOTE.append(ZygoteProcess(log=subprocess.DEVNULL))
     os.environ[env.CORE_ZYGOTE] = _ZYGOTE[0].path
@@ -124,3 +124,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     for zygote in _ZYGOTE:
         zygote.stop()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The real control plane's tier, counted apart (issue 42): how many of its tests ran,
+    passed, failed or skipped (``make test`` must show it ran, and not skipped)."""
+    counts = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        reports = terminalreporter.stats.get(outcome, [])
+        counts[outcome] = sum(
+            1
+            for r in reports
+            if getattr(r, "nodeid", "").startswith("tests/k8s_real/")
+            and (outcome != "passed" or getattr(r, "when", "call") == "call")
+        )
+    if any(counts.values()):
+        line = ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n)
+        terminalreporter.write_line(f"k8s_real tier (a real kube-apiserver, etcd): {line}")

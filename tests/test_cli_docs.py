@@ -13,6 +13,8 @@ import pytest
 
 from pdserve import cli, cli_docs, config_cli
 
+pytestmark = pytest.mark.unit
+
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 COMMANDS = cli_docs.flag_commands()
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")

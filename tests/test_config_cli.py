@@ -9,6 +9,8 @@ import pytest
 
 from pdserve.config_cli import build_parser, flag, from_namespace, short_help
 
+pytestmark = pytest.mark.unit
+
 
 @dataclass(frozen=True)
 class Toy:

@@ -156,3 +156,40 @@ def test_product_code_never_imports_tests() -> None:
 def test_bench_never_imports_tests() -> None:
     """bench shares fakes and loopback helpers with the suite through pdserve.testing."""
     assert _imports_tests("bench") == []
+
+
+def _worker_imports(folder: str, prefixes: tuple[str, ...]) -> list[str]:
+    lines = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for name in sorted(set(_imported(path, _module_name(folder, path)))):
+            if name.startswith(prefixes):
+                lines.append(f"{path.relative_to(ROOT)}: {name}")
+    return lines
+
+
+def test_no_worker_role_imports_the_other_and_the_core_imports_neither() -> None:
+    """One worker core package (issue 45 move 3): worker/core/ holds both roles' core
+    pieces; prefill_worker/ and decode_worker/ are the front ends, each its own."""
+    assert _worker_imports("prefill_worker", ("pdserve.decode_worker",)) == []
+    assert _worker_imports("decode_worker", ("pdserve.prefill_worker",)) == []
+    roles = ("pdserve.prefill_worker", "pdserve.decode_worker")
+    assert _worker_imports("worker", roles) == []
+
+
+# Left: the decode worker's prefill chain reuses the router's worker client and pool
+# (issue 45 move 3: they move to a package both import). The list must shrink to empty.
+WORKER_ROUTER_IMPORTS_LEFT = [
+    "decode_worker/chain.py: pdserve.router.errors",
+    "decode_worker/chain.py: pdserve.router.errors.APIError",
+    "decode_worker/chain.py: pdserve.router.transport",
+    "decode_worker/chain.py: pdserve.router.transport.http1",
+    "decode_worker/chain.py: pdserve.router.transport.http1.WorkerPool",
+    "decode_worker/chain.py: pdserve.router.transport.worker_client",
+    "decode_worker/chain.py: pdserve.router.transport.worker_client.WorkerFailed",
+]
+
+
+def test_no_worker_imports_the_router_but_the_known_ones() -> None:
+    folders = ("worker", "prefill_worker", "decode_worker")
+    found = [line for f in folders for line in _worker_imports(f, ("pdserve.router",))]
+    assert found == WORKER_ROUTER_IMPORTS_LEFT

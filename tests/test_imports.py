@@ -25,12 +25,12 @@ FRONT_ENDS = [
     "pdserve.prefill_worker.main",
     "pdserve.decode_worker.main",
     "pdserve.worker.http",
-    "pdserve.worker.core_client",
+    "pdserve.worker.core.client",
     "pdserve.engine.config",  # the front end parses the engine flags and builds the config
 ]
 PROTOCOL = [f"pdserve.protocol.{m.name}" for m in pkgutil.iter_modules(pdserve.protocol.__path__)]
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
 # One interpreter imports the modules in turn and names, for each, the heavy modules that

@@ -8,9 +8,13 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from pdserve.local.proc_group import poll_until
 from pdserve.testing.loopback import ROOT
 from tests.reaper import OWNER, owned_by
+
+pytestmark = pytest.mark.unit
 
 # A stand-in for a pytest process: it names itself as owner, starts the reaper as
 # tests/conftest.py does and a "service" in a session of its own, prints the service's pid.

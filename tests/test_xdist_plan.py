@@ -14,6 +14,8 @@ import pytest
 from pdserve.testing.loopback import ROOT
 from tests.xdist_plan import KNOWN_SECONDS, group_of, plan
 
+pytestmark = pytest.mark.unit
+
 
 class FakeItem:
     """What group_of, plan and tiers.tier_of read of a pytest item."""

@@ -1,7 +1,10 @@
 """The suite's tiers, one marker per test: ``unit``, ``cluster``, ``bench``, ``k8s``, ``k8s_real``.
 
-``make test-fast`` runs ``-m unit`` (the inner loop); ``make test`` runs every tier. A test
-gets its tier from what it uses, not from a line in each file:
+``make test-fast`` runs ``-m unit`` (the inner loop); ``make test`` runs every tier. Every
+test file declares its tier (``pytestmark = pytest.mark.unit``, a test of another tier marked
+itself; tests/test_tiers.py fails on a file without one); tests/k8s/ and tests/k8s_real/
+are theirs by directory. What follows is the rule the declarations follow, and the fallback
+for a test that has none (a test defined in a helper module):
 
 - ``k8s_real``: under tests/k8s_real/ (a real etcd, kube-apiserver and controller-manager);
 - ``k8s``: under tests/k8s/ (the operator against a Kubernetes API emulator);
@@ -11,7 +14,7 @@ gets its tier from what it uses, not from a line in each file:
   ``start_up``/``running_up`` of pdserve.testing.up), or it is one of ``CLUSTER_MODULES``;
 - ``unit``: everything else (in-process; fakes on loopback at most).
 
-A module or test that marks a tier itself (``pytestmark = pytest.mark.cluster``) keeps it.
+A test's own marker wins over its module's.
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ CLUSTER_MODULES = frozenset({"test_local_up_autoscale", "test_router_process"})
 
 def tier_of(item: pytest.Item) -> str:
     own = [m.name for m in item.iter_markers() if m.name in TIERS]
-    if own:
-        return own[0]
+    return own[0] if own else inferred_tier(item)
+
+
+def inferred_tier(item: pytest.Item) -> str:
+    """The tier from what the test uses, whatever it declares."""
     path = item.path
     if "k8s_real" in path.parts:
         return "k8s_real"
@@ -54,7 +60,14 @@ def tier_of(item: pytest.Item) -> str:
 
 
 def mark_tiers(items: list[pytest.Item]) -> None:
+    """Each test's tier marker. A test declared ``unit`` that starts a cluster or runs a bench
+    (as far as ``inferred_tier`` sees) is refused: ``make test-fast`` would run it."""
+    wrong = []
     for item in items:
         tier = tier_of(item)
+        if tier == "unit" and inferred_tier(item) != "unit":
+            wrong.append(f"{item.nodeid} (uses a {inferred_tier(item)} fixture or helper)")
         if not any(m.name == tier for m in item.iter_markers()):
             item.add_marker(tier)
+    if wrong:
+        raise pytest.UsageError("declared unit, but not in-process: " + "; ".join(wrong))

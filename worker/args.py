@@ -2,7 +2,7 @@
 
 ``pdserve prefill-worker`` takes ``FLAGS_PREFILL``, ``pdserve decode-worker``
 ``FLAGS_DECODE`` (pdserve/config_cli.py). The worker's front end builds its engine core's
-:class:`~pdserve.worker.core_config.CoreConfig` from them.
+:class:`~pdserve.worker.core.config.CoreConfig` from them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pdserve.transfer.registry import (
     DEFAULT_TRANSPORT,
     TRANSPORT_NAMES,
 )
-from pdserve.worker.core_config import DEFAULT_STALL_S
+from pdserve.worker.core.config import DEFAULT_STALL_S
 
 SERVER, PREFILL, DECODE = "server", "prefill", "decode"
 DEFAULT_PREFILL_TIMEOUT_S = 120.0  # a decode worker's wait for the prefill worker it calls

@@ -31,8 +31,8 @@ from pdserve.protocol.contract import AbortReply, RequestRef, WorkerStats
 from pdserve.protocol.outputs import REQUEST_FAILED, EngineDeadError, RequestFailed
 from pdserve.protocol.sampling_params import InvalidParameter
 from pdserve.worker.auth import CallCheck, with_proof
-from pdserve.worker.core_client import EngineClient
-from pdserve.worker.core_config import CoreConfig
+from pdserve.worker.core.client import EngineClient
+from pdserve.worker.core.config import CoreConfig
 from pdserve.worker.metrics import WorkerMetrics
 
 T = TypeVar("T")
@@ -171,7 +171,7 @@ def run_worker(worker_cls: Any, args: argparse.Namespace) -> int:
         logger.error("%s worker: not started: %s", getattr(worker_cls, "ROLE", ""), exc)
         return 1
     # Torch's and the app's objects stay alive for good: keep them out of the collector's
-    # full passes (the engine core does the same for the model: worker/core_main.py).
+    # full passes (the engine core does the same for the model: worker/core/main.py).
     gc.collect()
     gc.freeze()
     http = server(worker.app(), args.host, args.port, args.log_level)
@@ -267,9 +267,9 @@ def server(app: FastAPI, host: str, port: int, log_level: str) -> Any:
     gracefully from any thread)."""
     import uvicorn
 
-    from pdserve.router.coalesce import CoalescingHttpTools
+    from pdserve.coalesce import CoalescingHttpTools
 
-    # A loop turn's writes in one send, as the router's server does (router/coalesce.py): a
+    # A loop turn's writes in one send, as the router's server does (pdserve/coalesce.py): a
     # prefill reply's head and body reach the router in one segment, a read and a wake-up
     # less for it per request, and a stream's last line leaves with its end.
     config = uvicorn.Config(

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from pdserve.jsonguard import BadJSON, loads_checked
 from pdserve.protocol.contract import valid_lora_name
-from pdserve.worker.core_client import EngineClient
+from pdserve.worker.core.client import EngineClient
 from pdserve.worker.http import BadRequest
 
 MAX_BODY_BYTES = 64 << 10

@@ -1,6 +1,6 @@
 """Prometheus metrics of a worker (names are contracts: docs/architecture.md).
 
-A worker is two processes (worker/core_client.py), and each records what happens in
+A worker is two processes (worker/core/client.py), and each records what happens in
 it: the front end (:class:`WorkerMetrics`) the engine's gauges and counters, read from
 the latest stats snapshot the core sent at scrape time, and requests by outcome and
 queue wait; the engine core (:class:`CoreMetrics`) KV transfers and lease expiries. The

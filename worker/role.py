@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdserve.worker.core_client import EngineClient
+from pdserve.worker.core.client import EngineClient
 from pdserve.worker.http import core_config, worker_id
 from pdserve.worker.metrics import WorkerMetrics
 

@@ -43,10 +43,15 @@ class Routed:
 class Envoy:
     """Envoy's half of one ext_proc stream (one HTTP request)."""
 
-    def __init__(self, stub: ep_grpc.ExternalProcessorStub, duplex: bool = True) -> None:
+    def __init__(
+        self,
+        stub: ep_grpc.ExternalProcessorStub,
+        duplex: bool = True,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.queue: asyncio.Queue[ep.ProcessingRequest | None] = asyncio.Queue()
         self.duplex = duplex
-        self.call = stub.Process(self._requests())
+        self.call = stub.Process(self._requests(), metadata=metadata or None)
 
     async def _requests(self) -> AsyncIterator[ep.ProcessingRequest]:
         while (msg := await self.queue.get()) is not None:
@@ -170,8 +175,8 @@ class PickerCluster:
     decode_urls: list[str]
     target: dict[str, str]  # decode worker URL -> the endpoint the gateway dials
 
-    def envoy(self, duplex: bool = True) -> Envoy:
-        return Envoy(self.stub, duplex)
+    def envoy(self, duplex: bool = True, metadata: tuple[tuple[str, str], ...] = ()) -> Envoy:
+        return Envoy(self.stub, duplex, metadata)
 
     def endpoint(self, i: int) -> str:
         return self.target.get(self.decode_urls[i], endpoint_of(self.decode_urls[i]))
@@ -197,6 +202,7 @@ async def start_picker(
     n_decode: int = 2,
     target: dict[str, str] | None = None,
     busy: Sequence[int] = (),
+    gateway_token: str = "",
     **cfg: Any,
 ) -> AsyncIterator[PickerCluster]:
     """Fake workers, and a picker over them on a free port; ``busy`` decode fakes report
@@ -208,7 +214,11 @@ async def start_picker(
         targets = dict(target or {})
         source = StaticSource(f.prefill_urls, f.decode_urls)
         service = PickerService(
-            config, source, tokenizer, target=lambda w: targets.get(w.url, endpoint_of(w.url))
+            config,
+            source,
+            tokenizer,
+            target=lambda w: targets.get(w.url, endpoint_of(w.url)),
+            gateway_token=gateway_token,
         )
         port = await service.start("127.0.0.1", 0)
         stack.push_async_callback(service.close)

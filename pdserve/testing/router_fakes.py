@@ -25,6 +25,7 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve.coalesce import CoalescingHttpTools
 from pdserve.decode_worker.chain import PrefillChain
 from pdserve.env import SERVICE_SECRET
 from pdserve.protocol.codec import decode, encode, to_dict
@@ -43,7 +44,6 @@ from pdserve.protocol.contract import (
 )
 from pdserve.protocol.hashing import block_hashes
 from pdserve.protocol.kv_events import KVSnapshot
-from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.transport import worker_client
 from pdserve.signed_httpx import SignedAuth
 from pdserve.testing.loopback import free_port
@@ -168,7 +168,7 @@ def stored_event(st: FakeState, hashes: list[int]) -> bytes:
 def prefill_app(st: FakeState, pub: zmq.asyncio.Socket | None = None) -> FastAPI:
     app = FastAPI()
     _common(app, st)
-    # KV events go out as a real prefill worker's do (prefill_worker/events.py): the events
+    # KV events go out as a real prefill worker's do (worker/core/events.py): the events
     # of one engine step in one message. Here a step is a loop turn: every request
     # prefilled in it (at least one; a real step holds as many as it batched).
     step: list[bytes] = []

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import Response
 
+from pdserve.coalesce import ConnectionLoss
 from pdserve.router.api import openai_response
-from pdserve.router.coalesce import ConnectionLoss
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,7 +38,7 @@ class _ClientWatch:
     stream: on the connection's loss it cancels whatever the request's own task awaits
     under the watch (``target``: admission, the first token, the stream's body). The
     router's own protocol tells of the loss by a callback (``ConnectionLoss``,
-    router/coalesce.py); under any other server a task awaits the ASGI disconnect.
+    pdserve/coalesce.py); under any other server a task awaits the ASGI disconnect.
     Before, each wait ran its work in a task of its own beside a task of its own watching
     the client: four tasks and two ``asyncio.wait`` per streamed request."""
 

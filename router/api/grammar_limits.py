@@ -8,7 +8,7 @@ worker compiles it (issue 24 item 3): what a tenant can make a grammar compiler 
   most MAX_ALTERNATIVES (a huge enum or a tool list is compiled into one alternation).
 
 A spec past a bound is a 400 naming the field it came from and the limit. The workers
-add the compile deadline (``--grammar-compile-timeout``, engine/core_loop.py) for what
+add the compile deadline (``--grammar-compile-timeout``, worker/core/loop.py) for what
 stays within these bounds and is still slow (regexes with nested bounded repetition).
 """
 

@@ -38,6 +38,15 @@ def run_picker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     if args.fallbacks < 0 or not 0 <= args.target_port < 65536:
         raise SystemExit("pdserve router: --fallbacks must be >= 0 and --target-port a port")
+    token = ""
+    if args.gateway_token_file:
+        try:
+            with open(args.gateway_token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise SystemExit(f"pdserve router: --gateway-token-file: {exc}") from exc
+        if not token:
+            raise SystemExit("pdserve router: --gateway-token-file is empty")
     try:
         cfg = build_config(args)
         source = build_source(args)
@@ -46,7 +55,8 @@ def run_picker(args: argparse.Namespace) -> int:
         raise SystemExit(f"pdserve router: {exc}") from exc
 
     async def main() -> None:  # the runtime's HTTP session needs the running loop
-        service = PickerService(cfg, source, tokenizer, args.fallbacks, target_of(args.target_port))
+        target = target_of(args.target_port)
+        service = PickerService(cfg, source, tokenizer, args.fallbacks, target, token)
         await serve_forever(service, args.host, args.grpc_port, args.admin_port)
 
     try:

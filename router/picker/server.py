@@ -11,6 +11,12 @@
     response_body × n ─────────────────────▶ passed through chunk by chunk
                                               (full duplex: echoed as streamed_response)
 
+With ``--gateway-token-file`` every stream must carry the gateway's credential as gRPC
+metadata (``x-pdserve-gateway-token``), checked before the first message is read; a
+stream without it ends UNAUTHENTICATED. So only the gateway picks, and only the
+gateway's ``served`` metadata (which endpoint answered: a failed primary is taken out)
+is believed (issue 44 item 2).
+
 A bad request is answered at once (ImmediateResponse with OpenAI's error body): 400
 naming the field, 413, 401, 503 with no worker. The proxy's body mode is read from the
 first message's ``protocol_config``; ``STREAMED``/``BUFFERED_PARTIAL`` request bodies
@@ -20,11 +26,13 @@ says which modes work.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
@@ -34,6 +42,7 @@ from pdserve.router.picker.pick import Pick, Picker
 
 log = logging.getLogger(__name__)
 BODY_PIECE = 64 << 10  # bytes of request body per streamed_response message
+GATEWAY_TOKEN_KEY = "x-pdserve-gateway-token"  # gRPC metadata keys are lower case
 
 
 @dataclass
@@ -50,12 +59,27 @@ class _Exchange:
 
 
 class ExtProc(ep_grpc.ExternalProcessorServicer):
-    def __init__(self, picker: Picker) -> None:
+    def __init__(self, picker: Picker, gateway_token: str = "") -> None:
         self.picker = picker
+        self.gateway_token = gateway_token.encode()
+
+    def _from_gateway(self, context: Any) -> bool:
+        if not self.gateway_token:
+            return True
+        given = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == GATEWAY_TOKEN_KEY:
+                given = value.encode() if isinstance(value, str) else value
+        return hmac.compare_digest(given, self.gateway_token)
 
     async def Process(  # the gRPC method's name
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
     ) -> AsyncIterator[ep.ProcessingResponse]:
+        if not self._from_gateway(context):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {GATEWAY_TOKEN_KEY}"
+            )
+            return
         ex = _Exchange()
         try:
             async for msg in request_iterator:

@@ -42,12 +42,14 @@ class PickerService:
         tokenizer: PromptTokenizer,
         fallbacks: int = 2,
         target: Callable[[WorkerView], str] | None = None,
+        gateway_token: str = "",
     ) -> None:
         # --lora: served as models of their names, each hashed now (an unreadable one stops
         # the start), as the built-in router does
         loras = adapters.declared(cfg.loras, (cfg.model_name, cfg.model_dir))
         self.rt = Runtime(cfg, source, tokenizer, loras)
         self.picker = Picker(self.rt, fallbacks, target)
+        self.gateway_token = gateway_token  # "": every stream taken (see server.py)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -59,7 +61,9 @@ class PickerService:
         where ``GET /metrics`` answers (the router's series: decisions, prefix matches,
         the index's size; 0: nowhere)."""
         server = grpc.aio.server()
-        ep_grpc.add_ExternalProcessorServicer_to_server(ExtProc(self.picker), server)
+        ep_grpc.add_ExternalProcessorServicer_to_server(
+            ExtProc(self.picker, self.gateway_token), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.port = server.add_insecure_port(address)

@@ -12,9 +12,10 @@ import pytest
 from pdserve.protocol.hashing import ROOT_HASH, block_hashes, salt_root
 from pdserve.testing.loopback import all_kv_free, secret_auth
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
+@pytest.mark.unit
 def test_salt_changes_every_block_hash() -> None:
     ids = list(range(64))
     plain, a, b = (block_hashes(ids, 16, salt_root(s)) for s in (None, "a", "b"))

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from pdserve.testing.loopback import all_kv_free
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 BIG = [2**63, 2**64 + 1, -(2**63) - 1, 10**30, -1, 0, 1]
 scalars = st.one_of(

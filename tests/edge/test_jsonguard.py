@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from pdserve.jsonguard import MAX_JSON_DEPTH, BadJSON, loads_checked
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("raw", "field"),

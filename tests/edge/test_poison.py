@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.testing.loopback import all_kv_free, secret_auth
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 JSON = {"content-type": "application/json"}
 TYPES = {"/prefill": "prefill_request", "/generate": "generate_request"}  # protocol/contract.py
 
@@ -140,6 +140,7 @@ async def test_bad_unicode_and_deep_json_are_400(deployment) -> None:
         assert (await h.post("/v1/completions", json=ok, headers=dep.headers())).status_code == 200
 
 
+@pytest.mark.unit
 def test_decode_worker_marks_request_faults_in_its_stream() -> None:
     """The error line the router reads to tell a request fault from a worker fault."""
     from pdserve.decode_worker.server import DecodeWorker

@@ -13,6 +13,8 @@ from pdserve import env
 from pdserve.engine import attention_backends as ab
 from pdserve.engine import cpu_kernel, triton_attention
 
+pytestmark = pytest.mark.unit
+
 
 def _shape(device: str = "cpu", block_size: int = 16, head_dim: int = 32) -> ab.AttentionShape:
     return ab.AttentionShape(torch.device(device), torch.float32, 4, 2, head_dim, block_size)

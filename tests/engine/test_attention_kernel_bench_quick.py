@@ -10,7 +10,10 @@ import pytest
 from pdserve.engine import cpu_kernel
 from pdserve.testing.loopback import run_bench
 
-pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C++ compiler here")
+pytestmark = [
+    pytest.mark.bench,
+    pytest.mark.skipif(cpu_kernel.load() is None, reason="no C++ compiler here"),
+]
 
 
 @pytest.mark.timeout(240)

@@ -28,6 +28,8 @@ from pdserve.engine.attention import ATTN_IMPLEMENTATION
 from pdserve.engine.model_support import LayerAttention, UnsupportedModel, check_config
 from tests.model_families import FAMILIES, Family, make_config
 
+pytestmark = pytest.mark.unit
+
 SERVED = [f for f in FAMILIES if f.refused is None]
 IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 

@@ -8,6 +8,8 @@ from engine_helpers import assert_all_free
 from pdserve.engine.block_manager import BlockManager
 from pdserve.protocol.hashing import block_hashes
 
+pytestmark = pytest.mark.unit
+
 BS = 4
 
 

@@ -19,6 +19,8 @@ import pytest
 from pdserve import env, keys
 from pdserve.engine import cache_seal, cpu_kernel
 
+pytestmark = pytest.mark.unit
+
 SECRET, OTHER = "service-a-secret", "service-b-secret"
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from pdserve.engine import cpu_kernel, host_tag
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
 # An RMSNorm (a vectorised reduction) compiled with dynamic shapes, as the engine compiles
 # the model (the engine's C++ wrapper only calls the same kernels: left out, 10 s faster);

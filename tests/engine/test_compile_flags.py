@@ -20,6 +20,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.local.processes import ClusterSpec, LocalCluster
 from pdserve.protocol.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.cluster
+
 
 def _config(argv: list[str]) -> bool:
     parser = argparse.ArgumentParser()

@@ -21,6 +21,8 @@ from pdserve.engine import compile_job
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 PROMPTS = [[5, 6, 7, 8], [9] * 20, [3, 1, 4, 1, 5, 9, 2, 6], [11] * 37]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

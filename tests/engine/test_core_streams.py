@@ -1,5 +1,5 @@
 """The one serving path, as a worker runs it: EngineClient (the front end) → the engine core
-process (worker/core_main.py) → CoreLoop → LLMEngine. Concurrent streams, a reader that
+process (worker/core/main.py) → CoreLoop → LLMEngine. Concurrent streams, a reader that
 falls behind, aborts, early exits, refusals before the first output, stats, queries, the
 core's hooks and its thread name. (These were AsyncEngine's tests; nothing served through
 AsyncEngine, so it is gone and they run here.)"""
@@ -20,12 +20,12 @@ import zmq
 from engine_helpers import TINY_BLOCK_BYTES, assert_all_free, hf_greedy, tiny_config
 
 from pdserve.decode_worker import server as decode_server
-from pdserve.engine.core_loop import CoreLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 from pdserve.testing.loopback import free_port
-from pdserve.worker.core_client import EngineClient
+from pdserve.worker.core.client import EngineClient
+from pdserve.worker.core.loop import CoreLoop
 from pdserve.worker.http import core_config
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.cluster]  # a real engine core process

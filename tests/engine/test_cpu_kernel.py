@@ -23,7 +23,10 @@ from pdserve.engine.kv_pool import KVPool, KVShape
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sched_output import ScheduledChunk
 
-pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C++ compiler here")
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(cpu_kernel.load() is None, reason="no C++ compiler here"),
+]
 
 
 def _attend(runner: ModelRunner, chunks: list[ScheduledChunk], q, k, v) -> torch.Tensor:  # type: ignore[no-untyped-def]

@@ -17,6 +17,8 @@ import torch
 
 from pdserve.engine import cuda_graphs as cg
 
+pytestmark = pytest.mark.unit
+
 BUCKETS = (1, 2, 4, 8)
 
 

@@ -14,7 +14,7 @@ from pdserve.engine.detokenizer import (
     TextStream,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 MULTIBYTE = "Grüße 日本語のテキスト 😀🚀 👍🏽 naïve café — 中文，한국어 ❤️"
 

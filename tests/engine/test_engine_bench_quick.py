@@ -8,6 +8,8 @@ import pytest
 
 from pdserve.testing.loopback import run_bench
 
+pytestmark = pytest.mark.bench
+
 
 # serial: run alone, after the parallel part (scripts/test.sh). The two sides are timed one
 # after the other, so a neighbour test busy during one side and idle during the other moves

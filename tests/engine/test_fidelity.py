@@ -22,7 +22,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.protocol.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
 Case = tuple[list[int], int]  # prompt, max_tokens
 

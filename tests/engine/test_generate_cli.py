@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from engine_helpers import hf_greedy
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 
 
 def _generate(model: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -21,6 +21,8 @@ from pdserve.engine import gguf_model, model_source
 from pdserve.engine.gguf_model import UnsupportedGGUF, served_name
 from pdserve.engine.model_source import ModelSourceError, resolve_model
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -18,6 +18,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_smoke  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 
 def test_bandwidth_lookup() -> None:
     assert gpu_smoke.bandwidth_gbps("NVIDIA H200", None) == 4800

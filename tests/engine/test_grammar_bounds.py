@@ -25,12 +25,12 @@ import zmq
 from engine_helpers import assert_all_free, tiny_config
 
 from pdserve.engine.compile_guard import DEFAULT_BOUND
-from pdserve.engine.core_loop import CoreLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.structured import Grammars
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.worker.core.loop import CoreLoop
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 

@@ -19,7 +19,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.outputs import REQUEST_FAILED, RequestFailed, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = {f"ok{i}": [7 + i, 300 + i, 301, 302, 303] for i in range(4)}

@@ -21,6 +21,8 @@ from pdserve.protocol.contract import KVHandle
 from pdserve.protocol.kv_events import KVEvent
 from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
 
+pytestmark = pytest.mark.unit
+
 IDS = [random.Random(0).randrange(50_000) for _ in range(16 * 40 + 5)]
 
 

@@ -11,6 +11,8 @@ import torch
 from pdserve.engine import kv_pool
 from pdserve.engine.kv_pool import KVPool, KVShape, budget_bytes, cgroup_room
 
+pytestmark = pytest.mark.unit
+
 MIB = 1 << 20
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from pdserve.testing.loopback import run_bench
 
+pytestmark = pytest.mark.bench
+
 
 @pytest.mark.timeout(300)
 def test_bench_quick() -> None:

@@ -20,7 +20,7 @@ from pdserve.engine.request import RequestStatus
 from pdserve.protocol.hashing import block_hashes
 from pdserve.protocol.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 POOL_BLOCKS = 24
@@ -173,8 +173,8 @@ def test_tier_events_reach_the_router_index(tiered: Callable[..., LLMEngine]) ->
 
     import zmq
 
-    from pdserve.prefill_worker.events import KVEventPublisher
     from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
+    from pdserve.worker.core.events import KVEventPublisher
 
     engine = tiered("host")
     pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}", "p0", engine, any_port=True)

@@ -19,6 +19,8 @@ from pdserve.engine.kv_tiers.redis_server import LocalRedis, start_redis
 from pdserve.engine.kv_tiers.redis_tier import RedisTier
 from pdserve.engine.kv_tiers.store import TieredStore
 
+pytestmark = pytest.mark.unit
+
 SHAPE = (2, 2, 4, 2, 8)
 NS = codec.namespace("m", torch.float32, SHAPE)
 

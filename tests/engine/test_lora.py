@@ -21,7 +21,7 @@ from pdserve.protocol.contract import LoraRef
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 from pdserve.testing.lora_adapters import SPECS, merged_model, write_adapter
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
 PROMPTS = [[(i * 37 + s) % 3000 + 5 for i in range(n)] for s, n in [(1, 41), (2, 9), (3, 70)]]
 MAX_TOKENS = 10

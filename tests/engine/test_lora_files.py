@@ -22,6 +22,8 @@ from pdserve.engine.lora_registry import LoraAdapter, LoraRegistry, lora_passes,
 from pdserve.protocol.hashing import ROOT_HASH, block_hashes, salt_root
 from pdserve.testing.lora_adapters import SPECS, edit_config, write_adapter
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def good(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -17,6 +17,8 @@ from test_model_families import _engine, _generate, _model_dir, _reference
 from pdserve.engine import cpu_kernel, mla
 from tests.model_families import BY_ID
 
+pytestmark = pytest.mark.unit
+
 MLA_FAMILIES = ["deepseek-v2", "deepseek-v3"]
 
 
@@ -117,3 +119,73 @@ def test_absorbed_attention_equals_expanded_on_one_layer(
     lat_scores = (q_abs @ key.transpose(-1, -2)).softmax(-1)
     got = mla.expand_output(attn, (lat_scores @ key).transpose(1, 2))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_deepseek_v2_lite_bytes_per_token() -> None:
+    """docs/models.md's figure for DeepSeek-V2-Lite's real shapes (its config.json's
+    attention fields: 27 layers, 16 heads, kv_lora_rank 512, K 128 + 64, V 128), bfloat16:
+    the model built on the meta device (no weights), compressed as the engine does."""
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+
+    from pdserve.engine.kv_pool import KVShape
+
+    cfg = DeepseekV2Config(
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        hidden_size=2048,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=4,  # the MoE's size does not change the KV
+        first_k_dense_replace=27,
+        intermediate_size=64,
+        vocab_size=64,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    layout = mla.compress(model)
+    assert layout == mla.LatentLayout(kv_lora_rank=512, rope_dim=64)
+    after = KVShape(27, 1, layout.head_dim, 16, torch.bfloat16, planes=1).bytes_per_token
+    before = KVShape(27, 16, 128 + 64, 16, torch.bfloat16).bytes_per_token  # V padded to K
+    assert (before, after) == (331_776, 31_104)
+
+
+def test_latent_blocks_come_back_from_the_host_tier(
+    families: dict[str, Path], tiny_model_dir: Path
+) -> None:
+    """The one-plane block in a KV tier (engine/kv_tiers): a prefix evicted from the pool
+    comes back from the host tier with the cold run's tokens, every block a hit."""
+    from engine_helpers import assert_all_free
+    from test_kv_tiers_engine import DOC, _evict_all, _run
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.kv_tiers.config import TierConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    model_dir = _model_dir(families, BY_ID["deepseek-v2"], tiny_model_dir)
+    block = 16 * 2 * 40 * 4  # block_size x layers x (rank + rope) x float32
+
+    def engine(**kw: object) -> LLMEngine:
+        cfg = EngineConfig(
+            model=str(model_dir), dtype="float32", device="cpu", kv_cache_bytes=24 * block
+        )
+        return LLMEngine(EngineConfig(**{**cfg.__dict__, **kw}))
+
+    cold = engine()
+    assert cold.runner.kv_shape.bytes_per_block == block
+    want, _ = _run(cold, "cold", DOC)
+    tiered = engine(kv_tiers=TierConfig(host_bytes=8 << 20))
+    assert _run(tiered, "a1", DOC)[0] == want
+    _evict_all(tiered, seed=1)
+    again, cached = _run(tiered, "a2", DOC)
+    store = tiered.tier_store
+    assert store is not None
+    assert again == want and cached == 96 and store.stats.hits["host"] == 6
+    # the latent blocks and each entry's header; an expanded block would be 24,576 bytes
+    assert 6 * block <= store.stats.bytes_read["host"] < 6 * (block + 1024)
+    assert_all_free(cold)
+    assert_all_free(tiered)
+    store.close()

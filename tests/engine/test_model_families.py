@@ -26,7 +26,7 @@ from pdserve.engine.model_support import PLAIN, LayerAttention, UnsupportedModel
 from pdserve.protocol.sampling_params import SamplingParams
 from tests.model_families import BY_ID, FAMILIES, WINDOW, Family, cached_family
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
 SERVED = [f for f in FAMILIES if f.refused is None]
 REFUSED = [f for f in FAMILIES if f.refused is not None]

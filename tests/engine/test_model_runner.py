@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from pdserve.engine.model_runner import DECODE_GROUP_SHARE, ModelRunner
 from pdserve.engine.request import Request
 from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.protocol.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 BS = 16
 

@@ -10,6 +10,8 @@ import pytest
 
 from pdserve.engine.os_thread import name_os_thread
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
 def test_thread_gets_its_python_name_in_proc() -> None:

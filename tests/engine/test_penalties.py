@@ -14,7 +14,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 PROMPT = [0, *range(400, 420)]
 

@@ -21,7 +21,7 @@ from engine_helpers import assert_all_free, tiny_config
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 TOL = 1e-4
 
 

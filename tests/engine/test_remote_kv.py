@@ -26,7 +26,7 @@ from pdserve.protocol.outputs import HANDOFF, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 from pdserve.transfer.messages import KVHandle
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 PROMPT = [(i * 37) % 2900 + 5 for i in range(70)]  # 4 full blocks and a partial one
 MAX_TOKENS = 12

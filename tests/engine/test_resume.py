@@ -12,7 +12,7 @@ from engine_helpers import assert_all_free
 
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 PROMPT = [(i * 53) % 2900 + 7 for i in range(40)]
 

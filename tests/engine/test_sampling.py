@@ -16,7 +16,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, argmax_rows
 from pdserve.protocol.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 PROMPTS = [[0, *range(400, 400 + n)] for n in (5, 23, 60, 7)]
 

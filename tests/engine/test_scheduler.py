@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 from engine_helpers import assert_all_free
 
@@ -20,6 +21,8 @@ from pdserve.engine.sched_output import ScheduledChunk, SchedulerOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.protocol.hashing import block_hashes
 from pdserve.protocol.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 BS = 16
 
@@ -43,10 +46,11 @@ class Harness:
     def blocks(self) -> BlockManager:
         return self.sched.kv.block_manager
 
-    def add(self, rid: str, prompt_len: int, max_tokens: int = 4) -> Request:
+    def add(self, rid: str, prompt_len: int, max_tokens: int = 4, tenant: str = "") -> Request:
         prompt = [10 + (hash(rid) + i) % 1000 for i in range(prompt_len)]
         req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
         req.block_hashes = block_hashes(prompt, BS)
+        req.tenant = tenant
         self.sched.add(req)
         return req
 

@@ -18,7 +18,7 @@ from pdserve.local.proc_group import end_group
 from pdserve.testing.loopback import free_port, run_bench
 from pdserve.testing.up import port_base, start_up
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(400)]
 
 
 def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:

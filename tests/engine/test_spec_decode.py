@@ -21,7 +21,7 @@ from spec_helpers import Requests, outputs, run, with_oracle
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 
 SPEC = "ngram:k=4"
 # Repetitive prompts of different lengths (more than a block, a block, a few tokens).

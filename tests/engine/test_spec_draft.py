@@ -24,7 +24,7 @@ from pdserve.engine.draft_proposer import DraftProposer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 
 PROMPTS = [
     [(i % 7) * 41 + 9 for i in range(45)],

@@ -23,7 +23,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
 from tests.model_families import FAMILIES, Family, cached_family
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
 SERVED = [f for f in FAMILIES if f.refused is None]
 MAX_TOKENS = 14

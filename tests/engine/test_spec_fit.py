@@ -24,7 +24,7 @@ from pdserve.protocol.contract import LoraRef
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.testing.lora_adapters import SPECS, merged_model, write_adapter
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
 SPEC = "ngram:k=4"
 

@@ -23,7 +23,7 @@ from engine_helpers import assert_all_free, tiny_config
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 
 PROMPT = [(i % 5) * 61 + 17 for i in range(20)]
 N = 600

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.testing.loopback import free_port, run_bench
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(400)]
 
 
 def test_speculative_bench_quick() -> None:

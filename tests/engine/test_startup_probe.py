@@ -15,6 +15,8 @@ from pdserve.engine import startup_probe, step_fault
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 MESSAGE = "too many values to unpack (expected 3)"
 
 

@@ -14,7 +14,7 @@ from engine_helpers import assert_all_free, run_requests, tiny_config
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 
 PROMPT = [0, *range(400, 420)]
 SCHEMA = {

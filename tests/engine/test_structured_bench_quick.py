@@ -8,6 +8,8 @@ import pytest
 
 from pdserve.testing.loopback import run_bench
 
+pytestmark = pytest.mark.bench
+
 
 @pytest.mark.timeout(240)
 def test_structured_bench_quick(tmp_path: Path) -> None:

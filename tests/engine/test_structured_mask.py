@@ -7,6 +7,8 @@ import torch
 
 from pdserve.engine.structured import _apply_cpu
 
+pytestmark = pytest.mark.unit
+
 
 def _random_bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

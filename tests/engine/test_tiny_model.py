@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pdserve.engine import tiny_model
 from pdserve.engine.tiny_model import MARKER, count_parameters, write_tiny_model
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 TEXTS = [
     "def main():\n    return 42\n",

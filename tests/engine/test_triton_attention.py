@@ -32,7 +32,7 @@ import triton_cases
 # One child, ~35 s of CPU (kernel cases ~20, engine cases ~17, one start); a loaded shared
 # machine stretches it several times. Slow by nature: Triton's interpreter runs each kernel
 # program in Python, and these cases are what proves the kernels without a GPU.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).resolve().parent
 TOLERANCE = 1e-5

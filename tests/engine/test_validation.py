@@ -11,7 +11,7 @@ from engine_helpers import assert_all_free, run_requests
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 PROMPT = [0, 500, 501, 502]
 

@@ -12,6 +12,8 @@ import torch
 from pdserve.engine import cpu_linear
 from pdserve.engine.cpu_linear import SMALL_GEMM_MACS, PackedLinear, prepare
 
+pytestmark = pytest.mark.unit
+
 
 def _model(dtype: torch.dtype) -> torch.nn.Sequential:
     torch.manual_seed(0)

@@ -211,3 +211,28 @@ async def test_operator_applies_and_prunes_the_pool(operator: None, client: Kube
         return gone and dep is not None and len(dep["spec"]["template"]["spec"]["containers"]) == 1
 
     await eventually(pruned, what="InferencePool pruned, the front gone")
+
+
+def test_only_the_gateway_reaches_the_picker() -> None:
+    """Issue 44 item 2: ``gatewayTokenSecret`` makes the picker refuse ext_proc streams
+    without the gateway's credential, and ``networkPolicy.gatewayNamespaces`` opens the
+    gRPC port to the gateway's namespaces alone. Before: open to every pod, any stream
+    taken (its ``served`` metadata believed)."""
+    obj = minimal_llmservice(
+        router={"mode": "endpointPicker", "gatewayTokenSecret": {"name": "gw"}},
+        networkPolicy={"gatewayNamespaces": ["gateway-system"]},
+    )
+    assert schema_errors(obj) == []
+    kids = {(c["kind"], c["metadata"]["name"]): c for c in render(obj)}
+    pod = kids[("Deployment", "demo-router")]["spec"]["template"]["spec"]
+    args = router_args(pod["containers"][0]["command"])
+    assert args.gateway_token_file == "/etc/pdserve/gateway-token/token"
+    volume = next(v for v in pod["volumes"] if v["name"] == "gateway-token")
+    assert volume["secret"]["secretName"] == "gw"
+    assert any(m["name"] == "gateway-token" for m in pod["containers"][0]["volumeMounts"])
+    rules = kids[("NetworkPolicy", "demo-router")]["spec"]["ingress"]
+    grpc_rule = next(r for r in rules if r["ports"][0]["port"] == GRPC_PORT)
+    selector = grpc_rule["from"][0]["namespaceSelector"]["matchExpressions"][0]
+    assert selector["values"] == ["gateway-system"]
+    with pytest.raises(SpecError, match=r"^spec.router.gatewayTokenSecret"):
+        render(minimal_llmservice(router={"gatewayTokenSecret": {"name": "gw"}}))

@@ -1,7 +1,7 @@
 """``spec.router.limits`` (issue 44 item 6): the tenant limits have CRD fields, the per-key
-concurrency cap is on by default, and each limit, given for the whole service, is split
-across the router replicas (rounding up) and reaches the router (and, in picker mode, the
-picker and every decode pod's front) as the flags the router parses."""
+concurrency cap is on by default, and each limit, given for the whole service, reaches
+the router (and, in picker mode, the picker and every decode pod's front) as the flags
+the router parses; the routers split them over their Service's ready endpoints."""
 
 from __future__ import annotations
 
@@ -24,12 +24,14 @@ def test_a_service_without_limits_still_caps_each_key() -> None:
     assert schema_errors(minimal_llmservice()) == []
 
 
-def test_limits_are_split_across_the_router_replicas() -> None:
+def test_limits_are_rendered_once_and_split_by_the_routers() -> None:
     limits = {"requestsPerMinute": 100, "tokensPerMinute": 90_000, "maxConcurrencyPerKey": 8}
     config = _router_config(replicas=3, limits=limits)
-    assert config.rate_limit_rpm == 34  # ceil(100 / 3): three replicas allow 102, not 300
-    assert config.rate_limit_tpm == 30_000
-    assert config.max_concurrency_per_key == 3
+    assert (config.rate_limit_rpm, config.rate_limit_tpm) == (100, 90_000)
+    assert config.max_concurrency_per_key == 8
+    # Each replica enforces 1/N, N its Service's ready endpoints (router/discovery/replicas.py):
+    # the operator must not divide as well (3 replicas would then allow 100/9 each).
+    assert config.router_service == "demo"
     off = _router_config(limits={"maxConcurrencyPerKey": 0})
     assert off.max_concurrency_per_key == 0  # 0 turns the cap off, by name
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pdserve.testing.k8s_real import cluster
 from pdserve.testing.k8s_real.cluster import OperatorProcess, RealCluster
 from tests.k8s_real.test_apply import owned_by, wait_ready
 
@@ -29,18 +30,8 @@ KINDS = {
 
 
 def llmservice(name: str, replicas: int = 1) -> str:
-    return json.dumps(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "LLMService",
-            "metadata": {"name": name, "namespace": NS},
-            "spec": {
-                "model": {"source": {"pvc": {"claimName": "models", "path": "m"}}},
-                "prefill": {"replicas": replicas},
-                "decode": {"replicas": replicas},
-            },
-        }
-    )
+    pools = {"prefill": {"replicas": replicas}, "decode": {"replicas": replicas}}
+    return json.dumps(cluster.llmservice(name, NS, **pools))
 
 
 def objects(c: RealCluster, name: str) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.testing.k8s_real.cluster import OperatorProcess, RealCluster, conditions
+from pdserve.testing.k8s_real.cluster import OperatorProcess, RealCluster, conditions, llmservice
 from tests.k8s_real.test_apply import owned_by, wait_ready
 
 NS = "llm-a"
@@ -19,17 +19,7 @@ DEP = f"/apis/apps/v1/namespaces/{NS}/deployments"
 
 
 def service(name: str, **decode: Any) -> str:
-    return json.dumps(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "LLMService",
-            "metadata": {"name": name, "namespace": NS},
-            "spec": {
-                "model": {"source": {"pvc": {"claimName": "models", "path": "m"}}},
-                "decode": {"replicas": 1, **decode},
-            },
-        }
-    )
+    return json.dumps(llmservice(name, NS, decode={"replicas": 1, **decode}))
 
 
 def replicas(c: RealCluster, name: str) -> int:

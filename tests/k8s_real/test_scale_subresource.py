@@ -16,6 +16,7 @@ from pdserve.testing.k8s_real.cluster import (
     SYSTEM_NS,
     OperatorProcess,
     RealCluster,
+    llmservice,
     settle,
 )
 from tests.k8s_real.test_apply import wait_ready
@@ -26,18 +27,8 @@ AS_OPERATOR = f"--as=system:serviceaccount:{SYSTEM_NS}:{OPERATOR_SA}"
 
 
 def _autoscaled(name: str) -> str:
-    return json.dumps(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "LLMService",
-            "metadata": {"name": name, "namespace": NS},
-            "spec": {
-                "model": {"source": {"pvc": {"claimName": "models", "path": "m"}}},
-                "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
-                "autoscaling": {"enabled": True},
-            },
-        }
-    )
+    decode = {"replicas": 1, "minReplicas": 1, "maxReplicas": 4}
+    return json.dumps(llmservice(name, NS, decode=decode, autoscaling={"enabled": True}))
 
 
 def _scale_as_operator(c: RealCluster, name: str, decode: int) -> ScaleResult:

@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.testing.loopback import run_bench
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.bench, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 # One of the suite's slowest (~80 s alone): the bench's --quick run starts one `pdserve up`
@@ -77,6 +77,8 @@ ISSUE_44 = (
     "cache_symlink_followed",
     "abandoned_compiles_over_bound",
     "lora_path_escapes",
+    "worker_call_replayed_elsewhere",
+    "prefill_pin_misused",
 )
 
 

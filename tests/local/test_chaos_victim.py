@@ -14,6 +14,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import chaos
+import pytest
+
+pytestmark = pytest.mark.unit
 
 
 class Workers:

@@ -17,7 +17,7 @@ from pdserve.local import drain
 from pdserve.protocol.contract import WorkerStats
 from pdserve.testing.loopback import free_port
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from pdserve.local.processes import (
 from pdserve.local.up import router_args
 from pdserve.router.main import add_arguments as router_add_arguments
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(60)]
 
 # A leader that starts a grandchild and then sleeps, ignoring nothing: SIGTERM ends it,
 # but the grandchild survives unless the whole group is signalled.

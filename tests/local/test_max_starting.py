@@ -22,6 +22,8 @@ from pdserve.local.autoscale import LocalPools, max_starting
 from pdserve.local.processes import Proc
 from tests.aio_site import start_site
 
+pytestmark = pytest.mark.unit
+
 
 class _Cluster:
     """What LocalPools uses of a LocalCluster: the worker list, add and remove."""

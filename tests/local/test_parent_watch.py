@@ -20,6 +20,8 @@ import pytest
 from pdserve.local.proc_group import poll_until
 from tests.workers.worker_helpers import gone
 
+pytestmark = pytest.mark.unit
+
 # The child: watches its parent, records a SIGTERM, and (``ignore``) stays up after it.
 CHILD = textwrap.dedent("""
     import signal, sys, time

@@ -13,6 +13,8 @@ import pytest
 
 from pdserve.local.proc_group import end_group, poll_until, signal_group
 
+pytestmark = pytest.mark.unit
+
 # A leader that ignores SIGTERM (its child inherits that) and prints its child's pid.
 STUBBORN = 'trap "" TERM; sleep 60 & echo $!; wait'
 

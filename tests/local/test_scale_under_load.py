@@ -34,7 +34,11 @@ from pdserve.local.drain import router_lists
 from pdserve.local.processes import ClusterSpec, LocalCluster
 from pdserve.testing.loopback import all_kv_free, free_port, secret_auth, worker_port_base
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # starting 4 workers: most of it
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.slow,
+    pytest.mark.timeout(180),
+]  # starting 4 workers: most of it
 
 WORKER_ARGS = ("--device", "cpu", "--cpu-threads", "1", "--max-model-len", "512")
 ROUTER_ARGS = ("--picker", "round-robin", "--disagg-threshold", "0", "--health-interval", "2")

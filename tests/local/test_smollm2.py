@@ -27,6 +27,7 @@ from pdserve.testing.loopback import ROOT, all_kv_free
 from pdserve.testing.up import running_up, suite_flags
 
 pytestmark = [
+    pytest.mark.cluster,
     pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.skipif(

@@ -16,7 +16,7 @@ import pytest
 from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
 from pdserve.local.supervise import Supervisor
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(60)]
 
 CRASH = [sys.executable, "-c", "print('crashing', flush=True); raise SystemExit(3)"]
 SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]

@@ -12,7 +12,7 @@ from pdserve.local import thread_probe
 from pdserve.local.processes import ClusterSpec
 from tests.local.test_local_mode import _llama
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
 def test_weight_shapes_are_the_decoder_linears_and_the_head(tmp_path: Path) -> None:

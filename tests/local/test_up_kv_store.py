@@ -13,6 +13,8 @@ from pdserve import env
 from pdserve.engine.kv_tiers.redis_server import free_port, start_redis
 from pdserve.local import kv_store
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("bad", ["redis", "http://127.0.0.1:6379", "locale"])
 def test_a_bad_value_is_refused_by_name(bad: str) -> None:

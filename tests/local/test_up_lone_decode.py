@@ -20,7 +20,7 @@ from pdserve.testing.loopback import all_kv_free, secret_auth, sse_chunks
 from tests.router.pdserve_up import run_up
 from tests.workers.worker_helpers import children, gone
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 BODY = {
     "model": "tiny-seed0",

@@ -10,6 +10,8 @@ import pytest
 
 from pdserve.local.up import add_arguments, router_args, worker_args
 
+pytestmark = pytest.mark.unit
+
 
 def _args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()

@@ -34,7 +34,7 @@ from pdserve.testing.loopback import (
 )
 from pdserve.testing.up import Up, start_up, suite_flags
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 LONG = "Tell me a story about a fox and a crow. " * 8  # remote prefill (threshold 32)
 MAX_TOKENS = 300
@@ -223,7 +223,7 @@ def _core_pid(url: str) -> int:
     """The worker's engine core (its child, or forked by the core zygote), as it says."""
     core = int(_stats(url)["core_pid"])
     cmdline = Path(f"/proc/{core}/cmdline").read_bytes()
-    assert b"core_main" in cmdline or b"core_zygote" in cmdline, cmdline
+    assert b"core.main" in cmdline or b"core.zygote" in cmdline, cmdline
     return core
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from pdserve.local.up import decode_args
 
+pytestmark = pytest.mark.unit
+
 
 def _args(value: str) -> argparse.Namespace:
     return argparse.Namespace(speculative=value)

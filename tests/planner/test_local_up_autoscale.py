@@ -36,7 +36,7 @@ from pdserve.testing.loopback import all_kv_free, free_port, worker_port_base
 
 # serial: the SLO recovers once the new worker serves, measured in wall-clock TTFT; beside
 # another xdist worker's cluster on the 2 cores it read 1.0 s against the 0.7 s SLO.
-pytestmark = [pytest.mark.timeout(480), pytest.mark.serial]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(480), pytest.mark.serial]
 
 SLO_TTFT_MS = 700.0
 SLO_TPOT_MS = 150.0

@@ -15,6 +15,8 @@ from pdserve.planner.plan import plan
 from pdserve.planner.presets import H100_LLAMA3_8B
 from pdserve.planner.snapshot import PoolStatus
 
+pytestmark = pytest.mark.unit
+
 PREFILL = H100_LLAMA3_8B.prefill
 
 

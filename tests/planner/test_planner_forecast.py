@@ -10,6 +10,8 @@ import pytest
 
 from pdserve.planner.forecast import Forecast, ForecastConfig, Series
 
+pytestmark = pytest.mark.unit
+
 CFG = ForecastConfig()
 
 

@@ -23,6 +23,8 @@ from pdserve.local.planner_loop import (
 )
 from pdserve.planner.snapshot import PoolStatus
 
+pytestmark = pytest.mark.unit
+
 
 class FakePools:
     """Worker counts that become ready after ``startup`` steps; records every scale call."""

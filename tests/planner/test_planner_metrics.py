@@ -15,6 +15,8 @@ from pdserve.planner.metrics import MetricsError, parse_text, snapshot_from_scra
 from pdserve.planner.prometheus_api import PrometheusAPI
 from pdserve.planner.snapshot import PoolStatus
 
+pytestmark = pytest.mark.unit
+
 SLO_ = SLO(ttft_s=1.0, tpot_s=0.05)
 P, D = PoolStatus(2, 2), PoolStatus(3, 2, 1)
 

@@ -10,6 +10,8 @@ from pdserve.planner.decision import PlannerState
 from pdserve.planner.mix import COLOCATED, DISAGGREGATED, choose_mix, decide_mode, disagg_rates
 from pdserve.planner.plan import plan
 
+pytestmark = pytest.mark.unit
+
 
 def test_short_prompts_with_a_loose_tpot_are_colocated() -> None:
     choice = choose_mix(config(slo=SLO(1.0, 0.1)), prompt=256, output=200)

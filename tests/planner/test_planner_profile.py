@@ -11,6 +11,8 @@ from pdserve.planner.capacity import ProfileError, load_profile, save_profile
 from pdserve.planner.presets import CPU_TINY, H100_LLAMA3_8B
 from pdserve.planner.profile import EngineProbe, measure
 
+pytestmark = pytest.mark.unit
+
 
 class FakeProbe:
     """Answers with a known profile's cost model plus 1% multiplicative noise."""

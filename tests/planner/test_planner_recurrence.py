@@ -13,6 +13,8 @@ from pdserve.planner import recurrence
 from pdserve.planner.forecast import ForecastConfig, Series
 from pdserve.planner.recurrence import Recurrence
 
+pytestmark = pytest.mark.unit
+
 INTERVAL = 5.0
 CFG = ForecastConfig()
 

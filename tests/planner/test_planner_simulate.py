@@ -8,6 +8,8 @@ import pytest
 
 from pdserve.testing.loopback import run_bench
 
+pytestmark = pytest.mark.bench
+
 
 @pytest.mark.timeout(600)
 def test_simulate_quick_prints_the_json_line_and_a_plot(tmp_path: Path) -> None:

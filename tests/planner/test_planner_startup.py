@@ -32,6 +32,8 @@ from pdserve.planner.presets import CPU_TINY, H100_LLAMA3_8B
 from pdserve.planner.startup import StartupEstimate
 from tests.aio_site import start_site
 
+pytestmark = pytest.mark.unit
+
 
 def test_prior_until_measured_then_a_running_mean_per_pool() -> None:
     est = StartupEstimate(8.0, keep=3)

@@ -12,12 +12,16 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+import pytest
+
 from pdserve.local.planner_loop import config_from_args
 from pdserve.local.up import add_arguments
 from pdserve.planner.config import Bounds, Stability
 from pdserve.planner.decision import PlannerState, PoolMemory
 from pdserve.planner.snapshot import PoolStatus
 from pdserve.planner.stability import PoolInput, stabilize
+
+pytestmark = pytest.mark.unit
 
 FAST = Stability(scale_down_window_s=10.0, scale_down_cooldown_s=5.0)  # pdserve up's own
 

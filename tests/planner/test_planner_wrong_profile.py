@@ -22,6 +22,8 @@ from pdserve.planner.presets import H100_LLAMA3_8B
 from pdserve.planner.sim.cluster import Cluster, CostModel
 from pdserve.planner.sim.scenarios import Mix, slower
 
+pytestmark = pytest.mark.unit
+
 TRUTH = CostModel(H100_LLAMA3_8B, 131_072, 40e9, 0.001, startup_s=20.0)
 
 

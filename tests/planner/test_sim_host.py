@@ -17,6 +17,8 @@ from pdserve.planner.sim.goodput import Link, Replica, Req, StepSim
 from pdserve.planner.sim.host import RHO_MAX, Host, cpu_slowdown, erlang_c, fair_level, speed
 from pdserve.planner.sim.replay import Trace, replay
 
+pytestmark = pytest.mark.unit
+
 PROFILE = Path(__file__).resolve().parents[2] / "bench/profiles/cpu-tiny-1thread-cputime.json"
 
 

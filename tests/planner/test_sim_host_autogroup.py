@@ -20,6 +20,8 @@ from sim_vs_real_host import _jobs, _our_groups
 
 from pdserve.planner.sim.host import Host, autogroup_entities, nice_weight
 
+pytestmark = pytest.mark.unit
+
 W19, W0 = nice_weight(19), nice_weight(0)
 
 
@@ -188,7 +190,7 @@ def test_a_core_forked_by_the_zygote_counts_as_its_workers_from_its_fork(tmp_pat
     (tmp_path / "stat").write_text("cpu  100 0 50 1000 0 0 0 0 0 0\n")
     server = _StatsServer("s3cret", core_pid=103)
     try:
-        zygote = "python -m pdserve.worker.core_zygote /tmp/sock --stdin-lifeline"
+        zygote = "python -m pdserve.worker.core.zygote /tmp/sock --stdin-lifeline"
         group = "/autogroup-100 nice 0\n"
         _proc(tmp_path, 100, 1, 1.0, 0, group, "python -m pdserve up")
         front = f"python -m pdserve decode-worker --worker-id decode-0 --port {server.port}"

@@ -20,6 +20,8 @@ from sim_vs_real_host import _jobs
 
 from pdserve.planner.sim.host import Host, is_hog, job_groups, nice_weight
 
+pytestmark = pytest.mark.unit
+
 
 def _host(jobs: tuple, nice: int = 19) -> Host:
     return Host(

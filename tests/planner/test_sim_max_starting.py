@@ -14,8 +14,12 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import pytest
+
 from pdserve.planner.presets import CPU_TINY
 from pdserve.planner.sim.cluster import Cluster, CostModel
+
+pytestmark = pytest.mark.unit
 
 COST = CostModel(CPU_TINY, 2048, 1e9, 0.002, startup_s=4.0)
 

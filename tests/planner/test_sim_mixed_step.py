@@ -22,6 +22,8 @@ from pdserve.planner.capacity import load_profile
 from pdserve.planner.sim.goodput import Link, Req, StepSim
 from pdserve.testing.loopback import run_bench
 
+pytestmark = pytest.mark.bench
+
 PROFILE = Path(__file__).resolve().parents[2] / "bench/profiles/cpu-tiny-1thread-cputime.json"
 
 

@@ -27,6 +27,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 import sim_vs_real_windows as win  # noqa: E402
 
+pytestmark = pytest.mark.bench
+
 PROFILE = BENCH / "profiles/cpu-tiny-1thread-cputime.json"
 
 

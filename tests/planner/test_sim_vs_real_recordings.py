@@ -23,6 +23,8 @@ from pdserve.local.up import add_arguments
 from pdserve.planner.sim.replay import Trace, replay
 from pdserve.testing.loopback import run_bench
 
+pytestmark = pytest.mark.bench
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 

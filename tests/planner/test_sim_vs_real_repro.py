@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import sim_vs_real_repro as repro
 from sim_vs_real_scaling import Recording
 
+pytestmark = pytest.mark.unit
+
 RECORDINGS = Path(__file__).resolve().parents[2] / "bench" / "recordings" / "sim_vs_real_scaling"
 # every calibration run of `pdserve up` as it ships (the core zygote, --max-starting 1) on
 # a quiet host, seed 11, --rate-scale 2; 17:05 left out (a replay script of ours ran

@@ -18,6 +18,8 @@ from pdserve.planner.plan import plan
 from pdserve.planner.presets import H100_LLAMA3_8B
 from pdserve.planner.tail import tpot_scale, ttft_scale
 
+pytestmark = pytest.mark.unit
+
 
 def _with_target(q: float):  # type: ignore[no-untyped-def]
     # a 20 ms TPOT target: the batch per replica is set by TPOT, not by max_num_seqs

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from pdserve.coalesce import CoalescingHttpTools
 from pdserve.env import SERVICE_SECRET
 from pdserve.router.app import create_app
-from pdserve.router.coalesce import CoalescingHttpTools
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource
 from pdserve.router.tokenizer import PromptTokenizer

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -30,6 +31,29 @@ def run_up(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[Up]:
     flags = ("--dtype", "float32", "--disagg-threshold", str(DISAGG_THRESHOLD), *extra)
     with running_up(model_dir, *suite_flags(log_dir), *flags) as up:
         yield up
+
+
+async def greedy_ids(
+    url: str, model: str, prompt: Any, max_tokens: int, key: str = "none"
+) -> tuple[list[int], int]:
+    """(token ids, cached prompt tokens) of one greedy completion through the router at
+    ``url`` (the ids as the router returns them: ``return_tokens_as_token_ids``)."""
+    cl = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=300)
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    out = await cl.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=0,
+        extra_body=extra,
+    )
+    await cl.close()
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None
+    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    details = out.usage.prompt_tokens_details if out.usage else None
+    return ids, (details.cached_tokens or 0) if details else 0
 
 
 # Started once per run by its first user (~50 s on a loaded machine: the slowest "setup" in

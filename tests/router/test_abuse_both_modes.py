@@ -17,7 +17,7 @@ import pytest
 from pdserve.testing.abuse import LIMITS, auth, battery, picker_mode, request_body
 from pdserve.testing.picker import start_picker
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(90)]
 
 
 @pytest.fixture

@@ -6,17 +6,32 @@ decode workers, following docs/architecture.md's worker API exactly.
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import openai
 import pytest
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 40  # well over the threshold
 
 
 def client(url: str, key: str = "none") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+async def stream_long(url: str, max_tokens: int) -> tuple[list[Any], list[str]]:
+    """A streamed completion of LONG with its usage chunk: (chunks, each choice chunk's text)."""
+    stream = await client(url).completions.create(
+        model="tiny",
+        prompt=LONG,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [ch async for ch in stream]
+    return chunks, [ch.choices[0].text for ch in chunks if ch.choices]
 
 
 async def test_completion_non_streaming_remote_prefill(cluster_factory) -> None:
@@ -45,15 +60,7 @@ async def test_completion_short_prompt_goes_straight_to_decode(cluster_factory) 
 
 async def test_completion_streaming_with_usage(cluster_factory) -> None:
     async with cluster_factory(disagg_threshold=32) as c:
-        stream = await client(c.url).completions.create(
-            model="tiny",
-            prompt=LONG,
-            max_tokens=4,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        chunks = [ch async for ch in stream]
-        texts = [ch.choices[0].text for ch in chunks if ch.choices]
+        chunks, texts = await stream_long(c.url, 4)
         # the prefill's token first, on its own; decode tokens that arrive together may
         # share a chunk (the router catches up instead of paying per token)
         assert texts[0].startswith("<") and "".join(texts[1:]) == " t0 t1 t2" and all(texts)

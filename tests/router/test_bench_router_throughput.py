@@ -15,6 +15,8 @@ from router_throughput import compare, summarise
 
 from pdserve.testing.loopback import run_bench
 
+pytestmark = pytest.mark.bench
+
 # Router CPU per request (µs), measured on this 2-core box (bench/router_throughput.py,
 # docs/router.md "Throughput"): ~0.85-1.0 ms decode-direct, ~1.3 ms text, ~2.8-3.7 ms full
 # P/D, loaded or not. The bounds are ~10x that, so a busy machine never trips them, while
@@ -24,7 +26,7 @@ from pdserve.testing.loopback import run_bench
 CPU_BOUND_US = {"direct": 10_000, "pd": 40_000, "pd-chain": 40_000}
 # Write system calls of the router per decode-direct request (token ids, 4 tokens): the call
 # to the decode worker, then at most 4 to the client when the response head leaves with the
-# first token (router/coalesce.py; then a write per token, the last with [DONE]), fewer when
+# first token (pdserve/coalesce.py; then a write per token, the last with [DONE]), fewer when
 # tokens arrive together and are relayed as one; uvicorn's own writes (the head alone) made
 # 5.3-5.8 (bench/recordings/router_throughput/2026-12-04-coalesced-writes). 3.1-3.9 on a
 # quiet host, up to 4.6

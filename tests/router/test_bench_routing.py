@@ -8,6 +8,8 @@ import pytest
 
 from pdserve.testing.loopback import ROOT, run_bench, worker_port_base
 
+pytestmark = pytest.mark.bench
+
 WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.py"]
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from pdserve.testing.loopback import run_bench
 
+pytestmark = pytest.mark.bench
+
 PARTS = ("router", "worker", "worker_http", "engine", "stream_path")
 
 

@@ -14,6 +14,8 @@ from pdserve.router import runtime
 from pdserve.router.config import RouterConfig
 from pdserve.router.runtime import Runtime
 
+pytestmark = pytest.mark.unit
+
 
 def salt_key() -> bytes:
     make = getattr(runtime, "salt_key", None)  # absent before the fix: the test still runs

@@ -13,7 +13,7 @@ import pytest
 from pdserve.router.api.chat_options import ChatTemplateOptions
 from pdserve.router.tokenizer import PromptTokenizer
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 USER = {"role": "user", "content": "Tell me a story."}
 OPENING = {"role": "assistant", "content": "Once upon a time"}

@@ -1,4 +1,4 @@
-"""The router's server side sends what one loop turn wrote as one buffer (router/coalesce.py):
+"""The router's server side sends what one loop turn wrote as one buffer (pdserve/coalesce.py):
 the transport wrapper against a recording transport, then uvicorn serving with it."""
 
 from __future__ import annotations
@@ -8,9 +8,12 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 import uvicorn
 
-from pdserve.router.coalesce import CoalescingHttpTools, _TurnWriter
+from pdserve.coalesce import CoalescingHttpTools, _TurnWriter
+
+pytestmark = pytest.mark.unit
 
 
 class Recorder:

@@ -11,6 +11,8 @@ from pdserve.router.discovery.k8s import KubernetesSource, endpoints_from_slices
 from pdserve.router.discovery.workers import events_address, normalize_url
 from pdserve.router.main import add_arguments, build_config, build_source
 
+pytestmark = pytest.mark.unit
+
 
 def slice_(
     service: str, *endpoints: tuple[str, dict[str, bool]], port: int = 8080, family: str = "IPv4"

@@ -18,6 +18,7 @@ from pdserve.testing.up import start_up, suite_flags
 WORKERS = [ROOT / "prefill_worker" / "main.py", ROOT / "decode_worker" / "main.py"]
 
 pytestmark = [
+    pytest.mark.cluster,
     pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.skipif(not all(p.exists() for p in WORKERS), reason="real workers not built yet"),
@@ -49,21 +50,10 @@ def test_openai_client_against_real_workers(up) -> None:
     cl = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     model = cl.models.list().data[0].id
     long_prompt = "Tell me a story about a fox. " * 20
-    out = cl.completions.create(
-        model=model,
-        prompt=long_prompt,
-        max_tokens=8,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
+    greedy = {"model": model, "prompt": long_prompt, "max_tokens": 8, "temperature": 0}
+    out = cl.completions.create(**greedy, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
-    again = cl.completions.create(
-        model=model,
-        prompt=long_prompt,
-        max_tokens=8,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
+    again = cl.completions.create(**greedy, extra_body={"ignore_eos": True})
     assert again.choices[0].text == out.choices[0].text  # greedy: same text, now from cache
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     chunks = list(

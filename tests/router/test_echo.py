@@ -24,7 +24,7 @@ import torch
 from pdserve.testing.loopback import all_kv_free, sse_chunks
 from tests.router.pdserve_up import Up
 
-pytestmark = [pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 TOL = 1e-4
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.router.raw_http import exchange
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 LONG = "The quick brown fox jumps over the lazy dog. " * 4

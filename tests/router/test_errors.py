@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import pytest
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 

@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pdserve.router import fast_metrics as fast
 from pdserve.router.metrics import LATENCY_BUCKETS, RATIO_BUCKETS, RouterMetrics
 
+pytestmark = pytest.mark.unit
+
 
 def pair(seed: int) -> tuple[bytes, bytes]:
     out = []

@@ -10,6 +10,8 @@ from pdserve.router.api.fields import CHAT, COMPLETIONS, NO_EFFECT, ONLY, check_
 from pdserve.router.errors import APIError
 from pdserve.testing.loopback import ROOT
 
+pytestmark = pytest.mark.unit
+
 
 def _documented() -> set[str]:
     text = (ROOT / "docs" / "router.md").read_text()

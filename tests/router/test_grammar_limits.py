@@ -12,6 +12,8 @@ import pytest
 from pdserve.router.api.grammar_limits import MAX_ALTERNATIVES, check_grammar
 from pdserve.router.errors import APIError
 
+pytestmark = pytest.mark.unit
+
 
 def _deep(levels: int) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "integer"}

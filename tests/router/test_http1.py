@@ -11,6 +11,8 @@ import pytest
 from pdserve import keys, signing
 from pdserve.router.transport.http1 import CallFailed, WorkerPool
 
+pytestmark = pytest.mark.unit
+
 Reply = Callable[[bytes], bytes]  # the request's head and body -> the raw reply
 
 

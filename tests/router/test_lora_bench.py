@@ -8,6 +8,8 @@ import pytest
 
 from pdserve.testing.loopback import run_bench
 
+pytestmark = pytest.mark.bench
+
 
 @pytest.mark.timeout(600)
 def test_lora_bench_quick() -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.testing.loopback import all_kv_free
 from pdserve.testing.lora_adapters import SPECS, hf_greedy, merged_model, write_adapter
-from tests.router.pdserve_up import run_up
+from tests.router.pdserve_up import greedy_ids, run_up
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
@@ -32,22 +32,7 @@ def _hf_greedy(model: Any) -> list[int]:
 
 
 async def _greedy(url: str, model: str) -> tuple[list[int], int]:
-    """(token ids, cached prompt tokens) of one greedy completion through the router."""
-    cl = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
-    out = await cl.completions.create(
-        model=model,
-        prompt=PROMPT,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        logprobs=0,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-    )
-    await cl.close()
-    lp = out.choices[0].logprobs
-    assert lp is not None and lp.tokens is not None
-    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
-    details = out.usage.prompt_tokens_details if out.usage else None
-    return ids, (details.cached_tokens or 0) if details else 0
+    return await greedy_ids(url, model, PROMPT, MAX_TOKENS, KEY)
 
 
 def _prefix_matched(url: str) -> float:

@@ -24,6 +24,8 @@ from pdserve.testing.loopback import free_port
 from pdserve.testing.router_fakes import serve
 from tests.router.lora_fakes import lora_cluster, write_adapter
 
+pytestmark = pytest.mark.unit
+
 LONG = "the quick brown fox jumps over the lazy dog " * 12  # > the disagg threshold
 TENANT, ADMIN = ({"Authorization": f"Bearer {k}"} for k in ("tenant", "boss"))
 KEYS = {"api_keys": ("tenant",), "admin_api_keys": ("boss",)}

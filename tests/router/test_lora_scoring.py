@@ -14,6 +14,8 @@ from pdserve.router.scheduling.routing import plan_route
 from pdserve.router.scheduling.scorers import lora_affinity
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 
+pytestmark = pytest.mark.unit
+
 
 def _worker(
     role: str,

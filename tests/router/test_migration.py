@@ -14,7 +14,7 @@ import pytest
 
 from tests.router.test_api import LONG, client
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 def _first(c) -> int:

@@ -16,7 +16,7 @@ import torch
 from pdserve.testing.loopback import all_kv_free, secret_auth
 from tests.router.pdserve_up import Up
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPT_IDS = [0, *range(400, 440)]  # 41 tokens: remote prefill
 LONG_TEXT = "Tell me a story about a fox and a crow. " * 4

@@ -13,10 +13,10 @@ import asyncio
 import pytest
 
 from pdserve.protocol.contract import GenerateRequest, InvalidParameter, KVHandle
-from tests.router.test_api import LONG, client
+from tests.router.test_api import LONG, client, stream_long
 from tests.router.test_retries import send_until_tried
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 CHAIN = {"disagg_threshold": 16, "pd_handoff": "decode"}
 
 
@@ -37,15 +37,7 @@ async def test_one_call_at_the_router_and_the_same_stream(cluster_factory) -> No
 
 async def test_streamed_first_token_then_usage(cluster_factory) -> None:
     async with cluster_factory(**CHAIN) as c:
-        stream = await client(c.url).completions.create(
-            model="tiny",
-            prompt=LONG,
-            max_tokens=3,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        chunks = [ch async for ch in stream]
-        texts = [ch.choices[0].text for ch in chunks if ch.choices]
+        chunks, texts = await stream_long(c.url, 3)
         # the first token leads (lines that came together may share a chunk)
         assert texts[0].startswith("<") and "".join(texts).endswith("> t0 t1")
         usage = chunks[-1].usage

@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.testing.loopback import all_kv_free, secret_auth
 from pdserve.testing.lora_adapters import hf_greedy
-from tests.router.pdserve_up import run_up
+from tests.router.pdserve_up import greedy_ids, run_up
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
@@ -26,19 +26,7 @@ MAX_TOKENS = 6
 
 
 async def _greedy(url: str, prompt: list[int]) -> tuple[list[int], int]:
-    cl = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
-    out = await cl.completions.create(
-        model="tiny",
-        prompt=prompt,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        logprobs=0,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-    )
-    await cl.close()
-    ids = [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
-    details = out.usage.prompt_tokens_details
-    return ids, (details.cached_tokens or 0) if details else 0
+    return await greedy_ids(url, "tiny", prompt, MAX_TOKENS)
 
 
 def _counter(text: str, prefix: str) -> float:

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -23,7 +24,7 @@ from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.testing.picker import completion, start_picker
 from tests.router.lora_fakes import write_adapter
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 @pytest.fixture
@@ -241,4 +242,26 @@ async def test_adapter_requests_follow_the_adapters_own_prefix(
         missing = await env.request("/v1/completions", completion(prompt, model="nope"))
         env.close()
         assert missing.status == 404 and missing.error["error"]["code"] == "model_not_found"
+        await pc.settle()
+
+
+async def test_only_the_gateway_speaks_ext_proc(picker_factory) -> None:
+    """Issue 44 item 2: with --gateway-token-file a pod that reaches :9002 without the
+    gateway's credential picks nothing, and its forged ``served`` metadata (naming the
+    fallback, as if the primary had failed) takes no worker out. Before, any stream was
+    taken, and one forged reply marked a healthy decode worker as failed."""
+    from pdserve.router.picker.server import GATEWAY_TOKEN_KEY
+
+    async with picker_factory(busy=[1], health_interval_s=30.0, gateway_token="gw-1") as pc:
+        for metadata in ((), ((GATEWAY_TOKEN_KEY, "guessed"),)):
+            env = pc.envoy(metadata=metadata)
+            env.close()  # its first message would race the refusal; the status is the point
+            assert await env.call.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert not pc.service.rt.discovery.failed_check(pc.decode_urls[0])
+        env = pc.envoy(metadata=((GATEWAY_TOKEN_KEY, "gw-1"),))  # the gateway itself
+        routed = await env.request("/v1/completions", completion("hello"))
+        assert routed.endpoints == [pc.endpoint(0), pc.endpoint(1)]
+        await env.response(pc.endpoint(0), [b"data: [DONE]\n\n"])
+        env.close()
+        pc.decode[1].active.pop("busy")
         await pc.settle()

@@ -33,7 +33,7 @@ from pdserve.testing.loopback import free_port
 from pdserve.testing.picker import Envoy, PickerCluster, completion, start_picker
 from pdserve.testing.router_fakes import serve
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 @contextlib.asynccontextmanager

@@ -17,6 +17,8 @@ from pdserve.router.discovery.events import KVEventSubscriber
 from pdserve.router.main import add_arguments, build_config
 from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
 
+pytestmark = pytest.mark.unit
+
 
 def ev(kind: str, worker: str, seq: int, hashes: list[int]) -> KVEventView:
     return KVEventView(kind, worker, seq, tuple(hashes))

@@ -13,7 +13,7 @@ import pytest
 
 from tests.router.test_api import client
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 GROUPS = [f"System prompt number {g}: " + f"rule {g} says be exact. " * 60 for g in range(3)]
 

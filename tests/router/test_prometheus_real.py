@@ -36,7 +36,9 @@ from pdserve.planner.presets import CPU_TINY
 from pdserve.planner.snapshot import MetricsSnapshot, PoolStatus
 from pdserve.testing.loopback import ROOT, secret_auth
 from pdserve.testing.prometheus import Prometheus, prometheus_binary, run_prometheus
-from tests.router.pdserve_up import Up
+from pdserve.testing.up import Up
+
+pytestmark = pytest.mark.cluster
 
 NAMESPACE, SERVICE = "pdserve-test", "chat"
 POOLS = (PoolStatus(1, 1), PoolStatus(1, 1))  # what the Deployments say: one ready replica each

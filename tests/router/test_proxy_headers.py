@@ -12,6 +12,8 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from pdserve.router.proxy_headers import FlatProxyHeaders
 
+pytestmark = pytest.mark.unit
+
 CASES = [
     # (client, headers)
     (("127.0.0.1", 5000), [(b"x-forwarded-for", b"10.1.2.3"), (b"x-forwarded-proto", b"https")]),

@@ -22,6 +22,8 @@ from pdserve.router.errors import APIError
 from pdserve.router.main import add_arguments, build_config
 from pdserve.router.ratelimit import RateLimiter
 
+pytestmark = pytest.mark.unit
+
 
 def test_share_rounds_up_and_keeps_off_off() -> None:
     assert [share(60, n) for n in (1, 2, 3, 7)] == [60, 30, 20, 9]

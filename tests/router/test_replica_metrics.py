@@ -7,11 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from pdserve.operator import autoscale_inputs as inputs
 from pdserve.operator import naming
 from tests.aio_site import start_site
+
+pytestmark = pytest.mark.unit
 
 
 class Slices:

@@ -1,4 +1,4 @@
-"""The worker side of the event stream (prefill_worker/events.py): load reports at least
+"""The worker side of the event stream (worker/core/events.py): load reports at least
 every 100 ms and when the counters change (at most every 10 ms), KV events with their
 seq, and a snapshot that flushes pending events first, so the stream goes on exactly
 after it. Over a real PUB socket, read back with a SUB socket."""
@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 import zmq
 
-from pdserve.prefill_worker import events as ev_mod
-from pdserve.prefill_worker.events import KVEventPublisher
 from pdserve.protocol.codec import decode
 from pdserve.protocol.contract import EngineStats
 from pdserve.protocol.kv_events import KVEvent, LoadReport
+from pdserve.worker.core import events as ev_mod
+from pdserve.worker.core.events import KVEventPublisher
+
+pytestmark = pytest.mark.unit
 
 
 class Engine:

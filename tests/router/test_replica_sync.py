@@ -20,6 +20,8 @@ from pdserve.router.discovery.workers import Discovery, EndpointSource
 from pdserve.router.scheduling.prefix_index import PrefixIndex
 from pdserve.router.scheduling.snapshot import WorkerView
 
+pytestmark = pytest.mark.unit
+
 
 def kv(seq: int, kind: str = "stored", hashes: tuple[int, ...] = ()) -> list[bytes]:
     return [b"kv", encode(KVEvent(kind, "p0", seq, list(hashes)))]

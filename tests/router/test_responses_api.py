@@ -13,6 +13,8 @@ from pdserve.router.api.responses.output import Events, Shape, output_items
 from pdserve.router.api.responses.request import chat_body
 from pdserve.router.errors import APIError
 
+pytestmark = pytest.mark.unit
+
 
 def test_input_items_become_messages() -> None:
     body = {

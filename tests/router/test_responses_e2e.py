@@ -15,7 +15,7 @@ import pytest
 from pdserve.testing.loopback import all_kv_free
 from tests.router.pdserve_up import Up
 
-pytestmark = [pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 WEATHER = {
     "type": "function",
     "name": "get_weather",

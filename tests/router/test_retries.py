@@ -12,14 +12,14 @@ import httpx
 import openai
 import pytest
 
-from pdserve.router.coalesce import CoalescingHttpTools
+from pdserve.coalesce import CoalescingHttpTools
 from pdserve.router.discovery.workers import Discovery, StaticSource
 from pdserve.router.transport.worker_client import new_session
 from pdserve.testing.loopback import free_port
 from pdserve.testing.router_fakes import FakeState, decode_app
 from tests.router.test_api import LONG, client
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 async def _until(cond, timeout: float = 5.0) -> None:

@@ -20,7 +20,7 @@ import zmq.asyncio
 from pdserve.testing.loopback import free_port, start_router
 from pdserve.testing.router_fakes import FakeState, decode_app, prefill_app, serve
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
 
 async def test_router_process_serves_and_stops(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -13,6 +13,8 @@ from pdserve.router.scheduling.route_request import RouteRequest
 from pdserve.router.scheduling.routing import NoWorkerAvailable, plan_route
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerStats, WorkerView
 
+pytestmark = pytest.mark.unit
+
 CFG = RouterConfig(model_dir="/m", disagg_threshold=64)
 
 

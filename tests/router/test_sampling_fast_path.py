@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from pdserve.protocol import sampling_params as sp_mod
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
+pytestmark = pytest.mark.unit
+
 BOUNDS = [-(2**63), -2.0, -1, 0, 1, 2.0, 10.0, 20, 100.0, 4096, 2**31, 2**32, 2**63, 2**64]
 # Each bound, just inside and just outside it, as an int and as a float.
 _NEAR = [

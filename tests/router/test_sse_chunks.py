@@ -8,10 +8,13 @@ import time
 from typing import Any
 from unittest import mock
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.router.api import openai_response
+
+pytestmark = pytest.mark.unit
 
 texts = st.text(st.characters(), max_size=16)
 values = st.recursive(

@@ -13,7 +13,7 @@ import pytest
 
 from tests.router.test_api import LONG
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 @pytest.mark.parametrize("usage", [False, True])

@@ -21,7 +21,7 @@ import pytest
 from pdserve.testing.loopback import all_kv_free
 from tests.router.pdserve_up import Up
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPT = "Describe the weather in a small town in the mountains, as JSON, please."
 NAME = {"type": "string", "maxLength": 10}

@@ -17,7 +17,7 @@ from pdserve.router.admission import Admission
 from pdserve.router.errors import APIError
 from tests.router.raw_http import connect, read_reply
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 

@@ -20,6 +20,8 @@ from pdserve.router.scheduling.scorers import prefix_match
 from pdserve.router.scheduling.snapshot import WorkerView
 from pdserve.router.scheduling.tier_index import TierIndex, parse_weights
 
+pytestmark = pytest.mark.unit
+
 HASHES = (11, 12, 13, 14)
 WORKERS = ("p0", "p1", "p2")
 

@@ -24,6 +24,8 @@ from pdserve.router.tokenizer import (
 )
 from tests.model_families import FAMILIES, Family, make_config
 
+pytestmark = pytest.mark.unit
+
 TEXT = "Hello world, the capital of France is Paris. <|im_start|> 1234 naïve café\n\tend"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
 

@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 CITY = {"type": "string", "maxLength": 12}
 FUNCTIONS = {

@@ -11,6 +11,8 @@ from pdserve.router.api.tool_output import ArrayScanner, ToolOutput
 from pdserve.router.api.tools import ToolConfig, chat_inputs, grammar_spec, parse_tools
 from pdserve.router.errors import APIError
 
+pytestmark = pytest.mark.unit
+
 WEATHER = {
     "name": "get_weather",
     "parameters": {

@@ -22,7 +22,7 @@ from pdserve_up import run_up
 from pdserve.local.proc_group import poll_until
 from pdserve.testing.loopback import all_kv_free, secret_auth
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 BLOCK_BYTES = 4 * 2 * 16 * 2 * 32 * 4  # the tiny model's float32 KV block
 POOL_BLOCKS = 24

@@ -21,6 +21,8 @@ from pdserve.router.transport.worker_client import (
     new_pool,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def tok(i: int, finish: str | None = None) -> TokenDelta:
     return TokenDelta([i], f" t{i}", finish)

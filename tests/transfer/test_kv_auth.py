@@ -19,7 +19,7 @@ from pdserve.transfer.server import KVServer
 from pdserve.transfer.side_channel import call, handshake
 from pdserve.transfer.tcp_transport import TcpTransport
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 @pytest.mark.parametrize(("server_secret", "decode_secret"), [("s1", "s2"), ("s1", ""), ("", "s1")])

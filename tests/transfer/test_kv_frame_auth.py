@@ -17,7 +17,7 @@ from pdserve import keys
 from pdserve.transfer.side_channel import mac
 from pdserve.transfer.tcp_transport import TcpTransport, data_mac
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 def test_a_tampered_tcp_data_frame_never_enters_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,8 @@ from pdserve.transfer.messages import CompatRecord, HandshakeReply, LeaseClaim
 from pdserve.transfer.server import KVServer
 from pdserve.transfer.side_channel import call, handshake
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True)
 def _no_secret(monkeypatch: pytest.MonkeyPatch) -> None:

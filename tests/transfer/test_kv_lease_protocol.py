@@ -18,7 +18,7 @@ from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.server import KVServer
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 def endpoints(transport: str, lease_seconds: float = 30.0, timeout: float = 5.0):  # type: ignore[no-untyped-def]

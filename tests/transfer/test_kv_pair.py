@@ -13,6 +13,8 @@ from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.server import KVServer
 
+pytestmark = pytest.mark.unit
+
 
 def assert_blocks_equal(pair: Pair, remote: list[int], local: list[int]) -> None:
     got = as_bytes(pair.dst[:, :, local])

@@ -13,6 +13,8 @@ import yaml
 
 from pdserve.transfer.registry import TRANSPORT_NAMES, TRANSPORTS, transport_class
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

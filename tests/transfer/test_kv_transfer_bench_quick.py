@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.testing.loopback import run_bench
+
+pytestmark = pytest.mark.bench
 
 
 def test_bench_quick(tmp_path) -> None:

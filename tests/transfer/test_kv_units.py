@@ -13,6 +13,8 @@ from pdserve.transfer.layout import PoolGeometry, descriptors, merge_runs
 from pdserve.transfer.messages import CompatRecord, HandshakeRequest, TcpReadRequest
 from pdserve.transfer.registry import TRANSPORTS, transport_class
 
+pytestmark = pytest.mark.unit
+
 
 def test_merge_runs_needs_both_sides_consecutive() -> None:
     assert merge_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]

@@ -15,6 +15,8 @@ from pdserve.transfer.load_state import (
 )
 from pdserve.transfer.messages import KVHandle
 
+pytestmark = pytest.mark.unit
+
 P = LoadPhase
 
 

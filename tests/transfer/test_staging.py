@@ -19,6 +19,8 @@ from pdserve.transfer.layout import PoolGeometry
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.staging import PinnedStaging, registration
 
+pytestmark = pytest.mark.unit
+
 
 def test_registration_names_the_memory_type() -> None:
     pool = make_pool(4, seed=0)

@@ -13,7 +13,7 @@ import pytest
 from pdserve import keys, signing
 from pdserve.worker.auth import CallCheck
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 RING = keys.KeyRing(keys.HTTP, ("service-secret",))
 
 

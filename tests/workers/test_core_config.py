@@ -1,4 +1,4 @@
-"""The engine core is started with a typed, frozen CoreConfig (worker/core_config.py), not
+"""The engine core is started with a typed, frozen CoreConfig (worker/core/config.py), not
 the front end's argparse.Namespace: built from each role's real flags, pickled as the
 ``init`` message carries it, with derived ports as properties and bad values refused."""
 
@@ -13,8 +13,10 @@ import pytest
 
 from pdserve.decode_worker import server as decode_server
 from pdserve.prefill_worker import server as prefill_server
-from pdserve.worker.core_config import CoreConfig
+from pdserve.worker.core.config import CoreConfig
 from pdserve.worker.http import core_config
+
+pytestmark = pytest.mark.unit
 
 
 def _args(role: str, *argv: str) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""The engine-core zygote (worker/core_zygote.py): real zygote processes forking real cores.
+"""The engine-core zygote (worker/core/zygote.py): real zygote processes forking real cores.
 
 A forked core reports its exit and can be killed through its connection; a worker that
 dies takes its core with it; a zygote that dies takes its cores (and so their workers)
@@ -25,7 +25,7 @@ from pdserve import env
 from pdserve.local.proc_group import poll_until
 from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest
-from pdserve.worker.core_zygote import (
+from pdserve.worker.core.zygote import (
     ForkedCore,
     ZygoteProcess,
     refusal,
@@ -110,7 +110,7 @@ def test_a_worker_that_dies_takes_its_forked_core_with_it(
 ) -> None:
     asker = textwrap.dedent(f"""
         import sys, time
-        from pdserve.worker.core_zygote import request_core
+        from pdserve.worker.core.zygote import request_core
         core = request_core({zygote.path!r}, {_core_args(tmp_path)!r})
         print(core.pid, flush=True)
         time.sleep(600)
@@ -151,7 +151,7 @@ def test_a_zygote_whose_starter_died_ends_and_takes_its_cores(tmp_path: Path) ->
     cores it forked."""
     starter = textwrap.dedent(f"""
         import sys, time
-        from pdserve.worker.core_zygote import ZygoteProcess, request_core
+        from pdserve.worker.core.zygote import ZygoteProcess, request_core
         z = ZygoteProcess()
         core = request_core(z.path, {_core_args(tmp_path)!r})
         print(z.proc.pid, core.pid, z.path, flush=True)

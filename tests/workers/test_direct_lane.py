@@ -22,6 +22,8 @@ from pdserve.testing.router_fakes import serve
 from pdserve.worker.direct import DirectApp, LineStream
 from pdserve.worker.http import BadRequest, SecretCheck, known_error, read_message
 
+pytestmark = pytest.mark.unit
+
 SECRET = "s3cret"
 OK = SignedAuth(SECRET)  # a signed call (pdserve/signing.py), as the router makes
 

@@ -13,7 +13,7 @@ from worker_helpers import assert_all_free, handoff, metric, proc, worker_cluste
 
 from pdserve.protocol.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 
 def workload(n: int = 50, seed: int = 0) -> list[tuple[list[int], int]]:

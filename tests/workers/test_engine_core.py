@@ -3,7 +3,7 @@
 Real workers on loopback, the tiny model from disk: where the engine runs, what a client
 sees when the core dies under its stream, and that neither process outlives the other;
 each for a core that is the worker's own child and for one forked by a core zygote
-(worker/core_zygote.py; tests/workers/test_core_zygote.py has the zygote's own faults).
+(worker/core/zygote.py; tests/workers/test_core_zygote.py has the zygote's own faults).
 """
 
 from __future__ import annotations
@@ -32,16 +32,18 @@ from tests.workers.worker_helpers import (
     worker_cluster,
 )
 
-CORE = b"pdserve.worker.core_main"
+pytestmark = pytest.mark.cluster
+
+CORE = b"pdserve.worker.core.main"
 
 
 def _core_of(proc: Proc) -> int:
     """The pid of the worker's engine core, as its /stats names it: without a zygote, its
-    child running core_main; with one, a child of the zygote and not of the worker."""
+    child running worker/core/main.py; with one, a child of the zygote and not of the worker."""
     assert proc.popen is not None
     core = int(stats(proc.url)["core_pid"])
     starter = parent(core)
-    forked = b"pdserve.worker.core_zygote" in Path(f"/proc/{starter}/cmdline").read_bytes()
+    forked = b"pdserve.worker.core.zygote" in Path(f"/proc/{starter}/cmdline").read_bytes()
     if forked:
         assert core not in children(proc.popen.pid)
     else:
@@ -62,7 +64,7 @@ def cluster(
     with worker_cluster(tiny_model_dir, logs, num_prefill=2, num_decode=2, core_zygote=zygote) as c:
         for proc in c.procs:  # the cores started the way this run asked
             core = int(stats(proc.url)["core_pid"])
-            forked = b"core_zygote" in Path(f"/proc/{core}/cmdline").read_bytes()
+            forked = b"core.zygote" in Path(f"/proc/{core}/cmdline").read_bytes()
             assert forked == zygote, (request.param, proc.name)
         yield c
 

@@ -25,7 +25,7 @@ from pdserve.engine.model_support import head_dims
 from tests.engine.engine_helpers import hf_greedy
 from tests.model_families import BY_ID, cached_family
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 PROMPTS = [[(i * 53 + s) % 3000 + 5 for i in range(n)] for s, n in [(1, 37), (2, 20), (3, 11)]]
 # One family per attention option (docs/models.md): window + soft-cap, sinks + window +

@@ -23,6 +23,8 @@ from pdserve.protocol.fast_dumps import dumps, finite_tree
 from pdserve.protocol.prefill_reply import decode_prefill_reply
 from pdserve.protocol.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 
 def _json(body: object) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()

@@ -22,7 +22,7 @@ from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest, LoraRef, PrefillRequest, RequestRef
 from pdserve.testing.lora_adapters import SPECS, hf_greedy, merged_model, write_adapter
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 PROMPT = [(i * 41 + 3) % 3000 + 5 for i in range(37)]  # two full blocks and a part
 MAX_TOKENS = 8

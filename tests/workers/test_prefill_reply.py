@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.protocol.codec import CodecError, decode, encode, to_dict
 from pdserve.protocol.contract import KVHandle, LoraRef, PrefillReply, Usage
 from pdserve.protocol.prefill_reply import decode_prefill_reply
+
+pytestmark = pytest.mark.unit
 
 texts = st.text(st.characters(), max_size=12)
 ints = st.integers(-(2**63), 2**63)

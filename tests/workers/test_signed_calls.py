@@ -28,6 +28,8 @@ from pdserve.signed_httpx import SignedAuth
 from pdserve.testing.router_fakes import serve
 from pdserve.worker.http import SecretCheck
 
+pytestmark = pytest.mark.unit
+
 SECRET = "service-secret-1"
 
 

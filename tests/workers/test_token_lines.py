@@ -17,6 +17,8 @@ from pdserve.protocol.codec import CodecError, decode, encode, to_dict
 from pdserve.protocol.contract import TokenDelta, Usage, WorkerError
 from pdserve.protocol.token_lines import decode_line, encode_line
 
+pytestmark = pytest.mark.unit
+
 texts = st.text(st.characters(), max_size=12)
 ids = st.lists(st.integers(-(2**63), 2**63), max_size=4)
 finishes = st.one_of(st.none(), st.sampled_from(["stop", "length", "abort"]), texts)

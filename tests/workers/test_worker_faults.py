@@ -29,7 +29,7 @@ from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest
 from pdserve.protocol.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 PROMPT = list(range(100, 170))  # 70 tokens: 5 blocks, the last one partial
 
 

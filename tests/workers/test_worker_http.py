@@ -4,6 +4,7 @@ this (``add_common_routes``); tests/workers/test_worker_faults.py checks a live 
 
 from __future__ import annotations
 
+import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
@@ -12,6 +13,8 @@ from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest, RequestRef
 from pdserve.signed_httpx import SignedAuth
 from pdserve.worker.http import BadRequest, SecretCheck, error_response, read_message, reply
+
+pytestmark = pytest.mark.unit
 
 
 def app() -> FastAPI:

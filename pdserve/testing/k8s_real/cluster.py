@@ -195,6 +195,17 @@ def is_ready(obj: dict[str, Any] | None) -> bool:
     return conditions(obj or {}).get("Ready", {}).get("status") == "True"
 
 
+def llmservice(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
+    """An LLMService of the tiny model on the ``models`` PVC, with ``spec`` beside it."""
+    model = {"source": {"pvc": {"claimName": "models", "path": "m"}}}
+    return {
+        "apiVersion": "pdserve.io/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"model": model, **spec},
+    }
+
+
 def read_only_pvc(name: str, storage: str) -> dict[str, Any]:
     """A ReadOnlyMany PersistentVolumeClaim (a model volume an LLMService names)."""
     spec = {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": storage}}}

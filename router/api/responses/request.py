@@ -18,45 +18,7 @@ from typing import Any
 
 from pdserve.router.errors import invalid
 
-# Honoured (translated to the chat request, or echoed back in the response object).
-RESPONSES = frozenset(
-    {
-        "model",
-        "input",
-        "instructions",
-        "max_output_tokens",
-        "temperature",
-        "top_p",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "text",
-        "stream",
-        "store",
-        "user",
-        "metadata",
-        "seed",
-        "top_k",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "stop",
-        "cache_salt",
-    }
-)
-# Accepted with no effect (OpenAI platform bookkeeping).
-NO_EFFECT = frozenset({"service_tier", "safety_identifier", "prompt_cache_key"})
-# Accepted only at these values (what a stateless text-only server does anyway).
-ONLY: dict[str, tuple[Any, ...]] = {
-    "store": (None, False),
-    "previous_response_id": (None,),
-    "conversation": (None,),
-    "background": (None, False),
-    "truncation": (None, "disabled"),
-    "include": (None, []),
-    "reasoning": (None,),
-}
+# Chat fields a Responses body carries under the same name, passed through as they are.
 PASSED = (
     "temperature",
     "top_p",
@@ -71,6 +33,25 @@ PASSED = (
     "cache_salt",
     "parallel_tool_calls",
 )
+# Honoured (translated to the chat request, or echoed back in the response object).
+RESPONSES = frozenset(
+    {
+        *("model", "input", "instructions", "max_output_tokens", "tools", "tool_choice"),
+        *("text", "stream", "store", "metadata", *PASSED),
+    }
+)
+# Accepted with no effect (OpenAI platform bookkeeping).
+NO_EFFECT = frozenset({"service_tier", "safety_identifier", "prompt_cache_key"})
+# Accepted only at these values (what a stateless text-only server does anyway).
+ONLY: dict[str, tuple[Any, ...]] = {
+    "store": (None, False),
+    "previous_response_id": (None,),
+    "conversation": (None,),
+    "background": (None, False),
+    "truncation": (None, "disabled"),
+    "include": (None, []),
+    "reasoning": (None,),
+}
 WHY = {
     "store": "this server keeps no responses (stateless): send store: false",
     "previous_response_id": "this server keeps no responses (stateless): send the earlier "

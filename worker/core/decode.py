@@ -1,20 +1,20 @@
-"""The decode worker's engine core (its own process, worker/core_main.py): the engine
+"""The decode worker's engine core (its own process, worker/core/main.py): the engine
 and the KV connector that pulls prompts' blocks from prefill workers into its pool."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from pdserve.decode_worker.metered import MeteredConnector
-from pdserve.decode_worker.spec_metrics import SpecCollector
-from pdserve.engine.core_loop import Hook, Query
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora_registry import lora_queries
-from pdserve.prefill_worker.events import KVEventPublisher
 from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord
-from pdserve.worker.core_config import CoreConfig
+from pdserve.worker.core.config import CoreConfig
+from pdserve.worker.core.events import KVEventPublisher
+from pdserve.worker.core.info import engine_info
+from pdserve.worker.core.loop import Hook, Query
+from pdserve.worker.core.metered import MeteredConnector
+from pdserve.worker.core.spec_metrics import SpecCollector
 from pdserve.worker.metrics import CoreMetrics
 
 ROLE = "decode"
@@ -26,15 +26,15 @@ class DecodeCore:
             config.engine_config(), recompute_on_load_failure=config.recompute_on_load_failure
         )
         self.metrics = CoreMetrics(ROLE)
-        if e.spec is not None:  # acceptance rate, tokens per step (decode_worker/spec_metrics.py)
+        if e.spec is not None:  # acceptance rate, tokens per step (worker/core/spec_metrics.py)
             self.metrics.registry.register(SpecCollector(e.spec.stats, ROLE))
         if e.tier_store is not None:  # KV tiers below the pool (docs/kv_tiers.md)
             from pdserve.engine.kv_tiers.metrics import TierCollector
 
             self.metrics.registry.register(TierCollector(e.tier_store.stats, ROLE))
         remote = RemoteKVConnector(
-            e.kv.tensor,
-            CompatRecord.for_pool(e.kv.tensor, e.model_id),
+            e.kv_tensor,
+            CompatRecord.for_pool(e.kv_tensor, e.model_id),
             transport=config.kv_transport,
             transfer_timeout=config.transfer_timeout,
         )
@@ -55,7 +55,7 @@ class DecodeCore:
         self.queries: dict[str, Query] = {
             "known": lambda rid: rid in e.requests or rid in e.held,
             "metrics": self.metrics.render,
-            **lora_queries(e.runner.loras),  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+            **lora_queries(e.loras),  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         }
 
     def info(self) -> dict[str, Any]:
@@ -66,14 +66,3 @@ class DecodeCore:
         self.events.close()
         if self.engine.tier_store is not None:
             self.engine.tier_store.close()
-
-
-def engine_info(e: LLMEngine) -> dict[str, Any]:
-    """What the front end reports about the engine (``/stats``' fixed fields)."""
-    return {
-        "model": e.served_model_name,
-        "model_id": e.model_id,
-        "block_size": e.config.block_size,
-        "max_model_len": e.max_model_len,
-        "core_pid": os.getpid(),
-    }

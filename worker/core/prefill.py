@@ -1,4 +1,4 @@
-"""The prefill worker's engine core (its own process, worker/core_main.py): the engine
+"""The prefill worker's engine core (its own process, worker/core/main.py): the engine
 holding handed-off KV, the lease server decode workers read it from, and the KV event
 publisher the router's prefix index follows."""
 
@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.decode_worker.core import engine_info
-from pdserve.engine.core_loop import Hook, Query
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora_registry import lora_queries
-from pdserve.prefill_worker.events import KVEventPublisher
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.server import KVServer
-from pdserve.worker.core_config import CoreConfig
+from pdserve.worker.core.config import CoreConfig
+from pdserve.worker.core.events import KVEventPublisher
+from pdserve.worker.core.info import engine_info
+from pdserve.worker.core.loop import Hook, Query
 from pdserve.worker.metrics import CoreMetrics
 
 ROLE = "prefill"
@@ -33,8 +33,8 @@ class PrefillCore:
         self.events = KVEventPublisher(f"tcp://{config.host}:{events_port}", config.worker_id, e)
         self.events_address = f"tcp://{host}:{events_port}"
         self.kv = KVServer(
-            e.kv.tensor,
-            CompatRecord.for_pool(e.kv.tensor, e.model_id),
+            e.kv_tensor,
+            CompatRecord.for_pool(e.kv_tensor, e.model_id),
             transport=config.kv_transport,
             host=config.host,
             port=config.side_channel,
@@ -50,7 +50,7 @@ class PrefillCore:
             "release": self.kv.release,
             "kv_snapshot": self.events.snapshot,  # GET /kv_blocks (a late router catching up)
             "metrics": self.metrics.render,
-            **lora_queries(e.runner.loras),  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+            **lora_queries(e.loras),  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         }
 
     def info(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The worker's front end to its engine core, which runs in a child process.
 
 A worker is two processes: this one serves HTTP (parsing, streaming, metrics) and the
-child (``pdserve.worker.core_main``) runs the engine and everything that touches its
+child (``pdserve.worker.core.main``) runs the engine and everything that touches its
 KV pool (the KV connector, the lease server, KV events) in :class:`CoreLoop`. They talk
 over two ZeroMQ ``ipc://`` sockets in a private temporary directory (mode 0700).
 Why two processes: the engine step needs the GIL back after every torch op, and the
@@ -25,7 +25,7 @@ router migrates it), pending queries raise :class:`EngineDeadError`, ``alive`` t
 false, ``/health`` answers 503 and ``on_death`` runs (the worker then exits, so that
 its supervisor, kubelet or ``pdserve up``, starts it again). If this process dies, the
 kernel kills the core (``PR_SET_PDEATHSIG``, set by core_main), or the zygote that forked
-it does (``pdserve up``'s cores come from one: core_zygote.py).
+it does (``pdserve up``'s cores come from one: worker/core/zygote.py).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from pdserve.protocol.contract import EngineStats
 from pdserve.protocol.outputs import EngineDeadError, RequestFailed, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 from pdserve.protocol.streams import follow, hand_over, put_all
-from pdserve.worker.core_config import CoreConfig
-from pdserve.worker.core_zygote import spawn_core
+from pdserve.worker.core.config import CoreConfig
+from pdserve.worker.core.zygote import spawn_core
 
 logger = logging.getLogger(__name__)
 POLL_MS = 200  # how often the receiver checks that the core still runs
@@ -67,7 +67,7 @@ class EngineClient:
         self._send_lock = threading.Lock()  # the receiver thread aborts for closed loops
         self._results = self._socket(zmq.PULL, "results")
         try:
-            # A new process, or forked by the cluster's zygote (core_zygote.py): started alike
+            # A new process, or forked by the zygote (worker/core/zygote.py): started alike
             self.proc = spawn_core([self._addr("commands"), self._addr("results")])
             self._send(("init", config))  # a frozen dataclass: pickled as it is
             self.info: dict[str, Any] = self._await_ready()

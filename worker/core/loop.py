@@ -1,6 +1,6 @@
 """The engine core's loop, in a process of its own (the worker's front end is another).
 
-The front end (``pdserve.worker.core_client``) sends commands over one ZeroMQ socket
+The front end (``pdserve.worker.core.client``) sends commands over one ZeroMQ socket
 and reads what this loop sends back over another. Between steps the loop takes every
 waiting command without blocking, steps the engine, and sends the step's outputs as one
 message with the latest counters. The HTTP loop, its parsing and its streaming run in

@@ -1,7 +1,7 @@
 """What a worker's engine core is started with: one frozen dataclass, not the flags.
 
 The front end parses its flags and sends this, pickled, in the core's ``init`` message
-(worker/core_client.py → worker/core_main.py). Every field is plain data, so it pickles
+(worker/core/client.py → worker/core/main.py). Every field is plain data, so it pickles
 and compares; the engine's part carries ``--model`` as given, and the core resolves it
 (a GGUF file is converted there, where torch is loaded anyway: engine/model_source.py).
 Derived values are properties; nothing the core discovers is written back.

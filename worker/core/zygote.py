@@ -69,7 +69,7 @@ RUNTIME_KEYS = frozenset(
     }
 )
 # What a core imports, done once here (the roles' cores, and what core_main imports).
-PRELOAD = ("pdserve.worker.core_main", "pdserve.decode_worker.core", "pdserve.prefill_worker.core")
+PRELOAD = ("pdserve.worker.core.main", "pdserve.worker.core.decode", "pdserve.worker.core.prefill")
 MAX_REQUEST = 1 << 20
 ANSWER_TIMEOUT_S = 300.0  # a zygote still importing answers once it is done
 
@@ -139,7 +139,7 @@ class ForkedCore:
 
 
 def spawn_core(args: list[str]) -> subprocess.Popen[bytes] | ForkedCore:
-    """The engine core (``python -m pdserve.worker.core_main ARGS``): forked by the zygote
+    """The engine core (``python -m pdserve.worker.core.main ARGS``): forked by the zygote
     named in ``PDSERVE_CORE_ZYGOTE`` when there is one that accepts, else a new process."""
     path = env.get(env.CORE_ZYGOTE)
     if path:
@@ -147,7 +147,7 @@ def spawn_core(args: list[str]) -> subprocess.Popen[bytes] | ForkedCore:
             return request_core(path, args)
         except (OSError, ValueError, ZygoteRefused) as e:
             logger.warning("engine core: not from the zygote at %s (%s): a new process", path, e)
-    return subprocess.Popen([sys.executable, "-m", "pdserve.worker.core_main", *args])
+    return subprocess.Popen([sys.executable, "-m", "pdserve.worker.core.main", *args])
 
 
 def request_bytes(args: list[str]) -> bytes:
@@ -371,8 +371,8 @@ class Zygote:
 
 
 def run_core(argv: list[str]) -> int:
-    """What ``python -m pdserve.worker.core_main ARGV`` runs, in a forked child."""
-    from pdserve.worker import core_main
+    """What ``python -m pdserve.worker.core.main ARGV`` runs, in a forked child."""
+    from pdserve.worker.core import main as core_main
 
     sys.argv = [core_main.__file__, *argv]
     return core_main.main(argv)
@@ -418,7 +418,7 @@ class ZygoteProcess:
     def __init__(self, log: IO[Any] | int | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="pdserve-zygote-")  # short: sun_path holds 108
         self.path = str(Path(self.dir, "sock"))
-        argv = [sys.executable, "-m", "pdserve.worker.core_zygote", self.path, "--stdin-lifeline"]
+        argv = [sys.executable, "-m", "pdserve.worker.core.zygote", self.path, "--stdin-lifeline"]
         # Its stdin is a pipe only this process writes to: EOF when this process is gone
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True
@@ -445,7 +445,7 @@ class ZygoteProcess:
 def main(argv: list[str]) -> int:
     if len(argv) not in (1, 2) or argv[1:] not in ([], ["--stdin-lifeline"]):
         print(
-            "usage: python -m pdserve.worker.core_zygote SOCKET_PATH [--stdin-lifeline]",
+            "usage: python -m pdserve.worker.core.zygote SOCKET_PATH [--stdin-lifeline]",
             file=sys.stderr,
         )
         return 2

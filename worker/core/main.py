@@ -1,12 +1,12 @@
-"""The engine core's process: ``python -m pdserve.worker.core_main COMMANDS RESULTS``.
+"""The engine core's process: ``python -m pdserve.worker.core.main COMMANDS RESULTS``.
 
-Started by :class:`~pdserve.worker.core_client.EngineClient`, never by hand. It
+Started by :class:`~pdserve.worker.core.client.EngineClient`, never by hand. It
 connects to the front end's two sockets, reads ``("init", config)`` (a
-:class:`~pdserve.worker.core_config.CoreConfig`), builds the role's core (the engine
-and what touches its KV pool: decode_worker/core.py, prefill_worker/core.py), runs the
+:class:`~pdserve.worker.core.config.CoreConfig`), builds the role's core (the engine
+and what touches its KV pool: worker/core/decode.py, worker/core/prefill.py), runs the
 start-up probe (engine/startup_probe.py), answers ``("ready", info)`` (or ``("failed",
 why)``), starts the background compile (engine/compile_job.py) and runs
-:class:`~pdserve.engine.core_loop.CoreLoop` until told to stop. It dies with its front
+:class:`~pdserve.worker.core.loop.CoreLoop` until told to stop. It dies with its front
 end (``PR_SET_PDEATHSIG``): an orphaned core would hold its ports and memory.
 """
 
@@ -27,10 +27,10 @@ from typing import Any, Protocol
 import zmq
 
 from pdserve.engine import startup_probe
-from pdserve.engine.core_loop import CoreLoop, Hook, Query
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.os_thread import name_os_thread
-from pdserve.worker.core_config import CoreConfig
+from pdserve.worker.core.config import CoreConfig
+from pdserve.worker.core.loop import CoreLoop, Hook, Query
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 ENGINE_NAME = "pdserve-engine"  # the core's OS thread name (benches find it by this)
@@ -48,11 +48,11 @@ class WorkerCore(Protocol):
 
 def build_core(config: CoreConfig) -> WorkerCore:
     if config.role == "decode":
-        from pdserve.decode_worker.core import DecodeCore
+        from pdserve.worker.core.decode import DecodeCore
 
         return DecodeCore(config)
     if config.role == "prefill":
-        from pdserve.prefill_worker.core import PrefillCore
+        from pdserve.worker.core.prefill import PrefillCore
 
         return PrefillCore(config)
     raise ValueError(f"unknown worker role {config.role!r}")
