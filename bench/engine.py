@@ -123,13 +123,15 @@ def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
     return Workload(prompts, outs)
 
 
-def _timed(fn: Any, run: Run) -> Any:
+def _timed(fn: Any, run: Run, field: str) -> Any:
+    """``fn``, adding the seconds of each call to ``run``'s ``field``."""
+
     def wrapper(*a: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return fn(*a, **kw)
         finally:
-            run.forward_seconds += time.perf_counter() - t0
+            setattr(run, field, getattr(run, field) + time.perf_counter() - t0)
 
     return wrapper
 
@@ -141,21 +143,8 @@ def _time_attention(run: Run) -> Any:
     # _attend is what both the eager function and the compiled graph's opaque operator
     # call at run time: timing it changes no graph.
     fn, gather = attention._attend, attention._gather
-
-    def timed_attention(*a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **kw)
-        finally:
-            run.attention_seconds += time.perf_counter() - t0
-
-    def timed_gather(*a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return gather(*a, **kw)
-        finally:
-            run.kv_copy_seconds += time.perf_counter() - t0
-
+    timed_attention = _timed(fn, run, "attention_seconds")
+    timed_gather = _timed(gather, run, "kv_copy_seconds")
     attention._attend = timed_attention  # type: ignore[assignment]
     attention._gather = timed_gather  # type: ignore[assignment]
 
@@ -178,7 +167,7 @@ def run_ours(engine: LLMEngine, work: Workload) -> Run:
     run = Run()
     runner = engine.runner
     forward = runner.forward
-    runner.forward = _timed(forward, run)
+    runner.forward = _timed(forward, run, "forward_seconds")
     undo = _time_attention(run)
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens

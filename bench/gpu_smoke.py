@@ -54,6 +54,7 @@ from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
 from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
+from pdserve.testing.hf_reference import hf_greedy  # noqa: E402
 
 # Peak memory bandwidth, GB/s, by device name substring (vendor figures).
 HBM_GBPS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "A10": 600, "L4": 300}
@@ -112,18 +113,7 @@ def _hf(model_dir: Path, dtype: torch.dtype) -> Any:
 def fidelity_fp32(model_dir: Path) -> dict[str, Any]:
     prompts = _prompts()
     hf = _hf(model_dir, torch.float32)
-    want = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = hf.generate(
-                torch.tensor([p], device=DEVICE),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=hf.config.pad_token_id,
-            )
-            want.append(out[0, len(p) :].tolist())
+    want = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     del hf
     result: dict[str, Any] = {}
     for name, backend, compile_ in (
@@ -257,18 +247,9 @@ def hf_text(model_dir: Path, prompt: list[int], max_tokens: int) -> str:
     """transformers' greedy continuation of ``prompt`` (float32, on DEVICE), as text."""
     from transformers import AutoTokenizer
 
-    hf = _hf(model_dir, torch.float32)
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt], device=DEVICE),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=hf.config.pad_token_id,
-        )
+    tokens = hf_greedy(_hf(model_dir, torch.float32), prompt, max_tokens)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    return str(tokenizer.decode(out[0, len(prompt) :].tolist()))
+    return str(tokenizer.decode(tokens))
 
 
 def up_end_to_end(model_dir: Path, port: int = 8450) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from typing import Any
 
 import figures  # bench/figures.py, beside this script
 import httpx
+from lib.completions import greedy_stream
 from lib.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,13 +161,7 @@ def sampling(max_tokens: int) -> dict[str, Any]:
 async def via_router(
     h: httpx.AsyncClient, url: str, model: str, ids: list[int], max_tokens: int
 ) -> dict[str, Any]:
-    body = {
-        "model": model,
-        "prompt": ids,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **sampling(max_tokens),
-    }
+    body = greedy_stream(model, ids, max_tokens)
     t0 = time.perf_counter()
     ttft, usage = None, None
     async with h.stream("POST", url + "/v1/completions", json=body) as resp:

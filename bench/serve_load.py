@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from lib.completions import greedy_stream
 from lib.stats import percentile
 
 
@@ -46,15 +47,7 @@ class Sample:
 async def _one(
     session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], out_len: int
 ) -> Sample:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": out_len,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = greedy_stream(model, prompt, out_len)
     start = time.perf_counter()
     ttft = None
     tokens = 0

@@ -21,34 +21,18 @@ import json
 import shutil
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from pdserve.engine import tiny_model
 from pdserve.engine.tiny_model import PRESETS, Preset
 
 ROOT = Path(__file__).resolve().parent.parent
+# The tiny preset (its vocabulary, 4 layers, heads and context) on a 256-wide decoder.
+_NARROW = replace(PRESETS["tiny"], hidden_size=256, intermediate_size=704)
 SHAPES: dict[str, Preset] = {
-    "wide-vocab": Preset(
-        vocab_size=32768,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=704,
-        max_position_embeddings=2048,
-        corpus_chars=8_000_000,
-    ),
-    "deep-narrow": Preset(
-        vocab_size=3072,
-        hidden_size=256,
-        num_hidden_layers=24,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=704,
-        max_position_embeddings=2048,
-        corpus_chars=1_500_000,
-    ),
+    "wide-vocab": replace(_NARROW, vocab_size=32768, corpus_chars=8_000_000),
+    "deep-narrow": replace(_NARROW, num_hidden_layers=24),
 }
 NAMES = (*PRESETS, *SHAPES)
 DEFAULT = "default"  # the model `pdserve up` serves with no --model (SmolLM2-135M-Instruct)

@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 import figures  # bench/figures.py, beside this script
+from lib.completions import greedy_stream
 from lib.procfs import cpu_seconds, tree_cpu_seconds
 from stream_procs import Up, code_tree, pdserve_up
 
@@ -77,15 +78,7 @@ async def one_stream(
     http: aiohttp.ClientSession, url: str, model: str, ids: list[int], max_tokens: int
 ) -> tuple[str, int]:
     """(the streamed text, completion tokens from the usage chunk) of one completion."""
-    body = {
-        "model": model,
-        "prompt": ids,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = greedy_stream(model, ids, max_tokens)
     parts, tokens, done, buf = [], 0, False, b""
     async with http.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:

@@ -191,21 +191,15 @@ class LocalCluster:
     def urls(self, role: str) -> list[str]:
         return [p.url for p in self.procs if p.role == role]
 
+    def _serving(self, port: int) -> list[str]:
+        """The flags of every process: the model it serves and the address it binds."""
+        return ["--model", self.spec.model_dir, "--host", self.spec.host, "--port", str(port)]
+
     def _common(self, name: str, port: int) -> list[str]:
         s = self.spec
         out = [
-            "--model",
-            s.model_dir,
-            "--host",
-            s.host,
-            "--port",
-            str(port),
-            "--worker-id",
-            name,
-            "--kv-transport",
-            s.kv_transport,
-            "--dtype",
-            s.dtype,
+            *self._serving(port),
+            *("--worker-id", name, "--kv-transport", s.kv_transport, "--dtype", s.dtype),
         ]
         if s.served_model_name:
             out += ["--served-model-name", s.served_model_name]
@@ -303,17 +297,7 @@ class LocalCluster:
             port = self._router_port()
         elif not port_block_free(s.host, port, 1):
             port = pick_base_port(s.host, port + 1, self._ports, 1)
-        argv = pdserve_cmd(
-            "router",
-            "--model",
-            s.model_dir,
-            "--host",
-            s.host,
-            "--port",
-            str(port),
-            "--served-model-name",
-            s.model_name,
-        )
+        argv = pdserve_cmd("router", *self._serving(port), "--served-model-name", s.model_name)
         if dynamic:  # the worker list changes while the router runs: a file it re-reads
             self.workers_file = self.log_dir / f"{name}-workers.json"
             self._write_workers_file()

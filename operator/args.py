@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve import env
 from pdserve.config_cli import flag
@@ -22,6 +23,11 @@ def cidr(value: str) -> str:
 
 
 SCOPE, RUN, POLICY = "what it watches", "running", "pod policy (docs/security.md)"
+
+
+def allowed(help: str, metavar: str, **kw: Any) -> Any:
+    """A pod-policy allowlist: a repeatable flag of what LLMServices may name."""
+    return flag((), help, group=POLICY, metavar=metavar, many="append", **kw)
 
 
 @dataclass(frozen=True)
@@ -100,46 +106,30 @@ class OperatorArgs:
         "author is a cluster admin (operator/pod_policy.py)",
         group=POLICY,
     )
-    allow_model_host_path: tuple[str, ...] = flag(
-        (),
-        "a host directory (and below) that "
-        "spec.model.source.hostPath may name "
+    allow_model_host_path: tuple[str, ...] = allowed(
+        "a host directory (and below) that spec.model.source.hostPath may name "
         "(repeatable; default: none)",
-        group=POLICY,
-        metavar="DIR",
-        many="append",
+        "DIR",
     )
-    allow_service_type: tuple[str, ...] = flag(
-        (),
+    allow_service_type: tuple[str, ...] = allowed(
         "a router Service type LLMServices may ask for besides ClusterIP (LoadBalancer, "
         "NodePort; repeatable; operator/exposure.py)",
-        group=POLICY,
-        metavar="TYPE",
+        "TYPE",
         choices=("LoadBalancer", "NodePort"),
-        many="append",
     )
-    allow_ingress_class: tuple[str, ...] = flag(
-        (),
+    allow_ingress_class: tuple[str, ...] = allowed(
         "an Ingress class spec.router.ingress.className may name (repeatable; default: any)",
-        group=POLICY,
-        metavar="CLASS",
-        many="append",
+        "CLASS",
     )
-    allow_host_suffix: tuple[str, ...] = flag(
-        (),
+    allow_host_suffix: tuple[str, ...] = allowed(
         "a DNS suffix Ingress hosts and HTTPRoute hostnames must end in (repeatable; "
         "default: any host)",
-        group=POLICY,
-        metavar="SUFFIX",
-        many="append",
+        "SUFFIX",
     )
-    allow_gateway_namespace: tuple[str, ...] = flag(
-        (),
+    allow_gateway_namespace: tuple[str, ...] = allowed(
         "a namespace whose Gateways an HTTPRoute's parentRefs may name (repeatable; "
         "default: the service's own only)",
-        group=POLICY,
-        metavar="NS",
-        many="append",
+        "NS",
     )
 
 

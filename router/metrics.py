@@ -56,24 +56,16 @@ class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self.ttft = fast.Histogram(
-            "pdserve_router_ttft_seconds",
-            "Time to first token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+
+        def latency(name: str, doc: str) -> fast.Histogram:
+            return fast.Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = latency("pdserve_router_ttft_seconds", "Time to first token")
+        self.tpot = latency(
+            "pdserve_router_tpot_seconds", "Mean time per output token after the first, per request"
         )
-        self.tpot = fast.Histogram(
-            "pdserve_router_tpot_seconds",
-            "Mean time per output token after the first, per request",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = fast.Histogram(
-            "pdserve_router_itl_seconds", "Inter-token latency", buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.e2e = fast.Histogram(
-            "pdserve_router_e2e_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
-        )
+        self.itl = latency("pdserve_router_itl_seconds", "Inter-token latency")
+        self.e2e = latency("pdserve_router_e2e_seconds", "Request latency")
         self.requests = fast.Counter(
             "pdserve_router_requests", "Requests by HTTP status code", ["code"], registry=r
         )

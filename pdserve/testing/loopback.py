@@ -76,6 +76,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def refused_start(role: str, model_dir: Path, *extra: str) -> str:
+    """Start ``pdserve ROLE`` on CPU with the flags ``extra``, expecting it to refuse them:
+    it must exit non-zero by itself. Returns its output, stdout then stderr."""
+    where = ("--device", "cpu", "--host", "127.0.0.1", "--port", str(free_port()))
+    argv = [sys.executable, "-m", "pdserve", role, "--model", str(model_dir), *where, *extra]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0, run.stderr[-2000:]
+    return run.stdout + run.stderr
+
+
 def all_kv_free(urls: list[str], timeout: float = 30.0) -> None:
     """Every worker's KV pool is free again (cancelled streams are aborted at the workers)."""
     stats: list[dict[str, Any]] = []

@@ -82,19 +82,3 @@ def edit_config(adapter_dir: Path, **changes: Any) -> None:
     config = json.loads(path.read_text())
     config.update(changes)
     path.write_text(json.dumps(config))
-
-
-def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    """``max_tokens`` greedy tokens of ``prompt`` from a transformers model (EOS ignored): the
-    reference that the served adapters' outputs are compared with."""
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=model.config.pad_token_id,
-        )
-    return [int(t) for t in out[0, len(prompt) :].tolist()]

@@ -96,22 +96,26 @@ def routed(
     return ep.CommonResponse(header_mutation=mutation, clear_route_cache=True), metadata
 
 
-def headers_response(
-    common: ep.CommonResponse | None = None, metadata: struct_pb2.Struct | None = None
+def _with_metadata(
+    resp: ep.ProcessingResponse, metadata: struct_pb2.Struct | None
 ) -> ep.ProcessingResponse:
-    resp = ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common))
     if metadata is not None:
         resp.dynamic_metadata.CopyFrom(metadata)
     return resp
+
+
+def headers_response(
+    common: ep.CommonResponse | None = None, metadata: struct_pb2.Struct | None = None
+) -> ep.ProcessingResponse:
+    headers = ep.HeadersResponse(response=common)
+    return _with_metadata(ep.ProcessingResponse(request_headers=headers), metadata)
 
 
 def body_response(
     common: ep.CommonResponse | None = None, metadata: struct_pb2.Struct | None = None
 ) -> ep.ProcessingResponse:
-    resp = ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
-    if metadata is not None:
-        resp.dynamic_metadata.CopyFrom(metadata)
-    return resp
+    body = ep.BodyResponse(response=common)
+    return _with_metadata(ep.ProcessingResponse(request_body=body), metadata)
 
 
 def streamed_body(body: bytes, end: bool, response: bool = False) -> ep.ProcessingResponse:

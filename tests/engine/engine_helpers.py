@@ -6,8 +6,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -30,6 +28,14 @@ def assert_all_free(target: LLMEngine | BlockManager) -> None:
         assert not target.scheduler.has_work
 
 
+def family_config(model_dir: Path, **overrides: Any) -> EngineConfig:
+    """A model family's engine on CPU in float32, with a 4 MiB KV pool (its block size
+    depends on the family's layers)."""
+    return EngineConfig(
+        model=str(model_dir), dtype="float32", device="cpu", kv_cache_bytes=4 << 20, **overrides
+    )
+
+
 def tiny_config(model_dir: Path, num_blocks: int = 256, **overrides: Any) -> EngineConfig:
     return EngineConfig(
         model=str(model_dir),
@@ -40,34 +46,20 @@ def tiny_config(model_dir: Path, num_blocks: int = 256, **overrides: Any) -> Eng
     )
 
 
-def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' own greedy generate, forced to exactly ``max_tokens`` new tokens."""
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-            # No EOS: generation never stops early and EOS is never masked, like ignore_eos.
-            eos_token_id=None,
-            pad_token_id=model.config.pad_token_id,
-        )
-    return [int(t) for t in out[0, len(prompt) :].tolist()]
-
-
 @dataclass
 class Result:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    logprobs: list[Any] = field(default_factory=list)
     num_deltas: int = 0
 
 
 def run_requests(
     engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
 ) -> dict[str, Result]:
-    """Add every request, step to completion, and gather each request's outputs."""
+    """Add every request, step to completion, and gather each request's outputs (logprobs
+    too)."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     results = {rid: Result() for rid in requests}
@@ -75,8 +67,10 @@ def run_requests(
         for out in engine.step():
             r = results[out.request_id]
             assert r.finish_reason is None, "output after the finish"
+            assert out.logprobs is None or len(out.logprobs) == len(out.token_ids)
             r.token_ids += out.token_ids
             r.text += out.text
             r.finish_reason = out.finish_reason
+            r.logprobs += out.logprobs or []
             r.num_deltas += 1
     return results

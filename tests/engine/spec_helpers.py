@@ -11,8 +11,9 @@ kept a rejected draft's KV, shows as a token that differs from the reference.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
+
+from engine_helpers import Result
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
@@ -41,16 +42,7 @@ class Oracle:
         return []
 
 
-@dataclass
-class Out:
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: list[Any] = field(default_factory=list)
-    num_deltas: int = 0
-
-
-def with_oracle(engine: LLMEngine, refs: dict[str, Out], reqs: Requests, **kw: Any) -> Oracle:
+def with_oracle(engine: LLMEngine, refs: dict[str, Result], reqs: Requests, **kw: Any) -> Oracle:
     """Install an oracle drafting each request's reference output."""
     assert engine.spec is not None
     oracle = Oracle({tuple(reqs[r][0]): refs[r].token_ids for r in reqs}, **kw)
@@ -58,24 +50,6 @@ def with_oracle(engine: LLMEngine, refs: dict[str, Out], reqs: Requests, **kw: A
     return oracle
 
 
-def outputs(res: dict[str, Out]) -> dict[str, Any]:
+def outputs(res: dict[str, Result]) -> dict[str, Any]:
     """What a caller sees of each request: ids, text, finish reason."""
     return {r: (v.token_ids, v.text, v.finish_reason) for r, v in res.items()}
-
-
-def run(engine: LLMEngine, reqs: Requests) -> dict[str, Out]:
-    """Add every request, step to completion, gather each one's outputs (logprobs too)."""
-    for rid, (prompt, params) in reqs.items():
-        engine.add_request(rid, prompt, params)
-    res = {rid: Out() for rid in reqs}
-    while engine.has_work:
-        for out in engine.step():
-            r = res[out.request_id]
-            assert r.finish_reason is None, "output after the finish"
-            assert out.logprobs is None or len(out.logprobs) == len(out.token_ids)
-            r.token_ids += out.token_ids
-            r.text += out.text
-            r.finish_reason = out.finish_reason
-            r.logprobs += out.logprobs or []
-            r.num_deltas += 1
-    return res

@@ -90,6 +90,17 @@ def _fake_compiled(engine: LLMEngine, forward: Callable[..., Any]) -> None:
     engine.runner.compiled_fn = forward
 
 
+def _kept_eager(engine: LLMEngine, forward: Callable[..., Any]) -> str:
+    """Compile in the background with ``forward`` as the compiled one: the engine keeps
+    its eager forward. Returns the job's reason."""
+    _fake_compiled(engine, forward)
+    engine.start_compile()
+    assert engine.compile_job is not None
+    engine.compile_job.join(timeout=120)
+    assert engine.compile_state == compile_job.EAGER_KEPT
+    return engine.compile_job.reason
+
+
 def test_a_compiled_forward_that_raises_is_not_swapped_in(
     make_engine: Callable[..., LLMEngine],
 ) -> None:
@@ -98,12 +109,7 @@ def test_a_compiled_forward_that_raises_is_not_swapped_in(
     def raises(*args: Any, **kwargs: Any) -> Any:
         raise ValueError("too many values to unpack (expected 3)")
 
-    _fake_compiled(engine, raises)
-    engine.start_compile()
-    assert engine.compile_job is not None
-    engine.compile_job.join(timeout=120)
-    assert engine.compile_state == compile_job.EAGER_KEPT
-    assert "ValueError: too many values to unpack" in engine.compile_job.reason
+    assert "ValueError: too many values to unpack" in _kept_eager(engine, raises)
     assert not engine.maybe_swap() and not engine.runner.compiled
     expected = make_engine(num_blocks=128).generate(PROMPTS, GREEDY)
     assert engine.generate(PROMPTS, GREEDY) == expected  # still serving, eager
@@ -122,11 +128,6 @@ def test_a_compiled_forward_that_disagrees_is_not_swapped_in(
         out.logits = torch.roll(out.logits, 1, dims=-1)  # every argmax moves one id up
         return out
 
-    _fake_compiled(engine, off_by_one)
-    engine.start_compile()
-    assert engine.compile_job is not None
-    engine.compile_job.join(timeout=120)
-    assert engine.compile_state == compile_job.EAGER_KEPT
-    assert "differ from the eager forward" in engine.compile_job.reason
+    assert "differ from the eager forward" in _kept_eager(engine, off_by_one)
     assert not engine.maybe_swap() and engine.runner.forward is model
     assert_all_free(engine)

@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 import zmq
-from engine_helpers import TINY_BLOCK_BYTES, assert_all_free, hf_greedy, tiny_config
+from engine_helpers import TINY_BLOCK_BYTES, assert_all_free, tiny_config
 
 from pdserve.decode_worker import server as decode_server
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 from pdserve.testing.loopback import free_port
 from pdserve.worker.core.client import EngineClient
 from pdserve.worker.core.loop import CoreLoop

@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from engine_helpers import family_config
 from test_model_families import SERVED, _generate, _model_dir, _reference
 
 from pdserve.engine import cpu_linear
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from tests.model_families import BY_ID, Family
 
@@ -42,16 +42,7 @@ def test_family_compiled_matches_transformers(
 ) -> None:
     model_dir = _model_dir(families, BY_ID[family_id], tiny_model_dir)
     expected = _reference(model_dir)
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            device="cpu",
-            kv_cache_bytes=4 << 20,
-            max_num_batched_tokens=32,
-            compile=True,
-        )
-    )
+    engine = LLMEngine(family_config(model_dir, max_num_batched_tokens=32, compile=True))
     assert engine.runner.compiled and engine.compile_seconds > 0
     assert _generate(engine) == expected
 
@@ -67,15 +58,7 @@ def test_family_with_the_compiled_layout_matches_transformers(
     the whole table, at an eager engine's cost instead of a compile's."""
     model_dir = _model_dir(families, family, tiny_model_dir)
     expected = _reference(model_dir)
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            device="cpu",
-            kv_cache_bytes=4 << 20,
-            max_num_batched_tokens=32,
-        )
-    )
+    engine = LLMEngine(family_config(model_dir, max_num_batched_tokens=32))
     counts = cpu_linear.prepare(engine.runner.model)
     assert counts["onednn"] + counts["blas_input_major"] > 0, counts  # something relaid
     assert _generate(engine) == expected

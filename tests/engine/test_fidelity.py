@@ -16,11 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from engine_helpers import assert_all_free, hf_greedy
+from engine_helpers import assert_all_free
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import hf_greedy
+
+from pdserve.testing.hf_reference import hf_greedy
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 

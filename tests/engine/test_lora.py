@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import assert_all_free, hf_greedy, tiny_config
+from engine_helpers import assert_all_free, tiny_config
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora_files import LoraConfig
 from pdserve.protocol.contract import LoraRef
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 from pdserve.testing.lora_adapters import SPECS, merged_model, write_adapter
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import assert_all_free, hf_greedy, run_requests
+from engine_helpers import assert_all_free, family_config, run_requests
 
 from pdserve.engine import attention, cpu_kernel
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_support import PLAIN, LayerAttention, UnsupportedModel
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 from tests.model_families import BY_ID, FAMILIES, WINDOW, Family, cached_family
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
@@ -49,15 +49,7 @@ def _model_dir(families: dict[str, Path], family: Family, tokenizer_dir: Path) -
 
 
 def _engine(model_dir: Path, kernel: bool) -> LLMEngine:
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            device="cpu",
-            kv_cache_bytes=4 << 20,
-            max_num_batched_tokens=32,
-        )
-    )
+    engine = LLMEngine(family_config(model_dir, max_num_batched_tokens=32))
     engine.runner.use_kernel = kernel and engine.runner.use_kernel
     return engine
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import assert_all_free, hf_greedy
+from engine_helpers import assert_all_free
 
 from pdserve.engine.kv_connector import KVConnector, LoadResult
 from pdserve.engine.llm_engine import LLMEngine
@@ -24,6 +24,7 @@ from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.protocol.hashing import block_hashes
 from pdserve.protocol.outputs import HANDOFF, RequestOutput
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 from pdserve.transfer.messages import KVHandle
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]

@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import assert_all_free, hf_greedy
-from spec_helpers import Requests, outputs, run, with_oracle
+from engine_helpers import assert_all_free, run_requests
+from spec_helpers import Requests, outputs, with_oracle
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 
@@ -52,11 +53,11 @@ def _check_blocks(engine: LLMEngine) -> None:
 
 def _both(make_engine: Callable[..., LLMEngine], reqs: Requests, **cfg: Any) -> tuple[Any, ...]:
     plain = make_engine(**cfg)
-    ref = run(plain, reqs)
+    ref = run_requests(plain, reqs)
     spec = make_engine(speculative=SPEC, **cfg)
     oracle = with_oracle(spec, ref, reqs)
     _check_blocks(spec)
-    got = run(spec, reqs)
+    got = run_requests(spec, reqs)
     assert oracle.proposed > 0
     assert_all_free(plain)
     assert_all_free(spec)
@@ -106,7 +107,7 @@ def test_sampled_seeded_stops_logprobs_identical(make_engine: Callable[..., LLME
         "short": (p0, greedy(3)),
     }
     plain = make_engine()
-    first = run(plain, reqs)
+    first = run_requests(plain, reqs)
     # Stops found in the plain run: a token id, and a string, each mid-way.
     toks = first["seeded"].token_ids
     reqs["stop_id"] = (

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import assert_all_free, hf_greedy
-from spec_helpers import run
+from engine_helpers import assert_all_free, run_requests
 
 from pdserve.engine.draft_proposer import DraftProposer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 
@@ -79,7 +79,7 @@ def test_greedy_is_transformers_with_a_draft_model(
     draft = tiny_model_dir if which == "self" else small_draft
     engine = make_engine(speculative=f"draft:model={draft},k=3", max_num_batched_tokens=32)
     reqs = {str(i): (p, _greedy()) for i, p in enumerate(PROMPTS)}  # batched together
-    got = run(engine, reqs)
+    got = run_requests(engine, reqs)
     for i, p in enumerate(PROMPTS):
         assert got[str(i)].token_ids == hf_greedy(hf_model, p, 16), i
     s = engine.spec.stats  # type: ignore[union-attr]
@@ -95,9 +95,9 @@ def test_seeded_sampling_draws_the_same_tokens(
 ) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
     reqs = {"s": (PROMPTS[0], params)}
-    plain = run(make_engine(), reqs)
+    plain = run_requests(make_engine(), reqs)
     engine = make_engine(speculative=f"draft:model={tiny_model_dir},k=4")
-    got = run(engine, reqs)
+    got = run_requests(engine, reqs)
     assert got["s"].token_ids == plain["s"].token_ids
     # A random model's sampled tokens rarely match greedy drafts: rejections, then the
     # draw at the rejected row is the plain path's.
@@ -146,7 +146,7 @@ def test_a_failing_draft_step_costs_the_drafts_not_the_request(
         return step()
 
     draft.step = flaky  # type: ignore[method-assign]
-    got = run(engine, {"r": (PROMPTS[1], _greedy())})
+    got = run_requests(engine, {"r": (PROMPTS[1], _greedy())})
     assert got["r"].token_ids == hf_greedy(hf_model, PROMPTS[1], 16)
     assert calls["n"] >= 3
     _check_free(engine)

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import assert_all_free, hf_greedy
-from spec_helpers import Oracle, run
+from engine_helpers import assert_all_free, family_config, run_requests
+from spec_helpers import Oracle
 
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 from tests.model_families import FAMILIES, Family, cached_family
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
@@ -39,19 +39,11 @@ def test_family_speculative_matches_transformers(family: Family, tiny_model_dir:
         model_dir, dtype=torch.float32, attn_implementation="eager", local_files_only=True
     ).eval()
     expected = hf_greedy(hf, PROMPT, MAX_TOKENS)
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            device="cpu",
-            kv_cache_bytes=4 << 20,
-            speculative="ngram:k=4",
-        )
-    )
+    engine = LLMEngine(family_config(model_dir, speculative="ngram:k=4"))
     assert engine.spec is not None
     engine.spec.proposer = Oracle({tuple(PROMPT): expected})  # type: ignore[assignment]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    got = run(engine, {"a": (PROMPT, params)})["a"].token_ids
+    got = run_requests(engine, {"a": (PROMPT, params)})["a"].token_ids
     assert got == expected
     assert 0 < engine.spec.stats.accepted_tokens < engine.spec.stats.draft_tokens
     assert_all_free(engine)

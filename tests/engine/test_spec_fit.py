@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import assert_all_free, hf_greedy
+from engine_helpers import assert_all_free
 from spec_helpers import Oracle
 from test_remote_kv import PROMPT, InProcessConnector, _prefill
 
@@ -22,6 +22,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora_files import LoraConfig
 from pdserve.protocol.contract import LoraRef
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 from pdserve.testing.lora_adapters import SPECS, merged_model, write_adapter
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]

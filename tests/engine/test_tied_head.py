@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import assert_all_free, hf_greedy, run_requests
+from engine_helpers import assert_all_free, run_requests
 
 from pdserve.engine import cpu_linear
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 from tests.model_families import Family, cached_family
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]

@@ -30,6 +30,7 @@ from pdserve.engine.kv_pool import KVPool, KVShape
 from pdserve.engine.model_support import LayerAttention
 from pdserve.engine.sched_output import ScheduledChunk
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 
 OPTIONS = {
     "plain": LayerAttention(),
@@ -80,19 +81,7 @@ def model_case(model_dir: Path) -> dict[str, object]:
     prompts = [[rng.randrange(3, 3000) for _ in range(n)] for n in (1, 17, 40, 70)]
     max_tokens = 6
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    want = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=hf.config.pad_token_id,
-            )
-            want.append(out[0, len(p) :].tolist())
+    want = [hf_greedy(hf, p, max_tokens) for p in prompts]
     # A small token budget: prefill chunks continue their context beside decodes.
     config = EngineConfig(
         model=str(model_dir),

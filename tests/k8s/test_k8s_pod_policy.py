@@ -20,10 +20,17 @@ from pdserve.operator.spec import SpecError
 
 STRICT = PodPolicy(model_host_paths=("/data/models",))  # minimal_llmservice's weights
 D = "spec.decode.podTemplate.spec"
+C0 = f"{D}.containers[0].securityContext"
 
 
 def _containers(**fields: Any) -> dict[str, Any]:
     return {"spec": {"containers": [{"name": "decode", **fields}]}}
+
+
+def _security_context(field: str, value: Any) -> tuple[dict[str, Any], str]:
+    """A decode podTemplate setting ``field`` of the container's securityContext to
+    ``value``, and the field the refusal names."""
+    return _containers(securityContext={field: value}), f"{C0}.{field}"
 
 
 # (decode podTemplate, the field the refusal names)
@@ -53,30 +60,18 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
         {"spec": {"automountServiceAccountToken": True}},
         f"{D}.automountServiceAccountToken",
     ),
-    "privileged": (
-        _containers(securityContext={"privileged": True}),
-        f"{D}.containers[0].securityContext.privileged",
-    ),
+    "privileged": _security_context("privileged", True),
     "added capability": (
         _containers(securityContext={"capabilities": {"add": ["SYS_ADMIN"]}}),
-        f"{D}.containers[0].securityContext.capabilities.add",
+        f"{C0}.capabilities.add",
     ),
     "capabilities kept (drop: [] replaces the rendered [ALL])": (
         _containers(securityContext={"capabilities": {"drop": []}}),
-        f"{D}.containers[0].securityContext.capabilities.drop",
+        f"{C0}.capabilities.drop",
     ),
-    "privilege escalation": (
-        _containers(securityContext={"allowPrivilegeEscalation": True}),
-        f"{D}.containers[0].securityContext.allowPrivilegeEscalation",
-    ),
-    "writable root filesystem": (
-        _containers(securityContext={"readOnlyRootFilesystem": False}),
-        f"{D}.containers[0].securityContext.readOnlyRootFilesystem",
-    ),
-    "root user": (
-        _containers(securityContext={"runAsUser": 0}),
-        f"{D}.containers[0].securityContext.runAsUser",
-    ),
+    "privilege escalation": _security_context("allowPrivilegeEscalation", True),
+    "writable root filesystem": _security_context("readOnlyRootFilesystem", False),
+    "root user": _security_context("runAsUser", 0),
     "runAsNonRoot off": (
         {"spec": {"securityContext": {"runAsNonRoot": False}}},
         f"{D}.securityContext.runAsNonRoot",
@@ -85,14 +80,8 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
         {"spec": {"securityContext": {"seccompProfile": {"type": "Unconfined"}}}},
         f"{D}.securityContext.seccompProfile.type",
     ),
-    "SELinux options": (
-        _containers(securityContext={"seLinuxOptions": {"type": "spc_t"}}),
-        f"{D}.containers[0].securityContext.seLinuxOptions",
-    ),
-    "unmasked /proc": (
-        _containers(securityContext={"procMount": "Unmasked"}),
-        f"{D}.containers[0].securityContext.procMount",
-    ),
+    "SELinux options": _security_context("seLinuxOptions", {"type": "spc_t"}),
+    "unmasked /proc": _security_context("procMount", "Unmasked"),
     "sysctls": (
         {"spec": {"securityContext": {"sysctls": [{"name": "kernel.msgmax", "value": "1"}]}}},
         f"{D}.securityContext.sysctls",
@@ -130,13 +119,18 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(REFUSED))
-def test_refused_pod_field_is_named(case: str) -> None:
-    template, field = REFUSED[case]
+def _refused(template: dict[str, Any], field: str) -> dict[str, Any]:
+    """An LLMService with this decode podTemplate, which STRICT refuses naming ``field``."""
     obj = minimal_llmservice(decode={"podTemplate": template})
     with pytest.raises(SpecError) as info:
         render(obj, policy=STRICT)
     assert str(info.value).startswith(field), str(info.value)
+    return obj
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_refused_pod_field_is_named(case: str) -> None:
+    obj = _refused(*REFUSED[case])
     # A cluster admin's opt-out renders it (so the refusal above is the policy's doing).
     render(obj, policy=PodPolicy(allow_unsafe=True))
 
@@ -237,24 +231,14 @@ async def test_operator_refuses_unsafe_template_with_degraded(
 
 # Item 3 of issue 44: templates that pass the field checks but unset, through the merge,
 # the hardening the operator rendered. The merged pod is what the policy checks now.
-C0 = f"{D}.containers[0].securityContext"
 MERGED_ESCAPES: dict[str, tuple[dict[str, Any], str]] = {
     "drop [] replaces drop [ALL]": (
         _containers(securityContext={"capabilities": {"drop": []}}),
         f"{C0}.capabilities.drop",
     ),
-    "null runAsNonRoot": (
-        _containers(securityContext={"runAsNonRoot": None}),
-        f"{C0}.runAsNonRoot",
-    ),
-    "null allowPrivilegeEscalation": (
-        _containers(securityContext={"allowPrivilegeEscalation": None}),
-        f"{C0}.allowPrivilegeEscalation",
-    ),
-    "null readOnlyRootFilesystem": (
-        _containers(securityContext={"readOnlyRootFilesystem": None}),
-        f"{C0}.readOnlyRootFilesystem",
-    ),
+    "null runAsNonRoot": _security_context("runAsNonRoot", None),
+    "null allowPrivilegeEscalation": _security_context("allowPrivilegeEscalation", None),
+    "null readOnlyRootFilesystem": _security_context("readOnlyRootFilesystem", None),
     "null container securityContext": (_containers(securityContext=None), C0),
     "null pod securityContext": ({"spec": {"securityContext": None}}, f"{D}.securityContext"),
     "null seccomp profile": (
@@ -282,11 +266,7 @@ def merged_escapes(policy: PodPolicy = STRICT) -> int:
 
 @pytest.mark.parametrize("case", sorted(MERGED_ESCAPES))
 def test_the_merged_pod_keeps_its_hardening(case: str) -> None:
-    template, field = MERGED_ESCAPES[case]
-    obj = minimal_llmservice(decode={"podTemplate": template})
-    with pytest.raises(SpecError) as info:
-        render(obj, policy=STRICT)
-    assert str(info.value).startswith(field), str(info.value)
+    obj = _refused(*MERGED_ESCAPES[case])
     if "null" not in case:  # nulls: refused when the spec is parsed too (pod_template.py)
         render(obj, policy=PodPolicy(allow_unsafe=True))  # the opt-out renders it
 

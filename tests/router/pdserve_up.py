@@ -15,10 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
-from pdserve.testing.loopback import all_kv_free
+from pdserve.testing.loopback import all_kv_free, secret_auth
 from pdserve.testing.up import Up, running_up, suite_flags
 
 # Prompts at least this long (in tokens) are prefilled on the prefill worker: the tests'
@@ -31,6 +32,30 @@ def run_up(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[Up]:
     flags = ("--dtype", "float32", "--disagg-threshold", str(DISAGG_THRESHOLD), *extra)
     with running_up(model_dir, *suite_flags(log_dir), *flags) as up:
         yield up
+
+
+def worker_stats(up: Up, role: str) -> dict[str, Any]:
+    """The /stats (an internal route) of the one worker of ``role``: up.workers lists them
+    in the order they became ready, which is not fixed."""
+    for url in up.workers:
+        stats = httpx.get(url + "/stats", auth=secret_auth()).json()
+        if stats["role"] == role:
+            return {"url": url, **stats}
+    raise AssertionError(f"no {role} worker in {up.workers}")
+
+
+def four_choices(client: openai.OpenAI, model: str) -> Any:
+    """A completion of four sampled choices (n=4) of one 41-token prompt: 2 full blocks of
+    16, fresh to every cache."""
+    return client.completions.create(
+        model=model,
+        prompt=[0, *range(900, 940)],
+        max_tokens=8,
+        n=4,
+        temperature=1.0,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
 
 
 async def greedy_ids(

@@ -15,8 +15,9 @@ import httpx
 import openai
 import pytest
 
+from pdserve.testing.hf_reference import hf_greedy
 from pdserve.testing.loopback import all_kv_free
-from pdserve.testing.lora_adapters import SPECS, hf_greedy, merged_model, write_adapter
+from pdserve.testing.lora_adapters import SPECS, merged_model, write_adapter
 from tests.router.pdserve_up import greedy_ids, run_up
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]

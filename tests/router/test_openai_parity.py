@@ -13,8 +13,8 @@ import openai
 import pytest
 import torch
 
-from pdserve.testing.loopback import all_kv_free, secret_auth
-from tests.router.pdserve_up import Up
+from pdserve.testing.loopback import all_kv_free
+from tests.router.pdserve_up import Up, four_choices, worker_stats
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -171,18 +171,8 @@ def test_bad_fields_are_refused_by_name(up: Up, body: dict[str, Any], param: str
     assert r.json()["error"]["param"] == param, r.text
 
 
-def _stats(up: Up, role: str) -> dict[str, Any]:
-    """The /stats (an internal route) of the one worker of ``role``: up.workers lists them
-    in the order they became ready, which is not fixed."""
-    for url in up.workers:
-        stats = httpx.get(url + "/stats", auth=secret_auth()).json()
-        if stats["role"] == role:
-            return {"url": url, **stats}
-    raise AssertionError(f"no {role} worker in {up.workers}")
-
-
 def _prefills(up: Up) -> float:
-    text = httpx.get(_stats(up, "prefill")["url"] + "/metrics").text
+    text = httpx.get(worker_stats(up, "prefill")["url"] + "/metrics").text
     return sum(
         float(line.split()[-1])
         for line in text.splitlines()
@@ -191,21 +181,12 @@ def _prefills(up: Up) -> float:
 
 
 def _decode_hits(up: Up) -> int:
-    return int(_stats(up, "decode")["prefix_cache_hit_tokens"])
+    return int(worker_stats(up, "decode")["prefix_cache_hit_tokens"])
 
 
 def test_n_choices_share_one_prefill(client: openai.OpenAI, up: Up) -> None:
-    prompt = [0, *range(900, 940)]  # 41 tokens: 2 full blocks of 16, fresh to every cache
     prefills, hits = _prefills(up), _decode_hits(up)
-    out = client.completions.create(
-        model="tiny-seed0",
-        prompt=prompt,
-        max_tokens=8,
-        n=4,
-        temperature=1.0,
-        seed=11,
-        extra_body={"ignore_eos": True},
-    )
+    out = four_choices(client, "tiny-seed0")
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert len({c.text for c in out.choices}) > 1  # each choice samples on its own
     assert out.usage.completion_tokens == 32 and out.usage.prompt_tokens == 41

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from pdserve.testing.loopback import all_kv_free, secret_auth
-from pdserve.testing.lora_adapters import hf_greedy
-from tests.router.pdserve_up import greedy_ids, run_up
+from pdserve.testing.hf_reference import hf_greedy
+from pdserve.testing.loopback import all_kv_free
+from tests.router.pdserve_up import four_choices, greedy_ids, run_up, worker_stats
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
@@ -57,28 +57,11 @@ def test_decode_worker_calls_the_prefill_worker(tiny_model_dir: Path, tmp_path: 
         assert _counter(made, calls) == 4, [ln for ln in made.splitlines() if "prefill_c" in ln]
         # n choices: one prefill, and choices 1-3 start once choice 0's KV is on the decode
         # worker (its second token: the first is the prefill's), so each reuses the blocks
-        decode = next(
-            s
-            for s in (httpx.get(u + "/stats", auth=secret_auth()).json() for u in up.workers)
-            if s["role"] == "decode"
-        )
-        hits = int(decode["prefix_cache_hit_tokens"])
-        out = openai.OpenAI(base_url=up.url + "/v1", api_key="none").completions.create(
-            model="tiny",
-            prompt=[0, *range(900, 940)],
-            max_tokens=8,
-            n=4,
-            temperature=1.0,
-            seed=11,
-            extra_body={"ignore_eos": True},
-        )
+        hits = int(worker_stats(up, "decode")["prefix_cache_hit_tokens"])
+        out = four_choices(openai.OpenAI(base_url=up.url + "/v1", api_key="none"), "tiny")
         assert [c.index for c in out.choices] == [0, 1, 2, 3]
         assert out.usage.completion_tokens == 32
-        after = next(
-            s
-            for s in (httpx.get(u + "/stats", auth=secret_auth()).json() for u in up.workers)
-            if s["role"] == "decode"
-        )
+        after = worker_stats(up, "decode")
         assert int(after["prefix_cache_hit_tokens"]) - hits >= 3 * 32  # 2 full blocks each
         made = "".join(httpx.get(u + "/metrics", timeout=10).text for u in up.workers)
         assert _counter(made, calls) == 5  # the four choices' one prefill call

@@ -22,7 +22,8 @@ import torch
 from worker_helpers import assert_all_free, handoff, metric, proc, worker_cluster
 
 from pdserve.engine.model_support import head_dims
-from tests.engine.engine_helpers import hf_greedy
+from pdserve.testing.hf_reference import hf_greedy
+from pdserve.testing.loopback import refused_start
 from tests.model_families import BY_ID, cached_family
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -79,35 +80,9 @@ def test_family_through_prefill_decode_handoff(
 def test_worker_refuses_an_unsupported_model_at_start(tiny_model_dir: Path) -> None:
     """A worker given a refused architecture exits at start, the option named in its
     output (here Qwen3-Next's linear-attention layers), instead of serving it."""
-    import socket
-    import subprocess
-    import sys
-
     model_dir = cached_family(BY_ID["qwen3-next"], tiny_model_dir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pdserve",
-            "prefill-worker",
-            "--model",
-            str(model_dir),
-            "--device",
-            "cpu",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode != 0
+    output = refused_start("prefill-worker", model_dir)
     assert (
         "Qwen3NextForCausalLM uses layer type 'linear_attention', which pdserve's paged "
-        "attention does not implement" in run.stdout + run.stderr
-    ), run.stderr[-2000:]
+        "attention does not implement" in output
+    ), output[-2000:]

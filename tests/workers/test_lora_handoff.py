@@ -20,7 +20,9 @@ from worker_helpers import AUTH, assert_all_free, proc, sampling, stats, tokens_
 from pdserve.engine.lora_files import adapter_hash
 from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest, LoraRef, PrefillRequest, RequestRef
-from pdserve.testing.lora_adapters import SPECS, hf_greedy, merged_model, write_adapter
+from pdserve.testing.hf_reference import hf_greedy
+from pdserve.testing.loopback import refused_start
+from pdserve.testing.lora_adapters import SPECS, edit_config, merged_model, write_adapter
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -161,37 +163,7 @@ def _check_endpoints(p_url: str, dirs: dict[str, Path]) -> None:
 def test_worker_refuses_a_bad_adapter_at_start(tiny_model_dir: Path, tmp_path: Path) -> None:
     """``--lora`` naming an adapter the engine does not implement stops the start, the
     option named, instead of serving without it."""
-    import socket
-    import subprocess
-    import sys
-
-    from pdserve.testing.lora_adapters import edit_config
-
     dora = write_adapter(tiny_model_dir, tmp_path / "dora", SPECS[0])
     edit_config(dora, use_dora=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pdserve",
-            "decode-worker",
-            "--model",
-            str(tiny_model_dir),
-            "--device",
-            "cpu",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--lora",
-            f"dora={dora}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode != 0
-    assert "adapter 'dora': DoRA (use_dora) is not supported" in run.stdout + run.stderr
+    output = refused_start("decode-worker", tiny_model_dir, "--lora", f"dora={dora}")
+    assert "adapter 'dora': DoRA (use_dora) is not supported" in output

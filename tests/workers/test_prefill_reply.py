@@ -10,10 +10,11 @@ import json
 from typing import Any
 
 import pytest
+from codec_checks import break_field, outcome
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.protocol.codec import CodecError, decode, encode, to_dict
+from pdserve.protocol.codec import decode, encode, to_dict
 from pdserve.protocol.contract import KVHandle, LoraRef, PrefillReply, Usage
 from pdserve.protocol.prefill_reply import decode_prefill_reply
 
@@ -62,13 +63,6 @@ replies = st.builds(
     logprobs,
     logprobs,
 )
-
-
-def outcome(fn: Any, raw: bytes) -> Any:
-    try:
-        return encode(fn(raw))
-    except CodecError as exc:
-        return (str(exc), exc.field)
 
 
 def same_outcome(raw: bytes) -> None:
@@ -135,10 +129,7 @@ def test_a_broken_field_fails_as_in_the_codec(
     reply: PrefillReply, key: str, value: Any, drop: bool
 ) -> None:
     body = to_dict(reply)
-    if drop:
-        body.pop(key, None)
-    else:
-        body[key] = value
+    break_field(body, key, value, drop)
     same_outcome(json.dumps(body).encode())
 
 
@@ -148,10 +139,7 @@ def test_a_broken_handle_field_fails_as_in_the_codec(
     handle: KVHandle, key: str, value: Any, drop: bool
 ) -> None:
     body = to_dict(PrefillReply("r", 1, "", None, handle, 0, 1))
-    if drop:
-        body["kv_handle"].pop(key, None)
-    else:
-        body["kv_handle"][key] = value
+    break_field(body["kv_handle"], key, value, drop)
     same_outcome(json.dumps(body).encode())
 
 

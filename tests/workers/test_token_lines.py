@@ -10,10 +10,11 @@ import json
 from typing import Any
 
 import pytest
+from codec_checks import break_field, outcome
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.protocol.codec import CodecError, decode, encode, to_dict
+from pdserve.protocol.codec import decode, encode, to_dict
 from pdserve.protocol.contract import TokenDelta, Usage, WorkerError
 from pdserve.protocol.token_lines import decode_line, encode_line
 
@@ -55,15 +56,7 @@ def test_decode_line_reads_the_codecs_message(d: TokenDelta) -> None:
 
 def same_outcome(line: bytes) -> None:
     """decode_line and codec.decode agree: equal messages, or CodecErrors alike."""
-    try:
-        want: Any = encode(decode(line, TokenDelta))
-    except CodecError as exc:
-        want = (str(exc), exc.field)
-    try:
-        got: Any = encode(decode_line(line))
-    except CodecError as exc:
-        got = (str(exc), exc.field)
-    assert got == want
+    assert outcome(decode_line, line) == outcome(lambda r: decode(r, TokenDelta), line)
 
 
 junk = st.recursive(
@@ -80,10 +73,7 @@ def test_a_broken_field_fails_as_in_the_codec(
     d: TokenDelta, key: str, value: Any, drop: bool
 ) -> None:
     body = to_dict(d)
-    if drop:
-        body.pop(key, None)
-    else:
-        body[key] = value
+    break_field(body, key, value, drop)
     same_outcome(json.dumps(body).encode())
 
 
