@@ -235,6 +235,10 @@ VICTIM_MIN_STREAMS = 4
 # tokens a loaded host saw all ten of a quick run's streams end in 2 s, never 4 on one worker
 # at once. Prompts are <= ~60 tokens, so 800 fits the run's --max-model-len 1024.
 KILL_TOKENS = 800
+# The hang phase needs one stream on its victim when it stops (_kill_busiest checks just
+# before): a stopped worker finishes nothing, so every one of its streams stalls and
+# migrates whatever its length (the phase alone, loaded host: 9-13 s, 16-24 s at 800).
+HANG_TOKENS = 320
 
 
 async def phase_kill_decode(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
@@ -265,7 +269,7 @@ async def phase_hang_decode(h: httpx.AsyncClient, svc: Service, model: str, n: i
     await asyncio.to_thread(wait_all_healthy, svc, 120.0)  # the killed ones are back
     name = 'pdserve_router_stalled_streams_total{role="decode"}'
     rng, before = random.Random(7), counter(svc.url, name)
-    bodies = [_greedy(model, prompt(rng, rng.randint(3, 40)), KILL_TOKENS) for _ in range(n)]
+    bodies = [_greedy(model, prompt(rng, rng.randint(3, 40)), HANG_TOKENS) for _ in range(n)]
     streams = [asyncio.ensure_future(cc.stream(h, "/v1/completions", b)) for b in bodies]
     stopped: list[tuple[int, int]] = []
 
@@ -282,7 +286,7 @@ async def phase_hang_decode(h: httpx.AsyncClient, svc: Service, model: str, n: i
     return {
         "decode_hung": victim,
         "hang_streams": n,
-        "hang_failed_streams": sum(not r.ok(KILL_TOKENS) for r in done),
+        "hang_failed_streams": sum(not r.ok(HANG_TOKENS) for r in done),
         "stalled_streams": int(counter(svc.url, name) - before),
     }
 

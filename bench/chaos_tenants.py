@@ -63,15 +63,16 @@ async def phase_slowloris(h: httpx.AsyncClient, svc: Service, model: str, n: int
 
 
 async def phase_slow_reader(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
-    # 8 choices with 5 top logprobs a token: some MB of SSE, more than the socket buffers
-    # hold, so the router's writes wait long before the 900 tokens are generated
+    # 8 choices with 20 top logprobs a token (the most allowed): some MB of SSE, more than
+    # the socket buffers hold, so the router's writes wait long before the 900 tokens are
+    # generated (with 5, the buffers took 2-3x as many tokens to fill: 18-38 s, not 8-12)
     body = json.dumps(
         {
             "model": model,
             "prompt": "the river",
             "max_tokens": 900,
             "n": 8,
-            "logprobs": 5,
+            "logprobs": 20,
             "stream": True,
             "ignore_eos": True,
         }

@@ -26,6 +26,7 @@ The model and its assumptions: docs/autoscaling.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -92,7 +93,10 @@ def steady_need(cfg: PlannerConfig, rate: float, prompt: float, output: float) -
     return math.ceil(p), math.ceil(d)
 
 
+@functools.cache
 def mean_lengths(mix: Mix, long_share: float) -> tuple[float, float]:
+    """Mean prompt and output lengths of ``mix`` (200k draws, seeded: the same for the same
+    arguments, so cached; ``sizing`` asks 241 times a scenario, mostly one share)."""
     prompt, output = mix.sample(np.random.default_rng(123), 200_000, long_share)
     return float(prompt.mean()), float(output.mean())
 

@@ -32,7 +32,7 @@ KNOWN_SECONDS = {
     "k8s-real": 260,  # + test_peering (~50 s), test_scale_subresource (~10 s)
     "shared-up": 170,  # + test_prometheus_real (two Prometheus starts, ~20 s)
     "tests/local/test_scale_under_load.py": 85,
-    "tests/local/test_bench_chaos.py": 80,
+    "tests/local/test_bench_chaos.py": 65,  # 88 before the slow-reader and hang cuts
     "tests/local/test_up_resilience.py": 120,
     "tests/planner/test_local_up_autoscale.py": 60,
     "tests/planner/test_sim_vs_real.py": 55,
@@ -53,7 +53,7 @@ KNOWN_SECONDS = {
     "tests/router/test_bench_router_throughput.py": 60,
     "tests/router/test_multi_router_bench.py": 50,
     "tests/engine/test_compile_cache_host.py": 45,
-    "tests/planner/test_planner_simulate.py": 45,
+    "tests/planner/test_planner_simulate.py": 30,  # 47 before the mean_lengths cache
     "tests/router/test_lora_bench.py": 45,
     "tests/workers/test_worker_faults.py": 45,
     # a real compile of the tiny model, in the background (inductor cache warm: ~40 CPU-s)

@@ -123,7 +123,9 @@ class StepSim:
         batch = rep.running if rep.kind != "prefill" else []
         dt = 0.0
         if batch:
-            ctx = float(np.mean([r.prompt + r.made for r in batch]))
+            # sum/len, not np.mean: the same float (whole token counts sum exactly), and
+            # np.mean of a short list was a fifth of bench/simulate.py --quick's time
+            ctx = float(sum(r.prompt + r.made for r in batch)) / len(batch)
             dt += d.step_time(len(batch), ctx)
         # the engine's token budget (max_num_batched_tokens) covers the step's decode
         # tokens too: running sequences take one each first, prefill chunks what is left
