@@ -151,7 +151,13 @@ def test_operator_promql_is_answered_by_real_prometheus(
     by_role = {row["metric"]["role"]: float(row["value"][1]) for row in kv_total}
     assert sum(by_role.values()) == sum(s["kv_blocks_total"] for s in stats), by_role
     assert set(by_role) == {"prefill", "decode"}
-    assert snap.decode_running == 0 and snap.decode_waiting == 0
+    # the gauges are instantaneous: the scrape in the snapshot may have caught the last
+    # stream's end; the next scrapes (1 s apart) must show the pool idle
+    deadline = time.monotonic() + 10
+    while (snap.decode_running or snap.decode_waiting) and time.monotonic() < deadline:
+        time.sleep(1)
+        snap, _ = _snapshot(prom)
+    assert snap.decode_running == 0 and snap.decode_waiting == 0, snap
     assert 0 <= snap.kv_utilisation < 1
     assert svc.autoscaling.metrics_url == prom.url
 
