@@ -140,7 +140,11 @@ def test_operator_promql_is_answered_by_real_prometheus(
     # scrape agrees on it (below), and that it is an extrapolation, not a double count.
     factor = snap.request_rate * window / n
     assert 1.0 <= factor < 2.0, factor
-    assert snap.mean_prompt_tokens == pytest.approx(delta[m.ROUTER_PROMPT_TOKENS] / n, rel=0.05)
+    # a ratio of two increase()s: each series' extrapolation stops where it would reach zero,
+    # at a different point for a token count than for a request count (10% apart seen under
+    # the full suite); a wrong metric, unit or window is off by far more
+    want_prompt = delta[m.ROUTER_PROMPT_TOKENS] / n
+    assert snap.mean_prompt_tokens == pytest.approx(want_prompt, rel=0.2)
     assert abs(snap.ttft.count - n * factor) <= 1, (snap.ttft, factor)  # count is rounded
     want_mean = delta[m.ROUTER_TTFT + "_sum"] / delta[m.ROUTER_TTFT + "_count"]
     assert snap.ttft.mean == pytest.approx(want_mean, rel=0.1)
