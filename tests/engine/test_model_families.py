@@ -170,3 +170,24 @@ def test_unknown_option_refuses_the_start(
     monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", with_alibi)
     with pytest.raises(UnsupportedModel, match="LlamaForCausalLM uses attention option alibi_"):
         _engine(_model_dir(families, BY_ID["llama"], tiny_model_dir), kernel=True)
+
+
+def test_docs_table_names_every_family() -> None:
+    """docs/models.md's table has one row per family of tests/model_families.py, in its
+    order, and each row names the tests that prove it: eager (E) and compiled (C) for a
+    served row, the refusal (R) for a refused one (its status quoting the refusal)."""
+    from tests.model_families import FAMILIES
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+    rows = [line for line in doc.read_text().splitlines() if line.startswith("| `")]
+    table = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        table[cells[0].strip("`")] = cells
+    assert [i for i in table if i in BY_ID] == [f.id for f in FAMILIES]
+    for f in FAMILIES:
+        cells = table[f.id]
+        if f.refused is None:
+            assert cells[3] == "served" and cells[4:6] == [f"`E[{f.id}]`", f"`C[{f.id}]`"]
+        else:
+            assert cells[3].startswith("refused") and cells[4] == f"`R[{f.id}]`", cells
