@@ -45,7 +45,13 @@ from pdserve.testing.loopback import ROOT, secret_auth
 from pdserve.testing.prometheus import Prometheus, prometheus_binary, run_prometheus
 from pdserve.testing.up import Up
 
-pytestmark = pytest.mark.cluster
+# serial: alone (its own shared `pdserve up`, first user) these checks held in every run
+# under load; in the parallel part, after other modules on the shared `pdserve up`, one run
+# of three modules (-n 2) saw the window's mean TTFT 10% under the router's delta, with
+# requests, prompt tokens and the raw counters exact (cause not found: suspect a TTFT
+# observed between Prometheus' first scrape and the test's first read, from an earlier
+# module's request). make test runs these alone afterwards until that is understood.
+pytestmark = [pytest.mark.cluster, pytest.mark.serial]
 
 NAMESPACE, SERVICE = "pdserve-test", "chat"
 POOLS = (PoolStatus(1, 1), PoolStatus(1, 1))  # what the Deployments say: one ready replica each
