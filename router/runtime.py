@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pdserve.protocol.contract import LoraRef
+from pdserve.router import errors
 from pdserve.router.adapters import Adapter, AdapterTable
 from pdserve.router.admission import Admission, Ticket
 from pdserve.router.api.openai_request import check_model
@@ -33,9 +34,9 @@ from pdserve.router.scheduling.prefix_index import PrefixIndex
 from pdserve.router.scheduling.scheduler import Scheduler
 from pdserve.router.scheduling.tier_index import TierIndex, parse_weights
 from pdserve.router.tokenizer import PromptTokenizer
-from pdserve.router.transport import worker_client
 from pdserve.router.transport.dispatch import Dispatcher, RequestState
 from pdserve.router.transport.lora_sync import LoraSync
+from pdserve.worker_calls import worker_client
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -192,7 +193,7 @@ class Runtime:
         self.metrics.child(self.metrics.requests, str(err.status)).inc()
         if err.status >= 500:
             log.warning("request failed (%d): %s", err.status, err.message)
-        return err.response()
+        return errors.response(err)
 
     def internal_error(self, path: str, exc: Exception) -> JSONResponse:
         """An unexpected exception while serving ``path``: logged, answered with a 500."""

@@ -26,7 +26,7 @@ from pdserve.protocol.kv_events import KVSnapshot, LoadReport
 from pdserve.router.discovery.events import EventSubscriber
 from pdserve.router.discovery.tasks import stop_task
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerStats, WorkerView
-from pdserve.router.transport.worker_client import TRANSPORT_ERRORS, get_json, get_message
+from pdserve.worker_calls.worker_client import TRANSPORT_ERRORS, get_json, get_message
 
 log = logging.getLogger(__name__)
 # A load report older than this is stale (the stream broke or the worker hangs): routing

@@ -14,9 +14,9 @@ import pytest
 
 from pdserve.coalesce import CoalescingHttpTools
 from pdserve.router.discovery.workers import Discovery, StaticSource
-from pdserve.router.transport.worker_client import new_session
 from pdserve.testing.loopback import free_port
 from pdserve.testing.router_fakes import FakeState, decode_app
+from pdserve.worker_calls.worker_client import new_session
 from tests.router.test_api import LONG, client
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
