@@ -7,12 +7,11 @@ takes them; ``engine_config_from_args`` (below) turns them into an
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve import env
-from pdserve.config_cli import add_flags, flag
+from pdserve.config_cli import add_flags, checked, flag
 from pdserve.engine.config import DTYPES, EngineConfig
 from pdserve.engine.kv_tiers.config import TierArgs, tier_config_from_args
 from pdserve.engine.lora_files import LoraConfig, parse_lora_flag
@@ -22,22 +21,10 @@ from pdserve.engine.spec_config import parse_speculative
 ENGINE, LORA = "engine", "LoRA adapters (docs/lora.md)"
 
 
-def lora_flag(value: str) -> str:
-    """``--lora``'s check at parse time: argparse names the flag in its error."""
-    try:
-        parse_lora_flag(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return value
-
-
-def speculative_flag(value: str) -> str:
-    """``--speculative``'s check at parse time (engine/spec_config.py)."""
-    try:
-        parse_speculative(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return value
+# --lora's and --speculative's checks at parse time (engine/lora_files.py,
+# engine/spec_config.py): argparse names the flag in its error.
+lora_flag = checked(parse_lora_flag, keep_text=True)
+speculative_flag = checked(parse_speculative, keep_text=True)
 
 
 @dataclass(frozen=True)
