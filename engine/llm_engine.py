@@ -343,15 +343,9 @@ class LLMEngine:
             self.kv.register_computed(req)
             if not chunk.samples:
                 continue
-            token, lp = next(it)
-            try:  # stop handling, detokenization: this request's own work
-                if isinstance(token, Exception):
-                    raise token
-                out = self._append_token(req, token)
-            except Exception as exc:
-                out = self._fail_request(req, exc)
+            out = self._emit(req, *next(it))
             if out is not None:
-                outputs.append(with_logprobs(out, req, lp))
+                outputs.append(out)
         return outputs
 
     def _verify(
@@ -366,18 +360,24 @@ class LLMEngine:
         self.kv.register_computed(req)
         outs: list[RequestOutput] = []
         for token, lp in zip(emitted, logprobs, strict=False):
-            try:
-                if isinstance(token, Exception):
-                    raise token
-                out = self._append_token(req, token)
-            except Exception as exc:
-                out = self._fail_request(req, exc)
+            out = self._emit(req, token, lp)
             if out is not None:
-                outs.append(with_logprobs(out, req, lp))
+                outs.append(out)
                 self.spec.stats.emitted_tokens += len(out.token_ids)
             if out is None or out.finished:
                 break
         return merge_outputs(outs)
+
+    def _emit(self, req: Request, token: int | Exception, lp: Any) -> RequestOutput | None:
+        """A sampled token through the stop rules and detokenization, with its logprobs;
+        a failure there (or a failed row) ends this request alone."""
+        try:
+            if isinstance(token, Exception):
+                raise token
+            out = self._append_token(req, token)
+        except Exception as exc:
+            out = self._fail_request(req, exc)
+        return None if out is None else with_logprobs(out, req, lp)
 
     def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
         """End ``req`` alone with an error; the rest of the batch goes on."""
