@@ -135,6 +135,21 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     add_flags(parser, (EngineArgs, TierArgs))
 
 
+# The flags that are the EngineConfig field of the same name, taken as given.
+_AS_GIVEN = (
+    "dtype",
+    "device",
+    "block_size",
+    "kv_cache_bytes",
+    "kv_cache_fraction",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "served_model_name",
+    "cpu_threads",
+)
+
+
 def engine_config_from_args(
     args: Any, *, resolve: bool = True, background: bool = False
 ) -> EngineConfig:
@@ -144,17 +159,8 @@ def engine_config_from_args(
     loras = tuple(parse_lora_flag(v) for v in getattr(args, "lora", None) or ())
     return EngineConfig(
         model=resolve_model(args.model, args.dtype, args.device) if resolve else args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_bytes,
-        kv_cache_fraction=args.kv_cache_fraction,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        served_model_name=args.served_model_name,
+        **{name: getattr(args, name) for name in _AS_GIVEN},
         enable_prefix_caching=not args.no_prefix_caching,
-        cpu_threads=args.cpu_threads,
         # Adapter layers run eager (docs/lora.md): no compile for a worker that has some.
         compile=not (args.enforce_eager or env.eager_forced() or loras),
         # a worker's (``background``): serve eager, compile in the background (compile_job.py)
