@@ -124,7 +124,8 @@ class Discovery:
         loads = sub.loads if sub is not None else None
         now = sub.clock() if sub is not None else 0.0
         inflight, shown_all = self._inflight, self._shown
-        views, pools = [], {"prefill": [], "decode": []}
+        views: list[WorkerView] = []
+        pools: dict[str, list[WorkerView]] = {"prefill": [], "decode": []}
         for url, view in self._views.items():
             counts = inflight.get(url, _IDLE)
             report = None
