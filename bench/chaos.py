@@ -424,6 +424,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         "cache_symlink_followed",
         "abandoned_compiles_over_bound",
         "lora_path_escapes",
+        "worker_call_replayed_elsewhere",
+        "prefill_pin_misused",
+        "picker_ext_proc_unauthenticated",
+        "proc_budget_over_cap",
+        "model_file_swap_loaded",
         "migrated_streams",
         "stalled_streams",
     ]
