@@ -205,6 +205,7 @@ async def start_picker(
     gateway_token: str = "",
     tls: ExtProcTLS | None = None,
     client_tls: grpc.ChannelCredentials | None = None,
+    metrics_port: int = 0,
     **cfg: Any,
 ) -> AsyncIterator[PickerCluster]:
     """Fake workers, and a picker over them on a free port; ``busy`` decode fakes report
@@ -224,7 +225,7 @@ async def start_picker(
             gateway_token=gateway_token,
             tls=tls,
         )
-        port = await service.start("127.0.0.1", 0)
+        port = await service.start("127.0.0.1", 0, metrics_port)
         stack.push_async_callback(service.close)
         if client_tls is None:
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

@@ -9,11 +9,13 @@ import argparse
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from pdserve.router.picker.service import ExtProcTLS
 from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.testing.loopback import free_port
 from pdserve.testing.picker import Envoy, completion, start_picker
 from pdserve.testing.tls_certs import ScratchCA
 
@@ -66,10 +68,15 @@ async def test_only_the_gateways_certificate_reaches_ext_proc(
     key, cert = server.pem()  # type: ignore[attr-defined]
     tls = ExtProcTLS(cert, key, ca.cert.read_bytes())
     gateway = _client(pki, "gateway")
+    admin = free_port()
     async with start_picker(
         router_tokenizer, tiny_model_dir, busy=[1], health_interval_s=30.0, tls=tls,
-        client_tls=gateway,
+        client_tls=gateway, metrics_port=admin,
     ) as pc:  # fmt: skip
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{admin}") as h:
+            # the kubelet's probes (its gRPC probe speaks no TLS): the admin port's HTTP
+            assert (await h.get("/livez")).status_code == 200
+            assert (await h.get("/health")).status_code == 200  # a decode worker is ready
         address = f"127.0.0.1:{pc.service.port}"
         rogues = [
             grpc.aio.insecure_channel(address),
