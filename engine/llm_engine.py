@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.engine import compile_job
+from pdserve.engine import compile_job, model_seal
 from pdserve.engine.compile_job import CompileJob
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.draft_proposer import DraftProposer, check_vocab, draft_config, sized
@@ -77,6 +77,7 @@ class LLMEngine:
         self.config = config
         if config.cpu_threads is not None:  # process-wide: one engine per worker process
             torch.set_num_threads(config.cpu_threads)
+        model_seal.check(config.model)  # a shared cache: the files as first loaded, or none
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         self.runner = runner or ModelRunner(config)
         budget = budget_bytes(self.runner.device, config.kv_cache_bytes, config.kv_cache_fraction)

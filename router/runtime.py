@@ -33,6 +33,7 @@ from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.scheduling.prefix_index import PrefixIndex
 from pdserve.router.scheduling.scheduler import Scheduler
 from pdserve.router.scheduling.tier_index import TierIndex, parse_weights
+from pdserve.router.shared_limits import installed as shared_table
 from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.router.transport.dispatch import Dispatcher, RequestState
 from pdserve.router.transport.lora_sync import LoraSync
@@ -67,15 +68,18 @@ class Runtime:
         self.keys = KeyStore(
             cfg.api_keys, cfg.api_key_file, cfg.admin_api_keys, cfg.admin_api_key_file
         )
+        # --procs N: the per-client budgets in the table the processes share
+        shared = shared_table() if len(cfg.proc_metrics_ports) > 1 else None
         self.admission = Admission(
             cfg.max_queue,
             cfg.max_concurrency_per_key,
             cfg.max_waiting,
             cfg.queue_timeout_s,
             self.metrics.queue_depth.set,
+            shared,
         )
         self.created = int(time.time())
-        self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm)
+        self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm, shared=shared)
         self._salt_key = salt_key()
         # Per-client budgets: this replica enforces 1/replicas of them (discovery/replicas.py).
         self.replicas = replica_count(cfg)

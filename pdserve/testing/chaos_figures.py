@@ -16,4 +16,7 @@ BOUNDARY = (
     "lora_path_escapes",
     "worker_call_replayed_elsewhere",
     "prefill_pin_misused",
+    "picker_ext_proc_unauthenticated",
+    "proc_budget_over_cap",
+    "model_file_swap_loaded",
 )
