@@ -310,10 +310,6 @@ class LocalCluster:
         self._spawn(proc)
         return proc
 
-    def start_zygote(self) -> None:
-        """Start the core zygote now (if the spec wants one), before the first worker."""
-        self._zygote_env()
-
     def _zygote_env(self) -> dict[str, str]:
         """Where the workers' cores fork from: a zygote the caller runs already (its socket
         in ``PDSERVE_CORE_ZYGOTE``: the test session's), else this cluster's, started for
