@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from pdserve.engine import startup_probe
+from pdserve.engine import compile_job, startup_probe
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.os_thread import name_os_thread
 from pdserve.worker.core.config import CoreConfig
@@ -109,7 +109,9 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
     results.send(pickle.dumps(("ready", core.info())))
-    engine.start_compile()  # in the background: readiness does not wait for it
+    # In the background: readiness does not wait for it, and it waits for a quiet engine
+    # so that the first requests have the CPU (compile_job.QUIET_S).
+    engine.start_compile(compile_job.QUIET_S, compile_job.MAX_HOLD_S)
     # The model, torch and the engine's tables stay alive for good: keep them out of
     # the collector's full passes.
     gc.collect()
