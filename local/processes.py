@@ -384,7 +384,7 @@ class LocalCluster:
                     names = ", ".join(p.name for p in pending)
                     raise TimeoutError(f"not healthy after {timeout:.0f}s: {names}")
                 if pending:
-                    time.sleep(0.25)
+                    time.sleep(0.1)
 
     def wait_routed(self, router: Proc, timeout: float = 120.0, api_key: str = "") -> None:
         """Block until ``router`` lists every worker process as healthy (``GET /workers``).

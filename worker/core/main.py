@@ -102,9 +102,11 @@ def main(argv: list[str]) -> int:
     # Named before "ready": whoever sees the worker healthy finds the engine thread by name.
     name_os_thread(ENGINE_NAME)
     fwd = "compiled" if engine.runner.compiled else "eager"
+    # CPU-s since the fork (or the process's start): a loaded machine's wall says little
     print(
         f"engine core: model {engine.served_model_name!r} loaded and probed in "
-        f"{time.monotonic() - started:.1f}s (serving with the {fwd} forward)",
+        f"{time.monotonic() - started:.1f}s, {time.process_time():.1f} CPU-s since the "
+        f"core's start (serving with the {fwd} forward)",
         file=sys.stderr,
         flush=True,
     )

@@ -400,7 +400,8 @@ def serve(path: str, lifeline: int | None = None) -> None:
     for module in PRELOAD:
         importlib.import_module(module)
     print(
-        f"core zygote: ready on {path} ({time.monotonic() - started:.1f} s of imports)",
+        f"core zygote: ready on {path} ({time.monotonic() - started:.1f} s of imports, "
+        f"{time.process_time():.1f} CPU-s since its start)",
         file=sys.stderr,
         flush=True,
     )
