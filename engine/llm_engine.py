@@ -166,11 +166,13 @@ class LLMEngine:
         )
         return LLMEngine(config, runner=runner)
 
-    def start_compile(self) -> None:
+    def start_compile(self, quiet_s: float = 0.0, max_hold_s: float = 0.0) -> None:
         """Compile the forward in the background while the eager one serves; it is
-        swapped in between steps once compiled and checked (compile_job.py)."""
+        swapped in between steps once compiled and checked (compile_job.py). With
+        ``quiet_s``, the compile waits until the engine has had no work that long (at most
+        ``max_hold_s``): a worker's first requests do not share its CPU with it."""
         if self.runner.compile_wanted and not self.runner.compiled:
-            self.compile_job = CompileJob(self)
+            self.compile_job = CompileJob(self, quiet_s, max_hold_s)
             self.compile_job.start()
 
     @property

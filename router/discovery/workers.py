@@ -11,9 +11,9 @@ worker's last load report (else its last poll) with this replica's in-flight cou
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -32,6 +32,13 @@ log = logging.getLogger(__name__)
 # A load report older than this is stale (the stream broke or the worker hangs): routing
 # falls back to the polled /stats bounded by this replica's own in-flight counts.
 REPORT_FRESH_S = 0.5
+# A worker listed but never healthy yet (starting: loading its model) is asked for its
+# /health this often between the health rounds, for this long after it was first listed:
+# it takes traffic as soon as it is up, not up to a round later (``pdserve up`` waits
+# for the router to route to every worker before it says "up"). Only those workers are
+# asked in between, so a pool's healthy workers see one round per interval as before.
+STARTING_POLL_S = 0.1
+STARTING_WINDOW_S = 300.0
 LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats))
 
 
@@ -109,6 +116,8 @@ class Discovery:
         # worker whose state did not move since the last request is not built again.
         self._shown: dict[str, tuple[WorkerView, tuple[int, int], object, WorkerView]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._listed_at: dict[str, float] = {}  # url -> when first listed (monotonic)
+        self._ever_healthy: set[str] = set()
         self.ready = asyncio.Event()
         self.after_refresh: list[Callable[[], None]] = []  # run after each health round
 
@@ -225,6 +234,9 @@ class Discovery:
                 self._unsubscribe(view)
                 self._reported.pop(url, None)
                 self._shown.pop(url, None)
+        now = time.monotonic()
+        self._listed_at = {v.url: self._listed_at.get(v.url, now) for v in views}
+        self._ever_healthy = {v.url for v in views if v.healthy or v.url in self._ever_healthy}
         for view in views:
             self._subscribe(view)
         self._version += 1
@@ -255,14 +267,47 @@ class Discovery:
         if self.subscriber is not None and view.stats.kv_events:
             self.subscriber.unsubscribe(events_address(view.url, view.stats.kv_events))
 
+    def starting(self) -> list[str]:
+        """Workers listed within STARTING_WINDOW_S that have never been healthy."""
+        now = time.monotonic()
+        return [
+            url
+            for url, at in self._listed_at.items()
+            if url not in self._ever_healthy and now - at < STARTING_WINDOW_S
+        ]
+
+    async def _any_up(self, urls: list[str]) -> bool:
+        async def up(url: str) -> bool:
+            try:
+                return (await get_json(self.client, url + "/health", 1.0))[0] == 200
+            except (*TRANSPORT_ERRORS, ValueError):
+                return False
+
+        return any(await asyncio.gather(*(up(u) for u in urls)))
+
+    async def _pause(self) -> None:
+        """Until the next round: ``interval_s``, the source's change, or a starting worker
+        that answers healthy (asked every STARTING_POLL_S)."""
+        deadline = time.monotonic() + self.interval_s
+        while (left := deadline - time.monotonic()) > 0:
+            starting = self.starting()
+            try:
+                await asyncio.wait_for(
+                    self.source.changed(), min(left, STARTING_POLL_S) if starting else left
+                )
+                return
+            except TimeoutError:
+                pass
+            if starting and await self._any_up(starting):
+                return
+
     async def _loop(self) -> None:
         while True:
             try:
                 await self.refresh()
             except Exception:
                 log.exception("discovery round failed")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.source.changed(), self.interval_s)
+            await self._pause()
 
     def start(self) -> None:
         if self._task is None:
