@@ -54,7 +54,7 @@ def snapshot(root: int) -> dict[tuple[int, int], tuple[str, str, float]]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
             name = role(argv)
             if name == "zygote" or "core" in " ".join(argv):
-                name = _core_role(pid, name)
+                name = _core_role(pid)
             for task in Path(f"/proc/{pid}/task").iterdir():
                 with contextlib.suppress(OSError):
                     tid = int(task.name)
@@ -63,17 +63,14 @@ def snapshot(root: int) -> dict[tuple[int, int], tuple[str, str, float]]:
     return out
 
 
-def _core_role(pid: int, name: str) -> str:
-    """An engine core forked from the zygote keeps the zygote's command line: its parent
-    (the worker front end) names its role."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        ppid = int(raw[raw.rindex(")") + 2 :].split()[1])
-        argv = Path(f"/proc/{ppid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        parent = role(argv)
-        if parent in ("prefill", "decode"):
-            return f"{parent}-core"
-    return name
+def _core_role(pid: int) -> str:
+    """An engine core forked from the core zygote keeps the zygote's command line, which
+    names no role: "core" (under the default load the decode core is the one with the
+    most engine-thread CPU; a prefill core's is the prompts' GEMMs)."""
+    with contextlib.suppress(OSError):
+        if any(t.name != str(pid) for t in Path(f"/proc/{pid}/task").iterdir()):
+            return "core"
+    return "zygote"
 
 
 def diff(before: dict[Any, Any], after: dict[Any, Any], tokens: int) -> list[dict[str, Any]]:
