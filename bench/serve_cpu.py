@@ -53,7 +53,7 @@ def snapshot(root: int) -> dict[tuple[int, int], tuple[str, str, float]]:
         with contextlib.suppress(OSError):
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
             name = role(argv)
-            if name == "zygote" or "core" in " ".join(argv):
+            if name == "zygote":
                 name = _core_role(pid)
             for task in Path(f"/proc/{pid}/task").iterdir():
                 with contextlib.suppress(OSError):
