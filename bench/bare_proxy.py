@@ -17,7 +17,7 @@ import aiohttp
 import uvicorn
 
 from pdserve import keys, signing
-from pdserve.router.transport.worker_client import new_session
+from pdserve.worker_calls.worker_client import new_session
 
 
 def make_app(target: str) -> Any:

@@ -401,6 +401,8 @@ async def run_phases(svc: Service, args: argparse.Namespace, model: str) -> dict
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
+    from pdserve.testing import chaos_figures
+
     plt = figures.pyplot()
 
     keys = [
@@ -418,12 +420,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         "grammar_5xx",
         "grammar_stalled_others",
         "compile_abort_leaked",
-        "admin_port_unauthenticated_changes",
-        "picker_mode_limit_bypass",
-        "merged_pod_policy_escapes",
-        "cache_symlink_followed",
-        "abandoned_compiles_over_bound",
-        "lora_path_escapes",
+        *chaos_figures.BOUNDARY,
         "migrated_streams",
         "stalled_streams",
     ]

@@ -18,6 +18,15 @@
   service, with its own Host and with the first worker's, that was served;
 - ``prefill_pin_misused``: the picker's signed ``x-prefiller-host-port`` value taken by a
   front when expired, for another request's body, or signed under another key's purpose.
+- ``picker_ext_proc_unauthenticated``: streams to a picker serving mutual TLS from a
+  plaintext client, a TLS client without a certificate and one with another CA's
+  certificate (each sending forged ``served`` metadata) that reached ext_proc, plus
+  decode workers their forgery took out;
+- ``proc_budget_over_cap``: requests admitted beyond a per-key cap of 1 by four
+  ``--procs`` processes sharing the replica's table, one key's 16 requests spread over them;
+- ``model_file_swap_loaded``: model files in a sealed shared cache swapped after the
+  service's first load (tokenizer, weights, an added chat template, a symlink) that the
+  next load took.
 
 The in-process probes are the tests' own (tests/...): the bench runs what the suite
 checks, against the code as it is.
@@ -174,6 +183,102 @@ def prefill_pin_misused() -> int:
     return sum(ph.verified(endpoint, sig, sent) for sig, sent in misuses)
 
 
+async def _ext_proc_unauthenticated(model_dir: Path) -> int:
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    from pdserve.router.picker.service import ExtProcTLS
+    from pdserve.router.tokenizer import PromptTokenizer
+    from pdserve.testing.picker import Envoy, completion, forged_served_messages, start_picker
+    from pdserve.testing.tls_certs import ScratchCA
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ca, other = ScratchCA.make(Path(tmp), "ca"), ScratchCA.make(Path(tmp), "other")
+        key, cert = ca.issue("picker", server=True).pem()
+        tls = ExtProcTLS(cert, key, ca.cert.read_bytes())
+        root = ca.cert.read_bytes()
+        gw_key, gw_cert = ca.issue("gateway").pem()
+        st_key, st_cert = other.issue("gateway").pem()
+        tokenizer = PromptTokenizer(str(model_dir))
+        reached = 0
+        async with start_picker(
+            tokenizer, model_dir, busy=[1], health_interval_s=30.0, tls=tls,
+            client_tls=grpc.ssl_channel_credentials(root, gw_key, gw_cert),
+        ) as pc:  # fmt: skip
+            address = f"127.0.0.1:{pc.service.port}"
+            rogues = [
+                grpc.aio.insecure_channel(address),
+                grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root)),
+                grpc.aio.secure_channel(
+                    address, grpc.ssl_channel_credentials(root, st_key, st_cert)
+                ),
+            ]
+            for channel in rogues:
+                env = Envoy(ep_grpc.ExternalProcessorStub(channel))
+                for msg in forged_served_messages(completion("hi"), pc.endpoint(1)):
+                    env.queue.put_nowait(msg)
+                env.close()
+                reached += await env.call.code() != grpc.StatusCode.UNAVAILABLE
+                await channel.close()
+            taken_out = sum(pc.service.rt.discovery.failed_check(u) for u in pc.decode_urls)
+            pc.decode[1].active.pop("busy", None)
+        return reached + taken_out
+
+
+def ext_proc_unauthenticated(model_dir: Path) -> int:
+    return asyncio.run(_ext_proc_unauthenticated(model_dir))
+
+
+def proc_budget_over_cap() -> int:
+    from pdserve.router.admission import Admission
+    from pdserve.router.errors import APIError
+    from pdserve.router.shared_limits import SharedLimits
+
+    async def probe() -> int:
+        table = SharedLimits(slots=64)
+        procs = [Admission(8, per_client=1, max_waiting=8, shared=table) for _ in range(4)]
+        tickets = []
+        for i in range(16):
+            with contextlib.suppress(APIError):
+                tickets.append(await procs[i % 4].acquire("key:a"))
+        for t in tickets:
+            t.release()
+        return len(tickets) - 1
+
+    return asyncio.run(probe())
+
+
+def model_file_swap_loaded() -> int:
+    from pdserve import keys
+    from pdserve.engine import model_seal
+
+    ring = keys.KeyRing(keys.COMPILE_CACHE, ("chaos",))
+    swaps = [
+        lambda d: (d / "tokenizer.json").write_text('{"theirs": 1}'),
+        lambda d: (d / "model.safetensors").write_bytes(b"theirs"),
+        lambda d: (d / "chat_template.jinja").write_text("{{ theirs }}"),
+        lambda d: ((d / "config.json").unlink(), (d / "config.json").symlink_to(d.parent / "x")),
+    ]
+    loaded = 0
+    for swap in swaps:
+        with tempfile.TemporaryDirectory() as tmp:
+            model, seals = Path(tmp) / "m", Path(tmp) / "seals"
+            model.mkdir()
+            (Path(tmp) / "x").write_text("{}")
+            for name in ("config.json", "tokenizer.json", "model.safetensors"):
+                (model / name).write_bytes(os.urandom(64))
+            model_seal._checked.discard(str(model.resolve()))
+            model_seal.check(str(model), ring, seals)
+            swap(model)
+            model_seal._checked.discard(str(model.resolve()))
+            try:
+                model_seal.check(str(model), ring, seals)
+                loaded += 1
+            except model_seal.ModelSealError:
+                pass
+    return loaded
+
+
 def in_process_probes(model_dir: Path) -> dict[str, int]:
     # the tests' fake workers sign with the service secret, as the suite's conftest sets it
     os.environ.setdefault("PDSERVE_SERVICE_SECRET", secrets.token_hex(16))
@@ -185,4 +290,7 @@ def in_process_probes(model_dir: Path) -> dict[str, int]:
         "lora_path_escapes": lora_escapes(model_dir),
         "worker_call_replayed_elsewhere": replayed_elsewhere(),
         "prefill_pin_misused": prefill_pin_misused(),
+        "picker_ext_proc_unauthenticated": ext_proc_unauthenticated(model_dir),
+        "proc_budget_over_cap": proc_budget_over_cap(),
+        "model_file_swap_loaded": model_file_swap_loaded(),
     }

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import figures  # bench/figures.py, beside this script
+from lib import flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -66,21 +67,16 @@ from engine_baselines import (  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, few requests, seconds")
+    p = flags.parser(__doc__, "tiny model, few requests, seconds")
     p.add_argument("--preset", default="small")
-    p.add_argument("--requests", type=int, default=128)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512])
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256])
+    flags.add_ints(p, requests=128, prompt_len=(32, 512), output_len=(16, 256))
     p.add_argument("--batch", type=int, default=16, help="baseline static batch size")
     # One thread by default: on a shared, oversubscribed host, OpenMP threads wait on each
     # other at every op and both runs slow down many times over. Pass more on a quiet host.
-    p.add_argument("--threads", type=int, default=1)
+    flags.add_ints(p, threads=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
+    flags.add_ints(p, kv_cache_bytes=1 << 30, max_num_batched_tokens=2048, seed=0)
     p.add_argument(
         "--attention",
         default="auto",

@@ -26,6 +26,7 @@ instructions (``/proc/cpuinfo``: avx512_bf16, amx_bf16). Last stdout line: JSON.
     python bench/engine_profile.py                         # SmolLM2-135M, float32
     python bench/engine_profile.py --dtype bfloat16
     python bench/engine_profile.py --quick                 # tiny preset, eager (seconds)
+    python bench/engine_profile.py --model tiny --blas-call-macs 524288   # the old rule
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ def parse_args() -> argparse.Namespace:
         help="with --eager: the compiled path's linear layers (cpu_linear.prepare), unfused",
     )
     p.add_argument("--quick", action="store_true", help="tiny preset, eager, 4 requests")
+    p.add_argument(
+        "--blas-call-macs",
+        type=int,
+        default=cpu_linear.BLAS_CALL_MACS,
+        help="cpu_linear's bound for a small weight's BLAS calls (2^19: before 2026-12-07)",
+    )
     args = p.parse_args()
     if args.quick:
         args.model, args.eager, args.batch, args.prompt_len, args.decode_steps = (
@@ -200,6 +207,7 @@ def lm_head_alone(engine: LLMEngine, rows: int) -> float:
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
+    cpu_linear.BLAS_CALL_MACS = args.blas_call_macs
     path = model_dir(args.model)
     config = EngineConfig(
         model=path,
@@ -231,6 +239,7 @@ def main() -> int:
         "dtype": args.dtype,
         "compiled": not args.eager,
         "linear_layout": layout,
+        "blas_call_macs": args.blas_call_macs,
         "threads": args.threads,
         "batch": args.batch,
         "prompt_len": args.prompt_len,

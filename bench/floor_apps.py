@@ -6,7 +6,7 @@
   httptools, ``CoalescingHttpTools``) that reads the body and streams a completion's
   two SSE chunks, as the router's reply to a 4-token request comes out;
 * ``front PORT calls WORKER_URL``: the same, after the P/D path's two worker calls made
-  with the router's own pool (``router/transport/http1.py``, unsigned): a POST /prefill
+  with the router's own pool (``pdserve/worker_calls/http1.py``, unsigned): a POST /prefill
   whose reply is read whole, and a POST /generate whose NDJSON body is read as it comes;
 * ``worker PORT``: the worker side of those calls, canned replies of the fakes' size.
 
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pdserve import keys
 from pdserve.coalesce import CoalescingHttpTools
 from pdserve.protocol.contract import CONTRACT_VERSION
-from pdserve.router.transport.http1 import WorkerPool
+from pdserve.worker_calls.http1 import WorkerPool
 
 CHUNK = (
     b'data: {"id":"cmpl-0","object":"text_completion","created":1,"model":"tiny",'

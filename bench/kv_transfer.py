@@ -27,6 +27,7 @@ from pathlib import Path
 
 import figures  # bench/figures.py, beside this script
 import torch
+from lib import flags
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,16 +42,10 @@ SEED = 7
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny shape, a few seconds")
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    p = flags.parser(__doc__, "tiny shape, a few seconds")
+    flags.add_ints(p, tokens=4096, layers=32, kv_heads=8, head_dim=128, block_size=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
+    flags.add_ints(p, iters=5, threads=min(4, os.cpu_count() or 1))
     p.add_argument(
         "--device",
         default="cpu",

@@ -42,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from lib import flags  # noqa: E402  (bench/lib/)
 from lora_routing import compare  # noqa: E402  (bench/, beside this script)
 
 from pdserve.engine.config import EngineConfig  # noqa: E402
@@ -57,16 +58,11 @@ GOAL = 0.7
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, few requests, seconds")
+    p = flags.parser(__doc__, "tiny model, few requests, seconds")
     p.add_argument("--preset", default="small")
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 128])
-    p.add_argument("--output-len", type=int, default=64)
+    flags.add_ints(p, requests=64, prompt_len=(32, 128), output_len=64)
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds per arm")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--routing-requests", type=int, default=4000)
-    p.add_argument("--seed", type=int, default=0)
+    flags.add_ints(p, threads=1, routing_requests=4000, seed=0)
     args = p.parse_args()
     if args.quick:
         args.preset, args.requests, args.output_len = "tiny", 16, 8

@@ -42,6 +42,7 @@ from typing import Any
 
 import figures  # bench/figures.py, beside this script
 import httpx
+from lib import flags
 from lib.completions import greedy_stream
 from lib.stats import percentile
 
@@ -62,11 +63,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, few requests")
     p.add_argument("--model", default="", help="model dir (default: write the preset model)")
     p.add_argument("--preset", default="small", help="tiny-model preset when --model is unset")
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--per-group", type=int, default=16)
-    p.add_argument("--system-tokens", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=2)
+    flags.add_ints(p, groups=8, per_group=16, system_tokens=512, max_tokens=4, concurrency=2)
     p.add_argument("--kv-transport", default=DEFAULT_TRANSPORT, choices=TRANSPORT_NAMES)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))

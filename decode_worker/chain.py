@@ -14,7 +14,7 @@ does in the default handoff (router/transport/dispatch.py), one hop closer to th
 So the router makes one worker call per request instead of two (its CPU per P/D
 request drops by that call), and the prefill's reply does not cross the router. The
 prefill call is signed with the service secret like the router's, on the same keep-alive
-pool (router/transport/http1.py). A request fault (4xx) from the prefill worker is this
+pool (pdserve/worker_calls/http1.py). A request fault (4xx) from the prefill worker is this
 request's answer; a worker fault (connection, 5xx, timeout, a bad reply) moves to the next
 candidate, after an abort that frees anything the failed worker held, and puts the failed
 worker last for the next ``FAILED_S`` (as the router takes a worker whose call failed out of
@@ -35,12 +35,12 @@ from dataclasses import replace
 from typing import Any
 
 from pdserve.protocol.contract import GenerateRequest, PrefillReply, PrefillRequest
-from pdserve.router.errors import APIError
-from pdserve.router.transport import worker_client
-from pdserve.router.transport.http1 import WorkerPool
-from pdserve.router.transport.worker_client import WorkerFailed
 from pdserve.worker.args import DEFAULT_PREFILL_TIMEOUT_S as DEFAULT_PREFILL_TIMEOUT_S
 from pdserve.worker.http import BadRequest
+from pdserve.worker_calls import worker_client
+from pdserve.worker_calls.errors import APIError
+from pdserve.worker_calls.http1 import WorkerPool
+from pdserve.worker_calls.worker_client import WorkerFailed
 
 log = logging.getLogger(__name__)
 

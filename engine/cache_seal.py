@@ -34,6 +34,7 @@ from pdserve import keys
 log = logging.getLogger(__name__)
 
 MANIFEST = ".pdserve-seal.json"
+MODEL_SEAL = ".pdserve-model-seal-"  # engine/model_seal.py's manifests
 _SKIP_SUFFIXES = (".lock",)  # lock files carry no code; inductor recreates them
 
 
@@ -84,10 +85,16 @@ def _scan(folder: Path) -> tuple[list[Path], list[Path]]:
             mode = os.lstat(path).st_mode
             if stat.S_ISLNK(mode) or not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 bad.append(path)
-            elif stat.S_ISREG(mode) and name != MANIFEST and not name.endswith(_SKIP_SUFFIXES):
+            elif stat.S_ISREG(mode) and not _own(name):
                 files.append(path)
         dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
     return files, bad
+
+
+def _own(name: str) -> bool:
+    """The seals themselves (this folder's manifest, the model's: engine/model_seal.py,
+    HMAC'd on their own) and lock files: never sealed, never removed."""
+    return name == MANIFEST or name.startswith(MODEL_SEAL) or name.endswith(_SKIP_SUFFIXES)
 
 
 def _files(folder: Path) -> list[Path]:

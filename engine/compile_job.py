@@ -51,6 +51,16 @@ COMPILED = "compiled"  # the compiled forward serves
 EAGER_KEPT = "eager-kept"  # the compile raised or disagreed with eager: eager stays
 STATES = (OFF, COMPILING, READY, COMPILED, EAGER_KEPT)
 NICE = 10  # the compile thread's niceness (Linux: per thread)
+# A worker's compile starts once its engine has had no work for QUIET_S, or MAX_HOLD_S
+# after ready under steady traffic (worker/core/main.py). Niceness does not keep it off
+# the serving path: each core is a session of its own, so a CFS autogroup of its own, and
+# niceness counts only inside a group; and the compile thread's Python holds the GIL the
+# eager forward needs between its ops. A warm start's compile (inductor's imports, then
+# the cached graphs) took ~2-3.5 CPU-s per core in the seconds after ready, measured on
+# the 2-core dev machine, beside the first answer.
+QUIET_S = 2.0
+MAX_HOLD_S = 10.0
+HOLD_POLL_S = 0.05
 
 
 def run_variants(engine: EngineView, log: Callable[[str], None]) -> None:
@@ -89,8 +99,10 @@ def warm_up(engine: EngineView) -> float:
 
 
 class CompileJob:
-    def __init__(self, engine: EngineView) -> None:
+    def __init__(self, engine: EngineView, quiet_s: float = 0.0, max_hold_s: float = 0.0) -> None:
         self.engine = engine
+        self.quiet_s, self.max_hold_s = quiet_s, max_hold_s
+        self.held_s = 0.0  # how long it waited for a quiet engine
         self.state = COMPILING
         self.reason = ""  # EAGER_KEPT: why
         self.started = time.monotonic()
@@ -108,11 +120,32 @@ class CompileJob:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
+    def _hold(self) -> None:
+        """Wait until the engine has had no work for ``quiet_s`` (at most ``max_hold_s``
+        after the job started). ``has_work`` is read from this thread: a stale answer only
+        moves the start by a poll."""
+        if self.quiet_s <= 0:
+            return
+        deadline = self.started + self.max_hold_s
+        idle_since = time.monotonic()
+        while (now := time.monotonic()) < deadline:
+            if self.engine.has_work:
+                idle_since = now
+            elif now - idle_since >= self.quiet_s:
+                break
+            time.sleep(HOLD_POLL_S)
+        self.held_s = time.monotonic() - self.started
+
     def _run(self) -> None:
         # Below the serving thread (and the compilers inductor starts from here inherit
         # it): on a small CPU the first requests, served eager, come first.
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        self._hold()
+        if self.held_s >= HOLD_POLL_S:
+            compiled.say(
+                f"compile starts {self.held_s:.1f}s after ready (waited for a quiet engine)"
+            )
         runner = self.engine.runner
         model = self.engine.served_model_name
         try:

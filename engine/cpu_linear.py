@@ -13,9 +13,17 @@ went from 0.72x to 1.30x vLLM's CPU build in float32, 1.03x to 1.36x in bfloat16
 oneDNN costs ~10 us a call, which dominates a small GEMM (128x128 at 1 row: 10.4 vs
 2.4 us with MKL). So a float32 weight of under ``SMALL_GEMM_MACS`` elements also keeps a
 BLAS copy, stored input-major (``[in, out]`` in memory: a no-transpose GEMM, up to 2x for
-a few rows), and a call whose rows x in x out is under ``SMALL_GEMM_MACS`` uses it: the
-crossover measured for 128x128 up to 1024x512 weights at 1 and 16 rows. Real models'
-weights are all larger, so they hold one copy.
+a few rows), and a call whose rows x in x out is under ``BLAS_CALL_MACS`` uses it. Real
+models' weights are all larger, so they hold one copy.
+
+``BLAS_CALL_MACS`` was ``SMALL_GEMM_MACS`` (2^19) until 2026-12-07, which sent the tiny
+preset's MLP (128 x 256) to oneDNN at exactly 16 rows, the decode batch of the serve bench.
+Measured then on the Intel Xeon (AVX-512, no BF16; one thread, CPU time, us a call,
+input-major BLAS vs packed oneDNN): 128 x 256 at 16 rows 9.4 vs 27.1, at 32 rows 18.0 vs
+41.5; 128 x 3,072 at 16 rows 90 vs 114, at 32 rows 198 vs 241; 576 x 1,536 at 16 rows 262
+vs 304. A whole compiled decode step of 16 rows (interleaved rounds, loaded host): tiny
+preset 7.9 -> 6.8 ms, wide-vocab 16.4 -> 14.8 ms. Prompt chunks of hundreds of rows and
+more stay on oneDNN.
 
 Weights off the CPU (CUDA) are left as they are: these layouts were measured on CPU.
 
@@ -65,7 +73,8 @@ from pdserve import env
 
 logger = logging.getLogger(__name__)
 
-SMALL_GEMM_MACS = 1 << 19  # float32: below this many multiply-adds a call goes to BLAS
+SMALL_GEMM_MACS = 1 << 19  # float32: a weight of fewer elements keeps a BLAS copy
+BLAS_CALL_MACS = 1 << 23  # a call of fewer multiply-adds on such a weight goes to BLAS
 SHARED_ROWS = 3  # a tied float32 head: calls of up to this many rows use the shared weight
 PACK_BATCH_HINT = 16  # oneDNN's layout hint; measured no slower from 1 to 1,024 rows
 CHOICES = ("auto", "blas", "onednn")
@@ -120,16 +129,27 @@ def rows_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def call_path(layer: PackedLinear, x: torch.Tensor) -> str:
+    """Which weight a call on ``x`` multiplies by: ``blas`` (the input-major copy),
+    ``shared`` (a tied head's embedding tensor) or ``onednn`` (the packed one)."""
+    macs = x.numel() * layer.out_features
+    if layer.blas is not None and macs < BLAS_CALL_MACS:
+        return "blas"
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if layer.shared is not None and (rows <= SHARED_ROWS or macs < SMALL_GEMM_MACS):
+        return "shared"
+    return "onednn"
+
+
 def _packed_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     layer = _layers[handle]()
     assert layer is not None, "packed linear of a dropped model"
-    if layer.blas is not None and x.numel() * out_features < SMALL_GEMM_MACS:
-        return F.linear(x, layer.blas, layer.bias)
+    path = call_path(layer, x)
+    if path != "onednn":
+        weight = layer.blas if path == "blas" else layer.shared
+        assert weight is not None
+        return F.linear(x, weight, layer.bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if layer.shared is not None and (
-        rows <= SHARED_ROWS or x.numel() * out_features < SMALL_GEMM_MACS
-    ):
-        return F.linear(x, layer.shared, layer.bias)
     padded = rows_bucket(rows)
     if padded == rows:
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")

@@ -7,12 +7,11 @@ takes them; ``engine_config_from_args`` (below) turns them into an
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve import env
-from pdserve.config_cli import add_flags, flag
+from pdserve.config_cli import add_flags, checked, flag
 from pdserve.engine.config import DTYPES, EngineConfig
 from pdserve.engine.kv_tiers.config import TierArgs, tier_config_from_args
 from pdserve.engine.lora_files import LoraConfig, parse_lora_flag
@@ -22,22 +21,10 @@ from pdserve.engine.spec_config import parse_speculative
 ENGINE, LORA = "engine", "LoRA adapters (docs/lora.md)"
 
 
-def lora_flag(value: str) -> str:
-    """``--lora``'s check at parse time: argparse names the flag in its error."""
-    try:
-        parse_lora_flag(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return value
-
-
-def speculative_flag(value: str) -> str:
-    """``--speculative``'s check at parse time (engine/spec_config.py)."""
-    try:
-        parse_speculative(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return value
+# --lora's and --speculative's checks at parse time (engine/lora_files.py,
+# engine/spec_config.py): argparse names the flag in its error.
+lora_flag = checked(parse_lora_flag, keep_text=True)
+speculative_flag = checked(parse_speculative, keep_text=True)
 
 
 @dataclass(frozen=True)
@@ -148,6 +135,21 @@ def add_engine_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     add_flags(parser, (EngineArgs, TierArgs))
 
 
+# The flags that are the EngineConfig field of the same name, taken as given.
+_AS_GIVEN = (
+    "dtype",
+    "device",
+    "block_size",
+    "kv_cache_bytes",
+    "kv_cache_fraction",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "served_model_name",
+    "cpu_threads",
+)
+
+
 def engine_config_from_args(
     args: Any, *, resolve: bool = True, background: bool = False
 ) -> EngineConfig:
@@ -157,17 +159,8 @@ def engine_config_from_args(
     loras = tuple(parse_lora_flag(v) for v in getattr(args, "lora", None) or ())
     return EngineConfig(
         model=resolve_model(args.model, args.dtype, args.device) if resolve else args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_bytes,
-        kv_cache_fraction=args.kv_cache_fraction,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        served_model_name=args.served_model_name,
+        **{name: getattr(args, name) for name in _AS_GIVEN},
         enable_prefix_caching=not args.no_prefix_caching,
-        cpu_threads=args.cpu_threads,
         # Adapter layers run eager (docs/lora.md): no compile for a worker that has some.
         compile=not (args.enforce_eager or env.eager_forced() or loras),
         # a worker's (``background``): serve eager, compile in the background (compile_job.py)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.engine import compile_job
+from pdserve.engine import compile_job, model_seal
 from pdserve.engine.compile_job import CompileJob
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.draft_proposer import DraftProposer, check_vocab, draft_config, sized
@@ -77,6 +77,7 @@ class LLMEngine:
         self.config = config
         if config.cpu_threads is not None:  # process-wide: one engine per worker process
             torch.set_num_threads(config.cpu_threads)
+        model_seal.check(config.model)  # a shared cache: the files as first loaded, or none
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         self.runner = runner or ModelRunner(config)
         budget = budget_bytes(self.runner.device, config.kv_cache_bytes, config.kv_cache_fraction)
@@ -165,11 +166,13 @@ class LLMEngine:
         )
         return LLMEngine(config, runner=runner)
 
-    def start_compile(self) -> None:
+    def start_compile(self, quiet_s: float = 0.0, max_hold_s: float = 0.0) -> None:
         """Compile the forward in the background while the eager one serves; it is
-        swapped in between steps once compiled and checked (compile_job.py)."""
+        swapped in between steps once compiled and checked (compile_job.py). With
+        ``quiet_s``, the compile waits until the engine has had no work that long (at most
+        ``max_hold_s``): a worker's first requests do not share its CPU with it."""
         if self.runner.compile_wanted and not self.runner.compiled:
-            self.compile_job = CompileJob(self)
+            self.compile_job = CompileJob(self, quiet_s, max_hold_s)
             self.compile_job.start()
 
     @property
@@ -343,15 +346,9 @@ class LLMEngine:
             self.kv.register_computed(req)
             if not chunk.samples:
                 continue
-            token, lp = next(it)
-            try:  # stop handling, detokenization: this request's own work
-                if isinstance(token, Exception):
-                    raise token
-                out = self._append_token(req, token)
-            except Exception as exc:
-                out = self._fail_request(req, exc)
+            out = self._emit(req, *next(it))
             if out is not None:
-                outputs.append(with_logprobs(out, req, lp))
+                outputs.append(out)
         return outputs
 
     def _verify(
@@ -366,18 +363,24 @@ class LLMEngine:
         self.kv.register_computed(req)
         outs: list[RequestOutput] = []
         for token, lp in zip(emitted, logprobs, strict=False):
-            try:
-                if isinstance(token, Exception):
-                    raise token
-                out = self._append_token(req, token)
-            except Exception as exc:
-                out = self._fail_request(req, exc)
+            out = self._emit(req, token, lp)
             if out is not None:
-                outs.append(with_logprobs(out, req, lp))
+                outs.append(out)
                 self.spec.stats.emitted_tokens += len(out.token_ids)
             if out is None or out.finished:
                 break
         return merge_outputs(outs)
+
+    def _emit(self, req: Request, token: int | Exception, lp: Any) -> RequestOutput | None:
+        """A sampled token through the stop rules and detokenization, with its logprobs;
+        a failure there (or a failed row) ends this request alone."""
+        try:
+            if isinstance(token, Exception):
+                raise token
+            out = self._append_token(req, token)
+        except Exception as exc:
+            out = self._fail_request(req, exc)
+        return None if out is None else with_logprobs(out, req, lp)
 
     def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
         """End ``req`` alone with an error; the rest of the batch goes on."""

@@ -23,6 +23,7 @@ from pdserve.engine import (
     compiled,
     cuda_graphs,
     mla,
+    model_seal,
     model_support,
 )
 from pdserve.engine.attention import (
@@ -75,6 +76,7 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
+        model_seal.check(config.model)  # before config, tokenizer or weights are read
         hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         # Refused by name before the weights load: options the attention does not honour.
         self.layers = model_support.check_config(hf_config)

@@ -310,10 +310,6 @@ class LocalCluster:
         self._spawn(proc)
         return proc
 
-    def start_zygote(self) -> None:
-        """Start the core zygote now (if the spec wants one), before the first worker."""
-        self._zygote_env()
-
     def _zygote_env(self) -> dict[str, str]:
         """Where the workers' cores fork from: a zygote the caller runs already (its socket
         in ``PDSERVE_CORE_ZYGOTE``: the test session's), else this cluster's, started for
@@ -388,7 +384,7 @@ class LocalCluster:
                     names = ", ".join(p.name for p in pending)
                     raise TimeoutError(f"not healthy after {timeout:.0f}s: {names}")
                 if pending:
-                    time.sleep(0.25)
+                    time.sleep(0.1)
 
     def wait_routed(self, router: Proc, timeout: float = 120.0, api_key: str = "") -> None:
         """Block until ``router`` lists every worker process as healthy (``GET /workers``).

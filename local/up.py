@@ -12,24 +12,31 @@ stops every process group it started.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from pdserve import env
 from pdserve.config_cli import add_flags
 from pdserve.engine.model_source import TINY, needs_resolving, resolve_model
 from pdserve.engine.spec_config import parse_speculative
 from pdserve.local import kv_store
-from pdserve.local.compile_watch import CompileWatch
-from pdserve.local.planner_loop import config_from_args
-from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
-from pdserve.local.supervise import Supervisor
 from pdserve.local.up_args import FLAGS as FLAGS
 from pdserve.router.adapters import parse_lora
+from pdserve.worker.core.zygote import ZygoteProcess
+
+if TYPE_CHECKING:
+    from pdserve.local.processes import ClusterSpec, LocalCluster, Proc
+
+# Imported by ``run`` once the core zygote is on its way, not here: the cluster's modules
+# (httpx, the router's discovery with FastAPI, aiohttp) cost ~0.85 CPU-s, measured on the
+# 2-core dev machine, and every core waits for the zygote's own imports (~5 CPU-s), so
+# those start first (docs/workers.md, "Start-up").
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -122,6 +129,8 @@ def _validate(args: argparse.Namespace) -> None:
             "pdserve up: --max-starting needs --autoscale and a count >= 0 (0: no cap)"
         )
     if args.autoscale:
+        from pdserve.local.planner_loop import config_from_args
+
         try:
             config_from_args(args)
         except ValueError as exc:  # bad profile file, SLO or bounds
@@ -130,15 +139,44 @@ def _validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
-    store = kv_store.open_store(args.kv_shared, args.kv_shared_maxmemory)
+    zygote = start_zygote(args)
     try:
-        return _run(args, store)
+        store = kv_store.open_store(args.kv_shared, args.kv_shared_maxmemory)
+        try:
+            return _run(args, store, zygote)
+        finally:
+            if store is not None:
+                store.stop()
     finally:
-        if store is not None:
-            store.stop()
+        if zygote is not None:  # after the cluster's stop (in _run): its cores die with it
+            zygote.stop()
 
 
-def _run(args: argparse.Namespace, store: kv_store.SharedStore | None) -> int:
+def log_dir(args: argparse.Namespace) -> Path:
+    """Where the processes log: ``--log-dir``, else a directory of this process's own."""
+    path = Path(args.log_dir or f"/tmp/pdserve-logs-{os.getpid()}")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def start_zygote(args: argparse.Namespace) -> ZygoteProcess | None:
+    """The core zygote, started before anything else: its imports (torch, transformers)
+    are what every worker's core waits for; they run beside this process's own imports,
+    the model's resolution (a conversion on a first start) and the workers' front ends.
+    None where the cores do not fork from one of ours (``--no-core-zygote``, or a zygote
+    named in ``PDSERVE_CORE_ZYGOTE`` already)."""
+    if not args.core_zygote or env.get(env.CORE_ZYGOTE):
+        return None
+    with open(log_dir(args) / "core-zygote.log", "ab") as log:
+        return ZygoteProcess(log=log)
+
+
+def _run(
+    args: argparse.Namespace, store: kv_store.SharedStore | None, zygote: ZygoteProcess | None
+) -> int:
+    from pdserve.local.compile_watch import CompileWatch
+    from pdserve.local.processes import ClusterSpec, LocalCluster
+
     spec = ClusterSpec(
         model_dir="",  # resolved below, while the core zygote imports
         num_prefill=args.prefill,
@@ -149,7 +187,7 @@ def _run(args: argparse.Namespace, store: kv_store.SharedStore | None) -> int:
         served_model_name=args.served_model_name,
         worker_args=worker_args(args) + (store.worker_args() if store is not None else ()),
         decode_args=decode_args(args),
-        log_dir=args.log_dir,
+        log_dir=str(log_dir(args)),
         worker_port_base=args.worker_port_base,
         autoscaled=args.autoscale,
         core_zygote=args.core_zygote,
@@ -164,10 +202,9 @@ def _run(args: argparse.Namespace, store: kv_store.SharedStore | None) -> int:
     # Ctrl-C in a foreground group nor `kill -INT` would stop `up` and its workers.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    cluster = LocalCluster(spec)
-    # The zygote's imports (torch, transformers: seconds of CPU) run beside the model's
-    # conversion on a first start; it dies with this process if the conversion fails.
-    cluster.start_zygote()
+    # The zygote (started in ``run``) imports meanwhile; it dies with this process if the
+    # model's conversion fails.
+    cluster = LocalCluster(spec, zygote=zygote)
     spec = cluster.spec = replace(spec, model_dir=ensure_model(args.model, args.dtype))
     try:
         print(
@@ -232,6 +269,8 @@ def _progress(total: int):  # -> Callable[[Proc, float], None]
 
 def _watch(cluster: LocalCluster) -> int:
     """Run until interrupted, restarting any process that dies (local/supervise.py)."""
+    from pdserve.local.supervise import Supervisor
+
     Supervisor(cluster).run_forever()
     return 0
 

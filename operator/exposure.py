@@ -73,6 +73,16 @@ def exposure_violations(svc: LLMServiceSpec, policy: ExposurePolicy) -> Iterator
                 f"operator allows ({_allowed(policy.gateway_namespaces)}; "
                 "--allow-gateway-namespace)",
             )
+    guarded = r.gateway_token_secret or r.ext_proc_tls_secret
+    to_gateway = r.http_route_parents or svc.network_policy.gateway_namespaces
+    if r.mode == "endpointPicker" and to_gateway and not guarded:
+        yield (
+            "spec.router.extProcTLSSecret",
+            "or spec.router.gatewayTokenSecret is required when the endpoint picker is "
+            "exposed to a gateway (an HTTPRoute or networkPolicy.gatewayNamespaces): "
+            "without either, any pod that reaches its ext_proc port picks, and its "
+            "forged 'served' metadata takes decode workers out",
+        )
     exposed = r.service_type != "ClusterIP" or r.ingress is not None or r.http_route_parents
     if exposed and not r.api_key_secret:
         yield (

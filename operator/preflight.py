@@ -1,13 +1,12 @@
 """Checks a schema-valid spec must pass before any child is created or changed.
 
-Each problem names the field, e.g. ``spec.router.apiKeySecret.name: Secret
-"llm-key" not found in namespace "ml"``. A missing object may appear later
+Each problem names the field, e.g. ``spec.model.source.pvc.claimName:
+PersistentVolumeClaim "weights" not found in namespace "ml"``. A missing object may appear later
 (``retryable``); a spec that fights the operator can only be fixed by editing it.
 """
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 
 from pdserve.operator.kube import KubeClient
@@ -55,34 +54,13 @@ def check_extra_args(spec: LLMServiceSpec) -> list[Problem]:
     return problems
 
 
-async def _check_secret_key(
-    client: KubeClient, namespace: str, name: str, key: str, field: str
-) -> list[Problem]:
-    secret = await client.get("v1", "Secret", namespace, name)
-    if secret is None:
-        msg = f'Secret "{name}" not found in namespace "{namespace}"'
-        return [Problem(f"{field}.name", msg, retryable=True)]
-    data = secret.get("data") or {}
-    if key not in data and key not in (secret.get("stringData") or {}):
-        msg = f'Secret "{name}" has no key "{key}" (keys: {sorted(data)})'
-        return [Problem(f"{field}.key", msg, retryable=True)]
-    if key in data and not base64.b64decode(data[key] or "").strip():
-        return [Problem(f"{field}.key", f'Secret "{name}" key "{key}" is empty', retryable=True)]
-    return []
-
-
 async def check_references(client: KubeClient, spec: LLMServiceSpec) -> list[Problem]:
     ns = spec.namespace
     problems: list[Problem] = []
-    if spec.router.api_key_secret:
-        field = "spec.router.apiKeySecret"
-        problems += await _check_secret_key(
-            client, ns, spec.router.api_key_secret, spec.router.api_key_key, field
-        )
+    # Secrets it names (apiKeySecret, tokenSecret, ...) are not looked at: the operator
+    # reads no Secret (issue 44 item 12). A missing one stops the pods that mount it,
+    # with the kubelet's Event naming it (CreateContainerConfigError / FailedMount).
     src = spec.model.source
-    if src.kind == "huggingFace" and src.token_secret:
-        field = "spec.model.source.huggingFace.tokenSecret"
-        problems += await _check_secret_key(client, ns, src.token_secret, src.token_key, field)
     cache = src.cache_claim if src.kind == "huggingFace" else ""
     if cache and await client.get("v1", "PersistentVolumeClaim", ns, cache) is None:
         msg = f'PersistentVolumeClaim "{cache}" not found in namespace "{ns}"'

@@ -49,6 +49,7 @@ FRONT_FLAGS = (
     "--body-timeout",
 )
 _TOKEN_DIR = "/etc/pdserve/gateway-token"
+_TLS_DIR = "/etc/pdserve/ext-proc-tls"  # tls.crt, tls.key, ca.crt (cert-manager's keys)
 _FRONT_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
 
 
@@ -116,10 +117,37 @@ def _picker_deployment(spec: LLMServiceSpec, dep: Manifest) -> Manifest:
         )
     admin = {"name": "admin", "containerPort": n.ADMIN_PORT, "protocol": "TCP"}  # /metrics
     c["ports"] = [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}, admin]
-    c["startupProbe"] = _grpc_probe("liveness", 10, 180)
-    c["readinessProbe"] = _grpc_probe("readiness", 5, 3)
-    c["livenessProbe"] = _grpc_probe("liveness", 10, 6)
+    probe = _grpc_probe
+    if spec.router.ext_proc_tls_secret:  # mutual TLS: only the gateway's certificate
+        c["command"] += [
+            "--ext-proc-tls-cert",
+            f"{_TLS_DIR}/tls.crt",
+            "--ext-proc-tls-key",
+            f"{_TLS_DIR}/tls.key",
+            "--ext-proc-client-ca",
+            f"{_TLS_DIR}/ca.crt",
+        ]
+        secret = {"secretName": spec.router.ext_proc_tls_secret, "defaultMode": 0o440}
+        pod = dep["spec"]["template"]["spec"]
+        pod["volumes"].append({"name": "ext-proc-tls", "secret": secret})
+        c["volumeMounts"].append({"name": "ext-proc-tls", "mountPath": _TLS_DIR, "readOnly": True})
+        probe = _http_probe  # the kubelet's gRPC probe speaks no TLS
+    c["startupProbe"] = probe("liveness", 10, 180)
+    c["readinessProbe"] = probe("readiness", 5, 3)
+    c["livenessProbe"] = probe("liveness", 10, 6)
     return dep
+
+
+def _http_probe(service: str, period: int, failures: int) -> dict[str, Any]:
+    """The picker's health on its admin port (router/picker/service.py): ``/livez`` for
+    liveness, ``/health`` for readiness."""
+    path = "/livez" if service == "liveness" else "/health"
+    return {
+        "httpGet": {"path": path, "port": "admin"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
 
 
 def _picker_service(spec: LLMServiceSpec, svc: Manifest) -> Manifest:

@@ -129,6 +129,8 @@ class RouterSpec:
     # endpointPicker: the Secret with the gateway's ext_proc credential (--gateway-token-file)
     gateway_token_secret: str = ""
     gateway_token_key: str = "token"
+    # endpointPicker: a kubernetes.io/tls Secret with ca.crt: ext_proc over mutual TLS
+    ext_proc_tls_secret: str = ""
 
 
 @dataclass(frozen=True)

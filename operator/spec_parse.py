@@ -210,8 +210,10 @@ def parse_router(r: _Reader) -> RouterSpec:
             raise SpecError(f"{i.path}.host", "is required")
     key = r.sub("apiKeySecret")
     gateway = r.sub("gatewayTokenSecret")
-    if gateway.data.get("name") and r.data.get("mode", "router") != "endpointPicker":
-        raise SpecError(f"{gateway.path}", "is for mode endpointPicker (the picker's ext_proc)")
+    tls = r.sub("extProcTLSSecret")
+    for guard in (gateway, tls):
+        if guard.data.get("name") and r.data.get("mode", "router") != "endpointPicker":
+            raise SpecError(f"{guard.path}", "is for mode endpointPicker (the picker's ext_proc)")
     check_resources(f"{r.path}.resources", r.get("resources", Mapping, {}))
     check_tolerations(f"{r.path}.tolerations", r.obj_list("tolerations"))
     return RouterSpec(
@@ -237,6 +239,7 @@ def parse_router(r: _Reader) -> RouterSpec:
         limits=_router_limits(r.sub("limits")),
         gateway_token_secret=gateway.get("name", str, ""),
         gateway_token_key=gateway.get("key", str, "token"),
+        ext_proc_tls_secret=tls.get("name", str, ""),
     )
 
 

@@ -50,6 +50,22 @@ def flag(default: Any = MISSING, help: str = "", *, group: str, **kw: Any) -> An
     return dataclasses.field(default=default, metadata=meta)
 
 
+def checked(parse: Callable[[str], Any], keep_text: bool = False) -> Callable[[str], Any]:
+    """A flag's ``parse`` from a parser that raises ValueError: argparse then names the flag
+    in its error. The flag's value is what ``parse`` returns, or with ``keep_text`` the text
+    itself (checked at parse time, parsed where it is used)."""
+
+    def check(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text if keep_text else value
+
+    check.__name__ = getattr(parse, "__name__", "value")
+    return check
+
+
 @dataclass(frozen=True)
 class Option:
     """One field resolved: everything argparse and the docs need."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from pdserve.planner import recurrence
@@ -319,21 +319,12 @@ def _season_delta(
 
 
 def _series_dict(s: Series) -> dict[str, Any]:
-    return {
-        "level": s.level,
-        "slope": s.slope,
-        "time_s": s.time_s,
-        "interval_s": s.interval_s,
-        "season": list(s.season),
-        "noise": s.noise,
-        "base": s.base,
-        "rising": s.rising,
-        "recent": list(s.recent),
-        "rises": s.rises,
-        "collapsed": s.collapsed,
-        "uptrend": s.uptrend,
-        "recurrence": recurrence.to_dict(s.recurrence),
-    }
+    """Every field (a new one included), as JSON: the tuples as lists, the recurrence as
+    its own dict."""
+    out = {f.name: getattr(s, f.name) for f in fields(s)}
+    out.update(season=list(s.season), recent=list(s.recent))
+    out["recurrence"] = recurrence.to_dict(s.recurrence)
+    return out
 
 
 def _series(body: Any) -> Series:

@@ -51,32 +51,26 @@ def plan(
     if mode == COLOCATED:
         p, da = _colocated(p, da, fc, config, choice.colocated_goodput)
     d = da.need
-    p_in = PoolInput(
-        "prefill",
-        p.need,
-        s.prefill,
-        config.prefill,
-        replace(state.prefill, etas=p_etas),
-        now,
-        p.steady_need,
-        p.floor,
-        fc.request_rate.uptrend or fc.prompt_rate.uptrend,
+    ready_at = now + config.startup_s
+
+    def decided(
+        role: str, need: float, steady: float, floor: float, etas: tuple[float, ...], rising: bool
+    ) -> tuple[PoolDecision, PoolMemory]:
+        """The pool's decision, stabilized, and its memory (starts counted)."""
+        memory = replace(getattr(state, role), etas=etas)
+        inp = PoolInput(
+            role, need, getattr(s, role), getattr(config, role), memory, now, steady, floor, rising
+        )
+        dec, mem = stabilize(inp, config.stability)
+        return dec, _started(dec, mem, ready_at)
+
+    uptrend = fc.request_rate.uptrend
+    p_dec, p_mem = decided(
+        "prefill", p.need, p.steady_need, p.floor, p_etas, uptrend or fc.prompt_rate.uptrend
     )
-    d_in = PoolInput(
-        "decode",
-        d.need,
-        s.decode,
-        config.decode,
-        replace(state.decode, etas=d_etas),
-        now,
-        da.steady_need,
-        da.floor,
-        fc.request_rate.uptrend or fc.output_rate.uptrend,
+    d_dec, d_mem = decided(
+        "decode", d.need, da.steady_need, da.floor, d_etas, uptrend or fc.output_rate.uptrend
     )
-    p_dec, p_mem = stabilize(p_in, config.stability)
-    d_dec, d_mem = stabilize(d_in, config.stability)
-    p_mem = _started(p_dec, p_mem, now + config.startup_s)
-    d_mem = _started(d_dec, d_mem, now + config.startup_s)
     if p.queue_at_ready > 0 and p_dec.desired > p_dec.current:
         p_dec = replace(
             p_dec,

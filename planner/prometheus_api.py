@@ -3,11 +3,15 @@
 Each metric is fetched as its ``increase`` over the window (counters and
 histogram buckets) or its current sum (gauges); the results form a synthetic
 scrape whose difference from an empty scrape ``window_s`` earlier is exactly
-that increase, so the same code as for /metrics text builds the snapshot.
+that increase, so the same code as for /metrics text builds the snapshot. Every
+query of one snapshot is evaluated at the snapshot's instant (the API's ``time``):
+queried one after the other at the server's "now", a scrape landing between two
+of them moved one counter's increase (its extrapolation) and not the other's.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import httpx
@@ -53,10 +57,12 @@ class PrometheusAPI:
         self.window_s = window_s
         self._client = client or httpx.Client(timeout=timeout_s)
 
-    def query(self, promql: str) -> list[tuple[dict[str, str], float]]:
-        """One instant query; returns (labels, value) rows of the vector result."""
+    def query(self, promql: str, at: float | None = None) -> list[tuple[dict[str, str], float]]:
+        """One instant query (at ``at``, Unix seconds; the server's now if None); returns
+        (labels, value) rows of the vector result."""
+        params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
         try:
-            reply = self._client.get(f"{self.url}/api/v1/query", params={"query": promql})
+            reply = self._client.get(f"{self.url}/api/v1/query", params=params)
         except httpx.HTTPError as exc:
             detail = type(exc).__name__ if self.quiet else str(exc)
             raise MetricsError(f"Prometheus query failed ({promql}): {detail}") from None
@@ -75,19 +81,19 @@ class PrometheusAPI:
     def scrape(self, now_s: float) -> Scrape:
         samples: dict[str, list[tuple[Labels, float]]] = {}
         w = f"[{int(self.window_s)}s]"
+        put = functools.partial(self._put, samples, at=now_s)
         for name in COUNTERS:
-            self._put(samples, name, f"sum(increase({self._sel(name)}{w}))")
+            put(name, f"sum(increase({self._sel(name)}{w}))")
         for name in ROLE_COUNTERS:
-            self._put(samples, name, f"sum by (role) (increase({self._sel(name)}{w}))")
+            put(name, f"sum by (role) (increase({self._sel(name)}{w}))")
         for name in HISTOGRAMS:
-            bucket = f"sum by (le) (increase({self._sel(name + '_bucket')}{w}))"
-            self._put(samples, name + "_bucket", bucket)
+            put(name + "_bucket", f"sum by (le) (increase({self._sel(name + '_bucket')}{w}))")
             for part in ("_count", "_sum"):
-                self._put(samples, name + part, f"sum(increase({self._sel(name + part)}{w}))")
+                put(name + part, f"sum(increase({self._sel(name + part)}{w}))")
         for name in GAUGES:
-            self._put(samples, name, f"sum({self._sel(name)})")
+            put(name, f"sum({self._sel(name)})")
         for name in ROLE_GAUGES:
-            self._put(samples, name, f"sum by (role) ({self._sel(name)})")
+            put(name, f"sum by (role) ({self._sel(name)})")
         return Scrape(now_s, samples)
 
     def snapshot(
@@ -99,8 +105,10 @@ class PrometheusAPI:
     def _sel(self, name: str) -> str:
         return f"{name}{{{self.selector}}}" if self.selector else name
 
-    def _put(self, samples: dict[str, list[tuple[Labels, float]]], name: str, q: str) -> None:
-        rows = self.query(q)
+    def _put(
+        self, samples: dict[str, list[tuple[Labels, float]]], name: str, q: str, at: float
+    ) -> None:
+        rows = self.query(q, at)
         if rows:
             samples[name] = [(tuple(sorted(labels.items())), v) for labels, v in rows]
 

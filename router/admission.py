@@ -10,9 +10,11 @@ At most ``--max-waiting`` requests wait. When that is full, a newcomer takes the
 the newest waiter of the client with the most waiters (that one gets the 429), if that
 client has at least two more waiters than the newcomer's, or a lower priority; else the
 newcomer is refused. ``--max-concurrency-per-key`` bounds one client's requests, in
-flight and waiting together; with several router replicas each enforces
-``ceil(cap / replicas)`` of it (``split``, router/discovery/replicas.py). The slots
-themselves (``--max-queue``) are this replica's own capacity, not split.
+flight and waiting together: counted in this process, or with ``--procs N`` in the table
+the replica's processes share (router/shared_limits.py), so the cap is the replica's;
+with several router replicas each enforces ``ceil(cap / replicas)`` of it (``split``,
+router/discovery/replicas.py). The slots themselves (``--max-queue``) are this process's
+own capacity.
 
 Nothing here reads a body: requests are admitted after their body is read (under
 ``--body-timeout``), so a slow client never holds a slot while it trickles bytes.
@@ -27,6 +29,7 @@ from collections.abc import Callable
 
 from pdserve.router.discovery.replicas import share
 from pdserve.router.errors import APIError
+from pdserve.router.shared_limits import SharedLimits
 
 Waiters = OrderedDict[str, deque[asyncio.Future[None]]]
 
@@ -53,6 +56,38 @@ class Ticket:
             self._owner = None
 
 
+class LocalCounts:
+    """Each client's requests in flight or waiting, in this process alone."""
+
+    def __init__(self) -> None:
+        self._n: dict[str, int] = {}
+
+    def enter(self, client: str, cap: int) -> bool:
+        n = self._n.get(client, 0)
+        if cap and n >= cap:
+            return False
+        self._n[client] = n + 1
+        return True
+
+    def leave(self, client: str) -> None:
+        n = self._n.pop(client, 0) - 1
+        if n > 0:
+            self._n[client] = n
+
+    def count(self, client: str) -> int:
+        return self._n.get(client, 0)
+
+
+def concurrency_limit(cap: int) -> APIError:
+    return APIError(
+        429,
+        f"this API key already has {cap} requests in flight or "
+        "waiting (--max-concurrency-per-key); retry when one finishes",
+        code="concurrency_limit_exceeded",
+        headers={"Retry-After": "1"},
+    )
+
+
 class Admission:
     def __init__(
         self,
@@ -61,8 +96,13 @@ class Admission:
         max_waiting: int = 0,
         wait_s: float = 30.0,
         on_change: Callable[[int], None] = lambda active: None,
+        shared: SharedLimits | None = None,
     ) -> None:
         self.slots, self.per_client = slots, per_client
+        # a client's requests in flight + waiting, counted only under a cap (its base
+        # never changes, so a request is counted on its way out iff on its way in)
+        self.counting = per_client > 0
+        self.counts: LocalCounts | SharedLimits = shared if shared is not None else LocalCounts()
         self.base_per_client = per_client  # the whole cap; per_client is this replica's share
         self.max_waiting, self.wait_s = max_waiting, wait_s
         self.active = 0
@@ -87,19 +127,20 @@ class Admission:
     def try_now(self, client: str) -> Ticket | None:
         """A slot for ``client`` if one is free and nobody waits, else None (then
         ``acquire``); the 429 of ``--max-concurrency-per-key`` when the client is at it."""
-        cap = self.per_client
-        if cap and self.held.get(client, 0) + self.waiting_of(client) >= cap:
-            raise APIError(
-                429,
-                f"this API key already has {cap} requests in flight or "
-                "waiting (--max-concurrency-per-key); retry when one finishes",
-                code="concurrency_limit_exceeded",
-                headers={"Retry-After": "1"},
-            )
+        self._enter(client)
         if self.active < self.slots and not self._waiting:
             self._take(client)
             return Ticket(self, client)
+        self._leave(client)  # acquire counts it again when it waits
         return None
+
+    def _enter(self, client: str) -> None:
+        if self.counting and not self.counts.enter(client, self.per_client):
+            raise concurrency_limit(self.per_client)
+
+    def _leave(self, client: str) -> None:
+        if self.counting:
+            self.counts.leave(client)
 
     async def acquire(self, client: str, priority: int = 0) -> Ticket:
         """A slot for ``client``: at once when one is free and nobody waits, else after
@@ -109,8 +150,13 @@ class Admission:
             return ticket
         if self.max_waiting < 1:
             raise queue_full(self.slots)
+        self._enter(client)  # before a victim is made room for: a refused newcomer takes none
         if self.num_waiting >= self.max_waiting:
-            self._make_room(client, priority)
+            try:
+                self._make_room(client, priority)
+            except APIError:
+                self._leave(client)
+                raise
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         level = self._waiting.setdefault(priority, OrderedDict())
         level.setdefault(client, deque()).append(fut)
@@ -138,6 +184,7 @@ class Admission:
         assert self.active > 0 and self.held.get(client, 0) > 0
         self.active -= 1
         self.held[client] -= 1
+        self._leave(client)
         if not self.held[client]:
             del self.held[client]
             self._drop_idle(client)
@@ -157,6 +204,7 @@ class Admission:
             del level[client]
         self._tidy(priority)
         if fut.done():  # timed out or cancelled meanwhile: nothing to hand over
+            self._leave(client)
             return
         self._take(client)
         fut.set_result(None)
@@ -181,6 +229,7 @@ class Admission:
             del self._waiting[prio][victim]
         self._tidy(prio)
         self._drop_idle(victim)
+        self._leave(victim)
         fut.set_exception(queue_full(self.slots))
 
     def _forget(self, priority: int, client: str, fut: asyncio.Future[None]) -> None:
@@ -189,6 +238,7 @@ class Admission:
         if q is not None:
             with contextlib.suppress(ValueError):
                 q.remove(fut)
+                self._leave(client)  # it waited, never granted
             if not q:
                 del self._waiting[priority][client]
             self._tidy(priority)

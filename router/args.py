@@ -7,11 +7,11 @@ keys read, the model resolved); a new flag is a field here, with its help and gr
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve import env
-from pdserve.config_cli import flag
+from pdserve.config_cli import checked, flag
 from pdserve.router.adapters import parse_lora
 from pdserve.router.config import (
     DECODE_FILTERS,
@@ -35,18 +35,13 @@ CLIENT_KEEP_ALIVE_S = 120
 SERVE, WORKERS, KEYS, ROUTE, HEALTH = "serving", "workers", "keys", "routing", "health"
 
 
-def lora_flag(text: str) -> tuple[str, str]:
-    try:
-        return parse_lora(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+lora_flag = checked(parse_lora)
+scorer_flag = checked(parse_scorer)
 
 
-def scorer_flag(text: str) -> tuple[str, float]:
-    try:
-        return parse_scorer(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _scorers(help: str) -> Any:
+    """A pool's ``--scorer``-style flag: NAME=WEIGHT, repeated."""
+    return flag((), help, group=ROUTE, metavar="NAME=WEIGHT", parse=scorer_flag, many="append")
 
 
 def _pairs(pairs: tuple[tuple[str, float], ...]) -> str:
@@ -141,21 +136,11 @@ class RouterArgs:
         group=ROUTE,
         choices=PD_HANDOFFS,
     )
-    scorer: tuple[tuple[str, float], ...] = flag(
-        (),
-        f"a prefill scorer and its weight, repeated (default {_pairs(PREFILL_SCORERS)})",
-        group=ROUTE,
-        metavar="NAME=WEIGHT",
-        parse=scorer_flag,
-        many="append",
+    scorer: tuple[tuple[str, float], ...] = _scorers(
+        f"a prefill scorer and its weight, repeated (default {_pairs(PREFILL_SCORERS)})"
     )
-    decode_scorer: tuple[tuple[str, float], ...] = flag(
-        (),
-        f"a decode scorer (default {_pairs(DECODE_SCORERS)})",
-        group=ROUTE,
-        metavar="NAME=WEIGHT",
-        parse=scorer_flag,
-        many="append",
+    decode_scorer: tuple[tuple[str, float], ...] = _scorers(
+        f"a decode scorer (default {_pairs(DECODE_SCORERS)})"
     )
     prefill_filter: tuple[str, ...] = flag(
         (),

@@ -123,6 +123,23 @@ class PickerArgs:
         group=PICKER,
         metavar="PATH",
     )
+    ext_proc_tls_cert: str = flag(
+        "",
+        "serve ext_proc over mutual TLS with this certificate (PEM; with "
+        "--ext-proc-tls-key and --ext-proc-client-ca; docs/security.md)",
+        group=PICKER,
+        metavar="PATH",
+    )
+    ext_proc_tls_key: str = flag(
+        "", "the private key of --ext-proc-tls-cert (PEM)", group=PICKER, metavar="PATH"
+    )
+    ext_proc_client_ca: str = flag(
+        "",
+        "the CA (PEM) that signs the gateway's client certificate: a client without one "
+        "fails the TLS handshake before it reaches ext_proc",
+        group=PICKER,
+        metavar="PATH",
+    )
     prefill_from_header: bool = flag(
         False,
         "a decode pod's front: prefill on the worker the "

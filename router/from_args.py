@@ -20,6 +20,7 @@ from pdserve.router.config import (
 )
 from pdserve.router.discovery.replicas import share
 from pdserve.router.discovery.workers import EndpointSource, StaticSource
+from pdserve.router.shared_limits import installed
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -55,8 +56,11 @@ def prefill_scorers(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
 def build_config(
     args: argparse.Namespace, proc_index: int = 0, proc_ports: tuple[int, ...] = ()
 ) -> RouterConfig:
-    n = max(len(proc_ports), 1)  # per-client budgets: each process enforces its share
+    n = max(len(proc_ports), 1)  # the slots: each process has its share
+    if n > 1 and installed() is None and any(getattr(args, f) for f in BUDGETS):
+        raise ValueError("per-client budgets over --procs need the shared table (procs.py)")
     copied: dict[str, Any] = {field: getattr(args, flag) for field, flag in COPIED.items()}
+    copied.update({field: getattr(args, field) for field in BUDGETS})
     shares: dict[str, Any] = {field: share(getattr(args, field), n) for field in SHARED}
     return RouterConfig(
         proc_index=proc_index,
@@ -94,8 +98,11 @@ COPIED = {
     "prefix_index_capacity": "prefix_index_max_blocks",
     "router_namespace": "namespace",
 }
-# ...and the per-client budgets, which --procs N processes split (each enforces its share).
-SHARED = ("max_queue", "max_concurrency_per_key", "max_waiting", "rate_limit_rpm", "rate_limit_tpm")
+# ...the capacity, which --procs N processes split (each has its share of the slots)...
+SHARED = ("max_queue", "max_waiting")
+# ...and the per-client budgets, the replica's whole: its processes share one table of
+# counters and buckets (router/shared_limits.py) instead of rounding a split up.
+BUDGETS = ("max_concurrency_per_key", "rate_limit_rpm", "rate_limit_tpm")
 
 
 def router_service(args: argparse.Namespace) -> str:

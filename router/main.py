@@ -12,7 +12,7 @@ from pdserve.router.args import FLAGS as FLAGS
 from pdserve.router.config import RouterConfig
 from pdserve.router.from_args import build_config as build_config
 from pdserve.router.from_args import build_source as build_source
-from pdserve.router.picker.cli import run_picker
+from pdserve.router.picker.cli import refuse_picker_flags, run_picker
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ def num_procs(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.mode == "endpoint-picker":  # an ext_proc service for a gateway, no HTTP API
         return run_picker(args)
+    refuse_picker_flags(args)
     n = num_procs(args)
     if n == 1:
         return serve(args, 0, [])

@@ -9,8 +9,9 @@ a scrape of /metrics on any process returns every process's series (router/metri
 The parent only supervises: SIGTERM/SIGINT go to every process; when one process exits, the
 others are stopped and the parent exits with its status, so the pod restarts as a whole
 rather than serving on with part of its capacity and a port some connections fail on.
-Per-client budgets (rate limits, per-key concurrency) are split across the processes:
-each enforces its share (``RouterConfig.budget_share``), see docs/router.md.
+Per-client budgets (rate limits, per-key concurrency) are the replica's whole: the parent
+makes one table of counters and buckets before it forks, which every process shares
+(router/shared_limits.py); the slots (``--max-queue``, ``--max-waiting``) are split.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import socket
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+
+from pdserve.router import shared_limits
 
 STOP_GRACE_S = 30.0  # a process gets this long to drain before SIGKILL
 
@@ -58,6 +61,7 @@ def metrics_sockets(n: int) -> list[socket.socket]:
 def supervise(args: argparse.Namespace, n: int, child: Callable[..., int]) -> int:
     """Start ``child(args, index, sockets)`` in ``n`` forked processes; wait; stop all."""
     socks = metrics_sockets(n)
+    shared_limits.install()  # before the fork: every process inherits the same table
     ctx = mp.get_context("fork")  # nothing has started threads yet: the app is built per child
     procs: list[BaseProcess] = [
         ctx.Process(target=_run_child, args=(child, args, i, socks), name=f"router-{i}")

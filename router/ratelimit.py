@@ -7,6 +7,8 @@ tokens from the second once its prompt is tokenized (the worst case, as OpenAI
 counts ``max_tokens`` against its limit). An empty bucket is a 429 whose
 ``Retry-After`` says when enough will have refilled.
 
+With ``--procs N`` the buckets live in the table the replica's processes share
+(router/shared_limits.py): the limits are the replica's, not split again per process.
 Several router replicas split the limits (``split``, router/discovery/replicas.py): each
 enforces ``ceil(limit / replicas)`` of a client's budget, its buckets resized at once when
 the count changes (a bucket keeps its level, up to its new capacity).
@@ -17,37 +19,29 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from pdserve.router.bucket import Bucket
 from pdserve.router.discovery.replicas import share
 from pdserve.router.errors import APIError
 
+if TYPE_CHECKING:
+    from pdserve.router.shared_limits import SharedLimits
+
+__all__ = ["Bucket", "RateLimiter"]
 MAX_CLIENTS = 10_000  # buckets kept; beyond it the full (idle) ones are dropped
 
 
-@dataclass
-class Bucket:
-    capacity: float
-    level: float
-    stamp: float
-
-    def take(self, n: float, now: float) -> float:
-        """Take ``n`` if there is as much; else 0 is taken and the seconds until there
-        will be are returned. A request larger than a minute's budget is taken once the
-        bucket is full, leaving it in debt (the bucket holds at least one request of any
-        size, and the rate still holds: the debt refills before the next)."""
-        rate = self.capacity / 60.0
-        self.level = min(self.capacity, self.level + (now - self.stamp) * rate)
-        self.stamp = now
-        if n <= self.level or (n > self.capacity and self.level >= self.capacity):
-            self.level -= n
-            return 0.0
-        return (min(n, self.capacity) - self.level) / rate
-
-
 class RateLimiter:
-    def __init__(self, rpm: int, tpm: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        rpm: int,
+        tpm: int,
+        clock: Callable[[], float] = time.monotonic,
+        shared: SharedLimits | None = None,
+    ) -> None:
         self.rpm, self.tpm, self.clock = rpm, tpm, clock
+        self.shared = shared  # --procs N: the buckets the replica's processes share
         self.base = (rpm, tpm)  # the whole budget; rpm/tpm are this replica's share
         self._buckets: dict[tuple[str, str], Bucket] = {}
 
@@ -72,11 +66,15 @@ class RateLimiter:
 
     def _take(self, client: str, kind: str, limit: int, n: int) -> None:
         now = self.clock()
-        bucket = self._buckets.get((client, kind))
-        if bucket is None:
-            self._prune(now)
-            bucket = self._buckets[(client, kind)] = Bucket(float(limit), float(limit), now)
-        wait = bucket.take(n, now)
+        if self.shared is not None:
+            which = 0 if kind == "requests" else 1
+            wait = self.shared.take(client, which, float(limit), float(n), now)
+        else:
+            bucket = self._buckets.get((client, kind))
+            if bucket is None:
+                self._prune(now)
+                bucket = self._buckets[(client, kind)] = Bucket(float(limit), float(limit), now)
+            wait = bucket.take(n, now)
         if wait == 0.0:
             return
         raise APIError(

@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pdserve.protocol.contract import LoraRef
+from pdserve.router import errors
 from pdserve.router.adapters import Adapter, AdapterTable
 from pdserve.router.admission import Admission, Ticket
 from pdserve.router.api.openai_request import check_model
@@ -32,10 +33,11 @@ from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.scheduling.prefix_index import PrefixIndex
 from pdserve.router.scheduling.scheduler import Scheduler
 from pdserve.router.scheduling.tier_index import TierIndex, parse_weights
+from pdserve.router.shared_limits import installed as shared_table
 from pdserve.router.tokenizer import PromptTokenizer
-from pdserve.router.transport import worker_client
 from pdserve.router.transport.dispatch import Dispatcher, RequestState
 from pdserve.router.transport.lora_sync import LoraSync
+from pdserve.worker_calls import worker_client
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,15 +68,18 @@ class Runtime:
         self.keys = KeyStore(
             cfg.api_keys, cfg.api_key_file, cfg.admin_api_keys, cfg.admin_api_key_file
         )
+        # --procs N: the per-client budgets in the table the processes share
+        shared = shared_table() if len(cfg.proc_metrics_ports) > 1 else None
         self.admission = Admission(
             cfg.max_queue,
             cfg.max_concurrency_per_key,
             cfg.max_waiting,
             cfg.queue_timeout_s,
             self.metrics.queue_depth.set,
+            shared,
         )
         self.created = int(time.time())
-        self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm)
+        self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm, shared=shared)
         self._salt_key = salt_key()
         # Per-client budgets: this replica enforces 1/replicas of them (discovery/replicas.py).
         self.replicas = replica_count(cfg)
@@ -192,7 +197,7 @@ class Runtime:
         self.metrics.child(self.metrics.requests, str(err.status)).inc()
         if err.status >= 500:
             log.warning("request failed (%d): %s", err.status, err.message)
-        return err.response()
+        return errors.response(err)
 
     def internal_error(self, path: str, exc: Exception) -> JSONResponse:
         """An unexpected exception while serving ``path``: logged, answered with a 500."""

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
+from tests import early_release
 from tests.tiers import TIERS, mark_tiers, tier_of
-from tests.xdist_plan import plan
+from tests.xdist_plan import Durations, plan
 
 # The machine is shared and small: one compute thread per test process by default.
 for _name, _value in {
@@ -81,6 +82,9 @@ def _start_reaper() -> None:
 
 _REAPER: list[subprocess.Popen[bytes]] = []  # referenced for the process's life: its pipe
 _ZYGOTE: list[Any] = []  # this process's engine-core zygote, if the run starts cores
+# Each test's seconds, recorded by the process that sees every report (a plain run, or the
+# xdist controller): the next run's plan orders its groups by them (tests/xdist_plan.py).
+_DURATIONS = Durations()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -111,6 +115,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     importing torch and transformers anew, ~6 CPU-s each for the suite's ~80 cores. A test
     that changes the environment gets a core of its own (the zygote refuses it), and
     tests/workers/test_core_zygote.py starts cores without one."""
+    early_release.SESSION.plan(session.items)  # the run's order, deselection done
     from pdserve import env
 
     if env.get(env.CORE_ZYGOTE) or all(tier_of(i) == "unit" for i in session.items):
@@ -119,6 +124,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     _ZYGOTE.append(ZygoteProcess(log=subprocess.DEVNULL))
     os.environ[env.CORE_ZYGOTE] = _ZYGOTE[0].path
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    try:
+        return (yield)
+    finally:  # a session service whose last test this was stops now (tests/early_release.py)
+        early_release.SESSION.after_teardown(item, nextitem)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        _DURATIONS.add(report)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        _DURATIONS.save()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

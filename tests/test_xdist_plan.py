@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.testing.loopback import ROOT
-from tests.xdist_plan import KNOWN_SECONDS, group_of, plan
+from tests.xdist_plan import Durations, base_nodeid, group_cost, group_of, load_seconds, plan
 
 pytestmark = pytest.mark.unit
 
@@ -56,11 +56,30 @@ def test_shared_services_are_one_group_and_the_rest_go_with_their_module() -> No
     ]
 
 
+# Recorded seconds of a run (what tests/xdist_plan.py reads): the edge deployment's and
+# test_a's are not recorded, so they are guessed from their tiers (cluster: 10 s a module
+# + 3 s a test; unit: 0.1 s).
+SECONDS = {
+    "tests/router/test_echo.py::test_b": 100.0,
+    "tests/router/test_tool_calling.py::test_f": 20.0,
+    "tests/local/test_scale_under_load.py::test_d": 80.0,
+    "tests/router/test_routing.py::test_c": 0.5,
+}
+
+
 def test_under_xdist_the_longest_groups_go_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
     got = items()
-    plan(got)  # type: ignore[arg-type]
-    assert KNOWN_SECONDS["shared-up"] > KNOWN_SECONDS["tests/local/test_scale_under_load.py"]
+    plan(got, seconds=SECONDS)  # type: ignore[arg-type]
+    costs = {
+        g: group_cost([i for i in got if group_of(i) == g], SECONDS)  # type: ignore[misc]
+        for g in ("shared-up", "tests/local/test_scale_under_load.py", "edge-deployment")
+    }
+    assert costs == {
+        "shared-up": 120.0,
+        "tests/local/test_scale_under_load.py": 80.0,
+        "edge-deployment": 13.0,  # guessed: one cluster module, one test
+    }
     assert [i.nodeid.split("::")[1] for i in got] == [
         "test_b",
         "test_f",
@@ -72,6 +91,32 @@ def test_under_xdist_the_longest_groups_go_first(monkeypatch: pytest.MonkeyPatch
     for item in got:
         (mark,) = item.iter_markers("xdist_group")
         assert mark.args == (group_of(item),)  # type: ignore[arg-type]
+
+
+def test_a_run_records_each_tests_seconds_and_the_plan_reads_them(tmp_path: Path) -> None:
+    """The seconds each run records (setup + call + teardown, under the id without its
+    ``@GROUP``) are merged into the file: a run of a few tests updates only theirs."""
+    path = tmp_path / "durations.json"
+    path.write_text('{"tests/a.py::test_old": 3.0, "tests/a.py::test_x": 1.0}')
+    durations = Durations()
+    for when, seconds in (("setup", 2.0), ("call", 0.5), ("teardown", 0.25)):
+        report = pytest.TestReport(
+            "tests/a.py::test_x@tests/a.py",
+            ("tests/a.py", 1, "test_x"),
+            {},
+            "passed",
+            None,
+            when,
+            duration=seconds,
+        )
+        durations.add(report)
+    durations.save(path)
+    assert load_seconds((tmp_path / "missing.json", path)) == {
+        "tests/a.py::test_old": 3.0,
+        "tests/a.py::test_x": 2.75,
+    }
+    assert base_nodeid("tests/a.py::test_p[u@host]") == "tests/a.py::test_p[u@host]"
+    assert base_nodeid("tests/a.py::test_p[u@host]@shared-up") == "tests/a.py::test_p[u@host]"
 
 
 def test_a_plain_run_keeps_the_collection_order(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,61 +11,78 @@ Each test gets an ``xdist_group``, and a group runs whole on one worker:
   model, an interpreter child) is set up once.
 
 Under xdist the groups are also ordered longest first (the classic LPT rule: the short unit
-modules at the end even out the two workers' finishing times). A group's cost is its
-modules' seconds in ``KNOWN_SECONDS`` (measured alone, rounded) or a guess from its tests'
-tiers (``MODULE_SECONDS``, ``TEST_SECONDS``). A plain ``pytest`` run (no ``-n``) keeps the
-collection order.
+modules at the end even out the two workers' finishing times). A group's cost is the sum of
+its tests' recorded seconds (setup + call + teardown, from the last run that ran them:
+:class:`Durations`, which every run writes) or, for a test no run has recorded yet, a guess
+from its tier (``MODULE_SECONDS`` once per module, ``TEST_SECONDS`` per test). A plain
+``pytest`` run (no ``-n``) keeps the collection order.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 
 from tests.tiers import tier_of
 
 SHARED_SERVICES = {"shared_up": "shared-up", "deployment": "edge-deployment"}
-# Seconds, measured alone on the 2-core machine (setup included), for the modules and
-# shared services that take longest; everything else is estimated from its tiers.
-KNOWN_SECONDS = {
-    "k8s-real": 260,  # + test_peering (~50 s), test_scale_subresource (~10 s)
-    "shared-up": 170,  # + test_prometheus_real (two Prometheus starts, ~20 s)
-    "tests/local/test_scale_under_load.py": 85,
-    "tests/local/test_bench_chaos.py": 65,  # 88 before the slow-reader and hang cuts
-    "tests/local/test_up_resilience.py": 120,
-    "tests/planner/test_local_up_autoscale.py": 60,
-    "tests/planner/test_sim_vs_real.py": 55,
-    "tests/engine/test_triton_attention.py": 45,
-    "tests/local/test_up_lone_decode.py": 40,
-    "tests/router/test_e2e.py": 40,
-    "tests/local/test_smollm2.py": 35,
-    "tests/engine/test_speculative_bench_quick.py": 50,
-    "tests/router/test_up_kv_shared.py": 35,  # pdserve up, 2 prefill + 1 decode + redis
-    "tests/engine/test_spec_draft.py": 25,
-    "tests/test_router_extra.py": 40,  # a fresh venv with .[router] (uv, cache warm)
-    "edge-deployment": 35,
-    # From a whole -n 2 run's 15 slowest (2026-12-03, load ~15-20, setup + call): bench
-    # quick runs, which the tier guess (20 s a module) put at the end of the order.
-    "tests/engine/test_serve_bench_quick.py": 100,
-    "tests/router/test_bench_stream_overhead.py": 80,
-    "tests/router/test_bench_routing.py": 60,
-    "tests/router/test_bench_router_throughput.py": 60,
-    "tests/router/test_multi_router_bench.py": 50,
-    "tests/engine/test_compile_cache_host.py": 45,
-    "tests/planner/test_planner_simulate.py": 30,  # 47 before the mean_lengths cache
-    "tests/router/test_lora_bench.py": 45,
-    "tests/workers/test_worker_faults.py": 45,
-    # a real compile of the tiny model, in the background (inductor cache warm: ~40 CPU-s)
-    "tests/engine/test_compile_swap.py": 40,
-    "tests/workers/test_worker_probe.py": 30,  # two worker starts, plain processes
-    # every served family (25) through a real compile, inductor's cache warm: 214 CPU-s,
-    # 226 s alone at load ~2 (docs/testing.md, "The compiled family matrix")
-    "tests/engine/test_family_compiled.py": 230,
-}
-# The guess: a start per module (a bench script's run, a cluster) plus seconds per test.
+# The guess for a test no run has recorded: a start per module (a bench script's run, a
+# cluster) plus seconds per test.
 MODULE_SECONDS = {"unit": 0.0, "k8s": 0.0, "cluster": 10.0, "bench": 20.0, "k8s_real": 30.0}
 TEST_SECONDS = {"unit": 0.1, "k8s": 0.3, "cluster": 3.0, "bench": 0.5, "k8s_real": 5.0}
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Every run writes its tests' seconds here (git-ignored, this checkout's); a checkout with no
+# run yet (a fresh clone) reads the committed snapshot, refreshed by copying the first file.
+RECORDED = REPO_ROOT / ".cache" / "test-durations.json"
+SNAPSHOT = Path(__file__).with_name("durations.json")
+
+
+def base_nodeid(nodeid: str) -> str:
+    """The node id without the ``@GROUP`` that --dist loadgroup's ids carry (a group names
+    a module or a service: a parameter id's own ``@`` is followed by its ``]``)."""
+    head, at, tail = nodeid.rpartition("@")
+    return head if at and "]" not in tail and "::" not in tail else nodeid
+
+
+class Durations:
+    """Seconds per test (node id -> setup + call + teardown), recorded by every run.
+
+    :meth:`add` sums a test's phases as its reports arrive (in the xdist controller, which
+    sees every worker's reports, or in a plain run); :meth:`save` merges them into the
+    recorded file, so a run of a few tests updates only theirs."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, float] = {}
+
+    def add(self, report: pytest.TestReport) -> None:
+        key = base_nodeid(report.nodeid)
+        self.seen[key] = self.seen.get(key, 0.0) + float(report.duration)
+
+    def save(self, path: Path = RECORDED) -> None:
+        if not self.seen:
+            return
+        merged = {**load_seconds((path,)), **{k: round(v, 2) for k, v in self.seen.items()}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as out:  # one test a line: a diff of the snapshot reads well
+            out.write("{\n" + ",\n".join(f"{json.dumps(k)}: {merged[k]}" for k in sorted(merged)))
+            out.write("\n}\n")
+        os.replace(tmp, path)
+
+
+def load_seconds(paths: tuple[Path, ...] = (RECORDED, SNAPSHOT)) -> dict[str, float]:
+    """The first readable file's seconds per test ({} if none)."""
+    for path in paths:
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads(path.read_text())
+            return {str(k): float(v) for k, v in data.items()}
+    return {}
 
 
 def group_of(item: pytest.Item) -> str:
@@ -78,9 +95,12 @@ def group_of(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
-def plan(items: list[pytest.Item], loadgroup: bool = False) -> None:
-    """Mark each item's group; under xdist, order the groups longest first (in place);
-    under ``--dist loadgroup``, name each item's group in its node id (see ``_name_group``)."""
+def plan(
+    items: list[pytest.Item], loadgroup: bool = False, seconds: Mapping[str, float] | None = None
+) -> None:
+    """Mark each item's group; under xdist, order the groups longest first (in place) by
+    ``seconds`` per test (:func:`load_seconds` by default); under ``--dist loadgroup``, name
+    each item's group in its node id (see ``_name_group``)."""
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
         group = group_of(item)
@@ -91,14 +111,31 @@ def plan(items: list[pytest.Item], loadgroup: bool = False) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # a plain run: collection order
 
-    def cost(group: str) -> float:
-        if group in KNOWN_SECONDS:
-            return KNOWN_SECONDS[group]
-        tiers = [tier_of(item) for item in groups[group]]
-        return sum(TEST_SECONDS[t] for t in tiers) + sum(MODULE_SECONDS[t] for t in set(tiers))
+    known = load_seconds() if seconds is None else seconds
+    costs = {group: group_cost(members, known) for group, members in groups.items()}
 
     # sorted() is stable and the collection is the same on every worker: one order for all.
-    items[:] = [item for group in sorted(groups, key=cost, reverse=True) for item in groups[group]]
+    items[:] = [
+        item
+        for group in sorted(groups, key=costs.__getitem__, reverse=True)
+        for item in groups[group]
+    ]
+
+
+def group_cost(items: list[pytest.Item], seconds: Mapping[str, float]) -> float:
+    """A group's seconds: its tests' recorded ones; a tier's guess for the tests without
+    (a module's start once for each module that has any)."""
+    total = 0.0
+    modules: dict[tuple[str, str], None] = {}
+    for item in items:
+        known = seconds.get(base_nodeid(item.nodeid))
+        if known is not None:
+            total += known
+            continue
+        tier = tier_of(item)
+        total += TEST_SECONDS[tier]
+        modules[(item.nodeid.split("::", 1)[0], tier)] = None
+    return total + sum(MODULE_SECONDS[tier] for _, tier in modules)
 
 
 def _name_group(item: pytest.Item, group: str) -> None:

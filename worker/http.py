@@ -256,8 +256,8 @@ def add_common_routes(
 
 
 # Seconds an idle keep-alive connection stays open. uvicorn's default (5 s) is far below
-# the router's pool (router/transport/worker_client.py: POOL_KEEPALIVE_S, 60 s): the worker closed
-# connections the router was just reusing, and when load fell (as before a scale-down)
+# the router's pool (pdserve/worker_calls/worker_client.py: POOL_KEEPALIVE_S, 60 s): the worker
+# closed connections the router was just reusing, and when load fell (as before a scale-down)
 # requests failed on healthy workers. The server must outlast its client.
 KEEP_ALIVE_S = 120
 

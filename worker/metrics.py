@@ -10,7 +10,7 @@ has its own registry, so tests can run several in one process.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol
 
 from prometheus_client import (
@@ -34,6 +34,18 @@ class StatsSource(Protocol):
     def stats(self) -> EngineStats: ...
 
 
+def role_families(
+    kind: type[CounterMetricFamily | GaugeMetricFamily],
+    role: str,
+    table: Mapping[str, tuple[str, float]],
+) -> Iterator[Metric]:
+    """A family per entry of ``table`` (name: (doc, value)), its one series the role's."""
+    for name, (doc, value) in table.items():
+        family = kind(name, doc, labels=["role"])
+        family.add_metric([role], value)
+        yield family
+
+
 class _EngineCollector(Collector):
     def __init__(self, engine: StatsSource, role: str) -> None:
         self.engine = engine
@@ -55,10 +67,7 @@ class _EngineCollector(Collector):
                 s.queued_prompt_tokens,
             ),
         }
-        for name, (doc, value) in gauges.items():
-            g = GaugeMetricFamily(name, doc, labels=["role"])
-            g.add_metric([self.role], value)
-            yield g
+        yield from role_families(GaugeMetricFamily, self.role, gauges)
         counters = {
             "pdserve_prefix_cache_hit_tokens": (
                 "prompt tokens served from the prefix cache",
@@ -69,10 +78,7 @@ class _EngineCollector(Collector):
             "pdserve_preemptions": ("requests preempted for recompute", s.preemptions),
             "pdserve_engine_step_failures": ("engine steps that raised", s.step_failures),
         }
-        for name, (doc, value) in counters.items():
-            c = CounterMetricFamily(name, doc, labels=["role"])
-            c.add_metric([self.role], value)
-            yield c
+        yield from role_families(CounterMetricFamily, self.role, counters)
         yield from _compile_and_fault(s, self.role)
 
 

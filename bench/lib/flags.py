@@ -19,3 +19,22 @@ def add_common(parser: argparse.ArgumentParser, *, repeat: int = 3) -> argparse.
     plot = f"draw the run as a PNG into this folder (default {OUT})"
     parser.add_argument("--plot", type=Path, nargs="?", const=OUT, default=None, help=plot)
     return parser
+
+
+def parser(doc: str | None, quick: str) -> argparse.ArgumentParser:
+    """A bench's parser: the first line of its docstring, and ``--quick`` with what a quick
+    run is for this bench."""
+    p = argparse.ArgumentParser(description=(doc or "").splitlines()[0] if doc else None)
+    p.add_argument("--quick", action="store_true", help=quick)
+    return p
+
+
+def add_ints(p: argparse.ArgumentParser, **defaults: int | tuple[int, ...]) -> None:
+    """Integer flags as data: ``--name-with-dashes`` per keyword, in order, with its default;
+    a tuple default takes that many values (``nargs``)."""
+    for name, default in defaults.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, tuple):
+            p.add_argument(flag, type=int, nargs=len(default), default=list(default))
+        else:
+            p.add_argument(flag, type=int, default=default)

@@ -22,7 +22,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource
 from pdserve.router.picker import envoy_msgs as msgs
 from pdserve.router.picker.prefill_header import endpoint_of
-from pdserve.router.picker.service import PickerService
+from pdserve.router.picker.service import ExtProcTLS, PickerService
 from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.testing.router_fakes import TOTAL_BLOCKS, FakeState, start_fakes
 
@@ -203,10 +203,14 @@ async def start_picker(
     target: dict[str, str] | None = None,
     busy: Sequence[int] = (),
     gateway_token: str = "",
+    tls: ExtProcTLS | None = None,
+    client_tls: grpc.ChannelCredentials | None = None,
+    metrics_port: int = 0,
     **cfg: Any,
 ) -> AsyncIterator[PickerCluster]:
     """Fake workers, and a picker over them on a free port; ``busy`` decode fakes report
-    one running request (so the others rank first)."""
+    one running request (so the others rank first). ``tls``: the picker serves mutual
+    TLS; ``client_tls``: the test's channel credentials (the gateway's)."""
     async with contextlib.AsyncExitStack() as stack:
         f = await start_fakes(stack, n_prefill, n_decode, busy=busy)
         cfg.setdefault("health_interval_s", 0.2)
@@ -219,10 +223,14 @@ async def start_picker(
             tokenizer,
             target=lambda w: targets.get(w.url, endpoint_of(w.url)),
             gateway_token=gateway_token,
+            tls=tls,
         )
-        port = await service.start("127.0.0.1", 0)
+        port = await service.start("127.0.0.1", 0, metrics_port)
         stack.push_async_callback(service.close)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        if client_tls is None:
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        else:
+            channel = grpc.aio.secure_channel(f"127.0.0.1:{port}", client_tls)
         stack.push_async_callback(channel.close)
         await _synced(service, n_prefill + n_decode)
         yield PickerCluster(
@@ -254,3 +262,19 @@ async def _synced(service: PickerService, workers: int, timeout: float = 15.0) -
 def completion(prompt: Any, max_tokens: int = 4, stream: bool = True, **extra: Any) -> bytes:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
     return json.dumps({**body, **extra}).encode()
+
+
+def forged_served_messages(body: bytes, served: str) -> list[ep.ProcessingRequest]:
+    """What a pod that is not the gateway would send to take a decode worker out: one
+    request (headers with a full-duplex protocol config, the body), then response headers
+    whose ``served`` metadata names ``served`` as if the primary had failed."""
+    first = ep.ProcessingRequest(
+        request_headers=_headers({":method": "POST", ":path": "/v1/completions"}),
+        protocol_config=ep.ProtocolConfiguration(
+            request_body_mode=msgs.FULL_DUPLEX, response_body_mode=msgs.FULL_DUPLEX
+        ),
+    )
+    resp = ep.ProcessingRequest(response_headers=_headers({":status": "200"}))
+    resp.metadata_context.filter_metadata[msgs.LB_NAMESPACE].update({msgs.SERVED: served})
+    whole = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+    return [first, whole, resp]

@@ -35,14 +35,16 @@ class Prometheus:
     proc: subprocess.Popen[bytes]
     log: Path
 
-    def query(self, promql: str) -> list[dict[str, Any]]:
-        """One instant query's vector result, as Prometheus sent it."""
-        body = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=5).json()
+    def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
+        """One instant query's vector result, as Prometheus sent it (evaluated at ``at``,
+        Unix seconds, or at the server's now)."""
+        params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
+        body = httpx.get(f"{self.url}/api/v1/query", params=params, timeout=5).json()
         assert body.get("status") == "success", body
         return list(body["data"]["result"])
 
-    def value(self, promql: str) -> float | None:
-        rows = self.query(promql)
+    def value(self, promql: str, at: float | None = None) -> float | None:
+        rows = self.query(promql, at)
         return float(rows[0]["value"][1]) if rows else None
 
     def wait_scraped(self, promql: str, want: float, timeout_s: float = 15.0) -> None:

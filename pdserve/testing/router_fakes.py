@@ -44,10 +44,10 @@ from pdserve.protocol.contract import (
 )
 from pdserve.protocol.hashing import block_hashes
 from pdserve.protocol.kv_events import KVSnapshot
-from pdserve.router.transport import worker_client
 from pdserve.signed_httpx import SignedAuth
 from pdserve.testing.loopback import free_port
 from pdserve.worker.http import KEEP_ALIVE_S, BadRequest, SecretCheck
+from pdserve.worker_calls import worker_client
 
 # The suite's service secret (tests/conftest.py): the router under test reads it from the
 # environment, as every real process does, and the fakes require it.

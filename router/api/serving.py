@@ -84,10 +84,11 @@ def prompt_ids(rt: Runtime, req: CompletionRequest) -> list[int]:
         messages, tools = chat_inputs(rt.tokenizer.tok, list(req.messages), req.tools)
         return rt.tokenizer.encode_chat(messages, tools=tools, options=req.template)
     if req.prompt_token_ids is not None:
-        bad = [t for t in req.prompt_token_ids if t >= rt.tokenizer.vocab_size]
-        if bad:
-            raise invalid(f"token id {bad[0]} is outside the vocabulary", "prompt")
-        return list(req.prompt_token_ids)
+        ids, vocab = list(req.prompt_token_ids), rt.tokenizer.vocab_size
+        if ids and max(ids) >= vocab:  # max() in C: a comprehension read vocab_size per id
+            bad = next(t for t in ids if t >= vocab)
+            raise invalid(f"token id {bad} is outside the vocabulary", "prompt")
+        return ids
     assert req.prompt_text is not None
     return rt.tokenizer.encode(req.prompt_text)
 

@@ -30,9 +30,19 @@ def target_of(port: int) -> Callable[[WorkerView], str] | None:
     return target
 
 
+PICKER_ONLY = ("gateway_token_file", "ext_proc_tls_cert", "ext_proc_tls_key", "ext_proc_client_ca")
+
+
+def refuse_picker_flags(args: argparse.Namespace) -> None:
+    """The ext_proc port's guards mean nothing to the built-in router: refused, not ignored."""
+    given = [f"--{name.replace('_', '-')}" for name in PICKER_ONLY if getattr(args, name, "")]
+    if given:
+        raise SystemExit(f"pdserve router: {', '.join(given)} only with --mode endpoint-picker")
+
+
 def run_picker(args: argparse.Namespace) -> int:
     from pdserve.router.from_args import build_config, build_source
-    from pdserve.router.picker.service import PickerService, serve_forever
+    from pdserve.router.picker.service import ExtProcTLS, PickerService, serve_forever
     from pdserve.router.tokenizer import PromptTokenizer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
@@ -47,6 +57,13 @@ def run_picker(args: argparse.Namespace) -> int:
             raise SystemExit(f"pdserve router: --gateway-token-file: {exc}") from exc
         if not token:
             raise SystemExit("pdserve router: --gateway-token-file is empty")
+    tls = None
+    tls_flags = (args.ext_proc_tls_cert, args.ext_proc_tls_key, args.ext_proc_client_ca)
+    if any(tls_flags):
+        try:
+            tls = ExtProcTLS.from_files(*tls_flags)
+        except ValueError as exc:
+            raise SystemExit(f"pdserve router: {exc}") from exc
     try:
         cfg = build_config(args)
         source = build_source(args)
@@ -56,7 +73,7 @@ def run_picker(args: argparse.Namespace) -> int:
 
     async def main() -> None:  # the runtime's HTTP session needs the running loop
         target = target_of(args.target_port)
-        service = PickerService(cfg, source, tokenizer, args.fallbacks, target, token)
+        service = PickerService(cfg, source, tokenizer, args.fallbacks, target, token, tls)
         await serve_forever(service, args.host, args.grpc_port, args.admin_port)
 
     try:

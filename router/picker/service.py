@@ -14,6 +14,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
@@ -34,6 +35,47 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
 
 
+@dataclass(frozen=True)
+class ExtProcTLS:
+    """Mutual TLS on the ext_proc port (``--ext-proc-tls-cert/-key/-client-ca``): the
+    picker's certificate and key, and the CA that signs the gateway's client certificate.
+    A client without a certificate from that CA fails the handshake: it never reaches
+    ext_proc, so it can neither pick nor send ``served`` metadata (issue 44 item 2)."""
+
+    cert_pem: bytes
+    key_pem: bytes
+    client_ca_pem: bytes
+
+    @classmethod
+    def from_files(cls, cert: str, key: str, client_ca: str) -> ExtProcTLS:
+        given = {"--ext-proc-tls-cert": cert, "--ext-proc-tls-key": key}
+        given["--ext-proc-client-ca"] = client_ca
+        missing = [name for name, path in given.items() if not path]
+        if missing:
+            raise ValueError(
+                f"{', '.join(missing)} missing: mutual TLS needs the certificate, its key "
+                "and the client CA together"
+            )
+        pems = []
+        for name, path in given.items():
+            try:
+                with open(path, "rb") as f:
+                    pem = f.read()
+            except OSError as exc:
+                raise ValueError(f"{name}: {exc}") from exc
+            if b"-----BEGIN" not in pem:
+                raise ValueError(f"{name}: {path} holds no PEM block")
+            pems.append(pem)
+        return cls(pems[0], pems[1], pems[2])
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key_pem, self.cert_pem)],
+            root_certificates=self.client_ca_pem,
+            require_client_auth=True,
+        )
+
+
 class PickerService:
     def __init__(
         self,
@@ -43,6 +85,7 @@ class PickerService:
         fallbacks: int = 2,
         target: Callable[[WorkerView], str] | None = None,
         gateway_token: str = "",
+        tls: ExtProcTLS | None = None,
     ) -> None:
         # --lora: served as models of their names, each hashed now (an unreadable one stops
         # the start), as the built-in router does
@@ -50,6 +93,7 @@ class PickerService:
         self.rt = Runtime(cfg, source, tokenizer, loras)
         self.picker = Picker(self.rt, fallbacks, target)
         self.gateway_token = gateway_token  # "": every stream taken (see server.py)
+        self.tls = tls  # None: plaintext gRPC (the NetworkPolicy and the token guard it)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -66,7 +110,10 @@ class PickerService:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.port = server.add_insecure_port(address)
+        if self.tls is None:
+            self.port = server.add_insecure_port(address)
+        else:
+            self.port = server.add_secure_port(address, self.tls.credentials())
         if not self.port:
             raise OSError(f"cannot listen on {address}")
         await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
@@ -86,8 +133,17 @@ class PickerService:
             body = self.rt.metrics.render()
             return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
+        async def health(request: web.Request) -> web.Response:
+            # The kubelet's gRPC probes speak no TLS: with mTLS on the ext_proc port the
+            # pod is probed here (liveness: the process answers; readiness: a decode
+            # worker is ready), as the gRPC health services say.
+            ready = self._ready or request.path == "/livez"
+            return web.Response(status=200 if ready else 503, text="ok" if ready else "no")
+
         app = web.Application()
         app.router.add_get("/metrics", metrics)
+        app.router.add_get("/livez", health)
+        app.router.add_get("/health", health)
         self._metrics = web.AppRunner(app, access_log=None)
         await self._metrics.setup()
         await web.TCPSite(self._metrics, host, port).start()

@@ -51,9 +51,9 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.scheduling import disagg
 from pdserve.router.scheduling.routing import RoutePlan
 from pdserve.router.scheduling.snapshot import WorkerView
-from pdserve.router.transport import worker_client
-from pdserve.router.transport.http1 import WorkerPool
-from pdserve.router.transport.worker_client import WorkerFailed
+from pdserve.worker_calls import worker_client
+from pdserve.worker_calls.http1 import WorkerPool
+from pdserve.worker_calls.worker_client import WorkerFailed
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3

@@ -18,7 +18,7 @@ import aiohttp
 
 from pdserve.protocol.contract import valid_lora_hash
 from pdserve.router.errors import APIError, from_worker_body
-from pdserve.router.transport.worker_client import JSON, TRANSPORT_ERRORS, _decode_json, _timeout
+from pdserve.worker_calls.worker_client import JSON, TRANSPORT_ERRORS, _decode_json, _timeout
 
 LOAD_TIMEOUT_S = 120.0  # a worker reads and checks the files, then copies them to its device
 

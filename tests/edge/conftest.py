@@ -16,6 +16,7 @@ import pytest
 
 from pdserve.local.processes import ClusterSpec, LocalCluster
 from pdserve.testing.loopback import SMALL_WORKER_ARGS, free_port, worker_port_base
+from tests.early_release import released_after_last_user
 
 KEYS = ("tenant-a-key", "tenant-b-key")
 ADMIN_KEY = "edge-admin-key"  # /workers needs it while tenant keys are on
@@ -51,7 +52,8 @@ def deployment(
         worker_port_base=worker_port_base(),
     )
     cluster = LocalCluster(spec)
-    try:
+    with released_after_last_user("deployment") as stack:  # tests/early_release.py
+        stack.callback(cluster.stop)
         cluster.start_workers()
         router = cluster.start_router(
             port=free_port(),
@@ -74,5 +76,3 @@ def deployment(
             pytest.fail(f"edge deployment not up: {exc}{tails}", pytrace=False)
         workers = tuple(cluster.urls("prefill") + cluster.urls("decode"))
         yield Deployment(router.url, workers, spec.model_name)
-    finally:
-        cluster.stop()

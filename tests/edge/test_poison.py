@@ -148,7 +148,7 @@ def test_decode_worker_marks_request_faults_in_its_stream() -> None:
     from pdserve.protocol.contract import TokenDelta, WorkerError
     from pdserve.protocol.outputs import REQUEST_FAILED, RequestOutput
     from pdserve.router.errors import APIError
-    from pdserve.router.transport.worker_client import WorkerFailed, stream_error
+    from pdserve.worker_calls.worker_client import WorkerFailed, stream_error
 
     def line(code: str) -> WorkerError:
         out = RequestOutput("r", [], "", "error", 3, 1, 0, error="boom", error_code=code)

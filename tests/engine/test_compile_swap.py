@@ -10,6 +10,7 @@ tiny model and graph variants), so one of the two pays for code generation.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -131,3 +132,29 @@ def test_a_compiled_forward_that_disagrees_is_not_swapped_in(
     assert "differ from the eager forward" in _kept_eager(engine, off_by_one)
     assert not engine.maybe_swap() and engine.runner.forward is model
     assert_all_free(engine)
+
+
+class _Busy:
+    """The part of an engine the hold reads: busy until ``until`` (monotonic)."""
+
+    def __init__(self, until: float) -> None:
+        self.until = until
+
+    @property
+    def has_work(self) -> bool:
+        return time.monotonic() < self.until
+
+
+def test_compile_waits_for_a_quiet_engine() -> None:
+    """A worker's compile starts once its engine has had no work for ``quiet_s``, and
+    under steady work after ``max_hold_s`` at most (the first requests come first)."""
+    busy = compile_job.CompileJob(_Busy(time.monotonic() + 0.3), quiet_s=0.2, max_hold_s=5.0)  # type: ignore[arg-type]
+    busy._hold()
+    # busy 0.3 s, then quiet 0.2 s (counted from the last poll that saw it busy)
+    assert 0.5 - 2 * compile_job.HOLD_POLL_S <= busy.held_s < 3.0, busy.held_s
+    steady = compile_job.CompileJob(_Busy(float("inf")), quiet_s=0.2, max_hold_s=0.4)  # type: ignore[arg-type]
+    steady._hold()
+    assert 0.4 <= steady.held_s < 2.0, steady.held_s
+    unheld = compile_job.CompileJob(_Busy(float("inf")))  # type: ignore[arg-type]
+    unheld._hold()
+    assert unheld.held_s == 0.0

@@ -101,12 +101,14 @@ SHAPES = [
 CTX = [1, 2, 5, 15, 16, 17, 31, 33, 100, 257, 2048, 2500]
 
 
-def _kernel(lib, q, k, v, tables, ctx, block_size: int, threads: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _kernel(lib, q, k, v, tables, ctx, block_size: int, threads: int, layer=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The kernel's output, its arguments built as engine/attention.py builds them; with
+    ``layer`` (window, softcap, sinks or None) the layer-options entry point."""
     n, hq, d = q.shape
     out = torch.empty_like(q)
     rows = torch.arange(n, dtype=torch.int32)
-    ctx_t = torch.tensor(ctx, dtype=torch.int32)
-    rc = lib.pdserve_paged_attention(
+    ctx_t = torch.tensor(ctx, dtype=torch.int32)  # held: the kernel reads its pointer
+    args = (
         cpu_kernel.DTYPE_CODES[q.dtype],
         q.data_ptr(),
         q.stride(0),
@@ -125,8 +127,13 @@ def _kernel(lib, q, k, v, tables, ctx, block_size: int, threads: int) -> torch.T
         d,
         block_size,
         d**-0.5,
-        threads,
     )
+    if layer is None:
+        rc = lib.pdserve_paged_attention(*args, threads)
+    else:
+        window, softcap, sinks = layer
+        sink_ptr = None if sinks is None else sinks.data_ptr()
+        rc = lib.pdserve_paged_attention_layer(*args, window, softcap, sink_ptr, threads)
     assert rc == 0
     return out
 
@@ -289,34 +296,7 @@ def test_kernel_layer_options_match_float64(
     v = torch.randn(num_blocks * block_size, hkv, d, generator=gen)
     q = 2 * torch.randn(len(ctx), hq, d, generator=gen)
     sinks = 2 * torch.randn(hq, generator=gen) if with_sinks else None
-    out = torch.empty_like(q)
-    rows = torch.arange(len(ctx), dtype=torch.int32)
-    ctx_t = torch.tensor(ctx, dtype=torch.int32)  # held: the kernel reads its pointer
-    rc = lib.pdserve_paged_attention_layer(
-        0,
-        q.data_ptr(),
-        q.stride(0),
-        q.stride(1),
-        k.data_ptr(),
-        v.data_ptr(),
-        out.data_ptr(),
-        tables.data_ptr(),
-        width,
-        rows.data_ptr(),
-        rows.data_ptr(),
-        ctx_t.data_ptr(),
-        len(ctx),
-        hq,
-        hkv,
-        d,
-        block_size,
-        d**-0.5,
-        window,
-        softcap,
-        None if sinks is None else sinks.data_ptr(),
-        1,
-    )
-    assert rc == 0
+    out = _kernel(lib, q, k, v, tables, ctx, block_size, 1, layer=(window, softcap, sinks))
     ref = _reference_options(q, k, v, tables, ctx, block_size, window, softcap, sinks)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
     # The reference really depends on the options (a kernel ignoring them would fail).

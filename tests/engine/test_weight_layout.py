@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from pdserve.engine import cpu_linear
-from pdserve.engine.cpu_linear import SMALL_GEMM_MACS, PackedLinear, prepare
+from pdserve.engine.cpu_linear import (
+    BLAS_CALL_MACS,
+    SMALL_GEMM_MACS,
+    PackedLinear,
+    call_path,
+    prepare,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -56,16 +62,35 @@ def test_weights_off_the_cpu_are_left_alone() -> None:
 
 @needs_onednn
 def test_a_small_float32_weight_keeps_a_blas_copy_for_small_calls() -> None:
-    """Under SMALL_GEMM_MACS a call goes to BLAS, above to oneDNN; both compute the same."""
+    """Under BLAS_CALL_MACS a call goes to BLAS, above to oneDNN; both compute the same."""
     m = _model(torch.float32)
     original = m[1]
     prepare(m)
     layer = m[1]
     assert isinstance(layer, PackedLinear) and layer.blas is not None
     assert layer.blas.stride() == (1, 12)
-    few, many = torch.randn(1, 3, 8), torch.randn(1, SMALL_GEMM_MACS // 96 + 1, 8)
+    few, many = torch.randn(1, 3, 8), torch.randn(1, BLAS_CALL_MACS // 96 + 1, 8)
+    assert (call_path(layer, few), call_path(layer, many)) == ("blas", "onednn")
     for x in (few, many):
         torch.testing.assert_close(layer(x), original(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_decode_batch_on_the_tiny_presets_mlp_goes_to_blas() -> None:
+    """16 rows x 128 x 256 (the tiny preset's MLP at the serve bench's decode batch) is
+    2^19 multiply-adds: it went to oneDNN, measured 27 us a call against BLAS's 9 on the
+    Xeon (engine/cpu_linear.py); 16 rows on the tiny head (128 x 3,072) too, 114 vs 90."""
+    for out_features in (256, 3072):
+        linear = torch.nn.Linear(128, out_features, bias=False)
+        m = torch.nn.Sequential(linear)
+        prepare(m)
+        layer = m[0]
+        assert isinstance(layer, PackedLinear) and layer.blas is not None
+        x = torch.randn(1, 16, 128)
+        assert call_path(layer, x) == "blas"
+        torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
+        big = torch.randn(1, 2048, 128)  # a prompt chunk: oneDNN
+        assert call_path(layer, big) == "onednn"
 
 
 @needs_onednn

@@ -16,7 +16,8 @@ subclass adds, as a real API server does:
   whose ``nodeSelector`` holds an invalid label value is refused with a 422 and the
   API server's message;
 - a count of requests by (method, watch?) in ``requests`` and by (User-Agent product,
-  method, watch?) in ``by_agent`` (bench/operator_load.py counts the operator's);
+  method, watch?) in ``by_agent`` (bench/operator_load.py counts the operator's), and by
+  (method, resource plural) in ``by_resource`` (which kinds the operator reads);
 - for the kinds in ``versioned`` (EndpointSlices), list/watch at a resourceVersion, label
   selectors, watch timeouts and 410 Gone (``k8s_history.py``);
 - a bounded request log (kmock's grows for ever and makes each request cost O(all served));
@@ -67,6 +68,9 @@ class ApiServer(kmock.KubernetesEmulator):
     by_agent: collections.Counter[tuple[str, str, bool]] = attrs.field(
         factory=collections.Counter, init=False
     )
+    by_resource: collections.Counter[tuple[str, str]] = attrs.field(
+        factory=collections.Counter, init=False
+    )
     versioned: frozenset[str] = frozenset({"endpointslices"})
     histories: dict[str, History] = attrs.field(factory=dict, init=False)
     outage: int = 0
@@ -89,6 +93,7 @@ class ApiServer(kmock.KubernetesEmulator):
         self.requests[(raw_request.method, watch)] += 1
         agent = raw_request.headers.get("User-Agent", "").split("/")[0]
         self.by_agent[(agent, raw_request.method, watch)] += 1
+        self.by_resource[(raw_request.method, _plural(raw_request.path))] += 1
         if self.outage:
             status = {"kind": "Status", "code": self.outage, "message": "emulated outage"}
             return aiohttp.web.json_response(status, status=self.outage)
@@ -349,3 +354,14 @@ def _validate(obj: Any) -> None:
                 "of alphanumeric characters, '-', '_' or '.'"
             )
             raise kmock.KubernetesError(status=422, reason="Invalid", message=message)
+
+
+def _plural(path: str) -> str:
+    """The resource of an API path: ``/api/v1/namespaces/ns/secrets/x`` -> ``secrets``."""
+    parts = [p for p in path.split("/") if p]
+    if "namespaces" in parts:
+        i = parts.index("namespaces")
+        parts = parts[i + 2 :] if len(parts) > i + 2 else parts[i : i + 1]
+    else:
+        parts = parts[2:] if parts[:1] == ["api"] else parts[3:]
+    return parts[0] if parts else ""

@@ -40,6 +40,8 @@ def test_default_watches_only_the_release_namespace() -> None:
     granted = {(res, verb) for r in rules for res in r["resources"] for verb in r["verbs"]}
     assert ("pods", "create") not in granted and ("pods/exec", "create") not in granted
     assert ("secrets", "list") not in granted and ("secrets", "watch") not in granted
+    # nor get (issue 44 item 12): the operator reads no Secret; it creates its own one
+    assert {verb for res, verb in granted if res == "secrets"} == {"create"}
     assert not any(r["kind"] == "ClusterKopfPeering" for r in docs)
     assert "--allow-unsafe-pod-fields" not in cmd
 

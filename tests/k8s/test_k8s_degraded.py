@@ -1,16 +1,16 @@
 """Schema-valid but unusable specs: Degraded with a message naming the field, no half-built service.
 
-A missing Secret/PVC may still be created (TemporaryError: the operator retries
+A missing PVC may still be created (TemporaryError: the operator retries
 and recovers); a spec that fights the operator needs an edit (PermanentError).
 Also: the autoscaler's write path (``scale_pools``) and its refusal when disabled.
 """
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
 import pytest
+from k8s_emulator import ApiServer
 from k8s_helpers import NS, eventually, minimal_llmservice, schema_errors
 
 from pdserve.operator.kube import KubeClient, KubeError
@@ -39,14 +39,6 @@ async def existing_children(client: KubeClient, obj: dict[str, Any]) -> list[str
 
 
 CASES = {
-    "missing api-key Secret": (
-        {"router": {"apiKeySecret": {"name": "llm-key"}}},
-        'spec.router.apiKeySecret.name: Secret "llm-key" not found in namespace "default"',
-    ),
-    "missing HF token Secret": (
-        {"model": {"source": {"huggingFace": {"id": "org/model", "tokenSecret": {"name": "hf"}}}}},
-        'spec.model.source.huggingFace.tokenSecret.name: Secret "hf" not found',
-    ),
     "missing PVC": (
         {"model": {"source": {"pvc": {"claimName": "weights", "path": "llama"}}}},
         'spec.model.source.pvc.claimName: PersistentVolumeClaim "weights" not found',
@@ -76,28 +68,45 @@ async def test_invalid_spec_is_degraded_without_children(
     assert await existing_children(client, obj) == []  # no half-built service
 
 
-async def test_missing_secret_recovers_when_created(operator: None, client: KubeClient) -> None:
-    obj = minimal_llmservice("keyed", router={"apiKeySecret": {"name": "llm-key", "key": "token"}})
+async def test_the_operator_never_reads_a_secret(
+    operator: None, client: KubeClient, api_server: ApiServer
+) -> None:
+    """Issue 44 item 12: the chart grants ``create`` on Secrets alone, so no operator path
+    may get, list or watch one. An LLMService naming an api-key Secret and an HF token
+    Secret that do not exist yet is built (the pods that mount them wait, with the
+    kubelet's Event naming the Secret); the operator's only Secret request is the create
+    of its own per-service secret. Before: a get of each (preflight, and the service
+    secret's existence check), and Degraded until the Secret appeared."""
+    source = {"huggingFace": {"id": "org/model", "tokenSecret": {"name": "hf"}}}
+    router = {"apiKeySecret": {"name": "llm-key", "key": "token"}}
+    obj = minimal_llmservice("keyed", router=router, model={"source": source})
     await client.create(obj)
-    await eventually(lambda: degraded(client, "keyed"), what="Degraded=True")
-    secret = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": "llm-key", "namespace": NS},
-        "data": {"token": base64.b64encode(b"s3cret").decode()},
-    }
-    await client.create(secret)
 
-    async def healed() -> Any:
+    async def built() -> Any:
         return await degraded(client, "keyed") is None and len(
             await existing_children(client, obj)
         ) == len(render(obj))
 
-    await eventually(healed, what="children after the Secret appeared")
-    router = await client.get("apps/v1", "Deployment", NS, "keyed-router")
-    assert router is not None
-    cmd = router["spec"]["template"]["spec"]["containers"][0]["command"]
+    await eventually(built, what="children without the Secrets")
+    ours = await client.get("v1", "Secret", NS, "keyed-secret")  # the test's own read
+    assert ours is not None and ours["metadata"]["ownerReferences"][0]["name"] == "keyed"
+    router_dep = await client.get("apps/v1", "Deployment", NS, "keyed-router")
+    assert router_dep is not None
+    cmd = router_dep["spec"]["template"]["spec"]["containers"][0]["command"]
     assert cmd[cmd.index("--api-key-file") + 1] == "/etc/pdserve/api-key/token"
+    await client.patch(*GVK, NS, "keyed", {"spec": {"router": {"replicas": 2}}})
+    await eventually(lambda: _replicas(client, "keyed-router", 2), what="a second reconcile")
+    secret_calls = {k: v for k, v in api_server.by_resource.items() if k[1] == "secrets"}
+    gets = {k: v for k, v in secret_calls.items() if k[0] != "POST"}
+    # the test's own get above is the one GET (the operator's client is the same class:
+    # count it out)
+    assert gets == {("GET", "secrets"): 1}, secret_calls
+    assert secret_calls[("POST", "secrets")] >= 2  # the create, then a 409 each reconcile
+
+
+async def _replicas(client: KubeClient, name: str, n: int) -> bool:
+    dep = await client.get("apps/v1", "Deployment", NS, name)
+    return dep is not None and dep["spec"].get("replicas") == n
 
 
 async def test_scale_pools_seam(

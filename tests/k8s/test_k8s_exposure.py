@@ -59,6 +59,10 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
         r"spec.router.httpRoute.parentRefs\[0\].namespace",
     ),
     "an Ingress without keys": ({"ingress": INGRESS}, "spec.router.apiKeySecret"),
+    "a picker open to a gateway with neither mTLS nor a gateway token": (
+        {"mode": "endpointPicker", "httpRoute": {"parentRefs": [{"name": "gw"}]}, **KEY},
+        "spec.router.extProcTLSSecret",
+    ),
     "a route without keys": (
         {"httpRoute": {"parentRefs": [{"name": "gw"}]}},
         "spec.router.apiKeySecret",
@@ -81,6 +85,9 @@ def test_exposure_within_the_limits_renders() -> None:
     kinds = {m["kind"] for m in render(minimal_llmservice(router={**router, **KEY}), policy=POLICY)}
     assert {"Ingress", "HTTPRoute"} <= kinds
     assert render(minimal_llmservice(), policy=POLICY)  # ClusterIP, no keys: not exposed
+    picker = {"mode": "endpointPicker", "httpRoute": {"parentRefs": [{"name": "gw"}]}, **KEY}
+    for guard in ({"extProcTLSSecret": {"name": "tls"}}, {"gatewayTokenSecret": {"name": "t"}}):
+        assert render(minimal_llmservice(router={**picker, **guard}), policy=POLICY)
 
 
 def test_the_operators_flags_build_the_policy() -> None:

@@ -236,3 +236,30 @@ def test_only_the_gateway_reaches_the_picker() -> None:
     assert selector["values"] == ["gateway-system"]
     with pytest.raises(SpecError, match=r"^spec.router.gatewayTokenSecret"):
         render(minimal_llmservice(router={"gatewayTokenSecret": {"name": "gw"}}))
+
+
+def test_mutual_tls_on_the_ext_proc_port() -> None:
+    """Issue 44 item 2: ``extProcTLSSecret`` (a kubernetes.io/tls Secret with ca.crt, as
+    cert-manager writes it) is mounted into the picker's pod, never read by the operator,
+    and names the picker's certificate, key and client CA; the kubelet's probes move to
+    the admin port's HTTP health (its gRPC probe speaks no TLS)."""
+    obj = minimal_llmservice(router={"mode": "endpointPicker", "extProcTLSSecret": {"name": "pk"}})
+    assert schema_errors(obj) == []
+    kids = {(c["kind"], c["metadata"]["name"]): c for c in render(obj)}
+    pod = kids[("Deployment", "demo-router")]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    args = router_args(c["command"])
+    tls_dir = "/etc/pdserve/ext-proc-tls"
+    assert (args.ext_proc_tls_cert, args.ext_proc_tls_key, args.ext_proc_client_ca) == (
+        f"{tls_dir}/tls.crt",
+        f"{tls_dir}/tls.key",
+        f"{tls_dir}/ca.crt",
+    )
+    volume = next(v for v in pod["volumes"] if v["name"] == "ext-proc-tls")
+    assert volume["secret"]["secretName"] == "pk"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "ext-proc-tls")
+    assert mount == {"name": "ext-proc-tls", "mountPath": tls_dir, "readOnly": True}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["port"] == "admin" and "grpc" not in c[probe]
+    with pytest.raises(SpecError, match=r"^spec.router.extProcTLSSecret"):
+        render(minimal_llmservice(router={"extProcTLSSecret": {"name": "pk"}}))

@@ -161,8 +161,8 @@ async def test_discovery_drops_a_terminating_decode_worker_at_the_watch_event(
     change: a terminating decode worker leaves rotation at once, while the router's count of
     the streams it still serves there runs on (they end normally)."""
     from pdserve.router.discovery.workers import Discovery
-    from pdserve.router.transport.worker_client import new_session
     from pdserve.testing.router_fakes import SECRET, FakeState, decode_app, serve
+    from pdserve.worker_calls.worker_client import new_session
 
     async with (
         serve(decode_app(FakeState("decode", "d-a"))) as url_a,

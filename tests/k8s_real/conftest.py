@@ -25,6 +25,7 @@ from pdserve.testing.k8s_real.cluster import (
 )
 from pdserve.testing.k8s_real.control_plane import ControlPlane, find_binaries
 from pdserve.testing.k8s_real.fake_kubelet import FakeKubelet, create_nodes
+from tests.early_release import released_after_last_user
 
 # The namespaces the shared operator watches (operator.watchNamespaces): the examples' own
 # (default: the CPU example, restricted; llm: the GPU example, privileged since it asks for
@@ -73,11 +74,10 @@ def real_cluster() -> Iterator[RealCluster]:
     create_nodes(api)
     kubelet = FakeKubelet(api=plane.client(), stream=plane.client()).start()
     cluster = RealCluster(plane, kubelet)
-    try:
+    with released_after_last_user("real_cluster") as stack:  # tests/early_release.py
+        stack.callback(plane.stop)
+        stack.callback(kubelet.close)
         yield cluster
-    finally:
-        kubelet.close()
-        plane.stop()
 
 
 @pytest.fixture(scope="session")
@@ -113,7 +113,6 @@ def chart(real_cluster: RealCluster) -> RealCluster:
 def operator(chart: RealCluster) -> Iterator[OperatorProcess]:
     """The shared operator (peering as shipped: the chart's KopfPeering in each namespace)."""
     op = OperatorProcess(chart, list(WATCHED))
-    try:
+    with released_after_last_user("operator") as stack:  # before the control plane's
+        stack.callback(op.stop)
         yield op
-    finally:
-        op.stop()

@@ -10,11 +10,12 @@ from pdserve.testing.k8s_real.cluster import OPERATOR_SA, SYSTEM_NS, RealCluster
 def test_chart_service_account_is_refused_what_the_chart_does_not_grant(chart: RealCluster) -> None:
     c = chart
     sa = c.plane.client(c.token(OPERATOR_SA, SYSTEM_NS))
-    # granted (namespaced mode, watched namespace llm-a): read its own kinds, get a Secret
+    # granted (namespaced mode, watched namespace llm-a): read its own kinds
     assert sa.get("/apis/apps/v1/namespaces/llm-a/deployments").status_code == 200
     assert sa.get("/apis/pdserve.io/v1alpha1/namespaces/llm-a/llmservices").status_code == 200
-    assert sa.get("/api/v1/namespaces/llm-a/secrets/none").status_code == 404  # allowed, absent
     refused = {
+        # Secrets: create only, never read, even by name (issue 44 item 12)
+        "get a secret in a watched namespace": sa.get("/api/v1/namespaces/llm-a/secrets/none"),
         # Secrets are get/create by name only: never list (it would read every Secret)
         "list secrets in a watched namespace": sa.get("/api/v1/namespaces/llm-a/secrets"),
         # outside the watched namespaces: nothing

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.testing import chaos_figures
 from pdserve.testing.loopback import run_bench
 
 pytestmark = [pytest.mark.bench, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -70,20 +71,9 @@ def test_chaos_tenant_figures(chaos: dict[str, Any]) -> None:
     assert chaos["compile_aborts"] >= 1 and chaos["compile_abort_leaked"] == 0, chaos
 
 
-ISSUE_44 = (
-    "admin_port_unauthenticated_changes",
-    "picker_mode_limit_bypass",
-    "merged_pod_policy_escapes",
-    "cache_symlink_followed",
-    "abandoned_compiles_over_bound",
-    "lora_path_escapes",
-    "worker_call_replayed_elsewhere",
-    "prefill_pin_misused",
-)
-
-
 def test_chaos_boundary_figures(chaos: dict[str, Any]) -> None:
     """Issue 44: no keyless change on the admin port, no limit the picker drops, no merged
     pod that lost its hardening, no symlink left in a sealed cache, no abandoned compile
     past its bound, no LoRA load outside --lora-root (bench/chaos_isolation.py)."""
-    assert {k: chaos[k] for k in ISSUE_44} == dict.fromkeys(ISSUE_44, 0), chaos
+    figures = chaos_figures.BOUNDARY
+    assert {k: chaos[k] for k in figures} == dict.fromkeys(figures, 0), chaos

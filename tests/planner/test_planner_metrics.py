@@ -155,10 +155,12 @@ def test_prometheus_api_snapshot_from_recorded_replies() -> None:
         ),
     }
     seen = []
+    at = set()  # every query of one snapshot at its instant, not at the server's "now"
 
     def handler(request: httpx.Request) -> httpx.Response:
         q = request.url.params["query"]
         seen.append(q)
+        at.add(request.url.params.get("time"))
         return httpx.Response(200, json=replies.get(q, vec()))
 
     client = httpx.Client(transport=httpx.MockTransport(handler))
@@ -170,6 +172,7 @@ def test_prometheus_api_snapshot_from_recorded_replies() -> None:
     assert s.ttft.attainment == pytest.approx(0.9)
     assert s.decode_running == 50
     assert len(seen) == len(set(seen)) >= 20
+    assert at == {"1000.000"}
 
     def failing(request: httpx.Request) -> httpx.Response:
         return httpx.Response(400, json={"status": "error", "error": "parse error"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,14 @@ from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import StaticSource
 from pdserve.router.tokenizer import PromptTokenizer
-from pdserve.testing.router_fakes import SECRET, TOTAL_BLOCKS, FakeState, serve, start_fakes
+from pdserve.testing.router_fakes import (
+    SECRET,
+    TOTAL_BLOCKS,
+    Fakes,
+    FakeState,
+    serve,
+    start_fakes,
+)
 
 # The pdserve-up cluster fixtures (up, client) for the modules that run real workers.
 from tests.router.pdserve_up import client, shared_up, up  # noqa: F401
@@ -63,6 +70,10 @@ def router_tokenizer(tiny_model_dir: Path) -> PromptTokenizer:
     return PromptTokenizer(str(tiny_model_dir))
 
 
+# (stack, n_prefill, n_decode) -> fake workers served until the stack closes
+MakeFakes = Callable[[contextlib.AsyncExitStack, int, int], Awaitable[Fakes]]
+
+
 @contextlib.asynccontextmanager
 async def start_cluster(
     tokenizer: PromptTokenizer,
@@ -71,10 +82,16 @@ async def start_cluster(
     n_decode: int = 1,
     events: bool = True,
     http: Any = CoalescingHttpTools,
+    fakes: MakeFakes | None = None,
     **cfg: Any,
 ) -> AsyncIterator[Cluster]:
+    """A router over ``n_prefill`` + ``n_decode`` fake workers (``start_fakes``'s, or those
+    ``fakes`` starts), served until the context ends."""
     async with contextlib.AsyncExitStack() as stack:
-        f = await start_fakes(stack, n_prefill, n_decode, events)
+        if fakes is None:
+            f = await start_fakes(stack, n_prefill, n_decode, events)
+        else:
+            f = await fakes(stack, n_prefill, n_decode)
         config = RouterConfig(
             model_dir=str(model_dir), served_model_name="tiny", health_interval_s=0.2, **cfg
         )

@@ -21,12 +21,10 @@ from pdserve.engine.lora_files import CONFIG_FILE, WEIGHTS_FILE, adapter_hash
 from pdserve.protocol.codec import decode
 from pdserve.protocol.contract import PrefillRequest
 from pdserve.protocol.hashing import block_hashes, salt_root
-from pdserve.router.app import create_app
-from pdserve.router.config import RouterConfig
-from pdserve.router.discovery.workers import StaticSource
 from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.testing.router_fakes import (
     BLOCK,
+    Fakes,
     FakeState,
     _error,
     _stats,
@@ -35,7 +33,7 @@ from pdserve.testing.router_fakes import (
     serve,
     stored_event,
 )
-from tests.router.conftest import Cluster
+from tests.router.conftest import Cluster, start_cluster
 
 
 def write_adapter(root: Path, name: str, seed: int = 0) -> Path:
@@ -120,19 +118,18 @@ def keyed_prefill(app: FastAPI, st: FakeState, pub: zmq.asyncio.Socket) -> None:
 
 @contextlib.asynccontextmanager
 async def lora_cluster(
-    tokenizer: PromptTokenizer,
-    model_dir: Path,
-    n_prefill: int = 1,
-    n_decode: int = 1,
-    **cfg: Any,
+    tokenizer: PromptTokenizer, model_dir: Path, **kw: Any
 ) -> AsyncIterator[tuple[Cluster, list[LoraFake]]]:
     """A router before LoRA-aware fakes (the LoraFakes: prefill first, then decode); the
-    router's ``loras`` (``--lora``) are known to every fake, as ``pdserve up`` passes them."""
-    ctx = zmq.asyncio.Context()
+    router's ``loras`` (``--lora``) are known to every fake, as ``pdserve up`` passes them;
+    ``kw``: ``start_cluster``'s (n_prefill, n_decode, the router's config)."""
+    known = {n: adapter_hash(p) for n, p in kw.get("loras", ())}
     fakes: list[LoraFake] = []
-    async with contextlib.AsyncExitStack() as stack:
-        states: dict[str, list[FakeState]] = {"prefill": [], "decode": []}
-        urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+
+    async def make(stack: contextlib.AsyncExitStack, n_prefill: int, n_decode: int) -> Fakes:
+        ctx = zmq.asyncio.Context()
+        stack.callback(ctx.term)  # last: after the servers and their sockets
+        f = Fakes([], [], [], [])
         for role, n in (("prefill", n_prefill), ("decode", n_decode)):
             for i in range(n):
                 st = FakeState(role, f"{role[0]}{i}")
@@ -145,19 +142,13 @@ async def lora_cluster(
                     keyed_prefill(app, st, pub)
                 else:
                     app = decode_app(st)
-                lf = LoraFake({n: adapter_hash(p) for n, p in cfg.get("loras", ())})
+                lf = LoraFake(dict(known))
                 add_lora(app, st, lf)
                 fakes.append(lf)
-                states[role].append(st)
-                urls[role].append(await stack.enter_async_context(serve(app)))
-        config = RouterConfig(
-            model_dir=str(model_dir), served_model_name="tiny", health_interval_s=0.2, **cfg
-        )
-        source = StaticSource(urls["prefill"], urls["decode"])
-        router = create_app(config, source, tokenizer)
-        url = await stack.enter_async_context(serve(router))
-        cluster = Cluster(
-            url, states["prefill"], states["decode"], urls["prefill"], urls["decode"], router
-        )
+                getattr(f, role).append(st)
+                getattr(f, f"{role}_urls").append(await stack.enter_async_context(serve(app)))
+        return f
+
+    # the protocol uvicorn picks (these tests ran on it before start_cluster served them)
+    async with start_cluster(tokenizer, model_dir, http="auto", fakes=make, **kw) as cluster:
         yield cluster, fakes
-    ctx.term()

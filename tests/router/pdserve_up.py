@@ -21,6 +21,7 @@ import pytest
 
 from pdserve.testing.loopback import all_kv_free, secret_auth
 from pdserve.testing.up import Up, running_up, suite_flags
+from tests.early_release import released_after_last_user
 
 # Prompts at least this long (in tokens) are prefilled on the prefill worker: the tests'
 # prompts are longer, so every request crosses the P/D hand-off.
@@ -83,10 +84,12 @@ async def greedy_ids(
 
 # Started once per run by its first user (~50 s on a loaded machine: the slowest "setup" in
 # --durations, charged to whichever test comes first); make test keeps all its users on one
-# xdist worker (tests/xdist_plan.py: group shared-up), so it never starts twice.
+# xdist worker (tests/xdist_plan.py: group shared-up), so it never starts twice. Stopped
+# after its last user (tests/early_release.py).
 @pytest.fixture(scope="session")
 def shared_up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    with run_up(tiny_model_dir, tmp_path_factory.mktemp("up-logs")) as cluster:
+    with released_after_last_user("shared_up") as stack:
+        cluster = stack.enter_context(run_up(tiny_model_dir, tmp_path_factory.mktemp("up-logs")))
         assert len(cluster.workers) == 2, cluster.workers  # one prefill, one decode
         yield cluster
 

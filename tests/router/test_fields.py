@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 
@@ -55,3 +56,21 @@ def test_prompt_token_ids_must_be_non_negative_integers(prompt: list[object]) ->
         parse_request({"model": "tiny", "prompt": prompt}, False, 16)
     assert err.value.status == 400 and "prompt" in err.value.message
     assert parse_request({"model": "tiny", "prompt": [0, 7]}, False, 16).prompt_token_ids == (0, 7)
+
+
+def test_prompt_token_ids_past_the_vocabulary_are_refused_naming_the_first() -> None:
+    """The router's own check of token-id prompts (serving.prompt_ids): the first id at or
+    past the vocabulary is named in a 400 on ``prompt``; ids below it pass as sent."""
+    import types
+
+    from pdserve.router.api.openai_request import parse_request
+    from pdserve.router.api.serving import prompt_ids
+
+    rt: Any = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=100))
+    ok = parse_request({"model": "tiny", "prompt": [0, 99, 5]}, False, 16)
+    assert prompt_ids(rt, ok) == [0, 99, 5]
+    bad = parse_request({"model": "tiny", "prompt": [3, 150, 100, 7]}, False, 16)
+    with pytest.raises(APIError) as err:
+        prompt_ids(rt, bad)
+    assert err.value.status == 400 and err.value.param == "prompt"
+    assert "token id 150 is outside the vocabulary" in err.value.message

@@ -1,5 +1,5 @@
 """The router's keep-alive client for its per-request worker calls
-(router/transport/http1.py), against raw asyncio servers that answer as told."""
+(pdserve/worker_calls/http1.py), against raw asyncio servers that answer as told."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from pdserve import keys, signing
-from pdserve.router.transport.http1 import CallFailed, WorkerPool
+from pdserve.worker_calls.http1 import CallFailed, WorkerPool
 
 pytestmark = pytest.mark.unit
 

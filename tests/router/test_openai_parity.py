@@ -55,22 +55,26 @@ def _check(hf_lp: torch.Tensor, ids: list[int], chosen: list[float], tops: list[
         assert max(abs(v - w) for (_, v), w in zip(got, want.values.tolist(), strict=True)) < 1e-4
 
 
-def test_completion_logprobs_match_transformers(client: openai.OpenAI, hf: Any) -> None:
-    kw: dict[str, Any] = dict(
-        model="tiny-seed0",
-        prompt=PROMPT_IDS,
-        max_tokens=10,
-        temperature=1.0,
-        seed=5,
-        logprobs=5,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+def _complete(client: openai.OpenAI, max_tokens: int, **kw: Any) -> Any:
+    """A completion of PROMPT_IDS that runs to ``max_tokens`` (ignore_eos); ``kw``: the
+    call's other fields, its ``extra_body`` merged over ignore_eos."""
+    extra = {"ignore_eos": True, **kw.pop("extra_body", {})}
+    return client.completions.create(
+        model="tiny-seed0", prompt=PROMPT_IDS, max_tokens=max_tokens, extra_body=extra, **kw
     )
-    out = client.completions.create(**kw)
+
+
+AS_IDS = {"return_tokens_as_token_ids": True}
+
+
+def test_completion_logprobs_match_transformers(client: openai.OpenAI, hf: Any) -> None:
+    kw: dict[str, Any] = dict(temperature=1.0, seed=5, logprobs=5, extra_body=AS_IDS)
+    out = _complete(client, 10, **kw)
     lp = out.choices[0].logprobs
     ids = _ids(lp.tokens)
     _check(_hf_logprobs(hf, PROMPT_IDS, ids), ids, lp.token_logprobs, lp.top_logprobs)
     # Streamed: the same tokens (same seed), the first one's logprobs from the prefill worker.
-    chunks = list(client.completions.create(stream=True, **kw))
+    chunks = list(_complete(client, 10, stream=True, **kw))
     s_tokens = [t for c in chunks if c.choices for t in c.choices[0].logprobs.tokens]
     s_lps = [x for c in chunks if c.choices for x in c.choices[0].logprobs.token_logprobs]
     s_tops = [x for c in chunks if c.choices for x in c.choices[0].logprobs.top_logprobs]
@@ -108,14 +112,8 @@ def test_chat_logprobs_match_transformers(
 
 
 def test_logit_bias_forces_its_token(client: openai.OpenAI, tiny_tokenizer: Any) -> None:
-    out = client.completions.create(
-        model="tiny-seed0",
-        prompt=PROMPT_IDS,
-        max_tokens=6,
-        temperature=1.0,
-        logit_bias={"1234": 100},
-        logprobs=0,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    out = _complete(
+        client, 6, temperature=1.0, logit_bias={"1234": 100}, logprobs=0, extra_body=AS_IDS
     )
     assert _ids(out.choices[0].logprobs.tokens) == [1234] * 6
     assert out.choices[0].text == tiny_tokenizer.decode([1234] * 6)
@@ -123,14 +121,7 @@ def test_logit_bias_forces_its_token(client: openai.OpenAI, tiny_tokenizer: Any)
 
 def test_each_penalty_changes_greedy_output(client: openai.OpenAI) -> None:
     def run(**extra: Any) -> str:
-        out = client.completions.create(
-            model="tiny-seed0",
-            prompt=PROMPT_IDS,
-            max_tokens=150,
-            temperature=0.0,
-            extra_body={"ignore_eos": True, **extra},
-        )
-        return str(out.choices[0].text)
+        return str(_complete(client, 150, temperature=0.0, extra_body=extra).choices[0].text)
 
     base = run()
     for field, value in [
@@ -218,17 +209,9 @@ def test_n_choices_share_one_prefill(client: openai.OpenAI, up: Up) -> None:
 
 
 def test_best_of_returns_the_most_likely(client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = dict(
-        model="tiny-seed0",
-        prompt=PROMPT_IDS,
-        max_tokens=6,
-        temperature=1.0,
-        seed=21,
-        extra_body={"ignore_eos": True},
-    )
-    every = client.completions.create(n=3, logprobs=0, **kw).choices  # the same 3 candidates
+    every = _complete(client, 6, temperature=1.0, seed=21, n=3, logprobs=0).choices  # the same 3
     sums = {c.text: sum(c.logprobs.token_logprobs) for c in every}
-    best = client.completions.create(n=1, best_of=3, **kw).choices
+    best = _complete(client, 6, temperature=1.0, seed=21, n=1, best_of=3).choices
     assert len(best) == 1 and best[0].logprobs is None  # not asked for: not shown
     assert best[0].text == max(sums, key=lambda t: sums[t])
 

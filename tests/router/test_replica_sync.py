@@ -18,7 +18,7 @@ from pdserve.protocol.kv_events import KVEvent, KVSnapshot, LoadReport
 from pdserve.router.discovery.events import EventSubscriber, parse_report
 from pdserve.router.discovery.workers import Discovery, EndpointSource
 from pdserve.router.scheduling.prefix_index import PrefixIndex
-from pdserve.router.scheduling.snapshot import WorkerView
+from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 
 pytestmark = pytest.mark.unit
 
@@ -213,6 +213,32 @@ async def test_load_is_the_report_plus_what_this_replica_sent_since() -> None:
     now[0] += 1.0  # stale: back to the polled stats and the own count
     v = d.snapshot().workers[0]
     assert not v.reported and v.running == 4
+
+
+def test_snapshot_views_and_pools_are_those_the_dataclass_builds() -> None:
+    """``Discovery.snapshot`` builds its views without WorkerView's ``__init__`` and fills
+    the snapshot's pools as it goes: field for field what the dataclass and
+    ``Snapshot.role`` give, reported or not, healthy or not."""
+    now = [100.0]
+    sub = EventSubscriber(PrefixIndex(), fetch=None, clock=lambda: now[0])
+    d = Discovery(NoSource(), client=None, subscriber=sub)  # type: ignore[arg-type]
+    for i, (role, healthy) in enumerate(
+        [("prefill", True), ("prefill", False), ("decode", True), ("decode", True)]
+    ):
+        stats = WorkerStats(worker_id=f"w{i}", running=i, queued_prompt_tokens=10 * i)
+        d._views[f"http://w{i}"] = WorkerView(f"http://w{i}", role, healthy, stats)
+    d.begin("http://w0", 64)
+    d.begin("http://w2", 0)
+    sub.loads["w2"] = (LoadReport(running=5, worker_id="w2"), now[0])
+    snap = d.snapshot()
+    for v in snap.workers:
+        fields = {f: getattr(v, f) for f in WorkerView.__dataclass_fields__}
+        assert WorkerView(**fields) == v and type(v) is WorkerView
+    assert [v.reported for v in snap.workers] == [False, False, True, False]
+    assert snap.workers[2].since_report == 0 and snap.workers[0].inflight == 1
+    fresh = Snapshot(snap.workers, snap.version)
+    assert snap.prefill == fresh.role("prefill") and snap.decode == fresh.role("decode")
+    assert [w.url for w in snap.prefill] == ["http://w0"]
 
 
 def test_report_parser_matches_the_codec_and_refuses_bad_values() -> None:

@@ -14,9 +14,9 @@ import pytest
 
 from pdserve.coalesce import CoalescingHttpTools
 from pdserve.router.discovery.workers import Discovery, StaticSource
-from pdserve.router.transport.worker_client import new_session
 from pdserve.testing.loopback import free_port
 from pdserve.testing.router_fakes import FakeState, decode_app
+from pdserve.worker_calls.worker_client import new_session
 from tests.router.test_api import LONG, client
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -210,3 +210,29 @@ async def test_health_checks_drop_and_readmit_workers() -> None:
         server.should_exit = True
         await task
         assert (await disc.refresh()).decode == ()
+
+
+async def test_starting_worker_is_routed_before_the_next_round() -> None:
+    """A listed worker that has never been healthy (starting) is asked for its /health
+    between rounds: routed within a fraction of a second of its start, not a round later."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    async with new_session() as h:
+        disc = Discovery(StaticSource([], [url]), h, interval_s=60.0)
+        disc.start()
+        await _until(lambda: disc.starting() == [url])
+        import uvicorn
+
+        app = decode_app(FakeState("decode", "d7"))
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        task = asyncio.create_task(server.serve())
+        try:
+            # a 60 s round: only the in-between checks can see it this soon
+            await _until(lambda: bool(disc.snapshot().decode), timeout=10.0)
+            assert disc.starting() == []
+        finally:
+            server.should_exit = True
+            await task
+            await disc.stop()

@@ -120,3 +120,37 @@ async def test_router_procs_share_one_port(tiny_model_dir: Path, end: str) -> No
                 served[s.labels["proc"]] = served.get(s.labels["proc"], 0) + s.value
     assert sum(served.values()) == n, page
     assert set(served) == {"0", "1"} and min(served.values()) > 0, served
+
+
+async def test_a_per_key_cap_is_the_replicas_over_its_processes(tiny_model_dir: Path) -> None:
+    """Issue 44 item 6: ``--procs 3 --max-concurrency-per-key 1``: of 9 concurrent
+    requests, each on a connection of its own (the kernel spreads them over the
+    processes), exactly one is admitted. Before, each process enforced ceil(1/3) = 1 of
+    its own, so the replica admitted one per process reached (up to 3)."""
+    pst, dst = FakeState("prefill", "p0"), FakeState("decode", "d0", token_delay_s=0.4)
+    async with serve(prefill_app(pst)) as purl, serve(decode_app(dst)) as durl:
+        port = free_port()
+        proc = await start_router(
+            *("--model", str(tiny_model_dir), "--port", str(port)),
+            *("--prefill", purl, "--decode", durl, "--procs", "3"),
+            *("--max-concurrency-per-key", "1"),
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(600):
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/health").status_code == 200:
+                        break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)  # the other processes' discovery too
+            body = {"model": tiny_model_dir.name, "prompt": "hello", "max_tokens": 6}
+
+            async def one() -> int:
+                async with httpx.AsyncClient(timeout=30) as h:
+                    return (await h.post(url + "/v1/completions", json=body)).status_code
+
+            codes = await asyncio.gather(*(one() for _ in range(9)))
+        finally:
+            proc.terminate()
+            output = (await asyncio.wait_for(proc.communicate(), 60))[0].decode()
+        assert sorted(codes) == [200] + [429] * 8, (codes, output[-2000:])

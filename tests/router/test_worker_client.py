@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from pdserve.protocol.codec import to_dict
 from pdserve.protocol.contract import GenerateRequest, TokenDelta, WorkerError
-from pdserve.router.transport.worker_client import (
+from pdserve.worker_calls.worker_client import (
     MAX_LINE_BYTES,
     WorkerFailed,
     generate,
@@ -118,8 +118,8 @@ def test_each_server_keeps_idle_connections_longer_than_its_clients() -> None:
     """A server that closes an idle connection first races its client reusing it: the
     request fails (tests/local/test_scale_under_load.py checks the processes)."""
     from pdserve.router.main import CLIENT_KEEP_ALIVE_S
-    from pdserve.router.transport.worker_client import POOL_KEEPALIVE_S
     from pdserve.worker.http import KEEP_ALIVE_S
+    from pdserve.worker_calls.worker_client import POOL_KEEPALIVE_S
 
     assert KEEP_ALIVE_S > POOL_KEEPALIVE_S + 30  # workers outlast the router's pool
     # the router outlasts httpx (5 s, the OpenAI SDK), aiohttp (15 s), Go (90 s) pools

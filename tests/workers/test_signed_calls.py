@@ -1,8 +1,8 @@
 """Router -> worker calls are signed, never carry the secret (pdserve/signing.py).
 
 On a real uvicorn server on loopback with the workers' SecretCheck, and the router's own
-aiohttp session (router/transport/worker_client.py): a forged, altered, stale or replayed call is
-refused; a reply without the worker's proof is not believed; and a rotation of the
+aiohttp session (pdserve/worker_calls/worker_client.py): a forged, altered, stale or replayed
+call is refused; a reply without the worker's proof is not believed; and a rotation of the
 secret (three rollouts, pods of old and new config side by side) never fails a call.
 Before signatures, the router sent the secret itself in a header: the first tests here
 fail then (a captured header replays; a fake worker learns the secret).
@@ -23,10 +23,10 @@ from aiohttp.test_utils import TestServer
 from fastapi import FastAPI, Request
 
 from pdserve import keys, signing
-from pdserve.router.transport.worker_client import UnprovenWorker, new_session
 from pdserve.signed_httpx import SignedAuth
 from pdserve.testing.router_fakes import serve
 from pdserve.worker.http import SecretCheck
+from pdserve.worker_calls.worker_client import UnprovenWorker, new_session
 
 pytestmark = pytest.mark.unit
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from pdserve.engine import startup_probe
+from pdserve.engine import compile_job, startup_probe
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.os_thread import name_os_thread
 from pdserve.worker.core.config import CoreConfig
@@ -102,14 +102,18 @@ def main(argv: list[str]) -> int:
     # Named before "ready": whoever sees the worker healthy finds the engine thread by name.
     name_os_thread(ENGINE_NAME)
     fwd = "compiled" if engine.runner.compiled else "eager"
+    # CPU-s since the fork (or the process's start): a loaded machine's wall says little
     print(
         f"engine core: model {engine.served_model_name!r} loaded and probed in "
-        f"{time.monotonic() - started:.1f}s (serving with the {fwd} forward)",
+        f"{time.monotonic() - started:.1f}s, {time.process_time():.1f} CPU-s since the "
+        f"core's start (serving with the {fwd} forward)",
         file=sys.stderr,
         flush=True,
     )
     results.send(pickle.dumps(("ready", core.info())))
-    engine.start_compile()  # in the background: readiness does not wait for it
+    # In the background: readiness does not wait for it, and it waits for a quiet engine
+    # so that the first requests have the CPU (compile_job.QUIET_S).
+    engine.start_compile(compile_job.QUIET_S, compile_job.MAX_HOLD_S)
     # The model, torch and the engine's tables stay alive for good: keep them out of
     # the collector's full passes.
     gc.collect()

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdserve.engine.spec_decode import SpecStats
+from pdserve.worker.metrics import role_families
 
 
 class SpecCollector(Collector):
@@ -31,10 +32,7 @@ class SpecCollector(Collector):
                 s.emitted_tokens,
             ),
         }
-        for name, (doc, value) in counters.items():
-            c = CounterMetricFamily(name, doc, labels=["role"])
-            c.add_metric([self.role], value)
-            yield c
+        yield from role_families(CounterMetricFamily, self.role, counters)
         gauges = {
             "pdserve_spec_decode_acceptance_rate": (
                 "accepted / proposed draft tokens since start",
@@ -45,7 +43,4 @@ class SpecCollector(Collector):
                 s.emitted_tokens / s.steps if s.steps else 0.0,
             ),
         }
-        for name, (doc, ratio) in gauges.items():
-            g = GaugeMetricFamily(name, doc, labels=["role"])
-            g.add_metric([self.role], ratio)
-            yield g
+        yield from role_families(GaugeMetricFamily, self.role, gauges)

@@ -31,6 +31,7 @@ arrives as a wakeup byte).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -378,6 +379,25 @@ def run_core(argv: list[str]) -> int:
     return core_main.main(argv)
 
 
+def preload(modules: tuple[str, ...]) -> None:
+    """Import ``modules`` with the collector off, then freeze every object so far (Python's
+    own advice for a parent that forks without exec), the collector on again whatever
+    happened. Measured on the 2-core dev machine: the imports took 3.8-4.1 CPU-s instead
+    of 4.7-4.9 (the collector's passes over them found nothing to free), each core's load
+    and probe ~0.15 CPU-s less (its passes skip the zygote's ~600,000 objects), and the
+    pages those objects sit on stay shared with the cores; ~8 MB of the imports' cyclic
+    garbage is kept for good."""
+    import importlib
+
+    gc.disable()
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
 def serve(path: str, lifeline: int | None = None) -> None:
     """Serve on ``path``; with ``lifeline`` (a pipe's read end), until its writer is gone:
     the process that started the zygote, so that a ``pdserve up`` killed hard leaves no
@@ -394,13 +414,11 @@ def serve(path: str, lifeline: int | None = None) -> None:
     os.rename(staging, path)
     base_env = dict(os.environ)
     # Bound first, imports after: workers that ask meanwhile wait in the backlog.
-    import importlib
-
     started = time.monotonic()
-    for module in PRELOAD:
-        importlib.import_module(module)
+    preload(PRELOAD)
     print(
-        f"core zygote: ready on {path} ({time.monotonic() - started:.1f} s of imports)",
+        f"core zygote: ready on {path} ({time.monotonic() - started:.1f} s of imports, "
+        f"{time.process_time():.1f} CPU-s since its start)",
         file=sys.stderr,
         flush=True,
     )

@@ -98,11 +98,11 @@ app.kubernetes.io/component: operator
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, create, patch, delete]
-# Secrets: get (preflight of referenced ones; the per-service secret) and create (that one
-# secret). Never list or watch: the operator must not read every Secret it is not told of.
+# Secrets: create only (the per-service secret, once). Never get, list or watch: the
+# operator reads no Secret; pods mount the ones an LLMService names (issue 44 item 12).
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get, create]
+  verbs: [create]
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
   verbs: [get]

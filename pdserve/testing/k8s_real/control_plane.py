@@ -14,6 +14,7 @@ import ssl
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -66,18 +67,26 @@ class ControlPlane:
         self.version = ""
 
     # -- processes ---------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _run(
+        self, name: str, flags: list[str], health: str, timeout_s: float, admin: bool = False
+    ) -> None:
+        """Start the component ``name`` (its binary in bin/) with ``flags``, its output in
+        ``name``.log, and wait until its ``health`` URL answers."""
         log = open(self.work / f"{name}.log", "ab")  # noqa: SIM115 - the process keeps it
         self.procs[name] = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            [str(self.bin / name), *flags],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
+        what = f"{name} {urlsplit(health).path}"
+        poll_until(lambda: self.ok(health, admin=admin), timeout_s, what=what)
 
     def start_etcd(self) -> None:
         peer = f"http://127.0.0.1:{self.etcd_peer}"
-        self._spawn(
+        self._run(
             "etcd",
             [
-                str(self.bin / "etcd"),
                 "--name=default",
                 f"--data-dir={self.work / 'etcd'}",
                 f"--listen-client-urls=http://127.0.0.1:{self.etcd_port}",
@@ -88,16 +97,14 @@ class ControlPlane:
                 "--unsafe-no-fsync",
                 "--log-level=warn",
             ],
-        )
-        poll_until(
-            lambda: self.ok(f"http://127.0.0.1:{self.etcd_port}/health"), 60, what="etcd /health"
+            f"http://127.0.0.1:{self.etcd_port}/health",
+            60,
         )
 
     def start_apiserver(self) -> None:
-        self._spawn(
+        self._run(
             "kube-apiserver",
             [
-                str(self.bin / "kube-apiserver"),
                 f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
                 "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1",
@@ -114,17 +121,16 @@ class ControlPlane:
                 "--profiling=false",
                 "--v=0",
             ],
-        )
-        poll_until(
-            lambda: self.ok(self.url + "/readyz", admin=True), 120, what="kube-apiserver /readyz"
+            self.url + "/readyz",
+            120,
+            admin=True,
         )
         self.version = self.client().get("/version").json()["gitVersion"]
 
     def start_controller_manager(self) -> None:
-        self._spawn(
+        self._run(
             "kube-controller-manager",
             [
-                str(self.bin / "kube-controller-manager"),
                 f"--kubeconfig={self.kubeconfig('kcm', KCM_TOKEN)}",
                 "--leader-elect=false",
                 f"--controllers={','.join(CONTROLLERS)}",
@@ -136,11 +142,8 @@ class ControlPlane:
                 "--concurrent-gc-syncs=5",
                 "--profiling=false",
             ],
-        )
-        poll_until(
-            lambda: self.ok(f"https://127.0.0.1:{self.kcm_port}/healthz"),
+            f"https://127.0.0.1:{self.kcm_port}/healthz",
             60,
-            what="kube-controller-manager /healthz",
         )
 
     def start(self) -> ControlPlane:

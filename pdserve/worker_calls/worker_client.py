@@ -32,8 +32,8 @@ from pdserve.protocol.contract import (
 from pdserve.protocol.outputs import REQUEST_FAILED
 from pdserve.protocol.prefill_reply import decode_prefill_reply
 from pdserve.protocol.token_lines import decode_line
-from pdserve.router.errors import APIError, from_worker_body
-from pdserve.router.transport.http1 import CallFailed, WorkerPool
+from pdserve.worker_calls.errors import APIError, from_worker_body
+from pdserve.worker_calls.http1 import CallFailed, WorkerPool
 
 T = TypeVar("T")
 JSON = {"content-type": "application/json"}
