@@ -17,7 +17,7 @@ subclass adds, as a real API server does:
   API server's message;
 - a count of requests by (method, watch?) in ``requests`` and by (User-Agent product,
   method, watch?) in ``by_agent`` (bench/operator_load.py counts the operator's), and by
-  (method, resource plural) in ``by_resource`` (which kinds the operator reads);
+  (method, resource plural) in ``by_method_resource`` (which kinds the operator reads);
 - for the kinds in ``versioned`` (EndpointSlices), list/watch at a resourceVersion, label
   selectors, watch timeouts and 410 Gone (``k8s_history.py``);
 - a bounded request log (kmock's grows for ever and makes each request cost O(all served));
@@ -68,7 +68,7 @@ class ApiServer(kmock.KubernetesEmulator):
     by_agent: collections.Counter[tuple[str, str, bool]] = attrs.field(
         factory=collections.Counter, init=False
     )
-    by_resource: collections.Counter[tuple[str, str]] = attrs.field(
+    by_method_resource: collections.Counter[tuple[str, str]] = attrs.field(
         factory=collections.Counter, init=False
     )
     versioned: frozenset[str] = frozenset({"endpointslices"})
@@ -93,7 +93,7 @@ class ApiServer(kmock.KubernetesEmulator):
         self.requests[(raw_request.method, watch)] += 1
         agent = raw_request.headers.get("User-Agent", "").split("/")[0]
         self.by_agent[(agent, raw_request.method, watch)] += 1
-        self.by_resource[(raw_request.method, _plural(raw_request.path))] += 1
+        self.by_method_resource[(raw_request.method, _plural(raw_request.path))] += 1
         if self.outage:
             status = {"kind": "Status", "code": self.outage, "message": "emulated outage"}
             return aiohttp.web.json_response(status, status=self.outage)

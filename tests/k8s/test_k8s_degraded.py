@@ -96,7 +96,7 @@ async def test_the_operator_never_reads_a_secret(
     assert cmd[cmd.index("--api-key-file") + 1] == "/etc/pdserve/api-key/token"
     await client.patch(*GVK, NS, "keyed", {"spec": {"router": {"replicas": 2}}})
     await eventually(lambda: _replicas(client, "keyed-router", 2), what="a second reconcile")
-    secret_calls = {k: v for k, v in api_server.by_resource.items() if k[1] == "secrets"}
+    secret_calls = {k: v for k, v in api_server.by_method_resource.items() if k[1] == "secrets"}
     gets = {k: v for k, v in secret_calls.items() if k[0] != "POST"}
     # the test's own get above is the one GET (the operator's client is the same class:
     # count it out)

@@ -180,7 +180,9 @@ def test_namespaced_mode_has_no_cluster_wide_write_access() -> None:
     assert cmd[:2] == ["pdserve", "operator"]
     assert "--namespace=llm-prod" in cmd and "--all-namespaces" not in cmd
     secrets = [r for r in roles[0]["rules"] if "secrets" in r["resources"]]
-    assert [r["verbs"] for r in secrets] == [["get", "create"]]  # no list/watch of Secrets
+    assert [r["verbs"] for r in secrets] == [
+        ["create"]
+    ]  # no get, list or watch of Secrets (issue 44 item 12)
     finalizers = [r for r in roles[0]["rules"] if "llmservices/finalizers" in r["resources"]]
     assert [r["verbs"] for r in finalizers] == [["update"]]  # OwnerReferencesPermissionEnforcement
 
