@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import family_config
+from engine_helpers import assert_all_free, family_config
 from test_model_families import SERVED, _generate, _model_dir, _reference
 
 from pdserve.engine.llm_engine import LLMEngine
@@ -60,3 +60,4 @@ def test_family_compiled_matches_transformers(
     assert _generate(engine) == expected
     # Served on the variants the warm-up compiled, as a worker serves: no new graph.
     assert counters["stats"]["unique_graphs"] == graphs
+    assert_all_free(engine)
