@@ -11,10 +11,14 @@ within 1e-5 in float32, over random block tables (blocks in random pool order, t
 padded with other requests' blocks), context lengths 1..600, GQA 1/2/4, sliding windows,
 soft-capping and sinks on and off, decode contexts split over 1-16 programs and combined
 (triton_cases.py holds the cases and the reference).
-Then the engine's own attention call through each back-end (triton_engine_cases.py): the
+Heads wider than 256 (MLA's 576-wide latent, key and value one tensor; an odd 300) run
+the chunked-width kernel on tiny contexts, decodes split and combined, chunks beside
+decodes. Then the engine's own attention call through each back-end (triton_engine_cases.py): the
 Triton and CPU-kernel outputs equal the gather path's, and the tiny model, greedy through
 the Triton back-end with prefill chunks beside decodes, equals transformers' generate();
-a decode step through the CUDA-graph path's static, padded inputs equals the eager step.
+a decode step through the CUDA-graph path's static, padded inputs equals the eager step;
+a tiny DeepSeek-V3 at the real latent width (512 + 64) through the Triton back-end equals
+transformers and the gather path.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from typing import Any
 import pytest
 import triton_cases
 
-# One child, ~35 s of CPU (kernel cases ~20, engine cases ~17, one start); a loaded shared
+from tests.model_families import MLA_FULL_LATENT, cached_family
+
+# One child: 69 CPU-s for the whole file on the loaded shared host (2026-12-07), of which
+# the wide kernel cases ~5.5 and the full-width MLA model ~5.5; a loaded shared
 # machine stretches it several times. Slow by nature: Triton's interpreter runs each kernel
 # program in Python, and these cases are what proves the kernels without a GPU.
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(900)]
@@ -67,7 +74,8 @@ def run_interpreted(script: str, *args: str) -> dict[str, Any]:
 def engine_results(tiny_model_dir: Path) -> dict[str, Any]:
     """Everything the interpreter runs, from one child process (its start, torch and triton
     under the interpreter, costs seconds of CPU: once, not once per script)."""
-    return run_interpreted("triton_engine_cases.py", str(tiny_model_dir))
+    latent = cached_family(MLA_FULL_LATENT, tiny_model_dir)
+    return run_interpreted("triton_engine_cases.py", str(tiny_model_dir), str(latent))
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +86,10 @@ def kernel_errors(engine_results: dict[str, Any]) -> dict[str, float]:
 
 def test_cases_cover_the_ranges() -> None:
     cases = triton_cases.CASES
-    assert {c.gqa for c in cases} == {1, 2, 4}
+    assert {c.gqa for c in cases} == {1, 2, 4, 16}
+    # Wider than the one-tile kernel's 256: MLA's latent (key = value) and an odd width.
+    assert {c.head_dim for c in cases if c.head_dim > 256} == {576, 300}
+    assert all(c.shared_kv for c in cases if c.head_dim == 576)
     contexts = [s + n for c in cases for s, n in c.chunks]
     assert min(contexts) == 1 and max(contexts) == 600
     assert any(c.window for c in cases) and any(not c.window for c in cases)
@@ -110,6 +121,18 @@ def test_whole_model_through_triton_equals_transformers(engine_results: dict[str
     assert model["backend"] == "triton"  # chosen by PDSERVE_ATTENTION_BACKEND in the child
     assert model["equal"] == model["of"] == 4, model
     assert model["kv_free"]
+
+
+def test_mla_latent_width_through_triton(engine_results: dict[str, Any]) -> None:
+    """DeepSeek's latent at its real width (512 + 64: one 576-wide head, past the one-tile
+    kernel's 256) runs on the Triton back-end, in the chunked-width form, and gives
+    transformers' greedy tokens, as the gather path does. Before that form existed the
+    back-end was refused for this model ("head_dim <= 256"). Interpreter only: the
+    kernel's speed on a GPU is unmeasured."""
+    latent = engine_results["latent"]
+    assert latent["latent"] == [512, 64] and latent["head_dim"] == 576
+    assert latent["backends"] == ["triton", "gather"]
+    assert latent["triton_equal"] == latent["gather_equal"] == latent["of"] == 2, latent
 
 
 def test_decode_graph_step_equals_eager(engine_results: dict[str, Any]) -> None:
