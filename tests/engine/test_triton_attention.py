@@ -35,10 +35,11 @@ import triton_cases
 
 from tests.model_families import MLA_FULL_LATENT, cached_family
 
-# One child: 69 CPU-s for the whole file on the loaded shared host (2026-12-07), of which
-# the wide kernel cases ~5.5 and the full-width MLA model ~5.5; a loaded shared
-# machine stretches it several times. Slow by nature: Triton's interpreter runs each kernel
-# program in Python, and these cases are what proves the kernels without a GPU.
+# One child: ~73 CPU-s for the whole file on the loaded shared host (2026-12-07), of which
+# the wide kernel cases ~5.5, the full-width MLA model ~5.5, gpu_smoke's MLA check ~4; a
+# loaded shared machine stretches it several times. Slow by nature: Triton's interpreter
+# runs each kernel program in Python, and these cases are what proves the kernels without
+# a GPU.
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).resolve().parent
@@ -133,6 +134,18 @@ def test_mla_latent_width_through_triton(engine_results: dict[str, Any]) -> None
     assert latent["latent"] == [512, 64] and latent["head_dim"] == 576
     assert latent["backends"] == ["triton", "gather"]
     assert latent["triton_equal"] == latent["gather_equal"] == latent["of"] == 2, latent
+
+
+def test_gpu_smoke_mla_check_passes_the_kernel_and_fails_a_wrong_one(
+    engine_results: dict[str, Any],
+) -> None:
+    """bench/gpu_smoke.py's ``mla_latent`` check (the lent GPU's proof of the chunked-width
+    kernel at DeepSeek's width, and its GB/s), its logic under the interpreter: it passes
+    the kernel and fails one whose scores miss the latent's last 64-wide slice."""
+    good, bad = engine_results["gpu_smoke_mla"]["good"], engine_results["gpu_smoke_mla"]["bad"]
+    assert good["ok"] and good["width"] == 576 and good["float32"]["rel_err"] <= 1e-4, good
+    assert good["step_ms"] > 0 and "bfloat16" not in good
+    assert not bad["ok"] and bad["float32"]["rel_err"] > 1e-2, bad
 
 
 def test_decode_graph_step_equals_eager(engine_results: dict[str, Any]) -> None:

@@ -11,7 +11,8 @@ model through the Triton back-end; run as a script under Triton's interpreter.
 * ``model``: greedy tokens of the tiny model through the Triton back-end (chunked prefill
   beside decodes) against transformers' generate(), and whether every block came back;
 * ``latent``: a tiny DeepSeek-V3 at MLA's real latent width (576) through the Triton
-  back-end's chunked-width kernel, against transformers and the gather path.
+  back-end's chunked-width kernel, against transformers and the gather path;
+* ``gpu_smoke_mla``: bench/gpu_smoke.py's MLA kernel check, on the kernel and on a wrong one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton_cases
@@ -150,6 +152,33 @@ def latent_case(model_dir: Path) -> dict[str, object]:
     }
 
 
+def gpu_smoke_mla_case() -> dict[str, object]:
+    """bench/gpu_smoke.py's MLA kernel check (the GPU day's: DeepSeek's 576-wide latent,
+    key = value), its logic on CPU at a tiny size, float32 (the interpreter's bfloat16 is
+    not the GPU's): on the kernel, and on a kernel made wrong (the scores summed over 8 of
+    the latent's 9 slices), which the check must fail."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import gpu_smoke
+
+    from pdserve.engine import triton_attention as ta
+
+    gpu_smoke.DEVICE = "cpu"
+    small: dict[str, Any] = {"batch": 2, "ctx": 40, "heads": 4, "repeats": 1}
+    good = gpu_smoke.mla_latent_kernel(**small, dtypes=(torch.float32,))
+    kernel = ta.paged_attention
+
+    def last_slice_dropped(q: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        rope_zeroed = torch.cat((q[..., :512], torch.zeros_like(q[..., 512:])), -1)
+        kernel(rope_zeroed, *args, **kwargs)
+
+    ta.paged_attention = last_slice_dropped  # type: ignore[assignment]
+    try:
+        bad = gpu_smoke.mla_latent_kernel(**small, dtypes=(torch.float32,))
+    finally:
+        ta.paged_attention = kernel  # type: ignore[assignment]
+    return {"good": good, "bad": bad}
+
+
 class FakeGraphRunner:
     """No CUDA here (a mock, where the real thing cannot run): "replay" re-runs the
     captured step, which reads the static input tensors only."""
@@ -206,6 +235,7 @@ def main() -> int:
         result["graphs"] = graphs_case(Path(sys.argv[1]))
     if len(sys.argv) > 2:
         result["latent"] = latent_case(Path(sys.argv[2]))
+        result["gpu_smoke_mla"] = gpu_smoke_mla_case()
     print(json.dumps(result))
     return 0
 
