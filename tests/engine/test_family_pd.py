@@ -48,6 +48,9 @@ def test_family_through_nixl_handoff(
     expected = _reference(model_dir)
     with _pair(model_dir) as pair:
         assert pair.server.transport_name == pair.connector.inner.transport_name == "nixl"
+        # One model, two pools.
+        assert pair.decode.runner.model is pair.prefill.runner.model
+        assert pair.decode.kv_tensor.data_ptr() != pair.prefill.kv_tensor.data_ptr()
         done = pair.run(PROMPTS, MAX_TOKENS)
         assert done.tokens == expected
         # Decodes only on the decode side: every prompt's KV came over the transfer.
