@@ -269,12 +269,21 @@ def _paged_attention_wide(
             HAS_SOFTCAP=softcap is not None,
             HAS_SINKS=sinks is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=wide_warps(block_m),
             **consts,
         )
         if s > 1:
             _combine_wide[(n, hkv, chunks)](
                 out, part, tiles.row, tiles.count, out.stride(0), out.stride(1), **consts
             )
+
+
+def wide_warps(block_m: int) -> int:
+    """Warps of a ``_attention_wide`` program: 8 from 64 rows on. Compiled for sm_90
+    without a GPU (triton.compile to a GPUTarget, cuobjdump's resource usage), bfloat16,
+    DeepSeek's 576: at 4 warps 128 rows (128 heads) spill 288-320 bytes a thread at 255
+    registers and 64 rows spill 8; at 8 warps none spills (249-254 and 181 registers)."""
+    return 8 if block_m >= 64 else 4
 
 
 def decode_splits(table_width: int) -> int:
