@@ -16,6 +16,10 @@ a sliding window (key ``j`` is seen from position ``p`` when ``p - window < j <=
 transformers masks it), logit soft-capping (``cap * tanh(s / cap)`` after scaling) and
 attention sinks (one logit per query head that joins the softmax's denominator).
 
+A head wider than ``NARROW_D`` (MLA's compressed latent, 512 + 64) would make a row's
+tile too wide for a program's registers: ``_attention_wide`` cuts the head into
+``CHUNK_D``-wide slices, sums q . k over them, and gives each program one output slice.
+
 Triton's interpreter runs the same source on CPU tensors when ``TRITON_INTERPRET=1`` is
 set before triton is first imported (triton.language's own helpers are decorated at
 import); :func:`interpreted` says which mode this process got.
@@ -48,8 +52,9 @@ def supports(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) 
     whole GQA groups, 16 <= head_dim <= ``MAX_HEAD_DIM``. A head up to ``NARROW_D`` wide
     runs in one tile per row (``_attention``); a wider one (compressed MLA at its real
     size: the latent's 512 + 64) in ``CHUNK_D``-wide chunks (``_attention_wide``), proved
-    under the interpreter only: its GPU speed is unmeasured. Wider than ``MAX_HEAD_DIM``
-    (no model known) takes the gather path rather than an untried width."""
+    under the interpreter and compiled for sm_90 without spills, its GPU speed unmeasured.
+    Wider than ``MAX_HEAD_DIM`` (no model known) takes the gather path rather than an
+    untried width."""
     pow2 = block_size & (block_size - 1) == 0
     heads_ok = num_heads % num_kv_heads == 0 and 16 <= head_dim <= MAX_HEAD_DIM
     return pow2 and block_size >= 16 and heads_ok
