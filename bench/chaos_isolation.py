@@ -24,6 +24,10 @@
   decode workers their forgery took out;
 - ``proc_budget_over_cap``: requests admitted beyond a per-key cap of 1 by four
   ``--procs`` processes sharing the replica's table, one key's 16 requests spread over them;
+- ``replica_budget_over_cap``: requests admitted beyond a per-key cap of 1 by three router
+  replicas' budget owners over real signed HTTP (router/peer_budgets.py), one key's 12
+  requests spread over them, then a key whose owner stopped answering asked 6 times of
+  the other two (each admitted one is over: they must refuse, 503);
 - ``model_file_swap_loaded``: model files in a sealed shared cache swapped after the
   service's first load (tokenizer, weights, an added chat template, a symlink) that the
   next load took.
@@ -248,6 +252,32 @@ def proc_budget_over_cap() -> int:
     return asyncio.run(probe())
 
 
+def replica_budget_over_cap() -> int:
+    from pdserve.router.errors import APIError
+    from pdserve.router.peer_budgets import budget_id, owner_of
+    from pdserve.testing.peer_replicas import replicas
+
+    async def probe() -> int:
+        async with replicas(3, cap=1) as reps:
+            admitted = 0
+            for i in range(12):
+                with contextlib.suppress(APIError):
+                    await reps[i % 3].budgets.enter("key:a")
+                    admitted += 1
+            over = max(admitted - 1, 0)
+            urls = sorted(r.url for r in reps)
+            owner = next(r for r in reps if r.url == owner_of(budget_id("key:b"), urls))
+            await owner.stop()
+            others = [r for r in reps if r is not owner]
+            for i in range(6):
+                with contextlib.suppress(APIError):
+                    await others[i % 2].budgets.enter("key:b")
+                    over += 1
+            return over
+
+    return asyncio.run(probe())
+
+
 def model_file_swap_loaded() -> int:
     from pdserve import keys
     from pdserve.engine import model_seal
@@ -293,4 +323,5 @@ def in_process_probes(model_dir: Path) -> dict[str, int]:
         "picker_ext_proc_unauthenticated": ext_proc_unauthenticated(model_dir),
         "proc_budget_over_cap": proc_budget_over_cap(),
         "model_file_swap_loaded": model_file_swap_loaded(),
+        "replica_budget_over_cap": replica_budget_over_cap(),
     }

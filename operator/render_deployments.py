@@ -256,7 +256,9 @@ def pool_deployment(spec: LLMServiceSpec, pool: PoolSpec, config_hash: str) -> d
 def router_deployment(spec: LLMServiceSpec, config_hash: str) -> dict[str, Any]:
     r = spec.router
     resources = r.resources or _ROUTER_RESOURCES
-    container = _container(spec, "router", p.router_command(spec), resources, ())
+    # --budget-peers kubernetes: the replica's own address among its Service's endpoints
+    pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    container = _container(spec, "router", p.router_command(spec), resources, (pod_ip,))
     pod = _pod_spec(spec, "router", container, "")
     if r.node_selector:
         pod["nodeSelector"] = dict(r.node_selector)
