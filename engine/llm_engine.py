@@ -26,7 +26,6 @@ Synchronous and single-threaded; a worker runs it in its engine core process
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -156,8 +155,7 @@ class LLMEngine:
     def shadow(self, blocks: int = SHADOW_BLOCKS) -> LLMEngine:
         """An engine on this one's model (the same module and weights) with a small KV
         pool of its own and no compile: the compile thread's (compile_job.py)."""
-        runner = copy.copy(self.runner)
-        runner.pool, runner._gather_buffer = None, None
+        runner = self.runner.unbound()
         runner.forward = self.runner.model
         budget = blocks * runner.kv_shape.bytes_per_block
         config = replace(

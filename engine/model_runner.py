@@ -8,6 +8,7 @@ requests apart. Only the rows that are sampled get logits.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -215,6 +216,14 @@ class ModelRunner:
 
     def bind_pool(self, pool: KVPool) -> None:
         self.pool = pool
+
+    def unbound(self) -> ModelRunner:
+        """A runner on this one's model (the same module and weights) with no pool bound:
+        another engine's, with a pool of its own (``LLMEngine.shadow``, an in-process
+        prefill/decode pair: pdserve/testing/pd_pair.py)."""
+        runner = copy.copy(self)
+        runner.pool, runner._gather_buffer = None, None
+        return runner
 
     def enable_cuda_graphs(
         self,
