@@ -106,3 +106,34 @@ async def test_a_new_owner_counts_what_is_in_flight_and_starts_its_buckets_empty
         with pytest.raises(APIError) as err:  # the moved key's bucket starts empty
             await reps[1].budgets.take_request(client)
         assert err.value.status == 429
+
+
+async def test_a_picker_replica_answers_the_budget_calls_on_its_admin_port() -> None:
+    """endpointPicker mode: the picker's admin server (aiohttp, not the router's app)
+    serves ``/internal/budget`` too, so picker replicas keep one budget per key."""
+    from types import SimpleNamespace
+
+    from pdserve.router.peer_budgets import PeerBudgets
+    from pdserve.router.picker.service import PickerService
+    from pdserve.router.ratelimit import RateLimiter
+    from pdserve.testing.loopback import free_port
+
+    ports = [free_port(), free_port()]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    ring = keys.KeyRing(keys.ROUTER_PEER, "peers")
+    owner = PeerBudgets(urls[0], urls, RateLimiter(0, 0), 1, ring)
+    caller = PeerBudgets(urls[1], urls, RateLimiter(0, 0), 1, ring)
+    picker = PickerService.__new__(PickerService)  # its admin server alone
+    picker.rt = SimpleNamespace(peers=owner, metrics=None)  # type: ignore[assignment]
+    picker._ready = True
+    await picker._serve_metrics("127.0.0.1", ports[0])
+    try:
+        client = _owned_by(urls, urls[0])
+        await caller.enter(client)  # counted at the picker replica that owns it
+        with pytest.raises(APIError) as err:
+            await caller.enter(client)
+        assert err.value.status == 429 and owner.counts.count(budget_id(client)) == 1
+    finally:
+        await caller.close()
+        assert picker._metrics is not None
+        await picker._metrics.cleanup()
