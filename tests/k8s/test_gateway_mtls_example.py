@@ -14,8 +14,10 @@ import yaml
 from k8s_helpers import schema_errors
 
 from pdserve.operator import naming as n
+from pdserve.operator.exposure import ExposurePolicy, exposure_violations
 from pdserve.operator.render import render
 from pdserve.operator.render_picker import GRPC_PORT
+from pdserve.operator.spec_parse import parse_llmservice
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gateway-mtls"
 
@@ -29,6 +31,14 @@ def test_the_gateway_side_names_what_the_operator_renders() -> None:
     (svc_obj,) = _docs("llmservice.yaml").values()
     assert schema_errors(svc_obj) == []
     name, ns = svc_obj["metadata"]["name"], svc_obj["metadata"]["namespace"]
+    # The operator's exposure policy takes it once the admin allows the gateway's namespace
+    # (chart: operator.allowedGatewayNamespaces), and not before.
+    spec = parse_llmservice(svc_obj)
+    assert [f for f, _ in exposure_violations(spec, ExposurePolicy())] == [
+        "spec.router.httpRoute.parentRefs[0].namespace"
+    ]
+    allowed = ExposurePolicy(gateway_namespaces=("envoy-gateway-system",))
+    assert list(exposure_violations(spec, allowed)) == []
     kids = {(m["kind"], m["metadata"]["name"]): m for m in render(svc_obj)}
     certs, gateway = _docs("certificates.yaml"), _docs("envoy-gateway.yaml")
 
