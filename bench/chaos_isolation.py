@@ -30,7 +30,8 @@
   the other two (each admitted one is over: they must refuse, 503);
 - ``model_file_swap_loaded``: model files in a sealed shared cache swapped after the
   service's first load (tokenizer, weights, an added chat template, a symlink) that the
-  next load took.
+  next load took, and a tokenizer swapped right after a load's check that the load then
+  handed to transformers.
 
 The in-process probes are the tests' own (tests/...): the bench runs what the suite
 checks, against the code as it is.
@@ -306,6 +307,21 @@ def model_file_swap_loaded() -> int:
                 loaded += 1
             except model_seal.ModelSealError:
                 pass
+    # ...and a swap right after the check: what transformers reads is the private
+    # copy of the checked bytes, never the swapped file
+    with tempfile.TemporaryDirectory() as tmp:
+        model, seals = Path(tmp) / "m", Path(tmp) / "seals"
+        model.mkdir()
+        for name in ("config.json", "tokenizer.json", "model.safetensors"):
+            (model / name).write_bytes(os.urandom(64))
+        model_seal._loaded.pop(str(model.resolve()), None)
+        model_seal.check(str(model), ring, seals)
+        model_seal._loaded.pop(str(model.resolve()), None)
+        sealed = model_seal.load(str(model), ring, seals, model_seal.SKIP)
+        theirs = b'{"theirs": 1}'
+        (model / "tokenizer.json").write_bytes(theirs)
+        if sealed is None or (sealed.files / "tokenizer.json").read_bytes() == theirs:
+            loaded += 1
     return loaded
 
 

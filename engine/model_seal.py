@@ -178,7 +178,13 @@ def _body(model_dir: Path, files: dict[str, str]) -> bytes:
 
 def _private_dir() -> Path:
     where = Path(tempfile.mkdtemp(prefix="pdserve-model-"))  # 0700, this process's own
-    atexit.register(shutil.rmtree, where, True)
+    owner = os.getpid()
+
+    def remove() -> None:  # by its maker alone: a forked child's exit leaves it be
+        if os.getpid() == owner:
+            shutil.rmtree(where, ignore_errors=True)
+
+    atexit.register(remove)
     return where
 
 
