@@ -37,8 +37,9 @@ import hashlib
 import json
 import logging
 import math
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -79,6 +80,20 @@ def base_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
         raise ValueError(f"budget peer {url!r}: expected http://HOST:PORT")
     return f"{parts.scheme}://{parts.netloc}"
+
+
+def own_url(given: str, admin_port: int) -> str:
+    """This replica's URL among the peers: ``--budget-self``, else (kubernetes) the pod's
+    address from the downward API (``POD_IP``, operator/render_deployments.py) at
+    ``--admin-port``."""
+    if given:
+        return given
+    pod_ip = os.environ.get("POD_IP", "")
+    if not pod_ip or not admin_port:
+        raise ValueError(
+            "--budget-peers kubernetes needs POD_IP and --admin-port, or --budget-self"
+        )
+    return f"http://{f'[{pod_ip}]' if ':' in pod_ip else pod_ip}:{admin_port}"
 
 
 def owner_unreachable(owner: str) -> APIError:
@@ -223,30 +238,45 @@ class PeerBudgets:
             self.limiter.start_empty(cid, self.clock())
 
     async def handle(self, request: Request) -> Response:
-        """``POST /internal/budget`` from another replica: signed, bound to this address;
-        the header is checked before a byte of the (small) body is read."""
-        auth = request.headers.get(signing.HEADER)
-        host = request.headers.get("host", "")
+        """``POST /internal/budget`` from another replica (the router's app)."""
+        status, body, headers = await self.answer(
+            request.headers.get(signing.HEADER),
+            request.headers.get("host", ""),
+            request.url.path,
+            request.stream(),
+        )
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    async def answer(
+        self, auth: str | None, host: str, path: str, chunks: AsyncIterator[bytes]
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """Another replica's call: (status, JSON body, headers). Signed, bound to this
+        replica's address; the header is checked before a byte of the (small) body is
+        read, and the body must be in within ``CALL_TIMEOUT_S``."""
         why = self.verifier.precheck(auth)
         if not why and host != urlsplit(self.self_url).netloc:
             why = "not this replica's address"
         if why:
-            return JSONResponse({"error": why}, status_code=401)
+            return 401, {"error": why}, {}
         raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY:
-                return JSONResponse({"error": "body too large"}, status_code=413)
-        verdict = self.verifier.check("POST", request.url.path, auth, raw, host=host)
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                async for chunk in chunks:
+                    raw += chunk
+                    if len(raw) > MAX_BODY:
+                        return 413, {"error": "body too large"}, {}
+        except TimeoutError:
+            return 408, {"error": "body too slow"}, {}
+        verdict = self.verifier.check("POST", path, auth, raw, host=host)
         if verdict.key is None:
-            return JSONResponse({"error": verdict.reason}, status_code=401)
+            return 401, {"error": verdict.reason}, {}
         try:
             body = json.loads(raw)
             op, cid, n = body["op"], str(body["id"]), int(body.get("n", 1))
         except (ValueError, KeyError, TypeError):
-            return JSONResponse({"error": "bad budget call"}, status_code=400)
+            return 400, {"error": "bad budget call"}, {}
         if op not in OPS or len(cid) != 32:
-            return JSONResponse({"error": f"bad budget op {op!r}"}, status_code=400)
+            return 400, {"error": f"bad budget op {op!r}"}, {}
         err = self.apply(op, cid, n)
         out: dict[str, Any] = {"error": None}
         if err is not None:
@@ -257,8 +287,7 @@ class PeerBudgets:
                 "code": err.code,
                 "retry_after": retry,
             }
-        proof = signing.proof(verdict.key, auth or "")
-        return JSONResponse(out, headers={signing.PROOF_HEADER: proof})
+        return 200, out, {signing.PROOF_HEADER: signing.proof(verdict.key, auth or "")}
 
     # -- calls to another replica -------------------------------------------------------
     async def _send(self, owner: str, op: str, cid: str, n: int) -> dict[str, Any] | None:
