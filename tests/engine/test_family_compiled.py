@@ -45,7 +45,17 @@ def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family", SERVED, ids=[f.id for f in SERVED])
+# One xdist group a family (tests/xdist_plan.py): the families share no fixture worth a
+# worker (their models are cached on disk), so make test spreads them over both workers
+# instead of queueing ~4 CPU-min on one. Their cache keys do not depend on which families
+# a worker compiled before (engine/cpu_linear.py's handles).
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(f, id=f.id, marks=pytest.mark.xdist_group(f"family-compiled-{f.id}"))
+        for f in SERVED
+    ],
+)
 def test_family_compiled_matches_transformers(
     family: Family, families: dict[str, Path], tiny_model_dir: Path
 ) -> None:
