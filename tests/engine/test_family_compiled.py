@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from engine_helpers import assert_all_free, family_config
-from family_matrix import Served, generate
+from family_matrix import SERVED, Served, generate
 
 from pdserve.engine.llm_engine import LLMEngine
 
@@ -38,6 +38,19 @@ def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
+# One xdist group a family (tests/xdist_plan.py): the families share no fixture worth a
+# worker (their models are cached on disk), so make test spreads them over both workers
+# instead of queueing ~4 CPU-min on one. Their cache keys do not depend on which families
+# a worker compiled before (engine/cpu_linear.py's handles). The marks ride on the
+# conftest's `served` fixture, parametrized here (indirect) for this file only.
+@pytest.mark.parametrize(
+    "served",
+    [
+        pytest.param(f, id=f.id, marks=pytest.mark.xdist_group(f"family-compiled-{f.id}"))
+        for f in SERVED
+    ],
+    indirect=True,
+)
 def test_family_compiled_matches_transformers(served: Served) -> None:
     from torch._dynamo.utils import counters
 
