@@ -106,6 +106,11 @@ def chart(real_cluster: RealCluster) -> RealCluster:
         "crd/llmservices.pdserve.io",
         "crd/kopfpeerings.kopf.dev",
     )
+    # The controller manager's garbage collector learns new resource types from discovery
+    # every 30 s (a constant in kube-controller-manager): until then it watches no
+    # LLMService, and a deleted one's children wait up to 30 s. Started again now, it
+    # watches them from the start, as on a cluster where the chart was installed earlier.
+    real_cluster.plane.restart("kube-controller-manager")
     return real_cluster
 
 
