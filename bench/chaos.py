@@ -26,7 +26,8 @@ Phases, in order, against one running service:
     ``--admin-port``, and in process the endpoint picker's abuse battery, merged pod
     policy escapes, symlinks in a sealed cache, abandoned grammar compiles past their
     bound, run-time LoRA loads outside ``--lora-root``, signed worker calls replayed to
-    another worker and misused prefill pins.
+    another worker, misused prefill pins and requests over a per-key cap across router
+    replicas (``replica_budget_over_cap``).
 
 Prints one JSON line (last); the goals are 0 for every failure count,
 ``migrated_streams`` >= 1 and ``stalled_streams`` >= 1. Writes a PNG to bench/out/.
@@ -72,6 +73,7 @@ from chaos_tenants import (
     phase_slow_reader,
     phase_slowloris,
 )
+from lib import flags
 
 WORDS = [
     "the",
@@ -92,8 +94,7 @@ WORDS = [
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer requests (a test runs this)")
+    p = flags.parser(__doc__, "fewer requests (a test runs this)")
     p.add_argument("--model", default="", help="model dir (default: write the tiny model)")
     p.add_argument("--soak", type=int, default=1000, help="soak requests")
     p.add_argument("--concurrency", type=int, default=8)

@@ -20,6 +20,7 @@ from pdserve.router.config import (
 )
 from pdserve.router.discovery.replicas import share
 from pdserve.router.discovery.workers import EndpointSource, StaticSource
+from pdserve.router.peer_budgets import KUBERNETES, base_url
 from pdserve.router.shared_limits import installed
 
 
@@ -73,6 +74,8 @@ def build_config(
         api_keys=api_keys(args),
         admin_api_keys=admin_keys(args),
         router_service=router_service(args),
+        budget_peers=budget_peers(args),
+        budget_self=args.budget_self or "",
         loras=tuple(args.lora),
         **copied,
         **shares,
@@ -116,6 +119,29 @@ def router_service(args: argparse.Namespace) -> str:
 
         return naming.router_service_name(args.service)
     return ""
+
+
+def budget_peers(args: argparse.Namespace) -> tuple[str, ...]:
+    """--budget-peers: the replicas' URLs (checked here: a bad one stops the start), or
+    ("kubernetes",) for the router Service's endpoints."""
+    given = (args.budget_peers or "").strip()
+    if given == KUBERNETES:
+        if args.discovery != "kubernetes" or not router_service(args) or not args.admin_port:
+            raise SystemExit(
+                "pdserve router: --budget-peers kubernetes needs --discovery kubernetes, "
+                "the router Service and --admin-port"
+            )
+        return (KUBERNETES,)
+    peers = tuple(p.strip() for p in given.split(",") if p.strip())
+    if peers and not args.budget_self:
+        raise SystemExit("pdserve router: --budget-peers needs --budget-self (this replica)")
+    try:
+        listed = {base_url(url) for url in peers}
+        if peers and base_url(args.budget_self) not in listed:
+            raise ValueError(f"--budget-self {args.budget_self} is not in --budget-peers")
+    except ValueError as exc:
+        raise SystemExit(f"pdserve router: {exc}") from exc
+    return peers
 
 
 def build_source(args: argparse.Namespace) -> EndpointSource:
