@@ -82,6 +82,11 @@ def base_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+def http_url(address: str, port: int) -> str:
+    """``http://address:port``, an IPv6 address in brackets."""
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+
+
 def own_url(given: str, admin_port: int) -> str:
     """This replica's URL among the peers: ``--budget-self``, else (kubernetes) the pod's
     address from the downward API (``POD_IP``, operator/render_deployments.py) at
@@ -93,7 +98,7 @@ def own_url(given: str, admin_port: int) -> str:
         raise ValueError(
             "--budget-peers kubernetes needs POD_IP and --admin-port, or --budget-self"
         )
-    return f"http://{f'[{pod_ip}]' if ':' in pod_ip else pod_ip}:{admin_port}"
+    return http_url(pod_ip, admin_port)
 
 
 def owner_unreachable(owner: str) -> APIError:
@@ -154,7 +159,7 @@ class PeerBudgets:
 
     def listen_endpoints(self, port: int) -> Callable[[list[str]], None]:
         """A listener for the router Service's ready addresses (kubernetes peers)."""
-        return lambda addresses: self.set_peers([f"http://{a}:{port}" for a in addresses])
+        return lambda addresses: self.set_peers([http_url(a, port) for a in addresses])
 
     # -- a request's calls --------------------------------------------------------------
     async def take_request(self, client: str) -> None:

@@ -137,3 +137,27 @@ async def test_a_picker_replica_answers_the_budget_calls_on_its_admin_port() -> 
         await caller.close()
         assert picker._metrics is not None
         await picker._metrics.cleanup()
+
+
+def test_kubernetes_peers_are_the_services_ready_addresses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--budget-peers kubernetes``: this replica is ``$POD_IP`` at the admin port, the
+    peers the router Service's ready addresses (IPv6 in brackets), none until the watch
+    says (every call a 503 meanwhile, never a lone replica owning every key)."""
+    from pdserve.router.peer_budgets import PeerBudgets, own_url
+    from pdserve.router.ratelimit import RateLimiter
+
+    monkeypatch.setenv("POD_IP", "fd00::5")
+    me = own_url("", 8083)
+    assert me == "http://[fd00::5]:8083"
+    monkeypatch.delenv("POD_IP")
+    with pytest.raises(ValueError, match="POD_IP"):
+        own_url("", 8083)
+    ring = keys.KeyRing(keys.ROUTER_PEER, "peers")
+    budgets = PeerBudgets(me, (), RateLimiter(0, 0), 1, ring)
+    with pytest.raises(APIError) as err:
+        asyncio.run(budgets.enter("key:a"))
+    assert err.value.status == 503
+    budgets.listen_endpoints(8083)(["fd00::5", "fd00::6"])
+    assert budgets.peers == ("http://[fd00::5]:8083", "http://[fd00::6]:8083")
