@@ -161,3 +161,29 @@ def test_kubernetes_peers_are_the_services_ready_addresses(
     assert err.value.status == 503
     budgets.listen_endpoints(8083)(["fd00::5", "fd00::6"])
     assert budgets.peers == ("http://[fd00::5]:8083", "http://[fd00::6]:8083")
+
+
+def test_a_key_that_moved_admits_nothing_new_until_its_in_flight_count_can_arrive() -> None:
+    """A new owner does not know the old owner's count: for ADOPT_WAIT_S it refuses new
+    requests of a key that moved to it (503, retry) unless the others' in-flight counts
+    (adopt) came; keys it owned before are not held."""
+    from pdserve.router import peer_budgets as pb
+    from pdserve.router.ratelimit import RateLimiter
+
+    now = [100.0]
+    a, b, c = "http://10.0.0.1:8083", "http://10.0.0.2:8083", "http://10.0.0.3:8083"
+    ring = keys.KeyRing(keys.ROUTER_PEER, "peers")
+    me = pb.PeerBudgets(a, (a, b, c), RateLimiter(0, 0), 1, ring, clock=lambda: now[0])
+    moved = next(  # a key of c's that moves to this replica when c leaves
+        k
+        for i in range(1000)
+        if owner_of(budget_id(k := f"key:{i}"), sorted([a, b, c])) == c
+        and owner_of(budget_id(k), [a, b]) == a
+    )
+    mine = _owned_by([a, b, c], a)
+    me.set_peers((a, b))  # c left
+    assert me.apply(pb.ENTER, budget_id(mine), 1) is None  # owned before: no wait
+    err = me.apply(pb.ENTER, budget_id(moved), 1)
+    assert err is not None and err.code == "budget_moving" and err.status == 503
+    now[0] += pb.ADOPT_WAIT_S
+    assert me.apply(pb.ENTER, budget_id(moved), 1) is None
