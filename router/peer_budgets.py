@@ -266,8 +266,12 @@ class PeerBudgets:
 
     def _settle(self, cid: str) -> None:
         """Soon after a change of the peer list a key may have come from another owner
-        whose bucket was spent: its first bucket here starts empty, not full."""
-        if self.clock() - self.changed_at < SETTLE_S:
+        whose bucket was spent: its first bucket here starts empty, not full (a key this
+        replica owned before keeps its own; after a start every key starts empty: this
+        replica's buckets before a restart are lost)."""
+        if self.clock() - self.changed_at >= SETTLE_S:
+            return
+        if not self.previous or owner_of(cid, self.previous) != self.self_url:
             self.limiter.start_empty(cid, self.clock())
 
     async def handle(self, request: Request) -> Response:

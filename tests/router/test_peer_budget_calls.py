@@ -166,7 +166,8 @@ def test_kubernetes_peers_are_the_services_ready_addresses(
 def test_a_key_that_moved_admits_nothing_new_until_its_in_flight_count_can_arrive() -> None:
     """A new owner does not know the old owner's count: for ADOPT_WAIT_S it refuses new
     requests of a key that moved to it (503, retry) unless the others' in-flight counts
-    (adopt) came; keys it owned before are not held."""
+    (adopt) came, and its buckets for such a key start empty; keys it owned before are
+    neither held nor emptied."""
     from pdserve.router import peer_budgets as pb
     from pdserve.router.ratelimit import RateLimiter
 
@@ -187,3 +188,9 @@ def test_a_key_that_moved_admits_nothing_new_until_its_in_flight_count_can_arriv
     assert err is not None and err.code == "budget_moving" and err.status == 503
     now[0] += pb.ADOPT_WAIT_S
     assert me.apply(pb.ENTER, budget_id(moved), 1) is None
+    # Buckets: a key that moved here starts empty for SETTLE_S, one owned before full.
+    rated = pb.PeerBudgets(a, (a, b, c), RateLimiter(2, 0), 0, ring, clock=lambda: now[0])
+    rated.set_peers((a, b))
+    assert rated.apply(pb.REQUEST, budget_id(mine), 1) is None
+    err = rated.apply(pb.REQUEST, budget_id(moved), 1)
+    assert err is not None and err.status == 429
