@@ -272,7 +272,7 @@ class PeerBudgets:
         if self.clock() - self.changed_at >= SETTLE_S:
             return
         if not self.previous or owner_of(cid, self.previous) != self.self_url:
-            self.limiter.start_empty(cid, self.clock())
+            self.limiter.start_empty(cid, self.limiter.clock())
 
     async def handle(self, request: Request) -> Response:
         """``POST /internal/budget`` from another replica (the router's app)."""
