@@ -1,0 +1,269 @@
+//! pdserve_lane: the router's compiled lane (docs/router.md, "Eighth pass").
+//!
+//! A tokio thread serves the router's public socket (lane.rs); the Python router stays
+//! the reference and does everything stateful: it drains this module's job queue on its
+//! event loop (a pipe wakes it) and answers each request's `begin` (router/fast_lane.py).
+mod lane;
+mod pool;
+mod sign;
+mod sse;
+
+use bytes::Bytes;
+use lane::{Begin, Job, Plan};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+struct Queue {
+    jobs: Mutex<Vec<Job>>,
+    waiting: Mutex<HashMap<u64, oneshot::Sender<Begin>>>,
+    next: AtomicU64,
+    wake: UnixStream, // written when the queue goes from empty to not
+    woken: AtomicBool,
+}
+
+impl lane::Host for Queue {
+    fn push(&self, job: Job) {
+        let was_empty = {
+            let mut jobs = self.jobs.lock().unwrap();
+            jobs.push(job);
+            jobs.len() == 1
+        };
+        if was_empty && !self.woken.swap(true, Ordering::AcqRel) {
+            let _ = (&self.wake).write(b"!");
+        }
+    }
+
+    fn begin(&self, body: Bytes, headers: Vec<(Bytes, Bytes)>, peer: SocketAddr) -> oneshot::Receiver<Begin> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.waiting.lock().unwrap().insert(id, tx);
+        self.push(Job::Begin { id, body, headers, peer });
+        rx
+    }
+}
+
+#[pyclass(module = "pdserve_lane")]
+struct Lane {
+    queue: Arc<Queue>,
+    wake_read: UnixStream,
+    stop: Mutex<Option<oneshot::Sender<()>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+#[pymethods]
+impl Lane {
+    /// listen_fd: a bound, listening TCP socket (dup'ed: the lane owns its copy);
+    /// backend: "127.0.0.1:PORT" of the Python server; keys: the http KeyRing's keys.
+    #[new]
+    fn new(listen_fd: i32, backend: String, keys: Vec<Vec<u8>>, peer_token: String, max_body: usize) -> PyResult<Self> {
+        let (wake_read, wake) = UnixStream::pair().map_err(|e| PyValueError::new_err(e.to_string()))?;
+        wake_read.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        wake.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let queue = Arc::new(Queue {
+            jobs: Mutex::new(Vec::new()),
+            waiting: Mutex::new(HashMap::new()),
+            next: AtomicU64::new(1),
+            wake,
+            woken: AtomicBool::new(false),
+        });
+        let std_listener = unsafe { std::net::TcpListener::from_raw_fd(listen_fd) };
+        std_listener.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let host: Arc<dyn lane::Host> = queue.clone();
+        let state = Arc::new(lane::Lane {
+            host,
+            keys,
+            backend,
+            peer_token,
+            max_body,
+            workers: Default::default(),
+            python: Default::default(),
+        });
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("pdserve-lane".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio");
+                rt.block_on(accept(std_listener, state, stop_rx));
+            })
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Lane { queue, wake_read, stop: Mutex::new(Some(stop_tx)), thread: Mutex::new(Some(thread)) })
+    }
+
+    /// The fd the Python loop watches (add_reader): readable when jobs wait.
+    fn notify_fd(&self) -> i32 {
+        self.wake_read.as_raw_fd()
+    }
+
+    /// Every job queued, as tuples (router/fast_lane.py reads them).
+    fn take<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let mut buf = [0u8; 64];
+        while let Ok(n) = (&self.wake_read).read_some(&mut buf) {
+            if n == 0 {
+                break;
+            }
+        }
+        self.queue.woken.store(false, Ordering::Release);
+        let jobs = std::mem::take(&mut *self.queue.jobs.lock().unwrap());
+        let out = PyList::empty(py);
+        for job in jobs {
+            let t: Bound<'py, PyTuple> = match job {
+                Job::Begin { id, body, headers, peer } => {
+                    let hs = PyList::empty(py);
+                    for (k, v) in headers {
+                        hs.append((PyBytes::new(py, &k), PyBytes::new(py, &v)))?;
+                    }
+                    ("begin", id, PyBytes::new(py, &body), hs, (peer.ip().to_string(), peer.port())).into_pyobject(py)?
+                }
+                Job::First { token, ttft } => ("first", token, ttft).into_pyobject(py)?,
+                Job::Failed { token, url, role, down } => ("failed", token, url, role, down).into_pyobject(py)?,
+                Job::Track { token, url, role, step } => ("track", token, url, role, step).into_pyobject(py)?,
+                Job::Migrated { token } => ("migrated", token).into_pyobject(py)?,
+                Job::End(e) => ("end", e.token, e.status, e.completion, e.e2e, e.itls, e.tpot).into_pyobject(py)?,
+            };
+            out.append(t)?;
+        }
+        Ok(out)
+    }
+
+    /// Python's answer to a `begin`: ("fallback",), ("error", status, body) or ("go", ...).
+    fn answer(&self, id: u64, result: &Bound<'_, PyTuple>) -> PyResult<()> {
+        let kind: String = result.get_item(0)?.extract()?;
+        let begin = match kind.as_str() {
+            "fallback" => Begin::Fallback,
+            "error" => {
+                let status: u16 = result.get_item(1)?.extract()?;
+                let body: Vec<u8> = result.get_item(2)?.extract()?;
+                let headers: Vec<(String, String)> = result.get_item(3)?.extract()?;
+                Begin::Error(status, Bytes::from(body), headers)
+            }
+            "go" => {
+                let generate: Vec<u8> = result.get_item(9)?.extract()?;
+                let generate = serde_json::from_slice(&generate).map_err(|e| PyValueError::new_err(e.to_string()))?;
+                let pb: Vec<u8> = result.get_item(8)?.extract()?;
+                let mid: Vec<u8> = result.get_item(12)?.extract()?;
+                let none: Vec<u8> = result.get_item(13)?.extract()?;
+                let timeout: f64 = result.get_item(11)?.extract()?;
+                Begin::Go(Box::new(Plan {
+                    token: result.get_item(1)?.extract()?,
+                    rid: result.get_item(2)?.extract()?,
+                    model: result.get_item(3)?.extract()?,
+                    stream: result.get_item(4)?.extract()?,
+                    include_usage: result.get_item(5)?.extract()?,
+                    prefill: result.get_item(6)?.extract()?,
+                    decode: result.get_item(7)?.extract()?,
+                    prefill_body: Bytes::from(pb),
+                    generate,
+                    n_prompt: result.get_item(10)?.extract()?,
+                    timeout: Duration::from_secs_f64(timeout.max(0.001)),
+                    err_midstream: Bytes::from(mid),
+                    err_no_worker: Bytes::from(none),
+                }))
+            }
+            other => return Err(PyValueError::new_err(format!("unknown answer {other:?}"))),
+        };
+        if let Some(tx) = self.queue.waiting.lock().unwrap().remove(&id) {
+            let _ = tx.send(begin);
+        }
+        Ok(())
+    }
+
+    /// Stop accepting and end the lane's thread (requests in flight are cut).
+    fn close(&self, py: Python<'_>) {
+        if let Some(tx) = self.stop.lock().unwrap().take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.lock().unwrap().take() {
+            py.allow_threads(|| {
+                let _ = t.join();
+            });
+        }
+    }
+}
+
+trait ReadSome {
+    fn read_some(&mut self, buf: &mut [u8]) -> std::io::Result<usize>;
+}
+
+impl ReadSome for &UnixStream {
+    fn read_some(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        std::io::Read::read(self, buf)
+    }
+}
+
+async fn accept(listener: std::net::TcpListener, state: Arc<lane::Lane>, mut stop: oneshot::Receiver<()>) {
+    let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = &mut stop => return,
+            got = listener.accept() => match got {
+                Ok(x) => x,
+                Err(_) => continue,
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let state = state.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| lane::handle(state.clone(), req, peer));
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+/// signing.sign with the time and nonce given (tests compare it with the Python's).
+#[pyfunction]
+fn sign_with(key: Vec<u8>, method: &str, target: &str, body: Vec<u8>, now: f64, host: &str, nonce: Vec<u8>) -> PyResult<String> {
+    let nonce: [u8; 12] = nonce.try_into().map_err(|_| PyValueError::new_err("nonce: 12 bytes"))?;
+    Ok(sign::sign_with(&key, method, target, &body, now, host, &nonce))
+}
+
+/// signing.proof_ok over the keys given.
+#[pyfunction]
+#[pyo3(signature = (keys, auth, given=None))]
+fn proof_ok(keys: Vec<Vec<u8>>, auth: &str, given: Option<Vec<u8>>) -> bool {
+    sign::proof_ok(&keys, auth, given.as_deref())
+}
+
+/// One streamed chunk, the usage chunk and the whole reply (tests compare them with the
+/// Python's bytes).
+#[pyfunction]
+fn text_chunk(rid: &str, model: &str, text: &str, finish: Option<&str>) -> String {
+    let mut out = String::new();
+    sse::Chunks::new(rid, model).text(&mut out, text, finish);
+    out
+}
+
+#[pyfunction]
+fn usage_chunk(rid: &str, model: &str, prompt: u64, completion: u64, cached: u64) -> String {
+    let mut out = String::new();
+    sse::Chunks::new(rid, model).usage(&mut out, prompt, completion, cached);
+    out
+}
+
+#[pyfunction]
+#[pyo3(signature = (rid, model, text, finish, prompt, completion, cached))]
+fn whole(rid: &str, model: &str, text: &str, finish: Option<&str>, prompt: u64, completion: u64, cached: u64) -> String {
+    sse::whole(rid, model, text, finish, prompt, completion, cached)
+}
+
+#[pymodule]
+fn pdserve_lane(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Lane>()?;
+    m.add_function(wrap_pyfunction!(sign_with, m)?)?;
+    m.add_function(wrap_pyfunction!(proof_ok, m)?)?;
+    m.add_function(wrap_pyfunction!(text_chunk, m)?)?;
+    m.add_function(wrap_pyfunction!(usage_chunk, m)?)?;
+    m.add_function(wrap_pyfunction!(whole, m)?)?;
+    Ok(())
+}
