@@ -68,7 +68,7 @@ def create_app(
         await rt.start()
         # --fast-lane: the compiled lane on the public socket (router/fast_lane.py)
         setup = getattr(app.state, "lane_setup", None)
-        lane = setup.start(rt) if setup is not None else None
+        lane = app.state.lane = setup.start(rt) if setup is not None else None
         freeze_heap()
         try:
             yield

@@ -30,6 +30,7 @@ from starlette.requests import Request
 
 from pdserve.protocol.codec import all_ints, encode
 from pdserve.protocol.contract import GenerateRequest, PrefillRequest
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router import edge
 from pdserve.router.api.openai_request import CompletionRequest
 from pdserve.router.api.serving import INLINE_BODY_BYTES, INLINE_TEXT_CHARS, fit_context
@@ -37,7 +38,7 @@ from pdserve.router.api.serving import prepare_body as prepare_body
 from pdserve.router.errors import APIError
 from pdserve.router.runtime import Runtime, Ticket
 from pdserve.router.scheduling import disagg
-from pdserve.router.transport.dispatch import MAX_ATTEMPTS
+from pdserve.router.transport.dispatch import MAX_ATTEMPTS, RequestState
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class LaneHost:
         self.rt, self.lane = rt, lane
         self.runs: dict[int, _Run] = {}
         self._next = 0
+        self.served = 0  # requests the lane served (the rest went to the Python lane)
         self._tasks: set[asyncio.Task[Any]] = set()
         m = rt.metrics
         self._err_mid = _body(APIError(502, MID_STREAM))
@@ -101,6 +103,10 @@ class LaneHost:
             "track": self._track,
             "failed": self._failed,
             "migrated": lambda token: m.migrated.inc(),
+            "stalled": self._stalled,
+            "counted": lambda status: m.child(m.requests, str(status)).inc(),
+            "slow_reader": self._slow_reader,
+            "await_decode": self._await_decode,
             "end": self._end,
         }
 
@@ -197,6 +203,7 @@ class LaneHost:
         pbody = encode(PrefillRequest(rid, ids, req.sampling, salt, None)) if remote else b""
         gbody = encode(GenerateRequest(rid, ids, req.sampling, None, None, salt))
         self._next += 1
+        self.served += 1
         token = self._next
         self.runs[token] = _Run(ticket, len(ids), time.perf_counter())
         rt.metrics.prefill_queue_depth.inc()  # until the first token (or the end)
@@ -240,8 +247,39 @@ class LaneHost:
             d.end(url, tokens)
             m.child(m.inflight, url, role).dec()
 
-    def _failed(self, token: int, url: str, role: str, down: bool) -> None:
-        log.warning("fast lane: %s failed on %s", role, url)
+    def _stalled(self, token: int, url: str, role: str, quiet: float) -> None:
+        log.warning("cutting a stalled %s call on %s (%.1fs quiet)", role, url, quiet)
+        self.rt.metrics.child(self.rt.metrics.stalled, role).inc()
+
+    def health(self) -> None:
+        """After each health round: the workers failing their check, for the stall cuts."""
+        d = self.rt.discovery
+        failing = [w.url for w in d.snapshot().workers if d.failed_check(w.url)]
+        self.lane.set_health(failing, self.rt.cfg.stall_timeout_s)
+
+    def _await_decode(self, job: int, token: int, rid: str, touched: list[str]) -> None:
+        task = asyncio.get_running_loop().create_task(self._decode_ready(job, rid, touched))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _decode_ready(self, job: int, rid: str, touched: list[str]) -> None:
+        """Dispatcher._await_decode: the decode workers ready within failover_wait_s."""
+        urls: list[str] = []
+        try:
+            rs = RequestState(rid, [], SamplingParams())
+            rs.touched.update(touched)
+            urls = [w.url for w in await self.rt.dispatcher._await_decode(rs)]
+        finally:
+            self.lane.decode_ready(job, urls)
+
+    def _slow_reader(self, token: int, waited: float) -> None:
+        log.warning(
+            "stream aborted: its client read nothing for %.1f s (--stream-write-timeout)", waited
+        )
+        self.rt.metrics.slow_readers.inc()
+
+    def _failed(self, token: int, url: str, role: str, down: bool, reason: str) -> None:
+        log.warning("fast lane: %s failed on %s: %s", role, url, reason)
         m = self.rt.metrics
         m.child(m.worker_failures, role).inc()
         if down:
@@ -323,11 +361,17 @@ class LaneSetup:
             f"{self.backend[0]}:{self.backend[1]}",
             [bytes(k) for k in ring.keys],
             self.token,
-            rt.cfg.max_body_bytes,
+            min(INLINE_BODY_BYTES, rt.cfg.max_body_bytes),
+            rt.cfg.stall_timeout_s,
+            rt.cfg.body_timeout_s,
+            _body(edge.body_timeout(rt.cfg.body_timeout_s)),
+            rt.cfg.stream_write_timeout_s,
         )
         self.public.close()  # the lane holds its own copy
         host = LaneHost(rt, lane)
         asyncio.get_running_loop().add_reader(lane.notify_fd(), host._drain)
+        rt.discovery.after_refresh.append(host.health)
+        host.health()
         log.info("fast lane: POST /v1/completions served by the compiled lane")
         return Lane(lane, host)
 
@@ -340,19 +384,16 @@ class Lane:
     def close(self) -> None:
         asyncio.get_running_loop().remove_reader(self.lane.notify_fd())
         self.lane.close()
+        log.info("fast lane: served %d requests", self.host.served)
         for run in self.host.runs.values():
             run.ticket.release()
         self.host.runs.clear()
 
 
-def setup(module: Any, host: str, port: int, reuse_port: bool = False) -> LaneSetup:
-    """The public socket bound for the lane, and a loopback one for the Python server
-    (returned bound in ``backend_socket``: uvicorn serves it)."""
-    from pdserve.router.main import _bind
-
-    public = _bind(host, port, reuse_port=reuse_port)
+def setup(module: Any, public: socket.socket, backend: socket.socket) -> LaneSetup:
+    """The lane on ``public`` (bound: it listens from now), the Python server on ``backend``
+    (bound, loopback: uvicorn serves it; kept as ``backend_socket``)."""
     public.listen(2048)
-    backend = _bind("127.0.0.1", 0)
     lane = LaneSetup(module, public, backend.getsockname()[:2], os.urandom(16).hex())
     lane.backend_socket = backend  # type: ignore[attr-defined]
     return lane

@@ -130,7 +130,8 @@ def _fast_lane(args: argparse.Namespace, reuse_port: bool) -> Any:
     module = fast_lane.load()
     if module is None:
         return None
-    return fast_lane.setup(module, args.host, args.port, reuse_port)
+    public = _bind(args.host, args.port, reuse_port=reuse_port)
+    return fast_lane.setup(module, public, _bind("127.0.0.1", 0))
 
 
 def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,7 +114,10 @@ async def serve_with_lane(app: Any, http: Any) -> AsyncIterator[str]:
     module = fast_lane.load()
     if module is None:
         pytest.skip("the compiled lane is not built (scripts/setup.sh builds it with cargo)")
-    setup = fast_lane.setup(module, "127.0.0.1", 0)
+    public, backend = socket.socket(), socket.socket()
+    public.bind(("127.0.0.1", 0))
+    backend.bind(("127.0.0.1", 0))
+    setup = fast_lane.setup(module, public, backend)
     app.state.lane_setup = setup
     public = setup.public.getsockname()[1]
     setup.backend_socket.close()  # uvicorn binds the port again  # type: ignore[attr-defined]

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
-pub type Body = BoxBody<Bytes, Infallible>;
+pub type Body = BoxBody<Bytes, hyper::Error>;
 
 /// What Python answered for one request.
 pub enum Begin {
@@ -46,9 +46,13 @@ pub struct Plan {
 pub enum Job {
     Begin { id: u64, body: Bytes, headers: Vec<(Bytes, Bytes)>, peer: SocketAddr },
     First { token: u64, ttft: f64 },
-    Failed { token: u64, url: String, role: &'static str, down: bool },
+    Failed { token: u64, url: String, role: &'static str, down: bool, reason: String },
     Track { token: u64, url: String, role: &'static str, step: i8 },
     Migrated { token: u64 },
+    Counted { status: u16 },
+    SlowReader { token: u64, waited: f64 },
+    Stalled { token: u64, url: String, role: &'static str, quiet: f64 },
+    AwaitDecode { id: u64, token: u64, rid: String, touched: Vec<String> },
     End(End),
 }
 
@@ -64,6 +68,16 @@ pub struct End {
 pub trait Host: Send + Sync + 'static {
     fn push(&self, job: Job);
     fn begin(&self, body: Bytes, headers: Vec<(Bytes, Bytes)>, peer: SocketAddr) -> oneshot::Receiver<Begin>;
+    /// Every decode candidate failed: the decode workers ready within failover_wait_s
+    /// (Dispatcher._await_decode; those this request touched were told to drop it).
+    fn await_decode(&self, token: u64, rid: String, touched: Vec<String>) -> oneshot::Receiver<Vec<String>>;
+}
+
+/// Workers whose last health check failed, and the stall limit (Dispatcher.cut_stalled):
+/// a call quiet for `stall` on such a worker is cut.
+pub struct Health {
+    pub failing: std::sync::RwLock<std::collections::HashSet<String>>,
+    pub stall: std::sync::Mutex<Duration>,
 }
 
 pub struct Lane {
@@ -71,9 +85,81 @@ pub struct Lane {
     pub keys: Vec<Vec<u8>>,
     pub backend: String,
     pub peer_token: String,
-    pub max_body: usize,
     pub workers: Pool,
-    pub python: Pool,
+    pub python: Pool<ProxyBody>,
+    pub health: Health,
+    pub inline_body: usize,     // bodies up to this are read here (serving.INLINE_BODY_BYTES)
+    pub body_timeout: Duration, // --body-timeout
+    pub err_408: Bytes,         // its error, as the Python lane words it
+    pub write_timeout: Duration, // --stream-write-timeout
+}
+
+pub type ProxyBody = BoxBody<Bytes, hyper::Error>;
+
+/// The Python server's reply body; its connection goes back to the pool at the end.
+struct Pooled {
+    inner: Incoming,
+    sender: Option<hyper::client::conn::http1::SendRequest<ProxyBody>>,
+    lane: Arc<Lane>,
+}
+
+impl hyper::body::Body for Pooled {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if let std::task::Poll::Ready(None) = polled {
+            if let Some(s) = self.sender.take() {
+                self.lane.python.put(&self.lane.backend, s);
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+}
+
+impl Lane {
+    fn failing(&self, url: &str) -> bool {
+        self.health.failing.read().unwrap().contains(url)
+    }
+}
+
+/// `fut`, cut when it waits `request_timeout` or, on a worker that fails its health
+/// check, the stall limit (StreamWatch + Dispatcher.cut_stalled).
+async fn watched<F: std::future::Future>(
+    lane: &Lane,
+    url: &str,
+    role: &'static str,
+    token: u64,
+    timeout: Duration,
+    fut: F,
+) -> Result<F::Output, Failed> {
+    let start = Instant::now();
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        let stall = *lane.health.stall.lock().unwrap();
+        let tick = (stall / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        match tokio::time::timeout(tick, &mut fut).await {
+            Ok(v) => return Ok(v),
+            Err(_) => {
+                let quiet = start.elapsed();
+                if quiet >= stall && lane.failing(url) {
+                    lane.host.push(Job::Stalled { token, url: url.to_string(), role, quiet: quiet.as_secs_f64() });
+                    return Err(Failed::Worker(format!("stream cut: no bytes for {:.1}s and its health check fails", quiet.as_secs_f64()), true));
+                }
+                if quiet >= timeout {
+                    return Err(Failed::Worker("timed out".into(), true));
+                }
+            }
+        }
+    }
 }
 
 fn full(status: u16, ctype: &'static str, body: Bytes) -> Response<Body> {
@@ -81,47 +167,63 @@ fn full(status: u16, ctype: &'static str, body: Bytes) -> Response<Body> {
         .status(status)
         .header("content-type", ctype)
         .header("content-length", body.len())
-        .body(Full::new(body).boxed())
+        .body(Full::new(body).map_err(|n| match n {}).boxed())
         .unwrap()
 }
 
 pub async fn handle(lane: Arc<Lane>, req: Request<Incoming>, peer: SocketAddr) -> Result<Response<Body>, Infallible> {
     let hot = req.method() == hyper::Method::POST && req.uri().path() == "/v1/completions" && req.uri().query().is_none();
+    let length = req
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
     let (parts, incoming) = req.into_parts();
-    let body = match incoming.collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(_) => return Ok(full(400, "text/plain", Bytes::from_static(b"bad body"))),
+    // A large or unsized body is the Python lane's (its limits, its off-loop parse)
+    let Some(n) = length.filter(|n| hot && *n <= lane.inline_body) else {
+        return Ok(proxy(&lane, parts, incoming.boxed(), peer).await);
     };
-    if hot && body.len() <= lane.max_body {
-        let headers = parts
-            .headers
-            .iter()
-            .map(|(k, v)| (Bytes::copy_from_slice(k.as_str().as_bytes()), Bytes::copy_from_slice(v.as_bytes())))
-            .collect();
-        match lane.host.begin(body.clone(), headers, peer).await {
-            Ok(Begin::Go(plan)) => return Ok(serve(lane, *plan).await),
-            Ok(Begin::Error(status, b, headers)) => {
-                let mut r = full(status, "application/json", b);
-                for (k, v) in headers {
-                    if k.eq_ignore_ascii_case("content-type") {
-                        continue;
-                    }
-                    if let (Ok(k), Ok(v)) = (hyper::header::HeaderName::from_bytes(k.as_bytes()), hyper::header::HeaderValue::from_str(&v)) {
-                        r.headers_mut().append(k, v);
-                    }
-                }
-                return Ok(r);
-            }
-            Ok(Begin::Fallback) | Err(_) => {}
+    let _ = n;
+    let body = match tokio::time::timeout(lane.body_timeout, incoming.collect()).await {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(_)) => return Ok(full(400, "text/plain", Bytes::from_static(b"bad body"))),
+        Err(_) => {
+            // edge.read_body's 408: a client trickling its body holds nothing
+            lane.host.push(Job::Counted { status: 408 });
+            let mut r = full(408, "application/json", lane.err_408.clone());
+            r.headers_mut().insert(hyper::header::CONNECTION, hyper::header::HeaderValue::from_static("close"));
+            return Ok(r);
         }
+    };
+    let headers = parts
+        .headers
+        .iter()
+        .map(|(k, v)| (Bytes::copy_from_slice(k.as_str().as_bytes()), Bytes::copy_from_slice(v.as_bytes())))
+        .collect();
+    match lane.host.begin(body.clone(), headers, peer).await {
+        Ok(Begin::Go(plan)) => return Ok(serve(lane, *plan).await),
+        Ok(Begin::Error(status, b, headers)) => {
+            let mut r = full(status, "application/json", b);
+            for (k, v) in headers {
+                if k.eq_ignore_ascii_case("content-type") {
+                    continue;
+                }
+                if let (Ok(k), Ok(v)) = (hyper::header::HeaderName::from_bytes(k.as_bytes()), hyper::header::HeaderValue::from_str(&v)) {
+                    r.headers_mut().append(k, v);
+                }
+            }
+            return Ok(r);
+        }
+        Ok(Begin::Fallback) | Err(_) => {}
     }
+    let body = Full::new(body).map_err(|n| match n {}).boxed();
     Ok(proxy(&lane, parts, body, peer).await)
 }
 
 /// The request as it came, to the Python server behind, with the client's address (the
 /// Python side believes it only with this process's token: router/fast_lane.py).
-async fn proxy(lane: &Lane, parts: hyper::http::request::Parts, body: Bytes, peer: SocketAddr) -> Response<Body> {
-    let mut b = Request::builder().method(parts.method.clone()).uri(parts.uri.clone());
+async fn proxy(lane: &Arc<Lane>, parts: hyper::http::request::Parts, body: ProxyBody, peer: SocketAddr) -> Response<Body> {
+    let mut b = Request::builder().method(parts.method.clone()).uri(parts.uri.clone()).version(parts.version);
     for (k, v) in parts.headers.iter() {
         if k.as_str().starts_with("x-pdserve-lane-") {
             continue;
@@ -129,7 +231,7 @@ async fn proxy(lane: &Lane, parts: hyper::http::request::Parts, body: Bytes, pee
         b = b.header(k, v);
     }
     b = b.header("x-pdserve-lane-peer", peer.to_string()).header("x-pdserve-lane-token", lane.peer_token.as_str());
-    let Ok(out) = b.body(Full::new(body)) else {
+    let Ok(out) = b.body(body) else {
         return full(400, "text/plain", Bytes::from_static(b"bad request"));
     };
     let mut sender = match lane.python.get(&lane.backend).await {
@@ -139,20 +241,13 @@ async fn proxy(lane: &Lane, parts: hyper::http::request::Parts, body: Bytes, pee
     match sender.send_request(out).await {
         Ok(resp) => {
             let (p, inc) = resp.into_parts();
-            // the connection goes back once this reply is read (hyper queues behind it)
-            lane.python.put(&lane.backend, sender);
-            let body = inc.map_err(|_| unreachable_err()).boxed();
+            let body = Pooled { inner: inc, sender: Some(sender), lane: lane.clone() }.boxed();
             Response::from_parts(p, body)
         }
         Err(e) => full(502, "text/plain", Bytes::from(format!("router lane: {e}"))),
     }
 }
 
-fn unreachable_err() -> Infallible {
-    // a broken reply from the Python server ends the client's stream: hyper needs an
-    // error type; the body is cut instead (see BodyExt::map_err above)
-    panic!("python server body error")
-}
 
 struct Call {
     sender: crate::pool::Sender,
@@ -166,6 +261,10 @@ enum Failed {
 }
 
 async fn post(lane: &Lane, url: &str, path: &str, body: Bytes, timeout: Duration) -> Result<Call, Failed> {
+    post_as(lane, url, path, body, timeout, "abort", 0).await
+}
+
+async fn post_as(lane: &Lane, url: &str, path: &str, body: Bytes, timeout: Duration, role: &'static str, token: u64) -> Result<Call, Failed> {
     let Some((authority, prefix)) = split_url(url) else {
         return Err(Failed::Worker(format!("not an http:// URL: {url}"), true));
     };
@@ -185,10 +284,9 @@ async fn post(lane: &Lane, url: &str, path: &str, body: Bytes, timeout: Duration
         let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
         Ok::<_, String>((sender, resp))
     };
-    let (sender, resp) = match tokio::time::timeout(timeout, fut).await {
-        Ok(Ok(x)) => x,
-        Ok(Err(e)) => return Err(Failed::Worker(e, true)),
-        Err(_) => return Err(Failed::Worker("timed out".into(), true)),
+    let (sender, resp) = match watched(lane, url, role, token, timeout, fut).await? {
+        Ok(x) => x,
+        Err(e) => return Err(Failed::Worker(e, true)),
     };
     if let Some(a) = &auth {
         let given = resp.headers().get("x-pdserve-proof").map(|v| v.as_bytes());
@@ -208,14 +306,17 @@ async fn post(lane: &Lane, url: &str, path: &str, body: Bytes, timeout: Duration
 }
 
 async fn read_all(lane: &Lane, call: Call, timeout: Duration) -> Result<Bytes, Failed> {
+    read_all_as(lane, call, timeout, "abort", "", 0).await
+}
+
+async fn read_all_as(lane: &Lane, call: Call, timeout: Duration, role: &'static str, url: &str, token: u64) -> Result<Bytes, Failed> {
     let Call { sender, authority, resp } = call;
-    match tokio::time::timeout(timeout, resp.into_body().collect()).await {
-        Ok(Ok(b)) => {
+    match watched(lane, url, role, token, timeout, resp.into_body().collect()).await? {
+        Ok(b) => {
             lane.workers.put(&authority, sender);
             Ok(b.to_bytes())
         }
-        Ok(Err(e)) => Err(Failed::Worker(format!("read: {e}"), true)),
-        Err(_) => Err(Failed::Worker("timed out".into(), true)),
+        Err(e) => Err(Failed::Worker(format!("read: {e}"), true)),
     }
 }
 
@@ -244,6 +345,7 @@ struct Run {
     migrations: u32,
     finish: Option<String>,
     touched: Vec<String>,
+    open: Vec<(String, &'static str)>, // worker calls counted in flight now
     chunks: sse::Chunks,
     text: String, // the whole reply's text (not streamed)
     status: u16,
@@ -252,6 +354,15 @@ struct Run {
 impl Run {
     fn token(&self) -> u64 {
         self.plan.token
+    }
+
+    fn track(&mut self, url: &str, role: &'static str, step: i8) {
+        if step > 0 {
+            self.open.push((url.to_string(), role));
+        } else if let Some(i) = self.open.iter().position(|(u, r)| u == url && *r == role) {
+            self.open.swap_remove(i);
+        }
+        self.lane.host.push(Job::Track { token: self.plan.token, url: url.to_string(), role, step });
     }
 
     fn touch(&mut self, url: &str) {
@@ -318,15 +429,32 @@ pub async fn serve(lane: Arc<Lane>, plan: Plan) -> Response<Body> {
         migrations: 0,
         finish: None,
         touched: Vec::new(),
+        open: Vec::new(),
         chunks,
         text: String::new(),
         status: 200,
     };
-    let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(64);
+    let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, hyper::Error>>(64);
     let (head_tx, head_rx) = oneshot::channel::<Result<(), Outcome>>();
     let stream = run.plan.stream;
-    let task = tokio::spawn(async move { drive(&mut run, tx, head_tx).await; run });
-    match head_rx.await {
+    // The client going away: this handler dropped by hyper before the reply started (or,
+    // not streamed, before it was made), or the stream's receiver dropped after.
+    let gone = Arc::new(tokio::sync::Notify::new());
+    let mut guard = Gone(Some(gone.clone()));
+    let task = tokio::spawn(async move {
+        let closed = tx.clone();
+        tokio::select! {
+            _ = drive(&mut run, tx, head_tx) => {}
+            _ = gone.notified() => { client_gone(&mut run) }
+            _ = closed.closed() => { client_gone(&mut run) }
+        }
+        run
+    });
+    let head = head_rx.await;
+    if stream {
+        guard.0 = None; // from here the body's receiver tells
+    }
+    match head {
         Ok(Ok(())) if stream => Response::builder()
             .status(200)
             .header("content-type", "text/event-stream; charset=utf-8")
@@ -342,7 +470,29 @@ pub async fn serve(lane: Arc<Lane>, plan: Plan) -> Response<Body> {
     }
 }
 
-type Tx = mpsc::Sender<Result<Frame<Bytes>, Infallible>>;
+type Tx = mpsc::Sender<Result<Frame<Bytes>, hyper::Error>>;
+
+struct Gone(Option<Arc<tokio::sync::Notify>>);
+
+impl Drop for Gone {
+    fn drop(&mut self) {
+        if let Some(n) = self.0.take() {
+            n.notify_one();
+        }
+    }
+}
+
+/// The client went away mid-request: 499, the workers told to drop it, the end counted.
+fn client_gone(run: &mut Run) {
+    run.status = 499;
+    for (url, role) in std::mem::take(&mut run.open) {
+        run.lane.host.push(Job::Track { token: run.plan.token, url, role, step: -1 });
+    }
+    for url in run.touched.clone() {
+        abort(&run.lane, url, run.plan.rid.clone());
+    }
+    finish(run);
+}
 
 /// The whole trip; sends the head verdict (Ok: the reply starts) once the first delta is
 /// in or the request failed; then the stream's chunks through `tx`.
@@ -373,6 +523,11 @@ async fn drive(run: &mut Run, tx: Tx, head_tx: oneshot::Sender<Result<(), Outcom
             abort(&run.lane, url, run.plan.rid.clone());
         }
     }
+    finish(run);
+}
+
+/// The request's end, to Python: Runtime.finish's figures and the slot back.
+fn finish(run: &mut Run) {
     let e2e = run.start.elapsed().as_secs_f64();
     let tpot = match (run.first_at, run.last_at) {
         (Some(f), Some(l)) if run.completion > 1 => Some((l - f).as_secs_f64() / (run.completion - 1) as f64),
@@ -398,11 +553,21 @@ async fn send(run: &mut Run, tx: &Tx, head: &mut Option<oneshot::Sender<Result<(
     if out.is_empty() {
         return true;
     }
-    if tx.send(Ok(Frame::data(Bytes::from(out)))).await.is_err() {
-        run.status = 499; // the client went away
-        return false;
+    let wait = run.lane.write_timeout;
+    match tokio::time::timeout(wait, tx.send(Ok(Frame::data(Bytes::from(out))))).await {
+        Ok(Ok(())) => true,
+        Ok(Err(_)) => {
+            run.status = 499; // the client went away
+            false
+        }
+        Err(_) => {
+            // a client that stopped reading (SSEStream's --stream-write-timeout)
+            run.status = 499;
+            let waited = wait.as_secs_f64();
+            run.lane.host.push(Job::SlowReader { token: run.plan.token, waited });
+            false
+        }
     }
-    true
 }
 
 fn refused(status: u16, body: Bytes) -> Outcome {
@@ -424,23 +589,25 @@ async fn trip(run: &mut Run, tx: &Tx, head: &mut Option<oneshot::Sender<Result<(
     let prefill: Vec<String> = run.plan.prefill.iter().take(3).cloned().collect();
     for url in prefill {
         run.touch(&url);
-        lane.host.push(Job::Track { token: run.token(), url: url.clone(), role: "prefill", step: 1 });
-        let got = match post(&lane, &url, "/prefill", run.plan.prefill_body.clone(), timeout).await {
-            Ok(call) => read_all(&lane, call, timeout).await,
+        run.track(&url, "prefill", 1);
+        let token = run.token();
+        let got = match post_as(&lane, &url, "/prefill", run.plan.prefill_body.clone(), timeout, "prefill", token).await {
+            Ok(call) => read_all_as(&lane, call, timeout, "prefill", &url, token).await,
             Err(e) => Err(e),
         };
-        lane.host.push(Job::Track { token: run.token(), url: url.clone(), role: "prefill", step: -1 });
+        run.track(&url, "prefill", -1);
         let raw = match got {
             Ok(raw) => raw,
             Err(Failed::Refused(s, b)) => return Err(refused(s, b)),
-            Err(Failed::Worker(_, down)) => {
-                lane.host.push(Job::Failed { token: run.token(), url: url.clone(), role: "prefill", down });
+            Err(Failed::Worker(reason, down)) => {
+                lane.host.push(Job::Failed { token: run.token(), url: url.clone(), role: "prefill", down, reason });
                 abort(&lane, url, run.plan.rid.clone());
                 continue;
             }
         };
         let Ok(reply) = serde_json::from_slice::<Value>(&raw) else {
-            lane.host.push(Job::Failed { token: run.token(), url: url.clone(), role: "prefill", down: true });
+            let reason = "bad prefill reply".to_string();
+            lane.host.push(Job::Failed { token: run.token(), url: url.clone(), role: "prefill", down: true, reason });
             continue;
         };
         let first = reply.get("first_token_id").cloned().unwrap_or(Value::Null);
@@ -476,7 +643,22 @@ async fn trip(run: &mut Run, tx: &Tx, head: &mut Option<oneshot::Sender<Result<(
     candidates.reverse();
     let mut relayed = false;
     let mut attempt = 0;
-    while let Some(url) = candidates.pop() {
+    let mut waits = 0;
+    loop {
+        if candidates.is_empty() {
+            // every candidate failed: wait for one to come (back), twice at most
+            if waits == 2 {
+                break;
+            }
+            waits += 1;
+            let rx = lane.host.await_decode(run.token(), run.plan.rid.clone(), run.touched.clone());
+            candidates = rx.await.unwrap_or_default();
+            if candidates.is_empty() {
+                break;
+            }
+            candidates.reverse();
+        }
+        let Some(url) = candidates.pop() else { break };
         if attempt > 0 {
             // the last worker may have claimed the handle (single-use): the next one
             // recomputes the prompt and every token sent (the migration's request)
@@ -492,17 +674,17 @@ async fn trip(run: &mut Run, tx: &Tx, head: &mut Option<oneshot::Sender<Result<(
         }
         attempt += 1;
         run.touch(&url);
-        lane.host.push(Job::Track { token: run.token(), url: url.clone(), role: "decode", step: 1 });
+        run.track(&url, "decode", 1);
         let r = stream_decode(run, tx, head, &url, &generate, &mut relayed, n_prompt).await;
-        lane.host.push(Job::Track { token: run.token(), url: url.clone(), role: "decode", step: -1 });
+        run.track(&url, "decode", -1);
         match r {
             Ok(()) => return Ok(()),
             Err(Failed::Refused(s, b)) => return Err(refused(s, b)),
-            Err(Failed::Worker(_, down)) => {
+            Err(Failed::Worker(reason, down)) => {
                 if run.status == 499 {
                     return Ok(());
                 }
-                lane.host.push(Job::Failed { token: run.token(), url: url.clone(), role: "decode", down });
+                lane.host.push(Job::Failed { token: run.token(), url: url.clone(), role: "decode", down, reason });
                 abort(&lane, url, run.plan.rid.clone());
             }
         }
@@ -525,21 +707,20 @@ async fn stream_decode(
     let lane = run.lane.clone();
     let timeout = run.plan.timeout;
     let body = Bytes::from(serde_json::to_vec(generate).unwrap_or_default());
-    let call = post(&lane, url, "/generate", body, timeout).await?;
+    let call = post_as(&lane, url, "/generate", body, timeout, "decode", run.token()).await?;
     let Call { sender, authority, resp } = call;
     let mut incoming = resp.into_body();
     let mut rest: Vec<u8> = Vec::new();
     loop {
-        let frame = match tokio::time::timeout(timeout, incoming.frame()).await {
-            Err(_) => return Err(Failed::Worker("timed out".into(), true)),
-            Ok(None) => break,
-            Ok(Some(Err(e))) => {
+        let frame = match watched(&lane, url, "decode", run.token(), timeout, incoming.frame()).await? {
+            None => break,
+            Some(Err(e)) => {
                 if run.finish.is_some() {
                     return Ok(());
                 }
                 return Err(Failed::Worker(format!("stream: {e}"), true));
             }
-            Ok(Some(Ok(f))) => f,
+            Some(Ok(f)) => f,
         };
         let Ok(data) = frame.into_data() else { continue };
         if run.finish.is_some() {

@@ -26,6 +26,7 @@ use tokio::sync::oneshot;
 struct Queue {
     jobs: Mutex<Vec<Job>>,
     waiting: Mutex<HashMap<u64, oneshot::Sender<Begin>>>,
+    decode_waits: Mutex<HashMap<u64, oneshot::Sender<Vec<String>>>>,
     next: AtomicU64,
     wake: UnixStream, // written when the queue goes from empty to not
     woken: AtomicBool,
@@ -50,11 +51,20 @@ impl lane::Host for Queue {
         self.push(Job::Begin { id, body, headers, peer });
         rx
     }
+
+    fn await_decode(&self, token: u64, rid: String, touched: Vec<String>) -> oneshot::Receiver<Vec<String>> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.decode_waits.lock().unwrap().insert(id, tx);
+        self.push(Job::AwaitDecode { id, token, rid, touched });
+        rx
+    }
 }
 
 #[pyclass(module = "pdserve_lane")]
 struct Lane {
     queue: Arc<Queue>,
+    state: Arc<lane::Lane>,
     wake_read: UnixStream,
     stop: Mutex<Option<oneshot::Sender<()>>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -65,13 +75,25 @@ impl Lane {
     /// listen_fd: a bound, listening TCP socket (dup'ed: the lane owns its copy);
     /// backend: "127.0.0.1:PORT" of the Python server; keys: the http KeyRing's keys.
     #[new]
-    fn new(listen_fd: i32, backend: String, keys: Vec<Vec<u8>>, peer_token: String, max_body: usize) -> PyResult<Self> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        listen_fd: i32,
+        backend: String,
+        keys: Vec<Vec<u8>>,
+        peer_token: String,
+        inline_body: usize,
+        stall_s: f64,
+        body_timeout_s: f64,
+        err_408: Vec<u8>,
+        write_timeout_s: f64,
+    ) -> PyResult<Self> {
         let (wake_read, wake) = UnixStream::pair().map_err(|e| PyValueError::new_err(e.to_string()))?;
         wake_read.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
         wake.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let queue = Arc::new(Queue {
             jobs: Mutex::new(Vec::new()),
             waiting: Mutex::new(HashMap::new()),
+            decode_waits: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
             wake,
             woken: AtomicBool::new(false),
@@ -84,10 +106,18 @@ impl Lane {
             keys,
             backend,
             peer_token,
-            max_body,
+            inline_body,
+            body_timeout: Duration::from_secs_f64(body_timeout_s.max(0.001)),
+            err_408: Bytes::from(err_408),
+            write_timeout: Duration::from_secs_f64(write_timeout_s.max(0.001)),
             workers: Default::default(),
             python: Default::default(),
+            health: lane::Health {
+                failing: Default::default(),
+                stall: Mutex::new(Duration::from_secs_f64(stall_s.max(0.001))),
+            },
         });
+        let state_py = state.clone();
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("pdserve-lane".into())
@@ -96,7 +126,7 @@ impl Lane {
                 rt.block_on(accept(std_listener, state, stop_rx));
             })
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok(Lane { queue, wake_read, stop: Mutex::new(Some(stop_tx)), thread: Mutex::new(Some(thread)) })
+        Ok(Lane { queue, state: state_py, wake_read, stop: Mutex::new(Some(stop_tx)), thread: Mutex::new(Some(thread)) })
     }
 
     /// The fd the Python loop watches (add_reader): readable when jobs wait.
@@ -125,9 +155,13 @@ impl Lane {
                     ("begin", id, PyBytes::new(py, &body), hs, (peer.ip().to_string(), peer.port())).into_pyobject(py)?
                 }
                 Job::First { token, ttft } => ("first", token, ttft).into_pyobject(py)?,
-                Job::Failed { token, url, role, down } => ("failed", token, url, role, down).into_pyobject(py)?,
+                Job::Failed { token, url, role, down, reason } => ("failed", token, url, role, down, reason).into_pyobject(py)?,
                 Job::Track { token, url, role, step } => ("track", token, url, role, step).into_pyobject(py)?,
                 Job::Migrated { token } => ("migrated", token).into_pyobject(py)?,
+                Job::Counted { status } => ("counted", status).into_pyobject(py)?,
+                Job::SlowReader { token, waited } => ("slow_reader", token, waited).into_pyobject(py)?,
+                Job::Stalled { token, url, role, quiet } => ("stalled", token, url, role, quiet).into_pyobject(py)?,
+                Job::AwaitDecode { id, token, rid, touched } => ("await_decode", id, token, rid, touched).into_pyobject(py)?,
                 Job::End(e) => ("end", e.token, e.status, e.completion, e.e2e, e.itls, e.tpot).into_pyobject(py)?,
             };
             out.append(t)?;
@@ -175,6 +209,19 @@ impl Lane {
             let _ = tx.send(begin);
         }
         Ok(())
+    }
+
+    /// The decode workers an `await_decode` found ([]: none came).
+    fn decode_ready(&self, id: u64, urls: Vec<String>) {
+        if let Some(tx) = self.queue.decode_waits.lock().unwrap().remove(&id) {
+            let _ = tx.send(urls);
+        }
+    }
+
+    /// After each health round: the workers whose check failed, and the stall limit.
+    fn set_health(&self, failing: Vec<String>, stall_s: f64) {
+        *self.state.health.failing.write().unwrap() = failing.into_iter().collect();
+        *self.state.health.stall.lock().unwrap() = Duration::from_secs_f64(stall_s.max(0.001));
     }
 
     /// Stop accepting and end the lane's thread (requests in flight are cut).
@@ -238,6 +285,7 @@ fn proof_ok(keys: Vec<Vec<u8>>, auth: &str, given: Option<Vec<u8>>) -> bool {
 /// One streamed chunk, the usage chunk and the whole reply (tests compare them with the
 /// Python's bytes).
 #[pyfunction]
+#[pyo3(signature = (rid, model, text, finish=None))]
 fn text_chunk(rid: &str, model: &str, text: &str, finish: Option<&str>) -> String {
     let mut out = String::new();
     sse::Chunks::new(rid, model).text(&mut out, text, finish);

@@ -3,6 +3,7 @@
 //! to its end; anything else drops the connection).
 use bytes::Bytes;
 use http_body_util::Full;
+use hyper::body::Body;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use std::collections::HashMap;
@@ -11,13 +12,23 @@ use tokio::net::TcpStream;
 
 pub type Sender = SendRequest<Full<Bytes>>;
 
-#[derive(Default)]
-pub struct Pool {
-    idle: Mutex<HashMap<String, Vec<Sender>>>,
+pub struct Pool<B = Full<Bytes>> {
+    idle: Mutex<HashMap<String, Vec<SendRequest<B>>>>,
 }
 
-impl Pool {
-    pub async fn get(&self, authority: &str) -> Result<Sender, String> {
+impl<B> Default for Pool<B> {
+    fn default() -> Self {
+        Pool { idle: Mutex::new(HashMap::new()) }
+    }
+}
+
+impl<B> Pool<B>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    pub async fn get(&self, authority: &str) -> Result<SendRequest<B>, String> {
         loop {
             let cached = self.idle.lock().unwrap().get_mut(authority).and_then(|v| v.pop());
             match cached {
@@ -37,7 +48,7 @@ impl Pool {
         Ok(sender)
     }
 
-    pub fn put(&self, authority: &str, sender: Sender) {
+    pub fn put(&self, authority: &str, sender: SendRequest<B>) {
         if sender.is_closed() {
             return;
         }
