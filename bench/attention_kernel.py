@@ -34,6 +34,7 @@ from typing import Any
 import figures  # bench/figures.py, beside this script
 import torch
 import torch.nn.functional as F
+from lib import flags
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -48,8 +49,7 @@ FLAGS_V1 = [*cpu_kernel.FLAGS, "-fno-signed-zeros", "-fassociative-math"]
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny preset, 16 x 256 only")
+    p = flags.parser(__doc__, "tiny preset, 16 x 256 only")
     p.add_argument("--min-time", type=float, default=0.15, help="CPU seconds per timing")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--plot", default=str(ROOT / "bench" / "out" / "attention_kernel.png"))

@@ -72,6 +72,7 @@ from chaos_tenants import (
     phase_slow_reader,
     phase_slowloris,
 )
+from lib import flags
 
 WORDS = [
     "the",
@@ -92,8 +93,7 @@ WORDS = [
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer requests (a test runs this)")
+    p = flags.parser(__doc__, "fewer requests (a test runs this)")
     p.add_argument("--model", default="", help="model dir (default: write the tiny model)")
     p.add_argument("--soak", type=int, default=1000, help="soak requests")
     p.add_argument("--concurrency", type=int, default=8)

@@ -267,10 +267,10 @@ def model_file_swap_loaded() -> int:
             (Path(tmp) / "x").write_text("{}")
             for name in ("config.json", "tokenizer.json", "model.safetensors"):
                 (model / name).write_bytes(os.urandom(64))
-            model_seal._checked.discard(str(model.resolve()))
+            model_seal._loaded.pop(str(model.resolve()), None)
             model_seal.check(str(model), ring, seals)
             swap(model)
-            model_seal._checked.discard(str(model.resolve()))
+            model_seal._loaded.pop(str(model.resolve()), None)
             try:
                 model_seal.check(str(model), ring, seals)
                 loaded += 1

@@ -49,6 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from lib import flags  # noqa: E402
+
 from pdserve import env  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -302,8 +304,7 @@ def _guarded(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fidelity and one roofline point")
+    p = flags.parser(__doc__, "fidelity and one roofline point")
     p.add_argument(
         "--real-model",
         default="",

@@ -28,7 +28,6 @@ The emulator is tests/k8s/k8s_emulator.py (PyPI ``kmock``); a plot goes to bench
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import json
@@ -49,6 +48,7 @@ import kmock  # noqa: E402
 import kopf  # noqa: E402
 import yaml  # noqa: E402
 from k8s_emulator import ApiServer  # noqa: E402
+from lib import flags  # noqa: E402
 from operator_peers import PEERING, REPLICAS, CountingServer, start_replicas, window  # noqa: E402
 from router_discovery_load import (  # noqa: E402
     BASELINE_AGENT,
@@ -321,8 +321,7 @@ async def measure(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 and 5 objects, 2 + 2 routers, 5 s")
+    parser = flags.parser(__doc__, "1 and 5 objects, 2 + 2 routers, 5 s")
     parser.add_argument("--counts", default=None, help="fleet sizes, e.g. 1,10,100")
     parser.add_argument(
         "--routers", type=int, default=None, help="routers of each kind (watch / baseline poll)"

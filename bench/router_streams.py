@@ -27,13 +27,13 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib import flags
 from lib.loopback import secret_env, tiny_model
 from router_throughput import ROOT, body, child, load_avg, one, router_flags, wait_ready
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="200 streams (the test's run)")
+    p = flags.parser(__doc__, "200 streams (the test's run)")
     p.add_argument("--streams", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=20)
     p.add_argument("--token-delay", type=float, default=0.1, help="the fake decode's pacing, s")

@@ -40,6 +40,7 @@ from typing import Any
 
 import aiohttp
 import figures  # bench/figures.py, beside this script
+from lib import flags
 from lib.loopback import secret_env, tiny_model
 from lib.procfs import tree_cpu_seconds
 from lib.stats import percentile
@@ -61,8 +62,7 @@ HANDOFF = {"pd-chain": "decode"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="few requests (the test's run)")
+    p = flags.parser(__doc__, "few requests (the test's run)")
     p.add_argument("--requests", type=int, default=2000, help="per throughput phase")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=64)

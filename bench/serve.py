@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import figures  # bench/figures.py, beside this script
+from lib import flags
 
 from pdserve.local.proc_group import end_group, start_group
 
@@ -71,8 +72,7 @@ RATIO_AT = 16
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, few requests")
+    p = flags.parser(__doc__, "tiny model, few requests")
     p.add_argument(
         "--model",
         default="",

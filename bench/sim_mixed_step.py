@@ -33,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import pyplot, save
+from lib import flags
 
 from pdserve.planner.capacity import Profile
 from pdserve.planner.profile import EngineProbe, measure
@@ -151,8 +152,7 @@ def plot(rows: list[dict], out_dir: str) -> Path:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 points, a coarse profile")
+    ap = flags.parser(__doc__, "2 points, a coarse profile")
     ap.add_argument("--model", default=os.environ.get("PDSERVE_TINY_MODEL", ""))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"))

@@ -38,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import figures
+from lib import flags
 from sim_mix import mix_section
 from sim_mix_sweep import plot_curve
 from tqdm import tqdm
@@ -374,8 +375,7 @@ def plot(chosen: list[Scenario], results: dict[str, dict[str, Result]], out_dir:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="short traces at ~12 replicas (seconds)")
+    ap = flags.parser(__doc__, "short traces at ~12 replicas (seconds)")
     ap.add_argument(
         "--cost",
         default="h100-llama3-8b",

@@ -37,13 +37,13 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+from lib import flags  # noqa: E402
 from serve import start_ours, stop  # noqa: E402
 from speculative_workloads import WORKLOADS  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, one round, few tokens")
+    p = flags.parser(__doc__, "tiny model, one round, few tokens")
     p.add_argument("--model", default="", help="model directory (default: pdserve up's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--speculative", default="ngram:k=4")

@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 import figures  # bench/figures.py, beside this script
+from lib import flags
 from lib.completions import greedy_stream
 from lib.procfs import cpu_seconds, tree_cpu_seconds
 from stream_procs import Up, code_tree, pdserve_up
@@ -40,8 +41,7 @@ PARTS = ("router", "worker", "worker_http", "engine")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="2 rounds of 64 x 32 tokens")
+    p = flags.parser(__doc__, "2 rounds of 64 x 32 tokens")
     p.add_argument("--baseline", default="main", help="checkout directory or git ref")
     p.add_argument("--model", default="", help="model dir (default: write the tiny model)")
     p.add_argument("--concurrency", type=int, default=16)

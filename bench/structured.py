@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import figures  # bench/figures.py, beside this script
+from lib import flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -62,8 +63,7 @@ SCHEMA = {
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, few requests, seconds")
+    p = flags.parser(__doc__, "tiny model, few requests, seconds")
     p.add_argument("--preset", default="small")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)

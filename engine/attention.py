@@ -266,6 +266,7 @@ def _run_kernel(
     scaling: float | None,
     opts: LayerAttention = PLAIN,
     sinks: torch.Tensor | None = None,
+    threads: int | None = None,  # default: torch's intra-op threads
 ) -> None:
     lib = cpu_kernel.load()
     assert lib is not None, "kernel metadata built without the kernel"
@@ -293,8 +294,9 @@ def _run_kernel(
         block_size,
         scale,
     )
+    threads = torch.get_num_threads() if threads is None else threads
     if opts.plain:
-        rc = lib.pdserve_paged_attention(*args, torch.get_num_threads())
+        rc = lib.pdserve_paged_attention(*args, threads)
     else:
         sink32 = None if sinks is None else sinks.detach().float().contiguous()
         rc = lib.pdserve_paged_attention_layer(
@@ -302,7 +304,7 @@ def _run_kernel(
             opts.window or 0,
             opts.softcap or 0.0,
             None if sink32 is None else sink32.data_ptr(),
-            torch.get_num_threads(),
+            threads,
         )
     assert rc == 0, f"paged attention kernel failed ({rc})"
 

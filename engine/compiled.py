@@ -19,7 +19,8 @@ check would catch (weights, dtypes, the module) changes while a worker serves. A
 compiled model in the process (tests) turns full checks back on.
 
 Inductor's caches live in ``~/.cache/pdserve/inductor`` (``PDSERVE_COMPILE_CACHE``), so
-a restarted worker skips code generation (seconds instead of a minute or more).
+a restarted worker skips code generation (seconds instead of a minute or more); their C++
+keys do not hold the venv's path (compile_key.py), so neither does a new checkout.
 ``--enforce-eager`` (``PDSERVE_ENFORCE_EAGER=1``) runs the model's own eager forward.
 """
 
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 
 from pdserve import env
-from pdserve.engine import cache_seal, cpu_linear
+from pdserve.engine import cache_seal, compile_key, cpu_linear
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ def prepare(model: torch.nn.Module) -> None:
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, need)
     cpu_linear.prepare(model)  # oneDNN-packed or input-major weights
     _clean_probe_path()
+    compile_key.install()  # C++ cache keys without the venv's path: a new checkout reuses them
     # Nothing from a shared cache is loaded unless this service sealed it (cache_seal.py).
     cache_seal.verify(cache_dir(), cache_seal.ring(env.COMPILE_CACHE))
 

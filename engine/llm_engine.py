@@ -26,7 +26,6 @@ Synchronous and single-threaded; a worker runs it in its engine core process
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -45,7 +44,7 @@ from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.kv_pool import KVPool, budget_bytes
 from pdserve.engine.logprobs import StepLogprobs
 from pdserve.engine.lora_registry import LoraRegistry
-from pdserve.engine.model_runner import ModelRunner, model_identity
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor, eos_ids, make_output, with_logprobs
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
@@ -77,8 +76,13 @@ class LLMEngine:
         self.config = config
         if config.cpu_threads is not None:  # process-wide: one engine per worker process
             torch.set_num_threads(config.cpu_threads)
-        model_seal.check(config.model)  # a shared cache: the files as first loaded, or none
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+        # A shared cache: the files as first loaded, read once and loaded from what was
+        # hashed (engine/model_seal.py); None: loaded by path.
+        sealed = model_seal.load(
+            config.model, weights=model_seal.LOAD if runner is None else model_seal.SKIP
+        )
+        files = str(sealed.files) if sealed is not None else config.model
+        self.tokenizer = AutoTokenizer.from_pretrained(files, local_files_only=True)
         self.runner = runner or ModelRunner(config)
         budget = budget_bytes(self.runner.device, config.kv_cache_bytes, config.kv_cache_fraction)
         pool = KVPool.from_budget(self.runner.kv_shape, budget, self.runner.device)
@@ -96,7 +100,7 @@ class LLMEngine:
         self.grammars = Grammars(
             self.tokenizer, self.vocab_size, sorted(eos), config.grammar_cache_bytes
         )
-        self.model_id = model_identity(config.model)
+        self.model_id = self.runner.model_id
         self.served_model_name = config.served_model_name or Path(config.model).name
         self.inputs = InputProcessor(
             config,
@@ -151,8 +155,7 @@ class LLMEngine:
     def shadow(self, blocks: int = SHADOW_BLOCKS) -> LLMEngine:
         """An engine on this one's model (the same module and weights) with a small KV
         pool of its own and no compile: the compile thread's (compile_job.py)."""
-        runner = copy.copy(self.runner)
-        runner.pool, runner._gather_buffer = None, None
+        runner = self.runner.unbound()
         runner.forward = self.runner.model
         budget = blocks * runner.kv_shape.bytes_per_block
         config = replace(

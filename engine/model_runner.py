@@ -8,14 +8,16 @@ requests apart. Only the rows that are sampled get logits.
 
 from __future__ import annotations
 
-import hashlib
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from pdserve.engine import (
     attention_backends,
@@ -55,15 +57,39 @@ DECODE_GROUP_ROWS_DEFAULT = 256
 
 
 def model_identity(model_dir: str | Path) -> str:
-    """A short fingerprint of config and weights; peers must agree on it."""
+    """A short fingerprint of config and weights; peers must agree on it (a sealed load
+    computes the same from the bytes it verified: model_seal.identity)."""
     path = Path(model_dir)
-    h = hashlib.sha256((path / "config.json").read_bytes())
+    heads = []
     for weights in sorted(path.glob("*.safetensors")):
-        h.update(weights.name.encode())
-        h.update(str(weights.stat().st_size).encode())
         with open(weights, "rb") as f:
-            h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
+            heads.append((weights.name, weights.stat().st_size, f.read(model_seal.IDENTITY_HEAD)))
+    return model_seal.identity((path / "config.json").read_bytes(), heads)
+
+
+def load_weights(
+    files: str, hf_config: Any, dtype: torch.dtype, sealed: model_seal.SealedModel | None
+) -> Any:
+    """The model: from the tensors a sealed load parsed from the bytes it verified (the
+    class ``AutoModelForCausalLM`` maps the config to, given the state dict), else from
+    ``files`` by path (a sealed model without safetensors weights: its private copy)."""
+    state = sealed.take_weights() if sealed is not None else None
+    if state:
+        cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+        return cls.from_pretrained(
+            None,
+            config=hf_config,
+            state_dict=state,
+            dtype=dtype,
+            attn_implementation=ATTN_IMPLEMENTATION,
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        files,
+        config=hf_config,
+        dtype=dtype,
+        attn_implementation=ATTN_IMPLEMENTATION,
+        local_files_only=True,
+    )
 
 
 class ModelRunner:
@@ -76,18 +102,16 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        model_seal.check(config.model)  # before config, tokenizer or weights are read
-        hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
+        # A shared cache: every file read once, checked against the service's seal and
+        # loaded from the bytes that were hashed (engine/model_seal.py); else by path.
+        sealed = model_seal.load(config.model)
+        files = str(sealed.files) if sealed is not None else config.model
+        hf_config = AutoConfig.from_pretrained(files, local_files_only=True)
         # Refused by name before the weights load: options the attention does not honour.
         self.layers = model_support.check_config(hf_config)
         self.architecture = model_support.architecture(hf_config)
-        model = AutoModelForCausalLM.from_pretrained(
-            config.model,
-            config=hf_config,
-            dtype=self.dtype,
-            attn_implementation=ATTN_IMPLEMENTATION,
-            local_files_only=True,
-        )
+        model = load_weights(files, hf_config, self.dtype, sealed)
+        self.model_id = sealed.identity if sealed is not None else model_identity(config.model)
         model_support.check_model(model, self.layers)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self._probe()
@@ -192,6 +216,14 @@ class ModelRunner:
 
     def bind_pool(self, pool: KVPool) -> None:
         self.pool = pool
+
+    def unbound(self) -> ModelRunner:
+        """A runner on this one's model (the same module and weights) with no pool bound:
+        another engine's, with a pool of its own (``LLMEngine.shadow``, an in-process
+        prefill/decode pair: pdserve/testing/pd_pair.py)."""
+        runner = copy.copy(self)
+        runner.pool, runner._gather_buffer = None, None
+        return runner
 
     def enable_cuda_graphs(
         self,

@@ -29,7 +29,8 @@ KV_DATA = "kv-data"  # tcp KV data frames
 COMPILE_CACHE = "compile-cache"  # compiled code in a shared model cache
 BLOCK_HASH = "block-hash"  # the prefix cache's keyed block hash (see hashing.py)
 PREFILL_PIN = "prefill-pin"  # the endpoint picker's x-prefiller-host-port signature
-PURPOSES = (HTTP, SIDE_CHANNEL, KV_DATA, COMPILE_CACHE, BLOCK_HASH, PREFILL_PIN)
+ROUTER_PEER = "router-peer"  # router replicas' budget calls (router/peer_budgets.py)
+PURPOSES = (HTTP, SIDE_CHANNEL, KV_DATA, COMPILE_CACHE, BLOCK_HASH, PREFILL_PIN, ROUTER_PEER)
 
 
 @lru_cache(maxsize=64)

@@ -49,11 +49,14 @@ class Ticket:
     def __init__(self, owner: Admission, client: str) -> None:
         self._owner: Admission | None = owner
         self.client = client
+        self.after: Callable[[str], None] | None = None  # a peer budget's leave
 
     def release(self) -> None:
         if self._owner is not None:
             self._owner._release(self.client)
             self._owner = None
+            if self.after is not None:
+                self.after(self.client)
 
 
 class LocalCounts:
@@ -111,6 +114,9 @@ class Admission:
         self._grants = 0
         self._waiting: dict[int, Waiters] = {}  # priority -> client -> its waiters, in order
         self._on_change = on_change
+        # --budget-peers: the key's count is taken at its owner first (router/runtime.py
+        # admit), so the sync fast path is off; a slot is then taken in ``acquire``.
+        self.deferred = False
 
     def split(self, replicas: int) -> None:
         """Enforce one of ``replicas`` shares of ``--max-concurrency-per-key`` from now on
@@ -127,6 +133,9 @@ class Admission:
     def try_now(self, client: str) -> Ticket | None:
         """A slot for ``client`` if one is free and nobody waits, else None (then
         ``acquire``); the 429 of ``--max-concurrency-per-key`` when the client is at it."""
+        return None if self.deferred else self._try_now(client)
+
+    def _try_now(self, client: str) -> Ticket | None:
         self._enter(client)
         if self.active < self.slots and not self._waiting:
             self._take(client)
@@ -145,7 +154,7 @@ class Admission:
     async def acquire(self, client: str, priority: int = 0) -> Ticket:
         """A slot for ``client``: at once when one is free and nobody waits, else after
         waiting its turn. Raises the 429 that says why it was refused."""
-        ticket = self.try_now(client)
+        ticket = self._try_now(client)
         if ticket is not None:
             return ticket
         if self.max_waiting < 1:

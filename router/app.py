@@ -23,6 +23,7 @@ from pdserve.router.api.tokenize_api import detokenize, handle, tokenize
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import EndpointSource
 from pdserve.router.errors import APIError
+from pdserve.router.peer_budgets import PATH as PEER_PATH
 from pdserve.router.runtime import Runtime
 from pdserve.router.tokenizer import PromptTokenizer
 
@@ -164,6 +165,14 @@ def create_app(
     async def workers(request: Request) -> dict[str, Any]:
         rt().require_admin(request)
         return {"workers": [_worker_json(w) for w in rt().discovery.snapshot().workers]}
+
+    @app.post(PEER_PATH)
+    async def budget_call(request: Request) -> Response:
+        """Another replica's call on a key this one keeps (router/peer_budgets.py)."""
+        peers = rt().peers
+        if peers is None:
+            return JSONResponse({"error": "no --budget-peers here"}, status_code=404)
+        return await peers.handle(request)
 
     add_lora_admin_routes(app, rt)
     return app

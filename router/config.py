@@ -103,6 +103,10 @@ class RouterConfig:
     router_replicas: int = 1
     router_service: str = ""
     router_namespace: str = ""
+    # Exact per-key budgets across replicas (router/peer_budgets.py): every replica's base
+    # URL (this one's is budget_self), or ("kubernetes",): the router Service's endpoints.
+    budget_peers: tuple[str, ...] = ()
+    budget_self: str = ""
     max_waiting: int = 256
     queue_timeout_s: float = 30.0
     # A stream whose client has not taken a chunk for this long is aborted (slow reader).

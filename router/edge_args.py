@@ -68,6 +68,20 @@ class EdgeLimits:
         "'none': use --router-replicas)",
         group=LIMITS,
     )
+    budget_peers: str = flag(
+        "",
+        "exact per-key budgets across router replicas: every replica's "
+        "base URL, comma-separated (this one's too), or 'kubernetes' (the router "
+        "Service's ready endpoints at --admin-port); each key's counters live on one "
+        "replica, the others ask it (router/peer_budgets.py); replaces --router-replicas",
+        group=LIMITS,
+    )
+    budget_self: str = flag(
+        "",
+        "this replica's URL among --budget-peers (default with 'kubernetes': "
+        "http://$POD_IP:<admin port>)",
+        group=LIMITS,
+    )
     max_concurrency_per_key: int = flag(
         0, "requests one API key may have in flight or waiting (0: off)", group=LIMITS
     )

@@ -5,6 +5,7 @@ both build theirs here."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from pdserve import env
@@ -20,6 +21,7 @@ from pdserve.router.config import (
 )
 from pdserve.router.discovery.replicas import share
 from pdserve.router.discovery.workers import EndpointSource, StaticSource
+from pdserve.router.peer_budgets import KUBERNETES, base_url
 from pdserve.router.shared_limits import installed
 
 
@@ -73,6 +75,8 @@ def build_config(
         api_keys=api_keys(args),
         admin_api_keys=admin_keys(args),
         router_service=router_service(args),
+        budget_peers=budget_peers(args),
+        budget_self=budget_self(args),
         loras=tuple(args.lora),
         **copied,
         **shares,
@@ -116,6 +120,38 @@ def router_service(args: argparse.Namespace) -> str:
 
         return naming.router_service_name(args.service)
     return ""
+
+
+def budget_peers(args: argparse.Namespace) -> tuple[str, ...]:
+    """--budget-peers: the replicas' URLs (checked here: a bad one stops the start), or
+    ("kubernetes",) for the router Service's endpoints."""
+    given = (args.budget_peers or "").strip()
+    if given == KUBERNETES:
+        if args.discovery != "kubernetes" or not router_service(args) or not args.admin_port:
+            raise SystemExit(
+                "pdserve router: --budget-peers kubernetes needs --discovery kubernetes, "
+                "the router Service and --admin-port"
+            )
+        return (KUBERNETES,)
+    peers = tuple(p.strip() for p in given.split(",") if p.strip())
+    if peers and not args.budget_self:
+        raise SystemExit("pdserve router: --budget-peers needs --budget-self (this replica)")
+    try:
+        for url in (*peers, args.budget_self or "http://x:1"):
+            base_url(url)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve router: {exc}") from exc
+    return peers
+
+
+def budget_self(args: argparse.Namespace) -> str:
+    if args.budget_self or (args.budget_peers or "").strip() != KUBERNETES:
+        return str(args.budget_self or "")
+    pod_ip = os.environ.get("POD_IP", "")  # the downward API's (operator/render_pods.py)
+    if not pod_ip:
+        raise SystemExit("pdserve router: --budget-peers kubernetes needs POD_IP or --budget-self")
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    return f"http://{host}:{args.admin_port}"
 
 
 def build_source(args: argparse.Namespace) -> EndpointSource:

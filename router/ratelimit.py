@@ -52,6 +52,18 @@ class RateLimiter:
             bucket.capacity = float(self.rpm if kind == "requests" else self.tpm)
             bucket.level = min(bucket.level, bucket.capacity)
 
+    def start_empty(self, client: str, now: float) -> None:
+        """``client``'s buckets, where it has none yet, start empty instead of full (a key
+        whose budget another replica kept until now: router/peer_budgets.py)."""
+        for which, kind, limit in ((0, "requests", self.rpm), (1, "tokens", self.tpm)):
+            if limit <= 0:
+                continue
+            if self.shared is not None:
+                self.shared.start_empty(client, which, now)
+            elif (client, kind) not in self._buckets:
+                self._prune(now)
+                self._buckets[(client, kind)] = Bucket(float(limit), 0.0, now)
+
     @property
     def enabled(self) -> bool:
         return self.rpm > 0 or self.tpm > 0

@@ -17,6 +17,7 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from pdserve import keys
 from pdserve.protocol.contract import LoraRef
 from pdserve.router import errors
 from pdserve.router.adapters import Adapter, AdapterTable
@@ -29,10 +30,12 @@ from pdserve.router.discovery.replicas import replica_count
 from pdserve.router.discovery.workers import Discovery, EndpointSource
 from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.peer_budgets import KUBERNETES, PeerBudgets
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.scheduling.prefix_index import PrefixIndex
 from pdserve.router.scheduling.scheduler import Scheduler
 from pdserve.router.scheduling.tier_index import TierIndex, parse_weights
+from pdserve.router.shared_limits import SharedLimits
 from pdserve.router.shared_limits import installed as shared_table
 from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.router.transport.dispatch import Dispatcher, RequestState
@@ -81,16 +84,40 @@ class Runtime:
         self.created = int(time.time())
         self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm, shared=shared)
         self._salt_key = salt_key()
-        # Per-client budgets: this replica enforces 1/replicas of them (discovery/replicas.py).
         self.replicas = replica_count(cfg)
-        self.replicas.listen(self.limiter.split)
-        self.replicas.listen(self.admission.split)
+        self.peers = self._peer_budgets(cfg, shared)
+        if self.peers is None:
+            # Per-client budgets: this replica enforces 1/replicas of them (replicas.py).
+            self.replicas.listen(self.limiter.split)
+            self.replicas.listen(self.admission.split)
         # Parsing, chat templates and tokenizing: CPU work kept off the event loop.
         self.pool = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pdserve-tok")
         self.loras = AdapterTable(loras)  # LoRA adapters served as models of their names
         self.lora_sync = LoraSync(self.loras, self.discovery.snapshot, self.client)
         if cfg.proc_index == 0:  # with --procs, one process tells late workers
             self.discovery.after_refresh.append(self.lora_sync.check)
+
+    def _peer_budgets(self, cfg: RouterConfig, shared: SharedLimits | None) -> PeerBudgets | None:
+        """--budget-peers: each key's budget kept whole by one replica (peer_budgets.py);
+        the local limiter and admission cap are then off (the owner's count it)."""
+        if not cfg.budget_peers or not any(
+            (cfg.rate_limit_rpm, cfg.rate_limit_tpm, cfg.max_concurrency_per_key)
+        ):
+            return None
+        kube = cfg.budget_peers == (KUBERNETES,)
+        peers = PeerBudgets(
+            cfg.budget_self,
+            () if kube else cfg.budget_peers,
+            self.limiter,
+            cfg.max_concurrency_per_key,
+            keys.KeyRing.from_env(keys.ROUTER_PEER),
+            shared,
+        )
+        if kube:
+            self.replicas.listen_addresses(peers.listen_endpoints(cfg.admin_port))
+        self.limiter = RateLimiter(0, 0)  # the gate's own buckets: off (the owner's count)
+        self.admission.counting, self.admission.deferred = False, True
+        return peers
 
     @property
     def base_names(self) -> tuple[str, ...]:
@@ -116,6 +143,8 @@ class Runtime:
         await self.replicas.start()
 
     async def close(self) -> None:
+        if self.peers is not None:
+            await self.peers.close()
         await self.discovery.stop()
         await self.lora_sync.close()
         await self.replicas.close()
@@ -189,8 +218,31 @@ class Runtime:
         return caller, client
 
     async def admit(self, client: str, priority: int = 0) -> Ticket:
-        """A slot under ``--max-queue``, shared fairly across clients (router/admission.py)."""
-        return await self.admission.acquire(client, priority)
+        """A slot under ``--max-queue``, shared fairly across clients (router/admission.py);
+        with --budget-peers, the key's request counted at its owner first."""
+        peers = self.peers
+        if peers is None:
+            return await self.admission.acquire(client, priority)
+        await peers.enter(client)
+        try:
+            ticket = await self.admission.acquire(client, priority)
+        except BaseException:
+            peers.leave(client)
+            raise
+        ticket.after = peers.leave
+        return ticket
+
+    async def take_request(self, client: str) -> None:
+        """--budget-peers: the key's requests bucket, at its owner (the gate's is off)."""
+        if self.peers is not None:
+            await self.peers.take_request(client)
+
+    async def take_tokens(self, client: str, n: int) -> None:
+        """The key's tokens bucket: here, or at its owner with --budget-peers."""
+        if self.peers is None:
+            self.limiter.take_tokens(client, n)
+        else:
+            await self.peers.take_tokens(client, n)
 
     # -- accounting --------------------------------------------------------------------
     def error(self, err: APIError) -> JSONResponse:

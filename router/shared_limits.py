@@ -118,6 +118,17 @@ class SharedLimits:
             _SLOT.pack_into(self._mem, off, *fields)
             return wait
 
+    def start_empty(self, client: str, kind: int, now: float) -> None:
+        """``client``'s bucket ``kind`` starts empty at ``now`` if it was never used."""
+        key = _key(client)
+        with self._lock:
+            off = self._find(key, now)
+            fields = list(_SLOT.unpack_from(self._mem, off))
+            if fields[3 + 2 * kind] == 0.0:
+                fields[2 + 2 * kind], fields[3 + 2 * kind] = 0.0, now
+                fields[6] = max(fields[6], now + 60.0)
+                _SLOT.pack_into(self._mem, off, *fields)
+
 
 _TABLE: SharedLimits | None = None
 

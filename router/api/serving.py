@@ -134,6 +134,8 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
     rid = prefix + os.urandom(16).hex()  # uuid4().hex's length, without its object
     try:
         caller, client = rt.gate(request)  # before the body is read or parsed
+        if rt.peers is not None:  # the key's request bucket at its owner replica
+            await rt.take_request(client)
         raw = await edge.read_body(request, rt.cfg.max_body_bytes, rt.cfg.body_timeout_s)
         ticket = rt.admission.try_now(client)  # the common case: a free slot, no task
         if ticket is None:
@@ -151,7 +153,7 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
             req, ids = await rt.off_loop(api.prepare if api else prepare, rt, raw, chat)
         snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
         req = fit_context(rt, snap, req, len(ids))
-        rt.limiter.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
+        await rt.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
         salt = rt.cache_salt(key, req.cache_salt)
         lora = rt.adapter_of(req.model)
         plan = rt.scheduler.plan(ids, snap, salt, lora)

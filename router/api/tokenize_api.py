@@ -38,6 +38,7 @@ async def handle(
     the key and its request bucket, the body under its size and time limits, then a slot
     under --max-queue before any parsing or tokenizing."""
     caller, client = rt.gate(request)
+    await rt.take_request(client)
     raw = await edge.read_body(request, rt.cfg.max_body_bytes, rt.cfg.body_timeout_s)
     ticket = rt.admission.try_now(client)
     if ticket is None:

@@ -40,11 +40,17 @@ class ReplicaCount:
     def __init__(self, replicas: int = 1) -> None:
         self.replicas = max(replicas, 1)
         self._listeners: list[Listener] = []
+        self._address_listeners: list[Callable[[list[str]], None]] = []
 
     def listen(self, fn: Listener) -> None:
         """Call ``fn(replicas)`` now and on every change."""
         self._listeners.append(fn)
         fn(self.replicas)
+
+    def listen_addresses(self, fn: Callable[[list[str]], None]) -> None:
+        """Call ``fn(addresses)`` on every change of the ready replicas' addresses (a
+        watched count only: router/peer_budgets.py's kubernetes peers)."""
+        self._address_listeners.append(fn)
 
     def set(self, replicas: int) -> None:
         replicas = max(replicas, 1)
@@ -64,6 +70,11 @@ class ReplicaCount:
 
 def ready_endpoints(slices: Iterable[Mapping[str, Any]]) -> int:
     """Distinct ready, not terminating, addresses in a Service's slices."""
+    return len(ready_addresses(slices))
+
+
+def ready_addresses(slices: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The ready, not terminating, addresses in a Service's slices, sorted."""
     seen: set[str] = set()
     for s in slices:
         for ep in s.get("endpoints") or []:
@@ -71,7 +82,7 @@ def ready_endpoints(slices: Iterable[Mapping[str, Any]]) -> int:
             addresses = ep.get("addresses") or []
             if addresses and cond.get("ready") is not False and not cond.get("terminating"):
                 seen.add(addresses[0])
-    return len(seen)
+    return sorted(seen)
 
 
 class ServiceReplicaCount(ReplicaCount):
@@ -93,7 +104,10 @@ class ServiceReplicaCount(ReplicaCount):
     def _changed(self) -> None:
         # A replica not ready yet (starting, catching up) is not in the count: its share is
         # the others' until it is (a client's requests do not reach it meanwhile either).
-        self.set(ready_endpoints(self.watch.slices.values()))
+        addresses = ready_addresses(self.watch.slices.values())
+        self.set(len(addresses))
+        for fn in self._address_listeners:
+            fn(addresses)
 
     async def start(self) -> None:
         if self._task is None:

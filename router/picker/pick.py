@@ -64,6 +64,7 @@ class Picker:
         until the response ends, and the token bucket once the prompt is counted."""
         rt = self.rt
         caller, client = self._gate(headers)
+        await rt.take_request(client)  # --budget-peers: at the key's owner replica
         if body is not None and len(body) > rt.cfg.max_body_bytes:
             raise APIError(413, f"request body is over {rt.cfg.max_body_bytes} bytes")
         ticket = rt.admission.try_now(client) or await rt.admit(client, caller.priority)
@@ -98,7 +99,7 @@ class Picker:
             return self._answer(plan.decode, None, 0)
         req, ids = await rt.off_loop(_prepare, rt, body, chat)
         req = fit_context(rt, snap, req, len(ids))
-        rt.limiter.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
+        await rt.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
         # An adapter's prefix is hashed under the adapter, as its workers store it.
         lora = rt.adapter_of(req.model)
         plan = rt.scheduler.plan(ids, snap, rt.cache_salt(caller.key, req.cache_salt), lora)

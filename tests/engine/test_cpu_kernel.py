@@ -21,6 +21,7 @@ from pdserve.engine import attention_backends as ab
 from pdserve.engine import cpu_kernel
 from pdserve.engine.kv_pool import KVPool, KVShape
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_support import PLAIN, LayerAttention
 from pdserve.engine.sched_output import ScheduledChunk
 
 pytestmark = [
@@ -102,39 +103,19 @@ CTX = [1, 2, 5, 15, 16, 17, 31, 33, 100, 257, 2048, 2500]
 
 
 def _kernel(lib, q, k, v, tables, ctx, block_size: int, threads: int, layer=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """The kernel's output, its arguments built as engine/attention.py builds them; with
-    ``layer`` (window, softcap, sinks or None) the layer-options entry point."""
-    n, hq, d = q.shape
+    """The kernel's output through the engine's own call (attention._run_kernel), token i
+    in row i of ``tables``; with ``layer`` (window, softcap, sinks or None; none of them
+    off) the layer-options entry point."""
+    assert lib is not None
     out = torch.empty_like(q)
-    rows = torch.arange(n, dtype=torch.int32)
-    ctx_t = torch.tensor(ctx, dtype=torch.int32)  # held: the kernel reads its pointer
-    args = (
-        cpu_kernel.DTYPE_CODES[q.dtype],
-        q.data_ptr(),
-        q.stride(0),
-        q.stride(1),
-        k.data_ptr(),
-        v.data_ptr(),
-        out.data_ptr(),
-        tables.data_ptr(),
-        tables.shape[1],
-        rows.data_ptr(),
-        rows.data_ptr(),
-        ctx_t.data_ptr(),
-        n,
-        hq,
-        k.shape[1],
-        d,
-        block_size,
-        d**-0.5,
-    )
-    if layer is None:
-        rc = lib.pdserve_paged_attention(*args, threads)
-    else:
+    rows = torch.arange(q.shape[0], dtype=torch.int32)
+    tokens = A.KernelTokens(rows, rows, torch.tensor(ctx, dtype=torch.int32), tables)
+    opts, sinks = PLAIN, None
+    if layer is not None:
         window, softcap, sinks = layer
-        sink_ptr = None if sinks is None else sinks.data_ptr()
-        rc = lib.pdserve_paged_attention_layer(*args, window, softcap, sink_ptr, threads)
-    assert rc == 0
+        opts = LayerAttention(window or None, softcap or None, sinks is not None)
+        assert not opts.plain, layer
+    A._run_kernel(q, k, v, out, tokens, block_size, None, opts, sinks, threads)
     return out
 
 

@@ -175,7 +175,9 @@ def test_unknown_option_refuses_the_start(
 def test_docs_table_names_every_family() -> None:
     """docs/models.md's table has one row per family of tests/model_families.py, in its
     order, and each row names the tests that prove it: eager (E) and compiled (C) for a
-    served row, the refusal (R) for a refused one (its status quoting the refusal)."""
+    served row, the refusal (R) for a refused one (its status quoting the refusal).
+    A served row also names its P/D hand-off (P): tests/engine/test_family_pd.py runs
+    every served family, so no served row may be without it."""
     from tests.model_families import FAMILIES
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "models.md"
@@ -188,6 +190,7 @@ def test_docs_table_names_every_family() -> None:
     for f in FAMILIES:
         cells = table[f.id]
         if f.refused is None:
-            assert cells[3] == "served" and cells[4:6] == [f"`E[{f.id}]`", f"`C[{f.id}]`"]
+            named = [f"`E[{f.id}]`", f"`C[{f.id}]`", f"`P[{f.id}]`"]
+            assert cells[3] == "served" and cells[4:7] == named, cells
         else:
             assert cells[3].startswith("refused") and cells[4] == f"`R[{f.id}]`", cells

@@ -25,7 +25,7 @@ def _ring(secret: str) -> keys.KeyRing:
 
 @pytest.fixture
 def model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setattr(model_seal, "_checked", set())  # every check here runs
+    monkeypatch.setattr(model_seal, "_loaded", {})  # every check here runs
     d = tmp_path / "hub" / "org--m"
     (d / ".cache" / "huggingface").mkdir(parents=True)
     (d / ".cache" / "huggingface" / "download.lock").write_text("hf's own")  # not sealed
@@ -36,7 +36,7 @@ def model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _load(model: Path, folder: Path, secret: str = "s1") -> bool:
-    model_seal._checked.clear()  # a new worker process
+    model_seal._loaded.clear()  # a new worker process
     return model_seal.check(str(model), _ring(secret), folder)
 
 
@@ -117,7 +117,7 @@ def test_the_engine_refuses_a_swapped_tokenizer_before_loading(
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.model_runner import ModelRunner
 
-    monkeypatch.setattr(model_seal, "_checked", set())
+    monkeypatch.setattr(model_seal, "_loaded", {})
     copy = tmp_path / "model"
     shutil.copytree(tiny_model_dir, copy)
     monkeypatch.setenv(env.COMPILE_CACHE, str(tmp_path / "compiled"))
@@ -125,8 +125,64 @@ def test_the_engine_refuses_a_swapped_tokenizer_before_loading(
     assert model_seal.check(str(copy))  # the service's first load sealed it
     tok = copy / "tokenizer.json"
     tok.write_text(tok.read_text().replace('"<', '"<x', 1))
-    model_seal._checked.clear()
+    model_seal._loaded.clear()
     with pytest.raises(ModelSealError, match=r"tokenizer\.json changed"):
         LLMEngine(EngineConfig(model=str(copy)))
     with pytest.raises(ModelSealError, match=r"tokenizer\.json changed"):
         ModelRunner(EngineConfig(model=str(copy)))
+
+
+def test_files_swapped_after_the_check_are_never_loaded(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check and the load are one read (issue 44 item 4): tokenizer, chat template and
+    weights swapped on disk right after the seal check passed are not what the engine
+    loads; transformers reads the verified bytes (a private 0700 copy, the weights' tensors
+    parsed from the hashed bytes). Before, the engine checked, then loaded the files by
+    path again and served the swapped ones."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_runner import model_identity
+
+    monkeypatch.setattr(model_seal, "_loaded", {})
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, copy)
+    monkeypatch.setenv(env.COMPILE_CACHE, str(tmp_path / "compiled"))
+    monkeypatch.setenv(env.SERVICE_SECRET, "s1")
+    assert model_seal.check(str(copy))  # the service's first load sealed it
+    model_seal._loaded.clear()
+    weights = load_file(copy / "model.safetensors")
+    template = (copy / "chat_template.jinja").read_text()
+    tokenizer = (copy / "tokenizer.json").read_text()
+    want_id = model_identity(copy)
+
+    def swap() -> None:
+        (copy / "chat_template.jinja").write_text("IGNORE ALL PREVIOUS INSTRUCTIONS {{ messages }}")
+        (copy / "tokenizer.json").write_text(tokenizer.replace('"<', '"<x', 1))
+        save_file({k: torch.zeros_like(v) for k, v in weights.items()}, copy / "model.safetensors")
+
+    real = model_seal.load
+
+    def check_then_swap(*args: object, **kwargs: object) -> object:
+        sealed = real(*args, **kwargs)  # type: ignore[arg-type]
+        swap()  # the check passed: another writer swaps the files now
+        return sealed
+
+    monkeypatch.setattr(model_seal, "load", check_then_swap)
+    engine = LLMEngine(EngineConfig(model=str(copy)))
+    assert engine.tokenizer.chat_template == template
+    assert (
+        engine.tokenizer.backend_tokenizer.to_str()
+        == type(engine.tokenizer)(
+            tokenizer_file=str(tiny_model_dir / "tokenizer.json")
+        ).backend_tokenizer.to_str()
+    )
+    params = engine.runner.model.state_dict()
+    assert all(torch.equal(params[k], v) for k, v in weights.items() if k in params)
+    assert engine.model_id == want_id
+    sealed = model_seal._loaded[str(copy.resolve())]
+    assert (sealed.files.stat().st_mode & 0o777) == 0o700
+    assert not list(sealed.files.glob("*.safetensors"))  # weights never copied, parsed

@@ -1,0 +1,308 @@
+"""Per-key budgets exact across router replicas: each key's counters live on one replica.
+
+Without this, every replica enforced ``ceil(budget / replicas)`` of a key's rate limits and
+``--max-concurrency-per-key`` (a cap of 1 over 3 replicas admitted 3). With
+``--budget-peers`` the replicas route the counters instead: the owner of a key is the
+peer with the highest rendezvous score (BLAKE2b of the peer and the key's id) over the
+peer list, the same on every replica. The owner counts the key's requests in flight, its
+requests and tokens buckets in its own table (the one its ``--procs`` processes share,
+router/shared_limits.py), against the whole budget; every other replica asks the owner
+to take or give back over ``POST /internal/budget``, signed as the calls to the workers
+are (pdserve/signing.py) under a key of its own purpose (``router-peer``), the call bound
+to the owner's address, and the reply believed only with the owner's proof of the key.
+The key itself never travels: its id is a BLAKE2b of it.
+
+When the owner does not answer (down, partitioned, slow past ``CALL_TIMEOUT_S``) the
+request is refused with a 503 and ``Retry-After``, never admitted on a local guess: the
+budget is never exceeded, at the price of the owned keys' availability until the owner
+answers again or leaves the peer list (kubernetes: its endpoint leaves the router
+Service's EndpointSlices and its keys move to the next peer by the same hash).
+
+When a key's owner changes (a peer joins or leaves), the requests the replicas still hold
+for it are counted at the new owner before it admits more (``adopt``: each replica sends
+its own in-flight counts for the keys it holds whose owner changed), and the new owner's
+buckets for keys it did not hold start empty for one refill period after a change of the
+peer list (``SETTLE_S``): what the old owner's buckets already let through plus what the
+new one admits stays within one bucket's bound.
+
+Peers: ``--budget-peers URL,...`` (each replica's base URL, this one's included, named by
+``--budget-self``), or ``kubernetes``: the ready endpoints of the router's own Service
+(router/discovery/replicas.py) at ``--admin-port``, this replica ``$POD_IP``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve import keys, signing
+from pdserve.router.admission import LocalCounts, concurrency_limit
+from pdserve.router.errors import APIError
+from pdserve.router.ratelimit import RateLimiter
+from pdserve.router.shared_limits import SharedLimits
+
+log = logging.getLogger(__name__)
+PATH = "/internal/budget"
+CALL_TIMEOUT_S = 1.0  # an owner slower than this is unreachable: 503
+SETTLE_S = 60.0  # after a peer-list change, new buckets start empty this long
+REQUEST, TOKENS, ENTER, LEAVE, ADOPT = "request", "tokens", "enter", "leave", "adopt"
+OPS = (REQUEST, TOKENS, ENTER, LEAVE, ADOPT)
+MAX_BODY = 4096
+KUBERNETES = "kubernetes"  # --budget-peers: the router Service's ready endpoints
+
+
+def budget_id(client: str) -> str:
+    """The key's id on the wire and in the counters (the key itself never travels)."""
+    return hashlib.blake2b(client.encode(), digest_size=16).hexdigest()
+
+
+def owner_of(cid: str, peers: Sequence[str]) -> str:
+    """The peer that owns ``cid``'s counters: the highest rendezvous score (a peer that
+    leaves moves only its own keys)."""
+    return max(peers, key=lambda p: hashlib.blake2b(f"{p}\0{cid}".encode()).digest())
+
+
+def base_url(url: str) -> str:
+    """``url`` as the peers compare it: scheme://host:port, no trailing slash."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
+        raise ValueError(f"budget peer {url!r}: expected http://HOST:PORT")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def owner_unreachable(owner: str) -> APIError:
+    return APIError(
+        503,
+        "this API key's budget is kept by another router replica that does not answer; retry later",
+        code="budget_owner_unreachable",
+        headers={"Retry-After": "1"},
+    )
+
+
+class PeerBudgets:
+    """This replica's side: the owner's counters for its keys, the calls for the others."""
+
+    def __init__(
+        self,
+        self_url: str,
+        peers: Sequence[str],
+        limiter: RateLimiter,
+        cap: int,
+        ring: keys.KeyRing,
+        shared: SharedLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not ring:
+            raise ValueError("--budget-peers needs the service secret (the calls are signed)")
+        self.self_url = base_url(self_url)
+        self.limiter, self.cap, self.ring, self.clock = limiter, cap, ring, clock
+        self.counts: LocalCounts | SharedLimits = shared if shared is not None else LocalCounts()
+        self.verifier = signing.Verifier(ring)
+        self.peers: tuple[str, ...] = ()
+        self.changed_at = -math.inf
+        self.held: dict[str, int] = {}  # id -> this replica's requests in flight
+        self.owners: dict[str, str] = {}  # id -> the owner it was counted at
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.set_peers(peers)
+        self.changed_at = -math.inf  # the first list is no change
+
+    # -- the peer list ------------------------------------------------------------------
+    def set_peers(self, peers: Sequence[str]) -> None:
+        """A new peer list (kubernetes: the ready replicas, this one only once it is
+        ready, as the others see it); in-flight counts move to the new owners of their
+        keys (``adopt``). An empty list refuses every call (503) until one comes."""
+        new = tuple(sorted({base_url(p) for p in peers}))
+        if new == self.peers:
+            return
+        log.info("budget peers: %s", ", ".join(new))
+        self.peers, self.changed_at = new, self.clock()
+        for cid, n in list(self.held.items()) if new else ():
+            owner = owner_of(cid, new)
+            if owner != self.owners.get(cid):
+                self.owners[cid] = owner
+                if owner == self.self_url:
+                    self.apply(ADOPT, cid, n)
+                else:
+                    self._background(self._send(owner, ADOPT, cid, n))
+
+    def listen_endpoints(self, port: int) -> Callable[[list[str]], None]:
+        """A listener for the router Service's ready addresses (kubernetes peers)."""
+        return lambda addresses: self.set_peers([f"http://{a}:{port}" for a in addresses])
+
+    # -- a request's calls --------------------------------------------------------------
+    async def take_request(self, client: str) -> None:
+        await self._call(REQUEST, budget_id(client), 1)
+
+    async def take_tokens(self, client: str, n: int) -> None:
+        await self._call(TOKENS, budget_id(client), n)
+
+    async def enter(self, client: str) -> None:
+        """Count one more request of ``client`` in flight (429 at the cap, 503 when its
+        owner does not answer)."""
+        cid = budget_id(client)
+        owner = await self._call(ENTER, cid, 1)
+        self.held[cid] = self.held.get(cid, 0) + 1
+        self.owners[cid] = owner
+
+    def leave(self, client: str) -> None:
+        """One of ``client``'s requests ended: given back at its owner (in the background
+        for a remote one; a lost call leaves the owner's count high, never low)."""
+        cid = budget_id(client)
+        n = self.held.get(cid, 0) - 1
+        owner = self.owners.get(cid, "")
+        if n > 0:
+            self.held[cid] = n
+        else:
+            self.held.pop(cid, None)
+            self.owners.pop(cid, None)
+        if owner == self.self_url:
+            self.counts.leave(cid)
+        elif owner:
+            self._background(self._send(owner, LEAVE, cid, 1))
+
+    async def _call(self, op: str, cid: str, n: int) -> str:
+        if not self.peers:
+            raise owner_unreachable("")
+        owner = owner_of(cid, self.peers)
+        if owner == self.self_url:
+            err = self.apply(op, cid, n)
+            if err is not None:
+                raise err
+            return owner
+        reply = await self._send(owner, op, cid, n)
+        if reply is None:
+            raise owner_unreachable(owner)
+        if reply.get("error"):
+            e = reply["error"]
+            raise APIError(
+                int(e.get("status", 429)),
+                str(e.get("message", "")),
+                code=str(e.get("code", "")) or None,
+                headers={"Retry-After": str(e["retry_after"])} if e.get("retry_after") else None,
+            )
+        return owner
+
+    # -- the owner's side ---------------------------------------------------------------
+    def apply(self, op: str, cid: str, n: int) -> APIError | None:
+        """``op`` on this replica's counters of ``cid``: None, or the refusal."""
+        try:
+            if op in (REQUEST, TOKENS):
+                self._settle(cid)
+                if op == REQUEST:
+                    self.limiter.take_request(cid)
+                else:
+                    self.limiter.take_tokens(cid, n)
+            elif op == ENTER:
+                if self.cap and not self.counts.enter(cid, self.cap):
+                    return concurrency_limit(self.cap)
+            elif op == LEAVE:
+                self.counts.leave(cid)
+            elif op == ADOPT:  # requests already in flight: counted, never refused
+                for _ in range(max(min(n, 1 << 16), 0)):
+                    self.counts.enter(cid, 0)
+        except APIError as err:
+            return err
+        return None
+
+    def _settle(self, cid: str) -> None:
+        """Soon after a change of the peer list a key may have come from another owner
+        whose bucket was spent: its first bucket here starts empty, not full."""
+        if self.clock() - self.changed_at < SETTLE_S:
+            self.limiter.start_empty(cid, self.clock())
+
+    async def handle(self, request: Request) -> Response:
+        """``POST /internal/budget`` from another replica: signed, bound to this address;
+        the header is checked before a byte of the (small) body is read."""
+        auth = request.headers.get(signing.HEADER)
+        host = request.headers.get("host", "")
+        why = self.verifier.precheck(auth)
+        if not why and host != urlsplit(self.self_url).netloc:
+            why = "not this replica's address"
+        if why:
+            return JSONResponse({"error": why}, status_code=401)
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY:
+                return JSONResponse({"error": "body too large"}, status_code=413)
+        verdict = self.verifier.check("POST", request.url.path, auth, raw, host=host)
+        if verdict.key is None:
+            return JSONResponse({"error": verdict.reason}, status_code=401)
+        try:
+            body = json.loads(raw)
+            op, cid, n = body["op"], str(body["id"]), int(body.get("n", 1))
+        except (ValueError, KeyError, TypeError):
+            return JSONResponse({"error": "bad budget call"}, status_code=400)
+        if op not in OPS or len(cid) != 32:
+            return JSONResponse({"error": f"bad budget op {op!r}"}, status_code=400)
+        err = self.apply(op, cid, n)
+        out: dict[str, Any] = {"error": None}
+        if err is not None:
+            retry = (err.headers or {}).get("Retry-After")
+            out["error"] = {
+                "status": err.status,
+                "message": err.message,
+                "code": err.code,
+                "retry_after": retry,
+            }
+        proof = signing.proof(verdict.key, auth or "")
+        return JSONResponse(out, headers={signing.PROOF_HEADER: proof})
+
+    # -- calls to another replica -------------------------------------------------------
+    async def _send(self, owner: str, op: str, cid: str, n: int) -> dict[str, Any] | None:
+        """The owner's answer, or None when it does not answer or cannot prove the key."""
+        body = json.dumps({"op": op, "id": cid, "n": n}).encode()
+        host = urlsplit(owner).netloc
+        auth = signing.sign(self.ring, "POST", PATH, body, host=host)
+        headers = {signing.HEADER: auth, "Host": host, "Content-Type": "application/json"}
+        try:
+            session = self._session_now()
+            async with session.post(
+                owner + PATH,
+                data=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S),
+            ) as resp:
+                reply = await resp.read()
+                proved = signing.proof_ok(self.ring, auth, resp.headers.get(signing.PROOF_HEADER))
+                if resp.status != 200 or not proved:
+                    log.warning("budget owner %s refused a call (%d)", owner, resp.status)
+                    return None
+                out = json.loads(reply)
+                return out if isinstance(out, dict) else None
+        except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
+            log.warning("budget owner %s unreachable: %s", owner, exc)
+            return None
+
+    def _session_now(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), raise_for_status=False
+            )
+        return self._session
+
+    def _background(self, call: Any) -> None:
+        async def run() -> None:
+            await call
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=CALL_TIMEOUT_S)
+        if self._session is not None:
+            await self._session.close()
