@@ -29,7 +29,7 @@ from typing import Any
 from starlette.requests import Request
 
 from pdserve.protocol.codec import all_ints, encode
-from pdserve.protocol.contract import GenerateRequest, PrefillRequest
+from pdserve.protocol.contract import PrefillRequest
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router import edge
 from pdserve.router.api.openai_request import CompletionRequest
@@ -200,8 +200,8 @@ class LaneHost:
         remote = plan.kind == disagg.REMOTE_PREFILL
         prefill = [w.url for w in plan.prefill[:MAX_ATTEMPTS]] if remote else []
         decode = [w.url for w in plan.decode[:MAX_ATTEMPTS]]
-        pbody = encode(PrefillRequest(rid, ids, req.sampling, salt, None)) if remote else b""
-        gbody = encode(GenerateRequest(rid, ids, req.sampling, None, None, salt))
+        # the lane derives the GenerateRequest from it (test_generate_request_is_the_codecs)
+        pbody = encode(PrefillRequest(rid, ids, req.sampling, salt, None))
         self._next += 1
         self.served += 1
         token = self._next
@@ -219,7 +219,7 @@ class LaneHost:
                 prefill,
                 decode,
                 pbody,
-                gbody,
+                b"",
                 len(ids),
                 rt.cfg.request_timeout_s,
                 self._err_mid,

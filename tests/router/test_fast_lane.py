@@ -19,6 +19,9 @@ import pytest
 from fastapi.responses import JSONResponse
 
 from pdserve import keys, signing
+from pdserve.protocol.codec import encode
+from pdserve.protocol.contract import GenerateRequest, PrefillRequest
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router import fast_lane
 from pdserve.router.api import openai_response
 from tests.router import test_api, test_errors, test_migration, test_retries, test_stream_end
@@ -92,6 +95,16 @@ def test_signatures_are_pythons(monkeypatch: pytest.MonkeyPatch, body: bytes) ->
     assert not lane_mod.proof_ok([KEY], want, proof[:-1].encode() + b"0")
     assert not lane_mod.proof_ok([KEY], want, None)
     assert lane_mod.proof_ok([], want, None)  # no secret: an unauthenticated deployment
+
+
+@needs_lane
+@pytest.mark.parametrize("salt", [None, "k:abc"])
+def test_generate_request_is_the_codecs(salt: str | None) -> None:
+    sampling = SamplingParams(max_tokens=7, stop=["é"], seed=3, logit_bias={5: -1.0})
+    ids = [1, 2, 2**40]
+    prefill = encode(PrefillRequest("cmpl-1", ids, sampling, salt, None))
+    want = encode(GenerateRequest("cmpl-1", ids, sampling, None, None, salt))
+    assert json.loads(lane_mod.generate_request_of(prefill)) == json.loads(want)
 
 
 TEXTS = ["", "plain", 'quo"te\\', "new\nline\t\r\b\f", "é ünï", "emoji 😀", "\x00\x1f\x7f", "</a>"]

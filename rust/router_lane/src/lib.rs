@@ -30,17 +30,41 @@ struct Queue {
     next: AtomicU64,
     wake: UnixStream, // written when the queue goes from empty to not
     woken: AtomicBool,
+    flush_pending: AtomicBool,
+    me: Mutex<std::sync::Weak<Queue>>,
+}
+
+/// How long a job that needs no answer (a first token, a count, an end) may wait for the
+/// Python loop: it rides along with the next request's `begin`, or goes after this long.
+/// One wake-up of the loop per request instead of four.
+const FLUSH_AFTER: Duration = Duration::from_millis(2);
+
+impl Queue {
+    fn wake(&self) {
+        if !self.woken.swap(true, Ordering::AcqRel) {
+            let _ = (&self.wake).write(b"!");
+        }
+    }
 }
 
 impl lane::Host for Queue {
     fn push(&self, job: Job) {
-        let was_empty = {
-            let mut jobs = self.jobs.lock().unwrap();
-            jobs.push(job);
-            jobs.len() == 1
-        };
-        if was_empty && !self.woken.swap(true, Ordering::AcqRel) {
-            let _ = (&self.wake).write(b"!");
+        let urgent = matches!(job, Job::Begin { .. } | Job::AwaitDecode { .. });
+        self.jobs.lock().unwrap().push(job);
+        if urgent {
+            self.wake();
+        } else if !self.flush_pending.swap(true, Ordering::AcqRel) {
+            // pushed on the lane's thread, inside its runtime
+            let me = self.me.lock().unwrap().upgrade();
+            if let Some(me) = me {
+                tokio::spawn(async move {
+                    tokio::time::sleep(FLUSH_AFTER).await;
+                    me.flush_pending.store(false, Ordering::Release);
+                    if !me.jobs.lock().unwrap().is_empty() {
+                        me.wake();
+                    }
+                });
+            }
         }
     }
 
@@ -97,7 +121,10 @@ impl Lane {
             next: AtomicU64::new(1),
             wake,
             woken: AtomicBool::new(false),
+            flush_pending: AtomicBool::new(false),
+            me: Mutex::new(std::sync::Weak::new()),
         });
+        *queue.me.lock().unwrap() = Arc::downgrade(&queue);
         let std_listener = unsafe { std::net::TcpListener::from_raw_fd(listen_fd) };
         std_listener.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let host: Arc<dyn lane::Host> = queue.clone();
@@ -176,31 +203,34 @@ impl Lane {
             "fallback" => Begin::Fallback,
             "error" => {
                 let status: u16 = result.get_item(1)?.extract()?;
-                let body: Vec<u8> = result.get_item(2)?.extract()?;
+                let body: Vec<u8> = result.get_item(2)?.downcast::<PyBytes>()?.as_bytes().to_vec();
                 let headers: Vec<(String, String)> = result.get_item(3)?.extract()?;
                 Begin::Error(status, Bytes::from(body), headers)
             }
             "go" => {
-                let generate: Vec<u8> = result.get_item(9)?.extract()?;
-                let generate = serde_json::from_slice(&generate).map_err(|e| PyValueError::new_err(e.to_string()))?;
-                let pb: Vec<u8> = result.get_item(8)?.extract()?;
-                let mid: Vec<u8> = result.get_item(12)?.extract()?;
-                let none: Vec<u8> = result.get_item(13)?.extract()?;
-                let timeout: f64 = result.get_item(11)?.extract()?;
+                // bytes read in place (a Vec<u8> extraction walks a bytes object per item)
+                let item = |i: usize| result.get_item(i);
+                let raw = |i: usize| -> PyResult<Bytes> {
+                    Ok(Bytes::copy_from_slice(item(i)?.downcast::<PyBytes>()?.as_bytes()))
+                };
+                let pb = raw(8)?;
+                let gb = raw(9)?;
+                let generate = if gb.is_empty() { generate_of(&pb)? } else { json(&gb)? };
+                let timeout: f64 = item(11)?.extract()?;
                 Begin::Go(Box::new(Plan {
-                    token: result.get_item(1)?.extract()?,
-                    rid: result.get_item(2)?.extract()?,
-                    model: result.get_item(3)?.extract()?,
-                    stream: result.get_item(4)?.extract()?,
-                    include_usage: result.get_item(5)?.extract()?,
-                    prefill: result.get_item(6)?.extract()?,
-                    decode: result.get_item(7)?.extract()?,
-                    prefill_body: Bytes::from(pb),
+                    token: item(1)?.extract()?,
+                    rid: item(2)?.extract()?,
+                    model: item(3)?.extract()?,
+                    stream: item(4)?.extract()?,
+                    include_usage: item(5)?.extract()?,
+                    prefill: item(6)?.extract()?,
+                    decode: item(7)?.extract()?,
+                    prefill_body: pb,
                     generate,
-                    n_prompt: result.get_item(10)?.extract()?,
+                    n_prompt: item(10)?.extract()?,
                     timeout: Duration::from_secs_f64(timeout.max(0.001)),
-                    err_midstream: Bytes::from(mid),
-                    err_no_worker: Bytes::from(none),
+                    err_midstream: raw(12)?,
+                    err_no_worker: raw(13)?,
                 }))
             }
             other => return Err(PyValueError::new_err(format!("unknown answer {other:?}"))),
@@ -235,6 +265,38 @@ impl Lane {
             });
         }
     }
+}
+
+fn json(raw: &[u8]) -> PyResult<serde_json::Value> {
+    serde_json::from_slice(raw).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// The GenerateRequest of a PrefillRequest (codec.encode's fields, in order): the same
+/// id, prompt, sampling, salt and adapter; no handle yet (the prefill reply brings it).
+fn generate_of(prefill: &[u8]) -> PyResult<serde_json::Value> {
+    use serde_json::Value;
+    let Value::Object(mut p) = json(prefill)? else {
+        return Err(PyValueError::new_err("a PrefillRequest is a JSON object"));
+    };
+    let mut g = serde_json::Map::new();
+    let mut take = |k: &str| p.remove(k).unwrap_or(Value::Null);
+    g.insert("request_id".into(), take("request_id"));
+    g.insert("prompt_token_ids".into(), take("prompt_token_ids"));
+    g.insert("sampling".into(), take("sampling"));
+    g.insert("kv_handle".into(), Value::Null);
+    g.insert("first_token_id".into(), Value::Null);
+    g.insert("cache_salt".into(), take("cache_salt"));
+    g.insert("resume_token_ids".into(), Value::Null);
+    g.insert("lora".into(), take("lora"));
+    g.insert("prefill".into(), Value::Null);
+    g.insert("type".into(), Value::String("generate_request".into()));
+    Ok(Value::Object(g))
+}
+
+/// generate_of, for the test that compares it with codec.encode(GenerateRequest(...)).
+#[pyfunction]
+fn generate_request_of(prefill: &[u8]) -> PyResult<String> {
+    Ok(generate_of(prefill)?.to_string())
 }
 
 trait ReadSome {
@@ -313,5 +375,6 @@ fn pdserve_lane(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(text_chunk, m)?)?;
     m.add_function(wrap_pyfunction!(usage_chunk, m)?)?;
     m.add_function(wrap_pyfunction!(whole, m)?)?;
+    m.add_function(wrap_pyfunction!(generate_request_of, m)?)?;
     Ok(())
 }
