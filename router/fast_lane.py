@@ -93,6 +93,7 @@ class LaneHost:
         self.runs: dict[int, _Run] = {}
         self._next = 0
         self.served = 0  # requests the lane served (the rest went to the Python lane)
+        self.tls = False  # a worker behind https://: the lane speaks plain HTTP only
         self._tasks: set[asyncio.Task[Any]] = set()
         m = rt.metrics
         self._err_mid = _body(APIError(502, MID_STREAM))
@@ -160,7 +161,7 @@ class LaneHost:
         """The checked request and its ids, or None: the Python lane answers it (another
         shape, a body the loop does not parse inline, or an error: that lane's order of
         checks, the gate first, decides which error the client hears)."""
-        if len(raw) > INLINE_BODY_BYTES:
+        if len(raw) > INLINE_BODY_BYTES or self.tls:
             return None
         try:
             body = edge.parse_json(raw)
@@ -254,7 +255,9 @@ class LaneHost:
     def health(self) -> None:
         """After each health round: the workers failing their check, for the stall cuts."""
         d = self.rt.discovery
-        failing = [w.url for w in d.snapshot().workers if d.failed_check(w.url)]
+        workers = d.snapshot().workers
+        self.tls = any(not w.url.startswith("http://") for w in workers)
+        failing = [w.url for w in workers if d.failed_check(w.url)]
         self.lane.set_health(failing, self.rt.cfg.stall_timeout_s)
 
     def _await_decode(self, job: int, token: int, rid: str, touched: list[str]) -> None:
