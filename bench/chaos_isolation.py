@@ -24,9 +24,14 @@
   decode workers their forgery took out;
 - ``proc_budget_over_cap``: requests admitted beyond a per-key cap of 1 by four
   ``--procs`` processes sharing the replica's table, one key's 16 requests spread over them;
+- ``replica_budget_over_cap``: requests admitted beyond a per-key cap of 1 by three router
+  replicas' budget owners over real signed HTTP (router/peer_budgets.py), one key's 12
+  requests spread over them, then a key whose owner stopped answering asked 6 times of
+  the other two (each admitted one is over: they must refuse, 503);
 - ``model_file_swap_loaded``: model files in a sealed shared cache swapped after the
   service's first load (tokenizer, weights, an added chat template, a symlink) that the
-  next load took.
+  next load took, and a tokenizer swapped right after a load's check that the load then
+  handed to transformers.
 
 The in-process probes are the tests' own (tests/...): the bench runs what the suite
 checks, against the code as it is.
@@ -248,6 +253,32 @@ def proc_budget_over_cap() -> int:
     return asyncio.run(probe())
 
 
+def replica_budget_over_cap() -> int:
+    from pdserve.router.errors import APIError
+    from pdserve.router.peer_budgets import budget_id, owner_of
+    from pdserve.testing.peer_replicas import replicas
+
+    async def probe() -> int:
+        async with replicas(3, cap=1) as reps:
+            admitted = 0
+            for i in range(12):
+                with contextlib.suppress(APIError):
+                    await reps[i % 3].budgets.enter("key:a")
+                    admitted += 1
+            over = max(admitted - 1, 0)
+            urls = sorted(r.url for r in reps)
+            owner = next(r for r in reps if r.url == owner_of(budget_id("key:b"), urls))
+            await owner.stop()
+            others = [r for r in reps if r is not owner]
+            for i in range(6):
+                with contextlib.suppress(APIError):
+                    await others[i % 2].budgets.enter("key:b")
+                    over += 1
+            return over
+
+    return asyncio.run(probe())
+
+
 def model_file_swap_loaded() -> int:
     from pdserve import keys
     from pdserve.engine import model_seal
@@ -276,6 +307,21 @@ def model_file_swap_loaded() -> int:
                 loaded += 1
             except model_seal.ModelSealError:
                 pass
+    # ...and a swap right after the check: what transformers reads is the private
+    # copy of the checked bytes, never the swapped file
+    with tempfile.TemporaryDirectory() as tmp:
+        model, seals = Path(tmp) / "m", Path(tmp) / "seals"
+        model.mkdir()
+        for name in ("config.json", "tokenizer.json", "model.safetensors"):
+            (model / name).write_bytes(os.urandom(64))
+        model_seal._loaded.pop(str(model.resolve()), None)
+        model_seal.check(str(model), ring, seals)
+        model_seal._loaded.pop(str(model.resolve()), None)
+        sealed = model_seal.load(str(model), ring, seals, model_seal.SKIP)
+        theirs = b'{"theirs": 1}'
+        (model / "tokenizer.json").write_bytes(theirs)
+        if sealed is None or (sealed.files / "tokenizer.json").read_bytes() == theirs:
+            loaded += 1
     return loaded
 
 
@@ -293,4 +339,5 @@ def in_process_probes(model_dir: Path) -> dict[str, int]:
         "picker_ext_proc_unauthenticated": ext_proc_unauthenticated(model_dir),
         "proc_budget_over_cap": proc_budget_over_cap(),
         "model_file_swap_loaded": model_file_swap_loaded(),
+        "replica_budget_over_cap": replica_budget_over_cap(),
     }

@@ -50,6 +50,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+from lib import flags  # noqa: E402
 from serve_models import default_model_dir  # noqa: E402
 
 from pdserve.engine import cpu_linear  # noqa: E402
@@ -62,20 +63,16 @@ CATEGORIES = ("lm_head", "linears", "attention", "other_ops", "logits_copy")
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = flags.parser(__doc__, "tiny preset, eager, 4 requests")
     p.add_argument("--model", default="default", help="'default' (SmolLM2), 'tiny' or a dir")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--decode-steps", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1)
+    flags.add_ints(p, batch=16, prompt_len=256, decode_steps=16, threads=1)
     p.add_argument("--eager", action="store_true", help="transformers' forward, no compile")
     p.add_argument(
         "--pack",
         action="store_true",
         help="with --eager: the compiled path's linear layers (cpu_linear.prepare), unfused",
     )
-    p.add_argument("--quick", action="store_true", help="tiny preset, eager, 4 requests")
     p.add_argument(
         "--blas-call-macs",
         type=int,

@@ -73,7 +73,8 @@ def _triton_problem(s: AttentionShape) -> str | None:
     if s.device.type not in ("cpu", "cuda"):
         return f"no triton target for device {s.device.type}"
     if not triton_attention.supports(s.block_size, s.num_heads, s.num_kv_heads, s.head_dim):
-        return f"the kernels take power-of-two blocks >= 16, 16 <= head_dim <= 256 ({s})"
+        widest = triton_attention.MAX_HEAD_DIM
+        return f"the kernels take power-of-two blocks >= 16, 16 <= head_dim <= {widest} ({s})"
     return None
 
 

@@ -39,8 +39,14 @@ BF16, one thread, CPU time, median of 5-7 interleaved rounds) on SmolLM2's head,
 The packed tensor has oneDNN's opaque layout, which the compiler cannot trace, so the
 operator takes an integer handle (a constant in the graph) and finds the weight at run
 time, as attention finds the pool. The handle table holds weak references: a model that
-is dropped frees its weights. The eager forward (``--enforce-eager``) never comes here: it runs
-transformers' own linears, token-identical to ``generate()``.
+is dropped frees its weights. A new layer takes the lowest handle no live layer holds,
+so a model's handles, and with them its graphs and inductor's cache keys, do not depend
+on the models the process made before (with a process-wide counter, the compiled family
+matrix's k-th family hit the cache only where it came k-th again; in another order its
+graphs were traced, compiled and its C++ kernels built again). Dynamo guards each
+handle's value: a graph traced for other handles is never reused. The eager forward
+(``--enforce-eager``) never comes here: it runs transformers' own linears,
+token-identical to ``generate()``.
 
 oneDNN builds a primitive (JIT code) per input shape, ~0.5-1 ms per linear on this CPU,
 and caches 1,024 of them. Prefill rows are the prompt chunk's length, which takes every
@@ -62,6 +68,7 @@ float32 weights input-major, bfloat16 as they are), ``onednn`` (oneDNN for every
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import weakref
@@ -86,7 +93,11 @@ WIDE_ROW_BUCKET, WIDE_ROWS = 64, 1024  # of 64 above (< 100 shapes up to 2,048 r
 _LIB = torch.library.Library("pdserve", "FRAGMENT")  # attention.py defines the namespace
 _LIB.define("packed_linear(Tensor x, int handle, int out_features) -> Tensor")
 _layers: dict[int, weakref.ref[PackedLinear]] = {}
-_handles = itertools.count()
+
+
+def _free_handle() -> int:
+    """The lowest handle no live layer holds (module docstring)."""
+    return next(h for h in itertools.count() if h not in _layers)
 
 
 class PackedLinear(torch.nn.Module):
@@ -104,7 +115,7 @@ class PackedLinear(torch.nn.Module):
         # calls of few rows, where MKL's GEMV beats oneDNN's packed GEMM (module docstring).
         self.shared = weight if tied and weight.dtype == torch.float32 else None
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.handle = handle = next(_handles)
+        self.handle = handle = _free_handle()
 
         def forget(_: object) -> None:
             _layers.pop(handle, None)
@@ -206,6 +217,8 @@ def prepare(model: torch.nn.Module) -> dict[str, int]:
     """Pack or relay out every linear layer of ``model`` (see the module docstring);
     returns how many took each path."""
     mode = choice()
+    if _layers:  # a model made before this one may be dead but not yet collected (a cycle):
+        gc.collect()  # its handles are free again (module docstring); one model: no cost
     embedding_ptrs = {
         m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)
     }

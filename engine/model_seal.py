@@ -21,9 +21,12 @@ folder, which transformers then reads. A file swapped or rewritten after it was 
 never loaded, and no file is read twice. The cost: a weights file is held in memory as
 bytes while its tensors are made (peak about twice the largest shard, not a mmap).
 
-The router (router/tokenizer.py) loads its tokenizer the same way, without the weights:
-with a manifest it never reads them; without one (the service's first load) it hashes
-them to write the manifest a worker will check.
+The router and a decode pod's front (router/tokenizer.py) load their tokenizer the same
+way, without the weights: they never read them and never write a manifest (a router's
+folder may hold only the tokenizer while the workers' download goes on); they wait for
+the manifest a worker writes on the service's first load (within the pod's startup
+probe), then check the tokenizer files, the chat template and the config against it and
+load them from their private copy.
 
 Active where the compile cache's sealing is (``PDSERVE_COMPILE_CACHE`` set and a service
 secret: the operator's shared cache); ``pdserve up`` and a private cache are left alone.
@@ -43,6 +46,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +60,7 @@ PREFIX = cache_seal.MODEL_SEAL  # + a digest of the model's path; cache_seal lea
 WEIGHTS = ".safetensors"  # parsed from the verified bytes; every other file is copied
 _SKIP_DIRS = {".cache"}  # hf download --local-dir's own bookkeeping
 LOAD, CHECK, SKIP = "load", "check", "skip"  # what load() does with the weights
+SEAL_POLL_S = 2.0  # a router waiting for the workers' seal looks this often
 IDENTITY_HEAD = 1 << 20  # model_identity: the first MiB of each weights file
 
 
@@ -173,7 +178,13 @@ def _body(model_dir: Path, files: dict[str, str]) -> bytes:
 
 def _private_dir() -> Path:
     where = Path(tempfile.mkdtemp(prefix="pdserve-model-"))  # 0700, this process's own
-    atexit.register(shutil.rmtree, where, True)
+    owner = os.getpid()
+
+    def remove() -> None:  # by its maker alone: a forked child's exit leaves it be
+        if os.getpid() == owner:
+            shutil.rmtree(where, ignore_errors=True)
+
+    atexit.register(remove)
     return where
 
 
@@ -182,12 +193,14 @@ def load(
     ring: keys.KeyRing | None = None,
     folder: Path | None = None,
     weights: str = LOAD,
+    wait_s: float = 0.0,
 ) -> SealedModel | None:
     """``model``'s files read once and checked against the service's seal (written on the
     service's first load); None where sealing is off (load by path then). ``weights``:
-    ``LOAD`` parses them too (a worker), ``CHECK`` only hashes them, ``SKIP`` reads them
-    only to write a missing seal (a router). ``ModelSealError`` names the first file that
-    differs."""
+    ``LOAD`` parses them too (a worker), ``CHECK`` only hashes them, ``SKIP`` never reads
+    them and never writes a seal (a router: its folder may hold only the tokenizer while
+    the workers' download goes on), waiting up to ``wait_s`` for a worker's seal instead.
+    ``ModelSealError`` names the first file that differs."""
     ring = cache_seal.ring(env.COMPILE_CACHE) if ring is None else ring
     where = folder or Path(env.get(env.COMPILE_CACHE) or ".")
     model_dir = Path(model).resolve()
@@ -198,6 +211,17 @@ def load(
         return done
     manifest = _manifest_path(where, model_dir)
     want = _sealed(manifest, model_dir, ring)
+    deadline = time.monotonic() + wait_s
+    while want is None and weights == SKIP:
+        if time.monotonic() >= deadline:
+            raise ModelSealError(
+                f"model {model_dir}: no seal ({manifest}) yet: a worker of the service seals "
+                "the model when it first loads it; the tokenizer is loaded only from a "
+                "sealed model"
+            )
+        log.info("model %s: waiting for a worker's seal (%s)", model_dir, manifest.name)
+        time.sleep(min(SEAL_POLL_S, max(deadline - time.monotonic(), 0.0)))
+        want = _sealed(manifest, model_dir, ring)
     names = _walk(model_dir)
     try:
         if want is not None:
@@ -225,8 +249,8 @@ def _read_all(
     config = b""
     for rel in sorted(names):
         is_weights = rel.endswith(WEIGHTS)
-        if is_weights and weights == SKIP and want is not None:
-            continue  # a router with a seal: the weights are neither needed nor read
+        if is_weights and weights == SKIP:
+            continue  # a router: the weights are neither needed nor read
         data = _read(*names[rel], rel)
         hashes[rel] = hashlib.sha256(data).hexdigest()
         if want is not None and want[rel] != hashes[rel]:

@@ -41,6 +41,25 @@ constexpr float p0 = 1.9875691500e-4f, p1 = 1.3981999507e-3f, p2 = 8.3334519073e
 constexpr float p3 = 4.1665795894e-2f, p4 = 1.6666665459e-1f, p5 = 5.0000001201e-1f;
 }  // namespace expc
 
+// Cephes' expf on the vector lanes of S, from S's arithmetic and six ISA pieces: min,
+// max, round (to nearest), fnmadd (c - a * b), pow2 (2^n of whole-number lanes) and
+// exp_edges (0 where x < lo, x where x is NaN; the result elsewhere).
+template <class S>
+inline typename S::V exp_lanes(typename S::V x) {
+  using namespace expc;
+  using V = typename S::V;
+  const V c = S::min(S::max(x, S::set1(lo)), S::set1(hi));
+  const V n = S::round(S::mul(c, S::set1(log2e)));
+  const V r = S::fnmadd(n, S::set1(ln2_lo), S::fnmadd(n, S::set1(ln2_hi), c));
+  V y = S::fma(S::set1(p0), r, S::set1(p1));
+  y = S::fma(y, r, S::set1(p2));
+  y = S::fma(y, r, S::set1(p3));
+  y = S::fma(y, r, S::set1(p4));
+  y = S::fma(y, r, S::set1(p5));
+  y = S::fma(y, S::mul(r, r), S::add(r, S::set1(1.0f)));
+  return S::exp_edges(x, S::mul(y, S::pow2(n)));
+}
+
 template <int N>
 struct Lanes {
   static constexpr int W = N;
@@ -136,24 +155,18 @@ struct Avx512 {
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float hsum(V a) { return _mm512_reduce_add_ps(a); }
   static float hmax(V a) { return _mm512_reduce_max_ps(a); }
-  static V exp(V x) {
-    using namespace expc;
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, set1(lo), _CMP_GE_OQ);
-    const V c = _mm512_min_ps(_mm512_max_ps(x, set1(lo)), set1(hi));
-    const V n = _mm512_roundscale_ps(mul(c, set1(log2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm512_fnmadd_ps(n, set1(ln2_hi), c);
-    r = _mm512_fnmadd_ps(n, set1(ln2_lo), r);
-    V y = fma(set1(p0), r, set1(p1));
-    y = fma(y, r, set1(p2));
-    y = fma(y, r, set1(p3));
-    y = fma(y, r, set1(p4));
-    y = fma(y, r, set1(p5));
-    y = fma(y, mul(r, r), add(r, set1(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    const V res = _mm512_maskz_mov_ps(keep, mul(y, _mm512_castsi512_ps(e)));
-    return _mm512_mask_mov_ps(res, nan, x);
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V round(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V pow2(V n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
   }
+  static V exp_edges(V x, V v) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, set1(expc::lo), _CMP_GE_OQ);  // false for NaN
+    return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(keep, v), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+  }
+  static V exp(V x) { return exp_lanes<Avx512>(x); }
   // A transpose-add: lane j of the result is the sum of the lanes of vector j of 16,
   // in four rounds that each halve the vectors by adding pairs of shuffled halves
   // (256-bit, 128-bit, then 32-bit lanes twice). The first two rounds run per group of
@@ -200,24 +213,18 @@ struct Avx2 {
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
   }
-  static V exp(V x) {
-    using namespace expc;
-    const V nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    const V keep = _mm256_cmp_ps(x, set1(lo), _CMP_GE_OQ);
-    const V c = _mm256_min_ps(_mm256_max_ps(x, set1(lo)), set1(hi));
-    const V n = _mm256_round_ps(mul(c, set1(log2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm256_fnmadd_ps(n, set1(ln2_hi), c);
-    r = _mm256_fnmadd_ps(n, set1(ln2_lo), r);
-    V y = fma(set1(p0), r, set1(p1));
-    y = fma(y, r, set1(p2));
-    y = fma(y, r, set1(p3));
-    y = fma(y, r, set1(p4));
-    y = fma(y, r, set1(p5));
-    y = fma(y, mul(r, r), add(r, set1(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const V res = _mm256_and_ps(keep, mul(y, _mm256_castsi256_ps(e)));
-    return _mm256_blendv_ps(res, x, nan);
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V round(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V pow2(V n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
   }
+  static V exp_edges(V x, V v) {
+    const V keep = _mm256_cmp_ps(x, set1(expc::lo), _CMP_GE_OQ);  // false for NaN
+    return _mm256_blendv_ps(_mm256_and_ps(keep, v), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  static V exp(V x) { return exp_lanes<Avx2>(x); }
   // Transpose-add (lane j: the sum of vector j's lanes) by horizontal adds: positions
   // 4i..4i+3 form group i; the two groups' halves are added at the end.
   static int group_pos(int i, int m) { return 4 * i + m; }

@@ -16,6 +16,10 @@ a sliding window (key ``j`` is seen from position ``p`` when ``p - window < j <=
 transformers masks it), logit soft-capping (``cap * tanh(s / cap)`` after scaling) and
 attention sinks (one logit per query head that joins the softmax's denominator).
 
+A head wider than ``NARROW_D`` (MLA's compressed latent, 512 + 64) would make a row's
+tile too wide for a program's registers: ``_attention_wide`` cuts the head into
+``CHUNK_D``-wide slices, sums q . k over them, and gives each program one output slice.
+
 Triton's interpreter runs the same source on CPU tensors when ``TRITON_INTERPRET=1`` is
 set before triton is first imported (triton.language's own helpers are decorated at
 import); :func:`interpreted` says which mode this process got.
@@ -33,6 +37,9 @@ import triton.language as tl
 NO_WINDOW = 1 << 30  # a window no context reaches: the mask's arithmetic stays branch-free
 DECODE_ROWS = 16  # tl.dot's smallest M on GPUs
 PREFILL_ROWS = 64  # rows of a prefill tile: BLOCK_Q tokens x the padded GQA group
+NARROW_D = 256  # the widest head a row's whole tile takes (``_attention``)
+CHUNK_D = 64  # the wide kernel's slice of the head (``_attention_wide``): 576 = 9 x 64
+MAX_HEAD_DIM = 1024  # the widest head the wide kernel is tried at
 
 
 def interpreted() -> bool:
@@ -41,12 +48,15 @@ def interpreted() -> bool:
 
 
 def supports(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """The kernel's limits: power-of-two blocks of >= 16 tokens (tl.dot's smallest K),
-    whole GQA groups, 16 <= head_dim <= 256. A wider head (compressed MLA at its real size:
-    the latent's 512 + 64, a 1,024-wide tile per row) was never run on a GPU: it takes the
-    gather path there rather than a kernel untried at that width."""
+    """The kernels' limits: power-of-two blocks of >= 16 tokens (tl.dot's smallest K),
+    whole GQA groups, 16 <= head_dim <= ``MAX_HEAD_DIM``. A head up to ``NARROW_D`` wide
+    runs in one tile per row (``_attention``); a wider one (compressed MLA at its real
+    size: the latent's 512 + 64) in ``CHUNK_D``-wide chunks (``_attention_wide``), proved
+    under the interpreter and compiled for sm_90 without spills, its GPU speed unmeasured.
+    Wider than ``MAX_HEAD_DIM`` (no model known) takes the gather path rather than an
+    untried width."""
     pow2 = block_size & (block_size - 1) == 0
-    heads_ok = num_heads % num_kv_heads == 0 and 16 <= head_dim <= 256
+    heads_ok = num_heads % num_kv_heads == 0 and 16 <= head_dim <= MAX_HEAD_DIM
     return pow2 and block_size >= 16 and heads_ok
 
 
@@ -132,6 +142,9 @@ def paged_attention(
     hkv = k_cache.shape[1]
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and out.stride(2) == 1
     assert k_cache.stride() == v_cache.stride()
+    if d > NARROW_D:
+        args = (q, k_cache, v_cache, out, meta, block_size, scale, window, softcap, sinks)
+        return _paged_attention_wide(*args, splits=splits)
     block_g = group_rows(hq, hkv)
     block_d = max(16, triton.next_power_of_2(d))
     for tiles in meta.launches:
@@ -188,6 +201,94 @@ def paged_attention(
             _combine[(n, hkv)](
                 out, part, tiles.row, tiles.count, out.stride(0), out.stride(1), **consts
             )
+
+
+def _paged_attention_wide(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    meta: TritonMetadata,
+    block_size: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    splits: int | None,
+) -> None:
+    """``paged_attention`` for a head wider than ``NARROW_D`` (MLA's latent): the same
+    tiles, each program one ``CHUNK_D``-wide slice of the output (grid axis 2: the decode
+    split, then the slice). A program's scores still cover the whole width: q . k summed
+    over the chunks, so every slice's program computes the same scores (the price of
+    never holding a full-width row: ``chunks`` times the q . k work, K read once per
+    slice; unmeasured on a GPU)."""
+    _t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    block_g = group_rows(hq, hkv)
+    chunks = triton.cdiv(d, CHUNK_D)
+    for tiles in meta.launches:
+        n = tiles.row.numel()
+        if n == 0:
+            continue
+        block_m = max(DECODE_ROWS, tiles.block_q * block_g)
+        s = 1 if tiles.block_q > 1 else splits or decode_splits(meta.tables.shape[1])
+        width = chunks * CHUNK_D + 2  # a partial row: [acc (every slice) | m | l]
+        part = (
+            torch.empty((n * hkv * s * block_m, width), dtype=torch.float32, device=q.device)
+            if s > 1
+            else out
+        )
+        consts = {
+            "G": hq // hkv,
+            "BLOCK_G": block_g,
+            "BLOCK_Q": tiles.block_q,
+            "BLOCK_M": block_m,
+            "D": d,
+            "CHUNK_D": CHUNK_D,
+            "CHUNKS": chunks,
+            "SPLITS": s,
+        }
+        _attention_wide[(n, hkv, s * chunks)](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            part,
+            meta.tables,
+            tiles.row,
+            tiles.count,
+            tiles.ctx,
+            tiles.table,
+            sinks if sinks is not None else q,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            out.stride(0),
+            out.stride(1),
+            meta.tables.stride(0),
+            scale,
+            softcap or 1.0,
+            window or NO_WINDOW,
+            BLOCK_SIZE=block_size,
+            HAS_SOFTCAP=softcap is not None,
+            HAS_SINKS=sinks is not None,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=wide_warps(block_m),
+            **consts,
+        )
+        if s > 1:
+            _combine_wide[(n, hkv, chunks)](
+                out, part, tiles.row, tiles.count, out.stride(0), out.stride(1), **consts
+            )
+
+
+def wide_warps(block_m: int) -> int:
+    """Warps of a ``_attention_wide`` program: 8 from 64 rows on. Compiled for sm_90
+    without a GPU (triton.compile to a GPUTarget, cuobjdump's resource usage), bfloat16,
+    DeepSeek's 576: at 4 warps 128 rows (128 heads) spill 288-320 bytes a thread at 255
+    registers and 64 rows spill 8; at 8 warps none spills (249-254 and 181 registers)."""
+    return 8 if block_m >= 64 else 4
 
 
 def decode_splits(table_width: int) -> int:
@@ -403,6 +504,168 @@ def _combine(
         p_row = (first + s * BLOCK_M).to(tl.int64) * (BLOCK_D + 2)
         w = tl.exp(tl.load(part_ptr + p_row + BLOCK_D) - m_safe)
         l_all += tl.load(part_ptr + p_row + BLOCK_D + 1) * w
+        acc += tl.load(part_ptr + p_row[:, None] + d[None, :]) * w[:, None]
+    o = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
+    o_off = (row0 + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    o_ok = row_ok[:, None] & (d < D)[None, :]
+    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=o_ok)
+
+
+@triton.jit
+def _attention_wide(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    part_ptr,
+    tables_ptr,
+    row_ptr,
+    count_ptr,
+    ctx_ptr,
+    table_ptr,
+    sinks_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_ot,
+    stride_oh,
+    stride_tab,
+    scale,
+    softcap,
+    window,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    D: tl.constexpr,
+    CHUNK_D: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """``_attention`` with the head cut into ``CHUNKS`` slices of ``CHUNK_D``: the scores
+    sum q . k slice by slice, and this program accumulates output slice ``oc`` only."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2) // CHUNKS
+    oc = tl.program_id(2) % CHUNKS
+    row0 = tl.load(row_ptr + tile)
+    count = tl.load(count_ptr + tile)
+    ctx0 = tl.load(ctx_ptr + tile)
+    table = tl.load(table_ptr + tile).to(tl.int64)
+
+    m = tl.arange(0, BLOCK_M)
+    qi = m // BLOCK_G
+    head = kvh * G + m % BLOCK_G
+    row_ok = (qi < count) & (m % BLOCK_G < G) & (qi < BLOCK_Q)
+    c = tl.arange(0, CHUNK_D)
+    q_row = (row0 + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+    q_pos = ctx0 - 1 + qi
+    d_out = oc * CHUNK_D + c  # this program's slice of the output
+    out_ok = d_out < D
+
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        first = (m * 0 + split) == 0
+        m_i = tl.where(first, sink, float("-inf"))
+        l_i = tl.where(first, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, CHUNK_D], dtype=tl.float32)
+
+    hi = ctx0 + count - 1
+    lo = tl.maximum(ctx0 - window, 0)
+    n = tl.arange(0, BLOCK_SIZE)
+    b_lo = lo // BLOCK_SIZE
+    b_hi = tl.cdiv(hi, BLOCK_SIZE)
+    per = tl.cdiv(b_hi - b_lo, SPLITS)
+    for blk in range(b_lo + split * per, tl.minimum(b_lo + (split + 1) * per, b_hi)):
+        block = tl.load(tables_ptr + table * stride_tab + blk).to(tl.int64)
+        k_pos = blk * BLOCK_SIZE + n
+        k_row = (block * BLOCK_SIZE + n)[:, None] * stride_ks + kvh * stride_kh
+        k_live = (k_pos < hi)[:, None]
+        s = tl.zeros([BLOCK_M, BLOCK_SIZE], dtype=tl.float32)
+        for w in range(CHUNKS):  # q . k over the whole width, one slice at a time
+            dw = w * CHUNK_D + c
+            dw_ok = (dw < D)[None, :]
+            q = tl.load(q_ptr + q_row + dw[None, :], mask=row_ok[:, None] & dw_ok, other=0.0)
+            k = tl.load(k_ptr + k_row + dw[None, :], mask=k_live & dw_ok, other=0.0)
+            s += tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = s * scale
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen & row_ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + k_row + d_out[None, :], mask=k_live & out_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    if SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_off = (row0 + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
+        o_ok = row_ok[:, None] & out_ok[None, :]
+        tl.store(o_ptr + o_off + d_out[None, :], o.to(o_ptr.dtype.element_ty), mask=o_ok)
+    else:  # partials: [acc (every slice) | m | l] per row; m and l from slice 0's program
+        width = CHUNKS * CHUNK_D
+        rows = ((tile * tl.num_programs(1) + kvh) * SPLITS + split) * BLOCK_M + m
+        p_row = rows.to(tl.int64) * (width + 2)
+        tl.store(part_ptr + p_row[:, None] + d_out[None, :], acc)
+        slice0 = (m * 0 + oc) == 0  # a vector mask (the interpreter refuses a scalar one)
+        tl.store(part_ptr + p_row + width, m_i, mask=slice0)
+        tl.store(part_ptr + p_row + width + 1, l_i, mask=slice0)
+
+
+@triton.jit
+def _combine_wide(
+    o_ptr,
+    part_ptr,
+    row_ptr,
+    count_ptr,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    D: tl.constexpr,
+    CHUNK_D: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """``_combine`` for one output slice (grid axis 2) of ``_attention_wide``'s partials."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    oc = tl.program_id(2)
+    row0 = tl.load(row_ptr + tile)
+    count = tl.load(count_ptr + tile)
+    m = tl.arange(0, BLOCK_M)
+    qi = m // BLOCK_G
+    head = kvh * G + m % BLOCK_G
+    row_ok = (qi < count) & (m % BLOCK_G < G) & (qi < BLOCK_Q)
+    d = oc * CHUNK_D + tl.arange(0, CHUNK_D)
+    width = CHUNKS * CHUNK_D
+    first = ((tile * tl.num_programs(1) + kvh) * SPLITS) * BLOCK_M + m
+    m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(SPLITS):
+        p_row = (first + s * BLOCK_M).to(tl.int64) * (width + 2)
+        m_all = tl.maximum(m_all, tl.load(part_ptr + p_row + width))
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, CHUNK_D], dtype=tl.float32)
+    for s in range(SPLITS):
+        p_row = (first + s * BLOCK_M).to(tl.int64) * (width + 2)
+        w = tl.exp(tl.load(part_ptr + p_row + width) - m_safe)
+        l_all += tl.load(part_ptr + p_row + width + 1) * w
         acc += tl.load(part_ptr + p_row[:, None] + d[None, :]) * w[:, None]
     o = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
     o_off = (row0 + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]

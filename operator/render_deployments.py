@@ -59,12 +59,20 @@ def _env(spec: LLMServiceSpec, role: str) -> list[dict[str, Any]]:
             {"name": "PDSERVE_COMPILE_CACHE", "value": f"{n.COMPILE_CACHE_MOUNT}/inductor"},
             {"name": "PDSERVE_KERNEL_CACHE", "value": f"{n.COMPILE_CACHE_MOUNT}/kernels"},
         ]
+    elif _reads_model_seal(spec, role):  # where the workers' model seal is (model_seal.py)
+        env += [{"name": "PDSERVE_COMPILE_CACHE", "value": f"{n.COMPILE_CACHE_MOUNT}/inductor"}]
     return env
 
 
 def _shares_compiled_code(spec: LLMServiceSpec, role: str) -> bool:
     """Workers keep compiled code in the shared model cache, where there is one."""
     return role in n.POOL_ROLES and bool(spec.model.source.cache_claim)
+
+
+def _reads_model_seal(spec: LLMServiceSpec, role: str) -> bool:
+    """The router loads the tokenizer from the shared cache only as the workers sealed it
+    (engine/model_seal.py): it reads their compiled-code folder, never writes it."""
+    return role == "router" and bool(spec.model.source.cache_claim)
 
 
 def _ports(role: str) -> list[dict[str, Any]]:
@@ -125,14 +133,14 @@ def _mounts(spec: LLMServiceSpec, role: str) -> list[dict[str, Any]]:
         },
         {"name": "tmp", "mountPath": "/tmp"},
     ]
-    if _shares_compiled_code(spec, role):  # the one part of the shared cache workers write
-        mounts.append(
-            {
-                "name": "model",
-                "mountPath": n.COMPILE_CACHE_MOUNT,
-                "subPath": n.compile_cache_subpath(spec.name),
-            }
-        )
+    if _shares_compiled_code(spec, role) or _reads_model_seal(spec, role):
+        # the one part of the shared cache workers write (the router: read-only)
+        folder = {
+            "name": "model",
+            "mountPath": n.COMPILE_CACHE_MOUNT,
+            "subPath": n.compile_cache_subpath(spec.name),
+        }
+        mounts.append(folder | ({"readOnly": True} if role == "router" else {}))
     if role in n.POOL_ROLES:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if role == "router" and spec.router.api_key_secret:
@@ -188,8 +196,8 @@ def _pod_spec(
         "terminationGracePeriodSeconds": GRACE_PERIOD_S[role],
     }
     init = p.download_init_container(spec, tokenizer_only=is_router)
-    if _shares_compiled_code(spec, role):
-        init += p.compile_cache_init_container(spec)
+    if _shares_compiled_code(spec, role) or _reads_model_seal(spec, role):
+        init += p.compile_cache_init_container(spec)  # the folder, as the pod's user
     if init:  # the API server drops empty lists; keep live and desired comparable
         pod["initContainers"] = init
     if is_router:
@@ -256,7 +264,9 @@ def pool_deployment(spec: LLMServiceSpec, pool: PoolSpec, config_hash: str) -> d
 def router_deployment(spec: LLMServiceSpec, config_hash: str) -> dict[str, Any]:
     r = spec.router
     resources = r.resources or _ROUTER_RESOURCES
-    container = _container(spec, "router", p.router_command(spec), resources, ())
+    # --budget-peers kubernetes: the replica's own address among its Service's endpoints
+    pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    container = _container(spec, "router", p.router_command(spec), resources, (pod_ip,))
     pod = _pod_spec(spec, "router", container, "")
     if r.node_selector:
         pod["nodeSelector"] = dict(r.node_selector)

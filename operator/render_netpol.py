@@ -9,8 +9,9 @@ namespace reaches it. This policy selects the router pods and opens:
   live in namespaces of their own; in endpointPicker mode with
   ``spec.networkPolicy.gatewayNamespaces``, the gRPC port only to those namespaces;
 - the admin port only to the operator's pods (namespace ``PDSERVE_OPERATOR_NAMESPACE``,
-  set by the chart from the downward API; the service's own namespace when unset) and to
-  ``spec.networkPolicy.metricsNamespaces``.
+  set by the chart from the downward API; the service's own namespace when unset), to
+  the service's own router pods (their signed per-key budget calls, router/peer_budgets.py)
+  and to ``spec.networkPolicy.metricsNamespaces``.
 
 Routes that change state (LoRA load/unload) need the admin key on every port anyway
 (router/runtime.py): this policy narrows who can read, not who can write.
@@ -51,7 +52,9 @@ def admin_sources(spec: LLMServiceSpec) -> list[dict[str, Any]]:
         **_in_namespaces([operator_namespace(spec)]),
         "podSelector": {"matchLabels": dict(OPERATOR_COMPONENT)},
     }
-    out: list[dict[str, Any]] = [operator]
+    # the service's other router replicas: per-key budget calls (router/peer_budgets.py)
+    peers = {"podSelector": {"matchLabels": n.selector(spec.name, "router")}}
+    out: list[dict[str, Any]] = [operator, peers]
     if spec.network_policy.metrics_namespaces:
         out.append(_in_namespaces(list(spec.network_policy.metrics_namespaces)))
     return out

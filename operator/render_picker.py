@@ -203,7 +203,7 @@ def _decode_with_front(spec: LLMServiceSpec, dep: Manifest) -> Manifest:
         "env": copy.deepcopy(worker["env"]),
         "envFrom": copy.deepcopy(worker["envFrom"]),
         "resources": copy.deepcopy(_FRONT_RESOURCES),
-        "volumeMounts": [copy.deepcopy(m) for m in worker["volumeMounts"] if _read_mount(m)],
+        "volumeMounts": [_read_only(m) for m in worker["volumeMounts"] if _read_mount(m)],
         "securityContext": p.container_security(spec, False),
         "lifecycle": copy.deepcopy(worker["lifecycle"]),
         "startupProbe": {
@@ -233,10 +233,19 @@ def _decode_with_front(spec: LLMServiceSpec, dep: Manifest) -> Manifest:
 
 
 def _read_mount(m: dict[str, Any]) -> bool:
-    """The model (tokenizer), /tmp and the LoRA adapters (the front serves adapter names
-    and hashes their files as the router does): not the workers' compiled-code cache."""
-    name = m["name"]
-    return name == "tmp" or name.startswith("adapters-") or (name == "model" and "subPath" not in m)
+    """The model (tokenizer), /tmp, the LoRA adapters (the front serves adapter names
+    and hashes their files as the router does) and the workers' compiled-code folder,
+    where their model seal is (engine/model_seal.py: the front's tokenizer is loaded as
+    sealed), which the front only reads."""
+    return m["name"] in ("tmp", "model") or m["name"].startswith("adapters-")
+
+
+def _read_only(m: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the worker's mount, read-only where it is the shared cache's."""
+    out = copy.deepcopy(m)
+    if "subPath" in out:
+        out["readOnly"] = True
+    return out
 
 
 def _route_to_pool(spec: LLMServiceSpec, route: Manifest) -> Manifest:

@@ -169,16 +169,19 @@ def router_command(spec: LLMServiceSpec) -> list[str]:
 
 
 def limit_args(r: RouterSpec) -> list[str]:
-    """``spec.router.limits``: per key, for the whole service. Rendered as given: each
-    router splits them itself over the ready endpoints of its own Service (``--service``
-    with kubernetes discovery; router/discovery/replicas.py), so a replica that starts or
-    stops re-splits them (dividing here too would split them twice)."""
+    """``spec.router.limits``: per key, for the whole service, rendered as given and kept
+    exact across the router replicas: ``--budget-peers kubernetes`` (router/peer_budgets.py)
+    makes one replica, found among the ready endpoints of the router's own Service, keep
+    each key's counters; the others ask it on ``--admin-port`` (the NetworkPolicy opens
+    that port to the service's router pods, operator/render_netpol.py; ``POD_IP`` from the
+    downward API names the replica itself)."""
     given = {
         "--rate-limit-rpm": r.limits.requests_per_minute,
         "--rate-limit-tpm": r.limits.tokens_per_minute,
         "--max-concurrency-per-key": r.limits.max_concurrency_per_key,
     }
-    return [arg for flag, value in given.items() if value for arg in (flag, str(value))]
+    out = [arg for flag, value in given.items() if value for arg in (flag, str(value))]
+    return [*out, "--budget-peers", "kubernetes"] if out else []
 
 
 def scorer_args(r: RouterSpec) -> list[str]:

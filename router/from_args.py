@@ -5,7 +5,6 @@ both build theirs here."""
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from pdserve import env
@@ -76,7 +75,7 @@ def build_config(
         admin_api_keys=admin_keys(args),
         router_service=router_service(args),
         budget_peers=budget_peers(args),
-        budget_self=budget_self(args),
+        budget_self=args.budget_self or "",
         loras=tuple(args.lora),
         **copied,
         **shares,
@@ -137,21 +136,12 @@ def budget_peers(args: argparse.Namespace) -> tuple[str, ...]:
     if peers and not args.budget_self:
         raise SystemExit("pdserve router: --budget-peers needs --budget-self (this replica)")
     try:
-        for url in (*peers, args.budget_self or "http://x:1"):
-            base_url(url)
+        listed = {base_url(url) for url in peers}
+        if peers and base_url(args.budget_self) not in listed:
+            raise ValueError(f"--budget-self {args.budget_self} is not in --budget-peers")
     except ValueError as exc:
         raise SystemExit(f"pdserve router: {exc}") from exc
     return peers
-
-
-def budget_self(args: argparse.Namespace) -> str:
-    if args.budget_self or (args.budget_peers or "").strip() != KUBERNETES:
-        return str(args.budget_self or "")
-    pod_ip = os.environ.get("POD_IP", "")  # the downward API's (operator/render_pods.py)
-    if not pod_ip:
-        raise SystemExit("pdserve router: --budget-peers kubernetes needs POD_IP or --budget-self")
-    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
-    return f"http://{host}:{args.admin_port}"
 
 
 def build_source(args: argparse.Namespace) -> EndpointSource:

@@ -30,7 +30,7 @@ from pdserve.router.discovery.replicas import replica_count
 from pdserve.router.discovery.workers import Discovery, EndpointSource
 from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.peer_budgets import KUBERNETES, PeerBudgets
+from pdserve.router.peer_budgets import KUBERNETES, PeerBudgets, own_url
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.scheduling.prefix_index import PrefixIndex
 from pdserve.router.scheduling.scheduler import Scheduler
@@ -106,7 +106,7 @@ class Runtime:
             return None
         kube = cfg.budget_peers == (KUBERNETES,)
         peers = PeerBudgets(
-            cfg.budget_self,
+            own_url(cfg.budget_self, cfg.admin_port),
             () if kube else cfg.budget_peers,
             self.limiter,
             cfg.max_concurrency_per_key,

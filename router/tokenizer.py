@@ -26,10 +26,14 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from pdserve.engine import model_seal
 from pdserve.router.api.chat_options import ChatTemplateOptions
 from pdserve.router.api.chat_render import encode_rendered, refuse_elsewhere, special_strings
 from pdserve.router.errors import invalid
 
+# How long a router waits for the workers' seal of a model in a shared cache (the pod's
+# startup probe allows 30 minutes: operator/render_pods.py).
+SEAL_WAIT_S = 25 * 60.0
 # What tokenizer_config.json names when a model's tokenizer is the tokenizers library's
 # own: transformers' generic backend (the two names are one class in transformers 5).
 GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
@@ -119,10 +123,14 @@ def _fast_encoder(tok: Any) -> Any:
 
 
 class PromptTokenizer:
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, seal_wait_s: float = SEAL_WAIT_S) -> None:
         path = Path(model_dir)
         if not path.is_dir():
             raise ValueError(f"model directory {model_dir!r} does not exist")
+        # A shared cache: the tokenizer, chat template and config as the service's workers
+        # sealed them, read once and loaded from a private copy (engine/model_seal.py).
+        sealed = model_seal.load(model_dir, weights=model_seal.SKIP, wait_s=seal_wait_s)
+        path = sealed.files if sealed is not None else path
         self.tok = load_tokenizer(path)
         self.vocab_size = len(self.tok)
         self.config_max_len = _config_max_len(path)

@@ -15,13 +15,21 @@ ruff check .
 ruff format --check .
 # mypy's cache outside the checkout: a fresh clone (CI) re-checks only the files that changed
 # (its cache entries are keyed by module and content hash): ~20 s, where a cold run takes 1-2 min.
-MYPY_CACHE_DIR=${MYPY_CACHE_DIR:-$HOME/.cache/pdserve/mypy} mypy -p pdserve
+# It runs beside the parallel part (its seconds were the suite's wall before), and the run
+# waits for it before the serial part, which measures alone; a type error fails make test.
+mypy_log=$(mktemp)
+MYPY_CACHE_DIR=${MYPY_CACHE_DIR:-$HOME/.cache/pdserve/mypy} mypy -p pdserve >"$mypy_log" 2>&1 &
+mypy_pid=$!
 # Two xdist workers on the 2-core machine; tests/xdist_plan.py groups the tests (a shared
 # service or a module's fixtures start once, on one worker) and sends the longest groups out
 # first (--no-loadscope-reorder keeps that order). Tests marked serial measure a latency
 # against an SLO: they run afterwards, alone. Both parts run; the worse exit code wins.
 parallel=0
 pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "not serial" "$@" || parallel=$?
+typed=0
+wait "$mypy_pid" || typed=$?
+cat "$mypy_log"
+rm -f "$mypy_log"
 # Without arguments only the files that mark serial tests are collected again (collecting
 # the whole suite costs ~40-70 s here); with arguments, the same selection as the first part.
 if [ $# -gt 0 ]; then
@@ -34,4 +42,5 @@ pytest -q -m serial "${select[@]}" || serial=$?
 # 5: no test selected, an error only when neither part had one (make test -k NAME runs one part)
 if [ "$parallel" -eq 5 ] && [ "$serial" -ne 5 ]; then parallel=0; fi
 if [ "$serial" -eq 5 ] && [ "$parallel" -ne 5 ]; then serial=0; fi
-exit $(( parallel > serial ? parallel : serial ))
+worst=$(( parallel > serial ? parallel : serial ))
+exit $(( worst > typed ? worst : typed ))

@@ -256,6 +256,16 @@ FAMILIES: list[Family] = [
     ),
 ]
 BY_ID = {f.id: f for f in FAMILIES}
+# Not a row of the matrix: DeepSeek-V3's MLA at its real latent width (kv_lora_rank 512 +
+# rope 64 = 576, the pool's one head), the rest tiny; the Triton kernel's chunked-width
+# form runs it (tests/engine/test_triton_attention.py, under the interpreter).
+MLA_FULL_LATENT = Family(
+    "deepseek-v3-latent576",
+    "DeepseekV3Config",
+    {**MLA, "q_lora_rank": 32, "n_group": 1, "topk_group": 1}
+    | {"kv_lora_rank": 512, "qk_rope_head_dim": 64},
+    "MLA with DeepSeek's own latent width (512 + 64)",
+)
 
 
 def cached_family(family: Family, tokenizer_dir: Path) -> Path:

@@ -41,7 +41,13 @@ def items() -> list[FakeItem]:
         FakeItem("tests/local/test_scale_under_load.py::test_d"),
         FakeItem("tests/edge/test_fuzz.py::test_e", "deployment"),
         FakeItem("tests/router/test_tool_calling.py::test_f", "client", "up", "shared_up"),
+        _own_group(FakeItem("tests/engine/test_family_compiled.py::test_g[llama]"), "g-llama"),
     ]
+
+
+def _own_group(item: FakeItem, group: str) -> FakeItem:
+    item.add_marker(pytest.mark.xdist_group(group))
+    return item
 
 
 def test_shared_services_are_one_group_and_the_rest_go_with_their_module() -> None:
@@ -53,6 +59,7 @@ def test_shared_services_are_one_group_and_the_rest_go_with_their_module() -> No
         "tests/local/test_scale_under_load.py",
         "edge-deployment",
         "shared-up",
+        "g-llama",  # a test that names its group keeps it, whatever its module
     ]
 
 
@@ -87,6 +94,7 @@ def test_under_xdist_the_longest_groups_go_first(monkeypatch: pytest.MonkeyPatch
         "test_e",
         "test_a",
         "test_c",
+        "test_g[llama]",
     ]
     for item in got:
         (mark,) = item.iter_markers("xdist_group")

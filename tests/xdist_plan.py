@@ -7,6 +7,9 @@ Each test gets an ``xdist_group``, and a group runs whole on one worker:
   edge deployment (``deployment``) group ``edge-deployment``, so each starts once per run,
   not once per worker;
 - every test of the k8s_real tier is group ``k8s-real``: its control plane starts once;
+- a test that names its own group (``pytest.mark.xdist_group(NAME)``) is in it: a module
+  whose tests share nothing expensive splits itself over both workers (the compiled family
+  matrix: one group a family);
 - every other test is grouped with its module, so a module-scoped fixture (a cluster, a
   model, an interpreter child) is set up once.
 
@@ -86,6 +89,9 @@ def load_seconds(paths: tuple[Path, ...] = (RECORDED, SNAPSHOT)) -> dict[str, fl
 
 
 def group_of(item: pytest.Item) -> str:
+    own = next((m.args[0] for m in item.iter_markers("xdist_group") if m.args), None)
+    if own is not None:
+        return str(own)
     if "k8s_real" in item.path.parts:
         return "k8s-real"
     fixtures = set(getattr(item, "fixturenames", ()))
@@ -104,7 +110,8 @@ def plan(
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
         group = group_of(item)
-        item.add_marker(pytest.mark.xdist_group(group))
+        if not any(m.args for m in item.iter_markers("xdist_group")):  # its own, or ours
+            item.add_marker(pytest.mark.xdist_group(group))
         groups.setdefault(group, []).append(item)
         if loadgroup:
             _name_group(item, group)

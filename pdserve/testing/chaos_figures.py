@@ -19,4 +19,5 @@ BOUNDARY = (
     "picker_ext_proc_unauthenticated",
     "proc_budget_over_cap",
     "model_file_swap_loaded",
+    "replica_budget_over_cap",
 )

@@ -153,7 +153,11 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
             req, ids = await rt.off_loop(api.prepare if api else prepare, rt, raw, chat)
         snap = rt.discovery.snapshot()  # one view of the workers for the whole decision
         req = fit_context(rt, snap, req, len(ids))
-        await rt.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
+        cost = len(ids) + req.best_of * req.sampling.max_tokens
+        if rt.peers is None:  # no coroutine on the common path
+            rt.limiter.take_tokens(client, cost)
+        else:
+            await rt.take_tokens(client, cost)
         salt = rt.cache_salt(key, req.cache_salt)
         lora = rt.adapter_of(req.model)
         plan = rt.scheduler.plan(ids, snap, salt, lora)

@@ -64,7 +64,8 @@ class Picker:
         until the response ends, and the token bucket once the prompt is counted."""
         rt = self.rt
         caller, client = self._gate(headers)
-        await rt.take_request(client)  # --budget-peers: at the key's owner replica
+        if rt.peers is not None:  # the key's request bucket at its owner replica
+            await rt.take_request(client)
         if body is not None and len(body) > rt.cfg.max_body_bytes:
             raise APIError(413, f"request body is over {rt.cfg.max_body_bytes} bytes")
         ticket = rt.admission.try_now(client) or await rt.admit(client, caller.priority)

@@ -21,9 +21,11 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve import signing
 from pdserve.router import adapters
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.workers import EndpointSource
+from pdserve.router.peer_budgets import PATH as PEER_PATH
 from pdserve.router.picker.pick import Picker
 from pdserve.router.picker.server import ExtProc
 from pdserve.router.runtime import Runtime
@@ -140,7 +142,21 @@ class PickerService:
             ready = self._ready or request.path == "/livez"
             return web.Response(status=200 if ready else 503, text="ok" if ready else "no")
 
+        async def budget(request: web.Request) -> web.Response:
+            """Another picker replica's call on a key this one keeps (--budget-peers)."""
+            peers = self.rt.peers
+            if peers is None:
+                return web.json_response({"error": "no --budget-peers here"}, status=404)
+            status, body, headers = await peers.answer(
+                request.headers.get(signing.HEADER),
+                request.headers.get("Host", ""),
+                request.path,
+                request.content.iter_chunked(1024),
+            )
+            return web.json_response(body, status=status, headers=headers)
+
         app = web.Application()
+        app.router.add_post(PEER_PATH, budget)
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/livez", health)
         app.router.add_get("/health", health)

@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 import torch
 from engine_helpers import tiny_config
+from family_matrix import SERVED, Served, reference
 
 from pdserve.engine.llm_engine import LLMEngine
+from tests.model_families import Family, cached_family
 
 
 @pytest.fixture(autouse=True)
@@ -46,3 +48,24 @@ def hf_model(tiny_model_dir: Path) -> Any:
         tiny_model_dir, dtype=torch.float32, local_files_only=True
     )
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def family_dir(tiny_model_dir: Path) -> Callable[[Family], Path]:
+    """A family's model directory (family_matrix.py), built once a module (and cached on
+    disk across sessions: tests/model_families.py)."""
+    dirs: dict[str, Path] = {}
+
+    def get(family: Family) -> Path:
+        if family.id not in dirs:
+            dirs[family.id] = cached_family(family, tiny_model_dir)
+        return dirs[family.id]
+
+    return get
+
+
+@pytest.fixture(params=SERVED, ids=[f.id for f in SERVED])
+def served(request: pytest.FixtureRequest, family_dir: Callable[[Family], Path]) -> Served:
+    """Each served family of the matrix with transformers' greedy tokens for its prompts."""
+    model_dir = family_dir(request.param)
+    return Served(request.param, model_dir, reference(model_dir))

@@ -54,3 +54,15 @@ def test_named_backend_wins_or_says_why(monkeypatch: pytest.MonkeyPatch) -> None
     if not triton_attention.interpreted():  # this process: triton as the suite found it
         with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
             ab.choose(_shape("cpu"), "triton")
+
+
+def test_cuda_takes_mla_latent_width_on_triton() -> None:
+    """DeepSeek's latent (512 + 64 = 576, one KV head for 128 query heads) takes the
+    Triton kernels' chunked-width form on CUDA (refused before it existed: head_dim <=
+    256); a head wider than the widest width tried still takes the gather path."""
+    mla = ab.AttentionShape(torch.device("cuda"), torch.bfloat16, 128, 1, 576, 16)
+    assert ab.choose(mla) == ab.TRITON
+    too_wide = triton_attention.MAX_HEAD_DIM + 64
+    assert ab.choose(ab.AttentionShape(mla.device, mla.dtype, 128, 1, too_wide, 16)) == ab.GATHER
+    with pytest.raises(ValueError, match=f"16 <= head_dim <= {triton_attention.MAX_HEAD_DIM}"):
+        ab.choose(ab.AttentionShape(mla.device, mla.dtype, 128, 1, too_wide, 16), "triton")

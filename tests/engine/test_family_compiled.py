@@ -19,22 +19,15 @@ The first run on a machine builds every family's C++ kernels once.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 from engine_helpers import assert_all_free, family_config
-from test_model_families import SERVED, _generate, _model_dir, _reference
+from family_matrix import SERVED, Served, generate
 
 from pdserve.engine.llm_engine import LLMEngine
-from tests.model_families import Family
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(600)]
-
-
-@pytest.fixture(scope="module")
-def families() -> dict[str, Path]:
-    return {}
 
 
 @pytest.fixture(autouse=True)
@@ -45,19 +38,27 @@ def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family", SERVED, ids=[f.id for f in SERVED])
-def test_family_compiled_matches_transformers(
-    family: Family, families: dict[str, Path], tiny_model_dir: Path
-) -> None:
+# One xdist group a family (tests/xdist_plan.py): the families share no fixture worth a
+# worker (their models are cached on disk), so make test spreads them over both workers
+# instead of queueing ~4 CPU-min on one. Their cache keys do not depend on which families
+# a worker compiled before (engine/cpu_linear.py's handles). The marks ride on the
+# conftest's `served` fixture, parametrized here (indirect) for this file only.
+@pytest.mark.parametrize(
+    "served",
+    [
+        pytest.param(f, id=f.id, marks=pytest.mark.xdist_group(f"family-compiled-{f.id}"))
+        for f in SERVED
+    ],
+    indirect=True,
+)
+def test_family_compiled_matches_transformers(served: Served) -> None:
     from torch._dynamo.utils import counters
 
-    model_dir = _model_dir(families, family, tiny_model_dir)
-    expected = _reference(model_dir)
-    engine = LLMEngine(family_config(model_dir, max_num_batched_tokens=32, compile=True))
+    engine = LLMEngine(family_config(served.model_dir, max_num_batched_tokens=32, compile=True))
     # Compiled, not the eager fallback a failed compile leaves (compile_job.warm_up).
     assert engine.runner.compiled and engine.compile_seconds > 0
     graphs = counters["stats"]["unique_graphs"]
-    assert _generate(engine) == expected
+    assert generate(engine) == served.expected
     # Served on the variants the warm-up compiled, as a worker serves: no new graph.
     assert counters["stats"]["unique_graphs"] == graphs
     assert_all_free(engine)

@@ -19,11 +19,12 @@ part zeroed on the prefill side after the prefill, the decode tokens differ.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from engine_helpers import assert_all_free, family_config
-from test_model_families import MAX_TOKENS, PROMPTS, SERVED, _model_dir, _reference
+from family_matrix import MAX_TOKENS, PROMPTS, Served, reference
 
 from pdserve.testing.pd_pair import PDPair
 from tests.model_families import BY_ID, Family
@@ -31,25 +32,18 @@ from tests.model_families import BY_ID, Family
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module")
-def families() -> dict[str, Path]:
-    return {}
-
-
 def _pair(model_dir: Path) -> PDPair:
     return PDPair(family_config(model_dir, max_num_batched_tokens=32), transport="nixl")
 
 
-@pytest.mark.parametrize("family", SERVED, ids=[f.id for f in SERVED])
-def test_family_through_nixl_handoff(
-    family: Family, families: dict[str, Path], tiny_model_dir: Path
-) -> None:
-    model_dir = _model_dir(families, family, tiny_model_dir)
-    expected = _reference(model_dir)
-    with _pair(model_dir) as pair:
+def test_family_through_nixl_handoff(served: Served) -> None:
+    with _pair(served.model_dir) as pair:
         assert pair.server.transport_name == pair.connector.inner.transport_name == "nixl"
+        # One model, two pools.
+        assert pair.decode.runner.model is pair.prefill.runner.model
+        assert pair.decode.kv_tensor.data_ptr() != pair.prefill.kv_tensor.data_ptr()
         done = pair.run(PROMPTS, MAX_TOKENS)
-        assert done.tokens == expected
+        assert done.tokens == served.expected
         # Decodes only on the decode side: every prompt's KV came over the transfer.
         assert set(done.decode_chunks) == {1}, done.decode_chunks
         assert len(done.decode_chunks) == len(PROMPTS) * (MAX_TOKENS - 1)
@@ -59,12 +53,12 @@ def test_family_through_nixl_handoff(
         assert_all_free(pair.decode)
 
 
-def test_handoff_bytes_matter(families: dict[str, Path], tiny_model_dir: Path) -> None:
+def test_handoff_bytes_matter(family_dir: Callable[[Family], Path]) -> None:
     """The hand-off's bytes decide the tokens: zero the rope part of DeepSeek-V3's latent
     in the prefill pool after the prefill (the transfer then carries zeros there) and the
     decode engine's tokens are no longer transformers'."""
-    model_dir = _model_dir(families, BY_ID["deepseek-v3"], tiny_model_dir)
-    expected = _reference(model_dir)
+    model_dir = family_dir(BY_ID["deepseek-v3"])
+    expected = reference(model_dir)
     with _pair(model_dir) as pair:
         latent = pair.prefill.runner.latent
         assert latent is not None

@@ -102,6 +102,7 @@ GOOD: dict[str, Any] = {
     "fidelity_fp32": {"ok": True},
     "fidelity_bf16": {"ok": True},
     "fidelity_real": {"ok": True},
+    "mla_latent": {"ok": True},
     "up_e2e": {"ok": True},
     "kv_two_processes": {"ok": True},
     "nixl_vram": {"ok": True},

@@ -8,23 +8,20 @@ tiny models' here; DeepSeek-V2-Lite's are computed from its config in the same w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import family_matrix as fm
 import pytest
 import torch
-from test_model_families import _engine, _generate, _model_dir, _reference
+from family_matrix import generate, reference
 
 from pdserve.engine import cpu_kernel, mla
-from tests.model_families import BY_ID
+from tests.model_families import BY_ID, Family
 
 pytestmark = pytest.mark.unit
 
 MLA_FAMILIES = ["deepseek-v2", "deepseek-v3"]
-
-
-@pytest.fixture(scope="module")
-def families() -> dict[str, Path]:
-    return {}
 
 
 def _expected_bytes_per_token(model_dir: Path, latent: bool) -> int:
@@ -41,11 +38,9 @@ def _expected_bytes_per_token(model_dir: Path, latent: bool) -> int:
 
 
 @pytest.mark.parametrize("family_id", MLA_FAMILIES)
-def test_pool_holds_the_latent(
-    family_id: str, families: dict[str, Path], tiny_model_dir: Path
-) -> None:
-    model_dir = _model_dir(families, BY_ID[family_id], tiny_model_dir)
-    engine = _engine(model_dir, kernel=True)
+def test_pool_holds_the_latent(family_id: str, family_dir: Callable[[Family], Path]) -> None:
+    model_dir = family_dir(BY_ID[family_id])
+    engine = fm.engine(model_dir, kernel=True)
     runner = engine.runner
     assert runner.latent == mla.LatentLayout(kv_lora_rank=32, rope_dim=8)
     pool = engine.kv.tensor
@@ -57,18 +52,18 @@ def test_pool_holds_the_latent(
 
 
 def test_latent_is_smaller_and_both_forms_match_transformers(
-    families: dict[str, Path], tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    family_dir: Callable[[Family], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The expanded form (what MLA code the engine does not know keeps) against the
     compressed one: same tokens as transformers, 4.8x the bytes per token here."""
-    model_dir = _model_dir(families, BY_ID["deepseek-v2"], tiny_model_dir)
-    expected = _reference(model_dir)
-    latent = _engine(model_dir, kernel=False)
-    assert _generate(latent) == expected
+    model_dir = family_dir(BY_ID["deepseek-v2"])
+    expected = reference(model_dir)
+    latent = fm.engine(model_dir, kernel=False)
+    assert generate(latent) == expected
     monkeypatch.setattr(mla, "LATENT_CLASSES", ())
-    expanded = _engine(model_dir, kernel=False)
+    expanded = fm.engine(model_dir, kernel=False)
     assert expanded.runner.latent is None and expanded.kv.tensor.shape[1] == 2
-    assert _generate(expanded) == expected
+    assert generate(expanded) == expected
     before = expanded.runner.kv_shape.bytes_per_token
     after = latent.runner.kv_shape.bytes_per_token
     assert before == _expected_bytes_per_token(model_dir, latent=False) == 2 * 768
@@ -78,31 +73,30 @@ def test_latent_is_smaller_and_both_forms_match_transformers(
 @pytest.mark.parametrize("broken", ["query", "output"])
 def test_absorption_matters(
     broken: str,
-    families: dict[str, Path],
-    tiny_model_dir: Path,
+    family_dir: Callable[[Family], Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The check can fail: with every head given head 0's W_UK (or W_UV), the tokens are
     no longer transformers'."""
-    model_dir = _model_dir(families, BY_ID["deepseek-v3"], tiny_model_dir)
-    expected = _reference(model_dir)
+    model_dir = family_dir(BY_ID["deepseek-v3"])
+    expected = reference(model_dir)
     name = "pdserve_w_uk" if broken == "query" else "pdserve_w_uv"
-    engine = _engine(model_dir, kernel=cpu_kernel.load() is not None)
+    engine = fm.engine(model_dir, kernel=cpu_kernel.load() is not None)
     for m in engine.runner.model.modules():
         if getattr(m, mla.LATENT_FLAG, False):
             w = getattr(m, name)
             setattr(m, name, w[:1].expand_as(w).clone())
-    assert _generate(engine) != expected
+    assert generate(engine) != expected
 
 
 def test_absorbed_attention_equals_expanded_on_one_layer(
-    families: dict[str, Path], tiny_model_dir: Path
+    family_dir: Callable[[Family], Path],
 ) -> None:
     """One layer's numbers: ``q . W_UK c`` and ``W_UV (sum p c)`` against transformers'
     expanded K and V (the identity the compressed form rests on), to float32 rounding."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = _model_dir(families, BY_ID["deepseek-v2"], tiny_model_dir)
+    model_dir = family_dir(BY_ID["deepseek-v2"])
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     attn = hf.model.layers[0].self_attn
     torch.manual_seed(0)
@@ -153,9 +147,7 @@ def test_deepseek_v2_lite_bytes_per_token() -> None:
     assert (before, after) == (331_776, 31_104)
 
 
-def test_latent_blocks_come_back_from_the_host_tier(
-    families: dict[str, Path], tiny_model_dir: Path
-) -> None:
+def test_latent_blocks_come_back_from_the_host_tier(family_dir: Callable[[Family], Path]) -> None:
     """The one-plane block in a KV tier (engine/kv_tiers): a prefix evicted from the pool
     comes back from the host tier with the cold run's tokens, every block a hit."""
     from engine_helpers import assert_all_free
@@ -165,7 +157,7 @@ def test_latent_blocks_come_back_from_the_host_tier(
     from pdserve.engine.kv_tiers.config import TierConfig
     from pdserve.engine.llm_engine import LLMEngine
 
-    model_dir = _model_dir(families, BY_ID["deepseek-v2"], tiny_model_dir)
+    model_dir = family_dir(BY_ID["deepseek-v2"])
     block = 16 * 2 * 40 * 4  # block_size x layers x (rank + rope) x float32
 
     def engine(**kw: object) -> LLMEngine:

@@ -11,86 +11,40 @@ tokens differ from transformers'.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import family_matrix as fm
 import pytest
 import torch
-from engine_helpers import assert_all_free, family_config, run_requests
+from family_matrix import REFUSED, Served, generate, reference
 
 from pdserve.engine import attention, cpu_kernel
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_support import PLAIN, LayerAttention, UnsupportedModel
-from pdserve.protocol.sampling_params import SamplingParams
-from pdserve.testing.hf_reference import hf_greedy
-from tests.model_families import BY_ID, FAMILIES, WINDOW, Family, cached_family
+from tests.model_families import BY_ID, FAMILIES, WINDOW, Family
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
-SERVED = [f for f in FAMILIES if f.refused is None]
-REFUSED = [f for f in FAMILIES if f.refused is not None]
-MAX_TOKENS = 10
-# Longer than the window (8) several times over, shorter than it, and one of a block
-# and a half; a 32-token step budget splits the long ones into continuing chunks.
-PROMPTS = [[(i * 37 + s) % 3000 + 5 for i in range(n)] for s, n in [(1, 45), (2, 24), (3, 5)]]
 
-
-@pytest.fixture(scope="module")
-def families(tiny_model_dir: Path) -> dict[str, Path]:
-    """Each family's model directory, built once (cached across sessions)."""
-    return {}
-
-
-def _model_dir(families: dict[str, Path], family: Family, tokenizer_dir: Path) -> Path:
-    if family.id not in families:
-        families[family.id] = cached_family(family, tokenizer_dir)
-    return families[family.id]
-
-
-def _engine(model_dir: Path, kernel: bool) -> LLMEngine:
-    engine = LLMEngine(family_config(model_dir, max_num_batched_tokens=32))
-    engine.runner.use_kernel = kernel and engine.runner.use_kernel
-    return engine
-
-
-def _generate(engine: LLMEngine) -> list[list[int]]:
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    out = run_requests(engine, {str(i): (p, params) for i, p in enumerate(PROMPTS)})
-    assert_all_free(engine)
-    return [out[str(i)].token_ids for i in range(len(PROMPTS))]
-
-
-def _reference(model_dir: Path) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager", local_files_only=True
-    ).eval()
-    return [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
-
-
-@pytest.mark.parametrize("family", SERVED, ids=[f.id for f in SERVED])
-def test_family_matches_transformers(
-    family: Family, families: dict[str, Path], tiny_model_dir: Path
-) -> None:
-    model_dir = _model_dir(families, family, tiny_model_dir)
-    expected = _reference(model_dir)
+def test_family_matches_transformers(served: Served) -> None:
+    model_dir, expected = served.model_dir, served.expected
     # Random weights that move: greedy tokens change from step to step.
     assert all(len(set(e)) >= 4 for e in expected), expected
     paths = [True, False] if cpu_kernel.load() is not None else [False]
     for kernel in paths:
-        engine = _engine(model_dir, kernel)
+        engine = fm.engine(model_dir, kernel)
         assert engine.runner.use_kernel == kernel
-        got = _generate(engine)
+        got = generate(engine)
         assert got == expected, f"{'kernel' if kernel else 'gather'} path: {got} != {expected}"
 
 
 @pytest.mark.parametrize("family", REFUSED, ids=[f.id for f in REFUSED])
-def test_family_refused(family: Family, families: dict[str, Path], tiny_model_dir: Path) -> None:
-    model_dir = _model_dir(families, family, tiny_model_dir)
+def test_family_refused(family: Family, family_dir: Callable[[Family], Path]) -> None:
+    model_dir = family_dir(family)
     with pytest.raises(UnsupportedModel) as err:
-        _engine(model_dir, kernel=True)
+        fm.engine(model_dir, kernel=True)
     assert family.refused is not None and family.refused in str(err.value)
     assert "ForCausalLM uses " in str(err.value)  # the architecture is named
 
@@ -102,21 +56,20 @@ def test_family_refused(family: Family, families: dict[str, Path], tiny_model_di
 def test_option_matters(
     family_id: str,
     option: str,
-    families: dict[str, Path],
-    tiny_model_dir: Path,
+    family_dir: Callable[[Family], Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Dropping one honoured option makes the output differ from transformers: the matrix
     above would catch an engine that ignored it (what the guard exists to prevent)."""
-    model_dir = _model_dir(families, BY_ID[family_id], tiny_model_dir)
-    expected = _reference(model_dir)
-    engine = _engine(model_dir, kernel=True)
+    model_dir = family_dir(BY_ID[family_id])
+    expected = reference(model_dir)
+    engine = fm.engine(model_dir, kernel=True)
     dropped = {"window": None, "softcap": None, "sinks": False}[option]
     layers = engine.runner.layers
     assert any(getattr(layer, option) not in (None, False) for layer in layers)
     engine.runner.layers = tuple(replace(layer, **{option: dropped}) for layer in layers)
     monkeypatch.setattr(attention, "check_call", lambda *a: None)
-    assert _generate(engine) != expected
+    assert generate(engine) != expected
 
 
 class _Attn(torch.nn.Module):
@@ -155,7 +108,7 @@ def test_attention_call_refuses_what_it_does_not_honour(
 
 
 def test_unknown_option_refuses_the_start(
-    families: dict[str, Path], tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    family_dir: Callable[[Family], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Model code that passes an option the engine does not know is refused at load, by
     the one-token probe (before any request): here Llama's attention made to pass ALiBi
@@ -169,7 +122,7 @@ def test_unknown_option_refuses_the_start(
 
     monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", with_alibi)
     with pytest.raises(UnsupportedModel, match="LlamaForCausalLM uses attention option alibi_"):
-        _engine(_model_dir(families, BY_ID["llama"], tiny_model_dir), kernel=True)
+        fm.engine(family_dir(BY_ID["llama"]), kernel=True)
 
 
 def test_docs_table_names_every_family() -> None:
@@ -178,7 +131,6 @@ def test_docs_table_names_every_family() -> None:
     served row, the refusal (R) for a refused one (its status quoting the refusal).
     A served row also names its P/D hand-off (P): tests/engine/test_family_pd.py runs
     every served family, so no served row may be without it."""
-    from tests.model_families import FAMILIES
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "models.md"
     rows = [line for line in doc.read_text().splitlines() if line.startswith("| `")]

@@ -35,6 +35,19 @@ def model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return d
 
 
+@pytest.fixture
+def sealed_tiny(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of the tiny model under a shared cache (PDSERVE_COMPILE_CACHE and a service
+    secret), sealed as the service's first load seals it."""
+    monkeypatch.setattr(model_seal, "_loaded", {})
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, copy)
+    monkeypatch.setenv(env.COMPILE_CACHE, str(tmp_path / "compiled"))
+    monkeypatch.setenv(env.SERVICE_SECRET, "s1")
+    assert model_seal.check(str(copy))
+    return copy
+
+
 def _load(model: Path, folder: Path, secret: str = "s1") -> bool:
     model_seal._loaded.clear()  # a new worker process
     return model_seal.check(str(model), _ring(secret), folder)
@@ -108,21 +121,14 @@ def test_off_without_a_shared_cache(model: Path, monkeypatch: pytest.MonkeyPatch
     assert not model_seal.check(str(model))  # pdserve up: a private cache, no seal
 
 
-def test_the_engine_refuses_a_swapped_tokenizer_before_loading(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_engine_refuses_a_swapped_tokenizer_before_loading(sealed_tiny: Path) -> None:
     """Wired in: with a shared cache (PDSERVE_COMPILE_CACHE and a service secret) the
     engine and the model runner check the seal before the tokenizer or weights load."""
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.model_runner import ModelRunner
 
-    monkeypatch.setattr(model_seal, "_loaded", {})
-    copy = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, copy)
-    monkeypatch.setenv(env.COMPILE_CACHE, str(tmp_path / "compiled"))
-    monkeypatch.setenv(env.SERVICE_SECRET, "s1")
-    assert model_seal.check(str(copy))  # the service's first load sealed it
+    copy = sealed_tiny
     tok = copy / "tokenizer.json"
     tok.write_text(tok.read_text().replace('"<', '"<x', 1))
     model_seal._loaded.clear()
@@ -133,7 +139,7 @@ def test_the_engine_refuses_a_swapped_tokenizer_before_loading(
 
 
 def test_files_swapped_after_the_check_are_never_loaded(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    sealed_tiny: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The check and the load are one read (issue 44 item 4): tokenizer, chat template and
     weights swapped on disk right after the seal check passed are not what the engine
@@ -147,12 +153,7 @@ def test_files_swapped_after_the_check_are_never_loaded(
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.model_runner import model_identity
 
-    monkeypatch.setattr(model_seal, "_loaded", {})
-    copy = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, copy)
-    monkeypatch.setenv(env.COMPILE_CACHE, str(tmp_path / "compiled"))
-    monkeypatch.setenv(env.SERVICE_SECRET, "s1")
-    assert model_seal.check(str(copy))  # the service's first load sealed it
+    copy = sealed_tiny
     model_seal._loaded.clear()
     weights = load_file(copy / "model.safetensors")
     template = (copy / "chat_template.jinja").read_text()

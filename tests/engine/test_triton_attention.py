@@ -11,10 +11,14 @@ within 1e-5 in float32, over random block tables (blocks in random pool order, t
 padded with other requests' blocks), context lengths 1..600, GQA 1/2/4, sliding windows,
 soft-capping and sinks on and off, decode contexts split over 1-16 programs and combined
 (triton_cases.py holds the cases and the reference).
-Then the engine's own attention call through each back-end (triton_engine_cases.py): the
+Heads wider than 256 (MLA's 576-wide latent, key and value one tensor; an odd 300) run
+the chunked-width kernel on tiny contexts, decodes split and combined, chunks beside
+decodes. Then the engine's own attention call through each back-end (triton_engine_cases.py): the
 Triton and CPU-kernel outputs equal the gather path's, and the tiny model, greedy through
 the Triton back-end with prefill chunks beside decodes, equals transformers' generate();
-a decode step through the CUDA-graph path's static, padded inputs equals the eager step.
+a decode step through the CUDA-graph path's static, padded inputs equals the eager step;
+a tiny DeepSeek-V3 at the real latent width (512 + 64) through the Triton back-end equals
+transformers and the gather path.
 """
 
 from __future__ import annotations
@@ -29,9 +33,13 @@ from typing import Any
 import pytest
 import triton_cases
 
-# One child, ~35 s of CPU (kernel cases ~20, engine cases ~17, one start); a loaded shared
-# machine stretches it several times. Slow by nature: Triton's interpreter runs each kernel
-# program in Python, and these cases are what proves the kernels without a GPU.
+from tests.model_families import MLA_FULL_LATENT, cached_family
+
+# One child: ~73 CPU-s for the whole file on the loaded shared host (2026-12-07), of which
+# the wide kernel cases ~5.5, the full-width MLA model ~5.5, gpu_smoke's MLA check ~4; a
+# loaded shared machine stretches it several times. Slow by nature: Triton's interpreter
+# runs each kernel program in Python, and these cases are what proves the kernels without
+# a GPU.
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).resolve().parent
@@ -67,7 +75,8 @@ def run_interpreted(script: str, *args: str) -> dict[str, Any]:
 def engine_results(tiny_model_dir: Path) -> dict[str, Any]:
     """Everything the interpreter runs, from one child process (its start, torch and triton
     under the interpreter, costs seconds of CPU: once, not once per script)."""
-    return run_interpreted("triton_engine_cases.py", str(tiny_model_dir))
+    latent = cached_family(MLA_FULL_LATENT, tiny_model_dir)
+    return run_interpreted("triton_engine_cases.py", str(tiny_model_dir), str(latent))
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +87,10 @@ def kernel_errors(engine_results: dict[str, Any]) -> dict[str, float]:
 
 def test_cases_cover_the_ranges() -> None:
     cases = triton_cases.CASES
-    assert {c.gqa for c in cases} == {1, 2, 4}
+    assert {c.gqa for c in cases} == {1, 2, 4, 16}
+    # Wider than the one-tile kernel's 256: MLA's latent (key = value) and an odd width.
+    assert {c.head_dim for c in cases if c.head_dim > 256} == {576, 300}
+    assert all(c.shared_kv for c in cases if c.head_dim == 576)
     contexts = [s + n for c in cases for s, n in c.chunks]
     assert min(contexts) == 1 and max(contexts) == 600
     assert any(c.window for c in cases) and any(not c.window for c in cases)
@@ -112,9 +124,46 @@ def test_whole_model_through_triton_equals_transformers(engine_results: dict[str
     assert model["kv_free"]
 
 
+def test_mla_latent_width_through_triton(engine_results: dict[str, Any]) -> None:
+    """DeepSeek's latent at its real width (512 + 64: one 576-wide head, past the one-tile
+    kernel's 256) runs on the Triton back-end, in the chunked-width form, and gives
+    transformers' greedy tokens, as the gather path does. Before that form existed the
+    back-end was refused for this model ("head_dim <= 256"). Interpreter only: the
+    kernel's speed on a GPU is unmeasured."""
+    latent = engine_results["latent"]
+    assert latent["latent"] == [512, 64] and latent["head_dim"] == 576
+    assert latent["backends"] == ["triton", "gather"]
+    assert latent["triton_equal"] == latent["gather_equal"] == latent["of"] == 2, latent
+
+
+def test_gpu_smoke_mla_check_passes_the_kernel_and_fails_a_wrong_one(
+    engine_results: dict[str, Any],
+) -> None:
+    """bench/gpu_smoke.py's ``mla_latent`` check (the lent GPU's proof of the chunked-width
+    kernel at DeepSeek's width, and its GB/s), its logic under the interpreter: it passes
+    the kernel and fails one whose scores miss the latent's last 64-wide slice."""
+    good, bad = engine_results["gpu_smoke_mla"]["good"], engine_results["gpu_smoke_mla"]["bad"]
+    assert good["ok"] and good["width"] == 576 and good["float32"]["rel_err"] <= 1e-4, good
+    assert good["step_ms"] > 0 and "bfloat16" not in good
+    assert not bad["ok"] and bad["float32"]["rel_err"] > 1e-2, bad
+
+
 def test_decode_graph_step_equals_eager(engine_results: dict[str, Any]) -> None:
     """The model's decode step over the CUDA graphs' static inputs (3 requests padded to
     bucket 4; the graph runner is a fake that re-runs the step) equals the eager step."""
     graphs = engine_results["graphs"]
     assert graphs["replays"] == 1 and graphs["rows"] == 3
     assert graphs["max_diff"] <= GRAPH_TOLERANCE, graphs
+
+
+@pytest.mark.parametrize(("heads", "decode"), [(128, True), (128, False), (16, False)])
+def test_wide_kernel_compiles_for_sm90_without_spills(heads: int, decode: bool) -> None:
+    """The chunked-width kernel at DeepSeek's latent (576), compiled for an H100/H200 with
+    no GPU here (triton_sm90.py): it compiles, and no thread spills registers to its
+    stack (at 4 warps the 128- and 64-row tiles spilled 288-320 and 8 bytes; the launch
+    gives them 8 warps). Speed stays unmeasured."""
+    from triton_sm90 import wide_usage
+
+    usage = wide_usage(heads, decode)
+    assert usage["stack"] == 0, usage
+    assert usage["registers"] <= 255, usage

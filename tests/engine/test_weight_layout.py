@@ -191,6 +191,28 @@ def test_a_dropped_model_frees_its_packed_weights() -> None:
     assert handle not in cpu_linear._layers
 
 
+@needs_onednn
+def test_a_model_takes_the_handles_a_dropped_model_freed() -> None:
+    """A model's handles (constants in its graphs, so in inductor's cache keys) do not
+    depend on the models made before it: a dropped one, even one only a collection frees
+    (a cycle), leaves its handles to the next; a live one keeps its own, and each model's
+    calls find its own weights."""
+    first = _big(torch.float32, bias=True)
+    prepare(first)
+    first.cycle = [first]  # type: ignore[assignment]  # freed by a collection only
+    handles = [m.handle for m in first.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    del first
+    second = _big(torch.float32, bias=True)
+    torch.nn.init.normal_(second[1].weight)  # other weights than the first's
+    expected = second(torch.tensor([[1, 2, 3]]))
+    prepare(second)
+    assert [second[1].handle] == handles
+    assert torch.allclose(second(torch.tensor([[1, 2, 3]])), expected, atol=1e-5)
+    third = _big(torch.float32)
+    prepare(third)  # beside a live model: a handle of its own
+    assert third[1].handle not in handles
+
+
 def test_rows_are_bucketed_so_onednn_builds_few_primitives() -> None:
     assert [cpu_linear.rows_bucket(n) for n in (1, 7, 16)] == [1, 7, 16]  # decode batches
     assert [cpu_linear.rows_bucket(n) for n in (17, 300, 304, 305)] == [24, 304, 304, 320]

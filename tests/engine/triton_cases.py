@@ -32,6 +32,7 @@ class Case:
     head_dim: int = 16
     pad: int = 3  # extra block-table columns, filled with blocks of other requests
     splits: int | None = None  # decode context splits (None: by table width, 2 here)
+    shared_kv: bool = False  # MLA: the value cache is the key cache (one latent plane)
 
     @property
     def id(self) -> str:
@@ -40,6 +41,7 @@ class Case:
         opts += [f"cap{self.softcap:g}"] if self.softcap else []
         opts += ["sinks"] if self.sinks else []
         opts += [f"split{self.splits}"] if self.splits else []
+        opts += ["latent"] if self.shared_kv else []
         return "-".join([kind, f"gqa{self.gqa}", f"d{self.head_dim}", *opts])
 
 
@@ -62,6 +64,19 @@ CASES += [
     Case(1, DECODES, splits=16, sinks=True),
     Case(2, DECODES, softcap=5.0, splits=1),
 ]
+# Heads wider than triton_attention.NARROW_D: the chunked-width kernel, on tiny contexts
+# (the interpreter runs every slice's program). DeepSeek's latent (512 + 64 = 576, one KV
+# head that is key and value, 16 query heads), decodes split and combined, and a step of
+# prefill chunks beside decodes; then a width that is no multiple of the 64-wide slice,
+# with every layer option, decodes split over 3 programs.
+MLA_DECODES = ((0, 1), (20, 1), (47, 1))
+MLA_MIXED = ((0, 21), (33, 1), (16, 12))
+WIDE = [
+    Case(16, MLA_DECODES, kv_heads=1, head_dim=576, pad=1, splits=2, shared_kv=True),
+    Case(4, MLA_MIXED, kv_heads=1, head_dim=576, pad=1, shared_kv=True),
+    Case(2, MLA_DECODES, 20, 30.0, sinks=True, kv_heads=2, head_dim=300, pad=1, splits=3),
+]
+CASES += WIDE
 
 
 def make_inputs(case: Case, seed: int) -> dict[str, Any]:
@@ -92,7 +107,7 @@ def reference(case: Case, inputs: dict[str, Any], scale: float) -> torch.Tensor:
         ctx = start + n
         slots = (torch.tensor(blocks)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()
         k = pool[0][slots[:ctx]].repeat_interleave(case.gqa, dim=1)  # [ctx, Hq, D]
-        v = pool[1][slots[:ctx]].repeat_interleave(case.gqa, dim=1)
+        v = pool[0 if case.shared_kv else 1][slots[:ctx]].repeat_interleave(case.gqa, dim=1)
         qq = q[row : row + n]
         s = torch.einsum("qhd,khd->hqk", qq, k) * scale
         if case.softcap:
@@ -123,7 +138,7 @@ def run_case(case: Case, seed: int = 0) -> float:
     ta.paged_attention(
         inputs["q"],
         pool[0],
-        pool[1],
+        pool[0 if case.shared_kv else 1],  # MLA: the very same tensor
         out,
         meta,
         BLOCK_SIZE,

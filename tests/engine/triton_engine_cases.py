@@ -1,15 +1,18 @@
 """The three attention back-ends through the engine's own attention call, and a whole
 model through the Triton back-end; run as a script under Triton's interpreter.
 
-``python tests/engine/triton_engine_cases.py MODEL_DIR`` (``TRITON_INTERPRET=1`` set
-before triton is imported) prints one JSON line:
+``python tests/engine/triton_engine_cases.py MODEL_DIR [LATENT_MODEL_DIR]``
+(``TRITON_INTERPRET=1`` set before triton is imported) prints one JSON line:
 
 * ``backends``: per case (layer options x GQA), the largest difference of the Triton and
   the CPU kernel outputs from the gather path's, on one step that mixes decodes, a
   continuing prefill chunk and a chunk that starts its request, over scattered blocks;
 * ``kernels``: triton_cases.py's kernel cases (case id -> largest difference);
 * ``model``: greedy tokens of the tiny model through the Triton back-end (chunked prefill
-  beside decodes) against transformers' generate(), and whether every block came back.
+  beside decodes) against transformers' generate(), and whether every block came back;
+* ``latent``: a tiny DeepSeek-V3 at MLA's real latent width (576) through the Triton
+  back-end's chunked-width kernel, against transformers and the gather path;
+* ``gpu_smoke_mla``: bench/gpu_smoke.py's MLA kernel check, on the kernel and on a wrong one.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton_cases
@@ -102,6 +106,79 @@ def model_case(model_dir: Path) -> dict[str, object]:
     }
 
 
+def latent_case(model_dir: Path) -> dict[str, object]:
+    """A tiny DeepSeek-V3 at MLA's real latent width (512 + 64: the pool's one 576-wide
+    head, the chunked-width kernel) through the Triton back-end: greedy tokens against
+    transformers' generate() and against the engine on the gather path; two short
+    prompts (a block and part of one; the interpreter runs each 64-wide slice's program:
+    triton_cases.py's wide cases mix prefill chunks and decodes in one step)."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 3000) for _ in range(n)] for n in (5, 20)]
+    max_tokens = 3
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    want = [hf_greedy(hf, p, max_tokens) for p in prompts]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)] * 2
+    config = EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        kv_cache_bytes=4 << 20,
+        enable_prefix_caching=False,
+    )
+    got: dict[str, list[list[int]]] = {}
+    backends = []
+    for backend in (ab.TRITON, ab.GATHER):
+        engine = LLMEngine(config)
+        if backend == ab.GATHER:
+            engine.runner.attention_backend, engine.runner.use_kernel = ab.GATHER, False
+        backends.append(engine.runner.attention_backend)
+        got[backend] = engine.generate(prompts, params)
+        assert engine.kv.all_free
+    latent = engine.runner.latent
+    return {
+        "backends": backends,
+        "head_dim": engine.runner.head_dim,
+        "latent": [latent.kv_lora_rank, latent.rope_dim] if latent else None,
+        "triton_equal": sum(g == w for g, w in zip(got[ab.TRITON], want, strict=True)),
+        "gather_equal": sum(g == w for g, w in zip(got[ab.GATHER], want, strict=True)),
+        "of": len(prompts),
+    }
+
+
+def gpu_smoke_mla_case() -> dict[str, object]:
+    """bench/gpu_smoke.py's MLA kernel check (the GPU day's: DeepSeek's 576-wide latent,
+    key = value), its logic on CPU at a tiny size, float32 (the interpreter's bfloat16 is
+    not the GPU's): on the kernel, and on a kernel made wrong (the scores summed over 8 of
+    the latent's 9 slices), which the check must fail."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import gpu_smoke
+
+    from pdserve.engine import triton_attention as ta
+
+    gpu_smoke.DEVICE = "cpu"
+    small: dict[str, Any] = {"batch": 2, "ctx": 40, "heads": 4, "repeats": 1}
+    good = gpu_smoke.mla_latent_kernel(**small, dtypes=(torch.float32,))
+    kernel = ta.paged_attention
+
+    def last_slice_dropped(q: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        rope_zeroed = torch.cat((q[..., :512], torch.zeros_like(q[..., 512:])), -1)
+        kernel(rope_zeroed, *args, **kwargs)
+
+    ta.paged_attention = last_slice_dropped  # type: ignore[assignment]
+    try:
+        bad = gpu_smoke.mla_latent_kernel(**small, dtypes=(torch.float32,))
+    finally:
+        ta.paged_attention = kernel  # type: ignore[assignment]
+    return {"good": good, "bad": bad}
+
+
 class FakeGraphRunner:
     """No CUDA here (a mock, where the real thing cannot run): "replay" re-runs the
     captured step, which reads the static input tensors only."""
@@ -156,6 +233,9 @@ def main() -> int:
     if len(sys.argv) > 1:
         result["model"] = model_case(Path(sys.argv[1]))
         result["graphs"] = graphs_case(Path(sys.argv[1]))
+    if len(sys.argv) > 2:
+        result["latent"] = latent_case(Path(sys.argv[2]))
+        result["gpu_smoke_mla"] = gpu_smoke_mla_case()
     print(json.dumps(result))
     return 0
 

@@ -337,9 +337,30 @@ def test_workers_keep_compiled_code_in_the_shared_cache() -> None:
     for manifest in cached.values():  # the two mounts of one volume are valid Kubernetes
         if manifest["kind"] == "Deployment":
             kubernetes_validate.validate(manifest, "1.34", strict=True)
+    # The router reads the workers' model seal there (its tokenizer is loaded as sealed,
+    # engine/model_seal.py), read-only: no compiled code of its own, no kernel cache.
     router = pod(cached, "demo-router")
-    assert "compile-cache-dir" not in {c["name"] for c in router["initContainers"]}
-    assert "PDSERVE_COMPILE_CACHE" not in {e["name"] for e in router["containers"][0]["env"]}
+    assert "compile-cache-dir" in {c["name"] for c in router["initContainers"]}
+    env = {e["name"]: e.get("value") for e in router["containers"][0]["env"]}
+    assert env["PDSERVE_COMPILE_CACHE"] == "/var/cache/pdserve/inductor"
+    assert "PDSERVE_KERNEL_CACHE" not in env
+    mounts = [m for m in router["containers"][0]["volumeMounts"] if m["name"] == "model"]
+    assert {m["mountPath"]: m.get("readOnly") for m in mounts} == {
+        "/models": True,
+        "/var/cache/pdserve": True,
+    }
+    # In picker mode a decode pod's front reads the same seal, read-only.
+    picker = by_key(
+        render(minimal_llmservice(model={"source": hf}, router={"mode": "endpointPicker"}))
+    )
+    front = next(c for c in pod(picker, "demo-decode")["containers"] if c["name"] == "front")
+    env = {e["name"]: e.get("value") for e in front["env"]}
+    assert env["PDSERVE_COMPILE_CACHE"] == "/var/cache/pdserve/inductor"
+    mounts = [m for m in front["volumeMounts"] if m["name"] == "model"]
+    assert {m["mountPath"]: m.get("readOnly") for m in mounts} == {
+        "/models": True,
+        "/var/cache/pdserve": True,
+    }
     # Without a shared cache, compiled code stays in the pod's own /tmp.
     plain = by_key(render(minimal_llmservice()))
     main = pod(plain, "demo-decode")["containers"][0]

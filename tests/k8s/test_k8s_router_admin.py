@@ -112,7 +112,8 @@ def test_router_pods_admin_port_is_open_only_to_the_operator_and_metrics_namespa
 ) -> None:
     """Issue 44: before, no NetworkPolicy selected the router pods, so any pod of any
     namespace reached 8083. Now the public port is open to all, the admin port only to
-    the operator's pods (its namespace from the downward API) and metricsNamespaces."""
+    the operator's pods (its namespace from the downward API), the service's own router
+    pods (per-key budget calls between replicas) and metricsNamespaces."""
     monkeypatch.setenv("PDSERVE_OPERATOR_NAMESPACE", "pdserve-system")
     obj = minimal_llmservice(
         router={"apiKeySecret": KEY}, networkPolicy={"metricsNamespaces": ["monitoring"]}
@@ -130,7 +131,12 @@ def test_router_pods_admin_port_is_open_only_to_the_operator_and_metrics_namespa
     admin = [r for r in policy["ingress"] if _reaches(r, args.admin_port)]
     assert admin and all(r.get("from") for r in admin)  # never an open "from"
     namespaces = [
-        (src["namespaceSelector"]["matchExpressions"][0]["values"], src.get("podSelector"))
+        (
+            src["namespaceSelector"]["matchExpressions"][0]["values"]
+            if "namespaceSelector" in src
+            else "its own namespace",
+            src.get("podSelector"),
+        )
         for r in admin
         for src in r["from"]
     ]
@@ -140,7 +146,12 @@ def test_router_pods_admin_port_is_open_only_to_the_operator_and_metrics_namespa
             "app.kubernetes.io/component": "operator",
         }
     }
-    assert namespaces == [(["pdserve-system"], operator), (["monitoring"], None)]
+    routers = {"matchLabels": policy["podSelector"]["matchLabels"]}  # budget calls
+    assert namespaces == [
+        (["pdserve-system"], operator),
+        ("its own namespace", routers),
+        (["monitoring"], None),
+    ]
     # picker mode: the picker's gRPC port is the public one, the admin port stays closed
     obj["spec"]["router"]["mode"] = "endpointPicker"
     m = {f"{c['kind']}/{c['metadata']['name']}": c for c in render(obj)}
