@@ -228,3 +228,19 @@ async def test_lane_peer_is_believed_only_with_the_token() -> None:
     seen = _echo_scope.seen  # type: ignore[attr-defined]
     assert seen["client"] == ("::1", 7) and seen["server"] == ("0.0.0.0", 8000)
     assert seen["headers"] == []
+
+
+def test_without_the_module_the_python_lane_serves_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No cargo at setup (or a failed build): --fast-lane logs why and changes nothing."""
+    import sys
+
+    from pdserve.router import main
+
+    monkeypatch.setitem(sys.modules, "pdserve_lane", None)  # the import fails
+    args = main.argparse.Namespace(fast_lane=True, host="127.0.0.1", port=0)
+    with caplog.at_level("WARNING"):
+        assert main._fast_lane(args, False) is None
+    assert "the compiled lane is not installed" in caplog.text
+    assert "serving on the Python lane" in caplog.text
