@@ -19,11 +19,15 @@ answers again or leaves the peer list (kubernetes: its endpoint leaves the route
 Service's EndpointSlices and its keys move to the next peer by the same hash).
 
 When a key's owner changes (a peer joins or leaves), the requests the replicas still hold
-for it are counted at the new owner before it admits more (``adopt``: each replica sends
-its own in-flight counts for the keys it holds whose owner changed), and the new owner's
-buckets for keys it did not hold start empty for one refill period after a change of the
-peer list (``SETTLE_S``): what the old owner's buckets already let through plus what the
-new one admits stays within one bucket's bound.
+for it are counted at the new owner (``adopt``: each replica sends its own in-flight
+counts for the keys it holds whose owner changed, once it sees the change); the new owner
+admits nothing new for a key that moved to it until one arrives or ``ADOPT_WAIT_S`` has
+passed (a 503 with ``Retry-After``); and its buckets for keys it did not hold start empty
+for one refill period after a change of the peer list (``SETTLE_S``): what the old
+owner's buckets already let through plus what the new one admits stays within one
+bucket's bound. What is left: a replica that sees the change later than ``ADOPT_WAIT_S``
+(a slow watch) sends its adopt late, and meanwhile the key can be over its cap by that
+replica's requests in flight.
 
 Peers: ``--budget-peers URL,...`` (each replica's base URL, this one's included, named by
 ``--budget-self``), or ``kubernetes``: the ready endpoints of the router's own Service
@@ -57,6 +61,7 @@ log = logging.getLogger(__name__)
 PATH = "/internal/budget"
 CALL_TIMEOUT_S = 1.0  # an owner slower than this is unreachable: 503
 SETTLE_S = 60.0  # after a peer-list change, new buckets start empty this long
+ADOPT_WAIT_S = 2.0  # a key that just moved here admits nothing new this long (adopts arrive)
 REQUEST, TOKENS, ENTER, LEAVE, ADOPT = "request", "tokens", "enter", "leave", "adopt"
 OPS = (REQUEST, TOKENS, ENTER, LEAVE, ADOPT)
 MAX_BODY = 4096
@@ -82,6 +87,11 @@ def base_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+def http_url(address: str, port: int) -> str:
+    """``http://address:port``, an IPv6 address in brackets."""
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+
+
 def own_url(given: str, admin_port: int) -> str:
     """This replica's URL among the peers: ``--budget-self``, else (kubernetes) the pod's
     address from the downward API (``POD_IP``, operator/render_deployments.py) at
@@ -93,7 +103,16 @@ def own_url(given: str, admin_port: int) -> str:
         raise ValueError(
             "--budget-peers kubernetes needs POD_IP and --admin-port, or --budget-self"
         )
-    return f"http://{f'[{pod_ip}]' if ':' in pod_ip else pod_ip}:{admin_port}"
+    return http_url(pod_ip, admin_port)
+
+
+def budget_moving() -> APIError:
+    return APIError(
+        503,
+        "this API key's budget is moving between router replicas; retry in a second",
+        code="budget_moving",
+        headers={"Retry-After": "1"},
+    )
 
 
 def owner_unreachable(owner: str) -> APIError:
@@ -125,6 +144,8 @@ class PeerBudgets:
         self.counts: LocalCounts | SharedLimits = shared if shared is not None else LocalCounts()
         self.verifier = signing.Verifier(ring)
         self.peers: tuple[str, ...] = ()
+        self.previous: tuple[str, ...] = ()  # the list before the last change
+        self.adopted: set[str] = set()  # ids whose in-flight counts came since the change
         self.changed_at = -math.inf
         self.held: dict[str, int] = {}  # id -> this replica's requests in flight
         self.owners: dict[str, str] = {}  # id -> the owner it was counted at
@@ -142,7 +163,8 @@ class PeerBudgets:
         if new == self.peers:
             return
         log.info("budget peers: %s", ", ".join(new))
-        self.peers, self.changed_at = new, self.clock()
+        self.previous, self.peers, self.changed_at = self.peers, new, self.clock()
+        self.adopted.clear()
         for cid, n in list(self.held.items()) if new else ():
             owner = owner_of(cid, new)
             if owner != self.owners.get(cid):
@@ -154,7 +176,7 @@ class PeerBudgets:
 
     def listen_endpoints(self, port: int) -> Callable[[list[str]], None]:
         """A listener for the router Service's ready addresses (kubernetes peers)."""
-        return lambda addresses: self.set_peers([f"http://{a}:{port}" for a in addresses])
+        return lambda addresses: self.set_peers([http_url(a, port) for a in addresses])
 
     # -- a request's calls --------------------------------------------------------------
     async def take_request(self, client: str) -> None:
@@ -220,22 +242,37 @@ class PeerBudgets:
                 else:
                     self.limiter.take_tokens(cid, n)
             elif op == ENTER:
+                if self._moving(cid):
+                    return budget_moving()
                 if self.cap and not self.counts.enter(cid, self.cap):
                     return concurrency_limit(self.cap)
             elif op == LEAVE:
                 self.counts.leave(cid)
             elif op == ADOPT:  # requests already in flight: counted, never refused
+                self.adopted.add(cid)
                 for _ in range(max(min(n, 1 << 16), 0)):
                     self.counts.enter(cid, 0)
         except APIError as err:
             return err
         return None
 
+    def _moving(self, cid: str) -> bool:
+        """Whether ``cid`` came to this replica from another owner within ADOPT_WAIT_S:
+        the other replicas' requests still in flight for it may not be counted here yet
+        (each sends its ``adopt`` once it sees the change), so nothing new is admitted."""
+        if not self.previous or self.clock() - self.changed_at >= ADOPT_WAIT_S:
+            return False
+        return cid not in self.adopted and owner_of(cid, self.previous) != self.self_url
+
     def _settle(self, cid: str) -> None:
         """Soon after a change of the peer list a key may have come from another owner
-        whose bucket was spent: its first bucket here starts empty, not full."""
-        if self.clock() - self.changed_at < SETTLE_S:
-            self.limiter.start_empty(cid, self.clock())
+        whose bucket was spent: its first bucket here starts empty, not full (a key this
+        replica owned before keeps its own; after a start every key starts empty: this
+        replica's buckets before a restart are lost)."""
+        if self.clock() - self.changed_at >= SETTLE_S:
+            return
+        if not self.previous or owner_of(cid, self.previous) != self.self_url:
+            self.limiter.start_empty(cid, self.limiter.clock())
 
     async def handle(self, request: Request) -> Response:
         """``POST /internal/budget`` from another replica (the router's app)."""

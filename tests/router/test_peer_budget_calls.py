@@ -137,3 +137,60 @@ async def test_a_picker_replica_answers_the_budget_calls_on_its_admin_port() -> 
         await caller.close()
         assert picker._metrics is not None
         await picker._metrics.cleanup()
+
+
+def test_kubernetes_peers_are_the_services_ready_addresses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--budget-peers kubernetes``: this replica is ``$POD_IP`` at the admin port, the
+    peers the router Service's ready addresses (IPv6 in brackets), none until the watch
+    says (every call a 503 meanwhile, never a lone replica owning every key)."""
+    from pdserve.router.peer_budgets import PeerBudgets, own_url
+    from pdserve.router.ratelimit import RateLimiter
+
+    monkeypatch.setenv("POD_IP", "fd00::5")
+    me = own_url("", 8083)
+    assert me == "http://[fd00::5]:8083"
+    monkeypatch.delenv("POD_IP")
+    with pytest.raises(ValueError, match="POD_IP"):
+        own_url("", 8083)
+    ring = keys.KeyRing(keys.ROUTER_PEER, "peers")
+    budgets = PeerBudgets(me, (), RateLimiter(0, 0), 1, ring)
+    with pytest.raises(APIError) as err:
+        asyncio.run(budgets.enter("key:a"))
+    assert err.value.status == 503
+    budgets.listen_endpoints(8083)(["fd00::5", "fd00::6"])
+    assert budgets.peers == ("http://[fd00::5]:8083", "http://[fd00::6]:8083")
+
+
+def test_a_key_that_moved_admits_nothing_new_until_its_in_flight_count_can_arrive() -> None:
+    """A new owner does not know the old owner's count: for ADOPT_WAIT_S it refuses new
+    requests of a key that moved to it (503, retry) unless the others' in-flight counts
+    (adopt) came, and its buckets for such a key start empty; keys it owned before are
+    neither held nor emptied."""
+    from pdserve.router import peer_budgets as pb
+    from pdserve.router.ratelimit import RateLimiter
+
+    now = [100.0]
+    a, b, c = "http://10.0.0.1:8083", "http://10.0.0.2:8083", "http://10.0.0.3:8083"
+    ring = keys.KeyRing(keys.ROUTER_PEER, "peers")
+    me = pb.PeerBudgets(a, (a, b, c), RateLimiter(0, 0), 1, ring, clock=lambda: now[0])
+    moved = next(  # a key of c's that moves to this replica when c leaves
+        k
+        for i in range(1000)
+        if owner_of(budget_id(k := f"key:{i}"), sorted([a, b, c])) == c
+        and owner_of(budget_id(k), [a, b]) == a
+    )
+    mine = _owned_by([a, b, c], a)
+    me.set_peers((a, b))  # c left
+    assert me.apply(pb.ENTER, budget_id(mine), 1) is None  # owned before: no wait
+    err = me.apply(pb.ENTER, budget_id(moved), 1)
+    assert err is not None and err.code == "budget_moving" and err.status == 503
+    now[0] += pb.ADOPT_WAIT_S
+    assert me.apply(pb.ENTER, budget_id(moved), 1) is None
+    # Buckets: a key that moved here starts empty for SETTLE_S, one owned before full.
+    rated = pb.PeerBudgets(a, (a, b, c), RateLimiter(2, 0), 0, ring, clock=lambda: now[0])
+    rated.set_peers((a, b))
+    assert rated.apply(pb.REQUEST, budget_id(mine), 1) is None
+    err = rated.apply(pb.REQUEST, budget_id(moved), 1)
+    assert err is not None and err.status == 429
