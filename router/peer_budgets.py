@@ -47,7 +47,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -56,6 +55,7 @@ from pdserve.router.admission import LocalCounts, concurrency_limit
 from pdserve.router.errors import APIError
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.shared_limits import SharedLimits
+from pdserve.worker_calls.http1 import CallFailed, WorkerPool
 
 log = logging.getLogger(__name__)
 PATH = "/internal/budget"
@@ -63,8 +63,10 @@ CALL_TIMEOUT_S = 1.0  # an owner slower than this is unreachable: 503
 SETTLE_S = 60.0  # after a peer-list change, new buckets start empty this long
 ADOPT_WAIT_S = 2.0  # a key that just moved here admits nothing new this long (adopts arrive)
 REQUEST, TOKENS, ENTER, LEAVE, ADOPT = "request", "tokens", "enter", "leave", "adopt"
-OPS = (REQUEST, TOKENS, ENTER, LEAVE, ADOPT)
+ACQUIRE, RELEASE = "acquire", "release"  # request + enter in one call; leaves in a batch
+OPS = (REQUEST, TOKENS, ENTER, LEAVE, ADOPT, ACQUIRE, RELEASE)
 MAX_BODY = 4096
+RELEASE_BATCH = 64  # keys given back in one call at most (64 ids fit in MAX_BODY)
 KUBERNETES = "kubernetes"  # --budget-peers: the router Service's ready endpoints
 
 
@@ -149,7 +151,9 @@ class PeerBudgets:
         self.changed_at = -math.inf
         self.held: dict[str, int] = {}  # id -> this replica's requests in flight
         self.owners: dict[str, str] = {}  # id -> the owner it was counted at
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: WorkerPool | None = None  # keep-alive HTTP/1.1 to the peers, signed
+        self._releases: dict[str, dict[str, int]] = {}  # owner -> id -> give-backs waiting
+        self._releasing: set[str] = set()  # owners a give-back call is on the way to
         self._tasks: set[asyncio.Task[None]] = set()
         self.set_peers(peers)
         self.changed_at = -math.inf  # the first list is no change
@@ -193,6 +197,15 @@ class PeerBudgets:
         self.held[cid] = self.held.get(cid, 0) + 1
         self.owners[cid] = owner
 
+    async def acquire(self, client: str) -> None:
+        """``take_request`` then ``enter`` in one call to the key's owner: its requests
+        bucket, then one more request in flight (the same refusals in the same order:
+        a request refused at the cap has taken its request as before)."""
+        cid = budget_id(client)
+        owner = await self._call(ACQUIRE, cid, 1)
+        self.held[cid] = self.held.get(cid, 0) + 1
+        self.owners[cid] = owner
+
     def leave(self, client: str) -> None:
         """One of ``client``'s requests ended: given back at its owner (in the background
         for a remote one; a lost call leaves the owner's count high, never low)."""
@@ -207,7 +220,31 @@ class PeerBudgets:
         if owner == self.self_url:
             self.counts.leave(cid)
         elif owner:
-            self._background(self._send(owner, LEAVE, cid, 1))
+            self._release_later(owner, cid)
+
+    def _release_later(self, owner: str, cid: str) -> None:
+        """A give-back to ``owner``: sent at once when no give-back to it is on the way,
+        else with every other that comes meanwhile in the next call (at most
+        RELEASE_BATCH keys a call). No timer and no wait when calls are rare; one call for
+        many when they are not. Late only keeps the owner's count high a moment: it
+        refuses early, never admits over the cap."""
+        waiting = self._releases.setdefault(owner, {})
+        waiting[cid] = waiting.get(cid, 0) + 1
+        if owner not in self._releasing:
+            self._releasing.add(owner)
+            self._background(self._release_all(owner))
+
+    async def _release_all(self, owner: str) -> None:
+        try:
+            while waiting := self._releases.pop(owner, None):
+                batch = dict(list(waiting.items())[:RELEASE_BATCH])
+                if len(batch) < len(waiting):
+                    self._releases[owner] = {
+                        c: k for c, k in waiting.items() if c not in batch
+                    } | self._releases.get(owner, {})
+                await self._send_body(owner, {"op": RELEASE, "ids": batch})
+        finally:
+            self._releasing.discard(owner)
 
     async def _call(self, op: str, cid: str, n: int) -> str:
         if not self.peers:
@@ -235,6 +272,9 @@ class PeerBudgets:
     def apply(self, op: str, cid: str, n: int) -> APIError | None:
         """``op`` on this replica's counters of ``cid``: None, or the refusal."""
         try:
+            if op == ACQUIRE:
+                err = self.apply(REQUEST, cid, 1)
+                return err if err is not None else self.apply(ENTER, cid, 1)
             if op in (REQUEST, TOKENS):
                 self._settle(cid)
                 if op == REQUEST:
@@ -246,8 +286,9 @@ class PeerBudgets:
                     return budget_moving()
                 if self.cap and not self.counts.enter(cid, self.cap):
                     return concurrency_limit(self.cap)
-            elif op == LEAVE:
-                self.counts.leave(cid)
+            elif op in (LEAVE, RELEASE):
+                for _ in range(max(min(n, 1 << 16), 1)):
+                    self.counts.leave(cid)
             elif op == ADOPT:  # requests already in flight: counted, never refused
                 self.adopted.add(cid)
                 for _ in range(max(min(n, 1 << 16), 0)):
@@ -284,6 +325,33 @@ class PeerBudgets:
         )
         return JSONResponse(body, status_code=status, headers=headers)
 
+    async def asgi(self, scope: Any, receive: Any, send: Any) -> None:
+        """``POST /internal/budget`` as a bare ASGI call: the router's direct lane
+        (router/app.py), past FastAPI's routing and its per-call parameter copies, which
+        cost more CPU than the call's own work."""
+        auth = host = None
+        for name, value in scope["headers"]:
+            if name == signing.HEADER_KEY:
+                auth = value.decode("latin-1")
+            elif name == b"host":
+                host = value.decode("latin-1")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                yield message.get("body", b"")
+                if not message.get("more_body"):
+                    return
+
+        status, body, headers = await self.answer(auth, host or "", scope["path"], chunks())
+        raw = json.dumps(body).encode()
+        head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(raw))]
+        head += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        await send({"type": "http.response.start", "status": status, "headers": head})
+        await send({"type": "http.response.body", "body": raw})
+
     async def answer(
         self, auth: str | None, host: str, path: str, chunks: AsyncIterator[bytes]
     ) -> tuple[int, dict[str, Any], dict[str, str]]:
@@ -309,12 +377,18 @@ class PeerBudgets:
             return 401, {"error": verdict.reason}, {}
         try:
             body = json.loads(raw)
-            op, cid, n = body["op"], str(body["id"]), int(body.get("n", 1))
-        except (ValueError, KeyError, TypeError):
+            op = body["op"]
+            if op == RELEASE:  # a batch of give-backs: {"ids": {id: n}}
+                calls = [(str(c), int(k)) for c, k in dict(body["ids"]).items()]
+            else:
+                calls = [(str(body["id"]), int(body.get("n", 1)))]
+        except (ValueError, KeyError, TypeError, AttributeError):
             return 400, {"error": "bad budget call"}, {}
-        if op not in OPS or len(cid) != 32:
+        if op not in OPS or not calls or any(len(cid) != 32 for cid, _ in calls):
             return 400, {"error": f"bad budget op {op!r}"}, {}
-        err = self.apply(op, cid, n)
+        err = None
+        for cid, n in calls:
+            err = self.apply(op, cid, n)
         out: dict[str, Any] = {"error": None}
         if err is not None:
             retry = (err.headers or {}).get("Retry-After")
@@ -329,35 +403,27 @@ class PeerBudgets:
     # -- calls to another replica -------------------------------------------------------
     async def _send(self, owner: str, op: str, cid: str, n: int) -> dict[str, Any] | None:
         """The owner's answer, or None when it does not answer or cannot prove the key."""
-        body = json.dumps({"op": op, "id": cid, "n": n}).encode()
-        host = urlsplit(owner).netloc
-        auth = signing.sign(self.ring, "POST", PATH, body, host=host)
-        headers = {signing.HEADER: auth, "Host": host, "Content-Type": "application/json"}
+        return await self._send_body(owner, {"op": op, "id": cid, "n": n})
+
+    async def _send_body(self, owner: str, call: dict[str, Any]) -> dict[str, Any] | None:
+        """One signed POST on a kept-alive connection to ``owner`` (the workers' HTTP/1.1
+        pool, pdserve/worker_calls/http1.py: signed for the owner's address, its reply
+        believed only with the proof), within CALL_TIMEOUT_S in all."""
+        if self._pool is None:
+            self._pool = WorkerPool(self.ring)
         try:
-            session = self._session_now()
-            async with session.post(
-                owner + PATH,
-                data=body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S),
-            ) as resp:
-                reply = await resp.read()
-                proved = signing.proof_ok(self.ring, auth, resp.headers.get(signing.PROOF_HEADER))
-                if resp.status != 200 or not proved:
-                    log.warning("budget owner %s refused a call (%d)", owner, resp.status)
-                    return None
-                out = json.loads(reply)
-                return out if isinstance(out, dict) else None
-        except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                resp = await self._pool.post(owner, PATH, json.dumps(call).encode(), CALL_TIMEOUT_S)
+                async with resp:
+                    reply = await resp.read()
+            if resp.status != 200:
+                log.warning("budget owner %s refused a call (%d)", owner, resp.status)
+                return None
+            out = json.loads(reply)
+            return out if isinstance(out, dict) else None
+        except (CallFailed, TimeoutError, ValueError, OSError) as exc:
             log.warning("budget owner %s unreachable: %s", owner, exc)
             return None
-
-    def _session_now(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), raise_for_status=False
-            )
-        return self._session
 
     def _background(self, call: Any) -> None:
         async def run() -> None:
@@ -368,7 +434,7 @@ class PeerBudgets:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
-        if self._tasks:
+        if self._tasks:  # the give-backs on the way (and those waiting behind them)
             await asyncio.wait(set(self._tasks), timeout=CALL_TIMEOUT_S)
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            await self._pool.close()
