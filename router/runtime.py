@@ -242,10 +242,12 @@ class Runtime:
             self.peers.leave(client)
 
     async def take_tokens(self, client: str, n: int) -> None:
-        """The key's tokens bucket: here, or at its owner with --budget-peers."""
+        """The key's tokens bucket: here, or at its owner with --budget-peers (no call
+        without --rate-limit-tpm: every replica runs the same limits, and the owner's
+        bucket would take nothing)."""
         if self.peers is None:
             self.limiter.take_tokens(client, n)
-        else:
+        elif self.cfg.rate_limit_tpm:
             await self.peers.take_tokens(client, n)
 
     # -- accounting --------------------------------------------------------------------
