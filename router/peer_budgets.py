@@ -237,14 +237,21 @@ class PeerBudgets:
     async def _release_all(self, owner: str) -> None:
         try:
             while waiting := self._releases.pop(owner, None):
-                batch = dict(list(waiting.items())[:RELEASE_BATCH])
-                if len(batch) < len(waiting):
-                    self._releases[owner] = {
-                        c: k for c, k in waiting.items() if c not in batch
-                    } | self._releases.get(owner, {})
+                batch = self._batch(owner, waiting)
                 await self._send_body(owner, {"op": RELEASE, "ids": batch})
         finally:
             self._releasing.discard(owner)
+
+    def _batch(self, owner: str, waiting: dict[str, int]) -> dict[str, int]:
+        """At most RELEASE_BATCH of ``waiting``; the rest wait again for ``owner``."""
+        if len(waiting) <= RELEASE_BATCH:
+            return waiting
+        items = list(waiting.items())
+        rest = dict(items[RELEASE_BATCH:])
+        for c, k in self._releases.get(owner, {}).items():
+            rest[c] = rest.get(c, 0) + k
+        self._releases[owner] = rest
+        return dict(items[:RELEASE_BATCH])
 
     async def _call(self, op: str, cid: str, n: int) -> str:
         if not self.peers:
@@ -255,8 +262,12 @@ class PeerBudgets:
             if err is not None:
                 raise err
             return owner
-        reply = await self._send(owner, op, cid, n)
-        if reply is None:
+        call: dict[str, Any] = {"op": op, "id": cid, "n": n}
+        waiting = self._releases.pop(owner, None) if op == ACQUIRE else None
+        if waiting:  # give-backs queued behind one on its way: they ride this call
+            call["release"] = self._batch(owner, waiting)
+        reply = await self._send_body(owner, call)
+        if reply is None:  # the give-backs it carried may be lost: counts high, never low
             raise owner_unreachable(owner)
         if reply.get("error"):
             e = reply["error"]
@@ -379,16 +390,18 @@ class PeerBudgets:
             body = json.loads(raw)
             op = body["op"]
             if op == RELEASE:  # a batch of give-backs: {"ids": {id: n}}
-                calls = [(str(c), int(k)) for c, k in dict(body["ids"]).items()]
-            else:
-                calls = [(str(body["id"]), int(body.get("n", 1)))]
+                calls = [(op, str(c), int(k)) for c, k in dict(body["ids"]).items()]
+            else:  # give-backs that rode an acquire go first (those requests ended)
+                ridden = dict(body.get("release") or {}) if op == ACQUIRE else {}
+                calls = [(RELEASE, str(c), int(k)) for c, k in ridden.items()]
+                calls.append((op, str(body["id"]), int(body.get("n", 1))))
         except (ValueError, KeyError, TypeError, AttributeError):
             return 400, {"error": "bad budget call"}, {}
-        if op not in OPS or not calls or any(len(cid) != 32 for cid, _ in calls):
+        if op not in OPS or not calls or any(len(cid) != 32 for _, cid, _ in calls):
             return 400, {"error": f"bad budget op {op!r}"}, {}
         err = None
-        for cid, n in calls:
-            err = self.apply(op, cid, n)
+        for what, cid, n in calls:
+            err = self.apply(what, cid, n)
         out: dict[str, Any] = {"error": None}
         if err is not None:
             retry = (err.headers or {}).get("Retry-After")

@@ -136,3 +136,27 @@ async def test_give_backs_on_the_way_refuse_early_and_never_admit_over_the_cap()
         await _settled(b.budgets)
         assert most == 1
         assert all(owner.budgets.counts.count(pb.budget_id(k)) == 0 for k in keys)
+
+
+async def test_give_backs_waiting_behind_one_on_its_way_ride_the_next_acquire() -> None:
+    async with replicas(2, cap=1) as reps:
+        owner, me = reps
+        keys = _keys_of([r.url for r in reps], owner.url, 3)
+        for k in keys:
+            await me.budgets.acquire(k)
+        calls, ops = _watch(owner)
+        me.budgets.leave(keys[0])
+        await asyncio.sleep(0)  # its give-back is on its way
+        me.budgets.leave(keys[1])  # these two wait behind it...
+        me.budgets.leave(keys[2])
+        await me.budgets.acquire(keys[1])  # ...and go first in this call: admitted at a cap of 1
+        await _settled(me.budgets)
+        assert len(calls) == 2, ops
+        ids = [pb.budget_id(k) for k in keys]
+        assert [(op, cid) for op, cid, _ in ops if op in (pb.RELEASE, pb.ACQUIRE)] == [
+            (pb.RELEASE, ids[0]),
+            (pb.RELEASE, ids[1]),
+            (pb.RELEASE, ids[2]),
+            (pb.ACQUIRE, ids[1]),
+        ]
+        assert [owner.budgets.counts.count(i) for i in ids] == [0, 1, 0]
