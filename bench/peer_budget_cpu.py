@@ -4,9 +4,10 @@ issue 47, issue 44 item 6), both ends together, in one process on loopback.
 Two replicas' budget owners, each behind a real uvicorn server on loopback answering on the
 router's bare-ASGI lane (``PeerBudgets.asgi``), as ``pdserve router`` does; one of them
 makes ``--requests`` requests' budget calls in turn for one key the other owns (``remote``)
-and for one it owns itself (``local``, no call), and ``time.process_time`` over the whole
-process (caller, owner, the give-backs it waits for) divided by the requests is the figure:
-CPU seconds, meaningful on a shared host where wall time is not.
+and for one it owns itself (``local``, no call), and the remote key's again
+``CONCURRENT`` at a time (``remote_x16``: give-backs share calls); ``time.process_time``
+over the whole process (caller, owner, the give-backs it waits for) divided by the
+requests is the figure: CPU seconds, meaningful on a shared host where wall time is not.
 
 The named baseline, ``calls``: the same requests made as the router made them before one
 ``acquire`` (issue 47): the requests bucket, the count in flight and the tokens bucket as
@@ -14,7 +15,8 @@ three calls whatever limits were set, each give-back its own call, on this trans
 ``--old-module FILE`` (e.g. ``git show 1fc8093:router/peer_budgets.py > old.py``) adds
 the old module as a second baseline (its aiohttp client and a FastAPI route).
 
-Last stdout line: JSON with CPU-µs per request for each (case, limits) and the ratios
+Last stdout line: JSON with CPU-µs per request for each (case, limits), the owner's
+calls answered per request (``..._calls``), and the ratios
 ``now / calls`` (and ``now / old``).
 
     python bench/peer_budget_cpu.py --requests 500
@@ -46,6 +48,8 @@ from pdserve.router.ratelimit import RateLimiter  # noqa: E402
 from pdserve.testing.loopback import free_port  # noqa: E402
 from pdserve.testing.peer_replicas import _app  # noqa: E402
 from pdserve.testing.router_fakes import serve  # noqa: E402
+
+CONCURRENT = 16  # requests of the key at once in the concurrent case
 
 
 def _old_app(budgets: Any) -> FastAPI:
@@ -88,19 +92,36 @@ async def _measure(way: str, pb: ModuleType, n: int) -> dict[str, float]:
                 if (pb.owner_of(pb.budget_id(c := f"key:{i}"), peers) == me.self_url) == local
             )
 
-        for case, client in (("remote", key(False)), ("local", key(True))):
+        owner = budgets[1]
+        calls = [0]
+        answer = owner.answer
+
+        async def counted(*a: Any) -> Any:
+            calls[0] += 1
+            return await answer(*a)
+
+        owner.answer = counted
+        cases = [("remote", key(False), 1), ("local", key(True), 1)]
+        cases.append((f"remote_x{CONCURRENT}", key(False), CONCURRENT))
+        for case, client, together in cases:
             for tpm in (False, True):
                 for _ in range(30):  # connections open, code warm
                     await _one(way, me, client, tpm)
                 while me._tasks:
                     await asyncio.sleep(0.001)
-                start = time.process_time()
-                for _ in range(n):
-                    await _one(way, me, client, tpm)
+                start, calls[0] = time.process_time(), 0
+
+                async def run(k: int, client: str = client, tpm: bool = tpm) -> None:
+                    for _ in range(k):
+                        await _one(way, me, client, tpm)
+
+                await asyncio.gather(*(run(n // together) for _ in range(together)))
                 while me._tasks:
                     await asyncio.sleep(0.001)
+                done = n // together * together
                 limits = "cap_rpm_tpm" if tpm else "cap_rpm"
-                out[f"{case}_{limits}"] = round((time.process_time() - start) / n * 1e6, 1)
+                out[f"{case}_{limits}"] = round((time.process_time() - start) / done * 1e6, 1)
+                out[f"{case}_{limits}_calls"] = round(calls[0] / done, 2)
         for b in budgets:
             await b.close()
     return out
