@@ -57,6 +57,7 @@ from pdserve.local.proc_group import end_group  # noqa: E402
 # The paths: --disagg-threshold for each (the prompts are 64 tokens), and who calls the
 # prefill worker on the P/D path (--pd-handoff: pd-chain has the decode worker call it).
 PATHS = {"direct": 100_000, "pd": 0, "pd-chain": 0}
+LANES = ("python", "fast")  # the router's lanes: --fast-lane off / on
 HANDOFF = {"pd-chain": "decode"}
 
 
@@ -93,6 +94,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="rounds, interleaved (every path once per round, a new router each "
         "time); the summary gives each figure's median and range",
+    )
+    p.add_argument(
+        "--lanes",
+        default="python",
+        help="comma list of: python, fast (the router's --fast-lane, the compiled lane); "
+        "both: each path run on each, interleaved, and the fast lane's CPU per request "
+        "over the Python lane's printed (lane_cpu_ratio_fast_over_python)",
     )
     p.add_argument("--profile", default="", help="write the router's cProfile stats here")
     p.add_argument("--procs", type=int, default=1, help="router processes (pdserve router --procs)")
@@ -176,6 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.prompts = args.prompts or ("ids,text" if args.text else "ids")
     if not set(args.prompts.split(",")) <= {"ids", "text"}:
         p.error("--prompts: a comma list of ids, text")
+    if not args.lanes or not set(args.lanes.split(",")) <= set(LANES):
+        p.error("--lanes: a comma list of python, fast")
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
     if args.workers < 1:
@@ -296,6 +306,7 @@ def router_cmd(
     port: int,
     path: str,
     python: str = "",
+    lane: str = "python",
 ) -> list[str]:
     threshold = PATHS[path]
     python = python or args.router_python
@@ -306,6 +317,7 @@ def router_cmd(
         *router_flags(model, urls, port),
         *("--disagg-threshold", str(threshold), "--procs", str(args.procs)),
         *("--pd-handoff", HANDOFF.get(path, "router")),
+        *(["--fast-lane"] if lane == "fast" else []),
     ]
 
 
@@ -392,11 +404,12 @@ async def run_path(
     port: int,
     tree: str,
     python: str = "",
+    lane: str = "python",
 ) -> list[dict[str, Any]]:
-    """One router process for ``path``, run from checkout ``tree`` under ``python``: its
-    token-id phase, then its text phase."""
+    """One router process for ``path`` on ``lane``, run from checkout ``tree`` under
+    ``python``: its token-id phase, then its text phase."""
     url = f"http://127.0.0.1:{port}"
-    cmd = router_cmd(args, model, urls, port, path, python)
+    cmd = router_cmd(args, model, urls, port, path, python, lane)
     out = []
     with child(cmd, env, tree, args.router_cpus) as router:
         async with session() as http:
@@ -408,7 +421,7 @@ async def run_path(
                     run.update(
                         await added_latency(args, http, url, urls, rng, run["rps"] / 2, path)
                     )
-                run = {"path": path, **run}
+                run = {"path": path, **run, **({"lane": lane} if lane != "python" else {})}
                 print(json.dumps(run), file=sys.stderr, flush=True)
                 out.append(run)
     return out
@@ -531,14 +544,17 @@ async def run_floor(args: argparse.Namespace, env: dict[str, str]) -> list[dict[
 
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per path and prompt kind, over the rounds: each figure's median and [min, max]."""
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
     for run in runs:
-        groups.setdefault((run["path"], run["prompt"], run.get("tree", "main")), []).append(run)
+        key = (run["path"], run["prompt"], run.get("tree", "main"), run.get("lane", "python"))
+        groups.setdefault(key, []).append(run)
     out = []
-    for (path, prompt, tree), rs in groups.items():
+    for (path, prompt, tree, lane), rs in groups.items():
         row: dict[str, Any] = {"path": path, "prompt": prompt, "rounds": len(rs)}
         if tree != "main":
             row["tree"] = tree
+        if lane != "python":
+            row["lane"] = lane
         for key in SUMMARY_KEYS:
             xs = [r[key] for r in rs if r.get(key) is not None]
             if xs:
@@ -552,17 +568,49 @@ def headline(summary: list[dict[str, Any]], procs: int) -> dict[str, Any]:
     ``router_cpu_us_pd`` by prompt kind, the default P/D path's router CPU per request,
     and ``wall_req_per_s_per_proc`` by path and prompt kind, the measured requests/s over
     the router processes (with ``router_busy`` beside it: whose limit it was)."""
-    mine = [r for r in summary if "tree" not in r and not r["path"].startswith("floor")]
-    cpu = {r["prompt"]: r["router_cpu_us_per_req"]["median"] for r in mine if r["path"] == "pd"}
-    wall = {f"{r['path']}/{r['prompt']}": round(r["rps"]["median"] / procs, 1) for r in mine}
-    busy = {f"{r['path']}/{r['prompt']}": r["router_busy"]["median"] for r in mine}
-    return {"router_cpu_us_pd": cpu, "wall_req_per_s_per_proc": wall, "router_busy": busy}
+    out: dict[str, Any] = {}
+    for lane in LANES:
+        mine = [
+            r
+            for r in summary
+            if "tree" not in r
+            and r.get("lane", "python") == lane
+            and not r["path"].startswith("floor")
+        ]
+        if not mine and lane != "python":
+            continue
+        tail = "" if lane == "python" else f"_{lane}"  # the Python lane's keys as before
+        cpu = {r["prompt"]: r["router_cpu_us_per_req"]["median"] for r in mine if r["path"] == "pd"}
+        wall = {f"{r['path']}/{r['prompt']}": round(r["rps"]["median"] / procs, 1) for r in mine}
+        busy = {f"{r['path']}/{r['prompt']}": r["router_busy"]["median"] for r in mine}
+        out[f"router_cpu_us_pd{tail}"] = cpu
+        out[f"wall_req_per_s_per_proc{tail}"] = wall
+        out[f"router_busy{tail}"] = busy
+    rows = {
+        (r["path"], r["prompt"], r.get("lane", "python")): r for r in summary if "tree" not in r
+    }
+    ratio = {
+        f"{path}/{prompt}": round(
+            row["router_cpu_us_per_req"]["median"]
+            / rows[(path, prompt, "python")]["router_cpu_us_per_req"]["median"],
+            3,
+        )
+        for (path, prompt, lane), row in rows.items()
+        if lane == "fast" and (path, prompt, "python") in rows
+    }
+    if ratio:  # below 1: the compiled lane is cheaper
+        out["lane_cpu_ratio_fast_over_python"] = ratio
+    return out
 
 
 def compare(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per path and prompt kind run from both trees: main's median CPU per request over
     the compared tree's (below 1: main is cheaper)."""
-    rows = {(r["path"], r["prompt"], r.get("tree", "main")): r for r in summary}
+    rows = {
+        (r["path"], r["prompt"], r.get("tree", "main")): r
+        for r in summary
+        if r.get("lane", "python") == "python"
+    }
     out = []
     for (path, prompt, tree), row in rows.items():
         other = rows.get((path, prompt, "compare"))
@@ -604,11 +652,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             )
         compared = len(trees) > 1
         for rnd in range(args.repeat):  # interleaved: a drift of the host hits every path
+            lanes = args.lanes.split(",")
+            if rnd % 2:  # the lanes alternate first and second across rounds
+                lanes.reverse()
             for path in args.paths.split(","):
-                for tag, tree, python in trees:
-                    runs = await run_path(args, model, urls, env, path, free_port(), tree, python)
-                    tagged = {"tree": tag} if compared else {}
-                    result["runs"] += [{**r, **tagged, "round": rnd} for r in runs]
+                for lane in lanes:
+                    for tag, tree, python in trees:
+                        port = free_port()
+                        runs = await run_path(
+                            args, model, urls, env, path, port, tree, python, lane
+                        )
+                        tagged = {"tree": tag} if compared else {}
+                        result["runs"] += [{**r, **tagged, "round": rnd} for r in runs]
             if args.floor:
                 result["runs"] += [{**r, "round": rnd} for r in await run_floor(args, env)]
     result["summary"] = summarise(result["runs"])

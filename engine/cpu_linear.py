@@ -62,6 +62,17 @@ weight, to 24 213 us; 6% from 256 rows up), and under a hundred shapes per weigh
 req/s: TTFT p50 / p90 in the first 20 s of load 19.6 / 38.9 ms (was 29-62 / 73-136),
 once warm 9.2-9.8 / 12.7-12.9 ms (was 13-17 / 24-36: the cache had been thrashing too).
 
+bfloat16 on a CPU without bfloat16 instructions (no ``avx512_bf16``, no AMX: oneDNN
+emulates the GEMM on AVX-512): a bfloat16 weight of under ``SMALL_GEMM_MACS`` elements
+keeps a float32 input-major copy instead of a packed one, and every call multiplies by it,
+the input upcast and the output rounded back to bfloat16 (the upcasts are exact and both
+ways sum the products in float32, so the result is a bfloat16 GEMM's up to the order of
+the sums). Measured 2026-12-07 (Intel Xeon, AVX-512 without BF16, one thread, CPU time, us
+a call, packed bfloat16 oneDNN vs this): 128 x 256 at 1 / 16 / 256 rows 24 / 61 / 618 vs
+11 / 19 / 139; 128 x 3,072 (the tiny preset's head) 49 / 487 / 6,994 vs 36 / 122 / 1,629;
+512 x 1,024 57 / 637 / 9,189 vs 60 / 162 / 2,062. Larger weights stay packed in bfloat16
+(a float32 copy of a real model's weights would double their memory).
+
 ``PDSERVE_CPU_LINEAR``: ``auto`` (the rule above, the default), ``blas`` (no oneDNN:
 float32 weights input-major, bfloat16 as they are), ``onednn`` (oneDNN for every call).
 """
@@ -108,13 +119,21 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-        # [out, in] to F.linear, [in, out] in memory; for calls under SMALL_GEMM_MACS
-        self.blas = weight.t().contiguous().t() if blas_copy else None
+        # A small bfloat16 weight on a CPU without bfloat16 instructions: every call runs
+        # on a float32 copy (module docstring, "bfloat16"), so no packed one is kept.
+        self.upcast = blas_copy and weight.dtype != torch.float32
+        self.packed = (
+            None
+            if self.upcast
+            else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        )
+        # [out, in] to F.linear, [in, out] in memory; for calls under BLAS_CALL_MACS
+        self.blas = weight.float().t().contiguous().t() if blas_copy else None
         # A float32 head tied to the embedding: the embedding's own tensor (no copy) for
         # calls of few rows, where MKL's GEMV beats oneDNN's packed GEMM (module docstring).
         self.shared = weight if tied and weight.dtype == torch.float32 else None
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.blas_bias = None if self.bias is None or not self.upcast else self.bias.float()
         self.handle = handle = _free_handle()
 
         def forget(_: object) -> None:
@@ -144,7 +163,7 @@ def call_path(layer: PackedLinear, x: torch.Tensor) -> str:
     """Which weight a call on ``x`` multiplies by: ``blas`` (the input-major copy),
     ``shared`` (a tied head's embedding tensor) or ``onednn`` (the packed one)."""
     macs = x.numel() * layer.out_features
-    if layer.blas is not None and macs < BLAS_CALL_MACS:
+    if layer.blas is not None and (layer.upcast or macs < BLAS_CALL_MACS):
         return "blas"
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if layer.shared is not None and (rows <= SHARED_ROWS or macs < SMALL_GEMM_MACS):
@@ -156,10 +175,14 @@ def _packed_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Ten
     layer = _layers[handle]()
     assert layer is not None, "packed linear of a dropped model"
     path = call_path(layer, x)
+    if layer.upcast:  # bfloat16 in and out, float32 products and sums (exact upcasts)
+        assert layer.blas is not None
+        return F.linear(x.float(), layer.blas, layer.blas_bias).to(x.dtype)
     if path != "onednn":
         weight = layer.blas if path == "blas" else layer.shared
         assert weight is not None
         return F.linear(x, weight, layer.bias)
+    assert layer.packed is not None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     padded = rows_bucket(rows)
     if padded == rows:
@@ -210,7 +233,13 @@ def should_pack(weight: torch.Tensor, mode: str) -> bool:
 
 
 def keeps_blas_copy(weight: torch.Tensor, mode: str) -> bool:
-    return mode == "auto" and weight.dtype == torch.float32 and weight.numel() < SMALL_GEMM_MACS
+    """A small weight keeps a float32 input-major copy: a float32 one for calls of few
+    multiply-adds, a bfloat16 one on a CPU without bfloat16 instructions for every call."""
+    if mode != "auto" or weight.numel() >= SMALL_GEMM_MACS:
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and native_bf16() is False
 
 
 def prepare(model: torch.nn.Module) -> dict[str, int]:
@@ -251,7 +280,7 @@ def prepare(model: torch.nn.Module) -> dict[str, int]:
             else:
                 counts["as_is"] += 1
     logger.info("linear layers: %s", counts)
-    if counts["onednn"] + counts["onednn_tied"] and _bf16_weights(model) and native_bf16() is False:
+    if _bf16_packed(model) and native_bf16() is False:
         logger.warning(
             "bfloat16 weights on a CPU without avx512_bf16 or amx_bf16: oneDNN emulates "
             "the GEMMs (2-4x float32's time at 16-64 rows); --dtype float32 is faster here"
@@ -259,5 +288,9 @@ def prepare(model: torch.nn.Module) -> dict[str, int]:
     return counts
 
 
-def _bf16_weights(model: torch.nn.Module) -> bool:
-    return any(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in model.parameters())
+def _bf16_packed(model: torch.nn.Module) -> bool:
+    """Some bfloat16 weight is multiplied by oneDNN (not by its float32 copy)."""
+    return any(
+        isinstance(m, PackedLinear) and m.packed is not None and m.packed.dtype == torch.bfloat16
+        for m in model.modules()
+    )

@@ -71,10 +71,15 @@ def create_app(
         holder["rt"] = rt
         app.state.runtime = rt
         await rt.start()
+        # --fast-lane: the compiled lane on the public socket (router/fast_lane.py)
+        setup = getattr(app.state, "lane_setup", None)
+        lane = app.state.lane = setup.start(rt) if setup is not None else None
         freeze_heap()
         try:
             yield
         finally:
+            if lane is not None:
+                lane.close()
             await rt.close()
 
     app = RouterApp(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None)

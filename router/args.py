@@ -74,6 +74,13 @@ class RouterArgs:
         "clients and load balancers keep theirs: docs/router.md)",
         group=SERVE,
     )
+    fast_lane: bool = flag(
+        False,
+        "serve POST /v1/completions (one choice, no logprobs) with the compiled lane "
+        "(rust/router_lane/, built by scripts/setup.sh); every other request on the "
+        "Python lane behind it; without the module the Python lane serves all, and says so",
+        group=SERVE,
+    )
     prefill: tuple[str, ...] = flag(
         (), "prefill worker URLs", group=WORKERS, short=True, metavar="URL", many="extend"
     )

@@ -44,11 +44,16 @@ async def read_body(request: Request, limit: int, timeout: float = 30.0) -> byte
         async with asyncio.timeout(timeout):
             return await _read_body(request, limit, first)
     except TimeoutError:
-        raise APIError(
-            408,
-            f"the request body did not arrive within {timeout:g} s (--body-timeout)",
-            code="request_timeout",
-        ) from None
+        raise body_timeout(timeout) from None
+
+
+def body_timeout(seconds: float) -> APIError:
+    """The 408 of a body still arriving after ``seconds`` (the compiled lane's too)."""
+    return APIError(
+        408,
+        f"the request body did not arrive within {seconds:g} s (--body-timeout)",
+        code="request_timeout",
+    )
 
 
 async def _whole_body(request: Request, limit: int) -> tuple[bytes, bool]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
+from typing import Any
 
 from pdserve.config_cli import add_flags
 from pdserve.router.args import CLIENT_KEEP_ALIVE_S as CLIENT_KEEP_ALIVE_S
@@ -99,8 +100,17 @@ def serve(args: argparse.Namespace, index: int, metrics_socks: list[socket.socke
     )
     config.app = FlatProxyHeaders(app, config.forwarded_allow_ips)
     # One server on both ports: the app tells the admin port by the request's local port.
-    public = (args.port, args.admin_port) if args.admin_port else (args.port,)
+    public: tuple[int, ...] = (args.port, args.admin_port) if args.admin_port else (args.port,)
+    lane = _fast_lane(args, bool(metrics_socks))
+    if lane is not None:  # the lane takes --port; uvicorn serves loopback behind it
+        from pdserve.router.fast_lane import LanePeer
+
+        app.state.lane_setup = lane
+        config.app = LanePeer(config.app, lane.token, lane.public.getsockname()[:2])
+        public = public[1:]
     socks = [_bind(args.host, p, reuse_port=bool(metrics_socks)) for p in public]
+    if lane is not None:
+        socks.append(lane.backend_socket)  # type: ignore[attr-defined]
     if metrics_socks:  # its own loopback metrics port; the siblings' are theirs
         socks.append(metrics_socks[index])
         for i, s in enumerate(metrics_socks):
@@ -108,6 +118,20 @@ def serve(args: argparse.Namespace, index: int, metrics_socks: list[socket.socke
                 s.close()
     uvicorn.Server(config).run(sockets=socks)
     return 0
+
+
+def _fast_lane(args: argparse.Namespace, reuse_port: bool) -> Any:
+    """--fast-lane: the lane's sockets, or None (off, or the module is not built: the
+    Python lane serves, and says so in the log)."""
+    if not args.fast_lane:
+        return None
+    from pdserve.router import fast_lane
+
+    module = fast_lane.load()
+    if module is None:
+        return None
+    public = _bind(args.host, args.port, reuse_port=reuse_port)
+    return fast_lane.setup(module, public, _bind("127.0.0.1", 0))
 
 
 def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:

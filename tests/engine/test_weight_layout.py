@@ -105,15 +105,52 @@ def test_large_float32_linears_are_packed_and_compute_the_same(bias: bool) -> No
     torch.testing.assert_close(m(x), before, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.skipif(
+needs_onednn_bf16 = pytest.mark.skipif(
     not cpu_linear.onednn_usable(torch.bfloat16), reason="no oneDNN bfloat16 on this CPU"
 )
-def test_bfloat16_linears_are_packed_whatever_their_size() -> None:
+
+
+@needs_onednn_bf16
+def test_bfloat16_linears_are_packed_whatever_their_size_on_a_cpu_with_bf16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: True)
     m = _model(torch.bfloat16)
     x = torch.tensor([[1, 2, 3]])
     before = m(x).float()
     assert prepare(m)["onednn"] == 1
+    assert m[1].packed is not None and m[1].blas is None and not m[1].upcast
     torch.testing.assert_close(m(x).float(), before, rtol=2e-2, atol=2e-2)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_bfloat16_linears_multiply_in_float32_on_a_cpu_without_bf16(
+    monkeypatch: pytest.MonkeyPatch, bias: bool
+) -> None:
+    """No avx512_bf16/AMX: a small bfloat16 weight keeps a float32 copy (no packed one) and
+    every call, few rows or many, multiplies by it: bfloat16 in and out, the products and
+    sums in float32 as a bfloat16 GEMM does them (2-4x faster than oneDNN's emulation)."""
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: False)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=bias).to(torch.bfloat16)
+    m = torch.nn.Sequential(torch.nn.Embedding(10, 64).to(torch.bfloat16), linear)
+    assert prepare(m)["onednn"] == 1
+    layer = m[1]
+    assert isinstance(layer, PackedLinear) and layer.upcast and layer.packed is None
+    assert layer.blas is not None and layer.blas.dtype == torch.float32
+    w32 = linear.weight.detach().float()
+    b32 = None if linear.bias is None else linear.bias.detach().float()
+    for rows in (1, 16, 4096):  # 4,096 x 64 x 96 multiply-adds: past BLAS_CALL_MACS
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        assert call_path(layer, x) == "blas"
+        got = layer(x)
+        assert got.dtype == torch.bfloat16
+        want = torch.nn.functional.linear(x.float(), w32, b32).to(torch.bfloat16)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    big = _big(torch.bfloat16)  # SMALL_GEMM_MACS elements: stays packed in bfloat16
+    prepare(big)
+    assert big[1].packed is not None and big[1].blas is None and not big[1].upcast
 
 
 def _tied(dtype: torch.dtype) -> torch.nn.Sequential:
@@ -279,7 +316,10 @@ def test_bfloat16_packing_warns_on_a_cpu_without_bf16_instructions(
         pytest.skip("no oneDNN bfloat16 on this torch")
     monkeypatch.setattr(cpu_linear, "native_bf16", lambda: False)
     with caplog.at_level("WARNING", logger=cpu_linear.__name__):
-        prepare(_model(torch.bfloat16))
+        prepare(_model(torch.bfloat16))  # small: multiplied in float32, nothing emulated
+    assert "faster here" not in caplog.text
+    with caplog.at_level("WARNING", logger=cpu_linear.__name__):
+        prepare(_big(torch.bfloat16))
     assert "--dtype float32 is faster here" in caplog.text
     caplog.clear()
     monkeypatch.setattr(cpu_linear, "native_bf16", lambda: True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,7 @@ async def start_cluster(
     events: bool = True,
     http: Any = CoalescingHttpTools,
     fakes: MakeFakes | None = None,
+    lane: bool = False,
     **cfg: Any,
 ) -> AsyncIterator[Cluster]:
     """A router over ``n_prefill`` + ``n_decode`` fake workers (``start_fakes``'s, or those
@@ -98,8 +100,30 @@ async def start_cluster(
         app = create_app(config, StaticSource(f.prefill_urls, f.decode_urls), tokenizer)
         # by default the protocol `pdserve router` serves with (the client watch has no task
         # there); test_retries' disconnect tests run another server's path too (h11)
-        url = await stack.enter_async_context(serve(app, http=http))
+        if lane:  # the compiled lane in front (router/fast_lane.py), uvicorn behind it
+            url = await stack.enter_async_context(serve_with_lane(app, http))
+        else:
+            url = await stack.enter_async_context(serve(app, http=http))
         yield Cluster(url, f.prefill, f.decode, f.prefill_urls, f.decode_urls, app)
+
+
+@contextlib.asynccontextmanager
+async def serve_with_lane(app: Any, http: Any) -> AsyncIterator[str]:
+    from pdserve.router import fast_lane
+
+    module = fast_lane.load()
+    if module is None:
+        pytest.skip("the compiled lane is not built (scripts/setup.sh builds it with cargo)")
+    public, backend = socket.socket(), socket.socket()
+    public.bind(("127.0.0.1", 0))
+    backend.bind(("127.0.0.1", 0))
+    setup = fast_lane.setup(module, public, backend)
+    app.state.lane_setup = setup
+    public = setup.public.getsockname()[1]
+    setup.backend_socket.close()  # uvicorn binds the port again  # type: ignore[attr-defined]
+    peer = fast_lane.LanePeer(app, setup.token, ("127.0.0.1", public))
+    async with serve(peer, port=setup.backend[1], http=http):
+        yield f"http://127.0.0.1:{public}"
 
 
 @pytest.fixture

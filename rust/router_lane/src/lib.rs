@@ -1,0 +1,380 @@
+//! pdserve_lane: the router's compiled lane (docs/router.md, "Eighth pass").
+//!
+//! A tokio thread serves the router's public socket (lane.rs); the Python router stays
+//! the reference and does everything stateful: it drains this module's job queue on its
+//! event loop (a pipe wakes it) and answers each request's `begin` (router/fast_lane.py).
+mod lane;
+mod pool;
+mod sign;
+mod sse;
+
+use bytes::Bytes;
+use lane::{Begin, Job, Plan};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+struct Queue {
+    jobs: Mutex<Vec<Job>>,
+    waiting: Mutex<HashMap<u64, oneshot::Sender<Begin>>>,
+    decode_waits: Mutex<HashMap<u64, oneshot::Sender<Vec<String>>>>,
+    next: AtomicU64,
+    wake: UnixStream, // written when the queue goes from empty to not
+    woken: AtomicBool,
+    flush_pending: AtomicBool,
+    me: Mutex<std::sync::Weak<Queue>>,
+}
+
+/// How long a job that needs no answer (a first token, a count, an end) may wait for the
+/// Python loop: it rides along with the next request's `begin`, or goes after this long.
+/// One wake-up of the loop per request instead of four.
+const FLUSH_AFTER: Duration = Duration::from_millis(2);
+
+impl Queue {
+    fn wake(&self) {
+        if !self.woken.swap(true, Ordering::AcqRel) {
+            let _ = (&self.wake).write(b"!");
+        }
+    }
+}
+
+impl lane::Host for Queue {
+    fn push(&self, job: Job) {
+        let urgent = matches!(job, Job::Begin { .. } | Job::AwaitDecode { .. });
+        self.jobs.lock().unwrap().push(job);
+        if urgent {
+            self.wake();
+        } else if !self.flush_pending.swap(true, Ordering::AcqRel) {
+            // pushed on the lane's thread, inside its runtime
+            let me = self.me.lock().unwrap().upgrade();
+            if let Some(me) = me {
+                tokio::spawn(async move {
+                    tokio::time::sleep(FLUSH_AFTER).await;
+                    me.flush_pending.store(false, Ordering::Release);
+                    if !me.jobs.lock().unwrap().is_empty() {
+                        me.wake();
+                    }
+                });
+            }
+        }
+    }
+
+    fn begin(&self, body: Bytes, headers: Vec<(Bytes, Bytes)>, peer: SocketAddr) -> oneshot::Receiver<Begin> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.waiting.lock().unwrap().insert(id, tx);
+        self.push(Job::Begin { id, body, headers, peer });
+        rx
+    }
+
+    fn await_decode(&self, token: u64, rid: String, touched: Vec<String>) -> oneshot::Receiver<Vec<String>> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.decode_waits.lock().unwrap().insert(id, tx);
+        self.push(Job::AwaitDecode { id, token, rid, touched });
+        rx
+    }
+}
+
+#[pyclass(module = "pdserve_lane")]
+struct Lane {
+    queue: Arc<Queue>,
+    state: Arc<lane::Lane>,
+    wake_read: UnixStream,
+    stop: Mutex<Option<oneshot::Sender<()>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+#[pymethods]
+impl Lane {
+    /// listen_fd: a bound, listening TCP socket (dup'ed: the lane owns its copy);
+    /// backend: "127.0.0.1:PORT" of the Python server; keys: the http KeyRing's keys.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        listen_fd: i32,
+        backend: String,
+        keys: Vec<Vec<u8>>,
+        peer_token: String,
+        inline_body: usize,
+        stall_s: f64,
+        body_timeout_s: f64,
+        err_408: Vec<u8>,
+        write_timeout_s: f64,
+    ) -> PyResult<Self> {
+        let (wake_read, wake) = UnixStream::pair().map_err(|e| PyValueError::new_err(e.to_string()))?;
+        wake_read.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        wake.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let queue = Arc::new(Queue {
+            jobs: Mutex::new(Vec::new()),
+            waiting: Mutex::new(HashMap::new()),
+            decode_waits: Mutex::new(HashMap::new()),
+            next: AtomicU64::new(1),
+            wake,
+            woken: AtomicBool::new(false),
+            flush_pending: AtomicBool::new(false),
+            me: Mutex::new(std::sync::Weak::new()),
+        });
+        *queue.me.lock().unwrap() = Arc::downgrade(&queue);
+        let std_listener = unsafe { std::net::TcpListener::from_raw_fd(listen_fd) };
+        std_listener.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let host: Arc<dyn lane::Host> = queue.clone();
+        let state = Arc::new(lane::Lane {
+            host,
+            keys,
+            backend,
+            peer_token,
+            inline_body,
+            body_timeout: Duration::from_secs_f64(body_timeout_s.max(0.001)),
+            err_408: Bytes::from(err_408),
+            write_timeout: Duration::from_secs_f64(write_timeout_s.max(0.001)),
+            workers: Default::default(),
+            python: Default::default(),
+            health: lane::Health {
+                failing: Default::default(),
+                stall: Mutex::new(Duration::from_secs_f64(stall_s.max(0.001))),
+            },
+        });
+        let state_py = state.clone();
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("pdserve-lane".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio");
+                rt.block_on(accept(std_listener, state, stop_rx));
+            })
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Lane { queue, state: state_py, wake_read, stop: Mutex::new(Some(stop_tx)), thread: Mutex::new(Some(thread)) })
+    }
+
+    /// The fd the Python loop watches (add_reader): readable when jobs wait.
+    fn notify_fd(&self) -> i32 {
+        self.wake_read.as_raw_fd()
+    }
+
+    /// Every job queued, as tuples (router/fast_lane.py reads them).
+    fn take<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let mut buf = [0u8; 64];
+        while let Ok(n) = (&self.wake_read).read_some(&mut buf) {
+            if n == 0 {
+                break;
+            }
+        }
+        self.queue.woken.store(false, Ordering::Release);
+        let jobs = std::mem::take(&mut *self.queue.jobs.lock().unwrap());
+        let out = PyList::empty(py);
+        for job in jobs {
+            let t: Bound<'py, PyTuple> = match job {
+                Job::Begin { id, body, headers, peer } => {
+                    let hs = PyList::empty(py);
+                    for (k, v) in headers {
+                        hs.append((PyBytes::new(py, &k), PyBytes::new(py, &v)))?;
+                    }
+                    ("begin", id, PyBytes::new(py, &body), hs, (peer.ip().to_string(), peer.port())).into_pyobject(py)?
+                }
+                Job::First { token, ttft } => ("first", token, ttft).into_pyobject(py)?,
+                Job::Failed { token, url, role, down, reason } => ("failed", token, url, role, down, reason).into_pyobject(py)?,
+                Job::Track { token, url, role, step } => ("track", token, url, role, step).into_pyobject(py)?,
+                Job::Migrated { token } => ("migrated", token).into_pyobject(py)?,
+                Job::Counted { status } => ("counted", status).into_pyobject(py)?,
+                Job::SlowReader { token, waited } => ("slow_reader", token, waited).into_pyobject(py)?,
+                Job::Stalled { token, url, role, quiet } => ("stalled", token, url, role, quiet).into_pyobject(py)?,
+                Job::AwaitDecode { id, token, rid, touched } => ("await_decode", id, token, rid, touched).into_pyobject(py)?,
+                Job::End(e) => ("end", e.token, e.status, e.completion, e.e2e, e.itls, e.tpot).into_pyobject(py)?,
+            };
+            out.append(t)?;
+        }
+        Ok(out)
+    }
+
+    /// Python's answer to a `begin`: ("fallback",), ("error", status, body) or ("go", ...).
+    fn answer(&self, id: u64, result: &Bound<'_, PyTuple>) -> PyResult<()> {
+        let kind: String = result.get_item(0)?.extract()?;
+        let begin = match kind.as_str() {
+            "fallback" => Begin::Fallback,
+            "error" => {
+                let status: u16 = result.get_item(1)?.extract()?;
+                let body: Vec<u8> = result.get_item(2)?.downcast::<PyBytes>()?.as_bytes().to_vec();
+                let headers: Vec<(String, String)> = result.get_item(3)?.extract()?;
+                Begin::Error(status, Bytes::from(body), headers)
+            }
+            "go" => {
+                // bytes read in place (a Vec<u8> extraction walks a bytes object per item)
+                let item = |i: usize| result.get_item(i);
+                let raw = |i: usize| -> PyResult<Bytes> {
+                    Ok(Bytes::copy_from_slice(item(i)?.downcast::<PyBytes>()?.as_bytes()))
+                };
+                let pb = raw(8)?;
+                let gb = raw(9)?;
+                let generate = if gb.is_empty() { generate_of(&pb)? } else { json(&gb)? };
+                let timeout: f64 = item(11)?.extract()?;
+                Begin::Go(Box::new(Plan {
+                    token: item(1)?.extract()?,
+                    rid: item(2)?.extract()?,
+                    model: item(3)?.extract()?,
+                    stream: item(4)?.extract()?,
+                    include_usage: item(5)?.extract()?,
+                    prefill: item(6)?.extract()?,
+                    decode: item(7)?.extract()?,
+                    prefill_body: pb,
+                    generate,
+                    n_prompt: item(10)?.extract()?,
+                    timeout: Duration::from_secs_f64(timeout.max(0.001)),
+                    err_midstream: raw(12)?,
+                    err_no_worker: raw(13)?,
+                }))
+            }
+            other => return Err(PyValueError::new_err(format!("unknown answer {other:?}"))),
+        };
+        if let Some(tx) = self.queue.waiting.lock().unwrap().remove(&id) {
+            let _ = tx.send(begin);
+        }
+        Ok(())
+    }
+
+    /// The decode workers an `await_decode` found ([]: none came).
+    fn decode_ready(&self, id: u64, urls: Vec<String>) {
+        if let Some(tx) = self.queue.decode_waits.lock().unwrap().remove(&id) {
+            let _ = tx.send(urls);
+        }
+    }
+
+    /// After each health round: the workers whose check failed, and the stall limit.
+    fn set_health(&self, failing: Vec<String>, stall_s: f64) {
+        *self.state.health.failing.write().unwrap() = failing.into_iter().collect();
+        *self.state.health.stall.lock().unwrap() = Duration::from_secs_f64(stall_s.max(0.001));
+    }
+
+    /// Stop accepting and end the lane's thread (requests in flight are cut).
+    fn close(&self, py: Python<'_>) {
+        if let Some(tx) = self.stop.lock().unwrap().take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.lock().unwrap().take() {
+            py.allow_threads(|| {
+                let _ = t.join();
+            });
+        }
+    }
+}
+
+fn json(raw: &[u8]) -> PyResult<serde_json::Value> {
+    serde_json::from_slice(raw).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// The GenerateRequest of a PrefillRequest (codec.encode's fields, in order): the same
+/// id, prompt, sampling, salt and adapter; no handle yet (the prefill reply brings it).
+fn generate_of(prefill: &[u8]) -> PyResult<serde_json::Value> {
+    use serde_json::Value;
+    let Value::Object(mut p) = json(prefill)? else {
+        return Err(PyValueError::new_err("a PrefillRequest is a JSON object"));
+    };
+    let mut g = serde_json::Map::new();
+    let mut take = |k: &str| p.remove(k).unwrap_or(Value::Null);
+    g.insert("request_id".into(), take("request_id"));
+    g.insert("prompt_token_ids".into(), take("prompt_token_ids"));
+    g.insert("sampling".into(), take("sampling"));
+    g.insert("kv_handle".into(), Value::Null);
+    g.insert("first_token_id".into(), Value::Null);
+    g.insert("cache_salt".into(), take("cache_salt"));
+    g.insert("resume_token_ids".into(), Value::Null);
+    g.insert("lora".into(), take("lora"));
+    g.insert("prefill".into(), Value::Null);
+    g.insert("type".into(), Value::String("generate_request".into()));
+    Ok(Value::Object(g))
+}
+
+/// generate_of, for the test that compares it with codec.encode(GenerateRequest(...)).
+#[pyfunction]
+fn generate_request_of(prefill: &[u8]) -> PyResult<String> {
+    Ok(generate_of(prefill)?.to_string())
+}
+
+trait ReadSome {
+    fn read_some(&mut self, buf: &mut [u8]) -> std::io::Result<usize>;
+}
+
+impl ReadSome for &UnixStream {
+    fn read_some(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        std::io::Read::read(self, buf)
+    }
+}
+
+async fn accept(listener: std::net::TcpListener, state: Arc<lane::Lane>, mut stop: oneshot::Receiver<()>) {
+    let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = &mut stop => return,
+            got = listener.accept() => match got {
+                Ok(x) => x,
+                Err(_) => continue,
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let state = state.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| lane::handle(state.clone(), req, peer));
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+/// signing.sign with the time and nonce given (tests compare it with the Python's).
+#[pyfunction]
+fn sign_with(key: Vec<u8>, method: &str, target: &str, body: Vec<u8>, now: f64, host: &str, nonce: Vec<u8>) -> PyResult<String> {
+    let nonce: [u8; 12] = nonce.try_into().map_err(|_| PyValueError::new_err("nonce: 12 bytes"))?;
+    Ok(sign::sign_with(&key, method, target, &body, now, host, &nonce))
+}
+
+/// signing.proof_ok over the keys given.
+#[pyfunction]
+#[pyo3(signature = (keys, auth, given=None))]
+fn proof_ok(keys: Vec<Vec<u8>>, auth: &str, given: Option<Vec<u8>>) -> bool {
+    sign::proof_ok(&keys, auth, given.as_deref())
+}
+
+/// One streamed chunk, the usage chunk and the whole reply (tests compare them with the
+/// Python's bytes).
+#[pyfunction]
+#[pyo3(signature = (rid, model, text, finish=None))]
+fn text_chunk(rid: &str, model: &str, text: &str, finish: Option<&str>) -> String {
+    let mut out = String::new();
+    sse::Chunks::new(rid, model).text(&mut out, text, finish);
+    out
+}
+
+#[pyfunction]
+fn usage_chunk(rid: &str, model: &str, prompt: u64, completion: u64, cached: u64) -> String {
+    let mut out = String::new();
+    sse::Chunks::new(rid, model).usage(&mut out, prompt, completion, cached);
+    out
+}
+
+#[pyfunction]
+#[pyo3(signature = (rid, model, text, finish, prompt, completion, cached))]
+fn whole(rid: &str, model: &str, text: &str, finish: Option<&str>, prompt: u64, completion: u64, cached: u64) -> String {
+    sse::whole(rid, model, text, finish, prompt, completion, cached)
+}
+
+#[pymodule]
+fn pdserve_lane(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Lane>()?;
+    m.add_function(wrap_pyfunction!(sign_with, m)?)?;
+    m.add_function(wrap_pyfunction!(proof_ok, m)?)?;
+    m.add_function(wrap_pyfunction!(text_chunk, m)?)?;
+    m.add_function(wrap_pyfunction!(usage_chunk, m)?)?;
+    m.add_function(wrap_pyfunction!(whole, m)?)?;
+    m.add_function(wrap_pyfunction!(generate_request_of, m)?)?;
+    Ok(())
+}
