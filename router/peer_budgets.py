@@ -12,6 +12,14 @@ are (pdserve/signing.py) under a key of its own purpose (``router-peer``), the c
 to the owner's address, and the reply believed only with the owner's proof of the key.
 The key itself never travels: its id is a BLAKE2b of it.
 
+A request costs one call (issue 47): ``acquire`` takes the requests bucket and one more
+request in flight together before the body is read (``tokens`` is a second call, under a
+tpm limit only); its give-back (``release``) rides the next call to that owner when one
+leaves first, else goes at once, or with the others when one is already on its way. The
+calls go over the workers' keep-alive HTTP/1.1 pool (pdserve/worker_calls/http1.py) and
+are answered on the router's bare-ASGI lane (``asgi``); a call is ~190 CPU-µs for both
+ends where aiohttp and a FastAPI route cost ~500–830 (docs/router.md).
+
 When the owner does not answer (down, partitioned, slow past ``CALL_TIMEOUT_S``) the
 request is refused with a 503 and ``Retry-After``, never admitted on a local guess: the
 budget is never exceeded, at the price of the owned keys' availability until the owner
