@@ -45,6 +45,7 @@ Peers: ``--budget-peers URL,...`` (each replica's base URL, this one's included,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -74,6 +75,7 @@ REQUEST, TOKENS, ENTER, LEAVE, ADOPT = "request", "tokens", "enter", "leave", "a
 ACQUIRE, RELEASE = "acquire", "release"  # request + enter in one call; leaves in a batch
 OPS = (REQUEST, TOKENS, ENTER, LEAVE, ADOPT, ACQUIRE, RELEASE)
 MAX_BODY = 4096
+GIVE_BACK_WAIT_S = 0.05  # a key at its cap waits this long for a give-back on its way
 RELEASE_BATCH = 64  # keys given back in one call at most (64 ids fit in MAX_BODY)
 KUBERNETES = "kubernetes"  # --budget-peers: the router Service's ready endpoints
 
@@ -162,6 +164,7 @@ class PeerBudgets:
         self._pool: WorkerPool | None = None  # keep-alive HTTP/1.1 to the peers, signed
         self._releases: dict[str, dict[str, int]] = {}  # owner -> id -> give-backs waiting
         self._releasing: set[str] = set()  # owners a give-back call is on the way to
+        self._gave_back: dict[str, asyncio.Event] = {}  # id -> set at its next give-back
         self._tasks: set[asyncio.Task[None]] = set()
         self.set_peers(peers)
         self.changed_at = -math.inf  # the first list is no change
@@ -226,7 +229,7 @@ class PeerBudgets:
             self.held.pop(cid, None)
             self.owners.pop(cid, None)
         if owner == self.self_url:
-            self.counts.leave(cid)
+            self.apply(LEAVE, cid, 1)
         elif owner:
             self._release_later(owner, cid)
 
@@ -266,7 +269,7 @@ class PeerBudgets:
             raise owner_unreachable("")
         owner = owner_of(cid, self.peers)
         if owner == self.self_url:
-            err = self.apply(op, cid, n)
+            err = await self.apply_waiting(op, cid, n)
             if err is not None:
                 raise err
             return owner
@@ -308,6 +311,9 @@ class PeerBudgets:
             elif op in (LEAVE, RELEASE):
                 for _ in range(max(min(n, 1 << 16), 1)):
                     self.counts.leave(cid)
+                waiting = self._gave_back.pop(cid, None)
+                if waiting is not None:
+                    waiting.set()
             elif op == ADOPT:  # requests already in flight: counted, never refused
                 self.adopted.add(cid)
                 for _ in range(max(min(n, 1 << 16), 0)):
@@ -315,6 +321,23 @@ class PeerBudgets:
         except APIError as err:
             return err
         return None
+
+    async def apply_waiting(self, op: str, cid: str, n: int) -> APIError | None:
+        """``apply``; a key at its cap (``acquire``, ``enter``) waits up to
+        GIVE_BACK_WAIT_S for a give-back first: a request of it that just ended on another
+        replica is given back in one call of its own, which can come after a new request
+        sent at once (the client saw its answer end). The count is checked again then:
+        never over the cap; the refusal is the same, a moment later."""
+        err = self.apply(op, cid, n)
+        if err is None or op not in (ACQUIRE, ENTER) or err.code != "concurrency_limit_exceeded":
+            return err
+        event = self._gave_back.setdefault(cid, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), GIVE_BACK_WAIT_S)
+        if self._gave_back.get(cid) is event and not event.is_set():
+            del self._gave_back[cid]  # nobody gave back (a sibling --procs may have)
+        again = self.apply(ENTER, cid, 1)  # the requests bucket was taken already
+        return err if again is not None else None
 
     def _moving(self, cid: str) -> bool:
         """Whether ``cid`` came to this replica from another owner within ADOPT_WAIT_S:
@@ -409,7 +432,7 @@ class PeerBudgets:
             return 400, {"error": f"bad budget op {op!r}"}, {}
         err = None
         for what, cid, n in calls:
-            err = self.apply(what, cid, n)
+            err = await self.apply_waiting(what, cid, n)
         out: dict[str, Any] = {"error": None}
         if err is not None:
             retry = (err.headers or {}).get("Retry-After")

@@ -160,3 +160,24 @@ async def test_give_backs_waiting_behind_one_on_its_way_ride_the_next_acquire() 
             (pb.ACQUIRE, ids[1]),
         ]
         assert [owner.budgets.counts.count(i) for i in ids] == [0, 1, 0]
+
+
+async def test_a_key_at_its_cap_waits_a_moment_for_a_give_back_on_its_way() -> None:
+    """A request that ended on one replica is given back in a call of its own; the
+    client's next request, sent at once through another replica, can reach the owner
+    first. The owner waits up to GIVE_BACK_WAIT_S for it (then admits: the count is
+    checked again, never over the cap) instead of refusing at once."""
+    async with replicas(3, cap=1) as reps:
+        owner, a, b = reps
+        client = _keys_of([r.url for r in reps], owner.url, 1)[0]
+        await a.budgets.acquire(client)
+        second = asyncio.create_task(b.budgets.acquire(client))  # at the cap: it waits
+        await asyncio.sleep(pb.GIVE_BACK_WAIT_S / 5)
+        assert not second.done()
+        a.budgets.leave(client)  # the first one's give-back, late
+        await second  # admitted
+        assert owner.budgets.counts.count(pb.budget_id(client)) == 1
+        with pytest.raises(APIError) as err:  # nothing given back: refused, a moment later
+            await a.budgets.acquire(client)
+        assert err.value.status == 429 and err.value.code == "concurrency_limit_exceeded"
+        assert owner.budgets.counts.count(pb.budget_id(client)) == 1
