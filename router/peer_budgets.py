@@ -75,7 +75,7 @@ REQUEST, TOKENS, ENTER, LEAVE, ADOPT = "request", "tokens", "enter", "leave", "a
 ACQUIRE, RELEASE = "acquire", "release"  # request + enter in one call; leaves in a batch
 OPS = (REQUEST, TOKENS, ENTER, LEAVE, ADOPT, ACQUIRE, RELEASE)
 MAX_BODY = 4096
-GIVE_BACK_WAIT_S = 0.05  # a key at its cap waits this long for a give-back on its way
+GIVE_BACK_WAIT_S = 0.1  # a key at its cap waits this long for a give-back on its way
 RELEASE_BATCH = 64  # keys given back in one call at most (64 ids fit in MAX_BODY)
 KUBERNETES = "kubernetes"  # --budget-peers: the router Service's ready endpoints
 
