@@ -6,8 +6,10 @@ second decode step. So before the core answers "ready" it runs, on the forward i
 serve with and through the engine's own step (scheduler, pool, sampler):
 
 - one short prefill (a prompt of ``PREFILL_LEN`` tokens, one token sampled), held for a
-  KV hand-off where the role hands off (prefill: the blocks go to the KV holder, whose
-  lease is then released, as a decode worker's ``done`` would);
+  KV hand-off where the role hands off (prefill: the blocks go to the KV holder);
+- the role's KV hand-off, given as ``transfer`` (worker/core/handoff_probe.py): a prefill
+  worker's KV server serves a read of the held blocks to an in-process reader, a decode
+  worker's connector reads seeded blocks from a loopback peer; the bytes are checked;
 - ``DECODE_STEPS`` decode steps at batch ``len(BATCH_LENS)`` (prompts of unequal lengths,
   greedy).
 
@@ -20,8 +22,10 @@ cache and KV events are reset, every block is free (``LLMEngine.forget_warm_up``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pdserve.protocol.outputs import HANDOFF
 from pdserve.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,6 +34,11 @@ if TYPE_CHECKING:
 PREFILL_LEN = 12
 BATCH_LENS = (5, 19, 9)  # decode rows of unequal contexts
 DECODE_STEPS = 4
+
+
+# The role's KV hand-off (worker/core/handoff_probe.py), given the prefill's held handles
+# (none on a decode worker): raises if the transfer fails or moves the wrong bytes.
+Transfer = Callable[[list[Any]], None]
 
 
 class ProbeFailed(RuntimeError):
@@ -42,7 +51,11 @@ def _prompt(engine: EngineView, length: int, salt: int) -> list[int]:
 
 
 def _run(
-    engine: EngineView, prompts: list[list[int]], params: SamplingParams, **kwargs: Any
+    engine: EngineView,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    handles: list[Any] | None = None,
+    **kwargs: Any,
 ) -> list[list[int]]:
     ids = [f"pdserve-probe-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
@@ -54,6 +67,8 @@ def _run(
                 if o.error:
                     raise ProbeFailed(f"request failed: {o.error}")
                 out[o.request_id] += o.token_ids
+                if handles is not None and o.finish_reason == HANDOFF:
+                    handles.append(o.kv_handle)  # the holder's (None: engine-local)
     except BaseException:
         for rid in ids:
             engine.abort(rid)
@@ -61,16 +76,28 @@ def _run(
     return [out[rid] for rid in ids]
 
 
-def run(engine: EngineView, hand_off: bool = False) -> list[list[int]]:
+def run(
+    engine: EngineView, hand_off: bool = False, transfer: Transfer | None = None
+) -> list[list[int]]:
     """The probe's greedy tokens (prefill's first token, then each decode row's); raises
-    what the model raised."""
+    what the model (or ``transfer``, the role's KV hand-off) raised."""
     greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    if hand_off:
-        first = _run(engine, [_prompt(engine, PREFILL_LEN, 0)], greedy, hold_kv=True)
-        for rid in list(engine.held):
-            engine.release_held(rid)
+    handles: list[Any] = []
+    prompt = [_prompt(engine, PREFILL_LEN, 0)]
+    if hand_off:  # handed off after its first token (a request of one token is not)
+        held = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        first = _run(engine, prompt, held, handles, hold_kv=True)
+        if not handles:
+            raise ProbeFailed("the probe's prefill was not handed off")
     else:
-        first = _run(engine, [_prompt(engine, PREFILL_LEN, 0)], greedy)
+        first = _run(engine, prompt, greedy)
+    try:
+        if transfer is not None:
+            transfer(handles)
+    finally:
+        for rid in list(engine.held):  # what a read's done did not end already
+            engine.release_held(rid)
+        engine.free_released()
     decode = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
     rows = _run(engine, [_prompt(engine, n, i + 1) for i, n in enumerate(BATCH_LENS)], decode)
     engine.free_released()
@@ -78,10 +105,12 @@ def run(engine: EngineView, hand_off: bool = False) -> list[list[int]]:
     return first + rows
 
 
-def check(engine: EngineView, hand_off: bool = False) -> list[list[int]]:
+def check(
+    engine: EngineView, hand_off: bool = False, transfer: Transfer | None = None
+) -> list[list[int]]:
     """``run``, with any exception turned into a ``ProbeFailed`` naming the model."""
     try:
-        return run(engine, hand_off)
+        return run(engine, hand_off, transfer)
     except Exception as exc:
         cause = exc.__cause__ if isinstance(exc, ProbeFailed) and exc.__cause__ else exc
         raise ProbeFailed(

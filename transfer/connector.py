@@ -258,7 +258,9 @@ class RemoteKVConnector(KVConnector):
             load.op = self.transport.start_read(lease, peer, load.remote_ids, load.local_ids)
         except Exception as exc:
             self._forget_peer(peer.side_channel)
-            msg = f"request {load.request_id}: could not start the read: {exc}"
+            msg = (
+                f"request {load.request_id}: could not start the read: {type(exc).__name__}: {exc}"
+            )
             self._finish(load, LoadPhase.FAILED, msg, release=False)  # the peer is likely gone
             return
         load.advance(LoadPhase.TRANSFERRING)
@@ -329,7 +331,7 @@ class RemoteKVConnector(KVConnector):
             return self.transport.check(op)
         except Exception as exc:  # a transport error ends this read, never the thread
             self._try_abort(op)
-            op.error = f"transfer check failed: {exc}"
+            op.error = f"transfer check failed: {type(exc).__name__}: {exc}"
             return "ERR"
 
     def _progress_handshakes(self) -> None:

@@ -6,6 +6,8 @@ or HTTP: the prefill engine (``hold_kv``) holds each prompt's blocks in a real
 ``RemoteKVConnector`` (worker/core/decode.py), over NIXL (UCX) or TCP, handshake, lease
 and release included, into a pool of its own. The two engines share one loaded model
 (``ModelRunner.unbound``): a model is loaded once, each engine has its own KV pool.
+Given a compiled prefill engine, the decode engine runs the same compiled forward
+(tests/engine/test_family_compiled.py).
 
 The decode engine never recomputes a prompt (``recompute_on_load_failure=False``): a
 failed read fails the request instead of hiding behind a local prefill, and every chunk
@@ -73,8 +75,11 @@ class PDPair:
         transport: str = "nixl",
         decode_kv_bytes: int | None = None,
         transfer_timeout: float = 10.0,
+        prefill: LLMEngine | None = None,
     ) -> None:
-        self.prefill = LLMEngine(config)
+        """``prefill``: an engine already built on ``config`` (a compiled one: the decode
+        engine then serves on the same compiled forward, no second compile)."""
+        self.prefill = prefill or LLMEngine(config)
         runner = self.prefill.runner.unbound()
         decode_config = replace(config, kv_cache_bytes=decode_kv_bytes or config.kv_cache_bytes)
         self.decode = LLMEngine(decode_config, runner=runner, recompute_on_load_failure=False)

@@ -8,6 +8,11 @@ variants at construction (engine/compiled.py: a prompt chunk, one decode, batche
 and chunks), then serves the matrix's prompts at once (45, 24 and 5 tokens: past the
 8-token windows, one shorter than a window, mixed lengths in each step, the long ones
 split into chunks by a 32-token step budget) on those variants, with no new graph.
+The same compiled runner then serves the P/D hand-off (pdserve/testing/pd_pair.py): the
+compiled engine prefills and holds the prompts' blocks in a real ``KVServer``, a decode
+engine on the same compiled forward (``ModelRunner.unbound``, its own pool) reads them
+over NIXL and decodes, token-identical to transformers, no new graph, both pools free
+(tests/engine/test_family_pd.py runs the same hand-off eager).
 
 Cost (docs/testing.md, "The compiled family matrix"): inductor's generated code is
 cached per machine (``PDSERVE_COMPILE_CACHE``, keyed by the CPU: engine/host_tag.py, and
@@ -23,9 +28,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 from engine_helpers import assert_all_free, family_config
-from family_matrix import SERVED, Served, generate
+from family_matrix import MAX_TOKENS, PROMPTS, SERVED, Served, generate
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.testing.pd_pair import PDPair
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(600)]
 
@@ -62,3 +68,13 @@ def test_family_compiled_matches_transformers(served: Served) -> None:
     # Served on the variants the warm-up compiled, as a worker serves: no new graph.
     assert counters["stats"]["unique_graphs"] == graphs
     assert_all_free(engine)
+    # The P/D hand-off on the same compiled runner: prefill here -> NIXL -> decode.
+    with PDPair(engine.config, transport="nixl", prefill=engine) as pair:
+        assert pair.decode.runner.compiled
+        done = pair.run(PROMPTS, MAX_TOKENS)
+        assert done.tokens == served.expected
+        assert set(done.decode_chunks) == {1}, done.decode_chunks  # KV came over NIXL
+        assert done.bytes_read == done.blocks * pair.decode.runner.kv_shape.bytes_per_block > 0
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert_all_free(pair.prefill)
+        assert_all_free(pair.decode)

@@ -201,7 +201,7 @@ def test_transport_exception_fails_one_load_not_the_thread(
     monkeypatch.setattr(pair.conn.transport, "check", broken)
     pair.conn.start_load("x", pair.handle("x", [1]), [1], [0])
     (res,) = wait_results(pair.conn, 1, timeout=5)
-    assert not res.ok and "transfer check failed: injected failure" in res.error
+    assert not res.ok and "transfer check failed: RuntimeError: injected failure" in res.error
     monkeypatch.setattr(pair.conn.transport, "check", real_check)
     pair.conn.start_load("y", pair.handle("y", [2]), [2], [3])
     (res,) = wait_results(pair.conn, 1, timeout=5)

@@ -9,6 +9,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora_registry import lora_queries
 from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.messages import CompatRecord
+from pdserve.worker.core import handoff_probe
 from pdserve.worker.core.config import CoreConfig
 from pdserve.worker.core.events import KVEventPublisher
 from pdserve.worker.core.info import engine_info
@@ -38,6 +39,7 @@ class DecodeCore:
             transport=config.kv_transport,
             transfer_timeout=config.transfer_timeout,
         )
+        self.remote = remote
         self.connector = MeteredConnector(remote, self.metrics, remote.transport_name)
         e.attach_connector(self.connector)
         # Load reports for every router replica (no KV events: its cache is not routed to).
@@ -57,6 +59,11 @@ class DecodeCore:
             "metrics": self.metrics.render,
             **lora_queries(e.loras),  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         }
+
+    def probe_transfer(self, handles: list[Any]) -> None:
+        """The start-up probe's hand-off: the worker's own connector reads seeded blocks
+        from a loopback peer, bytes checked (worker/core/handoff_probe.py); not metered."""
+        handoff_probe.load_loopback(self.remote, self.engine)
 
     def info(self) -> dict[str, Any]:
         return {**engine_info(self.engine), "kv_events": self.events_address}

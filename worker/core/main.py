@@ -43,6 +43,7 @@ class WorkerCore(Protocol):
     queries: dict[str, Query]
 
     def info(self) -> dict[str, Any]: ...
+    def probe_transfer(self, handles: list[Any]) -> None: ...
     def close(self) -> None: ...
 
 
@@ -56,6 +57,14 @@ def build_core(config: CoreConfig) -> WorkerCore:
 
         return PrefillCore(config)
     raise ValueError(f"unknown worker role {config.role!r}")
+
+
+def probe(core: WorkerCore, role: str) -> None:
+    """The serving path once (prefill, the role's KV hand-off over its own transfer
+    classes, batched decode) on the forward that serves first: a model or a transport
+    that raises is refused now (``ProbeFailed``), not after the worker said ready."""
+    core.engine.hands_off = role == "prefill"
+    startup_probe.check(core.engine, hand_off=core.engine.hands_off, transfer=core.probe_transfer)
 
 
 def die_with_parent(parent: int) -> None:
@@ -88,10 +97,7 @@ def main(argv: list[str]) -> int:
         started = time.monotonic()
         core = build_core(config)
         engine = core.engine
-        engine.hands_off = config.role == "prefill"
-        # The serving path once (prefill, hand-off, batched decode) on the forward that
-        # serves first: a model that raises is refused now, not after it said ready.
-        startup_probe.check(engine, hand_off=engine.hands_off)
+        probe(core, config.role)
     except startup_probe.ProbeFailed as exc:
         logging.getLogger(__name__).error("%s", exc, exc_info=True)
         results.send(pickle.dumps(("failed", str(exc))))

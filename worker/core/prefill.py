@@ -10,6 +10,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora_registry import lora_queries
 from pdserve.transfer.messages import CompatRecord
 from pdserve.transfer.server import KVServer
+from pdserve.worker.core import handoff_probe
 from pdserve.worker.core.config import CoreConfig
 from pdserve.worker.core.events import KVEventPublisher
 from pdserve.worker.core.info import engine_info
@@ -52,6 +53,11 @@ class PrefillCore:
             "metrics": self.metrics.render,
             **lora_queries(e.loras),  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         }
+
+    def probe_transfer(self, handles: list[Any]) -> None:
+        """The start-up probe's hand-off: the KV server serves its held probe blocks to
+        an in-process reader, bytes checked (worker/core/handoff_probe.py)."""
+        handoff_probe.read_back(self.kv, self.engine, handles)
 
     def info(self) -> dict[str, Any]:
         return {
