@@ -115,7 +115,8 @@ class Admission:
         self._waiting: dict[int, Waiters] = {}  # priority -> client -> its waiters, in order
         self._on_change = on_change
         # --budget-peers: the key's count is taken at its owner first (router/runtime.py
-        # admit), so the sync fast path is off; a slot is then taken in ``acquire``.
+        # take_request; admit hands it to the ticket), so the sync fast path is off; a
+        # slot is then taken in ``acquire``.
         self.deferred = False
 
     def split(self, replicas: int) -> None:

@@ -43,6 +43,10 @@ class RouterApp(FastAPI):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         chat = HOT_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
         rt: Runtime | None = getattr(self.state, "runtime", None)
+        peers = rt.peers if rt is not None else None
+        if peers is not None and scope.get("path") == PEER_PATH and scope.get("method") == "POST":
+            await peers.asgi(scope, receive, send)  # another replica's budget call: bare ASGI
+            return
         if chat is None or scope.get("method") != "POST" or rt is None:
             await super().__call__(scope, receive, send)
             return

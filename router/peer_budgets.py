@@ -12,6 +12,14 @@ are (pdserve/signing.py) under a key of its own purpose (``router-peer``), the c
 to the owner's address, and the reply believed only with the owner's proof of the key.
 The key itself never travels: its id is a BLAKE2b of it.
 
+A request costs one call (issue 47): ``acquire`` takes the requests bucket and one more
+request in flight together before the body is read (``tokens`` is a second call, under a
+tpm limit only); its give-back (``release``) rides the next call to that owner when one
+leaves first, else goes at once, or with the others when one is already on its way. The
+calls go over the workers' keep-alive HTTP/1.1 pool (pdserve/worker_calls/http1.py) and
+are answered on the router's bare-ASGI lane (``asgi``); a call is ~190 CPU-µs for both
+ends where aiohttp and a FastAPI route cost ~500–830 (docs/router.md).
+
 When the owner does not answer (down, partitioned, slow past ``CALL_TIMEOUT_S``) the
 request is refused with a 503 and ``Retry-After``, never admitted on a local guess: the
 budget is never exceeded, at the price of the owned keys' availability until the owner
@@ -37,6 +45,7 @@ Peers: ``--budget-peers URL,...`` (each replica's base URL, this one's included,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -47,7 +56,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -56,6 +64,7 @@ from pdserve.router.admission import LocalCounts, concurrency_limit
 from pdserve.router.errors import APIError
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.shared_limits import SharedLimits
+from pdserve.worker_calls.http1 import CallFailed, WorkerPool
 
 log = logging.getLogger(__name__)
 PATH = "/internal/budget"
@@ -63,8 +72,11 @@ CALL_TIMEOUT_S = 1.0  # an owner slower than this is unreachable: 503
 SETTLE_S = 60.0  # after a peer-list change, new buckets start empty this long
 ADOPT_WAIT_S = 2.0  # a key that just moved here admits nothing new this long (adopts arrive)
 REQUEST, TOKENS, ENTER, LEAVE, ADOPT = "request", "tokens", "enter", "leave", "adopt"
-OPS = (REQUEST, TOKENS, ENTER, LEAVE, ADOPT)
+ACQUIRE, RELEASE = "acquire", "release"  # request + enter in one call; leaves in a batch
+OPS = (REQUEST, TOKENS, ENTER, LEAVE, ADOPT, ACQUIRE, RELEASE)
 MAX_BODY = 4096
+GIVE_BACK_WAIT_S = 0.1  # a key at its cap waits this long for a give-back on its way
+RELEASE_BATCH = 64  # keys given back in one call at most (64 ids fit in MAX_BODY)
 KUBERNETES = "kubernetes"  # --budget-peers: the router Service's ready endpoints
 
 
@@ -149,7 +161,10 @@ class PeerBudgets:
         self.changed_at = -math.inf
         self.held: dict[str, int] = {}  # id -> this replica's requests in flight
         self.owners: dict[str, str] = {}  # id -> the owner it was counted at
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: WorkerPool | None = None  # keep-alive HTTP/1.1 to the peers, signed
+        self._releases: dict[str, dict[str, int]] = {}  # owner -> id -> give-backs waiting
+        self._releasing: set[str] = set()  # owners a give-back call is on the way to
+        self._gave_back: dict[str, asyncio.Event] = {}  # id -> set at its next give-back
         self._tasks: set[asyncio.Task[None]] = set()
         self.set_peers(peers)
         self.changed_at = -math.inf  # the first list is no change
@@ -193,6 +208,15 @@ class PeerBudgets:
         self.held[cid] = self.held.get(cid, 0) + 1
         self.owners[cid] = owner
 
+    async def acquire(self, client: str) -> None:
+        """``take_request`` then ``enter`` in one call to the key's owner: its requests
+        bucket, then one more request in flight (the same refusals in the same order:
+        a request refused at the cap has taken its request as before)."""
+        cid = budget_id(client)
+        owner = await self._call(ACQUIRE, cid, 1)
+        self.held[cid] = self.held.get(cid, 0) + 1
+        self.owners[cid] = owner
+
     def leave(self, client: str) -> None:
         """One of ``client``'s requests ended: given back at its owner (in the background
         for a remote one; a lost call leaves the owner's count high, never low)."""
@@ -205,21 +229,56 @@ class PeerBudgets:
             self.held.pop(cid, None)
             self.owners.pop(cid, None)
         if owner == self.self_url:
-            self.counts.leave(cid)
+            self.apply(LEAVE, cid, 1)
         elif owner:
-            self._background(self._send(owner, LEAVE, cid, 1))
+            self._release_later(owner, cid)
+
+    def _release_later(self, owner: str, cid: str) -> None:
+        """A give-back to ``owner``: sent at once when no give-back to it is on the way,
+        else with every other that comes meanwhile in the next call (at most
+        RELEASE_BATCH keys a call). No timer and no wait when calls are rare; one call for
+        many when they are not. Late only keeps the owner's count high a moment: it
+        refuses early, never admits over the cap."""
+        waiting = self._releases.setdefault(owner, {})
+        waiting[cid] = waiting.get(cid, 0) + 1
+        if owner not in self._releasing:
+            self._releasing.add(owner)
+            self._background(self._release_all(owner))
+
+    async def _release_all(self, owner: str) -> None:
+        try:
+            while waiting := self._releases.pop(owner, None):
+                batch = self._batch(owner, waiting)
+                await self._send_body(owner, {"op": RELEASE, "ids": batch})
+        finally:
+            self._releasing.discard(owner)
+
+    def _batch(self, owner: str, waiting: dict[str, int]) -> dict[str, int]:
+        """At most RELEASE_BATCH of ``waiting``; the rest wait again for ``owner``."""
+        if len(waiting) <= RELEASE_BATCH:
+            return waiting
+        items = list(waiting.items())
+        rest = dict(items[RELEASE_BATCH:])
+        for c, k in self._releases.get(owner, {}).items():
+            rest[c] = rest.get(c, 0) + k
+        self._releases[owner] = rest
+        return dict(items[:RELEASE_BATCH])
 
     async def _call(self, op: str, cid: str, n: int) -> str:
         if not self.peers:
             raise owner_unreachable("")
         owner = owner_of(cid, self.peers)
         if owner == self.self_url:
-            err = self.apply(op, cid, n)
+            err = await self.apply_waiting(op, cid, n)
             if err is not None:
                 raise err
             return owner
-        reply = await self._send(owner, op, cid, n)
-        if reply is None:
+        call: dict[str, Any] = {"op": op, "id": cid, "n": n}
+        waiting = self._releases.pop(owner, None) if op == ACQUIRE else None
+        if waiting:  # give-backs queued behind one on its way: they ride this call
+            call["release"] = self._batch(owner, waiting)
+        reply = await self._send_body(owner, call)
+        if reply is None:  # the give-backs it carried may be lost: counts high, never low
             raise owner_unreachable(owner)
         if reply.get("error"):
             e = reply["error"]
@@ -235,6 +294,9 @@ class PeerBudgets:
     def apply(self, op: str, cid: str, n: int) -> APIError | None:
         """``op`` on this replica's counters of ``cid``: None, or the refusal."""
         try:
+            if op == ACQUIRE:
+                err = self.apply(REQUEST, cid, 1)
+                return err if err is not None else self.apply(ENTER, cid, 1)
             if op in (REQUEST, TOKENS):
                 self._settle(cid)
                 if op == REQUEST:
@@ -246,8 +308,12 @@ class PeerBudgets:
                     return budget_moving()
                 if self.cap and not self.counts.enter(cid, self.cap):
                     return concurrency_limit(self.cap)
-            elif op == LEAVE:
-                self.counts.leave(cid)
+            elif op in (LEAVE, RELEASE):
+                for _ in range(max(min(n, 1 << 16), 1)):
+                    self.counts.leave(cid)
+                waiting = self._gave_back.pop(cid, None)
+                if waiting is not None:
+                    waiting.set()
             elif op == ADOPT:  # requests already in flight: counted, never refused
                 self.adopted.add(cid)
                 for _ in range(max(min(n, 1 << 16), 0)):
@@ -255,6 +321,23 @@ class PeerBudgets:
         except APIError as err:
             return err
         return None
+
+    async def apply_waiting(self, op: str, cid: str, n: int) -> APIError | None:
+        """``apply``; a key at its cap (``acquire``, ``enter``) waits up to
+        GIVE_BACK_WAIT_S for a give-back first: a request of it that just ended on another
+        replica is given back in one call of its own, which can come after a new request
+        sent at once (the client saw its answer end). The count is checked again then:
+        never over the cap; the refusal is the same, a moment later."""
+        err = self.apply(op, cid, n)
+        if err is None or op not in (ACQUIRE, ENTER) or err.code != "concurrency_limit_exceeded":
+            return err
+        event = self._gave_back.setdefault(cid, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), GIVE_BACK_WAIT_S)
+        if self._gave_back.get(cid) is event and not event.is_set():
+            del self._gave_back[cid]  # nobody gave back (a sibling --procs may have)
+        again = self.apply(ENTER, cid, 1)  # the requests bucket was taken already
+        return err if again is not None else None
 
     def _moving(self, cid: str) -> bool:
         """Whether ``cid`` came to this replica from another owner within ADOPT_WAIT_S:
@@ -284,6 +367,33 @@ class PeerBudgets:
         )
         return JSONResponse(body, status_code=status, headers=headers)
 
+    async def asgi(self, scope: Any, receive: Any, send: Any) -> None:
+        """``POST /internal/budget`` as a bare ASGI call: the router's direct lane
+        (router/app.py), past FastAPI's routing and its per-call parameter copies, which
+        cost more CPU than the call's own work."""
+        auth = host = None
+        for name, value in scope["headers"]:
+            if name == signing.HEADER_KEY:
+                auth = value.decode("latin-1")
+            elif name == b"host":
+                host = value.decode("latin-1")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                yield message.get("body", b"")
+                if not message.get("more_body"):
+                    return
+
+        status, body, headers = await self.answer(auth, host or "", scope["path"], chunks())
+        raw = json.dumps(body).encode()
+        head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(raw))]
+        head += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        await send({"type": "http.response.start", "status": status, "headers": head})
+        await send({"type": "http.response.body", "body": raw})
+
     async def answer(
         self, auth: str | None, host: str, path: str, chunks: AsyncIterator[bytes]
     ) -> tuple[int, dict[str, Any], dict[str, str]]:
@@ -309,12 +419,20 @@ class PeerBudgets:
             return 401, {"error": verdict.reason}, {}
         try:
             body = json.loads(raw)
-            op, cid, n = body["op"], str(body["id"]), int(body.get("n", 1))
-        except (ValueError, KeyError, TypeError):
+            op = body["op"]
+            if op == RELEASE:  # a batch of give-backs: {"ids": {id: n}}
+                calls = [(op, str(c), int(k)) for c, k in dict(body["ids"]).items()]
+            else:  # give-backs that rode an acquire go first (those requests ended)
+                ridden = dict(body.get("release") or {}) if op == ACQUIRE else {}
+                calls = [(RELEASE, str(c), int(k)) for c, k in ridden.items()]
+                calls.append((op, str(body["id"]), int(body.get("n", 1))))
+        except (ValueError, KeyError, TypeError, AttributeError):
             return 400, {"error": "bad budget call"}, {}
-        if op not in OPS or len(cid) != 32:
+        if op not in OPS or not calls or any(len(cid) != 32 for _, cid, _ in calls):
             return 400, {"error": f"bad budget op {op!r}"}, {}
-        err = self.apply(op, cid, n)
+        err = None
+        for what, cid, n in calls:
+            err = await self.apply_waiting(what, cid, n)
         out: dict[str, Any] = {"error": None}
         if err is not None:
             retry = (err.headers or {}).get("Retry-After")
@@ -329,35 +447,27 @@ class PeerBudgets:
     # -- calls to another replica -------------------------------------------------------
     async def _send(self, owner: str, op: str, cid: str, n: int) -> dict[str, Any] | None:
         """The owner's answer, or None when it does not answer or cannot prove the key."""
-        body = json.dumps({"op": op, "id": cid, "n": n}).encode()
-        host = urlsplit(owner).netloc
-        auth = signing.sign(self.ring, "POST", PATH, body, host=host)
-        headers = {signing.HEADER: auth, "Host": host, "Content-Type": "application/json"}
+        return await self._send_body(owner, {"op": op, "id": cid, "n": n})
+
+    async def _send_body(self, owner: str, call: dict[str, Any]) -> dict[str, Any] | None:
+        """One signed POST on a kept-alive connection to ``owner`` (the workers' HTTP/1.1
+        pool, pdserve/worker_calls/http1.py: signed for the owner's address, its reply
+        believed only with the proof), within CALL_TIMEOUT_S in all."""
+        if self._pool is None:
+            self._pool = WorkerPool(self.ring)
         try:
-            session = self._session_now()
-            async with session.post(
-                owner + PATH,
-                data=body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S),
-            ) as resp:
-                reply = await resp.read()
-                proved = signing.proof_ok(self.ring, auth, resp.headers.get(signing.PROOF_HEADER))
-                if resp.status != 200 or not proved:
-                    log.warning("budget owner %s refused a call (%d)", owner, resp.status)
-                    return None
-                out = json.loads(reply)
-                return out if isinstance(out, dict) else None
-        except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                resp = await self._pool.post(owner, PATH, json.dumps(call).encode(), CALL_TIMEOUT_S)
+                async with resp:
+                    reply = await resp.read()
+            if resp.status != 200:
+                log.warning("budget owner %s refused a call (%d)", owner, resp.status)
+                return None
+            out = json.loads(reply)
+            return out if isinstance(out, dict) else None
+        except (CallFailed, TimeoutError, ValueError, OSError) as exc:
             log.warning("budget owner %s unreachable: %s", owner, exc)
             return None
-
-    def _session_now(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), raise_for_status=False
-            )
-        return self._session
 
     def _background(self, call: Any) -> None:
         async def run() -> None:
@@ -368,7 +478,7 @@ class PeerBudgets:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
-        if self._tasks:
+        if self._tasks:  # the give-backs on the way (and those waiting behind them)
             await asyncio.wait(set(self._tasks), timeout=CALL_TIMEOUT_S)
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            await self._pool.close()

@@ -219,29 +219,35 @@ class Runtime:
 
     async def admit(self, client: str, priority: int = 0) -> Ticket:
         """A slot under ``--max-queue``, shared fairly across clients (router/admission.py);
-        with --budget-peers, the key's request counted at its owner first."""
-        peers = self.peers
-        if peers is None:
-            return await self.admission.acquire(client, priority)
-        await peers.enter(client)
-        try:
-            ticket = await self.admission.acquire(client, priority)
-        except BaseException:
-            peers.leave(client)
-            raise
-        ticket.after = peers.leave
+        with --budget-peers the key's count at its owner was taken by ``take_request``
+        (one call with its requests bucket) and the ticket gives it back when the request
+        ends; a refusal here does not (the caller's ``untake``)."""
+        ticket = await self.admission.acquire(client, priority)
+        if self.peers is not None:
+            ticket.after = self.peers.leave
         return ticket
 
     async def take_request(self, client: str) -> None:
-        """--budget-peers: the key's requests bucket, at its owner (the gate's is off)."""
+        """--budget-peers: the key's requests bucket and one more of its requests in
+        flight, at its owner in one call (the gate's bucket and admission's per-key count
+        are off). Until ``admit`` hands the count to a ticket, a request that ends gives
+        it back with ``untake``."""
         if self.peers is not None:
-            await self.peers.take_request(client)
+            await self.peers.acquire(client)
+
+    def untake(self, client: str) -> None:
+        """A request that ``take_request`` counted ended before ``admit`` (its body never
+        came, no slot): the count given back at the key's owner."""
+        if self.peers is not None:
+            self.peers.leave(client)
 
     async def take_tokens(self, client: str, n: int) -> None:
-        """The key's tokens bucket: here, or at its owner with --budget-peers."""
+        """The key's tokens bucket: here, or at its owner with --budget-peers (no call
+        without --rate-limit-tpm: every replica runs the same limits, and the owner's
+        bucket would take nothing)."""
         if self.peers is None:
             self.limiter.take_tokens(client, n)
-        else:
+        elif self.cfg.rate_limit_tpm:
             await self.peers.take_tokens(client, n)
 
     # -- accounting --------------------------------------------------------------------

@@ -8,9 +8,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 
 from pdserve import keys
 from pdserve.router.peer_budgets import PATH, PeerBudgets
@@ -30,13 +30,21 @@ class Replica:
         await self.stack.aclose()
 
 
+class _App(FastAPI):
+    """The router's lane for the budget calls (router/app.py): bare ASGI."""
+
+    budgets: PeerBudgets
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path") == PATH:
+            await self.budgets.asgi(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
 def _app(budgets: PeerBudgets) -> FastAPI:
-    app = FastAPI()
-
-    @app.post(PATH)
-    async def call(request: Request) -> Response:
-        return await budgets.handle(request)
-
+    app = _App()
+    app.budgets = budgets
     return app
 
 

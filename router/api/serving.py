@@ -134,12 +134,16 @@ async def serve(rt: Runtime, request: Request, chat: bool, api: Api | None = Non
     rid = prefix + os.urandom(16).hex()  # uuid4().hex's length, without its object
     try:
         caller, client = rt.gate(request)  # before the body is read or parsed
-        if rt.peers is not None:  # the key's request bucket at its owner replica
+        if rt.peers is not None:  # the key's request bucket and count at its owner
             await rt.take_request(client)
-        raw = await edge.read_body(request, rt.cfg.max_body_bytes, rt.cfg.body_timeout_s)
-        ticket = rt.admission.try_now(client)  # the common case: a free slot, no task
-        if ticket is None:
-            ticket = await guarded(request, rt.admit(client, caller.priority))
+        try:
+            raw = await edge.read_body(request, rt.cfg.max_body_bytes, rt.cfg.body_timeout_s)
+            ticket = rt.admission.try_now(client)  # the common case: a free slot, no task
+            if ticket is None:
+                ticket = await guarded(request, rt.admit(client, caller.priority))
+        except BaseException:
+            rt.untake(client)
+            raise
     except ClientGone:
         return Response(status_code=499)
     except APIError as err:

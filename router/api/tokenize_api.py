@@ -38,12 +38,16 @@ async def handle(
     the key and its request bucket, the body under its size and time limits, then a slot
     under --max-queue before any parsing or tokenizing."""
     caller, client = rt.gate(request)
-    if rt.peers is not None:  # the key's request bucket at its owner replica
+    if rt.peers is not None:  # the key's request bucket and count at its owner
         await rt.take_request(client)
-    raw = await edge.read_body(request, rt.cfg.max_body_bytes, rt.cfg.body_timeout_s)
-    ticket = rt.admission.try_now(client)
-    if ticket is None:
-        ticket = await rt.admit(client, caller.priority)
+    try:
+        raw = await edge.read_body(request, rt.cfg.max_body_bytes, rt.cfg.body_timeout_s)
+        ticket = rt.admission.try_now(client)
+        if ticket is None:
+            ticket = await rt.admit(client, caller.priority)
+    except BaseException:
+        rt.untake(client)
+        raise
     try:
         return await rt.off_loop(_parsed, fn, rt, raw)
     finally:

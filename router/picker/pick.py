@@ -64,11 +64,15 @@ class Picker:
         until the response ends, and the token bucket once the prompt is counted."""
         rt = self.rt
         caller, client = self._gate(headers)
-        if rt.peers is not None:  # the key's request bucket at its owner replica
+        if rt.peers is not None:  # the key's request bucket and count at its owner
             await rt.take_request(client)
-        if body is not None and len(body) > rt.cfg.max_body_bytes:
-            raise APIError(413, f"request body is over {rt.cfg.max_body_bytes} bytes")
-        ticket = rt.admission.try_now(client) or await rt.admit(client, caller.priority)
+        try:
+            if body is not None and len(body) > rt.cfg.max_body_bytes:
+                raise APIError(413, f"request body is over {rt.cfg.max_body_bytes} bytes")
+            ticket = rt.admission.try_now(client) or await rt.admit(client, caller.priority)
+        except BaseException:
+            rt.untake(client)
+            raise
         try:
             pick = await self._pick(path, caller, client, body, subset)
         except BaseException:
