@@ -19,6 +19,7 @@ through both.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import socket
@@ -423,7 +424,7 @@ class LanePeer:
             if peer is not None or token is not None:
                 kept = [(k, v) for k, v in scope["headers"] if k not in (PEER_HEADER, TOKEN_HEADER)]
                 scope = {**scope, "headers": kept}
-                if token == self.token and peer:
+                if token is not None and hmac.compare_digest(token, self.token) and peer:
                     ip, _, port = peer.decode().rpartition(":")
                     scope["client"] = (ip.strip("[]"), int(port))
                     scope["server"] = self.server
