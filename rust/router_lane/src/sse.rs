@@ -5,6 +5,17 @@
 /// json.encoder.encode_basestring_ascii: `"` and `\\` escaped, the usual short escapes,
 /// every other character outside ' '..='~' as \uXXXX (surrogate pairs past the BMP).
 pub fn ascii_string(out: &mut String, s: &str) {
+    json_string(out, s, true)
+}
+
+/// json.dumps(s, ensure_ascii=False) of a string (JSONResponse's rendering).
+pub fn utf8_string(out: &mut String, s: &str) {
+    json_string(out, s, false)
+}
+
+/// Both renderings: the same short escapes; `ascii` escapes everything outside
+/// ' '..='~' (as UTF-16 units), otherwise only the other control characters.
+fn json_string(out: &mut String, s: &str, ascii: bool) {
     out.push('"');
     for c in s.chars() {
         match c {
@@ -16,29 +27,12 @@ pub fn ascii_string(out: &mut String, s: &str) {
             '\u{8}' => out.push_str("\\b"),
             '\u{c}' => out.push_str("\\f"),
             ' '..='~' => out.push(c),
-            _ => {
+            _ if ascii => {
                 let mut buf = [0u16; 2];
                 for u in c.encode_utf16(&mut buf) {
                     out.push_str(&format!("\\u{:04x}", u));
                 }
             }
-        }
-    }
-    out.push('"');
-}
-
-/// json.dumps(s, ensure_ascii=False) of a string (JSONResponse's rendering).
-pub fn utf8_string(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
             c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
             _ => out.push(c),
         }
