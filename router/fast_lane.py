@@ -62,10 +62,13 @@ def load() -> Any:
 
 
 def eligible(rt: Runtime, req: CompletionRequest) -> bool:
-    """A request the lane answers as the Python lane would: one choice, text only."""
+    """A request the lane answers as the Python lane would: one choice, text only. With
+    --budget-peers a key's budget is an awaited call to its owner (``Runtime.take_request``,
+    ``take_tokens``), which the lane's inline begin does not make: the Python lane serves."""
     cfg = rt.cfg
     return (
-        not req.chat
+        rt.peers is None
+        and not req.chat
         and req.best_of == 1
         and req.echo is None
         and req.sampling.logprobs is None

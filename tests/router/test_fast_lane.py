@@ -212,6 +212,29 @@ async def test_declined_requests_are_the_python_lanes(router_tokenizer, tiny_mod
     assert [s for s, _ in got[True]] == [200, 200, 400, 400, 200, 200]
 
 
+@needs_lane
+async def test_budget_peers_keep_their_limits_on_the_python_lane(
+    router_tokenizer, tiny_model_dir
+) -> None:
+    """--budget-peers counts a key at its owner (awaited calls the lane does not make): the
+    lane passes every request on, so the per-key cap still holds."""
+    own = "http://127.0.0.1:9"  # the only peer: every key's owner is this replica
+    async with start_cluster(
+        router_tokenizer,
+        tiny_model_dir,
+        lane=True,
+        budget_peers=(own,),
+        budget_self=own,
+        max_concurrency_per_key=1,
+    ) as c:
+        got = await _replies(c.url, BODIES[:2])
+        assert [s for s, _ in got] == [200, 200]
+        assert c.app.state.lane.host.served == 0
+        assert c.runtime.peers is not None
+        await c.settle()
+        assert c.runtime.active == 0
+
+
 async def _echo_scope(scope: Any, receive: Any, send: Any) -> None:
     _echo_scope.seen = scope  # type: ignore[attr-defined]
 
