@@ -171,12 +171,10 @@ def create_app(
         return {"workers": [_worker_json(w) for w in rt().discovery.snapshot().workers]}
 
     @app.post(PEER_PATH)
-    async def budget_call(request: Request) -> Response:
-        """Another replica's call on a key this one keeps (router/peer_budgets.py)."""
-        peers = rt().peers
-        if peers is None:
-            return JSONResponse({"error": "no --budget-peers here"}, status_code=404)
-        return await peers.handle(request)
+    async def budget_call() -> Response:
+        """Another replica's budget call reaches this route only on a router without
+        --budget-peers: with them ``RouterApp.__call__`` answers it first (``peers.asgi``)."""
+        return JSONResponse({"error": "no --budget-peers here"}, status_code=404)
 
     add_lora_admin_routes(app, rt)
     return app
