@@ -46,7 +46,7 @@ class Case:
 
 
 DECODES = ((0, 1), (15, 1), (16, 1), (599, 1), (230, 1), (47, 1))  # context lengths 1..600
-MIXED = ((0, 37), (31, 1), (100, 70), (16, 16), (530, 70), (5, 1))  # chunks start and continue
+MIXED = ((0, 37), (31, 1), (100, 70), (16, 16), (590, 10), (5, 1))  # chunks start and continue
 # (window, softcap, sinks): none, each alone, all together.
 OPTIONS = ((None, None, False), (64, None, False), (None, 5.0, False), (40, 30.0, True))
 CASES = [
