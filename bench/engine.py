@@ -313,6 +313,7 @@ def main() -> int:
             {
                 **result,
                 "requests": args.requests,
+                "output_tokens": work.output_tokens,
                 "quick": args.quick,
                 "threads": args.threads,
                 "torch_threads": torch.get_num_threads(),
