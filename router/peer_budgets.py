@@ -212,6 +212,8 @@ class PeerBudgets:
         # The caller's side.
         self.held: dict[str, int] = {}  # id -> this replica's requests in flight
         self.owners: dict[str, str] = {}  # id -> the owner it was counted at
+        self.epoch = 0  # peer lists seen; a count's give-back checks its owner after one
+        self.counted_in: dict[str, int] = {}  # id -> the epoch its owner was last asked in
         self.costs: dict[str, int] = {}  # id -> its last request's tokens (the lease asked)
         self.lease: dict[str, int] = {}  # id -> tokens taken at its owner, not yet used
         self.uncosted: dict[str, int] = {}  # id -> requests acquired, not yet costed
@@ -236,6 +238,7 @@ class PeerBudgets:
         log.info("budget peers: %s", ", ".join(new))
         self.previous, self.peers, self.changed_at = self.peers, new, self.clock()
         self.view = view_of(new)
+        self.epoch += 1
         self._handed.clear()
         self._view_at = self.clock()
         if self.self_url not in new:  # it owns nothing: no counts to wait for
@@ -409,6 +412,7 @@ class PeerBudgets:
         owner = await self._call(ENTER, cid, 1)
         self.held[cid] = self.held.get(cid, 0) + 1
         self.owners[cid] = owner
+        self.counted_in[cid] = self.epoch
 
     async def acquire(self, client: str) -> None:
         """``take_request`` then ``enter`` in one call to the key's owner: its requests
@@ -422,7 +426,9 @@ class PeerBudgets:
         owner, granted = await self._acquire(cid, max(ask, 0))
         self.held[cid] = self.held.get(cid, 0) + 1
         self.owners[cid] = owner
-        self.uncosted[cid] = self.uncosted.get(cid, 0) + 1
+        self.counted_in[cid] = self.epoch
+        if self.limiter.tpm > 0:
+            self.uncosted[cid] = self.uncosted.get(cid, 0) + 1
         if granted:
             self.lease[cid] = self.lease.get(cid, 0) + granted
 
@@ -433,18 +439,24 @@ class PeerBudgets:
         cid = budget_id(client)
         n = self.held.get(cid, 0) - 1
         owner = self.owners.get(cid, "")
+        epoch = self.counted_in.get(cid)
+        refund = 0
         if n > 0:
             self.held[cid] = n
-            spare = self.lease.get(cid, 0) - self.costs.get(cid, 0) * self.uncosted.get(cid, 0)
-            refund = max(spare, 0)
-            if refund:
-                self.lease[cid] -= refund
+            if self.lease:
+                spare = self.lease.get(cid, 0) - self.costs.get(cid, 0) * self.uncosted.get(cid, 0)
+                if spare > 0:
+                    refund = spare
+                    self.lease[cid] -= spare
         else:
             self.held.pop(cid, None)
             self.owners.pop(cid, None)
-            self.uncosted.pop(cid, None)
-            refund = self.lease.pop(cid, 0)
-        if owner and self.peers and owner_of(cid, self.peers) != owner:
+            self.counted_in.pop(cid, None)
+            if self.uncosted:
+                self.uncosted.pop(cid, None)
+            if self.lease:
+                refund = self.lease.pop(cid, 0)
+        if epoch != self.epoch and owner and self.peers and owner_of(cid, self.peers) != owner:
             # The key moved since: its count is (or is on its way) at its owner now.
             owner = owner_of(cid, self.peers)
             if owner != self.self_url:
@@ -508,7 +520,7 @@ class PeerBudgets:
             err = await self.apply_waiting(ACQUIRE, cid, 1)
             if err is not None:
                 raise err
-            return owner, self.lease_tokens(cid, ask)
+            return owner, self.lease_tokens(cid, ask) if ask else 0
         call: dict[str, Any] = {"op": ACQUIRE, "id": cid, "n": 1, "v": self.view}
         if ask:
             call["t"] = ask
@@ -580,8 +592,7 @@ class PeerBudgets:
         then they go on to the replica that has the count now. A forwarded give-back
         that comes before the count it belongs to is owed, and taken off that count."""
         n = max(min(n, 1 << 16), 1)
-        moved = self.moved.get(cid)
-        if moved is not None:
+        if self.moved and (moved := self.moved.get(cid)) is not None:
             on = min(n, moved[1])
             moved[1] -= on
             if moved[1] <= 0:
@@ -590,12 +601,13 @@ class PeerBudgets:
                 self._send_body(moved[0], {"op": RELEASE, "ids": {cid: on}, "fwd": True})
             )
             n -= on
-        for _ in range(n):
-            if self.counts.count(cid) > 0:
+        if n:
+            have = self.counts.count(cid)
+            for _ in range(min(n, have)):
                 self.counts.leave(cid)
-            elif forwarded or not self._owns(cid):
+            if n > have and (forwarded or not self._owns(cid)):
                 # Before the count it belongs to (a hand-over still on its way): owed.
-                self.owed[cid] = self.owed.get(cid, 0) + 1
+                self.owed[cid] = self.owed.get(cid, 0) + n - have
         waiting = self._gave_back.pop(cid, None)
         if waiting is not None:
             waiting.set()
