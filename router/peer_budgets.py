@@ -13,8 +13,8 @@ to the owner's address, and the reply believed only with the owner's proof of th
 The key itself never travels: its id is a BLAKE2b of it.
 
 A request costs one call (issue 47): ``acquire`` takes the requests bucket and one more
-request in flight together before the body is read (``tokens`` is a second call, under a
-tpm limit only); its give-back (``release``) rides the next call to that owner when one
+request in flight together before the body is read (under a tpm limit it also leases the
+key's tokens: below); its give-back (``release``) rides the next call to that owner when one
 leaves first, else goes at once, or with the others when one is already on its way. The
 calls go over the workers' keep-alive HTTP/1.1 pool (pdserve/worker_calls/http1.py) and
 are answered on the router's bare-ASGI lane (``asgi``); a call is ~190 CPU-µs for both
