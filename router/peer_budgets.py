@@ -457,21 +457,21 @@ class PeerBudgets:
             if self.lease:
                 refund = self.lease.pop(cid, 0)
         if epoch != self.epoch and owner and self.peers and owner_of(cid, self.peers) != owner:
-            # The key moved since: its count is (or is on its way) at its owner now.
-            owner = owner_of(cid, self.peers)
-            if owner != self.self_url:
+            # The key moved since: its count is (or is on its way) at its owner now. The
+            # lease's rest stays spent (it was taken from the old owner's bucket).
+            now = owner_of(cid, self.peers)
+            if now == self.self_url:
+                self._give_back(cid, 1, forwarded=True)
+            else:
                 self._background(
-                    self._send_body(owner, {"op": RELEASE, "ids": {cid: 1}, "fwd": True})
+                    self._send_body(now, {"op": RELEASE, "ids": {cid: 1}, "fwd": True})
                 )
-                return
-            self._give_back(cid, 1, forwarded=True)
         elif owner == self.self_url:
             self.apply(LEAVE, cid, 1)
+            if refund:
+                self.limiter.give_tokens(cid, refund)
         elif owner:
             self._release_later(owner, cid, refund)
-            return
-        if refund and owner == self.self_url:
-            self.limiter.give_tokens(cid, refund)
 
     def _release_later(self, owner: str, cid: str, refund: int = 0) -> None:
         """A give-back to ``owner``: sent at once when no give-back to it is on the way,

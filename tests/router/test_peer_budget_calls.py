@@ -269,3 +269,40 @@ async def test_the_old_owner_hands_over_only_on_the_new_list_and_admits_no_more(
             await third.budgets.acquire(key)
         assert err.value.status == 429
         assert new.budgets.counts.count(cid) == 1
+
+
+def test_a_peer_file_is_read_again_when_it_changes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--budget-peers @FILE``: URLs separated by commas, spaces or lines, ``#``
+    comments; a changed file is handed on, one that does not parse is logged and the last
+    good list kept; the router refuses a bad file at start."""
+    import argparse
+    import os
+
+    from pdserve.router.from_args import budget_peers
+    from pdserve.router.peer_list import PeerFile, read_peers
+
+    path = tmp_path / "peers"
+    path.write_text("http://10.0.0.1:8083, http://10.0.0.2:8083/  # two\nhttp://10.0.0.3:8083\n")
+    assert read_peers(path) == tuple(f"http://10.0.0.{i}:8083" for i in (1, 2, 3))
+    seen: list[tuple[str, ...]] = []
+    watch = PeerFile(str(path), seen.append)
+    watch.check()
+    watch.check()  # unchanged: nothing new
+    assert len(seen) == 1
+    path.write_text("http://10.0.0.1:8083\nnot a url\n")
+    os.utime(path, ns=(1, 1))
+    watch.check()
+    assert len(seen) == 1  # kept the last good list
+    path.write_text("http://10.0.0.1:8083\n")
+    os.utime(path, ns=(2, 2))
+    watch.check()
+    assert seen[-1] == ("http://10.0.0.1:8083",)
+    args = argparse.Namespace(
+        budget_peers=f"@{path}", budget_self="http://10.0.0.9:8083", discovery="static"
+    )
+    assert budget_peers(args) == (f"@{path}",)  # this replica need not be listed yet
+    path.write_text("ftp://nope\n")
+    with pytest.raises(SystemExit, match="budget-peers"):
+        budget_peers(args)
+    with pytest.raises(SystemExit, match="budget-self"):
+        budget_peers(argparse.Namespace(budget_peers=f"@{path}", budget_self="", discovery=""))
