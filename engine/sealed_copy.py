@@ -71,7 +71,8 @@ def private_dir(prefix: str = "pdserve-compiled-") -> Path:
         raise OSError(f"{base} belongs to uid {st.st_uid}: no private compile cache there")
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
         raise OSError(f"{base} is writable by others and not sticky")
-    path = tempfile.mkdtemp(prefix=prefix, dir=base)  # 0700, O_EXCL, a random name
+    _remove_stale(Path(base), prefix)
+    path = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base)  # 0700, O_EXCL, random
     fd = os.open(path, _DIR_FLAGS)
     try:
         got = os.fstat(fd)
@@ -81,6 +82,22 @@ def private_dir(prefix: str = "pdserve-compiled-") -> Path:
         raise OSError(f"{path} is not this process's alone")
     atexit.register(shutil.rmtree, path, True)
     return Path(path)
+
+
+def _remove_stale(base: Path, prefix: str) -> None:
+    """Copies left by processes of ours that are gone (killed before their exit handler
+    ran: a pod's /tmp outlives its container's restarts)."""
+    for entry in base.glob(f"{prefix}*-*"):
+        pid = entry.name[len(prefix) :].split("-", 1)[0]
+        try:
+            st = os.lstat(entry)
+            if not pid.isdigit() or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            os.kill(int(pid), 0)  # alive (or another user's process): kept
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def copy_checked(shared: Path, dest: Path, ring_: keys.KeyRing) -> dict[str, str]:

@@ -218,3 +218,16 @@ def test_precompiled_headers_go_to_the_cache_in_use(
         assert got == str(folder / sealed_copy.HEADERS / "h.h")
     assert seen == [str(tmp_path / n / sealed_copy.HEADERS) for n in "ab"]
     assert not any("torchinductor_" in s for s in seen)
+
+
+def test_copies_of_processes_that_are_gone_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = tmp_path / "pdserve-compiled-999999999-abc"  # no such process
+    alive = tmp_path / f"pdserve-compiled-{os.getppid()}-abc"
+    for folder in (gone, alive):
+        folder.mkdir(mode=0o700)
+    made = sealed_copy.private_dir()
+    assert made.name.startswith(f"pdserve-compiled-{os.getpid()}-")
+    assert not gone.exists() and alive.exists()
