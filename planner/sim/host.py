@@ -117,7 +117,7 @@ def fair_level(groups: list[Group], cores: float) -> float:
     50 bisection steps on ``_granted(L) < cores``. A replay calls this twice a tick, and
     the steps were two thirds of a replay's CPU: ``_granted`` is monotone in L (so is
     each float operation in it, for n, weight >= 0), so one evaluation on each side of
-    the water level (``_water_level``, the exact solution, +-1e-12) decides every step
+    the water level (``_water_level``, the exact solution, +-1e-14) decides every step
     outside that bracket, and only the last few steps evaluate. The steps and the
     result are the plain bisection's, bit for bit."""
     if sum(n * want for n, want, _ in groups) <= cores:
@@ -126,7 +126,7 @@ def fair_level(groups: list[Group], cores: float) -> float:
     below, above = -1.0, math.inf  # granted < cores up to ``below``, >= from ``above``
     if all(n >= 0 and weight >= 0 for n, _, weight in groups):
         level = _water_level(groups, cores)
-        a, b = level * (1 - 1e-12), level * (1 + 1e-12)
+        a, b = level * (1 - 1e-14), level * (1 + 1e-14)
         if _granted(groups, a) < cores <= _granted(groups, b):
             below, above = a, b
     for _ in range(50):
