@@ -4,6 +4,8 @@
 //! the reference and does everything stateful: it drains this module's job queue on its
 //! event loop (a pipe wakes it) and answers each request's `begin` (router/fast_lane.py).
 mod lane;
+mod plan;
+mod planner_py;
 mod pool;
 mod sign;
 mod sse;
@@ -30,14 +32,7 @@ struct Queue {
     next: AtomicU64,
     wake: UnixStream, // written when the queue goes from empty to not
     woken: AtomicBool,
-    flush_pending: AtomicBool,
-    me: Mutex<std::sync::Weak<Queue>>,
 }
-
-/// How long a job that needs no answer (a first token, a count, an end) may wait for the
-/// Python loop: it rides along with the next request's `begin`, or goes after this long.
-/// One wake-up of the loop per request instead of four.
-const FLUSH_AFTER: Duration = Duration::from_millis(2);
 
 impl Queue {
     fn wake(&self) {
@@ -48,24 +43,13 @@ impl Queue {
 }
 
 impl lane::Host for Queue {
+    /// Every job wakes the loop at once, coalesced: one pipe write until the loop drains
+    /// (`take`), so the jobs queued meanwhile ride along. The eighth pass held the jobs
+    /// that need no answer (a first token, an end: the slot back) up to 2 ms for the next
+    /// `begin`; a slot or a load count back 2 ms late held requests on the wall.
     fn push(&self, job: Job) {
-        let urgent = matches!(job, Job::Begin { .. } | Job::AwaitDecode { .. });
         self.jobs.lock().unwrap().push(job);
-        if urgent {
-            self.wake();
-        } else if !self.flush_pending.swap(true, Ordering::AcqRel) {
-            // pushed on the lane's thread, inside its runtime
-            let me = self.me.lock().unwrap().upgrade();
-            if let Some(me) = me {
-                tokio::spawn(async move {
-                    tokio::time::sleep(FLUSH_AFTER).await;
-                    me.flush_pending.store(false, Ordering::Release);
-                    if !me.jobs.lock().unwrap().is_empty() {
-                        me.wake();
-                    }
-                });
-            }
-        }
+        self.wake();
     }
 
     fn begin(&self, body: Bytes, headers: Vec<(Bytes, Bytes)>, peer: SocketAddr) -> oneshot::Receiver<Begin> {
@@ -121,10 +105,7 @@ impl Lane {
             next: AtomicU64::new(1),
             wake,
             woken: AtomicBool::new(false),
-            flush_pending: AtomicBool::new(false),
-            me: Mutex::new(std::sync::Weak::new()),
         });
-        *queue.me.lock().unwrap() = Arc::downgrade(&queue);
         let std_listener = unsafe { std::net::TcpListener::from_raw_fd(listen_fd) };
         std_listener.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let host: Arc<dyn lane::Host> = queue.clone();
@@ -370,6 +351,9 @@ fn whole(rid: &str, model: &str, text: &str, finish: Option<&str>, prompt: u64, 
 #[pymodule]
 fn pdserve_lane(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Lane>()?;
+    m.add_class::<planner_py::Planner>()?;
+    m.add_function(wrap_pyfunction!(planner_py::block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(planner_py::salt_root, m)?)?;
     m.add_function(wrap_pyfunction!(sign_with, m)?)?;
     m.add_function(wrap_pyfunction!(proof_ok, m)?)?;
     m.add_function(wrap_pyfunction!(text_chunk, m)?)?;
