@@ -14,8 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.router.config import RouterConfig
+from pdserve.router.errors import APIError
+from pdserve.router.scheduling import disagg
+from pdserve.router.scheduling.prefix_index import PrefixIndex
 from pdserve.router.scheduling.profile import Profile
 from pdserve.router.scheduling.registry import FILTERS, PICKERS
+from pdserve.router.scheduling.scheduler import Scheduler
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 
 # (filters, [(scorer, weight)], picker): a profile by the names the registry gives it
@@ -67,3 +71,47 @@ def worker_row(w: WorkerView) -> tuple[Any, ...]:
 
 def rows(snap: Snapshot) -> list[tuple[Any, ...]]:
     return [worker_row(w) for w in snap.workers]
+
+
+class LanePlanner:
+    """``Scheduler.plan`` for the lane's requests, made by the Rust planner: the snapshot's
+    rows are sent when a worker's view moved (Discovery reuses an unchanged worker's view
+    object), the prefix index is mirrored (``PrefixIndex.attach``: every KV event and every
+    plan Python makes), and the round-robin counter is the scheduler's. A request the Rust
+    side declines (a KV tier holds blocks) is planned by the scheduler. The decision
+    metrics are counted here as the scheduler counts them."""
+
+    def __init__(self, rust: Any, scheduler: Scheduler, index: PrefixIndex) -> None:
+        self.rust, self.sched = rust, scheduler
+        self._shown: tuple[WorkerView, ...] = ()
+        index.attach(rust)
+
+    def plan(self, ids: list[int], snap: Snapshot, salt: str | None) -> Planned:
+        views = snap.workers
+        shown = self._shown
+        if len(views) != len(shown) or any(a is not b for a, b in zip(views, shown, strict=True)):
+            self.rust.set_workers(rows(snap))
+            self._shown = views
+        sched = self.sched
+        self.rust.rr = sched._rr
+        got = self.rust.plan(ids, salt)
+        if got is None:
+            return python_plan(sched, ids, snap, salt)
+        if len(got) == 1:  # ("no_worker",): as the scheduler's NoWorkerAvailable
+            raise APIError(503, f"no worker is ready: {NO_DECODE}", code="no_worker")
+        kind, prefill, decode, matched = got
+        sched._rr = self.rust.rr
+        m = sched.metrics
+        m.child(m.decisions, kind).inc()
+        if kind == disagg.REMOTE_PREFILL:
+            m.prefix_match.observe(matched / len(ids) if ids else 0.0)
+        return kind, prefill, decode
+
+
+NO_DECODE = "no healthy decode worker"  # routing.plan_route's NoWorkerAvailable
+Planned = tuple[str, list[str], list[str]]  # kind, prefill URLs, decode URLs (best first)
+
+
+def python_plan(sched: Scheduler, ids: list[int], snap: Snapshot, salt: str | None) -> Planned:
+    plan = sched.plan(ids, snap, salt, None)
+    return plan.kind, [w.url for w in plan.prefill], [w.url for w in plan.decode]

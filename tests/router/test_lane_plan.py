@@ -22,7 +22,7 @@ from pdserve.router import fast_lane, lane_plan
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.scheduling.prefix_index import PrefixIndex
+from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
 from pdserve.router.scheduling.scheduler import Scheduler
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 
@@ -172,3 +172,49 @@ def test_a_kv_tier_in_use_is_declined() -> None:
     assert rust.plan([1, 2, 3]) is not None
     rust.set_tiers_present(True)
     assert rust.plan([1, 2, 3]) is None
+
+
+@needs_lane
+def test_the_lanes_planner_over_the_mirrored_index() -> None:
+    """As the router runs it (router/lane_plan.LanePlanner): the KV events reach the Rust
+    planner through the index it mirrors (``PrefixIndex.attach``: stores, removals, a
+    ``cleared``, a seq gap's drop), the rows only when a view moved; its plans are the
+    reference scheduler's, fed the same events. A tier event turns it to the scheduler."""
+    cfg = RouterConfig(model_dir="/m")
+    key = hashing.hash_key()
+    rng = random.Random(3)
+    ref = Scheduler(cfg, PrefixIndex(cfg.prefix_index_capacity), RouterMetrics(), random.Random(5))
+    mirrored = PrefixIndex(cfg.prefix_index_capacity)
+    metrics = RouterMetrics()
+    own = Scheduler(cfg, mirrored, metrics, random.Random(5))
+    lane = lane_plan.LanePlanner(lane_plan.planner(lane_mod, cfg, key), own, mirrored)
+    prefixes = [[rng.randrange(0, 50_000) for _ in range(256)] for _ in range(3)]
+    snap = _snapshot(rng, 4, 4)
+    seq: dict[str, int] = {}
+    for step in range(300):
+        if step % 40 == 0:
+            snap = _snapshot(rng, 4, 4)
+        if step % 5 == 0 and snap.prefill:
+            wid = rng.choice(snap.prefill).worker_id
+            ids = rng.choice(prefixes)[: rng.randrange(4, 256)]
+            hashes = tuple(hashing.block_hashes(ids, snap.block_size, 0, key))
+            kind = rng.choice(["stored", "stored", "removed", "cleared"])
+            seq[wid] = seq.get(wid, 0) + (2 if rng.random() < 0.05 else 1)  # a gap now and then
+            ev = KVEventView(kind, wid, seq[wid], hashes)
+            ref.index.apply(ev)
+            mirrored.apply(ev)
+        ids = _prompt(rng, prefixes)
+        state = ref.rng.getstate()[1]
+        lane.rust.set_rng(list(state[:624]), state[624])
+        want = _python_plan(ref, ids, snap, None)
+        if want == ("no_worker",):
+            with pytest.raises(APIError, match="no worker is ready"):
+                lane.plan(ids, snap, None)
+        else:
+            assert lane.plan(ids, snap, None) == want[:3], f"step {step}"
+        assert own._rr == ref._rr
+    decided = metrics.child(metrics.decisions, "remote_prefill").value
+    assert decided == ref.metrics.child(ref.metrics.decisions, "remote_prefill").value > 0
+    mirrored.apply(KVEventView("stored", snap.prefill[0].worker_id, 10_000, (1, 2), "host"))
+    assert lane.rust.plan([1, 2, 3]) is None  # declined: the scheduler plans
+    assert lane.plan(list(range(300)), snap, None)[0] in ("remote_prefill", "local_prefill")
