@@ -3,6 +3,7 @@
 //! A tokio thread serves the router's public socket (lane.rs); the Python router stays
 //! the reference and does everything stateful: it drains this module's job queue on its
 //! event loop (a pipe wakes it) and answers each request's `begin` (router/fast_lane.py).
+mod generate;
 mod lane;
 mod plan;
 mod planner_py;
@@ -196,7 +197,8 @@ impl Lane {
                 };
                 let pb = raw(8)?;
                 let gb = raw(9)?;
-                let generate = if gb.is_empty() { generate_of(&pb)? } else { json(&gb)? };
+                let generate = generate::Generate::of(if gb.is_empty() { &pb } else { &gb })
+                    .map_err(PyValueError::new_err)?;
                 let timeout: f64 = item(11)?.extract()?;
                 Begin::Go(Box::new(Plan {
                     token: item(1)?.extract()?,
@@ -248,36 +250,14 @@ impl Lane {
     }
 }
 
-fn json(raw: &[u8]) -> PyResult<serde_json::Value> {
-    serde_json::from_slice(raw).map_err(|e| PyValueError::new_err(e.to_string()))
-}
-
-/// The GenerateRequest of a PrefillRequest (codec.encode's fields, in order): the same
-/// id, prompt, sampling, salt and adapter; no handle yet (the prefill reply brings it).
-fn generate_of(prefill: &[u8]) -> PyResult<serde_json::Value> {
-    use serde_json::Value;
-    let Value::Object(mut p) = json(prefill)? else {
-        return Err(PyValueError::new_err("a PrefillRequest is a JSON object"));
-    };
-    let mut g = serde_json::Map::new();
-    let mut take = |k: &str| p.remove(k).unwrap_or(Value::Null);
-    g.insert("request_id".into(), take("request_id"));
-    g.insert("prompt_token_ids".into(), take("prompt_token_ids"));
-    g.insert("sampling".into(), take("sampling"));
-    g.insert("kv_handle".into(), Value::Null);
-    g.insert("first_token_id".into(), Value::Null);
-    g.insert("cache_salt".into(), take("cache_salt"));
-    g.insert("resume_token_ids".into(), Value::Null);
-    g.insert("lora".into(), take("lora"));
-    g.insert("prefill".into(), Value::Null);
-    g.insert("type".into(), Value::String("generate_request".into()));
-    Ok(Value::Object(g))
-}
-
-/// generate_of, for the test that compares it with codec.encode(GenerateRequest(...)).
+/// The GenerateRequest of a PrefillRequest (codec.encode's fields, in order), before its
+/// prefill: the test compares it with codec.encode(GenerateRequest(...)).
+/// `resume`: the JSON text of the tokens a migration resumes from.
 #[pyfunction]
-fn generate_request_of(prefill: &[u8]) -> PyResult<String> {
-    Ok(generate_of(prefill)?.to_string())
+#[pyo3(signature = (prefill, resume="null"))]
+fn generate_request_of(prefill: &[u8], resume: &str) -> PyResult<String> {
+    let g = generate::Generate::of(prefill).map_err(PyValueError::new_err)?;
+    String::from_utf8(g.body("null", "null", resume)).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 trait ReadSome {
