@@ -17,9 +17,10 @@ them (an int placed just before the tensor it sizes), or a constant (a parameter
 buffer, a scalar the bytecode rebuilt each call). A variant is proven, and from then
 on called directly with that template, when two calls took the same graph with the
 same constants (the same objects, or scalars of equal value), every size matched, and
-the logits the forward returned were one of the graph's outputs, unchanged. Anything
-else (a graph break, a second graph, logits rebuilt outside the graph, a constant that
-changes) and that variant keeps the usual path for good.
+the logits the forward returned were one of the graph's outputs, unchanged, and each
+size took two values among the recorded calls (more calls are recorded until it has).
+Anything else (a graph break, a second graph, logits rebuilt outside the graph, a
+constant that changes) and that variant keeps the usual path for good.
 
 Which variant a step takes is what the warm-up told apart (compiled.WARM_UP, and the
 guards ``skip_guard_eval_unsafe`` keeps): whether the step has one token and whether it
@@ -31,7 +32,7 @@ the module) changes while a worker serves, and LoRA adapters make the runner eag
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ class Slot:
     index: int = -1
     dim: int = 0
     constant: Any = None
+    values: set[int] = field(default_factory=set)  # a size's values in the recorded calls
 
 
 @dataclass
@@ -64,6 +66,11 @@ class Variant:
     graph: Any  # torch._inductor.output_code.CompiledFxGraph
     slots: list[Slot]
     output: int  # which of the graph's outputs is the logits
+
+    def sizes_varied(self) -> bool:
+        """Every size input took two values in the recorded calls: an int that only
+        happened to equal a size cannot pass for one."""
+        return all(len(s.values) >= 2 for s in self.slots if s.kind == "size")
 
     def call(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         args: list[Any] = []
@@ -128,8 +135,10 @@ class DirectCalls:
                 self.pending.pop(key)
                 self.refused[key] = why
                 return
+            for mine, new in zip(before[0].slots, seen.slots, strict=True):
+                mine.values |= new.values
             seen, agreed = before[0], before[1] + 1
-        if agreed >= CONFIRMATIONS:
+        if agreed >= CONFIRMATIONS and seen.sizes_varied():
             self.pending.pop(key, None)
             self.variants[key] = seen
         else:
@@ -198,7 +207,7 @@ def learn(
             dims = [d for d in range(len(shape)) if shape[d] == arg and shape[d] > 1]
             if len(dims) != 1:
                 return f"input {i}: an int that is not one size of the step input after it"
-            slots.append(Slot("size", owner, dims[0]))
+            slots.append(Slot("size", owner, dims[0], values={arg}))
         elif isinstance(arg, torch.Tensor) or arg is None or isinstance(arg, (float, bool)):
             slots.append(Slot("constant", constant=arg))
         else:
