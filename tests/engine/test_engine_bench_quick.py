@@ -11,17 +11,15 @@ from pdserve.testing.loopback import run_bench
 pytestmark = pytest.mark.bench
 
 
-# Shape only (issue #45: performance bounds stay in bench/; the figures are the bench's,
-# docs/performance.md): it ran, every figure is there and in range, and the engine batched.
-# The CPU-time ratios against transformers once asserted here needed the test to run alone
-# (serial) and a second run when a neighbour slowed one side.
+# The bench works and its output has its shape; how fast ours is against the baseline is
+# bench/engine.py's to say (issue #45: performance bounds stay in bench, where the sides run
+# alone). Before, this asserted ratio_cpu > 1.05 and ran serially with a retry, because a
+# neighbour test moved the ratio (1.74 alone, 0.98 beside the rest of make test).
 @pytest.mark.timeout(440)
 def test_bench_quick(tmp_path: Path) -> None:
     plot = tmp_path / "engine.png"
     result = run_bench("engine.py", "--quick", "--threads", "1", "--plot", str(plot), timeout=200)
     for key in ("ours_tok_s", "baseline_tok_s", "ratio", "static_tok_s", "ratio_static"):
-        assert isinstance(result[key], float) and result[key] > 0, (key, result)
-    for key in ("ratio_cpu", "ratio_static_cpu", "ours_cpu_tok_s", "baseline_cpu_tok_s"):
         assert isinstance(result[key], float) and result[key] > 0, (key, result)
     for key in ("overhead_share", "kv_waste", "attention_share", "matmul_rest_share"):
         assert isinstance(result[key], float) and 0 <= result[key] < 1, (key, result)
@@ -33,6 +31,8 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert result["quick"] is True and result["requests"] == 12
     assert result["baseline"].startswith("transformers continuous batching")
     assert result["threads"] == result["torch_threads"] == 1 and len(result["load_avg_start"]) == 3
+    for key in ("ratio_cpu", "ratio_static_cpu"):
+        assert isinstance(result[key], float) and result[key] > 0, (key, result)
     # Batched, by count rather than by time: 12 requests of 4-24 tokens take about as many
     # steps as the longest one; an engine that ran one request at a time would take at
     # least one step per output token.
