@@ -1,5 +1,5 @@
 """bench/attention_kernel.py --quick runs end to end (outputs of the new kernel, the old
-one and the gather path agree; the new kernel is faster) and prints its JSON line last."""
+one and the gather path agree) and prints its JSON line last, with every figure."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ def test_attention_kernel_bench_quick(tmp_path: Path) -> None:
     result = run_bench("attention_kernel.py", "--quick", "--plot", str(plot), timeout=200)
     assert result["quick"] is True
     assert set(result["speedup_vs_old"]) == {"tiny f32 16x256", "tiny bf16 16x256"}
-    # 3x and more on a quiet machine; a loose bound, so a loaded test host cannot flake it.
-    assert result["min_vs_old"] > 1.3, result
-    assert result["geomean_vs_ref"] > 1.0, result
+    # Shape only (issue #45: performance bounds stay in bench/; 3x and more vs the old
+    # kernel on a quiet machine). That the outputs agree the bench checks itself (it
+    # exits non-zero otherwise).
+    assert all(isinstance(x, float) and x > 0 for x in result["speedup_vs_old"].values())
+    assert result["min_vs_old"] == min(result["speedup_vs_old"].values())
+    assert isinstance(result["geomean_vs_ref"], float) and result["geomean_vs_ref"] > 0
     assert plot.stat().st_size > 1000

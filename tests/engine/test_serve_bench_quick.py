@@ -71,10 +71,13 @@ def test_serve_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert result["ratio_at_concurrency"] == 4
     assert result["peer_ratio"] == pytest.approx(statistics.median(at4), abs=1e-3)
     assert result["peer_ratio_range"] == [pytest.approx(min(at4)), pytest.approx(max(at4))]
-    # The peer is the same server on the same model (`pdserve up --prefill 0` both): the
-    # ratio is near 1 (0.8-1.2 quiet). A side whose tokens or time were counted
-    # differently, or a ratio taken the wrong way round with a slower side, would not be.
-    assert 0.4 < result["peer_ratio"] < 2.5, result["peer_ratio"]
+    # No bound on the ratio itself (issue #45: performance bounds stay in bench/; the same
+    # server on both sides reads 0.8-1.2 quiet, anything on a loaded host). Each point's
+    # ratio is ours over the peer's (above), and both sides count the same tokens.
+    assert result["peer_ratio"] > 0
+    for r in reps:
+        tokens = [p["output_tok_s"] * p["wall_s"] for p in (r["peer"], r["ours"])]
+        assert tokens[0] == pytest.approx(tokens[1], abs=0.5) and tokens[0] > 0, r
     # What each side ran: the peer's model path and dtype, read from it; threads of both.
     assert Path(result["peer"]["model_path"]) == tiny_model_dir
     assert result["peer"]["dtype"] == "float32" and result["peer"]["processes"]
