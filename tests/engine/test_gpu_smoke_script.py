@@ -6,7 +6,6 @@ its verdict (the exit status) on injected results: any failed check, hand-off or
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,19 +28,20 @@ def test_bandwidth_lookup() -> None:
         gpu_smoke.bandwidth_gbps("Some GPU", None)
 
 
-def test_runs_without_cuda() -> None:
+def test_runs_without_cuda(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The script's own entry, in this process (a child would import torch again, ~3 CPU-s;
+    the module's imports ran above)."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present: run bench/gpu_smoke.py itself")
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_smoke.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "bench" / "gpu_smoke.py")])
+    capsys.readouterr()
+    assert gpu_smoke.main() == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == {
         "cuda": False,
         "note": "no CUDA device: nothing checked",
     }
