@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,13 @@ class InFlight:
                 self.now -= 1
 
 
+def _write(path: Path, urls: list[str]) -> None:
+    """The peer file replaced whole (a new file renamed over it), as an operator would."""
+    tmp = path.with_suffix(".new")
+    tmp.write_text(",".join(urls) + "\n")
+    os.replace(tmp, path)
+
+
 async def _ready(h: httpx.AsyncClient, url: str) -> None:
     for _ in range(600):
         with contextlib.suppress(httpx.HTTPError):
@@ -92,7 +100,7 @@ async def test_a_cap_of_one_holds_while_a_replica_joins(
     (tmp_path / "keys").write_text(key + "\n")
     files = [tmp_path / f"peers{i}" for i in range(3)]
     for f in files:
-        f.write_text(",".join(admins[:2]) + "\n")
+        _write(f, admins[:2])
     dst = FakeState("decode", "d0", token_delay_s=0.05)
     fake = InFlight(decode_app(dst))
     async with serve(fake) as durl, httpx.AsyncClient(timeout=30) as h:
@@ -128,11 +136,11 @@ async def test_a_cap_of_one_holds_while_a_replica_joins(
                 await _ready(h, url)
             tasks = [asyncio.create_task(race(i % 3)) for i in range(6)]
             await asyncio.sleep(1.0)  # the old list: the key's old owner serves it
-            files[2].write_text(",".join(admins) + "\n")  # the joiner sees it first
+            _write(files[2], admins)  # the joiner sees it first
             await asyncio.sleep(SKEW_S)
-            files[0].write_text(",".join(admins) + "\n")
+            _write(files[0], admins)
             await asyncio.sleep(0.5)
-            files[1].write_text(",".join(admins) + "\n")
+            _write(files[1], admins)
             agreed = time.monotonic()
             await asyncio.sleep(2.0)  # all on the new list: the joiner serves the key
             stop.set()
