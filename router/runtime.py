@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -291,17 +292,28 @@ class Runtime:
 
 
 def salt_key() -> bytes:
-    """The key of the API keys' cache salts: derived from the prefix cache's hash key
-    (protocol/hashing.py; b"" with no service secret, as in a bare test)."""
-    from pdserve.protocol.hashing import hash_key
+    """The key of the API keys' cache salts, never empty: an HMAC under the prefix cache's
+    hash key with its own label (protocol/hashing.py: the Secret's ``hash-key``, else, for a
+    Secret from before that entry, derived from ``secret``; the same value either way once
+    ``pdserve rotate-secret`` patches the entry in). With no service secret at all (a bare
+    local router) a random per-process key: a salt is then stable only within this process
+    (a key's prefix-cache hits stay within one router process), never an unkeyed hash."""
+    from pdserve.protocol.hashing import hash_key, note_key_source
 
+    note_key_source()
     base = hash_key()
-    return hmac.new(base, b"pdserve/v1/cache-salt", hashlib.sha256).digest() if base else b""
+    if base:
+        return hmac.new(base, b"pdserve/v1/cache-salt", hashlib.sha256).digest()
+    log.warning(
+        "no service secret: the API keys' cache salts are keyed with a random key of this "
+        "process (set PDSERVE_SERVICE_SECRET to share one across router processes)"
+    )
+    return os.urandom(32)
 
 
 def key_salt(salt_key_: bytes, api_key: str) -> str:
     """An API key's salt: an HMAC (the salt travels in clear on every worker call, and an
     unkeyed SHA-256 of a low-entropy key could be searched offline; issue 44 item 14)."""
     if not salt_key_:
-        return hashlib.sha256(api_key.encode()).hexdigest()[:32]
+        raise ValueError("an API key's cache salt needs a key (salt_key())")
     return hmac.new(salt_key_, api_key.encode(), hashlib.sha256).hexdigest()[:32]
