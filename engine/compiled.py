@@ -79,6 +79,7 @@ def _use_checked_copy() -> None:
 
 
 _models_compiled = 0  # in this process; guard checks are trimmed only while it is 1
+_serving = False  # in_service() was called: the warm-up compiled every variant
 
 
 def prepare(model: torch.nn.Module) -> None:
@@ -120,6 +121,8 @@ def compile_model(model: torch.nn.Module) -> Callable[..., Any]:
 def in_service() -> None:
     """The compiled forward serves from now on (every variant compiled): trim the guard
     checks (module docstring) and seal the cache this process wrote."""
+    global _serving
+    _serving = True
     if _models_compiled == 1:
         torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
     here, ring = cache_dir(), cache_seal.ring(env.COMPILE_CACHE)
@@ -128,6 +131,12 @@ def in_service() -> None:
         sealed_copy.publish(here, shared, ring, copied)
     else:
         cache_seal.seal(here, ring)
+
+
+def serving() -> bool:
+    """Whether a compiled forward of this process is in service (``in_service``): from
+    then on a runner calls its proven graph variants directly (graph_call.py)."""
+    return _serving
 
 
 def say(line: str) -> None:

@@ -32,6 +32,7 @@ from pdserve.router.discovery.workers import Discovery, EndpointSource
 from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.peer_budgets import KUBERNETES, PeerBudgets, own_url
+from pdserve.router.peer_list import PREFIX, PeerFile, read_peers
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.scheduling.prefix_index import PrefixIndex
 from pdserve.router.scheduling.scheduler import Scheduler
@@ -86,6 +87,7 @@ class Runtime:
         self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm, shared=shared)
         self._salt_key = salt_key()
         self.replicas = replica_count(cfg)
+        self.peer_file: PeerFile | None = None  # --budget-peers @FILE
         self.peers = self._peer_budgets(cfg, shared)
         if self.peers is None:
             # Per-client budgets: this replica enforces 1/replicas of them (replicas.py).
@@ -106,9 +108,12 @@ class Runtime:
         ):
             return None
         kube = cfg.budget_peers == (KUBERNETES,)
+        listed = cfg.budget_peers
+        if listed[0].startswith(PREFIX):  # a file, re-read when it changes (peer_list.py)
+            listed = read_peers(listed[0][1:])
         peers = PeerBudgets(
             own_url(cfg.budget_self, cfg.admin_port),
-            () if kube else cfg.budget_peers,
+            () if kube else listed,
             self.limiter,
             cfg.max_concurrency_per_key,
             keys.KeyRing.from_env(keys.ROUTER_PEER),
@@ -116,6 +121,8 @@ class Runtime:
         )
         if kube:
             self.replicas.listen_addresses(peers.listen_endpoints(cfg.admin_port))
+        elif cfg.budget_peers[0].startswith(PREFIX):
+            self.peer_file = PeerFile(cfg.budget_peers[0][1:], peers.set_peers)
         self.limiter = RateLimiter(0, 0)  # the gate's own buckets: off (the owner's count)
         self.admission.counting, self.admission.deferred = False, True
         return peers
@@ -142,8 +149,15 @@ class Runtime:
         await self.discovery.refresh()
         self.discovery.start()
         await self.replicas.start()
+        if self.peers is not None:
+            self.peers.start()  # the counts of its keys asked for (the hand-over)
+        if self.peer_file is not None:
+            self.peer_file.check()
+            self.peer_file.start()
 
     async def close(self) -> None:
+        if self.peer_file is not None:
+            await self.peer_file.close()
         if self.peers is not None:
             await self.peers.close()
         await self.discovery.stop()
