@@ -39,6 +39,7 @@ import torch
 
 from pdserve import env
 from pdserve.engine import cache_seal, compile_key, cpu_linear, sealed_copy
+from pdserve.engine.host_tag import host_tag
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,12 @@ def _use_checked_copy() -> None:
     here = cache_dir()
     ring = cache_seal.ring(env.COMPILE_CACHE)
     if ring:
-        shared = _copies[here][0] if here in _copies else here
+        if here in _copies:
+            shared = _copies[here][0]
+        elif here.name.startswith(sealed_copy.PREFIX):  # another process's copy (inherited)
+            shared = Path(env.get(env.COMPILE_CACHE)) / host_tag()
+        else:
+            shared = here
         private = sealed_copy.private_dir()
         _copies[private] = (shared, sealed_copy.copy_checked(shared, private, ring))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private)
