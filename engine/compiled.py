@@ -78,6 +78,10 @@ def _use_checked_copy() -> None:
         private = sealed_copy.private_dir()
         _copies[private] = (shared, sealed_copy.copy_checked(shared, private, ring))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private)
+        # Triton's cubins (CUDA): inductor sets TRITON_CACHE_DIR under its cache folder once;
+        # one still naming the shared folder would load them from there by path.
+        if os.environ.get("TRITON_CACHE_DIR", "").startswith(str(shared)):
+            del os.environ["TRITON_CACHE_DIR"]
         from torch._inductor import codecache
 
         codecache.CacheBase.get_local_cache_path.cache_clear()  # keyed on the old folder

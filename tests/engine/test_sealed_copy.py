@@ -251,8 +251,10 @@ def test_a_copy_named_by_the_environment_is_never_taken_for_the_shared_cache(
     monkeypatch.setenv(env.COMPILE_CACHE, str(tmp_path / "cache"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(parents))
     monkeypatch.setenv(env.SERVICE_SECRET, SECRET)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(shared / "triton" / "0"))  # set before
     compiled._use_checked_copy()
     mine = compiled.cache_dir()
     assert mine != parents and compiled._copies[mine][0] == shared
+    assert "TRITON_CACHE_DIR" not in os.environ  # inductor sets it again under the copy
     assert (mine / "graph.py").read_text() == "x = 1"
     assert (parents / "graph.py").exists()
