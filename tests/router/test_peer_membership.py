@@ -14,7 +14,6 @@ the new list the key is served again."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import httpx
 import pytest
 
 from pdserve.router.peer_budgets import budget_id, owner_of
-from pdserve.testing.loopback import free_port, start_router
+from pdserve.testing.loopback import free_port, start_router, wait_healthy
 from pdserve.testing.router_fakes import FakeState, decode_app, serve
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -70,15 +69,6 @@ def _write(path: Path, urls: list[str]) -> None:
     tmp = path.with_suffix(".new")
     tmp.write_text(",".join(urls) + "\n")
     os.replace(tmp, path)
-
-
-async def _ready(h: httpx.AsyncClient, url: str) -> None:
-    for _ in range(600):
-        with contextlib.suppress(httpx.HTTPError):
-            if (await h.get(url + "/health")).status_code == 200:
-                return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{url} never became healthy")
 
 
 def _moving_key(before: list[str], after: list[str], joiner: str) -> str:
@@ -133,7 +123,7 @@ async def test_a_cap_of_one_holds_while_a_replica_joins(
 
         try:
             for url in urls:
-                await _ready(h, url)
+                await wait_healthy(h, url)
             tasks = [asyncio.create_task(race(i % 3)) for i in range(6)]
             await asyncio.sleep(1.0)  # the old list: the key's old owner serves it
             _write(files[2], admins)  # the joiner sees it first
