@@ -194,6 +194,7 @@ def main() -> int:
         "free_tok_s": med("free_tok_s"),
         "constrained_tok_s": med("constrained_tok_s"),
         "compile_s": round(compile_s, 3),
+        "grammars_compiled": engine.grammars.num_compiled,  # one schema: once, not per request
         "rounds": rounds,
         "preset": args.preset,
         "requests": args.requests,

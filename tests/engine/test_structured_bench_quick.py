@@ -1,4 +1,5 @@
-"""bench/structured.py --quick: wall-clock and CPU-time ratios of schema-constrained vs free."""
+"""bench/structured.py --quick: it runs and reports the wall-clock and CPU-time ratios of
+schema-constrained vs free decoding (shape only: the figures are the bench's)."""
 
 from __future__ import annotations
 
@@ -22,17 +23,13 @@ def test_structured_bench_quick(tmp_path: Path) -> None:
     assert len(result["load_avg_start"]) == 3 and all("load_avg" in r for r in result["rounds"])
     lo, hi = result["ratio_range"]
     assert lo <= result["ratio"] <= hi
-    # The same tokens decoded with and without a schema (the bench asserts it). CPU time,
-    # robust to other load: 0.96x in the quick run (2026-12-03, load average ~17). A mask
-    # built in Python per token, or xgrammar's matcher rebuilt per step, is far below 0.6.
-    assert result["ratio_cpu"] > 0.6, result
-    # Wall clock moves with the host's load (quick: 0.89-1.00 per round at load ~17), so the
-    # bound is looser; a grammar compiled per request (0.4-0.7 s each, 8 requests, against a
-    # ~0.6 s pass) would put it near 0.1.
-    assert result["ratio"] > 0.4, result
-    # Wall time less the engine thread's run-queue waits: the path's own time. Both passes
-    # decode alike, so a constrained pass that slept or spun (a lock, a thread hand-off)
-    # would show here even when the host's load hides it in the wall-clock ratio.
-    assert result["ratio_unqueued"] > 0.6, result
+    # The same tokens decoded with and without a schema (the bench asserts it). No bound on
+    # the ratios here (issue #45: performance bounds stay in bench/; 0.96x CPU in the quick
+    # run at load ~17): every figure present and positive, and the grammar compiled once for
+    # all the constrained requests of every round (by count, where a per-request compile
+    # once showed as a wall-clock ratio near 0.1).
+    for key in ("ratio_cpu", "ratio", "ratio_unqueued"):
+        assert isinstance(result[key], float) and result[key] > 0, (key, result)
+    assert result["grammars_compiled"] == 1, result
     assert result["compile_s"] > 0
     assert plot.stat().st_size > 1000
