@@ -6,8 +6,10 @@ echo, on the P/D path (router-called prefill) and decode-direct, streamed or who
 does the HTTP, the signed worker calls, the prefill reply, the SSE relay, retries and
 migration in Rust. Everything stateful stays here, on the event loop, as the Python lane
 does it: the gate (API key, per-client rate), admission, the body's checks and
-tokenization, the plan (prefix index, load), the in-flight counts, failures and metrics.
-Rust queues jobs and wakes the loop through a pipe; ``_drain`` runs them in a batch.
+tokenization, the in-flight counts, failures and metrics. The plan is the Rust planner's
+(router/lane_plan.py: the snapshot and the prefix index mirrored into it; the Python
+scheduler stays its reference). Rust queues jobs and wakes the loop through a pipe;
+``_drain`` runs them in a batch.
 
 Any other request, and a completion this side declines (``eligible``), goes to the
 Python server behind the lane on loopback, unchanged, with the client's address in
@@ -25,6 +27,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -32,11 +35,12 @@ from starlette.requests import Request
 from pdserve.protocol.codec import all_ints, encode
 from pdserve.protocol.contract import PrefillRequest
 from pdserve.protocol.sampling_params import SamplingParams
-from pdserve.router import edge
+from pdserve.router import edge, lane_plan
 from pdserve.router.api.openai_request import CompletionRequest
 from pdserve.router.api.serving import INLINE_BODY_BYTES, INLINE_TEXT_CHARS, fit_context
 from pdserve.router.api.serving import prepare_body as prepare_body
 from pdserve.router.errors import APIError
+from pdserve.router.lane_plan import LanePlanner, python_plan
 from pdserve.router.runtime import Runtime, Ticket
 from pdserve.router.scheduling import disagg
 from pdserve.router.transport.dispatch import MAX_ATTEMPTS, RequestState
@@ -92,8 +96,10 @@ class LaneHost:
     """Runs the lane's jobs on the loop: one per request to begin it, then its first
     token, its worker calls' in-flight counts, failures, and its end."""
 
-    def __init__(self, rt: Runtime, lane: Any) -> None:
+    def __init__(self, rt: Runtime, lane: Any, planner: LanePlanner | None = None) -> None:
         self.rt, self.lane = rt, lane
+        # the plan: the Rust planner's (router/lane_plan.py), else the scheduler's
+        self.plan = planner.plan if planner is not None else partial(python_plan, rt.scheduler)
         self.runs: dict[int, _Run] = {}
         self._next = 0
         self.served = 0  # requests the lane served (the rest went to the Python lane)
@@ -196,15 +202,14 @@ class LaneHost:
             req = fit_context(rt, snap, req, len(ids))
             rt.limiter.take_tokens(client, len(ids) + req.best_of * req.sampling.max_tokens)
             salt = rt.cache_salt(key, req.cache_salt)
-            plan = rt.scheduler.plan(ids, snap, salt, None)
+            kind, prefill, decode = self.plan(ids, snap, salt)
         except APIError as err:
             ticket.release()
             self.lane.answer(job, self._error(err))
             return
         rid = "cmpl-" + os.urandom(16).hex()
-        remote = plan.kind == disagg.REMOTE_PREFILL
-        prefill = [w.url for w in plan.prefill[:MAX_ATTEMPTS]] if remote else []
-        decode = [w.url for w in plan.decode[:MAX_ATTEMPTS]]
+        prefill = prefill[:MAX_ATTEMPTS] if kind == disagg.REMOTE_PREFILL else []
+        decode = decode[:MAX_ATTEMPTS]
         # the lane derives the GenerateRequest from it (test_generate_request_is_the_codecs)
         pbody = encode(PrefillRequest(rid, ids, req.sampling, salt, None))
         self._next += 1
@@ -375,7 +380,11 @@ class LaneSetup:
             rt.cfg.stream_write_timeout_s,
         )
         self.public.close()  # the lane holds its own copy
-        host = LaneHost(rt, lane)
+        planner = None
+        if hasattr(self.module, "Planner"):  # a build from before the ninth pass has none
+            rust = lane_plan.planner(self.module, rt.cfg, rt.scheduler.hash_key)
+            planner = LanePlanner(rust, rt.scheduler, rt.index)
+        host = LaneHost(rt, lane, planner)
         asyncio.get_running_loop().add_reader(lane.notify_fd(), host._drain)
         rt.discovery.after_refresh.append(host.health)
         host.health()

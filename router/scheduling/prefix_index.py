@@ -18,6 +18,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdserve.router.scheduling.tier_index import TIERS, TierIndex
 
@@ -53,6 +54,16 @@ class KVEventView:
         return cls(kind, str(body["worker_id"]), int(body["seq"]), tuple(hashes), tier)
 
 
+class Mirror(Protocol):
+    """A copy of the index kept elsewhere (the compiled lane's planner, router/lane_plan.py):
+    told every change to a worker's pool blocks, and whether a KV tier holds any."""
+
+    def kv_stored(self, worker_id: str, hashes: Sequence[int]) -> None: ...
+    def kv_removed(self, worker_id: str, hashes: Sequence[int]) -> None: ...
+    def kv_drop(self, worker_id: str) -> None: ...
+    def set_tiers_present(self, present: bool) -> None: ...
+
+
 class PrefixIndex:
     """block hash → workers holding it, in LRU order. Single-threaded (the event loop)."""
 
@@ -65,11 +76,14 @@ class PrefixIndex:
         self._held: dict[str, int] = {}  # worker_id -> block hashes it holds
         self.num_gaps = 0
         self.num_evicted = 0  # block hashes forgotten for the bound
+        self.mirror: Mirror | None = None
 
     def __len__(self) -> int:
         return len(self._holders)
 
     def stored(self, worker_id: str, hashes: Sequence[int]) -> None:
+        if self.mirror is not None:
+            self.mirror.kv_stored(worker_id, hashes)
         for h in hashes:
             holders = self._holders.get(h)
             if holders is None:
@@ -86,6 +100,8 @@ class PrefixIndex:
                 self._held[w] -= 1
 
     def removed(self, worker_id: str, hashes: Sequence[int]) -> None:
+        if self.mirror is not None:
+            self.mirror.kv_removed(worker_id, hashes)
         for h in hashes:
             holders = self._holders.get(h)
             if holders is not None and worker_id in holders:
@@ -95,9 +111,16 @@ class PrefixIndex:
                     del self._holders[h]
 
     def drop_worker(self, worker_id: str) -> None:
-        for h in [h for h, ws in self._holders.items() if worker_id in ws]:
-            self.removed(worker_id, (h,))
+        mirror, self.mirror = self.mirror, None  # one drop for the mirror, not a removal a block
+        try:
+            for h in [h for h, ws in self._holders.items() if worker_id in ws]:
+                self.removed(worker_id, (h,))
+        finally:
+            self.mirror = mirror
+        if mirror is not None:
+            mirror.kv_drop(worker_id)
         self.tiers.drop_worker(worker_id)
+        self._tiers_changed()
         self._last_seq.pop(worker_id, None)
 
     def apply(self, ev: KVEventView) -> None:
@@ -110,6 +133,7 @@ class PrefixIndex:
         if ev.tier != "pool" and ev.kind != "cleared":
             apply = self.tiers.stored if ev.kind == "stored" else self.tiers.removed
             apply(ev.worker_id, ev.tier, ev.block_hashes)
+            self._tiers_changed()
         elif ev.kind == "stored":
             self.stored(ev.worker_id, ev.block_hashes)
         elif ev.kind == "removed":
@@ -117,6 +141,19 @@ class PrefixIndex:
         else:
             self.drop_worker(ev.worker_id)
             self._last_seq[ev.worker_id] = ev.seq
+
+    def _tiers_changed(self) -> None:
+        if self.mirror is not None:
+            self.mirror.set_tiers_present(len(self.tiers) > 0)
+
+    def attach(self, mirror: Mirror) -> None:
+        """Keep ``mirror`` a copy of this index from now on (what it holds now replayed,
+        least recently used first)."""
+        for h, workers in self._holders.items():
+            for w in workers:
+                mirror.kv_stored(w, (h,))
+        mirror.set_tiers_present(len(self.tiers) > 0)
+        self.mirror = mirror
 
     def load_snapshot(self, worker_id: str, seq: int, hashes: Sequence[int]) -> None:
         """The worker holds exactly ``hashes`` as of its KV event ``seq``; the events after

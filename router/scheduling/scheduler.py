@@ -40,7 +40,7 @@ class Scheduler:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self._rr = 0
-        self._hash_key = hash_key()  # the service's block-hash key, as the workers'
+        self.hash_key = hash_key()  # the service's block-hash key, as the workers'
 
     def plan(
         self,
@@ -52,7 +52,7 @@ class Scheduler:
         prefix = self.cfg.uses_prefix
         # The adapter's hash seeds the chain as on the workers: their KV events match these.
         root = salt_root(cache_salt, lora.hash if lora is not None else None)
-        hashes = block_hashes(ids, snap.block_size, root, self._hash_key) if prefix else []
+        hashes = block_hashes(ids, snap.block_size, root, self.hash_key) if prefix else []
         pool = self.index.match(hashes)
         tiers = self.index.tiers.match(hashes, pool, (w.worker_id for w in snap.prefill))
         req = RouteRequest(

@@ -35,7 +35,7 @@ pub struct Plan {
     pub prefill: Vec<String>,
     pub decode: Vec<String>,
     pub prefill_body: Bytes,
-    pub generate: Value, // GenerateRequest as the codec encodes it, without handle
+    pub generate: crate::generate::Generate, // the GenerateRequest, spliced per call
     pub n_prompt: u64,
     pub timeout: Duration,
     pub err_midstream: Bytes, // the 502 body once a decode token was sent
@@ -583,7 +583,9 @@ fn refused(status: u16, body: Bytes) -> Outcome {
 async fn trip(run: &mut Run, tx: &Tx, head: &mut Option<oneshot::Sender<Result<(), Outcome>>>) -> Result<(), Outcome> {
     let lane = run.lane.clone();
     let timeout = run.plan.timeout;
-    let mut generate = std::mem::take(&mut run.plan.generate);
+    let generate = std::mem::take(&mut run.plan.generate);
+    // the GenerateRequest's handle, first token and resumed tokens, as JSON text
+    let (mut kv_handle, mut first_id, mut resume) = ("null".to_string(), "null".to_string(), "null".to_string());
     let n_prompt = run.plan.n_prompt;
     // -- remote prefill: the next prefill worker on a failure, then a local prefill
     let prefill: Vec<String> = run.plan.prefill.iter().take(3).cloned().collect();
@@ -632,10 +634,8 @@ async fn trip(run: &mut Run, tx: &Tx, head: &mut Option<oneshot::Sender<Result<(
         if !send(run, tx, head, out).await {
             return Ok(());
         }
-        if let Value::Object(m) = &mut generate {
-            m.insert("kv_handle".into(), handle);
-            m.insert("first_token_id".into(), first);
-        }
+        kv_handle = handle.to_string();
+        first_id = first.to_string();
         break;
     }
     // -- decode: the next decode worker while nothing of its own was sent; after, migrate
@@ -662,11 +662,9 @@ async fn trip(run: &mut Run, tx: &Tx, head: &mut Option<oneshot::Sender<Result<(
         if attempt > 0 {
             // the last worker may have claimed the handle (single-use): the next one
             // recomputes the prompt and every token sent (the migration's request)
-            if let Value::Object(m) = &mut generate {
-                m.insert("kv_handle".into(), Value::Null);
-                m.insert("first_token_id".into(), Value::Null);
-                m.insert("resume_token_ids".into(), Value::Array(run.output.clone()));
-            }
+            kv_handle = "null".into();
+            first_id = "null".into();
+            resume = serde_json::to_string(&run.output).unwrap_or_else(|_| "null".into());
             if relayed {
                 run.migrations += 1;
                 lane.host.push(Job::Migrated { token: run.token() });
@@ -675,7 +673,8 @@ async fn trip(run: &mut Run, tx: &Tx, head: &mut Option<oneshot::Sender<Result<(
         attempt += 1;
         run.touch(&url);
         run.track(&url, "decode", 1);
-        let r = stream_decode(run, tx, head, &url, &generate, &mut relayed, n_prompt).await;
+        let body = Bytes::from(generate.body(&kv_handle, &first_id, &resume));
+        let r = stream_decode(run, tx, head, &url, body, &mut relayed, n_prompt).await;
         run.track(&url, "decode", -1);
         match r {
             Ok(()) => return Ok(()),
@@ -700,13 +699,12 @@ async fn stream_decode(
     tx: &Tx,
     head: &mut Option<oneshot::Sender<Result<(), Outcome>>>,
     url: &str,
-    generate: &Value,
+    body: Bytes,
     relayed: &mut bool,
     _n_prompt: u64,
 ) -> Result<(), Failed> {
     let lane = run.lane.clone();
     let timeout = run.plan.timeout;
-    let body = Bytes::from(serde_json::to_vec(generate).unwrap_or_default());
     let call = post_as(&lane, url, "/generate", body, timeout, "decode", run.token()).await?;
     let Call { sender, authority, resp } = call;
     let mut incoming = resp.into_body();

@@ -3,7 +3,10 @@
 //! A tokio thread serves the router's public socket (lane.rs); the Python router stays
 //! the reference and does everything stateful: it drains this module's job queue on its
 //! event loop (a pipe wakes it) and answers each request's `begin` (router/fast_lane.py).
+mod generate;
 mod lane;
+mod plan;
+mod planner_py;
 mod pool;
 mod sign;
 mod sse;
@@ -30,14 +33,7 @@ struct Queue {
     next: AtomicU64,
     wake: UnixStream, // written when the queue goes from empty to not
     woken: AtomicBool,
-    flush_pending: AtomicBool,
-    me: Mutex<std::sync::Weak<Queue>>,
 }
-
-/// How long a job that needs no answer (a first token, a count, an end) may wait for the
-/// Python loop: it rides along with the next request's `begin`, or goes after this long.
-/// One wake-up of the loop per request instead of four.
-const FLUSH_AFTER: Duration = Duration::from_millis(2);
 
 impl Queue {
     fn wake(&self) {
@@ -48,24 +44,13 @@ impl Queue {
 }
 
 impl lane::Host for Queue {
+    /// Every job wakes the loop at once, coalesced: one pipe write until the loop drains
+    /// (`take`), so the jobs queued meanwhile ride along. The eighth pass held the jobs
+    /// that need no answer (a first token, an end: the slot back) up to 2 ms for the next
+    /// `begin`; a slot or a load count back 2 ms late held requests on the wall.
     fn push(&self, job: Job) {
-        let urgent = matches!(job, Job::Begin { .. } | Job::AwaitDecode { .. });
         self.jobs.lock().unwrap().push(job);
-        if urgent {
-            self.wake();
-        } else if !self.flush_pending.swap(true, Ordering::AcqRel) {
-            // pushed on the lane's thread, inside its runtime
-            let me = self.me.lock().unwrap().upgrade();
-            if let Some(me) = me {
-                tokio::spawn(async move {
-                    tokio::time::sleep(FLUSH_AFTER).await;
-                    me.flush_pending.store(false, Ordering::Release);
-                    if !me.jobs.lock().unwrap().is_empty() {
-                        me.wake();
-                    }
-                });
-            }
-        }
+        self.wake();
     }
 
     fn begin(&self, body: Bytes, headers: Vec<(Bytes, Bytes)>, peer: SocketAddr) -> oneshot::Receiver<Begin> {
@@ -121,10 +106,7 @@ impl Lane {
             next: AtomicU64::new(1),
             wake,
             woken: AtomicBool::new(false),
-            flush_pending: AtomicBool::new(false),
-            me: Mutex::new(std::sync::Weak::new()),
         });
-        *queue.me.lock().unwrap() = Arc::downgrade(&queue);
         let std_listener = unsafe { std::net::TcpListener::from_raw_fd(listen_fd) };
         std_listener.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let host: Arc<dyn lane::Host> = queue.clone();
@@ -215,7 +197,8 @@ impl Lane {
                 };
                 let pb = raw(8)?;
                 let gb = raw(9)?;
-                let generate = if gb.is_empty() { generate_of(&pb)? } else { json(&gb)? };
+                let generate = generate::Generate::of(if gb.is_empty() { &pb } else { &gb })
+                    .map_err(PyValueError::new_err)?;
                 let timeout: f64 = item(11)?.extract()?;
                 Begin::Go(Box::new(Plan {
                     token: item(1)?.extract()?,
@@ -267,36 +250,14 @@ impl Lane {
     }
 }
 
-fn json(raw: &[u8]) -> PyResult<serde_json::Value> {
-    serde_json::from_slice(raw).map_err(|e| PyValueError::new_err(e.to_string()))
-}
-
-/// The GenerateRequest of a PrefillRequest (codec.encode's fields, in order): the same
-/// id, prompt, sampling, salt and adapter; no handle yet (the prefill reply brings it).
-fn generate_of(prefill: &[u8]) -> PyResult<serde_json::Value> {
-    use serde_json::Value;
-    let Value::Object(mut p) = json(prefill)? else {
-        return Err(PyValueError::new_err("a PrefillRequest is a JSON object"));
-    };
-    let mut g = serde_json::Map::new();
-    let mut take = |k: &str| p.remove(k).unwrap_or(Value::Null);
-    g.insert("request_id".into(), take("request_id"));
-    g.insert("prompt_token_ids".into(), take("prompt_token_ids"));
-    g.insert("sampling".into(), take("sampling"));
-    g.insert("kv_handle".into(), Value::Null);
-    g.insert("first_token_id".into(), Value::Null);
-    g.insert("cache_salt".into(), take("cache_salt"));
-    g.insert("resume_token_ids".into(), Value::Null);
-    g.insert("lora".into(), take("lora"));
-    g.insert("prefill".into(), Value::Null);
-    g.insert("type".into(), Value::String("generate_request".into()));
-    Ok(Value::Object(g))
-}
-
-/// generate_of, for the test that compares it with codec.encode(GenerateRequest(...)).
+/// The GenerateRequest of a PrefillRequest (codec.encode's fields, in order), before its
+/// prefill: the test compares it with codec.encode(GenerateRequest(...)).
+/// `resume`: the JSON text of the tokens a migration resumes from.
 #[pyfunction]
-fn generate_request_of(prefill: &[u8]) -> PyResult<String> {
-    Ok(generate_of(prefill)?.to_string())
+#[pyo3(signature = (prefill, resume="null"))]
+fn generate_request_of(prefill: &[u8], resume: &str) -> PyResult<String> {
+    let g = generate::Generate::of(prefill).map_err(PyValueError::new_err)?;
+    String::from_utf8(g.body("null", "null", resume)).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 trait ReadSome {
@@ -370,6 +331,9 @@ fn whole(rid: &str, model: &str, text: &str, finish: Option<&str>, prompt: u64, 
 #[pymodule]
 fn pdserve_lane(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Lane>()?;
+    m.add_class::<planner_py::Planner>()?;
+    m.add_function(wrap_pyfunction!(planner_py::block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(planner_py::salt_root, m)?)?;
     m.add_function(wrap_pyfunction!(sign_with, m)?)?;
     m.add_function(wrap_pyfunction!(proof_ok, m)?)?;
     m.add_function(wrap_pyfunction!(text_chunk, m)?)?;
