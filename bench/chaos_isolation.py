@@ -42,8 +42,8 @@
   the copy inductor reads, and files a worker's publish wrote through a planted link
   (tests/engine/test_sealed_copy.py runs the same swap through a real inductor load).
 
-The in-process probes are the tests' own (tests/...): the bench runs what the suite
-checks, against the code as it is.
+The in-process probes are the ones the suite holds to 0 (pdserve/testing/engine_probes.py,
+pod_policy_probe.py): the bench runs what the suite checks, against the code as it is.
 """
 
 from __future__ import annotations
@@ -62,9 +62,8 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-for sub in ("", "tests/engine", "tests/k8s"):
-    if str(ROOT / sub) not in sys.path:
-        sys.path.insert(0, str(ROOT / sub))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 
 async def admin_port_changes(url: str, admin_url: str, adapter: str) -> int:
@@ -93,13 +92,13 @@ def picker_bypass(model_dir: Path) -> int:
 
 
 def merged_policy_escapes() -> int:
-    from test_k8s_pod_policy import merged_escapes
+    from pdserve.testing.pod_policy_probe import merged_escapes
 
     return int(merged_escapes())
 
 
 def symlinks_followed() -> int:
-    from test_cache_seal import symlink_probe
+    from pdserve.testing.engine_probes import symlink_probe
 
     with tempfile.TemporaryDirectory() as tmp:
         return int(symlink_probe(Path(tmp)))
@@ -107,10 +106,10 @@ def symlinks_followed() -> int:
 
 def abandoned_over_bound(model_dir: Path) -> int:
     import zmq
-    from engine_helpers import tiny_config
-    from test_grammar_bounds import abandoned_probe
 
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.testing.engine_probes import abandoned_probe
+    from pdserve.testing.tiny_engine import tiny_config
     from pdserve.worker.core.loop import CoreLoop
 
     engine = LLMEngine(tiny_config(model_dir))
@@ -140,9 +139,9 @@ def abandoned_over_bound(model_dir: Path) -> int:
 
 def lora_escapes(model_dir: Path) -> int:
     import torch
-    from test_lora_files import lora_path_probe
     from transformers import AutoModelForCausalLM
 
+    from pdserve.testing.engine_probes import lora_path_probe
     from pdserve.testing.lora_adapters import SPECS, write_adapter
 
     hf = AutoModelForCausalLM.from_pretrained(

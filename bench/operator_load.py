@@ -18,7 +18,7 @@ The fleet grows 1 -> 10 -> 100 objects, with a steady-state window at each size:
   EndpointSlice watch, ``router/discovery/k8s.py``) and as many of the design it replaced
   (a pod LIST by label every second), each on its own LLMService's pools, both measured.
 
-The emulator is tests/k8s/k8s_emulator.py (PyPI ``kmock``); a plot goes to bench/out/.
+The emulator is pdserve/testing/k8s_emulator.py (PyPI ``kmock``); a plot goes to bench/out/.
 
     python bench/operator_load.py            # 1, 10, 100 LLMServices, 10 + 10 routers, 60 s
     python bench/operator_load.py --real     # the same against a real kube-apiserver
@@ -40,14 +40,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "k8s"))
 
 import aiohttp  # noqa: E402
 import figures  # noqa: E402
 import kmock  # noqa: E402
 import kopf  # noqa: E402
 import yaml  # noqa: E402
-from k8s_emulator import ApiServer  # noqa: E402
 from lib import flags  # noqa: E402
 from operator_peers import PEERING, REPLICAS, CountingServer, start_replicas, window  # noqa: E402
 from router_discovery_load import (  # noqa: E402
@@ -62,6 +60,7 @@ from pdserve.operator.cache import WATCHED  # noqa: E402
 from pdserve.operator.handlers import OperatorConfig  # noqa: E402
 from pdserve.operator.kube import KubeClient  # noqa: E402
 from pdserve.operator.render import render  # noqa: E402
+from pdserve.testing.k8s_emulator import ApiServer  # noqa: E402
 
 NS = "default"
 # The bench's own agents; every other request at the emulator is the operator's.

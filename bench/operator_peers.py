@@ -22,11 +22,11 @@ from typing import Any
 
 import aiohttp
 import attrs
-from k8s_emulator import ApiServer
-from operator_replica import OperatorReplica
 
 from pdserve.operator.handlers import OperatorConfig
 from pdserve.operator.kube import KubeClient
+from pdserve.testing.k8s_emulator import ApiServer
+from pdserve.testing.operator_replica import OperatorReplica
 
 NS = "default"
 PEERING = "pdserve-operator"  # the chart's --peering name (pdserve.operatorName)

@@ -10,9 +10,8 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
-
-# The tiny model's block: 4 layers * K/V * 16 tokens * 2 KV heads * 32 dims * 4 bytes.
-TINY_BLOCK_BYTES = 4 * 2 * 16 * 2 * 32 * 4
+from pdserve.testing.tiny_engine import TINY_BLOCK_BYTES as TINY_BLOCK_BYTES
+from pdserve.testing.tiny_engine import tiny_config as tiny_config
 
 
 def assert_all_free(target: LLMEngine | BlockManager) -> None:
@@ -33,16 +32,6 @@ def family_config(model_dir: Path, **overrides: Any) -> EngineConfig:
     depends on the family's layers)."""
     return EngineConfig(
         model=str(model_dir), dtype="float32", device="cpu", kv_cache_bytes=4 << 20, **overrides
-    )
-
-
-def tiny_config(model_dir: Path, num_blocks: int = 256, **overrides: Any) -> EngineConfig:
-    return EngineConfig(
-        model=str(model_dir),
-        dtype="float32",
-        device="cpu",
-        kv_cache_bytes=num_blocks * TINY_BLOCK_BYTES,
-        **overrides,
     )
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from pdserve import env, keys
 from pdserve.engine import cache_seal, cpu_kernel
+from pdserve.testing.engine_probes import symlink_probe
 
 pytestmark = pytest.mark.unit
 
@@ -111,27 +112,8 @@ def test_compile_checks_the_inductor_cache_before_compiling(
     assert not (tmp_path / "fxgraph" / "entry").exists()
 
 
-def symlink_probe(tmp_path: Path) -> int:
-    """How many planted links a verify + seal leaves for the loader to follow (issue 44):
-    a linked directory (os.walk lists it but never enters it, inductor follows it), a
-    linked file, a link in a subfolder. bench/chaos.py reports it as cache_symlink_followed."""
-    cache, outside = tmp_path / "cache", tmp_path / "elsewhere"
-    (cache / "ab").mkdir(parents=True)
-    outside.mkdir()
-    (outside / "entry").write_bytes(b"their graph")
-    (cache / "fxgraph").symlink_to(outside, target_is_directory=True)
-    (cache / "kernel.so").symlink_to(outside / "entry")
-    (cache / "ab" / "x.py").symlink_to(outside / "entry")
-    ring = _ring(SECRET)
-    cache_seal.verify(cache, ring)
-    cache_seal.seal(cache, ring)
-    left = [p for p in ("fxgraph", "kernel.so", "ab/x.py") if os.path.lexists(cache / p)]
-    assert (outside / "entry").read_bytes() == b"their graph"  # the target is not ours
-    return len(left)
-
-
 def test_planted_symlinks_are_removed_never_followed(tmp_path: Path) -> None:
-    assert symlink_probe(tmp_path) == 0
+    assert symlink_probe(tmp_path, SECRET) == 0
     assert not cache_seal._manifest(tmp_path / "cache")  # nothing of theirs got our seal
 
 

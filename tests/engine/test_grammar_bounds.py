@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import pickle
 import threading
 import time
 from pathlib import Path
@@ -24,14 +23,15 @@ import pytest
 import zmq
 from engine_helpers import assert_all_free, tiny_config
 
-from pdserve.engine.compile_guard import DEFAULT_BOUND
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.structured import Grammars
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.engine_probes import SCHEMA, abandoned_probe
+from pdserve.testing.engine_probes import core_messages as _messages
+from pdserve.testing.engine_probes import grammar_add as _add
 from pdserve.worker.core.loop import CoreLoop
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
 @pytest.fixture(scope="module")
@@ -64,22 +64,6 @@ def _held_compile(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> threadi
 
     monkeypatch.setattr(engine.grammars, "compile", held)
     return release
-
-
-def _messages(reader: Any) -> list[Any]:
-    out = []
-    while reader.poll(50):
-        out.append(pickle.loads(reader.recv()))
-    return out
-
-
-def _add(rid: str, salt: str | None = None) -> tuple[Any, ...]:
-    schema = {**SCHEMA, "title": rid}  # distinct per request: each one compiles
-    params = SamplingParams(
-        max_tokens=8,
-        structured={"type": "json_schema", "schema": schema, "param": "response_format"},
-    )
-    return ("add", rid, [5, 6, 7], params, {"cache_salt": salt})
 
 
 def test_abort_while_compiling_is_never_added(engine, loop, monkeypatch) -> None:
@@ -189,30 +173,6 @@ def test_an_unexpected_error_adding_a_request_answers_it_alone(engine, loop, mon
     while engine.has_work:
         engine.step()
     assert_all_free(engine)
-
-
-def _grammar_threads() -> int:
-    return sum(t.name.startswith("pdserve-grammar") for t in threading.enumerate())
-
-
-def abandoned_probe(core: Any, reader: Any, engine: LLMEngine, keys: int = 4) -> int:
-    """Compiles abandoned past the bound (bench/chaos.py: abandoned_compiles_over_bound):
-    ``keys`` keys each send two grammars that never finish in time (each compile is held
-    until the end); the threads still compiling are counted at the worst moment. Before
-    the fix every timeout left a thread behind and the next compile took a fresh one."""
-    core.compile_timeout_s = 0.2
-    base, worst = _grammar_threads(), 0
-    for k in range(keys):
-        for i in range(2):
-            core._command(_add(f"k{k}-{i}", f"k:{k}|r:x"))
-            deadline = time.monotonic() + 0.5
-            while time.monotonic() < deadline:
-                core._add_compiled()
-                worst = max(worst, _grammar_threads() - base)
-                time.sleep(0.01)
-    _messages(reader)
-    # abandoned ones + the one running (the fresh thread starts only with a compile)
-    return max(0, worst - (DEFAULT_BOUND + 1))
 
 
 def test_abandoned_compiles_are_bounded_and_their_key_backed_off(engine, loop, monkeypatch) -> None:

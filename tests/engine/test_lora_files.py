@@ -20,6 +20,7 @@ from pdserve.engine.lora_files import (
 )
 from pdserve.engine.lora_registry import LoraAdapter, LoraRegistry, lora_passes, lora_queries
 from pdserve.protocol.hashing import ROOT_HASH, block_hashes, salt_root
+from pdserve.testing.engine_probes import lora_path_probe
 from pdserve.testing.lora_adapters import SPECS, edit_config, write_adapter
 
 pytestmark = pytest.mark.unit
@@ -158,33 +159,6 @@ def test_queries_answer_errors_by_field(copy: Path, hf_model: Any) -> None:
     assert queries["lora_load"]("b", "/nonexistent")["field"] == "lora_path"
     assert queries["lora_unload"]("a") is True and queries["lora_unload"]("a") is False
     assert lora_queries(None)["lora_load"]("a", str(copy))["field"] == "lora_name"
-
-
-def lora_path_probe(adapter: Path, hf_model: Any, tmp_path: Path) -> tuple[int, int]:
-    """(escapes, revealing errors): run-time loads outside ``--lora-root`` that the worker
-    took, and errors that differ between a path that exists and one that does not.
-    bench/chaos.py reports the sum as lora_path_escapes."""
-    root = tmp_path / "root"
-    inside = Path(shutil.copytree(adapter, root / "ok"))
-    (root / "link").symlink_to(adapter)  # a link inside the root to a directory outside
-    config = LoraConfig(max_lora_rank=16, roots=(str(root),))
-    load = lora_queries(LoraRegistry(hf_model, config, torch.device("cpu"), torch.float32))[
-        "lora_load"
-    ]
-    assert "hash" in load("ok", str(inside))
-    outside = [
-        str(adapter),
-        f"{root}/../{adapter.relative_to(tmp_path)}",
-        str(root / "link"),
-        "/etc",
-        str(root),
-    ]
-    escapes = sum("hash" in load(f"x{i}", p) for i, p in enumerate(outside))
-    errors = {
-        load("y", p)["error"]
-        for p in ("/etc", "/nonexistent", "/etc/passwd", str(root / "missing"))
-    }
-    return escapes, len(errors) - 1
 
 
 def test_run_time_loads_stay_under_the_lora_root(good: Path, hf_model: Any, tmp_path: Path) -> None:

@@ -20,7 +20,6 @@ import kmock
 import kopf
 import pytest
 import yaml
-from k8s_emulator import ApiServer
 from k8s_helpers import NS, TEST_POD_POLICY
 from k8s_slices import Slices
 
@@ -29,6 +28,7 @@ from pdserve.operator.handlers import OperatorConfig
 from pdserve.operator.kube import KubeClient
 from pdserve.operator.main import build_registry
 from pdserve.operator.pod_policy import PodPolicy
+from pdserve.testing.k8s_emulator import ApiServer
 
 
 class ForeignTasks(Collection["asyncio.Task[Any]"]):

@@ -16,11 +16,12 @@ import pytest
 import yaml
 
 from pdserve.operator.kube import KubeClient
-from pdserve.operator.pod_policy import PodPolicy
+from pdserve.testing.k8s_objects import NS as NS
+from pdserve.testing.k8s_objects import TEST_POD_POLICY as TEST_POD_POLICY
+from pdserve.testing.k8s_objects import minimal_llmservice as minimal_llmservice
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "charts" / "pdserve" / "crds" / "llmservices.pdserve.io.yaml"
-NS = "default"
 
 
 def load_crd() -> dict[str, Any]:
@@ -32,22 +33,6 @@ def load_crd() -> dict[str, Any]:
 def crd_schema() -> dict[str, Any]:
     schema: dict[str, Any] = load_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     return schema
-
-
-# The operator allows minimal_llmservice's hostPath weights only under a directory the
-# cluster admin names (--allow-model-host-path): the tests' operators are that admin.
-TEST_POD_POLICY = PodPolicy(model_host_paths=("/data/models",))
-
-
-def minimal_llmservice(name: str = "demo", **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": {"source": {"hostPath": {"path": "/data/models/tiny"}}}}
-    body.update(spec)
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "LLMService",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": body,
-    }
 
 
 async def eventually(

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
-from k8s_emulator import ApiServer
 from k8s_helpers import NS
+
+from pdserve.testing.k8s_emulator import ApiServer
 
 SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"
 

@@ -24,12 +24,12 @@ from typing import Any
 import kmock
 import pytest
 from autoscaler_standin import Load, RecordedRouter, serve_routers
-from k8s_emulator import ApiServer
 from k8s_helpers import NS, eventually, minimal_llmservice, schema_errors
 
 from pdserve.operator.autoscaler import AutoscaleSettings
 from pdserve.operator.handlers import OperatorConfig
 from pdserve.operator.kube import KubeClient
+from pdserve.testing.k8s_emulator import ApiServer
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -15,10 +15,10 @@ from typing import Any
 import kmock
 import pytest
 import yaml
-from k8s_emulator import ApiServer
 from k8s_helpers import ROOT
 
 from pdserve.cli import main as pdserve_main
+from pdserve.testing.k8s_emulator import ApiServer
 
 pytestmark = pytest.mark.timeout(60)
 CRDS = ROOT / "charts" / "pdserve" / "crds"

@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from k8s_emulator import ApiServer
 from k8s_helpers import NS, eventually, minimal_llmservice, schema_errors
 
 from pdserve.operator.kube import KubeClient, KubeError
 from pdserve.operator.render import render
 from pdserve.operator.scaling import ScalingRefused, scale_pools
+from pdserve.testing.k8s_emulator import ApiServer
 
 pytestmark = pytest.mark.timeout(60)
 GVK = ("pdserve.io/v1alpha1", "LLMService")

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 from k8s_helpers import NS, TEST_POD_POLICY, eventually, minimal_llmservice
-from operator_replica import OperatorReplica
 
 from pdserve.operator.handlers import OperatorConfig
 from pdserve.operator.kube import KubeClient
+from pdserve.testing.operator_replica import OperatorReplica
 
 pytestmark = pytest.mark.timeout(90)
 PEERING = "pdserve"

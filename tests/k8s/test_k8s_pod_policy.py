@@ -17,21 +17,9 @@ from pdserve.operator.kube import KubeClient
 from pdserve.operator.pod_policy import PodPolicy
 from pdserve.operator.render import render
 from pdserve.operator.spec import SpecError
-
-STRICT = PodPolicy(model_host_paths=("/data/models",))  # minimal_llmservice's weights
-D = "spec.decode.podTemplate.spec"
-C0 = f"{D}.containers[0].securityContext"
-
-
-def _containers(**fields: Any) -> dict[str, Any]:
-    return {"spec": {"containers": [{"name": "decode", **fields}]}}
-
-
-def _security_context(field: str, value: Any) -> tuple[dict[str, Any], str]:
-    """A decode podTemplate setting ``field`` of the container's securityContext to
-    ``value``, and the field the refusal names."""
-    return _containers(securityContext={field: value}), f"{C0}.{field}"
-
+from pdserve.testing.pod_policy_probe import C0, MERGED_ESCAPES, STRICT, D, merged_escapes
+from pdserve.testing.pod_policy_probe import containers as _containers
+from pdserve.testing.pod_policy_probe import security_context as _security_context
 
 # (decode podTemplate, the field the refusal names)
 REFUSED: dict[str, tuple[dict[str, Any], str]] = {
@@ -227,41 +215,6 @@ async def test_operator_refuses_unsafe_template_with_degraded(
     assert "spec.decode.podTemplate.spec.hostPID" in cond["message"]
     assert await existing_children(client, obj) == []
     assert await client.get("apps/v1", "Deployment", NS, "escape-decode") is None
-
-
-# Item 3 of issue 44: templates that pass the field checks but unset, through the merge,
-# the hardening the operator rendered. The merged pod is what the policy checks now.
-MERGED_ESCAPES: dict[str, tuple[dict[str, Any], str]] = {
-    "drop [] replaces drop [ALL]": (
-        _containers(securityContext={"capabilities": {"drop": []}}),
-        f"{C0}.capabilities.drop",
-    ),
-    "null runAsNonRoot": _security_context("runAsNonRoot", None),
-    "null allowPrivilegeEscalation": _security_context("allowPrivilegeEscalation", None),
-    "null readOnlyRootFilesystem": _security_context("readOnlyRootFilesystem", None),
-    "null container securityContext": (_containers(securityContext=None), C0),
-    "null pod securityContext": ({"spec": {"securityContext": None}}, f"{D}.securityContext"),
-    "null seccomp profile": (
-        {"spec": {"securityContext": {"seccompProfile": None}}},
-        f"{D}.securityContext.seccompProfile",
-    ),
-    "a sidecar left unhardened": (
-        {"spec": {"containers": [{"name": "side", "image": "busybox"}]}},
-        f"{D}.containers[1].securityContext",
-    ),
-}
-
-
-def merged_escapes(policy: PodPolicy = STRICT) -> int:
-    """How many MERGED_ESCAPES the policy lets through (bench/chaos.py reports it)."""
-    escaped = 0
-    for template, _ in MERGED_ESCAPES.values():
-        try:
-            render(minimal_llmservice(decode={"podTemplate": template}), policy=policy)
-            escaped += 1
-        except SpecError:
-            pass
-    return escaped
 
 
 @pytest.mark.parametrize("case", sorted(MERGED_ESCAPES))

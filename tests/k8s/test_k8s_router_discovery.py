@@ -1,8 +1,8 @@
 """The router's Kubernetes discovery: a watch on EndpointSlices, against the API emulator.
 
-The emulator (k8s_emulator.py + k8s_history.py) serves EndpointSlices with a real API
-server's resourceVersion semantics: LIST at a version, WATCH from one, 410 Gone once the
-history is compacted, ``timeoutSeconds``, label selectors. Requests are counted by
+The emulator (pdserve/testing/k8s_emulator.py + k8s_history.py) serves EndpointSlices with
+a real API server's resourceVersion semantics: LIST at a version, WATCH from one, 410 Gone
+once the history is compacted, ``timeoutSeconds``, label selectors. Requests are counted by
 User-Agent (``pdserve-router``). No EndpointSlice controller runs here: the tests write the
 slices it would write (one per pool Service, conditions per pod).
 """
@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from k8s_emulator import ApiServer
 from k8s_helpers import NS, eventually
 from k8s_slices import Slices, endpoint_slice, ep
 
 from pdserve.router.discovery.k8s import KubernetesSource
 from pdserve.router.discovery.kube_api import ApiAccess
+from pdserve.testing.k8s_emulator import ApiServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from k8s_emulator import ApiServer
 from k8s_helpers import NS, eventually
 from k8s_slices import Slices, endpoint_slice, ep
 
@@ -25,6 +24,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.discovery.k8s import KubernetesSource
 from pdserve.router.discovery.kube_api import ApiAccess
 from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.testing.k8s_emulator import ApiServer
 from pdserve.testing.router_fakes import SECRET, TOTAL_BLOCKS, FakeState, decode_app, serve
 
 pytestmark = pytest.mark.timeout(60)

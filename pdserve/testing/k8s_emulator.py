@@ -42,7 +42,8 @@ import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
-from k8s_history import History, matches, rv_of, watch_from
+
+from pdserve.testing.k8s_history import History, matches, rv_of, watch_from
 
 
 def merge_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -164,7 +165,8 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _scale_of(self, request: kmock.Request) -> dict[str, Any]:
         """The autoscaling/v1 Scale a ``/scale`` request answers (of the object it changed)."""
-        obj = self.objects[(request.resource, request.namespace, request.name)].raw
+        key: Any = (request.resource, request.namespace, request.name)
+        obj = self.objects[key].raw
         meta = obj.get("metadata") or {}
         return {
             "apiVersion": "autoscaling/v1",
@@ -192,7 +194,7 @@ class ApiServer(kmock.KubernetesEmulator):
         if not request.params.get("fieldManager"):
             message = "PatchOptions.meta.k8s.io is invalid: fieldManager is required for apply"
             raise kmock.KubernetesError(status=422, reason="Invalid", message=message)
-        key = (request.resource, request.namespace, request.name)
+        key: Any = (request.resource, request.namespace, request.name)
         exists = key in self.objects and not self.objects[key].deleted
         current = dict(self.objects[key].raw) if exists else None
         if current is None:
@@ -215,7 +217,7 @@ class ApiServer(kmock.KubernetesEmulator):
         return resource in self.resources and "status" in self.resources[resource].subresources
 
     def _on_patch(self, request: kmock.Request) -> dict[str, Any]:
-        key = (request.resource, request.namespace, request.name)
+        key: Any = (request.resource, request.namespace, request.name)
         if key not in self.objects or self.objects[key].deleted:
             raise kmock.KubernetesObjectNotFoundError()
         current = dict(self.objects[key].raw)
@@ -267,6 +269,7 @@ class ApiServer(kmock.KubernetesEmulator):
             return await super()._serve_list(request)
         async with self._lock:  # objects and history change together under this lock
             items = self._current(request)
+            assert request.resource and request.resource.plural  # _is_versioned: a known one
             rv = self.history(request.resource.plural).last
         return {"metadata": {"resourceVersion": str(rv)}, "items": items}
 
@@ -275,6 +278,7 @@ class ApiServer(kmock.KubernetesEmulator):
             async for item in super()._serve_watch(request):
                 yield item
             return
+        assert request.resource and request.resource.plural  # _is_versioned: a known one
         history = self.history(request.resource.plural)
         params = request.params
         since = params.get("resourceVersion", "")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -39,19 +40,31 @@ def _split_selector(selector: str) -> list[str]:
     return [p for p in [*parts, cur] if p.strip()]
 
 
+def _in(key: str, values: set[str], labels: Mapping[str, str]) -> bool:
+    return labels.get(key) in values
+
+
+def _ne(key: str, value: str, labels: Mapping[str, str]) -> bool:
+    return labels.get(key) != value
+
+
+def _eq(key: str, value: str, labels: Mapping[str, str]) -> bool:
+    return labels.get(key) == value
+
+
 def label_matcher(selector: str) -> Callable[[Mapping[str, str]], bool]:
     """The equality (``k=v``, ``k==v``, ``k!=v``) and set (``k in (a,b)``) selector forms."""
     tests: list[Callable[[Mapping[str, str]], bool]] = []
     for part in _split_selector(selector or ""):
         if m := _IN.match(part):
             key, values = m[1], {v.strip() for v in m[2].split(",")}
-            tests.append(lambda labels, k=key, vs=values: labels.get(k) in vs)
+            tests.append(functools.partial(_in, key, values))
         elif "!=" in part:
             key, value = (s.strip() for s in part.split("!=", 1))
-            tests.append(lambda labels, k=key, v=value: labels.get(k) != v)
+            tests.append(functools.partial(_ne, key, value))
         elif "=" in part:
             key, value = (s.strip() for s in part.replace("==", "=").split("=", 1))
-            tests.append(lambda labels, k=key, v=value: labels.get(k) == v)
+            tests.append(functools.partial(_eq, key, value))
         else:
             raise ValueError(f"unsupported label selector {part!r}")
     return lambda labels: all(t(labels) for t in tests)
