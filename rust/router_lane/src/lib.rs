@@ -4,6 +4,7 @@
 //! the reference and does everything stateful: it drains this module's job queue on its
 //! event loop (a pipe wakes it) and answers each request's `begin` (router/fast_lane.py).
 mod generate;
+mod hist;
 mod lane;
 mod plan;
 mod planner_py;
@@ -95,6 +96,7 @@ impl Lane {
         body_timeout_s: f64,
         err_408: Vec<u8>,
         write_timeout_s: f64,
+        itl_bounds: Vec<f64>,
     ) -> PyResult<Self> {
         let (wake_read, wake) = UnixStream::pair().map_err(|e| PyValueError::new_err(e.to_string()))?;
         wake_read.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -119,6 +121,7 @@ impl Lane {
             body_timeout: Duration::from_secs_f64(body_timeout_s.max(0.001)),
             err_408: Bytes::from(err_408),
             write_timeout: Duration::from_secs_f64(write_timeout_s.max(0.001)),
+            itl: Mutex::new(hist::Hist::new(itl_bounds)),
             workers: Default::default(),
             python: Default::default(),
             health: lane::Health {
@@ -171,7 +174,7 @@ impl Lane {
                 Job::SlowReader { token, waited } => ("slow_reader", token, waited).into_pyobject(py)?,
                 Job::Stalled { token, url, role, quiet } => ("stalled", token, url, role, quiet).into_pyobject(py)?,
                 Job::AwaitDecode { id, token, rid, touched } => ("await_decode", id, token, rid, touched).into_pyobject(py)?,
-                Job::End(e) => ("end", e.token, e.status, e.completion, e.e2e, e.itls, e.tpot).into_pyobject(py)?,
+                Job::End(e) => ("end", e.token, e.status, e.completion, e.e2e, e.tpot).into_pyobject(py)?,
             };
             out.append(t)?;
         }
@@ -222,6 +225,11 @@ impl Lane {
             let _ = tx.send(begin);
         }
         Ok(())
+    }
+
+    /// The inter-token latencies counted since the last call: (per-bucket counts, sum).
+    fn take_itl(&self) -> (Vec<u64>, f64) {
+        self.state.itl.lock().unwrap().take()
     }
 
     /// The decode workers an `await_decode` found ([]: none came).
