@@ -27,7 +27,8 @@ Phases, in order, against one running service:
     policy escapes, symlinks in a sealed cache, abandoned grammar compiles past their
     bound, run-time LoRA loads outside ``--lora-root``, signed worker calls replayed to
     another worker, misused prefill pins and requests over a per-key cap across router
-    replicas (``replica_budget_over_cap``).
+    replicas (``replica_budget_over_cap``), also while one joins
+    (``budget_membership_over_cap``).
 
 Prints one JSON line (last); the goals are 0 for every failure count,
 ``migrated_streams`` >= 1 and ``stalled_streams`` >= 1. Writes a PNG to bench/out/.

@@ -28,6 +28,11 @@
   replicas' budget owners over real signed HTTP (router/peer_budgets.py), one key's 12
   requests spread over them, then a key whose owner stopped answering asked 6 times of
   the other two (each admitted one is over: they must refuse, 503);
+- ``budget_membership_over_cap``: requests admitted beyond a per-key cap of 1 while a
+  replica joins three replicas' budget owners and the key moves to it, the joiner seeing
+  the new peer list ``ADOPT_WAIT_S`` before the others (a slow watch): asked through
+  every replica before, during and after the change, with one request of the key in
+  flight at its old owner until everyone agrees;
 - ``model_file_swap_loaded``: model files in a sealed shared cache swapped after the
   service's first load (tokenizer, weights, an added chat template, a symlink) that the
   next load took, and a tokenizer swapped right after a load's check that the load then
@@ -279,6 +284,55 @@ def replica_budget_over_cap() -> int:
     return asyncio.run(probe())
 
 
+def budget_membership_over_cap() -> int:
+    from pdserve.router import peer_budgets as pb
+    from pdserve.router.errors import APIError
+    from pdserve.testing.peer_replicas import replicas
+
+    async def admitted(reps: list, key: str) -> int:  # type: ignore[type-arg]
+        n = 0
+        for r in reps:
+            with contextlib.suppress(APIError):
+                await r.budgets.acquire(key)
+                n += 1
+        return n
+
+    async def probe() -> int:
+        async with replicas(3, cap=1) as reps:
+            urls = sorted(r.url for r in reps)
+            joiner = reps[2]
+            rest = sorted(u for u in urls if u != joiner.url)
+            key = next(
+                k
+                for i in range(5000)
+                if pb.owner_of(pb.budget_id(k := f"key:{i}"), urls) == joiner.url
+            )
+            holder = next(r for r in reps if r.url != pb.owner_of(pb.budget_id(key), rest))
+            for r in reps:
+                r.budgets.set_peers(rest)
+            for r in reps:
+                await r.budgets.settled(3.0)
+            for _ in range(60):  # in flight at the old owner: the cap is used
+                with contextlib.suppress(APIError):
+                    await holder.budgets.acquire(key)
+                    break
+                await asyncio.sleep(0.1)
+            over = await admitted(reps, key)
+            joiner.budgets.set_peers(urls)  # the joiner sees the change first
+            await asyncio.sleep(pb.ADOPT_WAIT_S + 0.2)
+            over += await admitted(reps, key)
+            for r in reps:
+                r.budgets.set_peers(urls)
+            for r in reps:
+                await r.budgets.settled(3.0)
+            over += await admitted(reps, key)
+            holder.budgets.leave(key)
+            await asyncio.sleep(0.3)  # its give-back reaches the new owner
+            return over + max(await admitted(reps, key) - 1, 0)
+
+    return asyncio.run(probe())
+
+
 def model_file_swap_loaded() -> int:
     from pdserve import keys
     from pdserve.engine import model_seal
@@ -340,4 +394,5 @@ def in_process_probes(model_dir: Path) -> dict[str, int]:
         "proc_budget_over_cap": proc_budget_over_cap(),
         "model_file_swap_loaded": model_file_swap_loaded(),
         "replica_budget_over_cap": replica_budget_over_cap(),
+        "budget_membership_over_cap": budget_membership_over_cap(),
     }

@@ -14,6 +14,9 @@ The named baseline, ``calls``: the same requests made as the router made them be
 three calls whatever limits were set, each give-back its own call, on this transport.
 ``--old-module FILE`` (e.g. ``git show 1fc8093:router/peer_budgets.py > old.py``) adds
 the old module as a second baseline (its aiohttp client and a FastAPI route).
+``--before FILE`` (e.g. ``git show main:router/peer_budgets.py > before.py``) measures an
+earlier module the way this one is (one ``acquire``, its bare-ASGI lane, its tokens call
+or lease): ``now / before`` (the tpm lease: ``remote_cap_rpm_tpm_calls`` 2 → 1).
 
 Last stdout line: JSON with CPU-µs per request for each (case, limits), the owner's
 calls answered per request (``..._calls``), and the ratios
@@ -63,7 +66,7 @@ def _old_app(budgets: Any) -> FastAPI:
 
 
 async def _one(way: str, b: Any, client: str, tpm: bool) -> None:
-    if way == "now":
+    if way in ("now", "before"):
         await b.acquire(client)
         if tpm:
             await b.take_tokens(client, 10)
@@ -131,17 +134,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--old-module", default="", help="an older router/peer_budgets.py")
+    ap.add_argument(
+        "--before", default="", help="an earlier router/peer_budgets.py, measured as now"
+    )
     args = ap.parse_args()
     if args.requests < 1:
         ap.error("--requests: at least 1")
     ways: dict[str, ModuleType] = {"now": peer_budgets, "calls": peer_budgets}
-    if args.old_module:
-        spec = importlib.util.spec_from_file_location("old_peer_budgets", args.old_module)
+    for way, flag, path in (
+        ("old", "--old-module", args.old_module),
+        ("before", "--before", args.before),
+    ):
+        if not path:
+            continue
+        spec = importlib.util.spec_from_file_location(f"{way}_peer_budgets", path)
         if spec is None or spec.loader is None:
-            ap.error(f"--old-module: cannot load {args.old_module}")
-        old = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old)
-        ways["old"] = old
+            ap.error(f"{flag}: cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        ways[way] = module
     us = {way: asyncio.run(_measure(way, pb, args.requests)) for way, pb in ways.items()}
     ratios = {
         f"now_over_{base}": {k: round(us["now"][k] / v, 3) for k, v in us[base].items() if v}

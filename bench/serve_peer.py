@@ -12,6 +12,7 @@ Other arguments go to bench/serve.py as they are.
 
     python bench/serve_peer.py --model default --vllm-python ~/vllm-venv/bin/python
     python bench/serve_peer.py --model default --setups colocated --vllm-python ...
+    python bench/serve_peer.py --preset tiny --dtypes float32 bfloat16
     python bench/serve_peer.py --quick --model DIR --dtypes float32 --peer-url URL
 
 The rest of this module is what bench/serve.py records about each side.
@@ -252,6 +253,12 @@ def run_dtype(args: argparse.Namespace, rest: list[str], dtype: str) -> dict[str
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default", help="'default' (SmolLM2) or a model dir")
+    p.add_argument(
+        "--preset",
+        default="",
+        help="a bench model by name instead of --model (bench/serve_models.py: tiny, small, "
+        "wide-vocab, deep-narrow); written on first use, served in each --dtypes",
+    )
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--setups", default="default", help="our one configuration (serve.py's)")
     p.add_argument("--vllm-python", default=str(Path.home() / "vllm-venv" / "bin" / "python"))
@@ -268,12 +275,21 @@ def main() -> int:
     args, rest = p.parse_known_args()
     if args.peer_url and len(args.dtypes) != 1:
         p.error("--peer-url serves one dtype: give one --dtypes")
+    if args.preset:
+        from serve_models import NAMES, model_dir
+
+        if args.preset not in NAMES:
+            p.error(f"--preset {args.preset!r}: expected one of {', '.join(NAMES)}")
+        if args.model != "default":
+            p.error("--preset and --model name the model twice: give one")
+        args.model = str(model_dir(args.preset))  # float32 weights; each dtype loads them
     runs = {dtype: run_dtype(args, rest, dtype) for dtype in args.dtypes}
     ratios = {
         d: {"median": r["peer_ratio"], "range": r["peer_ratio_range"]} for d, r in runs.items()
     }
     key = "peer_ratio_default_model" if args.model == "default" else "peer_ratio_by_dtype"
-    out = {"model": args.model, "config": args.setups, key: ratios, "runs": runs}
+    out = {"model": args.model, "preset": args.preset or None, "config": args.setups}
+    out.update({key: ratios, "runs": runs})
     print(json.dumps(out))
     return 0
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -133,8 +133,9 @@ def paged_attention(
         query = mla.absorb_query(module, query)
     if torch.compiler.is_compiling():
         # Under torch.compile the step's metadata is not a graph input: the op is
-        # opaque to the compiler and reads it from the thread-local at run time.
-        out = paged_attention_op(query, key, value, layer, scale, sinks)
+        # opaque to the compiler and reads it from the thread-local at run time. It keeps
+        # the op whole ([1, T, Hq, Dv]).
+        out = torch.ops.pdserve.paged_attention(query, key, value, layer, scale, sinks)
     else:
         out = _attend(query, key, value, layer, scale, sinks)
     return (mla.expand_output(module, out) if latent else out), None
@@ -149,41 +150,15 @@ _LIB.define(
 )
 
 
-def paged_attention_op(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layer: int,
-    scaling: float,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`paged_attention` as an operator the compiler keeps whole ([1, T, Hq, Dv])."""
-    return torch.ops.pdserve.paged_attention(query, key, value, layer, scaling, sinks)
-
-
-def _attend_op(  # looks _attend up per call, so a profiler may wrap it
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layer: int,
-    scaling: float,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    return _attend(query, key, value, layer, scaling, sinks)
+def _attend_op(*args: Any) -> torch.Tensor:  # looks _attend up per call (a profiler may wrap it)
+    return _attend(*args)
 
 
 _LIB.impl("paged_attention", _attend_op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pdserve::paged_attention")
-def _(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layer: int,
-    scaling: float,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_rest: Any) -> torch.Tensor:
     _b, hq, t, _d = query.shape
     return query.new_empty((1, t, hq, value.shape[-1]))
 

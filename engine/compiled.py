@@ -20,7 +20,9 @@ compiled model in the process (tests) turns full checks back on.
 
 Inductor's caches live in ``~/.cache/pdserve/inductor`` (``PDSERVE_COMPILE_CACHE``), so
 a restarted worker skips code generation (seconds instead of a minute or more); their C++
-keys do not hold the venv's path (compile_key.py), so neither does a new checkout.
+keys do not hold the venv's path (compile_key.py), so neither does a new checkout. A
+shared (sealed) cache is used through a private copy of its checked bytes, and what a
+worker compiles is published back to it once it serves (sealed_copy.py).
 ``--enforce-eager`` (``PDSERVE_ENFORCE_EAGER=1``) runs the model's own eager forward.
 """
 
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 
 from pdserve import env
-from pdserve.engine import cache_seal, compile_key, cpu_linear
+from pdserve.engine import cache_seal, compile_key, cpu_linear, sealed_copy
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +51,35 @@ WARM_UP = (
 
 
 def cache_dir() -> Path:
-    """Where inductor keeps compiled graphs (set by pdserve.engine at import)."""
+    """Where inductor keeps compiled graphs (set by pdserve.engine at import; a private
+    copy of it once ``prepare`` made one, sealed_copy.py)."""
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or env.get(env.COMPILE_CACHE))
 
 
+# This process's private copies of a sealed shared cache: copy -> (shared folder, the
+# seals of what was copied in), for ``in_service`` to publish what was compiled.
+_copies: dict[Path, tuple[Path, dict[str, str]]] = {}
+
+
+def _use_checked_copy() -> None:
+    """Inductor reads a sealed shared cache only through a private copy of the checked
+    bytes (sealed_copy.py: a file swapped after the check is never loaded), and keeps its
+    precompiled headers in the cache folder in use, never in /tmp/torchinductor_<user>."""
+    here = cache_dir()
+    ring = cache_seal.ring(env.COMPILE_CACHE)
+    if ring:
+        shared = _copies[here][0] if here in _copies else here
+        private = sealed_copy.private_dir()
+        _copies[private] = (shared, sealed_copy.copy_checked(shared, private, ring))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private)
+        from torch._inductor import codecache
+
+        codecache.CacheBase.get_local_cache_path.cache_clear()  # keyed on the old folder
+    sealed_copy.install_headers()
+
+
 _models_compiled = 0  # in this process; guard checks are trimmed only while it is 1
+_serving = False  # in_service() was called: the warm-up compiled every variant
 
 
 def prepare(model: torch.nn.Module) -> None:
@@ -72,8 +98,9 @@ def prepare(model: torch.nn.Module) -> None:
     cpu_linear.prepare(model)  # oneDNN-packed or input-major weights
     _clean_probe_path()
     compile_key.install()  # C++ cache keys without the venv's path: a new checkout reuses them
-    # Nothing from a shared cache is loaded unless this service sealed it (cache_seal.py).
-    cache_seal.verify(cache_dir(), cache_seal.ring(env.COMPILE_CACHE))
+    # Nothing from a shared cache is loaded unless this service sealed it (cache_seal.py),
+    # and only as the bytes that were checked (sealed_copy.py).
+    _use_checked_copy()
 
 
 def compiled_forward(model: torch.nn.Module) -> Callable[..., Any]:
@@ -94,9 +121,22 @@ def compile_model(model: torch.nn.Module) -> Callable[..., Any]:
 def in_service() -> None:
     """The compiled forward serves from now on (every variant compiled): trim the guard
     checks (module docstring) and seal the cache this process wrote."""
+    global _serving
+    _serving = True
     if _models_compiled == 1:
         torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-    cache_seal.seal(cache_dir(), cache_seal.ring(env.COMPILE_CACHE))
+    here, ring = cache_dir(), cache_seal.ring(env.COMPILE_CACHE)
+    if here in _copies:  # what this process compiled goes to the shared cache, sealed
+        shared, copied = _copies[here]
+        sealed_copy.publish(here, shared, ring, copied)
+    else:
+        cache_seal.seal(here, ring)
+
+
+def serving() -> bool:
+    """Whether a compiled forward of this process is in service (``in_service``): from
+    then on a runner calls its proven graph variants directly (graph_call.py)."""
+    return _serving
 
 
 def say(line: str) -> None:

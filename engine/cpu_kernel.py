@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pdserve import env
-from pdserve.engine import cache_seal
+from pdserve.engine import cache_seal, sealed_copy
 from pdserve.engine.host_tag import host_tag
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,17 @@ def build(
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    if sealing:  # built where only we write, sealed as the bytes we built (sealed_copy.py)
+        with tempfile.TemporaryDirectory(prefix="pdserve-kernel-build-") as private:
+            out = Path(private) / target.name
+            subprocess.run(
+                [cxx, *flags, str(source), "-o", str(out)],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            sealed_copy.publish_file(target.parent, target.name, out.read_bytes(), sealing)
+        return target
     # Compile next to the target and rename: concurrent builders never see half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -94,7 +105,6 @@ def build(
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    cache_seal.seal(target.parent, sealing)
     return target
 
 

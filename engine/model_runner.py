@@ -24,6 +24,7 @@ from pdserve.engine import (
     attention_probe,
     compiled,
     cuda_graphs,
+    graph_call,
     mla,
     model_seal,
     model_support,
@@ -97,6 +98,7 @@ class ModelRunner:
     graphs: cuda_graphs.DecodeGraphs | None = None  # enable_cuda_graphs()
     latent: mla.LatentLayout | None = None  # MLA compressed (engine/mla.py)
     kv_planes = 2  # the pool's planes: K and V, or MLA's one latent
+    direct_calls: graph_call.DirectCalls | None = None  # the compiled forward's graphs
 
     def __init__(self, config: EngineConfig) -> None:
         self.device = config.torch_device
@@ -298,19 +300,29 @@ class ModelRunner:
             # keeps it on a graph the warm-up compiled instead of a fourth variant.
             sample_rows = sample_rows.new_full((1,), input_ids.numel() - 1)
         try:
-            out = self.forward(
-                input_ids=input_ids.unsqueeze(0),
-                position_ids=positions.unsqueeze(0),
-                use_cache=False,
-                logits_to_keep=sample_rows,
-            )
+            logits = self._forward(input_ids.unsqueeze(0), positions.unsqueeze(0), sample_rows)
         finally:
             CURRENT.pool = CURRENT.meta = None
             CURRENT.layers = ()
             if self.loras is not None:
                 self.loras.step.end()
-        prompt.record(out.logits[0, num_sampled:])
-        return out.logits[0, :num_sampled].float()
+        prompt.record(logits[0, num_sampled:])
+        return logits[0, :num_sampled].float()
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """The forward's logits of ``rows``, [1, rows, vocab]; once the compiled forward
+        serves, its proven graph variants are called directly (engine/graph_call.py)."""
+        if self.compiled and compiled.serving() and graph_call.ENABLED:
+            direct = self.direct_calls
+            if direct is None or direct.forward is not self.forward:
+                direct = self.direct_calls = graph_call.DirectCalls(self.forward)
+            return direct.run(input_ids, positions, rows)
+        out = self.forward(
+            input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=rows
+        )
+        return out.logits
 
     def _flatten(
         self, chunks: list[ScheduledChunk]

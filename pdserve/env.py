@@ -28,6 +28,7 @@ CPU_KERNEL = "PDSERVE_CPU_KERNEL"  # "0": never build or use the CPU attention k
 ATTENTION_BACKEND = "PDSERVE_ATTENTION_BACKEND"  # cpu, triton or gather; unset: by device
 CPU_LINEAR = "PDSERVE_CPU_LINEAR"  # compiled CPU linears: auto, blas or onednn
 ENFORCE_EAGER = "PDSERVE_ENFORCE_EAGER"  # "1": workers skip torch.compile (--enforce-eager)
+GRAPH_CALLS = "PDSERVE_GRAPH_CALLS"  # "0": compiled graphs only through torch.compile's wrapper
 COMPILE_CACHE = "PDSERVE_COMPILE_CACHE"  # where inductor keeps compiled graphs
 CORE_ZYGOTE = "PDSERVE_CORE_ZYGOTE"  # a core zygote's socket (worker/core/zygote.py)
 PARENT_PID = "PDSERVE_PARENT_PID"  # end with this parent (local/parent_watch.py)

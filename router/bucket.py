@@ -24,3 +24,9 @@ class Bucket:
             self.level -= n
             return 0.0
         return (min(n, self.capacity) - self.level) / rate
+
+    def give(self, n: float, now: float) -> None:
+        """``n`` taken before and not used, back (up to the capacity; a debt shrinks)."""
+        rate = self.capacity / 60.0
+        self.level = min(self.capacity, self.level + (now - self.stamp) * rate + n)
+        self.stamp = now

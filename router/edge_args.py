@@ -71,7 +71,8 @@ class EdgeLimits:
     budget_peers: str = flag(
         "",
         "exact per-key budgets across router replicas: every replica's "
-        "base URL, comma-separated (this one's too), or 'kubernetes' (the router "
+        "base URL, comma-separated (this one's too), '@FILE' (a file of them, re-read "
+        "when it changes), or 'kubernetes' (the router "
         "Service's ready endpoints at --admin-port); each key's counters live on one "
         "replica, the others ask it (router/peer_budgets.py); replaces --router-replicas",
         group=LIMITS,

@@ -134,14 +134,8 @@ class Gauge(_Values):
 
 
 class Histogram(_Family):
-    def __init__(
-        self,
-        name: str,
-        doc: str,
-        labelnames: Sequence[str] = (),
-        registry: CollectorRegistry | None = None,
-        buckets: Sequence[float] = (),
-    ) -> None:
+    def __init__(self, *args: Any, buckets: Sequence[float] = (), **kw: Any) -> None:
+        """:class:`_Family`'s arguments, and the buckets' upper bounds (+Inf added)."""
         bounds = tuple(float(b) for b in buckets)
         if not bounds or bounds[-1] != INF:
             bounds += (INF,)
@@ -149,7 +143,7 @@ class Histogram(_Family):
         # counts made elsewhere (the compiled lane's, router/fast_lane.py), folded into the
         # unlabelled series on each scrape: () -> (per-bucket counts since the last call, sum)
         self.pull: Callable[[], tuple[Sequence[int], float]] | None = None
-        super().__init__(name, doc, labelnames, registry)
+        super().__init__(*args, **kw)
 
     def _new(self) -> Buckets:
         return Buckets(self.bounds)

@@ -21,6 +21,7 @@ from pdserve.router.config import (
 from pdserve.router.discovery.replicas import share
 from pdserve.router.discovery.workers import EndpointSource, StaticSource
 from pdserve.router.peer_budgets import KUBERNETES, base_url
+from pdserve.router.peer_list import PREFIX, read_peers
 from pdserve.router.shared_limits import installed
 
 
@@ -132,6 +133,15 @@ def budget_peers(args: argparse.Namespace) -> tuple[str, ...]:
                 "the router Service and --admin-port"
             )
         return (KUBERNETES,)
+    if given.startswith(PREFIX):  # a file of URLs, re-read when it changes
+        if not args.budget_self:
+            raise SystemExit("pdserve router: --budget-peers @FILE needs --budget-self")
+        try:
+            read_peers(given[1:])
+            base_url(args.budget_self)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"pdserve router: --budget-peers {given}: {exc}") from exc
+        return (given,)
     peers = tuple(p.strip() for p in given.split(",") if p.strip())
     if peers and not args.budget_self:
         raise SystemExit("pdserve router: --budget-peers needs --budget-self (this replica)")

@@ -76,6 +76,17 @@ class RateLimiter:
         if self.tpm > 0:
             self._take(client, "tokens", self.tpm, n)
 
+    def give_tokens(self, client: str, n: int) -> None:
+        """``n`` tokens taken from ``client``'s bucket and not used, back (a lease's
+        rest, router/peer_budgets.py)."""
+        if self.tpm <= 0 or n <= 0:
+            return
+        now = self.clock()
+        if self.shared is not None:
+            self.shared.give(client, 1, float(self.tpm), float(n), now)
+        elif (bucket := self._buckets.get((client, "tokens"))) is not None:
+            bucket.give(n, now)
+
     def _take(self, client: str, kind: str, limit: int, n: int) -> None:
         now = self.clock()
         if self.shared is not None:

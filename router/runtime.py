@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ from pdserve.router.discovery.workers import Discovery, EndpointSource
 from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.peer_budgets import KUBERNETES, PeerBudgets, own_url
+from pdserve.router.peer_list import PREFIX, PeerFile, read_peers
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.scheduling.prefix_index import PrefixIndex
 from pdserve.router.scheduling.scheduler import Scheduler
@@ -85,6 +87,7 @@ class Runtime:
         self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm, shared=shared)
         self._salt_key = salt_key()
         self.replicas = replica_count(cfg)
+        self.peer_file: PeerFile | None = None  # --budget-peers @FILE
         self.peers = self._peer_budgets(cfg, shared)
         if self.peers is None:
             # Per-client budgets: this replica enforces 1/replicas of them (replicas.py).
@@ -105,9 +108,12 @@ class Runtime:
         ):
             return None
         kube = cfg.budget_peers == (KUBERNETES,)
+        listed = cfg.budget_peers
+        if listed[0].startswith(PREFIX):  # a file, re-read when it changes (peer_list.py)
+            listed = read_peers(listed[0][1:])
         peers = PeerBudgets(
             own_url(cfg.budget_self, cfg.admin_port),
-            () if kube else cfg.budget_peers,
+            () if kube else listed,
             self.limiter,
             cfg.max_concurrency_per_key,
             keys.KeyRing.from_env(keys.ROUTER_PEER),
@@ -115,6 +121,8 @@ class Runtime:
         )
         if kube:
             self.replicas.listen_addresses(peers.listen_endpoints(cfg.admin_port))
+        elif cfg.budget_peers[0].startswith(PREFIX):
+            self.peer_file = PeerFile(cfg.budget_peers[0][1:], peers.set_peers)
         self.limiter = RateLimiter(0, 0)  # the gate's own buckets: off (the owner's count)
         self.admission.counting, self.admission.deferred = False, True
         return peers
@@ -141,8 +149,15 @@ class Runtime:
         await self.discovery.refresh()
         self.discovery.start()
         await self.replicas.start()
+        if self.peers is not None:
+            self.peers.start()  # the counts of its keys asked for (the hand-over)
+        if self.peer_file is not None:
+            self.peer_file.check()
+            self.peer_file.start()
 
     async def close(self) -> None:
+        if self.peer_file is not None:
+            await self.peer_file.close()
         if self.peers is not None:
             await self.peers.close()
         await self.discovery.stop()
@@ -277,17 +292,28 @@ class Runtime:
 
 
 def salt_key() -> bytes:
-    """The key of the API keys' cache salts: derived from the prefix cache's hash key
-    (protocol/hashing.py; b"" with no service secret, as in a bare test)."""
-    from pdserve.protocol.hashing import hash_key
+    """The key of the API keys' cache salts, never empty: an HMAC under the prefix cache's
+    hash key with its own label (protocol/hashing.py: the Secret's ``hash-key``, else, for a
+    Secret from before that entry, derived from ``secret``; the same value either way once
+    ``pdserve rotate-secret`` patches the entry in). With no service secret at all (a bare
+    local router) a random per-process key: a salt is then stable only within this process
+    (a key's prefix-cache hits stay within one router process), never an unkeyed hash."""
+    from pdserve.protocol.hashing import hash_key, note_key_source
 
+    note_key_source()
     base = hash_key()
-    return hmac.new(base, b"pdserve/v1/cache-salt", hashlib.sha256).digest() if base else b""
+    if base:
+        return hmac.new(base, b"pdserve/v1/cache-salt", hashlib.sha256).digest()
+    log.warning(
+        "no service secret: the API keys' cache salts are keyed with a random key of this "
+        "process (set PDSERVE_SERVICE_SECRET to share one across router processes)"
+    )
+    return os.urandom(32)
 
 
 def key_salt(salt_key_: bytes, api_key: str) -> str:
     """An API key's salt: an HMAC (the salt travels in clear on every worker call, and an
     unkeyed SHA-256 of a low-entropy key could be searched offline; issue 44 item 14)."""
     if not salt_key_:
-        return hashlib.sha256(api_key.encode()).hexdigest()[:32]
+        raise ValueError("an API key's cache salt needs a key (salt_key())")
     return hmac.new(salt_key_, api_key.encode(), hashlib.sha256).hexdigest()[:32]

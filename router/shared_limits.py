@@ -118,6 +118,20 @@ class SharedLimits:
             _SLOT.pack_into(self._mem, off, *fields)
             return wait
 
+    def give(self, client: str, kind: int, capacity: float, n: float, now: float) -> None:
+        """``n`` taken from ``client``'s bucket ``kind`` and not used, back."""
+        key = _key(client)
+        with self._lock:
+            off = self._find(key, now)
+            fields = list(_SLOT.unpack_from(self._mem, off))
+            level, stamp = fields[2 + 2 * kind], fields[3 + 2 * kind]
+            if stamp == 0.0:  # never used: full already
+                return
+            bucket = Bucket(capacity, level, stamp)
+            bucket.give(n, now)
+            fields[2 + 2 * kind], fields[3 + 2 * kind] = bucket.level, bucket.stamp
+            _SLOT.pack_into(self._mem, off, *fields)
+
     def start_empty(self, client: str, kind: int, now: float) -> None:
         """``client``'s bucket ``kind`` starts empty at ``now`` if it was never used."""
         key = _key(client)

@@ -23,6 +23,7 @@ another's prompts.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Sequence
 from functools import lru_cache
@@ -31,6 +32,8 @@ from typing import Any
 import numpy as np
 
 from pdserve import env, keys
+
+log = logging.getLogger(__name__)
 
 ROOT_HASH = 0
 HASH_BYTES = 16  # 128 bits
@@ -44,6 +47,32 @@ def hash_key() -> bytes:
         return keys.derive(explicit, keys.BLOCK_HASH)
     secret = os.environ.get(env.SERVICE_SECRET)
     return keys.derive(secret, keys.BLOCK_HASH) if secret else b""
+
+
+def hash_key_source() -> str:
+    """Where ``hash_key()`` comes from: ``"hash-key"`` (the Secret's own entry),
+    ``"secret"`` (a Secret from before that entry existed: derived from the service
+    secret under the block-hash label), ``""`` (no secret: unkeyed)."""
+    if os.environ.get(env.BLOCK_HASH_KEY):
+        return "hash-key"
+    return "secret" if os.environ.get(env.SERVICE_SECRET) else ""
+
+
+@lru_cache(maxsize=1)
+def note_key_source() -> str:
+    """``hash_key_source()``, logged once a process where the Secret has no ``hash-key``:
+    the keys still come from secret material (keyed, never a bare hash), but they follow
+    ``secret`` and so change if it is rotated by hand; ``pdserve rotate-secret`` patches
+    in a dedicated entry (the value these pods already use) before its first step."""
+    source = hash_key_source()
+    if source == "secret":
+        log.warning(
+            "the service Secret has no hash-key entry (made before it existed): the block "
+            "hash and the API keys' cache salts are keyed from `secret` under their own "
+            "labels, and change with it; `pdserve rotate-secret` adds a dedicated hash-key "
+            "(rotating by hand would change every block hash mid-rollout)"
+        )
+    return source
 
 
 @lru_cache(maxsize=8)

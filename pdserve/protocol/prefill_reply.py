@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from pdserve.protocol.codec import all_ints, decode, from_dict
+from pdserve.protocol.codec import all_ints
 from pdserve.protocol.contract import KVHandle, PrefillReply
 from pdserve.protocol.fast_dumps import JsonList
-from pdserve.protocol.token_lines import body_of, usage_of
+from pdserve.protocol.token_lines import fast_decode, usage_of
 
 _REPLY_KEYS = frozenset({*(f.name for f in dataclasses.fields(PrefillReply)), "type"})
 _HANDLE_KEYS = frozenset({*(f.name for f in dataclasses.fields(KVHandle)), "type"})
@@ -42,30 +42,30 @@ assert tuple(f.name for f in dataclasses.fields(KVHandle)) == (
 
 def decode_prefill_reply(raw: bytes) -> PrefillReply:
     """``codec.decode(raw, PrefillReply)``: the same message, or the same CodecError."""
-    body = body_of(raw)
-    if body is None:
-        return decode(raw, PrefillReply)  # the codec's answer, or its CodecError
-    if type(body) is dict and body.keys() == _REPLY_KEYS and body["type"] == "prefill_reply":
-        rid, first, text = body["request_id"], body["first_token_id"], body["text"]
-        finish, cached = body["finish_reason"], body["num_cached_tokens"]
-        prompt = body["prompt_tokens"]
-        lps, plps = body["logprobs"], body["prompt_logprobs"]
-        usage = usage_of(body["usage"])
-        handle = _handle(body["kv_handle"])
-        if (
-            type(rid) is str
-            and type(first) is int
-            and type(text) is str
-            and (finish is None or type(finish) is str)
-            and type(cached) is int
-            and type(prompt) is int
-            and (lps is None or type(lps) is list)
-            and (plps is None or type(plps) is list)
-            and usage is not False
-            and handle is not False
-        ):
-            return PrefillReply(rid, first, text, finish, handle, cached, prompt, usage, lps, plps)
-    return from_dict(body, PrefillReply)
+    return fast_decode(raw, PrefillReply, _REPLY_KEYS, "prefill_reply", _reply_of)
+
+
+def _reply_of(body: dict[str, Any]) -> PrefillReply | None:
+    rid, first, text = body["request_id"], body["first_token_id"], body["text"]
+    finish, cached = body["finish_reason"], body["num_cached_tokens"]
+    prompt = body["prompt_tokens"]
+    lps, plps = body["logprobs"], body["prompt_logprobs"]
+    usage = usage_of(body["usage"])
+    handle = _handle(body["kv_handle"])
+    if (
+        type(rid) is str
+        and type(first) is int
+        and type(text) is str
+        and (finish is None or type(finish) is str)
+        and type(cached) is int
+        and type(prompt) is int
+        and (lps is None or type(lps) is list)
+        and (plps is None or type(plps) is list)
+        and usage is not False
+        and handle is not False
+    ):
+        return PrefillReply(rid, first, text, finish, handle, cached, prompt, usage, lps, plps)
+    return None
 
 
 def _handle(body: Any) -> KVHandle | Literal[False] | None:

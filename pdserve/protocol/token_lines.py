@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from json.encoder import encode_basestring_ascii as _string
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pdserve.protocol.codec import decode, encode, from_dict
 from pdserve.protocol.contract import TokenDelta, Usage
+
+M = TypeVar("M")
 
 # The codec writes a message's fields in declaration order, then "type": this module
 # writes the same literal order, so a new TokenDelta field must be added here too.
@@ -88,25 +91,46 @@ def encode_line(
 
 def decode_line(line: bytes) -> TokenDelta:
     """``codec.decode(line, TokenDelta)``: the same message, or the same CodecError."""
-    body = body_of(line)
+    return fast_decode(line, TokenDelta, _KEYS, "token_delta", _delta_of)
+
+
+def fast_decode(
+    raw: bytes,
+    cls: type[M],
+    keys: frozenset[str],
+    tag: str,
+    build: Callable[[dict[str, Any]], M | None],
+) -> M:
+    """``codec.decode(raw, cls)`` for a message of one fixed shape: a body with exactly
+    ``keys`` and type ``tag`` goes to ``build`` (its message, or None: not the common
+    shape); everything else, and what ``build`` declines, goes to the codec, whose answer
+    or CodecError it is."""
+    body = body_of(raw)
     if body is None:
-        return decode(line, TokenDelta)  # the codec's answer, or its CodecError
-    if type(body) is dict and body.keys() == _KEYS and body["type"] == "token_delta":
-        ids, text, finish = body["token_ids"], body["text"], body["finish_reason"]
-        lps = body["logprobs"]
-        usage = usage_of(body["usage"])  # the last line's
-        if (
-            usage is not False
-            and body["error"] is None
-            and type(ids) is list
-            and all(type(t) is int for t in ids)
-            and type(text) is str
-            and (finish is None or type(finish) is str)
-            and (lps is None or type(lps) is list)
-            and body["prompt_logprobs"] is None
-        ):
-            return TokenDelta(ids, text, finish, usage, None, lps)
-    return from_dict(body, TokenDelta)
+        return decode(raw, cls)  # the codec's answer, or its CodecError
+    if type(body) is dict and body.keys() == keys and body["type"] == tag:
+        message = build(body)
+        if message is not None:
+            return message
+    return from_dict(body, cls)
+
+
+def _delta_of(body: dict[str, Any]) -> TokenDelta | None:
+    ids, text, finish = body["token_ids"], body["text"], body["finish_reason"]
+    lps = body["logprobs"]
+    usage = usage_of(body["usage"])  # the last line's
+    if (
+        usage is not False
+        and body["error"] is None
+        and type(ids) is list
+        and all(type(t) is int for t in ids)
+        and type(text) is str
+        and (finish is None or type(finish) is str)
+        and (lps is None or type(lps) is list)
+        and body["prompt_logprobs"] is None
+    ):
+        return TokenDelta(ids, text, finish, usage, None, lps)
+    return None
 
 
 _USAGE_KEYS = frozenset(("prompt_tokens", "completion_tokens", "cached_tokens", "type"))

@@ -20,4 +20,5 @@ BOUNDARY = (
     "proc_budget_over_cap",
     "model_file_swap_loaded",
     "replica_budget_over_cap",
+    "budget_membership_over_cap",
 )

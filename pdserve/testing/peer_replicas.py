@@ -63,6 +63,8 @@ async def replicas(
             await stack.enter_async_context(serve(_app(budgets), int(url.rsplit(":", 1)[1])))
             stack.push_async_callback(budgets.close)
             out.append(Replica(budgets, url, stack))
+        for r in out:  # every replica has asked the others for its keys' counts
+            assert await r.budgets.settled(5.0), r.budgets.pending
         yield out
     finally:
         for r in out:

@@ -112,15 +112,51 @@ def autogroup_entities(
 
 def fair_level(groups: list[Group], cores: float) -> float:
     """CPU per unit of weight, L, with sum(n * min(want, L * weight)) = cores (inf when
-    every want fits): weighted max-min fairness, what CFS converges to."""
+    every want fits): weighted max-min fairness, what CFS converges to.
+
+    50 bisection steps on ``_granted(L) < cores``. A replay calls this twice a tick, and
+    the steps were two thirds of a replay's CPU: ``_granted`` is monotone in L (so is
+    each float operation in it, for n, weight >= 0), so one evaluation on each side of
+    the water level (``_water_level``, the exact solution, +-1e-14) decides every step
+    outside that bracket, and only the last few steps evaluate. The steps and the
+    result are the plain bisection's, bit for bit."""
     if sum(n * want for n, want, _ in groups) <= cores:
         return float("inf")
     lo, hi = 0.0, max(want / weight for _, want, weight in groups if weight > 0)
+    below, above = -1.0, math.inf  # granted < cores up to ``below``, >= from ``above``
+    if all(n >= 0 and weight >= 0 for n, _, weight in groups):
+        level = _water_level(groups, cores)
+        a, b = level * (1 - 1e-14), level * (1 + 1e-14)
+        if _granted(groups, a) < cores <= _granted(groups, b):
+            below, above = a, b
     for _ in range(50):
         mid = (lo + hi) / 2
-        got = sum(n * min(want, mid * weight) for n, want, weight in groups)
-        lo, hi = (mid, hi) if got < cores else (lo, mid)
+        if mid <= below:
+            short = True
+        elif mid >= above:
+            short = False
+        else:
+            short = _granted(groups, mid) < cores
+        lo, hi = (mid, hi) if short else (lo, mid)
     return lo
+
+
+def _granted(groups: list[Group], level: float) -> float:
+    """sum(n * min(want, level * weight)), summed in the groups' order."""
+    return sum(n * (x if (x := level * weight) < want else want) for n, want, weight in groups)
+
+
+def _water_level(groups: list[Group], cores: float) -> float:
+    """The level of ``fair_level`` solved directly: groups saturate in the order of
+    want / weight, the rest share what is left by weight."""
+    left = cores
+    weights = sum(n * weight for n, _, weight in groups)
+    for n, want, weight in sorted(groups, key=lambda g: g[1] / g[2] if g[2] > 0 else math.inf):
+        if weights <= 0 or left / weights <= want / weight:
+            break
+        left -= n * want
+        weights -= n * weight
+    return left / weights if weights > 0 else 0.0
 
 
 def erlang_c(servers: int, load: float) -> float:

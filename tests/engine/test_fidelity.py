@@ -188,11 +188,43 @@ def test_compiled_forward(
     assert margin >= MIN_MARGIN, f"compiled logits come within {margin:.2f}x of a flip"
     # The warm-up compiled every variant a step can need: serving never compiles.
     assert counters["stats"]["unique_graphs"] == graphs
+    # In service, proven variants are called without dynamo's and AOT's layers
+    # (engine/graph_call.py): the outputs checked above came that way.
+    direct = engine.runner.direct_calls
+    assert direct is not None and direct.direct_calls > 0 and not direct.refused
+    assert (False, False) in direct.variants  # batched decodes
     if setup == "preempted-prefix-cache":
         assert engine.stats().preemptions > 0 and engine.stats().prefix_cache_hit_tokens > 0
     else:
         assert engine.stats().prompt_tokens == sum(len(p) for p, _ in CASES)
     assert_all_free(engine)
+    if setup == "roomy":
+        _direct_calls_equal_the_usual_path(engine, sampled)
+
+
+def _direct_calls_equal_the_usual_path(engine: LLMEngine, sampled: dict[Any, Any]) -> None:
+    """The same steps twice, the graphs called directly and then through torch.compile's
+    wrapper: the same logits, bit for bit (case 0 ends decoding alone: one token, one row)."""
+    import torch
+
+    from pdserve.engine import graph_call
+
+    direct = engine.runner.direct_calls
+    assert direct is not None
+    runs, direct_steps = [], []
+    for enabled in (True, False):
+        sampled.clear()
+        before = direct.direct_calls
+        graph_call.ENABLED = enabled
+        try:
+            _run(engine, CASES[:6])
+        finally:
+            graph_call.ENABLED = True
+        runs.append(dict(sampled))
+        direct_steps.append(direct.direct_calls - before)
+    assert direct_steps[0] >= 63 and direct_steps[1] == 0
+    assert runs[0].keys() == runs[1].keys()
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
 
 
 def _trimmed_guards() -> bool:

@@ -1,4 +1,10 @@
-"""``pdserve generate`` as a subprocess on the tiny model."""
+"""``pdserve generate`` on the tiny model.
+
+The runs that load the model call the command's entry (``pdserve.cli.main``) in this
+process: a child would import torch and transformers again (~5 CPU-s each). The bad
+arguments refused before torch loads run as real ``python -m pdserve.cli`` children
+(~0.1 CPU-s each): the console entry, its exit status and its stderr.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.cli import main
 from pdserve.testing.hf_reference import hf_greedy
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
@@ -22,12 +29,33 @@ def _generate(model: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
 
 
+def _generate_here(
+    capsys: pytest.CaptureFixture[str], model: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """``pdserve generate`` through its entry in this process: exit status, stdout, stderr."""
+    capsys.readouterr()  # what earlier fixtures printed is not the command's
+    try:
+        code = main(["generate", "--model", str(model), *args])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code if isinstance(exc.code, int) else 2
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["pdserve", "generate"], code, out.out, out.err)
+
+
 def test_streams_the_greedy_completion(
-    tiny_model_dir: Path, tiny_tokenizer: Any, hf_model: Any
+    tiny_model_dir: Path, tiny_tokenizer: Any, hf_model: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     prompt = "def main():\n    return"
-    proc = _generate(
-        tiny_model_dir, "--prompt", prompt, "--max-tokens", "24", "--ignore-eos", "--device", "cpu"
+    proc = _generate_here(
+        capsys,
+        tiny_model_dir,
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        "24",
+        "--ignore-eos",
+        "--device",
+        "cpu",
     )
     assert proc.returncode == 0, proc.stderr
     ids = tiny_tokenizer(prompt)["input_ids"]
@@ -41,9 +69,9 @@ def test_streams_the_greedy_completion(
     assert free is not None and free.group(1) == free.group(2)  # nothing leaked
 
 
-def test_chat_and_sampling_flags(tiny_model_dir: Path) -> None:
+def test_chat_and_sampling_flags(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--prompt", "hello", "--chat", "--temperature", "0.8", "--seed", "5"]
-    proc = _generate(tiny_model_dir, *args, "--max-tokens", "8", "--ignore-eos")
+    proc = _generate_here(capsys, tiny_model_dir, *args, "--max-tokens", "8", "--ignore-eos")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() and "completion_tokens=8" in proc.stderr
     free = re.search(r"kv_blocks_free=(\d+)/(\d+)", proc.stderr)
@@ -55,7 +83,6 @@ def test_chat_and_sampling_flags(tiny_model_dir: Path) -> None:
     [
         (["--top-p", "2"], "top_p"),
         (["--max-tokens", "0"], "max_tokens"),
-        (["--max-tokens", "5000"], "max_tokens"),
         (["--dtype", "float32", "--block-size", "3"], "block_size"),
     ],
 )
@@ -63,3 +90,12 @@ def test_bad_arguments_exit_2(tiny_model_dir: Path, args: list[str], message: st
     proc = _generate(tiny_model_dir, "--prompt", "hi", *args)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_max_tokens_past_the_model_exits_2(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused once the model is loaded (its length is the bound): in this process."""
+    proc = _generate_here(capsys, tiny_model_dir, "--prompt", "hi", "--max-tokens", "5000")
+    assert proc.returncode == 2
+    assert "max_tokens" in proc.stderr and "Traceback" not in proc.stderr

@@ -31,6 +31,38 @@ def test_fair_level_is_max_min_fairness() -> None:
     assert speed(1.0, level) == pytest.approx(0.6)
 
 
+def _bisection(groups: list, cores: float) -> float:
+    """fair_level as it was written first: 50 plain bisection steps."""
+    if sum(n * want for n, want, _ in groups) <= cores:
+        return float("inf")
+    lo, hi = 0.0, max(want / weight for _, want, weight in groups if weight > 0)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        got = sum(n * min(want, mid * weight) for n, want, weight in groups)
+        lo, hi = (mid, hi) if got < cores else (lo, mid)
+    return lo
+
+
+def test_fair_level_is_the_plain_bisection_bit_for_bit() -> None:
+    """The steps decided from the water level give the same float as evaluating every
+    step (replays are compared with recorded bounds and with each other exactly), for
+    groups as Host.cpu builds them: engines, starting workers, our other processes and
+    other sessions' CFS groups at their weights, saturated or not."""
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        k = int(rng.integers(1, 9))
+        groups = [
+            (
+                float(rng.choice([0, 1, 1, 2, 3, 16])),
+                float(rng.choice([1.0, rng.uniform(0, 1.5), 0.0])),
+                float(rng.choice([1024.0, 1024 / 1.25**10, 15.0, rng.uniform(1, 2000)])),
+            )
+            for _ in range(k)
+        ]
+        cores = float(rng.choice([2.0, 0.1, rng.uniform(0.05, 4)]))
+        assert fair_level(groups, cores) == _bisection(groups, cores), (groups, cores)
+
+
 def _host(background: float) -> Host:
     return Host(2.0, np.array([0.0]), np.array([background]), 0.02, 0.03, 0.3)
 

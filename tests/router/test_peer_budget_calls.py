@@ -1,8 +1,10 @@
 """The replicas' budget calls (router/peer_budgets.py; issue 44 item 6), in this process:
 only a call signed with the service's ``router-peer`` key, sent to this replica's own
 address and not replayed, touches a key's counters; an owner that does not answer
-refuses (503), never admits; when a key's owner changes, the requests still in flight
-are counted at the new owner and its buckets start empty, so the move admits nothing
+refuses (503), never admits; when a key's owner changes, calls under another peer list are
+refused, the old owner hands its counts over once it sees the new list (a gone one's
+requests in flight are counted from the replicas that hold them), the new owner admits
+nothing for the key before that, and its buckets start empty: the move admits nothing
 beyond the budget. tests/router/test_peer_budgets.py runs three whole routers."""
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ async def test_only_signed_calls_for_this_address_count() -> None:
     async with replicas(2, cap=1) as reps:
         target = reps[0]
         cid = budget_id("key:x")
-        body = b'{"op": "enter", "id": "%s", "n": 1}' % cid.encode()
+        view = target.budgets.view.encode()  # the caller's peer list: the owner's
+        body = b'{"op": "enter", "id": "%s", "n": 1, "v": "%s"}' % (cid.encode(), view)
         host = target.url.removeprefix("http://")
         ring = keys.KeyRing(keys.ROUTER_PEER, "peers")
         other = keys.KeyRing(keys.ROUTER_PEER, "another service")
@@ -163,34 +166,143 @@ def test_kubernetes_peers_are_the_services_ready_addresses(
     assert budgets.peers == ("http://[fd00::5]:8083", "http://[fd00::6]:8083")
 
 
-def test_a_key_that_moved_admits_nothing_new_until_its_in_flight_count_can_arrive() -> None:
-    """A new owner does not know the old owner's count: for ADOPT_WAIT_S it refuses new
-    requests of a key that moved to it (503, retry) unless the others' in-flight counts
-    (adopt) came, and its buckets for such a key start empty; keys it owned before are
-    neither held nor emptied."""
+async def test_a_key_that_moved_admits_nothing_until_every_peer_hands_over() -> None:
+    """A new owner admits nothing for a key that moved to it (503 budget_moving) until
+    every peer of its old and new lists has answered on the new list, handing over its
+    counts, or is gone (here: nothing listens); keys it owned all along are not held up;
+    its buckets for a moved key start empty (SETTLE_S) while a key it owned before keeps
+    its own."""
     from pdserve.router import peer_budgets as pb
     from pdserve.router.ratelimit import RateLimiter
+    from pdserve.testing.loopback import free_port
 
-    now = [100.0]
-    a, b, c = "http://10.0.0.1:8083", "http://10.0.0.2:8083", "http://10.0.0.3:8083"
+    a, b, c = (f"http://127.0.0.1:{free_port()}" for _ in range(3))
     ring = keys.KeyRing(keys.ROUTER_PEER, "peers")
-    me = pb.PeerBudgets(a, (a, b, c), RateLimiter(0, 0), 1, ring, clock=lambda: now[0])
+    me = pb.PeerBudgets(a, (a, b, c), RateLimiter(2, 0), 1, ring)
     moved = next(  # a key of c's that moves to this replica when c leaves
         k
         for i in range(1000)
         if owner_of(budget_id(k := f"key:{i}"), sorted([a, b, c])) == c
-        and owner_of(budget_id(k), [a, b]) == a
+        and owner_of(budget_id(k), sorted([a, b])) == a
     )
     mine = _owned_by([a, b, c], a)
-    me.set_peers((a, b))  # c left
-    assert me.apply(pb.ENTER, budget_id(mine), 1) is None  # owned before: no wait
+    me.pending.clear()  # as if its first list's counts had all come
+    me._settle_view()
+    me.set_peers((a, b))  # c left; b and c are not listening: each is asked first
+    assert me.pending == {b, c}
+    assert me.apply(pb.ENTER, budget_id(mine), 1) is None  # owned all along: no wait
     err = me.apply(pb.ENTER, budget_id(moved), 1)
     assert err is not None and err.code == "budget_moving" and err.status == 503
-    now[0] += pb.ADOPT_WAIT_S
+    assert await me.settled(2.0)  # both refuse the connection: gone, nothing to hand over
     assert me.apply(pb.ENTER, budget_id(moved), 1) is None
-    # Buckets: a key that moved here starts empty for SETTLE_S, one owned before full.
-    rated = pb.PeerBudgets(a, (a, b, c), RateLimiter(2, 0), 0, ring, clock=lambda: now[0])
-    rated.set_peers((a, b))
-    assert rated.apply(pb.REQUEST, budget_id(mine), 1) is None
-    err = rated.apply(pb.REQUEST, budget_id(moved), 1)
+    err = me.apply(pb.REQUEST, budget_id(moved), 1)  # its bucket starts empty
     assert err is not None and err.status == 429
+    assert me.apply(pb.REQUEST, budget_id(mine), 1) is None
+    await me.close()
+
+
+async def test_the_old_owner_hands_over_only_on_the_new_list_and_admits_no_more() -> None:
+    """A joins A+B's budgets as a third replica C is added: the key moves from B to C.
+    While B still sees the old list, C's hand-over request is refused (not yet) and C
+    admits nothing for the key; calls under another list are refused by every owner;
+    once B sees the new list it hands over its in-flight count (C refuses at the cap),
+    admits nothing more for the key, and forwards the give-back of the request it
+    counted to C."""
+    from pdserve.router import peer_budgets as pb
+
+    async with replicas(3, cap=1) as reps:
+        urls = sorted(r.url for r in reps)
+        by_url = {r.url: r for r in reps}
+        old = list(urls)
+        # Pick the one that joins and a key that moves to it from another.
+        for joiner in urls:
+            rest = [u for u in urls if u != joiner]
+            key = next(
+                (
+                    k
+                    for i in range(2000)
+                    if owner_of(budget_id(k := f"key:{i}"), rest) != joiner
+                    and owner_of(budget_id(k), old) == joiner
+                ),
+                None,
+            )
+            if key is not None:
+                break
+        assert key is not None
+        cid = budget_id(key)
+        new = by_url[joiner]
+        prev = by_url[owner_of(cid, rest)]
+        third = next(r for r in reps if r not in (new, prev))
+        for r in reps:  # start from the list without the joiner, settled
+            r.budgets.set_peers(rest)
+        for r in reps:
+            assert await r.budgets.settled(3.0)
+        await third.budgets.acquire(key)  # counted at prev
+        assert prev.budgets.counts.count(cid) == 1
+        new.budgets.set_peers(old)  # the joiner sees the full list first
+        with pytest.raises(APIError) as err:  # its local call: the count is still at prev
+            await new.budgets.acquire(key)
+        assert err.value.code == "budget_moving"
+        with pytest.raises(APIError) as err:  # a call under the old list: refused by it
+            await new.budgets._remote(
+                prev.url, {"op": pb.ENTER, "id": budget_id("key:zz"), "n": 1, "v": "x"}
+            )
+        assert err.value.code == "budget_moving"
+        prev.budgets.set_peers(old)  # now prev agrees: it hands over, admits no more
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if new.budgets.counts.count(cid):
+                break
+        assert new.budgets.counts.count(cid) == 1 and prev.budgets.counts.count(cid) == 0
+        with pytest.raises(APIError) as err:  # under the old list, at prev: refused
+            await third.budgets.acquire(key)
+        assert err.value.code == "budget_moving"
+        with pytest.raises(APIError) as err:  # the third replica has not answered yet
+            await prev.budgets.acquire(key)
+        assert err.value.code == "budget_moving"
+        third.budgets.leave(key)  # counted at prev: forwarded to the joiner
+        third.budgets.set_peers(old)  # all agree now
+        assert await new.budgets.settled(3.0)
+        assert new.budgets.counts.count(cid) == 0
+        await prev.budgets.acquire(key)
+        with pytest.raises(APIError) as err:
+            await third.budgets.acquire(key)
+        assert err.value.status == 429
+        assert new.budgets.counts.count(cid) == 1
+
+
+def test_a_peer_file_is_read_again_when_it_changes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--budget-peers @FILE``: URLs separated by commas, spaces or lines, ``#``
+    comments; a changed file is handed on, one that does not parse is logged and the last
+    good list kept; the router refuses a bad file at start."""
+    import argparse
+    import os
+
+    from pdserve.router.from_args import budget_peers
+    from pdserve.router.peer_list import PeerFile, read_peers
+
+    path = tmp_path / "peers"
+    path.write_text("http://10.0.0.1:8083, http://10.0.0.2:8083/  # two\nhttp://10.0.0.3:8083\n")
+    assert read_peers(path) == tuple(f"http://10.0.0.{i}:8083" for i in (1, 2, 3))
+    seen: list[tuple[str, ...]] = []
+    watch = PeerFile(str(path), seen.append)
+    watch.check()
+    watch.check()  # unchanged: nothing new
+    assert len(seen) == 1
+    path.write_text("http://10.0.0.1:8083\nnot a url\n")
+    os.utime(path, ns=(1, 1))
+    watch.check()
+    assert len(seen) == 1  # kept the last good list
+    path.write_text("http://10.0.0.1:8083\n")
+    os.utime(path, ns=(2, 2))
+    watch.check()
+    assert seen[-1] == ("http://10.0.0.1:8083",)
+    args = argparse.Namespace(
+        budget_peers=f"@{path}", budget_self="http://10.0.0.9:8083", discovery="static"
+    )
+    assert budget_peers(args) == (f"@{path}",)  # this replica need not be listed yet
+    path.write_text("ftp://nope\n")
+    with pytest.raises(SystemExit, match="budget-peers"):
+        budget_peers(args)
+    with pytest.raises(SystemExit, match="budget-self"):
+        budget_peers(argparse.Namespace(budget_peers=f"@{path}", budget_self="", discovery=""))

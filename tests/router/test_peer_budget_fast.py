@@ -181,3 +181,80 @@ async def test_a_key_at_its_cap_waits_a_moment_for_a_give_back_on_its_way() -> N
             await a.budgets.acquire(client)
         assert err.value.status == 429 and err.value.code == "concurrency_limit_exceeded"
         assert owner.budgets.counts.count(pb.budget_id(client)) == 1
+
+
+async def test_a_tpm_limit_costs_no_second_call_once_the_key_is_known() -> None:
+    """Under --rate-limit-tpm the acquire asks for a lease of the key's last cost; the
+    request's cost comes out of it (no tokens call) and the rest rides the give-back.
+    A request that costs more than its lease calls for the difference only."""
+    async with replicas(2, cap=4, rpm=1000, tpm=1000) as reps:
+        owner, me = reps
+        client = _keys_of([r.url for r in reps], owner.url, 1)[0]
+        cid = pb.budget_id(client)
+        calls, ops = _watch(owner)
+        rt = _runtime(me.budgets, 1000)
+        level = lambda: owner.budgets.limiter._buckets[(cid, "tokens")].level  # noqa: E731
+
+        async def one(cost: int) -> None:
+            await rt.take_request(client)
+            ticket = await rt.admit(client)
+            await rt.take_tokens(client, cost)
+            ticket.release()
+            await _settled(me.budgets)
+
+        await one(100)  # the first: its cost is not known yet, a tokens call
+        assert len(calls) == 3  # acquire, tokens, give-back
+        before = level()
+        del calls[:], ops[:]
+        await one(100)  # leased with the acquire: one call and its give-back
+        assert len(calls) == 2, ops
+        assert before - level() == pytest.approx(100, abs=2)
+        del calls[:], ops[:]
+        before = level()
+        await one(40)  # leased 100, used 40: 60 given back with the release
+        assert len(calls) == 2 and before - level() == pytest.approx(40, abs=2)
+        del calls[:], ops[:]
+        before = level()
+        await one(150)  # leased 40: the other 110 asked for alone
+        assert [op for op, _, _ in ops if op == pb.TOKENS] == [pb.TOKENS]
+        assert ops[[op for op, _, _ in ops].index(pb.TOKENS)][2] == 110
+        assert before - level() == pytest.approx(150, abs=2)
+
+
+async def test_leases_never_let_a_key_past_its_tokens_per_minute() -> None:
+    """Requests of one key at once over two replicas, each costing 60 tokens of a 300 a
+    minute budget: the tokens used never exceed what the bucket held (300 and its refill
+    meanwhile), leases or not; what was leased and not used goes back."""
+    async with replicas(3, cap=0, rpm=10_000, tpm=300) as reps:
+        owner, a, b = reps
+        client = _keys_of([r.url for r in reps], owner.url, 1)[0]
+        cid = pb.budget_id(client)
+        used = 0
+        start = asyncio.get_running_loop().time()
+
+        async def one(i: int) -> None:
+            nonlocal used
+            via = (a, b)[i % 2].budgets
+            try:
+                await via.acquire(client)
+            except APIError:
+                return
+            try:
+                await via.take_tokens(client, 60 if i % 3 else 20)
+                used += 60 if i % 3 else 20
+                await asyncio.sleep(random.random() * 0.01)
+            except APIError as err:
+                assert err.status == 429
+            finally:
+                via.leave(client)
+
+        for _ in range(4):
+            await asyncio.gather(*(one(i) for i in range(12)))
+        await _settled(a.budgets)
+        await _settled(b.budgets)
+        elapsed = asyncio.get_running_loop().time() - start
+        assert used <= 300 + 300 * elapsed / 60 + 1, (used, elapsed)
+        assert used >= 200  # the budget is used, not lost in leases
+        left = owner.budgets.limiter._buckets[(cid, "tokens")].level
+        assert left + used == pytest.approx(300 + 300 * elapsed / 60, abs=25)
+        assert not a.budgets.lease and not b.budgets.lease

@@ -80,12 +80,12 @@ def test_reads_the_codecs_message(reply: PrefillReply) -> None:
 
 def test_the_common_reply_is_read_without_the_codec(monkeypatch: Any) -> None:
     """The fast path is taken for a reply as the workers write it (no codec call)."""
-    from pdserve.protocol import prefill_reply
+    from pdserve.protocol import token_lines  # fast_decode: the codec calls it would make
 
     handle = KVHandle("r1", "p0", "tcp://127.0.0.1:5", [0, 1], 20, [7], 16, "n", 30.0, "tcp")
     reply = PrefillReply("r1", 5, "x", None, handle, 0, 20, Usage(20, 1, 0))
-    monkeypatch.setattr(prefill_reply, "from_dict", None)  # would fail if called
-    monkeypatch.setattr(prefill_reply, "decode", None)
+    monkeypatch.setattr(token_lines, "from_dict", None)  # would fail if called
+    monkeypatch.setattr(token_lines, "decode", None)
     assert decode_prefill_reply(encode(reply)) == reply
 
 

@@ -29,6 +29,7 @@ import zmq
 from pdserve.engine import compile_job, startup_probe
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.os_thread import name_os_thread
+from pdserve.protocol.hashing import note_key_source
 from pdserve.worker.core.config import CoreConfig
 from pdserve.worker.core.loop import CoreLoop, Hook, Query
 
@@ -93,6 +94,7 @@ def main(argv: list[str]) -> int:
     kind, config = pickle.loads(commands.recv())
     assert kind == "init" and isinstance(config, CoreConfig), kind
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    note_key_source()  # a Secret without hash-key: said once (protocol/hashing.py)
     try:
         started = time.monotonic()
         core = build_core(config)
