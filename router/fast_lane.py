@@ -62,6 +62,12 @@ def load() -> Any:
             exc,
         )
         return None
+    if not hasattr(pdserve_lane.Lane, "take_itl"):  # built before the ninth pass's API
+        log.warning(
+            "--fast-lane: the compiled lane installed is out of date (a build of an older "
+            "tree: scripts/setup.sh rebuilds it); serving on the Python lane"
+        )
+        return None
     return pdserve_lane
 
 
@@ -380,11 +386,8 @@ class LaneSetup:
         )
         rt.metrics.itl.pull = lane.take_itl
         self.public.close()  # the lane holds its own copy
-        planner = None
-        if hasattr(self.module, "Planner"):  # a build from before the ninth pass has none
-            rust = lane_plan.planner(self.module, rt.cfg, rt.scheduler.hash_key)
-            planner = LanePlanner(rust, rt.scheduler, rt.index)
-        host = LaneHost(rt, lane, planner)
+        rust = lane_plan.planner(self.module, rt.cfg, rt.scheduler.hash_key)
+        host = LaneHost(rt, lane, LanePlanner(rust, rt.scheduler, rt.index))
         asyncio.get_running_loop().add_reader(lane.notify_fd(), host._drain)
         rt.discovery.after_refresh.append(host.health)
         host.health()

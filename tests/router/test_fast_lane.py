@@ -275,3 +275,19 @@ def test_without_the_module_the_python_lane_serves_and_says_so(
         assert main._fast_lane(args, False) is None
     assert "the compiled lane is not installed" in caplog.text
     assert "serving on the Python lane" in caplog.text
+
+
+def test_an_out_of_date_build_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A module built from an older tree (a failed rebuild leaves the last one installed)
+    takes other arguments and answers other jobs: the Python lane serves, and says why."""
+    import sys
+    import types
+
+    old = types.ModuleType("pdserve_lane")
+    old.Lane = type("Lane", (), {})  # type: ignore[attr-defined]  # no take_itl
+    monkeypatch.setitem(sys.modules, "pdserve_lane", old)
+    with caplog.at_level("WARNING"):
+        assert fast_lane.load() is None
+    assert "out of date" in caplog.text and "serving on the Python lane" in caplog.text
