@@ -194,7 +194,7 @@ def main() -> None:
     new = cpu_kernel.load()
     assert cxx is not None and new is not None, "no C++ compiler: nothing to time"
     v1 = ROOT / "bench" / "paged_attention_v1.cpp"
-    old = ctypes.CDLL(str(cpu_kernel.build(cxx, v1, [], FLAGS_V1)))
+    old = ctypes.CDLL(str(cpu_kernel.build(cxx, v1, [cpu_kernel.ABI_HEADER], FLAGS_V1)))
     cpu_kernel.declare(old)
     rows = []
     print(f"{'case':<22}{'old µs':>10}{'ref µs':>10}{'new µs':>10}{'vs old':>8}{'vs ref':>8}")

@@ -36,7 +36,11 @@
 - ``model_file_swap_loaded``: model files in a sealed shared cache swapped after the
   service's first load (tokenizer, weights, an added chat template, a symlink) that the
   next load took, and a tokenizer swapped right after a load's check that the load then
-  handed to transformers.
+  handed to transformers;
+- ``compiled_cache_swap_loaded``: compiled-code entries of a sealed shared cache swapped
+  after their check (while the worker's private copy is made, and after it) that reached
+  the copy inductor reads, and files a worker's publish wrote through a planted link
+  (tests/engine/test_sealed_copy.py runs the same swap through a real inductor load).
 
 The in-process probes are the tests' own (tests/...): the bench runs what the suite
 checks, against the code as it is.
@@ -379,6 +383,45 @@ def model_file_swap_loaded() -> int:
     return loaded
 
 
+def compiled_cache_swap_loaded() -> int:
+    """Compiled-code entries of a sealed shared cache swapped after their check (while the
+    worker's private copy is made, and after it) that reached the copy inductor reads, and
+    files a worker's publish wrote through a planted link (engine/sealed_copy.py)."""
+    from pdserve import keys
+    from pdserve.engine import cache_seal, sealed_copy
+
+    ring = keys.KeyRing(keys.COMPILE_CACHE, ("chaos",))
+    loaded = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        shared, private = Path(tmp) / "shared", Path(tmp) / "private"
+        (shared / "fxgraph" / "ab").mkdir(parents=True)
+        (shared / "fxgraph" / "ab" / "entry").write_bytes(b"ours")
+        (shared / "cd").mkdir()
+        (shared / "cd" / "graph.py").write_text("x = 1")
+        cache_seal.seal(shared, ring)
+
+        def swap(folder: Path, rel: str) -> None:
+            (folder / rel).write_bytes(b"theirs")
+
+        sealed_copy.after_check = swap
+        try:
+            sealed_copy.copy_checked(shared, private, ring)
+        finally:
+            sealed_copy.after_check = None
+        for rel in ("fxgraph/ab/entry", "cd/graph.py"):
+            loaded += (private / rel).read_bytes() == b"theirs"
+            (shared / rel).write_bytes(b"theirs again")  # after the copy
+            loaded += (private / rel).read_bytes() != (b"ours" if "entry" in rel else b"x = 1")
+        outside = Path(tmp) / "outside"
+        outside.mkdir()
+        (shared / "ef").symlink_to(outside, target_is_directory=True)
+        (private / "ef").mkdir()
+        (private / "ef" / "new.so").write_bytes(b"built")
+        sealed_copy.publish(private, shared, ring, {})
+        loaded += len(list(outside.iterdir()))
+    return loaded
+
+
 def in_process_probes(model_dir: Path) -> dict[str, int]:
     # the tests' fake workers sign with the service secret, as the suite's conftest sets it
     os.environ.setdefault("PDSERVE_SERVICE_SECRET", secrets.token_hex(16))
@@ -393,6 +436,7 @@ def in_process_probes(model_dir: Path) -> dict[str, int]:
         "picker_ext_proc_unauthenticated": ext_proc_unauthenticated(model_dir),
         "proc_budget_over_cap": proc_budget_over_cap(),
         "model_file_swap_loaded": model_file_swap_loaded(),
+        "compiled_cache_swap_loaded": compiled_cache_swap_loaded(),
         "replica_budget_over_cap": replica_budget_over_cap(),
         "budget_membership_over_cap": budget_membership_over_cap(),
     }

@@ -200,7 +200,7 @@ def mla_latent_kernel(
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
 ) -> dict[str, Any]:
     """DeepSeek-V3's MLA decode at its real latent width on the Triton kernels' chunked-
-    width form (``triton_attention._attention_wide``; proved only under the interpreter
+    width form (``triton_attention._attention``, CHUNKS > 1; proved only under the interpreter
     before a GPU was lent): ``heads`` query heads over one 576-wide latent head that is key
     and value, ``batch`` decodes of ``ctx`` tokens each over scattered blocks. Checked
     against a dense reference (float32 at 1e-4, bfloat16 at 2e-2 of the output's scale),

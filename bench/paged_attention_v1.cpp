@@ -14,41 +14,16 @@
 #include <cstring>
 #include <vector>
 
+#include "../engine/paged_attention_abi.h"  // Args, the bf16 conversions
+
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const uint16_t* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline void store(float* p, int64_t i, float x) { p[i] = x; }
-inline void store(uint16_t* p, int64_t i, float x) {  // round to nearest even
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  if ((bits & 0x7fffffff) > 0x7f800000) {
-    p[i] = 0x7fc0;
-    return;
-  }
-  bits += 0x7fff + ((bits >> 16) & 1);
-  p[i] = static_cast<uint16_t>(bits >> 16);
-}
+using pdserve::Args;
 
-struct Args {
-  const void* q;
-  int64_t q_stride_t, q_stride_h;  // in elements; the head dim is contiguous
-  const void* k;                   // [num_slots, Hkv, D]
-  const void* v;
-  void* out;  // [T, Hq, D] contiguous
-  const int32_t* tables;
-  int32_t table_width;
-  const int32_t* tok_row;  // row of each kernel token in q / out
-  const int32_t* tok_table;
-  const int32_t* tok_ctx;
-  int32_t num_tokens, hq, hkv, head_dim, block_size;
-  float scale;
-};
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) { return pdserve::bf16_to_f32(p[i]); }
+inline void store(float* p, int64_t i, float x) { p[i] = x; }
+inline void store(uint16_t* p, int64_t i, float x) { p[i] = pdserve::f32_to_bf16(x); }
 
 template <typename T>
 void one_item(const Args& a, int64_t item, std::vector<float>& scores, std::vector<float>& acc) {
@@ -123,11 +98,5 @@ extern "C" int pdserve_paged_attention(
   Args a{q,      q_stride_t, q_stride_h, k,         v,          out,        tables,
          table_width, tok_row, tok_table, tok_ctx, num_tokens, hq, hkv, head_dim,
          block_size, scale};
-  if (dtype == 0)
-    run<float>(a, num_threads);
-  else if (dtype == 1)
-    run<uint16_t>(a, num_threads);
-  else
-    return 2;
-  return 0;
+  return pdserve::by_dtype(dtype, [&](auto zero) { run<decltype(zero)>(a, num_threads); });
 }

@@ -39,6 +39,7 @@ import torch
 
 from pdserve import env
 from pdserve.engine import cache_seal, compile_key, cpu_linear, sealed_copy
+from pdserve.engine.host_tag import host_tag
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +69,19 @@ def _use_checked_copy() -> None:
     here = cache_dir()
     ring = cache_seal.ring(env.COMPILE_CACHE)
     if ring:
-        shared = _copies[here][0] if here in _copies else here
+        if here in _copies:
+            shared = _copies[here][0]
+        elif here.name.startswith(sealed_copy.PREFIX):  # another process's copy (inherited)
+            shared = Path(env.get(env.COMPILE_CACHE)) / host_tag()
+        else:
+            shared = here
         private = sealed_copy.private_dir()
         _copies[private] = (shared, sealed_copy.copy_checked(shared, private, ring))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private)
+        # Triton's cubins (CUDA): inductor sets TRITON_CACHE_DIR under its cache folder once;
+        # one still naming the shared folder would load them from there by path.
+        if os.environ.get("TRITON_CACHE_DIR", "").startswith(str(shared)):
+            del os.environ["TRITON_CACHE_DIR"]
         from torch._inductor import codecache
 
         codecache.CacheBase.get_local_cache_path.cache_clear()  # keyed on the old folder

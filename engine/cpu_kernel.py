@@ -31,7 +31,9 @@ from pdserve.engine.host_tag import host_tag
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-HEADERS = [Path(__file__).with_name("paged_attention_simd.h")]  # part of the cache key
+# part of the cache key; the abi header is also the bench's first kernel's (ABI_HEADER)
+ABI_HEADER = Path(__file__).with_name("paged_attention_abi.h")
+HEADERS = [Path(__file__).with_name("paged_attention_simd.h"), ABI_HEADER]
 # Not -ffast-math: linking a shared library with it pulls in crtfastmath.o, which sets
 # flush-to-zero / denormals-are-zero for the whole process on load (torch's numerics and
 # every other library's change with it). Nor -fassociative-math: the kernel's vector code

@@ -34,6 +34,7 @@
 
 namespace {
 
+using pdserve::Args;
 using pdserve::Lanes;
 constexpr int kMaxG = 8, kMaxD = 256;  // also checked by the caller (cpu_kernel.supports)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -41,34 +42,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 inline float load1(const float* p) { return *p; }
 inline float load1(const uint16_t* p) { return pdserve::bf16_to_f32(*p); }
 inline void store1(float* p, float x) { *p = x; }
-inline void store1(uint16_t* p, float x) {  // round to nearest even
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  if ((bits & 0x7fffffff) > 0x7f800000) {
-    *p = 0x7fc0;
-    return;
-  }
-  bits += 0x7fff + ((bits >> 16) & 1);
-  *p = static_cast<uint16_t>(bits >> 16);
-}
-
-struct Args {
-  const void* q;
-  int64_t q_stride_t, q_stride_h;  // in elements; the head dim is contiguous
-  const void* k;                   // [num_slots, Hkv, D]
-  const void* v;
-  void* out;  // [T, Hq, D] contiguous
-  const int32_t* tables;
-  int32_t table_width;
-  const int32_t* tok_row;  // row of each kernel token in q / out
-  const int32_t* tok_table;
-  const int32_t* tok_ctx;
-  int32_t num_tokens, hq, hkv, head_dim, block_size;
-  float scale;
-  int32_t window = 0;          // 0: no sliding window
-  float softcap = 0.0f;        // 0: no soft-capping
-  const float* sinks = nullptr;  // [hq] or none
-};
+inline void store1(uint16_t* p, float x) { *p = pdserve::f32_to_bf16(x); }
 
 template <typename T>
 const T* zero_row() {  // stands in for the rows past the context in a partial tile
@@ -325,13 +299,7 @@ extern "C" int pdserve_paged_attention_layer(
   Args a{q,      q_stride_t, q_stride_h, k,         v,          out,        tables,
          table_width, tok_row, tok_table, tok_ctx, num_tokens, hq, hkv, head_dim,
          block_size, scale, window, softcap, sinks};
-  if (dtype == 0)
-    run<float>(a, num_threads);
-  else if (dtype == 1)
-    run<uint16_t>(a, num_threads);
-  else
-    return 2;
-  return 0;
+  return pdserve::by_dtype(dtype, [&](auto zero) { run<decltype(zero)>(a, num_threads); });
 }
 
 // The plain call: no window, no soft-cap, no sinks.

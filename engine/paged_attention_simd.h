@@ -25,14 +25,9 @@
 #include <immintrin.h>
 #endif
 
-namespace pdserve {
+#include "paged_attention_abi.h"  // bf16_to_f32
 
-inline float bf16_to_f32(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+namespace pdserve {
 
 namespace expc {
 constexpr float lo = -87.33654f, hi = 88.0f, log2e = 1.44269504088896341f;

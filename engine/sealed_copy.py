@@ -61,7 +61,10 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 after_check: Callable[[Path, str], None] | None = None
 
 
-def private_dir(prefix: str = "pdserve-compiled-") -> Path:
+PREFIX = "pdserve-compiled-"  # a private copy's folder name: PREFIX, pid, random
+
+
+def private_dir(prefix: str = PREFIX) -> Path:
     """A new folder only this process's user can reach, removed when the process exits."""
     base = tempfile.gettempdir()
     st = os.lstat(base)

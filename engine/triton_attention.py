@@ -17,7 +17,7 @@ transformers masks it), logit soft-capping (``cap * tanh(s / cap)`` after scalin
 attention sinks (one logit per query head that joins the softmax's denominator).
 
 A head wider than ``NARROW_D`` (MLA's compressed latent, 512 + 64) would make a row's
-tile too wide for a program's registers: ``_attention_wide`` cuts the head into
+tile too wide for a program's registers: ``_attention`` then cuts the head into
 ``CHUNK_D``-wide slices, sums q . k over them, and gives each program one output slice.
 
 Triton's interpreter runs the same source on CPU tensors when ``TRITON_INTERPRET=1`` is
@@ -38,7 +38,7 @@ NO_WINDOW = 1 << 30  # a window no context reaches: the mask's arithmetic stays 
 DECODE_ROWS = 16  # tl.dot's smallest M on GPUs
 PREFILL_ROWS = 64  # rows of a prefill tile: BLOCK_Q tokens x the padded GQA group
 NARROW_D = 256  # the widest head a row's whole tile takes (``_attention``)
-CHUNK_D = 64  # the wide kernel's slice of the head (``_attention_wide``): 576 = 9 x 64
+CHUNK_D = 64  # a wide head's slice (``_attention``, ``CHUNKS > 1``): 576 = 9 x 64
 MAX_HEAD_DIM = 1024  # the widest head the wide kernel is tried at
 
 
@@ -50,8 +50,8 @@ def interpreted() -> bool:
 def supports(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """The kernels' limits: power-of-two blocks of >= 16 tokens (tl.dot's smallest K),
     whole GQA groups, 16 <= head_dim <= ``MAX_HEAD_DIM``. A head up to ``NARROW_D`` wide
-    runs in one tile per row (``_attention``); a wider one (compressed MLA at its real
-    size: the latent's 512 + 64) in ``CHUNK_D``-wide chunks (``_attention_wide``), proved
+    runs in one tile per row; a wider one (compressed MLA at its real size: the latent's
+    512 + 64) in ``CHUNK_D``-wide chunks (``_attention``'s ``CHUNKS > 1``), proved
     under the interpreter and compiled for sm_90 without spills, its GPU speed unmeasured.
     Wider than ``MAX_HEAD_DIM`` (no model known) takes the gather path rather than an
     untried width."""
@@ -142,11 +142,16 @@ def paged_attention(
     hkv = k_cache.shape[1]
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and out.stride(2) == 1
     assert k_cache.stride() == v_cache.stride()
-    if d > NARROW_D:
-        args = (q, k_cache, v_cache, out, meta, block_size, scale, window, softcap, sinks)
-        return _paged_attention_wide(*args, splits=splits)
     block_g = group_rows(hq, hkv)
-    block_d = max(16, triton.next_power_of_2(d))
+    wide = d > NARROW_D
+    # A head wider than NARROW_D (MLA's latent) is cut into CHUNK_D-wide slices: the same
+    # tiles, each program one slice of the output (grid axis 2: the decode split,
+    # then the slice). A program's scores still cover the whole width: q . k summed over
+    # the chunks, so every slice's program computes the same scores (the price of never
+    # holding a full-width row: ``chunks`` times the q . k work, K read once per slice;
+    # unmeasured on a GPU). A narrow head is one slice of the padded width.
+    chunks = triton.cdiv(d, CHUNK_D) if wide else 1
+    chunk_d = CHUNK_D if wide else max(16, triton.next_power_of_2(d))
     for tiles in meta.launches:
         n = tiles.row.numel()
         if n == 0:
@@ -155,8 +160,9 @@ def paged_attention(
         # Decodes split their context over several programs (few requests x KV heads
         # would leave most of a GPU idle), combined after; prefill tiles are many already.
         s = 1 if tiles.block_q > 1 else splits or decode_splits(meta.tables.shape[1])
+        cols = chunks * chunk_d + 2  # a partial row: [acc (every slice) | m | l]
         part = (
-            torch.empty((n * hkv * s * block_m, block_d + 2), dtype=torch.float32, device=q.device)
+            torch.empty((n * hkv * s * block_m, cols), dtype=torch.float32, device=q.device)
             if s > 1
             else out
         )
@@ -166,89 +172,11 @@ def paged_attention(
             "BLOCK_Q": tiles.block_q,
             "BLOCK_M": block_m,
             "D": d,
-            "BLOCK_D": block_d,
-            "SPLITS": s,
-        }
-        _attention[(n, hkv, s)](
-            q,
-            k_cache,
-            v_cache,
-            out,
-            part,
-            meta.tables,
-            tiles.row,
-            tiles.count,
-            tiles.ctx,
-            tiles.table,
-            sinks if sinks is not None else q,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            out.stride(0),
-            out.stride(1),
-            meta.tables.stride(0),
-            scale,
-            softcap or 1.0,
-            window or NO_WINDOW,
-            BLOCK_SIZE=block_size,
-            HAS_SOFTCAP=softcap is not None,
-            HAS_SINKS=sinks is not None,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            **consts,
-        )
-        if s > 1:
-            _combine[(n, hkv)](
-                out, part, tiles.row, tiles.count, out.stride(0), out.stride(1), **consts
-            )
-
-
-def _paged_attention_wide(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    meta: TritonMetadata,
-    block_size: int,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-    splits: int | None,
-) -> None:
-    """``paged_attention`` for a head wider than ``NARROW_D`` (MLA's latent): the same
-    tiles, each program one ``CHUNK_D``-wide slice of the output (grid axis 2: the decode
-    split, then the slice). A program's scores still cover the whole width: q . k summed
-    over the chunks, so every slice's program computes the same scores (the price of
-    never holding a full-width row: ``chunks`` times the q . k work, K read once per
-    slice; unmeasured on a GPU)."""
-    _t, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    block_g = group_rows(hq, hkv)
-    chunks = triton.cdiv(d, CHUNK_D)
-    for tiles in meta.launches:
-        n = tiles.row.numel()
-        if n == 0:
-            continue
-        block_m = max(DECODE_ROWS, tiles.block_q * block_g)
-        s = 1 if tiles.block_q > 1 else splits or decode_splits(meta.tables.shape[1])
-        width = chunks * CHUNK_D + 2  # a partial row: [acc (every slice) | m | l]
-        part = (
-            torch.empty((n * hkv * s * block_m, width), dtype=torch.float32, device=q.device)
-            if s > 1
-            else out
-        )
-        consts = {
-            "G": hq // hkv,
-            "BLOCK_G": block_g,
-            "BLOCK_Q": tiles.block_q,
-            "BLOCK_M": block_m,
-            "D": d,
-            "CHUNK_D": CHUNK_D,
+            "CHUNK_D": chunk_d,
             "CHUNKS": chunks,
             "SPLITS": s,
         }
-        _attention_wide[(n, hkv, s * chunks)](
+        _attention[(n, hkv, s * chunks)](
             q,
             k_cache,
             v_cache,
@@ -274,17 +202,17 @@ def _paged_attention_wide(
             HAS_SOFTCAP=softcap is not None,
             HAS_SINKS=sinks is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=wide_warps(block_m),
+            **({"num_warps": wide_warps(block_m)} if wide else {}),
             **consts,
         )
         if s > 1:
-            _combine_wide[(n, hkv, chunks)](
+            _combine[(n, hkv, chunks)](
                 out, part, tiles.row, tiles.count, out.stride(0), out.stride(1), **consts
             )
 
 
 def wide_warps(block_m: int) -> int:
-    """Warps of a ``_attention_wide`` program: 8 from 64 rows on. Compiled for sm_90
+    """Warps of a wide-head ``_attention`` program: 8 from 64 rows on. Compiled for sm_90
     without a GPU (triton.compile to a GPUTarget, cuobjdump's resource usage), bfloat16,
     DeepSeek's 576: at 4 warps 128 rows (128 heads) spill 288-320 bytes a thread at 255
     registers and 64 rows spill 8; at 8 warps none spills (249-254 and 181 registers)."""
@@ -365,6 +293,105 @@ def _tanh(x):
 
 
 @triton.jit
+def _tile_rows(
+    row_ptr,
+    count_ptr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """This program's tile (grid axis 0) and KV head (axis 1): the tile's first step row
+    and token count, and per row ``m`` of the tile its token ``qi``, its query head and
+    whether it is a real row (not GQA padding, not past the tile's tokens)."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    row0 = tl.load(row_ptr + tile)
+    count = tl.load(count_ptr + tile)
+    m = tl.arange(0, BLOCK_M)
+    qi = m // BLOCK_G  # the row's token in the tile
+    head = kvh * G + m % BLOCK_G
+    row_ok = (qi < count) & (m % BLOCK_G < G) & (qi < BLOCK_Q)
+    return tile, kvh, row0, count, m, qi, head, row_ok
+
+
+@triton.jit
+def _softmax_start(
+    sinks_ptr, head, row_ok, m, split, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr
+):
+    """The online softmax's running max and sum before the first key. A sink joins the
+    softmax once: in the first split's partial sums, as max = sink, sum = 1."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        first = (m * 0 + split) == 0
+        m_i = tl.where(first, sink, float("-inf"))
+        l_i = tl.where(first, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
+def _split_blocks(ctx0, count, window, split, BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr):
+    """The keys the tile sees, ``[0, hi)`` (those of its last token), and the block-table
+    entries ``[start, stop)`` that this split walks (from the first token's earliest key)."""
+    hi = ctx0 + count - 1
+    lo = tl.maximum(ctx0 - window, 0)
+    b_lo = lo // BLOCK_SIZE
+    b_hi = tl.cdiv(hi, BLOCK_SIZE)
+    per = tl.cdiv(b_hi - b_lo, SPLITS)  # this split's share of the blocks
+    return hi, b_lo + split * per, tl.minimum(b_lo + (split + 1) * per, b_hi)
+
+
+@triton.jit
+def _online_softmax(s, k_pos, q_pos, row_ok, window, softcap, m_i, l_i, HAS_SOFTCAP: tl.constexpr):
+    """One block's scaled scores into the running softmax: soft-capped, masked to the keys
+    each row sees (causal, windowed). Returns the block's probabilities, the factor that
+    rescales what came before, and the new running max and sum."""
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+    s = tl.where(seen & row_ok[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _finish(
+    acc,
+    m_i,
+    l_i,
+    o_ptr,
+    part_ptr,
+    o_row,
+    p_row,
+    row_ok,
+    d_out,
+    out_ok,
+    oc,
+    WIDTH: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """The program's output slice ``d_out`` at rows ``o_row``: with one split normalised
+    into ``o``, else its partials at rows ``p_row`` (``[acc (every slice, WIDTH) | m | l]``
+    per row; m and l from slice 0's program), which ``_combine`` rescales to a common max."""
+    if SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ok = row_ok[:, None] & out_ok[None, :]
+        tl.store(o_ptr + o_row + d_out[None, :], o.to(o_ptr.dtype.element_ty), mask=o_ok)
+    else:
+        p_off = p_row.to(tl.int64) * (WIDTH + 2)
+        tl.store(part_ptr + p_off[:, None] + d_out[None, :], acc)
+        slice0 = (p_row * 0 + oc) == 0  # a vector mask (the interpreter refuses a scalar one)
+        tl.store(part_ptr + p_off + WIDTH, m_i, mask=slice0)
+        tl.store(part_ptr + p_off + WIDTH + 1, l_i, mask=slice0)
+
+
+@triton.jit
 def _attention(
     q_ptr,
     k_ptr,
@@ -392,78 +419,73 @@ def _attention(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    CHUNK_D: tl.constexpr,
+    CHUNKS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    row0 = tl.load(row_ptr + tile)
-    count = tl.load(count_ptr + tile)
+    """One tile at one KV head, its share ``split`` of the context. ``CHUNKS == 1`` (a
+    head up to ``NARROW_D``, padded to ``CHUNK_D``): each row's whole query held, K and V
+    of a block loaded together. Else the head is cut into ``CHUNKS`` slices of
+    ``CHUNK_D``: the scores sum q . k slice by slice, and this program accumulates output
+    slice ``oc`` only (grid axis 2: the split, then the slice)."""
+    tile, kvh, row0, count, m, qi, head, row_ok = _tile_rows(
+        row_ptr, count_ptr, G, BLOCK_G, BLOCK_Q, BLOCK_M
+    )
+    if CHUNKS == 1:
+        split = tl.program_id(2)
+        oc = 0
+    else:
+        split = tl.program_id(2) // CHUNKS
+        oc = tl.program_id(2) % CHUNKS
     ctx0 = tl.load(ctx_ptr + tile)
     table = tl.load(table_ptr + tile).to(tl.int64)
-
-    m = tl.arange(0, BLOCK_M)
-    qi = m // BLOCK_G  # the row's token in the tile
-    head = kvh * G + m % BLOCK_G
-    row_ok = (qi < count) & (m % BLOCK_G < G) & (qi < BLOCK_Q)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    q_off = (row0 + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    c = tl.arange(0, CHUNK_D)
+    q_row = (row0 + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     q_pos = ctx0 - 1 + qi  # each row's position in its request
+    d_out = oc * CHUNK_D + c  # this program's slice of the output
+    out_ok = d_out < D
+    if CHUNKS == 1:
+        q_ok = row_ok[:, None] & out_ok[None, :]
+        q = tl.load(q_ptr + (q_row + c[None, :]), mask=q_ok, other=0.0)
 
-    if HAS_SINKS:  # the sink joins the softmax once: in the first split's partial sums
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
-        first = (m * 0 + split) == 0
-        m_i = tl.where(first, sink, float("-inf"))
-        l_i = tl.where(first, 1.0, 0.0)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    hi = ctx0 + count - 1  # keys of the tile's last token: [0, hi)
-    lo = tl.maximum(ctx0 - window, 0)  # the first token's earliest key
+    m_i, l_i = _softmax_start(sinks_ptr, head, row_ok, m, split, BLOCK_M, HAS_SINKS)
+    acc = tl.zeros([BLOCK_M, CHUNK_D], dtype=tl.float32)
     n = tl.arange(0, BLOCK_SIZE)
-    b_lo = lo // BLOCK_SIZE
-    b_hi = tl.cdiv(hi, BLOCK_SIZE)
-    per = tl.cdiv(b_hi - b_lo, SPLITS)  # this split's share of the blocks
-    for blk in range(b_lo + split * per, tl.minimum(b_lo + (split + 1) * per, b_hi)):
+    hi, start, stop = _split_blocks(ctx0, count, window, split, BLOCK_SIZE, SPLITS)
+    for blk in range(start, stop):
         block = tl.load(tables_ptr + table * stride_tab + blk).to(tl.int64)
         k_pos = blk * BLOCK_SIZE + n
-        kv_off = (block * BLOCK_SIZE + n)[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-        kv_ok = (k_pos < hi)[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        if HAS_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(seen & row_ok[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        k_row = (block * BLOCK_SIZE + n)[:, None] * stride_ks + kvh * stride_kh
+        k_live = (k_pos < hi)[:, None]
+        if CHUNKS == 1:
+            kv_off = k_row + c[None, :]  # one offset for K and V (whole rows)
+            kv_ok = k_live & out_ok[None, :]
+            k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        else:
+            s = tl.zeros([BLOCK_M, BLOCK_SIZE], dtype=tl.float32)
+            for w in range(CHUNKS):  # q . k over the whole width, one slice at a time
+                dw = w * CHUNK_D + c
+                dw_ok = (dw < D)[None, :]
+                q_w = tl.load(q_ptr + q_row + dw[None, :], mask=row_ok[:, None] & dw_ok, other=0.0)
+                k_w = tl.load(k_ptr + k_row + dw[None, :], mask=k_live & dw_ok, other=0.0)
+                s += tl.dot(q_w, tl.trans(k_w), input_precision=PRECISION)
+        p, alpha, m_i, l_i = _online_softmax(
+            s * scale, k_pos, q_pos, row_ok, window, softcap, m_i, l_i, HAS_SOFTCAP
+        )
+        if CHUNKS > 1:
+            v = tl.load(v_ptr + k_row + d_out[None, :], mask=k_live & out_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
 
-    if SPLITS == 1:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_off = (row0 + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
-        o_ok = row_ok[:, None] & d_ok[None, :]
-        tl.store(o_ptr + o_off + d[None, :], o.to(o_ptr.dtype.element_ty), mask=o_ok)
-    else:  # partials: [acc (BLOCK_D) | m | l] per row, combined by _combine
-        rows = ((tile * tl.num_programs(1) + kvh) * SPLITS + split) * BLOCK_M + m
-        p_row = rows.to(tl.int64) * (BLOCK_D + 2)
-        tl.store(part_ptr + p_row[:, None] + d[None, :], acc)
-        tl.store(part_ptr + p_row + BLOCK_D, m_i)
-        tl.store(part_ptr + p_row + BLOCK_D + 1, l_i)
+    o_row = (row0 + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
+    p_row = ((tile * tl.num_programs(1) + kvh) * SPLITS + split) * BLOCK_M + m
+    width = CHUNKS * CHUNK_D
+    _finish(acc, m_i, l_i, o_ptr, part_ptr, o_row, p_row, row_ok, d_out, out_ok, oc, width, SPLITS)
 
 
 @triton.jit
@@ -479,180 +501,18 @@ def _combine(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr,
-):
-    """One tile and KV head: the splits' partial softmaxes rescaled to a common maximum."""
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    row0 = tl.load(row_ptr + tile)
-    count = tl.load(count_ptr + tile)
-    m = tl.arange(0, BLOCK_M)
-    qi = m // BLOCK_G
-    head = kvh * G + m % BLOCK_G
-    row_ok = (qi < count) & (m % BLOCK_G < G) & (qi < BLOCK_Q)
-    d = tl.arange(0, BLOCK_D)
-    first = ((tile * tl.num_programs(1) + kvh) * SPLITS) * BLOCK_M + m
-    m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(SPLITS):
-        p_row = (first + s * BLOCK_M).to(tl.int64) * (BLOCK_D + 2)
-        m_all = tl.maximum(m_all, tl.load(part_ptr + p_row + BLOCK_D))
-    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for s in range(SPLITS):
-        p_row = (first + s * BLOCK_M).to(tl.int64) * (BLOCK_D + 2)
-        w = tl.exp(tl.load(part_ptr + p_row + BLOCK_D) - m_safe)
-        l_all += tl.load(part_ptr + p_row + BLOCK_D + 1) * w
-        acc += tl.load(part_ptr + p_row[:, None] + d[None, :]) * w[:, None]
-    o = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
-    o_off = (row0 + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    o_ok = row_ok[:, None] & (d < D)[None, :]
-    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=o_ok)
-
-
-@triton.jit
-def _attention_wide(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    part_ptr,
-    tables_ptr,
-    row_ptr,
-    count_ptr,
-    ctx_ptr,
-    table_ptr,
-    sinks_ptr,
-    stride_qt,
-    stride_qh,
-    stride_ks,
-    stride_kh,
-    stride_ot,
-    stride_oh,
-    stride_tab,
-    scale,
-    softcap,
-    window,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    D: tl.constexpr,
-    CHUNK_D: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    SPLITS: tl.constexpr,
-):
-    """``_attention`` with the head cut into ``CHUNKS`` slices of ``CHUNK_D``: the scores
-    sum q . k slice by slice, and this program accumulates output slice ``oc`` only."""
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2) // CHUNKS
-    oc = tl.program_id(2) % CHUNKS
-    row0 = tl.load(row_ptr + tile)
-    count = tl.load(count_ptr + tile)
-    ctx0 = tl.load(ctx_ptr + tile)
-    table = tl.load(table_ptr + tile).to(tl.int64)
-
-    m = tl.arange(0, BLOCK_M)
-    qi = m // BLOCK_G
-    head = kvh * G + m % BLOCK_G
-    row_ok = (qi < count) & (m % BLOCK_G < G) & (qi < BLOCK_Q)
-    c = tl.arange(0, CHUNK_D)
-    q_row = (row0 + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-    q_pos = ctx0 - 1 + qi
-    d_out = oc * CHUNK_D + c  # this program's slice of the output
-    out_ok = d_out < D
-
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
-        first = (m * 0 + split) == 0
-        m_i = tl.where(first, sink, float("-inf"))
-        l_i = tl.where(first, 1.0, 0.0)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, CHUNK_D], dtype=tl.float32)
-
-    hi = ctx0 + count - 1
-    lo = tl.maximum(ctx0 - window, 0)
-    n = tl.arange(0, BLOCK_SIZE)
-    b_lo = lo // BLOCK_SIZE
-    b_hi = tl.cdiv(hi, BLOCK_SIZE)
-    per = tl.cdiv(b_hi - b_lo, SPLITS)
-    for blk in range(b_lo + split * per, tl.minimum(b_lo + (split + 1) * per, b_hi)):
-        block = tl.load(tables_ptr + table * stride_tab + blk).to(tl.int64)
-        k_pos = blk * BLOCK_SIZE + n
-        k_row = (block * BLOCK_SIZE + n)[:, None] * stride_ks + kvh * stride_kh
-        k_live = (k_pos < hi)[:, None]
-        s = tl.zeros([BLOCK_M, BLOCK_SIZE], dtype=tl.float32)
-        for w in range(CHUNKS):  # q . k over the whole width, one slice at a time
-            dw = w * CHUNK_D + c
-            dw_ok = (dw < D)[None, :]
-            q = tl.load(q_ptr + q_row + dw[None, :], mask=row_ok[:, None] & dw_ok, other=0.0)
-            k = tl.load(k_ptr + k_row + dw[None, :], mask=k_live & dw_ok, other=0.0)
-            s += tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s = s * scale
-        if HAS_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(seen & row_ok[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + k_row + d_out[None, :], mask=k_live & out_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-
-    if SPLITS == 1:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_off = (row0 + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
-        o_ok = row_ok[:, None] & out_ok[None, :]
-        tl.store(o_ptr + o_off + d_out[None, :], o.to(o_ptr.dtype.element_ty), mask=o_ok)
-    else:  # partials: [acc (every slice) | m | l] per row; m and l from slice 0's program
-        width = CHUNKS * CHUNK_D
-        rows = ((tile * tl.num_programs(1) + kvh) * SPLITS + split) * BLOCK_M + m
-        p_row = rows.to(tl.int64) * (width + 2)
-        tl.store(part_ptr + p_row[:, None] + d_out[None, :], acc)
-        slice0 = (m * 0 + oc) == 0  # a vector mask (the interpreter refuses a scalar one)
-        tl.store(part_ptr + p_row + width, m_i, mask=slice0)
-        tl.store(part_ptr + p_row + width + 1, l_i, mask=slice0)
-
-
-@triton.jit
-def _combine_wide(
-    o_ptr,
-    part_ptr,
-    row_ptr,
-    count_ptr,
-    stride_ot,
-    stride_oh,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    D: tl.constexpr,
     CHUNK_D: tl.constexpr,
     CHUNKS: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    """``_combine`` for one output slice (grid axis 2) of ``_attention_wide``'s partials."""
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    oc = tl.program_id(2)
-    row0 = tl.load(row_ptr + tile)
-    count = tl.load(count_ptr + tile)
-    m = tl.arange(0, BLOCK_M)
-    qi = m // BLOCK_G
-    head = kvh * G + m % BLOCK_G
-    row_ok = (qi < count) & (m % BLOCK_G < G) & (qi < BLOCK_Q)
-    d = oc * CHUNK_D + tl.arange(0, CHUNK_D)
+    """One tile, KV head and output slice (grid axis 2; a narrow head is one slice): the
+    splits' partial softmaxes rescaled to a common maximum."""
+    tile, kvh, row0, _count, m, qi, head, row_ok = _tile_rows(
+        row_ptr, count_ptr, G, BLOCK_G, BLOCK_Q, BLOCK_M
+    )
+    d = tl.arange(0, CHUNK_D)
+    if CHUNKS > 1:  # grid axis 2: the output slice (one slice: the whole, padded head)
+        d += tl.program_id(2) * CHUNK_D
     width = CHUNKS * CHUNK_D
     first = ((tile * tl.num_programs(1) + kvh) * SPLITS) * BLOCK_M + m
     m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

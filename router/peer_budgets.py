@@ -371,6 +371,8 @@ class PeerBudgets:
     def held_for(self, to: str) -> dict[str, list[Any]]:
         """This replica's requests in flight of ``to``'s keys that were counted at
         another replica: {id: [where, n]} (``to`` counts them if that one is gone)."""
+        if not self.peers:
+            return {}
         return {
             cid: [at, n]
             for cid, n in self.held.items()
@@ -408,11 +410,11 @@ class PeerBudgets:
     async def enter(self, client: str) -> None:
         """Count one more request of ``client`` in flight (429 at the cap, 503 when its
         owner does not answer)."""
-        cid = budget_id(client)
+        cid, epoch = budget_id(client), self.epoch
         owner = await self._call(ENTER, cid, 1)
         self.held[cid] = self.held.get(cid, 0) + 1
         self.owners[cid] = owner
-        self.counted_in[cid] = self.epoch
+        self.counted_in[cid] = epoch  # the list it was asked under
 
     async def acquire(self, client: str) -> None:
         """``take_request`` then ``enter`` in one call to the key's owner: its requests
@@ -423,10 +425,11 @@ class PeerBudgets:
         ask = 0
         if self.limiter.tpm > 0 and cid in self.costs:
             ask = self.costs[cid] * (self.uncosted.get(cid, 0) + 1) - self.lease.get(cid, 0)
+        epoch = self.epoch
         owner, granted = await self._acquire(cid, max(ask, 0))
         self.held[cid] = self.held.get(cid, 0) + 1
         self.owners[cid] = owner
-        self.counted_in[cid] = self.epoch
+        self.counted_in[cid] = epoch  # the list it was asked under
         if self.limiter.tpm > 0:
             self.uncosted[cid] = self.uncosted.get(cid, 0) + 1
         if granted:
@@ -456,22 +459,34 @@ class PeerBudgets:
                 self.uncosted.pop(cid, None)
             if self.lease:
                 refund = self.lease.pop(cid, 0)
-        if epoch != self.epoch and owner and self.peers and owner_of(cid, self.peers) != owner:
-            # The key moved since: its count is (or is on its way) at its owner now. The
-            # lease's rest stays spent (it was taken from the old owner's bucket).
-            now = owner_of(cid, self.peers)
-            if now == self.self_url:
-                self._give_back(cid, 1, forwarded=True)
-            else:
-                self._background(
-                    self._send_body(now, {"op": RELEASE, "ids": {cid: 1}, "fwd": True})
-                )
-        elif owner == self.self_url:
+        moved = (
+            epoch != self.epoch
+            and owner not in ("", self.self_url)
+            and bool(self.peers)
+            and owner_of(cid, self.peers) != owner
+        )
+        if moved:  # the key moved since; the lease's rest stays spent (the old bucket's)
+            self._background(self._release_moved(owner, cid))
+        elif owner == self.self_url:  # counted here (or handed over since: forwarded)
             self.apply(LEAVE, cid, 1)
             if refund:
                 self.limiter.give_tokens(cid, refund)
         elif owner:
             self._release_later(owner, cid, refund)
+
+    async def _release_moved(self, at: str, cid: str) -> None:
+        """A give-back of a request counted at ``at`` before ``cid`` moved: to ``at``
+        while it is listed (it still holds the count, or forwards it to the replica it
+        handed it to), else, or when it does not answer, to the key's owner now (which
+        counted it from the hand-over or from the replicas' reports of a gone owner; one
+        that comes before its count is owed)."""
+        if at in self.peers and await self._send_body(at, {"op": RELEASE, "ids": {cid: 1}}):
+            return
+        now = owner_of(cid, self.peers) if self.peers else ""
+        if now == self.self_url:
+            self._give_back(cid, 1, forwarded=True)
+        elif now:
+            await self._send_body(now, {"op": RELEASE, "ids": {cid: 1}, "fwd": True})
 
     def _release_later(self, owner: str, cid: str, refund: int = 0) -> None:
         """A give-back to ``owner``: sent at once when no give-back to it is on the way,
@@ -605,6 +620,8 @@ class PeerBudgets:
             have = self.counts.count(cid)
             for _ in range(min(n, have)):
                 self.counts.leave(cid)
+            if n >= have:
+                self.seen.discard(cid)  # nothing in flight here to hand over
             if n > have and (forwarded or not self._owns(cid)):
                 # Before the count it belongs to (a hand-over still on its way): owed.
                 self.owed[cid] = self.owed.get(cid, 0) + n - have
@@ -629,10 +646,15 @@ class PeerBudgets:
         GIVE_BACK_WAIT_S for a give-back first: a request of it that just ended on another
         replica is given back in one call of its own, which can come after a new request
         sent at once (the client saw its answer end). The count is checked again then:
-        never over the cap; the refusal is the same, a moment later."""
+        never over the cap; the refusal is the same, a moment later. A wait across a
+        change of the peer list ends in a 503 ``budget_moving``: the key's count may have
+        been handed over meanwhile."""
+        epoch = self.epoch
         err = self.apply(op, cid, n)
         if err is not None and err.code == "budget_moving":
             await self.settled()
+            if self.epoch != epoch:  # the list changed meanwhile: the key may be elsewhere
+                return budget_moving()
             err = self.apply(op, cid, n)
         if err is None or op not in (ACQUIRE, ENTER) or err.code != "concurrency_limit_exceeded":
             return err
@@ -641,6 +663,8 @@ class PeerBudgets:
             await asyncio.wait_for(event.wait(), GIVE_BACK_WAIT_S)
         if self._gave_back.get(cid) is event and not event.is_set():
             del self._gave_back[cid]  # nobody gave back (a sibling --procs may have)
+        if self.epoch != epoch:  # its count may have been handed over meanwhile
+            return budget_moving()
         again = self.apply(ENTER, cid, 1)  # the requests bucket was taken already
         return err if again is not None else None
 

@@ -2,7 +2,9 @@
 
 For deployments without the router Service's endpoints (``kubernetes``) whose membership
 still changes: whoever adds or removes a replica rewrites the file on each of them
-(comma-, space- or line-separated URLs, ``#`` comments). Each replica reads it every
+(comma-, space- or line-separated URLs, ``#`` comments), best by writing a new file and
+renaming it over the old (a file read half-written is a list nobody meant; one with no
+URL is refused). Each replica reads it every
 ``POLL_S`` and hands a changed list to ``PeerBudgets.set_peers`` (router/peer_budgets.py),
 whose hand-over keeps every key's cap through the change. A list that does not parse is
 logged and the last good one is kept; a replica not in the list owns no key (it asks the
@@ -30,6 +32,8 @@ def read_peers(path: str | Path) -> tuple[str, ...]:
     words: list[str] = []
     for line in Path(path).read_text().splitlines():
         words += line.split("#", 1)[0].replace(",", " ").split()
+    if not words:  # a file caught while it is written, most likely
+        raise ValueError("no URL in it")
     return tuple(base_url(w) for w in words)
 
 
@@ -59,7 +63,10 @@ class PeerFile:
         async def run() -> None:
             while True:
                 await asyncio.sleep(POLL_S)
-                self.check()
+                try:
+                    self.check()
+                except Exception:  # a failed change must not stop the next ones
+                    log.exception("--budget-peers %s%s: the new list failed", PREFIX, self.path)
 
         self._task = asyncio.get_running_loop().create_task(run())
 

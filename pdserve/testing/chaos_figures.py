@@ -21,4 +21,5 @@ BOUNDARY = (
     "model_file_swap_loaded",
     "replica_budget_over_cap",
     "budget_membership_over_cap",
+    "compiled_cache_swap_loaded",
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -119,6 +120,16 @@ async def start_router(*flags: str) -> asyncio.subprocess.Process:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
+
+
+async def wait_healthy(h: httpx.AsyncClient, url: str, timeout: float = 60.0) -> None:
+    """Until ``url``'s ``/health`` answers 200 (polled every 0.1 s), or the test fails."""
+    for _ in range(int(timeout / 0.1)):
+        with contextlib.suppress(httpx.HTTPError):
+            if (await h.get(url + "/health")).status_code == 200:
+                return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{url} never became healthy")
 
 
 def run_bench(script: str, *args: str, timeout: float) -> dict[str, Any]:

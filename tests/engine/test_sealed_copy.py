@@ -231,3 +231,30 @@ def test_copies_of_processes_that_are_gone_are_removed(
     made = sealed_copy.private_dir()
     assert made.name.startswith(f"pdserve-compiled-{os.getpid()}-")
     assert not gone.exists() and alive.exists()
+
+
+def test_a_copy_named_by_the_environment_is_never_taken_for_the_shared_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child process inherits TORCHINDUCTOR_CACHE_DIR naming its parent's private copy:
+    its own copy comes from the shared cache, and the parent's copy is left alone (taken
+    for the shared cache, its files, which carry no manifest, would have been removed)."""
+    from pdserve.engine.host_tag import host_tag
+
+    shared = tmp_path / "cache" / host_tag()
+    shared.mkdir(parents=True)
+    (shared / "graph.py").write_text("x = 1")
+    cache_seal.seal(shared, _ring(SECRET))
+    parents = tmp_path / f"{sealed_copy.PREFIX}1-abc"
+    parents.mkdir()
+    (parents / "graph.py").write_text("x = 1")
+    monkeypatch.setenv(env.COMPILE_CACHE, str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(parents))
+    monkeypatch.setenv(env.SERVICE_SECRET, SECRET)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(shared / "triton" / "0"))  # set before
+    compiled._use_checked_copy()
+    mine = compiled.cache_dir()
+    assert mine != parents and compiled._copies[mine][0] == shared
+    assert "TRITON_CACHE_DIR" not in os.environ  # inductor sets it again under the copy
+    assert (mine / "graph.py").read_text() == "x = 1"
+    assert (parents / "graph.py").exists()

@@ -35,7 +35,7 @@ def _signature(fn: Any, consts: dict[str, Any], dtype: str) -> dict[str, str]:
 
 
 def wide_usage(heads: int, decode: bool, head_dim: int = 576) -> dict[str, int]:
-    """``_attention_wide`` at one KV head of ``head_dim`` for ``heads`` query heads, as
+    """``_attention`` at one KV head of a wide ``head_dim`` for ``heads`` query heads, as
     ``paged_attention`` launches it (bfloat16, decode tiles split or 64-row prefill tiles):
     registers and stack bytes per thread, warps."""
     block_g = ta.group_rows(heads, 1)
@@ -55,7 +55,7 @@ def wide_usage(heads: int, decode: bool, head_dim: int = 576) -> dict[str, int]:
         "PRECISION": "tf32",
         "SPLITS": 4 if decode else 1,
     }
-    fn = ta._attention_wide
+    fn = ta._attention
     names = fn.arg_names
     src = ASTSource(
         fn=fn,

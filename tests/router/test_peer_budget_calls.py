@@ -306,3 +306,35 @@ def test_a_peer_file_is_read_again_when_it_changes(tmp_path) -> None:  # type: i
         budget_peers(args)
     with pytest.raises(SystemExit, match="budget-self"):
         budget_peers(argparse.Namespace(budget_peers=f"@{path}", budget_self="", discovery=""))
+
+
+async def test_a_call_waiting_at_the_cap_is_refused_once_the_list_changes() -> None:
+    """A call at the cap waits a moment at the owner for a give-back; if the peer list
+    changes meanwhile and the owner hands the key's count over, the wait ends in a 503
+    (budget_moving), never an admit against the emptied count (found racing three real
+    routers: two in flight at a cap of 1)."""
+    from pdserve.router import peer_budgets as pb
+    from pdserve.router.ratelimit import RateLimiter
+    from pdserve.testing.loopback import free_port
+
+    a, b, c = (f"http://127.0.0.1:{free_port()}" for _ in range(3))
+    ring = keys.KeyRing(keys.ROUTER_PEER, "peers")
+    me = pb.PeerBudgets(a, (a, b), RateLimiter(0, 0), 1, ring)
+    me.pending.clear()
+    me._settle_view()
+    key = next(
+        k
+        for i in range(1000)
+        if owner_of(budget_id(k := f"key:{i}"), sorted([a, b])) == a
+        and owner_of(budget_id(k), sorted([a, b, c])) == c
+    )
+    cid = budget_id(key)
+    assert me.apply(pb.ACQUIRE, cid, 1) is None
+    waiting = asyncio.create_task(me.apply_waiting(pb.ACQUIRE, cid, 1))
+    await asyncio.sleep(0.01)  # at the cap: it waits for a give-back
+    me.set_peers((a, b, c))  # c joined: the key is c's
+    assert me.hand_over(c) == {cid: 1} and me.counts.count(cid) == 0
+    err = await waiting
+    assert err is not None and err.code == "budget_moving"
+    assert me.counts.count(cid) == 0
+    await me.close()

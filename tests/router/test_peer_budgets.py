@@ -10,7 +10,6 @@ Retry-After) rather than guess: never over the cap."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 from pathlib import Path
@@ -19,21 +18,12 @@ import httpx
 import pytest
 
 from pdserve.router.peer_budgets import budget_id, owner_of
-from pdserve.testing.loopback import free_port, start_router
+from pdserve.testing.loopback import free_port, start_router, wait_healthy
 from pdserve.testing.router_fakes import FakeState, decode_app, serve
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 REPLICAS = 3
 KEYS = ("k1", "k2", "k3", "k4", "k5", "k6")
-
-
-async def _ready(h: httpx.AsyncClient, url: str) -> None:
-    for _ in range(600):
-        with contextlib.suppress(httpx.HTTPError):
-            if (await h.get(url + "/health")).status_code == 200:
-                return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{url} never became healthy")
 
 
 async def _start(h: httpx.AsyncClient, flags: list[str]) -> tuple[list, list[str], list[str]]:
@@ -49,7 +39,7 @@ async def _start(h: httpx.AsyncClient, flags: list[str]) -> tuple[list, list[str
     ]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     for url in urls:
-        await _ready(h, url)
+        await wait_healthy(h, url)
     return procs, urls, admins
 
 

@@ -14,7 +14,7 @@ the new list the key is served again."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from pdserve.router.peer_budgets import budget_id, owner_of
-from pdserve.testing.loopback import free_port, start_router
+from pdserve.testing.loopback import free_port, start_router, wait_healthy
 from pdserve.testing.router_fakes import FakeState, decode_app, serve
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -64,13 +64,11 @@ class InFlight:
                 self.now -= 1
 
 
-async def _ready(h: httpx.AsyncClient, url: str) -> None:
-    for _ in range(600):
-        with contextlib.suppress(httpx.HTTPError):
-            if (await h.get(url + "/health")).status_code == 200:
-                return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{url} never became healthy")
+def _write(path: Path, urls: list[str]) -> None:
+    """The peer file replaced whole (a new file renamed over it), as an operator would."""
+    tmp = path.with_suffix(".new")
+    tmp.write_text(",".join(urls) + "\n")
+    os.replace(tmp, path)
 
 
 def _moving_key(before: list[str], after: list[str], joiner: str) -> str:
@@ -92,7 +90,7 @@ async def test_a_cap_of_one_holds_while_a_replica_joins(
     (tmp_path / "keys").write_text(key + "\n")
     files = [tmp_path / f"peers{i}" for i in range(3)]
     for f in files:
-        f.write_text(",".join(admins[:2]) + "\n")
+        _write(f, admins[:2])
     dst = FakeState("decode", "d0", token_delay_s=0.05)
     fake = InFlight(decode_app(dst))
     async with serve(fake) as durl, httpx.AsyncClient(timeout=30) as h:
@@ -125,14 +123,14 @@ async def test_a_cap_of_one_holds_while_a_replica_joins(
 
         try:
             for url in urls:
-                await _ready(h, url)
+                await wait_healthy(h, url)
             tasks = [asyncio.create_task(race(i % 3)) for i in range(6)]
             await asyncio.sleep(1.0)  # the old list: the key's old owner serves it
-            files[2].write_text(",".join(admins) + "\n")  # the joiner sees it first
+            _write(files[2], admins)  # the joiner sees it first
             await asyncio.sleep(SKEW_S)
-            files[0].write_text(",".join(admins) + "\n")
+            _write(files[0], admins)
             await asyncio.sleep(0.5)
-            files[1].write_text(",".join(admins) + "\n")
+            _write(files[1], admins)
             agreed = time.monotonic()
             await asyncio.sleep(2.0)  # all on the new list: the joiner serves the key
             stop.set()

@@ -10,13 +10,21 @@ from __future__ import annotations
 import logging
 
 import pytest
+import zmq
 from kv_helpers import load_with, make_pool
 
 from pdserve import env
+from pdserve.protocol.codec import decode
 from pdserve.transfer.base import TransferError
-from pdserve.transfer.messages import CompatRecord, LeaseClaim, TcpReadRequest
+from pdserve.transfer.messages import (
+    CompatRecord,
+    HandshakeRequest,
+    LeaseClaim,
+    SideChannelError,
+    TcpReadRequest,
+)
 from pdserve.transfer.server import KVServer
-from pdserve.transfer.side_channel import call, handshake
+from pdserve.transfer.side_channel import call, handshake, request_frames
 from pdserve.transfer.tcp_transport import TcpTransport
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -55,6 +63,38 @@ def test_claims_and_tcp_reads_are_refused_without_the_handshake() -> None:
             call(server.side_channel, other, 2, secret="s")
         with pytest.raises(TransferError, match="not blocks of a claimed lease"):
             call(server.side_channel, TcpReadRequest("r", "forged", "x", [1]), 2, secret="s")
+    finally:
+        server.close()
+
+
+def _unchecked_call(address: str, msg: object, secret: str) -> object:
+    """A request sent as a pod without the secret would send it, its reply read without
+    checking the reply's MAC (an attacker need not)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send_multipart(request_frames(msg, secret)[1])
+        assert sock.poll(5000, zmq.POLLIN), "no reply"
+        return decode(bytes(sock.recv_multipart()[1]))
+    finally:
+        sock.close(linger=0)
+
+
+def test_the_server_answers_nothing_to_a_request_without_the_secret() -> None:
+    """The side channel's own check of each request (not the caller's check of the reply,
+    which the other tests also hit): a handshake without the service secret's MAC, or
+    under another secret, gets only the refusal, and its agent is never registered."""
+    pool = make_pool(8, seed=1)
+    server = KVServer(pool, CompatRecord.for_pool(pool, "m"), "tcp", secret="s")
+    try:
+        for secret in ("wrong", ""):
+            hello = HandshakeRequest("tcp", "x", "", server.compat)
+            got = _unchecked_call(server.side_channel, hello, secret)
+            assert isinstance(got, SideChannelError) and "unauthenticated" in got.error, got
+        handle = server.make_handle("r", [1, 2], 8, [])
+        with pytest.raises(TransferError, match="'x' has not passed the handshake"):
+            call(server.side_channel, LeaseClaim("r", handle.nonce, "x"), 2, secret="s")
     finally:
         server.close()
 
