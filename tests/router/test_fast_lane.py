@@ -291,3 +291,20 @@ def test_an_out_of_date_build_is_not_used(
     with caplog.at_level("WARNING"):
         assert fast_lane.load() is None
     assert "out of date" in caplog.text and "serving on the Python lane" in caplog.text
+
+
+@needs_lane
+def test_a_call_begun_and_ended_in_one_batch_is_netted() -> None:
+    """The loop reads the in-flight counts only between batches of jobs: a call's +1 and
+    -1 in one batch cancel out; an open call, another call's tracks and the order stay."""
+    a, b = "http://a", "http://b"
+    tracks = [
+        (1, a, "prefill", 1),
+        (2, b, "decode", 1),
+        (1, a, "prefill", -1),  # with 1's +1: both go
+        (1, b, "decode", 1),
+        (2, b, "decode", -1),  # with 2's +1: both go
+        (3, a, "prefill", -1),  # its +1 came in an earlier batch: kept
+    ]
+    assert lane_mod.netted_tracks(tracks) == [(1, b, "decode", 1), (3, a, "prefill", -1)]
+    assert lane_mod.netted_tracks(tracks[:1]) == tracks[:1]

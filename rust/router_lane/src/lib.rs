@@ -155,7 +155,7 @@ impl Lane {
             }
         }
         self.queue.woken.store(false, Ordering::Release);
-        let jobs = std::mem::take(&mut *self.queue.jobs.lock().unwrap());
+        let jobs = netted(std::mem::take(&mut *self.queue.jobs.lock().unwrap()));
         let out = PyList::empty(py);
         for job in jobs {
             let t: Bound<'py, PyTuple> = match job {
@@ -258,6 +258,44 @@ impl Lane {
     }
 }
 
+/// The jobs without the worker calls that began and ended within them: a call's +1 and -1
+/// in-flight tracks in one batch cancel out, since the loop reads the counts (Discovery's,
+/// the in-flight gauge) only between batches. Every other job keeps its place.
+fn netted(jobs: Vec<Job>) -> Vec<Job> {
+    let mut open: HashMap<(u64, &str, &str), usize> = HashMap::new();
+    let mut gone = vec![false; jobs.len()];
+    for (i, job) in jobs.iter().enumerate() {
+        if let Job::Track { token, url, role, step } = job {
+            let key = (*token, url.as_str(), *role);
+            if *step > 0 {
+                open.insert(key, i);
+            } else if let Some(j) = open.remove(&key) {
+                gone[i] = true;
+                gone[j] = true;
+            }
+        }
+    }
+    if !gone.contains(&true) {
+        return jobs;
+    }
+    jobs.into_iter().zip(gone).filter(|(_, g)| !g).map(|(j, _)| j).collect()
+}
+
+/// The tracks `take` would hand over for these (token, url, role, step) jobs, in order
+/// (tests/router/test_fast_lane.py checks the netting).
+#[pyfunction]
+fn netted_tracks(tracks: Vec<(u64, String, String, i8)>) -> Vec<(u64, String, String, i8)> {
+    let role = |r: &str| -> &'static str { if r == "prefill" { "prefill" } else { "decode" } };
+    let jobs = tracks.into_iter().map(|(token, url, r, step)| Job::Track { token, url, role: role(&r), step }).collect();
+    netted(jobs)
+        .into_iter()
+        .filter_map(|j| match j {
+            Job::Track { token, url, role, step } => Some((token, url, role.to_string(), step)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// The GenerateRequest of a PrefillRequest (codec.encode's fields, in order), before its
 /// prefill: the test compares it with codec.encode(GenerateRequest(...)).
 /// `resume`: the JSON text of the tokens a migration resumes from.
@@ -348,5 +386,6 @@ fn pdserve_lane(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(usage_chunk, m)?)?;
     m.add_function(wrap_pyfunction!(whole, m)?)?;
     m.add_function(wrap_pyfunction!(generate_request_of, m)?)?;
+    m.add_function(wrap_pyfunction!(netted_tracks, m)?)?;
     Ok(())
 }
