@@ -79,6 +79,13 @@ def parse_args() -> argparse.Namespace:
         default=cpu_linear.BLAS_CALL_MACS,
         help="cpu_linear's bound for a small weight's BLAS calls (2^19: before 2026-12-07)",
     )
+    p.add_argument(
+        "--blas-only-elements",
+        type=int,
+        default=cpu_linear.BLAS_ONLY_ELEMENTS,
+        help="cpu_linear's bound for float32 weights kept BLAS-only on an Intel CPU "
+        "(0: every weight of 2^19 elements or more packed, as before 2026-12-07's fourth pass)",
+    )
     args = p.parse_args()
     if args.quick:
         args.model, args.eager, args.batch, args.prompt_len, args.decode_steps = (
@@ -205,6 +212,7 @@ def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
     cpu_linear.BLAS_CALL_MACS = args.blas_call_macs
+    cpu_linear.BLAS_ONLY_ELEMENTS = args.blas_only_elements
     path = model_dir(args.model)
     config = EngineConfig(
         model=path,
@@ -237,6 +245,7 @@ def main() -> int:
         "compiled": not args.eager,
         "linear_layout": layout,
         "blas_call_macs": args.blas_call_macs,
+        "blas_only_elements": args.blas_only_elements,
         "threads": args.threads,
         "batch": args.batch,
         "prompt_len": args.prompt_len,

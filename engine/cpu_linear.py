@@ -73,6 +73,17 @@ a call, packed bfloat16 oneDNN vs this): 128 x 256 at 1 / 16 / 256 rows 24 / 61 
 512 x 1,024 57 / 637 / 9,189 vs 60 / 162 / 2,062. Larger weights stay packed in bfloat16
 (a float32 copy of a real model's weights would double their memory).
 
+Intel: on an Intel CPU (``vendor_id: GenuineIntel``; MKL runs its own AVX-512 kernels
+there) a float32 weight of ``SMALL_GEMM_MACS`` up to ``BLAS_ONLY_ELEMENTS`` elements keeps
+one input-major copy and no packed one, and every call multiplies by BLAS. Measured
+2026-12-07 on the Xeon (AVX-512, one thread, CPU time, us a call, input-major BLAS vs
+packed oneDNN): SmolLM2's MLP 576 x 1,536 at 1 / 16 / 64 / 256 / 2,048 rows 148 / 293 /
+810 / 3,292 / 25,977 vs 193 / 329 / 962 / 3,521 / 26,445 (1,536 x 576 alike); 1,024 x
+2,048 at 1 / 16 / 64 / 512 rows 358 / 1,355 / 2,697 / 15,771 vs 556 / 1,442 / 3,359 /
+16,467. A head's size is another matter (576 x 49,152: 19.7 vs 14.4 ms at 16 rows), so
+larger weights stay packed. Same memory as before (one copy); on other CPUs (the AMD
+EPYC above, where MKL took a slow path) nothing changes.
+
 ``PDSERVE_CPU_LINEAR``: ``auto`` (the rule above, the default), ``blas`` (no oneDNN:
 float32 weights input-major, bfloat16 as they are), ``onednn`` (oneDNN for every call).
 """
@@ -92,6 +103,9 @@ from pdserve import env
 logger = logging.getLogger(__name__)
 
 SMALL_GEMM_MACS = 1 << 19  # float32: a weight of fewer elements keeps a BLAS copy
+# float32 on an Intel CPU (MKL's own): a weight of SMALL_GEMM_MACS up to this many
+# elements is kept input-major only, every call BLAS (module docstring, "Intel")
+BLAS_ONLY_ELEMENTS = 1 << 21
 BLAS_CALL_MACS = 1 << 23  # a call of fewer multiply-adds on such a weight goes to BLAS
 SHARED_ROWS = 3  # a tied float32 head: calls of up to this many rows use the shared weight
 PACK_BATCH_HINT = 16  # oneDNN's layout hint; measured no slower from 1 to 1,024 rows
@@ -115,16 +129,20 @@ class PackedLinear(torch.nn.Module):
     """An ``nn.Linear`` whose weight lives packed for oneDNN, outside the module's
     parameters (the compiler sees only ``packed_linear(x, handle, out)``)."""
 
-    def __init__(self, linear: torch.nn.Linear, blas_copy: bool, tied: bool = False) -> None:
+    def __init__(
+        self, linear: torch.nn.Linear, blas_copy: bool, tied: bool = False, blas_only: bool = False
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         # A small bfloat16 weight on a CPU without bfloat16 instructions: every call runs
-        # on a float32 copy (module docstring, "bfloat16"), so no packed one is kept.
+        # on a float32 copy (module docstring, "bfloat16"), so no packed one is kept; nor
+        # for a mid-sized float32 weight on an Intel CPU (``blas_only``: "Intel").
         self.upcast = blas_copy and weight.dtype != torch.float32
+        blas_copy = blas_copy or blas_only
         self.packed = (
             None
-            if self.upcast
+            if self.upcast or blas_only
             else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         )
         # [out, in] to F.linear, [in, out] in memory; for calls under BLAS_CALL_MACS
@@ -163,7 +181,7 @@ def call_path(layer: PackedLinear, x: torch.Tensor) -> str:
     """Which weight a call on ``x`` multiplies by: ``blas`` (the input-major copy),
     ``shared`` (a tied head's embedding tensor) or ``onednn`` (the packed one)."""
     macs = x.numel() * layer.out_features
-    if layer.blas is not None and (layer.upcast or macs < BLAS_CALL_MACS):
+    if layer.blas is not None and (layer.packed is None or macs < BLAS_CALL_MACS):
         return "blas"
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if layer.shared is not None and (rows <= SHARED_ROWS or macs < SMALL_GEMM_MACS):
@@ -228,6 +246,29 @@ def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def intel_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this is an Intel CPU (``vendor_id: GenuineIntel``), where MKL runs its own
+    AVX-512 kernels: there its float32 GEMM on an input-major weight beat oneDNN's packed
+    one at every row count measured for mid-sized weights (module docstring, "Intel").
+    False where ``cpuinfo`` cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip() == "GenuineIntel"
+    except OSError:
+        pass
+    return False
+
+
+def blas_only(weight: torch.Tensor, mode: str) -> bool:
+    """A float32 weight of SMALL_GEMM_MACS up to BLAS_ONLY_ELEMENTS elements on an Intel
+    CPU: kept input-major only (no packed copy), every call multiplied by BLAS."""
+    if mode != "auto" or weight.dtype != torch.float32:
+        return False
+    return SMALL_GEMM_MACS <= weight.numel() <= BLAS_ONLY_ELEMENTS and intel_cpu()
+
+
 def should_pack(weight: torch.Tensor, mode: str) -> bool:
     return mode != "blas" and weight.device.type == "cpu" and onednn_usable(weight.dtype)
 
@@ -270,6 +311,9 @@ def prepare(model: torch.nn.Module) -> dict[str, int]:
             elif tied:  # the embedding keeps the weight; the head gets a packed copy too
                 setattr(parent, name, PackedLinear(child, False, tied=True))
                 counts["onednn_tied"] += 1
+            elif should_pack(weight, mode) and blas_only(weight, mode):
+                setattr(parent, name, PackedLinear(child, False, blas_only=True))
+                counts["blas_input_major"] += 1
             elif should_pack(weight, mode):
                 setattr(parent, name, PackedLinear(child, keeps_blas_copy(weight, mode)))
                 counts["onednn"] += 1

@@ -31,6 +31,7 @@ the module) changes while a worker serves, and LoRA adapters make the runner eag
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ import torch
 
 from pdserve import env
 
+logger = logging.getLogger(__name__)
 Key = tuple[bool, bool]  # (one token in the step, one row sampled)
 IDS, POSITIONS, ROWS = 0, 1, 2  # the step's three inputs, by index
 CONFIRMATIONS = 2  # usual calls that must agree before a variant is called directly
@@ -105,11 +107,16 @@ class DirectCalls:
         if variant is not None:
             self.direct_calls += 1
             return variant.call(inputs)
-        if key in self.refused:
+        pending = self.pending.get(key)
+        if key in self.refused or (pending is not None and _nothing_new(pending, inputs)):
             return _forward(self.forward, inputs).logits
         logits, calls = _recorded(self.forward, inputs)
         self._learn(key, inputs, logits, calls)
         return logits
+
+    def _refuse(self, key: Key, why: str) -> None:
+        self.refused[key] = why
+        logger.info("compiled graph variant %s keeps torch.compile's wrapper: %s", _name(key), why)
 
     def _learn(
         self,
@@ -119,12 +126,12 @@ class DirectCalls:
         calls: list[tuple[Any, list[Any], Any]],
     ) -> None:
         if len(calls) != 1:
-            self.refused[key] = f"{len(calls)} graph calls in one forward"
+            self._refuse(key, f"{len(calls)} graph calls in one forward")
             return
         graph, args, outputs = calls[0]
         seen = learn(graph, args, outputs, inputs, logits)
         if isinstance(seen, str):
-            self.refused[key] = seen
+            self._refuse(key, seen)
             return
         before = self.pending.get(key)
         if before is None:
@@ -133,7 +140,7 @@ class DirectCalls:
             why = disagreement(before[0], seen)
             if why:
                 self.pending.pop(key)
-                self.refused[key] = why
+                self._refuse(key, why)
                 return
             for mine, new in zip(before[0].slots, seen.slots, strict=True):
                 mine.values |= new.values
@@ -141,8 +148,21 @@ class DirectCalls:
         if agreed >= CONFIRMATIONS and seen.sizes_varied():
             self.pending.pop(key, None)
             self.variants[key] = seen
+            logger.info("compiled graph variant %s: called directly from now on", _name(key))
         else:
             self.pending[key] = (seen, agreed)
+
+
+def _nothing_new(pending: tuple[Variant, int], inputs: tuple[torch.Tensor, ...]) -> bool:
+    """Agreed often enough, and this step's sizes were all seen already: recording it (a
+    spy installed, ~0.2 ms) would not tell more (a steady batch of one size)."""
+    variant, agreed = pending
+    sizes = [s for s in variant.slots if s.kind == "size"]
+    return agreed >= CONFIRMATIONS and all(inputs[s.index].shape[s.dim] in s.values for s in sizes)
+
+
+def _name(key: Key) -> str:
+    return {(True, True): "one decode", (False, True): "one row sampled"}.get(key, "several rows")
 
 
 def _forward(forward: Any, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Any:

@@ -124,11 +124,21 @@ def test_direct_calls_prove_a_variant_on_agreeing_calls_and_refuse_on_change(
     direct = DirectCalls(forward)
     # Two agreeing calls, but the sampled rows' size took one value: not proven yet
     # (an int that only happened to equal a size cannot pass for one).
-    for t, r in ((6, 3), (7, 3), (8, 2), (9, 4)):
+    recorded = []
+    record = graph_call._recorded
+
+    def counting(*a: Any) -> Any:
+        recorded.append(1)
+        return record(*a)
+
+    monkeypatch.setattr(graph_call, "_recorded", counting)
+    # A steady size is recorded twice, then runs unrecorded (nothing new to learn) until a
+    # step brings a new size.
+    for t, r in ((6, 3), (7, 3), (7, 3), (6, 3), (8, 2), (9, 4)):
         ids, positions, rows = _inputs(t, r)
         got = direct.run(ids, positions, rows)
         assert torch.equal(got, graph.weight[ids[0, rows]] * 0.5)
-    assert len(usual_calls) == 3 and direct.direct_calls == 1
+    assert len(usual_calls) == 5 and len(recorded) == 3 and direct.direct_calls == 1
     assert list(direct.variants) == [(False, False)]
     # one row sampled: another variant, learnt apart; its epsilon changes between calls
     direct.run(*_inputs(6, 1))
@@ -136,7 +146,7 @@ def test_direct_calls_prove_a_variant_on_agreeing_calls_and_refuse_on_change(
     direct.run(*_inputs(6, 1))
     assert direct.refused == {(False, True): "input 3 changed between calls"}
     direct.run(*_inputs(6, 1))
-    assert len(usual_calls) == 3 + 3
+    assert len(usual_calls) == 5 + 3
 
 
 def _fake_recorder(forward: Any) -> Any:

@@ -15,10 +15,18 @@ from pdserve.engine.cpu_linear import (
     SMALL_GEMM_MACS,
     PackedLinear,
     call_path,
+    intel_cpu,
     prepare,
 )
 
 pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def _not_intel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules below as on a CPU that is not Intel's (the same on every machine); on an
+    Intel CPU mid-sized float32 weights are BLAS-only (the test that says so lifts this)."""
+    monkeypatch.setattr(cpu_linear, "intel_cpu", lambda cpuinfo="": False)
 
 
 def _model(dtype: torch.dtype) -> torch.nn.Sequential:
@@ -327,3 +335,41 @@ def test_bfloat16_packing_warns_on_a_cpu_without_bf16_instructions(
         prepare(_model(torch.bfloat16))
         prepare(_model(torch.float32))
     assert "faster here" not in caplog.text
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_on_an_intel_cpu_mid_sized_float32_weights_are_blas_only(
+    monkeypatch: pytest.MonkeyPatch, bias: bool
+) -> None:
+    """SmolLM2's MLP (576 x 1,536) on the Xeon: MKL's GEMM on the input-major weight took
+    148 / 293 / 810 / 25,977 us at 1 / 16 / 64 / 2,048 rows against oneDNN's packed 193 /
+    329 / 962 / 26,445 (engine/cpu_linear.py, "Intel"): one input-major copy, no packed
+    one, every row count BLAS. Larger weights (a head) stay packed; other CPUs unchanged."""
+    monkeypatch.setattr(cpu_linear, "intel_cpu", lambda cpuinfo="": True)
+    m = _big(torch.float32, bias)  # SMALL_GEMM_MACS elements
+    original = m[1]
+    assert prepare(m) == {"onednn": 0, "onednn_tied": 0, "blas_input_major": 1, "as_is": 0}
+    layer = m[1]
+    assert isinstance(layer, PackedLinear) and layer.packed is None and layer.blas is not None
+    assert layer.blas.stride() == (1, 2048)  # input-major: [in, out] in memory
+    for rows in (1, 16, BLAS_CALL_MACS // (256 * 2048) + 1, 300):
+        x = torch.randn(1, rows, 256)
+        assert call_path(layer, x) == "blas"
+        torch.testing.assert_close(layer(x), original(x), rtol=1e-5, atol=1e-4)
+    big = torch.nn.Sequential(torch.nn.Linear(512, cpu_linear.BLAS_ONLY_ELEMENTS // 512 + 1))
+    assert prepare(big)["onednn"] == 1 and big[0].packed is not None  # a head's size: packed
+    bf16 = _big(torch.bfloat16)  # the bfloat16 rules are their own
+    assert not cpu_linear.blas_only(bf16[1].weight, "auto")
+    monkeypatch.setenv("PDSERVE_CPU_LINEAR", "onednn")
+    m = _big(torch.float32)
+    assert prepare(m)["onednn"] == 1 and m[1].packed is not None
+
+
+def test_intel_cpu_reads_the_vendor(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: avx512f\n")
+    assert intel_cpu(str(cpuinfo))  # the module's own (the fixture patches the attribute)
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n")
+    assert not intel_cpu(str(cpuinfo))
+    assert not intel_cpu(str(tmp_path / "missing"))

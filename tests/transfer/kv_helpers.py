@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
 import queue
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +28,6 @@ torch.set_num_threads(1)
 
 TRANSPORTS = ["nixl", "tcp"]
 SHAPE = {"layers": 2, "block_size": 4, "kv_heads": 2, "head_dim": 8}
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def make_pool(num_blocks: int, seed: int | None, dtype: torch.dtype = torch.float32, **shape_kw):
@@ -83,6 +86,78 @@ class Pair:
         return self.server.make_handle(rid, block_ids, n, [], lease)
 
 
+class ForkedPeer:
+    """``python -m pdserve.transfer.pool_server ARGS`` as far as the tests use a Popen of it
+    (pid, stdin, stdout, poll, wait, kill, returncode), forked from a fork server that has
+    imported torch and the server once (``multiprocessing``'s forkserver: a clean process,
+    no UCX or threads of this one). A process of its own per peer, as before, without
+    its ~2 CPU-s of imports each (11 peers in test_kv_cross_process.py). stdin and stdout
+    are one socket: closing ``stdin`` shuts down its writing half, the peer reads EOF."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["pdserve.transfer.pool_server"])
+        ours, theirs = socket.socketpair()
+        self._proc = ctx.Process(target=_serve_peer, args=(args, env, theirs), daemon=True)
+        self._proc.start()
+        theirs.close()
+        self.pid = self._proc.pid
+        self.stdout = ours.makefile("r", encoding="utf-8")
+        self.stdin = _WriteHalf(ours)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired("pool_server", timeout or 0)
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+class _WriteHalf:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock, self._file = sock, sock.makefile("w", encoding="utf-8")
+
+    def write(self, text: str) -> int:
+        return self._file.write(text)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._file.close()
+            self._sock.shutdown(socket.SHUT_WR)
+
+
+def _serve_peer(args: list[str], env: dict[str, str], sock: socket.socket) -> None:
+    """The forked peer: the socket as its stdin and stdout (NIXL's own lines too), the
+    caller's environment (UCX reads it when the agent is made), then the server's main."""
+    import argparse
+
+    from pdserve.transfer import pool_server
+
+    os.dup2(sock.fileno(), 0)
+    os.dup2(sock.fileno(), 1)
+    sock.close()
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    parser = argparse.ArgumentParser()
+    pool_server.add_arguments(parser)
+    sys.exit(pool_server.run(parser.parse_args(args)))
+
+
 class PeerProcess:
     """A real prefill-side process (``pdserve.transfer.pool_server``) on 127.0.0.1."""
 
@@ -94,18 +169,10 @@ class PeerProcess:
         env: dict[str, str] | None = None,
         **extra: object,
     ) -> None:
-        args = [sys.executable, "-m", "pdserve.transfer.pool_server", "--transport", transport]
-        args += ["--blocks", str(blocks), "--seed", str(seed)]
+        args = ["--transport", transport, "--blocks", str(blocks), "--seed", str(seed)]
         for k, v in {**SHAPE, **extra}.items():
             args += [f"--{k.replace('_', '-')}", str(v)]
-        self.proc = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, **(env or {})},
-        )
+        self.proc = ForkedPeer(args, {**os.environ, **(env or {})})
         assert self.proc.stdout is not None
         info = None
         for line in self.proc.stdout:  # NIXL logs to stdout too: skip its lines

@@ -14,7 +14,7 @@ from pdserve.transfer.connector import RemoteKVConnector
 from pdserve.transfer.load_state import LoadPhase
 from pdserve.transfer.messages import CompatRecord, KVHandle
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.cluster  # real peer processes (forked), transfers over UCX
 
 TIMEOUT = 1.5  # transfer_timeout of these tests; results must come within it (+ slack)
 
