@@ -42,6 +42,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
+from pdserve.engine.config import DTYPES
 from pdserve.local.proc_group import end_group
 
 THREAD_ENV = (
@@ -259,7 +260,7 @@ def main() -> int:
         help="a bench model by name instead of --model (bench/serve_models.py: tiny, small, "
         "wide-vocab, deep-narrow); written on first use, served in each --dtypes",
     )
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=DTYPES)
     p.add_argument("--setups", default="default", help="our one configuration (serve.py's)")
     p.add_argument("--vllm-python", default=str(Path.home() / "vllm-venv" / "bin" / "python"))
     p.add_argument("--peer-url", default="", help="a running peer instead (one dtype)")

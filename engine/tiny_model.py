@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import sysconfig
 import tempfile
 from dataclasses import asdict, dataclass
@@ -227,7 +228,7 @@ def write_tiny_model(out_dir: str | os.PathLike[str], preset: str = "tiny", seed
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     out = Path(out_dir).resolve()
     if is_complete(out, preset, seed):
-        print(f"tiny-model: {out} already holds preset {preset} seed {seed}", flush=True)
+        print(f"tiny-model: {out} already holds preset {preset} seed {seed}", file=sys.stderr)
         return out
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
         raise FileExistsError(f"{out} is not empty and does not hold a pdserve tiny model")

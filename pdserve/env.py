@@ -44,6 +44,7 @@ DEFAULT_IMAGE = "PDSERVE_DEFAULT_IMAGE"  # the operator's image for pods that na
 KV_SHARED_PASSWORD = "PDSERVE_KV_SHARED_PASSWORD"  # the shared KV tier's password (a Secret)
 PROMETHEUS_BIN = "PDSERVE_PROMETHEUS_BIN"  # tests: the prometheus binary (else on PATH)
 REQUIRE_PROMETHEUS = "PDSERVE_REQUIRE_PROMETHEUS"  # tests: a missing prometheus fails, not skips
+REQUIRE_LANE = "PDSERVE_REQUIRE_LANE"  # tests: a lane not built (or stale) fails, not skips
 TEST_TRANSPORT = "PDSERVE_TEST_TRANSPORT"  # tests: the suite's pdserve up KV transport (nixl)
 
 _warned: set[str] = set()

@@ -62,6 +62,12 @@ def load() -> Any:
             exc,
         )
         return None
+    if not hasattr(pdserve_lane.Lane, "take_itl"):  # built before the ninth pass's API
+        log.warning(
+            "--fast-lane: the compiled lane installed is out of date (a build of an older "
+            "tree: scripts/setup.sh rebuilds it); serving on the Python lane"
+        )
+        return None
     return pdserve_lane
 
 
@@ -303,18 +309,16 @@ class LaneHost:
         status: int,
         completion: int,
         e2e: float,
-        itls: list[float],
         tpot: float | None,
     ) -> None:
-        """Runtime.finish's metrics, and the slot back."""
+        """Runtime.finish's metrics, and the slot back (the inter-token latencies are
+        counted in the lane and folded in on scrape: ``Histogram.pull``)."""
         run = self.runs.pop(token, None)
         if run is None:
             return
         m = self.rt.metrics
         if not run.first:
             m.prefill_queue_depth.dec()
-        for itl in itls:
-            m.itl.observe(itl)
         m.child(m.requests, str(status)).inc()
         m.e2e.observe(e2e)
         m.prompt_tokens.inc(run.prompt_tokens)
@@ -378,13 +382,12 @@ class LaneSetup:
             rt.cfg.body_timeout_s,
             _body(edge.body_timeout(rt.cfg.body_timeout_s)),
             rt.cfg.stream_write_timeout_s,
+            list(rt.metrics.itl.bounds),
         )
+        rt.metrics.itl.pull = lane.take_itl
         self.public.close()  # the lane holds its own copy
-        planner = None
-        if hasattr(self.module, "Planner"):  # a build from before the ninth pass has none
-            rust = lane_plan.planner(self.module, rt.cfg, rt.scheduler.hash_key)
-            planner = LanePlanner(rust, rt.scheduler, rt.index)
-        host = LaneHost(rt, lane, planner)
+        rust = lane_plan.planner(self.module, rt.cfg, rt.scheduler.hash_key)
+        host = LaneHost(rt, lane, LanePlanner(rust, rt.scheduler, rt.index))
         asyncio.get_running_loop().add_reader(lane.notify_fd(), host._drain)
         rt.discovery.after_refresh.append(host.health)
         host.health()
@@ -400,6 +403,9 @@ class Lane:
     def close(self) -> None:
         asyncio.get_running_loop().remove_reader(self.lane.notify_fd())
         self.lane.close()
+        itl = self.host.rt.metrics.itl
+        itl.fold()  # the last of the lane's counts
+        itl.pull = None
         log.info("fast lane: served %d requests", self.host.served)
         for run in self.host.runs.values():
             run.ticket.release()

@@ -12,7 +12,7 @@ Series that are not per request stay prometheus_client's own (router/metrics.py)
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -140,6 +140,9 @@ class Histogram(_Family):
         if not bounds or bounds[-1] != INF:
             bounds += (INF,)
         self.bounds = bounds
+        # counts made elsewhere (the compiled lane's, router/fast_lane.py), folded into the
+        # unlabelled series on each scrape: () -> (per-bucket counts since the last call, sum)
+        self.pull: Callable[[], tuple[Sequence[int], float]] | None = None
         super().__init__(*args, **kw)
 
     def _new(self) -> Buckets:
@@ -148,7 +151,18 @@ class Histogram(_Family):
     def observe(self, amount: float) -> None:
         self._one.observe(amount)
 
+    def fold(self) -> None:
+        """Take in what ``pull`` counted since the last fold."""
+        if self.pull is None:
+            return
+        counts, total = self.pull()
+        h = self._one
+        for i, n in enumerate(counts):
+            h.counts[i] += n
+        h.sum += total
+
     def collect(self) -> Iterator[Metric]:
+        self.fold()
         fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
         les = [floatToGoString(b) for b in self.bounds]
         for key, h in list(self._series.items()):

@@ -11,6 +11,8 @@ the same plans). docs/router.md, "Ninth pass".
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 from pdserve.router.config import RouterConfig
@@ -21,6 +23,8 @@ from pdserve.router.scheduling.profile import Profile
 from pdserve.router.scheduling.registry import FILTERS, PICKERS
 from pdserve.router.scheduling.scheduler import Scheduler
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
+
+log = logging.getLogger(__name__)
 
 # (filters, [(scorer, weight)], picker): a profile by the names the registry gives it
 ProfileSpec = tuple[list[str], list[tuple[str, float]], str]
@@ -79,22 +83,62 @@ class LanePlanner:
     object), the prefix index is mirrored (``PrefixIndex.attach``: every KV event and every
     plan Python makes), and the round-robin counter is the scheduler's. A request the Rust
     side declines (a KV tier holds blocks) is planned by the scheduler. The decision
-    metrics are counted here as the scheduler counts them."""
+    metrics are counted here as the scheduler counts them.
+
+    A value the Rust side cannot hold (a block hash outside 128 bits from a worker's KV
+    event, a count outside 64 bits) never fails the index or the request: a row's is
+    planned by the scheduler that once, an index change's leaves the mirror behind, and
+    the scheduler plans every request from then on (logged once)."""
 
     def __init__(self, rust: Any, scheduler: Scheduler, index: PrefixIndex) -> None:
         self.rust, self.sched = rust, scheduler
         self._shown: tuple[WorkerView, ...] = ()
-        index.attach(rust)
+        self.synced = True
+        index.attach(self)
+
+    # -- the index's mirror (prefix_index.Mirror) -----------------------------------------
+    def kv_stored(self, worker_id: str, hashes: Sequence[int]) -> None:
+        self._mirror(self.rust.kv_stored, worker_id, hashes)
+
+    def kv_removed(self, worker_id: str, hashes: Sequence[int]) -> None:
+        self._mirror(self.rust.kv_removed, worker_id, hashes)
+
+    def kv_drop(self, worker_id: str) -> None:
+        self._mirror(self.rust.kv_drop, worker_id)
+
+    def set_tiers_present(self, present: bool) -> None:
+        self.rust.set_tiers_present(present)
+
+    def _mirror(self, call: Any, *args: Any) -> None:
+        if not self.synced:
+            return
+        try:
+            call(*args)
+        except BAD_VALUE as exc:
+            self.synced = False
+            log.warning(
+                "fast lane: the prefix index left the Rust planner (%s); the scheduler "
+                "plans from now on",
+                exc,
+            )
 
     def plan(self, ids: list[int], snap: Snapshot, salt: str | None) -> Planned:
+        sched = self.sched
+        if not self.synced:
+            return python_plan(sched, ids, snap, salt)
         views = snap.workers
         shown = self._shown
-        if len(views) != len(shown) or any(a is not b for a, b in zip(views, shown, strict=True)):
-            self.rust.set_workers(rows(snap))
-            self._shown = views
-        sched = self.sched
-        self.rust.rr = sched._rr
-        got = self.rust.plan(ids, salt)
+        try:
+            if len(views) != len(shown) or any(
+                a is not b for a, b in zip(views, shown, strict=True)
+            ):
+                self._shown = ()  # until the rows are in
+                self.rust.set_workers(rows(snap))
+                self._shown = views
+            self.rust.rr = sched._rr
+            got = self.rust.plan(ids, salt)
+        except BAD_VALUE:  # a count or an id outside 64 bits: the scheduler decides
+            return python_plan(sched, ids, snap, salt)
         if got is None:
             return python_plan(sched, ids, snap, salt)
         if len(got) == 1:  # ("no_worker",): as the scheduler's NoWorkerAvailable
@@ -108,6 +152,7 @@ class LanePlanner:
         return kind, prefill, decode
 
 
+BAD_VALUE = (OverflowError, TypeError, ValueError)  # what PyO3 raises for a value out of range
 NO_DECODE = "no healthy decode worker"  # routing.plan_route's NoWorkerAvailable
 Planned = tuple[str, list[str], list[str]]  # kind, prefill URLs, decode URLs (best first)
 

@@ -11,6 +11,9 @@ python scripts/build_k8s.py >/dev/null
 export PDSERVE_REQUIRE_K8S_REAL=1
 # The real Prometheus (Debian's package, scripts/setup.sh): its tests fail, not skip, without it.
 export PDSERVE_REQUIRE_PROMETHEUS=1
+# The router's compiled lane (scripts/setup.sh builds it wherever cargo is): its tests fail,
+# not skip, when the build is missing or older than the tree.
+if command -v cargo >/dev/null; then export PDSERVE_REQUIRE_LANE=1; fi
 ruff check .
 ruff format --check .
 # mypy's cache outside the checkout: a fresh clone (CI) re-checks only the files that changed

@@ -11,6 +11,7 @@ Skipped where the module is not built (scripts/setup.sh builds it when cargo is 
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 from fastapi.responses import JSONResponse
 
 from pdserve import keys, signing
+from pdserve.env import REQUIRE_LANE
 from pdserve.protocol.codec import encode
 from pdserve.protocol.contract import GenerateRequest, PrefillRequest
 from pdserve.protocol.sampling_params import SamplingParams
@@ -30,6 +32,8 @@ from tests.router.conftest import start_cluster
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 lane_mod = fast_lane.load()
+if lane_mod is None and os.environ.get(REQUIRE_LANE):
+    raise RuntimeError(f"{REQUIRE_LANE} is set but the compiled lane is not built or out of date")
 needs_lane = pytest.mark.skipif(lane_mod is None, reason="the compiled lane is not built")
 
 # The completions tests again, through the lane (this module's cluster_factory): the
@@ -168,21 +172,27 @@ async def _replies(url: str, bodies: list[dict[str, Any]]) -> list[tuple[int, st
 @needs_lane
 @pytest.mark.parametrize("threshold", [0, 10_000], ids=["pd", "direct"])
 async def test_lane_replies_as_the_python_lane(router_tokenizer, tiny_model_dir, threshold) -> None:
-    got = {}
+    got, itls = {}, {}
     for lane in (False, True):
         async with start_cluster(
             router_tokenizer, tiny_model_dir, lane=lane, disagg_threshold=threshold
         ) as c:
             got[lane] = await _replies(c.url, BODIES)
+            await c.settle()
+            async with httpx.AsyncClient() as h:
+                text = (await h.get(c.url + "/metrics")).text
+            # the inter-token latencies: the lane counts them in Rust, folded in on scrape
+            itls[lane] = re.findall(r"^pdserve_router_itl_seconds_count (\S+)$", text, re.M)
             if lane:  # the lane served them all, and counted them as the Python lane does
                 assert c.app.state.lane.host.served == len(BODIES)
-                async with httpx.AsyncClient() as h:
-                    text = (await h.get(c.url + "/metrics")).text
                 assert 'pdserve_router_requests_total{code="200"} 4.0' in text
                 assert "pdserve_router_ttft_seconds_count 4.0" in text
-            await c.settle()
             assert c.runtime.active == 0
     assert got[True] == got[False]
+    # one per delta after the first, as the Python lane: which tokens share a delta
+    # depends on when the worker's lines arrive, so the counts may differ, never exceed
+    # the 10 tokens after each request's first, nor be lost
+    assert 0 < float(itls[True][0]) <= 10 and 0 < float(itls[False][0]) <= 10
     assert all(status == 200 for status, _ in got[True])
 
 
@@ -269,3 +279,36 @@ def test_without_the_module_the_python_lane_serves_and_says_so(
         assert main._fast_lane(args, False) is None
     assert "the compiled lane is not installed" in caplog.text
     assert "serving on the Python lane" in caplog.text
+
+
+def test_an_out_of_date_build_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A module built from an older tree (a failed rebuild leaves the last one installed)
+    takes other arguments and answers other jobs: the Python lane serves, and says why."""
+    import sys
+    import types
+
+    old = types.ModuleType("pdserve_lane")
+    old.Lane = type("Lane", (), {})  # type: ignore[attr-defined]  # no take_itl
+    monkeypatch.setitem(sys.modules, "pdserve_lane", old)
+    with caplog.at_level("WARNING"):
+        assert fast_lane.load() is None
+    assert "out of date" in caplog.text and "serving on the Python lane" in caplog.text
+
+
+@needs_lane
+def test_a_call_begun_and_ended_in_one_batch_is_netted() -> None:
+    """The loop reads the in-flight counts only between batches of jobs: a call's +1 and
+    -1 in one batch cancel out; an open call, another call's tracks and the order stay."""
+    a, b = "http://a", "http://b"
+    tracks = [
+        (1, a, "prefill", 1),
+        (2, b, "decode", 1),
+        (1, a, "prefill", -1),  # with 1's +1: both go
+        (1, b, "decode", 1),
+        (2, b, "decode", -1),  # with 2's +1: both go
+        (3, a, "prefill", -1),  # its +1 came in an earlier batch: kept
+    ]
+    assert lane_mod.netted_tracks(tracks) == [(1, b, "decode", 1), (3, a, "prefill", -1)]
+    assert lane_mod.netted_tracks(tracks[:1]) == tracks[:1]

@@ -10,12 +10,14 @@ Skipped where the module is not built (scripts/setup.sh builds it when cargo is 
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from pdserve.env import REQUIRE_LANE
 from pdserve.protocol import hashing
 from pdserve.protocol.contract import WorkerStats
 from pdserve.router import fast_lane, lane_plan
@@ -29,6 +31,8 @@ from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
 pytestmark = pytest.mark.unit
 
 lane_mod = fast_lane.load()
+if lane_mod is None and os.environ.get(REQUIRE_LANE):
+    raise RuntimeError(f"{REQUIRE_LANE} is set but the compiled lane is not built or out of date")
 needs_lane = pytest.mark.skipif(lane_mod is None, reason="the compiled lane is not built")
 
 CONFIGS: list[dict[str, Any]] = [
@@ -218,3 +222,33 @@ def test_the_lanes_planner_over_the_mirrored_index() -> None:
     mirrored.apply(KVEventView("stored", snap.prefill[0].worker_id, 10_000, (1, 2), "host"))
     assert lane.rust.plan([1, 2, 3]) is None  # declined: the scheduler plans
     assert lane.plan(list(range(300)), snap, None)[0] in ("remote_prefill", "local_prefill")
+
+
+@needs_lane
+def test_values_out_of_range_are_planned_by_the_scheduler() -> None:
+    """A block hash outside 128 bits in a worker's KV event, a count outside 64 bits in
+    its stats: the index and the request never fail; the scheduler plans."""
+    cfg = RouterConfig(model_dir="/m")
+    ref = Scheduler(cfg, PrefixIndex(cfg.prefix_index_capacity), RouterMetrics(), random.Random(5))
+    mirrored = PrefixIndex(cfg.prefix_index_capacity)
+    own = Scheduler(cfg, mirrored, RouterMetrics(), random.Random(5))
+    lane = lane_plan.LanePlanner(
+        lane_plan.planner(lane_mod, cfg, hashing.hash_key()), own, mirrored
+    )
+    snap = _snapshot(random.Random(2), 2, 2)
+    huge = replace(snap.workers[0], stats=replace(snap.workers[0].stats, running=2**70))
+    wide = Snapshot((huge, *snap.workers[1:]))
+    assert (
+        lane.plan(list(range(300)), wide, None)
+        == _python_plan(ref, list(range(300)), wide, None)[:3]
+    )
+    assert lane.synced
+    ev = KVEventView("stored", snap.prefill[0].worker_id, 1, (2**130, 5))
+    ref.index.apply(ev)
+    mirrored.apply(ev)  # no exception: the mirror is left behind
+    assert not lane.synced and len(mirrored) == len(ref.index)
+    for n in (300, 20, 500):
+        assert (
+            lane.plan(list(range(n)), snap, None)
+            == _python_plan(ref, list(range(n)), snap, None)[:3]
+        )

@@ -61,7 +61,6 @@ pub struct End {
     pub status: u16,
     pub completion: u64,
     pub e2e: f64,
-    pub itls: Vec<f64>,
     pub tpot: Option<f64>,
 }
 
@@ -92,6 +91,7 @@ pub struct Lane {
     pub body_timeout: Duration, // --body-timeout
     pub err_408: Bytes,         // its error, as the Python lane words it
     pub write_timeout: Duration, // --stream-write-timeout
+    pub itl: std::sync::Mutex<crate::hist::Hist>, // inter-token latencies, folded on scrape
 }
 
 pub type ProxyBody = BoxBody<Bytes, hyper::Error>;
@@ -533,14 +533,13 @@ fn finish(run: &mut Run) {
         (Some(f), Some(l)) if run.completion > 1 => Some((l - f).as_secs_f64() / (run.completion - 1) as f64),
         _ => None,
     };
-    run.lane.host.push(Job::End(End {
-        token: run.plan.token,
-        status: run.status,
-        completion: run.completion,
-        e2e,
-        itls: std::mem::take(&mut run.itls),
-        tpot,
-    }));
+    {
+        let mut itl = run.lane.itl.lock().unwrap();
+        for x in run.itls.drain(..) {
+            itl.observe(x);
+        }
+    }
+    run.lane.host.push(Job::End(End { token: run.plan.token, status: run.status, completion: run.completion, e2e, tpot }));
 }
 
 async fn send(run: &mut Run, tx: &Tx, head: &mut Option<oneshot::Sender<Result<(), Outcome>>>, out: String) -> bool {

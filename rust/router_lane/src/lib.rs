@@ -4,6 +4,7 @@
 //! the reference and does everything stateful: it drains this module's job queue on its
 //! event loop (a pipe wakes it) and answers each request's `begin` (router/fast_lane.py).
 mod generate;
+mod hist;
 mod lane;
 mod plan;
 mod planner_py;
@@ -95,6 +96,7 @@ impl Lane {
         body_timeout_s: f64,
         err_408: Vec<u8>,
         write_timeout_s: f64,
+        itl_bounds: Vec<f64>,
     ) -> PyResult<Self> {
         let (wake_read, wake) = UnixStream::pair().map_err(|e| PyValueError::new_err(e.to_string()))?;
         wake_read.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -119,6 +121,7 @@ impl Lane {
             body_timeout: Duration::from_secs_f64(body_timeout_s.max(0.001)),
             err_408: Bytes::from(err_408),
             write_timeout: Duration::from_secs_f64(write_timeout_s.max(0.001)),
+            itl: Mutex::new(hist::Hist::new(itl_bounds)),
             workers: Default::default(),
             python: Default::default(),
             health: lane::Health {
@@ -152,7 +155,7 @@ impl Lane {
             }
         }
         self.queue.woken.store(false, Ordering::Release);
-        let jobs = std::mem::take(&mut *self.queue.jobs.lock().unwrap());
+        let jobs = netted(std::mem::take(&mut *self.queue.jobs.lock().unwrap()));
         let out = PyList::empty(py);
         for job in jobs {
             let t: Bound<'py, PyTuple> = match job {
@@ -171,7 +174,7 @@ impl Lane {
                 Job::SlowReader { token, waited } => ("slow_reader", token, waited).into_pyobject(py)?,
                 Job::Stalled { token, url, role, quiet } => ("stalled", token, url, role, quiet).into_pyobject(py)?,
                 Job::AwaitDecode { id, token, rid, touched } => ("await_decode", id, token, rid, touched).into_pyobject(py)?,
-                Job::End(e) => ("end", e.token, e.status, e.completion, e.e2e, e.itls, e.tpot).into_pyobject(py)?,
+                Job::End(e) => ("end", e.token, e.status, e.completion, e.e2e, e.tpot).into_pyobject(py)?,
             };
             out.append(t)?;
         }
@@ -224,6 +227,11 @@ impl Lane {
         Ok(())
     }
 
+    /// The inter-token latencies counted since the last call: (per-bucket counts, sum).
+    fn take_itl(&self) -> (Vec<u64>, f64) {
+        self.state.itl.lock().unwrap().take()
+    }
+
     /// The decode workers an `await_decode` found ([]: none came).
     fn decode_ready(&self, id: u64, urls: Vec<String>) {
         if let Some(tx) = self.queue.decode_waits.lock().unwrap().remove(&id) {
@@ -248,6 +256,44 @@ impl Lane {
             });
         }
     }
+}
+
+/// The jobs without the worker calls that began and ended within them: a call's +1 and -1
+/// in-flight tracks in one batch cancel out, since the loop reads the counts (Discovery's,
+/// the in-flight gauge) only between batches. Every other job keeps its place.
+fn netted(jobs: Vec<Job>) -> Vec<Job> {
+    let mut open: HashMap<(u64, &str, &str), usize> = HashMap::new();
+    let mut gone = vec![false; jobs.len()];
+    for (i, job) in jobs.iter().enumerate() {
+        if let Job::Track { token, url, role, step } = job {
+            let key = (*token, url.as_str(), *role);
+            if *step > 0 {
+                open.insert(key, i);
+            } else if let Some(j) = open.remove(&key) {
+                gone[i] = true;
+                gone[j] = true;
+            }
+        }
+    }
+    if !gone.contains(&true) {
+        return jobs;
+    }
+    jobs.into_iter().zip(gone).filter(|(_, g)| !g).map(|(j, _)| j).collect()
+}
+
+/// The tracks `take` would hand over for these (token, url, role, step) jobs, in order
+/// (tests/router/test_fast_lane.py checks the netting).
+#[pyfunction]
+fn netted_tracks(tracks: Vec<(u64, String, String, i8)>) -> Vec<(u64, String, String, i8)> {
+    let role = |r: &str| -> &'static str { if r == "prefill" { "prefill" } else { "decode" } };
+    let jobs = tracks.into_iter().map(|(token, url, r, step)| Job::Track { token, url, role: role(&r), step }).collect();
+    netted(jobs)
+        .into_iter()
+        .filter_map(|j| match j {
+            Job::Track { token, url, role, step } => Some((token, url, role.to_string(), step)),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The GenerateRequest of a PrefillRequest (codec.encode's fields, in order), before its
@@ -340,5 +386,6 @@ fn pdserve_lane(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(usage_chunk, m)?)?;
     m.add_function(wrap_pyfunction!(whole, m)?)?;
     m.add_function(wrap_pyfunction!(generate_request_of, m)?)?;
+    m.add_function(wrap_pyfunction!(netted_tracks, m)?)?;
     Ok(())
 }
