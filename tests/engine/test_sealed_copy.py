@@ -114,15 +114,19 @@ def test_a_graph_swapped_after_the_check_is_never_loaded(
         compiled.prepare(model)
         marker = tmp_path / "attacker-code-ran"
         assert _swap_entries(shared, marker) >= 2
+        before = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
         try:
             got: torch.Tensor | Exception = torch.compile(model, dynamic=True)(x)
         except Exception as exc:  # what a loaded payload leaves inductor with
             got = exc
-        hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+        hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] - before
     assert not marker.exists(), "a cache entry swapped after the check was loaded"
     assert isinstance(got, torch.Tensor), got
     torch.testing.assert_close(got, want)
-    assert hits == 1, "the sealed graph was not reused"  # (_new_process zeroed the count)
+    # At least one: under xdist an engine that an earlier test left compiling in the
+    # background hits the cache beside this call (a fresh-clone make test read 44 here);
+    # run alone it is exactly 1.
+    assert hits >= 1, "the sealed graph was not reused"
 
 
 def test_the_copy_holds_the_bytes_that_were_checked(
