@@ -11,7 +11,6 @@ Skipped where the module is not built (scripts/setup.sh builds it when cargo is 
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any
 
@@ -20,21 +19,17 @@ import pytest
 from fastapi.responses import JSONResponse
 
 from pdserve import keys, signing
-from pdserve.env import REQUIRE_LANE
 from pdserve.protocol.codec import encode
 from pdserve.protocol.contract import GenerateRequest, PrefillRequest
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router import fast_lane
 from pdserve.router.api import openai_response
+from pdserve.testing.lane import lane_mod, needs_lane
 from tests.router import test_api, test_errors, test_migration, test_retries, test_stream_end
 from tests.router.conftest import start_cluster
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
-lane_mod = fast_lane.load()
-if lane_mod is None and os.environ.get(REQUIRE_LANE):
-    raise RuntimeError(f"{REQUIRE_LANE} is set but the compiled lane is not built or out of date")
-needs_lane = pytest.mark.skipif(lane_mod is None, reason="the compiled lane is not built")
 
 # The completions tests again, through the lane (this module's cluster_factory): the
 # Python lane's tests are the compiled lane's oracle.

@@ -10,30 +10,25 @@ Skipped where the module is not built (scripts/setup.sh builds it when cargo is 
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from pdserve.env import REQUIRE_LANE
 from pdserve.protocol import hashing
 from pdserve.protocol.contract import WorkerStats
-from pdserve.router import fast_lane, lane_plan
+from pdserve.router import lane_plan
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.scheduling.prefix_index import KVEventView, PrefixIndex
 from pdserve.router.scheduling.scheduler import Scheduler
 from pdserve.router.scheduling.snapshot import Snapshot, WorkerView
+from pdserve.testing.lane import lane_mod, needs_lane
 
 pytestmark = pytest.mark.unit
 
-lane_mod = fast_lane.load()
-if lane_mod is None and os.environ.get(REQUIRE_LANE):
-    raise RuntimeError(f"{REQUIRE_LANE} is set but the compiled lane is not built or out of date")
-needs_lane = pytest.mark.skipif(lane_mod is None, reason="the compiled lane is not built")
 
 CONFIGS: list[dict[str, Any]] = [
     {},  # the defaults: prefix + load + balance on prefill, kv + running on decode
