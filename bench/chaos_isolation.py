@@ -214,10 +214,10 @@ async def _ext_proc_unauthenticated(model_dir: Path) -> int:
         st_key, st_cert = other.issue("gateway").pem()
         tokenizer = PromptTokenizer(str(model_dir))
         reached = 0
+        gateway = grpc.ssl_channel_credentials(root, gw_key, gw_cert)
         async with start_picker(
-            tokenizer, model_dir, busy=[1], health_interval_s=30.0, tls=tls,
-            client_tls=grpc.ssl_channel_credentials(root, gw_key, gw_cert),
-        ) as pc:  # fmt: skip
+            tokenizer, model_dir, busy=[1], health_interval_s=30.0, tls=tls, client_tls=gateway
+        ) as pc:
             address = f"127.0.0.1:{pc.service.port}"
             rogues = [
                 grpc.aio.insecure_channel(address),

@@ -8,11 +8,19 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-_EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+_EC = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes"
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
+def _openssl(command: str, cwd: Path) -> None:
+    """``openssl`` with ``command``'s words (no word holds a space here)."""
+    args = ["openssl", *command.split()]  # names are checked by _plain: one word each
+    subprocess.run(args, cwd=cwd, check=True, capture_output=True, timeout=30)
+
+
+def _plain(name: str) -> str:
+    if not name or any(c.isspace() or c == "/" for c in name):
+        raise ValueError(f"a certificate name is one word without '/': {name!r}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -37,28 +45,25 @@ class ScratchCA:
 
     @classmethod
     def make(cls, root: Path, name: str = "ca") -> ScratchCA:
+        _plain(name)
         root.mkdir(parents=True, exist_ok=True)
         _openssl(
-            "req", "-x509", *_EC, "-keyout", f"{name}.key", "-out", f"{name}.crt",
-            "-days", "1", "-subj", f"/CN={name}", cwd=root,
-        )  # fmt: skip
+            f"req -x509 {_EC} -keyout {name}.key -out {name}.crt -days 1 -subj /CN={name}", root
+        )
         return cls(root, name)
 
     def issue(self, cn: str, server: bool = False) -> Issued:
         """A certificate for ``cn`` signed by this authority (``server``: with the
         loopback names as subjectAltNames)."""
-        stem = f"{self.name}-{cn}"
-        _openssl(
-            "req", *_EC, "-keyout", f"{stem}.key", "-out", f"{stem}.csr", "-subj", f"/CN={cn}",
-            cwd=self.root,
-        )  # fmt: skip
+        stem = f"{self.name}-{_plain(cn)}"
+        _openssl(f"req {_EC} -keyout {stem}.key -out {stem}.csr -subj /CN={cn}", self.root)
         ext = self.root / f"{stem}.ext"
         names = "DNS:localhost,IP:127.0.0.1" if server else f"DNS:{cn}"
         usage = "serverAuth" if server else "clientAuth"
         ext.write_text(f"subjectAltName={names}\nextendedKeyUsage={usage}\n")
+        signing = f"-CA {self.cert.name} -CAkey {self.name}.key -CAcreateserial"
         _openssl(
-            "x509", "-req", "-in", f"{stem}.csr", "-CA", self.cert.name,
-            "-CAkey", f"{self.name}.key", "-CAcreateserial", "-out", f"{stem}.crt",
-            "-days", "1", "-extfile", ext.name, cwd=self.root,
-        )  # fmt: skip
+            f"x509 -req -in {stem}.csr {signing} -out {stem}.crt -days 1 -extfile {ext.name}",
+            self.root,
+        )
         return Issued(self.root / f"{stem}.crt", self.root / f"{stem}.key")

@@ -69,10 +69,10 @@ async def test_only_the_gateways_certificate_reaches_ext_proc(
     tls = ExtProcTLS(cert, key, ca.cert.read_bytes())
     gateway = _client(pki, "gateway")
     admin = free_port()
+    opts = {"tls": tls, "client_tls": gateway, "metrics_port": admin}
     async with start_picker(
-        router_tokenizer, tiny_model_dir, busy=[1], health_interval_s=30.0, tls=tls,
-        client_tls=gateway, metrics_port=admin,
-    ) as pc:  # fmt: skip
+        router_tokenizer, tiny_model_dir, busy=[1], health_interval_s=30.0, **opts
+    ) as pc:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{admin}") as h:
             # the kubelet's probes (its gRPC probe speaks no TLS): the admin port's HTTP
             assert (await h.get("/livez")).status_code == 200
