@@ -21,12 +21,15 @@ Stdlib only.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from pdserve import keys
@@ -97,6 +100,22 @@ def _own(name: str) -> bool:
     return name == MANIFEST or name.startswith(MODEL_SEAL) or name.endswith(_SKIP_SUFFIXES)
 
 
+@contextlib.contextmanager
+def manifest_lock(folder: Path) -> Iterator[None]:
+    """Held while a manifest is read, changed and replaced: two processes sealing or
+    publishing at once each keep the other's entries (without it, the later rename drops
+    what the earlier one added, and those files go unsealed: recompiled, never loaded).
+    The lock file is one of the folder's own (``.lock``: never sealed), opened with
+    O_NOFOLLOW (a planted link is an OSError, not a file created elsewhere)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(folder / (MANIFEST + ".lock"), flags, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def _files(folder: Path) -> list[Path]:
     return _scan(folder)[0]
 
@@ -153,6 +172,11 @@ def seal(folder: Path, ring_: keys.KeyRing) -> int:
     of the ring's keys keep their seal); returns how many files carry a seal."""
     if not ring_ or not folder.is_dir():
         return 0
+    with manifest_lock(folder):
+        return _seal_locked(folder, ring_)
+
+
+def _seal_locked(folder: Path, ring_: keys.KeyRing) -> int:
     old, new = _manifest(folder), {}
     for path in _files(folder):
         rel = path.relative_to(folder).as_posix()

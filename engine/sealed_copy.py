@@ -237,15 +237,16 @@ def _write_shared(shared: Path, rel: str, data: bytes) -> None:
 
 def _merge_manifest(shared: Path, new: dict[str, str]) -> None:
     """The shared manifest with ``new`` added (entries of files gone dropped), replaced
-    whole: readers see the old manifest or the new."""
-    merged = {
-        rel: tag for rel, tag in cache_seal._manifest(shared).items() if (shared / rel).exists()
-    }
-    merged.update(new)
-    fd, tmp = tempfile.mkstemp(dir=shared, suffix=".seal")
-    with os.fdopen(fd, "w") as f:
-        json.dump(merged, f)
-    os.replace(tmp, shared / cache_seal.MANIFEST)
+    whole: readers see the old manifest or the new; writers take turns (manifest_lock)."""
+    with cache_seal.manifest_lock(shared):
+        merged = {
+            rel: tag for rel, tag in cache_seal._manifest(shared).items() if (shared / rel).exists()
+        }
+        merged.update(new)
+        fd, tmp = tempfile.mkstemp(dir=shared, suffix=".seal")
+        with os.fdopen(fd, "w") as f:
+            json.dump(merged, f)
+        os.replace(tmp, shared / cache_seal.MANIFEST)
 
 
 _headers_lock = threading.Lock()

@@ -181,6 +181,33 @@ def test_published_files_are_sealed_as_written_and_never_written_through_a_link(
     assert sealed_copy.publish(tmp_path / "next", shared, ring, copied) == 0
 
 
+def _publish_many(shared: str, tag: str, count: int) -> None:
+    """One worker publishing ``count`` files one at a time (a manifest merge each)."""
+    ring = _ring(SECRET)
+    for i in range(count):
+        sealed_copy.publish_file(Path(shared), f"{tag}/{i}.so", f"{tag}{i}".encode(), ring)
+
+
+def test_two_workers_publishing_at_once_keep_each_others_seals(tmp_path: Path) -> None:
+    """Two replicas compiling at once: every file either publishes stays sealed. Without
+    the manifest lock the later rename dropped the earlier merge's entries (~a third of
+    them here), and the next worker recompiled what was already built."""
+    import multiprocessing
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_publish_many, args=(str(shared), t, 60)) for t in "ab"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    sealed = cache_seal._manifest(shared)
+    assert sorted(sealed) == sorted(f"{t}/{i}.so" for t in "ab" for i in range(60))
+    assert len(sealed_copy.copy_checked(shared, tmp_path / "next", _ring(SECRET))) == 120
+
+
 def test_the_private_folder_is_this_processs_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
