@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import env
-from pdserve.config_cli import add_flags, checked, flag
+from pdserve.config_cli import add_flags, checked, flag_group
 from pdserve.engine.config import DTYPES, EngineConfig
 from pdserve.engine.kv_tiers.config import TierArgs, tier_config_from_args
 from pdserve.engine.lora_files import LoraConfig, parse_lora_flag
@@ -19,6 +19,7 @@ from pdserve.engine.model_source import resolve_model
 from pdserve.engine.spec_config import parse_speculative
 
 ENGINE, LORA = "engine", "LoRA adapters (docs/lora.md)"
+flag_engine, flag_lora = map(flag_group, (ENGINE, LORA))
 
 
 # --lora's and --speculative's checks at parse time (engine/lora_files.py,
@@ -31,99 +32,87 @@ speculative_flag = checked(parse_speculative, keep_text=True)
 class EngineArgs:
     """The model, its memory and its batch."""
 
-    model: str = flag(
+    model: str = flag_engine(
         help="HF-format model directory, FILE.gguf (converted once, cached) or "
         "'tiny' (the random test model)",
-        group=ENGINE,
         short=True,
         required=True,
     )
-    dtype: str = flag(
+    dtype: str = flag_engine(
         "auto",
         "weights and activations (auto: bfloat16 on CUDA, float32 on CPU)",
-        group=ENGINE,
         short=True,
         choices=("auto", *DTYPES),
     )
-    device: str = flag("auto", "auto | cpu | cuda | cuda:N", group=ENGINE, short=True)
-    served_model_name: str | None = flag(
-        None, "the model's name in replies (default: the directory's)", group=ENGINE, short=True
+    device: str = flag_engine("auto", "auto | cpu | cuda | cuda:N", short=True)
+    served_model_name: str | None = flag_engine(
+        None, "the model's name in replies (default: the directory's)", short=True
     )
-    block_size: int = flag(16, "tokens per KV block (a power of two)", group=ENGINE)
-    kv_cache_bytes: int | None = flag(
-        None, "the KV pool's size; wins over --kv-cache-fraction", group=ENGINE
+    block_size: int = flag_engine(16, "tokens per KV block (a power of two)")
+    kv_cache_bytes: int | None = flag_engine(
+        None, "the KV pool's size; wins over --kv-cache-fraction"
     )
-    kv_cache_fraction: float | None = flag(
+    kv_cache_fraction: float | None = flag_engine(
         None,
         "share of free memory for the KV pool (default: the device's own)",
-        group=ENGINE,
         short=True,
     )
-    max_num_seqs: int = flag(128, "running requests at most", group=ENGINE, short=True)
-    max_num_batched_tokens: int = flag(2048, "token budget of one step", group=ENGINE)
-    max_model_len: int | None = flag(
+    max_num_seqs: int = flag_engine(128, "running requests at most", short=True)
+    max_num_batched_tokens: int = flag_engine(2048, "token budget of one step")
+    max_model_len: int | None = flag_engine(
         None,
         "longest prompt + output (default: the model's max_position_embeddings)",
-        group=ENGINE,
         short=True,
     )
-    no_prefix_caching: bool = flag(False, "turn the prefix cache off", group=ENGINE)
-    cpu_threads: int | None = flag(
+    no_prefix_caching: bool = flag_engine(False, "turn the prefix cache off")
+    cpu_threads: int | None = flag_engine(
         None,
         "torch threads for CPU compute (default: torch's, all "
         "cores); give each worker on a shared machine its share",
-        group=ENGINE,
     )
-    grammar_cache_bytes: int = flag(
-        64 << 20, "memory for compiled structured-output grammars (LRU beyond)", group=ENGINE
+    grammar_cache_bytes: int = flag_engine(
+        64 << 20, "memory for compiled structured-output grammars (LRU beyond)"
     )
-    grammar_compile_timeout: float = flag(
-        10.0, "seconds a grammar may take to compile; a slower one is a 400", group=ENGINE
+    grammar_compile_timeout: float = flag_engine(
+        10.0, "seconds a grammar may take to compile; a slower one is a 400"
     )
-    speculative: str | None = flag(
+    speculative: str | None = flag_engine(
         None,
         "speculative decoding: ngram:k=4 (prompt lookup, up to k drafts a step; also "
         "min_n=, max_n=; docs/speculative.md) or draft:model=PATH,k=N (a draft model "
         "sharing the target's tokenizer)",
-        group=ENGINE,
         metavar="SPEC",
         parse=speculative_flag,
     )
-    enforce_eager: bool = flag(
+    enforce_eager: bool = flag_engine(
         False,
         "run the model's eager forward: no torch.compile at start-up",
-        group=ENGINE,
         short=True,
         env=env.ENFORCE_EAGER,
     )
-    compile_before_ready: bool = flag(
+    compile_before_ready: bool = flag_engine(
         False,
         "compile the forward before reporting ready (the default serves the eager forward "
         "at once and swaps to the compiled one once it is compiled and checked: "
         "docs/workers.md, Start-up)",
-        group=ENGINE,
     )
-    lora: tuple[str, ...] = flag(
+    lora: tuple[str, ...] = flag_lora(
         (),
         "a PEFT LoRA adapter directory served as NAME (repeatable; "
         "more at run time through /v1/load_lora_adapter); a worker "
         "with adapters runs the eager forward",
-        group=LORA,
         metavar="NAME=PATH",
         parse=lora_flag,
         many="append",
     )
-    max_loras: int = flag(4, "LoRA adapters resident at once (one step mixes them)", group=LORA)
-    max_cpu_loras: int = flag(
-        8, "LoRA adapters kept in host memory (least recently used out)", group=LORA
-    )
-    max_lora_rank: int = flag(64, "largest LoRA rank accepted", group=LORA)
-    lora_root: tuple[str, ...] = flag(
+    max_loras: int = flag_lora(4, "LoRA adapters resident at once (one step mixes them)")
+    max_cpu_loras: int = flag_lora(8, "LoRA adapters kept in host memory (least recently used out)")
+    max_lora_rank: int = flag_lora(64, "largest LoRA rank accepted")
+    lora_root: tuple[str, ...] = flag_lora(
         (),
         "a directory run-time loads (/v1/load_lora_adapter) may read adapters from, "
         "resolved, no escapes (repeatable; default: the folders holding the --lora "
         "adapters, else none: no run-time loads)",
-        group=LORA,
         metavar="DIR",
         many="append",
     )

@@ -15,26 +15,27 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.config_cli import add_flags, flag
+from pdserve.config_cli import add_flags, flag_group
 from pdserve.engine.engine_args import EngineArgs, engine_config_from_args
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
 GEN = "generation"
+flag_gen = flag_group(GEN)
 
 
 @dataclass(frozen=True)
 class GenerateArgs:
     """The prompt and how to sample its completion."""
 
-    prompt: str = flag(help="the prompt text", group=GEN, short=True, required=True)
-    chat: bool = flag(False, "wrap the prompt in the chat template", group=GEN, short=True)
-    max_tokens: int = flag(128, "tokens to generate at most", group=GEN, short=True)
-    temperature: float = flag(0.0, "0 is greedy", group=GEN, short=True)
-    top_p: float = flag(1.0, "nucleus sampling's probability mass", group=GEN)
-    top_k: int = flag(0, "sample from the k likeliest tokens (0: all)", group=GEN)
-    seed: int | None = flag(None, "the sampler's seed (default: random)", group=GEN)
-    stop: tuple[str, ...] = flag((), "a stop string (repeatable)", group=GEN, many="append")
-    ignore_eos: bool = flag(False, "go on past the end-of-sequence token", group=GEN)
+    prompt: str = flag_gen(help="the prompt text", short=True, required=True)
+    chat: bool = flag_gen(False, "wrap the prompt in the chat template", short=True)
+    max_tokens: int = flag_gen(128, "tokens to generate at most", short=True)
+    temperature: float = flag_gen(0.0, "0 is greedy", short=True)
+    top_p: float = flag_gen(1.0, "nucleus sampling's probability mass")
+    top_k: int = flag_gen(0, "sample from the k likeliest tokens (0: all)")
+    seed: int | None = flag_gen(None, "the sampler's seed (default: random)")
+    stop: tuple[str, ...] = flag_gen((), "a stop string (repeatable)", many="append")
+    ignore_eos: bool = flag_gen(False, "go on past the end-of-sequence token")
 
 
 FLAGS = (GenerateArgs, EngineArgs)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import env
-from pdserve.config_cli import flag
+from pdserve.config_cli import flag_group
 
 
 def cidr(value: str) -> str:
@@ -23,88 +23,78 @@ def cidr(value: str) -> str:
 
 
 SCOPE, RUN, POLICY = "what it watches", "running", "pod policy (docs/security.md)"
+flag_scope, flag_run, flag_policy = map(flag_group, (SCOPE, RUN, POLICY))
 
 
 def allowed(help: str, metavar: str, **kw: Any) -> Any:
     """A pod-policy allowlist: a repeatable flag of what LLMServices may name."""
-    return flag((), help, group=POLICY, metavar=metavar, many="append", **kw)
+    return flag_policy((), help, metavar=metavar, many="append", **kw)
 
 
 @dataclass(frozen=True)
 class OperatorArgs:
     """Where the operator watches, how it runs, and what LLMServices may ask of pods."""
 
-    namespace: tuple[str, ...] = flag(
+    namespace: tuple[str, ...] = flag_scope(
         (),
         "watch this namespace (repeatable)",
-        group=SCOPE,
         short=True,
         many="append",
         exclusive="scope",
         aliases=("-n",),
     )
-    all_namespaces: bool = flag(
+    all_namespaces: bool = flag_scope(
         False,
         "watch the whole cluster",
-        group=SCOPE,
         short=True,
         exclusive="scope",
         aliases=("-A",),
     )
-    status_interval: float = flag(
+    status_interval: float = flag_run(
         60.0,
         "seconds between resyncs from the watch cache (a "
         "safety net; status and drift repair follow watch events)",
-        group=RUN,
     )
-    retry_delay: float = flag(
-        30.0, "retry delay when a referenced Secret/PVC is missing", group=RUN
-    )
-    autoscale_tick: float = flag(
+    retry_delay: float = flag_run(30.0, "retry delay when a referenced Secret/PVC is missing")
+    autoscale_tick: float = flag_run(
         5.0,
         "autoscaler timer seconds (each LLMService plans every spec.autoscaling.intervalSeconds)",
-        group=RUN,
     )
-    router_metrics_url: str = flag(
+    router_metrics_url: str = flag_run(
         "",
         "router /metrics URL template with {service} "
         "{namespace} {port} (default: the router's admin Service "
         "in-cluster)",
-        group=RUN,
     )
-    metrics_url_allow: tuple[str, ...] = flag(
+    metrics_url_allow: tuple[str, ...] = flag_run(
         (),
         "a network spec.autoscaling.metricsUrl may resolve into (repeatable; default: any but "
         "metadata, link-local and loopback addresses)",
-        group=RUN,
         metavar="CIDR",
         parse=cidr,
         many="append",
     )
-    health_port: int = flag(8080, "liveness endpoint port", group=RUN, short=True)
-    peering: str = flag("", "kopf peering name (default: standalone)", group=RUN, short=True)
-    priority: int | None = flag(
+    health_port: int = flag_run(8080, "liveness endpoint port", short=True)
+    peering: str = flag_run("", "kopf peering name (default: standalone)", short=True)
+    priority: int | None = flag_run(
         None,
         "peering priority; default: random, so that replicas "
         "never tie (kopf pauses every replica of a tied top priority)",
-        group=RUN,
     )
-    default_image: str = flag(
+    default_image: str = flag_run(
         "",
         "image for LLMServices without spec.image (resolved at "
         "render time; the chart passes its own image)",
-        group=RUN,
         short=True,
         env=env.DEFAULT_IMAGE,
     )
-    verbose: bool = flag(False, "debug logging", group=RUN, short=True, aliases=("-v",))
-    allow_unsafe_pod_fields: bool = flag(
+    verbose: bool = flag_run(False, "debug logging", short=True, aliases=("-v",))
+    allow_unsafe_pod_fields: bool = flag_policy(
         False,
         "let LLMServices set any podTemplate field "
         "(hostPath, hostNetwork, privileged, other "
         "ServiceAccounts, ...): only where every LLMService "
         "author is a cluster admin (operator/pod_policy.py)",
-        group=POLICY,
     )
     allow_model_host_path: tuple[str, ...] = allowed(
         "a host directory (and below) that spec.model.source.hostPath may name "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import types
 import typing
@@ -48,6 +49,12 @@ def flag(default: Any = MISSING, help: str = "", *, group: str, **kw: Any) -> An
     """A dataclass field that is also a command-line flag (the keywords: :class:`Flag`)."""
     meta = {"cli": Flag(help=help, group=group, **kw)}
     return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_group(group: str) -> Callable[..., Any]:
+    """:func:`flag` for the fields of one group: a dataclass names each group once, as
+    ``limit = flag_group(LIMITS)``, and its fields say ``limit(256, "help")``."""
+    return functools.partial(flag, group=group)
 
 
 def checked(parse: Callable[[str], Any], keep_text: bool = False) -> Callable[[str], Any]:

@@ -28,18 +28,17 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from pdserve.router.discovery.replicas import share
-from pdserve.router.errors import APIError
+from pdserve.router.errors import APIError, retry_later
 from pdserve.router.shared_limits import SharedLimits
 
 Waiters = OrderedDict[str, deque[asyncio.Future[None]]]
 
 
 def queue_full(slots: int) -> APIError:
-    return APIError(
+    return retry_later(
         429,
         f"the router's queue is full ({slots} requests); retry later",
-        code="queue_full",
-        headers={"Retry-After": "1"},
+        "queue_full",
     )
 
 
@@ -82,12 +81,11 @@ class LocalCounts:
 
 
 def concurrency_limit(cap: int) -> APIError:
-    return APIError(
+    return retry_later(
         429,
         f"this API key already has {cap} requests in flight or "
         "waiting (--max-concurrency-per-key); retry when one finishes",
-        code="concurrency_limit_exceeded",
-        headers={"Retry-After": "1"},
+        "concurrency_limit_exceeded",
     )
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.router.errors import APIError
+from pdserve.router.file_watch import WatchedFile
 
 log = logging.getLogger(__name__)
 CHECK_EVERY_S = 1.0
@@ -67,7 +67,7 @@ class KeyFile:
     def __init__(self, path: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.path, self.clock = path, clock
         self.keys: dict[str, int] = {}
-        self._stamp: tuple[int, int] | None = None
+        self._file = WatchedFile(path, read_key_file)
         self._checked = -1e18
         self.refresh(force=True)
 
@@ -76,12 +76,9 @@ class KeyFile:
         if not force and now - self._checked < CHECK_EVERY_S:
             return
         self._checked = now
+        first = self._file.stamp is None
         try:
-            st = os.stat(self.path)
-            stamp = (st.st_mtime_ns, st.st_size)
-            if stamp == self._stamp:
-                return
-            keys = read_key_file(self.path)
+            keys = self._file.changed()
         except (OSError, ValueError) as exc:
             if force:
                 raise
@@ -89,9 +86,11 @@ class KeyFile:
                 "API key file %s not reloaded, keeping %d keys: %s", self.path, len(self.keys), exc
             )
             return
-        if self._stamp is not None:
+        if keys is None:
+            return
+        if not first:
             log.info("API key file %s reloaded: %d keys", self.path, len(keys))
-        self.keys, self._stamp = keys, stamp
+        self.keys = keys
 
 
 class KeyStore:

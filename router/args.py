@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import env
-from pdserve.config_cli import checked, flag
+from pdserve.config_cli import checked, flag_group
 from pdserve.router.adapters import parse_lora
 from pdserve.router.config import (
     DECODE_FILTERS,
@@ -33,6 +33,9 @@ from pdserve.router.edge_args import EdgeLimits, PickerArgs
 CLIENT_KEEP_ALIVE_S = 120
 
 SERVE, WORKERS, KEYS, ROUTE, HEALTH = "serving", "workers", "keys", "routing", "health"
+flag_serve, flag_workers, flag_keys, flag_route, flag_health = map(
+    flag_group, (SERVE, WORKERS, KEYS, ROUTE, HEALTH)
+)
 
 
 lora_flag = checked(parse_lora)
@@ -41,7 +44,7 @@ scorer_flag = checked(parse_scorer)
 
 def _scorers(help: str) -> Any:
     """A pool's ``--scorer``-style flag: NAME=WEIGHT, repeated."""
-    return flag((), help, group=ROUTE, metavar="NAME=WEIGHT", parse=scorer_flag, many="append")
+    return flag_route((), help, metavar="NAME=WEIGHT", parse=scorer_flag, many="append")
 
 
 def _pairs(pairs: tuple[tuple[str, float], ...]) -> str:
@@ -52,95 +55,83 @@ def _pairs(pairs: tuple[tuple[str, float], ...]) -> str:
 class RouterArgs:
     """Where the router serves, its workers, keys and routing."""
 
-    model: str = flag(
-        help="model dir (tokenizer + config) or FILE.gguf", group=SERVE, short=True, required=True
+    model: str = flag_serve(
+        help="model dir (tokenizer + config) or FILE.gguf", short=True, required=True
     )
-    served_model_name: str = flag(
-        "", "name clients use (default: dir name)", group=SERVE, short=True
-    )
-    host: str = flag("127.0.0.1", "address to bind", group=SERVE, short=True)
-    port: int = flag(8000, "HTTP port", group=SERVE, short=True)
-    procs: str = flag(
+    served_model_name: str = flag_serve("", "name clients use (default: dir name)", short=True)
+    host: str = flag_serve("127.0.0.1", "address to bind", short=True)
+    port: int = flag_serve(8000, "HTTP port", short=True)
+    procs: str = flag_serve(
         "1",
         "router processes on the port (SO_REUSEPORT), each with the full "
         "view; 'auto': the CPU limit (docs/router.md)",
-        group=SERVE,
         short=True,
     )
-    log_level: str = flag("info", "logging level", group=SERVE, short=True)
-    keep_alive_timeout: int = flag(
+    log_level: str = flag_serve("info", "logging level", short=True)
+    keep_alive_timeout: int = flag_serve(
         CLIENT_KEEP_ALIVE_S,
         "seconds an idle client connection stays open (longer than "
         "clients and load balancers keep theirs: docs/router.md)",
-        group=SERVE,
     )
-    fast_lane: bool = flag(
+    fast_lane: bool = flag_serve(
         False,
         "serve POST /v1/completions (one choice, no logprobs) with the compiled lane "
         "(rust/router_lane/, built by scripts/setup.sh); every other request on the "
         "Python lane behind it; without the module the Python lane serves all, and says so",
-        group=SERVE,
     )
-    prefill: tuple[str, ...] = flag(
-        (), "prefill worker URLs", group=WORKERS, short=True, metavar="URL", many="extend"
+    prefill: tuple[str, ...] = flag_workers(
+        (), "prefill worker URLs", short=True, metavar="URL", many="extend"
     )
-    decode: tuple[str, ...] = flag(
-        (), "decode worker URLs", group=WORKERS, short=True, metavar="URL", many="extend"
+    decode: tuple[str, ...] = flag_workers(
+        (), "decode worker URLs", short=True, metavar="URL", many="extend"
     )
-    discovery: str = flag(
+    discovery: str = flag_workers(
         "static",
         "static: --prefill/--decode or --workers-file; kubernetes: the LLMService's pods",
-        group=WORKERS,
         short=True,
         choices=("static", "kubernetes"),
     )
-    workers_file: str = flag(
+    workers_file: str = flag_workers(
         "",
         'JSON {"prefill": [URL], "decode": [URL]}, re-read on change '
         "(static discovery; used by pdserve up --autoscale)",
-        group=WORKERS,
     )
-    service: str = flag("", "LLMService name (kubernetes discovery)", group=WORKERS)
-    namespace: str = flag("", "namespace (default: the pod's own)", group=WORKERS)
-    api_key: str = flag(
-        "", "required bearer key", group=KEYS, short=True, exclusive="api", env=env.API_KEY
+    service: str = flag_workers("", "LLMService name (kubernetes discovery)")
+    namespace: str = flag_workers("", "namespace (default: the pod's own)")
+    api_key: str = flag_keys(
+        "", "required bearer key", short=True, exclusive="api", env=env.API_KEY
     )
-    api_key_file: str = flag(
+    api_key_file: str = flag_keys(
         "",
         "file with one API key per line, optionally 'KEY priority=N'; re-read when it changes",
-        group=KEYS,
         exclusive="api",
     )
-    admin_api_key: str = flag(
+    admin_api_key: str = flag_keys(
         "",
         "key that opens /metrics and /workers while API keys are on",
-        group=KEYS,
         exclusive="admin",
         env=env.ADMIN_API_KEY,
     )
-    admin_api_key_file: str = flag("", "file of admin keys", group=KEYS, exclusive="admin")
-    admin_port: int = flag(
+    admin_api_key_file: str = flag_keys("", "file of admin keys", exclusive="admin")
+    admin_port: int = flag_keys(
         0,
         "a second port (on --host) where /metrics and /workers need no "
         "key; keep it off the tenants' network (0: none)",
-        group=KEYS,
     )
-    picker: str = flag(
+    picker: str = flag_route(
         "max-score",
         "max-score: the best weighted score of the scorers; round-robin: rotation (a baseline)",
-        group=ROUTE,
         short=True,
         choices=PICKERS,
     )
-    disagg_threshold: int = flag(
-        256, "uncached prompt tokens below which decode prefills locally", group=ROUTE, short=True
+    disagg_threshold: int = flag_route(
+        256, "uncached prompt tokens below which decode prefills locally", short=True
     )
-    pd_handoff: str = flag(
+    pd_handoff: str = flag_route(
         "router",
         "who calls the prefill worker: the router (then the decode "
         "worker with the KV handle), or the decode worker, named the prefill "
         "workers to use (one call per request at the router; docs/router.md)",
-        group=ROUTE,
         choices=PD_HANDOFFS,
     )
     scorer: tuple[tuple[str, float], ...] = _scorers(
@@ -149,57 +140,50 @@ class RouterArgs:
     decode_scorer: tuple[tuple[str, float], ...] = _scorers(
         f"a decode scorer (default {_pairs(DECODE_SCORERS)})"
     )
-    prefill_filter: tuple[str, ...] = flag(
+    prefill_filter: tuple[str, ...] = flag_route(
         (),
         f"a prefill filter, repeated, run in order; 'none': no filter (default "
         f"{', '.join(PREFILL_FILTERS)}; of {', '.join(FILTERS)})",
-        group=ROUTE,
         metavar="NAME",
         many="append",
     )
-    decode_filter: tuple[str, ...] = flag(
+    decode_filter: tuple[str, ...] = flag_route(
         (),
         f"a decode filter (default {', '.join(DECODE_FILTERS)})",
-        group=ROUTE,
         metavar="NAME",
         many="append",
     )
-    default_max_tokens: int = flag(16, "max_tokens of a request that names none", group=ROUTE)
-    lora: tuple[tuple[str, str], ...] = flag(
+    default_max_tokens: int = flag_route(16, "max_tokens of a request that names none")
+    lora: tuple[tuple[str, str], ...] = flag_route(
         (),
         "a LoRA adapter served as model NAME (repeatable); its files are hashed here, and "
         "the workers get the same --lora",
-        group=ROUTE,
         metavar="NAME=PATH",
         parse=lora_flag,
         many="append",
     )
-    prefix_index_max_blocks: int = flag(
+    prefix_index_max_blocks: int = flag_route(
         1_000_000,
         "block hashes the prefix index remembers, "
         "all workers together; beyond them the least recently "
         "used are forgotten (~200 B each)",
-        group=ROUTE,
     )
-    prefix_tier_weights: str = flag(
+    prefix_tier_weights: str = flag_route(
         "host=0.8,disk=0.5,shared=0.3",
         "what a prefix hit in a prefill worker's KV tier is worth (the pool's is 1); "
         "a prefix in the shared tier is a hit on every prefill worker",
-        group=ROUTE,
         metavar="TIER=WEIGHT,...",
     )
-    health_interval: float = flag(1.0, "seconds between health checks", group=HEALTH)
-    stall_timeout: float = flag(
+    health_interval: float = flag_health(1.0, "seconds between health checks")
+    stall_timeout: float = flag_health(
         10.0,
         "seconds a decode stream or prefill may wait for a worker "
         "that fails its health check before it moves to another worker",
-        group=HEALTH,
     )
-    failover_wait: float = flag(
+    failover_wait: float = flag_health(
         30.0,
         "seconds a request whose decode workers all failed waits "
         "for one to come back (a restart) before it fails; 0: no wait",
-        group=HEALTH,
     )
 
 

@@ -13,5 +13,11 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param=param, code=code)
 
 
+def retry_later(status: int, message: str, code: str, after_s: int = 1) -> APIError:
+    """A refusal the client may send again in ``after_s`` seconds (its Retry-After header):
+    a full queue, a limit reached, a budget moving between replicas."""
+    return APIError(status, message, code=code, headers={"Retry-After": str(after_s)})
+
+
 def response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)

@@ -55,9 +55,11 @@ class Buckets:
         self.counts = [0] * len(bounds)
         self.sum = 0.0
 
-    def observe(self, amount: float) -> None:
-        self.sum += amount
-        self.counts[bisect_left(self.bounds, amount)] += 1  # first bound >= amount (le)
+    def observe(self, amount: float, times: int = 1) -> None:
+        """``times`` observations of ``amount`` (the tokens of one delta: router/metrics.py
+        ``itl``)."""
+        self.sum += amount * times
+        self.counts[bisect_left(self.bounds, amount)] += times  # first bound >= amount (le)
 
 
 class _Family:
@@ -148,8 +150,8 @@ class Histogram(_Family):
     def _new(self) -> Buckets:
         return Buckets(self.bounds)
 
-    def observe(self, amount: float) -> None:
-        self._one.observe(amount)
+    def observe(self, amount: float, times: int = 1) -> None:
+        self._one.observe(amount, times)
 
     def fold(self) -> None:
         """Take in what ``pull`` counted since the last fold."""

@@ -86,7 +86,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve import keys, signing
 from pdserve.router.admission import LocalCounts, concurrency_limit
-from pdserve.router.errors import APIError
+from pdserve.router.errors import APIError, retry_later
 from pdserve.router.ratelimit import RateLimiter
 from pdserve.router.shared_limits import SharedLimits
 from pdserve.worker_calls.http1 import CallFailed, WorkerPool
@@ -149,11 +149,10 @@ def own_url(given: str, admin_port: int) -> str:
 
 
 def budget_moving() -> APIError:
-    return APIError(
+    return retry_later(
         503,
         "this API key's budget is moving between router replicas; retry in a second",
-        code="budget_moving",
-        headers={"Retry-After": "1"},
+        "budget_moving",
     )
 
 
@@ -163,11 +162,10 @@ def view_of(peers: Sequence[str]) -> str:
 
 
 def owner_unreachable(owner: str) -> APIError:
-    return APIError(
+    return retry_later(
         503,
         "this API key's budget is kept by another router replica that does not answer; retry later",
-        code="budget_owner_unreachable",
-        headers={"Retry-After": "1"},
+        "budget_owner_unreachable",
     )
 
 

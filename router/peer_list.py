@@ -16,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
+from pdserve.router.file_watch import WatchedFile
 from pdserve.router.peer_budgets import base_url
 
 log = logging.getLogger(__name__)
@@ -42,22 +42,18 @@ class PeerFile:
 
     def __init__(self, path: str, listener: Callable[[tuple[str, ...]], None]) -> None:
         self.path, self.listener = path, listener
-        self._stamp: tuple[int, int] | None = None
+        self._file = WatchedFile(path, read_peers)
         self._task: asyncio.Task[None] | None = None
 
     def check(self) -> None:
         """Re-read the file if it changed (its mtime or size)."""
         try:
-            st = os.stat(self.path)
-            stamp = (st.st_mtime_ns, st.st_size)
-            if stamp == self._stamp:
-                return
-            peers = read_peers(self.path)
+            peers = self._file.changed()
         except (OSError, ValueError) as exc:
             log.warning("--budget-peers %s%s: %s (the last list is kept)", PREFIX, self.path, exc)
             return
-        self._stamp = stamp
-        self.listener(peers)
+        if peers is not None:
+            self.listener(peers)
 
     def start(self) -> None:
         async def run() -> None:

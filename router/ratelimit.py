@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.router.bucket import Bucket
 from pdserve.router.discovery.replicas import share
-from pdserve.router.errors import APIError
+from pdserve.router.errors import retry_later
 
 if TYPE_CHECKING:
     from pdserve.router.shared_limits import SharedLimits
@@ -100,12 +100,9 @@ class RateLimiter:
             wait = bucket.take(n, now)
         if wait == 0.0:
             return
-        raise APIError(
-            429,
-            f"rate limit of {limit} {kind} per minute reached; retry in {math.ceil(wait)} s",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": str(math.ceil(wait))},
-        )
+        after = math.ceil(wait)
+        message = f"rate limit of {limit} {kind} per minute reached; retry in {after} s"
+        raise retry_later(429, message, "rate_limit_exceeded", after)
 
     def _prune(self, now: float) -> None:
         if len(self._buckets) < MAX_CLIENTS:

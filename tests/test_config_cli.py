@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pdserve.config_cli import build_parser, flag, from_namespace, short_help
+from pdserve.config_cli import build_parser, flag, flag_group, from_namespace, options, short_help
 
 pytestmark = pytest.mark.unit
 
@@ -85,3 +85,20 @@ def test_the_short_help_lists_the_short_flags_and_names_the_groups() -> None:
     assert "--ratio" not in text and "more: 6 more" in text and "keys: 2 more" in text
     full = parser.format_help()
     assert "--ratio" in full and "(default: 8000)" in full and "(or env PDSERVE_API_KEY)" in full
+
+
+def test_a_group_helper_is_flag_with_its_group() -> None:
+    """``flag_group(G)(...)`` declares the field ``flag(..., group=G)`` does: one name for
+    the group per dataclass, the same flag."""
+    flag_more = flag_group("more")
+
+    @dataclass(frozen=True)
+    class Grouped:
+        mode: str = flag_more("a", "the mode", choices=("a", "b"))
+        url: tuple[str, ...] = flag_more((), "URLs", metavar="URL", many="extend")
+
+    grouped = {o.field.name: o for o in options(Grouped)}
+    toy = {o.field.name: o for o in options(Toy)}
+    for name in ("mode", "url"):
+        assert grouped[name].spec == toy[name].spec
+        assert grouped[name].default == toy[name].default

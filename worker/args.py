@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve import env
-from pdserve.config_cli import flag
+from pdserve.config_cli import flag_group
 from pdserve.engine.engine_args import EngineArgs
 from pdserve.engine.kv_tiers.config import TierArgs
 from pdserve.transfer.registry import (
@@ -22,6 +22,7 @@ from pdserve.transfer.registry import (
 from pdserve.worker.core.config import DEFAULT_STALL_S
 
 SERVER, PREFILL, DECODE = "server", "prefill", "decode"
+flag_server, flag_prefill, flag_decode = map(flag_group, (SERVER, PREFILL, DECODE))
 DEFAULT_PREFILL_TIMEOUT_S = 120.0  # a decode worker's wait for the prefill worker it calls
 
 
@@ -29,51 +30,47 @@ DEFAULT_PREFILL_TIMEOUT_S = 120.0  # a decode worker's wait for the prefill work
 class ServerArgs:
     """Where a worker listens, how peers reach it, and how its KV moves."""
 
-    host: str = flag("127.0.0.1", "address to bind", group=SERVER, short=True)
-    port: int = flag(8100, "HTTP port", group=SERVER, short=True)
-    advertise_host: str | None = flag(
+    host: str = flag_server("127.0.0.1", "address to bind", short=True)
+    port: int = flag_server(8100, "HTTP port", short=True)
+    advertise_host: str | None = flag_server(
         None,
         "address peers use to reach this worker (default: --host, or the pod IP)",
-        group=SERVER,
         env=env.ADVERTISE_HOST,
     )
-    side_channel_port: int | None = flag(
-        None, "the KV side channel's port (default: port + 2)", group=SERVER
+    side_channel_port: int | None = flag_server(
+        None, "the KV side channel's port (default: port + 2)"
     )
-    worker_id: str | None = flag(None, "the worker's name (default: ROLE-HOST-PORT)", group=SERVER)
-    kv_transport: str = flag(
+    worker_id: str | None = flag_server(None, "the worker's name (default: ROLE-HOST-PORT)")
+    kv_transport: str = flag_server(
         DEFAULT_TRANSPORT,
         "how KV moves between workers",
-        group=SERVER,
         short=True,
         choices=TRANSPORT_NAMES,
     )
-    log_level: str = flag("info", "logging level", group=SERVER)
-    core_stall_timeout: float = flag(
+    log_level: str = flag_server("info", "logging level")
+    core_stall_timeout: float = flag_server(
         DEFAULT_STALL_S,
         "seconds the engine core may go without "
         "a word before /health calls it hung (it sends one every "
         "second)",
-        group=SERVER,
     )
 
 
 @dataclass(frozen=True)
 class DecodeServerArgs(ServerArgs):
-    port: int = flag(8200, "HTTP port", group=SERVER, short=True)
+    port: int = flag_server(8200, "HTTP port", short=True)
 
 
 @dataclass(frozen=True)
 class PrefillArgs:
     """A prefill worker's own."""
 
-    kv_events_port: int | None = flag(
-        None, "its KV events' ZeroMQ port (default: port + 1)", group=PREFILL
+    kv_events_port: int | None = flag_prefill(
+        None, "its KV events' ZeroMQ port (default: port + 1)"
     )
-    lease_seconds: float = flag(
+    lease_seconds: float = flag_prefill(
         DEFAULT_LEASE_SECONDS,
         "how long handed-off KV is held unclaimed, and once claimed (one clock, here)",
-        group=PREFILL,
     )
 
 
@@ -81,24 +78,22 @@ class PrefillArgs:
 class DecodeArgs:
     """A decode worker's own."""
 
-    kv_events_port: int | None = flag(
-        None, "its load reports' ZeroMQ port (default: port + 1)", group=DECODE
+    kv_events_port: int | None = flag_decode(
+        None, "its load reports' ZeroMQ port (default: port + 1)"
     )
-    transfer_timeout: float = flag(
-        DEFAULT_TRANSFER_TIMEOUT, "seconds per KV load (claim, read, confirm)", group=DECODE
+    transfer_timeout: float = flag_decode(
+        DEFAULT_TRANSFER_TIMEOUT, "seconds per KV load (claim, read, confirm)"
     )
-    on_transfer_failure: str = flag(
+    on_transfer_failure: str = flag_decode(
         "recompute",
         "recompute the prompt locally, or fail the request",
-        group=DECODE,
         choices=("recompute", "fail"),
     )
-    prefill_timeout: float = flag(
+    prefill_timeout: float = flag_decode(
         DEFAULT_PREFILL_TIMEOUT_S,
         "seconds to wait for a prefill "
         "worker's reply when this worker calls it (the router's "
         "--pd-handoff decode); then the next one, or a local prefill",
-        group=DECODE,
     )
 
 

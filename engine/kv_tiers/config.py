@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import env
-from pdserve.config_cli import flag
+from pdserve.config_cli import flag_group
 
 TIER_NAMES = ("host", "disk", "shared")
 SHARED_PASSWORD_ENV = env.KV_SHARED_PASSWORD  # the shared store's password (a Secret)
@@ -53,35 +53,34 @@ class TierConfig:
 
 
 TIERS = "KV tiers (docs/kv_tiers.md)"
+flag_tiers = flag_group(TIERS)
 
 
 @dataclass(frozen=True)
 class TierArgs:
     """The KV tiers below the pool: each is off until its flag sizes or names it."""
 
-    kv_tier_host_bytes: int = flag(
-        0, "bytes of host RAM for KV blocks evicted from the pool (0: off)", group=TIERS
+    kv_tier_host_bytes: int = flag_tiers(
+        0, "bytes of host RAM for KV blocks evicted from the pool (0: off)"
     )
-    kv_tier_host_compress: bool = flag(False, "zlib-compress blocks in the host tier", group=TIERS)
-    kv_tier_disk_path: str | None = flag(
-        None, "directory of the local-disk KV tier (off without it)", group=TIERS
+    kv_tier_host_compress: bool = flag_tiers(False, "zlib-compress blocks in the host tier")
+    kv_tier_disk_path: str | None = flag_tiers(
+        None, "directory of the local-disk KV tier (off without it)"
     )
-    kv_tier_disk_bytes: int = flag(8 << 30, "size bound of the local-disk KV tier", group=TIERS)
-    kv_tier_shared_url: str | None = flag(
+    kv_tier_disk_bytes: int = flag_tiers(8 << 30, "size bound of the local-disk KV tier")
+    kv_tier_shared_url: str | None = flag_tiers(
         None,
         f"redis://HOST:PORT/DB of the shared KV store (password: ${SHARED_PASSWORD_ENV})",
-        group=TIERS,
     )
-    kv_tier_shared_ttl: int | None = flag(
+    kv_tier_shared_ttl: int | None = flag_tiers(
         None,
         "seconds a block stays in the shared store (default: until the server evicts it)",
-        group=TIERS,
     )
-    kv_tier_load_timeout: float = flag(
-        1.0, "seconds a tier load may take; the rest of the prefix is recomputed", group=TIERS
+    kv_tier_load_timeout: float = flag_tiers(
+        1.0, "seconds a tier load may take; the rest of the prefix is recomputed"
     )
-    kv_tier_write_queue_blocks: int = flag(
-        256, "evicted blocks queued for writing; more are dropped, not waited for", group=TIERS
+    kv_tier_write_queue_blocks: int = flag_tiers(
+        256, "evicted blocks queued for writing; more are dropped, not waited for"
     )
 
 

@@ -361,27 +361,49 @@ async def _hang(st: FakeState, rid: str) -> None:
         await asyncio.sleep(0.02)
 
 
+class Servers:
+    """uvicorn servers on 127.0.0.1 inside the test's event loop, stopped together.
+
+    One stop waits out uvicorn's 0.1 s tick and the 0.1 s pause of its shutdown (~0.15-0.25 s
+    here): four fakes stopped one after another cost ~0.65 s of each router test's teardown,
+    stopped at once ~0.2 s."""
+
+    def __init__(self) -> None:
+        self._running: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
+
+    async def start(self, app: Any, port: int = 0, **kw: Any) -> str:
+        """Serve an ASGI app on ``port`` (0: a free one); ``kw``: more of uvicorn.Config (the
+        router's ``http`` protocol). Idle connections live as long as in a real worker
+        (uvicorn's 5 s closed the router's pooled ones under it between two bench phases: a
+        failed call and a worker out of rotation)."""
+        port = port or free_port()
+        kw.setdefault("timeout_keep_alive", KEEP_ALIVE_S)
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **kw
+        )
+        server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve())
+        self._running.append((server, task))
+        while not server.started:
+            assert not task.done(), "server failed to start"
+            await asyncio.sleep(0.01)
+        return f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        running, self._running = self._running, []
+        for server, _ in running:
+            server.should_exit = True
+        await asyncio.wait_for(asyncio.gather(*(task for _, task in running)), 10)
+
+
 @contextlib.asynccontextmanager
 async def serve(app: Any, port: int = 0, **kw: Any) -> AsyncIterator[str]:
-    """Serve an ASGI app with uvicorn on 127.0.0.1 inside the test's event loop, on ``port``
-    (0: a free one); ``kw``: more of uvicorn.Config (the router's ``http`` protocol). Idle
-    connections live as long as in a real worker (uvicorn's 5 s closed the router's pooled
-    ones under it between two bench phases: a failed call and a worker out of rotation)."""
-    port = port or free_port()
-    kw.setdefault("timeout_keep_alive", KEEP_ALIVE_S)
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **kw
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "server failed to start"
-        await asyncio.sleep(0.01)
+    """One app served (:meth:`Servers.start`) until the block ends."""
+    servers = Servers()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield await servers.start(app, port, **kw)
     finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
+        await servers.stop()
 
 
 @dataclass
@@ -410,6 +432,7 @@ async def start_fakes(
     ctx = zmq.asyncio.Context()
     stack.callback(ctx.term)  # last: after the servers and their sockets
     fakes = Fakes([], [], [], [])
+    pubs: list[Any] = []
     for i in range(n_prefill):
         st = FakeState("prefill", f"p{i}")
         pub = None
@@ -418,13 +441,16 @@ async def start_fakes(
             st.kv_events = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
             stack.callback(pub.close, 0)
         fakes.prefill.append(st)
-        url = await stack.enter_async_context(serve(prefill_app(st, pub), http=WORKER_HTTP))
-        fakes.prefill_urls.append(url)
+        pubs.append(pub)
     for i in range(n_decode):
         st = FakeState("decode", f"d{i}")
         if i in busy:
             st.active["busy"] = 1
         fakes.decode.append(st)
-        url = await stack.enter_async_context(serve(decode_app(st), http=WORKER_HTTP))
-        fakes.decode_urls.append(url)
+    servers = Servers()
+    stack.push_async_callback(servers.stop)  # every server at once, before the sockets close
+    for st, pub in zip(fakes.prefill, pubs, strict=True):
+        fakes.prefill_urls.append(await servers.start(prefill_app(st, pub), http=WORKER_HTTP))
+    for st in fakes.decode:
+        fakes.decode_urls.append(await servers.start(decode_app(st), http=WORKER_HTTP))
     return fakes

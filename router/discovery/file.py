@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.router.discovery.workers import Endpoint, EndpointSource, normalize_url
+from pdserve.router.file_watch import WatchedFile
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,14 @@ def write_workers_file(path: str | Path, prefill: list[str], decode: list[str]) 
 class FileSource(EndpointSource):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._endpoints = read_workers_file(self.path)  # a bad file fails at start-up
-        self._mtime = self.path.stat().st_mtime_ns
+        self._file = WatchedFile(path, read_workers_file)
+        endpoints = self._file.changed()  # a bad file fails at start-up
+        assert endpoints is not None  # the first check always reads
+        self._endpoints = endpoints
 
     async def list(self) -> list[Endpoint]:
-        mtime = self.path.stat().st_mtime_ns
-        if mtime != self._mtime:
-            self._endpoints = read_workers_file(self.path)  # on error: Discovery keeps the old
-            self._mtime = mtime
-            log.info("workers file changed: %d workers", len(self._endpoints))
+        endpoints = self._file.changed()  # on error: Discovery keeps the old
+        if endpoints is not None:
+            self._endpoints = endpoints
+            log.info("workers file changed: %d workers", len(endpoints))
         return list(self._endpoints)

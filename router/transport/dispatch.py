@@ -175,12 +175,18 @@ class Dispatcher:
     ) -> Delta:
         now = time.perf_counter()
         if n > 0:
+            # One inter-token latency per token after the first, whatever lines a read
+            # merged into this delta: its n tokens share the gap since the last delta (the
+            # first delta's others came with the first token: 0). So both lanes count
+            # completion_tokens - 1 per request (the compiled lane's lane.rs ``delta``).
             if rs.first_token_at is None:
                 rs.first_token_at = now
                 self.metrics.ttft.observe(now - rs.start)
                 self.metrics.prefill_queue_depth.dec()
+                if n > 1:
+                    self.metrics.itl.observe(0.0, n - 1)
             elif rs.last_token_at is not None:
-                self.metrics.itl.observe(now - rs.last_token_at)
+                self.metrics.itl.observe((now - rs.last_token_at) / n, n)
             rs.last_token_at = now
         rs.completion_tokens += n
         rs.finish_reason = finish

@@ -75,7 +75,7 @@ def real_cluster() -> Iterator[RealCluster]:
     kubelet = FakeKubelet(api=plane.client(), stream=plane.client()).start()
     cluster = RealCluster(plane, kubelet)
     with released_after_last_user("real_cluster") as stack:  # tests/early_release.py
-        stack.callback(plane.stop)
+        stack.callback(plane.stop, kill=True)  # its last user is done: nothing to drain
         stack.callback(kubelet.close)
         yield cluster
 

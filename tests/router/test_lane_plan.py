@@ -114,7 +114,11 @@ def test_same_requests_same_plans(overrides: dict[str, Any]) -> None:
     kinds: set[str] = set()
     for step in range(400):
         if step % 25 == 0:  # loads, health and capacity move; once, no worker at all
-            snap = Snapshot(()) if step == 300 else _snapshot(rng, rng.randrange(0, 5), rng.randrange(0, 5))
+            snap = (
+                Snapshot(())
+                if step == 300
+                else _snapshot(rng, rng.randrange(0, 5), rng.randrange(0, 5))
+            )
         elif step % 7 == 0:  # one worker's in-flight count moves
             i = rng.randrange(len(snap.workers)) if snap.workers else None
             if i is not None:

@@ -49,30 +49,23 @@ json_like = st.recursive(
 
 @settings(max_examples=300, deadline=None)
 @given(
-    temperature=any_float,
-    top_p=finite,
-    bias=st.dictionaries(st.integers(0, 2**40), any_float, max_size=3),
-    structured=st.none() | st.dictionaries(text, json_like, max_size=3),
-    seed=st.none() | big_or_small,
-    stop=st.lists(text, max_size=2),
+    sp=st.builds(
+        SamplingParams,
+        temperature=any_float,
+        top_p=finite,
+        logit_bias=st.dictionaries(st.integers(0, 2**40), any_float, max_size=3),
+        structured=st.none() | st.dictionaries(text, json_like, max_size=3),
+        seed=st.none() | big_or_small,
+        stop=st.lists(text, max_size=2),
+    ),
     ids=st.lists(big_or_small, max_size=8),
 )
-def test_worker_messages_read_back_as_json_writes_them(
-    temperature, top_p, bias, structured, seed, stop, ids
-) -> None:
+def test_worker_messages_read_back_as_json_writes_them(sp: SamplingParams, ids: list[int]) -> None:
     """Sampling parameters as any caller may build them (unvalidated: NaN, infinities,
     integers past 64 bits, lone surrogates, int keys): the bytes always mean what json's
     mean."""
-    sp = SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        logit_bias=bias,
-        structured=structured,
-        seed=seed,
-        stop=stop,
-    )
     _same(PrefillRequest("r", ids, sp, "salt", LoraRef("a", None)))
-    handle = KVHandle("r", "agent", "tcp://127.0.0.1:1", [0], 1, [], 16, "n", temperature)
+    handle = KVHandle("r", "agent", "tcp://127.0.0.1:1", [0], 1, [], 16, "n", sp.temperature)
     _same(GenerateRequest("r", ids, sp, handle, 3))
 
 

@@ -14,10 +14,11 @@ impl Hist {
     }
 
     /// fast_metrics.Buckets.observe: the first bound >= x (bisect_left).
-    pub fn observe(&mut self, x: f64) {
+    /// `n` observations of `x` (a delta's tokens, Buckets.observe's `times`).
+    pub fn observe_n(&mut self, x: f64, n: u64) {
         let i = self.bounds.partition_point(|b| *b < x).min(self.counts.len() - 1);
-        self.counts[i] += 1;
-        self.sum += x;
+        self.counts[i] += n;
+        self.sum += x * n as f64;
     }
 
     /// What was counted since the last take.

@@ -241,13 +241,39 @@ async fn proxy(lane: &Arc<Lane>, parts: hyper::http::request::Parts, body: Proxy
     match sender.send_request(out).await {
         Ok(resp) => {
             let (p, inc) = resp.into_parts();
-            let body = Pooled { inner: inc, sender: Some(sender), lane: lane.clone() }.boxed();
+            let body = Pooled { inner: inc, sender: Some(sender), lane: lane.clone() };
+            let sse = p.headers.get("content-type").is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+            let body = if sse { relay(lane.clone(), body) } else { body.boxed() };
             Response::from_parts(p, body)
         }
         Err(e) => full(502, "text/plain", Bytes::from(format!("router lane: {e}"))),
     }
 }
 
+/// A stream the Python server answers (a declined request), relayed under the lane's
+/// --stream-write-timeout: a frame the client does not take within it cuts the relay,
+/// which drops the Python server's connection (it aborts the request on its workers, as
+/// for a client that goes) and counts the slow reader. Relayed straight, the hop's socket
+/// buffers (MBs on loopback) would hold the Python server's writes from ever waiting.
+fn relay(lane: Arc<Lane>, mut body: Pooled) -> Body {
+    let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, hyper::Error>>(1);
+    tokio::spawn(async move {
+        let wait = lane.write_timeout;
+        while let Some(frame) = body.frame().await {
+            let failed = frame.is_err();
+            match tokio::time::timeout(wait, tx.send(frame)).await {
+                Ok(Ok(())) if !failed => {}
+                Ok(_) => break, // the client went, or the Python server's stream failed
+                Err(_) => {
+                    lane.host.push(Job::SlowReader { token: 0, waited: wait.as_secs_f64() });
+                    break;
+                }
+            }
+        }
+        // dropped here: a stream read to its end has put its connection back (Pooled)
+    });
+    StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed()
+}
 
 struct Call {
     sender: crate::pool::Sender,
@@ -337,7 +363,7 @@ struct Run {
     start: Instant,
     first_at: Option<Instant>,
     last_at: Option<Instant>,
-    itls: Vec<f64>,
+    itls: Vec<(f64, u64)>, // (latency, tokens sharing it)
     output: Vec<Value>, // every token id sent, as the worker wrote it
     completion: u64,
     cached: u64,
@@ -376,14 +402,19 @@ impl Run {
         let now = Instant::now();
         if n > 0 {
             match self.first_at {
+                // one inter-token latency per token after the first (Dispatcher._delta):
+                // a delta's n tokens share its gap, the first delta's others count 0
                 None => {
                     self.first_at = Some(now);
                     let ttft = (now - self.start).as_secs_f64();
                     self.lane.host.push(Job::First { token: self.token(), ttft });
+                    if n > 1 {
+                        self.itls.push((0.0, n - 1));
+                    }
                 }
                 Some(_) => {
                     if let Some(last) = self.last_at {
-                        self.itls.push((now - last).as_secs_f64());
+                        self.itls.push(((now - last).as_secs_f64() / n as f64, n));
                     }
                 }
             }
@@ -535,8 +566,8 @@ fn finish(run: &mut Run) {
     };
     {
         let mut itl = run.lane.itl.lock().unwrap();
-        for x in run.itls.drain(..) {
-            itl.observe(x);
+        for (x, n) in run.itls.drain(..) {
+            itl.observe_n(x, n);
         }
     }
     run.lane.host.push(Job::End(End { token: run.plan.token, status: run.status, completion: run.completion, e2e, tpot }));
