@@ -18,8 +18,8 @@ from pdserve.engine.lora_files import LoraConfig, parse_lora_flag
 from pdserve.engine.model_source import resolve_model
 from pdserve.engine.spec_config import parse_speculative
 
-ENGINE, LORA = "engine", "LoRA adapters (docs/lora.md)"
-flag_engine, flag_lora = map(flag_group, (ENGINE, LORA))
+flag_engine = flag_group("engine")
+flag_lora = flag_group("LoRA adapters (docs/lora.md)")
 
 
 # --lora's and --speculative's checks at parse time (engine/lora_files.py,

@@ -19,8 +19,7 @@ from pdserve.config_cli import add_flags, flag_group
 from pdserve.engine.engine_args import EngineArgs, engine_config_from_args
 from pdserve.protocol.sampling_params import InvalidParameter, SamplingParams
 
-GEN = "generation"
-flag_gen = flag_group(GEN)
+flag_gen = flag_group("generation")
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ def _speculative(value: str) -> str:
     return speculative_flag(value) if value else value
 
 
-MAIN, PROCS, PASS = "serving", "processes", "passed to the router and the workers"
-flag_main, flag_procs, flag_pass = map(flag_group, (MAIN, PROCS, PASS))
-AUTOSCALE = "autoscaling (--autoscale; docs/autoscaling.md)"
-flag_autoscale = flag_group(AUTOSCALE)
+flag_main = flag_group("serving")
+flag_procs = flag_group("processes")
+flag_pass = flag_group("passed to the router and the workers")
+flag_autoscale = flag_group("autoscaling (--autoscale; docs/autoscaling.md)")
 
 
 @dataclass(frozen=True)

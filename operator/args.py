@@ -22,8 +22,9 @@ def cidr(value: str) -> str:
     return value
 
 
-SCOPE, RUN, POLICY = "what it watches", "running", "pod policy (docs/security.md)"
-flag_scope, flag_run, flag_policy = map(flag_group, (SCOPE, RUN, POLICY))
+flag_scope = flag_group("what it watches")
+flag_run = flag_group("running")
+flag_policy = flag_group("pod policy (docs/security.md)")
 
 
 def allowed(help: str, metavar: str, **kw: Any) -> Any:

@@ -32,10 +32,11 @@ from pdserve.router.edge_args import EdgeLimits, PickerArgs
 # (Go's 90 s) and load balancers' idle timeouts (60 s), so the client side gives up first.
 CLIENT_KEEP_ALIVE_S = 120
 
-SERVE, WORKERS, KEYS, ROUTE, HEALTH = "serving", "workers", "keys", "routing", "health"
-flag_serve, flag_workers, flag_keys, flag_route, flag_health = map(
-    flag_group, (SERVE, WORKERS, KEYS, ROUTE, HEALTH)
-)
+flag_serve = flag_group("serving")
+flag_workers = flag_group("workers")
+flag_keys = flag_group("keys")
+flag_route = flag_group("routing")
+flag_health = flag_group("health")
 
 
 lora_flag = checked(parse_lora)

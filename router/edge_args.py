@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from pdserve.config_cli import flag_group
 from pdserve.router.config import CACHE_ISOLATION
 
-LIMITS = "limits at the edge (docs/router.md)"
-flag_limits = flag_group(LIMITS)
+flag_limits = flag_group("limits at the edge (docs/router.md)")
 MODES = ("router", "endpoint-picker")  # --mode (endpoint-picker: router/picker/cli.py)
 DEFAULT_GRPC_PORT = 9002  # the extension's usual port for the picker's ext_proc service
 
@@ -88,8 +87,7 @@ class EdgeLimits:
     )
 
 
-PICKER = "endpoint picker (Gateway API Inference Extension, docs/router.md)"
-flag_picker = flag_group(PICKER)
+flag_picker = flag_group("endpoint picker (Gateway API Inference Extension, docs/router.md)")
 
 
 @dataclass(frozen=True)

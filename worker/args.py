@@ -21,8 +21,9 @@ from pdserve.transfer.registry import (
 )
 from pdserve.worker.core.config import DEFAULT_STALL_S
 
-SERVER, PREFILL, DECODE = "server", "prefill", "decode"
-flag_server, flag_prefill, flag_decode = map(flag_group, (SERVER, PREFILL, DECODE))
+flag_server = flag_group("server")
+flag_prefill = flag_group("prefill")
+flag_decode = flag_group("decode")
 DEFAULT_PREFILL_TIMEOUT_S = 120.0  # a decode worker's wait for the prefill worker it calls
 
 

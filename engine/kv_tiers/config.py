@@ -52,8 +52,7 @@ class TierConfig:
         return [name for name, yes in zip(TIER_NAMES, on, strict=True) if yes]
 
 
-TIERS = "KV tiers (docs/kv_tiers.md)"
-flag_tiers = flag_group(TIERS)
+flag_tiers = flag_group("KV tiers (docs/kv_tiers.md)")
 
 
 @dataclass(frozen=True)
