@@ -61,6 +61,11 @@ LANES = ("python", "fast")  # the router's lanes: --fast-lane off / on
 HANDOFF = {"pd-chain": "decode"}
 
 
+# --quick (the suite's run) checks that the bench works and the shape of its output, not
+# figures: 100 requests a phase (was 200) and 30 paced ones each way (was 60).
+QUICK_REQUESTS = 100
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = flags.parser(__doc__, "few requests (the test's run)")
     p.add_argument("--requests", type=int, default=2000, help="per throughput phase")
@@ -180,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # its decode
     args = p.parse_args(argv)
     if args.quick:
-        args.requests, args.latency_requests, args.text = 200, 60, True
+        args.requests, args.latency_requests, args.text = QUICK_REQUESTS, 30, True
     args.prompts = args.prompts or ("ids,text" if args.text else "ids")
     if not set(args.prompts.split(",")) <= {"ids", "text"}:
         p.error("--prompts: a comma list of ids, text")

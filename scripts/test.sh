@@ -8,6 +8,14 @@ cd "$(dirname "$0")/.."
 unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
+# Byte-compiled modules: these machines set PYTHONDONTWRITEBYTECODE=1, so every process the
+# suite starts (pdserve up's routers and workers, bench scripts, router processes: hundreds)
+# compiled this checkout's modules from source again, and each pytest session rewrote and
+# compiled every test module again. Unset, the first import writes __pycache__ (git-ignored,
+# written atomically) and the rest read it (the venv's packages are compiled by setup).
+# tests/router/test_router_process.py, pyc written against none, two pairs at load 9-12:
+# 45.5 -> 27.1 and 41.8 -> 34.0 CPU-s; collecting tests/router 16.2-19.2 -> 12.9-13.7.
+unset PYTHONDONTWRITEBYTECODE
 # The k8s_real tier's control plane (etcd, kube-apiserver, kube-controller-manager): built once
 # per machine from the Go module proxy into ~/.cache/pdserve/k8s/ (a no-op when cached, or
 # with KUBEBUILDER_ASSETS). A failed build fails make test here; the tier never skips under it.

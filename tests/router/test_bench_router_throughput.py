@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from router_throughput import compare, summarise
+from router_throughput import QUICK_REQUESTS, compare, summarise
 
 from pdserve.testing.loopback import run_bench
 
@@ -51,7 +51,7 @@ def test_router_throughput_quick(tmp_path: Path) -> None:
     assert set(runs) == {(p, k) for p in CPU_BOUND_US for k in ("ids", "text")}
     assert result["errors"] == 0, result  # every stream read to its end with a 200
     for (path, _), run in runs.items():
-        assert run["requests"] == 200 and run["rps"] > 0 and run["client_procs"] == 2
+        assert run["requests"] == QUICK_REQUESTS and run["rps"] > 0 and run["client_procs"] == 2
         assert 0 < run["router_cpu_us_per_req"] < CPU_BOUND_US[path], run
         assert 0 < run["router_busy"] <= 1.5, run  # a share of one core (a little slack)
     # issue 47's figures: the P/D path's CPU per request and every path's wall req/s
@@ -140,7 +140,7 @@ def test_floor_and_a_compared_tree_quick() -> None:
     assert {("direct", "ids", "main"), ("direct", "ids", "compare"), *floors} <= set(runs)
     assert result["errors"] == 0, result  # the floor's streams too, read to the end with a 200
     for key in floors:
-        assert runs[key]["requests"] == 200 and runs[key]["rps"] > 0
+        assert runs[key]["requests"] == QUICK_REQUESTS and runs[key]["rps"] > 0
     # lean-stream writes each token as it comes (the head before the decode call, then each
     # read): more writes per request than lean's one reply write beside its two calls
     lean, streamed = runs[("floor-lean", "ids", None)], runs[("floor-lean-stream", "ids", None)]
