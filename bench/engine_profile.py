@@ -46,18 +46,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
+from lib import flags
+from serve_models import default_model_dir
+
+from pdserve.engine import cpu_linear
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.protocol.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from lib import flags  # noqa: E402
-from serve_models import default_model_dir  # noqa: E402
-
-from pdserve.engine import cpu_linear  # noqa: E402
-from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
-from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
 CATEGORIES = ("lm_head", "linears", "attention", "other_ops", "logits_copy")
 

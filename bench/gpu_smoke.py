@@ -48,19 +48,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lib import flags
+
+from pdserve import env
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from lib import flags  # noqa: E402
-
-from pdserve import env  # noqa: E402
-from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
-from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
-from pdserve.testing.hf_reference import hf_greedy  # noqa: E402
 
 # Peak memory bandwidth, GB/s, by device name substring (vendor figures).
 HBM_GBPS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "A10": 600, "L4": 300}

@@ -62,8 +62,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_vs_real_windows as win
 from sim_vs_real import INTERVAL_S, measure_profile, stats, up_flags
 from sim_vs_real_host import (
