@@ -367,20 +367,23 @@ def _guarded(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
 
 def main() -> int:
     p = flags.parser(__doc__, "fidelity and one roofline point")
-    p.add_argument(
-        "--real-model",
-        default="",
-        help="a local HF model directory (bfloat16); default: the out-of-the-box "
-        "model (SmolLM2-135M-Instruct); none: skip",
-    )
-    p.add_argument("--bf16-logit-tol", type=float, default=0.15)
-    p.add_argument(
-        "--hbm-gbps",
-        type=float,
-        default=None,
-        help="the device's HBM bandwidth, GB/s; given, the roofline goal "
-        f"(ratio >= {ROOFLINE_GOAL} at B={ROOFLINE_BATCH}, CUDA graphs on) "
-        "fails the run when missed",
+    flags.add_options(
+        p,
+        real_model=(
+            "",
+            "a local HF model directory (bfloat16); default: the out-of-the-box model "
+            "(SmolLM2-135M-Instruct); none: skip",
+        ),
+        bf16_logit_tol=(
+            0.15,
+            "the bfloat16 checks' bound: how far below the best logit (transformers, "
+            "teacher-forced) each engine token's may be",
+        ),
+        hbm_gbps=(
+            float,
+            f"the device's HBM bandwidth, GB/s; given, the roofline goal (ratio >= "
+            f"{ROOFLINE_GOAL} at B={ROOFLINE_BATCH}, CUDA graphs on) fails the run when missed",
+        ),
     )
     args = p.parse_args()
     if not torch.cuda.is_available():
