@@ -24,7 +24,6 @@ import argparse
 import ctypes
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,10 +35,9 @@ import torch
 import torch.nn.functional as F
 from lib import flags
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pdserve.engine import cpu_kernel
 
-from pdserve.engine import cpu_kernel  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SHAPES = {"tiny": (4, 2, 32), "small": (8, 4, 64)}  # query heads, KV heads, head dim
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}

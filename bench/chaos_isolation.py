@@ -53,17 +53,12 @@ import contextlib
 import os
 import pickle
 import secrets
-import sys
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 async def admin_port_changes(url: str, admin_url: str, adapter: str) -> int:

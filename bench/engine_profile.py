@@ -46,18 +46,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
+from lib import flags
+from serve_models import default_model_dir
+
+from pdserve.engine import cpu_linear
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.protocol.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from lib import flags  # noqa: E402
-from serve_models import default_model_dir  # noqa: E402
-
-from pdserve.engine import cpu_linear  # noqa: E402
-from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
-from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
 CATEGORIES = ("lm_head", "linears", "attention", "other_ops", "logits_copy")
 
@@ -67,24 +65,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="default", help="'default' (SmolLM2), 'tiny' or a dir")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     flags.add_ints(p, batch=16, prompt_len=256, decode_steps=16, threads=1)
-    p.add_argument("--eager", action="store_true", help="transformers' forward, no compile")
-    p.add_argument(
-        "--pack",
-        action="store_true",
-        help="with --eager: the compiled path's linear layers (cpu_linear.prepare), unfused",
-    )
-    p.add_argument(
-        "--blas-call-macs",
-        type=int,
-        default=cpu_linear.BLAS_CALL_MACS,
-        help="cpu_linear's bound for a small weight's BLAS calls (2^19: before 2026-12-07)",
-    )
-    p.add_argument(
-        "--blas-only-elements",
-        type=int,
-        default=cpu_linear.BLAS_ONLY_ELEMENTS,
-        help="cpu_linear's bound for float32 weights kept BLAS-only on an Intel CPU "
-        "(0: every weight of 2^19 elements or more packed, as before 2026-12-07's fourth pass)",
+    flags.add_options(
+        p,
+        eager=(False, "transformers' forward, no compile"),
+        pack=(
+            False,
+            "with --eager: the compiled path's linear layers (cpu_linear.prepare), unfused",
+        ),
+        blas_call_macs=(
+            cpu_linear.BLAS_CALL_MACS,
+            "cpu_linear's bound for a small weight's BLAS calls (2^19: before 2026-12-07)",
+        ),
+        blas_only_elements=(
+            cpu_linear.BLAS_ONLY_ELEMENTS,
+            "cpu_linear's bound for float32 weights kept BLAS-only on an Intel CPU (0: every "
+            "weight of 2^19 elements or more packed, as before 2026-12-07's fourth pass)",
+        ),
     )
     args = p.parse_args()
     if args.quick:

@@ -32,12 +32,9 @@ checks, routing, the messages, signing, metrics, the stream's bookkeeping); minu
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import uvicorn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve import keys
 from pdserve.coalesce import CoalescingHttpTools

@@ -48,19 +48,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lib import flags
+
+from pdserve import env
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.hf_reference import hf_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from lib import flags  # noqa: E402
-
-from pdserve import env  # noqa: E402
-from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
-from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
-from pdserve.testing.hf_reference import hf_greedy  # noqa: E402
 
 # Peak memory bandwidth, GB/s, by device name substring (vendor figures).
 HBM_GBPS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "A10": 600, "L4": 300}
@@ -370,20 +367,23 @@ def _guarded(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
 
 def main() -> int:
     p = flags.parser(__doc__, "fidelity and one roofline point")
-    p.add_argument(
-        "--real-model",
-        default="",
-        help="a local HF model directory (bfloat16); default: the out-of-the-box "
-        "model (SmolLM2-135M-Instruct); none: skip",
-    )
-    p.add_argument("--bf16-logit-tol", type=float, default=0.15)
-    p.add_argument(
-        "--hbm-gbps",
-        type=float,
-        default=None,
-        help="the device's HBM bandwidth, GB/s; given, the roofline goal "
-        f"(ratio >= {ROOFLINE_GOAL} at B={ROOFLINE_BATCH}, CUDA graphs on) "
-        "fails the run when missed",
+    flags.add_options(
+        p,
+        real_model=(
+            "",
+            "a local HF model directory (bfloat16); default: the out-of-the-box model "
+            "(SmolLM2-135M-Instruct); none: skip",
+        ),
+        bf16_logit_tol=(
+            0.15,
+            "the bfloat16 checks' bound: how far below the best logit (transformers, "
+            "teacher-forced) each engine token's may be",
+        ),
+        hbm_gbps=(
+            float,
+            f"the device's HBM bandwidth, GB/s; given, the roofline goal (ratio >= "
+            f"{ROOFLINE_GOAL} at B={ROOFLINE_BATCH}, CUDA graphs on) fails the run when missed",
+        ),
     )
     args = p.parse_args()
     if not torch.cuda.is_available():

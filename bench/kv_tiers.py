@@ -41,17 +41,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_pool import KVShape
+from pdserve.engine.kv_tiers.attach import attach, detach
+from pdserve.engine.kv_tiers.config import TierConfig
+from pdserve.engine.kv_tiers.redis_server import LocalRedis, start_redis
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.protocol.sampling_params import SamplingParams
 
-from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.kv_pool import KVShape  # noqa: E402
-from pdserve.engine.kv_tiers.attach import attach, detach  # noqa: E402
-from pdserve.engine.kv_tiers.config import TierConfig  # noqa: E402
-from pdserve.engine.kv_tiers.redis_server import LocalRedis, start_redis  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
-from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SETTINGS = ("off", "host", "disk", "shared")
 PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -30,13 +30,12 @@ import torch
 from lib import flags
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pdserve.protocol.codec import from_dict
+from pdserve.transfer.connector import RemoteKVConnector
+from pdserve.transfer.messages import CompatRecord, KVHandle
+from pdserve.transfer.pool_server import DTYPES, fill_pool
 
-from pdserve.protocol.codec import from_dict  # noqa: E402
-from pdserve.transfer.connector import RemoteKVConnector  # noqa: E402
-from pdserve.transfer.messages import CompatRecord, KVHandle  # noqa: E402
-from pdserve.transfer.pool_server import DTYPES, fill_pool  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SEED = 7
 

@@ -38,20 +38,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
+from lib import flags
+from lora_routing import compare
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.lora_files import LoraConfig
+from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.protocol.contract import LoraRef
+from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.lora_adapters import ATTENTION, MLP, AdapterSpec, write_adapter
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from lib import flags  # noqa: E402  (bench/lib/)
-from lora_routing import compare  # noqa: E402  (bench/, beside this script)
-
-from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.lora_files import LoraConfig  # noqa: E402
-from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
-from pdserve.protocol.contract import LoraRef  # noqa: E402
-from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
-from pdserve.testing.lora_adapters import ATTENTION, MLP, AdapterSpec, write_adapter  # noqa: E402
 
 NUM_ADAPTERS = 8
 GOAL = 0.7

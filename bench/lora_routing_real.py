@@ -24,14 +24,13 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pdserve import env
+from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.testing.loopback import all_kv_free
+from pdserve.testing.lora_adapters import ATTENTION, AdapterSpec, write_adapter
+from pdserve.testing.up import port_base, running_up
 
-from pdserve import env  # noqa: E402
-from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
-from pdserve.testing.loopback import all_kv_free  # noqa: E402
-from pdserve.testing.lora_adapters import ATTENTION, AdapterSpec, write_adapter  # noqa: E402
-from pdserve.testing.up import port_base, running_up  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 ADAPTERS = 6
 OFF = [

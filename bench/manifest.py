@@ -48,6 +48,14 @@ def manifest(folder: Path, command: str, commit: str | None, note: str = "") -> 
     return out
 
 
+def write(folder: Path, command: str, commit: str = "HEAD", note: str = "") -> dict:
+    """Write ``folder``'s manifest.json, last (its files are what the folder holds now);
+    ``commit`` a revision of this checkout ('' if unknown)."""
+    out = manifest(folder, command, short_commit(commit) if commit else None, note)
+    (folder / "manifest.json").write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path, help="bench/recordings/<bench>/<date-label>")
@@ -57,10 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.folder.is_dir():
         raise SystemExit(f"{args.folder}: no such folder")
-    commit = short_commit(args.commit) if args.commit else None
-    out = manifest(args.folder, args.command, commit, args.note)
-    (args.folder / "manifest.json").write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out))
+    print(json.dumps(write(args.folder, args.command, args.commit, args.note)))
     return 0
 
 

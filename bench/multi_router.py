@@ -48,10 +48,7 @@ from typing import Any
 import httpx
 import routing  # bench/routing.py, beside this script: its workload and client
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from pdserve.local.processes import LocalCluster, Proc  # noqa: E402
+from pdserve.local.processes import LocalCluster, Proc
 
 REPLICAS = 3
 

@@ -39,16 +39,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-
-import aiohttp  # noqa: E402
-import figures  # noqa: E402
-import kmock  # noqa: E402
-import kopf  # noqa: E402
-import yaml  # noqa: E402
-from lib import flags  # noqa: E402
-from operator_peers import PEERING, REPLICAS, CountingServer, start_replicas, window  # noqa: E402
-from router_discovery_load import (  # noqa: E402
+import aiohttp
+import figures
+import kmock
+import kopf
+import yaml
+from lib import flags
+from operator_peers import PEERING, REPLICAS, CountingServer, start_replicas, window
+from router_discovery_load import (
     BASELINE_AGENT,
     WATCH_AGENT,
     requests_of,
@@ -56,11 +54,11 @@ from router_discovery_load import (  # noqa: E402
     write_world,
 )
 
-from pdserve.operator.cache import WATCHED  # noqa: E402
-from pdserve.operator.handlers import OperatorConfig  # noqa: E402
-from pdserve.operator.kube import KubeClient  # noqa: E402
-from pdserve.operator.render import render  # noqa: E402
-from pdserve.testing.k8s_emulator import ApiServer  # noqa: E402
+from pdserve.operator.cache import WATCHED
+from pdserve.operator.handlers import OperatorConfig
+from pdserve.operator.kube import KubeClient
+from pdserve.operator.render import render
+from pdserve.testing.k8s_emulator import ApiServer
 
 NS = "default"
 # The bench's own agents; every other request at the emulator is the operator's.
@@ -349,7 +347,7 @@ def main() -> int:
     window = args.window or (5.0 if args.quick else 60.0)
     n_routers = args.routers if args.routers is not None else (2 if args.quick else 10)
     # --quick (the test suite) must not overwrite the full run's figure
-    png = ROOT / "bench" / "out" / f"operator_load{'-quick' if args.quick else ''}.png"
+    png = flags.OUT / f"operator_load{'-quick' if args.quick else ''}.png"
     result = asyncio.run(run(counts, window, n_routers, png, config))
     print(json.dumps(result))
     return 1 if result["goal_met"] is False else 0

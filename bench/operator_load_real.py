@@ -27,11 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # for tests.k8s_real (the stdlib operator is imported already)
-
-from pdserve.testing.k8s_real import cluster  # noqa: E402
-from pdserve.testing.k8s_real.cluster import (  # noqa: E402
+from pdserve.testing.k8s_real import cluster
+from pdserve.testing.k8s_real.cluster import (
     CHART,
     RELEASE,
     SYSTEM_NS,
@@ -40,8 +37,8 @@ from pdserve.testing.k8s_real.cluster import (  # noqa: E402
     is_ready,
     read_only_pvc,
 )
-from pdserve.testing.k8s_real.control_plane import ControlPlane, find_binaries  # noqa: E402
-from pdserve.testing.k8s_real.fake_kubelet import FakeKubelet, create_nodes  # noqa: E402
+from pdserve.testing.k8s_real.control_plane import ControlPlane, find_binaries
+from pdserve.testing.k8s_real.fake_kubelet import FakeKubelet, create_nodes
 
 NS = "llm-load"
 SAMPLE = re.compile(r"^apiserver_request_total\{([^}]*)\} ([0-9.e+]+)$", re.M)

@@ -32,25 +32,21 @@ import asyncio
 import contextlib
 import importlib.util
 import os
-import sys
 import time
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("PDSERVE_SERVICE_SECRET", "bench")
 
-from fastapi import FastAPI, Request  # noqa: E402
-from lib.output import emit  # noqa: E402
+from fastapi import FastAPI, Request
+from lib.output import emit
 
-from pdserve import keys  # noqa: E402
-from pdserve.router import peer_budgets  # noqa: E402
-from pdserve.router.ratelimit import RateLimiter  # noqa: E402
-from pdserve.testing.loopback import free_port  # noqa: E402
-from pdserve.testing.peer_replicas import _app  # noqa: E402
-from pdserve.testing.router_fakes import serve  # noqa: E402
+from pdserve import keys
+from pdserve.router import peer_budgets
+from pdserve.router.ratelimit import RateLimiter
+from pdserve.testing.loopback import free_port
+from pdserve.testing.peer_replicas import _app
+from pdserve.testing.router_fakes import serve
 
 CONCURRENT = 16  # requests of the key at once in the concurrent case
 

@@ -21,12 +21,9 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib import flags
 from lib.loopback import secret_env, tiny_model
 from router_throughput import ROOT, body, child, load_avg, one, router_flags, wait_ready

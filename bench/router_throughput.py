@@ -47,12 +47,11 @@ from lib.stats import percentile
 from router_client import across_processes, closed_loop, one, session  # beside this script
 from spread import spread  # bench/spread.py, beside this script
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pdserve import keys, signing
+from pdserve.env import SERVICE_SECRET
+from pdserve.local.proc_group import end_group
 
-from pdserve import keys, signing  # noqa: E402
-from pdserve.env import SERVICE_SECRET  # noqa: E402
-from pdserve.local.proc_group import end_group  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # The paths: --disagg-threshold for each (the prompts are 64 tokens), and who calls the
 # prefill worker on the P/D path (--pd-handoff: pd-chain has the decode worker call it).

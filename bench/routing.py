@@ -46,14 +46,13 @@ from lib import flags
 from lib.completions import greedy_stream
 from lib.stats import percentile
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pdserve.local.processes import ClusterSpec, LocalCluster
+from pdserve.protocol.codec import decode, encode
+from pdserve.protocol.contract import GenerateRequest, TokenDelta
+from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES
 
-from pdserve.local.processes import ClusterSpec, LocalCluster  # noqa: E402
-from pdserve.protocol.codec import decode, encode  # noqa: E402
-from pdserve.protocol.contract import GenerateRequest, TokenDelta  # noqa: E402
-from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
-from pdserve.transfer.registry import DEFAULT_TRANSPORT, TRANSPORT_NAMES  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 BLOCK = 16
 

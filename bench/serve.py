@@ -47,17 +47,15 @@ from pathlib import Path
 from typing import Any
 
 import figures  # bench/figures.py, beside this script
+import serve_models
 from lib import flags
+from serve_load import Load, run_point, served_model, warm_up
+from serve_peer import describe_peer, ours_threads
+from spread import spread
 
 from pdserve.local.proc_group import end_group, start_group
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-import serve_models  # noqa: E402
-from serve_load import Load, run_point, served_model, warm_up  # noqa: E402
-from serve_peer import describe_peer, ours_threads  # noqa: E402
-from spread import spread  # noqa: E402
 
 SETUPS = {
     "default": [],

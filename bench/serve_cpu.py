@@ -29,13 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-import serve  # noqa: E402
-import serve_models  # noqa: E402
-from lib.procfs import cpu_seconds, descendants  # noqa: E402
-from serve_load import Load, run_point, served_model, warm_up  # noqa: E402
+import serve
+import serve_models
+from lib.procfs import cpu_seconds, descendants
+from serve_load import Load, run_point, served_model, warm_up
 
 
 def role(argv: list[str]) -> str:

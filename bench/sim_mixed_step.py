@@ -30,8 +30,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import pyplot, save
 from lib import flags
 

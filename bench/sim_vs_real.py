@@ -34,10 +34,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import figures
+import numpy as np
 import sim_vs_real_record as record
 from sim_vs_real_host import describe, measure_host
 from sim_vs_real_up import RealRun, run_real

@@ -32,8 +32,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_vs_real_windows as win
 from sim_vs_real_host import describe, measure_host
 from sim_vs_real_scaling import (

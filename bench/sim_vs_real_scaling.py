@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -61,9 +62,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import manifest
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_vs_real_windows as win
 from sim_vs_real import INTERVAL_S, measure_profile, stats, up_flags
 from sim_vs_real_host import (
@@ -485,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
             {"role": "calibration", "quick": args.quick},
             args.core_zygote,
         )
+        if not args.work_dir:  # a recording of its own making: its manifest, as every one has
+            given = sys.argv[1:] if argv is None else argv
+            manifest.write(work, shlex.join(["python", "bench/sim_vs_real_scaling.py", *given]))
         print(json.dumps({"calibration": str(work), **meta["real"]}))
         return 0
     calibration = Recording(Path(args.calibration))

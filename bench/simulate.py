@@ -34,10 +34,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import figures
+import numpy as np
 from lib import flags
 from sim_mix import mix_section
 from sim_mix_sweep import plot_curve

@@ -33,13 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from lib import flags
+from serve import start_ours, stop
+from speculative_workloads import WORKLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from lib import flags  # noqa: E402
-from serve import start_ours, stop  # noqa: E402
-from speculative_workloads import WORKLOADS  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -61,7 +61,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def ensure_model(args: argparse.Namespace) -> str:
     if args.model:
         return str(args.model)
-    sys.path.insert(0, str(ROOT))  # ours, for the tiny-model writer only
     from pdserve.engine.tiny_model import write_tiny_model
 
     return str(write_tiny_model(ROOT / ".cache" / "models" / "tiny-seed0", "tiny"))

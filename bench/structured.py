@@ -43,13 +43,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.protocol.sampling_params import SamplingParams
 
-from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
-from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # At least 64 items: no output completes within max_tokens, so both runs decode the same
 # number of tokens in the same batch shapes.

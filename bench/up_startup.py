@@ -35,14 +35,12 @@ import time
 from pathlib import Path
 
 import httpx
+import up_startup_peer  # bench/, this script's folder, is on sys.path
+import up_startup_zygote
+
+from pdserve.local.proc_group import end_group, start_group
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import up_startup_peer  # noqa: E402  (bench/, this script's folder, is on sys.path)
-import up_startup_zygote  # noqa: E402
-
-from pdserve.local.proc_group import end_group, start_group  # noqa: E402
 
 CACHE_KEYS = (
     "PDSERVE_CACHE",

@@ -18,12 +18,8 @@ import json
 import os
 import statistics
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from pdserve.testing.up import running_up  # noqa: E402
+from pdserve.testing.up import running_up
 
 WAYS = {"zygote": [], "plain": ["--no-core-zygote"]}
 

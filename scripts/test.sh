@@ -2,10 +2,6 @@
 # The one test command (README and .ci/run): set up, lint, type-check, test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Bytecode is written and kept (this machine's environment sets PYTHONDONTWRITEBYTECODE=1):
-# without it each pytest process rewrites every test module's asserts again (collection
-# 48 -> 12.5 CPU-s per process once cached) and each subprocess compiles pdserve again.
-unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 # Byte-compiled modules: these machines set PYTHONDONTWRITEBYTECODE=1, so every process the
@@ -14,7 +10,8 @@ export PATH="$PWD/.venv/bin:$PATH"
 # compiled every test module again. Unset, the first import writes __pycache__ (git-ignored,
 # written atomically) and the rest read it (the venv's packages are compiled by setup).
 # tests/router/test_router_process.py, pyc written against none, two pairs at load 9-12:
-# 45.5 -> 27.1 and 41.8 -> 34.0 CPU-s; collecting tests/router 16.2-19.2 -> 12.9-13.7.
+# 45.5 -> 27.1 and 41.8 -> 34.0 CPU-s; collecting tests/router 16.2-19.2 -> 12.9-13.7;
+# collecting the whole suite 48 -> 12.5 CPU-s a process.
 unset PYTHONDONTWRITEBYTECODE
 # The k8s_real tier's control plane (etcd, kube-apiserver, kube-controller-manager): built once
 # per machine from the Go module proxy into ~/.cache/pdserve/k8s/ (a no-op when cached, or

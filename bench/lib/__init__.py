@@ -6,7 +6,9 @@
 - ``flags``: the common ``--quick``, ``--plot`` and ``--repeat`` flags;
 - ``completions``: the OpenAI completion bodies the benches send.
 
-A bench runs as ``python bench/NAME.py`` (bench/ is then first on ``sys.path``, so
-``from lib import stats`` resolves here); the tests import benches with bench/ on the path
-(pyproject's pytest ``pythonpath``). Nothing here imports tests/.
+A bench runs as ``python bench/NAME.py`` from the project's venv: Python puts bench/, the
+script's folder, first on ``sys.path``, so ``from lib import stats`` and ``import serve``
+resolve here, and pdserve comes from the venv's install. The tests import benches by the
+same names (pyproject's pytest ``pythonpath`` lists bench/). Nothing in bench/ edits
+``sys.path`` or imports tests/ (tests/test_import_paths.py).
 """

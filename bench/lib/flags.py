@@ -38,3 +38,18 @@ def add_ints(p: argparse.ArgumentParser, **defaults: int | tuple[int, ...]) -> N
             p.add_argument(flag, type=int, nargs=len(default), default=list(default))
         else:
             p.add_argument(flag, type=int, default=default)
+
+
+def add_options(p: argparse.ArgumentParser, **specs: tuple[object, str]) -> None:
+    """Flags with a help line as data: ``name=(default, help)`` per keyword, in order, as
+    ``--name-with-dashes``. The default says the kind: ``False`` a switch, a number or a
+    string a value of its type, a type itself (``float``) a value of that type that is
+    ``None`` when not given."""
+    for name, (default, text) in specs.items():
+        flag = "--" + name.replace("_", "-")
+        if default is False:
+            p.add_argument(flag, action="store_true", help=text)
+        elif isinstance(default, type):
+            p.add_argument(flag, type=default, default=None, help=text)
+        else:
+            p.add_argument(flag, type=type(default), default=default, help=text)

@@ -64,9 +64,41 @@ def test_bench_manifest_writes_what_the_check_wants(tmp_path: Path) -> None:
     assert out.returncode != 0 and "starts with its date" in out.stderr
 
 
+def test_a_calibration_kept_by_default_gets_its_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/sim_vs_real_scaling.py --calibrate, the one bench that makes its own folder
+    under bench/recordings/, writes the manifest there (the run itself faked)."""
+    import sim_vs_real_scaling as scaling
+
+    def record_real(work: Path, *_: object) -> dict:
+        (work / "real.json").write_text("{}")
+        return {"real": {}}
+
+    folder = tmp_path / "sim_vs_real_scaling"
+    monkeypatch.setattr(scaling, "RECORDINGS", folder)
+    monkeypatch.setattr(scaling, "measure_profile", lambda _m, path, quick: Path(path).touch())
+    monkeypatch.setattr(scaling, "record_real", record_real)
+    assert scaling.main(["--calibrate", "--model", "m", "--quick"]) == 0
+    (run,) = folder.iterdir()
+    manifest = json.loads((run / "manifest.json").read_text())
+    _check(run, manifest)
+    assert manifest["files"] == ["profile.json", "real.json"]
+    command = "python bench/sim_vs_real_scaling.py --calibrate --model m --quick"
+    assert manifest["command"] == command
+
+
 def test_no_run_lies_outside_a_bench_folder() -> None:
     loose = [p for p in RECORDINGS.iterdir() if p.is_dir() and re.match(r"\d{4}-", p.name)]
     assert not loose, f"move these under bench/recordings/<bench>/: {loose}"
+
+
+def test_a_bench_folder_holds_runs_and_a_readme_at_most() -> None:
+    """Beside the runs, a README.md (an overview) and nothing else, at either level."""
+    files = [p for p in [*RECORDINGS.glob("*"), *RECORDINGS.glob("*/*")] if not p.is_dir()]
+    assert [p for p in files if p.name != "README.md"] == []
+    benches = [p for p in RECORDINGS.iterdir() if p.is_dir()]
+    assert [p for p in benches if not any(run.is_dir() for run in p.iterdir())] == []
 
 
 def _expand(path: str) -> list[str]:

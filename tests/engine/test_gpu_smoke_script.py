@@ -10,12 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import gpu_smoke
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import gpu_smoke  # noqa: E402
 
 pytestmark = pytest.mark.unit
 

@@ -43,6 +43,7 @@ from tests.model_families import MLA_FULL_LATENT, cached_family
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).resolve().parent
+BENCH = HERE.parents[1] / "bench"
 TOLERANCE = 1e-5
 # The padded graph step runs its GEMMs on 4 rows where the eager one runs 3: the BLAS may
 # pick another kernel for that shape (2.1e-5 apart on an AMD EPYC host). A graph that read
@@ -51,7 +52,15 @@ GRAPH_TOLERANCE = 1e-4
 
 
 def interpreted_env() -> dict[str, str]:
-    return {**os.environ, "TRITON_INTERPRET": "1", "PDSERVE_ATTENTION_BACKEND": "triton"}
+    """The child's environment: Triton's interpreter, and bench/ on its path as pytest's
+    ``pythonpath`` puts it on this process's (triton_engine_cases.py imports gpu_smoke)."""
+    path = os.pathsep.join(p for p in (str(BENCH), os.environ.get("PYTHONPATH", "")) if p)
+    return {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PDSERVE_ATTENTION_BACKEND": "triton",
+        "PYTHONPATH": path,
+    }
 
 
 def triton_engine_cases_ids() -> list[str]:

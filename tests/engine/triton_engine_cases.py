@@ -157,7 +157,6 @@ def gpu_smoke_mla_case() -> dict[str, object]:
     key = value), its logic on CPU at a tiny size, float32 (the interpreter's bfloat16 is
     not the GPU's): on the kernel, and on a kernel made wrong (the scores summed over 8 of
     the latent's 9 slices), which the check must fail."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import gpu_smoke
 
     from pdserve.engine import triton_attention as ta

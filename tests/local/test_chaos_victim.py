@@ -8,11 +8,8 @@ test_bench_chaos.py), so the test is fast and shows the kill waits for the load.
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import chaos
 import pytest
 

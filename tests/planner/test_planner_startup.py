@@ -148,7 +148,6 @@ async def test_pools_time_each_worker_from_spawn_to_health(tmp_path: Path) -> No
 
 def test_a_profile_carries_its_startup_and_where_it_comes_from(tmp_path: Path) -> None:
     """The simulated cluster's pod start-up comes from the profile, with its source."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from pdserve.planner.sim.scenarios import setup
 
     assert H100_LLAMA3_8B.startup_s == 40.0

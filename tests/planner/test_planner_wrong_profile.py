@@ -8,13 +8,9 @@ where a planner with the right profile puts them.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from pdserve.planner.config import SLO, Bounds, PlannerConfig
 from pdserve.planner.decision import PlannerState
 from pdserve.planner.plan import plan

@@ -3,14 +3,12 @@ budget (planner/sim/goodput.py): pure functions and small simulations, no proces
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from pdserve.planner.capacity import load_profile
 from pdserve.planner.config import SLO, PlannerConfig
 from pdserve.planner.sim.goodput import Link, Replica, Req, StepSim

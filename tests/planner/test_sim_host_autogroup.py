@@ -8,13 +8,10 @@ pure functions check how the other jobs and our workers then share the cores.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from sim_vs_real_cpu import TICK, CpuSampler, _proc_table, autogroup_enabled, autogroup_of
 from sim_vs_real_host import _jobs, _our_groups
 

@@ -9,13 +9,8 @@ and a synthetic recording, no processes.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from sim_vs_real_host import _jobs
 
 from pdserve.planner.sim.host import Host, is_hog, job_groups, nice_weight

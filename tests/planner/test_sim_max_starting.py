@@ -9,11 +9,8 @@ Without a cap every ordered pod starts at once, as the recordings before the fla
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import pytest
 
 from pdserve.planner.presets import CPU_TINY

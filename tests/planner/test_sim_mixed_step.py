@@ -10,14 +10,12 @@ mixed step costs at least most of its larger part (it does both jobs).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from pdserve.planner.capacity import load_profile
 from pdserve.planner.sim.goodput import Link, Req, StepSim
 from pdserve.testing.loopback import run_bench

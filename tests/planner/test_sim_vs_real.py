@@ -17,17 +17,15 @@ import json
 import math
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import sim_vs_real_windows as win
 
 from pdserve.testing.loopback import run_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-import sim_vs_real_windows as win  # noqa: E402
 
 pytestmark = pytest.mark.bench
 

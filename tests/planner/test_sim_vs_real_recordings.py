@@ -8,14 +8,11 @@ import contextlib
 import io
 import json
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import sim_vs_real
 import sim_vs_real_record as record
 from sim_vs_real import INTERVAL_S, up_flags

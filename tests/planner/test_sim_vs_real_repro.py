@@ -5,13 +5,10 @@ bench/recordings/sim_vs_real_scaling/."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import sim_vs_real_repro as repro
 from sim_vs_real_scaling import Recording
 

@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from router_throughput import QUICK_REQUESTS, compare, summarise
 
 from pdserve.testing.loopback import run_bench
