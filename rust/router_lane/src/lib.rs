@@ -277,7 +277,7 @@ fn netted(jobs: Vec<Job>) -> Vec<Job> {
     let mut rest = Vec::with_capacity(jobs.len() - tracks);
     for job in jobs {
         match job {
-            Job::Track { url, role, step, tokens, .. } => {
+            Job::Track { url, role, step, tokens } => {
                 let signed = if step > 0 { tokens as i64 } else { -(tokens as i64) };
                 match sums.iter_mut().find(|(u, r, _, _)| *u == url && *r == role) {
                     Some(s) => {
@@ -300,14 +300,15 @@ fn netted(jobs: Vec<Job>) -> Vec<Job> {
     out
 }
 
-/// What `take` hands Python for these (token, url, role, step, tokens) tracks: one
+/// What `take` hands Python for these (token, url, role, step, tokens) tracks (the token
+/// only names the call in the test's table): one
 /// (url, role, net step, net tokens) per worker call site (tests/router/test_fast_lane.py).
 #[pyfunction]
 fn netted_tracks(tracks: Vec<(u64, String, String, i8, u64)>) -> Vec<(String, String, i64, i64)> {
     let role = |r: &str| -> &'static str { if r == "prefill" { "prefill" } else { "decode" } };
     let jobs = tracks
         .into_iter()
-        .map(|(token, url, r, step, tokens)| Job::Track { token, url, role: role(&r), step, tokens })
+        .map(|(_token, url, r, step, tokens)| Job::Track { url, role: role(&r), step, tokens })
         .collect();
     netted(jobs)
         .into_iter()
