@@ -252,16 +252,13 @@ class LaneHost:
         self.rt.metrics.ttft.observe(ttft)
         self.rt.metrics.prefill_queue_depth.dec()
 
-    def _track(self, token: int, url: str, role: str, step: int) -> None:
-        run = self.runs.get(token)
-        tokens = run.prompt_tokens if run is not None and role == "prefill" else 0
-        m, d = self.rt.metrics, self.rt.discovery
-        if step > 0:
-            d.begin(url, tokens)
-            m.child(m.inflight, url, role).inc()
-        else:
-            d.end(url, tokens)
-            m.child(m.inflight, url, role).dec()
+    def _track(self, url: str, role: str, step: int, tokens: int) -> None:
+        """A batch's worker calls begun and ended on ``url`` in ``role``, net (lib.rs
+        ``netted``: one per worker, ahead of the batch's other jobs), and their prompt
+        tokens (prefill calls)."""
+        m = self.rt.metrics
+        self.rt.discovery.shift(url, step, tokens)
+        m.child(m.inflight, url, role).inc(step)
 
     def _stalled(self, token: int, url: str, role: str, quiet: float) -> None:
         log.warning("cutting a stalled %s call on %s (%.1fs quiet)", role, url, quiet)

@@ -205,6 +205,13 @@ class Discovery:
         assert n > 0, f"in-flight underflow for {url}"
         self._inflight[url] = (n - 1, max(tokens - prompt_tokens, 0))
 
+    def shift(self, url: str, requests: int, prompt_tokens: int) -> None:
+        """``begin``/``end`` of several calls at once, net (the compiled lane's batch of
+        tracks: router/fast_lane.py)."""
+        n, tokens = self._inflight.get(url, (0, 0))
+        assert n + requests >= 0, f"in-flight underflow for {url}"
+        self._inflight[url] = (n + requests, max(tokens + prompt_tokens, 0))
+
     def mark_failed(self, url: str) -> None:
         """A request to ``url`` failed: stop routing there until a health check passes."""
         view = self._views.get(url)

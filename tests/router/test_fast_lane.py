@@ -301,17 +301,25 @@ def test_an_out_of_date_build_is_not_used(
 
 
 @needs_lane
-def test_a_call_begun_and_ended_in_one_batch_is_netted() -> None:
-    """The loop reads the in-flight counts only between batches of jobs: a call's +1 and
-    -1 in one batch cancel out; an open call, another call's tracks and the order stay."""
+def test_a_batch_of_tracks_is_summed_per_worker() -> None:
+    """The loop reads the in-flight counts once a batch: its tracks reach Python as one
+    net (url, role, calls, prompt tokens) per worker call site, a call begun and ended in
+    the batch cancelled out, a site whose calls net to nothing left out."""
     a, b = "http://a", "http://b"
     tracks = [
-        (1, a, "prefill", 1),
-        (2, b, "decode", 1),
-        (1, a, "prefill", -1),  # with 1's +1: both go
-        (1, b, "decode", 1),
-        (2, b, "decode", -1),  # with 2's +1: both go
-        (3, a, "prefill", -1),  # its +1 came in an earlier batch: kept
+        (1, a, "prefill", 1, 64),
+        (2, b, "decode", 1, 0),
+        (1, a, "prefill", -1, 64),  # with 1's +1: nothing left on a
+        (1, b, "decode", 1, 0),
+        (2, b, "decode", -1, 0),
+        (3, a, "decode", -1, 0),  # its +1 came in an earlier batch
+        (4, b, "prefill", 1, 10),
+        (5, b, "prefill", -1, 30),  # its +1 came earlier: net 0 calls, -20 tokens
     ]
-    assert lane_mod.netted_tracks(tracks) == [(1, b, "decode", 1), (3, a, "prefill", -1)]
-    assert lane_mod.netted_tracks(tracks[:1]) == tracks[:1]
+    assert lane_mod.netted_tracks(tracks) == [
+        (b, "decode", 1, 0),
+        (a, "decode", -1, 0),
+        (b, "prefill", 0, -20),
+    ]
+    assert lane_mod.netted_tracks(tracks[:1]) == [(a, "prefill", 1, 64)]
+    assert lane_mod.netted_tracks(tracks[:3:2]) == []

@@ -263,3 +263,21 @@ def test_report_parser_matches_the_codec_and_refuses_bad_values() -> None:
     ):
         with pytest.raises(ValueError):
             parse_report(bad)
+
+
+def test_shift_is_begins_and_ends_at_once() -> None:
+    """``Discovery.shift`` (the compiled lane's batch of tracks, net) leaves the counts
+    that the same begins and ends one at a time leave, and refuses an underflow."""
+    one, net = (Discovery(NoSource(), client=None) for _ in range(2))  # type: ignore[arg-type]
+    url = "http://p0"
+    for d in (one, net):
+        d.begin(url, 100)
+    for _ in range(3):
+        one.begin(url, 64)
+    one.end(url, 100)
+    net.shift(url, 2, 3 * 64 - 100)
+    assert one._inflight == net._inflight == {url: (3, 192)}
+    net.shift(url, 0, -500)  # tokens never go below 0
+    assert net._inflight[url] == (3, 0)
+    with pytest.raises(AssertionError, match="underflow"):
+        net.shift(url, -4, 0)

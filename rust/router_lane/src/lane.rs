@@ -47,7 +47,10 @@ pub enum Job {
     Begin { id: u64, body: Bytes, headers: Vec<(Bytes, Bytes)>, peer: SocketAddr },
     First { token: u64, ttft: f64 },
     Failed { token: u64, url: String, role: &'static str, down: bool, reason: String },
-    Track { token: u64, url: String, role: &'static str, step: i8 },
+    // tokens: the call's prompt tokens counted in flight on its worker (prefill; decode: 0)
+    Track { url: String, role: &'static str, step: i8, tokens: u64 },
+    // a batch's tracks of one worker call site summed (lib.rs `netted`): Python reads these
+    Net { url: String, role: &'static str, step: i64, tokens: i64 },
     Migrated { token: u64 },
     Counted { status: u16 },
     SlowReader { token: u64, waited: f64 },
@@ -388,7 +391,8 @@ impl Run {
         } else if let Some(i) = self.open.iter().position(|(u, r)| u == url && *r == role) {
             self.open.swap_remove(i);
         }
-        self.lane.host.push(Job::Track { token: self.plan.token, url: url.to_string(), role, step });
+        let tokens = if role == "prefill" { self.plan.n_prompt } else { 0 };
+        self.lane.host.push(Job::Track { url: url.to_string(), role, step, tokens });
     }
 
     fn touch(&mut self, url: &str) {
@@ -517,7 +521,8 @@ impl Drop for Gone {
 fn client_gone(run: &mut Run) {
     run.status = 499;
     for (url, role) in std::mem::take(&mut run.open) {
-        run.lane.host.push(Job::Track { token: run.plan.token, url, role, step: -1 });
+        let tokens = if role == "prefill" { run.plan.n_prompt } else { 0 };
+        run.lane.host.push(Job::Track { url, role, step: -1, tokens });
     }
     for url in run.touched.clone() {
         abort(&run.lane, url, run.plan.rid.clone());
