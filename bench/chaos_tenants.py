@@ -3,7 +3,7 @@
 - slowloris: 3 x --max-queue connections send a request head and one byte of the body,
   then nothing; another client's requests must all be served
   (``slowloris_refused_others``: how many were not);
-- slow reader: a streamed request (8 choices with logprobs) from a socket with a tiny
+- slow reader: a streamed request (16 choices with logprobs) from a socket with a tiny
   receive buffer that reads nothing, beside greedy streams of other clients; the router
   aborts it after --stream-write-timeout (``slow_reader_aborted``: its counter) and
   ``slow_reader_harmed_streams`` counts the other streams that failed;
@@ -63,15 +63,17 @@ async def phase_slowloris(h: httpx.AsyncClient, svc: Service, model: str, n: int
 
 
 async def phase_slow_reader(h: httpx.AsyncClient, svc: Service, model: str, n: int) -> dict:
-    # 8 choices with 20 top logprobs a token (the most allowed): some MB of SSE, more than
-    # the socket buffers hold, so the router's writes wait long before the 900 tokens are
-    # generated (with 5, the buffers took 2-3x as many tokens to fill: 18-38 s, not 8-12)
+    # 16 choices (the most allowed) with 20 top logprobs a token (the most allowed): some MB
+    # of SSE, more than the socket buffers hold, so the router's writes wait long before the
+    # 900 tokens are generated (with 5 logprobs the buffers took 2-3x as many tokens to fill:
+    # 18-38 s, not 8-12; with 8 choices, interleaved on one service at load ~10: 30.0 and
+    # 25.1 s, with 16: 17.8 and 13.3 s)
     body = json.dumps(
         {
             "model": model,
             "prompt": "the river",
             "max_tokens": 900,
-            "n": 8,
+            "n": 16,
             "logprobs": 20,
             "stream": True,
             "ignore_eos": True,
