@@ -130,13 +130,18 @@ struct Item {
       sum[g] = S::add(sum[g], e);
       S::store(p[g], e);
     }
-    for (int j = 0; j < W; ++j) {
-      V vv[CM];
-      for (int c = 0; c < chunks(); ++c) vv[c] = S::load(vp[j] + c * W);
-      for (int g = 0; g < heads(); ++g) {
-        const V pg = S::set1(p[g][j]);
-        for (int c = 0; c < chunks(); ++c) acc[g][c] = S::fma(pg, vv[c], acc[g][c]);
+    // One chunk of the head dim at a time, its G accumulators held in registers through
+    // the tile (chunk-major: with every chunk live at once G x C accumulators spill, on
+    // AVX2's 16 registers from G = 2 at a head dim of 64). Each accumulator takes the
+    // same products in the same order as row-major would: the result is bitwise the same.
+    for (int c = 0; c < chunks(); ++c) {
+      V a[GM];
+      for (int g = 0; g < heads(); ++g) a[g] = acc[g][c];
+      for (int j = 0; j < W; ++j) {
+        const V vv = S::load(vp[j] + c * W);
+        for (int g = 0; g < heads(); ++g) a[g] = S::fma(S::set1(p[g][j]), vv, a[g]);
       }
+      for (int g = 0; g < heads(); ++g) acc[g][c] = a[g];
     }
   }
 };
@@ -236,9 +241,10 @@ void run_isa(const Args& a, int num_threads) {
   if constexpr (S::W < 8) {  // the portable path: one instance
     run_items<T, S, 0, 0>(a, num_threads);
   } else {
-    switch (a.hq / a.hkv) {  // G of 1, 2, 4, 8 compiled as such
+    switch (a.hq / a.hkv) {  // G of 1 to 4 and 8 compiled as such (3: SmolLM2)
       case 1: return run_chunks<T, S, 1>(a, num_threads);
       case 2: return run_chunks<T, S, 2>(a, num_threads);
+      case 3: return run_chunks<T, S, 3>(a, num_threads);
       case 4: return run_chunks<T, S, 4>(a, num_threads);
       case 8: return run_chunks<T, S, 8>(a, num_threads);
       default: return run_items<T, S, 0, 0>(a, num_threads);
