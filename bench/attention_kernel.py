@@ -1,8 +1,8 @@
 """CPU paged-attention kernel: CPU time per layer call, new vs old kernel vs gather+SDPA.
 
-Decode steps of the tiny and small presets' attention shapes (B decodes at C tokens of
-context each, blocks of 16 scattered over the pool in shuffled order), float32 and
-bfloat16, one thread. Three implementations over the same inputs, run side by side:
+Decode steps of the tiny and small presets' and SmolLM2's attention shapes (B decodes at
+C tokens of context each, blocks of 16 scattered over the pool in shuffled order), float32
+and bfloat16, one thread. Three implementations over the same inputs, run side by side:
 
 * ``new``: ``pdserve/engine/paged_attention.cpp`` (what the engine runs);
 * ``old``: ``bench/paged_attention_v1.cpp``, the kernel before the rewrite (same C ABI);
@@ -14,7 +14,7 @@ thread's CPU time (``time.thread_time``) over many repetitions, in rounds that
 alternate the implementations; the best round counts (the host is shared and noisy).
 The last stdout line is JSON: ``{"speedup_vs_old": {case: x}, "geomean_vs_old", ...}``.
 
-    python bench/attention_kernel.py            # 16 cases
+    python bench/attention_kernel.py            # 24 cases
     python bench/attention_kernel.py --quick    # tiny preset, 16 x 256, a few seconds
 """
 
@@ -39,7 +39,8 @@ from pdserve.engine import cpu_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SHAPES = {"tiny": (4, 2, 32), "small": (8, 4, 64)}  # query heads, KV heads, head dim
+# query heads, KV heads, head dim; smollm2: SmolLM2-135M (3 query heads per KV head)
+SHAPES = {"tiny": (4, 2, 32), "small": (8, 4, 64), "smollm2": (9, 3, 64)}
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 BS = 16
 # The flags the old kernel was built with (its reductions vectorise by reassociation).

@@ -82,16 +82,19 @@ def test_kernel_limits() -> None:
 # --- the kernel alone, over raw pools, against float64 attention ------------------------
 #
 # Head dims / query-head groups chosen to reach every code path on an AVX-512 host: head
-# dims of 2, 4, 8 vectors and G of 1, 2, 4, 8 compiled as such; G = 3 and 3 vectors at
-# run time; 24 and 8 go to the AVX2 path (not a multiple of 16), 12 to the portable
-# 4-lane one, 6 to the 1-lane one. Block sizes smaller than, equal to and larger than a
-# tile, and one that is not a power of two (tiles then span blocks).
+# dims of 2, 4, 8 vectors and G of 1, 2, 3, 4, 8 compiled as such (9 x 3 x 64: SmolLM2's
+# shape); G = 5 and 3 vectors at run time; 24 and 8 go to the AVX2 path (not a multiple
+# of 16), 12 to the portable 4-lane one, 6 to the 1-lane one. Block sizes smaller than,
+# equal to and larger than a tile, and one that is not a power of two (tiles then span
+# blocks).
 SHAPES = [
     (4, 2, 32),
     (8, 4, 64),
     (8, 1, 128),
     (2, 2, 16),
     (6, 2, 48),
+    (9, 3, 64),
+    (10, 2, 32),
     (4, 1, 24),
     (2, 1, 8),
     (3, 1, 12),
