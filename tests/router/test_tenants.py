@@ -243,7 +243,7 @@ async def test_a_client_that_stops_reading_is_aborted_and_others_go_on(cluster_f
                     gaps.append(now - last)
                     last = now
             assert len(gaps) > 300 and max(gaps) < 0.5, max(gaps)
-            for _ in range(500):  # the stalled stream is aborted within about 1.25 s
+            for _ in range(1500):  # aborted within about 1.25 s quiet; up to 15 s loaded
                 if c.decode[0].aborted:
                     break
                 await asyncio.sleep(0.01)
