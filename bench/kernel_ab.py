@@ -34,14 +34,13 @@ import torch
 from lib import flags
 from serve_models import default_model_dir
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pdserve.engine import attention, cpu_kernel, cpu_linear
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.protocol.sampling_params import SamplingParams
 
-from pdserve.engine import attention, cpu_kernel, cpu_linear  # noqa: E402
-from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.tiny_model import write_tiny_model  # noqa: E402
-from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args() -> Any:
