@@ -187,11 +187,17 @@ def _seal_locked(folder: Path, ring_: keys.KeyRing) -> int:
                 new[rel] = file_tag(ring_.signing, folder, path).hex()
         except OSError:  # replaced by a link or removed since the scan: never sealed
             continue
+    write_manifest(folder, new)
+    return len(new)
+
+
+def write_manifest(folder: Path, seals: dict[str, str]) -> None:
+    """``folder``'s manifest replaced whole by ``seals`` (readers see the old or the new);
+    the caller holds ``manifest_lock``."""
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".seal")
     with os.fdopen(fd, "w") as f:
-        json.dump(new, f)
-    os.replace(tmp, folder / MANIFEST)  # readers see the old manifest or the new, whole
-    return len(new)
+        json.dump(seals, f)
+    os.replace(tmp, folder / MANIFEST)
 
 
 def open_sealed(folder: Path, path: Path, ring_: keys.KeyRing) -> int:

@@ -36,7 +36,6 @@ import atexit
 import contextlib
 import functools
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -243,10 +242,7 @@ def _merge_manifest(shared: Path, new: dict[str, str]) -> None:
             rel: tag for rel, tag in cache_seal._manifest(shared).items() if (shared / rel).exists()
         }
         merged.update(new)
-        fd, tmp = tempfile.mkstemp(dir=shared, suffix=".seal")
-        with os.fdopen(fd, "w") as f:
-            json.dump(merged, f)
-        os.replace(tmp, shared / cache_seal.MANIFEST)
+        cache_seal.write_manifest(shared, merged)
 
 
 _headers_lock = threading.Lock()
