@@ -31,6 +31,7 @@ checks, routing, the messages, signing, metrics, the stream's bookkeeping); minu
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any
 
@@ -235,15 +236,24 @@ async def worker(scope: Any, receive: Any, send: Any) -> None:
 
 
 def main(argv: list[str]) -> None:
-    role, port = argv[0], int(argv[1])
-    if role == "worker":
+    parser = argparse.ArgumentParser(
+        description="The floor apps of bench/router_throughput.py --floor (module docstring)."
+    )
+    parser.add_argument("role", choices=["front", "worker"])
+    parser.add_argument("port", type=int)
+    parser.add_argument("mode", nargs="?", choices=["bare", "calls", "lean", "lean-stream"])
+    parser.add_argument("worker_url", nargs="?", default="")
+    args = parser.parse_args(argv)
+    if args.role == "worker":
         app, http = worker, "auto"
+    elif args.mode is None:
+        parser.error("front needs a mode: bare, calls, lean or lean-stream")
     else:
-        app, http = front(argv[2], argv[3] if len(argv) > 3 else ""), CoalescingHttpTools
+        app, http = front(args.mode, args.worker_url), CoalescingHttpTools
     uvicorn.run(
         app,
         host="127.0.0.1",
-        port=port,
+        port=args.port,
         log_level="warning",
         access_log=False,
         loop="uvloop",
