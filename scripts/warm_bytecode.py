@@ -16,7 +16,8 @@ import time
 
 # The engine and both workers (torch, transformers' modelling stack, NIXL, ZeroMQ), the
 # router and operator, the compiled forward (dynamo, inductor: sympy), the Triton
-# interpreter, the planner's plots, and the test runner with its plugins.
+# interpreter, the planner's plots, the test runner with its plugins, and what the tests'
+# helpers import beside them (the OpenAI client: ~700 modules; the Kubernetes client; kmock).
 MODULES = (
     "torch",
     "transformers.modeling_utils",
@@ -33,6 +34,10 @@ MODULES = (
     "pytest",
     "xdist",
     "hypothesis",
+    "openai",
+    "kubernetes",
+    "pdserve.testing.k8s_emulator",
+    "pdserve.testing.up",
 )
 
 
