@@ -17,7 +17,7 @@ fi
 # what is installed; when it matches and the packages are importable, there is nothing to do
 # (seconds, where the pip calls below take ~20 s even with everything installed).
 # PDSERVE_SETUP_FORCE=1 reinstalls anyway.
-want=$(cat pyproject.toml scripts/setup.sh scripts/uv_args.py scripts/install_k8s_tools.sh \
+want=$(cat pyproject.toml scripts/setup.sh scripts/uv_args.py scripts/warm_bytecode.py scripts/install_k8s_tools.sh \
   rust/router_lane/Cargo.toml rust/router_lane/pyproject.toml rust/router_lane/src/*.rs 2>/dev/null |
   sha256sum | cut -d' ' -f1)
 if [ -z "${PDSERVE_SETUP_FORCE:-}" ] && [ -x .venv/bin/python ] && [ -f "$STAMP" ] &&
@@ -68,7 +68,7 @@ if [ -z "${PDSERVE_SETUP_PIP:-}" ] && .venv/bin/pip install -q "uv>=0.5" 2>/dev/
 fi
 install() {
   if [ -n "$UV" ] && SSL_CERT_FILE=${UV_CERT:-${SSL_CERT_FILE:-}} \
-    "$UV" pip install -q --python .venv/bin/python --compile-bytecode \
+    "$UV" pip install -q --python .venv/bin/python \
     --index-strategy unsafe-best-match "${UV_ARGS[@]}" "$@"; then
     return 0
   fi
@@ -107,6 +107,15 @@ if command -v cargo >/dev/null; then
 else
   echo "setup: no cargo: the router's compiled lane is not built; --fast-lane serves on the Python lane" >&2
 fi
+# Byte-code for what pdserve's processes and the suite import, not for every file of the venv:
+# uv's --compile-bytecode compiled all ~19,000 modules (torch, transformers, sympy, ...) of a
+# fresh venv, most of its set-up, where one process of the suite imports ~2,700. The imports
+# below write those (these machines set PYTHONDONTWRITEBYTECODE; unset here); make test writes
+# the rest on first import (scripts/test.sh unsets it too), so nothing runs from source twice.
+# A fresh clone's set-up, both at load 12-15 (uv's and cargo's caches warm): 151 -> 106 CPU-s,
+# 685 -> 512 s wall; 19,321 -> 4,321 .pyc files.
+(cd / && env -u PYTHONDONTWRITEBYTECODE "$ROOT/.venv/bin/python" "$ROOT/scripts/warm_bytecode.py") ||
+  echo "setup: byte-compiling the common imports failed; they compile on first import" >&2
 if [ -f scripts/install_k8s_tools.sh ]; then
   bash scripts/install_k8s_tools.sh
 fi

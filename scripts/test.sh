@@ -8,7 +8,8 @@ export PATH="$PWD/.venv/bin:$PATH"
 # suite starts (pdserve up's routers and workers, bench scripts, router processes: hundreds)
 # compiled this checkout's modules from source again, and each pytest session rewrote and
 # compiled every test module again. Unset, the first import writes __pycache__ (git-ignored,
-# written atomically) and the rest read it (the venv's packages are compiled by setup).
+# written atomically) and the rest read it. The venv's packages too: setup byte-compiles what
+# the suite's processes import (scripts/warm_bytecode.py); the rest is written on first import.
 # tests/router/test_router_process.py, pyc written against none, two pairs at load 9-12:
 # 45.5 -> 27.1 and 41.8 -> 34.0 CPU-s; collecting tests/router 16.2-19.2 -> 12.9-13.7;
 # collecting the whole suite 48 -> 12.5 CPU-s a process.

@@ -55,6 +55,11 @@ class ServerArgs:
         "a word before /health calls it hung (it sends one every "
         "second)",
     )
+    core_kill_timeout: float = flag_server(
+        0.0,
+        "seconds the engine core may stay silent before it is killed and the worker exits "
+        "to be restarted (0: four times --core-stall-timeout)",
+    )
 
 
 @dataclass(frozen=True)

@@ -57,9 +57,20 @@ def test_the_core_resolves_the_model(tiny_model_dir: Path) -> None:
         ({"lease_seconds": 0.0}, "lease_seconds"),
         ({"transfer_timeout": -1.0}, "transfer_timeout"),
         ({"core_stall_timeout": 0.0}, "core_stall_timeout"),
+        ({"core_kill_timeout": 2.0}, "core_kill_timeout"),  # killed before it is called hung
+        ({"core_kill_timeout": -1.0}, "core_kill_timeout"),
     ],
 )
 def test_bad_values_are_refused_by_name(change: dict[str, object], message: str) -> None:
     config = core_config("prefill", _args("prefill"))
     with pytest.raises(ValueError, match=message):
         replace(config, **change)  # type: ignore[arg-type]
+
+
+def test_a_hung_core_is_killed_after_four_stall_timeouts_unless_told() -> None:
+    config = core_config("decode", _args("decode"))
+    assert config.kill_after_s == 4 * config.core_stall_timeout == 120.0
+    flags = ("--core-stall-timeout", "4", "--core-kill-timeout", "6")
+    short = core_config("decode", _args("decode", *flags))
+    assert (short.core_stall_timeout, short.kill_after_s) == (4.0, 6.0)
+    assert replace(config, core_stall_timeout=4.0).kill_after_s == 16.0

@@ -17,8 +17,9 @@ The core sends something at least every second while its loop runs (a heartbeat,
 ``CoreLoop``); one silent for ``--core-stall-timeout`` seconds is hung (a deadlock, a
 stopped process, a step that never ends): ``responsive`` turns false and ``/health``
 answers 503, so the router routes elsewhere and moves the streams that wait on it.
-Silent four times that long, it is killed, which is handled as any death (below): a
-hung core would otherwise keep its pod unready for good (liveness only sees the front end).
+Silent for ``--core-kill-timeout`` (by default four times the stall timeout), it is killed,
+which is handled as any death (below): a hung core would otherwise keep its pod unready for
+good (liveness only sees the front end).
 
 If the core dies, every open stream ends with an error output (a worker fault: the
 router migrates it), pending queries raise :class:`EngineDeadError`, ``alive`` turns
@@ -55,7 +56,6 @@ from pdserve.worker.core.zygote import spawn_core
 
 logger = logging.getLogger(__name__)
 POLL_MS = 200  # how often the receiver checks that the core still runs
-HUNG_KILL_FACTOR = 4  # silent this many stall timeouts: killed, so the worker restarts
 Item = RequestOutput | Exception
 
 
@@ -77,6 +77,7 @@ class EngineClient:
             shutil.rmtree(self._dir, ignore_errors=True)
         self._stats = EngineStats()
         self.stall_s = config.core_stall_timeout
+        self.kill_s = config.kill_after_s  # silent this long: killed (--core-kill-timeout)
         self._heard = time.monotonic()  # the last message from the core (the rx thread)
         self._dead: str | None = None
         self.crashed: str | None = None  # why the core died, if it did on its own
@@ -185,7 +186,7 @@ class EngineClient:
             if not self._results.poll(POLL_MS):
                 if self.proc.poll() is not None:
                     self._core_died(hung or f"engine core exited with {self.proc.returncode}")
-                elif hung is None and self.silent_s > HUNG_KILL_FACTOR * self.stall_s:
+                elif hung is None and self.silent_s > self.kill_s:
                     hung = f"engine core hung (silent {self.silent_s:.0f}s): killed"
                     logger.error("%s", hung)
                     self.proc.kill()  # then handled as a death: streams fail, worker exits

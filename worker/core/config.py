@@ -18,6 +18,7 @@ from pdserve.transfer.registry import DEFAULT_LEASE_SECONDS, DEFAULT_TRANSFER_TI
 
 ROLES = ("prefill", "decode")
 DEFAULT_STALL_S = 30.0  # a core silent this long is hung (it sends a heartbeat every second)
+HUNG_KILL_FACTOR = 4  # silent this many stall timeouts (by default): killed, so it restarts
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class CoreConfig:
     recompute_on_load_failure: bool = True  # decode: else a failed load fails the request
     log_level: str = "info"
     core_stall_timeout: float = DEFAULT_STALL_S  # the front end's: silent this long is hung
+    core_kill_timeout: float = 0.0  # silent this long: killed (0: HUNG_KILL_FACTOR x the above)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -44,6 +46,16 @@ class CoreConfig:
             raise ValueError("lease_seconds and transfer_timeout must be positive")
         if self.core_stall_timeout <= 0:
             raise ValueError("core_stall_timeout must be positive")
+        if self.core_kill_timeout and self.core_kill_timeout < self.core_stall_timeout:
+            raise ValueError(
+                f"core_kill_timeout ({self.core_kill_timeout:g}) must be 0 (the default) or at "
+                f"least core_stall_timeout ({self.core_stall_timeout:g})"
+            )
+
+    @property
+    def kill_after_s(self) -> float:
+        """Seconds of silence after which the front end kills its hung core."""
+        return self.core_kill_timeout or HUNG_KILL_FACTOR * self.core_stall_timeout
 
     @property
     def events_port(self) -> int:
@@ -82,4 +94,5 @@ class CoreConfig:
             == "recompute",
             log_level=args.log_level,
             core_stall_timeout=getattr(args, "core_stall_timeout", DEFAULT_STALL_S),
+            core_kill_timeout=getattr(args, "core_kill_timeout", 0.0),
         )
