@@ -42,7 +42,7 @@ import aiohttp
 import figures  # bench/figures.py, beside this script
 from lib import flags
 from lib.loopback import secret_env, tiny_model
-from lib.procfs import tree_cpu_seconds
+from lib.procfs import thread_cpu_seconds, tree_cpu_seconds
 from lib.stats import percentile
 from router_client import across_processes, closed_loop, one, session  # beside this script
 from spread import spread  # bench/spread.py, beside this script
@@ -444,11 +444,13 @@ async def phase(
     warm = [json.dumps(body(args, rng, text)).encode() for _ in range(args.concurrency)]
     bodies = [json.dumps(body(args, rng, text)).encode() for _ in range(args.requests)]
     start: list[float] = []
+    threads: dict[str, float] = {}  # the router process's threads' CPU at the start, by name
 
     def go() -> None:
         if args.profile:
             os.kill(pid, signal.SIGUSR1)
         start.extend((cpu_seconds(pid), write_calls(pid)))
+        threads.update(thread_cpu_seconds(pid))
 
     if args.client_procs:
         conc, procs = args.concurrency, args.client_procs
@@ -458,6 +460,11 @@ async def phase(
         go()
         wall, errors = await closed_loop(http, url, bodies, args.concurrency)
     cpu, writes = cpu_seconds(pid) - start[0], write_calls(pid) - start[1]
+    by_thread = {
+        name: round(1e6 * (sec - threads.get(name, 0.0)) / len(bodies), 1)
+        for name, sec in thread_cpu_seconds(pid).items()
+        if sec - threads.get(name, 0.0) > 0
+    }
     if args.profile:
         os.kill(pid, signal.SIGUSR2)
         await asyncio.sleep(1.0)  # the dump
@@ -474,6 +481,9 @@ async def phase(
         "router_busy": round(cpu / wall / args.procs, 2),
         "router_cpu_us_per_req": round(1e6 * cpu / len(bodies), 1),
         "router_writes_per_req": round(writes / len(bodies), 2),
+        # the router process's CPU per request by thread (main: the event loop's; the
+        # compiled lane's is pdserve-lane; python: the others Python started)
+        "router_thread_us": by_thread,
     }
 
 
@@ -563,6 +573,12 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             xs = [r[key] for r in rs if r.get(key) is not None]
             if xs:
                 row[key] = spread(xs, digits=2)
+        names = sorted({n for r in rs for n in r.get("router_thread_us", {})})
+        if names:  # per thread: the median over the rounds
+            row["router_thread_us"] = {
+                n: spread([r.get("router_thread_us", {}).get(n, 0.0) for r in rs])["median"]
+                for n in names
+            }
         out.append(row)
     return out
 

@@ -62,7 +62,7 @@ def load() -> Any:
             exc,
         )
         return None
-    if not hasattr(pdserve_lane.Lane, "take_itl"):  # built before the ninth pass's API
+    if not hasattr(pdserve_lane, "tokenize"):  # built before the lane tokenized text
         log.warning(
             "--fast-lane: the compiled lane installed is out of date (a build of an older "
             "tree: scripts/setup.sh rebuilds it); serving on the Python lane"
@@ -135,9 +135,17 @@ class LaneHost:
                 log.exception("fast lane: job %s failed", job[0])
 
     # -- begin: serving.serve's steps up to the plan -------------------------------------
-    def _begin(self, job: int, raw: bytes, headers: list[Any], peer: tuple[str, int]) -> None:
+    def _begin(
+        self,
+        job: int,
+        raw: bytes,
+        headers: list[Any],
+        peer: tuple[str, int],
+        given: tuple[str, list[int]] | None = None,
+    ) -> None:
+        """``given``: the body's text prompt and its ids, tokenized by the lane."""
         rt = self.rt
-        req_ids = self._parsed(raw)
+        req_ids = self._parsed(raw, given)
         if req_ids is None:
             self.lane.answer(job, ("fallback",))
             return
@@ -173,7 +181,9 @@ class LaneHost:
             return
         self._go(job, caller.key, client, ticket, req, ids)
 
-    def _parsed(self, raw: bytes) -> tuple[CompletionRequest, list[int]] | None:
+    def _parsed(
+        self, raw: bytes, given: tuple[str, list[int]] | None = None
+    ) -> tuple[CompletionRequest, list[int]] | None:
         """The checked request and its ids, or None: the Python lane answers it (another
         shape, a body the loop does not parse inline, or an error: that lane's order of
         checks, the gate first, decides which error the client hears)."""
@@ -186,7 +196,7 @@ class LaneHost:
                 isinstance(prompt, str) and len(prompt) <= INLINE_TEXT_CHARS
             ):
                 return None
-            req, ids = prepare_body(self.rt, body, False)
+            req, ids = prepare_body(self.rt, body, False, given)
         except APIError:
             return None
         return (req, ids) if eligible(self.rt, req) else None
@@ -380,6 +390,8 @@ class LaneSetup:
             _body(edge.body_timeout(rt.cfg.body_timeout_s)),
             rt.cfg.stream_write_timeout_s,
             list(rt.metrics.itl.bounds),
+            rt.tokenizer.backend_json(),  # text prompts tokenized on the lane's thread
+            INLINE_TEXT_CHARS,
         )
         rt.metrics.itl.pull = lane.take_itl
         self.public.close()  # the lane holds its own copy

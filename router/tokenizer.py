@@ -142,15 +142,27 @@ class PromptTokenizer:
         """``tok.encode(text)``'s ids; straight from the Rust backend where that is all it
         does (``_fast_encoder``), checked per call (the backend's settings are mutable)."""
         fast = self._fast
-        if fast is not None:
-            backend = self.tok.backend_tokenizer
-            if (
-                backend.truncation is None
-                and backend.padding is None
-                and backend.encode_special_tokens == bool(self.tok.split_special_tokens)
-            ):
-                return fast([text], add_special_tokens=add_special_tokens)[0].ids  # type: ignore[no-any-return]
+        if fast is not None and self.fast_ready():
+            return fast([text], add_special_tokens=add_special_tokens)[0].ids  # type: ignore[no-any-return]
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def fast_ready(self) -> bool:
+        """Whether ``encode`` is the backend's ``encode_batch_fast`` alone right now (the
+        backend's settings are mutable: checked per call)."""
+        if self._fast is None:
+            return False
+        backend = self.tok.backend_tokenizer
+        return (
+            backend.truncation is None
+            and backend.padding is None
+            and backend.encode_special_tokens == bool(self.tok.split_special_tokens)
+        )
+
+    def backend_json(self) -> str | None:
+        """The backend tokenizer as it is now (``to_str()``: what transformers made of the
+        model's files), for the compiled lane to load (rust/router_lane/src/tokenize.rs);
+        None where ``encode`` is not the backend's alone."""
+        return self.tok.backend_tokenizer.to_str() if self.fast_ready() else None  # type: ignore[no-any-return]
 
     def encode_chat(
         self,

@@ -40,3 +40,16 @@ def tree_cpu_seconds(pid: int) -> float:
         with contextlib.suppress(OSError):  # ended between the listing and the read
             total += cpu_seconds(p)
     return total
+
+
+def thread_cpu_seconds(pid: int, proc: str = "/proc") -> dict[str, float]:
+    """CPU seconds of ``pid``'s live threads summed by name (``comm``, its digits dropped, so
+    a pool's threads count as one; the main thread is ``main``: threads a Python process
+    starts inherit its name): where a process's CPU goes, thread by thread."""
+    out: dict[str, float] = {}
+    for task in Path(f"{proc}/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError):  # ended while listed
+            comm = (task / "comm").read_text().strip().rstrip("0123456789_-") or "?"
+            name = "main" if task.name == str(pid) else comm
+            out[name] = out.get(name, 0.0) + cpu_seconds(pid, int(task.name), proc)
+    return out

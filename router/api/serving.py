@@ -66,7 +66,11 @@ async def prepare_small(rt: Runtime, raw: bytes) -> tuple[CompletionRequest, lis
     return await rt.off_loop(prepare_body, rt, body, False)
 
 
-def prepare_body(rt: Runtime, body: Any, chat: bool) -> tuple[CompletionRequest, list[int]]:
+def prepare_body(
+    rt: Runtime, body: Any, chat: bool, given: tuple[str, list[int]] | None = None
+) -> tuple[CompletionRequest, list[int]]:
+    """The checked request and its ids. ``given``: a text and its ids from the compiled
+    lane's tokenizer (router/fast_lane.py), used for a text prompt that is that text."""
     req = parse_request(body, chat, rt.cfg.default_max_tokens)
     check_model(req.model, rt.served_names)
     check_grammar(req.sampling.structured, rt.cfg.max_schema_bytes)
@@ -75,6 +79,8 @@ def prepare_body(rt: Runtime, body: Any, chat: bool) -> tuple[CompletionRequest,
     except InvalidParameter as exc:
         raise invalid(str(exc), exc.field) from exc
     edge.check_text_length(req, rt.cfg.max_prompt_chars)
+    if given is not None and req.prompt_text == given[0] and rt.tokenizer.fast_ready():
+        return req, given[1]  # the same tokenizer's ids (tests/router/test_lane_tokenize.py)
     return req, prompt_ids(rt, req)
 
 

@@ -293,7 +293,7 @@ def test_an_out_of_date_build_is_not_used(
     import types
 
     old = types.ModuleType("pdserve_lane")
-    old.Lane = type("Lane", (), {})  # type: ignore[attr-defined]  # no take_itl
+    old.Lane = type("Lane", (), {})  # type: ignore[attr-defined]  # no tokenize
     monkeypatch.setitem(sys.modules, "pdserve_lane", old)
     with caplog.at_level("WARNING"):
         assert fast_lane.load() is None

@@ -6,6 +6,7 @@
 use crate::pool::{split_url, Pool};
 use crate::sign;
 use crate::sse;
+use crate::tokenize::Prompt;
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
@@ -44,7 +45,8 @@ pub struct Plan {
 
 /// Jobs for the Python side (lib.rs turns them into tuples).
 pub enum Job {
-    Begin { id: u64, body: Bytes, headers: Vec<(Bytes, Bytes)>, peer: SocketAddr },
+    // prompt: a text prompt tokenized here (tokenize.rs), its ids offered to Python
+    Begin { id: u64, body: Bytes, headers: Vec<(Bytes, Bytes)>, peer: SocketAddr, prompt: Option<Prompt> },
     First { token: u64, ttft: f64 },
     Failed { token: u64, url: String, role: &'static str, down: bool, reason: String },
     // tokens: the call's prompt tokens counted in flight on its worker (prefill; decode: 0)
@@ -69,7 +71,7 @@ pub struct End {
 
 pub trait Host: Send + Sync + 'static {
     fn push(&self, job: Job);
-    fn begin(&self, body: Bytes, headers: Vec<(Bytes, Bytes)>, peer: SocketAddr) -> oneshot::Receiver<Begin>;
+    fn begin(&self, body: Bytes, headers: Vec<(Bytes, Bytes)>, peer: SocketAddr, prompt: Option<Prompt>) -> oneshot::Receiver<Begin>;
     /// Every decode candidate failed: the decode workers ready within failover_wait_s
     /// (Dispatcher._await_decode; those this request touched were told to drop it).
     fn await_decode(&self, token: u64, rid: String, touched: Vec<String>) -> oneshot::Receiver<Vec<String>>;
@@ -95,6 +97,7 @@ pub struct Lane {
     pub err_408: Bytes,         // its error, as the Python lane words it
     pub write_timeout: Duration, // --stream-write-timeout
     pub itl: std::sync::Mutex<crate::hist::Hist>, // inter-token latencies, folded on scrape
+    pub tok: Option<crate::tokenize::Tok>, // the router's tokenizer, when it can be had here
 }
 
 pub type ProxyBody = BoxBody<Bytes, hyper::Error>;
@@ -203,7 +206,8 @@ pub async fn handle(lane: Arc<Lane>, req: Request<Incoming>, peer: SocketAddr) -
         .iter()
         .map(|(k, v)| (Bytes::copy_from_slice(k.as_str().as_bytes()), Bytes::copy_from_slice(v.as_bytes())))
         .collect();
-    match lane.host.begin(body.clone(), headers, peer).await {
+    let prompt = lane.tok.as_ref().and_then(|t| t.prompt(&body));
+    match lane.host.begin(body.clone(), headers, peer, prompt).await {
         Ok(Begin::Go(plan)) => return Ok(serve(lane, *plan).await),
         Ok(Begin::Error(status, b, headers)) => {
             let mut r = full(status, "application/json", b);

@@ -11,6 +11,7 @@ mod planner_py;
 mod pool;
 mod sign;
 mod sse;
+mod tokenize;
 
 use bytes::Bytes;
 use lane::{Begin, Job, Plan};
@@ -57,11 +58,11 @@ impl lane::Host for Queue {
         self.wake();
     }
 
-    fn begin(&self, body: Bytes, headers: Vec<(Bytes, Bytes)>, peer: SocketAddr) -> oneshot::Receiver<Begin> {
+    fn begin(&self, body: Bytes, headers: Vec<(Bytes, Bytes)>, peer: SocketAddr, prompt: Option<tokenize::Prompt>) -> oneshot::Receiver<Begin> {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.waiting.lock().unwrap().insert(id, tx);
-        self.push(Job::Begin { id, body, headers, peer });
+        self.push(Job::Begin { id, body, headers, peer, prompt });
         rx
     }
 
@@ -87,8 +88,11 @@ struct Lane {
 impl Lane {
     /// listen_fd: a bound, listening TCP socket (dup'ed: the lane owns its copy);
     /// backend: "127.0.0.1:PORT" of the Python server; keys: the http KeyRing's keys.
+    /// tokenizer: the router's tokenizer as JSON (`backend_tokenizer.to_str()`), when the
+    /// lane may tokenize text prompts up to `inline_text` characters (tokenize.rs).
     #[new]
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (listen_fd, backend, keys, peer_token, inline_body, stall_s, body_timeout_s, err_408, write_timeout_s, itl_bounds, tokenizer=None, inline_text=0))]
     fn new(
         listen_fd: i32,
         backend: String,
@@ -100,7 +104,10 @@ impl Lane {
         err_408: Vec<u8>,
         write_timeout_s: f64,
         itl_bounds: Vec<f64>,
+        tokenizer: Option<&str>,
+        inline_text: usize,
     ) -> PyResult<Self> {
+        let tok = tokenizer.map(|json| tokenize::Tok::from_json(json, inline_text)).transpose().map_err(PyValueError::new_err)?;
         let (wake_read, wake) = UnixStream::pair().map_err(|e| PyValueError::new_err(e.to_string()))?;
         wake_read.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
         wake.set_nonblocking(true).map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -125,6 +132,7 @@ impl Lane {
             err_408: Bytes::from(err_408),
             write_timeout: Duration::from_secs_f64(write_timeout_s.max(0.001)),
             itl: Mutex::new(hist::Hist::new(itl_bounds)),
+            tok,
             workers: Default::default(),
             python: Default::default(),
             health: lane::Health {
@@ -162,12 +170,13 @@ impl Lane {
         let out = PyList::empty(py);
         for job in jobs {
             let t: Bound<'py, PyTuple> = match job {
-                Job::Begin { id, body, headers, peer } => {
+                Job::Begin { id, body, headers, peer, prompt } => {
                     let hs = PyList::empty(py);
                     for (k, v) in headers {
                         hs.append((PyBytes::new(py, &k), PyBytes::new(py, &v)))?;
                     }
-                    ("begin", id, PyBytes::new(py, &body), hs, (peer.ip().to_string(), peer.port())).into_pyobject(py)?
+                    let prompt = prompt.map(|p| (p.text, p.ids));
+                    ("begin", id, PyBytes::new(py, &body), hs, (peer.ip().to_string(), peer.port()), prompt).into_pyobject(py)?
                 }
                 Job::First { token, ttft } => ("first", token, ttft).into_pyobject(py)?,
                 Job::Failed { token, url, role, down, reason } => ("failed", token, url, role, down, reason).into_pyobject(py)?,
@@ -397,6 +406,22 @@ fn whole(rid: &str, model: &str, text: &str, finish: Option<&str>, prompt: u64, 
     sse::whole(rid, model, text, finish, prompt, completion, cached)
 }
 
+/// The ids the lane gives each text (tokenizer: `backend_tokenizer.to_str()`), as
+/// `encode_batch_fast([text], add_special_tokens)[0].ids` (tests compare them).
+#[pyfunction]
+#[pyo3(name = "tokenize", signature = (tokenizer, texts, add_special_tokens=true))]
+fn tokenize_texts(tokenizer: &str, texts: Vec<String>, add_special_tokens: bool) -> PyResult<Vec<Vec<u32>>> {
+    let tok = tokenize::Tok::from_json(tokenizer, usize::MAX).map_err(PyValueError::new_err)?;
+    texts.iter().map(|t| tok.ids(t, add_special_tokens).map_err(PyValueError::new_err)).collect()
+}
+
+/// The text prompt the lane finds in a body, with its ids (None: Python tokenizes).
+#[pyfunction]
+fn body_prompt(tokenizer: &str, inline_text: usize, body: &[u8]) -> PyResult<Option<(String, Vec<u32>)>> {
+    let tok = tokenize::Tok::from_json(tokenizer, inline_text).map_err(PyValueError::new_err)?;
+    Ok(tok.prompt(body).map(|p| (p.text, p.ids)))
+}
+
 #[pymodule]
 fn pdserve_lane(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Lane>()?;
@@ -410,5 +435,7 @@ fn pdserve_lane(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(whole, m)?)?;
     m.add_function(wrap_pyfunction!(generate_request_of, m)?)?;
     m.add_function(wrap_pyfunction!(netted_tracks, m)?)?;
+    m.add_function(wrap_pyfunction!(tokenize_texts, m)?)?;
+    m.add_function(wrap_pyfunction!(body_prompt, m)?)?;
     Ok(())
 }
