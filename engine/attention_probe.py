@@ -106,12 +106,13 @@ def _probe_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    # Every option as the call passes it (scaling and dropout by keyword, as to
+    # engine/attention.py's paged_attention, with the same defaults).
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    opts = {"dropout": dropout, **kwargs}
+    scaling = kwargs.pop("scaling", None)
+    opts = {"dropout": 0.0, **kwargs}
     # Options the engine does not know are refused here, as at every later call.
     own = LayerAttention(
         window=kwargs.get("sliding_window"),  # type: ignore[arg-type]

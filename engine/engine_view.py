@@ -22,34 +22,17 @@ if TYPE_CHECKING:
 
 
 class EngineView(Protocol):
-    tier_store: TieredStore | None  # kv_tiers/attach.py sets it
-
-    @property
-    def runner(self) -> ModelRunner: ...
-
-    @property
-    def kv(self) -> KVCacheManager: ...
-
-    @property
-    def scheduler(self) -> Scheduler: ...
-
-    @property
-    def served_model_name(self) -> str: ...
-
-    @property
-    def model_id(self) -> str: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def max_model_len(self) -> int: ...
-
-    @property
-    def tokenizer(self) -> Any: ...
-
-    @property
-    def requests(self) -> dict[str, Request]: ...
+    # LLMEngine.__init__ sets these (tier_store: the store of kv_tiers/attach.py, or None).
+    tier_store: TieredStore | None
+    runner: ModelRunner
+    kv: KVCacheManager
+    scheduler: Scheduler
+    served_model_name: str
+    model_id: str
+    vocab_size: int
+    max_model_len: int
+    tokenizer: Any
+    requests: dict[str, Request]
 
     @property
     def held(self) -> set[str]: ...

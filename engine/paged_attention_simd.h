@@ -132,31 +132,37 @@ struct Lanes {
   static V combine(const V* g) { return g[0]; }
 };
 
+// The operations that are one intrinsic, or one expression of them, alike in both x86
+// widths but for the width in their names (B: 512 or 256).
+#define PDSERVE_X86_LANES(B)                                                               \
+  static V zero() { return _mm##B##_setzero_ps(); }                                        \
+  static V set1(float a) { return _mm##B##_set1_ps(a); }                                   \
+  static V load(const float* p) { return _mm##B##_loadu_ps(p); }                           \
+  static void store(float* p, V a) { _mm##B##_storeu_ps(p, a); }                           \
+  static V add(V a, V b) { return _mm##B##_add_ps(a, b); }                                 \
+  static V sub(V a, V b) { return _mm##B##_sub_ps(a, b); }                                 \
+  static V mul(V a, V b) { return _mm##B##_mul_ps(a, b); }                                 \
+  static V fma(V a, V b, V c) { return _mm##B##_fmadd_ps(a, b, c); }                       \
+  static V min(V a, V b) { return _mm##B##_min_ps(a, b); }                                 \
+  static V max(V a, V b) { return _mm##B##_max_ps(a, b); }                                 \
+  static V fnmadd(V a, V b, V c) { return _mm##B##_fnmadd_ps(a, b, c); }                   \
+  static V pow2(V n) {                                                                     \
+    const auto e = _mm##B##_add_epi32(_mm##B##_cvtps_epi32(n), _mm##B##_set1_epi32(127));  \
+    return _mm##B##_castsi##B##_ps(_mm##B##_slli_epi32(e, 23));                            \
+  }
+
 #ifdef PDSERVE_HAVE_AVX512
 struct Avx512 {
   static constexpr int W = 16;
   using V = __m512;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V set1(float a) { return _mm512_set1_ps(a); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  PDSERVE_X86_LANES(512)
   static V load(const uint16_t* p) {  // bf16 is the top half of a float32
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
-  static void store(float* p, V a) { _mm512_storeu_ps(p, a); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float hsum(V a) { return _mm512_reduce_add_ps(a); }
   static float hmax(V a) { return _mm512_reduce_max_ps(a); }
-  static V min(V a, V b) { return _mm512_min_ps(a, b); }
-  static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V round(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
-  static V pow2(V n) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
-  }
   static V exp_edges(V x, V v) {
     const __mmask16 keep = _mm512_cmp_ps_mask(x, set1(expc::lo), _CMP_GE_OQ);  // false for NaN
     return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(keep, v), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
@@ -186,18 +192,11 @@ struct Avx512 {
 struct Avx2 {
   static constexpr int W = 8;
   using V = __m256;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V set1(float a) { return _mm256_set1_ps(a); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  PDSERVE_X86_LANES(256)
   static V load(const uint16_t* p) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
-  static void store(float* p, V a) { _mm256_storeu_ps(p, a); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float hsum(V a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -208,13 +207,7 @@ struct Avx2 {
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
   }
-  static V min(V a, V b) { return _mm256_min_ps(a, b); }
-  static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V round(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
-  static V pow2(V n) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
-  }
   static V exp_edges(V x, V v) {
     const V keep = _mm256_cmp_ps(x, set1(expc::lo), _CMP_GE_OQ);  // false for NaN
     return _mm256_blendv_ps(_mm256_and_ps(keep, v), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
@@ -231,5 +224,7 @@ struct Avx2 {
   }
 };
 #endif
+
+#undef PDSERVE_X86_LANES
 
 }  // namespace pdserve

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.config_cli import flag_group
 from pdserve.engine.engine_args import speculative_flag
@@ -26,6 +27,11 @@ flag_main = flag_group("serving")
 flag_procs = flag_group("processes")
 flag_pass = flag_group("passed to the router and the workers")
 flag_autoscale = flag_group("autoscaling (--autoscale; docs/autoscaling.md)")
+
+
+def _router_flag(name: str) -> Any:
+    """One of the router's flags, passed on as given; unset, the router's default."""
+    return flag_pass(None, f"the router's {name} (default: the router's)")
 
 
 @dataclass(frozen=True)
@@ -77,10 +83,8 @@ class UpArgs:
         short=True,
     )
     picker: str = flag_pass("max-score", "the router's --picker", choices=PICKERS)
-    disagg_threshold: int | None = flag_pass(
-        None, "the router's --disagg-threshold (default: the router's)"
-    )
-    max_queue: int | None = flag_pass(None, "the router's --max-queue (default: the router's)")
+    disagg_threshold: int | None = _router_flag("--disagg-threshold")
+    max_queue: int | None = _router_flag("--max-queue")
     enforce_eager: bool = flag_pass(
         False,
         "workers run the eager forward (no torch.compile at start-up)",

@@ -27,9 +27,11 @@ flag_run = flag_group("running")
 flag_policy = flag_group("pod policy (docs/security.md)")
 
 
-def allowed(help: str, metavar: str, **kw: Any) -> Any:
-    """A pod-policy allowlist: a repeatable flag of what LLMServices may name."""
-    return flag_policy((), help, metavar=metavar, many="append", **kw)
+def allowed(what: str, metavar: str, default: str) -> Any:
+    """A pod-policy allowlist: a repeatable flag of ``what`` LLMServices may name, its help
+    ending in what an empty list allows."""
+    help = f"{what} (repeatable; default: {default})"
+    return flag_policy((), help, metavar=metavar, many="append")
 
 
 @dataclass(frozen=True)
@@ -98,29 +100,26 @@ class OperatorArgs:
         "author is a cluster admin (operator/pod_policy.py)",
     )
     allow_model_host_path: tuple[str, ...] = allowed(
-        "a host directory (and below) that spec.model.source.hostPath may name "
-        "(repeatable; default: none)",
-        "DIR",
+        "a host directory (and below) that spec.model.source.hostPath may name", "DIR", "none"
     )
-    allow_service_type: tuple[str, ...] = allowed(
+    allow_service_type: tuple[str, ...] = flag_policy(
+        (),
         "a router Service type LLMServices may ask for besides ClusterIP (LoadBalancer, "
         "NodePort; repeatable; operator/exposure.py)",
-        "TYPE",
+        metavar="TYPE",
+        many="append",
         choices=("LoadBalancer", "NodePort"),
     )
     allow_ingress_class: tuple[str, ...] = allowed(
-        "an Ingress class spec.router.ingress.className may name (repeatable; default: any)",
-        "CLASS",
+        "an Ingress class spec.router.ingress.className may name", "CLASS", "any"
     )
     allow_host_suffix: tuple[str, ...] = allowed(
-        "a DNS suffix Ingress hosts and HTTPRoute hostnames must end in (repeatable; "
-        "default: any host)",
-        "SUFFIX",
+        "a DNS suffix Ingress hosts and HTTPRoute hostnames must end in", "SUFFIX", "any host"
     )
     allow_gateway_namespace: tuple[str, ...] = allowed(
-        "a namespace whose Gateways an HTTPRoute's parentRefs may name (repeatable; "
-        "default: the service's own only)",
+        "a namespace whose Gateways an HTTPRoute's parentRefs may name",
         "NS",
+        "the service's own only",
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 # In a request's scope once its whole body is in: router/edge.py reads it without a wait.
@@ -119,3 +120,17 @@ class CoalescingHttpTools(HttpToolsProtocol):
             loss = cycle.scope.get(ConnectionLoss.KEY)
             if isinstance(loss, ConnectionLoss):
                 loss.fire()
+
+
+def server_config(app: Any, log_level: str, keep_alive_s: int, **kw: Any) -> uvicorn.Config:
+    """The uvicorn config the router (router/main.py) and a worker (worker/http.py) serve
+    with: ``CoalescingHttpTools``, no access log, idle connections kept ``keep_alive_s``;
+    ``kw``: the rest of ``uvicorn.Config`` (host, port, loop, ...)."""
+    return uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=False,
+        timeout_keep_alive=keep_alive_s,
+        http=CoalescingHttpTools,
+        **kw,
+    )

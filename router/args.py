@@ -48,6 +48,11 @@ def _scorers(help: str) -> Any:
     return flag_route((), help, metavar="NAME=WEIGHT", parse=scorer_flag, many="append")
 
 
+def _worker_urls(role: str) -> Any:
+    """``--prefill`` / ``--decode``: a role's static worker URLs, listed after the flag."""
+    return flag_workers((), f"{role} worker URLs", short=True, metavar="URL", many="extend")
+
+
 def _pairs(pairs: tuple[tuple[str, float], ...]) -> str:
     return ", ".join(f"{n}={w:g}" for n, w in pairs)
 
@@ -80,12 +85,8 @@ class RouterArgs:
         "(rust/router_lane/, built by scripts/setup.sh); every other request on the "
         "Python lane behind it; without the module the Python lane serves all, and says so",
     )
-    prefill: tuple[str, ...] = flag_workers(
-        (), "prefill worker URLs", short=True, metavar="URL", many="extend"
-    )
-    decode: tuple[str, ...] = flag_workers(
-        (), "decode worker URLs", short=True, metavar="URL", many="extend"
-    )
+    prefill: tuple[str, ...] = _worker_urls("prefill")
+    decode: tuple[str, ...] = _worker_urls("decode")
     discovery: str = flag_workers(
         "static",
         "static: --prefill/--decode or --workers-file; kubernetes: the LLMService's pods",

@@ -81,20 +81,19 @@ def serve(args: argparse.Namespace, index: int, metrics_socks: list[socket.socke
     warn_if_open(cfg, args.host)
     if args.keep_alive_timeout < 1:
         raise SystemExit("pdserve router: --keep-alive-timeout must be at least 1 second")
-    from pdserve.coalesce import CoalescingHttpTools
+    from pdserve.coalesce import server_config
     from pdserve.router.proxy_headers import FlatProxyHeaders
 
     # uvloop and httptools by name: "auto" falls back to asyncio's loop and h11 without a
     # word when either is missing, at about twice the CPU per request. httptools with the
     # writes of one loop turn sent together (pdserve/coalesce.py).
     # The proxy header rewrite without a coroutine of its own (router/proxy_headers.py).
-    config = uvicorn.Config(
+    log_level = args.log_level.lower()
+    config = server_config(
         app,
-        log_level=args.log_level.lower(),
-        access_log=False,
-        timeout_keep_alive=args.keep_alive_timeout,
+        log_level,
+        args.keep_alive_timeout,
         loop="uvloop",
-        http=CoalescingHttpTools,
         proxy_headers=False,
         interface="asgi3",
     )

@@ -267,18 +267,10 @@ def server(app: FastAPI, host: str, port: int, log_level: str) -> Any:
     gracefully from any thread)."""
     import uvicorn
 
-    from pdserve.coalesce import CoalescingHttpTools
+    from pdserve.coalesce import server_config
 
     # A loop turn's writes in one send, as the router's server does (pdserve/coalesce.py): a
     # prefill reply's head and body reach the router in one segment, a read and a wake-up
     # less for it per request, and a stream's last line leaves with its end.
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
-        timeout_keep_alive=KEEP_ALIVE_S,
-        http=CoalescingHttpTools,
-    )
+    config = server_config(app, log_level, KEEP_ALIVE_S, host=host, port=port)
     return uvicorn.Server(config)

@@ -81,7 +81,6 @@ async def start_cluster(
     model_dir: Path,
     n_prefill: int = 1,
     n_decode: int = 1,
-    events: bool = True,
     http: Any = CoalescingHttpTools,
     fakes: MakeFakes | None = None,
     lane: bool = False,
@@ -90,10 +89,7 @@ async def start_cluster(
     """A router over ``n_prefill`` + ``n_decode`` fake workers (``start_fakes``'s, or those
     ``fakes`` starts), served until the context ends."""
     async with contextlib.AsyncExitStack() as stack:
-        if fakes is None:
-            f = await start_fakes(stack, n_prefill, n_decode, events)
-        else:
-            f = await fakes(stack, n_prefill, n_decode)
+        f = await (fakes or start_fakes)(stack, n_prefill, n_decode)
         config = RouterConfig(
             model_dir=str(model_dir), served_model_name="tiny", health_interval_s=0.2, **cfg
         )

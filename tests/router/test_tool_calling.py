@@ -39,6 +39,8 @@ TOOLS: list[Any] = [
     for n, p in FUNCTIONS.items()
 ]
 MESSAGES: list[Any] = [{"role": "user", "content": "What is the weather in Oslo this week?"}]
+# What the tool_choice tests ask with (each adds its choice, a token budget and a seed).
+SAMPLED = {"model": "tiny-seed0", "messages": MESSAGES, "tools": TOOLS, "temperature": 1.0}
 
 
 def _check(calls: list[tuple[str, str]], parallel: bool = True) -> None:
@@ -65,16 +67,13 @@ def _streamed(client: openai.OpenAI, **kw: Any) -> tuple[list[tuple[str, str]], 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_tool_choice(client: openai.OpenAI, parallel: bool) -> None:
     for seed in range(2):
-        kw: dict[str, Any] = dict(
-            model="tiny-seed0",
-            messages=MESSAGES,
-            tools=TOOLS,
-            tool_choice="required",
-            parallel_tool_calls=parallel,
-            max_tokens=400,
-            temperature=1.0,
-            seed=seed,
-        )
+        kw: dict[str, Any] = {
+            **SAMPLED,
+            "tool_choice": "required",
+            "parallel_tool_calls": parallel,
+            "max_tokens": 400,
+            "seed": seed,
+        }
         out = client.chat.completions.create(**kw)
         choice = out.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -90,15 +89,7 @@ def test_required_tool_choice(client: openai.OpenAI, parallel: bool) -> None:
 def test_named_tool_choice(client: openai.OpenAI) -> None:
     named = {"type": "function", "function": {"name": "book_table"}}
     for seed in range(2):
-        kw: dict[str, Any] = dict(
-            model="tiny-seed0",
-            messages=MESSAGES,
-            tools=TOOLS,
-            tool_choice=named,
-            max_tokens=300,
-            temperature=1.0,
-            seed=seed,
-        )
+        kw: dict[str, Any] = {**SAMPLED, "tool_choice": named, "max_tokens": 300, "seed": seed}
         out = client.chat.completions.create(**kw)
         calls = [
             (c.function.name, c.function.arguments) for c in out.choices[0].message.tool_calls or []

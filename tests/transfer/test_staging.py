@@ -8,6 +8,7 @@ by hand and the staging buffer is unpinned (pinning needs the CUDA driver).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -24,18 +25,12 @@ pytestmark = pytest.mark.unit
 
 def test_registration_names_the_memory_type() -> None:
     pool = make_pool(4, seed=0)
-    descs, mem_type = registration(PoolGeometry.of(pool), pool.nbytes)
+    host = PoolGeometry.of(pool)
+    descs, mem_type = registration(host, pool.nbytes)
     assert mem_type == "DRAM" and descs == [(pool.data_ptr(), pool.nbytes, 0, "")]
-    vram = PoolGeometry(
-        base_addr=0x7F00_0000_0000,
-        num_layers=2,
-        num_blocks=4,
-        block_bytes=1024,
-        device_id=3,
-        mem_type="VRAM",
-    )
-    descs, mem_type = registration(vram, 16 * 1024)
-    assert mem_type == "VRAM" and descs == [(0x7F00_0000_0000, 16 * 1024, 3, "")]
+    vram = replace(host, base_addr=0x7F00_0000_0000, device_id=3, mem_type="VRAM")  # GPU 3's
+    descs, mem_type = registration(vram, pool.nbytes)
+    assert mem_type == "VRAM" and descs == [(0x7F00_0000_0000, pool.nbytes, 3, "")]
 
 
 def test_nixl_registers_by_address_and_type(monkeypatch: pytest.MonkeyPatch) -> None:
