@@ -2,11 +2,14 @@
 from transformers' own config class (like vLLM's ``tests/models/registry.py``).
 
 Each model has a few hundred thousand parameters: 4 query heads of 16 dims over 2 KV
-heads (DeepSeek's MLA: 4 and 4, K of 16 + 8 dims, V of 16), 2-4 layers, the project's
-tiny tokenizer (3072 tokens). Sliding windows are 8 tokens, so the tests' prompts
-(40+ tokens) run far past them. Weights are drawn with a large ``initializer_range``
-so that logits are sharp: greedy tokens change from step to step and near-ties between
-the top two tokens (where float32 summation order could flip a token) are rare.
+heads (DeepSeek's MLA: 4 and 4, K of 16 + 8 dims, V of 16), 2 layers in every served
+family (one of each kind where a family alternates sliding and global layers: each layer
+is traced again by every compile of tests/engine/test_family_compiled.py), the
+project's tiny tokenizer (3072 tokens). Sliding windows are 8 tokens, so the tests'
+prompts (40+ tokens) run far past them. Weights are drawn with a large
+``initializer_range`` so that logits are sharp: greedy tokens change from step to step
+and near-ties between the top two tokens (where float32 summation order could flip a
+token) are rare.
 
 ``docs/models.md`` lists the same families with the test ids that prove them; a row
 added here is a row added there.
@@ -54,7 +57,6 @@ MLA = {
 GEMMA3 = {
     "sliding_window": WINDOW,
     "query_pre_attn_scalar": 24,
-    "num_hidden_layers": 4,
     "sliding_window_pattern": 2,
     "rope_parameters": {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -105,7 +107,6 @@ FAMILIES: list[Family] = [
             "query_pre_attn_scalar": 32,
             "attn_logit_softcapping": 5.0,
             "final_logit_softcapping": 3.0,
-            "num_hidden_layers": 4,
         },
         "attention and final logit soft-capping, query_pre_attn_scalar, "
         "alternating sliding/global layers",
@@ -150,7 +151,7 @@ FAMILIES: list[Family] = [
     Family(
         "gpt-oss",
         "GptOssConfig",
-        {"sliding_window": WINDOW, "num_hidden_layers": 4, **MOE, "intermediate_size": 32},
+        {"sliding_window": WINDOW, **MOE, "intermediate_size": 32},
         "attention sinks, alternating sliding/global layers, MoE",
     ),
     Family(
@@ -177,13 +178,13 @@ FAMILIES: list[Family] = [
     Family(
         "cohere2",
         "Cohere2Config",
-        {"sliding_window": WINDOW, "num_hidden_layers": 4, "sliding_window_pattern": 2},
+        {"sliding_window": WINDOW, "sliding_window_pattern": 2},
         "alternating sliding/global layers, the global ones without rope",
     ),
     Family(
         "exaone4",
         "Exaone4Config",
-        {"sliding_window": WINDOW, "num_hidden_layers": 4, "sliding_window_pattern": 2},
+        {"sliding_window": WINDOW, "sliding_window_pattern": 2},
         "alternating sliding/global layers, q/k norms, post-norms",
     ),
     Family(
