@@ -107,8 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.huge_prompt_chars, args.restart_wait_s = 4_000_000, 120.0
     if args.quick:
-        # 10 streams over 2 decode workers: one holds >= 5 while all run (VICTIM_MIN_STREAMS)
-        args.soak, args.kill_streams = 120, 10
+        # 10 streams over 2 decode workers: one holds >= 5 while all run (VICTIM_MIN_STREAMS);
+        # a soak of 40 still draws every kind of request (stream or not, chat or not,
+        # sampling, cancels) several times (issue 45: was 120)
+        args.soak, args.kill_streams = 40, 10
         args.huge_prompt_chars, args.restart_wait_s = 1_000_000, 90.0
     return args
 

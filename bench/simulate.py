@@ -20,6 +20,9 @@ then the P:D split (``sim_mix.py``):
 decode step; ``..._long_outputs``: 500-token outputs), the same ratio as a curve over the
 TPOT's strictness (``disagg_goodput_curve``) and ``colocated_chosen_short``.
 Writes bench/out/simulate.png and bench/out/simulate_tpot.png (the curve).
+``--check`` holds the figures to their bounds (``simulate_check.py``) and exits 1 on a miss;
+``--quick`` (the suite's run) is the smallest run that takes every path, its figures not
+bounded.
 The model and its assumptions: docs/autoscaling.md.
 """
 
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import figures
 import numpy as np
+import simulate_check
 from lib import flags
 from sim_mix import mix_section
 from sim_mix_sweep import plot_curve
@@ -213,12 +217,11 @@ def reference_peak_rate(st: Setup, replicas: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.quick:
-        args.dt = max(args.dt, 0.5)
+    args.dt = args.dt or (1.0 if args.quick else 0.2)
     began = time.perf_counter()
     st = setup(args.cost, args.truth_factor)
-    scale = 0.25 if args.quick else 1.0
-    peak_replicas = args.peak_replicas or (12 if args.quick else 120)
+    scale = args.scale or (0.1 if args.quick else 1.0)
+    peak_replicas = args.peak_replicas or (6 if args.quick else 120)
     peak_rate = reference_peak_rate(st, peak_replicas)
     results: dict[str, dict[str, Result]] = {}
     detail: dict[str, dict] = {}
@@ -265,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {plot_curve(curves, multiple, where)}", file=sys.stderr)
     out = final_json(detail, args, st, peak_rate, time.perf_counter() - began)
     print(json.dumps({**out, **mix}))
+    if args.check:
+        missed = simulate_check.failures({**out, **mix})
+        for line in missed:
+            print(f"check failed: {line}", file=sys.stderr)
+        return 1 if missed else 0
     return 0
 
 
@@ -341,6 +349,7 @@ def final_json(every: dict, args: argparse.Namespace, st: Setup, rate: float, se
         "slo": {"ttft_s": st.ttft_s, "tpot_s": st.tpot_s},
         "reference_peak_rps": round(rate, 1),
         "quick": args.quick,
+        "trace_scale": args.scale or (0.1 if args.quick else 1.0),
         "elapsed_s": round(secs, 1),
     }
 
@@ -373,7 +382,7 @@ def plot(chosen: list[Scenario], results: dict[str, dict[str, Result]], out_dir:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = flags.parser(__doc__, "short traces at ~12 replicas (seconds)")
+    ap = flags.parser(__doc__, "short traces at ~6 replicas, every path, no bounds (seconds)")
     ap.add_argument(
         "--cost",
         default="h100-llama3-8b",
@@ -387,7 +396,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--peak-replicas", type=int, default=0, help="prefill replicas at the peak")
     ap.add_argument("--scenario", action="append", help="run only these (repeatable)")
-    ap.add_argument("--dt", type=float, default=0.2, help="simulation tick, seconds")
+    ap.add_argument("--scale", type=float, default=0.0, help="trace length (default 1, quick 0.1)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a figure misses its bound")
+    ap.add_argument("--dt", type=float, default=0.0, help="tick, s (default 0.2, quick 1)")
     ap.add_argument("--interval", type=float, default=5.0, help="planner interval, seconds")
     ap.add_argument("--drain", type=float, default=120.0, help="seconds after the trace ends")
     ap.add_argument("--seed", type=int, default=0)

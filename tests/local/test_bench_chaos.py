@@ -33,7 +33,7 @@ def chaos(tiny_model_dir: Path, tmp_path_factory) -> dict[str, Any]:
 
 
 def test_chaos_recovery_figures(chaos: dict[str, Any]) -> None:
-    assert chaos["soak_errors"] == 0, chaos["soak_error_samples"]
+    assert chaos["soak_requests"] == 40 and chaos["soak_errors"] == 0, chaos["soak_error_samples"]
     assert chaos["decode_killed"] and chaos["decode_kill_failed_streams"] == 0
     # The kill landed on a worker running >= 4 of the phase's streams (seen in its own
     # /stats), and they moved: a kill of an idle worker (migrated 0) proves nothing, and

@@ -5,6 +5,7 @@ the router's CPU per request from /proc, added latency."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -15,24 +16,10 @@ from pdserve.testing.loopback import run_bench
 
 pytestmark = pytest.mark.bench
 
-# Router CPU per request (µs), measured on this 2-core box (bench/router_throughput.py,
-# docs/router.md "Throughput"): ~0.85-1.0 ms decode-direct, ~1.3 ms text, ~2.8-3.7 ms full
-# P/D, loaded or not. The bounds are ~10x that, so a busy machine never trips them, while
-# a router that regressed badly on its hot path (a client session or key derivation per
-# call, a busy poll, a tokenizer load per request) or a bench that charged the wrong
-# process's CPU to the router (the fakes' or the client's: several times more) fails.
-CPU_BOUND_US = {"direct": 10_000, "pd": 40_000, "pd-chain": 40_000}
-# Write system calls of the router per decode-direct request (token ids, 4 tokens): the call
-# to the decode worker, then at most 4 to the client when the response head leaves with the
-# first token (pdserve/coalesce.py; then a write per token, the last with [DONE]), fewer when
-# tokens arrive together and are relayed as one; uvicorn's own writes (the head alone) made
-# 5.3-5.8 (bench/recordings/router_throughput/2026-12-04-coalesced-writes). 3.1-3.9 on a
-# quiet host, up to 4.6
-# in a loaded suite since the fakes answer as the workers do (a reply's end with its last
-# line: fewer tokens arrive together), so the head alone would make ~6 now. The bound
-# (health checks and the like add a little) fails that; test_coalesce.py checks the head and
-# the first chunk leave as one write directly.
-WRITES_BOUND = 5.5
+# The paths and prompts every quick run measures. Router CPU per request, writes per
+# request and req/s are figures of the full run (docs/router.md "Throughput"), not bounded
+# here (issue 45); the writes' coalescing is checked directly by test_coalesce.py.
+PATHS = ("direct", "pd", "pd-chain")
 
 
 @pytest.mark.bench
@@ -46,22 +33,23 @@ def test_router_throughput_quick(tmp_path: Path) -> None:
     )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot of the run
     runs = {(r["path"], r["prompt"]): r for r in result["runs"]}
-    assert set(runs) == {(p, k) for p in CPU_BOUND_US for k in ("ids", "text")}
+    assert set(runs) == {(p, k) for p in PATHS for k in ("ids", "text")}
     assert result["errors"] == 0, result  # every stream read to its end with a 200
-    for (path, _), run in runs.items():
+    for run in runs.values():
         assert run["requests"] == QUICK_REQUESTS and run["rps"] > 0 and run["client_procs"] == 2
-        assert 0 < run["router_cpu_us_per_req"] < CPU_BOUND_US[path], run
+        assert 0 < run["router_cpu_us_per_req"] < math.inf, run  # its own process's CPU
         assert 0 < run["router_busy"] <= 1.5, run  # a share of one core (a little slack)
     # issue 47's figures: the P/D path's CPU per request and every path's wall req/s
     assert set(result["router_cpu_us_pd"]) == {"ids", "text"}
     assert result["router_cpu_us_pd"]["ids"] == runs[("pd", "ids")]["router_cpu_us_per_req"]
     assert result["wall_req_per_s_per_proc"] == {f"{p}/{k}": runs[(p, k)]["rps"] for p, k in runs}
-    for path in CPU_BOUND_US:
+    for path in PATHS:
         run = runs[(path, "ids")]
         assert run["paced_rps"] == pytest.approx(run["rps"] / 2, abs=0.1)
         assert run["routed_p50_ms"] > 0 and run["direct_p50_ms"] > 0
         assert run["added_p99_ms"] is not None
-    assert 1 <= runs[("direct", "ids")]["router_writes_per_req"] < WRITES_BOUND, runs
+    # the call to the decode worker and at least one write to the client, counted
+    assert runs[("direct", "ids")]["router_writes_per_req"] >= 1, runs
     # one round: each figure's median is the run's own
     summary = {(r["path"], r["prompt"]): r for r in result["summary"]}
     assert set(summary) == set(runs)

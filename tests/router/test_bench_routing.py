@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -28,9 +29,12 @@ def test_routing_bench_quick(tmp_path: Path) -> None:
         "router_overhead_p50_ms",
         "proxy_overhead_p50_ms",
     ):
-        assert isinstance(result[key], (int, float)), key
-    assert result["prefix_requests"] == result["rr_requests"] == 16
-    # 4 groups x 4 requests: only each group's first request may miss
-    assert result["prefix_hit_ratio"] >= 0.6
+        assert isinstance(result[key], (int, float)) and math.isfinite(result[key]), key
+    assert result["prefix_requests"] == result["rr_requests"] == 12  # 4 groups x 3 requests
+    assert 0 <= result["rr_hit_ratio"] <= 1 and 0 <= result["prefix_hit_ratio"] <= 1
+    # What the picker is for, not a speed: prefix-aware routing keeps groups on the worker
+    # that caches them where round-robin thrashes both caches (only each group's first
+    # request must miss: ~0.65 at best here; the full run's figures, docs/router.md)
     assert result["prefix_hit_ratio"] > result["rr_hit_ratio"]
+    assert result["prefix_ttft_p50_ms"] > 0 and result["rr_ttft_p50_ms"] > 0
     assert (tmp_path / "routing-quick.png").stat().st_size > 0

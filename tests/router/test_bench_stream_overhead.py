@@ -4,6 +4,7 @@ token from /proc, one JSON line, a plot."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -29,15 +30,18 @@ def test_stream_overhead_bench_quick(tmp_path: Path, tiny_model_dir: Path) -> No
         str(tiny_model_dir),
         timeout=380,
     )
-    assert result["tokens_per_tree"] == 2 * 64 * 32  # 2 rounds of 64 streams x 32 tokens
+    assert result["tokens_per_tree"] == 2 * 16 * 16  # 2 rounds of 16 streams x 16 tokens
     assert result["outputs_identical"] is True  # same prompts, greedy: same texts
     for tree in ("baseline", "ours"):
         for part in PARTS:
             assert result[f"{tree}_{part}_cpu_s_per_1k"] >= 0, (tree, part)
         assert result[f"{tree}_router_cpu_s_per_1k"] > 0  # the router did work for them
         assert result[f"{tree}_engine_cpu_s_per_1k"] > 0  # the engine thread was found
-    # HEAD against this checkout: the same code or one change, so the stream path's CPU per
-    # token is within 2x either way (docs/benchmarks.md: 1.03-1.19x); a bench that charged the wrong
-    # process or miscounted tokens for one tree would be far off.
-    assert 0.5 < result["ratio_stream_path_cpu_s_per_1k"] < 2.0, result
+        assert result[f"{tree}_tok_per_s"] > 0
+    # the ratios are printed, not bounded here (issue 45: --quick's 512 tokens a tree are
+    # a few 10 ms ticks of CPU; the full run's figures are in docs/benchmarks.md)
+    for key in (*(f"{p}_cpu_s_per_1k" for p in PARTS), "tok_per_s"):
+        assert isinstance(result[f"ratio_{key}"], float), key  # nan where a part read 0 ticks
+    for key in ("stream_path_cpu_s_per_1k", "tok_per_s"):
+        assert 0 < result[f"ratio_{key}"] < math.inf, (key, result)
     assert (tmp_path / "stream_overhead-quick.png").stat().st_size > 0
