@@ -104,11 +104,13 @@ def _router_counts(up: Up) -> dict[str, float]:
     return {name: scrape.total(name) or 0.0 for name in (*names, m.ROUTER_TTFT + "_sum")}
 
 
-def _send(client: openai.OpenAI, n: int, concurrency: int) -> None:
+def _send(client: openai.OpenAI, n: int, concurrency: int, tag: str = "") -> None:
+    """``n`` prompts, each its own from the first block on: ``tag`` keeps one batch's apart
+    from another's (the workers' prefix cache would serve a repeat's prompt tokens)."""
     model = client.models.list().data[0].id
 
     def one(i: int) -> None:
-        client.completions.create(model=model, prompt=f"{i} {PROMPT}", max_tokens=4)
+        client.completions.create(model=model, prompt=f"{tag}{i} {PROMPT}", max_tokens=4)
 
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, range(n)))
@@ -182,12 +184,16 @@ def test_a_load_step_seen_through_prometheus_scales_the_prefill_pool(
     calm, _ = plan(quiet, PlannerState(), config)
     assert quiet.request_rate == 0, quiet
     assert (calm.prefill.desired, calm.decode.desired) == (1, 1), calm.to_dict()
-    _send(client, 16, concurrency=4)
+    # Prompts no earlier test sent: served from the prefix cache (the module's first test
+    # sent "0 ..." to "N ..."), the step's prompt tokens read as cached (the share reached
+    # 1.0 in a full run: no prefill demand left to scale for).
+    _send(client, 16, concurrency=4, tag="step ")
     _settled(prom, up)
     step, _ = _snapshot(prom, slo_ttft_ms=500)
     decision, _ = plan(step, PlannerState(), config)
     assert step.request_rate * step.interval_s >= 16, step  # the step, as Prometheus saw it
     assert step.prompt_token_rate > 2 * profile.prefill.tokens_per_s, step
+    assert step.cached_token_fraction < 0.5, step  # new prompts: prefill work to scale for
     assert decision.details["prefill_need"] > 2, decision.details
     assert decision.prefill.desired >= 2, decision.to_dict()
     assert decision.prefill.desired > decision.prefill.current
