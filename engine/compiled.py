@@ -106,7 +106,6 @@ def prepare(model: torch.nn.Module) -> None:
     need = len(WARM_UP) * _models_compiled + 2
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, need)
     cpu_linear.prepare(model)  # oneDNN-packed or input-major weights
-    _clean_probe_path()
     compile_key.install()  # C++ cache keys without the venv's path: a new checkout reuses them
     # Nothing from a shared cache is loaded unless this service sealed it (cache_seal.py),
     # and only as the bytes that were checked (sealed_copy.py).
@@ -152,15 +151,3 @@ def serving() -> bool:
 def say(line: str) -> None:
     """A start-up progress line on stderr (a worker's log; ``pdserve up`` shows a summary)."""
     print(line, file=sys.stderr, flush=True)
-
-
-def _clean_probe_path() -> None:
-    """Inductor checks the CPU's vector ISA in a child Python whose PYTHONPATH is this
-    process's sys.path. Run from a pdserve checkout, that path holds the repository root,
-    whose operator/ shadows the standard library's: the child dies, the ISA reads as
-    absent, and cached vectorised kernels then fail to build. The child gets the path
-    without such entries."""
-    if "TORCH_CUSTOM_PYTHONPATH" in os.environ:
-        return
-    keep = [p for p in sys.path if not (Path(p or ".") / "operator").is_dir()]
-    os.environ["TORCH_CUSTOM_PYTHONPATH"] = os.pathsep.join(keep)

@@ -25,11 +25,10 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 # prints the vector ISA inductor generated for, the largest error against eager and the
 # cache.
 PROBE = """
-import pdserve.engine  # first, as in a worker: it sets inductor's cache directory
+import pdserve.engine  # first, as in a worker: inductor's cache directory, its ISA probe's path
 import torch
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 from pdserve.engine import compiled
-compiled._clean_probe_path()  # as compile_model does: inductor's ISA probe must work
 def f(x, w):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
 x, w = torch.randn(3, 100), torch.randn(100)

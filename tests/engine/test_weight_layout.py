@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine import compiled as compiled_forward
 from pdserve.engine import cpu_linear
 from pdserve.engine.cpu_linear import (
     BLAS_CALL_MACS,
@@ -216,10 +215,6 @@ def test_the_environment_chooses_blas_or_onednn_for_every_weight(
 
 @needs_onednn
 def test_packed_linear_compiles_with_dynamic_rows() -> None:
-    # Inductor's ISA probe child must not import the checkout's operator/ as the standard
-    # library's, as engine/compiled.py's prepare() arranges for a worker; without it (this
-    # test alone in a process) inductor's cached vector kernels fail to build.
-    compiled_forward._clean_probe_path()
     m = _big(torch.float32)
     original = m[1]  # prepare() swaps the module in m and leaves this one as it was
     prepare(m)
