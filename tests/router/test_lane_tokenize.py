@@ -205,7 +205,7 @@ async def test_text_requests_use_the_lanes_ids(
             monkeypatch.setattr(router_tokenizer, "encode", counted)
             async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
                 replies[lane] = [
-                    (await h.post("/v1/completions", json={"model": "tiny", **b})).status_code
+                    _reply(await h.post("/v1/completions", json={"model": "tiny", **b}))
                     for b in bodies
                 ]
                 assert calls == ([] if lane else [b["prompt"] for b in bodies])
@@ -220,4 +220,15 @@ async def test_text_requests_use_the_lanes_ids(
                     assert r.status_code == 200 and calls == [bodies[0]["prompt"]]
             monkeypatch.undo()
             await c.settle()
-    assert replies[True] == replies[False] == [200, 200]
+    assert replies[True] == replies[False]
+    assert [r[0] for r in replies[True]] == [200, 200]
+
+
+def _reply(r: httpx.Response) -> tuple[int, str, int | None]:
+    """Status, completion text and prompt tokens (a stream's text joined; its usage is not
+    sent unless asked)."""
+    if r.headers["content-type"].startswith("text/event-stream"):
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[:7] == "data: {"]
+        return r.status_code, "".join(c["choices"][0]["text"] for c in chunks if c["choices"]), None
+    body = r.json()
+    return r.status_code, body["choices"][0]["text"], body["usage"]["prompt_tokens"]
